@@ -1,0 +1,18 @@
+"""Exceptions that carry a one-line message meant for the user."""
+
+from __future__ import annotations
+
+
+class TorchParityError(Exception):
+    """A mistake in user input or files: the message names what is wrong and how to fix it.
+
+    The CLI prints it as one line and exits with status 2, never with a traceback.
+    """
+
+
+class UsageError(TorchParityError):
+    """A command-line argument or API argument is invalid."""
+
+
+class BackendUnavailable(TorchParityError):
+    """The requested attention backend cannot run here (device, dtype or feature)."""
