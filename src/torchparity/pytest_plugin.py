@@ -1,0 +1,49 @@
+"""pytest plugin: markers, the ``--device`` option and fixtures for parity tests.
+
+Loaded through the ``pytest11`` entry point when torchparity is installed, or by the root
+``conftest.py`` when the suite runs from a source tree (``PYTHONPATH=src``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("torchparity")
+    group.addoption(
+        "--device", default=None,
+        help="device for tests marked gpu (default: cuda). '--device cpu' runs their logic on "
+             "the CPU, so a machine without a GPU can prove them.",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: runs on CUDA (or on --device); skipped without it")
+    config.addinivalue_line("markers", "slow: long-running; deselect with -m 'not slow'")
+
+
+def gpu_device(config: pytest.Config) -> str:
+    """The device tests marked ``gpu`` run on: ``--device``, else ``cuda``."""
+    return config.getoption("--device") or "cuda"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    device = gpu_device(config)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        skip = pytest.mark.skip(
+            reason="no CUDA device here; 'pytest -m gpu --device cpu' runs these tests' logic "
+                   "on the CPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> str:
+    """``cpu`` for ordinary tests; the ``--device`` (default ``cuda``) for tests marked gpu."""
+    if request.node.get_closest_marker("gpu"):
+        return gpu_device(request.config)
+    return "cpu"

@@ -1,0 +1,29 @@
+"""The reference transformer: the subject under test, written for clarity.
+
+It knows nothing of the testing machinery; attention runs through :mod:`torchparity.backends`.
+"""
+
+from torchparity.reference import zoo
+from torchparity.reference.cache import KVCache
+from torchparity.reference.config import TransformerConfig
+from torchparity.reference.decoding import Decoded, greedy_decode
+from torchparity.reference.models import (
+    DecoderLM,
+    EncoderDecoder,
+    Model,
+    build_model,
+    sequence_loss,
+)
+
+__all__ = [
+    "Decoded",
+    "DecoderLM",
+    "EncoderDecoder",
+    "KVCache",
+    "Model",
+    "TransformerConfig",
+    "build_model",
+    "greedy_decode",
+    "sequence_loss",
+    "zoo",
+]

@@ -1,0 +1,351 @@
+"""The tolerance model: how far a candidate may be from the golden, given what the baseline shows.
+
+Three results are computed from identical inputs and weights: the *golden* (reference math in
+float64), the *baseline* (the plain reference in the candidate's dtype: the error that is
+unavoidable at that precision) and the *candidate*. Per tensor the candidate passes when
+
+    err(candidate, golden) <= fudge * err(baseline, golden) + floor
+
+``err`` is the kind's metric (max-abs or RMS of the difference, see :data:`KINDS`).
+``floor = floor_ulps * u * scale(golden)`` where ``u`` is the unit roundoff of the compute dtype
+and ``scale`` is the golden's magnitude measured in the same metric (absmax for max-abs kinds,
+RMS for RMS kinds), so the floor is a multiple of the error of merely rounding the golden to the
+compute dtype. A golden that is all zeros has scale 1, so the floor is never zero.
+
+Without a baseline, or when the baseline is bit-exact to the golden (float64 compute), the
+fudge term is replaced by the analytic bound ``analytic_factor * sqrt(K) * u * scale(golden)``:
+the probabilistic rounding-error bound of a length-K reduction (Higham & Mary, 2019). K is the
+``reduction_length`` argument and defaults to the tensor's last dimension.
+
+Trajectories (losses or weights after n training steps) accumulate error step by step: with
+``step=n`` the whole budget is multiplied by ``1 + per_step_growth * n``.
+
+All numbers live in :data:`KINDS`; ``torchparity calibrate`` re-derives them and writes the
+evidence to ``docs/tolerance.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Metric = Literal["max_abs", "rms"]
+DtypeLike = torch.dtype | str
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The rounding model of one compute dtype."""
+
+    name: str
+    unit_roundoff: float  # u = 2**-p with p significand bits, the implicit one included
+    min_exponent: int  # exponent of the smallest normal number; spacing is constant below it
+
+
+_PRECISIONS = {
+    p.name: p
+    for p in (
+        Precision("fp64", 2.0**-53, -1022),
+        Precision("fp32", 2.0**-24, -126),
+        Precision("tf32", 2.0**-11, -126),  # fp32 range, 10 stored significand bits
+        Precision("fp16", 2.0**-11, -14),
+        Precision("bf16", 2.0**-8, -126),
+        Precision("fp8_e4m3", 2.0**-4, -6),
+        Precision("fp8_e5m2", 2.0**-3, -14),
+    )
+}
+
+_ALIASES = {
+    "float64": "fp64",
+    "double": "fp64",
+    "float32": "fp32",
+    "float": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
+    # The "fnuz" variants share the significand; only their subnormal spacing differs by 2x.
+    "float8_e4m3fnuz": "fp8_e4m3",
+    "float8_e5m2fnuz": "fp8_e5m2",
+}
+
+#: Unit roundoff ``u`` per compute dtype, keyed by canonical name ("fp32", "bf16", "tf32", ...).
+UNIT_ROUNDOFF: dict[str, float] = {name: p.unit_roundoff for name, p in _PRECISIONS.items()}
+
+
+def precision(dtype: DtypeLike) -> Precision:
+    """Resolve a torch dtype or a name ("fp32", "bfloat16", "tf32", ...) to its :class:`Precision`.
+
+    Raises ``ValueError`` naming the accepted names when the dtype has no rounding model
+    (integer, bool, complex or unknown).
+    """
+    name = str(dtype).removeprefix("torch.").lower()
+    name = _ALIASES.get(name, name)
+    if name not in _PRECISIONS:
+        known = ", ".join(sorted(_PRECISIONS) + sorted(_ALIASES))
+        raise ValueError(f"no rounding model for dtype {dtype!r}; use one of: {known}")
+    return _PRECISIONS[name]
+
+
+def unit_roundoff(dtype: DtypeLike) -> float:
+    """Unit roundoff ``u`` of ``dtype``: the largest relative error of rounding to it."""
+    return precision(dtype).unit_roundoff
+
+
+def ulp(x: torch.Tensor, dtype: DtypeLike) -> torch.Tensor:
+    """Spacing of ``dtype``'s numbers at the magnitude of each element of ``x`` (float64).
+
+    Below the smallest normal number the spacing is the constant subnormal one, so the result
+    is positive everywhere, zero included.
+    """
+    p = precision(dtype)
+    _, exponent = torch.frexp(x.to(torch.float64).abs())
+    # frexp gives |x| = m * 2**e with m in [0.5, 1), so floor(log2 |x|) = e - 1.
+    exponent = (exponent - 1).clamp(min=p.min_exponent)
+    return torch.ldexp(torch.full_like(x, 2.0 * p.unit_roundoff, dtype=torch.float64), exponent)
+
+
+@dataclass(frozen=True)
+class KindTolerance:
+    """Tolerance constants of one kind of output (forward, grad, loss, trajectory)."""
+
+    fudge: float  # allowed multiple of the baseline's error
+    metric: Metric  # the error the pass/fail rule uses
+    floor_ulps: float  # floor in units of roundoff of the golden's scale
+    analytic_factor: float  # c in c * sqrt(K) * u * scale, used when the baseline is exact
+    per_step_growth: float = 0.0  # relative budget growth per training step
+
+
+#: The one table of tolerance constants. ``torchparity calibrate`` re-derives them; the
+#: measured distributions are in docs/tolerance.md.
+KINDS: dict[str, KindTolerance] = {
+    # Outputs of a forward pass. Max-abs, because a bug confined to one row (a leaked mask
+    # entry) must not be diluted. Fudge 4: a different backend may reorder every reduction and
+    # round in other places than the baseline, roughly doubling the error; 4 leaves room for the
+    # tail of that ratio. Floor 2 ulps: the rounding of the output itself. Analytic factor 4:
+    # the probabilistic bound's lambda, taken at its usual safe value.
+    "forward": KindTolerance(fudge=4.0, metric="max_abs", floor_ulps=2.0, analytic_factor=4.0),
+    # Parameter and input gradients. RMS, because the backward pass chains two more reductions
+    # per layer and its max-abs error is dominated by single outliers whose ratio to the
+    # baseline's is heavy-tailed. Fudge 8 and floor 4 ulps: twice the forward allowance for the
+    # extra reordering noise.
+    "grad": KindTolerance(fudge=8.0, metric="rms", floor_ulps=4.0, analytic_factor=8.0),
+    # Scalar losses. One sample per comparison, so the baseline's error can be small by luck;
+    # the floor (8 ulps) rather than the fudge carries most of the budget.
+    "loss": KindTolerance(fudge=4.0, metric="max_abs", floor_ulps=8.0, analytic_factor=4.0),
+    # Losses or weights after n training steps: grad-like noise that compounds; the budget grows
+    # by half of itself per step (a linear model of the early, pre-chaotic divergence).
+    "trajectory": KindTolerance(
+        fudge=8.0, metric="rms", floor_ulps=8.0, analytic_factor=8.0, per_step_growth=0.5
+    ),
+}
+
+
+def kind_tolerance(kind: str) -> KindTolerance:
+    """The :data:`KINDS` entry of ``kind``; ``ValueError`` naming the known kinds otherwise."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; use one of: {', '.join(KINDS)}")
+    return KINDS[kind]
+
+
+def error(candidate: torch.Tensor, golden: torch.Tensor, metric: Metric) -> float:
+    """The ``metric`` of ``candidate - golden`` computed in float64 (0.0 for empty tensors)."""
+    diff = candidate.detach().to("cpu", torch.float64) - golden.detach().to("cpu", torch.float64)
+    if diff.numel() == 0:
+        return 0.0
+    if metric == "max_abs":
+        return diff.abs().max().item()
+    if metric == "rms":
+        return diff.square().mean().sqrt().item()
+    raise ValueError(f"unknown metric {metric!r}; use 'max_abs' or 'rms'")
+
+
+def golden_scale(golden: torch.Tensor, metric: Metric) -> float:
+    """Magnitude of the golden's finite elements in ``metric`` (absmax or RMS); 1.0 when zero."""
+    finite = golden.detach().to("cpu", torch.float64)
+    finite = finite[finite.isfinite()]
+    scale = error(finite, torch.zeros_like(finite), metric)
+    return scale if scale > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The error a candidate tensor may have, with every number that went into it."""
+
+    kind: str
+    metric: Metric
+    compute_dtype: str
+    unit_roundoff: float
+    scale: float  # golden's magnitude in the metric
+    floor: float
+    fudge: float
+    baseline_error: float | None  # None when the analytic bound replaces the baseline term
+    analytic: float | None  # the analytic bound, when used
+    analytic_factor: float
+    reduction_length: int
+    step_factor: float
+    value: float
+
+    @property
+    def source(self) -> Literal["baseline", "analytic"]:
+        """Whether the budget scales the baseline's error or uses the analytic bound."""
+        return "analytic" if self.baseline_error is None else "baseline"
+
+    def formula(self) -> str:
+        """The budget written out with its numbers, e.g. ``4 × 2.1e-03 + 7.8e-03``."""
+        if self.baseline_error is None:
+            allowance = (
+                f"{self.analytic:.3g} (analytic {_num(self.analytic_factor)}"
+                f" × √{self.reduction_length} × u × scale {self.scale:.3g})"
+            )
+        else:
+            allowance = f"{_num(self.fudge)} × baseline error {self.baseline_error:.3g}"
+        text = f"{allowance} + floor {self.floor:.3g}"
+        if self.step_factor != 1.0:
+            text = f"({text}) × step factor {_num(self.step_factor)}"
+        return text
+
+
+def budget(
+    golden: torch.Tensor,
+    *,
+    baseline_error: float | None,
+    compute_dtype: DtypeLike,
+    kind: str = "forward",
+    reduction_length: int | None = None,
+    step: int | None = None,
+) -> Budget:
+    """The budget for one tensor, following the rule in this module's docstring.
+
+    ``baseline_error`` is err(baseline, golden) in the kind's metric, or None without a baseline;
+    0.0 (an exact baseline) also selects the analytic bound. ``reduction_length`` defaults to the
+    golden's last dimension (1 for scalars). The result is always positive.
+    """
+    tol = kind_tolerance(kind)
+    p = precision(compute_dtype)
+    scale = golden_scale(golden, tol.metric)
+    if reduction_length is None:
+        reduction_length = golden.shape[-1] if golden.dim() > 0 else 1
+    if reduction_length < 1:
+        raise ValueError(f"reduction_length must be >= 1, got {reduction_length}")
+    if step is not None and step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    floor = tol.floor_ulps * p.unit_roundoff * scale
+    if baseline_error:
+        analytic = None
+        allowance = tol.fudge * baseline_error
+    else:
+        baseline_error = None
+        analytic = tol.analytic_factor * math.sqrt(reduction_length) * p.unit_roundoff * scale
+        allowance = analytic
+    step_factor = 1.0 + tol.per_step_growth * (step or 0)
+    return Budget(
+        kind=kind,
+        metric=tol.metric,
+        compute_dtype=p.name,
+        unit_roundoff=p.unit_roundoff,
+        scale=scale,
+        floor=floor,
+        fudge=tol.fudge,
+        baseline_error=baseline_error,
+        analytic=analytic,
+        analytic_factor=tol.analytic_factor,
+        reduction_length=reduction_length,
+        step_factor=step_factor,
+        value=(allowance + floor) * step_factor,
+    )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How a candidate's error relates to the baseline's over many random draws.
+
+    ``ratios`` holds, per draw with an inexact baseline, the largest err(candidate)/err(baseline)
+    over the draw's tensors; ``headrooms`` the worst share of the budget used per draw;
+    ``failures`` the seeds of draws the candidate did not pass.
+    """
+
+    kind: str
+    draws: int
+    ratios: tuple[float, ...]
+    headrooms: tuple[float, ...]
+    failures: tuple[int, ...]
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile of the ratios (nan when no draw had an inexact baseline)."""
+        if not self.ratios:
+            return math.nan
+        return torch.quantile(torch.tensor(self.ratios, dtype=torch.float64), q).item()
+
+    @property
+    def quantiles(self) -> dict[float, float]:
+        """Median, 90th and 99th percentile of the ratios."""
+        return {q: self.quantile(q) for q in (0.5, 0.9, 0.99)}
+
+    @property
+    def max_ratio(self) -> float:
+        """The largest observed ratio (nan when none was observed)."""
+        return max(self.ratios, default=math.nan)
+
+    @property
+    def max_headroom(self) -> float:
+        """The largest share of the budget any draw used."""
+        return max(self.headrooms, default=math.nan)
+
+
+def calibrate(
+    candidate_fn: Callable[[int], Any],
+    baseline_fn: Callable[[int], Any],
+    golden_fn: Callable[[int], Any],
+    draws: int,
+    *,
+    kind: str = "forward",
+    seed: int = 0,
+    compute_dtype: DtypeLike | None = None,
+    reduction_length: int | None = None,
+) -> Calibration:
+    """Run ``draws`` draws and collect the error ratio candidate/baseline and the verdicts.
+
+    Each function receives the draw's seed (``seed``, ``seed + 1``, ...) and must build the same
+    problem from it; they return tensors or pytrees of the same structure, which are compared
+    with :func:`torchparity.compare.compare`.
+    """
+    # compare builds on this module's table, so it is imported here to keep the import acyclic.
+    from torchparity.compare import compare
+
+    ratios: list[float] = []
+    headrooms: list[float] = []
+    failures: list[int] = []
+    for draw_seed in range(seed, seed + draws):
+        result = compare(
+            candidate_fn(draw_seed),
+            golden_fn(draw_seed),
+            baseline_fn(draw_seed),
+            kind,
+            compute_dtype=compute_dtype,
+            reduction_length=reduction_length,
+        )
+        draw_ratios = _ratios(result.tensors)
+        if draw_ratios:
+            ratios.append(max(draw_ratios))
+        headrooms.append(max((t.headroom for t in result.tensors), default=0.0))
+        if not result.ok:
+            failures.append(draw_seed)
+    return Calibration(kind, draws, tuple(ratios), tuple(headrooms), tuple(failures))
+
+
+def _ratios(tensors: Sequence[Any]) -> list[float]:
+    return [
+        t.error / t.budget.baseline_error
+        for t in tensors
+        if t.budget is not None and t.budget.baseline_error is not None
+    ]
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
