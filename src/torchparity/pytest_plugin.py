@@ -47,3 +47,31 @@ def device(request: pytest.FixtureRequest) -> str:
     if request.node.get_closest_marker("gpu"):
         return gpu_device(request.config)
     return "cpu"
+
+
+_SUMMARY_KEY = "torchparity-summary"
+_summary: dict[str, list[str]] = {}
+
+
+def add_summary_line(node: pytest.Item, section: str, line: str) -> None:
+    """Show ``line`` under ``section`` in the terminal summary (golden files written,
+    measured throughput, ...). It travels on the test report, so it works under xdist too."""
+    node.user_properties.append((_SUMMARY_KEY, (section, line)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "teardown":
+        return
+    for key, value in report.user_properties:
+        if key == _SUMMARY_KEY:
+            section, line = value
+            lines = _summary.setdefault(section, [])
+            if line not in lines:
+                lines.append(line)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    for section, lines in _summary.items():
+        terminalreporter.section(section)
+        for line in lines:
+            terminalreporter.write_line(line)
