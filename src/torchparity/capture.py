@@ -1,0 +1,431 @@
+"""Per-module capture of a model's forward and backward pass.
+
+``Capture`` hooks every selected module of a model and records, for each call, the inputs
+(positional and keyword), the outputs and, when asked, the gradient that reaches each output
+during backward. Modules are selected with a glob or regex filter. Three ways to keep what is
+seen:
+
+- ``what="tensors"`` keeps detached copies of the tensors on the records;
+- ``what="stats"`` keeps only summary statistics (shape, dtype, mean, std, absmax, non-finite
+  count), enough to spot where values blow up on models too big to copy;
+- ``on_call`` / ``on_grad`` callbacks receive each record (or gradient) as soon as it exists and
+  the record drops its tensors afterwards, so memory stays bounded: this is how ``diagnose``
+  compares big models on the fly.
+
+Outputs may be tensors, tuples, lists, dicts, dataclasses or Hugging Face ``ModelOutput``
+objects; ``flatten_tensors`` turns any of them into ``{readable path: tensor}``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import fnmatch
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Capture",
+    "ModuleCall",
+    "TensorStats",
+    "call_key",
+    "flatten_tensors",
+    "map_tensors",
+    "module_filter",
+    "opaque_leaves",
+]
+
+Pattern = str | re.Pattern[str]
+PatternSpec = Pattern | Sequence[Pattern] | Callable[[str], bool] | None
+
+# Leaves that are plain data: safe to reuse, replay and write to JSON.
+_PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, enum.Enum, slice)
+
+
+# --------------------------------------------------------------------------------------------
+# Module selection
+
+
+def module_filter(include: PatternSpec = None, exclude: PatternSpec = None) -> Callable[[str], bool]:
+    """Return a predicate on qualified module names.
+
+    A pattern is a glob (``"decoder.layers.*.attn"``, matched against the whole name), a string
+    starting with ``"re:"`` or a compiled ``re.Pattern`` (regex, ``search`` semantics), a
+    sequence of those (any may match) or a callable. ``include=None`` selects every module,
+    ``exclude=None`` rejects none. The root module's name is ``""``.
+    """
+    wanted = _matcher(include, default=True)
+    unwanted = _matcher(exclude, default=False)
+    return lambda name: wanted(name) and not unwanted(name)
+
+
+def _matcher(spec: PatternSpec, *, default: bool) -> Callable[[str], bool]:
+    if spec is None:
+        return lambda name: default
+    if callable(spec) and not isinstance(spec, re.Pattern):
+        return spec
+    patterns = [spec] if isinstance(spec, (str, re.Pattern)) else list(spec)
+    tests = [_one_pattern(p) for p in patterns]
+    return lambda name: any(test(name) for test in tests)
+
+
+def _one_pattern(pattern: Pattern) -> Callable[[str], bool]:
+    if isinstance(pattern, re.Pattern):
+        return lambda name: pattern.search(name) is not None
+    if pattern.startswith("re:"):
+        regex = re.compile(pattern[3:])
+        return lambda name: regex.search(name) is not None
+    return lambda name: fnmatch.fnmatchcase(name, pattern)
+
+
+# --------------------------------------------------------------------------------------------
+# Pytrees of tensors
+
+
+def flatten_tensors(tree: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
+    """Tensors of a pytree keyed by a dotted path (``output.0``, ``output.logits``).
+
+    Walks tensors, mappings (including Hugging Face ``ModelOutput``), tuples, lists and
+    dataclasses in order; other leaves (caches, None, numbers) are skipped.
+    """
+    flat: dict[str, torch.Tensor] = {}
+    for path, leaf in _walk(tree, prefix):
+        if isinstance(leaf, torch.Tensor):
+            flat[path] = leaf
+    return flat
+
+
+def opaque_leaves(tree: Any) -> list[str]:
+    """Type names of leaves that are neither tensors nor plain data (caches, custom objects)."""
+    return [
+        type(leaf).__name__
+        for _, leaf in _walk(tree, "")
+        if not isinstance(leaf, (torch.Tensor, *_PLAIN))
+    ]
+
+
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Rebuild ``tree`` with ``fn`` applied to every tensor; containers keep their types."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, Mapping):
+        mapped = {key: map_tensors(value, fn) for key, value in tree.items()}
+        return _rebuild_mapping(tree, mapped)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*(map_tensors(v, fn) for v in tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_tensors(v, fn) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        changes = {f.name: map_tensors(getattr(tree, f.name), fn) for f in _init_fields(tree)}
+        return dataclasses.replace(tree, **changes)
+    return tree
+
+
+def _walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
+    def child(key: Any) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _walk(value, child(key))
+    elif isinstance(tree, (tuple, list)):
+        for index, value in enumerate(tree):
+            yield from _walk(value, child(index))
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for field in dataclasses.fields(tree):
+            yield from _walk(getattr(tree, field.name), child(field.name))
+    else:
+        yield path, tree
+
+
+def _rebuild_mapping(original: Mapping, mapped: dict) -> Any:
+    try:
+        return type(original)(**mapped) if _is_model_output(original) else type(original)(mapped)
+    except TypeError:  # a Mapping type without a dict constructor
+        return mapped
+
+
+def _is_model_output(obj: Any) -> bool:
+    return any(cls.__name__ == "ModelOutput" for cls in type(obj).__mro__)
+
+
+def _init_fields(obj: Any) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(obj) if f.init]
+
+
+def _snapshot(tree: Any) -> Any:
+    """Detached copy of the tensors in ``tree``; stateful objects (caches) are deep-copied so a
+    later replay sees them as they were at this call, not as the rest of the forward left them."""
+    copied = map_tensors(tree, lambda t: t.detach().clone())
+    return _copy_opaque(copied)
+
+
+def _copy_opaque(tree: Any) -> Any:
+    if isinstance(tree, (torch.Tensor, *_PLAIN)):
+        return tree
+    if isinstance(tree, dict):
+        return {key: _copy_opaque(value) for key, value in tree.items()}
+    if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
+        return type(tree)(_copy_opaque(v) for v in tree)
+    try:
+        return copy.deepcopy(tree)
+    except Exception:  # not copyable: keep the live object, replay marks it unreliable
+        return tree
+
+
+# --------------------------------------------------------------------------------------------
+# Records
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorStats:
+    """Summary of one tensor, computed in float64 (NaN/Inf excluded from the moments)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    mean: float
+    std: float
+    absmax: float
+    nonfinite: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorStats:
+        values = tensor.detach().to(torch.float64) if tensor.is_floating_point() else None
+        if values is None or values.numel() == 0:
+            return cls(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), 0.0, 0.0,
+                       0.0, 0)
+        finite = values[torch.isfinite(values)]
+        return cls(
+            shape=tuple(tensor.shape),
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            mean=float(finite.mean()) if finite.numel() else float("nan"),
+            std=float(finite.std(unbiased=False)) if finite.numel() else float("nan"),
+            absmax=float(finite.abs().max()) if finite.numel() else float("nan"),
+            nonfinite=int(values.numel() - finite.numel()),
+        )
+
+
+def call_key(name: str, call: int) -> str:
+    """Key of one call of a module: its name for the first call, ``name#k`` for later ones."""
+    return name if call == 0 else f"{name}#{call}"
+
+
+@dataclasses.dataclass
+class ModuleCall:
+    """One call of one module, as seen by ``Capture``.
+
+    ``start`` is the order in which calls began (pre-order), ``order`` the order in which they
+    finished (children before parents). ``args``/``kwargs`` and ``output`` hold the call's
+    inputs and output pytree when tensors are kept; ``output_shapes`` and the ``*_stats`` fields
+    are always filled in "stats" mode and ``output_shapes`` in every mode.
+    """
+
+    name: str
+    call: int
+    module_type: str
+    start: int
+    order: int = -1
+    args: tuple | None = None
+    kwargs: dict[str, Any] | None = None
+    output: Any = None
+    output_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    input_stats: dict[str, TensorStats] = dataclasses.field(default_factory=dict)
+    output_stats: dict[str, TensorStats] = dataclasses.field(default_factory=dict)
+    grad_output: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    grad_stats: dict[str, TensorStats] = dataclasses.field(default_factory=dict)
+    inputs_requiring_grad: frozenset[str] = frozenset()
+
+    @property
+    def key(self) -> str:
+        return call_key(self.name, self.call)
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.name == "" else self.name.count(".") + 1
+
+    @property
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """The output tensors by path (empty when tensors were not kept)."""
+        return flatten_tensors(self.output)
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The input tensors by path: ``args.i`` and ``kwargs.name`` (empty when not kept)."""
+        if self.args is None:
+            return {}
+        return {**flatten_tensors(self.args, "args"), **flatten_tensors(self.kwargs, "kwargs")}
+
+    def drop_tensors(self) -> None:
+        self.args = self.kwargs = self.output = None
+        self.grad_output = {}
+
+
+# --------------------------------------------------------------------------------------------
+# The hooks
+
+
+class Capture:
+    """Record the calls of a model's modules while the ``with`` block runs.
+
+    >>> with Capture(model, include="decoder.layers.*") as cap:
+    ...     model(**batch)
+    >>> cap["decoder.layers.0"].outputs
+
+    Guarantees: hooks are removed on exit, also after an exception; recorded tensors are
+    detached copies taken when the module was called or finished (later in-place changes do not
+    leak in); ``records`` lists calls in the order they finished. With ``grads=True`` a
+    backward run inside the block fills ``grad_output`` (the gradient of the loss with respect
+    to each output tensor). Calls made while ``paused()`` are not recorded.
+
+    ``what``: ``"tensors"`` keeps copies of inputs and outputs, ``"stats"`` only statistics,
+    ``"outputs"`` copies of outputs and no inputs. ``on_call(call)`` runs when a call finishes and
+    ``on_grad(call, path, grad)`` when a gradient arrives; with ``keep=False`` the record's
+    tensors are dropped once its callback has run, so memory stays bounded.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        include: PatternSpec = None,
+        exclude: PatternSpec = None,
+        *,
+        what: Literal["tensors", "outputs", "stats"] = "tensors",
+        grads: bool = False,
+        on_call: Callable[[ModuleCall], None] | None = None,
+        on_grad: Callable[[ModuleCall, str, torch.Tensor], None] | None = None,
+        keep: bool = True,
+    ) -> None:
+        if what not in ("tensors", "outputs", "stats"):
+            from torchparity.errors import UsageError
+
+            raise UsageError(f"Capture(what={what!r}): use 'tensors', 'outputs' or 'stats'")
+        selected = module_filter(include, exclude)
+        self.modules = {name: mod for name, mod in model.named_modules() if selected(name)}
+        self.what = what
+        self.grads = grads
+        self.on_call = on_call
+        self.on_grad = on_grad
+        self.keep = keep
+        self.records: list[ModuleCall] = []
+        self._by_key: dict[str, ModuleCall] = {}
+        self._calls_per_name: dict[str, int] = {}
+        self._open: dict[str, list[ModuleCall]] = {}  # calls in flight per module (recursion)
+        self._started = 0
+        self._paused = 0
+        self._handles: list[Any] = []
+
+    # -- context management ------------------------------------------------------------------
+
+    def __enter__(self) -> Capture:
+        for name, module in self.modules.items():
+            self._handles.append(module.register_forward_pre_hook(
+                self._pre_hook(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(
+                self._post_hook(name), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove all hooks (idempotent). Gradient hooks on tensors already made stay active."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run modules without recording them (e.g. to replay a module inside a callback)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def __getitem__(self, key: str) -> ModuleCall:
+        return self._by_key[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._by_key
+
+    def keys(self) -> list[str]:
+        return [record.key for record in self.records]
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _pre_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._paused:
+                return
+            call = ModuleCall(
+                name=name,
+                call=self._calls_per_name.get(name, 0),
+                module_type=type(module).__name__,
+                start=self._started,
+            )
+            self._calls_per_name[name] = call.call + 1
+            self._started += 1
+            inputs = {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}
+            call.inputs_requiring_grad = frozenset(p for p, t in inputs.items() if t.requires_grad)
+            if self.what == "tensors":
+                # Copied now: the module (or its callers) may change them in place later.
+                call.args, call.kwargs = _snapshot(args), _snapshot(kwargs)
+            elif self.what == "stats":
+                call.input_stats = {path: TensorStats.of(t) for path, t in inputs.items()}
+            self._open.setdefault(name, []).append(call)
+
+        return hook
+
+    def _post_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._paused or not self._open.get(name):
+                return
+            call = self._open[name].pop()
+            call.order = len(self.records)
+            outputs = flatten_tensors(output)
+            call.output_shapes = {path: tuple(t.shape) for path, t in outputs.items()}
+            if self.what == "stats":
+                call.output_stats = {path: TensorStats.of(t) for path, t in outputs.items()}
+            else:
+                call.output = map_tensors(output, lambda t: t.detach().clone())
+            if self.grads:
+                self._watch_grads(call, outputs)
+            self.records.append(call)
+            self._by_key[call.key] = call
+            if self.on_call is not None:
+                with self.paused():
+                    self.on_call(call)
+            if not self.keep:
+                call.drop_tensors()
+
+        return hook
+
+    def _watch_grads(self, call: ModuleCall, outputs: dict[str, torch.Tensor]) -> None:
+        for path, tensor in outputs.items():
+            if tensor.requires_grad:
+                tensor.register_hook(self._grad_hook(call, path))
+
+    def _grad_hook(self, call: ModuleCall, path: str) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if self.what == "stats":
+                call.grad_stats[path] = TensorStats.of(grad)
+            elif self.keep or self.on_grad is None:
+                call.grad_output[path] = _accumulate(call.grad_output.get(path), grad)
+            if self.on_grad is not None:
+                self.on_grad(call, path, grad.detach())
+
+        return hook
+
+
+def _accumulate(previous: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
+    # A second backward through the same graph adds up, like ``.grad`` does.
+    grad = grad.detach().clone()
+    return grad if previous is None else previous + grad
