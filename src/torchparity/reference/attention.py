@@ -52,29 +52,45 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext,
                 memory: torch.Tensor | None = None) -> torch.Tensor:
+        # Written as steps (project, rotate, position bias, attend, merge) so that refactored
+        # twins in reference/variants.py can replace exactly one of them.
+        q, k, v = self.project(x, ctx, memory)
+        out = self.attend(q, k, v, ctx, self.position_bias(q, ctx))
+        return self.o_proj(self.merge_heads(out))
+
+    def project(self, x: torch.Tensor, ctx: AttentionContext, memory: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, and keys/values with positions applied and the cache's entries prepended."""
         q = self.split_heads(self.q_proj(x), self.n_heads)
         if self.cross:
             compute = lambda: self.project_kv(memory)  # noqa: E731
             k, v = compute() if ctx.cache is None else ctx.cache.cross(self.layer_idx, compute)
-        else:
-            k, v = self.project_kv(x)
-            if self.positions == "rotary":
-                rotary = dict(rotary_dim=self.config.rotary_dims, theta=self.config.rope_theta,
-                              layout=self.config.rotary_layout)
-                q = apply_rotary(q, ctx.q_positions, **rotary)
-                k = apply_rotary(k, ctx.k_positions[:, -k.shape[-2]:], **rotary)
-            if ctx.cache is not None:
-                k, v = ctx.cache.append(self.layer_idx, k, v)
+            return q, k, v
+        k, v = self.project_kv(x)
+        if self.positions == "rotary":
+            q = self.rotate(q, ctx.q_positions)
+            k = self.rotate(k, ctx.k_positions[:, -k.shape[-2]:])
+        if ctx.cache is not None:
+            k, v = ctx.cache.append(self.layer_idx, k, v)
+        return q, k, v
 
-        bias = None
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, positions, rotary_dim=self.config.rotary_dims,
+                            theta=self.config.rope_theta, layout=self.config.rotary_layout)
+
+    def position_bias(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor | None:
         if self.positions == "alibi":
-            bias = alibi_bias(ctx.q_positions, ctx.k_positions, self.n_heads, q.dtype)
-        elif self.relative is not None:
-            bias = self.relative(q, ctx.q_positions, ctx.k_positions, self.scale)
+            return alibi_bias(ctx.q_positions, ctx.k_positions, self.n_heads, q.dtype)
+        if self.relative is not None:
+            return self.relative(q, ctx.q_positions, ctx.k_positions, self.scale)
+        return None
 
-        out = backends.attention(
-            q, k, v, mask=ctx.mask, bias=bias, scale=self.scale,
-            causal=ctx.causal,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        return backends.attention(
+            q, k, v, mask=ctx.mask, bias=bias, scale=self.scale, causal=ctx.causal,
             backend=backends.current(self.config.attention_backend),
         )
-        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+    def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).flatten(-2)
