@@ -46,9 +46,15 @@ class Attention(nn.Module):
     def split_heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
         return x.unflatten(-1, (n_heads, self.head_dim)).transpose(1, 2)
 
+    def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        return self.split_heads(self.q_proj(x), self.n_heads)
+
     def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.split_heads(self.k_proj(source), self.n_kv_heads),
                 self.split_heads(self.v_proj(source), self.n_kv_heads))
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (self.project_q(x), *self.project_kv(x))
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext,
                 memory: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,12 +67,11 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, ctx: AttentionContext, memory: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, and keys/values with positions applied and the cache's entries prepended."""
-        q = self.split_heads(self.q_proj(x), self.n_heads)
         if self.cross:
             compute = lambda: self.project_kv(memory)  # noqa: E731
             k, v = compute() if ctx.cache is None else ctx.cache.cross(self.layer_idx, compute)
-            return q, k, v
-        k, v = self.project_kv(x)
+            return self.project_q(x), k, v
+        q, k, v = self.project_qkv(x)
         if self.positions == "rotary":
             q = self.rotate(q, ctx.q_positions)
             k = self.rotate(k, ctx.k_positions[:, -k.shape[-2]:])
