@@ -7,10 +7,11 @@ unavoidable at that precision) and the *candidate*. Per tensor the candidate pas
     err(candidate, golden) <= fudge * err(baseline, golden) + floor
 
 ``err`` is the kind's metric (max-abs or RMS of the difference, see :data:`KINDS`).
-``floor = floor_ulps * u * scale(golden)`` where ``u`` is the unit roundoff of the compute dtype
-and ``scale`` is the golden's magnitude measured in the same metric (absmax for max-abs kinds,
-RMS for RMS kinds), so the floor is a multiple of the error of merely rounding the golden to the
-compute dtype. A golden that is all zeros has scale 1, so the floor is never zero.
+``floor = floor_ulps * (u * scale(golden) + s)`` where ``u`` is the unit roundoff of the compute
+dtype, ``s`` its subnormal spacing and ``scale`` the golden's magnitude measured in the same
+metric (absmax for max-abs kinds, RMS for RMS kinds): a multiple of the error of merely rounding
+the golden to the compute dtype. A golden that is all zeros has scale 1, so the floor is never
+zero.
 
 Without a baseline, or when the baseline is bit-exact to the golden (float64 compute), the
 fudge term is replaced by the analytic bound ``analytic_factor * sqrt(K) * u * scale(golden)``:
@@ -44,6 +45,11 @@ class Precision:
     name: str
     unit_roundoff: float  # u = 2**-p with p significand bits, the implicit one included
     min_exponent: int  # exponent of the smallest normal number; spacing is constant below it
+
+    @property
+    def min_spacing(self) -> float:
+        """Spacing of the subnormal numbers: the absolute rounding error near zero."""
+        return math.ldexp(2.0 * self.unit_roundoff, self.min_exponent)
 
 
 _PRECISIONS = {
@@ -104,9 +110,10 @@ def ulp(x: torch.Tensor, dtype: DtypeLike) -> torch.Tensor:
     is positive everywhere, zero included.
     """
     p = precision(dtype)
-    _, exponent = torch.frexp(x.to(torch.float64).abs())
-    # frexp gives |x| = m * 2**e with m in [0.5, 1), so floor(log2 |x|) = e - 1.
-    exponent = (exponent - 1).clamp(min=p.min_exponent)
+    magnitude = x.to(torch.float64).abs()
+    _, exponent = torch.frexp(magnitude)
+    # frexp gives |x| = m * 2**e with m in [0.5, 1), so floor(log2 |x|) = e - 1; for 0 it gives 0.
+    exponent = (exponent - 1).where(magnitude > 0, p.min_exponent).clamp(min=p.min_exponent)
     return torch.ldexp(torch.full_like(x, 2.0 * p.unit_roundoff, dtype=torch.float64), exponent)
 
 
@@ -161,8 +168,17 @@ def error(candidate: torch.Tensor, golden: torch.Tensor, metric: Metric) -> floa
     if metric == "max_abs":
         return diff.abs().max().item()
     if metric == "rms":
-        return diff.square().mean().sqrt().item()
+        return rms(diff)
     raise ValueError(f"unknown metric {metric!r}; use 'max_abs' or 'rms'")
+
+
+def rms(x: torch.Tensor) -> float:
+    """Root mean square of ``x`` in float64, free of overflow and underflow (0.0 when empty)."""
+    x = x.detach().to("cpu", torch.float64)
+    peak = x.abs().max().item() if x.numel() else 0.0
+    if peak == 0 or not math.isfinite(peak):
+        return peak
+    return peak * (x / peak).square().mean().sqrt().item()
 
 
 def golden_scale(golden: torch.Tensor, metric: Metric) -> float:
@@ -235,7 +251,9 @@ def budget(
         raise ValueError(f"reduction_length must be >= 1, got {reduction_length}")
     if step is not None and step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
-    floor = tol.floor_ulps * p.unit_roundoff * scale
+    # Rounding to the dtype errs by up to u * |x| plus the subnormal spacing (which keeps the
+    # floor of subnormal goldens positive).
+    floor = tol.floor_ulps * (p.unit_roundoff * scale + p.min_spacing)
     if baseline_error:
         analytic = None
         allowance = tol.fudge * baseline_error

@@ -1,0 +1,329 @@
+"""Properties and hand-computed cases of the comparison engine."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict, namedtuple
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import array_shapes, arrays
+
+from torchparity.compare import Comparison, StructureMismatch, assert_parity, compare
+from torchparity.tolerance import KINDS
+
+FLOAT_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+finite_goldens = arrays(
+    np.float64,
+    array_shapes(min_dims=1, max_dims=3, max_side=5),
+    elements=st.floats(-100, 100, allow_nan=False),
+).map(torch.from_numpy)
+
+
+@st.composite
+def tensors_with_specials(draw: st.DrawFn) -> torch.Tensor:
+    x = draw(
+        arrays(
+            np.float64,
+            array_shapes(min_dims=0, max_dims=3, max_side=5),
+            elements=st.floats(allow_nan=True, allow_infinity=True, width=16),
+        )
+    )
+    return torch.from_numpy(x).to(draw(st.sampled_from(FLOAT_DTYPES)))
+
+
+Pair = namedtuple("Pair", ["first", "second"])
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+    past: list[torch.Tensor]
+
+
+class ModelOutput(OrderedDict):
+    """The shape of Hugging Face's ModelOutput: an OrderedDict subclass with attributes."""
+
+
+# --- verdicts -------------------------------------------------------------------------------
+
+
+@given(tensors_with_specials())
+def test_a_tensor_compared_with_itself_is_identical(x: torch.Tensor) -> None:
+    result = compare(x, x.clone())
+    assert result.verdict == "identical" and result.ok
+    assert compare(x, x.double(), x.clone()).verdict == "identical"
+
+
+@given(finite_goldens, arrays(np.float64, 1, elements=st.floats(-1, 1)), st.floats(0, 1e-3))
+def test_a_larger_perturbation_never_gives_a_smaller_error(
+    golden: torch.Tensor, direction: np.ndarray, t: float
+) -> None:
+    delta = torch.from_numpy(direction).expand_as(golden)
+    small = compare(golden + t * delta, golden, kind="grad").tensors[0]
+    large = compare(golden + 2 * t * delta, golden, kind="grad").tensors[0]
+    assert large.max_abs >= small.max_abs
+    assert large.rms >= small.rms
+    assert large.headroom >= small.headroom
+    assert large.n_over >= small.n_over
+    if large.verdict == "within":
+        assert small.verdict in ("within", "identical")
+
+
+def _near_two(units: int) -> float:
+    return 2.0 + units * 2.0**-22  # float32 spacing in [2, 4) is 2**-22
+
+
+def test_hand_computed_budget_separates_within_from_diverged() -> None:
+    golden = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    baseline = torch.tensor([1.0 + 2.0**-20, 2.0], dtype=torch.float32)  # error exactly 2**-20
+    tol = KINDS["forward"]
+    subnormal = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
+    budget = tol.fudge * 2.0**-20 + tol.floor_ulps * (2.0**-24 * 2.0 + subnormal)
+    allowed = math.floor(budget / 2.0**-22)  # float32 steps above 2 that stay within budget
+
+    within = compare(torch.tensor([1.0, _near_two(allowed)]), golden, baseline)
+    broken = compare(torch.tensor([1.0, _near_two(allowed + 1)]), golden, baseline)
+
+    assert within.verdict == "within" and within.worst.budget.value == budget
+    assert within.worst.error == allowed * 2.0**-22
+    assert within.worst.headroom == allowed * 2.0**-22 / budget <= 1
+    assert broken.verdict == "diverged" and not broken.ok
+    assert broken.worst.worst_index == (1,)
+    assert broken.worst.n_over == 1 and broken.worst.frac_over == 0.5
+    assert (
+        broken.worst.candidate_value,
+        broken.worst.baseline_value,
+        broken.worst.golden_value,
+    ) == (
+        _near_two(allowed + 1),
+        2.0,
+        2.0,
+    )
+
+
+def test_candidate_equal_to_the_baseline_is_identical_even_when_both_are_off() -> None:
+    golden = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    baseline = torch.tensor([1.0 + 2.0**-20, 2.0])
+    assert compare(baseline.clone(), golden, baseline).verdict == "identical"
+
+
+def test_identical_without_baseline_needs_the_golden_dtype() -> None:
+    golden = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert compare(golden.clone(), golden).verdict == "identical"
+    assert compare(golden.float(), golden).verdict == "within"
+
+
+def test_budget_is_per_tensor_and_worst_is_the_largest_share() -> None:
+    golden = {"a": torch.ones(4, dtype=torch.float64), "b": torch.ones(4, dtype=torch.float64)}
+    candidate = {"a": torch.ones(4), "b": torch.tensor([1.0, 1.0, 1.0, 1.0 + 2.0**-23])}
+    result = compare(candidate, golden)
+    assert [t.verdict for t in result.tensors] == ["within", "within"]
+    assert result.worst.path == 'outputs["b"]'
+
+
+def test_compute_dtype_override_widens_the_budget() -> None:
+    golden = torch.linspace(-1, 1, 16, dtype=torch.float64)
+    candidate = golden.float() * (1 + 2.0**-12)
+    assert not compare(candidate, golden).ok
+    assert compare(candidate, golden, compute_dtype="tf32").ok
+
+
+def test_trajectory_budget_grows_with_the_step() -> None:
+    golden = torch.linspace(1, 2, 8, dtype=torch.float64)
+    baseline = (golden * (1 + 2.0**-20)).float()
+    candidate = (golden * (1 + 2.0**-20 * KINDS["trajectory"].fudge * 1.5)).float()
+    assert not compare(candidate, golden, baseline, "trajectory", step=0).ok
+    assert compare(candidate, golden, baseline, "trajectory", step=10).ok
+
+
+def test_integer_tensors_must_match_exactly() -> None:
+    tokens = torch.tensor([[3, 1, 4], [1, 5, 9]])
+    assert compare(tokens, tokens.clone()).verdict == "identical"
+    other = tokens.clone()
+    other[1, 2] = 2
+    result = compare(other, tokens)
+    assert result.verdict == "diverged" and result.worst.worst_index == (1, 2)
+    assert "must match exactly" in result.explain()
+
+
+def test_empty_tensors_are_identical() -> None:
+    assert compare(torch.empty(0, 3), torch.empty(0, 3, dtype=torch.float64)).ok
+
+
+# --- non-finite values ----------------------------------------------------------------------
+
+
+def test_nan_in_the_candidate_where_the_golden_is_finite_diverges_and_says_so() -> None:
+    golden = torch.arange(6, dtype=torch.float64)
+    candidate = golden.float()
+    candidate[[1, 3, 4]] = math.nan
+    result = compare(candidate, golden, golden.float())
+    assert result.verdict == "diverged"
+    assert "candidate has 3 NaN where golden is finite" in result.explain()
+    assert result.worst.worst_index == (1,) and math.isinf(result.worst.headroom)
+
+
+@pytest.mark.parametrize(
+    ("candidate_value", "golden_value"),
+    [(math.inf, 1.0), (-math.inf, math.inf), (math.nan, math.inf), (1.0, math.nan)],
+)
+def test_every_non_finite_disagreement_diverges(
+    candidate_value: float, golden_value: float
+) -> None:
+    golden = torch.tensor([0.5, golden_value], dtype=torch.float64)
+    candidate = torch.tensor([0.5, candidate_value])
+    assert compare(candidate, golden).verdict == "diverged"
+
+
+def test_matching_non_finite_values_are_excluded_and_reported() -> None:
+    golden = torch.tensor([math.nan, -math.inf, 1.0, 2.0], dtype=torch.float64)
+    candidate = torch.tensor([math.nan, -math.inf, 1.0, 2.0 + 2.0**-22])
+    result = compare(candidate, golden)
+    assert result.ok
+    assert result.worst.max_abs == 2.0**-22 and result.worst.worst_index == (3,)
+    text = result.explain()
+    assert "1 matching NaN" in text and "1 matching inf" in text
+
+
+def test_to_dict_is_strict_json_even_with_non_finite_values() -> None:
+    golden = {"x": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    result = compare({"x": torch.tensor([math.nan, 2.0])}, golden)
+    data = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    assert data["verdict"] == "diverged" and data["tensors"][0]["headroom"] == "inf"
+
+
+# --- structure ------------------------------------------------------------------------------
+
+
+def _nest(keys: list[str | int], leaf: object) -> object:
+    for key in reversed(keys):
+        leaf = {key: leaf} if isinstance(key, str) else [None] * key + [leaf]
+    return leaf
+
+
+def _path(keys: list[str | int]) -> str:
+    return "outputs" + "".join(f'["{k}"]' if isinstance(k, str) else f"[{k}]" for k in keys)
+
+
+@given(st.lists(st.one_of(st.sampled_from(["logits", "past", "h"]), st.integers(0, 3)), max_size=4))
+def test_shape_mismatch_names_the_path_and_both_shapes(keys: list[str | int]) -> None:
+    candidate = _nest(keys, torch.zeros(2, 3))
+    golden = _nest(keys, torch.zeros(2, 4, dtype=torch.float64))
+    with pytest.raises(StructureMismatch) as info:
+        compare(candidate, golden)
+    assert str(info.value) == f"{_path(keys)}: shape (2, 3) vs (2, 4) (candidate vs golden)"
+
+
+@pytest.mark.parametrize(
+    ("candidate", "golden", "message"),
+    [
+        ({"a": torch.ones(1)}, {"a": torch.ones(1), "b": torch.ones(1)}, 'outputs["b"]: in golden'),
+        ({"a": [torch.ones(1)] * 2}, {"a": [torch.ones(1)]}, 'outputs["a"]: length 2 vs 1'),
+        ((torch.ones(1),), [torch.ones(1)], "outputs: type tuple vs list"),
+        ([torch.ones(1)], [1.0], "outputs[0]: type Tensor vs float"),
+        ({"n": 3}, {"n": 4}, 'outputs["n"]: value 3 vs 4'),
+        ({"s": "mean"}, {"s": "sum"}, "outputs[\"s\"]: value 'mean' vs 'sum'"),
+        ([torch.ones(2, dtype=torch.long)], [torch.ones(2)], "outputs[0]: dtype torch.int64 vs"),
+        (Pair(torch.ones(1), torch.ones(2)), Pair(torch.ones(1), torch.ones(3)), "outputs.second"),
+    ],
+)
+def test_structure_mismatches_name_the_path(
+    candidate: object, golden: object, message: str
+) -> None:
+    with pytest.raises(StructureMismatch) as info:
+        compare(candidate, golden)
+    assert str(info.value).startswith(message)
+
+
+def test_baseline_must_have_the_candidate_dtype() -> None:
+    golden = {"h": [torch.ones(2, dtype=torch.float64)]}
+    candidate = {"h": [torch.ones(2, dtype=torch.bfloat16)]}
+    with pytest.raises(StructureMismatch, match=r'outputs\["h"\]\[0\]: dtype torch.bfloat16 vs'):
+        compare(candidate, golden, {"h": [torch.ones(2)]})
+
+
+def test_dataclasses_namedtuples_and_model_outputs_are_walked() -> None:
+    golden = ModelOutput(
+        logits=torch.ones(2, dtype=torch.float64), hidden=Pair(torch.zeros(1), "x")
+    )
+    candidate = ModelOutput(logits=torch.ones(2), hidden=Pair(torch.zeros(1), "x"))
+    result = compare(candidate, dict(golden))  # goldens are stored as plain dicts
+    assert [t.path for t in result.tensors] == ['outputs["logits"]', 'outputs["hidden"].first']
+
+    out = Output(logits=torch.ones(2), past=[torch.ones(1), torch.ones(1)])
+    golden_out = Output(logits=torch.ones(2).double(), past=[torch.ones(1).double()] * 2)
+    assert [t.path for t in compare(out, golden_out).tensors] == [
+        "outputs.logits",
+        "outputs.past[0]",
+        "outputs.past[1]",
+    ]
+
+
+def test_none_and_equal_leaves_are_accepted() -> None:
+    tree = {"cache": None, "n": 2, "name": "x", "y": torch.ones(1)}
+    assert compare(tree, dict(tree)).verdict == "identical"
+
+
+# --- metrics and reporting ------------------------------------------------------------------
+
+
+@given(st.integers(1, 50), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_max_ulp_counts_representable_steps(steps: int, dtype: torch.dtype) -> None:
+    golden = torch.tensor([1.5, -0.75], dtype=dtype)
+    candidate = golden.clone()
+    for _ in range(steps):
+        candidate[0] = torch.nextafter(candidate[0], torch.tensor(math.inf, dtype=dtype))
+    assert compare(candidate, golden.double()).worst.max_ulp == steps
+
+
+def test_scaled_candidate_reports_relative_metrics() -> None:
+    golden = torch.tensor([1.0, -2.0, 0.0, 4.0], dtype=torch.float64)
+    result = compare(golden * 2, golden).worst
+    assert result.rel_l2 == 1.0 and result.cosine == 1.0 and result.max_rel == 1.0
+    assert compare(-golden, golden).worst.cosine == -1.0
+
+
+def test_explain_gives_the_budget_formula_values_and_context() -> None:
+    golden = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    baseline = torch.tensor([[1.0 + 2.0**-20, 2.0]])
+    result = compare(
+        {"logits": torch.tensor([[1.0, 2.5]])}, {"logits": golden}, {"logits": baseline}
+    )
+    text = result.explain()
+    for part in (
+        "diverged",
+        'outputs["logits"] at index (0, 1)',
+        "candidate 2.5, baseline 2, golden 2",
+        f"{KINDS['forward'].fudge:g} × baseline error 9.54e-07",
+        "floor",
+        "Compute dtype fp32",
+        "kind forward",
+    ):
+        assert part in text
+
+
+def test_assert_parity_raises_the_explanation_or_returns_the_comparison() -> None:
+    golden = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert isinstance(assert_parity(golden.float(), golden, kind="loss"), Comparison)
+    with pytest.raises(AssertionError, match="diverged: 1 of 1 tensor"):
+        assert_parity(golden.float() + 1, golden)
+
+
+def test_comparison_truthiness_and_repr() -> None:
+    golden = torch.ones(3, dtype=torch.float64)
+    assert compare(golden.float(), golden)
+    assert not compare(golden.float() * 2, golden)
+    assert "verdict='diverged'" in repr(compare(golden.float() * 2, golden))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_kind_can_be_compared(kind: str) -> None:
+    golden = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert compare(golden.float(), golden, golden.float(), kind).verdict == "identical"

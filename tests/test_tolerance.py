@@ -1,0 +1,195 @@
+"""Properties of the tolerance model: precisions, the KINDS table, budgets and calibration."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import array_shapes, arrays
+
+from torchparity import tolerance
+from torchparity.tolerance import KINDS, UNIT_ROUNDOFF, budget, calibrate, unit_roundoff
+
+TORCH_FLOATS = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+# Most to least precise. tf32 and fp16 share u; fp16's coarser subnormals put it second.
+BY_PRECISION = ["fp64", "fp32", "tf32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]
+
+goldens = arrays(
+    np.float64,
+    array_shapes(min_dims=1, max_dims=3, max_side=6),
+    elements=st.floats(-1e4, 1e4, allow_nan=False),
+).map(torch.from_numpy)
+
+
+def subnormal_spacing(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("dtype", TORCH_FLOATS, ids=str)
+def test_unit_roundoff_is_half_of_torch_machine_epsilon(dtype: torch.dtype) -> None:
+    assert unit_roundoff(dtype) == torch.finfo(dtype).eps / 2
+
+
+@pytest.mark.parametrize(
+    ("alias", "name"),
+    [("float32", "fp32"), ("half", "fp16"), ("bfloat16", "bf16"), ("double", "fp64")],
+)
+def test_names_and_aliases_resolve_to_one_precision(alias: str, name: str) -> None:
+    assert unit_roundoff(alias) == UNIT_ROUNDOFF[name] == unit_roundoff(name.upper())
+
+
+def test_tf32_has_ten_stored_significand_bits() -> None:
+    assert unit_roundoff("tf32") == 2.0**-11
+
+
+@pytest.mark.parametrize("dtype", ["fp12", torch.int64, torch.bool, torch.complex64])
+def test_unknown_dtype_raises_value_error_naming_the_choices(dtype: object) -> None:
+    with pytest.raises(ValueError, match=r"no rounding model .* use one of: .*bf16"):
+        unit_roundoff(dtype)
+
+
+@given(
+    arrays(np.float32, st.integers(1, 20), elements=st.floats(-(2.0**127), 2.0**127, width=32)),
+)
+def test_ulp_matches_the_distance_to_the_next_float(x: np.ndarray) -> None:
+    t = torch.from_numpy(x)
+    up = torch.nextafter(t.abs(), torch.tensor(math.inf)) - t.abs()
+    assert torch.equal(tolerance.ulp(t, torch.float32), up.double())
+
+
+def test_ulp_below_the_normal_range_is_the_subnormal_spacing() -> None:
+    tiny = torch.finfo(torch.float16).tiny
+    spacing = tolerance.ulp(torch.tensor([0.0, tiny / 4]), "fp16")
+    assert torch.equal(spacing, torch.full((2,), tiny * torch.finfo(torch.float16).eps).double())
+
+
+def test_every_kind_defines_a_usable_rule() -> None:
+    assert set(KINDS) == {"forward", "grad", "loss", "trajectory"}
+    for tol in KINDS.values():
+        assert tol.metric in ("max_abs", "rms")
+        assert tol.fudge >= 1 and tol.floor_ulps > 0 and tol.analytic_factor > 0
+    assert KINDS["trajectory"].per_step_growth > 0
+
+
+def test_unknown_kind_names_the_known_kinds() -> None:
+    with pytest.raises(ValueError, match="forward, grad, loss, trajectory"):
+        budget(torch.ones(3), baseline_error=None, compute_dtype="fp32", kind="logits")
+
+
+def test_budget_with_a_baseline_follows_the_formula() -> None:
+    golden = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    tol = KINDS["forward"]
+    b = budget(golden, baseline_error=2.0**-20, compute_dtype=torch.float32)
+    # forward uses max-abs, so scale = absmax = 2
+    floor = tol.floor_ulps * (2.0**-24 * 2.0 + subnormal_spacing(torch.float32))
+    assert b.source == "baseline"
+    assert b.floor == floor
+    assert b.value == tol.fudge * 2.0**-20 + floor
+    assert f"{tol.fudge:g} × baseline error" in b.formula()
+
+
+def test_rms_kinds_scale_the_floor_by_the_golden_rms() -> None:
+    golden = torch.tensor([3.0, -4.0, 0.0, 0.0], dtype=torch.float64)  # RMS 2.5
+    b = budget(golden, baseline_error=1e-3, compute_dtype="bf16", kind="grad")
+    assert b.scale == 2.5
+    assert b.floor == KINDS["grad"].floor_ulps * (2.0**-8 * 2.5 + subnormal_spacing(torch.bfloat16))
+
+
+@pytest.mark.parametrize("baseline_error", [None, 0.0])
+def test_without_an_inexact_baseline_the_analytic_bound_applies(
+    baseline_error: float | None,
+) -> None:
+    golden = torch.full((3, 64), -0.5, dtype=torch.float64)
+    tol = KINDS["forward"]
+    b = budget(golden, baseline_error=baseline_error, compute_dtype="fp64")
+    u = 2.0**-53
+    assert b.source == "analytic"
+    assert b.analytic == tol.analytic_factor * math.sqrt(64) * u * 0.5
+    assert b.value == b.analytic + tol.floor_ulps * (u * 0.5 + subnormal_spacing(torch.float64))
+    explicit = budget(
+        golden, baseline_error=baseline_error, compute_dtype="fp64", reduction_length=4
+    )
+    assert explicit.analytic == b.analytic / 4
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_budget_of_an_all_zero_golden_is_never_zero(kind: str) -> None:
+    b = budget(torch.zeros(2, 2), baseline_error=None, compute_dtype="fp32", kind=kind)
+    assert b.scale == 1.0
+    assert b.floor == KINDS[kind].floor_ulps * (2.0**-24 + subnormal_spacing(torch.float32))
+
+
+@given(goldens, st.sampled_from(list(KINDS)))
+def test_budgets_order_by_dtype_precision(golden: torch.Tensor, kind: str) -> None:
+    # Near zero the subnormal spacing rules instead, and fp8_e4m3 and fp16 have coarse ones.
+    assume(tolerance.golden_scale(golden, "rms") >= 0.1)
+    values = [
+        budget(golden, baseline_error=None, compute_dtype=d, kind=kind).value for d in BY_PRECISION
+    ]
+    assert all(v > 0 for v in values)
+    assert values == sorted(values)
+    assert values[0] < values[1] < values[2]
+
+
+@given(goldens, st.integers(0, 50))
+def test_trajectory_budget_grows_with_step_and_other_kinds_ignore_it(
+    golden: torch.Tensor, step: int
+) -> None:
+    def value(kind: str, step: int) -> float:
+        return budget(golden, baseline_error=1e-3, compute_dtype="fp32", kind=kind, step=step).value
+
+    assert value("trajectory", step + 1) > value("trajectory", step)
+    assert value("forward", step) == value("forward", 0)
+
+
+def test_negative_step_and_reduction_length_are_rejected() -> None:
+    with pytest.raises(ValueError, match="step"):
+        budget(torch.ones(2), baseline_error=None, compute_dtype="fp32", step=-1)
+    with pytest.raises(ValueError, match="reduction_length"):
+        budget(torch.ones(2), baseline_error=None, compute_dtype="fp32", reduction_length=0)
+
+
+def _problem(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 32, generator=gen, dtype=torch.float64), torch.randn(
+        32, 16, generator=gen, dtype=torch.float64
+    )
+
+
+def _matmul(seed: int, dtype: torch.dtype) -> torch.Tensor:
+    a, b = _problem(seed)
+    return a.to(dtype) @ b.to(dtype)
+
+
+def test_calibrate_reports_ratio_one_for_a_candidate_equal_to_the_baseline() -> None:
+    result = calibrate(
+        lambda s: _matmul(s, torch.bfloat16),
+        lambda s: _matmul(s, torch.bfloat16),
+        lambda s: _matmul(s, torch.float64),
+        draws=5,
+    )
+    assert result.ratios == (1.0,) * 5 and result.failures == ()
+    assert result.quantiles[0.5] == result.max_ratio == 1.0
+
+
+def test_calibrate_lists_the_draws_a_wrong_candidate_fails() -> None:
+    result = calibrate(
+        lambda s: _matmul(s, torch.float32) * 1.01,
+        lambda s: _matmul(s, torch.float32),
+        lambda s: _matmul(s, torch.float64),
+        draws=4,
+        seed=10,
+    )
+    assert result.failures == (10, 11, 12, 13)
+    assert result.max_headroom > 1 and result.quantile(0.0) > KINDS["forward"].fudge
