@@ -7,7 +7,8 @@ seen:
 
 - ``what="tensors"`` keeps detached copies of the tensors on the records;
 - ``what="stats"`` keeps only summary statistics (shape, dtype, mean, std, absmax, non-finite
-  count), enough to spot where values blow up on models too big to copy;
+  count), enough to spot where values blow up on models too big to copy; ``what="shapes"``
+  only the call sequence and output shapes;
 - ``on_call`` / ``on_grad`` callbacks receive each record (or gradient) as soon as it exists and
   the record drops its tensors afterwards, so memory stays bounded: this is how ``diagnose``
   compares big models on the fly.
@@ -30,6 +31,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from torchparity.errors import UsageError
+
 __all__ = [
     "Capture",
     "ModuleCall",
@@ -38,7 +41,9 @@ __all__ = [
     "flatten_tensors",
     "map_tensors",
     "module_filter",
-    "opaque_leaves",
+    "Uncopyable",
+    "snapshot",
+    "uncopyable_leaves",
 ]
 
 Pattern = str | re.Pattern[str]
@@ -101,13 +106,19 @@ def flatten_tensors(tree: Any, prefix: str = "output") -> dict[str, torch.Tensor
     return flat
 
 
-def opaque_leaves(tree: Any) -> list[str]:
-    """Type names of leaves that are neither tensors nor plain data (caches, custom objects)."""
-    return [
-        type(leaf).__name__
-        for _, leaf in _walk(tree, "")
-        if not isinstance(leaf, (torch.Tensor, *_PLAIN))
-    ]
+class Uncopyable:
+    """Stands in for an input object that could not be copied; its call cannot be replayed."""
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+    def __repr__(self) -> str:
+        return f"Uncopyable({self.type_name})"
+
+
+def uncopyable_leaves(tree: Any) -> list[str]:
+    """Type names of the inputs in ``tree`` that :func:`snapshot` could not copy."""
+    return [leaf.type_name for _, leaf in _walk(tree, "") if isinstance(leaf, Uncopyable)]
 
 
 def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -159,7 +170,7 @@ def _init_fields(obj: Any) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(obj) if f.init]
 
 
-def _snapshot(tree: Any) -> Any:
+def snapshot(tree: Any) -> Any:
     """Detached copy of the tensors in ``tree``; stateful objects (caches) are deep-copied so a
     later replay sees them as they were at this call, not as the rest of the forward left them."""
     copied = map_tensors(tree, lambda t: t.detach().clone())
@@ -167,16 +178,37 @@ def _snapshot(tree: Any) -> Any:
 
 
 def _copy_opaque(tree: Any) -> Any:
-    if isinstance(tree, (torch.Tensor, *_PLAIN)):
+    if isinstance(tree, (torch.Tensor, Uncopyable, *_PLAIN)):
         return tree
     if isinstance(tree, dict):
         return {key: _copy_opaque(value) for key, value in tree.items()}
     if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
         return type(tree)(_copy_opaque(v) for v in tree)
+    # Tensors inside the object may be non-leaf graph nodes, which deepcopy refuses: hand it
+    # detached clones of every tensor it can reach.
+    memo = {id(t): t.detach().clone() for t in _reachable_tensors(tree)}
     try:
-        return copy.deepcopy(tree)
-    except Exception:  # not copyable: keep the live object, replay marks it unreliable
-        return tree
+        return copy.deepcopy(tree, memo)
+    except Exception:  # noqa: BLE001 - whatever the reason, the object cannot be snapshotted
+        return Uncopyable(type(tree).__name__)
+
+
+def _reachable_tensors(obj: Any, seen: set[int] | None = None, depth: int = 0
+                       ) -> Iterator[torch.Tensor]:
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 8:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _reachable_tensors(value, seen, depth + 1)
+    elif isinstance(obj, (list, tuple, set)):
+        for value in obj:
+            yield from _reachable_tensors(value, seen, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
+        yield from _reachable_tensors(vars(obj), seen, depth + 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -283,8 +315,8 @@ class Capture:
     backward run inside the block fills ``grad_output`` (the gradient of the loss with respect
     to each output tensor). Calls made while ``paused()`` are not recorded.
 
-    ``what``: ``"tensors"`` keeps copies of inputs and outputs, ``"stats"`` only statistics,
-    ``"outputs"`` copies of outputs and no inputs. ``on_call(call)`` runs when a call finishes and
+    ``what``: ``"tensors"`` keeps copies of inputs and outputs, ``"outputs"`` copies of outputs
+    and no inputs, ``"stats"`` only statistics, ``"shapes"`` only output shapes. ``on_call(call)`` runs when a call finishes and
     ``on_grad(call, path, grad)`` when a gradient arrives; with ``keep=False`` the record's
     tensors are dropped once its callback has run, so memory stays bounded.
     """
@@ -295,16 +327,15 @@ class Capture:
         include: PatternSpec = None,
         exclude: PatternSpec = None,
         *,
-        what: Literal["tensors", "outputs", "stats"] = "tensors",
+        what: Literal["tensors", "outputs", "stats", "shapes"] = "tensors",
         grads: bool = False,
         on_call: Callable[[ModuleCall], None] | None = None,
         on_grad: Callable[[ModuleCall, str, torch.Tensor], None] | None = None,
         keep: bool = True,
     ) -> None:
-        if what not in ("tensors", "outputs", "stats"):
-            from torchparity.errors import UsageError
-
-            raise UsageError(f"Capture(what={what!r}): use 'tensors', 'outputs' or 'stats'")
+        if what not in ("tensors", "outputs", "stats", "shapes"):
+            raise UsageError(
+                f"Capture(what={what!r}): use 'tensors', 'outputs', 'stats' or 'shapes'")
         selected = module_filter(include, exclude)
         self.modules = {name: mod for name, mod in model.named_modules() if selected(name)}
         self.what = what
@@ -377,7 +408,7 @@ class Capture:
             call.inputs_requiring_grad = frozenset(p for p, t in inputs.items() if t.requires_grad)
             if self.what == "tensors":
                 # Copied now: the module (or its callers) may change them in place later.
-                call.args, call.kwargs = _snapshot(args), _snapshot(kwargs)
+                call.args, call.kwargs = snapshot(args), snapshot(kwargs)
             elif self.what == "stats":
                 call.input_stats = {path: TensorStats.of(t) for path, t in inputs.items()}
             self._open.setdefault(name, []).append(call)
@@ -394,7 +425,7 @@ class Capture:
             call.output_shapes = {path: tuple(t.shape) for path, t in outputs.items()}
             if self.what == "stats":
                 call.output_stats = {path: TensorStats.of(t) for path, t in outputs.items()}
-            else:
+            elif self.what != "shapes":
                 call.output = map_tensors(output, lambda t: t.detach().clone())
             if self.grads:
                 self._watch_grads(call, outputs)
@@ -417,7 +448,7 @@ class Capture:
         def hook(grad: torch.Tensor) -> None:
             if self.what == "stats":
                 call.grad_stats[path] = TensorStats.of(grad)
-            elif self.keep or self.on_grad is None:
+            elif self.what != "shapes" and (self.keep or self.on_grad is None):
                 call.grad_output[path] = _accumulate(call.grad_output.get(path), grad)
             if self.on_grad is not None:
                 self.on_grad(call, path, grad.detach())

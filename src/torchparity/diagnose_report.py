@@ -1,0 +1,427 @@
+"""The divergence report: rows of aligned modules, and its terminal, JSON and HTML renderings.
+
+The HTML file is self-contained (inline CSS and SVG, no script, nothing fetched): it opens in a
+browser without network. Its plot shows each row's local and propagated error as a share of
+the budget on a log scale, so the row where the local curve crosses 1 is the culprit and the
+rows after it show how the error travels.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["DiagnosisReport", "Mismatch", "Result", "Row"]
+
+
+class Result(Protocol):
+    """What a row holds per comparison: a :class:`torchparity.compare.Comparison` or a
+    :class:`Mismatch`."""
+
+    kind: str
+
+    @property
+    def ok(self) -> bool: ...
+
+    @property
+    def verdict(self) -> str: ...
+
+    def explain(self) -> str: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class Mismatch:
+    """A comparison that could not be made because the two sides differ in structure or shape;
+    it counts as diverged."""
+
+    kind: str
+    reason: str
+    tensors: list = field(default_factory=list)
+
+    ok = False
+    verdict = "diverged"
+
+    def explain(self) -> str:
+        return f"diverged: outputs differ in structure: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "ok": False, "kind": self.kind, "mismatch": self.reason}
+
+
+def worst_error(result: Result | None) -> float | None:
+    """The largest error (in the kind's metric) over the result's tensors; inf for a mismatch."""
+    if result is None:
+        return None
+    if isinstance(result, Mismatch):
+        return math.inf
+    return max((t.error for t in result.tensors), default=0.0)
+
+
+def headroom(result: Result | None) -> float | None:
+    """The largest share of its budget any tensor used (>1 means diverged)."""
+    if result is None:
+        return None
+    if isinstance(result, Mismatch):
+        return math.inf
+    return max((t.headroom for t in result.tensors), default=0.0)
+
+
+@dataclass
+class Row:
+    """One aligned module (or fused group) of the diagnosis.
+
+    ``module`` is B's qualified name (with ``#k`` for its k-th later call), ``a_module`` A's;
+    ``how`` says how they were aligned ("name", "name_map", "order" or "fused"). ``local`` is B's
+    module fed A's recorded inputs against the golden module fed the same, ``propagated`` B's
+    output in its own full run against the golden's full run; ``grad_*`` the same for gradients
+    (of the module's inputs and direct parameters locally, of its outputs and direct parameters
+    propagated). ``amplification`` is propagated error / local error: about 1 where the module
+    itself is the source, large where it only carries error from upstream.
+    """
+
+    module: str
+    a_module: str
+    how: str
+    module_type: str
+    depth: int
+    start: int
+    local: Result | None = None
+    propagated: Result | None = None
+    grad_local: Result | None = None
+    grad_propagated: Result | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def amplification(self) -> float | None:
+        propagated, local = worst_error(self.propagated), worst_error(self.local)
+        if propagated is None or local is None or math.isinf(propagated):
+            return None
+        if local == 0:
+            return None if propagated == 0 else math.inf
+        return propagated / local
+
+    def to_dict(self) -> dict[str, Any]:
+        def dump(result: Result | None) -> dict[str, Any] | None:
+            return None if result is None else result.to_dict()
+
+        return _json_safe({
+            "module": self.module, "a_module": self.a_module, "how": self.how,
+            "type": self.module_type, "depth": self.depth,
+            "local": dump(self.local), "propagated": dump(self.propagated),
+            "amplification": self.amplification,
+            "grad_local": dump(self.grad_local), "grad_propagated": dump(self.grad_propagated),
+            "notes": self.notes,
+        })
+
+
+@dataclass
+class DiagnosisReport:
+    """Result of :func:`torchparity.diagnose` and :func:`torchparity.diagnose_against`.
+
+    ``rows`` are the aligned modules in the order their forward finished in B (children before
+    their parent). ``first_divergence`` is the first row whose local error breaks its budget
+    (None when every module is within budget), ``first_grad_divergence`` the first such row in
+    backward order. ``output``/``loss`` compare the models' final results; ``unmatched_a`` and
+    ``unmatched_b`` list calls that could not be aligned.
+    """
+
+    rows: list[Row]
+    output: Result | None
+    loss: Result | None
+    unmatched_a: list[str]
+    unmatched_b: list[str]
+    meta: dict[str, Any]
+
+    @property
+    def first_divergence(self) -> Row | None:
+        return next((r for r in self.rows if r.local is not None and not r.local.ok), None)
+
+    @property
+    def first_grad_divergence(self) -> Row | None:
+        # Backward runs in reverse start order: later modules, and children before parents.
+        broken = [r for r in self.rows if r.grad_local is not None and not r.grad_local.ok]
+        return max(broken, key=lambda r: r.start, default=None)
+
+    def row(self, module: str) -> Row:
+        """The row of B's module ``module``; KeyError naming close names otherwise."""
+        for r in self.rows:
+            if r.module == module:
+                return r
+        raise KeyError(f"no row for module {module!r}; rows: {', '.join(r.module for r in self.rows)}")
+
+    def summary(self) -> str:
+        """One or two sentences: where A and B part, or that they do not."""
+        parts = []
+        first = self.first_divergence
+        if first is None:
+            parts.append("No module's local error breaks its budget.")
+        else:
+            parts.append(f"First divergence: {_label(first.module)} ({first.module_type}), local "
+                         f"error {_ratio(headroom(first.local))} of budget.")
+        if self.meta.get("backward"):
+            grad = self.first_grad_divergence
+            parts.append("No gradient diverges locally." if grad is None else
+                         f"First gradient divergence: {_label(grad.module)}.")
+        if self.output is not None:
+            parts.append(f"Final output: {self.output.verdict}.")
+        return " ".join(parts)
+
+    # -- JSON ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        first, grad = self.first_divergence, self.first_grad_divergence
+        return _json_safe({
+            "summary": self.summary(),
+            "first_divergence": first.module if first else None,
+            "first_grad_divergence": grad.module if grad else None,
+            "output": self.output.to_dict() if self.output else None,
+            "loss": self.loss.to_dict() if self.loss else None,
+            "rows": [r.to_dict() for r in self.rows],
+            "unmatched_a": self.unmatched_a,
+            "unmatched_b": self.unmatched_b,
+            "meta": self.meta,
+        })
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The report as JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    # -- terminal -----------------------------------------------------------------------------
+
+    def render(self, width: int = 120) -> str:
+        """The report as a rich table (text with ANSI colours when printed to a terminal)."""
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=width, force_terminal=False, color_system=None)
+        console.print(self.rich_table())
+        for line in self._footer():
+            console.print(line, highlight=False)
+        return buffer.getvalue()
+
+    def rich_table(self) -> Any:
+        """The rows as a ``rich.table.Table`` (for printing to a live console with colours)."""
+        from rich.table import Table
+
+        backward = bool(self.meta.get("backward"))
+        table = Table(title=self.summary(), title_justify="left", show_lines=False)
+        for column in ("#", "module (B)", "type", "local", "propagated", "ampl."):
+            table.add_column(column, justify="right" if column in ("#", "ampl.") else "left")
+        if backward:
+            table.add_column("grad local")
+            table.add_column("grad propagated")
+        first, grad = self.first_divergence, self.first_grad_divergence
+        for index, r in enumerate(self.rows):
+            cells = [str(index), "  " * r.depth + _label(r.module) + _aligned_as(r),
+                     r.module_type, _cell(r.local), _cell(r.propagated),
+                     _amplification(r.amplification)]
+            if backward:
+                cells += [_cell(r.grad_local), _cell(r.grad_propagated)]
+            style = "bold red" if r is first or r is grad else (
+                "dim" if r.local is not None and r.local.verdict == "identical" else None)
+            table.add_row(*cells, style=style)
+        return table
+
+    def _footer(self) -> list[str]:
+        lines = ["cells: verdict and share of budget used (=: bit-identical to A, "
+                 "ok: within, X: diverged); ampl. = propagated / local error"]
+        if self.unmatched_a:
+            lines.append(f"unmatched in A: {', '.join(self.unmatched_a)}")
+        if self.unmatched_b:
+            lines.append(f"unmatched in B: {', '.join(self.unmatched_b)}")
+        lines += [f"note: {note}" for note in self.meta.get("notes", [])]
+        for r in self.rows:
+            lines += [f"{_label(r.module)}: {note}" for note in r.notes]
+        return lines
+
+    def __str__(self) -> str:
+        return self.render()
+
+    # -- HTML ---------------------------------------------------------------------------------
+
+    def to_html(self, path: str | os.PathLike | None = None) -> str:
+        """A self-contained HTML page (inline SVG plot, no scripts); written to ``path`` if
+        given."""
+        page = _html_page(self)
+        if path is not None:
+            Path(path).write_text(page, encoding="utf-8")
+        return page
+
+
+# --------------------------------------------------------------------------------------------
+# cells
+
+
+def _label(module: str) -> str:
+    return module or "(model)"
+
+
+def _aligned_as(row: Row) -> str:
+    return "" if row.how == "name" else f" <- {row.a_module or '(model)'} [{row.how}]"
+
+
+def _ratio(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:.2g}"
+
+
+def _cell(result: Result | None) -> str:
+    if result is None:
+        return "-"
+    if result.verdict == "identical":
+        return "="
+    mark = "ok" if result.ok else "X"
+    return f"{mark} {_ratio(headroom(result))}"
+
+
+def _amplification(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "inf" if math.isinf(value) else f"{value:.3g}"
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# HTML
+
+
+_CSS = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; font: 12px ui-monospace, monospace; }
+th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; }
+tr.diverged td { background: #fde8e8; } tr.first td { background: #f8b4b4; font-weight: bold; }
+tr.identical td { color: #999; }
+.summary { font-size: 16px; margin: 1em 0; } .note { color: #666; }
+svg text { font: 11px sans-serif; }
+"""
+
+
+def _html_page(report: DiagnosisReport) -> str:
+    title = "torchparity diagnosis"
+    plots = [_svg_plot(report.rows, "local", "propagated", "Forward error / budget")]
+    if report.meta.get("backward"):
+        plots.append(_svg_plot(report.rows, "grad_local", "grad_propagated",
+                               "Gradient error / budget"))
+    unmatched = "".join(
+        f"<p class='note'>Unmatched in {side}: {html.escape(', '.join(names))}</p>"
+        for side, names in (("A", report.unmatched_a), ("B", report.unmatched_b)) if names)
+    notes = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in report.meta.get("notes", []))
+    settings = json.dumps(_json_safe(report.meta), indent=1, default=str)
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{title}</title><style>{_CSS}</style></head><body>"
+        f"<h1>{title}</h1><p class='summary'>{html.escape(report.summary())}</p>"
+        + "".join(plots) + _html_table(report) + unmatched + notes
+        + f"<details><summary>settings</summary><pre>{html.escape(settings)}</pre></details>"
+        "</body></html>\n"
+    )
+
+
+def _html_table(report: DiagnosisReport) -> str:
+    backward = bool(report.meta.get("backward"))
+    heads = ["#", "module (B)", "A", "type", "local", "propagated", "ampl."]
+    heads += ["grad local", "grad propagated"] if backward else []
+    first, grad = report.first_divergence, report.first_grad_divergence
+    lines = ["<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr></thead><tbody>"]
+    for index, r in enumerate(report.rows):
+        classes = []
+        if r is first or r is grad:
+            classes.append("first")
+        elif any(x is not None and not x.ok for x in (r.local, r.grad_local)):
+            classes.append("diverged")
+        elif r.local is not None and r.local.verdict == "identical":
+            classes.append("identical")
+        cells = [str(index), "&nbsp;" * 2 * r.depth + html.escape(_label(r.module)),
+                 html.escape(r.a_module if r.how != "name" else ""), html.escape(r.module_type),
+                 _html_cell(r.local), _html_cell(r.propagated),
+                 html.escape(_amplification(r.amplification))]
+        if backward:
+            cells += [_html_cell(r.grad_local), _html_cell(r.grad_propagated)]
+        lines.append(f"<tr class='{' '.join(classes)}' data-row='{index}'>"
+                     + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    lines.append("</tbody></table>")
+    return "\n".join(lines)
+
+
+def _html_cell(result: Result | None) -> str:
+    if result is None:
+        return "-"
+    return f"<span title='{html.escape(result.explain(), quote=True)}'>{html.escape(_cell(result))}</span>"
+
+
+def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str) -> str:
+    """Log-scale plot of error / budget per row, local and propagated, with the budget at 1."""
+    series = {
+        "local": [headroom(getattr(r, local_attr)) for r in rows],
+        "propagated": [headroom(getattr(r, propagated_attr)) for r in rows],
+    }
+    colours = {"local": "#c0392b", "propagated": "#2471a3"}
+    finite = [v for values in series.values() for v in values
+              if v is not None and 0 < v < math.inf]
+    lo = math.floor(math.log10(min(finite + [1e-2])))
+    hi = math.ceil(math.log10(max(finite + [10.0])))
+    left, top, plot_h, step = 60, 30, 220, max(8, min(40, 900 // max(len(rows), 1)))
+    width, height = left + step * max(len(rows), 1) + 30, top + plot_h + 40
+
+    def x(i: int) -> float:
+        return left + step * (i + 0.5)
+
+    def y(value: float) -> float:
+        clipped = min(max(value, 10.0**lo), 10.0**hi) if value > 0 else 10.0**lo
+        return top + plot_h * (hi - math.log10(clipped)) / (hi - lo)
+
+    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+             f"role='img' aria-label='{html.escape(title)}'>",
+             f"<text x='{left}' y='16'>{html.escape(title)} (log scale; above 1 breaks the budget)</text>"]
+    for decade in range(lo, hi + 1):
+        # The budget (1e0) is dashed and dark, the other decades light grid lines.
+        stroke = "stroke='#555' stroke-dasharray='4 3'" if decade == 0 else "stroke='#ddd'"
+        parts.append(f"<line x1='{left}' x2='{width - 20}' y1='{y(10.0**decade):.1f}' "
+                     f"y2='{y(10.0**decade):.1f}' {stroke}/>")
+        parts.append(f"<text x='{left - 6}' y='{y(10.0**decade) + 4:.1f}' text-anchor='end'>"
+                     f"1e{decade}</text>")
+    for name, values in series.items():
+        points = [(x(i), y(v)) for i, v in enumerate(values) if v is not None]
+        if points:
+            path = " ".join(f"{px:.1f},{py:.1f}" for px, py in points)
+            parts.append(f"<polyline class='series-{name}' fill='none' stroke='{colours[name]}' "
+                         f"stroke-width='1.5' points='{path}'/>")
+    for i, r in enumerate(rows):
+        for name, values in series.items():
+            if values[i] is None:
+                continue
+            label = f"{_label(r.module)}: {name} error / budget = {_ratio(values[i])}"
+            parts.append(
+                f"<circle class='point-{name}' data-module='{html.escape(r.module, quote=True)}' "
+                f"cx='{x(i):.1f}' cy='{y(values[i]):.1f}' r='3' fill='{colours[name]}'>"
+                f"<title>{html.escape(label)}</title></circle>")
+    legend_y = top + plot_h + 30
+    for offset, (name, colour) in enumerate(colours.items()):
+        parts.append(f"<rect x='{left + 140 * offset}' y='{legend_y - 9}' width='10' height='10' "
+                     f"fill='{colour}'/><text x='{left + 140 * offset + 14}' y='{legend_y}'>"
+                     f"{name}</text>")
+    parts.append("</svg>")
+    return "<figure>" + "".join(parts) + "</figure>"

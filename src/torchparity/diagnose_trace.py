@@ -1,0 +1,362 @@
+"""Where the reference side of a diagnosis keeps its tensors: in memory or in a trace directory.
+
+A trace holds, per module call of the reference model A, the call's inputs (to replay them into
+B's module), its output, the float64 golden's output and, with gradients, the gradients of the
+outputs and parameters, each under a *group* name (see :data:`GROUPS`).
+
+On disk (``tp.record``) a trace is a directory::
+
+    base.tptrace/
+      trace.json              schema, versions, settings, module tree, weight and input checksums,
+                              the calls in execution order with their input structure
+      tensors/00012.safetensors   one file per call: "<group>/<path>" -> tensor
+
+Writing is incremental (one call at a time, so memory stays bounded) into a temporary sibling
+directory that replaces the target only when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from torchparity.capture import (
+    ModuleCall,
+    Uncopyable,
+    flatten_tensors,
+    map_tensors,
+    snapshot,
+    uncopyable_leaves,
+)
+from torchparity.errors import TorchParityError, UsageError
+
+SCHEMA = "torchparity.trace/1"
+TRACE_JSON = "trace.json"
+
+#: Tensor groups kept per call.
+GROUPS = (
+    "out",  # A's output in the full run: the baseline of the propagated comparison
+    "golden_out",  # the float64 golden's output in its full run
+    "local_golden",  # the golden's module fed A's recorded inputs
+    "grad_out",  # d loss / d output in A's full run (also fed to local backward replays)
+    "golden_grad_out",
+    "param_grad",  # d loss / d direct parameters of the module in A's full run
+    "golden_param_grad",
+    "local_grad",  # A's module replayed backward on its recorded inputs and output gradient
+    "local_golden_grad",  # the golden module, the same
+)
+FINAL = "__final__"  # pseudo-call key of the model's own output and loss
+
+
+class ReplayUnavailable(TorchParityError):
+    """A call's inputs cannot be replayed (an input object that could not be recorded)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Stores
+
+
+class MemoryStore:
+    """Tensors and replayable inputs in memory, as detached CPU copies."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        self._inputs: dict[str, tuple[tuple, dict]] = {}
+
+    def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Add tensors to ``group`` of call ``key`` (merging with what is there)."""
+        slot = self._tensors.setdefault((key, group), {})
+        slot.update({path: t.detach().cpu() for path, t in tensors.items()})
+
+    def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
+        """The group's tensors ({} when none were stored)."""
+        return dict(self._tensors.get((key, group), {}))
+
+    def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
+        self._inputs[key] = (args, kwargs)
+
+    def get_inputs(self, key: str) -> tuple[tuple, dict]:
+        """A fresh copy of the call's inputs (replays may change them, e.g. append to a cache)."""
+        if key not in self._inputs:
+            raise ReplayUnavailable("its inputs were not recorded")
+        uncopyable = uncopyable_leaves(self._inputs[key])
+        if uncopyable:
+            raise ReplayUnavailable(f"an input of type {uncopyable[0]} could not be copied")
+        return snapshot(self._inputs[key])
+
+    def finish(self, meta: dict[str, Any]) -> None:
+        """Nothing to write; memory traces live as long as their report needs them."""
+
+
+class DiskStore:
+    """Tensors in one safetensors file per call under ``directory/tensors``; inputs' structure
+    goes to the trace's JSON (``input_specs``) with their tensors in the call's file."""
+
+    def __init__(self, directory: Path, *, writable: bool) -> None:
+        self.directory = Path(directory)
+        self.writable = writable
+        self.input_specs: dict[str, Any] = {}
+        self.files: dict[str, str] = {}
+        self._cache_key: str | None = None
+        self._cache: dict[str, torch.Tensor] = {}
+        if writable:
+            (self.directory / "tensors").mkdir(parents=True, exist_ok=True)
+
+    def _file(self, key: str) -> Path:
+        if key not in self.files:
+            if not self.writable:
+                return self.directory / "tensors" / "missing.safetensors"
+            self.files[key] = f"tensors/{len(self.files):05d}.safetensors"
+        return self.directory / self.files[key]
+
+    def _load(self, key: str) -> dict[str, torch.Tensor]:
+        if self._cache_key != key:  # calls are read group after group: keep the last file
+            path = self._file(key)
+            self._cache = {}
+            if path.exists():
+                with safe_open(path, framework="pt") as handle:
+                    self._cache = {name: handle.get_tensor(name) for name in handle.keys()}
+            self._cache_key = key
+        return self._cache
+
+    def _save(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        # safetensors refuses tensors that share memory: store contiguous private copies.
+        save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()},
+                  str(self._file(key)))
+        self._cache_key, self._cache = key, tensors
+
+    def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        merged = dict(self._load(key))
+        merged.update({f"{group}/{path}": t for path, t in tensors.items()})
+        self._save(key, merged)
+
+    def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
+        prefix = f"{group}/"
+        return {name[len(prefix):]: t for name, t in self._load(key).items()
+                if name.startswith(prefix)}
+
+    def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
+        tensors: dict[str, torch.Tensor] = {}
+        self.input_specs[key] = encode_tree((args, kwargs), tensors)
+        self.put(key, "in", tensors)
+
+    def get_inputs(self, key: str) -> tuple[tuple, dict]:
+        if key not in self.input_specs:
+            raise ReplayUnavailable("its inputs were not recorded")
+        args, kwargs = decode_tree(self.input_specs[key], self.get(key, "in"))
+        return tuple(args), dict(kwargs)
+
+    def finish(self, meta: dict[str, Any]) -> None:
+        meta = {**meta, "files": self.files, "input_specs": self.input_specs}
+        (self.directory / TRACE_JSON).write_text(json.dumps(meta, indent=1, default=str))
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs as JSON + tensors
+
+
+def encode_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """A JSON-able description of ``tree``; its tensors are added to ``tensors`` by name.
+
+    Plain data, tuples, lists, string-keyed dicts, dataclasses (by import path), dtypes and
+    devices are kept; any other object becomes ``{"opaque": type name}`` and makes the call
+    impossible to replay (``decode_tree`` raises :class:`ReplayUnavailable`).
+    """
+    if isinstance(tree, torch.Tensor):
+        name = str(len(tensors))
+        tensors[name] = tree
+        return {"tensor": name}
+    if tree is None or isinstance(tree, (bool, int, float, str)):
+        return tree
+    if isinstance(tree, torch.dtype):
+        return {"dtype": str(tree).removeprefix("torch.")}
+    if isinstance(tree, torch.device):
+        return {"device": str(tree)}
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return {"tuple": [encode_tree(v, tensors) for v in tree]}
+    if isinstance(tree, list):
+        return [encode_tree(v, tensors) for v in tree]
+    if isinstance(tree, dict) and all(isinstance(k, str) for k in tree):
+        return {"dict": {k: encode_tree(v, tensors) for k, v in tree.items()}}
+    if isinstance(tree, Uncopyable):
+        return {"opaque": tree.type_name}
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        cls = type(tree)
+        fields = {f.name: encode_tree(getattr(tree, f.name), tensors)
+                  for f in dataclasses.fields(tree) if f.init}
+        return {"dataclass": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
+    return {"opaque": type(tree).__name__}
+
+
+def decode_tree(spec: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild what :func:`encode_tree` described."""
+    if isinstance(spec, list):
+        return [decode_tree(v, tensors) for v in spec]
+    if not isinstance(spec, dict):
+        return spec
+    if "tensor" in spec:
+        return tensors[spec["tensor"]]
+    if "dtype" in spec:
+        return getattr(torch, spec["dtype"])
+    if "device" in spec:
+        return torch.device(spec["device"])
+    if "tuple" in spec:
+        return tuple(decode_tree(v, tensors) for v in spec["tuple"])
+    if "dict" in spec:
+        return {k: decode_tree(v, tensors) for k, v in spec["dict"].items()}
+    if "dataclass" in spec:
+        cls = _import(spec["dataclass"])
+        return cls(**{k: decode_tree(v, tensors) for k, v in spec["fields"].items()})
+    raise ReplayUnavailable(f"an input of type {spec['opaque']} could not be recorded")
+
+
+def _import(path: str) -> Any:
+    module_name, _, qualname = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ReplayUnavailable(f"input class {path} is gone on this revision ({exc})") from None
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# Checksums and module trees
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """SHA-256 (first 16 hex digits) of a tensor's dtype, shape and bytes."""
+    t = tensor.detach().cpu().contiguous()
+    digest = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
+    digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()[:16]
+
+
+def inputs_digest(inputs: Any) -> str:
+    """Digest of every tensor in the model inputs and of their structure."""
+    digest = hashlib.sha256()
+    for path, tensor in flatten_tensors(inputs, "inputs").items():
+        digest.update(f"{path}={tensor_digest(tensor)};".encode())
+    return digest.hexdigest()[:16]
+
+
+def weight_digests(model: nn.Module) -> dict[str, str]:
+    """Digest of every parameter and buffer by qualified name."""
+    named = dict(model.named_parameters())
+    named.update(model.named_buffers())
+    return {name: tensor_digest(t) for name, t in named.items()}
+
+
+def module_tree(model: nn.Module) -> list[dict[str, Any]]:
+    """Every module's name, class and direct parameters' shapes."""
+    return [
+        {"name": name, "type": type(module).__name__,
+         "params": {p: list(t.shape) for p, t in module.named_parameters(recurse=False)}}
+        for name, module in model.named_modules()
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Trace directories
+
+
+def call_to_json(call: ModuleCall) -> dict[str, Any]:
+    return {
+        "name": call.name, "call": call.call, "type": call.module_type, "start": call.start,
+        "order": call.order,
+        "output_shapes": {p: list(s) for p, s in call.output_shapes.items()},
+        "inputs_requiring_grad": sorted(call.inputs_requiring_grad),
+    }
+
+
+def call_from_json(data: dict[str, Any]) -> ModuleCall:
+    return ModuleCall(
+        name=data["name"], call=data["call"], module_type=data["type"], start=data["start"],
+        order=data["order"],
+        output_shapes={p: tuple(s) for p, s in data["output_shapes"].items()},
+        inputs_requiring_grad=frozenset(data["inputs_requiring_grad"]),
+    )
+
+
+class TraceWriter:
+    """A trace directory being written; ``commit`` moves it into place atomically."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if self.path.exists() and not (self.path / TRACE_JSON).exists():
+            raise UsageError(f"{self.path} exists and is not a torchparity trace; choose another "
+                             "path or remove it")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.path.name}.", dir=self.path.parent))
+        self.store = DiskStore(self._tmp, writable=True)
+
+    def commit(self, meta: dict[str, Any]) -> Path:
+        self.store.finish(meta)
+        old = None
+        if self.path.exists():
+            old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
+            self.path.rename(old)
+        self._tmp.rename(self.path)
+        if old is not None:
+            shutil.rmtree(old)  # the trace this one replaces, as the caller asked
+        return self.path
+
+    def abort(self) -> None:
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def open_trace(path: str | os.PathLike) -> tuple[dict[str, Any], DiskStore]:
+    """Read a trace directory's metadata; errors say what is wrong and how to make one."""
+    path = Path(path)
+    meta_file = path / TRACE_JSON
+    if not meta_file.exists():
+        what = "is not a torchparity trace" if path.exists() else "does not exist"
+        raise TorchParityError(f"trace {path} {what}; create it on the base revision with "
+                               "`torchparity record` or tp.record(model, inputs, path)")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise TorchParityError(f"trace {path} is corrupted ({meta_file.name}: {exc}); "
+                               "record it again") from None
+    if meta.get("schema") != SCHEMA:
+        raise TorchParityError(f"trace {path} has schema {meta.get('schema')!r}, this torchparity "
+                               f"reads {SCHEMA!r}; record it again with this version")
+    store = DiskStore(path, writable=False)
+    store.files = meta["files"]
+    store.input_specs = meta["input_specs"]
+    return meta, store
+
+
+def changed_weights(recorded: Mapping[str, str], model: nn.Module) -> dict[str, list[str]]:
+    """Parameters and buffers whose digests differ, and those present on one side only."""
+    current = weight_digests(model)
+    return {
+        "changed": sorted(n for n in recorded.keys() & current.keys()
+                          if recorded[n] != current[n]),
+        "only_recorded": sorted(recorded.keys() - current.keys()),
+        "only_current": sorted(current.keys() - recorded.keys()),
+    }
+
+
+def upcast(tree: Any, dtype: torch.dtype | None, device: torch.device | str | None = None) -> Any:
+    """``tree`` with floating tensors cast to ``dtype`` (None: unchanged) and all tensors moved
+    to ``device`` (None: unchanged); new tensors, so the originals stay untouched."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t.detach().to(device=device or t.device, dtype=target, copy=True)
+
+    return map_tensors(tree, cast)
