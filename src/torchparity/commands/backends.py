@@ -1,0 +1,60 @@
+"""``torchparity backends``: which attention backends run here, per dtype, and why not."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from torchparity import backends
+from torchparity.errors import UsageError
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16,
+          "fp16": torch.float16}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None,
+                        help="device to probe (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", action="append", choices=list(DTYPES),
+                        help="dtype to probe (repeatable; default: all)")
+    parser.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a torch device (try cpu or cuda)") from None
+    dtypes = args.dtype or list(DTYPES)
+    results = {name: backends.available(device, DTYPES[name]) for name in dtypes}
+
+    table = Table(title=f"attention backends on {device} (torch {torch.__version__})")
+    table.add_column("backend")
+    for name in dtypes:
+        table.add_column(name)
+    notes: dict[str, int] = {}
+    for backend in backends.names():
+        cells = []
+        for name in dtypes:
+            reason = results[name][backend]
+            if reason is None:
+                cells.append("[green]ok[/]")
+            else:
+                index = notes.setdefault(reason, len(notes) + 1)
+                cells.append(f"[red]n/a[/] [{index}]")
+        table.add_row(backend, *cells)
+    console = Console()
+    console.print(table)
+    for reason, index in notes.items():
+        console.print(f"[{index}] {reason}", markup=False)
+
+    if args.json:
+        payload = {"device": device, "torch": torch.__version__, "available": results}
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+    return 0
