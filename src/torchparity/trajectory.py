@@ -1,0 +1,241 @@
+"""Trajectory comparison: do two training runs of one recipe follow the same path?
+
+Per step and per quantity (loss, gradient norm, update norm) the candidate may differ from the
+reference by the trajectory budget of :mod:`torchparity.tolerance`:
+
+    |candidate(n) - reference(n)| <= (fudge * noise(n) + floor) * (1 + per_step_growth * (n-1))
+
+``noise(n)`` is the running maximum over steps 1..n of a difference that rounding alone makes:
+
+- three-way (``baseline`` is one run): ``|baseline - reference|``, with the reference the float64
+  golden and the baseline the plain manual-attention run in the candidate's dtype and device;
+- two-run calibration (``baseline`` is a pair): ``|baseline_1 - baseline_2|``, two runs that
+  differ only in reduction order (see :func:`reduction_twin`).
+
+The running maximum is used because rounding differences compound and do not heal: a step at
+which the baseline happens to land close to the reference says nothing about the next one.
+``n - 1`` (the number of updates before the step) drives the growth, so step 1 is judged like a
+single forward and backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from torchparity import tolerance
+from torchparity.train import QUANTITIES, TrainConfig, Trajectory
+
+Verdict = Literal["identical", "within", "diverged"]
+
+
+@dataclass
+class Point:
+    """One quantity at one step: values, error, budget and the share of it used."""
+
+    step: int
+    quantity: str
+    candidate: float
+    reference: float
+    noise: float
+    error: float
+    budget: float
+    headroom: float  # error / budget (inf for a non-finite fault)
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.headroom <= 1.0
+
+
+@dataclass
+class TrajectoryComparison:
+    """The verdict on a candidate trajectory, step by step.
+
+    ``first_divergence`` is the earliest step at which any quantity left its budget (the
+    quantity listed first in :data:`~torchparity.train.QUANTITIES` wins ties), or None.
+    """
+
+    candidate: str
+    reference: str
+    calibration: str
+    compute_dtype: str
+    points: list[Point]
+    identical: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok for p in self.points)
+
+    @property
+    def verdict(self) -> Verdict:
+        if not self.ok:
+            return "diverged"
+        return "identical" if self.identical else "within"
+
+    @property
+    def first_divergence(self) -> Point | None:
+        return next((p for p in self.points if not p.ok), None)
+
+    @property
+    def worst(self) -> Point | None:
+        return max(self.points, key=lambda p: p.headroom, default=None)
+
+    @property
+    def max_headroom(self) -> float:
+        worst = self.worst
+        return worst.headroom if worst else 0.0
+
+    def headroom_by_quantity(self) -> dict[str, float]:
+        """The largest share of the budget each quantity used over the run."""
+        return {q: max((p.headroom for p in self.points if p.quantity == q), default=0.0)
+                for q in QUANTITIES}
+
+    def explain(self) -> str:
+        """One paragraph: verdict, the step and quantity that decided it, error vs budget."""
+        head = f"{self.candidate} vs {self.reference} ({self.calibration}, {self.compute_dtype})"
+        steps = max((p.step for p in self.points), default=0)
+        if self.verdict == "identical":
+            return f"identical: {head}: all {steps} steps bit-equal to the baseline."
+        point = self.first_divergence or self.worst
+        if point is None:
+            return f"identical: {head}: no steps to compare."
+        detail = (f"{point.quantity} at step {point.step}: candidate {point.candidate:.8g}, "
+                  f"reference {point.reference:.8g}, error {point.error:.3g} "
+                  f"{'exceeds' if not point.ok else 'is within'} the budget {point.budget:.3g} "
+                  f"(rounding noise so far {point.noise:.3g}), using {_share(point.headroom)}")
+        if point.note:
+            detail += f"; {point.note}"
+        if self.ok:
+            return f"within: {head}: all {steps} steps within budget; closest: {detail}."
+        return (f"diverged: {head}: the runs part at step {point.step}; {detail}. "
+                f"Inspect that step with train.diagnose_step(..., step={point.step}).")
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_divergence
+        return {
+            "verdict": self.verdict,
+            "ok": self.ok,
+            "candidate": self.candidate,
+            "reference": self.reference,
+            "calibration": self.calibration,
+            "compute_dtype": self.compute_dtype,
+            "first_divergence": None if first is None else {"step": first.step,
+                                                            "quantity": first.quantity},
+            "max_headroom": _finite(self.max_headroom),
+            "headroom_by_quantity": {q: _finite(h)
+                                     for q, h in self.headroom_by_quantity().items()},
+            "notes": self.notes,
+            "points": [{**vars(p), "headroom": _finite(p.headroom)} for p in self.points],
+        }
+
+
+def compare_trajectories(
+    candidate: Trajectory,
+    reference: Trajectory,
+    baseline: Trajectory | tuple[Trajectory, Trajectory],
+    *,
+    compute_dtype: str | None = None,
+) -> TrajectoryComparison:
+    """Judge ``candidate`` against ``reference`` step by step (see the module docstring).
+
+    ``baseline`` is one run (three-way rule, ``reference`` being the golden) or a pair of runs
+    that differ only in reduction order (two-run calibration). All runs must share the recipe
+    and have at least the candidate's number of steps. ``compute_dtype`` (default: the
+    candidate's dtype mode) sets the unit roundoff of the floor.
+
+    Guarantees: a candidate bit-equal to the baseline is ``identical``; NaN or inf where the
+    reference is finite diverges, except a gradient overflow at a step the baseline skipped too
+    (fp16 loss scaling), which is excused and noted.
+    """
+    pair = isinstance(baseline, tuple)
+    runs = [candidate, reference, *(baseline if pair else (baseline,))]
+    _check_compatible(runs)
+    steps = len(candidate.records)
+    dtype = compute_dtype or candidate.execution.mode.compute_dtype
+    if pair:
+        noise_a, noise_b = baseline
+        calibration = f"noise of {noise_a.execution.label()} vs its reduction-order twin"
+    else:
+        noise_a, noise_b = baseline, reference
+        calibration = f"baseline {baseline.execution.label()}"
+    series = [run.series() for run in (candidate, reference, noise_a, noise_b)]
+    points = []
+    for q in QUANTITIES:
+        cand, ref, a, b = (s[q][:steps] for s in series)
+        envelope = _running_max((a - b).abs().nan_to_num(nan=math.inf))
+        points += [_point(q, n, cand[n - 1].item(), ref[n - 1].item(), envelope[n - 1].item(),
+                          dtype, _skipped_by_both(candidate, noise_a, n))
+                   for n in range(1, steps + 1)]
+    points.sort(key=lambda p: (p.step, QUANTITIES.index(p.quantity)))
+    identical = not pair and _bit_equal(series[0], series[2], steps)
+    return TrajectoryComparison(candidate.execution.label(), reference.execution.label(),
+                                calibration, dtype, points, identical, list(candidate.notes))
+
+
+def reduction_twin(config: TrainConfig) -> TrainConfig:
+    """The same recipe with each step's batch split into twice the micro-batches (or, when
+    rows do not allow that, merged into one): identical mathematics, a different summation
+    order of every gradient. Two runs of a config and its twin measure rounding noise."""
+    doubled = config.accum_steps * 2
+    if config.batch_size % doubled == 0:
+        return config.replace(accum_steps=doubled)
+    if config.accum_steps > 1:
+        return config.replace(accum_steps=1)
+    raise ValueError(f"batch_size={config.batch_size} has no second micro-batch split; "
+                     "use an even batch size for two-run calibration")
+
+
+def _point(quantity: str, step: int, candidate: float, reference: float, noise: float,
+           dtype: str, excused: bool) -> Point:
+    if excused and quantity != "loss":
+        return Point(step, quantity, candidate, reference, noise, 0.0, math.inf, 0.0,
+                     "step skipped by fp16 loss scaling in candidate and baseline alike")
+    value = torch.tensor(reference, dtype=torch.float64)
+    budget = tolerance.budget(value, baseline_error=noise if math.isfinite(noise) else None,
+                              compute_dtype=dtype, kind="trajectory", step=step - 1).value
+    if not math.isfinite(noise):
+        budget = math.inf
+    if not math.isfinite(candidate) and math.isfinite(reference):
+        return Point(step, quantity, candidate, reference, noise, math.inf, budget, math.inf,
+                     f"candidate {quantity} is {candidate} where the reference is finite")
+    error = abs(candidate - reference)
+    headroom = error / budget if math.isfinite(budget) else 0.0
+    return Point(step, quantity, candidate, reference, noise, error, budget, headroom)
+
+
+def _running_max(x: torch.Tensor) -> torch.Tensor:
+    return torch.cummax(x, dim=0).values if x.numel() else x
+
+
+def _skipped_by_both(candidate: Trajectory, baseline: Trajectory, step: int) -> bool:
+    return candidate.records[step - 1].skipped and baseline.records[step - 1].skipped
+
+
+def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], steps: int) -> bool:
+    return all(torch.equal(a[q][:steps], b[q][:steps]) for q in QUANTITIES)
+
+
+def _check_compatible(runs: list[Trajectory]) -> None:
+    recipe = runs[0].config
+    for run in runs[1:]:
+        if run.config.replace(accum_steps=1) != recipe.replace(accum_steps=1):
+            raise ValueError(f"trajectories of different recipes cannot be compared: "
+                             f"{run.config} vs {recipe}")
+        if len(run.records) < len(runs[0].records):
+            raise ValueError(f"a reference or baseline run has {len(run.records)} steps, fewer "
+                             f"than the candidate's {len(runs[0].records)}")
+
+
+def _share(headroom: float) -> str:
+    if math.isinf(headroom):
+        return "all of it (a non-finite value)"
+    return f"{headroom:.0%} of it" if headroom < 10 else f"{headroom:.3g} times it"
+
+
+def _finite(x: float) -> float | str:
+    return x if math.isfinite(x) else ("nan" if math.isnan(x) else "inf")
