@@ -23,5 +23,13 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Each xdist worker gets one core's worth of threads; two workers with torch's default of one
+# thread per core would oversubscribe the machine and run slower than one.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
 if not any(ep.name == "torchparity" for ep in entry_points(group="pytest11")):
     pytest_plugins = ["torchparity.pytest_plugin"]
