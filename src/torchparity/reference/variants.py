@@ -190,7 +190,7 @@ def _unfuse(tensors: Tensors, fused: str, parts: tuple[str, ...], sizes: list[in
     out = {k: v for k, v in tensors.items() if k.split(".")[0] != fused}
     for param in ("weight", "bias"):
         if f"{fused}.{param}" in tensors:
-            for part, piece in zip(parts, tensors[f"{fused}.{param}"].split(sizes)):
+            for part, piece in zip(parts, tensors[f"{fused}.{param}"].split(sizes), strict=True):
                 out[f"{part}.{param}"] = piece
     return out
 
@@ -413,7 +413,7 @@ class PreallocatedKVCache(KVCache):
 
     def _grow(self, layer: int, k: torch.Tensor, v: torch.Tensor, capacity: int) -> None:
         grown = []
-        for new, old in zip((k, v), self.buffers.get(layer, (None, None))):
+        for new, old in zip((k, v), self.buffers.get(layer, (None, None)), strict=True):
             shape = (*new.shape[:-2], capacity, new.shape[-1])
             buf = new.new_zeros(shape)
             if old is not None:

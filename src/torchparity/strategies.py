@@ -1,0 +1,325 @@
+"""Hypothesis strategies for property tests of transformer code, and reproducers for failures.
+
+Everything here draws *valid* inputs only (no example is thrown away by ``assume``) and shrinks
+toward the smallest problem: one head, one layer, no positions, no padding, short rows. ::
+
+    from hypothesis import given, note
+    from torchparity import strategies as tps
+
+    @given(config=tps.configs(positions="rotary"), data=st.data())
+    def test_my_property(config, data):
+        batch = data.draw(tps.batches(config))
+        ...
+
+- :func:`configs`: :class:`~torchparity.reference.TransformerConfig` objects, any field fixed
+  to a value or to a strategy of your own;
+- :func:`token_rows`, :func:`pad_rows`, :func:`batches`: token ids with per-row lengths,
+  padded on the left or right, with masks; fully padded rows included unless disabled;
+- :func:`dtypes`, :func:`attention_backends`: what runs on a device;
+- :func:`reproducer`, :func:`note_reproducer`: a copy-pasteable Python script that reruns a
+  failing check on the shrunk example.
+
+Needs ``hypothesis`` (``pip install torchparity[test]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
+
+from torchparity import backends
+from torchparity.reference import config as config_module
+from torchparity.reference.config import TransformerConfig
+
+PADDINGS = ("none", "right", "left")  # simplest first: hypothesis shrinks toward "none"
+_FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+# --- configs ----------------------------------------------------------------------------------
+
+
+def configs(*, architectures: Sequence[str] = config_module.ARCHITECTURES,
+            max_d_model: int = 32, max_layers: int = 2,
+            **fixed: Any) -> SearchStrategy[TransformerConfig]:
+    """Valid tiny configs: every field that the reference supports is drawn, in combinations
+    that :class:`TransformerConfig` accepts, with ``d_model <= max_d_model`` and at most
+    ``max_layers`` layers per stack. Dropout is 0 (properties need determinism).
+
+    ``fixed`` pins fields, to a value (``positions="rotary"``) or to a strategy
+    (``activation=st.sampled_from(["gated-silu", "gated-gelu"])``); fields that depend on a
+    pinned one are drawn consistently with it. An unknown field name raises ``ValueError``.
+    """
+    unknown = sorted(set(fixed) - _FIELDS)
+    if unknown:
+        raise ValueError(f"configs() got unknown TransformerConfig field(s) {', '.join(unknown)}")
+    bad = [a for a in architectures if a not in config_module.ARCHITECTURES]
+    if bad or not architectures:
+        raise ValueError(f"architectures must be a non-empty subset of "
+                         f"{config_module.ARCHITECTURES}; got {tuple(architectures)}")
+    if max_d_model < 8 or max_layers < 1:
+        raise ValueError(f"configs() needs max_d_model >= 8 and max_layers >= 1; "
+                         f"got {max_d_model}, {max_layers}")
+    return _configs(tuple(architectures), max_d_model, max_layers, fixed)
+
+
+@st.composite
+def _configs(draw: st.DrawFn, architectures: tuple[str, ...], max_d_model: int,
+             max_layers: int, fixed: dict[str, Any]) -> TransformerConfig:
+    fields: dict[str, Any] = {}
+
+    def pick(field: str, strategy: SearchStrategy) -> Any:
+        value = fixed.get(field, strategy)
+        fields[field] = draw(value) if isinstance(value, SearchStrategy) else value
+        return fields[field]
+
+    def flag(field: str) -> bool:
+        return pick(field, st.booleans())
+
+    architecture = pick("architecture", st.sampled_from(architectures))
+    pick("vocab_size", st.integers(8, 64))
+    pick("n_layers", st.integers(1, max_layers))
+    if architecture == "encoder-decoder":
+        pick("n_encoder_layers", st.integers(1, max_layers))
+        pick("src_vocab_size", st.none() | st.integers(8, 64))
+    d_model = pick("d_model", st.sampled_from([d for d in (8, 16, 32) if d <= max_d_model]))
+    n_heads = pick("n_heads", st.sampled_from([h for h in (1, 2, 4) if d_model % h == 0]))
+    pick("n_kv_heads", st.sampled_from([None, *_divisors(n_heads)]))
+    head_dim = pick("head_dim", st.none() | st.sampled_from([2, 4, 8]))
+    dim_head = head_dim or d_model // n_heads
+    pick("d_ff", st.sampled_from([f for f in (8, 16, 32, 64) if f <= 2 * max_d_model]))
+
+    positions = pick("positions", st.sampled_from(
+        ["none", "learned", "sinusoidal", "rotary", "alibi", "relative"]))
+    if positions == "rotary":
+        pick("rotary_layout", st.sampled_from(config_module.ROTARY_LAYOUTS))
+        partial = list(range(2, dim_head, 2))  # even widths below head_dim: partial rotary
+        pick("rotary_dim", st.none() | st.sampled_from(partial) if partial else st.none())
+        pick("rope_theta", st.sampled_from([10000.0, 100.0]))
+    elif positions == "sinusoidal":
+        pick("sinusoidal_layout", st.sampled_from(config_module.SINUSOIDAL_LAYOUTS))
+    elif positions == "relative":
+        pick("max_relative_positions", st.integers(1, 8))
+    pick("max_positions", st.just(64))  # learned tables: enough for every input drawn here
+
+    norm = pick("norm", st.sampled_from(config_module.NORMS))
+    pick("norm_eps", st.sampled_from([1e-5, 1e-6]))
+    if norm == "layernorm":
+        flag("norm_bias")
+    placement = pick("norm_placement", st.sampled_from(config_module.NORM_PLACEMENTS))
+    flag("final_norm")
+    pick("activation", st.sampled_from(config_module.ACTIVATIONS))
+    if architecture == "decoder" and placement == "pre" and flag("parallel_residual"):
+        flag("shared_layernorm")
+    for field in ("qkv_bias", "out_bias", "ffn_bias", "tie_embeddings", "scale_embeddings"):
+        flag(field)
+    pick("sliding_window", st.none() | st.integers(1, 8))
+    fields.update({k: v for k, v in fixed.items() if k not in fields and
+                   not isinstance(v, SearchStrategy)})
+    fields.update({k: draw(v) for k, v in fixed.items() if k not in fields})
+    try:
+        return TransformerConfig(**fields)
+    except ValueError as exc:
+        raise ValueError(f"configs(): the pinned fields {sorted(fixed)} conflict with the "
+                         f"drawn ones: {exc}") from None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# --- token inputs -----------------------------------------------------------------------------
+
+
+def token_rows(vocab_size: int, *, batch_size: SearchStrategy[int] | int | None = None,
+               lengths: SearchStrategy[int] | None = None) -> SearchStrategy[list[list[int]]]:
+    """Rows of real token ids in ``[1, vocab_size)`` (0 is padding), one length per row.
+
+    ``batch_size`` (default 1 to 3 rows) and ``lengths`` (default 1 to 12 tokens per row)
+    take a number or a strategy.
+    """
+    if vocab_size < 2:
+        raise ValueError(f"token_rows needs vocab_size >= 2 (0 is padding); got {vocab_size}")
+    sizes = (st.integers(1, 3) if batch_size is None else
+             batch_size if isinstance(batch_size, SearchStrategy) else st.just(batch_size))
+    lengths = st.integers(1, 12) if lengths is None else lengths
+    row = lengths.flatmap(lambda n: st.lists(st.integers(1, vocab_size - 1),
+                                             min_size=n, max_size=n))
+    return sizes.flatmap(lambda b: st.lists(row, min_size=b, max_size=b))
+
+
+def pad_rows(rows: Sequence[Sequence[int]], side: str, length: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(ids, mask)`` of ``rows`` padded with 0 on ``side`` ("left"/"right") to ``length``
+    (default: the longest row). ``side="none"`` needs rows of equal length and gives no mask.
+    """
+    if side not in PADDINGS:
+        raise ValueError(f"side={side!r} is invalid; expected one of {', '.join(PADDINGS)}")
+    longest = max((len(r) for r in rows), default=0)
+    length = longest if length is None else length
+    if length < longest:
+        raise ValueError(f"length={length} is shorter than the longest row ({longest})")
+    if side == "none":
+        if any(len(r) != length for r in rows):
+            raise ValueError("side='none' needs rows of equal length; pad on 'left' or 'right'")
+        return torch.tensor([list(r) for r in rows], dtype=torch.long), None
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.long)
+    for i, row in enumerate(rows):
+        cols = slice(length - len(row), length) if side == "left" else slice(0, len(row))
+        ids[i, cols] = torch.tensor(list(row), dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+@st.composite
+def _padded(draw: st.DrawFn, vocab_size: int, batch_size: int, max_len: int, side: str,
+            allow_empty_rows: bool, max_extra: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if side == "none":
+        length = draw(st.integers(2, max_len))
+        rows = draw(token_rows(vocab_size, batch_size=batch_size, lengths=st.just(length)))
+        return pad_rows(rows, "none")
+    rows = draw(token_rows(vocab_size, batch_size=batch_size,
+                           lengths=st.integers(0 if allow_empty_rows else 1, max_len)))
+    longest = max(1, max(len(r) for r in rows))
+    return pad_rows(rows, side, longest + draw(st.integers(0, max_extra)))
+
+
+@st.composite
+def batches(draw: st.DrawFn, config: TransformerConfig, *, max_batch: int = 3,
+            max_len: int = 12, padding: SearchStrategy[str] | str | None = None,
+            allow_empty_rows: bool = True, max_extra_padding: int = 2) -> dict[str, torch.Tensor]:
+    """Model keyword arguments, like :func:`torchparity.reference.zoo.make_batch`:
+    ``model(**batch)`` runs and ``sequence_loss(logits, batch)`` scores it.
+
+    Rows have their own lengths (up to ``max_len``), padded with 0 on the drawn side plus up to
+    ``max_extra_padding`` extra columns; masks are 1 for tokens and 0 for padding. With
+    ``allow_empty_rows`` a row may be entirely padding. ``padding="none"`` gives full rows and
+    no mask; the side is drawn from :data:`PADDINGS` unless ``padding`` gives it (a name or
+    a strategy). Encoder-decoder batches draw source and target lengths independently, padded
+    on the same side.
+    """
+    padding = st.sampled_from(PADDINGS) if padding is None else padding
+    side = draw(padding) if isinstance(padding, SearchStrategy) else padding
+    batch_size = draw(st.integers(1, max_batch))
+
+    def ids_and_mask(vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return draw(_padded(vocab, batch_size, max_len, side, allow_empty_rows,
+                            max_extra_padding))
+
+    keys = ([("src_ids", "src_mask", config.source_vocab_size)] if config.is_encoder_decoder
+            else [])
+    keys.append(("tgt_ids", "tgt_mask", config.vocab_size) if config.is_encoder_decoder
+                else ("input_ids", "attention_mask", config.vocab_size))
+    batch: dict[str, torch.Tensor] = {}
+    for ids_key, mask_key, vocab in keys:
+        ids, mask = ids_and_mask(vocab)
+        batch[ids_key] = ids
+        if mask is not None:
+            batch[mask_key] = mask
+    return batch
+
+
+def lengths(batch: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    """Real tokens per row for every ids tensor of ``batch`` (its mask's row sums)."""
+    out = {}
+    for ids_key, mask_key in (("input_ids", "attention_mask"), ("src_ids", "src_mask"),
+                              ("tgt_ids", "tgt_mask")):
+        if ids_key in batch:
+            ids = batch[ids_key]
+            mask = batch.get(mask_key)
+            out[ids_key] = ([ids.shape[1]] * ids.shape[0] if mask is None
+                            else mask.sum(-1).tolist())
+    return out
+
+
+# --- dtypes and backends ----------------------------------------------------------------------
+
+_LOW_AND_SINGLE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def dtypes(device: str | torch.device = "cpu",
+           candidates: Sequence[torch.dtype] = _LOW_AND_SINGLE) -> SearchStrategy[torch.dtype]:
+    """The ``candidates`` in which the reference attention runs on ``device`` (float32 first)."""
+    usable = [d for d in candidates if backends.available(device, d)["manual"] is None]
+    if not usable:
+        raise ValueError(f"none of {[str(d) for d in candidates]} runs on {device}")
+    return st.sampled_from(usable)
+
+
+def attention_backends(device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.float32) -> SearchStrategy[str]:
+    """Names of the attention backends that run on ``device`` in ``dtype`` ("manual" first)."""
+    return st.sampled_from([n for n, why in backends.available(device, dtype).items()
+                            if why is None])
+
+
+# --- reproducers ------------------------------------------------------------------------------
+
+#: What a reproducer imports; check functions passed to :func:`reproducer` may use these names.
+REPRODUCER_HEADER = """\
+import torch
+import torchparity as tp
+from torchparity.errors import BackendUnavailable
+from torchparity.reference import TransformerConfig, build_model, sequence_loss, variants
+from torchparity.reference.attention import AttentionContext
+"""
+
+
+def python_source(value: Any) -> str:
+    """A Python expression that rebuilds ``value`` (configs, tensors, dtypes, containers of
+    them, literals). Tensors are written out in full, so keep them small."""
+    if isinstance(value, TransformerConfig):
+        return config_source(value)
+    if isinstance(value, torch.Tensor):
+        dtype = "" if value.dtype == torch.long else f", dtype={value.dtype}"
+        return f"torch.tensor({value.tolist()!r}{dtype})"
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {python_source(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        items = [python_source(v) for v in value]
+        if isinstance(value, tuple):
+            return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+        return "[" + ", ".join(items) + "]"
+    return repr(value)
+
+
+def config_source(config: TransformerConfig) -> str:
+    """``TransformerConfig(...)`` with only the fields that differ from the defaults."""
+    default = TransformerConfig()
+    changed = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
+               if getattr(config, f.name) != getattr(default, f.name)]
+    return f"TransformerConfig({', '.join(changed)})"
+
+
+def reproducer(check: Callable[..., Any], arguments: dict[str, Any],
+               helpers: Sequence[Callable[..., Any]] = ()) -> str:
+    """A self-contained script that reruns ``check(**arguments)``.
+
+    It holds :data:`REPRODUCER_HEADER`, the source of every helper and of ``check`` (so it
+    shows the exact computation that failed), one assignment per argument written with
+    :func:`python_source`, and the call. ``check`` and helpers may only use the header's names.
+    """
+    parts = [REPRODUCER_HEADER]
+    parts += [textwrap.dedent(inspect.getsource(f)) for f in (*helpers, check)]
+    assignments = "\n".join(f"{name} = {python_source(v)}" for name, v in arguments.items())
+    call = f"{check.__name__}({', '.join(f'{n}={n}' for n in arguments)})"
+    return "\n\n".join(parts) + "\n\n" + assignments + "\n" + call + "\n"
+
+
+def note_reproducer(check: Callable[..., Any], arguments: dict[str, Any],
+                    helpers: Sequence[Callable[..., Any]] = ()) -> Any:
+    """Run ``check(**arguments)`` inside a hypothesis test; if the test fails, hypothesis
+    prints the :func:`reproducer` of the shrunk example along with the error."""
+    note("Reproducer (paste into a Python shell with torchparity importable):\n"
+         + reproducer(check, arguments, helpers))
+    return check(**arguments)
