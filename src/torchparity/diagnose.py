@@ -129,7 +129,7 @@ def diagnose(
     ``report.meta["golden"]``); unmatched modules are listed, never dropped.
     """
     opts = _options(backward, loss_fn, include, exclude, backends, progress)
-    _check_models(model_a, model_b)
+    _check_models(model_a=model_a, model_b=model_b)
     with _progress(opts.progress) as bar:
         if stream:
             with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:
@@ -163,7 +163,7 @@ def record(
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record(backend=...) takes a backend name, which the trace stores")
     opts = _options(backward, loss_fn, include, exclude, (backend, None), progress)
-    _check_models(model)
+    _check_models(model=model)
     writer = TraceWriter(path)
     try:
         with _progress(opts.progress) as bar:
@@ -203,7 +203,7 @@ def diagnose_against(
                          f"{meta['inputs_digest']}); pass the same inputs to both revisions")
     opts = _options(meta["backward"] if backward is None else backward, loss_fn,
                     meta["include"], meta["exclude"], (meta["backend"], backend), progress)
-    _check_models(model)
+    _check_models(model=model)
     reference = _Reference(
         calls=[call_from_json(c) for c in meta["calls"]], store=store,
         golden=meta["golden"], notes=meta["notes"], source=str(path))
@@ -235,15 +235,15 @@ def _options(backward: bool, loss_fn: LossFn | None, include: PatternSpec, exclu
     return Options(include, exclude, bool(backward), loss_fn, backend_a, backend_b, progress)
 
 
-def _check_models(*models: nn.Module) -> None:
-    for model in models:
+def _check_models(**models: Any) -> None:
+    for label, model in models.items():
         if not isinstance(model, nn.Module):
-            raise UsageError(f"expected a torch.nn.Module, got {type(model).__name__}")
+            raise UsageError(f"{label} is not a torch.nn.Module (got {type(model).__name__})")
         active = [name for name, m in model.named_modules()
                   if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
         if active:
-            raise UsageError(f"{type(model).__name__} has active dropout ({active[0] or 'root'}, "
-                             "...); call model.eval() so that both runs are deterministic")
+            raise UsageError(f"{label} has active dropout ({active[0] or 'root'}); call "
+                             "model.eval() so that both runs are deterministic")
 
 
 def _call_model(model: nn.Module, inputs: Inputs) -> Any:
