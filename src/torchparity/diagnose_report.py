@@ -200,15 +200,21 @@ class DiagnosisReport:
     # -- terminal -----------------------------------------------------------------------------
 
     def render(self, width: int = 120) -> str:
-        """The report as a rich table (text with ANSI colours when printed to a terminal)."""
+        """The report as plain text: the table, unmatched modules and notes."""
         from rich.console import Console
 
         buffer = io.StringIO()
-        console = Console(file=buffer, width=width, force_terminal=False, color_system=None)
+        self.print(Console(file=buffer, width=width, force_terminal=False, color_system=None))
+        return buffer.getvalue()
+
+    def print(self, console: Any = None) -> None:
+        """Print the report to a ``rich.console.Console`` (default: stdout, with colours)."""
+        from rich.console import Console
+
+        console = console or Console()
         console.print(self.rich_table())
         for line in self._footer():
-            console.print(line, highlight=False)
-        return buffer.getvalue()
+            console.print(line, markup=False, highlight=False)
 
     def rich_table(self) -> Any:
         """The rows as a ``rich.table.Table`` (for printing to a live console with colours)."""
