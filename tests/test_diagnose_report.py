@@ -1,0 +1,87 @@
+"""Rendering of the diagnosis: terminal table, JSON and a self-contained HTML page."""
+
+from __future__ import annotations
+
+import copy
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torchparity as tp
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.fc1(self.norm(x)).relu())
+
+
+@pytest.fixture(scope="module")
+def report() -> tp.DiagnosisReport:
+    torch.manual_seed(0)
+    model_a = Tiny()
+    model_b = copy.deepcopy(model_a)
+    model_b.norm.eps = 1e-2  # the planted change
+    return tp.diagnose(model_a, model_b, (torch.randn(4, 8),))
+
+
+class PageParser(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.tags.append((tag, dict(attrs)))
+
+
+def parse(page: str) -> list[tuple[str, dict[str, str]]]:
+    parser = PageParser()
+    parser.feed(page)
+    return parser.tags
+
+
+def test_html_is_self_contained_and_plots_every_row(report, tmp_path: Path) -> None:
+    page = report.to_html(tmp_path / "report.html")
+    assert (tmp_path / "report.html").read_text(encoding="utf-8") == page
+    tags = parse(page)
+    assert not [t for t, _ in tags if t in ("script", "link", "img", "iframe")]
+    assert not [a for _, a in tags if "src" in a or "href" in a]
+    svgs = [a for t, a in tags if t == "svg"]
+    assert len(svgs) == 2  # forward and gradient plots
+    modules = [r.module for r in report.rows]
+    for series in ("point-local", "point-propagated"):
+        plotted = [a["data-module"] for t, a in tags if t == "circle" and a.get("class") == series]
+        assert plotted[:len(modules)] == modules  # the forward plot: one point per row, in order
+    table_rows = [a for t, a in tags if t == "tr" and "data-row" in a]
+    assert len(table_rows) == len(report.rows)
+    first = report.rows.index(report.first_divergence)
+    assert "first" in table_rows[first]["class"]
+
+
+def test_plot_puts_the_culprit_above_the_budget_line(report) -> None:
+    tags = parse(report.to_html())
+    budget_y = next(float(a["y1"]) for t, a in tags
+                    if t == "line" and a.get("stroke-dasharray"))  # the dashed line at 1
+    local = {a["data-module"]: float(a["cy"]) for t, a in tags
+             if t == "circle" and a.get("class") == "point-local"}
+    assert local["norm"] < budget_y  # SVG y grows downwards: above the line = over budget
+    assert local["fc1"] > budget_y
+
+
+def test_terminal_and_json_name_the_first_divergence(report) -> None:
+    text = report.render()
+    assert "First divergence: norm (LayerNorm)" in text
+    assert text.count("\n") > len(report.rows)
+    data = json.loads(report.to_json())
+    assert data["first_divergence"] == "norm" and data["first_grad_divergence"] == "norm"
+    assert [r["module"] for r in data["rows"]] == [r.module for r in report.rows]
+    assert data["rows"][0]["local"]["verdict"] == "diverged"
