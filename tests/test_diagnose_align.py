@@ -67,13 +67,13 @@ class Net(nn.Module):
 def copy_weights(source: Net, target: Net) -> Net:
     """Give ``target`` the same function as ``source`` (weights in call order, fused by rows)."""
     with torch.no_grad():
-        for src, dst in zip(source.blocks, target.blocks):
+        for src, dst in zip(source.blocks, target.blocks, strict=True):
             if isinstance(dst, FusedBlock):
                 dst.qkv.weight.copy_(torch.cat([src.q.weight, src.k.weight, src.v.weight]))
                 dst.qkv.bias.copy_(torch.cat([src.q.bias, src.k.bias, src.v.bias]))
                 dst.out.load_state_dict(src.out.state_dict())
             else:
-                for s, d in zip(src.parameters(), dst.parameters()):
+                for s, d in zip(src.parameters(), dst.parameters(), strict=True):
                     d.copy_(s)
         target.head.load_state_dict(source.head.state_dict())
     return target

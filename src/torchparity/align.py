@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Literal
 
 from torchparity.capture import ModuleCall, call_key
@@ -147,7 +148,7 @@ def _match_gaps(calls_a: Sequence[ModuleCall], calls_b: Sequence[ModuleCall],
     bounds = [(-1, -1), *_monotone([(m.a[0].order, m.b[0].order) for m in anchors]),
               (len(calls_a), len(calls_b))]
     found = []
-    for (a_lo, b_lo), (a_hi, b_hi) in zip(bounds, bounds[1:]):
+    for (a_lo, b_lo), (a_hi, b_hi) in pairwise(bounds):
         gap_a = [c for c in calls_a[a_lo + 1:a_hi] if id(c) not in matched_a]
         gap_b = [c for c in calls_b[b_lo + 1:b_hi] if id(c) not in matched_b]
         if gap_a and gap_b:

@@ -57,7 +57,8 @@ _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device,
 # Module selection
 
 
-def module_filter(include: PatternSpec = None, exclude: PatternSpec = None) -> Callable[[str], bool]:
+def module_filter(include: PatternSpec = None,
+                  exclude: PatternSpec = None) -> Callable[[str], bool]:
     """Return a predicate on qualified module names.
 
     A pattern is a glob (``"decoder.layers.*.attn"``, matched against the whole name), a string
@@ -316,9 +317,10 @@ class Capture:
     to each output tensor). Calls made while ``paused()`` are not recorded.
 
     ``what``: ``"tensors"`` keeps copies of inputs and outputs, ``"outputs"`` copies of outputs
-    and no inputs, ``"stats"`` only statistics, ``"shapes"`` only output shapes. ``on_call(call)`` runs when a call finishes and
-    ``on_grad(call, path, grad)`` when a gradient arrives; with ``keep=False`` the record's
-    tensors are dropped once its callback has run, so memory stays bounded.
+    and no inputs, ``"stats"`` only statistics, ``"shapes"`` only output shapes.
+    ``on_call(call)`` runs when a call finishes and ``on_grad(call, path, grad)`` when a
+    gradient arrives; with ``keep=False`` the record's tensors are dropped once its callback
+    has run, so memory stays bounded.
     """
 
     def __init__(

@@ -155,7 +155,8 @@ class DiagnosisReport:
         for r in self.rows:
             if r.module == module:
                 return r
-        raise KeyError(f"no row for module {module!r}; rows: {', '.join(r.module for r in self.rows)}")
+        names = ", ".join(r.module for r in self.rows)
+        raise KeyError(f"no row for module {module!r}; rows: {names}")
 
     def summary(self) -> str:
         """One or two sentences: where A and B part, or that they do not."""
@@ -351,7 +352,8 @@ def _html_table(report: DiagnosisReport) -> str:
     heads = ["#", "module (B)", "A", "type", "local", "propagated", "ampl."]
     heads += ["grad local", "grad propagated"] if backward else []
     first, grad = report.first_divergence, report.first_grad_divergence
-    lines = ["<table><thead><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr></thead><tbody>"]
+    header = "".join(f"<th>{h}</th>" for h in heads)
+    lines = [f"<table><thead><tr>{header}</tr></thead><tbody>"]
     for index, r in enumerate(report.rows):
         classes = []
         if r is first or r is grad:
@@ -375,7 +377,8 @@ def _html_table(report: DiagnosisReport) -> str:
 def _html_cell(result: Result | None) -> str:
     if result is None:
         return "-"
-    return f"<span title='{html.escape(result.explain(), quote=True)}'>{html.escape(_cell(result))}</span>"
+    explanation = html.escape(result.explain(), quote=True)
+    return f"<span title='{explanation}'>{html.escape(_cell(result))}</span>"
 
 
 def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str) -> str:
@@ -401,7 +404,8 @@ def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str
 
     parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
              f"role='img' aria-label='{html.escape(title)}'>",
-             f"<text x='{left}' y='16'>{html.escape(title)} (log scale; above 1 breaks the budget)</text>"]
+             f"<text x='{left}' y='16'>{html.escape(title)} "
+             "(log scale; above 1 breaks the budget)</text>"]
     for decade in range(lo, hi + 1):
         # The budget (1e0) is dashed and dark, the other decades light grid lines.
         stroke = "stroke='#555' stroke-dasharray='4 3'" if decade == 0 else "stroke='#ddd'"

@@ -1,0 +1,314 @@
+"""The machinery every diagnosis shares: options, seeded model runs with capture, module
+replays, the float64 golden copy, judgement under the tolerance model, and progress."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.capture import (
+    Capture,
+    ModuleCall,
+    PatternSpec,
+    flatten_tensors,
+    map_tensors,
+    module_filter,
+)
+from torchparity.diagnose_report import Mismatch, Result
+from torchparity.errors import UsageError
+
+Inputs = tuple[Any, ...] | dict[str, Any] | torch.Tensor
+#: ``loss_fn(output, inputs) -> scalar tensor``; ``inputs`` are the model inputs as given
+#: (upcast to float64 for the golden run), so ``torchparity.reference.sequence_loss`` fits.
+LossFn = Callable[[Any, Any], torch.Tensor]
+#: An attention backend name for :func:`torchparity.backends.use`, or a function returning a
+#: context manager that selects it (for models the registry does not drive), or None.
+BackendSpec = str | Callable[[], contextlib.AbstractContextManager] | None
+
+GOLDEN_DTYPE = torch.float64
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Options:
+    """Settings shared by the reference and the candidate side of one diagnosis."""
+
+    include: PatternSpec = None
+    exclude: PatternSpec = None
+    backward: bool = True
+    loss_fn: LossFn | None = None
+    backend_a: BackendSpec = None
+    backend_b: BackendSpec = None
+    progress: bool | None = None
+
+    def selects(self) -> Callable[[str], bool]:
+        return module_filter(self.include, self.exclude)
+
+
+
+# --------------------------------------------------------------------------------------------
+# Checking arguments
+
+
+def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
+                 exclude: PatternSpec, backends: tuple[BackendSpec, BackendSpec] | None,
+                 progress: bool | None) -> Options:
+    """Check the arguments every diagnosis shares; progress defaults to "stderr is a tty"."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise UsageError(f"loss_fn must be callable(output, inputs); got {type(loss_fn).__name__}")
+    if backends is not None and not (isinstance(backends, (tuple, list)) and len(backends) == 2):
+        raise UsageError("backends must be a pair (backend of A, backend of B); "
+                         f"got {backends!r}")
+    backend_a, backend_b = backends if backends is not None else (None, None)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    return Options(include, exclude, bool(backward), loss_fn, backend_a, backend_b, progress)
+
+
+def check_models(**models: Any) -> None:
+    for label, model in models.items():
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"{label} is not a torch.nn.Module (got {type(model).__name__})")
+        active = [name for name, m in model.named_modules()
+                  if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
+        if active:
+            raise UsageError(f"{label} has active dropout ({active[0] or 'root'}); call "
+                             "model.eval() so that both runs are deterministic")
+
+
+def call_model(model: nn.Module, inputs: Inputs) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    raise UsageError(f"inputs must be a tuple of positional arguments or a dict of keyword "
+                     f"arguments; got {type(inputs).__name__}")
+
+
+# --------------------------------------------------------------------------------------------
+# Running a model
+
+
+@contextlib.contextmanager
+def backend_context(spec: BackendSpec) -> Iterator[None]:
+    if spec is None:
+        yield
+    elif isinstance(spec, str):
+        from torchparity import backends
+
+        with backends.use(spec):
+            yield
+    else:
+        with spec():
+            yield
+
+
+@contextlib.contextmanager
+def seeded() -> Iterator[None]:
+    """Same CPU RNG stream for every run and replay; the caller's CPU RNG state is restored.
+    (CUDA generators are left alone: seeding them is costly, and active dropout is refused.)"""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(SEED)
+        yield
+
+
+def default_loss(output: Any, inputs: Any = None) -> torch.Tensor:
+    """A scalar whose gradient reaches every element of the first floating output: its dot
+    product with a fixed pseudo-random tensor (same values on every machine, scaled so the loss
+    is O(1)). Uses the output's own ``loss`` field when it has one."""
+    flat = flatten_tensors(output)
+    if "output.loss" in flat and flat["output.loss"].numel() == 1:
+        return flat["output.loss"].reshape(())
+    floats = [t for t in flat.values() if t.is_floating_point()]
+    if not floats:
+        raise UsageError("the model output has no floating tensor to take gradients of; pass "
+                         "loss_fn or backward=False")
+    first = floats[0]
+    weights = torch.randn(first.shape, generator=torch.Generator().manual_seed(SEED),
+                          dtype=torch.float64) / max(first.numel(), 1) ** 0.5
+    return (first * weights.to(first)).sum()
+
+
+@dataclass
+class Run:
+    calls: list[ModuleCall]
+    output: Any
+    loss: torch.Tensor | None
+    param_grads: dict[str, dict[str, torch.Tensor]]  # module name -> direct param name -> grad
+
+
+def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendSpec, *,
+              backward: bool, **capture: Any) -> Run:
+    """One seeded forward (and backward via ``torch.autograd.grad``, so ``.grad`` is untouched)
+    with the selected modules captured."""
+    loss = None
+    grads: dict[int, torch.Tensor] = {}
+    capturing = Capture(model, opts.selects(), grads=backward, **capture)
+    with backend_context(backend), seeded(), capturing as cap:
+        with torch.set_grad_enabled(backward):
+            output = call_model(model, inputs)
+            if backward:
+                loss = (opts.loss_fn or default_loss)(output, inputs)
+                params = _trainable(model)
+                found = torch.autograd.grad(loss, params, allow_unused=True)
+                grads = {id(p): g for p, g in zip(params, found, strict=True) if g is not None}
+    param_grads = {
+        name: {pn: grads[id(p)] for pn, p in module.named_parameters(recurse=False)
+               if id(p) in grads}
+        for name, module in cap.modules.items()
+    }
+    output = _detached(output)
+    return Run(cap.records, output, None if loss is None else loss.detach(), param_grads)
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UsageError(f"{type(model).__name__} has no parameter that requires grad; pass "
+                         "backward=False")
+    return params
+
+
+def _detached(tree: Any) -> Any:
+    return map_tensors(tree, lambda t: t.detach())
+
+
+def replay(module: nn.Module, inputs: tuple[tuple, dict], backend: BackendSpec, *,
+           grad_out: Mapping[str, torch.Tensor] | None = None,
+           requires_grad: frozenset[str] = frozenset()
+           ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Run one module on recorded inputs; with ``grad_out``, also backward from it.
+
+    Returns the output tensors by path and, with ``grad_out``, the gradients of the inputs
+    that required grad in the recorded run (``input.<path>``) and of the module's direct
+    parameters (``param.<name>``).
+    """
+    args, kwargs = inputs
+    with backend_context(backend), seeded():
+        if not grad_out:
+            with torch.no_grad():
+                return flatten_tensors(module(*args, **kwargs)), {}
+        leaves = {f"input.{path}": t.requires_grad_()
+                  for path, t in {**flatten_tensors(args, "args"),
+                                  **flatten_tensors(kwargs, "kwargs")}.items()
+                  if path in requires_grad}
+        params = {f"param.{n}": p for n, p in module.named_parameters(recurse=False)
+                  if p.requires_grad}
+        with torch.enable_grad():
+            outputs = flatten_tensors(module(*args, **kwargs))
+        seeds = [(outputs[p], g.to(outputs[p])) for p, g in grad_out.items()
+                 if p in outputs and outputs[p].requires_grad]
+        targets = {**leaves, **params}
+        grads = {}
+        if seeds and targets:
+            found = torch.autograd.grad([o for o, _ in seeds], list(targets.values()),
+                                        [g for _, g in seeds], allow_unused=True)
+            grads = {name: g for name, g in zip(targets, found, strict=True) if g is not None}
+    return {p: t.detach() for p, t in outputs.items()}, grads
+
+
+def module_placement(module: nn.Module) -> tuple[torch.dtype | None, torch.device | None]:
+    """The floating dtype and device of a module's parameters/buffers (None when it has none)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point():
+            return tensor.dtype, tensor.device
+    return None, None
+
+
+def golden_copy(model: nn.Module) -> tuple[nn.Module | None, str]:
+    """A float64 CPU copy of ``model`` and a description of the golden used."""
+    dtype, _ = module_placement(model)
+    if dtype == GOLDEN_DTYPE:
+        return None, "none: A already runs in float64; budgets use the analytic bound"
+    try:
+        golden = copy.deepcopy(model).to(device="cpu", dtype=GOLDEN_DTYPE)
+    except Exception as exc:  # noqa: BLE001 - any failure means: no golden, say why
+        return None, f"none: copying A to float64 failed ({type(exc).__name__}: {exc})"
+    return golden, "float64 copy of A on the CPU"
+
+
+
+def backend_name(spec: BackendSpec) -> str | None:
+    return spec if spec is None or isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+
+
+# --------------------------------------------------------------------------------------------
+# Judgement
+
+
+def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
+          baseline: dict[str, torch.Tensor], kind: str) -> Result:
+    """Compare under the tolerance model; without a golden, the baseline serves as golden and
+    the analytic bound as budget. A baseline in another dtype than the candidate's (B runs in
+    another precision than A) cannot earn a budget and is dropped."""
+    from torchparity.compare import StructureMismatch, compare
+
+    if not golden:
+        golden, baseline = baseline, {}
+    same_dtypes = all(p in candidate and candidate[p].dtype == t.dtype
+                      for p, t in baseline.items())
+    try:
+        return compare(candidate, golden, baseline if baseline and same_dtypes else None, kind)
+    except StructureMismatch as exc:
+        return Mismatch(kind, str(exc))
+
+
+def merged(first: Result | None, second: Result) -> Result:
+    from torchparity.compare import Comparison
+
+    if first is None or isinstance(second, Mismatch):
+        return second
+    if isinstance(first, Mismatch):
+        return first
+    return Comparison(kind=first.kind, tensors=first.tensors + second.tensors)
+
+
+def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One call's tensors as they are; several calls' single outputs concatenated along the
+    last dimension (the output of the fused module they correspond to)."""
+    if len(parts) == 1:
+        return parts[0]
+    if any(len(p) != 1 for p in parts):
+        return {}
+    return {"output": torch.cat([next(iter(p.values())) for p in parts], dim=-1)}
+
+
+# --------------------------------------------------------------------------------------------
+# Progress
+
+
+class ProgressBar:
+    """Progress on stderr through rich; a no-op when disabled."""
+
+    def __init__(self, progress: Any) -> None:
+        self.progress_bar = progress
+
+    def phase(self, description: str, total: int | None = None) -> Callable[[], None]:
+        """Start a phase; the returned function advances it (or ends it, without a total)."""
+        if self.progress_bar is None:
+            return lambda: None
+        task = self.progress_bar.add_task(description, total=total or 1)
+        return lambda: self.progress_bar.advance(task)
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool | None) -> Iterator[ProgressBar]:
+    if not enabled:
+        yield ProgressBar(None)
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        yield ProgressBar(progress)
+
+
