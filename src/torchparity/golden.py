@@ -1,0 +1,468 @@
+"""The golden store: named groups of tensors on disk, each with a JSON summary for reviewers.
+
+A golden is a pair of files in ``<root>/<case>/``:
+
+- ``<output>.safetensors`` holds the tensors;
+- ``<output>.json`` is what a reviewer reads in a diff: schema version, the producer's metadata
+  (config, seeds, checksums of weights and inputs, ...), the torch/torchparity versions that
+  produced it, and one line per tensor with shape, dtype, mean, std, absmax and sha256.
+
+Reading checks everything a damaged or hand-edited golden could get wrong and raises a
+:class:`GoldenError` subclass whose one-line message says how to repair it. Writing is atomic
+(temporary file + rename in the same folder), keeps no shared index and deletes nothing, so
+parallel writers (pytest-xdist workers) never lose each other's files.
+
+The ``golden`` pytest fixture (:class:`GoldenFixture`) lets any project keep goldens of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchparity.errors import TorchParityError, UsageError
+
+#: Version of the on-disk layout. Readers refuse newer versions instead of misreading them.
+SCHEMA_VERSION = 1
+#: Environment variable naming the golden folder (``--golden-dir`` wins over it).
+GOLDEN_DIR_ENV = "TORCHPARITY_GOLDEN_DIR"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+_OBTAINED = ".obtained"
+# Summary statistics are rounded for a readable diff; re-derived values must agree this well.
+_STAT_DIGITS = 6
+_STAT_TOLERANCE = 1e-5
+
+
+class GoldenError(TorchParityError):
+    """A golden file is missing, damaged or does not fit this code; the message says the fix."""
+
+
+class GoldenMissing(GoldenError):
+    """The golden folder or a golden file does not exist."""
+
+
+class GoldenCorrupt(GoldenError):
+    """A golden file is truncated, unreadable, or its JSON no longer matches its tensors."""
+
+
+class GoldenSchemaError(GoldenError):
+    """A golden was written by a newer torchparity whose format this version cannot read."""
+
+
+class GoldenStale(GoldenError):
+    """A golden was produced from another configuration than the one the code has now."""
+
+
+@dataclass
+class Golden:
+    """One golden read from disk: its tensors (on the CPU) and its JSON summary."""
+
+    case: str
+    output: str
+    tensors: dict[str, torch.Tensor]
+    summary: dict[str, Any]
+    path: Path  # the .safetensors file
+
+
+# --- checksums and summaries ----------------------------------------------------------------
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    # Raw little-endian bytes (the byte order of every platform torch runs on, and of the
+    # safetensors format), so the digest depends on the values only, not on the torch version.
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's values: the same on every machine and torch version."""
+    return hashlib.sha256(_tensor_bytes(tensor)).hexdigest()
+
+
+def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """One sha256 over named tensors (sorted by name; names, dtypes, shapes and values).
+
+    Used for the weights and inputs a golden was made from: compute it on float64 weights and
+    int64 inputs and it is version-independent, so a changed digest means a changed init or
+    changed inputs, never a new torch.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name]
+        header = f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|"
+        digest.update(header.encode())
+        digest.update(_tensor_bytes(tensor))
+    return "sha256:" + digest.hexdigest()
+
+
+def _rounded(x: float) -> float | str:
+    if not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return float(f"{x:.{_STAT_DIGITS}g}")
+
+
+def tensor_summary(tensor: torch.Tensor) -> dict[str, Any]:
+    """Shape, dtype, mean, std, absmax (6 significant digits) and sha256 of one tensor."""
+    values = tensor.detach().to("cpu", torch.float64)
+    empty = values.numel() == 0
+    stats = {
+        "mean": None if empty else _rounded(values.mean().item()),
+        "std": None if empty else _rounded(values.std(correction=0).item()),
+        "absmax": None if empty else _rounded(values.abs().max().item()),
+    }
+    return {
+        "shape": list(tensor.shape),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        **stats,
+        "sha256": tensor_sha256(tensor),
+    }
+
+
+def produced_by() -> dict[str, str]:
+    """Versions of the software producing a golden (informational: never compared)."""
+    import torchparity
+
+    return {"torchparity": torchparity.__version__, "torch": torch.__version__.split("+")[0],
+            "python": platform.python_version()}
+
+
+def format_json(value: Any, indent: int = 0) -> str:
+    """JSON for reviewers: small flat objects and lists of scalars on one line, the rest nested.
+
+    Each tensor's summary is one line, so a diff shows exactly which tensors changed.
+    """
+    if isinstance(value, Mapping) and value and not _is_flat(value):
+        pad = " " * (indent + 1)
+        items = [f"{pad}{json.dumps(str(k))}: {format_json(v, indent + 1)}"
+                 for k, v in value.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {format_json(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(format_json(v, indent) for v in value) + "]"
+    return json.dumps(value, allow_nan=False)
+
+
+def _is_flat(mapping: Mapping) -> bool:
+    scalars = all(not isinstance(v, Mapping) and not (
+        isinstance(v, list | tuple) and any(isinstance(x, Mapping | list | tuple) for x in v))
+        for v in mapping.values())
+    return scalars and len(mapping) <= 8
+
+
+# --- the store ------------------------------------------------------------------------------
+
+
+class GoldenStore:
+    """Golden tensor groups under ``root``: ``root/<case>/<output>.{safetensors,json}``.
+
+    ``update_command`` is the command a user runs to (re)create a golden; it is quoted in every
+    error message, with ``{case}`` and ``{output}`` filled in.
+    """
+
+    def __init__(self, root: str | os.PathLike,
+                 update_command: str = "torchparity golden update {case}") -> None:
+        self.root = Path(root)
+        self.update_command = update_command
+
+    def paths(self, case: str, output: str) -> tuple[Path, Path]:
+        """The ``.safetensors`` and ``.json`` paths of one golden (they need not exist)."""
+        _check_name(case, "case")
+        _check_name(output, "output")
+        folder = self.root / case
+        return folder / f"{output}.safetensors", folder / f"{output}.json"
+
+    def obtained_path(self, case: str, output: str) -> Path:
+        """Where :meth:`write_obtained` puts the values a mismatching run obtained."""
+        return self.paths(case, output)[0].with_name(f"{output}{_OBTAINED}.safetensors")
+
+    def exists(self, case: str, output: str) -> bool:
+        """True when both files of the golden exist."""
+        return all(p.is_file() for p in self.paths(case, output))
+
+    def cases(self) -> list[str]:
+        """Names of the case folders under ``root`` (sorted)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _NAME.match(p.name))
+
+    def outputs(self, case: str) -> list[str]:
+        """Names of the goldens of ``case`` (sorted; obtained files excluded)."""
+        folder = self.root / case
+        if not folder.is_dir():
+            return []
+        return sorted(p.stem for p in folder.glob("*.json")
+                      if not p.stem.endswith(_OBTAINED) and _NAME.match(p.stem))
+
+    def require_root(self) -> None:
+        """Raise :class:`GoldenMissing` with the command that creates the folder."""
+        if not self.root.is_dir():
+            raise GoldenMissing(
+                f"golden directory {self.root} does not exist; create it with "
+                f"`{self.update_command.format(case='', output='').strip()}` or point "
+                f"--golden-dir / {GOLDEN_DIR_ENV} at an existing one")
+
+    def write(self, case: str, output: str, tensors: Mapping[str, torch.Tensor],
+              meta: Mapping[str, Any] | None = None) -> list[Path]:
+        """Atomically write one golden and return the paths written.
+
+        ``tensors`` are stored as given (moved to the CPU, made contiguous); ``meta`` is merged
+        into the JSON summary between the fixed header and the tensor lines. Each file is
+        replaced in one rename, so a reader sees the old or the new file, never half of one.
+        """
+        tensor_path, json_path = self.paths(case, output)
+        stored = _storable(tensors)
+        summary = {"schema_version": SCHEMA_VERSION, "case": case, "output": output,
+                   **dict(meta or {}), "produced_by": produced_by(),
+                   "tensors": {name: tensor_summary(t) for name, t in stored.items()}}
+        from safetensors.torch import save
+
+        payload = save(stored, metadata={"format": "pt", "schema_version": str(SCHEMA_VERSION)})
+        _atomic_write(tensor_path, payload)
+        _atomic_write(json_path, (format_json(summary) + "\n").encode())
+        return [tensor_path, json_path]
+
+    def write_obtained(self, case: str, output: str,
+                       tensors: Mapping[str, torch.Tensor]) -> Path:
+        """Write what a mismatching run produced beside the golden, for inspection."""
+        from safetensors.torch import save
+
+        path = self.obtained_path(case, output)
+        _atomic_write(path, save(_storable(tensors), metadata={"format": "pt"}))
+        return path
+
+    def read(self, case: str, output: str) -> Golden:
+        """Read and validate one golden.
+
+        Raises :class:`GoldenMissing`, :class:`GoldenCorrupt` (unreadable, truncated, or a JSON
+        that no longer matches its tensors) or :class:`GoldenSchemaError` (newer format), each
+        with a one-line message naming the file and the fix.
+        """
+        tensor_path, json_path = self.paths(case, output)
+        fix = self._fix(case, output, tensor_path)
+        if not tensor_path.exists() and not json_path.exists():
+            raise GoldenMissing(f"no golden {output!r} for case {case!r} in {self.root}; "
+                                f"create it with `{self.update_command.format(case=case, output=output)}`")
+        for present, absent in ((tensor_path, json_path), (json_path, tensor_path)):
+            if not absent.exists():
+                raise GoldenCorrupt(f"{present} has no {absent.name} beside it; {fix}")
+        summary = _read_summary(json_path, fix)
+        tensors = _read_tensors(tensor_path, fix)
+        _check_consistent(json_path, summary, tensors, fix)
+        return Golden(case, output, tensors, summary, tensor_path)
+
+    def _fix(self, case: str, output: str, path: Path) -> str:
+        command = self.update_command.format(case=case, output=output)
+        return (f"restore it from version control (git checkout -- {path.parent}) "
+                f"or regenerate it with `{command}`")
+
+
+def _check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not _NAME.match(name) or name.endswith(_OBTAINED):
+        raise UsageError(f"golden {what} name {name!r} is invalid: use letters, digits and "
+                         f"'_.+-', starting with a letter or digit")
+
+
+def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise UsageError("a golden needs a non-empty mapping of names to tensors")
+    stored = {}
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise UsageError(f"golden entry {name!r} must map a string to a torch.Tensor, "
+                             f"got {type(tensor).__name__}")
+        stored[name] = tensor.detach().to("cpu").contiguous()
+    return stored
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_summary(path: Path, fix: str) -> dict[str, Any]:
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GoldenCorrupt(f"{path} is not valid JSON ({exc}); {fix}") from None
+    if not isinstance(summary, dict):
+        raise GoldenCorrupt(f"{path} does not hold a JSON object; {fix}")
+    version = summary.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise GoldenCorrupt(f"{path} has no valid schema_version; {fix}")
+    if version > SCHEMA_VERSION:
+        raise GoldenSchemaError(
+            f"{path} has schema version {version}, newer than the {SCHEMA_VERSION} this "
+            f"torchparity reads; upgrade torchparity (pip install -U torchparity)")
+    if not isinstance(summary.get("tensors"), dict):
+        raise GoldenCorrupt(f"{path} has no 'tensors' section; {fix}")
+    return summary
+
+
+def _read_tensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    try:
+        return load(path.read_bytes())
+    except Exception as exc:  # safetensors raises several types for damaged files
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise GoldenCorrupt(f"{path} is truncated or corrupt ({detail}); {fix}") from None
+
+
+def _check_consistent(path: Path, summary: dict[str, Any], tensors: dict[str, torch.Tensor],
+                      fix: str) -> None:
+    """The JSON's tensor lines must describe exactly the stored tensors."""
+    listed = summary["tensors"]
+    problem = None
+    if set(listed) != set(tensors):
+        extra = sorted(set(listed) - set(tensors))
+        missing = sorted(set(tensors) - set(listed))
+        problem = (f"lists {', '.join(extra)} that the tensors lack" if extra
+                   else f"does not list {', '.join(missing)}")
+    else:
+        for name, tensor in tensors.items():
+            problem = _summary_mismatch(name, listed[name], tensor_summary(tensor))
+            if problem:
+                break
+    if problem:
+        raise GoldenCorrupt(f"{path} no longer matches its tensors ({problem}); was it edited "
+                            f"by hand? {fix[0].upper()}{fix[1:]}")
+
+
+def _summary_mismatch(name: str, listed: Any, actual: dict[str, Any]) -> str | None:
+    if not isinstance(listed, dict):
+        return f"{name}: not an object"
+    for key in ("shape", "dtype", "sha256"):
+        if listed.get(key) != actual[key]:
+            return f"{name}: {key} {listed.get(key)!r} in the JSON, {actual[key]!r} stored"
+    scale = actual["absmax"] if isinstance(actual["absmax"], float) else 0.0
+    for key in ("mean", "std", "absmax"):
+        if not _stat_close(listed.get(key), actual[key], scale):
+            return f"{name}: {key} {listed.get(key)!r} in the JSON, {actual[key]!r} stored"
+    return None
+
+
+def _stat_close(listed: Any, actual: Any, scale: float) -> bool:
+    if isinstance(actual, float) and isinstance(listed, int | float) and not isinstance(
+            listed, bool):
+        return math.isclose(listed, actual, rel_tol=_STAT_TOLERANCE,
+                            abs_tol=_STAT_TOLERANCE * scale)
+    return listed == actual
+
+
+# --- where the goldens live -----------------------------------------------------------------
+
+
+def default_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """The golden folder: ``explicit``, else ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` of
+    the torchparity source tree that contains the working directory, else ``golden/`` of the
+    source tree torchparity was imported from (an editable install).
+
+    Raises :class:`UsageError` when none applies. The folder itself need not exist yet.
+    """
+    if explicit:
+        return Path(explicit)
+    if os.environ.get(GOLDEN_DIR_ENV):
+        return Path(os.environ[GOLDEN_DIR_ENV])
+    cwd = Path.cwd().resolve()
+    package_tree = Path(__file__).resolve().parents[2]  # src/torchparity/golden.py -> tree
+    for folder in (cwd, *cwd.parents, package_tree):
+        if _is_source_tree(folder):
+            return folder / "golden"
+    raise UsageError(f"cannot tell where the goldens are: run from the torchparity source tree, "
+                     f"pass --golden-dir DIR or set {GOLDEN_DIR_ENV}")
+
+
+def _is_source_tree(folder: Path) -> bool:
+    pyproject = folder / "pyproject.toml"
+    try:
+        text = pyproject.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return re.search(r'^name\s*=\s*"torchparity"\s*$', text, re.MULTILINE) is not None
+
+
+# --- the pytest fixture ---------------------------------------------------------------------
+
+
+class GoldenFixture:
+    """The ``golden`` pytest fixture: compare a test's tensors with goldens kept beside it.
+
+    Goldens live in ``<test file folder>/golden/<test module>/<name>.{safetensors,json}``.
+    ``golden.check(name, tensors)`` compares with the stored golden under the tolerance model;
+    with ``pytest --golden-update`` it writes the golden instead and the run's summary lists it.
+    """
+
+    def __init__(self, store: GoldenStore, group: str, update: bool,
+                 on_written: Callable[[Path], None]) -> None:
+        self.store = store
+        self.group = group
+        self.update = update
+        self.on_written = on_written
+
+    @classmethod
+    def for_test(cls, node_path: Path, node_id: str, update: bool,
+                 on_written: Callable[[Path], None]) -> GoldenFixture:
+        """The fixture of one test: ``node_path`` is its file, ``node_id`` its pytest id."""
+        store = GoldenStore(node_path.parent / "golden",
+                            update_command=f"pytest {node_id} --golden-update")
+        return cls(store, node_path.stem, update, on_written)
+
+    def check(self, name: str, tensors: torch.Tensor | Mapping[str, torch.Tensor],
+              kind: str = "forward", *, baseline: Any = None, compute_dtype: Any = None,
+              reduction_length: int | None = None) -> Any:
+        """Compare ``tensors`` (a tensor or a mapping of names to tensors) with golden ``name``.
+
+        Fails the test with the comparison's explanation when a tensor diverged, after writing
+        the obtained values to ``<name>.obtained.safetensors`` beside the golden; fails with the
+        command that creates the golden when it is missing. Returns the
+        :class:`~torchparity.compare.Comparison`, or None when updating.
+        """
+        import pytest
+
+        from torchparity.compare import StructureMismatch, compare
+
+        candidate = {"value": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
+        if self.update:
+            for path in self.store.write(self.group, name, candidate, {"kind": kind}):
+                self.on_written(path)
+            return None
+        try:
+            golden = self.store.read(self.group, name).tensors
+        except GoldenError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        if isinstance(baseline, torch.Tensor):
+            baseline = {"value": baseline}
+        try:
+            result = compare(candidate, golden, baseline, kind, compute_dtype=compute_dtype,
+                             reduction_length=reduction_length)
+            failure = None if result.ok else result.explain()
+        except StructureMismatch as exc:
+            result, failure = None, f"structure differs from the golden: {exc}"
+        if failure:
+            obtained = self.store.write_obtained(self.group, name, candidate)
+            pytest.fail(f"golden {name!r}: {failure} Obtained values: {obtained}; if the change "
+                        f"is intended, run `{self.store.update_command}`", pytrace=False)
+        return result
