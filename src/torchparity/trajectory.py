@@ -276,20 +276,28 @@ def golden_store(root: str | Path | None = None) -> GoldenStore:
     return GoldenStore(default_golden_dir(root), update_command=UPDATE_COMMAND)
 
 
+#: The baseline stored with each golden: it was produced by the code that made the golden, so
+#: a later bug in the training code cannot inflate the budget it earns (a baseline trained by
+#: the code under test shares that code's bugs with the candidate).
+STORED_BASELINE = Execution("manual", "fp32", "cpu")
+_BASELINE_PREFIX = "baseline_fp32."
+
+
 def write_golden_trajectory(case: str, store: GoldenStore | None = None) -> list[Path]:
-    """Train ``case``'s golden recipe in float64 on the CPU (manual attention) and store it.
+    """Train ``case``'s golden recipe in float64 on the CPU (manual attention) and store it,
+    together with the fp32 CPU manual run of the same recipe as the stored baseline.
 
     The JSON records the recipe, the model config and version-independent checksums of the
     float64 initial weights and of every step's batch, so a later read can tell a changed
-    recipe, init or corpus from a changed model.
+    recipe, init or corpus from a changed model. The fp32 baseline's values depend on the
+    machine and torch version; they only size budgets and are never compared with.
     """
     config = golden_config(case)
-    run = train(config, GOLDEN_EXECUTION)
-    tensors = {name: torch.tensor([getattr(r, name) for r in run.records], dtype=torch.float64)
-               for name in _GOLDEN_SERIES}
-    tensors.update({name: torch.tensor([getattr(r, name) for r in run.records])
-                    for name in _GOLDEN_COUNTS})
-    return (store or golden_store()).write(case, GOLDEN_OUTPUT, tensors, _golden_meta(config))
+    tensors = _series_tensors(train(config, GOLDEN_EXECUTION))
+    baseline = _series_tensors(train(config, STORED_BASELINE))
+    tensors.update({_BASELINE_PREFIX + q: baseline[q] for q in QUANTITIES})
+    meta = {**_golden_meta(config), "stored_baseline": STORED_BASELINE.to_dict()}
+    return (store or golden_store()).write(case, GOLDEN_OUTPUT, tensors, meta)
 
 
 def read_golden_trajectory(case: str, store: GoldenStore | None = None) -> Trajectory:
@@ -299,17 +307,45 @@ def read_golden_trajectory(case: str, store: GoldenStore | None = None) -> Traje
     :class:`~torchparity.golden.GoldenStale` naming what changed (recipe, model config, initial
     weights or corpus) with the command that regenerates it.
     """
+    return _read_golden(case, store)[0]
+
+
+def read_stored_baseline(case: str, store: GoldenStore | None = None) -> Trajectory:
+    """The fp32 CPU manual-attention run stored with ``case``'s golden (see
+    :data:`STORED_BASELINE`)."""
+    return _read_golden(case, store)[1]
+
+
+def _read_golden(case: str, store: GoldenStore | None) -> tuple[Trajectory, Trajectory]:
     store = store or golden_store()
     golden = store.read(case, GOLDEN_OUTPUT)
     config = golden_config(case)
     _check_fresh(golden.summary, _golden_meta(config), store.update_command.format(case=case),
                  golden.path)
     t = golden.tensors
-    records = [StepRecord(n + 1, *(t[q][n].item() for q in _GOLDEN_SERIES),
-                          *(int(t[c][n]) for c in _GOLDEN_COUNTS), math.nan)
-               for n in range(len(t["loss"]))]
-    return Trajectory(config, GOLDEN_EXECUTION, records, math.nan,
-                      notes=[f"golden read from {golden.path}"])
+    expected = {*_GOLDEN_SERIES, *_GOLDEN_COUNTS, *(_BASELINE_PREFIX + q for q in QUANTITIES)}
+    if not expected <= set(t):
+        raise GoldenStale(f"{golden.path} lacks {', '.join(sorted(expected - set(t)))}; "
+                          f"regenerate it with `{store.update_command.format(case=case)}`")
+    counts = [tuple(int(t[c][n]) for c in _GOLDEN_COUNTS) for n in range(len(t["loss"]))]
+
+    def trajectory(prefix: str, execution: Execution, note: str) -> Trajectory:
+        records = [StepRecord(n + 1, *(t[prefix + q][n].item() for q in QUANTITIES),
+                              t["lr"][n].item(), *counts[n], math.nan)
+                   for n in range(len(counts))]
+        return Trajectory(config, execution, records, math.nan, notes=[note])
+
+    return (trajectory("", GOLDEN_EXECUTION, f"golden read from {golden.path}"),
+            trajectory(_BASELINE_PREFIX, STORED_BASELINE,
+                       f"baseline recorded with the golden in {golden.path}"))
+
+
+def _series_tensors(run: Trajectory) -> dict[str, torch.Tensor]:
+    tensors = {name: torch.tensor([getattr(r, name) for r in run.records], dtype=torch.float64)
+               for name in _GOLDEN_SERIES}
+    tensors.update({name: torch.tensor([getattr(r, name) for r in run.records])
+                    for name in _GOLDEN_COUNTS})
+    return tensors
 
 
 def golden_trajectory(config: TrainConfig, store: GoldenStore | None = None) -> Trajectory:
@@ -325,13 +361,22 @@ def check_against_golden(
     candidate: Trajectory, *, golden: Trajectory | None = None,
     baseline: Trajectory | None = None, store: GoldenStore | None = None,
 ) -> TrajectoryComparison:
-    """The three-way verdict on ``candidate``: golden (float64, stored or trained) as reference,
-    and as baseline the plain manual-attention run of the same recipe in the candidate's dtype
-    on its device (trained here unless given)."""
+    """The three-way verdict on ``candidate``: the float64 golden as reference and, as baseline,
+    the plain manual-attention run of the recipe in the candidate's dtype on its device.
+
+    For the golden recipe of a case, the golden is read from the store, and an fp32 CPU
+    candidate gets the baseline stored with it, so changes to the training code itself are
+    judged against what the old code's rounding earned. Otherwise the golden is trained here in
+    float64 and the baseline trained here too: that judges backends, dtypes, devices and
+    distribution, but a bug in the training code would be shared by all three runs.
+    """
     config, execution = candidate.config, candidate.execution
+    stored = config == golden_config(config.case)
     golden = golden if golden is not None else golden_trajectory(config, store)
-    if baseline is None:
-        plain = Execution("manual", execution.dtype, execution.device)
+    plain = Execution("manual", execution.dtype, execution.device)
+    if baseline is None and stored and plain == STORED_BASELINE:
+        baseline = read_stored_baseline(config.case, store)
+    elif baseline is None:
         baseline = candidate if (execution == plain and candidate.world_size == 1) else \
             train(config, plain)
     return compare_trajectories(candidate, golden, baseline)

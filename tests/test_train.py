@@ -1,0 +1,411 @@
+"""Training-step parity: determinism, the corpus, CPU backends over 20 steps, planted bugs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import torchparity as tp
+from torchparity import backends, cli
+from torchparity import train as train_module
+from torchparity.errors import BackendUnavailable
+from torchparity.golden import GoldenMissing, GoldenStale, GoldenStore
+from torchparity.train import Execution, TrainConfig, Trajectory, learning_rate, train
+from torchparity.train_data import BOS, EOS, FIRST_SYMBOL, IGNORE, PAD, SEP, TASKS, Corpus
+from torchparity.trajectory import (
+    GOLDEN_OUTPUT,
+    UPDATE_COMMAND,
+    check_against_golden,
+    compare_trajectories,
+    diagnose_step,
+    golden_config,
+    golden_store,
+    read_golden_trajectory,
+    read_stored_baseline,
+    reduction_twin,
+)
+from torchparity.reference import zoo
+
+SHORT = TrainConfig(case="llama-tiny", steps=4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # The models are tiny: one thread is faster than several, and other tests' workers keep
+    # the remaining cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fp32_baseline(case: str) -> Trajectory:
+    """The fp32 manual-attention run stored with the case's golden (the three-way baseline)."""
+    return read_stored_baseline(case)
+
+
+# --- determinism ----------------------------------------------------------------------------
+
+
+def test_deterministic_applies_its_settings_and_restores_them():
+    torch.backends.cuda.matmul.allow_tf32 = True
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+              torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    try:
+        with tp.deterministic(seed=3):
+            assert torch.are_deterministic_algorithms_enabled()
+            assert not torch.is_deterministic_algorithms_warn_only_enabled()
+            assert not torch.backends.cuda.matmul.allow_tf32
+            assert not torch.backends.cudnn.allow_tf32
+            assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"]
+        with tp.deterministic(tf32=True):
+            assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        after = (torch.are_deterministic_algorithms_enabled(),
+                 torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                 torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        assert after == before
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def test_deterministic_seeds_every_generator_and_puts_the_streams_back():
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    expected_next = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    with tp.deterministic(seed=7):
+        inside = (torch.rand(3), random.random(), np.random.rand())
+    # Python's own generators, seeded the documented way, give the values seen inside.
+    torch.manual_seed(7)
+    random.seed(7)
+    np.random.seed(7)
+    assert torch.equal(inside[0], torch.rand(3))
+    assert inside[1:] == (random.random(), np.random.rand())
+    torch.manual_seed(123)
+    random.seed(123)
+    np.random.seed(123)
+    with tp.deterministic(seed=7):
+        torch.rand(100)
+    assert torch.equal(torch.rand(3), expected_next[0])
+    assert (random.random(), np.random.rand()) == expected_next[1:]
+
+
+def test_deterministic_as_a_plain_call_stays_until_restored():
+    was = torch.are_deterministic_algorithms_enabled()
+    handle = tp.deterministic(seed=0)
+    try:
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        handle.restore()
+    handle.restore()  # idempotent
+    assert torch.are_deterministic_algorithms_enabled() == was
+
+
+def test_nondeterminism_notes_name_the_cuda_backward_kernels():
+    note = train_module.nondeterminism_note
+    assert all(note(b, "cpu", warn_only=True) is None for b in backends.names())
+    assert note("manual", "cuda", warn_only=True) is None
+    assert note("sdpa-math", "cuda", warn_only=True) is None
+    assert note("sdpa-flash", "cuda", warn_only=False) is None
+    for backend in ("sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "flex", "sdpa"):
+        assert backend in note(backend, "cuda", warn_only=True)
+    assert "refuses strict" in note("sdpa-cudnn", "cuda", warn_only=False)
+
+
+# --- the corpus -----------------------------------------------------------------------------
+
+
+def _solve(task: str, xs: list[int]) -> list[int]:
+    return {"copy": xs, "reverse": xs[::-1], "sort": sorted(xs)}[task]
+
+
+@pytest.mark.parametrize("case", ["llama-tiny", "encdec-prenorm"])
+def test_corpus_targets_are_the_task_applied_to_the_string(case):
+    corpus = Corpus(zoo.get(case).config, batch_size=12, seed=5)
+    batch = corpus.batch(3)
+    seen_tasks = set()
+    for b in range(batch.n_sentences):
+        labels = [t for t in batch.labels[b].tolist() if t != IGNORE]
+        assert labels[-1] == EOS
+        if "input_ids" in batch.inputs:
+            ids = [t for t in batch.inputs["input_ids"][b].tolist() if t != PAD]
+            task, xs = TASKS[ids[0] - 4], ids[1:ids.index(SEP)]
+            assert ids[ids.index(SEP) + 1:] == labels
+        else:
+            src = [t for t in batch.inputs["src_ids"][b].tolist() if t != PAD]
+            tgt = [t for t in batch.inputs["tgt_ids"][b].tolist() if t != PAD]
+            task, xs = TASKS[src[0] - 4], src[1:-1]
+            assert src[-1] == EOS and tgt == [BOS, *labels[:-1]]
+        seen_tasks.add(task)
+        assert all(FIRST_SYMBOL <= x < corpus.vocab for x in xs)
+        assert corpus.min_len <= len(xs) <= corpus.max_len
+        assert labels[:-1] == _solve(task, xs)
+        mask_key = "attention_mask" if "input_ids" in batch.inputs else "tgt_mask"
+        ids_key = "input_ids" if "input_ids" in batch.inputs else "tgt_ids"
+        assert torch.equal(batch.inputs[mask_key][b].bool(), batch.inputs[ids_key][b] != PAD)
+    assert seen_tasks == set(TASKS)
+
+
+def test_corpus_is_a_pure_function_of_seed_and_step_with_a_fixed_shape():
+    corpus = Corpus(zoo.get("llama-tiny").config, batch_size=4)
+    first, again, other = corpus.batch(1), corpus.batch(1), corpus.batch(2)
+    assert torch.equal(first.inputs["input_ids"], again.inputs["input_ids"])
+    assert not torch.equal(first.inputs["input_ids"], other.inputs["input_ids"])
+    assert first.inputs["input_ids"].shape == other.inputs["input_ids"].shape
+    assert not torch.equal(Corpus(corpus.model, 4, seed=1).batch(1).labels, first.labels)
+
+
+def test_learning_rate_warms_up_linearly_then_decays_to_the_floor():
+    config = TrainConfig(steps=20, lr=1e-3, warmup_steps=4, min_lr_ratio=0.1)
+    rates = [learning_rate(config, s) for s in range(1, 21)]
+    assert rates[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3], rel=1e-12)
+    assert all(a > b for a, b in zip(rates[3:], rates[4:], strict=False))
+    assert rates[-1] == pytest.approx(1e-4, rel=1e-12)
+
+
+# --- runs -----------------------------------------------------------------------------------
+
+
+def test_two_identical_runs_are_bit_identical_on_cpu():
+    a, b = train(SHORT), train(SHORT)
+    for quantity, values in a.series().items():
+        assert torch.equal(values, b.series()[quantity]), quantity
+    assert compare_trajectories(a, b, b).verdict == "identical"
+
+
+def test_log_lines_have_the_production_format():
+    lines: list[str] = []
+    train(SHORT.replace(steps=3), log=lines.append, log_every=2)
+    pattern = (r"Step (\d+)/3; acc: +[\d.]+; ppl: +[\d.]+; xent: [\d.]+; lr: [\d.e+-]+; "
+               r"tok/s: +\d+; \d+s elapsed")
+    assert [int(re.fullmatch(pattern, line).group(1)) for line in lines] == [2, 3]
+
+
+@pytest.mark.slow
+def test_the_loss_really_falls_below_what_ignoring_the_input_allows():
+    config = TrainConfig(case="encdec-prenorm", task="copy", steps=150, batch_size=16,
+                         lr=1e-2, warmup_steps=10)
+    run = train(config)
+    corpus = config.corpus()
+    # A model that knows each string's length but not its symbols predicts EOS exactly and
+    # is uniform over the symbols elsewhere: n/(n+1) * log(symbols) per target token.
+    lengths = range(corpus.min_len, corpus.max_len + 1)
+    blind = sum(n / (n + 1) for n in lengths) / len(lengths) * math.log(corpus.n_symbols)
+    assert run.series()["loss"][-10:].mean() < blind
+
+
+@pytest.mark.parametrize("case", ["llama-tiny", "encdec-prenorm", "alibi"])
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa-math", "sdpa-flash"])
+def test_cpu_backends_follow_the_golden_trajectory_for_20_steps(case, backend, request):
+    config = golden_config(case)
+    candidate = train(config, Execution(backend, "fp32"))
+    result = check_against_golden(candidate, baseline=fp32_baseline(case))
+    assert result.ok, result.explain()
+    assert len(result.points) == 3 * config.steps
+    headroom = result.headroom_by_quantity()
+    tp.pytest_plugin.add_summary_line(
+        request.node, "torchparity training parity (cpu, fp32, 20 steps)",
+        f"{case:16s} {backend:11s} {result.verdict:9s} headroom " +
+        " ".join(f"{q}={h:.2f}" for q, h in headroom.items()))
+
+
+def test_training_a_backend_without_a_cpu_backward_fails_with_the_reason():
+    with pytest.raises(BackendUnavailable, match="flex has no backward pass on the CPU"):
+        train(SHORT, Execution("flex"))
+
+
+def test_reduction_twin_changes_the_rounding_only():
+    config = golden_config("encdec-prenorm")
+    twin = train(reduction_twin(config))
+    baseline = fp32_baseline("encdec-prenorm")
+    differ = any(not torch.equal(twin.series()[q], baseline.series()[q])
+                 for q in ("loss", "grad_norm", "update_norm"))
+    assert differ, "a twin that rounds identically cannot calibrate anything"
+    result = check_against_golden(twin, baseline=baseline)
+    assert result.ok, result.explain()
+
+
+# --- planted bugs ---------------------------------------------------------------------------
+
+
+def _sentence_normalisation(batch, normalization):
+    return batch.n_sentences
+
+
+def _no_clipping(params, norm, max_norm):
+    return None
+
+
+def _decay_group_without_decay(model, weight_decay):
+    groups = _correct_param_groups(model, weight_decay)
+    groups[0]["weight_decay"] = 0.0
+    return groups
+
+
+_correct_param_groups = train_module.param_groups
+
+
+def _first_clipped_step(golden: Trajectory) -> int:
+    clip = golden.config.clip_norm
+    return next(r.step for r in golden.records if r.grad_norm > clip)
+
+
+@pytest.mark.parametrize("bug, function, expected", [
+    # Dividing by sentences scales the first gradient by tokens/sentences.
+    ("loss normalised by sentences", "loss_denominator", lambda g: (1, {"grad_norm"})),
+    # Weight decay acts in the first update (AdamW's decoupled term lr * wd * w).
+    ("no weight decay in the matrix group", "param_groups", lambda g: (1, {"update_norm"})),
+    # Clipping rescales the gradient from the first step whose norm exceeds the limit. AdamW
+    # divides by the gradient's own scale, so at the very first step only eps can tell a
+    # rescaled gradient apart; from the second clipped step on the moments differ.
+    ("clipping switched off", "clip_gradients",
+     lambda g: (_first_clipped_step(g), {"update_norm", "loss"})),
+])
+def test_planted_training_bugs_are_caught_at_the_right_step(bug, function, expected,
+                                                            monkeypatch):
+    replacement = {"loss_denominator": _sentence_normalisation, "clip_gradients": _no_clipping,
+                   "param_groups": _decay_group_without_decay}[function]
+    config = golden_config("llama-tiny")
+    golden = read_golden_trajectory("llama-tiny")
+    monkeypatch.setattr(train_module, function, replacement)
+    candidate = train(config)
+    monkeypatch.undo()
+    result = check_against_golden(candidate, golden=golden)
+    first = result.first_divergence
+    step, quantities = expected(golden)
+    assert first is not None, f"{bug} went unnoticed: {result.explain()}"
+    allowed = (step, step + 1) if function == "clip_gradients" else (step,)
+    assert first.step in allowed and first.quantity in quantities, result.explain()
+    assert f"part at step {first.step}" in result.explain()
+
+
+def test_a_wrong_attention_backend_is_localised_by_diagnose_at_the_first_diverging_step(
+        monkeypatch):
+    def halved_scale(q, k, v, mask, bias, scale, causal, name):
+        return backends._manual(q, k, v, mask, bias, scale / 2, causal, name)
+
+    monkeypatch.setitem(backends._IMPLEMENTATIONS, "sdpa-math", halved_scale)
+    config = TrainConfig(case="llama-tiny", steps=3)
+    candidate = train(config, Execution("sdpa-math"))
+    result = compare_trajectories(candidate, train(config), (train(config),
+                                                             train(reduction_twin(config))))
+    first = result.first_divergence
+    assert first is not None and first.step == 1 and first.quantity == "loss"
+    report = diagnose_step(config, Execution("manual"), Execution("sdpa-math"), first.step,
+                           backward=False)
+    assert report.first_divergence is not None
+    assert report.first_divergence.module.endswith("attn"), report.render()
+
+
+# --- the judge on constructed trajectories --------------------------------------------------
+
+
+def _with(run: Trajectory, step: int, **changes) -> Trajectory:
+    records = list(run.records)
+    records[step - 1] = dataclasses.replace(records[step - 1], **changes)
+    return dataclasses.replace(run, records=records)
+
+
+def test_a_nan_where_the_reference_is_finite_diverges_at_that_step():
+    golden = read_golden_trajectory("llama-tiny")
+    baseline = fp32_baseline("llama-tiny")
+    broken = _with(baseline, 4, loss=math.nan)
+    result = compare_trajectories(broken, golden, baseline)
+    assert result.first_divergence.step == 4
+    assert "nan" in result.first_divergence.note
+
+
+def test_an_fp16_skipped_step_is_excused_only_when_the_baseline_skipped_it_too():
+    golden = read_golden_trajectory("llama-tiny")
+    baseline = fp32_baseline("llama-tiny")
+    skipped = _with(baseline, 2, grad_norm=math.inf, update_norm=0.0, skipped=True)
+    alone = compare_trajectories(skipped, golden, baseline, compute_dtype="fp16")
+    assert alone.first_divergence.step == 2
+    both = compare_trajectories(skipped, golden, skipped, compute_dtype="fp16")
+    assert all(p.ok for p in both.points if p.step == 2)
+    assert any("skipped" in p.note for p in both.points)
+
+
+def test_trajectories_of_different_recipes_are_refused():
+    a = train(SHORT)
+    with pytest.raises(ValueError, match="different recipes"):
+        compare_trajectories(train(SHORT.replace(lr=1e-3)), a, a)
+
+
+# --- goldens --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", zoo.names())
+def test_shipped_golden_trajectories_are_fresh(case):
+    golden = read_golden_trajectory(case)
+    assert len(golden.records) == golden_config(case).steps
+    assert all(math.isfinite(r.loss) and r.update_norm > 0 for r in golden.records)
+
+
+def test_a_golden_made_with_another_recipe_is_stale_with_the_fix(tmp_path):
+    source = golden_store().paths("llama-tiny", GOLDEN_OUTPUT)
+    store = GoldenStore(tmp_path, UPDATE_COMMAND)
+    target = store.paths("llama-tiny", GOLDEN_OUTPUT)
+    target[0].parent.mkdir()
+    for src, dst in zip(source, target, strict=True):
+        shutil.copy(src, dst)
+    summary = json.loads(target[1].read_text())
+    summary["train_config"]["lr"] = 1.0
+    target[1].write_text(json.dumps(summary))
+    with pytest.raises(GoldenStale, match="training recipe.*torchparity train --case llama-tiny "
+                                          "--update-golden"):
+        read_golden_trajectory("llama-tiny", store)
+    with pytest.raises(GoldenMissing, match="--update-golden"):
+        read_golden_trajectory("mqa", store)
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+def test_cli_trains_checks_against_the_golden_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    code = cli.main(["train", "--case", "encdec-prenorm", "--backend", "sdpa", "--check",
+                     "--log-every", "10", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "Step 20/20; acc:" in printed and "within: sdpa fp32 cpu vs manual fp64" in printed
+    data = json.loads(out.read_text())
+    assert data["comparison"]["verdict"] == "within"
+    assert len(data["trajectory"]["records"]) == 20
+
+
+def test_cli_check_catches_a_training_code_bug_against_the_stored_golden(monkeypatch, capsys):
+    # The baseline stored with the golden was made by the code that made the golden, so the
+    # bug cannot inflate the budget as a baseline trained by the same buggy code would.
+    monkeypatch.setattr(train_module, "loss_denominator", _sentence_normalisation)
+    code = cli.main(["train", "--case", "llama-tiny", "--check"])
+    printed = capsys.readouterr().out
+    assert code == 1 and "part at step 1" in printed, printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--case", "nope"], "unknown zoo case 'nope'"),
+    (["--case", "llama-tiny", "--backend", "flex"], "flex has no backward pass on the CPU"),
+    (["--case", "llama-tiny", "--task", "spell"], "task='spell' is invalid"),
+    (["--case", "llama-tiny", "--batch-size", "6", "--accum", "4"], "multiple of accum_steps"),
+    (["--case", "llama-tiny", "--device", "tpu9"], "--device 'tpu9' is not a torch device"),
+    (["--case", "all"], "--case all is only for --update-golden"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert cli.main(["train", "--steps", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
