@@ -33,7 +33,9 @@ import torch
 from torch import nn
 
 from torchparity.align import Alignment, Match, NameMap, align
+from torchparity.attribution import attribute
 from torchparity.capture import ModuleCall, PatternSpec, call_key, flatten_tensors
+from torchparity.decode_diagnosis import diagnose_decode
 from torchparity.diagnose_report import DiagnosisReport, Result, Row
 from torchparity.diagnose_run import (
     GOLDEN_DTYPE,
@@ -72,7 +74,8 @@ from torchparity.diagnose_trace import (
 )
 from torchparity.errors import UsageError
 
-__all__ = ["DiagnosisReport", "Row", "diagnose", "diagnose_against", "record"]
+__all__ = ["DiagnosisReport", "Row", "attribute", "diagnose", "diagnose_against",
+           "diagnose_decode", "record"]
 
 # --------------------------------------------------------------------------------------------
 # Public API

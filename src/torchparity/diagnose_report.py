@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["DiagnosisReport", "Mismatch", "Result", "Row"]
+__all__ = ["AttributionReport", "DecodeReport", "DiagnosisReport", "Mismatch", "Result", "Row",
+           "Unit"]
 
 
 class Result(Protocol):
@@ -84,7 +85,8 @@ class Row:
     output in its own full run against the golden's full run; ``grad_*`` the same for gradients
     (of the module's inputs and direct parameters locally, of its outputs and direct parameters
     propagated). ``amplification`` is propagated error / local error: about 1 where the module
-    itself is the source, large where it only carries error from upstream.
+    itself is the source, large where it only carries error from upstream. ``inputs`` (decoding
+    diagnoses only) compares the module's input tensors the way ``propagated`` its outputs.
     """
 
     module: str
@@ -97,6 +99,7 @@ class Row:
     propagated: Result | None = None
     grad_local: Result | None = None
     grad_propagated: Result | None = None
+    inputs: Result | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -115,6 +118,7 @@ class Row:
         return _json_safe({
             "module": self.module, "a_module": self.a_module, "how": self.how,
             "type": self.module_type, "depth": self.depth,
+            "inputs": dump(self.inputs),
             "local": dump(self.local), "propagated": dump(self.propagated),
             "amplification": self.amplification,
             "grad_local": dump(self.grad_local), "grad_propagated": dump(self.grad_propagated),
@@ -264,6 +268,179 @@ class DiagnosisReport:
         if path is not None:
             Path(path).write_text(page, encoding="utf-8")
         return page
+
+
+@dataclass
+class Unit:
+    """One change of B (a module or the attention backend) and the output error it explains.
+
+    Errors are mean squared differences from A's output: ``swap_in`` of A with only this unit
+    from B, ``leave_out`` of B with only this unit from A, ``total`` of B itself.
+    """
+
+    name: str
+    kind: str
+    total: float
+    swap_in: float
+    leave_out: float
+
+    @property
+    def share(self) -> float | None:
+        """Share of B's error this unit causes on its own (swap in); None when A and B agree."""
+        return self.swap_in / self.total if self.total > 0 else None
+
+    @property
+    def leave_out_share(self) -> float | None:
+        """Share of B's error that disappears without this unit (leave out)."""
+        return 1.0 - self.leave_out / self.total if self.total > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json_safe({"name": self.name, "kind": self.kind, "swap_in_error": self.swap_in,
+                           "leave_out_error": self.leave_out, "share": self.share,
+                           "leave_out_share": self.leave_out_share})
+
+
+@dataclass
+class AttributionReport:
+    """Result of :func:`torchparity.attribute`: units of change with their shares of the
+    output error (``total``: mean squared difference of B's outputs from A's)."""
+
+    units: list[Unit]
+    total: float
+    skipped: dict[str, str]
+    meta: dict[str, Any]
+
+    def unit(self, name: str) -> Unit:
+        """The unit called ``name`` (a module of B, or "backend ..."); KeyError otherwise."""
+        for unit in self.units:
+            if unit.name == name or (name == "backend" and unit.kind == "backend"):
+                return unit
+        raise KeyError(f"no unit {name!r}; units: {', '.join(u.name for u in self.units)}")
+
+    def summary(self) -> str:
+        if self.total == 0:
+            return "A and B give identical outputs: nothing to attribute."
+        if not self.units:
+            return "No unit of change found: B differs only where modules cannot be swapped."
+        top = max(self.units, key=lambda u: u.swap_in)
+        return (f"{top.name} explains {_percent(top.share)} of the output error on its own; "
+                f"leaving it out removes {_percent(top.leave_out_share)}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json_safe({"summary": self.summary(), "total_error": self.total,
+                           "units": [u.to_dict() for u in self.units],
+                           "skipped": self.skipped, "meta": self.meta})
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The report as JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def render(self, width: int = 100) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        self.print(Console(file=buffer, width=width, force_terminal=False, color_system=None))
+        return buffer.getvalue()
+
+    def print(self, console: Any = None) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        table = Table(title=self.summary(), title_justify="left")
+        for column in ("unit", "kind", "share (swap in)", "share (leave out)"):
+            table.add_column(column)
+        for unit in sorted(self.units, key=lambda u: -u.swap_in):
+            table.add_row(unit.name, unit.kind, _percent(unit.share),
+                          _percent(unit.leave_out_share))
+        console.print(table)
+        for name, reason in self.skipped.items():
+            console.print(f"not attributed: {name}: {reason}", markup=False, highlight=False)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+@dataclass
+class DecodeReport:
+    """Result of :func:`torchparity.diagnose_decode`.
+
+    ``steps`` compares B's last-position logits with the golden's at each step (step 0 is the
+    prompt); ``first_step`` is the first that breaks its budget (None if none does);
+    ``rows`` compare each aligned module's inputs and outputs at that step (no local errors: a
+    step's inputs include the cache, which is not replayed) and ``first_module`` is the first
+    module whose output breaks its budget while its inputs do not: where the error appears.
+    ``tokens`` are the tokens all decodings were fed.
+    """
+
+    steps: list[Result]
+    first_step: int | None
+    rows: list[Row]
+    tokens: Any
+    meta: dict[str, Any]
+
+    @property
+    def first_module(self) -> Row | None:
+        broken = [r for r in self.rows if r.propagated is not None and not r.propagated.ok]
+        origin = (r for r in broken if r.inputs is not None and r.inputs.ok)
+        return next(origin, broken[0] if broken else None)
+
+    def summary(self) -> str:
+        if self.first_step is None:
+            return f"All {len(self.steps)} decoding steps are within budget."
+        where = self.first_module
+        module = f", first at module {_label(where.module)}" if where else ""
+        return f"Decoding parts at step {self.first_step}{module}."
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_module
+        return _json_safe({
+            "summary": self.summary(), "first_step": self.first_step,
+            "first_module": first.module if first else None,
+            "steps": [s.to_dict() for s in self.steps], "rows": [r.to_dict() for r in self.rows],
+            "tokens": self.tokens.tolist(), "meta": self.meta})
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The report as JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def render(self, width: int = 100) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        self.print(Console(file=buffer, width=width, force_terminal=False, color_system=None))
+        return buffer.getvalue()
+
+    def print(self, console: Any = None) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        console.print(self.summary(), markup=False, highlight=False)
+        console.print("steps: " + "  ".join(f"{i}:{_cell(s)}" for i, s in enumerate(self.steps)),
+                      markup=False, highlight=False)
+        if self.rows:
+            table = Table(title=f"modules at step {self.first_step}", title_justify="left")
+            for column in ("module (B)", "type", "inputs vs golden", "output vs golden"):
+                table.add_column(column)
+            first = self.first_module
+            for r in self.rows:
+                table.add_row("  " * r.depth + _label(r.module), r.module_type, _cell(r.inputs),
+                              _cell(r.propagated), style="bold red" if r is first else None)
+            console.print(table)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 # --------------------------------------------------------------------------------------------
