@@ -38,14 +38,7 @@ from torchparity.reference import zoo
 SHORT = TrainConfig(case="llama-tiny", steps=4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # The models are tiny: one thread is faster than several, and other tests' workers keep
-    # the remaining cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def fp32_baseline(case: str) -> Trajectory:

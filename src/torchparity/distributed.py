@@ -38,6 +38,9 @@ def run_ddp(config: TrainConfig, execution: Execution = Execution(), *, nproc: i
     nothing leaves the machine. Raises :class:`~torchparity.errors.TorchParityError` with the
     tail of the workers' output when the launch fails or exceeds ``timeout`` seconds.
     """
+    if config.batch_size % (nproc * config.accum_steps):
+        raise TorchParityError(f"batch_size={config.batch_size} must be a multiple of processes "
+                               f"x accum_steps = {nproc * config.accum_steps}")
     if torch.device(execution.device).type == "cuda" and torch.cuda.device_count() < nproc:
         raise TorchParityError(f"nccl data parallelism needs one GPU per process: {nproc} "
                                f"processes, {torch.cuda.device_count()} GPU(s) here")

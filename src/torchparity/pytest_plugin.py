@@ -49,6 +49,18 @@ def device(request: pytest.FixtureRequest) -> str:
     return "cpu"
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """torch on one CPU thread for the module's tests, restored afterwards: tiny models run
+    faster on one thread, and on a shared machine several threads contend for the cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 _SUMMARY_KEY = "torchparity-summary"
 _summary: dict[str, list[str]] = {}
 
