@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import torchparity as tp
+from torchparity.diagnose_report import DiagnosisReport
 from torchparity.errors import UsageError
 from torchparity.reference import build_model, sequence_loss, zoo
 from torchparity.reference.attention import Attention, AttentionContext
@@ -77,7 +78,7 @@ def llama() -> tuple[nn.Module, dict]:
     return build_model(cfg, seed=0), zoo.make_batch(cfg, batch_size=2, seq_len=12, seed=0)
 
 
-def assert_localised(report: tp.DiagnosisReport, planted: str) -> None:
+def assert_localised(report: DiagnosisReport, planted: str) -> None:
     first = report.first_divergence
     assert first is not None, report.render()
     assert first.module == planted, report.render()
@@ -180,6 +181,17 @@ def test_fused_qkv_refactor_aligns_and_stays_within_budget(llama) -> None:
     assert all(r.local.ok and r.propagated.ok for r in fused)
     assert report.first_divergence is None and report.output.ok
     assert not report.unmatched_a and not report.unmatched_b
+
+
+def test_b_in_bfloat16_is_judged_in_bfloat16_and_still_localised(llama) -> None:
+    model_a, batch = llama
+    model_b = copy.deepcopy(model_a).to(torch.bfloat16)
+    assert tp.diagnose(model_a, model_b, batch, backward=False).first_divergence is None
+    planted = plant_rotary(model_b)
+    report = tp.diagnose(model_a, model_b, batch, backward=False)
+    assert report.first_divergence.module == planted
+    dtypes = {t.compute_dtype for r in report.rows for t in r.local.tensors if t.compute_dtype}
+    assert dtypes == {"bf16"}
 
 
 def test_models_are_left_as_they_were(llama) -> None:

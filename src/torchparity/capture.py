@@ -40,6 +40,7 @@ __all__ = [
     "call_key",
     "flatten_tensors",
     "map_tensors",
+    "map_tensors_with_paths",
     "module_filter",
     "Uncopyable",
     "snapshot",
@@ -124,17 +125,28 @@ def uncopyable_leaves(tree: Any) -> list[str]:
 
 def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """Rebuild ``tree`` with ``fn`` applied to every tensor; containers keep their types."""
+    return map_tensors_with_paths(tree, lambda path, tensor: fn(tensor), "")
+
+
+def map_tensors_with_paths(tree: Any, fn: Callable[[str, torch.Tensor], Any],
+                           prefix: str = "output") -> Any:
+    """Like :func:`map_tensors`, with ``fn(path, tensor)`` getting the path that
+    :func:`flatten_tensors` gives the tensor under the same ``prefix``."""
+    def child(key: Any) -> str:
+        return f"{prefix}.{key}" if prefix else str(key)
+
     if isinstance(tree, torch.Tensor):
-        return fn(tree)
+        return fn(prefix, tree)
     if isinstance(tree, Mapping):
-        mapped = {key: map_tensors(value, fn) for key, value in tree.items()}
+        mapped = {k: map_tensors_with_paths(v, fn, child(k)) for k, v in tree.items()}
         return _rebuild_mapping(tree, mapped)
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*(map_tensors(v, fn) for v in tree))
+        return type(tree)(*(map_tensors_with_paths(v, fn, child(i)) for i, v in enumerate(tree)))
     if isinstance(tree, (tuple, list)):
-        return type(tree)(map_tensors(v, fn) for v in tree)
+        return type(tree)(map_tensors_with_paths(v, fn, child(i)) for i, v in enumerate(tree))
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        changes = {f.name: map_tensors(getattr(tree, f.name), fn) for f in _init_fields(tree)}
+        changes = {f.name: map_tensors_with_paths(getattr(tree, f.name), fn, child(f.name))
+                   for f in _init_fields(tree)}
         return dataclasses.replace(tree, **changes)
     return tree
 
@@ -255,8 +267,9 @@ class ModuleCall:
 
     ``start`` is the order in which calls began (pre-order), ``order`` the order in which they
     finished (children before parents). ``args``/``kwargs`` and ``output`` hold the call's
-    inputs and output pytree when tensors are kept; ``output_shapes`` and the ``*_stats`` fields
-    are always filled in "stats" mode and ``output_shapes`` in every mode.
+    inputs and output pytree when tensors are kept, the ``*_stats`` fields their statistics in
+    "stats" mode. ``output_shapes``, ``inputs_requiring_grad`` and ``input_placement`` (dtype
+    and device of each input tensor) are filled in every mode.
     """
 
     name: str
@@ -273,6 +286,8 @@ class ModuleCall:
     grad_output: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     grad_stats: dict[str, TensorStats] = dataclasses.field(default_factory=dict)
     inputs_requiring_grad: frozenset[str] = frozenset()
+    input_placement: dict[str, tuple[torch.dtype, torch.device]] = dataclasses.field(
+        default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -408,6 +423,7 @@ class Capture:
             self._started += 1
             inputs = {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}
             call.inputs_requiring_grad = frozenset(p for p, t in inputs.items() if t.requires_grad)
+            call.input_placement = {p: (t.dtype, t.device) for p, t in inputs.items()}
             if self.what == "tensors":
                 # Copied now: the module (or its callers) may change them in place later.
                 call.args, call.kwargs = snapshot(args), snapshot(kwargs)

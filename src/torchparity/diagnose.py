@@ -34,7 +34,13 @@ from torch import nn
 
 from torchparity.align import Alignment, Match, NameMap, align
 from torchparity.attribution import attribute
-from torchparity.capture import ModuleCall, PatternSpec, call_key, flatten_tensors
+from torchparity.capture import (
+    ModuleCall,
+    PatternSpec,
+    call_key,
+    flatten_tensors,
+    map_tensors_with_paths,
+)
 from torchparity.decode_diagnosis import diagnose_decode
 from torchparity.diagnose_report import DiagnosisReport, Result, Row
 from torchparity.diagnose_run import (
@@ -52,7 +58,6 @@ from torchparity.diagnose_run import (
     judge,
     make_options,
     merged,
-    module_placement,
     progress_bar,
     replay,
     run_model,
@@ -453,14 +458,14 @@ def _local(reference: _Reference, match: Match, modules: dict[str, nn.Module], o
         return None, None, None
     store = reference.store
     try:
-        outputs = [replay(modules[b.name], _placed(store.get_inputs(a.key), modules[b.name]),
+        outputs = [replay(modules[b.name], _placed(store.get_inputs(a.key), b),
                           opts.backend_b)[0] for b in match.b]
         local = reference.judge(match.a, joined(outputs), "out", "local_golden", "forward")
         grad_out = store.get(a.key, "grad_out") if opts.backward and _one_to_one(match) else {}
         if not grad_out:
             return local, None, None
-        module = modules[match.b[0].name]
-        _, grads = replay(module, _placed(store.get_inputs(a.key), module), opts.backend_b,
+        b = match.b[0]
+        _, grads = replay(modules[b.name], _placed(store.get_inputs(a.key), b), opts.backend_b,
                           grad_out=grad_out, requires_grad=a.inputs_requiring_grad)
         grad_local = reference.judge(match.a, grads, "local_grad", "local_golden_grad", "grad")
         return local, grad_local, None
@@ -470,10 +475,18 @@ def _local(reference: _Reference, match: Match, modules: dict[str, nn.Module], o
         return None, None, f"replay of B's module failed: {type(exc).__name__}: {exc}"
 
 
-def _placed(inputs: tuple[tuple, dict], module: nn.Module) -> tuple[tuple, dict]:
-    """Recorded inputs moved to the module's device and cast to its floating dtype."""
-    dtype, device = module_placement(module)
-    return upcast(inputs, dtype, device) if device is not None else inputs
+def _placed(inputs: tuple[tuple, dict], call: ModuleCall) -> tuple[tuple, dict]:
+    """A's recorded inputs with each tensor moved to the device, and floating ones cast to the
+    dtype, that B's module saw at the same input in its own run."""
+    def place(path: str, tensor: torch.Tensor) -> torch.Tensor:
+        dtype, device = call.input_placement.get(path, (tensor.dtype, tensor.device))
+        if not (tensor.is_floating_point() and dtype.is_floating_point):
+            dtype = tensor.dtype
+        return tensor.to(device=device, dtype=dtype)
+
+    args, kwargs = inputs
+    return (map_tensors_with_paths(args, place, "args"),
+            map_tensors_with_paths(kwargs, place, "kwargs"))
 
 
 def _final(reference: _Reference, run: Run, which: str) -> Result:
