@@ -291,7 +291,7 @@ def _replay_reference(reference: _Reference, model: nn.Module, golden: nn.Module
         grad_out = store.get(call.key, "grad_out") if opts.backward else {}
         try:
             if grad_out:
-                _, grads = replay(modules[call.name], store.get_inputs(call.key),
+                _, grads = replay(modules[call.name], _placed(store.get_inputs(call.key), call),
                                   opts.backend_a, grad_out=grad_out,
                                   requires_grad=call.inputs_requiring_grad)
                 store.put(call.key, "local_grad", grads)

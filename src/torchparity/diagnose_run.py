@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchparity import backends as attention_backends
 from torchparity.capture import (
     Capture,
     ModuleCall,
@@ -67,6 +68,10 @@ def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
         raise UsageError("backends must be a pair (backend of A, backend of B); "
                          f"got {backends!r}")
     backend_a, backend_b = backends if backends is not None else (None, None)
+    for spec in (backend_a, backend_b):
+        if isinstance(spec, str) and spec not in attention_backends.names():
+            raise UsageError(f"unknown attention backend {spec!r}; choose one of "
+                             f"{', '.join(attention_backends.names())}")
     if progress is None:
         progress = sys.stderr.isatty()
     return Options(include, exclude, bool(backward), loss_fn, backend_a, backend_b, progress)
@@ -100,12 +105,11 @@ def call_model(model: nn.Module, inputs: Inputs) -> Any:
 
 @contextlib.contextmanager
 def backend_context(spec: BackendSpec) -> Iterator[None]:
+    """Run under the attention backend ``spec`` (a registry name or a context factory)."""
     if spec is None:
         yield
     elif isinstance(spec, str):
-        from torchparity import backends
-
-        with backends.use(spec):
+        with attention_backends.use(spec):
             yield
     else:
         with spec():

@@ -59,6 +59,7 @@ GROUPS = (
     "local_golden_grad",  # the golden module, the same
 )
 FINAL = "__final__"  # pseudo-call key of the model's own output and loss
+_CACHE_HINT = " (run without a cache to replay it, e.g. use_cache=False for Hugging Face models)"
 
 
 class ReplayUnavailable(TorchParityError):
@@ -94,7 +95,8 @@ class MemoryStore:
             raise ReplayUnavailable("its inputs were not recorded")
         uncopyable = uncopyable_leaves(self._inputs[key])
         if uncopyable:
-            raise ReplayUnavailable(f"an input of type {uncopyable[0]} could not be copied")
+            raise ReplayUnavailable(f"an input of type {uncopyable[0]} could not be copied"
+                                    f"{_CACHE_HINT if 'Cache' in uncopyable[0] else ''}")
         return snapshot(self._inputs[key])
 
     def finish(self, meta: dict[str, Any]) -> None:
@@ -220,7 +222,8 @@ def decode_tree(spec: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if "dataclass" in spec:
         cls = _import(spec["dataclass"])
         return cls(**{k: decode_tree(v, tensors) for k, v in spec["fields"].items()})
-    raise ReplayUnavailable(f"an input of type {spec['opaque']} could not be recorded")
+    raise ReplayUnavailable(f"an input of type {spec['opaque']} could not be recorded"
+                            f"{_CACHE_HINT if 'Cache' in spec['opaque'] else ''}")
 
 
 def _import(path: str) -> Any:
