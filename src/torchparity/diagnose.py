@@ -192,7 +192,7 @@ def diagnose_against(
         raise UsageError(f"inputs differ from the ones recorded in {path} (checksum {digest} vs "
                          f"{meta['inputs_digest']}); pass the same inputs to both revisions")
     opts = make_options(meta["backward"] if backward is None else backward, loss_fn,
-                    meta["include"], meta["exclude"], (meta["backend"], backend), progress)
+                        meta["include"], meta["exclude"], (meta["backend"], backend), progress)
     check_models(model=model)
     reference = _Reference(
         calls=[call_from_json(c) for c in meta["calls"]], store=store,

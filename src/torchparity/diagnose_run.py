@@ -144,6 +144,8 @@ def default_loss(output: Any, inputs: Any = None) -> torch.Tensor:
 
 @dataclass
 class Run:
+    """What one captured run leaves: its calls, detached output, loss and parameter grads."""
+
     calls: list[ModuleCall]
     output: Any
     loss: torch.Tensor | None
@@ -162,6 +164,10 @@ def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendS
             output = call_model(model, inputs)
             if backward:
                 loss = (opts.loss_fn or default_loss)(output, inputs)
+                if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+                    raise UsageError(f"loss_fn must return a scalar tensor; got {shape}")
+                loss = loss.reshape(())
                 params = _trainable(model)
                 found = torch.autograd.grad(loss, params, allow_unused=True)
                 grads = {id(p): g for p, g in zip(params, found, strict=True) if g is not None}
@@ -170,7 +176,7 @@ def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendS
                if id(p) in grads}
         for name, module in cap.modules.items()
     }
-    output = _detached(output)
+    output = map_tensors(output, lambda t: t.detach())
     return Run(cap.records, output, None if loss is None else loss.detach(), param_grads)
 
 
@@ -180,10 +186,6 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
         raise UsageError(f"{type(model).__name__} has no parameter that requires grad; pass "
                          "backward=False")
     return params
-
-
-def _detached(tree: Any) -> Any:
-    return map_tensors(tree, lambda t: t.detach())
 
 
 def replay(module: nn.Module, inputs: tuple[tuple, dict], backend: BackendSpec, *,
