@@ -1,0 +1,169 @@
+"""Tables of a ``torchparity bench`` result, for the terminal (rich) and for Markdown.
+
+Both renderers draw the same :func:`sections`, so the terminal and ``BENCHMARKS.md`` cannot
+disagree about what a column means.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+Section = tuple[str, list[str], list[list[str]]]  # title, headers, rows of cells
+
+
+def sections(result: dict[str, Any]) -> list[Section]:
+    """Throughput, diagnose, check and targets tables as plain strings."""
+    return [
+        _throughput(result["throughput"], result["settings"]["compile"]),
+        _diagnose(result["diagnose"]),
+        _check(result["check"]),
+        _targets(result["targets"]),
+    ]
+
+
+def to_markdown(result: dict[str, Any]) -> str:
+    """All tables as GitHub Markdown, preceded by the machine they ran on."""
+    machine = result["machine"]
+    lines = [f"Machine: {describe_machine(machine)}", ""]
+    for title, headers, rows in sections(result):
+        lines += [f"#### {title}", "", _md_row(headers), _md_row(["---"] * len(headers))]
+        lines += [_md_row(row) for row in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def print_tables(result: dict[str, Any], console: Any) -> None:
+    """Print every table with rich on ``console``."""
+    from rich.table import Table
+
+    console.print(f"machine: {describe_machine(result['machine'])}", markup=False)
+    for title, headers, rows in sections(result):
+        table = Table(title=title, title_justify="left")
+        for header in headers:
+            table.add_column(header, overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+
+
+def describe_machine(machine: dict[str, Any]) -> str:
+    parts = [f"{machine['cpu']}, {machine['logical_cores']} logical cores "
+             f"({machine['torch_threads']} torch threads)"]
+    if machine.get("memory_gib"):
+        parts.append(f"{machine['memory_gib']} GiB RAM")
+    if machine.get("gpu"):
+        parts.append(f"{machine['gpu']} (CUDA {machine.get('cuda')})")
+    parts.append(f"torch {machine['torch']}, Python {machine['python']}")
+    loads = [machine.get("load_average_start"), machine.get("load_average_end")]
+    if all(loads):
+        parts.append(f"1-min load {loads[0][0]} at start, {loads[1][0]} at end")
+    return "; ".join(parts)
+
+
+def _md_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
+# --------------------------------------------------------------------------------------------
+# Cells
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    if value is None or not math.isfinite(value):
+        return "—"
+    return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:,.0f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _mib(value: int | None) -> str:
+    return "—" if value is None else f"{value / 2**20:,.1f}"
+
+
+def _remark(row: dict[str, Any]) -> str:
+    return row.get("reason") or row.get("note") or ""
+
+
+def _table(title: str, columns: list[tuple[str, Callable[[dict[str, Any]], str]]],
+           rows: list[dict[str, Any]]) -> Section:
+    return title, [name for name, _ in columns], [[cell(row) for _, cell in columns]
+                                                  for row in rows]
+
+
+def _size(row: dict[str, Any]) -> str:
+    if "d_model" not in row:
+        return row.get("size", "")
+    return (f"{row['size']}: d{row['d_model']}×{row['n_layers']}L, "
+            f"{row['batch_size']}×{row['seq_len']}")
+
+
+def _throughput(rows: list[dict[str, Any]], compiled: bool) -> Section:
+    columns = [
+        ("model", lambda r: r.get("model", "")),
+        ("size", _size),
+        ("dtype", lambda r: r.get("dtype", "")),
+        ("backend", lambda r: r.get("backend", "")),
+        ("tok/s", lambda r: _num(r.get("tok_per_s"))),
+        ("× manual", lambda r: _ratio(r.get("ratio_vs_manual"))),
+        ("step ms", lambda r: _num(1e3 * r["step_s"]) if "step_s" in r else "—"),
+        ("spread", lambda r: f"{100 * r['spread']:.0f}%" if "spread" in r else "—"),
+        ("first step s", lambda r: _num(r.get("first_step_s"))),
+        ("peak MiB", lambda r: _mib(r.get("peak_bytes"))),
+        ("mem × manual", lambda r: _ratio(r.get("peak_vs_manual"))),
+    ]
+    if compiled:
+        columns += [(name, lambda r, key=key: str(r.get(key, "—")))
+                    for name, key in (("graphs", "graphs"), ("breaks", "graph_breaks"),
+                                      ("recompiles", "recompiles"))]
+    columns.append(("note", _remark))
+    return _table("Backend throughput (forward+backward)", columns, rows)
+
+
+def _diagnose(rows: list[dict[str, Any]]) -> Section:
+    columns = [
+        ("model", lambda r: r.get("model", "")),
+        ("size", lambda r: f"{r['size']}: {r['batch_size']}×{r['seq_len']}" if "size" in r
+         else ""),
+        ("dtype", lambda r: r.get("dtype", "")),
+        ("plain s", lambda r: _num(r.get("plain_s"))),
+        ("diagnose s", lambda r: _num(r.get("diagnose_s"))),
+        ("time × plain", lambda r: _ratio(r.get("diagnose_time_ratio"))),
+        ("streaming s", lambda r: _num(r.get("stream_s"))),
+        ("time × plain", lambda r: _ratio(r.get("stream_time_ratio"))),
+        ("plain MiB", lambda r: _mib(r.get("plain_peak_bytes"))),
+        ("diagnose MiB", lambda r: _mib(r.get("diagnose_peak_bytes"))),
+        ("mem × plain", lambda r: _ratio(r.get("diagnose_peak_ratio"))),
+        ("streaming MiB", lambda r: _mib(r.get("stream_peak_bytes"))),
+        ("mem × plain", lambda r: _ratio(r.get("stream_peak_ratio"))),
+        ("note", _remark),
+    ]
+    return _table("Cost of diagnose (manual vs sdpa models; plain = forward+backward of both)",
+                  columns, rows)
+
+
+def _check(rows: list[dict[str, Any]]) -> Section:
+    columns = [
+        ("command", lambda r: r.get("command", "")),
+        ("wall s", lambda r: _num(r.get("wall_s"))),
+        ("exit", lambda r: str(r.get("exit_code", "—"))),
+        ("logical cores", lambda r: str(r.get("logical_cores", ""))),
+        ("note", _remark),
+    ]
+    return _table("Wall time of torchparity check", columns, rows)
+
+
+def _targets(rows: list[dict[str, Any]]) -> Section:
+    verdict = {True: "met", False: "MISSED", None: "not measured"}
+    columns = [
+        ("target", lambda r: r["description"]),
+        ("where", lambda r: r["where"]),
+        ("limit", lambda r: r["limit"]),
+        ("measured", lambda r: _num(r["measured"])),
+        ("result", lambda r: verdict[r["met"]]),
+        ("note", lambda r: r.get("note", "")),
+    ]
+    return _table("Targets", columns, rows)

@@ -1,0 +1,113 @@
+"""``torchparity bench``: backend throughput and start-up, and the cost of the safety net."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+from torchparity import bench, bench_report
+from torchparity.errors import UsageError
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None,
+                        help="cpu or cuda (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", action="append", choices=list(DTYPES),
+                        help="dtype to measure (repeatable; default: fp32 and bf16)")
+    parser.add_argument("--case", action="append", metavar="NAME",
+                        help="zoo case to scale up as the model (repeatable; default: "
+                             f"{' and '.join(bench.REFERENCE_CASES)})")
+    parser.add_argument("--backend", action="append", metavar="NAME",
+                        help="attention backend to measure (repeatable; default: all; "
+                             "keep manual, the baseline of the ratios)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved measured rounds per contender (default 5, quick 3)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="unmeasured warm-up steps per contender (default 1)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads of the measured processes (default: "
+                             "torch's own choice, one per core)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the models; reports graphs, graph breaks and "
+                             "recompiles (cold compile caches; slow on a CPU)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and few rounds: a smoke run of seconds "
+                             "(does not time `torchparity check`)")
+    parser.add_argument("--skip", action="append", choices=list(bench.PARTS), default=[],
+                        help="leave a part out (repeatable)")
+    parser.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="write the tables as Markdown to PATH (for BENCHMARKS.md)")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a torch device (try cpu or cuda)") from None
+    settings = bench.default_settings(
+        device, args.quick,
+        dtypes=tuple(DTYPES[d] for d in args.dtype or ()),
+        cases=tuple(args.case or ()),
+        backends=tuple(args.backend or ()),
+        rounds=args.rounds, warmup=args.warmup, compile=args.compile, threads=args.threads,
+        parts=tuple(p for p in bench.PARTS if p not in args.skip),
+    )
+    for path in (args.json, args.markdown):
+        if path and not Path(path).parent.is_dir():
+            raise UsageError(f"cannot write {path}: directory {Path(path).parent} does not exist")
+
+    console = Console()
+    with _ProgressBar(Console(stderr=True)) as progress:
+        result = bench.run(settings, progress)
+    bench_report.print_tables(result, console)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(bench_report.to_markdown(result))
+    return 0
+
+
+class _ProgressBar(bench.Progress):
+    """A rich progress bar per part, on stderr."""
+
+    def __init__(self, console: Console) -> None:
+        from rich.progress import Progress
+
+        self._bar = Progress(TextColumn("{task.fields[part]:<10}"), BarColumn(),
+                             MofNCompleteColumn(), TimeElapsedColumn(),
+                             TextColumn("{task.description}"), console=console, transient=False)
+        self._task: Any = None
+
+    def __enter__(self) -> _ProgressBar:
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._finish()
+        self._bar.stop()
+
+    def start(self, part: str, total: int) -> None:
+        self._finish()
+        self._task = self._bar.add_task("", total=total, part=part)
+
+    def _finish(self) -> None:
+        if self._task is not None:
+            self._bar.update(self._task, completed=self._bar.tasks[self._task].total,
+                             description="done")
+
+    def advance(self, description: str) -> None:
+        # Advancing when the next unit starts keeps the description on what is running now.
+        task = self._bar.tasks[self._task]
+        if task.description:
+            self._bar.advance(self._task)
+        self._bar.update(self._task, description=description)
