@@ -1,0 +1,177 @@
+"""`torchparity bench`: the result's schema and invariants, the measuring helpers, bad input.
+
+No test asserts a speed: speed goals are checked by the benchmark itself (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchparity import bench, cli
+from torchparity.bench_worker import peak_bytes
+
+POSITIVE = {"tok_per_s", "step_s", "first_step_s", "ratio_vs_manual", "peak_bytes",
+            "peak_vs_manual", "tokens_per_step", "wall_s", "plain_s", "diagnose_s", "stream_s",
+            "plain_peak_bytes", "diagnose_peak_bytes", "stream_peak_bytes",
+            "diagnose_time_ratio", "stream_time_ratio", "diagnose_peak_ratio",
+            "stream_peak_ratio"}
+
+
+def run_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / "bench.json"
+    markdown = tmp_path / "bench.md"
+    code = cli.main(["bench", "--quick", "--threads", "1", "--json", str(out),
+                     "--markdown", str(markdown), *args])
+    assert code == 0
+    result = json.loads(out.read_text())
+    result["_markdown"] = markdown.read_text()
+    return result
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # One decoder, the baseline, an SDPA kernel, flex (forward only on the CPU) and a
+    # CUDA-only backend: every kind of row, in a few seconds.
+    return run_bench(tmp_path_factory.mktemp("bench"), "--skip", "diagnose",
+                     "--case", "llama-tiny", "--backend", "manual", "--backend", "sdpa-math",
+                     "--backend", "flex", "--backend", "sdpa-efficient")
+
+
+def numbers(tree: Any, path: str = "") -> list[tuple[str, float]]:
+    """Every number in a JSON tree with its dotted path (booleans are not numbers)."""
+    if isinstance(tree, dict):
+        return [item for key, value in tree.items() for item in numbers(value, f"{path}.{key}")]
+    if isinstance(tree, list):
+        return [item for i, value in enumerate(tree) for item in numbers(value, f"{path}.{i}")]
+    if isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        return [(path, tree)]
+    return []
+
+
+def check_rows(rows: list[dict[str, Any]]) -> None:
+    assert rows, "every part reports at least one row"
+    for row in rows:
+        assert row["status"] in ("ok", "n/a"), row
+        if row["status"] == "n/a":
+            assert isinstance(row.get("reason"), str) and row["reason"].strip(), row
+        for path, value in numbers(row):
+            assert math.isfinite(value), (path, row)
+            key = path.split(".")[1]
+            if key in POSITIVE or key == "times_s":
+                assert value > 0, (path, row)
+
+
+def test_quick_result_schema(quick: dict[str, Any]) -> None:
+    assert quick["schema"] == bench.SCHEMA
+    assert {"cpu", "logical_cores", "torch", "load_average_start"} <= set(quick["machine"])
+    for part in bench.PARTS:
+        check_rows(quick[part])
+    for target in quick["targets"]:
+        assert target["met"] in (True, False, None)
+        if target["met"] is None:
+            assert target["note"], target
+
+
+def test_quick_throughput_rows(quick: dict[str, Any]) -> None:
+    rows = {row["backend"]: row for row in quick["throughput"]}
+    assert list(rows) == ["manual", "sdpa-math", "flex", "sdpa-efficient"]
+    size = bench.QUICK_SIZES[0]
+    for name in ("manual", "sdpa-math"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["mode"] == "forward+backward"
+        assert len(row["times_s"]) == quick["settings"]["rounds"]
+        assert row["step_s"] == sorted(row["times_s"])[len(row["times_s"]) // 2]
+        assert row["tokens_per_step"] == size.batch_size * size.seq_len
+        assert row["tok_per_s"] == pytest.approx(row["tokens_per_step"] / row["step_s"])
+    assert rows["manual"]["ratio_vs_manual"] == 1.0  # the baseline against itself, per round
+    assert "ratio_vs_manual" in rows["sdpa-math"]
+    # Flex has no backward on the CPU: measured forward only, said so, and not ratioed.
+    assert rows["flex"]["status"] == "ok" and rows["flex"]["mode"] == "forward"
+    assert "forward only" in rows["flex"]["note"] and "ratio_vs_manual" not in rows["flex"]
+    assert rows["sdpa-efficient"]["status"] == "n/a"
+    assert "CUDA" in rows["sdpa-efficient"]["reason"]
+
+
+def test_quick_skipped_parts_say_why(quick: dict[str, Any]) -> None:
+    assert "--skip diagnose" in quick["diagnose"][0]["reason"]
+    assert "--quick" in quick["check"][0]["reason"]
+    skipped = [t for t in quick["targets"] if t["target"] in ("diagnose_time", "check_wall")]
+    assert skipped and all(t["met"] is None for t in skipped)
+
+
+def test_markdown_has_a_line_per_row(quick: dict[str, Any]) -> None:
+    lines = quick["_markdown"].splitlines()
+    assert lines[0].startswith("Machine: ")
+    table_rows = [line for line in lines if line.startswith("| decoder |")]
+    assert len(table_rows) == len(quick["throughput"])
+    assert any(quick["throughput"][-1]["reason"] in line for line in table_rows)
+
+
+@pytest.mark.slow
+def test_quick_diagnose_rows(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--skip", "throughput", "--case", "llama-tiny",
+                       "--rounds", "1", "--warmup", "0")
+    check_rows(result["diagnose"])
+    row = result["diagnose"][0]
+    assert row["status"] == "ok", row
+    for name in ("diagnose", "stream"):
+        assert row[f"{name}_time_ratio"] > 0 and row[f"{name}_peak_ratio"] > 0
+
+
+def test_peak_bytes_counts_what_lives_together() -> None:
+    n = 1 << 18
+    size = n * torch.tensor([], dtype=torch.float32).element_size()
+
+    def together() -> None:
+        a, b = torch.empty(n), torch.empty(n)
+        del a, b
+
+    def one_after_the_other() -> None:
+        a = torch.empty(n)
+        del a
+        b = torch.empty(n)
+        del b
+
+    cpu = torch.device("cpu")
+    assert peak_bytes(together, cpu) == 2 * size
+    assert peak_bytes(one_after_the_other, cpu) == size
+
+
+def test_rotated_rounds_put_each_contender_first_once() -> None:
+    names = ["manual", "sdpa", "flex"]
+    orders = [bench.rotated(names, r) for r in range(len(names))]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    assert sorted(order[0] for order in orders) == sorted(names)
+
+
+def test_paired_ratio_cancels_drift() -> None:
+    # The machine slows down 8x over the run; B is always exactly twice as fast as A.
+    a = [0.5 * 2.0**r for r in range(4)]
+    b = [t / 2 for t in a]
+    assert bench.paired_ratio(a, b) == 2.0
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--case", "no-such-case"], "--case"),
+    (["--rounds", "0"], "--rounds"),
+    (["--threads", "0"], "--threads"),
+    (["--backend", "no-such-backend"], "--backend"),
+    (["--json", "/no/such/dir/out.json"], "/no/such/dir"),
+])
+def test_bad_input_is_one_line(args: list[str], named: str,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--quick", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--device", "cuda"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
