@@ -20,6 +20,8 @@ from torchparity.capture import (
     module_filter,
 )
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+
 
 class Block(nn.Module):
     def __init__(self, width: int) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import torchparity as tp
 from torchparity.align import align, name_translator
 from torchparity.capture import Capture
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 
 
 class Block(nn.Module):

@@ -13,6 +13,8 @@ from torchparity.errors import UsageError
 from torchparity.reference import build_model, zoo
 from torchparity.reference.variants import swap_in
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+
 BACKENDS = ("manual", "sdpa-math")
 
 

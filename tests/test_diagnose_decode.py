@@ -14,6 +14,8 @@ from torchparity.reference import KVCache, build_model, greedy_decode, zoo
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+
 
 class StaleSlotCache(KVCache):
     """Hands attention the previous token's value in the newest slot once anything is cached."""

@@ -15,6 +15,8 @@ import torchparity as tp
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.reference import build_model, zoo
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 FACTORY = textwrap.dedent("""

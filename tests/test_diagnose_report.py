@@ -13,6 +13,8 @@ from torch import nn
 
 import torchparity as tp
 
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+
 
 class Tiny(nn.Module):
     def __init__(self) -> None:
