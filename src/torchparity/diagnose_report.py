@@ -570,7 +570,7 @@ def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str
     lo = math.floor(math.log10(min(finite + [1e-2])))
     hi = math.ceil(math.log10(max(finite + [10.0])))
     left, top, plot_h, step = 60, 30, 220, max(8, min(40, 900 // max(len(rows), 1)))
-    width, height = left + step * max(len(rows), 1) + 30, top + plot_h + 40
+    width, height = left + step * max(len(rows), 1) + 30, top + plot_h + 44
 
     def x(i: int) -> float:
         return left + step * (i + 0.5)
@@ -605,7 +605,11 @@ def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str
                 f"<circle class='point-{name}' data-module='{html.escape(r.module, quote=True)}' "
                 f"cx='{x(i):.1f}' cy='{y(values[i]):.1f}' r='3' fill='{colours[name]}'>"
                 f"<title>{html.escape(label)}</title></circle>")
-    legend_y = top + plot_h + 30
+    every = max(1, len(rows) // 20)  # row numbers as in the table's "#" column
+    for i in range(0, len(rows), every):
+        parts.append(f"<text x='{x(i):.1f}' y='{top + plot_h + 14}' "
+                     f"text-anchor='middle'>{i}</text>")
+    legend_y = top + plot_h + 34
     for offset, (name, colour) in enumerate(colours.items()):
         parts.append(f"<rect x='{left + 140 * offset}' y='{legend_y - 9}' width='10' height='10' "
                      f"fill='{colour}'/><text x='{left + 140 * offset + 14}' y='{legend_y}'>"
