@@ -29,6 +29,14 @@ FACTORY = textwrap.dedent("""
         if os.environ.get("TP_PLANT") == "eps":  # the "changed revision"
             model.decoder.layers[1].mlp_norm.eps = 1e-4
         return model, zoo.make_batch(cfg, batch_size=2, seq_len=8, seed=0), sequence_loss
+
+    def make_renamed():
+        model, batch, loss = make()
+        model.decoder.blocks = model.decoder.layers  # B calls its layers "blocks"
+        del model.decoder.layers
+        model.decoder.__class__ = type("Renamed", (type(model.decoder),), {
+            "layers": property(lambda self: self.blocks)})
+        return model, batch, loss
 """)
 
 
@@ -125,3 +133,17 @@ def test_cli_usage_errors_are_one_line(factory_dir: Path, monkeypatch, capsys) -
     assert "has no callable 'nothing'" in lines[0]
     assert "give two entry points (A and B), or one with --against TRACE" in lines[1]
     assert "cannot import no_such_module" in lines[2]
+
+
+def test_cli_diagnoses_two_entry_points_with_a_name_map(factory_dir: Path, monkeypatch) -> None:
+    from torchparity.cli import main
+
+    monkeypatch.chdir(factory_dir)
+    monkeypatch.syspath_prepend(str(factory_dir))
+    code = main(["diagnose", "tpfactory:make", "tpfactory:make_renamed", "--no-backward",
+                 "--name-map", r"decoder\.layers\.(.*)=decoder.blocks.\1", "--json", "r.json"])
+    assert code == 0
+    report = json.loads((factory_dir / "r.json").read_text())
+    assert report["first_divergence"] is None and not report["unmatched_a"]
+    assert {r["how"] for r in report["rows"] if r["module"].startswith("decoder.blocks")} == {
+        "name_map"}
