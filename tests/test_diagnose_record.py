@@ -40,8 +40,8 @@ FACTORY = textwrap.dedent("""
 """)
 
 
-def torchparity_cli(*args: str, cwd: Path, plant: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{cwd}", "TP_PLANT": plant,
+def torchparity_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{cwd}", "TP_PLANT": "",
            "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "torchparity.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -58,26 +58,31 @@ def llama() -> tuple:
     return build_model(cfg, seed=0), zoo.make_batch(cfg, batch_size=2, seq_len=8, seed=0)
 
 
-def test_record_then_diagnose_in_other_processes(factory_dir: Path) -> None:
+def test_record_in_one_process_diagnose_in_another(factory_dir: Path, monkeypatch,
+                                                   capsys) -> None:
+    from torchparity.cli import main
+    from torchparity.reference import sequence_loss
+
     recorded = torchparity_cli("record", "tpfactory:make", "-o", "base.tptrace", cwd=factory_dir)
     assert recorded.returncode == 0, recorded.stderr
     meta = json.loads((factory_dir / "base.tptrace" / "trace.json").read_text())
     assert meta["backward"] and meta["weights"] and meta["modules"][0]["type"] == "DecoderLM"
 
-    changed = torchparity_cli("diagnose", "tpfactory:make", "--against", "base.tptrace",
-                              "--json", "report.json", "--html", "report.html",
-                              cwd=factory_dir, plant="eps")
-    assert changed.returncode == 1, changed.stderr
+    # The changed revision, in this process, through the CLI.
+    monkeypatch.chdir(factory_dir)
+    monkeypatch.syspath_prepend(str(factory_dir))
+    monkeypatch.setenv("TP_PLANT", "eps")
+    code = main(["diagnose", "tpfactory:make", "--against", "base.tptrace",
+                 "--json", "report.json", "--html", "report.html"])
+    assert code == 1
     report = json.loads((factory_dir / "report.json").read_text())
     assert report["first_divergence"] == "decoder.layers.1.mlp_norm"
     assert report["first_grad_divergence"] == "decoder.layers.1.mlp_norm"
-    assert "decoder.layers.1.mlp_norm" in changed.stdout
+    assert "decoder.layers.1.mlp_norm" in capsys.readouterr().out
     assert (factory_dir / "report.html").read_text().startswith("<!DOCTYPE html>")
 
-    # The unchanged model, in this process, agrees with the trace everywhere.
+    # The unchanged model agrees with the trace everywhere.
     model, batch = llama()
-    from torchparity.reference import sequence_loss
-
     same = tp.diagnose_against(factory_dir / "base.tptrace", model, batch, loss_fn=sequence_loss)
     assert same.first_divergence is None and same.first_grad_divergence is None
     assert all(r.local.verdict == "identical" for r in same.rows)
