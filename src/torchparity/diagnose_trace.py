@@ -2,7 +2,17 @@
 
 A trace holds, per module call of the reference model A, the call's inputs (to replay them into
 B's module), its output, the float64 golden's output and, with gradients, the gradients of the
-outputs and parameters, each under a *group* name (see :data:`GROUPS`).
+outputs and parameters, each under a *group* name:
+
+- ``out``: A's output in the full run, the baseline of the propagated comparison;
+  ``golden_out``: the float64 golden's output in its full run;
+  ``local_golden``: the golden's module fed A's recorded inputs;
+- ``grad_out`` / ``golden_grad_out``: d loss / d output in A's / the golden's full run (A's is
+  also fed to the local backward replays); ``param_grad`` / ``golden_param_grad``: the same for
+  the module's direct parameters;
+- ``local_grad`` / ``local_golden_grad``: A's / the golden's module replayed backward on A's
+  recorded inputs and output gradient;
+- ``in``: the recorded inputs' tensors (on disk only).
 
 On disk (``tp.record``) a trace is a directory::
 
@@ -45,19 +55,6 @@ from torchparity.errors import TorchParityError, UsageError
 
 SCHEMA = "torchparity.trace/1"
 TRACE_JSON = "trace.json"
-
-#: Tensor groups kept per call.
-GROUPS = (
-    "out",  # A's output in the full run: the baseline of the propagated comparison
-    "golden_out",  # the float64 golden's output in its full run
-    "local_golden",  # the golden's module fed A's recorded inputs
-    "grad_out",  # d loss / d output in A's full run (also fed to local backward replays)
-    "golden_grad_out",
-    "param_grad",  # d loss / d direct parameters of the module in A's full run
-    "golden_param_grad",
-    "local_grad",  # A's module replayed backward on its recorded inputs and output gradient
-    "local_golden_grad",  # the golden module, the same
-)
 FINAL = "__final__"  # pseudo-call key of the model's own output and loss
 _CACHE_HINT = " (run without a cache to replay it, e.g. use_cache=False for Hugging Face models)"
 
