@@ -19,6 +19,7 @@ from torchparity import backends, cli
 from torchparity import train as train_module
 from torchparity.errors import BackendUnavailable
 from torchparity.golden import GoldenMissing, GoldenStale, GoldenStore
+from torchparity.reference import zoo
 from torchparity.train import Execution, TrainConfig, Trajectory, learning_rate, train
 from torchparity.train_data import BOS, EOS, FIRST_SYMBOL, IGNORE, PAD, SEP, TASKS, Corpus
 from torchparity.trajectory import (
@@ -33,7 +34,6 @@ from torchparity.trajectory import (
     read_stored_baseline,
     reduction_twin,
 )
-from torchparity.reference import zoo
 
 SHORT = TrainConfig(case="llama-tiny", steps=4)
 
@@ -222,9 +222,9 @@ def test_training_a_backend_without_a_cpu_backward_fails_with_the_reason():
 
 
 def test_reduction_twin_changes_the_rounding_only():
-    config = golden_config("encdec-prenorm")
+    config = golden_config("llama-tiny")
     twin = train(reduction_twin(config))
-    baseline = fp32_baseline("encdec-prenorm")
+    baseline = fp32_baseline("llama-tiny")
     differ = any(not torch.equal(twin.series()[q], baseline.series()[q])
                  for q in ("loss", "grad_norm", "update_norm"))
     assert differ, "a twin that rounds identically cannot calibrate anything"
@@ -371,7 +371,7 @@ def test_a_golden_made_with_another_recipe_is_stale_with_the_fix(tmp_path):
 
 def test_cli_trains_checks_against_the_golden_and_writes_json(tmp_path, capsys):
     out = tmp_path / "run.json"
-    code = cli.main(["train", "--case", "encdec-prenorm", "--backend", "sdpa", "--check",
+    code = cli.main(["train", "--case", "llama-tiny", "--backend", "sdpa", "--check",
                      "--log-every", "10", "--json", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
@@ -402,3 +402,12 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert cli.main(["train", "--steps", "2", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_compiled_training_follows_the_golden_and_pays_for_compiling_in_its_first_step():
+    candidate = train(golden_config("llama-tiny"), Execution(compile=True))
+    result = check_against_golden(candidate)
+    assert result.ok, result.explain()
+    steady = max(r.seconds for r in candidate.records[1:])
+    assert candidate.time_to_first_step > steady

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from torchparity.errors import TorchParityError
-from torchparity.train import Execution, Trainer, TrainConfig, Trajectory
+from torchparity.train import Execution, TrainConfig, Trainer, Trajectory
 
 
-def run_ddp(config: TrainConfig, execution: Execution = Execution(), *, nproc: int = 2,
+def run_ddp(config: TrainConfig, execution: Execution | None = None, *, nproc: int = 2,
             timeout: float = 180.0) -> Trajectory:
     """Train ``config`` with ``nproc`` DDP processes on this machine; return rank 0's run.
 
@@ -38,6 +38,7 @@ def run_ddp(config: TrainConfig, execution: Execution = Execution(), *, nproc: i
     nothing leaves the machine. Raises :class:`~torchparity.errors.TorchParityError` with the
     tail of the workers' output when the launch fails or exceeds ``timeout`` seconds.
     """
+    execution = execution or Execution()
     if config.batch_size % (nproc * config.accum_steps):
         raise TorchParityError(f"batch_size={config.batch_size} must be a multiple of processes "
                                f"x accum_steps = {nproc * config.accum_steps}")

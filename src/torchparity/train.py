@@ -17,7 +17,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -321,6 +321,11 @@ class Trajectory:
         seconds = sum(r.seconds for r in steady)
         return sum(r.input_tokens for r in steady) / seconds if seconds > 0 else math.nan
 
+    def label(self) -> str:
+        """The execution, and the number of processes when data-parallel."""
+        ddp = f" x{self.world_size} DDP" if self.world_size > 1 else ""
+        return self.execution.label() + ddp
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config.to_dict(),
@@ -395,10 +400,11 @@ class Trainer:
     gradients equal those of a single process on the whole batch up to reduction order.
     """
 
-    def __init__(self, config: TrainConfig, execution: Execution = Execution(), *,
+    def __init__(self, config: TrainConfig, execution: Execution | None = None, *,
                  distributed: bool = False, log: LogFn | None = None, log_every: int = 0) -> None:
         self.started = time.perf_counter()
-        self.config, self.execution = config, execution
+        self.config, self.execution = config, execution or Execution()
+        execution = self.execution
         self.log, self.log_every = log, log_every
         self.rank, self.world_size = _process_group(distributed)
         if config.batch_size % (self.world_size * config.accum_steps):
@@ -555,7 +561,7 @@ def format_log_line(window: list[StepRecord], total_steps: int, elapsed: float) 
             f"{elapsed:.0f}s elapsed")
 
 
-def train(config: TrainConfig, execution: Execution = Execution(), *, log: LogFn | None = None,
+def train(config: TrainConfig, execution: Execution | None = None, *, log: LogFn | None = None,
           log_every: int = 0) -> Trajectory:
     """Run ``config`` under ``execution`` in this process and return its trajectory.
 
@@ -621,9 +627,3 @@ class _Timer:
             self.seconds = self._start.elapsed_time(self._end) / 1000.0
         else:
             self.seconds = time.perf_counter() - self._t0
-
-
-def iter_steps(trainer: Trainer, steps: int) -> Iterator[StepRecord]:
-    """Yield each record as the trainer runs (for progress bars)."""
-    for step in range(len(trainer.records) + 1, steps + 1):
-        yield trainer.step(step)

@@ -14,7 +14,6 @@ Token layout (shared by source and target vocabularies): 0 padding, 1 begin, 2 e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -178,9 +177,3 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def correct_tokens(logits: torch.Tensor, labels: torch.Tensor) -> int:
     """How many labelled positions the model's argmax gets right (for the accuracy column)."""
     return int(((logits.argmax(-1) == labels) & (labels != IGNORE)).sum())
-
-
-def describe(batch: TrainBatch) -> dict[str, Any]:
-    """Shapes and token counts of a batch, for reports."""
-    return {"shapes": {k: list(v.shape) for k, v in batch.inputs.items()},
-            "sentences": batch.n_sentences, "target_tokens": batch.n_tokens}

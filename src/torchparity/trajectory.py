@@ -176,10 +176,10 @@ def compare_trajectories(
     dtype = compute_dtype or candidate.execution.mode.compute_dtype
     if pair:
         noise_a, noise_b = baseline
-        calibration = f"noise of {noise_a.execution.label()} vs its reduction-order twin"
+        calibration = f"noise of {noise_a.label()} vs its reduction-order twin"
     else:
         noise_a, noise_b = baseline, reference
-        calibration = f"baseline {baseline.execution.label()}"
+        calibration = f"baseline {baseline.label()}"
     series = [run.series() for run in (candidate, reference, noise_a, noise_b)]
     points = []
     for q in QUANTITIES:
@@ -190,7 +190,7 @@ def compare_trajectories(
                    for n in range(1, steps + 1)]
     points.sort(key=lambda p: (p.step, QUANTITIES.index(p.quantity)))
     identical = not pair and _bit_equal(series[0], series[2], steps)
-    return TrajectoryComparison(candidate.execution.label(), reference.execution.label(),
+    return TrajectoryComparison(candidate.label(), reference.label(),
                                 calibration, dtype, points, identical, list(candidate.notes))
 
 
@@ -346,6 +346,14 @@ def _series_tensors(run: Trajectory) -> dict[str, torch.Tensor]:
     tensors.update({name: torch.tensor([getattr(r, name) for r in run.records])
                     for name in _GOLDEN_COUNTS})
     return tensors
+
+
+def check_training(case: str, execution: Execution | None = None,
+                   store: GoldenStore | None = None) -> TrajectoryComparison:
+    """Train ``case``'s golden recipe under ``execution`` and judge it against the stored golden
+    (what ``torchparity check --train`` does per case and execution)."""
+    return check_against_golden(train(golden_config(case), execution or Execution()),
+                                store=store)
 
 
 def golden_trajectory(config: TrainConfig, store: GoldenStore | None = None) -> Trajectory:

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torchparity import backends
 from torchparity.errors import UsageError
 from torchparity.reference import zoo
-from torchparity.train import DTYPE_MODES, NORMALIZATIONS, Execution, Trainer, TrainConfig
+from torchparity.train import DTYPE_MODES, NORMALIZATIONS, Execution, TrainConfig, Trainer
 
 _DEFAULTS = TrainConfig()
 
@@ -152,8 +152,11 @@ def _train(config: TrainConfig, execution: Execution, args: argparse.Namespace,
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task(f"{config.case} {execution.label()}", total=config.steps)
-        log = None if quiet else (lambda line: bar.console.print(line, markup=False, soft_wrap=True))
-        trainer = Trainer(config, execution, log=log, log_every=args.log_every)
+        def log(line: str) -> None:
+            bar.console.print(line, markup=False, soft_wrap=True)
+
+        trainer = Trainer(config, execution, log=None if quiet else log,
+                          log_every=args.log_every)
         for step in range(1, config.steps + 1):
             trainer.step(step)
             bar.advance(task)
