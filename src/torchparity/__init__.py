@@ -7,6 +7,8 @@ loads only what it needs.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -37,3 +39,19 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
+
+
+class _Package(types.ModuleType):
+    """``tp.compare`` and ``tp.diagnose`` are functions living in modules of the same name.
+
+    Importing such a submodule would rebind the package attribute to the module; this keeps the
+    function (modules stay reachable through ``from torchparity.compare import ...``).
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

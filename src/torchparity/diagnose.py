@@ -22,7 +22,6 @@ it to disk; ``diagnose_against`` runs steps 2-4 on another.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -513,16 +512,3 @@ def _report_meta(reference: _Reference, model: nn.Module, opts: Options,
         "alignment": alignment.counts(),
         "notes": [] if reference.has_golden else [f"golden: {reference.golden}"],
     }
-
-
-# --------------------------------------------------------------------------------------------
-# ``tp.diagnose`` names both this module and its main function. Importing the submodule rebinds
-# the package attribute to the module, so the module forwards calls to the function.
-
-
-class _CallableModule(type(sys)):
-    def __call__(self, *args: Any, **kwargs: Any) -> DiagnosisReport:
-        return diagnose(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
