@@ -162,6 +162,13 @@ def test_corpus_is_a_pure_function_of_seed_and_step_with_a_fixed_shape():
     assert not torch.equal(Corpus(corpus.model, 4, seed=1).batch(1).labels, first.labels)
 
 
+def test_a_corpus_of_equal_lengths_is_unpadded_and_passes_no_masks():
+    for case in ("llama-tiny", "encdec-prenorm"):
+        batch = Corpus(zoo.get(case).config, batch_size=4, min_len=6, max_len=6).batch(1)
+        assert not any(key.endswith("mask") for key in batch.inputs)
+        assert all(bool((ids != PAD).all()) for ids in batch.inputs.values())
+
+
 def test_learning_rate_warms_up_linearly_then_decays_to_the_floor():
     config = TrainConfig(steps=20, lr=1e-3, warmup_steps=4, min_lr_ratio=0.1)
     rates = [learning_rate(config, s) for s in range(1, 21)]

@@ -50,7 +50,7 @@ class TrainBatch:
     @property
     def n_input_tokens(self) -> int:
         """Real (unpadded) tokens fed to the model, source and target together."""
-        return sum(int(v.sum()) for k, v in self.inputs.items() if k.endswith("mask"))
+        return sum(int((v != PAD).sum()) for k, v in self.inputs.items() if k.endswith("ids"))
 
     def rows(self, index: slice) -> TrainBatch:
         """The sub-batch of rows ``index`` (a micro-batch or a distributed shard)."""
@@ -67,7 +67,9 @@ class Corpus:
 
     ``task`` is one of :data:`TASKS` or ``"mixed"`` (each example draws its task). Strings have
     ``min_len`` to ``max_len`` symbols, so rows are padded (right) and masks are exercised;
-    every batch has the same padded shape, so compiled models never recompile.
+    every batch has the same padded shape, so compiled models never recompile. With
+    ``min_len == max_len`` no row is padded and no mask is passed, so attention kernels that
+    take no mask (flash, cuDNN) can train.
     """
 
     model: TransformerConfig
@@ -128,7 +130,7 @@ class Corpus:
         labels = torch.full_like(ids, IGNORE)
         for b, n in enumerate(lengths.tolist()):
             labels[b, n + 1:2 * n + 2] = ids[b, n + 2:2 * n + 3]
-        return TrainBatch({"input_ids": ids, "attention_mask": (ids != PAD).long()}, labels)
+        return TrainBatch(self._masked({"input_ids": ids}, "attention_mask"), labels)
 
     def _encoder_decoder(self, tasks, strings, targets, lengths) -> TrainBatch:
         # source [task, x1..xn, EOS]; target input [BOS, y1..yn], labels [y1..yn, EOS].
@@ -140,9 +142,16 @@ class Corpus:
         labels = _pad([torch.cat([y[:n], torch.tensor([EOS])])
                        for y, n in zip(targets, lengths.tolist(), strict=True)],
                       self.max_len + 1, IGNORE)
-        inputs = {"src_ids": src, "tgt_ids": tgt, "src_mask": (src != PAD).long(),
-                  "tgt_mask": (tgt != PAD).long()}
+        inputs = self._masked(self._masked({"src_ids": src}, "src_mask") | {"tgt_ids": tgt},
+                              "tgt_mask")
         return TrainBatch(inputs, labels)
+
+    def _masked(self, inputs: dict[str, torch.Tensor], mask: str) -> dict[str, torch.Tensor]:
+        """Add the padding mask of the last ids in ``inputs``, unless nothing is padded."""
+        if self.min_len == self.max_len:
+            return inputs
+        ids = list(inputs.values())[-1]
+        return {**inputs, mask: (ids != PAD).long()}
 
 
 def _positions(n: int) -> torch.Tensor:
