@@ -19,6 +19,7 @@ from torchparity import backends, cli
 from torchparity import train as train_module
 from torchparity.errors import BackendUnavailable
 from torchparity.golden import GoldenMissing, GoldenStale, GoldenStore
+from torchparity.pytest_plugin import add_summary_line
 from torchparity.reference import zoo
 from torchparity.train import Execution, TrainConfig, Trajectory, learning_rate, train
 from torchparity.train_data import BOS, EOS, FIRST_SYMBOL, IGNORE, PAD, SEP, TASKS, Corpus
@@ -217,7 +218,7 @@ def test_cpu_backends_follow_the_golden_trajectory_for_20_steps(case, backend, r
     assert result.ok, result.explain()
     assert len(result.points) == 3 * config.steps
     headroom = result.headroom_by_quantity()
-    tp.pytest_plugin.add_summary_line(
+    add_summary_line(
         request.node, "torchparity training parity (cpu, fp32, 20 steps)",
         f"{case:16s} {backend:11s} {result.verdict:9s} headroom " +
         " ".join(f"{q}={h:.2f}" for q, h in headroom.items()))
