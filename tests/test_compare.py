@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
 from torchparity.compare import Comparison, StructureMismatch, assert_parity, compare
-from torchparity.tolerance import KINDS
+from torchparity.tolerance import KINDS, budget
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -85,7 +85,8 @@ def test_hand_computed_budget_separates_within_from_diverged() -> None:
     baseline = torch.tensor([1.0 + 2.0**-20, 2.0], dtype=torch.float32)  # error exactly 2**-20
     tol = KINDS["forward"]
     subnormal = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
-    budget = tol.fudge * 2.0**-20 + tol.floor_ulps * (2.0**-24 * 2.0 + subnormal)
+    reordering = tol.analytic_factor * math.sqrt(2) * 2.0**-24 * 2.0  # K = 2, absmax 2
+    budget = tol.fudge * 2.0**-20 + reordering + tol.floor_ulps * (2.0**-24 * 2.0 + subnormal)
     allowed = math.floor(budget / 2.0**-22)  # float32 steps above 2 that stay within budget
 
     within = compare(torch.tensor([1.0, _near_two(allowed)]), golden, baseline)
@@ -137,10 +138,12 @@ def test_compute_dtype_override_widens_the_budget() -> None:
 
 def test_trajectory_budget_grows_with_the_step() -> None:
     golden = torch.linspace(1, 2, 8, dtype=torch.float64)
-    baseline = (golden * (1 + 2.0**-20)).float()
-    candidate = (golden * (1 + 2.0**-20 * KINDS["trajectory"].fudge * 1.5)).float()
-    assert not compare(candidate, golden, baseline, "trajectory", step=0).ok
-    assert compare(candidate, golden, baseline, "trajectory", step=10).ok
+    baseline = golden + 2.0**-20
+    at_start = budget(golden, baseline_error=2.0**-20, compute_dtype="fp32", kind="trajectory")
+    candidate = golden + 1.5 * at_start.value  # float64, judged as fp32 compute
+    assert 1.5 < 1 + KINDS["trajectory"].per_step_growth * 10
+    assert not compare(candidate, golden, baseline, "trajectory", compute_dtype="fp32").ok
+    assert compare(candidate, golden, baseline, "trajectory", compute_dtype="fp32", step=10).ok
 
 
 def test_integer_tensors_must_match_exactly() -> None:

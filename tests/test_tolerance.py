@@ -93,10 +93,22 @@ def test_budget_with_a_baseline_follows_the_formula() -> None:
     b = budget(golden, baseline_error=2.0**-20, compute_dtype=torch.float32)
     # forward uses max-abs, so scale = absmax = 2
     floor = tol.floor_ulps * (2.0**-24 * 2.0 + subnormal_spacing(torch.float32))
+    reordering = tol.analytic_factor * math.sqrt(2) * 2.0**-24 * 2.0  # K = last dimension
     assert b.source == "baseline"
-    assert b.floor == floor
-    assert b.value == tol.fudge * 2.0**-20 + floor
-    assert f"{tol.fudge:g} × baseline error" in b.formula()
+    assert b.floor == floor and b.analytic == reordering
+    assert b.value == tol.fudge * 2.0**-20 + reordering + floor
+    assert f"{tol.fudge:g} × baseline error" in b.formula() and "reordering" in b.formula()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "tf32", "fp8_e4m3"])
+def test_reordering_is_bounded_at_fp32_accumulation_precision(dtype: str) -> None:
+    golden = torch.ones(16, dtype=torch.float64)
+    with_baseline = budget(golden, baseline_error=1e-3, compute_dtype=dtype)
+    fp32 = budget(golden, baseline_error=1e-3, compute_dtype="fp32")
+    assert with_baseline.analytic == fp32.analytic
+    assert tolerance.accumulation_roundoff(dtype) == UNIT_ROUNDOFF["fp32"]
+    exact = budget(golden, baseline_error=0.0, compute_dtype=dtype)
+    assert exact.analytic == fp32.analytic * unit_roundoff(dtype) / UNIT_ROUNDOFF["fp32"]
 
 
 def test_rms_kinds_scale_the_floor_by_the_golden_rms() -> None:

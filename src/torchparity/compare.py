@@ -326,28 +326,34 @@ def _compare_tensor(
     if not candidate.dtype.is_floating_point:
         return _compare_exact(path, candidate, reference, kind, c, g, b)
 
-    faults, fault_notes, matched_notes = _nonfinite(c, g)
-    valid = c.isfinite() & g.isfinite()
-    abs_err = (c - g).abs().where(valid, 0.0)
+    c_finite, g_finite = c.isfinite(), g.isfinite()
+    if c_finite.all() and g_finite.all():
+        valid, faults, fault_notes, matched_notes = None, None, [], []
+        c_valid, g_valid, g_finite_part = c.flatten(), g.flatten(), g
+    else:
+        faults, fault_notes, matched_notes = _nonfinite(c, g, c_finite, g_finite)
+        valid = c_finite & g_finite
+        c_valid, g_valid, g_finite_part = c[valid], g[valid], g[g_finite]
+    abs_err = (c_valid - g_valid).abs()
     metric = tolerance.kind_tolerance(kind).metric
     baseline_error, baseline_notes = _baseline_error(b, g, valid, metric)
     precision = tolerance.precision(compute_dtype if compute_dtype is not None else candidate.dtype)
     spent = tolerance.budget(
-        g[g.isfinite()],
+        g_finite_part,
         baseline_error=baseline_error,
         compute_dtype=precision.name,
         kind=kind,
         reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
         step=step,
     )
-    metrics = _metrics(c[valid], g[valid], abs_err[valid], precision.name)
+    metrics = _metrics(c_valid, g_valid, abs_err, precision.name)
     err = metrics[metric]
-    over = (abs_err > spent.value) | faults
+    n_over = int((abs_err > spent.value).sum()) + (int(faults.sum()) if fault_notes else 0)
     if fault_notes:
         verdict, headroom, worst_index = "diverged", math.inf, _first_index(faults)
     else:
         headroom = err / spent.value
-        worst_index = _argmax_index(abs_err.where(valid, -1.0)) if valid.any() else None
+        worst_index = _worst_index(abs_err, valid, c.shape) if abs_err.numel() else None
         if _bit_equal(candidate, reference):
             verdict = "identical"
         else:
@@ -360,8 +366,8 @@ def _compare_tensor(
         kind=kind,
         verdict=verdict,
         **metrics,
-        n_over=int(over.sum()),
-        frac_over=_fraction(int(over.sum()), over.numel()),
+        n_over=n_over,
+        frac_over=_fraction(n_over, c.numel()),
         worst_index=worst_index,
         **_values_at(worst_index, c, b, g),
         budget=spent,
@@ -417,14 +423,15 @@ def _last_dim(t: torch.Tensor) -> int:
     return max(t.shape[-1], 1) if t.dim() > 0 else 1
 
 
-def _nonfinite(c: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, list[str], list[str]]:
+def _nonfinite(
+    c: torch.Tensor, g: torch.Tensor, c_finite: torch.Tensor, g_finite: torch.Tensor
+) -> tuple[torch.Tensor, list[str], list[str]]:
     """Positions where candidate and golden disagree on being finite, and what to say about it.
 
     Returns the mask of faults, the messages for faults (each one diverges the tensor) and the
     notes on matching non-finite values (same position, same kind), which are excluded from the
     metrics but reported.
     """
-    c_finite, g_finite = c.isfinite(), g.isfinite()
     same = (c.isnan() & g.isnan()) | (~c_finite & (c == g))
     faults = (c_finite != g_finite) | (~c_finite & ~g_finite & ~same)
     messages = []
@@ -447,13 +454,19 @@ def _nonfinite(c: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, list[str
 
 
 def _baseline_error(
-    b: torch.Tensor | None, g: torch.Tensor, valid: torch.Tensor, metric: tolerance.Metric
+    b: torch.Tensor | None, g: torch.Tensor, valid: torch.Tensor | None, metric: tolerance.Metric
 ) -> tuple[float | None, list[str]]:
-    """err(baseline, golden) over the elements where candidate, golden and baseline are finite."""
+    """err(baseline, golden) over the elements where candidate, golden and baseline are finite.
+
+    ``valid`` is the mask of elements where candidate and golden are finite (None: all are).
+    """
     if b is None:
         return None, []
-    broken = int((~b.isfinite() & g.isfinite()).sum())
-    usable = valid & b.isfinite()
+    b_finite = b.isfinite()
+    if valid is None and b_finite.all():
+        return tolerance.error(b, g, metric), []
+    broken = int((~b_finite & g.isfinite()).sum())
+    usable = b_finite if valid is None else valid & b_finite
     notes = [f"baseline has {broken} NaN/inf where golden is finite"] if broken else []
     return tolerance.error(b[usable], g[usable], metric), notes
 
@@ -467,27 +480,26 @@ def _metrics(
     """
     if abs_err.numel() == 0:
         return dict(max_abs=0.0, max_rel=0.0, rms=0.0, rel_l2=0.0, cosine=1.0, max_ulp=0.0)
-    g_absmax = tolerance.golden_scale(g, "max_abs")
-    g_rms = tolerance.golden_scale(g, "rms")
-    rel = abs_err / g.abs().clamp(min=RELATIVE_GUARD * g_absmax)
+    g_abs = g.abs()
+    g_absmax, g_rms, c_rms = g_abs.max().item(), tolerance.rms(g), tolerance.rms(c)
+    rel = abs_err / g_abs.clamp(min=RELATIVE_GUARD * (g_absmax or 1.0))
     rms = tolerance.rms(abs_err)
     spacing = tolerance.ulp(g, compute_dtype) if compute_dtype is not None else 1.0
     return dict(
         max_abs=abs_err.max().item(),
         max_rel=rel.max().item(),
         rms=rms,
-        rel_l2=rms / max(tolerance.rms(g), RELATIVE_GUARD * g_rms),
-        cosine=_cosine(c, g),
+        rel_l2=rms / max(g_rms, RELATIVE_GUARD * (g_rms or 1.0)),
+        cosine=_cosine(c, g, c_rms, g_rms),
         max_ulp=(abs_err / spacing).max().item(),
     )
 
 
-def _cosine(c: torch.Tensor, g: torch.Tensor) -> float:
-    c_norm, g_norm = tolerance.rms(c), tolerance.rms(g)
-    if c_norm == 0 or g_norm == 0:
-        return 1.0 if c_norm == g_norm else 0.0
+def _cosine(c: torch.Tensor, g: torch.Tensor, c_rms: float, g_rms: float) -> float:
+    if c_rms == 0 or g_rms == 0:
+        return 1.0 if c_rms == g_rms else 0.0
     # Normalise first: the product of two tiny or huge norms would underflow or overflow.
-    cosine = ((c / c_norm) @ (g / g_norm)).item() / c.numel()
+    cosine = ((c / c_rms) @ (g / g_rms)).item() / c.numel()
     return max(-1.0, min(1.0, cosine))
 
 
@@ -504,9 +516,14 @@ def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _argmax_index(abs_err: torch.Tensor) -> tuple[int, ...]:
-    flat = int(abs_err.flatten().argmax())
-    return tuple(int(i) for i in np.unravel_index(flat, tuple(abs_err.shape)))
+def _worst_index(
+    abs_err: torch.Tensor, valid: torch.Tensor | None, shape: torch.Size
+) -> tuple[int, ...]:
+    """Index (in the full tensor) of the largest error among the compared elements."""
+    flat = int(abs_err.argmax())
+    if valid is not None:
+        flat = int(valid.flatten().nonzero()[flat])
+    return tuple(int(i) for i in np.unravel_index(flat, tuple(shape)))
 
 
 def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
