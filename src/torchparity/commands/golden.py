@@ -1,0 +1,134 @@
+"""``torchparity golden update|verify|show``: create, verify or read the zoo's goldens."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from torchparity.commands.check import GOLDEN_DIR_HELP, print_table, select_cases
+from torchparity.golden import GoldenStore, default_golden_dir
+from torchparity.golden_cases import (
+    OUTPUT_KINDS,
+    REFERENCE,
+    check_case,
+    load_case,
+    write_case,
+)
+from torchparity.reference import TransformerConfig, zoo
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    update = actions.add_parser(
+        "update", help="compute the goldens of zoo cases and write them",
+        description="Compute the goldens (float64, CPU, manual backend) of the named zoo cases "
+                    "(default: all) and write them atomically. Files whose values and metadata "
+                    "did not change are left untouched; nothing is ever deleted.")
+    update.add_argument("cases", nargs="*", metavar="CASE", help="zoo case (default: all)")
+    verify = actions.add_parser(
+        "verify", help="check that the goldens are intact and that the code still makes them",
+        description="Validate every golden file (readable, JSON matching its tensors, known "
+                    "schema, current config) and recompute each case in float64 to confirm "
+                    "the code still produces it. Exit status 0 ok, 1 a golden is no longer "
+                    "reproduced, 2 a golden is missing or damaged.")
+    verify.add_argument("cases", nargs="*", metavar="CASE", help="zoo case (default: all)")
+    show = actions.add_parser("show", help="print a readable summary of one case's goldens")
+    show.add_argument("case", metavar="CASE")
+    for sub in (update, verify, show):
+        sub.add_argument("--golden-dir", metavar="DIR", help=GOLDEN_DIR_HELP)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    store = GoldenStore(default_golden_dir(args.golden_dir))
+    console = Console(highlight=False)
+    if args.action == "update":
+        return _update(store, select_cases(args.cases or None), console)
+    store.require_root()
+    if args.action == "verify":
+        return _verify(store, select_cases(args.cases or None), console)
+    return _show(store, select_cases([args.case])[0], console)
+
+
+def _update(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
+    from rich.progress import Progress
+
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("computing goldens", total=len(cases))
+        for case in cases:
+            progress.update(task, description=case.name)
+            statuses = write_case(store, case)
+            summary = ", ".join(f"{output} {status}" for output, status in statuses.items())
+            progress.console.print(f"{case.name}: {summary}")
+            progress.advance(task)
+    console.print(f"goldens of {len(cases)} case(s) are in {store.root}")
+    return 0
+
+
+def _verify(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
+    for case in cases:  # every file is validated before anything is recomputed
+        load_case(store, case)
+    strays = sorted(set(store.cases()) - set(zoo.names()))
+    ok = True
+    for case in cases:
+        failed = [r for r in check_case(store, case, [REFERENCE]) if not r.ok]
+        ok &= not failed
+        if not failed:
+            console.print(f"{case.name}: ok ({len(OUTPUT_KINDS)} goldens reproduced)")
+        for r in failed:
+            console.print(f"{case.name}: {r.output} {r.verdict}: {r.explain or r.reason}",
+                          markup=False)
+    for name in strays:
+        console.print(f"note: {store.root / name} belongs to no zoo case (left in place; "
+                      f"delete it by hand if the case was removed)", markup=False)
+    return 0 if ok else 1
+
+
+def _show(store: GoldenStore, case: zoo.ZooCase, console: Any) -> int:
+    from rich.table import Table
+
+    goldens = {output: store.read(case.name, output) for output in OUTPUT_KINDS}
+    summary = goldens["logits"].summary
+    console.print(f"[bold]{case.name}[/bold]: {summary.get('description', case.description)}")
+    console.print(f"folder: {store.root / case.name}", markup=False)
+    console.print(f"config (fields differing from the defaults): "
+                  f"{_config_text(summary.get('config'))}", markup=False)
+    inputs = summary.get("inputs", {})
+    console.print(f"inputs: batch {inputs.get('batch_size')} x {inputs.get('seq_len')} tokens, "
+                  f"{inputs.get('padding')} padding; seeds {summary.get('seeds')}; "
+                  f"{summary.get('decode_steps')} decode steps", markup=False)
+    for what, digest in (summary.get("checksums") or {}).items():
+        console.print(f"{what} checksum: {digest}", markup=False)
+    produced = summary.get("produced_by", {})
+    console.print("produced by: " + ", ".join(f"{k} {v}" for k, v in produced.items()),
+                  markup=False)
+    for output, golden in goldens.items():
+        table = Table(title=f"{output} ({golden.summary.get('kind')})", title_justify="left")
+        for column in ("tensor", "shape", "dtype", "mean", "std", "absmax"):
+            table.add_column(column, justify="left" if column == "tensor" else "right",
+                             no_wrap=True)
+        for name, info in golden.summary["tensors"].items():
+            table.add_row(name, "x".join(map(str, info["shape"])) or "scalar", info["dtype"],
+                          *(_number(info[k]) for k in ("mean", "std", "absmax")))
+        print_table(console, table)
+        exact_zero = golden.summary.get("exact_zero")
+        if exact_zero:
+            console.print(f"zero in exact arithmetic (stored as 0): {', '.join(exact_zero)}",
+                          markup=False)
+    return 0
+
+
+def _config_text(config: Any) -> str:
+    if not isinstance(config, dict):
+        return "(none recorded)"
+    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    changed = [f"{k}={v}" for k, v in config.items() if defaults.get(k, object()) != v]
+    return ", ".join(changed) or "(all defaults)"
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+

@@ -1,0 +1,473 @@
+"""Goldens of the reference zoo, and the cell-by-cell check of the code against them.
+
+Per zoo case, five goldens are computed in float64 on the CPU with the ``manual`` backend, on
+the case's standard batch with weights from ``build_model(config, seed=0)``:
+
+============  ==========  =========================================================
+output        kind        tensors
+============  ==========  =========================================================
+``logits``    forward     the logits
+``hidden``    forward     every layer's output, encoder and decoder
+``loss``      loss        ``sequence_loss`` of the logits
+``grads``     grad        the gradient of every parameter
+``decode``    forward     ``DECODE_STEPS`` greedy tokens (KV cache) and their log-probs
+============  ==========  =========================================================
+
+A *cell* is one (backend, dtype, device). The **reference cell** (manual, fp64, cpu) recomputes
+the goldens with today's code: it is what notices a changed component. Its budget comes from
+the float64 rounding noise of the computation itself (see :func:`check_case`). Every other cell
+is judged by the tolerance model with the ``manual`` backend in the same dtype and device as
+baseline, so it notices a backend or precision that misbehaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from torchparity import backends
+from torchparity.compare import StructureMismatch, compare
+from torchparity.errors import BackendUnavailable
+from torchparity.golden import (
+    Golden,
+    GoldenError,
+    GoldenStale,
+    GoldenStore,
+    checksum,
+    tensor_sha256,
+)
+from torchparity.reference import build_model, greedy_decode, rng, sequence_loss, zoo
+from torchparity.reference.layers import TransformerLayer
+from torchparity.reference.models import Model
+
+#: Output name -> kind of the tolerance model it is judged with.
+OUTPUT_KINDS = {"logits": "forward", "hidden": "forward", "loss": "loss", "grads": "grad",
+                "decode": "forward"}
+DECODE_STEPS = 4
+WEIGHT_SEED = 0
+#: Gradients below this fraction of the largest gradient are float64 noise of an exact zero.
+CANCELLED = 2.0**-30
+#: The standard batch of every case (its padding comes from the case).
+INPUTS = {"batch_size": 2, "seq_len": 12, "seed": 0}
+
+#: Dtype names of the check; tf32 is fp32 tensors with TF32 matmuls (CUDA only).
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One way of running the reference models: attention backend, dtype name and device."""
+
+    backend: str
+    dtype: str
+    device: str = "cpu"
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend} {self.dtype} {self.device}"
+
+
+#: The cell that recomputes the goldens themselves.
+REFERENCE = Cell("manual", "fp64", "cpu")
+
+
+@dataclass
+class CheckResult:
+    """The verdict of one output of one case in one cell (one row of ``check --json``).
+
+    ``verdict`` is ``identical``, ``within`` or ``diverged`` (from the tolerance model), ``n/a``
+    (the cell cannot compute this output: ``reason`` says why; not a failure), or
+    ``init changed`` / ``inputs changed`` (the weights or inputs the code builds differ from
+    those the golden was made from, so the values cannot be compared).
+    """
+
+    case: str
+    backend: str
+    dtype: str
+    device: str
+    output: str
+    kind: str
+    verdict: str
+    headroom: float | None  # share of the budget used by the worst tensor; None when not compared
+    ok: bool
+    reason: str | None = None
+    explain: str | None = None
+    worst: str | None = None  # path of the worst tensor
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict; an infinite headroom becomes the string "inf"."""
+        data = asdict(self)
+        if data["headroom"] is not None and data["headroom"] == float("inf"):
+            data["headroom"] = "inf"
+        return data
+
+
+@dataclass
+class Run:
+    """Outputs of one run of a case; ``missing`` maps outputs the cell cannot compute to why."""
+
+    outputs: dict[str, dict[str, torch.Tensor]]
+    missing: dict[str, str]
+
+
+# --- running a case -------------------------------------------------------------------------
+
+
+def case_batch(case: zoo.ZooCase, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The inputs every golden of ``case`` is computed from."""
+    batch = zoo.case_batch(case, **INPUTS)
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+def current_checksums(case: zoo.ZooCase) -> dict[str, str]:
+    """Checksums of the float64 weights and the inputs that today's code builds for ``case``."""
+    model = build_model(case.config, WEIGHT_SEED, dtype=torch.float64)
+    return {"weights": checksum(dict(model.named_parameters())),
+            "inputs": checksum(case_batch(case))}
+
+
+def recipe(case: zoo.ZooCase) -> dict[str, Any]:
+    """How a case's goldens are made: description, seeds, input settings, decode steps, config.
+
+    A golden whose recorded recipe differs from this one is stale (:func:`load_case`).
+    """
+    return {
+        "description": case.description,
+        "seeds": {"weights": WEIGHT_SEED, "inputs": INPUTS["seed"]},
+        "inputs": {"batch_size": INPUTS["batch_size"], "seq_len": INPUTS["seq_len"],
+                   "padding": case.padding},
+        "decode_steps": DECODE_STEPS,
+        "config": case.config.to_dict(),
+    }
+
+
+def case_meta(case: zoo.ZooCase) -> dict[str, Any]:
+    """What a case's golden JSON records about how it was made: the recipe and checksums."""
+    meta = recipe(case)
+    config = meta.pop("config")
+    return {**meta, "checksums": current_checksums(case), "config": config}
+
+
+@contextlib.contextmanager
+def _matmul_precision(dtype_name: str) -> Iterator[None]:
+    # fp32 cells must not pick up TF32 from a global setting; tf32 cells ask for it.
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if dtype_name == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+@contextlib.contextmanager
+def _layer_outputs(model: Model) -> Iterator[dict[str, torch.Tensor]]:
+    """Collect the output of every transformer layer during the block, keyed by module name."""
+    found: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Callable:
+        return lambda module, args, output: found.__setitem__(name, output.detach())
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in model.named_modules()
+               if isinstance(module, TransformerLayer)]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _perturb(model: Model) -> None:
+    """Multiply every weight by 1 + d with |d| <= 2**-52, d fixed per element (deterministic)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = rng.uniform(WEIGHT_SEED, f"perturb.{name}", param.shape) * 2.0 - 1.0
+            param.mul_(1.0 + noise.to(param) * 2.0**-52)
+
+
+def _forward_backward(model: Model, batch: dict[str, torch.Tensor], *, backward: bool,
+                      ) -> dict[str, dict[str, torch.Tensor]]:
+    with _layer_outputs(model) as hidden, torch.set_grad_enabled(backward):
+        logits = model(**batch)
+        loss = sequence_loss(logits, batch)
+    outputs = {"logits": {"logits": logits.detach()}, "hidden": dict(hidden),
+               "loss": {"loss": loss.detach()}}
+    if backward:
+        loss.backward()
+        outputs["grads"] = {name: p.grad if p.grad is not None else torch.zeros_like(p)
+                            for name, p in model.named_parameters()}
+    return outputs
+
+
+@torch.no_grad()
+def forced_logprobs(model: Model, batch: dict[str, torch.Tensor],
+                    tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities (batch, steps) of ``tokens`` fed one per step through the KV cache.
+
+    The same steps as :func:`~torchparity.reference.greedy_decode`, except that the next token
+    is the given one rather than the argmax: in low precision a near-tie may flip the argmax,
+    and the continuous log-probs stay comparable where tokens would not.
+    """
+    ids_key, mask_key = (("tgt_ids", "tgt_mask") if model.config.is_encoder_decoder
+                         else ("input_ids", "attention_mask"))
+    inputs = dict(batch)
+    step_ids = batch[ids_key]
+    mask = batch.get(mask_key)
+    mask = torch.ones_like(step_ids) if mask is None else mask
+    cache = model.new_cache()
+    logprobs = []
+    for step in range(tokens.shape[1]):
+        inputs[ids_key], inputs[mask_key] = step_ids, mask
+        logits = model(**inputs, cache=cache)[:, -1]
+        logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+        step_ids = tokens[:, step:step + 1].to(logits.device)
+        logprobs.append(logp.gather(-1, step_ids)[:, 0])
+        mask = torch.cat((mask, torch.ones_like(step_ids)), dim=1)
+    return torch.stack(logprobs, 1)
+
+
+def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = None,
+             perturb: bool = False) -> Run:
+    """Run ``case`` in ``cell``: forward, loss, backward and decoding.
+
+    Without ``tokens`` decoding is greedy (the golden's ``decode`` holds tokens and log-probs);
+    with them it is forced (:func:`forced_logprobs`, ``decode`` holds log-probs only).
+    ``perturb`` applies :func:`_perturb` to the weights. When the backend cannot run the
+    backward pass (flex on the CPU, a trainable bias on sdpa-flash) the forward runs without
+    gradients and ``grads`` is listed in ``missing``; nothing falls back to another backend.
+    """
+    model = build_model(case.config, WEIGHT_SEED, dtype=DTYPES[cell.dtype], device=cell.device)
+    if perturb:
+        _perturb(model)
+    batch = case_batch(case, cell.device)
+    missing: dict[str, str] = {}
+    with backends.use(cell.backend), _matmul_precision(cell.dtype):
+        try:
+            outputs = _forward_backward(model, batch, backward=True)
+        except BackendUnavailable as exc:
+            missing["grads"] = str(exc)
+            model.zero_grad(set_to_none=True)
+            try:
+                outputs = _forward_backward(model, batch, backward=False)
+            except BackendUnavailable as exc_forward:
+                return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc_forward)))
+        try:
+            if tokens is None:
+                decoded = greedy_decode(model, batch, DECODE_STEPS)
+                outputs["decode"] = {"tokens": decoded.tokens, "logprobs": decoded.logprobs}
+            else:
+                outputs["decode"] = {"logprobs": forced_logprobs(model, batch, tokens)}
+        except BackendUnavailable as exc:
+            missing["decode"] = str(exc)
+    return Run(outputs, missing)
+
+
+# --- writing and reading a case's goldens ---------------------------------------------------
+
+
+def write_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, str]:
+    """Compute and write the goldens of ``case``; returns output -> what happened to its file.
+
+    ``created`` (new), ``updated`` (values or metadata changed), ``replaced`` (the old file was
+    unreadable) or ``unchanged`` (same values and metadata: the file is left untouched, so a
+    rerun on another machine does not churn the repository).
+    """
+    run = run_case(case, REFERENCE)
+    grads, exact_zero = snap_cancelled(run.outputs["grads"])
+    run.outputs["grads"] = grads
+    meta = case_meta(case)
+    statuses = {}
+    for output, kind in OUTPUT_KINDS.items():
+        tensors, output_meta = run.outputs[output], {"kind": kind, **meta}
+        if output == "grads":
+            output_meta["exact_zero"] = exact_zero
+        status = _write_status(store, case.name, output, tensors, output_meta)
+        if status != "unchanged":
+            store.write(case.name, output, tensors, output_meta)
+        statuses[output] = status
+    return statuses
+
+
+def snap_cancelled(grads: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Replace gradients that are zero in exact arithmetic by exact zeros; return their names.
+
+    Some gradients vanish identically: softmax is invariant to a shift of a whole score row, so
+    the key projection's bias never receives gradient. Float64 leaves rounding noise there
+    (~1e-17), which as a golden would demand that every other computation reproduce that noise
+    relative to itself. A gradient whose RMS is below ``CANCELLED`` times the largest gradient
+    RMS of the model is such a cancellation: real gradients of these small models span a few
+    orders of magnitude, not nine, while float64 noise sits near 1e-16 of the scale.
+    """
+    rms = {name: g.double().square().mean().sqrt().item() for name, g in grads.items()}
+    threshold = CANCELLED * max(rms.values(), default=0.0)
+    zeroed = sorted(name for name, value in rms.items() if value <= threshold)
+    snapped = {name: torch.zeros_like(g) if name in zeroed else g for name, g in grads.items()}
+    return snapped, zeroed
+
+
+def _write_status(store: GoldenStore, case: str, output: str,
+                  tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> str:
+    if not any(p.exists() for p in store.paths(case, output)):
+        return "created"
+    try:
+        old = store.read(case, output)
+    except GoldenError:
+        return "replaced"
+    same_tensors = ({n: s["sha256"] for n, s in old.summary["tensors"].items()}
+                    == {n: tensor_sha256(t) for n, t in tensors.items()})
+    same_meta = all(old.summary.get(key) == value for key, value in meta.items())
+    return "unchanged" if same_tensors and same_meta else "updated"
+
+
+def load_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, Golden]:
+    """Read and validate every golden of ``case``.
+
+    Raises a :class:`~torchparity.golden.GoldenError` for a missing, damaged or foreign golden,
+    and :class:`~torchparity.golden.GoldenStale` when it was made from another config or other
+    input settings than the code has now. Changed weight or input checksums are not errors
+    here: :func:`check_case` reports them as verdicts.
+    """
+    goldens = {output: store.read(case.name, output) for output in OUTPUT_KINDS}
+    expected = recipe(case)
+    fix = f"if the change is intended, run `torchparity golden update {case.name}`"
+    for output, golden in goldens.items():
+        changed = _config_changes(golden.summary.get("config"), expected["config"])
+        if changed:
+            raise GoldenStale(f"golden {golden.path.with_suffix('.json')} was produced from a "
+                              f"different config ({changed}); {fix}")
+        for key in ("seeds", "inputs", "decode_steps"):
+            if golden.summary.get(key) != expected[key]:
+                raise GoldenStale(
+                    f"golden {golden.path.with_suffix('.json')} was made with {key} "
+                    f"{golden.summary.get(key)!r}, the code now uses {expected[key]!r}; {fix}")
+        if golden.summary.get("kind") != OUTPUT_KINDS[output]:
+            raise GoldenStale(f"golden {golden.path.with_suffix('.json')} has kind "
+                              f"{golden.summary.get('kind')!r}, expected "
+                              f"{OUTPUT_KINDS[output]!r}; {fix}")
+    return goldens
+
+
+def _config_changes(stored: Any, current: dict[str, Any]) -> str:
+    if not isinstance(stored, dict):
+        return "the golden records no config"
+    fields = sorted(set(stored) | set(current))
+    changes = [f"{f}: {stored.get(f, '<absent>')!r} in the golden, "
+               f"{current.get(f, '<absent>')!r} now" for f in fields
+               if stored.get(f, "<absent>") != current.get(f, "<absent>")]
+    return "; ".join(changes)
+
+
+# --- checking -------------------------------------------------------------------------------
+
+
+def check_case(store: GoldenStore, case: zoo.ZooCase, cells: list[Cell],
+               advance: Callable[[str], None] = lambda label: None) -> list[CheckResult]:
+    """Check ``case`` in every cell against its goldens; one result per cell and output.
+
+    The reference cell compares today's float64 outputs with the goldens using a baseline of
+    *golden + (perturbed - fresh)*: ``perturbed`` is the same computation with every weight
+    moved by one float64 rounding error. A backward-stable computation is exact for inputs
+    perturbed by about that much, so this baseline's distance from the golden is the noise that
+    float64 cannot avoid (other BLAS, other torch), while any change of the math stands far out.
+    It also writes ``<output>.obtained.safetensors`` for each diverged output.
+
+    Other cells use the ``manual`` backend in their dtype and device as baseline and decode by
+    forcing the golden's tokens. ``advance(label)`` is called after each cell. Golden errors
+    propagate as :class:`~torchparity.golden.GoldenError`.
+    """
+    goldens = load_case(store, case)
+    changed = _checksum_changes(case, goldens)
+    results: list[CheckResult] = []
+    if changed:
+        for cell in cells:
+            results += [_result(case, cell, output, verdict, ok=False, reason=reason)
+                        for output, (verdict, reason) in changed.items()]
+            advance(cell.label)
+        return results
+    tokens = goldens["decode"].tensors["tokens"]
+    baselines: dict[tuple[str, str], Run] = {}
+    for cell in cells:
+        if cell == REFERENCE:
+            results += _check_reference(store, case, goldens)
+        else:
+            key = (cell.dtype, cell.device)
+            if key not in baselines:
+                baselines[key] = run_case(case, Cell("manual", *key), tokens=tokens)
+            results += _check_cell(case, cell, goldens, baselines[key], tokens)
+        advance(cell.label)
+    return results
+
+
+def _checksum_changes(case: zoo.ZooCase, goldens: dict[str, Golden]) -> dict[str, tuple]:
+    now = current_checksums(case)
+    changed = {}
+    for output, golden in goldens.items():
+        stored = golden.summary.get("checksums") or {}
+        for what, verdict in (("weights", "init changed"), ("inputs", "inputs changed")):
+            if stored.get(what) != now[what]:
+                changed[output] = (verdict, (
+                    f"the {what} built for {case.name} differ from those its golden was made "
+                    f"from ({str(stored.get(what))[:19]}... vs {now[what][:19]}...); if that is "
+                    f"intended, run `torchparity golden update {case.name}`"))
+                break
+    return changed
+
+
+def _check_reference(store: GoldenStore, case: zoo.ZooCase,
+                     goldens: dict[str, Golden]) -> list[CheckResult]:
+    fresh = run_case(case, REFERENCE)
+    perturbed = run_case(case, REFERENCE, perturb=True)
+    results = []
+    for output in OUTPUT_KINDS:
+        golden = goldens[output].tensors
+        baseline = {name: golden[name] + (perturbed.outputs[output][name] - tensor)
+                    if tensor.is_floating_point() else golden[name]
+                    for name, tensor in fresh.outputs[output].items() if name in golden}
+        result = _judge(case, REFERENCE, output, fresh.outputs[output], golden, baseline)
+        if not result.ok:
+            store.write_obtained(case.name, output, fresh.outputs[output])
+        results.append(result)
+    return results
+
+
+def _check_cell(case: zoo.ZooCase, cell: Cell, goldens: dict[str, Golden], baseline: Run,
+                tokens: torch.Tensor) -> list[CheckResult]:
+    run = baseline if cell.backend == "manual" else run_case(case, cell, tokens=tokens)
+    results = []
+    for output in OUTPUT_KINDS:
+        if output in run.missing:
+            results.append(_result(case, cell, output, "n/a", ok=True,
+                                   reason=run.missing[output]))
+            continue
+        candidate = run.outputs[output]
+        golden = {name: goldens[output].tensors[name] for name in candidate}
+        results.append(_judge(case, cell, output, candidate, golden,
+                              baseline.outputs.get(output)))
+    return results
+
+
+def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
+           golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
+           ) -> CheckResult:
+    kind = OUTPUT_KINDS[output]
+    try:
+        comparison = compare(candidate, golden, baseline, kind, compute_dtype=cell.dtype)
+    except StructureMismatch as exc:
+        return _result(case, cell, output, "diverged", ok=False, headroom=float("inf"),
+                       explain=f"diverged: the outputs no longer have the golden's structure: "
+                               f"{exc}")
+    worst = comparison.worst
+    return _result(case, cell, output, comparison.verdict, ok=comparison.ok,
+                   headroom=worst.headroom if worst else 0.0, explain=comparison.explain(),
+                   worst=worst.path if worst else None)
+
+
+def _result(case: zoo.ZooCase, cell: Cell, output: str, verdict: str, *, ok: bool,
+            **details: Any) -> CheckResult:
+    return CheckResult(case=case.name, backend=cell.backend, dtype=cell.dtype,
+                       device=cell.device, output=output, kind=OUTPUT_KINDS[output],
+                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok, **details)
