@@ -330,3 +330,20 @@ def test_comparison_truthiness_and_repr() -> None:
 def test_every_kind_can_be_compared(kind: str) -> None:
     golden = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     assert compare(golden.float(), golden, golden.float(), kind).verdict == "identical"
+
+
+def test_gradient_cancelled_to_zero_is_judged_at_its_modules_scale() -> None:
+    # A bias gradient that is zero in exact arithmetic (float64 leaves ~1e-17) computed in fp32
+    # carries rounding noise of the size of its module's gradients, not of the residue.
+    weight = torch.ones(4, 8, dtype=torch.float64)
+    golden = {"attn.k_proj.weight": weight, "attn.k_proj.bias": torch.full((8,), 1e-17)}
+    baseline = {"attn.k_proj.weight": weight.float(), "attn.k_proj.bias": torch.full((8,), 1e-9)}
+    noisy = {"attn.k_proj.weight": weight.float(), "attn.k_proj.bias": torch.full((8,), 1e-7)}
+    assert compare(noisy, golden, baseline, kind="grad").ok
+    # ... while a real error in the same tensor (a thousandth of the module's scale) fails.
+    broken = {"attn.k_proj.weight": weight.float(), "attn.k_proj.bias": torch.full((8,), 1e-3)}
+    assert not compare(broken, golden, baseline, kind="grad").ok
+    # Outside a module that shows the scale, nothing is relaxed.
+    alone = compare(noisy["attn.k_proj.bias"], golden["attn.k_proj.bias"],
+                    baseline["attn.k_proj.bias"], kind="grad")
+    assert not alone.ok

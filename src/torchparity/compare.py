@@ -166,13 +166,35 @@ def compare(
     Raises :class:`StructureMismatch` naming the path when the structures, shapes or dtypes
     differ, and ``ValueError`` for an unknown kind or dtype. The inputs are not modified.
     """
-    tolerance.kind_tolerance(kind)
+    tol = tolerance.kind_tolerance(kind)
     baseline_tree = _NO_BASELINE if baseline is None else baseline
+    leaves = list(_aligned_leaves(candidate, golden, baseline_tree, _ROOT))
+    scales = _cancellation_scales(leaves, tol.metric) if tol.group_scale else {}
     tensors = [
-        _compare_tensor(path, c, g, b, kind, compute_dtype, reduction_length, step)
-        for path, c, g, b in _aligned_leaves(candidate, golden, baseline_tree, _ROOT)
+        _compare_tensor(path, c, g, b, kind, compute_dtype, reduction_length, step,
+                        scales.get(path))
+        for path, c, g, b in leaves
     ]
     return Comparison(kind=kind, tensors=tensors)
+
+
+def _group_of(path: str) -> str:
+    """The group of a leaf: its module for dotted parameter names, else its container."""
+    head, dot, _ = path.rpartition(".")
+    return head if dot else path.rpartition("[")[0]
+
+
+def _cancellation_scales(leaves: list[tuple[str, Any, Any, Any]],
+                         metric: tolerance.Metric) -> dict[str, float]:
+    """Scale overrides for leaves whose golden cancelled within their group (see
+    :func:`torchparity.tolerance.cancelled`)."""
+    own = {path: tolerance.magnitude(_float64(g)[_float64(g).isfinite()], metric)
+           for path, _, g, _ in leaves if g.dtype.is_floating_point}
+    group: dict[str, float] = {}
+    for path, scale in own.items():
+        group[_group_of(path)] = max(group.get(_group_of(path), 0.0), scale)
+    return {path: group[_group_of(path)] for path, scale in own.items()
+            if tolerance.cancelled(scale, group[_group_of(path)])}
 
 
 def assert_parity(
@@ -317,6 +339,7 @@ def _compare_tensor(
     compute_dtype: DtypeLike | None,
     reduction_length: int | None,
     step: int | None,
+    scale: float | None = None,
 ) -> TensorComparison:
     if candidate.dtype.is_complex:
         raise StructureMismatch(f"{path}: complex tensors are not supported ({candidate.dtype})")
@@ -345,6 +368,7 @@ def _compare_tensor(
         kind=kind,
         reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
         step=step,
+        scale=scale,
     )
     metrics = _metrics(c_valid, g_valid, abs_err, precision.name)
     err = metrics[metric]

@@ -139,6 +139,9 @@ class KindTolerance:
     floor_ulps: float  # floor in units of roundoff of the golden's scale
     analytic_factor: float  # c in c * sqrt(K) * u * scale: reordering term and analytic bound
     per_step_growth: float = 0.0  # relative budget growth per training step
+    # Tensors of one group (the parameters of one module) come from the same reductions, so a
+    # member whose golden cancelled to below the group's rounding takes the group's scale.
+    group_scale: bool = False
 
 
 #: The one table of tolerance constants. ``torchparity calibrate`` re-derives them; the
@@ -154,7 +157,13 @@ KINDS: dict[str, KindTolerance] = {
     # by single outliers. Fudge 4: the measured ratio was at most 1.6 for bf16 and fp16. Analytic
     # factor 64: float64 backends needed up to 33 (the default K, the last dimension, undercounts
     # the token reduction of weight gradients). Floor 4 ulps: two roundings more than forward.
-    "grad": KindTolerance(fudge=4.0, metric="rms", floor_ulps=4.0, analytic_factor=64.0),
+    # Group scale: the key projection's bias gets exactly zero gradient (softmax ignores a shift
+    # of a whole score row), but its computed value is a sum of terms as large as the key
+    # weight's gradient that cancel: its rounding noise is set by that module's scale, not by
+    # the float64 residue (~1e-17) of the cancellation.
+    "grad": KindTolerance(
+        fudge=4.0, metric="rms", floor_ulps=4.0, analytic_factor=64.0, group_scale=True
+    ),
     # Scalar losses: forward-like, judged rather than calibrated. One sample per comparison, so
     # the baseline's error can be small by luck; a floor of 8 ulps carries the budget then.
     "loss": KindTolerance(fudge=4.0, metric="max_abs", floor_ulps=8.0, analytic_factor=32.0),
@@ -215,6 +224,13 @@ def golden_scale(golden: torch.Tensor, metric: Metric) -> float:
     return scale if scale > 0 else 1.0
 
 
+def cancelled(scale: float, group_scale: float) -> bool:
+    """Whether a golden of magnitude ``scale`` is a cancellation residue within a group of
+    magnitude ``group_scale``: smaller than one fp32 rounding of the group's values, so no
+    computation below float64 can resolve it and its error is the group's rounding noise."""
+    return scale < UNIT_ROUNDOFF["fp32"] * group_scale
+
+
 def _float64(x: torch.Tensor) -> torch.Tensor:
     return x.detach().to("cpu", torch.float64)
 
@@ -273,16 +289,18 @@ def budget(
     kind: str = "forward",
     reduction_length: int | None = None,
     step: int | None = None,
+    scale: float | None = None,
 ) -> Budget:
     """The budget for one tensor, following the rule in this module's docstring.
 
     ``baseline_error`` is err(baseline, golden) in the kind's metric, or None without a baseline;
     0.0 (an exact baseline) also selects the analytic bound. ``reduction_length`` defaults to the
-    golden's last dimension (1 for scalars). The result is always positive.
+    golden's last dimension (1 for scalars). ``scale`` overrides the golden's magnitude (see
+    :func:`cancelled`). The result is always positive.
     """
     tol = kind_tolerance(kind)
     p = precision(compute_dtype)
-    scale = golden_scale(golden, tol.metric)
+    scale = golden_scale(golden, tol.metric) if scale is None else scale
     if reduction_length is None:
         reduction_length = golden.shape[-1] if golden.dim() > 0 else 1
     if reduction_length < 1:
