@@ -16,6 +16,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="device for tests marked gpu (default: cuda). '--device cpu' runs their logic on "
              "the CPU, so a machine without a GPU can prove them.",
     )
+    group.addoption(
+        "--golden-update", action="store_true", default=False,
+        help="create or overwrite the goldens that the 'golden' fixture checks instead of "
+             "comparing with them; the summary lists the files written.",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -63,6 +68,18 @@ def single_thread():
 
 _SUMMARY_KEY = "torchparity-summary"
 _summary: dict[str, list[str]] = {}
+
+
+@pytest.fixture
+def golden(request: pytest.FixtureRequest):
+    """``golden.check("name", tensors, kind="forward")`` compares with a golden kept in
+    ``golden/<test module>/`` beside the test file (see :class:`torchparity.golden.GoldenFixture`);
+    ``--golden-update`` writes it instead."""
+    from torchparity.golden import GoldenFixture
+
+    return GoldenFixture.for_test(
+        request.path, request.node.nodeid, request.config.getoption("--golden-update"),
+        lambda path: add_summary_line(request.node, "torchparity goldens written", str(path)))
 
 
 def add_summary_line(node: pytest.Item, section: str, line: str) -> None:

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     cases = select_cases(args.case)
     cells = select_cells(args.backend, args.dtype, args.device)
     jobs = _jobs(args.jobs)
+    check_trajectories = training_seam() if args.train else None
     for case in cases:  # every golden is validated before any work starts
         load_case(store, case)
 
@@ -89,11 +90,11 @@ def run(args: argparse.Namespace) -> int:
                         TimeElapsedColumn(), console=Console(stderr=True), transient=True)
     with progress:
         results = execute(store, cases, cells, jobs, progress)
-        if args.train:
-            results += train_results(cases, store.root, progress)
+        if check_trajectories is not None:
+            results += train_results(check_trajectories, cases, store.root, progress)
     elapsed = time.perf_counter() - started
 
-    console = Console()
+    console = Console(soft_wrap=True)
     render(console, results, cells, cases, elapsed)
     ok = all(r.ok for r in results)
     if args.json:
@@ -258,19 +259,24 @@ def _drain(progress_queue: Any, advance: Callable[[str], None], timeout: float) 
         pass
 
 
-def train_results(cases: list[zoo.ZooCase], golden_dir: Path, progress: Any,
-                  ) -> list[CheckResult]:
-    """Rows of ``torchparity.train.check_trajectories(cases, golden_dir, progress)``.
-
-    That function receives the zoo cases, the golden folder and the running rich ``Progress``
-    (add a task to it) and returns :class:`CheckResult` objects or dicts with the same fields.
-    """
+def training_seam() -> Callable[..., list]:
+    """``torchparity.train.check_trajectories``, or a :class:`UsageError` when it is missing."""
     has_train = importlib.util.find_spec("torchparity.train") is not None
     check_trajectories = getattr(importlib.import_module("torchparity.train"),
                                  "check_trajectories", None) if has_train else None
     if check_trajectories is None:
         raise UsageError("training trajectories are not available in this torchparity "
                          "(torchparity.train.check_trajectories is missing); run without --train")
+    return check_trajectories
+
+
+def train_results(check_trajectories: Callable[..., list], cases: list[zoo.ZooCase],
+                  golden_dir: Path, progress: Any) -> list[CheckResult]:
+    """Rows of ``check_trajectories(cases, golden_dir, progress)`` for ``check --train``.
+
+    That function receives the zoo cases, the golden folder and the running rich ``Progress``
+    (it may add a task) and returns :class:`CheckResult` objects or dicts with their fields.
+    """
     rows = check_trajectories(cases, golden_dir, progress)
     return [row if isinstance(row, CheckResult) else CheckResult(**row) for row in rows]
 

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     store = GoldenStore(default_golden_dir(args.golden_dir))
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     if args.action == "update":
         return _update(store, select_cases(args.cases or None), console)
     store.require_root()
