@@ -114,10 +114,6 @@ def _show(store: GoldenStore, case: zoo.ZooCase, console: Any) -> int:
             table.add_row(name, "x".join(map(str, info["shape"])) or "scalar", info["dtype"],
                           *(_number(info[k]) for k in ("mean", "std", "absmax")))
         print_table(console, table)
-        exact_zero = golden.summary.get("exact_zero")
-        if exact_zero:
-            console.print(f"zero in exact arithmetic (stored as 0): {', '.join(exact_zero)}",
-                          markup=False)
     return 0
 
 
