@@ -10,7 +10,6 @@ error. See :mod:`torchparity.golden_cases` for what is compared and how.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import importlib.util
 import json
@@ -18,7 +17,7 @@ import multiprocessing
 import os
 import queue
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from torchparity.golden_cases import (
     CheckResult,
     check_case,
     load_case,
+    single_thread,
 )
 from torchparity.reference import zoo
 
@@ -182,7 +182,7 @@ def execute(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell], job
 
     groups = _groups(cells)
     if jobs == 1 or len(groups) == 1:
-        with _single_thread():
+        with single_thread():
             results = [r for group in groups for case in cases
                        for r in check_case(store, case, group,
                                            lambda label, c=case: advance(f"{c.name} {label}"))]
@@ -205,25 +205,13 @@ def _groups(cells: list[Cell]) -> list[list[Cell]]:
     return sorted(groups.values(), key=lambda group: group[0] == REFERENCE)
 
 
-@contextlib.contextmanager
-def _single_thread() -> Iterator[None]:
-    # The models are tiny: extra intra-op threads only spin, and on a busy machine they burn
-    # several times the useful CPU time.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 _progress_queue: Any = None
 
 
 def _init_worker(progress_queue: Any) -> None:
     global _progress_queue
     _progress_queue = progress_queue
-    torch.set_num_threads(1)  # one core per worker (see _single_thread)
+    torch.set_num_threads(1)  # one core per worker (see golden_cases.single_thread)
 
 
 def _check_group(root: str, case_names: list[str], cells: list[Cell]) -> list[CheckResult]:
