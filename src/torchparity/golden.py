@@ -254,8 +254,9 @@ class GoldenStore:
         tensor_path, json_path = self.paths(case, output)
         fix = self._fix(case, output, tensor_path)
         if not tensor_path.exists() and not json_path.exists():
+            command = self.update_command.format(case=case, output=output)
             raise GoldenMissing(f"no golden {output!r} for case {case!r} in {self.root}; "
-                                f"create it with `{self.update_command.format(case=case, output=output)}`")
+                                f"create it with `{command}`")
         for present, absent in ((tensor_path, json_path), (json_path, tensor_path)):
             if not absent.exists():
                 raise GoldenCorrupt(f"{present} has no {absent.name} beside it; {fix}")
