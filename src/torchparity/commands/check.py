@@ -43,7 +43,8 @@ CHECK_DTYPES = ("fp32", "tf32", "bf16", "fp16")
 
 GOLDEN_DIR_HELP = (f"folder of the golden outputs (default: ${GOLDEN_DIR_ENV}, else golden/ of "
                    "the torchparity source tree around the working directory, else of the "
-                   "source tree torchparity is imported from)")
+                   "source tree torchparity is imported from); `torchparity golden update` "
+                   "creates it")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     cells = select_cells(args.backend, args.dtype, args.device)
     jobs = _jobs(args.jobs)
     check_trajectories = training_seam() if args.train else None
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise UsageError(f"--json {args.json}: its folder does not exist")
     for case in cases:  # every golden is validated before any work starts
         load_case(store, case)
 
