@@ -139,7 +139,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def token_rows(vocab_size: int, *, batch_size: SearchStrategy[int] | int | None = None,
-               lengths: SearchStrategy[int] | None = None) -> SearchStrategy[list[list[int]]]:
+               lengths: SearchStrategy[int] | int | None = None
+               ) -> SearchStrategy[list[list[int]]]:
     """Rows of real token ids in ``[1, vocab_size)`` (0 is padding), one length per row.
 
     ``batch_size`` (default 1 to 3 rows) and ``lengths`` (default 1 to 12 tokens per row)
@@ -147,9 +148,8 @@ def token_rows(vocab_size: int, *, batch_size: SearchStrategy[int] | int | None 
     """
     if vocab_size < 2:
         raise ValueError(f"token_rows needs vocab_size >= 2 (0 is padding); got {vocab_size}")
-    sizes = (st.integers(1, 3) if batch_size is None else
-             batch_size if isinstance(batch_size, SearchStrategy) else st.just(batch_size))
-    lengths = st.integers(1, 12) if lengths is None else lengths
+    sizes = _as_strategy(batch_size, st.integers(1, 3))
+    lengths = _as_strategy(lengths, st.integers(1, 12))
     row = lengths.flatmap(lambda n: st.lists(st.integers(1, vocab_size - 1),
                                              min_size=n, max_size=n))
     return sizes.flatmap(lambda b: st.lists(row, min_size=b, max_size=b))
@@ -179,48 +179,47 @@ def pad_rows(rows: Sequence[Sequence[int]], side: str, length: int | None = None
     return ids, mask
 
 
+def _as_strategy(value: SearchStrategy | Any | None, default: SearchStrategy) -> SearchStrategy:
+    if value is None:
+        return default
+    return value if isinstance(value, SearchStrategy) else st.just(value)
+
+
 @st.composite
-def _padded(draw: st.DrawFn, vocab_size: int, batch_size: int, max_len: int, side: str,
-            allow_empty_rows: bool, max_extra: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if side == "none":
-        length = draw(st.integers(2, max_len))
-        rows = draw(token_rows(vocab_size, batch_size=batch_size, lengths=st.just(length)))
-        return pad_rows(rows, "none")
+def _padded(draw: st.DrawFn, vocab_size: int, batch_size: int, seq_len: int, side: str,
+            allow_empty_rows: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    shortest = seq_len if side == "none" else 0 if allow_empty_rows else 1
     rows = draw(token_rows(vocab_size, batch_size=batch_size,
-                           lengths=st.integers(0 if allow_empty_rows else 1, max_len)))
-    longest = max(1, max(len(r) for r in rows))
-    return pad_rows(rows, side, longest + draw(st.integers(0, max_extra)))
+                           lengths=st.integers(shortest, seq_len)))
+    return pad_rows(rows, side, seq_len)
 
 
 @st.composite
-def batches(draw: st.DrawFn, config: TransformerConfig, *, max_batch: int = 3,
-            max_len: int = 12, padding: SearchStrategy[str] | str | None = None,
-            allow_empty_rows: bool = True, max_extra_padding: int = 2) -> dict[str, torch.Tensor]:
+def batches(draw: st.DrawFn, config: TransformerConfig, *,
+            batch_size: SearchStrategy[int] | int | None = None,
+            seq_len: SearchStrategy[int] | int | None = None,
+            padding: SearchStrategy[str] | str | None = None,
+            allow_empty_rows: bool = True) -> dict[str, torch.Tensor]:
     """Model keyword arguments, like :func:`torchparity.reference.zoo.make_batch`:
     ``model(**batch)`` runs and ``sequence_loss(logits, batch)`` scores it.
 
-    Rows have their own lengths (up to ``max_len``), padded with 0 on the drawn side plus up to
-    ``max_extra_padding`` extra columns; masks are 1 for tokens and 0 for padding. With
-    ``allow_empty_rows`` a row may be entirely padding. ``padding="none"`` gives full rows and
-    no mask; the side is drawn from :data:`PADDINGS` unless ``padding`` gives it (a name or
-    a strategy). Encoder-decoder batches draw source and target lengths independently, padded
-    on the same side.
+    ``batch_size`` rows (default 1 to 3) of ``seq_len`` columns (default 2 to 12), each a
+    number or a strategy. Every row has its own number of real tokens, padded with 0 on the
+    ``padding`` side ("none", "right", "left"; drawn unless given); masks are 1 for tokens and
+    0 for padding. With ``allow_empty_rows`` a row may be entirely padding. ``"none"`` gives
+    full rows and no mask. Encoder-decoder batches draw source and target lengths
+    independently, padded on the same side.
     """
-    padding = st.sampled_from(PADDINGS) if padding is None else padding
-    side = draw(padding) if isinstance(padding, SearchStrategy) else padding
-    batch_size = draw(st.integers(1, max_batch))
-
-    def ids_and_mask(vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return draw(_padded(vocab, batch_size, max_len, side, allow_empty_rows,
-                            max_extra_padding))
-
+    side = draw(_as_strategy(padding, st.sampled_from(PADDINGS)))
+    rows = draw(_as_strategy(batch_size, st.integers(1, 3)))
+    columns = _as_strategy(seq_len, st.integers(2, 12))
     keys = ([("src_ids", "src_mask", config.source_vocab_size)] if config.is_encoder_decoder
             else [])
     keys.append(("tgt_ids", "tgt_mask", config.vocab_size) if config.is_encoder_decoder
                 else ("input_ids", "attention_mask", config.vocab_size))
     batch: dict[str, torch.Tensor] = {}
     for ids_key, mask_key, vocab in keys:
-        ids, mask = ids_and_mask(vocab)
+        ids, mask = draw(_padded(vocab, rows, draw(columns), side, allow_empty_rows))
         batch[ids_key] = ids
         if mask is not None:
             batch[mask_key] = mask
@@ -270,6 +269,7 @@ import torchparity as tp
 from torchparity.errors import BackendUnavailable
 from torchparity.reference import TransformerConfig, build_model, sequence_loss, variants
 from torchparity.reference.attention import AttentionContext
+from torchparity.strategies import pad_rows
 """
 
 
