@@ -14,6 +14,7 @@ import torch
 import torchparity.train
 from torchparity import backends
 from torchparity.cli import main
+from torchparity.commands.check import select_cells
 from torchparity.golden_cases import OUTPUT_KINDS
 from torchparity.reference import models, norms, positions, zoo
 
@@ -208,3 +209,20 @@ def test_full_default_check_passes(tmp_path):
     flex_grads = [r for r in rows if r["backend"] == "flex" and r["output"] == "grads"]
     assert flex_grads and all(r["verdict"] == "n/a" and "backward" in r["reason"]
                               for r in flex_grads)
+
+
+def test_a_cuda_machine_adds_cuda_cells_in_four_dtypes(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cells = select_cells(["manual"], None, None)
+    assert [(c.device, c.dtype) for c in cells] == [
+        ("cpu", "fp64"), ("cpu", "fp32"), ("cpu", "bf16"),
+        ("cuda", "fp32"), ("cuda", "tf32"), ("cuda", "bf16"), ("cuda", "fp16")]
+    assert [c.dtype for c in select_cells(None, ["tf32"], None) if c.device == "cpu"] == ["fp64"]
+
+
+@pytest.mark.gpu
+def test_check_passes_on_the_gpu(tmp_path, device):
+    status, report = check(tmp_path, "--device", device, "--case", "llama-tiny",
+                           "--case", "encdec-relative")
+    assert status == 0, failures(report)
+    assert {r["device"] for r in report["results"]} == {"cpu", device}
