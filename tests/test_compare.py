@@ -85,7 +85,9 @@ def test_hand_computed_budget_separates_within_from_diverged() -> None:
     baseline = torch.tensor([1.0 + 2.0**-20, 2.0], dtype=torch.float32)  # error exactly 2**-20
     tol = KINDS["forward"]
     subnormal = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
-    reordering = tol.analytic_factor * math.sqrt(2) * 2.0**-24 * 2.0  # K = 2, absmax 2
+    # K = 2; the baseline's error exceeds sqrt(K) u absmax, so it sets the reordering scale.
+    seen_scale = max(2.0, 2.0**-20 / (math.sqrt(2) * 2.0**-24))
+    reordering = tol.reorder_factor * math.sqrt(2) * 2.0**-24 * seen_scale
     budget = tol.fudge * 2.0**-20 + reordering + tol.floor_ulps * (2.0**-24 * 2.0 + subnormal)
     allowed = math.floor(budget / 2.0**-22)  # float32 steps above 2 that stay within budget
 
@@ -344,6 +346,10 @@ def test_gradient_cancelled_to_zero_is_judged_at_its_modules_scale() -> None:
     broken = {"attn.k_proj.weight": weight.float(), "attn.k_proj.bias": torch.full((8,), 1e-3)}
     assert not compare(broken, golden, baseline, kind="grad").ok
     # Outside a module that shows the scale, nothing is relaxed.
-    alone = compare(noisy["attn.k_proj.bias"], golden["attn.k_proj.bias"],
-                    baseline["attn.k_proj.bias"], kind="grad")
+    alone = compare(
+        noisy["attn.k_proj.bias"],
+        golden["attn.k_proj.bias"],
+        baseline["attn.k_proj.bias"],
+        kind="grad",
+    )
     assert not alone.ok

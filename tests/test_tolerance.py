@@ -78,7 +78,8 @@ def test_every_kind_defines_a_usable_rule() -> None:
     assert set(KINDS) == {"forward", "grad", "loss", "trajectory"}
     for tol in KINDS.values():
         assert tol.metric in ("max_abs", "rms")
-        assert tol.fudge >= 1 and tol.floor_ulps > 0 and tol.analytic_factor > 0
+        assert tol.fudge >= 1 and tol.floor_ulps > 0
+        assert tol.analytic_factor > 0 and tol.reorder_factor > 0
     assert KINDS["trajectory"].per_step_growth > 0
 
 
@@ -93,22 +94,34 @@ def test_budget_with_a_baseline_follows_the_formula() -> None:
     b = budget(golden, baseline_error=2.0**-20, compute_dtype=torch.float32)
     # forward uses max-abs, so scale = absmax = 2
     floor = tol.floor_ulps * (2.0**-24 * 2.0 + subnormal_spacing(torch.float32))
-    reordering = tol.analytic_factor * math.sqrt(2) * 2.0**-24 * 2.0  # K = last dimension
-    assert b.source == "baseline"
-    assert b.floor == floor and b.analytic == reordering
+    root_k = math.sqrt(2)  # K = the last dimension
+    seen_scale = max(2.0, 2.0**-20 / (root_k * 2.0**-24))
+    reordering = tol.reorder_factor * root_k * 2.0**-24 * seen_scale
+    assert b.source == "baseline" and b.analytic is None
+    assert b.floor == floor and b.reordering == reordering
     assert b.value == tol.fudge * 2.0**-20 + reordering + floor
     assert f"{tol.fudge:g} × baseline error" in b.formula() and "reordering" in b.formula()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_result_that_cancels_takes_its_reordering_scale_from_the_baseline(dtype: str) -> None:
+    golden = torch.full((4, 16), 1e-17, dtype=torch.float64)  # a gradient that is 0 in theory
+    b = budget(golden, baseline_error=1e-8, compute_dtype=dtype, kind="grad")
+    u, u_acc = unit_roundoff(dtype), tolerance.accumulation_roundoff(dtype)
+    assert b.reordering_scale == 1e-8 / (math.sqrt(16) * u)
+    tol = KINDS["grad"]
+    assert b.reordering == tol.reorder_factor * math.sqrt(16) * u_acc * b.reordering_scale
+    assert "scale seen by the baseline" in b.formula()
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "tf32", "fp8_e4m3"])
 def test_reordering_is_bounded_at_fp32_accumulation_precision(dtype: str) -> None:
     golden = torch.ones(16, dtype=torch.float64)
-    with_baseline = budget(golden, baseline_error=1e-3, compute_dtype=dtype)
-    fp32 = budget(golden, baseline_error=1e-3, compute_dtype="fp32")
-    assert with_baseline.analytic == fp32.analytic
+    quiet = 2.0**-30  # below sqrt(K) u scale in every dtype: the golden's scale applies
+    narrow = budget(golden, baseline_error=quiet, compute_dtype=dtype)
+    fp32 = budget(golden, baseline_error=quiet, compute_dtype="fp32")
+    assert narrow.reordering == fp32.reordering
     assert tolerance.accumulation_roundoff(dtype) == UNIT_ROUNDOFF["fp32"]
-    exact = budget(golden, baseline_error=0.0, compute_dtype=dtype)
-    assert exact.analytic == fp32.analytic * unit_roundoff(dtype) / UNIT_ROUNDOFF["fp32"]
 
 
 def test_rms_kinds_scale_the_floor_by_the_golden_rms() -> None:
@@ -119,20 +132,21 @@ def test_rms_kinds_scale_the_floor_by_the_golden_rms() -> None:
 
 
 @pytest.mark.parametrize("baseline_error", [None, 0.0])
+@pytest.mark.parametrize("dtype", ["fp64", "bf16"])
 def test_without_an_inexact_baseline_the_analytic_bound_applies(
-    baseline_error: float | None,
+    baseline_error: float | None, dtype: str
 ) -> None:
     golden = torch.full((3, 64), -0.5, dtype=torch.float64)
     tol = KINDS["forward"]
-    b = budget(golden, baseline_error=baseline_error, compute_dtype="fp64")
-    u = 2.0**-53
-    assert b.source == "analytic"
+    b = budget(golden, baseline_error=baseline_error, compute_dtype=dtype)
+    u, u_acc = unit_roundoff(dtype), tolerance.accumulation_roundoff(dtype)
+    assert b.source == "analytic" and b.baseline_error is None
     assert b.analytic == tol.analytic_factor * math.sqrt(64) * u * 0.5
-    assert b.value == b.analytic + tol.floor_ulps * (u * 0.5 + subnormal_spacing(torch.float64))
-    explicit = budget(
-        golden, baseline_error=baseline_error, compute_dtype="fp64", reduction_length=4
-    )
-    assert explicit.analytic == b.analytic / 4
+    assert b.reordering == tol.reorder_factor * math.sqrt(64) * u_acc * 0.5
+    floor = tol.floor_ulps * (u * 0.5 + tolerance.precision(dtype).min_spacing)
+    assert b.value == b.analytic + b.reordering + floor
+    short = budget(golden, baseline_error=baseline_error, compute_dtype=dtype, reduction_length=4)
+    assert short.analytic == b.analytic / 4 and short.reordering == b.reordering / 4
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
