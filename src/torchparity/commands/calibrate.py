@@ -460,16 +460,17 @@ def _measure_backend(
             continue
         result = compare(candidate[kind], golden[kind], baseline[kind], kind)
         ratio = tolerance.baseline_ratio(result)
-        stats.ratios.append(ratio if ratio is not None else _implied_analytic_factor(result))
+        stats.ratios.append(ratio if ratio is not None else _needed_factor(result))
         stats.headrooms.append(result.worst.headroom)
         if not result.ok:
             stats.failures.append(problem.seed)
 
 
-def _implied_analytic_factor(result: Comparison) -> float:
-    """The analytic factor c each tensor needed, err / (sqrt(K) * u * scale), at its largest."""
+def _needed_factor(result: Comparison) -> float:
+    """For an exact baseline: the factor each tensor needed, err / (sqrt(K) * u * scale), at its
+    largest. The budget grants analytic_factor + reorder_factor (u_acc = u for float64)."""
     return max(
-        t.error / (t.budget.analytic / t.budget.analytic_factor)
+        t.error / (math.sqrt(t.budget.reduction_length) * t.budget.unit_roundoff * t.budget.scale)
         for t in result.tensors
         if t.budget is not None and t.budget.baseline_error is None
     )
@@ -661,7 +662,7 @@ def _false_alarm_rows(results: Results) -> Iterator[list[str]]:
             _fmt(s["p99_ratio"]),
             _fmt(s["max_ratio"]),
             f"{s['max_headroom']:.0%}",
-            "ratio: analytic factor needed" if dtype == "fp64" else "",
+            "ratio: factor needed" if dtype == "fp64" else "",
         ]
 
 
@@ -756,14 +757,23 @@ def render_markdown(results: Results, *, command: str) -> str:
     """The report written to docs/tolerance.md: method, tables, command, machine and date."""
     m = machine()
     kinds = _markdown_table(
-        ["kind", "metric", "fudge", "floor ulps", "analytic factor", "per-step growth"],
+        [
+            "kind",
+            "metric",
+            "fudge",
+            "reorder factor",
+            "analytic factor",
+            "floor ulps",
+            "per-step growth",
+        ],
         (
             [
                 k,
                 t.metric,
                 _num(t.fudge),
-                _num(t.floor_ulps),
+                _num(t.reorder_factor),
                 _num(t.analytic_factor),
+                _num(t.floor_ulps),
                 _num(t.per_step_growth),
             ]
             for k, t in tolerance.KINDS.items()
@@ -810,8 +820,9 @@ def _summary(results: Results) -> str:
         text = f"- {kind}: err(candidate)/err(baseline) {' and '.join(parts)}; fudge {tol.fudge:g}."
         if worst["fp64"]:
             text += (
-                f" float64 backends (exact baseline) needed an analytic factor of at most"
-                f" {_ratio_at(worst['fp64'])}; analytic factor {tol.analytic_factor:g}."
+                f" float64 backends (exact baseline) needed a factor of at most"
+                f" {_ratio_at(worst['fp64'])}; analytic + reorder factor"
+                f" {tol.analytic_factor + tol.reorder_factor:g}."
             )
         lines.append(text)
     lines.append(f"- False alarms: {results.n_false_alarms}.")
@@ -873,9 +884,10 @@ _REPORT = """\
 This file is written by `torchparity calibrate`; do not edit it by hand. The rule it checks is
 described in `src/torchparity/tolerance.py`: per tensor,
 `err(candidate, golden) <= fudge * err(baseline, golden) + reordering + floor`, with
-`reordering = analytic_factor * sqrt(K) * u_acc * scale` (`u_acc`: fp32's unit roundoff for
-fp32 and narrower dtypes, whose kernels accumulate in fp32), and the analytic bound
-`analytic_factor * sqrt(K) * u * scale` alone when the baseline is exact (float64).
+`reordering = reorder_factor * sqrt(K) * u_acc * scale'` (`u_acc`: fp32's unit roundoff for fp32
+and narrower dtypes, whose kernels accumulate in fp32; `scale'`: the golden's scale, or the
+larger one the baseline's error reveals). When the baseline is exact (float64) the analytic bound
+`analytic_factor * sqrt(K) * u * scale` replaces the fudge term.
 
 ## Findings
 
@@ -898,15 +910,15 @@ norm's eps matter); {problems}. Half of the causal draws let the kernel apply ca
 
 - golden: float64, manual attention;
 - baseline: manual attention (fp32 softmax) in the candidate dtype; for fp64 candidates the
-  baseline is the golden itself, so the analytic bound is what is tested;
+  baseline is the golden itself, so the analytic bound and the reordering term are tested;
 - forward: the attention output; grad: gradients of `sum(out * cotangent)` (random cotangent)
   with respect to the input, the three projections and the norm weight.
 
 *Ratio* is err(candidate)/err(baseline) in the kind's metric, the largest over the draw's
-tensors (for fp64, whose baseline is exact, it is the analytic factor the draw needed:
-err / (sqrt(K) * u * scale)); *budget used* is err(candidate)/budget, the largest over the
-draw's tensors. flex runs on a subset of the draws (see the command): on the CPU it recompiles on
-every call, and it has no backward pass there.
+tensors (for fp64, whose baseline is exact, it is the factor the draw needed,
+err / (sqrt(K) * u * scale), to compare with analytic + reorder factor); *budget used* is
+err(candidate)/budget, the largest over the draw's tensors. flex runs on a subset of the draws
+(see the command): on the CPU it recompiles on every call, and it has no backward pass there.
 
 ## Current constants
 
