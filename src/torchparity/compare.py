@@ -171,30 +171,12 @@ def compare(
     leaves = list(_aligned_leaves(candidate, golden, baseline_tree, _ROOT))
     scales = _cancellation_scales(leaves, tol.metric) if tol.group_scale else {}
     tensors = [
-        _compare_tensor(path, c, g, b, kind, compute_dtype, reduction_length, step,
-                        scales.get(path))
+        _compare_tensor(
+            path, c, g, b, kind, compute_dtype, reduction_length, step, scales.get(path)
+        )
         for path, c, g, b in leaves
     ]
     return Comparison(kind=kind, tensors=tensors)
-
-
-def _group_of(path: str) -> str:
-    """The group of a leaf: its module for dotted parameter names, else its container."""
-    head, dot, _ = path.rpartition(".")
-    return head if dot else path.rpartition("[")[0]
-
-
-def _cancellation_scales(leaves: list[tuple[str, Any, Any, Any]],
-                         metric: tolerance.Metric) -> dict[str, float]:
-    """Scale overrides for leaves whose golden cancelled within their group (see
-    :func:`torchparity.tolerance.cancelled`)."""
-    own = {path: tolerance.magnitude(_float64(g)[_float64(g).isfinite()], metric)
-           for path, _, g, _ in leaves if g.dtype.is_floating_point}
-    group: dict[str, float] = {}
-    for path, scale in own.items():
-        group[_group_of(path)] = max(group.get(_group_of(path), 0.0), scale)
-    return {path: group[_group_of(path)] for path, scale in own.items()
-            if tolerance.cancelled(scale, group[_group_of(path)])}
 
 
 def assert_parity(
@@ -325,6 +307,32 @@ def _check_leaf_equal(path: str, candidate: Any, other: Any, side: str) -> None:
 
 def _mismatch(path: str, what: str, candidate: Any, other: Any, side: str) -> StructureMismatch:
     return StructureMismatch(f"{path}: {what} {candidate} vs {other} (candidate vs {side})")
+
+
+def _group_of(path: str) -> str:
+    """The group of a leaf: its module for dotted parameter names, else its container."""
+    head, dot, _ = path.rpartition(".")
+    return head if dot else path.rpartition("[")[0]
+
+
+def _cancellation_scales(
+    leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric
+) -> dict[str, float]:
+    """Scale overrides for leaves whose golden cancelled within their group (see
+    :func:`torchparity.tolerance.cancelled`)."""
+    own = {}
+    for path, _, g, _ in leaves:
+        if g.dtype.is_floating_point:
+            g = _float64(g)
+            own[path] = tolerance.magnitude(g[g.isfinite()], metric)
+    group: dict[str, float] = {}
+    for path, scale in own.items():
+        group[_group_of(path)] = max(group.get(_group_of(path), 0.0), scale)
+    return {
+        path: group[_group_of(path)]
+        for path, scale in own.items()
+        if tolerance.cancelled(scale, group[_group_of(path)])
+    }
 
 
 # --- one tensor -----------------------------------------------------------------------------
