@@ -17,7 +17,8 @@ from torchparity import bench, cli
 from torchparity.bench_worker import peak_bytes
 
 POSITIVE = {"tok_per_s", "step_s", "first_step_s", "ratio_vs_manual", "peak_bytes",
-            "peak_vs_manual", "tokens_per_step", "wall_s", "plain_s", "diagnose_s", "stream_s",
+            "peak_vs_manual", "tokens_per_step", "wall_s", "cpu_s", "plain_s", "diagnose_s",
+            "stream_s",
             "plain_peak_bytes", "diagnose_peak_bytes", "stream_peak_bytes",
             "diagnose_time_ratio", "stream_time_ratio", "diagnose_peak_ratio",
             "stream_peak_ratio"}
@@ -162,6 +163,7 @@ def test_paired_ratio_cancels_drift() -> None:
     (["--rounds", "0"], "--rounds"),
     (["--threads", "0"], "--threads"),
     (["--backend", "no-such-backend"], "--backend"),
+    (["--size", "xl"], "--size"),
     (["--json", "/no/such/dir/out.json"], "/no/such/dir"),
 ])
 def test_bad_input_is_one_line(args: list[str], named: str,

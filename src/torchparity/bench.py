@@ -27,6 +27,7 @@ import importlib.util
 import multiprocessing
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -75,6 +76,9 @@ GPU_SIZES = (
     Size("m", 512, 8, 4, 2048, 8192, 512, 8),
     Size("l", 1024, 16, 4, 4096, 32000, 2048, 4),
 )
+#: ``diagnose`` runs a float64 golden, replays every module and compares every tensor: on
+#: the CPU it is timed at a smaller size so that the default run stays within minutes.
+CPU_DIAGNOSE_SIZE = Size("diag", 128, 4, 2, 512, 1024, 256, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +88,7 @@ class Settings:
     device: str
     dtypes: tuple[str, ...]
     sizes: tuple[Size, ...]
+    diagnose_size: Size
     cases: tuple[str, ...] = REFERENCE_CASES
     backends: tuple[str, ...] = tuple(backends.names())
     rounds: int = 5
@@ -94,17 +99,27 @@ class Settings:
     threads: int | None = None  # torch intra-op threads of the measured processes
 
 
-def default_settings(device: str = "cpu", quick: bool = False, **changes: Any) -> Settings:
-    """Settings sized for ``device``: on the CPU the default run takes minutes on 2 cores;
-    ``quick`` is a seconds-long smoke run of every part except ``check``. ``changes``
-    override fields; invalid values raise :class:`~torchparity.errors.UsageError`."""
-    on_gpu = torch.device(device).type == "cuda"
+def default_settings(device: str = "cpu", quick: bool = False, size_names: tuple[str, ...] = (),
+                     **changes: Any) -> Settings:
+    """Settings sized for ``device``: on the CPU the default run takes minutes on 2 cores
+    (fp32 only; bf16 without native CPU support is many times slower, ask with ``dtypes``);
+    ``quick`` is a seconds-long smoke run of every part except ``check``. ``size_names``
+    picks among the device's sizes; ``changes`` override fields. Invalid values raise
+    :class:`~torchparity.errors.UsageError`."""
     if quick:
-        base = Settings(device, ("float32",), QUICK_SIZES, rounds=3, warmup=1, quick=True)
-    elif on_gpu:
-        base = Settings(device, ("bfloat16", "float32"), GPU_SIZES)
+        base = Settings(device, ("float32",), QUICK_SIZES, QUICK_SIZES[0], rounds=3, warmup=1,
+                        quick=True)
+    elif torch.device(device).type == "cuda":
+        base = Settings(device, ("bfloat16", "float32"), GPU_SIZES, GPU_SIZES[0])
     else:
-        base = Settings(device, ("float32", "bfloat16"), CPU_SIZES)
+        base = Settings(device, ("float32",), CPU_SIZES, CPU_DIAGNOSE_SIZE)
+    known = {size.name: size for size in base.sizes}
+    unknown = [name for name in size_names if name not in known]
+    if unknown:
+        raise UsageError(f"--size {unknown[0]}: sizes on {device}"
+                         f"{' with --quick' if quick else ''} are {', '.join(known)}")
+    if size_names:
+        changes["sizes"] = tuple(known[name] for name in size_names)
     given = {key: value for key, value in changes.items() if value not in (None, ())}
     settings = dataclasses.replace(base, **given)
     _validate(settings)
@@ -119,7 +134,8 @@ def _validate(s: Settings) -> None:
             raise UsageError(f"--dtype {dtype}: choose from {', '.join(DTYPES)}")
     for case in s.cases:
         if case not in zoo.names():
-            raise UsageError(f"--case {case}: unknown zoo case; choose from {', '.join(zoo.names())}")
+            raise UsageError(f"--case {case}: unknown zoo case; choose from "
+                             f"{', '.join(zoo.names())}")
     for name in s.backends:
         if name not in backends.names():
             raise UsageError(f"--backend {name}: choose from {', '.join(backends.names())}")
@@ -296,9 +312,7 @@ def _throughput_group(case: str, size: Size, dtype: str, settings: Settings,
                       progress: Progress) -> list[dict[str, Any]]:
     config = model_config(case, size)
     label = f"{case} {size.name} {dtype}"
-    fields = {"case": case, "model": config.architecture, "size": size.name,
-              "d_model": size.d_model, "n_layers": size.n_layers, "seq_len": size.seq_len,
-              "batch_size": size.batch_size, "dtype": dtype,
+    fields = {**_size_fields(case, config, size), "dtype": dtype,
               "tokens_per_step": tokens_per_step(config, size)}
     probe = backends.available(settings.device, getattr(torch, dtype))
     jobs = {name: Job(config.to_dict(), size.batch_size, size.seq_len, "none", dtype,
@@ -316,6 +330,12 @@ def _throughput_group(case: str, size: Size, dtype: str, settings: Settings,
             rows.append({**fields, "backend": name, "status": "ok", **measured[name]})
     _add_ratios(rows)
     return rows
+
+
+def _size_fields(case: str, config: TransformerConfig, size: Size) -> dict[str, Any]:
+    return {"case": case, "model": config.architecture, "size": size.name,
+            "d_model": size.d_model, "n_layers": size.n_layers, "seq_len": size.seq_len,
+            "batch_size": size.batch_size}
 
 
 def _drive(workers: dict[str, _Worker], settings: Settings, progress: Progress,
@@ -462,15 +482,16 @@ def _context() -> Any:
 
 
 def diagnose_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
-    """Per case, at the first size and dtype: ``diagnose`` (full and streaming capture) against
-    a plain forward+backward of both models, in time and in peak memory."""
+    """``diagnose`` (full and streaming capture) against a plain forward+backward of both
+    models, in time and in peak memory: on the first case, at the diagnose size, in the first
+    dtype. Its cost follows module count and tensor sizes, not the architecture."""
     if importlib.util.find_spec("torchparity.diagnose") is None:
         return [na_row("not measured: torchparity.diagnose is not part of this installation")]
-    size, dtype = settings.sizes[0], settings.dtypes[0]
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    progress.start("diagnose", len(settings.cases) * (3 * (1 + settings.warmup + settings.rounds)))
-    return [_diagnose_case(case, size, dtype, settings, progress) for case in settings.cases]
+    progress.start("diagnose", 3 * (1 + settings.warmup + settings.rounds))
+    return [_diagnose_case(settings.cases[0], settings.diagnose_size, settings.dtypes[0],
+                           settings, progress)]
 
 
 def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
@@ -479,8 +500,7 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
 
     device = torch.device(settings.device)
     config = model_config(case, size)
-    fields = {"case": case, "model": config.architecture, "size": size.name, "dtype": dtype,
-              "seq_len": size.seq_len, "batch_size": size.batch_size,
+    fields = {**_size_fields(case, config, size), "dtype": dtype,
               "models": " vs ".join(DIAGNOSE_BACKENDS)}
     model_a, model_b = (timing_model(config.replace(attention_backend=name), device,
                                      getattr(torch, dtype)) for name in DIAGNOSE_BACKENDS)
@@ -557,17 +577,24 @@ def check_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
     src = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (src, os.environ.get("PYTHONPATH")) if p)}
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), _children_cpu_s()
     done = subprocess.run([sys.executable, "-m", "torchparity.cli", *CHECK_COMMAND[1:]],
                           env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, _children_cpu_s() - cpu_start
     last_line = (done.stderr.strip().splitlines() or [""])[-1]
     if done.returncode == 2:
         return [na_row(f"torchparity check could not run: {last_line}", **fields)]
-    row = {**fields, "status": "ok", "wall_s": seconds, "exit_code": done.returncode}
+    # CPU time beside wall time: on a shared machine the wall clock also counts other jobs.
+    row = {**fields, "status": "ok", "wall_s": seconds, "cpu_s": cpu_seconds,
+           "exit_code": done.returncode}
     if done.returncode != 0:
         row["note"] = f"check reported failures (exit {done.returncode}); the time still counts"
     return [row]
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 # --------------------------------------------------------------------------------------------

@@ -126,8 +126,7 @@ def _throughput(rows: list[dict[str, Any]], compiled: bool) -> Section:
 def _diagnose(rows: list[dict[str, Any]]) -> Section:
     columns = [
         ("model", lambda r: r.get("model", "")),
-        ("size", lambda r: f"{r['size']}: {r['batch_size']}×{r['seq_len']}" if "size" in r
-         else ""),
+        ("size", _size),
         ("dtype", lambda r: r.get("dtype", "")),
         ("plain s", lambda r: _num(r.get("plain_s"))),
         ("diagnose s", lambda r: _num(r.get("diagnose_s"))),
@@ -149,6 +148,7 @@ def _check(rows: list[dict[str, Any]]) -> Section:
     columns = [
         ("command", lambda r: r.get("command", "")),
         ("wall s", lambda r: _num(r.get("wall_s"))),
+        ("CPU s", lambda r: _num(r.get("cpu_s"))),
         ("exit", lambda r: str(r.get("exit_code", "—"))),
         ("logical cores", lambda r: str(r.get("logical_cores", ""))),
         ("note", _remark),

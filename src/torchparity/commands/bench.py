@@ -21,10 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", action="append", choices=list(DTYPES),
-                        help="dtype to measure (repeatable; default: fp32 and bf16)")
+                        help="dtype to measure (repeatable; default: fp32 on the CPU, "
+                             "bf16 and fp32 on CUDA)")
+    parser.add_argument("--size", action="append", metavar="NAME",
+                        help="benchmark size (repeatable; cpu: s, m; cuda: m, l; default: all)")
     parser.add_argument("--case", action="append", metavar="NAME",
                         help="zoo case to scale up as the model (repeatable; default: "
-                             f"{' and '.join(bench.REFERENCE_CASES)})")
+                             f"{' and '.join(bench.REFERENCE_CASES)}; diagnose uses the first)")
     parser.add_argument("--backend", action="append", metavar="NAME",
                         help="attention backend to measure (repeatable; default: all; "
                              "keep manual, the baseline of the ratios)")
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError:
         raise UsageError(f"--device {device!r} is not a torch device (try cpu or cuda)") from None
     settings = bench.default_settings(
-        device, args.quick,
+        device, args.quick, tuple(args.size or ()),
         dtypes=tuple(DTYPES[d] for d in args.dtype or ()),
         cases=tuple(args.case or ()),
         backends=tuple(args.backend or ()),
