@@ -83,44 +83,44 @@ def _configs(draw: st.DrawFn, architectures: tuple[str, ...], max_d_model: int,
     def flag(field: str) -> bool:
         return pick(field, st.booleans())
 
+    # Fields every config has come first and dependent ones last, so that shrinking a choice
+    # (encoder-decoder to decoder, rotary to none) only drops draws from the end.
     architecture = pick("architecture", st.sampled_from(architectures))
     pick("vocab_size", st.integers(8, 64))
     pick("n_layers", st.integers(1, max_layers))
-    if architecture == "encoder-decoder":
-        pick("n_encoder_layers", st.integers(1, max_layers))
-        pick("src_vocab_size", st.none() | st.integers(8, 64))
     d_model = pick("d_model", st.sampled_from([d for d in (8, 16, 32) if d <= max_d_model]))
     n_heads = pick("n_heads", st.sampled_from([h for h in (1, 2, 4) if d_model % h == 0]))
     pick("n_kv_heads", st.sampled_from([None, *_divisors(n_heads)]))
     head_dim = pick("head_dim", st.none() | st.sampled_from([2, 4, 8]))
-    dim_head = head_dim or d_model // n_heads
     pick("d_ff", st.sampled_from([f for f in (8, 16, 32, 64) if f <= 2 * max_d_model]))
-
     positions = pick("positions", st.sampled_from(
         ["none", "learned", "sinusoidal", "rotary", "alibi", "relative"]))
+    pick("max_positions", st.just(64))  # learned tables: enough for every input drawn here
+    norm = pick("norm", st.sampled_from(config_module.NORMS))
+    pick("norm_eps", st.sampled_from([1e-5, 1e-6]))
+    placement = pick("norm_placement", st.sampled_from(config_module.NORM_PLACEMENTS))
+    pick("activation", st.sampled_from(config_module.ACTIVATIONS))
+    for field in ("final_norm", "qkv_bias", "out_bias", "ffn_bias", "tie_embeddings",
+                  "scale_embeddings"):
+        flag(field)
+    pick("sliding_window", st.none() | st.integers(1, 8))
+
     if positions == "rotary":
         pick("rotary_layout", st.sampled_from(config_module.ROTARY_LAYOUTS))
-        partial = list(range(2, dim_head, 2))  # even widths below head_dim: partial rotary
+        partial = list(range(2, head_dim or d_model // n_heads, 2))  # partial rotary widths
         pick("rotary_dim", st.none() | st.sampled_from(partial) if partial else st.none())
         pick("rope_theta", st.sampled_from([10000.0, 100.0]))
     elif positions == "sinusoidal":
         pick("sinusoidal_layout", st.sampled_from(config_module.SINUSOIDAL_LAYOUTS))
     elif positions == "relative":
         pick("max_relative_positions", st.integers(1, 8))
-    pick("max_positions", st.just(64))  # learned tables: enough for every input drawn here
-
-    norm = pick("norm", st.sampled_from(config_module.NORMS))
-    pick("norm_eps", st.sampled_from([1e-5, 1e-6]))
     if norm == "layernorm":
         flag("norm_bias")
-    placement = pick("norm_placement", st.sampled_from(config_module.NORM_PLACEMENTS))
-    flag("final_norm")
-    pick("activation", st.sampled_from(config_module.ACTIVATIONS))
-    if architecture == "decoder" and placement == "pre" and flag("parallel_residual"):
+    if architecture == "encoder-decoder":
+        pick("n_encoder_layers", st.integers(1, max_layers))
+        pick("src_vocab_size", st.none() | st.integers(8, 64))
+    elif placement == "pre" and flag("parallel_residual"):
         flag("shared_layernorm")
-    for field in ("qkv_bias", "out_bias", "ffn_bias", "tie_embeddings", "scale_embeddings"):
-        flag(field)
-    pick("sliding_window", st.none() | st.integers(1, 8))
     fields.update({k: v for k, v in fixed.items() if k not in fields and
                    not isinstance(v, SearchStrategy)})
     fields.update({k: draw(v) for k, v in fixed.items() if k not in fields})
@@ -320,6 +320,6 @@ def note_reproducer(check: Callable[..., Any], arguments: dict[str, Any],
                     helpers: Sequence[Callable[..., Any]] = ()) -> Any:
     """Run ``check(**arguments)`` inside a hypothesis test; if the test fails, hypothesis
     prints the :func:`reproducer` of the shrunk example along with the error."""
-    note("Reproducer (paste into a Python shell with torchparity importable):\n"
+    note("# Reproducer: paste into a Python shell where torchparity is importable\n"
          + reproducer(check, arguments, helpers))
     return check(**arguments)
