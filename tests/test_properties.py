@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import torchparity as tp
 from torchparity import strategies as tps
 from torchparity.errors import BackendUnavailable
-from torchparity.reference import build_model, sequence_loss, variants
+from torchparity.reference import TransformerConfig, build_model, sequence_loss, variants, zoo
 from torchparity.reference.attention import AttentionContext
 from torchparity.strategies import pad_rows
 
@@ -437,3 +437,38 @@ def test_rotary_scores_depend_only_on_the_offset(implementation, config, length,
     tps.note_reproducer(check_rotary_offset, dict(
         config=config, seed=seed, length=length, shift=shift, implementation=implementation,
         dtype=dtype))
+
+
+# --- every check's reproducer runs on its own -------------------------------------------------
+
+_SMALL = TransformerConfig(d_model=8, n_heads=2, n_kv_heads=1, n_layers=1, d_ff=8,
+                           activation="gated-silu", max_positions=64)
+_ENCDEC = _SMALL.replace(architecture="encoder-decoder", n_encoder_layers=1, positions="none")
+_ROWS = [{"input_ids": [3, 4, 5]}, {"input_ids": [6]}]
+_REPRODUCIBLE = {
+    "backend": (check_backend_equivalence, dict(batch=zoo.make_batch(_SMALL, 2, 4, 0, "left"),
+                                                backend="sdpa")),
+    "twin": (check_twin_equivalence, dict(batch=zoo.make_batch(_SMALL, 2, 4, 0, "left"),
+                                          variant="fused-qkv", backend="sdpa")),
+    "causality": (check_causality, dict(batch=zoo.make_batch(_SMALL, 2, 4, 0, "right"), start=2,
+                                        replacement=torch.tensor([[7, 8], [9, 10]]),
+                                        backend="manual")),
+    "rows": (check_rows_alone, dict(rows=_ROWS, side="left", extra=1, backend="manual")),
+    "kv-cache": (check_kv_cache, dict(
+        config=_ENCDEC, prompt=zoo.make_batch(_ENCDEC, 2, 3, 0, "left"), chunk=2,
+        plan=[("append", [[5], [6]]), ("reorder", [1, 1, 0]), ("append", [[7], [8], [9]])],
+        backend="manual")),
+    "gqa": (check_gqa_as_mha, dict(batch=zoo.make_batch(_SMALL, 2, 4, 0, "none"),
+                                   backend="manual")),
+    "shift": (check_shift_invariance, dict(config=_SMALL.replace(positions="alibi"), length=4,
+                                           shift=5, backend="manual")),
+    "rotary": (check_rotary_offset, dict(length=4, shift=5, implementation="rotary-complex")),
+}
+
+
+@pytest.mark.parametrize("name", list(_REPRODUCIBLE))
+def test_every_reproducer_runs_on_its_own(name):
+    check, arguments = _REPRODUCIBLE[name]
+    arguments = {"config": _SMALL, "seed": 1, "dtype": torch.float32, **arguments}
+    script = tps.reproducer(check, arguments, HELPERS)
+    exec(compile(script, f"<reproducer of {check.__name__}>", "exec"), {})
