@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchparity import backends
-from torchparity.errors import UsageError
+from torchparity.commands.common import resolve_device
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16,
           "fp16": torch.float16}
@@ -25,11 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        torch.device(device)
-    except RuntimeError:
-        raise UsageError(f"--device {device!r} is not a torch device (try cpu or cuda)") from None
+    device = resolve_device(args.device)
     dtypes = args.dtype or list(DTYPES)
     results = {name: backends.available(device, DTYPES[name]) for name in dtypes}
 

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from torchparity import backends
+from torchparity.commands.common import resolve_device
 from torchparity.errors import UsageError
 from torchparity.reference import zoo
 from torchparity.train import DTYPE_MODES, NORMALIZATIONS, Execution, TrainConfig, Trainer
@@ -126,15 +127,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _execution(args: argparse.Namespace) -> Execution:
-    try:
-        torch.device(args.device)
-    except RuntimeError:
-        raise UsageError(f"--device {args.device!r} is not a torch device (try cpu or cuda)") \
-            from None
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device} asked for, but no CUDA device is available "
-                         "here; use --device cpu")
-    return Execution(args.backend, args.dtype, args.device, args.compile)
+    return Execution(args.backend, args.dtype, resolve_device(args.device), args.compile)
 
 
 def _probe_dtype(execution: Execution) -> torch.dtype:
