@@ -79,8 +79,9 @@ def test_quick_result_schema(quick: dict[str, Any]) -> None:
             assert target["note"], target
 
 
-def test_quick_throughput_rows(quick: dict[str, Any]) -> None:
-    rows = {row["backend"]: row for row in quick["throughput"]}
+@pytest.mark.parametrize("model", ["decoder", "attention"])
+def test_quick_throughput_rows(quick: dict[str, Any], model: str) -> None:
+    rows = {row["backend"]: row for row in quick["throughput"] if row["model"] == model}
     assert list(rows) == ["manual", "sdpa-math", "flex", "sdpa-efficient"]
     size = bench.QUICK_SIZES[0]
     for name in ("manual", "sdpa-math"):
@@ -109,7 +110,7 @@ def test_quick_skipped_parts_say_why(quick: dict[str, Any]) -> None:
 def test_markdown_has_a_line_per_row(quick: dict[str, Any]) -> None:
     lines = quick["_markdown"].splitlines()
     assert lines[0].startswith("Machine: ")
-    table_rows = [line for line in lines if line.startswith("| decoder |")]
+    table_rows = [line for line in lines if line.startswith(("| decoder |", "| attention |"))]
     assert len(table_rows) == len(quick["throughput"])
     assert any(quick["throughput"][-1]["reason"] in line for line in table_rows)
 

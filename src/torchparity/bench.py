@@ -291,15 +291,18 @@ def spread(times: list[float]) -> float:
 
 
 def throughput_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
-    """One row per case × size × dtype × backend (see the module docstring)."""
-    groups = [(case, size, dtype) for case in settings.cases for size in settings.sizes
-              for dtype in settings.dtypes]
-    runnable = {group: _runnable(settings, group[2]) for group in groups}
-    steps_per_worker = 2 + settings.warmup + settings.rounds + settings.compile
-    progress.start("throughput", sum(len(r) for r in runnable.values()) * steps_per_worker)
+    """One row per case × size × dtype × backend (see the module docstring), and per size ×
+    dtype × backend for the attention call of the first case alone (``model: "attention"``),
+    which shows how much of the whole model's difference is the kernel's."""
+    groups = [(workload, case, size, dtype)
+              for workload, cases in (("model", settings.cases), ("attention", settings.cases[:1]))
+              for case in cases for size in settings.sizes for dtype in settings.dtypes]
+    workers = sum(len(_runnable(settings, dtype)) for *_, dtype in groups)
+    progress.start("throughput", workers * (2 + settings.warmup + settings.rounds
+                                            + settings.compile))
     rows: list[dict[str, Any]] = []
-    for case, size, dtype in groups:
-        rows += _throughput_group(case, size, dtype, settings, progress)
+    for group in groups:
+        rows += _throughput_group(*group, settings, progress)
     return rows
 
 
@@ -308,15 +311,17 @@ def _runnable(settings: Settings, dtype: str) -> list[str]:
     return [name for name in settings.backends if probe[name] is None]
 
 
-def _throughput_group(case: str, size: Size, dtype: str, settings: Settings,
+def _throughput_group(workload: str, case: str, size: Size, dtype: str, settings: Settings,
                       progress: Progress) -> list[dict[str, Any]]:
     config = model_config(case, size)
-    label = f"{case} {size.name} {dtype}"
+    label = f"{case if workload == 'model' else 'attention'} {size.name} {dtype}"
     fields = {**_size_fields(case, config, size), "dtype": dtype,
               "tokens_per_step": tokens_per_step(config, size)}
+    if workload == "attention":
+        fields.update(model="attention", tokens_per_step=size.batch_size * size.seq_len)
     probe = backends.available(settings.device, getattr(torch, dtype))
     jobs = {name: Job(config.to_dict(), size.batch_size, size.seq_len, "none", dtype,
-                      settings.device, name, settings.compile, settings.threads)
+                      settings.device, name, settings.compile, settings.threads, workload)
             for name in _runnable(settings, dtype)}
     with _workers(jobs) as workers:
         measured = _drive(workers, settings, progress, label)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -37,35 +38,42 @@ class Job:
     backend: str
     compile: bool = False
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    workload: str = "model"  # or "attention": the attention call of one layer alone
 
 
 class Runner:
     """One model on one backend, stepped forward+backward (or forward only, see ``mode``)."""
 
     def __init__(self, job: Job) -> None:
-        from torchparity.reference import TransformerConfig, zoo
+        from torchparity.reference import TransformerConfig, sequence_loss, zoo
 
         if job.threads:
             torch.set_num_threads(job.threads)
         self.job = job
         self.device = torch.device(job.device)
+        dtype = getattr(torch, job.dtype)
         config = TransformerConfig.from_dict(job.config).replace(attention_backend=job.backend)
-        self.model = timing_model(config, self.device, getattr(torch, job.dtype))
-        batch = zoo.make_batch(config, job.batch_size, job.seq_len, seed=0, padding=job.padding)
-        self.batch = {key: value.to(self.device) for key, value in batch.items()}
+        if job.workload == "attention":
+            self.model = AttentionOnly(config, job.batch_size, job.seq_len).to(self.device, dtype)
+            self.batch: dict[str, torch.Tensor] = {}
+            self.loss = AttentionOnly.loss
+        else:
+            self.model = timing_model(config, self.device, dtype)
+            batch = zoo.make_batch(config, job.batch_size, job.seq_len, seed=0,
+                                   padding=job.padding)
+            self.batch = {key: value.to(self.device) for key, value in batch.items()}
+            self.loss = sequence_loss
         self.forward = _compiled(self.model) if job.compile else self.model
         self.mode = "forward+backward"
         self.note: str | None = None
 
     def step(self) -> None:
-        from torchparity.reference import sequence_loss
-
         self.model.zero_grad(set_to_none=True)
         if self.mode == "forward":
             with torch.no_grad():
                 self.forward(**self.batch)
             return
-        sequence_loss(self.forward(**self.batch), self.batch).backward()
+        self.loss(self.forward(**self.batch), self.batch).backward()
 
     def first_step(self) -> dict[str, Any]:
         """Wall time of the first step; a backend without a backward falls back to forward only."""
@@ -73,6 +81,10 @@ class Runner:
             seconds = wall_time(self.step, self.device)
         except BackendUnavailable as exc:
             self.mode, self.note = "forward", f"forward only: {exc}"
+            self.model.requires_grad_(False)  # kernels may refuse inputs that want gradients
+            if self.job.compile:  # start the counts afresh: the failed attempt compiled too
+                torch._dynamo.reset()
+                self.forward = _compiled(self.model)
             seconds = wall_time(self.step, self.device)
         return {"seconds": seconds, "mode": self.mode, "note": self.note}
 
@@ -100,6 +112,8 @@ def _compiled(model: torch.nn.Module) -> Callable[..., Any]:
 
     # Cold caches: the first step shows what a first run on a fresh machine pays.
     torch._inductor.config.force_disable_caches = True
+    # Graph breaks are counted in the report; dynamo's warning for each would bury the bar.
+    torch._logging.set_logs(dynamo=logging.ERROR)
     torch._dynamo.utils.clear_compilation_metrics()
     torch._dynamo.utils.counters.clear()
     return torch.compile(model)
@@ -180,6 +194,32 @@ def _quiet_stderr() -> Iterator[None]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class AttentionOnly(torch.nn.Module):
+    """The attention call of one layer of ``config`` alone, causal, with trainable q, k, v of
+    the layer's shapes (GQA included): the kernels' own speed, without the rest of the model."""
+
+    def __init__(self, config, batch_size: int, seq_len: int, seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+
+        def heads(count: int) -> torch.nn.Parameter:
+            shape = (batch_size, count, seq_len, config.dim_head)
+            return torch.nn.Parameter(torch.randn(shape, generator=gen))
+
+        self.q, self.k, self.v = heads(config.n_heads), heads(config.kv_heads), heads(
+            config.kv_heads)
+        self.backend = config.attention_backend
+
+    def forward(self) -> torch.Tensor:
+        from torchparity import backends
+
+        return backends.attention(self.q, self.k, self.v, causal=True, backend=self.backend)
+
+    @staticmethod
+    def loss(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return output.float().square().mean()
 
 
 def timing_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0):
