@@ -319,7 +319,9 @@ def _cancellation_scales(
     leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric
 ) -> dict[str, float]:
     """Scale overrides for leaves whose golden cancelled within their group (see
-    :func:`torchparity.tolerance.cancelled`)."""
+    :func:`torchparity.tolerance.cancelled`). A group that cancelled as a whole (a module all
+    of whose gradients vanish, e.g. the queries' path when every key is the same) takes the
+    scale of the whole comparison, by the same rule one level up."""
     own = {}
     for path, _, g, _ in leaves:
         if g.dtype.is_floating_point:
@@ -328,6 +330,9 @@ def _cancellation_scales(
     group: dict[str, float] = {}
     for path, scale in own.items():
         group[_group_of(path)] = max(group.get(_group_of(path), 0.0), scale)
+    overall = max(group.values(), default=0.0)
+    group = {name: overall if tolerance.cancelled(scale, overall) else scale
+             for name, scale in group.items()}
     return {
         path: group[_group_of(path)]
         for path, scale in own.items()
