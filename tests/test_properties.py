@@ -58,12 +58,15 @@ def _cheap_tiny_models():
 # --- helpers the checks share (their source goes into reproducers) ---------------------------
 
 
-def run(model, batch, backend):
+def run(model, batch, backend, grads=True):
     """Logits and reference-layout gradients of the sequence loss on ``backend``; logits only,
-    computed without autograd, when the backend has no backward pass for this call here."""
+    computed without autograd, without ``grads`` or when the backend has no backward pass for
+    this call here."""
     model.zero_grad(set_to_none=True)
     with tp.backends.use(backend):
         try:
+            if not grads:
+                raise BackendUnavailable("gradients not requested")
             logits = model(**batch)
         except BackendUnavailable:
             with torch.no_grad():
@@ -99,20 +102,21 @@ HELPERS = (run, assert_outputs_match, padded)
 # --- the properties ---------------------------------------------------------------------------
 
 
-def check_backend_equivalence(config, seed, batch, backend, dtype):
-    """A backend's logits and gradients stay within tolerance of the float64 golden."""
+def check_backend_equivalence(config, seed, batch, backend, dtype, grads=True):
+    """A backend's logits (and gradients) stay within tolerance of the float64 golden."""
     golden = run(build_model(config, seed, dtype=torch.float64), batch, "manual")
     baseline = run(build_model(config, seed, dtype=dtype), batch, "manual")
-    candidate = run(build_model(config, seed, dtype=dtype), batch, backend)
+    candidate = run(build_model(config, seed, dtype=dtype), batch, backend, grads)
     assert_outputs_match(candidate, golden, baseline)
 
 
-def check_twin_equivalence(config, seed, batch, variant, backend, dtype):
+def check_twin_equivalence(config, seed, batch, variant, backend, dtype, grads=True):
     """A model with a refactored twin swapped in matches the reference on the same backend."""
     golden = run(build_model(config, seed, dtype=torch.float64), batch, "manual")
     reference = build_model(config, seed, dtype=dtype)
     twin = variants.swap_in(reference, variant)
-    assert_outputs_match(run(twin, batch, backend), golden, run(reference, batch, backend))
+    assert_outputs_match(run(twin, batch, backend, grads), golden,
+                         run(reference, batch, backend))
 
 
 def check_causality(config, seed, batch, start, replacement, backend, dtype):
@@ -188,7 +192,7 @@ def check_kv_cache(config, seed, prompt, plan, chunk, backend, dtype):
     tp.assert_parity(candidate, golden, baseline, kind="forward")
 
 
-def check_gqa_as_mha(config, seed, batch, backend, dtype):
+def check_gqa_as_mha(config, seed, batch, backend, dtype, grads=True):
     """A GQA/MQA model equals the MHA model whose key/value heads are the GQA heads repeated:
     same logits, and its key/value gradients are the MHA ones summed over each group."""
     def mha_outputs(model, backend):
@@ -199,7 +203,7 @@ def check_gqa_as_mha(config, seed, batch, backend, dtype):
 
     gqa = build_model(config, seed, dtype=dtype)
     golden = mha_outputs(build_model(config, seed, dtype=torch.float64), "manual")
-    assert_outputs_match(run(gqa, batch, backend), golden, mha_outputs(gqa, backend))
+    assert_outputs_match(run(gqa, batch, backend, grads), golden, mha_outputs(gqa, backend))
 
 
 def check_shift_invariance(config, seed, length, shift, backend, dtype):
@@ -274,6 +278,18 @@ def geometry(backend: str) -> Geometry:
     return _GEOMETRIES.get(backend, Geometry())
 
 
+# The CPU flash kernel (which "sdpa" also picks below fp32) derives the softmax backward's row
+# term from the rounded output, FlashAttention-style. With near-uniform attention (repeated
+# tokens, padded rows) the true q/k gradients are small differences and its errors reach 20-100
+# times the budget the plain path earns (test_found_examples pins one). That is the kernel's
+# real precision, reported rather than budgeted; its low-precision gradients are not compared.
+_FLASH_BACKWARD = {"sdpa", "sdpa-flash"}
+
+
+def compares_gradients(backend: str, dtype: torch.dtype) -> bool:
+    return backend not in _FLASH_BACKWARD or dtype in (torch.float32, torch.float64)
+
+
 def differentiable_in(dtype: torch.dtype) -> dict:
     """Config pins for properties that compare gradients in ``dtype``. Below fp32, ReLU is left
     out: a pre-activation within rounding of 0 flips whether a unit passes gradient, which
@@ -334,7 +350,8 @@ def test_backend_matches_golden(backend, data, seed):
     dtype = data.draw(geometry(backend).dtypes)
     config, batch = data.draw(model_inputs(backend, **differentiable_in(dtype)))
     tps.note_reproducer(check_backend_equivalence, dict(
-        config=config, seed=seed, batch=batch, backend=backend, dtype=dtype), HELPERS)
+        config=config, seed=seed, batch=batch, backend=backend, dtype=dtype,
+        grads=compares_gradients(backend, dtype)), HELPERS)
 
 
 def _twin_cases() -> list:
@@ -358,8 +375,8 @@ def test_twin_matches_reference(variant, backend, data, seed):
     pins = {**differentiable_in(dtype), **VARIANT_CONFIGS.get(variant, {})}
     config, batch = data.draw(model_inputs(backend, **pins))
     tps.note_reproducer(check_twin_equivalence, dict(
-        config=config, seed=seed, batch=batch, variant=variant, backend=backend, dtype=dtype),
-        HELPERS)
+        config=config, seed=seed, batch=batch, variant=variant, backend=backend, dtype=dtype,
+        grads=compares_gradients(backend, dtype)), HELPERS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -420,7 +437,8 @@ def test_gqa_equals_mha_with_repeated_heads(backend, data, seed):
     config, batch = data.draw(model_inputs(backend, **differentiable_in(dtype),
                                            n_heads=st.sampled_from([2, 4])))
     tps.note_reproducer(check_gqa_as_mha, dict(
-        config=config, seed=seed, batch=batch, backend=backend, dtype=dtype), HELPERS)
+        config=config, seed=seed, batch=batch, backend=backend, dtype=dtype,
+        grads=compares_gradients(backend, dtype)), HELPERS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -478,3 +496,45 @@ def test_every_reproducer_runs_on_its_own(name):
     arguments = {"config": _SMALL, "seed": 1, "dtype": torch.float32, **arguments}
     script = tps.reproducer(check, arguments, HELPERS)
     exec(compile(script, f"<reproducer of {check.__name__}>", "exec"), {})
+
+
+# --- examples hypothesis found, kept as regression tests --------------------------------------
+
+_FOUND = {
+    # q_proj gets no gradient when every key is the same token: fp32 noise of the backward
+    # against a float64 residue of 1e-17 (judged at the comparison's scale since then).
+    "gqa-identical-keys": (check_gqa_as_mha, dict(
+        config=TransformerConfig(vocab_size=8, d_model=16, n_heads=2, n_kv_heads=1, n_layers=1,
+                                 d_ff=8, norm="rmsnorm", norm_placement="post",
+                                 final_norm=False, activation="relu", rope_theta=100.0,
+                                 max_positions=64),
+        seed=38, batch={"input_ids": torch.tensor([[1, 1, 1, 1]])}, backend="sdpa-math",
+        dtype=torch.float32)),
+    # A whole module (the cross-attention's norm) whose gradient cancels to zero.
+    "cross-norm-cancels": (check_twin_equivalence, dict(
+        config=TransformerConfig(architecture="encoder-decoder", vocab_size=8, d_model=8,
+                                 n_heads=1, n_layers=1, n_encoder_layers=1, d_ff=8,
+                                 final_norm=False, activation="relu", max_positions=64),
+        seed=0, batch={"src_ids": torch.tensor([[1, 1]]), "tgt_ids": torch.tensor([[1, 1]])},
+        variant="rotary-complex", backend="sdpa-math", dtype=torch.float32)),
+}
+_FLASH_FINDING = (check_backend_equivalence, dict(
+    config=TransformerConfig(vocab_size=8, d_model=8, n_heads=1, n_layers=1, d_ff=8,
+                             norm="rmsnorm", norm_placement="post", final_norm=False,
+                             positions="none", max_positions=64, scale_embeddings=True),
+    seed=1, batch={"input_ids": torch.tensor([[1, 3, 1]])}, backend="sdpa-flash",
+    dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", list(_FOUND))
+def test_found_examples(name):
+    check, arguments = _FOUND[name]
+    check(**arguments)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="sdpa-flash's bf16 backward on the CPU: q/k gradients 20x the budget "
+                          "with near-uniform attention (see _FLASH_BACKWARD)")
+def test_flash_bf16_backward_on_near_uniform_attention():
+    check, arguments = _FLASH_FINDING
+    check(**arguments)
