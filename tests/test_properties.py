@@ -33,7 +33,6 @@ MODULE_VARIANTS = [name for name in variants.names() if variants.get(name).twin 
 ROTARY_IMPLEMENTATIONS = ["reference", "rotary-rotate-half", "rotary-interleaved",
                           "rotary-complex", "rotary-table"]
 DTYPES = tps.dtypes("cpu")
-LOW_PRECISION = tps.dtypes("cpu", [torch.float32, torch.bfloat16])
 # Per-variant limits of the config drawn for it (rotary twins need rotary positions...).
 VARIANT_CONFIGS = {
     "fused-gate-up": dict(activation=st.sampled_from(["gated-silu", "gated-gelu"])),
