@@ -183,7 +183,7 @@ def run(settings: Settings, progress: Progress | None = None) -> dict[str, Any]:
     started = time.time()
     result: dict[str, Any] = {
         "schema": SCHEMA,
-        "machine": machine_info(settings.device),
+        "machine": machine_info(settings.device, settings.threads),
         "settings": dataclasses.asdict(settings),
     }
     measures = {"throughput": throughput_rows, "diagnose": diagnose_rows, "check": check_rows}
@@ -213,12 +213,13 @@ def na_row(reason: str, **fields: Any) -> dict[str, Any]:
     return {**fields, "status": "n/a", "reason": reason}
 
 
-def machine_info(device: str) -> dict[str, Any]:
-    """The machine the numbers come from: CPU, cores, memory, versions, GPU, load."""
+def machine_info(device: str, threads: int | None = None) -> dict[str, Any]:
+    """The machine the numbers come from: CPU, cores, memory, versions, GPU, load, and the
+    torch threads of the measured processes (``threads``, else torch's default)."""
     info: dict[str, Any] = {
         "cpu": _cpu_model(),
         "logical_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads or torch.get_num_threads(),
         "memory_gib": _memory_gib(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -622,7 +623,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_target("diagnose_time", where, row.get("diagnose_time_ratio"), row))
         out.append(_target("stream_peak", where, row.get("stream_peak_ratio"), row))
     for row in result["check"]:
-        out.append(_target("check_wall", f"{row.get('logical_cores')} logical cores",
+        out.append(_target("check_wall", f"{row.get('logical_cores', '?')} logical cores",
                            row.get("wall_s"), row))
     for where, best in _best_sdpa(result).items():
         out.append(_target("sdpa_speedup", where, best, {}))
@@ -630,7 +631,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _where(row: dict[str, Any]) -> str:
-    return " ".join(str(row[k]) for k in ("case", "size", "dtype") if k in row)
+    return " ".join(str(row[k]) for k in ("model", "case", "size", "dtype") if k in row)
 
 
 def _target(key: str, where: str, measured: float | None, row: dict[str, Any]) -> dict[str, Any]:

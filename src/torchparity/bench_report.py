@@ -162,7 +162,7 @@ def _targets(rows: list[dict[str, Any]]) -> Section:
         ("target", lambda r: r["description"]),
         ("where", lambda r: r["where"]),
         ("limit", lambda r: r["limit"]),
-        ("measured", lambda r: _num(r["measured"])),
+        ("measured", lambda r: _num(r["measured"], 4)),  # 1.496 must not read as 1.5
         ("result", lambda r: verdict[r["met"]]),
         ("note", lambda r: r.get("note", "")),
     ]
