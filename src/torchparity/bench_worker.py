@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -112,6 +113,7 @@ def _compiled(model: torch.nn.Module) -> Callable[..., Any]:
 
     # Cold caches: the first step shows what a first run on a fresh machine pays.
     torch._inductor.config.force_disable_caches = True
+    warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")  # as intended
     # Graph breaks are counted in the report; dynamo's warning for each would bury the bar.
     torch._logging.set_logs(dynamo=logging.ERROR)
     torch._dynamo.utils.clear_compilation_metrics()
