@@ -1,4 +1,4 @@
-"""EncoderDecoder equals torch.nn.Transformer with copied weights (an independent implementation)."""
+"""EncoderDecoder equals torch.nn.Transformer, an independent implementation, given its weights."""
 
 from __future__ import annotations
 

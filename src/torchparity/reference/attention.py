@@ -32,7 +32,8 @@ class Attention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.cross = cross
-        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.dim_head
+        self.n_heads, self.n_kv_heads = config.n_heads, config.kv_heads
+        self.head_dim = config.dim_head
         self.scale = 1.0 / math.sqrt(self.head_dim)
         d, qkv_bias = config.d_model, config.qkv_bias
         self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=qkv_bias)

@@ -134,7 +134,8 @@ def _validate(c: TransformerConfig) -> None:
             _fail(field, value, "expected a positive integer")
     for field in ("src_vocab_size", "n_kv_heads", "head_dim", "rotary_dim", "sliding_window"):
         value = getattr(c, field)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
             _fail(field, value, "expected a positive integer or None")
     if not isinstance(c.n_encoder_layers, int) or c.n_encoder_layers < 0:
         _fail("n_encoder_layers", c.n_encoder_layers, "expected an integer >= 0")
