@@ -110,12 +110,13 @@ def check_backend_equivalence(config, seed, batch, backend, dtype, grads=True):
 
 
 def check_twin_equivalence(config, seed, batch, variant, backend, dtype, grads=True):
-    """A model with a refactored twin swapped in matches the reference on the same backend."""
+    """A model with a refactored twin swapped in, on ``backend``, stays within the budget the
+    plain reference earns (a same-backend baseline would pass on its luck: one draw's error)."""
     golden = run(build_model(config, seed, dtype=torch.float64), batch, "manual")
     reference = build_model(config, seed, dtype=dtype)
     twin = variants.swap_in(reference, variant)
     assert_outputs_match(run(twin, batch, backend, grads), golden,
-                         run(reference, batch, backend))
+                         run(reference, batch, "manual"))
 
 
 def check_causality(config, seed, batch, start, replacement, backend, dtype):
@@ -202,7 +203,7 @@ def check_gqa_as_mha(config, seed, batch, backend, dtype, grads=True):
 
     gqa = build_model(config, seed, dtype=dtype)
     golden = mha_outputs(build_model(config, seed, dtype=torch.float64), "manual")
-    assert_outputs_match(run(gqa, batch, backend, grads), golden, mha_outputs(gqa, backend))
+    assert_outputs_match(run(gqa, batch, backend, grads), golden, mha_outputs(gqa, "manual"))
 
 
 def check_shift_invariance(config, seed, length, shift, backend, dtype):
@@ -516,6 +517,18 @@ _FOUND = {
                                  final_norm=False, activation="relu", max_positions=64),
         seed=0, batch={"src_ids": torch.tensor([[1, 1]]), "tgt_ids": torch.tensor([[1, 1]])},
         variant="rotary-complex", backend="sdpa-math", dtype=torch.float32)),
+    # The reference on sdpa-math happened to be 8x more accurate here than its usual bf16
+    # error; as the baseline it made the twin's ordinary error look like a divergence.
+    "lucky-same-backend-baseline": (check_twin_equivalence, dict(
+        config=TransformerConfig(architecture="encoder-decoder", vocab_size=8, d_model=8,
+                                 n_heads=1, n_layers=1, n_encoder_layers=2, d_ff=16,
+                                 final_norm=False, activation="gated-gelu", max_positions=64,
+                                 scale_embeddings=True),
+        seed=290, batch={"src_ids": torch.tensor([[0, 0, 0], [1, 7, 4]]),
+                         "src_mask": torch.tensor([[0, 0, 0], [1, 1, 1]]),
+                         "tgt_ids": torch.tensor([[0, 0], [1, 1]]),
+                         "tgt_mask": torch.tensor([[0, 0], [1, 1]])},
+        variant="rotary-complex", backend="sdpa-math", dtype=torch.bfloat16)),
 }
 _FLASH_FINDING = (check_backend_equivalence, dict(
     config=TransformerConfig(vocab_size=8, d_model=8, n_heads=1, n_layers=1, d_ff=8,
