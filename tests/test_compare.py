@@ -353,3 +353,22 @@ def test_gradient_cancelled_to_zero_is_judged_at_its_modules_scale() -> None:
         kind="grad",
     )
     assert not alone.ok
+
+
+def test_a_modules_gradients_share_its_rounding_scale() -> None:
+    # Under near-uniform attention the query gradient is a small difference of terms as large
+    # as the value gradient; a kernel that orders that difference otherwise errs at their scale.
+    golden = {
+        "attn.q_proj.weight": torch.full((4, 8), 1e-4, dtype=torch.float64),
+        "attn.v_proj.weight": torch.ones(4, 8, dtype=torch.float64),
+    }
+    baseline = {name: g.float() for name, g in golden.items()}
+    reordered = {**baseline, "attn.q_proj.weight": baseline["attn.q_proj.weight"] + 1e-7}
+    assert compare(reordered, golden, baseline, kind="grad").ok
+    # Alone, the query gradient's own scale applies and the same error is too much ...
+    alone = [t["attn.q_proj.weight"] for t in (reordered, golden, baseline)]
+    assert not compare(*alone, kind="grad").ok
+    # ... and within the module an error well above the module's rounding (64 * sqrt(8) * u
+    # * 1, 1.1e-5 here) still fails: half of the query gradient.
+    broken = {**baseline, "attn.q_proj.weight": baseline["attn.q_proj.weight"] * 1.5}
+    assert not compare(broken, golden, baseline, kind="grad").ok

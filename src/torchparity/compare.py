@@ -169,7 +169,7 @@ def compare(
     tol = tolerance.kind_tolerance(kind)
     baseline_tree = _NO_BASELINE if baseline is None else baseline
     leaves = list(_aligned_leaves(candidate, golden, baseline_tree, _ROOT))
-    scales = _cancellation_scales(leaves, tol.metric) if tol.group_scale else {}
+    scales = _group_scales(leaves, tol.metric) if tol.group_scale else {}
     tensors = [
         _compare_tensor(
             path, c, g, b, kind, compute_dtype, reduction_length, step, scales.get(path)
@@ -310,18 +310,23 @@ def _mismatch(path: str, what: str, candidate: Any, other: Any, side: str) -> St
 
 
 def _group_of(path: str) -> str:
-    """The group of a leaf: its module for dotted parameter names, else its container."""
-    head, dot, _ = path.rpartition(".")
-    return head if dot else path.rpartition("[")[0]
+    """The group of a leaf: for a parameter name the block that owns its module
+    ("layers.0.attn" for "layers.0.attn.q_proj.weight": the attention's projections share their
+    reductions), or the module itself for a top-level one ("lm_head"); else its container."""
+    container, _, key = path.rpartition("[")
+    parts = key.removesuffix("]").strip('"').split(".")
+    if len(parts) < 2:
+        return container
+    return f"{container}[{'.'.join(parts[:-2] or parts[:-1])}]"
 
 
-def _cancellation_scales(
+def _group_scales(
     leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric
 ) -> dict[str, float]:
-    """Scale overrides for leaves whose golden cancelled within their group (see
-    :func:`torchparity.tolerance.cancelled`). A group that cancelled as a whole (a module all
-    of whose gradients vanish, e.g. the queries' path when every key is the same) takes the
-    scale of the whole comparison, by the same rule one level up."""
+    """The scale of each floating leaf's group: the largest golden magnitude among its members
+    (see :data:`torchparity.tolerance.KINDS`, ``group_scale``). A group that cancelled as a
+    whole (a module all of whose gradients vanish, e.g. the queries' path when every key is the
+    same) takes the scale of the whole comparison, by the same rule one level up."""
     own = {}
     for path, _, g, _ in leaves:
         if g.dtype.is_floating_point:
@@ -333,11 +338,7 @@ def _cancellation_scales(
     overall = max(group.values(), default=0.0)
     group = {name: overall if tolerance.cancelled(scale, overall) else scale
              for name, scale in group.items()}
-    return {
-        path: group[_group_of(path)]
-        for path, scale in own.items()
-        if tolerance.cancelled(scale, group[_group_of(path)])
-    }
+    return {path: group[_group_of(path)] or None for path in own}
 
 
 # --- one tensor -----------------------------------------------------------------------------
@@ -352,7 +353,7 @@ def _compare_tensor(
     compute_dtype: DtypeLike | None,
     reduction_length: int | None,
     step: int | None,
-    scale: float | None = None,
+    group_scale: float | None = None,
 ) -> TensorComparison:
     if candidate.dtype.is_complex:
         raise StructureMismatch(f"{path}: complex tensors are not supported ({candidate.dtype})")
@@ -381,7 +382,7 @@ def _compare_tensor(
         kind=kind,
         reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
         step=step,
-        scale=scale,
+        group_scale=group_scale,
     )
     metrics = _metrics(c_valid, g_valid, abs_err, precision.name)
     err = metrics[metric]

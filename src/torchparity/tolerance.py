@@ -21,9 +21,14 @@ all-zero golden), ``u`` the unit roundoff of the compute dtype and K the reducti
   reductions (blocked or fused softmax, recomputation in the backward pass), an error that the
   baseline cannot show. It is the same bound at the *accumulation* precision: kernels accumulate
   in at least fp32, so ``u_acc = min(u, u_fp32)``, which makes the term negligible for bf16 and
-  dominant for fp32 and fp64. ``scale' = max(scale, err(baseline) / (sqrt(K) * u))``: when the
-  problem amplifies rounding (large logits, a result that cancels to nearly zero) the baseline's
-  error reveals the larger magnitude that reordering errors are proportional to.
+  dominant for fp32 and fp64. ``scale'`` is the magnitude of the terms a kernel sums, which
+  can exceed the golden's: when the problem amplifies rounding (large logits, a result that
+  cancels to nearly zero) the baseline's error reveals it, ``err(baseline) / (sqrt(K) * u)``;
+  and the tensors of one group (the gradients of one module) share their reductions, so a
+  member that cancels (the query gradient under near-uniform attention is a small difference of
+  terms as large as the value gradient) carries rounding at the group's scale. ``scale'`` is the
+  largest of the three. A single baseline draw can round luckily; the group's scale does not
+  depend on luck.
 - ``floor = floor_ulps * (u * scale + s)``, ``s`` the subnormal spacing: a multiple of the error
   of merely rounding the golden to the compute dtype, so the budget is never zero.
 
@@ -141,8 +146,9 @@ class KindTolerance:
     analytic_factor: float  # c in c * sqrt(K) * u * scale, used without an inexact baseline
     reorder_factor: float  # r in r * sqrt(K) * u_acc * scale': another kernel's reordering
     per_step_growth: float = 0.0  # relative budget growth per training step
-    # Tensors of one group (the parameters of one module) come from the same reductions, so a
-    # member whose golden cancelled to below the group's rounding takes the group's scale.
+    # Tensors of one group (the parameters of one module) come from the same reductions: the
+    # group's scale bounds the reordering term from below, and a member whose golden cancelled
+    # to below the group's rounding is judged at the group's scale altogether.
     group_scale: bool = False
 
 
@@ -169,7 +175,11 @@ KINDS: dict[str, KindTolerance] = {
     # Group scale: the key projection's bias gets exactly zero gradient (softmax ignores a shift
     # of a whole score row), but its computed value is a sum of terms as large as the key
     # weight's gradient that cancel: its rounding noise is set by that module's scale, not by
-    # the float64 residue (~1e-17) of the cancellation.
+    # the float64 residue (~1e-17) of the cancellation. Likewise the query and key gradients
+    # under near-uniform attention: flash's backward forms P * (dP - rowsum(dO * O)), whose
+    # rounding is at the scale of dP (the value gradient's), found at 2300x the query weight's
+    # own scale in fp32 (sdpa-flash erred 2.3e-3 of the query gradient; the manual baseline,
+    # summing P * dP over two keys, happened to err 5e-6).
     "grad": KindTolerance(
         fudge=4.0,
         metric="rms",
@@ -264,7 +274,8 @@ class Budget:
     metric: Metric
     compute_dtype: str
     unit_roundoff: float
-    scale: float  # golden's magnitude in the metric
+    scale: float  # golden's magnitude in the metric (the group's when it cancelled)
+    group_scale: float | None  # magnitude of the tensor's group, when it belongs to one
     reduction_length: int
     fudge: float
     baseline_error: float | None  # None when there is no inexact baseline
@@ -292,7 +303,12 @@ class Budget:
             )
         else:
             allowance = f"{_num(self.fudge)} × baseline error {self.baseline_error:.3g}"
-        seen = "scale" if self.reordering_scale == self.scale else "scale seen by the baseline"
+        if self.reordering_scale == self.scale:
+            seen = "scale"
+        elif self.reordering_scale == self.group_scale:
+            seen = "scale of its group"
+        else:
+            seen = "scale seen by the baseline"
         reordering = (
             f"reordering {self.reordering:.3g} ({_num(self.reorder_factor)} × {root_k}"
             f" × u_acc {accumulation_roundoff(self.compute_dtype):.3g}"
@@ -312,18 +328,21 @@ def budget(
     kind: str = "forward",
     reduction_length: int | None = None,
     step: int | None = None,
-    scale: float | None = None,
+    group_scale: float | None = None,
 ) -> Budget:
     """The budget for one tensor, following the rule in this module's docstring.
 
     ``baseline_error`` is err(baseline, golden) in the kind's metric, or None without a baseline;
     0.0 (an exact baseline) also selects the analytic bound. ``reduction_length`` defaults to the
-    golden's last dimension (1 for scalars). ``scale`` overrides the golden's magnitude (see
-    :func:`cancelled`). The result is always positive.
+    golden's last dimension (1 for scalars). ``group_scale`` is the magnitude of the group the
+    tensor belongs to, in the kind's metric (see :func:`cancelled`). The result is always
+    positive.
     """
     tol = kind_tolerance(kind)
     p = precision(compute_dtype)
-    scale = golden_scale(golden, tol.metric) if scale is None else scale
+    scale = golden_scale(golden, tol.metric)
+    if group_scale is not None and cancelled(scale, group_scale):
+        scale = group_scale
     if reduction_length is None:
         reduction_length = golden.shape[-1] if golden.dim() > 0 else 1
     if reduction_length < 1:
@@ -341,6 +360,7 @@ def budget(
         baseline_error = None
         analytic = allowance = tol.analytic_factor * root_k * p.unit_roundoff * scale
         reordering_scale = scale
+    reordering_scale = max(reordering_scale, group_scale or 0.0)
     reordering = tol.reorder_factor * root_k * accumulation_roundoff(p.name) * reordering_scale
     # Rounding to the dtype errs by up to u * |x| plus the subnormal spacing (which keeps the
     # floor of subnormal goldens positive).
@@ -352,6 +372,7 @@ def budget(
         compute_dtype=p.name,
         unit_roundoff=p.unit_roundoff,
         scale=scale,
+        group_scale=group_scale,
         reduction_length=reduction_length,
         fudge=tol.fudge,
         baseline_error=baseline_error,

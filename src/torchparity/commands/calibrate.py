@@ -886,7 +886,8 @@ described in `src/torchparity/tolerance.py`: per tensor,
 `err(candidate, golden) <= fudge * err(baseline, golden) + reordering + floor`, with
 `reordering = reorder_factor * sqrt(K) * u_acc * scale'` (`u_acc`: fp32's unit roundoff for fp32
 and narrower dtypes, whose kernels accumulate in fp32; `scale'`: the golden's scale, or the
-larger one the baseline's error reveals). When the baseline is exact (float64) the analytic bound
+larger one the baseline's error reveals, or for gradients the scale of the tensor's module,
+whichever is largest). When the baseline is exact (float64) the analytic bound
 `analytic_factor * sqrt(K) * u * scale` replaces the fudge term.
 
 ## Findings
