@@ -175,6 +175,12 @@ def _pick_leak(mask: torch.Tensor, gen: torch.Generator) -> tuple[int, int, int]
     return tuple(int(i) for i in candidates[int(torch.randint(len(candidates), (), generator=gen))])
 
 
+# The gradients carry the names a model's parameters would have, so that the comparison groups
+# them by module as it groups a model's (the projections share the attention's reductions).
+GRAD_NAMES = {"x": "input", "norm": "attn_norm.weight", "wq": "attn.q_proj.weight",
+              "wk": "attn.k_proj.weight", "wv": "attn.v_proj.weight"}
+
+
 def run_block(
     problem: Problem, dtype: torch.dtype, variant: Variant = Variant(), *, grad: bool = True
 ) -> dict[str, dict[str, torch.Tensor]]:
@@ -189,7 +195,7 @@ def run_block(
         results = {"forward": {"out": out.detach()}}
         if grad:
             out.backward(problem.cotangent.to(dtype))
-            results["grad"] = {n: t.grad for n, t in inputs.items()}
+            results["grad"] = {GRAD_NAMES[n]: t.grad for n, t in inputs.items()}
     return results
 
 
