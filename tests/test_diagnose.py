@@ -164,7 +164,7 @@ def test_planted_change_in_hf_llama_is_localised(plant: Callable, hf_llama) -> N
 
 def test_identical_models_show_no_divergence(llama) -> None:
     model_a, batch = llama
-    report = tp.diagnose(model_a, copy.deepcopy(model_a), batch)
+    report = tp.diagnose(model_a, copy.deepcopy(model_a), batch, local="all")
     assert report.first_divergence is None and report.first_grad_divergence is None
     assert all(r.local.verdict == "identical" and r.propagated.verdict == "identical"
                for r in report.rows)
@@ -172,9 +172,29 @@ def test_identical_models_show_no_divergence(llama) -> None:
     assert not report.unmatched_a and not report.unmatched_b
 
 
+def test_only_modules_whose_propagated_error_diverged_are_replayed(llama) -> None:
+    model_a, batch = llama
+    same = tp.diagnose(model_a, copy.deepcopy(model_a), batch)
+    assert all(r.local is None and r.grad_local is None for r in same.rows)
+    assert f"local errors of 0 of {len(same.rows)} module(s)" in same.render()
+    model_b = copy.deepcopy(model_a)
+    planted = plant_mlp_scale(model_b)
+    # Forward only: the modules before the plant agree and are not replayed.
+    lazy = tp.diagnose(model_a, model_b, batch, backward=False)
+    full = tp.diagnose(model_a, model_b, batch, backward=False, local="all")
+    assert lazy.first_divergence.module == full.first_divergence.module == planted
+    replayed = [r for r in lazy.rows if r.local is not None]
+    assert replayed == [r for r in lazy.rows if not r.propagated.ok]
+    assert len(replayed) < len(lazy.rows)
+    # Replayed rows get the same local verdicts as in a full diagnosis.
+    by_module = {r.module: r for r in full.rows}
+    assert [(r.module, r.local.verdict) for r in replayed] == [
+        (r.module, by_module[r.module].local.verdict) for r in replayed]
+
+
 def test_fused_qkv_refactor_aligns_and_stays_within_budget(llama) -> None:
     model_a, batch = llama
-    report = tp.diagnose(model_a, swap_in(model_a, "fused-qkv"), batch)
+    report = tp.diagnose(model_a, swap_in(model_a, "fused-qkv"), batch, local="all")
     fused = [r for r in report.rows if r.how == "fused"]
     assert [r.module for r in fused] == ["decoder.layers.0.attn.in_proj",
                                          "decoder.layers.1.attn.in_proj"]
@@ -192,7 +212,8 @@ def test_b_in_bfloat16_is_judged_in_bfloat16_and_still_localised(llama) -> None:
     planted = plant_rotary(model_b)
     report = tp.diagnose(model_a, model_b, batch, backward=False)
     assert report.first_divergence.module == planted
-    dtypes = {t.compute_dtype for r in report.rows for t in r.local.tensors if t.compute_dtype}
+    dtypes = {t.compute_dtype for r in report.rows if r.local is not None
+              for t in r.local.tensors if t.compute_dtype}
     assert dtypes == {"bf16"}
 
 
@@ -213,8 +234,8 @@ def test_streaming_gives_the_same_verdicts(llama) -> None:
     model_a, batch = llama
     model_b = copy.deepcopy(model_a)
     planted = plant_mlp_scale(model_b)
-    in_memory = tp.diagnose(model_a, model_b, batch, backward=False)
-    streamed = tp.diagnose(model_a, model_b, batch, backward=False, stream=True)
+    in_memory = tp.diagnose(model_a, model_b, batch, backward=False, local="all")
+    streamed = tp.diagnose(model_a, model_b, batch, backward=False, stream=True, local="all")
     assert streamed.first_divergence.module == planted
     assert [(r.module, r.local.verdict, r.propagated.verdict) for r in streamed.rows] == [
         (r.module, r.local.verdict, r.propagated.verdict) for r in in_memory.rows]

@@ -83,7 +83,8 @@ def test_record_in_one_process_diagnose_in_another(factory_dir: Path, monkeypatc
 
     # The unchanged model agrees with the trace everywhere.
     model, batch = llama()
-    same = tp.diagnose_against(factory_dir / "base.tptrace", model, batch, loss_fn=sequence_loss)
+    same = tp.diagnose_against(factory_dir / "base.tptrace", model, batch, loss_fn=sequence_loss,
+                               local="all")
     assert same.first_divergence is None and same.first_grad_divergence is None
     assert all(r.local.verdict == "identical" for r in same.rows)
     assert same.meta["weights"]["changed"] == []

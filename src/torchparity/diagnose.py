@@ -13,7 +13,10 @@ How a diagnosis works (``diagnose`` and ``diagnose_against`` share every step af
    as it is produced, with the golden's under the budget A's own rounding error earns
    (:func:`torchparity.compare.compare`).
 4. **Local errors.** Each of B's aligned modules is fed A's recorded inputs (and output
-   gradient) and compared with the local golden, again with A's replay as the baseline.
+   gradient) and compared with the local golden, again with A's replay as the baseline. By
+   default only modules whose propagated error diverged are replayed (on both sides): a module
+   that agrees in the full run has nothing to localise, and replaying every module of a deep
+   model costs many times the runs themselves. ``local="all"`` replays every one.
 
 The first module whose local error breaks its budget is where B starts to compute something
 else; everything after it inherits the error. ``record`` runs step 1 on one revision and writes
@@ -46,6 +49,7 @@ from torchparity.diagnose_run import (
     GOLDEN_DTYPE,
     BackendSpec,
     Inputs,
+    Local,
     LossFn,
     Options,
     ProgressBar,
@@ -97,6 +101,7 @@ def diagnose(
     exclude: PatternSpec = None,
     backends: tuple[BackendSpec, BackendSpec] | None = None,
     stream: bool = False,
+    local: Local = "diverged",
     progress: bool | None = None,
 ) -> DiagnosisReport:
     """Localise where ``model_b`` starts to compute something other than ``model_a``.
@@ -109,15 +114,17 @@ def diagnose(
     unmapped renamed or fused modules are aligned by call order and output shapes.
     ``include``/``exclude`` select modules by glob or ``re:`` regex; ``backends=(a, b)`` runs A
     and B under those attention backends. ``stream=True`` keeps the reference side on disk
-    (a temporary trace) so memory stays bounded on big models. ``progress`` shows a progress bar
-    on stderr (default: when stderr is a terminal).
+    (a temporary trace) so memory stays bounded on big models. ``local`` says which modules get
+    a local error: ``"diverged"`` (those whose propagated output or gradient diverged, or could
+    not be judged) or ``"all"``. ``progress`` shows a progress bar on stderr (default: when
+    stderr is a terminal).
 
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from
     :func:`torchparity.compare.compare` with a float64 golden when A can run in float64 (see
     ``report.meta["golden"]``); unmatched modules are listed, never dropped.
     """
-    opts = make_options(backward, loss_fn, include, exclude, backends, progress)
+    opts = make_options(backward, loss_fn, include, exclude, backends, progress, local)
     check_models(model_a=model_a, model_b=model_b)
     with progress_bar(opts.progress) as bar:
         if stream:
@@ -157,6 +164,8 @@ def record(
     try:
         with progress_bar(opts.progress) as bar:
             reference = _build_reference(model, inputs, writer.store, opts, bar)
+            # The trace must serve any later candidate: every call is replayed now.
+            reference.replay_all(bar)
         return writer.commit(_trace_meta(reference, model, inputs, opts))
     except BaseException:
         writer.abort()
@@ -172,6 +181,7 @@ def diagnose_against(
     name_map: NameMap | None = None,
     backward: bool | None = None,
     backend: BackendSpec = None,
+    local: Local = "diverged",
     progress: bool | None = None,
 ) -> DiagnosisReport:
     """Diagnose ``model`` (the changed revision) against the trace :func:`record` wrote.
@@ -179,8 +189,9 @@ def diagnose_against(
     ``inputs`` must be the recorded ones (checked by checksum). Propagated errors compare the
     live run with the recorded golden; local errors replay the recorded module inputs into this
     model's modules. ``backward`` defaults to whether the trace has gradients; module selection
-    is the recorded one. Weights that differ from the recorded ones are listed in
-    ``report.meta["weights"]`` (a changed initialisation is not a changed computation).
+    is the recorded one; ``local`` is as in :func:`diagnose`. Weights that differ from the
+    recorded ones are listed in ``report.meta["weights"]`` (a changed initialisation is not a
+    changed computation).
     """
     meta, store = open_trace(path)
     if backward and not meta["backward"]:
@@ -191,7 +202,8 @@ def diagnose_against(
         raise UsageError(f"inputs differ from the ones recorded in {path} (checksum {digest} vs "
                          f"{meta['inputs_digest']}); pass the same inputs to both revisions")
     opts = make_options(meta["backward"] if backward is None else backward, loss_fn,
-                        meta["include"], meta["exclude"], (meta["backend"], backend), progress)
+                        meta["include"], meta["exclude"], (meta["backend"], backend), progress,
+                        local)
     check_models(model=model)
     reference = _Reference(
         calls=[call_from_json(c) for c in meta["calls"]], store=store,
@@ -214,13 +226,29 @@ def diagnose_against(
 @dataclass
 class _Reference:
     """A's recorded calls and where their tensors are; ``golden`` says which golden was used
-    (it starts with "none" when there is none); ``notes`` why some calls cannot be replayed."""
+    (it starts with "none" when there is none); ``notes`` why some calls cannot be replayed.
+    ``replayer`` replays a call of A and the golden on demand (None when every call was
+    replayed already, as in a trace)."""
 
     calls: list[ModuleCall]
     store: Any
     golden: str
     notes: dict[str, str] = field(default_factory=dict)
     source: str = "in-process"
+    replayer: Callable[[ModuleCall], None] | None = None
+    replayed: set[str] = field(default_factory=set)
+
+    def ensure_replayed(self, call: ModuleCall) -> None:
+        """The local golden (and local gradients) of ``call`` are in the store after this."""
+        if self.replayer is not None and call.key not in self.replayed:
+            self.replayer(call)
+            self.replayed.add(call.key)
+
+    def replay_all(self, bar: ProgressBar) -> None:
+        advance = bar.phase("A and golden: module replays", total=len(self.calls))
+        for call in self.calls:
+            self.ensure_replayed(call)
+            advance()
 
     @property
     def has_golden(self) -> bool:
@@ -261,7 +289,7 @@ def _build_reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options
             golden, description = None, f"none: the float64 run failed ({reason})"
         done()
     reference = _Reference(calls=run.calls, store=store, golden=description)
-    _replay_reference(reference, model, golden, opts, bar)
+    reference.replayer = _Replayer(reference, model, golden, opts)
     return reference
 
 
@@ -279,34 +307,36 @@ def _keep_run_results(store: Any, run: Run, out_group: str, param_group: str) ->
             store.put(call_key(name, 0), param_group, grads)
 
 
-def _replay_reference(reference: _Reference, model: nn.Module, golden: nn.Module | None,
-                      opts: Options, bar: ProgressBar) -> None:
-    """Local goldens (and local gradients of A and the golden) for every recorded call."""
-    modules = dict(model.named_modules())
-    golden_modules = dict(golden.named_modules()) if golden is not None else {}
-    store = reference.store
-    advance = bar.phase("A and golden: module replays", total=len(reference.calls))
-    for call in reference.calls:
+class _Replayer:
+    """Local goldens (and local gradients of A and the golden) of A's recorded calls."""
+
+    def __init__(self, reference: _Reference, model: nn.Module, golden: nn.Module | None,
+                 opts: Options) -> None:
+        self.reference, self.opts = reference, opts
+        self.modules = dict(model.named_modules())
+        self.golden_modules = dict(golden.named_modules()) if golden is not None else None
+
+    def __call__(self, call: ModuleCall) -> None:
+        store, opts = self.reference.store, self.opts
         grad_out = store.get(call.key, "grad_out") if opts.backward else {}
         try:
             if grad_out:
-                _, grads = replay(modules[call.name], _placed(store.get_inputs(call.key), call),
-                                  opts.backend_a, grad_out=grad_out,
-                                  requires_grad=call.inputs_requiring_grad)
+                _, grads = replay(self.modules[call.name],
+                                  _placed(store.get_inputs(call.key), call), opts.backend_a,
+                                  grad_out=grad_out, requires_grad=call.inputs_requiring_grad)
                 store.put(call.key, "local_grad", grads)
-            if golden is not None:
+            if self.golden_modules is not None:
                 outputs, grads = replay(
-                    golden_modules[call.name],
+                    self.golden_modules[call.name],
                     upcast(store.get_inputs(call.key), GOLDEN_DTYPE, "cpu"), opts.backend_a,
                     grad_out=upcast(grad_out, GOLDEN_DTYPE, "cpu"),
                     requires_grad=call.inputs_requiring_grad)
                 store.put(call.key, "local_golden", outputs)
                 store.put(call.key, "local_golden_grad", grads)
         except ReplayUnavailable as exc:
-            reference.notes[call.key] = f"not replayed: {exc}"
+            self.reference.notes[call.key] = f"not replayed: {exc}"
         except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
-            reference.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"
-        advance()
+            self.reference.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"
 
 
 def _trace_meta(reference: _Reference, model: nn.Module, inputs: Inputs,
@@ -357,33 +387,50 @@ def _diagnose_candidate(reference: _Reference, model: nn.Module, inputs: Inputs,
     tracker.finish(run.param_grads)
     done()
     rows = []
-    modules = dict(model.named_modules())
-    advance = bar.phase("B: module replays", total=len(alignment.matches))
     for match in alignment.matches:
-        row = _new_row(match, reference)
+        row = _new_row(match)
         row.propagated = tracker.forward.get(id(match))
         row.grad_propagated = tracker.grads.get(id(match))
+        rows.append(row)
+    to_replay = [(match, row) for match, row in zip(alignment.matches, rows, strict=True)
+                 if opts.local == "all" or _needs_local(row)]
+    modules = dict(model.named_modules())
+    advance = bar.phase("A, golden and B: module replays", total=len(to_replay))
+    for match, row in to_replay:
+        for call in match.a:
+            reference.ensure_replayed(call)
+        row.notes += [reference.notes[c.key] for c in match.a if c.key in reference.notes]
         row.local, row.grad_local, note = _local(reference, match, modules, opts)
         if note:
             row.notes.append(note)
-        rows.append(row)
         advance()
+    meta = _report_meta(reference, model, opts, alignment)
+    if opts.local != "all":
+        meta["notes"].append(
+            f"local errors of {len(to_replay)} of {len(rows)} module(s): those whose propagated "
+            "error diverged or could not be judged (local='all' computes every one)")
     return DiagnosisReport(
         rows=rows,
         output=_final(reference, run, "output"),
         loss=_final(reference, run, "loss") if run.loss is not None else None,
         unmatched_a=[c.key for c in alignment.unmatched_a],
         unmatched_b=[c.key for c in alignment.unmatched_b],
-        meta=_report_meta(reference, model, opts, alignment),
+        meta=meta,
     )
 
 
-def _new_row(match: Match, reference: _Reference) -> Row:
+def _needs_local(row: Row) -> bool:
+    """Whether a row's propagated results leave something to localise: one diverged, or the
+    forward one is missing."""
+    return row.propagated is None or any(
+        result is not None and not result.ok for result in (row.propagated, row.grad_propagated))
+
+
+def _new_row(match: Match) -> Row:
     first_b = min(match.b, key=lambda c: c.start)
-    notes = [reference.notes[c.key] for c in match.a if c.key in reference.notes]
     return Row(module=match.b_name, a_module=match.a_name, how=match.how,
                module_type="+".join(c.module_type for c in match.b), depth=first_b.depth,
-               start=first_b.start, notes=notes)
+               start=first_b.start)
 
 
 class _PropagatedTracker:

@@ -246,7 +246,7 @@ class DiagnosisReport:
 
     def _footer(self) -> list[str]:
         lines = ["cells: verdict and share of budget used (=: bit-identical to A, "
-                 "ok: within, X: diverged); ampl. = propagated / local error"]
+                 "ok: within, X: diverged, -: not computed); ampl. = propagated / local error"]
         if self.unmatched_a:
             lines.append(f"unmatched in A: {', '.join(self.unmatched_a)}")
         if self.unmatched_b:

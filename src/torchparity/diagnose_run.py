@@ -8,7 +8,7 @@ import copy
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 #: context manager that selects it (for models the registry does not drive), or None.
 BackendSpec = str | Callable[[], contextlib.AbstractContextManager] | None
 
+#: Which modules get a local error: those whose propagated error diverged, or every one.
+Local = Literal["diverged", "all"]
+
 GOLDEN_DTYPE = torch.float64
 SEED = 0
 
@@ -48,6 +51,7 @@ class Options:
     backend_a: BackendSpec = None
     backend_b: BackendSpec = None
     progress: bool | None = None
+    local: Local = "diverged"
 
     def selects(self) -> Callable[[str], bool]:
         return module_filter(self.include, self.exclude)
@@ -60,7 +64,7 @@ class Options:
 
 def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
                  exclude: PatternSpec, backends: tuple[BackendSpec, BackendSpec] | None,
-                 progress: bool | None) -> Options:
+                 progress: bool | None, local: Local = "diverged") -> Options:
     """Check the arguments every diagnosis shares; progress defaults to "stderr is a tty"."""
     if loss_fn is not None and not callable(loss_fn):
         raise UsageError(f"loss_fn must be callable(output, inputs); got {type(loss_fn).__name__}")
@@ -72,9 +76,12 @@ def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
         if isinstance(spec, str) and spec not in attention_backends.names():
             raise UsageError(f"unknown attention backend {spec!r}; choose one of "
                              f"{', '.join(attention_backends.names())}")
+    if local not in ("diverged", "all"):
+        raise UsageError(f"local must be 'diverged' or 'all'; got {local!r}")
     if progress is None:
         progress = sys.stderr.isatty()
-    return Options(include, exclude, bool(backward), loss_fn, backend_a, backend_b, progress)
+    return Options(include, exclude, bool(backward), loss_fn, backend_a, backend_b, progress,
+                   local)
 
 
 def check_models(**models: Any) -> None:

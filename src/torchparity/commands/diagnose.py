@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend-b", help="attention backend for B")
     parser.add_argument("--stream", action="store_true",
                         help="keep A's side on disk so memory stays bounded")
+    parser.add_argument("--local", choices=("diverged", "all"), default="diverged",
+                        help="modules that get a local error (module replay): those whose "
+                             "propagated error diverged (default) or all")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
 
@@ -44,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         model, inputs, loss_fn = load_entry(args.entries[0])
         backward = None if args.backward else False
         report = diagnose_against(args.against, model, inputs, loss_fn=loss_fn,
-                                  name_map=name_map, backward=backward, backend=args.backend_b)
+                                  name_map=name_map, backward=backward, backend=args.backend_b,
+                                  local=args.local)
     else:
         if len(args.entries) != 2:
             raise UsageError("give two entry points (A and B), or one with --against TRACE")
@@ -52,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         model_b, _, _ = load_entry(args.entries[1])
         report = diagnose(model_a, model_b, inputs, loss_fn=loss_fn, name_map=name_map,
                           backward=args.backward, include=args.include, exclude=args.exclude,
-                          backends=(args.backend_a, args.backend_b), stream=args.stream)
+                          backends=(args.backend_a, args.backend_b), stream=args.stream,
+                          local=args.local)
     report.print(Console())
     if args.json:
         report.to_json(args.json)
