@@ -327,11 +327,8 @@ def _group_scales(
     (see :data:`torchparity.tolerance.KINDS`, ``group_scale``). A group that cancelled as a
     whole (a module all of whose gradients vanish, e.g. the queries' path when every key is the
     same) takes the scale of the whole comparison, by the same rule one level up."""
-    own = {}
-    for path, _, g, _ in leaves:
-        if g.dtype.is_floating_point:
-            g = _float64(g)
-            own[path] = tolerance.magnitude(g[g.isfinite()], metric)
+    own = {path: tolerance.finite_magnitude(g, metric)
+           for path, _, g, _ in leaves if g.dtype.is_floating_point}
     group: dict[str, float] = {}
     for path, scale in own.items():
         group[_group_of(path)] = max(group.get(_group_of(path), 0.0), scale)
@@ -363,11 +360,11 @@ def _compare_tensor(
     if not candidate.dtype.is_floating_point:
         return _compare_exact(path, candidate, reference, kind, c, g, b)
 
-    c_finite, g_finite = c.isfinite(), g.isfinite()
-    if c_finite.all() and g_finite.all():
+    if tolerance.all_finite(c) and tolerance.all_finite(g):
         valid, faults, fault_notes, matched_notes = None, None, [], []
         c_valid, g_valid, g_finite_part = c.flatten(), g.flatten(), g
     else:
+        c_finite, g_finite = c.isfinite(), g.isfinite()
         faults, fault_notes, matched_notes = _nonfinite(c, g, c_finite, g_finite)
         valid = c_finite & g_finite
         c_valid, g_valid, g_finite_part = c[valid], g[valid], g[g_finite]
@@ -500,9 +497,9 @@ def _baseline_error(
     """
     if b is None:
         return None, []
-    b_finite = b.isfinite()
-    if valid is None and b_finite.all():
+    if valid is None and tolerance.all_finite(b):
         return tolerance.error(b, g, metric), []
+    b_finite = b.isfinite()
     broken = int((~b_finite & g.isfinite()).sum())
     usable = b_finite if valid is None else valid & b_finite
     notes = [f"baseline has {broken} NaN/inf where golden is finite"] if broken else []

@@ -129,11 +129,20 @@ def ulp(x: torch.Tensor, dtype: DtypeLike) -> torch.Tensor:
     is positive everywhere, zero included.
     """
     p = precision(dtype)
+    # 2**floor(log2 |x|) is |x| with its float64 mantissa bits cleared (several times faster
+    # than frexp and ldexp); the spacing is 2u times that, a power of two, so exact.
     magnitude = x.to(torch.float64).abs()
-    _, exponent = torch.frexp(magnitude)
-    # frexp gives |x| = m * 2**e with m in [0.5, 1), so floor(log2 |x|) = e - 1; for 0 it gives 0.
-    exponent = (exponent - 1).where(magnitude > 0, p.min_exponent).clamp(min=p.min_exponent)
-    return torch.ldexp(torch.full_like(x, 2.0 * p.unit_roundoff, dtype=torch.float64), exponent)
+    binade = (magnitude.view(torch.int64) & _F64_EXPONENT_BITS).view(torch.float64)
+    return binade.clamp(min=math.ldexp(1.0, p.min_exponent)) * (2.0 * p.unit_roundoff)
+
+
+_F64_EXPONENT_BITS = 0x7FF0_0000_0000_0000
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite: one sum, with an elementwise check only when
+    the sum is not finite (a NaN or inf, or an overflowing sum)."""
+    return bool(x.sum().isfinite()) or bool(x.isfinite().all())
 
 
 @dataclass(frozen=True)
@@ -246,13 +255,15 @@ def rms(x: torch.Tensor) -> float:
     return norm / math.sqrt(x.numel())
 
 
+def finite_magnitude(x: torch.Tensor, metric: Metric) -> float:
+    """Magnitude of the finite elements of ``x`` in ``metric`` (absmax or RMS)."""
+    x = _float64(x)
+    return magnitude(x if all_finite(x) else x[x.isfinite()], metric)
+
+
 def golden_scale(golden: torch.Tensor, metric: Metric) -> float:
     """Magnitude of the golden's finite elements in ``metric`` (absmax or RMS); 1.0 when zero."""
-    finite = _float64(golden)
-    if not finite.isfinite().all():
-        finite = finite[finite.isfinite()]
-    scale = magnitude(finite, metric)
-    return scale if scale > 0 else 1.0
+    return finite_magnitude(golden, metric) or 1.0
 
 
 def cancelled(scale: float, group_scale: float) -> bool:
