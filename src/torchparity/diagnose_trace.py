@@ -19,10 +19,11 @@ On disk (``tp.record``) a trace is a directory::
     base.tptrace/
       trace.json              schema, versions, settings, module tree, weight and input checksums,
                               the calls in execution order with their input structure
-      tensors/00012.safetensors   one file per call: "<group>/<path>" -> tensor
+      tensors/000123.safetensors  one file per write of a call's tensors: "<group>/<path>" ->
+                              tensor (trace.json lists each call's files)
 
-Writing is incremental (one call at a time, so memory stays bounded) into a temporary sibling
-directory that replaces the target only when complete.
+Writing is incremental (each write goes to a new file, so memory stays bounded and nothing is
+rewritten) into a temporary sibling directory that replaces the target only when complete.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from torchparity.capture import (
 )
 from torchparity.errors import TorchParityError, UsageError
 
-SCHEMA = "torchparity.trace/1"
+SCHEMA = "torchparity.trace/2"
 TRACE_JSON = "trace.json"
 FINAL = "__final__"  # pseudo-call key of the model's own output and loss
 _CACHE_HINT = " (run without a cache to replay it, e.g. use_cache=False for Hugging Face models)"
@@ -101,46 +102,42 @@ class MemoryStore:
 
 
 class DiskStore:
-    """Tensors in one safetensors file per call under ``directory/tensors``; inputs' structure
-    goes to the trace's JSON (``input_specs``) with their tensors in the call's file."""
+    """Tensors in safetensors files under ``directory/tensors``, one per write (a call's tensors
+    are written group by group, at different times); inputs' structure goes to the trace's JSON
+    (``input_specs``) with their tensors in the call's files."""
 
     def __init__(self, directory: Path, *, writable: bool) -> None:
         self.directory = Path(directory)
         self.writable = writable
         self.input_specs: dict[str, Any] = {}
-        self.files: dict[str, str] = {}
+        self.files: dict[str, list[str]] = {}
+        self._n_files = 0
         self._cache_key: str | None = None
         self._cache: dict[str, torch.Tensor] = {}
         if writable:
             (self.directory / "tensors").mkdir(parents=True, exist_ok=True)
 
-    def _file(self, key: str) -> Path:
-        if key not in self.files:
-            if not self.writable:
-                return self.directory / "tensors" / "missing.safetensors"
-            self.files[key] = f"tensors/{len(self.files):05d}.safetensors"
-        return self.directory / self.files[key]
-
     def _load(self, key: str) -> dict[str, torch.Tensor]:
-        if self._cache_key != key:  # calls are read group after group: keep the last file
-            path = self._file(key)
+        if self._cache_key != key:  # calls are read group after group: keep the last call's
             self._cache = {}
-            if path.exists():
-                with safe_open(path, framework="pt") as handle:
-                    self._cache = {name: handle.get_tensor(name) for name in handle.keys()}
+            for name in self.files.get(key, []):
+                with safe_open(self.directory / name, framework="pt") as handle:
+                    self._cache.update({k: handle.get_tensor(k) for k in handle.keys()})
             self._cache_key = key
         return self._cache
 
-    def _save(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
-        # safetensors refuses tensors that share memory: store contiguous private copies.
-        save_file({k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()},
-                  str(self._file(key)))
-        self._cache_key, self._cache = key, tensors
-
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        merged = dict(self._load(key))
-        merged.update({f"{group}/{path}": t for path, t in tensors.items()})
-        self._save(key, merged)
+        if not tensors:
+            return
+        name = f"tensors/{self._n_files:06d}.safetensors"
+        self._n_files += 1
+        # safetensors refuses tensors that share memory: store contiguous private copies.
+        named = {f"{group}/{path}": t.detach().cpu().contiguous().clone()
+                 for path, t in tensors.items()}
+        save_file(named, str(self.directory / name))
+        self.files.setdefault(key, []).append(name)
+        if self._cache_key == key:
+            self._cache.update(named)
 
     def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
         prefix = f"{group}/"
