@@ -519,7 +519,7 @@ def _metrics(
     g_absmax, g_rms, c_rms = g_abs.max().item(), tolerance.rms(g), tolerance.rms(c)
     rel = abs_err / g_abs.clamp(min=RELATIVE_GUARD * (g_absmax or 1.0))
     rms = tolerance.rms(abs_err)
-    spacing = tolerance.ulp(g, compute_dtype) if compute_dtype is not None else 1.0
+    spacing = tolerance.ulp(g_abs, compute_dtype) if compute_dtype is not None else 1.0
     return dict(
         max_abs=abs_err.max().item(),
         max_rel=rel.max().item(),
@@ -533,9 +533,11 @@ def _metrics(
 def _cosine(c: torch.Tensor, g: torch.Tensor, c_rms: float, g_rms: float) -> float:
     if c_rms == 0 or g_rms == 0:
         return 1.0 if c_rms == g_rms else 0.0
-    # Normalise first: the product of two tiny or huge norms would underflow or overflow.
-    cosine = ((c / c_rms) @ (g / g_rms)).item() / c.numel()
-    return max(-1.0, min(1.0, cosine))
+    scale = c_rms * g_rms * c.numel()
+    if not tolerance.SAFE_NORMS[0] < scale < tolerance.SAFE_NORMS[1]:
+        # Normalise first: the product of two tiny or huge norms would underflow or overflow.
+        c, g, scale = c / c_rms, g / g_rms, c.numel()
+    return max(-1.0, min(1.0, torch.dot(c, g).item() / scale))
 
 
 _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -238,7 +238,7 @@ def magnitude(x: torch.Tensor, metric: Metric) -> float:
 
 
 # Norms in this range cannot have lost their sum of squares to underflow or overflow.
-_SAFE_NORMS = (1e-150, 1e150)
+SAFE_NORMS = (1e-150, 1e150)
 
 
 def rms(x: torch.Tensor) -> float:
@@ -247,7 +247,7 @@ def rms(x: torch.Tensor) -> float:
     if x.numel() == 0:
         return 0.0
     norm = torch.linalg.vector_norm(x).item()
-    if not _SAFE_NORMS[0] < norm < _SAFE_NORMS[1]:
+    if not SAFE_NORMS[0] < norm < SAFE_NORMS[1]:
         peak = x.abs().max().item()
         if peak == 0 or not math.isfinite(peak):
             return peak
