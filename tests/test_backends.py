@@ -78,3 +78,17 @@ def test_config_field_selects_the_backend_and_use_overrides_it() -> None:
         model(**batch)
     with backends.use("manual"):
         model(**batch)
+
+
+@pytest.mark.parametrize("case_name", ["llama-tiny", "encdec-relative"])
+def test_reference_models_trace_as_one_graph(case_name: str) -> None:
+    # A graph break (a value read from a tensor, an untraceable call) splits the compiled model
+    # and costs speed; padded batches exercise the masked path, including empty-row handling.
+    cfg = zoo.get(case_name).config
+    model = build_model(cfg, seed=0)
+    batch = zoo.make_batch(cfg, batch_size=2, seq_len=8, seed=0, padding="left")
+    torch._dynamo.reset()
+    with backends.use("sdpa"):
+        explained = torch._dynamo.explain(model)(**batch)
+    reasons = [r.reason.splitlines()[0] for r in explained.break_reasons]
+    assert (explained.graph_count, reasons) == (1, [])

@@ -17,7 +17,6 @@ A backend that cannot run a call (wrong device, dtype, or a feature its kernel l
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import math
 import warnings
@@ -35,7 +34,10 @@ _SDPA_KERNELS = {
     "sdpa-cudnn": "CUDNN_ATTENTION",
 }
 _CUDA_ONLY = {"sdpa-efficient", "sdpa-cudnn"}
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("backend", default=None)
+# Backends forced by the active use() blocks, innermost last. A plain list rather than a
+# ContextVar: torch.compile traces a module global (and guards on it) but breaks the graph at
+# ContextVar.get. The choice is process-wide, like torch.backends settings.
+_forced: list[str] = []
 
 
 def names() -> list[str]:
@@ -52,16 +54,16 @@ def _check_name(name: str) -> None:
 def use(name: str) -> Iterator[None]:
     """Force backend ``name`` for every reference model's attention inside the block."""
     _check_name(name)
-    token = _forced.set(name)
+    _forced.append(name)
     try:
         yield
     finally:
-        _forced.reset(token)
+        _forced.pop()
 
 
 def current(default: str = "manual") -> str:
     """The backend forced by the innermost :func:`use`, else ``default``."""
-    return _forced.get() or default
+    return _forced[-1] if _forced else default
 
 
 def attention(
@@ -93,10 +95,11 @@ def attention(
         causal = False
 
     # Rows that see no key would give NaN in softmax; let them see everything, then zero them.
+    # Compiled, always (asking whether there are any would break the graph).
     empty_rows = None
     if mask is not None:
         has_key = mask.any(dim=-1, keepdim=True)
-        if not bool(has_key.all()):
+        if torch.compiler.is_compiling() or not bool(has_key.all()):
             empty_rows = ~has_key
             mask = mask | empty_rows
     out = _IMPLEMENTATIONS[name](q, k, v, mask, bias, scale, causal, name)

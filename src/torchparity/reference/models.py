@@ -62,7 +62,9 @@ class Embeddings(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if int(ids.max()) >= self.tokens.num_embeddings or int(ids.min()) < 0:
+        # Checked in eager mode only: reading a tensor's value would break a compiled graph.
+        if not torch.compiler.is_compiling() and (
+                int(ids.max()) >= self.tokens.num_embeddings or int(ids.min()) < 0):
             raise ValueError(f"token ids must lie in [0, {self.tokens.num_embeddings}); "
                              f"got {int(ids.min())}..{int(ids.max())}")
         x = self.tokens(ids)

@@ -100,7 +100,8 @@ class LearnedPositions(nn.Module):
         self.weight = nn.Parameter(torch.empty(max_positions, dim))
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        if int(positions.max()) >= self.max_positions:
+        # Checked in eager mode only: reading a tensor's value would break a compiled graph.
+        if not torch.compiler.is_compiling() and int(positions.max()) >= self.max_positions:
             raise ValueError(f"position {int(positions.max())} exceeds max_positions="
                              f"{self.max_positions}; raise TransformerConfig.max_positions")
         return self.weight[positions]
