@@ -76,9 +76,6 @@ GPU_SIZES = (
     Size("m", 512, 8, 4, 2048, 8192, 512, 8),
     Size("l", 1024, 16, 4, 4096, 32000, 2048, 4),
 )
-#: ``diagnose`` runs a float64 golden, replays every module and compares every tensor: on
-#: the CPU it is timed at a smaller size so that the default run stays within minutes.
-CPU_DIAGNOSE_SIZE = Size("diag", 128, 4, 2, 512, 1024, 256, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +84,7 @@ class Settings:
 
     device: str
     dtypes: tuple[str, ...]
-    sizes: tuple[Size, ...]
-    diagnose_size: Size
+    sizes: tuple[Size, ...]  # diagnose runs at the first
     cases: tuple[str, ...] = REFERENCE_CASES
     backends: tuple[str, ...] = tuple(backends.names())
     rounds: int = 5
@@ -107,12 +103,11 @@ def default_settings(device: str = "cpu", quick: bool = False, size_names: tuple
     picks among the device's sizes; ``changes`` override fields. Invalid values raise
     :class:`~torchparity.errors.UsageError`."""
     if quick:
-        base = Settings(device, ("float32",), QUICK_SIZES, QUICK_SIZES[0], rounds=3, warmup=1,
-                        quick=True)
+        base = Settings(device, ("float32",), QUICK_SIZES, rounds=3, warmup=1, quick=True)
     elif torch.device(device).type == "cuda":
-        base = Settings(device, ("bfloat16", "float32"), GPU_SIZES, GPU_SIZES[0])
+        base = Settings(device, ("bfloat16", "float32"), GPU_SIZES)
     else:
-        base = Settings(device, ("float32",), CPU_SIZES, CPU_DIAGNOSE_SIZE)
+        base = Settings(device, ("float32",), CPU_SIZES)
     known = {size.name: size for size in base.sizes}
     unknown = [name for name in size_names if name not in known]
     if unknown:
@@ -496,7 +491,7 @@ def diagnose_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]
     if settings.threads:
         torch.set_num_threads(settings.threads)
     progress.start("diagnose", 3 * (1 + settings.warmup + settings.rounds))
-    return [_diagnose_case(settings.cases[0], settings.diagnose_size, settings.dtypes[0],
+    return [_diagnose_case(settings.cases[0], settings.sizes[0], settings.dtypes[0],
                            settings, progress)]
 
 

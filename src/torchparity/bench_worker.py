@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -150,6 +151,8 @@ def peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
     profiler (``profile_memory``): every allocation through PyTorch's CPU allocator counts,
     kernel scratch included; memory a library allocates on its own (BLAS workspaces) does not.
     """
+    # Garbage of earlier work freed by a collection inside ``fn`` would lower the CPU count.
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

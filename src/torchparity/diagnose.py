@@ -289,7 +289,7 @@ def _build_reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options
             golden, description = None, f"none: the float64 run failed ({reason})"
         done()
     reference = _Reference(calls=run.calls, store=store, golden=description)
-    reference.replayer = _Replayer(reference, model, golden, opts)
+    reference.replayer = _Replayer(store, reference.notes, model, golden, opts)
     return reference
 
 
@@ -310,14 +310,14 @@ def _keep_run_results(store: Any, run: Run, out_group: str, param_group: str) ->
 class _Replayer:
     """Local goldens (and local gradients of A and the golden) of A's recorded calls."""
 
-    def __init__(self, reference: _Reference, model: nn.Module, golden: nn.Module | None,
-                 opts: Options) -> None:
-        self.reference, self.opts = reference, opts
+    def __init__(self, store: Any, notes: dict[str, str], model: nn.Module,
+                 golden: nn.Module | None, opts: Options) -> None:
+        self.store, self.notes, self.opts = store, notes, opts
         self.modules = dict(model.named_modules())
         self.golden_modules = dict(golden.named_modules()) if golden is not None else None
 
     def __call__(self, call: ModuleCall) -> None:
-        store, opts = self.reference.store, self.opts
+        store, opts = self.store, self.opts
         grad_out = store.get(call.key, "grad_out") if opts.backward else {}
         try:
             if grad_out:
@@ -334,9 +334,9 @@ class _Replayer:
                 store.put(call.key, "local_golden", outputs)
                 store.put(call.key, "local_golden_grad", grads)
         except ReplayUnavailable as exc:
-            self.reference.notes[call.key] = f"not replayed: {exc}"
+            self.notes[call.key] = f"not replayed: {exc}"
         except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
-            self.reference.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"
+            self.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"
 
 
 def _trace_meta(reference: _Reference, model: nn.Module, inputs: Inputs,
