@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from torchparity import bench, cli
-from torchparity.bench_worker import peak_bytes
+from torchparity.bench_worker import peak_bytes, timing_model
 
 POSITIVE = {"tok_per_s", "step_s", "first_step_s", "ratio_vs_manual", "peak_bytes",
             "peak_vs_manual", "tokens_per_step", "wall_s", "cpu_s", "plain_s", "diagnose_s",
@@ -178,3 +178,16 @@ def test_bad_input_is_one_line(args: list[str], named: str,
 def test_cuda_without_cuda_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "--device", "cuda"]) == 2
     assert "--device cpu" in capsys.readouterr().err
+
+
+def test_timing_models_of_two_backends_hold_the_same_weights() -> None:
+    # diagnose is timed on two such models and must find nothing: every parameter, linear
+    # biases included, comes from the seeded generator rather than the global RNG.
+    config = bench.model_config("encdec-prenorm", bench.QUICK_SIZES[0])
+    first = timing_model(config, torch.device("cpu"), torch.float32)
+    torch.manual_seed(123)  # what the constructors draw from
+    second = timing_model(config.replace(attention_backend="sdpa"), torch.device("cpu"),
+                          torch.float32)
+    a, b = first.state_dict(), second.state_dict()
+    assert any(name.endswith("q_proj.bias") for name in a)
+    assert [name for name in a if not torch.equal(a[name], b[name])] == []

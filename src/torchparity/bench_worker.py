@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.profiler
+from torch import nn
 
 from torchparity.errors import BackendUnavailable
 
@@ -230,20 +231,28 @@ class AttentionOnly(torch.nn.Module):
 def timing_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """The reference model of ``config`` with seeded weights meant for timing only.
 
-    Every matrix is uniform with std ``1/sqrt(fan_in)`` from a seeded generator, so all
-    workers hold identical weights; norms and biases keep their constructor values. The
-    deterministic float64 init of ``build_model`` would cost more than the measurement at GPU
-    sizes, and speed does not depend on the values.
+    Every matrix is uniform with std ``1/sqrt(fan_in)`` from a seeded generator, and so is
+    every linear bias (its constructor draws from the global RNG), so all workers, and the two
+    models of a diagnosis, hold identical weights; norms keep their constant constructor
+    values. The deterministic float64 init of ``build_model`` would cost more than the
+    measurement at GPU sizes, and speed does not depend on the values.
     """
     from torchparity.reference import DecoderLM, EncoderDecoder
 
     model = (EncoderDecoder if config.is_encoder_decoder else DecoderLM)(config)
     gen = torch.Generator().manual_seed(seed)
+
+    def draw(param: torch.Tensor, fan_in: int) -> None:
+        bound = (3.0 / fan_in) ** 0.5
+        param.copy_(torch.rand(param.shape, generator=gen) * (2 * bound) - bound)
+
     with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                bound = (3.0 / param.shape[-1]) ** 0.5
-                param.copy_(torch.rand(param.shape, generator=gen) * (2 * bound) - bound)
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if param.dim() >= 2:
+                    draw(param, param.shape[-1])
+                elif isinstance(module, nn.Linear):
+                    draw(param, module.in_features)
     return model.to(device=device, dtype=dtype)
 
 
