@@ -372,3 +372,22 @@ def test_a_modules_gradients_share_its_rounding_scale() -> None:
     # * 1, 1.1e-5 here) still fails: half of the query gradient.
     broken = {**baseline, "attn.q_proj.weight": baseline["attn.q_proj.weight"] * 1.5}
     assert not compare(broken, golden, baseline, kind="grad").ok
+
+
+def test_a_cancelled_gradient_inherits_its_modules_rounding_in_bf16() -> None:
+    # The query gradient, 1/30 of the value gradient here, is a difference of bf16 terms at the
+    # value gradient's scale: an error of 7% of its own size is bf16 rounding of those terms.
+    g = torch.Generator().manual_seed(0)
+    golden = {
+        "attn.q_proj.weight": 6e-3 * torch.randn(16, 16, dtype=torch.float64, generator=g),
+        "attn.v_proj.weight": 0.18 * torch.randn(16, 16, dtype=torch.float64, generator=g),
+    }
+    baseline = {name: t.bfloat16() for name, t in golden.items()}
+    noise = 4e-4 * torch.randn(16, 16, dtype=torch.float64, generator=g)
+    rounded = {**baseline, "attn.q_proj.weight": (golden["attn.q_proj.weight"] + noise).bfloat16()}
+    assert compare(rounded, golden, baseline, kind="grad").ok
+    alone = [t["attn.q_proj.weight"] for t in (rounded, golden, baseline)]
+    assert not compare(*alone, kind="grad").ok
+    # A query gradient twice its size is no rounding, within the module or not.
+    doubled = {**baseline, "attn.q_proj.weight": baseline["attn.q_proj.weight"] * 2}
+    assert not compare(doubled, golden, baseline, kind="grad").ok

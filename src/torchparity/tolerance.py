@@ -30,7 +30,10 @@ all-zero golden), ``u`` the unit roundoff of the compute dtype and K the reducti
   largest of the three. A single baseline draw can round luckily; the group's scale does not
   depend on luck.
 - ``floor = floor_ulps * (u * scale + s)``, ``s`` the subnormal spacing: a multiple of the error
-  of merely rounding the golden to the compute dtype, so the budget is never zero.
+  of merely rounding the golden to the compute dtype, so the budget is never zero. For a member
+  of a group the scale is at least the group's: a gradient that cancels carries the rounding of
+  the terms it cancels from, in the storage precision too (the inputs of the query gradient's
+  difference are bf16 values at the value gradient's scale), and one baseline draw can miss it.
 
 Trajectories (losses or weights after n training steps) accumulate error step by step: with
 ``step=n`` the whole budget is multiplied by ``1 + per_step_growth * n``.
@@ -156,8 +159,8 @@ class KindTolerance:
     reorder_factor: float  # r in r * sqrt(K) * u_acc * scale': another kernel's reordering
     per_step_growth: float = 0.0  # relative budget growth per training step
     # Tensors of one group (the parameters of one module) come from the same reductions: the
-    # group's scale bounds the reordering term from below, and a member whose golden cancelled
-    # to below the group's rounding is judged at the group's scale altogether.
+    # group's scale bounds the reordering term and the floor from below, and a member whose
+    # golden cancelled to below the group's rounding is judged at the group's scale altogether.
     group_scale: bool = False
 
 
@@ -374,8 +377,9 @@ def budget(
     reordering_scale = max(reordering_scale, group_scale or 0.0)
     reordering = tol.reorder_factor * root_k * accumulation_roundoff(p.name) * reordering_scale
     # Rounding to the dtype errs by up to u * |x| plus the subnormal spacing (which keeps the
-    # floor of subnormal goldens positive).
-    floor = tol.floor_ulps * (p.unit_roundoff * scale + p.min_spacing)
+    # floor of subnormal goldens positive); a member of a group inherits the rounding of the
+    # group's values it is computed from.
+    floor = tol.floor_ulps * (p.unit_roundoff * max(scale, group_scale or 0.0) + p.min_spacing)
     step_factor = 1.0 + tol.per_step_growth * (step or 0)
     return Budget(
         kind=kind,
