@@ -894,7 +894,8 @@ described in `src/torchparity/tolerance.py`: per tensor,
 and narrower dtypes, whose kernels accumulate in fp32; `scale'`: the golden's scale, or the
 larger one the baseline's error reveals, or for gradients the scale of the tensor's module,
 whichever is largest). When the baseline is exact (float64) the analytic bound
-`analytic_factor * sqrt(K) * u * scale` replaces the fudge term.
+`analytic_factor * sqrt(K) * u * scale` replaces the fudge term. `floor = floor_ulps * u * scale`
+(for gradients at least the module's scale).
 
 ## Findings
 
