@@ -284,6 +284,20 @@ def geometry(backend: str) -> Geometry:
     return _GEOMETRIES.get(backend, Geometry())
 
 
+# The CPU flash kernel (which "sdpa" also picks below fp32) derives the softmax backward's row
+# term from the rounded output, FlashAttention-style. With near-uniform attention the query
+# gradient cancels and carries rounding at the value gradient's scale, which the module-scale
+# floor budgets; but that error flows on into every gradient upstream (the norm in front of a
+# cross-attention whose queries cancel was 25% off in fp16, --hypothesis-seed=3). That is the
+# kernel's real precision, reported rather than budgeted: its low-precision gradients are not
+# compared.
+_FLASH_BACKWARD = {"sdpa", "sdpa-flash"}
+
+
+def compares_gradients(backend: str, dtype: torch.dtype) -> bool:
+    return backend not in _FLASH_BACKWARD or dtype in (torch.float32, torch.float64)
+
+
 def differentiable_in(dtype: torch.dtype) -> dict:
     """Config pins for properties that compare gradients in ``dtype``. Below fp32, ReLU is left
     out: a pre-activation within rounding of 0 flips whether a unit passes gradient, which
@@ -344,7 +358,8 @@ def test_backend_matches_golden(backend, data, seed):
     dtype = data.draw(geometry(backend).dtypes)
     config, batch = data.draw(model_inputs(backend, **differentiable_in(dtype)))
     tps.note_reproducer(check_backend_equivalence, dict(
-        config=config, seed=seed, batch=batch, backend=backend, dtype=dtype), HELPERS)
+        config=config, seed=seed, batch=batch, backend=backend, dtype=dtype,
+        grads=compares_gradients(backend, dtype)), HELPERS)
 
 
 def _twin_cases() -> list:
@@ -368,8 +383,8 @@ def test_twin_matches_reference(variant, backend, data, seed):
     pins = {**differentiable_in(dtype), **VARIANT_CONFIGS.get(variant, {})}
     config, batch = data.draw(model_inputs(backend, **pins))
     tps.note_reproducer(check_twin_equivalence, dict(
-        config=config, seed=seed, batch=batch, variant=variant, backend=backend, dtype=dtype),
-        HELPERS)
+        config=config, seed=seed, batch=batch, variant=variant, backend=backend, dtype=dtype,
+        grads=compares_gradients(backend, dtype)), HELPERS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -430,7 +445,8 @@ def test_gqa_equals_mha_with_repeated_heads(backend, data, seed):
     config, batch = data.draw(model_inputs(backend, **differentiable_in(dtype),
                                            n_heads=st.sampled_from([2, 4])))
     tps.note_reproducer(check_gqa_as_mha, dict(
-        config=config, seed=seed, batch=batch, backend=backend, dtype=dtype), HELPERS)
+        config=config, seed=seed, batch=batch, backend=backend, dtype=dtype,
+        grads=compares_gradients(backend, dtype)), HELPERS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -558,4 +574,21 @@ _FOUND = {
 @pytest.mark.parametrize("name", list(_FOUND))
 def test_found_examples(name):
     check, arguments = _FOUND[name]
+    check(**arguments)
+
+
+_FLASH_FINDING = (check_backend_equivalence, dict(
+    config=TransformerConfig(architecture="encoder-decoder", vocab_size=8, d_model=16, n_heads=1,
+                             n_layers=1, n_encoder_layers=1, d_ff=8, final_norm=False,
+                             positions="none", max_positions=64, norm_bias=False,
+                             scale_embeddings=True),
+    seed=1, batch={"src_ids": torch.tensor([[1, 2]]), "tgt_ids": torch.tensor([[1, 1]])},
+    backend="sdpa-flash", dtype=torch.float16))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="sdpa-flash's fp16 backward on the CPU: the rounding of a cancelled "
+                          "query gradient reaches the norm before it (see _FLASH_BACKWARD)")
+def test_flash_fp16_backward_error_flows_upstream():
+    check, arguments = _FLASH_FINDING
     check(**arguments)
