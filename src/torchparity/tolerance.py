@@ -189,7 +189,7 @@ KINDS: dict[str, KindTolerance] = {
     # weight's gradient that cancel: its rounding noise is set by that module's scale, not by
     # the float64 residue (~1e-17) of the cancellation. Likewise the query and key gradients
     # under near-uniform attention: flash's backward forms P * (dP - rowsum(dO * O)), whose
-    # rounding is at the scale of dP (the value gradient's), found at 2300x the query weight's
+    # rounding is at the scale of dP (the value gradient's), found at 900x the query weight's
     # own scale in fp32 (sdpa-flash erred 2.3e-3 of the query gradient; the manual baseline,
     # summing P * dP over two keys, happened to err 5e-6).
     "grad": KindTolerance(
