@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import torchparity as tp
 from torchparity import strategies as tps
 from torchparity.errors import BackendUnavailable
+from torchparity.golden_cases import single_thread
 from torchparity.reference import TransformerConfig, build_model, sequence_loss, variants, zoo
 from torchparity.reference.attention import AttentionContext
 from torchparity.strategies import pad_rows
@@ -47,11 +48,8 @@ def _cheap_tiny_models():
     again (about a second) for every new tensor shape that hypothesis draws."""
     import torch._dynamo
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch._dynamo.config.patch(assume_static_by_default=False):
+    with single_thread(), torch._dynamo.config.patch(assume_static_by_default=False):
         yield
-    torch.set_num_threads(threads)
 
 
 # --- helpers the checks share (their source goes into reproducers) ---------------------------

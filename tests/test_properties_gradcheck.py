@@ -27,12 +27,7 @@ ATTENTION_TWINS = [n for n in variants.names()
                    and issubclass(variants.get(n).twin, variants.AttentionTwin)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def check_gradcheck(config, seed, piece, variant, backend, length):

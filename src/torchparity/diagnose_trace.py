@@ -108,7 +108,6 @@ class DiskStore:
 
     def __init__(self, directory: Path, *, writable: bool) -> None:
         self.directory = Path(directory)
-        self.writable = writable
         self.input_specs: dict[str, Any] = {}
         self.files: dict[str, list[str]] = {}
         self._n_files = 0

@@ -58,12 +58,10 @@ def device(request: pytest.FixtureRequest) -> str:
 def single_thread():
     """torch on one CPU thread for the module's tests, restored afterwards: tiny models run
     faster on one thread, and on a shared machine several threads contend for the cores."""
-    import torch
+    from torchparity.golden_cases import single_thread as one_thread
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 _SUMMARY_KEY = "torchparity-summary"
