@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from torchparity import bench, cli
-from torchparity.bench_worker import peak_bytes, timing_model
+from torchparity import cli
+from torchparity.bench import runner as bench
+from torchparity.bench.worker import peak_bytes, timing_model
 
 POSITIVE = {"tok_per_s", "step_s", "first_step_s", "ratio_vs_manual", "peak_bytes",
             "peak_vs_manual", "tokens_per_step", "wall_s", "cpu_s", "plain_s", "diagnose_s",

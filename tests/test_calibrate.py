@@ -8,16 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchparity.calibration.problems import BUGS, Variant, draw_problem, run_block
+from torchparity.calibration.report import render_markdown
+from torchparity.calibration.study import calibrate
 from torchparity.cli import main
-from torchparity.commands.calibrate import (
-    BUGS,
-    Variant,
-    calibrate,
-    draw_problem,
-    render_markdown,
-    run_block,
-)
-from torchparity.compare import compare
+from torchparity.comparison import compare
 
 SMALL_SEED = 7  # a 2x4x18x128 causal problem: cheap, several heads, a mask to leak through
 

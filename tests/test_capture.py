@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchparity.capture import (
+from torchparity.diagnosis.capture import (
     Capture,
     TensorStats,
     call_key,

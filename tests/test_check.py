@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import torchparity.train
+import torchparity.train.trainer
 from torchparity import backends
 from torchparity.cli import main
 from torchparity.commands.check import select_cells
-from torchparity.golden_cases import OUTPUT_KINDS
+from torchparity.golden.cases import OUTPUT_KINDS
 from torchparity.reference import models, norms, positions, zoo
 
 SHIPPED = Path(__file__).resolve().parents[1] / "golden"
@@ -183,7 +183,7 @@ def test_cuda_without_a_gpu_is_a_usage_error(capsys):
 
 
 def test_train_flag_uses_the_training_seam(tmp_path, monkeypatch, capsys):
-    monkeypatch.delattr(torchparity.train, "check_trajectories", raising=False)
+    monkeypatch.delattr(torchparity.train.trainer, "check_trajectories", raising=False)
     assert main(["check", "--train", "--golden-dir", str(SHIPPED), "--case", "mqa"]) == 2
     assert "training trajectories are not available" in capsys.readouterr().err
 
@@ -192,7 +192,7 @@ def test_train_flag_uses_the_training_seam(tmp_path, monkeypatch, capsys):
                      output="trajectory", kind="trajectory", verdict="diverged", headroom=2.0,
                      ok=False, explain="diverged: step 3") for c in cases]
 
-    monkeypatch.setattr(torchparity.train, "check_trajectories", check_trajectories,
+    monkeypatch.setattr(torchparity.train.trainer, "check_trajectories", check_trajectories,
                         raising=False)
     status, report = check(tmp_path, "--train", "--case", "mqa", "--backend", "manual")
     assert status == 1

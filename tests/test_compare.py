@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
-from torchparity.compare import Comparison, StructureMismatch, assert_parity, compare
+from torchparity.comparison import Comparison, StructureMismatch, assert_parity, compare
 from torchparity.tolerance import KINDS, budget
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]

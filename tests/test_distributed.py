@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchparity.distributed import run_ddp
 from torchparity.errors import TorchParityError
-from torchparity.train import Execution, TrainConfig, train
-from torchparity.trajectory import check_against_golden, compare_trajectories, reduction_twin
+from torchparity.train.distributed import run_ddp
+from torchparity.train.trainer import Execution, TrainConfig, train
+from torchparity.train.trajectory import check_against_golden, compare_trajectories, reduction_twin
 
 # Few steps of a tiny case: the cost is the two workers' start-up, not the training.
 CONFIG = TrainConfig(case="encdec-prenorm", steps=3, batch_size=4)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from torchparity.cli import main
-from torchparity.compare import assert_parity
-from torchparity.golden import (
+from torchparity.comparison import assert_parity
+from torchparity.golden.cases import OUTPUT_KINDS, load_case
+from torchparity.golden.store import (
     SCHEMA_VERSION,
     GoldenCorrupt,
     GoldenMissing,
@@ -25,7 +26,6 @@ from torchparity.golden import (
     default_golden_dir,
     tensor_sha256,
 )
-from torchparity.golden_cases import OUTPUT_KINDS, load_case
 from torchparity.reference import zoo
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import sys
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from torchparity.golden import GoldenStore
+from torchparity.golden.store import GoldenStore
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 N_PARAMETRIZED = 24

@@ -30,12 +30,13 @@ import pytest
 import torch
 
 import torchparity as tp
-from torchparity import backends, golden_cases
+from torchparity import backends
 from torchparity.errors import BackendUnavailable
-from torchparity.golden import GoldenStore, default_golden_dir
+from torchparity.golden import cases as golden_cases
+from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.pytest_plugin import add_summary_line
 from torchparity.reference import build_model, sequence_loss, zoo
-from torchparity.train import (
+from torchparity.train.trainer import (
     DTYPE_MODES,
     GOLDEN_EXECUTION,
     Execution,
@@ -44,7 +45,7 @@ from torchparity.train import (
     deterministic,
     train,
 )
-from torchparity.trajectory import check_against_golden, golden_config, golden_trajectory
+from torchparity.train.trajectory import check_against_golden, golden_config, golden_trajectory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("single_thread", "recompile_room")]
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
 from torchparity import tolerance
-from torchparity.tolerance import KINDS, UNIT_ROUNDOFF, budget, calibrate, unit_roundoff
+from torchparity.calibration.draws import calibrate
+from torchparity.tolerance import KINDS, UNIT_ROUNDOFF, budget, unit_roundoff
 
 TORCH_FLOATS = [
     torch.float64,

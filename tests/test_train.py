@@ -16,14 +16,14 @@ import torch
 
 import torchparity as tp
 from torchparity import backends, cli
-from torchparity import train as train_module
 from torchparity.errors import BackendUnavailable
-from torchparity.golden import GoldenMissing, GoldenStale, GoldenStore
+from torchparity.golden.store import GoldenMissing, GoldenStale, GoldenStore
 from torchparity.pytest_plugin import add_summary_line
 from torchparity.reference import zoo
-from torchparity.train import Execution, TrainConfig, Trajectory, learning_rate, train
-from torchparity.train_data import BOS, EOS, FIRST_SYMBOL, IGNORE, PAD, SEP, TASKS, Corpus
-from torchparity.trajectory import (
+from torchparity.train import trainer as train_module
+from torchparity.train.data import BOS, EOS, FIRST_SYMBOL, IGNORE, PAD, SEP, TASKS, Corpus
+from torchparity.train.trainer import Execution, TrainConfig, Trajectory, learning_rate, train
+from torchparity.train.trajectory import (
     GOLDEN_OUTPUT,
     UPDATE_COMMAND,
     check_against_golden,

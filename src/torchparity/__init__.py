@@ -7,22 +7,20 @@ loads only what it needs.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "compare": "torchparity.compare",
-    "assert_parity": "torchparity.compare",
-    "Comparison": "torchparity.compare",
-    "diagnose": "torchparity.diagnose",
-    "diagnose_against": "torchparity.diagnose",
-    "diagnose_decode": "torchparity.diagnose",
-    "attribute": "torchparity.diagnose",
-    "record": "torchparity.diagnose",
-    "deterministic": "torchparity.train",
+    "compare": "torchparity.comparison",
+    "assert_parity": "torchparity.comparison",
+    "Comparison": "torchparity.comparison",
+    "diagnose": "torchparity.diagnosis.api",
+    "diagnose_against": "torchparity.diagnosis.api",
+    "diagnose_decode": "torchparity.diagnosis.api",
+    "attribute": "torchparity.diagnosis.api",
+    "record": "torchparity.diagnosis.api",
+    "deterministic": "torchparity.train.trainer",
 }
 _SUBMODULES = {"backends", "tolerance", "golden", "strategies", "reference", "train", "bench"}
 
@@ -39,19 +37,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return __all__
-
-
-class _Package(types.ModuleType):
-    """``tp.compare`` and ``tp.diagnose`` are functions living in modules of the same name.
-
-    Importing such a submodule would rebind the package attribute to the module; this keeps the
-    function (modules stay reachable through ``from torchparity.compare import ...``).
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

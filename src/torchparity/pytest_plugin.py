@@ -58,7 +58,7 @@ def device(request: pytest.FixtureRequest) -> str:
 def single_thread():
     """torch on one CPU thread for the module's tests, restored afterwards: tiny models run
     faster on one thread, and on a shared machine several threads contend for the cores."""
-    from torchparity.golden_cases import single_thread as one_thread
+    from torchparity.golden.cases import single_thread as one_thread
 
     with one_thread():
         yield
@@ -71,9 +71,9 @@ _summary: dict[str, list[str]] = {}
 @pytest.fixture
 def golden(request: pytest.FixtureRequest):
     """``golden.check("name", tensors, kind="forward")`` compares with a golden kept in
-    ``golden/<test module>/`` beside the test file (see :class:`torchparity.golden.GoldenFixture`);
-    ``--golden-update`` writes it instead."""
-    from torchparity.golden import GoldenFixture
+    ``golden/<test module>/`` beside the test file (see
+    :class:`torchparity.golden.store.GoldenFixture`); ``--golden-update`` writes it instead."""
+    from torchparity.golden.store import GoldenFixture
 
     return GoldenFixture.for_test(
         request.path, request.node.nodeid, request.config.getoption("--golden-update"),

@@ -11,7 +11,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-from torchparity import bench, bench_report
+from torchparity.bench import report as bench_report
+from torchparity.bench import runner as bench
 from torchparity.errors import UsageError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

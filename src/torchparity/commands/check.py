@@ -4,7 +4,7 @@ Checks every zoo case against its golden outputs in every cell (attention backen
 device) this machine offers and prints a table: rows are cases, columns backends, each cell the
 verdict and headroom (share of the tolerance budget used) per dtype. Exit status 0 when every
 cell passes, 1 when any output diverged or its weights/inputs changed, 2 for a usage or golden
-error. See :mod:`torchparity.golden_cases` for what is compared and how.
+error. See :mod:`torchparity.golden.cases` for what is compared and how.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import torch
 
 from torchparity import backends
 from torchparity.errors import UsageError
-from torchparity.golden import GOLDEN_DIR_ENV, GoldenStore, default_golden_dir
-from torchparity.golden_cases import (
+from torchparity.golden.cases import (
     OUTPUT_KINDS,
     REFERENCE,
     Cell,
@@ -36,6 +35,7 @@ from torchparity.golden_cases import (
     load_case,
     single_thread,
 )
+from torchparity.golden.store import GOLDEN_DIR_ENV, GoldenStore, default_golden_dir
 from torchparity.reference import zoo
 
 DEFAULT_DTYPES = {"cpu": ["fp32", "bf16"], "cuda": ["fp32", "tf32", "bf16", "fp16"]}
@@ -251,13 +251,13 @@ def _drain(progress_queue: Any, advance: Callable[[str], None], timeout: float) 
 
 
 def training_seam() -> Callable[..., list]:
-    """``torchparity.train.check_trajectories``, or a :class:`UsageError` when it is missing."""
-    has_train = importlib.util.find_spec("torchparity.train") is not None
-    check_trajectories = getattr(importlib.import_module("torchparity.train"),
+    """``torchparity.train.trainer.check_trajectories``, or a :class:`UsageError` when it is missing."""
+    has_train = importlib.util.find_spec("torchparity.train.trainer") is not None
+    check_trajectories = getattr(importlib.import_module("torchparity.train.trainer"),
                                  "check_trajectories", None) if has_train else None
     if check_trajectories is None:
         raise UsageError("training trajectories are not available in this torchparity "
-                         "(torchparity.train.check_trajectories is missing); run without --train")
+                         "(torchparity.train.trainer.check_trajectories is missing); run without --train")
     return check_trajectories
 
 

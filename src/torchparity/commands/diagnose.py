@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchparity.diagnose import diagnose, diagnose_against
+    from torchparity.diagnosis.api import diagnose, diagnose_against
 
     name_map = [_name_rule(rule) for rule in args.name_map or []] or None
     if args.against:

@@ -7,14 +7,14 @@ import dataclasses
 from typing import Any
 
 from torchparity.commands.check import GOLDEN_DIR_HELP, print_table, select_cases
-from torchparity.golden import GoldenStore, default_golden_dir
-from torchparity.golden_cases import (
+from torchparity.golden.cases import (
     OUTPUT_KINDS,
     REFERENCE,
     check_case,
     load_case,
     write_case,
 )
+from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.reference import TransformerConfig, zoo
 
 

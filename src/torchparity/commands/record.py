@@ -39,7 +39,7 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchparity.diagnose import record
+    from torchparity.diagnosis.api import record
 
     model, inputs, loss_fn = load_entry(args.entry)
     path = record(model, inputs, args.output, loss_fn=loss_fn, backward=args.backward,

@@ -24,7 +24,7 @@ from torchparity import backends
 from torchparity.commands.common import resolve_device
 from torchparity.errors import UsageError
 from torchparity.reference import zoo
-from torchparity.train import DTYPE_MODES, NORMALIZATIONS, Execution, TrainConfig, Trainer
+from torchparity.train.trainer import DTYPE_MODES, NORMALIZATIONS, Execution, TrainConfig, Trainer
 
 _DEFAULTS = TrainConfig()
 
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchparity import trajectory as tj
+    from torchparity.train import trajectory as tj
 
     console = Console()
     if args.json and not Path(args.json).resolve().parent.is_dir():
@@ -138,7 +138,7 @@ def _probe_dtype(execution: Execution) -> torch.dtype:
 def _train(config: TrainConfig, execution: Execution, args: argparse.Namespace,
            console: Console, *, quiet: bool = False) -> Any:
     if args.nproc > 1 and not quiet:
-        from torchparity.distributed import run_ddp
+        from torchparity.train.distributed import run_ddp
 
         console.print(f"training {config.case} with {args.nproc} DDP processes (torchrun)")
         return run_ddp(config, execution, nproc=args.nproc)
@@ -157,7 +157,7 @@ def _train(config: TrainConfig, execution: Execution, args: argparse.Namespace,
 
 
 def _update_golden(args: argparse.Namespace, console: Console) -> int:
-    from torchparity import trajectory as tj
+    from torchparity.train import trajectory as tj
 
     cases = zoo.names() if args.case == "all" else [args.case]
     store = _store(args)
@@ -168,7 +168,7 @@ def _update_golden(args: argparse.Namespace, console: Console) -> int:
 
 
 def _store(args: argparse.Namespace) -> Any:
-    from torchparity import trajectory as tj
+    from torchparity.train import trajectory as tj
 
     return tj.golden_store(args.golden_dir)
 

@@ -8,10 +8,10 @@ How a diagnosis works (``diagnose`` and ``diagnose_against`` share every step af
    A's recorded inputs gives the local golden, and with gradients A's and the golden's module
    are also replayed backward from A's recorded output gradient.
 2. **Alignment** of A's and B's calls by name, ``name_map``, call order and output shapes
-   (:mod:`torchparity.align`).
+   (:mod:`torchparity.diagnosis.align`).
 3. **Propagated errors.** B runs in full; each aligned output (and output gradient) is compared,
    as it is produced, with the golden's under the budget A's own rounding error earns
-   (:func:`torchparity.compare.compare`).
+   (:func:`torchparity.compare`).
 4. **Local errors.** Each of B's aligned modules is fed A's recorded inputs (and output
    gradient) and compared with the local golden, again with A's replay as the baseline. By
    default only modules whose propagated error diverged are replayed (on both sides): a module
@@ -34,18 +34,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.align import Alignment, Match, NameMap, align
-from torchparity.attribution import attribute
-from torchparity.capture import (
+from torchparity.diagnosis.align import Alignment, Match, NameMap, align
+from torchparity.diagnosis.attribution import attribute
+from torchparity.diagnosis.capture import (
     ModuleCall,
     PatternSpec,
     call_key,
     flatten_tensors,
     map_tensors_with_paths,
 )
-from torchparity.decode_diagnosis import diagnose_decode
-from torchparity.diagnose_report import DiagnosisReport, Result, Row
-from torchparity.diagnose_run import (
+from torchparity.diagnosis.decode import diagnose_decode
+from torchparity.diagnosis.report import DiagnosisReport, Result, Row
+from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     BackendSpec,
     Inputs,
@@ -65,7 +65,7 @@ from torchparity.diagnose_run import (
     replay,
     run_model,
 )
-from torchparity.diagnose_trace import (
+from torchparity.diagnosis.trace import (
     FINAL,
     SCHEMA,
     MemoryStore,
@@ -121,7 +121,7 @@ def diagnose(
 
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from
-    :func:`torchparity.compare.compare` with a float64 golden when A can run in float64 (see
+    :func:`torchparity.compare` with a float64 golden when A can run in float64 (see
     ``report.meta["golden"]``); unmatched modules are listed, never dropped.
     """
     opts = make_options(backward, loss_fn, include, exclude, backends, progress, local)

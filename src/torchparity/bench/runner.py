@@ -14,7 +14,7 @@ Method, chosen to survive noisy shared machines: every contender is warmed up, t
 rounds; in each round every contender runs once, in an order that rotates from round to round,
 so slow drift (other jobs, clocks, heat) hits all of them alike. Times are medians over the
 rounds and ratios are medians of the per-round ratios, reported beside the absolute numbers.
-Each backend runs in its own fresh process (see :mod:`torchparity.bench_worker`), and on CUDA
+Each backend runs in its own fresh process (see :mod:`torchparity.bench.worker`), and on CUDA
 steps are timed with CUDA events. A row that could not be measured has ``status: "n/a"`` and a
 ``reason``; every number present is finite.
 """
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from torchparity import backends
-from torchparity.bench_worker import Job, peak_bytes, serve, timing_model, wall_time
+from torchparity.bench.worker import Job, peak_bytes, serve, timing_model, wall_time
 from torchparity.errors import UsageError
 from torchparity.reference import TransformerConfig, sequence_loss, zoo
 
@@ -408,7 +408,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 class _Worker:
-    """One worker process (:func:`torchparity.bench_worker.serve`) and the pipe to it.
+    """One worker process (:func:`torchparity.bench.worker.serve`) and the pipe to it.
 
     After the first error the worker is done: ``error`` holds the reason and every later
     ``call`` returns None without asking it.
@@ -474,7 +474,7 @@ def _context() -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torchparity.bench_worker"])
+    ctx.set_forkserver_preload(["torchparity.bench.worker"])
     return ctx
 
 
@@ -486,8 +486,8 @@ def diagnose_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]
     """``diagnose`` (full and streaming capture) against a plain forward+backward of both
     models, in time and in peak memory: on the first case, at the diagnose size, in the first
     dtype. Its cost follows module count and tensor sizes, not the architecture."""
-    if importlib.util.find_spec("torchparity.diagnose") is None:
-        return [na_row("not measured: torchparity.diagnose is not part of this installation")]
+    if importlib.util.find_spec("torchparity.diagnosis.api") is None:
+        return [na_row("not measured: torchparity.diagnosis.api is not part of this installation")]
     if settings.threads:
         torch.set_num_threads(settings.threads)
     progress.start("diagnose", 3 * (1 + settings.warmup + settings.rounds))
@@ -497,7 +497,7 @@ def diagnose_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]
 
 def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
                    progress: Progress) -> dict[str, Any]:
-    from torchparity.diagnose import diagnose
+    from torchparity.diagnosis.api import diagnose
 
     device = torch.device(settings.device)
     config = model_config(case, size)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from torchparity import backends as attention_backends
-from torchparity.capture import (
+from torchparity.diagnosis.capture import (
     Capture,
     ModuleCall,
     PatternSpec,
@@ -22,7 +22,7 @@ from torchparity.capture import (
     map_tensors,
     module_filter,
 )
-from torchparity.diagnose_report import Mismatch, Result
+from torchparity.diagnosis.report import Mismatch, Result
 from torchparity.errors import UsageError
 
 Inputs = tuple[Any, ...] | dict[str, Any] | torch.Tensor
@@ -263,7 +263,7 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
     """Compare under the tolerance model; without a golden, the baseline serves as golden and
     the analytic bound as budget. A baseline in another dtype than the candidate's (B runs in
     another precision than A) cannot earn a budget and is dropped."""
-    from torchparity.compare import StructureMismatch, compare
+    from torchparity.comparison import StructureMismatch, compare
 
     if not golden:
         golden, baseline = baseline, {}
@@ -276,7 +276,7 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
 
 
 def merged(first: Result | None, second: Result) -> Result:
-    from torchparity.compare import Comparison
+    from torchparity.comparison import Comparison
 
     if first is None or isinstance(second, Mismatch):
         return second

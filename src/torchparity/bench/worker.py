@@ -3,8 +3,8 @@
 Each backend of a benchmark group runs in its own fresh process (forked from a server that has
 imported torch and nothing else), so its first step pays for exactly its own lazy start-up and
 kernel loading, and with ``torch.compile`` its compile and recompile counts are its own. The
-parent (:mod:`torchparity.bench`) drives the processes in turn over a pipe, one step at a time,
-so the backends' steps interleave and slow drift of a shared machine hits all of them alike.
+parent (:mod:`torchparity.bench.runner`) drives the processes in turn over a pipe, one step at
+a time, so the backends' steps interleave and slow drift of a shared machine hits all of them alike.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from torchparity.capture import (
+from torchparity.diagnosis.capture import (
     ModuleCall,
     Uncopyable,
     flatten_tensors,

@@ -22,7 +22,7 @@ __all__ = ["AttributionReport", "DecodeReport", "DiagnosisReport", "Mismatch", "
 
 
 class Result(Protocol):
-    """What a row holds per comparison: a :class:`torchparity.compare.Comparison` or a
+    """What a row holds per comparison: a :class:`torchparity.comparison.Comparison` or a
     :class:`Mismatch`."""
 
     kind: str

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Literal
 
-from torchparity.capture import ModuleCall, call_key
+from torchparity.diagnosis.capture import ModuleCall, call_key
 from torchparity.errors import UsageError
 
 __all__ = ["Alignment", "Match", "NameMap", "align", "name_translator"]

@@ -4,12 +4,13 @@ Every process builds the same global batch and trains on its share of the rows; 
 normalised by the global token count, so DDP's gradient average equals the single-process
 gradient of the whole batch up to summation order. :func:`run_ddp` launches
 ``python -m torch.distributed.run --nproc-per-node N`` on the loopback interface and returns
-the trajectory of rank 0, to be judged with :func:`torchparity.trajectory.compare_trajectories`
-against one process training the same recipe. gloo is used on the CPU, nccl on CUDA.
+the trajectory of rank 0, to be judged with
+:func:`torchparity.train.trajectory.compare_trajectories` against one process training the same
+recipe. gloo is used on the CPU, nccl on CUDA.
 
 Run by hand::
 
-    torchrun --nproc-per-node 2 -m torchparity.distributed --case llama-tiny --steps 5 \\
+    torchrun --nproc-per-node 2 -m torchparity.train.distributed --case llama-tiny --steps 5 \\
         --out ddp.json
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from torchparity.errors import TorchParityError
-from torchparity.train import Execution, TrainConfig, Trainer, Trajectory
+from torchparity.train.trainer import Execution, TrainConfig, Trainer, Trajectory
 
 
 def run_ddp(config: TrainConfig, execution: Execution | None = None, *, nproc: int = 2,
@@ -49,7 +50,7 @@ def run_ddp(config: TrainConfig, execution: Execution | None = None, *, nproc: i
         out = Path(tmp) / "trajectory.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), "-m", "torchparity.distributed",
+               "--master-port", str(_free_port()), "-m", "torchparity.train.distributed",
                "--config", json.dumps(config.to_dict()),
                "--execution", json.dumps(execution.to_dict()), "--out", str(out)]
         try:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m torchparity.distributed",
+    parser = argparse.ArgumentParser(prog="python -m torchparity.train.distributed",
                                      description="one process of a DDP training run")
     parser.add_argument("--config", required=True, help="TrainConfig as JSON")
     parser.add_argument("--execution", default="{}", help="Execution as JSON")

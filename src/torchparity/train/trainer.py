@@ -4,7 +4,7 @@ A run is a :class:`TrainConfig` (the recipe: case, data, optimizer, schedule, cl
 accumulation) executed under an :class:`Execution` (attention backend, dtype mode, device,
 ``torch.compile``). Every step records the loss, the gradient norm before clipping and the norm
 of the parameter update, so two executions of one recipe can be compared step by step with
-:func:`torchparity.trajectory.compare_trajectories`.
+:func:`torchparity.train.trajectory.compare_trajectories`.
 
 Determinism lives in one place, :func:`deterministic`.
 """
@@ -29,7 +29,7 @@ from torchparity import backends
 from torchparity.errors import UsageError
 from torchparity.reference import build_model, zoo
 from torchparity.reference.config import TransformerConfig
-from torchparity.train_data import Corpus, TrainBatch, correct_tokens, token_losses
+from torchparity.train.data import Corpus, TrainBatch, correct_tokens, token_losses
 
 # --- determinism ----------------------------------------------------------------------------
 
@@ -592,7 +592,7 @@ def _process_group(distributed: bool) -> tuple[int, int]:
 
     if not dist.is_initialized():
         raise UsageError("distributed=True needs an initialised process group; launch with "
-                         "torchrun (see torchparity.distributed)")
+                         "torchrun (see torchparity.train.distributed)")
     return dist.get_rank(), dist.get_world_size()
 
 

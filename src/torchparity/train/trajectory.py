@@ -31,9 +31,10 @@ from typing import Any, Literal
 import torch
 
 from torchparity import tolerance
-from torchparity.golden import GoldenStale, GoldenStore, checksum, default_golden_dir
+from torchparity.golden.store import GoldenStale, GoldenStore, checksum, default_golden_dir
 from torchparity.reference import build_model
-from torchparity.train import (
+from torchparity.train.data import token_losses
+from torchparity.train.trainer import (
     GOLDEN_EXECUTION,
     QUANTITIES,
     Execution,
@@ -44,7 +45,6 @@ from torchparity.train import (
     model_before,
     train,
 )
-from torchparity.train_data import token_losses
 
 Verdict = Literal["identical", "within", "diverged"]
 
@@ -73,7 +73,7 @@ class TrajectoryComparison:
     """The verdict on a candidate trajectory, step by step.
 
     ``first_divergence`` is the earliest step at which any quantity left its budget (the
-    quantity listed first in :data:`~torchparity.train.QUANTITIES` wins ties), or None.
+    quantity listed first in :data:`~torchparity.train.trainer.QUANTITIES` wins ties), or None.
     """
 
     candidate: str
@@ -423,15 +423,15 @@ def _check_fresh(summary: dict[str, Any], expected: dict[str, Any], command: str
 
 def diagnose_step(config: TrainConfig, reference: Execution, candidate: Execution, step: int,
                   **diagnose_kwargs: Any) -> Any:
-    """Run :func:`torchparity.diagnose.diagnose` on step ``step`` of ``config``.
+    """Run :func:`torchparity.diagnose` on step ``step`` of ``config``.
 
     Both sides get the same weights, the reference's as they enter the step, and the step's
     global batch with the training loss; A runs under the reference execution's backend and
     dtype mode, B under the candidate's. A module that diverges here is where the step's
     forward or backward pass differs; a clean report points at the optimizer, clipping or
-    loss scaling instead. Returns the :class:`~torchparity.diagnose.DiagnosisReport`.
+    loss scaling instead. Returns the :class:`~torchparity.diagnosis.report.DiagnosisReport`.
     """
-    from torchparity.diagnose import diagnose
+    from torchparity.diagnosis.api import diagnose
 
     if torch.device(candidate.device) != torch.device(reference.device):
         raise ValueError("diagnose_step compares executions on one device; got "
@@ -452,7 +452,7 @@ def _runs_as(execution: Execution) -> Any:
     @contextlib.contextmanager
     def select() -> Iterator[None]:
         from torchparity import backends
-        from torchparity.train import deterministic
+        from torchparity.train.trainer import deterministic
 
         mode = execution.mode
         with contextlib.ExitStack() as stack:

@@ -22,10 +22,10 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from torchparity.align import NameMap, align
-from torchparity.capture import flatten_tensors
-from torchparity.diagnose_report import AttributionReport, Unit
-from torchparity.diagnose_run import (
+from torchparity.diagnosis.align import NameMap, align
+from torchparity.diagnosis.capture import flatten_tensors
+from torchparity.diagnosis.report import AttributionReport, Unit
+from torchparity.diagnosis.run import (
     BackendSpec,
     Inputs,
     Options,
@@ -126,7 +126,7 @@ def _differing_modules(model_a: nn.Module, model_b: nn.Module, inputs: Inputs,
                        ) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """The deepest aligned modules whose local output is not bit-identical, both models run
     under A's backend so that backend effects are not attributed to modules."""
-    from torchparity.diagnose import diagnose
+    from torchparity.diagnosis.api import diagnose
 
     report = diagnose(model_a, model_b, inputs, name_map=name_map, backward=False,
                       backends=(opts.backend_a, opts.backend_a), progress=opts.progress)

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from torchparity import backends
-from torchparity.compare import StructureMismatch, compare
+from torchparity.comparison import StructureMismatch, compare
 from torchparity.errors import BackendUnavailable
-from torchparity.golden import (
+from torchparity.golden.store import (
     Golden,
     GoldenError,
     GoldenStale,

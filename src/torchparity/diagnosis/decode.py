@@ -18,10 +18,10 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from torchparity.align import NameMap, align
-from torchparity.capture import Capture, ModuleCall, PatternSpec
-from torchparity.diagnose_report import DecodeReport, Mismatch, Result, Row
-from torchparity.diagnose_run import (
+from torchparity.diagnosis.align import NameMap, align
+from torchparity.diagnosis.capture import Capture, ModuleCall, PatternSpec
+from torchparity.diagnosis.report import DecodeReport, Mismatch, Result, Row
+from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     BackendSpec,
     Options,
@@ -35,7 +35,7 @@ from torchparity.diagnose_run import (
     progress_bar,
     seeded,
 )
-from torchparity.diagnose_trace import upcast
+from torchparity.diagnosis.trace import upcast
 from torchparity.errors import UsageError
 
 __all__ = ["Decoding", "HFDecoding", "ReferenceDecoding", "diagnose_decode"]
@@ -185,7 +185,7 @@ def _family(model: nn.Module) -> Decoding:
     if hasattr(model, "config") and callable(getattr(model, "generate", None)):
         return HFDecoding()
     raise UsageError(f"don't know how to decode {type(model).__name__} step by step; pass "
-                     "decoding= (see torchparity.decode_diagnosis.Decoding)")
+                     "decoding= (see torchparity.diagnosis.decode.Decoding)")
 
 
 @dataclass

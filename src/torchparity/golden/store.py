@@ -439,11 +439,11 @@ class GoldenFixture:
         Fails the test with the comparison's explanation when a tensor diverged, after writing
         the obtained values to ``<name>.obtained.safetensors`` beside the golden; fails with the
         command that creates the golden when it is missing. Returns the
-        :class:`~torchparity.compare.Comparison`, or None when updating.
+        :class:`~torchparity.comparison.Comparison`, or None when updating.
         """
         import pytest
 
-        from torchparity.compare import StructureMismatch, compare
+        from torchparity.comparison import StructureMismatch, compare
 
         candidate = {"value": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
         if self.update:

@@ -1,0 +1,1 @@
+"""Benchmarks: the runner (:mod:`.runner`), one worker process per backend, and the report."""

@@ -1,0 +1,6 @@
+"""The study that derives the tolerance constants (``torchparity calibrate``).
+
+:mod:`.problems` draws random attention blocks and plants bugs, :mod:`.study` measures false
+alarms and detection over many draws, :mod:`.report` renders ``docs/tolerance.md``;
+:mod:`.draws` repeats one comparison over seeded draws for any candidate.
+"""

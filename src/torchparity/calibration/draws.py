@@ -1,0 +1,101 @@
+"""Repeated draws of one comparison: how a candidate's error relates to the baseline's."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchparity.comparison import compare
+from torchparity.tolerance import DtypeLike
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How a candidate's error relates to the baseline's over many random draws.
+
+    ``ratios`` holds, per draw with an inexact baseline, the largest err(candidate)/err(baseline)
+    over the draw's tensors; ``headrooms`` the worst share of the budget used per draw;
+    ``failures`` the seeds of draws the candidate did not pass.
+    """
+
+    kind: str
+    draws: int
+    ratios: tuple[float, ...]
+    headrooms: tuple[float, ...]
+    failures: tuple[int, ...]
+
+    def quantile(self, q: float) -> float:
+        """The ``q`` quantile of the ratios (nan when no draw had an inexact baseline)."""
+        if not self.ratios:
+            return math.nan
+        return torch.quantile(torch.tensor(self.ratios, dtype=torch.float64), q).item()
+
+    @property
+    def quantiles(self) -> dict[float, float]:
+        """Median, 90th and 99th percentile of the ratios."""
+        return {q: self.quantile(q) for q in (0.5, 0.9, 0.99)}
+
+    @property
+    def max_ratio(self) -> float:
+        """The largest observed ratio (nan when none was observed)."""
+        return max(self.ratios, default=math.nan)
+
+    @property
+    def max_headroom(self) -> float:
+        """The largest share of the budget any draw used."""
+        return max(self.headrooms, default=math.nan)
+
+
+def calibrate(
+    candidate_fn: Callable[[int], Any],
+    baseline_fn: Callable[[int], Any],
+    golden_fn: Callable[[int], Any],
+    draws: int,
+    *,
+    kind: str = "forward",
+    seed: int = 0,
+    compute_dtype: DtypeLike | None = None,
+    reduction_length: int | None = None,
+) -> Calibration:
+    """Run ``draws`` draws and collect the error ratio candidate/baseline and the verdicts.
+
+    Each function receives the draw's seed (``seed``, ``seed + 1``, ...) and must build the same
+    problem from it; they return tensors or pytrees of the same structure, which are compared
+    with :func:`torchparity.compare`.
+    """
+    ratios: list[float] = []
+    headrooms: list[float] = []
+    failures: list[int] = []
+    for draw_seed in range(seed, seed + draws):
+        result = compare(
+            candidate_fn(draw_seed),
+            golden_fn(draw_seed),
+            baseline_fn(draw_seed),
+            kind,
+            compute_dtype=compute_dtype,
+            reduction_length=reduction_length,
+        )
+        draw_ratio = baseline_ratio(result)
+        if draw_ratio is not None:
+            ratios.append(draw_ratio)
+        headrooms.append(max((t.headroom for t in result.tensors), default=0.0))
+        if not result.ok:
+            failures.append(draw_seed)
+    return Calibration(kind, draws, tuple(ratios), tuple(headrooms), tuple(failures))
+
+
+def baseline_ratio(comparison: Any) -> float | None:
+    """The largest err(candidate)/err(baseline) over a comparison's tensors.
+
+    Only tensors whose budget scales an inexact baseline count; None when there are none.
+    """
+    ratios = [
+        t.error / t.budget.baseline_error
+        for t in comparison.tensors
+        if t.budget is not None and t.budget.baseline_error is not None
+    ]
+    return max(ratios, default=None)

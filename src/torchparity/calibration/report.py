@@ -1,0 +1,346 @@
+"""The calibration report: console tables and the markdown of ``docs/tolerance.md``."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from torchparity import tolerance
+from torchparity.calibration.problems import BUGS, MEASURED_KINDS
+from torchparity.calibration.study import DetectionStats, Results, machine
+
+
+def _false_alarm_rows(results: Results) -> Iterator[list[str]]:
+    for (backend, dtype, kind), stats in sorted(results.false_alarms.items()):
+        s = stats.summary()
+        if s["draws"] == 0:
+            yield [backend, dtype, kind, "-", "-", "-", "-", "-", "-", s["unavailable"] or ""]
+            continue
+        yield [
+            backend,
+            dtype,
+            kind,
+            str(s["draws"]),
+            str(len(s["failures"])),
+            _fmt(s["median_ratio"]),
+            _fmt(s["p99_ratio"]),
+            _fmt(s["max_ratio"]),
+            f"{s['max_headroom']:.0%}",
+            "ratio: factor needed" if dtype == "fp64" else "",
+        ]
+
+
+_FALSE_ALARM_HEADER = [
+    "backend",
+    "dtype",
+    "kind",
+    "draws",
+    "failed",
+    "median ratio",
+    "p99 ratio",
+    "max ratio",
+    "max budget used",
+    "note",
+]
+_DETECTION_HEADER = [
+    "bug",
+    "dtype",
+    "kind",
+    "applicable",
+    "above fp32 noise",
+    "visible",
+    "caught",
+    "rate",
+    "above own band",
+    "caught",
+    "rate",
+    "note",
+]
+
+
+def _detection_rows(results: Results) -> Iterator[list[str]]:
+    order = {name: i for i, name in enumerate(BUGS)}
+    for (bug, dtype, kind), stats in sorted(
+        results.detection.items(), key=lambda item: (order[item[0][0]], item[0][1:])
+    ):
+        s = stats.summary()
+        yield [
+            bug,
+            dtype,
+            kind,
+            str(s["applicable"]),
+            str(s["above_fp32_noise"]),
+            str(s["visible"]),
+            str(s["caught_visible"]),
+            _pct(s["rate_visible"]),
+            str(s["above_own_band"]),
+            str(s["caught_above_own_band"]),
+            _pct(s["rate_above_own_band"]),
+            _detection_note(stats, dtype),
+        ]
+
+
+def _detection_note(stats: DetectionStats, dtype: str) -> str:
+    if stats.visible == 0:
+        return "never outside the fp32 band"
+    missed = stats.visible - stats.caught_visible
+    if missed == 0:
+        return ""
+    hidden = stats.missed_below_own
+    if stats.goal_met:
+        return f"missed {missed}"
+    if hidden == missed:
+        return f"{dtype} cannot see it in {hidden} of {stats.visible} draws: inside its own band"
+    return f"below goal: missed {missed}, {hidden} of them inside the {dtype} band"
+
+
+def print_tables(results: Results, console: Console) -> None:
+    """Both tables, with notes as numbered footnotes so that the columns stay narrow."""
+    notes: dict[str, int] = {}
+    for title, header, rows in (
+        ("legitimate backends: false alarms", _FALSE_ALARM_HEADER, _false_alarm_rows(results)),
+        ("planted bugs: detection", _DETECTION_HEADER, _detection_rows(results)),
+    ):
+        table = Table(title=f"{title} over {results.draws} draws")
+        for column in header:
+            table.add_column(column)
+        for *cells, note in rows:
+            table.add_row(*cells, f"[{notes.setdefault(note, len(notes) + 1)}]" if note else "")
+        console.print(table)
+    for note, index in notes.items():
+        console.print(f"[{index}] {note}", markup=False)
+
+
+def _markdown_table(header: list[str], rows: Iterator[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(results: Results, *, command: str) -> str:
+    """The report written to docs/tolerance.md: method, tables, command, machine and date."""
+    m = machine()
+    kinds = _markdown_table(
+        [
+            "kind",
+            "metric",
+            "fudge",
+            "reorder factor",
+            "analytic factor",
+            "floor ulps",
+            "per-step growth",
+        ],
+        (
+            [
+                k,
+                t.metric,
+                _num(t.fudge),
+                _num(t.reorder_factor),
+                _num(t.analytic_factor),
+                _num(t.floor_ulps),
+                _num(t.per_step_growth),
+            ]
+            for k, t in tolerance.KINDS.items()
+        ),
+    )
+    return _REPORT.format(
+        command=command,
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        cpu=m["cpu"],
+        cpu_count=m["cpu_count"],
+        threads=m["torch_threads"],
+        torch=m["torch"],
+        python=m["python"],
+        platform=m["platform"],
+        minutes=results.seconds / 60,
+        draws=results.draws,
+        kinds=kinds,
+        false_alarms=_markdown_table(_FALSE_ALARM_HEADER, _false_alarm_rows(results)),
+        n_false_alarms=results.n_false_alarms,
+        detection=_markdown_table(_DETECTION_HEADER, _detection_rows(results)),
+        problems=_problem_mix(results),
+        summary=_summary(results),
+    )
+
+
+def _summary(results: Results) -> str:
+    """The findings in words: the worst ratios against the constants, misses, blind spots."""
+    lines = []
+    for kind in MEASURED_KINDS:
+        tol = tolerance.KINDS[kind]
+        worst = {
+            group: _worst_ratio(results, kind, dtypes)
+            for group, dtypes in (
+                ("low", ("bf16", "fp16")),
+                ("fp32", ("fp32",)),
+                ("fp64", ("fp64",)),
+            )
+        }
+        parts = []
+        if worst["low"]:
+            parts.append(f"at most {_ratio_at(worst['low'])} in bf16/fp16")
+        if worst["fp32"]:
+            parts.append(f"{_ratio_at(worst['fp32'])} in fp32")
+        text = f"- {kind}: err(candidate)/err(baseline) {' and '.join(parts)}; fudge {tol.fudge:g}."
+        if worst["fp64"]:
+            text += (
+                f" float64 backends (exact baseline) needed a factor of at most"
+                f" {_ratio_at(worst['fp64'])}; analytic + reorder factor"
+                f" {tol.analytic_factor + tol.reorder_factor:g}."
+            )
+        lines.append(text)
+    lines.append(f"- False alarms: {results.n_false_alarms}.")
+    below = [
+        f"{bug} ({kind}, {s.caught_visible}/{s.visible})"
+        for (bug, dtype, kind), s in results.detection.items()
+        if dtype == "fp32" and not s.goal_met
+    ]
+    lines.append(
+        "- fp32 detection of visible bugs: "
+        + ("below 99% for " + ", ".join(below) if below else ">= 99% for every bug and kind")
+        + "."
+    )
+    for dtype in ("bf16", "fp16"):
+        blind = [
+            f"{bug} ({kind}: {s.visible - s.above_own} of {s.visible})"
+            for (bug, d, kind), s in results.detection.items()
+            if d == dtype and s.visible and s.visible > s.above_own
+        ]
+        if blind:
+            lines.append(
+                f"- {dtype} cannot see, in this many of the draws where fp32 can: "
+                + ", ".join(blind)
+                + "."
+            )
+    return "\n".join(lines)
+
+
+def _worst_ratio(
+    results: Results, kind: str, dtypes: tuple[str, ...]
+) -> tuple[float, str, str] | None:
+    candidates = [
+        (max(s.ratios), backend, dtype)
+        for (backend, dtype, k), s in results.false_alarms.items()
+        if k == kind and dtype in dtypes and s.ratios
+    ]
+    return max(candidates, default=None)
+
+
+def _ratio_at(worst: tuple[float, str, str]) -> str:
+    ratio, backend, dtype = worst
+    return f"{ratio:.2f} ({backend}, {dtype})"
+
+
+def _problem_mix(results: Results) -> str:
+    counts: dict[str, int] = defaultdict(int)
+    longest = 0
+    for description in results.problems:
+        shape, mask = description.split(" ", 1)
+        counts[mask] += 1
+        longest = max(longest, int(shape.split("x")[2]))
+    masks = ", ".join(f"{mask} {n}" for mask, n in sorted(counts.items()))
+    return f"masks: {masks}; longest sequence {longest}"
+
+
+_REPORT = """\
+# Tolerance model: calibration evidence
+
+This file is written by `torchparity calibrate`; do not edit it by hand. The rule it checks is
+described in `src/torchparity/tolerance.py`: per tensor,
+`err(candidate, golden) <= fudge * err(baseline, golden) + reordering + floor`, with
+`reordering = reorder_factor * sqrt(K) * u_acc * scale'` (`u_acc`: fp32's unit roundoff for fp32
+and narrower dtypes, whose kernels accumulate in fp32; `scale'`: the golden's scale, or the
+larger one the baseline's error reveals, or for gradients the scale of the tensor's module,
+whichever is largest). When the baseline is exact (float64) the analytic bound
+`analytic_factor * sqrt(K) * u * scale` replaces the fudge term. `floor = floor_ulps * u * scale`
+(for gradients at least the module's scale).
+
+## Findings
+
+{summary}
+
+## How it was measured
+
+- Command: `{command}`
+- Date: {date}; {minutes:.1f} minutes
+- Machine: {cpu}, {cpu_count} CPUs, {threads} torch threads; {platform}; torch {torch}, \
+Python {python}
+
+Each of the {draws} draws is a random pre-norm attention block: RMSNorm (eps 1e-6) of a
+64-wide input, q/k/v projections, rotary positions on q and k, attention, output
+(batch, heads, seq, head_dim). Shapes: batch 1-2, heads 1-4, head_dim 16-128, sequence 8-157 in
+seven of eight draws and 256-1024 in the rest; logits with standard deviation 1-30 (large logits
+make softmax nearly one-hot and amplify rounding); input RMS 3e-4 to 3 (small inputs make the
+norm's eps matter); {problems}. Half of the causal draws let the kernel apply causality
+(`is_causal`), the rest pass the mask.
+
+- golden: float64, manual attention;
+- baseline: manual attention (fp32 softmax) in the candidate dtype; for fp64 candidates the
+  baseline is the golden itself, so the analytic bound and the reordering term are tested;
+- forward: the attention output; grad: gradients of `sum(out * cotangent)` (random cotangent)
+  with respect to the input, the three projections and the norm weight.
+
+*Ratio* is err(candidate)/err(baseline) in the kind's metric, the largest over the draw's
+tensors (for fp64, whose baseline is exact, it is the factor the draw needed,
+err / (sqrt(K) * u * scale), to compare with analytic + reorder factor); *budget used* is
+err(candidate)/budget, the largest over the draw's tensors. flex runs on a subset of the draws
+(see the command): on the CPU it recompiles on every call, and it has no backward pass there.
+
+## Current constants
+
+{kinds}
+
+## Legitimate backends: false alarms
+
+Goal: none. {n_false_alarms} false alarm(s) in total.
+
+{false_alarms}
+
+## Planted bugs: detection
+
+A bug's *effect* is its error in float64 (the same bug computed in float64, compared with the
+golden). It is *above fp32 noise* when the effect exceeds, for some tensor, the fp32 baseline's
+error, and *visible* when it exceeds the fp32 band: the budget a legitimate fp32 result may use.
+The goal is that >= 99% of the visible draws are caught, in every dtype; where a narrower dtype
+misses them, the *own band* columns say whether the effect was inside that dtype's own band (the
+dtype cannot see the bug) or not (a real miss). The gap between *above fp32 noise* and *visible*
+is the price of the budget. *Applicable* excludes draws where a bug cannot occur (a leaking mask
+needs a masked key; dropping one head needs two).
+
+- softmax scale +1e-3: the logits are scaled by 1.001 / sqrt(head_dim);
+- masked key leaks into one row: one masked (batch, row, key) entry is unmasked;
+- rotary keys shifted by one: keys are rotated at position + 1 (queries stay), an off-by-one;
+- norm eps 1e-6 -> 1e-5: the RMSNorm epsilon;
+- softmax in bf16: probabilities computed in bfloat16 instead of fp32;
+- one head dropped: the last head's output is zero.
+
+{detection}
+"""
+
+
+def _fmt(x: float) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    return x

@@ -1,0 +1,334 @@
+"""The study: legitimate backends must pass (a failure is a false alarm), planted bugs must
+diverge whenever they are visible (their effect on the float64 output exceeds the fp32 noise)."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchparity import backends, tolerance
+from torchparity.calibration.draws import Calibration, baseline_ratio
+from torchparity.calibration.problems import (
+    BUGS,
+    DETECTION_GOAL,
+    DTYPES,
+    MEASURED_KINDS,
+    Problem,
+    Variant,
+    draw_problem,
+    run_block,
+)
+from torchparity.comparison import Comparison, compare
+from torchparity.errors import BackendUnavailable
+
+
+@dataclass
+class FalseAlarmStats:
+    """Legitimate backend × dtype × kind: how its error relates to the baseline's."""
+
+    ratios: list[float] = field(default_factory=list)
+    headrooms: list[float] = field(default_factory=list)
+    failures: list[int] = field(default_factory=list)  # seeds
+    unavailable: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        calibration = Calibration(
+            "", len(self.headrooms), tuple(self.ratios), tuple(self.headrooms), tuple(self.failures)
+        )
+        return {
+            "draws": len(self.headrooms),
+            "failures": self.failures,
+            "median_ratio": calibration.quantile(0.5),
+            "p99_ratio": calibration.quantile(0.99),
+            "max_ratio": calibration.max_ratio,
+            "max_headroom": calibration.max_headroom,
+            "unavailable": self.unavailable,
+        }
+
+
+@dataclass
+class DetectionStats:
+    """Planted bug × dtype × kind: how often it is visible and how often it is caught."""
+
+    applicable: int = 0
+    above_fp32_noise: int = 0  # the bug's effect on the float64 output exceeds fp32's error
+    visible: int = 0  # ... exceeds the fp32 band: the budget a legitimate fp32 result may use
+    caught_visible: int = 0  # ... and the candidate diverged
+    above_own: int = 0  # the effect exceeds this dtype's own band
+    caught_above_own: int = 0
+    caught: int = 0  # diverged, visible or not
+    missed_seeds: list[int] = field(default_factory=list)  # visible, not caught
+    missed_below_own: int = 0  # ... with an effect inside this dtype's own band
+
+    @property
+    def goal_met(self) -> bool:
+        """At least 99% of the visible draws were caught."""
+        return self.caught_visible >= DETECTION_GOAL * self.visible
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "applicable": self.applicable,
+            "above_fp32_noise": self.above_fp32_noise,
+            "visible": self.visible,
+            "caught_visible": self.caught_visible,
+            "rate_visible": _rate(self.caught_visible, self.visible),
+            "above_own_band": self.above_own,
+            "caught_above_own_band": self.caught_above_own,
+            "rate_above_own_band": _rate(self.caught_above_own, self.above_own),
+            "caught": self.caught,
+            "missed_seeds": self.missed_seeds,
+            "missed_below_own_band": self.missed_below_own,
+        }
+
+
+@dataclass
+class Results:
+    """Everything one calibration run measured."""
+
+    draws: int
+    seed: int
+    dtypes: list[str]
+    backends: list[str]
+    false_alarms: dict[tuple[str, str, str], FalseAlarmStats]
+    detection: dict[tuple[str, str, str], DetectionStats]
+    problems: list[str]
+    flex_every: int = 1
+    seconds: float = 0.0
+
+    @property
+    def n_false_alarms(self) -> int:
+        return sum(len(s.failures) for s in self.false_alarms.values())
+
+    def detection_goal_met(self) -> bool:
+        """Whether every bug was caught in >= 99% of the fp32 draws where it was visible."""
+        return all(s.goal_met for (_, dtype, _), s in self.detection.items() if dtype == "fp32")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "draws": self.draws,
+            "seed": self.seed,
+            "dtypes": self.dtypes,
+            "backends": self.backends,
+            "seconds": self.seconds,
+            "machine": machine(),
+            "kinds": {k: vars(t) for k, t in tolerance.KINDS.items()},
+            "false_alarms": [
+                {"backend": b, "dtype": d, "kind": k, **s.summary()}
+                for (b, d, k), s in self.false_alarms.items()
+            ],
+            "detection": [
+                {"bug": b, "dtype": d, "kind": k, **s.summary()}
+                for (b, d, k), s in self.detection.items()
+            ],
+            "problems": self.problems,
+        }
+
+
+def calibrate(
+    draws: int,
+    *,
+    seed: int = 0,
+    dtypes: list[str] | None = None,
+    backend_names: list[str] | None = None,
+    flex_every: int = 1,
+    on_draw: Callable[[], None] | None = None,
+) -> Results:
+    """Measure ``draws`` problems (seeds ``seed``, ``seed + 1``, ...) and return the statistics.
+
+    ``dtypes`` default to all of :data:`DTYPES`, ``backend_names`` to every CPU backend but
+    manual (the baseline itself). flex, which recompiles on every CPU call, runs on every
+    ``flex_every``-th draw only. ``on_draw`` is called after each draw (progress reporting).
+    """
+    results = Results(
+        draws=draws,
+        seed=seed,
+        dtypes=dtypes or list(DTYPES),
+        backends=backend_names or cpu_backends(),
+        false_alarms=defaultdict(FalseAlarmStats),
+        detection=defaultdict(DetectionStats),
+        problems=[],
+        flex_every=flex_every,
+    )
+    start = time.perf_counter()
+    for draw_seed in range(seed, seed + draws):
+        problem = draw_problem(draw_seed)
+        results.problems.append(f"{problem.shape} {problem.mask_kind}")
+        _measure(problem, results)
+        if on_draw is not None:
+            on_draw()
+    results.seconds = time.perf_counter() - start
+    return results
+
+
+def _measure(problem: Problem, results: Results) -> None:
+    golden = run_block(problem, torch.float64)
+    bugged = {
+        name: run_block(problem, torch.float64, variant)
+        for name, variant in BUGS.items()
+        if _applies(variant, problem)
+    }
+    # A float64 baseline is the golden itself: exact, so budgets use the analytic bound.
+    baselines = {"fp64": golden, "fp32": run_block(problem, torch.float32)}
+    fp32_noise = _noise(golden, baselines["fp32"], "fp32")
+    for dtype_name in results.dtypes:
+        dtype = DTYPES[dtype_name]
+        if dtype_name not in baselines:
+            baselines[dtype_name] = run_block(problem, dtype)
+        baseline = baselines[dtype_name]
+        for backend in results.backends:
+            if backend == "flex" and (problem.seed - results.seed) % results.flex_every:
+                continue
+            _measure_backend(problem, dtype_name, backend, golden, baseline, results)
+        own_noise = _noise(golden, baseline, dtype_name)
+        for name, bugged64 in bugged.items():
+            variant = BUGS[name]
+            candidate = bugged64 if dtype == torch.float64 else run_block(problem, dtype, variant)
+            for kind in MEASURED_KINDS:
+                stats = results.detection[(name, dtype_name, kind)]
+                result = compare(candidate[kind], golden[kind], baseline[kind], kind)
+                effect = _effects(bugged64[kind], golden[kind], kind)
+                _record_detection(stats, result, effect, fp32_noise[kind], own_noise[kind], problem)
+
+
+def _applies(variant: Variant, problem: Problem) -> bool:
+    if variant.leak:
+        return problem.leak_at is not None
+    return not (variant.drop_head and problem.heads == 1)  # the whole output, not one head
+
+
+def _measure_backend(
+    problem: Problem,
+    dtype_name: str,
+    backend: str,
+    golden: dict[str, dict[str, torch.Tensor]],
+    baseline: dict[str, dict[str, torch.Tensor]],
+    results: Results,
+) -> None:
+    dtype = DTYPES[dtype_name]
+    # flex has no CPU backward pass: its gradients cannot be measured there.
+    grad = backend != "flex"
+    try:
+        candidate = run_block(problem, dtype, Variant(backend=backend), grad=grad)
+    except BackendUnavailable as exc:
+        for kind in MEASURED_KINDS:
+            results.false_alarms[(backend, dtype_name, kind)].unavailable = str(exc)
+        return
+    for kind in MEASURED_KINDS:
+        stats = results.false_alarms[(backend, dtype_name, kind)]
+        if kind not in candidate:
+            stats.unavailable = f"{backend} has no backward pass on the CPU"
+            continue
+        result = compare(candidate[kind], golden[kind], baseline[kind], kind)
+        ratio = baseline_ratio(result)
+        stats.ratios.append(ratio if ratio is not None else _needed_factor(result))
+        stats.headrooms.append(result.worst.headroom)
+        if not result.ok:
+            stats.failures.append(problem.seed)
+
+
+def _needed_factor(result: Comparison) -> float:
+    """For an exact baseline: the factor each tensor needed, err / (sqrt(K) * u * scale), at its
+    largest. The budget grants analytic_factor + reorder_factor (u_acc = u for float64)."""
+    return max(
+        t.error / (math.sqrt(t.budget.reduction_length) * t.budget.unit_roundoff * t.budget.scale)
+        for t in result.tensors
+        if t.budget is not None and t.budget.baseline_error is None
+    )
+
+
+@dataclass(frozen=True)
+class Noise:
+    """What rounding alone does to one tensor in one dtype: its error and the budget it earns."""
+
+    level: float  # err(baseline, golden), or the analytic budget when the baseline is exact
+    budget: float
+
+
+def _noise(
+    golden: dict[str, dict[str, torch.Tensor]],
+    baseline: dict[str, dict[str, torch.Tensor]],
+    dtype_name: str,
+) -> dict[str, dict[str, Noise]]:
+    """The noise of ``dtype_name`` per kind and tensor."""
+    noise: dict[str, dict[str, Noise]] = {}
+    for kind in MEASURED_KINDS:
+        metric = tolerance.KINDS[kind].metric
+        noise[kind] = {}
+        for name, g in golden[kind].items():
+            error = tolerance.error(baseline[kind][name], g, metric)
+            budget = tolerance.budget(
+                g, baseline_error=error, compute_dtype=dtype_name, kind=kind
+            ).value
+            noise[kind][name] = Noise(level=error or budget, budget=budget)
+    return noise
+
+
+def _effects(
+    bugged: dict[str, torch.Tensor], golden: dict[str, torch.Tensor], kind: str
+) -> dict[str, float]:
+    metric = tolerance.KINDS[kind].metric
+    return {name: tolerance.error(bugged[name], golden[name], metric) for name in golden}
+
+
+def _record_detection(
+    stats: DetectionStats,
+    result: Comparison,
+    effect: dict[str, float],
+    fp32_noise: dict[str, Noise],
+    own_noise: dict[str, Noise],
+    problem: Problem,
+) -> None:
+    caught = not result.ok
+    visible = any(effect[n] > fp32_noise[n].budget for n in effect)
+    above_own = any(effect[n] > own_noise[n].budget for n in effect)
+    stats.applicable += 1
+    stats.above_fp32_noise += any(effect[n] > fp32_noise[n].level for n in effect)
+    stats.caught += caught
+    stats.visible += visible
+    stats.caught_visible += visible and caught
+    stats.above_own += above_own
+    stats.caught_above_own += above_own and caught
+    if visible and not caught:
+        stats.missed_seeds.append(problem.seed)
+        stats.missed_below_own += not above_own
+
+
+def _rate(caught: int, visible: int) -> float | None:
+    return caught / visible if visible else None
+
+
+def cpu_backends() -> list[str]:
+    """Every backend that runs on the CPU, except manual: the baseline itself."""
+    available = backends.available("cpu", torch.float32)
+    return [name for name, reason in available.items() if reason is None and name != "manual"]
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    return {
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
