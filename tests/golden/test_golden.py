@@ -28,7 +28,7 @@ from torchparity.golden.store import (
 )
 from torchparity.reference import zoo
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHIPPED = REPO / "golden"
 CASE = "llama-tiny"
 

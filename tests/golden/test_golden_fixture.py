@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torchparity.golden.store import GoldenStore
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 N_PARAMETRIZED = 24
 
 TEST_MODULE = f'''

@@ -18,7 +18,7 @@ from torchparity.commands.check import select_cells
 from torchparity.golden.cases import OUTPUT_KINDS
 from torchparity.reference import models, norms, positions, zoo
 
-SHIPPED = Path(__file__).resolve().parents[1] / "golden"
+SHIPPED = Path(__file__).resolve().parents[2] / "golden"
 VERDICTS = {"identical", "within", "diverged", "n/a", "init changed", "inputs changed"}
 
 

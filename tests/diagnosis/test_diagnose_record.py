@@ -17,7 +17,7 @@ from torchparity.reference import build_model, zoo
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 FACTORY = textwrap.dedent("""
     import os
