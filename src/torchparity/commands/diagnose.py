@@ -13,8 +13,9 @@ import argparse
 
 from rich.console import Console
 
-from torchparity.commands.record import add_selection_arguments, load_entry
+from torchparity.commands.record import add_selection_arguments
 from torchparity.errors import UsageError
+from torchparity.factory import load_entry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
