@@ -2,7 +2,8 @@
 
 Each subcommand lives in ``torchparity.commands.<name>`` and provides ``add_arguments(parser)``
 and ``run(args) -> int``; they are imported only when used so ``torchparity --help`` is instant.
-Exit codes: 0 success, 1 a check failed, 2 a usage or file error (one line on stderr).
+Exit codes: 0 success, 1 a check failed, 2 a usage or file error, 3 the user's own code (a
+model factory) raised; errors are one line on stderr.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(args._module).run(args)
     except TorchParityError as exc:
         print(f"torchparity {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return getattr(exc, "exit_status", 2)
     except KeyboardInterrupt:
         print(f"torchparity {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -16,3 +16,12 @@ class UsageError(TorchParityError):
 
 class BackendUnavailable(TorchParityError):
     """The requested attention backend cannot run here (device, dtype or feature)."""
+
+
+class UserCodeError(TorchParityError):
+    """The user's own code (a model factory, its loss or decode step) raised an exception.
+
+    The message names the code and its exception in one line; the CLI exits with status 3.
+    """
+
+    exit_status = 3

@@ -1,8 +1,11 @@
 """Users' models as *factories*: an entry ``file.py:name`` or ``package.module:name``.
 
-The named callable returns ``(model, inputs)`` or ``(model, inputs, loss_fn)``; ``inputs`` is a
-tuple of positional arguments, a dict of keyword arguments or one tensor. Every command that
-takes a user's model (``check``, ``golden``, ``bench``, ``diagnose``, ``record``) loads it here.
+The named callable returns ``(model, inputs)`` or ``(model, inputs, loss_fn)``, or a dict with
+the keys ``model``, ``inputs`` and optionally ``loss_fn`` and ``decode``. ``inputs`` is a tuple
+of positional arguments, a dict of keyword arguments or one tensor; ``loss_fn(output, inputs)``
+returns a scalar; ``decode(model, inputs)`` runs the model's incremental decoding and returns
+its outputs (a pytree of tensors). Every command that takes a user's model (``check``,
+``golden``, ``bench``, ``diagnose``, ``record``) loads it here.
 """
 
 from __future__ import annotations
@@ -10,19 +13,48 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from torchparity.errors import UsageError
+from torchparity.errors import UsageError, UserCodeError
+
+_KEYS = ("model", "inputs", "loss_fn", "decode")
+
+
+@dataclass
+class UserModel:
+    """What a factory returned, checked: the model, its inputs and the optional callables."""
+
+    name: str  # a file-system friendly name derived from the entry (the golden folder)
+    model: nn.Module
+    inputs: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    decode: Callable[[nn.Module, Any], Any] | None = None
 
 
 def load_entry(spec: str) -> tuple[nn.Module, Any, Any]:
     """Import ``module:factory`` (module path or .py file), call it, check what it returns.
 
-    Returns ``(model, inputs, loss_fn or None)``; every problem is a one-line UsageError.
+    Returns ``(model, inputs, loss_fn or None)``; a problem with the entry or what it returns
+    is a one-line :class:`UsageError`, an exception raised by the user's code a
+    :class:`UserCodeError` naming the entry.
     """
+    user = load_factory(spec)
+    return user.model, user.inputs, user.loss_fn
+
+
+def load_factory(spec: str) -> UserModel:
+    """Like :func:`load_entry`, returning the whole :class:`UserModel` (with ``decode``)."""
+    return build_user_model(resolve_entry(spec), entry_name(spec), spec)
+
+
+def resolve_entry(spec: str) -> Callable[[], Any]:
+    """The callable an entry names (imported, not called)."""
     location, _, attribute = spec.rpartition(":")
     if not location or not attribute:
         raise UsageError(f"entry point {spec!r} must look like package.module:factory or "
@@ -31,15 +63,62 @@ def load_entry(spec: str) -> tuple[nn.Module, Any, Any]:
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise UsageError(f"entry point {spec}: {location} has no callable {attribute!r}")
-    result = factory()
-    if not (isinstance(result, tuple) and len(result) in (2, 3)):
-        raise UsageError(f"entry point {spec} must return (model, inputs) or "
-                         f"(model, inputs, loss_fn); it returned {type(result).__name__}")
-    model, inputs, loss_fn = (*result, None) if len(result) == 2 else result
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"entry point {spec} returned a {type(model).__name__} as model, "
+    return factory
+
+
+def entry_name(spec: str) -> str:
+    """``path/to/models.py:gpt2`` -> ``models.gpt2``; ``pkg.mod:gpt2`` -> ``pkg.mod.gpt2``."""
+    location, _, attribute = spec.rpartition(":")
+    stem = Path(location).stem if location.endswith(".py") else location
+    return f"{stem}.{attribute}"
+
+
+def build_user_model(factory: Callable[[], Any], name: str, label: str | None = None,
+                     ) -> UserModel:
+    """Call ``factory`` and check what it returns; ``label`` names it in messages."""
+    label = label or name
+    try:
+        result = factory()
+    except Exception as exc:
+        raise UserCodeError(f"factory {label} raised {type(exc).__name__}: "
+                            f"{_first_line(exc)}") from exc
+    if isinstance(result, Mapping):
+        unknown = sorted(set(result) - set(_KEYS))
+        if unknown or not {"model", "inputs"} <= set(result):
+            raise UsageError(f"factory {label} returned a dict with keys "
+                             f"{', '.join(map(str, result)) or '(none)'}; it needs 'model' and "
+                             f"'inputs' and may have 'loss_fn' and 'decode'")
+        fields = {key: result.get(key) for key in _KEYS}
+    elif isinstance(result, tuple) and len(result) in (2, 3):
+        fields = dict(zip(_KEYS, result, strict=False))
+    else:
+        raise UsageError(f"factory {label} must return (model, inputs) or "
+                         f"(model, inputs, loss_fn); it returned {_describe(result)}")
+    user = UserModel(name=name, **fields)
+    if not isinstance(user.model, nn.Module):
+        raise UsageError(f"factory {label} returned a {type(user.model).__name__} as model, "
                          "not a torch.nn.Module")
-    return model, inputs, loss_fn
+    if not isinstance(user.inputs, tuple | Mapping | torch.Tensor):
+        raise UsageError(f"factory {label} returned inputs of type "
+                         f"{type(user.inputs).__name__}; give a tuple of positional arguments, "
+                         "a dict of keyword arguments or one tensor")
+    for key in ("loss_fn", "decode"):
+        value = getattr(user, key)
+        if value is not None and not callable(value):
+            raise UsageError(f"factory {label} returned a {type(value).__name__} as {key}; "
+                             "it must be callable")
+    return user
+
+
+def _describe(result: Any) -> str:
+    if isinstance(result, tuple):
+        return f"a tuple of {len(result)}"
+    return "None" if result is None else f"a {type(result).__name__}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
 
 
 def _import_location(location: str, spec: str) -> Any:
@@ -58,3 +137,8 @@ def _import_location(location: str, spec: str) -> Any:
         return importlib.import_module(location)
     except ImportError as exc:
         raise UsageError(f"entry point {spec}: cannot import {location} ({exc})") from None
+    except UsageError:
+        raise
+    except Exception as exc:
+        raise UserCodeError(f"entry point {spec}: importing {location} raised "
+                            f"{type(exc).__name__}: {_first_line(exc)}") from exc
