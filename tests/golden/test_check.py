@@ -226,3 +226,21 @@ def test_check_passes_on_the_gpu(tmp_path, device):
                            "--case", "encdec-relative")
     assert status == 0, failures(report)
     assert {r["device"] for r in report["results"]} == {"cpu", device}
+
+
+@pytest.mark.parametrize("command", [["check"], ["train", "--case", "llama-tiny"], ["bench"],
+                                     ["backends"], ["calibrate"]])
+@pytest.mark.parametrize("written, short", [("float32", "fp32"), ("bfloat16", "bf16"),
+                                            ("torch.float16", "fp16"), ("fp32", "fp32")])
+def test_every_dtype_option_takes_torch_names(command, written, short):
+    from torchparity.cli import build_parser
+
+    argv = [*command, "--dtype", written]
+    args = build_parser(argv).parse_args(argv)
+    assert args.dtype in (short, [short])
+
+
+def test_check_runs_with_a_torch_dtype_name(tmp_path):
+    status, report = check(tmp_path, "--case", "mqa", "--backend", "sdpa", "--dtype", "float32")
+    assert status == 0
+    assert {r["dtype"] for r in report["results"]} == {"fp64", "fp32"}

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from torchparity import backends
-from torchparity.commands.common import resolve_device
+from torchparity.commands.common import dtype_name, resolve_device
 
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16,
           "fp16": torch.float16}
@@ -19,7 +19,7 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="device to probe (default: cuda when available, else cpu)")
-    parser.add_argument("--dtype", action="append", choices=list(DTYPES),
+    parser.add_argument("--dtype", action="append", type=dtype_name, choices=list(DTYPES),
                         help="dtype to probe (repeatable; default: all)")
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
 

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 
 from torchparity.bench import report as bench_report
 from torchparity.bench import runner as bench
+from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -21,7 +22,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available, else cpu)")
-    parser.add_argument("--dtype", action="append", choices=list(DTYPES),
+    parser.add_argument("--dtype", action="append", type=dtype_name, choices=list(DTYPES),
                         help="dtype to measure (repeatable; default: fp32 on the CPU, "
                              "bf16 and fp32 on CUDA)")
     parser.add_argument("--size", action="append", metavar="NAME",

@@ -20,6 +20,7 @@ from torchparity import backends
 from torchparity.calibration.problems import DTYPES
 from torchparity.calibration.report import json_safe, print_tables, render_markdown
 from torchparity.calibration.study import calibrate, cpu_backends
+from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError
 
 
@@ -29,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         action="append",
+        type=dtype_name,
         choices=list(DTYPES),
         help="candidate dtype (repeatable; default: fp32, bf16, fp16, fp64)",
     )

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from torchparity import backends
+from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError
 from torchparity.golden.cases import (
     OUTPUT_KINDS,
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", action="append", metavar="NAME",
                         help=f"attention backend (repeatable; default: all of "
                              f"{', '.join(backends.names())})")
-    parser.add_argument("--dtype", action="append", metavar="DTYPE",
+    parser.add_argument("--dtype", action="append", metavar="DTYPE", type=dtype_name,
                         help=f"dtype (repeatable; one of {', '.join(CHECK_DTYPES)}; default: "
                              f"fp32, bf16 on cpu and also tf32, fp16 on cuda)")
     parser.add_argument("--device", action="append", metavar="DEVICE",

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from torchparity import backends
-from torchparity.commands.common import resolve_device
+from torchparity.commands.common import dtype_name, resolve_device
 from torchparity.errors import UsageError
 from torchparity.reference import zoo
 from torchparity.train.trainer import DTYPE_MODES, NORMALIZATIONS, Execution, TrainConfig, Trainer
@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"optimizer steps (default {_DEFAULTS.steps})")
     parser.add_argument("--backend", default="manual", choices=backends.names(),
                         help="attention backend (default manual)")
-    parser.add_argument("--dtype", default="fp32", choices=list(DTYPE_MODES),
+    parser.add_argument("--dtype", default="fp32", type=dtype_name,
+                        choices=list(DTYPE_MODES),
                         help="fp64, fp32 (TF32 off), tf32, bf16 or fp16 (autocast with fp32 "
                              "master weights; fp16 with a grad scaler); default fp32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
