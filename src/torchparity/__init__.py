@@ -17,8 +17,8 @@ _EXPORTS = {
     "Comparison": "torchparity.comparison",
     "diagnose": "torchparity.diagnosis.api",
     "diagnose_against": "torchparity.diagnosis.api",
-    "diagnose_decode": "torchparity.diagnosis.api",
-    "attribute": "torchparity.diagnosis.api",
+    "diagnose_decode": "torchparity.diagnosis.decode",
+    "attribute": "torchparity.diagnosis.attribution",
     "record": "torchparity.diagnosis.api",
     "deterministic": "torchparity.train.trainer",
 }

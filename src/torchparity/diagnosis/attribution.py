@@ -23,19 +23,19 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.align import NameMap, align
+from torchparity.diagnosis.api import diagnose
 from torchparity.diagnosis.capture import flatten_tensors
+from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.report import AttributionReport, Unit
 from torchparity.diagnosis.run import (
     BackendSpec,
     Inputs,
     Options,
-    ProgressBar,
     backend_context,
     backend_name,
     call_model,
     check_models,
     make_options,
-    progress_bar,
     run_model,
     seeded,
 )
@@ -126,8 +126,6 @@ def _differing_modules(model_a: nn.Module, model_b: nn.Module, inputs: Inputs,
                        ) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """The deepest aligned modules whose local output is not bit-identical, both models run
     under A's backend so that backend effects are not attributed to modules."""
-    from torchparity.diagnosis.api import diagnose
-
     report = diagnose(model_a, model_b, inputs, name_map=name_map, backward=False,
                       backends=(opts.backend_a, opts.backend_a), progress=opts.progress)
     differing = [r for r in report.rows if r.local is not None and r.local.verdict != "identical"]

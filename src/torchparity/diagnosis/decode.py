@@ -20,6 +20,9 @@ from torch import nn
 
 from torchparity.diagnosis.align import NameMap, align
 from torchparity.diagnosis.capture import Capture, ModuleCall, PatternSpec
+from torchparity.diagnosis.golden import golden_copy
+from torchparity.diagnosis.judging import joined, judge
+from torchparity.diagnosis.progress import progress_bar
 from torchparity.diagnosis.report import DecodeReport, Mismatch, Result, Row
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
@@ -28,14 +31,10 @@ from torchparity.diagnosis.run import (
     backend_context,
     backend_name,
     check_models,
-    golden_copy,
-    joined,
-    judge,
     make_options,
-    progress_bar,
     seeded,
+    upcast,
 )
-from torchparity.diagnosis.trace import upcast
 from torchparity.errors import UsageError
 
 __all__ = ["Decoding", "HFDecoding", "ReferenceDecoding", "diagnose_decode"]

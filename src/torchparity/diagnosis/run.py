@@ -1,10 +1,9 @@
-"""The machinery every diagnosis shares: options, seeded model runs with capture, module
-replays, the float64 golden copy, judgement under the tolerance model, and progress."""
+"""Running models for a diagnosis: its options, seeded whole-model runs with capture, and
+replays of one module on recorded inputs. Every stage runs models through here."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -20,9 +19,9 @@ from torchparity.diagnosis.capture import (
     PatternSpec,
     flatten_tensors,
     map_tensors,
+    map_tensors_with_paths,
     module_filter,
 )
-from torchparity.diagnosis.report import Mismatch, Result
 from torchparity.errors import UsageError
 
 Inputs = tuple[Any, ...] | dict[str, Any] | torch.Tensor
@@ -36,8 +35,9 @@ BackendSpec = str | Callable[[], contextlib.AbstractContextManager] | None
 #: Which modules get a local error: those whose propagated error diverged, or every one.
 Local = Literal["diverged", "all"]
 
-GOLDEN_DTYPE = torch.float64
 SEED = 0
+#: The golden's dtype: A's math with rounding far below any other dtype's.
+GOLDEN_DTYPE = torch.float64
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,6 @@ class Options:
 
     def selects(self) -> Callable[[str], bool]:
         return module_filter(self.include, self.exclude)
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,99 +228,29 @@ def replay(module: nn.Module, inputs: tuple[tuple, dict], backend: BackendSpec, 
     return {p: t.detach() for p, t in outputs.items()}, grads
 
 
-def module_placement(module: nn.Module) -> tuple[torch.dtype | None, torch.device | None]:
-    """The floating dtype and device of a module's parameters/buffers (None when it has none)."""
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.is_floating_point():
-            return tensor.dtype, tensor.device
-    return None, None
+def placed(inputs: tuple[tuple, dict], call: ModuleCall) -> tuple[tuple, dict]:
+    """Recorded inputs with each tensor moved to the device, and floating ones cast to the
+    dtype, that ``call``'s module saw at the same input in its own run."""
+    def place(path: str, tensor: torch.Tensor) -> torch.Tensor:
+        dtype, device = call.input_placement.get(path, (tensor.dtype, tensor.device))
+        if not (tensor.is_floating_point() and dtype.is_floating_point):
+            dtype = tensor.dtype
+        return tensor.to(device=device, dtype=dtype)
+
+    args, kwargs = inputs
+    return (map_tensors_with_paths(args, place, "args"),
+            map_tensors_with_paths(kwargs, place, "kwargs"))
 
 
-def golden_copy(model: nn.Module) -> tuple[nn.Module | None, str]:
-    """A float64 CPU copy of ``model`` and a description of the golden used."""
-    dtype, _ = module_placement(model)
-    if dtype == GOLDEN_DTYPE:
-        return None, "none: A already runs in float64; budgets use the analytic bound"
-    try:
-        golden = copy.deepcopy(model).to(device="cpu", dtype=GOLDEN_DTYPE)
-    except Exception as exc:  # noqa: BLE001 - any failure means: no golden, say why
-        return None, f"none: copying A to float64 failed ({type(exc).__name__}: {exc})"
-    return golden, "float64 copy of A on the CPU"
+def upcast(tree: Any, dtype: torch.dtype | None, device: torch.device | str | None = None) -> Any:
+    """``tree`` with floating tensors cast to ``dtype`` (None: unchanged) and all tensors moved
+    to ``device`` (None: unchanged); new tensors, so the originals stay untouched."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t.detach().to(device=device or t.device, dtype=target, copy=True)
 
+    return map_tensors(tree, cast)
 
 
 def backend_name(spec: BackendSpec) -> str | None:
     return spec if spec is None or isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
-
-
-# --------------------------------------------------------------------------------------------
-# Judgement
-
-
-def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
-          baseline: dict[str, torch.Tensor], kind: str) -> Result:
-    """Compare under the tolerance model; without a golden, the baseline serves as golden and
-    the analytic bound as budget. A baseline in another dtype than the candidate's (B runs in
-    another precision than A) cannot earn a budget and is dropped."""
-    from torchparity.comparison import StructureMismatch, compare
-
-    if not golden:
-        golden, baseline = baseline, {}
-    same_dtypes = all(p in candidate and candidate[p].dtype == t.dtype
-                      for p, t in baseline.items())
-    try:
-        return compare(candidate, golden, baseline if baseline and same_dtypes else None, kind)
-    except StructureMismatch as exc:
-        return Mismatch(kind, str(exc))
-
-
-def merged(first: Result | None, second: Result) -> Result:
-    from torchparity.comparison import Comparison
-
-    if first is None or isinstance(second, Mismatch):
-        return second
-    if isinstance(first, Mismatch):
-        return first
-    return Comparison(kind=first.kind, tensors=first.tensors + second.tensors)
-
-
-def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One call's tensors as they are; several calls' single outputs concatenated along the
-    last dimension (the output of the fused module they correspond to)."""
-    if len(parts) == 1:
-        return parts[0]
-    if any(len(p) != 1 for p in parts):
-        return {}
-    return {"output": torch.cat([next(iter(p.values())) for p in parts], dim=-1)}
-
-
-# --------------------------------------------------------------------------------------------
-# Progress
-
-
-class ProgressBar:
-    """Progress on stderr through rich; a no-op when disabled."""
-
-    def __init__(self, progress: Any) -> None:
-        self.progress_bar = progress
-
-    def phase(self, description: str, total: int | None = None) -> Callable[[], None]:
-        """Start a phase; the returned function advances it (or ends it, without a total)."""
-        if self.progress_bar is None:
-            return lambda: None
-        task = self.progress_bar.add_task(description, total=total or 1)
-        return lambda: self.progress_bar.advance(task)
-
-
-@contextlib.contextmanager
-def progress_bar(enabled: bool | None) -> Iterator[ProgressBar]:
-    if not enabled:
-        yield ProgressBar(None)
-        return
-    from rich.console import Console
-    from rich.progress import Progress
-
-    with Progress(console=Console(stderr=True), transient=True) as progress:
-        yield ProgressBar(progress)
-
-

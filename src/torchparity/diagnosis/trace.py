@@ -48,7 +48,6 @@ from torchparity.diagnosis.capture import (
     ModuleCall,
     Uncopyable,
     flatten_tensors,
-    map_tensors,
     snapshot,
     uncopyable_leaves,
 )
@@ -346,13 +345,3 @@ def changed_weights(recorded: Mapping[str, str], model: nn.Module) -> dict[str, 
         "only_recorded": sorted(recorded.keys() - current.keys()),
         "only_current": sorted(current.keys() - recorded.keys()),
     }
-
-
-def upcast(tree: Any, dtype: torch.dtype | None, device: torch.device | str | None = None) -> Any:
-    """``tree`` with floating tensors cast to ``dtype`` (None: unchanged) and all tensors moved
-    to ``device`` (None: unchanged); new tensors, so the originals stay untouched."""
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return t.detach().to(device=device or t.device, dtype=target, copy=True)
-
-    return map_tensors(tree, cast)

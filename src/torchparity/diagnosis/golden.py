@@ -1,0 +1,103 @@
+"""Stage 2 of a diagnosis: the float64 golden of model A.
+
+A float64 copy of A on the CPU runs the same seeded forward (and backward) as A, and gives the
+*golden* of each recorded call; A's own rounding error against it is the budget's measure.
+For local errors each recorded call is also replayed, on demand: the golden module fed A's
+recorded inputs gives the local golden, and with gradients A's and the golden's module are
+replayed backward from A's recorded output gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import nn
+
+from torchparity.diagnosis.capture import ModuleCall
+from torchparity.diagnosis.progress import ProgressBar
+from torchparity.diagnosis.reference import Reference, grad_keeper, keep_run_results
+from torchparity.diagnosis.run import (
+    GOLDEN_DTYPE,
+    Inputs,
+    Options,
+    placed,
+    replay,
+    run_model,
+    upcast,
+)
+from torchparity.diagnosis.trace import ReplayUnavailable
+
+
+def module_placement(module: nn.Module) -> tuple[Any, Any]:
+    """The floating dtype and device of a module's parameters/buffers (None when it has none)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point():
+            return tensor.dtype, tensor.device
+    return None, None
+
+
+def golden_copy(model: nn.Module) -> tuple[nn.Module | None, str]:
+    """A float64 CPU copy of ``model`` and a description of the golden used."""
+    dtype, _ = module_placement(model)
+    if dtype == GOLDEN_DTYPE:
+        return None, "none: A already runs in float64; budgets use the analytic bound"
+    try:
+        golden = copy.deepcopy(model).to(device="cpu", dtype=GOLDEN_DTYPE)
+    except Exception as exc:  # noqa: BLE001 - any failure means: no golden, say why
+        return None, f"none: copying A to float64 failed ({type(exc).__name__}: {exc})"
+    return golden, "float64 copy of A on the CPU"
+
+
+def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
+               bar: ProgressBar) -> Reference:
+    """Run A's float64 copy into the reference's store and arm the replays of its calls."""
+    store = reference.store
+    golden, reference.golden = golden_copy(model)
+    if golden is not None:
+        done = bar.phase("golden (float64): forward" + (" and backward" if opts.backward else ""))
+        try:
+            golden_run = run_model(
+                golden, upcast(inputs, GOLDEN_DTYPE, "cpu"), opts, opts.backend_a,
+                backward=opts.backward, what="outputs", keep=False,
+                on_call=lambda c: store.put(c.key, "golden_out", c.outputs),
+                on_grad=grad_keeper(store, "golden_grad_out"))
+            keep_run_results(store, golden_run, "golden_out", "golden_param_grad")
+        except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
+            reason = f"{type(exc).__name__}: {exc}"
+            golden, reference.golden = None, f"none: the float64 run failed ({reason})"
+        done()
+    reference.replayer = _Replayer(store, reference.notes, model, golden, opts)
+    return reference
+
+
+class _Replayer:
+    """Local goldens (and local gradients of A and the golden) of A's recorded calls."""
+
+    def __init__(self, store: Any, notes: dict[str, str], model: nn.Module,
+                 golden: nn.Module | None, opts: Options) -> None:
+        self.store, self.notes, self.opts = store, notes, opts
+        self.modules = dict(model.named_modules())
+        self.golden_modules = dict(golden.named_modules()) if golden is not None else None
+
+    def __call__(self, call: ModuleCall) -> None:
+        store, opts = self.store, self.opts
+        grad_out = store.get(call.key, "grad_out") if opts.backward else {}
+        try:
+            if grad_out:
+                _, grads = replay(self.modules[call.name],
+                                  placed(store.get_inputs(call.key), call), opts.backend_a,
+                                  grad_out=grad_out, requires_grad=call.inputs_requiring_grad)
+                store.put(call.key, "local_grad", grads)
+            if self.golden_modules is not None:
+                outputs, grads = replay(
+                    self.golden_modules[call.name],
+                    upcast(store.get_inputs(call.key), GOLDEN_DTYPE, "cpu"), opts.backend_a,
+                    grad_out=upcast(grad_out, GOLDEN_DTYPE, "cpu"),
+                    requires_grad=call.inputs_requiring_grad)
+                store.put(call.key, "local_golden", outputs)
+                store.put(call.key, "local_golden_grad", grads)
+        except ReplayUnavailable as exc:
+            self.notes[call.key] = f"not replayed: {exc}"
+        except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
+            self.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"

@@ -1,0 +1,72 @@
+"""Stage 5 of a diagnosis: local errors, each of B's modules replayed on A's recorded inputs.
+
+B's module is fed A's recorded inputs (and, with gradients, A's recorded output gradient) and
+compared with the local golden (the golden module fed the same), with A's own replay as the
+baseline: an error the module makes itself, not one it inherits. By default only modules whose
+propagated error diverged are replayed (on both sides): a module that agrees in the full run
+has nothing to localise, and replaying every module of a deep model costs many times the runs.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from torchparity.diagnosis.align import Match
+from torchparity.diagnosis.judging import joined
+from torchparity.diagnosis.progress import ProgressBar
+from torchparity.diagnosis.propagated import one_to_one
+from torchparity.diagnosis.reference import Reference
+from torchparity.diagnosis.report import Result, Row
+from torchparity.diagnosis.run import Options, placed, replay
+from torchparity.diagnosis.trace import ReplayUnavailable
+
+
+def judge_local(reference: Reference, matches: list[Match], rows: list[Row], model: nn.Module,
+                opts: Options, bar: ProgressBar) -> int:
+    """Fill the local results of the rows that need them; returns how many were replayed."""
+    to_replay = [(match, row) for match, row in zip(matches, rows, strict=True)
+                 if opts.local == "all" or needs_local(row)]
+    modules = dict(model.named_modules())
+    advance = bar.phase("A, golden and B: module replays", total=len(to_replay))
+    for match, row in to_replay:
+        for call in match.a:
+            reference.ensure_replayed(call)
+        row.notes += [reference.notes[c.key] for c in match.a if c.key in reference.notes]
+        row.local, row.grad_local, note = _local(reference, match, modules, opts)
+        if note:
+            row.notes.append(note)
+        advance()
+    return len(to_replay)
+
+
+def needs_local(row: Row) -> bool:
+    """Whether a row's propagated results leave something to localise: one diverged, or the
+    forward one is missing."""
+    return row.propagated is None or any(
+        result is not None and not result.ok for result in (row.propagated, row.grad_propagated))
+
+
+def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], opts: Options
+           ) -> tuple[Result | None, Result | None, str | None]:
+    """B's module(s) fed A's recorded inputs (and output gradient), judged against the local
+    golden with A's replay as the baseline."""
+    a = match.a[0]
+    if a.key in reference.notes:
+        return None, None, None
+    store = reference.store
+    try:
+        outputs = [replay(modules[b.name], placed(store.get_inputs(a.key), b),
+                          opts.backend_b)[0] for b in match.b]
+        local = reference.judge(match.a, joined(outputs), "out", "local_golden", "forward")
+        grad_out = store.get(a.key, "grad_out") if opts.backward and one_to_one(match) else {}
+        if not grad_out:
+            return local, None, None
+        b = match.b[0]
+        _, grads = replay(modules[b.name], placed(store.get_inputs(a.key), b), opts.backend_b,
+                          grad_out=grad_out, requires_grad=a.inputs_requiring_grad)
+        grad_local = reference.judge(match.a, grads, "local_grad", "local_golden_grad", "grad")
+        return local, grad_local, None
+    except ReplayUnavailable as exc:
+        return None, None, f"not replayed: {exc}"
+    except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
+        return None, None, f"replay of B's module failed: {type(exc).__name__}: {exc}"
