@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import torchparity.train.trainer
 from torchparity import backends
 from torchparity.cli import main
 from torchparity.commands.check import select_cells
 from torchparity.golden.cases import OUTPUT_KINDS
 from torchparity.reference import models, norms, positions, zoo
+from torchparity.train import trainer
 
 SHIPPED = Path(__file__).resolve().parents[2] / "golden"
 VERDICTS = {"identical", "within", "diverged", "n/a", "init changed", "inputs changed"}
@@ -182,19 +182,23 @@ def test_cuda_without_a_gpu_is_a_usage_error(capsys):
     assert "no CUDA device is available" in capsys.readouterr().err
 
 
-def test_train_flag_uses_the_training_seam(tmp_path, monkeypatch, capsys):
-    monkeypatch.delattr(torchparity.train.trainer, "check_trajectories", raising=False)
-    assert main(["check", "--train", "--golden-dir", str(SHIPPED), "--case", "mqa"]) == 2
-    assert "training trajectories are not available" in capsys.readouterr().err
+def test_train_flag_checks_the_golden_trajectories(tmp_path, capsys):
+    status, report = check(tmp_path, "--train", "--case", "mqa", "--backend", "manual",
+                           "--dtype", "fp32")
+    assert status == 0
+    rows = [r for r in report["results"] if r["output"] == "trajectory"]
+    assert [(r["case"], r["backend"], r["dtype"], r["verdict"]) for r in rows] == [
+        ("mqa", "manual", "fp32", "within")]
+    assert 0 < rows[0]["headroom"] <= 1
+    assert "OK:" in capsys.readouterr().out
 
-    def check_trajectories(cases, golden_dir, progress):
-        return [dict(case=c.name, backend="manual", dtype="fp32", device="cpu",
-                     output="trajectory", kind="trajectory", verdict="diverged", headroom=2.0,
-                     ok=False, explain="diverged: step 3") for c in cases]
 
-    monkeypatch.setattr(torchparity.train.trainer, "check_trajectories", check_trajectories,
-                        raising=False)
-    status, report = check(tmp_path, "--train", "--case", "mqa", "--backend", "manual")
+def test_train_flag_fails_when_the_training_code_changes(tmp_path, monkeypatch):
+    # The summed loss divided by the number of sentences instead of target tokens.
+    monkeypatch.setattr(trainer, "loss_denominator", lambda batch, normalization:
+                        batch.n_sentences)
+    status, report = check(tmp_path, "--train", "--case", "mqa", "--backend", "manual",
+                           "--dtype", "fp32")
     assert status == 1
     assert failures(report) == [("mqa", "manual", "fp32", "trajectory")]
 

@@ -10,8 +10,6 @@ error. See :mod:`torchparity.golden.cases` for what is compared and how.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import multiprocessing
 import os
@@ -71,7 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker processes (default: 2 when the machine has 2+ cores; 1 "
                              "runs in this process)")
     parser.add_argument("--train", action="store_true",
-                        help="also check the golden training trajectories")
+                        help="also train each case's golden recipe (20 steps) in every cell "
+                             "but the reference one and judge the loss, gradient-norm and "
+                             "update-norm trajectory against the golden trajectory")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,11 +81,11 @@ def run(args: argparse.Namespace) -> int:
     cases = select_cases(args.case)
     cells = select_cells(args.backend, args.dtype, args.device)
     jobs = _jobs(args.jobs)
-    check_trajectories = training_seam() if args.train else None
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"--json {args.json}: its folder does not exist")
     for case in cases:  # every golden is validated before any work starts
         load_case(store, case)
+    trajectories = _trajectory_store(store, cases) if args.train else None
 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -94,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
                         TimeElapsedColumn(), console=Console(stderr=True), transient=True)
     with progress:
         results = execute(store, cases, cells, jobs, progress)
-        if check_trajectories is not None:
-            results += train_results(check_trajectories, cases, store.root, progress)
+        if trajectories is not None:
+            results += train_results(trajectories, cases, cells, progress)
     elapsed = time.perf_counter() - started
 
     console = Console(soft_wrap=True)
@@ -159,6 +159,12 @@ def _devices(devices: list[str] | None) -> list[str]:
         if kind == "cuda" and not torch.cuda.is_available():
             raise UsageError(f"--device {device}: no CUDA device is available here")
     return list(dict.fromkeys(devices))
+
+
+def _trajectory_store(store: GoldenStore, cases: list[zoo.ZooCase]) -> GoldenStore:
+    from torchparity.golden.training import load_trajectories
+
+    return load_trajectories(store, [case.name for case in cases])
 
 
 def _jobs(jobs: int | None) -> int:
@@ -251,26 +257,17 @@ def _drain(progress_queue: Any, advance: Callable[[str], None], timeout: float) 
         pass
 
 
-def training_seam() -> Callable[..., list]:
-    """``torchparity.train.trainer.check_trajectories``, or a :class:`UsageError` when it is missing."""
-    has_train = importlib.util.find_spec("torchparity.train.trainer") is not None
-    check_trajectories = getattr(importlib.import_module("torchparity.train.trainer"),
-                                 "check_trajectories", None) if has_train else None
-    if check_trajectories is None:
-        raise UsageError("training trajectories are not available in this torchparity "
-                         "(torchparity.train.trainer.check_trajectories is missing); run without --train")
-    return check_trajectories
+def train_results(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell],
+                  progress: Any) -> list[CheckResult]:
+    """The ``trajectory`` rows of ``check --train`` (see :mod:`torchparity.golden.training`)."""
+    from torchparity.golden.training import check_trajectories
 
-
-def train_results(check_trajectories: Callable[..., list], cases: list[zoo.ZooCase],
-                  golden_dir: Path, progress: Any) -> list[CheckResult]:
-    """Rows of ``check_trajectories(cases, golden_dir, progress)`` for ``check --train``.
-
-    That function receives the zoo cases, the golden folder and the running rich ``Progress``
-    (it may add a task) and returns :class:`CheckResult` objects or dicts with their fields.
-    """
-    rows = check_trajectories(cases, golden_dir, progress)
-    return [row if isinstance(row, CheckResult) else CheckResult(**row) for row in rows]
+    trained = [cell for cell in cells if cell != REFERENCE]
+    task = progress.add_task("training", total=len(cases) * len(trained))
+    with single_thread():
+        return check_trajectories(store, [case.name for case in cases], trained,
+                                  lambda label: progress.update(task, advance=1,
+                                                                description=label))
 
 
 # --- reporting ------------------------------------------------------------------------------

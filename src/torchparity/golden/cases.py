@@ -96,6 +96,7 @@ class CheckResult:
     reason: str | None = None
     explain: str | None = None
     worst: str | None = None  # path of the worst tensor
+    structure: list[str] | None = None  # outputs present on one side only, with what each has
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; an infinite headroom becomes the string "inf"."""
@@ -167,7 +168,7 @@ def single_thread() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _matmul_precision(dtype_name: str) -> Iterator[None]:
+def matmul_precision(dtype_name: str) -> Iterator[None]:
     # fp32 cells must not pick up TF32 from a global setting; tf32 cells ask for it.
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if dtype_name == "tf32" else "highest")
@@ -194,7 +195,7 @@ def _layer_outputs(model: Model) -> Iterator[dict[str, torch.Tensor]]:
             handle.remove()
 
 
-def _perturb(model: Model) -> None:
+def perturb_weights(model: torch.nn.Module) -> None:
     """Multiply every weight by 1 + d with |d| <= 2**-52, d fixed per element (deterministic)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -249,16 +250,16 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
 
     Without ``tokens`` decoding is greedy (the golden's ``decode`` holds tokens and log-probs);
     with them it is forced (:func:`forced_logprobs`, ``decode`` holds log-probs only).
-    ``perturb`` applies :func:`_perturb` to the weights. When the backend cannot run the
+    ``perturb`` applies :func:`perturb_weights` to the weights. When the backend cannot run the
     backward pass (flex on the CPU, a trainable bias on sdpa-flash) the forward runs without
     gradients and ``grads`` is listed in ``missing``; nothing falls back to another backend.
     """
     model = build_model(case.config, WEIGHT_SEED, dtype=DTYPES[cell.dtype], device=cell.device)
     if perturb:
-        _perturb(model)
+        perturb_weights(model)
     batch = case_batch(case, cell.device)
     missing: dict[str, str] = {}
-    with backends.use(cell.backend), _matmul_precision(cell.dtype):
+    with backends.use(cell.backend), matmul_precision(cell.dtype):
         try:
             outputs = _forward_backward(model, batch, backward=True)
         except BackendUnavailable as exc:
@@ -295,15 +296,17 @@ def write_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, str]:
     statuses = {}
     for output, kind in OUTPUT_KINDS.items():
         tensors, output_meta = run.outputs[output], {"kind": kind, **meta}
-        status = _write_status(store, case.name, output, tensors, output_meta)
+        status = write_status(store, case.name, output, tensors, output_meta)
         if status != "unchanged":
             store.write(case.name, output, tensors, output_meta)
         statuses[output] = status
     return statuses
 
 
-def _write_status(store: GoldenStore, case: str, output: str,
-                  tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> str:
+def write_status(store: GoldenStore, case: str, output: str,
+                 tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> str:
+    """What writing ``tensors`` and ``meta`` would do to a golden: ``created``, ``replaced``
+    (unreadable before), ``updated`` or ``unchanged`` (then it is best left untouched)."""
     if not any(p.exists() for p in store.paths(case, output)):
         return "created"
     try:

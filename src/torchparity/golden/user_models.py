@@ -1,0 +1,447 @@
+"""Goldens of users' models, and the cell-by-cell check of a model against them.
+
+A user's model comes from a factory (:mod:`torchparity.factory`). Its goldens, computed in
+float64 on the CPU with every SDPA call on the ``manual`` backend, live in
+``<golden dir>/<entry name>/``:
+
+============  ==========  =============================================================
+output        kind        tensors
+============  ==========  =============================================================
+``outputs``   forward     every tensor of the model's output, keyed by its path
+``loss``      loss        ``loss_fn(output, inputs)``, or the default loss (below)
+``grads``     grad        the gradient of every parameter that requires one
+``decode``    forward     what the factory's ``decode(model, inputs)`` returns, or for a
+                          ``transformers`` generative model greedy ``generate`` with and
+                          without the KV cache, in float64 only (absent when neither applies)
+============  ==========  =============================================================
+
+The default loss is a fixed pseudo-random projection of the floating outputs the golden has:
+its gradient reaches every element of them, and the same weights are used in every cell.
+
+Cells are those of the zoo's check: the reference cell (manual, fp64) recomputes the goldens
+with a baseline of one float64 rounding of the weights; every other cell runs a copy of the
+model in its dtype with every ``scaled_dot_product_attention`` call on its backend, judged by
+the tolerance model against the ``manual`` backend in the same dtype. A model that makes no
+SDPA call has its backend cells ``n/a`` with that reason. ``transformers`` models run their
+``sdpa`` attention implementation there and get one more backend, ``hf-eager``: their own
+eager implementation. Outputs that one run has and another lacks (eager's attention weights
+against sdpa's ``None``) are reported as structure differences, never as divergences; the
+tensors both have are judged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity import backends
+from torchparity.comparison import compare
+from torchparity.diagnosis.capture import flatten_tensors
+from torchparity.diagnosis.run import call_model
+from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
+from torchparity.factory import UserModel, build_user_model, load_factory
+from torchparity.golden.cases import (
+    DTYPES,
+    REFERENCE,
+    Cell,
+    CheckResult,
+    matmul_precision,
+    perturb_weights,
+    write_status,
+)
+from torchparity.golden.store import Golden, GoldenStale, GoldenStore, checksum
+from torchparity.reference import rng
+
+#: Output name -> kind of the tolerance model it is judged with.
+OUTPUT_KINDS = {"outputs": "forward", "loss": "loss", "grads": "grad", "decode": "forward"}
+#: The attention implementation of ``transformers`` models as one more backend.
+HF_EAGER = "hf-eager"
+#: New tokens of the default decode of ``transformers`` generative models.
+DECODE_STEPS = 4
+_LOSS_SEED = 0
+_ROOT = "output"
+
+
+def backend_names(models: list[Subject] | None = None) -> list[str]:
+    """The backends of a user-model check: every attention backend, and ``hf-eager`` when one
+    of ``models`` is a ``transformers`` model (always when ``models`` is None)."""
+    hf = models is None or any(m.is_transformers for m in models)
+    return [*backends.names(), *([HF_EAGER] if hf else [])]
+
+
+@dataclass
+class Run:
+    """One run of a model in a cell: output name -> {path: tensor}, and why others are missing."""
+
+    outputs: dict[str, dict[str, torch.Tensor]]
+    missing: dict[str, str]
+
+
+class Subject:
+    """A user's model ready to run in any cell: the factory's result and its golden folder."""
+
+    def __init__(self, user: UserModel, entry: str) -> None:
+        self.user = user
+        self.entry = entry
+        self.name = user.name
+        self.is_transformers = _is_transformers(user.model)
+        if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
+               for m in user.model.modules()):
+            user.model.eval()  # dropout would make every run differ; see docs/your-model.md
+
+    @classmethod
+    def load(cls, entry: str | Callable[[], Any]) -> Subject:
+        """From an entry ``file.py:name`` / ``pkg.mod:name`` or from the factory itself."""
+        if isinstance(entry, str):
+            return cls(load_factory(entry), entry)
+        name = f"{entry.__module__}.{entry.__qualname__}".replace("<", "").replace(">", "")
+        return cls(build_user_model(entry, name.removeprefix("__main__.")), name)
+
+    def store(self, root: Any) -> GoldenStore:
+        """The golden store under ``root`` whose messages name this model's update command."""
+        return GoldenStore(root, update_command=f"torchparity golden update --model {self.entry}")
+
+    # --- running ----------------------------------------------------------------------------
+
+    def checksums(self) -> dict[str, str]:
+        """Checksums of the float64 state dict and of the input tensors the factory gave."""
+        state = {k: v.double() if v.is_floating_point() else v
+                 for k, v in self.user.model.state_dict().items()}
+        return {"weights": checksum(state),
+                "inputs": checksum(flatten_tensors(self.user.inputs, "inputs"))}
+
+    def run(self, cell: Cell, loss_paths: list[str] | None, *, perturb: bool = False,
+            decode: bool = True) -> tuple[Run, int | None]:
+        """Run the model in ``cell``: forward, loss, gradients and decoding.
+
+        ``loss_paths`` are the outputs the default loss projects (None: all floating ones).
+        Returns the run and the number of SDPA calls intercepted (None for ``hf-eager``).
+        """
+        dtype = DTYPES[cell.dtype]
+        model = copy.deepcopy(self.user.model).to(device=cell.device, dtype=dtype)
+        if self.is_transformers:
+            model.set_attn_implementation("eager" if cell.backend == HF_EAGER else "sdpa")
+        if perturb:
+            perturb_weights(model)
+        inputs = _cast(self.user.inputs, cell.device, dtype)
+        with self._backend(cell.backend) as intercepted, matmul_precision(cell.dtype):
+            try:
+                run = self._forward_backward(model, inputs, loss_paths)
+            except BackendUnavailable as exc:
+                return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc))), None
+            if decode:
+                self._decode(model, inputs, run, cell)
+        calls = None if intercepted is None else intercepted.calls
+        return run, calls
+
+    @contextlib.contextmanager
+    def _backend(self, name: str) -> Iterator[Any]:
+        if name == HF_EAGER:
+            yield None
+        else:
+            with backends.use(name) as intercepted:
+                yield intercepted
+
+    def _forward_backward(self, model: nn.Module, inputs: Any,
+                          loss_paths: list[str] | None) -> Run:
+        missing: dict[str, str] = {}
+        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        try:
+            output = self._call(lambda: call_model(model, inputs), "the model's forward")
+            flat = flatten_tensors(output, _ROOT)
+            loss = self._loss(output, inputs, flat, loss_paths)
+        except BackendUnavailable as exc:  # no backward here: the forward still runs
+            missing["grads"] = str(exc)
+            with torch.no_grad():
+                output = self._call(lambda: call_model(model, inputs), "the model's forward")
+                flat = flatten_tensors(output, _ROOT)
+                loss = self._loss(output, inputs, flat, loss_paths)
+        outputs = {"outputs": {path: t.detach() for path, t in flat.items()}}
+        if isinstance(loss, str):
+            missing["loss"] = missing["grads"] = loss
+        else:
+            outputs["loss"] = {"loss": loss.detach()}
+        if "grads" not in missing:
+            try:
+                grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+                outputs["grads"] = {name: torch.zeros_like(p) if g is None else g
+                                    for (name, p), g in zip(params.items(), grads, strict=True)}
+            except BackendUnavailable as exc:
+                missing["grads"] = str(exc)
+        return Run(outputs, missing)
+
+    def _loss(self, output: Any, inputs: Any, flat: dict[str, torch.Tensor],
+              loss_paths: list[str] | None) -> torch.Tensor | str:
+        if self.user.loss_fn is not None:
+            loss = self._call(lambda: self.user.loss_fn(output, inputs), "its loss_fn")
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                raise UsageError(f"loss_fn of {self.entry} must return a scalar tensor; got "
+                                 f"{type(loss).__name__}")
+            return loss.reshape(())
+        paths = loss_paths if loss_paths is not None else [
+            p for p, t in flat.items() if t.is_floating_point()]
+        absent = [p for p in paths if p not in flat]
+        if absent:
+            return (f"the output has no {', '.join(absent)}, which the golden's default loss "
+                    f"projects; the loss and gradients cannot be compared")
+        if not paths:
+            raise UsageError(f"the output of {self.entry} has no floating tensor to take "
+                             "gradients of; return a loss_fn from the factory")
+        return default_loss({p: flat[p] for p in paths})
+
+    def _decode(self, model: nn.Module, inputs: Any, run: Run, cell: Cell) -> None:
+        if self.user.decode is None and _generates(model) and cell.dtype != "fp64":
+            run.missing["decode"] = ("greedy generate is compared in float64 only: in lower "
+                                     "precision a near tie may pick another token")
+            return
+        try:
+            with torch.no_grad():
+                if self.user.decode is not None:
+                    decoded = self._call(lambda: self.user.decode(model, inputs),
+                                         "its decode step")
+                    run.outputs["decode"] = flatten_tensors(decoded, "decode")
+                elif _generates(model):
+                    run.outputs["decode"] = _generate(model, inputs)
+        except BackendUnavailable as exc:
+            run.missing["decode"] = str(exc)
+
+    def _call(self, fn: Callable[[], Any], what: str) -> Any:
+        try:
+            return fn()
+        except (BackendUnavailable, UsageError):
+            raise
+        except Exception as exc:
+            raise UserCodeError(f"{what} of {self.entry} raised {type(exc).__name__}: "
+                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                                ) from exc
+
+
+def default_loss(outputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The dot product of the floating ``outputs`` with fixed pseudo-random weights (a pure
+    function of each path and shape), computed in at least float32 and scaled to O(1)."""
+    total = sum(t.numel() for t in outputs.values())
+    loss = None
+    for path, tensor in outputs.items():
+        compute = torch.promote_types(tensor.dtype, torch.float32)
+        weights = rng.symmetric(_LOSS_SEED, f"loss.{path}", tensor.shape, 1.0 / math.sqrt(total))
+        term = (tensor.to(compute) * weights.to(tensor.device, compute)).sum()
+        loss = term if loss is None else loss + term
+    return loss
+
+
+# --- transformers --------------------------------------------------------------------------
+
+
+def _is_transformers(model: nn.Module) -> bool:
+    return hasattr(model, "set_attn_implementation") and hasattr(model, "config")
+
+
+def _generates(model: nn.Module) -> bool:
+    can = getattr(model, "can_generate", None)
+    return _is_transformers(model) and callable(can) and bool(can())
+
+
+def _generate(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
+    """Greedy ``generate`` with and without the KV cache: tokens and per-step logits."""
+    if not isinstance(inputs, Mapping):
+        raise UsageError("the default decode of a transformers model needs keyword inputs "
+                         "(a dict with input_ids); return a decode step from the factory")
+    kwargs = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
+    decoded = {}
+    for label, cache in (("cached", True), ("recomputed", False)):
+        result = model.generate(**kwargs, do_sample=False, num_beams=1,
+                                max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS,
+                                use_cache=cache, output_logits=True,
+                                return_dict_in_generate=True, pad_token_id=0)
+        decoded[f"{label}.tokens"] = result.sequences
+        decoded[f"{label}.logits"] = torch.stack(result.logits, 1)
+    return decoded
+
+
+def _cast(tree: Any, device: str, dtype: torch.dtype) -> Any:
+    """``tree`` with floating tensors in ``dtype`` and every tensor on ``device``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device, dtype) if tree.is_floating_point() else tree.to(device)
+    if isinstance(tree, Mapping):
+        return {k: _cast(v, device, dtype) for k, v in tree.items()}
+    if isinstance(tree, tuple | list):
+        return type(tree)(_cast(v, device, dtype) for v in tree)
+    return tree
+
+
+# --- writing and reading goldens ------------------------------------------------------------
+
+
+def write_goldens(subject: Subject, store: GoldenStore) -> dict[str, str]:
+    """Compute and write the goldens of ``subject``; output -> what happened to its file
+    (``created``, ``updated``, ``replaced`` or ``unchanged``, as for the zoo)."""
+    run, _ = subject.run(REFERENCE, None)
+    if run.missing:
+        output, reason = next(iter(run.missing.items()))
+        raise UsageError(f"{subject.entry}: the float64 golden run cannot compute {output}: "
+                         f"{reason}")
+    loss_paths = None if subject.user.loss_fn else [
+        p for p, t in run.outputs["outputs"].items() if t.is_floating_point()]
+    meta = {"entry": subject.entry, "model": type(subject.user.model).__name__,
+            "loss": "loss_fn" if loss_paths is None else {"default projection of": loss_paths},
+            "checksums": subject.checksums()}
+    statuses = {}
+    for output, tensors in run.outputs.items():
+        output_meta = {"kind": OUTPUT_KINDS[output], **meta}
+        status = write_status(store, subject.name, output, tensors, output_meta)
+        if status != "unchanged":
+            store.write(subject.name, output, tensors, output_meta)
+        statuses[output] = status
+    return statuses
+
+
+def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
+    """Read and validate the goldens of ``subject``; a golden of another model or of another
+    loss is :class:`GoldenStale`. (Changed checksums are verdicts of :func:`check_model`.)"""
+    goldens = {output: store.read(subject.name, output) for output in ("outputs", "loss",
+                                                                       "grads")}
+    if store.exists(subject.name, "decode"):
+        goldens["decode"] = store.read(subject.name, "decode")
+    fix = f"if the change is intended, run `{store.update_command}`"
+    for golden in goldens.values():
+        recorded = golden.summary.get("model")
+        if recorded != type(subject.user.model).__name__:
+            raise GoldenStale(f"golden {golden.path.with_suffix('.json')} was made from a "
+                              f"{recorded} model, the factory now returns a "
+                              f"{type(subject.user.model).__name__}; {fix}")
+        uses_fn = golden.summary.get("loss") == "loss_fn"
+        if uses_fn != (subject.user.loss_fn is not None):
+            raise GoldenStale(f"golden {golden.path.with_suffix('.json')} was made "
+                              f"{'with' if uses_fn else 'without'} a loss_fn, the factory now "
+                              f"returns {'none' if uses_fn else 'one'}; {fix}")
+    return goldens
+
+
+def _loss_paths(goldens: dict[str, Golden]) -> list[str] | None:
+    loss = goldens["loss"].summary.get("loss")
+    return loss["default projection of"] if isinstance(loss, dict) else None
+
+
+# --- checking -------------------------------------------------------------------------------
+
+
+def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
+                  advance: Callable[[str], None] = lambda label: None) -> list[CheckResult]:
+    """Check ``subject`` in every cell against its goldens; one result per cell and output."""
+    goldens = load_goldens(subject, store)
+    changed = _checksum_changes(subject, goldens, store)
+    results: list[CheckResult] = []
+    if changed:
+        for cell in cells:
+            results += [_result(subject, cell, output, verdict, ok=False, reason=reason)
+                        for output, (verdict, reason) in changed.items()]
+            advance(cell.label)
+        return results
+    loss_paths = _loss_paths(goldens)
+    baselines: dict[tuple[str, str], Run] = {}
+    for cell in cells:
+        if cell == REFERENCE:
+            results += _check_reference(subject, store, goldens, loss_paths)
+        else:
+            key = (cell.dtype, cell.device)
+            if key not in baselines:
+                baselines[key] = subject.run(Cell("manual", *key), loss_paths)[0]
+            results += _check_cell(subject, cell, goldens, baselines[key], loss_paths)
+        advance(cell.label)
+    return results
+
+
+def _checksum_changes(subject: Subject, goldens: dict[str, Golden],
+                      store: GoldenStore) -> dict[str, tuple[str, str]]:
+    now = subject.checksums()
+    changed = {}
+    for output, golden in goldens.items():
+        stored = golden.summary.get("checksums") or {}
+        for what, verdict in (("weights", "init changed"), ("inputs", "inputs changed")):
+            if stored.get(what) != now[what]:
+                changed[output] = (verdict, (
+                    f"the {what} the factory {subject.entry} builds differ from those its "
+                    f"golden was made from ({str(stored.get(what))[:19]}... vs "
+                    f"{now[what][:19]}...); seed the factory's initialisation, or if the change "
+                    f"is intended run `{store.update_command}`"))
+                break
+    return changed
+
+
+def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Golden],
+                     loss_paths: list[str] | None) -> list[CheckResult]:
+    fresh, _ = subject.run(REFERENCE, loss_paths)
+    perturbed, _ = subject.run(REFERENCE, loss_paths, perturb=True)
+    results = []
+    for output, golden in goldens.items():
+        candidate = fresh.outputs.get(output, {})
+        shared = {p: t for p, t in candidate.items()
+                  if p in golden.tensors and p in perturbed.outputs.get(output, {})}
+        baseline = {p: golden.tensors[p] + (perturbed.outputs[output][p] - t)
+                    if t.is_floating_point() else golden.tensors[p] for p, t in shared.items()}
+        result = _judge(subject, REFERENCE, output, candidate, golden.tensors, baseline)
+        if not result.ok:
+            store.write_obtained(subject.name, output, candidate)
+        results.append(result)
+    return results
+
+
+def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseline: Run,
+                loss_paths: list[str] | None) -> list[CheckResult]:
+    if cell.backend == HF_EAGER and not subject.is_transformers:
+        reason = "not a transformers model: it has no attention implementation to switch"
+        return [_result(subject, cell, output, "n/a", ok=True, reason=reason)
+                for output in goldens]
+    if cell.backend == "manual":
+        run, calls = baseline, None
+    else:
+        run, calls = subject.run(cell, loss_paths)
+    if calls == 0:
+        return [_result(subject, cell, output, "n/a", ok=True,
+                        reason=backends.NO_SDPA_CALLS_REASON) for output in goldens]
+    results = []
+    for output, golden in goldens.items():
+        if output in run.missing:
+            results.append(_result(subject, cell, output, "n/a", ok=True,
+                                   reason=run.missing[output]))
+            continue
+        results.append(_judge(subject, cell, output, run.outputs.get(output, {}),
+                              golden.tensors, baseline.outputs.get(output)))
+    return results
+
+
+def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
+           golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
+           ) -> CheckResult:
+    """Judge the tensors candidate, golden and baseline share; name the ones they do not."""
+    structure = [f"{p}: in the golden, missing here" for p in golden if p not in candidate]
+    structure += [f"{p}: here, not in the golden" for p in candidate if p not in golden]
+    shared = [p for p in golden if p in candidate and (baseline is None or p in baseline)
+              and candidate[p].shape == golden[p].shape]
+    structure += [f"{p}: shape {list(candidate[p].shape)} here, {list(golden[p].shape)} in the "
+                  f"golden" for p in golden if p in candidate
+                  and candidate[p].shape != golden[p].shape]
+    comparison = compare({p: candidate[p] for p in shared}, {p: golden[p] for p in shared},
+                         None if baseline is None else {p: baseline[p] for p in shared},
+                         OUTPUT_KINDS[output], compute_dtype=cell.dtype)
+    worst = comparison.worst
+    explain = comparison.explain()
+    if structure:
+        explain += f" Structure differs: {'; '.join(structure)}."
+    return _result(subject, cell, output, comparison.verdict, ok=comparison.ok,
+                   headroom=worst.headroom if worst else 0.0, explain=explain,
+                   worst=worst.path if worst else None, structure=structure or None)
+
+
+def _result(subject: Subject, cell: Cell, output: str, verdict: str, *, ok: bool,
+            **details: Any) -> CheckResult:
+    return CheckResult(case=subject.name, backend=cell.backend, dtype=cell.dtype,
+                       device=cell.device, output=output, kind=OUTPUT_KINDS[output],
+                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok, **details)
