@@ -1,10 +1,12 @@
-"""Root conftest: hypothesis profiles, and the plugin when no installed entry point loads it."""
+"""Root conftest: hypothesis profiles, the plugin when no installed entry point loads it, and
+this suite's short ``--device`` option and ``device`` fixture (the plugin's are namespaced)."""
 
 from __future__ import annotations
 
 import os
 from importlib.metadata import entry_points
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # ci: the CI default, reproducible and bounded. dev: random seeds, to find new failures
@@ -31,5 +33,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(
         os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
+pytest_plugins = ["pytester"]
 if not any(ep.name == "torchparity" for ep in entry_points(group="pytest11")):
-    pytest_plugins = ["torchparity.pytest_plugin"]
+    pytest_plugins.append("torchparity.pytest_plugin")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Shares its destination with the plugin's --torchparity-device: `pytest -m gpu --device cpu`
+    # proves the CUDA tests' logic on a machine without a GPU.
+    parser.getgroup("torchparity").addoption(
+        "--device", dest="torchparity_device", metavar="DEVICE",
+        help="this suite's short form of --torchparity-device")
+
+
+@pytest.fixture
+def device(torchparity_device: str) -> str:
+    """``cpu`` for ordinary tests; the ``--device`` (default ``cuda``) for tests marked gpu."""
+    return torchparity_device

@@ -1,61 +1,92 @@
-"""pytest plugin: markers, the ``--device`` option and fixtures for parity tests.
+"""pytest plugin: the ``golden`` and ``torchparity_device`` fixtures and an opt-in ``gpu`` marker.
 
-Loaded through the ``pytest11`` entry point when torchparity is installed, or by the root
-``conftest.py`` when the suite runs from a source tree (``PYTHONPATH=src``).
+Loaded through the ``pytest11`` entry point into every pytest run of an environment where
+torchparity is installed (or by the root ``conftest.py`` of a source tree), so it changes
+nothing a suite did not ask for: its options are namespaced (``--torchparity-...``), its
+fixtures act only when a test requests them, torch is imported only by them, and the ``gpu``
+marker is registered and acted on only in suites that opt in with the ini option
+``torchparity_gpu_marker = true``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import pytest
+
+if TYPE_CHECKING:
+    from torchparity.golden.store import GoldenFixture
+
+GPU_MARKER = "gpu"
+GPU_MARKER_INI = "torchparity_gpu_marker"
+DEVICE_OPTION = "--torchparity-device"
+UPDATE_OPTION = "--torchparity-golden-update"
+_SUMMARY_KEY = "torchparity-summary"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("torchparity")
     group.addoption(
-        "--device", default=None,
-        help="device for tests marked gpu (default: cuda). '--device cpu' runs their logic on "
-             "the CPU, so a machine without a GPU can prove them.",
+        DEVICE_OPTION, dest="torchparity_device", default=None, metavar="DEVICE",
+        help=f"device of the tests marked {GPU_MARKER} (default: cuda), for suites that set "
+             f"{GPU_MARKER_INI}; 'cpu' runs their logic on a machine without a GPU",
     )
     group.addoption(
-        "--golden-update", action="store_true", default=False,
-        help="create or overwrite the goldens that the 'golden' fixture checks instead of "
-             "comparing with them; the summary lists the files written.",
+        UPDATE_OPTION, dest="torchparity_golden_update", action="store_true", default=False,
+        help="write the goldens that the 'golden' fixture checks instead of comparing with "
+             "them; the tests that wrote one fail so the option cannot be left on",
+    )
+    parser.addini(
+        GPU_MARKER_INI, type="bool", default=False,
+        help=f"register the '{GPU_MARKER}' marker and skip the tests it marks when CUDA is "
+             f"absent (unless {DEVICE_OPTION} names another device)",
     )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: runs on CUDA (or on --device); skipped without it")
-    config.addinivalue_line("markers", "slow: long-running; deselect with -m 'not slow'")
+    if config.getini(GPU_MARKER_INI) and not _marker_registered(config, GPU_MARKER):
+        config.addinivalue_line(
+            "markers", f"{GPU_MARKER}: runs on CUDA (or on {DEVICE_OPTION}); skipped without it")
+
+
+def _marker_registered(config: pytest.Config, name: str) -> bool:
+    return any(line.split(":")[0].split("(")[0].strip() == name
+               for line in config.getini("markers"))
 
 
 def gpu_device(config: pytest.Config) -> str:
-    """The device tests marked ``gpu`` run on: ``--device``, else ``cuda``."""
-    return config.getoption("--device") or "cuda"
+    """The device tests marked ``gpu`` run on: ``--torchparity-device``, else ``cuda``."""
+    return config.getoption("torchparity_device") or "cuda"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getini(GPU_MARKER_INI):
+        return
+    marked = [item for item in items if item.get_closest_marker(GPU_MARKER)]
+    if not marked or not gpu_device(config).startswith("cuda"):
+        return
     import torch
 
-    device = gpu_device(config)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        skip = pytest.mark.skip(
-            reason="no CUDA device here; 'pytest -m gpu --device cpu' runs these tests' logic "
-                   "on the CPU")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"no CUDA device here; '{DEVICE_OPTION} cpu' runs these "
+                                   "tests' logic on the CPU")
+    for item in marked:
+        item.add_marker(skip)
 
 
 @pytest.fixture
-def device(request: pytest.FixtureRequest) -> str:
-    """``cpu`` for ordinary tests; the ``--device`` (default ``cuda``) for tests marked gpu."""
-    if request.node.get_closest_marker("gpu"):
+def torchparity_device(request: pytest.FixtureRequest) -> str:
+    """``cpu``; for tests marked ``gpu`` in a suite that set ``torchparity_gpu_marker``, the
+    ``--torchparity-device`` (default ``cuda``)."""
+    if request.config.getini(GPU_MARKER_INI) and request.node.get_closest_marker(GPU_MARKER):
         return gpu_device(request.config)
     return "cpu"
 
 
 @pytest.fixture(scope="module")
-def single_thread():
+def single_thread() -> Iterator[None]:
     """torch on one CPU thread for the module's tests, restored afterwards: tiny models run
     faster on one thread, and on a shared machine several threads contend for the cores."""
     from torchparity.golden.cases import single_thread as one_thread
@@ -64,20 +95,24 @@ def single_thread():
         yield
 
 
-_SUMMARY_KEY = "torchparity-summary"
-_summary: dict[str, list[str]] = {}
-
-
 @pytest.fixture
-def golden(request: pytest.FixtureRequest):
-    """``golden.check("name", tensors, kind="forward")`` compares with a golden kept in
-    ``golden/<test module>/`` beside the test file (see
-    :class:`torchparity.golden.store.GoldenFixture`); ``--golden-update`` writes it instead."""
+def golden(request: pytest.FixtureRequest) -> Iterator[GoldenFixture]:
+    """``golden.check("name", tensors, kind="forward")`` compares with a golden of this test
+    kept beside its file (see :class:`torchparity.golden.store.GoldenFixture`).
+
+    With ``--torchparity-golden-update`` it writes the golden instead, and the test errors at
+    teardown with "golden written, rerun without --torchparity-golden-update".
+    """
     from torchparity.golden.store import GoldenFixture
 
-    return GoldenFixture.for_test(
-        request.path, request.node.nodeid, request.config.getoption("--golden-update"),
-        lambda path: add_summary_line(request.node, "torchparity goldens written", str(path)))
+    fixture = GoldenFixture.for_test(
+        request.path, request.node.nodeid, request.config.getoption("torchparity_golden_update"),
+        lambda path: add_summary_line(request.node, "torchparity goldens written", str(path)),
+        update_option=UPDATE_OPTION)
+    yield fixture
+    if fixture.written:
+        pytest.fail(f"golden written, rerun without {UPDATE_OPTION}: "
+                    f"{', '.join(str(path) for path in fixture.written)}", pytrace=False)
 
 
 def add_summary_line(node: pytest.Item, section: str, line: str) -> None:
@@ -86,19 +121,19 @@ def add_summary_line(node: pytest.Item, section: str, line: str) -> None:
     node.user_properties.append((_SUMMARY_KEY, (section, line)))
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when != "teardown":
-        return
-    for key, value in report.user_properties:
-        if key == _SUMMARY_KEY:
-            section, line = value
-            lines = _summary.setdefault(section, [])
-            if line not in lines:
-                lines.append(line)
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    for section, lines in _summary.items():
+    sections: dict[str, list[str]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "teardown":
+                continue  # the teardown report carries every line the test added
+            for key, value in report.user_properties:
+                if key == _SUMMARY_KEY:
+                    section, line = value
+                    lines = sections.setdefault(section, [])
+                    if line not in lines:
+                        lines.append(line)
+    for section, lines in sections.items():
         terminalreporter.section(section)
         for line in lines:
             terminalreporter.write_line(line)

@@ -1,16 +1,21 @@
 """Tests of the ``golden`` pytest fixture in a throw-away project run by a real pytest: update
-under two xdist workers loses nothing, unchanged values pass, a mismatch fails and leaves the
-obtained values, a missing golden fails with the command that creates it."""
+under two xdist workers loses nothing and fails every test that wrote, each test (and each
+parameter) keeps its own goldens, unchanged values pass, a mismatch fails and leaves the
+obtained values, a missing golden fails with the command that creates it; and the two files of
+a golden stay a pair under concurrent writers."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from torchparity.golden.store import GoldenStore
+import torch
+
+from torchparity.golden.store import GoldenStore, folder_of_test
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 N_PARAMETRIZED = 24
@@ -29,7 +34,11 @@ def values():
 
 
 def test_forward(golden):
-    golden.check("forward", values())
+    golden.check("logits", values())
+
+
+def test_other_forward(golden):
+    golden.check("logits", {{"y": torch.ones(5)}})
 
 
 def test_grad(golden):
@@ -38,7 +47,7 @@ def test_grad(golden):
 
 @pytest.mark.parametrize("i", range({N_PARAMETRIZED}))
 def test_many(golden, i):
-    golden.check(f"many-{{i}}", {{"x": torch.full((3,), float(i))}})
+    golden.check("x", {{"x": torch.full((3,), float(i))}})
 '''
 
 
@@ -58,31 +67,73 @@ def test_golden_fixture_lifecycle(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_model.py").write_text(TEST_MODULE)
-    folder = tests / "golden" / "test_model"
+    store = GoldenStore(tests / "golden" / "test_model")
+    goldens = {"test_forward": "logits", "test_other_forward": "logits", "test_grad": "grad",
+               **{f"test_many-{i}": "x" for i in range(N_PARAMETRIZED)}}
 
-    # Two xdist workers write goldens into one folder at once: every file arrives intact.
-    update = run_pytest(tmp_path, "-n", "2", "--golden-update", "tests")
-    assert update.returncode == 0, update.stdout + update.stderr
-    store = GoldenStore(tests / "golden")
-    names = ["forward", "grad", *(f"many-{i}" for i in range(N_PARAMETRIZED))]
-    assert store.outputs("test_model") == sorted(names)
-    for name in names:
-        store.read("test_model", name)  # validates tensors against the JSON summary
-    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+    # Two xdist workers write goldens at once: every file arrives intact, and every test that
+    # wrote one errors so that an update left on cannot pass.
+    update = run_pytest(tmp_path, "-n", "2", "--torchparity-golden-update", "tests")
+    assert update.returncode == 1, update.stdout + update.stderr
+    assert f"{len(goldens)} passed, {len(goldens)} errors" in update.stdout
+    assert update.stdout.count("golden written, rerun without --torchparity-golden-update") \
+        >= len(goldens)
+    assert store.cases() == sorted(goldens)
+    for test, output in goldens.items():
+        assert store.outputs(test) == [output]
+        store.read(test, output)  # validates tensors against the JSON summary
+    assert not [p for p in store.root.rglob("*") if p.name.endswith(".tmp")]
     assert "torchparity goldens written" in update.stdout
-    for name in names:
-        assert str(folder / f"{name}.safetensors") in update.stdout
+    assert str(store.paths("test_many-7", "x")[0]) in update.stdout
 
-    (folder / "grad.json").unlink()
-    (folder / "grad.safetensors").unlink()
-    golden_bytes = (folder / "forward.safetensors").read_bytes()
+    forward = store.paths("test_forward", "logits")[0]
+    for path in store.paths("test_grad", "grad"):
+        path.unlink()
+    golden_bytes = forward.read_bytes()
     changed = run_pytest(tmp_path, "tests", SHIFT="1e-3")
     assert changed.returncode == 1
     out = changed.stdout
-    assert "golden 'forward': diverged" in out
-    assert (folder / "forward.obtained.safetensors").exists()
-    assert (folder / "forward.safetensors").read_bytes() == golden_bytes
-    assert "pytest tests/test_model.py::test_forward --golden-update" in out
-    assert "create it with `pytest tests/test_model.py::test_grad --golden-update`" in out
-    # The goldens the change does not touch still pass against what the workers wrote.
-    assert f"2 failed, {N_PARAMETRIZED} passed" in out
+    assert "golden 'logits': diverged" in out
+    assert store.obtained_path("test_forward", "logits").exists()
+    assert forward.read_bytes() == golden_bytes
+    assert "pytest tests/test_model.py::test_forward --torchparity-golden-update" in out
+    assert ("create it with `pytest tests/test_model.py::test_grad --torchparity-golden-update`"
+            in out)
+    # test_other_forward's "logits" is its own; the goldens the change does not touch pass.
+    assert f"2 failed, {N_PARAMETRIZED + 1} passed" in out
+
+
+def test_golden_names_come_from_the_node_id():
+    assert folder_of_test("tests/test_m.py::test_logits") == "test_logits"
+    assert folder_of_test("test_m.py::TestBlock::test_logits[cpu-2]") == \
+        "TestBlock.test_logits-cpu-2"
+    odd = [folder_of_test(f"t.py::test_x[{p}]") for p in ("a b", "a/b", "a_b", "a" * 300)]
+    assert odd[2] == "test_x-a_b"
+    assert len(set(odd)) == 4  # made safe for a file name, still apart
+    assert all(len(name) <= 120 and "/" not in name and " " not in name for name in odd)
+
+
+def test_the_two_files_of_a_golden_stay_a_pair_under_concurrent_writers(tmp_path):
+    store = GoldenStore(tmp_path)
+    # Each writer's tensors differ in shape, so a JSON of one beside the tensors of the other
+    # is caught by the read's consistency check.
+    writers = {size: {"x": torch.arange(size, dtype=torch.float64)} for size in (3, 5)}
+    store.write("case", "out", writers[3])
+    errors: list[BaseException] = []
+
+    def repeat(action) -> None:
+        try:
+            for _ in range(25):
+                action()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=repeat, args=(lambda t=t: store.write("case", "out", t),))
+               for t in writers.values()]
+    threads.append(threading.Thread(target=repeat, args=(lambda: store.read("case", "out"),)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[0]
+    assert store.read("case", "out").tensors["x"].numel() in writers

@@ -10,7 +10,9 @@ A golden is a pair of files in ``<root>/<case>/``:
 Reading checks everything a damaged or hand-edited golden could get wrong and raises a
 :class:`GoldenError` subclass whose one-line message says how to repair it. Writing is atomic
 (temporary file + rename in the same folder), keeps no shared index and deletes nothing, so
-parallel writers (pytest-xdist workers) never lose each other's files.
+parallel writers (pytest-xdist workers) never lose each other's files; the two files of one
+golden are written and read under one lock, so no one sees one writer's tensors with another
+writer's JSON.
 
 The ``golden`` pytest fixture (:class:`GoldenFixture`) lets any project keep goldens of its own.
 """
@@ -23,6 +25,7 @@ import math
 import os
 import platform
 import re
+import shlex
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock
 
 from torchparity.errors import TorchParityError, UsageError
 
@@ -37,12 +41,16 @@ from torchparity.errors import TorchParityError, UsageError
 SCHEMA_VERSION = 1
 #: Environment variable naming the golden folder (``--golden-dir`` wins over it).
 GOLDEN_DIR_ENV = "TORCHPARITY_GOLDEN_DIR"
+#: Where a wheel carries the zoo's goldens inside the package (see pyproject.toml).
+SHIPPED_GOLDENS = "goldens"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 _OBTAINED = ".obtained"
 # Summary statistics are rounded for a readable diff; re-derived values must agree this well.
 _STAT_DIGITS = 6
 _STAT_TOLERANCE = 1e-5
+# Room for a golden's own name and suffix within the 255 bytes a file name may have.
+_MAX_TEST_NAME = 120
 
 
 class GoldenError(TorchParityError):
@@ -231,8 +239,9 @@ class GoldenStore:
         from safetensors.torch import save
 
         payload = save(stored, metadata={"format": "pt", "schema_version": str(SCHEMA_VERSION)})
-        _atomic_write(tensor_path, payload)
-        _atomic_write(json_path, (format_json(summary) + "\n").encode())
+        with _lock(tensor_path):
+            _atomic_write(tensor_path, payload)
+            _atomic_write(json_path, (format_json(summary) + "\n").encode())
         return [tensor_path, json_path]
 
     def write_obtained(self, case: str, output: str,
@@ -260,8 +269,9 @@ class GoldenStore:
         for present, absent in ((tensor_path, json_path), (json_path, tensor_path)):
             if not absent.exists():
                 raise GoldenCorrupt(f"{present} has no {absent.name} beside it; {fix}")
-        summary = _read_summary(json_path, fix)
-        tensors = _read_tensors(tensor_path, fix)
+        with _lock(tensor_path):
+            summary = _read_summary(json_path, fix)
+            tensors = _read_tensors(tensor_path, fix)
         _check_consistent(json_path, summary, tensors, fix)
         return Golden(case, output, tensors, summary, tensor_path)
 
@@ -287,6 +297,19 @@ def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                              f"got {type(tensor).__name__}")
         stored[name] = tensor.detach().to("cpu").contiguous()
     return stored
+
+
+def _lock(tensor_path: Path) -> FileLock:
+    """The lock of one golden, shared by this user's processes on this machine.
+
+    It lives in the temporary folder, not beside the golden: goldens shipped inside an
+    installed package are read-only, and a lock file must not show up in a repository.
+    """
+    key = hashlib.sha256(str(tensor_path.resolve()).encode()).hexdigest()[:24]
+    user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""  # per user on a shared /tmp
+    folder = Path(tempfile.gettempdir()) / f"torchparity-locks{user}"
+    folder.mkdir(exist_ok=True)
+    return FileLock(folder / f"{key}.lock")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -379,7 +402,8 @@ def _stat_close(listed: Any, actual: Any, scale: float) -> bool:
 def default_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
     """The golden folder: ``explicit``, else ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` of
     the torchparity source tree that contains the working directory, else ``golden/`` of the
-    source tree torchparity was imported from (an editable install).
+    source tree torchparity was imported from (an editable install), else the goldens shipped
+    in the installed package (``torchparity/goldens``).
 
     Raises :class:`UsageError` when none applies. The folder itself need not exist yet.
     """
@@ -388,10 +412,12 @@ def default_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
     if os.environ.get(GOLDEN_DIR_ENV):
         return Path(os.environ[GOLDEN_DIR_ENV])
     cwd = Path.cwd().resolve()
-    package_tree = Path(__file__).resolve().parents[2]  # src/torchparity/golden.py -> tree
-    for folder in (cwd, *cwd.parents, package_tree):
+    package = Path(__file__).resolve().parents[1]  # .../torchparity/golden/store.py
+    for folder in (cwd, *cwd.parents, package.parents[1]):  # src/torchparity -> the tree
         if _is_source_tree(folder):
             return folder / "golden"
+    if (package / SHIPPED_GOLDENS).is_dir():
+        return package / SHIPPED_GOLDENS
     raise UsageError(f"cannot tell where the goldens are: run from the torchparity source tree, "
                      f"pass --golden-dir DIR or set {GOLDEN_DIR_ENV}")
 
@@ -411,25 +437,33 @@ def _is_source_tree(folder: Path) -> bool:
 class GoldenFixture:
     """The ``golden`` pytest fixture: compare a test's tensors with goldens kept beside it.
 
-    Goldens live in ``<test file folder>/golden/<test module>/<name>.{safetensors,json}``.
-    ``golden.check(name, tensors)`` compares with the stored golden under the tolerance model;
-    with ``pytest --golden-update`` it writes the golden instead and the run's summary lists it.
+    The goldens of one test live in ``<test file folder>/golden/<test module>/<test>/`` as
+    ``<name>.{safetensors,json}``, where ``<test>`` comes from the test's node id (class, name
+    and parameters: see :func:`folder_of_test`), so two tests, or two parameters of one
+    test, that both store ``"logits"`` keep separate goldens. ``golden.check(name, tensors)``
+    compares with the stored golden under the tolerance model; in update mode it writes the
+    golden instead and lists the files in :attr:`written`, which the plugin turns into a
+    failure so an update cannot pass silently.
     """
 
-    def __init__(self, store: GoldenStore, group: str, update: bool,
+    def __init__(self, store: GoldenStore, test: str, update: bool,
                  on_written: Callable[[Path], None]) -> None:
         self.store = store
-        self.group = group
+        self.test = test
         self.update = update
         self.on_written = on_written
+        self.written: list[Path] = []
 
     @classmethod
     def for_test(cls, node_path: Path, node_id: str, update: bool,
-                 on_written: Callable[[Path], None]) -> GoldenFixture:
-        """The fixture of one test: ``node_path`` is its file, ``node_id`` its pytest id."""
-        store = GoldenStore(node_path.parent / "golden",
-                            update_command=f"pytest {node_id} --golden-update")
-        return cls(store, node_path.stem, update, on_written)
+                 on_written: Callable[[Path], None],
+                 update_option: str = "--torchparity-golden-update") -> GoldenFixture:
+        """The fixture of one test: ``node_path`` is its file, ``node_id`` its pytest id, and
+        ``update_option`` the pytest option that rewrites its goldens (quoted in messages)."""
+        command = f"pytest {shlex.quote(node_id)} {update_option}"
+        store = GoldenStore(node_path.parent / "golden" / node_path.stem,
+                            update_command=command.replace("{", "{{").replace("}", "}}"))
+        return cls(store, folder_of_test(node_id), update, on_written)
 
     def check(self, name: str, tensors: torch.Tensor | Mapping[str, torch.Tensor],
               kind: str = "forward", *, baseline: Any = None, compute_dtype: Any = None,
@@ -439,7 +473,8 @@ class GoldenFixture:
         Fails the test with the comparison's explanation when a tensor diverged, after writing
         the obtained values to ``<name>.obtained.safetensors`` beside the golden; fails with the
         command that creates the golden when it is missing. Returns the
-        :class:`~torchparity.comparison.Comparison`, or None when updating.
+        :class:`~torchparity.comparison.Comparison`, or None when updating (the golden is
+        written and the test will fail at teardown).
         """
         import pytest
 
@@ -447,11 +482,12 @@ class GoldenFixture:
 
         candidate = {"value": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
         if self.update:
-            for path in self.store.write(self.group, name, candidate, {"kind": kind}):
+            for path in self.store.write(self.test, name, candidate, {"kind": kind}):
+                self.written.append(path)
                 self.on_written(path)
             return None
         try:
-            golden = self.store.read(self.group, name).tensors
+            golden = self.store.read(self.test, name).tensors
         except GoldenError as exc:
             pytest.fail(str(exc), pytrace=False)
         if isinstance(baseline, torch.Tensor):
@@ -463,7 +499,25 @@ class GoldenFixture:
         except StructureMismatch as exc:
             result, failure = None, f"structure differs from the golden: {exc}"
         if failure:
-            obtained = self.store.write_obtained(self.group, name, candidate)
+            obtained = self.store.write_obtained(self.test, name, candidate)
             pytest.fail(f"golden {name!r}: {failure} Obtained values: {obtained}; if the change "
                         f"is intended, run `{self.store.update_command}`", pytrace=False)
         return result
+
+
+def folder_of_test(node_id: str) -> str:
+    """The golden folder name of one test, from its pytest node id (the file left out).
+
+    ``test_model.py::TestBlock::test_logits[cpu-2]`` -> ``TestBlock.test_logits-cpu-2``: a
+    class joins with ``.`` and the parameter id follows a ``-`` (neither can occur in a Python
+    name, so distinct tests get distinct names). Characters a file name cannot safely hold
+    become ``_``; then, or for a very long id, a short hash of the id keeps names apart.
+    """
+    in_file = node_id.split("::", 1)[-1]
+    function, _, params = in_file.partition("[")
+    readable = function.replace("::", ".") + (f"-{params.removesuffix(']')}" if params else "")
+    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", readable)
+    if name != readable or len(name) > _MAX_TEST_NAME:
+        digest = hashlib.sha256(in_file.encode()).hexdigest()[:10]
+        name = f"{name[:_MAX_TEST_NAME - len(digest) - 1]}-{digest}"
+    return name
