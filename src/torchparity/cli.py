@@ -2,8 +2,10 @@
 
 Each subcommand lives in ``torchparity.commands.<name>`` and provides ``add_arguments(parser)``
 and ``run(args) -> int``; they are imported only when used so ``torchparity --help`` is instant.
-Exit codes: 0 success, 1 a check failed, 2 a usage or file error, 3 the user's own code (a
-model factory) raised; errors are one line on stderr.
+Exit codes: 0 success, 1 a check failed, 2 a usage or file error, 3 an unexpected error (the
+user's own code, such as a model factory, raised, or torchparity itself failed). Errors are one
+line on stderr; for an unexpected one it names the exception and the innermost frame, and
+``--debug`` prints the traceback as well.
 """
 
 from __future__ import annotations
@@ -11,8 +13,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
+from torchparity import __version__
 from torchparity.errors import TorchParityError
+
+EXIT_USAGE, EXIT_UNEXPECTED = 2, 3
+EXIT_STATUSES = ("exit status: 0 every check passed, 1 a check failed, 2 a usage or file error, "
+                 "3 an unexpected error (--debug shows its traceback)")
 
 COMMANDS = {
     "check": "compare the reference zoo with the shipped goldens on every backend and dtype",
@@ -27,17 +35,51 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``) and return its exit status."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    prog = f"torchparity {args.command}"
     try:
         return importlib.import_module(args._module).run(args)
-    except TorchParityError as exc:
-        print(f"torchparity {args.command}: error: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_status", 2)
     except KeyboardInterrupt:
-        print(f"torchparity {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except TorchParityError as exc:
+        status = getattr(exc, "exit_status", EXIT_USAGE)
+        # An error that wraps the user's exception points at the user's code.
+        origin = exc.__cause__ if status == EXIT_UNEXPECTED and exc.__cause__ else None
+        return _report(prog, f"error: {exc}", status, exc, origin, args.debug)
+    except OSError as exc:  # a file that cannot be read or written
+        return _report(prog, f"error: {exc}", EXIT_USAGE, exc, None, args.debug)
+    except Exception as exc:
+        return _report(prog, f"unexpected {type(exc).__name__}: {_first_line(exc)}",
+                       EXIT_UNEXPECTED, exc, exc, args.debug)
+
+
+def _report(prog: str, message: str, status: int, exc: BaseException,
+            origin: BaseException | None, debug: bool) -> int:
+    """Print the one-line error (naming the innermost frame of ``origin``, when given), after
+    the traceback with ``--debug``; return ``status``."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    line = f"{prog}: {message}"
+    if origin is not None:
+        line += f" (at {_innermost_frame(origin)})"
+        if not debug:
+            line += "; --debug shows the traceback"
+    print(line, file=sys.stderr)
+    return status
+
+
+def _innermost_frame(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown location"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).splitlines()
+    return lines[0] if lines else "(no message)"
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -45,12 +87,21 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="torchparity",
         description="Numerical-equivalence checks for PyTorch transformer code.",
+        epilog=EXIT_STATUSES,
     )
+    parser.add_argument("--version", action="version", version=f"torchparity {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an unexpected error")
+    # Also accepted after the subcommand; SUPPRESS keeps an absent one from resetting it.
+    debug_after = argparse.ArgumentParser(add_help=False)
+    debug_after.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="print the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, help_text in COMMANDS.items():
-        cmd_parser = sub.add_parser(name, help=help_text, description=help_text)
+        cmd_parser = sub.add_parser(name, help=help_text, description=help_text,
+                                    parents=[debug_after])
         cmd_parser.set_defaults(_module=f"torchparity.commands.{name}")
         if name == chosen:
             importlib.import_module(f"torchparity.commands.{name}").add_arguments(cmd_parser)

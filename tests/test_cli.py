@@ -1,0 +1,81 @@
+"""The command's contract with CI: exit status 2 for usage and file errors, 3 for an unexpected
+error (one line naming the exception and where it was raised; ``--debug`` adds the traceback),
+``--version``, and ``python -m torchparity``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import torchparity
+from torchparity import cli
+from torchparity.commands import backends as backends_command
+
+FACTORY = '''
+def make():
+    raise ValueError("the factory broke\\nwith a second line")
+'''
+
+
+@pytest.fixture
+def raising_factory(tmp_path):
+    path = tmp_path / "models.py"
+    path.write_text(FACTORY)
+    return f"{path}:make", f"{path}:3"
+
+
+def test_a_factory_that_raises_exits_3_with_one_line_naming_where(raising_factory, tmp_path,
+                                                                   capsys):
+    entry, where = raising_factory
+    assert cli.main(["record", entry, "-o", str(tmp_path / "trace")]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "ValueError: the factory broke" in err
+    assert f"(at {where})" in err
+    assert "--debug shows the traceback" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "trace").exists()
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["debug-first", "debug-after"])
+def test_debug_shows_the_traceback(raising_factory, tmp_path, capsys, before):
+    entry, where = raising_factory
+    args = ["record", entry, "-o", str(tmp_path / "trace")]
+    assert cli.main(["--debug", *args] if before else [*args, "--debug"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert 'raise ValueError("the factory broke' in err
+    last = err.splitlines()[-1]
+    assert last.startswith("torchparity record: error:") and f"(at {where})" in last
+
+
+def test_an_unexpected_error_exits_3_naming_the_exception_and_frame(monkeypatch, capsys):
+    def broken(args):
+        return {}["no such key"]
+
+    monkeypatch.setattr(backends_command, "run", broken)
+    assert cli.main(["backends"]) == 3
+    err = capsys.readouterr().err
+    line = broken.__code__.co_firstlineno + 1
+    assert err == (f"torchparity backends: unexpected KeyError: 'no such key' "
+                   f"(at {__file__}:{line}); --debug shows the traceback\n")
+
+
+def test_a_file_error_exits_2_in_one_line(monkeypatch, capsys):
+    def unreadable(args):
+        raise PermissionError(13, "Permission denied", "/goldens/llama-tiny/logits.json")
+
+    monkeypatch.setattr(backends_command, "run", unreadable)
+    assert cli.main(["backends"]) == 2
+    assert capsys.readouterr().err == (
+        "torchparity backends: error: [Errno 13] Permission denied: "
+        "'/goldens/llama-tiny/logits.json'\n")
+
+
+def test_python_m_torchparity_prints_the_version():
+    result = subprocess.run([sys.executable, "-m", "torchparity", "--version"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"torchparity {torchparity.__version__}\n"
