@@ -10,13 +10,22 @@ one contract, so they can be compared element by element:
 - ``bias`` is an additive float score bias (ALiBi, relative positions), broadcastable likewise;
 - a query row with no visible key returns zeros (a padded query), on every backend.
 
-A backend that cannot run a call (wrong device, dtype, or a feature its kernel lacks) raises
-:class:`~torchparity.errors.BackendUnavailable` with the reason. Nothing ever falls back silently.
+Inside :func:`use` the same switch applies to code torchparity did not write: every call of
+:func:`torch.nn.functional.scaled_dot_product_attention` (Hugging Face ``sdpa`` attention,
+torchtune, nanoGPT-style models, a function imported by name) is intercepted by a
+:class:`~torch.overrides.TorchFunctionMode` and runs on the chosen backend. The block counts the
+attention calls it ran, so a model that never calls SDPA is told apart from one that passed.
+
+Whether a backend can run is decided per call, from what the call needs (mask, bias, dtype,
+head dim, causal flag, device): a backend that cannot run a call raises
+:class:`~torchparity.errors.BackendUnavailable` with the reason, and nothing ever falls back
+silently. An error raised by a kernel that was selected to run is a failure and propagates.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import warnings
@@ -24,6 +33,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from torchparity.errors import BackendUnavailable, UsageError
 
@@ -34,10 +44,35 @@ _SDPA_KERNELS = {
     "sdpa-cudnn": "CUDNN_ATTENTION",
 }
 _CUDA_ONLY = {"sdpa-efficient", "sdpa-cudnn"}
-# Backends forced by the active use() blocks, innermost last. A plain list rather than a
-# ContextVar: torch.compile traces a module global (and guards on it) but breaks the graph at
-# ContextVar.get. The choice is process-wide, like torch.backends settings.
-_forced: list[str] = []
+# What PyTorch raises when no enabled SDPA kernel accepts a call (CPU and CUDA wording).
+_NO_KERNEL_MESSAGES = ("No available kernel", "No viable backend")
+
+#: Why a backend cell of a model that made no attention call in its :func:`use` block is n/a.
+NO_SDPA_CALLS_REASON = "the model never called scaled_dot_product_attention"
+
+# The function as PyTorch defines it, taken before anyone could wrap it.
+_SDPA = F.scaled_dot_product_attention
+
+
+@dataclasses.dataclass
+class Intercepted:
+    """What one :func:`use` block ran: its ``backend`` and ``calls``, the number of attention
+    calls made inside the block (SDPA calls of any code, and reference models' attention)."""
+
+    backend: str
+    calls: int = 0
+
+    def not_applicable_reason(self) -> str | None:
+        """:data:`NO_SDPA_CALLS_REASON` when the block ran no attention call, else None."""
+        return NO_SDPA_CALLS_REASON if self.calls == 0 else None
+
+
+# The open use() blocks, innermost last. A plain list rather than a ContextVar: torch.compile
+# traces a module global (and guards on it) but breaks the graph at ContextVar.get. The choice is
+# process-wide, like torch.backends settings.
+_blocks: list[Intercepted] = []
+# Non-empty while torchparity itself calls the SDPA function, which is then not redirected.
+_own_calls: list[None] = []
 
 
 def names() -> list[str]:
@@ -51,19 +86,94 @@ def _check_name(name: str) -> None:
 
 
 @contextlib.contextmanager
-def use(name: str) -> Iterator[None]:
-    """Force backend ``name`` for every reference model's attention inside the block."""
+def use(name: str) -> Iterator[Intercepted]:
+    """Run every attention call inside the block on backend ``name``: reference models' and any
+    call of :func:`torch.nn.functional.scaled_dot_product_attention`. The innermost block wins.
+
+    Yields an :class:`Intercepted` whose ``calls`` counts the attention calls made in the block::
+
+        with tp.backends.use("sdpa-flash") as intercepted:
+            model(**batch)
+        assert intercepted.calls > 0, backends.NO_SDPA_CALLS_REASON
+    """
     _check_name(name)
-    _forced.append(name)
+    block = Intercepted(name)
+    # One redirecting mode serves nested blocks: it reads the innermost backend at every call.
+    redirect = contextlib.nullcontext() if _blocks else _RedirectSdpa()
+    _blocks.append(block)
     try:
-        yield
+        with redirect:
+            yield block
     finally:
-        _forced.pop()
+        _blocks.remove(block)
 
 
 def current(default: str = "manual") -> str:
     """The backend forced by the innermost :func:`use`, else ``default``."""
-    return _forced[-1] if _forced else default
+    return _blocks[-1].backend if _blocks else default
+
+
+def _count_call() -> None:
+    for block in _blocks:
+        block.calls += 1
+
+
+class _RedirectSdpa(TorchFunctionMode):
+    """Sends SDPA calls to the innermost :func:`use` block's backend; every other call passes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not _SDPA or _own_calls or not _blocks:
+            if getattr(torch.Tensor, getattr(func, "__name__", ""), None) is func:
+                # As a method: torch.compile traces x.unflatten(...) but not the body of
+                # Tensor.unflatten(x, ...), which calls super().
+                return getattr(args[0], func.__name__)(*args[1:], **kwargs)
+            return func(*args, **kwargs)
+        _count_call()
+        return _redirected_sdpa(_blocks[-1].backend, *args, **kwargs)
+
+
+def _redirected_sdpa(name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                     is_causal: bool = False, *, scale: float | None = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """One SDPA call of user code on backend ``name``: a kernel gets the call exactly as made;
+    manual and flex get it translated into :func:`attention`'s contract."""
+    if name == "sdpa" or name in _SDPA_KERNELS:
+        return _run_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                         enable_gqa=enable_gqa)
+    if dropout_p > 0:
+        raise BackendUnavailable(f"{name} runs attention without dropout, and this call asks for "
+                                 f"dropout_p={dropout_p}; put the model in eval() mode")
+    if attn_mask is not None and is_causal:
+        raise RuntimeError("scaled_dot_product_attention: an explicit attn_mask cannot be "
+                           "combined with is_causal=True")
+    if not enable_gqa and key.shape[-3] not in (1, query.shape[-3]):
+        raise RuntimeError(f"scaled_dot_product_attention: query has {query.shape[-3]} heads and "
+                           f"key {key.shape[-3]}; pass enable_gqa=True for grouped-query attention")
+    batch = query.shape[:-3]
+    q, k, v = (_four_dims(t.expand(*batch, *t.shape[-3:]) if batch else t)
+               for t in (query, key, value))
+    mask = bias = None
+    if attn_mask is not None:
+        if len(batch) > 1:
+            attn_mask = _four_dims(attn_mask.expand(*query.shape[:-1], key.shape[-2]))
+        if attn_mask.dtype == torch.bool:
+            mask = attn_mask
+        else:
+            # A float mask is a bias whose -inf entries hide keys: as a boolean mask they get
+            # the zero rows of the contract where real kernels give them too (not NaN).
+            mask = attn_mask != float("-inf")
+            bias = attn_mask.masked_fill(~mask, 0.0)
+    out = _attend(q, k, v, mask=mask, bias=bias, scale=scale, causal=is_causal, backend=name)
+    return out.reshape(*query.shape[:-1], value.shape[-1])
+
+
+def _four_dims(t: torch.Tensor) -> torch.Tensor:
+    """(*batch, heads, length, dim) with any number of batch dims as (batch, heads, length, dim)."""
+    if t.dim() > 4:
+        return t.reshape(-1, *t.shape[-3:])
+    return t.reshape(*(1,) * (4 - t.dim()), *t.shape)
 
 
 def attention(
@@ -81,11 +191,15 @@ def attention(
 
     ``causal=True`` applies a top-left aligned causal mask in the kernel itself (only valid when
     ``q_len == k_len``); it may be combined with ``mask``. ``backend`` overrides :func:`use`.
+    The call counts as one attention call of every open :func:`use` block.
     """
+    _count_call()
+    return _attend(q, k, v, mask=mask, bias=bias, scale=scale, causal=causal, backend=backend)
+
+
+def _attend(q, k, v, *, mask, bias, scale, causal, backend) -> torch.Tensor:
     name = backend or current()
     _check_name(name)
-    if name in _CUDA_ONLY and q.device.type != "cuda":
-        raise BackendUnavailable(f"{name} needs a CUDA device; tensors are on {q.device.type}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if k.shape[1] != q.shape[1]:
         repeats = q.shape[1] // k.shape[1]
@@ -131,36 +245,72 @@ def _sdpa_mask(mask, bias, dtype) -> torch.Tensor | None:
 
 
 def _sdpa(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
-    attn_mask = _sdpa_mask(mask, bias, q.dtype)
+    return _run_sdpa(name, q, k, v, _sdpa_mask(mask, bias, q.dtype), 0.0, causal, scale=scale)
+
+
+def _run_sdpa(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, *,
+              scale: float | None, enable_gqa: bool = False) -> torch.Tensor:
+    """The SDPA function with these arguments, on kernel ``name`` ("sdpa": PyTorch's choice).
+
+    The kernel's own selection decides first whether it accepts the call; if not, this raises
+    :class:`BackendUnavailable` with its reasons. Errors of the kernel itself propagate.
+    """
+    def call() -> torch.Tensor:
+        _own_calls.append(None)
+        try:
+            return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                         enable_gqa=enable_gqa)
+        finally:
+            _own_calls.pop()
+
     if name == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                              scale=scale)
+        return call()
+    if name in _CUDA_ONLY and q.device.type != "cuda":
+        raise BackendUnavailable(f"{name} needs a CUDA device; tensors are on {q.device.type}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    kernel = getattr(SDPBackend, _SDPA_KERNELS[name])
+    with sdpa_kernel([getattr(SDPBackend, _SDPA_KERNELS[name])]):
+        if not torch.compiler.is_compiling():  # compiled, the kernel is chosen at lowering
+            _check_kernel_accepts(name, q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                  enable_gqa)
+        return call()
+
+
+def _check_kernel_accepts(name, q, k, v, attn_mask, dropout_p, is_causal, scale,
+                          enable_gqa) -> None:
+    """Ask PyTorch's kernel selection, under the current sdpa_kernel() setting, whether it
+    would run this call; raise BackendUnavailable with its stated reasons when it would not."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with sdpa_kernel([kernel]):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                                      is_causal=causal, scale=scale)
+            torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                    enable_gqa=enable_gqa)
+            return
         except RuntimeError as exc:
-            reasons = [str(w.message).split("(Triggered")[0].strip() for w in caught]
-            detail = "; ".join(r for r in reasons if r) or str(exc).splitlines()[0]
-            raise BackendUnavailable(
-                f"{name} cannot run this call ({q.device.type}, {q.dtype}, "
-                f"{_describe_features(mask, bias, causal)}): {detail}"
-            ) from None
+            if not any(m in str(exc) for m in _NO_KERNEL_MESSAGES):
+                raise
+            detail = str(exc).splitlines()[0]
+    reasons = [str(w.message).split("(Triggered")[0].strip() for w in caught]
+    detail = "; ".join(r for r in reasons if r) or detail
+    raise BackendUnavailable(
+        f"{name} cannot run this call ({q.device.type}, {q.dtype}, "
+        f"{_describe_call(attn_mask, dropout_p, is_causal, enable_gqa)}): {detail}"
+    )
 
 
-def _describe_features(mask, bias, causal) -> str:
+def _describe_call(attn_mask, dropout_p, is_causal, enable_gqa) -> str:
     parts = []
-    if mask is not None:
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
         parts.append("boolean mask")
-    if bias is not None:
-        parts.append("trainable additive bias" if bias.requires_grad else "additive bias")
-    if causal:
+    elif attn_mask is not None:
+        parts.append("trainable additive bias" if attn_mask.requires_grad else "additive bias")
+    if is_causal:
         parts.append("causal")
+    if dropout_p > 0:
+        parts.append(f"dropout {dropout_p}")
+    if enable_gqa:
+        parts.append("grouped-query")
     return ", ".join(parts) or "no mask"
 
 
@@ -206,9 +356,12 @@ _IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
 
 def available(device: str | torch.device = "cpu",
               dtype: torch.dtype = torch.float32) -> dict[str, str | None]:
-    """Probe every backend with a tiny real masked call on ``device`` in ``dtype``.
+    """Probe every backend with tiny real calls on ``device`` in ``dtype``: a causal call without
+    a mask (what flash kernels take) and a call with a boolean mask.
 
-    Returns ``{name: None}`` for a backend that ran, or ``{name: reason}`` saying why not.
+    Returns ``{name: None}`` for a backend that ran either, or ``{name: reason}`` saying why it
+    ran neither. Each later call is still judged on its own (a backend here may refuse a mask).
+    A kernel that was selected and then failed is an error, not a reason: it propagates.
     Results are cached per (device, dtype) for the life of the process.
     """
     return dict(_probe(str(torch.device(device)), dtype))
@@ -224,15 +377,16 @@ def _probe(device: str, dtype: torch.dtype) -> tuple[tuple[str, str | None], ...
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=dev).tril()
     results = []
     for name in names():
-        try:
-            with torch.no_grad():
-                attention(q, k, v, mask=mask, backend=name)
-            results.append((name, None))
-        except BackendUnavailable as exc:
-            results.append((name, str(exc)))
-        except (RuntimeError, NotImplementedError, TypeError) as exc:
-            results.append((name, f"{name} failed on {dev.type} {dtype}: "
-                                  f"{str(exc).splitlines()[0]}"))
+        reasons = []
+        for call_mask, causal in ((None, True), (mask, False)):
+            try:
+                with torch.no_grad():
+                    _attend(q, k, v, mask=call_mask, bias=None, scale=None, causal=causal,
+                            backend=name)
+                break
+            except BackendUnavailable as exc:
+                reasons.append(str(exc))
+        results.append((name, reasons[0] if len(reasons) == 2 else None))
     return tuple(results)
 
 
