@@ -13,8 +13,16 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
+from torch.utils import _pytree as pytree
 
-from torchparity.comparison import Comparison, StructureMismatch, assert_parity, compare
+from torchparity.comparison import (
+    Comparison,
+    StructureDifference,
+    StructureMismatch,
+    assert_parity,
+    compare,
+    shared_tensors,
+)
 from torchparity.tolerance import KINDS, budget
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -56,9 +64,9 @@ class ModelOutput(OrderedDict):
 
 @given(tensors_with_specials())
 def test_a_tensor_compared_with_itself_is_identical(x: torch.Tensor) -> None:
-    result = compare(x, x.clone())
+    result = compare(x, x.clone(), equal_nan=True)
     assert result.verdict == "identical" and result.ok
-    assert compare(x, x.double(), x.clone()).verdict == "identical"
+    assert compare(x, x.double(), x.clone(), equal_nan=True).verdict == "identical"
 
 
 @given(finite_goldens, arrays(np.float64, 1, elements=st.floats(-1, 1)), st.floats(0, 1e-3))
@@ -85,10 +93,8 @@ def test_hand_computed_budget_separates_within_from_diverged() -> None:
     baseline = torch.tensor([1.0 + 2.0**-20, 2.0], dtype=torch.float32)  # error exactly 2**-20
     tol = KINDS["forward"]
     subnormal = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
-    # K = 2; the baseline's error exceeds sqrt(K) u absmax, so it sets the reordering scale.
-    seen_scale = max(2.0, 2.0**-20 / (math.sqrt(2) * 2.0**-24))
-    reordering = tol.reorder_factor * math.sqrt(2) * 2.0**-24 * seen_scale
-    budget = tol.fudge * 2.0**-20 + reordering + tol.floor_ulps * (2.0**-24 * 2.0 + subnormal)
+    # The baseline's error, 8 roundoffs of the absmax 2, is over the noise floor: it is the noise.
+    budget = tol.fudge * 2.0**-20 + tol.floor_ulps * (2.0**-24 * 2.0 + subnormal)
     allowed = math.floor(budget / 2.0**-22)  # float32 steps above 2 that stay within budget
 
     within = compare(torch.tensor([1.0, _near_two(allowed)]), golden, baseline)
@@ -190,11 +196,34 @@ def test_every_non_finite_disagreement_diverges(
 def test_matching_non_finite_values_are_excluded_and_reported() -> None:
     golden = torch.tensor([math.nan, -math.inf, 1.0, 2.0], dtype=torch.float64)
     candidate = torch.tensor([math.nan, -math.inf, 1.0, 2.0 + 2.0**-22])
-    result = compare(candidate, golden)
+    result = compare(candidate, golden, equal_nan=True)
     assert result.ok
     assert result.worst.max_abs == 2.0**-22 and result.worst.worst_index == (3,)
     text = result.explain()
     assert "1 matching NaN" in text and "1 matching inf" in text
+
+
+def _assert_close_accepts(actual: torch.Tensor, expected: torch.Tensor, equal_nan: bool) -> bool:
+    try:
+        torch.testing.assert_close(actual, expected, equal_nan=equal_nan)
+    except AssertionError:
+        return False
+    return True
+
+
+@given(tensors_with_specials(), st.booleans())
+def test_nan_positions_follow_assert_close(x: torch.Tensor, equal_nan: bool) -> None:
+    accepted = _assert_close_accepts(x, x.clone(), equal_nan)
+    assert compare(x, x.clone(), equal_nan=equal_nan).ok == accepted
+
+
+def test_nan_where_the_golden_has_nan_fails_by_default_and_says_how_to_accept_it() -> None:
+    golden = torch.tensor([math.nan, 1.0], dtype=torch.float64)
+    candidate = torch.tensor([math.nan, 1.0])
+    result = compare(candidate, golden)
+    assert not result.ok
+    assert "candidate has 1 NaN where golden has NaN too; pass equal_nan=True" in result.explain()
+    assert compare(candidate, golden, equal_nan=True).ok
 
 
 def test_to_dict_is_strict_json_even_with_non_finite_values() -> None:
@@ -205,6 +234,9 @@ def test_to_dict_is_strict_json_even_with_non_finite_values() -> None:
 
 
 # --- structure ------------------------------------------------------------------------------
+
+ONE = torch.ones(2)  # the candidate's copy of a shared output ...
+ONE64 = torch.ones(2, dtype=torch.float64)  # ... and the golden's: equal values, "within"
 
 
 def _nest(keys: list[str | int], leaf: object) -> object:
@@ -218,33 +250,92 @@ def _path(keys: list[str | int]) -> str:
 
 
 @given(st.lists(st.one_of(st.sampled_from(["logits", "past", "h"]), st.integers(0, 3)), max_size=4))
-def test_shape_mismatch_names_the_path_and_both_shapes(keys: list[str | int]) -> None:
+def test_a_shape_change_is_a_structure_difference_at_its_path(keys: list[str | int]) -> None:
     candidate = _nest(keys, torch.zeros(2, 3))
     golden = _nest(keys, torch.zeros(2, 4, dtype=torch.float64))
-    with pytest.raises(StructureMismatch) as info:
-        compare(candidate, golden)
-    assert str(info.value) == f"{_path(keys)}: shape (2, 3) vs (2, 4) (candidate vs golden)"
+    result = compare(candidate, golden)
+    assert result.structure == (
+        StructureDifference(_path(keys), "Tensor(2, 3) float32", "Tensor(2, 4) float64"),
+    )
+    assert result.structure_differs and result.tensors == []
 
 
 @pytest.mark.parametrize(
-    ("candidate", "golden", "message"),
+    ("candidate", "golden", "difference"),
     [
-        ({"a": torch.ones(1)}, {"a": torch.ones(1), "b": torch.ones(1)}, 'outputs["b"]: in golden'),
-        ({"a": [torch.ones(1)] * 2}, {"a": [torch.ones(1)]}, 'outputs["a"]: length 2 vs 1'),
-        ((torch.ones(1),), [torch.ones(1)], "outputs: type tuple vs list"),
-        ([torch.ones(1)], [1.0], "outputs[0]: type Tensor vs float"),
-        ({"n": 3}, {"n": 4}, 'outputs["n"]: value 3 vs 4'),
-        ({"s": "mean"}, {"s": "sum"}, "outputs[\"s\"]: value 'mean' vs 'sum'"),
-        ([torch.ones(2, dtype=torch.long)], [torch.ones(2)], "outputs[0]: dtype torch.int64 vs"),
-        (Pair(torch.ones(1), torch.ones(2)), Pair(torch.ones(1), torch.ones(3)), "outputs.second"),
+        ({"y": ONE}, {"y": ONE64, "a": ONE64}, ('outputs["a"]', "missing", "Tensor(2) float64")),
+        ({"y": ONE, "a": ONE}, {"y": ONE64}, ('outputs["a"]', "Tensor(2) float32", "missing")),
+        ((ONE, None), (ONE64, ONE64), ("outputs[1]", "None", "Tensor(2) float64")),
+        ((ONE, ONE), (ONE64, (ONE64, ONE64)), ("outputs[1]", "Tensor(2) float32", "tuple of 2")),
+        ([ONE], [ONE64, ONE64], ("outputs[1]", "missing", "Tensor(2) float64")),
+        ((ONE, {"a": ONE}), (ONE64, [ONE64]), ("outputs[1]", "dict of 1", "list of 1")),
+        ({"y": ONE, "n": 3}, {"y": ONE64, "n": 3.0}, ('outputs["n"]', "int 3", "float 3.0")),
+        (
+            {"y": ONE, "s": "mean"},
+            {"y": ONE64, "s": "sum"},
+            ('outputs["s"]', "str 'mean'", "str 'sum'"),
+        ),
+        (
+            (ONE, torch.ones(2, dtype=torch.long)),
+            (ONE64, ONE64),
+            ("outputs[1]", "Tensor(2) int64", "Tensor(2) float64"),
+        ),
+        (
+            Pair(ONE, torch.ones(2)),
+            Pair(ONE64, torch.ones(3, dtype=torch.float64)),
+            ("outputs.second", "Tensor(2) float32", "Tensor(3) float64"),
+        ),
     ],
 )
-def test_structure_mismatches_name_the_path(
-    candidate: object, golden: object, message: str
+def test_structure_differences_name_the_path_and_both_sides_beside_the_numeric_verdict(
+    candidate: object, golden: object, difference: tuple[str, str, str]
 ) -> None:
+    result = compare(candidate, golden)
+    assert result.structure == (StructureDifference(*difference),)
+    assert [t.verdict for t in result.tensors] == ["within"]  # the one shared tensor
+    assert result.verdict == "within" and result.ok
+
+
+def test_lists_and_tuples_align_by_position_and_mappings_by_key() -> None:
+    assert not compare((ONE, ONE), [ONE64, ONE64]).structure_differs
+    result = compare(OrderedDict(b=ONE, a=ONE), {"a": ONE64, "b": ONE64})
+    assert not result.structure_differs
+    assert [t.path for t in result.tensors] == ['outputs["a"]', 'outputs["b"]']  # golden's order
+
+
+def test_a_structure_difference_is_said_in_explain_repr_and_to_dict() -> None:
+    result = compare({"y": ONE, "attn": None}, {"y": ONE64, "attn": ONE64})
+    text = result.explain()
+    assert text.startswith("within: all 1 tensor(s) within budget")
+    difference = 'outputs["attn"]: candidate None, golden Tensor(2) float64'
+    assert f"Structure differs at 1 path(s): {difference}." in text
+    assert "structure_differs=True" in repr(result)
+    data = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    assert data["verdict"] == "within" and data["structure_differs"] is True
+    assert data["structure"] == [
+        {"path": 'outputs["attn"]', "candidate": "None", "golden": "Tensor(2) float64"}
+    ]
+    assert "structure_differs" not in repr(compare({"y": ONE}, {"y": ONE64}))
+
+
+def test_assert_parity_fails_on_a_structure_difference_unless_it_is_allowed() -> None:
+    candidate, golden = (ONE, None), (ONE64, ONE64)
+    with pytest.raises(AssertionError, match=r"Structure differs at 1 path\(s\): outputs\[1\]"):
+        assert_parity(candidate, golden)
+    assert assert_parity(candidate, golden, allow_structure_changes=True).structure_differs
+    with pytest.raises(AssertionError, match="diverged"):
+        assert_parity((ONE * 2, None), golden, allow_structure_changes=True)
+
+
+def test_the_baseline_need_only_hold_the_shared_tensors() -> None:
+    golden = {"y": ONE64, "attn": ONE64}  # the baseline has the golden's structure
+    result = compare({"y": ONE}, golden, {"y": ONE, "attn": ONE})
+    assert result.verdict == "identical" and result.structure_differs
+    with pytest.raises(StructureMismatch, match=r'^outputs\["y"\]: missing in the baseline'):
+        compare({"y": ONE}, golden, {"attn": ONE})
     with pytest.raises(StructureMismatch) as info:
-        compare(candidate, golden)
-    assert str(info.value).startswith(message)
+        compare({"y": ONE}, golden, {"y": torch.ones(3)})
+    assert str(info.value) == 'outputs["y"]: shape (2,) vs (3,) (candidate vs baseline)'
 
 
 def test_baseline_must_have_the_candidate_dtype() -> None:
@@ -252,6 +343,18 @@ def test_baseline_must_have_the_candidate_dtype() -> None:
     candidate = {"h": [torch.ones(2, dtype=torch.bfloat16)]}
     with pytest.raises(StructureMismatch, match=r'outputs\["h"\]\[0\]: dtype torch.bfloat16 vs'):
         compare(candidate, golden, {"h": [torch.ones(2)]})
+
+
+def test_shared_tensors_pair_what_both_sides_hold_still_attached_to_the_graph() -> None:
+    weight = torch.ones(2, requires_grad=True)
+    a = {"y": weight * 2, "attn": weight * 3, "n": 1.0, "extra": weight * 5}
+    b = {"y": ONE64, "attn": None, "n": 1.0}
+    shared = shared_tensors(a, b)
+    assert [(path, x is a["y"], y is b["y"]) for path, x, y in shared] == [
+        ('outputs["y"]', True, True)
+    ]
+    sum(x.sum() for _, x, _ in shared).backward()
+    assert torch.equal(weight.grad, torch.full((2,), 2.0))  # d(2w)/dw: "y" alone reached
 
 
 def test_dataclasses_namedtuples_and_model_outputs_are_walked() -> None:
@@ -271,9 +374,127 @@ def test_dataclasses_namedtuples_and_model_outputs_are_walked() -> None:
     ]
 
 
+class Span:
+    """A container that only torch's pytree registry knows how to open."""
+
+    def __init__(self, start: torch.Tensor, end: torch.Tensor) -> None:
+        self.start, self.end = start, end
+
+
+class Bag:
+    """Another, registered without key names."""
+
+    def __init__(self, *items: torch.Tensor) -> None:
+        self.items = items
+
+
+class Settings:
+    """An opaque leaf, like a model's config object."""
+
+
+pytree.register_pytree_node(
+    Span,
+    lambda s: ([s.start, s.end], None),
+    lambda children, _: Span(*children),
+    flatten_with_keys_fn=lambda s: (
+        [(pytree.GetAttrKey("start"), s.start), (pytree.GetAttrKey("end"), s.end)],
+        None,
+    ),
+)
+pytree.register_pytree_node(Bag, lambda b: (list(b.items), None), lambda c, _: Bag(*c))
+
+
+def test_containers_registered_with_torch_pytree_are_walked() -> None:
+    candidate = {"span": Span(ONE, ONE * 2), "bag": Bag(ONE)}
+    golden = {"span": Span(ONE64, ONE64), "bag": Bag(ONE64)}
+    result = compare(candidate, golden)
+    assert [(t.path, t.verdict) for t in result.tensors] == [
+        ('outputs["span"].start', "within"),
+        ('outputs["span"].end', "diverged"),
+        ('outputs["bag"][0]', "within"),
+    ]
+
+
+def test_opaque_leaves_are_skipped_and_listed_with_the_rule() -> None:
+    result = compare({"y": ONE, "config": Settings()}, {"y": ONE64, "config": Settings()})
+    assert [path for path, _ in result.skipped] == ['outputs["config"]']
+    reason = result.skipped[0][1]
+    assert reason.startswith("Settings: ")
+    assert "register its class with torch.utils._pytree" in reason
+    assert f'Not compared: outputs["config"] ({reason}).' in result.explain()
+    assert "skipped=1" in repr(result)
+    assert result.to_dict()["skipped"] == [{"path": 'outputs["config"]', "reason": reason}]
+    other = compare({"config": Settings()}, {"config": 3})
+    assert other.structure == (StructureDifference('outputs["config"]', "Settings", "int 3"),)
+
+
 def test_none_and_equal_leaves_are_accepted() -> None:
-    tree = {"cache": None, "n": 2, "name": "x", "y": torch.ones(1)}
-    assert compare(tree, dict(tree)).verdict == "identical"
+    tree = {"cache": None, "n": 2, "name": "x", "dtype": torch.float32, "y": torch.ones(1)}
+    result = compare(tree, dict(tree))
+    assert result.verdict == "identical" and not result.structure_differs
+
+
+# --- Python numbers -------------------------------------------------------------------------
+
+
+@given(st.floats(-1e3, 1e3), st.floats(-1e-6, 1e-6))
+def test_a_python_float_is_judged_like_a_0d_float64_tensor(x: float, delta: float) -> None:
+    as_numbers = compare(x + delta, x).worst
+    as_tensors = compare(
+        torch.tensor(x + delta, dtype=torch.float64), torch.tensor(x, dtype=torch.float64)
+    ).worst
+    assert (as_numbers.verdict, as_numbers.error, as_numbers.budget) == (
+        as_tensors.verdict,
+        as_tensors.error,
+        as_tensors.budget,
+    )
+
+
+def test_a_python_float_takes_the_compute_dtype_of_the_candidates_tensors() -> None:
+    # A loss.item() of a float32 computation: 1e-12 off is far below float32's rounding.
+    candidate = {"logits": ONE, "loss": 1.0 + 1e-12}
+    golden = {"logits": ONE64, "loss": 1.0}
+    result = compare(candidate, golden)
+    assert result.ok and [t.compute_dtype for t in result.tensors] == ["fp32", "fp32"]
+    assert compare(1.0 + 1e-12, 1.0, compute_dtype="fp32").ok
+    # Alone a float is float64 arithmetic, where 1e-12 is thousands of units of roundoff.
+    assert not compare(1.0 + 1e-12, 1.0).ok
+
+
+@pytest.mark.parametrize(
+    ("candidate", "golden", "verdict"),
+    [(3, 3, "identical"), (3, 4, "diverged"), (True, True, "identical"), (True, False, "diverged")],
+)
+def test_ints_and_bools_match_exactly(candidate: int, golden: int, verdict: str) -> None:
+    assert compare({"n": candidate}, {"n": golden}).verdict == verdict
+
+
+# --- the escape hatch -----------------------------------------------------------------------
+
+
+def test_atol_and_rtol_loosen_a_comparison_by_hand_and_say_so() -> None:
+    golden = torch.linspace(1, 2, 8, dtype=torch.float64)
+    candidate = (golden * (1 + 1e-3)).float()  # a thousand times fp32 rounding: diverged
+    plain = compare(candidate, golden).worst
+    assert plain.verdict == "diverged"
+    error, scale = plain.error, plain.budget.scale
+    loosened = {
+        "atol": compare(candidate, golden, atol=error),
+        "rtol": compare(candidate, golden, rtol=error / scale),
+    }
+    assert loosened["atol"].worst.budget.value == plain.budget.value + error
+    for name, result in loosened.items():
+        assert result.ok, name
+        assert "Loosened by hand" in result.explain() and "(added by hand)" in result.explain()
+        assert result.to_dict()[name] == getattr(result, name) > 0
+        assert result.to_dict()["tensors"][0]["budget"][name] > 0
+    with pytest.raises(ValueError, match="atol must be a finite number >= 0"):
+        compare(candidate, golden, atol=-error)
+
+
+def test_the_escape_hatch_leaves_exact_tensors_exact() -> None:
+    tokens = torch.tensor([3, 1, 4])
+    assert not compare(tokens + 1, tokens, atol=float(tokens.max())).ok
 
 
 # --- metrics and reporting ------------------------------------------------------------------
@@ -330,8 +551,19 @@ def test_comparison_truthiness_and_repr() -> None:
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_kind_can_be_compared(kind: str) -> None:
-    golden = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    assert compare(golden.float(), golden, golden.float(), kind).verdict == "identical"
+    # Baseline and candidate compute one fp32 product in different summation orders, as two
+    # kernels would: the candidate is not bit-equal to the baseline, so the budget decides.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 64, dtype=torch.float64, generator=g)
+    b = torch.randn(64, 5, dtype=torch.float64, generator=g)
+    golden = a @ b
+    baseline = a.float() @ b.float()
+    candidate = (a.float().unsqueeze(-1) * b.float()).flip(1).sum(1)
+    assert not torch.equal(candidate, baseline)
+    assert compare(candidate, golden, baseline, kind, reduction_length=64).verdict == "within"
+    # A thousandth of every value is far beyond the rounding of a length-64 fp32 sum.
+    broken = candidate * (1 + 1e-3)
+    assert compare(broken, golden, baseline, kind, reduction_length=64).verdict == "diverged"
 
 
 def test_gradient_cancelled_to_zero_is_judged_at_its_modules_scale() -> None:
