@@ -19,7 +19,7 @@ toward the smallest problem: one head, one layer, no positions, no padding, shor
 - :func:`reproducer`, :func:`note_reproducer`: a copy-pasteable Python script that reruns a
   failing check on the shrunk example.
 
-Needs ``hypothesis`` (``pip install torchparity[test]``).
+Needs ``hypothesis`` (``pip install 'torchparity[strategies]'``).
 """
 
 from __future__ import annotations
@@ -32,9 +32,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from hypothesis import note
-from hypothesis import strategies as st
-from hypothesis.strategies import SearchStrategy
+
+try:
+    from hypothesis import note
+    from hypothesis import strategies as st
+    from hypothesis.strategies import SearchStrategy
+except ImportError as exc:  # an optional dependency: say how to get it
+    raise ImportError("torchparity.strategies needs hypothesis: "
+                      "pip install 'torchparity[strategies]'") from exc
 
 from torchparity import backends
 from torchparity.reference import config as config_module
