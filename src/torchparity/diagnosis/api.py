@@ -31,6 +31,7 @@ from torch import nn
 
 from torchparity.diagnosis.align import Alignment, NameMap, align
 from torchparity.diagnosis.capture import PatternSpec
+from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.golden import add_golden
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
@@ -202,6 +203,7 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
     done()
     propagated = judge_propagated(reference, alignment, model, inputs, opts, bar)
     replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar)
+    find_entry(reference, alignment.matches, propagated.rows, model, opts)
     meta = _report_meta(reference, model, opts, alignment)
     if opts.local != "all":
         meta["notes"].append(

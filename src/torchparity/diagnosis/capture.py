@@ -39,6 +39,7 @@ __all__ = [
     "TensorStats",
     "call_key",
     "flatten_tensors",
+    "leaves",
     "map_tensors",
     "map_tensors_with_paths",
     "module_filter",
@@ -149,6 +150,12 @@ def map_tensors_with_paths(tree: Any, fn: Callable[[str, torch.Tensor], Any],
                    for f in _init_fields(tree)}
         return dataclasses.replace(tree, **changes)
     return tree
+
+
+def leaves(tree: Any, prefix: str) -> dict[str, Any]:
+    """Every leaf of a pytree (tensors, None, numbers, other objects) by the path that
+    :func:`flatten_tensors` gives tensors."""
+    return dict(_walk(tree, prefix))
 
 
 def _walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
@@ -446,6 +453,7 @@ class Capture:
             elif self.what != "shapes":
                 call.output = map_tensors(output, lambda t: t.detach().clone())
             if self.grads:
+                output, outputs = _downstream_only(output, outputs)
                 self._watch_grads(call, outputs)
             self.records.append(call)
             self._by_key[call.key] = call
@@ -454,6 +462,7 @@ class Capture:
                     self.on_call(call)
             if not self.keep:
                 call.drop_tensors()
+            return output
 
         return hook
 
@@ -472,6 +481,18 @@ class Capture:
                 self.on_grad(call, path, grad.detach())
 
         return hook
+
+
+def _downstream_only(output: Any, outputs: dict[str, torch.Tensor]
+                     ) -> tuple[Any, dict[str, torch.Tensor]]:
+    """With several differentiable outputs, one may feed another inside the module (attention
+    returns its weights and the output computed from them), and a hook on it would see that
+    inner use too. Each is handed on as an identity view, so its hook sees only what the rest of
+    the model does with it: the gradient a replay of the module can be seeded with."""
+    if sum(t.requires_grad for t in outputs.values()) < 2:
+        return output, outputs
+    output = map_tensors(output, lambda t: t.view_as(t) if t.requires_grad else t)
+    return output, flatten_tensors(output)
 
 
 def _accumulate(previous: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.align import Alignment, Match
-from torchparity.diagnosis.capture import ModuleCall, flatten_tensors
-from torchparity.diagnosis.judging import joined, judge, merged
+from torchparity.diagnosis.capture import ModuleCall, flatten_tensors, leaves
+from torchparity.diagnosis.judging import joined, judge, merged, with_leaves
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Result, Row
@@ -87,8 +87,8 @@ class _Tracker:
         parts[call.key] = {p: t.cpu() for p, t in call.outputs.items()}
         if len(parts) == len(match.b):  # a fused group is complete with its last member
             candidate = joined([parts[c.key] for c in match.b])
-            self.forward[id(match)] = self.reference.judge(match.a, candidate, "out",
-                                                           "golden_out", "forward")
+            result = self.reference.judge(match.a, candidate, "out", "golden_out", "forward")
+            self.forward[id(match)] = with_leaves(result, leaves(call.output, "output"))
             del self._parts[id(match)]
 
     def on_grad(self, call: ModuleCall, path: str, grad: torch.Tensor) -> None:
@@ -132,4 +132,5 @@ def _final(reference: Reference, run: Run, which: str) -> Result:
     def pick(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {p: t for p, t in tensors.items() if (p == "loss") == (which == "loss")}
 
-    return judge(final, pick(golden), pick(baseline), "loss" if which == "loss" else "forward")
+    result = judge(final, pick(golden), pick(baseline), "loss" if which == "loss" else "forward")
+    return with_leaves(result, leaves(run.output, "output"))

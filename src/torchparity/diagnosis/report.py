@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["AttributionReport", "DecodeReport", "DiagnosisReport", "Mismatch", "Result", "Row",
-           "Unit"]
+__all__ = ["AttributionReport", "DecodeReport", "DiagnosisReport", "Entry", "Mismatch", "Result",
+           "Row", "Unit"]
 
 
 class Result(Protocol):
@@ -57,6 +57,20 @@ class Mismatch:
         return {"verdict": self.verdict, "ok": False, "kind": self.kind, "mismatch": self.reason}
 
 
+@dataclass(frozen=True)
+class Entry:
+    """Where a divergence enters a container whose local replay diverged although none of its
+    modules did: the first module inside whose inputs differ from A's while every output that
+    fed them matched, the argument (``ctx.mask``) and how it differs."""
+
+    module: str
+    argument: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{_label(self.module)} argument {self.argument} ({self.detail})"
+
+
 def worst_error(result: Result | None) -> float | None:
     """The largest error (in the kind's metric) over the result's tensors; inf for a mismatch."""
     if result is None:
@@ -87,6 +101,9 @@ class Row:
     propagated). ``amplification`` is propagated error / local error: about 1 where the module
     itself is the source, large where it only carries error from upstream. ``inputs`` (decoding
     diagnoses only) compares the module's input tensors the way ``propagated`` its outputs.
+    ``entry`` (on a first divergence that contains other modules) names where it enters.
+    :attr:`structure` lists the outputs that A and B hold in different structure (a tensor on
+    one side, ``None`` or nothing on the other): judged apart, never a numeric divergence.
     """
 
     module: str
@@ -100,7 +117,17 @@ class Row:
     grad_local: Result | None = None
     grad_propagated: Result | None = None
     inputs: Result | None = None
+    entry: Entry | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def structure(self) -> tuple:
+        """The ``StructureDifference`` s of the module's outputs (B as candidate, A's side as
+        golden)."""
+        for result in (self.propagated, self.local):
+            if result is not None and getattr(result, "structure", ()):
+                return tuple(result.structure)
+        return ()
 
     @property
     def amplification(self) -> float | None:
@@ -122,6 +149,11 @@ class Row:
             "local": dump(self.local), "propagated": dump(self.propagated),
             "amplification": self.amplification,
             "grad_local": dump(self.grad_local), "grad_propagated": dump(self.grad_propagated),
+            "structure": [{"path": d.path, "a": d.golden, "b": d.candidate}
+                          for d in self.structure],
+            "entry": None if self.entry is None else {
+                "module": self.entry.module, "argument": self.entry.argument,
+                "detail": self.entry.detail},
             "notes": self.notes,
         })
 
@@ -162,8 +194,14 @@ class DiagnosisReport:
         names = ", ".join(r.module for r in self.rows)
         raise KeyError(f"no row for module {module!r}; rows: {names}")
 
+    @property
+    def structure_only(self) -> list[Row]:
+        """Rows whose outputs differ from A's in structure and in nothing else."""
+        return [r for r in self.rows if r.structure and not _diverged(r)]
+
     def summary(self) -> str:
-        """One or two sentences: where A and B part, or that they do not."""
+        """A few sentences: where A and B part (and where that enters), or that they do not;
+        structure differences; the final verdict; the precision the comparison ran in."""
         parts = []
         first = self.first_divergence
         if first is None:
@@ -171,12 +209,23 @@ class DiagnosisReport:
         else:
             parts.append(f"First divergence: {_label(first.module)} ({first.module_type}), local "
                          f"error {_ratio(headroom(first.local))} of budget.")
+            if first.entry is not None:
+                parts.append(f"It enters at {first.entry}.")
         if self.meta.get("backward"):
             grad = self.first_grad_divergence
             parts.append("No gradient diverges locally." if grad is None else
                          f"First gradient divergence: {_label(grad.module)}.")
+        structural = self.structure_only
+        if structural:
+            where = structural[0]
+            parts.append(f"{len(structural)} module(s) differ in structure only, no numeric "
+                         f"divergence (first: {_label(where.module)} {where.structure[0].path}).")
         if self.output is not None:
-            parts.append(f"Final output: {self.output.verdict}.")
+            shape = getattr(self.output, "structure", ())
+            paths = f" (structure differs at {', '.join(d.path for d in shape)})" if shape else ""
+            parts.append(f"Final output: {self.output.verdict}{paths}.")
+        if self.meta.get("mode"):
+            parts.append(f"Mode: {self.meta['mode']}.")
         return " ".join(parts)
 
     # -- JSON ---------------------------------------------------------------------------------
@@ -222,38 +271,50 @@ class DiagnosisReport:
             console.print(line, markup=False, highlight=False)
 
     def rich_table(self) -> Any:
-        """The rows as a ``rich.table.Table`` (for printing to a live console with colours)."""
+        """The rows as a ``rich.table.Table`` (for printing to a live console with colours).
+
+        The module name is the last column and wraps, never truncates: in a CI log (80
+        columns) it is the answer. Types and amplification are in the JSON and HTML."""
+        from rich import box
         from rich.table import Table
 
         backward = bool(self.meta.get("backward"))
-        table = Table(title=self.summary(), title_justify="left", show_lines=False)
-        for column in ("#", "module (B)", "type", "local", "propagated", "ampl."):
-            table.add_column(column, justify="right" if column in ("#", "ampl.") else "left")
-        if backward:
-            table.add_column("grad local")
-            table.add_column("grad propagated")
+        table = Table(title=self.summary(), title_justify="left", box=box.SIMPLE_HEAD,
+                      pad_edge=False)
+        table.add_column("#", justify="right", no_wrap=True)
+        for column in ("local", "prop.") + (("grad l.", "grad p.") if backward else ()):
+            table.add_column(column, no_wrap=True)
+        table.add_column("module (B)", overflow="fold", ratio=1)
         first, grad = self.first_divergence, self.first_grad_divergence
         for index, r in enumerate(self.rows):
-            cells = [str(index), "  " * r.depth + _label(r.module) + _aligned_as(r),
-                     r.module_type, _cell(r.local), _cell(r.propagated),
-                     _amplification(r.amplification)]
+            cells = [str(index), _cell(r.local), _cell(r.propagated)]
             if backward:
                 cells += [_cell(r.grad_local), _cell(r.grad_propagated)]
+            name = " " * r.depth + _label(r.module) + _aligned_as(r)
+            if r.structure:
+                name += " (structure differs)"
             style = "bold red" if r is first or r is grad else (
                 "dim" if r.local is not None and r.local.verdict == "identical" else None)
-            table.add_row(*cells, style=style)
+            table.add_row(*cells, name, style=style)
         return table
 
     def _footer(self) -> list[str]:
-        lines = ["cells: verdict and share of budget used (=: bit-identical to A, "
-                 "ok: within, X: diverged, -: not computed); ampl. = propagated / local error"]
+        lines = ["cells: share of budget used (=: bit-identical to A, X: diverged, -: not "
+                 "computed)"]
         if self.unmatched_a:
             lines.append(f"unmatched in A: {', '.join(self.unmatched_a)}")
         if self.unmatched_b:
             lines.append(f"unmatched in B: {', '.join(self.unmatched_b)}")
         lines += [f"note: {note}" for note in self.meta.get("notes", [])]
         for r in self.rows:
+            if r.entry is not None:
+                lines.append(f"{_label(r.module)}: the divergence enters at {r.entry}")
+            lines += [f"{_label(r.module)}: structure differs at {d.path}: A has {d.golden}, "
+                      f"B has {d.candidate}" for d in r.structure]
             lines += [f"{_label(r.module)}: {note}" for note in r.notes]
+        shape = getattr(self.output, "structure", ())
+        lines += [f"final output: structure differs at {d.path}: A has {d.golden}, B has "
+                  f"{d.candidate}" for d in shape]
         return lines
 
     def __str__(self) -> str:
@@ -455,6 +516,11 @@ def _aligned_as(row: Row) -> str:
     return "" if row.how == "name" else f" <- {row.a_module or '(model)'} [{row.how}]"
 
 
+def _diverged(row: Row) -> bool:
+    results = (row.local, row.propagated, row.grad_local, row.grad_propagated)
+    return any(result is not None and not result.ok for result in results)
+
+
 def _ratio(value: float | None) -> str:
     if value is None:
         return "-"
@@ -468,8 +534,8 @@ def _cell(result: Result | None) -> str:
         return "-"
     if result.verdict == "identical":
         return "="
-    mark = "ok" if result.ok else "X"
-    return f"{mark} {_ratio(headroom(result))}"
+    share = _ratio(headroom(result))
+    return share if result.ok else f"X {share}"
 
 
 def _amplification(value: float | None) -> str:
