@@ -35,6 +35,13 @@ from torchparity.golden.cases import (
     single_thread,
 )
 from torchparity.golden.store import GOLDEN_DIR_ENV, GoldenStore, default_golden_dir
+from torchparity.golden.user_models import (
+    Subject,
+    backend_names,
+    check_subject,
+    load_goldens,
+    user_golden_dir,
+)
 from torchparity.reference import zoo
 
 DEFAULT_DTYPES = {"cpu": ["fp32", "bf16"], "cuda": ["fp32", "tf32", "bf16", "fp16"]}
@@ -54,7 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "other columns are judged by the tolerance model against the manual backend in the "
         "same dtype. Exit status: 0 all pass, 1 something diverged, 2 usage or golden error.")
     parser.add_argument("--case", action="append", metavar="NAME",
-                        help="zoo case to check (repeatable; default: all)")
+                        help="zoo case to check (repeatable; default: all, or none with "
+                             "--model)")
+    parser.add_argument("--model", action="append", metavar="ENTRY",
+                        help="your own model: file.py:factory or package.module:factory, a "
+                             "callable returning (model, inputs[, loss_fn]) (repeatable; see "
+                             "docs/your-model.md); its goldens come from `torchparity golden "
+                             "update --model ENTRY`")
     parser.add_argument("--backend", action="append", metavar="NAME",
                         help=f"attention backend (repeatable; default: all of "
                              f"{', '.join(backends.names())})")
@@ -63,7 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"fp32, bf16 on cpu and also tf32, fp16 on cuda)")
     parser.add_argument("--device", action="append", metavar="DEVICE",
                         help="device (repeatable; default: cpu, and cuda when available)")
-    parser.add_argument("--golden-dir", metavar="DIR", help=GOLDEN_DIR_HELP)
+    parser.add_argument("--golden-dir", metavar="DIR",
+                        help=GOLDEN_DIR_HELP + f"; for --model: ${GOLDEN_DIR_ENV}, else "
+                             "golden/ in the working directory")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--jobs", type=int, metavar="N",
                         help="worker processes (default: 2 when the machine has 2+ cores; 1 "
@@ -76,15 +91,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    store = GoldenStore(default_golden_dir(args.golden_dir))
+    subjects = [Subject.load(entry) for entry in args.model or []]
+    cases = [] if subjects and not args.case else select_cases(args.case)
+    store = GoldenStore(default_golden_dir(args.golden_dir) if cases else
+                        user_golden_dir(args.golden_dir))
     store.require_root()
-    cases = select_cases(args.case)
-    cells = select_cells(args.backend, args.dtype, args.device)
+    cells = select_cells(args.backend, args.dtype, args.device,
+                         backend_names(subjects) if subjects else backends.names())
     jobs = _jobs(args.jobs)
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"--json {args.json}: its folder does not exist")
     for case in cases:  # every golden is validated before any work starts
         load_case(store, case)
+    for subject in subjects:
+        load_goldens(subject, subject.store(store.root))
     trajectories = _trajectory_store(store, cases) if args.train else None
 
     from rich.console import Console
@@ -93,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=Console(stderr=True), transient=True)
     with progress:
-        results = execute(store, cases, cells, jobs, progress)
+        results = execute(store, cases, cells, jobs, progress) if cases else []
+        results += check_models(subjects, store, cells, progress)
         if trajectories is not None:
             results += train_results(trajectories, cases, cells, progress)
     elapsed = time.perf_counter() - started
@@ -118,20 +139,22 @@ def select_cases(names: list[str] | None) -> list[zoo.ZooCase]:
 
 
 def select_cells(backend_names: list[str] | None, dtypes: list[str] | None,
-                 devices: list[str] | None) -> list[Cell]:
+                 devices: list[str] | None, known: list[str] | None = None) -> list[Cell]:
     """The reference cell, then every (device, dtype, backend) selected, in a stable order.
 
-    Backends that cannot run a cell are kept: they are reported as ``n/a`` with the reason.
+    ``known`` are the backends to choose from (default: the attention backends). Backends that
+    cannot run a cell are kept: they are reported as ``n/a`` with the reason.
     """
+    known = known or backends.names()
     for name in backend_names or []:
-        if name not in backends.names():
+        if name not in known:
             raise UsageError(f"unknown attention backend {name!r}; choose from "
-                             f"{', '.join(backends.names())}")
+                             f"{', '.join(known)}")
     for dtype in dtypes or []:
         if dtype not in CHECK_DTYPES:
             raise UsageError(f"unknown dtype {dtype!r} for --dtype; choose from "
                              f"{', '.join(CHECK_DTYPES)} (the fp64 reference always runs)")
-    chosen_backends = [b for b in backends.names() if backend_names is None or b in backend_names]
+    chosen_backends = [b for b in known if backend_names is None or b in backend_names]
     cells = [REFERENCE]
     for device in _devices(devices):
         kind = torch.device(device).type
@@ -257,6 +280,19 @@ def _drain(progress_queue: Any, advance: Callable[[str], None], timeout: float) 
         pass
 
 
+def check_models(subjects: list[Subject], store: GoldenStore, cells: list[Cell],
+                 progress: Any) -> list[CheckResult]:
+    """Check users' models in this process (their factories need not import elsewhere)."""
+    task = progress.add_task("checking", total=len(subjects) * len(cells))
+    results = []
+    with single_thread():
+        for subject in subjects:
+            results += check_subject(subject, subject.store(store.root), cells,
+                                     lambda label, s=subject: progress.update(
+                                         task, advance=1, description=f"{s.name} {label}"))
+    return results
+
+
 def train_results(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell],
                   progress: Any) -> list[CheckResult]:
     """The ``trajectory`` rows of ``check --train`` (see :mod:`torchparity.golden.training`)."""
@@ -357,6 +393,10 @@ def _cell_text(rows: list[CheckResult], footnotes: dict[str, int], with_device: 
         text = "≡" if identical else f"✓ {_share(max(r.headroom for r in compared))}"
     else:
         text = "n/a"
+    differing = [f"{r.output}: {s}" for r in rows for s in r.structure or []]
+    if differing:
+        note = "structure differs (not a divergence): " + "; ".join(differing)
+        text += f" [{footnotes.setdefault(note, len(footnotes) + 1)}]"
     if unavailable:
         outputs = ", ".join(r.output for r in unavailable)
         note = f"{outputs} n/a: {unavailable[0].reason}" if compared or failed else \
@@ -379,4 +419,5 @@ def _summary(results: list[CheckResult], elapsed: float) -> str:
     parts = ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items()))
     status = "OK" if all(r.ok for r in results) else "FAILED"
     cases = len({r.case for r in results})
-    return f"{status}: {len(results)} outputs of {cases} case(s) in {elapsed:.1f} s ({parts})"
+    return (f"{status}: {len(results)} outputs of {cases} case(s) or model(s) in {elapsed:.1f} s "
+            f"({parts})")

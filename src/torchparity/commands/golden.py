@@ -1,4 +1,5 @@
-"""``torchparity golden update|verify|show``: create, verify or read the zoo's goldens."""
+"""``torchparity golden update|verify|show``: create, verify or read the zoo's goldens;
+``golden update --model ENTRY`` creates those of a user's model."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import dataclasses
 from typing import Any
 
 from torchparity.commands.check import GOLDEN_DIR_HELP, print_table, select_cases
+from torchparity.errors import UsageError
 from torchparity.golden.cases import (
     OUTPUT_KINDS,
     REFERENCE,
     check_case,
     load_case,
+    single_thread,
     write_case,
 )
 from torchparity.golden.store import GoldenStore, default_golden_dir
+from torchparity.golden.user_models import Subject, user_golden_dir, write_goldens
 from torchparity.reference import TransformerConfig, zoo
 
 
@@ -26,7 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Compute the goldens (float64, CPU, manual backend) of the named zoo cases "
                     "(default: all) and write them atomically. Files whose values and metadata "
                     "did not change are left untouched; nothing is ever deleted.")
-    update.add_argument("cases", nargs="*", metavar="CASE", help="zoo case (default: all)")
+    update.add_argument("cases", nargs="*", metavar="CASE",
+                        help="zoo case (default: all, or none with --model)")
+    update.add_argument("--model", action="append", metavar="ENTRY",
+                        help="your own model instead: file.py:factory or "
+                             "package.module:factory (repeatable); its float64 goldens go to "
+                             "DIR/<entry name>/, DIR defaulting to golden/ in the working "
+                             "directory (see docs/your-model.md)")
     verify = actions.add_parser(
         "verify", help="check that the goldens are intact and that the code still makes them",
         description="Validate every golden file (readable, JSON matching its tensors, known "
@@ -43,8 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    store = GoldenStore(default_golden_dir(args.golden_dir))
     console = Console(highlight=False, soft_wrap=True)
+    if getattr(args, "model", None):
+        return _update_models(args, console)
+    store = GoldenStore(default_golden_dir(args.golden_dir))
     if args.action == "update":
         return _update(store, select_cases(args.cases or None), console)
     store.require_root()
@@ -65,6 +77,21 @@ def _update(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
             progress.console.print(f"{case.name}: {summary}")
             progress.advance(task)
     console.print(f"goldens of {len(cases)} case(s) are in {store.root}")
+    return 0
+
+
+def _update_models(args: argparse.Namespace, console: Any) -> int:
+    if args.cases:
+        raise UsageError(f"golden update takes zoo cases or --model, not both (got "
+                         f"{' '.join(args.cases)} and --model)")
+    root = user_golden_dir(args.golden_dir)
+    subjects = [Subject.load(entry) for entry in args.model]  # every factory loads first
+    with single_thread():
+        for subject in subjects:
+            statuses = write_goldens(subject, subject.store(root))
+            summary = ", ".join(f"{output} {status}" for output, status in statuses.items())
+            console.print(f"{subject.name}: {summary}", markup=False)
+    console.print(f"goldens of {len(subjects)} model(s) are in {root}", markup=False)
     return 0
 
 

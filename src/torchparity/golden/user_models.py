@@ -34,8 +34,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,7 +58,7 @@ from torchparity.golden.cases import (
     perturb_weights,
     write_status,
 )
-from torchparity.golden.store import Golden, GoldenStale, GoldenStore, checksum
+from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
 from torchparity.reference import rng
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -67,6 +69,12 @@ HF_EAGER = "hf-eager"
 DECODE_STEPS = 4
 _LOSS_SEED = 0
 _ROOT = "output"
+
+
+def user_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """Where users' goldens live: ``explicit``, else ``$TORCHPARITY_GOLDEN_DIR``, else
+    ``golden/`` in the working directory (the folder need not exist yet)."""
+    return Path(explicit or os.environ.get(GOLDEN_DIR_ENV) or "golden")
 
 
 def backend_names(models: list[Subject] | None = None) -> list[str]:
@@ -92,9 +100,6 @@ class Subject:
         self.entry = entry
         self.name = user.name
         self.is_transformers = _is_transformers(user.model)
-        if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
-               for m in user.model.modules()):
-            user.model.eval()  # dropout would make every run differ; see docs/your-model.md
 
     @classmethod
     def load(cls, entry: str | Callable[[], Any]) -> Subject:
@@ -125,7 +130,8 @@ class Subject:
         Returns the run and the number of SDPA calls intercepted (None for ``hf-eager``).
         """
         dtype = DTYPES[cell.dtype]
-        model = copy.deepcopy(self.user.model).to(device=cell.device, dtype=dtype)
+        # eval(): dropout (modules or F.dropout(training=self.training)) would make runs differ
+        model = copy.deepcopy(self.user.model).to(device=cell.device, dtype=dtype).eval()
         if self.is_transformers:
             model.set_attn_implementation("eager" if cell.backend == HF_EAGER else "sdpa")
         if perturb:
