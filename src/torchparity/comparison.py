@@ -1,22 +1,26 @@
 """The comparison engine: verdicts and metrics for a candidate against a golden and a baseline.
 
-:func:`compare` walks three pytrees of identical structure (tensors inside dicts, lists, tuples,
-namedtuples, dataclasses or Hugging Face ``ModelOutput`` objects), compares every tensor under
-the tolerance model of :mod:`torchparity.tolerance` and returns a :class:`Comparison`.
-It knows nothing of models: any callable's outputs can be compared.
+:func:`compare` walks the candidate's and the golden's pytrees together (tensors and Python
+numbers inside dicts, lists, tuples, namedtuples, dataclasses, Hugging Face ``ModelOutput``
+objects or any container registered with ``torch.utils._pytree``), compares every tensor both
+hold under the tolerance model of :mod:`torchparity.tolerance`, and reports where the two differ
+in structure and which leaves it did not compare. It knows nothing of models: any callable's
+outputs can be compared.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch.utils import _pytree as pytree
 
 from torchparity import tolerance
 from torchparity.tolerance import Budget, DtypeLike
@@ -29,14 +33,35 @@ _VERDICT_ORDER = {"identical": 0, "within": 1, "diverged": 2}
 RELATIVE_GUARD = 1e-3
 
 _ROOT = "outputs"
-_NO_BASELINE = object()
+
+#: Why a transformers cache is not compared (see :func:`compare`).
+CACHE_RULE = (
+    "a cache is decoding state laid out by its implementation; its contents are compared"
+    " through the outputs of the steps that read it"
+)
 
 
 class StructureMismatch(ValueError):
-    """Candidate, golden and baseline differ in structure, shape, dtype or a non-tensor leaf.
+    """The baseline cannot be aligned with the candidate, so no budget can be earned.
 
-    The message names the path in Python syntax (``outputs["logits"][1]``) and both sides.
+    Differences between candidate and golden are reported, not raised (see
+    :attr:`Comparison.structure`). The baseline must hold a tensor of the candidate's shape and
+    dtype wherever candidate and golden share one. The message names the path in Python syntax
+    (``outputs["logits"][1]``) and both sides.
     """
+
+
+@dataclass(frozen=True)
+class StructureDifference:
+    """A path where candidate and golden differ in structure, and what each side has there:
+    ``"Tensor(2, 3) float32"``, ``"tuple of 2"``, ``"None"``, ``"missing"``, ``"int 3"``."""
+
+    path: str
+    candidate: str
+    golden: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: candidate {self.candidate}, golden {self.golden}"
 
 
 @dataclass
@@ -81,10 +106,20 @@ class TensorComparison:
 
 @dataclass
 class Comparison:
-    """The comparison of a whole pytree: one :class:`TensorComparison` per tensor."""
+    """The comparison of a whole pytree: one :class:`TensorComparison` per tensor that candidate
+    and golden share, the differences of structure between them, and the leaves not compared.
+
+    ``verdict`` and ``ok`` judge the shared tensors alone; :attr:`structure_differs` says
+    whether the structures differ. ``skipped`` holds ``(path, reason)`` pairs; ``atol`` and
+    ``rtol`` are the tolerances a user added to every budget by hand (see :func:`compare`).
+    """
 
     kind: str
     tensors: list[TensorComparison]
+    structure: tuple[StructureDifference, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+    atol: float = 0.0
+    rtol: float = 0.0
 
     @property
     def verdict(self) -> Verdict:
@@ -95,6 +130,11 @@ class Comparison:
     def ok(self) -> bool:
         """True when no tensor diverged."""
         return self.verdict != "diverged"
+
+    @property
+    def structure_differs(self) -> bool:
+        """True when candidate and golden differ in structure somewhere."""
+        return bool(self.structure)
 
     @property
     def worst(self) -> TensorComparison | None:
@@ -108,6 +148,10 @@ class Comparison:
         worst = self.worst
         where = f", worst={worst.path} headroom={worst.headroom:.3g}" if worst else ""
         n = len(self.tensors)
+        if self.structure:
+            where += f", structure_differs=True ({len(self.structure)} path(s))"
+        if self.skipped:
+            where += f", skipped={len(self.skipped)}"
         return f"Comparison(verdict={self.verdict!r}, kind={self.kind!r}, tensors={n}{where})"
 
     def explain(self) -> str:
@@ -115,7 +159,8 @@ class Comparison:
         budget with the formula's numbers, headroom, dtype and kind."""
         worst = self.worst
         if worst is None:
-            return f"identical: no tensors to compare (kind {self.kind})."
+            nothing = "candidate and golden share no tensors" if self.structure else "no tensors"
+            return f"identical: {nothing} to compare (kind {self.kind})." + self._context()
         n = len(self.tensors)
         if self.verdict == "identical":
             reference = "baseline" if worst.baseline_value is not None else "golden"
@@ -131,18 +176,40 @@ class Comparison:
         others = [f"{t.path}: {note}" for t in self.tensors if t is not worst for note in t.notes]
         if self.verdict == "identical":
             others = [f"{t.path}: {note}" for t in self.tensors for note in t.notes]
-        return text + (f" Also: {'; '.join(others)}." if others else "")
+        return text + (f" Also: {'; '.join(others)}." if others else "") + self._context()
+
+    def _context(self) -> str:
+        """The sentences of :meth:`explain` on structure, skipped leaves and loosened budgets."""
+        parts = []
+        if self.structure:
+            differences = "; ".join(str(d) for d in self.structure)
+            parts.append(f"Structure differs at {len(self.structure)} path(s): {differences}.")
+        if self.skipped:
+            skipped = "; ".join(f"{path} ({reason})" for path, reason in self.skipped)
+            parts.append(f"Not compared: {skipped}.")
+        if self.atol or self.rtol:
+            parts.append(
+                f"Loosened by hand: atol {self.atol:g} + rtol {self.rtol:g} × scale added to"
+                " every floating tensor's budget."
+            )
+        return "".join(f" {part}" for part in parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable summary with every tensor's metrics."""
+        """A JSON-serialisable summary with every tensor's metrics, the structure differences,
+        the skipped leaves and any tolerance added by hand."""
         worst = self.worst
-        return {
+        return _json_safe({
             "verdict": self.verdict,
             "ok": self.ok,
             "kind": self.kind,
             "worst": worst.path if worst else None,
+            "structure_differs": self.structure_differs,
+            "structure": [dataclasses.asdict(d) for d in self.structure],
+            "skipped": [{"path": path, "reason": reason} for path, reason in self.skipped],
+            "atol": self.atol,
+            "rtol": self.rtol,
             "tensors": [t.to_dict() for t in self.tensors],
-        }
+        })
 
 
 def compare(
@@ -154,81 +221,207 @@ def compare(
     compute_dtype: DtypeLike | None = None,
     reduction_length: int | None = None,
     step: int | None = None,
+    equal_nan: bool = False,
+    atol: float = 0.0,
+    rtol: float = 0.0,
 ) -> Comparison:
     """Compare ``candidate`` with ``golden`` under the budget that ``baseline`` earns.
 
-    The three are tensors or pytrees of the same structure; the golden may have a wider float
-    dtype than the candidate, the baseline must have the candidate's. Non-tensor leaves must be
-    equal. ``compute_dtype`` (default: each candidate tensor's dtype) sets the unit roundoff,
-    ``reduction_length`` (default: each tensor's last dimension) the analytic bound, ``step``
-    the growth of trajectory budgets; see :mod:`torchparity.tolerance`.
+    The three are tensors, Python numbers or pytrees of them (see :func:`shared_tensors` for the
+    containers walked). Every tensor that candidate and golden hold at the same path, with the
+    same shape and kind of dtype, is judged; the golden may have a wider float dtype than the
+    candidate. Python numbers are judged as 0-d tensors: ints and bools exactly, floats in the
+    compute dtype (below). Where the two differ in structure (a key or position missing on one
+    side, ``None`` against a tensor, a tuple become a tensor, another shape, a string or other
+    plain value that differs) a :class:`StructureDifference` is reported in
+    :attr:`Comparison.structure`: ``verdict`` stays the verdict on the shared tensors. Leaves
+    that are not compared are listed in :attr:`Comparison.skipped` with the reason:
+    ``transformers`` caches (see :data:`CACHE_RULE`) and objects that are neither tensors,
+    numbers, plain values nor containers (register them with ``torch.utils._pytree`` to compare
+    their contents).
 
-    Raises :class:`StructureMismatch` naming the path when the structures, shapes or dtypes
-    differ, and ``ValueError`` for an unknown kind or dtype. The inputs are not modified.
+    ``baseline`` need only hold the shared tensors, each in the candidate's shape and dtype.
+    ``compute_dtype`` (default: each candidate tensor's dtype) sets the unit roundoff; Python
+    floats, which carry no dtype, take it when given, else the most precise floating dtype among
+    the candidate's tensors (a float mostly comes out of them: ``loss.item()``), else float64.
+    ``reduction_length`` (default: each tensor's last dimension) sets the analytic bound,
+    ``step`` the growth of trajectory budgets; see :mod:`torchparity.tolerance`.
+
+    NaN follows ``torch.testing.assert_close``: a NaN in the candidate fails even where the
+    golden has NaN, unless ``equal_nan=True``; infinities of the same sign at the same position
+    match. ``atol`` and ``rtol`` are the one way to loosen a comparison by hand: ``atol + rtol *
+    scale`` (the golden's magnitude in the kind's metric) is added to every floating tensor's
+    budget, and :meth:`Comparison.explain` and ``to_dict`` say so. Integer and bool tensors
+    always match exactly.
+
+    Raises :class:`StructureMismatch` naming the path when the baseline lacks a shared tensor
+    or holds it in another shape or dtype, and ``ValueError`` for an unknown kind or dtype or a
+    negative ``atol``/``rtol``. The inputs are not modified.
     """
     tol = tolerance.kind_tolerance(kind)
-    baseline_tree = _NO_BASELINE if baseline is None else baseline
-    leaves = list(_aligned_leaves(candidate, golden, baseline_tree, _ROOT))
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    found = _Alignment()
+    _align(candidate, golden, _ROOT, found)
+    baselines = None if baseline is None else _tensor_leaves(baseline, _ROOT, {})
+    leaves = [
+        (path, c, g, None if baselines is None else _baseline_at(path, c, baselines))
+        for path, c, g in found.pairs
+    ]
     scales = _group_scales(leaves, tol.metric) if tol.group_scale else {}
+    numbers_dtype = compute_dtype or _numbers_dtype(leaves, found.numbers)
     tensors = [
         _compare_tensor(
-            path, c, g, b, kind, compute_dtype, reduction_length, step, scales.get(path)
+            path, c, g, b, kind, numbers_dtype if path in found.numbers else compute_dtype,
+            reduction_length, step, scales.get(path), equal_nan=equal_nan, atol=atol, rtol=rtol,
         )
         for path, c, g, b in leaves
     ]
-    return Comparison(kind=kind, tensors=tensors)
+    return Comparison(
+        kind=kind,
+        tensors=tensors,
+        structure=tuple(found.structure),
+        skipped=tuple(found.skipped),
+        atol=atol,
+        rtol=rtol,
+    )
 
 
 def assert_parity(
-    candidate: Any, golden: Any, baseline: Any = None, kind: str = "forward", **kwargs: Any
+    candidate: Any,
+    golden: Any,
+    baseline: Any = None,
+    kind: str = "forward",
+    *,
+    allow_structure_changes: bool = False,
+    **kwargs: Any,
 ) -> Comparison:
-    """Like :func:`compare`, but raise ``AssertionError(explain())`` when a tensor diverged."""
+    """Like :func:`compare`, but raise ``AssertionError(explain())`` when a tensor diverged or,
+    unless ``allow_structure_changes=True``, when candidate and golden differ in structure (a
+    refactor that stops returning attention weights, say, passes with it)."""
     result = compare(candidate, golden, baseline, kind, **kwargs)
-    if not result.ok:
+    if not result.ok or (result.structure_differs and not allow_structure_changes):
         raise AssertionError(result.explain())
     return result
+
+
+def shared_tensors(a: Any, b: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The tensors two pytrees share: ``(path, a's tensor, b's tensor)`` wherever both hold a
+    tensor of the same shape and kind of dtype, in the order :func:`compare` judges them.
+
+    Containers are mappings (``ModelOutput`` included, by key), lists and tuples (by position),
+    namedtuples and dataclasses (by field) and anything registered with ``torch.utils._pytree``.
+    The tensors are returned as given (still attached to their graphs), so a loss summed over
+    them reaches only outputs both sides produce. Python numbers are left out.
+    """
+    found = _Alignment()
+    _align(a, b, _ROOT, found)
+    return [(path, x, y) for path, x, y in found.pairs if path not in found.numbers]
 
 
 # --- structure ------------------------------------------------------------------------------
 
 
-def _aligned_leaves(
-    candidate: Any, golden: Any, baseline: Any, path: str
-) -> Iterator[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """Yield (path, candidate, golden, baseline) per tensor; check everything else matches."""
-    candidate, golden = _as_tensor(candidate), _as_tensor(golden)
-    has_baseline = baseline is not _NO_BASELINE
-    if has_baseline:
-        baseline = _as_tensor(baseline)
-    if isinstance(golden, torch.Tensor) or isinstance(candidate, torch.Tensor):
-        _check_tensors(path, candidate, golden, "golden")
-        if has_baseline:
-            _check_tensors(path, candidate, baseline, "baseline")
-            _check_dtype_equal(path, candidate, baseline)
-        yield path, candidate, golden, baseline if has_baseline else None
-        return
-    c_children = _children(candidate)
-    g_children = _children(golden)
-    _check_same_children(path, candidate, golden, c_children, g_children, "golden")
-    if has_baseline:
-        b_children = _children(baseline)
-        _check_same_children(path, candidate, baseline, c_children, b_children, "baseline")
-    if c_children is None:
-        _check_leaf_equal(path, candidate, golden, "golden")
-        if has_baseline:
-            _check_leaf_equal(path, candidate, baseline, "baseline")
-        return
-    for key, g_child in g_children.items():
-        b_child = b_children[key] if has_baseline else _NO_BASELINE
-        yield from _aligned_leaves(c_children[key], g_child, b_child, path + key)
+@dataclass
+class _Alignment:
+    """What walking candidate and golden together found: the (path, candidate, golden) tensors
+    both hold, which of those paths were Python numbers, the differences, the skipped leaves."""
+
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    numbers: set[str] = field(default_factory=set)
+    structure: list[StructureDifference] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _as_tensor(x: Any) -> Any:
-    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+_MISSING = object()  # the side of a key or position that only the other side has
+
+# Leaves compared by equality: a difference is one of structure, not of rounding. (Ints reach
+# this only beyond int64 or as enums; other numbers become tensors.)
+_PLAIN_VALUES = (str, bytes, int, complex, enum.Enum, torch.dtype, torch.device)
+
+
+def _align(candidate: Any, golden: Any, path: str, found: _Alignment) -> None:
+    c, g = _leaf_tensor(candidate), _leaf_tensor(golden)
+    c_children, g_children = _children(candidate), _children(golden)
+    if c is not None and g is not None and _same_layout(c, g):
+        found.pairs.append((path, c, g))
+        if _is_python_number(candidate):
+            found.numbers.add(path)
+    elif (
+        c_children is not None
+        and g_children is not None
+        and _container_type(candidate) == _container_type(golden)
+    ):
+        for key in {**g_children, **c_children}:  # the golden's order, the candidate's extras
+            missing = _MISSING
+            _align(c_children.get(key, missing), g_children.get(key, missing), path + key, found)
+    elif _is_cache(candidate) and _is_cache(golden):
+        found.skipped.append((path, CACHE_RULE))
+    elif _is_opaque(candidate) and type(candidate) is type(golden):
+        found.skipped.append((path, f"{type(candidate).__name__}: {_OPAQUE_RULE}"))
+    elif not _same_value(candidate, golden):
+        found.structure.append(StructureDifference(path, _what(candidate), _what(golden)))
+
+
+_OPAQUE_RULE = (
+    "not a tensor, number or container; register its class with torch.utils._pytree"
+    " to compare its contents"
+)
+
+
+def _leaf_tensor(x: Any) -> torch.Tensor | None:
+    """A tensor, array or number as a tensor (floats as float64); None for anything else."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray | np.number | np.bool_):
+        return torch.from_numpy(np.asarray(x))
+    if isinstance(x, bool):
+        return torch.tensor(x)
+    if isinstance(x, float):
+        return torch.tensor(x, dtype=torch.float64)
+    if _is_python_number(x) and -(2**63) <= x < 2**63:  # larger ints stay plain values
+        return torch.tensor(x, dtype=torch.int64)
+    return None
+
+
+def _is_python_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, enum.Enum)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and _dtype_family(a.dtype) == _dtype_family(b.dtype)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """None and plain values (strings, dtypes, enums, ...) are compared by equality."""
+    return (a is None or isinstance(a, _PLAIN_VALUES)) and type(a) is type(b) and a == b
+
+
+def _is_cache(x: Any) -> bool:
+    """A ``transformers`` cache (DynamicCache, StaticCache, EncoderDecoderCache, ...), recognised
+    by its base class without importing transformers."""
+    return any(
+        cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
+        for cls in type(x).__mro__
+    )
+
+
+def _is_opaque(x: Any) -> bool:
+    """An object compare cannot look into: no tensor, number, plain value or container."""
+    return (
+        x is not None
+        and x is not _MISSING
+        and not isinstance(x, _PLAIN_VALUES)
+        and _leaf_tensor(x) is None
+        and _children(x) is None
+    )
 
 
 def _children(x: Any) -> dict[str, Any] | None:
-    """Map path suffix (``["key"]``, ``[0]``, ``.field``) to child; None for a non-tensor leaf."""
+    """Map path suffix (``["key"]``, ``[0]``, ``.field``) to child; None for a leaf."""
+    if isinstance(x, torch.Tensor) or _is_cache(x):
+        return None
     if isinstance(x, Mapping):  # dicts, OrderedDicts and ModelOutput (an OrderedDict subclass)
         return {_key_syntax(k): v for k, v in x.items()}
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
@@ -237,7 +430,14 @@ def _children(x: Any) -> dict[str, Any] | None:
         return {f".{f.name}": getattr(x, f.name) for f in dataclasses.fields(x)}
     if isinstance(x, list | tuple):
         return {f"[{i}]": v for i, v in enumerate(x)}
-    return None
+    node = pytree.SUPPORTED_NODES.get(type(x))
+    if node is None:
+        return None
+    if node.flatten_with_keys_fn is None:
+        values, _ = node.flatten_fn(x)
+        return {f"[{i}]": v for i, v in enumerate(values)}
+    entries, _ = node.flatten_with_keys_fn(x)
+    return {_entry_syntax(entry): v for entry, v in entries}
 
 
 def _key_syntax(key: Any) -> str:
@@ -245,49 +445,82 @@ def _key_syntax(key: Any) -> str:
     return f"[{json.dumps(key)}]" if isinstance(key, str) else f"[{key!r}]"
 
 
+def _entry_syntax(entry: Any) -> str:
+    return _key_syntax(entry.key) if isinstance(entry, pytree.MappingKey) else str(entry)
+
+
 def _container_type(x: Any) -> str:
-    # Mappings of any class align by keys, so a ModelOutput compares with a dict of goldens.
-    return "mapping" if isinstance(x, Mapping) else type(x).__name__
+    # Mappings of any class align by keys (a ModelOutput with a dict of goldens), lists and
+    # tuples by position; other containers only with their own class.
+    if isinstance(x, Mapping):
+        return "mapping"
+    if isinstance(x, list | tuple) and not hasattr(x, "_fields"):
+        return "sequence"
+    return type(x).__name__
 
 
-def _check_same_children(
-    path: str,
-    candidate: Any,
-    other: Any,
-    c_children: dict[str, Any] | None,
-    o_children: dict[str, Any] | None,
-    side: str,
-) -> None:
-    if (c_children is None) != (o_children is None) or (
-        c_children is not None and _container_type(candidate) != _container_type(other)
-    ):
-        raise _mismatch(path, "type", type(candidate).__name__, type(other).__name__, side)
-    if c_children is None or c_children.keys() == o_children.keys():
-        return
-    if isinstance(candidate, list | tuple) and not hasattr(candidate, "_fields"):
-        raise _mismatch(path, "length", len(candidate), len(other), side)
-    missing = [k for k in o_children if k not in c_children]
-    extra = [k for k in c_children if k not in o_children]
-    parts = [f"{path}{k}: in {side}, missing in candidate" for k in missing]
-    parts += [f"{path}{k}: in candidate, missing in {side}" for k in extra]
-    raise StructureMismatch("; ".join(parts))
+def _what(x: Any) -> str:
+    """What one side has at a path: "Tensor(2, 3) float32", "tuple of 2", "None", "missing",
+    "float 1.5", "str 'mean'", "DynamicCache"."""
+    if x is _MISSING:
+        return "missing"
+    if x is None:
+        return "None"
+    if isinstance(x, _PLAIN_VALUES) or _is_python_number(x):
+        text = repr(x)
+        if len(text) > _MAX_VALUE_CHARS:
+            text = text[: _MAX_VALUE_CHARS - 3] + "..."
+        return f"{type(x).__name__} {text}"
+    tensor = _leaf_tensor(x)
+    if tensor is not None:
+        name = "Tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        return f"{name}({', '.join(map(str, tensor.shape))}) {_dtype_name(tensor.dtype)}"
+    children = _children(x)
+    if children is not None:
+        return f"{type(x).__name__} of {len(children)}"
+    return type(x).__name__
 
 
-def _check_tensors(path: str, candidate: Any, other: Any, side: str) -> None:
-    if not isinstance(candidate, torch.Tensor) or not isinstance(other, torch.Tensor):
-        raise _mismatch(path, "type", type(candidate).__name__, type(other).__name__, side)
-    if candidate.shape != other.shape:
-        raise _mismatch(path, "shape", tuple(candidate.shape), tuple(other.shape), side)
-    if _dtype_family(candidate.dtype) != _dtype_family(other.dtype):
-        raise _mismatch(path, "dtype", candidate.dtype, other.dtype, side)
+_MAX_VALUE_CHARS = 40
 
 
-def _check_dtype_equal(path: str, candidate: torch.Tensor, baseline: torch.Tensor) -> None:
+def _tensor_leaves(tree: Any, path: str, leaves: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Every tensor and number of ``tree`` by path (the baseline's, looked up per shared path)."""
+    tensor = _leaf_tensor(tree)
+    if tensor is not None:
+        leaves[path] = tensor
+        return leaves
+    for key, child in (_children(tree) or {}).items():
+        _tensor_leaves(child, path + key, leaves)
+    return leaves
+
+
+def _baseline_at(
+    path: str, candidate: torch.Tensor, baselines: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    baseline = baselines.get(path)
+    if baseline is None:
+        raise StructureMismatch(
+            f"{path}: missing in the baseline; it must hold every tensor that candidate and"
+            " golden share"
+        )
+    if candidate.shape != baseline.shape:
+        raise _mismatch(path, "shape", tuple(candidate.shape), tuple(baseline.shape), "baseline")
     if candidate.dtype != baseline.dtype:
         raise StructureMismatch(
             f"{path}: dtype {candidate.dtype} vs {baseline.dtype} (candidate vs baseline); "
             "the baseline must be computed in the candidate's dtype"
         )
+    return baseline
+
+
+def _numbers_dtype(leaves: list[tuple[str, Any, Any, Any]], numbers: set[str]) -> torch.dtype:
+    """The compute dtype of Python floats: the most precise floating dtype among the
+    candidate's tensors, else float64."""
+    dtypes = [
+        c.dtype for path, c, _, _ in leaves if path not in numbers and c.dtype.is_floating_point
+    ]
+    return min(dtypes, key=tolerance.unit_roundoff, default=torch.float64)
 
 
 def _dtype_family(dtype: torch.dtype) -> str:
@@ -296,13 +529,6 @@ def _dtype_family(dtype: torch.dtype) -> str:
     if dtype.is_complex:
         return "complex"
     return "float" if dtype.is_floating_point else "integer"
-
-
-def _check_leaf_equal(path: str, candidate: Any, other: Any, side: str) -> None:
-    both_nan = isinstance(candidate, float) and isinstance(other, float)
-    both_nan = both_nan and math.isnan(candidate) and math.isnan(other)
-    if type(candidate) is not type(other) or (candidate != other and not both_nan):
-        raise _mismatch(path, "value", repr(candidate), repr(other), side)
 
 
 def _mismatch(path: str, what: str, candidate: Any, other: Any, side: str) -> StructureMismatch:
@@ -351,6 +577,10 @@ def _compare_tensor(
     reduction_length: int | None,
     step: int | None,
     group_scale: float | None = None,
+    *,
+    equal_nan: bool = False,
+    atol: float = 0.0,
+    rtol: float = 0.0,
 ) -> TensorComparison:
     if candidate.dtype.is_complex:
         raise StructureMismatch(f"{path}: complex tensors are not supported ({candidate.dtype})")
@@ -365,7 +595,7 @@ def _compare_tensor(
         c_valid, g_valid, g_finite_part = c.flatten(), g.flatten(), g
     else:
         c_finite, g_finite = c.isfinite(), g.isfinite()
-        faults, fault_notes, matched_notes = _nonfinite(c, g, c_finite, g_finite)
+        faults, fault_notes, matched_notes = _nonfinite(c, g, c_finite, g_finite, equal_nan)
         valid = c_finite & g_finite
         c_valid, g_valid, g_finite_part = c[valid], g[valid], g[g_finite]
     abs_err = (c_valid - g_valid).abs()
@@ -380,6 +610,8 @@ def _compare_tensor(
         reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
         step=step,
         group_scale=group_scale,
+        atol=atol,
+        rtol=rtol,
     )
     metrics = _metrics(c_valid, g_valid, abs_err, precision.name)
     err = metrics[metric]
@@ -459,15 +691,21 @@ def _last_dim(t: torch.Tensor) -> int:
 
 
 def _nonfinite(
-    c: torch.Tensor, g: torch.Tensor, c_finite: torch.Tensor, g_finite: torch.Tensor
+    c: torch.Tensor,
+    g: torch.Tensor,
+    c_finite: torch.Tensor,
+    g_finite: torch.Tensor,
+    equal_nan: bool,
 ) -> tuple[torch.Tensor, list[str], list[str]]:
     """Positions where candidate and golden disagree on being finite, and what to say about it.
 
     Returns the mask of faults, the messages for faults (each one diverges the tensor) and the
     notes on matching non-finite values (same position, same kind), which are excluded from the
-    metrics but reported.
+    metrics but reported. As in ``torch.testing.assert_close``, NaN matches NaN only with
+    ``equal_nan``.
     """
-    same = (c.isnan() & g.isnan()) | (~c_finite & (c == g))
+    both_nan = c.isnan() & g.isnan()
+    same = (both_nan & equal_nan) | (~c_finite & (c == g))
     faults = (c_finite != g_finite) | (~c_finite & ~g_finite & ~same)
     messages = []
     for label, mask in (("NaN", c.isnan()), ("inf", c.isinf())):
@@ -477,9 +715,14 @@ def _nonfinite(
     n = int((c_finite & ~g_finite).sum())
     if n:
         messages.append(f"candidate is finite at {n} position(s) where golden is NaN or inf")
-    n = int((~c_finite & ~g_finite & ~same).sum())
+    n = int((~c_finite & ~g_finite & ~same & ~both_nan).sum())
     if n:
         messages.append(f"candidate has {n} NaN/inf of another kind than the golden's")
+    n = 0 if equal_nan else int(both_nan.sum())
+    if n:
+        messages.append(
+            f"candidate has {n} NaN where golden has NaN too; pass equal_nan=True to accept them"
+        )
     notes = []
     for label, mask in (("NaN", c.isnan()), ("inf", c.isinf())):
         n = int((mask & same).sum())

@@ -300,6 +300,8 @@ class Budget:
     floor: float
     step_factor: float
     value: float
+    atol: float = 0.0  # added by hand (``compare(..., atol=)``), never by the model
+    rtol: float = 0.0  # likewise, times ``scale``
 
     @property
     def source(self) -> Literal["baseline", "analytic"]:
@@ -330,6 +332,11 @@ class Budget:
         text = f"{allowance} + {reordering} + floor {self.floor:.3g}"
         if self.step_factor != 1.0:
             text = f"({text}) × step factor {_num(self.step_factor)}"
+        if self.atol or self.rtol:
+            text += (
+                f" + atol {_num(self.atol)} + rtol {_num(self.rtol)} × scale {self.scale:.3g}"
+                " (added by hand)"
+            )
         return text
 
 
@@ -342,14 +349,16 @@ def budget(
     reduction_length: int | None = None,
     step: int | None = None,
     group_scale: float | None = None,
+    atol: float = 0.0,
+    rtol: float = 0.0,
 ) -> Budget:
     """The budget for one tensor, following the rule in this module's docstring.
 
     ``baseline_error`` is err(baseline, golden) in the kind's metric, or None without a baseline;
     0.0 (an exact baseline) also selects the analytic bound. ``reduction_length`` defaults to the
     golden's last dimension (1 for scalars). ``group_scale`` is the magnitude of the group the
-    tensor belongs to, in the kind's metric (see :func:`cancelled`). The result is always
-    positive.
+    tensor belongs to, in the kind's metric (see :func:`cancelled`). ``atol + rtol * scale``,
+    a user's hand-set loosening, is added last and recorded. The result is always positive.
     """
     tol = kind_tolerance(kind)
     p = precision(compute_dtype)
@@ -397,7 +406,9 @@ def budget(
         reordering_scale=reordering_scale,
         floor=floor,
         step_factor=step_factor,
-        value=(allowance + reordering + floor) * step_factor,
+        value=(allowance + reordering + floor) * step_factor + atol + rtol * scale,
+        atol=atol,
+        rtol=rtol,
     )
 
 

@@ -458,6 +458,10 @@ def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torc
         return _result(case, cell, output, "diverged", ok=False, headroom=float("inf"),
                        explain=f"diverged: the outputs no longer have the golden's structure: "
                                f"{exc}")
+    if comparison.structure_differs:
+        return _result(case, cell, output, "diverged", ok=False, headroom=float("inf"),
+                       explain=f"diverged: the outputs no longer have the golden's structure. "
+                               f"{comparison.explain()}")
     worst = comparison.worst
     return _result(case, cell, output, comparison.verdict, ok=comparison.ok,
                    headroom=worst.headroom if worst else 0.0, explain=comparison.explain(),

@@ -495,7 +495,7 @@ class GoldenFixture:
         try:
             result = compare(candidate, golden, baseline, kind, compute_dtype=compute_dtype,
                              reduction_length=reduction_length)
-            failure = None if result.ok else result.explain()
+            failure = None if result.ok and not result.structure_differs else result.explain()
         except StructureMismatch as exc:
             result, failure = None, f"structure differs from the golden: {exc}"
         if failure:
