@@ -1,4 +1,5 @@
-"""EncoderDecoder equals torch.nn.Transformer, an independent implementation, given its weights."""
+"""EncoderDecoder equals torch.nn.Transformer, an independent implementation, given its weights;
+its embeddings and sinusoidal positions equal the paper's formulas, written out here."""
 
 from __future__ import annotations
 
@@ -13,13 +14,36 @@ from torchparity.reference.config import TransformerConfig
 pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 
 
-def _config(norm_first: bool, activation: str) -> TransformerConfig:
+def _config(norm_first: bool, activation: str, layout: str) -> TransformerConfig:
     return TransformerConfig(
         architecture="encoder-decoder", n_encoder_layers=2, n_layers=2, d_model=32, n_heads=4,
         d_ff=64, vocab_size=40, src_vocab_size=36, norm="layernorm", norm_eps=1e-5,
         norm_placement="pre" if norm_first else "post", activation=activation,
-        positions="sinusoidal", qkv_bias=True, out_bias=True, ffn_bias=True,
+        positions="sinusoidal", sinusoidal_layout=layout, scale_embeddings=True,
+        qkv_bias=True, out_bias=True, ffn_bias=True,
     )
+
+
+def _paper_positions(positions: torch.Tensor, d_model: int, layout: str) -> torch.Tensor:
+    """Vaswani et al. (2017), section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i / d_model)) and
+    PE(pos, 2i + 1) = cos(pos / 10000^(2i / d_model)), in float64. "concatenated" moves every
+    sine before every cosine (tensor2tensor's layout)."""
+    pos = positions.to(torch.float64)
+    sines = [torch.sin(pos / 10000 ** (2 * i / d_model)) for i in range(d_model // 2)]
+    cosines = [torch.cos(pos / 10000 ** (2 * i / d_model)) for i in range(d_model // 2)]
+    if layout == "interleaved":
+        channels = [c for pair in zip(sines, cosines, strict=True) for c in pair]
+    else:
+        channels = sines + cosines
+    return torch.stack(channels, dim=-1)
+
+
+def _paper_embedding(embed, ids: torch.Tensor, positions: torch.Tensor,
+                     config: TransformerConfig) -> torch.Tensor:
+    """Section 3.4: the token's embedding row times sqrt(d_model), plus its position's code."""
+    weight = embed.tokens.weight
+    table = _paper_positions(positions, config.d_model, config.sinusoidal_layout)
+    return weight[ids] * config.d_model ** 0.5 + table.to(weight.dtype)
 
 
 def _copy_attention(theirs: nn.MultiheadAttention, ours) -> None:
@@ -68,8 +92,8 @@ def _torch_logits(model, torch_model: nn.Transformer, batch) -> torch.Tensor:
     src_mask, tgt_mask = batch["src_mask"].bool(), batch["tgt_mask"].bool()
     src_positions = (batch["src_mask"].cumsum(-1) - 1).clamp(min=0)
     tgt_positions = (batch["tgt_mask"].cumsum(-1) - 1).clamp(min=0)
-    src = model.encoder.embed(batch["src_ids"], src_positions)
-    tgt = model.decoder.embed(batch["tgt_ids"], tgt_positions)
+    src = _paper_embedding(model.encoder.embed, batch["src_ids"], src_positions, model.config)
+    tgt = _paper_embedding(model.decoder.embed, batch["tgt_ids"], tgt_positions, model.config)
     future = torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool).triu(1)  # True = hidden
     hidden = torch_model(
         src, tgt, tgt_mask=future, src_key_padding_mask=~src_mask,
@@ -78,10 +102,12 @@ def _torch_logits(model, torch_model: nn.Transformer, batch) -> torch.Tensor:
     return model.lm_head(hidden)
 
 
+@pytest.mark.parametrize("layout", ["interleaved", "concatenated"])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("norm_first", [True, False], ids=["pre-norm", "post-norm"])
-def test_encoder_decoder_matches_torch_transformer(norm_first: bool, activation: str) -> None:
-    config = _config(norm_first, activation)
+def test_encoder_decoder_matches_torch_transformer(norm_first: bool, activation: str,
+                                                   layout: str) -> None:
+    config = _config(norm_first, activation, layout)
     batch = zoo.make_batch(config, batch_size=3, seq_len=10, seed=1, padding="right")
     outputs = {}
     for dtype in (torch.float64, torch.float32):
