@@ -13,7 +13,7 @@ import argparse
 
 from rich.console import Console
 
-from torchparity.commands.record import add_selection_arguments
+from torchparity.commands.record import add_selection_arguments, dtype_option
 from torchparity.errors import UsageError
 from torchparity.factory import load_entry
 
@@ -42,9 +42,10 @@ def run(args: argparse.Namespace) -> int:
 
     name_map = [_name_rule(rule) for rule in args.name_map or []] or None
     if args.against:
-        if len(args.entries) != 1 or args.backend_a or args.stream or args.include or args.exclude:
+        if len(args.entries) != 1 or args.backend_a or args.stream or args.include or \
+                args.exclude or args.dtype:
             raise UsageError("with --against give one entry point (B); the trace fixes A's "
-                             "backend, module selection and storage")
+                             "backend, module selection, dtype and storage")
         model, inputs, loss_fn = load_entry(args.entries[0])
         backward = None if args.backward else False
         report = diagnose_against(args.against, model, inputs, loss_fn=loss_fn,
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         report = diagnose(model_a, model_b, inputs, loss_fn=loss_fn, name_map=name_map,
                           backward=args.backward, include=args.include, exclude=args.exclude,
                           backends=(args.backend_a, args.backend_b), stream=args.stream,
-                          local=args.local)
+                          local=args.local, dtype=dtype_option(args))
     report.print(Console())
     if args.json:
         report.to_json(args.json)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
+from torchparity.commands.common import dtype_name
 from torchparity.factory import load_entry
 
 
@@ -28,6 +31,19 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only modules matching this glob (or 're:REGEX'); repeatable")
     parser.add_argument("--exclude", action="append", metavar="PATTERN",
                         help="skip modules matching this glob (or 're:REGEX'); repeatable")
+    parser.add_argument("--dtype", type=dtype_name, choices=tuple(DTYPES),
+                        help="run copies of the models in this dtype (fp64: compare A and B in "
+                             "float64, where changes below fp32 noise show); default: as given")
+
+
+#: ``--dtype`` choices of diagnose and record.
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16,
+          "fp16": torch.float16}
+
+
+def dtype_option(args: argparse.Namespace) -> torch.dtype | None:
+    """The torch dtype ``--dtype`` names (None when not given)."""
+    return DTYPES[args.dtype] if args.dtype else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     model, inputs, loss_fn = load_entry(args.entry)
     path = record(model, inputs, args.output, loss_fn=loss_fn, backward=args.backward,
-                  include=args.include, exclude=args.exclude, backend=args.backend)
+                  include=args.include, exclude=args.exclude, backend=args.backend,
+                  dtype=dtype_option(args))
     print(f"recorded {type(model).__name__} to {path}")
     return 0

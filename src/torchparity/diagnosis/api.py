@@ -27,12 +27,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from torchparity.diagnosis.align import Alignment, NameMap, align
 from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.entry import find_entry
-from torchparity.diagnosis.golden import add_golden
+from torchparity.diagnosis.golden import add_golden, float64_departure, module_placement
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
@@ -51,6 +52,8 @@ from torchparity.diagnosis.run import (
     Options,
     backend_name,
     check_models,
+    dtype_label,
+    in_dtype,
     make_options,
     run_model,
 )
@@ -74,6 +77,7 @@ def diagnose(
     stream: bool = False,
     local: Local = "diverged",
     progress: bool | None = None,
+    dtype: torch.dtype | None = None,
 ) -> DiagnosisReport:
     """Localise where ``model_b`` starts to compute something other than ``model_a``.
 
@@ -88,7 +92,11 @@ def diagnose(
     (a temporary trace) so memory stays bounded on big models. ``local`` says which modules get
     a local error: ``"diverged"`` (those whose propagated output or gradient diverged, or could
     not be judged) or ``"all"``. ``progress`` shows a progress bar on stderr (default: when
-    stderr is a terminal).
+    stderr is a terminal). ``dtype=torch.float64`` runs copies of A and B, and the inputs, in
+    float64 against each other with float64 budgets: any change of the math above float64
+    rounding is localised, also one below the noise of the models' own dtype (when a diagnosis
+    in that dtype finds nothing while B's float64 output departs from A's golden, the summary
+    says so).
 
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from
@@ -97,13 +105,14 @@ def diagnose(
     """
     opts = make_options(backward, loss_fn, include, exclude, backends, progress, local)
     check_models(model_a=model_a, model_b=model_b)
+    (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
     with progress_bar(opts.progress) as bar:
         if stream:
             with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:
                 writer = TraceWriter(Path(tmp) / "reference.tptrace")
-                reference = _reference(model_a, inputs, writer.store, opts, bar)
+                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype)
                 return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
-        reference = _reference(model_a, inputs, MemoryStore(), opts, bar)
+        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype)
         return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
 
 
@@ -118,6 +127,7 @@ def record(
     exclude: PatternSpec = None,
     backend: BackendSpec = None,
     progress: bool | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
 
@@ -125,19 +135,21 @@ def record(
     model with it. The trace is a directory of safetensors files plus ``trace.json`` (module
     tree, parameter and input checksums, settings, each call's input structure). It is written
     call by call (bounded memory) into a temporary directory that replaces ``path`` only when
-    complete. ``backend`` must be a name here (it is stored in the trace). Returns the path.
+    complete. ``backend`` must be a name here (it is stored in the trace); ``dtype`` is as in
+    :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded one. Returns the path.
     """
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record(backend=...) takes a backend name, which the trace stores")
     opts = make_options(backward, loss_fn, include, exclude, (backend, None), progress)
     check_models(model=model)
+    (cast,), cast_inputs = in_dtype([model], inputs, dtype)
     writer = TraceWriter(path)
     try:
         with progress_bar(opts.progress) as bar:
-            reference = _reference(model, inputs, writer.store, opts, bar)
+            reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
             # The trace must serve any later candidate: every call is replayed now.
             reference.replay_all(bar)
-        return writer.commit(trace_meta(reference, model, inputs, opts))
+        return writer.commit(trace_meta(reference, model, inputs, opts, dtype))
     except BaseException:
         writer.abort()
         raise
@@ -177,6 +189,8 @@ def diagnose_against(
                         local)
     check_models(model=model)
     weights = changed_weights(meta["weights"], model)
+    dtype = getattr(torch, meta["dtype"]) if meta.get("dtype") else None
+    (model,), inputs = in_dtype([model], inputs, dtype)
     with progress_bar(opts.progress) as bar:
         report = _diagnose_candidate(reference, model, inputs, opts, name_map, bar)
     report.meta["weights"] = weights
@@ -187,11 +201,17 @@ def diagnose_against(
     return report
 
 
-def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options,
-               bar: ProgressBar) -> Reference:
+def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar: ProgressBar,
+               dtype: torch.dtype | None) -> Reference:
     """Stages 1 and 2: A captured into ``store``, and its float64 golden."""
-    return add_golden(capture_reference(model, inputs, store, opts, bar), model, inputs, opts,
-                      bar)
+    reference = add_golden(capture_reference(model, inputs, store, opts, bar), model, inputs,
+                           opts, bar)
+    a_dtype = dtype_label(module_placement(model)[0])
+    reference.mode = (f"{a_dtype}: A and B both cast to {a_dtype}" if dtype is not None
+                      else f"{a_dtype}: A and B as given")
+    reference.mode += (", against A's float64 golden" if reference.has_golden
+                       else f", budgets from {a_dtype} rounding")
+    return reference
 
 
 def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
@@ -205,6 +225,13 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
     replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar)
     find_entry(reference, alignment.matches, propagated.rows, model, opts)
     meta = _report_meta(reference, model, opts, alignment)
+    if all(r.local is None or r.local.ok for r in propagated.rows):
+        departure = float64_departure(reference, model, inputs, opts)
+        if departure is not None and not departure.ok:
+            meta["below_noise"] = (
+                f"B's float64 output departs from A's float64 golden ({_share(departure)} of the "
+                "float64 budget): a change below the noise of this dtype; run with --dtype fp64 "
+                "(dtype=torch.float64) to localise it")
     if opts.local != "all":
         meta["notes"].append(
             f"local errors of {replayed} of {len(propagated.rows)} module(s): those whose "
@@ -227,6 +254,12 @@ def _report_meta(reference: Reference, model: nn.Module, opts: Options,
         "golden": reference.golden,
         "backward": opts.backward,
         "backends": [backend_name(opts.backend_a), backend_name(opts.backend_b)],
+        "mode": reference.mode,
         "alignment": alignment.counts(),
         "notes": [] if reference.has_golden else [f"golden: {reference.golden}"],
     }
+
+
+def _share(result: Any) -> str:
+    worst = max((t.headroom for t in result.tensors), default=float("inf"))
+    return f"{worst:.3g}x"

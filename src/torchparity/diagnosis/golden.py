@@ -12,21 +12,27 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 from torch import nn
 
-from torchparity.diagnosis.capture import ModuleCall
+from torchparity.diagnosis.capture import ModuleCall, flatten_tensors
+from torchparity.diagnosis.judging import judge
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference, grad_keeper, keep_run_results
+from torchparity.diagnosis.report import Result
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Inputs,
     Options,
+    backend_context,
+    call_model,
     placed,
     replay,
     run_model,
+    seeded,
     upcast,
 )
-from torchparity.diagnosis.trace import ReplayUnavailable
+from torchparity.diagnosis.trace import FINAL, ReplayUnavailable
 
 
 def module_placement(module: nn.Module) -> tuple[Any, Any]:
@@ -69,6 +75,23 @@ def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
         done()
     reference.replayer = _Replayer(store, reference.notes, model, golden, opts)
     return reference
+
+
+def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,
+                      opts: Options) -> Result | None:
+    """B's float64 output against A's float64 golden under float64 rounding alone: whether B
+    computes other math than A even where no module leaves the noise of A's own dtype. None
+    when there is no golden or B cannot run in float64."""
+    if not reference.has_golden:
+        return None
+    golden = {p: t for p, t in reference.store.get(FINAL, "golden_out").items() if p != "loss"}
+    try:
+        model64 = copy.deepcopy(model).to(device="cpu", dtype=GOLDEN_DTYPE)
+        with backend_context(opts.backend_b), seeded(), torch.no_grad():
+            output = call_model(model64, upcast(inputs, GOLDEN_DTYPE, "cpu"))
+    except Exception:  # noqa: BLE001 - no float64 run of B: nothing to tell
+        return None
+    return judge(flatten_tensors(output), golden, {}, "forward")
 
 
 class _Replayer:

@@ -44,6 +44,7 @@ class Reference:
     calls: list[ModuleCall]
     store: Any
     golden: str = "none: not made yet"
+    mode: str = ""
     notes: dict[str, str] = field(default_factory=dict)
     source: str = "in-process"
     replayer: Callable[[ModuleCall], None] | None = None
@@ -114,9 +115,10 @@ def keep_run_results(store: Any, run: Run, out_group: str, param_group: str) -> 
 # Traces: the reference side on disk
 
 
-def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs,
-               opts: Options) -> dict[str, Any]:
-    """What a trace's ``trace.json`` says besides its tensors."""
+def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
+               dtype: torch.dtype | None) -> dict[str, Any]:
+    """What a trace's ``trace.json`` says besides its tensors (``model`` and ``inputs`` as the
+    user gave them, before any cast to ``dtype``)."""
     import torchparity
 
     return {
@@ -125,6 +127,8 @@ def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs,
         "torch": torch.__version__,
         "model": type(model).__name__,
         "golden": reference.golden,
+        "mode": reference.mode,
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
         "backward": opts.backward,
         "backend": opts.backend_a,
         "include": _pattern_json(opts.include),
@@ -150,5 +154,6 @@ def open_reference(path: str | Path) -> tuple[Reference, dict[str, Any]]:
     """The reference side a trace holds (every call already replayed), and its metadata."""
     meta, store = open_trace(path)
     reference = Reference(calls=[call_from_json(c) for c in meta["calls"]], store=store,
-                          golden=meta["golden"], notes=meta["notes"], source=str(path))
+                          golden=meta["golden"], mode=meta["mode"], notes=meta["notes"],
+                          source=str(path))
     return reference, meta

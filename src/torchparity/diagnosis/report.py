@@ -224,6 +224,8 @@ class DiagnosisReport:
             shape = getattr(self.output, "structure", ())
             paths = f" (structure differs at {', '.join(d.path for d in shape)})" if shape else ""
             parts.append(f"Final output: {self.output.verdict}{paths}.")
+        if self.meta.get("below_noise"):
+            parts.append(f"But {self.meta['below_noise']}.")
         if self.meta.get("mode"):
             parts.append(f"Mode: {self.meta['mode']}.")
         return " ".join(parts)

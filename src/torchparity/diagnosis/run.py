@@ -4,6 +4,7 @@ replays of one module on recorded inputs. Every stage runs models through here."
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -250,6 +251,22 @@ def upcast(tree: Any, dtype: torch.dtype | None, device: torch.device | str | No
         return t.detach().to(device=device or t.device, dtype=target, copy=True)
 
     return map_tensors(tree, cast)
+
+
+def in_dtype(models: list[nn.Module], inputs: Inputs, dtype: torch.dtype | None
+             ) -> tuple[list[nn.Module], Inputs]:
+    """Float copies of ``models`` and ``inputs`` in ``dtype`` (None: the originals)."""
+    if dtype is None:
+        return models, inputs
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise UsageError(f"dtype must be a floating torch dtype such as torch.float64; "
+                         f"got {dtype!r}")
+    return [copy.deepcopy(m).to(dtype) for m in models], upcast(inputs, dtype)
+
+
+def dtype_label(dtype: torch.dtype | None) -> str:
+    """``torch.float32`` -> ``float32``; None -> ``unknown``."""
+    return "unknown" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def backend_name(spec: BackendSpec) -> str | None:

@@ -53,7 +53,7 @@ from torchparity.diagnosis.capture import (
 )
 from torchparity.errors import TorchParityError, UsageError
 
-SCHEMA = "torchparity.trace/2"
+SCHEMA = "torchparity.trace/3"
 TRACE_JSON = "trace.json"
 FINAL = "__final__"  # pseudo-call key of the model's own output and loss
 _CACHE_HINT = " (run without a cache to replay it, e.g. use_cache=False for Hugging Face models)"
