@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import torchparity as tp
-from torchparity.reference import build_model, greedy_decode, zoo
+from torchparity.reference import build_model, greedy_decode, variants, zoo
+from torchparity.reference.cache import KVCache
 
 STEPS = 4
 
@@ -45,26 +46,41 @@ def test_cached_decoding_equals_full_recompute(case_name: str, padding: str) -> 
     tp.assert_parity(cached.logits, golden, baseline=baseline, kind="forward")
 
 
+def _new_cache(model, cache: str) -> KVCache:
+    # A chunk of 2 makes the preallocated buffers grow during the step after the reorder.
+    return model.new_cache() if cache == "concatenating" else variants.PreallocatedKVCache(2)
+
+
+# Beam search's reorders: a permutation that moves every row (a store left out of the reorder
+# answers with another row's keys), and one that keeps a row twice and drops another.
+BEAMS = {"permuted": [2, 0, 1], "regrouped": [2, 2, 0]}
+
+
+@pytest.mark.parametrize("beams", list(BEAMS))
+@pytest.mark.parametrize("padding", ["left", "right", "none"])
+@pytest.mark.parametrize("cache", ["concatenating", "preallocated"])
 @pytest.mark.parametrize("case_name", ["llama-tiny", "mqa", "encdec-prenorm", "alibi"])
-def test_reordered_beams_continue_like_a_full_forward(case_name: str) -> None:
+def test_reordered_beams_continue_like_a_full_forward(case_name: str, cache: str,
+                                                      padding: str, beams: str) -> None:
     config = zoo.get(case_name).config
-    batch = zoo.make_batch(config, batch_size=2, seq_len=6, seed=5, padding="left")
+    batch = zoo.make_batch(config, batch_size=3, seq_len=6, seed=5, padding=padding)
     ids_key, mask_key = _inputs_key(config)
-    beams = torch.tensor([1, 0, 1])  # beam search keeps row 1 twice and drops nothing else
+    batch.setdefault(mask_key, torch.ones_like(batch[ids_key]))
+    index = torch.tensor(BEAMS[beams])
     next_tokens = torch.tensor([[3], [7], [11]])
     results = {}
     for dtype in (torch.float64, torch.float32):
         model = build_model(config, seed=2, dtype=dtype)
-        cache = model.new_cache()
+        kv = _new_cache(model, cache)
         with torch.no_grad():
-            model(**batch, cache=cache)
-            cache.reorder(beams)
-            step = {key: value[beams] for key, value in batch.items()}
+            model(**batch, cache=kv)
+            kv.reorder(index)
+            step = {key: value[index] for key, value in batch.items()}
             full = dict(step)
             full[ids_key] = torch.cat((step[ids_key], next_tokens), dim=1)
             full[mask_key] = torch.cat((step[mask_key], torch.ones_like(next_tokens)), dim=1)
             step[ids_key], step[mask_key] = next_tokens, full[mask_key]
-            results[dtype] = (model(**step, cache=cache)[:, -1], model(**full)[:, -1])
+            results[dtype] = (model(**step, cache=kv)[:, -1], model(**full)[:, -1])
     cached, baseline = results[torch.float32]
     _, golden = results[torch.float64]
     tp.assert_parity(cached, golden, baseline=baseline, kind="forward")
