@@ -149,3 +149,28 @@ def test_the_gpu_marker_is_not_registered_unless_asked_for(pytester, run):
     result = run(*WITH_PLUGIN)  # a fresh process: markers seen by this one are remembered
     result.stdout.fnmatch_lines(["*'gpu' not found in `markers` configuration option*"])
     assert result.ret == pytest.ExitCode.INTERRUPTED
+
+
+SUMMARY_TESTS = '''
+import pytest
+
+from torchparity.pytest_plugin import add_summary_line
+
+
+@pytest.mark.parametrize("i", [1, 2])
+def test_measures(request, i):
+    add_summary_line(request.node, "throughput", f"run {i}: {100 * i} tokens/s")
+
+
+def test_fails_after_measuring(request):
+    add_summary_line(request.node, "throughput", "run 3: 300 tokens/s")
+    assert False
+'''
+
+
+def test_summary_lines_reach_the_terminal_summary(pytester):
+    pytester.makepyfile(test_summary=SUMMARY_TESTS)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", *WITH_PLUGIN)
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*= throughput =*", "run 1: 100 tokens/s",
+                                 "run 2: 200 tokens/s", "run 3: 300 tokens/s"])
