@@ -1,0 +1,267 @@
+"""Users' models through ``golden update --model`` and ``check --model``: tiny random
+``transformers`` models of four families pass on every CPU backend in fp32 and bf16; one planted
+change fails naming the output and cell; a model that never calls SDPA has its backend cells
+n/a with the reason; eager's attention weights against sdpa's None read as a structure
+difference; bad entries get one line and their exit status."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchparity import backends
+from torchparity.cli import main
+
+pytest.importorskip("transformers")
+
+FAMILIES = ("gpt2", "llama", "bert", "bart")
+CPU_BACKENDS = {"manual", "sdpa", "sdpa-math", "sdpa-flash", "flex", "hf-eager"}
+
+FACTORIES = '''
+import torch
+import torch.nn.functional as F
+import transformers
+
+VOCAB = 64
+
+
+def batch(length=8, pad=3):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, VOCAB, (2, length), generator=g)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, length - pad:] = 0  # the second sequence is padded on the right
+    return {"input_ids": ids, "attention_mask": mask, "output_attentions": True}
+
+
+def gpt2_config():
+    return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
+                                   n_positions=32, bos_token_id=1, eos_token_id=2)
+
+
+def gpt2():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(gpt2_config()), batch()
+
+
+def llama_config():
+    return transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    vocab_size=VOCAB, max_position_embeddings=64,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def llama():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(llama_config()), batch()
+
+
+def bert():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, vocab_size=VOCAB,
+                                     max_position_embeddings=32)
+    return transformers.BertModel(config), batch()
+
+
+def bart():
+    torch.manual_seed(0)
+    config = transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=4, decoder_attention_heads=4,
+                                     encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB,
+                                     max_position_embeddings=32, pad_token_id=0,
+                                     bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+                                     forced_eos_token_id=None)
+    inputs = batch()
+    inputs["decoder_input_ids"] = batch(length=5)["input_ids"]
+    return transformers.BartForConditionalGeneration(config), inputs
+
+
+class TinyAttention(torch.nn.Module):
+    """One self-attention layer written by hand; ``sdpa`` picks the SDPA function."""
+
+    def __init__(self, sdpa):
+        super().__init__()
+        self.sdpa = sdpa
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) / 8 ** 0.5
+            causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+            y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        return self.out(y.transpose(1, 2).flatten(-2))
+
+
+def hand_written(sdpa):
+    torch.manual_seed(0)
+    return TinyAttention(sdpa), (torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1)),)
+
+
+def with_sdpa():
+    return hand_written(True)
+
+
+def without_sdpa():
+    return hand_written(False)
+
+
+def raises():
+    raise RuntimeError("weights file not found")
+
+
+def wrong_shape():
+    return gpt2()[0]
+
+
+def reseeded():
+    torch.manual_seed(1)
+    return transformers.GPT2LMHeadModel(gpt2_config()), batch()
+'''
+
+# Planted changes: each redefines one factory of a second models.py with the same entry name.
+PLANTED = {
+    "llama-norm-eps": ("llama", '''
+def llama():
+    torch.manual_seed(0)
+    config = llama_config()
+    config.rms_norm_eps = 1e-2
+    return transformers.LlamaForCausalLM(config), batch()
+'''),
+    "llama-rotary-theta": ("llama", '''
+def llama():
+    torch.manual_seed(0)
+    config = llama_config()
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 20000.0}
+    return transformers.LlamaForCausalLM(config), batch()
+'''),
+    "gpt2-padding-mask": ("gpt2", '''
+class LeakyGPT2(transformers.GPT2LMHeadModel):
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        attention_mask = attention_mask.clone()
+        attention_mask[1, -3] = 1  # the first padded position becomes visible
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def gpt2():
+    torch.manual_seed(0)
+    return LeakyGPT2(gpt2_config()), batch()
+'''),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    """models.py with every factory, and goldens of the families and hand-written models."""
+    folder = tmp_path_factory.mktemp("user-models")
+    (folder / "models.py").write_text(FACTORIES)
+    entries = [f"{folder / 'models.py'}:{name}" for name in (*FAMILIES, "with_sdpa",
+                                                             "without_sdpa")]
+    assert main(["golden", "update", "--golden-dir", str(folder / "golden"),
+                 *(arg for entry in entries for arg in ("--model", entry))]) == 0
+    return folder
+
+
+def check(models: Path, tmp_path: Path, entry: str, *args: str,
+          source: Path | None = None) -> tuple[int, list[dict]]:
+    """``check --model`` of ``entry`` in ``source`` (default: the shipped models.py)."""
+    report = tmp_path / "check.json"
+    status = main(["check", "--model", f"{source or models / 'models.py'}:{entry}",
+                   "--golden-dir", str(models / "golden"), "--json", str(report), *args])
+    return status, json.loads(report.read_text())["results"] if report.exists() else []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_families_pass_on_every_cpu_backend(models, tmp_path, capsys, family):
+    status, rows = check(models, tmp_path, family, "--dtype", "fp32", "--dtype", "bf16")
+    assert status == 0, [r["explain"] for r in rows if not r["ok"]]
+    assert {(r["backend"], r["dtype"]) for r in rows if r["verdict"] != "n/a"} == {
+        ("manual", "fp64"), *((b, d) for b in CPU_BACKENDS for d in ("fp32", "bf16"))}
+    # Every backend cell judged the forward outputs against the golden, not a copy of itself.
+    forward = [r for r in rows if r["output"] == "outputs" and r["backend"] in CPU_BACKENDS
+               and r["dtype"] != "fp64"]
+    assert {r["verdict"] for r in forward} <= {"identical", "within"}
+    assert {r["verdict"] for r in forward if r["backend"] in {"sdpa", "sdpa-math"}} == {"within"}
+    # Eager returns the attention weights that sdpa leaves None: a structure difference.
+    eager = [r for r in forward if r["backend"] == "hf-eager"]
+    assert all(r["ok"] and any("attentions" in s for s in r["structure"]) for r in eager)
+    assert "structure differs (not a divergence)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED))
+def test_a_planted_change_fails_naming_output_and_cell(models, tmp_path, capsys, planted):
+    entry, change = PLANTED[planted]
+    changed = tmp_path / "changed" / "models.py"  # same entry name, so the same goldens
+    changed.parent.mkdir()
+    changed.write_text(FACTORIES + change)
+    status, rows = check(models, tmp_path, entry, "--backend", "manual", "--dtype", "fp32",
+                         source=changed)
+    assert status == 1
+    failed = {(r["backend"], r["dtype"], r["output"]) for r in rows if not r["ok"]}
+    assert ("manual", "fp64", "outputs") in failed
+    assert {r["verdict"] for r in rows if not r["ok"]} == {"diverged"}
+    assert f"FAIL models.{entry} manual fp64 cpu outputs: diverged" in capsys.readouterr().out
+
+
+def test_a_model_without_sdpa_calls_has_its_backend_cells_na(models, tmp_path):
+    status, rows = check(models, tmp_path, "without_sdpa", "--backend", "sdpa",
+                         "--backend", "sdpa-math", "--dtype", "fp32")
+    assert status == 0
+    cells = [r for r in rows if r["dtype"] == "fp32"]
+    assert cells and all(r["verdict"] == "n/a" and r["reason"] == backends.NO_SDPA_CALLS_REASON
+                         for r in cells)
+
+
+def test_a_hand_written_model_calling_sdpa_is_checked_on_each_backend(models, tmp_path):
+    status, rows = check(models, tmp_path, "with_sdpa", "--backend", "sdpa-math",
+                         "--backend", "sdpa-flash", "--dtype", "bf16")
+    assert status == 0
+    verdicts = {(r["backend"], r["output"]): r["verdict"] for r in rows if r["dtype"] == "bf16"}
+    assert {verdicts[b, o] for b in ("sdpa-math", "sdpa-flash")
+            for o in ("outputs", "loss", "grads")} <= {"identical", "within"}
+
+
+def test_weights_of_another_init_are_init_changed(models, tmp_path, capsys):
+    reseeded = tmp_path / "other" / "models.py"
+    reseeded.parent.mkdir()
+    reseeded.write_text(FACTORIES + "\n\ngpt2 = reseeded\n")
+    status, rows = check(models, tmp_path, "gpt2", "--backend", "manual", "--dtype", "fp32",
+                         source=reseeded)
+    assert status == 1 and {r["verdict"] for r in rows} == {"init changed"}
+    assert "torchparity golden update --model" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("entry, status, message", [
+    ("{dir}/nowhere.py:gpt2", 2, "no file"),
+    ("no_such_package.models:gpt2", 2, "cannot import no_such_package.models"),
+    ("{dir}/models.py:missing", 2, "has no callable 'missing'"),
+    ("{dir}/models.py:raises", 3, "raised RuntimeError: weights file not found"),
+    ("{dir}/models.py:wrong_shape", 2, "must return (model, inputs)"),
+])
+def test_bad_entries_get_one_line(models, capsys, entry, status, message):
+    spec = entry.format(dir=models)
+    assert main(["check", "--model", spec, "--golden-dir", str(models / "golden")]) == status
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert spec.split(":")[-1] in err
+
+
+def test_missing_goldens_and_unknown_dtypes_get_one_line(models, tmp_path, capsys):
+    entry = f"{models / 'models.py'}:gpt2"
+    assert main(["check", "--model", entry, "--golden-dir", str(tmp_path)]) == 2
+    assert f"torchparity golden update --model {entry}" in capsys.readouterr().err
+    assert main(["check", "--model", entry, "--golden-dir", str(models / "golden"),
+                 "--dtype", "float8"]) == 2
+    assert "unknown dtype 'float8'" in capsys.readouterr().err
+
+
+def test_golden_update_leaves_unchanged_goldens_alone(models, capsys):
+    assert main(["golden", "update", "--golden-dir", str(models / "golden"),
+                 "--model", f"{models / 'models.py'}:bert"]) == 0
+    assert "models.bert: outputs unchanged, loss unchanged, grads unchanged" in (
+        capsys.readouterr().out)
