@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import namedtuple
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import torchparity as tp
 from torchparity.diagnosis.capture import (
     Capture,
     TensorStats,
@@ -131,17 +133,22 @@ def test_repeated_calls_get_their_own_keys() -> None:
     assert torch.equal(cap["shared#1"].args[0], shared(x))
 
 
+def _output_grads(net: Net, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """d loss / d (output of block 0 and of the head) for loss = sum(logits^2), asked of
+    autograd directly on a fresh forward."""
+    h1 = net.blocks[0](net.embed(x), scale=0.5)
+    logits = net.head(net.blocks[1](h1, scale=0.5))
+    (block0,) = torch.autograd.grad(logits.square().sum(), h1)
+    return {"blocks.0": block0, "head": 2 * logits.detach()}
+
+
 def test_grads_of_outputs_match_autograd(net: Net, x: torch.Tensor) -> None:
     with Capture(net, grads=True) as cap:
         out = net(x)
         out["logits"].square().sum().backward()
-    # Independent: ask autograd for d loss / d (block 0 output) on a fresh forward.
-    h0 = net.embed(x)
-    h1 = net.blocks[0](h0, scale=0.5)
-    logits = net.head(net.blocks[1](h1, scale=0.5))
-    (expected,) = torch.autograd.grad(logits.square().sum(), h1)
-    torch.testing.assert_close(cap["blocks.0"].grad_output["output"], expected)
-    torch.testing.assert_close(cap["head"].grad_output["output"], 2 * logits.detach())
+    captured = {name: cap[name].grad_output["output"] for name in ("blocks.0", "head")}
+    golden = _output_grads(copy.deepcopy(net).double(), x.double())
+    tp.assert_parity(captured, golden, baseline=_output_grads(net, x), kind="grad")
 
 
 def test_stats_mode_keeps_no_tensors(net: Net, x: torch.Tensor) -> None:
@@ -175,7 +182,8 @@ def test_streaming_sees_every_call_and_keeps_nothing(net: Net, x: torch.Tensor) 
     assert list(had_tensors) == cap.keys()
     assert all(r.output is None and r.grad_output == {} for r in cap.records)
     assert cap["head"].output_shapes == {"output": (2, 5, 3)}
-    torch.testing.assert_close(grads["head"], torch.ones(2, 5, 3))
+    # d sum / d logits is all ones.
+    tp.assert_parity(grads["head"], torch.ones(2, 5, 3, dtype=torch.float64), kind="grad")
 
 
 def test_hooks_are_removed_even_after_an_error(net: Net) -> None:
