@@ -23,6 +23,7 @@ from torchparity.comparison import (
     compare,
     shared_tensors,
 )
+from torchparity.reference import TransformerConfig, build_model, positions, variants, zoo
 from torchparity.tolerance import KINDS, budget
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
@@ -623,3 +624,84 @@ def test_a_cancelled_gradient_inherits_its_modules_rounding_in_bf16() -> None:
     # A query gradient twice its size is no rounding, within the module or not.
     doubled = {**baseline, "attn.q_proj.weight": baseline["attn.q_proj.weight"] * 2}
     assert not compare(doubled, golden, baseline, kind="grad").ok
+
+
+def test_a_lucky_baseline_draw_does_not_fail_a_legitimate_twin() -> None:
+    # Found by the rotary-offset property (hypothesis profile dev, seed 37): the interleaved
+    # rotary twin's bf16 scores at positions shifted by 5, against bf16 scores at the original
+    # positions. The baseline happened to err a tenth of a bf16 roundoff of the largest score;
+    # a budget of 4 times that draw failed the candidate, which erred three roundoffs.
+    config = TransformerConfig(vocab_size=8, d_model=8, n_heads=2, head_dim=8, n_layers=1,
+                               d_ff=8, norm="rmsnorm", norm_placement="post", final_norm=False,
+                               activation="relu", max_positions=64)
+    seed, shift = 1308, 5
+    attn = build_model(config, seed, dtype=torch.float64).decoder.layers[0].attn
+    attn = variants.get("rotary-interleaved").twin.from_reference(attn)
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, 2, 1, 8, dtype=torch.float64, generator=gen) for _ in range(2))
+
+    def scores(at: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return attn.rotate(q.to(dtype), at) @ attn.rotate(k.to(dtype), at).transpose(-2, -1)
+
+    with torch.no_grad():
+        positions = torch.zeros(1, 1, dtype=torch.long)
+        golden = scores(positions, torch.float64)
+        baseline = scores(positions, torch.bfloat16)
+        result = compare(scores(positions + shift, torch.bfloat16), golden, baseline)
+    worst = result.worst
+    assert worst.budget.baseline_error < 0.2 * 2.0**-8 * worst.budget.scale  # the lucky draw
+    assert worst.error > worst.budget.baseline_error * KINDS["forward"].fudge
+    assert result.ok and worst.budget.noise_source == "noise floor", result.explain()
+
+
+def _matmul_problem() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(8, 256, generator=gen, dtype=torch.float64)
+    return a, torch.randn(256, 16, generator=gen, dtype=torch.float64)
+
+
+def test_a_baseline_worse_than_its_dtype_allows_fails_naming_the_baseline() -> None:
+    a, b = _matmul_problem()
+    golden, candidate = a @ b, a.float() @ b.float()
+    # A lost upcast: the fp32 baseline's matmul ran in bf16, 2**16 times fp32's roundoff.
+    degraded = (a.bfloat16() @ b.bfloat16()).float()
+    result = compare(candidate, golden, degraded)
+    assert result.verdict == "diverged" and result.baseline_degraded
+    assert result.worst.baseline_headroom > 1 and result.worst.error < result.worst.budget.value
+    assert "the baseline itself errs" in result.explain()
+    assert result.to_dict()["baseline_degraded"] is True
+    honest = compare(candidate, golden, a.float() @ b.float() + 0.0)
+    assert honest.ok and honest.worst.baseline_headroom < 1
+
+
+def test_every_verdict_states_the_change_it_would_have_flagged() -> None:
+    a, b = _matmul_problem()
+    golden, baseline = a @ b, a.float() @ b.float()
+    plain = compare(baseline, golden, baseline).worst
+    sensitivity, scale = plain.sensitivity, plain.budget.scale
+    assert sensitivity == plain.budget.value / scale
+    assert f"larger than {sensitivity:.2g} of the golden's scale" in compare(
+        baseline, golden, baseline).explain()
+    assert compare(baseline, golden, baseline).to_dict()["sensitivity"] == sensitivity
+    index = tuple(int(i) for i in np.unravel_index(int(golden.abs().argmax()), golden.shape))
+    for factor, verdict in ((1.05, "diverged"), (0.5, "within")):
+        moved = baseline.clone()
+        moved[index] += factor * sensitivity * scale  # a change of the largest output alone
+        assert compare(moved, golden, baseline).verdict == verdict, factor
+
+
+def test_rotary_frequencies_computed_in_fp16_diverge_on_the_llama3_case(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    case = zoo.get("llama3-rope")
+
+    def logits(dtype: torch.dtype) -> torch.Tensor:
+        with torch.no_grad():
+            return build_model(case.config, 0, dtype=dtype)(**zoo.case_batch(case))
+
+    golden, baseline = logits(torch.float64), logits(torch.float32)
+    # theta = 500000 overflows fp16: the slowest frequencies become 0.
+    monkeypatch.setattr(positions, "compute_dtype",
+                        lambda dtype: torch.float64 if dtype == torch.float64 else torch.float16)
+    result = compare(logits(torch.float32), golden, baseline)
+    assert result.verdict == "diverged" and result.worst.headroom > 100

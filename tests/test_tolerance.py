@@ -79,8 +79,8 @@ def test_every_kind_defines_a_usable_rule() -> None:
     assert set(KINDS) == {"forward", "grad", "loss", "trajectory"}
     for tol in KINDS.values():
         assert tol.metric in ("max_abs", "rms")
-        assert tol.fudge >= 1 and tol.floor_ulps > 0
-        assert tol.analytic_factor > 0 and tol.reorder_factor > 0
+        assert tol.fudge >= 1 and tol.floor_ulps > 0 and tol.noise_floor_ulps > 0
+        assert tol.analytic_factor > 0 and tol.reorder_factor > 0 and tol.guard_factor > 0
     assert KINDS["trajectory"].per_step_growth > 0
 
 
@@ -93,36 +93,55 @@ def test_budget_with_a_baseline_follows_the_formula() -> None:
     golden = torch.tensor([1.0, -2.0], dtype=torch.float64)
     tol = KINDS["forward"]
     b = budget(golden, baseline_error=2.0**-20, compute_dtype=torch.float32)
-    # forward uses max-abs, so scale = absmax = 2
+    # forward uses max-abs, so scale = absmax = 2; the baseline erred 8 ulps of it
     floor = tol.floor_ulps * (2.0**-24 * 2.0 + subnormal_spacing(torch.float32))
-    root_k = math.sqrt(2)  # K = the last dimension
-    seen_scale = max(2.0, 2.0**-20 / (root_k * 2.0**-24))
-    reordering = tol.reorder_factor * root_k * 2.0**-24 * seen_scale
-    assert b.source == "baseline" and b.analytic is None
-    assert b.floor == floor and b.reordering == reordering
-    assert b.value == tol.fudge * 2.0**-20 + reordering + floor
-    assert f"{tol.fudge:g} × baseline error" in b.formula() and "reordering" in b.formula()
+    assert b.source == "baseline" and b.analytic is None and b.reordering == 0.0
+    assert b.noise == 2.0**-20 and b.floor == floor
+    assert b.value == tol.fudge * 2.0**-20 + floor
+    assert b.sensitivity == b.value / 2.0
+    assert f"{tol.fudge:g} × baseline error" in b.formula() and "reordering" not in b.formula()
+
+
+def test_a_lucky_baseline_draw_is_lifted_to_the_noise_floor() -> None:
+    golden = torch.tensor([3.5, -1.0], dtype=torch.float64)
+    tol = KINDS["forward"]
+    lucky = 0.1 * 2.0**-8 * 3.5  # a tenth of a bf16 roundoff of the largest value
+    b = budget(golden, baseline_error=lucky, compute_dtype="bf16")
+    assert b.noise == tol.noise_floor_ulps * 2.0**-8 * 3.5 > lucky
+    assert "noise floor" in b.formula()
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_result_that_cancels_takes_its_reordering_scale_from_the_baseline(dtype: str) -> None:
-    golden = torch.full((4, 16), 1e-17, dtype=torch.float64)  # a gradient that is 0 in theory
-    b = budget(golden, baseline_error=1e-8, compute_dtype=dtype, kind="grad")
-    u, u_acc = unit_roundoff(dtype), tolerance.accumulation_roundoff(dtype)
-    assert b.reordering_scale == 1e-8 / (math.sqrt(16) * u)
-    tol = KINDS["grad"]
-    assert b.reordering == tol.reorder_factor * math.sqrt(16) * u_acc * b.reordering_scale
-    assert "scale seen by the baseline" in b.formula()
+def test_a_group_member_takes_the_relative_noise_of_its_group(dtype: str) -> None:
+    golden = torch.full((4, 16), 1e-3, dtype=torch.float64)  # RMS 1e-3, in a group of RMS 1
+    own_error = 1e-3 * unit_roundoff(dtype)  # one roundoff of its own scale: a lucky draw
+    group_noise = 50 * unit_roundoff(dtype)  # another member erred 50 roundoffs of its scale
+    b = budget(golden, baseline_error=own_error, compute_dtype=dtype, kind="grad",
+               group_scale=1.0, group_noise=group_noise)
+    assert b.noise == group_noise * 1.0 and "noise of its group" in b.formula()
+    alone = budget(golden, baseline_error=own_error, compute_dtype=dtype, kind="grad")
+    assert alone.noise == own_error and alone.value < b.value
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "tf32", "fp8_e4m3"])
 def test_reordering_is_bounded_at_fp32_accumulation_precision(dtype: str) -> None:
     golden = torch.ones(16, dtype=torch.float64)
-    quiet = 2.0**-30  # below sqrt(K) u scale in every dtype: the golden's scale applies
-    narrow = budget(golden, baseline_error=quiet, compute_dtype=dtype)
-    fp32 = budget(golden, baseline_error=quiet, compute_dtype="fp32")
+    narrow = budget(golden, baseline_error=None, compute_dtype=dtype)
+    fp32 = budget(golden, baseline_error=None, compute_dtype="fp32")
     assert narrow.reordering == fp32.reordering
     assert tolerance.accumulation_roundoff(dtype) == UNIT_ROUNDOFF["fp32"]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_the_baseline_bound_admits_what_the_analytic_budget_admits(kind: str, dtype: str) -> None:
+    golden = torch.linspace(-3, 2, 64, dtype=torch.float64).reshape(4, 16)
+    analytic = budget(golden, baseline_error=None, compute_dtype=dtype, kind=kind)
+    bound = tolerance.baseline_bound(golden, compute_dtype=dtype, kind=kind)
+    assert bound > analytic.value
+    # ... but not a computation that lost its dtype: an fp32 baseline rounded to bf16
+    if dtype == "fp32":
+        assert bound < unit_roundoff("bf16") * analytic.scale
 
 
 def test_rms_kinds_scale_the_floor_by_the_golden_rms() -> None:

@@ -71,6 +71,10 @@ class TensorComparison:
     Metrics are computed in float64 over the elements where candidate and golden are finite.
     An element is *over* when its absolute error exceeds ``budget.value``; for max-abs kinds
     that is exactly when the verdict is ``diverged``, for RMS kinds it counts the outliers.
+    ``sensitivity`` is the smallest change relative to the golden's scale that the verdict would
+    have flagged (``budget.value / budget.scale``); ``baseline_headroom`` the share of its
+    dtype's analytic bound the baseline's own error used: over 1 the baseline is degraded and
+    the tensor diverges whatever the candidate does.
     """
 
     path: str
@@ -94,7 +98,14 @@ class TensorComparison:
     budget: Budget | None
     error: float  # the kind's metric of candidate - golden
     headroom: float  # error / budget: the share of the budget used (inf for non-finite faults)
+    sensitivity: float | None  # budget / scale; None for exact (integer and bool) tensors
+    baseline_headroom: float | None  # err(baseline) / its dtype's bound; None without baseline
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def baseline_degraded(self) -> bool:
+        """Whether the baseline erred more than its dtype allows."""
+        return self.baseline_headroom is not None and self.baseline_headroom > 1
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; non-finite floats become the strings "inf" and "nan"."""
@@ -168,6 +179,8 @@ class Comparison:
                 f"identical: all {n} tensor(s) are bit-equal to the {reference}"
                 f" (kind {self.kind}, compute dtype {worst.compute_dtype})."
             )
+            if self.sensitivity is not None:
+                text += f" {_sensitivity_sentence(self.sensitivity)}."
         elif self.verdict == "diverged":
             n_diverged = _count_verdicts(self.tensors)["diverged"]
             text = f"diverged: {n_diverged} of {n} tensor(s) diverged; worst {_describe(worst)}"
@@ -194,6 +207,17 @@ class Comparison:
             )
         return "".join(f" {part}" for part in parts)
 
+    @property
+    def sensitivity(self) -> float | None:
+        """The largest sensitivity over the compared float tensors: a change of any one tensor by
+        more than this share of its golden's scale would have been flagged (None without one)."""
+        return max((t.sensitivity for t in self.tensors if t.sensitivity is not None), default=None)
+
+    @property
+    def baseline_degraded(self) -> bool:
+        """Whether any tensor's baseline erred more than its dtype allows."""
+        return any(t.baseline_degraded for t in self.tensors)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable summary with every tensor's metrics, the structure differences,
         the skipped leaves and any tolerance added by hand."""
@@ -202,6 +226,8 @@ class Comparison:
             "verdict": self.verdict,
             "ok": self.ok,
             "kind": self.kind,
+            "sensitivity": self.sensitivity,
+            "baseline_degraded": self.baseline_degraded,
             "worst": worst.path if worst else None,
             "structure_differs": self.structure_differs,
             "structure": [dataclasses.asdict(d) for d in self.structure],
@@ -270,11 +296,13 @@ def compare(
         for path, c, g in found.pairs
     ]
     scales = _group_scales(leaves, tol.metric) if tol.group_scale else {}
+    noises = _group_noises(leaves, tol.metric, scales) if tol.group_scale else {}
     numbers_dtype = compute_dtype or _numbers_dtype(leaves, found.numbers)
     tensors = [
         _compare_tensor(
             path, c, g, b, kind, numbers_dtype if path in found.numbers else compute_dtype,
             reduction_length, step, scales.get(path), equal_nan=equal_nan, atol=atol, rtol=rtol,
+            group_noise=noises.get(path),
         )
         for path, c, g, b in leaves
     ]
@@ -564,6 +592,31 @@ def _group_scales(
     return {path: group[_group_of(path)] or None for path in own}
 
 
+def _group_noises(
+    leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric, scales: dict[str, float]
+) -> dict[str, float]:
+    """The relative noise of each floating leaf's group: the largest err(baseline) / scale among
+    its members that have a baseline, each at the scale its budget uses (the group's when it
+    cancelled); see :func:`torchparity.tolerance.budget`."""
+    relative: dict[str, float] = {}
+    for path, _, g, b in leaves:
+        if b is None or not g.dtype.is_floating_point:
+            continue
+        g, b = _float64(g), _float64(b)
+        usable = g.isfinite() & b.isfinite()
+        if not bool(usable.all()):
+            g, b = g[usable], b[usable]
+        scale = tolerance.finite_magnitude(g, metric)
+        group_scale = scales.get(path)
+        if group_scale is not None and tolerance.cancelled(scale, group_scale):
+            scale = group_scale
+        if scale > 0:
+            group = _group_of(path)
+            noise = tolerance.error(b, g, metric) / scale
+            relative[group] = max(relative.get(group, 0.0), noise)
+    return {path: relative[_group_of(path)] for path, *_ in leaves if _group_of(path) in relative}
+
+
 # --- one tensor -----------------------------------------------------------------------------
 
 
@@ -581,6 +634,7 @@ def _compare_tensor(
     equal_nan: bool = False,
     atol: float = 0.0,
     rtol: float = 0.0,
+    group_noise: float | None = None,
 ) -> TensorComparison:
     if candidate.dtype.is_complex:
         raise StructureMismatch(f"{path}: complex tensors are not supported ({candidate.dtype})")
@@ -610,18 +664,38 @@ def _compare_tensor(
         reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
         step=step,
         group_scale=group_scale,
+        group_noise=group_noise,
         atol=atol,
         rtol=rtol,
     )
     metrics = _metrics(c_valid, g_valid, abs_err, precision.name)
     err = metrics[metric]
     n_over = int((abs_err > spent.value).sum()) + (int(faults.sum()) if fault_notes else 0)
+    baseline_headroom = None
+    if baseline_error is not None:
+        bound = tolerance.baseline_bound(
+            g_finite_part,
+            compute_dtype=precision.name,
+            kind=kind,
+            reduction_length=spent.reduction_length,
+            group_scale=group_scale,
+        )
+        baseline_headroom = baseline_error / bound
+        if baseline_headroom > 1:
+            baseline_notes.append(
+                f"the baseline itself errs {baseline_error:.3g}, over the {bound:.3g} a"
+                f" plain {precision.name} computation may err; the baseline is degraded (a"
+                " softmax or reduction in a narrower dtype, a lost upcast?) and cannot set a"
+                " budget"
+            )
     if fault_notes:
         verdict, headroom, worst_index = "diverged", math.inf, _first_index(faults)
     else:
         headroom = err / spent.value
         worst_index = _worst_index(abs_err, valid, c.shape) if abs_err.numel() else None
-        if _bit_equal(candidate, reference):
+        if baseline_headroom is not None and baseline_headroom > 1:
+            verdict = "diverged"
+        elif _bit_equal(candidate, reference):
             verdict = "identical"
         else:
             verdict = "within" if err <= spent.value else "diverged"
@@ -640,6 +714,8 @@ def _compare_tensor(
         budget=spent,
         error=err,
         headroom=headroom,
+        sensitivity=spent.sensitivity,
+        baseline_headroom=baseline_headroom,
         notes=fault_notes + matched_notes + baseline_notes,
     )
 
@@ -678,6 +754,8 @@ def _compare_exact(
         budget=None,
         error=metrics["max_abs"],
         headroom=math.inf if n_differ else 0.0,
+        sensitivity=None,
+        baseline_headroom=None,
         notes=[f"{n_differ} element(s) differ; exact tensors must match"] if n_differ else [],
     )
 
@@ -860,7 +938,7 @@ def _describe(t: TensorComparison) -> str:
         body = f"{where}: {'; '.join(t.notes)}"
     else:
         label = "max-abs" if t.budget.metric == "max_abs" else "RMS"
-        relation = "exceeds" if t.verdict == "diverged" else "is within"
+        relation = "exceeds" if t.error > t.budget.value else "is within"
         body = (
             f"{where}: {label} error {t.error:.3g} {relation} the budget {t.budget.value:.3g}"
             f" = {t.budget.formula()}, using {_share(t.headroom)};"
@@ -868,7 +946,15 @@ def _describe(t: TensorComparison) -> str:
         )
         if t.notes:
             body += f"; {'; '.join(t.notes)}"
+        body += f". {_sensitivity_sentence(t.sensitivity)}"
     return f"{body}. Compute dtype {t.compute_dtype} ({t.dtype} tensor), kind {t.kind}."
+
+
+def _sensitivity_sentence(sensitivity: float) -> str:
+    return (
+        f"It would have flagged a change of the output larger than {sensitivity:.2g} of the"
+        " golden's scale"
+    )
 
 
 def _share(headroom: float) -> str:
