@@ -1,45 +1,123 @@
-"""Distributed parity: 2-process DDP (torchrun, gloo on loopback) equals one process."""
+"""Distributed parity: DDP, FSDP2, tensor parallel and FSDP2 x TP equal one process.
+
+The ranks are real ``torchrun`` processes (gloo on loopback on the CPU, nccl under ``-m gpu``).
+Every parallelism is judged twice: against one process training the same recipe (noise from
+that run and its reduction-order twin) and three-way against the float64 golden.
+"""
 
 from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
+from torchparity import cli
 from torchparity.errors import TorchParityError
-from torchparity.train.distributed import run_ddp
+from torchparity.reference import zoo
+from torchparity.train.distributed import run_parallel, run_parallel_jobs
+from torchparity.train.parallel import PARALLELISMS, Layout, tensor_parallel_problem
 from torchparity.train.trainer import Execution, TrainConfig, train
 from torchparity.train.trajectory import check_against_golden, compare_trajectories, reduction_twin
 
-# Few steps of a tiny case: the cost is the two workers' start-up, not the training.
-CONFIG = TrainConfig(case="encdec-prenorm", steps=3, batch_size=4)
+FAULTS = str(Path(__file__).with_name("parallel_faults.py"))
 
+# One case per parallelism, together covering GQA with sharded KV heads (llama-tiny), MQA with
+# replicated KV (mqa), ALiBi's per-head slopes (alibi) and an encoder-decoder (ddp). Few steps
+# of tiny models: the cost is the ranks' start-up, paid once for the four runs.
+CASES = {"ddp": "encdec-prenorm", "fsdp": "llama-tiny", "tp": "mqa", "fsdp+tp": "alibi"}
+STEPS = 2
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
+def _config(case: str, steps: int = STEPS) -> TrainConfig:
+    return TrainConfig(case=case, steps=steps, batch_size=4)
+
+
+def _device_execution(device: str) -> Execution:
+    if torch.device(device).type == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip(f"nccl needs a GPU per rank; {torch.cuda.device_count()} GPU(s) here")
+    return Execution(device=device)
+
+
 @pytest.fixture(scope="module")
-def ddp_run():
-    return run_ddp(CONFIG, nproc=2, timeout=240)
+def parallel_runs():
+    jobs = [(p, _config(CASES[p])) for p in PARALLELISMS]
+    runs = run_parallel_jobs(jobs, nproc=2, timeout=300)
+    return dict(zip(PARALLELISMS, runs, strict=True))
 
 
-def test_two_process_ddp_matches_one_process_on_the_whole_batch(ddp_run):
-    assert ddp_run.world_size == 2 and len(ddp_run.records) == CONFIG.steps
-    single = train(CONFIG)
-    # Three-way: float64 golden (one process), baseline the one-process fp32 run.
-    result = check_against_golden(ddp_run, baseline=single)
-    assert result.ok, result.explain()
-    # Two-run calibration: DDP against one process, noise from the single run and its twin,
-    # which splits the batch into micro-batches the way the two ranks split it.
-    twin = train(reduction_twin(CONFIG))
-    result = compare_trajectories(ddp_run, single, (single, twin))
-    assert result.ok, result.explain()
-    # Same batch seen: the target tokens and correct predictions are counted over all ranks.
-    assert [r.tokens for r in ddp_run.records] == [r.tokens for r in single.records]
+def _assert_parity(run, execution):
+    config = run.config
+    single = train(config, execution)
+    twin = train(reduction_twin(config), execution)
+    for result in (compare_trajectories(run, single, (single, twin)),
+                   check_against_golden(run, baseline=single)):
+        assert result.ok, result.explain()
+    # The same global batch was seen: target tokens and correct predictions over all ranks.
+    assert [r.tokens for r in run.records] == [r.tokens for r in single.records]
+    assert [r.correct for r in run.records] == [r.correct for r in single.records]
 
 
-def test_a_batch_that_does_not_split_over_the_processes_is_refused_before_launch():
-    with pytest.raises(TorchParityError, match="multiple of processes x accum_steps = 4"):
-        run_ddp(TrainConfig(case="llama-tiny", steps=1, batch_size=6, accum_steps=2), nproc=2)
+@pytest.mark.parametrize("parallelism", PARALLELISMS)
+def test_two_ranks_train_like_one_process(parallelism, parallel_runs):
+    run = parallel_runs[parallelism]
+    assert run.world_size == 2 and run.parallelism == parallelism
+    assert len(run.records) == STEPS
+    _assert_parity(run, Execution())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parallelism", PARALLELISMS)
+def test_nccl_ranks_train_like_one_process(parallelism, device):
+    execution = _device_execution(device)
+    if torch.device(device).type != "cuda":
+        pytest.skip("nccl is CUDA-only; the CPU path (gloo) is tested above")
+    run = run_parallel(_config(CASES[parallelism]), execution, parallelism=parallelism, nproc=2)
+    _assert_parity(run, execution)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["llama-tiny", "mqa"])
+def test_four_ranks_on_a_two_dimensional_mesh_train_like_one_process(case):
+    run = run_parallel(_config(case, steps=3), parallelism="fsdp+tp", nproc=4, timeout=600)
+    assert run.world_size == 4
+    _assert_parity(run, Execution())
+
+
+# --- what cannot be split is refused before anything starts ---------------------------------
+
+
+@pytest.mark.parametrize("case, degree, message", [
+    ("llama-tiny", 4, "n_kv_heads divisible by 4 (or 1, replicated): with 2 KV heads"),
+    ("alibi", 4, "needs n_heads divisible by 4; the model has 6"),
+    ("encdec-relative", 2, "Shaw relative positions"),
+])
+def test_layouts_tensor_parallelism_would_get_wrong_are_refused(case, degree, message):
+    assert message in tensor_parallel_problem(zoo.get(case).config, degree)
+    with pytest.raises(TorchParityError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run_parallel(_config(case), parallelism="tp", nproc=degree)
+
+
+def test_mqa_and_whole_gqa_groups_split():
+    assert tensor_parallel_problem(zoo.get("mqa").config, 4) is None  # one KV head, replicated
+    assert tensor_parallel_problem(zoo.get("llama-tiny").config, 2) is None  # one group a rank
+
+
+def test_layouts_split_ranks_into_data_and_tensor_parallel():
+    assert (Layout("fsdp+tp", 4).dp, Layout("fsdp+tp", 4).tp) == (2, 2)
+    assert (Layout("tp", 2).dp, Layout("fsdp", 2).dp) == (1, 2)
+    assert "not a multiple" in Layout("fsdp+tp", 3).problem()
+    assert "at least 2 processes" in Layout("fsdp", 1).problem()
+
+
+def test_a_batch_that_does_not_split_over_the_data_parallel_ranks_is_refused():
+    with pytest.raises(TorchParityError, match="data-parallel processes x accum_steps = 4"):
+        run_parallel(TrainConfig(case="llama-tiny", steps=1, batch_size=6, accum_steps=2),
+                     parallelism="fsdp", nproc=2)
 
 
 @pytest.mark.gpu
@@ -49,4 +127,53 @@ def test_nccl_needs_one_gpu_per_process(device):
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has a GPU per process; nothing to refuse")
     with pytest.raises(TorchParityError, match="one GPU per process"):
-        run_ddp(CONFIG, Execution(device=device), nproc=2)
+        run_parallel(_config("llama-tiny"), Execution(device=device), nproc=2)
+
+
+# --- nothing is left hanging ----------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(
+        f"/proc/{pid}/status").read_text().lower()
+
+
+def _ranks_pids(folder: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(folder.glob("rank*.pid"))]
+
+
+def test_a_rank_that_raises_ends_the_run_with_its_message_and_exit_2(tmp_path, monkeypatch,
+                                                                     capsys):
+    monkeypatch.setenv("TORCHPARITY_TEST_PID_DIR", str(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(TorchParityError, match=r"rank 1: FloatingPointError: planted failure "
+                                               r"in step 1 of rank 1"):
+        run_parallel(_config("llama-tiny"), parallelism="fsdp", nproc=2, timeout=120,
+                     setup=f"{FAULTS}:rank_one_fails_in_a_step")
+    # Rank 0 was waiting in a collective: it was stopped, not left to its timeout.
+    assert time.monotonic() - started < 60
+    pids = _ranks_pids(tmp_path)
+    assert len(pids) == 2 and not any(map(_alive, pids))
+
+
+def test_cli_refuses_a_layout_in_one_line_with_exit_2(capsys):
+    code = cli.main(["train", "--case", "llama-tiny", "--parallel", "tp", "--nproc", "4",
+                     "--steps", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "n_kv_heads divisible by 4" in err
+
+
+@pytest.mark.slow
+def test_a_run_past_its_timeout_stops_every_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHPARITY_TEST_PID_DIR", str(tmp_path))
+    with pytest.raises(TorchParityError, match="did not finish within 30s.*every process was "
+                                               "stopped"):
+        run_parallel(_config("llama-tiny"), parallelism="ddp", nproc=2, timeout=30,
+                     setup=f"{FAULTS}:rank_one_hangs")
+    pids = _ranks_pids(tmp_path)
+    assert len(pids) == 2 and not any(map(_alive, pids))

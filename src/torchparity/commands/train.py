@@ -3,10 +3,16 @@
     torchparity train --case llama-tiny --steps 20 --backend sdpa --dtype bf16 --check
     torchparity train --case encdec-prenorm --backend sdpa-math --against manual
     torchparity train --case llama-tiny --nproc 2 --check          # DDP under torchrun
+    torchparity train --case mqa --parallel tp --nproc 2           # tensor parallel
+    torchparity train --case llama-tiny --parallel fsdp+tp --nproc 4   # FSDP2 x TP, 2-D mesh
     torchparity train --case all --update-golden                   # rewrite golden/<case>/
 
+A distributed run (``--nproc`` > 1) is judged twice: against one process training the same
+recipe (noise from that run and its reduction-order twin) and against the float64 golden
+(baseline: the one-process run). Rank 0 prints the log lines.
+
 Exit status: 0 when the run (and any check) passed, 1 when the trajectory diverged, 2 on bad
-arguments or files.
+arguments or files, or when a rank of a distributed run failed (its message is printed).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from torchparity import backends
 from torchparity.commands.common import dtype_name, resolve_device
 from torchparity.errors import UsageError
 from torchparity.reference import zoo
+from torchparity.train.parallel import PARALLELISMS
 from torchparity.train.trainer import DTYPE_MODES, NORMALIZATIONS, Execution, TrainConfig, Trainer
 
 _DEFAULTS = TrainConfig()
@@ -58,9 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="copy, reverse, sort or mixed (default mixed)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed")
     parser.add_argument("--log-every", type=int, default=10, help="log line every N steps")
-    parser.add_argument("--nproc", type=int, default=1,
-                        help="data-parallel processes (DDP under torchrun; gloo on the CPU, "
-                             "nccl on CUDA)")
+    parser.add_argument("--nproc", type=int,
+                        help="processes under torchrun (gloo on the CPU, nccl on CUDA; default "
+                             "1, or 2 with --parallel)")
+    parser.add_argument("--parallel", choices=PARALLELISMS,
+                        help="how the processes split the work: ddp (default with --nproc), "
+                             "fsdp (FSDP2), tp (tensor parallel), fsdp+tp (2-D mesh, tensor "
+                             "parallel groups of 2)")
     judge = parser.add_mutually_exclusive_group()
     judge.add_argument("--check", action="store_true",
                        help="judge the trajectory against the float64 golden (stored for the "
@@ -90,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--case all is only for --update-golden; name one case")
     config, execution = _config(args), _execution(args)
     backends.resolve(execution.backend, execution.device, _probe_dtype(execution))
+    if _nproc(args) > 1:
+        return _run_parallel(config, execution, args, console)
     candidate = _train(config, execution, args, console)
     console.print(f"{execution.label()}: {candidate.tokens_per_second:,.0f} tok/s, first step "
                   f"after {candidate.time_to_first_step:.2f}s")
@@ -120,6 +133,61 @@ def run(args: argparse.Namespace) -> int:
     return 0 if comparison is None or comparison.ok else 1
 
 
+def _nproc(args: argparse.Namespace) -> int:
+    nproc = args.nproc if args.nproc is not None else (2 if args.parallel else 1)
+    if nproc < 1:
+        raise UsageError(f"--nproc must be at least 1; got {nproc}")
+    if nproc == 1 and args.parallel:
+        raise UsageError(f"--parallel {args.parallel} needs at least 2 processes; "
+                         "use --nproc 2")
+    return nproc
+
+
+def _run_parallel(config: TrainConfig, execution: Execution, args: argparse.Namespace,
+                  console: Console) -> int:
+    """Train with ``--nproc`` ranks, judge against one process and the golden."""
+    from torchparity.train import trajectory as tj
+    from torchparity.train.distributed import check_layout, run_parallel
+
+    if args.against or args.diagnose:
+        option = "--against" if args.against else "--diagnose"
+        raise UsageError(f"{option} runs in one process; leave it out with --nproc > 1 (a "
+                         "distributed run is judged against one process and the golden)")
+    parallelism, nproc = args.parallel or "ddp", _nproc(args)
+    check_layout(config, execution, parallelism, nproc)
+    console.print(f"training {config.case} with {nproc} processes, {parallelism.upper()} "
+                  f"(torchrun); rank 0 logs")
+    candidate = run_parallel(config, execution, parallelism=parallelism, nproc=nproc,
+                             log=lambda line: console.print(line, markup=False, soft_wrap=True),
+                             log_every=args.log_every)
+    console.print(f"{candidate.label()}: {candidate.tokens_per_second:,.0f} tok/s, first "
+                  f"step after {candidate.time_to_first_step:.2f}s")
+    single = _train(config, execution, args, console, quiet=True)
+    twin = _train(tj.reduction_twin(config), execution, args, console, quiet=True)
+    judged = {"one process": tj.compare_trajectories(candidate, single, (single, twin)),
+              "float64 golden": tj.check_against_golden(candidate, baseline=single,
+                                                        store=_store(args))}
+    for against, comparison in judged.items():
+        console.print(f"vs {against}: {budget_share(comparison)}", markup=False)
+        console.print(comparison.explain(), markup=False, soft_wrap=True)
+    if args.json:
+        data = {"trajectory": candidate.to_dict(),
+                "comparison": judged["float64 golden"].to_dict(),
+                "single_process_comparison": judged["one process"].to_dict()}
+        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+    return 0 if all(c.ok for c in judged.values()) else 1
+
+
+def budget_share(comparison: Any) -> str:
+    """``within, 12% of the budget used (loss 3%, grad_norm 12%, update_norm 5%)``."""
+    parts = ", ".join(f"{q} {_percent(h)}" for q, h in comparison.headroom_by_quantity().items())
+    return f"{comparison.verdict}, {_percent(comparison.max_headroom)} of the budget used ({parts})"
+
+
+def _percent(headroom: float) -> str:
+    return f"{headroom:.0%}" if headroom < 100 else f"{headroom:.3g}x"
+
+
 def _config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         case=args.case, steps=args.steps, batch_size=args.batch_size, accum_steps=args.accum,
@@ -138,11 +206,6 @@ def _probe_dtype(execution: Execution) -> torch.dtype:
 
 def _train(config: TrainConfig, execution: Execution, args: argparse.Namespace,
            console: Console, *, quiet: bool = False) -> Any:
-    if args.nproc > 1 and not quiet:
-        from torchparity.train.distributed import run_ddp
-
-        console.print(f"training {config.case} with {args.nproc} DDP processes (torchrun)")
-        return run_ddp(config, execution, nproc=args.nproc)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task(f"{config.case} {execution.label()}", total=config.steps)

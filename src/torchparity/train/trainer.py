@@ -308,6 +308,7 @@ class Trajectory:
     time_to_first_step: float
     world_size: int = 1
     notes: list[str] = field(default_factory=list)
+    parallelism: str = "ddp"  # how world_size > 1 processes split the work (see train.parallel)
 
     def series(self) -> dict[str, torch.Tensor]:
         """``{quantity: float64 tensor over steps}`` for loss, grad_norm and update_norm."""
@@ -322,15 +323,17 @@ class Trajectory:
         return sum(r.input_tokens for r in steady) / seconds if seconds > 0 else math.nan
 
     def label(self) -> str:
-        """The execution, and the number of processes when data-parallel."""
-        ddp = f" x{self.world_size} DDP" if self.world_size > 1 else ""
-        return self.execution.label() + ddp
+        """The execution, and the processes and parallelism of a distributed run."""
+        if self.world_size == 1:
+            return self.execution.label()
+        return f"{self.execution.label()} x{self.world_size} {self.parallelism.upper()}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config.to_dict(),
             "execution": self.execution.to_dict(),
             "world_size": self.world_size,
+            "parallelism": self.parallelism,
             "time_to_first_step": self.time_to_first_step,
             "tokens_per_second": self.tokens_per_second,
             "notes": self.notes,
@@ -341,7 +344,8 @@ class Trajectory:
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:
         return cls(TrainConfig.from_dict(data["config"]), Execution(**data["execution"]),
                    [StepRecord(**r) for r in data["records"]], data["time_to_first_step"],
-                   data.get("world_size", 1), list(data.get("notes", [])))
+                   data.get("world_size", 1), list(data.get("notes", [])),
+                   data.get("parallelism", "ddp"))
 
 
 # --- the trainer ----------------------------------------------------------------------------
@@ -370,10 +374,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     ]
 
 
+def tensor_norm(x: torch.Tensor) -> torch.Tensor:
+    """L2 norm of a tensor; of the whole tensor when ``x`` is a shard of a DTensor."""
+    norm = torch.linalg.vector_norm(x)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 def global_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
     """L2 norm of all gradients together, as ``clip_grad_norm_`` computes it."""
     grads = [p.grad for p in params if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    return torch.linalg.vector_norm(torch.stack([tensor_norm(g) for g in grads]))
 
 
 def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: float) -> None:
@@ -381,7 +391,16 @@ def clip_gradients(params: list[nn.Parameter], norm: torch.Tensor, max_norm: flo
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
+            # A DTensor gradient takes a Python number (exact: coef is rounded to its dtype).
+            factor = coef.to(p.grad.dtype)
+            p.grad.mul_(factor.item() if hasattr(p.grad, "full_tensor") else factor)
+
+
+def loss_scale(denominator: int, data_parallel: int) -> float:
+    """The factor of a rank's summed loss: data-parallel wrappers average the gradients over
+    ``data_parallel`` ranks, so scaling by it makes their average the global sum over
+    ``denominator`` units."""
+    return data_parallel / denominator
 
 
 # Small models' gradients scaled by the default 2**16 can overflow fp16 in the first steps,
@@ -394,22 +413,23 @@ LogFn = Callable[[str], None]
 class Trainer:
     """Runs a recipe under an execution, one optimizer step at a time.
 
-    ``distributed=True`` expects an initialised default process group (``torchrun``): the model
-    is wrapped in DDP, every process builds the same global batch and trains on its contiguous
-    share of the rows. Losses are normalised by the global token (or sentence) count, so the
-    gradients equal those of a single process on the whole batch up to reduction order.
+    ``parallelism`` (one of :data:`torchparity.train.parallel.PARALLELISMS`) expects an
+    initialised default process group (``torchrun``) and spreads the model as that module
+    describes. Every process builds the same global batch; the data-parallel ranks train on
+    contiguous shares of its rows, the tensor-parallel ranks of one group on the same rows.
+    Losses are normalised by the global token (or sentence) count, so the gradients equal those
+    of a single process on the whole batch up to reduction order. Only rank 0 logs.
     """
 
     def __init__(self, config: TrainConfig, execution: Execution | None = None, *,
-                 distributed: bool = False, log: LogFn | None = None, log_every: int = 0) -> None:
+                 parallelism: str | None = None, log: LogFn | None = None,
+                 log_every: int = 0) -> None:
         self.started = time.perf_counter()
         self.config, self.execution = config, execution or Execution()
         execution = self.execution
-        self.log, self.log_every = log, log_every
-        self.rank, self.world_size = _process_group(distributed)
-        if config.batch_size % (self.world_size * config.accum_steps):
-            raise UsageError(f"batch_size={config.batch_size} must be a multiple of processes "
-                             f"x accum_steps = {self.world_size * config.accum_steps}")
+        self.parallelism = parallelism or "ddp"
+        self.rank, self.world_size = _process_group(parallelism)
+        self.log, self.log_every = (log, log_every) if self.rank == 0 else (None, 0)
         self.device = torch.device(execution.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError(f"device {execution.device!r} asked for, but no CUDA device is "
@@ -419,23 +439,45 @@ class Trainer:
         model_config = config.model_config.replace(attention_backend=execution.backend)
         self.model = build_model(model_config, config.seed, dtype=mode.param_dtype,
                                  device=self.device)
+        self.forward, self.mesh = self._wrap(self.model, parallelism)
+        self.dp_rank, self.dp_size, self.dp_group = self._data_parallel_group(parallelism)
+        if config.batch_size % (self.dp_size * config.accum_steps):
+            raise UsageError(f"batch_size={config.batch_size} must be a multiple of "
+                             f"data-parallel processes x accum_steps = "
+                             f"{self.dp_size * config.accum_steps}")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Tensor parallelism mixes DTensor and plain parameters, which foreach kernels refuse.
+        foreach = False if self.mesh is not None and self.mesh["tp"].size() > 1 else None
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, config.weight_decay), lr=config.lr, betas=config.betas,
-            eps=config.eps)
+            eps=config.eps, foreach=foreach)
         self.scaler = (torch.amp.GradScaler(self.device.type, init_scale=_GRAD_SCALER_INIT)
                        if mode.autocast_dtype == torch.float16 else None)
-        self.forward = self._wrap(self.model, distributed)
         self.records: list[StepRecord] = []
         self._window: list[StepRecord] = []
 
-    def _wrap(self, model: nn.Module, distributed: bool) -> nn.Module:
-        if distributed:
+    def _wrap(self, model: nn.Module, parallelism: str | None) -> tuple[nn.Module, Any]:
+        mesh = None
+        if parallelism == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
-        return torch.compile(model) if self.execution.compile else model
+        elif parallelism is not None:
+            from torchparity.train import parallel
+
+            mesh = parallel.parallelize(model, parallel.Layout(parallelism, self.world_size),
+                                        self.device.type)
+        return (torch.compile(model) if self.execution.compile else model), mesh
+
+    def _data_parallel_group(self, parallelism: str | None) -> tuple[int, int, Any]:
+        """(rank among the data-parallel ranks, their number, their process group)."""
+        if parallelism is None:
+            return 0, 1, None
+        if self.mesh is None:
+            return self.rank, self.world_size, None
+        dp = self.mesh["dp"]
+        return dp.get_local_rank(), dp.size(), dp.get_group()
 
     def run(self, steps: int | None = None) -> Trajectory:
         """Train steps ``len(records)+1`` to ``steps`` (default: the recipe's) and return the
@@ -448,7 +490,7 @@ class Trainer:
     def trajectory(self) -> Trajectory:
         first = self._first_step_done - self.started if self.records else math.nan
         return Trajectory(self.config, self.execution, list(self.records), first,
-                          self.world_size, self.notes())
+                          self.world_size, self.notes(), self.parallelism)
 
     def notes(self) -> list[str]:
         note = nondeterminism_note(self.execution.backend, self.device, self._warn_only)
@@ -475,15 +517,13 @@ class Trainer:
 
     def _step(self, step: int, mode: DtypeMode) -> StepRecord:
         batch = self.corpus.batch(step)
-        denominator = loss_denominator(batch, self.config.normalization)
-        # DDP averages gradients over processes; scaling by world_size makes that a global sum.
-        scale = self.world_size / denominator
+        scale = loss_scale(loss_denominator(batch, self.config.normalization), self.dp_size)
         lr = learning_rate(self.config, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         stats = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss, correct, inputs
-        micro_batches = _split(_shard(batch, self.rank, self.world_size), self.config.accum_steps)
+        micro_batches = _split(_shard(batch, self.dp_rank, self.dp_size), self.config.accum_steps)
         for i, micro in enumerate(micro_batches):
             micro = micro.to(self.device)
             with self._no_sync(last=i == len(micro_batches) - 1), self._autocast(mode):
@@ -494,8 +534,8 @@ class Trainer:
             stats += torch.tensor([losses.detach().sum().item(),
                                    correct_tokens(logits.detach(), micro.labels),
                                    micro.n_input_tokens], dtype=torch.float64, device=self.device)
-        if self.world_size > 1:
-            torch.distributed.all_reduce(stats)
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(stats, group=self.dp_group)
         grad_norm, update_norm, skipped = self._update()
         loss_sum, correct, inputs = stats.tolist()
         return StepRecord(step, loss_sum / batch.n_tokens, grad_norm, update_norm, lr,
@@ -518,7 +558,7 @@ class Trainer:
         else:
             self.optimizer.step()
         update = torch.linalg.vector_norm(torch.stack([
-            torch.linalg.vector_norm((p.detach() - b).to(torch.float64))
+            tensor_norm((p.detach() - b).to(torch.float64))
             for p, b in zip(self.params, before, strict=True)]))
         return norm.item(), update.item(), skipped
 
@@ -585,14 +625,14 @@ def model_before(config: TrainConfig, execution: Execution, step: int) -> nn.Mod
     return trainer.model
 
 
-def _process_group(distributed: bool) -> tuple[int, int]:
-    if not distributed:
+def _process_group(parallelism: str | None) -> tuple[int, int]:
+    if parallelism is None:
         return 0, 1
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise UsageError("distributed=True needs an initialised process group; launch with "
-                         "torchrun (see torchparity.train.distributed)")
+        raise UsageError(f"parallelism={parallelism!r} needs an initialised process group; "
+                         "launch with torchrun (see torchparity.train.distributed)")
     return dist.get_rank(), dist.get_world_size()
 
 

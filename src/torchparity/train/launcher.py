@@ -1,0 +1,139 @@
+"""Start ``torchrun`` on this machine and never leave anything behind.
+
+- Rendezvous is torchrun's c10d backend on ``127.0.0.1:0``: the store binds a port the OS picks
+  at that moment and hands the live socket's number to the workers, so two runs started at once
+  (parallel test workers) cannot race for a port.
+- torchrun starts in a session of its own. On a timeout or Ctrl-C its process group gets
+  SIGTERM (torchrun then stops its workers, which it keeps in sessions of their own), SIGKILL
+  after a grace period; every worker also asks the kernel to kill it when torchrun dies
+  (:func:`die_with_parent`), so none is orphaned.
+- A worker that raises writes ``rank<N>.error`` (:func:`record_failure`) before exiting;
+  torchrun then stops the others at once. The error names the first rank that failed, with its
+  message.
+
+Workers print their log lines to stdout; each line is passed to ``log`` as it arrives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from torchparity.errors import TorchParityError
+
+#: Seconds between SIGTERM and SIGKILL when a run is stopped.
+GRACE_SECONDS = 10.0
+_ERROR_DIR = "TORCHPARITY_ERROR_DIR"
+_SIGKILL = 9
+_PR_SET_PDEATHSIG = 1
+
+
+def launch(module: str, args: list[str], *, nproc: int, timeout: float,
+           log: Callable[[str], None] | None = None) -> None:
+    """Run ``python -m module *args`` as ``nproc`` ranks under torchrun; return when all exit 0.
+
+    Raises :class:`~torchparity.errors.TorchParityError` naming the rank that failed and its
+    message, or saying that the run exceeded ``timeout`` seconds (everything started is
+    stopped first).
+    """
+    with tempfile.TemporaryDirectory(prefix="torchparity-run-") as tmp:
+        errors = Path(tmp)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", uuid.uuid4().hex,
+               "--max-restarts", "0", "-m", module, *args]
+        stderr_path = errors / "torchrun.stderr"
+        with open(stderr_path, "w") as stderr:
+            proc = subprocess.Popen(cmd, env=_worker_env(errors), stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True, start_new_session=True)
+            reader = threading.Thread(target=_forward, args=(proc.stdout, log), daemon=True)
+            reader.start()
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                stop(proc)
+                raise TorchParityError(f"torchrun did not finish within {timeout:.0f}s "
+                                       f"({_first_failure(errors) or 'no rank reported an error'}"
+                                       "); every process was stopped") from None
+            except BaseException:  # Ctrl-C included: nothing may outlive the caller
+                stop(proc)
+                raise
+            finally:
+                reader.join(timeout=5)
+        if code != 0:
+            failure = _first_failure(errors) or _tail(stderr_path.read_text())
+            raise TorchParityError(f"torchrun failed with exit status {code}: {failure}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End ``proc``'s process group: SIGTERM, then SIGKILL after :data:`GRACE_SECONDS`."""
+    for sig, wait in ((signal.SIGTERM, GRACE_SECONDS), (signal.SIGKILL, 5.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait)
+            return
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (torchrun) dies; a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, _SIGKILL)
+
+
+def record_failure(rank: int, exc: BaseException) -> None:
+    """Leave ``exc``'s one-line message where :func:`launch` finds it (inside a worker)."""
+    folder = os.environ.get(_ERROR_DIR)
+    if folder:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+        Path(folder, f"rank{rank}.error").write_text(text)
+
+
+def _first_failure(errors: Path) -> str | None:
+    """``rank N: message`` of the earliest error a rank recorded, or None."""
+    reports = sorted(errors.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
+    if not reports:
+        return None
+    first = reports[0]
+    return f"rank {first.stem.removeprefix('rank')}: {first.read_text()}"
+
+
+def _forward(stream, log: Callable[[str], None] | None) -> None:
+    for line in stream:
+        if log is not None:
+            log(line.rstrip("\n"))
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _worker_env(errors: Path) -> dict[str, str]:
+    """The workers' environment: this package importable, loopback only, one thread each."""
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env[_ERROR_DIR] = str(errors)
+    loopback = _loopback_interface()
+    if loopback:
+        env["GLOO_SOCKET_IFNAME"] = loopback
+    return env
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    return " | ".join((text or "no output").strip().splitlines()[-lines:])
