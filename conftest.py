@@ -1,9 +1,11 @@
-"""Root conftest: hypothesis profiles, the plugin when no installed entry point loads it, and
-this suite's short ``--device`` option and ``device`` fixture (the plugin's are namespaced)."""
+"""Root conftest: hypothesis profiles, the plugin when no installed entry point loads it, this
+suite's short ``--device`` option and ``device`` fixture (the plugin's are namespaced), and the
+``single_thread`` fixture."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from importlib.metadata import entry_points
 
 import pytest
@@ -50,3 +52,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def device(torchparity_device: str) -> str:
     """``cpu`` for ordinary tests; the ``--device`` (default ``cuda``) for tests marked gpu."""
     return torchparity_device
+
+
+@pytest.fixture(scope="module")
+def single_thread() -> Iterator[None]:
+    """torch on one CPU thread for the module's tests, restored afterwards: tiny models run
+    faster on one thread, and on a shared machine several threads contend for the cores."""
+    from torchparity.golden.cases import single_thread as one_thread
+
+    with one_thread():
+        yield
