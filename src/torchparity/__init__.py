@@ -21,6 +21,8 @@ _EXPORTS = {
     "attribute": "torchparity.diagnosis.attribution",
     "record": "torchparity.diagnosis.api",
     "deterministic": "torchparity.train.trainer",
+    "check_model": "torchparity.golden.user_models",
+    "model_cells": "torchparity.golden.user_models",
 }
 _SUBMODULES = {"backends", "tolerance", "golden", "strategies", "reference", "train", "bench"}
 

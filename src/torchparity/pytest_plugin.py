@@ -128,3 +128,31 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         for line in lines:
             terminalreporter.write_line(line)
 
+
+@pytest.fixture
+def model_parity(request: pytest.FixtureRequest):
+    """``model_parity(factory, cell)`` checks a user's model in one cell against its goldens,
+    as ``torchparity check --model`` does, and fails the test with one line per output that
+    diverged. Parametrize over :func:`torchparity.model_cells` for one test per cell::
+
+        @pytest.mark.parametrize("cell", tp.model_cells(dtypes=["fp32", "bf16"]), ids=str)
+        def test_my_model(model_parity, cell):
+            model_parity("tests/my_models.py:tiny_gpt", cell)
+
+    Goldens are read from ``golden/`` beside the test file unless ``golden_dir`` is given;
+    ``torchparity golden update --model ENTRY --golden-dir DIR`` writes them.
+    """
+    from torchparity.golden.store import GoldenError
+    from torchparity.golden.user_models import check_model
+
+    def check(factory, cell, golden_dir=None):
+        try:
+            report = check_model(factory, cells=[cell],
+                                 golden_dir=golden_dir or request.path.parent / "golden")
+        except GoldenError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        if not report.ok:
+            pytest.fail(report.explain(), pytrace=False)
+        return report
+
+    return check

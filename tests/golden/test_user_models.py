@@ -7,6 +7,9 @@ difference; bad entries get one line and their exit status."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -265,3 +268,48 @@ def test_golden_update_leaves_unchanged_goldens_alone(models, capsys):
                  "--model", f"{models / 'models.py'}:bert"]) == 0
     assert "models.bert: outputs unchanged, loss unchanged, grads unchanged" in (
         capsys.readouterr().out)
+
+
+def test_check_model_returns_the_report_in_python(models):
+    import torchparity as tp
+
+    cells = tp.model_cells(backends=["sdpa-math"], dtypes=["float32"])
+    assert [str(cell) for cell in cells] == ["manual-fp64-cpu", "sdpa-math-fp32-cpu"]
+    report = tp.check_model(f"{models / 'models.py'}:with_sdpa", cells=cells,
+                            golden_dir=models / "golden")
+    assert report.ok and report.explain().startswith("OK: 6 outputs")
+    assert {(r.backend, r.output, r.verdict) for r in report.results if r.dtype == "fp32"} == {
+        ("sdpa-math", "outputs", "within"), ("sdpa-math", "loss", "within"),
+        ("sdpa-math", "grads", "within")}
+
+
+USER_SUITE = '''
+import pytest
+import torchparity as tp
+
+GOLDEN = {golden!r}
+
+
+@pytest.mark.parametrize("cell", tp.model_cells(backends=["sdpa"], dtypes=["fp32"]), ids=str)
+@pytest.mark.parametrize("entry", [{same!r}, {changed!r}], ids=["same", "changed"])
+def test_model(model_parity, entry, cell):
+    model_parity(entry, cell, golden_dir=GOLDEN)
+'''
+
+
+def test_the_pytest_fixture_gives_one_test_per_cell(models, tmp_path):
+    changed = tmp_path / "changed" / "models.py"
+    changed.parent.mkdir()
+    changed.write_text(FACTORIES.replace("/ 8 ** 0.5", "/ 4 ** 0.5"))  # manual path rescaled
+    suite = tmp_path / "test_suite.py"
+    suite.write_text(USER_SUITE.format(golden=str(models / "golden"),
+                                       same=f"{models / 'models.py'}:without_sdpa",
+                                       changed=f"{changed}:without_sdpa"))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-rf", str(suite)], capture_output=True, text=True, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    out = result.stdout
+    # The changed model fails in the reference cell; its sdpa cell is n/a (no SDPA call).
+    assert "1 failed, 3 passed" in out, out
+    assert "FAILED test_suite.py::test_model[changed-manual-fp64-cpu]" in out
+    assert "models.without_sdpa manual fp64 cpu outputs: diverged" in out

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from torchparity.dtypes import dtype_name
 from torchparity.errors import UsageError
+
+__all__ = ["dtype_name", "resolve_device"]
 
 
 def resolve_device(name: str | None) -> str:
@@ -20,16 +23,3 @@ def resolve_device(name: str | None) -> str:
                          "use --device cpu")
     return device
 
-
-#: torch's names of the dtypes beside the short ones every ``--dtype`` uses.
-DTYPE_ALIASES = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
-                 "double": "fp64", "float": "fp32", "half": "fp16"}
-
-
-def dtype_name(text: str) -> str:
-    """The short name of a ``--dtype`` value: ``float32`` and ``torch.float32`` -> ``fp32``.
-
-    Unknown names are returned unchanged, for the command to reject with its list of choices.
-    """
-    name = text.strip().lower().removeprefix("torch.")
-    return DTYPE_ALIASES.get(name, name)

@@ -69,6 +69,9 @@ class Cell:
     def label(self) -> str:
         return f"{self.backend} {self.dtype} {self.device}"
 
+    def __str__(self) -> str:  # a pytest id
+        return f"{self.backend}-{self.dtype}-{self.device}"
+
 
 #: The cell that recomputes the goldens themselves.
 REFERENCE = Cell("manual", "fp64", "cpu")

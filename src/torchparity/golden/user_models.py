@@ -47,8 +47,9 @@ from torchparity import backends
 from torchparity.comparison import compare
 from torchparity.diagnosis.capture import flatten_tensors
 from torchparity.diagnosis.run import call_model
+from torchparity.dtypes import dtype_name
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
-from torchparity.factory import UserModel, build_user_model, load_factory
+from torchparity.factory import UserModel, build_user_model, entry_name, load_factory
 from torchparity.golden.cases import (
     DTYPES,
     REFERENCE,
@@ -106,8 +107,8 @@ class Subject:
         """From an entry ``file.py:name`` / ``pkg.mod:name`` or from the factory itself."""
         if isinstance(entry, str):
             return cls(load_factory(entry), entry)
-        name = f"{entry.__module__}.{entry.__qualname__}".replace("<", "").replace(">", "")
-        return cls(build_user_model(entry, name.removeprefix("__main__.")), name)
+        spec = f"{entry.__module__}:{entry.__qualname__}"
+        return cls(build_user_model(entry, entry_name(spec), spec), spec)
 
     def store(self, root: Any) -> GoldenStore:
         """The golden store under ``root`` whose messages name this model's update command."""
@@ -446,3 +447,78 @@ def _result(subject: Subject, cell: Cell, output: str, verdict: str, *, ok: bool
     return CheckResult(case=subject.name, backend=cell.backend, dtype=cell.dtype,
                        device=cell.device, output=output, kind=OUTPUT_KINDS[output],
                        verdict=verdict, headroom=details.pop("headroom", None), ok=ok, **details)
+
+
+# --- the Python API -------------------------------------------------------------------------
+
+
+@dataclass
+class ModelReport:
+    """What :func:`check_model` found: one :class:`CheckResult` per cell and output."""
+
+    results: list[CheckResult]
+
+    @property
+    def ok(self) -> bool:
+        """True when no output diverged and the weights and inputs are the golden's."""
+        return all(r.ok for r in self.results)
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if not r.ok]
+
+    def explain(self) -> str:
+        """One line per failed output (``OK`` and the count when there is none)."""
+        if self.ok:
+            return f"OK: {len(self.results)} outputs within their budgets or n/a"
+        return "\n".join(f"FAIL {r.case} {r.backend} {r.dtype} {r.device} {r.output}: "
+                         f"{r.explain or r.reason}" for r in self.failures)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"ok", "results": [row, ...]}``, the rows of ``torchparity check --json``."""
+        return {"ok": self.ok, "results": [r.to_dict() for r in self.results]}
+
+
+def model_cells(backends: list[str] | None = None, dtypes: list[Any] | None = None,
+                device: str = "cpu") -> list[Cell]:
+    """The reference cell, then every (dtype, backend) on ``device``: the cells of
+    :func:`check_model`, for a ``pytest.mark.parametrize`` of one test per cell.
+
+    ``backends`` default to every attention backend and ``hf-eager`` (n/a for a model that is
+    not a ``transformers`` one), ``dtypes`` (short or torch names) to fp32 and bf16.
+    """
+    known = backend_names()
+    for name in backends or []:
+        if name not in known:
+            raise UsageError(f"unknown attention backend {name!r}; choose from "
+                             f"{', '.join(known)}")
+    names = [dtype_name(d) for d in dtypes or ("fp32", "bf16")]
+    for name in names:
+        if name not in DTYPES or name == "fp64":
+            raise UsageError(f"unknown dtype {name!r}; choose from fp32, tf32, bf16, fp16 "
+                             "(the fp64 reference always runs)")
+    return [REFERENCE, *(Cell(b, d, device) for d in names for b in backends or known)]
+
+
+def check_model(factory: str | Callable[[], Any], *, backends: list[str] | None = None,
+                dtypes: list[Any] | None = None, golden_dir: str | os.PathLike | None = None,
+                cells: list[Cell] | None = None) -> ModelReport:
+    """Check a user's model against its goldens, as ``torchparity check --model`` does.
+
+    ``factory`` is an entry (``file.py:name``, ``pkg.mod:name``) or the callable itself,
+    returning ``(model, inputs)``, ``(model, inputs, loss_fn)`` or a dict with those keys and
+    ``decode``. ``golden_dir`` defaults to ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` in the
+    working directory; ``cells`` (from :func:`model_cells`) replace ``backends``/``dtypes``.
+    Missing or damaged goldens raise their :class:`~torchparity.golden.GoldenError`, whose
+    message names the ``torchparity golden update --model`` command that creates them.
+    """
+    subject = Subject.load(factory)
+    store = subject.store(user_golden_dir(golden_dir))
+    return ModelReport(check_subject(subject, store, cells or model_cells(backends, dtypes)))
+
+
+def update_model_goldens(factory: str | Callable[[], Any],
+                         golden_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """Write the goldens of ``factory`` (see :func:`check_model`); output -> what happened."""
+    subject = Subject.load(factory)
+    return write_goldens(subject, subject.store(user_golden_dir(golden_dir)))
