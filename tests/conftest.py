@@ -1,0 +1,177 @@
+"""The account of the gpu cells: a ``-m gpu`` run cannot pass by skipping.
+
+A *cell* is a test marked ``gpu`` and parametrized by ``backend`` and ``dtype`` (the tests of
+``tests/test_gpu.py``). The terminal summary lists per backend and dtype how many cells ran,
+ran their forward pass only (through the ``gpu_cell`` fixture, where the backend has no
+backward), failed and were skipped, with each reason; a backend that the machine offers in a
+dtype (``torchparity.backends.available``) but that ran none of its cells, not even forward
+only, fails the run, with one line naming it. Reports reach these hooks on the xdist
+controller too, so ``-n`` works.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+import pytest
+
+from torchparity import backends
+from torchparity.pytest_plugin import gpu_device
+from torchparity.train.trainer import DTYPE_MODES
+
+_CELL = "torchparity-gpu-cell"
+_FORWARD_ONLY = "torchparity-gpu-forward-only"
+_WIDTH = 80
+
+
+@dataclass
+class CellRow:
+    """What became of the cells of one backend in one dtype."""
+
+    ran: int = 0
+    forward_only: Counter[str] = field(default_factory=Counter)  # reason -> number of cells
+    failed: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        return (self.ran + sum(self.forward_only.values()) + self.failed
+                + sum(self.skipped.values()))
+
+
+class GpuCell:
+    """What a gpu cell may tell the account about itself."""
+
+    def __init__(self, node: pytest.Item) -> None:
+        self.node = node
+
+    def forward_only(self, reason: str) -> NoReturn:
+        """End the cell after its forward pass was checked: the backend has no backward here
+        (``reason``). The account counts it apart from the cells that ran in full."""
+        self.node.user_properties.append((_FORWARD_ONLY, reason))
+        pytest.skip(f"forward matches the golden; no backward here: {reason}")
+
+
+@pytest.fixture
+def gpu_cell(request: pytest.FixtureRequest) -> GpuCell:
+    """The running cell's line to the account (see :class:`GpuCell`)."""
+    return GpuCell(request.node)
+
+
+class GpuCellAccount:
+    """Collects every cell's outcome and judges, at the end, whether the offered backends ran."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.cells: dict[str, tuple[str, str]] = {}  # node id -> (backend, dtype)
+        self.failed: set[str] = set()
+        self.skipped: dict[str, str] = {}  # node id -> reason
+        self.forward_only: dict[str, str] = {}  # node id -> why there was no backward
+        self.passed: set[str] = set()
+        self.unrun: list[str] = []  # one line per offered backend and dtype that ran nothing
+
+    @pytest.hookimpl
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        # The tag travels on the item's reports, which xdist carries to the controller.
+        for item in items:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if item.get_closest_marker("gpu") and "backend" in params and "dtype" in params:
+                item.user_properties.append((_CELL, (params["backend"], params["dtype"])))
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        cell = next((tuple(v) for k, v in report.user_properties if k == _CELL), None)
+        if cell is None:
+            return
+        self.cells[report.nodeid] = cell
+        if report.failed:
+            self.failed.add(report.nodeid)
+        elif report.skipped:
+            no_backward = [v for k, v in report.user_properties if k == _FORWARD_ONLY]
+            if no_backward:
+                self.forward_only[report.nodeid] = " ".join(no_backward[0].split())
+            else:
+                self.skipped[report.nodeid] = _skip_reason(report)
+        elif report.when == "call":
+            self.passed.add(report.nodeid)
+
+    def rows(self) -> dict[tuple[str, str], CellRow]:
+        """(backend, dtype) -> its row, in the order the cells were first reported."""
+        rows: dict[tuple[str, str], CellRow] = {}
+        for nodeid, cell in self.cells.items():
+            row = rows.setdefault(cell, CellRow())
+            if nodeid in self.failed:
+                row.failed += 1
+            elif nodeid in self.forward_only:
+                row.forward_only[self.forward_only[nodeid]] += 1
+            elif nodeid in self.skipped:
+                row.skipped[self.skipped[nodeid]] += 1
+            elif nodeid in self.passed:
+                row.ran += 1
+        return rows
+
+    def offer(self, backend: str, dtype: str) -> str:
+        """Whether the machine offers ``backend`` in ``dtype``: "yes", "no", or "error" when
+        the probe itself failed (a kernel that was selected and then crashed)."""
+        mode = DTYPE_MODES[dtype]
+        try:
+            reasons = backends.available(gpu_device(self.config),
+                                         mode.autocast_dtype or mode.param_dtype)
+        except Exception:  # the cells report the error itself
+            return "error"
+        return "yes" if reasons.get(backend, "unknown backend") is None else "no"
+
+    @pytest.hookimpl
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if hasattr(self.config, "workerinput"):
+            return  # an xdist worker: the controller sees every report and judges
+        device = gpu_device(self.config)
+        for (backend, dtype), row in self.rows().items():
+            offer = self.offer(backend, dtype)
+            if row.ran == 0 and not row.forward_only and offer != "no":
+                why = "is offered" if offer == "yes" else "failed its availability probe"
+                self.unrun.append(f"{backend} {why} in {dtype} on {device}, and none of its "
+                                  f"{row.total} gpu cells ran")
+        if self.unrun and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        rows = self.rows()
+        markexpr = self.config.getoption("markexpr") or ""
+        if not rows or ("gpu" not in markexpr and not self.passed and not self.failed):
+            return
+        device = gpu_device(self.config)
+        write = terminalreporter.write_line
+        terminalreporter.section(f"torchparity gpu cells on {device}")
+        write(f"{'backend':16s}{'dtype':7s}{'offered':>8s}{'ran':>6s}{'forward only':>14s}"
+              f"{'failed':>8s}{'skipped':>9s}")
+        for (backend, dtype), row in rows.items():
+            write(f"{backend:16s}{dtype:7s}{self.offer(backend, dtype):>8s}{row.ran:>6d}"
+                  f"{sum(row.forward_only.values()):>14d}{row.failed:>8d}"
+                  f"{sum(row.skipped.values()):>9d}")
+            for reasons, outcome in ((row.forward_only, "forward only"), (row.skipped, "skipped")):
+                for reason, count in reasons.items():
+                    for line in _wrap(f"{count} {outcome}: {reason}"):
+                        write(line)
+        for line in self.unrun:
+            write(line, red=True, bold=True)
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return " ".join(reason.removeprefix("Skipped: ").split())
+
+
+def _wrap(text: str) -> list[str]:
+    # Whole words only: a module name or a path is never cut.
+    return textwrap.wrap(text, _WIDTH, initial_indent="  ", subsequent_indent="    ",
+                         break_long_words=False, break_on_hyphens=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(GpuCellAccount(config), "torchparity-gpu-cells")
