@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import torchparity as tp
+from torchparity.cli import main
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 
@@ -87,3 +88,45 @@ def test_terminal_and_json_name_the_first_divergence(report) -> None:
     assert data["first_divergence"] == "norm" and data["first_grad_divergence"] == "norm"
     assert [r["module"] for r in data["rows"]] == [r.module for r in report.rows]
     assert data["rows"][0]["local"]["verdict"] == "diverged"
+
+
+ENCDEC_FACTORY = """
+from torchparity.reference import build_model, sequence_loss, zoo
+
+def make_a():
+    cfg = zoo.get("encdec-prenorm").config
+    batch = zoo.make_batch(cfg, batch_size=2, seq_len=8, seed=0)
+    return build_model(cfg, seed=0), batch, sequence_loss
+
+def make_b():
+    model, batch, loss = make_a()
+    model.decoder.layers[1].cross_attn_norm.eps = 1e-3
+    return model, batch, loss
+"""
+
+
+def test_cli_report_in_80_columns_shows_every_module_name_whole(tmp_path: Path, capsys,
+                                                                monkeypatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # as in a CI log: no terminal, 80 columns
+    (tmp_path / "encdec.py").write_text(ENCDEC_FACTORY)
+    entry = f"{tmp_path}/encdec.py"
+    code = main(["diagnose", f"{entry}:make_a", f"{entry}:make_b", "--json",
+                 str(tmp_path / "report.json")])
+    assert code == 1
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    words = set(out.split())
+    modules = [r["module"] for r in json.loads((tmp_path / "report.json").read_text())["rows"]]
+    assert len(modules) > 60 and "decoder.layers.1.cross_attn.q_proj" in modules
+    assert [m for m in modules if (m or "(model)") not in words] == []
+
+
+def test_html_axis_names_modules_and_deep_models_collapse_by_layer(report) -> None:
+    tags = parse(report.to_html())
+    axis = [a for t, a in tags if t == "text" and a.get("class") == "axis-module"]
+    assert len(axis) == 2 * len(report.rows)  # a small model: every module named, both plots
+    page = report.to_html()
+    for r in report.rows:
+        assert f">{r.module or '(model)'}</text>" in page
+    assert "<details open>" not in page.split("<table")[0]  # one plain table when small

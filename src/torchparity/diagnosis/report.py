@@ -281,13 +281,9 @@ class DiagnosisReport:
         from rich.table import Table
 
         backward = bool(self.meta.get("backward"))
-        table = Table(title=self.summary(), title_justify="left", box=box.SIMPLE_HEAD,
-                      pad_edge=False)
-        table.add_column("#", justify="right", no_wrap=True)
-        for column in ("local", "prop.") + (("grad l.", "grad p.") if backward else ()):
-            table.add_column(column, no_wrap=True)
-        table.add_column("module (B)", overflow="fold", ratio=1)
+        heads = ["#", "local", "prop."] + (["grad l.", "grad p."] if backward else [])
         first, grad = self.first_divergence, self.first_grad_divergence
+        rows = []
         for index, r in enumerate(self.rows):
             cells = [str(index), _cell(r.local), _cell(r.propagated)]
             if backward:
@@ -297,12 +293,21 @@ class DiagnosisReport:
                 name += " (structure differs)"
             style = "bold red" if r is first or r is grad else (
                 "dim" if r.local is not None and r.local.verdict == "identical" else None)
+            rows.append((cells, name, style))
+        table = Table(title=self.summary(), title_justify="left", box=box.SIMPLE_HEAD,
+                      pad_edge=False, collapse_padding=True)
+        for column, head in enumerate(heads):  # as narrow as their contents: names get the rest
+            width = max([len(head)] + [len(cells[column]) for cells, _, _ in rows])
+            table.add_column(head, justify="right" if column == 0 else "left", no_wrap=True,
+                             min_width=width, max_width=width)
+        table.add_column("module (B)", overflow="fold")
+        for cells, name, style in rows:
             table.add_row(*cells, name, style=style)
         return table
 
     def _footer(self) -> list[str]:
-        lines = ["cells: share of budget used (=: bit-identical to A, X: diverged, -: not "
-                 "computed)"]
+        lines = ["cells: share of the budget used (=: bit-identical to A, X: diverged, -: not "
+                 "computed); prop.: in B's own run, local: B's module on A's inputs"]
         if self.unmatched_a:
             lines.append(f"unmatched in A: {', '.join(self.unmatched_a)}")
         if self.unmatched_b:
@@ -536,8 +541,21 @@ def _cell(result: Result | None) -> str:
         return "-"
     if result.verdict == "identical":
         return "="
-    share = _ratio(headroom(result))
+    share = _compact(headroom(result))
     return share if result.ok else f"X {share}"
+
+
+def _compact(share: float | None) -> str:
+    """A share of the budget in at most 5 characters: .14, <.01, 5.7, 290, 3e+05, inf."""
+    if share is None:
+        return "-"
+    if math.isinf(share) or math.isnan(share):
+        return str(share)
+    if share < 0.01:
+        return "<.01"
+    if share < 1:
+        return f"{share:.2f}".removeprefix("0")
+    return f"{share:.3g}" if share < 1000 else f"{share:.0e}"
 
 
 def _amplification(value: float | None) -> str:
@@ -568,6 +586,8 @@ tr.diverged td { background: #fde8e8; } tr.first td { background: #f8b4b4; font-
 tr.identical td { color: #999; }
 .summary { font-size: 16px; margin: 1em 0; } .note { color: #666; }
 svg text { font: 11px sans-serif; }
+table.layer { table-layout: fixed; width: 100%; } summary { cursor: pointer; margin: 4px 0; }
+.entry { color: #a00; } .structure { color: #765; }
 """
 
 
@@ -593,30 +613,65 @@ def _html_page(report: DiagnosisReport) -> str:
 
 
 def _html_table(report: DiagnosisReport) -> str:
+    """The rows as one table, or, for a deep model, one collapsible table per layer (those
+    holding a divergence open)."""
     backward = bool(report.meta.get("backward"))
     heads = ["#", "module (B)", "A", "type", "local", "propagated", "ampl."]
     heads += ["grad local", "grad propagated"] if backward else []
-    first, grad = report.first_divergence, report.first_grad_divergence
-    header = "".join(f"<th>{h}</th>" for h in heads)
-    lines = [f"<table><thead><tr>{header}</tr></thead><tbody>"]
-    for index, r in enumerate(report.rows):
-        classes = []
-        if r is first or r is grad:
-            classes.append("first")
-        elif any(x is not None and not x.ok for x in (r.local, r.grad_local)):
-            classes.append("diverged")
-        elif r.local is not None and r.local.verdict == "identical":
-            classes.append("identical")
-        cells = [str(index), "&nbsp;" * 2 * r.depth + html.escape(_label(r.module)),
-                 html.escape(r.a_module if r.how != "name" else ""), html.escape(r.module_type),
-                 _html_cell(r.local), _html_cell(r.propagated),
-                 html.escape(_amplification(r.amplification))]
-        if backward:
-            cells += [_html_cell(r.grad_local), _html_cell(r.grad_propagated)]
-        lines.append(f"<tr class='{' '.join(classes)}' data-row='{index}'>"
-                     + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    lines.append("</tbody></table>")
-    return "\n".join(lines)
+    header = "<thead><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr></thead>"
+    lines = [_html_row(report, index, backward) for index in range(len(report.rows))]
+    groups = _layer_groups(report.rows)
+    if len(groups) == 1:
+        return f"<table>{header}<tbody>" + "\n".join(lines) + "</tbody></table>"
+    parts = []
+    for group in groups:
+        last = report.rows[group[-1]]
+        broken = any(_diverged(report.rows[i]) for i in group)
+        title = f"{_label(last.module)} ({last.module_type}): rows {group[0]}-{group[-1]}"
+        title += ", diverged" if broken else ""
+        parts.append(f"<details{' open' if broken else ''}><summary>{html.escape(title)}"
+                     f"</summary><table class='layer'>{header}<tbody>"
+                     + "\n".join(lines[i] for i in group) + "</tbody></table></details>")
+    return "\n".join(parts)
+
+
+def _layer_groups(rows: list[Row], most: int = 40) -> list[list[int]]:
+    """Row indices cut after each row named on the plot's axis (children finish before their
+    parent, so each group ends with its layer); one group when the model is small."""
+    if len(rows) <= most:
+        return [list(range(len(rows)))]
+    ends = set(_axis_rows(rows, most))
+    groups, current = [], []
+    for index in range(len(rows)):
+        current.append(index)
+        if index in ends:
+            groups.append(current)
+            current = []
+    return groups + ([current] if current else [])
+
+
+def _html_row(report: DiagnosisReport, index: int, backward: bool) -> str:
+    r = report.rows[index]
+    classes = []
+    if r is report.first_divergence or r is report.first_grad_divergence:
+        classes.append("first")
+    elif any(x is not None and not x.ok for x in (r.local, r.grad_local)):
+        classes.append("diverged")
+    elif r.local is not None and r.local.verdict == "identical":
+        classes.append("identical")
+    name = "&nbsp;" * 2 * r.depth + html.escape(_label(r.module))
+    if r.entry is not None:
+        name += f"<br><span class='entry'>enters at {html.escape(str(r.entry))}</span>"
+    for d in r.structure:
+        name += (f"<br><span class='structure'>structure differs at {html.escape(d.path)}: "
+                 f"A has {html.escape(d.golden)}, B has {html.escape(d.candidate)}</span>")
+    cells = [str(index), name, html.escape(r.a_module if r.how != "name" else ""),
+             html.escape(r.module_type), _html_cell(r.local), _html_cell(r.propagated),
+             html.escape(_amplification(r.amplification))]
+    if backward:
+        cells += [_html_cell(r.grad_local), _html_cell(r.grad_propagated)]
+    return (f"<tr class='{' '.join(classes)}' data-row='{index}'>"
+            + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
 
 
 def _html_cell(result: Result | None) -> str:
@@ -624,6 +679,19 @@ def _html_cell(result: Result | None) -> str:
         return "-"
     explanation = html.escape(result.explain(), quote=True)
     return f"<span title='{explanation}'>{html.escape(_cell(result))}</span>"
+
+
+def _axis_rows(rows: list[Row], most: int = 40) -> list[int]:
+    """Rows to name on a plot's x axis: all when few, else the shallowest levels of the module
+    tree that stay within ``most`` labels (the layers of a deep model)."""
+    depths = sorted({r.depth for r in rows})
+    chosen: list[int] = []
+    for depth in depths:
+        candidate = [i for i, r in enumerate(rows) if r.depth <= depth]
+        if len(candidate) > most:
+            break
+        chosen = candidate
+    return chosen
 
 
 def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str) -> str:
@@ -638,7 +706,10 @@ def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str
     lo = math.floor(math.log10(min(finite + [1e-2])))
     hi = math.ceil(math.log10(max(finite + [10.0])))
     left, top, plot_h, step = 60, 30, 220, max(8, min(40, 900 // max(len(rows), 1)))
-    width, height = left + step * max(len(rows), 1) + 30, top + plot_h + 44
+    labelled = _axis_rows(rows)
+    label_h = 6 * max((len(_label(rows[i].module)) for i in labelled), default=0) + 10
+    width = left + step * max(len(rows), 1) + 30
+    height = top + plot_h + label_h + 30
 
     def x(i: int) -> float:
         return left + step * (i + 0.5)
@@ -673,11 +744,14 @@ def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str
                 f"<circle class='point-{name}' data-module='{html.escape(r.module, quote=True)}' "
                 f"cx='{x(i):.1f}' cy='{y(values[i]):.1f}' r='3' fill='{colours[name]}'>"
                 f"<title>{html.escape(label)}</title></circle>")
-    every = max(1, len(rows) // 20)  # row numbers as in the table's "#" column
-    for i in range(0, len(rows), every):
-        parts.append(f"<text x='{x(i):.1f}' y='{top + plot_h + 14}' "
-                     f"text-anchor='middle'>{i}</text>")
-    legend_y = top + plot_h + 34
+    for i in labelled:  # module names on the x axis, a faint line at each
+        label_y = top + plot_h + 8
+        parts.append(f"<line x1='{x(i):.1f}' x2='{x(i):.1f}' y1='{top}' y2='{top + plot_h}' "
+                     "stroke='#f0f0f0'/>")
+        parts.append(f"<text class='axis-module' x='{x(i):.1f}' y='{label_y}' "
+                     f"transform='rotate(60 {x(i):.1f} {label_y})'>"
+                     f"{html.escape(_label(rows[i].module))}</text>")
+    legend_y = top + plot_h + label_h + 20
     for offset, (name, colour) in enumerate(colours.items()):
         parts.append(f"<rect x='{left + 140 * offset}' y='{legend_y - 9}' width='10' height='10' "
                      f"fill='{colour}'/><text x='{left + 140 * offset + 14}' y='{legend_y}'>"
