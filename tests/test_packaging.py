@@ -54,6 +54,18 @@ def test_the_shipped_goldens_go_where_the_package_looks_for_them(pyproject):
     assert wheel["force-include"] == {"golden": f"torchparity/{SHIPPED_GOLDENS}"}
 
 
+def test_the_goldens_are_found_from_any_directory(tmp_path, monkeypatch):
+    from torchparity.golden.store import GOLDEN_DIR_ENV, GoldenStore, default_golden_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(GOLDEN_DIR_ENV, raising=False)
+    package = Path(torchparity.__file__).resolve().parent
+    from_source_tree = package == ROOT / "src" / "torchparity"
+    expected = ROOT / "golden" if from_source_tree else package / "goldens"
+    assert default_golden_dir().resolve() == expected
+    assert "llama-tiny" in GoldenStore(default_golden_dir()).cases()
+
+
 def test_public_names_do_not_shadow_modules():
     # Were `tp.compare` a function beside a module torchparity/compare.py, importing the
     # module anywhere would rebind `tp.compare` to it.
