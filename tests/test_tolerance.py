@@ -103,12 +103,24 @@ def test_budget_with_a_baseline_follows_the_formula() -> None:
 
 
 def test_a_lucky_baseline_draw_is_lifted_to_the_noise_floor() -> None:
-    golden = torch.tensor([3.5, -1.0], dtype=torch.float64)
+    golden = torch.linspace(-1.0, 3.5, tolerance.FEW_ELEMENTS, dtype=torch.float64)
     tol = KINDS["forward"]
     lucky = 0.1 * 2.0**-8 * 3.5  # a tenth of a bf16 roundoff of the largest value
     b = budget(golden, baseline_error=lucky, compute_dtype="bf16")
     assert b.noise == tol.noise_floor_ulps * 2.0**-8 * 3.5 > lucky
     assert "noise floor" in b.formula()
+
+
+def test_the_noise_floor_rises_for_tensors_of_few_elements() -> None:
+    # The largest of n roundings is a poor estimate of the noise when n is small: one score
+    # whose baseline happened to round exactly may not set a budget of zero width.
+    u, tol = unit_roundoff("fp32"), KINDS["forward"]
+    one = budget(torch.tensor([[0.5]], dtype=torch.float64), baseline_error=1e-12,
+                 compute_dtype="fp32")
+    many = budget(torch.full((4, 16), 0.5, dtype=torch.float64), baseline_error=1e-12,
+                  compute_dtype="fp32")
+    assert one.noise == tol.noise_floor_ulps * u * 0.5 * math.sqrt(tolerance.FEW_ELEMENTS)
+    assert many.noise == tol.noise_floor_ulps * u * 0.5
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

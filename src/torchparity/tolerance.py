@@ -15,7 +15,8 @@ all-zero golden), ``u`` the unit roundoff of the compute dtype and K the reducti
   problem, measured rather than bounded from above: the baseline's error ``err(baseline,
   golden)``, which already carries every amplification the problem has (large logits, long
   reductions, cancellation). One draw of the baseline can round luckily, so the noise is at
-  least ``noise_floor_ulps * u * scale``, and for a member of a group (the gradients of one
+  least ``noise_floor_ulps * u * scale`` (more for tensors of few elements, see
+  :func:`noise_floor`), and for a member of a group (the gradients of one
   module, computed from the same reductions) at least the group's *relative* noise, the largest
   ``err(baseline) / scale`` among its members, times the group's scale: the members round alike,
   and a member that cancels (the query gradient under near-uniform attention is a small
@@ -412,7 +413,7 @@ def budget(
     if baseline_error:
         noise, noise_source = max(
             (baseline_error, "baseline error"),
-            (tol.noise_floor_ulps * p.unit_roundoff * scale, "noise floor"),
+            (noise_floor(golden, p.unit_roundoff, tol) * scale, "noise floor"),
             ((group_noise or 0.0) * outer_scale, "noise of its group"),
         )
         allowance = tol.fudge * noise
@@ -448,6 +449,20 @@ def budget(
         atol=atol,
         rtol=rtol,
     )
+
+
+#: Below this many elements the largest of a baseline's roundings is a poor estimate of the
+#: noise: one rounding can land near zero (an angle of exactly 0 rotates exactly), and a
+#: candidate's independent one need not. The noise floor grows as sqrt(FEW_ELEMENTS / n).
+FEW_ELEMENTS = 16
+
+
+def noise_floor(golden: torch.Tensor, unit_roundoff: float, tol: KindTolerance) -> float:
+    """The least noise, relative to the scale, that a baseline of ``golden``'s size may claim:
+    ``noise_floor_ulps * u``, times ``sqrt(FEW_ELEMENTS / n)`` for fewer than FEW_ELEMENTS
+    elements."""
+    few = math.sqrt(FEW_ELEMENTS / max(golden.numel(), 1))
+    return tol.noise_floor_ulps * unit_roundoff * max(1.0, few)
 
 
 def baseline_bound(
