@@ -4,8 +4,10 @@ error (one line naming the exception and where it was raised; ``--debug`` adds t
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -61,6 +63,24 @@ def test_an_unexpected_error_exits_3_naming_the_exception_and_frame(monkeypatch,
     line = broken.__code__.co_firstlineno + 1
     assert err == (f"torchparity backends: unexpected KeyError: 'no such key' "
                    f"(at {__file__}:{line}); --debug shows the traceback\n")
+
+
+def _raise_in_a_worker() -> None:
+    raise ZeroDivisionError("in the worker")
+
+
+def test_an_unexpected_error_in_a_worker_process_names_the_worker_frame(monkeypatch, capsys):
+    def run_in_a_worker(args):
+        context = multiprocessing.get_context("fork")  # the test module is already imported
+        with ProcessPoolExecutor(1, mp_context=context) as pool:
+            return pool.submit(_raise_in_a_worker).result()
+
+    monkeypatch.setattr(backends_command, "run", run_in_a_worker)
+    assert cli.main(["backends"]) == 3
+    line = _raise_in_a_worker.__code__.co_firstlineno + 1
+    assert capsys.readouterr().err == (
+        f"torchparity backends: unexpected ZeroDivisionError: in the worker "
+        f"(at {__file__}:{line}); --debug shows the traceback\n")
 
 
 def test_a_file_error_exits_2_in_one_line(monkeypatch, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 import traceback
 
@@ -73,6 +74,11 @@ def _report(prog: str, message: str, status: int, exc: BaseException,
 
 
 def _innermost_frame(exc: BaseException) -> str:
+    # An exception from a worker process (concurrent.futures) carries the worker's traceback
+    # as the text of its cause: the frame that raised is there, not where it was re-raised.
+    remote = re.findall(r'File "([^"]+)", line (\d+)', str(exc.__cause__ or ""))
+    if type(exc.__cause__).__name__ == "_RemoteTraceback" and remote:
+        return ":".join(remote[-1])
     frames = traceback.extract_tb(exc.__traceback__)
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown location"
 
