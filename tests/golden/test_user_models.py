@@ -114,6 +114,19 @@ def without_sdpa():
     return hand_written(False)
 
 
+def step_by_step(model, inputs, use_cache):
+    """Position by position on growing prefixes (causal: the same values), or all at once."""
+    (x,) = inputs
+    if not use_cache:
+        return model(x)
+    return torch.stack([model(x[:, :t + 1])[:, -1] for t in range(x.shape[1])], 1)
+
+
+def with_decode():
+    model, inputs = hand_written(True)
+    return {"model": model, "inputs": inputs, "decode": step_by_step}
+
+
 def raises():
     raise RuntimeError("weights file not found")
 
@@ -164,7 +177,7 @@ def models(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("user-models")
     (folder / "models.py").write_text(FACTORIES)
     entries = [f"{folder / 'models.py'}:{name}" for name in (*FAMILIES, "with_sdpa",
-                                                             "without_sdpa")]
+                                                             "without_sdpa", "with_decode")]
     assert main(["golden", "update", "--golden-dir", str(folder / "golden"),
                  *(arg for entry in entries for arg in ("--model", entry))]) == 0
     return folder
@@ -194,6 +207,43 @@ def test_transformers_families_pass_on_every_cpu_backend(models, tmp_path, capsy
     eager = [r for r in forward if r["backend"] == "hf-eager"]
     assert all(r["ok"] and any("attentions" in s for s in r["structure"]) for r in eager)
     assert "structure differs (not a divergence)" in capsys.readouterr().out
+
+
+KV_CACHE_OFF_BY_ONE = '''
+class OffByOne(transformers.GPT2LMHeadModel):
+    def forward(self, input_ids=None, cache=None, position_ids=None, **kwargs):
+        if cache is not None and cache.get_seq_length() > 0:
+            start = cache.get_seq_length() + 1  # one position too far
+            position_ids = torch.arange(start, start + input_ids.shape[1]).expand(
+                input_ids.shape[0], -1)
+        return super().forward(input_ids=input_ids, cache=cache, position_ids=position_ids,
+                               **kwargs)
+
+
+def gpt2():
+    torch.manual_seed(0)
+    return OffByOne(gpt2_config()), batch()
+'''
+
+
+def test_a_kv_cache_position_off_by_one_fails_decoding_only(models, tmp_path):
+    changed = tmp_path / "changed" / "models.py"
+    changed.parent.mkdir()
+    changed.write_text(FACTORIES + KV_CACHE_OFF_BY_ONE)
+    status, rows = check(models, tmp_path, "gpt2", "--backend", "manual", "--dtype", "fp32",
+                         source=changed)
+    assert status == 1
+    assert {r["output"] for r in rows if not r["ok"]} == {"decode", "decode-cache"}
+    assert {r["dtype"] for r in rows if not r["ok"]} == {"fp64"}
+
+
+def test_a_factorys_own_decode_step_is_compared_cached_and_recomputed(models, tmp_path):
+    status, rows = check(models, tmp_path, "with_decode", "--backend", "sdpa",
+                         "--dtype", "fp32")
+    assert status == 0
+    verdicts = {(r["backend"], r["dtype"], r["output"]): r["verdict"] for r in rows}
+    assert verdicts["manual", "fp64", "decode-cache"] in {"identical", "within"}
+    assert verdicts["sdpa", "fp32", "decode"] == "within"
 
 
 @pytest.mark.parametrize("planted", sorted(PLANTED))

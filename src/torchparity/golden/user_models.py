@@ -10,10 +10,15 @@ output        kind        tensors
 ``outputs``   forward     every tensor of the model's output, keyed by its path
 ``loss``      loss        ``loss_fn(output, inputs)``, or the default loss (below)
 ``grads``     grad        the gradient of every parameter that requires one
-``decode``    forward     what the factory's ``decode(model, inputs)`` returns, or for a
-                          ``transformers`` generative model greedy ``generate`` with and
-                          without the KV cache, in float64 only (absent when neither applies)
+``decode``    forward     what the factory's ``decode(model, inputs, use_cache)`` returns,
+                          with the cache (``cached.*``) and by full recompute
+                          (``recomputed.*``); for a ``transformers`` generative model without
+                          one, greedy ``generate`` tokens and logits, in float64 only (a near
+                          tie may pick another token in lower precision)
 ============  ==========  =============================================================
+
+The reference cell also judges ``decode-cache``: the cached decoding against the full
+recompute of the same run, so a KV-cache bug is caught even in the run that made the goldens.
 
 The default loss is a fixed pseudo-random projection of the floating outputs the golden has:
 its gradient reaches every element of them, and the same weights are used in every cell.
@@ -63,7 +68,8 @@ from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, Golden
 from torchparity.reference import rng
 
 #: Output name -> kind of the tolerance model it is judged with.
-OUTPUT_KINDS = {"outputs": "forward", "loss": "loss", "grads": "grad", "decode": "forward"}
+OUTPUT_KINDS = {"outputs": "forward", "loss": "loss", "grads": "grad", "decode": "forward",
+                "decode-cache": "forward"}
 #: The attention implementation of ``transformers`` models as one more backend.
 HF_EAGER = "hf-eager"
 #: New tokens of the default decode of ``transformers`` generative models.
@@ -124,7 +130,7 @@ class Subject:
                 "inputs": checksum(flatten_tensors(self.user.inputs, "inputs"))}
 
     def run(self, cell: Cell, loss_paths: list[str] | None, *, perturb: bool = False,
-            decode: bool = True) -> tuple[Run, int | None]:
+            ) -> tuple[Run, int | None]:
         """Run the model in ``cell``: forward, loss, gradients and decoding.
 
         ``loss_paths`` are the outputs the default loss projects (None: all floating ones).
@@ -143,8 +149,7 @@ class Subject:
                 run = self._forward_backward(model, inputs, loss_paths)
             except BackendUnavailable as exc:
                 return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc))), None
-            if decode:
-                self._decode(model, inputs, run, cell)
+            self._decode(model, inputs, run, cell)
         calls = None if intercepted is None else intercepted.calls
         return run, calls
 
@@ -208,16 +213,21 @@ class Subject:
             run.missing["decode"] = ("greedy generate is compared in float64 only: in lower "
                                      "precision a near tie may pick another token")
             return
+        if self.user.decode is None and not _generates(model):
+            return
         try:
             with torch.no_grad():
-                if self.user.decode is not None:
-                    decoded = self._call(lambda: self.user.decode(model, inputs),
-                                         "its decode step")
-                    run.outputs["decode"] = flatten_tensors(decoded, "decode")
-                elif _generates(model):
-                    run.outputs["decode"] = _generate(model, inputs)
+                run.outputs["decode"] = {
+                    path: tensor for label, cache in (("cached", True), ("recomputed", False))
+                    for path, tensor in flatten_tensors(self._decoded(model, inputs, cache),
+                                                        label).items()}
         except BackendUnavailable as exc:
             run.missing["decode"] = str(exc)
+
+    def _decoded(self, model: nn.Module, inputs: Any, use_cache: bool) -> Any:
+        if self.user.decode is None:
+            return _generate(model, inputs, use_cache)
+        return self._call(lambda: self.user.decode(model, inputs, use_cache), "its decode step")
 
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
         try:
@@ -255,21 +265,16 @@ def _generates(model: nn.Module) -> bool:
     return _is_transformers(model) and callable(can) and bool(can())
 
 
-def _generate(model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
-    """Greedy ``generate`` with and without the KV cache: tokens and per-step logits."""
+def _generate(model: nn.Module, inputs: Any, use_cache: bool) -> dict[str, torch.Tensor]:
+    """Greedy ``generate`` of DECODE_STEPS tokens: the sequences and each step's logits."""
     if not isinstance(inputs, Mapping):
         raise UsageError("the default decode of a transformers model needs keyword inputs "
                          "(a dict with input_ids); return a decode step from the factory")
     kwargs = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
-    decoded = {}
-    for label, cache in (("cached", True), ("recomputed", False)):
-        result = model.generate(**kwargs, do_sample=False, num_beams=1,
-                                max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS,
-                                use_cache=cache, output_logits=True,
-                                return_dict_in_generate=True, pad_token_id=0)
-        decoded[f"{label}.tokens"] = result.sequences
-        decoded[f"{label}.logits"] = torch.stack(result.logits, 1)
-    return decoded
+    result = model.generate(**kwargs, do_sample=False, num_beams=1, max_new_tokens=DECODE_STEPS,
+                            min_new_tokens=DECODE_STEPS, use_cache=use_cache,
+                            output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return {"tokens": result.sequences, "logits": torch.stack(result.logits, 1)}
 
 
 def _cast(tree: Any, device: str, dtype: torch.dtype) -> Any:
@@ -392,6 +397,12 @@ def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Go
         if not result.ok:
             store.write_obtained(subject.name, output, candidate)
         results.append(result)
+    if "decode" in fresh.outputs:
+        decoded = fresh.outputs["decode"]
+        cached, recomputed = ({p.partition(".")[2] or "value": t for p, t in decoded.items()
+                               if p.partition(".")[0] == label}
+                              for label in ("cached", "recomputed"))
+        results.append(_judge(subject, REFERENCE, "decode-cache", cached, recomputed, None))
     return results
 
 
