@@ -28,8 +28,9 @@ class _BiasOnEveryRank(RowwiseParallel):
         module.register_parameter("bias", None)
         module.register_parameter("rank_bias", bias)
         # Registered before the style's own hooks: runs on the partial (unreduced) output.
+        # The style replicates the parameter as a DTensor; each rank adds its whole copy.
         module.register_forward_hook(lambda mod, inputs, out: out + DTensor.from_local(
-            mod.rank_bias, device_mesh, [Partial()], run_check=False))
+            mod.rank_bias.to_local(), device_mesh, [Partial()], run_check=False))
         return super()._apply(module, device_mesh)
 
 

@@ -1,0 +1,57 @@
+"""Planted parallel bugs: each is caught at the first step it shows, by the quantity it shows in.
+
+A bug in the forward pass (a bias counted once per rank, query heads paired with the wrong KV
+heads) changes the loss of step 1, which is measured before any update. A bug in the gradient
+(a loss scaled down twice, a replicated norm's gradient left unreduced) leaves the step-1 loss
+alone and changes the step-1 gradient norm. The bugs are planted in the ranks only, so the
+one-process run and the golden are those of the correct code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from torchparity.train.distributed import run_parallel
+from torchparity.train.trainer import TrainConfig, train
+from torchparity.train.trajectory import check_against_golden, compare_trajectories, reduction_twin
+
+FAULTS = str(Path(__file__).with_name("parallel_faults.py"))
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _caught(bug: str, parallelism: str, case: str) -> list:
+    config = TrainConfig(case=case, steps=3, batch_size=4)
+    run = run_parallel(config, parallelism=parallelism, nproc=2, setup=f"{FAULTS}:{bug}")
+    single = train(config)
+    results = (compare_trajectories(run, single, (single, train(reduction_twin(config)))),
+               check_against_golden(run, baseline=single))
+    return [(r.first_divergence, r.explain()) for r in results]
+
+
+def _assert_first(bug, parallelism, case, quantity):
+    for first, explanation in _caught(bug, parallelism, case):
+        assert first is not None, f"{bug} went unnoticed: {explanation}"
+        assert (first.step, first.quantity) == (1, quantity), explanation
+        assert "part at step 1" in explanation
+
+
+def test_query_heads_paired_with_another_groups_kv_heads_change_the_first_loss():
+    # llama-tiny: 4 query heads in 2 GQA groups. KV replicated while the query heads are
+    # split: rank 0's heads 0 and 1 (group 0) meet KV heads 0 and 1.
+    _assert_first("gqa_heads_split_across_groups", "tp", "llama-tiny", "loss")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug, parallelism, case, quantity", [
+    # parallel-residual has an output-projection bias: added by both ranks, counted twice.
+    ("row_parallel_bias_on_every_rank", "tp", "parallel-residual", "loss"),
+    # FSDP2 averages over the ranks already; a second division halves every gradient.
+    ("loss_divided_by_world_size_twice", "fsdp", "llama-tiny", "grad_norm"),
+    # Norms kept out of FSDP2: each rank steps with the gradient of its own rows only.
+    ("replicated_norm_gradient_not_reduced", "fsdp", "llama-tiny", "grad_norm"),
+])
+def test_planted_parallel_bugs_are_caught_at_the_first_step(bug, parallelism, case, quantity):
+    _assert_first(bug, parallelism, case, quantity)
