@@ -51,6 +51,8 @@ _STAT_DIGITS = 6
 _STAT_TOLERANCE = 1e-5
 # Room for a golden's own name and suffix within the 255 bytes a file name may have.
 _MAX_TEST_NAME = 120
+# Lock files shared by all goldens (see _lock).
+_LOCK_FILES = 64
 
 
 class GoldenError(TorchParityError):
@@ -303,13 +305,15 @@ def _lock(tensor_path: Path) -> FileLock:
     """The lock of one golden, shared by this user's processes on this machine.
 
     It lives in the temporary folder, not beside the golden: goldens shipped inside an
-    installed package are read-only, and a lock file must not show up in a repository.
+    installed package are read-only, and a lock file must not show up in a repository. Lock
+    files outlive their use, so goldens share a fixed set of them (by a hash of the path):
+    two goldens on one lock merely wait for each other. No code holds two goldens' locks.
     """
-    key = hashlib.sha256(str(tensor_path.resolve()).encode()).hexdigest()[:24]
+    digest = hashlib.sha256(str(tensor_path.resolve()).encode()).digest()
     user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""  # per user on a shared /tmp
     folder = Path(tempfile.gettempdir()) / f"torchparity-locks{user}"
     folder.mkdir(exist_ok=True)
-    return FileLock(folder / f"{key}.lock")
+    return FileLock(folder / f"{digest[0] % _LOCK_FILES}.lock")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
