@@ -363,3 +363,22 @@ def test_the_pytest_fixture_gives_one_test_per_cell(models, tmp_path):
     assert "1 failed, 3 passed" in out, out
     assert "FAILED test_suite.py::test_model[changed-manual-fp64-cpu]" in out
     assert "models.without_sdpa manual fp64 cpu outputs: diverged" in out
+
+
+def test_bench_times_each_backend_and_the_check_of_a_users_model(models, tmp_path):
+    report = tmp_path / "bench.json"
+    for entry in ("with_sdpa", "without_sdpa"):
+        assert main(["bench", "--model", f"{models / 'models.py'}:{entry}", "--rounds", "2",
+                     "--json", str(report), *(["--skip", "check"] if entry != "with_sdpa"
+                                              else [])]) == 0
+        result = json.loads(report.read_text())
+        rows = {r["backend"]: r for r in result["throughput"]}
+        assert rows["manual"]["status"] == "ok" and rows["manual"]["tokens_per_s"] > 0
+        assert rows["manual"]["first_step_s"] > 0
+        if entry == "with_sdpa":
+            assert rows["sdpa-math"]["status"] == "ok"
+            (cost,) = result["check"]
+            assert cost["model_check_ok"] and cost["cells"] == 5 and cost["ratio"] > 0
+        else:
+            assert rows["sdpa-math"]["reason"] == backends.NO_SDPA_CALLS_REASON
+            assert result["check"] == []

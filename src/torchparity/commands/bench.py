@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--case", action="append", metavar="NAME",
                         help="zoo case to scale up as the model (repeatable; default: "
                              f"{' and '.join(bench.REFERENCE_CASES)}; diagnose uses the first)")
+    parser.add_argument("--model", action="append", metavar="ENTRY",
+                        help="your own model instead of the zoo: file.py:factory or "
+                             "package.module:factory (repeatable); measures tokens/s and time "
+                             "to the first step per backend, and the cost of `check --model` "
+                             "against the same cells of the zoo's check (skip it with "
+                             "--skip check)")
     parser.add_argument("--backend", action="append", metavar="NAME",
                         help="attention backend to measure (repeatable; default: all; "
                              "keep manual, the baseline of the ratios)")
@@ -59,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         torch.device(device)
     except RuntimeError:
         raise UsageError(f"--device {device!r} is not a torch device (try cpu or cuda)") from None
+    if args.model:
+        return _bench_models(args, device)
     settings = bench.default_settings(
         device, args.quick, tuple(args.size or ()),
         dtypes=tuple(DTYPES[d] for d in args.dtype or ()),
@@ -79,6 +87,48 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(bench_report.to_markdown(result))
+    return 0
+
+
+def _bench_models(args: argparse.Namespace, device: str) -> int:
+    from rich.table import Table
+
+    from torchparity.bench import user_model
+    from torchparity.golden.user_models import Subject
+
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise UsageError(f"cannot write {args.json}: its directory does not exist")
+    subjects = [Subject.load(entry) for entry in args.model]
+    dtypes = args.dtype or ["fp32"]
+    console = Console(soft_wrap=True)
+    result: dict[str, Any] = {"machine": bench.machine_info(device, args.threads),
+                              "throughput": [], "check": []}
+    for subject in subjects:
+        with console.status(f"timing {subject.name}"):
+            rows = user_model.throughput_rows(subject, dtypes, args.rounds or 5, device)
+        result["throughput"] += rows
+        table = Table(title=f"{subject.name} on {device}: one forward, loss and backward per "
+                            "step", title_justify="left")
+        for column in ("backend", "dtype", "tokens/s", "step ms", "first step s", "note"):
+            table.add_column(column, no_wrap=column != "note")
+        for r in rows:
+            if r["status"] == "ok":
+                table.add_row(r["backend"], r["dtype"], f"{r['tokens_per_s']:,.0f}",
+                              f"{r['step_s'] * 1e3:.2f}", f"{r['first_step_s']:.3f}",
+                              f"spread {r['spread']:.0%}")
+            else:
+                table.add_row(r["backend"], r["dtype"], "n/a", "", "", r["reason"])
+        console.print(table)
+        if "check" not in args.skip:
+            with console.status(f"timing check --model {subject.name}"):
+                cost = user_model.check_cost(subject)
+            result["check"].append(cost)
+            console.print(f"check --model {subject.name}: {cost['model_check_s']:.2f} s for "
+                          f"{cost['cells']} cells; the zoo's {cost['zoo_case']} in the same "
+                          f"cells: {cost['zoo_check_s']:.2f} s; ratio {cost['ratio']:.2f}",
+                          markup=False)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

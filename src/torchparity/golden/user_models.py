@@ -143,7 +143,7 @@ class Subject:
             model.set_attn_implementation("eager" if cell.backend == HF_EAGER else "sdpa")
         if perturb:
             perturb_weights(model)
-        inputs = _cast(self.user.inputs, cell.device, dtype)
+        inputs = cast_inputs(self.user.inputs, cell.device, dtype)
         with self._backend(cell.backend) as intercepted, matmul_precision(cell.dtype):
             try:
                 run = self._forward_backward(model, inputs, loss_paths)
@@ -277,14 +277,14 @@ def _generate(model: nn.Module, inputs: Any, use_cache: bool) -> dict[str, torch
     return {"tokens": result.sequences, "logits": torch.stack(result.logits, 1)}
 
 
-def _cast(tree: Any, device: str, dtype: torch.dtype) -> Any:
+def cast_inputs(tree: Any, device: str, dtype: torch.dtype) -> Any:
     """``tree`` with floating tensors in ``dtype`` and every tensor on ``device``."""
     if isinstance(tree, torch.Tensor):
         return tree.to(device, dtype) if tree.is_floating_point() else tree.to(device)
     if isinstance(tree, Mapping):
-        return {k: _cast(v, device, dtype) for k, v in tree.items()}
+        return {k: cast_inputs(v, device, dtype) for k, v in tree.items()}
     if isinstance(tree, tuple | list):
-        return type(tree)(_cast(v, device, dtype) for v in tree)
+        return type(tree)(cast_inputs(v, device, dtype) for v in tree)
     return tree
 
 

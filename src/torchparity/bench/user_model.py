@@ -1,0 +1,148 @@
+"""``bench --model``: a user's model per backend, and what ``check --model`` costs on it.
+
+Per backend and dtype, in this process: the time to the first training step (copying the
+model into the dtype, the first forward, loss and backward: what start-up costs) and the
+steady step time over ``rounds`` further steps, as tokens per second. Backends are timed in
+turn, round by round, so drifting machine load spreads over all of them.
+
+The check's cost compares ``check --model`` on the model with the same cells of
+``torchparity check`` on a zoo case, both in this process on one thread: the ratio is what
+checking a user's model costs beyond the zoo's own check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from torchparity import backends
+from torchparity.diagnosis.capture import flatten_tensors
+from torchparity.diagnosis.run import call_model
+from torchparity.errors import BackendUnavailable
+from torchparity.golden.cases import DTYPES, REFERENCE, Cell, check_case, single_thread
+from torchparity.golden.store import GoldenStore, default_golden_dir
+from torchparity.golden.user_models import (
+    HF_EAGER,
+    Subject,
+    backend_names,
+    cast_inputs,
+    check_subject,
+    default_loss,
+    write_goldens,
+)
+from torchparity.reference import zoo
+
+#: The zoo case whose check the model's check is compared with, and the backends of both.
+ZOO_CASE = "llama-tiny"
+CHECK_BACKENDS = ("manual", "sdpa", "sdpa-math", "sdpa-flash")
+
+
+def throughput_rows(subject: Subject, dtypes: list[str], rounds: int = 5,
+                    device: str = "cpu") -> list[dict[str, Any]]:
+    """One row per backend and dtype: tokens/s, first-step and steady step seconds, or the
+    reason the backend cannot run (``status`` ``n/a``)."""
+    rows = []
+    for dtype in dtypes:
+        models: dict[str, Any] = {}
+        for backend in backend_names([subject]):
+            row = {"model": subject.name, "backend": backend, "dtype": dtype}
+            started = time.perf_counter()
+            try:
+                model, inputs, calls = _first_step(subject, backend, dtype, device)
+            except BackendUnavailable as exc:
+                rows.append({**row, "status": "n/a", "reason": str(exc)})
+                continue
+            if calls == 0 and backend not in ("manual", HF_EAGER):
+                rows.append({**row, "status": "n/a", "reason": backends.NO_SDPA_CALLS_REASON})
+                continue
+            models[backend] = (model, inputs)
+            rows.append({**row, "status": "ok", "first_step_s": time.perf_counter() - started,
+                         "times": []})
+        timed = {r["backend"]: r for r in rows if r["dtype"] == dtype and r["status"] == "ok"}
+        for _ in range(rounds):
+            for backend, (model, inputs) in models.items():
+                timed[backend]["times"].append(
+                    _timed_step(subject, model, inputs, backend, device))
+        tokens = _tokens(subject.user.inputs)
+        for row in timed.values():
+            times = row.pop("times")
+            row["step_s"] = statistics.median(times)
+            row["tokens_per_s"] = tokens / row["step_s"]
+            row["spread"] = (max(times) - min(times)) / row["step_s"] if times else None
+    return rows
+
+
+def _first_step(subject: Subject, backend: str, dtype: str, device: str,
+                ) -> tuple[Any, Any, int | None]:
+    """Copy the model into ``dtype`` and run one step: (model, inputs, SDPA calls made)."""
+    model = copy.deepcopy(subject.user.model).to(device=device, dtype=DTYPES[dtype]).eval()
+    if subject.is_transformers:
+        model.set_attn_implementation("eager" if backend == HF_EAGER else "sdpa")
+    inputs = cast_inputs(subject.user.inputs, device, DTYPES[dtype])
+    with _backend(backend) as intercepted:
+        _step(subject, model, inputs)
+    return model, inputs, None if intercepted is None else intercepted.calls
+
+
+def _timed_step(subject: Subject, model: Any, inputs: Any, backend: str, device: str) -> float:
+    with _backend(backend):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        _step(subject, model, inputs)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def _backend(name: str) -> Any:
+    return contextlib.nullcontext() if name == HF_EAGER else backends.use(name)
+
+
+def _step(subject: Subject, model: Any, inputs: Any) -> None:
+    model.zero_grad(set_to_none=True)
+    output = call_model(model, inputs)
+    if subject.user.loss_fn is not None:
+        loss = subject.user.loss_fn(output, inputs)
+    else:
+        loss = default_loss({p: t for p, t in flatten_tensors(output).items()
+                             if t.is_floating_point()})
+    loss.backward()
+
+
+def _tokens(inputs: Any) -> int:
+    """Tokens per step: the elements of ``input_ids`` (or of the first integer tensor), else
+    batch x length of the first tensor."""
+    flat = flatten_tensors(inputs, "inputs")
+    ids = flat.get("inputs.input_ids")
+    if ids is None:
+        ids = next((t for t in flat.values() if not t.is_floating_point()), None)
+    if ids is not None:
+        return ids.numel()
+    first = next(iter(flat.values()))
+    return first.shape[0] * (first.shape[1] if first.dim() > 1 else 1)
+
+
+def check_cost(subject: Subject) -> dict[str, Any]:
+    """Seconds of ``check --model`` on ``subject`` and of the zoo check of :data:`ZOO_CASE`
+    in the same cells (reference, then :data:`CHECK_BACKENDS` in fp32), and their ratio."""
+    cells = [REFERENCE, *(Cell(b, "fp32") for b in CHECK_BACKENDS)]
+    with tempfile.TemporaryDirectory() as folder, single_thread():
+        store = subject.store(folder)
+        write_goldens(subject, store)
+        started = time.perf_counter()
+        model_rows = check_subject(subject, store, cells)
+        model_s = time.perf_counter() - started
+        zoo_store = GoldenStore(default_golden_dir())
+        started = time.perf_counter()
+        check_case(zoo_store, zoo.get(ZOO_CASE), cells)
+        zoo_s = time.perf_counter() - started
+    return {"model": subject.name, "zoo_case": ZOO_CASE, "cells": len(cells),
+            "model_check_s": model_s, "zoo_check_s": zoo_s, "ratio": model_s / zoo_s,
+            "model_check_ok": all(r.ok for r in model_rows)}
