@@ -15,7 +15,7 @@ from torch import nn
 
 from torchparity.diagnosis.align import Alignment, Match
 from torchparity.diagnosis.capture import ModuleCall, flatten_tensors, leaves
-from torchparity.diagnosis.judging import joined, judge, merged, with_leaves
+from torchparity.diagnosis.judging import joined, judge_quickly, merged, with_leaves
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Result, Row
@@ -87,7 +87,8 @@ class _Tracker:
         parts[call.key] = {p: t.cpu() for p, t in call.outputs.items()}
         if len(parts) == len(match.b):  # a fused group is complete with its last member
             candidate = joined([parts[c.key] for c in match.b])
-            result = self.reference.judge(match.a, candidate, "out", "golden_out", "forward")
+            result = self.reference.judge(match.a, candidate, "out", "golden_out", "forward",
+                                          quick=True)
             self.forward[id(match)] = with_leaves(result, leaves(call.output, "output"))
             del self._parts[id(match)]
 
@@ -103,7 +104,7 @@ class _Tracker:
     def _judge_output_grads(self, match: Match) -> None:
         candidate = self._pending_grads.pop(id(match))
         self.grads[id(match)] = self.reference.judge(match.a, candidate, "grad_out",
-                                                     "golden_grad_out", "grad")
+                                                     "golden_grad_out", "grad", quick=True)
 
     def finish(self, param_grads: dict[str, dict[str, torch.Tensor]]) -> None:
         """Judge gradients still pending (outputs some of whose parts got none) and add the
@@ -117,7 +118,7 @@ class _Tracker:
                 continue
             candidate = {p: g.cpu() for p, g in param_grads[b.name].items()}
             params = self.reference.judge(match.a, candidate, "param_grad", "golden_param_grad",
-                                          "grad")
+                                          "grad", quick=True)
             self.grads[id(match)] = merged(self.grads.get(id(match)), params)
 
 
@@ -132,5 +133,6 @@ def _final(reference: Reference, run: Run, which: str) -> Result:
     def pick(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {p: t for p, t in tensors.items() if (p == "loss") == (which == "loss")}
 
-    result = judge(final, pick(golden), pick(baseline), "loss" if which == "loss" else "forward")
+    kind = "loss" if which == "loss" else "forward"
+    result = judge_quickly(final, pick(golden), pick(baseline), kind)
     return with_leaves(result, leaves(run.output, "output"))

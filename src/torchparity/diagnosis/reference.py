@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import ModuleCall, PatternSpec, call_key, flatten_tensors
-from torchparity.diagnosis.judging import joined, judge
+from torchparity.diagnosis.judging import joined, judge, judge_quickly
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.report import Result
 from torchparity.diagnosis.run import Inputs, Options, Run, run_model
@@ -71,11 +71,14 @@ class Reference:
         return joined([self.store.get(c.key, group) for c in calls])
 
     def judge(self, calls: tuple[ModuleCall, ...], candidate: dict[str, torch.Tensor],
-              baseline_group: str, golden_group: str, kind: str) -> Result:
+              baseline_group: str, golden_group: str, kind: str, *, quick: bool = False
+              ) -> Result:
         """``candidate`` against the golden's ``golden_group`` of ``calls``, with A's
-        ``baseline_group`` as the baseline."""
+        ``baseline_group`` as the baseline; ``quick`` bounds clearly-within verdicts instead
+        of computing every metric (:func:`~torchparity.diagnosis.judging.judge_quickly`)."""
         golden = self.tensors(calls, golden_group) if self.has_golden else {}
-        return judge(candidate, golden, self.tensors(calls, baseline_group), kind)
+        return (judge_quickly if quick else judge)(
+            candidate, golden, self.tensors(calls, baseline_group), kind)
 
 
 def capture_reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options,

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["AttributionReport", "DecodeReport", "DiagnosisReport", "Entry", "Mismatch", "Result",
-           "Row", "Unit"]
+__all__ = ["AttributionReport", "Bounded", "DecodeReport", "DiagnosisReport", "Entry", "Mismatch",
+           "Result", "Row", "Unit"]
 
 
 class Result(Protocol):
@@ -71,21 +71,53 @@ class Entry:
         return f"{_label(self.module)} argument {self.argument} ({self.detail})"
 
 
+@dataclass
+class Bounded:
+    """A verdict reached without the full metric set: every tensor's error is at most
+    ``headroom`` of its budget (a bound: the budget is at least ``fudge`` times the noise A's
+    own rounding shows). Only ``within`` and ``identical`` are decided this way; anything else
+    gets the full comparison."""
+
+    kind: str
+    verdict: str
+    error: float  # the largest error, in the kind's metric
+    headroom: float  # an upper bound of the largest share of a budget used
+    tensors: list = field(default_factory=list)
+    structure: tuple = ()
+
+    ok = True
+
+    def explain(self) -> str:
+        if self.verdict == "identical":
+            return "identical: bit-equal to A's own output."
+        return (f"within: every tensor's error is at most {self.headroom:.3g} of its budget "
+                "(full metrics are computed for diverged modules, or with local='all').")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "ok": True, "kind": self.kind, "error": self.error,
+                "headroom_at_most": self.headroom}
+
+
 def worst_error(result: Result | None) -> float | None:
     """The largest error (in the kind's metric) over the result's tensors; inf for a mismatch."""
     if result is None:
         return None
     if isinstance(result, Mismatch):
         return math.inf
+    if isinstance(result, Bounded):
+        return result.error
     return max((t.error for t in result.tensors), default=0.0)
 
 
 def headroom(result: Result | None) -> float | None:
-    """The largest share of its budget any tensor used (>1 means diverged)."""
+    """The largest share of its budget any tensor used (>1 means diverged); for a
+    :class:`Bounded` result, its bound."""
     if result is None:
         return None
     if isinstance(result, Mismatch):
         return math.inf
+    if isinstance(result, Bounded):
+        return result.headroom
     return max((t.headroom for t in result.tensors), default=0.0)
 
 
@@ -542,6 +574,8 @@ def _cell(result: Result | None) -> str:
     if result.verdict == "identical":
         return "="
     share = _compact(headroom(result))
+    if isinstance(result, Bounded):
+        return f"<{share}" if not share.startswith("<") else share
     return share if result.ok else f"X {share}"
 
 
