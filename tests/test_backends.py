@@ -283,7 +283,28 @@ def test_nested_blocks_run_the_innermost_backend_and_both_count() -> None:
         F.scaled_dot_product_attention(*qkv, **call)
     assert (outer.calls, inner.calls) == (2, 1)
     torch.testing.assert_close(nested, manual, rtol=0, atol=0)
+    with backends.use("manual") as outer:
+        with backends.use("manual") as inner:  # an equal block: leaving it leaves only it
+            pass
+        F.scaled_dot_product_attention(*qkv, **call)
+    assert (outer.calls, inner.calls) == (1, 0)
     assert backends.current() == "manual" and not backends._blocks
+
+
+def test_without_intercept_only_reference_models_follow_the_block() -> None:
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    with backends.use("flex", intercept=False) as block:
+        F.scaled_dot_product_attention(q, q, q).sum().backward()  # PyTorch's own kernel
+    assert block.calls == 0
+    case = zoo.get("llama-tiny")
+    with backends.use("sdpa-efficient", intercept=False), pytest.raises(
+            BackendUnavailable, match="needs a CUDA device"):
+        build_model(case.config)(**zoo.case_batch(case))
+    with backends.use("flex", intercept=False), backends.use("manual") as inner:
+        with pytest.raises(BackendUnavailable, match="flex has no backward"):
+            with backends.use("flex", intercept=False):  # still inside an intercepting block
+                F.scaled_dot_product_attention(q, q, q)
+    assert inner.calls == 1
 
 
 # --- whole models that call scaled_dot_product_attention -----------------------------------------

@@ -54,12 +54,13 @@ NO_SDPA_CALLS_REASON = "the model never called scaled_dot_product_attention"
 _SDPA = F.scaled_dot_product_attention
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Intercepted:
     """What one :func:`use` block ran: its ``backend`` and ``calls``, the number of attention
     calls made inside the block (SDPA calls of any code, and reference models' attention)."""
 
     backend: str
+    intercept: bool = True
     calls: int = 0
 
     def not_applicable_reason(self) -> str | None:
@@ -86,7 +87,7 @@ def _check_name(name: str) -> None:
 
 
 @contextlib.contextmanager
-def use(name: str) -> Iterator[Intercepted]:
+def use(name: str, *, intercept: bool = True) -> Iterator[Intercepted]:
     """Run every attention call inside the block on backend ``name``: reference models' and any
     call of :func:`torch.nn.functional.scaled_dot_product_attention`. The innermost block wins.
 
@@ -95,11 +96,16 @@ def use(name: str) -> Iterator[Intercepted]:
         with tp.backends.use("sdpa-flash") as intercepted:
             model(**batch)
         assert intercepted.calls > 0, backends.NO_SDPA_CALLS_REASON
+
+    Intercepting costs a few microseconds per PyTorch call of the block, every call passing
+    through a Python function: a block that runs only torchparity's reference models, which
+    reach SDPA through :func:`attention` alone, can save it with ``intercept=False``.
     """
     _check_name(name)
-    block = Intercepted(name)
+    block = Intercepted(name, intercept)
     # One redirecting mode serves nested blocks: it reads the innermost backend at every call.
-    redirect = contextlib.nullcontext() if _blocks else _RedirectSdpa()
+    redirecting = any(outer.intercept for outer in _blocks)
+    redirect = _RedirectSdpa() if intercept and not redirecting else contextlib.nullcontext()
     _blocks.append(block)
     try:
         with redirect:
