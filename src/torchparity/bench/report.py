@@ -18,6 +18,7 @@ def sections(result: dict[str, Any]) -> list[Section]:
     return [
         _throughput(result["throughput"], result["settings"]["compile"]),
         _diagnose(result["diagnose"]),
+        _diagnose_split(result["diagnose"]),
         _check(result["check"]),
         _targets(result["targets"]),
     ]
@@ -133,6 +134,8 @@ def _diagnose(rows: list[dict[str, Any]]) -> Section:
         ("time × plain", lambda r: _ratio(r.get("diagnose_time_ratio"))),
         ("streaming s", lambda r: _num(r.get("stream_s"))),
         ("time × plain", lambda r: _ratio(r.get("stream_time_ratio"))),
+        ("--against s", lambda r: _num(r.get("against_s"))),
+        ("time × plain B", lambda r: _ratio(r.get("against_time_ratio"))),
         ("plain MiB", lambda r: _mib(r.get("plain_peak_bytes"))),
         ("diagnose MiB", lambda r: _mib(r.get("diagnose_peak_bytes"))),
         ("mem × plain", lambda r: _ratio(r.get("diagnose_peak_ratio"))),
@@ -142,6 +145,20 @@ def _diagnose(rows: list[dict[str, Any]]) -> Section:
     ]
     return _table("Cost of diagnose (manual vs sdpa models; plain = forward+backward of both)",
                   columns, rows)
+
+
+def _diagnose_split(rows: list[dict[str, Any]]) -> Section:
+    parts = ("runs", "judging", "replays", "float64 check", "report")
+    columns = [("model", lambda r: r.get("model", "")), ("size", _size),
+               ("capture", lambda r: r.get("capture", ""))]
+    columns += [(part, lambda r, part=part: _ratio(r["split"].get(part))) for part in parts]
+    split_rows = [{**r, "capture": capture, "split": r[f"{key}_split"]}
+                  for r in rows if r.get("status") == "ok"
+                  for capture, key in (("full", "diagnose"), ("streaming", "stream"),
+                                       ("--against (× plain B)", "against"))
+                  if f"{key}_split" in r]
+    return _table("Where diagnose's time goes (× plain forward+backward of both models)",
+                  columns, split_rows)
 
 
 def _check(rows: list[dict[str, Any]]) -> Section:

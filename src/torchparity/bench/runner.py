@@ -31,6 +31,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -490,14 +491,14 @@ def diagnose_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]
         return [na_row("not measured: torchparity.diagnosis.api is not part of this installation")]
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    progress.start("diagnose", 3 * (1 + settings.warmup + settings.rounds))
+    progress.start("diagnose", 5 * (1 + settings.warmup + settings.rounds))
     return [_diagnose_case(settings.cases[0], settings.sizes[0], settings.dtypes[0],
                            settings, progress)]
 
 
 def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
                    progress: Progress) -> dict[str, Any]:
-    from torchparity.diagnosis.api import diagnose
+    from torchparity.diagnosis.api import diagnose, diagnose_against, record
 
     device = torch.device(settings.device)
     config = model_config(case, size)
@@ -513,17 +514,33 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
             model.zero_grad(set_to_none=True)
             sequence_loss(model(**batch), batch).backward()
 
+    def plain_b() -> None:
+        model_b.zero_grad(set_to_none=True)
+        sequence_loss(model_b(**batch), batch).backward()
+
+    reports = {}
+
     def diagnosis(stream: bool) -> Callable[[], None]:
         def run_once() -> None:
             for model in (model_a, model_b):
                 model.zero_grad(set_to_none=True)
-            diagnose(model_a, model_b, batch, loss_fn=sequence_loss, stream=stream,
-                     progress=False)
+            reports[stream] = diagnose(model_a, model_b, batch, loss_fn=sequence_loss,
+                                       stream=stream, progress=False)
         return run_once
 
-    contenders = {"plain": plain, "diagnose": diagnosis(False), "stream": diagnosis(True)}
+    def against() -> None:  # B against a trace A's revision recorded
+        model_b.zero_grad(set_to_none=True)
+        reports["against"] = diagnose_against(trace, model_b, batch, loss_fn=sequence_loss,
+                                              progress=False)
+
+    contenders = {"plain": plain, "diagnose": diagnosis(False), "stream": diagnosis(True),
+                  "plain_b": plain_b, "against": against}
     try:
-        times, peaks = _interleave(contenders, device, settings, progress, f"diagnose {case}")
+        with tempfile.TemporaryDirectory(prefix="torchparity-bench-") as tmp:
+            trace = record(model_a, batch, Path(tmp) / "a.tptrace", loss_fn=sequence_loss,
+                           progress=False)
+            times, peaks = _interleave(contenders, device, settings, progress,
+                                       f"diagnose {case}")
     except Exception as exc:  # a failing diagnose is a finding to report, not a crash
         return na_row(f"diagnose failed: {type(exc).__name__}: {str(exc).splitlines()[0]}",
                       **fields)
@@ -534,7 +551,29 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
     for name in ("diagnose", "stream"):
         row[f"{name}_time_ratio"] = 1 / paired_ratio(times["plain"], times[name])
         row[f"{name}_peak_ratio"] = peaks[name] / peaks["plain"]
+    row["against_time_ratio"] = 1 / paired_ratio(times["plain_b"], times["against"])
+    for name, key in (("diagnose", False), ("stream", True), ("against", "against")):
+        plain_s = row["plain_b_s" if key == "against" else "plain_s"]
+        split = diagnose_split(reports[key])
+        row[f"{name}_split"] = {part: s / plain_s for part, s in split.items()}
     return row
+
+
+def diagnose_split(report: Any) -> dict[str, float]:
+    """Seconds of one diagnosis by part: the runs (A, its float64 golden, B's call structure
+    and run), judging while B runs, module replays (with the search for where a divergence
+    enters), B's float64 check (only when nothing diverged) and rendering the report (table,
+    JSON, HTML: what the command adds)."""
+    seconds = dict(report.meta["seconds"])
+    judging = seconds.pop("judging while B runs", 0.0)
+    replays = sum(seconds.pop(phase, 0.0) for phase in (
+        "A, golden and B: module replays", "where the first divergence enters"))
+    float64 = seconds.pop("B in float64: forward", 0.0)
+    start = time.perf_counter()
+    report.render(width=80), report.to_json(), report.to_html()
+    rendering = time.perf_counter() - start
+    return {"runs": sum(seconds.values()) - judging, "judging": judging, "replays": replays,
+            "float64 check": float64, "report": rendering}
 
 
 def _interleave(contenders: dict[str, Callable[[], None]], device: torch.device,
@@ -602,8 +641,9 @@ def _children_cpu_s() -> float:
 # Targets
 
 TARGETS = {
-    "diagnose_time": ("diagnose time / plain fwd+bwd of both models", "<=", 2.5),
-    "stream_peak": ("streaming diagnose peak memory / plain run's", "<=", 1.5),
+    "diagnose_time": ("diagnose time / plain fwd+bwd of both models", "<=", 3.0),
+    "against_time": ("diagnose --against time / plain fwd+bwd of B", "<=", 2.0),
+    "stream_peak": ("streaming diagnose peak memory / plain run's", "<=", 2.5),
     "check_wall": ("`torchparity check` wall time (s)", "<=", 60.0),
     "sdpa_speedup": ("fastest SDPA backend tok/s / manual's (CPU fp32, seq >= 512)", ">=", 1.5),
 }
@@ -616,6 +656,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     for row in result["diagnose"]:
         where = _where(row)
         out.append(_target("diagnose_time", where, row.get("diagnose_time_ratio"), row))
+        out.append(_target("against_time", where, row.get("against_time_ratio"), row))
         out.append(_target("stream_peak", where, row.get("stream_peak_ratio"), row))
     for row in result["check"]:
         out.append(_target("check_wall", f"{row.get('logical_cores', '?')} logical cores",

@@ -223,15 +223,20 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
     done()
     propagated = judge_propagated(reference, alignment, model, inputs, opts, bar)
     replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar)
+    done = bar.phase("where the first divergence enters")
     find_entry(reference, alignment.matches, propagated.rows, model, opts)
+    done()
     meta = _report_meta(reference, model, opts, alignment)
     if all(r.local is None or r.local.ok for r in propagated.rows):
+        done = bar.phase("B in float64: forward")
         departure = float64_departure(reference, model, inputs, opts)
+        done()
         if departure is not None and not departure.ok:
             meta["below_noise"] = (
                 f"B's float64 output departs from A's float64 golden ({_share(departure)} of the "
                 "float64 budget): a change below the noise of this dtype; run with --dtype fp64 "
                 "(dtype=torch.float64) to localise it")
+    meta["seconds"] = {**bar.seconds, "judging while B runs": reference.judging_seconds}
     if opts.local != "all":
         meta["notes"].append(
             f"local errors of {replayed} of {len(propagated.rows)} module(s): those whose "

@@ -1,24 +1,34 @@
-"""Progress of a diagnosis on stderr: one line per phase (runs, replays), through rich."""
+"""Progress of a diagnosis: one line per phase (runs, replays) on stderr through rich, and the
+wall time of each phase (``report.meta["seconds"]``), shown or not."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 
 class ProgressBar:
-    """Progress on stderr through rich; a no-op when disabled."""
+    """Progress on stderr through rich (none when ``progress`` is None); times every phase."""
 
     def __init__(self, progress: Any) -> None:
         self.progress_bar = progress
+        self.seconds: dict[str, float] = {}
 
     def phase(self, description: str, total: int | None = None) -> Callable[[], None]:
-        """Start a phase; the returned function advances it (or ends it, without a total)."""
-        if self.progress_bar is None:
-            return lambda: None
-        task = self.progress_bar.add_task(description, total=total or 1)
-        return lambda: self.progress_bar.advance(task)
+        """Start a phase; the returned function advances it (or ends it, without a total).
+        Its time runs from now to the last advance."""
+        start = time.perf_counter()
+        task = None if self.progress_bar is None else self.progress_bar.add_task(
+            description, total=total or 1)
+
+        def advance() -> None:
+            self.seconds[description] = time.perf_counter() - start
+            if task is not None:
+                self.progress_bar.advance(task)
+
+        return advance
 
 
 @contextlib.contextmanager

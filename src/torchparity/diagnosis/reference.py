@@ -8,6 +8,7 @@ golden is added by :mod:`torchparity.diagnosis.golden`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ class Reference:
     source: str = "in-process"
     replayer: Callable[[ModuleCall], None] | None = None
     replayed: set[str] = field(default_factory=set)
+    judging_seconds: float = 0.0  # spent judging B's tensors while B runs (``quick``)
 
     def ensure_replayed(self, call: ModuleCall) -> None:
         """The local golden (and local gradients) of ``call`` are in the store after this."""
@@ -76,9 +78,13 @@ class Reference:
         """``candidate`` against the golden's ``golden_group`` of ``calls``, with A's
         ``baseline_group`` as the baseline; ``quick`` bounds clearly-within verdicts instead
         of computing every metric (:func:`~torchparity.diagnosis.judging.judge_quickly`)."""
+        start = time.perf_counter()
         golden = self.tensors(calls, golden_group) if self.has_golden else {}
-        return (judge_quickly if quick else judge)(
+        result = (judge_quickly if quick else judge)(
             candidate, golden, self.tensors(calls, baseline_group), kind)
+        if quick:
+            self.judging_seconds += time.perf_counter() - start
+        return result
 
 
 def capture_reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options,
