@@ -7,7 +7,9 @@ that run and its reduction-order twin) and three-way against the float64 golden.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -166,6 +168,24 @@ def test_cli_refuses_a_layout_in_one_line_with_exit_2(capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert "n_kv_heads divisible by 4" in err
+
+
+@pytest.mark.slow
+def test_cli_trains_in_parallel_logs_rank_0_and_prints_the_budget_share(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    code = cli.main(["train", "--case", "mqa", "--parallel", "tp", "--steps", "3",
+                     "--log-every", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    # Rank 0's lines only, each once, forwarded as they come.
+    assert [printed.count(f"Step {n}/3; acc:") for n in (1, 2, 3)] == [1, 1, 1]
+    for against in ("one process", "float64 golden"):
+        # The console wraps at 80 columns.
+        assert re.search(rf"vs {against}: within, [\d.]+% of the budget used \(loss "
+                         rf"[\d.]+%, grad_norm [\d.]+%,\s+update_norm [\d.]+%\)", printed), printed
+    data = json.loads(out.read_text())
+    assert data["trajectory"]["parallelism"] == "tp" and data["trajectory"]["world_size"] == 2
+    assert data["comparison"]["ok"] and data["single_process_comparison"]["ok"]
 
 
 @pytest.mark.slow

@@ -31,7 +31,14 @@ from torchparity.commands.common import dtype_name, resolve_device
 from torchparity.errors import UsageError
 from torchparity.reference import zoo
 from torchparity.train.parallel import PARALLELISMS
-from torchparity.train.trainer import DTYPE_MODES, NORMALIZATIONS, Execution, TrainConfig, Trainer
+from torchparity.train.trainer import (
+    DTYPE_MODES,
+    NORMALIZATIONS,
+    Execution,
+    TrainConfig,
+    Trainer,
+    train,
+)
 
 _DEFAULTS = TrainConfig()
 
@@ -162,8 +169,8 @@ def _run_parallel(config: TrainConfig, execution: Execution, args: argparse.Name
                              log_every=args.log_every)
     console.print(f"{candidate.label()}: {candidate.tokens_per_second:,.0f} tok/s, first "
                   f"step after {candidate.time_to_first_step:.2f}s")
-    single = _train(config, execution, args, console, quiet=True)
-    twin = _train(tj.reduction_twin(config), execution, args, console, quiet=True)
+    console.print("training the same recipe in one process, and its reduction-order twin")
+    single, twin = train(config, execution), train(tj.reduction_twin(config), execution)
     judged = {"one process": tj.compare_trajectories(candidate, single, (single, twin)),
               "float64 golden": tj.check_against_golden(candidate, baseline=single,
                                                         store=_store(args))}
@@ -185,7 +192,9 @@ def budget_share(comparison: Any) -> str:
 
 
 def _percent(headroom: float) -> str:
-    return f"{headroom:.0%}" if headroom < 100 else f"{headroom:.3g}x"
+    if headroom >= 10:
+        return f"{headroom:.3g}x"
+    return f"{headroom:.0%}" if headroom >= 0.1 else f"{100 * headroom:.2g}%"
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
