@@ -13,7 +13,9 @@ A diagnosis is a pipeline; each stage is one module, and the data passes through
 4. :mod:`~torchparity.diagnosis.propagated`: **propagated errors**, B's full run judged
    against the golden's as it runs;
 5. :mod:`~torchparity.diagnosis.local`: **local errors**, B's modules replayed on A's
-   recorded inputs (by default those whose propagated error diverged);
+   recorded inputs (by default those whose propagated error diverged); then
+   :mod:`~torchparity.diagnosis.entry`: when the first divergence is a container, **where it
+   enters** (the module inside and the argument that carry a mask or position built above);
 6. :mod:`~torchparity.diagnosis.report`: the **report** (table, JSON, HTML).
 
 The first module whose local error breaks its budget is where B starts to compute something
