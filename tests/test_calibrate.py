@@ -60,6 +60,18 @@ def test_a_short_calibration_finds_no_false_alarm_and_catches_visible_bugs() -> 
     assert "| one head dropped | fp32 | forward |" in report
 
 
+def test_the_detection_curve_counts_each_size_of_the_sized_change() -> None:
+    results = calibrate(1, seed=SMALL_SEED, dtypes=["fp32"], backend_names=["sdpa"])
+    sized = results.curve[("fp32", "forward", "sized scale")]
+    # The change is planted at 1, 2, ... 32 times the baseline's forward error: its measured
+    # effect reaches each multiple about once, and the largest sizes are caught.
+    assert 5 <= sized.counts[1][0] <= 6 and sized.counts[32][0] <= 2
+    assert sized.counts[16][1] == sized.counts[16][0] > 0
+    report = render_markdown(results, command="torchparity calibrate --draws 1")
+    assert "## Detection against the size of the change" in report
+    assert "| fp32 | forward | sized scale |" in report
+
+
 def test_the_command_writes_json_and_rejects_bad_arguments(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -68,5 +80,6 @@ def test_the_command_writes_json_and_rejects_bad_arguments(
     assert main([*argv, "--backend", "sdpa-math", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert {row["backend"] for row in data["false_alarms"]} == {"sdpa-math"}
+    assert {row["changes"] for row in data["detection_curve"]} == {"all bugs", "sized scale"}
     assert main(["calibrate", "--draws", "0"]) == 2
     assert "--draws must be at least 1" in capsys.readouterr().err

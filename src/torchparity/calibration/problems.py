@@ -30,6 +30,13 @@ NORM_EPS = 1e-6
 D_MODEL = 64
 ROPE_THETA = 10000.0
 DETECTION_GOAL = 0.99
+#: Sizes of a planted change's float64 effect, in multiples of the baseline's error, at which
+#: detection is published; the goal applies at ``GOAL_MULTIPLE[kind]`` and above in fp32.
+MULTIPLES = (1, 2, 4, 8, 16, 32)
+GOAL_MULTIPLE = {"forward": 8, "grad": 16}
+#: The bug sized to each multiple: its softmax-scale change is shrunk or grown in proportion
+#: (the effect is linear in the change for changes this small).
+SIZED_BUG = "softmax scale +1e-3"
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,10 @@ from torchparity.calibration.problems import (
     BUGS,
     DETECTION_GOAL,
     DTYPES,
+    GOAL_MULTIPLE,
     MEASURED_KINDS,
+    MULTIPLES,
+    SIZED_BUG,
     Problem,
     Variant,
     draw_problem,
@@ -90,6 +93,41 @@ class DetectionStats:
 
 
 @dataclass
+class CurveStats:
+    """Dtype × kind × family of changes: detection against the size of the change's effect.
+
+    ``counts[m]`` is ``[changes, caught]`` over the planted changes whose float64 effect is at
+    least ``m`` times the baseline's error (for some tensor, each against its own baseline
+    error); ``missed`` the seeds of changes at or above the kind's goal multiple not caught.
+    """
+
+    counts: dict[int, list[int]] = field(default_factory=lambda: {m: [0, 0] for m in MULTIPLES})
+    missed: list[int] = field(default_factory=list)
+
+    def rate(self, multiple: int) -> float | None:
+        changes, caught = self.counts[multiple]
+        return _rate(caught, changes)
+
+    def add(self, multiple: float, caught: bool, seed: int, goal: int) -> None:
+        for m in MULTIPLES:
+            if multiple >= m:
+                self.counts[m][0] += 1
+                self.counts[m][1] += caught
+        if multiple >= goal and not caught:
+            self.missed.append(seed)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "counts": {str(m): {"changes": n, "caught": c} for m, (n, c) in self.counts.items()},
+            "missed_at_goal": self.missed,
+        }
+
+
+#: The families of planted changes on the detection curve.
+CURVE_FAMILIES = ("all bugs", "sized scale")
+
+
+@dataclass
 class Results:
     """Everything one calibration run measured."""
 
@@ -100,6 +138,9 @@ class Results:
     false_alarms: dict[tuple[str, str, str], FalseAlarmStats]
     detection: dict[tuple[str, str, str], DetectionStats]
     problems: list[str]
+    curve: dict[tuple[str, str, str], CurveStats] = field(
+        default_factory=lambda: defaultdict(CurveStats)
+    )
     flex_every: int = 1
     seconds: float = 0.0
 
@@ -108,8 +149,13 @@ class Results:
         return sum(len(s.failures) for s in self.false_alarms.values())
 
     def detection_goal_met(self) -> bool:
-        """Whether every bug was caught in >= 99% of the fp32 draws where it was visible."""
-        return all(s.goal_met for (_, dtype, _), s in self.detection.items() if dtype == "fp32")
+        """Whether >= 99% of the fp32 planted changes were caught whose float64 effect is at
+        least the kind's goal multiple (8 forward, 16 grad) of the baseline's error."""
+        return all(
+            (rate := stats.rate(GOAL_MULTIPLE[kind])) is None or rate >= DETECTION_GOAL
+            for (dtype, kind, _), stats in self.curve.items()
+            if dtype == "fp32"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -127,6 +173,10 @@ class Results:
             "detection": [
                 {"bug": b, "dtype": d, "kind": k, **s.summary()}
                 for (b, d, k), s in self.detection.items()
+            ],
+            "detection_curve": [
+                {"dtype": d, "kind": k, "changes": f, **s.summary()}
+                for (d, k, f), s in self.curve.items()
             ],
             "problems": self.problems,
         }
@@ -196,6 +246,47 @@ def _measure(problem: Problem, results: Results) -> None:
                 result = compare(candidate[kind], golden[kind], baseline[kind], kind)
                 effect = _effects(bugged64[kind], golden[kind], kind)
                 _record_detection(stats, result, effect, fp32_noise[kind], own_noise[kind], problem)
+                if dtype != torch.float64:  # a float64 baseline is exact: no multiples
+                    results.curve[(dtype_name, kind, CURVE_FAMILIES[0])].add(
+                        _multiple(effect, own_noise[kind]), not result.ok, problem.seed,
+                        GOAL_MULTIPLE[kind],
+                    )
+        if dtype != torch.float64:
+            _measure_sized(
+                problem, dtype_name, golden, baseline, own_noise, bugged[SIZED_BUG], results
+            )
+
+
+def _measure_sized(
+    problem: Problem,
+    dtype_name: str,
+    golden: dict[str, dict[str, torch.Tensor]],
+    baseline: dict[str, dict[str, torch.Tensor]],
+    noise: dict[str, dict[str, Noise]],
+    reference_bug: dict[str, dict[str, torch.Tensor]],
+    results: Results,
+) -> None:
+    """Plant the softmax-scale change sized to each of :data:`MULTIPLES` times the baseline's
+    forward error, and record detection against the effect each size really had."""
+    reference = _multiple(_effects(reference_bug["forward"], golden["forward"], "forward"),
+                          noise["forward"])
+    delta = BUGS[SIZED_BUG].scale_factor - 1
+    for target in MULTIPLES:
+        variant = Variant(scale_factor=1 + delta * target / reference)
+        bugged64 = run_block(problem, torch.float64, variant)
+        candidate = run_block(problem, DTYPES[dtype_name], variant)
+        for kind in MEASURED_KINDS:
+            result = compare(candidate[kind], golden[kind], baseline[kind], kind)
+            effect = _multiple(_effects(bugged64[kind], golden[kind], kind), noise[kind])
+            results.curve[(dtype_name, kind, CURVE_FAMILIES[1])].add(
+                effect, not result.ok, problem.seed, GOAL_MULTIPLE[kind]
+            )
+
+
+def _multiple(effect: dict[str, float], noise: dict[str, Noise]) -> float:
+    """The size of a change's effect in multiples of the baseline's error: the largest over
+    the tensors, each against its own."""
+    return max(effect[name] / noise[name].level for name in effect)
 
 
 def _applies(variant: Variant, problem: Problem) -> bool:
