@@ -130,3 +130,27 @@ def test_html_axis_names_modules_and_deep_models_collapse_by_layer(report) -> No
     for r in report.rows:
         assert f">{r.module or '(model)'}</text>" in page
     assert "<details open>" not in page.split("<table")[0]  # one plain table when small
+
+
+def test_deep_model_html_collapses_by_layer_and_names_layers_on_the_axis() -> None:
+    from torchparity.reference import build_model, zoo
+
+    cfg = zoo.get("llama-tiny").config.replace(n_layers=4)
+    model_a = build_model(cfg, seed=0)
+    model_b = copy.deepcopy(model_a)
+    model_b.decoder.layers[2].mlp_norm.eps = 1e-2  # the planted change
+    batch = zoo.make_batch(cfg, batch_size=2, seq_len=8, seed=0)
+    report = tp.diagnose(model_a, model_b, batch, backward=False)
+    assert len(report.rows) > 40
+    page = report.to_html()
+    tags = parse(page)
+    axis = [a for t, a in tags if t == "text" and a.get("class") == "axis-module"]
+    assert 0 < len(axis) <= 40
+    for layer in range(4):
+        assert f">decoder.layers.{layer}</text>" in page
+    sections = page.split("<details")[1:]
+    assert len(sections) >= 4
+    opened = [s for s in sections if s.startswith(" open>")]
+    assert opened and all("decoder.layers.2" in s.split("</summary>")[0] for s in opened[:1])
+    assert "decoder.layers.2.mlp_norm" in opened[0]
+    assert page.index("<svg") < page.index("<table")  # the error plot first
