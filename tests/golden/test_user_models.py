@@ -7,9 +7,6 @@ difference; bad entries get one line and their exit status."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -347,22 +344,18 @@ def test_model(model_parity, entry, cell):
 '''
 
 
-def test_the_pytest_fixture_gives_one_test_per_cell(models, tmp_path):
+def test_the_pytest_fixture_gives_one_test_per_cell(models, tmp_path, pytester):
     changed = tmp_path / "changed" / "models.py"
     changed.parent.mkdir()
     changed.write_text(FACTORIES.replace("/ 8 ** 0.5", "/ 4 ** 0.5"))  # manual path rescaled
-    suite = tmp_path / "test_suite.py"
-    suite.write_text(USER_SUITE.format(golden=str(models / "golden"),
-                                       same=f"{models / 'models.py'}:without_sdpa",
-                                       changed=f"{changed}:without_sdpa"))
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "-rf", str(suite)], capture_output=True, text=True, cwd=tmp_path,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    out = result.stdout
+    pytester.makepyfile(test_suite=USER_SUITE.format(
+        golden=str(models / "golden"), same=f"{models / 'models.py'}:without_sdpa",
+        changed=f"{changed}:without_sdpa"))
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
     # The changed model fails in the reference cell; its sdpa cell is n/a (no SDPA call).
-    assert "1 failed, 3 passed" in out, out
-    assert "FAILED test_suite.py::test_model[changed-manual-fp64-cpu]" in out
-    assert "models.without_sdpa manual fp64 cpu outputs: diverged" in out
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*test_model?changed-manual-fp64-cpu?*",
+                                 "*FAIL models.without_sdpa manual fp64 cpu outputs: diverged*"])
 
 
 def test_bench_times_each_backend_and_the_check_of_a_users_model(models, tmp_path):
