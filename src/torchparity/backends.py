@@ -129,14 +129,15 @@ class _RedirectSdpa(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not _SDPA or _own_calls or not _blocks:
-            if getattr(torch.Tensor, getattr(func, "__name__", ""), None) is func:
-                # As a method: torch.compile traces x.unflatten(...) but not the body of
-                # Tensor.unflatten(x, ...), which calls super().
-                return getattr(args[0], func.__name__)(*args[1:], **kwargs)
-            return func(*args, **kwargs)
-        _count_call()
-        return _redirected_sdpa(_blocks[-1].backend, *args, **kwargs)
+        if func is _SDPA and _blocks and not _own_calls:
+            _count_call()
+            return _redirected_sdpa(_blocks[-1].backend, *args, **kwargs)
+        name = getattr(func, "__name__", "") if torch.compiler.is_compiling() else ""
+        if name and getattr(torch.Tensor, name, None) is func:
+            # As a method: torch.compile traces x.unflatten(...) but not the body of
+            # Tensor.unflatten(x, ...), which calls super().
+            return getattr(args[0], name)(*args[1:], **kwargs)
+        return func(*args, **kwargs)
 
 
 def _redirected_sdpa(name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
