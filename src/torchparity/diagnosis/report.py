@@ -728,6 +728,16 @@ def _axis_rows(rows: list[Row], most: int = 40) -> list[int]:
     return chosen
 
 
+def _spaced(indices: list[int], min_gap: int) -> list[int]:
+    """``indices`` without those closer than ``min_gap`` rows to the previous kept one (labels
+    would overlap); the last one (a layer, or the model) is kept over its neighbour."""
+    kept: list[int] = []
+    for index in reversed(indices):
+        if not kept or kept[-1] - index >= min_gap:
+            kept.append(index)
+    return kept[::-1]
+
+
 def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str) -> str:
     """Log-scale plot of error / budget per row, local and propagated, with the budget at 1."""
     series = {
@@ -740,7 +750,7 @@ def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str
     lo = math.floor(math.log10(min(finite + [1e-2])))
     hi = math.ceil(math.log10(max(finite + [10.0])))
     left, top, plot_h, step = 60, 30, 220, max(8, min(40, 900 // max(len(rows), 1)))
-    labelled = _axis_rows(rows)
+    labelled = _spaced(_axis_rows(rows), min_gap=max(1, math.ceil(13 / step)))
     label_h = 6 * max((len(_label(rows[i].module)) for i in labelled), default=0) + 10
     width = left + step * max(len(rows), 1) + 30
     height = top + plot_h + label_h + 30
