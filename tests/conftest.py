@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 import pytest
+import torch
 
 from torchparity import backends
 from torchparity.pytest_plugin import gpu_device
@@ -24,6 +25,9 @@ from torchparity.train.trainer import DTYPE_MODES
 
 _CELL = "torchparity-gpu-cell"
 _FORWARD_ONLY = "torchparity-gpu-forward-only"
+# PyTorch's math kernel runs on every device and dtype: a probe that says otherwise hides an
+# error of the wrapper, so its cells must run whatever the probe says.
+_RUNS_EVERYWHERE = "sdpa-math"
 _WIDTH = 80
 
 
@@ -99,9 +103,11 @@ class GpuCellAccount:
             self.passed.add(report.nodeid)
 
     def rows(self) -> dict[tuple[str, str], CellRow]:
-        """(backend, dtype) -> its row, in the order the cells were first reported."""
+        """(backend, dtype) -> its row, in the order of backends.names() and of the dtypes."""
         rows: dict[tuple[str, str], CellRow] = {}
-        for nodeid, cell in self.cells.items():
+        order = {name: i for i, name in enumerate([*backends.names(), *DTYPE_MODES])}
+        for nodeid, cell in sorted(self.cells.items(), key=lambda item: (
+                order.get(item[1][0], len(order)), order.get(item[1][1], len(order)))):
             row = rows.setdefault(cell, CellRow())
             if nodeid in self.failed:
                 row.failed += 1
@@ -115,7 +121,7 @@ class GpuCellAccount:
 
     def offer(self, backend: str, dtype: str) -> str:
         """Whether the machine offers ``backend`` in ``dtype``: "yes", "no", or "error" when
-        the probe itself failed (a kernel that was selected and then crashed)."""
+        the probe itself raised (a kernel that was selected and then crashed)."""
         mode = DTYPE_MODES[dtype]
         try:
             reasons = backends.available(gpu_device(self.config),
@@ -124,17 +130,28 @@ class GpuCellAccount:
             return "error"
         return "yes" if reasons.get(backend, "unknown backend") is None else "no"
 
+    def must_run(self, backend: str, dtype: str) -> str | None:
+        """Why some cell of ``backend`` in ``dtype`` had to run here, or None."""
+        offer = self.offer(backend, dtype)
+        if offer == "yes":
+            return "offered"
+        if offer == "error":
+            return "its probe raised"
+        device = torch.device(gpu_device(self.config))
+        if backend == _RUNS_EVERYWHERE and (device.type != "cuda" or torch.cuda.is_available()):
+            return "math runs anywhere"
+        return None
+
     @pytest.hookimpl
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if hasattr(self.config, "workerinput"):
             return  # an xdist worker: the controller sees every report and judges
         device = gpu_device(self.config)
         for (backend, dtype), row in self.rows().items():
-            offer = self.offer(backend, dtype)
-            if row.ran == 0 and not row.forward_only and offer != "no":
-                why = "is offered" if offer == "yes" else "failed its availability probe"
-                self.unrun.append(f"{backend} {why} in {dtype} on {device}, and none of its "
-                                  f"{row.total} gpu cells ran")
+            why = self.must_run(backend, dtype)
+            if why and row.ran == 0 and not row.forward_only:
+                self.unrun.append(f"{backend} {dtype} on {device}: ran 0 of {row.total} cells, "
+                                  f"though {why}")
         if self.unrun and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -157,8 +174,9 @@ class GpuCellAccount:
                 for reason, count in reasons.items():
                     for line in _wrap(f"{count} {outcome}: {reason}"):
                         write(line)
-        for line in self.unrun:
-            write(line, red=True, bold=True)
+        for unrun in self.unrun:
+            for line in _wrap(unrun, indent=""):
+                write(line, red=True, bold=True)
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
@@ -167,9 +185,9 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return " ".join(reason.removeprefix("Skipped: ").split())
 
 
-def _wrap(text: str) -> list[str]:
+def _wrap(text: str, indent: str = "  ") -> list[str]:
     # Whole words only: a module name or a path is never cut.
-    return textwrap.wrap(text, _WIDTH, initial_indent="  ", subsequent_indent="    ",
+    return textwrap.wrap(text, _WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
                          break_long_words=False, break_on_hyphens=False)
 
 
