@@ -409,6 +409,24 @@ def test_sdpa_model_matches_float64_on_every_backend(model_name: str, backend: s
         tp.assert_parity(candidate_grads, golden_grads, baseline=baseline_grads, kind="grad")
 
 
+@pytest.mark.slow
+def test_compiled_models_run_on_the_backend_and_count_every_run() -> None:
+    # The redirect is traced into the compiled graph; its counting replays on every run.
+    model, _, inputs, layers = _nanogpt()
+    compiled = torch.compile(model, backend="eager")
+    torch._dynamo.reset()
+    with torch.no_grad(), backends.use("manual") as intercepted:
+        eager = model(**inputs)
+        runs = [compiled(**inputs) for _ in range(3)]
+    assert intercepted.calls == 4 * layers
+    for out in runs:
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    with torch.no_grad(), backends.use("flex"), pytest.raises(BackendUnavailable,
+                                                              match="dropout_p=0.5"):
+        torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.5),
+                      backend="eager")(torch.randn(1, 2, 4, 8))
+
+
 def test_model_that_never_calls_sdpa_counts_zero_and_says_why() -> None:
     _, eager_model, inputs, _ = _hf("llama")  # Hugging Face eager attention: no SDPA call
     with torch.no_grad(), backends.use("sdpa-flash") as intercepted:
