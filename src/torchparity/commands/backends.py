@@ -1,4 +1,8 @@
-"""``torchparity backends``: which attention backends run here, per dtype, and why not."""
+"""``torchparity backends``: which attention backends run here, per dtype, and why not.
+
+Each backend is probed with a causal call without a mask and with a masked call; "ok" means
+either ran. A model's calls are still judged one by one (flash may run the first kind and
+refuse the second)."""
 
 from __future__ import annotations
 
@@ -48,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     for reason, index in notes.items():
         console.print(f"[{index}] {reason}", markup=False)
+    console.print("ok: ran a causal call without a mask or a masked call; a model's calls are "
+                  "judged one by one.", markup=False)
 
     if args.json:
         payload = {"device": device, "torch": torch.__version__, "available": results}
