@@ -368,8 +368,14 @@ _MISSING = object()  # the side of a key or position that only the other side ha
 # this only beyond int64 or as enums; other numbers become tensors.)
 _PLAIN_VALUES = (str, bytes, int, complex, enum.Enum, torch.dtype, torch.device)
 
+_OPAQUE_RULE = (
+    "not a tensor, number or container; register its class with torch.utils._pytree"
+    " to compare its contents"
+)
+
 
 def _align(candidate: Any, golden: Any, path: str, found: _Alignment) -> None:
+    """Walk candidate and golden together from ``path``, recording into ``found``."""
     c, g = _leaf_tensor(candidate), _leaf_tensor(golden)
     c_children, g_children = _children(candidate), _children(golden)
     if c is not None and g is not None and _same_layout(c, g):
@@ -382,20 +388,13 @@ def _align(candidate: Any, golden: Any, path: str, found: _Alignment) -> None:
         and _container_type(candidate) == _container_type(golden)
     ):
         for key in {**g_children, **c_children}:  # the golden's order, the candidate's extras
-            missing = _MISSING
-            _align(c_children.get(key, missing), g_children.get(key, missing), path + key, found)
+            _align(c_children.get(key, _MISSING), g_children.get(key, _MISSING), path + key, found)
     elif _is_cache(candidate) and _is_cache(golden):
         found.skipped.append((path, CACHE_RULE))
     elif _is_opaque(candidate) and type(candidate) is type(golden):
         found.skipped.append((path, f"{type(candidate).__name__}: {_OPAQUE_RULE}"))
     elif not _same_value(candidate, golden):
         found.structure.append(StructureDifference(path, _what(candidate), _what(golden)))
-
-
-_OPAQUE_RULE = (
-    "not a tensor, number or container; register its class with torch.utils._pytree"
-    " to compare its contents"
-)
 
 
 def _leaf_tensor(x: Any) -> torch.Tensor | None:
