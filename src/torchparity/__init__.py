@@ -15,6 +15,8 @@ _EXPORTS = {
     "compare": "torchparity.comparison",
     "assert_parity": "torchparity.comparison",
     "Comparison": "torchparity.comparison",
+    "StructureDifference": "torchparity.comparison",
+    "shared_tensors": "torchparity.comparison",
     "diagnose": "torchparity.diagnosis.api",
     "diagnose_against": "torchparity.diagnosis.api",
     "diagnose_decode": "torchparity.diagnosis.decode",
