@@ -75,7 +75,7 @@ class _Tracker:
         self._parts: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         self._pending_grads: dict[int, dict[str, torch.Tensor]] = {}
         self._expected_grads = {
-            id(m): set(reference.store.get(m.a[0].key, "grad_out"))
+            id(m): reference.store.paths(m.a[0].key, "grad_out")
             for m in alignment.matches if one_to_one(m)
         }
 

@@ -20,7 +20,8 @@ On disk (``tp.record``) a trace is a directory::
       trace.json              schema, versions, settings, module tree, weight and input checksums,
                               the calls in execution order with their input structure
       tensors/000123.safetensors  one file per write of a call's tensors: "<group>/<path>" ->
-                              tensor (trace.json lists each call's files)
+                              tensor (trace.json lists each call's files by group, so a
+                              reader opens only the files of the group it needs)
 
 Writing is incremental (each write goes to a new file, so memory stays bounded and nothing is
 rewritten) into a temporary sibling directory that replaces the target only when complete.
@@ -83,6 +84,10 @@ class MemoryStore:
         """The group's tensors ({} when none were stored)."""
         return dict(self._tensors.get((key, group), {}))
 
+    def paths(self, key: str, group: str) -> set[str]:
+        """The paths of the group's tensors."""
+        return set(self._tensors.get((key, group), {}))
+
     def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
         self._inputs[key] = (args, kwargs)
 
@@ -108,21 +113,27 @@ class DiskStore:
     def __init__(self, directory: Path, *, writable: bool) -> None:
         self.directory = Path(directory)
         self.input_specs: dict[str, Any] = {}
-        self.files: dict[str, list[str]] = {}
+        self.files: dict[str, dict[str, list[str]]] = {}  # call -> group -> its files
         self._n_files = 0
         self._cache_key: str | None = None
         self._cache: dict[str, torch.Tensor] = {}
+        self._cached_groups: set[str] = set()  # groups of the cached call read in full
         if writable:
             (self.directory / "tensors").mkdir(parents=True, exist_ok=True)
 
-    def _load(self, key: str) -> dict[str, torch.Tensor]:
-        if self._cache_key != key:  # calls are read group after group: keep the last call's
-            self._cache = {}
-            for name in self.files.get(key, []):
+    def _load(self, key: str, group: str) -> dict[str, torch.Tensor]:
+        """The call's tensors of one group (its files hold other groups too: only this one's
+        tensors are read); the last call's are kept, as calls are read group after group."""
+        if self._cache_key != key:
+            self._cache, self._cache_key, self._cached_groups = {}, key, set()
+        prefix = f"{group}/"
+        if group not in self._cached_groups:
+            for name in self.files.get(key, {}).get(group, []):
                 with safe_open(self.directory / name, framework="pt") as handle:
-                    self._cache.update({k: handle.get_tensor(k) for k in handle.keys()})
-            self._cache_key = key
-        return self._cache
+                    self._cache.update({k: handle.get_tensor(k) for k in handle.keys()
+                                        if k.startswith(prefix)})
+            self._cached_groups.add(group)
+        return {k: t for k, t in self._cache.items() if k.startswith(prefix)}
 
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
         if not tensors:
@@ -133,14 +144,21 @@ class DiskStore:
         named = {f"{group}/{path}": t.detach().cpu().contiguous().clone()
                  for path, t in tensors.items()}
         save_file(named, str(self.directory / name))
-        self.files.setdefault(key, []).append(name)
-        if self._cache_key == key:
+        self.files.setdefault(key, {}).setdefault(group, []).append(name)
+        if self._cache_key == key and group in self._cached_groups:
             self._cache.update(named)
 
     def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
         prefix = f"{group}/"
-        return {name[len(prefix):]: t for name, t in self._load(key).items()
-                if name.startswith(prefix)}
+        return {name[len(prefix):]: t for name, t in self._load(key, group).items()}
+
+    def paths(self, key: str, group: str) -> set[str]:
+        """The paths of the group's tensors, read from the files' headers only."""
+        prefix, found = f"{group}/", set()
+        for name in self.files.get(key, {}).get(group, []):
+            with safe_open(self.directory / name, framework="pt") as handle:
+                found.update(k[len(prefix):] for k in handle.keys())
+        return found
 
     def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
         tensors: dict[str, torch.Tensor] = {}
