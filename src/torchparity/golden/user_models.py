@@ -433,24 +433,15 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
 def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
            golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
            ) -> CheckResult:
-    """Judge the tensors candidate, golden and baseline share; name the ones they do not."""
-    structure = [f"{p}: in the golden, missing here" for p in golden if p not in candidate]
-    structure += [f"{p}: here, not in the golden" for p in candidate if p not in golden]
-    shared = [p for p in golden if p in candidate and (baseline is None or p in baseline)
-              and candidate[p].shape == golden[p].shape]
-    structure += [f"{p}: shape {list(candidate[p].shape)} here, {list(golden[p].shape)} in the "
-                  f"golden" for p in golden if p in candidate
-                  and candidate[p].shape != golden[p].shape]
-    comparison = compare({p: candidate[p] for p in shared}, {p: golden[p] for p in shared},
-                         None if baseline is None else {p: baseline[p] for p in shared},
-                         OUTPUT_KINDS[output], compute_dtype=cell.dtype)
+    """Judge the tensors candidate and golden share; paths that one side lacks (eager's
+    attention weights against sdpa's None) are structure differences, not divergences."""
+    comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
+                         compute_dtype=cell.dtype)
     worst = comparison.worst
-    explain = comparison.explain()
-    if structure:
-        explain += f" Structure differs: {'; '.join(structure)}."
     return _result(subject, cell, output, comparison.verdict, ok=comparison.ok,
-                   headroom=worst.headroom if worst else 0.0, explain=explain,
-                   worst=worst.path if worst else None, structure=structure or None)
+                   headroom=worst.headroom if worst else 0.0, explain=comparison.explain(),
+                   worst=worst.path if worst else None,
+                   structure=[str(d) for d in comparison.structure] or None)
 
 
 def _result(subject: Subject, cell: Cell, output: str, verdict: str, *, ok: bool,
