@@ -5,8 +5,9 @@ A *cell* is a test marked ``gpu`` and parametrized by ``backend`` and ``dtype`` 
 ran their forward pass only (through the ``gpu_cell`` fixture, where the backend has no
 backward), failed and were skipped, with each reason; a backend that the machine offers in a
 dtype (``torchparity.backends.available``) but that ran none of its cells, not even forward
-only, fails the run, with one line naming it. Reports reach these hooks on the xdist
-controller too, so ``-n`` works.
+only, fails the run, with one line naming it. So does ``sdpa-math`` on any present device
+whatever the probe says (PyTorch's math kernel runs everywhere), and a backend whose probe
+raised. Reports reach these hooks on the xdist controller too, so ``-n`` works.
 """
 
 from __future__ import annotations
@@ -104,11 +105,12 @@ class GpuCellAccount:
 
     def rows(self) -> dict[tuple[str, str], CellRow]:
         """(backend, dtype) -> its row, in the order of backends.names() and of the dtypes."""
-        rows: dict[tuple[str, str], CellRow] = {}
-        order = {name: i for i, name in enumerate([*backends.names(), *DTYPE_MODES])}
-        for nodeid, cell in sorted(self.cells.items(), key=lambda item: (
-                order.get(item[1][0], len(order)), order.get(item[1][1], len(order)))):
-            row = rows.setdefault(cell, CellRow())
+        rank = {name: i for i, name in enumerate([*backends.names(), *DTYPE_MODES])}
+        cells = sorted(set(self.cells.values()),
+                       key=lambda cell: [rank.get(name, len(rank)) for name in cell])
+        rows = {cell: CellRow() for cell in cells}
+        for nodeid, cell in self.cells.items():
+            row = rows[cell]
             if nodeid in self.failed:
                 row.failed += 1
             elif nodeid in self.forward_only:
