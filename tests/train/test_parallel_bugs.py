@@ -4,7 +4,8 @@ A bug in the forward pass (a bias counted once per rank, query heads paired with
 heads) changes the loss of step 1, which is measured before any update. A bug in the gradient
 (a loss scaled down twice, a replicated norm's gradient left unreduced) leaves the step-1 loss
 alone and changes the step-1 gradient norm. The bugs are planted in the ranks only, so the
-one-process run and the golden are those of the correct code.
+one-process run and the golden are those of the correct code. ``diagnose_parallel_step`` then
+names the module: the first whose output, else whose gradient, leaves its budget.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from torchparity.train.distributed import run_parallel
+from torchparity.train.distributed import diagnose_parallel_step, run_parallel
 from torchparity.train.trainer import TrainConfig, train
 from torchparity.train.trajectory import check_against_golden, compare_trajectories, reduction_twin
 
@@ -22,8 +23,12 @@ FAULTS = str(Path(__file__).with_name("parallel_faults.py"))
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
+def _config(case: str) -> TrainConfig:
+    return TrainConfig(case=case, steps=3, batch_size=4)
+
+
 def _caught(bug: str, parallelism: str, case: str) -> list:
-    config = TrainConfig(case=case, steps=3, batch_size=4)
+    config = _config(case)
     run = run_parallel(config, parallelism=parallelism, nproc=2, setup=f"{FAULTS}:{bug}")
     single = train(config)
     results = (compare_trajectories(run, single, (single, train(reduction_twin(config)))),
@@ -44,14 +49,34 @@ def test_query_heads_paired_with_another_groups_kv_heads_change_the_first_loss()
     _assert_first("gqa_heads_split_across_groups", "tp", "llama-tiny", "loss")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("bug, parallelism, case, quantity", [
+_BUGS = [
     # parallel-residual has an output-projection bias: added by both ranks, counted twice.
-    ("row_parallel_bias_on_every_rank", "tp", "parallel-residual", "loss"),
-    # FSDP2 averages over the ranks already; a second division halves every gradient.
-    ("loss_divided_by_world_size_twice", "fsdp", "llama-tiny", "grad_norm"),
+    ("row_parallel_bias_on_every_rank", "tp", "parallel-residual", "loss",
+     ("decoder.layers.0.attn", "output")),
+    # FSDP2 averages over the ranks already; a second division halves every gradient: the
+    # first parameter (the token embedding) shows it.
+    ("loss_divided_by_world_size_twice", "fsdp", "llama-tiny", "grad_norm",
+     ("decoder.embed.tokens", "gradient")),
     # Norms kept out of FSDP2: each rank steps with the gradient of its own rows only.
-    ("replicated_norm_gradient_not_reduced", "fsdp", "llama-tiny", "grad_norm"),
-])
-def test_planted_parallel_bugs_are_caught_at_the_first_step(bug, parallelism, case, quantity):
-    _assert_first(bug, parallelism, case, quantity)
+    ("replicated_norm_gradient_not_reduced", "fsdp", "llama-tiny", "grad_norm",
+     ("decoder.layers.0.attn_norm", "gradient")),
+    ("gqa_heads_split_across_groups", "tp", "llama-tiny", "loss",
+     ("decoder.layers.0.attn", "output")),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug, parallelism, case, quantity, where", _BUGS)
+def test_planted_parallel_bugs_are_caught_at_step_1_and_located(bug, parallelism, case,
+                                                                 quantity, where):
+    if bug != "gqa_heads_split_across_groups":  # caught in the default suite above
+        _assert_first(bug, parallelism, case, quantity)
+    location = diagnose_parallel_step(_config(case), parallelism=parallelism, nproc=2, step=1,
+                                      setup=f"{FAULTS}:{bug}")
+    assert (location.module, location.quantity) == where, location.render()
+
+
+@pytest.mark.slow
+def test_a_correct_parallel_step_is_located_nowhere():
+    location = diagnose_parallel_step(_config("mqa"), parallelism="fsdp+tp", nproc=2, step=2)
+    assert location.module is None, location.render()

@@ -88,7 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="judge against a run of BACKEND in the same dtype, calibrated by "
                             "that run and its reduction-order twin")
     parser.add_argument("--diagnose", action="store_true",
-                        help="when the trajectory diverges, diagnose the first diverging step")
+                        help="when the trajectory diverges, diagnose the first diverging step "
+                             "(with --nproc: name the first module whose output or gradient "
+                             "differs from one process)")
     parser.add_argument("--update-golden", action="store_true",
                         help="(re)write golden/<case>/trajectory for the golden recipe")
     parser.add_argument("--golden-dir", help="golden folder (default: golden/ of the source "
@@ -154,11 +156,10 @@ def _run_parallel(config: TrainConfig, execution: Execution, args: argparse.Name
                   console: Console) -> int:
     """Train with ``--nproc`` ranks, judge against one process and the golden."""
     from torchparity.train import trajectory as tj
-    from torchparity.train.distributed import check_layout, run_parallel
+    from torchparity.train.distributed import check_layout, diagnose_parallel_step, run_parallel
 
-    if args.against or args.diagnose:
-        option = "--against" if args.against else "--diagnose"
-        raise UsageError(f"{option} runs in one process; leave it out with --nproc > 1 (a "
+    if args.against:
+        raise UsageError("--against runs in one process; leave it out with --nproc > 1 (a "
                          "distributed run is judged against one process and the golden)")
     parallelism, nproc = args.parallel or "ddp", _nproc(args)
     check_layout(config, execution, parallelism, nproc)
@@ -177,10 +178,19 @@ def _run_parallel(config: TrainConfig, execution: Execution, args: argparse.Name
     for against, comparison in judged.items():
         console.print(f"vs {against}: {budget_share(comparison)}", markup=False)
         console.print(comparison.explain(), markup=False, soft_wrap=True)
+    parted = [c.first_divergence.step for c in judged.values() if not c.ok]
+    location = None
+    if parted and args.diagnose:
+        console.print(f"diagnosing step {min(parted)}: {nproc} processes vs one, module by "
+                      "module")
+        location = diagnose_parallel_step(config, execution, parallelism=parallelism,
+                                          nproc=nproc, step=min(parted))
+        console.print(location.render(), markup=False, soft_wrap=True)
     if args.json:
         data = {"trajectory": candidate.to_dict(),
                 "comparison": judged["float64 golden"].to_dict(),
-                "single_process_comparison": judged["one process"].to_dict()}
+                "single_process_comparison": judged["one process"].to_dict(),
+                "diagnosis": None if location is None else vars(location)}
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
     return 0 if all(c.ok for c in judged.values()) else 1
 

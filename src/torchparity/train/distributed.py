@@ -29,6 +29,14 @@ import torch
 from torchparity.errors import TorchParityError
 from torchparity.train import launcher
 from torchparity.train.parallel import Layout, tensor_parallel_problem
+from torchparity.train.step_capture import (
+    Location,
+    StepCapture,
+    capture_step,
+    golden_of,
+    load_weights,
+    locate,
+)
 from torchparity.train.trainer import Execution, TrainConfig, Trainer, Trajectory
 
 #: Seconds a collective may wait for a rank before it fails (a rank stuck elsewhere).
@@ -58,18 +66,45 @@ def run_parallel_jobs(jobs: list[tuple[str, TrainConfig]], execution: Execution 
     """:func:`run_parallel` for several ``(parallelism, config)`` jobs, one after the other in
     one launch: the ranks start (interpreters, imports, rendezvous) once."""
     execution = execution or Execution()
-    for parallelism, config in jobs:
-        check_layout(config, execution, parallelism, nproc)
     with tempfile.TemporaryDirectory(prefix="torchparity-train-") as tmp:
-        outs = [Path(tmp) / f"trajectory{i}.json" for i in range(len(jobs))]
-        args = ["--execution", json.dumps(execution.to_dict()), "--log-every", str(log_every),
-                *(["--setup", setup] if setup else [])]
-        for (parallelism, config), out in zip(jobs, outs, strict=True):
-            args += ["--job", json.dumps({"parallelism": parallelism, "config": config.to_dict(),
-                                          "out": str(out)})]
-        launcher.launch("torchparity.train.distributed", args, nproc=nproc, timeout=timeout,
-                        log=log)
-        return [Trajectory.from_dict(json.loads(out.read_text())) for out in outs]
+        specs = [{"parallelism": parallelism, "config": config,
+                  "out": str(Path(tmp) / f"trajectory{i}.json")}
+                 for i, (parallelism, config) in enumerate(jobs)]
+        _launch(specs, execution, nproc, timeout, log, log_every, setup)
+        return [Trajectory.from_dict(json.loads(Path(spec["out"]).read_text()))
+                for spec in specs]
+
+
+def diagnose_parallel_step(config: TrainConfig, execution: Execution | None = None, *,
+                           parallelism: str, nproc: int, step: int, timeout: float = 300.0,
+                           setup: str | None = None) -> Location:
+    """Where step ``step`` of a distributed run first differs from one process: the ranks
+    train the steps before it and capture it module by module (see
+    :mod:`torchparity.train.step_capture`); one process runs the step from the ranks' weights
+    and captures it too, and a float64 copy of that model is the golden."""
+    execution = execution or Execution()
+    with tempfile.TemporaryDirectory(prefix="torchparity-diagnose-") as tmp:
+        capture = Path(tmp) / "capture.pt"
+        _launch([{"parallelism": parallelism, "config": config, "capture_step": step,
+                  "out": str(capture)}], execution, nproc, timeout, None, 0, setup)
+        candidate = StepCapture(**torch.load(capture, weights_only=True))
+    single = Trainer(config, execution)
+    load_weights(single.model, candidate.weights)
+    golden = golden_of(single, step)
+    baseline = capture_step(single, step)
+    rows = config.batch_size // (Layout(parallelism, nproc).dp * config.accum_steps)
+    return locate(step, candidate, baseline, golden, rows)
+
+
+def _launch(specs: list[dict], execution: Execution, nproc: int, timeout: float,
+            log: Callable[[str], None] | None, log_every: int, setup: str | None) -> None:
+    for spec in specs:
+        check_layout(spec["config"], execution, spec["parallelism"], nproc)
+    args = ["--execution", json.dumps(execution.to_dict()), "--log-every", str(log_every),
+            *(["--setup", setup] if setup else [])]
+    for spec in specs:
+        args += ["--job", json.dumps({**spec, "config": spec["config"].to_dict()})]
+    launcher.launch("torchparity.train.distributed", args, nproc=nproc, timeout=timeout, log=log)
 
 
 def check_layout(config: TrainConfig, execution: Execution, parallelism: str,
@@ -120,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             trainer = Trainer(TrainConfig.from_dict(job["config"]), execution,
                               parallelism=job["parallelism"],
                               log=lambda line: print(line, flush=True), log_every=args.log_every)
+            if "capture_step" in job:
+                trainer.run(job["capture_step"] - 1)
+                capture = capture_step(trainer, job["capture_step"])
+                if rank == 0:
+                    torch.save(vars(capture), job["out"])
+                continue
             trajectory = trainer.run()
             if rank == 0:
                 Path(job["out"]).write_text(json.dumps(trajectory.to_dict()))
@@ -136,7 +177,8 @@ def _parser() -> argparse.ArgumentParser:
                                      description="one rank of a distributed training run")
     parser.add_argument("--job", action="append", required=True,
                         help='{"parallelism": ..., "config": TrainConfig, "out": where rank 0 '
-                             'writes the trajectory JSON}; repeated jobs run one after another')
+                             'writes the trajectory JSON, optionally "capture_step": N to '
+                             'capture step N instead}; repeated jobs run one after another')
     parser.add_argument("--execution", default="{}", help="Execution as JSON")
     parser.add_argument("--log-every", type=int, default=0, help="rank 0 logs every N steps")
     parser.add_argument("--setup", help="module:function called in every rank first")
