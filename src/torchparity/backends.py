@@ -347,10 +347,23 @@ def _flex(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
             score = torch.where(q_idx >= kv_idx, score, -float("inf"))
         return score
 
+    from torch._dynamo.exc import BackendCompilerFailed
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
         warnings.filterwarnings("ignore", message=".*_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG")
-        return _flex_function(q.device.type)(q, k, v, score_mod=score_mod, scale=scale)
+        try:
+            return _flex_function(q.device.type)(q, k, v, score_mod=score_mod, scale=scale)
+        except BackendCompilerFailed as exc:
+            # Flex's kernel selection is its compiler: a kernel it cannot build for this call
+            # (a head dim under 16 on CUDA, say) cannot run here. A built kernel that fails
+            # at run time raises as it is.
+            cause = exc
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            raise BackendUnavailable(
+                f"flex cannot compile this call ({q.device.type}, {q.dtype}, head dim "
+                f"{q.shape[-1]}): {str(cause).strip().splitlines()[0]}") from None
 
 
 _IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
@@ -380,8 +393,9 @@ def _probe(device: str, dtype: torch.dtype) -> tuple[tuple[str, str | None], ...
     if dev.type == "cuda" and not torch.cuda.is_available():
         return tuple((name, "no CUDA device is available") for name in names())
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen).to(dev, dtype) for _ in range(3))
-    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool, device=dev).tril()
+    # Head dim 16: the smallest that every kernel takes (flex on CUDA needs 16).
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen).to(dev, dtype) for _ in range(3))
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device=dev).tril()
     results = []
     for name in names():
         reasons = []
