@@ -93,9 +93,12 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     subjects = [Subject.load(entry) for entry in args.model or []]
     cases = [] if subjects and not args.case else select_cases(args.case)
+    # The zoo's goldens live in the source tree, a user's under the working directory.
     store = GoldenStore(default_golden_dir(args.golden_dir) if cases else
                         user_golden_dir(args.golden_dir))
-    store.require_root()
+    model_root = user_golden_dir(args.golden_dir)
+    if cases:
+        store.require_root()
     cells = select_cells(args.backend, args.dtype, args.device,
                          backend_names(subjects) if subjects else backends.names())
     jobs = _jobs(args.jobs)
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     for case in cases:  # every golden is validated before any work starts
         load_case(store, case)
     for subject in subjects:
-        load_goldens(subject, subject.store(store.root))
+        load_goldens(subject, subject.store(model_root))
     trajectories = _trajectory_store(store, cases) if args.train else None
 
     from rich.console import Console
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                         TimeElapsedColumn(), console=Console(stderr=True), transient=True)
     with progress:
         results = execute(store, cases, cells, jobs, progress) if cases else []
-        results += check_models(subjects, store, cells, progress)
+        results += check_models(subjects, model_root, cells, progress)
         if trajectories is not None:
             results += train_results(trajectories, cases, cells, progress)
     elapsed = time.perf_counter() - started
@@ -280,14 +283,14 @@ def _drain(progress_queue: Any, advance: Callable[[str], None], timeout: float) 
         pass
 
 
-def check_models(subjects: list[Subject], store: GoldenStore, cells: list[Cell],
+def check_models(subjects: list[Subject], root: Path, cells: list[Cell],
                  progress: Any) -> list[CheckResult]:
     """Check users' models in this process (their factories need not import elsewhere)."""
     task = progress.add_task("checking", total=len(subjects) * len(cells))
     results = []
     with single_thread():
         for subject in subjects:
-            results += check_subject(subject, subject.store(store.root), cells,
+            results += check_subject(subject, subject.store(root), cells,
                                      lambda label, s=subject: progress.update(
                                          task, advance=1, description=f"{s.name} {label}"))
     return results
