@@ -59,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "backend and dtype available (fp32 and bf16 on the CPU; also tf32 and fp16 on CUDA). "
         "The reference column recomputes the goldens in float64 and catches changed math; the "
         "other columns are judged by the tolerance model against the manual backend in the "
-        "same dtype. Exit status: 0 all pass, 1 something diverged, 2 usage or golden error.")
+        "same dtype. With --model, your own model is checked the same way against its goldens "
+        "(docs/your-model.md). Exit status: 0 all pass, 1 something diverged, 2 usage or "
+        "golden error, 3 your model's factory raised.")
     parser.add_argument("--case", action="append", metavar="NAME",
                         help="zoo case to check (repeatable; default: all, or none with "
                              "--model)")
@@ -70,9 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "update --model ENTRY`")
     parser.add_argument("--backend", action="append", metavar="NAME",
                         help=f"attention backend (repeatable; default: all of "
-                             f"{', '.join(backends.names())})")
+                             f"{', '.join(backends.names())}; with a transformers --model "
+                             f"also hf-eager, its eager attention)")
     parser.add_argument("--dtype", action="append", metavar="DTYPE", type=dtype_name,
-                        help=f"dtype (repeatable; one of {', '.join(CHECK_DTYPES)}; default: "
+                        help=f"dtype (repeatable; one of {', '.join(CHECK_DTYPES)}, or torch's "
+                             f"names such as float32 and bfloat16; default: "
                              f"fp32, bf16 on cpu and also tf32, fp16 on cuda)")
     parser.add_argument("--device", action="append", metavar="DEVICE",
                         help="device (repeatable; default: cpu, and cuda when available)")
