@@ -375,3 +375,12 @@ def test_bench_times_each_backend_and_the_check_of_a_users_model(models, tmp_pat
         else:
             assert rows["sdpa-math"]["reason"] == backends.NO_SDPA_CALLS_REASON
             assert result["check"] == []
+
+
+def test_goldens_with_decoding_refuse_a_factory_without_it(models, tmp_path, capsys):
+    changed = tmp_path / "changed" / "models.py"
+    changed.parent.mkdir()
+    changed.write_text(FACTORIES + "\n\ndef with_decode():\n    return hand_written(True)\n")
+    status, _ = check(models, tmp_path, "with_decode", "--backend", "manual", source=changed)
+    assert status == 2
+    assert "were made with decoding, the factory now does not" in capsys.readouterr().err

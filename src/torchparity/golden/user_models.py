@@ -319,9 +319,14 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
     :class:`GoldenStale`. (Changed weights or inputs are verdicts of :func:`check_subject`.)"""
     goldens = {output: store.read(subject.name, output) for output in ("outputs", "loss",
                                                                        "grads")}
+    fix = f"if the change is intended, run `{store.update_command}`"
+    decodes = subject.user.decode is not None or _generates(subject.user.model)
     if store.exists(subject.name, "decode"):
         goldens["decode"] = store.read(subject.name, "decode")
-    fix = f"if the change is intended, run `{store.update_command}`"
+    if decodes != ("decode" in goldens):
+        raise GoldenStale(f"the goldens of {subject.name} in {store.root} were made "
+                          f"{'without' if decodes else 'with'} decoding, the factory now "
+                          f"{'decodes' if decodes else 'does not'}; {fix}")
     for golden in goldens.values():
         uses_fn = golden.summary.get("loss") == "loss_fn"
         if uses_fn != (subject.user.loss_fn is not None):
