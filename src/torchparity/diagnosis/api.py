@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.diagnosis.align import Alignment, NameMap, align
+from torchparity.diagnosis.align import Alignment, NameMap
 from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.golden import add_golden, float64_departure, module_placement
@@ -57,7 +57,6 @@ from torchparity.diagnosis.run import (
     dtype_label,
     in_dtype,
     make_options,
-    run_model,
 )
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
 from torchparity.errors import UsageError
@@ -219,17 +218,15 @@ def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar:
 def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
                         name_map: NameMap | None, bar: ProgressBar) -> DiagnosisReport:
     """Stages 3 to 6: align B with the reference, judge propagated then local errors, report."""
-    done = bar.phase("B: call structure")
-    structure = run_model(model, inputs, opts, opts.backend_b, backward=False, what="shapes")
-    alignment = align(reference.calls, structure.calls, name_map)
-    done()
-    propagated = judge_propagated(reference, alignment, model, inputs, opts, bar)
+    propagated = judge_propagated(reference, model, inputs, name_map, opts, bar)
+    alignment = propagated.alignment
     replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar)
     done = bar.phase("where the first divergence enters")
     find_entry(reference, alignment.matches, propagated.rows, model, opts)
     done()
     meta = _report_meta(reference, model, opts, alignment)
-    if all(r.local is None or r.local.ok for r in propagated.rows):
+    if propagated.output.verdict != "identical" and all(
+            r.local is None or r.local.ok for r in propagated.rows):
         done = bar.phase("B in float64: forward")
         departure = float64_departure(reference, model, inputs, opts)
         done()

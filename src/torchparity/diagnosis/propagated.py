@@ -1,4 +1,5 @@
-"""Stage 4 of a diagnosis: propagated errors, B's full run judged against the golden's.
+"""Stages 3 and 4 of a diagnosis: B aligned with A, and propagated errors, B's full run judged
+against the golden's.
 
 B runs once, whole; each aligned module's outputs (and output gradients, and direct parameter
 gradients) are compared, as they are produced, with the golden's full run under the budget A's
@@ -8,13 +9,14 @@ and loss are judged the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from torchparity.diagnosis.align import Alignment, Match
-from torchparity.diagnosis.capture import ModuleCall, flatten_tensors, leaves
+from torchparity.diagnosis.align import Alignment, Match, NameMap, align, name_translator
+from torchparity.diagnosis.capture import ModuleCall, call_key, flatten_tensors, leaves
 from torchparity.diagnosis.judging import joined, judge_quickly, merged, with_leaves
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
@@ -25,30 +27,59 @@ from torchparity.diagnosis.trace import FINAL
 
 @dataclass
 class Propagated:
-    """One row per aligned module with its propagated results, and the final verdicts."""
+    """The alignment of B's calls with A's, one row per aligned module with its propagated
+    results, and the final verdicts."""
 
+    alignment: Alignment
     rows: list[Row]
     output: Result
     loss: Result | None
 
 
-def judge_propagated(reference: Reference, alignment: Alignment, model: nn.Module,
-                     inputs: Inputs, opts: Options, bar: ProgressBar) -> Propagated:
-    """Run B whole and judge each aligned module's outputs and gradients as they appear."""
+#: Which of A's calls (and how many of B's, fused) a call of B is judged against, by B's key.
+Pairing = Callable[[str], "tuple[tuple[ModuleCall, ...], tuple[str, ...]] | None"]
+
+
+def judge_propagated(reference: Reference, model: nn.Module, inputs: Inputs,
+                     name_map: NameMap | None, opts: Options, bar: ProgressBar) -> Propagated:
+    """Run B whole and judge each aligned module's outputs and gradients as they appear.
+
+    Calls are paired by (mapped) name while B runs, and B's calls are aligned with A's once
+    it has run; only when that alignment pairs calls by order or fusion, which names cannot
+    tell, does B run a second time with them judged."""
+    translate = name_translator(name_map)
+    by_name: dict[str, ModuleCall] = {}
+    for call in sorted(reference.calls, key=lambda c: c.order):
+        by_name.setdefault(call_key(translate(call.name), call.call), call)
+
+    def named(b_key: str) -> tuple[tuple[ModuleCall, ...], tuple[str, ...]] | None:
+        return ((by_name[b_key],), (b_key,)) if b_key in by_name else None
+
+    tracker, run = _run(reference, model, inputs, opts, bar, named)
+    alignment = align(reference.calls, run.calls, name_map)
+    if any(m.how in ("order", "fused") for m in alignment.matches):
+        groups = {c.key: (m.a, tuple(b.key for b in m.b)) for m in alignment.matches
+                  for c in m.b}
+        tracker, run = _run(reference, model, inputs, opts, bar, groups.get)
+    rows = []
+    for match in alignment.matches:
+        row = new_row(match)
+        row.propagated = tracker.forward.get(match.b_name)
+        row.grad_propagated = tracker.grads.get(match.b_name)
+        rows.append(row)
+    return Propagated(alignment=alignment, rows=rows, output=_final(reference, run, "output"),
+                      loss=_final(reference, run, "loss") if run.loss is not None else None)
+
+
+def _run(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
+         bar: ProgressBar, pairing: Pairing) -> tuple[_Tracker, Run]:
     done = bar.phase("B: forward" + (" and backward" if opts.backward else ""))
-    tracker = _Tracker(reference, alignment)
+    tracker = _Tracker(reference, pairing)
     run = run_model(model, inputs, opts, opts.backend_b, backward=opts.backward, what="outputs",
                     keep=False, on_call=tracker.on_call, on_grad=tracker.on_grad)
     tracker.finish(run.param_grads)
     done()
-    rows = []
-    for match in alignment.matches:
-        row = new_row(match)
-        row.propagated = tracker.forward.get(id(match))
-        row.grad_propagated = tracker.grads.get(id(match))
-        rows.append(row)
-    return Propagated(rows=rows, output=_final(reference, run, "output"),
-                      loss=_final(reference, run, "loss") if run.loss is not None else None)
+    return tracker, run
 
 
 def new_row(match: Match) -> Row:
@@ -65,61 +96,65 @@ def one_to_one(match: Match) -> bool:
 
 
 class _Tracker:
-    """Compares B's outputs and output gradients with the reference while B runs."""
+    """Compares B's outputs and output gradients with the reference while B runs; results are
+    keyed by the group's name in B (``"+"``-joined keys of its calls)."""
 
-    def __init__(self, reference: Reference, alignment: Alignment) -> None:
+    def __init__(self, reference: Reference, pairing: Pairing) -> None:
         self.reference = reference
-        self.by_b_key = {c.key: m for m in alignment.matches for c in m.b}
-        self.forward: dict[int, Result] = {}
-        self.grads: dict[int, Result] = {}
-        self._parts: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-        self._pending_grads: dict[int, dict[str, torch.Tensor]] = {}
-        self._expected_grads = {
-            id(m): reference.store.paths(m.a[0].key, "grad_out")
-            for m in alignment.matches if one_to_one(m)
-        }
+        self.pairing = pairing
+        self.forward: dict[str, Result] = {}
+        self.grads: dict[str, Result] = {}
+        self._parts: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+        self._pending_grads: dict[str, dict[str, torch.Tensor]] = {}
+        self._expected_grads: dict[str, set[str]] = {}
+        self._one_to_one: dict[str, ModuleCall] = {}  # B's key -> A's call
 
     def on_call(self, call: ModuleCall) -> None:
-        match = self.by_b_key.get(call.key)
-        if match is None:
+        paired = self.pairing(call.key)
+        if paired is None:
             return
-        parts = self._parts.setdefault(id(match), {})
+        a_calls, b_keys = paired
+        name = "+".join(b_keys)
+        if len(a_calls) == len(b_keys) == 1:
+            self._one_to_one[call.key] = a_calls[0]
+        parts = self._parts.setdefault(name, {})
         parts[call.key] = {p: t.cpu() for p, t in call.outputs.items()}
-        if len(parts) == len(match.b):  # a fused group is complete with its last member
-            candidate = joined([parts[c.key] for c in match.b])
-            result = self.reference.judge(match.a, candidate, "out", "golden_out", "forward",
+        if len(parts) == len(b_keys):  # a fused group is complete with its last member
+            candidate = joined([parts[key] for key in b_keys])
+            result = self.reference.judge(a_calls, candidate, "out", "golden_out", "forward",
                                           quick=True)
-            self.forward[id(match)] = with_leaves(result, leaves(call.output, "output"))
-            del self._parts[id(match)]
+            self.forward[name] = with_leaves(result, leaves(call.output, "output"))
+            del self._parts[name]
 
     def on_grad(self, call: ModuleCall, path: str, grad: torch.Tensor) -> None:
-        match = self.by_b_key.get(call.key)
-        if match is None or not one_to_one(match):
+        a = self._one_to_one.get(call.key)
+        if a is None:
             return
-        pending = self._pending_grads.setdefault(id(match), {})
+        if call.key not in self._expected_grads:
+            self._expected_grads[call.key] = self.reference.store.paths(a.key, "grad_out")
+        pending = self._pending_grads.setdefault(call.key, {})
         pending[path] = grad.cpu()
-        if set(pending) >= self._expected_grads[id(match)]:
-            self._judge_output_grads(match)
+        if set(pending) >= self._expected_grads[call.key]:
+            self._judge_output_grads(call.key)
 
-    def _judge_output_grads(self, match: Match) -> None:
-        candidate = self._pending_grads.pop(id(match))
-        self.grads[id(match)] = self.reference.judge(match.a, candidate, "grad_out",
-                                                     "golden_grad_out", "grad", quick=True)
+    def _judge_output_grads(self, b_key: str) -> None:
+        candidate = self._pending_grads.pop(b_key)
+        self.grads[b_key] = self.reference.judge((self._one_to_one[b_key],), candidate,
+                                                 "grad_out", "golden_grad_out", "grad",
+                                                 quick=True)
 
     def finish(self, param_grads: dict[str, dict[str, torch.Tensor]]) -> None:
         """Judge gradients still pending (outputs some of whose parts got none) and add the
-        parameter gradients of each one-to-one match."""
-        for match in self.by_b_key.values():
-            if id(match) in self._pending_grads:
-                self._judge_output_grads(match)
-        for match in {id(m): m for m in self.by_b_key.values()}.values():
-            b = match.b[0]
-            if not one_to_one(match) or b.call != 0 or not param_grads.get(b.name):
+        parameter gradients of each one-to-one pair (a module's first call holds them)."""
+        for b_key in list(self._pending_grads):
+            self._judge_output_grads(b_key)
+        for b_key, a in self._one_to_one.items():
+            if "#" in b_key or not param_grads.get(b_key):
                 continue
-            candidate = {p: g.cpu() for p, g in param_grads[b.name].items()}
-            params = self.reference.judge(match.a, candidate, "param_grad", "golden_param_grad",
+            candidate = {p: g.cpu() for p, g in param_grads[b_key].items()}
+            params = self.reference.judge((a,), candidate, "param_grad", "golden_param_grad",
                                           "grad", quick=True)
-            self.grads[id(match)] = merged(self.grads.get(id(match)), params)
+            self.grads[b_key] = merged(self.grads.get(b_key), params)
 
 
 def _final(reference: Reference, run: Run, which: str) -> Result:
