@@ -161,6 +161,10 @@ class KindTolerance:
     reorder_factor: float  # r in r * sqrt(K) * u_acc * scale': reordering, without a baseline
     guard_factor: float  # g in the baseline's bound g * sqrt(K) * u_acc * scale' (long reductions)
     per_step_growth: float = 0.0  # relative budget growth per training step
+    # Kinds judged rather than calibrated keep the bounded reordering term beside the measured
+    # noise: reorder_factor * sqrt(K) * u_acc * scale', scale' as large as the baseline's error
+    # reveals (err(baseline) / (sqrt(K) * u)).
+    bounded_reordering: bool = False
     # Tensors of one group (the parameters of one module) come from the same reductions: the
     # group's relative noise and scale bound the noise and the floor from below, and a member
     # whose golden cancelled to below the group's rounding is judged at the group's scale.
@@ -216,31 +220,32 @@ KINDS: dict[str, KindTolerance] = {
         group_scale=True,
     ),
     # Scalar losses: forward-like, judged rather than calibrated. One sample per comparison, so
-    # the baseline's error can be small by luck: fudge 36 and a floor of 8 ulps keep the budget
-    # of the former bounded rule (4 times the noise plus 32 times for reordering).
+    # the baseline's error can be small by luck: the bounded reordering term (factor 32, as
+    # forward's without a baseline) and a floor of 8 ulps carry the budget then.
     "loss": KindTolerance(
-        fudge=36.0,
+        fudge=4.0,
         metric="max_abs",
         floor_ulps=8.0,
-        noise_floor_ulps=1.0,
+        noise_floor_ulps=0.0,
         analytic_factor=4.0,
         reorder_factor=32.0,
         guard_factor=256.0,
+        bounded_reordering=True,
     ),
     # Losses or weights after n training steps: grad-like noise that compounds, judged rather
-    # than calibrated. The noise is measured by two runs that differ in summation order only;
-    # fudge 68 keeps the former bounded rule's budget (4 times the noise plus 64 times for
-    # reordering). The budget grows by half of itself per step (a linear model of the early,
-    # pre-chaotic divergence).
+    # than calibrated, with the bounded reordering term (factor 64, as grad's). The noise is
+    # measured by two runs that differ in summation order only. The budget grows by half of
+    # itself per step (a linear model of the early, pre-chaotic divergence).
     "trajectory": KindTolerance(
-        fudge=68.0,
+        fudge=4.0,
         metric="rms",
         floor_ulps=8.0,
-        noise_floor_ulps=1.0,
+        noise_floor_ulps=0.0,
         analytic_factor=8.0,
         reorder_factor=64.0,
         guard_factor=256.0,
         per_step_growth=0.5,
+        bounded_reordering=True,
     ),
 }
 
@@ -352,14 +357,20 @@ class Budget:
                 f"analytic {self.analytic:.3g} ({_num(self.analytic_factor)} × {root_k}"
                 f" × u {self.unit_roundoff:.3g} × scale {self.scale:.3g})"
             )
-            seen = "scale" if self.reordering_scale == self.scale else "scale of its group"
+        else:
+            allowance = f"{_num(self.fudge)} × {self.noise_source} {self.noise:.3g}"
+        if self.reordering:
+            if self.reordering_scale == self.scale:
+                seen = "scale"
+            elif self.reordering_scale == self.group_scale:
+                seen = "scale of its group"
+            else:
+                seen = "scale seen by the baseline"
             allowance += (
                 f" + reordering {self.reordering:.3g} ({_num(self.reorder_factor)} × {root_k}"
                 f" × u_acc {accumulation_roundoff(self.compute_dtype):.3g}"
                 f" × {seen} {self.reordering_scale:.3g})"
             )
-        else:
-            allowance = f"{_num(self.fudge)} × {self.noise_source} {self.noise:.3g}"
         text = f"{allowance} + floor {self.floor:.3g}"
         if self.step_factor != 1.0:
             text = f"({text}) × step factor {_num(self.step_factor)}"
@@ -410,6 +421,7 @@ def budget(
     # A member of a group carries the rounding of the group's values it is computed from.
     outer_scale = max(scale, group_scale or 0.0)
     noise, noise_source, analytic, reordering = None, None, None, 0.0
+    reordering_scale = outer_scale
     if baseline_error:
         noise, noise_source = max(
             (baseline_error, "baseline error"),
@@ -417,6 +429,13 @@ def budget(
             ((group_noise or 0.0) * outer_scale, "noise of its group"),
         )
         allowance = tol.fudge * noise
+        if tol.bounded_reordering:
+            # A length-K reduction that errs by e at roundoff u summed terms of magnitude
+            # e / (sqrt(K) u): when that exceeds the golden, the problem amplifies rounding.
+            reordering_scale = max(outer_scale, baseline_error / (root_k * p.unit_roundoff))
+            reordering = tol.reorder_factor * root_k * accumulation_roundoff(p.name)
+            reordering *= reordering_scale
+            allowance += reordering
     else:
         baseline_error = None
         analytic = tol.analytic_factor * root_k * p.unit_roundoff * scale
@@ -442,7 +461,7 @@ def budget(
         analytic=analytic,
         reorder_factor=tol.reorder_factor,
         reordering=reordering,
-        reordering_scale=outer_scale,
+        reordering_scale=reordering_scale,
         floor=floor,
         step_factor=step_factor,
         value=(allowance + floor) * step_factor + atol + rtol * scale,
