@@ -46,6 +46,8 @@ from torchparity.reference import config as config_module
 from torchparity.reference.config import TransformerConfig
 
 PADDINGS = ("none", "right", "left")  # simplest first: hypothesis shrinks toward "none"
+#: Rotary bases drawn by :func:`configs`: Llama 2's, Llama 3's and a long-context one.
+ROPE_THETAS = (10000.0, 500000.0, 1000000.0)
 _FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
 
 
@@ -97,7 +99,8 @@ def _configs(draw: st.DrawFn, architectures: tuple[str, ...], max_d_model: int,
     d_model = pick("d_model", st.sampled_from([d for d in (8, 16, 32) if d <= max_d_model]))
     n_heads = pick("n_heads", st.sampled_from([h for h in (1, 2, 4) if d_model % h == 0]))
     pick("n_kv_heads", st.sampled_from([None, *_divisors(n_heads)]))
-    head_dim = pick("head_dim", st.none() | st.sampled_from([2, 4, 8]))
+    # Head dims up to Llama's 128, where rotary's slowest frequencies are theta^(-126/128).
+    head_dim = pick("head_dim", st.none() | st.sampled_from([2, 4, 8, 128]))
     pick("d_ff", st.sampled_from([f for f in (8, 16, 32, 64) if f <= 2 * max_d_model]))
     positions = pick("positions", st.sampled_from(
         ["none", "learned", "sinusoidal", "rotary", "alibi", "relative"]))
@@ -115,7 +118,9 @@ def _configs(draw: st.DrawFn, architectures: tuple[str, ...], max_d_model: int,
         pick("rotary_layout", st.sampled_from(config_module.ROTARY_LAYOUTS))
         partial = list(range(2, head_dim or d_model // n_heads, 2))  # partial rotary widths
         pick("rotary_dim", st.none() | st.sampled_from(partial) if partial else st.none())
-        pick("rope_theta", st.sampled_from([10000.0, 100.0]))
+        # At 5e5 and 1e6 the frequencies lose visible precision when computed below fp32
+        # (theta does not even fit in fp16), which the classic 1e4 hides.
+        pick("rope_theta", st.sampled_from(ROPE_THETAS))
     elif positions == "sinusoidal":
         pick("sinusoidal_layout", st.sampled_from(config_module.SINUSOIDAL_LAYOUTS))
     elif positions == "relative":

@@ -49,6 +49,12 @@ _CASES = [
         rotary_layout="half", n_kv_heads=2),
         "Llama-style decoder: RMSNorm, SwiGLU, rotary (half-split), GQA 4:2, no biases",
         "left"),
+    ZooCase("llama3-rope", TransformerConfig(
+        d_model=64, n_heads=2, n_kv_heads=1, head_dim=128, d_ff=64, n_layers=1,
+        norm="rmsnorm", activation="gated-silu", positions="rotary", rope_theta=500000.0),
+        "Llama-3-style decoder: rotary base 500000 over 128-dim heads (frequencies down to"
+        " 500000^(-126/128)), GQA 2:1, SwiGLU",
+        "left"),
     ZooCase("rotary-interleaved", TransformerConfig(
         activation="gelu", positions="rotary", rotary_layout="interleaved", rotary_dim=4,
         qkv_bias=True, tie_embeddings=True),
