@@ -584,9 +584,8 @@ _FLASH_FINDING = (check_backend_equivalence, dict(
     backend="sdpa-flash", dtype=torch.float16))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="sdpa-flash's fp16 backward on the CPU: the rounding of a cancelled "
-                          "query gradient reaches the norm before it (see _FLASH_BACKWARD)")
 def test_flash_fp16_backward_error_flows_upstream():
+    # The norm in front of the cross-attention erred 12 times its own baseline draw, 6 roundoffs
+    # of its layer's scale: within the budget of its layer's relative noise.
     check, arguments = _FLASH_FINDING
     check(**arguments)

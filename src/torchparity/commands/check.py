@@ -362,7 +362,21 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
         if not r.ok:
             console.print(f"FAIL {r.case} {r.backend} {r.dtype} {r.device} {r.output}: "
                           f"{r.explain or r.reason}", markup=False, highlight=False)
+    console.print(_sensitivity_line(results), markup=False, highlight=False)
     console.print(_summary(results, elapsed), markup=False, highlight=False)
+
+
+def _sensitivity_line(results: list[CheckResult]) -> str:
+    """What the passing cells rule out: per dtype and kind, the largest relative change of an
+    output that could have passed (the least sensitive cell's)."""
+    weakest: dict[tuple[str, str], float] = {}
+    for r in results:
+        if r.sensitivity is not None:
+            key = (r.dtype, r.kind)
+            weakest[key] = max(weakest.get(key, 0.0), r.sensitivity)
+    parts = [f"{dtype} {kind} {value:.2g}" for (dtype, kind), value in sorted(weakest.items())]
+    return ("Sensitivity (a change of an output by more than this share of its golden's scale"
+            " would have been flagged): " + (", ".join(parts) or "none compared"))
 
 
 def print_table(console: Any, table: Any) -> None:

@@ -100,6 +100,9 @@ class CheckResult:
     explain: str | None = None
     worst: str | None = None  # path of the worst tensor
     structure: list[str] | None = None  # outputs present on one side only, with what each has
+    # The smallest change, relative to the golden's scale, the verdict would have flagged in
+    # every tensor of the output (the largest over them); None when not compared.
+    sensitivity: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; an infinite headroom becomes the string "inf"."""
@@ -468,7 +471,7 @@ def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torc
     worst = comparison.worst
     return _result(case, cell, output, comparison.verdict, ok=comparison.ok,
                    headroom=worst.headroom if worst else 0.0, explain=comparison.explain(),
-                   worst=worst.path if worst else None)
+                   worst=worst.path if worst else None, sensitivity=comparison.sensitivity)
 
 
 def _result(case: zoo.ZooCase, cell: Cell, output: str, verdict: str, *, ok: bool,
