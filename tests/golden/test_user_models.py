@@ -384,3 +384,16 @@ def test_goldens_with_decoding_refuse_a_factory_without_it(models, tmp_path, cap
     status, _ = check(models, tmp_path, "with_decode", "--backend", "manual", source=changed)
     assert status == 2
     assert "were made with decoding, the factory now does not" in capsys.readouterr().err
+
+
+def test_golden_verify_recomputes_a_users_model(models, tmp_path, capsys):
+    golden_dir = str(models / "golden")
+    assert main(["golden", "verify", "--golden-dir", golden_dir,
+                 "--model", f"{models / 'models.py'}:llama"]) == 0
+    assert "models.llama: ok (5 outputs reproduced)" in capsys.readouterr().out
+    changed = tmp_path / "changed" / "models.py"
+    changed.parent.mkdir()
+    changed.write_text(FACTORIES + PLANTED["llama-norm-eps"][1])
+    assert main(["golden", "verify", "--golden-dir", golden_dir,
+                 "--model", f"{changed}:llama"]) == 1
+    assert "models.llama: outputs diverged" in capsys.readouterr().out

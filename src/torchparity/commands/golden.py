@@ -1,10 +1,11 @@
 """``torchparity golden update|verify|show``: create, verify or read the zoo's goldens;
-``golden update --model ENTRY`` creates those of a user's model."""
+``golden update|verify --model ENTRY`` do the same for a user's model."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from torchparity.commands.check import GOLDEN_DIR_HELP, print_table, select_cases
@@ -18,7 +19,13 @@ from torchparity.golden.cases import (
     write_case,
 )
 from torchparity.golden.store import GoldenStore, default_golden_dir
-from torchparity.golden.user_models import Subject, user_golden_dir, write_goldens
+from torchparity.golden.user_models import (
+    Subject,
+    check_subject,
+    load_goldens,
+    user_golden_dir,
+    write_goldens,
+)
 from torchparity.reference import TransformerConfig, zoo
 
 
@@ -44,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "the code still produces it. Exit status 0 ok, 1 a golden is no longer "
                     "reproduced, 2 a golden is missing or damaged.")
     verify.add_argument("cases", nargs="*", metavar="CASE", help="zoo case (default: all)")
+    verify.add_argument("--model", action="append", metavar="ENTRY",
+                        help="your own model instead (repeatable): its goldens are validated "
+                             "and recomputed in float64")
     show = actions.add_parser("show", help="print a readable summary of one case's goldens")
     show.add_argument("case", metavar="CASE")
     for sub in (update, verify, show):
@@ -55,7 +65,14 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(highlight=False, soft_wrap=True)
     if getattr(args, "model", None):
-        return _update_models(args, console)
+        if args.cases:
+            raise UsageError(f"golden {args.action} takes zoo cases or --model, not both (got "
+                             f"{' '.join(args.cases)} and --model)")
+        subjects = [Subject.load(entry) for entry in args.model]  # every factory loads first
+        root = user_golden_dir(args.golden_dir)
+        if args.action == "update":
+            return _update_models(subjects, root, console)
+        return _verify_models(subjects, root, console)
     store = GoldenStore(default_golden_dir(args.golden_dir))
     if args.action == "update":
         return _update(store, select_cases(args.cases or None), console)
@@ -80,12 +97,7 @@ def _update(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
     return 0
 
 
-def _update_models(args: argparse.Namespace, console: Any) -> int:
-    if args.cases:
-        raise UsageError(f"golden update takes zoo cases or --model, not both (got "
-                         f"{' '.join(args.cases)} and --model)")
-    root = user_golden_dir(args.golden_dir)
-    subjects = [Subject.load(entry) for entry in args.model]  # every factory loads first
+def _update_models(subjects: list[Subject], root: Path, console: Any) -> int:
     with single_thread():
         for subject in subjects:
             statuses = write_goldens(subject, subject.store(root))
@@ -93,6 +105,24 @@ def _update_models(args: argparse.Namespace, console: Any) -> int:
             console.print(f"{subject.name}: {summary}", markup=False)
     console.print(f"goldens of {len(subjects)} model(s) are in {root}", markup=False)
     return 0
+
+
+def _verify_models(subjects: list[Subject], root: Path, console: Any) -> int:
+    for subject in subjects:  # every file is validated before anything is recomputed
+        load_goldens(subject, subject.store(root))
+    ok = True
+    with single_thread():
+        for subject in subjects:
+            results = check_subject(subject, subject.store(root), [REFERENCE])
+            failed = [r for r in results if not r.ok]
+            ok &= not failed
+            if not failed:
+                console.print(f"{subject.name}: ok ({len(results)} outputs reproduced)",
+                              markup=False)
+            for r in failed:
+                console.print(f"{subject.name}: {r.output} {r.verdict}: {r.explain or r.reason}",
+                              markup=False)
+    return 0 if ok else 1
 
 
 def _verify(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
