@@ -445,7 +445,7 @@ def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, torch
     worst = comparison.worst
     return _result(subject, cell, output, comparison.verdict, ok=comparison.ok,
                    headroom=worst.headroom if worst else 0.0, explain=comparison.explain(),
-                   worst=worst.path if worst else None,
+                   worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
                    structure=[str(d) for d in comparison.structure] or None)
 
 
