@@ -4,6 +4,7 @@ function itself, and any model's ``scaled_dot_product_attention`` calls inside `
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -66,14 +67,19 @@ def test_cuda_only_backends_say_why_they_are_unavailable(name: str) -> None:
     assert reason is not None and "CUDA" in reason
 
 
+@functools.cache
+def _golden_and_baseline(case_name: str):
+    # The golden runs the zoo model on PyTorch's math kernel in float64, not on the manual
+    # path, so the manual baseline is judged against math it does not share.
+    return (_forward_and_grads(case_name, torch.float64, "sdpa-math", grads=True),
+            _forward_and_grads(case_name, torch.float32, "manual", grads=True))
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("case_name", zoo.names())
 def test_backend_matches_float64(case_name: str, backend: str) -> None:
-    # The golden runs the zoo model on PyTorch's math kernel in float64, not on the manual
-    # path, so the manual baseline is judged against math it does not share.
     # flex has no CPU backward; sdpa-flash cannot differentiate through a trainable bias.
-    golden, golden_grads = _forward_and_grads(case_name, torch.float64, "sdpa-math", grads=True)
-    baseline, baseline_grads = _forward_and_grads(case_name, torch.float32, "manual", grads=True)
+    (golden, golden_grads), (baseline, baseline_grads) = _golden_and_baseline(case_name)
     try:
         candidate, grads = _forward_and_grads(case_name, torch.float32, backend, grads=True)
     except BackendUnavailable:
