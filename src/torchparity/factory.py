@@ -81,7 +81,7 @@ def build_user_model(factory: Callable[[], Any], name: str, label: str | None = 
         result = factory()
     except Exception as exc:
         raise UserCodeError(f"factory {label} raised {type(exc).__name__}: "
-                            f"{_first_line(exc)}") from exc
+                            f"{first_line(exc)}") from exc
     if isinstance(result, Mapping):
         unknown = sorted(set(result) - set(_KEYS))
         if unknown or not {"model", "inputs"} <= set(result):
@@ -116,7 +116,8 @@ def _describe(result: Any) -> str:
     return "None" if result is None else f"a {type(result).__name__}"
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, for one-line errors."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else "(no message)"
 
@@ -141,4 +142,4 @@ def _import_location(location: str, spec: str) -> Any:
         raise
     except Exception as exc:
         raise UserCodeError(f"entry point {spec}: importing {location} raised "
-                            f"{type(exc).__name__}: {_first_line(exc)}") from exc
+                            f"{type(exc).__name__}: {first_line(exc)}") from exc

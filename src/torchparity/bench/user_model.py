@@ -33,7 +33,6 @@ from torchparity.golden.user_models import (
     backend_names,
     cast_inputs,
     check_subject,
-    default_loss,
     write_goldens,
 )
 from torchparity.reference import zoo
@@ -108,12 +107,7 @@ def _backend(name: str) -> Any:
 def _step(subject: Subject, model: Any, inputs: Any) -> None:
     model.zero_grad(set_to_none=True)
     output = call_model(model, inputs)
-    if subject.user.loss_fn is not None:
-        loss = subject.user.loss_fn(output, inputs)
-    else:
-        loss = default_loss({p: t for p, t in flatten_tensors(output).items()
-                             if t.is_floating_point()})
-    loss.backward()
+    subject.loss(output, inputs, flatten_tensors(output)).backward()
 
 
 def _tokens(inputs: Any) -> int:

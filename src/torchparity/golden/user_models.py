@@ -54,7 +54,13 @@ from torchparity.diagnosis.capture import flatten_tensors
 from torchparity.diagnosis.run import call_model
 from torchparity.dtypes import dtype_name
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
-from torchparity.factory import UserModel, build_user_model, entry_name, load_factory
+from torchparity.factory import (
+    UserModel,
+    build_user_model,
+    entry_name,
+    first_line,
+    load_factory,
+)
 from torchparity.golden.cases import (
     DTYPES,
     REFERENCE,
@@ -168,13 +174,13 @@ class Subject:
         try:
             output = self._call(lambda: call_model(model, inputs), "the model's forward")
             flat = flatten_tensors(output, _ROOT)
-            loss = self._loss(output, inputs, flat, loss_paths)
+            loss = self.loss(output, inputs, flat, loss_paths)
         except BackendUnavailable as exc:  # no backward here: the forward still runs
             missing["grads"] = str(exc)
             with torch.no_grad():
                 output = self._call(lambda: call_model(model, inputs), "the model's forward")
                 flat = flatten_tensors(output, _ROOT)
-                loss = self._loss(output, inputs, flat, loss_paths)
+                loss = self.loss(output, inputs, flat, loss_paths)
         outputs = {"outputs": {path: t.detach() for path, t in flat.items()}}
         if isinstance(loss, str):
             missing["loss"] = missing["grads"] = loss
@@ -189,8 +195,11 @@ class Subject:
                 missing["grads"] = str(exc)
         return Run(outputs, missing)
 
-    def _loss(self, output: Any, inputs: Any, flat: dict[str, torch.Tensor],
-              loss_paths: list[str] | None) -> torch.Tensor | str:
+    def loss(self, output: Any, inputs: Any, flat: dict[str, torch.Tensor],
+             loss_paths: list[str] | None = None) -> torch.Tensor | str:
+        """``loss_fn(output, inputs)``, else :func:`default_loss` of the outputs at
+        ``loss_paths`` (default: every floating one of ``flat``, the flattened output); a
+        string saying why when ``flat`` lacks one of them."""
         if self.user.loss_fn is not None:
             loss = self._call(lambda: self.user.loss_fn(output, inputs), "its loss_fn")
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
@@ -226,7 +235,8 @@ class Subject:
 
     def _decoded(self, model: nn.Module, inputs: Any, use_cache: bool) -> Any:
         if self.user.decode is None:
-            return _generate(model, inputs, use_cache)
+            return self._call(lambda: _generate(model, inputs, use_cache),
+                              "transformers' generate")
         return self._call(lambda: self.user.decode(model, inputs, use_cache), "its decode step")
 
     def _call(self, fn: Callable[[], Any], what: str) -> Any:
@@ -236,8 +246,7 @@ class Subject:
             raise
         except Exception as exc:
             raise UserCodeError(f"{what} of {self.entry} raised {type(exc).__name__}: "
-                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-                                ) from exc
+                                f"{first_line(exc)}") from exc
 
 
 def default_loss(outputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
