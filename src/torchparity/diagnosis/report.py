@@ -749,7 +749,7 @@ def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str
               if v is not None and 0 < v < math.inf]
     lo = math.floor(math.log10(min(finite + [1e-2])))
     hi = math.ceil(math.log10(max(finite + [10.0])))
-    left, top, plot_h, step = 60, 30, 220, max(8, min(40, 900 // max(len(rows), 1)))
+    left, top, plot_h, step = 60, 30, 220, max(4, min(40, 900 // max(len(rows), 1)))
     labelled = _spaced(_axis_rows(rows), min_gap=max(1, math.ceil(13 / step)))
     label_h = 6 * max((len(_label(rows[i].module)) for i in labelled), default=0) + 10
     width = left + step * max(len(rows), 1) + 30
