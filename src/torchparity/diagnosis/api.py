@@ -11,7 +11,7 @@ A diagnosis is a pipeline; each stage is one module, and the data passes through
 3. :mod:`~torchparity.diagnosis.align`: **align** B's calls with A's (names, ``name_map``,
    call order and output shapes, fusion);
 4. :mod:`~torchparity.diagnosis.propagated`: **propagated errors**, B's full run judged
-   against the golden's as it runs;
+   against the golden's as it runs (calls paired by name meanwhile, aligned afterwards);
 5. :mod:`~torchparity.diagnosis.local`: **local errors**, B's modules replayed on A's
    recorded inputs (by default those whose propagated error diverged); then
    :mod:`~torchparity.diagnosis.entry`: when the first divergence is a container, **where it
