@@ -192,7 +192,7 @@ def _sdpa_arguments(feature: str) -> tuple[tuple[torch.Tensor, ...], dict[str, o
                                            dict[str, object]]:
     """(q, k, v), the keywords of one SDPA call with ``feature``, and the same call in the
     keywords of :func:`_explicit_attention`."""
-    args = _attention_inputs("gqa" if feature == "gqa" else "plain")
+    args = _attention_inputs("gqa" if feature in ("gqa", "5d") else "plain")
     qkv = (args["q"], args["k"], args["v"])
     mask = _attention_inputs("mask")["mask"]
     bias = _attention_inputs("bias-mask")["bias"]
@@ -204,15 +204,18 @@ def _sdpa_arguments(feature: str) -> tuple[tuple[torch.Tensor, ...], dict[str, o
         "scale": ({"attn_mask": mask, "scale": 0.3}, {"mask": mask, "scale": 0.3}),
         "gqa": ({"is_causal": True, "enable_gqa": True}, {"causal": True}),
         "3d": ({"attn_mask": mask[1]}, {"mask": mask[1]}),
+        "5d": ({"attn_mask": mask, "enable_gqa": True}, {"mask": mask}),
     }[feature]
     if feature == "3d":
         qkv = tuple(t[1] for t in qkv)
+    if feature == "5d":  # two batch dims, the second broadcast on key and value
+        qkv = (torch.stack((qkv[0], 2 * qkv[0])), qkv[1][None], qkv[2][None])
     return qkv, call, explicit
 
 
-SDPA_FEATURES = ["causal", "bool-mask", "float-mask", "scale", "gqa", "3d"]
+SDPA_FEATURES = ["causal", "bool-mask", "float-mask", "scale", "gqa", "3d", "5d"]
 # Calls a kernel's own selection refuses, with the reason it gives.
-REFUSED = {("sdpa-flash", "3d"): "4 dimensional"}
+REFUSED = {("sdpa-flash", "3d"): "4 dimensional", ("sdpa-flash", "5d"): "4 dimensional"}
 
 
 @pytest.mark.parametrize("feature", SDPA_FEATURES)

@@ -155,12 +155,12 @@ def _redirected_sdpa(name: str, query: torch.Tensor, key: torch.Tensor, value: t
     if attn_mask is not None and is_causal:
         raise RuntimeError("scaled_dot_product_attention: an explicit attn_mask cannot be "
                            "combined with is_causal=True")
-    if not enable_gqa and key.shape[-3] not in (1, query.shape[-3]):
-        raise RuntimeError(f"scaled_dot_product_attention: query has {query.shape[-3]} heads and "
-                           f"key {key.shape[-3]}; pass enable_gqa=True for grouped-query attention")
     batch = query.shape[:-3]
     q, k, v = (_four_dims(t.expand(*batch, *t.shape[-3:]) if batch else t)
                for t in (query, key, value))
+    if not enable_gqa and k.shape[1] not in (1, q.shape[1]):
+        raise RuntimeError(f"scaled_dot_product_attention: query has {q.shape[1]} heads and "
+                           f"key {k.shape[1]}; pass enable_gqa=True for grouped-query attention")
     mask = bias = None
     if attn_mask is not None:
         if len(batch) > 1:
