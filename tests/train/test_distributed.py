@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -197,3 +201,34 @@ def test_a_run_past_its_timeout_stops_every_rank(tmp_path, monkeypatch):
                      setup=f"{FAULTS}:rank_one_hangs")
     pids = _ranks_pids(tmp_path)
     assert len(pids) == 2 and not any(map(_alive, pids))
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_rank(tmp_path):
+    script = (f"from torchparity.train.distributed import run_parallel\n"
+              f"from torchparity.train.trainer import TrainConfig\n"
+              f"run_parallel(TrainConfig(case='llama-tiny', steps=2, batch_size=4), nproc=2,\n"
+              f"             timeout=600, setup={FAULTS + ':rank_one_hangs'!r})\n")
+    env = {**os.environ, "TORCHPARITY_TEST_PID_DIR": str(tmp_path)}
+    caller = subprocess.Popen([sys.executable, "-c", script], env=env,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_ranks_pids(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    pids = _ranks_pids(tmp_path)
+    assert len(pids) == 2, "the ranks did not start"
+    caller.send_signal(signal.SIGINT)
+    _, stderr = caller.communicate(timeout=60)
+    assert caller.returncode != 0 and "KeyboardInterrupt" in stderr
+    assert not any(map(_alive, pids))
+
+
+@pytest.mark.slow
+def test_concurrent_runs_pick_their_own_ports():
+    config = _config("llama-tiny")
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda p: run_parallel(config, parallelism=p, nproc=2, timeout=600),
+                             ("ddp", "tp")))
+    assert [run.parallelism for run in runs] == ["ddp", "tp"]
+    _assert_parity(runs[1], Execution())
+
