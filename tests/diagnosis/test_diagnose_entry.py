@@ -118,3 +118,29 @@ def test_no_entry_when_a_leaf_module_diverges() -> None:
     report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss)
     assert report.first_divergence.module == "decoder.layers.1.mlp_norm"
     assert report.first_divergence.entry is None
+
+
+def test_entry_in_a_transformers_llama_whose_model_shifts_positions() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    model_a = transformers.LlamaForCausalLM(config).eval()
+    model_b = copy.deepcopy(model_a)
+    forward = type(model_b.model).forward
+
+    class ShiftedPositions(type(model_b.model)):
+        def forward(self, input_ids=None, **kwargs):
+            kwargs["position_ids"] = torch.arange(3, input_ids.shape[1] + 3)[None]
+            return forward(self, input_ids=input_ids, **kwargs)
+
+    model_b.model.__class__ = ShiftedPositions
+    ids = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    # Rotary positions are relative: a shift moves the outputs below fp32 noise only.
+    report = tp.diagnose(model_a, model_b, {"input_ids": ids, "use_cache": False},
+                         dtype=torch.float64)
+    first = report.first_divergence
+    assert first is not None and first.module == "model", report.render()
+    assert (first.entry.module, first.entry.argument) == ("model.rotary_emb", "position_ids")
+    assert first.entry.detail == "10 of 10 entries differ"

@@ -4,9 +4,10 @@ Masks, positions and cache offsets are built once per forward by a parent (a sta
 and handed to every layer: a bug there makes the *parent* the first module whose local error
 breaks its budget, while each layer computes correctly on what it is given. To name the argument
 that carried the change in, B's parent is replayed once more on A's recorded inputs with every
-module inside captured, and in the order they finish each one's inputs are compared with A's
+module inside captured. In the order they start, each one's inputs are compared with A's
 recorded ones: the first whose inputs differ, while every output that finished before it
-matched, is where the divergence enters.
+matched, takes the change in; it is followed down to the deepest module inside it that is
+handed the same differing value (the layer gets the mask, its attention uses it).
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ def find_entry(reference: Reference, matches: list[Match], rows: list[Row], mode
     container = model.get_submodule(match.b[0].name)
     try:
         replayed = _replay_capturing(reference, match, container, opts)
-    except ReplayUnavailable:
-        return
-    first.entry = _first_differing_input(reference, replayed, inside, container)
+        first.entry = _first_differing_input(reference, replayed, inside, container)
+    except ReplayUnavailable as exc:
+        first.notes.append(f"where the divergence enters is unknown: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the search must not end the diagnosis
+        first.notes.append("where the divergence enters is unknown: the replay failed "
+                           f"({type(exc).__name__}: {exc})")
 
 
 def _calls_inside(container: ModuleCall, matches: list[Match]
