@@ -348,12 +348,11 @@ class DiagnosisReport:
         for r in self.rows:
             if r.entry is not None:
                 lines.append(f"{_label(r.module)}: the divergence enters at {r.entry}")
-            lines += [f"{_label(r.module)}: structure differs at {d.path}: A has {d.golden}, "
-                      f"B has {d.candidate}" for d in r.structure]
+            lines += [f"{_label(r.module)}: structure differs at {_difference(d)}"
+                      for d in r.structure]
             lines += [f"{_label(r.module)}: {note}" for note in r.notes]
         shape = getattr(self.output, "structure", ())
-        lines += [f"final output: structure differs at {d.path}: A has {d.golden}, B has "
-                  f"{d.candidate}" for d in shape]
+        lines += [f"final output: structure differs at {_difference(d)}" for d in shape]
         return lines
 
     def __str__(self) -> str:
@@ -555,6 +554,14 @@ def _aligned_as(row: Row) -> str:
     return "" if row.how == "name" else f" <- {row.a_module or '(model)'} [{row.how}]"
 
 
+def _difference(difference: Any) -> str:
+    """``output.1: A has Tensor(2, 4, 8, 8) float32, B has None``."""
+    def side(what: str) -> str:
+        return "nothing there" if what == "missing" else what
+
+    return f"{difference.path}: A has {side(difference.golden)}, B has {side(difference.candidate)}"
+
+
 def _diverged(row: Row) -> bool:
     results = (row.local, row.propagated, row.grad_local, row.grad_propagated)
     return any(result is not None and not result.ok for result in results)
@@ -697,8 +704,8 @@ def _html_row(report: DiagnosisReport, index: int, backward: bool) -> str:
     if r.entry is not None:
         name += f"<br><span class='entry'>enters at {html.escape(str(r.entry))}</span>"
     for d in r.structure:
-        name += (f"<br><span class='structure'>structure differs at {html.escape(d.path)}: "
-                 f"A has {html.escape(d.golden)}, B has {html.escape(d.candidate)}</span>")
+        name += ("<br><span class='structure'>structure differs at "
+                 f"{html.escape(_difference(d))}</span>")
     cells = [str(index), name, html.escape(r.a_module if r.how != "name" else ""),
              html.escape(r.module_type), _html_cell(r.local), _html_cell(r.propagated),
              html.escape(_amplification(r.amplification))]
