@@ -90,7 +90,8 @@ def _skip_unless_available(backend: str, device: str, dtype: torch.dtype) -> Non
 
 @contextlib.contextmanager
 def _mode(dtype: str, backend: str):
-    with deterministic(tf32=DTYPE_MODES[dtype].tf32, warn_only=True), backends.use(backend):
+    with (deterministic(tf32=DTYPE_MODES[dtype].tf32, warn_only=True),
+          backends.use(backend, intercept=False)):  # zoo models only: nothing to intercept
         yield
 
 

@@ -265,7 +265,8 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
         perturb_weights(model)
     batch = case_batch(case, cell.device)
     missing: dict[str, str] = {}
-    with backends.use(cell.backend), matmul_precision(cell.dtype):
+    # Zoo models reach SDPA through backends.attention alone: no interception needed.
+    with backends.use(cell.backend, intercept=False), matmul_precision(cell.dtype):
         try:
             outputs = _forward_backward(model, batch, backward=True)
         except BackendUnavailable as exc:
