@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import RowwiseParallel
 
@@ -24,14 +25,15 @@ class _BiasOnEveryRank(RowwiseParallel):
     all-reduce: the sum carries the bias once per rank."""
 
     def _apply(self, module, device_mesh):
-        bias = module.bias
-        module.register_parameter("bias", None)
-        module.register_parameter("rank_bias", bias)
-        # Registered before the style's own hooks: runs on the partial (unreduced) output.
-        # The style replicates the parameter as a DTensor; each rank adds its whole copy.
-        module.register_forward_hook(lambda mod, inputs, out: out + DTensor.from_local(
-            mod.rank_bias.to_local(), device_mesh, [Partial()], run_check=False))
-        return super()._apply(module, device_mesh)
+        module = super()._apply(module, device_mesh)
+
+        def forward(x):
+            partial = F.linear(x, module.weight)  # a Partial DTensor: summed after the hooks
+            return partial + DTensor.from_local(module.bias.to_local(), device_mesh,
+                                                [Partial()], run_check=False)
+
+        module.forward = forward
+        return module
 
 
 def row_parallel_bias_on_every_rank() -> None:

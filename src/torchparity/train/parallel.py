@@ -19,12 +19,16 @@ divide) is refused with one line by :func:`tensor_parallel_problem`, never train
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from torchparity.errors import UsageError
 from torchparity.reference.config import TransformerConfig
 from torchparity.reference.layers import TransformerLayer
+
+if TYPE_CHECKING:  # importing torch.distributed's mesh and tensor modules takes seconds
+    from torch.distributed.device_mesh import DeviceMesh
 
 PARALLELISMS = ("ddp", "fsdp", "tp", "fsdp+tp")
 #: The tensor-parallel degree of the 2-D mesh; the rest of the ranks shard data (FSDP).
@@ -61,7 +65,7 @@ class Layout:
         return None
 
 
-def parallelize(model: nn.Module, layout: Layout, device_type: str):
+def parallelize(model: nn.Module, layout: Layout, device_type: str) -> DeviceMesh:
     """Spread ``model`` (a reference model) over the ranks as ``layout`` says, in place; return
     the ``(dp, tp)`` device mesh. DDP is the trainer's own wrapper and has no mesh here."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -79,7 +83,7 @@ def parallelize(model: nn.Module, layout: Layout, device_type: str):
     return mesh
 
 
-def apply_fsdp(model: nn.Module, mesh) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
     """FSDP2 over the 1-D ``mesh``: one unit per transformer layer, the rest in the root's."""
     from torch.distributed.fsdp import fully_shard
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from torchparity.comparison import compare
+from torchparity.errors import TorchParityError
 from torchparity.reference.attention import Attention
 from torchparity.reference.layers import TransformerLayer
 from torchparity.reference.mlp import MLP
@@ -114,6 +115,10 @@ def recording(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
 
 def load_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy ``weights`` (whole tensors by parameter name) into ``model``."""
+    missing = [name for name, _ in model.named_parameters() if name not in weights]
+    if missing:
+        raise TorchParityError(f"the parallel model has no parameter {missing[0]}; locating a "
+                               "divergence needs the one-process model's parameter names")
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(weights[name])
