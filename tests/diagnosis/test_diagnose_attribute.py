@@ -6,9 +6,9 @@ import copy
 
 import pytest
 import torch
+from test_diagnose import plant_eps, plant_mlp_scale  # the planted changes, a sibling module
 
 import torchparity as tp
-from test_diagnose import plant_eps, plant_mlp_scale  # the planted changes, a sibling module
 from torchparity.errors import UsageError
 from torchparity.reference import build_model, zoo
 from torchparity.reference.variants import swap_in
