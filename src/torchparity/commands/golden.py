@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from torchparity.commands.check import GOLDEN_DIR_HELP, print_table, select_cases
+from torchparity.commands.check import GOLDEN_DIR_HELP
 from torchparity.errors import UsageError
 from torchparity.golden.cases import (
     OUTPUT_KINDS,
@@ -18,6 +18,8 @@ from torchparity.golden.cases import (
     single_thread,
     write_case,
 )
+from torchparity.golden.report import print_table
+from torchparity.golden.selection import select_cases
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import (
     Subject,
