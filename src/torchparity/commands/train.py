@@ -37,7 +37,6 @@ from torchparity.train.trainer import (
     Execution,
     TrainConfig,
     Trainer,
-    train,
 )
 
 _DEFAULTS = TrainConfig()
@@ -122,10 +121,10 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         comparison = tj.check_against_golden(candidate, store=_store(args))
     elif args.against:
-        reference_execution = Execution(args.against, execution.dtype, execution.device)
-        reference = _train(config, reference_execution, args, console, quiet=True)
-        twin = _train(tj.reduction_twin(config), reference_execution, args, console, quiet=True)
-        comparison = tj.compare_trajectories(candidate, reference, (reference, twin))
+        console.print(f"training the same recipe on {args.against}, and its reduction-order "
+                      "twin")
+        comparison = tj.judge_against(candidate, config, Execution(
+            args.against, execution.dtype, execution.device, execution.compile))
     if comparison is not None:
         console.print(comparison.explain(), markup=False, soft_wrap=True)
     report = None
@@ -155,8 +154,12 @@ def _nproc(args: argparse.Namespace) -> int:
 def _run_parallel(config: TrainConfig, execution: Execution, args: argparse.Namespace,
                   console: Console) -> int:
     """Train with ``--nproc`` ranks, judge against one process and the golden."""
-    from torchparity.train import trajectory as tj
-    from torchparity.train.distributed import check_layout, diagnose_parallel_step, run_parallel
+    from torchparity.train.distributed import (
+        check_layout,
+        diagnose_parallel_step,
+        judge_parallel,
+        run_parallel,
+    )
 
     if args.against:
         raise UsageError("--against runs in one process; leave it out with --nproc > 1 (a "
@@ -171,12 +174,9 @@ def _run_parallel(config: TrainConfig, execution: Execution, args: argparse.Name
     console.print(f"{candidate.label()}: {candidate.tokens_per_second:,.0f} tok/s, first "
                   f"step after {candidate.time_to_first_step:.2f}s")
     console.print("training the same recipe in one process, and its reduction-order twin")
-    single, twin = train(config, execution), train(tj.reduction_twin(config), execution)
-    judged = {"one process": tj.compare_trajectories(candidate, single, (single, twin)),
-              "float64 golden": tj.check_against_golden(candidate, baseline=single,
-                                                        store=_store(args))}
+    judged = judge_parallel(candidate, config, execution, _store(args))
     for against, comparison in judged.items():
-        console.print(f"vs {against}: {budget_share(comparison)}", markup=False)
+        console.print(f"vs {against}: {comparison.budget_share()}", markup=False)
         console.print(comparison.explain(), markup=False, soft_wrap=True)
     parted = [c.first_divergence.step for c in judged.values() if not c.ok]
     location = None
@@ -193,18 +193,6 @@ def _run_parallel(config: TrainConfig, execution: Execution, args: argparse.Name
                 "diagnosis": None if location is None else vars(location)}
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
     return 0 if all(c.ok for c in judged.values()) else 1
-
-
-def budget_share(comparison: Any) -> str:
-    """``within, 12% of the budget used (loss 3%, grad_norm 12%, update_norm 5%)``."""
-    parts = ", ".join(f"{q} {_percent(h)}" for q, h in comparison.headroom_by_quantity().items())
-    return f"{comparison.verdict}, {_percent(comparison.max_headroom)} of the budget used ({parts})"
-
-
-def _percent(headroom: float) -> str:
-    if headroom >= 10:
-        return f"{headroom:.3g}x"
-    return f"{headroom:.0%}" if headroom >= 0.1 else f"{100 * headroom:.2g}%"
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -224,15 +212,14 @@ def _probe_dtype(execution: Execution) -> torch.dtype:
 
 
 def _train(config: TrainConfig, execution: Execution, args: argparse.Namespace,
-           console: Console, *, quiet: bool = False) -> Any:
+           console: Console) -> Any:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task(f"{config.case} {execution.label()}", total=config.steps)
         def log(line: str) -> None:
             bar.console.print(line, markup=False, soft_wrap=True)
 
-        trainer = Trainer(config, execution, log=None if quiet else log,
-                          log_every=args.log_every)
+        trainer = Trainer(config, execution, log=log, log_every=args.log_every)
         for step in range(1, config.steps + 1):
             trainer.step(step)
             bar.advance(task)

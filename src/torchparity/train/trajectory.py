@@ -112,6 +112,11 @@ class TrajectoryComparison:
         return {q: max((p.headroom for p in self.points if p.quantity == q), default=0.0)
                 for q in QUANTITIES}
 
+    def budget_share(self) -> str:
+        """``within, 12% of the budget used (loss 3%, grad_norm 12%, update_norm 5%)``."""
+        parts = ", ".join(f"{q} {_percent(h)}" for q, h in self.headroom_by_quantity().items())
+        return f"{self.verdict}, {_percent(self.max_headroom)} of the budget used ({parts})"
+
     def explain(self) -> str:
         """One paragraph: verdict, the step and quantity that decided it, error vs budget."""
         head = f"{self.candidate} vs {self.reference} ({self.calibration}, {self.compute_dtype})"
@@ -149,6 +154,12 @@ class TrajectoryComparison:
             "notes": self.notes,
             "points": [{**vars(p), "headroom": _finite(p.headroom)} for p in self.points],
         }
+
+
+def _percent(headroom: float) -> str:
+    if headroom >= 10:
+        return f"{headroom:.3g}x"
+    return f"{headroom:.0%}" if headroom >= 0.1 else f"{100 * headroom:.2g}%"
 
 
 def compare_trajectories(
@@ -205,6 +216,14 @@ def reduction_twin(config: TrainConfig) -> TrainConfig:
         return config.replace(accum_steps=1)
     raise ValueError(f"batch_size={config.batch_size} has no second micro-batch split; "
                      "use an even batch size for two-run calibration")
+
+
+def judge_against(candidate: Trajectory, config: TrainConfig,
+                  reference: Execution) -> TrajectoryComparison:
+    """Compare ``candidate`` with the same recipe trained under ``reference`` (another backend,
+    say), the noise measured from that run and its :func:`reduction_twin`."""
+    baseline, twin = train(config, reference), train(reduction_twin(config), reference)
+    return compare_trajectories(candidate, baseline, (baseline, twin))
 
 
 def _point(quantity: str, step: int, candidate: float, reference: float, noise: float,
