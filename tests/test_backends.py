@@ -364,17 +364,10 @@ def _nanogpt():
 
 
 def _hf(family: str):
-    transformers = pytest.importorskip("transformers")
+    import tiny_transformers  # skips the test where transformers is not installed
+
     torch.manual_seed(0)
-    if family == "llama":  # grouped-query attention: 4 query heads over 2 key/value heads
-        config = transformers.LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
-                                         n_positions=64, bos_token_id=0, eos_token_id=0)
-        model = transformers.GPT2LMHeadModel(config)
+    model = tiny_transformers.FAMILIES[family][0]()
     model.set_attn_implementation("sdpa")
     # The float64 golden runs Hugging Face's own eager attention, which calls no SDPA.
     golden = copy.deepcopy(model).double()
@@ -383,7 +376,7 @@ def _hf(family: str):
     attention_mask = torch.ones(2, 8, dtype=torch.long)
     attention_mask[1, 6:] = 0  # right padding: every query still sees a key
     inputs = {"input_ids": ids, "attention_mask": attention_mask, "use_cache": False}
-    return model.eval(), golden.eval(), inputs, config.num_hidden_layers
+    return model.eval(), golden.eval(), inputs, tiny_transformers.LAYERS
 
 
 MODELS = {"nanogpt": _nanogpt, "hf-llama": lambda: _hf("llama"), "hf-gpt2": lambda: _hf("gpt2")}

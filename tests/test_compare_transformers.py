@@ -7,71 +7,13 @@ eager golden, an eager baseline and the candidate in the dtype under test.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
+from tiny_transformers import FAMILIES, llama, transformers
 from torchparity.comparison import CACHE_RULE, StructureDifference, compare
-
-transformers = pytest.importorskip("transformers")
-
-
-def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16)
-    )
-
-
-def _llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
-
-
-def _bert() -> nn.Module:
-    return transformers.BertModel(
-        transformers.BertConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=16,
-        )
-    )
-
-
-def _bart() -> nn.Module:
-    return transformers.BartForConditionalGeneration(
-        transformers.BartConfig(
-            vocab_size=64,
-            d_model=32,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=64,
-            decoder_ffn_dim=64,
-            max_position_embeddings=16,
-        )
-    )
-
-
-FAMILIES: dict[str, Callable[[], nn.Module]] = {
-    "gpt2": _gpt2,
-    "llama": _llama,
-    "bert": _bert,
-    "bart": _bart,
-}
 
 
 def _tokens() -> torch.Tensor:
@@ -87,7 +29,7 @@ def _forward(model: nn.Module, attn_implementation: str, dtype: torch.dtype) -> 
 
 def test_a_llama_forward_compared_with_itself_is_identical_and_its_cache_skipped() -> None:
     torch.manual_seed(0)
-    model = _llama().eval()
+    model = llama().eval()
     with torch.no_grad():
         first, again = model(_tokens()), model(_tokens())
     caches = [key for key, value in first.items() if isinstance(value, transformers.Cache)]
@@ -106,7 +48,7 @@ def test_sdpa_differs_from_eager_in_structure_only_where_eager_returns_attention
     family: str, dtype: torch.dtype
 ) -> None:
     torch.manual_seed(0)
-    model = FAMILIES[family]().eval()
+    model = FAMILIES[family][0]().eval()
     golden = _forward(model, "eager", torch.float64)
     baseline = _forward(model, "eager", dtype)
     candidate = _forward(model, "sdpa", dtype)  # sdpa computes no attention weights

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchparity as tp
+from tiny_transformers import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 
@@ -111,43 +112,6 @@ def test_manual_vs_sdpa_differs_in_structure_only(dtype: torch.dtype) -> None:
 
 
 # --- transformers: eager (A) against sdpa (B) ----------------------------------------------------
-
-transformers = pytest.importorskip("transformers")
-
-
-def _gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, n_positions=32, vocab_size=64))
-
-
-def _llama() -> nn.Module:
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64))
-
-
-def _bert() -> nn.Module:
-    return transformers.BertModel(transformers.BertConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=32, vocab_size=64))
-
-
-def _bart() -> nn.Module:
-    return transformers.BartModel(transformers.BartConfig(
-        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-        max_position_embeddings=32, vocab_size=64))
-
-
-# family: (model, its first attention module, the output fields holding attention weights)
-FAMILIES = {
-    "gpt2": (_gpt2, "transformer.h.0.attn", ["attentions"]),
-    "llama": (_llama, "model.layers.0.self_attn", ["attentions"]),
-    "bert": (_bert, "encoder.layer.0.attention.self", ["attentions"]),
-    "bart": (_bart, "encoder.layers.0.self_attn",
-             ["decoder_attentions", "cross_attentions", "encoder_attentions"]),
-}
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,0 +1,48 @@
+"""Tiny random Hugging Face models of four families, built in code (no downloads): the
+real-world outputs the comparison and the diagnosis meet (ModelOutput, attention weights,
+caches). Every test that needs one builds it here."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+LAYERS = 2
+
+
+def gpt2() -> nn.Module:
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64, vocab_size=VOCAB))
+
+
+def llama() -> nn.Module:
+    """Grouped-query attention: 4 query heads over 2 key/value heads."""
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, vocab_size=VOCAB))
+
+
+def bert() -> nn.Module:
+    return transformers.BertModel(transformers.BertConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+        max_position_embeddings=64, vocab_size=VOCAB))
+
+
+def bart() -> nn.Module:
+    return transformers.BartModel(transformers.BartConfig(
+        d_model=32, encoder_layers=LAYERS, decoder_layers=LAYERS, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64, vocab_size=VOCAB))
+
+
+#: family -> (builder, its first attention module, the output fields holding attention weights)
+FAMILIES = {
+    "gpt2": (gpt2, "transformer.h.0.attn", ["attentions"]),
+    "llama": (llama, "model.layers.0.self_attn", ["attentions"]),
+    "bert": (bert, "encoder.layer.0.attention.self", ["attentions"]),
+    "bart": (bart, "encoder.layers.0.self_attn",
+             ["decoder_attentions", "cross_attentions", "encoder_attentions"]),
+}
