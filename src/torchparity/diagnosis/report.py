@@ -190,8 +190,27 @@ class Row:
         })
 
 
+class _Report:
+    """JSON and plain text of a report, from its own ``to_dict()`` and ``print(console)``."""
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """The report as JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def render(self, width: int = 100) -> str:
+        """The report as plain text, ``width`` columns wide."""
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        self.print(Console(file=buffer, width=width, force_terminal=False, color_system=None))
+        return buffer.getvalue()
+
+
 @dataclass
-class DiagnosisReport:
+class DiagnosisReport(_Report):
     """Result of :func:`torchparity.diagnose` and :func:`torchparity.diagnose_against`.
 
     ``rows`` are the aligned modules in the order their forward finished in B (children before
@@ -278,22 +297,11 @@ class DiagnosisReport:
             "meta": self.meta,
         })
 
-    def to_json(self, path: str | os.PathLike | None = None) -> str:
-        """The report as JSON text; also written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
     # -- terminal -----------------------------------------------------------------------------
 
     def render(self, width: int = 120) -> str:
         """The report as plain text: the table, unmatched modules and notes."""
-        from rich.console import Console
-
-        buffer = io.StringIO()
-        self.print(Console(file=buffer, width=width, force_terminal=False, color_system=None))
-        return buffer.getvalue()
+        return super().render(width)
 
     def print(self, console: Any = None) -> None:
         """Print the report to a ``rich.console.Console`` (default: stdout, with colours)."""
@@ -400,7 +408,7 @@ class Unit:
 
 
 @dataclass
-class AttributionReport:
+class AttributionReport(_Report):
     """Result of :func:`torchparity.attribute`: units of change with their shares of the
     output error (``total``: mean squared difference of B's outputs from A's)."""
 
@@ -430,20 +438,6 @@ class AttributionReport:
                            "units": [u.to_dict() for u in self.units],
                            "skipped": self.skipped, "meta": self.meta})
 
-    def to_json(self, path: str | os.PathLike | None = None) -> str:
-        """The report as JSON text; also written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
-    def render(self, width: int = 100) -> str:
-        from rich.console import Console
-
-        buffer = io.StringIO()
-        self.print(Console(file=buffer, width=width, force_terminal=False, color_system=None))
-        return buffer.getvalue()
-
     def print(self, console: Any = None) -> None:
         from rich.console import Console
         from rich.table import Table
@@ -464,7 +458,7 @@ class AttributionReport:
 
 
 @dataclass
-class DecodeReport:
+class DecodeReport(_Report):
     """Result of :func:`torchparity.diagnose_decode`.
 
     ``steps`` compares B's last-position logits with the golden's at each step (step 0 is the
@@ -501,20 +495,6 @@ class DecodeReport:
             "first_module": first.module if first else None,
             "steps": [s.to_dict() for s in self.steps], "rows": [r.to_dict() for r in self.rows],
             "tokens": self.tokens.tolist(), "meta": self.meta})
-
-    def to_json(self, path: str | os.PathLike | None = None) -> str:
-        """The report as JSON text; also written to ``path`` when given."""
-        text = json.dumps(self.to_dict(), indent=1)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
-    def render(self, width: int = 100) -> str:
-        from rich.console import Console
-
-        buffer = io.StringIO()
-        self.print(Console(file=buffer, width=width, force_terminal=False, color_system=None))
-        return buffer.getvalue()
 
     def print(self, console: Any = None) -> None:
         from rich.console import Console
