@@ -384,7 +384,9 @@ def check_case(store: GoldenStore, case: zoo.ZooCase, cells: list[Cell],
     propagate as :class:`~torchparity.golden.GoldenError`.
     """
     goldens = load_case(store, case)
-    changed = _checksum_changes(case, goldens)
+    changed = checksum_changes(goldens, current_checksums(case), lambda what: (
+        f"the {what} built for {case.name} {{differ}}; if that is intended, run "
+        f"`torchparity golden update {case.name}`"))
     results: list[CheckResult] = []
     if changed:
         for cell in cells:
@@ -406,17 +408,20 @@ def check_case(store: GoldenStore, case: zoo.ZooCase, cells: list[Cell],
     return results
 
 
-def _checksum_changes(case: zoo.ZooCase, goldens: dict[str, Golden]) -> dict[str, tuple]:
-    now = current_checksums(case)
+def checksum_changes(goldens: dict[str, Golden], now: dict[str, str],
+                     advice: Callable[[str], str]) -> dict[str, tuple[str, str]]:
+    """Per output whose golden was made from other weights or inputs than ``now``'s: its
+    verdict ("init changed" / "inputs changed") and why; ``advice(what)`` starts the reason
+    with what differs ("the weights built for llama-tiny") and ends it with the fix."""
     changed = {}
     for output, golden in goldens.items():
         stored = golden.summary.get("checksums") or {}
         for what, verdict in (("weights", "init changed"), ("inputs", "inputs changed")):
             if stored.get(what) != now[what]:
-                changed[output] = (verdict, (
-                    f"the {what} built for {case.name} differ from those its golden was made "
-                    f"from ({str(stored.get(what))[:19]}... vs {now[what][:19]}...); if that is "
-                    f"intended, run `torchparity golden update {case.name}`"))
+                before, after = str(stored.get(what))[:19], now[what][:19]
+                changed[output] = (verdict, advice(what).format(
+                    differ=f"differ from those its golden was made from ({before}... vs "
+                           f"{after}...)"))
                 break
     return changed
 

@@ -66,6 +66,7 @@ from torchparity.golden.cases import (
     REFERENCE,
     Cell,
     CheckResult,
+    checksum_changes,
     matmul_precision,
     perturb_weights,
     write_status,
@@ -357,7 +358,9 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
                   advance: Callable[[str], None] = lambda label: None) -> list[CheckResult]:
     """Check ``subject`` in every cell against its goldens; one result per cell and output."""
     goldens = load_goldens(subject, store)
-    changed = _checksum_changes(subject, goldens, store)
+    changed = checksum_changes(goldens, subject.checksums(), lambda what: (
+        f"the {what} the factory {subject.entry} builds {{differ}}; seed the factory's "
+        f"initialisation, or if the change is intended run `{store.update_command}`"))
     results: list[CheckResult] = []
     if changed:
         for cell in cells:
@@ -377,23 +380,6 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
             results += _check_cell(subject, cell, goldens, baselines[key], loss_paths)
         advance(cell.label)
     return results
-
-
-def _checksum_changes(subject: Subject, goldens: dict[str, Golden],
-                      store: GoldenStore) -> dict[str, tuple[str, str]]:
-    now = subject.checksums()
-    changed = {}
-    for output, golden in goldens.items():
-        stored = golden.summary.get("checksums") or {}
-        for what, verdict in (("weights", "init changed"), ("inputs", "inputs changed")):
-            if stored.get(what) != now[what]:
-                changed[output] = (verdict, (
-                    f"the {what} the factory {subject.entry} builds differ from those its "
-                    f"golden was made from ({str(stored.get(what))[:19]}... vs "
-                    f"{now[what][:19]}...); seed the factory's initialisation, or if the change "
-                    f"is intended run `{store.update_command}`"))
-                break
-    return changed
 
 
 def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Golden],
