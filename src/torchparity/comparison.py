@@ -72,9 +72,9 @@ class TensorComparison:
     An element is *over* when its absolute error exceeds ``budget.value``; for max-abs kinds
     that is exactly when the verdict is ``diverged``, for RMS kinds it counts the outliers.
     ``sensitivity`` is the smallest change relative to the golden's scale that the verdict would
-    have flagged (``budget.value / budget.scale``); ``baseline_headroom`` the share of its
-    dtype's analytic bound the baseline's own error used: over 1 the baseline is degraded and
-    the tensor diverges whatever the candidate does.
+    have flagged (``budget.value / budget.scale``); ``baseline_headroom`` the share the
+    baseline's own error used of the larger of its dtype's bound and the kind's fudge times the
+    candidate's error: over 1 the baseline is degraded and the tensor diverges.
     """
 
     path: str
@@ -594,10 +594,13 @@ def _group_scales(
 def _group_noises(
     leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric, scales: dict[str, float]
 ) -> dict[str, float]:
-    """The relative noise of each floating leaf's group: the largest err(baseline) / scale among
-    its members that have a baseline, each at the scale its budget uses (the group's when it
-    cancelled); see :func:`torchparity.tolerance.budget`."""
-    relative: dict[str, float] = {}
+    """The relative noise every floating leaf with a baseline shares: the largest
+    err(baseline) / scale among them, each at the scale its budget uses (its group's when it
+    cancelled). The gradients of one backward pass round through the same loss gradient, which
+    can itself cancel (a confident prediction: p - onehot), so one member's relative error is
+    every member's; see :func:`torchparity.tolerance.budget`."""
+    relative = 0.0
+    members = []
     for path, _, g, b in leaves:
         if b is None or not g.dtype.is_floating_point:
             continue
@@ -609,11 +612,10 @@ def _group_noises(
         group_scale = scales.get(path)
         if group_scale is not None and tolerance.cancelled(scale, group_scale):
             scale = group_scale
+        members.append(path)
         if scale > 0:
-            group = _group_of(path)
-            noise = tolerance.error(b, g, metric) / scale
-            relative[group] = max(relative.get(group, 0.0), noise)
-    return {path: relative[_group_of(path)] for path, *_ in leaves if _group_of(path) in relative}
+            relative = max(relative, tolerance.error(b, g, metric) / scale)
+    return dict.fromkeys(members, relative)
 
 
 # --- one tensor -----------------------------------------------------------------------------
@@ -679,13 +681,17 @@ def _compare_tensor(
             reduction_length=spent.reduction_length,
             group_scale=group_scale,
         )
-        baseline_headroom = baseline_error / bound
+        # A problem that amplifies rounding (a gradient that cancels to 1e-5 of the terms it
+        # sums) may take any baseline past the bound; only a candidate in the same dtype doing
+        # fudge times better shows that the baseline lost precision the problem does not cost.
+        fudge = tolerance.kind_tolerance(kind).fudge
+        baseline_headroom = baseline_error / max(bound, fudge * err)
         if baseline_headroom > 1:
             baseline_notes.append(
                 f"the baseline itself errs {baseline_error:.3g}, over the {bound:.3g} a"
-                f" plain {precision.name} computation may err; the baseline is degraded (a"
-                " softmax or reduction in a narrower dtype, a lost upcast?) and cannot set a"
-                " budget"
+                f" plain {precision.name} computation may err and over {fudge:g} times the"
+                " candidate's error; the baseline is degraded (a softmax or reduction in a"
+                " narrower dtype, a lost upcast?) and cannot set a budget"
             )
     if fault_notes:
         verdict, headroom, worst_index = "diverged", math.inf, _first_index(faults)

@@ -16,11 +16,12 @@ all-zero golden), ``u`` the unit roundoff of the compute dtype and K the reducti
   golden)``, which already carries every amplification the problem has (large logits, long
   reductions, cancellation). One draw of the baseline can round luckily, so the noise is at
   least ``noise_floor_ulps * u * scale`` (more for tensors of few elements, see
-  :func:`noise_floor`), and for a member of a group (the gradients of one
-  module, computed from the same reductions) at least the group's *relative* noise, the largest
-  ``err(baseline) / scale`` among its members, times the group's scale: the members round alike,
-  and a member that cancels (the query gradient under near-uniform attention is a small
-  difference of terms as large as the value gradient) carries rounding at the group's scale.
+  :func:`noise_floor`), and for a gradient at least the *relative* noise of the whole backward
+  pass, the largest ``err(baseline) / scale`` among the gradients compared together, times its
+  group's scale (the gradients of one module): every gradient rounds through the same loss
+  gradient, which itself cancels when a prediction is confident (p - onehot), and a member that
+  cancels (the query gradient under near-uniform attention is a small difference of terms as
+  large as the value gradient) carries rounding at its group's scale.
   ``torchparity calibrate`` measures how far legitimate kernels (other reduction orders,
   blocking, recomputation in the backward pass) stray from this noise: ``fudge`` covers it.
 - Without a baseline, or when it is bit-exact to the golden (float64 compute), nothing is
@@ -165,9 +166,9 @@ class KindTolerance:
     # noise: reorder_factor * sqrt(K) * u_acc * scale', scale' as large as the baseline's error
     # reveals (err(baseline) / (sqrt(K) * u)).
     bounded_reordering: bool = False
-    # Tensors of one group (the parameters of one module) come from the same reductions: the
-    # group's relative noise and scale bound the noise and the floor from below, and a member
-    # whose golden cancelled to below the group's rounding is judged at the group's scale.
+    # Gradients share the backward pass's relative noise, and those of one group (the parameters
+    # of one module) its scale, which bounds the noise and the floor from below; a member whose
+    # golden cancelled to below the group's rounding is judged at the group's scale.
     group_scale: bool = False
 
 
@@ -197,7 +198,7 @@ KINDS: dict[str, KindTolerance] = {
         guard_factor=256.0,
     ),
     # Parameter and input gradients. RMS, because the max-abs error of a gradient is dominated
-    # by single outliers. Fudge 6, noise floor 1 ulp, as forward: with the group's relative
+    # by single outliers. Fudge 6, noise floor 1 ulp, as forward: with the pass's relative
     # noise, flash's backward (which recomputes the probabilities blockwise) erred at most 2.0
     # times the noise in fp32 (16.7 times the value gradient's own lucky baseline, whose
     # relative error was 8 times below the query and key gradients'). Group noise: the key
@@ -401,10 +402,11 @@ def budget(
     0.0 (an exact baseline) also selects the analytic bound. ``reduction_length`` defaults to the
     golden's last dimension (1 for scalars). ``group_scale`` is the magnitude of the group the
     tensor belongs to, in the kind's metric (see :func:`cancelled`), ``group_noise`` the largest
-    relative baseline error ``err(baseline) / scale`` among the group's members. The noise is
-    the largest of the baseline's error ("baseline error"), the noise floor ("noise floor") and
-    the group's relative noise times its scale ("noise of its group"). ``atol + rtol * scale``,
-    a user's hand-set loosening, is added last and recorded. The result is always positive.
+    relative baseline error ``err(baseline) / scale`` among the tensors compared with it. The
+    noise is the largest of the baseline's error ("baseline error"), the noise floor ("noise
+    floor") and the relative noise times the group's scale ("noise of its group").
+    ``atol + rtol * scale``, a user's hand-set loosening, is added last and recorded. The result
+    is always positive.
     """
     tol = kind_tolerance(kind)
     p = precision(compute_dtype)

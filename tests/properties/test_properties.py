@@ -586,6 +586,6 @@ _FLASH_FINDING = (check_backend_equivalence, dict(
 
 def test_flash_fp16_backward_error_flows_upstream():
     # The norm in front of the cross-attention erred 12 times its own baseline draw, 6 roundoffs
-    # of its layer's scale: within the budget of its layer's relative noise.
+    # of its layer's scale: within the budget of the backward pass's relative noise.
     check, arguments = _FLASH_FINDING
     check(**arguments)

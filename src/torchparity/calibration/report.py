@@ -299,8 +299,8 @@ This file is written by `torchparity calibrate`; do not edit it by hand. The rul
 described in `src/torchparity/tolerance.py` and argued for below: per tensor,
 `err(candidate, golden) <= fudge * noise + floor`, where the noise is *measured*: the
 baseline's error `err(baseline, golden)`, at least `noise_floor_ulps * u * scale` (one draw can
-round luckily) and, for gradients, at least the largest relative baseline error of the tensor's
-module times the module's scale. `floor = floor_ulps * u * scale` (for gradients at least the
+round luckily) and, for gradients, at least the largest relative baseline error of any gradient
+of the pass times the module's scale. `floor = floor_ulps * u * scale` (for gradients at least the
 module's scale). When the baseline is exact (float64) the bound replaces the noise:
 `analytic_factor * sqrt(K) * u * scale + reorder_factor * sqrt(K) * u_acc * scale'`. The
 baseline itself must stay within `(analytic_factor + reorder_factor) * sqrt(K) * u * scale +
@@ -320,8 +320,8 @@ guard_factor * sqrt(K) * u_acc * scale' + floor`.
   between two legitimate orders, and the fudge covers the largest spread measured below over
   every CPU backend, dtype and kind. Where one draw can be lucky the noise is taken from what
   does not depend on luck: one roundoff of the scale (the rounding of the output alone), and for
-  gradients the relative error of the whole module, whose members round through the same
-  reductions.
+  gradients the largest relative error among all of them, which round through the same loss
+  gradient (itself cancelling when a prediction is confident).
 - *Detection as sharp as the noise allows.* The budget is a small multiple of the noise, so a
   change whose own effect is a few times the baseline's error leaves it: the curve below shows
   the rate against the size of the change. Peers anchor the same way (flash-attention's tests
