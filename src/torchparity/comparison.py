@@ -595,10 +595,10 @@ def _group_noises(
     leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric, scales: dict[str, float]
 ) -> dict[str, float]:
     """The relative noise every floating leaf with a baseline shares: the largest
-    err(baseline) / scale among them, each at the scale its budget uses (its group's when it
-    cancelled). The gradients of one backward pass round through the same loss gradient, which
-    can itself cancel (a confident prediction: p - onehot), so one member's relative error is
-    every member's; see :func:`torchparity.tolerance.budget`."""
+    err(baseline) / scale among them, each against its group's scale. The gradients of one
+    backward pass round through the same loss gradient, which can itself cancel (a confident
+    prediction: p - onehot), so one member's relative error is every member's; see
+    :func:`torchparity.tolerance.budget`."""
     relative = 0.0
     members = []
     for path, _, g, b in leaves:
@@ -608,10 +608,9 @@ def _group_noises(
         usable = g.isfinite() & b.isfinite()
         if not bool(usable.all()):
             g, b = g[usable], b[usable]
-        scale = tolerance.finite_magnitude(g, metric)
-        group_scale = scales.get(path)
-        if group_scale is not None and tolerance.cancelled(scale, group_scale):
-            scale = group_scale
+        # Relative to the group's scale: a member far smaller than its module carries the
+        # module's rounding, which says nothing of the pass's.
+        scale = max(tolerance.finite_magnitude(g, metric), scales.get(path) or 0.0)
         members.append(path)
         if scale > 0:
             relative = max(relative, tolerance.error(b, g, metric) / scale)
