@@ -1,0 +1,65 @@
+"""Tensors judged together: the gradients of one backward pass share its relative noise, and
+those of one module their group's scale (see :data:`torchparity.tolerance.KINDS`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torchparity import tolerance
+from torchparity.comparison.tensor import as_float64
+
+
+def _group_of(path: str) -> str:
+    """The group of a leaf: for a parameter name the block that owns its module
+    ("layers.0.attn" for "layers.0.attn.q_proj.weight": the attention's projections share their
+    reductions), or the module itself for a top-level one ("lm_head"); else its container."""
+    container, _, key = path.rpartition("[")
+    parts = key.removesuffix("]").strip('"').split(".")
+    if len(parts) < 2:
+        return container
+    return f"{container}[{'.'.join(parts[:-2] or parts[:-1])}]"
+
+
+def group_scales(
+    leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric
+) -> dict[str, float]:
+    """The scale of each floating leaf's group: the largest golden magnitude among its members
+    (see :data:`torchparity.tolerance.KINDS`, ``group_scale``). A group that cancelled as a
+    whole (a module all of whose gradients vanish, e.g. the queries' path when every key is the
+    same) takes the scale of the whole comparison, by the same rule one level up."""
+    own = {path: tolerance.finite_magnitude(g, metric)
+           for path, _, g, _ in leaves if g.dtype.is_floating_point}
+    group: dict[str, float] = {}
+    for path, scale in own.items():
+        group[_group_of(path)] = max(group.get(_group_of(path), 0.0), scale)
+    overall = max(group.values(), default=0.0)
+    group = {name: overall if tolerance.cancelled(scale, overall) else scale
+             for name, scale in group.items()}
+    return {path: group[_group_of(path)] or None for path in own}
+
+
+def group_noises(
+    leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric, scales: dict[str, float]
+) -> dict[str, float]:
+    """The relative noise every floating leaf with a baseline shares: the largest
+    err(baseline) / scale among them, each against its group's scale. The gradients of one
+    backward pass round through the same loss gradient, which can itself cancel (a confident
+    prediction: p - onehot), so one member's relative error is every member's; see
+    :func:`torchparity.tolerance.budget`."""
+    relative = 0.0
+    members = []
+    for path, _, g, b in leaves:
+        if b is None or not g.dtype.is_floating_point:
+            continue
+        g, b = as_float64(g), as_float64(b)
+        usable = g.isfinite() & b.isfinite()
+        if not bool(usable.all()):
+            g, b = g[usable], b[usable]
+        # Relative to the group's scale: a member far smaller than its module carries the
+        # module's rounding, which says nothing of the pass's.
+        scale = max(tolerance.finite_magnitude(g, metric), scales.get(path) or 0.0)
+        members.append(path)
+        if scale > 0:
+            relative = max(relative, tolerance.error(b, g, metric) / scale)
+    return dict.fromkeys(members, relative)
+

@@ -1,0 +1,278 @@
+"""Walking two pytrees together: which tensors candidate and golden share, where their
+structures differ (a key or position on one side only, ``None`` against a tensor, another
+container), and which leaves cannot be compared (caches, opaque objects)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from torchparity import tolerance
+
+ROOT = "outputs"
+
+#: Why a transformers cache is not compared (see :func:`~torchparity.comparison.compare`).
+CACHE_RULE = (
+    "a cache is decoding state laid out by its implementation; its contents are compared"
+    " through the outputs of the steps that read it"
+)
+
+
+class StructureMismatch(ValueError):
+    """The baseline cannot be aligned with the candidate, so no budget can be earned.
+
+    Differences between candidate and golden are reported, not raised (see
+    :attr:`~torchparity.comparison.Comparison.structure`). The baseline must hold a tensor of
+    the candidate's shape and dtype wherever candidate and golden share one. The message names
+    the path in Python syntax (``outputs["logits"][1]``) and both sides.
+    """
+
+
+@dataclass(frozen=True)
+class StructureDifference:
+    """A path where candidate and golden differ in structure, and what each side has there:
+    ``"Tensor(2, 3) float32"``, ``"tuple of 2"``, ``"None"``, ``"missing"``, ``"int 3"``."""
+
+    path: str
+    candidate: str
+    golden: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: candidate {self.candidate}, golden {self.golden}"
+
+
+def shared_tensors(a: Any, b: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The tensors two pytrees share: ``(path, a's tensor, b's tensor)`` wherever both hold a
+    tensor of the same shape and kind of dtype, in the order
+    :func:`~torchparity.comparison.compare` judges them.
+
+    Containers are mappings (``ModelOutput`` included, by key), lists and tuples (by position),
+    namedtuples and dataclasses (by field) and anything registered with ``torch.utils._pytree``.
+    The tensors are returned as given (still attached to their graphs), so a loss summed over
+    them reaches only outputs both sides produce. Python numbers are left out.
+    """
+    found = Alignment()
+    align(a, b, ROOT, found)
+    return [(path, x, y) for path, x, y in found.pairs if path not in found.numbers]
+
+
+@dataclass
+class Alignment:
+    """What walking candidate and golden together found: the (path, candidate, golden) tensors
+    both hold, which of those paths were Python numbers, the differences, the skipped leaves."""
+
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    numbers: set[str] = field(default_factory=set)
+    structure: list[StructureDifference] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+_MISSING = object()  # the side of a key or position that only the other side has
+
+# Leaves compared by equality: a difference is one of structure, not of rounding. (Ints reach
+# this only beyond int64 or as enums; other numbers become tensors.)
+_PLAIN_VALUES = (str, bytes, int, complex, enum.Enum, torch.dtype, torch.device)
+
+_OPAQUE_RULE = (
+    "not a tensor, number or container; register its class with torch.utils._pytree"
+    " to compare its contents"
+)
+
+
+def align(candidate: Any, golden: Any, path: str, found: Alignment) -> None:
+    """Walk candidate and golden together from ``path``, recording into ``found``."""
+    c, g = _leaf_tensor(candidate), _leaf_tensor(golden)
+    c_children, g_children = _children(candidate), _children(golden)
+    if c is not None and g is not None and _same_layout(c, g):
+        found.pairs.append((path, c, g))
+        if _is_python_number(candidate):
+            found.numbers.add(path)
+    elif (
+        c_children is not None
+        and g_children is not None
+        and _container_type(candidate) == _container_type(golden)
+    ):
+        for key in {**g_children, **c_children}:  # the golden's order, the candidate's extras
+            align(c_children.get(key, _MISSING), g_children.get(key, _MISSING), path + key, found)
+    elif _is_cache(candidate) and _is_cache(golden):
+        found.skipped.append((path, CACHE_RULE))
+    elif _is_opaque(candidate) and type(candidate) is type(golden):
+        found.skipped.append((path, f"{type(candidate).__name__}: {_OPAQUE_RULE}"))
+    elif not _same_value(candidate, golden):
+        found.structure.append(StructureDifference(path, _what(candidate), _what(golden)))
+
+
+def _leaf_tensor(x: Any) -> torch.Tensor | None:
+    """A tensor, array or number as a tensor (floats as float64); None for anything else."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray | np.number | np.bool_):
+        return torch.from_numpy(np.asarray(x))
+    if isinstance(x, bool):
+        return torch.tensor(x)
+    if isinstance(x, float):
+        return torch.tensor(x, dtype=torch.float64)
+    if _is_python_number(x) and -(2**63) <= x < 2**63:  # larger ints stay plain values
+        return torch.tensor(x, dtype=torch.int64)
+    return None
+
+
+def _is_python_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, enum.Enum)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and _dtype_family(a.dtype) == _dtype_family(b.dtype)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """None and plain values (strings, dtypes, enums, ...) are compared by equality."""
+    return (a is None or isinstance(a, _PLAIN_VALUES)) and type(a) is type(b) and a == b
+
+
+def _is_cache(x: Any) -> bool:
+    """A ``transformers`` cache (DynamicCache, StaticCache, EncoderDecoderCache, ...), recognised
+    by its base class without importing transformers."""
+    return any(
+        cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
+        for cls in type(x).__mro__
+    )
+
+
+def _is_opaque(x: Any) -> bool:
+    """An object compare cannot look into: no tensor, number, plain value or container."""
+    return (
+        x is not None
+        and x is not _MISSING
+        and not isinstance(x, _PLAIN_VALUES)
+        and _leaf_tensor(x) is None
+        and _children(x) is None
+    )
+
+
+def _children(x: Any) -> dict[str, Any] | None:
+    """Map path suffix (``["key"]``, ``[0]``, ``.field``) to child; None for a leaf."""
+    if isinstance(x, torch.Tensor) or _is_cache(x):
+        return None
+    if isinstance(x, Mapping):  # dicts, OrderedDicts and ModelOutput (an OrderedDict subclass)
+        return {_key_syntax(k): v for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return {f".{name}": getattr(x, name) for name in x._fields}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f".{f.name}": getattr(x, f.name) for f in dataclasses.fields(x)}
+    if isinstance(x, list | tuple):
+        return {f"[{i}]": v for i, v in enumerate(x)}
+    node = pytree.SUPPORTED_NODES.get(type(x))
+    if node is None:
+        return None
+    if node.flatten_with_keys_fn is None:
+        values, _ = node.flatten_fn(x)
+        return {f"[{i}]": v for i, v in enumerate(values)}
+    entries, _ = node.flatten_with_keys_fn(x)
+    return {_entry_syntax(entry): v for entry, v in entries}
+
+
+def _key_syntax(key: Any) -> str:
+    # json.dumps quotes like the examples in messages and docs: outputs["logits"].
+    return f"[{json.dumps(key)}]" if isinstance(key, str) else f"[{key!r}]"
+
+
+def _entry_syntax(entry: Any) -> str:
+    return _key_syntax(entry.key) if isinstance(entry, pytree.MappingKey) else str(entry)
+
+
+def _container_type(x: Any) -> str:
+    # Mappings of any class align by keys (a ModelOutput with a dict of goldens), lists and
+    # tuples by position; other containers only with their own class.
+    if isinstance(x, Mapping):
+        return "mapping"
+    if isinstance(x, list | tuple) and not hasattr(x, "_fields"):
+        return "sequence"
+    return type(x).__name__
+
+
+def _what(x: Any) -> str:
+    """What one side has at a path: "Tensor(2, 3) float32", "tuple of 2", "None", "missing",
+    "float 1.5", "str 'mean'", "DynamicCache"."""
+    if x is _MISSING:
+        return "missing"
+    if x is None:
+        return "None"
+    if isinstance(x, _PLAIN_VALUES) or _is_python_number(x):
+        text = repr(x)
+        if len(text) > _MAX_VALUE_CHARS:
+            text = text[: _MAX_VALUE_CHARS - 3] + "..."
+        return f"{type(x).__name__} {text}"
+    tensor = _leaf_tensor(x)
+    if tensor is not None:
+        name = "Tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        return f"{name}({', '.join(map(str, tensor.shape))}) {dtype_name(tensor.dtype)}"
+    children = _children(x)
+    if children is not None:
+        return f"{type(x).__name__} of {len(children)}"
+    return type(x).__name__
+
+
+_MAX_VALUE_CHARS = 40
+
+
+def tensor_leaves(tree: Any, path: str, leaves: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Every tensor and number of ``tree`` by path (the baseline's, looked up per shared path)."""
+    tensor = _leaf_tensor(tree)
+    if tensor is not None:
+        leaves[path] = tensor
+        return leaves
+    for key, child in (_children(tree) or {}).items():
+        tensor_leaves(child, path + key, leaves)
+    return leaves
+
+
+def baseline_at(
+    path: str, candidate: torch.Tensor, baselines: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    baseline = baselines.get(path)
+    if baseline is None:
+        raise StructureMismatch(
+            f"{path}: missing in the baseline; it must hold every tensor that candidate and"
+            " golden share"
+        )
+    if candidate.shape != baseline.shape:
+        raise _mismatch(path, "shape", tuple(candidate.shape), tuple(baseline.shape), "baseline")
+    if candidate.dtype != baseline.dtype:
+        raise StructureMismatch(
+            f"{path}: dtype {candidate.dtype} vs {baseline.dtype} (candidate vs baseline); "
+            "the baseline must be computed in the candidate's dtype"
+        )
+    return baseline
+
+
+def numbers_dtype(leaves: list[tuple[str, Any, Any, Any]], numbers: set[str]) -> torch.dtype:
+    """The compute dtype of Python floats: the most precise floating dtype among the
+    candidate's tensors, else float64."""
+    dtypes = [
+        c.dtype for path, c, _, _ in leaves if path not in numbers and c.dtype.is_floating_point
+    ]
+    return min(dtypes, key=tolerance.unit_roundoff, default=torch.float64)
+
+
+def _dtype_family(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "integer"
+
+
+def _mismatch(path: str, what: str, candidate: Any, other: Any, side: str) -> StructureMismatch:
+    return StructureMismatch(f"{path}: {what} {candidate} vs {other} (candidate vs {side})")
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

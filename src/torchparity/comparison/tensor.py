@@ -1,0 +1,372 @@
+"""Judging one tensor: its budget under the tolerance model, its metrics, its worst element and
+its verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from torchparity import tolerance
+from torchparity.comparison.structure import StructureMismatch, dtype_name
+from torchparity.tolerance import Budget, DtypeLike
+
+Verdict = Literal["identical", "within", "diverged"]
+VERDICT_ORDER = {"identical": 0, "within": 1, "diverged": 2}
+
+#: Relative errors divide by max(|golden|, RELATIVE_GUARD * absmax(golden)), so elements near
+#: zero report their error relative to the tensor's scale instead of exploding.
+RELATIVE_GUARD = 1e-3
+
+
+@dataclass
+class TensorComparison:
+    """The comparison of one tensor: metrics of candidate vs golden, budget and verdict.
+
+    Metrics are computed in float64 over the elements where candidate and golden are finite.
+    An element is *over* when its absolute error exceeds ``budget.value``; for max-abs kinds
+    that is exactly when the verdict is ``diverged``, for RMS kinds it counts the outliers.
+    ``sensitivity`` is the smallest change relative to the golden's scale that the verdict would
+    have flagged (``budget.value / budget.scale``); ``baseline_headroom`` the share the
+    baseline's own error used of the larger of its dtype's bound and the kind's fudge times the
+    candidate's error: over 1 the baseline is degraded and the tensor diverges.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    compute_dtype: str | None  # None for integer and bool tensors, which must match exactly
+    kind: str
+    verdict: Verdict
+    max_abs: float
+    max_rel: float
+    rms: float
+    rel_l2: float
+    cosine: float
+    max_ulp: float
+    n_over: int
+    frac_over: float
+    worst_index: tuple[int, ...] | None
+    candidate_value: float | None
+    baseline_value: float | None
+    golden_value: float | None
+    budget: Budget | None
+    error: float  # the kind's metric of candidate - golden
+    headroom: float  # error / budget: the share of the budget used (inf for non-finite faults)
+    sensitivity: float | None  # budget / scale; None for exact (integer and bool) tensors
+    baseline_headroom: float | None  # err(baseline) / its dtype's bound; None without baseline
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def baseline_degraded(self) -> bool:
+        """Whether the baseline erred more than its dtype allows."""
+        return self.baseline_headroom is not None and self.baseline_headroom > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict; non-finite floats become the strings "inf" and "nan"."""
+        data = dataclasses.asdict(self)
+        data["worst_index"] = list(self.worst_index) if self.worst_index is not None else None
+        data["shape"] = list(self.shape)
+        return json_safe(data)
+
+
+def compare_tensor(
+    path: str,
+    candidate: torch.Tensor,
+    golden: torch.Tensor,
+    baseline: torch.Tensor | None,
+    kind: str,
+    compute_dtype: DtypeLike | None,
+    reduction_length: int | None,
+    step: int | None,
+    group_scale: float | None = None,
+    *,
+    equal_nan: bool = False,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    group_noise: float | None = None,
+) -> TensorComparison:
+    if candidate.dtype.is_complex:
+        raise StructureMismatch(f"{path}: complex tensors are not supported ({candidate.dtype})")
+    c, g = as_float64(candidate), as_float64(golden)
+    b = as_float64(baseline) if baseline is not None else None
+    reference = baseline if baseline is not None else golden
+    if not candidate.dtype.is_floating_point:
+        return _compare_exact(path, candidate, reference, kind, c, g, b)
+
+    if tolerance.all_finite(c) and tolerance.all_finite(g):
+        valid, faults, fault_notes, matched_notes = None, None, [], []
+        c_valid, g_valid, g_finite_part = c.flatten(), g.flatten(), g
+    else:
+        c_finite, g_finite = c.isfinite(), g.isfinite()
+        faults, fault_notes, matched_notes = _nonfinite(c, g, c_finite, g_finite, equal_nan)
+        valid = c_finite & g_finite
+        c_valid, g_valid, g_finite_part = c[valid], g[valid], g[g_finite]
+    abs_err = (c_valid - g_valid).abs()
+    metric = tolerance.kind_tolerance(kind).metric
+    baseline_error, baseline_notes = _baseline_error(b, g, valid, metric)
+    precision = tolerance.precision(compute_dtype if compute_dtype is not None else candidate.dtype)
+    spent = tolerance.budget(
+        g_finite_part,
+        baseline_error=baseline_error,
+        compute_dtype=precision.name,
+        kind=kind,
+        reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
+        step=step,
+        group_scale=group_scale,
+        group_noise=group_noise,
+        atol=atol,
+        rtol=rtol,
+    )
+    metrics = _metrics(c_valid, g_valid, abs_err, precision.name)
+    err = metrics[metric]
+    n_over = int((abs_err > spent.value).sum()) + (int(faults.sum()) if fault_notes else 0)
+    baseline_headroom = None
+    if baseline_error is not None:
+        bound = tolerance.baseline_bound(
+            g_finite_part,
+            compute_dtype=precision.name,
+            kind=kind,
+            reduction_length=spent.reduction_length,
+            group_scale=group_scale,
+        )
+        # A problem that amplifies rounding (a gradient that cancels to 1e-5 of the terms it
+        # sums) may take any baseline past the bound; only a candidate in the same dtype doing
+        # fudge times better shows that the baseline lost precision the problem does not cost.
+        fudge = tolerance.kind_tolerance(kind).fudge
+        baseline_headroom = baseline_error / max(bound, fudge * err)
+        if baseline_headroom > 1:
+            baseline_notes.append(
+                f"the baseline itself errs {baseline_error:.3g}, over the {bound:.3g} a"
+                f" plain {precision.name} computation may err and over {fudge:g} times the"
+                " candidate's error; the baseline is degraded (a softmax or reduction in a"
+                " narrower dtype, a lost upcast?) and cannot set a budget"
+            )
+    if fault_notes:
+        verdict, headroom, worst_index = "diverged", math.inf, _first_index(faults)
+    else:
+        headroom = err / spent.value
+        worst_index = _worst_index(abs_err, valid, c.shape) if abs_err.numel() else None
+        if baseline_headroom is not None and baseline_headroom > 1:
+            verdict = "diverged"
+        elif _bit_equal(candidate, reference):
+            verdict = "identical"
+        else:
+            verdict = "within" if err <= spent.value else "diverged"
+    return TensorComparison(
+        path=path,
+        shape=tuple(candidate.shape),
+        dtype=dtype_name(candidate.dtype),
+        compute_dtype=precision.name,
+        kind=kind,
+        verdict=verdict,
+        **metrics,
+        n_over=n_over,
+        frac_over=_fraction(n_over, c.numel()),
+        worst_index=worst_index,
+        **_values_at(worst_index, c, b, g),
+        budget=spent,
+        error=err,
+        headroom=headroom,
+        sensitivity=spent.sensitivity,
+        baseline_headroom=baseline_headroom,
+        notes=fault_notes + matched_notes + baseline_notes,
+    )
+
+
+def _compare_exact(
+    path: str,
+    candidate: torch.Tensor,
+    reference: torch.Tensor,
+    kind: str,
+    c: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor | None,
+) -> TensorComparison:
+    """Integer and bool tensors (token ids, masks) carry no rounding: they must match exactly."""
+    abs_err = (c - g).abs()
+    differ = abs_err > 0
+    n_differ = int(differ.sum())
+    if _bit_equal(candidate, reference):
+        verdict = "identical"
+    else:
+        verdict = "diverged" if n_differ else "within"
+    worst_index = _first_index(differ) if n_differ else None
+    metrics = _metrics(c.flatten(), g.flatten(), abs_err.flatten(), None)
+    return TensorComparison(
+        path=path,
+        shape=tuple(candidate.shape),
+        dtype=dtype_name(candidate.dtype),
+        compute_dtype=None,
+        kind=kind,
+        verdict=verdict,
+        **metrics,
+        n_over=n_differ,
+        frac_over=_fraction(n_differ, differ.numel()),
+        worst_index=worst_index,
+        **_values_at(worst_index, c, b, g),
+        budget=None,
+        error=metrics["max_abs"],
+        headroom=math.inf if n_differ else 0.0,
+        sensitivity=None,
+        baseline_headroom=None,
+        notes=[f"{n_differ} element(s) differ; exact tensors must match"] if n_differ else [],
+    )
+
+
+def as_float64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float64)
+
+
+def _last_dim(t: torch.Tensor) -> int:
+    return max(t.shape[-1], 1) if t.dim() > 0 else 1
+
+
+def _nonfinite(
+    c: torch.Tensor,
+    g: torch.Tensor,
+    c_finite: torch.Tensor,
+    g_finite: torch.Tensor,
+    equal_nan: bool,
+) -> tuple[torch.Tensor, list[str], list[str]]:
+    """Positions where candidate and golden disagree on being finite, and what to say about it.
+
+    Returns the mask of faults, the messages for faults (each one diverges the tensor) and the
+    notes on matching non-finite values (same position, same kind), which are excluded from the
+    metrics but reported. As in ``torch.testing.assert_close``, NaN matches NaN only with
+    ``equal_nan``.
+    """
+    both_nan = c.isnan() & g.isnan()
+    same = (both_nan & equal_nan) | (~c_finite & (c == g))
+    faults = (c_finite != g_finite) | (~c_finite & ~g_finite & ~same)
+    messages = []
+    for label, mask in (("NaN", c.isnan()), ("inf", c.isinf())):
+        n = int((mask & g_finite).sum())
+        if n:
+            messages.append(f"candidate has {n} {label} where golden is finite")
+    n = int((c_finite & ~g_finite).sum())
+    if n:
+        messages.append(f"candidate is finite at {n} position(s) where golden is NaN or inf")
+    n = int((~c_finite & ~g_finite & ~same & ~both_nan).sum())
+    if n:
+        messages.append(f"candidate has {n} NaN/inf of another kind than the golden's")
+    n = 0 if equal_nan else int(both_nan.sum())
+    if n:
+        messages.append(
+            f"candidate has {n} NaN where golden has NaN too; pass equal_nan=True to accept them"
+        )
+    notes = []
+    for label, mask in (("NaN", c.isnan()), ("inf", c.isinf())):
+        n = int((mask & same).sum())
+        if n:
+            notes.append(f"{n} matching {label} in candidate and golden excluded from the metrics")
+    return faults, messages, notes
+
+
+def _baseline_error(
+    b: torch.Tensor | None, g: torch.Tensor, valid: torch.Tensor | None, metric: tolerance.Metric
+) -> tuple[float | None, list[str]]:
+    """err(baseline, golden) over the elements where candidate, golden and baseline are finite.
+
+    ``valid`` is the mask of elements where candidate and golden are finite (None: all are).
+    """
+    if b is None:
+        return None, []
+    if valid is None and tolerance.all_finite(b):
+        return tolerance.error(b, g, metric), []
+    b_finite = b.isfinite()
+    broken = int((~b_finite & g.isfinite()).sum())
+    usable = b_finite if valid is None else valid & b_finite
+    notes = [f"baseline has {broken} NaN/inf where golden is finite"] if broken else []
+    return tolerance.error(b[usable], g[usable], metric), notes
+
+
+def _metrics(
+    c: torch.Tensor, g: torch.Tensor, abs_err: torch.Tensor, compute_dtype: str | None
+) -> dict[str, float]:
+    """Metrics of candidate vs golden over flat float64 tensors of the compared elements.
+
+    Without a compute dtype (integer tensors) the ULP distance is the plain difference.
+    """
+    if abs_err.numel() == 0:
+        return dict(max_abs=0.0, max_rel=0.0, rms=0.0, rel_l2=0.0, cosine=1.0, max_ulp=0.0)
+    g_abs = g.abs()
+    g_absmax, g_rms, c_rms = g_abs.max().item(), tolerance.rms(g), tolerance.rms(c)
+    rel = abs_err / g_abs.clamp(min=RELATIVE_GUARD * (g_absmax or 1.0))
+    rms = tolerance.rms(abs_err)
+    spacing = tolerance.ulp(g_abs, compute_dtype) if compute_dtype is not None else 1.0
+    return dict(
+        max_abs=abs_err.max().item(),
+        max_rel=rel.max().item(),
+        rms=rms,
+        rel_l2=rms / max(g_rms, RELATIVE_GUARD * (g_rms or 1.0)),
+        cosine=_cosine(c, g, c_rms, g_rms),
+        max_ulp=(abs_err / spacing).max().item(),
+    )
+
+
+def _cosine(c: torch.Tensor, g: torch.Tensor, c_rms: float, g_rms: float) -> float:
+    if c_rms == 0 or g_rms == 0:
+        return 1.0 if c_rms == g_rms else 0.0
+    scale = c_rms * g_rms * c.numel()
+    if not tolerance.SAFE_NORMS[0] < scale < tolerance.SAFE_NORMS[1]:
+        # Normalise first: the product of two tiny or huge norms would underflow or overflow.
+        c, g, scale = c / c_rms, g / g_rms, c.numel()
+    return max(-1.0, min(1.0, torch.dot(c, g).item() / scale))
+
+
+_BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype and the same bits everywhere (so NaN equals NaN and -0.0 differs from 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.dtype.is_floating_point:
+        a, b = a.view(_BITS_VIEW[a.element_size()]), b.view(_BITS_VIEW[b.element_size()])
+    return torch.equal(a, b)
+
+
+def _worst_index(
+    abs_err: torch.Tensor, valid: torch.Tensor | None, shape: torch.Size
+) -> tuple[int, ...]:
+    """Index (in the full tensor) of the largest error among the compared elements."""
+    flat = int(abs_err.argmax())
+    if valid is not None:
+        flat = int(valid.flatten().nonzero()[flat])
+    return tuple(int(i) for i in np.unravel_index(flat, tuple(shape)))
+
+
+def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in mask.nonzero()[0])
+
+
+def _values_at(
+    index: tuple[int, ...] | None, c: torch.Tensor, b: torch.Tensor | None, g: torch.Tensor
+) -> dict[str, float | None]:
+    if index is None:
+        return dict(candidate_value=None, baseline_value=None, golden_value=None)
+    return dict(
+        candidate_value=c[index].item(),
+        baseline_value=b[index].item() if b is not None else None,
+        golden_value=g[index].item(),
+    )
+
+
+def _fraction(n: int, total: int) -> float:
+    return n / total if total else 0.0
+
+
+def json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    return x

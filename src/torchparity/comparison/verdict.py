@@ -1,0 +1,303 @@
+"""The verdict on a whole pytree and its explanation: :func:`compare`, :func:`assert_parity` and
+the :class:`Comparison` they return."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from torchparity import tolerance
+from torchparity.comparison.groups import group_noises, group_scales
+from torchparity.comparison.structure import (
+    ROOT,
+    Alignment,
+    StructureDifference,
+    align,
+    baseline_at,
+    numbers_dtype,
+    tensor_leaves,
+)
+from torchparity.comparison.tensor import (
+    VERDICT_ORDER,
+    TensorComparison,
+    Verdict,
+    compare_tensor,
+    json_safe,
+)
+from torchparity.tolerance import DtypeLike
+
+
+@dataclass
+class Comparison:
+    """The comparison of a whole pytree: one :class:`TensorComparison` per tensor that candidate
+    and golden share, the differences of structure between them, and the leaves not compared.
+
+    ``verdict`` and ``ok`` judge the shared tensors alone; :attr:`structure_differs` says
+    whether the structures differ. ``skipped`` holds ``(path, reason)`` pairs; ``atol`` and
+    ``rtol`` are the tolerances a user added to every budget by hand (see :func:`compare`).
+    """
+
+    kind: str
+    tensors: list[TensorComparison]
+    structure: tuple[StructureDifference, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+    atol: float = 0.0
+    rtol: float = 0.0
+
+    @property
+    def verdict(self) -> Verdict:
+        """The worst verdict over all tensors (``identical`` when there are none)."""
+        return max((t.verdict for t in self.tensors), key=VERDICT_ORDER.get, default="identical")
+
+    @property
+    def ok(self) -> bool:
+        """True when no tensor diverged."""
+        return self.verdict != "diverged"
+
+    @property
+    def structure_differs(self) -> bool:
+        """True when candidate and golden differ in structure somewhere."""
+        return bool(self.structure)
+
+    @property
+    def worst(self) -> TensorComparison | None:
+        """The tensor that used the largest share of its budget (None without tensors)."""
+        return max(self.tensors, key=_severity, default=None)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __repr__(self) -> str:
+        worst = self.worst
+        where = f", worst={worst.path} headroom={worst.headroom:.3g}" if worst else ""
+        n = len(self.tensors)
+        if self.structure:
+            where += f", structure_differs=True ({len(self.structure)} path(s))"
+        if self.skipped:
+            where += f", skipped={len(self.skipped)}"
+        return f"Comparison(verdict={self.verdict!r}, kind={self.kind!r}, tensors={n}{where})"
+
+    def explain(self) -> str:
+        """One paragraph: verdict, worst tensor and index, the three values there, error versus
+        budget with the formula's numbers, headroom, dtype and kind."""
+        worst = self.worst
+        if worst is None:
+            nothing = "candidate and golden share no tensors" if self.structure else "no tensors"
+            return f"identical: {nothing} to compare (kind {self.kind})." + self._context()
+        n = len(self.tensors)
+        if self.verdict == "identical":
+            reference = "baseline" if worst.baseline_value is not None else "golden"
+            text = (
+                f"identical: all {n} tensor(s) are bit-equal to the {reference}"
+                f" (kind {self.kind}, compute dtype {worst.compute_dtype})."
+            )
+            if self.sensitivity is not None:
+                text += f" {_sensitivity_sentence(self.sensitivity)}."
+        elif self.verdict == "diverged":
+            n_diverged = _count_verdicts(self.tensors)["diverged"]
+            text = f"diverged: {n_diverged} of {n} tensor(s) diverged; worst {_describe(worst)}"
+        else:
+            text = f"within: all {n} tensor(s) within budget; closest to it {_describe(worst)}"
+        others = [f"{t.path}: {note}" for t in self.tensors if t is not worst for note in t.notes]
+        if self.verdict == "identical":
+            others = [f"{t.path}: {note}" for t in self.tensors for note in t.notes]
+        return text + (f" Also: {'; '.join(others)}." if others else "") + self._context()
+
+    def _context(self) -> str:
+        """The sentences of :meth:`explain` on structure, skipped leaves and loosened budgets."""
+        parts = []
+        if self.structure:
+            differences = "; ".join(str(d) for d in self.structure)
+            parts.append(f"Structure differs at {len(self.structure)} path(s): {differences}.")
+        if self.skipped:
+            skipped = "; ".join(f"{path} ({reason})" for path, reason in self.skipped)
+            parts.append(f"Not compared: {skipped}.")
+        if self.atol or self.rtol:
+            parts.append(
+                f"Loosened by hand: atol {self.atol:g} + rtol {self.rtol:g} × scale added to"
+                " every floating tensor's budget."
+            )
+        return "".join(f" {part}" for part in parts)
+
+    @property
+    def sensitivity(self) -> float | None:
+        """The largest sensitivity over the compared float tensors: a change of any one tensor by
+        more than this share of its golden's scale would have been flagged (None without one)."""
+        return max((t.sensitivity for t in self.tensors if t.sensitivity is not None), default=None)
+
+    @property
+    def baseline_degraded(self) -> bool:
+        """Whether any tensor's baseline erred more than its dtype allows."""
+        return any(t.baseline_degraded for t in self.tensors)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable summary with every tensor's metrics, the structure differences,
+        the skipped leaves and any tolerance added by hand."""
+        worst = self.worst
+        return json_safe({
+            "verdict": self.verdict,
+            "ok": self.ok,
+            "kind": self.kind,
+            "sensitivity": self.sensitivity,
+            "baseline_degraded": self.baseline_degraded,
+            "worst": worst.path if worst else None,
+            "structure_differs": self.structure_differs,
+            "structure": [dataclasses.asdict(d) for d in self.structure],
+            "skipped": [{"path": path, "reason": reason} for path, reason in self.skipped],
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "tensors": [t.to_dict() for t in self.tensors],
+        })
+
+
+def compare(
+    candidate: Any,
+    golden: Any,
+    baseline: Any = None,
+    kind: str = "forward",
+    *,
+    compute_dtype: DtypeLike | None = None,
+    reduction_length: int | None = None,
+    step: int | None = None,
+    equal_nan: bool = False,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+) -> Comparison:
+    """Compare ``candidate`` with ``golden`` under the budget that ``baseline`` earns.
+
+    The three are tensors, Python numbers or pytrees of them (see :func:`shared_tensors` for the
+    containers walked). Every tensor that candidate and golden hold at the same path, with the
+    same shape and kind of dtype, is judged; the golden may have a wider float dtype than the
+    candidate. Python numbers are judged as 0-d tensors: ints and bools exactly, floats in the
+    compute dtype (below). Where the two differ in structure (a key or position missing on one
+    side, ``None`` against a tensor, a tuple become a tensor, another shape, a string or other
+    plain value that differs) a :class:`StructureDifference` is reported in
+    :attr:`Comparison.structure`: ``verdict`` stays the verdict on the shared tensors. Leaves
+    that are not compared are listed in :attr:`Comparison.skipped` with the reason:
+    ``transformers`` caches (see :data:`CACHE_RULE`) and objects that are neither tensors,
+    numbers, plain values nor containers (register them with ``torch.utils._pytree`` to compare
+    their contents).
+
+    ``baseline`` need only hold the shared tensors, each in the candidate's shape and dtype.
+    ``compute_dtype`` (default: each candidate tensor's dtype) sets the unit roundoff; Python
+    floats, which carry no dtype, take it when given, else the most precise floating dtype among
+    the candidate's tensors (a float mostly comes out of them: ``loss.item()``), else float64.
+    ``reduction_length`` (default: each tensor's last dimension) sets the analytic bound,
+    ``step`` the growth of trajectory budgets; see :mod:`torchparity.tolerance`.
+
+    NaN follows ``torch.testing.assert_close``: a NaN in the candidate fails even where the
+    golden has NaN, unless ``equal_nan=True``; infinities of the same sign at the same position
+    match. ``atol`` and ``rtol`` are the one way to loosen a comparison by hand: ``atol + rtol *
+    scale`` (the golden's magnitude in the kind's metric) is added to every floating tensor's
+    budget, and :meth:`Comparison.explain` and ``to_dict`` say so. Integer and bool tensors
+    always match exactly.
+
+    Raises :class:`StructureMismatch` naming the path when the baseline lacks a shared tensor
+    or holds it in another shape or dtype, and ``ValueError`` for an unknown kind or dtype or a
+    negative ``atol``/``rtol``. The inputs are not modified.
+    """
+    tol = tolerance.kind_tolerance(kind)
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    found = Alignment()
+    align(candidate, golden, ROOT, found)
+    baselines = None if baseline is None else tensor_leaves(baseline, ROOT, {})
+    leaves = [
+        (path, c, g, None if baselines is None else baseline_at(path, c, baselines))
+        for path, c, g in found.pairs
+    ]
+    scales = group_scales(leaves, tol.metric) if tol.group_scale else {}
+    noises = group_noises(leaves, tol.metric, scales) if tol.group_scale else {}
+    floats_dtype = compute_dtype or numbers_dtype(leaves, found.numbers)
+    tensors = [
+        compare_tensor(
+            path, c, g, b, kind, floats_dtype if path in found.numbers else compute_dtype,
+            reduction_length, step, scales.get(path), equal_nan=equal_nan, atol=atol, rtol=rtol,
+            group_noise=noises.get(path),
+        )
+        for path, c, g, b in leaves
+    ]
+    return Comparison(
+        kind=kind,
+        tensors=tensors,
+        structure=tuple(found.structure),
+        skipped=tuple(found.skipped),
+        atol=atol,
+        rtol=rtol,
+    )
+
+
+def assert_parity(
+    candidate: Any,
+    golden: Any,
+    baseline: Any = None,
+    kind: str = "forward",
+    *,
+    allow_structure_changes: bool = False,
+    **kwargs: Any,
+) -> Comparison:
+    """Like :func:`compare`, but raise ``AssertionError(explain())`` when a tensor diverged or,
+    unless ``allow_structure_changes=True``, when candidate and golden differ in structure (a
+    refactor that stops returning attention weights, say, passes with it)."""
+    result = compare(candidate, golden, baseline, kind, **kwargs)
+    if not result.ok or (result.structure_differs and not allow_structure_changes):
+        raise AssertionError(result.explain())
+    return result
+
+
+# --- reporting ------------------------------------------------------------------------------
+
+
+def _severity(t: TensorComparison) -> tuple[int, float]:
+    return VERDICT_ORDER[t.verdict], t.headroom
+
+
+def _count_verdicts(tensors: list[TensorComparison]) -> dict[str, int]:
+    counts = dict.fromkeys(VERDICT_ORDER, 0)
+    for t in tensors:
+        counts[t.verdict] += 1
+    return counts
+
+
+def _describe(t: TensorComparison) -> str:
+    """The worst tensor's sentence of :meth:`Comparison.explain`."""
+    where = f"{t.path}"
+    if t.worst_index is not None:
+        values = f"candidate {t.candidate_value:.8g}"
+        if t.baseline_value is not None:
+            values += f", baseline {t.baseline_value:.8g}"
+        values += f", golden {t.golden_value:.8g}"
+        where += f" at index {t.worst_index} ({values})"
+    if t.budget is None:
+        body = f"{where}: {t.n_over} of {math.prod(t.shape)} element(s) differ"
+        return f"{body}; {t.dtype} tensors must match exactly (kind {t.kind})."
+    if math.isinf(t.headroom):
+        body = f"{where}: {'; '.join(t.notes)}"
+    else:
+        label = "max-abs" if t.budget.metric == "max_abs" else "RMS"
+        relation = "exceeds" if t.error > t.budget.value else "is within"
+        body = (
+            f"{where}: {label} error {t.error:.3g} {relation} the budget {t.budget.value:.3g}"
+            f" = {t.budget.formula()}, using {_share(t.headroom)};"
+            f" {t.n_over} of {math.prod(t.shape)} element(s) over budget"
+        )
+        if t.notes:
+            body += f"; {'; '.join(t.notes)}"
+        body += f". {_sensitivity_sentence(t.sensitivity)}"
+    return f"{body}. Compute dtype {t.compute_dtype} ({t.dtype} tensor), kind {t.kind}."
+
+
+def _sensitivity_sentence(sensitivity: float) -> str:
+    return (
+        f"It would have flagged a change of the output larger than {sensitivity:.2g} of the"
+        " golden's scale"
+    )
+
+
+def _share(headroom: float) -> str:
+    return f"{headroom:.0%} of it" if headroom < 10 else f"{headroom:.3g} times it"
+
+
