@@ -13,14 +13,8 @@ import torch
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.capture import (
-    Capture,
-    TensorStats,
-    call_key,
-    flatten_tensors,
-    map_tensors,
-    module_filter,
-)
+from torchparity.diagnosis.capture import Capture, TensorStats, call_key, module_filter
+from torchparity.subject.trees import flatten_tensors, map_tensors
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 

@@ -13,7 +13,6 @@ checking a user's model costs beyond the zoo's own check.
 from __future__ import annotations
 
 import contextlib
-import copy
 import statistics
 import tempfile
 import time
@@ -22,20 +21,19 @@ from typing import Any
 import torch
 
 from torchparity import backends
-from torchparity.diagnosis.capture import flatten_tensors
-from torchparity.diagnosis.run import call_model
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.cases import DTYPES, REFERENCE, Cell, check_case, single_thread
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import (
     HF_EAGER,
-    Subject,
     backend_names,
-    cast_inputs,
     check_subject,
+    model_store,
     write_goldens,
 )
 from torchparity.reference import zoo
+from torchparity.subject import Subject, hf
+from torchparity.subject.trees import flatten_tensors
 
 #: The zoo case whose check the model's check is compared with, and the backends of both.
 ZOO_CASE = "llama-tiny"
@@ -68,7 +66,7 @@ def throughput_rows(subject: Subject, dtypes: list[str], rounds: int = 5,
             for backend, (model, inputs) in models.items():
                 timed[backend]["times"].append(
                     _timed_step(subject, model, inputs, backend, device))
-        tokens = _tokens(subject.user.inputs)
+        tokens = _tokens(subject.inputs)
         for row in timed.values():
             times = row.pop("times")
             row["step_s"] = statistics.median(times)
@@ -80,10 +78,8 @@ def throughput_rows(subject: Subject, dtypes: list[str], rounds: int = 5,
 def _first_step(subject: Subject, backend: str, dtype: str, device: str,
                 ) -> tuple[Any, Any, int | None]:
     """Copy the model into ``dtype`` and run one step: (model, inputs, SDPA calls made)."""
-    model = copy.deepcopy(subject.user.model).to(device=device, dtype=DTYPES[dtype]).eval()
-    if subject.is_transformers:
-        model.set_attn_implementation("eager" if backend == HF_EAGER else "sdpa")
-    inputs = cast_inputs(subject.user.inputs, device, DTYPES[dtype])
+    attention = hf.EAGER if backend == HF_EAGER else hf.SDPA
+    model, inputs = subject.placed(device, DTYPES[dtype], attention)
     with _backend(backend) as intercepted:
         _step(subject, model, inputs)
     return model, inputs, None if intercepted is None else intercepted.calls
@@ -106,7 +102,7 @@ def _backend(name: str) -> Any:
 
 def _step(subject: Subject, model: Any, inputs: Any) -> None:
     model.zero_grad(set_to_none=True)
-    output = call_model(model, inputs)
+    output = subject.forward(model, inputs)
     subject.loss(output, inputs, flatten_tensors(output)).backward()
 
 
@@ -128,7 +124,7 @@ def check_cost(subject: Subject) -> dict[str, Any]:
     in the same cells (reference, then :data:`CHECK_BACKENDS` in fp32), and their ratio."""
     cells = [REFERENCE, *(Cell(b, "fp32") for b in CHECK_BACKENDS)]
     with tempfile.TemporaryDirectory() as folder, single_thread():
-        store = subject.store(folder)
+        store = model_store(subject, folder)
         write_goldens(subject, store)
         started = time.perf_counter()
         model_rows = check_subject(subject, store, cells)

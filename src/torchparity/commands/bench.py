@@ -94,7 +94,7 @@ def _bench_models(args: argparse.Namespace, device: str) -> int:
     from rich.table import Table
 
     from torchparity.bench import user_model
-    from torchparity.golden.user_models import Subject
+    from torchparity.subject import Subject
 
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"cannot write {args.json}: its directory does not exist")

@@ -24,13 +24,9 @@ from torchparity.golden.report import render, write_json
 from torchparity.golden.runner import check_models, execute, train_results
 from torchparity.golden.selection import CHECK_DTYPES, select_cases, select_cells
 from torchparity.golden.store import GOLDEN_DIR_ENV, GoldenStore, default_golden_dir
-from torchparity.golden.user_models import (
-    Subject,
-    backend_names,
-    load_goldens,
-    user_golden_dir,
-)
+from torchparity.golden.user_models import backend_names, load_goldens, model_store, user_golden_dir
 from torchparity.reference import zoo
+from torchparity.subject import Subject
 
 GOLDEN_DIR_HELP = (f"folder of the golden outputs (default: ${GOLDEN_DIR_ENV}, else golden/ of "
                    "the torchparity source tree around the working directory, else of the "
@@ -96,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     for case in cases:  # every golden is validated before any work starts
         load_case(store, case)
     for subject in subjects:
-        load_goldens(subject, subject.store(model_root))
+        load_goldens(subject, model_store(subject, model_root))
     trajectories = _trajectory_store(store, cases) if args.train else None
 
     from rich.console import Console

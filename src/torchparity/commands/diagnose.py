@@ -15,7 +15,7 @@ from rich.console import Console
 
 from torchparity.commands.record import add_selection_arguments, dtype_option
 from torchparity.errors import UsageError
-from torchparity.factory import load_entry
+from torchparity.subject import Subject
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,17 +46,16 @@ def run(args: argparse.Namespace) -> int:
                 args.exclude or args.dtype:
             raise UsageError("with --against give one entry point (B); the trace fixes A's "
                              "backend, module selection, dtype and storage")
-        model, inputs, loss_fn = load_entry(args.entries[0])
+        b = Subject.load(args.entries[0])
         backward = None if args.backward else False
-        report = diagnose_against(args.against, model, inputs, loss_fn=loss_fn,
+        report = diagnose_against(args.against, b.model, b.inputs, loss_fn=b.loss_fn,
                                   name_map=name_map, backward=backward, backend=args.backend_b,
                                   local=args.local)
     else:
         if len(args.entries) != 2:
             raise UsageError("give two entry points (A and B), or one with --against TRACE")
-        model_a, inputs, loss_fn = load_entry(args.entries[0])
-        model_b, _, _ = load_entry(args.entries[1])
-        report = diagnose(model_a, model_b, inputs, loss_fn=loss_fn, name_map=name_map,
+        a, b = Subject.load(args.entries[0]), Subject.load(args.entries[1])
+        report = diagnose(a.model, b.model, a.inputs, loss_fn=a.loss_fn, name_map=name_map,
                           backward=args.backward, include=args.include, exclude=args.exclude,
                           backends=(args.backend_a, args.backend_b), stream=args.stream,
                           local=args.local, dtype=dtype_option(args))

@@ -22,13 +22,14 @@ from torchparity.golden.report import print_table
 from torchparity.golden.selection import select_cases
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import (
-    Subject,
     check_subject,
     load_goldens,
+    model_store,
     user_golden_dir,
     write_goldens,
 )
 from torchparity.reference import TransformerConfig, zoo
+from torchparity.subject import Subject
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +103,7 @@ def _update(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
 def _update_models(subjects: list[Subject], root: Path, console: Any) -> int:
     with single_thread():
         for subject in subjects:
-            statuses = write_goldens(subject, subject.store(root))
+            statuses = write_goldens(subject, model_store(subject, root))
             summary = ", ".join(f"{output} {status}" for output, status in statuses.items())
             console.print(f"{subject.name}: {summary}", markup=False)
     console.print(f"goldens of {len(subjects)} model(s) are in {root}", markup=False)
@@ -111,11 +112,11 @@ def _update_models(subjects: list[Subject], root: Path, console: Any) -> int:
 
 def _verify_models(subjects: list[Subject], root: Path, console: Any) -> int:
     for subject in subjects:  # every file is validated before anything is recomputed
-        load_goldens(subject, subject.store(root))
+        load_goldens(subject, model_store(subject, root))
     ok = True
     with single_thread():
         for subject in subjects:
-            results = check_subject(subject, subject.store(root), [REFERENCE])
+            results = check_subject(subject, model_store(subject, root), [REFERENCE])
             failed = [r for r in results if not r.ok]
             ok &= not failed
             if not failed:

@@ -1,7 +1,7 @@
 """``torchparity record``: write a model's module-by-module trace on the base revision.
 
 The model comes from an entry point ``package.module:factory`` (or ``path/to/file.py:factory``),
-see :mod:`torchparity.factory`.
+see :class:`torchparity.subject.Subject`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from torchparity.commands.common import dtype_name
-from torchparity.factory import load_entry
+from torchparity.subject import Subject
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,9 +49,9 @@ def dtype_option(args: argparse.Namespace) -> torch.dtype | None:
 def run(args: argparse.Namespace) -> int:
     from torchparity.diagnosis.api import record
 
-    model, inputs, loss_fn = load_entry(args.entry)
-    path = record(model, inputs, args.output, loss_fn=loss_fn, backward=args.backward,
-                  include=args.include, exclude=args.exclude, backend=args.backend,
-                  dtype=dtype_option(args))
-    print(f"recorded {type(model).__name__} to {path}")
+    subject = Subject.load(args.entry)
+    path = record(subject.model, subject.inputs, args.output, loss_fn=subject.loss_fn,
+                  backward=args.backward, include=args.include, exclude=args.exclude,
+                  backend=args.backend, dtype=dtype_option(args))
+    print(f"recorded {type(subject.model).__name__} to {path}")
     return 0

@@ -48,18 +48,15 @@ from torchparity.diagnosis.reference import (
 from torchparity.diagnosis.report import DiagnosisReport
 from torchparity.diagnosis.run import (
     BackendSpec,
-    Inputs,
     Local,
-    LossFn,
     Options,
     backend_name,
-    check_models,
     dtype_label,
-    in_dtype,
     make_options,
 )
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
 from torchparity.errors import UsageError
+from torchparity.subject.running import Inputs, LossFn, check_models, in_dtype
 
 __all__ = ["diagnose", "diagnose_against", "record"]
 

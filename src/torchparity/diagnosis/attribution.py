@@ -24,22 +24,19 @@ from torch import nn
 
 from torchparity.diagnosis.align import NameMap, align
 from torchparity.diagnosis.api import diagnose
-from torchparity.diagnosis.capture import flatten_tensors
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.report import AttributionReport, Unit
 from torchparity.diagnosis.run import (
     BackendSpec,
-    Inputs,
     Options,
     backend_context,
     backend_name,
-    call_model,
-    check_models,
     make_options,
     run_model,
-    seeded,
 )
 from torchparity.errors import UsageError
+from torchparity.subject.running import Inputs, call_model, check_models, seeded
+from torchparity.subject.trees import flatten_tensors
 
 __all__ = ["attribute"]
 

@@ -14,7 +14,8 @@ seen:
   compares big models on the fly.
 
 Outputs may be tensors, tuples, lists, dicts, dataclasses or Hugging Face ``ModelOutput``
-objects; ``flatten_tensors`` turns any of them into ``{readable path: tensor}``.
+objects; :func:`torchparity.subject.trees.flatten_tensors` turns any of them into
+``{readable path: tensor}``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import dataclasses
 import enum
 import fnmatch
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -32,16 +33,13 @@ import torch
 from torch import nn
 
 from torchparity.errors import UsageError
+from torchparity.subject.trees import flatten_tensors, map_tensors, walk
 
 __all__ = [
     "Capture",
     "ModuleCall",
     "TensorStats",
     "call_key",
-    "flatten_tensors",
-    "leaves",
-    "map_tensors",
-    "map_tensors_with_paths",
     "module_filter",
     "Uncopyable",
     "snapshot",
@@ -92,23 +90,6 @@ def _one_pattern(pattern: Pattern) -> Callable[[str], bool]:
     return lambda name: fnmatch.fnmatchcase(name, pattern)
 
 
-# --------------------------------------------------------------------------------------------
-# Pytrees of tensors
-
-
-def flatten_tensors(tree: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
-    """Tensors of a pytree keyed by a dotted path (``output.0``, ``output.logits``).
-
-    Walks tensors, mappings (including Hugging Face ``ModelOutput``), tuples, lists and
-    dataclasses in order; other leaves (caches, None, numbers) are skipped.
-    """
-    flat: dict[str, torch.Tensor] = {}
-    for path, leaf in _walk(tree, prefix):
-        if isinstance(leaf, torch.Tensor):
-            flat[path] = leaf
-    return flat
-
-
 class Uncopyable:
     """Stands in for an input object that could not be copied; its call cannot be replayed."""
 
@@ -121,73 +102,7 @@ class Uncopyable:
 
 def uncopyable_leaves(tree: Any) -> list[str]:
     """Type names of the inputs in ``tree`` that :func:`snapshot` could not copy."""
-    return [leaf.type_name for _, leaf in _walk(tree, "") if isinstance(leaf, Uncopyable)]
-
-
-def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Rebuild ``tree`` with ``fn`` applied to every tensor; containers keep their types."""
-    return map_tensors_with_paths(tree, lambda path, tensor: fn(tensor), "")
-
-
-def map_tensors_with_paths(tree: Any, fn: Callable[[str, torch.Tensor], Any],
-                           prefix: str = "output") -> Any:
-    """Like :func:`map_tensors`, with ``fn(path, tensor)`` getting the path that
-    :func:`flatten_tensors` gives the tensor under the same ``prefix``."""
-    def child(key: Any) -> str:
-        return f"{prefix}.{key}" if prefix else str(key)
-
-    if isinstance(tree, torch.Tensor):
-        return fn(prefix, tree)
-    if isinstance(tree, Mapping):
-        mapped = {k: map_tensors_with_paths(v, fn, child(k)) for k, v in tree.items()}
-        return _rebuild_mapping(tree, mapped)
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*(map_tensors_with_paths(v, fn, child(i)) for i, v in enumerate(tree)))
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(map_tensors_with_paths(v, fn, child(i)) for i, v in enumerate(tree))
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        changes = {f.name: map_tensors_with_paths(getattr(tree, f.name), fn, child(f.name))
-                   for f in _init_fields(tree)}
-        return dataclasses.replace(tree, **changes)
-    return tree
-
-
-def leaves(tree: Any, prefix: str) -> dict[str, Any]:
-    """Every leaf of a pytree (tensors, None, numbers, other objects) by the path that
-    :func:`flatten_tensors` gives tensors."""
-    return dict(_walk(tree, prefix))
-
-
-def _walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
-    def child(key: Any) -> str:
-        return f"{path}.{key}" if path else str(key)
-
-    if isinstance(tree, Mapping):
-        for key, value in tree.items():
-            yield from _walk(value, child(key))
-    elif isinstance(tree, (tuple, list)):
-        for index, value in enumerate(tree):
-            yield from _walk(value, child(index))
-    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        for field in dataclasses.fields(tree):
-            yield from _walk(getattr(tree, field.name), child(field.name))
-    else:
-        yield path, tree
-
-
-def _rebuild_mapping(original: Mapping, mapped: dict) -> Any:
-    try:
-        return type(original)(**mapped) if _is_model_output(original) else type(original)(mapped)
-    except TypeError:  # a Mapping type without a dict constructor
-        return mapped
-
-
-def _is_model_output(obj: Any) -> bool:
-    return any(cls.__name__ == "ModelOutput" for cls in type(obj).__mro__)
-
-
-def _init_fields(obj: Any) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(obj) if f.init]
+    return [leaf.type_name for _, leaf in walk(tree, "") if isinstance(leaf, Uncopyable)]
 
 
 def snapshot(tree: Any) -> Any:

@@ -30,12 +30,10 @@ from torchparity.diagnosis.run import (
     Options,
     backend_context,
     backend_name,
-    check_models,
     make_options,
-    seeded,
-    upcast,
 )
 from torchparity.errors import UsageError
+from torchparity.subject.running import check_models, seeded, upcast
 
 __all__ = ["Decoding", "HFDecoding", "ReferenceDecoding", "diagnose_decode"]
 

@@ -20,13 +20,15 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.align import Match
-from torchparity.diagnosis.capture import Capture, ModuleCall, leaves
+from torchparity.diagnosis.capture import Capture, ModuleCall
 from torchparity.diagnosis.judging import judge
 from torchparity.diagnosis.propagated import one_to_one
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Entry, Row
-from torchparity.diagnosis.run import Options, backend_context, placed, seeded
+from torchparity.diagnosis.run import Options, backend_context, placed
 from torchparity.diagnosis.trace import ReplayUnavailable
+from torchparity.subject.running import seeded
+from torchparity.subject.trees import leaves
 
 
 def find_entry(reference: Reference, matches: list[Match], rows: list[Row], model: nn.Module,

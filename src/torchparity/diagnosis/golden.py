@@ -15,24 +15,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.diagnosis.capture import ModuleCall, flatten_tensors
+from torchparity.diagnosis.capture import ModuleCall
 from torchparity.diagnosis.judging import judge
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference, grad_keeper, keep_run_results
 from torchparity.diagnosis.report import Result
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
-    Inputs,
     Options,
     backend_context,
-    call_model,
     placed,
     replay,
     run_model,
-    seeded,
-    upcast,
 )
 from torchparity.diagnosis.trace import FINAL, ReplayUnavailable
+from torchparity.subject.running import Inputs, call_model, seeded, upcast
+from torchparity.subject.trees import flatten_tensors
 
 
 def module_placement(module: nn.Module) -> tuple[Any, Any]:

@@ -16,13 +16,15 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.align import Alignment, Match, NameMap, align, name_translator
-from torchparity.diagnosis.capture import ModuleCall, call_key, flatten_tensors, leaves
+from torchparity.diagnosis.capture import ModuleCall, call_key
 from torchparity.diagnosis.judging import joined, judge_quickly, merged, with_leaves
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Result, Row
-from torchparity.diagnosis.run import Inputs, Options, Run, run_model
+from torchparity.diagnosis.run import Options, Run, run_model
 from torchparity.diagnosis.trace import FINAL
+from torchparity.subject.running import Inputs
+from torchparity.subject.trees import flatten_tensors, leaves
 
 
 @dataclass

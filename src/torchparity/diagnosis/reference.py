@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.diagnosis.capture import ModuleCall, PatternSpec, call_key, flatten_tensors
+from torchparity.diagnosis.capture import ModuleCall, PatternSpec, call_key
 from torchparity.diagnosis.judging import joined, judge, judge_quickly
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.report import Result
-from torchparity.diagnosis.run import Inputs, Options, Run, run_model
+from torchparity.diagnosis.run import Options, Run, run_model
 from torchparity.diagnosis.trace import (
     FINAL,
     SCHEMA,
@@ -33,6 +33,8 @@ from torchparity.diagnosis.trace import (
     weight_digests,
 )
 from torchparity.errors import UsageError
+from torchparity.subject.running import Inputs
+from torchparity.subject.trees import flatten_tensors
 
 
 @dataclass

@@ -4,7 +4,6 @@ replays of one module on recorded inputs. Every stage runs models through here."
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -14,21 +13,17 @@ import torch
 from torch import nn
 
 from torchparity import backends as attention_backends
-from torchparity.diagnosis.capture import (
-    Capture,
-    ModuleCall,
-    PatternSpec,
-    flatten_tensors,
-    map_tensors,
-    map_tensors_with_paths,
-    module_filter,
-)
+from torchparity.diagnosis.capture import Capture, ModuleCall, PatternSpec, module_filter
 from torchparity.errors import UsageError
+from torchparity.subject.running import (
+    Inputs,
+    LossFn,
+    call_model,
+    projection_loss,
+    seeded,
+)
+from torchparity.subject.trees import flatten_tensors, map_tensors, map_tensors_with_paths
 
-Inputs = tuple[Any, ...] | dict[str, Any] | torch.Tensor
-#: ``loss_fn(output, inputs) -> scalar tensor``; ``inputs`` are the model inputs as given
-#: (upcast to float64 for the golden run), so ``torchparity.reference.sequence_loss`` fits.
-LossFn = Callable[[Any, Any], torch.Tensor]
 #: An attention backend name for :func:`torchparity.backends.use`, or a function returning a
 #: context manager that selects it (for models the registry does not drive), or None.
 BackendSpec = str | Callable[[], contextlib.AbstractContextManager] | None
@@ -36,7 +31,6 @@ BackendSpec = str | Callable[[], contextlib.AbstractContextManager] | None
 #: Which modules get a local error: those whose propagated error diverged, or every one.
 Local = Literal["diverged", "all"]
 
-SEED = 0
 #: The golden's dtype: A's math with rounding far below any other dtype's.
 GOLDEN_DTYPE = torch.float64
 
@@ -84,28 +78,6 @@ def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
                    local)
 
 
-def check_models(**models: Any) -> None:
-    for label, model in models.items():
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"{label} is not a torch.nn.Module (got {type(model).__name__})")
-        active = [name for name, m in model.named_modules()
-                  if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
-        if active:
-            raise UsageError(f"{label} has active dropout ({active[0] or 'root'}); call "
-                             "model.eval() so that both runs are deterministic")
-
-
-def call_model(model: nn.Module, inputs: Inputs) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    if isinstance(inputs, torch.Tensor):
-        return model(inputs)
-    raise UsageError(f"inputs must be a tuple of positional arguments or a dict of keyword "
-                     f"arguments; got {type(inputs).__name__}")
-
-
 # --------------------------------------------------------------------------------------------
 # Running a model
 
@@ -123,30 +95,18 @@ def backend_context(spec: BackendSpec) -> Iterator[None]:
             yield
 
 
-@contextlib.contextmanager
-def seeded() -> Iterator[None]:
-    """Same CPU RNG stream for every run and replay; the caller's CPU RNG state is restored.
-    (CUDA generators are left alone: seeding them is costly, and active dropout is refused.)"""
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(SEED)
-        yield
-
-
 def default_loss(output: Any, inputs: Any = None) -> torch.Tensor:
-    """A scalar whose gradient reaches every element of the first floating output: its dot
-    product with a fixed pseudo-random tensor (same values on every machine, scaled so the loss
-    is O(1)). Uses the output's own ``loss`` field when it has one."""
+    """A scalar whose gradient reaches every element of the first floating output: its
+    :func:`~torchparity.subject.running.projection_loss`. Uses the output's own ``loss`` field
+    when it has one."""
     flat = flatten_tensors(output)
     if "output.loss" in flat and flat["output.loss"].numel() == 1:
         return flat["output.loss"].reshape(())
-    floats = [t for t in flat.values() if t.is_floating_point()]
-    if not floats:
+    first = next(((p, t) for p, t in flat.items() if t.is_floating_point()), None)
+    if first is None:
         raise UsageError("the model output has no floating tensor to take gradients of; pass "
                          "loss_fn or backward=False")
-    first = floats[0]
-    weights = torch.randn(first.shape, generator=torch.Generator().manual_seed(SEED),
-                          dtype=torch.float64) / max(first.numel(), 1) ** 0.5
-    return (first * weights.to(first)).sum()
+    return projection_loss(dict([first]))
 
 
 @dataclass
@@ -241,27 +201,6 @@ def placed(inputs: tuple[tuple, dict], call: ModuleCall) -> tuple[tuple, dict]:
     args, kwargs = inputs
     return (map_tensors_with_paths(args, place, "args"),
             map_tensors_with_paths(kwargs, place, "kwargs"))
-
-
-def upcast(tree: Any, dtype: torch.dtype | None, device: torch.device | str | None = None) -> Any:
-    """``tree`` with floating tensors cast to ``dtype`` (None: unchanged) and all tensors moved
-    to ``device`` (None: unchanged); new tensors, so the originals stay untouched."""
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        return t.detach().to(device=device or t.device, dtype=target, copy=True)
-
-    return map_tensors(tree, cast)
-
-
-def in_dtype(models: list[nn.Module], inputs: Inputs, dtype: torch.dtype | None
-             ) -> tuple[list[nn.Module], Inputs]:
-    """Float copies of ``models`` and ``inputs`` in ``dtype`` (None: the originals)."""
-    if dtype is None:
-        return models, inputs
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise UsageError(f"dtype must be a floating torch dtype such as torch.float64; "
-                         f"got {dtype!r}")
-    return [copy.deepcopy(m).to(dtype) for m in models], upcast(inputs, dtype)
 
 
 def dtype_label(dtype: torch.dtype | None) -> str:

@@ -45,14 +45,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from torchparity.diagnosis.capture import (
-    ModuleCall,
-    Uncopyable,
-    flatten_tensors,
-    snapshot,
-    uncopyable_leaves,
-)
+from torchparity.diagnosis.capture import ModuleCall, Uncopyable, snapshot, uncopyable_leaves
 from torchparity.errors import TorchParityError, UsageError
+from torchparity.subject.trees import flatten_tensors
 
 SCHEMA = "torchparity.trace/3"
 TRACE_JSON = "trace.json"

@@ -21,8 +21,9 @@ from torchparity.golden.cases import (
     single_thread,
 )
 from torchparity.golden.store import GoldenStore
-from torchparity.golden.user_models import Subject, check_subject
+from torchparity.golden.user_models import check_subject, model_store
 from torchparity.reference import zoo
+from torchparity.subject import Subject
 
 
 def execute(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell], jobs: int,
@@ -111,7 +112,7 @@ def check_models(subjects: list[Subject], root: Path, cells: list[Cell],
     results = []
     with single_thread():
         for subject in subjects:
-            results += check_subject(subject, subject.store(root), cells,
+            results += check_subject(subject, model_store(subject, root), cells,
                                      lambda label, s=subject: progress.update(
                                          task, advance=1, description=f"{s.name} {label}"))
     return results

@@ -1,7 +1,7 @@
 """Goldens of users' models, and the cell-by-cell check of a model against them.
 
-A user's model comes from a factory (:mod:`torchparity.factory`). Its goldens, computed in
-float64 on the CPU with every SDPA call on the ``manual`` backend, live in
+A user's model comes from a factory (:class:`torchparity.subject.Subject`). Its goldens,
+computed in float64 on the CPU with every SDPA call on the ``manual`` backend, live in
 ``<golden dir>/<entry name>/``:
 
 ============  ==========  =============================================================
@@ -37,10 +37,8 @@ tensors both have are judged.
 from __future__ import annotations
 
 import contextlib
-import copy
-import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,17 +48,8 @@ from torch import nn
 
 from torchparity import backends
 from torchparity.comparison import compare
-from torchparity.diagnosis.capture import flatten_tensors
-from torchparity.diagnosis.run import call_model
 from torchparity.dtypes import dtype_name
-from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
-from torchparity.factory import (
-    UserModel,
-    build_user_model,
-    entry_name,
-    first_line,
-    load_factory,
-)
+from torchparity.errors import BackendUnavailable, UsageError
 from torchparity.golden.cases import (
     DTYPES,
     REFERENCE,
@@ -72,7 +61,8 @@ from torchparity.golden.cases import (
     write_status,
 )
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
-from torchparity.reference import rng
+from torchparity.subject import Subject, hf
+from torchparity.subject.trees import flatten_tensors
 
 #: Output name -> kind of the tolerance model it is judged with.
 OUTPUT_KINDS = {"outputs": "forward", "loss": "loss", "grads": "grad", "decode": "forward",
@@ -81,7 +71,6 @@ OUTPUT_KINDS = {"outputs": "forward", "loss": "loss", "grads": "grad", "decode":
 HF_EAGER = "hf-eager"
 #: New tokens of the default decode of ``transformers`` generative models.
 DECODE_STEPS = 4
-_LOSS_SEED = 0
 _ROOT = "output"
 
 
@@ -94,8 +83,8 @@ def user_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
 def backend_names(models: list[Subject] | None = None) -> list[str]:
     """The backends of a user-model check: every attention backend, and ``hf-eager`` when one
     of ``models`` is a ``transformers`` model (always when ``models`` is None)."""
-    hf = models is None or any(m.is_transformers for m in models)
-    return [*backends.names(), *([HF_EAGER] if hf else [])]
+    eager = models is None or any(m.is_transformers for m in models)
+    return [*backends.names(), *([HF_EAGER] if eager else [])]
 
 
 @dataclass
@@ -106,196 +95,96 @@ class Run:
     missing: dict[str, str]
 
 
-class Subject:
-    """A user's model ready to run in any cell: the factory's result and its golden folder."""
+def model_store(subject: Subject, root: Any) -> GoldenStore:
+    """The golden store under ``root`` whose messages name this model's update command."""
+    return GoldenStore(root, update_command=f"torchparity golden update --model {subject.entry}")
 
-    def __init__(self, user: UserModel, entry: str) -> None:
-        self.user = user
-        self.entry = entry
-        self.name = user.name
-        self.is_transformers = _is_transformers(user.model)
 
-    @classmethod
-    def load(cls, entry: str | Callable[[], Any]) -> Subject:
-        """From an entry ``file.py:name`` / ``pkg.mod:name`` or from the factory itself."""
-        if isinstance(entry, str):
-            return cls(load_factory(entry), entry)
-        spec = f"{entry.__module__}:{entry.__qualname__}"
-        return cls(build_user_model(entry, entry_name(spec), spec), spec)
+def model_checksums(subject: Subject) -> dict[str, str]:
+    """Checksums of the float64 state dict and of the input tensors the factory gave."""
+    state = {k: v.double() if v.is_floating_point() else v
+             for k, v in subject.model.state_dict().items()}
+    return {"weights": checksum(state),
+            "inputs": checksum(flatten_tensors(subject.inputs, "inputs"))}
 
-    def store(self, root: Any) -> GoldenStore:
-        """The golden store under ``root`` whose messages name this model's update command."""
-        return GoldenStore(root, update_command=f"torchparity golden update --model {self.entry}")
 
-    # --- running ----------------------------------------------------------------------------
+# --- running --------------------------------------------------------------------------------
 
-    def checksums(self) -> dict[str, str]:
-        """Checksums of the float64 state dict and of the input tensors the factory gave."""
-        state = {k: v.double() if v.is_floating_point() else v
-                 for k, v in self.user.model.state_dict().items()}
-        return {"weights": checksum(state),
-                "inputs": checksum(flatten_tensors(self.user.inputs, "inputs"))}
 
-    def run(self, cell: Cell, loss_paths: list[str] | None, *, perturb: bool = False,
-            ) -> tuple[Run, int | None]:
-        """Run the model in ``cell``: forward, loss, gradients and decoding.
+def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
+                perturb: bool = False) -> tuple[Run, int | None]:
+    """Run the model in ``cell``: forward, loss, gradients and decoding.
 
-        ``loss_paths`` are the outputs the default loss projects (None: all floating ones).
-        Returns the run and the number of SDPA calls intercepted (None for ``hf-eager``).
-        """
-        dtype = DTYPES[cell.dtype]
-        # eval(): dropout (modules or F.dropout(training=self.training)) would make runs differ
-        model = copy.deepcopy(self.user.model).to(device=cell.device, dtype=dtype).eval()
-        if self.is_transformers:
-            model.set_attn_implementation("eager" if cell.backend == HF_EAGER else "sdpa")
-        if perturb:
-            perturb_weights(model)
-        inputs = cast_inputs(self.user.inputs, cell.device, dtype)
-        with self._backend(cell.backend) as intercepted, matmul_precision(cell.dtype):
-            try:
-                run = self._forward_backward(model, inputs, loss_paths)
-            except BackendUnavailable as exc:
-                return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc))), None
-            self._decode(model, inputs, run, cell)
-        calls = None if intercepted is None else intercepted.calls
-        return run, calls
-
-    @contextlib.contextmanager
-    def _backend(self, name: str) -> Iterator[Any]:
-        if name == HF_EAGER:
-            yield None
-        else:
-            with backends.use(name) as intercepted:
-                yield intercepted
-
-    def _forward_backward(self, model: nn.Module, inputs: Any,
-                          loss_paths: list[str] | None) -> Run:
-        missing: dict[str, str] = {}
-        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    ``loss_paths`` are the outputs the default loss projects (None: all floating ones).
+    Returns the run and the number of SDPA calls intercepted (None for ``hf-eager``).
+    """
+    attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
+    model, inputs = subject.placed(cell.device, DTYPES[cell.dtype], attention)
+    if perturb:
+        perturb_weights(model)
+    with _backend(cell.backend) as intercepted, matmul_precision(cell.dtype):
         try:
-            output = self._call(lambda: call_model(model, inputs), "the model's forward")
-            flat = flatten_tensors(output, _ROOT)
-            loss = self.loss(output, inputs, flat, loss_paths)
-        except BackendUnavailable as exc:  # no backward here: the forward still runs
-            missing["grads"] = str(exc)
-            with torch.no_grad():
-                output = self._call(lambda: call_model(model, inputs), "the model's forward")
-                flat = flatten_tensors(output, _ROOT)
-                loss = self.loss(output, inputs, flat, loss_paths)
-        outputs = {"outputs": {path: t.detach() for path, t in flat.items()}}
-        if isinstance(loss, str):
-            missing["loss"] = missing["grads"] = loss
-        else:
-            outputs["loss"] = {"loss": loss.detach()}
-        if "grads" not in missing:
-            try:
-                grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-                outputs["grads"] = {name: torch.zeros_like(p) if g is None else g
-                                    for (name, p), g in zip(params.items(), grads, strict=True)}
-            except BackendUnavailable as exc:
-                missing["grads"] = str(exc)
-        return Run(outputs, missing)
-
-    def loss(self, output: Any, inputs: Any, flat: dict[str, torch.Tensor],
-             loss_paths: list[str] | None = None) -> torch.Tensor | str:
-        """``loss_fn(output, inputs)``, else :func:`default_loss` of the outputs at
-        ``loss_paths`` (default: every floating one of ``flat``, the flattened output); a
-        string saying why when ``flat`` lacks one of them."""
-        if self.user.loss_fn is not None:
-            loss = self._call(lambda: self.user.loss_fn(output, inputs), "its loss_fn")
-            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-                raise UsageError(f"loss_fn of {self.entry} must return a scalar tensor; got "
-                                 f"{type(loss).__name__}")
-            return loss.reshape(())
-        paths = loss_paths if loss_paths is not None else [
-            p for p, t in flat.items() if t.is_floating_point()]
-        absent = [p for p in paths if p not in flat]
-        if absent:
-            return (f"the output has no {', '.join(absent)}, which the golden's default loss "
-                    f"projects; the loss and gradients cannot be compared")
-        if not paths:
-            raise UsageError(f"the output of {self.entry} has no floating tensor to take "
-                             "gradients of; return a loss_fn from the factory")
-        return default_loss({p: flat[p] for p in paths})
-
-    def _decode(self, model: nn.Module, inputs: Any, run: Run, cell: Cell) -> None:
-        if self.user.decode is None and _generates(model) and cell.dtype != "fp64":
-            run.missing["decode"] = ("greedy generate is compared in float64 only: in lower "
-                                     "precision a near tie may pick another token")
-            return
-        if self.user.decode is None and not _generates(model):
-            return
-        try:
-            with torch.no_grad():
-                run.outputs["decode"] = {
-                    path: tensor for label, cache in (("cached", True), ("recomputed", False))
-                    for path, tensor in flatten_tensors(self._decoded(model, inputs, cache),
-                                                        label).items()}
+            run = _forward_backward(subject, model, inputs, loss_paths)
         except BackendUnavailable as exc:
-            run.missing["decode"] = str(exc)
+            return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc))), None
+        _decode(subject, model, inputs, run, cell)
+    calls = None if intercepted is None else intercepted.calls
+    return run, calls
 
-    def _decoded(self, model: nn.Module, inputs: Any, use_cache: bool) -> Any:
-        if self.user.decode is None:
-            return self._call(lambda: _generate(model, inputs, use_cache),
-                              "transformers' generate")
-        return self._call(lambda: self.user.decode(model, inputs, use_cache), "its decode step")
 
-    def _call(self, fn: Callable[[], Any], what: str) -> Any:
+@contextlib.contextmanager
+def _backend(name: str) -> Iterator[Any]:
+    if name == HF_EAGER:
+        yield None
+    else:
+        with backends.use(name) as intercepted:
+            yield intercepted
+
+
+def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
+                      loss_paths: list[str] | None) -> Run:
+    missing: dict[str, str] = {}
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    try:
+        output = subject.forward(model, inputs)
+        flat = flatten_tensors(output, _ROOT)
+        loss = subject.loss(output, inputs, flat, loss_paths)
+    except BackendUnavailable as exc:  # no backward here: the forward still runs
+        missing["grads"] = str(exc)
+        with torch.no_grad():
+            output = subject.forward(model, inputs)
+            flat = flatten_tensors(output, _ROOT)
+            loss = subject.loss(output, inputs, flat, loss_paths)
+    outputs = {"outputs": {path: t.detach() for path, t in flat.items()}}
+    if isinstance(loss, str):
+        missing["loss"] = missing["grads"] = loss
+    else:
+        outputs["loss"] = {"loss": loss.detach()}
+    if "grads" not in missing:
         try:
-            return fn()
-        except (BackendUnavailable, UsageError):
-            raise
-        except Exception as exc:
-            raise UserCodeError(f"{what} of {self.entry} raised {type(exc).__name__}: "
-                                f"{first_line(exc)}") from exc
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            outputs["grads"] = {name: torch.zeros_like(p) if g is None else g
+                                for (name, p), g in zip(params.items(), grads, strict=True)}
+        except BackendUnavailable as exc:
+            missing["grads"] = str(exc)
+    return Run(outputs, missing)
 
 
-def default_loss(outputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The dot product of the floating ``outputs`` with fixed pseudo-random weights (a pure
-    function of each path and shape), computed in at least float32 and scaled to O(1)."""
-    total = sum(t.numel() for t in outputs.values())
-    loss = None
-    for path, tensor in outputs.items():
-        compute = torch.promote_types(tensor.dtype, torch.float32)
-        weights = rng.symmetric(_LOSS_SEED, f"loss.{path}", tensor.shape, 1.0 / math.sqrt(total))
-        term = (tensor.to(compute) * weights.to(tensor.device, compute)).sum()
-        loss = term if loss is None else loss + term
-    return loss
-
-
-# --- transformers --------------------------------------------------------------------------
-
-
-def _is_transformers(model: nn.Module) -> bool:
-    return hasattr(model, "set_attn_implementation") and hasattr(model, "config")
-
-
-def _generates(model: nn.Module) -> bool:
-    can = getattr(model, "can_generate", None)
-    return _is_transformers(model) and callable(can) and bool(can())
-
-
-def _generate(model: nn.Module, inputs: Any, use_cache: bool) -> dict[str, torch.Tensor]:
-    """Greedy ``generate`` of DECODE_STEPS tokens: the sequences and each step's logits."""
-    if not isinstance(inputs, Mapping):
-        raise UsageError("the default decode of a transformers model needs keyword inputs "
-                         "(a dict with input_ids); return a decode step from the factory")
-    kwargs = {k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
-    result = model.generate(**kwargs, do_sample=False, num_beams=1, max_new_tokens=DECODE_STEPS,
-                            min_new_tokens=DECODE_STEPS, use_cache=use_cache,
-                            output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return {"tokens": result.sequences, "logits": torch.stack(result.logits, 1)}
-
-
-def cast_inputs(tree: Any, device: str, dtype: torch.dtype) -> Any:
-    """``tree`` with floating tensors in ``dtype`` and every tensor on ``device``."""
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device, dtype) if tree.is_floating_point() else tree.to(device)
-    if isinstance(tree, Mapping):
-        return {k: cast_inputs(v, device, dtype) for k, v in tree.items()}
-    if isinstance(tree, tuple | list):
-        return type(tree)(cast_inputs(v, device, dtype) for v in tree)
-    return tree
+def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run, cell: Cell) -> None:
+    if not subject.generates:
+        return
+    if subject.decode is None and cell.dtype != "fp64":
+        run.missing["decode"] = ("greedy generate is compared in float64 only: in lower "
+                                 "precision a near tie may pick another token")
+        return
+    try:
+        with torch.no_grad():
+            run.outputs["decode"] = {
+                path: tensor for label, cache in (("cached", True), ("recomputed", False))
+                for path, tensor in flatten_tensors(
+                    subject.decoded(model, inputs, cache, DECODE_STEPS), label).items()}
+    except BackendUnavailable as exc:
+        run.missing["decode"] = str(exc)
 
 
 # --- writing and reading goldens ------------------------------------------------------------
@@ -304,16 +193,16 @@ def cast_inputs(tree: Any, device: str, dtype: torch.dtype) -> Any:
 def write_goldens(subject: Subject, store: GoldenStore) -> dict[str, str]:
     """Compute and write the goldens of ``subject``; output -> what happened to its file
     (``created``, ``updated``, ``replaced`` or ``unchanged``, as for the zoo)."""
-    run, _ = subject.run(REFERENCE, None)
+    run, _ = run_in_cell(subject, REFERENCE, None)
     if run.missing:
         output, reason = next(iter(run.missing.items()))
         raise UsageError(f"{subject.entry}: the float64 golden run cannot compute {output}: "
                          f"{reason}")
-    loss_paths = None if subject.user.loss_fn else [
+    loss_paths = None if subject.loss_fn else [
         p for p, t in run.outputs["outputs"].items() if t.is_floating_point()]
-    meta = {"entry": subject.entry, "model": type(subject.user.model).__name__,
+    meta = {"entry": subject.entry, "model": type(subject.model).__name__,
             "loss": "loss_fn" if loss_paths is None else {"default projection of": loss_paths},
-            "checksums": subject.checksums()}
+            "checksums": model_checksums(subject)}
     statuses = {}
     for output, tensors in run.outputs.items():
         output_meta = {"kind": OUTPUT_KINDS[output], **meta}
@@ -330,7 +219,7 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
     goldens = {output: store.read(subject.name, output) for output in ("outputs", "loss",
                                                                        "grads")}
     fix = f"if the change is intended, run `{store.update_command}`"
-    decodes = subject.user.decode is not None or _generates(subject.user.model)
+    decodes = subject.generates
     if store.exists(subject.name, "decode"):
         goldens["decode"] = store.read(subject.name, "decode")
     if decodes != ("decode" in goldens):
@@ -339,7 +228,7 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
                           f"{'decodes' if decodes else 'does not'}; {fix}")
     for golden in goldens.values():
         uses_fn = golden.summary.get("loss") == "loss_fn"
-        if uses_fn != (subject.user.loss_fn is not None):
+        if uses_fn != (subject.loss_fn is not None):
             raise GoldenStale(f"golden {golden.path.with_suffix('.json')} was made "
                               f"{'with' if uses_fn else 'without'} a loss_fn, the factory now "
                               f"returns {'none' if uses_fn else 'one'}; {fix}")
@@ -358,7 +247,7 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
                   advance: Callable[[str], None] = lambda label: None) -> list[CheckResult]:
     """Check ``subject`` in every cell against its goldens; one result per cell and output."""
     goldens = load_goldens(subject, store)
-    changed = checksum_changes(goldens, subject.checksums(), lambda what: (
+    changed = checksum_changes(goldens, model_checksums(subject), lambda what: (
         f"the {what} the factory {subject.entry} builds {{differ}}; seed the factory's "
         f"initialisation, or if the change is intended run `{store.update_command}`"))
     results: list[CheckResult] = []
@@ -376,7 +265,7 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
         else:
             key = (cell.dtype, cell.device)
             if key not in baselines:
-                baselines[key] = subject.run(Cell("manual", *key), loss_paths)[0]
+                baselines[key] = run_in_cell(subject, Cell("manual", *key), loss_paths)[0]
             results += _check_cell(subject, cell, goldens, baselines[key], loss_paths)
         advance(cell.label)
     return results
@@ -384,8 +273,8 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
 
 def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Golden],
                      loss_paths: list[str] | None) -> list[CheckResult]:
-    fresh, _ = subject.run(REFERENCE, loss_paths)
-    perturbed, _ = subject.run(REFERENCE, loss_paths, perturb=True)
+    fresh, _ = run_in_cell(subject, REFERENCE, loss_paths)
+    perturbed, _ = run_in_cell(subject, REFERENCE, loss_paths, perturb=True)
     results = []
     for output, golden in goldens.items():
         candidate = fresh.outputs.get(output, {})
@@ -415,7 +304,7 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
     if cell.backend == "manual":
         run, calls = baseline, None
     else:
-        run, calls = subject.run(cell, loss_paths)
+        run, calls = run_in_cell(subject, cell, loss_paths)
     if calls == 0:
         return [_result(subject, cell, output, "n/a", ok=True,
                         reason=backends.NO_SDPA_CALLS_REASON) for output in goldens]
@@ -515,7 +404,7 @@ def check_model(factory: str | Callable[[], Any], *, backends: list[str] | None 
     message names the ``torchparity golden update --model`` command that creates them.
     """
     subject = Subject.load(factory)
-    store = subject.store(user_golden_dir(golden_dir))
+    store = model_store(subject, user_golden_dir(golden_dir))
     return ModelReport(check_subject(subject, store, cells or model_cells(backends, dtypes)))
 
 
@@ -523,4 +412,4 @@ def update_model_goldens(factory: str | Callable[[], Any],
                          golden_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """Write the goldens of ``factory`` (see :func:`check_model`); output -> what happened."""
     subject = Subject.load(factory)
-    return write_goldens(subject, subject.store(user_golden_dir(golden_dir)))
+    return write_goldens(subject, model_store(subject, user_golden_dir(golden_dir)))

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             execution = Execution(execution.backend, execution.dtype, f"cuda:{local_rank}",
                                   execution.compile)
         if args.setup:
-            from torchparity.factory import resolve_entry
+            from torchparity.subject.factory import resolve_entry
 
             resolve_entry(args.setup)()
         dist.init_process_group("nccl" if cuda else "gloo",

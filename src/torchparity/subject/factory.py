@@ -3,9 +3,9 @@
 The named callable returns ``(model, inputs)`` or ``(model, inputs, loss_fn)``, or a dict with
 the keys ``model``, ``inputs`` and optionally ``loss_fn`` and ``decode``. ``inputs`` is a tuple
 of positional arguments, a dict of keyword arguments or one tensor; ``loss_fn(output, inputs)``
-returns a scalar; ``decode(model, inputs)`` runs the model's incremental decoding and returns
-its outputs (a pytree of tensors). Every command that takes a user's model (``check``,
-``golden``, ``bench``, ``diagnose``, ``record``) loads it here.
+returns a scalar; ``decode(model, inputs, use_cache)`` runs the model's incremental decoding and
+returns its outputs (a pytree of tensors). A file imports as ``python file.py`` would run it:
+its folder comes first on ``sys.path``, so modules beside it import.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,34 +22,8 @@ from torch import nn
 
 from torchparity.errors import UsageError, UserCodeError
 
-_KEYS = ("model", "inputs", "loss_fn", "decode")
-
-
-@dataclass
-class UserModel:
-    """What a factory returned, checked: the model, its inputs and the optional callables."""
-
-    name: str  # a file-system friendly name derived from the entry (the golden folder)
-    model: nn.Module
-    inputs: Any
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-    decode: Callable[[nn.Module, Any], Any] | None = None
-
-
-def load_entry(spec: str) -> tuple[nn.Module, Any, Any]:
-    """Import ``module:factory`` (module path or .py file), call it, check what it returns.
-
-    Returns ``(model, inputs, loss_fn or None)``; a problem with the entry or what it returns
-    is a one-line :class:`UsageError`, an exception raised by the user's code a
-    :class:`UserCodeError` naming the entry.
-    """
-    user = load_factory(spec)
-    return user.model, user.inputs, user.loss_fn
-
-
-def load_factory(spec: str) -> UserModel:
-    """Like :func:`load_entry`, returning the whole :class:`UserModel` (with ``decode``)."""
-    return build_user_model(resolve_entry(spec), entry_name(spec), spec)
+#: The keys a factory's dict may have; the first two are required.
+KEYS = ("model", "inputs", "loss_fn", "decode")
 
 
 def resolve_entry(spec: str) -> Callable[[], Any]:
@@ -73,41 +46,42 @@ def entry_name(spec: str) -> str:
     return f"{stem}.{attribute}"
 
 
-def build_user_model(factory: Callable[[], Any], name: str, label: str | None = None,
-                     ) -> UserModel:
-    """Call ``factory`` and check what it returns; ``label`` names it in messages."""
-    label = label or name
+def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
+    """Call ``factory`` and check what it returns: a dict of :data:`KEYS` (absent ones None).
+
+    A problem with what it returns is a one-line :class:`UsageError`, an exception raised by
+    the factory a :class:`UserCodeError` naming ``label``.
+    """
     try:
         result = factory()
     except Exception as exc:
         raise UserCodeError(f"factory {label} raised {type(exc).__name__}: "
                             f"{first_line(exc)}") from exc
     if isinstance(result, Mapping):
-        unknown = sorted(set(result) - set(_KEYS))
+        unknown = sorted(set(result) - set(KEYS))
         if unknown or not {"model", "inputs"} <= set(result):
             raise UsageError(f"factory {label} returned a dict with keys "
                              f"{', '.join(map(str, result)) or '(none)'}; it needs 'model' and "
                              f"'inputs' and may have 'loss_fn' and 'decode'")
-        fields = {key: result.get(key) for key in _KEYS}
+        fields = {key: result.get(key) for key in KEYS}
     elif isinstance(result, tuple) and len(result) in (2, 3):
-        fields = dict(zip(_KEYS, result, strict=False))
+        fields = {**dict.fromkeys(KEYS), **dict(zip(KEYS, result, strict=False))}
     else:
         raise UsageError(f"factory {label} must return (model, inputs) or "
                          f"(model, inputs, loss_fn); it returned {_describe(result)}")
-    user = UserModel(name=name, **fields)
-    if not isinstance(user.model, nn.Module):
-        raise UsageError(f"factory {label} returned a {type(user.model).__name__} as model, "
-                         "not a torch.nn.Module")
-    if not isinstance(user.inputs, tuple | Mapping | torch.Tensor):
+    if not isinstance(fields["model"], nn.Module):
+        raise UsageError(f"factory {label} returned a {type(fields['model']).__name__} as "
+                         "model, not a torch.nn.Module")
+    if not isinstance(fields["inputs"], tuple | Mapping | torch.Tensor):
         raise UsageError(f"factory {label} returned inputs of type "
-                         f"{type(user.inputs).__name__}; give a tuple of positional arguments, "
-                         "a dict of keyword arguments or one tensor")
+                         f"{type(fields['inputs']).__name__}; give a tuple of positional "
+                         "arguments, a dict of keyword arguments or one tensor")
     for key in ("loss_fn", "decode"):
-        value = getattr(user, key)
+        value = fields[key]
         if value is not None and not callable(value):
             raise UsageError(f"factory {label} returned a {type(value).__name__} as {key}; "
                              "it must be callable")
-    return user
+    return fields
 
 
 def _describe(result: Any) -> str:
@@ -125,14 +99,7 @@ def first_line(exc: BaseException) -> str:
 def _import_location(location: str, spec: str) -> Any:
     try:
         if location.endswith(".py"):
-            path = Path(location)
-            if not path.is_file():
-                raise UsageError(f"entry point {spec}: no file {location}")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[path.stem] = module
-            module_spec.loader.exec_module(module)
-            return module
+            return _import_file(Path(location), spec)
         if "" not in sys.path:  # like `python -m`: modules in the working directory import
             sys.path.insert(0, "")
         return importlib.import_module(location)
@@ -143,3 +110,19 @@ def _import_location(location: str, spec: str) -> Any:
     except Exception as exc:
         raise UserCodeError(f"entry point {spec}: importing {location} raised "
                             f"{type(exc).__name__}: {first_line(exc)}") from exc
+
+
+def _import_file(path: Path, spec: str) -> Any:
+    """Import ``path`` as ``python path`` runs it: its folder first on ``sys.path`` (it stays
+    there, as for a script, so the factory's later imports find its neighbours too)."""
+    if not path.is_file():
+        raise UsageError(f"entry point {spec}: no file {path}")
+    folder = str(path.resolve().parent)
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[path.stem] = module
+    module_spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,106 @@
+"""A model under test: what a user's factory returned, checked, and how to run it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
+from torchparity.subject import hf
+from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
+from torchparity.subject.running import LossFn, call_model, cast_inputs, projection_loss
+
+#: ``decode(model, inputs, use_cache)``: a model's incremental decoding, its outputs a pytree.
+DecodeFn = Callable[[nn.Module, Any, bool], Any]
+
+
+@dataclass
+class Subject:
+    """A user's model under test: the model, its inputs and its optional callables, named by
+    the ``entry`` that built it and by ``name``, a file-system friendly form of it (the golden
+    folder). Every command that takes a user's model (``check``, ``golden``, ``bench``,
+    ``diagnose``, ``record``) loads it here."""
+
+    name: str
+    entry: str
+    model: nn.Module
+    inputs: Any
+    loss_fn: LossFn | None = None
+    decode: DecodeFn | None = None
+
+    @classmethod
+    def load(cls, entry: str | Callable[[], Any]) -> Subject:
+        """From an entry ``file.py:name`` / ``pkg.mod:name``, or from the factory itself."""
+        if isinstance(entry, str):
+            factory, spec = resolve_entry(entry), entry
+        else:
+            factory, spec = entry, f"{entry.__module__}:{entry.__qualname__}"
+        return cls(name=entry_name(spec), entry=spec, **call_factory(factory, spec))
+
+    @property
+    def is_transformers(self) -> bool:
+        return hf.is_transformers(self.model)
+
+    @property
+    def generates(self) -> bool:
+        """Whether it decodes: with its own ``decode``, or as a ``transformers`` generator."""
+        return self.decode is not None or hf.generates(self.model)
+
+    def placed(self, device: str | torch.device, dtype: torch.dtype,
+               attention: str = hf.SDPA) -> tuple[nn.Module, Any]:
+        """A copy of the model in ``dtype`` on ``device`` in eval mode (dropout, modules' or
+        ``F.dropout(training=self.training)``, would make runs differ), a ``transformers``
+        model on its ``attention`` implementation, and the inputs cast alike."""
+        model = copy.deepcopy(self.model).to(device=device, dtype=dtype).eval()
+        if self.is_transformers:
+            hf.set_attention(model, attention)
+        return model, cast_inputs(self.inputs, device, dtype)
+
+    def forward(self, model: nn.Module, inputs: Any) -> Any:
+        """``model`` called on ``inputs``; the model's own exception as a :class:`UserCodeError`."""
+        return self.guarded(lambda: call_model(model, inputs), "the model's forward")
+
+    def loss(self, output: Any, inputs: Any, flat: Mapping[str, torch.Tensor],
+             loss_paths: list[str] | None = None) -> torch.Tensor | str:
+        """``loss_fn(output, inputs)``, else the projection loss of the outputs at
+        ``loss_paths`` (default: every floating one of ``flat``, the flattened output); a
+        string saying why when ``flat`` lacks one of them."""
+        if self.loss_fn is not None:
+            loss = self.guarded(lambda: self.loss_fn(output, inputs), "its loss_fn")
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                raise UsageError(f"loss_fn of {self.entry} must return a scalar tensor; got "
+                                 f"{type(loss).__name__}")
+            return loss.reshape(())
+        paths = loss_paths if loss_paths is not None else [
+            p for p, t in flat.items() if t.is_floating_point()]
+        absent = [p for p in paths if p not in flat]
+        if absent:
+            return (f"the output has no {', '.join(absent)}, which the golden's default loss "
+                    f"projects; the loss and gradients cannot be compared")
+        if not paths:
+            raise UsageError(f"the output of {self.entry} has no floating tensor to take "
+                             "gradients of; return a loss_fn from the factory")
+        return projection_loss({p: flat[p] for p in paths})
+
+    def decoded(self, model: nn.Module, inputs: Any, use_cache: bool, steps: int) -> Any:
+        """The factory's ``decode``, else greedy ``generate`` of ``steps`` tokens."""
+        if self.decode is None:
+            return self.guarded(lambda: hf.greedy_generate(model, inputs, steps, use_cache),
+                                "transformers' generate")
+        return self.guarded(lambda: self.decode(model, inputs, use_cache), "its decode step")
+
+    def guarded(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()``; an exception of the user's code becomes a one-line
+        :class:`UserCodeError` naming ``what`` of this entry."""
+        try:
+            return fn()
+        except (BackendUnavailable, UsageError):
+            raise
+        except Exception as exc:
+            raise UserCodeError(f"{what} of {self.entry} raised {type(exc).__name__}: "
+                                f"{first_line(exc)}") from exc

@@ -1,0 +1,110 @@
+"""Calling a model under test the same way everywhere: its inputs (cast, moved, copied), one
+seeded call, and the default loss whose gradient reaches every output element."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.errors import UsageError
+from torchparity.reference import rng
+from torchparity.subject.trees import map_tensors
+
+#: A tuple of positional arguments, a dict of keyword arguments, or one tensor.
+Inputs = tuple[Any, ...] | dict[str, Any] | torch.Tensor
+#: ``loss_fn(output, inputs) -> scalar tensor``; ``inputs`` are the model inputs as given
+#: (upcast to float64 for a golden run), so ``torchparity.reference.sequence_loss`` fits.
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+#: The seed of every run's CPU random stream.
+SEED = 0
+_LOSS_SEED = 0
+
+
+def call_model(model: nn.Module, inputs: Inputs) -> Any:
+    """``model(**inputs)``, ``model(*inputs)`` or ``model(inputs)``, by the form of ``inputs``."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    raise UsageError(f"inputs must be a tuple of positional arguments or a dict of keyword "
+                     f"arguments; got {type(inputs).__name__}")
+
+
+@contextlib.contextmanager
+def seeded() -> Iterator[None]:
+    """Same CPU RNG stream for every run and replay; the caller's CPU RNG state is restored.
+    (CUDA generators are left alone: seeding them is costly, and active dropout is refused.)"""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(SEED)
+        yield
+
+
+def check_models(**models: Any) -> None:
+    """Each of ``models`` (named by keyword) is an ``nn.Module`` without active dropout, so that
+    two runs of it compute the same; a :class:`UsageError` naming it otherwise."""
+    for label, model in models.items():
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"{label} is not a torch.nn.Module (got {type(model).__name__})")
+        active = [name for name, m in model.named_modules()
+                  if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0]
+        if active:
+            raise UsageError(f"{label} has active dropout ({active[0] or 'root'}); call "
+                             "model.eval() so that both runs are deterministic")
+
+
+def cast_inputs(tree: Any, device: str | torch.device, dtype: torch.dtype) -> Any:
+    """``tree`` with floating tensors in ``dtype`` and every tensor on ``device`` (tensors
+    already there are shared, not copied)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device, dtype) if tree.is_floating_point() else tree.to(device)
+    if isinstance(tree, Mapping):
+        return {k: cast_inputs(v, device, dtype) for k, v in tree.items()}
+    if isinstance(tree, tuple | list):
+        return type(tree)(cast_inputs(v, device, dtype) for v in tree)
+    return tree
+
+
+def upcast(tree: Any, dtype: torch.dtype | None, device: torch.device | str | None = None) -> Any:
+    """``tree`` with floating tensors cast to ``dtype`` (None: unchanged) and all tensors moved
+    to ``device`` (None: unchanged); new tensors, so the originals stay untouched."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        return t.detach().to(device=device or t.device, dtype=target, copy=True)
+
+    return map_tensors(tree, cast)
+
+
+def in_dtype(models: list[nn.Module], inputs: Inputs, dtype: torch.dtype | None
+             ) -> tuple[list[nn.Module], Inputs]:
+    """Float copies of ``models`` and ``inputs`` in ``dtype`` (None: the originals)."""
+    if dtype is None:
+        return models, inputs
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise UsageError(f"dtype must be a floating torch dtype such as torch.float64; "
+                         f"got {dtype!r}")
+    return [copy.deepcopy(m).to(dtype) for m in models], upcast(inputs, dtype)
+
+
+def projection_loss(outputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The dot product of the floating ``outputs`` with fixed pseudo-random weights (a pure
+    function of each path and shape, the same on every machine), computed in at least float32
+    and scaled to O(1): every element of every output gets its own gradient."""
+    total = sum(t.numel() for t in outputs.values())
+    loss = None
+    for path, tensor in outputs.items():
+        compute = torch.promote_types(tensor.dtype, torch.float32)
+        weights = rng.symmetric(_LOSS_SEED, f"loss.{path}", tensor.shape, 1.0 / math.sqrt(total))
+        term = (tensor.to(compute) * weights.to(tensor.device, compute)).sum()
+        loss = term if loss is None else loss + term
+    if loss is None:
+        raise UsageError("the output has no floating tensor to take gradients of")
+    return loss

@@ -1,0 +1,90 @@
+"""Pytrees of tensors as models take and return them: tensors inside mappings (Hugging Face
+``ModelOutput`` included), tuples, lists, namedtuples and dataclasses, addressed by a dotted path
+(``output.0``, ``output.logits``, ``inputs.attention_mask``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+
+def flatten_tensors(tree: Any, prefix: str = "output") -> dict[str, torch.Tensor]:
+    """Tensors of a pytree keyed by a dotted path (``output.0``, ``output.logits``).
+
+    Walks tensors, mappings (including Hugging Face ``ModelOutput``), tuples, lists and
+    dataclasses in order; other leaves (caches, None, numbers) are skipped.
+    """
+    flat: dict[str, torch.Tensor] = {}
+    for path, leaf in walk(tree, prefix):
+        if isinstance(leaf, torch.Tensor):
+            flat[path] = leaf
+    return flat
+
+
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Rebuild ``tree`` with ``fn`` applied to every tensor; containers keep their types."""
+    return map_tensors_with_paths(tree, lambda path, tensor: fn(tensor), "")
+
+
+def map_tensors_with_paths(tree: Any, fn: Callable[[str, torch.Tensor], Any],
+                           prefix: str = "output") -> Any:
+    """Like :func:`map_tensors`, with ``fn(path, tensor)`` getting the path that
+    :func:`flatten_tensors` gives the tensor under the same ``prefix``."""
+    def child(key: Any) -> str:
+        return f"{prefix}.{key}" if prefix else str(key)
+
+    if isinstance(tree, torch.Tensor):
+        return fn(prefix, tree)
+    if isinstance(tree, Mapping):
+        mapped = {k: map_tensors_with_paths(v, fn, child(k)) for k, v in tree.items()}
+        return _rebuild_mapping(tree, mapped)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return type(tree)(*(map_tensors_with_paths(v, fn, child(i)) for i, v in enumerate(tree)))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_tensors_with_paths(v, fn, child(i)) for i, v in enumerate(tree))
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        changes = {f.name: map_tensors_with_paths(getattr(tree, f.name), fn, child(f.name))
+                   for f in _init_fields(tree)}
+        return dataclasses.replace(tree, **changes)
+    return tree
+
+
+def leaves(tree: Any, prefix: str) -> dict[str, Any]:
+    """Every leaf of a pytree (tensors, None, numbers, other objects) by the path that
+    :func:`flatten_tensors` gives tensors."""
+    return dict(walk(tree, prefix))
+
+
+def walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
+    def child(key: Any) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from walk(value, child(key))
+    elif isinstance(tree, (tuple, list)):
+        for index, value in enumerate(tree):
+            yield from walk(value, child(index))
+    elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        for field in dataclasses.fields(tree):
+            yield from walk(getattr(tree, field.name), child(field.name))
+    else:
+        yield path, tree
+
+
+def _rebuild_mapping(original: Mapping, mapped: dict) -> Any:
+    try:
+        return type(original)(**mapped) if _is_model_output(original) else type(original)(mapped)
+    except TypeError:  # a Mapping type without a dict constructor
+        return mapped
+
+
+def _is_model_output(obj: Any) -> bool:
+    return any(cls.__name__ == "ModelOutput" for cls in type(obj).__mro__)
+
+
+def _init_fields(obj: Any) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(obj) if f.init]
