@@ -60,6 +60,8 @@ class TensorComparison:
     sensitivity: float | None  # budget / scale; None for exact (integer and bool) tensors
     baseline_headroom: float | None  # err(baseline) / its dtype's bound; None without baseline
     notes: list[str] = field(default_factory=list)
+    # A sketched tensor (comparison/sketch.py) counts ``n_over`` among its exact slices only.
+    exact_elements: int | None = None
 
     @property
     def baseline_degraded(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 from torchparity import tolerance
 from torchparity.comparison.groups import group_noises, group_scales
+from torchparity.comparison.sketch import compare_sketch, involves_sketch
 from torchparity.comparison.structure import (
     ROOT,
     Alignment,
@@ -180,6 +181,9 @@ def compare(
     numbers, plain values nor containers (register them with ``torch.utils._pytree`` to compare
     their contents).
 
+    A tensor may be a :class:`~torchparity.sketching.Sketch` on any side: it stands for its
+    tensor and is judged by :func:`~torchparity.comparison.sketch.compare_sketch`.
+
     ``baseline`` need only hold the shared tensors, each in the candidate's shape and dtype.
     ``compute_dtype`` (default: each candidate tensor's dtype) sets the unit roundoff; Python
     floats, which carry no dtype, take it when given, else the most precise floating dtype among
@@ -213,7 +217,7 @@ def compare(
     noises = group_noises(leaves, tol.metric, scales) if tol.group_scale else {}
     floats_dtype = compute_dtype or numbers_dtype(leaves, found.numbers)
     tensors = [
-        compare_tensor(
+        (compare_sketch if involves_sketch(c, g, b) else compare_tensor)(
             path, c, g, b, kind, floats_dtype if path in found.numbers else compute_dtype,
             reduction_length, step, scales.get(path), equal_nan=equal_nan, atol=atol, rtol=rtol,
             group_noise=noises.get(path),
@@ -282,12 +286,18 @@ def _describe(t: TensorComparison) -> str:
         body = (
             f"{where}: {label} error {t.error:.3g} {relation} the budget {t.budget.value:.3g}"
             f" = {t.budget.formula()}, using {_share(t.headroom)};"
-            f" {t.n_over} of {math.prod(t.shape)} element(s) over budget"
+            f" {t.n_over} of {_exact_elements(t)} element(s) over budget"
         )
         if t.notes:
             body += f"; {'; '.join(t.notes)}"
         body += f". {_sensitivity_sentence(t.sensitivity)}"
     return f"{body}. Compute dtype {t.compute_dtype} ({t.dtype} tensor), kind {t.kind}."
+
+
+def _exact_elements(t: TensorComparison) -> str:
+    if t.exact_elements is None:
+        return str(math.prod(t.shape))
+    return f"the {t.exact_elements} exact"
 
 
 def _sensitivity_sentence(sensitivity: float) -> str:
