@@ -13,7 +13,13 @@ from torch import nn
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
-from torchparity.subject.running import LossFn, call_model, cast_inputs, projection_loss
+from torchparity.subject.running import (
+    LossFn,
+    call_model,
+    cast_inputs,
+    converted,
+    projection_loss,
+)
 
 #: ``decode(model, inputs, use_cache)``: a model's incremental decoding, its outputs a pytree.
 DecodeFn = Callable[[nn.Module, Any, bool], Any]
@@ -52,11 +58,16 @@ class Subject:
         return self.decode is not None or hf.generates(self.model)
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
-               attention: str = hf.SDPA) -> tuple[nn.Module, Any]:
+               attention: str = hf.SDPA, *, share: bool = False) -> tuple[nn.Module, Any]:
         """A copy of the model in ``dtype`` on ``device`` in eval mode (dropout, modules' or
         ``F.dropout(training=self.training)``, would make runs differ), a ``transformers``
-        model on its ``attention`` implementation, and the inputs cast alike."""
-        model = copy.deepcopy(self.model).to(device=device, dtype=dtype).eval()
+        model on its ``attention`` implementation, and the inputs cast alike. With ``share``
+        the model itself is used (put in eval mode and on ``attention``) when it already has
+        that dtype and device: no copy."""
+        model = converted(self.model, device, dtype)
+        if model is self.model and not share:
+            model = copy.deepcopy(model)
+        model.eval()
         if self.is_transformers:
             hf.set_attention(model, attention)
         return model, cast_inputs(self.inputs, device, dtype)

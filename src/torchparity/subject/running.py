@@ -94,6 +94,27 @@ def in_dtype(models: list[nn.Module], inputs: Inputs, dtype: torch.dtype | None
     return [copy.deepcopy(m).to(dtype) for m in models], upcast(inputs, dtype)
 
 
+def converted(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """``model`` with floating parameters and buffers in ``dtype``, everything on ``device``:
+    the model itself when it is already so, else a copy made without a second copy in the
+    old dtype (each tensor is converted once; tied parameters stay tied)."""
+    device = torch.device(device)
+    tensors = [*model.parameters(), *model.buffers()]
+    if all(t.device == device and (t.dtype == dtype or not t.is_floating_point())
+           for t in tensors):
+        return model
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
+
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(convert(param), requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = convert(buffer)
+    return copy.deepcopy(model, memo)
+
+
 def projection_loss(outputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The dot product of the floating ``outputs`` with fixed pseudo-random weights (a pure
     function of each path and shape, the same on every machine), computed in at least float32
