@@ -24,7 +24,9 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -74,6 +76,10 @@ class Sketch:
     def is_floating_point(self) -> bool:
         """Always: only floating tensors are sketched."""
         return True
+
+    def cpu(self) -> Sketch:
+        """The sketch itself: sketches live on the CPU."""
+        return self
 
     @property
     def std(self) -> float:
@@ -232,6 +238,41 @@ def shifted(golden: torch.Tensor | Sketch, plus: torch.Tensor | Sketch,
                   projection=golden.projection + (plus.projection - minus.projection),
                   slices=slices.to(golden.dtype), rms=golden.rms, absmax=golden.absmax,
                   mean=golden.mean, nonfinite=golden.nonfinite)
+
+
+#: The stored tensors of one sketch, by part name (see :func:`parts`).
+PARTS = ("sketch", "slices", "stats")
+
+
+def parts(value: Sketch) -> dict[str, torch.Tensor]:
+    """The tensors a file stores of a sketch: its projection, slices and statistics; with
+    :func:`describe` they give it back through :func:`from_parts`."""
+    stats = torch.tensor([value.rms, value.absmax, value.mean, float(value.nonfinite)],
+                         dtype=torch.float64)
+    return {"sketch": value.projection, "slices": value.slices, "stats": stats}
+
+
+def describe(value: Sketch) -> dict[str, Any]:
+    """What a file records beside a sketch's parts (JSON): shape, dtype, method, size, seed."""
+    return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+            "method": METHOD, "size": value.size, "seed": str(value.seed)}
+
+
+def from_parts(description: Mapping[str, Any], stored: Mapping[str, torch.Tensor]) -> Sketch:
+    """The sketch :func:`parts` and :func:`describe` wrote; ``ValueError`` when one is missing
+    or malformed, or the sketch was made by another method."""
+    try:
+        if description["method"] != METHOD:
+            raise ValueError(f"sketched by {description['method']!r}, this torchparity "
+                             f"sketches by {METHOD!r}")
+        rms, absmax, mean, nonfinite = stored["stats"].tolist()
+        return Sketch(shape=tuple(int(n) for n in description["shape"]),
+                      dtype=getattr(torch, str(description["dtype"])),
+                      seed=int(description["seed"]), projection=stored["sketch"],
+                      slices=stored["slices"], rms=rms, absmax=absmax, mean=mean,
+                      nonfinite=int(nonfinite))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"incomplete sketch ({type(exc).__name__}: {exc})") from None
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

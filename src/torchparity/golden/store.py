@@ -53,7 +53,6 @@ SCHEMA_VERSION = 2
 EXACT_SCHEMA_VERSION = 1
 #: The stored tensors of one sketched tensor: ``<name><SEPARATOR><part>``.
 SEPARATOR = "::"
-_SKETCH_PARTS = ("sketch", "slices", "stats")
 #: Environment variable naming the golden folder (``--golden-dir`` wins over it).
 GOLDEN_DIR_ENV = "TORCHPARITY_GOLDEN_DIR"
 #: Where a wheel carries the zoo's goldens inside the package (see pyproject.toml).
@@ -156,7 +155,7 @@ def tensor_summary(tensor: torch.Tensor | Sketch) -> dict[str, Any]:
         return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
                 "mean": _rounded(tensor.mean), "std": _rounded(tensor.std),
                 "absmax": _rounded(tensor.absmax), "sha256": stored_sha256(tensor),
-                "sketch": [sketching.METHOD, tensor.size, str(tensor.seed)]}
+                "sketch": [sketching.METHOD, tensor.size, str(tensor.seed)]}  # one line
     values = tensor.detach().to("cpu", torch.float64)
     empty = values.numel() == 0
     stats = {
@@ -177,7 +176,7 @@ def stored_sha256(value: torch.Tensor | Sketch) -> str:
     if isinstance(value, torch.Tensor):
         return tensor_sha256(value)
     digest = hashlib.sha256()
-    for part in sketch_parts(value).values():
+    for part in sketching.parts(value).values():
         for chunk in _tensor_bytes(part):
             digest.update(chunk)
     return digest.hexdigest()
@@ -189,13 +188,6 @@ def as_stored(name: str, value: torch.Tensor | Sketch) -> torch.Tensor | Sketch:
     if isinstance(value, torch.Tensor) and sketching.wants_sketch(value):
         return sketching.sketch(value, name)
     return value
-
-
-def sketch_parts(value: Sketch) -> dict[str, torch.Tensor]:
-    """The stored tensors of one sketch, by part name."""
-    stats = torch.tensor([value.rms, value.absmax, value.mean, float(value.nonfinite)],
-                         dtype=torch.float64)
-    return {"sketch": value.projection, "slices": value.slices, "stats": stats}
 
 
 def produced_by() -> dict[str, str]:
@@ -376,7 +368,7 @@ def _flat(stored: Mapping[str, torch.Tensor | Sketch]) -> dict[str, torch.Tensor
     for name, value in stored.items():
         if isinstance(value, Sketch):
             flat.update({f"{name}{SEPARATOR}{part}": tensor.contiguous()
-                         for part, tensor in sketch_parts(value).items()})
+                         for part, tensor in sketching.parts(value).items()})
         else:
             flat[name] = value
     return flat
@@ -391,28 +383,24 @@ def _unflat(flat: dict[str, torch.Tensor], listed: Mapping[str, Any]
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in flat.items():
         name, separator, part = key.partition(SEPARATOR)
-        if separator and part in _SKETCH_PARTS:
+        if separator and part in sketching.PARTS:
             parts.setdefault(name, {})[part] = tensor
         else:
             tensors[key] = tensor
     for name, found in parts.items():
         line = listed.get(name)
-        info = line.get("sketch") if isinstance(line, dict) else None
         try:
-            method, _, seed = info
-            dtype = getattr(torch, str(line["dtype"]))
-            rms, absmax, mean, nonfinite = found["stats"].tolist()
-            sketch = Sketch(shape=tuple(line["shape"]), dtype=dtype, seed=int(seed),
-                            projection=found["sketch"], slices=found["slices"], rms=rms,
-                            absmax=absmax, mean=mean, nonfinite=int(nonfinite))
-        except (TypeError, ValueError, KeyError, AttributeError):
+            method, size, seed = line["sketch"]
+            if method != sketching.METHOD:
+                raise GoldenSchemaError(f"{name} was sketched by {method!r}, this torchparity "
+                                        f"sketches by {sketching.METHOD!r}; regenerate the "
+                                        "golden or use the torchparity that made it")
+            tensors[name] = sketching.from_parts(
+                {"shape": line["shape"], "dtype": line["dtype"], "method": method,
+                 "size": size, "seed": seed}, found)
+        except (TypeError, ValueError, KeyError):
+            # Left as stored: _check_consistent names what does not match.
             tensors.update({f"{name}{SEPARATOR}{part}": t for part, t in found.items()})
-            continue
-        if method != sketching.METHOD:
-            raise GoldenSchemaError(f"{name} was sketched by {method!r}, this torchparity "
-                                    f"sketches by {sketching.METHOD!r}; regenerate the golden "
-                                    "or use the torchparity that made it")
-        tensors[name] = sketch
     return tensors
 
 

@@ -77,16 +77,20 @@ class Float64Run:
     ...     run.backward(loss)
 
     Guarantees: outputs, loss and gradients equal those of ``model.double()`` on the same
-    inputs; the model's parameters, buffers and ``.grad`` are as before when the block ends
-    (also after an exception); :meth:`backward` hands every parameter that requires a gradient
-    to ``on_grad`` exactly once (zeros for one the loss does not reach). Forward passes under
-    ``torch.no_grad()`` (decoding) run in float64 too and record no gradients. ``perturb``
-    changes the float64 weights every module sees, the same way in forward and backward.
+    inputs (with ``device``, those of ``model.to(device, torch.float64)``: a CUDA model's
+    golden on the CPU, its weights copied over one module at a time); the model's parameters,
+    buffers and ``.grad`` are as before when the block ends (also after an exception);
+    :meth:`backward` hands every parameter that requires a gradient to ``on_grad`` exactly
+    once (zeros for one the loss does not reach). Forward passes under ``torch.no_grad()``
+    (decoding) run in float64 too and record no gradients. ``perturb`` changes the float64
+    weights every module sees, the same way in forward and backward.
     """
 
     def __init__(self, model: nn.Module, *, on_grad: GradSink | None = None,
-                 perturb: Perturb | None = None, progress: Progress | None = None) -> None:
+                 perturb: Perturb | None = None, progress: Progress | None = None,
+                 device: str | torch.device | None = None) -> None:
         self.model = model
+        self.device = None if device is None else torch.device(device)
         self.on_grad = on_grad
         self.perturb = perturb
         self.progress = progress
@@ -125,23 +129,38 @@ class Float64Run:
     def __exit__(self, *exc: object) -> None:
         self._exit.__exit__(*exc)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss`` and hand every parameter's float64 gradient to ``on_grad``."""
-        if loss.requires_grad:
-            torch.autograd.grad(loss, [self._anchor], allow_unused=True)
+    def backward(self, outputs: torch.Tensor | list[torch.Tensor],
+                 grad_outputs: list[torch.Tensor] | None = None,
+                 inputs: tuple[torch.Tensor, ...] = (), *, unused: bool = True
+                 ) -> tuple[torch.Tensor | None, ...]:
+        """Backpropagate ``outputs`` (a loss, or tensors with their ``grad_outputs``) and hand
+        every parameter's float64 gradient to ``on_grad``; returns the gradients of
+        ``inputs`` (None for one not reached). With ``unused`` a parameter the outputs do not
+        reach gets zeros, else nothing."""
+        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        found: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
+        if any(o.requires_grad for o in outputs):
+            found = torch.autograd.grad(outputs, [*inputs, self._anchor], grad_outputs,
+                                        allow_unused=True)[:len(inputs)]
         for name, param in self.model.named_parameters():
             if not param.requires_grad or name in self._delivered:
                 continue
             grad = self._pending.pop(name, None)
-            self._deliver(name, grad if grad is not None
-                          else torch.zeros(param.shape, dtype=torch.float64))
+            if grad is None and unused:
+                grad = torch.zeros(param.shape, dtype=torch.float64, device=self._device(param))
+            if grad is not None:
+                self._deliver(name, grad)
+        return found
 
     # -- casting -------------------------------------------------------------------------------
 
     def value(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
         """The float64 value a module sees of ``parameter`` (perturbed when asked)."""
-        value = parameter.detach().to(torch.float64, copy=True)
+        value = parameter.detach().to(self._device(parameter), torch.float64, copy=True)
         return self.perturb(name, value) if self.perturb is not None else value
+
+    def _device(self, tensor: torch.Tensor) -> torch.device:
+        return tensor.device if self.device is None else self.device
 
     def _cast(self, parameter: torch.Tensor) -> torch.Tensor:
         name = self.names.get(id(parameter), f"<unnamed {id(parameter)}>")
@@ -184,10 +203,11 @@ class Float64Run:
         converted: dict[int, torch.Tensor] = {}
         for module in self.model.modules():
             for key, buffer in list(module._buffers.items()):
-                if buffer is None or not buffer.is_floating_point():
+                if buffer is None or not (buffer.is_floating_point() or self.device):
                     continue
                 if id(buffer) not in converted:
-                    converted[id(buffer)] = buffer.to(torch.float64)
+                    dtype = torch.float64 if buffer.is_floating_point() else buffer.dtype
+                    converted[id(buffer)] = buffer.to(self._device(buffer), dtype)
                 module._buffers[key] = converted[id(buffer)]
                 stack.callback(module._buffers.__setitem__, key, buffer)
 
@@ -218,7 +238,10 @@ class Float64Run:
         """One use's gradient of parameter ``name``; the sum goes on once all have come."""
         grad = grad.detach()
         pending = self._pending.get(name)
-        self._pending[name] = grad if pending is None else pending + grad
+        if pending is not None:
+            pending.add_(grad)  # in place: a tied embedding's gradient is gigabytes
+        else:  # a copy of its own when more uses will add to it
+            self._pending[name] = grad.clone() if self._uses.get(name, 0) > 1 else grad
         self._received[name] = self._received.get(name, 0) + 1
         if self._received[name] == self._uses.get(name, 0):
             self._deliver(name, self._pending.pop(name))
@@ -271,11 +294,12 @@ class BlockProgress:
 
 
 def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
-                 progress: BlockProgress | None = None) -> None:
+                 progress: BlockProgress | None = None, *, unused: bool = True) -> None:
     """Backpropagate ``loss`` through ``model`` in its own dtype and hand each parameter's
     gradient to ``on_grad(name, grad)`` as soon as it is complete, then drop it: at most the
     gradients in flight are held, never all of them. Every parameter that requires a gradient
-    is handed over once (zeros for one the loss does not reach); ``.grad`` is as before."""
+    is handed over once (zeros for one the loss does not reach, unless ``unused`` is False);
+    ``.grad`` is as before."""
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     names = {id(p): name for name, p in params.items()}
     saved = {name: p.grad for name, p in params.items()}
@@ -301,7 +325,7 @@ def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
         for name, p in params.items():
             p.grad = saved[name]
     for name, p in params.items():
-        if name not in done:
+        if name not in done and unused:
             on_grad(name, torch.zeros_like(p))
 
 
