@@ -28,8 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="map A's module names to B's (regex on A's whole name); repeatable")
     parser.add_argument("--backend-a", help="attention backend for A (not with --against)")
     parser.add_argument("--backend-b", help="attention backend for B")
-    parser.add_argument("--stream", action="store_true",
-                        help="keep A's side on disk so memory stays bounded")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep A's side on disk so memory stays bounded (default: when "
+                             "the two models take more than a quarter of the free memory)")
     parser.add_argument("--local", choices=("diverged", "all"), default="diverged",
                         help="modules that get a local error (module replay): those whose "
                              "propagated error diverged (default) or all")

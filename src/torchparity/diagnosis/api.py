@@ -53,6 +53,7 @@ from torchparity.diagnosis.run import (
     backend_name,
     dtype_label,
     make_options,
+    stream_needed,
 )
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
 from torchparity.errors import UsageError
@@ -72,7 +73,7 @@ def diagnose(
     include: PatternSpec = None,
     exclude: PatternSpec = None,
     backends: tuple[BackendSpec, BackendSpec] | None = None,
-    stream: bool = False,
+    stream: bool | None = None,
     local: Local = "diverged",
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
@@ -86,15 +87,15 @@ def diagnose(
     ``name_map`` maps A's module names to B's (dict, or ``(regex, replacement)`` pairs);
     unmapped renamed or fused modules are aligned by call order and output shapes.
     ``include``/``exclude`` select modules by glob or ``re:`` regex; ``backends=(a, b)`` runs A
-    and B under those attention backends. ``stream=True`` keeps the reference side on disk
-    (a temporary trace) so memory stays bounded on big models. ``local`` says which modules get
-    a local error: ``"diverged"`` (those whose propagated output or gradient diverged, or could
-    not be judged) or ``"all"``. ``progress`` shows a progress bar on stderr (default: when
-    stderr is a terminal). ``dtype=torch.float64`` runs copies of A and B, and the inputs, in
-    float64 against each other with float64 budgets: any change of the math above float64
-    rounding is localised, also one below the noise of the models' own dtype (when a diagnosis
-    in that dtype finds nothing while B's float64 output departs from A's golden, the summary
-    says so).
+    and B under those attention backends. ``stream=True`` keeps the reference side on disk (a
+    temporary trace) so memory stays bounded on big models; by default it does so when the two
+    models take more than a quarter of the memory available (``stream_needed``). ``local`` says
+    which modules get a local error: ``"diverged"`` (those whose propagated output or gradient
+    diverged, or could not be judged) or ``"all"``. ``progress`` shows a progress bar on stderr
+    (default: when stderr is a terminal). ``dtype=torch.float64`` runs copies of A and B, and the
+    inputs, in float64 against each other with float64 budgets: any change of the math above float64
+    rounding is localised, also one below the noise of the models' own dtype (when a diagnosis in
+    that dtype finds nothing while B's float64 output departs from A's golden, the summary says so).
 
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from
@@ -104,6 +105,8 @@ def diagnose(
     opts = make_options(backward, loss_fn, include, exclude, backends, progress, local)
     check_models(model_a=model_a, model_b=model_b)
     (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
+    if stream is None:
+        stream = stream_needed(model_a, model_b)
     with progress_bar(opts.progress) as bar:
         if stream:
             with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:

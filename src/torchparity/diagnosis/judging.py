@@ -12,6 +12,7 @@ import torch
 
 from torchparity import tolerance
 from torchparity.comparison import Comparison, StructureMismatch, compare
+from torchparity.comparison.sketch import involves_sketch
 from torchparity.diagnosis.report import Bounded, Mismatch, Result, headroom, worst_error
 
 
@@ -87,6 +88,9 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
              baseline: dict[str, torch.Tensor], kind: str) -> Bounded | None:
     if not golden or not candidate or not (candidate.keys() == golden.keys() == baseline.keys()):
         return None
+    if any(involves_sketch(*sides) for sides in zip(candidate.values(), golden.values(),
+                                                    baseline.values(), strict=True)):
+        return None  # a sketched tensor's comparison is cheap already
     tol = tolerance.kind_tolerance(kind)
     errors, shares, identical = [], [], True
     for path, c in candidate.items():
@@ -130,6 +134,6 @@ def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     last dimension (the output of the fused module they correspond to)."""
     if len(parts) == 1:
         return parts[0]
-    if any(len(p) != 1 for p in parts):
+    if any(len(p) != 1 or involves_sketch(*p.values()) for p in parts):
         return {}
     return {"output": torch.cat([next(iter(p.values())) for p in parts], dim=-1)}

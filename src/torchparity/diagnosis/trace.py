@@ -25,6 +25,12 @@ On disk (``tp.record``) a trace is a directory::
 
 Writing is incremental (each write goes to a new file, so memory stays bounded and nothing is
 rewritten) into a temporary sibling directory that replaces the target only when complete.
+
+Tensors of :func:`torchparity.sketching.threshold` elements or more are kept as sketches (in
+memory and on disk: ``<group>/<path>::sketch``, ``::slices`` and ``::stats``, described in the
+file's metadata), except the recorded inputs (``in``) and output gradients (``grad_out``), which
+replays are fed. Every sketch of one path in a call uses the same buckets, whatever its group,
+so A's, the golden's and B's tensors compare.
 """
 
 from __future__ import annotations
@@ -45,14 +51,29 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from torchparity import sketching
 from torchparity.diagnosis.capture import ModuleCall, Uncopyable, snapshot, uncopyable_leaves
 from torchparity.errors import TorchParityError, UsageError
+from torchparity.sketching import Sketch
 from torchparity.subject.trees import flatten_tensors
 
 SCHEMA = "torchparity.trace/3"
 TRACE_JSON = "trace.json"
 FINAL = "__final__"  # pseudo-call key of the model's own output and loss
 _CACHE_HINT = " (run without a cache to replay it, e.g. use_cache=False for Hugging Face models)"
+#: Groups kept exact whatever their size: replays are fed them.
+EXACT_GROUPS = ("in", "grad_out")
+_PART = "::"
+
+
+def kept(group: str, path: str, tensor: torch.Tensor | Sketch) -> torch.Tensor | Sketch:
+    """How a store keeps one tensor of ``group``: a sketch by its ``path`` when it is big and
+    not fed to replays, else the tensor on the CPU."""
+    if isinstance(tensor, Sketch):
+        return tensor
+    if group not in EXACT_GROUPS and sketching.wants_sketch(tensor):
+        return sketching.sketch(tensor, path)
+    return tensor.detach().cpu()
 
 
 class ReplayUnavailable(TorchParityError):
@@ -73,7 +94,7 @@ class MemoryStore:
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Add tensors to ``group`` of call ``key`` (merging with what is there)."""
         slot = self._tensors.setdefault((key, group), {})
-        slot.update({path: t.detach().cpu() for path, t in tensors.items()})
+        slot.update({path: kept(group, path, t) for path, t in tensors.items()})
 
     def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
         """The group's tensors ({} when none were stored)."""
@@ -125,8 +146,9 @@ class DiskStore:
         if group not in self._cached_groups:
             for name in self.files.get(key, {}).get(group, []):
                 with safe_open(self.directory / name, framework="pt") as handle:
-                    self._cache.update({k: handle.get_tensor(k) for k in handle.keys()
-                                        if k.startswith(prefix)})
+                    self._cache.update(_with_sketches(
+                        {k: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefix)},
+                        handle.metadata()))
             self._cached_groups.add(group)
         return {k: t for k, t in self._cache.items() if k.startswith(prefix)}
 
@@ -135,10 +157,18 @@ class DiskStore:
             return
         name = f"tensors/{self._n_files:06d}.safetensors"
         self._n_files += 1
+        named = {f"{group}/{path}": kept(group, path, t) for path, t in tensors.items()}
         # safetensors refuses tensors that share memory: store contiguous private copies.
-        named = {f"{group}/{path}": t.detach().cpu().contiguous().clone()
-                 for path, t in tensors.items()}
-        save_file(named, str(self.directory / name))
+        flat, described = {}, {}
+        for full, value in named.items():
+            if isinstance(value, Sketch):
+                flat.update({f"{full}{_PART}{part}": t.contiguous().clone()
+                             for part, t in sketching.parts(value).items()})
+                described[full] = sketching.describe(value)
+            else:
+                flat[full] = value.contiguous().clone()
+        save_file(flat, str(self.directory / name),
+                  metadata={"sketches": json.dumps(described)} if described else None)
         self.files.setdefault(key, {}).setdefault(group, []).append(name)
         if self._cache_key == key and group in self._cached_groups:
             self._cache.update(named)
@@ -152,7 +182,7 @@ class DiskStore:
         prefix, found = f"{group}/", set()
         for name in self.files.get(key, {}).get(group, []):
             with safe_open(self.directory / name, framework="pt") as handle:
-                found.update(k[len(prefix):] for k in handle.keys())
+                found.update(k[len(prefix):].partition(_PART)[0] for k in handle.keys())
         return found
 
     def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
@@ -169,6 +199,29 @@ class DiskStore:
     def finish(self, meta: dict[str, Any]) -> None:
         meta = {**meta, "files": self.files, "input_specs": self.input_specs}
         (self.directory / TRACE_JSON).write_text(json.dumps(meta, indent=1, default=str))
+
+
+def _with_sketches(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
+                   ) -> dict[str, torch.Tensor | Sketch]:
+    """A file's tensors with each sketch's parts put back together."""
+    described = json.loads((metadata or {}).get("sketches", "{}"))
+    if not described:
+        return dict(tensors)
+    found: dict[str, torch.Tensor | Sketch] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        full, separator, part = name.partition(_PART)
+        if separator:
+            parts.setdefault(full, {})[part] = tensor
+        else:
+            found[name] = tensor
+    for full, stored in parts.items():
+        try:
+            found[full] = sketching.from_parts(described[full], stored)
+        except (KeyError, ValueError) as exc:
+            raise TorchParityError(f"a trace file's sketch {full} is damaged ({exc}); record "
+                                   "the trace again") from None
+    return found
 
 
 # --------------------------------------------------------------------------------------------
