@@ -43,6 +43,12 @@ Trajectories (losses or weights after n training steps) accumulate error step by
 
 All numbers live in :data:`KINDS`; ``torchparity calibrate`` measures false alarms and detection
 under them and writes the evidence to ``docs/tolerance.md``.
+
+Tensors too big to keep (goldens and traces of real-size models) are kept as sketches
+(:mod:`torchparity.sketching`) and judged in RMS by the same rule, the errors estimated from
+random projections: the baseline's at its upper confidence bound, which widens the budget by
+:func:`sketch_margin`; max-abs kinds are judged exactly on the sketch's exact slices. Their
+constants are :data:`SKETCH`; ``torchparity calibrate --sketched`` measures them.
 """
 
 from __future__ import annotations
