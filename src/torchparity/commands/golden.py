@@ -25,7 +25,6 @@ from torchparity.golden.user_models import (
     check_subject,
     load_goldens,
     model_store,
-    threads_for,
     user_golden_dir,
     write_goldens,
 )
@@ -104,7 +103,7 @@ def _update(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
 def _update_models(subjects: list[Subject], root: Path, console: Any) -> int:
     from rich.console import Console
 
-    with threads_for(subjects), Console(stderr=True).status("") as progress:
+    with single_thread(), Console(stderr=True).status("") as progress:
         for subject in subjects:
             progress.update(f"{subject.name}: float64 golden run")
             statuses = write_goldens(subject, model_store(subject, root), lambda text, s=subject:

@@ -21,7 +21,7 @@ from torchparity.golden.cases import (
     single_thread,
 )
 from torchparity.golden.store import GoldenStore
-from torchparity.golden.user_models import check_subject, model_store, threads_for
+from torchparity.golden.user_models import check_subject, model_store
 from torchparity.reference import zoo
 from torchparity.subject import Subject
 
@@ -110,7 +110,7 @@ def check_models(subjects: list[Subject], root: Path, cells: list[Cell],
     """Check users' models in this process (their factories need not import elsewhere)."""
     task = progress.add_task("checking", total=len(subjects) * len(cells))
     results = []
-    with threads_for(subjects):
+    with single_thread():
         for subject in subjects:
             results += check_subject(
                 subject, model_store(subject, root), cells,

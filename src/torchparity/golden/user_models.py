@@ -37,6 +37,7 @@ tensors both have are judged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,7 +59,6 @@ from torchparity.golden.cases import (
     CheckResult,
     checksum_changes,
     matmul_precision,
-    single_thread,
     write_status,
 )
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
@@ -111,18 +111,6 @@ def model_checksums(subject: Subject) -> dict[str, str]:
 
 
 # --- running --------------------------------------------------------------------------------
-
-#: Models with fewer parameters run on one thread (see
-#: :func:`torchparity.golden.cases.single_thread`); bigger ones on torch's threads, where the
-#: matrix products are worth them.
-SMALL_MODEL = 10_000_000
-
-
-def threads_for(subjects: list[Subject]) -> contextlib.AbstractContextManager:
-    """One torch thread for small models, torch's default for big ones."""
-    if all(sum(p.numel() for p in s.model.parameters()) < SMALL_MODEL for s in subjects):
-        return single_thread()
-    return contextlib.nullcontext()
 
 
 #: ``status(text)``: where a cell is in its run ("backward: block 3 of 16").
@@ -204,10 +192,24 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
 
 def perturbation(name: str, value: torch.Tensor) -> torch.Tensor:
     """``value`` (float64) times 1 + d, |d| <= 2**-52 fixed per element and parameter name:
-    the reference cell's weights moved by one float64 rounding."""
-    generator = np.random.Generator(np.random.PCG64(seed_of(f"perturb.{name}")))
-    noise = torch.from_numpy(generator.random(value.numel())).reshape(value.shape)
-    return value.mul_(1.0 + (noise * 2.0 - 1.0) * 2.0**-52)
+    the reference cell's weights moved by one float64 rounding. The factors repeat with a
+    period of 2**20 elements from an offset of the name, so that the float64 run can recompute
+    them at every cast for a few operations per element."""
+    factors = _perturbation_factors().roll(-(seed_of(f"perturb.{name}") % _PERIOD))
+    flat = value.view(-1)
+    for start in range(0, flat.numel(), _PERIOD):
+        part = flat[start:start + _PERIOD]
+        part.mul_(factors[:part.numel()])
+    return value
+
+
+_PERIOD = 1 << 20
+
+
+@functools.cache
+def _perturbation_factors() -> torch.Tensor:
+    generator = np.random.Generator(np.random.PCG64(0))
+    return 1.0 + torch.from_numpy(generator.random(_PERIOD) * 2.0 - 1.0) * 2.0**-52
 
 
 def _keeper(found: dict[str, Any]) -> Callable[[str, torch.Tensor], None]:
