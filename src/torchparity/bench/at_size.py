@@ -4,7 +4,8 @@ Three fresh processes, one after another, each timed on the wall clock with its 
 resident memory (``wait4``'s ``ru_maxrss``):
 
 - a *plain step*: load the factory, then two forward+backward steps in the model's own dtype
-  (the second is the step; the first pays the lazy start-up), with the default loss;
+  (the second is the step; the first pays the lazy start-up), with the default loss, on one
+  torch thread as the check runs users' models;
 - ``torchparity golden update --model ENTRY`` into a temporary folder, whose bytes are counted;
 - ``torchparity check --model ENTRY`` in the selected dtypes against those goldens.
 
@@ -35,6 +36,7 @@ def step(subject):
     output = subject.forward(subject.model, subject.inputs)
     subject.loss(output, subject.inputs, flatten_tensors(output)).backward()
 
+torch.set_num_threads(1)
 started = time.perf_counter()
 subject = Subject.load(sys.argv[1])
 subject.model.eval()
