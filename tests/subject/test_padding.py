@@ -124,7 +124,7 @@ def test_the_factorys_padding_comes_first():
     mine[0, -1] = True
     given = padding_of(mine, inputs)
     assert torch.equal(left_out(given, "output.logits", (2, 6, 4)), mine)
-    assert "factory" in given("output.logits", torch.empty(2, 6)).reason
+    assert given("output.logits", torch.empty(2, 6)).reason == "padding per the padding given"
     assert not padding_of(False, inputs)
     per_output = padding_of({"logits": mine}, inputs)
     assert torch.equal(left_out(per_output, 'outputs["output.logits"]', (2, 6, 4)), mine)

@@ -46,7 +46,7 @@ class Subject:
             factory, spec = entry, f"{entry.__module__}:{entry.__qualname__}"
         fields = call_factory(factory, spec)
         fields["padding"] = padding_of(fields["padding"], fields["inputs"], fields["model"],
-                                       f"the padding of factory {spec}")
+                                       f"the padding of factory {spec}", "the factory's padding")
         return cls(name=entry_name(spec), entry=spec, **fields)
 
     @property

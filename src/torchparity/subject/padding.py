@@ -46,7 +46,6 @@ MASK_KEYS = {"attention_mask": "encoder", "decoder_attention_mask": "decoder",
 #: Target tokens of an encoder-decoder given without a mask: a decoder sequence without padding.
 DECODER_IDS = ("decoder_input_ids", "tgt_ids")
 _PART = re.compile(r"(en|de)coder", re.IGNORECASE)
-_FACTORY = "padding per the factory's padding"
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,7 +88,7 @@ class Padding:
         own = self._own(flat) if not self.scope else None
         if own is not None:
             if tuple(shape[:2]) != tuple(own.pad.shape):
-                raise UsageError(f"the factory's padding for {flat} has shape "
+                raise UsageError(f"the padding for {flat} has shape "
                                  f"{tuple(own.pad.shape)}; the tensor there has shape "
                                  f"{tuple(shape)}: give a (batch, sequence) mask of its "
                                  "leading dimensions")
@@ -201,11 +200,12 @@ PaddingLike = Padding | torch.Tensor | Mapping[str, torch.Tensor] | bool | None
 
 
 def padding_of(spec: PaddingLike, inputs: Any, model: nn.Module | None = None,
-               label: str = "padding") -> Padding:
+               label: str = "padding", given_by: str = "the padding given") -> Padding:
     """The :class:`Padding` of a batch from what a factory or a caller gave (``spec``): None
     (read the inputs), ``False`` (none), a bool (batch, sequence) tensor, a dict of them by
     output path, or a :class:`Padding`. ``model`` tells an encoder-decoder by its config's
-    ``is_encoder_decoder``. A spec of another form is a :class:`UsageError` naming ``label``."""
+    ``is_encoder_decoder``; reports name a given mask by ``given_by``. A spec of another form
+    is a :class:`UsageError` naming ``label``."""
     if isinstance(spec, Padding):
         return spec
     encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
@@ -215,11 +215,11 @@ def padding_of(spec: PaddingLike, inputs: Any, model: nn.Module | None = None,
     if spec is None:
         return derived
     if isinstance(spec, torch.Tensor):
-        return Padding((Sequence(_checked(spec, label), _FACTORY),),
+        return Padding((Sequence(_checked(spec, label), f"padding per {given_by}"),),
                        encoder_decoder=derived.encoder_decoder)
     if isinstance(spec, Mapping):
         outputs = tuple((str(path), Sequence(_checked(mask, f"{label}[{path!r}]"),
-                                             f"{_FACTORY} for {path}"))
+                                             f"padding per {given_by} for {path}"))
                         for path, mask in spec.items())
         return dataclasses.replace(derived, outputs=outputs)
     raise UsageError(f"{label} must be a bool tensor (batch, sequence), True at padding, a dict "
