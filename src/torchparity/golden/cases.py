@@ -17,7 +17,8 @@ A *cell* is one (backend, dtype, device). The **reference cell** (manual, fp64, 
 the goldens with today's code: it is what notices a changed component. Its budget comes from
 the float64 rounding noise of the computation itself (see :func:`check_case`). Every other cell
 is judged by the tolerance model with the ``manual`` backend in the same dtype and device as
-baseline, so it notices a backend or precision that misbehaves.
+baseline, so it notices a backend or precision that misbehaves. Logits and hidden states are
+judged on the unpadded positions of the case's batch (the loss ignores padded targets itself).
 """
 
 from __future__ import annotations
