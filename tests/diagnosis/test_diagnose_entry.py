@@ -63,7 +63,8 @@ def plant(cls: type) -> Callable[[nn.Module], None]:
 # case, padding, plant, (entry module, argument, detail fragment)
 PLANTS = {
     "sliding-window": ("sliding-window", "none", plant(WindowOffByOne),
-                       ("decoder.layers.0.attn", "ctx.mask", "entries differ")),
+                       ("decoder.layers.0.attn", "ctx.mask",
+                        "pairs of judged queries attend otherwise")),
     "positions": ("mqa", "left", plant(PositionsOffByOne),
                   ("decoder.embed.positions", "positions", "entries differ")),
     "cross-mask": ("encdec-prenorm", "right", plant(DropsMemoryMask),

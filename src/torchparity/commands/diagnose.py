@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         backward = None if args.backward else False
         report = diagnose_against(args.against, b.model, b.inputs, loss_fn=b.loss_fn,
                                   name_map=name_map, backward=backward, backend=args.backend_b,
-                                  local=args.local)
+                                  local=args.local, padding=b.padding)
     else:
         if len(args.entries) != 2:
             raise UsageError("give two entry points (A and B), or one with --against TRACE")
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         report = diagnose(a.model, b.model, a.inputs, loss_fn=a.loss_fn, name_map=name_map,
                           backward=args.backward, include=args.include, exclude=args.exclude,
                           backends=(args.backend_a, args.backend_b), stream=args.stream,
-                          local=args.local, dtype=dtype_option(args))
+                          local=args.local, dtype=dtype_option(args), padding=a.padding)
     report.print(Console())
     if args.json:
         report.to_json(args.json)

@@ -52,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
     subject = Subject.load(args.entry)
     path = record(subject.model, subject.inputs, args.output, loss_fn=subject.loss_fn,
                   backward=args.backward, include=args.include, exclude=args.exclude,
-                  backend=args.backend, dtype=dtype_option(args))
+                  backend=args.backend, dtype=dtype_option(args), padding=subject.padding)
     print(f"recorded {type(subject.model).__name__} to {path}")
     return 0

@@ -10,6 +10,7 @@ from typing import Any
 
 from torchparity import tolerance
 from torchparity.comparison.groups import group_noises, group_scales
+from torchparity.comparison.selection import LeftOut, PaddingSpec, left_out_of, sentence
 from torchparity.comparison.structure import (
     ROOT,
     Alignment,
@@ -119,7 +120,22 @@ class Comparison:
                 f"Loosened by hand: atol {self.atol:g} + rtol {self.rtol:g} × scale added to"
                 " every floating tensor's budget."
             )
+        left_out = self.left_out_sentence()
+        if left_out:
+            parts.append(left_out)
         return "".join(f" {part}" for part in parts)
+
+    @property
+    def left_out(self) -> list[TensorComparison]:
+        """The tensors some of whose positions were left out of the judgement (padding)."""
+        return [t for t in self.tensors if t.left_out]
+
+    def left_out_sentence(self) -> str | None:
+        """The sentence of :meth:`explain` on the positions left out and why (None: none)."""
+        left_out = self.left_out
+        if not left_out:
+            return None
+        return sentence([(t.path, t.left_out, t.positions, t.left_out_reason) for t in left_out])
 
     @property
     def sensitivity(self) -> float | None:
@@ -148,6 +164,8 @@ class Comparison:
             "skipped": [{"path": path, "reason": reason} for path, reason in self.skipped],
             "atol": self.atol,
             "rtol": self.rtol,
+            "left_out": [{"path": t.path, "positions": t.left_out, "of": t.positions,
+                          "reason": t.left_out_reason} for t in self.left_out],
             "tensors": [t.to_dict() for t in self.tensors],
         })
 
@@ -164,6 +182,7 @@ def compare(
     equal_nan: bool = False,
     atol: float = 0.0,
     rtol: float = 0.0,
+    padding: PaddingSpec = None,
 ) -> Comparison:
     """Compare ``candidate`` with ``golden`` under the budget that ``baseline`` earns.
 
@@ -194,9 +213,18 @@ def compare(
     budget, and :meth:`Comparison.explain` and ``to_dict`` say so. Integer and bool tensors
     always match exactly.
 
+    ``padding`` leaves positions out of the judgement: a bool tensor, True at padded positions
+    (``attention_mask == 0``), applies to every tensor whose leading dimensions it covers (a
+    (batch, sequence) mask to outputs (batch, sequence, ...)); a function ``(path, golden) ->
+    LeftOut | None`` (such as :class:`torchparity.subject.padding.Padding`) says per tensor.
+    Left-out elements count neither in the error nor in the budget's scale nor in the group
+    scales and noise of gradients, and a NaN or inf there is no fault; ``explain()`` and
+    ``to_dict()`` say how many positions were left out and why.
+
     Raises :class:`StructureMismatch` naming the path when the baseline lacks a shared tensor
-    or holds it in another shape or dtype, and ``ValueError`` for an unknown kind or dtype or a
-    negative ``atol``/``rtol``. The inputs are not modified.
+    or holds it in another shape or dtype, and ``ValueError`` for an unknown kind or dtype, a
+    negative ``atol``/``rtol`` or a padding mask that is not bool or does not fit a tensor.
+    The inputs are not modified.
     """
     tol = tolerance.kind_tolerance(kind)
     for name, value in (("atol", atol), ("rtol", rtol)):
@@ -209,14 +237,17 @@ def compare(
         (path, c, g, None if baselines is None else baseline_at(path, c, baselines))
         for path, c, g in found.pairs
     ]
-    scales = group_scales(leaves, tol.metric) if tol.group_scale else {}
-    noises = group_noises(leaves, tol.metric, scales) if tol.group_scale else {}
+    left_out = {path: left_out_of(padding, path, g) for path, _, g, _ in leaves}
+    judged = [(path, *(_judged(t, left_out[path]) for t in tensors))
+              for path, *tensors in leaves]
+    scales = group_scales(judged, tol.metric) if tol.group_scale else {}
+    noises = group_noises(judged, tol.metric, scales) if tol.group_scale else {}
     floats_dtype = compute_dtype or numbers_dtype(leaves, found.numbers)
     tensors = [
         compare_tensor(
             path, c, g, b, kind, floats_dtype if path in found.numbers else compute_dtype,
             reduction_length, step, scales.get(path), equal_nan=equal_nan, atol=atol, rtol=rtol,
-            group_noise=noises.get(path),
+            group_noise=noises.get(path), left_out=left_out[path],
         )
         for path, c, g, b in leaves
     ]
@@ -228,6 +259,10 @@ def compare(
         atol=atol,
         rtol=rtol,
     )
+
+
+def _judged(tensor: Any, left_out: LeftOut | None) -> Any:
+    return tensor if left_out is None or tensor is None else left_out.judged(tensor)
 
 
 def assert_parity(
@@ -272,7 +307,7 @@ def _describe(t: TensorComparison) -> str:
         values += f", golden {t.golden_value:.8g}"
         where += f" at index {t.worst_index} ({values})"
     if t.budget is None:
-        body = f"{where}: {t.n_over} of {math.prod(t.shape)} element(s) differ"
+        body = f"{where}: {t.n_over} of {_elements(t)} differ"
         return f"{body}; {t.dtype} tensors must match exactly (kind {t.kind})."
     if math.isinf(t.headroom):
         body = f"{where}: {'; '.join(t.notes)}"
@@ -282,12 +317,18 @@ def _describe(t: TensorComparison) -> str:
         body = (
             f"{where}: {label} error {t.error:.3g} {relation} the budget {t.budget.value:.3g}"
             f" = {t.budget.formula()}, using {_share(t.headroom)};"
-            f" {t.n_over} of {math.prod(t.shape)} element(s) over budget"
+            f" {t.n_over} of {_elements(t)} over budget"
         )
         if t.notes:
             body += f"; {'; '.join(t.notes)}"
         body += f". {_sensitivity_sentence(t.sensitivity)}"
     return f"{body}. Compute dtype {t.compute_dtype} ({t.dtype} tensor), kind {t.kind}."
+
+
+def _elements(t: TensorComparison) -> str:
+    if not t.left_out:
+        return f"{math.prod(t.shape)} element(s)"
+    return f"{t.judged_elements} judged element(s)"
 
 
 def _sensitivity_sentence(sensitivity: float) -> str:

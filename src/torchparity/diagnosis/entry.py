@@ -19,9 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchparity.comparison.selection import PaddingSpec
 from torchparity.diagnosis.align import Match
 from torchparity.diagnosis.capture import Capture, ModuleCall
-from torchparity.diagnosis.judging import judge
+from torchparity.diagnosis.judging import judge, module_padding
+from torchparity.diagnosis.masks import by_meaning
 from torchparity.diagnosis.propagated import one_to_one
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Entry, Row
@@ -101,7 +103,8 @@ def _first_differing_input(reference: Reference, replayed: list[ModuleCall],
     def difference(call: ModuleCall, match: Match) -> _Difference | None:
         a_inputs = reference.store.get_inputs(match.a[0].key)
         names = parameter_names(container.get_submodule(call.name))
-        return _input_difference(a_inputs, (call.args, call.kwargs), names)
+        return _input_difference(a_inputs, (call.args, call.kwargs), names,
+                                 module_padding(reference.padding, match.a[0].name))
 
     for index, (call, b_call, match) in enumerate(paired):
         found = difference(call, match)
@@ -142,13 +145,14 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _input_difference(a_inputs: tuple[tuple, dict], b_inputs: tuple[tuple, dict],
-                      names: list[str]) -> _Difference | None:
-    """The first argument path where B's inputs differ from A's, and how."""
+                      names: list[str], padding: PaddingSpec = None) -> _Difference | None:
+    """The first argument path where B's inputs differ from A's on the judged positions, and
+    how (masks by what they let judged queries attend to)."""
     a_leaves = {**leaves(a_inputs[0], "args"), **leaves(a_inputs[1], "kwargs")}
     b_leaves = {**leaves(b_inputs[0], "args"), **leaves(b_inputs[1], "kwargs")}
     for path in [*a_leaves, *(p for p in b_leaves if p not in a_leaves)]:
         a, b = a_leaves.get(path, _MISSING), b_leaves.get(path, _MISSING)
-        detail = _leaf_difference(a, b)
+        detail = _leaf_difference(a, b, padding)
         if detail is not None:
             return _Difference(_argument(path, names), detail, b)
     return None
@@ -157,18 +161,22 @@ def _input_difference(a_inputs: tuple[tuple, dict], b_inputs: tuple[tuple, dict]
 _MISSING = object()
 
 
-def _leaf_difference(a: Any, b: Any) -> str | None:
+def _leaf_difference(a: Any, b: Any, padding: PaddingSpec = None) -> str | None:
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or not _same_plain(a, b):
             return f"A has {_describe(a)}, B has {_describe(b)}"
         return None
+    if not _same(a, b.to(a.device)):
+        meaning = by_meaning(a, b, padding)
+        if meaning is not None:
+            return meaning.detail
     if a.shape != b.shape:
         return f"A has {_describe(a)}, B has {_describe(b)}"
     b = b.to(a.device)
     if not (a.is_floating_point() and b.is_floating_point()):
         differ = int((a != b).sum())
         return f"{differ} of {a.numel()} entries differ" if differ else None
-    result = judge({"input": b}, {"input": a}, {}, "forward")
+    result = judge({"input": b}, {"input": a}, {}, "forward", padding)
     if result.ok:
         return None
     worst = result.tensors[0]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import ModuleCall
-from torchparity.diagnosis.judging import judge
+from torchparity.diagnosis.judging import judge_departure, module_padding
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference, grad_keeper, keep_run_results
 from torchparity.diagnosis.report import Result
@@ -83,13 +83,15 @@ def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,
     if not reference.has_golden:
         return None
     golden = {p: t for p, t in reference.store.get(FINAL, "golden_out").items() if p != "loss"}
+    a_output = reference.store.get(FINAL, "out")
     try:
         model64 = copy.deepcopy(model).to(device="cpu", dtype=GOLDEN_DTYPE)
         with backend_context(opts.backend_b), seeded(), torch.no_grad():
             output = call_model(model64, upcast(inputs, GOLDEN_DTYPE, "cpu"))
     except Exception:  # noqa: BLE001 - no float64 run of B: nothing to tell
         return None
-    return judge(flatten_tensors(output), golden, {}, "forward")
+    return judge_departure(flatten_tensors(output), golden, a_output,
+                           module_padding(reference.padding, ""))
 
 
 class _Replayer:

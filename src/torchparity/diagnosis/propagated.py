@@ -17,7 +17,13 @@ from torch import nn
 
 from torchparity.diagnosis.align import Alignment, Match, NameMap, align, name_translator
 from torchparity.diagnosis.capture import ModuleCall, call_key
-from torchparity.diagnosis.judging import joined, judge_quickly, merged, with_leaves
+from torchparity.diagnosis.judging import (
+    joined,
+    judge_quickly,
+    merged,
+    module_padding,
+    with_leaves,
+)
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Result, Row
@@ -161,6 +167,8 @@ class _Tracker:
 
 def _final(reference: Reference, run: Run, which: str) -> Result:
     final = flatten_tensors(run.output)
+    # A loss carries the rounding of the outputs it is computed from.
+    precision = next((t.dtype for t in final.values() if t.is_floating_point()), None)
     if which == "loss":
         final = {"loss": run.loss}
     final = {p: t.cpu() for p, t in final.items()}
@@ -171,5 +179,7 @@ def _final(reference: Reference, run: Run, which: str) -> Result:
         return {p: t for p, t in tensors.items() if (p == "loss") == (which == "loss")}
 
     kind = "loss" if which == "loss" else "forward"
-    result = judge_quickly(final, pick(golden), pick(baseline), kind)
+    result = judge_quickly(final, pick(golden), pick(baseline), kind,
+                           module_padding(reference.padding, ""),
+                           precision if which == "loss" else None)
     return with_leaves(result, leaves(run.output, "output"))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import ModuleCall, PatternSpec, call_key
-from torchparity.diagnosis.judging import joined, judge, judge_quickly
+from torchparity.diagnosis.judging import joined, judge, judge_quickly, module_padding
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.report import Result
 from torchparity.diagnosis.run import Options, Run, run_model
@@ -33,6 +33,7 @@ from torchparity.diagnosis.trace import (
     weight_digests,
 )
 from torchparity.errors import UsageError
+from torchparity.subject.padding import Padding
 from torchparity.subject.running import Inputs
 from torchparity.subject.trees import flatten_tensors
 
@@ -53,6 +54,7 @@ class Reference:
     replayer: Callable[[ModuleCall], None] | None = None
     replayed: set[str] = field(default_factory=set)
     judging_seconds: float = 0.0  # spent judging B's tensors while B runs (``quick``)
+    padding: Padding = field(default_factory=Padding)  # positions no judgement counts
 
     def ensure_replayed(self, call: ModuleCall) -> None:
         """The local golden (and local gradients) of ``call`` are in the store after this."""
@@ -79,11 +81,15 @@ class Reference:
               ) -> Result:
         """``candidate`` against the golden's ``golden_group`` of ``calls``, with A's
         ``baseline_group`` as the baseline; ``quick`` bounds clearly-within verdicts instead
-        of computing every metric (:func:`~torchparity.diagnosis.judging.judge_quickly`)."""
+        of computing every metric (:func:`~torchparity.diagnosis.judging.judge_quickly`).
+        Padded positions of the module's tensors are left out (parameter gradients have
+        none)."""
         start = time.perf_counter()
         golden = self.tensors(calls, golden_group) if self.has_golden else {}
+        padding = None if baseline_group == "param_grad" else \
+            module_padding(self.padding, calls[0].name)
         result = (judge_quickly if quick else judge)(
-            candidate, golden, self.tensors(calls, baseline_group), kind)
+            candidate, golden, self.tensors(calls, baseline_group), kind, padding)
         if quick:
             self.judging_seconds += time.perf_counter() - start
         return result
@@ -102,7 +108,7 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Any, opts: Option
                     keep=False, on_call=keep_call, on_grad=grad_keeper(store, "grad_out"))
     keep_run_results(store, run, "out", "param_grad")
     done()
-    return Reference(calls=run.calls, store=store)
+    return Reference(calls=run.calls, store=store, padding=opts.padding)
 
 
 def grad_keeper(store: Any, group: str) -> Callable[[ModuleCall, str, torch.Tensor], None]:
@@ -149,6 +155,7 @@ def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
         "modules": module_tree(model),
         "calls": [call_to_json(c) for c in reference.calls],
         "notes": reference.notes,
+        "padding": reference.padding.to_json(),
     }
 
 
@@ -167,4 +174,6 @@ def open_reference(path: str | Path) -> tuple[Reference, dict[str, Any]]:
     reference = Reference(calls=[call_from_json(c) for c in meta["calls"]], store=store,
                           golden=meta["golden"], mode=meta["mode"], notes=meta["notes"],
                           source=str(path))
+    if meta.get("padding"):
+        reference.padding = Padding.from_json(meta["padding"])
     return reference, meta

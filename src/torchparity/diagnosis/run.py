@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 from torchparity import backends as attention_backends
 from torchparity.diagnosis.capture import Capture, ModuleCall, PatternSpec, module_filter
 from torchparity.errors import UsageError
+from torchparity.subject.padding import Padding
 from torchparity.subject.running import (
     Inputs,
     LossFn,
@@ -47,6 +48,7 @@ class Options:
     backend_b: BackendSpec = None
     progress: bool | None = None
     local: Local = "diverged"
+    padding: Padding = field(default_factory=Padding)  # left out of every judgement and loss
 
     def selects(self) -> Callable[[str], bool]:
         return module_filter(self.include, self.exclude)
@@ -58,7 +60,8 @@ class Options:
 
 def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
                  exclude: PatternSpec, backends: tuple[BackendSpec, BackendSpec] | None,
-                 progress: bool | None, local: Local = "diverged") -> Options:
+                 progress: bool | None, local: Local = "diverged",
+                 padding: Padding | None = None) -> Options:
     """Check the arguments every diagnosis shares; progress defaults to "stderr is a tty"."""
     if loss_fn is not None and not callable(loss_fn):
         raise UsageError(f"loss_fn must be callable(output, inputs); got {type(loss_fn).__name__}")
@@ -75,7 +78,7 @@ def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
     if progress is None:
         progress = sys.stderr.isatty()
     return Options(include, exclude, bool(backward), loss_fn, backend_a, backend_b, progress,
-                   local)
+                   local, padding or Padding())
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,10 +98,11 @@ def backend_context(spec: BackendSpec) -> Iterator[None]:
             yield
 
 
-def default_loss(output: Any, inputs: Any = None) -> torch.Tensor:
-    """A scalar whose gradient reaches every element of the first floating output: its
-    :func:`~torchparity.subject.running.projection_loss`. Uses the output's own ``loss`` field
-    when it has one."""
+def default_loss(output: Any, inputs: Any = None, padding: Padding | None = None
+                 ) -> torch.Tensor:
+    """A scalar whose gradient reaches every unpadded element of the first floating output:
+    its :func:`~torchparity.subject.running.projection_loss`. Uses the output's own ``loss``
+    field when it has one."""
     flat = flatten_tensors(output)
     if "output.loss" in flat and flat["output.loss"].numel() == 1:
         return flat["output.loss"].reshape(())
@@ -106,7 +110,7 @@ def default_loss(output: Any, inputs: Any = None) -> torch.Tensor:
     if first is None:
         raise UsageError("the model output has no floating tensor to take gradients of; pass "
                          "loss_fn or backward=False")
-    return projection_loss(dict([first]))
+    return projection_loss(dict([first]), padding)
 
 
 @dataclass
@@ -130,7 +134,8 @@ def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendS
         with torch.set_grad_enabled(backward):
             output = call_model(model, inputs)
             if backward:
-                loss = (opts.loss_fn or default_loss)(output, inputs)
+                loss = (opts.loss_fn(output, inputs) if opts.loss_fn is not None
+                        else default_loss(output, inputs, opts.padding))
                 if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                     shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
                     raise UsageError(f"loss_fn must return a scalar tensor; got {shape}")

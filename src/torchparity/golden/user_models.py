@@ -23,6 +23,12 @@ recompute of the same run, so a KV-cache bug is caught even in the run that made
 The default loss is a fixed pseudo-random projection of the floating outputs the golden has:
 its gradient reaches every element of them, and the same weights are used in every cell.
 
+Padded positions (the factory's ``padding``, else the inputs' 1/0 ``attention_mask`` and
+``decoder_attention_mask``; see :mod:`torchparity.subject.padding`) are left out of the judged
+outputs (and of a factory's own decoding) and of the default loss, so the gradients do not
+carry them either: a padded query may attend to nothing, and what two implementations write
+there is arbitrary. Every row says how many positions it left out.
+
 Cells are those of the zoo's check: the reference cell (manual, fp64) recomputes the goldens
 with a baseline of one float64 rounding of the weights; every other cell runs a copy of the
 model in its dtype with every ``scaled_dot_product_attention`` call on its backend, judged by
@@ -62,6 +68,7 @@ from torchparity.golden.cases import (
 )
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
 from torchparity.subject import Subject, hf
+from torchparity.subject.padding import Padding
 from torchparity.subject.trees import flatten_tensors
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -201,7 +208,7 @@ def write_goldens(subject: Subject, store: GoldenStore) -> dict[str, str]:
     loss_paths = None if subject.loss_fn else [
         p for p, t in run.outputs["outputs"].items() if t.is_floating_point()]
     meta = {"entry": subject.entry, "model": type(subject.model).__name__,
-            "loss": "loss_fn" if loss_paths is None else {"default projection of": loss_paths},
+            "loss": "loss_fn" if loss_paths is None else _default_loss(subject, loss_paths),
             "checksums": model_checksums(subject)}
     statuses = {}
     for output, tensors in run.outputs.items():
@@ -226,13 +233,27 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
         raise GoldenStale(f"the goldens of {subject.name} in {store.root} were made "
                           f"{'without' if decodes else 'with'} decoding, the factory now "
                           f"{'decodes' if decodes else 'does not'}; {fix}")
+    padding = subject.padding.summary()
     for golden in goldens.values():
-        uses_fn = golden.summary.get("loss") == "loss_fn"
+        loss = golden.summary.get("loss")
+        uses_fn = loss == "loss_fn"
         if uses_fn != (subject.loss_fn is not None):
             raise GoldenStale(f"golden {golden.path.with_suffix('.json')} was made "
                               f"{'with' if uses_fn else 'without'} a loss_fn, the factory now "
                               f"returns {'none' if uses_fn else 'one'}; {fix}")
+        if not uses_fn and isinstance(loss, dict) and loss.get("padding") != padding:
+            made = loss.get("padding") or "no padding left out"
+            raise GoldenStale(f"golden {golden.path.with_suffix('.json')} was made with a "
+                              f"default loss over other positions ({made}; now "
+                              f"{padding or 'no padding left out'}); {fix}")
     return goldens
+
+
+def _default_loss(subject: Subject, loss_paths: list[str]) -> dict[str, Any]:
+    """What a golden records of its default loss: the outputs projected and, when there is
+    padding, which positions it leaves out."""
+    padding = subject.padding.summary()
+    return {"default projection of": loss_paths, **({"padding": padding} if padding else {})}
 
 
 def _loss_paths(goldens: dict[str, Golden]) -> list[str] | None:
@@ -323,14 +344,28 @@ def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, torch
            golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
            ) -> CheckResult:
     """Judge the tensors candidate and golden share; paths that one side lacks (eager's
-    attention weights against sdpa's None) are structure differences, not divergences."""
+    attention weights against sdpa's None) are structure differences, not divergences.
+    Outputs with a value per input position are judged on the unpadded ones."""
     comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
-                         compute_dtype=cell.dtype)
+                         compute_dtype=cell.dtype, padding=_padding(subject, output))
     worst = comparison.worst
+    left_out = comparison.left_out_sentence()
+    if output == "loss" and subject.loss_fn is None and subject.padding:
+        left_out = f"the default loss leaves the padding out: {subject.padding.summary()}."
     return _result(subject, cell, output, comparison.verdict, ok=comparison.ok,
                    headroom=worst.headroom if worst else 0.0, explain=comparison.explain(),
                    worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
-                   structure=[str(d) for d in comparison.structure] or None)
+                   structure=[str(d) for d in comparison.structure] or None,
+                   left_out=left_out)
+
+
+def _padding(subject: Subject, output: str) -> Padding | None:
+    """The padding of an output's tensors: the model's outputs and its own decoding have a
+    value per input position; gradients are the parameters', and greedy ``generate`` has a
+    value per new token."""
+    if output == "outputs" or (output.startswith("decode") and subject.decode is not None):
+        return subject.padding
+    return None
 
 
 def _result(subject: Subject, cell: Cell, output: str, verdict: str, *, ok: bool,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
+from torchparity.subject.padding import Padding, padding_of
 from torchparity.subject.running import LossFn, call_model, cast_inputs, projection_loss
 
 #: ``decode(model, inputs, use_cache)``: a model's incremental decoding, its outputs a pytree.
@@ -24,7 +25,9 @@ class Subject:
     """A user's model under test: the model, its inputs and its optional callables, named by
     the ``entry`` that built it and by ``name``, a file-system friendly form of it (the golden
     folder). Every command that takes a user's model (``check``, ``golden``, ``bench``,
-    ``diagnose``, ``record``) loads it here."""
+    ``diagnose``, ``record``) loads it here. ``padding`` says which positions of its batch are
+    padding, left out of every comparison and of the default loss: the factory's ``padding``,
+    else what the inputs' masks say (:mod:`torchparity.subject.padding`)."""
 
     name: str
     entry: str
@@ -32,6 +35,7 @@ class Subject:
     inputs: Any
     loss_fn: LossFn | None = None
     decode: DecodeFn | None = None
+    padding: Padding = field(default_factory=Padding)
 
     @classmethod
     def load(cls, entry: str | Callable[[], Any]) -> Subject:
@@ -40,7 +44,10 @@ class Subject:
             factory, spec = resolve_entry(entry), entry
         else:
             factory, spec = entry, f"{entry.__module__}:{entry.__qualname__}"
-        return cls(name=entry_name(spec), entry=spec, **call_factory(factory, spec))
+        fields = call_factory(factory, spec)
+        fields["padding"] = padding_of(fields["padding"], fields["inputs"], fields["model"],
+                                       f"the padding of factory {spec}", "the factory's padding")
+        return cls(name=entry_name(spec), entry=spec, **fields)
 
     @property
     def is_transformers(self) -> bool:
@@ -68,8 +75,8 @@ class Subject:
     def loss(self, output: Any, inputs: Any, flat: Mapping[str, torch.Tensor],
              loss_paths: list[str] | None = None) -> torch.Tensor | str:
         """``loss_fn(output, inputs)``, else the projection loss of the outputs at
-        ``loss_paths`` (default: every floating one of ``flat``, the flattened output); a
-        string saying why when ``flat`` lacks one of them."""
+        ``loss_paths`` (default: every floating one of ``flat``, the flattened output) on their
+        unpadded positions; a string saying why when ``flat`` lacks one of them."""
         if self.loss_fn is not None:
             loss = self.guarded(lambda: self.loss_fn(output, inputs), "its loss_fn")
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
@@ -85,7 +92,7 @@ class Subject:
         if not paths:
             raise UsageError(f"the output of {self.entry} has no floating tensor to take "
                              "gradients of; return a loss_fn from the factory")
-        return projection_loss({p: flat[p] for p in paths})
+        return projection_loss({p: flat[p] for p in paths}, self.padding)
 
     def decoded(self, model: nn.Module, inputs: Any, use_cache: bool, steps: int) -> Any:
         """The factory's ``decode``, else greedy ``generate`` of ``steps`` tokens."""
