@@ -19,7 +19,8 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
           baseline: dict[str, torch.Tensor], kind: str) -> Result:
     """Compare under the tolerance model; without a golden, the baseline serves as golden and
     the analytic bound as budget. Tensors on one side only are differences of structure
-    (``result.structure``), judged apart from the shared ones. A baseline in another dtype than
+    (``result.structure``), judged apart from the shared ones; a tensor both have in other
+    shapes diverges (``result.shapes``). A baseline in another dtype than
     the candidate's (B runs in another precision than A) cannot earn a budget and is dropped."""
     original = baseline or golden
     if not golden:
@@ -32,6 +33,8 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
         return Mismatch(kind, str(exc))
     result.structure = tuple(_as_a_sees_it(d, original)
                              for d in getattr(result, "structure", ()))
+    result.shapes = tuple(dataclasses.replace(d, path=_flat_path(d.path))
+                          for d in getattr(result, "shapes", ()))
     return result
 
 
@@ -77,8 +80,8 @@ def judge_quickly(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Te
     The tolerance model's budget is at least ``fudge`` times the baseline's error (the noise
     it measures is never smaller), so a candidate whose error is within that of every tensor
     is within budget: two error norms decide it, and the headroom is reported as a bound. Any
-    other case (no golden or baseline, structure or dtype differences, non-finite values, a
-    larger error) takes the full comparison."""
+    other case (no golden or baseline, structure or dtype differences, non-finite or masked
+    values, a larger error) takes the full comparison."""
     quick = _bounded(candidate, golden, baseline, kind)
     return quick if quick is not None else judge(candidate, golden, baseline, kind)
 
@@ -92,7 +95,7 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
     for path, c in candidate.items():
         g, b = golden[path], baseline[path]
         if c.shape != g.shape or c.dtype != b.dtype or c.shape != b.shape or \
-                not c.is_floating_point():
+                not c.is_floating_point() or _masks(c, g, b):
             return None
         if identical and torch.equal(c, b) and bool(torch.isfinite(c).all()):
             errors.append(tolerance.error(c, g, tol.metric))
@@ -109,6 +112,12 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
     return Bounded(kind, verdict, max(errors), 0.0 if identical else max(shares))
 
 
+def _masks(*tensors: torch.Tensor) -> bool:
+    """Whether any tensor holds masked entries, which only the full comparison sets apart
+    (a sentinel on each side would otherwise dominate both error norms)."""
+    return any(t.numel() and bool(t.amin() <= tolerance.MASKED_BELOW) for t in tensors)
+
+
 def merged(first: Result | None, second: Result) -> Result:
     """One result for both: a mismatch in either wins, then a diverged one; two full
     comparisons keep every tensor, a bounded one keeps the larger error and bound."""
@@ -122,7 +131,8 @@ def merged(first: Result | None, second: Result) -> Result:
         return Bounded(first.kind, verdict, max(worst_error(first), worst_error(second)),
                        max(headroom(first), headroom(second)))
     return Comparison(kind=first.kind, tensors=first.tensors + second.tensors,
-                      structure=(*first.structure, *second.structure))
+                      structure=(*first.structure, *second.structure),
+                      shapes=(*first.shapes, *second.shapes))
 
 
 def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

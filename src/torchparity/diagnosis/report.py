@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from torchparity.comparison.structure import format_shape
+
 __all__ = ["AttributionReport", "Bounded", "DecodeReport", "DiagnosisReport", "Entry", "Mismatch",
            "Result", "Row", "Unit"]
 
@@ -102,7 +104,7 @@ def worst_error(result: Result | None) -> float | None:
     """The largest error (in the kind's metric) over the result's tensors; inf for a mismatch."""
     if result is None:
         return None
-    if isinstance(result, Mismatch):
+    if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
         return math.inf
     if isinstance(result, Bounded):
         return result.error
@@ -114,7 +116,7 @@ def headroom(result: Result | None) -> float | None:
     :class:`Bounded` result, its bound."""
     if result is None:
         return None
-    if isinstance(result, Mismatch):
+    if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
         return math.inf
     if isinstance(result, Bounded):
         return result.headroom
@@ -135,7 +137,8 @@ class Row:
     diagnoses only) compares the module's input tensors the way ``propagated`` its outputs.
     ``entry`` (on a first divergence that contains other modules) names where it enters.
     :attr:`structure` lists the outputs that A and B hold in different structure (a tensor on
-    one side, ``None`` or nothing on the other): judged apart, never a numeric divergence.
+    one side, ``None`` or nothing on the other): judged apart, never a numeric divergence;
+    :attr:`shapes` those both hold in different shapes, a divergence of its own.
     """
 
     module: str
@@ -162,6 +165,15 @@ class Row:
         return ()
 
     @property
+    def shapes(self) -> tuple:
+        """The ``ShapeDifference`` s of the module's outputs (B as candidate, A's side as
+        golden)."""
+        for result in (self.propagated, self.local):
+            if result is not None and getattr(result, "shapes", ()):
+                return tuple(result.shapes)
+        return ()
+
+    @property
     def amplification(self) -> float | None:
         propagated, local = worst_error(self.propagated), worst_error(self.local)
         if propagated is None or local is None or math.isinf(propagated):
@@ -183,6 +195,8 @@ class Row:
             "grad_local": dump(self.grad_local), "grad_propagated": dump(self.grad_propagated),
             "structure": [{"path": d.path, "a": d.golden, "b": d.candidate}
                           for d in self.structure],
+            "shapes": [{"path": d.path, "a": list(d.golden), "b": list(d.candidate)}
+                       for d in self.shapes],
             "entry": None if self.entry is None else {
                 "module": self.entry.module, "argument": self.entry.argument,
                 "detail": self.entry.detail},
@@ -356,6 +370,7 @@ class DiagnosisReport(_Report):
         for r in self.rows:
             if r.entry is not None:
                 lines.append(f"{_label(r.module)}: the divergence enters at {r.entry}")
+            lines += [f"{_label(r.module)}: {shape_difference(d)}" for d in r.shapes]
             lines += [f"{_label(r.module)}: structure differs at {_difference(d)}"
                       for d in r.structure]
             lines += [f"{_label(r.module)}: {note}" for note in r.notes]
@@ -542,6 +557,12 @@ def _difference(difference: Any) -> str:
     return f"{difference.path}: A has {side(difference.golden)}, B has {side(difference.candidate)}"
 
 
+def shape_difference(difference: Any) -> str:
+    """``shape differs at output.1: (1, 2, 1, 11) vs (1, 2, 1, 12) (A vs B)``."""
+    return (f"shape differs at {difference.path}: {format_shape(difference.golden)} vs "
+            f"{format_shape(difference.candidate)} (A vs B)")
+
+
 def _diverged(row: Row) -> bool:
     results = (row.local, row.propagated, row.grad_local, row.grad_propagated)
     return any(result is not None and not result.ok for result in results)
@@ -560,6 +581,8 @@ def _cell(result: Result | None) -> str:
         return "-"
     if result.verdict == "identical":
         return "="
+    if getattr(result, "shapes", ()):
+        return "X shape"
     share = _compact(headroom(result))
     if isinstance(result, Bounded):
         return f"<{share}" if not share.startswith("<") else share
@@ -683,6 +706,8 @@ def _html_row(report: DiagnosisReport, index: int, backward: bool) -> str:
     name = "&nbsp;" * 2 * r.depth + html.escape(_label(r.module))
     if r.entry is not None:
         name += f"<br><span class='entry'>enters at {html.escape(str(r.entry))}</span>"
+    for d in r.shapes:
+        name += f"<br><span class='entry'>{html.escape(shape_difference(d))}</span>"
     for d in r.structure:
         name += ("<br><span class='structure'>structure differs at "
                  f"{html.escape(_difference(d))}</span>")
