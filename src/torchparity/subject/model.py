@@ -12,6 +12,7 @@ from torch import nn
 
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
+from torchparity.subject.decoding import STEP_HINT, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.running import LossFn, call_model, cast_inputs, projection_loss
 
@@ -31,6 +32,7 @@ class Subject:
     model: nn.Module
     inputs: Any
     loss_fn: LossFn | None = None
+    step: StepFn | None = None
     decode: DecodeFn | None = None
 
     @classmethod
@@ -50,6 +52,19 @@ class Subject:
     def generates(self) -> bool:
         """Whether it decodes: with its own ``decode``, or as a ``transformers`` generator."""
         return self.decode is not None or hf.generates(self.model)
+
+    def stepper(self, model: nn.Module | None = None) -> StepFn:
+        """The decoding step of ``model`` (default: the factory's): the factory's ``step``, else
+        the built-in one (:func:`~torchparity.subject.decoding.builtin_step`), guarded so that
+        an exception in it is a one-line :class:`UserCodeError`. A model without either is a
+        one-line :class:`UsageError` naming the ``step`` key it needs."""
+        model = self.model if model is None else model
+        step = self.step or builtin_step(model)
+        if step is None:
+            raise UsageError(f"factory {self.entry}: torchparity cannot decode a "
+                             f"{type(model).__name__} by itself; {STEP_HINT}")
+        what = "its step" if self.step is not None else "the built-in decoding step"
+        return lambda m, tokens, state: self.guarded(lambda: step(m, tokens, state), what)
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
                attention: str = hf.SDPA) -> tuple[nn.Module, Any]:
