@@ -26,6 +26,7 @@ and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch import nn
 from torchparity.diagnosis.align import Alignment, NameMap
 from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.entry import find_entry
-from torchparity.diagnosis.golden import add_golden, float64_departure, module_placement
+from torchparity.diagnosis.golden import add_golden, describe_mode, float64_departure
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
@@ -51,7 +52,6 @@ from torchparity.diagnosis.run import (
     Local,
     Options,
     backend_name,
-    dtype_label,
     make_options,
 )
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
@@ -76,6 +76,7 @@ def diagnose(
     local: Local = "diverged",
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
+    rebuild: Callable[[], nn.Module] | None = None,
 ) -> DiagnosisReport:
     """Localise where ``model_b`` starts to compute something other than ``model_a``.
 
@@ -94,7 +95,8 @@ def diagnose(
     float64 against each other with float64 budgets: any change of the math above float64
     rounding is localised, also one below the noise of the models' own dtype (when a diagnosis
     in that dtype finds nothing while B's float64 output departs from A's golden, the summary
-    says so).
+    says so). ``rebuild()`` makes A again (from its factory) when it cannot be deep-copied
+    into float64; without a float64 golden ``report.meta["golden"]`` says why.
 
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from
@@ -108,9 +110,10 @@ def diagnose(
         if stream:
             with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:
                 writer = TraceWriter(Path(tmp) / "reference.tptrace")
-                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype)
+                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype,
+                                       rebuild)
                 return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
-        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype)
+        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype, rebuild)
         return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
 
 
@@ -126,6 +129,7 @@ def record(
     backend: BackendSpec = None,
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
+    rebuild: Callable[[], nn.Module] | None = None,
 ) -> Path:
     """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
 
@@ -134,7 +138,8 @@ def record(
     tree, parameter and input checksums, settings, each call's input structure). It is written
     call by call (bounded memory) into a temporary directory that replaces ``path`` only when
     complete. ``backend`` must be a name here (it is stored in the trace); ``dtype`` is as in
-    :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded one. Returns the path.
+    :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded one; ``rebuild`` as
+    in :func:`diagnose`. Returns the path.
     """
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record(backend=...) takes a backend name, which the trace stores")
@@ -144,7 +149,7 @@ def record(
     writer = TraceWriter(path)
     try:
         with progress_bar(opts.progress) as bar:
-            reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
+            reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype, rebuild)
             # The trace must serve any later candidate: every call is replayed now.
             reference.replay_all(bar)
         return writer.commit(trace_meta(reference, model, inputs, opts, dtype))
@@ -200,15 +205,11 @@ def diagnose_against(
 
 
 def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar: ProgressBar,
-               dtype: torch.dtype | None) -> Reference:
+               dtype: torch.dtype | None, rebuild: Callable[[], nn.Module] | None) -> Reference:
     """Stages 1 and 2: A captured into ``store``, and its float64 golden."""
     reference = add_golden(capture_reference(model, inputs, store, opts, bar), model, inputs,
-                           opts, bar)
-    a_dtype = dtype_label(module_placement(model)[0])
-    reference.mode = (f"{a_dtype}: A and B both cast to {a_dtype}" if dtype is not None
-                      else f"{a_dtype}: A and B as given")
-    reference.mode += (", against A's float64 golden" if reference.has_golden
-                       else f", budgets from {a_dtype} rounding")
+                           opts, bar, rebuild)
+    reference.mode = describe_mode(model, dtype, reference.has_golden)
     return reference
 
 

@@ -10,6 +10,7 @@ replayed backward from A's recorded output gradient.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,11 +25,13 @@ from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,
     backend_context,
+    dtype_label,
     placed,
     replay,
     run_model,
 )
-from torchparity.diagnosis.trace import FINAL, ReplayUnavailable
+from torchparity.diagnosis.trace import FINAL, ReplayUnavailable, weight_digests
+from torchparity.subject.factory import first_line
 from torchparity.subject.running import Inputs, call_model, seeded, upcast
 from torchparity.subject.trees import flatten_tensors
 
@@ -41,23 +44,60 @@ def module_placement(module: nn.Module) -> tuple[Any, Any]:
     return None, None
 
 
-def golden_copy(model: nn.Module) -> tuple[nn.Module | None, str]:
-    """A float64 CPU copy of ``model`` and a description of the golden used."""
+def describe_mode(model: nn.Module, dtype: torch.dtype | None, has_golden: bool) -> str:
+    """The precision a diagnosis runs in: ``float32: A and B as given, against A's float64
+    golden`` (``dtype``: the one A and B were cast to, None when run as given)."""
+    a_dtype = dtype_label(module_placement(model)[0])
+    mode = (f"{a_dtype}: A and B both cast to {a_dtype}" if dtype is not None
+            else f"{a_dtype}: A and B as given")
+    return mode + (", against A's float64 golden" if has_golden
+                   else f", budgets from {a_dtype} rounding")
+
+
+def golden_warning(note: str) -> str | None:
+    """The line that says, first thing, that no float64 golden could be made, why and the fix
+    (None when there is one, or when A runs in float64 and needs none)."""
+    if not note.startswith("none: ") or "already runs in float64" in note:
+        return None
+    return f"warning: no float64 golden: {note.removeprefix('none: ')}"
+
+
+#: What to do when A cannot be copied into float64.
+COPY_FIX = ("fix: make the model deep-copyable, or diagnose it from its factory (the command "
+            "line builds it again in float64 when copying fails; seed its initialisation)")
+
+
+def golden_copy(model: nn.Module, rebuild: Callable[[], nn.Module] | None = None
+                ) -> tuple[nn.Module | None, str]:
+    """A float64 CPU copy of ``model`` and a description of the golden used (starting with
+    "none: ", the reason and the fix, when there is none). A model that cannot be
+    deep-copied is built again by ``rebuild()`` (its factory) when given, and used when its
+    weights are A's."""
     dtype, _ = module_placement(model)
     if dtype == GOLDEN_DTYPE:
         return None, "none: A already runs in float64; budgets use the analytic bound"
     try:
-        golden = copy.deepcopy(model).to(device="cpu", dtype=GOLDEN_DTYPE)
-    except Exception as exc:  # noqa: BLE001 - any failure means: no golden, say why
-        return None, f"none: copying A to float64 failed ({type(exc).__name__}: {exc})"
-    return golden, "float64 copy of A on the CPU"
+        golden = copy.deepcopy(model)
+    except Exception as exc:  # noqa: BLE001 - any failure means: try again, or say why
+        failure = f"copying A to float64 failed ({type(exc).__name__}: {first_line(exc)})"
+        if rebuild is None:
+            return None, f"none: {failure}; budgets come from A's own rounding; {COPY_FIX}"
+        golden = rebuild()
+        if weight_digests(golden) != weight_digests(model):
+            return None, (f"none: {failure}, and the factory built other weights when called "
+                          "again; budgets come from A's own rounding; fix: seed the factory's "
+                          "initialisation, or make the model deep-copyable")
+        return golden.to(device="cpu", dtype=GOLDEN_DTYPE).eval(), (
+            f"float64 copy of A on the CPU, built again by its factory ({failure})")
+    return golden.to(device="cpu", dtype=GOLDEN_DTYPE), "float64 copy of A on the CPU"
 
 
 def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
-               bar: ProgressBar) -> Reference:
-    """Run A's float64 copy into the reference's store and arm the replays of its calls."""
+               bar: ProgressBar, rebuild: Callable[[], nn.Module] | None = None) -> Reference:
+    """Run A's float64 copy into the reference's store and arm the replays of its calls
+    (``rebuild`` as in :func:`golden_copy`)."""
     store = reference.store
-    golden, reference.golden = golden_copy(model)
+    golden, reference.golden = golden_copy(model, rebuild)
     if golden is not None:
         done = bar.phase("golden (float64): forward" + (" and backward" if opts.backward else ""))
         try:

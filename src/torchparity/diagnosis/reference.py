@@ -17,12 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.diagnosis.capture import ModuleCall, PatternSpec, call_key
+from torchparity.diagnosis.capture import ModuleCall, PatternSpec, Signature, call_key, signature
 from torchparity.diagnosis.judging import joined, judge, judge_quickly
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.report import Result
 from torchparity.diagnosis.run import Options, Run, run_model
 from torchparity.diagnosis.trace import (
+    DECODE,
     FINAL,
     SCHEMA,
     call_from_json,
@@ -53,6 +54,7 @@ class Reference:
     replayer: Callable[[ModuleCall], None] | None = None
     replayed: set[str] = field(default_factory=set)
     judging_seconds: float = 0.0  # spent judging B's tensors while B runs (``quick``)
+    signatures: dict[str, Signature | None] = field(default_factory=dict)  # A's forwards
 
     def ensure_replayed(self, call: ModuleCall) -> None:
         """The local golden (and local gradients) of ``call`` are in the store after this."""
@@ -102,7 +104,8 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Any, opts: Option
                     keep=False, on_call=keep_call, on_grad=grad_keeper(store, "grad_out"))
     keep_run_results(store, run, "out", "param_grad")
     done()
-    return Reference(calls=run.calls, store=store)
+    return Reference(calls=run.calls, store=store, signatures={
+        name: signature(module) for name, module in model.named_modules()})
 
 
 def grad_keeper(store: Any, group: str) -> Callable[[ModuleCall, str, torch.Tensor], None]:
@@ -142,17 +145,19 @@ def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
         "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
         "backward": opts.backward,
         "backend": opts.backend_a,
-        "include": _pattern_json(opts.include),
-        "exclude": _pattern_json(opts.exclude),
+        "include": pattern_json(opts.include),
+        "exclude": pattern_json(opts.exclude),
         "inputs_digest": inputs_digest(inputs),
         "weights": weight_digests(model),
         "modules": module_tree(model),
         "calls": [call_to_json(c) for c in reference.calls],
+        "signatures": reference.signatures,
         "notes": reference.notes,
     }
 
 
-def _pattern_json(spec: PatternSpec) -> Any:
+def pattern_json(spec: PatternSpec) -> Any:
+    """A module selection as a trace stores it (globs and ``re:`` strings only)."""
     if spec is None or isinstance(spec, str):
         return spec
     if isinstance(spec, (list, tuple)) and all(isinstance(p, str) for p in spec):
@@ -162,9 +167,13 @@ def _pattern_json(spec: PatternSpec) -> Any:
 
 
 def open_reference(path: str | Path) -> tuple[Reference, dict[str, Any]]:
-    """The reference side a trace holds (every call already replayed), and its metadata."""
+    """The reference side a trace holds (every call already replayed), and its metadata; a
+    decoding trace is a one-line :class:`UsageError`."""
     meta, store = open_trace(path)
+    if meta.get("kind") == DECODE:
+        raise UsageError(f"trace {path} records a decoding; judge it with "
+                         "tp.diagnose_decode_against (the command line recognises it)")
     reference = Reference(calls=[call_from_json(c) for c in meta["calls"]], store=store,
                           golden=meta["golden"], mode=meta["mode"], notes=meta["notes"],
-                          source=str(path))
+                          source=str(path), signatures=meta["signatures"])
     return reference, meta

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from torchparity.comparison.structure import format_shape
 
-__all__ = ["AttributionReport", "Bounded", "DecodeReport", "DiagnosisReport", "Entry", "Mismatch",
+__all__ = ["AttributionReport", "Bounded", "DiagnosisReport", "Entry", "Mismatch", "Report",
            "Result", "Row", "Unit"]
 
 
@@ -61,16 +61,18 @@ class Mismatch:
 
 @dataclass(frozen=True)
 class Entry:
-    """Where a divergence enters a container whose local replay diverged although none of its
-    modules did: the first module inside whose inputs differ from A's while every output that
-    fed them matched, the argument (``ctx.mask``) and how it differs."""
+    """Where a divergence enters: in a container whose local replay diverged although none of
+    its modules did, the first module inside whose inputs differ from A's while every output
+    that fed them matched; in a decoding step, the first module leaving its budget. Named by
+    the argument (``ctx.mask``) or the state it keeps (``k_cache``) and how it differs."""
 
     module: str
     argument: str
     detail: str
+    via: str = "argument"  # or "state": what the module keeps (a cache on itself)
 
     def __str__(self) -> str:
-        return f"{_label(self.module)} argument {self.argument} ({self.detail})"
+        return f"{_label(self.module)} {self.via} {self.argument} ({self.detail})"
 
 
 @dataclass
@@ -199,12 +201,12 @@ class Row:
                        for d in self.shapes],
             "entry": None if self.entry is None else {
                 "module": self.entry.module, "argument": self.entry.argument,
-                "detail": self.entry.detail},
+                "detail": self.entry.detail, "via": self.entry.via},
             "notes": self.notes,
         })
 
 
-class _Report:
+class Report:
     """JSON and plain text of a report, from its own ``to_dict()`` and ``print(console)``."""
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
@@ -224,7 +226,7 @@ class _Report:
 
 
 @dataclass
-class DiagnosisReport(_Report):
+class DiagnosisReport(Report):
     """Result of :func:`torchparity.diagnose` and :func:`torchparity.diagnose_against`.
 
     ``rows`` are the aligned modules in the order their forward finished in B (children before
@@ -339,9 +341,9 @@ class DiagnosisReport(_Report):
         first, grad = self.first_divergence, self.first_grad_divergence
         rows = []
         for index, r in enumerate(self.rows):
-            cells = [str(index), _cell(r.local), _cell(r.propagated)]
+            cells = [str(index), share_cell(r.local), share_cell(r.propagated)]
             if backward:
-                cells += [_cell(r.grad_local), _cell(r.grad_propagated)]
+                cells += [share_cell(r.grad_local), share_cell(r.grad_propagated)]
             name = " " * r.depth + _label(r.module) + _aligned_as(r)
             if r.structure:
                 name += " (structure differs)"
@@ -423,7 +425,7 @@ class Unit:
 
 
 @dataclass
-class AttributionReport(_Report):
+class AttributionReport(Report):
     """Result of :func:`torchparity.attribute`: units of change with their shares of the
     output error (``total``: mean squared difference of B's outputs from A's)."""
 
@@ -472,67 +474,6 @@ class AttributionReport(_Report):
         return self.render()
 
 
-@dataclass
-class DecodeReport(_Report):
-    """Result of :func:`torchparity.diagnose_decode`.
-
-    ``steps`` compares B's last-position logits with the golden's at each step (step 0 is the
-    prompt); ``first_step`` is the first that breaks its budget (None if none does);
-    ``rows`` compare each aligned module's inputs and outputs at that step (no local errors: a
-    step's inputs include the cache, which is not replayed) and ``first_module`` is the first
-    module whose output breaks its budget while its inputs do not: where the error appears.
-    ``tokens`` are the tokens all decodings were fed.
-    """
-
-    steps: list[Result]
-    first_step: int | None
-    rows: list[Row]
-    tokens: Any
-    meta: dict[str, Any]
-
-    @property
-    def first_module(self) -> Row | None:
-        broken = [r for r in self.rows if r.propagated is not None and not r.propagated.ok]
-        origin = (r for r in broken if r.inputs is not None and r.inputs.ok)
-        return next(origin, broken[0] if broken else None)
-
-    def summary(self) -> str:
-        if self.first_step is None:
-            return f"All {len(self.steps)} decoding steps are within budget."
-        where = self.first_module
-        module = f", first at module {_label(where.module)}" if where else ""
-        return f"Decoding parts at step {self.first_step}{module}."
-
-    def to_dict(self) -> dict[str, Any]:
-        first = self.first_module
-        return _json_safe({
-            "summary": self.summary(), "first_step": self.first_step,
-            "first_module": first.module if first else None,
-            "steps": [s.to_dict() for s in self.steps], "rows": [r.to_dict() for r in self.rows],
-            "tokens": self.tokens.tolist(), "meta": self.meta})
-
-    def print(self, console: Any = None) -> None:
-        from rich.console import Console
-        from rich.table import Table
-
-        console = console or Console()
-        console.print(self.summary(), markup=False, highlight=False)
-        console.print("steps: " + "  ".join(f"{i}:{_cell(s)}" for i, s in enumerate(self.steps)),
-                      markup=False, highlight=False)
-        if self.rows:
-            table = Table(title=f"modules at step {self.first_step}", title_justify="left")
-            for column in ("module (B)", "type", "inputs vs golden", "output vs golden"):
-                table.add_column(column)
-            first = self.first_module
-            for r in self.rows:
-                table.add_row("  " * r.depth + _label(r.module), r.module_type, _cell(r.inputs),
-                              _cell(r.propagated), style="bold red" if r is first else None)
-            console.print(table)
-
-    def __str__(self) -> str:
-        return self.render()
-
-
 def _percent(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.1f}%"
 
@@ -576,7 +517,7 @@ def _ratio(value: float | None) -> str:
     return f"{value:.2g}"
 
 
-def _cell(result: Result | None) -> str:
+def share_cell(result: Result | None) -> str:
     if result is None:
         return "-"
     if result.verdict == "identical":
@@ -622,7 +563,7 @@ def _json_safe(obj: Any) -> Any:
 # HTML
 
 
-_CSS = """
+CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; }
 table { border-collapse: collapse; font: 12px ui-monospace, monospace; }
 th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; }
@@ -637,10 +578,12 @@ table.layer { table-layout: fixed; width: 100%; } summary { cursor: pointer; mar
 
 def _html_page(report: DiagnosisReport) -> str:
     title = "torchparity diagnosis"
-    plots = [_svg_plot(report.rows, "local", "propagated", "Forward error / budget")]
+    plots = [svg_plot(report.rows, {"local": "local", "propagated": "propagated"},
+                      "Forward error / budget")]
     if report.meta.get("backward"):
-        plots.append(_svg_plot(report.rows, "grad_local", "grad_propagated",
-                               "Gradient error / budget"))
+        plots.append(svg_plot(report.rows, {"local": "grad_local",
+                                            "propagated": "grad_propagated"},
+                              "Gradient error / budget"))
     unmatched = "".join(
         f"<p class='note'>Unmatched in {side}: {html.escape(', '.join(names))}</p>"
         for side, names in (("A", report.unmatched_a), ("B", report.unmatched_b)) if names)
@@ -648,7 +591,7 @@ def _html_page(report: DiagnosisReport) -> str:
     settings = json.dumps(_json_safe(report.meta), indent=1, default=str)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{title}</title><style>{_CSS}</style></head><body>"
+        f"<title>{title}</title><style>{CSS}</style></head><body>"
         f"<h1>{title}</h1><p class='summary'>{html.escape(report.summary())}</p>"
         + "".join(plots) + _html_table(report) + unmatched + notes
         + f"<details><summary>settings</summary><pre>{html.escape(settings)}</pre></details>"
@@ -724,7 +667,7 @@ def _html_cell(result: Result | None) -> str:
     if result is None:
         return "-"
     explanation = html.escape(result.explain(), quote=True)
-    return f"<span title='{explanation}'>{html.escape(_cell(result))}</span>"
+    return f"<span title='{explanation}'>{html.escape(share_cell(result))}</span>"
 
 
 def _axis_rows(rows: list[Row], most: int = 40) -> list[int]:
@@ -750,13 +693,15 @@ def _spaced(indices: list[int], min_gap: int) -> list[int]:
     return kept[::-1]
 
 
-def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str) -> str:
-    """Log-scale plot of error / budget per row, local and propagated, with the budget at 1."""
-    series = {
-        "local": [headroom(getattr(r, local_attr)) for r in rows],
-        "propagated": [headroom(getattr(r, propagated_attr)) for r in rows],
-    }
-    colours = {"local": "#c0392b", "propagated": "#2471a3"}
+_COLOURS = ("#c0392b", "#2471a3")
+
+
+def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
+    """Log-scale plot of error / budget per row, one series per ``{name: row attribute}`` (at
+    most two: local and propagated, say), with the budget at 1."""
+    series = {name: [headroom(getattr(r, attr)) for r in rows]
+              for name, attr in attributes.items()}
+    colours = dict(zip(series, _COLOURS, strict=False))
     finite = [v for values in series.values() for v in values
               if v is not None and 0 < v < math.inf]
     lo = math.floor(math.log10(min(finite + [1e-2])))
