@@ -44,21 +44,19 @@ class Side:
     inputs: Any
     step: StepFn
     backend: BackendSpec
-    label: str = "the step"
 
     def decode(self, steps: int, tokens: torch.Tensor | None, during: Any = None) -> Decoding:
         """Teacher-forced decoding (greedy when ``tokens`` is None), seeded, without grad."""
         with backend_context(self.backend), seeded(), torch.no_grad():
             return teacher_forced(self.step, self.model, self.inputs, steps, tokens,
-                                  during=during, label=self.label)
+                                  during=during)
 
     def in_float64(self) -> Side | None:
         """A float64 CPU copy of this side, or None when the model cannot be copied so."""
         copy, _ = golden_copy(self.model)
         if copy is None:
             return None
-        return Side(copy, upcast(self.inputs, GOLDEN_DTYPE, "cpu"), self.step, self.backend,
-                    self.label)
+        return Side(copy, upcast(self.inputs, GOLDEN_DTYPE, "cpu"), self.step, self.backend)
 
 
 @dataclass
@@ -107,7 +105,7 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
     if golden is not None:
         done = bar.phase("golden (float64): decoding, every step captured")
         golden_side = Side(golden, upcast(side.inputs, GOLDEN_DTYPE, "cpu"), side.step,
-                           side.backend, side.label)
+                           side.backend)
         try:
             golden_logits = golden_side.decode(steps, decoded.tokens, during=_capturing(
                 golden, store, opts, {}, "golden_out", state=False)).logits

@@ -60,14 +60,17 @@ class Decoding:
 def teacher_forced(step: StepFn, model: nn.Module, inputs: Any, steps: int,
                    tokens: torch.Tensor | None = None, *,
                    during: Callable[[int], contextlib.AbstractContextManager] | None = None,
-                   label: str = "the step") -> Decoding:
+                   label: str | None = None) -> Decoding:
     """Run the prompt and ``steps`` further steps, feeding ``tokens`` ``(batch, steps)`` or,
     when None, the greedy choice of the model's own logits at the step before.
 
     ``during(s)`` gives a context the call of step ``s`` runs in (a capture of that step).
     Every step's return is checked (:func:`next_token_logits`); the logits are kept detached
-    on the CPU. Guarantees: the model sees exactly the tokens returned in ``tokens``.
+    on the CPU; a problem names the step by ``label`` (default: the step's own ``label``
+    attribute, else "the step"). Guarantees: the model sees exactly the tokens returned in
+    ``tokens``.
     """
+    label = label or getattr(step, "label", "the step")
     if steps < 0:
         raise UsageError(f"steps={steps}: decode zero or more steps after the prompt")
     if tokens is not None and (tokens.dim() != 2 or tokens.shape[1] < steps):

@@ -64,7 +64,12 @@ class Subject:
             raise UsageError(f"factory {self.entry}: torchparity cannot decode a "
                              f"{type(model).__name__} by itself; {STEP_HINT}")
         what = "its step" if self.step is not None else "the built-in decoding step"
-        return lambda m, tokens, state: self.guarded(lambda: step(m, tokens, state), what)
+
+        def guarded(m: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:
+            return self.guarded(lambda: step(m, tokens, state), what)
+
+        guarded.label = f"{what} of {self.entry}"  # how the decoding loop names it
+        return guarded
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
                attention: str = hf.SDPA) -> tuple[nn.Module, Any]:
