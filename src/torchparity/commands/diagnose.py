@@ -78,8 +78,8 @@ def _against(args: argparse.Namespace, name_map):
             args.exclude or args.dtype or args.tokens or args.steps is not None:
         raise UsageError("with --against give one entry point (B); the trace fixes A's "
                          "backend, module selection, dtype, storage and decoded tokens")
-    meta, _ = open_trace(args.against)
     b = Subject.load(args.entries[0])
+    meta, _ = open_trace(args.against)
     if is_decode_trace(meta):
         return diagnose_decode_against(args.against, b.model, b.inputs, step=b.stepper(),
                                        name_map=name_map, backend=args.backend_b)

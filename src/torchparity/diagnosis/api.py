@@ -218,9 +218,10 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
     """Stages 3 to 6: align B with the reference, judge propagated then local errors, report."""
     propagated = judge_propagated(reference, model, inputs, name_map, opts, bar)
     alignment = propagated.alignment
-    replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar)
+    replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar,
+                           propagated.changing)
     done = bar.phase("where the first divergence enters")
-    find_entry(reference, alignment.matches, propagated.rows, model, opts)
+    find_entry(reference, alignment.matches, propagated.rows, model, opts, propagated.changing)
     done()
     meta = _report_meta(reference, model, opts, alignment)
     if propagated.output.verdict != "identical" and all(

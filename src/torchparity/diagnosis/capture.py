@@ -33,12 +33,13 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from torchparity.diagnosis.state import Held, held_state
+from torchparity.diagnosis.state import Held, StateRecorder, held_state
 from torchparity.errors import UsageError
 from torchparity.subject.trees import flatten_tensors, map_tensors, walk
 
 __all__ = [
     "Capture",
+    "bound_arguments",
     "ModuleCall",
     "Signature",
     "TensorStats",
@@ -175,6 +176,18 @@ def signature(module: nn.Module) -> Signature | None:
     return [(p.name, p.kind.name) for p in parameters]
 
 
+def bound_arguments(sig: Signature | None, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by the name of the parameter each binds to: positional arguments to
+    the positional parameters in order (``args.<i>`` past them, or without a signature),
+    keyword arguments by their own names."""
+    positional = [name for name, kind in sig or []
+                  if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    bound = {(positional[i] if i < len(positional) else f"args.{i}"): value
+             for i, value in enumerate(args)}
+    bound.update(kwargs)
+    return bound
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +251,7 @@ class ModuleCall:
     input_placement: dict[str, tuple[torch.dtype, torch.device]] = dataclasses.field(
         default_factory=dict)
     state: dict[str, Held] = dataclasses.field(default_factory=dict)
+    clock: int = 0  # the call's place among all modules' calls, with a StateRecorder
 
     @property
     def key(self) -> str:
@@ -285,7 +299,9 @@ class Capture:
     and no inputs, ``"stats"`` only statistics, ``"shapes"`` only output shapes. With
     ``objects=False`` input objects other than tensors and containers (caches) are not copied;
     ``state=True`` summarises, after each call, the state the module read (``call.state``, see
-    :func:`~torchparity.diagnosis.state.held_state`).
+    :func:`~torchparity.diagnosis.state.held_state`); with ``states`` (a
+    :class:`~torchparity.diagnosis.state.StateRecorder` entered before) each call gets its
+    ``clock``.
     ``on_call(call)`` runs when a call finishes and ``on_grad(call, path, grad)`` when a
     gradient arrives; with ``keep=False`` the record's tensors are dropped once its callback
     has run, so memory stays bounded.
@@ -304,6 +320,7 @@ class Capture:
         keep: bool = True,
         objects: bool = True,
         state: bool = False,
+        states: StateRecorder | None = None,
     ) -> None:
         if what not in ("tensors", "outputs", "stats", "shapes"):
             raise UsageError(
@@ -317,6 +334,7 @@ class Capture:
         self.keep = keep
         self.objects = objects
         self.state = state
+        self.states = states
         self.records: list[ModuleCall] = []
         self._by_key: dict[str, ModuleCall] = {}
         self._calls_per_name: dict[str, int] = {}
@@ -375,6 +393,7 @@ class Capture:
                 call=self._calls_per_name.get(name, 0),
                 module_type=type(module).__name__,
                 start=self._started,
+                clock=self.states.clock if self.states is not None else 0,
             )
             self._calls_per_name[name] = call.call + 1
             self._started += 1

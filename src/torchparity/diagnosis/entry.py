@@ -20,21 +20,29 @@ from torch import nn
 
 from torchparity.comparison.structure import format_shape
 from torchparity.diagnosis.align import Match
-from torchparity.diagnosis.capture import Capture, ModuleCall, Signature, Uncopyable, signature
+from torchparity.diagnosis.capture import (
+    Capture,
+    ModuleCall,
+    Signature,
+    Uncopyable,
+    bound_arguments,
+    signature,
+)
 from torchparity.diagnosis.judging import judge
+from torchparity.diagnosis.local import on_recorded_state
 from torchparity.diagnosis.propagated import one_to_one
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Entry, Row
-from torchparity.diagnosis.run import Options, backend_context, placed
+from torchparity.diagnosis.run import Options, backend_context, placed, rebind
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.subject.running import seeded
 from torchparity.subject.trees import leaves
 
 
 def find_entry(reference: Reference, matches: list[Match], rows: list[Row], model: nn.Module,
-               opts: Options) -> None:
+               opts: Options, changing: set[str] = frozenset()) -> None:
     """Set ``entry`` on the first divergence when it contains modules and a differing input of
-    one of them explains it."""
+    one of them explains it (``changing``: B's modules that keep state across calls)."""
     first = next((r for r in rows if r.local is not None and not r.local.ok), None)
     if first is None:
         return
@@ -46,7 +54,7 @@ def find_entry(reference: Reference, matches: list[Match], rows: list[Row], mode
         return
     container = model.get_submodule(match.b[0].name)
     try:
-        replayed = _replay_capturing(reference, match, container, opts)
+        replayed = _replay_capturing(reference, match, container, opts, changing)
         first.entry = _first_differing_input(reference, replayed, inside, container)
     except ReplayUnavailable as exc:
         first.notes.append(f"where the divergence enters is unknown: {exc}")
@@ -74,11 +82,14 @@ def _calls_inside(container: ModuleCall, matches: list[Match]
 
 
 def _replay_capturing(reference: Reference, match: Match, container: nn.Module,
-                      opts: Options) -> list[ModuleCall]:
-    """B's container run on A's recorded inputs, every module inside it captured."""
+                      opts: Options, changing: set[str]) -> list[ModuleCall]:
+    """B's container run on A's recorded inputs (and state), every module inside it
+    captured."""
     a, b = match.a[0], match.b[0]
-    args, kwargs = placed(reference.store.get_inputs(a.key), b)
-    with backend_context(opts.backend_b), seeded(), torch.no_grad(), \
+    args, kwargs = rebind(reference.signatures.get(a.name),
+                          placed(reference.store.get_inputs(a.key), b), container)
+    with on_recorded_state(reference, a, container, b.name, changing), \
+            backend_context(opts.backend_b), seeded(), torch.no_grad(), \
             Capture(container, exclude="", what="tensors") as capture:
         container(*args, **kwargs)
     return capture.records
@@ -144,18 +155,6 @@ def _same(a: Any, b: Any) -> bool:
         return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
     return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and \
         _same_plain(a, b)
-
-
-def bound_arguments(sig: Signature | None, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A call's arguments by the name of the parameter each binds to: positional arguments to
-    the positional parameters in order (``args.<i>`` past them, or without a signature),
-    keyword arguments by their own names."""
-    positional = [name for name, kind in sig or []
-                  if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
-    bound = {(positional[i] if i < len(positional) else f"args.{i}"): value
-             for i, value in enumerate(args)}
-    bound.update(kwargs)
-    return bound
 
 
 def argument_difference(a_sig: Signature | None, a_inputs: tuple[tuple, dict],

@@ -30,6 +30,7 @@ from torchparity.diagnosis.run import (
     replay,
     run_model,
 )
+from torchparity.diagnosis.state import replaying, states_within
 from torchparity.diagnosis.trace import FINAL, ReplayUnavailable, weight_digests
 from torchparity.subject.factory import first_line
 from torchparity.subject.running import Inputs, call_model, seeded, upcast
@@ -111,7 +112,8 @@ def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
             reason = f"{type(exc).__name__}: {exc}"
             golden, reference.golden = None, f"none: the float64 run failed ({reason})"
         done()
-    reference.replayer = _Replayer(store, reference.notes, model, golden, opts)
+    reference.replayer = _Replayer(store, reference.notes, model, golden, opts,
+                                   reference.states)
     return reference
 
 
@@ -136,29 +138,49 @@ class _Replayer:
     """Local goldens (and local gradients of A and the golden) of A's recorded calls."""
 
     def __init__(self, store: Any, notes: dict[str, str], model: nn.Module,
-                 golden: nn.Module | None, opts: Options) -> None:
-        self.store, self.notes, self.opts = store, notes, opts
+                 golden: nn.Module | None, opts: Options,
+                 states: dict[str, list[tuple[int, Any]]]) -> None:
+        self.store, self.notes, self.opts, self.states = store, notes, opts, states
         self.modules = dict(model.named_modules())
         self.golden_modules = dict(golden.named_modules()) if golden is not None else None
 
     def __call__(self, call: ModuleCall) -> None:
         store, opts = self.store, self.opts
         grad_out = store.get(call.key, "grad_out") if opts.backward else {}
+        # A module keeping state across calls is replayed on its state at the recorded call.
+        states = states_within(self.states, call.name, call.clock)
         try:
             if grad_out:
-                _, grads = replay(self.modules[call.name],
-                                  placed(store.get_inputs(call.key), call), opts.backend_a,
-                                  grad_out=grad_out, requires_grad=call.inputs_requiring_grad)
+                module = self.modules[call.name]
+                with replaying(module, states, placed_on):
+                    _, grads = replay(module, placed(store.get_inputs(call.key), call),
+                                      opts.backend_a, grad_out=grad_out,
+                                      requires_grad=call.inputs_requiring_grad)
                 store.put(call.key, "local_grad", grads)
             if self.golden_modules is not None:
-                outputs, grads = replay(
-                    self.golden_modules[call.name],
-                    upcast(store.get_inputs(call.key), GOLDEN_DTYPE, "cpu"), opts.backend_a,
-                    grad_out=upcast(grad_out, GOLDEN_DTYPE, "cpu"),
-                    requires_grad=call.inputs_requiring_grad)
+                module = self.golden_modules[call.name]
+                with replaying(module, states, lambda t, m: _upcast(t)):
+                    outputs, grads = replay(
+                        module, upcast(store.get_inputs(call.key), GOLDEN_DTYPE, "cpu"),
+                        opts.backend_a, grad_out=upcast(grad_out, GOLDEN_DTYPE, "cpu"),
+                        requires_grad=call.inputs_requiring_grad)
                 store.put(call.key, "local_golden", outputs)
                 store.put(call.key, "local_golden_grad", grads)
         except ReplayUnavailable as exc:
-            self.notes[call.key] = f"not replayed: {exc}"
+            self.notes[call.key] = f"not replayable: {exc}"
         except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
             self.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"
+
+
+
+def placed_on(tensor: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """A state tensor as ``module`` holds it: on its parameters' device, and in their floating
+    dtype when floating."""
+    dtype, device = module_placement(module)
+    if dtype is None or not tensor.is_floating_point():
+        dtype = tensor.dtype
+    return tensor.to(device=device or tensor.device, dtype=dtype)
+
+
+def _upcast(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("cpu", GOLDEN_DTYPE) if tensor.is_floating_point() else tensor.cpu()

@@ -22,6 +22,7 @@ from torchparity.diagnosis.judging import joined, judge, judge_quickly
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.report import Result
 from torchparity.diagnosis.run import Options, Run, run_model
+from torchparity.diagnosis.state import OwnState, StateRecorder
 from torchparity.diagnosis.trace import (
     DECODE,
     FINAL,
@@ -55,6 +56,8 @@ class Reference:
     replayed: set[str] = field(default_factory=set)
     judging_seconds: float = 0.0  # spent judging B's tensors while B runs (``quick``)
     signatures: dict[str, Signature | None] = field(default_factory=dict)  # A's forwards
+    #: Modules that change their own state across calls: name -> (clock, state before a call).
+    states: dict[str, list[tuple[int, OwnState]]] = field(default_factory=dict)
 
     def ensure_replayed(self, call: ModuleCall) -> None:
         """The local golden (and local gradients) of ``call`` are in the store after this."""
@@ -100,12 +103,23 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Any, opts: Option
         store.put(call.key, "out", call.outputs)
 
     done = bar.phase("A: forward" + (" and backward" if opts.backward else ""))
+    recorder = StateRecorder(model)
     run = run_model(model, inputs, opts, opts.backend_a, backward=opts.backward, what="tensors",
-                    keep=False, on_call=keep_call, on_grad=grad_keeper(store, "grad_out"))
+                    keep=False, on_call=keep_call, on_grad=grad_keeper(store, "grad_out"),
+                    states=recorder)
     keep_run_results(store, run, "out", "param_grad")
+    states = recorder.kept()
+    for name, history in states.items():  # a trace keeps them for replays on another revision
+        for clock, state in history:
+            store.put_inputs(state_key(name, clock), (), state)
     done()
-    return Reference(calls=run.calls, store=store, signatures={
+    return Reference(calls=run.calls, store=store, states=states, signatures={
         name: signature(module) for name, module in model.named_modules()})
+
+
+def state_key(name: str, clock: int) -> str:
+    """Where a module's state before one of its calls is stored."""
+    return f"state|{name}@{clock}"
 
 
 def grad_keeper(store: Any, group: str) -> Callable[[ModuleCall, str, torch.Tensor], None]:
@@ -152,6 +166,8 @@ def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
         "modules": module_tree(model),
         "calls": [call_to_json(c) for c in reference.calls],
         "signatures": reference.signatures,
+        "states": {name: [clock for clock, _ in history]
+                   for name, history in reference.states.items()},
         "notes": reference.notes,
     }
 
@@ -175,5 +191,8 @@ def open_reference(path: str | Path) -> tuple[Reference, dict[str, Any]]:
                          "tp.diagnose_decode_against (the command line recognises it)")
     reference = Reference(calls=[call_from_json(c) for c in meta["calls"]], store=store,
                           golden=meta["golden"], mode=meta["mode"], notes=meta["notes"],
-                          source=str(path), signatures=meta["signatures"])
+                          source=str(path), signatures=meta["signatures"],
+                          states={name: [(clock, store.get_inputs(state_key(name, clock))[1])
+                                         for clock in clocks]
+                                  for name, clocks in meta["states"].items()})
     return reference, meta

@@ -10,11 +10,17 @@ far it is written (:class:`Held`): a cache preallocated in chunks is judged by t
 holds, not by its capacity, and a slot inside that was never written (all zeros) is named.
 :func:`state_difference` says where A's and B's differ, which is where a change enters a
 module whose arguments agree.
+
+A module that keeps state across calls cannot be replayed on its arguments alone: the state it
+had when the recorded call started matters too. :class:`StateRecorder` keeps every module's own
+state before each call, and :func:`replaying` puts that state back for a replay (and the
+current state after it); :func:`why_not_replayable` says when B keeps its state otherwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,3 +144,214 @@ def _held_difference(a: Held, b: Held) -> str | None:
                 text += f"; {side} never wrote {slot} {which} (all zeros)"
         return text
     return None
+
+
+# --------------------------------------------------------------------------------------------
+# State across calls: what a replay must restore
+
+
+#: A module's own state: attribute name -> value (tensors, None, numbers, and lists, tuples and
+#: dicts of them); its buffers among them.
+OwnState = dict[str, Any]
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def own_state(module: nn.Module) -> OwnState:
+    """The state ``module`` keeps on itself (not its submodules'): its buffers and the public
+    attributes holding tensors, numbers or containers of them (a cache, its length)."""
+    state: OwnState = dict(module._buffers)
+    for name, value in vars(module).items():
+        if not name.startswith("_") and name != "training" and _is_plain_state(value):
+            state[name] = value
+    return state
+
+
+def _is_plain_state(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not isinstance(value, nn.Parameter)
+    if isinstance(value, _PLAIN):
+        return True
+    if depth < _DEPTH and isinstance(value, (list, tuple)):
+        return all(_is_plain_state(v, depth + 1) for v in value)
+    if depth < _DEPTH and isinstance(value, dict):
+        return all(_is_plain_state(v, depth + 1) for v in value.values())
+    return False
+
+
+def _fingerprint(value: Any) -> Any:
+    """What tells a state apart from its next version cheaply: tensors by identity, version
+    and shape, the rest by value."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version, tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return tuple((k, _fingerprint(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_fingerprint(v) for v in value)
+    return value
+
+
+class StateRecorder:
+    """Records, while the ``with`` block runs, every module's own state before each of its
+    calls and which modules change theirs across calls (a cache kept on the module).
+
+    ``clock`` counts the calls of all modules as they start. With ``snapshots=False`` only
+    which modules change is recorded (the candidate's run: cheap). Snapshots share the copy of
+    a tensor that did not change since the module's last call, so a buffer that never changes
+    is copied once."""
+
+    def __init__(self, model: nn.Module, snapshots: bool = True) -> None:
+        self.modules = dict(model.named_modules())
+        self.snapshots = snapshots
+        self.clock = 0
+        self.history: dict[str, list[tuple[int, OwnState]]] = {}
+        self.changing: set[str] = set()
+        self._pending: dict[str, list[Any]] = {}
+        self._copies: dict[str, dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> StateRecorder:
+        for name, module in self.modules.items():
+            self._handles.append(module.register_forward_pre_hook(self._before(name)))
+            self._handles.append(module.register_forward_hook(self._after(name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _before(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple) -> None:
+            self.clock += 1
+            state = own_state(module)
+            self._pending.setdefault(name, []).append(_fingerprint(state))
+            if self.snapshots:
+                self.history.setdefault(name, []).append((self.clock, self._copy(name, state)))
+        return hook
+
+    def _after(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._pending.get(name) and \
+                    self._pending[name].pop() != _fingerprint(own_state(module)):
+                self.changing.add(name)
+        return hook
+
+    def _copy(self, name: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            copies = self._copies.setdefault(name, {})
+            key = (id(value), value._version)
+            if key not in copies or copies[key][0] is not value:
+                copies[key] = (value, value.detach().clone())
+            return copies[key][1]
+        if isinstance(value, dict):
+            return {k: self._copy(name, v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(name, v) for v in value)
+        return value
+
+    def kept(self) -> dict[str, list[tuple[int, OwnState]]]:
+        """The snapshots of the modules that change their state across calls."""
+        return {name: self.history.get(name, []) for name in sorted(self.changing)}
+
+
+def state_at(history: dict[str, list[tuple[int, Any]]], name: str, clock: int) -> Any:
+    """A module's state when the call with ``clock`` starts: the snapshot before its own first
+    call from then on; None when it has no call from then on (its state is the last one)."""
+    return next((state for started, state in history.get(name, []) if started >= clock), None)
+
+
+def restore(module: nn.Module, state: OwnState) -> None:
+    """Put ``state`` (from :func:`own_state` or a snapshot) back on ``module``."""
+    for name, value in state.items():
+        if name in module._buffers:
+            module._buffers[name] = value
+        else:
+            setattr(module, name, value)
+
+
+def copied(value: Any) -> Any:
+    """``value`` with every tensor cloned (a snapshot a replay may write into)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copied(v) for v in value)
+    return value
+
+
+def states_within(history: dict[str, list[tuple[int, OwnState]]], name: str, clock: int
+                  ) -> dict[str, OwnState]:
+    """The state of ``name`` and of its submodules that change theirs, by name relative to it
+    (``""`` for itself), as it was when its call with ``clock`` started."""
+    states = {}
+    for module in history:
+        relative = _relative(module, name)
+        if relative is not None:
+            state = state_at(history, module, clock)
+            if state is not None:
+                states[relative] = state
+    return states
+
+
+def _relative(module: str, root: str) -> str | None:
+    if module == root:
+        return ""
+    if not root:
+        return module
+    return module[len(root) + 1:] if module.startswith(f"{root}.") else None
+
+
+def changing_within(changing: set[str], name: str) -> set[str]:
+    """The names, relative to ``name``, of it and its submodules that change their state."""
+    return {r for r in (_relative(m, name) for m in changing) if r is not None}
+
+
+def why_not_replayable(a_states: dict[str, OwnState], b_root: nn.Module,
+                       b_changing: set[str]) -> str | None:
+    """Why B's module (``b_root``) cannot be replayed on A's recorded state (``the module keeps
+    state across calls ...``), or None: B keeps state where A does not, or keeps it in other
+    attributes."""
+    def where(relative: str) -> str:
+        return f"its submodule {relative}" if relative else "it"
+
+    for relative in sorted(b_changing - a_states.keys()):
+        return (f"the module keeps state across calls ({where(relative)} changes its state "
+                "in B, not in A)")
+    for relative, state in a_states.items():
+        try:
+            b_state = own_state(b_root.get_submodule(relative))
+        except AttributeError:
+            return f"the module keeps state across calls in {where(relative)}, which B lacks"
+        if set(b_state) != set(state):
+            return (f"the module keeps state across calls, in {', '.join(sorted(state))} in "
+                    f"A and {', '.join(sorted(b_state))} in B")
+    return None
+
+
+@contextlib.contextmanager
+def replaying(root: nn.Module, states: dict[str, OwnState],
+              place: Callable[[torch.Tensor, nn.Module], torch.Tensor]) -> Iterator[None]:
+    """Within the block, ``root``'s modules named (relative to it) in ``states`` hold copies of
+    those states, each tensor placed by ``place(tensor, module)`` (its dtype and device); then
+    what they held before, untouched by the replay."""
+    modules = {relative: root.get_submodule(relative) for relative in states}
+    before = {relative: own_state(module) for relative, module in modules.items()}
+    try:
+        for relative, module in modules.items():
+            restore(module, _mapped(copied(states[relative]), lambda t, m=module: place(t, m)))
+        yield
+    finally:
+        for relative, module in modules.items():
+            restore(module, before[relative])
+
+
+def _mapped(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _mapped(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_mapped(v, fn) for v in value)
+    return value

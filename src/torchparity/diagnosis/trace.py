@@ -324,7 +324,7 @@ def module_tree(model: nn.Module) -> list[dict[str, Any]]:
 def call_to_json(call: ModuleCall) -> dict[str, Any]:
     return {
         "name": call.name, "call": call.call, "type": call.module_type, "start": call.start,
-        "order": call.order,
+        "order": call.order, "clock": call.clock,
         "output_shapes": {p: list(s) for p, s in call.output_shapes.items()},
         "inputs_requiring_grad": sorted(call.inputs_requiring_grad),
     }
@@ -333,7 +333,7 @@ def call_to_json(call: ModuleCall) -> dict[str, Any]:
 def call_from_json(data: dict[str, Any]) -> ModuleCall:
     return ModuleCall(
         name=data["name"], call=data["call"], module_type=data["type"], start=data["start"],
-        order=data["order"],
+        order=data["order"], clock=data["clock"],
         output_shapes={p: tuple(s) for p, s in data["output_shapes"].items()},
         inputs_requiring_grad=frozenset(data["inputs_requiring_grad"]),
     )
