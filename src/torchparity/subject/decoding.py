@@ -286,17 +286,26 @@ def causal_lm_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Ten
 
 def causal_lm_recompute_step(model: nn.Module, tokens: Any, state: Any
                              ) -> tuple[torch.Tensor, Any]:
-    """A ``transformers`` causal LM step by full recompute (``use_cache=False``)."""
+    """A ``transformers`` causal LM step by full recompute (``use_cache=False``), with the
+    positions of :func:`causal_lm_step` (each new token one past the last)."""
     if state is None:
         inputs = _keywords(tokens, "a transformers model")
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+        kwargs = _prompt_positions(model, mask)
     else:
         ids, mask = torch.cat((state["input_ids"], tokens), 1), _grown(state["attention_mask"],
                                                                         tokens)
-    kwargs = {"input_ids": ids, **_prompt_positions(model, mask)}
+        kwargs = {}
+        if "position_ids" in state:
+            last = state["position_ids"]
+            kwargs["position_ids"] = torch.cat((last, last[:, -1:] + 1), 1)
+    kwargs["input_ids"] = ids
     if mask is not None:
         kwargs["attention_mask"] = mask
-    return model(**kwargs, use_cache=False).logits, {"input_ids": ids, "attention_mask": mask}
+    following = {"input_ids": ids, "attention_mask": mask}
+    if "position_ids" in kwargs:
+        following["position_ids"] = kwargs["position_ids"]
+    return model(**kwargs, use_cache=False).logits, following
 
 
 def seq2seq_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:

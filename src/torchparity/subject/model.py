@@ -49,9 +49,16 @@ class Subject:
         return hf.is_transformers(self.model)
 
     @property
+    def steps(self) -> bool:
+        """Whether it decodes step by step (:mod:`~torchparity.subject.decoding`): with the
+        factory's ``step``, or a built-in one, and no ``decode`` of its own."""
+        return self.decode is None and (self.step is not None
+                                        or builtin_step(self.model) is not None)
+
+    @property
     def generates(self) -> bool:
-        """Whether it decodes: with its own ``decode``, or as a ``transformers`` generator."""
-        return self.decode is not None or hf.generates(self.model)
+        """Whether it decodes: with its own ``decode``, or step by step."""
+        return self.decode is not None or self.steps
 
     def stepper(self, model: nn.Module | None = None) -> StepFn:
         """The decoding step of ``model`` (default: the factory's): the factory's ``step``, else
@@ -107,12 +114,9 @@ class Subject:
                              "gradients of; return a loss_fn from the factory")
         return projection_loss({p: flat[p] for p in paths})
 
-    def decoded(self, model: nn.Module, inputs: Any, use_cache: bool, steps: int) -> Any:
-        """The factory's ``decode``, else greedy ``generate`` of ``steps`` tokens."""
-        if self.decode is None:
-            return self.guarded(lambda: hf.greedy_generate(model, inputs, steps, use_cache),
-                                "transformers' generate")
-        return self.guarded(lambda: self.decode(model, inputs, use_cache), "its decode step")
+    def decoded(self, model: nn.Module, inputs: Any, use_cache: bool) -> Any:
+        """The factory's ``decode(model, inputs, use_cache)``."""
+        return self.guarded(lambda: self.decode(model, inputs, use_cache), "its decode")
 
     def guarded(self, fn: Callable[[], Any], what: str) -> Any:
         """``fn()``; an exception of the user's code becomes a one-line
