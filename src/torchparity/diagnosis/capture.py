@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from torchparity.diagnosis.state import Held, StateRecorder, held_state
+from torchparity.diagnosis.state import Held, StateRecorder, Summaries, held_state
 from torchparity.errors import UsageError
 from torchparity.subject.trees import flatten_tensors, map_tensors, walk
 
@@ -111,12 +111,14 @@ def uncopyable_leaves(tree: Any) -> list[str]:
     return [leaf.type_name for _, leaf in walk(tree, "") if isinstance(leaf, Uncopyable)]
 
 
-def snapshot(tree: Any, objects: bool = True) -> Any:
-    """Detached copy of the tensors in ``tree``; stateful objects (caches) are deep-copied so a
-    later replay sees them as they were at this call, not as the rest of the forward left them.
-    With ``objects=False`` they are not copied but stand as :class:`Uncopyable` (a decoding
-    step's cache is summarised by :mod:`~torchparity.diagnosis.state` instead)."""
-    copied = map_tensors(tree, lambda t: t.detach().clone())
+def snapshot(tree: Any, objects: bool = True,
+             copy_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """Detached copy of the tensors in ``tree`` (by ``copy_tensor``, default a clone);
+    stateful objects (caches) are deep-copied so a later replay sees them as they were at this
+    call, not as the rest of the forward left them. With ``objects=False`` they are not copied
+    but stand as :class:`Uncopyable` (a decoding step's cache is summarised by
+    :mod:`~torchparity.diagnosis.state` instead)."""
+    copied = map_tensors(tree, copy_tensor or (lambda t: t.detach().clone()))
     return _copy_opaque(copied, objects)
 
 
@@ -298,7 +300,9 @@ class Capture:
     ``what``: ``"tensors"`` keeps copies of inputs and outputs, ``"outputs"`` copies of outputs
     and no inputs, ``"stats"`` only statistics, ``"shapes"`` only output shapes. With
     ``objects=False`` input objects other than tensors and containers (caches) are not copied;
-    ``state=True`` summarises, after each call, the state the module read (``call.state``, see
+    ``share=True`` keeps one copy of a tensor that several calls see (a call's output is the
+    next call's input); ``state=True`` summarises, after each call, the state the module read
+    (``call.state``, see
     :func:`~torchparity.diagnosis.state.held_state`); with ``states`` (a
     :class:`~torchparity.diagnosis.state.StateRecorder` entered before) each call gets its
     ``clock``.
@@ -321,6 +325,7 @@ class Capture:
         objects: bool = True,
         state: bool = False,
         states: StateRecorder | None = None,
+        share: bool = False,
     ) -> None:
         if what not in ("tensors", "outputs", "stats", "shapes"):
             raise UsageError(
@@ -335,6 +340,9 @@ class Capture:
         self.objects = objects
         self.state = state
         self.states = states
+        self._summaries: Summaries = {}
+        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = (
+            {} if share else None)
         self.records: list[ModuleCall] = []
         self._by_key: dict[str, ModuleCall] = {}
         self._calls_per_name: dict[str, int] = {}
@@ -402,8 +410,8 @@ class Capture:
             call.input_placement = {p: (t.dtype, t.device) for p, t in inputs.items()}
             if self.what == "tensors":
                 # Copied now: the module (or its callers) may change them in place later.
-                call.args, call.kwargs = snapshot(args, self.objects), snapshot(kwargs,
-                                                                                self.objects)
+                call.args = snapshot(args, self.objects, self._copy)
+                call.kwargs = snapshot(kwargs, self.objects, self._copy)
             elif self.what == "stats":
                 call.input_stats = {path: TensorStats.of(t) for path, t in inputs.items()}
             self._open.setdefault(name, []).append(call)
@@ -419,11 +427,11 @@ class Capture:
             outputs = flatten_tensors(output)
             call.output_shapes = {path: tuple(t.shape) for path, t in outputs.items()}
             if self.state:
-                call.state = held_state(module, args, kwargs)
+                call.state = held_state(module, args, kwargs, self._summaries)
             if self.what == "stats":
                 call.output_stats = {path: TensorStats.of(t) for path, t in outputs.items()}
             elif self.what != "shapes":
-                call.output = map_tensors(output, lambda t: t.detach().clone())
+                call.output = map_tensors(output, self._copy)
             if self.grads:
                 output, outputs = _downstream_only(output, outputs)
                 self._watch_grads(call, outputs)
@@ -437,6 +445,16 @@ class Capture:
             return output
 
         return hook
+
+    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A detached copy of ``tensor``; with ``share``, the same copy for the same tensor
+        unchanged since."""
+        if self._copies is None:
+            return tensor.detach().clone()
+        key = (id(tensor), tensor._version)
+        if key not in self._copies or self._copies[key][0] is not tensor:
+            self._copies[key] = (tensor, tensor.detach().clone())
+        return self._copies[key][1]
 
     def _watch_grads(self, call: ModuleCall, outputs: dict[str, torch.Tensor]) -> None:
         for path, tensor in outputs.items():

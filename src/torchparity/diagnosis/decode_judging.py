@@ -85,8 +85,9 @@ def step_error(result: Result) -> float | None:
 
 def module_rows(reference: DecodeReference, step: int, calls_b: list[ModuleCall],
                 name_map: NameMap | None, *, cut: bool = False) -> tuple[list[Row], list[str]]:
-    """Each aligned module's output (and, one to one, inputs) at ``step``: B against the
-    golden, A as the baseline; and notes on calls left unmatched. With ``cut`` A's tensors
+    """Each aligned module's output at ``step``, B against the golden with A as the baseline,
+    and (one to one) its inputs against A's under the analytic budget of their dtype; and
+    notes on calls left unmatched. With ``cut`` A's tensors
     (a full recompute) are cut to B's positions (a cached step's new tokens)."""
     alignment = align(reference.calls.get(step, []), calls_b, name_map)
     store = reference.store
@@ -98,10 +99,9 @@ def module_rows(reference: DecodeReference, step: int, calls_b: list[ModuleCall]
             else {}
         row.propagated = _compare(joined([c.outputs for c in match.b]),
                                   joined([store.get(k, "out") for k in keys]), golden, cut)
-        if one_to_one(match):
-            golden_in = store.get(keys[0], "golden_in") if reference.has_golden else {}
-            row.inputs = _compare(match.b[0].inputs, flat_inputs(store, keys[0]), golden_in,
-                                  cut, common_only=True)
+        if one_to_one(match):  # inputs within A's rounding of A's: the analytic budget
+            row.inputs = _compare(match.b[0].inputs, {}, flat_inputs(store, keys[0]), cut,
+                                  common_only=True)
         rows.append(row)
     notes = [f"unmatched in {side} at step {step}: {', '.join(c.key for c in calls)}"
              for side, calls in (("A", alignment.unmatched_a), ("B", alignment.unmatched_b))
@@ -154,8 +154,9 @@ def _compare(candidate: dict[str, torch.Tensor], baseline: dict[str, torch.Tenso
             if isinstance(part, Mismatch):
                 return part
     if common_only:
-        paths = candidate.keys() & baseline.keys() & (golden.keys() if golden else
-                                                       baseline.keys())
+        paths = set(candidate)
+        for side in (baseline, golden):
+            paths &= side.keys() if side else paths
         candidate = {p: t for p, t in candidate.items() if p in paths}
         baseline = {p: t for p, t in baseline.items() if p in paths}
         golden = {p: t for p, t in golden.items() if p in paths}

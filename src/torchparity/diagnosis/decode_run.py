@@ -5,8 +5,8 @@ Every side is teacher-forced along the same tokens (:func:`~torchparity.subject.
 teacher_forced`), under its attention backend, seeded and without gradients. A step's calls
 are stored under ``<call key>@<step>``: for A its outputs (``out``), its inputs (tensors and
 containers; caches stand as placeholders) and a summary of the state each module read
-(``call.state``); for the golden its outputs (``golden_out``) and input tensors
-(``golden_in``). The step's next-token logits are under the pseudo-call ``__step__@<step>``.
+(``call.state``); for the golden its outputs (``golden_out``). The step's next-token logits
+are under the pseudo-call ``__step__@<step>``.
 With a KV cache a step's module outputs are a token's worth each, so the trace stays small.
 """
 
@@ -133,8 +133,8 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
 def _capturing(model: nn.Module, store: Any, opts: Options, calls: dict[int, list[ModuleCall]],
                group: str, *, state: bool) -> Any:
     """``during(step)`` for :func:`teacher_forced`: capture that step's calls into ``store``
-    (A's outputs, inputs and state in ``out``/``in``; the golden's outputs and input tensors
-    in ``golden_out``/``golden_in``), one file per step on disk."""
+    (A's outputs, inputs and state in ``out``/``in``; the golden's outputs in
+    ``golden_out``), one file per step on disk."""
     @contextlib.contextmanager
     def during(step: int) -> Iterator[None]:
         entries: list[tuple[str, str, dict[str, torch.Tensor]]] = []
@@ -144,11 +144,10 @@ def _capturing(model: nn.Module, store: Any, opts: Options, calls: dict[int, lis
             entries.append((key, group, call.outputs))
             if group == "out":
                 entries.append(store.inputs_entry(key, call.args, call.kwargs))
-            else:
-                entries.append((key, "golden_in", call.inputs))
 
-        with Capture(model, opts.selects(), what="tensors", objects=False, state=state,
-                     keep=False, on_call=keep) as capture:
+        what = "tensors" if group == "out" else "outputs"
+        with Capture(model, opts.selects(), what=what, objects=False, state=state,
+                     share=True, keep=False, on_call=keep) as capture:
             yield
         store.put_all(entries)
         calls[step] = capture.records

@@ -46,17 +46,19 @@ class Held:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> Held:
-        nonzero = tensor.detach().ne(0)
+        values = tensor.detach()
+        magnitude = (values.abs().nan_to_num(nan=1.0) if values.is_floating_point()  # NaN: written
+                     else values.ne(0).to(torch.uint8))
         extent, holes = [], {}
-        for dim, size in enumerate(tensor.shape):
-            written = nonzero.movedim(dim, 0).reshape(size, -1).any(1) if size else nonzero
-            found = written.nonzero()
-            end = int(found[-1]) + 1 if found.numel() else 0
+        for dim in range(values.dim()):
+            others = tuple(d for d in range(values.dim()) if d != dim)
+            written = (magnitude.amax(dim=others) if others else magnitude).gt(0).tolist()
+            end = len(written) - written[::-1].index(True) if True in written else 0
+            gaps = [i for i in range(end) if not written[i]][:_HOLES]
             extent.append(end)
-            gaps = (~written[:end]).nonzero().flatten()[:_HOLES].tolist() if end else []
             if gaps:
                 holes[dim] = tuple(gaps)
-        return cls(tuple(tensor.shape), tuple(extent), holes)
+        return cls(tuple(values.shape), tuple(extent), holes)
 
     def to_json(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "extent": list(self.extent),
@@ -68,23 +70,39 @@ class Held:
                    {int(d): tuple(h) for d, h in data["holes"].items()})
 
 
-def held_state(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Held]:
-    """The state ``module`` reads, summarised: ``state.<attribute path>`` for what it (or a
-    submodule) keeps, and ``args.<i>.<path>`` / ``kwargs.<name>.<path>`` for the tensors inside
-    objects it was handed (the paths an argument's tensors would have)."""
-    held = {f"state.{path}": Held.of(t) for path, t in kept_tensors(module)}
+#: Summaries already made, by tensor identity and version (with the tensor, so that the
+#: identity is not reused): a cache handed to every layer is summarised once per change.
+Summaries = dict[tuple[int, int], tuple[torch.Tensor, Held]]
+
+
+def held_state(module: nn.Module, args: tuple, kwargs: dict,
+               summaries: Summaries | None = None) -> dict[str, Held]:
+    """The state ``module`` reads, summarised: ``state.<attribute path>`` for what it keeps
+    itself (its submodules' state is theirs: their calls are summarised apart), and
+    ``args.<i>.<path>`` / ``kwargs.<name>.<path>`` for the tensors inside objects it was handed
+    (the paths an argument's tensors would have)."""
+    summaries = {} if summaries is None else summaries
+
+    def of(tensor: torch.Tensor) -> Held:
+        key = (id(tensor), tensor._version)
+        if key not in summaries or summaries[key][0] is not tensor:
+            summaries[key] = (tensor, Held.of(tensor))
+        return summaries[key][1]
+
+    held = {f"state.{path}": of(t) for path, t in kept_tensors(module, recurse=False)}
     for path, leaf in [*walk(args, "args"), *walk(kwargs, "kwargs")]:
         if not isinstance(leaf, torch.Tensor) and _is_object(leaf):
-            held.update({f"{path}.{inner}": Held.of(t)
+            held.update({f"{path}.{inner}": of(t)
                          for inner, t in _tensors_in(vars(leaf), "", 0)})
     return held
 
 
-def kept_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def kept_tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Buffers and tensors kept as attributes (directly or in dicts, lists, tuples and plain
-    objects) by ``module`` and its submodules, by attribute path; parameters are weights, not
-    state, and are left out."""
-    for prefix, owner in module.named_modules():
+    objects) by ``module`` and (with ``recurse``) its submodules, by attribute path; parameters
+    are weights, not state, and are left out."""
+    owners = module.named_modules() if recurse else [("", module)]
+    for prefix, owner in owners:
         dotted = f"{prefix}." if prefix else ""
         for name, buffer in owner.named_buffers(recurse=False):
             yield f"{dotted}{name}", buffer

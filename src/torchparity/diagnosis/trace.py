@@ -126,6 +126,7 @@ class DiskStore:
         self.directory = Path(directory)
         self.input_specs: dict[str, Any] = {}
         self.files: dict[str, dict[str, list[str]]] = {}  # call -> group -> its files
+        self.aliases: dict[str, dict[str, str]] = {}  # file -> name -> the name stored for it
         self._n_files = 0
         self._cache_key: str | None = None
         self._cache: dict[str, torch.Tensor] = {}
@@ -142,9 +143,10 @@ class DiskStore:
             prefix = _prefix(key, group)
             found = {}
             for name in self.files.get(key, {}).get(group, []):
+                aliases = self.aliases.get(name, {})
                 with safe_open(self.directory / name, framework="pt") as handle:
-                    found.update({k[len(prefix):]: handle.get_tensor(k) for k in handle.keys()
-                                  if k.startswith(prefix)})
+                    found.update({k[len(prefix):]: handle.get_tensor(aliases.get(k, k))
+                                  for k in [*handle.keys(), *aliases] if k.startswith(prefix)})
             self._cache[group] = found
         return self._cache[group]
 
@@ -159,9 +161,11 @@ class DiskStore:
             return
         name = f"tensors/{self._n_files:06d}.safetensors"
         self._n_files += 1
-        # safetensors refuses tensors that share memory: store contiguous private copies.
-        named = {f"{_prefix(key, group)}{path}": t.detach().cpu().contiguous().clone()
+        named = {f"{_prefix(key, group)}{path}": t.detach().cpu().contiguous()
                  for key, group, tensors in entries for path, t in tensors.items()}
+        aliases = _aliased(named)
+        if aliases:
+            self.aliases[name] = aliases
         save_file(named, str(self.directory / name))
         for key, group, _ in entries:
             self.files.setdefault(key, {}).setdefault(group, []).append(name)
@@ -176,7 +180,8 @@ class DiskStore:
         prefix, found = _prefix(key, group), set()
         for name in self.files.get(key, {}).get(group, []):
             with safe_open(self.directory / name, framework="pt") as handle:
-                found.update(k[len(prefix):] for k in handle.keys() if k.startswith(prefix))
+                found.update(k[len(prefix):] for k in [*handle.keys(), *self.aliases.get(name, {})]
+                             if k.startswith(prefix))
         return found
 
     def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
@@ -197,8 +202,9 @@ class DiskStore:
         return key, "in", tensors
 
     def finish(self, meta: dict[str, Any]) -> None:
-        meta = {**meta, "files": self.files, "input_specs": self.input_specs}
-        (self.directory / TRACE_JSON).write_text(json.dumps(meta, indent=1, default=str))
+        meta = {**meta, "files": self.files, "aliases": self.aliases,
+                "input_specs": self.input_specs}
+        (self.directory / TRACE_JSON).write_text(json.dumps(meta, default=str))
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,6 +269,27 @@ def decode_tree(spec: Any, tensors: Mapping[str, torch.Tensor], placeholders: bo
         return Uncopyable(spec["opaque"])
     raise ReplayUnavailable(f"an input of type {spec['opaque']} could not be recorded"
                             f"{_CACHE_HINT if 'Cache' in spec['opaque'] else ''}")
+
+
+def _aliased(named: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Drop from ``named`` every tensor that is another one (one copy kept for a call's output
+    and the next call's input) and return their aliases; copy those that only share memory
+    with another (safetensors refuses them)."""
+    kept: dict[tuple, str] = {}
+    aliases, pointers = {}, set()
+    for name, tensor in list(named.items()):
+        pointer = tensor.untyped_storage().data_ptr()
+        same = (pointer, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+                tensor.dtype)
+        if same in kept:
+            aliases[name] = kept[same]
+            del named[name]
+        elif pointer in pointers:
+            named[name] = tensor.clone()
+        else:
+            kept[same] = name
+            pointers.add(pointer)
+    return aliases
 
 
 def _prefix(key: str, group: str) -> str:
@@ -384,6 +411,7 @@ def open_trace(path: str | os.PathLike) -> tuple[dict[str, Any], DiskStore]:
                                f"reads {SCHEMA!r}; record it again with this version")
     store = DiskStore(path, writable=False)
     store.files = meta["files"]
+    store.aliases = meta["aliases"]
     store.input_specs = meta["input_specs"]
     return meta, store
 
