@@ -274,8 +274,10 @@ class DiagnosisReport(Report):
         if first is None:
             parts.append("No module's local error breaks its budget.")
         else:
-            parts.append(f"First divergence: {_label(first.module)} ({first.module_type}), local "
-                         f"error {_ratio(headroom(first.local))} of budget.")
+            what = (shape_difference(first.shapes[0]) if first.shapes else
+                    f"local error {_ratio(headroom(first.local))} of budget")
+            parts.append(f"First divergence: {_label(first.module)} ({first.module_type}), "
+                         f"{what}.")
             if first.entry is not None:
                 parts.append(f"It enters at {first.entry}.")
         if self.meta.get("backward"):
@@ -709,7 +711,7 @@ def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
     left, top, plot_h, step = 60, 30, 220, max(4, min(40, 900 // max(len(rows), 1)))
     labelled = _spaced(_axis_rows(rows), min_gap=max(1, math.ceil(13 / step)))
     label_h = 6 * max((len(_label(rows[i].module)) for i in labelled), default=0) + 10
-    width = left + step * max(len(rows), 1) + 30
+    width = max(left + step * max(len(rows), 1) + 30, 480)  # room for the title and legend
     height = top + plot_h + label_h + 30
 
     def x(i: int) -> float:
