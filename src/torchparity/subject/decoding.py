@@ -244,9 +244,15 @@ def reference_recompute_step(model: nn.Module, tokens: Any, state: Any
 
 
 def _cache_keyword(model: nn.Module) -> str:
-    """``cache`` (transformers 5) or ``past_key_values`` (earlier versions)."""
-    names = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in names else "past_key_values"
+    """``cache`` (transformers 5) or ``past_key_values`` (earlier versions), as the model's
+    forward, or the first one up its classes that names either, takes it."""
+    for cls in type(model).__mro__:
+        forward = cls.__dict__.get("forward")
+        names = inspect.signature(forward).parameters if forward is not None else {}
+        for name in ("cache", "past_key_values"):
+            if name in names:
+                return name
+    return "past_key_values"
 
 
 def _prompt_positions(model: nn.Module, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
