@@ -41,6 +41,7 @@ from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_o
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
 from torchparity.errors import UsageError
 from torchparity.subject.decoding import STEP_HINT, StepFn, builtin_step, recompute_step
+from torchparity.subject.factory import first_line
 from torchparity.subject.running import check_models, in_dtype
 
 __all__ = ["diagnose_decode", "diagnose_decode_against", "record_decode"]
@@ -236,8 +237,8 @@ def _float64_logits(side: Side, reference: DecodeReference, logits: list[torch.T
     try:
         return side64.decode(reference.steps, reference.tokens).logits, None
     except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
-        return None, (f"B's float64 decoding failed ({type(exc).__name__}: {exc}); flip "
-                      "verdicts compare A's margin with twice the step's budget")
+        return None, (f"B's float64 decoding failed ({type(exc).__name__}: {first_line(exc)}); "
+                      "flip verdicts compare A's margin with twice the step's budget")
 
 
 def _step_of(model: nn.Module, step: StepFn | None) -> StepFn:

@@ -13,7 +13,7 @@ With a KV cache a step's module outputs are a token's worth each, so the trace s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from torchparity.diagnosis.golden import golden_copy
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
 from torchparity.subject.decoding import Decoding, StepFn, teacher_forced
+from torchparity.subject.factory import first_line
 from torchparity.subject.running import seeded, upcast
 from torchparity.subject.trees import flatten_tensors
 
@@ -89,7 +90,8 @@ class DecodeReference:
 
 
 def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store: Any,
-                     opts: Options, bar: ProgressBar, rebuild: Any = None) -> DecodeReference:
+                     opts: Options, bar: ProgressBar,
+                     rebuild: Callable[[], nn.Module] | None = None) -> DecodeReference:
     """Decode A with every selected module captured at every step, then its float64 golden
     along the same tokens, into ``store``. ``rebuild()`` makes A again when it cannot be
     deep-copied into float64 (see :func:`~torchparity.diagnosis.golden.golden_copy`)."""
@@ -110,8 +112,8 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
             golden_logits = golden_side.decode(steps, decoded.tokens, during=_capturing(
                 golden, store, opts, {}, "golden_out", state=False)).logits
         except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
-            note = (f"none: the float64 decoding of A failed ({type(exc).__name__}: {exc}); "
-                    "budgets come from A's own rounding")
+            note = (f"none: the float64 decoding of A failed ({type(exc).__name__}: "
+                    f"{first_line(exc)}); budgets come from A's own rounding")
         broken = next((s for s, (a, g) in enumerate(zip(decoded.logits, golden_logits or [],
                                                         strict=False))
                        if bool((a.isfinite() & ~g.isfinite()).any())), None)

@@ -75,7 +75,8 @@ class Subject:
         def guarded(m: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:
             return self.guarded(lambda: step(m, tokens, state), what)
 
-        guarded.label = f"{what} of {self.entry}"  # how the decoding loop names it
+        guarded.label = (f"the step of {self.entry}" if self.step is not None
+                         else f"the built-in decoding step of {self.entry}")  # in its messages
         return guarded
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
