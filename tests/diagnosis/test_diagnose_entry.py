@@ -93,7 +93,7 @@ def assert_entry(report: tp.DiagnosisReport, name: str) -> None:
     assert expected in report.summary()
     assert expected in report.render(width=80).replace("\n", " ")
     assert json.loads(report.to_json())["rows"][report.rows.index(first)]["entry"] == {
-        "module": module, "argument": argument, "detail": first.entry.detail}
+        "module": module, "argument": argument, "detail": first.entry.detail, "via": "argument"}
     assert expected in report.to_html()
 
 

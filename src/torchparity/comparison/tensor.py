@@ -119,12 +119,13 @@ def compare_tensor(
     if keep is not None:  # left-out elements become equal zeros: no fault, and not counted
         c, g = c.where(keep, 0.0), g.where(keep, 0.0)
         b = None if b is None else b.where(keep, 0.0)
-    if keep is None and tolerance.all_finite(c) and tolerance.all_finite(g):
+    masked = _masked(c, g)
+    if keep is None and masked is None and tolerance.all_finite(c) and tolerance.all_finite(g):
         valid, faults, fault_notes, matched_notes = None, None, [], []
         c_valid, g_valid, g_finite_part = c.flatten(), g.flatten(), g
     else:
-        c_finite, g_finite = c.isfinite(), g.isfinite()
-        faults, fault_notes, matched_notes = _nonfinite(c, g, c_finite, g_finite, equal_nan)
+        c_finite, g_finite, faults, fault_notes, matched_notes = _set_apart(c, g, masked,
+                                                                            equal_nan)
         counted = g_finite if keep is None else g_finite & keep
         valid = c_finite & counted
         c_valid, g_valid, g_finite_part = c[valid], g[valid], g[counted]
@@ -216,10 +217,12 @@ def _compare_exact(
     abs_err = (c - g).abs()
     differ = abs_err > 0 if keep is None else (abs_err > 0) & keep
     n_differ = int(differ.sum())
-    if _bit_equal(candidate, reference, keep):
-        verdict = "identical"
+    # Identical means bit-equal to the baseline *and* equal to the golden: a baseline that
+    # differs from the golden cannot make a candidate that repeats it identical.
+    if n_differ:
+        verdict = "diverged"
     else:
-        verdict = "diverged" if n_differ else "within"
+        verdict = "identical" if _bit_equal(candidate, reference, keep) else "within"
     worst_index = _first_index(differ) if n_differ else None
     judged = (lambda t: t.flatten()) if keep is None else (lambda t: t[keep])
     metrics = _metrics(judged(c), judged(g), judged(abs_err), None)
@@ -258,6 +261,49 @@ def as_float64(t: torch.Tensor) -> torch.Tensor:
 
 def _last_dim(t: torch.Tensor) -> int:
     return max(t.shape[-1], 1) if t.dim() > 0 else 1
+
+
+def _masked(c: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Which entries of candidate and golden are masked (at or below
+    :data:`~torchparity.tolerance.MASKED_BELOW`, -inf included); None when none is."""
+    if not c.numel() or (bool(c.amin() > tolerance.MASKED_BELOW)
+                         and bool(g.amin() > tolerance.MASKED_BELOW)):
+        return None  # the common case, in two reductions (a NaN minimum falls through too)
+    c_masked, g_masked = c <= tolerance.MASKED_BELOW, g <= tolerance.MASKED_BELOW
+    return (c_masked, g_masked) if bool(c_masked.any() or g_masked.any()) else None
+
+
+def _set_apart(
+    c: torch.Tensor,
+    g: torch.Tensor,
+    masked: tuple[torch.Tensor, torch.Tensor] | None,
+    equal_nan: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], list[str]]:
+    """Elements judged apart from the metrics and the scale: non-finite ones (see
+    :func:`_nonfinite`) and masked ones. Masked on both sides is agreement (a banned token
+    stays banned, whatever constant each side writes), masked on one side only is a fault.
+
+    Returns which candidate and golden elements are judged by value, the faults and the
+    notes on faults and on agreeing elements left out."""
+    if masked is None:
+        c_finite, g_finite = c.isfinite(), g.isfinite()
+        return c_finite, g_finite, *_nonfinite(c, g, c_finite, g_finite, equal_nan)
+    c_masked, g_masked = masked
+    apart = c_masked | g_masked
+    c, g = c.masked_fill(apart, 0.0), g.masked_fill(apart, 0.0)  # the rest judges finiteness
+    c_finite, g_finite = c.isfinite() & ~apart, g.isfinite() & ~apart
+    faults, fault_notes, matched_notes = _nonfinite(c, g, c_finite, g_finite, equal_nan)
+    below = f"<= {tolerance.MASKED_BELOW:g}"
+    for side, only, other in (("candidate", c_masked & ~g_masked, "golden"),
+                              ("golden", g_masked & ~c_masked, "candidate")):
+        if only.any():
+            fault_notes.append(f"the {side} masks {int(only.sum())} element(s) ({below}) "
+                               f"where the {other} has a value")
+    both = int((c_masked & g_masked).sum())
+    if both:
+        matched_notes.append(f"{both} element(s) masked ({below}) in candidate and golden "
+                             "judged apart from the metrics")
+    return c_finite, g_finite, faults | (c_masked ^ g_masked), fault_notes, matched_notes
 
 
 def _nonfinite(

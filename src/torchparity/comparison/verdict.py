@@ -14,9 +14,11 @@ from torchparity.comparison.selection import LeftOut, PaddingSpec, left_out_of, 
 from torchparity.comparison.structure import (
     ROOT,
     Alignment,
+    ShapeDifference,
     StructureDifference,
     align,
     baseline_at,
+    format_shape,
     numbers_dtype,
     tensor_leaves,
 )
@@ -33,10 +35,12 @@ from torchparity.tolerance import DtypeLike
 @dataclass
 class Comparison:
     """The comparison of a whole pytree: one :class:`TensorComparison` per tensor that candidate
-    and golden share, the differences of structure between them, and the leaves not compared.
+    and golden share, the tensors both hold in different shapes, the differences of structure
+    between them, and the leaves not compared.
 
-    ``verdict`` and ``ok`` judge the shared tensors alone; :attr:`structure_differs` says
-    whether the structures differ. ``skipped`` holds ``(path, reason)`` pairs; ``atol`` and
+    ``verdict`` and ``ok`` judge the shared tensors and the shapes: a tensor whose shape
+    differs (:attr:`shapes`) diverges; :attr:`structure_differs` says whether the structures
+    differ, which is no divergence. ``skipped`` holds ``(path, reason)`` pairs; ``atol`` and
     ``rtol`` are the tolerances a user added to every budget by hand (see :func:`compare`).
     """
 
@@ -46,10 +50,14 @@ class Comparison:
     skipped: tuple[tuple[str, str], ...] = ()
     atol: float = 0.0
     rtol: float = 0.0
+    shapes: tuple[ShapeDifference, ...] = ()
 
     @property
     def verdict(self) -> Verdict:
-        """The worst verdict over all tensors (``identical`` when there are none)."""
+        """``diverged`` when a shape differs, else the worst verdict over all tensors
+        (``identical`` when there are none)."""
+        if self.shapes:
+            return "diverged"
         return max((t.verdict for t in self.tensors), key=VERDICT_ORDER.get, default="identical")
 
     @property
@@ -74,6 +82,8 @@ class Comparison:
         worst = self.worst
         where = f", worst={worst.path} headroom={worst.headroom:.3g}" if worst else ""
         n = len(self.tensors)
+        if self.shapes:
+            where += f", shapes_differ={len(self.shapes)}"
         if self.structure:
             where += f", structure_differs=True ({len(self.structure)} path(s))"
         if self.skipped:
@@ -81,14 +91,29 @@ class Comparison:
         return f"Comparison(verdict={self.verdict!r}, kind={self.kind!r}, tensors={n}{where})"
 
     def explain(self) -> str:
-        """One paragraph: verdict, worst tensor and index, the three values there, error versus
-        budget with the formula's numbers, headroom, dtype and kind."""
+        """One paragraph: verdict, the tensors whose shape differs, worst tensor and index, the
+        three values there, error versus budget with the formula's numbers, headroom, dtype and
+        kind."""
+        if not self.shapes:
+            return self._explain_tensors()
+        shapes = "; ".join(f"{d.path}: {format_shape(d.candidate)} vs {format_shape(d.golden)}"
+                           for d in self.shapes)
+        text = (f"diverged: shape differs at {len(self.shapes)} path(s) (candidate vs golden): "
+                f"{shapes}.")
+        if self.tensors:
+            text += f" The tensors of equal shape: {self._explain_tensors()}"
+        else:
+            text += self._context()
+        return text
+
+    def _explain_tensors(self) -> str:
         worst = self.worst
         if worst is None:
             nothing = "candidate and golden share no tensors" if self.structure else "no tensors"
             return f"identical: {nothing} to compare (kind {self.kind})." + self._context()
         n = len(self.tensors)
-        if self.verdict == "identical":
+        verdict = max((t.verdict for t in self.tensors), key=VERDICT_ORDER.get)
+        if verdict == "identical":
             reference = "baseline" if worst.baseline_value is not None else "golden"
             text = (
                 f"identical: all {n} tensor(s) are bit-equal to the {reference}"
@@ -96,13 +121,13 @@ class Comparison:
             )
             if self.sensitivity is not None:
                 text += f" {_sensitivity_sentence(self.sensitivity)}."
-        elif self.verdict == "diverged":
+        elif verdict == "diverged":
             n_diverged = _count_verdicts(self.tensors)["diverged"]
             text = f"diverged: {n_diverged} of {n} tensor(s) diverged; worst {_describe(worst)}"
         else:
             text = f"within: all {n} tensor(s) within budget; closest to it {_describe(worst)}"
         others = [f"{t.path}: {note}" for t in self.tensors if t is not worst for note in t.notes]
-        if self.verdict == "identical":
+        if verdict == "identical":
             others = [f"{t.path}: {note}" for t in self.tensors for note in t.notes]
         return text + (f" Also: {'; '.join(others)}." if others else "") + self._context()
 
@@ -159,6 +184,7 @@ class Comparison:
             "sensitivity": self.sensitivity,
             "baseline_degraded": self.baseline_degraded,
             "worst": worst.path if worst else None,
+            "shapes": [dataclasses.asdict(d) for d in self.shapes],
             "structure_differs": self.structure_differs,
             "structure": [dataclasses.asdict(d) for d in self.structure],
             "skipped": [{"path": path, "reason": reason} for path, reason in self.skipped],
@@ -190,10 +216,12 @@ def compare(
     containers walked). Every tensor that candidate and golden hold at the same path, with the
     same shape and kind of dtype, is judged; the golden may have a wider float dtype than the
     candidate. Python numbers are judged as 0-d tensors: ints and bools exactly, floats in the
-    compute dtype (below). Where the two differ in structure (a key or position missing on one
-    side, ``None`` against a tensor, a tuple become a tensor, another shape, a string or other
-    plain value that differs) a :class:`StructureDifference` is reported in
-    :attr:`Comparison.structure`: ``verdict`` stays the verdict on the shared tensors. Leaves
+    compute dtype (below). A tensor both hold in another shape is a :class:`ShapeDifference`
+    in :attr:`Comparison.shapes`, and the verdict is ``diverged``. Where the two differ in
+    structure (a key or position missing on one side, ``None`` against a tensor, a tuple become
+    a tensor, a float tensor become an integer one, a string or other plain value that differs)
+    a :class:`StructureDifference` is reported in :attr:`Comparison.structure`: ``verdict``
+    stays the verdict on the shared tensors. Leaves
     that are not compared are listed in :attr:`Comparison.skipped` with the reason:
     ``transformers`` caches (see :data:`CACHE_RULE`) and objects that are neither tensors,
     numbers, plain values nor containers (register them with ``torch.utils._pytree`` to compare
@@ -211,7 +239,10 @@ def compare(
     match. ``atol`` and ``rtol`` are the one way to loosen a comparison by hand: ``atol + rtol *
     scale`` (the golden's magnitude in the kind's metric) is added to every floating tensor's
     budget, and :meth:`Comparison.explain` and ``to_dict`` say so. Integer and bool tensors
-    always match exactly.
+    always match exactly. Masked entries (at or below :data:`~torchparity.tolerance.MASKED_BELOW`,
+    such as banned tokens' logits written as -65504, ``finfo.min`` or ``-inf``) are judged
+    apart: masked on both sides agrees, on one side only diverges, and they never set a
+    budget's scale.
 
     ``padding`` leaves positions out of the judgement: a bool tensor, True at padded positions
     (``attention_mask == 0``), applies to every tensor whose leading dimensions it covers (a
@@ -258,6 +289,7 @@ def compare(
         skipped=tuple(found.skipped),
         atol=atol,
         rtol=rtol,
+        shapes=tuple(found.shapes),
     )
 
 
@@ -274,7 +306,8 @@ def assert_parity(
     allow_structure_changes: bool = False,
     **kwargs: Any,
 ) -> Comparison:
-    """Like :func:`compare`, but raise ``AssertionError(explain())`` when a tensor diverged or,
+    """Like :func:`compare`, but raise ``AssertionError(explain())`` when a tensor diverged (or
+    differs in shape) or,
     unless ``allow_structure_changes=True``, when candidate and golden differ in structure (a
     refactor that stops returning attention weights, say, passes with it)."""
     result = compare(candidate, golden, baseline, kind, **kwargs)

@@ -26,6 +26,7 @@ and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch import nn
 from torchparity.diagnosis.align import Alignment, NameMap
 from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.entry import find_entry
-from torchparity.diagnosis.golden import add_golden, float64_departure, module_placement
+from torchparity.diagnosis.golden import add_golden, describe_mode, float64_departure
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
@@ -51,7 +52,6 @@ from torchparity.diagnosis.run import (
     Local,
     Options,
     backend_name,
-    dtype_label,
     make_options,
 )
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
@@ -78,6 +78,7 @@ def diagnose(
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
     padding: PaddingLike = None,
+    rebuild: Callable[[], nn.Module] | None = None,
 ) -> DiagnosisReport:
     """Localise where ``model_b`` starts to compute something other than ``model_a``.
 
@@ -101,6 +102,8 @@ def diagnose(
     ``decoder_attention_mask``) say; a bool (batch, sequence) tensor, True at padding; a dict of
     them by output path; or ``False`` to judge every position (see
     :mod:`torchparity.subject.padding`). The report's notes say how many were left out.
+    ``rebuild()`` makes A again (from its factory) when it cannot be deep-copied
+    into float64; without a float64 golden ``report.meta["golden"]`` says why.
 
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from
@@ -115,9 +118,10 @@ def diagnose(
         if stream:
             with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:
                 writer = TraceWriter(Path(tmp) / "reference.tptrace")
-                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype)
+                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype,
+                                       rebuild)
                 return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
-        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype)
+        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype, rebuild)
         return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
 
 
@@ -134,6 +138,7 @@ def record(
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
     padding: PaddingLike = None,
+    rebuild: Callable[[], nn.Module] | None = None,
 ) -> Path:
     """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
 
@@ -143,7 +148,8 @@ def record(
     call by call (bounded memory) into a temporary directory that replaces ``path`` only when
     complete. ``backend`` must be a name here (it is stored in the trace); ``dtype`` and
     ``padding`` are as in :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded
-    dtype and leaves the recorded padding out. Returns the path.
+    dtype and leaves the recorded padding out; ``rebuild`` as in :func:`diagnose`. Returns the
+    path.
     """
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record(backend=...) takes a backend name, which the trace stores")
@@ -154,7 +160,7 @@ def record(
     writer = TraceWriter(path)
     try:
         with progress_bar(opts.progress) as bar:
-            reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
+            reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype, rebuild)
             # The trace must serve any later candidate: every call is replayed now.
             reference.replay_all(bar)
         return writer.commit(trace_meta(reference, model, inputs, opts, dtype))
@@ -213,15 +219,11 @@ def diagnose_against(
 
 
 def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar: ProgressBar,
-               dtype: torch.dtype | None) -> Reference:
+               dtype: torch.dtype | None, rebuild: Callable[[], nn.Module] | None) -> Reference:
     """Stages 1 and 2: A captured into ``store``, and its float64 golden."""
     reference = add_golden(capture_reference(model, inputs, store, opts, bar), model, inputs,
-                           opts, bar)
-    a_dtype = dtype_label(module_placement(model)[0])
-    reference.mode = (f"{a_dtype}: A and B both cast to {a_dtype}" if dtype is not None
-                      else f"{a_dtype}: A and B as given")
-    reference.mode += (", against A's float64 golden" if reference.has_golden
-                       else f", budgets from {a_dtype} rounding")
+                           opts, bar, rebuild)
+    reference.mode = describe_mode(model, dtype, reference.has_golden)
     return reference
 
 
@@ -230,9 +232,10 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
     """Stages 3 to 6: align B with the reference, judge propagated then local errors, report."""
     propagated = judge_propagated(reference, model, inputs, name_map, opts, bar)
     alignment = propagated.alignment
-    replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar)
+    replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar,
+                           propagated.changing)
     done = bar.phase("where the first divergence enters")
-    find_entry(reference, alignment.matches, propagated.rows, model, opts)
+    find_entry(reference, alignment.matches, propagated.rows, model, opts, propagated.changing)
     done()
     meta = _report_meta(reference, model, opts, alignment)
     if reference.padding:

@@ -22,8 +22,9 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
           precision: torch.dtype | None = None) -> Result:
     """Compare under the tolerance model; without a golden, the baseline serves as golden and
     the analytic bound as budget. Tensors on one side only are differences of structure
-    (``result.structure``), judged apart from the shared ones. A baseline in another dtype than
-    the candidate's (B runs in another precision than A) cannot earn a budget and is dropped.
+    (``result.structure``), judged apart from the shared ones; a tensor both have in other
+    shapes diverges (``result.shapes``). A baseline in another dtype than the candidate's (B
+    runs in another precision than A) cannot earn a budget and is dropped.
     ``padding`` (see :func:`module_padding`) leaves padded positions out.
 
     A tensor whose golden is NaN or inf at judged elements where A is finite is judged against
@@ -53,6 +54,8 @@ def _judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
         return Mismatch(kind, str(exc))
     result.structure = tuple(_as_a_sees_it(d, original)
                              for d in getattr(result, "structure", ()))
+    result.shapes = tuple(dataclasses.replace(d, path=_flat_path(d.path))
+                          for d in getattr(result, "shapes", ()))
     return result
 
 
@@ -158,8 +161,8 @@ def judge_quickly(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Te
     The tolerance model's budget is at least ``fudge`` times the baseline's error (the noise
     it measures is never smaller), so a candidate whose error is within that of every tensor
     is within budget: two error norms decide it, and the headroom is reported as a bound. Any
-    other case (no golden or baseline, structure or dtype differences, non-finite values, a
-    larger error) takes the full comparison."""
+    other case (no golden or baseline, structure or dtype differences, non-finite or masked
+    values, a larger error) takes the full comparison."""
     quick = _bounded(candidate, golden, baseline, kind, padding)
     if quick is not None:
         return quick
@@ -176,7 +179,7 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
     for path, c in candidate.items():
         g, b = golden[path], baseline[path]
         if c.shape != g.shape or c.dtype != b.dtype or c.shape != b.shape or \
-                not c.is_floating_point():
+                not c.is_floating_point() or _masks(c, g, b):
             return None
         left_out = left_out_of(padding, f'outputs["{path}"]', g)
         if left_out is not None:
@@ -196,6 +199,12 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
     return Bounded(kind, verdict, max(errors), 0.0 if identical else max(shares))
 
 
+def _masks(*tensors: torch.Tensor) -> bool:
+    """Whether any tensor holds masked entries, which only the full comparison sets apart
+    (a sentinel on each side would otherwise dominate both error norms)."""
+    return any(t.numel() and bool(t.amin() <= tolerance.MASKED_BELOW) for t in tensors)
+
+
 def merged(first: Result | None, second: Result) -> Result:
     """One result for both: a mismatch in either wins, then a diverged one; two full
     comparisons keep every tensor, a bounded one keeps the larger error and bound."""
@@ -209,7 +218,8 @@ def merged(first: Result | None, second: Result) -> Result:
         return Bounded(first.kind, verdict, max(worst_error(first), worst_error(second)),
                        max(headroom(first), headroom(second)))
     return Comparison(kind=first.kind, tensors=first.tensors + second.tensors,
-                      structure=(*first.structure, *second.structure))
+                      structure=(*first.structure, *second.structure),
+                      shapes=(*first.shapes, *second.shapes))
 
 
 def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

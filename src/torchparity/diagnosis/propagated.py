@@ -28,6 +28,7 @@ from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Result, Row
 from torchparity.diagnosis.run import Options, Run, run_model
+from torchparity.diagnosis.state import StateRecorder
 from torchparity.diagnosis.trace import FINAL
 from torchparity.subject.running import Inputs
 from torchparity.subject.trees import flatten_tensors, leaves
@@ -42,6 +43,7 @@ class Propagated:
     rows: list[Row]
     output: Result
     loss: Result | None
+    changing: set[str]  # B's modules that change their own state across calls
 
 
 #: Which of A's calls (and how many of B's, fused) a call of B is judged against, by B's key.
@@ -76,15 +78,17 @@ def judge_propagated(reference: Reference, model: nn.Module, inputs: Inputs,
         row.grad_propagated = tracker.grads.get(match.b_name)
         rows.append(row)
     return Propagated(alignment=alignment, rows=rows, output=_final(reference, run, "output"),
-                      loss=_final(reference, run, "loss") if run.loss is not None else None)
+                      loss=_final(reference, run, "loss") if run.loss is not None else None,
+                      changing=run.changing)
 
 
 def _run(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
          bar: ProgressBar, pairing: Pairing) -> tuple[_Tracker, Run]:
     done = bar.phase("B: forward" + (" and backward" if opts.backward else ""))
     tracker = _Tracker(reference, pairing)
+    states = StateRecorder(model, snapshots=False)
     run = run_model(model, inputs, opts, opts.backend_b, backward=opts.backward, what="outputs",
-                    keep=False, on_call=tracker.on_call, on_grad=tracker.on_grad)
+                    keep=False, on_call=tracker.on_call, on_grad=tracker.on_grad, states=states)
     tracker.finish(run.param_grads)
     done()
     return tracker, run

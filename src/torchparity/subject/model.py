@@ -12,6 +12,7 @@ from torch import nn
 
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
+from torchparity.subject.decoding import STEP_HINT, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.padding import Padding, padding_of
 from torchparity.subject.running import LossFn, call_model, cast_inputs, projection_loss
@@ -34,6 +35,7 @@ class Subject:
     model: nn.Module
     inputs: Any
     loss_fn: LossFn | None = None
+    step: StepFn | None = None
     decode: DecodeFn | None = None
     padding: Padding = field(default_factory=Padding)
 
@@ -54,9 +56,35 @@ class Subject:
         return hf.is_transformers(self.model)
 
     @property
+    def steps(self) -> bool:
+        """Whether it decodes step by step (:mod:`~torchparity.subject.decoding`): with the
+        factory's ``step``, or a built-in one, and no ``decode`` of its own."""
+        return self.decode is None and (self.step is not None
+                                        or builtin_step(self.model) is not None)
+
+    @property
     def generates(self) -> bool:
-        """Whether it decodes: with its own ``decode``, or as a ``transformers`` generator."""
-        return self.decode is not None or hf.generates(self.model)
+        """Whether it decodes: with its own ``decode``, or step by step."""
+        return self.decode is not None or self.steps
+
+    def stepper(self, model: nn.Module | None = None) -> StepFn:
+        """The decoding step of ``model`` (default: the factory's): the factory's ``step``, else
+        the built-in one (:func:`~torchparity.subject.decoding.builtin_step`), guarded so that
+        an exception in it is a one-line :class:`UserCodeError`. A model without either is a
+        one-line :class:`UsageError` naming the ``step`` key it needs."""
+        model = self.model if model is None else model
+        step = self.step or builtin_step(model)
+        if step is None:
+            raise UsageError(f"factory {self.entry}: torchparity cannot decode a "
+                             f"{type(model).__name__} by itself; {STEP_HINT}")
+        what = "its step" if self.step is not None else "the built-in decoding step"
+
+        def guarded(m: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:
+            return self.guarded(lambda: step(m, tokens, state), what)
+
+        guarded.label = (f"the step of {self.entry}" if self.step is not None
+                         else f"the built-in decoding step of {self.entry}")  # in its messages
+        return guarded
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
                attention: str = hf.SDPA) -> tuple[nn.Module, Any]:
@@ -94,12 +122,9 @@ class Subject:
                              "gradients of; return a loss_fn from the factory")
         return projection_loss({p: flat[p] for p in paths}, self.padding)
 
-    def decoded(self, model: nn.Module, inputs: Any, use_cache: bool, steps: int) -> Any:
-        """The factory's ``decode``, else greedy ``generate`` of ``steps`` tokens."""
-        if self.decode is None:
-            return self.guarded(lambda: hf.greedy_generate(model, inputs, steps, use_cache),
-                                "transformers' generate")
-        return self.guarded(lambda: self.decode(model, inputs, use_cache), "its decode step")
+    def decoded(self, model: nn.Module, inputs: Any, use_cache: bool) -> Any:
+        """The factory's ``decode(model, inputs, use_cache)``."""
+        return self.guarded(lambda: self.decode(model, inputs, use_cache), "its decode")
 
     def guarded(self, fn: Callable[[], Any], what: str) -> Any:
         """``fn()``; an exception of the user's code becomes a one-line
