@@ -142,3 +142,25 @@ def test_sketched_gradients_share_the_pass_noise_with_exact_ones(monkeypatch):
     result = tp.compare(legit, golden, grads32, "grad")
     assert result.ok, result.explain()
     assert any("sketched" in " ".join(t.notes) for t in result.tensors)
+
+
+def test_a_sketch_of_a_padded_tensor_leaves_the_padding_out():
+    """Padded positions hold anything in the candidate (a padded query attends to nothing):
+    the sketch was made with them at 0 and the candidate is masked alike, so garbage there
+    passes while a change at a judged position still diverges."""
+    torch.manual_seed(0)
+    golden = torch.randn(2, 64, 2048, dtype=torch.float64)
+    padding = torch.zeros(2, 64, dtype=torch.bool)
+    padding[1, 48:] = True
+    baseline = golden.float()
+    sketched = {"h": sketching.sketch(sketching.masked(golden, padding), "h")}
+    garbage = baseline.clone()
+    garbage[1, 48:] = 1e6
+    result = tp.compare({"h": garbage}, sketched, {"h": baseline}, padding=padding)
+    assert result.ok, result.explain()
+    assert result.tensors[0].left_out == 16 and "Left out" in result.explain()
+    assert not tp.compare({"h": garbage}, {"h": sketching.sketch(golden, "h")},
+                          {"h": baseline}).ok  # judged whole, the garbage diverges
+    changed = garbage.clone()
+    changed[0, 10] += 1e-3
+    assert not tp.compare({"h": changed}, sketched, {"h": baseline}, padding=padding).ok

@@ -129,12 +129,24 @@ def wants_sketch(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point() and tensor.numel() >= threshold()
 
 
-def kept(name: str, tensor: torch.Tensor) -> torch.Tensor | Sketch:
-    """``tensor`` as a run keeps it: a sketch seeded by ``name`` when :func:`wants_sketch`,
-    else a detached copy on the CPU."""
+def kept(name: str, tensor: torch.Tensor, left_out: torch.Tensor | None = None
+         ) -> torch.Tensor | Sketch:
+    """``tensor`` as a run keeps it: a sketch seeded by ``name`` when :func:`wants_sketch`
+    (of the tensor with the positions ``left_out`` marks set to 0, see :func:`masked`), else a
+    detached copy on the CPU."""
     if wants_sketch(tensor):
-        return sketch(tensor, name)
+        return sketch(masked(tensor, left_out), name)
     return tensor.detach().to("cpu", copy=True)
+
+
+def masked(tensor: torch.Tensor, left_out: torch.Tensor | None) -> torch.Tensor:
+    """``tensor`` with the positions that ``left_out`` (a bool mask over its leading
+    dimensions, True at padding) marks set to 0: what the sketch of a padded tensor is made of,
+    so that padded positions add nothing to its projection, statistics or slices."""
+    if left_out is None or not bool(left_out.any()):
+        return tensor
+    mask = left_out.to(tensor.device)
+    return tensor.masked_fill(mask.reshape(*mask.shape, *(1,) * (tensor.dim() - mask.dim())), 0)
 
 
 def seed_of(name: str) -> int:
