@@ -399,7 +399,9 @@ class DiagnosisReport(Report):
         cells += [share_cell(_worst(self._column(line.rows, attr)))
                   for attr in _COLUMNS[:4 if backward else 2]]
         span = f"rows {line.rows[0]}-{line.rows[-1]}"
-        if line.ends:
+        if len(line.ends) == 1:
+            what = f"{span}, {_label(self.rows[line.ends[0]].module)}"
+        elif line.ends:
             what = (f"{span}, {_label(self.rows[line.ends[0]].module)} to "
                     f"{_label(self.rows[line.ends[-1]].module)}")
         else:

@@ -86,13 +86,22 @@ def upcast(tree: Any, dtype: torch.dtype | None, device: torch.device | str | No
 
 def in_dtype(models: list[nn.Module], inputs: Inputs, dtype: torch.dtype | None
              ) -> tuple[list[nn.Module], Inputs]:
-    """Float copies of ``models`` and ``inputs`` in ``dtype`` (None: the originals)."""
+    """Copies of ``models`` with their floating parameters and buffers in ``dtype``, made
+    tensor by tensor (no second copy in the old dtype, see :func:`converted`), and ``inputs``
+    cast alike (None: the originals)."""
     if dtype is None:
         return models, inputs
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise UsageError(f"dtype must be a floating torch dtype such as torch.float64; "
                          f"got {dtype!r}")
-    return [copy.deepcopy(m).to(dtype) for m in models], upcast(inputs, dtype)
+    return [_copy_in(m, dtype) for m in models], upcast(inputs, dtype)
+
+
+def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]),
+                  torch.device("cpu"))
+    cast = converted(model, device, dtype)
+    return copy.deepcopy(model) if cast is model else cast
 
 
 def converted(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
