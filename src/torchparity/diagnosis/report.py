@@ -643,6 +643,8 @@ tr.identical td { color: #999; }
 .summary { font-size: 16px; margin: 1em 0; } .note { color: #666; }
 svg text { font: 11px sans-serif; }
 table.layer { table-layout: fixed; width: 100%; } summary { cursor: pointer; margin: 4px 0; }
+table.layer td { overflow-wrap: anywhere; } table.layer th:nth-child(1) { width: 3em; }
+table.layer th:nth-child(2) { width: 28%; } table.layer th:nth-child(4) { width: 14%; }
 .entry { color: #a00; } .structure { color: #765; }
 """
 
