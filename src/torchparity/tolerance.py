@@ -48,6 +48,7 @@ under them and writes the evidence to ``docs/tolerance.md``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -302,10 +303,26 @@ def golden_scale(golden: torch.Tensor, metric: Metric) -> float:
 
 
 def cancelled(scale: float, group_scale: float) -> bool:
-    """Whether a golden of magnitude ``scale`` is a cancellation residue within a group of
+    """Whether a golden of magnitude ``scale`` (0 included) cancelled within a group of
     magnitude ``group_scale``: smaller than one fp32 rounding of the group's values, so no
     computation below float64 can resolve it and its error is the group's rounding noise."""
     return scale < UNIT_ROUNDOFF["fp32"] * group_scale
+
+
+#: A member of a group whose golden is below this share of the group's scale is a residue: a
+#: sum of terms at the group's scale that mostly cancel (the query and key gradients of an
+#: attention whose rows are saturated or see one key), see :func:`residue`.
+RESIDUE = 1 / 8
+
+
+def residue(scale: float, group_scale: float | None) -> bool:
+    """Whether a golden of magnitude ``scale`` (0 included) is a residue of its group: below
+    :data:`RESIDUE` of ``group_scale``. A plain baseline can round such a member luckily by
+    structure: the fused softmax backward of a row that sees one key, or whose probabilities
+    saturate, subtracts a product from itself and gets exactly the zero the math gives, where
+    a kernel that forms the row term otherwise (FlashAttention's rowsum(dO * O), a decomposed
+    softmax) rounds at the scale of the products."""
+    return group_scale is not None and scale < RESIDUE * group_scale
 
 
 def _float64(x: torch.Tensor) -> torch.Tensor:
@@ -337,6 +354,12 @@ class Budget:
     value: float
     atol: float = 0.0  # added by hand (``compare(..., atol=)``), never by the model
     rtol: float = 0.0  # likewise, times ``scale``
+    residue: bool = False  # a residue of its group (see :func:`residue`)
+    # The bound at the group's scale that replaced a residue's smaller allowance (None when
+    # the tensor is no residue or its allowance was larger).
+    residue_bound: float | None = None
+    # Rounding the candidate showed on the residues of its pass, which reaches this tensor.
+    inherited: float = 0.0
 
     @property
     def source(self) -> Literal["baseline", "analytic"]:
@@ -372,6 +395,15 @@ class Budget:
                 f" × u_acc {accumulation_roundoff(self.compute_dtype):.3g}"
                 f" × {seen} {self.reordering_scale:.3g})"
             )
+        if self.residue_bound is not None:
+            allowance = (
+                f"bound of a residue {self.residue_bound:.3g}"
+                f" ({_num(self.analytic_factor + self.reorder_factor)} × {root_k} × u_acc"
+                f" {accumulation_roundoff(self.compute_dtype):.3g} × scale of its group"
+                f" {self.group_scale:.3g})"
+            )
+        if self.inherited:
+            allowance += f" + rounding that entered at a residue {self.inherited:.3g}"
         text = f"{allowance} + floor {self.floor:.3g}"
         if self.step_factor != 1.0:
             text = f"({text}) × step factor {_num(self.step_factor)}"
@@ -393,6 +425,9 @@ def budget(
     step: int | None = None,
     group_scale: float | None = None,
     group_noise: float | None = None,
+    draw_error: float | None = None,
+    input_noise: float | None = None,
+    inherited: float = 0.0,
     atol: float = 0.0,
     rtol: float = 0.0,
 ) -> Budget:
@@ -404,14 +439,20 @@ def budget(
     tensor belongs to, in the kind's metric (see :func:`cancelled`), ``group_noise`` the largest
     relative baseline error ``err(baseline) / scale`` among the tensors compared with it. The
     noise is the largest of the baseline's error ("baseline error"), the noise floor ("noise
-    floor") and the relative noise times the group's scale ("noise of its group").
+    floor"), the error of further legitimate draws of the baseline (``draw_error``, "error of
+    another draw"), the noise propagated from what the tensor is computed from
+    (``input_noise``, "noise of its inputs", see :func:`propagated_noise`) and the relative noise
+    times the group's scale ("noise of its group"). For kinds
+    judged by group, a :func:`residue` is allowed at least the bound at its group's scale, and
+    ``inherited`` (the rounding the candidate showed on the residues of its pass) is added.
     ``atol + rtol * scale``, a user's hand-set loosening, is added last and recorded. The result
     is always positive.
     """
     tol = kind_tolerance(kind)
     p = precision(compute_dtype)
-    scale = golden_scale(golden, tol.metric)
-    if group_scale is not None and cancelled(scale, group_scale):
+    own_scale = finite_magnitude(golden, tol.metric)
+    scale = own_scale or 1.0
+    if group_scale is not None and cancelled(own_scale, group_scale):
         scale = group_scale
     if reduction_length is None:
         reduction_length = golden.shape[-1] if golden.dim() > 0 else 1
@@ -427,6 +468,8 @@ def budget(
     if baseline_error:
         noise, noise_source = max(
             (baseline_error, "baseline error"),
+            (draw_error or 0.0, "error of another draw"),
+            (input_noise or 0.0, "noise of its inputs"),
             (noise_floor(golden, p.unit_roundoff, tol) * scale, "noise floor"),
             ((group_noise or 0.0) * outer_scale, "noise of its group"),
         )
@@ -443,6 +486,17 @@ def budget(
         analytic = tol.analytic_factor * root_k * p.unit_roundoff * scale
         reordering = tol.reorder_factor * root_k * accumulation_roundoff(p.name) * outer_scale
         allowance = analytic + reordering
+    residue_bound = None
+    is_residue = tol.group_scale and residue(own_scale, group_scale)
+    if is_residue:
+        # What the measured noise cannot promise for a residue, the bound does: the rounding
+        # of the products it cancels, which kernels accumulate in at least fp32, at the scale
+        # of its group (the rounding of the inputs to the dtype is the same on both sides).
+        bound = (tol.analytic_factor + tol.reorder_factor) * root_k * outer_scale
+        bound *= accumulation_roundoff(p.name)
+        if bound > allowance:
+            allowance, residue_bound = bound, bound
+    allowance += inherited
     # Rounding to the dtype errs by up to u * |x| plus the subnormal spacing (which keeps the
     # floor of subnormal goldens positive).
     floor = tol.floor_ulps * (p.unit_roundoff * outer_scale + p.min_spacing)
@@ -469,7 +523,29 @@ def budget(
         value=(allowance + floor) * step_factor + atol + rtol * scale,
         atol=atol,
         rtol=rtol,
+        residue=is_residue,
+        residue_bound=residue_bound,
+        inherited=inherited,
     )
+
+
+def propagated_noise(
+    sensitivities: Mapping[str, torch.Tensor], errors: Mapping[str, torch.Tensor]
+) -> float:
+    """The noise of a scalar computed from tensors whose errors are ``errors``, to first order:
+    ``sqrt(sum((dL/dx * error)**2))`` over every element of every tensor both mappings hold,
+    ``sensitivities`` being the scalar's gradient with respect to them.
+
+    The scalar's own error is ``sum(dL/dx * error)``, a sum of many roundings of either sign
+    that one draw can cancel to almost nothing (a loss's baseline erring a fiftieth of its
+    usual); this is the size of that sum when the signs are independent, which no single lucky
+    draw can shrink. 0.0 when the mappings share no tensor.
+    """
+    total = 0.0
+    for name, sensitivity in sensitivities.items():
+        if name in errors:
+            total += float((_float64(sensitivity) * _float64(errors[name])).square().sum())
+    return math.sqrt(total)
 
 
 #: Below this many elements the largest of a baseline's roundings is a poor estimate of the

@@ -89,6 +89,9 @@ def compare_tensor(
     atol: float = 0.0,
     rtol: float = 0.0,
     group_noise: float | None = None,
+    draw_error: float | None = None,
+    input_noise: float | None = None,
+    inherited: float = 0.0,
 ) -> TensorComparison:
     if candidate.dtype.is_complex:
         raise StructureMismatch(f"{path}: complex tensors are not supported ({candidate.dtype})")
@@ -119,6 +122,9 @@ def compare_tensor(
         step=step,
         group_scale=group_scale,
         group_noise=group_noise,
+        draw_error=draw_error,
+        input_noise=input_noise,
+        inherited=inherited,
         atol=atol,
         rtol=rtol,
     )
@@ -216,6 +222,36 @@ def _compare_exact(
         baseline_headroom=None,
         notes=[f"{n_differ} element(s) differ; exact tensors must match"] if n_differ else [],
     )
+
+
+def draw_error(
+    golden: torch.Tensor,
+    draws: list[torch.Tensor],
+    kind: str,
+    compute_dtype: DtypeLike,
+    reduction_length: int | None,
+    group_scale: float | None,
+) -> float | None:
+    """The largest error among further legitimate draws of the baseline (None without any),
+    each over the elements where it and the golden are finite and counted up to what a plain
+    computation in ``compute_dtype`` may err (:func:`torchparity.tolerance.baseline_bound`): a
+    draw that rounded badly (a unit that flipped across a kink) does not raise the bar past it."""
+    if not draws or not golden.dtype.is_floating_point:
+        return None
+    g = as_float64(golden)
+    metric = tolerance.kind_tolerance(kind).metric
+    errors = []
+    for draw in draws:
+        d = as_float64(draw)
+        usable = g.isfinite() & d.isfinite()
+        errors.append(tolerance.error(d[usable], g[usable], metric))
+    finite = g[g.isfinite()]
+    bound = tolerance.baseline_bound(
+        finite, compute_dtype=compute_dtype, kind=kind,
+        reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
+        group_scale=group_scale,
+    )
+    return min(max(errors), bound)
 
 
 def as_float64(t: torch.Tensor) -> torch.Tensor:
