@@ -341,27 +341,33 @@ def test_rounding_that_entered_at_a_residue_reaches_the_other_gradients() -> Non
     assert next(t for t in result.tensors if "embed" in t.path).budget.inherited == 0.0
 
 
-def test_the_noise_is_the_largest_error_among_the_baselines_draws() -> None:
+def test_a_candidates_own_rounding_is_measured_by_its_rerun() -> None:
+    # A kernel that recomputes the attention probabilities from the saved logsumexp errs by
+    # u * |logit| where the plain softmax's stored probabilities do not: the baseline's noise
+    # does not show it, the candidate's difference from its rerun on moved weights does.
     from torchparity.comparison import compare
 
     g = torch.Generator().manual_seed(0)
     golden = torch.randn(32, 32, dtype=torch.float64, generator=g)
     u = unit_roundoff("fp32")
 
-    def off_by(ulps: float) -> torch.Tensor:
-        return (golden + ulps * u * torch.randn(32, 32, dtype=torch.float64, generator=g)).float()
+    def off_by(center: torch.Tensor, ulps: float) -> torch.Tensor:
+        return (center + ulps * u * torch.randn(32, 32, dtype=torch.float64, generator=g)).float()
 
-    lucky, typical = golden.float(), off_by(4)
-    candidate = off_by(12)
-    assert not compare(candidate, golden, lucky).ok
-    result = compare(candidate, golden, lucky, draws=[typical])
-    assert result.ok and result.tensors[0].budget.noise_source == "error of another draw"
-    # A draw that rounded far worse than fp32 allows any plain computation is counted only up
-    # to that bound: it cannot excuse a candidate that lost precision.
-    degraded, lost = golden.bfloat16().float(), golden.half().bfloat16().float()
-    assert not compare(lost, golden, lucky, draws=[degraded]).ok
+    baseline, candidate = golden.float(), off_by(golden, 12)
+    rerun = off_by(golden, 12)
+    assert not compare(candidate, golden, baseline).ok
+    result = compare(candidate, golden, baseline, reruns=[rerun])
+    assert result.ok and result.tensors[0].budget.noise_source == "spread of a rerun"
+    # A systematic change is in both runs and cancels in the spread.
+    shift = 1000 * u * golden.abs().max()  # 50 times the candidate's own rounding
+    assert not compare(candidate + shift, golden, baseline, reruns=[rerun + shift]).ok
+    # A kernel that rounds far worse than fp32 allows any plain computation (here to bf16) is
+    # excused only up to that bound.
+    lost, lost_rerun = off_by(golden, 0).bfloat16().float(), off_by(golden, 3e4).float()
+    assert not compare(lost, golden, baseline, reruns=[lost_rerun]).ok
     with pytest.raises(ValueError, match="pass the baseline too"):
-        compare(candidate, golden, draws=[typical])
+        compare(candidate, golden, reruns=[rerun])
 
 
 def test_propagated_noise_is_the_independent_sum_of_the_inputs_errors() -> None:

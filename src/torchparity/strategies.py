@@ -295,6 +295,7 @@ from torchparity.errors import BackendUnavailable
 from torchparity.reference import TransformerConfig, build_model, sequence_loss, variants
 from torchparity.reference.attention import AttentionContext
 from torchparity.strategies import pad_rows
+from torchparity.subject.rounding import perturb_weights
 """
 
 

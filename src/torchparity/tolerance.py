@@ -425,7 +425,7 @@ def budget(
     step: int | None = None,
     group_scale: float | None = None,
     group_noise: float | None = None,
-    draw_error: float | None = None,
+    spread: float | None = None,
     input_noise: float | None = None,
     inherited: float = 0.0,
     atol: float = 0.0,
@@ -439,8 +439,8 @@ def budget(
     tensor belongs to, in the kind's metric (see :func:`cancelled`), ``group_noise`` the largest
     relative baseline error ``err(baseline) / scale`` among the tensors compared with it. The
     noise is the largest of the baseline's error ("baseline error"), the noise floor ("noise
-    floor"), the error of further legitimate draws of the baseline (``draw_error``, "error of
-    another draw"), the noise propagated from what the tensor is computed from
+    floor"), the candidate's own rounding (``spread``, its difference from a rerun on weights
+    moved by one rounding: "spread of a rerun"), the noise propagated from what it is computed from
     (``input_noise``, "noise of its inputs", see :func:`propagated_noise`) and the relative noise
     times the group's scale ("noise of its group"). For kinds
     judged by group, a :func:`residue` is allowed at least the bound at its group's scale, and
@@ -468,7 +468,7 @@ def budget(
     if baseline_error:
         noise, noise_source = max(
             (baseline_error, "baseline error"),
-            (draw_error or 0.0, "error of another draw"),
+            (spread or 0.0, "spread of a rerun"),
             (input_noise or 0.0, "noise of its inputs"),
             (noise_floor(golden, p.unit_roundoff, tol) * scale, "noise floor"),
             ((group_noise or 0.0) * outer_scale, "noise of its group"),

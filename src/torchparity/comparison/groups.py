@@ -41,13 +41,13 @@ def group_scales(
 
 def group_noises(
     leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric, scales: dict[str, float],
-    draw_errors: dict[str, float | None],
+    spreads: dict[str, float | None],
 ) -> dict[str, float]:
     """The relative noise every floating leaf with a baseline shares: the largest
-    err(baseline) / scale among them (or the error of another draw of it, ``draw_errors``), each
-    against its group's scale. The gradients of one backward pass round through the same loss
-    gradient, which can itself cancel (a confident prediction: p - onehot), so one member's
-    relative error is every member's; see :func:`torchparity.tolerance.budget`."""
+    err(baseline) / scale among them (or the candidate's own rounding, ``spreads``, where it is
+    larger), each against its group's scale. The gradients of one backward pass round through
+    the same loss gradient, which can itself cancel (a confident prediction: p - onehot), so one
+    member's relative error is every member's; see :func:`torchparity.tolerance.budget`."""
     relative = 0.0
     members = []
     for path, _, g, b in leaves:
@@ -62,7 +62,7 @@ def group_noises(
         scale = max(tolerance.finite_magnitude(g, metric), scales.get(path) or 0.0)
         members.append(path)
         if scale > 0:
-            error = max(tolerance.error(b, g, metric), draw_errors.get(path) or 0.0)
+            error = max(tolerance.error(b, g, metric), spreads.get(path) or 0.0)
             relative = max(relative, error / scale)
     return dict.fromkeys(members, relative)
 

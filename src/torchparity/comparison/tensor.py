@@ -89,7 +89,7 @@ def compare_tensor(
     atol: float = 0.0,
     rtol: float = 0.0,
     group_noise: float | None = None,
-    draw_error: float | None = None,
+    spread: float | None = None,
     input_noise: float | None = None,
     inherited: float = 0.0,
 ) -> TensorComparison:
@@ -122,7 +122,7 @@ def compare_tensor(
         step=step,
         group_scale=group_scale,
         group_noise=group_noise,
-        draw_error=draw_error,
+        spread=spread,
         input_noise=input_noise,
         inherited=inherited,
         atol=atol,
@@ -224,34 +224,36 @@ def _compare_exact(
     )
 
 
-def draw_error(
+def rerun_spread(
+    candidate: torch.Tensor,
     golden: torch.Tensor,
-    draws: list[torch.Tensor],
+    reruns: list[torch.Tensor],
     kind: str,
     compute_dtype: DtypeLike,
     reduction_length: int | None,
     group_scale: float | None,
 ) -> float | None:
-    """The largest error among further legitimate draws of the baseline (None without any),
-    each over the elements where it and the golden are finite and counted up to what a plain
-    computation in ``compute_dtype`` may err (:func:`torchparity.tolerance.baseline_bound`): a
-    draw that rounded badly (a unit that flipped across a kink) does not raise the bar past it."""
-    if not draws or not golden.dtype.is_floating_point:
+    """The candidate's own rounding: the largest difference between it and its reruns (None
+    without any), each over the elements where both are finite and counted up to what a plain
+    computation in ``compute_dtype`` may err on ``golden``
+    (:func:`torchparity.tolerance.baseline_bound`): a kernel that lost precision, or a rerun
+    that crossed a kink, does not raise the bar past it."""
+    if not reruns or not golden.dtype.is_floating_point:
         return None
-    g = as_float64(golden)
+    c = as_float64(candidate)
     metric = tolerance.kind_tolerance(kind).metric
-    errors = []
-    for draw in draws:
-        d = as_float64(draw)
-        usable = g.isfinite() & d.isfinite()
-        errors.append(tolerance.error(d[usable], g[usable], metric))
-    finite = g[g.isfinite()]
+    spreads = []
+    for rerun in reruns:
+        r = as_float64(rerun)
+        usable = c.isfinite() & r.isfinite()
+        spreads.append(tolerance.error(r[usable], c[usable], metric))
+    g = as_float64(golden)
     bound = tolerance.baseline_bound(
-        finite, compute_dtype=compute_dtype, kind=kind,
+        g[g.isfinite()], compute_dtype=compute_dtype, kind=kind,
         reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
         group_scale=group_scale,
     )
-    return min(max(errors), bound)
+    return min(max(spreads), bound)
 
 
 def as_float64(t: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,8 @@ from torchparity.comparison.tensor import (
     TensorComparison,
     Verdict,
     compare_tensor,
-    draw_error,
     json_safe,
+    rerun_spread,
 )
 from torchparity.tolerance import DtypeLike
 
@@ -166,7 +166,7 @@ def compare(
     equal_nan: bool = False,
     atol: float = 0.0,
     rtol: float = 0.0,
-    draws: Sequence[Any] = (),
+    reruns: Sequence[Any] = (),
     noise: float | None = None,
 ) -> Comparison:
     """Compare ``candidate`` with ``golden`` under the budget that ``baseline`` earns.
@@ -191,16 +191,16 @@ def compare(
     ``reduction_length`` (default: each tensor's last dimension) sets the analytic bound,
     ``step`` the growth of trajectory budgets; see :mod:`torchparity.tolerance`.
 
-    ``draws`` are further legitimate draws of the baseline, each shaped like it: the same plain
-    computation from inputs perturbed at its rounding level
-    (:func:`torchparity.subject.rounding.perturb_weights`), or another plain implementation. One
-    draw of rounding can be lucky; each tensor's noise is the largest error among the baseline
-    and the draws (a draw's counted up to what its dtype allows any plain computation), and so
-    is the relative noise gradients share. Only the baseline itself is guarded. ``noise`` is an
-    estimate of every compared tensor's noise from elsewhere, at least which its noise is taken
-    to be: for a loss, :func:`torchparity.tolerance.propagated_noise` of the outputs it is
-    computed from (a scalar's one baseline draw can be lucky by a factor of 50). Both need a
-    baseline.
+    ``reruns`` are the candidate computed again, each shaped like it, from weights moved by one
+    rounding of their dtype (:func:`torchparity.subject.rounding.perturb_weights`). Their
+    difference from the candidate is its own rounding, whatever its kernel does that the plain
+    baseline does not (FlashAttention's backward recomputes the probabilities from the saved
+    logsumexp, off by u * |logit|), while a systematic change (a bug) is the same in both runs
+    and cancels: each tensor's noise is at least that spread, counted up to what its dtype
+    allows a plain computation, and so is the relative noise gradients share. ``noise`` is an
+    estimate of every compared tensor's noise from elsewhere: for a loss,
+    :func:`torchparity.tolerance.propagated_noise` of the outputs it is computed from (one
+    baseline draw of a scalar can be lucky by a factor of 50). Both need a baseline.
 
     NaN follows ``torch.testing.assert_close``: a NaN in the candidate fails even where the
     golden has NaN, unless ``equal_nan=True``; infinities of the same sign at the same position
@@ -209,17 +209,17 @@ def compare(
     budget, and :meth:`Comparison.explain` and ``to_dict`` say so. Integer and bool tensors
     always match exactly.
 
-    Raises :class:`StructureMismatch` naming the path when the baseline or a draw lacks a
+    Raises :class:`StructureMismatch` naming the path when the baseline or a rerun lacks a
     shared tensor or holds it in another shape or dtype, and ``ValueError`` for an unknown kind
-    or dtype, a negative ``atol``/``rtol`` or draws without a baseline. The inputs are not
+    or dtype, a negative ``atol``/``rtol`` or reruns without a baseline. The inputs are not
     modified.
     """
     tol = tolerance.kind_tolerance(kind)
     for name, value in (("atol", atol), ("rtol", rtol)):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    if (draws or noise is not None) and baseline is None:
-        raise ValueError("draws and noise refine the noise a baseline measures; pass the"
+    if (reruns or noise is not None) and baseline is None:
+        raise ValueError("reruns and noise refine the noise a baseline measures; pass the"
                          " baseline too")
     found = Alignment()
     align(candidate, golden, ROOT, found)
@@ -234,19 +234,19 @@ def compare(
         return floats_dtype if path in found.numbers else compute_dtype
 
     scales = group_scales(leaves, tol.metric) if tol.group_scale else {}
-    draw_leaves = [tensor_leaves(d, ROOT, {}) for d in draws]
-    draw_errors = {
-        path: draw_error(g, [baseline_at(path, c, d) for d in draw_leaves], kind,
-                         dtype_of(path) or c.dtype, reduction_length, scales.get(path))
+    rerun_leaves = [tensor_leaves(r, ROOT, {}) for r in reruns]
+    spreads = {
+        path: rerun_spread(c, g, [baseline_at(path, c, r) for r in rerun_leaves], kind,
+                           dtype_of(path) or c.dtype, reduction_length, scales.get(path))
         for path, c, g, _ in leaves
     }
-    noises = group_noises(leaves, tol.metric, scales, draw_errors) if tol.group_scale else {}
+    noises = group_noises(leaves, tol.metric, scales, spreads) if tol.group_scale else {}
 
     def judge(path: str, c: Any, g: Any, b: Any, inherited: float = 0.0) -> TensorComparison:
         return compare_tensor(
             path, c, g, b, kind, dtype_of(path), reduction_length, step, scales.get(path),
             equal_nan=equal_nan, atol=atol, rtol=rtol, group_noise=noises.get(path),
-            draw_error=draw_errors[path], input_noise=noise, inherited=inherited,
+            spread=spreads[path], input_noise=noise, inherited=inherited,
         )
 
     tensors = [judge(*leaf) for leaf in leaves]

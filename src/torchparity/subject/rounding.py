@@ -1,11 +1,11 @@
-"""Another draw of a computation's rounding: the same model with its weights perturbed by one
+"""Another draw of a computation's rounding: the same model with its weights moved by one
 rounding of their dtype.
 
-A plain computation in low precision is one draw of rounding error, and one draw can be lucky.
-Rerunning it on weights moved by up to one unit of roundoff changes which way every result
-rounds, while moving the exact result no more than rounding the weights to that dtype already
-did: its error against the golden is a second, independent draw of the same noise (see
-``draws`` in :func:`torchparity.compare`).
+Rerunning a computation on weights moved by up to one unit of roundoff changes which way its
+results round, while moving the exact result no more than rounding the weights to that dtype
+already did: the difference between the two runs is the computation's own rounding, and a
+systematic change (a bug) is the same in both and cancels (see ``reruns`` in
+:func:`torchparity.compare`).
 """
 
 from __future__ import annotations
