@@ -171,6 +171,10 @@ class KindTolerance:
     # of one module) its scale, which bounds the noise and the floor from below; a member whose
     # golden cancelled to below the group's rounding is judged at the group's scale.
     group_scale: bool = False
+    # A member below this share of its group's scale is a residue (see :func:`residue`): it is
+    # allowed at least the bound at its group's scale, and the rounding the candidate made on
+    # it may reach the other members of the pass. 0: no residues.
+    residue_share: float = 0.0
 
 
 #: The one table of tolerance constants. ``torchparity calibrate`` measures them: false alarms
@@ -220,6 +224,7 @@ KINDS: dict[str, KindTolerance] = {
         reorder_factor=64.0,
         guard_factor=256.0,
         group_scale=True,
+        residue_share=1 / 8,
     ),
     # Scalar losses: forward-like, judged rather than calibrated. One sample per comparison, so
     # the baseline's error can be small by luck: the bounded reordering term (factor 32, as
@@ -309,20 +314,14 @@ def cancelled(scale: float, group_scale: float) -> bool:
     return scale < UNIT_ROUNDOFF["fp32"] * group_scale
 
 
-#: A member of a group whose golden is below this share of the group's scale is a residue: a
-#: sum of terms at the group's scale that mostly cancel (the query and key gradients of an
-#: attention whose rows are saturated or see one key), see :func:`residue`.
-RESIDUE = 1 / 8
-
-
-def residue(scale: float, group_scale: float | None) -> bool:
+def residue(scale: float, group_scale: float | None, share: float) -> bool:
     """Whether a golden of magnitude ``scale`` (0 included) is a residue of its group: below
-    :data:`RESIDUE` of ``group_scale``. A plain baseline can round such a member luckily by
-    structure: the fused softmax backward of a row that sees one key, or whose probabilities
-    saturate, subtracts a product from itself and gets exactly the zero the math gives, where
-    a kernel that forms the row term otherwise (FlashAttention's rowsum(dO * O), a decomposed
-    softmax) rounds at the scale of the products."""
-    return group_scale is not None and scale < RESIDUE * group_scale
+    ``share`` of ``group_scale`` (the kind's ``residue_share``). A plain baseline can round such
+    a member luckily by structure: the fused softmax backward of a row that sees one key, or
+    whose probabilities saturate, subtracts a product from itself and gets exactly the zero the
+    math gives, where a kernel that forms the row term otherwise (FlashAttention's
+    rowsum(dO * O), a decomposed softmax) rounds at the scale of the products."""
+    return group_scale is not None and scale < share * group_scale
 
 
 def _float64(x: torch.Tensor) -> torch.Tensor:
@@ -487,7 +486,7 @@ def budget(
         reordering = tol.reorder_factor * root_k * accumulation_roundoff(p.name) * outer_scale
         allowance = analytic + reordering
     residue_bound = None
-    is_residue = tol.group_scale and residue(own_scale, group_scale)
+    is_residue = residue(own_scale, group_scale, tol.residue_share)
     if is_residue:
         # What the measured noise cannot promise for a residue, the bound does: the rounding
         # of the products it cancels, which kernels accumulate in at least fp32, at the scale

@@ -303,29 +303,6 @@ def geometry(backend: str) -> Geometry:
     return _GEOMETRIES.get(backend, Geometry())
 
 
-# The CPU flash kernel (which "sdpa" also picks below fp32) derives the softmax backward's row
-# term from the rounded output, FlashAttention-style. With near-uniform attention the query
-# gradient cancels and carries rounding at the value gradient's scale, which the module-scale
-# floor budgets; but that error flows on into every gradient upstream (the norm in front of a
-# cross-attention whose queries cancel was 25% off in fp16, --hypothesis-seed=3). That is the
-# kernel's real precision, reported rather than budgeted: its low-precision gradients are not
-# compared.
-_FLASH_BACKWARD = {"sdpa", "sdpa-flash"}
-
-
-def compares_gradients(backend: str, dtype: torch.dtype) -> bool:
-    return backend not in _FLASH_BACKWARD or dtype in (torch.float32, torch.float64)
-
-
-def differentiable_in(dtype: torch.dtype) -> dict:
-    """Config pins for properties that compare gradients in ``dtype``. Below fp32, ReLU is left
-    out: a pre-activation within rounding of 0 flips whether a unit passes gradient, which
-    changes whole gradient rows by O(1); the tolerance model budgets rounding, not kinks."""
-    if dtype == torch.float32:
-        return {}
-    return dict(activation=st.sampled_from(["gelu", "silu", "gated-gelu", "gated-silu"]))
-
-
 @st.composite
 def model_inputs(draw, backend, **config_fields):
     shapes = geometry(backend)
@@ -375,10 +352,10 @@ def decoding_plans(draw, backend, config, batch_size: int):
 @given(data=st.data(), seed=seeds)
 def test_backend_matches_golden(backend, data, seed):
     dtype = data.draw(geometry(backend).dtypes)
-    config, batch = data.draw(model_inputs(backend, **differentiable_in(dtype)))
+    config, batch = data.draw(model_inputs(backend, **tps.differentiable_in(dtype)))
     tps.note_reproducer(check_backend_equivalence, dict(
         config=config, seed=seed, batch=batch, backend=backend, dtype=dtype,
-        grads=compares_gradients(backend, dtype)), HELPERS)
+        grads=tps.compares_gradients(backend, dtype)), HELPERS)
 
 
 def _twin_cases() -> list:
@@ -399,11 +376,11 @@ def test_twin_matches_reference(variant, backend, data, seed):
     # A twin that changes numerics is only promised to agree where it computes the same math.
     numerics_change = variants.get(variant).numerics_change
     dtype = torch.float32 if numerics_change else data.draw(geometry(backend).dtypes)
-    pins = {**differentiable_in(dtype), **VARIANT_CONFIGS.get(variant, {})}
+    pins = {**tps.differentiable_in(dtype), **VARIANT_CONFIGS.get(variant, {})}
     config, batch = data.draw(model_inputs(backend, **pins))
     tps.note_reproducer(check_twin_equivalence, dict(
         config=config, seed=seed, batch=batch, variant=variant, backend=backend, dtype=dtype,
-        grads=compares_gradients(backend, dtype)), HELPERS)
+        grads=tps.compares_gradients(backend, dtype)), HELPERS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -461,11 +438,11 @@ def test_kv_cache_decoding_matches_full_recompute(backend, cache, data, seed):
 @given(data=st.data(), seed=seeds)
 def test_gqa_equals_mha_with_repeated_heads(backend, data, seed):
     dtype = data.draw(geometry(backend).dtypes)
-    config, batch = data.draw(model_inputs(backend, **differentiable_in(dtype),
+    config, batch = data.draw(model_inputs(backend, **tps.differentiable_in(dtype),
                                            n_heads=st.sampled_from([2, 4])))
     tps.note_reproducer(check_gqa_as_mha, dict(
         config=config, seed=seed, batch=batch, backend=backend, dtype=dtype,
-        grads=compares_gradients(backend, dtype)), HELPERS)
+        grads=tps.compares_gradients(backend, dtype)), HELPERS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
