@@ -14,16 +14,38 @@ all-zero golden), ``u`` the unit roundoff of the compute dtype and K the reducti
 - ``noise`` is the rounding error legitimate computation at this precision makes on *this*
   problem, measured rather than bounded from above: the baseline's error ``err(baseline,
   golden)``, which already carries every amplification the problem has (large logits, long
-  reductions, cancellation). One draw of the baseline can round luckily, so the noise is at
-  least ``noise_floor_ulps * u * scale`` (more for tensors of few elements, see
-  :func:`noise_floor`), and for a gradient at least the *relative* noise of the whole backward
-  pass, the largest ``err(baseline) / scale`` among the gradients compared together, times its
-  group's scale (the gradients of one module): every gradient rounds through the same loss
-  gradient, which itself cancels when a prediction is confident (p - onehot), and a member that
-  cancels (the query gradient under near-uniform attention is a small difference of terms as
-  large as the value gradient) carries rounding at its group's scale.
+  reductions, cancellation). One draw can be lucky, and a kernel can round where the plain
+  computation does not, so the noise is the largest of:
+
+  - the baseline's error;
+  - the candidate's own rounding, ``err(candidate, rerun)``, where the caller reran the
+    candidate on weights moved by one rounding (``compare(..., reruns=)``): FlashAttention's
+    backward recomputes the probabilities from the saved logsumexp, off by ``u * |logit|``,
+    where the plain softmax keeps its own; the rerun changes which way the candidate rounds,
+    not what it computes, so a bug cancels in the difference. It counts up to
+    :func:`baseline_bound`, so a kernel that lost precision is not excused by its own noise;
+  - ``noise_floor_ulps * u * scale`` (more for tensors of few elements, see
+    :func:`noise_floor`);
+  - for a gradient, the *relative* noise of the whole backward pass, the largest of those
+    errors over ``scale`` among the gradients compared together, times its group's scale (the
+    gradients of one module): every gradient rounds through the same loss gradient, which
+    itself cancels when a prediction is confident (p - onehot), and a member that cancels (the
+    query gradient under near-uniform attention is a small difference of terms as large as the
+    value gradient) carries rounding at its group's scale;
+  - for a scalar computed from many values (a loss), the noise they carry into it
+    (:func:`propagated_noise`, ``compare(..., noise=)``): one draw of a sum of roundings can
+    cancel to almost nothing.
+
   ``torchparity calibrate`` measures how far legitimate kernels (other reduction orders,
   blocking, recomputation in the backward pass) stray from this noise: ``fudge`` covers it.
+- A gradient below ``residue_share`` of its group's scale is a *residue* (:func:`residue`), a
+  sum of terms at the group's scale that cancel: the query and key gradients of an attention
+  whose rows see one key or saturate, which the plain baseline's fused softmax backward rounds
+  exactly while another kernel rounds at the products' scale. Its allowance is at least the
+  bound at its group's scale, ``(analytic_factor + reorder_factor) * sqrt(K) * u_acc *
+  group scale``, and what the candidate erred on the residues of its pass (within their
+  budgets) reaches every gradient formed from the same activation gradients upstream: it is
+  added to the other gradients' budgets.
 - Without a baseline, or when it is bit-exact to the golden (float64 compute), nothing is
   measured and the bound takes its place: ``analytic_factor * sqrt(K) * u * scale`` (the
   probabilistic rounding-error bound of a length-K reduction, Higham & Mary, 2019) plus
