@@ -560,13 +560,27 @@ def propagated_noise(
     The scalar's own error is ``sum(dL/dx * error)``, a sum of many roundings of either sign
     that one draw can cancel to almost nothing (a loss's baseline erring a fiftieth of its
     usual); this is the size of that sum when the signs are independent, which no single lucky
-    draw can shrink. 0.0 when the mappings share no tensor.
+    draw can shrink. Elements the scalar does not read (zero sensitivity: padded positions a
+    loss leaves out, whose values may be NaN) and non-finite products count for nothing. 0.0
+    when the mappings share no tensor.
     """
     total = 0.0
     for name, sensitivity in sensitivities.items():
         if name in errors:
-            total += float((_float64(sensitivity) * _float64(errors[name])).square().sum())
+            product = _float64(sensitivity) * _float64(errors[name])
+            read = (_float64(sensitivity) != 0) & product.isfinite()
+            total += float(product[read].square().sum())
     return math.sqrt(total)
+
+
+#: Entries at or below this are *masked*, not computed: a banned token's logit or a padded
+#: position written as a large negative constant. -65504 is the most negative finite fp16
+#: value, the constant of generators that must stay fp16-safe; others write ``finfo.min`` or
+#: ``-inf``, both below it. Computed values do not come near it (the largest activations of
+#: trained LLMs reach a few thousand, and fp16 kernels would overflow beyond it), so such an
+#: entry carries no rounding to measure: the comparison judges it as masked or not, never by
+#: value, and it never sets the scale of a budget.
+MASKED_BELOW = -65504.0
 
 
 #: Below this many elements the largest of a baseline's roundings is a poor estimate of the

@@ -17,7 +17,8 @@ A *cell* is one (backend, dtype, device). The **reference cell** (manual, fp64, 
 the goldens with today's code: it is what notices a changed component. Its budget comes from
 the float64 rounding noise of the computation itself (see :func:`check_case`). Every other cell
 is judged by the tolerance model with the ``manual`` backend in the same dtype and device as
-baseline, so it notices a backend or precision that misbehaves.
+baseline, so it notices a backend or precision that misbehaves. Logits and hidden states are
+judged on the unpadded positions of the case's batch (the loss ignores padded targets itself).
 """
 
 from __future__ import annotations
@@ -43,10 +44,14 @@ from torchparity.golden.store import (
 from torchparity.reference import build_model, greedy_decode, rng, sequence_loss, zoo
 from torchparity.reference.layers import TransformerLayer
 from torchparity.reference.models import Model
+from torchparity.subject.padding import Padding, from_inputs
 
 #: Output name -> kind of the tolerance model it is judged with.
 OUTPUT_KINDS = {"logits": "forward", "hidden": "forward", "loss": "loss", "grads": "grad",
                 "decode": "forward"}
+#: Outputs with a value per input position, judged on the unpadded ones (the loss ignores
+#: padded targets itself; gradients are the parameters'; decoding has a value per step).
+PER_POSITION = ("logits", "hidden")
 DECODE_STEPS = 4
 WEIGHT_SEED = 0
 #: The standard batch of every case (its padding comes from the case).
@@ -103,6 +108,8 @@ class CheckResult:
     # The smallest change, relative to the golden's scale, the verdict would have flagged in
     # every tensor of the output (the largest over them); None when not compared.
     sensitivity: float | None = None
+    # Positions left out of the judgement (padding) and why; None when every one was judged.
+    left_out: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; an infinite headroom becomes the string "inf"."""
@@ -153,6 +160,11 @@ def recipe(case: zoo.ZooCase) -> dict[str, Any]:
         "decode_steps": DECODE_STEPS,
         "config": case.config.to_dict(),
     }
+
+
+def case_padding(case: zoo.ZooCase) -> Padding:
+    """The padding of the case's standard batch: what its masks say."""
+    return from_inputs(case_batch(case), encoder_decoder=case.config.is_encoder_decoder)
 
 
 def case_meta(case: zoo.ZooCase) -> dict[str, Any]:
@@ -480,9 +492,10 @@ def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torc
            golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
            noise: float | None = None) -> CheckResult:
     kind = OUTPUT_KINDS[output]
+    padding = case_padding(case) if output in PER_POSITION else None
     try:
         comparison = compare(candidate, golden, baseline, kind, compute_dtype=cell.dtype,
-                             noise=noise if baseline else None)
+                             noise=noise if baseline else None, padding=padding)
     except StructureMismatch as exc:
         return _result(case, cell, output, "diverged", ok=False, headroom=float("inf"),
                        explain=f"diverged: the outputs no longer have the golden's structure: "
@@ -494,7 +507,8 @@ def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torc
     worst = comparison.worst
     return _result(case, cell, output, comparison.verdict, ok=comparison.ok,
                    headroom=worst.headroom if worst else 0.0, explain=comparison.explain(),
-                   worst=worst.path if worst else None, sensitivity=comparison.sensitivity)
+                   worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
+                   left_out=comparison.left_out_sentence())
 
 
 def _result(case: zoo.ZooCase, cell: Cell, output: str, verdict: str, *, ok: bool,
