@@ -370,11 +370,42 @@ def test_a_candidates_own_rounding_is_measured_by_its_rerun() -> None:
         compare(candidate, golden, reruns=[rerun])
 
 
+def test_a_rerun_is_judged_on_the_unpadded_elements_alone() -> None:
+    # A padded query attends to nothing: the candidate and its rerun hold anything there, and
+    # their spread must come from the real positions only.
+    from torchparity.comparison import compare
+
+    g = torch.Generator().manual_seed(1)
+    golden = torch.randn(2, 8, 16, dtype=torch.float64, generator=g)
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[1, :3] = True
+    u = unit_roundoff("fp32")
+    candidate, rerun = (
+        (golden + 12 * u * torch.randn(golden.shape, dtype=torch.float64, generator=g)).float()
+        for _ in range(2))
+    candidate[pad], rerun[pad] = float("nan"), 1e30
+    padded = compare(candidate, golden, golden.float(), reruns=[rerun], padding=pad)
+    keep = ~pad
+    alone = compare(candidate[keep], golden[keep], golden.float()[keep], reruns=[rerun[keep]],
+                    reduction_length=16)
+    (t,), (v,) = padded.tensors, alone.tensors
+    assert t.budget.value == v.budget.value and t.budget.noise_source == "spread of a rerun"
+    assert padded.ok and t.verdict == v.verdict
+
+
 def test_propagated_noise_is_the_independent_sum_of_the_inputs_errors() -> None:
     sensitivity = {"logits": torch.tensor([1.0, 2.0]), "hidden": torch.tensor([5.0])}
     errors = {"logits": torch.tensor([3.0, -4.0]), "absent": torch.tensor([1e9])}
     assert tolerance.propagated_noise(sensitivity, errors) == math.sqrt(9.0 + 64.0)
     assert tolerance.propagated_noise(sensitivity, {}) == 0.0
+
+
+def test_propagated_noise_leaves_out_what_the_scalar_does_not_read() -> None:
+    # A padded position's output may be NaN (a query that attends to nothing); a loss that
+    # leaves the padding out has zero gradient there and takes no noise from it.
+    sensitivity = {"logits": torch.tensor([[1.0, 0.0], [2.0, 0.0]])}
+    errors = {"logits": torch.tensor([[3.0, math.nan], [-4.0, math.inf]])}
+    assert tolerance.propagated_noise(sensitivity, errors) == math.sqrt(9.0 + 64.0)
 
 
 def test_a_loss_is_judged_by_the_noise_of_what_it_is_computed_from() -> None:
