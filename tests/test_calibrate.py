@@ -154,3 +154,23 @@ def test_a_short_calibration_on_models_finds_no_false_alarm() -> None:
     assert sum(s.caught_visible for s in results.detection.values()) > 0
     report = render_markdown(results, command="torchparity calibrate --problems models")
     assert "*Models* are the property suite's space" in report and "Drawn: 3 draws;" in report
+
+
+def test_the_factor_an_exact_baseline_needed_takes_a_residue_at_its_modules_scale() -> None:
+    # float64 candidates: a query gradient 1/1000 of its module that erred a few roundings of
+    # the module needed a few of the bound's factors there, not thousands at its own scale.
+    from torchparity.calibration.study import _needed_factor
+    from torchparity.tolerance import unit_roundoff
+
+    g = torch.Generator().manual_seed(0)
+    golden = {"attn.v.weight": torch.randn(16, 16, dtype=torch.float64, generator=g),
+              "attn.q.weight": 1e-3 * torch.randn(16, 16, dtype=torch.float64, generator=g)}
+    u = unit_roundoff("fp64")
+    scale = float(golden["attn.v.weight"].square().mean().sqrt())
+    candidate = dict(golden)
+    candidate["attn.q.weight"] = golden["attn.q.weight"] + 3 * u * scale * torch.randn(
+        16, 16, dtype=torch.float64, generator=g)
+    result = compare(candidate, golden, golden, "grad")
+    (q,) = (t for t in result.tensors if "q.weight" in t.path)
+    assert q.budget.residue and result.ok
+    assert 0.5 < _needed_factor(result) < 2  # 3 roundings of the module over sqrt(16)

@@ -397,7 +397,8 @@ Two families of {draws} draws each:
 
 *Ratio* is err(candidate)/err(baseline) in the kind's metric, the largest over the draw's
 tensors (for fp64, whose baseline is exact, it is the factor the draw needed,
-err / (sqrt(K) * u * scale), to compare with analytic + reorder factor); *budget used* is
+err / (sqrt(K) * u * scale), a residue's at its module's scale, to compare with analytic +
+reorder factor); *budget used* is
 err(candidate)/budget, the largest over the draw's tensors. flex runs on a subset of the draws
 (see the command): on the CPU it recompiles on every call, and it has no backward pass there.
 

@@ -369,9 +369,11 @@ def _measure_backend(
 
 def _needed_factor(result: Comparison) -> float:
     """For an exact baseline: the factor each tensor needed, err / (sqrt(K) * u * scale), at its
-    largest. The budget grants analytic_factor + reorder_factor (u_acc = u for float64)."""
+    largest, a residue's at its group's scale, where it is judged. The budget grants
+    analytic_factor + reorder_factor (u_acc = u for float64)."""
     return max(
-        t.error / (math.sqrt(t.budget.reduction_length) * t.budget.unit_roundoff * t.budget.scale)
+        t.error / (math.sqrt(t.budget.reduction_length) * t.budget.unit_roundoff
+                   * (t.budget.group_scale if t.budget.residue else t.budget.scale))
         for t in result.tensors
         if t.budget is not None and t.budget.baseline_error is None
     )
