@@ -56,6 +56,7 @@ def compare_sketch(
     atol: float = 0.0,
     rtol: float = 0.0,
     group_noise: float | None = None,
+    inherited: float = 0.0,
 ) -> TensorComparison:
     """One tensor's comparison when any of the three is sketched (see the module docstring);
     the :class:`TensorComparison` has the RMS estimate as its error and the slices' max-abs,
@@ -78,7 +79,8 @@ def compare_sketch(
     spent = tolerance.budget(
         g, baseline_error=None if baseline_error is None else baseline_error * margin,
         compute_dtype=precision.name, kind=kind, reduction_length=length, step=step,
-        group_scale=group_scale, group_noise=group_noise, atol=atol, rtol=rtol, metric="rms")
+        group_scale=group_scale, group_noise=group_noise, inherited=inherited, atol=atol,
+        rtol=rtol, metric="rms")
     if spent.noise_source == "baseline error":
         spent = dataclasses.replace(
             spent, noise_source=f"baseline error (sketched, × {margin:.3g} for its spread)")

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from torchparity import backends
+from torchparity import backends, tolerance
 from torchparity.comparison import StructureMismatch, compare
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.store import (
@@ -122,10 +122,14 @@ class CheckResult:
 
 @dataclass
 class Run:
-    """Outputs of one run of a case; ``missing`` maps outputs the cell cannot compute to why."""
+    """Outputs of one run of a case; ``missing`` maps outputs the cell cannot compute to why;
+    ``sensitivity`` holds the loss's gradient with respect to the logits when the backward pass
+    ran (what carries their noise into the loss's, see
+    :func:`torchparity.tolerance.propagated_noise`)."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
+    sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # --- running a case -------------------------------------------------------------------------
@@ -223,17 +227,20 @@ def perturb_weights(model: torch.nn.Module) -> None:
 
 
 def _forward_backward(model: Model, batch: dict[str, torch.Tensor], *, backward: bool,
-                      ) -> dict[str, dict[str, torch.Tensor]]:
+                      ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The outputs, and the loss's gradient with respect to the logits (when ``backward``)."""
     with _layer_outputs(model) as hidden, torch.set_grad_enabled(backward):
         logits = model(**batch)
         loss = sequence_loss(logits, batch)
     outputs = {"logits": {"logits": logits.detach()}, "hidden": dict(hidden),
                "loss": {"loss": loss.detach()}}
-    if backward:
-        loss.backward()
-        outputs["grads"] = {name: p.grad if p.grad is not None else torch.zeros_like(p)
-                            for name, p in model.named_parameters()}
-    return outputs
+    if not backward:
+        return outputs, {}
+    logits.retain_grad()
+    loss.backward()
+    outputs["grads"] = {name: p.grad if p.grad is not None else torch.zeros_like(p)
+                        for name, p in model.named_parameters()}
+    return outputs, {"logits": logits.grad}
 
 
 @torch.no_grad()
@@ -281,12 +288,12 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
     # Zoo models reach SDPA through backends.attention alone: no interception needed.
     with backends.use(cell.backend, intercept=False), matmul_precision(cell.dtype):
         try:
-            outputs = _forward_backward(model, batch, backward=True)
+            outputs, sensitivity = _forward_backward(model, batch, backward=True)
         except BackendUnavailable as exc:
             missing["grads"] = str(exc)
             model.zero_grad(set_to_none=True)
             try:
-                outputs = _forward_backward(model, batch, backward=False)
+                outputs, sensitivity = _forward_backward(model, batch, backward=False)
             except BackendUnavailable as exc_forward:
                 return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc_forward)))
         try:
@@ -297,7 +304,7 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
                 outputs["decode"] = {"logprobs": forced_logprobs(model, batch, tokens)}
         except BackendUnavailable as exc:
             missing["decode"] = str(exc)
-    return Run(outputs, missing)
+    return Run(outputs, missing, sensitivity)
 
 
 # --- writing and reading a case's goldens ---------------------------------------------------
@@ -468,19 +475,28 @@ def _check_cell(case: zoo.ZooCase, cell: Cell, goldens: dict[str, Golden], basel
         golden = dict(goldens[output].tensors)
         if output == "decode":
             del golden["tokens"]  # forced decoding reproduces the golden's tokens by design
+        noise = _loss_noise(baseline, goldens["logits"].tensors) if output == "loss" else None
         results.append(_judge(case, cell, output, run.outputs[output], golden,
-                              baseline.outputs.get(output)))
+                              baseline.outputs.get(output), noise))
     return results
+
+
+def _loss_noise(baseline: Run, golden: dict[str, torch.Tensor]) -> float | None:
+    """The noise the baseline's logits carry into the loss (None without its gradients)."""
+    if not baseline.sensitivity:
+        return None
+    error = baseline.outputs["logits"]["logits"].double() - golden["logits"].double()
+    return tolerance.propagated_noise(baseline.sensitivity, {"logits": error})
 
 
 def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
            golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
-           ) -> CheckResult:
+           noise: float | None = None) -> CheckResult:
     kind = OUTPUT_KINDS[output]
     padding = case_padding(case) if output in PER_POSITION else None
     try:
         comparison = compare(candidate, golden, baseline, kind, compute_dtype=cell.dtype,
-                             padding=padding)
+                             noise=noise if baseline else None, padding=padding)
     except StructureMismatch as exc:
         return _result(case, cell, output, "diverged", ok=False, headroom=float("inf"),
                        explain=f"diverged: the outputs no longer have the golden's structure: "

@@ -54,7 +54,7 @@ import functools
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from torchparity import backends, sketching
+from torchparity import backends, sketching, tolerance
 from torchparity.comparison import compare
 from torchparity.dtypes import dtype_name
 from torchparity.errors import BackendUnavailable, UsageError
@@ -76,7 +76,7 @@ from torchparity.golden.cases import (
     write_status,
 )
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
-from torchparity.sketching import kept, seed_of
+from torchparity.sketching import Sketch, kept, seed_of
 from torchparity.subject import Subject, hf
 from torchparity.subject.blockwise import BlockProgress, Float64Run, stream_grads
 from torchparity.subject.decoding import recompute_step, teacher_forced
@@ -109,10 +109,13 @@ def backend_names(models: list[Subject] | None = None) -> list[str]:
 
 @dataclass
 class Run:
-    """One run of a model in a cell: output name -> {path: tensor}, and why others are missing."""
+    """One run of a model in a cell: output name -> {path: tensor}, why others are missing, and
+    the loss's gradient with respect to each floating output (what carries the outputs' noise
+    into the loss's, see :func:`torchparity.tolerance.propagated_noise`)."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
+    sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def model_store(subject: Subject, root: Any) -> GoldenStore:
@@ -266,6 +269,12 @@ def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
     outputs: dict[str, dict[str, Any]] = {
         "outputs": {path: kept(path, t, _padded(subject, "outputs", path, t))
                     for path, t in flat.items()}}
+    # The loss's gradient with respect to each floating output, heard as the backward passes.
+    sensitivity: dict[str, torch.Tensor] = {}
+    if "grads" not in missing and not isinstance(loss, str):
+        for path, t in flat.items():
+            if t.is_floating_point() and t.requires_grad:
+                t.register_hook(functools.partial(_heard, sensitivity, path))
     del output, flat  # the kept outputs are enough: the graph lives on in the loss
     if isinstance(loss, str):
         missing["loss"] = missing["grads"] = loss
@@ -276,7 +285,11 @@ def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
             outputs["grads"] = backward(loss)
         except BackendUnavailable as exc:
             missing["grads"] = str(exc)
-    return Run(outputs, missing)
+    return Run(outputs, missing, sensitivity)
+
+
+def _heard(found: dict[str, torch.Tensor], path: str, grad: torch.Tensor) -> None:
+    found[path] = grad.detach()
 
 
 def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
@@ -508,18 +521,31 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
             results.append(_result(subject, cell, output, "n/a", ok=True,
                                    reason=run.missing[output]))
             continue
+        noise = _loss_noise(baseline, goldens["outputs"].tensors) if output == "loss" else None
         results.append(_judge(subject, cell, output, run.outputs.get(output, {}),
-                              golden.tensors, baseline.outputs.get(output)))
+                              golden.tensors, baseline.outputs.get(output), noise))
     return results
 
 
+def _loss_noise(baseline: Run, golden: dict[str, Any]) -> float | None:
+    """The noise the baseline's outputs carry into the loss (None without its gradients);
+    sketched outputs, whose errors are known only in RMS, carry none."""
+    outputs = baseline.outputs.get("outputs", {})
+    errors = {path: outputs[path].double() - golden[path].double()
+              for path in baseline.sensitivity if path in outputs and path in golden
+              and not isinstance(outputs[path], Sketch) and not isinstance(golden[path], Sketch)}
+    return tolerance.propagated_noise(baseline.sensitivity, errors) if errors else None
+
+
 def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, Any],
-           golden: dict[str, Any], baseline: dict[str, Any] | None) -> CheckResult:
+           golden: dict[str, Any], baseline: dict[str, Any] | None,
+           noise: float | None = None) -> CheckResult:
     """Judge the tensors candidate and golden share; paths that one side lacks (eager's
     attention weights against sdpa's None) are structure differences, not divergences.
     Outputs with a value per input position are judged on the unpadded ones."""
     comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
-                         compute_dtype=cell.dtype, padding=_padding(subject, output))
+                         compute_dtype=cell.dtype, noise=noise if baseline else None,
+                         padding=_padding(subject, output))
     worst = comparison.worst
     left_out = comparison.left_out_sentence()
     if output == "loss" and subject.loss_fn is None and subject.padding:
