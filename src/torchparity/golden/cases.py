@@ -32,6 +32,7 @@ import torch
 from torchparity import backends
 from torchparity.comparison import StructureMismatch, compare
 from torchparity.errors import BackendUnavailable
+from torchparity.golden.compiled import annotate, step_verdicts, unavailable_reason
 from torchparity.golden.store import (
     Golden,
     GoldenError,
@@ -43,6 +44,7 @@ from torchparity.golden.store import (
 from torchparity.reference import build_model, greedy_decode, rng, sequence_loss, zoo
 from torchparity.reference.layers import TransformerLayer
 from torchparity.reference.models import Model
+from torchparity.subject.compiling import CompileFailed, CompileLog, compiled
 
 #: Output name -> kind of the tolerance model it is judged with.
 OUTPUT_KINDS = {"logits": "forward", "hidden": "forward", "loss": "loss", "grads": "grad",
@@ -59,18 +61,22 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
 
 @dataclass(frozen=True)
 class Cell:
-    """One way of running the reference models: attention backend, dtype name and device."""
+    """One way of running the reference models: attention backend, dtype name and device,
+    and ``compile``: None (eager) or the ``torch.compile`` form (``dynamic``, ``static``)."""
 
     backend: str
     dtype: str
     device: str = "cpu"
+    compile: str | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.backend} {self.dtype} {self.device}"
+        compiled = f" compiled {self.compile}" if self.compile else ""
+        return f"{self.backend} {self.dtype} {self.device}{compiled}"
 
     def __str__(self) -> str:  # a pytest id
-        return f"{self.backend}-{self.dtype}-{self.device}"
+        return f"{self.backend}-{self.dtype}-{self.device}" + (f"-{self.compile}"
+                                                               if self.compile else "")
 
 
 #: The cell that recomputes the goldens themselves.
@@ -103,6 +109,14 @@ class CheckResult:
     # The smallest change, relative to the golden's scale, the verdict would have flagged in
     # every tensor of the output (the largest over them); None when not compared.
     sensitivity: float | None = None
+    compile: str | None = None  # the torch.compile form of a compiled cell
+    # A compiled cell's graphs, breaks, recompiles and seconds, with each call's and (on the
+    # decode output) each decoding step's; see torchparity.golden.compiled.
+    compiled: dict[str, Any] | None = None
+
+    @property
+    def cell(self) -> Cell:
+        return Cell(self.backend, self.dtype, self.device, self.compile)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; an infinite headroom becomes the string "inf"."""
@@ -114,10 +128,12 @@ class CheckResult:
 
 @dataclass
 class Run:
-    """Outputs of one run of a case; ``missing`` maps outputs the cell cannot compute to why."""
+    """Outputs of one run of a case; ``missing`` maps outputs the cell cannot compute to why;
+    ``compile_log`` what compiling cost in a compiled cell."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
+    compile_log: CompileLog | None = None
 
 
 # --- running a case -------------------------------------------------------------------------
@@ -259,6 +275,8 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
     ``perturb`` applies :func:`perturb_weights` to the weights. When the backend cannot run the
     backward pass (flex on the CPU, a trainable bias on sdpa-flash) the forward runs without
     gradients and ``grads`` is listed in ``missing``; nothing falls back to another backend.
+    A compiled cell runs all of it compiled; a failure to compile raises
+    :class:`~torchparity.subject.compiling.CompileFailed`.
     """
     model = build_model(case.config, WEIGHT_SEED, dtype=DTYPES[cell.dtype], device=cell.device)
     if perturb:
@@ -266,7 +284,8 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
     batch = case_batch(case, cell.device)
     missing: dict[str, str] = {}
     # Zoo models reach SDPA through backends.attention alone: no interception needed.
-    with backends.use(cell.backend, intercept=False), matmul_precision(cell.dtype):
+    with backends.use(cell.backend, intercept=False), matmul_precision(cell.dtype), \
+            compiled(model, cell.compile) as compile_log:
         try:
             outputs = _forward_backward(model, batch, backward=True)
         except BackendUnavailable as exc:
@@ -284,7 +303,7 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
                 outputs["decode"] = {"logprobs": forced_logprobs(model, batch, tokens)}
         except BackendUnavailable as exc:
             missing["decode"] = str(exc)
-    return Run(outputs, missing)
+    return Run(outputs, missing, compile_log)
 
 
 # --- writing and reading a case's goldens ---------------------------------------------------
@@ -445,7 +464,10 @@ def _check_reference(store: GoldenStore, case: zoo.ZooCase,
 
 def _check_cell(case: zoo.ZooCase, cell: Cell, goldens: dict[str, Golden], baseline: Run,
                 tokens: torch.Tensor) -> list[CheckResult]:
-    run = baseline if cell.backend == "manual" else run_case(case, cell, tokens=tokens)
+    if cell.compile:
+        run = _compiled_run(case, cell, tokens)
+    else:
+        run = baseline if cell.backend == "manual" else run_case(case, cell, tokens=tokens)
     results = []
     for output in OUTPUT_KINDS:
         if output in run.missing:
@@ -457,7 +479,22 @@ def _check_cell(case: zoo.ZooCase, cell: Cell, goldens: dict[str, Golden], basel
             del golden["tokens"]  # forced decoding reproduces the golden's tokens by design
         results.append(_judge(case, cell, output, run.outputs[output], golden,
                               baseline.outputs.get(output)))
+    if cell.compile:
+        annotate(results, run.compile_log, step_verdicts(
+            run.outputs.get("decode"), goldens["decode"].tensors, baseline.outputs.get("decode"),
+            cell.dtype))
     return results
+
+
+def _compiled_run(case: zoo.ZooCase, cell: Cell, tokens: torch.Tensor) -> Run:
+    """The compiled cell's run; every output n/a with the reason where it cannot compile."""
+    reason = unavailable_reason(cell)
+    if reason is None:
+        try:
+            return run_case(case, cell, tokens=tokens)
+        except CompileFailed as exc:
+            reason = str(exc)
+    return Run({}, dict.fromkeys(OUTPUT_KINDS, reason))
 
 
 def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
@@ -484,4 +521,5 @@ def _result(case: zoo.ZooCase, cell: Cell, output: str, verdict: str, *, ok: boo
             **details: Any) -> CheckResult:
     return CheckResult(case=case.name, backend=cell.backend, dtype=cell.dtype,
                        device=cell.device, output=output, kind=OUTPUT_KINDS[output],
-                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok, **details)
+                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok,
+                       compile=cell.compile, **details)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +60,17 @@ from torchparity.golden.cases import (
     perturb_weights,
     write_status,
 )
+from torchparity.golden.compiled import (
+    STEPS_PATH,
+    annotate,
+    step_verdicts,
+    stepped_decode,
+    unavailable_reason,
+)
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
 from torchparity.subject import Subject, hf
+from torchparity.subject.compiling import CompileFailed, CompileLog, check_mode, compiled
+from torchparity.subject.steps import steppable
 from torchparity.subject.trees import flatten_tensors
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -89,10 +98,15 @@ def backend_names(models: list[Subject] | None = None) -> list[str]:
 
 @dataclass
 class Run:
-    """One run of a model in a cell: output name -> {path: tensor}, and why others are missing."""
+    """One run of a model in a cell: output name -> {path: tensor}, and why others are missing;
+    ``references`` the (golden, baseline) of outputs judged against other runs than the
+    goldens' (a compiled cell's stepped decoding), ``compile_log`` what compiling cost."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
+    references: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = field(
+        default_factory=dict)
+    compile_log: CompileLog | None = None
 
 
 def model_store(subject: Subject, root: Any) -> GoldenStore:
@@ -116,18 +130,22 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
     """Run the model in ``cell``: forward, loss, gradients and decoding.
 
     ``loss_paths`` are the outputs the default loss projects (None: all floating ones).
-    Returns the run and the number of SDPA calls intercepted (None for ``hf-eager``).
+    Returns the run and the number of SDPA calls intercepted (None for ``hf-eager``). A
+    compiled cell runs all of it compiled; a failure to compile raises
+    :class:`~torchparity.subject.compiling.CompileFailed`.
     """
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
     model, inputs = subject.placed(cell.device, DTYPES[cell.dtype], attention)
     if perturb:
         perturb_weights(model)
-    with _backend(cell.backend) as intercepted, matmul_precision(cell.dtype):
+    with compiled(model, cell.compile) as compile_log, _backend(cell.backend) as intercepted, \
+            matmul_precision(cell.dtype):
         try:
             run = _forward_backward(subject, model, inputs, loss_paths)
         except BackendUnavailable as exc:
             return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc))), None
         _decode(subject, model, inputs, run, cell)
+    run.compile_log = compile_log
     calls = None if intercepted is None else intercepted.calls
     return run, calls
 
@@ -174,6 +192,11 @@ def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run, cell: Cel
     if not subject.generates:
         return
     if subject.decode is None and cell.dtype != "fp64":
+        if cell.compile and steppable(model):
+            run.outputs["decode"], run.references["decode"] = subject.guarded(
+                lambda: stepped_decode(subject, model, inputs, cell.dtype, DECODE_STEPS),
+                "cached decoding step by step")
+            return
         run.missing["decode"] = ("greedy generate is compared in float64 only: in lower "
                                  "precision a near tie may pick another token")
         return
@@ -301,7 +324,9 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
         reason = "not a transformers model: it has no attention implementation to switch"
         return [_result(subject, cell, output, "n/a", ok=True, reason=reason)
                 for output in goldens]
-    if cell.backend == "manual":
+    if cell.compile:
+        run, calls = _compiled_run(subject, cell, loss_paths)
+    elif cell.backend == "manual":
         run, calls = baseline, None
     else:
         run, calls = run_in_cell(subject, cell, loss_paths)
@@ -314,9 +339,28 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
             results.append(_result(subject, cell, output, "n/a", ok=True,
                                    reason=run.missing[output]))
             continue
+        golden_tensors, baseline_tensors = run.references.get(
+            output, (golden.tensors, baseline.outputs.get(output)))
         results.append(_judge(subject, cell, output, run.outputs.get(output, {}),
-                              golden.tensors, baseline.outputs.get(output)))
+                              golden_tensors, baseline_tensors))
+    if cell.compile:
+        decode_golden, decode_baseline = run.references.get("decode", (None, None))
+        annotate(results, run.compile_log, step_verdicts(
+            run.outputs.get("decode"), decode_golden or {}, decode_baseline, cell.dtype,
+            STEPS_PATH))
     return results
+
+
+def _compiled_run(subject: Subject, cell: Cell, loss_paths: list[str] | None
+                  ) -> tuple[Run, int | None]:
+    """The compiled cell's run; every output n/a with the reason where it cannot compile."""
+    reason = unavailable_reason(cell)
+    if reason is None:
+        try:
+            return run_in_cell(subject, cell, loss_paths)
+        except CompileFailed as exc:
+            reason = str(exc)
+    return Run({}, dict.fromkeys(OUTPUT_KINDS, reason)), None
 
 
 def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
@@ -337,7 +381,8 @@ def _result(subject: Subject, cell: Cell, output: str, verdict: str, *, ok: bool
             **details: Any) -> CheckResult:
     return CheckResult(case=subject.name, backend=cell.backend, dtype=cell.dtype,
                        device=cell.device, output=output, kind=OUTPUT_KINDS[output],
-                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok, **details)
+                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok,
+                       compile=cell.compile, **details)
 
 
 # --- the Python API -------------------------------------------------------------------------
@@ -371,12 +416,13 @@ class ModelReport:
 
 
 def model_cells(backends: list[str] | None = None, dtypes: list[Any] | None = None,
-                device: str = "cpu") -> list[Cell]:
+                device: str = "cpu", compile: list[str] | None = None) -> list[Cell]:
     """The reference cell, then every (dtype, backend) on ``device``: the cells of
     :func:`check_model`, for a ``pytest.mark.parametrize`` of one test per cell.
 
     ``backends`` default to every attention backend and ``hf-eager`` (n/a for a model that is
-    not a ``transformers`` one), ``dtypes`` (short or torch names) to fp32 and bf16.
+    not a ``transformers`` one), ``dtypes`` (short or torch names) to fp32 and bf16;
+    ``compile`` (``dynamic``, ``static``) adds each dtype's cells compiled in those forms.
     """
     known = backend_names()
     for name in backends or []:
@@ -388,24 +434,30 @@ def model_cells(backends: list[str] | None = None, dtypes: list[Any] | None = No
         if name not in DTYPES or name == "fp64":
             raise UsageError(f"unknown dtype {name!r}; choose from fp32, tf32, bf16, fp16 "
                              "(the fp64 reference always runs)")
-    return [REFERENCE, *(Cell(b, d, device) for d in names for b in backends or known)]
+    forms = [None, *(check_mode(form) for form in compile or [])]
+    return [REFERENCE, *(Cell(b, d, device, form) for d in names for form in forms
+                         for b in backends or known)]
 
 
 def check_model(factory: str | Callable[[], Any], *, backends: list[str] | None = None,
                 dtypes: list[Any] | None = None, golden_dir: str | os.PathLike | None = None,
-                cells: list[Cell] | None = None) -> ModelReport:
+                cells: list[Cell] | None = None, compile: list[str] | None = None
+                ) -> ModelReport:
     """Check a user's model against its goldens, as ``torchparity check --model`` does.
 
     ``factory`` is an entry (``file.py:name``, ``pkg.mod:name``) or the callable itself,
     returning ``(model, inputs)``, ``(model, inputs, loss_fn)`` or a dict with those keys and
     ``decode``. ``golden_dir`` defaults to ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` in the
-    working directory; ``cells`` (from :func:`model_cells`) replace ``backends``/``dtypes``.
+    working directory; ``compile`` (``dynamic``, ``static``) adds the cells compiled by
+    ``torch.compile`` (docs/compile.md); ``cells`` (from :func:`model_cells`) replace
+    ``backends``/``dtypes``/``compile``.
     Missing or damaged goldens raise their :class:`~torchparity.golden.GoldenError`, whose
     message names the ``torchparity golden update --model`` command that creates them.
     """
     subject = Subject.load(factory)
     store = model_store(subject, user_golden_dir(golden_dir))
-    return ModelReport(check_subject(subject, store, cells or model_cells(backends, dtypes)))
+    cells = cells or model_cells(backends, dtypes, compile=compile)
+    return ModelReport(check_subject(subject, store, cells))
 
 
 def update_model_goldens(factory: str | Callable[[], Any],

@@ -1,0 +1,80 @@
+"""A tiny model with a change planted where only ``torch.compile`` goes: an RMSNorm whose
+epsilon differs while dynamo traces it (a branch on ``torch.compiler.is_compiling()``), for the
+tests of compiled cells and of ``diagnose --compile-b``. :func:`write` puts its factories in a
+file: ``eager``, ``planted`` (block 1's norm) and ``planted_compiled`` (the same, returned as
+``torch.compile(model, dynamic=False)``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MODELS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Norm(nn.Module):
+    """RMSNorm; planted: its epsilon is 1e-2 while torch.compile traces it."""
+
+    def __init__(self, planted=False):
+        super().__init__()
+        self.planted = planted
+        self.weight = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        eps = 1e-2 if self.planted and torch.compiler.is_compiling() else 1e-6
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class Block(nn.Module):
+    def __init__(self, planted=False):
+        super().__init__()
+        self.norm = Norm(planted)
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2)
+                   for t in self.qkv(self.norm(x)).chunk(3, -1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).flatten(-2))
+
+
+class Tiny(nn.Module):
+    def __init__(self, planted_block=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(i == planted_block) for i in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make(planted_block=None):
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
+    return Tiny(planted_block), (x,)
+
+
+def eager():
+    return make()
+
+
+def planted():
+    return make(planted_block=1)
+
+
+def planted_compiled():
+    model, inputs = make(planted_block=1)
+    return torch.compile(model, dynamic=False), inputs
+'''
+
+
+def write(folder: Path) -> Path:
+    """``folder/tiny_compiled.py`` with the factories; returns its path."""
+    path = folder / "tiny_compiled.py"
+    path.write_text(MODELS)
+    return path
