@@ -16,6 +16,7 @@ from rich.console import Console
 from torchparity.commands.record import add_selection_arguments, dtype_option
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
+from torchparity.subject.compiling import MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="map A's module names to B's (regex on A's whole name); repeatable")
     parser.add_argument("--backend-a", help="attention backend for A (not with --against)")
     parser.add_argument("--backend-b", help="attention backend for B")
+    parser.add_argument("--compile-b", nargs="?", const="dynamic", choices=tuple(MODES),
+                        metavar="FORM",
+                        help="run B by torch.compile (FORM dynamic, the default, or static) "
+                             "and name the first module whose compiled output leaves its "
+                             "budget: B is compiled whole, then module by module where it "
+                             "departs (a factory that returns a compiled model is diagnosed "
+                             "so without this flag; see docs/compile.md)")
     parser.add_argument("--stream", action="store_true",
                         help="keep A's side on disk so memory stays bounded")
     parser.add_argument("--local", choices=("diverged", "all"), default="diverged",
@@ -50,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         backward = None if args.backward else False
         report = diagnose_against(args.against, b.model, b.inputs, loss_fn=b.loss_fn,
                                   name_map=name_map, backward=backward, backend=args.backend_b,
-                                  local=args.local)
+                                  local=args.local, compile_b=args.compile_b)
     else:
         if len(args.entries) != 2:
             raise UsageError("give two entry points (A and B), or one with --against TRACE")
@@ -58,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         report = diagnose(a.model, b.model, a.inputs, loss_fn=a.loss_fn, name_map=name_map,
                           backward=args.backward, include=args.include, exclude=args.exclude,
                           backends=(args.backend_a, args.backend_b), stream=args.stream,
-                          local=args.local, dtype=dtype_option(args))
+                          local=args.local, dtype=dtype_option(args), compile_b=args.compile_b)
     report.print(Console())
     if args.json:
         report.to_json(args.json)

@@ -47,6 +47,8 @@ class Options:
     backend_b: BackendSpec = None
     progress: bool | None = None
     local: Local = "diverged"
+    # B run by torch.compile in this form (dynamic, static), module by module (compiled.py)
+    compile_b: str | None = None
 
     def selects(self) -> Callable[[str], bool]:
         return module_filter(self.include, self.exclude)
