@@ -141,7 +141,7 @@ def cell_counts(compiled: dict[str, Any]) -> tuple[str, list[str]]:
         notes.append(EVERY_CALL_NOTE + (NEW_SHAPES if shapes else
                                         " (--json has dynamo's reason for every recompile)"))
     notes += [f"graph break: {reason}" for reason in compiled["break_reasons"]]
-    return counts, notes
+    return counts, list(dict.fromkeys(notes))
 
 
 def compiled_lines(results: list[CheckResult]) -> list[str]:

@@ -62,7 +62,7 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
         console.print(line, markup=False, highlight=False)
     for r in results:
         if not r.ok:
-            console.print(f"FAIL {r.case} {r.backend} {r.dtype} {r.device} {r.output}: "
+            console.print(f"FAIL {r.case} {r.cell.label} {r.output}: "
                           f"{r.explain or r.reason}", markup=False, highlight=False)
     console.print(_sensitivity_line(results), markup=False, highlight=False)
     console.print(_summary(results, elapsed), markup=False, highlight=False)

@@ -407,7 +407,7 @@ class ModelReport:
         """One line per failed output (``OK`` and the count when there is none)."""
         if self.ok:
             return f"OK: {len(self.results)} outputs within their budgets or n/a"
-        return "\n".join(f"FAIL {r.case} {r.backend} {r.dtype} {r.device} {r.output}: "
+        return "\n".join(f"FAIL {r.case} {r.cell.label} {r.output}: "
                          f"{r.explain or r.reason}" for r in self.failures)
 
     def to_dict(self) -> dict[str, Any]:
