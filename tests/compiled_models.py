@@ -73,8 +73,43 @@ def planted_compiled():
 '''
 
 
-def write(folder: Path) -> Path:
-    """``folder/tiny_compiled.py`` with the factories; returns its path."""
-    path = folder / "tiny_compiled.py"
-    path.write_text(MODELS)
+#: The zoo's llama-tiny with the same plant in decoder.layers.1.mlp_norm (epsilon 1e-3 while
+#: compiling): ``eager`` and ``planted`` factories, for the slow tests under Inductor.
+ZOO_MODELS = '''
+import torch
+from torchparity.reference import build_model, sequence_loss, zoo
+from torchparity.reference.norms import RMSNorm
+
+
+class CompiledOnlyEps(RMSNorm):
+    def forward(self, x):
+        eps = 1e-3 if torch.compiler.is_compiling() else self.eps
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return self.weight * h.to(x.dtype)
+
+
+def make(planted):
+    case = zoo.get("llama-tiny")
+    model = build_model(case.config, seed=0)
+    if planted:
+        norm = model.decoder.layers[1].mlp_norm
+        model.decoder.layers[1].mlp_norm = CompiledOnlyEps(norm.weight.shape[0], norm.eps)
+        model.decoder.layers[1].mlp_norm.load_state_dict(norm.state_dict())
+    return model, zoo.case_batch(case), sequence_loss
+
+
+def eager():
+    return make(False)
+
+
+def planted():
+    return make(True)
+'''
+
+
+def write(folder: Path, name: str = "tiny_compiled", source: str = MODELS) -> Path:
+    """``folder/<name>.py`` with the factories of ``source``; returns its path."""
+    path = folder / f"{name}.py"
+    path.write_text(source)
     return path

@@ -62,3 +62,15 @@ def test_record_against_a_compiled_revision_names_the_module(models, tmp_path, a
     assert main(["diagnose", planted, "--against", str(trace), "--compile-b", "static",
                  "--json", str(report)]) == 1
     assert json.loads(report.read_text())["first_divergence"] == "blocks.1.norm"
+
+
+@pytest.mark.slow
+def test_inductor_diagnosis_names_the_planted_norm_of_a_zoo_model(tmp_path):
+    spec = compiled_models.write(tmp_path, "zoo_planted", compiled_models.ZOO_MODELS)
+    report = tmp_path / "diagnosis.json"
+    assert main(["diagnose", f"{spec}:eager", f"{spec}:planted", "--compile-b", "--json",
+                 str(report)]) == 1
+    diagnosis = json.loads(report.read_text())
+    assert diagnosis["first_divergence"] == "decoder.layers.1.mlp_norm"
+    rows = {row["module"]: row for row in diagnosis["rows"]}
+    assert rows["decoder.layers.0"]["local"]["ok"]  # compiled, the rest stays within budget

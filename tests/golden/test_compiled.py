@@ -99,3 +99,61 @@ def test_inductor_reorderings_pass_under_the_tolerance_model(models, tmp_path, m
     assert all(r["compiled"]["compiler"] == "inductor" and r["verdict"] in ("within",
                                                                             "identical")
                for r in compiled)
+
+
+# --- Inductor on the zoo and on transformers models (slow: minutes of compiling) ------------
+
+
+@pytest.mark.slow
+def test_zoo_compiled_cells_pass_in_fp32_and_bf16_and_count_decoding(tmp_path):
+    report = tmp_path / "check.json"
+    assert main(["check", "--case", "llama-tiny", "--backend", "manual", "--backend", "sdpa",
+                 "--compile", "--json", str(report)]) == 0
+    rows = [r for r in json.loads(report.read_text())["results"] if r["compile"]]
+    assert {(r["backend"], r["dtype"], r["compile"]) for r in rows} == {
+        (b, d, f) for b in ("manual", "sdpa") for d in ("fp32", "bf16")
+        for f in ("dynamic", "static")}
+    for row in rows:
+        assert row["compiled"]["compiler"] == "inductor"
+        assert row["compiled"]["graph_breaks"] == 0  # the reference models trace whole
+        if row["output"] == "decode":
+            pattern = [len(step["recompiles"]) for step in row["compiled"]["steps"]]
+            # dynamic: the prompt (no gradients), the first cached step, the cache's new
+            # strides, then no new length recompiles; static: every length does.
+            assert pattern == ([1, 1, 1, 0] if row["compile"] == "dynamic" else [1, 1, 1, 1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_transformers_compiled_cells_pass_and_decode_step_by_step(tmp_path, family):
+    pytest.importorskip("transformers")
+    from test_user_models import FACTORIES
+
+    spec = f"{compiled_models.write(tmp_path, 'models', FACTORIES)}:{family}"
+    golden, report = tmp_path / "golden", tmp_path / "check.json"
+    assert main(["golden", "update", "--model", spec, "--golden-dir", str(golden)]) == 0
+    assert main(["check", "--model", spec, "--golden-dir", str(golden), "--backend", "sdpa",
+                 "--compile", "--json", str(report)]) == 0
+    rows = [r for r in json.loads(report.read_text())["results"] if r["compile"]]
+    assert len({(r["dtype"], r["compile"]) for r in rows}) == 4
+    decode = [r for r in rows if r["output"] == "decode"]
+    assert decode and all(r["verdict"] in ("within", "identical") for r in decode)
+    for row in decode:
+        steps = row["compiled"]["steps"]
+        assert len(steps) == 4 and all(step["recompiles"] is not None for step in steps)
+        if row["compile"] == "static":
+            assert all(step["recompiles"] for step in steps)  # each new length
+
+
+@pytest.mark.slow
+def test_a_change_taken_only_under_compile_in_a_zoo_model_fails_only_compiled(tmp_path):
+    spec = f"{compiled_models.write(tmp_path, 'zoo_planted', compiled_models.ZOO_MODELS)}"
+    golden, report = tmp_path / "golden", tmp_path / "check.json"
+    assert main(["golden", "update", "--model", f"{spec}:planted", "--golden-dir",
+                 str(golden)]) == 0
+    args = ["check", "--model", f"{spec}:planted", "--golden-dir", str(golden), "--backend",
+            "sdpa", "--dtype", "fp32", "--json", str(report)]
+    assert main(args) == 0
+    assert main([*args, "--compile", "dynamic"]) == 1
+    failed = {r["compile"] for r in json.loads(report.read_text())["results"] if not r["ok"]}
+    assert failed == {"dynamic"}
