@@ -64,6 +64,19 @@ def test_record_against_a_compiled_revision_names_the_module(models, tmp_path, a
     assert json.loads(report.read_text())["first_divergence"] == "blocks.1.norm"
 
 
+def test_one_model_against_itself_compiled(models, aot_eager, monkeypatch):
+    # "Does compiling change my model?": A and B may be the same module; A stays eager.
+    import torchparity as tp
+
+    monkeypatch.syspath_prepend(str(models))
+    import tiny_compiled
+
+    model, inputs = tiny_compiled.planted()
+    report = tp.diagnose(model, model, inputs, compile_b="static")
+    assert report.first_divergence.module == "blocks.1.norm"
+    assert "forward" not in vars(model.blocks[1].norm)  # left as it was
+
+
 @pytest.mark.slow
 def test_inductor_diagnosis_names_the_planted_norm_of_a_zoo_model(tmp_path):
     spec = compiled_models.write(tmp_path, "zoo_planted", compiled_models.ZOO_MODELS)

@@ -25,6 +25,7 @@ and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import tempfile
 from pathlib import Path
@@ -108,6 +109,8 @@ def diagnose(
     ``report.meta["golden"]``); unmatched modules are listed, never dropped.
     """
     model_b, compile_b = compile_form(model_b, compile_b)
+    if compile_b is not None and model_b is model_a:  # A's replays must stay eager
+        model_b = copy.deepcopy(model_b)
     opts = dataclasses.replace(
         make_options(backward, loss_fn, include, exclude, backends, progress, local),
         compile_b=compile_b)
