@@ -1,8 +1,8 @@
 """A tiny model with a change planted where only ``torch.compile`` goes: an RMSNorm whose
 epsilon differs while dynamo traces it (a branch on ``torch.compiler.is_compiling()``), for the
 tests of compiled cells and of ``diagnose --compile-b``. :func:`write` puts its factories in a
-file: ``eager``, ``planted`` (block 1's norm) and ``planted_compiled`` (the same, returned as
-``torch.compile(model, dynamic=False)``)."""
+file: ``eager``, ``planted`` (block 1's norm), ``planted_compiled`` (the same, returned as
+``torch.compile(model, dynamic=False)``) and ``one_block`` (the smallest, for Inductor)."""
 
 from __future__ import annotations
 
@@ -42,9 +42,9 @@ class Block(nn.Module):
 
 
 class Tiny(nn.Module):
-    def __init__(self, planted_block=None):
+    def __init__(self, planted_block=None, blocks=2):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(i == planted_block) for i in range(2))
+        self.blocks = nn.ModuleList(Block(i == planted_block) for i in range(blocks))
         self.head = nn.Linear(16, 4)
 
     def forward(self, x):
@@ -53,14 +53,18 @@ class Tiny(nn.Module):
         return self.head(x)
 
 
-def make(planted_block=None):
+def make(planted_block=None, blocks=2):
     torch.manual_seed(0)
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1))
-    return Tiny(planted_block), (x,)
+    return Tiny(planted_block, blocks), (x,)
 
 
 def eager():
     return make()
+
+
+def one_block():
+    return make(blocks=1)
 
 
 def planted():
