@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from torchparity.comparison import (
     Comparison,
+    ShapeDifference,
     StructureDifference,
     StructureMismatch,
     assert_parity,
@@ -165,6 +166,14 @@ def test_integer_tensors_must_match_exactly() -> None:
     assert "must match exactly" in result.explain()
 
 
+def test_an_exact_tensor_repeating_the_baseline_is_not_identical_when_the_golden_differs(
+) -> None:
+    golden, baseline = torch.tensor([[3, 1, 4, 1]]), torch.tensor([[3, 1, 4, 2]])
+    result = compare(baseline.clone(), golden, baseline)
+    assert result.verdict == "diverged" and not result.explain().startswith("identical")
+    assert "1 of 4 element(s) differ" in result.explain()
+
+
 def test_empty_tensors_are_identical() -> None:
     assert compare(torch.empty(0, 3), torch.empty(0, 3, dtype=torch.float64)).ok
 
@@ -195,13 +204,58 @@ def test_every_non_finite_disagreement_diverges(
 
 
 def test_matching_non_finite_values_are_excluded_and_reported() -> None:
-    golden = torch.tensor([math.nan, -math.inf, 1.0, 2.0], dtype=torch.float64)
-    candidate = torch.tensor([math.nan, -math.inf, 1.0, 2.0 + 2.0**-22])
+    golden = torch.tensor([math.nan, math.inf, 1.0, 2.0], dtype=torch.float64)
+    candidate = torch.tensor([math.nan, math.inf, 1.0, 2.0 + 2.0**-22])
     result = compare(candidate, golden, equal_nan=True)
     assert result.ok
     assert result.worst.max_abs == 2.0**-22 and result.worst.worst_index == (3,)
     text = result.explain()
     assert "1 matching NaN" in text and "1 matching inf" in text
+
+
+# --- masked entries ---------------------------------------------------------------------------
+
+SENTINELS = (-65504.0, torch.finfo(torch.float32).min, -math.inf)
+
+
+def _masked_logits(seed: int, banned: list[int]) -> torch.Tensor:
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    logits[:, banned] = math.nan  # placeholders, written per side below
+    return logits
+
+
+@pytest.mark.parametrize("golden_sentinel", SENTINELS)
+@pytest.mark.parametrize("candidate_sentinel", SENTINELS)
+def test_masked_entries_agree_whatever_constant_each_side_writes_and_never_set_the_scale(
+    candidate_sentinel: float, golden_sentinel: float
+) -> None:
+    golden = _masked_logits(0, [2, 7])
+    scale = golden.nan_to_num(nan=0.0).abs().max().item()  # what the budget must scale with
+    candidate = golden.float().nan_to_num(nan=candidate_sentinel)
+    golden = golden.nan_to_num(nan=golden_sentinel)
+    result = compare(candidate, golden, candidate.clone())
+    assert result.verdict == "identical" and result.worst.budget.scale == scale
+    assert "6 element(s) masked (<= -65504)" in result.explain()
+    changed = candidate.clone()
+    changed[1, 3] += 1e-3 * scale  # far below a sentinel's size, far above fp32 rounding
+    assert compare(changed, golden, candidate).verdict == "diverged"
+
+
+@pytest.mark.parametrize("sentinel", SENTINELS)
+def test_an_entry_masked_on_one_side_only_diverges(sentinel: float) -> None:
+    golden = _masked_logits(1, [5]).nan_to_num(nan=sentinel)
+    candidate = golden.float()
+    candidate[0, 5] = -3.0  # the candidate lets a banned token through
+    result = compare(candidate, golden)
+    assert result.verdict == "diverged" and result.worst.worst_index == (0, 5)
+    assert "the golden masks 1 element(s) (<= -65504) where the candidate has a value" in (
+        result.explain())
+
+
+def test_a_large_negative_value_above_the_threshold_is_judged_by_value() -> None:
+    golden = torch.tensor([-60000.0, 1.0], dtype=torch.float64)
+    assert compare(golden.float(), golden).verdict == "within"
+    assert compare(torch.tensor([-65504.0, 1.0]), golden).verdict == "diverged"
 
 
 def _assert_close_accepts(actual: torch.Tensor, expected: torch.Tensor, equal_nan: bool) -> bool:
@@ -253,14 +307,26 @@ def _path(keys: list[str | int]) -> str:
 
 
 @given(st.lists(st.one_of(st.sampled_from(["logits", "past", "h"]), st.integers(0, 3)), max_size=4))
-def test_a_shape_change_is_a_structure_difference_at_its_path(keys: list[str | int]) -> None:
-    candidate = _nest(keys, torch.zeros(2, 3))
-    golden = _nest(keys, torch.zeros(2, 4, dtype=torch.float64))
+def test_a_shape_change_is_a_divergence_of_its_own_at_its_path(keys: list[str | int]) -> None:
+    candidate = _nest(keys, torch.zeros(1, 2, 1, 12))
+    golden = _nest(keys, torch.zeros(1, 2, 1, 11, dtype=torch.float64))
     result = compare(candidate, golden)
-    assert result.structure == (
-        StructureDifference(_path(keys), "Tensor(2, 3) float32", "Tensor(2, 4) float64"),
-    )
-    assert result.structure_differs and result.tensors == []
+    assert result.shapes == (ShapeDifference(_path(keys), (1, 2, 1, 12), (1, 2, 1, 11)),)
+    assert not result.structure_differs and result.tensors == []
+    assert result.verdict == "diverged" and not result.ok
+    assert f"{_path(keys)}: (1, 2, 1, 12) vs (1, 2, 1, 11)" in result.explain()
+
+
+def test_a_shape_change_fails_beside_tensors_within_and_in_assert_parity() -> None:
+    candidate = {"out": torch.ones(2), "probs": torch.full((1, 2, 1, 12), 1 / 12)}
+    golden = {"out": torch.ones(2, dtype=torch.float64),
+              "probs": torch.full((1, 2, 1, 11), 1 / 11, dtype=torch.float64)}
+    result = compare(candidate, golden)
+    assert [t.verdict for t in result.tensors] == ["within"] and result.verdict == "diverged"
+    assert result.to_dict()["shapes"] == [
+        {"path": 'outputs["probs"]', "candidate": [1, 2, 1, 12], "golden": [1, 2, 1, 11]}]
+    with pytest.raises(AssertionError, match="shape differs"):
+        assert_parity(candidate, golden, allow_structure_changes=True)
 
 
 @pytest.mark.parametrize(
@@ -285,8 +351,8 @@ def test_a_shape_change_is_a_structure_difference_at_its_path(keys: list[str | i
         ),
         (
             Pair(ONE, torch.ones(2)),
-            Pair(ONE64, torch.ones(3, dtype=torch.float64)),
-            ("outputs.second", "Tensor(2) float32", "Tensor(3) float64"),
+            Pair(ONE64, torch.ones(2, dtype=torch.long)),
+            ("outputs.second", "Tensor(2) float32", "Tensor(2) int64"),
         ),
     ],
 )

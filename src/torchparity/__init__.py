@@ -20,6 +20,8 @@ _EXPORTS = {
     "diagnose": "torchparity.diagnosis.api",
     "diagnose_against": "torchparity.diagnosis.api",
     "diagnose_decode": "torchparity.diagnosis.decode",
+    "diagnose_decode_against": "torchparity.diagnosis.decode",
+    "record_decode": "torchparity.diagnosis.decode",
     "attribute": "torchparity.diagnosis.attribution",
     "record": "torchparity.diagnosis.api",
     "deterministic": "torchparity.train.trainer",

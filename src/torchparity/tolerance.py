@@ -472,6 +472,16 @@ def budget(
     )
 
 
+#: Entries at or below this are *masked*, not computed: a banned token's logit or a padded
+#: position written as a large negative constant. -65504 is the most negative finite fp16
+#: value, the constant of generators that must stay fp16-safe; others write ``finfo.min`` or
+#: ``-inf``, both below it. Computed values do not come near it (the largest activations of
+#: trained LLMs reach a few thousand, and fp16 kernels would overflow beyond it), so such an
+#: entry carries no rounding to measure: the comparison judges it as masked or not, never by
+#: value, and it never sets the scale of a budget.
+MASKED_BELOW = -65504.0
+
+
 #: Below this many elements the largest of a baseline's roundings is a poor estimate of the
 #: noise: one rounding can land near zero (an angle of exactly 0 rotates exactly), and a
 #: candidate's independent one need not. The noise floor grows as sqrt(FEW_ELEMENTS / n).

@@ -63,7 +63,8 @@ def plant(cls: type) -> Callable[[nn.Module], None]:
 # case, padding, plant, (entry module, argument, detail fragment)
 PLANTS = {
     "sliding-window": ("sliding-window", "none", plant(WindowOffByOne),
-                       ("decoder.layers.0.attn", "ctx.mask", "entries differ")),
+                       ("decoder.layers.0.attn", "ctx.mask",
+                        "pairs of judged queries attend otherwise")),
     "positions": ("mqa", "left", plant(PositionsOffByOne),
                   ("decoder.embed.positions", "positions", "entries differ")),
     "cross-mask": ("encdec-prenorm", "right", plant(DropsMemoryMask),
@@ -92,7 +93,7 @@ def assert_entry(report: tp.DiagnosisReport, name: str) -> None:
     assert expected in report.summary()
     assert expected in report.render(width=80).replace("\n", " ")
     assert json.loads(report.to_json())["rows"][report.rows.index(first)]["entry"] == {
-        "module": module, "argument": argument, "detail": first.entry.detail}
+        "module": module, "argument": argument, "detail": first.entry.detail, "via": "argument"}
     assert expected in report.to_html()
 
 

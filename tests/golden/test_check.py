@@ -50,6 +50,38 @@ def test_check_passes_on_the_code_as_it_is(tmp_path, capsys):
     assert "llama-tiny" in out and "OK:" in out
 
 
+def test_padded_zoo_cases_pass_and_say_what_they_left_out(tmp_path, capsys):
+    cases = {"llama-tiny": "left", "encdec-prenorm": "right", "nope-postnorm": "none"}
+    args = [arg for case in cases for arg in ("--case", case)]
+    status, report = check(tmp_path, *args, "--backend", "sdpa", "--dtype", "fp32")
+    assert status == 0 and report["ok"]
+    out = capsys.readouterr().out
+    for case, padding in cases.items():
+        mask = zoo.padding_mask(2, 12, padding)
+        rows = {(r["backend"], r["output"]): r["left_out"] for r in report["results"]
+                if r["case"] == case}
+        if mask is None:
+            assert set(rows.values()) == {None}
+            continue
+        counted = f"{int((mask == 0).sum())} of {mask.numel()} positions"
+        for cell in ("manual", "sdpa"):
+            assert counted in rows[cell, "logits"] and counted in rows[cell, "hidden"]
+            # The loss ignores padded targets itself; gradients and decoding have no positions.
+            assert rows[cell, "loss"] is rows[cell, "grads"] is rows[cell, "decode"] is None
+        assert f"{case} logits: left out of the judgement: {counted}" in out
+
+
+def test_a_key_mask_forgotten_under_right_padding_shows_where_it_reaches_real_queries(
+        tmp_path, monkeypatch):
+    # Causal attention on a right-padded batch: padded keys come after every real query, so a
+    # forgotten key mask changes only padded positions of the forward, which are not judged;
+    # the tokens decoded after the padding attend to them, and decoding fails.
+    leak_padding_mask(monkeypatch)
+    status, report = check(tmp_path, "--case", "mqa", "--backend", "manual", "--dtype", "fp32")
+    assert status == 1
+    assert set(failures(report)) == {("mqa", "manual", "fp64", "decode")}
+
+
 def test_json_rows_follow_the_documented_schema(tmp_path):
     _, report = check(tmp_path, "--case", "alibi", "--backend", "sdpa-math")
     assert set(report) >= {"ok", "results"} and isinstance(report["ok"], bool)
@@ -80,7 +112,8 @@ def tenfold_rmsnorm_eps(monkeypatch):
 
 
 def leak_padding_mask(monkeypatch):
-    """Self-attention masks that forget the padding: padded keys stay visible."""
+    """Self-attention masks that forget the padding: padded keys stay visible (to the real
+    queries after them in a left-padded batch)."""
     mask = models.self_attention_mask
     monkeypatch.setattr(models, "self_attention_mask", lambda key_mask, *a, **k: mask(None, *a,
                                                                                        **k))
@@ -89,7 +122,7 @@ def leak_padding_mask(monkeypatch):
 @pytest.mark.parametrize("case, change", [
     ("llama-tiny", shift_rotary_frequencies),
     ("llama-tiny", tenfold_rmsnorm_eps),
-    ("mqa", leak_padding_mask),
+    ("llama-tiny", leak_padding_mask),
 ])
 def test_a_changed_component_fails_naming_case_and_output(tmp_path, capsys, monkeypatch, case,
                                                            change):

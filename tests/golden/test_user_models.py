@@ -27,12 +27,17 @@ import transformers
 VOCAB = 64
 
 
-def batch(length=8, pad=3):
+def batch(length=8, pad=3, side="right"):
+    """The second sequence padded: on the left, as decoder prompts are for batched generation
+    (its first queries attend to nothing), or on the right, as encoder inputs are."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, VOCAB, (2, length), generator=g)
     mask = torch.ones(2, length, dtype=torch.long)
-    mask[1, length - pad:] = 0  # the second sequence is padded on the right
-    return {"input_ids": ids, "attention_mask": mask, "output_attentions": True}
+    if side == "left":
+        mask[1, :pad] = 0
+    else:
+        mask[1, length - pad:] = 0
+    return {"input_ids": ids * mask, "attention_mask": mask, "output_attentions": True}
 
 
 def gpt2_config():
@@ -42,7 +47,7 @@ def gpt2_config():
 
 def gpt2():
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(gpt2_config()), batch()
+    return transformers.GPT2LMHeadModel(gpt2_config()), batch(side="left")
 
 
 def llama_config():
@@ -54,7 +59,20 @@ def llama_config():
 
 def llama():
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(llama_config()), batch()
+    return transformers.LlamaForCausalLM(llama_config()), batch(side="left")
+
+
+def llama_positional():
+    """Positional inputs (input_ids, attention_mask) name no mask: nothing says padding. (The
+    base model: it does not generate, which needs keyword inputs.)"""
+    model, inputs = llama()
+    return model.model, (inputs["input_ids"], inputs["attention_mask"])
+
+
+def llama_positional_padded():
+    """The same, with the factory saying where the padding is."""
+    model, (ids, mask) = llama_positional()
+    return {"model": model, "inputs": (ids, mask), "padding": mask == 0}
 
 
 def bert():
@@ -74,7 +92,7 @@ def bart():
                                      bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
                                      forced_eos_token_id=None)
     inputs = batch()
-    inputs["decoder_input_ids"] = batch(length=5)["input_ids"]
+    inputs["decoder_input_ids"] = batch(length=5, pad=0)["input_ids"]
     return transformers.BartForConditionalGeneration(config), inputs
 
 
@@ -134,7 +152,7 @@ def wrong_shape():
 
 def reseeded():
     torch.manual_seed(1)
-    return transformers.GPT2LMHeadModel(gpt2_config()), batch()
+    return transformers.GPT2LMHeadModel(gpt2_config()), batch(side="left")
 '''
 
 # Planted changes: each redefines one factory of a second models.py with the same entry name.
@@ -144,26 +162,26 @@ def llama():
     torch.manual_seed(0)
     config = llama_config()
     config.rms_norm_eps = 1e-2
-    return transformers.LlamaForCausalLM(config), batch()
+    return transformers.LlamaForCausalLM(config), batch(side="left")
 '''),
     "llama-rotary-theta": ("llama", '''
 def llama():
     torch.manual_seed(0)
     config = llama_config()
     config.rope_parameters = {"rope_type": "default", "rope_theta": 20000.0}
-    return transformers.LlamaForCausalLM(config), batch()
+    return transformers.LlamaForCausalLM(config), batch(side="left")
 '''),
     "gpt2-padding-mask": ("gpt2", '''
 class LeakyGPT2(transformers.GPT2LMHeadModel):
     def forward(self, input_ids=None, attention_mask=None, **kwargs):
         attention_mask = attention_mask.clone()
-        attention_mask[1, -3] = 1  # the first padded position becomes visible
+        attention_mask[1, 2] = 1  # the last padded key becomes visible to the real tokens
         return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
 
 def gpt2():
     torch.manual_seed(0)
-    return LeakyGPT2(gpt2_config()), batch()
+    return LeakyGPT2(gpt2_config()), batch(side="left")
 '''),
 }
 
@@ -173,8 +191,9 @@ def models(tmp_path_factory) -> Path:
     """models.py with every factory, and goldens of the families and hand-written models."""
     folder = tmp_path_factory.mktemp("user-models")
     (folder / "models.py").write_text(FACTORIES)
-    entries = [f"{folder / 'models.py'}:{name}" for name in (*FAMILIES, "with_sdpa",
-                                                             "without_sdpa", "with_decode")]
+    entries = [f"{folder / 'models.py'}:{name}" for name in (
+        *FAMILIES, "with_sdpa", "without_sdpa", "with_decode", "llama_positional",
+        "llama_positional_padded")]
     assert main(["golden", "update", "--golden-dir", str(folder / "golden"),
                  *(arg for entry in entries for arg in ("--model", entry))]) == 0
     return folder
@@ -206,6 +225,50 @@ def test_transformers_families_pass_on_every_cpu_backend(models, tmp_path, capsy
     assert "structure differs (not a divergence)" in capsys.readouterr().out
 
 
+def test_padded_positions_are_left_out_and_counted(models, tmp_path, capsys):
+    status, rows = check(models, tmp_path, "llama", "--backend", "hf-eager", "--dtype", "fp32")
+    assert status == 0, [r["explain"] for r in rows if not r["ok"]]
+    # batch(side="left") pads 3 of the 8 positions of the second sequence.
+    counted = {r["output"]: r["left_out"] for r in rows if r["backend"] == "hf-eager"}
+    assert "3 of 16 positions of 1 tensor(s), padding per the inputs' attention_mask" in \
+        counted["outputs"]
+    assert "the default loss leaves the padding out" in counted["loss"]
+    assert counted["grads"] is None  # a parameter's gradient has no positions
+    out = capsys.readouterr().out
+    assert "models.llama outputs: left out of the judgement: 3 of 16 positions" in out
+
+
+def test_a_factory_says_where_the_padding_is_when_the_inputs_cannot(models, tmp_path, capsys):
+    # Positional inputs: eager's arbitrary values at the queries that attend to nothing are
+    # judged, and eager against sdpa fails as if it were a bug.
+    status, rows = check(models, tmp_path, "llama_positional", "--backend", "hf-eager",
+                         "--dtype", "fp32")
+    assert status == 1
+    assert {r["output"] for r in rows if not r["ok"]} == {"outputs", "loss", "grads"}
+    capsys.readouterr()
+    status, rows = check(models, tmp_path, "llama_positional_padded", "--backend", "hf-eager",
+                         "--dtype", "fp32")
+    assert status == 0, [r["explain"] for r in rows if not r["ok"]]
+    assert "padding per the factory's padding" in next(
+        r["left_out"] for r in rows if r["output"] == "outputs")
+
+
+def test_goldens_whose_default_loss_saw_other_positions_are_stale(models, tmp_path, capsys):
+    changed = tmp_path / "changed" / "models.py"
+    changed.parent.mkdir()
+    changed.write_text(FACTORIES + '''
+
+def llama():
+    torch.manual_seed(0)
+    return {"model": transformers.LlamaForCausalLM(llama_config()),
+            "inputs": batch(side="left"), "padding": False}
+''')
+    status, _ = check(models, tmp_path, "llama", "--backend", "manual", source=changed)
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "default loss over other positions" in err and "golden update --model" in err
+
+
 KV_CACHE_OFF_BY_ONE = '''
 class OffByOne(transformers.GPT2LMHeadModel):
     def forward(self, input_ids=None, cache=None, position_ids=None, **kwargs):
@@ -219,7 +282,7 @@ class OffByOne(transformers.GPT2LMHeadModel):
 
 def gpt2():
     torch.manual_seed(0)
-    return OffByOne(gpt2_config()), batch()
+    return OffByOne(gpt2_config()), batch(side="left")
 '''
 
 

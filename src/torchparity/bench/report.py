@@ -19,6 +19,7 @@ def sections(result: dict[str, Any]) -> list[Section]:
         _throughput(result["throughput"], result["settings"]["compile"]),
         _diagnose(result["diagnose"]),
         _diagnose_split(result["diagnose"]),
+        _decode(result["decode"]),
         _check(result["check"]),
         _targets(result["targets"]),
     ]
@@ -159,6 +160,21 @@ def _diagnose_split(rows: list[dict[str, Any]]) -> Section:
                   if f"{key}_split" in r]
     return _table("Where diagnose's time goes (× plain forward+backward of both models)",
                   columns, split_rows)
+
+
+def _decode(rows: list[dict[str, Any]]) -> Section:
+    columns = [
+        ("model", lambda r: r.get("model", "")),
+        ("size", _size),
+        ("dtype", lambda r: r.get("dtype", "")),
+        ("steps", lambda r: str(r.get("steps", ""))),
+        ("plain s", lambda r: _num(r.get("plain_s"))),
+        ("record + diagnose s", lambda r: _num(r.get("diagnosis_s"))),
+        ("× plain", lambda r: _ratio(r.get("decode_time_ratio"))),
+        ("note", _remark),
+    ]
+    return _table("Cost of a decoding diagnosis (record --decode of A, then diagnose --against "
+                  "of B; plain = a decoding of A and one of B)", columns, rows)
 
 
 def _check(rows: list[dict[str, Any]]) -> Section:

@@ -8,6 +8,8 @@
   breaks and recompiles;
 - ``diagnose``: the time of :func:`torchparity.diagnose` (full capture and streaming) over a plain
   forward+backward of both models, and their peak memory over the plain run's;
+- ``decode``: record + diagnose of a decoding across revisions over two plain decodings
+  (:mod:`torchparity.bench.decode`);
 - ``check``: the wall time of ``torchparity check``.
 
 Method, chosen to survive noisy shared machines: every contender is warmed up, then measured in
@@ -46,7 +48,7 @@ from torchparity.errors import UsageError
 from torchparity.reference import TransformerConfig, sequence_loss, zoo
 
 SCHEMA = "torchparity.bench/1"
-PARTS = ("throughput", "diagnose", "check")
+PARTS = ("throughput", "diagnose", "decode", "check")
 #: The reference models: a Llama-style decoder and a classic pre-norm encoder-decoder.
 REFERENCE_CASES = ("llama-tiny", "encdec-prenorm")
 #: ``diagnose`` is timed on the most common question: manual attention against plain SDPA.
@@ -182,7 +184,10 @@ def run(settings: Settings, progress: Progress | None = None) -> dict[str, Any]:
         "machine": machine_info(settings.device, settings.threads),
         "settings": dataclasses.asdict(settings),
     }
-    measures = {"throughput": throughput_rows, "diagnose": diagnose_rows, "check": check_rows}
+    from torchparity.bench.decode import decode_rows  # it builds on this module
+
+    measures = {"throughput": throughput_rows, "diagnose": diagnose_rows,
+                "decode": decode_rows, "check": check_rows}
     for part, measure in measures.items():
         if part in settings.parts:
             result[part] = measure(settings, progress)
@@ -644,6 +649,8 @@ TARGETS = {
     "diagnose_time": ("diagnose time / plain fwd+bwd of both models", "<=", 3.0),
     "against_time": ("diagnose --against time / plain fwd+bwd of B", "<=", 2.0),
     "stream_peak": ("streaming diagnose peak memory / plain run's", "<=", 2.5),
+    "decode_time": ("record + diagnose of 16 decoding steps / two plain 16-step decodings",
+                    "<=", 4.0),
     "check_wall": ("`torchparity check` wall time (s)", "<=", 60.0),
     "sdpa_speedup": ("fastest SDPA backend tok/s / manual's (CPU fp32, seq >= 512)", ">=", 1.5),
 }
@@ -658,6 +665,8 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_target("diagnose_time", where, row.get("diagnose_time_ratio"), row))
         out.append(_target("against_time", where, row.get("against_time_ratio"), row))
         out.append(_target("stream_peak", where, row.get("stream_peak_ratio"), row))
+    for row in result["decode"]:
+        out.append(_target("decode_time", _where(row), row.get("decode_time_ratio"), row))
     for row in result["check"]:
         out.append(_target("check_wall", f"{row.get('logical_cores', '?')} logical cores",
                            row.get("wall_s"), row))

@@ -2,9 +2,12 @@
 
     torchparity diagnose pkg.mod:make_a pkg.mod:make_b          # two models, one process
     torchparity diagnose pkg.mod:make --against base.tptrace    # against `torchparity record`
+    torchparity diagnose pkg.mod:make_a pkg.mod:make_b --decode # where their decodings part
 
-Exit status 0 when no module's local error (or local gradient error) breaks its budget, 1 when
-one does, 2 for usage errors.
+A trace written by ``record --decode`` is recognised: B is decoded along its tokens. Exit
+status 0 when no module's local error (or local gradient error) breaks its budget, and for a
+decoding when no step leaves its budget and no token flip is a real change; 1 otherwise; 2
+for usage errors.
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ import argparse
 
 from rich.console import Console
 
-from torchparity.commands.record import add_selection_arguments, dtype_option
+from torchparity.commands.record import (
+    add_decode_arguments,
+    add_selection_arguments,
+    decode_options,
+    dtype_option,
+    rebuilt,
+)
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
 from torchparity.subject.compiling import MODES
@@ -22,9 +31,11 @@ from torchparity.subject.compiling import MODES
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("entries", nargs="+", metavar="ENTRY",
                         help="A and B as package.module:factory (or file.py:factory) returning "
-                             "(model, inputs[, loss_fn]); only B with --against")
+                             "(model, inputs[, loss_fn]) or a dict with 'step'; only B with "
+                             "--against")
     parser.add_argument("--against", metavar="TRACE", help="trace written by torchparity record")
     add_selection_arguments(parser)
+    add_decode_arguments(parser)
     parser.add_argument("--name-map", action="append", metavar="REGEX=REPLACEMENT",
                         help="map A's module names to B's (regex on A's whole name); repeatable")
     parser.add_argument("--backend-a", help="attention backend for A (not with --against)")
@@ -46,33 +57,82 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchparity.diagnosis.api import diagnose, diagnose_against
+    from torchparity.diagnosis.decode_report import DecodeReport
+    from torchparity.diagnosis.golden import golden_warning
 
     name_map = [_name_rule(rule) for rule in args.name_map or []] or None
-    if args.against:
-        if len(args.entries) != 1 or args.backend_a or args.stream or args.include or \
-                args.exclude or args.dtype:
-            raise UsageError("with --against give one entry point (B); the trace fixes A's "
-                             "backend, module selection, dtype and storage")
-        b = Subject.load(args.entries[0])
-        backward = None if args.backward else False
-        report = diagnose_against(args.against, b.model, b.inputs, loss_fn=b.loss_fn,
-                                  name_map=name_map, backward=backward, backend=args.backend_b,
-                                  local=args.local, compile_b=args.compile_b)
-    else:
-        if len(args.entries) != 2:
-            raise UsageError("give two entry points (A and B), or one with --against TRACE")
-        a, b = Subject.load(args.entries[0]), Subject.load(args.entries[1])
-        report = diagnose(a.model, b.model, a.inputs, loss_fn=a.loss_fn, name_map=name_map,
-                          backward=args.backward, include=args.include, exclude=args.exclude,
-                          backends=(args.backend_a, args.backend_b), stream=args.stream,
-                          local=args.local, dtype=dtype_option(args), compile_b=args.compile_b)
-    report.print(Console())
+    report = _against(args, name_map) if args.against else _two_models(args, name_map)
+    console = Console()
+    warning = golden_warning(report.meta.get("golden", ""))
+    if warning:
+        console.print(warning, markup=False, highlight=False)
+    report.print(console)
     if args.json:
         report.to_json(args.json)
     if args.html:
         report.to_html(args.html)
+    if isinstance(report, DecodeReport):
+        return 0 if report.ok else 1
     return 1 if report.first_divergence or report.first_grad_divergence else 0
+
+
+def _against(args: argparse.Namespace, name_map):
+    from torchparity.diagnosis.api import diagnose_against
+    from torchparity.diagnosis.decode import diagnose_decode_against
+    from torchparity.diagnosis.decode_trace import is_decode_trace
+    from torchparity.diagnosis.trace import open_trace
+
+    if len(args.entries) != 1 or args.backend_a or args.stream or args.include or \
+            args.exclude or args.dtype or args.tokens or args.steps is not None:
+        raise UsageError("with --against give one entry point (B); the trace fixes A's "
+                         "backend, module selection, dtype, storage and decoded tokens")
+    b = Subject.load(args.entries[0])
+    meta, _ = open_trace(args.against)
+    if is_decode_trace(meta):
+        _no_compiled_decoding(args)
+        return diagnose_decode_against(args.against, b.model, b.inputs, step=b.stepper(),
+                                       name_map=name_map, backend=args.backend_b)
+    if args.decode:
+        raise UsageError(f"trace {args.against} records a forward pass, not a decoding; record "
+                         "one with `torchparity record ENTRY --decode`")
+    return diagnose_against(args.against, b.model, b.inputs, loss_fn=b.loss_fn,
+                            name_map=name_map, backward=None if args.backward else False,
+                            backend=args.backend_b, local=args.local, padding=b.padding,
+                            compile_b=args.compile_b)
+
+
+def _two_models(args: argparse.Namespace, name_map):
+    from torchparity.diagnosis.api import diagnose
+    from torchparity.diagnosis.decode import diagnose_decode
+
+    if len(args.entries) != 2:
+        raise UsageError("give two entry points (A and B), or one with --against TRACE")
+    decoding = decode_options(args)
+    a, b = Subject.load(args.entries[0]), Subject.load(args.entries[1])
+    if decoding:
+        _no_compiled_decoding(args)
+        if args.stream or args.local != "diverged":
+            raise UsageError("--stream and --local are options of a forward diagnosis; a "
+                             "decoding keeps each step's calls, and replays none")
+        return diagnose_decode(a.model, b.model, a.inputs, step=a.stepper(),
+                               step_b=b.stepper(), name_map=name_map,
+                               include=args.include, exclude=args.exclude,
+                               backends=(args.backend_a, args.backend_b),
+                               dtype=dtype_option(args), rebuild=rebuilt(args.entries[0]),
+                               **decoding)
+    return diagnose(a.model, b.model, a.inputs, loss_fn=a.loss_fn, name_map=name_map,
+                    backward=args.backward, include=args.include, exclude=args.exclude,
+                    backends=(args.backend_a, args.backend_b), stream=args.stream,
+                    local=args.local, dtype=dtype_option(args),
+                    rebuild=rebuilt(args.entries[0]), padding=a.padding,
+                    compile_b=args.compile_b)
+
+
+def _no_compiled_decoding(args: argparse.Namespace) -> None:
+    if args.compile_b:
+        raise UsageError("--compile-b localises a forward pass; a compiled decoding is judged "
+                         "step by step, with its recompiles, by `torchparity check --model "
+                         "ENTRY --compile` (docs/compile.md)")
 
 
 def _name_rule(rule: str) -> tuple[str, str]:

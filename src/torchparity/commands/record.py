@@ -1,7 +1,8 @@
 """``torchparity record``: write a model's module-by-module trace on the base revision.
 
 The model comes from an entry point ``package.module:factory`` (or ``path/to/file.py:factory``),
-see :class:`torchparity.subject.Subject`.
+see :class:`torchparity.subject.Subject`. With ``--decode`` the trace holds a teacher-forced
+decoding instead of one forward (and backward) pass.
 """
 
 from __future__ import annotations
@@ -11,22 +12,26 @@ import argparse
 import torch
 
 from torchparity.commands.common import dtype_name
+from torchparity.errors import UsageError
 from torchparity.subject import Subject
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("entry", help="package.module:factory or file.py:factory returning "
-                                      "(model, inputs) or (model, inputs, loss_fn)")
+                                      "(model, inputs) or (model, inputs, loss_fn), or a dict "
+                                      "with those keys and 'step'")
     parser.add_argument("-o", "--output", required=True, metavar="PATH",
                         help="trace directory to write (replaced if it is a trace)")
     add_selection_arguments(parser)
+    add_decode_arguments(parser)
     parser.add_argument("--backend", help="attention backend to run the model under")
 
 
 def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared with ``torchparity diagnose``."""
     parser.add_argument("--no-backward", dest="backward", action="store_false",
-                        help="compare forward outputs only (no gradients)")
+                        help="compare forward outputs only (no gradients; decoding never "
+                             "takes any)")
     parser.add_argument("--include", action="append", metavar="PATTERN",
                         help="only modules matching this glob (or 're:REGEX'); repeatable")
     parser.add_argument("--exclude", action="append", metavar="PATTERN",
@@ -34,6 +39,19 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", type=dtype_name, choices=tuple(DTYPES),
                         help="run copies of the models in this dtype (fp64: compare A and B in "
                              "float64, where changes below fp32 noise show); default: as given")
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The decoding options shared with ``torchparity diagnose``."""
+    parser.add_argument("--decode", action="store_true",
+                        help="diagnose a teacher-forced decoding (the factory's step, or the "
+                             "built-in one of reference and transformers models)")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help="decoding steps after the prompt (default 8, or the length of "
+                             "the --tokens sequences)")
+    parser.add_argument("--tokens", metavar="FILE",
+                        help="tokens to feed instead of A's greedy choices: one sequence of "
+                             "ids per line (a beam search's or a seeded sampler's output)")
 
 
 #: ``--dtype`` choices of diagnose and record.
@@ -46,12 +64,50 @@ def dtype_option(args: argparse.Namespace) -> torch.dtype | None:
     return DTYPES[args.dtype] if args.dtype else None
 
 
+def decode_options(args: argparse.Namespace) -> dict:
+    """``steps`` and ``tokens`` of ``--steps`` / ``--tokens``; a usage error when they come
+    without ``--decode``."""
+    from torchparity.diagnosis.decode import STEPS
+    from torchparity.subject.decoding import read_tokens
+
+    if not args.decode:
+        if args.steps is not None or args.tokens:
+            raise UsageError("--steps and --tokens describe a decoding; add --decode")
+        return {}
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: decode at least one step after the prompt")
+    tokens = read_tokens(args.tokens, args.steps) if args.tokens else None
+    steps = tokens.shape[1] if tokens is not None else args.steps or STEPS
+    return {"steps": steps, "tokens": tokens}
+
+
+def rebuilt(entry: str):
+    """``rebuild()`` for a golden of the model of ``entry``: the factory called again."""
+    return lambda: Subject.load(entry).model
+
+
 def run(args: argparse.Namespace) -> int:
     from torchparity.diagnosis.api import record
+    from torchparity.diagnosis.decode import record_decode
+    from torchparity.diagnosis.golden import golden_warning
+    from torchparity.diagnosis.trace import open_trace
 
+    decoding = decode_options(args)
     subject = Subject.load(args.entry)
-    path = record(subject.model, subject.inputs, args.output, loss_fn=subject.loss_fn,
-                  backward=args.backward, include=args.include, exclude=args.exclude,
-                  backend=args.backend, dtype=dtype_option(args))
-    print(f"recorded {type(subject.model).__name__} to {path}")
+    if decoding:
+        path = record_decode(subject.model, subject.inputs, args.output,
+                             step=subject.stepper(), include=args.include, exclude=args.exclude,
+                             backend=args.backend, dtype=dtype_option(args),
+                             rebuild=rebuilt(args.entry), **decoding)
+    else:
+        path = record(subject.model, subject.inputs, args.output, loss_fn=subject.loss_fn,
+                      backward=args.backward, include=args.include, exclude=args.exclude,
+                      backend=args.backend, dtype=dtype_option(args),
+                      rebuild=rebuilt(args.entry), padding=subject.padding)
+    meta, _ = open_trace(path)
+    warning = golden_warning(meta["golden"])
+    if warning:
+        print(warning)
+    what = f"a decoding of {meta['steps']} step(s) of" if decoding else ""
+    print(f"recorded {what} {type(subject.model).__name__} to {path}".replace("  ", " "))
     return 0

@@ -3,9 +3,9 @@
 :func:`compare` walks the candidate's and the golden's pytrees together (tensors and Python
 numbers inside dicts, lists, tuples, namedtuples, dataclasses, Hugging Face ``ModelOutput``
 objects or any container registered with ``torch.utils._pytree``), compares every tensor both
-hold under the tolerance model of :mod:`torchparity.tolerance`, and reports where the two differ
-in structure and which leaves it did not compare. It knows nothing of models: any callable's
-outputs can be compared.
+hold under the tolerance model of :mod:`torchparity.tolerance`, and reports where a tensor both
+hold differs in shape, where the two differ in structure and which leaves it did not compare.
+It knows nothing of models: any callable's outputs can be compared.
 
 One module per idea: :mod:`~torchparity.comparison.structure` walks and aligns the two pytrees,
 :mod:`~torchparity.comparison.groups` finds the tensors judged together,
@@ -15,6 +15,7 @@ One module per idea: :mod:`~torchparity.comparison.structure` walks and aligns t
 
 from torchparity.comparison.structure import (
     CACHE_RULE,
+    ShapeDifference,
     StructureDifference,
     StructureMismatch,
     shared_tensors,
@@ -26,6 +27,7 @@ __all__ = [
     "CACHE_RULE",
     "RELATIVE_GUARD",
     "Comparison",
+    "ShapeDifference",
     "StructureDifference",
     "StructureMismatch",
     "TensorComparison",

@@ -1,6 +1,7 @@
 """Walking two pytrees together: which tensors candidate and golden share, where their
 structures differ (a key or position on one side only, ``None`` against a tensor, another
-container), and which leaves cannot be compared (caches, opaque objects)."""
+container), where a tensor both hold differs in shape, and which leaves cannot be compared
+(caches, opaque objects)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,26 @@ class StructureDifference:
         return f"{self.path}: candidate {self.candidate}, golden {self.golden}"
 
 
+@dataclass(frozen=True)
+class ShapeDifference:
+    """A path where candidate and golden both hold a tensor (of the same kind of dtype) in
+    different shapes: not a difference of structure but a divergence of its own, such as
+    attention over one more key, ``(1, 2, 1, 12)`` against ``(1, 2, 1, 11)``."""
+
+    path: str
+    candidate: tuple[int, ...]
+    golden: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return (f"{self.path}: shape differs: {format_shape(self.candidate)} vs "
+                f"{format_shape(self.golden)} (candidate vs golden)")
+
+
+def format_shape(shape: tuple[int, ...]) -> str:
+    """``(1, 2, 1, 12)``; a 1-d shape without the trailing comma: ``(12)``."""
+    return f"({', '.join(map(str, shape))})"
+
+
 def shared_tensors(a: Any, b: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """The tensors two pytrees share: ``(path, a's tensor, b's tensor)`` wherever both hold a
     tensor of the same shape and kind of dtype, in the order
@@ -67,11 +88,13 @@ def shared_tensors(a: Any, b: Any) -> list[tuple[str, torch.Tensor, torch.Tensor
 @dataclass
 class Alignment:
     """What walking candidate and golden together found: the (path, candidate, golden) tensors
-    both hold, which of those paths were Python numbers, the differences, the skipped leaves."""
+    both hold, which of those paths were Python numbers, the differences of structure and of
+    shape, the skipped leaves."""
 
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     numbers: set[str] = field(default_factory=set)
     structure: list[StructureDifference] = field(default_factory=list)
+    shapes: list[ShapeDifference] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -95,6 +118,8 @@ def align(candidate: Any, golden: Any, path: str, found: Alignment) -> None:
         found.pairs.append((path, c, g))
         if _is_python_number(candidate):
             found.numbers.add(path)
+    elif _other_shape(candidate, golden):
+        found.shapes.append(ShapeDifference(path, tuple(candidate.shape), tuple(golden.shape)))
     elif (
         c_children is not None
         and g_children is not None
@@ -131,6 +156,13 @@ def _is_python_number(x: Any) -> bool:
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and _dtype_family(a.dtype) == _dtype_family(b.dtype)
+
+
+def _other_shape(a: Any, b: Any) -> bool:
+    """Two tensors (or arrays) of one kind of dtype whose shapes differ."""
+    arrays = torch.Tensor | np.ndarray
+    return isinstance(a, arrays) and isinstance(b, arrays) and a.shape != b.shape and \
+        _dtype_family(_leaf_tensor(a).dtype) == _dtype_family(_leaf_tensor(b).dtype)
 
 
 def _same_value(a: Any, b: Any) -> bool:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from torchparity import tolerance
+from torchparity.comparison.selection import LeftOut
 from torchparity.comparison.structure import StructureMismatch, dtype_name
 from torchparity.tolerance import Budget, DtypeLike
 
@@ -33,7 +34,9 @@ class TensorComparison:
     ``sensitivity`` is the smallest change relative to the golden's scale that the verdict would
     have flagged (``budget.value / budget.scale``); ``baseline_headroom`` the share the
     baseline's own error used of the larger of its dtype's bound and the kind's fudge times the
-    candidate's error: over 1 the baseline is degraded and the tensor diverges.
+    candidate's error: over 1 the baseline is degraded and the tensor diverges. ``left_out``
+    of the ``positions`` of its leading dimensions were not judged (padding), for
+    ``left_out_reason``: metrics, budget and counts cover the judged elements alone.
     """
 
     path: str
@@ -60,6 +63,17 @@ class TensorComparison:
     sensitivity: float | None  # budget / scale; None for exact (integer and bool) tensors
     baseline_headroom: float | None  # err(baseline) / its dtype's bound; None without baseline
     notes: list[str] = field(default_factory=list)
+    left_out: int = 0  # positions of the leading dimensions not judged (padding)
+    positions: int = 0  # positions the mask that left them out covers (0 without one)
+    left_out_reason: str | None = None  # why they were left out
+
+    @property
+    def judged_elements(self) -> int:
+        """How many elements were judged: all but those at the left-out positions."""
+        elements = math.prod(self.shape)
+        if not self.left_out:
+            return elements
+        return elements - elements // self.positions * self.left_out
 
     @property
     def baseline_degraded(self) -> bool:
@@ -89,23 +103,32 @@ def compare_tensor(
     atol: float = 0.0,
     rtol: float = 0.0,
     group_noise: float | None = None,
+    left_out: LeftOut | None = None,
 ) -> TensorComparison:
+    """Judge one tensor; ``left_out`` positions of its leading dimensions (padding) count
+    neither in its error nor in its budget's scale, and a NaN or inf there is no fault."""
     if candidate.dtype.is_complex:
         raise StructureMismatch(f"{path}: complex tensors are not supported ({candidate.dtype})")
     c, g = as_float64(candidate), as_float64(golden)
     b = as_float64(baseline) if baseline is not None else None
     reference = baseline if baseline is not None else golden
     if not candidate.dtype.is_floating_point:
-        return _compare_exact(path, candidate, reference, kind, c, g, b)
+        return _compare_exact(path, candidate, reference, kind, c, g, b, left_out)
 
-    if tolerance.all_finite(c) and tolerance.all_finite(g):
+    keep = None if left_out is None else left_out.keep(c.shape)
+    if keep is not None:  # left-out elements become equal zeros: no fault, and not counted
+        c, g = c.where(keep, 0.0), g.where(keep, 0.0)
+        b = None if b is None else b.where(keep, 0.0)
+    masked = _masked(c, g)
+    if keep is None and masked is None and tolerance.all_finite(c) and tolerance.all_finite(g):
         valid, faults, fault_notes, matched_notes = None, None, [], []
         c_valid, g_valid, g_finite_part = c.flatten(), g.flatten(), g
     else:
-        c_finite, g_finite = c.isfinite(), g.isfinite()
-        faults, fault_notes, matched_notes = _nonfinite(c, g, c_finite, g_finite, equal_nan)
-        valid = c_finite & g_finite
-        c_valid, g_valid, g_finite_part = c[valid], g[valid], g[g_finite]
+        c_finite, g_finite, faults, fault_notes, matched_notes = _set_apart(c, g, masked,
+                                                                            equal_nan)
+        counted = g_finite if keep is None else g_finite & keep
+        valid = c_finite & counted
+        c_valid, g_valid, g_finite_part = c[valid], g[valid], g[counted]
     abs_err = (c_valid - g_valid).abs()
     metric = tolerance.kind_tolerance(kind).metric
     baseline_error, baseline_notes = _baseline_error(b, g, valid, metric)
@@ -153,7 +176,7 @@ def compare_tensor(
         worst_index = _worst_index(abs_err, valid, c.shape) if abs_err.numel() else None
         if baseline_headroom is not None and baseline_headroom > 1:
             verdict = "diverged"
-        elif _bit_equal(candidate, reference):
+        elif _bit_equal(candidate, reference, keep):
             verdict = "identical"
         else:
             verdict = "within" if err <= spent.value else "diverged"
@@ -166,7 +189,7 @@ def compare_tensor(
         verdict=verdict,
         **metrics,
         n_over=n_over,
-        frac_over=_fraction(n_over, c.numel()),
+        frac_over=_fraction(n_over, c.numel() if keep is None else int(keep.sum())),
         worst_index=worst_index,
         **_values_at(worst_index, c, b, g),
         budget=spent,
@@ -175,6 +198,7 @@ def compare_tensor(
         sensitivity=spent.sensitivity,
         baseline_headroom=baseline_headroom,
         notes=fault_notes + matched_notes + baseline_notes,
+        **_left_out_fields(left_out),
     )
 
 
@@ -186,17 +210,22 @@ def _compare_exact(
     c: torch.Tensor,
     g: torch.Tensor,
     b: torch.Tensor | None,
+    left_out: LeftOut | None,
 ) -> TensorComparison:
     """Integer and bool tensors (token ids, masks) carry no rounding: they must match exactly."""
+    keep = None if left_out is None else left_out.keep(c.shape)
     abs_err = (c - g).abs()
-    differ = abs_err > 0
+    differ = abs_err > 0 if keep is None else (abs_err > 0) & keep
     n_differ = int(differ.sum())
-    if _bit_equal(candidate, reference):
-        verdict = "identical"
+    # Identical means bit-equal to the baseline *and* equal to the golden: a baseline that
+    # differs from the golden cannot make a candidate that repeats it identical.
+    if n_differ:
+        verdict = "diverged"
     else:
-        verdict = "diverged" if n_differ else "within"
+        verdict = "identical" if _bit_equal(candidate, reference, keep) else "within"
     worst_index = _first_index(differ) if n_differ else None
-    metrics = _metrics(c.flatten(), g.flatten(), abs_err.flatten(), None)
+    judged = (lambda t: t.flatten()) if keep is None else (lambda t: t[keep])
+    metrics = _metrics(judged(c), judged(g), judged(abs_err), None)
     return TensorComparison(
         path=path,
         shape=tuple(candidate.shape),
@@ -206,7 +235,7 @@ def _compare_exact(
         verdict=verdict,
         **metrics,
         n_over=n_differ,
-        frac_over=_fraction(n_differ, differ.numel()),
+        frac_over=_fraction(n_differ, differ.numel() if keep is None else int(keep.sum())),
         worst_index=worst_index,
         **_values_at(worst_index, c, b, g),
         budget=None,
@@ -215,7 +244,15 @@ def _compare_exact(
         sensitivity=None,
         baseline_headroom=None,
         notes=[f"{n_differ} element(s) differ; exact tensors must match"] if n_differ else [],
+        **_left_out_fields(left_out),
     )
+
+
+def _left_out_fields(left_out: LeftOut | None) -> dict[str, Any]:
+    if left_out is None:
+        return {}
+    return dict(left_out=left_out.positions, positions=left_out.total,
+                left_out_reason=left_out.reason)
 
 
 def as_float64(t: torch.Tensor) -> torch.Tensor:
@@ -224,6 +261,49 @@ def as_float64(t: torch.Tensor) -> torch.Tensor:
 
 def _last_dim(t: torch.Tensor) -> int:
     return max(t.shape[-1], 1) if t.dim() > 0 else 1
+
+
+def _masked(c: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Which entries of candidate and golden are masked (at or below
+    :data:`~torchparity.tolerance.MASKED_BELOW`, -inf included); None when none is."""
+    if not c.numel() or (bool(c.amin() > tolerance.MASKED_BELOW)
+                         and bool(g.amin() > tolerance.MASKED_BELOW)):
+        return None  # the common case, in two reductions (a NaN minimum falls through too)
+    c_masked, g_masked = c <= tolerance.MASKED_BELOW, g <= tolerance.MASKED_BELOW
+    return (c_masked, g_masked) if bool(c_masked.any() or g_masked.any()) else None
+
+
+def _set_apart(
+    c: torch.Tensor,
+    g: torch.Tensor,
+    masked: tuple[torch.Tensor, torch.Tensor] | None,
+    equal_nan: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], list[str]]:
+    """Elements judged apart from the metrics and the scale: non-finite ones (see
+    :func:`_nonfinite`) and masked ones. Masked on both sides is agreement (a banned token
+    stays banned, whatever constant each side writes), masked on one side only is a fault.
+
+    Returns which candidate and golden elements are judged by value, the faults and the
+    notes on faults and on agreeing elements left out."""
+    if masked is None:
+        c_finite, g_finite = c.isfinite(), g.isfinite()
+        return c_finite, g_finite, *_nonfinite(c, g, c_finite, g_finite, equal_nan)
+    c_masked, g_masked = masked
+    apart = c_masked | g_masked
+    c, g = c.masked_fill(apart, 0.0), g.masked_fill(apart, 0.0)  # the rest judges finiteness
+    c_finite, g_finite = c.isfinite() & ~apart, g.isfinite() & ~apart
+    faults, fault_notes, matched_notes = _nonfinite(c, g, c_finite, g_finite, equal_nan)
+    below = f"<= {tolerance.MASKED_BELOW:g}"
+    for side, only, other in (("candidate", c_masked & ~g_masked, "golden"),
+                              ("golden", g_masked & ~c_masked, "candidate")):
+        if only.any():
+            fault_notes.append(f"the {side} masks {int(only.sum())} element(s) ({below}) "
+                               f"where the {other} has a value")
+    both = int((c_masked & g_masked).sum())
+    if both:
+        matched_notes.append(f"{both} element(s) masked ({below}) in candidate and golden "
+                             "judged apart from the metrics")
+    return c_finite, g_finite, faults | (c_masked ^ g_masked), fault_notes, matched_notes
 
 
 def _nonfinite(
@@ -322,13 +402,16 @@ def _cosine(c: torch.Tensor, g: torch.Tensor, c_rms: float, g_rms: float) -> flo
 _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype and the same bits everywhere (so NaN equals NaN and -0.0 differs from 0.0)."""
+def _bit_equal(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor | None = None) -> bool:
+    """Same dtype and the same bits everywhere ``keep`` is True (default: everywhere; so NaN
+    equals NaN and -0.0 differs from 0.0)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     a, b = a.detach().cpu(), b.detach().cpu()
     if a.dtype.is_floating_point:
         a, b = a.view(_BITS_VIEW[a.element_size()]), b.view(_BITS_VIEW[b.element_size()])
+    if keep is not None:
+        a, b = a[keep], b[keep]
     return torch.equal(a, b)
 
 

@@ -10,12 +10,15 @@ from typing import Any
 
 from torchparity import tolerance
 from torchparity.comparison.groups import group_noises, group_scales
+from torchparity.comparison.selection import LeftOut, PaddingSpec, left_out_of, sentence
 from torchparity.comparison.structure import (
     ROOT,
     Alignment,
+    ShapeDifference,
     StructureDifference,
     align,
     baseline_at,
+    format_shape,
     numbers_dtype,
     tensor_leaves,
 )
@@ -32,10 +35,12 @@ from torchparity.tolerance import DtypeLike
 @dataclass
 class Comparison:
     """The comparison of a whole pytree: one :class:`TensorComparison` per tensor that candidate
-    and golden share, the differences of structure between them, and the leaves not compared.
+    and golden share, the tensors both hold in different shapes, the differences of structure
+    between them, and the leaves not compared.
 
-    ``verdict`` and ``ok`` judge the shared tensors alone; :attr:`structure_differs` says
-    whether the structures differ. ``skipped`` holds ``(path, reason)`` pairs; ``atol`` and
+    ``verdict`` and ``ok`` judge the shared tensors and the shapes: a tensor whose shape
+    differs (:attr:`shapes`) diverges; :attr:`structure_differs` says whether the structures
+    differ, which is no divergence. ``skipped`` holds ``(path, reason)`` pairs; ``atol`` and
     ``rtol`` are the tolerances a user added to every budget by hand (see :func:`compare`).
     """
 
@@ -45,10 +50,14 @@ class Comparison:
     skipped: tuple[tuple[str, str], ...] = ()
     atol: float = 0.0
     rtol: float = 0.0
+    shapes: tuple[ShapeDifference, ...] = ()
 
     @property
     def verdict(self) -> Verdict:
-        """The worst verdict over all tensors (``identical`` when there are none)."""
+        """``diverged`` when a shape differs, else the worst verdict over all tensors
+        (``identical`` when there are none)."""
+        if self.shapes:
+            return "diverged"
         return max((t.verdict for t in self.tensors), key=VERDICT_ORDER.get, default="identical")
 
     @property
@@ -73,6 +82,8 @@ class Comparison:
         worst = self.worst
         where = f", worst={worst.path} headroom={worst.headroom:.3g}" if worst else ""
         n = len(self.tensors)
+        if self.shapes:
+            where += f", shapes_differ={len(self.shapes)}"
         if self.structure:
             where += f", structure_differs=True ({len(self.structure)} path(s))"
         if self.skipped:
@@ -80,14 +91,29 @@ class Comparison:
         return f"Comparison(verdict={self.verdict!r}, kind={self.kind!r}, tensors={n}{where})"
 
     def explain(self) -> str:
-        """One paragraph: verdict, worst tensor and index, the three values there, error versus
-        budget with the formula's numbers, headroom, dtype and kind."""
+        """One paragraph: verdict, the tensors whose shape differs, worst tensor and index, the
+        three values there, error versus budget with the formula's numbers, headroom, dtype and
+        kind."""
+        if not self.shapes:
+            return self._explain_tensors()
+        shapes = "; ".join(f"{d.path}: {format_shape(d.candidate)} vs {format_shape(d.golden)}"
+                           for d in self.shapes)
+        text = (f"diverged: shape differs at {len(self.shapes)} path(s) (candidate vs golden): "
+                f"{shapes}.")
+        if self.tensors:
+            text += f" The tensors of equal shape: {self._explain_tensors()}"
+        else:
+            text += self._context()
+        return text
+
+    def _explain_tensors(self) -> str:
         worst = self.worst
         if worst is None:
             nothing = "candidate and golden share no tensors" if self.structure else "no tensors"
             return f"identical: {nothing} to compare (kind {self.kind})." + self._context()
         n = len(self.tensors)
-        if self.verdict == "identical":
+        verdict = max((t.verdict for t in self.tensors), key=VERDICT_ORDER.get)
+        if verdict == "identical":
             reference = "baseline" if worst.baseline_value is not None else "golden"
             text = (
                 f"identical: all {n} tensor(s) are bit-equal to the {reference}"
@@ -95,13 +121,13 @@ class Comparison:
             )
             if self.sensitivity is not None:
                 text += f" {_sensitivity_sentence(self.sensitivity)}."
-        elif self.verdict == "diverged":
+        elif verdict == "diverged":
             n_diverged = _count_verdicts(self.tensors)["diverged"]
             text = f"diverged: {n_diverged} of {n} tensor(s) diverged; worst {_describe(worst)}"
         else:
             text = f"within: all {n} tensor(s) within budget; closest to it {_describe(worst)}"
         others = [f"{t.path}: {note}" for t in self.tensors if t is not worst for note in t.notes]
-        if self.verdict == "identical":
+        if verdict == "identical":
             others = [f"{t.path}: {note}" for t in self.tensors for note in t.notes]
         return text + (f" Also: {'; '.join(others)}." if others else "") + self._context()
 
@@ -119,7 +145,22 @@ class Comparison:
                 f"Loosened by hand: atol {self.atol:g} + rtol {self.rtol:g} × scale added to"
                 " every floating tensor's budget."
             )
+        left_out = self.left_out_sentence()
+        if left_out:
+            parts.append(left_out)
         return "".join(f" {part}" for part in parts)
+
+    @property
+    def left_out(self) -> list[TensorComparison]:
+        """The tensors some of whose positions were left out of the judgement (padding)."""
+        return [t for t in self.tensors if t.left_out]
+
+    def left_out_sentence(self) -> str | None:
+        """The sentence of :meth:`explain` on the positions left out and why (None: none)."""
+        left_out = self.left_out
+        if not left_out:
+            return None
+        return sentence([(t.path, t.left_out, t.positions, t.left_out_reason) for t in left_out])
 
     @property
     def sensitivity(self) -> float | None:
@@ -143,11 +184,14 @@ class Comparison:
             "sensitivity": self.sensitivity,
             "baseline_degraded": self.baseline_degraded,
             "worst": worst.path if worst else None,
+            "shapes": [dataclasses.asdict(d) for d in self.shapes],
             "structure_differs": self.structure_differs,
             "structure": [dataclasses.asdict(d) for d in self.structure],
             "skipped": [{"path": path, "reason": reason} for path, reason in self.skipped],
             "atol": self.atol,
             "rtol": self.rtol,
+            "left_out": [{"path": t.path, "positions": t.left_out, "of": t.positions,
+                          "reason": t.left_out_reason} for t in self.left_out],
             "tensors": [t.to_dict() for t in self.tensors],
         })
 
@@ -164,6 +208,7 @@ def compare(
     equal_nan: bool = False,
     atol: float = 0.0,
     rtol: float = 0.0,
+    padding: PaddingSpec = None,
 ) -> Comparison:
     """Compare ``candidate`` with ``golden`` under the budget that ``baseline`` earns.
 
@@ -171,10 +216,12 @@ def compare(
     containers walked). Every tensor that candidate and golden hold at the same path, with the
     same shape and kind of dtype, is judged; the golden may have a wider float dtype than the
     candidate. Python numbers are judged as 0-d tensors: ints and bools exactly, floats in the
-    compute dtype (below). Where the two differ in structure (a key or position missing on one
-    side, ``None`` against a tensor, a tuple become a tensor, another shape, a string or other
-    plain value that differs) a :class:`StructureDifference` is reported in
-    :attr:`Comparison.structure`: ``verdict`` stays the verdict on the shared tensors. Leaves
+    compute dtype (below). A tensor both hold in another shape is a :class:`ShapeDifference`
+    in :attr:`Comparison.shapes`, and the verdict is ``diverged``. Where the two differ in
+    structure (a key or position missing on one side, ``None`` against a tensor, a tuple become
+    a tensor, a float tensor become an integer one, a string or other plain value that differs)
+    a :class:`StructureDifference` is reported in :attr:`Comparison.structure`: ``verdict``
+    stays the verdict on the shared tensors. Leaves
     that are not compared are listed in :attr:`Comparison.skipped` with the reason:
     ``transformers`` caches (see :data:`CACHE_RULE`) and objects that are neither tensors,
     numbers, plain values nor containers (register them with ``torch.utils._pytree`` to compare
@@ -192,11 +239,23 @@ def compare(
     match. ``atol`` and ``rtol`` are the one way to loosen a comparison by hand: ``atol + rtol *
     scale`` (the golden's magnitude in the kind's metric) is added to every floating tensor's
     budget, and :meth:`Comparison.explain` and ``to_dict`` say so. Integer and bool tensors
-    always match exactly.
+    always match exactly. Masked entries (at or below :data:`~torchparity.tolerance.MASKED_BELOW`,
+    such as banned tokens' logits written as -65504, ``finfo.min`` or ``-inf``) are judged
+    apart: masked on both sides agrees, on one side only diverges, and they never set a
+    budget's scale.
+
+    ``padding`` leaves positions out of the judgement: a bool tensor, True at padded positions
+    (``attention_mask == 0``), applies to every tensor whose leading dimensions it covers (a
+    (batch, sequence) mask to outputs (batch, sequence, ...)); a function ``(path, golden) ->
+    LeftOut | None`` (such as :class:`torchparity.subject.padding.Padding`) says per tensor.
+    Left-out elements count neither in the error nor in the budget's scale nor in the group
+    scales and noise of gradients, and a NaN or inf there is no fault; ``explain()`` and
+    ``to_dict()`` say how many positions were left out and why.
 
     Raises :class:`StructureMismatch` naming the path when the baseline lacks a shared tensor
-    or holds it in another shape or dtype, and ``ValueError`` for an unknown kind or dtype or a
-    negative ``atol``/``rtol``. The inputs are not modified.
+    or holds it in another shape or dtype, and ``ValueError`` for an unknown kind or dtype, a
+    negative ``atol``/``rtol`` or a padding mask that is not bool or does not fit a tensor.
+    The inputs are not modified.
     """
     tol = tolerance.kind_tolerance(kind)
     for name, value in (("atol", atol), ("rtol", rtol)):
@@ -209,14 +268,17 @@ def compare(
         (path, c, g, None if baselines is None else baseline_at(path, c, baselines))
         for path, c, g in found.pairs
     ]
-    scales = group_scales(leaves, tol.metric) if tol.group_scale else {}
-    noises = group_noises(leaves, tol.metric, scales) if tol.group_scale else {}
+    left_out = {path: left_out_of(padding, path, g) for path, _, g, _ in leaves}
+    judged = [(path, *(_judged(t, left_out[path]) for t in tensors))
+              for path, *tensors in leaves]
+    scales = group_scales(judged, tol.metric) if tol.group_scale else {}
+    noises = group_noises(judged, tol.metric, scales) if tol.group_scale else {}
     floats_dtype = compute_dtype or numbers_dtype(leaves, found.numbers)
     tensors = [
         compare_tensor(
             path, c, g, b, kind, floats_dtype if path in found.numbers else compute_dtype,
             reduction_length, step, scales.get(path), equal_nan=equal_nan, atol=atol, rtol=rtol,
-            group_noise=noises.get(path),
+            group_noise=noises.get(path), left_out=left_out[path],
         )
         for path, c, g, b in leaves
     ]
@@ -227,7 +289,12 @@ def compare(
         skipped=tuple(found.skipped),
         atol=atol,
         rtol=rtol,
+        shapes=tuple(found.shapes),
     )
+
+
+def _judged(tensor: Any, left_out: LeftOut | None) -> Any:
+    return tensor if left_out is None or tensor is None else left_out.judged(tensor)
 
 
 def assert_parity(
@@ -239,7 +306,8 @@ def assert_parity(
     allow_structure_changes: bool = False,
     **kwargs: Any,
 ) -> Comparison:
-    """Like :func:`compare`, but raise ``AssertionError(explain())`` when a tensor diverged or,
+    """Like :func:`compare`, but raise ``AssertionError(explain())`` when a tensor diverged (or
+    differs in shape) or,
     unless ``allow_structure_changes=True``, when candidate and golden differ in structure (a
     refactor that stops returning attention weights, say, passes with it)."""
     result = compare(candidate, golden, baseline, kind, **kwargs)
@@ -272,7 +340,7 @@ def _describe(t: TensorComparison) -> str:
         values += f", golden {t.golden_value:.8g}"
         where += f" at index {t.worst_index} ({values})"
     if t.budget is None:
-        body = f"{where}: {t.n_over} of {math.prod(t.shape)} element(s) differ"
+        body = f"{where}: {t.n_over} of {_elements(t)} differ"
         return f"{body}; {t.dtype} tensors must match exactly (kind {t.kind})."
     if math.isinf(t.headroom):
         body = f"{where}: {'; '.join(t.notes)}"
@@ -282,12 +350,18 @@ def _describe(t: TensorComparison) -> str:
         body = (
             f"{where}: {label} error {t.error:.3g} {relation} the budget {t.budget.value:.3g}"
             f" = {t.budget.formula()}, using {_share(t.headroom)};"
-            f" {t.n_over} of {math.prod(t.shape)} element(s) over budget"
+            f" {t.n_over} of {_elements(t)} over budget"
         )
         if t.notes:
             body += f"; {'; '.join(t.notes)}"
         body += f". {_sensitivity_sentence(t.sensitivity)}"
     return f"{body}. Compute dtype {t.compute_dtype} ({t.dtype} tensor), kind {t.kind}."
+
+
+def _elements(t: TensorComparison) -> str:
+    if not t.left_out:
+        return f"{math.prod(t.shape)} element(s)"
+    return f"{t.judged_elements} judged element(s)"
 
 
 def _sensitivity_sentence(sensitivity: float) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from torchparity.diagnosis.align import Alignment, NameMap
 from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.compiled import compile_form, localise
 from torchparity.diagnosis.entry import find_entry
-from torchparity.diagnosis.golden import add_golden, float64_departure, module_placement
+from torchparity.diagnosis.golden import add_golden, describe_mode, float64_departure
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
@@ -54,11 +55,11 @@ from torchparity.diagnosis.run import (
     Local,
     Options,
     backend_name,
-    dtype_label,
     make_options,
 )
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
 from torchparity.errors import UsageError
+from torchparity.subject.padding import PaddingLike, padding_of
 from torchparity.subject.running import Inputs, LossFn, check_models, in_dtype
 
 __all__ = ["diagnose", "diagnose_against", "record"]
@@ -79,6 +80,8 @@ def diagnose(
     local: Local = "diverged",
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
+    padding: PaddingLike = None,
+    rebuild: Callable[[], nn.Module] | None = None,
     compile_b: str | None = None,
 ) -> DiagnosisReport:
     """Localise where ``model_b`` starts to compute something other than ``model_a``.
@@ -98,10 +101,17 @@ def diagnose(
     float64 against each other with float64 budgets: any change of the math above float64
     rounding is localised, also one below the noise of the models' own dtype (when a diagnosis
     in that dtype finds nothing while B's float64 output departs from A's golden, the summary
-    says so). ``compile_b`` (``"dynamic"`` or ``"static"``) runs B by ``torch.compile`` in that
-    form and names the first module whose compiled output leaves its budget; a ``model_b``
-    that is compiled already (``torch.compile(model)``, ``model.compile()``) is diagnosed so
-    without it (:mod:`torchparity.diagnosis.compiled`).
+    says so). ``padding`` says which positions of the batch are padding, left out of every
+    judgement and of the default loss: by default what the inputs' 1/0 ``attention_mask`` (and
+    ``decoder_attention_mask``) say; a bool (batch, sequence) tensor, True at padding; a dict of
+    them by output path; or ``False`` to judge every position (see
+    :mod:`torchparity.subject.padding`). The report's notes say how many were left out.
+    ``rebuild()`` makes A again (from its factory) when it cannot be deep-copied
+    into float64; without a float64 golden ``report.meta["golden"]`` says why.
+    ``compile_b`` (``"dynamic"`` or ``"static"``) runs B by ``torch.compile`` in that form and
+    names the first module whose compiled output leaves its budget; a ``model_b`` that is
+    compiled already (``torch.compile(model)``, ``model.compile()``) is diagnosed so without it
+    (:mod:`torchparity.diagnosis.compiled`).
 
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from
@@ -112,7 +122,8 @@ def diagnose(
     if compile_b is not None and model_b is model_a:  # A's replays must stay eager
         model_b = copy.deepcopy(model_b)
     opts = dataclasses.replace(
-        make_options(backward, loss_fn, include, exclude, backends, progress, local),
+        make_options(backward, loss_fn, include, exclude, backends, progress, local,
+                     padding_of(padding, inputs, model_a)),
         compile_b=compile_b)
     check_models(model_a=model_a, model_b=model_b)
     (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
@@ -120,9 +131,10 @@ def diagnose(
         if stream:
             with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:
                 writer = TraceWriter(Path(tmp) / "reference.tptrace")
-                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype)
+                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype,
+                                       rebuild)
                 return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
-        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype)
+        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype, rebuild)
         return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
 
 
@@ -138,6 +150,8 @@ def record(
     backend: BackendSpec = None,
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
+    padding: PaddingLike = None,
+    rebuild: Callable[[], nn.Module] | None = None,
 ) -> Path:
     """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
 
@@ -145,18 +159,21 @@ def record(
     model with it. The trace is a directory of safetensors files plus ``trace.json`` (module
     tree, parameter and input checksums, settings, each call's input structure). It is written
     call by call (bounded memory) into a temporary directory that replaces ``path`` only when
-    complete. ``backend`` must be a name here (it is stored in the trace); ``dtype`` is as in
-    :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded one. Returns the path.
+    complete. ``backend`` must be a name here (it is stored in the trace); ``dtype`` and
+    ``padding`` are as in :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded
+    dtype and leaves the recorded padding out; ``rebuild`` as in :func:`diagnose`. Returns the
+    path.
     """
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record(backend=...) takes a backend name, which the trace stores")
-    opts = make_options(backward, loss_fn, include, exclude, (backend, None), progress)
+    opts = make_options(backward, loss_fn, include, exclude, (backend, None), progress,
+                        padding=padding_of(padding, inputs, model))
     check_models(model=model)
     (cast,), cast_inputs = in_dtype([model], inputs, dtype)
     writer = TraceWriter(path)
     try:
         with progress_bar(opts.progress) as bar:
-            reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
+            reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype, rebuild)
             # The trace must serve any later candidate: every call is replayed now.
             reference.replay_all(bar)
         return writer.commit(trace_meta(reference, model, inputs, opts, dtype))
@@ -176,6 +193,7 @@ def diagnose_against(
     backend: BackendSpec = None,
     local: Local = "diverged",
     progress: bool | None = None,
+    padding: PaddingLike = None,
     compile_b: str | None = None,
 ) -> DiagnosisReport:
     """Diagnose ``model`` (the changed revision) against the trace :func:`record` wrote.
@@ -183,9 +201,10 @@ def diagnose_against(
     ``inputs`` must be the recorded ones (checked by checksum). Propagated errors compare the
     live run with the recorded golden; local errors replay the recorded module inputs into this
     model's modules. ``backward`` defaults to whether the trace has gradients; module selection
-    is the recorded one; ``local`` is as in :func:`diagnose`. Weights that differ from the
-    recorded ones are listed in ``report.meta["weights"]`` (a changed initialisation is not a
-    changed computation). ``compile_b`` and a compiled ``model`` are as in :func:`diagnose`.
+    is the recorded one; ``local`` is as in :func:`diagnose`; ``padding`` defaults to the
+    recorded one (see :func:`diagnose`). Weights that differ from the recorded ones are listed
+    in ``report.meta["weights"]`` (a changed initialisation is not a changed computation).
+    ``compile_b`` and a compiled ``model`` are as in :func:`diagnose`.
     """
     model, compile_b = compile_form(model, compile_b)
     reference, meta = open_reference(path)
@@ -196,10 +215,12 @@ def diagnose_against(
     if digest != meta["inputs_digest"]:
         raise UsageError(f"inputs differ from the ones recorded in {path} (checksum {digest} vs "
                          f"{meta['inputs_digest']}); pass the same inputs to both revisions")
+    if padding is not None or "padding" not in meta:  # else the recorded one
+        reference.padding = padding_of(padding, inputs, model)
     opts = dataclasses.replace(
         make_options(meta["backward"] if backward is None else backward, loss_fn,
                      meta["include"], meta["exclude"], (meta["backend"], backend), progress,
-                     local), compile_b=compile_b)
+                     local, reference.padding), compile_b=compile_b)
     check_models(model=model)
     weights = changed_weights(meta["weights"], model)
     dtype = getattr(torch, meta["dtype"]) if meta.get("dtype") else None
@@ -215,15 +236,11 @@ def diagnose_against(
 
 
 def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar: ProgressBar,
-               dtype: torch.dtype | None) -> Reference:
+               dtype: torch.dtype | None, rebuild: Callable[[], nn.Module] | None) -> Reference:
     """Stages 1 and 2: A captured into ``store``, and its float64 golden."""
     reference = add_golden(capture_reference(model, inputs, store, opts, bar), model, inputs,
-                           opts, bar)
-    a_dtype = dtype_label(module_placement(model)[0])
-    reference.mode = (f"{a_dtype}: A and B both cast to {a_dtype}" if dtype is not None
-                      else f"{a_dtype}: A and B as given")
-    reference.mode += (", against A's float64 golden" if reference.has_golden
-                       else f", budgets from {a_dtype} rounding")
+                           opts, bar, rebuild)
+    reference.mode = describe_mode(model, dtype, reference.has_golden)
     return reference
 
 
@@ -233,9 +250,11 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
     if opts.compile_b is None:
         propagated = judge_propagated(reference, model, inputs, name_map, opts, bar)
         alignment = propagated.alignment
-        replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar)
+        replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar,
+                               propagated.changing)
         done = bar.phase("where the first divergence enters")
-        find_entry(reference, alignment.matches, propagated.rows, model, opts)
+        find_entry(reference, alignment.matches, propagated.rows, model, opts,
+                   propagated.changing)
         done()
     else:  # each stage per level of B's modules, compiled; the search for an entry replays
         # modules eagerly, which a compiled B does not run
@@ -243,6 +262,9 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
                                                        name_map, bar)
         alignment = propagated.alignment
     meta = _report_meta(reference, model, opts, alignment)
+    if reference.padding:
+        meta["notes"].append(f"{reference.padding.summary()}: left out of every judgement and"
+                             " of the default loss")
     if opts.compile_b is None and propagated.output.verdict != "identical" and all(
             r.local is None or r.local.ok for r in propagated.rows):
         done = bar.phase("B in float64: forward")

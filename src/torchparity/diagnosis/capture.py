@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import enum
 import fnmatch
+import inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -32,15 +33,19 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from torchparity.diagnosis.state import Held, StateRecorder, Summaries, held_state
 from torchparity.errors import UsageError
 from torchparity.subject.trees import flatten_tensors, map_tensors, walk
 
 __all__ = [
     "Capture",
+    "bound_arguments",
     "ModuleCall",
+    "Signature",
     "TensorStats",
     "call_key",
     "module_filter",
+    "signature",
     "Uncopyable",
     "snapshot",
     "uncopyable_leaves",
@@ -91,7 +96,8 @@ def _one_pattern(pattern: Pattern) -> Callable[[str], bool]:
 
 
 class Uncopyable:
-    """Stands in for an input object that could not be copied; its call cannot be replayed."""
+    """Stands in for an input object that could not be, or was not, copied; its call cannot be
+    replayed."""
 
     def __init__(self, type_name: str) -> None:
         self.type_name = type_name
@@ -105,20 +111,29 @@ def uncopyable_leaves(tree: Any) -> list[str]:
     return [leaf.type_name for _, leaf in walk(tree, "") if isinstance(leaf, Uncopyable)]
 
 
-def snapshot(tree: Any) -> Any:
-    """Detached copy of the tensors in ``tree``; stateful objects (caches) are deep-copied so a
-    later replay sees them as they were at this call, not as the rest of the forward left them."""
-    copied = map_tensors(tree, lambda t: t.detach().clone())
-    return _copy_opaque(copied)
+def snapshot(tree: Any, objects: bool = True,
+             copy_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """Detached copy of the tensors in ``tree`` (by ``copy_tensor``, default a clone);
+    stateful objects (caches) are deep-copied so a later replay sees them as they were at this
+    call, not as the rest of the forward left them. With ``objects=False`` they are not copied
+    but stand as :class:`Uncopyable` (a decoding step's cache is summarised by
+    :mod:`~torchparity.diagnosis.state` instead)."""
+    copied = map_tensors(tree, copy_tensor or (lambda t: t.detach().clone()))
+    return _copy_opaque(copied, objects)
 
 
-def _copy_opaque(tree: Any) -> Any:
+def _copy_opaque(tree: Any, objects: bool = True) -> Any:
     if isinstance(tree, (torch.Tensor, Uncopyable, *_PLAIN)):
         return tree
     if isinstance(tree, dict):
-        return {key: _copy_opaque(value) for key, value in tree.items()}
+        return {key: _copy_opaque(value, objects) for key, value in tree.items()}
     if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
-        return type(tree)(_copy_opaque(v) for v in tree)
+        return type(tree)(_copy_opaque(v, objects) for v in tree)
+    if not objects:
+        if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+            return dataclasses.replace(tree, **{f.name: _copy_opaque(getattr(tree, f.name), False)
+                                                for f in dataclasses.fields(tree) if f.init})
+        return Uncopyable(type(tree).__name__)
     # Tensors inside the object may be non-leaf graph nodes, which deepcopy refuses: hand it
     # detached clones of every tensor it can reach.
     memo = {id(t): t.detach().clone() for t in _reachable_tensors(tree)}
@@ -148,6 +163,33 @@ def _reachable_tensors(obj: Any, seen: set[int] | None = None, depth: int = 0
 
 # --------------------------------------------------------------------------------------------
 # Records
+
+#: A forward's parameters as ``(name, kind)``, ``kind`` one of ``inspect.Parameter``'s kinds
+#: by name (``POSITIONAL_OR_KEYWORD``, ...): what binding a recorded call needs, and JSON-able.
+Signature = list[tuple[str, str]]
+
+
+def signature(module: nn.Module) -> Signature | None:
+    """The parameters of ``module.forward`` (None when it has no signature)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return [(p.name, p.kind.name) for p in parameters]
+
+
+def bound_arguments(sig: Signature | None, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments by the name of the parameter each binds to: positional arguments to
+    the positional parameters in order (``args.<i>`` past them, or without a signature),
+    keyword arguments by their own names."""
+    positional = [name for name, kind in sig or []
+                  if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    bound = {(positional[i] if i < len(positional) else f"args.{i}"): value
+             for i, value in enumerate(args)}
+    bound.update(kwargs)
+    return bound
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +252,8 @@ class ModuleCall:
     inputs_requiring_grad: frozenset[str] = frozenset()
     input_placement: dict[str, tuple[torch.dtype, torch.device]] = dataclasses.field(
         default_factory=dict)
+    state: dict[str, Held] = dataclasses.field(default_factory=dict)
+    clock: int = 0  # the call's place among all modules' calls, with a StateRecorder
 
     @property
     def key(self) -> str:
@@ -254,7 +298,14 @@ class Capture:
     to each output tensor). Calls made while ``paused()`` are not recorded.
 
     ``what``: ``"tensors"`` keeps copies of inputs and outputs, ``"outputs"`` copies of outputs
-    and no inputs, ``"stats"`` only statistics, ``"shapes"`` only output shapes.
+    and no inputs, ``"stats"`` only statistics, ``"shapes"`` only output shapes. With
+    ``objects=False`` input objects other than tensors and containers (caches) are not copied;
+    ``share=True`` keeps one copy of a tensor that several calls see (a call's output is the
+    next call's input); ``state=True`` summarises, after each call, the state the module read
+    (``call.state``, see
+    :func:`~torchparity.diagnosis.state.held_state`); with ``states`` (a
+    :class:`~torchparity.diagnosis.state.StateRecorder` entered before) each call gets its
+    ``clock``.
     ``on_call(call)`` runs when a call finishes and ``on_grad(call, path, grad)`` when a
     gradient arrives; with ``keep=False`` the record's tensors are dropped once its callback
     has run, so memory stays bounded.
@@ -271,6 +322,10 @@ class Capture:
         on_call: Callable[[ModuleCall], None] | None = None,
         on_grad: Callable[[ModuleCall, str, torch.Tensor], None] | None = None,
         keep: bool = True,
+        objects: bool = True,
+        state: bool = False,
+        states: StateRecorder | None = None,
+        share: bool = False,
     ) -> None:
         if what not in ("tensors", "outputs", "stats", "shapes"):
             raise UsageError(
@@ -282,6 +337,12 @@ class Capture:
         self.on_call = on_call
         self.on_grad = on_grad
         self.keep = keep
+        self.objects = objects
+        self.state = state
+        self.states = states
+        self._summaries: Summaries = {}
+        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = (
+            {} if share else None)
         self.records: list[ModuleCall] = []
         self._by_key: dict[str, ModuleCall] = {}
         self._calls_per_name: dict[str, int] = {}
@@ -340,6 +401,7 @@ class Capture:
                 call=self._calls_per_name.get(name, 0),
                 module_type=type(module).__name__,
                 start=self._started,
+                clock=self.states.clock if self.states is not None else 0,
             )
             self._calls_per_name[name] = call.call + 1
             self._started += 1
@@ -348,7 +410,8 @@ class Capture:
             call.input_placement = {p: (t.dtype, t.device) for p, t in inputs.items()}
             if self.what == "tensors":
                 # Copied now: the module (or its callers) may change them in place later.
-                call.args, call.kwargs = snapshot(args), snapshot(kwargs)
+                call.args = snapshot(args, self.objects, self._copy)
+                call.kwargs = snapshot(kwargs, self.objects, self._copy)
             elif self.what == "stats":
                 call.input_stats = {path: TensorStats.of(t) for path, t in inputs.items()}
             self._open.setdefault(name, []).append(call)
@@ -363,10 +426,12 @@ class Capture:
             call.order = len(self.records)
             outputs = flatten_tensors(output)
             call.output_shapes = {path: tuple(t.shape) for path, t in outputs.items()}
+            if self.state:
+                call.state = held_state(module, args, kwargs, self._summaries)
             if self.what == "stats":
                 call.output_stats = {path: TensorStats.of(t) for path, t in outputs.items()}
             elif self.what != "shapes":
-                call.output = map_tensors(output, lambda t: t.detach().clone())
+                call.output = map_tensors(output, self._copy)
             if self.grads:
                 output, outputs = _downstream_only(output, outputs)
                 self._watch_grads(call, outputs)
@@ -380,6 +445,16 @@ class Capture:
             return output
 
         return hook
+
+    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A detached copy of ``tensor``; with ``share``, the same copy for the same tensor
+        unchanged since."""
+        if self._copies is None:
+            return tensor.detach().clone()
+        key = (id(tensor), tensor._version)
+        if key not in self._copies or self._copies[key][0] is not tensor:
+            self._copies[key] = (tensor, tensor.detach().clone())
+        return self._copies[key][1]
 
     def _watch_grads(self, call: ModuleCall, outputs: dict[str, torch.Tensor]) -> None:
         for path, tensor in outputs.items():

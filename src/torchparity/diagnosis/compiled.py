@@ -98,7 +98,7 @@ def localise(reference: Reference, model: nn.Module, inputs: Inputs, opts: Optio
             f"{levels - 1} level(s) of its modules each compiled on its own (the rest eager), "
             "descending into those whose compiled local error broke its budget; local errors "
             "replay the compiled module")
-    return Propagated(alignment, rows, whole.output, whole.loss), replayed, note
+    return Propagated(alignment, rows, whole.output, whole.loss, whole.changing), replayed, note
 
 
 def _judge_level(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
@@ -114,7 +114,8 @@ def _judge_level(reference: Reference, model: nn.Module, inputs: Inputs, opts: O
                                      local="all")
     with compiled_modules(modules, opts.compile_b) as log:
         judged = judge_propagated(view, model, inputs, name_map, level_opts, bar)
-        judge_local(view, judged.alignment.matches, judged.rows, model, level_opts, bar)
+        judge_local(view, judged.alignment.matches, judged.rows, model, level_opts, bar,
+                    judged.changing)
     return judged, judged.rows, log.compiler
 
 

@@ -1,297 +1,249 @@
-"""Incremental decoding: the first step, and the module, where B's cached decoding parts from A.
+"""Decoding diagnosis: the first step, and the module, where B's decoding parts from A, and
+whether each changed token is a near tie or a real change.
 
-Both models are teacher-forced with the same tokens (A's greedy choices unless given), so a
-difference in one step cannot change the inputs of the next: each step's logits are compared
-with a float64 golden decoding of A, under the budget A's own rounding earns. At the first step
-that breaks its budget, all three decodings run again with every module captured during that
-step only, and the first module whose output leaves its budget is reported: where a cache slot
-or a position offset went wrong. With ``model_b=None`` a model's cached decoding is compared
-with its own full recompute (no cache): the check for cache bugs.
+A decodes teacher-forced (along its own greedy choices, or any tokens given: what a beam search
+or a seeded sampler produced) with every module captured at every step, beside a float64 copy
+of itself fed the same tokens (the golden). B is fed the same tokens, so a difference at one
+step cannot change what the next step sees; each step's next-token logits are judged against
+the golden with A's as the baseline. At the first step that leaves its budget B runs once more
+with every module captured at that step (see :mod:`~torchparity.diagnosis.decode_judging`).
+
+``diagnose_decode`` does it in one process; ``record_decode`` writes A's side to a trace on the
+base revision and ``diagnose_decode_against`` judges the changed revision against it. Models
+decode through the step protocol of :mod:`torchparity.subject.decoding`: reference models and
+``transformers`` generators need no step of their own. No gradients are taken.
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from torchparity.diagnosis.align import NameMap, align
-from torchparity.diagnosis.capture import Capture, ModuleCall, PatternSpec
-from torchparity.diagnosis.golden import golden_copy
-from torchparity.diagnosis.judging import joined, judge
-from torchparity.diagnosis.progress import progress_bar
-from torchparity.diagnosis.report import DecodeReport, Mismatch, Result, Row
-from torchparity.diagnosis.run import (
-    GOLDEN_DTYPE,
-    BackendSpec,
-    Options,
-    backend_context,
-    backend_name,
-    make_options,
+from torchparity.diagnosis.align import NameMap
+from torchparity.diagnosis.capture import PatternSpec
+from torchparity.diagnosis.decode_judging import (
+    first_flips,
+    first_module,
+    judge_steps,
+    module_rows,
+    where_it_enters,
 )
+from torchparity.diagnosis.decode_report import DecodeReport
+from torchparity.diagnosis.decode_run import DecodeReference, Side, capture_step, record_reference
+from torchparity.diagnosis.decode_trace import decode_meta, open_decode_reference
+from torchparity.diagnosis.golden import describe_mode, module_placement
+from torchparity.diagnosis.progress import ProgressBar, progress_bar
+from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
+from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
 from torchparity.errors import UsageError
-from torchparity.subject.running import check_models, seeded, upcast
+from torchparity.subject.decoding import STEP_HINT, StepFn, builtin_step, recompute_step
+from torchparity.subject.factory import first_line
+from torchparity.subject.running import check_models, in_dtype
 
-__all__ = ["Decoding", "HFDecoding", "ReferenceDecoding", "diagnose_decode"]
+__all__ = ["diagnose_decode", "diagnose_decode_against", "record_decode"]
 
-
-class Decoding(Protocol):
-    """How to call a family of models one decoding step at a time.
-
-    ``keys(model)`` names the inputs holding token ids and their 1/0 mask; ``new_cache(model)``
-    gives an empty cache; ``call(model, inputs, cache)`` runs one step with the keyword
-    ``inputs`` (ids of the new tokens only when ``cache`` is not None) and returns the logits
-    (batch, new tokens, vocab) and the cache to pass next time.
-    """
-
-    def keys(self, model: nn.Module) -> tuple[str, str]: ...
-
-    def new_cache(self, model: nn.Module) -> Any: ...
-
-    def call(self, model: nn.Module, inputs: dict[str, Any], cache: Any
-             ) -> tuple[torch.Tensor, Any]: ...
-
-
-class ReferenceDecoding:
-    """torchparity's reference models: ``model(**inputs, cache=model.new_cache())``."""
-
-    def keys(self, model: nn.Module) -> tuple[str, str]:
-        if model.config.is_encoder_decoder:
-            return "tgt_ids", "tgt_mask"
-        return "input_ids", "attention_mask"
-
-    def new_cache(self, model: nn.Module) -> Any:
-        return model.new_cache()
-
-    def call(self, model: nn.Module, inputs: dict[str, Any], cache: Any
-             ) -> tuple[torch.Tensor, Any]:
-        return model(**inputs, cache=cache), cache
-
-
-class HFDecoding:
-    """Hugging Face causal LMs: the cache goes in and comes out as ``cache`` (transformers 5)
-    or ``past_key_values`` (earlier versions)."""
-
-    def keys(self, model: nn.Module) -> tuple[str, str]:
-        return "input_ids", "attention_mask"
-
-    def new_cache(self, model: nn.Module) -> Any:
-        return None  # the model makes its own on the first call with use_cache=True
-
-    def call(self, model: nn.Module, inputs: dict[str, Any], cache: Any
-             ) -> tuple[torch.Tensor, Any]:
-        name = "cache" if "cache" in inspect.signature(model.forward).parameters else \
-            "past_key_values"
-        out = model(**inputs, **{name: cache}, use_cache=True)
-        return out.logits, out[name]
-
-
-class _Recompute:
-    """Any family, without a cache: every step feeds the whole sequence so far."""
-
-    def __init__(self, family: Decoding) -> None:
-        self.family = family
-        self.keys = family.keys
-
-    def new_cache(self, model: nn.Module) -> Any:
-        return None
-
-    def call(self, model: nn.Module, inputs: dict[str, Any], cache: Any
-             ) -> tuple[torch.Tensor, Any]:
-        if isinstance(self.family, HFDecoding):
-            return model(**inputs, use_cache=False).logits, None
-        return model(**inputs), None
+#: Decoding steps after the prompt when none are asked for.
+STEPS = 8
 
 
 def diagnose_decode(
     model_a: nn.Module,
     model_b: nn.Module | None,
-    inputs: dict[str, Any],
+    inputs: Any,
     *,
-    steps: int = 8,
+    step: StepFn | None = None,
+    step_b: StepFn | None = None,
+    steps: int = STEPS,
     tokens: torch.Tensor | None = None,
-    reference: Literal["cached", "recompute"] = "cached",
-    decoding: Decoding | None = None,
     name_map: NameMap | None = None,
     include: PatternSpec = None,
     exclude: PatternSpec = None,
     backends: tuple[BackendSpec, BackendSpec] | None = None,
     progress: bool | None = None,
+    dtype: torch.dtype | None = None,
+    rebuild: Callable[[], nn.Module] | None = None,
 ) -> DecodeReport:
-    """Compare step-by-step decoding of B (cached) with A and report where they part.
+    """Decode A and B along the same tokens and report where B parts from A.
 
-    ``inputs`` are the prompt as keyword arguments (token ids and optionally their 1/0 mask,
-    plus anything else the model takes, e.g. the source of an encoder-decoder). Step 0 runs the
-    prompt; step ``s`` feeds token ``s - 1`` of ``tokens`` (batch, steps - 1), by default A's
-    greedy choices. A decodes with its cache (``reference="cached"``) or by full recompute;
-    ``model_b=None`` compares ``model_a``'s cached decoding with its own recompute.
-    ``decoding`` says how to call the model family (reference models and Hugging Face causal
-    LMs are recognised).
+    ``inputs`` is the prompt as the model takes it (the first call of the step); ``step``
+    (``step_b`` for B when it differs) is ``step(model, tokens, state) -> (logits, state)``,
+    by default the built-in one of reference models and ``transformers`` generators. Step 0
+    runs the prompt, steps 1 to ``steps`` feed ``tokens`` ``(batch, steps)``, by default A's
+    greedy choices. ``model_b=None`` compares A's cached decoding with its own full recompute
+    (the check of a cache; built-in steps only). ``name_map``, ``include``/``exclude``,
+    ``backends`` and ``dtype`` are as in :func:`torchparity.diagnose`; ``rebuild()`` makes A
+    again when it cannot be deep-copied into float64.
 
-    Guarantees: A, B and the golden see identical token sequences; ``report.first_step`` is
-    None or the first step whose logits break the budget, and then ``report.rows`` compare
-    every aligned module's output at that step (the last positions of a recompute are compared
-    with a cached step's new positions) and ``report.first_module`` is the first that breaks it.
+    Guarantees: A, B, the golden and B's float64 copy see identical tokens;
+    ``report.first_step`` is None or the first step whose logits break their budget,
+    ``report.rows`` then judge every aligned module at that step; every first token flip per
+    sequence is in ``report.flips`` with its verdict. No gradients are taken.
     """
-    if model_b is None:
-        model_b, reference = model_a, "recompute"
-    if reference not in ("cached", "recompute"):
-        raise UsageError(f"reference={reference!r}: use 'cached' or 'recompute'")
-    if steps < 1:
-        raise UsageError(f"steps={steps}: decode at least one step")
-    if not isinstance(inputs, dict):
-        raise UsageError("diagnose_decode takes the prompt as a dict of keyword arguments")
-    if tokens is not None and (tokens.dim() != 2 or tokens.shape[1] < steps - 1):
-        raise UsageError(f"tokens must be (batch, steps - 1) = (batch, {steps - 1}) token ids; "
-                         f"got shape {tuple(tokens.shape)}")
-    check_models(model_a=model_a, model_b=model_b)
+    cut = model_b is None
+    if cut:
+        step_a = step or recompute_step(model_a)
+        if step_a is None:
+            raise UsageError(f"model_b=None compares a cached decoding with its full recompute, "
+                             f"which only built-in steps offer, not {type(model_a).__name__}'s; "
+                             "pass model_b")
+        model_b, step_b, step = model_a, step_b or _step_of(model_a, None), step_a
     opts = make_options(False, None, include, exclude, backends, progress)
-    family = decoding or _family(model_a)
-    family_a = family if reference == "cached" else _Recompute(family)
-    golden, golden_note = golden_copy(model_a)
-    sides = [_Side(model_a, inputs, family_a, opts.backend_a),
-             _Side(model_b, inputs, family, opts.backend_b)]
-    if golden is not None:
-        sides.append(_Side(golden, upcast(inputs, GOLDEN_DTYPE, "cpu"), family_a, opts.backend_a))
-    with torch.no_grad(), progress_bar(opts.progress) as bar:
-        advance = bar.phase("decoding A, B and the golden", total=len(sides))
-        logits_a, tokens, _ = _decode(sides[0], steps, tokens)
-        advance()
-        logits = [logits_a] + [_decode(side, steps, tokens)[0] for side in sides[1:]]
-        advance()
-        step_results = [_judge_step(step, logits) for step in range(steps)]
-        first_step = next((s for s, r in enumerate(step_results) if not r.ok), None)
-        rows = []
-        if first_step is not None:
-            calls = [_decode(side, first_step + 1, tokens, capture_at=first_step, opts=opts)[2]
-                     for side in sides]
-            rows = _module_rows(calls, name_map)
-        advance()
-    return DecodeReport(steps=step_results, first_step=first_step, rows=rows, tokens=tokens,
-                        meta={"reference": reference, "golden": golden_note,
-                              "backends": [backend_name(opts.backend_a),
-                                           backend_name(opts.backend_b)]})
+    check_models(model_a=model_a, model_b=model_b)
+    (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
+    side_a = Side(model_a, inputs, _step_of(model_a, step), opts.backend_a)
+    side_b = Side(model_b, inputs, _step_of(model_b, step_b or step), opts.backend_b)
+    with progress_bar(opts.progress) as bar:
+        reference = record_reference(side_a, steps, tokens, MemoryStore(), opts, bar, rebuild)
+        reference.mode = describe_mode(model_a, dtype, reference.has_golden)
+        return judge_candidate(reference, side_b, opts, name_map, bar, cut=cut)
 
 
-def _family(model: nn.Module) -> Decoding:
-    if callable(getattr(model, "new_cache", None)):
-        return ReferenceDecoding()
-    if hasattr(model, "config") and callable(getattr(model, "generate", None)):
-        return HFDecoding()
-    raise UsageError(f"don't know how to decode {type(model).__name__} step by step; pass "
-                     "decoding= (see torchparity.diagnosis.decode.Decoding)")
+def record_decode(
+    model: nn.Module,
+    inputs: Any,
+    path: str | Path,
+    *,
+    step: StepFn | None = None,
+    steps: int = STEPS,
+    tokens: torch.Tensor | None = None,
+    include: PatternSpec = None,
+    exclude: PatternSpec = None,
+    backend: str | None = None,
+    progress: bool | None = None,
+    dtype: torch.dtype | None = None,
+    rebuild: Callable[[], nn.Module] | None = None,
+) -> Path:
+    """Write A's side of a decoding diagnosis to the trace ``path`` (run it on the base
+    revision; :func:`diagnose_decode_against` judges another revision against it).
+
+    The trace holds, per step, A's and the golden's next-token logits and every module call's
+    outputs, inputs and the state it read, and the tokens fed (``steps`` of them, A's greedy
+    choices or ``tokens``). Written into a temporary directory that replaces ``path`` only
+    when complete. Arguments as in :func:`diagnose_decode`; ``backend`` must be a name.
+    Returns the path.
+    """
+    if backend is not None and not isinstance(backend, str):
+        raise UsageError("record_decode(backend=...) takes a backend name, which the trace "
+                         "stores")
+    opts = make_options(False, None, include, exclude, (backend, None), progress)
+    check_models(model=model)
+    (cast,), cast_inputs = in_dtype([model], inputs, dtype)
+    writer = TraceWriter(path)
+    try:
+        with progress_bar(opts.progress) as bar:
+            side = Side(cast, cast_inputs, _step_of(cast, step), opts.backend_a)
+            reference = record_reference(side, steps, tokens, writer.store, opts, bar, rebuild)
+            reference.mode = describe_mode(cast, dtype, reference.has_golden)
+        return writer.commit(decode_meta(reference, model, inputs, opts, dtype))
+    except BaseException:
+        writer.abort()
+        raise
 
 
-@dataclass
-class _Side:
-    model: nn.Module
-    inputs: dict[str, Any]
-    family: Decoding
-    backend: BackendSpec
+def diagnose_decode_against(
+    path: str | Path,
+    model: nn.Module,
+    inputs: Any,
+    *,
+    step: StepFn | None = None,
+    name_map: NameMap | None = None,
+    backend: BackendSpec = None,
+    progress: bool | None = None,
+) -> DecodeReport:
+    """Judge ``model`` (the changed revision) decoding along the tokens of the trace
+    :func:`record_decode` wrote. ``inputs`` must be the recorded prompt (checked by checksum);
+    the module selection and dtype are the recorded ones. Weights that differ from the
+    recorded ones are listed in ``report.meta["weights"]``."""
+    reference, meta = open_decode_reference(path)
+    digest = inputs_digest(inputs)
+    if digest != meta["inputs_digest"]:
+        raise UsageError(f"inputs differ from the ones recorded in {path} (checksum {digest} vs "
+                         f"{meta['inputs_digest']}); pass the same prompt to both revisions")
+    opts = make_options(False, None, meta["include"], meta["exclude"],
+                        (meta["backend"], backend), progress)
+    check_models(model=model)
+    weights = changed_weights(meta["weights"], model)
+    dtype = getattr(torch, meta["dtype"]) if meta.get("dtype") else None
+    (model,), inputs = in_dtype([model], inputs, dtype)
+    side = Side(model, inputs, _step_of(model, step), opts.backend_b)
+    with progress_bar(opts.progress) as bar:
+        report = judge_candidate(reference, side, opts, name_map, bar)
+    report.meta["weights"] = weights
+    if weights["changed"]:
+        report.meta["notes"].append(
+            f"{len(weights['changed'])} parameter(s)/buffer(s) differ from the recorded ones, "
+            f"e.g. {weights['changed'][0]}")
+    return report
 
 
-def _decode(side: _Side, steps: int, tokens: torch.Tensor | None, *, capture_at: int = -1,
-            opts: Options | None = None
-            ) -> tuple[list[torch.Tensor], torch.Tensor, list[ModuleCall]]:
-    """Teacher-forced decoding: last-position logits per step (CPU), the tokens fed, and the
-    module calls of step ``capture_at``."""
-    ids_key, mask_key = side.family.keys(side.model)
-    if ids_key not in side.inputs:
-        raise UsageError(f"the prompt has no {ids_key!r}; inputs have {', '.join(side.inputs)}")
-    ids = side.inputs[ids_key]
-    mask = side.inputs.get(mask_key)
-    mask = torch.ones_like(ids) if mask is None else mask
-    cache = side.family.new_cache(side.model)
-    chosen = [] if tokens is None else list(tokens.unbind(1))
-    logits, calls = [], []
-    with backend_context(side.backend), seeded():
-        for step in range(steps):
-            if step > 0:
-                token = chosen[step - 1].to(ids.device)[:, None]
-                ids, mask = torch.cat((ids, token), 1), torch.cat((mask, torch.ones_like(token)), 1)
-            fed = ids if cache is None or step == 0 else ids[:, -1:]
-            step_inputs = {**side.inputs, ids_key: fed, mask_key: mask}
-            if step == capture_at:
-                with Capture(side.model, opts.selects()) as cap:
-                    out, cache = side.family.call(side.model, step_inputs, cache)
-                calls = cap.records
-            else:
-                out, cache = side.family.call(side.model, step_inputs, cache)
-            logits.append(out[:, -1].detach().cpu())
-            if tokens is None and step < steps - 1:
-                chosen.append(logits[-1].argmax(-1))
-    fed = torch.stack(chosen[:steps - 1], 1) if steps > 1 else torch.empty(0, 0, dtype=torch.long)
-    return logits, fed, calls
-
-
-def _judge_step(step: int, logits: list[list[torch.Tensor]]) -> Result:
-    a, b, *golden = (side[step] for side in logits)
-    return judge({"logits": b}, {"logits": golden[0]} if golden else {}, {"logits": a}, "forward")
-
-
-def _module_rows(calls: list[list[ModuleCall]], name_map: NameMap | None) -> list[Row]:
-    """Each aligned module's inputs and outputs at the captured step: B against the golden,
-    with A as the baseline."""
-    calls_a, calls_b, *calls_golden = calls
-    golden = {c.key: c for c in calls_golden[0]} if calls_golden else {}
+def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
+                    name_map: NameMap | None, bar: ProgressBar, *, cut: bool = False
+                    ) -> DecodeReport:
+    """B decoded along the reference's tokens and judged: each step, the modules at the
+    first step that leaves its budget and where the change enters, the first flips."""
+    done = bar.phase("B: decoding along A's tokens")
+    decoded = side.decode(reference.steps, reference.tokens)
+    steps = judge_steps(reference, decoded.logits)
+    first_step = next((s for s, r in enumerate(steps) if not r.ok), None)
+    done()
+    notes = list(reference.notes)
+    if not reference.has_golden:
+        notes.insert(0, f"golden: {reference.golden}")
     rows = []
-    for match in align(calls_a, calls_b, name_map).matches:
-        golden_calls = [golden.get(c.key) for c in match.a]
-        first_b = min(match.b, key=lambda c: c.start)
-        row = Row(module=match.b_name, a_module=match.a_name, how=match.how,
-                  module_type="+".join(c.module_type for c in match.b), depth=first_b.depth,
-                  start=first_b.start)
-        row.propagated = _compare_step(
-            joined([c.outputs for c in match.b]), joined([c.outputs for c in match.a]),
-            joined([c.outputs for c in golden_calls]) if all(golden_calls) else {})
-        if len(match.a) == len(match.b) == 1:
-            row.inputs = _compare_step(match.b[0].inputs, match.a[0].inputs,
-                                       golden_calls[0].inputs if golden_calls[0] else {},
-                                       common_only=True)
-        rows.append(row)
-    return rows
+    if first_step is not None:
+        done = bar.phase(f"B: step {first_step} again, every module captured")
+        _, calls = capture_step(side, first_step, reference.tokens, opts)
+        rows, unmatched = module_rows(reference, first_step, calls, name_map, cut=cut)
+        notes += unmatched
+        row = first_module(rows)
+        if row is not None and not cut:
+            row.entry = where_it_enters(reference, first_step, row, calls, side.model)
+        done()
+    logits64 = None
+    if any(bool((a.argmax(-1) != b.argmax(-1)).any())
+           for a, b in zip(reference.logits, decoded.logits, strict=True)):
+        done = bar.phase("B in float64: decoding, for the verdicts of token flips")
+        logits64, note = _float64_logits(side, reference, decoded.logits)
+        if note:
+            notes.append(note)
+        done()
+    meta = {
+        "reference": reference.source, "model_b": type(side.model).__name__,
+        "steps": reference.steps,
+        "tokens": "A's greedy choices" if reference.greedy else "given",
+        "golden": reference.golden, "mode": reference.mode,
+        "backends": [backend_name(opts.backend_a), backend_name(opts.backend_b)],
+        "flip_verdicts": ("B's float64 decoding" if logits64 is not None
+                          else "margin against twice the step's budget"),
+        "notes": notes, "seconds": dict(bar.seconds),
+    }
+    return DecodeReport(steps=steps, first_step=first_step, rows=rows,
+                        flips=first_flips(reference, decoded.logits, steps, logits64),
+                        tokens=reference.tokens, meta=meta)
 
 
-def _compare_step(candidate: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor],
-                  golden: dict[str, torch.Tensor], *, common_only: bool = False) -> Result:
-    """Judge one step's tensors; the baseline and golden are cut to the candidate's positions.
-    With ``common_only`` tensors present on one side only (a mask a recompute leaves to the
-    kernel) are ignored."""
-    candidate = {p: t.cpu() for p, t in candidate.items()}
-    baseline, golden = _trailing(baseline, candidate), _trailing(golden, candidate)
-    for cut in (baseline, golden):
-        if isinstance(cut, Mismatch):
-            return cut
-    if common_only:
-        paths = candidate.keys() & baseline.keys() & (golden.keys() if golden else baseline.keys())
-        candidate, baseline = _only(candidate, paths), _only(baseline, paths)
-        golden = _only(golden, paths) if golden else {}
-    return judge(candidate, golden, baseline, "forward")
+def _float64_logits(side: Side, reference: DecodeReference, logits: list[torch.Tensor]
+                    ) -> tuple[list[torch.Tensor] | None, str | None]:
+    if module_placement(side.model)[0] == torch.float64:
+        return logits, None  # B runs in float64 already
+    side64 = side.in_float64()
+    if side64 is None:
+        return None, ("no float64 copy of B: flip verdicts compare A's margin with twice the "
+                      "step's budget")
+    try:
+        return side64.decode(reference.steps, reference.tokens).logits, None
+    except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
+        return None, (f"B's float64 decoding failed ({type(exc).__name__}: {first_line(exc)}); "
+                      "flip verdicts compare A's margin with twice the step's budget")
 
 
-def _only(tensors: dict[str, torch.Tensor], paths: set[str]) -> dict[str, torch.Tensor]:
-    return {p: t for p, t in tensors.items() if p in paths}
-
-
-def _trailing(tensors: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
-              ) -> dict[str, torch.Tensor] | Mismatch:
-    """``tensors`` cut to ``like``'s shapes by keeping the last positions of the one dimension
-    in which they are longer (a recompute's whole sequence against a cached step's new tokens)."""
-    out = {}
-    for path, tensor in tensors.items():
-        target = like.get(path)
-        if target is None or target.shape == tensor.shape:
-            out[path] = tensor.cpu()
-            continue
-        longer = [d for d in range(tensor.dim()) if tensor.shape[d] != target.shape[d]]
-        if tensor.dim() != target.dim() or len(longer) != 1 or \
-                tensor.shape[longer[0]] < target.shape[longer[0]]:
-            return Mismatch("forward", f"{path}: shape {tuple(tensor.shape)} cannot be cut to "
-                                       f"{tuple(target.shape)}")
-        dim = longer[0]
-        out[path] = tensor.narrow(dim, tensor.shape[dim] - target.shape[dim], target.shape[dim])
-    return out
-
+def _step_of(model: nn.Module, step: StepFn | None) -> StepFn:
+    chosen = step or builtin_step(model)
+    if chosen is None:
+        raise UsageError(f"torchparity cannot decode a {type(model).__name__} by itself; pass "
+                         f"step=, or from the command line {STEP_HINT}")
+    return chosen

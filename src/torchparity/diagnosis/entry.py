@@ -12,29 +12,39 @@ handed the same differing value (the layer gets the mask, its attention uses it)
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchparity.comparison.selection import PaddingSpec
+from torchparity.comparison.structure import format_shape
 from torchparity.diagnosis.align import Match
-from torchparity.diagnosis.capture import Capture, ModuleCall
-from torchparity.diagnosis.judging import judge
+from torchparity.diagnosis.capture import (
+    Capture,
+    ModuleCall,
+    Signature,
+    Uncopyable,
+    bound_arguments,
+    signature,
+)
+from torchparity.diagnosis.judging import judge, module_padding
+from torchparity.diagnosis.local import on_recorded_state
+from torchparity.diagnosis.masks import by_meaning
 from torchparity.diagnosis.propagated import one_to_one
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Entry, Row
-from torchparity.diagnosis.run import Options, backend_context, placed
+from torchparity.diagnosis.run import Options, backend_context, placed, rebind
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.subject.running import seeded
 from torchparity.subject.trees import leaves
 
 
 def find_entry(reference: Reference, matches: list[Match], rows: list[Row], model: nn.Module,
-               opts: Options) -> None:
+               opts: Options, changing: set[str] = frozenset()) -> None:
     """Set ``entry`` on the first divergence when it contains modules and a differing input of
-    one of them explains it."""
+    one of them explains it (``changing``: B's modules that keep state across calls)."""
     first = next((r for r in rows if r.local is not None and not r.local.ok), None)
     if first is None:
         return
@@ -46,7 +56,7 @@ def find_entry(reference: Reference, matches: list[Match], rows: list[Row], mode
         return
     container = model.get_submodule(match.b[0].name)
     try:
-        replayed = _replay_capturing(reference, match, container, opts)
+        replayed = _replay_capturing(reference, match, container, opts, changing)
         first.entry = _first_differing_input(reference, replayed, inside, container)
     except ReplayUnavailable as exc:
         first.notes.append(f"where the divergence enters is unknown: {exc}")
@@ -74,11 +84,14 @@ def _calls_inside(container: ModuleCall, matches: list[Match]
 
 
 def _replay_capturing(reference: Reference, match: Match, container: nn.Module,
-                      opts: Options) -> list[ModuleCall]:
-    """B's container run on A's recorded inputs, every module inside it captured."""
+                      opts: Options, changing: set[str]) -> list[ModuleCall]:
+    """B's container run on A's recorded inputs (and state), every module inside it
+    captured."""
     a, b = match.a[0], match.b[0]
-    args, kwargs = placed(reference.store.get_inputs(a.key), b)
-    with backend_context(opts.backend_b), seeded(), torch.no_grad(), \
+    args, kwargs = rebind(reference.signatures.get(a.name),
+                          placed(reference.store.get_inputs(a.key), b), container)
+    with on_recorded_state(reference, a, container, b.name, changing), \
+            backend_context(opts.backend_b), seeded(), torch.no_grad(), \
             Capture(container, exclude="", what="tensors") as capture:
         container(*args, **kwargs)
     return capture.records
@@ -98,10 +111,13 @@ def _first_differing_input(reference: Reference, replayed: list[ModuleCall],
         if found is not None:
             paired.append((call, found[0], found[1]))
 
-    def difference(call: ModuleCall, match: Match) -> _Difference | None:
-        a_inputs = reference.store.get_inputs(match.a[0].key)
-        names = parameter_names(container.get_submodule(call.name))
-        return _input_difference(a_inputs, (call.args, call.kwargs), names)
+    def difference(call: ModuleCall, match: Match) -> Difference | None:
+        a = match.a[0]
+        return argument_difference(reference.signatures.get(a.name),
+                                   reference.store.get_inputs(a.key),
+                                   signature(container.get_submodule(call.name)),
+                                   (call.args, call.kwargs),
+                                   module_padding(reference.padding, a.name))
 
     for index, (call, b_call, match) in enumerate(paired):
         found = difference(call, match)
@@ -128,7 +144,10 @@ def _contains(outer: ModuleCall, inner: ModuleCall) -> bool:
 
 
 @dataclass(frozen=True)
-class _Difference:
+class Difference:
+    """Where two calls' arguments differ: the argument (``ctx.mask``; ``mask (B: attn_mask)``
+    when B renamed it), how, and B's value there."""
+
     argument: str
     detail: str
     b_value: Any
@@ -141,38 +160,91 @@ def _same(a: Any, b: Any) -> bool:
         _same_plain(a, b)
 
 
-def _input_difference(a_inputs: tuple[tuple, dict], b_inputs: tuple[tuple, dict],
-                      names: list[str]) -> _Difference | None:
-    """The first argument path where B's inputs differ from A's, and how."""
-    a_leaves = {**leaves(a_inputs[0], "args"), **leaves(a_inputs[1], "kwargs")}
-    b_leaves = {**leaves(b_inputs[0], "args"), **leaves(b_inputs[1], "kwargs")}
-    for path in [*a_leaves, *(p for p in b_leaves if p not in a_leaves)]:
-        a, b = a_leaves.get(path, _MISSING), b_leaves.get(path, _MISSING)
-        detail = _leaf_difference(a, b)
-        if detail is not None:
-            return _Difference(_argument(path, names), detail, b)
+def argument_difference(a_sig: Signature | None, a_inputs: tuple[tuple, dict],
+                        b_sig: Signature | None, b_inputs: tuple[tuple, dict],
+                        padding: PaddingSpec = None) -> Difference | None:
+    """The first argument in which B's call differs from A's, compared by meaning: arguments
+    bind to their parameters by name, and a parameter B renamed pairs with A's by value (both
+    None, the same tensor) or, when one is left on each side, with the other; an argument that
+    is None on one side and not passed on the other is no difference. Objects the arguments
+    hold (caches) are compared through the state they hold (:mod:`.state`); masks by what they
+    let the judged queries attend to (``padding`` says which are judged)."""
+    a, b = bound_arguments(a_sig, *a_inputs), bound_arguments(b_sig, *b_inputs)
+    for a_name, b_name in _paired(a, b):
+        a_value = a[a_name] if a_name is not None else _MISSING
+        b_value = b[b_name] if b_name is not None else _MISSING
+        label = a_name if b_name in (a_name, None) else (
+            b_name if a_name is None else f"{a_name} (B: {b_name})")
+        a_leaves, b_leaves = leaves(a_value, ""), leaves(b_value, "")
+        for path in [*a_leaves, *(p for p in b_leaves if p not in a_leaves)]:
+            x, y = a_leaves.get(path, _MISSING), b_leaves.get(path, _MISSING)
+            detail = _leaf_difference(x, y, padding)
+            if detail is not None:
+                return Difference(f"{label}.{path}" if path else label, detail, y)
     return None
+
+
+def _paired(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str | None, str | None]]:
+    """A's and B's argument names paired: equal names, then renamed ones by equal value, then
+    a last one on each side; None values without a partner are not passed at all."""
+    pairs: list[tuple[str | None, str | None]] = [(name, name) for name in a if name in b]
+    rest_a = [n for n in a if n not in b]
+    rest_b = [n for n in b if n not in a]
+    for name in list(rest_a):
+        partner = next((m for m in rest_b if _same(a[name], b[m])), None)
+        if partner is not None:
+            pairs.append((name, partner))
+            rest_a.remove(name)
+            rest_b.remove(partner)
+    rest_a = [n for n in rest_a if a[n] is not None]
+    rest_b = [n for n in rest_b if b[n] is not None]
+    if len(rest_a) == len(rest_b) == 1:
+        return [*pairs, (rest_a[0], rest_b[0])]
+    return [*pairs, *((n, None) for n in rest_a), *((None, n) for n in rest_b)]
 
 
 _MISSING = object()
 
 
-def _leaf_difference(a: Any, b: Any) -> str | None:
+def _leaf_difference(a: Any, b: Any, padding: PaddingSpec = None) -> str | None:
+    """How two values of one argument differ (None when they agree): integer and bool tensors
+    exactly, floating ones within the analytic budget on the judged positions, masks by meaning
+    (:mod:`.masks`), other values by equality; objects of one type (caches, placeholders of
+    them) agree here, their state is compared apart."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        if _objects_alike(a, b):
+            return None
         if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or not _same_plain(a, b):
             return f"A has {_describe(a)}, B has {_describe(b)}"
         return None
+    if not _same(a, b.to(a.device)):
+        meaning = by_meaning(a, b, padding)
+        if meaning is not None:
+            return meaning.detail
     if a.shape != b.shape:
-        return f"A has {_describe(a)}, B has {_describe(b)}"
+        return (f"shape differs: {format_shape(tuple(a.shape))} vs "
+                f"{format_shape(tuple(b.shape))} (A vs B)")
     b = b.to(a.device)
     if not (a.is_floating_point() and b.is_floating_point()):
         differ = int((a != b).sum())
         return f"{differ} of {a.numel()} entries differ" if differ else None
-    result = judge({"input": b}, {"input": a}, {}, "forward")
+    result = judge({"input": b}, {"input": a}, {}, "forward", padding)
     if result.ok:
         return None
     worst = result.tensors[0]
     return f"{worst.n_over} of {a.numel()} entries differ beyond the budget"
+
+
+def _objects_alike(a: Any, b: Any) -> bool:
+    """Two objects that are no plain values, tensors or containers, of one type."""
+    plain = (type(None), bool, int, float, str, torch.Tensor)
+    if a is _MISSING or b is _MISSING or isinstance(a, plain) or isinstance(b, plain):
+        return False
+    return _type_name(a) == _type_name(b)
+
+
+def _type_name(leaf: Any) -> str:
+    return leaf.type_name if isinstance(leaf, Uncopyable) else type(leaf).__name__
 
 
 def _same_plain(a: Any, b: Any) -> bool:
@@ -192,20 +264,15 @@ def _describe(leaf: Any) -> str:
         type(leaf).__name__
 
 
-def _argument(path: str, names: list[str]) -> str:
-    """``args.1.mask`` -> ``ctx.mask`` (the forward's parameter name), ``kwargs.x`` -> ``x``."""
+def argument_path(path: str, sig: Signature | None) -> str:
+    """``args.1.cache.self_kv`` -> ``ctx.cache.self_kv`` (the parameter the argument binds to),
+    ``kwargs.x.y`` -> ``x.y``."""
     head, _, rest = path.partition(".")
     index, _, tail = rest.partition(".")
-    if head == "args" and index.isdigit() and int(index) < len(names):
-        index = names[int(index)]
+    if head == "args" and index.isdigit():
+        positional = [name for name, kind in sig or []
+                      if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+        index = positional[int(index)] if int(index) < len(positional) else f"args.{index}"
+    elif head != "kwargs":
+        return path
     return f"{index}.{tail}" if tail else index
-
-
-def parameter_names(module: nn.Module) -> list[str]:
-    """The positional parameter names of ``module.forward`` (``args.1`` is its second)."""
-    try:
-        parameters = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    return [p.name for p in parameters
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -10,13 +10,14 @@ replayed backward from A's recorded output gradient.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import ModuleCall
-from torchparity.diagnosis.judging import judge
+from torchparity.diagnosis.judging import judge_departure, module_padding
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference, grad_keeper, keep_run_results
 from torchparity.diagnosis.report import Result
@@ -24,11 +25,14 @@ from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,
     backend_context,
+    dtype_label,
     placed,
     replay,
     run_model,
 )
-from torchparity.diagnosis.trace import FINAL, ReplayUnavailable
+from torchparity.diagnosis.state import replaying, states_within
+from torchparity.diagnosis.trace import FINAL, ReplayUnavailable, weight_digests
+from torchparity.subject.factory import first_line
 from torchparity.subject.running import Inputs, call_model, seeded, upcast
 from torchparity.subject.trees import flatten_tensors
 
@@ -41,23 +45,60 @@ def module_placement(module: nn.Module) -> tuple[Any, Any]:
     return None, None
 
 
-def golden_copy(model: nn.Module) -> tuple[nn.Module | None, str]:
-    """A float64 CPU copy of ``model`` and a description of the golden used."""
+def describe_mode(model: nn.Module, dtype: torch.dtype | None, has_golden: bool) -> str:
+    """The precision a diagnosis runs in: ``float32: A and B as given, against A's float64
+    golden`` (``dtype``: the one A and B were cast to, None when run as given)."""
+    a_dtype = dtype_label(module_placement(model)[0])
+    mode = (f"{a_dtype}: A and B both cast to {a_dtype}" if dtype is not None
+            else f"{a_dtype}: A and B as given")
+    return mode + (", against A's float64 golden" if has_golden
+                   else f", budgets from {a_dtype} rounding")
+
+
+def golden_warning(note: str) -> str | None:
+    """The line that says, first thing, that no float64 golden could be made, why and the fix
+    (None when there is one, or when A runs in float64 and needs none)."""
+    if not note.startswith("none: ") or "already runs in float64" in note:
+        return None
+    return f"warning: no float64 golden: {note.removeprefix('none: ')}"
+
+
+#: What to do when A cannot be copied into float64.
+COPY_FIX = ("fix: make the model deep-copyable, or diagnose it from its factory (the command "
+            "line builds it again in float64 when copying fails; seed its initialisation)")
+
+
+def golden_copy(model: nn.Module, rebuild: Callable[[], nn.Module] | None = None
+                ) -> tuple[nn.Module | None, str]:
+    """A float64 CPU copy of ``model`` and a description of the golden used (starting with
+    "none: ", the reason and the fix, when there is none). A model that cannot be
+    deep-copied is built again by ``rebuild()`` (its factory) when given, and used when its
+    weights are A's."""
     dtype, _ = module_placement(model)
     if dtype == GOLDEN_DTYPE:
         return None, "none: A already runs in float64; budgets use the analytic bound"
     try:
-        golden = copy.deepcopy(model).to(device="cpu", dtype=GOLDEN_DTYPE)
-    except Exception as exc:  # noqa: BLE001 - any failure means: no golden, say why
-        return None, f"none: copying A to float64 failed ({type(exc).__name__}: {exc})"
-    return golden, "float64 copy of A on the CPU"
+        golden = copy.deepcopy(model)
+    except Exception as exc:  # noqa: BLE001 - any failure means: try again, or say why
+        failure = f"copying A to float64 failed ({type(exc).__name__}: {first_line(exc)})"
+        if rebuild is None:
+            return None, f"none: {failure}; budgets come from A's own rounding; {COPY_FIX}"
+        golden = rebuild()
+        if weight_digests(golden) != weight_digests(model):
+            return None, (f"none: {failure}, and the factory built other weights when called "
+                          "again; budgets come from A's own rounding; fix: seed the factory's "
+                          "initialisation, or make the model deep-copyable")
+        return golden.to(device="cpu", dtype=GOLDEN_DTYPE).eval(), (
+            f"float64 copy of A on the CPU, built again by its factory ({failure})")
+    return golden.to(device="cpu", dtype=GOLDEN_DTYPE), "float64 copy of A on the CPU"
 
 
 def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
-               bar: ProgressBar) -> Reference:
-    """Run A's float64 copy into the reference's store and arm the replays of its calls."""
+               bar: ProgressBar, rebuild: Callable[[], nn.Module] | None = None) -> Reference:
+    """Run A's float64 copy into the reference's store and arm the replays of its calls
+    (``rebuild`` as in :func:`golden_copy`)."""
     store = reference.store
-    golden, reference.golden = golden_copy(model)
+    golden, reference.golden = golden_copy(model, rebuild)
     if golden is not None:
         done = bar.phase("golden (float64): forward" + (" and backward" if opts.backward else ""))
         try:
@@ -71,7 +112,8 @@ def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
             reason = f"{type(exc).__name__}: {exc}"
             golden, reference.golden = None, f"none: the float64 run failed ({reason})"
         done()
-    reference.replayer = _Replayer(store, reference.notes, model, golden, opts)
+    reference.replayer = _Replayer(store, reference.notes, model, golden, opts,
+                                   reference.states)
     return reference
 
 
@@ -83,42 +125,64 @@ def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,
     if not reference.has_golden:
         return None
     golden = {p: t for p, t in reference.store.get(FINAL, "golden_out").items() if p != "loss"}
+    a_output = reference.store.get(FINAL, "out")
     try:
         model64 = copy.deepcopy(model).to(device="cpu", dtype=GOLDEN_DTYPE)
         with backend_context(opts.backend_b), seeded(), torch.no_grad():
             output = call_model(model64, upcast(inputs, GOLDEN_DTYPE, "cpu"))
     except Exception:  # noqa: BLE001 - no float64 run of B: nothing to tell
         return None
-    return judge(flatten_tensors(output), golden, {}, "forward")
+    return judge_departure(flatten_tensors(output), golden, a_output,
+                           module_padding(reference.padding, ""))
 
 
 class _Replayer:
     """Local goldens (and local gradients of A and the golden) of A's recorded calls."""
 
     def __init__(self, store: Any, notes: dict[str, str], model: nn.Module,
-                 golden: nn.Module | None, opts: Options) -> None:
-        self.store, self.notes, self.opts = store, notes, opts
+                 golden: nn.Module | None, opts: Options,
+                 states: dict[str, list[tuple[int, Any]]]) -> None:
+        self.store, self.notes, self.opts, self.states = store, notes, opts, states
         self.modules = dict(model.named_modules())
         self.golden_modules = dict(golden.named_modules()) if golden is not None else None
 
     def __call__(self, call: ModuleCall) -> None:
         store, opts = self.store, self.opts
         grad_out = store.get(call.key, "grad_out") if opts.backward else {}
+        # A module keeping state across calls is replayed on its state at the recorded call.
+        states = states_within(self.states, call.name, call.clock)
         try:
             if grad_out:
-                _, grads = replay(self.modules[call.name],
-                                  placed(store.get_inputs(call.key), call), opts.backend_a,
-                                  grad_out=grad_out, requires_grad=call.inputs_requiring_grad)
+                module = self.modules[call.name]
+                with replaying(module, states, placed_on):
+                    _, grads = replay(module, placed(store.get_inputs(call.key), call),
+                                      opts.backend_a, grad_out=grad_out,
+                                      requires_grad=call.inputs_requiring_grad)
                 store.put(call.key, "local_grad", grads)
             if self.golden_modules is not None:
-                outputs, grads = replay(
-                    self.golden_modules[call.name],
-                    upcast(store.get_inputs(call.key), GOLDEN_DTYPE, "cpu"), opts.backend_a,
-                    grad_out=upcast(grad_out, GOLDEN_DTYPE, "cpu"),
-                    requires_grad=call.inputs_requiring_grad)
+                module = self.golden_modules[call.name]
+                with replaying(module, states, lambda t, m: _upcast(t)):
+                    outputs, grads = replay(
+                        module, upcast(store.get_inputs(call.key), GOLDEN_DTYPE, "cpu"),
+                        opts.backend_a, grad_out=upcast(grad_out, GOLDEN_DTYPE, "cpu"),
+                        requires_grad=call.inputs_requiring_grad)
                 store.put(call.key, "local_golden", outputs)
                 store.put(call.key, "local_golden_grad", grads)
         except ReplayUnavailable as exc:
-            self.notes[call.key] = f"not replayed: {exc}"
+            self.notes[call.key] = f"not replayable: {exc}"
         except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
             self.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"
+
+
+
+def placed_on(tensor: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """A state tensor as ``module`` holds it: on its parameters' device, and in their floating
+    dtype when floating."""
+    dtype, device = module_placement(module)
+    if dtype is None or not tensor.is_floating_point():
+        dtype = tensor.dtype
+    return tensor.to(device=device or tensor.device, dtype=dtype)
+
+
+def _upcast(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to("cpu", GOLDEN_DTYPE) if tensor.is_floating_point() else tensor.cpu()

@@ -12,27 +12,100 @@ import torch
 
 from torchparity import tolerance
 from torchparity.comparison import Comparison, StructureMismatch, compare
+from torchparity.comparison.selection import PaddingSpec, left_out_of
 from torchparity.diagnosis.report import Bounded, Mismatch, Result, headroom, worst_error
+from torchparity.subject.padding import Padding
 
 
 def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
-          baseline: dict[str, torch.Tensor], kind: str) -> Result:
+          baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec = None,
+          precision: torch.dtype | None = None) -> Result:
     """Compare under the tolerance model; without a golden, the baseline serves as golden and
     the analytic bound as budget. Tensors on one side only are differences of structure
-    (``result.structure``), judged apart from the shared ones. A baseline in another dtype than
-    the candidate's (B runs in another precision than A) cannot earn a budget and is dropped."""
+    (``result.structure``), judged apart from the shared ones; a tensor both have in other
+    shapes diverges (``result.shapes``). A baseline in another dtype than the candidate's (B
+    runs in another precision than A) cannot earn a budget and is dropped.
+    ``padding`` (see :func:`module_padding`) leaves padded positions out.
+
+    A tensor whose golden is NaN or inf at judged elements where A is finite is judged against
+    A, as without a golden, and says so: there the float64 run computes something else than A
+    (an eager ``transformers`` attention casts float64's most negative mask value to float32's
+    -inf, and a fully masked query row turns NaN, which then reaches real positions through a
+    zero weight). Its analytic bound is that of ``precision`` when given (a loss computed in
+    float32 from bfloat16 outputs carries bfloat16's rounding), else of each tensor's dtype."""
+    broken = _broken_goldens(golden, baseline, padding)
+    if broken:
+        return _judged_against_a(candidate, golden, baseline, kind, padding, broken, precision)
+    return _judge(candidate, golden, baseline, kind, padding)
+
+
+def _judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
+           baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec,
+           compute_dtype: torch.dtype | None = None) -> Result:
     original = baseline or golden
     if not golden:
         golden, baseline = baseline, {}
     same_dtypes = all(candidate[p].dtype == t.dtype for p, t in baseline.items()
                       if p in candidate)
     try:
-        result = compare(candidate, golden, baseline if baseline and same_dtypes else None, kind)
+        result = compare(candidate, golden, baseline if baseline and same_dtypes else None, kind,
+                         compute_dtype=compute_dtype, padding=padding)
     except StructureMismatch as exc:
         return Mismatch(kind, str(exc))
     result.structure = tuple(_as_a_sees_it(d, original)
                              for d in getattr(result, "structure", ()))
+    result.shapes = tuple(dataclasses.replace(d, path=_flat_path(d.path))
+                          for d in getattr(result, "shapes", ()))
     return result
+
+
+def judge_departure(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
+                    a_tensors: dict[str, torch.Tensor], padding: PaddingSpec = None
+                    ) -> Result | None:
+    """B's float64 tensors against A's float64 golden under float64 rounding alone, on the
+    tensors whose golden is finite wherever A is (see :func:`judge`); None when none is."""
+    broken = _broken_goldens(golden, a_tensors, padding)
+    usable = {p: t for p, t in golden.items() if p not in broken}
+    if not usable:
+        return None
+    return judge({p: t for p, t in candidate.items() if p not in broken}, usable, {}, "forward",
+                 padding)
+
+
+def _broken_goldens(golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor],
+                    padding: PaddingSpec) -> dict[str, int]:
+    """Per path, how many judged elements of the golden are NaN or inf where A is finite."""
+    broken = {}
+    for path, g in golden.items():
+        a = baseline.get(path)
+        if a is None or a.shape != g.shape or not g.is_floating_point() or \
+                tolerance.all_finite(g):
+            continue
+        left_out = left_out_of(padding, f'outputs["{path}"]', g)
+        g, a = (t if left_out is None else left_out.judged(t) for t in (g, a.to(g.device)))
+        n = int((~g.isfinite() & a.isfinite()).sum())
+        if n:
+            broken[path] = n
+    return broken
+
+
+def _judged_against_a(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
+                      baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec,
+                      broken: dict[str, int], precision: torch.dtype | None) -> Result:
+    """The tensors of ``broken`` judged against A alone, the others as usual."""
+    def part(tensors: dict[str, torch.Tensor], inside: bool) -> dict[str, torch.Tensor]:
+        return {p: t for p, t in tensors.items() if (p in broken) == inside}
+
+    against_a = _judge(part(candidate, True), {}, part(baseline, True), kind, padding,
+                       precision)
+    for t in getattr(against_a, "tensors", ()):
+        n = broken.get(_flat_path(t.path))
+        if n:
+            t.notes.append(f"A's float64 golden is NaN or inf at {n} judged element(s) where A "
+                           "is finite, so A is the reference here and the analytic bound the "
+                           "budget")
+    return merged(_judge(part(candidate, False), part(golden, False), part(baseline, False),
+                         kind, padding), against_a)
 
 
 def _as_a_sees_it(difference: Any, a_tensors: dict[str, torch.Tensor]) -> Any:
@@ -70,21 +143,35 @@ def _flat_path(path: str) -> str:
     return found.group(1) if found else path
 
 
+def module_padding(padding: Padding | None, module: str) -> PaddingSpec:
+    """The padding of one module's tensors (its name tells an encoder's from a decoder's);
+    gradients of its parameters (``param.*``) have no positions and are judged whole."""
+    if not padding:
+        return None
+    scoped = padding.within(module)
+    return lambda path, tensor: None if _flat_path(path).startswith("param.") else \
+        scoped(path, tensor)
+
+
 def judge_quickly(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
-                  baseline: dict[str, torch.Tensor], kind: str) -> Result:
+                  baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec = None,
+                  precision: torch.dtype | None = None) -> Result:
     """:func:`judge`, at a fraction of its cost when the answer is clearly "within".
 
     The tolerance model's budget is at least ``fudge`` times the baseline's error (the noise
     it measures is never smaller), so a candidate whose error is within that of every tensor
     is within budget: two error norms decide it, and the headroom is reported as a bound. Any
-    other case (no golden or baseline, structure or dtype differences, non-finite values, a
-    larger error) takes the full comparison."""
-    quick = _bounded(candidate, golden, baseline, kind)
-    return quick if quick is not None else judge(candidate, golden, baseline, kind)
+    other case (no golden or baseline, structure or dtype differences, non-finite or masked
+    values, a larger error) takes the full comparison."""
+    quick = _bounded(candidate, golden, baseline, kind, padding)
+    if quick is not None:
+        return quick
+    return judge(candidate, golden, baseline, kind, padding, precision)
 
 
 def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
-             baseline: dict[str, torch.Tensor], kind: str) -> Bounded | None:
+             baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec
+             ) -> Bounded | None:
     if not golden or not candidate or not (candidate.keys() == golden.keys() == baseline.keys()):
         return None
     tol = tolerance.kind_tolerance(kind)
@@ -92,8 +179,11 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
     for path, c in candidate.items():
         g, b = golden[path], baseline[path]
         if c.shape != g.shape or c.dtype != b.dtype or c.shape != b.shape or \
-                not c.is_floating_point():
+                not c.is_floating_point() or _masks(c, g, b):
             return None
+        left_out = left_out_of(padding, f'outputs["{path}"]', g)
+        if left_out is not None:
+            c, g, b = (left_out.judged(t) for t in (c, g, b))
         if identical and torch.equal(c, b) and bool(torch.isfinite(c).all()):
             errors.append(tolerance.error(c, g, tol.metric))
             shares.append(0.0)
@@ -109,6 +199,12 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
     return Bounded(kind, verdict, max(errors), 0.0 if identical else max(shares))
 
 
+def _masks(*tensors: torch.Tensor) -> bool:
+    """Whether any tensor holds masked entries, which only the full comparison sets apart
+    (a sentinel on each side would otherwise dominate both error norms)."""
+    return any(t.numel() and bool(t.amin() <= tolerance.MASKED_BELOW) for t in tensors)
+
+
 def merged(first: Result | None, second: Result) -> Result:
     """One result for both: a mismatch in either wins, then a diverged one; two full
     comparisons keep every tensor, a bounded one keeps the larger error and bound."""
@@ -122,7 +218,8 @@ def merged(first: Result | None, second: Result) -> Result:
         return Bounded(first.kind, verdict, max(worst_error(first), worst_error(second)),
                        max(headroom(first), headroom(second)))
     return Comparison(kind=first.kind, tensors=first.tensors + second.tensors,
-                      structure=(*first.structure, *second.structure))
+                      structure=(*first.structure, *second.structure),
+                      shapes=(*first.shapes, *second.shapes))
 
 
 def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

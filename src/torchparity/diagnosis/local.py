@@ -9,21 +9,32 @@ has nothing to localise, and replaying every module of a deep model costs many t
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 
 from torchparity.diagnosis.align import Match
+from torchparity.diagnosis.capture import ModuleCall
+from torchparity.diagnosis.golden import placed_on
 from torchparity.diagnosis.judging import joined
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.propagated import one_to_one
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Result, Row
-from torchparity.diagnosis.run import Options, placed, replay
+from torchparity.diagnosis.run import Options, placed, rebind, replay
+from torchparity.diagnosis.state import (
+    changing_within,
+    replaying,
+    states_within,
+    why_not_replayable,
+)
 from torchparity.diagnosis.trace import ReplayUnavailable
 
 
 def judge_local(reference: Reference, matches: list[Match], rows: list[Row], model: nn.Module,
-                opts: Options, bar: ProgressBar) -> int:
-    """Fill the local results of the rows that need them; returns how many were replayed."""
+                opts: Options, bar: ProgressBar, changing: set[str] = frozenset()) -> int:
+    """Fill the local results of the rows that need them; returns how many were replayed.
+    ``changing`` names B's modules that change their own state across calls."""
     to_replay = [(match, row) for match, row in zip(matches, rows, strict=True)
                  if opts.local == "all" or needs_local(row)]
     modules = dict(model.named_modules())
@@ -32,7 +43,7 @@ def judge_local(reference: Reference, matches: list[Match], rows: list[Row], mod
         for call in match.a:
             reference.ensure_replayed(call)
         row.notes += [reference.notes[c.key] for c in match.a if c.key in reference.notes]
-        row.local, row.grad_local, note = _local(reference, match, modules, opts)
+        row.local, row.grad_local, note = _local(reference, match, modules, opts, changing)
         if note:
             row.notes.append(note)
         advance()
@@ -46,27 +57,50 @@ def needs_local(row: Row) -> bool:
         result is not None and not result.ok for result in (row.propagated, row.grad_propagated))
 
 
-def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], opts: Options
-           ) -> tuple[Result | None, Result | None, str | None]:
+def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], opts: Options,
+           changing: set[str]) -> tuple[Result | None, Result | None, str | None]:
     """B's module(s) fed A's recorded inputs (and output gradient), judged against the local
     golden with A's replay as the baseline."""
     a = match.a[0]
     if a.key in reference.notes:
         return None, None, None
     store = reference.store
+
+    def inputs(b: ModuleCall) -> tuple[tuple, dict]:
+        return rebind(reference.signatures.get(a.name), placed(store.get_inputs(a.key), b),
+                      modules[b.name])
+
     try:
-        outputs = [replay(modules[b.name], placed(store.get_inputs(a.key), b),
-                          opts.backend_b)[0] for b in match.b]
+        outputs = []
+        for b in match.b:
+            with on_recorded_state(reference, a, modules[b.name], b.name, changing):
+                outputs.append(replay(modules[b.name], inputs(b), opts.backend_b)[0])
         local = reference.judge(match.a, joined(outputs), "out", "local_golden", "forward")
         grad_out = store.get(a.key, "grad_out") if opts.backward and one_to_one(match) else {}
         if not grad_out:
             return local, None, None
         b = match.b[0]
-        _, grads = replay(modules[b.name], placed(store.get_inputs(a.key), b), opts.backend_b,
-                          grad_out=grad_out, requires_grad=a.inputs_requiring_grad)
+        with on_recorded_state(reference, a, modules[b.name], b.name, changing):
+            _, grads = replay(modules[b.name], inputs(b), opts.backend_b, grad_out=grad_out,
+                              requires_grad=a.inputs_requiring_grad)
         grad_local = reference.judge(match.a, grads, "local_grad", "local_golden_grad", "grad")
         return local, grad_local, None
     except ReplayUnavailable as exc:
-        return None, None, f"not replayed: {exc}"
+        return None, None, f"not replayable: {exc}"
     except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
         return None, None, f"replay of B's module failed: {type(exc).__name__}: {exc}"
+
+
+def on_recorded_state(reference: Reference, a: ModuleCall, module: nn.Module, name: str,
+                      changing: set[str]) -> contextlib.AbstractContextManager:
+    """A context in which B's ``module`` (called ``name`` in B) and its submodules hold the
+    state A's had when the recorded call ``a`` started (nothing to do for modules that keep
+    none); :class:`ReplayUnavailable` when B keeps its state otherwise than A."""
+    states = states_within(reference.states, a.name, a.clock)
+    b_changing = changing_within(changing, name)
+    if not states and not b_changing:
+        return contextlib.nullcontext()
+    reason = why_not_replayable(states, module, b_changing)
+    if reason is not None:
+        raise ReplayUnavailable(reason)
+    return replaying(module, states, placed_on)

@@ -17,11 +17,18 @@ from torch import nn
 
 from torchparity.diagnosis.align import Alignment, Match, NameMap, align, name_translator
 from torchparity.diagnosis.capture import ModuleCall, call_key
-from torchparity.diagnosis.judging import joined, judge_quickly, merged, with_leaves
+from torchparity.diagnosis.judging import (
+    joined,
+    judge_quickly,
+    merged,
+    module_padding,
+    with_leaves,
+)
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Result, Row
 from torchparity.diagnosis.run import Options, Run, run_model
+from torchparity.diagnosis.state import StateRecorder
 from torchparity.diagnosis.trace import FINAL
 from torchparity.subject.running import Inputs
 from torchparity.subject.trees import flatten_tensors, leaves
@@ -36,6 +43,7 @@ class Propagated:
     rows: list[Row]
     output: Result
     loss: Result | None
+    changing: set[str]  # B's modules that change their own state across calls
 
 
 #: Which of A's calls (and how many of B's, fused) a call of B is judged against, by B's key.
@@ -70,15 +78,17 @@ def judge_propagated(reference: Reference, model: nn.Module, inputs: Inputs,
         row.grad_propagated = tracker.grads.get(match.b_name)
         rows.append(row)
     return Propagated(alignment=alignment, rows=rows, output=_final(reference, run, "output"),
-                      loss=_final(reference, run, "loss") if run.loss is not None else None)
+                      loss=_final(reference, run, "loss") if run.loss is not None else None,
+                      changing=run.changing)
 
 
 def _run(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
          bar: ProgressBar, pairing: Pairing) -> tuple[_Tracker, Run]:
     done = bar.phase("B: forward" + (" and backward" if opts.backward else ""))
     tracker = _Tracker(reference, pairing)
+    states = StateRecorder(model, snapshots=False)
     run = run_model(model, inputs, opts, opts.backend_b, backward=opts.backward, what="outputs",
-                    keep=False, on_call=tracker.on_call, on_grad=tracker.on_grad)
+                    keep=False, on_call=tracker.on_call, on_grad=tracker.on_grad, states=states)
     tracker.finish(run.param_grads)
     done()
     return tracker, run
@@ -161,6 +171,8 @@ class _Tracker:
 
 def _final(reference: Reference, run: Run, which: str) -> Result:
     final = flatten_tensors(run.output)
+    # A loss carries the rounding of the outputs it is computed from.
+    precision = next((t.dtype for t in final.values() if t.is_floating_point()), None)
     if which == "loss":
         final = {"loss": run.loss}
     final = {p: t.cpu() for p, t in final.items()}
@@ -171,5 +183,7 @@ def _final(reference: Reference, run: Run, which: str) -> Result:
         return {p: t for p, t in tensors.items() if (p == "loss") == (which == "loss")}
 
     kind = "loss" if which == "loss" else "forward"
-    result = judge_quickly(final, pick(golden), pick(baseline), kind)
+    result = judge_quickly(final, pick(golden), pick(baseline), kind,
+                           module_padding(reference.padding, ""),
+                           precision if which == "loss" else None)
     return with_leaves(result, leaves(run.output, "output"))

@@ -17,12 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.diagnosis.capture import ModuleCall, PatternSpec, call_key
-from torchparity.diagnosis.judging import joined, judge, judge_quickly
+from torchparity.diagnosis.capture import ModuleCall, PatternSpec, Signature, call_key, signature
+from torchparity.diagnosis.judging import joined, judge, judge_quickly, module_padding
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.report import Result
 from torchparity.diagnosis.run import Options, Run, run_model
+from torchparity.diagnosis.state import OwnState, StateRecorder
 from torchparity.diagnosis.trace import (
+    DECODE,
     FINAL,
     SCHEMA,
     call_from_json,
@@ -33,6 +35,7 @@ from torchparity.diagnosis.trace import (
     weight_digests,
 )
 from torchparity.errors import UsageError
+from torchparity.subject.padding import Padding
 from torchparity.subject.running import Inputs
 from torchparity.subject.trees import flatten_tensors
 
@@ -53,6 +56,10 @@ class Reference:
     replayer: Callable[[ModuleCall], None] | None = None
     replayed: set[str] = field(default_factory=set)
     judging_seconds: float = 0.0  # spent judging B's tensors while B runs (``quick``)
+    padding: Padding = field(default_factory=Padding)  # positions no judgement counts
+    signatures: dict[str, Signature | None] = field(default_factory=dict)  # A's forwards
+    #: Modules that change their own state across calls: name -> (clock, state before a call).
+    states: dict[str, list[tuple[int, OwnState]]] = field(default_factory=dict)
 
     def ensure_replayed(self, call: ModuleCall) -> None:
         """The local golden (and local gradients) of ``call`` are in the store after this."""
@@ -79,11 +86,15 @@ class Reference:
               ) -> Result:
         """``candidate`` against the golden's ``golden_group`` of ``calls``, with A's
         ``baseline_group`` as the baseline; ``quick`` bounds clearly-within verdicts instead
-        of computing every metric (:func:`~torchparity.diagnosis.judging.judge_quickly`)."""
+        of computing every metric (:func:`~torchparity.diagnosis.judging.judge_quickly`).
+        Padded positions of the module's tensors are left out (parameter gradients have
+        none)."""
         start = time.perf_counter()
         golden = self.tensors(calls, golden_group) if self.has_golden else {}
+        padding = None if baseline_group == "param_grad" else \
+            module_padding(self.padding, calls[0].name)
         result = (judge_quickly if quick else judge)(
-            candidate, golden, self.tensors(calls, baseline_group), kind)
+            candidate, golden, self.tensors(calls, baseline_group), kind, padding)
         if quick:
             self.judging_seconds += time.perf_counter() - start
         return result
@@ -98,11 +109,24 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Any, opts: Option
         store.put(call.key, "out", call.outputs)
 
     done = bar.phase("A: forward" + (" and backward" if opts.backward else ""))
+    recorder = StateRecorder(model)
     run = run_model(model, inputs, opts, opts.backend_a, backward=opts.backward, what="tensors",
-                    keep=False, on_call=keep_call, on_grad=grad_keeper(store, "grad_out"))
+                    keep=False, on_call=keep_call, on_grad=grad_keeper(store, "grad_out"),
+                    states=recorder)
     keep_run_results(store, run, "out", "param_grad")
+    states = recorder.kept()
+    for name, history in states.items():  # a trace keeps them for replays on another revision
+        for clock, state in history:
+            store.put_inputs(state_key(name, clock), (), state)
     done()
-    return Reference(calls=run.calls, store=store)
+    return Reference(calls=run.calls, store=store, padding=opts.padding, states=states,
+                     signatures={name: signature(module)
+                                 for name, module in model.named_modules()})
+
+
+def state_key(name: str, clock: int) -> str:
+    """Where a module's state before one of its calls is stored."""
+    return f"state|{name}@{clock}"
 
 
 def grad_keeper(store: Any, group: str) -> Callable[[ModuleCall, str, torch.Tensor], None]:
@@ -142,17 +166,22 @@ def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
         "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
         "backward": opts.backward,
         "backend": opts.backend_a,
-        "include": _pattern_json(opts.include),
-        "exclude": _pattern_json(opts.exclude),
+        "include": pattern_json(opts.include),
+        "exclude": pattern_json(opts.exclude),
         "inputs_digest": inputs_digest(inputs),
         "weights": weight_digests(model),
         "modules": module_tree(model),
         "calls": [call_to_json(c) for c in reference.calls],
+        "signatures": reference.signatures,
+        "states": {name: [clock for clock, _ in history]
+                   for name, history in reference.states.items()},
         "notes": reference.notes,
+        "padding": reference.padding.to_json(),
     }
 
 
-def _pattern_json(spec: PatternSpec) -> Any:
+def pattern_json(spec: PatternSpec) -> Any:
+    """A module selection as a trace stores it (globs and ``re:`` strings only)."""
     if spec is None or isinstance(spec, str):
         return spec
     if isinstance(spec, (list, tuple)) and all(isinstance(p, str) for p in spec):
@@ -162,9 +191,18 @@ def _pattern_json(spec: PatternSpec) -> Any:
 
 
 def open_reference(path: str | Path) -> tuple[Reference, dict[str, Any]]:
-    """The reference side a trace holds (every call already replayed), and its metadata."""
+    """The reference side a trace holds (every call already replayed), and its metadata; a
+    decoding trace is a one-line :class:`UsageError`."""
     meta, store = open_trace(path)
+    if meta.get("kind") == DECODE:
+        raise UsageError(f"trace {path} records a decoding; judge it with "
+                         "tp.diagnose_decode_against (the command line recognises it)")
     reference = Reference(calls=[call_from_json(c) for c in meta["calls"]], store=store,
                           golden=meta["golden"], mode=meta["mode"], notes=meta["notes"],
-                          source=str(path))
+                          source=str(path), signatures=meta["signatures"],
+                          states={name: [(clock, store.get_inputs(state_key(name, clock))[1])
+                                         for clock in clocks]
+                                  for name, clocks in meta["states"].items()})
+    if meta.get("padding"):
+        reference.padding = Padding.from_json(meta["padding"])
     return reference, meta

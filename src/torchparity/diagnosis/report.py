@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["AttributionReport", "Bounded", "DecodeReport", "DiagnosisReport", "Entry", "Mismatch",
+from torchparity.comparison.structure import format_shape
+
+__all__ = ["AttributionReport", "Bounded", "DiagnosisReport", "Entry", "Mismatch", "Report",
            "Result", "Row", "Unit"]
 
 
@@ -59,16 +61,18 @@ class Mismatch:
 
 @dataclass(frozen=True)
 class Entry:
-    """Where a divergence enters a container whose local replay diverged although none of its
-    modules did: the first module inside whose inputs differ from A's while every output that
-    fed them matched, the argument (``ctx.mask``) and how it differs."""
+    """Where a divergence enters: in a container whose local replay diverged although none of
+    its modules did, the first module inside whose inputs differ from A's while every output
+    that fed them matched; in a decoding step, the first module leaving its budget. Named by
+    the argument (``ctx.mask``) or the state it keeps (``k_cache``) and how it differs."""
 
     module: str
     argument: str
     detail: str
+    via: str = "argument"  # or "state": what the module keeps (a cache on itself)
 
     def __str__(self) -> str:
-        return f"{_label(self.module)} argument {self.argument} ({self.detail})"
+        return f"{_label(self.module)} {self.via} {self.argument} ({self.detail})"
 
 
 @dataclass
@@ -102,7 +106,7 @@ def worst_error(result: Result | None) -> float | None:
     """The largest error (in the kind's metric) over the result's tensors; inf for a mismatch."""
     if result is None:
         return None
-    if isinstance(result, Mismatch):
+    if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
         return math.inf
     if isinstance(result, Bounded):
         return result.error
@@ -114,7 +118,7 @@ def headroom(result: Result | None) -> float | None:
     :class:`Bounded` result, its bound."""
     if result is None:
         return None
-    if isinstance(result, Mismatch):
+    if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
         return math.inf
     if isinstance(result, Bounded):
         return result.headroom
@@ -135,7 +139,8 @@ class Row:
     diagnoses only) compares the module's input tensors the way ``propagated`` its outputs.
     ``entry`` (on a first divergence that contains other modules) names where it enters.
     :attr:`structure` lists the outputs that A and B hold in different structure (a tensor on
-    one side, ``None`` or nothing on the other): judged apart, never a numeric divergence.
+    one side, ``None`` or nothing on the other): judged apart, never a numeric divergence;
+    :attr:`shapes` those both hold in different shapes, a divergence of its own.
     """
 
     module: str
@@ -162,6 +167,15 @@ class Row:
         return ()
 
     @property
+    def shapes(self) -> tuple:
+        """The ``ShapeDifference`` s of the module's outputs (B as candidate, A's side as
+        golden)."""
+        for result in (self.propagated, self.local):
+            if result is not None and getattr(result, "shapes", ()):
+                return tuple(result.shapes)
+        return ()
+
+    @property
     def amplification(self) -> float | None:
         propagated, local = worst_error(self.propagated), worst_error(self.local)
         if propagated is None or local is None or math.isinf(propagated):
@@ -183,14 +197,16 @@ class Row:
             "grad_local": dump(self.grad_local), "grad_propagated": dump(self.grad_propagated),
             "structure": [{"path": d.path, "a": d.golden, "b": d.candidate}
                           for d in self.structure],
+            "shapes": [{"path": d.path, "a": list(d.golden), "b": list(d.candidate)}
+                       for d in self.shapes],
             "entry": None if self.entry is None else {
                 "module": self.entry.module, "argument": self.entry.argument,
-                "detail": self.entry.detail},
+                "detail": self.entry.detail, "via": self.entry.via},
             "notes": self.notes,
         })
 
 
-class _Report:
+class Report:
     """JSON and plain text of a report, from its own ``to_dict()`` and ``print(console)``."""
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
@@ -210,7 +226,7 @@ class _Report:
 
 
 @dataclass
-class DiagnosisReport(_Report):
+class DiagnosisReport(Report):
     """Result of :func:`torchparity.diagnose` and :func:`torchparity.diagnose_against`.
 
     ``rows`` are the aligned modules in the order their forward finished in B (children before
@@ -258,8 +274,10 @@ class DiagnosisReport(_Report):
         if first is None:
             parts.append("No module's local error breaks its budget.")
         else:
-            parts.append(f"First divergence: {_label(first.module)} ({first.module_type}), local "
-                         f"error {_ratio(headroom(first.local))} of budget.")
+            what = (shape_difference(first.shapes[0]) if first.shapes else
+                    f"local error {_ratio(headroom(first.local))} of budget")
+            parts.append(f"First divergence: {_label(first.module)} ({first.module_type}), "
+                         f"{what}.")
             if first.entry is not None:
                 parts.append(f"It enters at {first.entry}.")
         if self.meta.get("backward"):
@@ -325,9 +343,9 @@ class DiagnosisReport(_Report):
         first, grad = self.first_divergence, self.first_grad_divergence
         rows = []
         for index, r in enumerate(self.rows):
-            cells = [str(index), _cell(r.local), _cell(r.propagated)]
+            cells = [str(index), share_cell(r.local), share_cell(r.propagated)]
             if backward:
-                cells += [_cell(r.grad_local), _cell(r.grad_propagated)]
+                cells += [share_cell(r.grad_local), share_cell(r.grad_propagated)]
             name = " " * r.depth + _label(r.module) + _aligned_as(r)
             if r.structure:
                 name += " (structure differs)"
@@ -356,6 +374,7 @@ class DiagnosisReport(_Report):
         for r in self.rows:
             if r.entry is not None:
                 lines.append(f"{_label(r.module)}: the divergence enters at {r.entry}")
+            lines += [f"{_label(r.module)}: {shape_difference(d)}" for d in r.shapes]
             lines += [f"{_label(r.module)}: structure differs at {_difference(d)}"
                       for d in r.structure]
             lines += [f"{_label(r.module)}: {note}" for note in r.notes]
@@ -408,7 +427,7 @@ class Unit:
 
 
 @dataclass
-class AttributionReport(_Report):
+class AttributionReport(Report):
     """Result of :func:`torchparity.attribute`: units of change with their shares of the
     output error (``total``: mean squared difference of B's outputs from A's)."""
 
@@ -457,67 +476,6 @@ class AttributionReport(_Report):
         return self.render()
 
 
-@dataclass
-class DecodeReport(_Report):
-    """Result of :func:`torchparity.diagnose_decode`.
-
-    ``steps`` compares B's last-position logits with the golden's at each step (step 0 is the
-    prompt); ``first_step`` is the first that breaks its budget (None if none does);
-    ``rows`` compare each aligned module's inputs and outputs at that step (no local errors: a
-    step's inputs include the cache, which is not replayed) and ``first_module`` is the first
-    module whose output breaks its budget while its inputs do not: where the error appears.
-    ``tokens`` are the tokens all decodings were fed.
-    """
-
-    steps: list[Result]
-    first_step: int | None
-    rows: list[Row]
-    tokens: Any
-    meta: dict[str, Any]
-
-    @property
-    def first_module(self) -> Row | None:
-        broken = [r for r in self.rows if r.propagated is not None and not r.propagated.ok]
-        origin = (r for r in broken if r.inputs is not None and r.inputs.ok)
-        return next(origin, broken[0] if broken else None)
-
-    def summary(self) -> str:
-        if self.first_step is None:
-            return f"All {len(self.steps)} decoding steps are within budget."
-        where = self.first_module
-        module = f", first at module {_label(where.module)}" if where else ""
-        return f"Decoding parts at step {self.first_step}{module}."
-
-    def to_dict(self) -> dict[str, Any]:
-        first = self.first_module
-        return _json_safe({
-            "summary": self.summary(), "first_step": self.first_step,
-            "first_module": first.module if first else None,
-            "steps": [s.to_dict() for s in self.steps], "rows": [r.to_dict() for r in self.rows],
-            "tokens": self.tokens.tolist(), "meta": self.meta})
-
-    def print(self, console: Any = None) -> None:
-        from rich.console import Console
-        from rich.table import Table
-
-        console = console or Console()
-        console.print(self.summary(), markup=False, highlight=False)
-        console.print("steps: " + "  ".join(f"{i}:{_cell(s)}" for i, s in enumerate(self.steps)),
-                      markup=False, highlight=False)
-        if self.rows:
-            table = Table(title=f"modules at step {self.first_step}", title_justify="left")
-            for column in ("module (B)", "type", "inputs vs golden", "output vs golden"):
-                table.add_column(column)
-            first = self.first_module
-            for r in self.rows:
-                table.add_row("  " * r.depth + _label(r.module), r.module_type, _cell(r.inputs),
-                              _cell(r.propagated), style="bold red" if r is first else None)
-            console.print(table)
-
-    def __str__(self) -> str:
-        return self.render()
-
-
 def _percent(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.1f}%"
 
@@ -542,6 +500,12 @@ def _difference(difference: Any) -> str:
     return f"{difference.path}: A has {side(difference.golden)}, B has {side(difference.candidate)}"
 
 
+def shape_difference(difference: Any) -> str:
+    """``shape differs at output.1: (1, 2, 1, 11) vs (1, 2, 1, 12) (A vs B)``."""
+    return (f"shape differs at {difference.path}: {format_shape(difference.golden)} vs "
+            f"{format_shape(difference.candidate)} (A vs B)")
+
+
 def _diverged(row: Row) -> bool:
     results = (row.local, row.propagated, row.grad_local, row.grad_propagated)
     return any(result is not None and not result.ok for result in results)
@@ -555,11 +519,13 @@ def _ratio(value: float | None) -> str:
     return f"{value:.2g}"
 
 
-def _cell(result: Result | None) -> str:
+def share_cell(result: Result | None) -> str:
     if result is None:
         return "-"
     if result.verdict == "identical":
         return "="
+    if getattr(result, "shapes", ()):
+        return "X shape"
     share = _compact(headroom(result))
     if isinstance(result, Bounded):
         return f"<{share}" if not share.startswith("<") else share
@@ -599,7 +565,7 @@ def _json_safe(obj: Any) -> Any:
 # HTML
 
 
-_CSS = """
+CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; }
 table { border-collapse: collapse; font: 12px ui-monospace, monospace; }
 th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; }
@@ -614,10 +580,12 @@ table.layer { table-layout: fixed; width: 100%; } summary { cursor: pointer; mar
 
 def _html_page(report: DiagnosisReport) -> str:
     title = "torchparity diagnosis"
-    plots = [_svg_plot(report.rows, "local", "propagated", "Forward error / budget")]
+    plots = [svg_plot(report.rows, {"local": "local", "propagated": "propagated"},
+                      "Forward error / budget")]
     if report.meta.get("backward"):
-        plots.append(_svg_plot(report.rows, "grad_local", "grad_propagated",
-                               "Gradient error / budget"))
+        plots.append(svg_plot(report.rows, {"local": "grad_local",
+                                            "propagated": "grad_propagated"},
+                              "Gradient error / budget"))
     unmatched = "".join(
         f"<p class='note'>Unmatched in {side}: {html.escape(', '.join(names))}</p>"
         for side, names in (("A", report.unmatched_a), ("B", report.unmatched_b)) if names)
@@ -625,7 +593,7 @@ def _html_page(report: DiagnosisReport) -> str:
     settings = json.dumps(_json_safe(report.meta), indent=1, default=str)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{title}</title><style>{_CSS}</style></head><body>"
+        f"<title>{title}</title><style>{CSS}</style></head><body>"
         f"<h1>{title}</h1><p class='summary'>{html.escape(report.summary())}</p>"
         + "".join(plots) + _html_table(report) + unmatched + notes
         + f"<details><summary>settings</summary><pre>{html.escape(settings)}</pre></details>"
@@ -683,6 +651,8 @@ def _html_row(report: DiagnosisReport, index: int, backward: bool) -> str:
     name = "&nbsp;" * 2 * r.depth + html.escape(_label(r.module))
     if r.entry is not None:
         name += f"<br><span class='entry'>enters at {html.escape(str(r.entry))}</span>"
+    for d in r.shapes:
+        name += f"<br><span class='entry'>{html.escape(shape_difference(d))}</span>"
     for d in r.structure:
         name += ("<br><span class='structure'>structure differs at "
                  f"{html.escape(_difference(d))}</span>")
@@ -699,7 +669,7 @@ def _html_cell(result: Result | None) -> str:
     if result is None:
         return "-"
     explanation = html.escape(result.explain(), quote=True)
-    return f"<span title='{explanation}'>{html.escape(_cell(result))}</span>"
+    return f"<span title='{explanation}'>{html.escape(share_cell(result))}</span>"
 
 
 def _axis_rows(rows: list[Row], most: int = 40) -> list[int]:
@@ -725,13 +695,15 @@ def _spaced(indices: list[int], min_gap: int) -> list[int]:
     return kept[::-1]
 
 
-def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str) -> str:
-    """Log-scale plot of error / budget per row, local and propagated, with the budget at 1."""
-    series = {
-        "local": [headroom(getattr(r, local_attr)) for r in rows],
-        "propagated": [headroom(getattr(r, propagated_attr)) for r in rows],
-    }
-    colours = {"local": "#c0392b", "propagated": "#2471a3"}
+_COLOURS = ("#c0392b", "#2471a3")
+
+
+def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
+    """Log-scale plot of error / budget per row, one series per ``{name: row attribute}`` (at
+    most two: local and propagated, say), with the budget at 1."""
+    series = {name: [headroom(getattr(r, attr)) for r in rows]
+              for name, attr in attributes.items()}
+    colours = dict(zip(series, _COLOURS, strict=False))
     finite = [v for values in series.values() for v in values
               if v is not None and 0 < v < math.inf]
     lo = math.floor(math.log10(min(finite + [1e-2])))
@@ -739,7 +711,7 @@ def _svg_plot(rows: list[Row], local_attr: str, propagated_attr: str, title: str
     left, top, plot_h, step = 60, 30, 220, max(4, min(40, 900 // max(len(rows), 1)))
     labelled = _spaced(_axis_rows(rows), min_gap=max(1, math.ceil(13 / step)))
     label_h = 6 * max((len(_label(rows[i].module)) for i in labelled), default=0) + 10
-    width = left + step * max(len(rows), 1) + 30
+    width = max(left + step * max(len(rows), 1) + 30, 480)  # room for the title and legend
     height = top + plot_h + label_h + 30
 
     def x(i: int) -> float:

@@ -4,17 +4,29 @@ replays of one module on recorded inputs. Every stage runs models through here."
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from torchparity import backends as attention_backends
-from torchparity.diagnosis.capture import Capture, ModuleCall, PatternSpec, module_filter
-from torchparity.errors import UsageError
+from torchparity.diagnosis.capture import (
+    Capture,
+    ModuleCall,
+    PatternSpec,
+    Signature,
+    bound_arguments,
+    module_filter,
+)
+from torchparity.diagnosis.state import StateRecorder
+from torchparity.diagnosis.trace import ReplayUnavailable
+from torchparity.errors import UsageError, UserCodeError
+from torchparity.subject.factory import first_line
+from torchparity.subject.padding import Padding
 from torchparity.subject.running import (
     Inputs,
     LossFn,
@@ -47,6 +59,7 @@ class Options:
     backend_b: BackendSpec = None
     progress: bool | None = None
     local: Local = "diverged"
+    padding: Padding = field(default_factory=Padding)  # left out of every judgement and loss
     # B run by torch.compile in this form (dynamic, static), module by module (compiled.py)
     compile_b: str | None = None
 
@@ -60,7 +73,8 @@ class Options:
 
 def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
                  exclude: PatternSpec, backends: tuple[BackendSpec, BackendSpec] | None,
-                 progress: bool | None, local: Local = "diverged") -> Options:
+                 progress: bool | None, local: Local = "diverged",
+                 padding: Padding | None = None) -> Options:
     """Check the arguments every diagnosis shares; progress defaults to "stderr is a tty"."""
     if loss_fn is not None and not callable(loss_fn):
         raise UsageError(f"loss_fn must be callable(output, inputs); got {type(loss_fn).__name__}")
@@ -77,7 +91,7 @@ def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
     if progress is None:
         progress = sys.stderr.isatty()
     return Options(include, exclude, bool(backward), loss_fn, backend_a, backend_b, progress,
-                   local)
+                   local, padding or Padding())
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,10 +111,11 @@ def backend_context(spec: BackendSpec) -> Iterator[None]:
             yield
 
 
-def default_loss(output: Any, inputs: Any = None) -> torch.Tensor:
-    """A scalar whose gradient reaches every element of the first floating output: its
-    :func:`~torchparity.subject.running.projection_loss`. Uses the output's own ``loss`` field
-    when it has one."""
+def default_loss(output: Any, inputs: Any = None, padding: Padding | None = None
+                 ) -> torch.Tensor:
+    """A scalar whose gradient reaches every unpadded element of the first floating output:
+    its :func:`~torchparity.subject.running.projection_loss`. Uses the output's own ``loss``
+    field when it has one."""
     flat = flatten_tensors(output)
     if "output.loss" in flat and flat["output.loss"].numel() == 1:
         return flat["output.loss"].reshape(())
@@ -108,7 +123,7 @@ def default_loss(output: Any, inputs: Any = None) -> torch.Tensor:
     if first is None:
         raise UsageError("the model output has no floating tensor to take gradients of; pass "
                          "loss_fn or backward=False")
-    return projection_loss(dict([first]))
+    return projection_loss(dict([first]), padding)
 
 
 @dataclass
@@ -119,26 +134,31 @@ class Run:
     output: Any
     loss: torch.Tensor | None
     param_grads: dict[str, dict[str, torch.Tensor]]  # module name -> direct param name -> grad
+    changing: set[str] = field(default_factory=set)  # modules that change their own state
 
 
 def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendSpec, *,
-              backward: bool, **capture: Any) -> Run:
+              backward: bool, states: StateRecorder | None = None, **capture: Any) -> Run:
     """One seeded forward (and backward via ``torch.autograd.grad``, so ``.grad`` is untouched)
-    with the selected modules captured."""
+    with the selected modules captured, and every module's state recorded by ``states``.
+    An error of the backward pass is a one-line :class:`UserCodeError` that names
+    ``--no-backward``."""
     loss = None
     grads: dict[int, torch.Tensor] = {}
-    capturing = Capture(model, opts.selects(), grads=backward, **capture)
-    with backend_context(backend), seeded(), capturing as cap:
+    capturing = Capture(model, opts.selects(), grads=backward, states=states, **capture)
+    recording = states if states is not None else contextlib.nullcontext()
+    with backend_context(backend), seeded(), recording, capturing as cap:
         with torch.set_grad_enabled(backward):
             output = call_model(model, inputs)
             if backward:
-                loss = (opts.loss_fn or default_loss)(output, inputs)
+                loss = (opts.loss_fn(output, inputs) if opts.loss_fn is not None
+                        else default_loss(output, inputs, opts.padding))
                 if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                     shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
                     raise UsageError(f"loss_fn must return a scalar tensor; got {shape}")
                 loss = loss.reshape(())
                 params = _trainable(model)
-                found = torch.autograd.grad(loss, params, allow_unused=True)
+                found = _gradients(model, loss, params)
                 grads = {id(p): g for p, g in zip(params, found, strict=True) if g is not None}
     param_grads = {
         name: {pn: grads[id(p)] for pn, p in module.named_parameters(recurse=False)
@@ -146,7 +166,59 @@ def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendS
         for name, module in cap.modules.items()
     }
     output = map_tensors(output, lambda t: t.detach())
-    return Run(cap.records, output, None if loss is None else loss.detach(), param_grads)
+    return Run(cap.records, output, None if loss is None else loss.detach(), param_grads,
+               set() if states is None else states.changing)
+
+
+def _gradients(model: nn.Module, loss: torch.Tensor, params: list[nn.Parameter]
+               ) -> tuple[torch.Tensor | None, ...]:
+    try:
+        return torch.autograd.grad(loss, params, allow_unused=True)
+    except RuntimeError as exc:  # e.g. a cache written in place while autograd needs it
+        raise UserCodeError(f"the backward pass of {type(model).__name__} raised RuntimeError: "
+                            f"{first_line(exc)}; to compare forward outputs only, run with "
+                            "--no-backward (backward=False); a decoding needs no gradients "
+                            "(--decode takes none)") from exc
+
+
+def rebind(recorded: Signature | None, inputs: tuple[tuple, dict], module: nn.Module
+           ) -> tuple[tuple, dict]:
+    """A recorded call's arguments as ``module`` (another revision's) takes them: as they were
+    when its forward binds them; else each bound to B's parameter of the same name, or of the
+    same position when B renamed it, a None for which B has no parameter left out (its
+    default); :class:`ReplayUnavailable` saying why when they still do not bind."""
+    args, kwargs = inputs
+    try:
+        forward = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return args, kwargs
+    try:
+        forward.bind(*args, **kwargs)
+        return args, kwargs
+    except TypeError:
+        pass
+    names = [name for name, _ in recorded or []]
+    b_names = list(forward.parameters)
+    rebound: dict[str, Any] = {}
+    for name, value in bound_arguments(recorded, args, kwargs).items():
+        target = name if name in forward.parameters else None
+        if target is None and name in names and names.index(name) < len(b_names):
+            target = b_names[names.index(name)]
+            if forward.parameters[target].kind in (inspect.Parameter.VAR_POSITIONAL,
+                                                   inspect.Parameter.VAR_KEYWORD):
+                target = None
+        if target is None or target in rebound:
+            if value is None:
+                continue
+            raise ReplayUnavailable(f"B's {type(module).__name__}.forward({', '.join(b_names)}) "
+                                    f"has no parameter for the recorded argument {name}")
+        rebound[target] = value
+    try:
+        bound = forward.bind(**rebound)
+    except TypeError as exc:
+        raise ReplayUnavailable(f"the recorded arguments do not bind to B's "
+                                f"{type(module).__name__}.forward: {exc}") from None
+    return bound.args, bound.kwargs
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:

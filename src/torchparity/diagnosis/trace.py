@@ -19,9 +19,10 @@ On disk (``tp.record``) a trace is a directory::
     base.tptrace/
       trace.json              schema, versions, settings, module tree, weight and input checksums,
                               the calls in execution order with their input structure
-      tensors/000123.safetensors  one file per write of a call's tensors: "<group>/<path>" ->
-                              tensor (trace.json lists each call's files by group, so a
-                              reader opens only the files of the group it needs)
+      tensors/000123.safetensors  one file per write (of one call's group, or of a decoding
+                              step's calls): "<call>|<group>/<path>" -> tensor (trace.json
+                              lists each call's files by group, so a reader opens only the
+                              files of the group it needs)
 
 Writing is incremental (each write goes to a new file, so memory stays bounded and nothing is
 rewritten) into a temporary sibling directory that replaces the target only when complete.
@@ -49,9 +50,10 @@ from torchparity.diagnosis.capture import ModuleCall, Uncopyable, snapshot, unco
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.subject.trees import flatten_tensors
 
-SCHEMA = "torchparity.trace/3"
+SCHEMA = "torchparity.trace/4"
 TRACE_JSON = "trace.json"
 FINAL = "__final__"  # pseudo-call key of the model's own output and loss
+DECODE = "decode"  # the kind of a decoding trace (diagnosis.decode_trace)
 _CACHE_HINT = " (run without a cache to replay it, e.g. use_cache=False for Hugging Face models)"
 
 
@@ -86,15 +88,30 @@ class MemoryStore:
     def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
         self._inputs[key] = (args, kwargs)
 
-    def get_inputs(self, key: str) -> tuple[tuple, dict]:
-        """A fresh copy of the call's inputs (replays may change them, e.g. append to a cache)."""
+    def inputs_entry(self, key: str, args: tuple, kwargs: dict
+                     ) -> tuple[str, str, dict[str, torch.Tensor]]:
+        """Keep the call's inputs; an empty :meth:`put_all` entry (the disk store's holds
+        their tensors)."""
+        self.put_inputs(key, args, kwargs)
+        return key, "in", {}
+
+    def get_inputs(self, key: str, placeholders: bool = False) -> tuple[tuple, dict]:
+        """A fresh copy of the call's inputs (replays may change them, e.g. append to a cache);
+        an object that was not copied raises :class:`ReplayUnavailable`, or with
+        ``placeholders`` stays the :class:`Uncopyable` that stands for it (to compare
+        arguments, not to replay)."""
         if key not in self._inputs:
             raise ReplayUnavailable("its inputs were not recorded")
         uncopyable = uncopyable_leaves(self._inputs[key])
-        if uncopyable:
+        if uncopyable and not placeholders:
             raise ReplayUnavailable(f"an input of type {uncopyable[0]} could not be copied"
                                     f"{_CACHE_HINT if 'Cache' in uncopyable[0] else ''}")
         return snapshot(self._inputs[key])
+
+    def put_all(self, entries: list[tuple[str, str, Mapping[str, torch.Tensor]]]) -> None:
+        """:meth:`put` of each ``(key, group, tensors)``."""
+        for key, group, tensors in entries:
+            self.put(key, group, tensors)
 
     def finish(self, meta: dict[str, Any]) -> None:
         """Nothing to write; memory traces live as long as their report needs them."""
@@ -109,6 +126,7 @@ class DiskStore:
         self.directory = Path(directory)
         self.input_specs: dict[str, Any] = {}
         self.files: dict[str, dict[str, list[str]]] = {}  # call -> group -> its files
+        self.aliases: dict[str, dict[str, str]] = {}  # file -> name -> the name stored for it
         self._n_files = 0
         self._cache_key: str | None = None
         self._cache: dict[str, torch.Tensor] = {}
@@ -117,58 +135,76 @@ class DiskStore:
             (self.directory / "tensors").mkdir(parents=True, exist_ok=True)
 
     def _load(self, key: str, group: str) -> dict[str, torch.Tensor]:
-        """The call's tensors of one group (its files hold other groups too: only this one's
-        tensors are read); the last call's are kept, as calls are read group after group."""
+        """The call's tensors of one group, by path (its files hold other groups and calls too:
+        only these are read); the last call's are kept, as calls are read group after group."""
         if self._cache_key != key:
-            self._cache, self._cache_key, self._cached_groups = {}, key, set()
-        prefix = f"{group}/"
-        if group not in self._cached_groups:
+            self._cache, self._cache_key = {}, key
+        if group not in self._cache:
+            prefix = _prefix(key, group)
+            found = {}
             for name in self.files.get(key, {}).get(group, []):
+                aliases = self.aliases.get(name, {})
                 with safe_open(self.directory / name, framework="pt") as handle:
-                    self._cache.update({k: handle.get_tensor(k) for k in handle.keys()
-                                        if k.startswith(prefix)})
-            self._cached_groups.add(group)
-        return {k: t for k, t in self._cache.items() if k.startswith(prefix)}
+                    found.update({k[len(prefix):]: handle.get_tensor(aliases.get(k, k))
+                                  for k in [*handle.keys(), *aliases] if k.startswith(prefix)})
+            self._cache[group] = found
+        return self._cache[group]
 
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        if not tensors:
+        self.put_all([(key, group, tensors)])
+
+    def put_all(self, entries: list[tuple[str, str, Mapping[str, torch.Tensor]]]) -> None:
+        """Write several calls' groups into one file (a decoding step's calls, say): fewer
+        files, the same reads."""
+        entries = [(key, group, tensors) for key, group, tensors in entries if tensors]
+        if not entries:
             return
         name = f"tensors/{self._n_files:06d}.safetensors"
         self._n_files += 1
-        # safetensors refuses tensors that share memory: store contiguous private copies.
-        named = {f"{group}/{path}": t.detach().cpu().contiguous().clone()
-                 for path, t in tensors.items()}
+        named = {f"{_prefix(key, group)}{path}": t.detach().cpu().contiguous()
+                 for key, group, tensors in entries for path, t in tensors.items()}
+        aliases = _aliased(named)
+        if aliases:
+            self.aliases[name] = aliases
         save_file(named, str(self.directory / name))
-        self.files.setdefault(key, {}).setdefault(group, []).append(name)
-        if self._cache_key == key and group in self._cached_groups:
-            self._cache.update(named)
+        for key, group, _ in entries:
+            self.files.setdefault(key, {}).setdefault(group, []).append(name)
+            if self._cache_key == key:
+                self._cache.pop(group, None)  # read again, with the new file
 
     def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
-        prefix = f"{group}/"
-        return {name[len(prefix):]: t for name, t in self._load(key, group).items()}
+        return dict(self._load(key, group))
 
     def paths(self, key: str, group: str) -> set[str]:
         """The paths of the group's tensors, read from the files' headers only."""
-        prefix, found = f"{group}/", set()
+        prefix, found = _prefix(key, group), set()
         for name in self.files.get(key, {}).get(group, []):
             with safe_open(self.directory / name, framework="pt") as handle:
-                found.update(k[len(prefix):] for k in handle.keys())
+                found.update(k[len(prefix):] for k in [*handle.keys(), *self.aliases.get(name, {})]
+                             if k.startswith(prefix))
         return found
 
     def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
-        tensors: dict[str, torch.Tensor] = {}
-        self.input_specs[key] = encode_tree((args, kwargs), tensors)
-        self.put(key, "in", tensors)
+        self.put_all([self.inputs_entry(key, args, kwargs)])
 
-    def get_inputs(self, key: str) -> tuple[tuple, dict]:
+    def get_inputs(self, key: str, placeholders: bool = False) -> tuple[tuple, dict]:
         if key not in self.input_specs:
             raise ReplayUnavailable("its inputs were not recorded")
-        args, kwargs = decode_tree(self.input_specs[key], self.get(key, "in"))
+        args, kwargs = decode_tree(self.input_specs[key], self.get(key, "in"), placeholders)
         return tuple(args), dict(kwargs)
 
+    def inputs_entry(self, key: str, args: tuple, kwargs: dict
+                     ) -> tuple[str, str, dict[str, torch.Tensor]]:
+        """The ``(key, "in", tensors)`` entry of :meth:`put_all` for a call's inputs (their
+        structure is kept for the trace's JSON)."""
+        tensors: dict[str, torch.Tensor] = {}
+        self.input_specs[key] = encode_tree((args, kwargs), tensors)
+        return key, "in", tensors
+
     def finish(self, meta: dict[str, Any]) -> None:
-        meta = {**meta, "files": self.files, "input_specs": self.input_specs}
-        (self.directory / TRACE_JSON).write_text(json.dumps(meta, indent=1, default=str))
+        meta = {**meta, "files": self.files, "aliases": self.aliases,
+                "input_specs": self.input_specs}
+        (self.directory / TRACE_JSON).write_text(json.dumps(meta, default=str))
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,10 +244,12 @@ def encode_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return {"opaque": type(tree).__name__}
 
 
-def decode_tree(spec: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Rebuild what :func:`encode_tree` described."""
+def decode_tree(spec: Any, tensors: Mapping[str, torch.Tensor], placeholders: bool = False
+                ) -> Any:
+    """Rebuild what :func:`encode_tree` described; an object it could not record raises
+    :class:`ReplayUnavailable`, or with ``placeholders`` is an :class:`Uncopyable`."""
     if isinstance(spec, list):
-        return [decode_tree(v, tensors) for v in spec]
+        return [decode_tree(v, tensors, placeholders) for v in spec]
     if not isinstance(spec, dict):
         return spec
     if "tensor" in spec:
@@ -221,14 +259,42 @@ def decode_tree(spec: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if "device" in spec:
         return torch.device(spec["device"])
     if "tuple" in spec:
-        return tuple(decode_tree(v, tensors) for v in spec["tuple"])
+        return tuple(decode_tree(v, tensors, placeholders) for v in spec["tuple"])
     if "dict" in spec:
-        return {k: decode_tree(v, tensors) for k, v in spec["dict"].items()}
+        return {k: decode_tree(v, tensors, placeholders) for k, v in spec["dict"].items()}
     if "dataclass" in spec:
         cls = _import(spec["dataclass"])
-        return cls(**{k: decode_tree(v, tensors) for k, v in spec["fields"].items()})
+        return cls(**{k: decode_tree(v, tensors, placeholders) for k, v in spec["fields"].items()})
+    if placeholders:
+        return Uncopyable(spec["opaque"])
     raise ReplayUnavailable(f"an input of type {spec['opaque']} could not be recorded"
                             f"{_CACHE_HINT if 'Cache' in spec['opaque'] else ''}")
+
+
+def _aliased(named: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Drop from ``named`` every tensor that is another one (one copy kept for a call's output
+    and the next call's input) and return their aliases; copy those that only share memory
+    with another (safetensors refuses them)."""
+    kept: dict[tuple, str] = {}
+    aliases, pointers = {}, set()
+    for name, tensor in list(named.items()):
+        pointer = tensor.untyped_storage().data_ptr()
+        same = (pointer, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
+                tensor.dtype)
+        if same in kept:
+            aliases[name] = kept[same]
+            del named[name]
+        elif pointer in pointers:
+            named[name] = tensor.clone()
+        else:
+            kept[same] = name
+            pointers.add(pointer)
+    return aliases
+
+
+def _prefix(key: str, group: str) -> str:
+    """How a call's tensors of one group are named in a file: ``<call>|<group>/<path>``."""
+    return f"{key}|{group}/"
 
 
 def _import(path: str) -> Any:
@@ -285,7 +351,7 @@ def module_tree(model: nn.Module) -> list[dict[str, Any]]:
 def call_to_json(call: ModuleCall) -> dict[str, Any]:
     return {
         "name": call.name, "call": call.call, "type": call.module_type, "start": call.start,
-        "order": call.order,
+        "order": call.order, "clock": call.clock,
         "output_shapes": {p: list(s) for p, s in call.output_shapes.items()},
         "inputs_requiring_grad": sorted(call.inputs_requiring_grad),
     }
@@ -294,7 +360,7 @@ def call_to_json(call: ModuleCall) -> dict[str, Any]:
 def call_from_json(data: dict[str, Any]) -> ModuleCall:
     return ModuleCall(
         name=data["name"], call=data["call"], module_type=data["type"], start=data["start"],
-        order=data["order"],
+        order=data["order"], clock=data["clock"],
         output_shapes={p: tuple(s) for p, s in data["output_shapes"].items()},
         inputs_requiring_grad=frozenset(data["inputs_requiring_grad"]),
     )
@@ -345,6 +411,7 @@ def open_trace(path: str | os.PathLike) -> tuple[dict[str, Any], DiskStore]:
                                f"reads {SCHEMA!r}; record it again with this version")
     store = DiskStore(path, writable=False)
     store.files = meta["files"]
+    store.aliases = meta["aliases"]
     store.input_specs = meta["input_specs"]
     return meta, store
 

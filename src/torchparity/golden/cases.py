@@ -17,7 +17,8 @@ A *cell* is one (backend, dtype, device). The **reference cell** (manual, fp64, 
 the goldens with today's code: it is what notices a changed component. Its budget comes from
 the float64 rounding noise of the computation itself (see :func:`check_case`). Every other cell
 is judged by the tolerance model with the ``manual`` backend in the same dtype and device as
-baseline, so it notices a backend or precision that misbehaves.
+baseline, so it notices a backend or precision that misbehaves. Logits and hidden states are
+judged on the unpadded positions of the case's batch (the loss ignores padded targets itself).
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ import torch
 from torchparity import backends
 from torchparity.comparison import StructureMismatch, compare
 from torchparity.errors import BackendUnavailable
-from torchparity.golden.compiled import annotate, step_verdicts, unavailable_reason
+from torchparity.golden.compiled import (
+    annotate,
+    decode_phases,
+    logprobs_by_step,
+    step_verdicts,
+    unavailable_reason,
+)
 from torchparity.golden.store import (
     Golden,
     GoldenError,
@@ -45,10 +52,14 @@ from torchparity.reference import build_model, greedy_decode, rng, sequence_loss
 from torchparity.reference.layers import TransformerLayer
 from torchparity.reference.models import Model
 from torchparity.subject.compiling import CompileFailed, CompileLog, compiled
+from torchparity.subject.padding import Padding, from_inputs
 
 #: Output name -> kind of the tolerance model it is judged with.
 OUTPUT_KINDS = {"logits": "forward", "hidden": "forward", "loss": "loss", "grads": "grad",
                 "decode": "forward"}
+#: Outputs with a value per input position, judged on the unpadded ones (the loss ignores
+#: padded targets itself; gradients are the parameters'; decoding has a value per step).
+PER_POSITION = ("logits", "hidden")
 DECODE_STEPS = 4
 WEIGHT_SEED = 0
 #: The standard batch of every case (its padding comes from the case).
@@ -109,6 +120,8 @@ class CheckResult:
     # The smallest change, relative to the golden's scale, the verdict would have flagged in
     # every tensor of the output (the largest over them); None when not compared.
     sensitivity: float | None = None
+    # Positions left out of the judgement (padding) and why; None when every one was judged.
+    left_out: str | None = None
     compile: str | None = None  # the torch.compile form of a compiled cell
     # A compiled cell's graphs, breaks, recompiles and seconds, with each call's and (on the
     # decode output) each decoding step's; see torchparity.golden.compiled.
@@ -165,6 +178,11 @@ def recipe(case: zoo.ZooCase) -> dict[str, Any]:
         "decode_steps": DECODE_STEPS,
         "config": case.config.to_dict(),
     }
+
+
+def case_padding(case: zoo.ZooCase) -> Padding:
+    """The padding of the case's standard batch: what its masks say."""
+    return from_inputs(case_batch(case), encoder_decoder=case.config.is_encoder_decoder)
 
 
 def case_meta(case: zoo.ZooCase) -> dict[str, Any]:
@@ -240,14 +258,17 @@ def _forward_backward(model: Model, batch: dict[str, torch.Tensor], *, backward:
 
 
 @torch.no_grad()
-def forced_logprobs(model: Model, batch: dict[str, torch.Tensor],
-                    tokens: torch.Tensor) -> torch.Tensor:
+def forced_logprobs(model: Model, batch: dict[str, torch.Tensor], tokens: torch.Tensor,
+                    during: Callable[[int], contextlib.AbstractContextManager] | None = None
+                    ) -> torch.Tensor:
     """Log-probabilities (batch, steps) of ``tokens`` fed one per step through the KV cache.
 
     The same steps as :func:`~torchparity.reference.greedy_decode`, except that the next token
     is the given one rather than the argmax: in low precision a near-tie may flip the argmax,
-    and the continuous log-probs stay comparable where tokens would not.
+    and the continuous log-probs stay comparable where tokens would not. ``during(step)`` is
+    a context each step's call runs in (a compiled model's record of that step).
     """
+    during = during or (lambda step: contextlib.nullcontext())
     ids_key, mask_key = (("tgt_ids", "tgt_mask") if model.config.is_encoder_decoder
                          else ("input_ids", "attention_mask"))
     inputs = dict(batch)
@@ -258,7 +279,8 @@ def forced_logprobs(model: Model, batch: dict[str, torch.Tensor],
     logprobs = []
     for step in range(tokens.shape[1]):
         inputs[ids_key], inputs[mask_key] = step_ids, mask
-        logits = model(**inputs, cache=cache)[:, -1]
+        with during(step):
+            logits = model(**inputs, cache=cache)[:, -1]
         logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
         step_ids = tokens[:, step:step + 1].to(logits.device)
         logprobs.append(logp.gather(-1, step_ids)[:, 0])
@@ -300,7 +322,8 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
                 decoded = greedy_decode(model, batch, DECODE_STEPS)
                 outputs["decode"] = {"tokens": decoded.tokens, "logprobs": decoded.logprobs}
             else:
-                outputs["decode"] = {"logprobs": forced_logprobs(model, batch, tokens)}
+                outputs["decode"] = {"logprobs": forced_logprobs(
+                    model, batch, tokens, decode_phases(compile_log, "cached"))}
         except BackendUnavailable as exc:
             missing["decode"] = str(exc)
     return Run(outputs, missing, compile_log)
@@ -481,8 +504,9 @@ def _check_cell(case: zoo.ZooCase, cell: Cell, goldens: dict[str, Golden], basel
                               baseline.outputs.get(output)))
     if cell.compile:
         annotate(results, run.compile_log, step_verdicts(
-            run.outputs.get("decode"), goldens["decode"].tensors, baseline.outputs.get("decode"),
-            cell.dtype))
+            *(logprobs_by_step(tensors) for tensors in (
+                run.outputs.get("decode"), goldens["decode"].tensors,
+                baseline.outputs.get("decode"))), cell.dtype))
     return results
 
 
@@ -501,8 +525,10 @@ def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torc
            golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
            ) -> CheckResult:
     kind = OUTPUT_KINDS[output]
+    padding = case_padding(case) if output in PER_POSITION else None
     try:
-        comparison = compare(candidate, golden, baseline, kind, compute_dtype=cell.dtype)
+        comparison = compare(candidate, golden, baseline, kind, compute_dtype=cell.dtype,
+                             padding=padding)
     except StructureMismatch as exc:
         return _result(case, cell, output, "diverged", ok=False, headroom=float("inf"),
                        explain=f"diverged: the outputs no longer have the golden's structure: "
@@ -514,7 +540,8 @@ def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torc
     worst = comparison.worst
     return _result(case, cell, output, comparison.verdict, ok=comparison.ok,
                    headroom=worst.headroom if worst else 0.0, explain=comparison.explain(),
-                   worst=worst.path if worst else None, sensitivity=comparison.sensitivity)
+                   worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
+                   left_out=comparison.left_out_sentence())
 
 
 def _result(case: zoo.ZooCase, cell: Cell, output: str, verdict: str, *, ok: bool,

@@ -4,9 +4,11 @@
 compiled (Inductor; ``dynamic``: ``dynamic=True`` as users run it, and ``static``), judged by
 the same tolerance model against the same baseline as the eager cells: the ``manual`` backend
 run eagerly in that dtype. Forward outputs, the loss and every gradient come from one compiled
-training call; decoding runs the compiled model step by step (the prompt, then one token at a
-time through the KV cache, each step fed the golden's token), so every step is a call of the
-compiled model at a new length: what recompiles there is counted per step.
+training call; decoding runs the compiled model step by step as the eager cells do (the
+zoo's forced decoding; for a user's model the step protocol of
+:mod:`torchparity.subject.decoding`: the prompt, then one token at a time through the cache,
+each step fed the golden's token), so every step is a call of the compiled model at a new
+length: each step is judged on its own, and what recompiles there is counted per step.
 
 A compiled cell's rows carry its :class:`~torchparity.subject.compiling.CompileLog`
 (``compiled``: graphs, graph breaks with their reasons, recompiles with dynamo's reasons,
@@ -21,16 +23,16 @@ and :mod:`~torchparity.golden.user_models` call it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import re
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchparity import backends
 from torchparity.comparison import compare
-from torchparity.subject import Subject, hf
 from torchparity.subject.compiling import CompileLog
-from torchparity.subject.steps import decode_steps, hf_step, prompt_of
 
 if TYPE_CHECKING:
     from torchparity.golden.cases import Cell, CheckResult
@@ -48,54 +50,48 @@ def unavailable_reason(cell: Cell) -> str | None:
     return backends.available(cell.device, _TORCH_DTYPES[cell.dtype])[cell.backend]
 
 
-#: The path of a stepped decoding's logits among a user's model's outputs.
-STEPS_PATH = "steps.logits"
+def decode_phases(log: CompileLog | None, label: str
+                  ) -> Callable[[int], contextlib.AbstractContextManager] | None:
+    """What a decoding loop runs step ``s`` in so that ``log`` records its calls as
+    ``"{label} step {s}"`` (None: no log, an eager run)."""
+    if log is None:
+        return None
+    return lambda step: log.phase(f"{label} step {step}")
 
 
-def stepped_decode(subject: Subject, model: torch.nn.Module, inputs: Any, dtype: str,
-                   steps: int) -> tuple[dict[str, torch.Tensor],
-                                        tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
-    """Cached decoding of a ``transformers`` causal LM step by step (:mod:`torchparity.subject
-    .steps`): ``model`` (compiled) is the candidate; its golden is a float64 copy of the
-    subject on the CPU decoding greedily, and its baseline the subject run eagerly in ``dtype``
-    on the ``manual`` backend. Both other runs are fed the golden's tokens.
-
-    Returns ``({STEPS_PATH: candidate logits}, (golden, baseline))``, each (batch, steps,
-    vocab), for the tolerance model to judge the candidate by."""
-    def references(device: Any, torch_dtype: torch.dtype, tokens: torch.Tensor | None
-                   ) -> dict[str, torch.Tensor]:
-        eager, eager_inputs = subject.placed(device, torch_dtype, hf.SDPA)
-        ids, mask = prompt_of(eager_inputs)
-        with backends.use("manual"):
-            return decode_steps(eager, hf_step(mask), ids, steps, tokens)
-
-    golden = references("cpu", torch.float64, None)
-    device = next(iter(model.parameters())).device
-    baseline = references(device, _TORCH_DTYPES[dtype], golden["tokens"])
-    ids, mask = prompt_of(inputs)
-    candidate = decode_steps(model, hf_step(mask), ids, steps, golden["tokens"])
-    return ({STEPS_PATH: candidate["logits"]},
-            ({STEPS_PATH: golden["logits"]}, {STEPS_PATH: baseline["logits"]}))
+def logprobs_by_step(tensors: dict[str, torch.Tensor] | None) -> list[dict[str, torch.Tensor]]:
+    """A zoo decoding's ``logprobs`` (batch, steps) as one ``{path: tensor}`` per step."""
+    if not tensors or "logprobs" not in tensors:
+        return []
+    logprobs = tensors["logprobs"]
+    return [{"logprobs": logprobs[:, step]} for step in range(logprobs.shape[1])]
 
 
-def step_verdicts(candidate: dict[str, torch.Tensor] | None, golden: dict[str, torch.Tensor],
-                 baseline: dict[str, torch.Tensor] | None, dtype: str,
-                 path: str = "logprobs") -> list[dict[str, Any]]:
-    """Each decoding step judged on its own: the tensor at ``path`` (steps along dimension 1)
-    of ``candidate`` against the golden's at that step, with the baseline's as the budget.
+def stepped_logits(tensors: dict[str, torch.Tensor] | None) -> list[dict[str, torch.Tensor]]:
+    """A step-protocol decoding's cached logits (``cached.logits.<step>``, see
+    :mod:`torchparity.golden.user_models`) as one ``{path: tensor}`` per step."""
+    steps = {}
+    for path, tensor in (tensors or {}).items():
+        found = re.fullmatch(r"cached\.logits\.(\d+)", path)
+        if found:
+            steps[int(found.group(1))] = {path: tensor}
+    return [steps[step] for step in sorted(steps)]
+
+
+def step_verdicts(candidate: list[dict[str, torch.Tensor]],
+                  golden: list[dict[str, torch.Tensor]],
+                  baseline: list[dict[str, torch.Tensor]], dtype: str) -> list[dict[str, Any]]:
+    """Each decoding step judged on its own: the candidate's tensors of that step against the
+    golden's, with the baseline's (the eager run in the same dtype) as the budget.
 
     One ``{"step", "verdict", "headroom"}`` per step (step 0 is the prompt's prediction); none
-    when the candidate did not decode."""
-    if not candidate or path not in candidate or path not in golden:
+    when the candidate did not decode or the golden has other steps."""
+    if not candidate or len(candidate) != len(golden):
         return []
-    def at(tensors: dict[str, torch.Tensor] | None, step: int
-           ) -> dict[str, torch.Tensor] | None:
-        return None if tensors is None or path not in tensors else {path: tensors[path][:, step]}
-
     steps = []
-    for step in range(candidate[path].shape[1]):
-        comparison = compare(at(candidate, step), at(golden, step), at(baseline, step),
-                             "forward", compute_dtype=dtype)
+    for step, (ours, reference) in enumerate(zip(candidate, golden, strict=True)):
+        budget = baseline[step] if len(baseline) == len(golden) else None
+        comparison = compare(ours, reference, budget, "forward", compute_dtype=dtype)
         worst = comparison.worst
         steps.append({"step": step, "verdict": comparison.verdict,
                       "headroom": worst.headroom if worst else 0.0})
@@ -105,15 +101,18 @@ def step_verdicts(candidate: dict[str, torch.Tensor] | None, golden: dict[str, t
 def annotate(results: Iterable[CheckResult], log: CompileLog | None,
              steps: list[dict[str, Any]]) -> None:
     """Put the cell's compile log on each of its rows, and on its decode row each step's
-    verdict beside what the step's call compiled (the last calls of the log are the steps)."""
+    verdict beside what the step's calls compiled (those the log recorded as ``cached step
+    <s>``, see :func:`decode_phases`)."""
     if log is None:
         return
     summary = log.to_dict()
-    calls = log.calls[-len(steps):] if steps else []
-    if len(calls) == len(steps):
-        steps = [{**step, "length": _length(call.shapes), "seconds": call.seconds,
-                  "compile_seconds": call.compile_seconds, "recompiles": call.recompiles}
-                 for step, call in zip(steps, calls, strict=True)]
+    for step in steps:
+        calls = log.in_phase(f"cached step {step['step']}")
+        if calls:
+            step.update(length=max((_length(call.shapes) or 0) for call in calls),
+                        seconds=sum(call.seconds for call in calls),
+                        compile_seconds=sum(call.compile_seconds for call in calls),
+                        recompiles=[reason for call in calls for reason in call.recompiles])
     for result in results:
         result.compiled = {**summary, "steps": steps} if result.output == "decode" else summary
 

@@ -60,12 +60,21 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
         console.print(f"{backend}: n/a in every cell here ({reason})", highlight=False)
     for line in compiled_lines(results):
         console.print(line, markup=False, highlight=False)
+    for line in _left_out_lines(results):
+        console.print(line, markup=False, highlight=False)
     for r in results:
         if not r.ok:
             console.print(f"FAIL {r.case} {r.cell.label} {r.output}: "
                           f"{r.explain or r.reason}", markup=False, highlight=False)
     console.print(_sensitivity_line(results), markup=False, highlight=False)
     console.print(_summary(results, elapsed), markup=False, highlight=False)
+
+
+def _left_out_lines(results: list[CheckResult]) -> list[str]:
+    """Per case and output, once, which positions its cells left out (padding) and why."""
+    lines = (f"{r.case} {r.output}: {r.left_out[0].lower()}{r.left_out[1:]}"
+             for r in results if r.left_out)
+    return list(dict.fromkeys(lines))
 
 
 def _sensitivity_line(results: list[CheckResult]) -> str:

@@ -10,18 +10,31 @@ output        kind        tensors
 ``outputs``   forward     every tensor of the model's output, keyed by its path
 ``loss``      loss        ``loss_fn(output, inputs)``, or the default loss (below)
 ``grads``     grad        the gradient of every parameter that requires one
-``decode``    forward     what the factory's ``decode(model, inputs, use_cache)`` returns,
-                          with the cache (``cached.*``) and by full recompute
-                          (``recomputed.*``); for a ``transformers`` generative model without
-                          one, greedy ``generate`` tokens and logits, in float64 only (a near
-                          tie may pick another token in lower precision)
+``decode``    forward     a teacher-forced decoding of ``DECODE_STEPS`` steps through the
+                          model's step (the factory's ``step``, or the built-in one of
+                          reference models and ``transformers`` generators): the greedy
+                          ``tokens`` of the float64 run and each step's next-token logits
+                          (``cached.logits.<step>``, and ``recomputed.logits.<step>`` by full
+                          recompute where a built-in step offers one); or, for a factory with
+                          the older ``decode(model, inputs, use_cache)``, what it returns with
+                          the cache (``cached.*``) and by full recompute (``recomputed.*``)
 ============  ==========  =============================================================
 
-The reference cell also judges ``decode-cache``: the cached decoding against the full
-recompute of the same run, so a KV-cache bug is caught even in the run that made the goldens.
+Every cell decodes along the golden's tokens, so a near tie that another dtype or backend
+breaks the other way changes no later step: each step's logits are judged in every cell, and a
+failure names the first step that leaves its budget. The reference cell decodes greedily: its
+tokens must be the golden's. It also judges ``decode-cache``: the cached decoding against the
+full recompute of the same run, so a KV-cache bug is caught even in the run that made the
+goldens.
 
 The default loss is a fixed pseudo-random projection of the floating outputs the golden has:
 its gradient reaches every element of them, and the same weights are used in every cell.
+
+Padded positions (the factory's ``padding``, else the inputs' 1/0 ``attention_mask`` and
+``decoder_attention_mask``; see :mod:`torchparity.subject.padding`) are left out of the judged
+outputs (and of a factory's own decoding) and of the default loss, so the gradients do not
+carry them either: a padded query may attend to nothing, and what two implementations write
+there is arbitrary. Every row says how many positions it left out.
 
 Cells are those of the zoo's check: the reference cell (manual, fp64) recomputes the goldens
 with a baseline of one float64 rounding of the weights; every other cell runs a copy of the
@@ -38,8 +51,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +75,17 @@ from torchparity.golden.cases import (
     write_status,
 )
 from torchparity.golden.compiled import (
-    STEPS_PATH,
     annotate,
+    decode_phases,
     step_verdicts,
-    stepped_decode,
+    stepped_logits,
     unavailable_reason,
 )
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
 from torchparity.subject import Subject, hf
 from torchparity.subject.compiling import CompileFailed, CompileLog, check_mode, compiled
-from torchparity.subject.steps import steppable
+from torchparity.subject.decoding import recompute_step, teacher_forced
+from torchparity.subject.padding import Padding
 from torchparity.subject.trees import flatten_tensors
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -99,13 +114,10 @@ def backend_names(models: list[Subject] | None = None) -> list[str]:
 @dataclass
 class Run:
     """One run of a model in a cell: output name -> {path: tensor}, and why others are missing;
-    ``references`` the (golden, baseline) of outputs judged against other runs than the
-    goldens' (a compiled cell's stepped decoding), ``compile_log`` what compiling cost."""
+    ``compile_log`` what compiling cost in a compiled cell."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
-    references: dict[str, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = field(
-        default_factory=dict)
     compile_log: CompileLog | None = None
 
 
@@ -126,13 +138,15 @@ def model_checksums(subject: Subject) -> dict[str, str]:
 
 
 def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
-                perturb: bool = False) -> tuple[Run, int | None]:
+                perturb: bool = False, tokens: torch.Tensor | None = None
+                ) -> tuple[Run, int | None]:
     """Run the model in ``cell``: forward, loss, gradients and decoding.
 
-    ``loss_paths`` are the outputs the default loss projects (None: all floating ones).
+    ``loss_paths`` are the outputs the default loss projects (None: all floating ones);
+    ``tokens`` are what a step-by-step decoding is fed (None: its own greedy choices).
     Returns the run and the number of SDPA calls intercepted (None for ``hf-eager``). A
-    compiled cell runs all of it compiled; a failure to compile raises
-    :class:`~torchparity.subject.compiling.CompileFailed`.
+    compiled cell runs all of it compiled, each decoding step recorded in its compile log; a
+    failure to compile raises :class:`~torchparity.subject.compiling.CompileFailed`.
     """
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
     model, inputs = subject.placed(cell.device, DTYPES[cell.dtype], attention)
@@ -144,8 +158,8 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
             run = _forward_backward(subject, model, inputs, loss_paths)
         except BackendUnavailable as exc:
             return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc))), None
-        _decode(subject, model, inputs, run, cell)
-    run.compile_log = compile_log
+        run.compile_log = compile_log
+        _decode(subject, model, inputs, run, tokens)
     calls = None if intercepted is None else intercepted.calls
     return run, calls
 
@@ -188,26 +202,57 @@ def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
     return Run(outputs, missing)
 
 
-def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run, cell: Cell) -> None:
+def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
+            tokens: torch.Tensor | None) -> None:
     if not subject.generates:
-        return
-    if subject.decode is None and cell.dtype != "fp64":
-        if cell.compile and steppable(model):
-            run.outputs["decode"], run.references["decode"] = subject.guarded(
-                lambda: stepped_decode(subject, model, inputs, cell.dtype, DECODE_STEPS),
-                "cached decoding step by step")
-            return
-        run.missing["decode"] = ("greedy generate is compared in float64 only: in lower "
-                                 "precision a near tie may pick another token")
         return
     try:
         with torch.no_grad():
-            run.outputs["decode"] = {
-                path: tensor for label, cache in (("cached", True), ("recomputed", False))
-                for path, tensor in flatten_tensors(
-                    subject.decoded(model, inputs, cache, DECODE_STEPS), label).items()}
+            run.outputs["decode"] = (
+                _stepped(subject, model, inputs, tokens, run.compile_log) if subject.steps
+                else _decoded(subject, model, inputs))
     except BackendUnavailable as exc:
         run.missing["decode"] = str(exc)
+
+
+def _stepped(subject: Subject, model: nn.Module, inputs: Any, tokens: torch.Tensor | None,
+             compile_log: CompileLog | None = None) -> dict[str, torch.Tensor]:
+    """The step protocol's decoding: tokens fed, and each step's logits cached and, where a
+    built-in step offers it, by full recompute along the same tokens; a compiled model's
+    calls recorded by step in ``compile_log``."""
+    cached = teacher_forced(subject.stepper(model), model, inputs, DECODE_STEPS, tokens,
+                            during=decode_phases(compile_log, "cached"))
+    outputs = {"tokens": cached.tokens,
+               **{f"cached.logits.{s}": t for s, t in enumerate(cached.logits)}}
+    recompute = recompute_step(model) if subject.step is None else None
+    if recompute is not None:
+        recomputed = teacher_forced(recompute, model, inputs, DECODE_STEPS, cached.tokens,
+                                    during=decode_phases(compile_log, "recomputed"))
+        outputs.update({f"recomputed.logits.{s}": t for s, t in enumerate(recomputed.logits)})
+    return outputs
+
+
+def _decoded(subject: Subject, model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
+    """The factory's own ``decode``, with the cache and by full recompute."""
+    return {path: tensor for label, cache in (("cached", True), ("recomputed", False))
+            for path, tensor in flatten_tensors(subject.decoded(model, inputs, cache),
+                                                label).items()}
+
+
+def first_step(comparison: Any) -> int | None:
+    """The first decoding step a comparison of step-protocol decodings finds diverged: a
+    step's logits over their budget, or a greedy token (chosen at the step before it is fed)
+    that differs."""
+    steps = []
+    for t in comparison.tensors:
+        if t.verdict != "diverged":
+            continue
+        found = re.search(r"logits\.(\d+)", t.path)
+        if found:
+            steps.append(int(found.group(1)))
+        elif "tokens" in t.path and t.worst_index is not None:
+            steps.append(t.worst_index[-1])
+    return min(steps, default=None)
 
 
 # --- writing and reading goldens ------------------------------------------------------------
@@ -224,8 +269,10 @@ def write_goldens(subject: Subject, store: GoldenStore) -> dict[str, str]:
     loss_paths = None if subject.loss_fn else [
         p for p, t in run.outputs["outputs"].items() if t.is_floating_point()]
     meta = {"entry": subject.entry, "model": type(subject.model).__name__,
-            "loss": "loss_fn" if loss_paths is None else {"default projection of": loss_paths},
+            "loss": "loss_fn" if loss_paths is None else _default_loss(subject, loss_paths),
             "checksums": model_checksums(subject)}
+    if subject.generates:
+        meta["decoding"] = _decoding(subject)
     statuses = {}
     for output, tensors in run.outputs.items():
         output_meta = {"kind": OUTPUT_KINDS[output], **meta}
@@ -249,13 +296,37 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
         raise GoldenStale(f"the goldens of {subject.name} in {store.root} were made "
                           f"{'without' if decodes else 'with'} decoding, the factory now "
                           f"{'decodes' if decodes else 'does not'}; {fix}")
+    padding = subject.padding.summary()
+    made = goldens["decode"].summary.get("decoding") if decodes else None
+    if decodes and made != _decoding(subject):
+        raise GoldenStale(f"the decode golden of {subject.name} in {store.root} was made "
+                          f"{f'by {made}' if made else 'by greedy generate'}, the factory now "
+                          f"decodes {_decoding(subject)}; {fix}")
     for golden in goldens.values():
-        uses_fn = golden.summary.get("loss") == "loss_fn"
+        loss = golden.summary.get("loss")
+        uses_fn = loss == "loss_fn"
         if uses_fn != (subject.loss_fn is not None):
             raise GoldenStale(f"golden {golden.path.with_suffix('.json')} was made "
                               f"{'with' if uses_fn else 'without'} a loss_fn, the factory now "
                               f"returns {'none' if uses_fn else 'one'}; {fix}")
+        if not uses_fn and isinstance(loss, dict) and loss.get("padding") != padding:
+            made = loss.get("padding") or "no padding left out"
+            raise GoldenStale(f"golden {golden.path.with_suffix('.json')} was made with a "
+                              f"default loss over other positions ({made}; now "
+                              f"{padding or 'no padding left out'}); {fix}")
     return goldens
+
+
+def _default_loss(subject: Subject, loss_paths: list[str]) -> dict[str, Any]:
+    """What a golden records of its default loss: the outputs projected and, when there is
+    padding, which positions it leaves out."""
+    padding = subject.padding.summary()
+    return {"default projection of": loss_paths, **({"padding": padding} if padding else {})}
+
+
+def _decoding(subject: Subject) -> str:
+    """How the subject decodes, as its goldens record it."""
+    return "step by step" if subject.steps else "its decode"
 
 
 def _loss_paths(goldens: dict[str, Golden]) -> list[str] | None:
@@ -281,23 +352,27 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
             advance(cell.label)
         return results
     loss_paths = _loss_paths(goldens)
+    # Step by step, every cell but the reference decodes along the golden's tokens.
+    tokens = goldens["decode"].tensors["tokens"] if subject.steps else None
     baselines: dict[tuple[str, str], Run] = {}
     for cell in cells:
         if cell == REFERENCE:
-            results += _check_reference(subject, store, goldens, loss_paths)
+            results += _check_reference(subject, store, goldens, loss_paths, tokens)
         else:
             key = (cell.dtype, cell.device)
             if key not in baselines:
-                baselines[key] = run_in_cell(subject, Cell("manual", *key), loss_paths)[0]
-            results += _check_cell(subject, cell, goldens, baselines[key], loss_paths)
+                baselines[key] = run_in_cell(subject, Cell("manual", *key), loss_paths,
+                                             tokens=tokens)[0]
+            results += _check_cell(subject, cell, goldens, baselines[key], loss_paths, tokens)
         advance(cell.label)
     return results
 
 
 def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Golden],
-                     loss_paths: list[str] | None) -> list[CheckResult]:
-    fresh, _ = run_in_cell(subject, REFERENCE, loss_paths)
-    perturbed, _ = run_in_cell(subject, REFERENCE, loss_paths, perturb=True)
+                     loss_paths: list[str] | None, tokens: torch.Tensor | None
+                     ) -> list[CheckResult]:
+    fresh, _ = run_in_cell(subject, REFERENCE, loss_paths)  # greedy: its tokens are judged
+    perturbed, _ = run_in_cell(subject, REFERENCE, loss_paths, perturb=True, tokens=tokens)
     results = []
     for output, golden in goldens.items():
         candidate = fresh.outputs.get(output, {})
@@ -314,22 +389,23 @@ def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Go
         cached, recomputed = ({p.partition(".")[2] or "value": t for p, t in decoded.items()
                                if p.partition(".")[0] == label}
                               for label in ("cached", "recomputed"))
-        results.append(_judge(subject, REFERENCE, "decode-cache", cached, recomputed, None))
+        if recomputed:  # a step of the factory's own has no recompute to judge it by
+            results.append(_judge(subject, REFERENCE, "decode-cache", cached, recomputed, None))
     return results
 
 
 def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseline: Run,
-                loss_paths: list[str] | None) -> list[CheckResult]:
+                loss_paths: list[str] | None, tokens: torch.Tensor | None) -> list[CheckResult]:
     if cell.backend == HF_EAGER and not subject.is_transformers:
         reason = "not a transformers model: it has no attention implementation to switch"
         return [_result(subject, cell, output, "n/a", ok=True, reason=reason)
                 for output in goldens]
     if cell.compile:
-        run, calls = _compiled_run(subject, cell, loss_paths)
+        run, calls = _compiled_run(subject, cell, loss_paths, tokens)
     elif cell.backend == "manual":
         run, calls = baseline, None
     else:
-        run, calls = run_in_cell(subject, cell, loss_paths)
+        run, calls = run_in_cell(subject, cell, loss_paths, tokens=tokens)
     if calls == 0:
         return [_result(subject, cell, output, "n/a", ok=True,
                         reason=backends.NO_SDPA_CALLS_REASON) for output in goldens]
@@ -339,25 +415,25 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
             results.append(_result(subject, cell, output, "n/a", ok=True,
                                    reason=run.missing[output]))
             continue
-        golden_tensors, baseline_tensors = run.references.get(
-            output, (golden.tensors, baseline.outputs.get(output)))
         results.append(_judge(subject, cell, output, run.outputs.get(output, {}),
-                              golden_tensors, baseline_tensors))
+                              golden.tensors, baseline.outputs.get(output)))
     if cell.compile:
-        decode_golden, decode_baseline = run.references.get("decode", (None, None))
+        decode = goldens.get("decode")
         annotate(results, run.compile_log, step_verdicts(
-            run.outputs.get("decode"), decode_golden or {}, decode_baseline, cell.dtype,
-            STEPS_PATH))
+            *(stepped_logits(tensors) for tensors in (run.outputs.get("decode"),
+                                                      decode and decode.tensors,
+                                                      baseline.outputs.get("decode"))),
+            cell.dtype))
     return results
 
 
-def _compiled_run(subject: Subject, cell: Cell, loss_paths: list[str] | None
-                  ) -> tuple[Run, int | None]:
+def _compiled_run(subject: Subject, cell: Cell, loss_paths: list[str] | None,
+                  tokens: torch.Tensor | None) -> tuple[Run, int | None]:
     """The compiled cell's run; every output n/a with the reason where it cannot compile."""
     reason = unavailable_reason(cell)
     if reason is None:
         try:
-            return run_in_cell(subject, cell, loss_paths)
+            return run_in_cell(subject, cell, loss_paths, tokens=tokens)
         except CompileFailed as exc:
             reason = str(exc)
     return Run({}, dict.fromkeys(OUTPUT_KINDS, reason)), None
@@ -367,14 +443,32 @@ def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, torch
            golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
            ) -> CheckResult:
     """Judge the tensors candidate and golden share; paths that one side lacks (eager's
-    attention weights against sdpa's None) are structure differences, not divergences."""
+    attention weights against sdpa's None) are structure differences, not divergences.
+    Outputs with a value per input position are judged on the unpadded ones."""
     comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
-                         compute_dtype=cell.dtype)
+                         compute_dtype=cell.dtype, padding=_padding(subject, output))
     worst = comparison.worst
+    left_out = comparison.left_out_sentence()
+    if output == "loss" and subject.loss_fn is None and subject.padding:
+        left_out = f"the default loss leaves the padding out: {subject.padding.summary()}."
+    explain = comparison.explain()
+    step = first_step(comparison) if output.startswith("decode") and subject.steps else None
+    if step is not None:
+        explain = f"first step that differs: {step} (0 is the prompt); {explain}"
     return _result(subject, cell, output, comparison.verdict, ok=comparison.ok,
-                   headroom=worst.headroom if worst else 0.0, explain=comparison.explain(),
+                   headroom=worst.headroom if worst else 0.0, explain=explain,
                    worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
-                   structure=[str(d) for d in comparison.structure] or None)
+                   structure=[str(d) for d in comparison.structure] or None,
+                   left_out=left_out)
+
+
+def _padding(subject: Subject, output: str) -> Padding | None:
+    """The padding of an output's tensors: the model's outputs and its own decoding have a
+    value per input position; gradients are the parameters', and step-by-step decoding has a
+    value per step."""
+    if output == "outputs" or (output.startswith("decode") and subject.decode is not None):
+        return subject.padding
+    return None
 
 
 def _result(subject: Subject, cell: Cell, output: str, verdict: str, *, ok: bool,

@@ -84,12 +84,14 @@ def cache_dir() -> Path:
 class CallRecord:
     """One call of the compiled model: what it compiled (the backward pass it started counts
     with it) and how long it took. ``grad`` says whether gradients were on (a training call)
-    and ``shapes`` gives the input tensors' shapes by path, which tell decoding steps apart."""
+    and ``shapes`` gives the input tensors' shapes by path; ``phase`` names the part of the
+    run it belongs to (``cached step 3`` of a decoding; see :meth:`CompileLog.phase`)."""
 
     index: int
     grad: bool
     shapes: dict[str, list[int]]
     module: str = ""  # the module called, when modules are compiled on their own
+    phase: str = ""
     seconds: float = 0.0
     compiles: int = 0
     recompiles: list[str] = field(default_factory=list)  # dynamo's reason for each
@@ -114,6 +116,21 @@ class CompileLog:
     calls: list[CallRecord] = field(default_factory=list)
     seconds: float = 0.0
     failure: str | None = None
+    current_phase: str = field(default="", repr=False)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The calls made in the block are recorded as part of ``name`` (e.g. one decoding
+        step), so a report can say what each step compiled."""
+        outer, self.current_phase = self.current_phase, name
+        try:
+            yield
+        finally:
+            self.current_phase = outer
+
+    def in_phase(self, name: str) -> list[CallRecord]:
+        """The calls recorded as part of ``name``, in order."""
+        return [call for call in self.calls if call.phase == name]
 
     @property
     def recompiles(self) -> int:
@@ -184,7 +201,8 @@ class _Recorder:
             self.collect()
             inputs = {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}
             record = CallRecord(len(self.log.calls), torch.is_grad_enabled(),
-                                {p: list(t.shape) for p, t in inputs.items()}, module)
+                                {p: list(t.shape) for p, t in inputs.items()}, module,
+                                self.log.current_phase)
             self.log.calls.append(record)
             started = time.perf_counter()
             try:

@@ -1,11 +1,14 @@
 """Users' models as *factories*: an entry ``file.py:name`` or ``package.module:name``.
 
 The named callable returns ``(model, inputs)`` or ``(model, inputs, loss_fn)``, or a dict with
-the keys ``model``, ``inputs`` and optionally ``loss_fn`` and ``decode``. ``inputs`` is a tuple
-of positional arguments, a dict of keyword arguments or one tensor; ``loss_fn(output, inputs)``
-returns a scalar; ``decode(model, inputs, use_cache)`` runs the model's incremental decoding and
-returns its outputs (a pytree of tensors). A file imports as ``python file.py`` would run it:
-its folder comes first on ``sys.path``, so modules beside it import.
+the keys ``model``, ``inputs`` and optionally ``loss_fn``, ``step``, ``decode`` and
+``padding``. ``inputs`` is a tuple of positional arguments, a dict of keyword arguments or one
+tensor; ``loss_fn(output, inputs)`` returns a scalar; ``step(model, tokens, state) -> (logits,
+state)`` is one decoding step (:mod:`torchparity.subject.decoding`); ``decode(model, inputs,
+use_cache)`` runs the model's incremental decoding and returns its outputs (a pytree of
+tensors); ``padding`` says which positions are padding where the inputs do not (see
+:mod:`torchparity.subject.padding`). A file imports as ``python file.py`` would run it: its
+folder comes first on ``sys.path``, so modules beside it import.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 from torchparity.errors import UsageError, UserCodeError
 
 #: The keys a factory's dict may have; the first two are required.
-KEYS = ("model", "inputs", "loss_fn", "decode")
+KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding")
 
 
 def resolve_entry(spec: str) -> Callable[[], Any]:
@@ -62,7 +65,8 @@ def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
         if unknown or not {"model", "inputs"} <= set(result):
             raise UsageError(f"factory {label} returned a dict with keys "
                              f"{', '.join(map(str, result)) or '(none)'}; it needs 'model' and "
-                             f"'inputs' and may have 'loss_fn' and 'decode'")
+                             f"'inputs' and may have 'loss_fn', 'step', 'decode' and "
+                             "'padding'")
         fields = {key: result.get(key) for key in KEYS}
     elif isinstance(result, tuple) and len(result) in (2, 3):
         fields = {**dict.fromkeys(KEYS), **dict(zip(KEYS, result, strict=False))}
@@ -76,7 +80,7 @@ def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
         raise UsageError(f"factory {label} returned inputs of type "
                          f"{type(fields['inputs']).__name__}; give a tuple of positional "
                          "arguments, a dict of keyword arguments or one tensor")
-    for key in ("loss_fn", "decode"):
+    for key in ("loss_fn", "step", "decode"):
         value = fields[key]
         if value is not None and not callable(value):
             raise UsageError(f"factory {label} returned a {type(value).__name__} as {key}; "

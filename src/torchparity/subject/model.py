@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,7 +12,9 @@ from torch import nn
 
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
+from torchparity.subject.decoding import STEP_HINT, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
+from torchparity.subject.padding import Padding, padding_of
 from torchparity.subject.running import LossFn, call_model, cast_inputs, projection_loss
 
 #: ``decode(model, inputs, use_cache)``: a model's incremental decoding, its outputs a pytree.
@@ -24,14 +26,18 @@ class Subject:
     """A user's model under test: the model, its inputs and its optional callables, named by
     the ``entry`` that built it and by ``name``, a file-system friendly form of it (the golden
     folder). Every command that takes a user's model (``check``, ``golden``, ``bench``,
-    ``diagnose``, ``record``) loads it here."""
+    ``diagnose``, ``record``) loads it here. ``padding`` says which positions of its batch are
+    padding, left out of every comparison and of the default loss: the factory's ``padding``,
+    else what the inputs' masks say (:mod:`torchparity.subject.padding`)."""
 
     name: str
     entry: str
     model: nn.Module
     inputs: Any
     loss_fn: LossFn | None = None
+    step: StepFn | None = None
     decode: DecodeFn | None = None
+    padding: Padding = field(default_factory=Padding)
 
     @classmethod
     def load(cls, entry: str | Callable[[], Any]) -> Subject:
@@ -40,16 +46,45 @@ class Subject:
             factory, spec = resolve_entry(entry), entry
         else:
             factory, spec = entry, f"{entry.__module__}:{entry.__qualname__}"
-        return cls(name=entry_name(spec), entry=spec, **call_factory(factory, spec))
+        fields = call_factory(factory, spec)
+        fields["padding"] = padding_of(fields["padding"], fields["inputs"], fields["model"],
+                                       f"the padding of factory {spec}", "the factory's padding")
+        return cls(name=entry_name(spec), entry=spec, **fields)
 
     @property
     def is_transformers(self) -> bool:
         return hf.is_transformers(self.model)
 
     @property
+    def steps(self) -> bool:
+        """Whether it decodes step by step (:mod:`~torchparity.subject.decoding`): with the
+        factory's ``step``, or a built-in one, and no ``decode`` of its own."""
+        return self.decode is None and (self.step is not None
+                                        or builtin_step(self.model) is not None)
+
+    @property
     def generates(self) -> bool:
-        """Whether it decodes: with its own ``decode``, or as a ``transformers`` generator."""
-        return self.decode is not None or hf.generates(self.model)
+        """Whether it decodes: with its own ``decode``, or step by step."""
+        return self.decode is not None or self.steps
+
+    def stepper(self, model: nn.Module | None = None) -> StepFn:
+        """The decoding step of ``model`` (default: the factory's): the factory's ``step``, else
+        the built-in one (:func:`~torchparity.subject.decoding.builtin_step`), guarded so that
+        an exception in it is a one-line :class:`UserCodeError`. A model without either is a
+        one-line :class:`UsageError` naming the ``step`` key it needs."""
+        model = self.model if model is None else model
+        step = self.step or builtin_step(model)
+        if step is None:
+            raise UsageError(f"factory {self.entry}: torchparity cannot decode a "
+                             f"{type(model).__name__} by itself; {STEP_HINT}")
+        what = "its step" if self.step is not None else "the built-in decoding step"
+
+        def guarded(m: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:
+            return self.guarded(lambda: step(m, tokens, state), what)
+
+        guarded.label = (f"the step of {self.entry}" if self.step is not None
+                         else f"the built-in decoding step of {self.entry}")  # in its messages
+        return guarded
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
                attention: str = hf.SDPA) -> tuple[nn.Module, Any]:
@@ -68,8 +103,8 @@ class Subject:
     def loss(self, output: Any, inputs: Any, flat: Mapping[str, torch.Tensor],
              loss_paths: list[str] | None = None) -> torch.Tensor | str:
         """``loss_fn(output, inputs)``, else the projection loss of the outputs at
-        ``loss_paths`` (default: every floating one of ``flat``, the flattened output); a
-        string saying why when ``flat`` lacks one of them."""
+        ``loss_paths`` (default: every floating one of ``flat``, the flattened output) on their
+        unpadded positions; a string saying why when ``flat`` lacks one of them."""
         if self.loss_fn is not None:
             loss = self.guarded(lambda: self.loss_fn(output, inputs), "its loss_fn")
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
@@ -85,14 +120,11 @@ class Subject:
         if not paths:
             raise UsageError(f"the output of {self.entry} has no floating tensor to take "
                              "gradients of; return a loss_fn from the factory")
-        return projection_loss({p: flat[p] for p in paths})
+        return projection_loss({p: flat[p] for p in paths}, self.padding)
 
-    def decoded(self, model: nn.Module, inputs: Any, use_cache: bool, steps: int) -> Any:
-        """The factory's ``decode``, else greedy ``generate`` of ``steps`` tokens."""
-        if self.decode is None:
-            return self.guarded(lambda: hf.greedy_generate(model, inputs, steps, use_cache),
-                                "transformers' generate")
-        return self.guarded(lambda: self.decode(model, inputs, use_cache), "its decode step")
+    def decoded(self, model: nn.Module, inputs: Any, use_cache: bool) -> Any:
+        """The factory's ``decode(model, inputs, use_cache)``."""
+        return self.guarded(lambda: self.decode(model, inputs, use_cache), "its decode")
 
     def guarded(self, fn: Callable[[], Any], what: str) -> Any:
         """``fn()``; an exception of the user's code becomes a one-line

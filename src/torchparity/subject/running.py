@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchparity.comparison.selection import PaddingSpec, left_out_of
 from torchparity.errors import UsageError
 from torchparity.reference import rng
 from torchparity.subject.trees import map_tensors
@@ -94,16 +95,25 @@ def in_dtype(models: list[nn.Module], inputs: Inputs, dtype: torch.dtype | None
     return [copy.deepcopy(m).to(dtype) for m in models], upcast(inputs, dtype)
 
 
-def projection_loss(outputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def projection_loss(outputs: Mapping[str, torch.Tensor], padding: PaddingSpec = None
+                    ) -> torch.Tensor:
     """The dot product of the floating ``outputs`` with fixed pseudo-random weights (a pure
     function of each path and shape, the same on every machine), computed in at least float32
-    and scaled to O(1): every element of every output gets its own gradient."""
+    and scaled to O(1): every element of every output gets its own gradient.
+
+    Positions that ``padding`` (a :class:`~torchparity.subject.padding.Padding`, keyed by the
+    outputs' paths) leaves out are selected away, not weighted by zero: they get no gradient,
+    and a NaN there reaches neither the loss nor any gradient."""
     total = sum(t.numel() for t in outputs.values())
     loss = None
     for path, tensor in outputs.items():
         compute = torch.promote_types(tensor.dtype, torch.float32)
         weights = rng.symmetric(_LOSS_SEED, f"loss.{path}", tensor.shape, 1.0 / math.sqrt(total))
-        term = (tensor.to(compute) * weights.to(tensor.device, compute)).sum()
+        weights = weights.to(tensor.device, compute)
+        left_out = left_out_of(padding, path, tensor)
+        if left_out is not None:
+            tensor, weights = left_out.judged(tensor), left_out.judged(weights)
+        term = (tensor.to(compute) * weights).sum()
         loss = term if loss is None else loss + term
     if loss is None:
         raise UsageError("the output has no floating tensor to take gradients of")

@@ -59,6 +59,11 @@ def leaves(tree: Any, prefix: str) -> dict[str, Any]:
 
 
 def walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """Every leaf of ``tree`` with its path (see :func:`leaves`), in order."""
+    if isinstance(tree, (torch.Tensor, *_SCALARS)):  # the common leaves, without the ABC checks
+        yield path, tree
+        return
+
     def child(key: Any) -> str:
         return f"{path}.{key}" if path else str(key)
 
@@ -73,6 +78,9 @@ def walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
             yield from walk(getattr(tree, field.name), child(field.name))
     else:
         yield path, tree
+
+
+_SCALARS = (type(None), bool, int, float, str)
 
 
 def _rebuild_mapping(original: Mapping, mapped: dict) -> Any:

@@ -1,0 +1,282 @@
+"""The report of a decoding diagnosis: terminal, JSON (under ``decode``) and HTML.
+
+It answers, in order: did the prompt pass change; which step's logits first leave the noise
+budget (error, budget); which module first leaves its budget at that step and how the change
+gets in (an argument, or state the module reads such as a cache holding other positions); and
+per sequence the first token flip, with the verdict ``near tie`` (regenerating the golden is
+safe) or ``real change`` (B computes something else).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchparity.comparison.tensor import json_safe
+from torchparity.diagnosis.decode_judging import Flip, first_module, step_budget, step_error
+from torchparity.diagnosis.report import (
+    CSS,
+    Report,
+    Result,
+    Row,
+    headroom,
+    shape_difference,
+    share_cell,
+    svg_plot,
+)
+
+__all__ = ["DecodeReport", "Flip"]
+
+_NOWRAP = "td.share { white-space: nowrap; }\n"
+_LEGEND = "of the budget used (=: bit-identical to A, X: diverged)"
+
+
+@dataclass
+class DecodeReport(Report):
+    """Result of :func:`torchparity.diagnose_decode` and
+    :func:`torchparity.diagnose_decode_against`.
+
+    ``steps[s]`` judges B's next-token logits at step ``s`` (0 is the prompt) against the
+    golden's, with A's as the baseline; ``first_step`` is the first that breaks its budget
+    (None when none does). ``rows`` judge every aligned module's output (and inputs) at that
+    step; :attr:`first_module` is the first whose output breaks its budget while its inputs do
+    not, and its ``entry`` says how the change gets in. ``flips`` holds each sequence's first
+    token flip. ``tokens`` (batch, steps) are the tokens every side was fed.
+    """
+
+    steps: list[Result]
+    first_step: int | None
+    rows: list[Row]
+    flips: list[Flip]
+    tokens: torch.Tensor
+    meta: dict[str, Any]
+
+    @property
+    def first_module(self) -> Row | None:
+        return first_module(self.rows)
+
+    @property
+    def first_module_label(self) -> str | None:
+        """``decoder.layers.0.self_attn @ step 1``, or None."""
+        row = self.first_module
+        return None if row is None else f"{_label(row.module)} @ step {self.first_step}"
+
+    @property
+    def ok(self) -> bool:
+        """True when no step leaves its budget and no flip is a real change."""
+        return self.first_step is None and all(f.verdict == "near tie" for f in self.flips)
+
+    def summary(self) -> str:
+        """A few sentences: the prompt, the first step and module that leave the budget and
+        where the change enters, the flips, the mode."""
+        parts = [f"Prompt (step 0): {self.steps[0].verdict}."]
+        if self.first_step is None:
+            parts.append(f"No step's logits leave the budget ({len(self.steps) - 1} step(s) "
+                         "after the prompt).")
+        else:
+            result = self.steps[self.first_step]
+            parts.append(f"First step whose logits leave the budget: step {self.first_step} "
+                         f"(error {_number(step_error(result))}, budget "
+                         f"{_number(step_budget(result))}).")
+            row = self.first_module
+            if row is not None:
+                parts.append(f"First module leaving its budget there: "
+                             f"{self.first_module_label} ({row.module_type}).")
+                if row.entry is not None:
+                    parts.append(f"It enters through its {row.entry.via} "
+                                 f"{row.entry.argument} ({row.entry.detail}).")
+            elif self.rows:
+                parts.append("No module's output leaves its budget at that step.")
+        real = sum(f.verdict == "real change" for f in self.flips)
+        if self.flips:
+            safe = not real and self.first_step is None
+            parts.append(f"First token flips in {len(self.flips)} of {self.tokens.shape[0]} "
+                         f"sequence(s): {real} real change, {len(self.flips) - real} near tie"
+                         f"{' (regenerating the golden is safe)' if safe else ''}.")
+        else:
+            parts.append("No token flips.")
+        if self.meta.get("mode"):
+            parts.append(f"Mode: {self.meta['mode']}.")
+        return " ".join(parts)
+
+    # -- JSON ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        row = self.first_module
+        return json_safe({
+            "summary": self.summary(),
+            "decode": {
+                "first_step": self.first_step,
+                "first_module": self.first_module_label,
+                "entry": None if row is None or row.entry is None else {
+                    "argument": row.entry.argument, "detail": row.entry.detail,
+                    "via": row.entry.via},
+                "prompt": self.steps[0].verdict,
+                "flips": [f.to_dict() for f in self.flips],
+                "steps": [{"step": s, "verdict": r.verdict, "error": step_error(r),
+                           "budget": step_budget(r), "share": headroom(r)}
+                          for s, r in enumerate(self.steps)],
+                "rows": [r.to_dict() for r in self.rows],
+                "tokens": self.tokens.tolist(),
+            },
+            "meta": self.meta,
+        })
+
+    # -- terminal -----------------------------------------------------------------------------
+
+    def print(self, console: Any = None) -> None:
+        """Print the report to a ``rich.console.Console`` (default: stdout)."""
+        from rich.console import Console
+
+        console = console or Console()
+        say = lambda text: console.print(text, markup=False, highlight=False)  # noqa: E731
+        say(self.summary())
+        if self.flips:
+            console.print(self._flips_table())
+        console.print(self._steps_table())
+        if self.rows:
+            console.print(self._rows_table())
+        for line in self._footer():
+            say(line)
+
+    def _table(self, title: str, heads: list[str], right: int) -> Any:
+        from rich import box
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                      collapse_padding=True)
+        for index, head in enumerate(heads):
+            last = index == len(heads) - 1
+            table.add_column(head, justify="right" if index < right else "left",
+                             no_wrap=not last, overflow="fold" if last else "ellipsis")
+        return table
+
+    def _flips_table(self) -> Any:
+        table = self._table("First token flip per sequence",
+                            ["seq", "step", "A", "B", "margin", "change", "budget", "verdict"], 7)
+        for f in self.flips:
+            table.add_row(str(f.sequence), str(f.step), str(f.a_token), str(f.b_token),
+                          _number(f.margin), _number(f.change), _number(f.budget), f.verdict,
+                          style="bold red" if f.verdict == "real change" else None)
+        return table
+
+    def _steps_table(self) -> Any:
+        table = self._table("Logits per step", ["step", "share", "error", "budget", "verdict"],
+                            4)
+        for step, result in enumerate(self.steps):
+            table.add_row(str(step), share_cell(result), _number(step_error(result)),
+                          _number(step_budget(result)), result.verdict,
+                          style="bold red" if step == self.first_step else None)
+        return table
+
+    def _rows_table(self) -> Any:
+        table = self._table(f"Modules at step {self.first_step}, B against the golden (A as "
+                            "baseline)", ["#", "inputs", "output", "module (B)"], 3)
+        first = self.first_module
+        for index, r in enumerate(self.rows):
+            name = " " * r.depth + _label(r.module)
+            if r.shapes:
+                name += " (shape differs)"
+            table.add_row(str(index), share_cell(r.inputs), share_cell(r.propagated), name,
+                          style="bold red" if r is first else None)
+        return table
+
+    def _footer(self) -> list[str]:
+        lines = [f"share: {_LEGEND}"]
+        if self.flips:
+            lines.append("margin: A's top-1 minus top-2 logit; change: the largest error of B's "
+                         "logits there against the golden; budget: the step's")
+        first = self.first_module
+        if first is not None:
+            lines += [f"{_label(first.module)} @ step {self.first_step}: {shape_difference(d)}"
+                      for d in first.shapes]
+        lines += [f"note: {note}" for note in self.meta.get("notes", [])]
+        return lines
+
+    def __str__(self) -> str:
+        return self.render(80)
+
+    # -- HTML ---------------------------------------------------------------------------------
+
+    def to_html(self, path: str | os.PathLike | None = None) -> str:
+        """A self-contained HTML page (inline SVG plots, no scripts): the error per step, the
+        flips, then the error per module at the first failing step; written to ``path`` if
+        given."""
+        steps = [Row(module=f"step {s}", a_module="", how="name", module_type="step",
+                     depth=0, start=s, propagated=r) for s, r in enumerate(self.steps)]
+        parts = [f"<h1>torchparity decoding diagnosis</h1><p class='summary'>"
+                 f"{html.escape(self.summary())}</p>",
+                 svg_plot(steps, {"logits": "propagated"}, "Logits per step: error / budget")]
+        if self.flips:
+            parts.append(_html_table(
+                "First token flip per sequence",
+                ["seq", "step", "A token", "B token", "margin", "change", "budget", "verdict"],
+                [([str(f.sequence), str(f.step), str(f.a_token), str(f.b_token),
+                   _number(f.margin), _number(f.change), _number(f.budget), f.verdict],
+                  "first" if f.verdict == "real change" else "") for f in self.flips]))
+        if self.rows:
+            first = self.first_module
+            parts.append(svg_plot(self.rows, {"output": "propagated", "inputs": "inputs"},
+                                  f"Modules at step {self.first_step}: error / budget"))
+            parts.append(_html_table(
+                f"Modules at step {self.first_step} (B against the golden, A as baseline)",
+                ["#", "module (B)", "type", "inputs", "output"],
+                [([str(i), _html_name(r), html.escape(r.module_type), share_cell(r.inputs),
+                   share_cell(r.propagated)],
+                  "first" if r is first else ("diverged" if r.propagated is not None
+                                              and not r.propagated.ok else ""))
+                 for i, r in enumerate(self.rows)], escape=False, wraps=1))
+        parts += [f"<p class='note'>{html.escape(line)}</p>" for line in self._footer()]
+        settings = json.dumps(json_safe(self.meta), indent=1, default=str)
+        page = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+                f"<title>torchparity decoding diagnosis</title><style>{CSS}{_NOWRAP}</style>"
+                "</head><body>"
+                + "".join(parts)
+                + f"<details><summary>settings</summary><pre>{html.escape(settings)}</pre>"
+                "</details></body></html>\n")
+        if path is not None:
+            Path(path).write_text(page, encoding="utf-8")
+        return page
+
+
+def _html_name(row: Row) -> str:
+    name = "&nbsp;" * 2 * row.depth + html.escape(_label(row.module))
+    if row.entry is not None:
+        name += (f"<br><span class='entry'>enters through its {row.entry.via} "
+                 f"{html.escape(row.entry.argument)} ({html.escape(row.entry.detail)})</span>")
+    for d in row.shapes:
+        name += f"<br><span class='entry'>{html.escape(shape_difference(d))}</span>"
+    return name
+
+
+def _html_table(title: str, heads: list[str], rows: list[tuple[list[str], str]],
+                escape: bool = True, wraps: int | None = None) -> str:
+    """A table whose cells stay on one line, but for column ``wraps`` (module names)."""
+    head = "".join(f"<th>{h}</th>" for h in heads)
+    body = "".join(
+        f"<tr class='{css}'>" + "".join(
+            f"<td{'' if i == wraps else ' class=share'}>{html.escape(c) if escape else c}</td>"
+            for i, c in enumerate(cells)) + "</tr>"
+        for cells, css in rows)
+    return f"<h2>{html.escape(title)}</h2><table><thead><tr>{head}</tr></thead>" \
+           f"<tbody>{body}</tbody></table>"
+
+
+def _label(module: str) -> str:
+    return module or "(model)"
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if math.isinf(value) or math.isnan(value):
+        return str(value)
+    return f"{value:.2g}" if value and (abs(value) < 1e-3 or abs(value) >= 1e4) else \
+        f"{value:.3g}"

@@ -1,0 +1,182 @@
+"""Running decodings for a diagnosis: the reference side (A, and its float64 golden, every module
+captured at every step into a store) and the candidate (B plainly, then captured at one step).
+
+Every side is teacher-forced along the same tokens (:func:`~torchparity.subject.decoding.
+teacher_forced`), under its attention backend, seeded and without gradients. A step's calls
+are stored under ``<call key>@<step>``: for A its outputs (``out``), its inputs (tensors and
+containers; caches stand as placeholders) and a summary of the state each module read
+(``call.state``); for the golden its outputs (``golden_out``). The step's next-token logits
+are under the pseudo-call ``__step__@<step>``.
+With a KV cache a step's module outputs are a token's worth each, so the trace stays small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.diagnosis.capture import Capture, ModuleCall, Signature, signature
+from torchparity.diagnosis.golden import golden_copy
+from torchparity.diagnosis.progress import ProgressBar
+from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
+from torchparity.subject.decoding import Decoding, StepFn, teacher_forced
+from torchparity.subject.factory import first_line
+from torchparity.subject.running import seeded, upcast
+from torchparity.subject.trees import flatten_tensors
+
+STEP = "__step__"  # pseudo-call of a step's next-token logits
+
+
+def step_key(key: str, step: int) -> str:
+    """Where a call of one step is stored: ``decoder.layers.0.attn@1``."""
+    return f"{key}@{step}"
+
+
+@dataclass
+class Side:
+    """A model decoded by a step function under an attention backend."""
+
+    model: nn.Module
+    inputs: Any
+    step: StepFn
+    backend: BackendSpec
+
+    def decode(self, steps: int, tokens: torch.Tensor | None, during: Any = None) -> Decoding:
+        """Teacher-forced decoding (greedy when ``tokens`` is None), seeded, without grad."""
+        with backend_context(self.backend), seeded(), torch.no_grad():
+            return teacher_forced(self.step, self.model, self.inputs, steps, tokens,
+                                  during=during)
+
+    def in_float64(self) -> Side | None:
+        """A float64 CPU copy of this side, or None when the model cannot be copied so."""
+        copy, _ = golden_copy(self.model)
+        if copy is None:
+            return None
+        return Side(copy, upcast(self.inputs, GOLDEN_DTYPE, "cpu"), self.step, self.backend)
+
+
+@dataclass
+class DecodeReference:
+    """A's side of a decoding diagnosis: the tokens every side is fed, A's and the golden's
+    next-token logits per step, A's calls per step (inputs, outputs and golden outputs in the
+    store), the forward parameter names of A's modules, and which golden was used (starting
+    with "none" when there is none)."""
+
+    tokens: torch.Tensor
+    greedy: bool
+    logits: list[torch.Tensor]
+    golden_logits: list[torch.Tensor] | None
+    calls: dict[int, list[ModuleCall]]
+    store: Any
+    signatures: dict[str, Signature | None]
+    golden: str
+    mode: str = ""
+    source: str = "in-process"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        """Decoding steps after the prompt."""
+        return len(self.logits) - 1
+
+    @property
+    def has_golden(self) -> bool:
+        return self.golden_logits is not None
+
+
+def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store: Any,
+                     opts: Options, bar: ProgressBar,
+                     rebuild: Callable[[], nn.Module] | None = None) -> DecodeReference:
+    """Decode A with every selected module captured at every step, then its float64 golden
+    along the same tokens, into ``store``. ``rebuild()`` makes A again when it cannot be
+    deep-copied into float64 (see :func:`~torchparity.diagnosis.golden.golden_copy`)."""
+    done = bar.phase("A: decoding, every step captured")
+    calls: dict[int, list[ModuleCall]] = {}
+    decoded = side.decode(steps, tokens, during=_capturing(side.model, store, opts, calls,
+                                                           "out", state=True))
+    store.put_all([(step_key(STEP, s), "out", {"logits": t})
+                   for s, t in enumerate(decoded.logits)])
+    done()
+    golden, note = golden_copy(side.model, rebuild)
+    golden_logits = None
+    if golden is not None:
+        done = bar.phase("golden (float64): decoding, every step captured")
+        golden_side = Side(golden, upcast(side.inputs, GOLDEN_DTYPE, "cpu"), side.step,
+                           side.backend)
+        try:
+            golden_logits = golden_side.decode(steps, decoded.tokens, during=_capturing(
+                golden, store, opts, {}, "golden_out", state=False)).logits
+        except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
+            note = (f"none: the float64 decoding of A failed ({type(exc).__name__}: "
+                    f"{first_line(exc)}); budgets come from A's own rounding")
+        broken = next((s for s, (a, g) in enumerate(zip(decoded.logits, golden_logits or [],
+                                                        strict=False))
+                       if bool((a.isfinite() & ~g.isfinite()).any())), None)
+        if broken is not None:
+            golden_logits = None
+            note = (f"none: the float64 decoding of A gives NaN or inf at step {broken} where A "
+                    "is finite (its float64 path differs, e.g. eager attention's masks on "
+                    "padded rows); budgets come from A's own rounding")
+        if golden_logits is not None:
+            store.put_all([(step_key(STEP, s), "golden_out", {"logits": t})
+                           for s, t in enumerate(golden_logits)])
+        done()
+    signatures = {name: signature(module) for name, module in side.model.named_modules()}
+    return DecodeReference(tokens=decoded.tokens, greedy=tokens is None, logits=decoded.logits,
+                           golden_logits=golden_logits, calls=calls, store=store,
+                           signatures=signatures, golden=note)
+
+
+def _capturing(model: nn.Module, store: Any, opts: Options, calls: dict[int, list[ModuleCall]],
+               group: str, *, state: bool) -> Any:
+    """``during(step)`` for :func:`teacher_forced`: capture that step's calls into ``store``
+    (A's outputs, inputs and state in ``out``/``in``; the golden's outputs in
+    ``golden_out``), one file per step on disk."""
+    @contextlib.contextmanager
+    def during(step: int) -> Iterator[None]:
+        entries: list[tuple[str, str, dict[str, torch.Tensor]]] = []
+
+        def keep(call: ModuleCall) -> None:
+            key = step_key(call.key, step)
+            entries.append((key, group, call.outputs))
+            if group == "out":
+                entries.append(store.inputs_entry(key, call.args, call.kwargs))
+
+        what = "tensors" if group == "out" else "outputs"
+        with Capture(model, opts.selects(), what=what, objects=False, state=state,
+                     share=True, keep=False, on_call=keep) as capture:
+            yield
+        store.put_all(entries)
+        calls[step] = capture.records
+
+    return during
+
+
+def capture_step(side: Side, step: int, tokens: torch.Tensor, opts: Options
+                 ) -> tuple[Decoding, list[ModuleCall]]:
+    """Decode ``side`` up to ``step`` along ``tokens``, keeping every selected module's call at
+    that step (inputs with caches as placeholders, outputs, the state each read)."""
+    captured: list[ModuleCall] = []
+
+    @contextlib.contextmanager
+    def during(s: int) -> Iterator[None]:
+        if s != step:
+            yield
+            return
+        with Capture(side.model, opts.selects(), what="tensors", objects=False,
+                     state=True) as capture:
+            yield
+        captured.extend(capture.records)
+
+    return side.decode(step, tokens, during=during), captured
+
+
+def flat_inputs(store: Any, key: str) -> dict[str, torch.Tensor]:
+    """A stored call's input tensors by path (``args.0``, ``kwargs.mask``)."""
+    args, kwargs = store.get_inputs(key, placeholders=True)
+    return {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}

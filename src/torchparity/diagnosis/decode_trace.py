@@ -1,0 +1,93 @@
+"""Decoding traces: the reference side of a decoding diagnosis on disk (``record --decode``).
+
+A decoding trace is a trace directory (:mod:`~torchparity.diagnosis.trace`) whose ``trace.json``
+says ``"kind": "decode"`` and holds, besides the checksums and the module tree: the number of
+steps, the tokens every side is fed and whether they were A's greedy choices, the golden used,
+the forward signature of every module of A, and per step the calls of A's modules with the
+state each read (:class:`~torchparity.diagnosis.state.Held`). Its tensor files hold, per step,
+A's and the golden's next-token logits and every call's outputs and inputs (one file per step
+and side).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.diagnosis.capture import ModuleCall
+from torchparity.diagnosis.decode_run import STEP, DecodeReference, step_key
+from torchparity.diagnosis.reference import pattern_json
+from torchparity.diagnosis.run import Options
+from torchparity.diagnosis.state import Held
+from torchparity.diagnosis.trace import (
+    DECODE,
+    SCHEMA,
+    call_from_json,
+    call_to_json,
+    inputs_digest,
+    module_tree,
+    open_trace,
+    weight_digests,
+)
+from torchparity.errors import UsageError
+
+
+def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts: Options,
+                dtype: torch.dtype | None) -> dict[str, Any]:
+    """What a decoding trace's ``trace.json`` says besides its tensors (``model`` and
+    ``inputs`` as the user gave them, before any cast to ``dtype``)."""
+    import torchparity
+
+    return {
+        "schema": SCHEMA, "kind": DECODE,
+        "torchparity": torchparity.__version__, "torch": torch.__version__,
+        "model": type(model).__name__, "golden": reference.golden, "mode": reference.mode,
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        "backend": opts.backend_a,
+        "include": pattern_json(opts.include), "exclude": pattern_json(opts.exclude),
+        "inputs_digest": inputs_digest(inputs), "weights": weight_digests(model),
+        "modules": module_tree(model), "signatures": reference.signatures,
+        "steps": reference.steps, "tokens": reference.tokens.tolist(),
+        "greedy": reference.greedy, "has_golden": reference.has_golden,
+        "calls": {str(step): [_call_json(c) for c in calls]
+                  for step, calls in reference.calls.items()},
+        "notes": reference.notes,
+    }
+
+
+def _call_json(call: ModuleCall) -> dict[str, Any]:
+    return {**call_to_json(call), "state": {p: h.to_json() for p, h in call.state.items()}}
+
+
+def _call(data: dict[str, Any]) -> ModuleCall:
+    call = call_from_json(data)
+    call.state = {p: Held.from_json(h) for p, h in data["state"].items()}
+    return call
+
+
+def is_decode_trace(meta: dict[str, Any]) -> bool:
+    """Whether a trace's metadata is that of a decoding trace."""
+    return meta.get("kind") == DECODE
+
+
+def open_decode_reference(path: str | Path) -> tuple[DecodeReference, dict[str, Any]]:
+    """The reference side a decoding trace holds, and its metadata; a trace of a forward pass
+    is a one-line :class:`UsageError`."""
+    meta, store = open_trace(path)
+    if not is_decode_trace(meta):
+        raise UsageError(f"trace {path} records a forward pass, not a decoding; record one with "
+                         "`torchparity record ENTRY --decode` (tp.record_decode)")
+    steps = meta["steps"]
+    logits = [store.get(step_key(STEP, s), "out")["logits"] for s in range(steps + 1)]
+    golden = ([store.get(step_key(STEP, s), "golden_out")["logits"] for s in range(steps + 1)]
+              if meta["has_golden"] else None)
+    reference = DecodeReference(
+        tokens=torch.tensor(meta["tokens"], dtype=torch.long).reshape(len(meta["tokens"]), -1),
+        greedy=meta["greedy"], logits=logits, golden_logits=golden,
+        calls={int(s): [_call(c) for c in calls] for s, calls in meta["calls"].items()},
+        store=store, signatures=meta["signatures"], golden=meta["golden"], mode=meta["mode"],
+        source=str(path), notes=list(meta["notes"]))
+    return reference, meta

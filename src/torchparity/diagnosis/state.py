@@ -1,0 +1,375 @@
+"""State a module reads besides its arguments' values: caches and other tensors it keeps.
+
+Two places hold such state: the module itself (its buffers and the tensors it keeps as
+attributes, ``self.k_cache`` or a ``layer_cache`` dict, in it and in its submodules), and
+objects handed to it whose tensors are not compared as arguments (a ``KVCache`` in an
+attention context, a ``transformers`` ``DynamicCache``). A decoding step reads both.
+
+:func:`held_state` summarises each such tensor after a call: its shape and, per dimension, how
+far it is written (:class:`Held`): a cache preallocated in chunks is judged by the positions it
+holds, not by its capacity, and a slot inside that was never written (all zeros) is named.
+:func:`state_difference` says where A's and B's differ, which is where a change enters a
+module whose arguments agree.
+
+A module that keeps state across calls cannot be replayed on its arguments alone: the state it
+had when the recorded call started matters too. :class:`StateRecorder` keeps every module's own
+state before each call, and :func:`replaying` puts that state back for a replay (and the
+current state after it); :func:`why_not_replayable` says when B keeps its state otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.subject.trees import walk
+
+#: How deep attributes are followed into plain objects, dicts, lists and tuples.
+_DEPTH = 6
+#: How many never-written slots of one dimension are named.
+_HOLES = 8
+
+
+@dataclass(frozen=True)
+class Held:
+    """One state tensor after a call: its shape, the extent written along each dimension (one
+    past the last slice that is not all zeros) and the slices below it that are all zeros."""
+
+    shape: tuple[int, ...]
+    extent: tuple[int, ...]
+    holes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Held:
+        values = tensor.detach()
+        magnitude = (values.abs().nan_to_num(nan=1.0) if values.is_floating_point()  # NaN: written
+                     else values.ne(0).to(torch.uint8))
+        extent, holes = [], {}
+        for dim in range(values.dim()):
+            others = tuple(d for d in range(values.dim()) if d != dim)
+            written = (magnitude.amax(dim=others) if others else magnitude).gt(0).tolist()
+            end = len(written) - written[::-1].index(True) if True in written else 0
+            gaps = [i for i in range(end) if not written[i]][:_HOLES]
+            extent.append(end)
+            if gaps:
+                holes[dim] = tuple(gaps)
+        return cls(tuple(values.shape), tuple(extent), holes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "extent": list(self.extent),
+                "holes": {str(d): list(h) for d, h in self.holes.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Held:
+        return cls(tuple(data["shape"]), tuple(data["extent"]),
+                   {int(d): tuple(h) for d, h in data["holes"].items()})
+
+
+#: Summaries already made, by tensor identity and version (with the tensor, so that the
+#: identity is not reused): a cache handed to every layer is summarised once per change.
+Summaries = dict[tuple[int, int], tuple[torch.Tensor, Held]]
+
+
+def held_state(module: nn.Module, args: tuple, kwargs: dict,
+               summaries: Summaries | None = None) -> dict[str, Held]:
+    """The state ``module`` reads, summarised: ``state.<attribute path>`` for what it keeps
+    itself (its submodules' state is theirs: their calls are summarised apart), and
+    ``args.<i>.<path>`` / ``kwargs.<name>.<path>`` for the tensors inside objects it was handed
+    (the paths an argument's tensors would have)."""
+    summaries = {} if summaries is None else summaries
+
+    def of(tensor: torch.Tensor) -> Held:
+        key = (id(tensor), tensor._version)
+        if key not in summaries or summaries[key][0] is not tensor:
+            summaries[key] = (tensor, Held.of(tensor))
+        return summaries[key][1]
+
+    held = {f"state.{path}": of(t) for path, t in kept_tensors(module, recurse=False)}
+    for path, leaf in [*walk(args, "args"), *walk(kwargs, "kwargs")]:
+        if not isinstance(leaf, torch.Tensor) and _is_object(leaf):
+            held.update({f"{path}.{inner}": of(t)
+                         for inner, t in _tensors_in(vars(leaf), "", 0)})
+    return held
+
+
+def kept_tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Buffers and tensors kept as attributes (directly or in dicts, lists, tuples and plain
+    objects) by ``module`` and (with ``recurse``) its submodules, by attribute path; parameters
+    are weights, not state, and are left out."""
+    owners = module.named_modules() if recurse else [("", module)]
+    for prefix, owner in owners:
+        dotted = f"{prefix}." if prefix else ""
+        for name, buffer in owner.named_buffers(recurse=False):
+            yield f"{dotted}{name}", buffer
+        public = {k: v for k, v in vars(owner).items()
+                  if not k.startswith("_") and not isinstance(v, nn.Module)}
+        for path, tensor in _tensors_in(public, "", 0):
+            if not isinstance(tensor, nn.Parameter):
+                yield f"{dotted}{path}", tensor
+
+
+def _tensors_in(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif depth > _DEPTH or isinstance(value, (nn.Module, type)):
+        return
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors_in(item, f"{path}.{key}" if path else str(key), depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors_in(item, f"{path}.{index}" if path else str(index), depth + 1)
+    elif _is_object(value):
+        yield from _tensors_in(vars(value), path, depth + 1)
+
+
+def _is_object(value: Any) -> bool:
+    """A plain object whose attributes may hold tensors (a cache), not a module or a class."""
+    return hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)) and \
+        not callable(value)
+
+
+def state_difference(a: dict[str, Held], b: dict[str, Held]) -> tuple[str, str] | None:
+    """The first state path both sides hold whose written extent differs, and how: ``holds 12
+    positions in B, 11 in A; B never wrote position 10 (all zeros)``. A tensor laid out with
+    another capacity but written alike is no difference."""
+    for path in [p for p in a if p in b]:
+        detail = _held_difference(a[path], b[path])
+        if detail is not None:
+            return path, detail
+    return None
+
+
+def _held_difference(a: Held, b: Held) -> str | None:
+    if len(a.shape) != len(b.shape):
+        return f"{len(b.shape)}-d in B, {len(a.shape)}-d in A"
+    for dim in range(len(a.shape)):
+        if a.extent[dim] == b.extent[dim] and a.holes.get(dim) == b.holes.get(dim):
+            continue
+        # Caches lay positions out in the last but one dimension (..., positions, features).
+        positions = dim == len(a.shape) - 2
+        slots, slot = ("positions", "position") if positions else (f"entries along dim {dim}",
+                                                                   "entry")
+        text = f"holds {b.extent[dim]} {slots} in B, {a.extent[dim]} in A"
+        for side, held in (("B", b), ("A", a)):
+            if held.holes.get(dim):
+                which = ", ".join(map(str, held.holes[dim]))
+                text += f"; {side} never wrote {slot} {which} (all zeros)"
+        return text
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# State across calls: what a replay must restore
+
+
+#: A module's own state: attribute name -> value (tensors, None, numbers, and lists, tuples and
+#: dicts of them); its buffers among them.
+OwnState = dict[str, Any]
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def own_state(module: nn.Module) -> OwnState:
+    """The state ``module`` keeps on itself (not its submodules'): its buffers and the public
+    attributes holding tensors, numbers or containers of them (a cache, its length)."""
+    state: OwnState = dict(module._buffers)
+    for name, value in vars(module).items():
+        if not name.startswith("_") and name != "training" and _is_plain_state(value):
+            state[name] = value
+    return state
+
+
+def _is_plain_state(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not isinstance(value, nn.Parameter)
+    if isinstance(value, _PLAIN):
+        return True
+    if depth < _DEPTH and isinstance(value, (list, tuple)):
+        return all(_is_plain_state(v, depth + 1) for v in value)
+    if depth < _DEPTH and isinstance(value, dict):
+        return all(_is_plain_state(v, depth + 1) for v in value.values())
+    return False
+
+
+def _fingerprint(value: Any) -> Any:
+    """What tells a state apart from its next version cheaply: tensors by identity, version
+    and shape, the rest by value."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version, tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return tuple((k, _fingerprint(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_fingerprint(v) for v in value)
+    return value
+
+
+class StateRecorder:
+    """Records, while the ``with`` block runs, every module's own state before each of its
+    calls and which modules change theirs across calls (a cache kept on the module).
+
+    ``clock`` counts the calls of all modules as they start. With ``snapshots=False`` only
+    which modules change is recorded (the candidate's run: cheap). Snapshots share the copy of
+    a tensor that did not change since the module's last call, so a buffer that never changes
+    is copied once."""
+
+    def __init__(self, model: nn.Module, snapshots: bool = True) -> None:
+        self.modules = dict(model.named_modules())
+        self.snapshots = snapshots
+        self.clock = 0
+        self.history: dict[str, list[tuple[int, OwnState]]] = {}
+        self.changing: set[str] = set()
+        self._pending: dict[str, list[Any]] = {}
+        self._copies: dict[str, dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> StateRecorder:
+        for name, module in self.modules.items():
+            self._handles.append(module.register_forward_pre_hook(self._before(name)))
+            self._handles.append(module.register_forward_hook(self._after(name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _before(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple) -> None:
+            self.clock += 1
+            state = own_state(module)
+            self._pending.setdefault(name, []).append(_fingerprint(state))
+            if self.snapshots:
+                self.history.setdefault(name, []).append((self.clock, self._copy(name, state)))
+        return hook
+
+    def _after(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._pending.get(name) and \
+                    self._pending[name].pop() != _fingerprint(own_state(module)):
+                self.changing.add(name)
+        return hook
+
+    def _copy(self, name: str, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            copies = self._copies.setdefault(name, {})
+            key = (id(value), value._version)
+            if key not in copies or copies[key][0] is not value:
+                copies[key] = (value, value.detach().clone())
+            return copies[key][1]
+        if isinstance(value, dict):
+            return {k: self._copy(name, v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._copy(name, v) for v in value)
+        return value
+
+    def kept(self) -> dict[str, list[tuple[int, OwnState]]]:
+        """The snapshots of the modules that change their state across calls."""
+        return {name: self.history.get(name, []) for name in sorted(self.changing)}
+
+
+def state_at(history: dict[str, list[tuple[int, Any]]], name: str, clock: int) -> Any:
+    """A module's state when the call with ``clock`` starts: the snapshot before its own first
+    call from then on; None when it has no call from then on (its state is the last one)."""
+    return next((state for started, state in history.get(name, []) if started >= clock), None)
+
+
+def restore(module: nn.Module, state: OwnState) -> None:
+    """Put ``state`` (from :func:`own_state` or a snapshot) back on ``module``."""
+    for name, value in state.items():
+        if name in module._buffers:
+            module._buffers[name] = value
+        else:
+            setattr(module, name, value)
+
+
+def copied(value: Any) -> Any:
+    """``value`` with every tensor cloned (a snapshot a replay may write into)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(copied(v) for v in value)
+    return value
+
+
+def states_within(history: dict[str, list[tuple[int, OwnState]]], name: str, clock: int
+                  ) -> dict[str, OwnState]:
+    """The state of ``name`` and of its submodules that change theirs, by name relative to it
+    (``""`` for itself), as it was when its call with ``clock`` started."""
+    states = {}
+    for module in history:
+        relative = _relative(module, name)
+        if relative is not None:
+            state = state_at(history, module, clock)
+            if state is not None:
+                states[relative] = state
+    return states
+
+
+def _relative(module: str, root: str) -> str | None:
+    if module == root:
+        return ""
+    if not root:
+        return module
+    return module[len(root) + 1:] if module.startswith(f"{root}.") else None
+
+
+def changing_within(changing: set[str], name: str) -> set[str]:
+    """The names, relative to ``name``, of it and its submodules that change their state."""
+    return {r for r in (_relative(m, name) for m in changing) if r is not None}
+
+
+def why_not_replayable(a_states: dict[str, OwnState], b_root: nn.Module,
+                       b_changing: set[str]) -> str | None:
+    """Why B's module (``b_root``) cannot be replayed on A's recorded state (``the module keeps
+    state across calls ...``), or None: B keeps state where A does not, or keeps it in other
+    attributes."""
+    def where(relative: str) -> str:
+        return f"its submodule {relative}" if relative else "it"
+
+    for relative in sorted(b_changing - a_states.keys()):
+        return (f"the module keeps state across calls ({where(relative)} changes its state "
+                "in B, not in A)")
+    for relative, state in a_states.items():
+        try:
+            b_state = own_state(b_root.get_submodule(relative))
+        except AttributeError:
+            return f"the module keeps state across calls in {where(relative)}, which B lacks"
+        if set(b_state) != set(state):
+            return (f"the module keeps state across calls, in {', '.join(sorted(state))} in "
+                    f"A and {', '.join(sorted(b_state))} in B")
+    return None
+
+
+@contextlib.contextmanager
+def replaying(root: nn.Module, states: dict[str, OwnState],
+              place: Callable[[torch.Tensor, nn.Module], torch.Tensor]) -> Iterator[None]:
+    """Within the block, ``root``'s modules named (relative to it) in ``states`` hold copies of
+    those states, each tensor placed by ``place(tensor, module)`` (its dtype and device); then
+    what they held before, untouched by the replay."""
+    modules = {relative: root.get_submodule(relative) for relative in states}
+    before = {relative: own_state(module) for relative, module in modules.items()}
+    try:
+        for relative, module in modules.items():
+            restore(module, _mapped(copied(states[relative]), lambda t, m=module: place(t, m)))
+        yield
+    finally:
+        for relative, module in modules.items():
+            restore(module, before[relative])
+
+
+def _mapped(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _mapped(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_mapped(v, fn) for v in value)
+    return value
