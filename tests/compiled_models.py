@@ -78,8 +78,11 @@ def planted_compiled():
 
 
 #: The zoo's llama-tiny with the same plant in decoder.layers.1.mlp_norm (epsilon 1e-3 while
-#: compiling): ``eager`` and ``planted`` factories, for the slow tests under Inductor.
+#: compiling): ``eager`` and ``planted`` factories, for the slow tests under Inductor; and
+#: ``one_layer``, the smallest reference decoder, decoded by its built-in step.
 ZOO_MODELS = '''
+import dataclasses
+
 import torch
 from torchparity.reference import build_model, sequence_loss, zoo
 from torchparity.reference.norms import RMSNorm
@@ -109,6 +112,12 @@ def eager():
 
 def planted():
     return make(True)
+
+
+def one_layer():
+    case = zoo.get("llama-tiny")
+    model = build_model(dataclasses.replace(case.config, n_layers=1), seed=0)
+    return model, zoo.case_batch(case), sequence_loss
 '''
 
 

@@ -72,21 +72,28 @@ def test_a_change_taken_only_under_compile_fails_the_compiled_cells_alone(models
         capsys.readouterr().out)
 
 
-def test_zoo_decoding_under_compile_is_judged_and_counted_step_by_step(tmp_path, capsys,
-                                                                      aot_eager):
-    report = tmp_path / "check.json"
-    assert main(["check", "--case", "llama-tiny", "--backend", "manual", "--dtype", "fp32",
-                 "--compile", "static", "--jobs", "1", "--json", str(report)]) == 0
+def test_compiled_decoding_is_judged_and_counted_step_by_step(tmp_path, capsys, aot_eager):
+    # A reference decoder as a user's model: decoded by the built-in step of the step protocol
+    # (its KV cache, fed the golden's tokens), the compiled model called at each step.
+    spec = f"{compiled_models.write(tmp_path, 'decoders', compiled_models.ZOO_MODELS)}"
+    golden, report = tmp_path / "golden", tmp_path / "check.json"
+    assert main(["golden", "update", "--model", f"{spec}:one_layer", "--golden-dir",
+                 str(golden)]) == 0
+    assert main(["check", "--model", f"{spec}:one_layer", "--golden-dir", str(golden),
+                 "--backend", "sdpa", "--dtype", "fp32", "--compile", "static", "--jobs", "1",
+                 "--json", str(report)]) == 0
     decode = next(r for r in json.loads(report.read_text())["results"]
                   if r["compile"] and r["output"] == "decode")
     steps = decode["compiled"]["steps"]
-    # Static: the prompt and every later length compile anew (the first compile of the cell
-    # was its training call); each step is judged on its own against the golden.
-    assert [len(step["recompiles"]) for step in steps] == [1, 1, 1, 1]
-    assert [step["length"] for step in steps] == [12, 13, 14, 15]
+    # Static: the prompt (its first call without gradients) and every later length compile
+    # anew; each step is judged on its own against the golden.
+    assert [step["length"] for step in steps] == [12, 13, 14, 15, 16]
+    assert [len(step["recompiles"]) for step in steps] == [1, 1, 1, 1, 1]
     assert all(step["verdict"] in ("within", "identical") for step in steps)
+    phases = [call["phase"] for call in decode["compiled"]["calls"]]
+    assert phases[-5:] == [f"recomputed step {s}" for s in range(5)]  # the cache's check
     out = capsys.readouterr().out
-    assert "static: 1 1 1 1 recompile(s), every step in 1 cell(s)" in out
+    assert "static: 1 1 1 1 1 recompile(s), every step in 1 cell(s)" in out
     assert "recompiles at every call of the model (each new length compiles anew" in out
 
 
@@ -117,7 +124,9 @@ def test_zoo_compiled_cells_pass_in_fp32_and_bf16_and_count_decoding(tmp_path):
         assert row["compiled"]["compiler"] == "inductor"
         assert row["compiled"]["graph_breaks"] == 0  # the reference models trace whole
         if row["output"] == "decode":
-            pattern = [len(step["recompiles"]) for step in row["compiled"]["steps"]]
+            steps = row["compiled"]["steps"]
+            assert all(step["verdict"] in ("within", "identical") for step in steps)
+            pattern = [len(step["recompiles"]) for step in steps]
             # dynamic: the prompt (no gradients), the first cached step, the cache's new
             # strides, then no new length recompiles; static: every length does.
             assert pattern == ([1, 1, 1, 0] if row["compile"] == "dynamic" else [1, 1, 1, 1])
@@ -140,7 +149,7 @@ def test_transformers_compiled_cells_pass_and_decode_step_by_step(tmp_path, fami
     assert decode and all(r["verdict"] in ("within", "identical") for r in decode)
     for row in decode:
         steps = row["compiled"]["steps"]
-        assert len(steps) == 4 and all(step["recompiles"] is not None for step in steps)
+        assert len(steps) == 5 and all(step["verdict"] in ("within", "identical") for step in steps)
         if row["compile"] == "static":
             assert all(step["recompiles"] for step in steps)  # each new length
 
