@@ -77,6 +77,12 @@ def test_one_model_against_itself_compiled(models, aot_eager, monkeypatch):
     assert "forward" not in vars(model.blocks[1].norm)  # left as it was
 
 
+def test_a_compiled_decoding_is_pointed_at_the_check(models, capsys):
+    eager, planted = (f"{models / 'tiny_compiled.py'}:{name}" for name in ("eager", "planted"))
+    assert main(["diagnose", eager, planted, "--decode", "--compile-b"]) == 2
+    assert "torchparity check --model ENTRY --compile" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_inductor_diagnosis_names_the_planted_norm_of_a_zoo_model(tmp_path):
     spec = compiled_models.write(tmp_path, "zoo_planted", compiled_models.ZOO_MODELS)
