@@ -253,3 +253,178 @@ def test_calibrate_lists_the_draws_a_wrong_candidate_fails() -> None:
     )
     assert result.failures == (10, 11, 12, 13)
     assert result.max_headroom > 1 and result.quantile(0.0) > KINDS["forward"].fudge
+
+
+# --- gradients judged together: residues, their rounding, more draws ------------------------
+
+
+def test_a_gradient_that_is_exactly_zero_is_judged_at_its_groups_scale() -> None:
+    # Every key the same token: the query projection gets no gradient at all. Its budget is
+    # taken at the module's scale, as for any cancelled member, not at an arbitrary scale of 1.
+    b = budget(torch.zeros(4, 8, dtype=torch.float64), baseline_error=0.0, compute_dtype="fp32",
+               kind="grad", group_scale=0.1)
+    assert b.scale == 0.1 and b.sensitivity == b.value / 0.1
+    assert b.value < 1e-4 * 0.1
+
+
+def test_a_residue_is_allowed_the_bound_at_its_groups_scale() -> None:
+    # The query gradient of an attention whose rows saturate: 1/1000 of its module, and the
+    # plain baseline's fused softmax backward rounds it almost exactly.
+    golden = torch.full((4, 16), 1e-3, dtype=torch.float64)
+    lucky = 1e-3 * unit_roundoff("fp32")
+    b = budget(golden, baseline_error=lucky, compute_dtype="fp32", kind="grad", group_scale=1.0)
+    tol = KINDS["grad"]
+    bound = (tol.analytic_factor + tol.reorder_factor) * math.sqrt(16) * unit_roundoff("fp32")
+    assert b.residue and b.residue_bound == pytest.approx(bound)
+    assert b.value == pytest.approx(bound + b.floor) and "bound of a residue" in b.formula()
+    # A member at a quarter of its module is no residue: its measured noise rules.
+    quarter = budget(torch.full((4, 16), 0.25, dtype=torch.float64), baseline_error=lucky,
+                     compute_dtype="fp32", kind="grad", group_scale=1.0)
+    assert not quarter.residue and quarter.residue_bound is None and quarter.value < b.value
+
+
+def test_a_residues_bound_is_taken_at_the_accumulators_precision() -> None:
+    # The products a residue cancels are accumulated in at least fp32, and the rounding of the
+    # inputs to bf16 is the same on both sides of the difference: a bf16 residue is granted
+    # the fp32 bound, not a bf16 rounding of its whole module.
+    golden = torch.full((4, 16), 1e-3, dtype=torch.float64)
+    b = budget(golden, baseline_error=1e-9, compute_dtype="bf16", kind="grad", group_scale=1.0)
+    assert b.residue and b.value - b.floor < 0.01 * unit_roundoff("bf16") * 1.0
+
+
+def _attention_pass(q_error: float, embed_error: float) -> tuple[dict, dict, dict]:
+    """Candidate, golden and baseline gradients of a pass whose query projection is a residue
+    (1e-6 of its module) that the baseline rounded exactly."""
+    g = torch.Generator().manual_seed(0)
+    golden = {
+        "embed.tokens.weight": 0.03 * torch.randn(8, 16, dtype=torch.float64, generator=g),
+        "layers.0.attn.q_proj.weight": 1e-6 * torch.randn(16, 16, dtype=torch.float64,
+                                                          generator=g),
+        "layers.0.attn.v_proj.weight": 0.08 * torch.randn(16, 16, dtype=torch.float64,
+                                                          generator=g),
+    }
+    baseline = {name: t.float() for name, t in golden.items()}
+    baseline["layers.0.attn.q_proj.weight"] = golden["layers.0.attn.q_proj.weight"].float()
+    noise = {name: torch.randn(t.shape, dtype=torch.float64, generator=g)
+             for name, t in golden.items()}
+    candidate = {
+        **baseline,
+        "layers.0.attn.q_proj.weight": (golden["layers.0.attn.q_proj.weight"]
+                                        + q_error * noise["layers.0.attn.q_proj.weight"]).float(),
+        "embed.tokens.weight": (golden["embed.tokens.weight"]
+                                + embed_error * noise["embed.tokens.weight"]).float(),
+    }
+    return candidate, golden, baseline
+
+
+def test_rounding_that_entered_at_a_residue_reaches_the_other_gradients() -> None:
+    # Seed 510's mechanism: a kernel that takes the softmax backward's row term from the output
+    # rounds the residue at its module's scale, and the embedding upstream carries that
+    # rounding, in absolute terms, 12 times its own baseline's noise.
+    from torchparity.comparison import compare
+
+    candidate, golden, baseline = _attention_pass(q_error=2.5e-7, embed_error=1e-7)
+    result = compare(candidate, golden, baseline, kind="grad")
+    assert result.ok, result.explain()
+    embed = next(t for t in result.tensors if "embed" in t.path)
+    query = next(t for t in result.tensors if "q_proj" in t.path)
+    assert embed.budget.inherited == query.error and query.budget.residue
+    assert "rounding that entered at a residue" in embed.budget.formula()
+    # Where the residue rounded like the baseline, nothing entered: the same embedding error
+    # is no rounding of this pass.
+    exact, _, _ = _attention_pass(q_error=0.0, embed_error=1e-7)
+    assert not compare(exact, golden, baseline, kind="grad").ok
+    # A residue over its own bound diverges and lends nothing to the others.
+    wrong, _, _ = _attention_pass(q_error=1e-3, embed_error=1e-7)
+    result = compare(wrong, golden, baseline, kind="grad")
+    assert not result.ok
+    assert next(t for t in result.tensors if "embed" in t.path).budget.inherited == 0.0
+
+
+def test_a_candidates_own_rounding_is_measured_by_its_rerun() -> None:
+    # A kernel that recomputes the attention probabilities from the saved logsumexp errs by
+    # u * |logit| where the plain softmax's stored probabilities do not: the baseline's noise
+    # does not show it, the candidate's difference from its rerun on moved weights does.
+    from torchparity.comparison import compare
+
+    g = torch.Generator().manual_seed(0)
+    golden = torch.randn(32, 32, dtype=torch.float64, generator=g)
+    u = unit_roundoff("fp32")
+
+    def off_by(center: torch.Tensor, ulps: float) -> torch.Tensor:
+        return (center + ulps * u * torch.randn(32, 32, dtype=torch.float64, generator=g)).float()
+
+    baseline, candidate = golden.float(), off_by(golden, 12)
+    rerun = off_by(golden, 12)
+    assert not compare(candidate, golden, baseline).ok
+    result = compare(candidate, golden, baseline, reruns=[rerun])
+    assert result.ok and result.tensors[0].budget.noise_source == "spread of a rerun"
+    # A systematic change is in both runs and cancels in the spread.
+    shift = 1000 * u * golden.abs().max()  # 50 times the candidate's own rounding
+    assert not compare(candidate + shift, golden, baseline, reruns=[rerun + shift]).ok
+    # A kernel that rounds far worse than fp32 allows any plain computation (here to bf16) is
+    # excused only up to that bound.
+    lost, lost_rerun = off_by(golden, 0).bfloat16().float(), off_by(golden, 3e4).float()
+    assert not compare(lost, golden, baseline, reruns=[lost_rerun]).ok
+    with pytest.raises(ValueError, match="pass the baseline too"):
+        compare(candidate, golden, reruns=[rerun])
+
+
+def test_a_rerun_is_judged_on_the_unpadded_elements_alone() -> None:
+    # A padded query attends to nothing: the candidate and its rerun hold anything there, and
+    # their spread must come from the real positions only.
+    from torchparity.comparison import compare
+
+    g = torch.Generator().manual_seed(1)
+    golden = torch.randn(2, 8, 16, dtype=torch.float64, generator=g)
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[1, :3] = True
+    u = unit_roundoff("fp32")
+    candidate, rerun = (
+        (golden + 12 * u * torch.randn(golden.shape, dtype=torch.float64, generator=g)).float()
+        for _ in range(2))
+    candidate[pad], rerun[pad] = float("nan"), 1e30
+    padded = compare(candidate, golden, golden.float(), reruns=[rerun], padding=pad)
+    keep = ~pad
+    alone = compare(candidate[keep], golden[keep], golden.float()[keep], reruns=[rerun[keep]],
+                    reduction_length=16)
+    (t,), (v,) = padded.tensors, alone.tensors
+    assert t.budget.value == v.budget.value and t.budget.noise_source == "spread of a rerun"
+    assert padded.ok and t.verdict == v.verdict
+
+
+def test_propagated_noise_is_the_independent_sum_of_the_inputs_errors() -> None:
+    sensitivity = {"logits": torch.tensor([1.0, 2.0]), "hidden": torch.tensor([5.0])}
+    errors = {"logits": torch.tensor([3.0, -4.0]), "absent": torch.tensor([1e9])}
+    assert tolerance.propagated_noise(sensitivity, errors) == math.sqrt(9.0 + 64.0)
+    assert tolerance.propagated_noise(sensitivity, {}) == 0.0
+
+
+def test_propagated_noise_leaves_out_what_the_scalar_does_not_read() -> None:
+    # A padded position's output may be NaN (a query that attends to nothing); a loss that
+    # leaves the padding out has zero gradient there and takes no noise from it.
+    sensitivity = {"logits": torch.tensor([[1.0, 0.0], [2.0, 0.0]])}
+    errors = {"logits": torch.tensor([[3.0, math.nan], [-4.0, math.inf]])}
+    assert tolerance.propagated_noise(sensitivity, errors) == math.sqrt(9.0 + 64.0)
+
+
+def test_a_loss_is_judged_by_the_noise_of_what_it_is_computed_from() -> None:
+    # A projection of 4096 bf16 outputs that nearly cancelled (the default loss of a user's
+    # model): the baseline's draw of its error cancelled to a fiftieth of its usual size, the
+    # candidate's, from the same roundings in another order, did not.
+    from torchparity.comparison import compare
+
+    g = torch.Generator().manual_seed(0)
+    outputs = torch.randn(4096, dtype=torch.float64, generator=g)
+    weights = torch.randn(4096, dtype=torch.float64, generator=g) / 64
+    errors = outputs.bfloat16().double() - outputs
+    noise = tolerance.propagated_noise({"out": weights}, {"out": errors})
+    golden = torch.tensor(1e-3, dtype=torch.float64)
+    lucky, usual = (golden + noise / 50).float(), (golden + 2 * noise).float()
+    assert not compare(usual, golden, lucky, kind="loss", compute_dtype="bf16").ok
+    result = compare(usual, golden, lucky, kind="loss", compute_dtype="bf16", noise=noise)
+    assert result.ok and result.tensors[0].budget.noise_source == "noise of its inputs"
+    # A change of the loss ten times its noise still fails.
+    changed = (golden + 10 * noise).float()
+    assert not compare(changed, golden, lucky, kind="loss", compute_dtype="bf16",
+                       noise=noise).ok

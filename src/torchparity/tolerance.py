@@ -14,16 +14,38 @@ all-zero golden), ``u`` the unit roundoff of the compute dtype and K the reducti
 - ``noise`` is the rounding error legitimate computation at this precision makes on *this*
   problem, measured rather than bounded from above: the baseline's error ``err(baseline,
   golden)``, which already carries every amplification the problem has (large logits, long
-  reductions, cancellation). One draw of the baseline can round luckily, so the noise is at
-  least ``noise_floor_ulps * u * scale`` (more for tensors of few elements, see
-  :func:`noise_floor`), and for a gradient at least the *relative* noise of the whole backward
-  pass, the largest ``err(baseline) / scale`` among the gradients compared together, times its
-  group's scale (the gradients of one module): every gradient rounds through the same loss
-  gradient, which itself cancels when a prediction is confident (p - onehot), and a member that
-  cancels (the query gradient under near-uniform attention is a small difference of terms as
-  large as the value gradient) carries rounding at its group's scale.
+  reductions, cancellation). One draw can be lucky, and a kernel can round where the plain
+  computation does not, so the noise is the largest of:
+
+  - the baseline's error;
+  - the candidate's own rounding, ``err(candidate, rerun)``, where the caller reran the
+    candidate on weights moved by one rounding (``compare(..., reruns=)``): FlashAttention's
+    backward recomputes the probabilities from the saved logsumexp, off by ``u * |logit|``,
+    where the plain softmax keeps its own; the rerun changes which way the candidate rounds,
+    not what it computes, so a bug cancels in the difference. It counts up to
+    :func:`baseline_bound`, so a kernel that lost precision is not excused by its own noise;
+  - ``noise_floor_ulps * u * scale`` (more for tensors of few elements, see
+    :func:`noise_floor`);
+  - for a gradient, the *relative* noise of the whole backward pass, the largest of those
+    errors over ``scale`` among the gradients compared together, times its group's scale (the
+    gradients of one module): every gradient rounds through the same loss gradient, which
+    itself cancels when a prediction is confident (p - onehot), and a member that cancels (the
+    query gradient under near-uniform attention is a small difference of terms as large as the
+    value gradient) carries rounding at its group's scale;
+  - for a scalar computed from many values (a loss), the noise they carry into it
+    (:func:`propagated_noise`, ``compare(..., noise=)``): one draw of a sum of roundings can
+    cancel to almost nothing.
+
   ``torchparity calibrate`` measures how far legitimate kernels (other reduction orders,
   blocking, recomputation in the backward pass) stray from this noise: ``fudge`` covers it.
+- A gradient below ``residue_share`` of its group's scale is a *residue* (:func:`residue`), a
+  sum of terms at the group's scale that cancel: the query and key gradients of an attention
+  whose rows see one key or saturate, which the plain baseline's fused softmax backward rounds
+  exactly while another kernel rounds at the products' scale. Its allowance is at least the
+  bound at its group's scale, ``(analytic_factor + reorder_factor) * sqrt(K) * u_acc *
+  group scale``, and what the candidate erred on the residues of its pass (within their
+  budgets) reaches every gradient formed from the same activation gradients upstream: it is
+  added to the other gradients' budgets.
 - Without a baseline, or when it is bit-exact to the golden (float64 compute), nothing is
   measured and the bound takes its place: ``analytic_factor * sqrt(K) * u * scale`` (the
   probabilistic rounding-error bound of a length-K reduction, Higham & Mary, 2019) plus
@@ -48,6 +70,7 @@ under them and writes the evidence to ``docs/tolerance.md``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -170,6 +193,10 @@ class KindTolerance:
     # of one module) its scale, which bounds the noise and the floor from below; a member whose
     # golden cancelled to below the group's rounding is judged at the group's scale.
     group_scale: bool = False
+    # A member below this share of its group's scale is a residue (see :func:`residue`): it is
+    # allowed at least the bound at its group's scale, and the rounding the candidate made on
+    # it may reach the other members of the pass. 0: no residues.
+    residue_share: float = 0.0
 
 
 #: The one table of tolerance constants. ``torchparity calibrate`` measures them: false alarms
@@ -219,6 +246,7 @@ KINDS: dict[str, KindTolerance] = {
         reorder_factor=64.0,
         guard_factor=256.0,
         group_scale=True,
+        residue_share=1 / 8,
     ),
     # Scalar losses: forward-like, judged rather than calibrated. One sample per comparison, so
     # the baseline's error can be small by luck: the bounded reordering term (factor 32, as
@@ -302,10 +330,20 @@ def golden_scale(golden: torch.Tensor, metric: Metric) -> float:
 
 
 def cancelled(scale: float, group_scale: float) -> bool:
-    """Whether a golden of magnitude ``scale`` is a cancellation residue within a group of
+    """Whether a golden of magnitude ``scale`` (0 included) cancelled within a group of
     magnitude ``group_scale``: smaller than one fp32 rounding of the group's values, so no
     computation below float64 can resolve it and its error is the group's rounding noise."""
     return scale < UNIT_ROUNDOFF["fp32"] * group_scale
+
+
+def residue(scale: float, group_scale: float | None, share: float) -> bool:
+    """Whether a golden of magnitude ``scale`` (0 included) is a residue of its group: below
+    ``share`` of ``group_scale`` (the kind's ``residue_share``). A plain baseline can round such
+    a member luckily by structure: the fused softmax backward of a row that sees one key, or
+    whose probabilities saturate, subtracts a product from itself and gets exactly the zero the
+    math gives, where a kernel that forms the row term otherwise (FlashAttention's
+    rowsum(dO * O), a decomposed softmax) rounds at the scale of the products."""
+    return group_scale is not None and scale < share * group_scale
 
 
 def _float64(x: torch.Tensor) -> torch.Tensor:
@@ -337,6 +375,12 @@ class Budget:
     value: float
     atol: float = 0.0  # added by hand (``compare(..., atol=)``), never by the model
     rtol: float = 0.0  # likewise, times ``scale``
+    residue: bool = False  # a residue of its group (see :func:`residue`)
+    # The bound at the group's scale that replaced a residue's smaller allowance (None when
+    # the tensor is no residue or its allowance was larger).
+    residue_bound: float | None = None
+    # Rounding the candidate showed on the residues of its pass, which reaches this tensor.
+    inherited: float = 0.0
 
     @property
     def source(self) -> Literal["baseline", "analytic"]:
@@ -372,6 +416,15 @@ class Budget:
                 f" × u_acc {accumulation_roundoff(self.compute_dtype):.3g}"
                 f" × {seen} {self.reordering_scale:.3g})"
             )
+        if self.residue_bound is not None:
+            allowance = (
+                f"bound of a residue {self.residue_bound:.3g}"
+                f" ({_num(self.analytic_factor + self.reorder_factor)} × {root_k} × u_acc"
+                f" {accumulation_roundoff(self.compute_dtype):.3g} × scale of its group"
+                f" {self.group_scale:.3g})"
+            )
+        if self.inherited:
+            allowance += f" + rounding that entered at a residue {self.inherited:.3g}"
         text = f"{allowance} + floor {self.floor:.3g}"
         if self.step_factor != 1.0:
             text = f"({text}) × step factor {_num(self.step_factor)}"
@@ -393,6 +446,9 @@ def budget(
     step: int | None = None,
     group_scale: float | None = None,
     group_noise: float | None = None,
+    spread: float | None = None,
+    input_noise: float | None = None,
+    inherited: float = 0.0,
     atol: float = 0.0,
     rtol: float = 0.0,
 ) -> Budget:
@@ -404,14 +460,20 @@ def budget(
     tensor belongs to, in the kind's metric (see :func:`cancelled`), ``group_noise`` the largest
     relative baseline error ``err(baseline) / scale`` among the tensors compared with it. The
     noise is the largest of the baseline's error ("baseline error"), the noise floor ("noise
-    floor") and the relative noise times the group's scale ("noise of its group").
+    floor"), the candidate's own rounding (``spread``, its difference from a rerun on weights
+    moved by one rounding: "spread of a rerun"), the noise propagated from what it is computed from
+    (``input_noise``, "noise of its inputs", see :func:`propagated_noise`) and the relative noise
+    times the group's scale ("noise of its group"). For kinds
+    judged by group, a :func:`residue` is allowed at least the bound at its group's scale, and
+    ``inherited`` (the rounding the candidate showed on the residues of its pass) is added.
     ``atol + rtol * scale``, a user's hand-set loosening, is added last and recorded. The result
     is always positive.
     """
     tol = kind_tolerance(kind)
     p = precision(compute_dtype)
-    scale = golden_scale(golden, tol.metric)
-    if group_scale is not None and cancelled(scale, group_scale):
+    own_scale = finite_magnitude(golden, tol.metric)
+    scale = own_scale or 1.0
+    if group_scale is not None and cancelled(own_scale, group_scale):
         scale = group_scale
     if reduction_length is None:
         reduction_length = golden.shape[-1] if golden.dim() > 0 else 1
@@ -427,6 +489,8 @@ def budget(
     if baseline_error:
         noise, noise_source = max(
             (baseline_error, "baseline error"),
+            (spread or 0.0, "spread of a rerun"),
+            (input_noise or 0.0, "noise of its inputs"),
             (noise_floor(golden, p.unit_roundoff, tol) * scale, "noise floor"),
             ((group_noise or 0.0) * outer_scale, "noise of its group"),
         )
@@ -443,6 +507,17 @@ def budget(
         analytic = tol.analytic_factor * root_k * p.unit_roundoff * scale
         reordering = tol.reorder_factor * root_k * accumulation_roundoff(p.name) * outer_scale
         allowance = analytic + reordering
+    residue_bound = None
+    is_residue = residue(own_scale, group_scale, tol.residue_share)
+    if is_residue:
+        # What the measured noise cannot promise for a residue, the bound does: the rounding
+        # of the products it cancels, which kernels accumulate in at least fp32, at the scale
+        # of its group (the rounding of the inputs to the dtype is the same on both sides).
+        bound = (tol.analytic_factor + tol.reorder_factor) * root_k * outer_scale
+        bound *= accumulation_roundoff(p.name)
+        if bound > allowance:
+            allowance, residue_bound = bound, bound
+    allowance += inherited
     # Rounding to the dtype errs by up to u * |x| plus the subnormal spacing (which keeps the
     # floor of subnormal goldens positive).
     floor = tol.floor_ulps * (p.unit_roundoff * outer_scale + p.min_spacing)
@@ -469,7 +544,33 @@ def budget(
         value=(allowance + floor) * step_factor + atol + rtol * scale,
         atol=atol,
         rtol=rtol,
+        residue=is_residue,
+        residue_bound=residue_bound,
+        inherited=inherited,
     )
+
+
+def propagated_noise(
+    sensitivities: Mapping[str, torch.Tensor], errors: Mapping[str, torch.Tensor]
+) -> float:
+    """The noise of a scalar computed from tensors whose errors are ``errors``, to first order:
+    ``sqrt(sum((dL/dx * error)**2))`` over every element of every tensor both mappings hold,
+    ``sensitivities`` being the scalar's gradient with respect to them.
+
+    The scalar's own error is ``sum(dL/dx * error)``, a sum of many roundings of either sign
+    that one draw can cancel to almost nothing (a loss's baseline erring a fiftieth of its
+    usual); this is the size of that sum when the signs are independent, which no single lucky
+    draw can shrink. Elements the scalar does not read (zero sensitivity: padded positions a
+    loss leaves out, whose values may be NaN) and non-finite products count for nothing. 0.0
+    when the mappings share no tensor.
+    """
+    total = 0.0
+    for name, sensitivity in sensitivities.items():
+        if name in errors:
+            product = _float64(sensitivity) * _float64(errors[name])
+            read = (_float64(sensitivity) != 0) & product.isfinite()
+            total += float(product[read].square().sum())
+    return math.sqrt(total)
 
 
 #: Entries at or below this are *masked*, not computed: a banned token's logit or a padded

@@ -1,9 +1,10 @@
-"""The calibration's problems: random pre-norm attention blocks, computed three ways.
+"""The calibration's attention blocks: random pre-norm attention blocks, computed three ways.
 
 Every draw is a random pre-norm attention block (RMSNorm, q/k/v projections, rotary, attention
 with a random mask) computed three ways: the golden (float64, manual attention), the baseline
 (manual attention in the candidate dtype) and candidates: every legitimate backend, or the manual
-path with one planted bug.
+path with one planted bug. The blocks reach what the property suite's tiny models do not: long
+sequences, wide heads, logits of standard deviation 30 (:mod:`.models` draws those).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 import torch
 
-from torchparity import backends
+from torchparity import backends, tolerance
+from torchparity.reference import rng
 from torchparity.reference.norms import RMSNorm
 from torchparity.reference.positions import apply_rotary
 
@@ -52,6 +54,9 @@ class Variant:
     drop_head: bool = False
 
 
+#: The plain reference: no other backend, no bug.
+PLAIN = Variant()
+
 BUGS = {
     "softmax scale +1e-3": Variant(scale_factor=1 + 1e-3),
     "masked key leaks into one row": Variant(leak=True),
@@ -81,9 +86,35 @@ class Problem:
     causal: bool  # causality applied by the kernel rather than the mask
     leak_at: tuple[int, int, int] | None  # (batch, row, key) a leaking bug unmasks
 
+    family = "blocks"
+
     @property
     def shape(self) -> str:
         return f"{self.batch}x{self.heads}x{self.seq}x{self.head_dim}"
+
+    @property
+    def description(self) -> str:
+        return f"{self.shape} {self.mask_kind}"
+
+    def dtypes(self, requested: list[str]) -> list[str]:
+        """The dtypes this problem runs in: every requested one."""
+        return requested
+
+    def applies(self, variant: Variant) -> bool:
+        """Whether a planted bug can occur here: a leak needs a masked key, dropping a head
+        needs two (else it drops the whole output)."""
+        if variant.leak:
+            return self.leak_at is not None
+        return not (variant.drop_head and self.heads == 1)
+
+    def compares_gradients(self, backend: str, dtype: str) -> bool:
+        """Every backend's gradients are compared (flex has no backward pass on the CPU)."""
+        return True
+
+    def run(self, dtype: str, variant: Variant = Variant(), *, grad: bool = True,
+            rerun: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+        """:func:`run_block` in the dtype named ``dtype``."""
+        return run_block(self, DTYPES[dtype], variant, grad=grad, rerun=rerun)
 
 
 def draw_problem(seed: int) -> Problem:
@@ -173,14 +204,23 @@ GRAD_NAMES = {"x": "input", "norm": "attn_norm.weight", "wq": "attn.q_proj.weigh
 
 
 def run_block(
-    problem: Problem, dtype: torch.dtype, variant: Variant = Variant(), *, grad: bool = True
+    problem: Problem, dtype: torch.dtype, variant: Variant = Variant(), *, grad: bool = True,
+    rerun: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Outputs of the block in ``dtype``: ``{"forward": {"out": ...}, "grad": {...}}``.
 
     The gradients are those of ``sum(out * cotangent)`` with respect to every input tensor;
-    ``grad=False`` skips them (for backends without a backward pass).
+    ``grad=False`` skips them (for backends without a backward pass). ``rerun`` moves the inputs
+    by one rounding of ``dtype`` first (as :func:`~torchparity.subject.rounding.perturb_weights`
+    moves a model's weights).
     """
-    inputs = {n: t.to(dtype, copy=True).requires_grad_(grad) for n, t in problem.tensors.items()}
+    inputs = {n: t.to(dtype, copy=True) for n, t in problem.tensors.items()}
+    if rerun:
+        u = tolerance.unit_roundoff(dtype)
+        for name, t in inputs.items():
+            d = rng.uniform(problem.seed, f"rounding.{name}", t.shape) * 2.0 - 1.0
+            inputs[name] = (t.double() * (1.0 + u * d)).to(dtype)
+    inputs = {n: t.requires_grad_(grad) for n, t in inputs.items()}
     with torch.set_grad_enabled(grad):
         out = _block(problem, inputs, variant)
         results = {"forward": {"out": out.detach()}}
@@ -207,11 +247,12 @@ def _block(problem: Problem, inputs: dict[str, torch.Tensor], variant: Variant) 
     v = heads(inputs["wv"])
     mask, causal = problem.mask, problem.causal
     if variant.leak:
-        mask = _leaked(problem)
+        mask = leaked_mask(mask, causal, problem.batch, problem.seq, problem.seq,
+                           at=problem.leak_at)
         causal = False
     scale = variant.scale_factor / math.sqrt(problem.head_dim)
     if variant.softmax_dtype is not None:
-        out = _attention_with_softmax_in(variant.softmax_dtype, q, k, v, mask, causal, scale)
+        out = attention_with_softmax_in(variant.softmax_dtype, q, k, v, mask, causal, scale)
     else:
         out = backends.attention(
             q, k, v, mask=mask, scale=scale, causal=causal, backend=variant.backend
@@ -221,21 +262,33 @@ def _block(problem: Problem, inputs: dict[str, torch.Tensor], variant: Variant) 
     return out
 
 
-def _full_mask(problem: Problem) -> torch.Tensor:
-    if problem.mask is not None:
-        return problem.mask
-    causal = torch.ones(problem.seq, problem.seq, dtype=torch.bool).tril()
-    return causal.expand(problem.batch, 1, -1, -1)
-
-
-def _leaked(problem: Problem) -> torch.Tensor:
-    mask = _full_mask(problem).clone()
-    b, row, key = problem.leak_at
+def leaked_mask(
+    mask: torch.Tensor | None,
+    causal: bool,
+    batch: int,
+    q_len: int,
+    k_len: int,
+    *,
+    at: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """The attention mask (batch, 1, q_len, k_len) with one masked entry let through: ``at``
+    (batch, row, key), else the first masked key of a row that sees one; unchanged when there
+    is none."""
+    if mask is None:
+        causal_mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+        mask = causal_mask if causal else torch.ones(q_len, k_len, dtype=torch.bool)
+    mask = mask.expand(batch, 1, q_len, k_len).clone()
+    if at is None:
+        candidates = (~mask[:, 0] & mask[:, 0].any(-1, keepdim=True)).nonzero()
+        if len(candidates) == 0:
+            return mask
+        at = tuple(int(i) for i in candidates[0])
+    b, row, key = at
     mask[b, :, row, key] = True
     return mask
 
 
-def _attention_with_softmax_in(
+def attention_with_softmax_in(
     softmax_dtype: torch.dtype,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -243,14 +296,20 @@ def _attention_with_softmax_in(
     mask: torch.Tensor | None,
     causal: bool,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Manual attention, except that the softmax runs in ``softmax_dtype``."""
     scores = (q @ k.transpose(-2, -1)).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    empty = None
     if mask is not None:
-        scores = scores.masked_fill(~mask, -math.inf)
+        # Rows that see no key see every key and are zeroed after, as on every backend.
+        empty = ~mask.any(-1, keepdim=True)
+        scores = scores.masked_fill(~(mask | empty), -math.inf)
     probs = scores.to(softmax_dtype).softmax(dim=-1).to(q.dtype)
-    if mask is not None:  # rows that see no key are zeros, as on every backend
-        probs = probs.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    if empty is not None:
+        probs = probs.masked_fill(empty, 0.0)
     return probs @ v

@@ -1,5 +1,11 @@
 """The study: legitimate backends must pass (a failure is a false alarm), planted bugs must
-diverge whenever they are visible (their effect on the float64 output exceeds the fp32 noise)."""
+diverge whenever they are visible (their effect on the float64 output exceeds the fp32 noise).
+
+Two families of problems are drawn: attention blocks (:mod:`.problems`: long sequences, wide
+heads, large logits) and the property suite's tiny models (:mod:`.models`). Every candidate is
+judged as the suite judges it: against the golden, with the budget its baseline earns and its
+own rounding measured by a rerun on inputs moved by one rounding.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import torch
 
 from torchparity import backends, tolerance
 from torchparity.calibration.draws import Calibration, baseline_ratio
+from torchparity.calibration.models import ModelProblem, draw_model_problems
 from torchparity.calibration.problems import (
     BUGS,
     DETECTION_GOAL,
@@ -27,7 +34,6 @@ from torchparity.calibration.problems import (
     Problem,
     Variant,
     draw_problem,
-    run_block,
 )
 from torchparity.comparison import Comparison, compare
 from torchparity.errors import BackendUnavailable
@@ -39,7 +45,7 @@ class FalseAlarmStats:
 
     ratios: list[float] = field(default_factory=list)
     headrooms: list[float] = field(default_factory=list)
-    failures: list[int] = field(default_factory=list)  # seeds
+    failures: list[str] = field(default_factory=list)  # the draws, as "family seed"
     unavailable: str | None = None
 
     def summary(self) -> dict[str, Any]:
@@ -68,7 +74,7 @@ class DetectionStats:
     above_own: int = 0  # the effect exceeds this dtype's own band
     caught_above_own: int = 0
     caught: int = 0  # diverged, visible or not
-    missed_seeds: list[int] = field(default_factory=list)  # visible, not caught
+    missed_seeds: list[str] = field(default_factory=list)  # visible, not caught
     missed_below_own: int = 0  # ... with an effect inside this dtype's own band
 
     @property
@@ -102,19 +108,19 @@ class CurveStats:
     """
 
     counts: dict[int, list[int]] = field(default_factory=lambda: {m: [0, 0] for m in MULTIPLES})
-    missed: list[int] = field(default_factory=list)
+    missed: list[str] = field(default_factory=list)
 
     def rate(self, multiple: int) -> float | None:
         changes, caught = self.counts[multiple]
         return _rate(caught, changes)
 
-    def add(self, multiple: float, caught: bool, seed: int, goal: int) -> None:
+    def add(self, multiple: float, caught: bool, draw: str, goal: int) -> None:
         for m in MULTIPLES:
             if multiple >= m:
                 self.counts[m][0] += 1
                 self.counts[m][1] += caught
         if multiple >= goal and not caught:
-            self.missed.append(seed)
+            self.missed.append(draw)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -137,7 +143,7 @@ class Results:
     backends: list[str]
     false_alarms: dict[tuple[str, str, str], FalseAlarmStats]
     detection: dict[tuple[str, str, str], DetectionStats]
-    problems: list[str]
+    problems: list[tuple[str, str]]  # (family, description) of every draw
     curve: dict[tuple[str, str, str], CurveStats] = field(
         default_factory=lambda: defaultdict(CurveStats)
     )
@@ -178,8 +184,14 @@ class Results:
                 {"dtype": d, "kind": k, "changes": f, **s.summary()}
                 for (d, k, f), s in self.curve.items()
             ],
-            "problems": self.problems,
+            "problems": [f"{family}: {description}" for family, description in self.problems],
         }
+
+
+#: The families of problems, in the order they are measured.
+FAMILIES = ("blocks", "models")
+
+AnyProblem = Problem | ModelProblem
 
 
 def calibrate(
@@ -189,14 +201,20 @@ def calibrate(
     dtypes: list[str] | None = None,
     backend_names: list[str] | None = None,
     flex_every: int = 1,
+    families: tuple[str, ...] = FAMILIES,
     on_draw: Callable[[], None] | None = None,
 ) -> Results:
-    """Measure ``draws`` problems (seeds ``seed``, ``seed + 1``, ...) and return the statistics.
+    """Measure ``draws`` problems of each of ``families`` (seeds ``seed``, ``seed + 1``, ...
+    for the attention blocks; hypothesis seeded with ``seed`` for the models) and return the
+    statistics.
 
     ``dtypes`` default to all of :data:`DTYPES`, ``backend_names`` to every CPU backend but
     manual (the baseline itself). flex, which recompiles on every CPU call, runs on every
-    ``flex_every``-th draw only. ``on_draw`` is called after each draw (progress reporting).
+    ``flex_every``-th draw only. ``on_draw`` is called after each problem (progress reporting).
     """
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown problem families {unknown}; choose from {FAMILIES}")
     results = Results(
         draws=draws,
         seed=seed,
@@ -208,58 +226,84 @@ def calibrate(
         flex_every=flex_every,
     )
     start = time.perf_counter()
-    for draw_seed in range(seed, seed + draws):
-        problem = draw_problem(draw_seed)
-        results.problems.append(f"{problem.shape} {problem.mask_kind}")
-        _measure(problem, results)
+    problems: list[AnyProblem] = []
+    if "blocks" in families:
+        problems += [draw_problem(draw_seed) for draw_seed in range(seed, seed + draws)]
+    if "models" in families:
+        problems += draw_model_problems(draws, seed)
+    for index, problem in enumerate(problems):
+        results.problems.append((problem.family, problem.description))
+        _measure(problem, index % draws, results)
         if on_draw is not None:
             on_draw()
     results.seconds = time.perf_counter() - start
     return results
 
 
-def _measure(problem: Problem, results: Results) -> None:
-    golden = run_block(problem, torch.float64)
+def _label(problem: AnyProblem) -> str:
+    return f"{problem.family} {problem.seed}"
+
+
+def _measure(problem: AnyProblem, index: int, results: Results) -> None:
+    golden = problem.run("fp64")
     bugged = {
-        name: run_block(problem, torch.float64, variant)
+        name: problem.run("fp64", variant)
         for name, variant in BUGS.items()
-        if _applies(variant, problem)
+        if problem.applies(variant)
     }
     # A float64 baseline is the golden itself: exact, so budgets use the analytic bound.
-    baselines = {"fp64": golden, "fp32": run_block(problem, torch.float32)}
+    baselines = {"fp64": golden, "fp32": problem.run("fp32")}
     fp32_noise = _noise(golden, baselines["fp32"], "fp32")
-    for dtype_name in results.dtypes:
-        dtype = DTYPES[dtype_name]
-        if dtype_name not in baselines:
-            baselines[dtype_name] = run_block(problem, dtype)
-        baseline = baselines[dtype_name]
+    for dtype in problem.dtypes(results.dtypes):
+        if dtype not in baselines:
+            baselines[dtype] = problem.run(dtype)
+        baseline = baselines[dtype]
         for backend in results.backends:
-            if backend == "flex" and (problem.seed - results.seed) % results.flex_every:
+            if backend == "flex" and index % results.flex_every:
                 continue
-            _measure_backend(problem, dtype_name, backend, golden, baseline, results)
-        own_noise = _noise(golden, baseline, dtype_name)
+            _measure_backend(problem, dtype, backend, golden, baseline, results)
+        own_noise = _noise(golden, baseline, dtype)
         for name, bugged64 in bugged.items():
             variant = BUGS[name]
-            candidate = bugged64 if dtype == torch.float64 else run_block(problem, dtype, variant)
+            candidate, reruns = _candidate(problem, dtype, variant, bugged64)
             for kind in MEASURED_KINDS:
-                stats = results.detection[(name, dtype_name, kind)]
-                result = compare(candidate[kind], golden[kind], baseline[kind], kind)
+                stats = results.detection[(name, dtype, kind)]
+                result = compare(candidate[kind], golden[kind], baseline[kind], kind,
+                                 reruns=[r[kind] for r in reruns])
                 effect = _effects(bugged64[kind], golden[kind], kind)
-                _record_detection(stats, result, effect, fp32_noise[kind], own_noise[kind], problem)
-                if dtype != torch.float64:  # a float64 baseline is exact: no multiples
-                    results.curve[(dtype_name, kind, CURVE_FAMILIES[0])].add(
-                        _multiple(effect, own_noise[kind]), not result.ok, problem.seed,
+                _record_detection(stats, result, effect, fp32_noise[kind], own_noise[kind],
+                                  problem)
+                if dtype != "fp64":  # a float64 baseline is exact: no multiples
+                    results.curve[(dtype, kind, CURVE_FAMILIES[0])].add(
+                        _multiple(effect, own_noise[kind]), not result.ok, _label(problem),
                         GOAL_MULTIPLE[kind],
                     )
-        if dtype != torch.float64:
-            _measure_sized(
-                problem, dtype_name, golden, baseline, own_noise, bugged[SIZED_BUG], results
-            )
+        if dtype != "fp64":
+            _measure_sized(problem, dtype, golden, baseline, own_noise, bugged[SIZED_BUG],
+                           results)
+
+
+def _candidate(
+    problem: AnyProblem,
+    dtype: str,
+    variant: Variant,
+    in_fp64: dict[str, dict[str, torch.Tensor]] | None = None,
+    *,
+    grad: bool = True,
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, dict[str, torch.Tensor]]]]:
+    """A candidate's outputs in ``dtype`` and its rerun on inputs moved by one rounding (none
+    in float64, whose exact baseline takes the analytic bound)."""
+    if dtype == "fp64" and in_fp64 is not None:
+        return in_fp64, []
+    candidate = problem.run(dtype, variant, grad=grad)
+    if dtype == "fp64":
+        return candidate, []
+    return candidate, [problem.run(dtype, variant, grad=grad, rerun=True)]
 
 
 def _measure_sized(
-    problem: Problem,
-    dtype_name: str,
+    problem: AnyProblem,
+    dtype: str,
     golden: dict[str, dict[str, torch.Tensor]],
     baseline: dict[str, dict[str, torch.Tensor]],
     noise: dict[str, dict[str, Noise]],
@@ -270,16 +314,19 @@ def _measure_sized(
     forward error, and record detection against the effect each size really had."""
     reference = _multiple(_effects(reference_bug["forward"], golden["forward"], "forward"),
                           noise["forward"])
+    if reference == 0:  # every row sees one key: the softmax's scale changes nothing
+        return
     delta = BUGS[SIZED_BUG].scale_factor - 1
     for target in MULTIPLES:
         variant = Variant(scale_factor=1 + delta * target / reference)
-        bugged64 = run_block(problem, torch.float64, variant)
-        candidate = run_block(problem, DTYPES[dtype_name], variant)
+        bugged64 = problem.run("fp64", variant)
+        candidate, reruns = _candidate(problem, dtype, variant)
         for kind in MEASURED_KINDS:
-            result = compare(candidate[kind], golden[kind], baseline[kind], kind)
+            result = compare(candidate[kind], golden[kind], baseline[kind], kind,
+                             reruns=[r[kind] for r in reruns])
             effect = _multiple(_effects(bugged64[kind], golden[kind], kind), noise[kind])
-            results.curve[(dtype_name, kind, CURVE_FAMILIES[1])].add(
-                effect, not result.ok, problem.seed, GOAL_MULTIPLE[kind]
+            results.curve[(dtype, kind, CURVE_FAMILIES[1])].add(
+                effect, not result.ok, _label(problem), GOAL_MULTIPLE[kind]
             )
 
 
@@ -289,47 +336,44 @@ def _multiple(effect: dict[str, float], noise: dict[str, Noise]) -> float:
     return max(effect[name] / noise[name].level for name in effect)
 
 
-def _applies(variant: Variant, problem: Problem) -> bool:
-    if variant.leak:
-        return problem.leak_at is not None
-    return not (variant.drop_head and problem.heads == 1)  # the whole output, not one head
-
-
 def _measure_backend(
-    problem: Problem,
-    dtype_name: str,
+    problem: AnyProblem,
+    dtype: str,
     backend: str,
     golden: dict[str, dict[str, torch.Tensor]],
     baseline: dict[str, dict[str, torch.Tensor]],
     results: Results,
 ) -> None:
-    dtype = DTYPES[dtype_name]
     # flex has no CPU backward pass: its gradients cannot be measured there.
-    grad = backend != "flex"
+    grad = backend != "flex" and problem.compares_gradients(backend, dtype)
     try:
-        candidate = run_block(problem, dtype, Variant(backend=backend), grad=grad)
+        candidate, reruns = _candidate(problem, dtype, Variant(backend=backend), grad=grad)
     except BackendUnavailable as exc:
         for kind in MEASURED_KINDS:
-            results.false_alarms[(backend, dtype_name, kind)].unavailable = str(exc)
+            results.false_alarms[(backend, dtype, kind)].unavailable = str(exc)
         return
     for kind in MEASURED_KINDS:
-        stats = results.false_alarms[(backend, dtype_name, kind)]
+        stats = results.false_alarms[(backend, dtype, kind)]
         if kind not in candidate:
-            stats.unavailable = f"{backend} has no backward pass on the CPU"
+            stats.unavailable = (f"{backend} has no backward pass on the CPU" if backend == "flex"
+                                 else "the property suite compares these gradients in fp32 only")
             continue
-        result = compare(candidate[kind], golden[kind], baseline[kind], kind)
+        result = compare(candidate[kind], golden[kind], baseline[kind], kind,
+                         reruns=[r[kind] for r in reruns if kind in r])
         ratio = baseline_ratio(result)
         stats.ratios.append(ratio if ratio is not None else _needed_factor(result))
         stats.headrooms.append(result.worst.headroom)
         if not result.ok:
-            stats.failures.append(problem.seed)
+            stats.failures.append(_label(problem))
 
 
 def _needed_factor(result: Comparison) -> float:
     """For an exact baseline: the factor each tensor needed, err / (sqrt(K) * u * scale), at its
-    largest. The budget grants analytic_factor + reorder_factor (u_acc = u for float64)."""
+    largest, a residue's at its group's scale, where it is judged. The budget grants
+    analytic_factor + reorder_factor (u_acc = u for float64)."""
     return max(
-        t.error / (math.sqrt(t.budget.reduction_length) * t.budget.unit_roundoff * t.budget.scale)
+        t.error / (math.sqrt(t.budget.reduction_length) * t.budget.unit_roundoff
+                   * (t.budget.group_scale if t.budget.residue else t.budget.scale))
         for t in result.tensors
         if t.budget is not None and t.budget.baseline_error is None
     )
@@ -375,7 +419,7 @@ def _record_detection(
     effect: dict[str, float],
     fp32_noise: dict[str, Noise],
     own_noise: dict[str, Noise],
-    problem: Problem,
+    problem: AnyProblem,
 ) -> None:
     caught = not result.ok
     visible = any(effect[n] > fp32_noise[n].budget for n in effect)
@@ -388,7 +432,7 @@ def _record_detection(
     stats.above_own += above_own
     stats.caught_above_own += above_own and caught
     if visible and not caught:
-        stats.missed_seeds.append(problem.seed)
+        stats.missed_seeds.append(_label(problem))
         stats.missed_below_own += not above_own
 
 

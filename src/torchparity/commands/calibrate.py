@@ -1,8 +1,9 @@
 """``torchparity calibrate``: measure the tolerance model's false-alarm and detection rates.
 
-The study itself lives in :mod:`torchparity.calibration`. Every draw is a random pre-norm attention
-block (RMSNorm, q/k/v projections, rotary, attention with a random mask) computed three ways: the
-golden (float64, manual attention), the baseline (manual attention in the candidate dtype) and
+The study itself lives in :mod:`torchparity.calibration`. Every draw is a random pre-norm
+attention block (RMSNorm, q/k/v projections, rotary, attention with a random mask) or a tiny
+reference model drawn from the property suite's strategies, computed three ways: the golden
+(float64, manual attention), the baseline (manual attention in the candidate dtype) and
 candidates. Candidates are every legitimate CPU backend, which must pass (a failure is a false
 alarm), and the manual path with one planted bug, which must diverge whenever the bug is visible:
 when its effect on the float64 output exceeds the fp32 noise (the fp32 baseline's error)."""
@@ -19,13 +20,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from torchparity import backends
 from torchparity.calibration.problems import DTYPES
 from torchparity.calibration.report import json_safe, print_tables, render_markdown
-from torchparity.calibration.study import calibrate, cpu_backends
+from torchparity.calibration.study import FAMILIES, calibrate, cpu_backends
 from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--draws", type=int, default=200, help="random problems (default 200)")
+    parser.add_argument("--draws", type=int, default=200,
+                        help="random problems of each family (default 200)")
+    parser.add_argument(
+        "--problems",
+        action="append",
+        choices=FAMILIES,
+        help="families of problems (repeatable; default both): attention blocks (long"
+        " sequences, large logits) and the property suite's tiny models",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the first draw (default 0)")
     parser.add_argument(
         "--dtype",
@@ -56,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.flex_every < 1:
         raise UsageError(f"--flex-every must be at least 1, got {args.flex_every}")
     dtypes = args.dtype or list(DTYPES)
+    families = args.problems or list(FAMILIES)
     backend_names = args.backend or cpu_backends()
     unknown = [b for b in backend_names if b not in backends.names()]
     if unknown:
@@ -66,13 +76,14 @@ def run(args: argparse.Namespace) -> int:
     with Progress(
         "calibrating", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
-        task = progress.add_task("draws", total=args.draws)
+        task = progress.add_task("draws", total=args.draws * len(families))
         results = calibrate(
             args.draws,
             seed=args.seed,
             dtypes=dtypes,
             backend_names=backend_names,
             flex_every=args.flex_every,
+            families=tuple(families),
             on_draw=lambda: progress.advance(task),
         )
     print_tables(results, Console())
@@ -86,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
 def _command_line(args: argparse.Namespace) -> str:
     parts = ["torchparity calibrate", f"--draws {args.draws}", f"--seed {args.seed}"]
     parts += [f"--flex-every {args.flex_every}"]
+    parts += [f"--problems {p}" for p in args.problems or []]
     parts += [f"--dtype {d}" for d in args.dtype or []]
     parts += [f"--backend {b}" for b in args.backend or []]
     parts += [f"--out {args.out}"] if args.out else []

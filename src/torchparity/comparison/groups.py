@@ -1,12 +1,13 @@
-"""Tensors judged together: the gradients of one backward pass share its relative noise, and
-those of one module their group's scale (see :data:`torchparity.tolerance.KINDS`)."""
+"""Tensors judged together: the gradients of one backward pass share its relative noise and the
+rounding that entered it at a residue, and those of one module their group's scale (see
+:data:`torchparity.tolerance.KINDS`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from torchparity import tolerance
-from torchparity.comparison.tensor import as_float64
+from torchparity.comparison.tensor import TensorComparison, as_float64
 
 
 def _group_of(path: str) -> str:
@@ -39,13 +40,14 @@ def group_scales(
 
 
 def group_noises(
-    leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric, scales: dict[str, float]
+    leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric, scales: dict[str, float],
+    spreads: dict[str, float | None],
 ) -> dict[str, float]:
     """The relative noise every floating leaf with a baseline shares: the largest
-    err(baseline) / scale among them, each against its group's scale. The gradients of one
-    backward pass round through the same loss gradient, which can itself cancel (a confident
-    prediction: p - onehot), so one member's relative error is every member's; see
-    :func:`torchparity.tolerance.budget`."""
+    err(baseline) / scale among them (or the candidate's own rounding, ``spreads``, where it is
+    larger), each against its group's scale. The gradients of one backward pass round through
+    the same loss gradient, which can itself cancel (a confident prediction: p - onehot), so one
+    member's relative error is every member's; see :func:`torchparity.tolerance.budget`."""
     relative = 0.0
     members = []
     for path, _, g, b in leaves:
@@ -60,6 +62,22 @@ def group_noises(
         scale = max(tolerance.finite_magnitude(g, metric), scales.get(path) or 0.0)
         members.append(path)
         if scale > 0:
-            relative = max(relative, tolerance.error(b, g, metric) / scale)
+            error = max(tolerance.error(b, g, metric), spreads.get(path) or 0.0)
+            relative = max(relative, error / scale)
     return dict.fromkeys(members, relative)
 
+
+
+def residue_rounding(tensors: list[TensorComparison]) -> float:
+    """The rounding that entered the backward pass at its residues (see
+    :func:`torchparity.tolerance.residue`): the largest error among the residues judged within
+    their budgets. A residue's golden is nearly zero, so what the candidate computed there is its
+    own rounding of the products the residue cancels; the activation gradient it is formed from
+    carries that rounding on to every gradient computed from it, upstream of the module, in
+    absolute terms. The comparison does not know which gradients lie upstream: every member of
+    the pass may carry it."""
+    return max(
+        (t.error for t in tensors
+         if t.budget is not None and t.budget.residue and t.verdict != "diverged"),
+        default=0.0,
+    )

@@ -103,6 +103,9 @@ def compare_tensor(
     atol: float = 0.0,
     rtol: float = 0.0,
     group_noise: float | None = None,
+    spread: float | None = None,
+    input_noise: float | None = None,
+    inherited: float = 0.0,
     left_out: LeftOut | None = None,
 ) -> TensorComparison:
     """Judge one tensor; ``left_out`` positions of its leading dimensions (padding) count
@@ -142,6 +145,9 @@ def compare_tensor(
         step=step,
         group_scale=group_scale,
         group_noise=group_noise,
+        spread=spread,
+        input_noise=input_noise,
+        inherited=inherited,
         atol=atol,
         rtol=rtol,
     )
@@ -246,6 +252,38 @@ def _compare_exact(
         notes=[f"{n_differ} element(s) differ; exact tensors must match"] if n_differ else [],
         **_left_out_fields(left_out),
     )
+
+
+def rerun_spread(
+    candidate: torch.Tensor,
+    golden: torch.Tensor,
+    reruns: list[torch.Tensor],
+    kind: str,
+    compute_dtype: DtypeLike,
+    reduction_length: int | None,
+    group_scale: float | None,
+) -> float | None:
+    """The candidate's own rounding: the largest difference between it and its reruns (None
+    without any), each over the elements where both are finite and counted up to what a plain
+    computation in ``compute_dtype`` may err on ``golden``
+    (:func:`torchparity.tolerance.baseline_bound`): a kernel that lost precision, or a rerun
+    that crossed a kink, does not raise the bar past it."""
+    if not reruns or not golden.dtype.is_floating_point:
+        return None
+    c = as_float64(candidate)
+    metric = tolerance.kind_tolerance(kind).metric
+    spreads = []
+    for rerun in reruns:
+        r = as_float64(rerun)
+        usable = c.isfinite() & r.isfinite()
+        spreads.append(tolerance.error(r[usable], c[usable], metric))
+    g = as_float64(golden)
+    bound = tolerance.baseline_bound(
+        g[g.isfinite()], compute_dtype=compute_dtype, kind=kind,
+        reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
+        group_scale=group_scale,
+    )
+    return min(max(spreads), bound)
 
 
 def _left_out_fields(left_out: LeftOut | None) -> dict[str, Any]:

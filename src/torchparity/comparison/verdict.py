@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torchparity import tolerance
-from torchparity.comparison.groups import group_noises, group_scales
+from torchparity.comparison.groups import group_noises, group_scales, residue_rounding
 from torchparity.comparison.selection import LeftOut, PaddingSpec, left_out_of, sentence
 from torchparity.comparison.structure import (
     ROOT,
@@ -28,6 +29,7 @@ from torchparity.comparison.tensor import (
     Verdict,
     compare_tensor,
     json_safe,
+    rerun_spread,
 )
 from torchparity.tolerance import DtypeLike
 
@@ -208,6 +210,8 @@ def compare(
     equal_nan: bool = False,
     atol: float = 0.0,
     rtol: float = 0.0,
+    reruns: Sequence[Any] = (),
+    noise: float | None = None,
     padding: PaddingSpec = None,
 ) -> Comparison:
     """Compare ``candidate`` with ``golden`` under the budget that ``baseline`` earns.
@@ -234,6 +238,17 @@ def compare(
     ``reduction_length`` (default: each tensor's last dimension) sets the analytic bound,
     ``step`` the growth of trajectory budgets; see :mod:`torchparity.tolerance`.
 
+    ``reruns`` are the candidate computed again, each shaped like it, from weights moved by one
+    rounding of their dtype (:func:`torchparity.subject.rounding.perturb_weights`). Their
+    difference from the candidate is its own rounding, whatever its kernel does that the plain
+    baseline does not (FlashAttention's backward recomputes the probabilities from the saved
+    logsumexp, off by u * |logit|), while a systematic change (a bug) is the same in both runs
+    and cancels: each tensor's noise is at least that spread, counted up to what its dtype
+    allows a plain computation, and so is the relative noise gradients share. ``noise`` is an
+    estimate of every compared tensor's noise from elsewhere: for a loss,
+    :func:`torchparity.tolerance.propagated_noise` of the outputs it is computed from (one
+    baseline draw of a scalar can be lucky by a factor of 50). Both need a baseline.
+
     NaN follows ``torch.testing.assert_close``: a NaN in the candidate fails even where the
     golden has NaN, unless ``equal_nan=True``; infinities of the same sign at the same position
     match. ``atol`` and ``rtol`` are the one way to loosen a comparison by hand: ``atol + rtol *
@@ -252,15 +267,18 @@ def compare(
     scales and noise of gradients, and a NaN or inf there is no fault; ``explain()`` and
     ``to_dict()`` say how many positions were left out and why.
 
-    Raises :class:`StructureMismatch` naming the path when the baseline lacks a shared tensor
-    or holds it in another shape or dtype, and ``ValueError`` for an unknown kind or dtype, a
-    negative ``atol``/``rtol`` or a padding mask that is not bool or does not fit a tensor.
-    The inputs are not modified.
+    Raises :class:`StructureMismatch` naming the path when the baseline or a rerun lacks a
+    shared tensor or holds it in another shape or dtype, and ``ValueError`` for an unknown kind
+    or dtype, a negative ``atol``/``rtol``, reruns without a baseline, or a padding mask that is
+    not bool or does not fit a tensor. The inputs are not modified.
     """
     tol = tolerance.kind_tolerance(kind)
     for name, value in (("atol", atol), ("rtol", rtol)):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if (reruns or noise is not None) and baseline is None:
+        raise ValueError("reruns and noise refine the noise a baseline measures; pass the"
+                         " baseline too")
     found = Alignment()
     align(candidate, golden, ROOT, found)
     baselines = None if baseline is None else tensor_leaves(baseline, ROOT, {})
@@ -271,17 +289,36 @@ def compare(
     left_out = {path: left_out_of(padding, path, g) for path, _, g, _ in leaves}
     judged = [(path, *(_judged(t, left_out[path]) for t in tensors))
               for path, *tensors in leaves]
-    scales = group_scales(judged, tol.metric) if tol.group_scale else {}
-    noises = group_noises(judged, tol.metric, scales) if tol.group_scale else {}
     floats_dtype = compute_dtype or numbers_dtype(leaves, found.numbers)
-    tensors = [
-        compare_tensor(
-            path, c, g, b, kind, floats_dtype if path in found.numbers else compute_dtype,
-            reduction_length, step, scales.get(path), equal_nan=equal_nan, atol=atol, rtol=rtol,
-            group_noise=noises.get(path), left_out=left_out[path],
+
+    def dtype_of(path: str) -> DtypeLike | None:
+        return floats_dtype if path in found.numbers else compute_dtype
+
+    scales = group_scales(judged, tol.metric) if tol.group_scale else {}
+    rerun_leaves = [tensor_leaves(r, ROOT, {}) for r in reruns]
+    spreads = {
+        path: rerun_spread(
+            c_judged, g_judged,
+            [_judged(baseline_at(path, c, r), left_out[path]) for r in rerun_leaves],
+            kind, dtype_of(path) or c.dtype, reduction_length, scales.get(path),
         )
-        for path, c, g, b in leaves
-    ]
+        for (path, c, _, _), (_, c_judged, g_judged, _) in zip(leaves, judged, strict=True)
+    }
+    noises = group_noises(judged, tol.metric, scales, spreads) if tol.group_scale else {}
+
+    def judge(path: str, c: Any, g: Any, b: Any, inherited: float = 0.0) -> TensorComparison:
+        return compare_tensor(
+            path, c, g, b, kind, dtype_of(path), reduction_length, step, scales.get(path),
+            equal_nan=equal_nan, atol=atol, rtol=rtol, group_noise=noises.get(path),
+            spread=spreads[path], input_noise=noise, inherited=inherited,
+            left_out=left_out[path],
+        )
+
+    tensors = [judge(*leaf) for leaf in leaves]
+    if inherited := residue_rounding(tensors):
+        # The rounding that entered at a residue reaches the other gradients of the pass.
+        tensors = [t if t.budget is None or t.budget.residue else judge(*leaf, inherited)
+                   for t, leaf in zip(tensors, leaves, strict=True)]
     return Comparison(
         kind=kind,
         tensors=tensors,

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from torchparity import backends
+from torchparity import backends, tolerance
 from torchparity.comparison import StructureMismatch, compare
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.compiled import (
@@ -142,10 +142,14 @@ class CheckResult:
 @dataclass
 class Run:
     """Outputs of one run of a case; ``missing`` maps outputs the cell cannot compute to why;
-    ``compile_log`` what compiling cost in a compiled cell."""
+    ``sensitivity`` holds the loss's gradient with respect to the logits when the backward pass
+    ran (what carries their noise into the loss's, see
+    :func:`torchparity.tolerance.propagated_noise`); ``compile_log`` what compiling cost in a
+    compiled cell."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
+    sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
     compile_log: CompileLog | None = None
 
 
@@ -244,17 +248,20 @@ def perturb_weights(model: torch.nn.Module) -> None:
 
 
 def _forward_backward(model: Model, batch: dict[str, torch.Tensor], *, backward: bool,
-                      ) -> dict[str, dict[str, torch.Tensor]]:
+                      ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """The outputs, and the loss's gradient with respect to the logits (when ``backward``)."""
     with _layer_outputs(model) as hidden, torch.set_grad_enabled(backward):
         logits = model(**batch)
         loss = sequence_loss(logits, batch)
     outputs = {"logits": {"logits": logits.detach()}, "hidden": dict(hidden),
                "loss": {"loss": loss.detach()}}
-    if backward:
-        loss.backward()
-        outputs["grads"] = {name: p.grad if p.grad is not None else torch.zeros_like(p)
-                            for name, p in model.named_parameters()}
-    return outputs
+    if not backward:
+        return outputs, {}
+    logits.retain_grad()
+    loss.backward()
+    outputs["grads"] = {name: p.grad if p.grad is not None else torch.zeros_like(p)
+                        for name, p in model.named_parameters()}
+    return outputs, {"logits": logits.grad}
 
 
 @torch.no_grad()
@@ -309,12 +316,12 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
     with backends.use(cell.backend, intercept=False), matmul_precision(cell.dtype), \
             compiled(model, cell.compile) as compile_log:
         try:
-            outputs = _forward_backward(model, batch, backward=True)
+            outputs, sensitivity = _forward_backward(model, batch, backward=True)
         except BackendUnavailable as exc:
             missing["grads"] = str(exc)
             model.zero_grad(set_to_none=True)
             try:
-                outputs = _forward_backward(model, batch, backward=False)
+                outputs, sensitivity = _forward_backward(model, batch, backward=False)
             except BackendUnavailable as exc_forward:
                 return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc_forward)))
         try:
@@ -326,7 +333,7 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
                     model, batch, tokens, decode_phases(compile_log, "cached"))}
         except BackendUnavailable as exc:
             missing["decode"] = str(exc)
-    return Run(outputs, missing, compile_log)
+    return Run(outputs, missing, sensitivity, compile_log)
 
 
 # --- writing and reading a case's goldens ---------------------------------------------------
@@ -500,8 +507,9 @@ def _check_cell(case: zoo.ZooCase, cell: Cell, goldens: dict[str, Golden], basel
         golden = dict(goldens[output].tensors)
         if output == "decode":
             del golden["tokens"]  # forced decoding reproduces the golden's tokens by design
+        noise = _loss_noise(baseline, goldens["logits"].tensors) if output == "loss" else None
         results.append(_judge(case, cell, output, run.outputs[output], golden,
-                              baseline.outputs.get(output)))
+                              baseline.outputs.get(output), noise))
     if cell.compile:
         annotate(results, run.compile_log, step_verdicts(
             *(logprobs_by_step(tensors) for tensors in (
@@ -521,14 +529,22 @@ def _compiled_run(case: zoo.ZooCase, cell: Cell, tokens: torch.Tensor) -> Run:
     return Run({}, dict.fromkeys(OUTPUT_KINDS, reason))
 
 
+def _loss_noise(baseline: Run, golden: dict[str, torch.Tensor]) -> float | None:
+    """The noise the baseline's logits carry into the loss (None without its gradients)."""
+    if not baseline.sensitivity:
+        return None
+    error = baseline.outputs["logits"]["logits"].double() - golden["logits"].double()
+    return tolerance.propagated_noise(baseline.sensitivity, {"logits": error})
+
+
 def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
            golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
-           ) -> CheckResult:
+           noise: float | None = None) -> CheckResult:
     kind = OUTPUT_KINDS[output]
     padding = case_padding(case) if output in PER_POSITION else None
     try:
         comparison = compare(candidate, golden, baseline, kind, compute_dtype=cell.dtype,
-                             padding=padding)
+                             noise=noise if baseline else None, padding=padding)
     except StructureMismatch as exc:
         return _result(case, cell, output, "diverged", ok=False, headroom=float("inf"),
                        explain=f"diverged: the outputs no longer have the golden's structure: "

@@ -53,14 +53,14 @@ import contextlib
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchparity import backends
+from torchparity import backends, tolerance
 from torchparity.comparison import compare
 from torchparity.dtypes import dtype_name
 from torchparity.errors import BackendUnavailable, UsageError
@@ -113,11 +113,14 @@ def backend_names(models: list[Subject] | None = None) -> list[str]:
 
 @dataclass
 class Run:
-    """One run of a model in a cell: output name -> {path: tensor}, and why others are missing;
-    ``compile_log`` what compiling cost in a compiled cell."""
+    """One run of a model in a cell: output name -> {path: tensor}, why others are missing,
+    the loss's gradient with respect to each floating output (what carries the outputs' noise
+    into the loss's, see :func:`torchparity.tolerance.propagated_noise`), and ``compile_log``
+    what compiling cost in a compiled cell."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
+    sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
     compile_log: CompileLog | None = None
 
 
@@ -192,14 +195,20 @@ def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
         missing["loss"] = missing["grads"] = loss
     else:
         outputs["loss"] = {"loss": loss.detach()}
+    sensitivity = {}
     if "grads" not in missing:
+        floating = {path: t for path, t in flat.items()
+                    if t.is_floating_point() and t.requires_grad}
         try:
-            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-            outputs["grads"] = {name: torch.zeros_like(p) if g is None else g
-                                for (name, p), g in zip(params.items(), grads, strict=True)}
+            grads = torch.autograd.grad(loss, [*params.values(), *floating.values()],
+                                        allow_unused=True)
+            outputs["grads"] = {name: torch.zeros_like(p) if g is None else g for (name, p), g
+                                in zip(params.items(), grads[:len(params)], strict=True)}
+            sensitivity = {path: g for path, g in zip(floating, grads[len(params):], strict=True)
+                           if g is not None}
         except BackendUnavailable as exc:
             missing["grads"] = str(exc)
-    return Run(outputs, missing)
+    return Run(outputs, missing, sensitivity)
 
 
 def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
@@ -415,8 +424,9 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
             results.append(_result(subject, cell, output, "n/a", ok=True,
                                    reason=run.missing[output]))
             continue
+        noise = _loss_noise(baseline, goldens["outputs"].tensors) if output == "loss" else None
         results.append(_judge(subject, cell, output, run.outputs.get(output, {}),
-                              golden.tensors, baseline.outputs.get(output)))
+                              golden.tensors, baseline.outputs.get(output), noise))
     if cell.compile:
         decode = goldens.get("decode")
         annotate(results, run.compile_log, step_verdicts(
@@ -439,14 +449,23 @@ def _compiled_run(subject: Subject, cell: Cell, loss_paths: list[str] | None,
     return Run({}, dict.fromkeys(OUTPUT_KINDS, reason)), None
 
 
+def _loss_noise(baseline: Run, golden: dict[str, torch.Tensor]) -> float | None:
+    """The noise the baseline's outputs carry into the loss (None without its gradients)."""
+    outputs = baseline.outputs.get("outputs", {})
+    errors = {path: outputs[path].double() - golden[path].double()
+              for path in baseline.sensitivity if path in outputs and path in golden}
+    return tolerance.propagated_noise(baseline.sensitivity, errors) if errors else None
+
+
 def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
            golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
-           ) -> CheckResult:
+           noise: float | None = None) -> CheckResult:
     """Judge the tensors candidate and golden share; paths that one side lacks (eager's
     attention weights against sdpa's None) are structure differences, not divergences.
     Outputs with a value per input position are judged on the unpadded ones."""
     comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
-                         compute_dtype=cell.dtype, padding=_padding(subject, output))
+                         compute_dtype=cell.dtype, noise=noise if baseline else None,
+                         padding=_padding(subject, output))
     worst = comparison.worst
     left_out = comparison.left_out_sentence()
     if output == "loss" and subject.loss_fn is None and subject.padding:
