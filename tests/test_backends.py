@@ -429,6 +429,25 @@ def test_compiled_models_run_on_the_backend_and_count_every_run() -> None:
                       backend="eager")(torch.randn(1, 2, 4, 8))
 
 
+def test_a_compiled_model_counts_its_calls_without_recompiling() -> None:
+    # Counting inside a compiled graph must neither be traced as a constant (dynamo would guard
+    # on it and recompile at every call) nor leave the redirect to be compiled on its own.
+    import torch._dynamo.utils
+
+    model, _, inputs, layers = _nanogpt()
+    torch._dynamo.reset()
+    torch._dynamo.utils.clear_compilation_metrics()
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    with torch.no_grad():
+        for backend in ("manual", "manual"):  # a new block each time, same backend
+            with backends.use(backend) as intercepted:
+                for _ in range(3):
+                    compiled(**inputs)
+            assert intercepted.calls == 3 * layers
+    metrics = torch._dynamo.utils.get_compilation_metrics()
+    assert [m.recompile_reason for m in metrics] == [None], [m.co_name for m in metrics]
+
+
 def test_model_that_never_calls_sdpa_counts_zero_and_says_why() -> None:
     _, eager_model, inputs, _ = _hf("llama")  # Hugging Face eager attention: no SDPA call
     with torch.no_grad(), backends.use("sdpa-flash") as intercepted:

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -61,7 +62,14 @@ class Intercepted:
 
     backend: str
     intercept: bool = True
-    calls: int = 0
+    # A tensor rather than an int: a compiled graph adds to it on every run, where an int
+    # would be a constant that dynamo guards on, and every later call would recompile.
+    _count: torch.Tensor = dataclasses.field(
+        default_factory=lambda: torch.zeros((), dtype=torch.int64), repr=False)
+
+    @property
+    def calls(self) -> int:
+        return int(self._count)
 
     def not_applicable_reason(self) -> str | None:
         """:data:`NO_SDPA_CALLS_REASON` when the block ran no attention call, else None."""
@@ -121,11 +129,21 @@ def current(default: str = "manual") -> str:
 
 def _count_call() -> None:
     for block in _blocks:
-        block.calls += 1
+        block._count.add_(1)
 
 
 class _RedirectSdpa(TorchFunctionMode):
     """Sends SDPA calls to the innermost :func:`use` block's backend; every other call passes."""
+
+    def __enter__(self) -> _RedirectSdpa:
+        if "torch._dynamo" in sys.modules:  # loaded: something may compile in the block
+            from torch._dynamo.eval_frame import skip_code
+
+            # Compiled graphs inline the redirect. Called on its own (a compiled graph's
+            # runtime wrapper makes tensors of its scalar inputs under the mode), it is not
+            # worth a graph, and dynamo would compile and recompile one per scalar.
+            skip_code(type(self).__torch_function__.__code__)
+        return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

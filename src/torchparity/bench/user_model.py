@@ -3,7 +3,9 @@
 Per backend and dtype, in this process: the time to the first training step (copying the
 model into the dtype, the first forward, loss and backward: what start-up costs) and the
 steady step time over ``rounds`` further steps, as tokens per second. Backends are timed in
-turn, round by round, so drifting machine load spreads over all of them.
+turn, round by round, so drifting machine load spreads over all of them. With ``--compile``,
+each backend also compiled in both forms: the first step with its compiling, the graphs,
+breaks and recompiles, and the steady speed against the same backend eagerly.
 
 The check's cost compares ``check --model`` on the model with the same cells of
 ``torchparity check`` on a zoo case, both in this process on one thread: the ratio is what
@@ -33,6 +35,7 @@ from torchparity.golden.user_models import (
 )
 from torchparity.reference import zoo
 from torchparity.subject import Subject, hf
+from torchparity.subject.compiling import MODES, CompileFailed, compiled
 from torchparity.subject.trees import flatten_tensors
 
 #: The zoo case whose check the model's check is compared with, and the backends of both.
@@ -73,6 +76,59 @@ def throughput_rows(subject: Subject, dtypes: list[str], rounds: int = 5,
             row["tokens_per_s"] = tokens / row["step_s"]
             row["spread"] = (max(times) - min(times)) / row["step_s"] if times else None
     return rows
+
+
+def compiled_rows(subject: Subject, dtypes: list[str], eager: list[dict[str, Any]],
+                  rounds: int = 5, device: str = "cpu", backend_names: list[str] | None = None,
+                  ) -> list[dict[str, Any]]:
+    """One row per backend, dtype and compile form (:data:`~torchparity.subject.compiling
+    .MODES`) that ran eagerly in ``eager`` (rows of :func:`throughput_rows`): the time to the
+    first step (compiling it included, and how much of it compiled), graphs, graph breaks and
+    recompiles (also those of the steady steps, which should be none), tokens/s and its ratio
+    to the same backend eagerly (``vs_eager``), or why it did not compile (``n/a``).
+
+    Each contender is compiled and timed on its own (dynamo starts afresh for each, so its
+    counts are its own), its steps interleaved with steps of the same backend eagerly: the
+    ratio compares steps taken under the same load. ``backend_names`` limits the backends."""
+    rows = []
+    for row in eager:
+        if row["status"] != "ok" or row["dtype"] not in dtypes or (
+                backend_names and row["backend"] not in backend_names):
+            continue
+        for form in MODES:
+            rows.append(_compiled_row(subject, row, form, rounds, device))
+    return rows
+
+
+def _compiled_row(subject: Subject, eager: dict[str, Any], form: str, rounds: int,
+                  device: str) -> dict[str, Any]:
+    backend, dtype = eager["backend"], eager["dtype"]
+    row = {"model": subject.name, "backend": backend, "dtype": dtype, "compile": form}
+    attention = hf.EAGER if backend == HF_EAGER else hf.SDPA
+    model, inputs = subject.placed(device, DTYPES[dtype], attention)
+    eager_model, eager_inputs = subject.placed(device, DTYPES[dtype], attention)
+    times, eager_times = [], []
+    try:
+        with compiled(model, form) as log:
+            started = time.perf_counter()
+            with _backend(backend):
+                _step(subject, model, inputs)
+            first = time.perf_counter() - started
+            for _ in range(rounds):
+                eager_times.append(_timed_step(subject, eager_model, eager_inputs, backend,
+                                               device))
+                times.append(_timed_step(subject, model, inputs, backend, device))
+    except CompileFailed as exc:
+        return {**row, "status": "n/a", "reason": str(exc)}
+    step_s = statistics.median(times)
+    tokens_per_s = _tokens(subject.inputs) / step_s
+    return {**row, "status": "ok", "first_step_s": first, "compile_s": log.compile_seconds,
+            "graphs": log.graphs, "graph_breaks": log.graph_breaks,
+            "recompiles": log.recompiles,
+            "steady_recompiles": sum(len(c.recompiles) for c in log.calls[1:]),
+            "step_s": step_s, "tokens_per_s": tokens_per_s,
+            "spread": (max(times) - min(times)) / step_s,
+            "vs_eager": statistics.median(eager_times) / step_s}
 
 
 def _first_step(subject: Subject, backend: str, dtype: str, device: str,

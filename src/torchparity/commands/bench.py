@@ -15,6 +15,7 @@ from torchparity.bench import report as bench_report
 from torchparity.bench import runner as bench
 from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError
+from torchparity.golden.report import print_table
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -48,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "torch's own choice, one per core)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the models; reports graphs, graph breaks and "
-                             "recompiles (cold compile caches; slow on a CPU)")
+                             "recompiles (the zoo: cold compile caches; with --model: each "
+                             "backend also compiled dynamic and static, Inductor's caches on, "
+                             "against the same backend eagerly; slow on a CPU)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and few rounds: a smoke run of seconds "
                              "(does not time `torchparity check`)")
@@ -110,6 +113,12 @@ def _bench_models(args: argparse.Namespace, device: str) -> int:
                 rows = user_model.throughput_rows(subject, dtypes, args.rounds or 5, device)
             result["throughput"] += rows
             console.print(_throughput_table(subject.name, device, rows))
+        if args.compile and subject is not None:
+            with console.status(f"compiling and timing {subject.name}"):
+                compiled = user_model.compiled_rows(subject, dtypes, rows, args.rounds or 5,
+                                                    device, args.backend)
+            result["compiled"] = result.get("compiled", []) + compiled
+            print_table(console, _compiled_table(subject.name, device, compiled))
         if "check" not in args.skip:
             with console.status(f"timing check --model {subject.name}"):
                 cost = user_model.check_cost(subject)
@@ -162,6 +171,30 @@ def at_size_table(cost: dict[str, Any]) -> str:
         f"{mib(golden['peak_bytes'])}, goldens {golden['bytes'] / 1e6:.1f} MB",
         f"  check ({check['cells']} cells, {', '.join(cost['dtypes'])}): {check['s']:.1f} s = "
         f"{check['steps']:.1f} plain steps, peak {mib(check['peak_bytes'])}; {verdict}"])
+
+
+def _compiled_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"{name} on {device}, compiled: the first step with its compiling, "
+                        "graphs/graph breaks/recompiles, steady speed against the same "
+                        "backend eagerly", title_justify="left")
+    for column in ("backend", "dtype", "compile", "tok/s", "x eager", "step ms", "first s",
+                   "compiling s", "g/b/r", "note"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        if r["status"] != "ok":
+            table.add_row(r["backend"], r["dtype"], r["compile"], "n/a", "", "", "", "", "",
+                          r["reason"])
+            continue
+        steady = (f"{r['steady_recompiles']} recompile(s) after the first step"
+                  if r["steady_recompiles"] else "")
+        table.add_row(r["backend"], r["dtype"], r["compile"], f"{r['tokens_per_s']:,.0f}",
+                      f"{r['vs_eager']:.2f}", f"{r['step_s'] * 1e3:.2f}",
+                      f"{r['first_step_s']:.1f}", f"{r['compile_s']:.1f}",
+                      f"{r['graphs']}/{r['graph_breaks']}/{r['recompiles']}",
+                      "; ".join(p for p in (f"spread {r['spread']:.0%}", steady) if p))
+    return table
 
 
 class _ProgressBar(bench.Progress):

@@ -27,6 +27,10 @@ from torchparity.golden.store import GOLDEN_DIR_ENV, GoldenStore, default_golden
 from torchparity.golden.user_models import backend_names, load_goldens, model_store, user_golden_dir
 from torchparity.reference import zoo
 from torchparity.subject import Subject
+from torchparity.subject.compiling import MODES
+
+#: What ``--compile`` takes: one compile form, or both.
+COMPILE_CHOICES = (*MODES, "both")
 
 GOLDEN_DIR_HELP = (f"folder of the golden outputs (default: ${GOLDEN_DIR_ENV}, else golden/ of "
                    "the torchparity source tree around the working directory, else of the "
@@ -68,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, metavar="N",
                         help="worker processes (default: 2 when the machine has 2+ cores; 1 "
                              "runs in this process)")
+    parser.add_argument("--compile", nargs="?", const="both", choices=COMPILE_CHOICES,
+                        metavar="FORM",
+                        help="also run every cell compiled by torch.compile (Inductor) and "
+                             "judge it the same way: FORM dynamic (dynamic=True), static "
+                             "(dynamic=False) or both (the default); shows graphs, graph "
+                             "breaks and recompiles per cell and per decoding step. Slow on a "
+                             "CPU: tens of seconds per cell when Inductor's cache is cold "
+                             "(docs/compile.md)")
     parser.add_argument("--train", action="store_true",
                         help="also train each case's golden recipe (20 steps) in every cell "
                              "but the reference one and judge the loss, gradient-norm and "
@@ -85,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if cases:
         store.require_root()
     cells = select_cells(args.backend, args.dtype, args.device,
-                         backend_names(subjects) if subjects else backends.names())
+                         backend_names(subjects) if subjects else backends.names(),
+                         compile_forms(args.compile))
     jobs = _jobs(args.jobs)
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"--json {args.json}: its folder does not exist")
@@ -113,6 +126,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(Path(args.json), results, ok, store.root)
     return 0 if ok else 1
+
+
+def compile_forms(choice: str | None) -> list[str]:
+    """The compile forms ``--compile FORM`` asks for (none without it)."""
+    if choice is None:
+        return []
+    return list(MODES) if choice == "both" else [choice]
 
 
 def _trajectory_store(store: GoldenStore, cases: list[zoo.ZooCase]) -> GoldenStore:

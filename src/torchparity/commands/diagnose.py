@@ -25,6 +25,7 @@ from torchparity.commands.record import (
 )
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
+from torchparity.subject.compiling import MODES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="map A's module names to B's (regex on A's whole name); repeatable")
     parser.add_argument("--backend-a", help="attention backend for A (not with --against)")
     parser.add_argument("--backend-b", help="attention backend for B")
+    parser.add_argument("--compile-b", nargs="?", const="dynamic", choices=tuple(MODES),
+                        metavar="FORM",
+                        help="run B by torch.compile (FORM dynamic, the default, or static) "
+                             "and name the first module whose compiled output leaves its "
+                             "budget: B is compiled whole, then module by module where it "
+                             "departs (a factory that returns a compiled model is diagnosed "
+                             "so without this flag; see docs/compile.md)")
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="keep A's side on disk so memory stays bounded (default: when "
                              "the two models take more than a quarter of the free memory)")
@@ -82,6 +90,7 @@ def _against(args: argparse.Namespace, name_map):
     b = Subject.load(args.entries[0])
     meta, _ = open_trace(args.against)
     if is_decode_trace(meta):
+        _no_compiled_decoding(args)
         return diagnose_decode_against(args.against, b.model, b.inputs, step=b.stepper(),
                                        name_map=name_map, backend=args.backend_b)
     if args.decode:
@@ -89,7 +98,8 @@ def _against(args: argparse.Namespace, name_map):
                          "one with `torchparity record ENTRY --decode`")
     return diagnose_against(args.against, b.model, b.inputs, loss_fn=b.loss_fn,
                             name_map=name_map, backward=None if args.backward else False,
-                            backend=args.backend_b, local=args.local, padding=b.padding)
+                            backend=args.backend_b, local=args.local, padding=b.padding,
+                            compile_b=args.compile_b)
 
 
 def _two_models(args: argparse.Namespace, name_map):
@@ -101,6 +111,7 @@ def _two_models(args: argparse.Namespace, name_map):
     decoding = decode_options(args)
     a, b = Subject.load(args.entries[0]), Subject.load(args.entries[1])
     if decoding:
+        _no_compiled_decoding(args)
         if args.stream or args.local != "diverged":
             raise UsageError("--stream and --local are options of a forward diagnosis; a "
                              "decoding keeps each step's calls, and replays none")
@@ -113,7 +124,15 @@ def _two_models(args: argparse.Namespace, name_map):
     return diagnose(a.model, b.model, a.inputs, loss_fn=a.loss_fn, name_map=name_map,
                     backward=args.backward, include=args.include, exclude=args.exclude,
                     backends=(args.backend_a, args.backend_b), stream=args.stream,
-                    local=args.local, dtype=dtype_option(args), padding=a.padding)
+                    local=args.local, dtype=dtype_option(args), padding=a.padding,
+                    compile_b=args.compile_b)
+
+
+def _no_compiled_decoding(args: argparse.Namespace) -> None:
+    if args.compile_b:
+        raise UsageError("--compile-b localises a forward pass; a compiled decoding is judged "
+                         "step by step, with its recompiles, by `torchparity check --model "
+                         "ENTRY --compile` (docs/compile.md)")
 
 
 def _name_rule(rule: str) -> tuple[str, str]:

@@ -25,6 +25,8 @@ and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,7 @@ from torch import nn
 
 from torchparity.diagnosis.align import Alignment, NameMap
 from torchparity.diagnosis.capture import PatternSpec
+from torchparity.diagnosis.compiled import compile_form, localise
 from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.golden import add_golden, describe_mode, float64_departure
 from torchparity.diagnosis.local import judge_local
@@ -78,6 +81,7 @@ def diagnose(
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
     padding: PaddingLike = None,
+    compile_b: str | None = None,
 ) -> DiagnosisReport:
     """Localise where ``model_b`` starts to compute something other than ``model_a``.
 
@@ -103,14 +107,23 @@ def diagnose(
     dict of them by output path; or ``False`` to judge every position (see
     :mod:`torchparity.subject.padding`). The report's notes say how many were left out.
     A's golden is A itself run in float64 module by module, so no copy of A is made.
+    ``compile_b`` (``"dynamic"`` or ``"static"``) runs B by ``torch.compile`` in that form and
+    names the first module whose compiled output leaves its budget; a ``model_b`` that is
+    compiled already (``torch.compile(model)``, ``model.compile()``) is diagnosed so without it
+    (:mod:`torchparity.diagnosis.compiled`).
 
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from
     :func:`torchparity.compare` with a float64 golden when A can run in float64 (see
     ``report.meta["golden"]``); unmatched modules are listed, never dropped.
     """
-    opts = make_options(backward, loss_fn, include, exclude, backends, progress, local,
-                        padding_of(padding, inputs, model_a))
+    model_b, compile_b = compile_form(model_b, compile_b)
+    if compile_b is not None and model_b is model_a:  # A's replays must stay eager
+        model_b = copy.deepcopy(model_b)
+    opts = dataclasses.replace(
+        make_options(backward, loss_fn, include, exclude, backends, progress, local,
+                     padding_of(padding, inputs, model_a)),
+        compile_b=compile_b)
     check_models(model_a=model_a, model_b=model_b)
     (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
     if stream is None:
@@ -179,6 +192,7 @@ def diagnose_against(
     local: Local = "diverged",
     progress: bool | None = None,
     padding: PaddingLike = None,
+    compile_b: str | None = None,
 ) -> DiagnosisReport:
     """Diagnose ``model`` (the changed revision) against the trace :func:`record` wrote.
 
@@ -188,7 +202,9 @@ def diagnose_against(
     is the recorded one; ``local`` is as in :func:`diagnose`; ``padding`` defaults to the
     recorded one (see :func:`diagnose`). Weights that differ from the recorded ones are listed
     in ``report.meta["weights"]`` (a changed initialisation is not a changed computation).
+    ``compile_b`` and a compiled ``model`` are as in :func:`diagnose`.
     """
+    model, compile_b = compile_form(model, compile_b)
     reference, meta = open_reference(path)
     if backward and not meta["backward"]:
         raise UsageError(f"trace {path} has no gradients; record it with backward=True or pass "
@@ -199,9 +215,10 @@ def diagnose_against(
                          f"{meta['inputs_digest']}); pass the same inputs to both revisions")
     if padding is not None or "padding" not in meta:  # else the recorded one
         reference.padding = padding_of(padding, inputs, model)
-    opts = make_options(meta["backward"] if backward is None else backward, loss_fn,
-                        meta["include"], meta["exclude"], (meta["backend"], backend), progress,
-                        local, reference.padding)
+    opts = dataclasses.replace(
+        make_options(meta["backward"] if backward is None else backward, loss_fn,
+                     meta["include"], meta["exclude"], (meta["backend"], backend), progress,
+                     local, reference.padding), compile_b=compile_b)
     check_models(model=model)
     weights = changed_weights(meta["weights"], model)
     dtype = getattr(torch, meta["dtype"]) if meta.get("dtype") else None
@@ -228,18 +245,25 @@ def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar:
 def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
                         name_map: NameMap | None, bar: ProgressBar) -> DiagnosisReport:
     """Stages 3 to 6: align B with the reference, judge propagated then local errors, report."""
-    propagated = judge_propagated(reference, model, inputs, name_map, opts, bar)
-    alignment = propagated.alignment
-    replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar,
-                           propagated.changing)
-    done = bar.phase("where the first divergence enters")
-    find_entry(reference, alignment.matches, propagated.rows, model, opts, propagated.changing)
-    done()
+    if opts.compile_b is None:
+        propagated = judge_propagated(reference, model, inputs, name_map, opts, bar)
+        alignment = propagated.alignment
+        replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar,
+                               propagated.changing)
+        done = bar.phase("where the first divergence enters")
+        find_entry(reference, alignment.matches, propagated.rows, model, opts,
+                   propagated.changing)
+        done()
+    else:  # each stage per level of B's modules, compiled; the search for an entry replays
+        # modules eagerly, which a compiled B does not run
+        propagated, replayed, compiled_note = localise(reference, model, inputs, opts,
+                                                       name_map, bar)
+        alignment = propagated.alignment
     meta = _report_meta(reference, model, opts, alignment)
     if reference.padding:
         meta["notes"].append(f"{reference.padding.summary()}: left out of every judgement and"
                              " of the default loss")
-    if propagated.output.verdict != "identical" and all(
+    if opts.compile_b is None and propagated.output.verdict != "identical" and all(
             r.local is None or r.local.ok for r in propagated.rows):
         done = bar.phase("B in float64: forward")
         departure = float64_departure(reference, model, inputs, opts)
@@ -250,7 +274,10 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
                 "float64 budget): a change below the noise of this dtype; run with --dtype fp64 "
                 "(dtype=torch.float64) to localise it")
     meta["seconds"] = {**bar.seconds, "judging while B runs": reference.judging_seconds}
-    if opts.local != "all":
+    if opts.compile_b is not None:
+        meta["compile_b"] = opts.compile_b
+        meta["notes"].append(compiled_note)
+    elif opts.local != "all":
         meta["notes"].append(
             f"local errors of {replayed} of {len(propagated.rows)} module(s): those whose "
             "propagated error diverged or could not be judged (local='all' computes every one)")

@@ -33,6 +33,13 @@ import torch
 from torchparity import backends, tolerance
 from torchparity.comparison import StructureMismatch, compare
 from torchparity.errors import BackendUnavailable
+from torchparity.golden.compiled import (
+    annotate,
+    decode_phases,
+    logprobs_by_step,
+    step_verdicts,
+    unavailable_reason,
+)
 from torchparity.golden.store import (
     Golden,
     GoldenError,
@@ -45,6 +52,7 @@ from torchparity.golden.store import (
 from torchparity.reference import build_model, greedy_decode, rng, sequence_loss, zoo
 from torchparity.reference.layers import TransformerLayer
 from torchparity.reference.models import Model
+from torchparity.subject.compiling import CompileFailed, CompileLog, compiled
 from torchparity.subject.padding import Padding, from_inputs
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -65,18 +73,22 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
 
 @dataclass(frozen=True)
 class Cell:
-    """One way of running the reference models: attention backend, dtype name and device."""
+    """One way of running the reference models: attention backend, dtype name and device,
+    and ``compile``: None (eager) or the ``torch.compile`` form (``dynamic``, ``static``)."""
 
     backend: str
     dtype: str
     device: str = "cpu"
+    compile: str | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.backend} {self.dtype} {self.device}"
+        compiled = f" compiled {self.compile}" if self.compile else ""
+        return f"{self.backend} {self.dtype} {self.device}{compiled}"
 
     def __str__(self) -> str:  # a pytest id
-        return f"{self.backend}-{self.dtype}-{self.device}"
+        return f"{self.backend}-{self.dtype}-{self.device}" + (f"-{self.compile}"
+                                                               if self.compile else "")
 
 
 #: The cell that recomputes the goldens themselves.
@@ -111,6 +123,14 @@ class CheckResult:
     sensitivity: float | None = None
     # Positions left out of the judgement (padding) and why; None when every one was judged.
     left_out: str | None = None
+    compile: str | None = None  # the torch.compile form of a compiled cell
+    # A compiled cell's graphs, breaks, recompiles and seconds, with each call's and (on the
+    # decode output) each decoding step's; see torchparity.golden.compiled.
+    compiled: dict[str, Any] | None = None
+
+    @property
+    def cell(self) -> Cell:
+        return Cell(self.backend, self.dtype, self.device, self.compile)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict; an infinite headroom becomes the string "inf"."""
@@ -125,11 +145,13 @@ class Run:
     """Outputs of one run of a case; ``missing`` maps outputs the cell cannot compute to why;
     ``sensitivity`` holds the loss's gradient with respect to the logits when the backward pass
     ran (what carries their noise into the loss's, see
-    :func:`torchparity.tolerance.propagated_noise`)."""
+    :func:`torchparity.tolerance.propagated_noise`); ``compile_log`` what compiling cost in a
+    compiled cell."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
     sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
+    compile_log: CompileLog | None = None
 
 
 # --- running a case -------------------------------------------------------------------------
@@ -244,14 +266,17 @@ def _forward_backward(model: Model, batch: dict[str, torch.Tensor], *, backward:
 
 
 @torch.no_grad()
-def forced_logprobs(model: Model, batch: dict[str, torch.Tensor],
-                    tokens: torch.Tensor) -> torch.Tensor:
+def forced_logprobs(model: Model, batch: dict[str, torch.Tensor], tokens: torch.Tensor,
+                    during: Callable[[int], contextlib.AbstractContextManager] | None = None
+                    ) -> torch.Tensor:
     """Log-probabilities (batch, steps) of ``tokens`` fed one per step through the KV cache.
 
     The same steps as :func:`~torchparity.reference.greedy_decode`, except that the next token
     is the given one rather than the argmax: in low precision a near-tie may flip the argmax,
-    and the continuous log-probs stay comparable where tokens would not.
+    and the continuous log-probs stay comparable where tokens would not. ``during(step)`` is
+    a context each step's call runs in (a compiled model's record of that step).
     """
+    during = during or (lambda step: contextlib.nullcontext())
     ids_key, mask_key = (("tgt_ids", "tgt_mask") if model.config.is_encoder_decoder
                          else ("input_ids", "attention_mask"))
     inputs = dict(batch)
@@ -262,7 +287,8 @@ def forced_logprobs(model: Model, batch: dict[str, torch.Tensor],
     logprobs = []
     for step in range(tokens.shape[1]):
         inputs[ids_key], inputs[mask_key] = step_ids, mask
-        logits = model(**inputs, cache=cache)[:, -1]
+        with during(step):
+            logits = model(**inputs, cache=cache)[:, -1]
         logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
         step_ids = tokens[:, step:step + 1].to(logits.device)
         logprobs.append(logp.gather(-1, step_ids)[:, 0])
@@ -279,6 +305,8 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
     ``perturb`` applies :func:`perturb_weights` to the weights. When the backend cannot run the
     backward pass (flex on the CPU, a trainable bias on sdpa-flash) the forward runs without
     gradients and ``grads`` is listed in ``missing``; nothing falls back to another backend.
+    A compiled cell runs all of it compiled; a failure to compile raises
+    :class:`~torchparity.subject.compiling.CompileFailed`.
     """
     model = build_model(case.config, WEIGHT_SEED, dtype=DTYPES[cell.dtype], device=cell.device)
     if perturb:
@@ -286,7 +314,8 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
     batch = case_batch(case, cell.device)
     missing: dict[str, str] = {}
     # Zoo models reach SDPA through backends.attention alone: no interception needed.
-    with backends.use(cell.backend, intercept=False), matmul_precision(cell.dtype):
+    with backends.use(cell.backend, intercept=False), matmul_precision(cell.dtype), \
+            compiled(model, cell.compile) as compile_log:
         try:
             outputs, sensitivity = _forward_backward(model, batch, backward=True)
         except BackendUnavailable as exc:
@@ -301,10 +330,11 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
                 decoded = greedy_decode(model, batch, DECODE_STEPS)
                 outputs["decode"] = {"tokens": decoded.tokens, "logprobs": decoded.logprobs}
             else:
-                outputs["decode"] = {"logprobs": forced_logprobs(model, batch, tokens)}
+                outputs["decode"] = {"logprobs": forced_logprobs(
+                    model, batch, tokens, decode_phases(compile_log, "cached"))}
         except BackendUnavailable as exc:
             missing["decode"] = str(exc)
-    return Run(outputs, missing, sensitivity)
+    return Run(outputs, missing, sensitivity, compile_log)
 
 
 # --- writing and reading a case's goldens ---------------------------------------------------
@@ -465,7 +495,10 @@ def _check_reference(store: GoldenStore, case: zoo.ZooCase,
 
 def _check_cell(case: zoo.ZooCase, cell: Cell, goldens: dict[str, Golden], baseline: Run,
                 tokens: torch.Tensor) -> list[CheckResult]:
-    run = baseline if cell.backend == "manual" else run_case(case, cell, tokens=tokens)
+    if cell.compile:
+        run = _compiled_run(case, cell, tokens)
+    else:
+        run = baseline if cell.backend == "manual" else run_case(case, cell, tokens=tokens)
     results = []
     for output in OUTPUT_KINDS:
         if output in run.missing:
@@ -478,7 +511,23 @@ def _check_cell(case: zoo.ZooCase, cell: Cell, goldens: dict[str, Golden], basel
         noise = _loss_noise(baseline, goldens["logits"].tensors) if output == "loss" else None
         results.append(_judge(case, cell, output, run.outputs[output], golden,
                               baseline.outputs.get(output), noise))
+    if cell.compile:
+        annotate(results, run.compile_log, step_verdicts(
+            *(logprobs_by_step(tensors) for tensors in (
+                run.outputs.get("decode"), goldens["decode"].tensors,
+                baseline.outputs.get("decode"))), cell.dtype))
     return results
+
+
+def _compiled_run(case: zoo.ZooCase, cell: Cell, tokens: torch.Tensor) -> Run:
+    """The compiled cell's run; every output n/a with the reason where it cannot compile."""
+    reason = unavailable_reason(cell)
+    if reason is None:
+        try:
+            return run_case(case, cell, tokens=tokens)
+        except CompileFailed as exc:
+            reason = str(exc)
+    return Run({}, dict.fromkeys(OUTPUT_KINDS, reason))
 
 
 def _loss_noise(baseline: Run, golden: dict[str, torch.Tensor]) -> float | None:
@@ -516,4 +565,5 @@ def _result(case: zoo.ZooCase, cell: Cell, output: str, verdict: str, *, ok: boo
             **details: Any) -> CheckResult:
     return CheckResult(case=case.name, backend=cell.backend, dtype=cell.dtype,
                        device=cell.device, output=output, kind=OUTPUT_KINDS[output],
-                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok, **details)
+                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok,
+                       compile=cell.compile, **details)

@@ -12,6 +12,7 @@ import torch
 
 from torchparity.errors import UsageError
 from torchparity.golden.cases import REFERENCE, Cell, CheckResult
+from torchparity.golden.compiled import cell_counts, compiled_lines
 from torchparity.reference import zoo
 
 
@@ -32,7 +33,7 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
 
     by_cell: dict[tuple[str, Cell], list[CheckResult]] = {}
     for r in results:
-        by_cell.setdefault((r.case, Cell(r.backend, r.dtype, r.device)), []).append(r)
+        by_cell.setdefault((r.case, r.cell), []).append(r)
     never_run = _never_available(results)
     footnotes: dict[str, int] = {}
     columns = [b for b in dict.fromkeys(c.backend for c in cells if c != REFERENCE)
@@ -57,11 +58,13 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
         console.print(f"[{number}] {note}", markup=False, highlight=False)
     for backend, reason in never_run.items():
         console.print(f"{backend}: n/a in every cell here ({reason})", highlight=False)
+    for line in compiled_lines(results):
+        console.print(line, markup=False, highlight=False)
     for line in _left_out_lines(results):
         console.print(line, markup=False, highlight=False)
     for r in results:
         if not r.ok:
-            console.print(f"FAIL {r.case} {r.backend} {r.dtype} {r.device} {r.output}: "
+            console.print(f"FAIL {r.case} {r.cell.label} {r.output}: "
                           f"{r.explain or r.reason}", markup=False, highlight=False)
     console.print(_sensitivity_line(results), markup=False, highlight=False)
     console.print(_summary(results, elapsed), markup=False, highlight=False)
@@ -110,6 +113,8 @@ def _never_available(results: Iterable[CheckResult]) -> dict[str, str]:
 def _cell_text(rows: list[CheckResult], footnotes: dict[str, int], with_device: bool) -> str:
     first = rows[0]
     label = f"{first.device} {first.dtype}" if with_device else first.dtype
+    if first.compile:
+        label += f" {first.compile}"
     failed = [r for r in rows if not r.ok]
     compared = [r for r in rows if r.headroom is not None]
     unavailable = [r for r in rows if r.verdict == "n/a"]
@@ -132,6 +137,10 @@ def _cell_text(rows: list[CheckResult], footnotes: dict[str, int], with_device: 
             f"n/a: {unavailable[0].reason}"
         number = footnotes.setdefault(note, len(footnotes) + 1)
         text += f" [{number}]"
+    if first.compiled:
+        counts, notes = cell_counts(first.compiled)
+        text += f" {counts}" + "".join(f" [{footnotes.setdefault(note, len(footnotes) + 1)}]"
+                                       for note in notes)
     return f"{label} {text}"
 
 

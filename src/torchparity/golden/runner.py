@@ -49,8 +49,7 @@ def execute(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell], job
     case_order = {c.name: i for i, c in enumerate(cases)}
     cell_order = {c: i for i, c in enumerate(cells)}
     output_order = {o: i for i, o in enumerate(OUTPUT_KINDS)}
-    return sorted(results, key=lambda r: (case_order[r.case],
-                                          cell_order[Cell(r.backend, r.dtype, r.device)],
+    return sorted(results, key=lambda r: (case_order[r.case], cell_order[r.cell],
                                           output_order[r.output]))
 
 
@@ -126,7 +125,7 @@ def train_results(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell
     """The ``trajectory`` rows of ``check --train`` (see :mod:`torchparity.golden.training`)."""
     from torchparity.golden.training import check_trajectories
 
-    trained = [cell for cell in cells if cell != REFERENCE]
+    trained = [cell for cell in cells if cell != REFERENCE and not cell.compile]
     task = progress.add_task("training", total=len(cases) * len(trained))
     with single_thread():
         return check_trajectories(store, [case.name for case in cases], trained,

@@ -21,8 +21,11 @@ def select_cases(names: list[str] | None) -> list[zoo.ZooCase]:
 
 
 def select_cells(backend_names: list[str] | None, dtypes: list[str] | None,
-                 devices: list[str] | None, known: list[str] | None = None) -> list[Cell]:
-    """The reference cell, then every (device, dtype, backend) selected, in a stable order.
+                 devices: list[str] | None, known: list[str] | None = None,
+                 compile_forms: list[str] | None = None) -> list[Cell]:
+    """The reference cell, then every (device, dtype, backend) selected, in a stable order;
+    with ``compile_forms`` (``dynamic``, ``static``) each dtype's eager cells are followed by
+    the same cells compiled in each form.
 
     ``known`` are the backends to choose from (default: the attention backends). Backends that
     cannot run a cell are kept: they are reported as ``n/a`` with the reason.
@@ -45,7 +48,8 @@ def select_cells(backend_names: list[str] | None, dtypes: list[str] | None,
         if dtypes is not None and devices is not None and not wanted:
             raise UsageError(f"none of the dtypes {', '.join(dtypes)} runs on {device} "
                              f"(tf32 is CUDA only)")
-        cells += [Cell(b, d, device) for d in wanted for b in chosen_backends]
+        cells += [Cell(b, d, device, form) for d in wanted
+                  for form in [None, *(compile_forms or [])] for b in chosen_backends]
     if dtypes is not None and len(cells) == 1:
         raise UsageError(f"none of the dtypes {', '.join(dtypes)} runs here (tf32 needs CUDA)")
     return cells

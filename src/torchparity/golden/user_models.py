@@ -75,10 +75,18 @@ from torchparity.golden.cases import (
     matmul_precision,
     write_status,
 )
+from torchparity.golden.compiled import (
+    annotate,
+    decode_phases,
+    step_verdicts,
+    stepped_logits,
+    unavailable_reason,
+)
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
 from torchparity.sketching import Sketch, kept, seed_of
 from torchparity.subject import Subject, hf
 from torchparity.subject.blockwise import BlockProgress, Float64Run, stream_grads
+from torchparity.subject.compiling import CompileFailed, CompileLog, check_mode, compiled
 from torchparity.subject.decoding import recompute_step, teacher_forced
 from torchparity.subject.padding import Padding
 from torchparity.subject.running import cast_inputs
@@ -109,13 +117,15 @@ def backend_names(models: list[Subject] | None = None) -> list[str]:
 
 @dataclass
 class Run:
-    """One run of a model in a cell: output name -> {path: tensor}, why others are missing, and
+    """One run of a model in a cell: output name -> {path: tensor}, why others are missing,
     the loss's gradient with respect to each floating output (what carries the outputs' noise
-    into the loss's, see :func:`torchparity.tolerance.propagated_noise`)."""
+    into the loss's, see :func:`torchparity.tolerance.propagated_noise`), and ``compile_log``
+    what compiling cost in a compiled cell."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
     sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
+    compile_log: CompileLog | None = None
 
 
 def model_store(subject: Subject, root: Any) -> GoldenStore:
@@ -185,13 +195,16 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
     :func:`~torchparity.sketching.threshold` elements or more are kept as sketches, each
     gradient as soon as it is complete. ``perturb`` (float64 cells) moves every weight by one
     float64 rounding. Returns the run and the number of SDPA calls intercepted (None for
-    ``hf-eager``).
+    ``hf-eager``). A compiled cell runs all of it compiled, each decoding step recorded in its
+    compile log; a failure to compile raises
+    :class:`~torchparity.subject.compiling.CompileFailed`.
     """
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
     model, inputs = (models or CellModels(subject)).get(cell, attention)
     report = None if status is None else (
         lambda phase, done, total: status(f"{phase}: block {done} of {total}"))
-    with _backend(cell.backend) as intercepted, matmul_precision(cell.dtype):
+    with compiled(model, cell.compile) as compile_log, _backend(cell.backend) as intercepted, \
+            matmul_precision(cell.dtype):
         try:
             if cell.dtype == "fp64":
                 grads: dict[str, Any] = {}
@@ -199,11 +212,13 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
                                 if perturb else None, progress=report) as run64:
                     run = _forward_backward(subject, model, inputs, loss_paths,
                                             lambda loss: (run64.backward(loss), grads)[1])
+                    run.compile_log = compile_log
                     _decode(subject, model, inputs, run, tokens)
             else:
                 with BlockProgress(model, report) as blocks:
                     run = _forward_backward(subject, model, inputs, loss_paths,
                                             lambda loss: _streamed(model, loss, blocks))
+                run.compile_log = compile_log
                 _decode(subject, model, inputs, run, tokens)
         except BackendUnavailable as exc:
             return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc))), None
@@ -302,22 +317,26 @@ def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
             run.outputs["decode"] = {
                 path: kept(path.partition(".")[2] or path, tensor,
                            _padded(subject, "decode", path, tensor))
-                for path, tensor in (_stepped(subject, model, inputs, tokens) if subject.steps
-                                     else _decoded(subject, model, inputs)).items()}
+                for path, tensor in (
+                    _stepped(subject, model, inputs, tokens, run.compile_log) if subject.steps
+                    else _decoded(subject, model, inputs)).items()}
     except BackendUnavailable as exc:
         run.missing["decode"] = str(exc)
 
 
-def _stepped(subject: Subject, model: nn.Module, inputs: Any, tokens: torch.Tensor | None
-             ) -> dict[str, torch.Tensor]:
+def _stepped(subject: Subject, model: nn.Module, inputs: Any, tokens: torch.Tensor | None,
+             compile_log: CompileLog | None = None) -> dict[str, torch.Tensor]:
     """The step protocol's decoding: tokens fed, and each step's logits cached and, where a
-    built-in step offers it, by full recompute along the same tokens."""
-    cached = teacher_forced(subject.stepper(model), model, inputs, DECODE_STEPS, tokens)
+    built-in step offers it, by full recompute along the same tokens; a compiled model's
+    calls recorded by step in ``compile_log``."""
+    cached = teacher_forced(subject.stepper(model), model, inputs, DECODE_STEPS, tokens,
+                            during=decode_phases(compile_log, "cached"))
     outputs = {"tokens": cached.tokens,
                **{f"cached.logits.{s}": t for s, t in enumerate(cached.logits)}}
     recompute = recompute_step(model) if subject.step is None else None
     if recompute is not None:
-        recomputed = teacher_forced(recompute, model, inputs, DECODE_STEPS, cached.tokens)
+        recomputed = teacher_forced(recompute, model, inputs, DECODE_STEPS, cached.tokens,
+                                    during=decode_phases(compile_log, "recomputed"))
         outputs.update({f"recomputed.logits.{s}": t for s, t in enumerate(recomputed.logits)})
     return outputs
 
@@ -507,7 +526,9 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
         reason = "not a transformers model: it has no attention implementation to switch"
         return [_result(subject, cell, output, "n/a", ok=True, reason=reason)
                 for output in goldens]
-    if cell.backend == "manual":
+    if cell.compile:
+        run, calls = _compiled_run(subject, cell, loss_paths, tokens)
+    elif cell.backend == "manual":
         run, calls = baseline, None
     else:
         run, calls = run_in_cell(subject, cell, loss_paths, tokens=tokens, models=models,
@@ -524,7 +545,26 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
         noise = _loss_noise(baseline, goldens["outputs"].tensors) if output == "loss" else None
         results.append(_judge(subject, cell, output, run.outputs.get(output, {}),
                               golden.tensors, baseline.outputs.get(output), noise))
+    if cell.compile:
+        decode = goldens.get("decode")
+        annotate(results, run.compile_log, step_verdicts(
+            *(stepped_logits(tensors) for tensors in (run.outputs.get("decode"),
+                                                      decode and decode.tensors,
+                                                      baseline.outputs.get("decode"))),
+            cell.dtype))
     return results
+
+
+def _compiled_run(subject: Subject, cell: Cell, loss_paths: list[str] | None,
+                  tokens: torch.Tensor | None) -> tuple[Run, int | None]:
+    """The compiled cell's run; every output n/a with the reason where it cannot compile."""
+    reason = unavailable_reason(cell)
+    if reason is None:
+        try:
+            return run_in_cell(subject, cell, loss_paths, tokens=tokens)
+        except CompileFailed as exc:
+            reason = str(exc)
+    return Run({}, dict.fromkeys(OUTPUT_KINDS, reason)), None
 
 
 def _loss_noise(baseline: Run, golden: dict[str, Any]) -> float | None:
@@ -583,7 +623,8 @@ def _result(subject: Subject, cell: Cell, output: str, verdict: str, *, ok: bool
             **details: Any) -> CheckResult:
     return CheckResult(case=subject.name, backend=cell.backend, dtype=cell.dtype,
                        device=cell.device, output=output, kind=OUTPUT_KINDS[output],
-                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok, **details)
+                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok,
+                       compile=cell.compile, **details)
 
 
 # --- the Python API -------------------------------------------------------------------------
@@ -608,7 +649,7 @@ class ModelReport:
         """One line per failed output (``OK`` and the count when there is none)."""
         if self.ok:
             return f"OK: {len(self.results)} outputs within their budgets or n/a"
-        return "\n".join(f"FAIL {r.case} {r.backend} {r.dtype} {r.device} {r.output}: "
+        return "\n".join(f"FAIL {r.case} {r.cell.label} {r.output}: "
                          f"{r.explain or r.reason}" for r in self.failures)
 
     def to_dict(self) -> dict[str, Any]:
@@ -617,12 +658,13 @@ class ModelReport:
 
 
 def model_cells(backends: list[str] | None = None, dtypes: list[Any] | None = None,
-                device: str = "cpu") -> list[Cell]:
+                device: str = "cpu", compile: list[str] | None = None) -> list[Cell]:
     """The reference cell, then every (dtype, backend) on ``device``: the cells of
     :func:`check_model`, for a ``pytest.mark.parametrize`` of one test per cell.
 
     ``backends`` default to every attention backend and ``hf-eager`` (n/a for a model that is
-    not a ``transformers`` one), ``dtypes`` (short or torch names) to fp32 and bf16.
+    not a ``transformers`` one), ``dtypes`` (short or torch names) to fp32 and bf16;
+    ``compile`` (``dynamic``, ``static``) adds each dtype's cells compiled in those forms.
     """
     known = backend_names()
     for name in backends or []:
@@ -634,24 +676,30 @@ def model_cells(backends: list[str] | None = None, dtypes: list[Any] | None = No
         if name not in DTYPES or name == "fp64":
             raise UsageError(f"unknown dtype {name!r}; choose from fp32, tf32, bf16, fp16 "
                              "(the fp64 reference always runs)")
-    return [REFERENCE, *(Cell(b, d, device) for d in names for b in backends or known)]
+    forms = [None, *(check_mode(form) for form in compile or [])]
+    return [REFERENCE, *(Cell(b, d, device, form) for d in names for form in forms
+                         for b in backends or known)]
 
 
 def check_model(factory: str | Callable[[], Any], *, backends: list[str] | None = None,
                 dtypes: list[Any] | None = None, golden_dir: str | os.PathLike | None = None,
-                cells: list[Cell] | None = None) -> ModelReport:
+                cells: list[Cell] | None = None, compile: list[str] | None = None
+                ) -> ModelReport:
     """Check a user's model against its goldens, as ``torchparity check --model`` does.
 
     ``factory`` is an entry (``file.py:name``, ``pkg.mod:name``) or the callable itself,
     returning ``(model, inputs)``, ``(model, inputs, loss_fn)`` or a dict with those keys and
     ``decode``. ``golden_dir`` defaults to ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` in the
-    working directory; ``cells`` (from :func:`model_cells`) replace ``backends``/``dtypes``.
+    working directory; ``compile`` (``dynamic``, ``static``) adds the cells compiled by
+    ``torch.compile`` (docs/compile.md); ``cells`` (from :func:`model_cells`) replace
+    ``backends``/``dtypes``/``compile``.
     Missing or damaged goldens raise their :class:`~torchparity.golden.GoldenError`, whose
     message names the ``torchparity golden update --model`` command that creates them.
     """
     subject = Subject.load(factory)
     store = model_store(subject, user_golden_dir(golden_dir))
-    return ModelReport(check_subject(subject, store, cells or model_cells(backends, dtypes)))
+    cells = cells or model_cells(backends, dtypes, compile=compile)
+    return ModelReport(check_subject(subject, store, cells))
 
 
 def update_model_goldens(factory: str | Callable[[], Any],
