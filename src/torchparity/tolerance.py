@@ -65,6 +65,12 @@ Trajectories (losses or weights after n training steps) accumulate error step by
 
 All numbers live in :data:`KINDS`; ``torchparity calibrate`` measures false alarms and detection
 under them and writes the evidence to ``docs/tolerance.md``.
+
+Tensors too big to keep (goldens and traces of real-size models) are kept as sketches
+(:mod:`torchparity.sketching`) and judged in RMS by the same rule, the errors estimated from
+random projections: the baseline's at its upper confidence bound, which widens the budget by
+:func:`sketch_margin`; max-abs kinds are judged exactly on the sketch's exact slices. Their
+constants are :data:`SKETCH`; ``torchparity calibrate --sketched`` measures them.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -279,6 +285,64 @@ KINDS: dict[str, KindTolerance] = {
 }
 
 
+class Summary(Protocol):
+    """What a budget needs of a golden kept as a summary rather than a tensor (a sketch, see
+    :mod:`torchparity.sketching`): its shape and exact magnitudes."""
+
+    shape: tuple[int, ...]
+    rms: float
+    absmax: float
+
+    def numel(self) -> int: ...
+
+    def dim(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class SketchTolerance:
+    """Constants of sketched comparisons: how big tensors are summarised and how much the
+    summary's spread costs (see :func:`sketch_margin`)."""
+
+    size: int  # k: coordinates of the random projection
+    confidence: float  # z: the projection's estimate is trusted to z standard deviations
+    min_elements: int  # floating tensors of at least this many elements are sketched
+    slice_elements: int  # exact elements kept of each of a sketch's rows (its first and last)
+
+
+#: How tensors too big to keep are judged. A sketch is a CountSketch of k coordinates: each
+#: element is added, with a random sign, to one of k buckets, so the squared norm of the
+#: projection of an error estimates the error's squared norm without bias, with relative
+#: standard deviation at most sqrt(2 / k) (half that for the norm itself). k = 8192: the norm
+#: is estimated to 0.78% (one standard deviation); a sketch takes 64 KiB in float64, so 100
+#: sketched gradients of a 1B model take 6.4 MiB. Confidence 6: both the candidate's and the
+#: baseline's error are estimated, and the budget takes the baseline's at its upper and grants
+#: for the candidate's at its lower bound, z standard deviations away (a chance below 1e-9
+#: each for the spread-out errors rounding makes): the sketched budget is the full one times
+#: (1 + z s) / (1 - z s) = 1.10 for s = 1 / sqrt(2k), and a change must be 1.10 times larger
+#: again to be certain to be seen. Tensors of 2**17 elements and more are sketched: below, the
+#: exact float64 tensor (at most 1 MiB) is cheap to keep, above it is at least 8 times the
+#: sketch. 4096 elements of the first and the last row of each sketched tensor (for a logit
+#: tensor, the first and the last position) are kept exactly: max-abs kinds judge those by the
+#: ordinary rule, and the worst element is reported among them.
+SKETCH = SketchTolerance(size=8192, confidence=6.0, min_elements=2**17, slice_elements=4096)
+
+
+def sketch_spread(size: int | None = None) -> float:
+    """Relative standard deviation of a sketch's estimate of a norm: 1 / sqrt(2k)."""
+    return 1.0 / math.sqrt(2.0 * (size or SKETCH.size))
+
+
+def sketch_margin(size: int | None = None) -> float:
+    """What estimating both errors from sketches costs the budget: (1 + z s) / (1 - z s), s the
+    :func:`sketch_spread`. A candidate within the full rule is within the sketched one unless
+    one of the two estimates is off by more than z standard deviations."""
+    zs = SKETCH.confidence * sketch_spread(size)
+    if zs >= 1:
+        raise ValueError(f"a sketch of {size} coordinates is too small for confidence "
+                         f"{SKETCH.confidence:g}")
+    return (1 + zs) / (1 - zs)
+
+
 def kind_tolerance(kind: str) -> KindTolerance:
     """The :data:`KINDS` entry of ``kind``; ``ValueError`` naming the known kinds otherwise."""
     if kind not in KINDS:
@@ -324,9 +388,17 @@ def finite_magnitude(x: torch.Tensor, metric: Metric) -> float:
     return magnitude(x if all_finite(x) else x[x.isfinite()], metric)
 
 
-def golden_scale(golden: torch.Tensor, metric: Metric) -> float:
-    """Magnitude of the golden's finite elements in ``metric`` (absmax or RMS); 1.0 when zero."""
-    return finite_magnitude(golden, metric) or 1.0
+def own_magnitude(golden: torch.Tensor | Summary, metric: Metric) -> float:
+    """Magnitude of the golden's finite elements in ``metric`` (absmax or RMS). A golden kept
+    as a :class:`Summary` (a sketch) gives its exact stored magnitude."""
+    if not isinstance(golden, torch.Tensor):
+        return golden.rms if metric == "rms" else golden.absmax
+    return finite_magnitude(golden, metric)
+
+
+def golden_scale(golden: torch.Tensor | Summary, metric: Metric) -> float:
+    """:func:`own_magnitude`, 1.0 when zero."""
+    return own_magnitude(golden, metric) or 1.0
 
 
 def cancelled(scale: float, group_scale: float) -> bool:
@@ -437,7 +509,7 @@ class Budget:
 
 
 def budget(
-    golden: torch.Tensor,
+    golden: torch.Tensor | Summary,
     *,
     baseline_error: float | None,
     compute_dtype: DtypeLike,
@@ -451,6 +523,7 @@ def budget(
     inherited: float = 0.0,
     atol: float = 0.0,
     rtol: float = 0.0,
+    metric: Metric | None = None,
 ) -> Budget:
     """The budget for one tensor, following the rule in this module's docstring.
 
@@ -467,11 +540,13 @@ def budget(
     judged by group, a :func:`residue` is allowed at least the bound at its group's scale, and
     ``inherited`` (the rounding the candidate showed on the residues of its pass) is added.
     ``atol + rtol * scale``, a user's hand-set loosening, is added last and recorded. The result
-    is always positive.
+    is always positive. ``metric`` replaces the kind's own metric (a sketched tensor is judged in
+    RMS, see :data:`SKETCH`); ``golden`` may be a :class:`Summary` of the golden.
     """
     tol = kind_tolerance(kind)
+    metric = metric or tol.metric
     p = precision(compute_dtype)
-    own_scale = finite_magnitude(golden, tol.metric)
+    own_scale = own_magnitude(golden, metric)
     scale = own_scale or 1.0
     if group_scale is not None and cancelled(own_scale, group_scale):
         scale = group_scale
@@ -524,7 +599,7 @@ def budget(
     step_factor = 1.0 + tol.per_step_growth * (step or 0)
     return Budget(
         kind=kind,
-        metric=tol.metric,
+        metric=metric,
         compute_dtype=p.name,
         unit_roundoff=p.unit_roundoff,
         scale=scale,
@@ -589,7 +664,8 @@ MASKED_BELOW = -65504.0
 FEW_ELEMENTS = 16
 
 
-def noise_floor(golden: torch.Tensor, unit_roundoff: float, tol: KindTolerance) -> float:
+def noise_floor(golden: torch.Tensor | Summary, unit_roundoff: float,
+                tol: KindTolerance) -> float:
     """The least noise, relative to the scale, that a baseline of ``golden``'s size may claim:
     ``noise_floor_ulps * u``, times ``sqrt(FEW_ELEMENTS / n)`` for fewer than FEW_ELEMENTS
     elements."""
@@ -598,12 +674,13 @@ def noise_floor(golden: torch.Tensor, unit_roundoff: float, tol: KindTolerance) 
 
 
 def baseline_bound(
-    golden: torch.Tensor,
+    golden: torch.Tensor | Summary,
     *,
     compute_dtype: DtypeLike,
     kind: str = "forward",
     reduction_length: int | None = None,
     group_scale: float | None = None,
+    metric: Metric | None = None,
 ) -> float:
     """The most error a plain computation in ``compute_dtype`` may have: the guard of the
     baseline, which has no baseline of its own to lean on.
@@ -625,6 +702,7 @@ def baseline_bound(
         kind=kind,
         reduction_length=reduction_length,
         group_scale=group_scale,
+        metric=metric,
     )
     root_k = math.sqrt(bound.reduction_length)
     stored = tol.reorder_factor * root_k * bound.unit_roundoff * bound.reordering_scale

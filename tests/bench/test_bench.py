@@ -192,3 +192,32 @@ def test_timing_models_of_two_backends_hold_the_same_weights() -> None:
     a, b = first.state_dict(), second.state_dict()
     assert any(name.endswith("q_proj.bias") for name in a)
     assert [name for name in a if not torch.equal(a[name], b[name])] == []
+
+
+SMALL_FACTORY = '''
+import torch
+
+
+def mlp():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Linear(256, 64))
+    return model, (torch.randn(4, 64, generator=torch.Generator().manual_seed(1)),)
+'''
+
+
+@pytest.mark.slow  # three fresh interpreters
+def test_bench_model_times_golden_update_and_check_beside_a_plain_step(tmp_path):
+    """Each in its own process: seconds, peak memory, golden bytes and the check's verdict."""
+    (tmp_path / "small.py").write_text(SMALL_FACTORY)
+    report = tmp_path / "bench.json"
+    entry = f"{tmp_path / 'small.py'}:mlp"
+    assert cli.main(["bench", "--model", entry, "--skip", "throughput", "--skip", "check",
+                     "--backend", "manual", "--json", str(report)]) == 0
+    (cost,) = json.loads(report.read_text())["size"]
+    assert cost["parameters"] == 64 * 256 + 256 + 256 * 64 + 64
+    assert cost["plain"]["step_s"] > 0 and cost["plain"]["peak_bytes"] > 2**20
+    golden, check = cost["golden"], cost["check"]
+    assert golden["exit"] == 0 and golden["bytes"] > 8 * cost["parameters"]  # exact float64
+    assert check["exit"] == 0 and check["failed"] == [] and check["cells"] == 2
+    assert check["steps"] > 0 and check["peak_bytes"] >= cost["plain"]["peak_bytes"] / 2

@@ -17,6 +17,7 @@ from torchparity.cli import main
 from torchparity.comparison import assert_parity
 from torchparity.golden.cases import OUTPUT_KINDS, load_case
 from torchparity.golden.store import (
+    EXACT_SCHEMA_VERSION,
     SCHEMA_VERSION,
     GoldenCorrupt,
     GoldenMissing,
@@ -56,7 +57,7 @@ def test_round_trip_keeps_every_value_and_dtype(tmp_path):
         assert golden.tensors[name].dtype == tensor.dtype
         assert torch.equal(golden.tensors[name], tensor)
     assert golden.summary["kind"] == "forward"
-    assert golden.summary["schema_version"] == SCHEMA_VERSION
+    assert golden.summary["schema_version"] == EXACT_SCHEMA_VERSION
 
 
 def test_json_summary_states_numpy_statistics_one_line_per_tensor(tmp_path):

@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and few rounds: a smoke run of seconds "
                              "(does not time `torchparity check`)")
-    parser.add_argument("--skip", action="append", choices=list(bench.PARTS), default=[],
-                        help="leave a part out (repeatable)")
+    parser.add_argument("--skip", action="append", choices=[*bench.PARTS, "size"], default=[],
+                        help="leave a part out (repeatable; size: with --model, the golden "
+                             "update and check of the model in their own processes)")
     parser.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
     parser.add_argument("--markdown", metavar="PATH",
                         help="write the tables as Markdown to PATH (for BENCHMARKS.md)")
@@ -94,35 +95,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _bench_models(args: argparse.Namespace, device: str) -> int:
-    from rich.table import Table
-
-    from torchparity.bench import user_model
+    from torchparity.bench import at_size, user_model
     from torchparity.subject import Subject
 
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"cannot write {args.json}: its directory does not exist")
-    subjects = [Subject.load(entry) for entry in args.model]
+    in_process = {"throughput", "check"} - set(args.skip)
+    subjects = {entry: Subject.load(entry) for entry in args.model} if in_process else {}
     dtypes = args.dtype or ["fp32"]
     console = Console(soft_wrap=True)
     result: dict[str, Any] = {"machine": bench.machine_info(device, args.threads),
-                              "throughput": [], "check": []}
-    for subject in subjects:
-        with console.status(f"timing {subject.name}"):
-            rows = user_model.throughput_rows(subject, dtypes, args.rounds or 5, device)
-        result["throughput"] += rows
-        table = Table(title=f"{subject.name} on {device}: one forward, loss and backward per "
-                            "step", title_justify="left")
-        for column in ("backend", "dtype", "tokens/s", "step ms", "first step s", "note"):
-            table.add_column(column, no_wrap=column != "note")
-        for r in rows:
-            if r["status"] == "ok":
-                table.add_row(r["backend"], r["dtype"], f"{r['tokens_per_s']:,.0f}",
-                              f"{r['step_s'] * 1e3:.2f}", f"{r['first_step_s']:.3f}",
-                              f"spread {r['spread']:.0%}")
-            else:
-                table.add_row(r["backend"], r["dtype"], "n/a", "", "", r["reason"])
-        console.print(table)
-        if args.compile:
+                              "throughput": [], "size": [], "check": []}
+    for entry in args.model:
+        subject = subjects.pop(entry, None)  # the measured processes get the memory
+        if "throughput" not in args.skip:
+            with console.status(f"timing {subject.name}"):
+                rows = user_model.throughput_rows(subject, dtypes, args.rounds or 5, device)
+            result["throughput"] += rows
+            console.print(_throughput_table(subject.name, device, rows))
+        if args.compile and subject is not None:
             with console.status(f"compiling and timing {subject.name}"):
                 compiled = user_model.compiled_rows(subject, dtypes, rows, args.rounds or 5,
                                                     device, args.backend)
@@ -136,9 +127,50 @@ def _bench_models(args: argparse.Namespace, device: str) -> int:
                           f"{cost['cells']} cells; the zoo's {cost['zoo_case']} in the same "
                           f"cells: {cost['zoo_check_s']:.2f} s; ratio {cost['ratio']:.2f}",
                           markup=False)
+        del subject
+        if "size" not in args.skip:
+            with console.status(f"timing golden update and check of {entry}, each in its own "
+                                "process"):
+                cost = at_size.measure(entry, dtypes, args.backend)
+            result["size"].append(cost)
+            console.print(at_size_table(cost), markup=False, highlight=False)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _throughput_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"{name} on {device}: one forward, loss and backward per step",
+                  title_justify="left")
+    for column in ("backend", "dtype", "tokens/s", "step ms", "first step s", "note"):
+        table.add_column(column, no_wrap=column != "note")
+    for r in rows:
+        if r["status"] == "ok":
+            table.add_row(r["backend"], r["dtype"], f"{r['tokens_per_s']:,.0f}",
+                          f"{r['step_s'] * 1e3:.2f}", f"{r['first_step_s']:.3f}",
+                          f"spread {r['spread']:.0%}")
+        else:
+            table.add_row(r["backend"], r["dtype"], "n/a", "", "", r["reason"])
+    return table
+
+
+def at_size_table(cost: dict[str, Any]) -> str:
+    """The plain step, golden update and check of one model, as lines of text."""
+    def mib(n: float) -> str:
+        return f"{n / 2**20:,.0f} MiB"
+
+    plain, golden, check = cost["plain"], cost["golden"], cost["check"]
+    verdict = "all cells pass" if not check["failed"] else f"failed: {', '.join(check['failed'])}"
+    return "\n".join([
+        f"{cost['model']} ({cost['parameters']:,} parameters), each in its own process:",
+        f"  plain forward+backward: {plain['step_s']:.2f} s (factory {plain['load_s']:.1f} s, "
+        f"first step {plain['first_step_s']:.2f} s), peak {mib(plain['peak_bytes'])}",
+        f"  golden update: {golden['s']:.1f} s = {golden['steps']:.1f} plain steps, peak "
+        f"{mib(golden['peak_bytes'])}, goldens {golden['bytes'] / 1e6:.1f} MB",
+        f"  check ({check['cells']} cells, {', '.join(cost['dtypes'])}): {check['s']:.1f} s = "
+        f"{check['steps']:.1f} plain steps, peak {mib(check['peak_bytes'])}; {verdict}"])
 
 
 def _compiled_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:

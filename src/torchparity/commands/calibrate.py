@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
 from torchparity import backends
+from torchparity.calibration import sketched
 from torchparity.calibration.problems import DTYPES
 from torchparity.calibration.report import json_safe, print_tables, render_markdown
 from torchparity.calibration.study import FAMILIES, calibrate, cpu_backends
@@ -55,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="run flex on every Nth draw only: it recompiles on each CPU call (default 4)",
     )
+    parser.add_argument(
+        "--sketched",
+        action="store_true",
+        help="run the sketched study instead: the draws grown to the size where goldens are "
+        "sketched, judged full and sketched; --out replaces its section of the file",
+    )
     parser.add_argument("--out", metavar="PATH", help="write the report as markdown to PATH")
     parser.add_argument("--json", metavar="PATH", help="write the measurements as JSON to PATH")
 
@@ -72,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"unknown --backend {', '.join(unknown)}; choose from {', '.join(backends.names())}"
         )
+    if args.sketched:
+        return _run_sketched(args)
     console = Console(stderr=True)
     with Progress(
         "calibrating", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -88,10 +97,38 @@ def run(args: argparse.Namespace) -> int:
         )
     print_tables(results, Console())
     if args.out:
-        _write(Path(args.out), render_markdown(results, command=_command_line(args)))
+        text = render_markdown(results, command=_command_line(args))
+        kept = _existing_section(Path(args.out))  # the sketched study's, written on its own
+        _write(Path(args.out), text if kept is None else sketched.merged(text, kept))
     if args.json:
         _write(Path(args.json), json.dumps(json_safe(results.to_dict()), indent=2) + "\n")
     return 0 if results.n_false_alarms == 0 and results.detection_goal_met() else 1
+
+
+def _run_sketched(args: argparse.Namespace) -> int:
+    with Progress(
+        "sketched study", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True),
+    ) as progress:
+        task = progress.add_task("draws", total=args.draws)
+        dtypes = tuple(d for d in args.dtype or sketched.SKETCHED_DTYPES if d != "fp64")
+        results = sketched.calibrate_sketched(args.draws, seed=args.seed, dtypes=dtypes,
+                                              on_draw=lambda: progress.advance(task))
+    command = f"torchparity calibrate --sketched --draws {args.draws} --seed {args.seed}"
+    command += "".join(f" --dtype {d}" for d in args.dtype or [])
+    section = sketched.render_section(
+        results, command=command + (f" --out {args.out}" if args.out else ""))
+    print(section)
+    if args.out:
+        path = Path(args.out)
+        _write(path, sketched.merged(path.read_text() if path.exists() else "", section))
+    if args.json:
+        _write(Path(args.json), json.dumps(json_safe(results.to_dict()), indent=2) + "\n")
+    return 0 if results.false_alarms == 0 else 1
+
+
+def _existing_section(path: Path) -> str | None:
+    return sketched.section_of(path.read_text()) if path.exists() else None
 
 
 def _command_line(args: argparse.Namespace) -> str:

@@ -47,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "budget: B is compiled whole, then module by module where it "
                              "departs (a factory that returns a compiled model is diagnosed "
                              "so without this flag; see docs/compile.md)")
-    parser.add_argument("--stream", action="store_true",
-                        help="keep A's side on disk so memory stays bounded")
+    parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep A's side on disk so memory stays bounded (default: when "
+                             "the two models take more than a quarter of the free memory)")
     parser.add_argument("--local", choices=("diverged", "all"), default="diverged",
                         help="modules that get a local error (module replay): those whose "
                              "propagated error diverged (default) or all")
@@ -123,8 +124,7 @@ def _two_models(args: argparse.Namespace, name_map):
     return diagnose(a.model, b.model, a.inputs, loss_fn=a.loss_fn, name_map=name_map,
                     backward=args.backward, include=args.include, exclude=args.exclude,
                     backends=(args.backend_a, args.backend_b), stream=args.stream,
-                    local=args.local, dtype=dtype_option(args),
-                    rebuild=rebuilt(args.entries[0]), padding=a.padding,
+                    local=args.local, dtype=dtype_option(args), padding=a.padding,
                     compile_b=args.compile_b)
 
 

@@ -101,9 +101,13 @@ def _update(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
 
 
 def _update_models(subjects: list[Subject], root: Path, console: Any) -> int:
-    with single_thread():
+    from rich.console import Console
+
+    with single_thread(), Console(stderr=True).status("") as progress:
         for subject in subjects:
-            statuses = write_goldens(subject, model_store(subject, root))
+            progress.update(f"{subject.name}: float64 golden run")
+            statuses = write_goldens(subject, model_store(subject, root), lambda text, s=subject:
+                                     progress.update(f"{s.name}: float64 golden run, {text}"))
             summary = ", ".join(f"{output} {status}" for output, status in statuses.items())
             console.print(f"{subject.name}: {summary}", markup=False)
     console.print(f"goldens of {len(subjects)} model(s) are in {root}", markup=False)

@@ -102,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         path = record(subject.model, subject.inputs, args.output, loss_fn=subject.loss_fn,
                       backward=args.backward, include=args.include, exclude=args.exclude,
-                      backend=args.backend, dtype=dtype_option(args),
-                      rebuild=rebuilt(args.entry), padding=subject.padding)
+                      backend=args.backend, dtype=dtype_option(args), padding=subject.padding)
     meta, _ = open_trace(path)
     warning = golden_warning(meta["golden"])
     if warning:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from torchparity import tolerance
-from torchparity.comparison.tensor import TensorComparison, as_float64
+from torchparity.comparison.sketch import magnitude, relative_baseline_error
+from torchparity.comparison.tensor import TensorComparison
 
 
 def _group_of(path: str) -> str:
@@ -28,8 +29,7 @@ def group_scales(
     (see :data:`torchparity.tolerance.KINDS`, ``group_scale``). A group that cancelled as a
     whole (a module all of whose gradients vanish, e.g. the queries' path when every key is the
     same) takes the scale of the whole comparison, by the same rule one level up."""
-    own = {path: tolerance.finite_magnitude(g, metric)
-           for path, _, g, _ in leaves if g.dtype.is_floating_point}
+    own = {path: magnitude(g, metric) for path, _, g, _ in leaves if g.dtype.is_floating_point}
     group: dict[str, float] = {}
     for path, scale in own.items():
         group[_group_of(path)] = max(group.get(_group_of(path), 0.0), scale)
@@ -53,19 +53,13 @@ def group_noises(
     for path, _, g, b in leaves:
         if b is None or not g.dtype.is_floating_point:
             continue
-        g, b = as_float64(g), as_float64(b)
-        usable = g.isfinite() & b.isfinite()
-        if not bool(usable.all()):
-            g, b = g[usable], b[usable]
         # Relative to the group's scale: a member far smaller than its module carries the
         # module's rounding, which says nothing of the pass's.
-        scale = max(tolerance.finite_magnitude(g, metric), scales.get(path) or 0.0)
+        scale = max(magnitude(g, metric), scales.get(path) or 0.0)
         members.append(path)
-        if scale > 0:
-            error = max(tolerance.error(b, g, metric), spreads.get(path) or 0.0)
-            relative = max(relative, error / scale)
+        relative = max(relative, relative_baseline_error(b, g, metric, scale),
+                       (spreads.get(path) or 0.0) / scale if scale > 0 else 0.0)
     return dict.fromkeys(members, relative)
-
 
 
 def residue_rounding(tensors: list[TensorComparison]) -> float:

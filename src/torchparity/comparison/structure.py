@@ -17,6 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from torchparity import tolerance
+from torchparity.sketching import Sketch
 
 ROOT = "outputs"
 
@@ -135,9 +136,10 @@ def align(candidate: Any, golden: Any, path: str, found: Alignment) -> None:
         found.structure.append(StructureDifference(path, _what(candidate), _what(golden)))
 
 
-def _leaf_tensor(x: Any) -> torch.Tensor | None:
-    """A tensor, array or number as a tensor (floats as float64); None for anything else."""
-    if isinstance(x, torch.Tensor):
+def _leaf_tensor(x: Any) -> torch.Tensor | Sketch | None:
+    """A tensor, array or number as a tensor (floats as float64), a sketch as itself (it stands
+    for its tensor); None for anything else."""
+    if isinstance(x, torch.Tensor | Sketch):
         return x
     if isinstance(x, np.ndarray | np.number | np.bool_):
         return torch.from_numpy(np.asarray(x))
@@ -192,7 +194,7 @@ def _is_opaque(x: Any) -> bool:
 
 def _children(x: Any) -> dict[str, Any] | None:
     """Map path suffix (``["key"]``, ``[0]``, ``.field``) to child; None for a leaf."""
-    if isinstance(x, torch.Tensor) or _is_cache(x):
+    if isinstance(x, torch.Tensor | Sketch) or _is_cache(x):
         return None
     if isinstance(x, Mapping):  # dicts, OrderedDicts and ModelOutput (an OrderedDict subclass)
         return {_key_syntax(k): v for k, v in x.items()}
@@ -245,8 +247,9 @@ def _what(x: Any) -> str:
         return f"{type(x).__name__} {text}"
     tensor = _leaf_tensor(x)
     if tensor is not None:
-        name = "Tensor" if isinstance(x, torch.Tensor) else type(x).__name__
-        return f"{name}({', '.join(map(str, tensor.shape))}) {dtype_name(tensor.dtype)}"
+        name = "Tensor" if isinstance(x, torch.Tensor | Sketch) else type(x).__name__
+        sketched = " (sketched)" if isinstance(x, Sketch) else ""
+        return f"{name}({', '.join(map(str, tensor.shape))}) {dtype_name(tensor.dtype)}{sketched}"
     children = _children(x)
     if children is not None:
         return f"{type(x).__name__} of {len(children)}"

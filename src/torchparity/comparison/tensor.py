@@ -63,6 +63,8 @@ class TensorComparison:
     sensitivity: float | None  # budget / scale; None for exact (integer and bool) tensors
     baseline_headroom: float | None  # err(baseline) / its dtype's bound; None without baseline
     notes: list[str] = field(default_factory=list)
+    # A sketched tensor (comparison/sketch.py) counts ``n_over`` among its exact slices only.
+    exact_elements: int | None = None
     left_out: int = 0  # positions of the leading dimensions not judged (padding)
     positions: int = 0  # positions the mask that left them out covers (0 without one)
     left_out_reason: str | None = None  # why they were left out

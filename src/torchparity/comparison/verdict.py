@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchparity import tolerance
+from torchparity import sketching, tolerance
 from torchparity.comparison.groups import group_noises, group_scales, residue_rounding
 from torchparity.comparison.selection import LeftOut, PaddingSpec, left_out_of, sentence
+from torchparity.comparison.sketch import compare_sketch, involves_sketch
 from torchparity.comparison.structure import (
     ROOT,
     Alignment,
@@ -31,6 +32,7 @@ from torchparity.comparison.tensor import (
     json_safe,
     rerun_spread,
 )
+from torchparity.sketching import Sketch
 from torchparity.tolerance import DtypeLike
 
 
@@ -128,9 +130,7 @@ class Comparison:
             text = f"diverged: {n_diverged} of {n} tensor(s) diverged; worst {_describe(worst)}"
         else:
             text = f"within: all {n} tensor(s) within budget; closest to it {_describe(worst)}"
-        others = [f"{t.path}: {note}" for t in self.tensors if t is not worst for note in t.notes]
-        if verdict == "identical":
-            others = [f"{t.path}: {note}" for t in self.tensors for note in t.notes]
+        others = _notes([t for t in self.tensors if t is not worst or verdict == "identical"])
         return text + (f" Also: {'; '.join(others)}." if others else "") + self._context()
 
     def _context(self) -> str:
@@ -231,6 +231,9 @@ def compare(
     numbers, plain values nor containers (register them with ``torch.utils._pytree`` to compare
     their contents).
 
+    A tensor may be a :class:`~torchparity.sketching.Sketch` on any side: it stands for its
+    tensor and is judged by :func:`~torchparity.comparison.sketch.compare_sketch`.
+
     ``baseline`` need only hold the shared tensors, each in the candidate's shape and dtype.
     ``compute_dtype`` (default: each candidate tensor's dtype) sets the unit roundoff; Python
     floats, which carry no dtype, take it when given, else the most precise floating dtype among
@@ -270,7 +273,8 @@ def compare(
     Raises :class:`StructureMismatch` naming the path when the baseline or a rerun lacks a
     shared tensor or holds it in another shape or dtype, and ``ValueError`` for an unknown kind
     or dtype, a negative ``atol``/``rtol``, reruns without a baseline, or a padding mask that is
-    not bool or does not fit a tensor. The inputs are not modified.
+    not bool or does not fit a tensor. A sketch of a padded tensor is taken to be of the tensor
+    with its padded positions at 0. The inputs are not modified.
     """
     tol = tolerance.kind_tolerance(kind)
     for name, value in (("atol", atol), ("rtol", rtol)):
@@ -297,22 +301,23 @@ def compare(
     scales = group_scales(judged, tol.metric) if tol.group_scale else {}
     rerun_leaves = [tensor_leaves(r, ROOT, {}) for r in reruns]
     spreads = {
-        path: rerun_spread(
+        path: None if involves_sketch(c, g, b) else rerun_spread(
             c_judged, g_judged,
             [_judged(baseline_at(path, c, r), left_out[path]) for r in rerun_leaves],
             kind, dtype_of(path) or c.dtype, reduction_length, scales.get(path),
         )
-        for (path, c, _, _), (_, c_judged, g_judged, _) in zip(leaves, judged, strict=True)
+        for (path, c, g, b), (_, c_judged, g_judged, _) in zip(leaves, judged, strict=True)
     }
     noises = group_noises(judged, tol.metric, scales, spreads) if tol.group_scale else {}
 
     def judge(path: str, c: Any, g: Any, b: Any, inherited: float = 0.0) -> TensorComparison:
-        return compare_tensor(
-            path, c, g, b, kind, dtype_of(path), reduction_length, step, scales.get(path),
-            equal_nan=equal_nan, atol=atol, rtol=rtol, group_noise=noises.get(path),
-            spread=spreads[path], input_noise=noise, inherited=inherited,
-            left_out=left_out[path],
-        )
+        args = (path, c, g, b, kind, dtype_of(path), reduction_length, step, scales.get(path))
+        options = {"equal_nan": equal_nan, "atol": atol, "rtol": rtol,
+                   "group_noise": noises.get(path), "inherited": inherited}
+        if involves_sketch(c, g, b):
+            return _compare_sketched(args, options, left_out[path])
+        return compare_tensor(*args, **options, spread=spreads[path], input_noise=noise,
+                              left_out=left_out[path])
 
     tensors = [judge(*leaf) for leaf in leaves]
     if inherited := residue_rounding(tensors):
@@ -331,7 +336,24 @@ def compare(
 
 
 def _judged(tensor: Any, left_out: LeftOut | None) -> Any:
-    return tensor if left_out is None or tensor is None else left_out.judged(tensor)
+    if left_out is None or tensor is None or isinstance(tensor, Sketch):
+        return tensor
+    return left_out.judged(tensor)
+
+
+def _compare_sketched(args: tuple, options: dict[str, Any], left_out: LeftOut | None
+                      ) -> TensorComparison:
+    """A comparison with a sketch on some side. A sketch of a padded tensor was made with its
+    padded positions at 0 (:func:`~torchparity.sketching.masked`): the exact sides are
+    masked alike, so those positions add nothing to the error, the baseline's or the scale."""
+    if left_out is None:
+        return compare_sketch(*args, **options)
+    path, *sides = args[:4]
+    sides = [v if v is None or isinstance(v, Sketch) else sketching.masked(v, left_out.mask)
+             for v in sides]
+    result = compare_sketch(path, *sides, *args[4:], **options)
+    return dataclasses.replace(result, left_out=left_out.positions, positions=left_out.total,
+                               left_out_reason=left_out.reason)
 
 
 def assert_parity(
@@ -396,9 +418,27 @@ def _describe(t: TensorComparison) -> str:
 
 
 def _elements(t: TensorComparison) -> str:
+    if t.exact_elements is not None:
+        return f"the {t.exact_elements} exact element(s)"
     if not t.left_out:
         return f"{math.prod(t.shape)} element(s)"
     return f"{t.judged_elements} judged element(s)"
+
+
+def _notes(tensors: list[TensorComparison]) -> list[str]:
+    """Each tensor's notes, one sentence per note: a note that more than three tensors share
+    (every sketched gradient of a model, say) names how many and the first of them."""
+    paths: dict[str, list[str]] = {}
+    for t in tensors:
+        for note in t.notes:
+            paths.setdefault(note, []).append(t.path)
+    sentences = []
+    for note, where in paths.items():
+        if len(where) > 3:
+            sentences.append(f"{len(where)} tensors ({where[0]} and others): {note}")
+        else:
+            sentences += [f"{path}: {note}" for path in where]
+    return sentences
 
 
 def _sensitivity_sentence(sensitivity: float) -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ from torchparity.diagnosis.run import (
     Options,
     backend_name,
     make_options,
+    stream_needed,
 )
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
 from torchparity.errors import UsageError
@@ -76,12 +76,11 @@ def diagnose(
     include: PatternSpec = None,
     exclude: PatternSpec = None,
     backends: tuple[BackendSpec, BackendSpec] | None = None,
-    stream: bool = False,
+    stream: bool | None = None,
     local: Local = "diverged",
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
     padding: PaddingLike = None,
-    rebuild: Callable[[], nn.Module] | None = None,
     compile_b: str | None = None,
 ) -> DiagnosisReport:
     """Localise where ``model_b`` starts to compute something other than ``model_a``.
@@ -93,21 +92,21 @@ def diagnose(
     ``name_map`` maps A's module names to B's (dict, or ``(regex, replacement)`` pairs);
     unmapped renamed or fused modules are aligned by call order and output shapes.
     ``include``/``exclude`` select modules by glob or ``re:`` regex; ``backends=(a, b)`` runs A
-    and B under those attention backends. ``stream=True`` keeps the reference side on disk
-    (a temporary trace) so memory stays bounded on big models. ``local`` says which modules get
-    a local error: ``"diverged"`` (those whose propagated output or gradient diverged, or could
-    not be judged) or ``"all"``. ``progress`` shows a progress bar on stderr (default: when
-    stderr is a terminal). ``dtype=torch.float64`` runs copies of A and B, and the inputs, in
-    float64 against each other with float64 budgets: any change of the math above float64
-    rounding is localised, also one below the noise of the models' own dtype (when a diagnosis
-    in that dtype finds nothing while B's float64 output departs from A's golden, the summary
-    says so). ``padding`` says which positions of the batch are padding, left out of every
-    judgement and of the default loss: by default what the inputs' 1/0 ``attention_mask`` (and
-    ``decoder_attention_mask``) say; a bool (batch, sequence) tensor, True at padding; a dict of
-    them by output path; or ``False`` to judge every position (see
+    and B under those attention backends. ``stream=True`` keeps the reference side on disk (a
+    temporary trace) so memory stays bounded on big models; by default it does so when the two
+    models take more than a quarter of the memory available (``stream_needed``). ``local`` says
+    which modules get a local error: ``"diverged"`` (those whose propagated output or gradient
+    diverged, or could not be judged) or ``"all"``. ``progress`` shows a progress bar on stderr
+    (default: when stderr is a terminal). ``dtype=torch.float64`` runs copies of A and B, and the
+    inputs, in float64 against each other with float64 budgets: any change of the math above
+    float64 rounding is localised, also one below the noise of the models' own dtype (when a
+    diagnosis in that dtype finds nothing while B's float64 output departs from A's golden, the
+    summary says so). ``padding`` says which positions of the batch are padding, left out of
+    every judgement and of the default loss: by default what the inputs' 1/0 ``attention_mask``
+    (and ``decoder_attention_mask``) say; a bool (batch, sequence) tensor, True at padding; a
+    dict of them by output path; or ``False`` to judge every position (see
     :mod:`torchparity.subject.padding`). The report's notes say how many were left out.
-    ``rebuild()`` makes A again (from its factory) when it cannot be deep-copied
-    into float64; without a float64 golden ``report.meta["golden"]`` says why.
+    A's golden is A itself run in float64 module by module, so no copy of A is made.
     ``compile_b`` (``"dynamic"`` or ``"static"``) runs B by ``torch.compile`` in that form and
     names the first module whose compiled output leaves its budget; a ``model_b`` that is
     compiled already (``torch.compile(model)``, ``model.compile()``) is diagnosed so without it
@@ -127,14 +126,15 @@ def diagnose(
         compile_b=compile_b)
     check_models(model_a=model_a, model_b=model_b)
     (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
+    if stream is None:
+        stream = stream_needed(model_a, model_b)
     with progress_bar(opts.progress) as bar:
         if stream:
             with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:
                 writer = TraceWriter(Path(tmp) / "reference.tptrace")
-                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype,
-                                       rebuild)
+                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype)
                 return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
-        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype, rebuild)
+        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype)
         return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
 
 
@@ -151,7 +151,6 @@ def record(
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
     padding: PaddingLike = None,
-    rebuild: Callable[[], nn.Module] | None = None,
 ) -> Path:
     """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
 
@@ -161,8 +160,7 @@ def record(
     call by call (bounded memory) into a temporary directory that replaces ``path`` only when
     complete. ``backend`` must be a name here (it is stored in the trace); ``dtype`` and
     ``padding`` are as in :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded
-    dtype and leaves the recorded padding out; ``rebuild`` as in :func:`diagnose`. Returns the
-    path.
+    dtype and leaves the recorded padding out. Returns the path.
     """
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record(backend=...) takes a backend name, which the trace stores")
@@ -173,7 +171,7 @@ def record(
     writer = TraceWriter(path)
     try:
         with progress_bar(opts.progress) as bar:
-            reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype, rebuild)
+            reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
             # The trace must serve any later candidate: every call is replayed now.
             reference.replay_all(bar)
         return writer.commit(trace_meta(reference, model, inputs, opts, dtype))
@@ -236,10 +234,10 @@ def diagnose_against(
 
 
 def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar: ProgressBar,
-               dtype: torch.dtype | None, rebuild: Callable[[], nn.Module] | None) -> Reference:
+               dtype: torch.dtype | None) -> Reference:
     """Stages 1 and 2: A captured into ``store``, and its float64 golden."""
     reference = add_golden(capture_reference(model, inputs, store, opts, bar), model, inputs,
-                           opts, bar, rebuild)
+                           opts, bar)
     reference.mode = describe_mode(model, dtype, reference.has_golden)
     return reference
 

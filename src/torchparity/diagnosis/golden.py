@@ -1,7 +1,9 @@
 """Stage 2 of a diagnosis: the float64 golden of model A.
 
-A float64 copy of A on the CPU runs the same seeded forward (and backward) as A, and gives the
-*golden* of each recorded call; A's own rounding error against it is the budget's measure.
+A itself, run in float64 on the CPU module by module (no float64 copy of it is made, see
+:class:`~torchparity.subject.blockwise.Float64Run`), runs the same seeded forward (and backward)
+as A, and gives the *golden* of each recorded call; A's own rounding error against it is the
+budget's measure.
 For local errors each recorded call is also replayed, on demand: the golden module fed A's
 recorded inputs gives the local golden, and with gradients A's and the golden's module are
 replayed backward from A's recorded output gradient.
@@ -32,6 +34,7 @@ from torchparity.diagnosis.run import (
 )
 from torchparity.diagnosis.state import replaying, states_within
 from torchparity.diagnosis.trace import FINAL, ReplayUnavailable, weight_digests
+from torchparity.subject.blockwise import Float64Run
 from torchparity.subject.factory import first_line
 from torchparity.subject.running import Inputs, call_model, seeded, upcast
 from torchparity.subject.trees import flatten_tensors
@@ -93,18 +96,27 @@ def golden_copy(model: nn.Module, rebuild: Callable[[], nn.Module] | None = None
     return golden.to(device="cpu", dtype=GOLDEN_DTYPE), "float64 copy of A on the CPU"
 
 
+def golden_model(model: nn.Module) -> tuple[nn.Module | None, str]:
+    """The model whose float64 run on the CPU, module by module, is the golden: ``model``
+    itself (None when it runs in float64 already), and a description of the golden used."""
+    dtype, _ = module_placement(model)
+    if dtype == GOLDEN_DTYPE:
+        return None, "none: A already runs in float64; budgets use the analytic bound"
+    return model, "float64 run of A on the CPU (module by module, no float64 copy)"
+
+
 def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
-               bar: ProgressBar, rebuild: Callable[[], nn.Module] | None = None) -> Reference:
-    """Run A's float64 copy into the reference's store and arm the replays of its calls
-    (``rebuild`` as in :func:`golden_copy`)."""
+               bar: ProgressBar) -> Reference:
+    """Run A in float64 (:func:`golden_model`) into the reference's store and arm the replays
+    of its calls."""
     store = reference.store
-    golden, reference.golden = golden_copy(model, rebuild)
+    golden, reference.golden = golden_model(model)
     if golden is not None:
         done = bar.phase("golden (float64): forward" + (" and backward" if opts.backward else ""))
         try:
             golden_run = run_model(
                 golden, upcast(inputs, GOLDEN_DTYPE, "cpu"), opts, opts.backend_a,
-                backward=opts.backward, what="outputs", keep=False,
+                backward=opts.backward, float64=True, what="outputs", keep=False,
                 on_call=lambda c: store.put(c.key, "golden_out", c.outputs),
                 on_grad=grad_keeper(store, "golden_grad_out"))
             keep_run_results(store, golden_run, "golden_out", "golden_param_grad")
@@ -127,9 +139,9 @@ def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,
     golden = {p: t for p, t in reference.store.get(FINAL, "golden_out").items() if p != "loss"}
     a_output = reference.store.get(FINAL, "out")
     try:
-        model64 = copy.deepcopy(model).to(device="cpu", dtype=GOLDEN_DTYPE)
-        with backend_context(opts.backend_b), seeded(), torch.no_grad():
-            output = call_model(model64, upcast(inputs, GOLDEN_DTYPE, "cpu"))
+        with backend_context(opts.backend_b), seeded(), torch.no_grad(), \
+                Float64Run(model, device="cpu"):
+            output = call_model(model, upcast(inputs, GOLDEN_DTYPE, "cpu"))
     except Exception:  # noqa: BLE001 - no float64 run of B: nothing to tell
         return None
     return judge_departure(flatten_tensors(output), golden, a_output,
@@ -165,14 +177,13 @@ class _Replayer:
                     outputs, grads = replay(
                         module, upcast(store.get_inputs(call.key), GOLDEN_DTYPE, "cpu"),
                         opts.backend_a, grad_out=upcast(grad_out, GOLDEN_DTYPE, "cpu"),
-                        requires_grad=call.inputs_requiring_grad)
+                        requires_grad=call.inputs_requiring_grad, float64=True)
                 store.put(call.key, "local_golden", outputs)
                 store.put(call.key, "local_golden_grad", grads)
         except ReplayUnavailable as exc:
             self.notes[call.key] = f"not replayable: {exc}"
         except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
             self.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"
-
 
 
 def placed_on(tensor: torch.Tensor, module: nn.Module) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from torchparity import tolerance
 from torchparity.comparison import Comparison, StructureMismatch, compare
 from torchparity.comparison.selection import PaddingSpec, left_out_of
+from torchparity.comparison.sketch import involves_sketch
 from torchparity.diagnosis.report import Bounded, Mismatch, Result, headroom, worst_error
 from torchparity.subject.padding import Padding
 
@@ -74,12 +75,13 @@ def judge_departure(candidate: dict[str, torch.Tensor], golden: dict[str, torch.
 
 def _broken_goldens(golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor],
                     padding: PaddingSpec) -> dict[str, int]:
-    """Per path, how many judged elements of the golden are NaN or inf where A is finite."""
+    """Per path, how many judged elements of the golden are NaN or inf where A is finite (a
+    sketch, which cannot say where, is judged as it is)."""
     broken = {}
     for path, g in golden.items():
         a = baseline.get(path)
-        if a is None or a.shape != g.shape or not g.is_floating_point() or \
-                tolerance.all_finite(g):
+        if a is None or involves_sketch(g, a) or a.shape != g.shape or \
+                not g.is_floating_point() or tolerance.all_finite(g):
             continue
         left_out = left_out_of(padding, f'outputs["{path}"]', g)
         g, a = (t if left_out is None else left_out.judged(t) for t in (g, a.to(g.device)))
@@ -174,6 +176,9 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
              ) -> Bounded | None:
     if not golden or not candidate or not (candidate.keys() == golden.keys() == baseline.keys()):
         return None
+    if any(involves_sketch(*sides) for sides in zip(candidate.values(), golden.values(),
+                                                    baseline.values(), strict=True)):
+        return None  # a sketched tensor's comparison is cheap already
     tol = tolerance.kind_tolerance(kind)
     errors, shares, identical = [], [], True
     for path, c in candidate.items():
@@ -227,6 +232,6 @@ def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     last dimension (the output of the fused module they correspond to)."""
     if len(parts) == 1:
         return parts[0]
-    if any(len(p) != 1 for p in parts):
+    if any(len(p) != 1 or involves_sketch(*p.values()) for p in parts):
         return {}
     return {"output": torch.cat([next(iter(p.values())) for p in parts], dim=-1)}

@@ -108,6 +108,7 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Any, opts: Option
         store.put_inputs(call.key, call.args, call.kwargs)
         store.put(call.key, "out", call.outputs)
 
+    store.padding = opts.padding  # sketches of padded tensors leave the padding out
     done = bar.phase("A: forward" + (" and backward" if opts.backward else ""))
     recorder = StateRecorder(model)
     run = run_model(model, inputs, opts, opts.backend_a, backward=opts.backward, what="tensors",

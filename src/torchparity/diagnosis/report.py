@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torchparity.comparison.structure import format_shape
+from torchparity.diagnosis.folding import FOLD_ABOVE, Fold, folded
 
 __all__ = ["AttributionReport", "Bounded", "DiagnosisReport", "Entry", "Mismatch", "Report",
            "Result", "Row", "Unit"]
@@ -321,20 +322,28 @@ class DiagnosisReport(Report):
         """The report as plain text: the table, unmatched modules and notes."""
         return super().render(width)
 
-    def print(self, console: Any = None) -> None:
-        """Print the report to a ``rich.console.Console`` (default: stdout, with colours)."""
+    def print(self, console: Any = None, *, fold: bool = True) -> None:
+        """Print the report to a ``rich.console.Console`` (default: stdout, with colours); a
+        deep model's rows fold as :meth:`rich_table` says."""
         from rich.console import Console
 
         console = console or Console()
-        console.print(self.rich_table())
-        for line in self._footer():
+        lines = self._lines(fold)
+        console.print(self.rich_table(fold=fold))
+        shown = {line for line in lines if isinstance(line, int)}
+        for line in self._footer(shown if len(shown) < len(self.rows) else None):
             console.print(line, markup=False, highlight=False)
 
-    def rich_table(self) -> Any:
+    def rich_table(self, *, fold: bool = True) -> Any:
         """The rows as a ``rich.table.Table`` (for printing to a live console with colours).
 
         The module name is the last column and wraps, never truncates: in a CI log (80
-        columns) it is the answer. Types and amplification are in the JSON and HTML."""
+        columns) it is the answer. Types and amplification are in the JSON and HTML. With
+        ``fold``, a report of more than :data:`~torchparity.diagnosis.folding.FOLD_ABOVE` rows
+        shows the rows that matter (first divergences, where one enters, modules whose local
+        error diverged, structure differences, and their neighbours) and folds runs of layers
+        alike into one line, with the worst cell of each column; JSON and HTML keep every
+        row."""
         from rich import box
         from rich.table import Table
 
@@ -342,8 +351,12 @@ class DiagnosisReport(Report):
         heads = ["#", "local", "prop."] + (["grad l.", "grad p."] if backward else [])
         first, grad = self.first_divergence, self.first_grad_divergence
         rows = []
-        for index, r in enumerate(self.rows):
-            cells = [str(index), share_cell(r.local), share_cell(r.propagated)]
+        for line in self._lines(fold):
+            if isinstance(line, Fold):
+                rows.append(self._fold_line(line, backward))
+                continue
+            r = self.rows[line]
+            cells = [str(line), share_cell(r.local), share_cell(r.propagated)]
             if backward:
                 cells += [share_cell(r.grad_local), share_cell(r.grad_propagated)]
             name = " " * r.depth + _label(r.module) + _aligned_as(r)
@@ -363,15 +376,53 @@ class DiagnosisReport(Report):
             table.add_row(*cells, name, style=style)
         return table
 
-    def _footer(self) -> list[str]:
+    def _lines(self, fold: bool) -> list[int | Fold]:
+        """The table's lines: row indices and folds (see :meth:`rich_table`)."""
+        if not fold or len(self.rows) <= FOLD_ABOVE:
+            return list(range(len(self.rows)))
+        important = {i for i, r in enumerate(self.rows)
+                     if r is self.first_divergence or r is self.first_grad_divergence
+                     or r.entry is not None or r.structure
+                     or any(x is not None and not x.ok for x in (r.local, r.grad_local))}
+        return folded(_layer_groups(self.rows), important,
+                      lambda group: tuple(_worst_class(self._column(group, attr))
+                                          for attr in _COLUMNS))
+
+    def _column(self, indices: Any, attr: str) -> list[Result | None]:
+        return [getattr(self.rows[i], attr) for i in indices]
+
+    def _fold_line(self, line: Fold, backward: bool) -> tuple[list[str], str, str]:
+        """The cells of a fold: its range of rows, the worst cell of each column, and what it
+        folds."""
+        rows = [self.rows[i] for i in line.rows]
+        cells = ["…"]
+        cells += [share_cell(_worst(self._column(line.rows, attr)))
+                  for attr in _COLUMNS[:4 if backward else 2]]
+        span = f"rows {line.rows[0]}-{line.rows[-1]}"
+        if len(line.ends) == 1:
+            what = f"{span}, {_label(self.rows[line.ends[0]].module)}"
+        elif line.ends:
+            what = (f"{span}, {_label(self.rows[line.ends[0]].module)} to "
+                    f"{_label(self.rows[line.ends[-1]].module)}")
+        else:
+            what = f"{span} of {_label(self.rows[line.owner].module)}"
+        return cells, " " * rows[0].depth + f"({what})", "dim"
+
+    def _footer(self, shown: set[int] | None = None) -> list[str]:
         lines = ["cells: share of the budget used (=: bit-identical to A, X: diverged, -: not "
                  "computed); prop.: in B's own run, local: B's module on A's inputs"]
+        if shown is not None:
+            lines.append(f"…: {len(self.rows) - len(shown)} of {len(self.rows)} rows folded "
+                         "into lines with the worst cell of each column; --json and --html "
+                         "have every row")
         if self.unmatched_a:
             lines.append(f"unmatched in A: {', '.join(self.unmatched_a)}")
         if self.unmatched_b:
             lines.append(f"unmatched in B: {', '.join(self.unmatched_b)}")
         lines += [f"note: {note}" for note in self.meta.get("notes", [])]
-        for r in self.rows:
+        for index, r in enumerate(self.rows):
+            if shown is not None and index not in shown:
+                continue
             if r.entry is not None:
                 lines.append(f"{_label(r.module)}: the divergence enters at {r.entry}")
             lines += [f"{_label(r.module)}: {shape_difference(d)}" for d in r.shapes]
@@ -476,6 +527,24 @@ class AttributionReport(Report):
         return self.render()
 
 
+_COLUMNS = ("local", "propagated", "grad_local", "grad_propagated")
+
+
+def _worst(results: list[Result | None]) -> Result | None:
+    """The result of the largest share of its budget (a diverged one first)."""
+    present = [r for r in results if r is not None]
+    return max(present, key=lambda r: (not r.ok, headroom(r) or 0.0), default=None)
+
+
+def _worst_class(results: list[Result | None]) -> str:
+    worst = _worst(results)
+    if worst is None:
+        return "-"
+    if worst.ok and all(r is None or r.verdict == "identical" for r in results):
+        return "identical"
+    return "within" if worst.ok else "diverged"
+
+
 def _percent(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.1f}%"
 
@@ -574,6 +643,8 @@ tr.identical td { color: #999; }
 .summary { font-size: 16px; margin: 1em 0; } .note { color: #666; }
 svg text { font: 11px sans-serif; }
 table.layer { table-layout: fixed; width: 100%; } summary { cursor: pointer; margin: 4px 0; }
+table.layer td { overflow-wrap: anywhere; } table.layer th:nth-child(1) { width: 3em; }
+table.layer th:nth-child(2) { width: 28%; } table.layer th:nth-child(4) { width: 14%; }
 .entry { color: #a00; } .structure { color: #765; }
 """
 

@@ -25,6 +25,8 @@ from torchparity.diagnosis.capture import (
 from torchparity.diagnosis.state import StateRecorder
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.errors import UsageError, UserCodeError
+from torchparity.sketching import kept
+from torchparity.subject.blockwise import Float64Run, stream_grads
 from torchparity.subject.factory import first_line
 from torchparity.subject.padding import Padding
 from torchparity.subject.running import (
@@ -94,6 +96,28 @@ def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
                    local, padding or Padding())
 
 
+def stream_needed(*models: nn.Module) -> bool:
+    """Whether a diagnosis of ``models`` should keep A's side on disk: when the models take
+    more than a quarter of the memory available now (the captured tensors, A's float64
+    golden and the replays come on top)."""
+    size = sum(t.numel() * t.element_size() for model in models
+               for t in [*model.parameters(), *model.buffers()])
+    available = _available_memory()
+    return available is not None and size > available / 4
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # Running a model
 
@@ -138,16 +162,27 @@ class Run:
 
 
 def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendSpec, *,
-              backward: bool, states: StateRecorder | None = None, **capture: Any) -> Run:
-    """One seeded forward (and backward via ``torch.autograd.grad``, so ``.grad`` is untouched)
-    with the selected modules captured, and every module's state recorded by ``states``.
-    An error of the backward pass is a one-line :class:`UserCodeError` that names
-    ``--no-backward``."""
+              backward: bool, float64: bool = False, states: StateRecorder | None = None,
+              **capture: Any) -> Run:
+    """One seeded forward (and backward, ``.grad`` untouched) with the selected modules
+    captured, and every module's state recorded by ``states``. Each parameter's gradient is
+    kept (sketched above the size threshold, by its name in its module) as soon as it is
+    complete. With ``float64`` the model runs in float64 on the CPU module by module
+    (:class:`~torchparity.subject.blockwise.Float64Run`), its ``inputs`` already cast: no
+    float64 copy of it is made. An error of the backward pass is a one-line
+    :class:`UserCodeError` that names ``--no-backward``."""
     loss = None
-    grads: dict[int, torch.Tensor] = {}
+    names = {id(p): name for name, p in model.named_parameters()}
+    grads: dict[str, Any] = {}
+
+    def keep(name: str, grad: torch.Tensor) -> None:
+        grads[name] = kept(name.rpartition(".")[2], grad)
+
     capturing = Capture(model, opts.selects(), grads=backward, states=states, **capture)
     recording = states if states is not None else contextlib.nullcontext()
-    with backend_context(backend), seeded(), recording, capturing as cap:
+    precision = (Float64Run(model, on_grad=keep, device="cpu") if float64
+                 else contextlib.nullcontext())
+    with backend_context(backend), seeded(), recording, capturing as cap, precision as run64:
         with torch.set_grad_enabled(backward):
             output = call_model(model, inputs)
             if backward:
@@ -157,12 +192,15 @@ def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendS
                     shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
                     raise UsageError(f"loss_fn must return a scalar tensor; got {shape}")
                 loss = loss.reshape(())
-                params = _trainable(model)
-                found = _gradients(model, loss, params)
-                grads = {id(p): g for p, g in zip(params, found, strict=True) if g is not None}
+                _trainable(model)
+                with _backward_errors(model):
+                    if float64:
+                        run64.backward(loss, unused=False)
+                    else:
+                        stream_grads(model, loss, keep, unused=False)
     param_grads = {
-        name: {pn: grads[id(p)] for pn, p in module.named_parameters(recurse=False)
-               if id(p) in grads}
+        name: {pn: grads[names[id(p)]] for pn, p in module.named_parameters(recurse=False)
+               if names.get(id(p)) in grads}
         for name, module in cap.modules.items()
     }
     output = map_tensors(output, lambda t: t.detach())
@@ -170,10 +208,10 @@ def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendS
                set() if states is None else states.changing)
 
 
-def _gradients(model: nn.Module, loss: torch.Tensor, params: list[nn.Parameter]
-               ) -> tuple[torch.Tensor | None, ...]:
+@contextlib.contextmanager
+def _backward_errors(model: nn.Module) -> Iterator[None]:
     try:
-        return torch.autograd.grad(loss, params, allow_unused=True)
+        yield
     except RuntimeError as exc:  # e.g. a cache written in place while autograd needs it
         raise UserCodeError(f"the backward pass of {type(model).__name__} raised RuntimeError: "
                             f"{first_line(exc)}; to compare forward outputs only, run with "
@@ -231,15 +269,18 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
 
 def replay(module: nn.Module, inputs: tuple[tuple, dict], backend: BackendSpec, *,
            grad_out: Mapping[str, torch.Tensor] | None = None,
-           requires_grad: frozenset[str] = frozenset()
+           requires_grad: frozenset[str] = frozenset(), float64: bool = False,
            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Run one module on recorded inputs; with ``grad_out``, also backward from it.
 
     Returns the output tensors by path and, with ``grad_out``, the gradients of the inputs
     that required grad in the recorded run (``input.<path>``) and of the module's direct
-    parameters (``param.<name>``).
+    parameters (``param.<name>``). With ``float64`` the module runs in float64 on the CPU
+    without a float64 copy (its ``inputs`` already cast, see :func:`run_model`).
     """
     args, kwargs = inputs
+    if float64:
+        return _replay_float64(module, args, kwargs, backend, grad_out, requires_grad)
     with backend_context(backend), seeded():
         if not grad_out:
             with torch.no_grad():
@@ -260,6 +301,33 @@ def replay(module: nn.Module, inputs: tuple[tuple, dict], backend: BackendSpec, 
             found = torch.autograd.grad([o for o, _ in seeds], list(targets.values()),
                                         [g for _, g in seeds], allow_unused=True)
             grads = {name: g for name, g in zip(targets, found, strict=True) if g is not None}
+    return {p: t.detach() for p, t in outputs.items()}, grads
+
+
+def _replay_float64(module: nn.Module, args: tuple, kwargs: dict, backend: BackendSpec,
+                    grad_out: Mapping[str, torch.Tensor] | None, requires_grad: frozenset[str]
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    grads: dict[str, torch.Tensor] = {}
+    direct = {n for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    run64 = Float64Run(module, device="cpu", on_grad=lambda name, grad: grads.__setitem__(
+        f"param.{name}", grad) if name in direct else None)
+    with backend_context(backend), seeded(), run64:
+        if not grad_out:
+            with torch.no_grad():
+                return flatten_tensors(module(*args, **kwargs)), {}
+        leaves = {f"input.{path}": t.requires_grad_()
+                  for path, t in {**flatten_tensors(args, "args"),
+                                  **flatten_tensors(kwargs, "kwargs")}.items()
+                  if path in requires_grad}
+        with torch.enable_grad():
+            outputs = flatten_tensors(module(*args, **kwargs))
+        seeds = [(outputs[p], g.to(outputs[p])) for p, g in grad_out.items()
+                 if p in outputs and outputs[p].requires_grad]
+        if seeds:
+            found = run64.backward([o for o, _ in seeds], [g for _, g in seeds],
+                                   tuple(leaves.values()), unused=False)
+            grads.update({name: g for name, g in zip(leaves, found, strict=True)
+                          if g is not None})
     return {p: t.detach() for p, t in outputs.items()}, grads
 
 

@@ -26,6 +26,12 @@ On disk (``tp.record``) a trace is a directory::
 
 Writing is incremental (each write goes to a new file, so memory stays bounded and nothing is
 rewritten) into a temporary sibling directory that replaces the target only when complete.
+
+Tensors of :func:`torchparity.sketching.threshold` elements or more are kept as sketches (in
+memory and on disk: ``<call>|<group>/<path>::sketch``, ``::slices`` and ``::stats``, described
+in the file's metadata), except the recorded inputs (``in``) and output gradients
+(``grad_out``), which replays are fed. Every sketch of one path in a call uses the same
+buckets, whatever its group, so A's, the golden's and B's tensors compare.
 """
 
 from __future__ import annotations
@@ -46,15 +52,44 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from torchparity import sketching
 from torchparity.diagnosis.capture import ModuleCall, Uncopyable, snapshot, uncopyable_leaves
 from torchparity.errors import TorchParityError, UsageError
+from torchparity.sketching import Sketch
+from torchparity.subject.padding import Padding
 from torchparity.subject.trees import flatten_tensors
 
-SCHEMA = "torchparity.trace/4"
+SCHEMA = "torchparity.trace/5"
 TRACE_JSON = "trace.json"
 FINAL = "__final__"  # pseudo-call key of the model's own output and loss
 DECODE = "decode"  # the kind of a decoding trace (diagnosis.decode_trace)
 _CACHE_HINT = " (run without a cache to replay it, e.g. use_cache=False for Hugging Face models)"
+#: Groups kept exact whatever their size: replays are fed them.
+EXACT_GROUPS = ("in", "grad_out")
+_PART = "::"
+
+
+def kept(group: str, path: str, tensor: torch.Tensor | Sketch,
+         left_out: torch.Tensor | None = None) -> torch.Tensor | Sketch:
+    """How a store keeps one tensor of ``group``: a sketch by its ``path`` when it is big and
+    not fed to replays (made with the positions ``left_out`` marks at 0, as its judgement
+    leaves them out: :func:`~torchparity.sketching.masked`), else the tensor on the CPU."""
+    if isinstance(tensor, Sketch):
+        return tensor
+    if group not in EXACT_GROUPS and sketching.wants_sketch(tensor):
+        return sketching.sketch(sketching.masked(tensor, left_out), path)
+    return tensor.detach().cpu()
+
+
+def padded(padding: Padding | None, key: str, group: str, path: str, tensor: torch.Tensor
+           ) -> torch.Tensor | None:
+    """The padded positions of a call's tensor (a mask over its leading dimensions), as its
+    judgement reads them (the module's scope, the model's own for :data:`FINAL`); None without
+    padding and for parameter gradients, which have no positions."""
+    if not padding or "param" in group:
+        return None
+    left_out = padding.within("" if key == FINAL else key.partition("#")[0])(path, tensor)
+    return None if left_out is None else left_out.mask
 
 
 class ReplayUnavailable(TorchParityError):
@@ -71,11 +106,13 @@ class MemoryStore:
     def __init__(self) -> None:
         self._tensors: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         self._inputs: dict[str, tuple[tuple, dict]] = {}
+        self.padding: Padding | None = None  # the batch's, which sketches leave out
 
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Add tensors to ``group`` of call ``key`` (merging with what is there)."""
         slot = self._tensors.setdefault((key, group), {})
-        slot.update({path: t.detach().cpu() for path, t in tensors.items()})
+        slot.update({path: kept(group, path, t, padded(self.padding, key, group, path, t))
+                     for path, t in tensors.items()})
 
     def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
         """The group's tensors ({} when none were stored)."""
@@ -126,11 +163,11 @@ class DiskStore:
         self.directory = Path(directory)
         self.input_specs: dict[str, Any] = {}
         self.files: dict[str, dict[str, list[str]]] = {}  # call -> group -> its files
+        self.padding: Padding | None = None  # the batch's, which sketches leave out
         self.aliases: dict[str, dict[str, str]] = {}  # file -> name -> the name stored for it
         self._n_files = 0
         self._cache_key: str | None = None
-        self._cache: dict[str, torch.Tensor] = {}
-        self._cached_groups: set[str] = set()  # groups of the cached call read in full
+        self._cache: dict[str, dict[str, torch.Tensor | Sketch]] = {}  # group -> path -> tensor
         if writable:
             (self.directory / "tensors").mkdir(parents=True, exist_ok=True)
 
@@ -145,8 +182,10 @@ class DiskStore:
             for name in self.files.get(key, {}).get(group, []):
                 aliases = self.aliases.get(name, {})
                 with safe_open(self.directory / name, framework="pt") as handle:
-                    found.update({k[len(prefix):]: handle.get_tensor(aliases.get(k, k))
-                                  for k in [*handle.keys(), *aliases] if k.startswith(prefix)})
+                    stored = {k: handle.get_tensor(aliases.get(k, k))
+                              for k in [*handle.keys(), *aliases] if k.startswith(prefix)}
+                    found.update({k[len(prefix):]: t for k, t in
+                                  _with_sketches(stored, handle.metadata()).items()})
             self._cache[group] = found
         return self._cache[group]
 
@@ -161,12 +200,23 @@ class DiskStore:
             return
         name = f"tensors/{self._n_files:06d}.safetensors"
         self._n_files += 1
-        named = {f"{_prefix(key, group)}{path}": t.detach().cpu().contiguous()
-                 for key, group, tensors in entries for path, t in tensors.items()}
-        aliases = _aliased(named)
+        flat: dict[str, torch.Tensor] = {}
+        described: dict[str, Any] = {}
+        for key, group, tensors in entries:
+            for path, tensor in tensors.items():
+                full = f"{_prefix(key, group)}{path}"
+                value = kept(group, path, tensor, padded(self.padding, key, group, path, tensor))
+                if isinstance(value, Sketch):
+                    flat.update({f"{full}{_PART}{part}": t.contiguous()
+                                 for part, t in sketching.parts(value).items()})
+                    described[full] = sketching.describe(value)
+                else:
+                    flat[full] = value.contiguous()
+        aliases = _aliased(flat)
         if aliases:
             self.aliases[name] = aliases
-        save_file(named, str(self.directory / name))
+        save_file(flat, str(self.directory / name),
+                  metadata={"sketches": json.dumps(described)} if described else None)
         for key, group, _ in entries:
             self.files.setdefault(key, {}).setdefault(group, []).append(name)
             if self._cache_key == key:
@@ -180,7 +230,8 @@ class DiskStore:
         prefix, found = _prefix(key, group), set()
         for name in self.files.get(key, {}).get(group, []):
             with safe_open(self.directory / name, framework="pt") as handle:
-                found.update(k[len(prefix):] for k in [*handle.keys(), *self.aliases.get(name, {})]
+                found.update(k[len(prefix):].partition(_PART)[0]
+                             for k in [*handle.keys(), *self.aliases.get(name, {})]
                              if k.startswith(prefix))
         return found
 
@@ -205,6 +256,29 @@ class DiskStore:
         meta = {**meta, "files": self.files, "aliases": self.aliases,
                 "input_specs": self.input_specs}
         (self.directory / TRACE_JSON).write_text(json.dumps(meta, default=str))
+
+
+def _with_sketches(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
+                   ) -> dict[str, torch.Tensor | Sketch]:
+    """A file's tensors with each sketch's parts put back together."""
+    described = json.loads((metadata or {}).get("sketches", "{}"))
+    if not described:
+        return dict(tensors)
+    found: dict[str, torch.Tensor | Sketch] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        full, separator, part = name.partition(_PART)
+        if separator:
+            parts.setdefault(full, {})[part] = tensor
+        else:
+            found[name] = tensor
+    for full, stored in parts.items():
+        try:
+            found[full] = sketching.from_parts(described[full], stored)
+        except (KeyError, ValueError) as exc:
+            raise TorchParityError(f"a trace file's sketch {full} is damaged ({exc}); record "
+                                   "the trace again") from None
+    return found
 
 
 # --------------------------------------------------------------------------------------------

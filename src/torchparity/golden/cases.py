@@ -45,8 +45,9 @@ from torchparity.golden.store import (
     GoldenError,
     GoldenStale,
     GoldenStore,
+    as_stored,
     checksum,
-    tensor_sha256,
+    stored_sha256,
 )
 from torchparity.reference import build_model, greedy_decode, rng, sequence_loss, zoo
 from torchparity.reference.layers import TransformerLayer
@@ -360,7 +361,7 @@ def write_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, str]:
 
 
 def write_status(store: GoldenStore, case: str, output: str,
-                 tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> str:
+                 tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
     """What writing ``tensors`` and ``meta`` would do to a golden: ``created``, ``replaced``
     (unreadable before), ``updated`` or ``unchanged`` (then it is best left untouched)."""
     if not any(p.exists() for p in store.paths(case, output)):
@@ -370,7 +371,7 @@ def write_status(store: GoldenStore, case: str, output: str,
     except GoldenError:
         return "replaced"
     same_tensors = ({n: s["sha256"] for n, s in old.summary["tensors"].items()}
-                    == {n: tensor_sha256(t) for n, t in tensors.items()})
+                    == {n: stored_sha256(as_stored(n, t)) for n, t in tensors.items()})
     header = {"schema_version", "case", "output", "produced_by", "tensors"}
     same_meta = {k: v for k, v in old.summary.items() if k not in header} == dict(meta)
     return "unchanged" if same_tensors and same_meta else "updated"

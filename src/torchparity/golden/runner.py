@@ -111,9 +111,12 @@ def check_models(subjects: list[Subject], root: Path, cells: list[Cell],
     results = []
     with single_thread():
         for subject in subjects:
-            results += check_subject(subject, model_store(subject, root), cells,
-                                     lambda label, s=subject: progress.update(
-                                         task, advance=1, description=f"{s.name} {label}"))
+            results += check_subject(
+                subject, model_store(subject, root), cells,
+                lambda label, s=subject: progress.update(task, advance=1,
+                                                         description=f"{s.name} {label}"),
+                lambda label, text, s=subject: progress.update(
+                    task, description=f"{s.name} {label}: {text}"))
     return results
 
 

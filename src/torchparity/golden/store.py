@@ -7,6 +7,13 @@ A golden is a pair of files in ``<root>/<case>/``:
   (config, seeds, checksums of weights and inputs, ...), the torch/torchparity versions that
   produced it, and one line per tensor with shape, dtype, mean, std, absmax and sha256.
 
+Floating tensors of :func:`torchparity.sketching.threshold` elements or more are kept as
+sketches (:class:`~torchparity.sketching.Sketch`): the ``.safetensors`` file holds
+``<name>::sketch`` (the projection), ``<name>::slices`` (the exact slices) and ``<name>::stats``
+(RMS, absmax, mean, non-finite count), and the tensor's JSON line adds ``"sketch"`` (method, size,
+seed), its statistics and sha256 being those of the sketch. Goldens with sketches have schema
+version 2; exact ones keep version 1, which torchparity before sketches reads too.
+
 Reading checks everything a damaged or hand-edited golden could get wrong and raises a
 :class:`GoldenError` subclass whose one-line message says how to repair it. Writing is atomic
 (temporary file + rename in the same folder), keeps no shared index and deletes nothing, so
@@ -27,7 +34,7 @@ import platform
 import re
 import shlex
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +42,17 @@ from typing import Any
 import torch
 from filelock import FileLock
 
+from torchparity import sketching
 from torchparity.errors import TorchParityError, UsageError
+from torchparity.sketching import Sketch
 
-#: Version of the on-disk layout. Readers refuse newer versions instead of misreading them.
-SCHEMA_VERSION = 1
+#: Version of the on-disk layout: the newest this code reads, written for goldens holding
+#: sketches. Readers refuse newer versions instead of misreading them.
+SCHEMA_VERSION = 2
+#: The version of goldens without sketches (the layout before them, unchanged).
+EXACT_SCHEMA_VERSION = 1
+#: The stored tensors of one sketched tensor: ``<name><SEPARATOR><part>``.
+SEPARATOR = "::"
 #: Environment variable naming the golden folder (``--golden-dir`` wins over it).
 GOLDEN_DIR_ENV = "TORCHPARITY_GOLDEN_DIR"
 #: Where a wheel carries the zoo's goldens inside the package (see pyproject.toml).
@@ -81,7 +95,7 @@ class Golden:
 
     case: str
     output: str
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | Sketch]  # a tensor, or the sketch kept of it
     summary: dict[str, Any]
     path: Path  # the .safetensors file
 
@@ -89,31 +103,41 @@ class Golden:
 # --- checksums and summaries ----------------------------------------------------------------
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    # Raw little-endian bytes (the byte order of every platform torch runs on, and of the
-    # safetensors format), so the digest depends on the values only, not on the torch version.
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes()
+def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Iterator[Any]:
+    """Raw little-endian bytes (the byte order of every platform torch runs on, and of the
+    safetensors format), so a digest depends on the values only, not on the torch version;
+    with ``dtype``, of the values converted to it. In chunks (buffers, not copies), so a
+    tensor of gigabytes never needs a second copy of itself."""
+    flat = tensor.detach().reshape(-1)
+    for start in range(0, max(flat.numel(), 1), sketching.CHUNK):
+        chunk = flat[start:start + sketching.CHUNK].to("cpu", dtype or flat.dtype).contiguous()
+        yield chunk.view(torch.uint8).numpy()
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's values: the same on every machine and torch version."""
-    return hashlib.sha256(_tensor_bytes(tensor)).hexdigest()
+    digest = hashlib.sha256()
+    for chunk in _tensor_bytes(tensor):
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
-def checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+def checksum(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
     """One sha256 over named tensors (sorted by name; names, dtypes, shapes and values).
 
-    Used for the weights and inputs a golden was made from: compute it on float64 weights and
-    int64 inputs and it is version-independent, so a changed digest means a changed init or
-    changed inputs, never a new torch.
+    Used for the weights and inputs a golden was made from: compute it on float64 weights
+    (``dtype=torch.float64`` converts floating tensors chunk by chunk, as if they had been
+    converted first) and int64 inputs and it is version-independent, so a changed digest means
+    a changed init or changed inputs, never a new torch.
     """
     digest = hashlib.sha256()
     for name in sorted(tensors):
         tensor = tensors[name]
-        header = f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|"
+        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        header = f"{name}|{str(target).removeprefix('torch.')}|{list(tensor.shape)}|"
         digest.update(header.encode())
-        digest.update(_tensor_bytes(tensor))
+        for chunk in _tensor_bytes(tensor, target):
+            digest.update(chunk)
     return "sha256:" + digest.hexdigest()
 
 
@@ -123,8 +147,15 @@ def _rounded(x: float) -> float | str:
     return float(f"{x:.{_STAT_DIGITS}g}")
 
 
-def tensor_summary(tensor: torch.Tensor) -> dict[str, Any]:
-    """Shape, dtype, mean, std, absmax (6 significant digits) and sha256 of one tensor."""
+def tensor_summary(tensor: torch.Tensor | Sketch) -> dict[str, Any]:
+    """Shape, dtype, mean, std, absmax (6 significant digits) and sha256 of one tensor; for a
+    sketch, its tensor's statistics, the sha256 of the stored sketch and its method, size and
+    seed."""
+    if isinstance(tensor, Sketch):
+        return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                "mean": _rounded(tensor.mean), "std": _rounded(tensor.std),
+                "absmax": _rounded(tensor.absmax), "sha256": stored_sha256(tensor),
+                "sketch": [sketching.METHOD, tensor.size, str(tensor.seed)]}  # one line
     values = tensor.detach().to("cpu", torch.float64)
     empty = values.numel() == 0
     stats = {
@@ -138,6 +169,25 @@ def tensor_summary(tensor: torch.Tensor) -> dict[str, Any]:
         **stats,
         "sha256": tensor_sha256(tensor),
     }
+
+
+def stored_sha256(value: torch.Tensor | Sketch) -> str:
+    """sha256 of what a golden stores of ``value``: its values, or its sketch's parts."""
+    if isinstance(value, torch.Tensor):
+        return tensor_sha256(value)
+    digest = hashlib.sha256()
+    for part in sketching.parts(value).values():
+        for chunk in _tensor_bytes(part):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def as_stored(name: str, value: torch.Tensor | Sketch) -> torch.Tensor | Sketch:
+    """``value`` as a golden keeps it: a sketch when :func:`torchparity.sketching.wants_sketch`
+    (seeded by ``name``), else the tensor on the CPU."""
+    if isinstance(value, torch.Tensor) and sketching.wants_sketch(value):
+        return sketching.sketch(value, name)
+    return value
 
 
 def produced_by() -> dict[str, str]:
@@ -235,24 +285,26 @@ class GoldenStore:
         """
         tensor_path, json_path = self.paths(case, output)
         stored = _storable(tensors)
-        summary = {"schema_version": SCHEMA_VERSION, "case": case, "output": output,
+        version = _version(stored)
+        summary = {"schema_version": version, "case": case, "output": output,
                    **dict(meta or {}), "produced_by": produced_by(),
                    "tensors": {name: tensor_summary(t) for name, t in stored.items()}}
         from safetensors.torch import save
 
-        payload = save(stored, metadata={"format": "pt", "schema_version": str(SCHEMA_VERSION)})
+        payload = save(_flat(stored), metadata={"format": "pt", "schema_version": str(version)})
         with _lock(tensor_path):
             _atomic_write(tensor_path, payload)
             _atomic_write(json_path, (format_json(summary) + "\n").encode())
         return [tensor_path, json_path]
 
     def write_obtained(self, case: str, output: str,
-                       tensors: Mapping[str, torch.Tensor]) -> Path:
-        """Write what a mismatching run produced beside the golden, for inspection."""
+                       tensors: Mapping[str, torch.Tensor | Sketch]) -> Path:
+        """Write what a mismatching run produced beside the golden, for inspection (big tensors
+        as sketches, stored as in a golden)."""
         from safetensors.torch import save
 
         path = self.obtained_path(case, output)
-        _atomic_write(path, save(_storable(tensors), metadata={"format": "pt"}))
+        _atomic_write(path, save(_flat(_storable(tensors)), metadata={"format": "pt"}))
         return path
 
     def read(self, case: str, output: str) -> Golden:
@@ -273,7 +325,7 @@ class GoldenStore:
                 raise GoldenCorrupt(f"{present} has no {absent.name} beside it; {fix}")
         with _lock(tensor_path):
             summary = _read_summary(json_path, fix)
-            tensors = _read_tensors(tensor_path, fix)
+            tensors = _unflat(_read_tensors(tensor_path, fix), summary["tensors"])
         _check_consistent(json_path, summary, tensors, fix)
         return Golden(case, output, tensors, summary, tensor_path)
 
@@ -289,16 +341,67 @@ def _check_name(name: str, what: str) -> None:
                          f"'_.+-', starting with a letter or digit")
 
 
-def _storable(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _storable(tensors: Mapping[str, torch.Tensor | Sketch]) -> dict[str, torch.Tensor | Sketch]:
     if not isinstance(tensors, Mapping) or not tensors:
         raise UsageError("a golden needs a non-empty mapping of names to tensors")
-    stored = {}
+    stored: dict[str, torch.Tensor | Sketch] = {}
     for name, tensor in tensors.items():
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor | Sketch):
             raise UsageError(f"golden entry {name!r} must map a string to a torch.Tensor, "
                              f"got {type(tensor).__name__}")
-        stored[name] = tensor.detach().to("cpu").contiguous()
+        if SEPARATOR in name:
+            raise UsageError(f"golden entry {name!r}: names may not contain {SEPARATOR!r}")
+        value = as_stored(name, tensor)
+        stored[name] = value if isinstance(value, Sketch) else (
+            value.detach().to("cpu").contiguous())
     return stored
+
+
+def _version(stored: Mapping[str, torch.Tensor | Sketch]) -> int:
+    sketched = any(isinstance(v, Sketch) for v in stored.values())
+    return SCHEMA_VERSION if sketched else EXACT_SCHEMA_VERSION
+
+
+def _flat(stored: Mapping[str, torch.Tensor | Sketch]) -> dict[str, torch.Tensor]:
+    """The tensors of the ``.safetensors`` file: exact ones by name, a sketch's by part."""
+    flat = {}
+    for name, value in stored.items():
+        if isinstance(value, Sketch):
+            flat.update({f"{name}{SEPARATOR}{part}": tensor.contiguous()
+                         for part, tensor in sketching.parts(value).items()})
+        else:
+            flat[name] = value
+    return flat
+
+
+def _unflat(flat: dict[str, torch.Tensor], listed: Mapping[str, Any]
+            ) -> dict[str, torch.Tensor | Sketch]:
+    """The golden's tensors and sketches from the file's tensors and the JSON's lines (the
+    shape, dtype and seed of each sketch). Parts a sketch lacks are left as they are, for
+    :func:`_check_consistent` to report."""
+    tensors: dict[str, torch.Tensor | Sketch] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in flat.items():
+        name, separator, part = key.partition(SEPARATOR)
+        if separator and part in sketching.PARTS:
+            parts.setdefault(name, {})[part] = tensor
+        else:
+            tensors[key] = tensor
+    for name, found in parts.items():
+        line = listed.get(name)
+        try:
+            method, size, seed = line["sketch"]
+            if method != sketching.METHOD:
+                raise GoldenSchemaError(f"{name} was sketched by {method!r}, this torchparity "
+                                        f"sketches by {sketching.METHOD!r}; regenerate the "
+                                        "golden or use the torchparity that made it")
+            tensors[name] = sketching.from_parts(
+                {"shape": line["shape"], "dtype": line["dtype"], "method": method,
+                 "size": size, "seed": seed}, found)
+        except (TypeError, ValueError, KeyError):
+            # Left as stored: _check_consistent names what does not match.
+            tensors.update({f"{name}{SEPARATOR}{part}": t for part, t in found.items()})
+    return tensors
 
 
 def _lock(tensor_path: Path) -> FileLock:
@@ -359,8 +462,8 @@ def _read_tensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
         raise GoldenCorrupt(f"{path} is truncated or corrupt ({detail}); {fix}") from None
 
 
-def _check_consistent(path: Path, summary: dict[str, Any], tensors: dict[str, torch.Tensor],
-                      fix: str) -> None:
+def _check_consistent(path: Path, summary: dict[str, Any],
+                      tensors: dict[str, torch.Tensor | Sketch], fix: str) -> None:
     """The JSON's tensor lines must describe exactly the stored tensors."""
     listed = summary["tensors"]
     problem = None
@@ -382,8 +485,8 @@ def _check_consistent(path: Path, summary: dict[str, Any], tensors: dict[str, to
 def _summary_mismatch(name: str, listed: Any, actual: dict[str, Any]) -> str | None:
     if not isinstance(listed, dict):
         return f"{name}: not an object"
-    for key in ("shape", "dtype", "sha256"):
-        if listed.get(key) != actual[key]:
+    for key in ("shape", "dtype", "sha256", "sketch"):
+        if listed.get(key) != actual.get(key):
             return f"{name}: {key} {listed.get(key)!r} in the JSON, {actual[key]!r} stored"
     scale = actual["absmax"] if isinstance(actual["absmax"], float) else 0.0
     for key in ("mean", "std", "absmax"):

@@ -50,6 +50,7 @@ tensors both have are judged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -57,10 +58,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from torchparity import backends, tolerance
+from torchparity import backends, sketching, tolerance
 from torchparity.comparison import compare
 from torchparity.dtypes import dtype_name
 from torchparity.errors import BackendUnavailable, UsageError
@@ -71,7 +73,6 @@ from torchparity.golden.cases import (
     CheckResult,
     checksum_changes,
     matmul_precision,
-    perturb_weights,
     write_status,
 )
 from torchparity.golden.compiled import (
@@ -82,10 +83,13 @@ from torchparity.golden.compiled import (
     unavailable_reason,
 )
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
+from torchparity.sketching import Sketch, kept, seed_of
 from torchparity.subject import Subject, hf
+from torchparity.subject.blockwise import BlockProgress, Float64Run, stream_grads
 from torchparity.subject.compiling import CompileFailed, CompileLog, check_mode, compiled
 from torchparity.subject.decoding import recompute_step, teacher_forced
 from torchparity.subject.padding import Padding
+from torchparity.subject.running import cast_inputs
 from torchparity.subject.trees import flatten_tensors
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -131,40 +135,127 @@ def model_store(subject: Subject, root: Any) -> GoldenStore:
 
 def model_checksums(subject: Subject) -> dict[str, str]:
     """Checksums of the float64 state dict and of the input tensors the factory gave."""
-    state = {k: v.double() if v.is_floating_point() else v
-             for k, v in subject.model.state_dict().items()}
-    return {"weights": checksum(state),
+    return {"weights": checksum(subject.model.state_dict(), dtype=torch.float64),
             "inputs": checksum(flatten_tensors(subject.inputs, "inputs"))}
 
 
 # --- running --------------------------------------------------------------------------------
 
 
+#: ``status(text)``: where a cell is in its run ("backward: block 3 of 16").
+Status = Callable[[str], None]
+
+
+class CellModels:
+    """The models a check's cells run, without more copies than dtypes.
+
+    The float64 cells and the cells of the model's own dtype and device run the factory's
+    model itself (float64 cells cast it module by module, :class:`Float64Run`); any other
+    dtype or device gets one converted copy, shared by the backends of that dtype and dropped
+    when a cell of another one asks for its model."""
+
+    def __init__(self, subject: Subject) -> None:
+        self.subject = subject
+        self._key: tuple[str, str] | None = None
+        self._copy: tuple[nn.Module, Any] | None = None
+
+    def get(self, cell: Cell, attention: str) -> tuple[nn.Module, Any]:
+        """The model (in eval mode, on ``attention``) and the inputs of ``cell``."""
+        subject = self.subject
+        if cell.dtype == "fp64":
+            return subject.placed(cell.device, _own_dtype(subject.model), attention,
+                                  share=True)[0], cast_inputs(subject.inputs, cell.device,
+                                                              torch.float64)
+        key = (cell.dtype, cell.device)
+        if key != self._key:
+            self._copy = None  # the previous dtype's copy goes before the next one is made
+            self._copy = subject.placed(cell.device, DTYPES[cell.dtype], attention, share=True)
+            self._key = key
+        model, inputs = self._copy
+        if subject.is_transformers:
+            hf.set_attention(model, attention)
+        return model, inputs
+
+
+def _own_dtype(model: nn.Module) -> torch.dtype:
+    floating = [t.dtype for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    return floating[0] if floating and len(set(floating)) == 1 else torch.float64
+
+
 def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
-                perturb: bool = False, tokens: torch.Tensor | None = None
+                perturb: bool = False, tokens: torch.Tensor | None = None,
+                models: CellModels | None = None, status: Status | None = None
                 ) -> tuple[Run, int | None]:
     """Run the model in ``cell``: forward, loss, gradients and decoding.
 
     ``loss_paths`` are the outputs the default loss projects (None: all floating ones);
     ``tokens`` are what a step-by-step decoding is fed (None: its own greedy choices).
-    Returns the run and the number of SDPA calls intercepted (None for ``hf-eager``). A
-    compiled cell runs all of it compiled, each decoding step recorded in its compile log; a
-    failure to compile raises :class:`~torchparity.subject.compiling.CompileFailed`.
+    ``models`` shares the cells' models (default: a fresh :class:`CellModels`); ``status``
+    hears where a long run is (which block of how many). Tensors of
+    :func:`~torchparity.sketching.threshold` elements or more are kept as sketches, each
+    gradient as soon as it is complete. ``perturb`` (float64 cells) moves every weight by one
+    float64 rounding. Returns the run and the number of SDPA calls intercepted (None for
+    ``hf-eager``). A compiled cell runs all of it compiled, each decoding step recorded in its
+    compile log; a failure to compile raises
+    :class:`~torchparity.subject.compiling.CompileFailed`.
     """
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
-    model, inputs = subject.placed(cell.device, DTYPES[cell.dtype], attention)
-    if perturb:
-        perturb_weights(model)
+    model, inputs = (models or CellModels(subject)).get(cell, attention)
+    report = None if status is None else (
+        lambda phase, done, total: status(f"{phase}: block {done} of {total}"))
     with compiled(model, cell.compile) as compile_log, _backend(cell.backend) as intercepted, \
             matmul_precision(cell.dtype):
         try:
-            run = _forward_backward(subject, model, inputs, loss_paths)
+            if cell.dtype == "fp64":
+                grads: dict[str, Any] = {}
+                with Float64Run(model, on_grad=_keeper(grads), perturb=perturbation
+                                if perturb else None, progress=report) as run64:
+                    run = _forward_backward(subject, model, inputs, loss_paths,
+                                            lambda loss: (run64.backward(loss), grads)[1])
+                    run.compile_log = compile_log
+                    _decode(subject, model, inputs, run, tokens)
+            else:
+                with BlockProgress(model, report) as blocks:
+                    run = _forward_backward(subject, model, inputs, loss_paths,
+                                            lambda loss: _streamed(model, loss, blocks))
+                run.compile_log = compile_log
+                _decode(subject, model, inputs, run, tokens)
         except BackendUnavailable as exc:
             return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc))), None
-        run.compile_log = compile_log
-        _decode(subject, model, inputs, run, tokens)
     calls = None if intercepted is None else intercepted.calls
     return run, calls
+
+
+def perturbation(name: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (float64) times 1 + d, |d| <= 2**-52 fixed per element and parameter name:
+    the reference cell's weights moved by one float64 rounding. The factors repeat with a
+    period of 2**20 elements from an offset of the name, so that the float64 run can recompute
+    them at every cast for a few operations per element."""
+    factors = _perturbation_factors().roll(-(seed_of(f"perturb.{name}") % _PERIOD))
+    flat = value.view(-1)
+    for start in range(0, flat.numel(), _PERIOD):
+        part = flat[start:start + _PERIOD]
+        part.mul_(factors[:part.numel()])
+    return value
+
+
+_PERIOD = 1 << 20
+
+
+@functools.cache
+def _perturbation_factors() -> torch.Tensor:
+    generator = np.random.Generator(np.random.PCG64(0))
+    return 1.0 + torch.from_numpy(generator.random(_PERIOD) * 2.0 - 1.0) * 2.0**-52
+
+
+def _keeper(found: dict[str, Any]) -> Callable[[str, torch.Tensor], None]:
+    return lambda name, tensor: found.__setitem__(name, kept(name, tensor))
+
+
+def _streamed(model: nn.Module, loss: torch.Tensor, blocks: BlockProgress) -> dict[str, Any]:
+    grads: dict[str, Any] = {}
+    stream_grads(model, loss, _keeper(grads), blocks)
+    return grads
 
 
 @contextlib.contextmanager
@@ -177,9 +268,9 @@ def _backend(name: str) -> Iterator[Any]:
 
 
 def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
-                      loss_paths: list[str] | None) -> Run:
+                      loss_paths: list[str] | None,
+                      backward: Callable[[torch.Tensor], dict[str, Any]]) -> Run:
     missing: dict[str, str] = {}
-    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     try:
         output = subject.forward(model, inputs)
         flat = flatten_tensors(output, _ROOT)
@@ -190,25 +281,30 @@ def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
             output = subject.forward(model, inputs)
             flat = flatten_tensors(output, _ROOT)
             loss = subject.loss(output, inputs, flat, loss_paths)
-    outputs = {"outputs": {path: t.detach() for path, t in flat.items()}}
+    outputs: dict[str, dict[str, Any]] = {
+        "outputs": {path: kept(path, t, _padded(subject, "outputs", path, t))
+                    for path, t in flat.items()}}
+    # The loss's gradient with respect to each floating output, heard as the backward passes.
+    sensitivity: dict[str, torch.Tensor] = {}
+    if "grads" not in missing and not isinstance(loss, str):
+        for path, t in flat.items():
+            if t.is_floating_point() and t.requires_grad:
+                t.register_hook(functools.partial(_heard, sensitivity, path))
+    del output, flat  # the kept outputs are enough: the graph lives on in the loss
     if isinstance(loss, str):
         missing["loss"] = missing["grads"] = loss
     else:
         outputs["loss"] = {"loss": loss.detach()}
-    sensitivity = {}
     if "grads" not in missing:
-        floating = {path: t for path, t in flat.items()
-                    if t.is_floating_point() and t.requires_grad}
         try:
-            grads = torch.autograd.grad(loss, [*params.values(), *floating.values()],
-                                        allow_unused=True)
-            outputs["grads"] = {name: torch.zeros_like(p) if g is None else g for (name, p), g
-                                in zip(params.items(), grads[:len(params)], strict=True)}
-            sensitivity = {path: g for path, g in zip(floating, grads[len(params):], strict=True)
-                           if g is not None}
+            outputs["grads"] = backward(loss)
         except BackendUnavailable as exc:
             missing["grads"] = str(exc)
     return Run(outputs, missing, sensitivity)
+
+
+def _heard(found: dict[str, torch.Tensor], path: str, grad: torch.Tensor) -> None:
+    found[path] = grad.detach()
 
 
 def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
@@ -216,10 +312,14 @@ def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
     if not subject.generates:
         return
     try:
+        # Both decodings are sketched alike, so that decode-cache can compare them.
         with torch.no_grad():
-            run.outputs["decode"] = (
-                _stepped(subject, model, inputs, tokens, run.compile_log) if subject.steps
-                else _decoded(subject, model, inputs))
+            run.outputs["decode"] = {
+                path: kept(path.partition(".")[2] or path, tensor,
+                           _padded(subject, "decode", path, tensor))
+                for path, tensor in (
+                    _stepped(subject, model, inputs, tokens, run.compile_log) if subject.steps
+                    else _decoded(subject, model, inputs)).items()}
     except BackendUnavailable as exc:
         run.missing["decode"] = str(exc)
 
@@ -267,16 +367,20 @@ def first_step(comparison: Any) -> int | None:
 # --- writing and reading goldens ------------------------------------------------------------
 
 
-def write_goldens(subject: Subject, store: GoldenStore) -> dict[str, str]:
+def write_goldens(subject: Subject, store: GoldenStore,
+                  status: Status | None = None) -> dict[str, str]:
     """Compute and write the goldens of ``subject``; output -> what happened to its file
-    (``created``, ``updated``, ``replaced`` or ``unchanged``, as for the zoo)."""
-    run, _ = run_in_cell(subject, REFERENCE, None)
+    (``created``, ``updated``, ``replaced`` or ``unchanged``, as for the zoo). ``status``
+    hears where the float64 run is (which block of how many)."""
+    run, _ = run_in_cell(subject, REFERENCE, None, status=status)
     if run.missing:
         output, reason = next(iter(run.missing.items()))
         raise UsageError(f"{subject.entry}: the float64 golden run cannot compute {output}: "
                          f"{reason}")
     loss_paths = None if subject.loss_fn else [
         p for p, t in run.outputs["outputs"].items() if t.is_floating_point()]
+    if status is not None:
+        status("checksums of the weights and inputs")
     meta = {"entry": subject.entry, "model": type(subject.model).__name__,
             "loss": "loss_fn" if loss_paths is None else _default_loss(subject, loss_paths),
             "checksums": model_checksums(subject)}
@@ -347,8 +451,12 @@ def _loss_paths(goldens: dict[str, Golden]) -> list[str] | None:
 
 
 def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
-                  advance: Callable[[str], None] = lambda label: None) -> list[CheckResult]:
-    """Check ``subject`` in every cell against its goldens; one result per cell and output."""
+                  advance: Callable[[str], None] = lambda label: None,
+                  status: Callable[[str, str], None] | None = None) -> list[CheckResult]:
+    """Check ``subject`` in every cell against its goldens; one result per cell and output.
+
+    The cells share the model (:class:`CellModels`): no more copies than dtypes.
+    ``advance(label)`` is called after each cell, ``status(label, text)`` while one runs."""
     goldens = load_goldens(subject, store)
     changed = checksum_changes(goldens, model_checksums(subject), lambda what: (
         f"the {what} the factory {subject.entry} builds {{differ}}; seed the factory's "
@@ -361,33 +469,41 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
             advance(cell.label)
         return results
     loss_paths = _loss_paths(goldens)
+    models = CellModels(subject)
     # Step by step, every cell but the reference decodes along the golden's tokens.
     tokens = goldens["decode"].tensors["tokens"] if subject.steps else None
     baselines: dict[tuple[str, str], Run] = {}
     for cell in cells:
+        cell_status = None if status is None else (
+            lambda text, label=cell.label: status(label, text))
         if cell == REFERENCE:
-            results += _check_reference(subject, store, goldens, loss_paths, tokens)
+            results += _check_reference(subject, store, goldens, loss_paths, tokens, models,
+                                        cell_status)
         else:
             key = (cell.dtype, cell.device)
             if key not in baselines:
                 baselines[key] = run_in_cell(subject, Cell("manual", *key), loss_paths,
-                                             tokens=tokens)[0]
-            results += _check_cell(subject, cell, goldens, baselines[key], loss_paths, tokens)
+                                             tokens=tokens, models=models,
+                                             status=cell_status)[0]
+            results += _check_cell(subject, cell, goldens, baselines[key], loss_paths, tokens,
+                                   models, cell_status)
         advance(cell.label)
     return results
 
 
 def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Golden],
-                     loss_paths: list[str] | None, tokens: torch.Tensor | None
-                     ) -> list[CheckResult]:
-    fresh, _ = run_in_cell(subject, REFERENCE, loss_paths)  # greedy: its tokens are judged
-    perturbed, _ = run_in_cell(subject, REFERENCE, loss_paths, perturb=True, tokens=tokens)
+                     loss_paths: list[str] | None, tokens: torch.Tensor | None,
+                     models: CellModels, status: Status | None) -> list[CheckResult]:
+    # The reference decodes greedily: its tokens are judged.
+    fresh, _ = run_in_cell(subject, REFERENCE, loss_paths, models=models, status=status)
+    perturbed, _ = run_in_cell(subject, REFERENCE, loss_paths, perturb=True, tokens=tokens,
+                               models=models, status=status)
     results = []
     for output, golden in goldens.items():
         candidate = fresh.outputs.get(output, {})
         shared = {p: t for p, t in candidate.items()
                   if p in golden.tensors and p in perturbed.outputs.get(output, {})}
-        baseline = {p: golden.tensors[p] + (perturbed.outputs[output][p] - t)
+        baseline = {p: sketching.shifted(golden.tensors[p], perturbed.outputs[output][p], t)
                     if t.is_floating_point() else golden.tensors[p] for p, t in shared.items()}
         result = _judge(subject, REFERENCE, output, candidate, golden.tensors, baseline)
         if not result.ok:
@@ -404,7 +520,8 @@ def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Go
 
 
 def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseline: Run,
-                loss_paths: list[str] | None, tokens: torch.Tensor | None) -> list[CheckResult]:
+                loss_paths: list[str] | None, tokens: torch.Tensor | None,
+                models: CellModels, status: Status | None) -> list[CheckResult]:
     if cell.backend == HF_EAGER and not subject.is_transformers:
         reason = "not a transformers model: it has no attention implementation to switch"
         return [_result(subject, cell, output, "n/a", ok=True, reason=reason)
@@ -414,7 +531,8 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
     elif cell.backend == "manual":
         run, calls = baseline, None
     else:
-        run, calls = run_in_cell(subject, cell, loss_paths, tokens=tokens)
+        run, calls = run_in_cell(subject, cell, loss_paths, tokens=tokens, models=models,
+                                 status=status)
     if calls == 0:
         return [_result(subject, cell, output, "n/a", ok=True,
                         reason=backends.NO_SDPA_CALLS_REASON) for output in goldens]
@@ -449,16 +567,18 @@ def _compiled_run(subject: Subject, cell: Cell, loss_paths: list[str] | None,
     return Run({}, dict.fromkeys(OUTPUT_KINDS, reason)), None
 
 
-def _loss_noise(baseline: Run, golden: dict[str, torch.Tensor]) -> float | None:
-    """The noise the baseline's outputs carry into the loss (None without its gradients)."""
+def _loss_noise(baseline: Run, golden: dict[str, Any]) -> float | None:
+    """The noise the baseline's outputs carry into the loss (None without its gradients);
+    sketched outputs, whose errors are known only in RMS, carry none."""
     outputs = baseline.outputs.get("outputs", {})
     errors = {path: outputs[path].double() - golden[path].double()
-              for path in baseline.sensitivity if path in outputs and path in golden}
+              for path in baseline.sensitivity if path in outputs and path in golden
+              and not isinstance(outputs[path], Sketch) and not isinstance(golden[path], Sketch)}
     return tolerance.propagated_noise(baseline.sensitivity, errors) if errors else None
 
 
-def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
-           golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
+def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, Any],
+           golden: dict[str, Any], baseline: dict[str, Any] | None,
            noise: float | None = None) -> CheckResult:
     """Judge the tensors candidate and golden share; paths that one side lacks (eager's
     attention weights against sdpa's None) are structure differences, not divergences.
@@ -479,6 +599,15 @@ def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, torch
                    worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
                    structure=[str(d) for d in comparison.structure] or None,
                    left_out=left_out)
+
+
+def _padded(subject: Subject, output: str, path: str, tensor: torch.Tensor
+            ) -> torch.Tensor | None:
+    """The padded positions of one tensor of ``output`` as its judgement reads them: a sketch
+    of it is made with them at 0."""
+    padding = _padding(subject, output)
+    left_out = padding(path, tensor) if padding else None
+    return None if left_out is None else left_out.mask
 
 
 def _padding(subject: Subject, output: str) -> Padding | None:

@@ -15,7 +15,13 @@ from torchparity.subject import hf
 from torchparity.subject.decoding import STEP_HINT, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.padding import Padding, padding_of
-from torchparity.subject.running import LossFn, call_model, cast_inputs, projection_loss
+from torchparity.subject.running import (
+    LossFn,
+    call_model,
+    cast_inputs,
+    converted,
+    projection_loss,
+)
 
 #: ``decode(model, inputs, use_cache)``: a model's incremental decoding, its outputs a pytree.
 DecodeFn = Callable[[nn.Module, Any, bool], Any]
@@ -87,11 +93,16 @@ class Subject:
         return guarded
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
-               attention: str = hf.SDPA) -> tuple[nn.Module, Any]:
+               attention: str = hf.SDPA, *, share: bool = False) -> tuple[nn.Module, Any]:
         """A copy of the model in ``dtype`` on ``device`` in eval mode (dropout, modules' or
         ``F.dropout(training=self.training)``, would make runs differ), a ``transformers``
-        model on its ``attention`` implementation, and the inputs cast alike."""
-        model = copy.deepcopy(self.model).to(device=device, dtype=dtype).eval()
+        model on its ``attention`` implementation, and the inputs cast alike. With ``share``
+        the model itself is used (put in eval mode and on ``attention``) when it already has
+        that dtype and device: no copy."""
+        model = converted(self.model, device, dtype)
+        if model is self.model and not share:
+            model = copy.deepcopy(model)
+        model.eval()
         if self.is_transformers:
             hf.set_attention(model, attention)
         return model, cast_inputs(self.inputs, device, dtype)

@@ -86,13 +86,43 @@ def upcast(tree: Any, dtype: torch.dtype | None, device: torch.device | str | No
 
 def in_dtype(models: list[nn.Module], inputs: Inputs, dtype: torch.dtype | None
              ) -> tuple[list[nn.Module], Inputs]:
-    """Float copies of ``models`` and ``inputs`` in ``dtype`` (None: the originals)."""
+    """Copies of ``models`` with their floating parameters and buffers in ``dtype``, made
+    tensor by tensor (no second copy in the old dtype, see :func:`converted`), and ``inputs``
+    cast alike (None: the originals)."""
     if dtype is None:
         return models, inputs
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise UsageError(f"dtype must be a floating torch dtype such as torch.float64; "
                          f"got {dtype!r}")
-    return [copy.deepcopy(m).to(dtype) for m in models], upcast(inputs, dtype)
+    return [_copy_in(m, dtype) for m in models], upcast(inputs, dtype)
+
+
+def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]),
+                  torch.device("cpu"))
+    cast = converted(model, device, dtype)
+    return copy.deepcopy(model) if cast is model else cast
+
+
+def converted(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """``model`` with floating parameters and buffers in ``dtype``, everything on ``device``:
+    the model itself when it is already so, else a copy made without a second copy in the
+    old dtype (each tensor is converted once; tied parameters stay tied)."""
+    device = torch.device(device)
+    tensors = [*model.parameters(), *model.buffers()]
+    if all(t.device == device and (t.dtype == dtype or not t.is_floating_point())
+           for t in tensors):
+        return model
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device, dtype if t.is_floating_point() else t.dtype, copy=True)
+
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo[id(param)] = nn.Parameter(convert(param), requires_grad=param.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = convert(buffer)
+    return copy.deepcopy(model, memo)
 
 
 def projection_loss(outputs: Mapping[str, torch.Tensor], padding: PaddingSpec = None

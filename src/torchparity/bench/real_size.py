@@ -1,0 +1,104 @@
+"""Random ``transformers`` models of real shapes, as users' factories: torchparity at size.
+
+- ``gpt2_small``: GPT-2 small (124M parameters: 12 layers, width 768, vocabulary 50257),
+  batch 1 x 128 tokens;
+- ``llama_1b``: Llama 3.2 1B (1.24B parameters: 16 layers, width 2048, 32 query and 8
+  key/value heads, MLP 8192, vocabulary 128256, tied embeddings, llama3 rotary scaling),
+  batch 1 x 64 tokens.
+
+::
+
+    torchparity golden update --model torchparity.bench.real_size:llama_1b
+    torchparity check --model torchparity.bench.real_size:llama_1b --dtype fp32 --dtype bf16
+
+``$TORCHPARITY_PLANT`` plants a change with the same weights (so the same goldens apply):
+``norm-eps`` multiplies the epsilon of one layer's first norm by 10, ``rope-theta`` sets
+Llama's rotary base to 10000 (the Llama 2 value) instead of 500000.
+
+Weights are seeded and drawn without transformers' own initialisation, which takes half a
+minute for 1B parameters: every matrix uniform with standard deviation 0.02, norm weights 1,
+biases 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.errors import UsageError
+
+#: Environment variable naming a planted change (see the module docstring).
+PLANT_ENV = "TORCHPARITY_PLANT"
+PLANTS = ("norm-eps", "rope-theta")
+_STD = 0.02
+_SEED = 0
+
+
+def gpt2_small() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """GPT-2 small with seeded random weights and 128 random tokens."""
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024,
+                                     vocab_size=50257)
+    model = _random(transformers.GPT2LMHeadModel, config)
+    if _plant() == "norm-eps":
+        model.transformer.h[5].ln_1.eps *= 10
+    elif _plant() == "rope-theta":
+        raise UsageError("GPT-2 has no rotary positions: plant norm-eps instead")
+    return model, _tokens(config.vocab_size, 128)
+
+
+def llama_1b() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Llama 3.2 1B's shape with seeded random weights and 64 random tokens."""
+    import transformers
+
+    theta = 10000.0 if _plant() == "rope-theta" else 500000.0
+    config = transformers.LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": theta, "factor": 32.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        bos_token_id=128000, eos_token_id=128001)
+    model = _random(transformers.LlamaForCausalLM, config)
+    if _plant() == "norm-eps":
+        model.model.layers[7].input_layernorm.variance_epsilon *= 10
+    return model, _tokens(config.vocab_size, 64)
+
+
+def _plant() -> str | None:
+    plant = os.environ.get(PLANT_ENV) or None
+    if plant not in (None, *PLANTS):
+        raise UsageError(f"${PLANT_ENV}={plant!r}: choose one of {', '.join(PLANTS)}")
+    return plant
+
+
+def _random(cls: Any, config: Any) -> nn.Module:
+    """``cls(config)`` in eval mode with seeded weights, its own initialisation skipped."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: initialise twice, slowly
+        no_init_weights = contextlib.nullcontext
+    with no_init_weights():
+        model = cls(config)
+    model.tie_weights()
+    generator = torch.Generator().manual_seed(_SEED)
+    bound = _STD * math.sqrt(3.0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() > 1:
+                param.uniform_(-bound, bound, generator=generator)
+            else:
+                param.fill_(0.0 if name.endswith("bias") else 1.0)
+    return model.eval()
+
+
+def _tokens(vocab: int, length: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(_SEED))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}

@@ -1,0 +1,170 @@
+"""Judging a tensor known only by its sketch (:mod:`torchparity.sketching`).
+
+When the golden, the candidate or the baseline of a tensor is a
+:class:`~torchparity.sketching.Sketch`, the others are sketched with the same buckets and the
+tensor is judged on two things:
+
+- **its RMS error, estimated from the projections**, under the kind's constants in the RMS
+  metric: ``est(candidate) <= fudge * noise + floor``, the noise being the baseline's estimated
+  error at its upper confidence bound (times :func:`~torchparity.tolerance.sketch_margin`), at
+  least the noise floor and, for gradients, the pass's relative noise times the group's scale;
+  the scale is the golden's exact RMS. A legitimate candidate within the full RMS rule passes
+  unless an estimate is off by more than z standard deviations; a change must be ``margin``
+  times larger than the full rule needs to be certain to be seen, and the sensitivity says so;
+- **its exact slices** (the first elements of its first and last rows) under the ordinary rule
+  of the kind: max-abs for forward outputs, so a change there is seen as sharply as in a small
+  tensor, and the worst element reported is the worst among them.
+
+A max-abs kind cannot be judged whole from a sketch: a change confined to a few elements outside
+the slices moves the RMS error by sqrt(share of elements) of its size. docs/tolerance.md
+measures what a sketched forward comparison still detects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from torchparity import sketching, tolerance
+from torchparity.comparison.structure import StructureMismatch, dtype_name
+from torchparity.comparison.tensor import TensorComparison, as_float64, compare_tensor
+from torchparity.sketching import Sketch
+from torchparity.tolerance import DtypeLike, Metric
+
+
+def involves_sketch(*values: Any) -> bool:
+    """Whether any of ``values`` is a sketch (the tensor is then judged by
+    :func:`compare_sketch`)."""
+    return any(isinstance(v, Sketch) for v in values)
+
+
+def compare_sketch(
+    path: str,
+    candidate: torch.Tensor | Sketch,
+    golden: torch.Tensor | Sketch,
+    baseline: torch.Tensor | Sketch | None,
+    kind: str,
+    compute_dtype: DtypeLike | None,
+    reduction_length: int | None,
+    step: int | None,
+    group_scale: float | None = None,
+    *,
+    equal_nan: bool = False,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    group_noise: float | None = None,
+    inherited: float = 0.0,
+) -> TensorComparison:
+    """One tensor's comparison when any of the three is sketched (see the module docstring);
+    the :class:`TensorComparison` has the RMS estimate as its error and the slices' max-abs,
+    relative and ULP errors and worst element. Raises :class:`StructureMismatch` when two
+    sketches were made with other buckets."""
+    reference = next(v for v in (golden, candidate, baseline) if isinstance(v, Sketch))
+    try:
+        g, c = sketching.like(reference, golden), sketching.like(reference, candidate)
+        b = None if baseline is None else sketching.like(reference, baseline)
+    except ValueError as exc:
+        raise StructureMismatch(f"{path}: {exc}") from None
+    if not c.dtype.is_floating_point:
+        raise StructureMismatch(f"{path}: a sketch holds a floating tensor, the candidate is "
+                                f"{dtype_name(c.dtype)}")
+    precision = tolerance.precision(compute_dtype if compute_dtype is not None else c.dtype)
+    length = reduction_length if reduction_length is not None else (c.shape[-1] if c.shape else 1)
+    margin = tolerance.sketch_margin(g.size)
+    error = sketching.error_estimate(c, g)
+    baseline_error = None if b is None else sketching.error_estimate(b, g)
+    spent = tolerance.budget(
+        g, baseline_error=None if baseline_error is None else baseline_error * margin,
+        compute_dtype=precision.name, kind=kind, reduction_length=length, step=step,
+        group_scale=group_scale, group_noise=group_noise, inherited=inherited, atol=atol,
+        rtol=rtol, metric="rms")
+    if spent.noise_source == "baseline error":
+        spent = dataclasses.replace(
+            spent, noise_source=f"baseline error (sketched, × {margin:.3g} for its spread)")
+    slices = compare_tensor(
+        path, c.slices, g.slices, None if b is None else b.slices, kind, precision.name,
+        length, step, group_scale, equal_nan=equal_nan, atol=atol, rtol=rtol,
+        group_noise=group_noise)
+    notes = [f"sketched: RMS error estimated from {g.size} coordinates"
+             f" (±{tolerance.sketch_spread(g.size):.1%}); max-abs error and worst element"
+             f" over the {g.slices.numel()} exact elements of its first and last rows"]
+    notes += [f"slices: {note}" for note in slices.notes]
+    baseline_headroom = None
+    if baseline_error is not None:
+        bound = tolerance.baseline_bound(g, compute_dtype=precision.name, kind=kind,
+                                         reduction_length=length, group_scale=group_scale,
+                                         metric="rms")
+        fudge = tolerance.kind_tolerance(kind).fudge
+        baseline_headroom = (baseline_error / margin) / max(bound, fudge * error)
+        if baseline_headroom > 1:
+            notes.append(f"the baseline itself errs about {baseline_error:.3g} (RMS), over the "
+                         f"{bound:.3g} a plain {precision.name} computation may err; the "
+                         "baseline is degraded and cannot set a budget")
+    faults = c.nonfinite != g.nonfinite
+    if faults:
+        notes.insert(0, f"candidate has {c.nonfinite} NaN/inf, the golden {g.nonfinite}")
+    headroom = math.inf if faults else max(error / spent.value, slices.headroom)
+    if faults or (baseline_headroom is not None and baseline_headroom > 1):
+        verdict = "diverged"
+    elif c.same_values(b if b is not None else g):
+        verdict = "identical"
+    else:
+        within = error <= spent.value and slices.verdict != "diverged"
+        verdict = "within" if within else "diverged"
+    worst = None if slices.worst_index is None else g.slice_index(slices.worst_index[0])
+    return TensorComparison(
+        path=path,
+        shape=tuple(c.shape),
+        dtype=dtype_name(c.dtype),
+        compute_dtype=precision.name,
+        kind=kind,
+        verdict=verdict,
+        max_abs=slices.max_abs,
+        max_rel=slices.max_rel,
+        rms=error,
+        rel_l2=error / max(g.rms, 1e-300),
+        cosine=sketching.cosine_estimate(c, g),
+        max_ulp=slices.max_ulp,
+        n_over=slices.n_over,
+        frac_over=slices.frac_over,
+        worst_index=worst,
+        candidate_value=slices.candidate_value,
+        baseline_value=slices.baseline_value,
+        golden_value=slices.golden_value,
+        budget=spent,
+        error=error,
+        headroom=headroom,
+        # A change is certain to be flagged only once its estimate, at its lower bound,
+        # leaves the budget.
+        sensitivity=spent.sensitivity * margin,
+        baseline_headroom=baseline_headroom,
+        notes=notes,
+        exact_elements=slices.shape[0],
+    )
+
+
+def magnitude(golden: torch.Tensor | Sketch, metric: Metric) -> float:
+    """The golden's finite magnitude in ``metric``; a sketch's is exact."""
+    if isinstance(golden, Sketch):
+        return golden.rms if metric == "rms" else golden.absmax
+    return tolerance.finite_magnitude(golden, metric)
+
+
+def relative_baseline_error(baseline: torch.Tensor | Sketch, golden: torch.Tensor | Sketch,
+                            metric: Metric, scale: float) -> float:
+    """err(baseline, golden) / scale over the elements both have finite; estimated at its
+    upper confidence bound (in RMS) when either is sketched."""
+    if scale <= 0:
+        return 0.0
+    if involves_sketch(baseline, golden):
+        reference = golden if isinstance(golden, Sketch) else baseline
+        g, b = sketching.like(reference, golden), sketching.like(reference, baseline)
+        return sketching.error_estimate(b, g) * tolerance.sketch_margin(g.size) / scale
+    g, b = as_float64(golden), as_float64(baseline)
+    usable = g.isfinite() & b.isfinite()
+    if not bool(usable.all()):
+        g, b = g[usable], b[usable]
+    return tolerance.error(b, g, metric) / scale

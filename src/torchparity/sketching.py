@@ -1,0 +1,296 @@
+"""Sketches: tensors too big to keep, summarised so that the tolerance model can still judge them.
+
+A :class:`Sketch` of a tensor holds
+
+- its *projection*: a CountSketch of k coordinates (:data:`torchparity.tolerance.SKETCH`).
+  Element ``i`` is added, with a sign, to one of k buckets, both drawn from a random stream
+  seeded by the tensor's name. The projection is linear, so the projection of an error is the
+  difference of two projections, and its squared norm estimates the error's squared norm
+  without bias (relative standard deviation at most sqrt(2 / k));
+- exact statistics: RMS, absmax and mean of the finite elements, and how many are not finite;
+- exact *slices*: the first :attr:`SketchTolerance.slice_elements` elements of the first and of
+  the last row (the tensor seen as rows of its last dimension), where max-abs kinds are judged
+  by the ordinary rule and a worst element is reported.
+
+Every sketch of one name uses the same buckets and signs, so a golden sketched on one machine
+and a candidate sketched on another are comparable. The random stream is numpy's PCG64 seeded
+through ``SeedSequence``, whose bits numpy guarantees stable across versions; tensors are
+sketched in fixed chunks, so the result does not depend on memory or threads. Sums run in
+float64.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchparity import tolerance
+
+#: Environment variable overriding :attr:`SketchTolerance.min_elements` (a number of
+#: elements): floating tensors with at least this many elements are sketched.
+SKETCH_ABOVE_ENV = "TORCHPARITY_SKETCH_ABOVE"
+#: Elements per chunk of the random stream (part of the format: changing it changes sketches).
+CHUNK = 1 << 22
+#: Version of the bucket and sign stream; recorded in goldens beside each sketch.
+METHOD = "countsketch-pcg64/1"
+
+
+@dataclass(frozen=True, eq=False)
+class Sketch:
+    """A tensor of ``shape`` and ``dtype`` kept as its projection, statistics and exact slices.
+
+    Guarantees: ``projection`` is float64 of :attr:`size` coordinates, the same linear function
+    of the values for every sketch of the same ``seed`` and size; ``slices`` holds the values of
+    :func:`slice_ranges` in ``dtype``; ``rms``, ``absmax`` and ``mean`` are exact over the finite
+    elements (``nonfinite`` counts the others, which the projection leaves out).
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    seed: int
+    projection: torch.Tensor
+    slices: torch.Tensor
+    rms: float
+    absmax: float
+    mean: float
+    nonfinite: int = 0
+
+    @property
+    def size(self) -> int:
+        """k, the coordinates of the projection."""
+        return self.projection.numel()
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def is_floating_point(self) -> bool:
+        """Always: only floating tensors are sketched."""
+        return True
+
+    def cpu(self) -> Sketch:
+        """The sketch itself: sketches live on the CPU."""
+        return self
+
+    @property
+    def std(self) -> float:
+        """Standard deviation of the finite elements."""
+        return math.sqrt(max(self.rms**2 - self.mean**2, 0.0))
+
+    def slice_index(self, position: int) -> tuple[int, ...]:
+        """The index, in the tensor, of element ``position`` of :attr:`slices`."""
+        for start, length in slice_ranges(self.shape):
+            if position < length:
+                return tuple(int(j) for j in np.unravel_index(start + position, self.shape))
+            position -= length
+        raise IndexError(f"a sketch of shape {self.shape} has no slice element {position}")
+
+    def same_values(self, other: Sketch) -> bool:
+        """Whether two sketches have the same dtype and bit-equal projections, slices and
+        statistics: what the sketches can tell of two tensors being bit-identical."""
+        return (self.dtype == other.dtype and self.shape == other.shape
+                and self.seed == other.seed and torch.equal(self.projection, other.projection)
+                and _bits_equal(self.slices, other.slices)
+                and (self.rms, self.absmax, self.mean, self.nonfinite)
+                == (other.rms, other.absmax, other.mean, other.nonfinite))
+
+    def __repr__(self) -> str:
+        shape = ", ".join(map(str, self.shape))
+        return f"Sketch({shape}) {str(self.dtype).removeprefix('torch.')} k={self.size}"
+
+
+def threshold() -> int:
+    """The number of elements from which floating tensors are sketched:
+    ``$TORCHPARITY_SKETCH_ABOVE`` when set, else :attr:`SketchTolerance.min_elements`."""
+    value = os.environ.get(SKETCH_ABOVE_ENV)
+    if not value:
+        return tolerance.SKETCH.min_elements
+    try:
+        return max(1, int(value))
+    except ValueError:
+        from torchparity.errors import UsageError
+
+        raise UsageError(f"${SKETCH_ABOVE_ENV}={value!r} is not a number of elements; set it to "
+                         f"an integer such as {tolerance.SKETCH.min_elements}") from None
+
+
+def wants_sketch(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is kept as a sketch: floating, with at least :func:`threshold`
+    elements."""
+    return tensor.is_floating_point() and tensor.numel() >= threshold()
+
+
+def kept(name: str, tensor: torch.Tensor, left_out: torch.Tensor | None = None
+         ) -> torch.Tensor | Sketch:
+    """``tensor`` as a run keeps it: a sketch seeded by ``name`` when :func:`wants_sketch`
+    (of the tensor with the positions ``left_out`` marks set to 0, see :func:`masked`), else a
+    detached copy on the CPU."""
+    if wants_sketch(tensor):
+        return sketch(masked(tensor, left_out), name)
+    return tensor.detach().to("cpu", copy=True)
+
+
+def masked(tensor: torch.Tensor, left_out: torch.Tensor | None) -> torch.Tensor:
+    """``tensor`` with the positions that ``left_out`` (a bool mask over its leading
+    dimensions, True at padding) marks set to 0: what the sketch of a padded tensor is made of,
+    so that padded positions add nothing to its projection, statistics or slices."""
+    if left_out is None or not bool(left_out.any()):
+        return tensor
+    mask = left_out.to(tensor.device)
+    return tensor.masked_fill(mask.reshape(*mask.shape, *(1,) * (tensor.dim() - mask.dim())), 0)
+
+
+def seed_of(name: str) -> int:
+    """The seed of a tensor's buckets and signs: a pure function of its name."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+
+
+def slice_ranges(shape: tuple[int, ...] | torch.Size) -> list[tuple[int, int]]:
+    """``(flat start, length)`` of a sketch's exact slices: the first
+    :attr:`SketchTolerance.slice_elements` elements of the first and of the last row."""
+    n = math.prod(shape)
+    if n == 0:
+        return []
+    row = shape[-1] if len(shape) else 1
+    length = min(row, tolerance.SKETCH.slice_elements)
+    starts = [0] if n == row else [0, n - row]
+    return [(start, length) for start in starts]
+
+
+def sketch(tensor: torch.Tensor, name: str | None = None, *, seed: int | None = None,
+           size: int | None = None) -> Sketch:
+    """The sketch of ``tensor`` with the buckets of ``name`` (or of ``seed``) and ``size``
+    coordinates (default :attr:`SketchTolerance.size`)."""
+    if seed is None:
+        if name is None:
+            raise ValueError("sketch() needs the tensor's name or a seed")
+        seed = seed_of(name)
+    size = size or tolerance.SKETCH.size
+    flat = tensor.detach().reshape(-1)
+    buckets = torch.zeros(2 * size, dtype=torch.float64)
+    squares = total = 0.0
+    absmax, nonfinite = 0.0, 0
+    for index, start in enumerate(range(0, flat.numel(), CHUNK)):
+        values = flat[start:start + CHUNK].to("cpu", torch.float64)
+        if not tolerance.all_finite(values):
+            finite = values.isfinite()
+            nonfinite += int((~finite).sum())
+            values = torch.where(finite, values, 0.0)
+        # Buckets 0..k-1 add the element, k..2k-1 subtract it: bucket and sign in one draw.
+        buckets.index_add_(0, _bucket_stream(seed, index, values.numel(), size), values)
+        squares += torch.dot(values, values).item()
+        total += values.sum().item()
+        if values.numel():
+            low, high = torch.aminmax(values)
+            absmax = max(absmax, -low.item(), high.item())
+    finite = flat.numel() - nonfinite
+    slices = torch.cat([flat[start:start + length] for start, length in slice_ranges(tensor.shape)]
+                       or [flat[:0]]).to("cpu", copy=True)
+    return Sketch(shape=tuple(tensor.shape), dtype=tensor.dtype, seed=seed,
+                  projection=buckets[:size] - buckets[size:], slices=slices,
+                  rms=math.sqrt(squares / finite) if finite else 0.0, absmax=absmax,
+                  mean=total / finite if finite else 0.0, nonfinite=nonfinite)
+
+
+def _bucket_stream(seed: int, chunk: int, n: int, size: int) -> torch.Tensor:
+    """Bucket (with the sign as its high half) of each of ``n`` elements of one chunk."""
+    if size & (size - 1) or size > 2**14:
+        raise ValueError(f"sketch size must be a power of two up to 16384, got {size}")
+    words = np.random.PCG64(np.random.SeedSequence((seed, chunk))).random_raw(-(-n // 4))
+    draws = np.empty(n, dtype=np.int32)
+    np.bitwise_and(words.view(np.uint16)[:n], np.uint16(2 * size - 1), out=draws,
+                   casting="unsafe")
+    return torch.from_numpy(draws)
+
+
+def like(reference: Sketch, value: torch.Tensor | Sketch) -> Sketch:
+    """``value`` as a sketch comparable with ``reference`` (same buckets and size); a sketch
+    made with other buckets is a ``ValueError`` (it cannot be compared)."""
+    if isinstance(value, Sketch):
+        if (value.seed, value.size) != (reference.seed, reference.size):
+            raise ValueError("sketched with other buckets: the two sketches cannot be compared")
+        return value
+    return sketch(value, seed=reference.seed, size=reference.size)
+
+
+def error_estimate(a: Sketch, b: Sketch) -> float:
+    """The RMS of ``a - b`` as the projections estimate it (unbiased in the square)."""
+    difference = a.projection - b.projection
+    return tolerance.rms(difference) * math.sqrt(a.size / max(a.numel(), 1))
+
+
+def cosine_estimate(a: Sketch, b: Sketch) -> float:
+    """The cosine similarity of the two tensors as their projections estimate it."""
+    norms = torch.linalg.vector_norm(a.projection) * torch.linalg.vector_norm(b.projection)
+    if norms == 0:
+        return 1.0 if torch.equal(a.projection, b.projection) else 0.0
+    return max(-1.0, min(1.0, (torch.dot(a.projection, b.projection) / norms).item()))
+
+
+def shifted(golden: torch.Tensor | Sketch, plus: torch.Tensor | Sketch,
+            minus: torch.Tensor | Sketch) -> torch.Tensor | Sketch:
+    """``golden + (plus - minus)``; when any is a sketch, the sketch of it (the projection and
+    the slices are linear; the statistics are the golden's, which the shift moves by rounding
+    only)."""
+    reference = next((v for v in (golden, plus, minus) if isinstance(v, Sketch)), None)
+    if reference is None:
+        return golden + (plus - minus)
+    golden, plus, minus = (like(reference, v) for v in (golden, plus, minus))
+    slices = golden.slices.double() + (plus.slices.double() - minus.slices.double())
+    return Sketch(shape=golden.shape, dtype=golden.dtype, seed=golden.seed,
+                  projection=golden.projection + (plus.projection - minus.projection),
+                  slices=slices.to(golden.dtype), rms=golden.rms, absmax=golden.absmax,
+                  mean=golden.mean, nonfinite=golden.nonfinite)
+
+
+#: The stored tensors of one sketch, by part name (see :func:`parts`).
+PARTS = ("sketch", "slices", "stats")
+
+
+def parts(value: Sketch) -> dict[str, torch.Tensor]:
+    """The tensors a file stores of a sketch: its projection, slices and statistics; with
+    :func:`describe` they give it back through :func:`from_parts`."""
+    stats = torch.tensor([value.rms, value.absmax, value.mean, float(value.nonfinite)],
+                         dtype=torch.float64)
+    return {"sketch": value.projection, "slices": value.slices, "stats": stats}
+
+
+def describe(value: Sketch) -> dict[str, Any]:
+    """What a file records beside a sketch's parts (JSON): shape, dtype, method, size, seed."""
+    return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+            "method": METHOD, "size": value.size, "seed": str(value.seed)}
+
+
+def from_parts(description: Mapping[str, Any], stored: Mapping[str, torch.Tensor]) -> Sketch:
+    """The sketch :func:`parts` and :func:`describe` wrote; ``ValueError`` when one is missing
+    or malformed, or the sketch was made by another method."""
+    try:
+        if description["method"] != METHOD:
+            raise ValueError(f"sketched by {description['method']!r}, this torchparity "
+                             f"sketches by {METHOD!r}")
+        rms, absmax, mean, nonfinite = stored["stats"].tolist()
+        return Sketch(shape=tuple(int(n) for n in description["shape"]),
+                      dtype=getattr(torch, str(description["dtype"])),
+                      seed=int(description["seed"]), projection=stored["sketch"],
+                      slices=stored["slices"], rms=rms, absmax=absmax, mean=mean,
+                      nonfinite=int(nonfinite))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"incomplete sketch ({type(exc).__name__}: {exc})") from None
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.is_floating_point:
+        views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        a, b = a.view(views[a.element_size()]), b.view(views[b.element_size()])
+    return torch.equal(a, b)

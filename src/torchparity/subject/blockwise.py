@@ -1,0 +1,360 @@
+"""A model's float64 forward and backward pass without a float64 copy of the model.
+
+:class:`Float64Run` runs a model as if it had been cast to float64 (``model.double()``), while
+only the module running at the moment holds its parameters in float64:
+
+- every module with parameters of its own gets them as float64 tensors in a forward pre-hook
+  and its own back in the forward hook; floating buffers are float64 for the whole run (they
+  are small: rotary tables, masks);
+- autograd saves what the backward pass needs; a saved float64 parameter is kept as a
+  reference to the model's own parameter and cast again when the backward pass reads it
+  (:func:`torch.autograd.graph.saved_tensors_hooks`), so no module's float64 weights outlive its
+  call. The activations are saved in float64 as usual;
+- each float64 parameter enters the graph through a function whose backward hands its gradient
+  to ``on_grad(name, grad)`` as soon as every use of the parameter has contributed: gradients
+  are float64, one (or a few) at a time, and the model's ``.grad`` is never touched.
+
+Peak memory is the model in its own dtype, one module's parameters (and gradient) in float64,
+and the float64 activations. The values are those of ``model.double()``: the same float64
+operations on the same float64 numbers (the cast of a float32 or bfloat16 parameter to float64
+is exact), which the tests check bit for bit on ``transformers`` models and the zoo.
+
+It needs each module to use only its own parameters (a parameter read by another module's
+forward would meet float64 activations in its own dtype: a dtype error, or a silent float32
+step). ``progress(phase, done, total)`` reports the model's repeated blocks (the layers) as
+the forward pass enters them and as the backward pass completes their gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+#: ``on_grad(parameter name, float64 gradient)``.
+GradSink = Callable[[str, torch.Tensor], None]
+#: ``perturb(parameter name, float64 value) -> float64 value``: the weights a run sees.
+Perturb = Callable[[str, torch.Tensor], torch.Tensor]
+#: ``progress(phase, done, total)``, phase "forward" or "backward".
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class _Recast:
+    """A saved float64 parameter (or a view of one), kept as the parameter it was cast from."""
+
+    name: str
+    parameter: torch.Tensor
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _AsFloat64(torch.autograd.Function):
+    """The float64 value of a parameter, whose gradient goes to the run's sink."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, parameter: torch.Tensor, run: Float64Run,
+                name: str) -> torch.Tensor:
+        ctx.run, ctx.name = run, name
+        return run.value(name, parameter)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        ctx.run.receive(ctx.name, grad)
+        return None, None, None, None
+
+
+class Float64Run:
+    """Run ``model`` in float64 inside the ``with`` block, one module's parameters at a time.
+
+    >>> with Float64Run(model, on_grad=keep) as run:
+    ...     loss = loss_fn(model(**upcast(inputs, torch.float64)))
+    ...     run.backward(loss)
+
+    Guarantees: outputs, loss and gradients equal those of ``model.double()`` on the same
+    inputs (with ``device``, those of ``model.to(device, torch.float64)``: a CUDA model's
+    golden on the CPU, its weights copied over one module at a time); the model's parameters,
+    buffers and ``.grad`` are as before when the block ends (also after an exception);
+    :meth:`backward` hands every parameter that requires a gradient to ``on_grad`` exactly
+    once (zeros for one the loss does not reach). Forward passes under ``torch.no_grad()``
+    (decoding) run in float64 too and record no gradients. ``perturb`` changes the float64
+    weights every module sees, the same way in forward and backward.
+    """
+
+    def __init__(self, model: nn.Module, *, on_grad: GradSink | None = None,
+                 perturb: Perturb | None = None, progress: Progress | None = None,
+                 device: str | torch.device | None = None) -> None:
+        self.model = model
+        self.device = None if device is None else torch.device(device)
+        self.on_grad = on_grad
+        self.perturb = perturb
+        self.progress = progress
+        self.names: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+        self._anchor = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        self._live: dict[int, tuple[str, torch.Tensor]] = {}  # storage of a float64 copy
+        self._swapped: dict[int, list[list[tuple[str, torch.Tensor, int]]]] = {}
+        self._uses: dict[str, int] = {}
+        self._received: dict[str, int] = {}
+        self._pending: dict[str, torch.Tensor] = {}
+        self._delivered: set[str] = set()
+        self._progress = BlockProgress(model, progress)
+        self._exit = contextlib.ExitStack()
+
+    # -- the block -----------------------------------------------------------------------------
+
+    def __enter__(self) -> Float64Run:
+        stack = self._exit.__enter__()
+        try:
+            stack.callback(self._restore_parameters)
+            self._cast_buffers(stack)
+            for module in self.model.modules():
+                if any(p is not None and p.is_floating_point()
+                       for p in module._parameters.values()):
+                    stack.enter_context(_removing(
+                        module.register_forward_pre_hook(self._enter_module, prepend=True),
+                        module.register_forward_hook(self._leave_module, always_call=True)))
+            stack.enter_context(self._progress)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack,
+                                                                         self._unpack))
+        except BaseException:
+            self._exit.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._exit.__exit__(*exc)
+
+    def backward(self, outputs: torch.Tensor | list[torch.Tensor],
+                 grad_outputs: list[torch.Tensor] | None = None,
+                 inputs: tuple[torch.Tensor, ...] = (), *, unused: bool = True
+                 ) -> tuple[torch.Tensor | None, ...]:
+        """Backpropagate ``outputs`` (a loss, or tensors with their ``grad_outputs``) and hand
+        every parameter's float64 gradient to ``on_grad``; returns the gradients of
+        ``inputs`` (None for one not reached). With ``unused`` a parameter the outputs do not
+        reach gets zeros, else nothing."""
+        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        found: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
+        if any(o.requires_grad for o in outputs):
+            found = torch.autograd.grad(outputs, [*inputs, self._anchor], grad_outputs,
+                                        allow_unused=True)[:len(inputs)]
+        for name, param in self.model.named_parameters():
+            if not param.requires_grad or name in self._delivered:
+                continue
+            grad = self._pending.pop(name, None)
+            if grad is None and unused:
+                grad = torch.zeros(param.shape, dtype=torch.float64, device=self._device(param))
+            if grad is not None:
+                self._deliver(name, grad)
+        return found
+
+    # -- casting -------------------------------------------------------------------------------
+
+    def value(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
+        """The float64 value a module sees of ``parameter`` (perturbed when asked)."""
+        value = parameter.detach().to(self._device(parameter), torch.float64, copy=True)
+        return self.perturb(name, value) if self.perturb is not None else value
+
+    def _device(self, tensor: torch.Tensor) -> torch.device:
+        return tensor.device if self.device is None else self.device
+
+    def _cast(self, parameter: torch.Tensor) -> torch.Tensor:
+        name = self.names.get(id(parameter), f"<unnamed {id(parameter)}>")
+        if torch.is_grad_enabled() and parameter.requires_grad and self.on_grad is not None:
+            self._uses[name] = self._uses.get(name, 0) + 1
+            value = _AsFloat64.apply(self._anchor, parameter.detach(), self, name)
+        else:
+            value = self.value(name, parameter)
+        self._live[value.untyped_storage().data_ptr()] = (name, parameter)
+        return value
+
+    def _enter_module(self, module: nn.Module, args: Any) -> None:
+        swapped = []
+        for key, parameter in list(module._parameters.items()):
+            if parameter is not None and parameter.is_floating_point():
+                value = self._cast(parameter)
+                module._parameters[key] = value
+                swapped.append((key, parameter, value.untyped_storage().data_ptr()))
+        self._swapped.setdefault(id(module), []).append(swapped)
+
+    def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
+        calls = self._swapped.get(id(module))
+        if not calls:
+            return
+        for key, parameter, storage in calls.pop():
+            module._parameters[key] = parameter
+            self._live.pop(storage, None)
+
+    def _restore_parameters(self) -> None:
+        """Put back every parameter a module still holds in float64 (after an exception)."""
+        modules = {id(m): m for m in self.model.modules()}
+        for module_id, calls in self._swapped.items():
+            for swapped in reversed(calls):
+                for key, parameter, _ in swapped:
+                    modules[module_id]._parameters[key] = parameter
+        self._swapped.clear()
+        self._live.clear()
+
+    def _cast_buffers(self, stack: contextlib.ExitStack) -> None:
+        converted: dict[int, torch.Tensor] = {}
+        for module in self.model.modules():
+            for key, buffer in list(module._buffers.items()):
+                if buffer is None or not (buffer.is_floating_point() or self.device):
+                    continue
+                if id(buffer) not in converted:
+                    dtype = torch.float64 if buffer.is_floating_point() else buffer.dtype
+                    converted[id(buffer)] = buffer.to(self._device(buffer), dtype)
+                module._buffers[key] = converted[id(buffer)]
+                stack.callback(module._buffers.__setitem__, key, buffer)
+
+    # -- saved tensors -------------------------------------------------------------------------
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.dtype != torch.float64 or tensor.layout != torch.strided:
+            return tensor
+        try:
+            storage = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            return tensor
+        found = self._live.get(storage)
+        if found is None:
+            return tensor
+        name, parameter = found
+        return _Recast(name, parameter, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Recast):
+            return saved
+        value = self.value(saved.name, saved.parameter)
+        return value.as_strided(saved.size, saved.stride, saved.offset)
+
+    # -- gradients -----------------------------------------------------------------------------
+
+    def receive(self, name: str, grad: torch.Tensor) -> None:
+        """One use's gradient of parameter ``name``; the sum goes on once all have come."""
+        grad = grad.detach()
+        pending = self._pending.get(name)
+        if pending is not None:
+            pending.add_(grad)  # in place: a tied embedding's gradient is gigabytes
+        else:  # a copy of its own when more uses will add to it
+            self._pending[name] = grad.clone() if self._uses.get(name, 0) > 1 else grad
+        self._received[name] = self._received.get(name, 0) + 1
+        if self._received[name] == self._uses.get(name, 0):
+            self._deliver(name, self._pending.pop(name))
+
+    def _deliver(self, name: str, grad: torch.Tensor) -> None:
+        self._delivered.add(name)
+        if self.on_grad is not None:
+            self.on_grad(name, grad)
+        self._progress.gradient_done(name)
+
+
+class BlockProgress:
+    """Progress through a model's repeated blocks while the ``with`` block runs:
+    ``progress("forward", i, n)`` as the forward pass enters block i of n, and
+    ``progress("backward", j, n)`` once j blocks have all their gradients (reported through
+    :meth:`gradient_done`). Nothing is reported for a model without repeated blocks."""
+
+    def __init__(self, model: nn.Module, progress: Progress | None) -> None:
+        self.progress = progress
+        names = {id(p): n for n, p in model.named_parameters()}
+        self._blocks = repeated_blocks(model) if progress is not None else []
+        self._block_of = {n: i for i, block in enumerate(self._blocks)
+                          for n in _parameter_names(block, names)}
+        self._left = [len(_parameter_names(b, names)) for b in self._blocks]
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> BlockProgress:
+        self._handles = [block.register_forward_pre_hook(
+            lambda *_, i=index: self._report("forward", i + 1))
+            for index, block in enumerate(self._blocks)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def gradient_done(self, name: str) -> None:
+        """Parameter ``name`` has its whole gradient."""
+        block = self._block_of.get(name)
+        if block is None:
+            return
+        self._left[block] -= 1
+        if self._left[block] == 0:
+            self._report("backward", sum(left == 0 for left in self._left))
+
+    def _report(self, phase: str, done: int) -> None:
+        if self.progress is not None:
+            self.progress(phase, done, len(self._blocks))
+
+
+def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
+                 progress: BlockProgress | None = None, *, unused: bool = True) -> None:
+    """Backpropagate ``loss`` through ``model`` in its own dtype and hand each parameter's
+    gradient to ``on_grad(name, grad)`` as soon as it is complete, then drop it: at most the
+    gradients in flight are held, never all of them. Every parameter that requires a gradient
+    is handed over once (zeros for one the loss does not reach, unless ``unused`` is False);
+    ``.grad`` is as before."""
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    names = {id(p): name for name, p in params.items()}
+    saved = {name: p.grad for name, p in params.items()}
+    done: set[str] = set()
+
+    def complete(param: torch.Tensor) -> None:
+        name = names[id(param)]
+        grad, param.grad = param.grad, None
+        done.add(name)
+        on_grad(name, grad)
+        if progress is not None:
+            progress.gradient_done(name)
+
+    for p in params.values():
+        p.grad = None
+    handles = [p.register_post_accumulate_grad_hook(complete) for p in params.values()]
+    try:
+        if loss.requires_grad:
+            loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, p in params.items():
+            p.grad = saved[name]
+    for name, p in params.items():
+        if name not in done and unused:
+            on_grad(name, torch.zeros_like(p))
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (its layers): the children of the list of modules (a
+    ``ModuleList`` or ``Sequential``) holding the most parameters in two or more modules of
+    one class; empty when there is none."""
+    best: list[nn.Module] = []
+    best_size = 0
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList | nn.Sequential):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best, best_size = children, size
+    return best
+
+
+def _parameter_names(module: nn.Module, names: dict[int, str]) -> set[str]:
+    return {names[id(p)] for p in module.parameters() if p.requires_grad and id(p) in names}
+
+
+@contextlib.contextmanager
+def _removing(*handles: Any) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
