@@ -285,16 +285,10 @@ def replay(module: nn.Module, inputs: tuple[tuple, dict], backend: BackendSpec, 
         if not grad_out:
             with torch.no_grad():
                 return flatten_tensors(module(*args, **kwargs)), {}
-        leaves = {f"input.{path}": t.requires_grad_()
-                  for path, t in {**flatten_tensors(args, "args"),
-                                  **flatten_tensors(kwargs, "kwargs")}.items()
-                  if path in requires_grad}
+        outputs, leaves, seeds = _forward_for_backward(module, args, kwargs, grad_out,
+                                                       requires_grad)
         params = {f"param.{n}": p for n, p in module.named_parameters(recurse=False)
                   if p.requires_grad}
-        with torch.enable_grad():
-            outputs = flatten_tensors(module(*args, **kwargs))
-        seeds = [(outputs[p], g.to(outputs[p])) for p, g in grad_out.items()
-                 if p in outputs and outputs[p].requires_grad]
         targets = {**leaves, **params}
         grads = {}
         if seeds and targets:
@@ -302,6 +296,23 @@ def replay(module: nn.Module, inputs: tuple[tuple, dict], backend: BackendSpec, 
                                         [g for _, g in seeds], allow_unused=True)
             grads = {name: g for name, g in zip(targets, found, strict=True) if g is not None}
     return {p: t.detach() for p, t in outputs.items()}, grads
+
+
+def _forward_for_backward(module: nn.Module, args: tuple, kwargs: dict,
+                          grad_out: Mapping[str, torch.Tensor], requires_grad: frozenset[str]
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                     list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The module's outputs by path, the inputs that required grad in the recorded run (now
+    leaves that require it), and each output that backward starts from with its gradient."""
+    leaves = {f"input.{path}": t.requires_grad_()
+              for path, t in {**flatten_tensors(args, "args"),
+                              **flatten_tensors(kwargs, "kwargs")}.items()
+              if path in requires_grad}
+    with torch.enable_grad():
+        outputs = flatten_tensors(module(*args, **kwargs))
+    seeds = [(outputs[p], g.to(outputs[p])) for p, g in grad_out.items()
+             if p in outputs and outputs[p].requires_grad]
+    return outputs, leaves, seeds
 
 
 def _replay_float64(module: nn.Module, args: tuple, kwargs: dict, backend: BackendSpec,
@@ -315,14 +326,8 @@ def _replay_float64(module: nn.Module, args: tuple, kwargs: dict, backend: Backe
         if not grad_out:
             with torch.no_grad():
                 return flatten_tensors(module(*args, **kwargs)), {}
-        leaves = {f"input.{path}": t.requires_grad_()
-                  for path, t in {**flatten_tensors(args, "args"),
-                                  **flatten_tensors(kwargs, "kwargs")}.items()
-                  if path in requires_grad}
-        with torch.enable_grad():
-            outputs = flatten_tensors(module(*args, **kwargs))
-        seeds = [(outputs[p], g.to(outputs[p])) for p, g in grad_out.items()
-                 if p in outputs and outputs[p].requires_grad]
+        outputs, leaves, seeds = _forward_for_backward(module, args, kwargs, grad_out,
+                                                       requires_grad)
         if seeds:
             found = run64.backward([o for o, _ in seeds], [g for _, g in seeds],
                                    tuple(leaves.values()), unused=False)
