@@ -23,11 +23,10 @@ X86_CAPABILITIES = ("default", "avx2", "avx512")
 
 
 def describe(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """What rounds on ``device`` here: the CPU capability and torch version, and on CUDA the
-    device's name and whether TF32 or reduced-precision reductions are allowed."""
+    """What rounds on ``device`` here besides torch's version: the CPU capability, and on CUDA
+    the device's name and whether TF32 or reduced-precision reductions are allowed."""
     described: dict[str, Any] = {
         "cpu_capability": torch.backends.cpu.get_cpu_capability().lower(),
-        "torch": torch.__version__,
     }
     if torch.device(device).type == "cuda":
         matmul = torch.backends.cuda.matmul
@@ -41,16 +40,16 @@ def describe(device: str | torch.device = "cpu") -> dict[str, Any]:
     return described
 
 
-def label(described: dict[str, Any] | None) -> str:
-    """One short line for a machine ``describe`` gave: ``cpu avx512, torch 2.13.0+cpu``;
-    "unknown" for goldens made before they recorded it."""
-    if not described:
-        return "unknown"
-    parts = [f"cpu {described.get('cpu_capability', 'unknown')}",
-             f"torch {described.get('torch', 'unknown')}"]
-    if "cuda_device" in described:
-        tf32 = "on" if described.get("tf32_matmul") else "off"
-        parts.append(f"{described['cuda_device']} (tf32 {tf32})")
+def label(produced_by: dict[str, Any] | None) -> str:
+    """One short line for the machine of a golden's ``produced_by`` (:func:`describe` and the
+    torch version): ``cpu avx512, torch 2.13.0``, with the CUDA device and its TF32 setting
+    where there was one; "an unknown machine" for goldens made before they recorded it."""
+    if not produced_by or "cpu_capability" not in produced_by:
+        return "an unknown machine"
+    parts = [f"cpu {produced_by['cpu_capability']}", f"torch {produced_by.get('torch')}"]
+    if "cuda_device" in produced_by:
+        tf32 = "on" if produced_by.get("tf32_matmul") else "off"
+        parts.append(f"{produced_by['cuda_device']} (tf32 {tf32})")
     return ", ".join(parts)
 
 

@@ -20,7 +20,7 @@ from torchparity.errors import UsageError
 from torchparity.golden.cases import (
     load_case,
 )
-from torchparity.golden.report import render, write_json
+from torchparity.golden.report import Machines, render, write_json
 from torchparity.golden.runner import check_models, execute, train_results
 from torchparity.golden.selection import CHECK_DTYPES, select_cases, select_cells
 from torchparity.golden.store import GOLDEN_DIR_ENV, GoldenStore, default_golden_dir
@@ -102,10 +102,10 @@ def run(args: argparse.Namespace) -> int:
     jobs = _jobs(args.jobs)
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"--json {args.json}: its folder does not exist")
-    for case in cases:  # every golden is validated before any work starts
-        load_case(store, case)
-    for subject in subjects:
-        load_goldens(subject, model_store(subject, model_root))
+    goldens = {case.name: load_case(store, case) for case in cases}  # validated before work
+    goldens |= {subject.name: load_goldens(subject, model_store(subject, model_root))
+                for subject in subjects}
+    machines = Machines.of(goldens, cells)
     trajectories = _trajectory_store(store, cases) if args.train else None
 
     from rich.console import Console
@@ -121,10 +121,10 @@ def run(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - started
 
     console = Console(soft_wrap=True)
-    render(console, results, cells, cases, elapsed)
+    render(console, results, cells, cases, elapsed, machines)
     ok = all(r.ok for r in results)
     if args.json:
-        write_json(Path(args.json), results, ok, store.root)
+        write_json(Path(args.json), results, ok, store.root, machines)
     return 0 if ok else 1
 
 
