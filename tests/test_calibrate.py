@@ -16,6 +16,8 @@ from torchparity.calibration.study import calibrate
 from torchparity.cli import main
 from torchparity.comparison import compare
 
+pytestmark = pytest.mark.rounding
+
 SMALL_SEED = 7  # a 2x4x18x128 causal problem: cheap, several heads, a mask to leak through
 
 

@@ -74,6 +74,13 @@ def capabilities() -> list[str]:
     return ["default", native] if native != "default" else ["default"]
 
 
+def second_capability() -> str | None:
+    """The instruction set just below the native one, where CI reruns the tests whose
+    verdicts hinge on rounding: the next machine down (None on a CPU with one)."""
+    offered = capabilities()
+    return offered[-2] if len(offered) > 1 else None
+
+
 def environment(capability: str) -> dict[str, str]:
     """This process's environment with ``capability`` dispatched by the child it starts."""
     return {**os.environ, CAPABILITY_VARIABLE: capability}
