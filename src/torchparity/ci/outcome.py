@@ -1,0 +1,152 @@
+"""What a check or a diagnosis found, in the form CI reports need.
+
+An :class:`Outcome` has the verdict, the findings a reviewer reads first (the first
+divergence, where it enters, the flips), the table that matters (the failures, else one row
+per cell or the modules that left their budget) and one :class:`Case` per cell and output
+(``check``) or per module, step and flip (``diagnose``), each with its verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchparity.diagnosis.decode_report import DecodeReport
+from torchparity.diagnosis.report import DiagnosisReport, Row, share_cell
+from torchparity.golden.cases import CheckResult
+from torchparity.golden.report import budget_share
+
+
+@dataclass
+class Case:
+    """One verdict: a test case of the JUnit report. ``skipped`` is why it could not be
+    judged (an ``n/a`` cell); ``message`` explains a failure."""
+
+    suite: str
+    name: str
+    verdict: str
+    ok: bool
+    message: str = ""
+    skipped: str | None = None
+
+
+@dataclass
+class Outcome:
+    """``command`` (``torchparity check``) on ``subject`` (what was compared with what)."""
+
+    command: str
+    subject: str
+    ok: bool
+    verdict: str
+    findings: list[str]
+    heads: list[str]
+    rows: list[list[str]]
+    cases: list[Case] = field(default_factory=list)
+
+
+def check_outcome(results: list[CheckResult], subject: str) -> Outcome:
+    """The outcome of ``torchparity check``: one case per case (model), cell and output."""
+    failed = [r for r in results if not r.ok]
+    cells = {(r.case, r.cell) for r in results}
+    if failed:
+        verdict = (f"FAIL: {len(failed)} of {len(results)} outputs diverged or changed, in "
+                   f"{len({(r.case, r.cell) for r in failed})} of {len(cells)} cells")
+        first = failed[0]
+        findings = [f"First failure: `{first.case}` {first.cell.label} `{first.output}`: "
+                    f"{first.explain or first.reason or first.verdict}"]
+        heads = ["model", "cell", "output", "verdict", "budget used"]
+        rows = [[f"`{r.case}`", r.cell.label, r.output, r.verdict,
+                 "-" if r.headroom is None else budget_share(r.headroom)] for r in failed]
+    else:
+        verdict = (f"PASS: {len(results)} outputs in {len(cells)} cells within their "
+                   "budgets or n/a")
+        findings = []
+        heads = ["model", "cell", "verdict", "most budget used"]
+        rows = [_cell_row(case, cell, [r for r in results if (r.case, r.cell) == (case, cell)])
+                for case, cell in dict.fromkeys((r.case, r.cell) for r in results)]
+    cases = [Case(f"torchparity.check.{r.case}", f"{r.cell.label} {r.output}", r.verdict, r.ok,
+                  message="" if r.ok else (r.explain or r.reason or r.verdict),
+                  skipped=r.reason if r.verdict == "n/a" else None) for r in results]
+    return Outcome("torchparity check", subject, not failed, verdict, findings, heads, rows,
+                   cases)
+
+
+def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str) -> Outcome:
+    """The outcome of ``torchparity diagnose``, forward or decoding."""
+    if isinstance(report, DecodeReport):
+        return _decode_outcome(report, subject)
+    first, grad = report.first_divergence, report.first_grad_divergence
+    ok = first is None and grad is None
+    findings = []
+    if first is not None:
+        findings.append(f"First divergence: `{first.module or '(model)'}` "
+                        f"({first.module_type}), local error {share_cell(first.local)} of "
+                        "its budget")
+        if first.entry is not None:
+            findings.append(f"It enters at {first.entry}")
+    if grad is not None:
+        findings.append(f"First gradient divergence: `{grad.module or '(model)'}`")
+    if report.output is not None:
+        findings.append(f"Final output: {report.output.verdict}")
+    shown = [r for r in report.rows if _diverged(r)] if not ok else report.rows
+    rows = [[f"`{r.module or '(model)'}`", r.module_type, share_cell(r.local),
+             share_cell(r.propagated)] for r in shown]
+    suite = "torchparity.diagnose"
+    cases = [Case(suite, r.module or "(model)", _row_verdict(r),
+                  r.local is None or r.local.ok,
+                  message="" if r.local is None or r.local.ok else r.local.explain())
+             for r in report.rows]
+    return Outcome("torchparity diagnose", subject, ok,
+                   "FAIL: " + report.summary() if not ok else "PASS: " + report.summary(),
+                   findings, ["module", "type", "local", "propagated"], rows, cases)
+
+
+def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
+    findings = [f"Prompt (step 0): {report.steps[0].verdict}"]
+    if report.first_step is not None:
+        findings.append(f"First step whose logits leave the budget: step {report.first_step}")
+    row = report.first_module
+    if row is not None:
+        findings.append(f"First module leaving its budget there: `{report.first_module_label}`"
+                        f" ({row.module_type})")
+        if row.entry is not None:
+            findings.append(f"It enters through its {row.entry.via} {row.entry.argument} "
+                            f"({row.entry.detail})")
+    real = sum(f.verdict == "real change" for f in report.flips)
+    findings.append(f"Token flips: {len(report.flips)} of {report.tokens.shape[0]} "
+                    f"sequence(s), {real} real change" if report.flips else "No token flips")
+    heads = ["sequence", "step", "A's token", "B's token", "A's margin", "B's change",
+             "verdict"]
+    rows = [[str(f.sequence), str(f.step), str(f.a_token), str(f.b_token), f"{f.margin:.3g}",
+             f"{f.change:.3g}", f.verdict] for f in report.flips]
+    suite = "torchparity.diagnose.decode"
+    cases = [Case(f"{suite}.steps", f"step {s} logits", r.verdict, r.ok,
+                  message="" if r.ok else r.explain()) for s, r in enumerate(report.steps)]
+    cases += [Case(f"{suite}.flips", f"sequence {f.sequence} at step {f.step}", f.verdict,
+                   f.verdict == "near tie",
+                   message=f"A's token {f.a_token}, B's {f.b_token}: margin {f.margin:.3g}, "
+                           f"change {f.change:.3g}") for f in report.flips]
+    cases += [Case(f"{suite}.modules", f"{r.module or '(model)'} @ step {report.first_step}",
+                   r.propagated.verdict if r.propagated else "-", r is not row,
+                   message=(r.propagated.explain() if r is row and r.propagated else ""))
+              for r in report.rows]
+    verdict = ("PASS: " if report.ok else "FAIL: ") + report.summary()
+    return Outcome("torchparity diagnose --decode", subject, report.ok, verdict, findings,
+                   heads, rows, cases)
+
+
+def _cell_row(case: str, cell: Any, results: list[CheckResult]) -> list[str]:
+    compared = [r.headroom for r in results if r.headroom is not None]
+    verdicts = sorted({r.verdict for r in results})
+    return [f"`{case}`", cell.label, "/".join(verdicts),
+            budget_share(max(compared)) if compared else "-"]
+
+
+def _row_verdict(row: Row) -> str:
+    result = row.local or row.propagated
+    return result.verdict if result is not None else "-"
+
+
+def _diverged(row: Row) -> bool:
+    return any(r is not None and not r.ok for r in (row.local, row.propagated, row.grad_local))
+
