@@ -16,6 +16,9 @@ from torchparity.diagnosis.report import DiagnosisReport, Row, share_cell
 from torchparity.golden.cases import CheckResult
 from torchparity.golden.report import budget_share
 
+#: Flips listed among a decoding's findings (the JUnit report has every one).
+FLIPS = 5
+
 
 @dataclass
 class Case:
@@ -115,10 +118,13 @@ def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
     real = sum(f.verdict == "real change" for f in report.flips)
     findings.append(f"Token flips: {len(report.flips)} of {report.tokens.shape[0]} "
                     f"sequence(s), {real} real change" if report.flips else "No token flips")
-    heads = ["sequence", "step", "A's token", "B's token", "A's margin", "B's change",
-             "verdict"]
-    rows = [[str(f.sequence), str(f.step), str(f.a_token), str(f.b_token), f"{f.margin:.3g}",
-             f"{f.change:.3g}", f.verdict] for f in report.flips]
+    findings += [f"Sequence {f.sequence} at step {f.step}: A's token {f.a_token}, B's "
+                 f"{f.b_token}, A's margin {f.margin:.3g}, B's change {f.change:.3g}: "
+                 f"{f.verdict}" for f in report.flips[:FLIPS]]
+    heads = ["module", "type", "inputs", "output"]
+    rows = [[f"`{r.module or '(model)'}`", r.module_type, share_cell(r.inputs),
+             share_cell(r.propagated)] for r in report.rows
+            if r.propagated is not None and not r.propagated.ok]
     suite = "torchparity.diagnose.decode"
     cases = [Case(f"{suite}.steps", f"step {s} logits", r.verdict, r.ok,
                   message="" if r.ok else r.explain()) for s, r in enumerate(report.steps)]

@@ -94,8 +94,8 @@ class BaseSide:
                 _progress(f"base {self.name}: checked out in {tree}")
                 mapped = [self._mapped(tree, path, attr) for path, attr in relative]
                 argv = [_filled(arg, mapped, staged) for arg in command]
-                _progress(f"base {self.name}: torchparity {' '.join(command[:2])} "
-                          f"{' '.join(entries)}")
+                shown = [_filled(arg, entries, Path("<cache>")) for arg in command]
+                _progress(f"base {self.name}: torchparity {' '.join(shown)}")
                 self._call(tree, argv, entries)
             folder = cache.keep(key, parts, staged)
         except BaseException:
@@ -115,18 +115,19 @@ class BaseSide:
             return location, attribute
         path = (self.cwd / location).resolve()
         try:
-            return str(path.relative_to(self.repository.top.resolve())), attribute
+            relative = path.relative_to(self.repository.top.resolve()).as_posix()
         except ValueError:
             raise RevisionError(f"{self.label}: the factory file {location} lies outside the "
                                 f"repository {self.repository.top}") from None
-
-    def _mapped(self, tree: Path, location: str, attribute: str) -> str:
-        if not location.endswith(".py"):
-            return f"{location}:{attribute}"
-        if not (tree / location).is_file():
+        if not self.repository.has_file(self.commit, relative):
             raise RevisionError(f"{self.label}: the factory file {location} does not exist "
                                 "at the base (is it new since then?)")
-        return f"{tree / location}:{attribute}"
+        return relative, attribute
+
+    @staticmethod
+    def _mapped(tree: Path, location: str, attribute: str) -> str:
+        return f"{tree / location}:{attribute}" if location.endswith(".py") else \
+            f"{location}:{attribute}"
 
     def _search_path(self, tree: Path, entries: list[str]) -> list[str]:
         """The worktree's ``src/``, the folders of the entries' packages and ``PYTHONPATH``'s
@@ -159,8 +160,10 @@ class BaseSide:
             process.wait()
             raise
         if process.returncode != 0:
+            # Paths in the worktree, which is about to go, read as the repository's own.
+            reason = _failure(process.returncode, err).replace(f"{tree}{os.sep}", "")
             raise RevisionError(f"{self.label}: the base side failed: "
-                                f"{_failure(process.returncode, err)}")
+                                f"{reason.removesuffix('; --debug shows the traceback')}")
 
     def _versions(self) -> dict[str, Any]:
         done = subprocess.run([self.python, "-c", _VERSIONS], capture_output=True, text=True,

@@ -55,6 +55,13 @@ class Repository:
             raise RevisionError(f"{option} {revision}: git cannot name that commit "
                                 f"({reason})") from None
 
+    def has_file(self, commit: str, path: str) -> bool:
+        """Whether ``commit`` has a file at ``path`` (relative to the top folder)."""
+        try:
+            return _git(self.top, "cat-file", "-t", f"{commit}:{path}") == "blob"
+        except RevisionError:
+            return False
+
     @contextlib.contextmanager
     def worktree(self, commit: str) -> Iterator[Path]:
         """A detached worktree of ``commit`` in a temporary folder, removed afterwards."""
