@@ -50,9 +50,9 @@ def summary_markdown(outcome: Outcome) -> str:
     """The summary: a heading with the verdict, what was compared, the findings and the
     table, cut to :data:`SUMMARY_LINES` lines."""
     mark = "✅" if outcome.ok else "❌"
-    lines = [f"### {mark} {outcome.command}", "", f"{outcome.verdict}", "",
+    lines = [f"### {mark} {outcome.command}", "", _one_line(outcome.verdict), "",
              f"Compared: {outcome.subject}", ""]
-    lines += [f"- {finding}" for finding in outcome.findings]
+    lines += [f"- {_one_line(finding)}" for finding in outcome.findings]
     if outcome.findings:
         lines.append("")
     if outcome.rows:
@@ -103,7 +103,11 @@ def annotations(outcome: Outcome) -> list[str]:
 
 
 def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+    return "| " + " | ".join(_one_line(cell).replace("|", "\\|") for cell in cells) + " |"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _first_line(text: str) -> str:
