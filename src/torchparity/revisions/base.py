@@ -77,6 +77,7 @@ class BaseSide:
         progress lines."""
         relative = [self._relative(entry) for entry in entries]
         parts = {"commit": self.commit, "entries": [f"{path}:{attr}" for path, attr in relative],
+                 "outside": self._outside_sources(entries),
                  "command": command, "files": {f: _digest(Path(f)) for f in files},
                  "versions": self._versions(), "golden_schema": SCHEMA_VERSION,
                  "cpu_capability": _cpu_capability(),
@@ -128,6 +129,17 @@ class BaseSide:
     def _mapped(tree: Path, location: str, attribute: str) -> str:
         return f"{tree / location}:{attribute}" if location.endswith(".py") else \
             f"{location}:{attribute}"
+
+    def _outside_sources(self, entries: list[str]) -> dict[str, str]:
+        """Digests of the files the ``pkg.mod:name`` entries import from outside the
+        repository, which the base commit does not fix (an installed package's)."""
+        digests = {}
+        for entry in entries:
+            origin = _origin(entry.rpartition(":")[0], self.cwd)
+            if origin is not None and not origin.resolve().is_relative_to(
+                    self.repository.top.resolve()):
+                digests[entry] = _digest(origin)
+        return digests
 
     def _search_path(self, tree: Path, entries: list[str]) -> list[str]:
         """The worktree's ``src/``, the folders of the entries' packages and ``PYTHONPATH``'s
@@ -206,21 +218,28 @@ def _filled(arg: str, entries: list[str], out: Path) -> str:
 def _package_root(entry: str, cwd: Path) -> str | None:
     """The folder an entry ``pkg.mod:name`` imports ``pkg`` from (None for a file entry or a
     module that cannot be found)."""
-    location = entry.rpartition(":")[0]
-    if location.endswith(".py"):
+    top = entry.rpartition(":")[0].partition(".")[0]
+    origin = _origin(top, cwd)
+    if origin is None:
         return None
-    top = location.partition(".")[0]
+    return str(origin.parent.parent if origin.name == "__init__.py" else origin.parent)
+
+
+def _origin(module: str, cwd: Path) -> Path | None:
+    """The file ``module`` is imported from with ``cwd`` first on the path, as an entry's
+    module is (None for a file entry or a module that cannot be found)."""
+    if module.endswith(".py"):
+        return None
     sys.path.insert(0, str(cwd))
     try:
-        spec = importlib.util.find_spec(top)
+        spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         spec = None
     finally:
         sys.path.remove(str(cwd))
     if spec is None or not spec.origin or not Path(spec.origin).is_file():
         return None
-    origin = Path(spec.origin)
-    return str(origin.parent.parent if spec.submodule_search_locations else origin.parent)
+    return Path(spec.origin)
 
 
 def _failure(status: int, stderr: str) -> str:

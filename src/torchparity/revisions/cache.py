@@ -52,10 +52,16 @@ def staging() -> Path:
 
 
 def keep(key: str, parts: dict[str, Any], staged: Path) -> Path:
-    """Move ``staged`` into place under ``key`` (replacing an older entry) with its parts."""
+    """Move ``staged`` into place under ``key`` (replacing an older entry) with its parts; when
+    another run put the same entry there first, that one is kept."""
     (staged / _KEY_FILE).write_text(json.dumps(parts, indent=1, sort_keys=True) + "\n")
     folder = cache_root() / key
     if folder.exists():
-        shutil.rmtree(folder)
-    staged.rename(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        staged.rename(folder)
+    except OSError:
+        if lookup(key) is None:
+            raise
+        shutil.rmtree(staged, ignore_errors=True)
     return folder
