@@ -78,7 +78,7 @@ def test_under_github_actions_a_failure_is_an_escaped_error_annotation(monkeypat
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 11 and all(line.startswith("::error title=torchparity check::")
                                     for line in lines)
-    assert lines[0].endswith("diverged: 100%25 over%0Abudget")
+    assert lines[0].endswith("models.make sdpa fp32 cpu out0: 100%25 over%0Abudget")
     assert lines[-1].endswith("2 more failures: see the job's log")
     assert summary.read_text().startswith("earlier step\n\n### ❌ torchparity check")
 

@@ -94,7 +94,7 @@ def annotations(outcome: Outcome) -> list[str]:
     """``::error title=...::message`` for the first :data:`ANNOTATIONS` failures."""
     failed = [c for c in outcome.cases if not c.ok]
     lines = [f"::error title={_escape(outcome.command, True)}::"
-             f"{_escape(f'{c.suite} {c.name}: {c.verdict}: {c.message}')}"
+             f"{_escape(f'{c.suite} {c.name}: {c.message or c.verdict}')}"
              for c in failed[:ANNOTATIONS]]
     if len(failed) > ANNOTATIONS:
         lines.append(f"::error title={_escape(outcome.command, True)}::"
