@@ -14,6 +14,7 @@ from torch import nn
 
 import torchparity as tp
 from torchparity.ci import check_outcome, diagnosis_outcome, junit_xml, publish, summary_markdown
+from torchparity.ci.writers import annotations
 from torchparity.golden.cases import CheckResult
 
 
@@ -98,6 +99,8 @@ def test_a_diagnosis_has_a_case_per_module_and_fails_the_first_divergence():
     assert found["0"][1] is None and found["1"][1] is None
     markdown = summary_markdown(outcome)
     assert "First divergence: `2` (Linear)" in markdown and len(markdown.splitlines()) <= 40
+    [annotation] = annotations(outcome)  # one for the diagnosis, not one per module
+    assert annotation.startswith("::error title=torchparity diagnose::First divergence: 2 ")
 
 
 PLUGIN_TESTS = '''

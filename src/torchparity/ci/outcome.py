@@ -35,7 +35,8 @@ class Case:
 
 @dataclass
 class Outcome:
-    """``command`` (``torchparity check``) on ``subject`` (what was compared with what)."""
+    """``command`` (``torchparity check``) on ``subject`` (what was compared with what);
+    ``alerts`` are the failures worth an annotation each."""
 
     command: str
     subject: str
@@ -45,6 +46,7 @@ class Outcome:
     heads: list[str]
     rows: list[list[str]]
     cases: list[Case] = field(default_factory=list)
+    alerts: list[str] = field(default_factory=list)
 
 
 def check_outcome(results: list[CheckResult], subject: str) -> Outcome:
@@ -70,8 +72,10 @@ def check_outcome(results: list[CheckResult], subject: str) -> Outcome:
     cases = [Case(f"torchparity.check.{r.case}", f"{r.cell.label} {r.output}", r.verdict, r.ok,
                   message="" if r.ok else (r.explain or r.reason or r.verdict),
                   skipped=r.reason if r.verdict == "n/a" else None) for r in results]
+    alerts = [f"{case.suite.removeprefix('torchparity.check.')} {case.name}: {case.message}"
+              for case in cases if not case.ok]
     return Outcome("torchparity check", subject, not failed, verdict, findings, heads, rows,
-                   cases)
+                   cases, alerts)
 
 
 def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str) -> Outcome:
@@ -100,8 +104,9 @@ def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str) -> O
                   message="" if r.local is None or r.local.ok else r.local.explain())
              for r in report.rows]
     return Outcome("torchparity diagnose", subject, ok,
-                   "FAIL: " + report.summary() if not ok else "PASS: " + report.summary(),
-                   findings, ["module", "type", "local", "propagated"], rows, cases)
+                   ("PASS: " if ok else "FAIL: ") + report.summary(), findings,
+                   ["module", "type", "local", "propagated"], rows, cases,
+                   [] if ok else [report.summary()])
 
 
 def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
@@ -133,12 +138,13 @@ def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
                    message=f"A's token {f.a_token}, B's {f.b_token}: margin {f.margin:.3g}, "
                            f"change {f.change:.3g}") for f in report.flips]
     cases += [Case(f"{suite}.modules", f"{r.module or '(model)'} @ step {report.first_step}",
-                   r.propagated.verdict if r.propagated else "-", r is not row,
-                   message=(r.propagated.explain() if r is row and r.propagated else ""))
+                   "-" if r.propagated is None else r.propagated.verdict, r is not row,
+                   message="" if r is not row or r.propagated is None else
+                   r.propagated.explain())
               for r in report.rows]
     verdict = ("PASS: " if report.ok else "FAIL: ") + report.summary()
     return Outcome("torchparity diagnose --decode", subject, report.ok, verdict, findings,
-                   heads, rows, cases)
+                   heads, rows, cases, [] if report.ok else [report.summary()])
 
 
 def _cell_row(case: str, cell: Any, results: list[CheckResult]) -> list[str]:

@@ -4,7 +4,8 @@ The Markdown summary fits a screen (:data:`SUMMARY_LINES` lines at most: the tab
 with a line saying how many rows were left out and where to find them). The JUnit XML has one
 ``<testcase>`` per case, each with its verdict as a property; a failure carries its message,
 an ``n/a`` cell is ``<skipped>`` with the reason. Under GitHub Actions (``GITHUB_ACTIONS=true``)
-each failure is also a ``::error`` workflow command on stdout, which GitHub shows on the run.
+each alert (a failed cell, a diagnosis's summary) is also a ``::error`` workflow command on
+stdout, which GitHub shows on the run.
 """
 
 from __future__ import annotations
@@ -91,14 +92,13 @@ def junit_xml(outcome: Outcome) -> str:
 
 
 def annotations(outcome: Outcome) -> list[str]:
-    """``::error title=...::message`` for the first :data:`ANNOTATIONS` failures."""
-    failed = [c for c in outcome.cases if not c.ok]
-    lines = [f"::error title={_escape(outcome.command, True)}::"
-             f"{_escape(f'{c.suite} {c.name}: {c.message or c.verdict}')}"
-             for c in failed[:ANNOTATIONS]]
-    if len(failed) > ANNOTATIONS:
-        lines.append(f"::error title={_escape(outcome.command, True)}::"
-                     f"{len(failed) - ANNOTATIONS} more failures: see the job's log")
+    """``::error title=...::message`` for the first :data:`ANNOTATIONS` alerts."""
+    title = _escape(outcome.command, True)
+    lines = [f"::error title={title}::{_escape(alert)}"
+             for alert in outcome.alerts[:ANNOTATIONS]]
+    if len(outcome.alerts) > ANNOTATIONS:
+        lines.append(f"::error title={title}::{len(outcome.alerts) - ANNOTATIONS} more "
+                     "failures: see the job's log")
     return lines
 
 
