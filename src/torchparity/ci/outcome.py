@@ -148,10 +148,17 @@ def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
 
 
 def _cell_row(case: str, cell: Any, results: list[CheckResult]) -> list[str]:
-    compared = [r.headroom for r in results if r.headroom is not None]
-    verdicts = sorted({r.verdict for r in results})
-    return [f"`{case}`", cell.label, "/".join(verdicts),
-            budget_share(max(compared)) if compared else "-"]
+    """A passing cell: ``within`` and the most budget used, or ``identical`` (≡, as in the
+    terminal's table), or ``n/a``; ``, n/a in part`` where some outputs could not run."""
+    compared = [r for r in results if r.verdict != "n/a"]
+    if not compared:
+        return [f"`{case}`", cell.label, "n/a", "-"]
+    identical = all(r.verdict == "identical" for r in compared)
+    verdict = ("identical" if identical else "within") + (
+        ", n/a in part" if len(compared) < len(results) else "")
+    used = max((r.headroom for r in compared if r.headroom is not None), default=None)
+    return [f"`{case}`", cell.label, verdict,
+            "≡" if identical or used is None else budget_share(used)]
 
 
 def _row_verdict(row: Row) -> str:
