@@ -98,7 +98,7 @@ def test_a_diagnosis_has_a_case_per_module_and_fails_the_first_divergence():
     assert found["2"] == ("diverged", "failure")
     assert found["0"][1] is None and found["1"][1] is None
     markdown = summary_markdown(outcome)
-    assert "First divergence: `2` (Linear)" in markdown and len(markdown.splitlines()) <= 40
+    assert "the first divergence is `2`" in markdown and len(markdown.splitlines()) <= 40
     [annotation] = annotations(outcome)  # one for the diagnosis, not one per module
     assert annotation.startswith("::error title=torchparity diagnose::First divergence: 2 ")
 

@@ -79,53 +79,45 @@ def check_outcome(results: list[CheckResult], subject: str) -> Outcome:
 
 
 def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str) -> Outcome:
-    """The outcome of ``torchparity diagnose``, forward or decoding."""
+    """The outcome of ``torchparity diagnose``, forward or decoding: the report's own
+    sentences are its findings, its summary the one alert of a failure."""
     if isinstance(report, DecodeReport):
         return _decode_outcome(report, subject)
     first, grad = report.first_divergence, report.first_grad_divergence
     ok = first is None and grad is None
-    findings = []
-    if first is not None:
-        findings.append(f"First divergence: `{first.module or '(model)'}` "
-                        f"({first.module_type}), local error {share_cell(first.local)} of "
-                        "its budget")
-        if first.entry is not None:
-            findings.append(f"It enters at {first.entry}")
-    if grad is not None:
-        findings.append(f"First gradient divergence: `{grad.module or '(model)'}`")
-    if report.output is not None:
-        findings.append(f"Final output: {report.output.verdict}")
+    if ok:
+        verdict = "PASS: no module's local error breaks its budget"
+    elif first is not None:
+        verdict = f"FAIL: the first divergence is `{first.module or '(model)'}`"
+    else:
+        verdict = f"FAIL: the first gradient divergence is `{grad.module or '(model)'}`"
     shown = [r for r in report.rows if _diverged(r)] if not ok else report.rows
     rows = [[f"`{r.module or '(model)'}`", r.module_type, share_cell(r.local),
              share_cell(r.propagated)] for r in shown]
-    suite = "torchparity.diagnose"
-    cases = [Case(suite, r.module or "(model)", _row_verdict(r),
+    cases = [Case("torchparity.diagnose", r.module or "(model)", _row_verdict(r),
                   r.local is None or r.local.ok,
                   message="" if r.local is None or r.local.ok else r.local.explain())
              for r in report.rows]
-    return Outcome("torchparity diagnose", subject, ok,
-                   ("PASS: " if ok else "FAIL: ") + report.summary(), findings,
+    return Outcome("torchparity diagnose", subject, ok, verdict, report.findings(),
                    ["module", "type", "local", "propagated"], rows, cases,
                    [] if ok else [report.summary()])
 
 
 def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
-    findings = [f"Prompt (step 0): {report.steps[0].verdict}"]
-    if report.first_step is not None:
-        findings.append(f"First step whose logits leave the budget: step {report.first_step}")
     row = report.first_module
-    if row is not None:
-        findings.append(f"First module leaving its budget there: `{report.first_module_label}`"
-                        f" ({row.module_type})")
-        if row.entry is not None:
-            findings.append(f"It enters through its {row.entry.via} {row.entry.argument} "
-                            f"({row.entry.detail})")
     real = sum(f.verdict == "real change" for f in report.flips)
-    findings.append(f"Token flips: {len(report.flips)} of {report.tokens.shape[0]} "
-                    f"sequence(s), {real} real change" if report.flips else "No token flips")
-    findings += [f"Sequence {f.sequence} at step {f.step}: A's token {f.a_token}, B's "
-                 f"{f.b_token}, A's margin {f.margin:.3g}, B's change {f.change:.3g}: "
-                 f"{f.verdict}" for f in report.flips[:FLIPS]]
+    if report.ok:
+        verdict = "PASS: no step leaves its budget and no token flip is a real change"
+    elif row is not None:
+        verdict = f"FAIL: the first module leaving its budget is `{report.first_module_label}`"
+    elif report.first_step is not None:
+        verdict = f"FAIL: step {report.first_step}'s logits leave their budget"
+    else:
+        verdict = f"FAIL: {real} token flip(s) are real changes"
+    findings = report.findings() + [
+        f"Sequence {f.sequence} at step {f.step}: A's token {f.a_token}, B's {f.b_token}, "
+        f"A's margin {f.margin:.3g}, B's change {f.change:.3g}: {f.verdict}"
+        for f in report.flips[:FLIPS]]
     heads = ["module", "type", "inputs", "output"]
     rows = [[f"`{r.module or '(model)'}`", r.module_type, share_cell(r.inputs),
              share_cell(r.propagated)] for r in report.rows
@@ -142,7 +134,6 @@ def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
                    message="" if r is not row or r.propagated is None else
                    r.propagated.explain())
               for r in report.rows]
-    verdict = ("PASS: " if report.ok else "FAIL: ") + report.summary()
     return Outcome("torchparity diagnose --decode", subject, report.ok, verdict, findings,
                    heads, rows, cases, [] if report.ok else [report.summary()])
 
