@@ -44,20 +44,20 @@ _VERSIONS = ("import importlib.metadata as m, json\n"
 class BaseSide:
     """The revision ``revision`` (as the user wrote it) of the repository around ``cwd``, run
     by ``python`` (default: this interpreter); ``use_cache`` False recomputes a kept result
-    (and keeps the new one). ``option`` names the flag in messages."""
+    (and keeps the new one)."""
 
     revision: str
     python: str | None = None
     use_cache: bool = True
-    option: str = "--base"
     cwd: Path = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
-        self.repository = Repository.around(self.cwd, self.option)
-        self.commit = self.repository.resolve(self.revision, self.option)
-        self.python = self.python or sys.executable
-        if shutil.which(self.python) is None:
+        self.repository = Repository.around(self.cwd, "--base")
+        self.commit = self.repository.resolve(self.revision, "--base")
+        found = shutil.which(self.python or sys.executable)
+        if found is None:
             raise RevisionError(f"--base-python {self.python}: no such interpreter")
+        self.python = os.path.abspath(found)  # not resolved: a venv's python is a link
 
     @property
     def name(self) -> str:
@@ -66,7 +66,7 @@ class BaseSide:
 
     @property
     def label(self) -> str:
-        return f"{self.option} {self.name}"
+        return f"--base {self.name}"
 
     def run(self, entries: list[str], command: list[str], what: str,
             files: tuple[str, ...] = ()) -> Path:
@@ -80,13 +80,13 @@ class BaseSide:
                  "outside": self._outside_sources(entries),
                  "command": command, "files": {f: _digest(Path(f)) for f in files},
                  "versions": self._versions(), "golden_schema": SCHEMA_VERSION,
-                 "cpu_capability": _cpu_capability(),
-                 "python": str(Path(self.python).resolve())}
+                 "cpu_capability": _cpu_capability(), "python": self.python,
+                 "cwd": self.repository.prefix.as_posix()}
         key = cache.cache_key(parts)
         kept = cache.lookup(key) if self.use_cache else None
         if kept is not None:
             _progress(f"base {self.name}: {what} from the cache, {kept} (--no-base-cache "
-                      "recomputes them)")
+                      "recomputes the base side)")
             return kept
         started = time.perf_counter()
         staged = cache.staging()
