@@ -134,24 +134,28 @@ def test_revisions_git_cannot_name_and_files_missing_at_the_base_are_one_line(
     assert "needs a git repository" in capsys.readouterr().err
 
 
-def test_ctrl_c_during_the_base_run_removes_the_worktree(repo, cache, tmp_path):
-    """SIGINT reaches torchparity while the base's factory runs: the base's process is ended,
-    the worktree removed and pruned, nothing is left in the temporary folder."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, pytest.param(signal.SIGTERM,
+                                                                  marks=pytest.mark.slow)])
+def test_ctrl_c_during_the_base_run_removes_the_worktree(repo, cache, tmp_path, signum):
+    """SIGINT (Ctrl-C) or SIGTERM (a cancelled CI job) reaches torchparity while the base's
+    factory runs: the base's process is ended, the worktree removed and pruned, nothing is left
+    in the temporary folder."""
     started = tmp_path / "started"
-    toy_repo.commit_variant(repo, "slow", f"open({str(started)!r}, 'w').close()\n"
-                                          "import time\ntime.sleep(120)\n")
+    toy_repo.commit_variant(repo, f"slow-{signum.name}",
+                            f"open({str(started)!r}, 'w').close()\nimport time\n"
+                            "time.sleep(120)\n")
     before = toy_repo.state(repo)
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     process = subprocess.Popen(
         [sys.executable, "-m", "torchparity", "check", "--model", "models.py:make", "--base",
-         "slow", "--no-base-cache", *CELLS], cwd=repo, stdout=subprocess.PIPE,
+         f"slow-{signum.name}", "--no-base-cache", *CELLS], cwd=repo, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(temporary)})
     deadline = time.monotonic() + 120
     while not started.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     assert started.exists(), process.communicate()
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130, err
     assert "torchparity check: interrupted" in err

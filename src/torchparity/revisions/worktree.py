@@ -69,7 +69,11 @@ class Repository:
         tree = folder / "tree"
         try:
             with _sigterm_interrupts():
-                _git(self.top, "worktree", "add", "--detach", "--quiet", str(tree), commit)
+                try:
+                    _git(self.top, "worktree", "add", "--detach", "--quiet", str(tree), commit)
+                except RevisionError as exc:
+                    raise RevisionError(f"--base: git cannot check {commit[:12]} out "
+                                        f"({exc})") from None
                 yield tree
         finally:
             with contextlib.suppress(RevisionError):
