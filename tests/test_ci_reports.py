@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 import torchparity as tp
+import toy_repo
 from torchparity.ci import check_outcome, diagnosis_outcome, junit_xml, publish, summary_markdown
 from torchparity.ci.writers import annotations
+from torchparity.cli import main
 from torchparity.golden.cases import CheckResult
 
 
@@ -133,3 +135,17 @@ def test_the_plugins_tests_land_in_pytests_own_junit_xml(pytester, monkeypatch):
     assert set(cases) == {"test_same", "test_changed"}
     assert cases["test_same"].find("failure") is None
     assert "golden 'y': diverged" in cases["test_changed"].find("failure").get("message")
+
+
+def test_check_and_diagnose_write_their_reports_without_base(tmp_path, monkeypatch, capsys):
+    """The same file twice: A and B agree, so the reports say so, as files CI can read."""
+    models = tmp_path / "models.py"
+    models.write_text(toy_repo.MODELS)
+    monkeypatch.chdir(tmp_path)
+    summary, junit = tmp_path / "summary.md", tmp_path / "diagnose.xml"
+    assert main(["diagnose", "models.py:make", "models.py:make", "--summary", str(summary),
+                 "--junit", str(junit)]) == 0
+    assert summary.read_text().startswith("### ✅ torchparity diagnose\n")
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+    assert cases and all(c.find("failure") is None for c in cases)
+    capsys.readouterr()
