@@ -92,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also train each case's golden recipe (20 steps) in every cell "
                              "but the reference one and judge the loss, gradient-norm and "
                              "update-norm trajectory against the golden trajectory")
-    add_base_arguments(parser, "the --model entries' float64 goldens are computed there by "
-                               "`torchparity golden update --model`, into a temporary folder")
+    add_base_arguments(parser, "there `torchparity golden update --model` makes the "
+                               "entries' float64 goldens, kept in a cache; yours are never "
+                               "written")
     add_report_arguments(parser)
 
 

@@ -29,14 +29,13 @@ def resolve_device(name: str | None) -> str:
     return device
 
 
-
 def add_base_arguments(parser: argparse.ArgumentParser, side: str) -> None:
     """``--base REV`` and its options; ``side`` says what the base side makes."""
     parser.add_argument("--base", metavar="REV",
                         help=f"compare the working tree with git revision REV (a branch, a "
-                             f"tag, HEAD~1, A...B for their merge base): {side} in a "
-                             f"temporary worktree of REV, in a process of its own; the "
-                             f"checkout, index and branches are left alone (docs/ci.md)")
+                             f"tag, HEAD~1, A...B for their merge base), checked out in a "
+                             f"temporary worktree and run in a process of its own, leaving "
+                             f"the checkout, index and branches alone: {side} (docs/ci.md)")
     parser.add_argument("--base-python", metavar="PATH",
                         help="interpreter of the base side (default: this one), for a base "
                              "that needs its own environment")
@@ -52,8 +51,9 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
                         help="append a Markdown summary (at most 40 lines) to PATH, e.g. "
                              "$GITHUB_STEP_SUMMARY or a pull-request comment's file")
     parser.add_argument("--junit", metavar="PATH",
-                        help="write JUnit XML to PATH, a test case per verdict; under GitHub "
-                             "Actions a failure also prints ::error annotations")
+                        help="write JUnit XML to PATH, a test case per verdict (under GitHub "
+                             "Actions, GITHUB_ACTIONS=true, a failure is also printed as ::error "
+                             "annotations, with or without these options)")
 
 
 def base_side(args: argparse.Namespace) -> BaseSide | None:

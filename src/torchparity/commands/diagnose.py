@@ -59,9 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local", choices=("diverged", "all"), default="diverged",
                         help="modules that get a local error (module replay): those whose "
                              "propagated error diverged (default) or all")
-    add_base_arguments(parser, "A is ENTRY at REV: `torchparity record` writes its trace "
-                               "there (with --backend-a, --dtype, --decode, --steps, --tokens, "
-                               "--include, --exclude, --no-backward)")
+    add_base_arguments(parser, "A is ENTRY there, recorded by `torchparity record` with "
+                               "--backend-a, --dtype, --decode, --steps, --tokens, --include, "
+                               "--exclude and --no-backward, and kept in a cache")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
     add_report_arguments(parser)
