@@ -19,9 +19,10 @@ import time
 import xml.etree.ElementTree as ET
 
 import pytest
-import toy_repo
 
+import toy_repo
 from torchparity.cli import main
+from torchparity.revisions.worktree import Repository
 
 # One SDPA cell besides the float64 reference: the base's goldens are what is under test.
 CELLS = ("--backend", "sdpa", "--dtype", "fp32")
@@ -161,3 +162,14 @@ def test_ctrl_c_during_the_base_run_removes_the_worktree(repo, cache, tmp_path, 
     assert "torchparity check: interrupted" in err
     assert toy_repo.state(repo) == before
     assert list(temporary.iterdir()) == []
+
+
+def test_three_dots_name_the_merge_base_as_git_diff_reads_them(repo):
+    toy_repo.commit_variant(repo, "feature", "pass\n")
+    main = toy_repo.git(repo, "rev-parse", "main").strip()
+    feature = toy_repo.git(repo, "rev-parse", "feature").strip()
+    repository = Repository.around(repo, "--base")
+    assert repository.resolve("feature...main", "--base") == main  # feature branched off main
+    assert repository.resolve("main...feature", "--base") == main
+    assert repository.resolve("feature", "--base") == feature
+    assert repository.resolve("feature~1", "--base") == main
