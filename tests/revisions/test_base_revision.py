@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
+import torchparity
 import toy_repo
 from torchparity.cli import main
 from torchparity.revisions.worktree import Repository
@@ -124,7 +127,10 @@ def test_revisions_git_cannot_name_and_files_missing_at_the_base_are_one_line(
             (["check", "--model", "new.py:make", "--base", "HEAD"],
              "the factory file new.py does not exist at the base"),
             (["diagnose", "models.py:make", "--base", "HEAD", "--against", "x.tptrace"],
-             "with --base give one entry point")):
+             "with --base give one entry point"),
+            (["train", "--case", "llama-tiny", "--base", "HEAD"], "add --check"),
+            (["train", "--case", "llama-tiny", "--check", "--base", "HEAD"],
+             "the base has no src/torchparity")):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
@@ -173,3 +179,28 @@ def test_three_dots_name_the_merge_base_as_git_diff_reads_them(repo):
     assert repository.resolve("main...feature", "--base") == main
     assert repository.resolve("feature", "--base") == feature
     assert repository.resolve("feature~1", "--base") == main
+
+
+@pytest.mark.slow
+def test_train_base_fails_against_a_base_whose_training_math_differs(tmp_path, monkeypatch,
+                                                                     capsys):
+    """A copy of torchparity's source whose SiLU is scaled (a real change of the MLP): the
+    golden trajectory trained there is not what this revision trains."""
+    repo = tmp_path / "torchparity"
+    source = Path(torchparity.__file__).parent
+    shutil.copytree(source, repo / "src" / "torchparity",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    mlp = repo / "src" / "torchparity" / "reference" / "mlp.py"
+    mlp.write_text(mlp.read_text().replace('"silu": F.silu', '"silu": lambda x: F.silu(1.01 * x)'))
+    toy_repo.git(repo, "init", "--quiet", "--initial-branch=main")
+    toy_repo.git(repo, "config", "user.name", "Toy Author")
+    toy_repo.git(repo, "config", "user.email", "toy@example.com")
+    toy_repo.git(repo, "add", "-A")
+    toy_repo.git(repo, "commit", "--quiet", "-m", "SiLU scaled")
+    before = toy_repo.state(repo)
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("TORCHPARITY_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["train", "--case", "llama-tiny", "--check", "--base", "HEAD"]) == 1
+    out = capsys.readouterr().out
+    assert "diverged" in out
+    assert toy_repo.state(repo) == before

@@ -209,6 +209,18 @@ def base_trace(side: BaseSide, entry: str, options: list[str],
     return kept / "trace"
 
 
+def base_trajectories(side: BaseSide, case: str) -> Path:
+    """The golden folder where ``torchparity train --update-golden`` wrote zoo case ``case``'s
+    golden trajectory at the base (in the cache). The zoo and the trainer are torchparity's
+    own, so the base must be a revision of torchparity's source (``src/torchparity``)."""
+    if not side.repository.has_file(side.commit, "src/torchparity/__init__.py"):
+        raise RevisionError(f"{side.label}: train --base compares torchparity's own training "
+                            "code across revisions, and the base has no src/torchparity")
+    kept = side.run([], ["train", "--case", case, "--update-golden", "--golden-dir",
+                         "{out}/goldens"], "golden trajectory")
+    return kept / "goldens"
+
+
 def _filled(arg: str, entries: list[str], out: Path) -> str:
     for i, entry in enumerate(entries):
         arg = arg.replace(f"{{entry:{i}}}", entry)
