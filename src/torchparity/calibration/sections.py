@@ -24,4 +24,5 @@ class Section:
         """This section of ``document``, None when it has none."""
         if self.begin not in document or self.end not in document:
             return None
-        return self.begin + document.partition(self.begin)[2].partition(self.end)[0] + self.end + "\n"
+        inside = document.partition(self.begin)[2].partition(self.end)[0]
+        return self.begin + inside + self.end + "\n"
