@@ -111,11 +111,11 @@ def run(args: argparse.Namespace) -> int:
                       user_golden_dir(args.golden_dir))
         return _check(args, subjects, model_root, started,
                       f"{', '.join(args.model)} against base {side.name}" if side else
-                      "the goldens in " + str(model_root))
+                      "the goldens in " + str(model_root), made_here=bool(side))
 
 
 def _check(args: argparse.Namespace, subjects: list[Subject], model_root: Path,
-           started: float, compared: str) -> int:
+           started: float, compared: str, made_here: bool) -> int:
     cases = [] if subjects and not args.case else select_cases(args.case)
     # The zoo's goldens live in the source tree, a user's under the working directory.
     store = GoldenStore(default_golden_dir(args.golden_dir) if cases else model_root)
@@ -130,7 +130,8 @@ def _check(args: argparse.Namespace, subjects: list[Subject], model_root: Path,
     goldens = {case.name: load_case(store, case) for case in cases}  # validated before work
     goldens |= {subject.name: load_goldens(subject, model_store(subject, model_root))
                 for subject in subjects}
-    machines = Machines.of(goldens, cells)
+    # The base's goldens are made here and now, by a torchparity that may not record machines.
+    machines = Machines.of(goldens, cells, made_here=made_here)
     trajectories = _trajectory_store(store, cases) if args.train else None
 
     from rich.console import Console

@@ -28,14 +28,16 @@ class Machines:
     goldens: dict[str, dict[str, dict[str, Any] | None]]  # case or model -> output -> it
 
     @classmethod
-    def of(cls, goldens: dict[str, dict[str, Golden]], cells: list[Cell]) -> Machines:
+    def of(cls, goldens: dict[str, dict[str, Golden]], cells: list[Cell],
+           made_here: bool = False) -> Machines:
         """The machines of ``goldens`` (case or model -> output -> golden) and of a run of
-        ``cells`` here (on CUDA when one of them is)."""
+        ``cells`` here (on CUDA when one of them is); ``made_here``: the goldens were made on
+        this machine, whatever they record."""
         device = "cuda" if any(c.device.startswith("cuda") for c in cells) else "cpu"
-        return cls(produced_by(device),
-                   {case: {output: golden.summary.get("produced_by")
-                           for output, golden in outputs.items()}
-                    for case, outputs in goldens.items()})
+        here = produced_by(device)
+        return cls(here, {case: {output: here if made_here else golden.summary.get("produced_by")
+                                 for output, golden in outputs.items()}
+                          for case, outputs in goldens.items()})
 
     def made_on(self, case: str) -> str | None:
         """Where ``case``'s goldens were made, when that is not this run's machine."""
