@@ -12,7 +12,8 @@ from torch import nn
 
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
-from torchparity.subject.decoding import STEP_HINT, StepFn, builtin_step
+from torchparity.subject.beams import builtin_reorder
+from torchparity.subject.decoding import STEP_HINT, ReorderFn, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.padding import Padding, padding_of
 from torchparity.subject.running import (
@@ -44,6 +45,7 @@ class Subject:
     step: StepFn | None = None
     decode: DecodeFn | None = None
     padding: Padding = field(default_factory=Padding)
+    reorder: ReorderFn | None = None
 
     @classmethod
     def load(cls, entry: str | Callable[[], Any]) -> Subject:
@@ -91,6 +93,17 @@ class Subject:
         guarded.label = (f"the step of {self.entry}" if self.step is not None
                          else f"the built-in decoding step of {self.entry}")  # in its messages
         return guarded
+
+    def reorderer(self, model: nn.Module | None = None) -> ReorderFn | None:
+        """The ``reorder(state, index)`` of a beam search over ``model`` (default: the
+        factory's): the factory's, else the built-in one, guarded like :meth:`stepper`; None
+        when there is neither (a search then says it needs one)."""
+        model = self.model if model is None else model
+        reorder = self.reorder or builtin_reorder(model)
+        if reorder is None:
+            return None
+        what = "its reorder" if self.reorder is not None else "the built-in reorder"
+        return lambda state, index: self.guarded(lambda: reorder(state, index), what)
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
                attention: str = hf.SDPA, *, share: bool = False) -> tuple[nn.Module, Any]:
