@@ -84,14 +84,17 @@ def _against(args: argparse.Namespace, name_map):
     from torchparity.diagnosis.trace import open_trace
 
     if len(args.entries) != 1 or args.backend_a or args.stream or args.include or \
-            args.exclude or args.dtype or args.tokens or args.steps is not None:
+            args.exclude or args.dtype or args.tokens or args.steps is not None or \
+            args.beams is not None:
         raise UsageError("with --against give one entry point (B); the trace fixes A's "
-                         "backend, module selection, dtype, storage and decoded tokens")
+                         "backend, module selection, dtype, storage, decoded tokens and "
+                         "beams")
     b = Subject.load(args.entries[0])
     meta, _ = open_trace(args.against)
     if is_decode_trace(meta):
         _no_compiled_decoding(args)
         return diagnose_decode_against(args.against, b.model, b.inputs, step=b.stepper(),
+                                       reorder=b.reorderer(),
                                        name_map=name_map, backend=args.backend_b)
     if args.decode:
         raise UsageError(f"trace {args.against} records a forward pass, not a decoding; record "
@@ -116,7 +119,8 @@ def _two_models(args: argparse.Namespace, name_map):
             raise UsageError("--stream and --local are options of a forward diagnosis; a "
                              "decoding keeps each step's calls, and replays none")
         return diagnose_decode(a.model, b.model, a.inputs, step=a.stepper(),
-                               step_b=b.stepper(), name_map=name_map,
+                               step_b=b.stepper(), reorder=a.reorderer(),
+                               reorder_b=b.reorderer(), name_map=name_map,
                                include=args.include, exclude=args.exclude,
                                backends=(args.backend_a, args.backend_b),
                                dtype=dtype_option(args), rebuild=rebuilt(args.entries[0]),

@@ -52,6 +52,16 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", metavar="FILE",
                         help="tokens to feed instead of A's greedy choices: one sequence of "
                              "ids per line (a beam search's or a seeded sampler's output)")
+    parser.add_argument("--beams", type=int, metavar="K",
+                        help="run a beam search of K beams with A; B and the goldens follow "
+                             "its parents and tokens (the factory's 'reorder', or the "
+                             "built-in one, reorders the state between steps)")
+    parser.add_argument("--length-penalty", type=float, metavar="X",
+                        help="with --beams: the n-best ranks hypotheses by summed "
+                             "log-probability over length**X (default 1.0, as generate)")
+    parser.add_argument("--eos", type=int, metavar="ID",
+                        help="with --beams: the token id that ends a hypothesis (default: "
+                             "none, every hypothesis runs all --steps)")
 
 
 #: ``--dtype`` choices of diagnose and record.
@@ -65,20 +75,30 @@ def dtype_option(args: argparse.Namespace) -> torch.dtype | None:
 
 
 def decode_options(args: argparse.Namespace) -> dict:
-    """``steps`` and ``tokens`` of ``--steps`` / ``--tokens``; a usage error when they come
-    without ``--decode``."""
+    """``steps``, ``tokens`` and ``beams`` of ``--steps`` / ``--tokens`` / ``--beams`` (with
+    ``--length-penalty`` and ``--eos``); a usage error when they come without ``--decode``."""
     from torchparity.diagnosis.decode import STEPS
+    from torchparity.subject.beams import LENGTH_PENALTY, BeamSettings
     from torchparity.subject.decoding import read_tokens
 
     if not args.decode:
-        if args.steps is not None or args.tokens:
-            raise UsageError("--steps and --tokens describe a decoding; add --decode")
+        if args.steps is not None or args.tokens or args.beams is not None:
+            raise UsageError("--steps, --tokens and --beams describe a decoding; add --decode")
         return {}
+    if args.beams is None and (args.length_penalty is not None or args.eos is not None):
+        raise UsageError("--length-penalty and --eos are options of a beam search; add "
+                         "--beams K")
+    if args.beams is not None and (args.beams < 1 or args.tokens):
+        raise UsageError(f"--beams {args.beams}: search with one beam or more" if not args.tokens
+                         else "--beams searches for its own tokens; give --beams or --tokens")
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps {args.steps}: decode at least one step after the prompt")
     tokens = read_tokens(args.tokens, args.steps) if args.tokens else None
     steps = tokens.shape[1] if tokens is not None else args.steps or STEPS
-    return {"steps": steps, "tokens": tokens}
+    beams = None if args.beams is None else BeamSettings(
+        args.beams, LENGTH_PENALTY if args.length_penalty is None else args.length_penalty,
+        args.eos)
+    return {"steps": steps, "tokens": tokens, "beams": beams}
 
 
 def rebuilt(entry: str):
@@ -96,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     subject = Subject.load(args.entry)
     if decoding:
         path = record_decode(subject.model, subject.inputs, args.output,
-                             step=subject.stepper(), include=args.include, exclude=args.exclude,
+                             step=subject.stepper(), reorder=subject.reorderer(),
+                             include=args.include, exclude=args.exclude,
                              backend=args.backend, dtype=dtype_option(args),
                              rebuild=rebuilt(args.entry), **decoding)
     else:
@@ -107,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
     warning = golden_warning(meta["golden"])
     if warning:
         print(warning)
-    what = f"a decoding of {meta['steps']} step(s) of" if decoding else ""
+    what = ""
+    if decoding:
+        search = f" ({decoding['beams'].beams} beams)" if decoding["beams"] else ""
+        what = f"a decoding of {meta['steps']} step(s){search} of"
     print(f"recorded {what} {type(subject.model).__name__} to {path}".replace("  ", " "))
     return 0

@@ -232,10 +232,11 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
         notes += unmatched
         row = first_module(rows)
         if row is not None and not cut:
-            row.entry = where_it_enters(reference, first_step, row, calls, side.model)
-            if row.entry is None and reference.parents is not None:
+            if reference.parents is not None:  # rows without their parents' state first
                 row.entry, stale = reorder_entry(side, reference, first_step, row.module)
                 notes += stale
+            if row.entry is None:
+                row.entry = where_it_enters(reference, first_step, row, calls, side.model)
         done()
     logits64 = None
     beams = reference.beams is not None
@@ -267,7 +268,8 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
         "notes": notes, "seconds": dict(bar.seconds),
     }
     return DecodeReport(steps=steps, first_step=first_step, rows=rows, flips=flips,
-                        tokens=reference.tokens, meta=meta, swaps=swaps, nbest=nbest)
+                        tokens=reference.tokens, meta=meta, swaps=swaps, nbest=nbest,
+                        parents=reference.parents)
 
 
 def _float64_logits(side: Side, reference: DecodeReference, logits: list[torch.Tensor]

@@ -235,9 +235,9 @@ def _stale(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
         if not wrong:
             continue
         parents = index.cpu()[wrong].tolist()
-        kept = " (left as they were: not reordered)" if torch.equal(new, old) else ""
+        kept = "; not reordered at all" if torch.equal(new, old) else ""
         found.append((path, f"rows {_listed(wrong)} of {rows} do not hold their parents' "
-                            f"(rows {_listed(parents)}){kept}"))
+                            f"positions (their parents: rows {_listed(parents)}){kept}"))
     return found
 
 

@@ -52,7 +52,8 @@ class DecodeReport(Report):
     not, and its ``entry`` says how the change gets in. ``flips`` holds each sequence's first
     token flip. ``tokens`` (batch, steps) are the tokens every side was fed. In a beam search
     (``meta["beams"]``) ``swaps`` holds each step's first beam swap and ``nbest`` each
-    prompt's first difference of the final n-best, and ``flips`` is empty.
+    prompt's first difference of the final n-best, ``parents`` (batch, steps) the rows the
+    tokens of each step continue, and ``flips`` is empty.
     """
 
     steps: list[Result]
@@ -63,6 +64,7 @@ class DecodeReport(Report):
     meta: dict[str, Any]
     swaps: list[BeamSwap] = field(default_factory=list)
     nbest: list[BeamSwap] = field(default_factory=list)
+    parents: torch.Tensor | None = None
 
     @property
     def first_module(self) -> Row | None:
@@ -161,6 +163,7 @@ class DecodeReport(Report):
                           for s, r in enumerate(self.steps)],
                 "rows": [r.to_dict() for r in self.rows],
                 "tokens": self.tokens.tolist(),
+                "parents": None if self.parents is None else self.parents.tolist(),
             },
             "meta": self.meta,
         })
