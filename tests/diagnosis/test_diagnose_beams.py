@@ -176,7 +176,8 @@ def test_beam_usage_errors(capsys) -> None:
         tp.diagnose_decode(made["model"], copy.deepcopy(made["model"]), made["inputs"],
                            step=made["step"], steps=2, beams=BeamSettings(2))
     for args, message in (
-            (["--beams", "2"], "--steps, --tokens and --beams describe a decoding; add --decode"),
+            (["--beams", "2"], "--steps, --tokens, --beams and --sample describe a decoding; "
+                               "add --decode"),
             (["--decode", "--eos", "1"], "--length-penalty and --eos are options of a beam "
                                          "search; add --beams K"),
             (["--decode", "--beams", "0"], "--beams 0: search with one beam or more")):

@@ -85,10 +85,10 @@ def _against(args: argparse.Namespace, name_map):
 
     if len(args.entries) != 1 or args.backend_a or args.stream or args.include or \
             args.exclude or args.dtype or args.tokens or args.steps is not None or \
-            args.beams is not None:
+            args.beams is not None or args.sample:
         raise UsageError("with --against give one entry point (B); the trace fixes A's "
-                         "backend, module selection, dtype, storage, decoded tokens and "
-                         "beams")
+                         "backend, module selection, dtype, storage, decoded tokens, beams "
+                         "and sampling")
     b = Subject.load(args.entries[0])
     meta, _ = open_trace(args.against)
     if is_decode_trace(meta):

@@ -62,6 +62,19 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eos", type=int, metavar="ID",
                         help="with --beams: the token id that ends a hypothesis (default: "
                              "none, every hypothesis runs all --steps)")
+    parser.add_argument("--sample", action="store_true",
+                        help="A samples (inverse CDF, uniforms torchparity draws from --seed, "
+                             "the same on every machine); B and the goldens are fed A's "
+                             "samples and draw with the same uniforms")
+    parser.add_argument("--temperature", type=float, metavar="T",
+                        help="with --sample: divide the logits by T (default 1.0)")
+    parser.add_argument("--top-k", type=int, metavar="K",
+                        help="with --sample: keep the K most likely tokens (default: all)")
+    parser.add_argument("--top-p", type=float, metavar="P",
+                        help="with --sample: keep the fewest most likely tokens whose "
+                             "probability reaches P (default: all)")
+    parser.add_argument("--seed", type=int, metavar="N",
+                        help="with --sample: the seed of the uniforms (default 0)")
 
 
 #: ``--dtype`` choices of diagnose and record.
@@ -82,8 +95,9 @@ def decode_options(args: argparse.Namespace) -> dict:
     from torchparity.subject.decoding import read_tokens
 
     if not args.decode:
-        if args.steps is not None or args.tokens or args.beams is not None:
-            raise UsageError("--steps, --tokens and --beams describe a decoding; add --decode")
+        if args.steps is not None or args.tokens or args.beams is not None or args.sample:
+            raise UsageError("--steps, --tokens, --beams and --sample describe a decoding; add "
+                             "--decode")
         return {}
     if args.beams is None and (args.length_penalty is not None or args.eos is not None):
         raise UsageError("--length-penalty and --eos are options of a beam search; add "
@@ -98,7 +112,29 @@ def decode_options(args: argparse.Namespace) -> dict:
     beams = None if args.beams is None else BeamSettings(
         args.beams, LENGTH_PENALTY if args.length_penalty is None else args.length_penalty,
         args.eos)
-    return {"steps": steps, "tokens": tokens, "beams": beams}
+    return {"steps": steps, "tokens": tokens, "beams": beams, "sample": _sampling(args)}
+
+
+def _sampling(args: argparse.Namespace):
+    """The settings of ``--sample`` and its options, or None without it."""
+    from torchparity.subject.sampling import SEED, TEMPERATURE, SampleSettings
+
+    given = [f"--{name.replace('_', '-')}" for name in ("temperature", "top_k", "top_p", "seed")
+             if getattr(args, name) is not None]
+    if not args.sample:
+        if given:
+            raise UsageError(f"{', '.join(given)}: options of sampling; add --sample")
+        return None
+    if args.beams is not None or args.tokens:
+        raise UsageError("--sample draws its own tokens, without beams; give one of --sample, "
+                         "--beams and --tokens")
+    settings = SampleSettings(TEMPERATURE if args.temperature is None else args.temperature,
+                              args.top_k, args.top_p, SEED if args.seed is None else args.seed)
+    if settings.temperature <= 0 or (settings.top_k is not None and settings.top_k < 1) or \
+            (settings.top_p is not None and not 0 < settings.top_p <= 1):
+        raise UsageError("--temperature must be above 0, --top-k at least 1 and --top-p in "
+                         "(0, 1]")
+    return settings
 
 
 def rebuilt(entry: str):
@@ -130,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         print(warning)
     what = ""
     if decoding:
-        search = f" ({decoding['beams'].beams} beams)" if decoding["beams"] else ""
+        search = (f" ({decoding['beams'].beams} beams)" if decoding["beams"] else
+                  " (sampled)" if decoding["sample"] else "")
         what = f"a decoding of {meta['steps']} step(s){search} of"
     print(f"recorded {what} {type(subject.model).__name__} to {path}".replace("  ", " "))
     return 0

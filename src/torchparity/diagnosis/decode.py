@@ -43,6 +43,7 @@ from torchparity.diagnosis.decode_judging import (
 )
 from torchparity.diagnosis.decode_report import DecodeReport
 from torchparity.diagnosis.decode_run import DecodeReference, Side, capture_step, record_reference
+from torchparity.diagnosis.decode_sampling import first_changed_draws
 from torchparity.diagnosis.decode_trace import decode_meta, open_decode_reference
 from torchparity.diagnosis.golden import describe_mode, module_placement
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
@@ -59,6 +60,7 @@ from torchparity.subject.decoding import (
 )
 from torchparity.subject.factory import first_line
 from torchparity.subject.running import check_models, in_dtype
+from torchparity.subject.sampling import SampleSettings
 
 __all__ = ["diagnose_decode", "diagnose_decode_against", "record_decode"]
 
@@ -85,6 +87,7 @@ def diagnose_decode(
     beams: BeamSettings | None = None,
     reorder: ReorderFn | None = None,
     reorder_b: ReorderFn | None = None,
+    sample: SampleSettings | None = None,
 ) -> DecodeReport:
     """Decode A and B along the same tokens and report where B parts from A.
 
@@ -110,7 +113,7 @@ def diagnose_decode(
                              f"which only built-in steps offer, not {type(model_a).__name__}'s; "
                              "pass model_b")
         model_b, step_b, step = model_a, step_b or _step_of(model_a, None), step_a
-    inputs = _beam_prompt(inputs, beams, tokens, cut)
+    inputs = _prompt(inputs, beams, sample, tokens, cut)
     opts = make_options(False, None, include, exclude, backends, progress)
     check_models(model_a=model_a, model_b=model_b)
     (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
@@ -120,7 +123,7 @@ def diagnose_decode(
                   reorder_b or reorder or builtin_reorder(model_b))
     with progress_bar(opts.progress) as bar:
         reference = record_reference(side_a, steps, tokens, MemoryStore(), opts, bar, rebuild,
-                                     beams)
+                                     beams or sample)
         reference.mode = describe_mode(model_a, dtype, reference.has_golden)
         return judge_candidate(reference, side_b, opts, name_map, bar, cut=cut)
 
@@ -141,13 +144,15 @@ def record_decode(
     rebuild: Callable[[], nn.Module] | None = None,
     beams: BeamSettings | None = None,
     reorder: ReorderFn | None = None,
+    sample: SampleSettings | None = None,
 ) -> Path:
     """Write A's side of a decoding diagnosis to the trace ``path`` (run it on the base
     revision; :func:`diagnose_decode_against` judges another revision against it).
 
     The trace holds, per step, A's and the golden's next-token logits and every module call's
     outputs, inputs and the state it read, and the tokens fed (``steps`` of them, A's greedy
-    choices, ``tokens``, or A's beam search with ``beams``, with its parents). Written into a
+    choices, ``tokens``, A's samples with ``sample``, or A's beam search with ``beams``, with
+    its parents). Written into a
     temporary directory that replaces ``path`` only when complete. Arguments as in
     :func:`diagnose_decode`; ``backend`` must be a name. Returns the path.
     """
@@ -156,14 +161,14 @@ def record_decode(
                          "stores")
     opts = make_options(False, None, include, exclude, (backend, None), progress)
     check_models(model=model)
-    (cast,), cast_inputs = in_dtype([model], _beam_prompt(inputs, beams, tokens), dtype)
+    (cast,), cast_inputs = in_dtype([model], _prompt(inputs, beams, sample, tokens), dtype)
     writer = TraceWriter(path)
     try:
         with progress_bar(opts.progress) as bar:
             side = Side(cast, cast_inputs, _step_of(cast, step), opts.backend_a,
                         reorder or builtin_reorder(cast))
             reference = record_reference(side, steps, tokens, writer.store, opts, bar, rebuild,
-                                         beams)
+                                         beams or sample)
             reference.mode = describe_mode(cast, dtype, reference.has_golden)
         return writer.commit(decode_meta(reference, model, inputs, opts, dtype))
     except BaseException:
@@ -240,9 +245,7 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
         done()
     logits64 = None
     beams = reference.beams is not None
-    if keeps_differ(reference, decoded.logits) if beams else any(
-            bool((a.argmax(-1) != b.argmax(-1)).any())
-            for a, b in zip(reference.logits, decoded.logits, strict=True)):
+    if _needs_float64(reference, decoded.logits):
         done = bar.phase("B in float64: decoding, for the verdicts of "
                          + ("beam swaps" if beams else "token flips"))
         logits64, note = _float64_logits(side, reference, decoded.logits)
@@ -253,23 +256,39 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
     if beams:
         sides = Sides.follow(reference, decoded.logits, logits64)
         swaps, nbest = step_swaps(reference, sides), nbest_swaps(reference, sides)
+    elif reference.sample is not None:
+        flips = first_changed_draws(reference, decoded.logits, steps, reference.sample)
     else:
         flips = first_flips(reference, decoded.logits, steps, logits64)
     meta = {
         "reference": reference.source, "model_b": type(side.model).__name__,
         "steps": reference.steps,
-        "tokens": ("A's beam search" if beams else
+        "tokens": ("A's beam search" if beams else "A's samples" if reference.sample else
                    "A's greedy choices" if reference.greedy else "given"),
         "beams": reference.beams.to_dict() if beams else None,
+        "sample": None if reference.sample is None else reference.sample.to_dict(),
         "golden": reference.golden, "mode": reference.mode,
         "backends": [backend_name(opts.backend_a), backend_name(opts.backend_b)],
-        "flip_verdicts": ("B's float64 decoding" if logits64 is not None
+        "flip_verdicts": ("the uniform's distance from the boundary that moved, against the "
+                          "step's budget in probability" if reference.sample else
+                          "B's float64 decoding" if logits64 is not None
                           else "margin against twice the step's budget"),
         "notes": notes, "seconds": dict(bar.seconds),
     }
     return DecodeReport(steps=steps, first_step=first_step, rows=rows, flips=flips,
                         tokens=reference.tokens, meta=meta, swaps=swaps, nbest=nbest,
                         parents=reference.parents)
+
+
+def _needs_float64(reference: DecodeReference, logits: list[torch.Tensor]) -> bool:
+    """Whether verdicts need B's float64 decoding: a beam swap or a token flip to judge (a
+    changed draw is judged by its uniform's distance from the boundary that moved)."""
+    if reference.sample is not None:
+        return False
+    if reference.beams is not None:
+        return keeps_differ(reference, logits)
+    return any(bool((a.argmax(-1) != b.argmax(-1)).any())
+               for a, b in zip(reference.logits, logits, strict=True))
 
 
 def _float64_logits(side: Side, reference: DecodeReference, logits: list[torch.Tensor]
@@ -287,9 +306,12 @@ def _float64_logits(side: Side, reference: DecodeReference, logits: list[torch.T
                       "flip verdicts compare A's margin with twice the step's budget")
 
 
-def _beam_prompt(inputs: Any, beams: BeamSettings | None, tokens: torch.Tensor | None,
-                 cut: bool = False) -> Any:
+def _prompt(inputs: Any, beams: BeamSettings | None, sample: SampleSettings | None,
+            tokens: torch.Tensor | None, cut: bool = False) -> Any:
     """The prompt a decoding runs: expanded to its beams in a beam search."""
+    if sample is not None and (beams is not None or tokens is not None):
+        raise UsageError("sampling chooses its own tokens, without beams; give one of tokens, "
+                         "beams or sample")
     if beams is None:
         return inputs
     if tokens is not None:

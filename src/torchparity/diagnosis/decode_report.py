@@ -111,14 +111,23 @@ class DecodeReport(Report):
             parts.append(self._beam_summary())
         elif self.flips:
             safe = not real and self.first_step is None
-            parts.append(f"First token flips in {len(self.flips)} of {self.tokens.shape[0]} "
-                         f"sequence(s): {real} real change, {len(self.flips) - real} near tie"
+            parts.append(f"First {self._flipped} in {len(self.flips)} of "
+                         f"{self.tokens.shape[0]} sequence(s): {real} real change, "
+                         f"{len(self.flips) - real} near tie"
                          f"{' (regenerating the golden is safe)' if safe else ''}.")
         else:
-            parts.append("No token flips.")
+            parts.append(f"No {self._flipped}.")
         if self.meta.get("mode"):
             parts.append(f"Mode: {self.meta['mode']}.")
         return " ".join(parts)
+
+    @property
+    def _flipped(self) -> str:
+        return "changed draws" if self.meta.get("sample") else "token flips"
+
+    @property
+    def _flip_title(self) -> str:
+        return "First changed draw" if self.meta.get("sample") else "First token flip"
 
     def _beam_summary(self) -> str:
         beams = self.meta["beams"]
@@ -156,6 +165,7 @@ class DecodeReport(Report):
                 "prompt": self.steps[0].verdict,
                 "flips": [f.to_dict() for f in self.flips],
                 "beams": self.meta.get("beams"),
+                "sample": self.meta.get("sample"),
                 "swaps": [w.to_dict() for w in self.swaps],
                 "nbest": [w.to_dict() for w in self.nbest],
                 "steps": [{"step": s, "verdict": r.verdict, "error": step_error(r),
@@ -202,7 +212,7 @@ class DecodeReport(Report):
         return table
 
     def _flips_table(self) -> Any:
-        table = self._table("First token flip per sequence",
+        table = self._table(f"{self._flip_title} per sequence",
                             ["seq", "step", "A", "B", "margin", "change", "budget", "verdict"], 7)
         for f in self.flips:
             table.add_row(str(f.sequence), str(f.step), str(f.a_token), str(f.b_token),
@@ -253,7 +263,11 @@ class DecodeReport(Report):
 
     def _footer(self) -> list[str]:
         lines = [f"share: {_LEGEND}"]
-        if self.flips:
+        if self.flips and self.meta.get("sample"):
+            lines.append("margin: the uniform's distance from the boundary of A's cumulative "
+                         "distribution that moved; change: how far B moved it; budget: the "
+                         "step's, carried to probabilities")
+        elif self.flips:
             lines.append("margin: A's top-1 minus top-2 logit; change: the largest error of B's "
                          "logits there against the golden; budget: the step's")
         if self.swaps or self.nbest:
@@ -284,7 +298,7 @@ class DecodeReport(Report):
                  svg_plot(steps, {"logits": "propagated"}, "Logits per step: error / budget")]
         if self.flips:
             parts.append(_html_table(
-                "First token flip per sequence",
+                f"{self._flip_title} per sequence",
                 ["seq", "step", "A token", "B token", "margin", "change", "budget", "verdict"],
                 [([str(f.sequence), str(f.step), str(f.a_token), str(f.b_token),
                    _number(f.margin), _number(f.change), _number(f.budget), f.verdict],

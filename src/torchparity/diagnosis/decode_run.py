@@ -29,6 +29,7 @@ from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep
 from torchparity.subject.decoding import Decoding, ReorderFn, StepFn, teacher_forced
 from torchparity.subject.factory import first_line
 from torchparity.subject.running import seeded, upcast
+from torchparity.subject.sampling import Sampler, SampleSettings
 from torchparity.subject.trees import flatten_tensors
 
 STEP = "__step__"  # pseudo-call of a step's next-token logits
@@ -91,6 +92,7 @@ class DecodeReference:
     parents: torch.Tensor | None = None
     beams: BeamSettings | None = None
     choices: list[BeamStep] | None = None
+    sample: SampleSettings | None = None
 
     @property
     def steps(self) -> int:
@@ -105,18 +107,22 @@ class DecodeReference:
 def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store: Any,
                      opts: Options, bar: ProgressBar,
                      rebuild: Callable[[], nn.Module] | None = None,
-                     beams: BeamSettings | None = None) -> DecodeReference:
+                     search: BeamSettings | SampleSettings | None = None) -> DecodeReference:
     """Decode A with every selected module captured at every step (along ``tokens``, else
-    A's greedy choices or, with ``beams``, A's beam search over ``side.inputs``, the prompt
-    expanded to its beams), then its float64 golden along the same tokens and parents, into
+    A's greedy choices, A's samples or A's beam search over ``side.inputs``, the prompt
+    expanded to its beams, as ``search`` says), then its float64 golden along the same tokens
+    and parents, into
     ``store``. ``rebuild()`` makes A again when it cannot be deep-copied into float64 (see
     :func:`~torchparity.diagnosis.golden.golden_copy`)."""
-    done = bar.phase("A: " + ("beam search" if beams else "decoding") + ", every step captured")
+    beams = search if isinstance(search, BeamSettings) else None
+    sample = search if isinstance(search, SampleSettings) else None
+    done = bar.phase(f"A: {'beam search' if beams else 'sampling' if sample else 'decoding'}, "
+                     "every step captured")
     calls: dict[int, list[ModuleCall]] = {}
-    search = None
-    if beams is not None:
-        search = BeamSearch(beams, _rows(side.inputs) // beams.beams)
-    decoded = side.decode(steps, tokens, decide=search and search.decide,
+    rows = _rows(side.inputs)
+    decider = (BeamSearch(beams, rows // beams.beams) if beams else
+               Sampler(sample, steps + 1, rows) if sample else None)
+    decoded = side.decode(steps, tokens, decide=decider and decider.decide,
                           during=_capturing(side.model, store, opts, calls, "out", state=True))
     store.put_all([(step_key(STEP, s), "out", {"logits": t})
                    for s, t in enumerate(decoded.logits)])
@@ -151,7 +157,8 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
     return DecodeReference(tokens=decoded.tokens, greedy=tokens is None, logits=decoded.logits,
                            golden_logits=golden_logits, calls=calls, store=store,
                            signatures=signatures, golden=note, parents=decoded.parents,
-                           beams=beams, choices=search and search.history)
+                           beams=beams, choices=decider.history if beams else None,
+                           sample=sample)
 
 
 def _rows(inputs: Any) -> int:

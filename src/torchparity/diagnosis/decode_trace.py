@@ -3,7 +3,8 @@
 A decoding trace is a trace directory (:mod:`~torchparity.diagnosis.trace`) whose ``trace.json``
 says ``"kind": "decode"`` and holds, besides the checksums and the module tree: the number of
 steps, the tokens every side is fed and whether they were A's greedy choices (in a beam search:
-its settings, the parent rows and A's choices per step), the golden used,
+its settings, the parent rows and A's choices per step; in a sampled one: its settings), the
+golden used,
 the forward signature of every module of A, and per step the calls of A's modules with the
 state each read (:class:`~torchparity.diagnosis.state.Held`). Its tensor files hold, per step,
 A's and the golden's next-token logits and every call's outputs and inputs (one file per step
@@ -35,6 +36,7 @@ from torchparity.diagnosis.trace import (
 )
 from torchparity.errors import UsageError
 from torchparity.subject.beams import BeamSettings, BeamStep
+from torchparity.subject.sampling import SampleSettings
 
 
 def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts: Options,
@@ -61,6 +63,7 @@ def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts:
         "beams": None if reference.beams is None else reference.beams.to_dict(),
         "choices": None if reference.choices is None else [
             {"kept": c.kept.tolist(), "ended": c.ended} for c in reference.choices],
+        "sample": None if reference.sample is None else reference.sample.to_dict(),
     }
 
 
@@ -101,5 +104,6 @@ def open_decode_reference(path: str | Path) -> tuple[DecodeReference, dict[str, 
         beams=None if beams is None else BeamSettings(**beams),
         choices=None if choices is None else [
             BeamStep(None, torch.tensor(c["kept"], dtype=torch.long), c["ended"])
-            for c in choices])
+            for c in choices],
+        sample=SampleSettings(**meta["sample"]) if meta.get("sample") else None)
     return reference, meta
