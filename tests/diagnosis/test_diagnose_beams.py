@@ -85,22 +85,13 @@ def test_a_reordered_sum_in_a_beam_search_leaves_no_step_and_only_near_ties(twin
         assert report.swaps and "near tie" in report.summary()
 
 
-def _tiny_generator(family: str):
-    import tiny_transformers
-
-    transformers = tiny_transformers.transformers
-    torch.manual_seed(0)
-    if family == "llama":
-        return tiny_transformers.llama().eval()
-    return transformers.BartForConditionalGeneration(transformers.BartConfig(
-        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=64,
-        max_position_embeddings=32, decoder_start_token_id=2)).eval()
-
-
 @pytest.mark.parametrize("family", ["llama", "bart"])
 def test_transformers_eager_against_sdpa_in_a_beam_search(family: str) -> None:
-    model = _tiny_generator(family)
+    import tiny_transformers
+
+    torch.manual_seed(0)
+    model = getattr(tiny_transformers, "bart_generator" if family == "bart" else family)()
+    model.eval()
     eager, sdpa = copy.deepcopy(model), copy.deepcopy(model)
     eager.set_attn_implementation("eager")
     sdpa.set_attn_implementation("sdpa")

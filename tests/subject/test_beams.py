@@ -42,16 +42,8 @@ def _searched(model, inputs, settings: BeamSettings):
 def test_the_built_in_search_keeps_the_n_best_generate_keeps(family: str) -> None:
     import tiny_transformers
 
-    transformers = tiny_transformers.transformers
     torch.manual_seed(0)
-    if family == "bart":
-        model = transformers.BartForConditionalGeneration(transformers.BartConfig(
-            d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
-            vocab_size=64, max_position_embeddings=32, decoder_start_token_id=2,
-            forced_eos_token_id=None, pad_token_id=0, eos_token_id=None))
-    else:
-        model = tiny_transformers.llama()
+    model = getattr(tiny_transformers, "bart_generator" if family == "bart" else family)()
     model.eval()
     model.generation_config.eos_token_id = None  # every hypothesis runs every step
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))

@@ -41,40 +41,39 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
                              "float64, where changes below fp32 noise show); default: as given")
 
 
+#: The decoding options that take a value: flag, type, metavar, help.
+_DECODE_VALUES = (
+    ("--steps", int, "N", "decoding steps after the prompt (default 8, or the length of the "
+                          "--tokens sequences)"),
+    ("--tokens", str, "FILE", "tokens to feed instead of A's greedy choices: one sequence of "
+                              "ids per line (a beam search's or a seeded sampler's output)"),
+    ("--beams", int, "K", "run a beam search of K beams with A; B and the goldens follow its "
+                          "parents and tokens (the factory's 'reorder', or the built-in one, "
+                          "reorders the state between steps)"),
+    ("--length-penalty", float, "X", "with --beams: the n-best ranks hypotheses by summed "
+                                     "log-probability over length**X (default 1.0, as "
+                                     "generate)"),
+    ("--eos", int, "ID", "with --beams: the token id that ends a hypothesis (default: none, "
+                         "every hypothesis runs all --steps)"),
+    ("--temperature", float, "T", "with --sample: divide the logits by T (default 1.0)"),
+    ("--top-k", int, "K", "with --sample: keep the K most likely tokens (default: all)"),
+    ("--top-p", float, "P", "with --sample: keep the fewest most likely tokens whose "
+                            "probability reaches P (default: all)"),
+    ("--seed", int, "N", "with --sample: the seed of the uniforms (default 0)"),
+)
+
+
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     """The decoding options shared with ``torchparity diagnose``."""
     parser.add_argument("--decode", action="store_true",
                         help="diagnose a teacher-forced decoding (the factory's step, or the "
                              "built-in one of reference and transformers models)")
-    parser.add_argument("--steps", type=int, metavar="N",
-                        help="decoding steps after the prompt (default 8, or the length of "
-                             "the --tokens sequences)")
-    parser.add_argument("--tokens", metavar="FILE",
-                        help="tokens to feed instead of A's greedy choices: one sequence of "
-                             "ids per line (a beam search's or a seeded sampler's output)")
-    parser.add_argument("--beams", type=int, metavar="K",
-                        help="run a beam search of K beams with A; B and the goldens follow "
-                             "its parents and tokens (the factory's 'reorder', or the "
-                             "built-in one, reorders the state between steps)")
-    parser.add_argument("--length-penalty", type=float, metavar="X",
-                        help="with --beams: the n-best ranks hypotheses by summed "
-                             "log-probability over length**X (default 1.0, as generate)")
-    parser.add_argument("--eos", type=int, metavar="ID",
-                        help="with --beams: the token id that ends a hypothesis (default: "
-                             "none, every hypothesis runs all --steps)")
     parser.add_argument("--sample", action="store_true",
                         help="A samples (inverse CDF, uniforms torchparity draws from --seed, "
                              "the same on every machine); B and the goldens are fed A's "
                              "samples and draw with the same uniforms")
-    parser.add_argument("--temperature", type=float, metavar="T",
-                        help="with --sample: divide the logits by T (default 1.0)")
-    parser.add_argument("--top-k", type=int, metavar="K",
-                        help="with --sample: keep the K most likely tokens (default: all)")
-    parser.add_argument("--top-p", type=float, metavar="P",
-                        help="with --sample: keep the fewest most likely tokens whose "
-                             "probability reaches P (default: all)")
-    parser.add_argument("--seed", type=int, metavar="N",
-                        help="with --sample: the seed of the uniforms (default 0)")
+    for flag, kind, metavar, text in _DECODE_VALUES:
+        parser.add_argument(flag, type=kind, metavar=metavar, help=text)
 
 
 #: ``--dtype`` choices of diagnose and record.
