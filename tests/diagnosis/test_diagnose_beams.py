@@ -113,7 +113,8 @@ def test_beams_across_revisions_and_on_the_command_line(tmp_path: Path, capsys) 
         f"recorded a decoding of {STEPS} step(s) ({BEAMS} beams) of BeamDecoder to {trace}")
     out = tmp_path / "report.json"
     assert main(["diagnose", f"{TOYS}:forgetful", "--against", str(trace), "--json",
-                 str(out)]) == 1
+                 str(out), "--html", str(tmp_path / "report.html")]) == 1
+    assert "<h2>First beam swap per step</h2>" in (tmp_path / "report.html").read_text()
     text = capsys.readouterr().out
     assert max(map(len, text.splitlines())) <= 80
     decode = json.loads(out.read_text())["decode"]

@@ -303,6 +303,17 @@ class DecodeReport(Report):
                 [([str(f.sequence), str(f.step), str(f.a_token), str(f.b_token),
                    _number(f.margin), _number(f.change), _number(f.budget), f.verdict],
                   "first" if f.verdict == "real change" else "") for f in self.flips]))
+        for title, swaps, where in (("First beam swap per step", self.swaps, "step"),
+                                    ("Final n-best, first difference per prompt", self.nbest,
+                                     "rank")):
+            if swaps:
+                parts.append(_html_table(
+                    title, [where, "prompt", "A keeps", "B keeps", "margin", "change",
+                            "budget", "verdict"],
+                    [([str(w.step if where == "step" else w.rank), str(w.prompt), w.a_keeps,
+                       w.b_keeps, _number(w.margin), _number(w.change), _number(w.budget),
+                       w.verdict], "first" if w.verdict == "real change" else "")
+                     for w in swaps]))
         if self.rows:
             first = self.first_module
             parts.append(svg_plot(self.rows, {"output": "propagated", "inputs": "inputs"},
