@@ -23,6 +23,7 @@ from torchparity.cli import main
 from torchparity.diagnosis.decode_report import DecodeReport
 from torchparity.errors import UsageError
 from torchparity.reference import KVCache, build_model, zoo
+from torchparity.subject import hf
 from torchparity.subject.beams import BeamSettings, lineage
 from torchparity.subject.factory import resolve_entry
 
@@ -85,6 +86,7 @@ def test_a_reordered_sum_in_a_beam_search_leaves_no_step_and_only_near_ties(twin
         assert report.swaps and "near tie" in report.summary()
 
 
+@pytest.mark.transformers
 @pytest.mark.parametrize("family", ["llama", "bart"])
 def test_transformers_eager_against_sdpa_in_a_beam_search(family: str) -> None:
     import tiny_transformers
@@ -93,8 +95,8 @@ def test_transformers_eager_against_sdpa_in_a_beam_search(family: str) -> None:
     model = getattr(tiny_transformers, "bart_generator" if family == "bart" else family)()
     model.eval()
     eager, sdpa = copy.deepcopy(model), copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    sdpa.set_attn_implementation("sdpa")
+    hf.set_attention(eager, hf.EAGER)
+    hf.set_attention(sdpa, hf.SDPA)
     ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding: the masks and positions are reordered too

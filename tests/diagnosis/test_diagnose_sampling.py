@@ -17,6 +17,7 @@ from torchparity.cli import main
 from torchparity.diagnosis.decode_judging import judge_steps
 from torchparity.diagnosis.decode_run import DecodeReference
 from torchparity.diagnosis.decode_sampling import first_changed_draws
+from torchparity.subject import hf
 from torchparity.subject.factory import resolve_entry
 from torchparity.subject.sampling import SampleSettings, drawn, probabilities, uniforms
 
@@ -41,14 +42,15 @@ def test_a_temperature_applied_twice_is_a_real_change_from_the_first_draw() -> N
     assert not report.ok
 
 
+@pytest.mark.transformers
 def test_transformers_eager_against_sdpa_with_the_same_seed_changes_no_draw_but_by_noise():
     import tiny_transformers
 
     torch.manual_seed(0)
     model = tiny_transformers.llama().eval()
     eager, sdpa = copy.deepcopy(model), copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    sdpa.set_attn_implementation("sdpa")
+    hf.set_attention(eager, hf.EAGER)
+    hf.set_attention(sdpa, hf.SDPA)
     ids = torch.randint(3, 64, (8, 6), generator=torch.Generator().manual_seed(0))
     report = tp.diagnose_decode(eager, sdpa, {"input_ids": ids}, steps=6, sample=SETTINGS)
     assert report.first_step is None, report.render(100)

@@ -38,6 +38,7 @@ def _searched(model, inputs, settings: BeamSettings):
     return decoded, nbest
 
 
+@pytest.mark.transformers
 @pytest.mark.parametrize("family", ["llama", "bart"])
 def test_the_built_in_search_keeps_the_n_best_generate_keeps(family: str) -> None:
     import tiny_transformers
