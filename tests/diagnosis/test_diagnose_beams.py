@@ -4,9 +4,9 @@ swaps and the final n-best get the verdicts of token flips.
 
 The toy beam decoder of ``toy_beam_decoders.py`` keeps its cache on its attention modules and
 reorders it through ``map_state``; its ``forgetful`` refactor leaves the values out. Which rows
-go stale is a property of the search alone: before the reorder of step ``s`` a row holds the
-tokens its lineage fed (``lineage``), and a row whose parent holds other tokens keeps the wrong
-values when they are not reordered.
+go stale is a property of the search alone (``stale_rows`` there): before the reorder of step
+``s`` a row holds the tokens its lineage fed, and a row whose parent holds other tokens keeps
+the wrong values when they are not reordered.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torchparity.diagnosis.decode_report import DecodeReport
 from torchparity.errors import UsageError
 from torchparity.reference import KVCache, build_model, zoo
 from torchparity.subject import hf
-from torchparity.subject.beams import BeamSettings, lineage
+from torchparity.subject.beams import BeamSettings
 from torchparity.subject.factory import resolve_entry
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
@@ -37,6 +37,10 @@ def _factory(name: str) -> dict:
     return resolve_entry(f"{TOYS}:{name}")()
 
 
+stale_rows = resolve_entry(f"{TOYS}:stale_rows")
+first_moving_reorder = resolve_entry(f"{TOYS}:first_moving_reorder")
+
+
 def _diagnosed(a: str, b: str, beams: int = BEAMS) -> DecodeReport:
     made_a, made_b = _factory(a), _factory(b)
     return tp.diagnose_decode(made_a["model"], made_b["model"], made_a["inputs"],
@@ -44,28 +48,16 @@ def _diagnosed(a: str, b: str, beams: int = BEAMS) -> DecodeReport:
                               beams=BeamSettings(beams))
 
 
-def _stale_rows(tokens: torch.Tensor, parents: torch.Tensor, step: int) -> list[int]:
-    """The rows whose parent at ``step`` holds other tokens than they do (the prompt of a row
-    is that of its parent: a search never leaves its prompt's rows)."""
-    held = lineage(tokens[:, :step - 1], parents[:, :step - 1])
-    index = parents[:, step - 1]
-    return [r for r in range(len(index)) if not torch.equal(held[r], held[index[r]])]
-
-
-def _first_moving_reorder(tokens: torch.Tensor, parents: torch.Tensor) -> int:
-    return next(s for s in range(1, tokens.shape[1] + 1) if _stale_rows(tokens, parents, s))
-
-
 def test_a_cache_part_left_out_of_the_reorder_is_named_where_a_reorder_first_moves_rows():
     report = _diagnosed("clean", "forgetful")
     tokens, parents = report.tokens, report.parents
-    step = _first_moving_reorder(tokens, parents)
+    step = first_moving_reorder(tokens, parents)
     assert step > 1  # the first reorder copies beam 0 of each prompt: identical rows
     assert report.steps[step - 1].ok and report.first_step == step, report.render(100)
     assert report.first_module_label == f"layers.0.self_attn @ step {step}"
     entry = report.first_module.entry
     assert (entry.via, entry.argument) == ("reorder", "layers.0.self_attn.v_cache")
-    stale = _stale_rows(tokens, parents, step)
+    stale = stale_rows(tokens, parents, step)
     assert entry.detail.startswith(f"rows {', '.join(map(str, stale[:6]))}")
     assert entry.detail.endswith("not reordered at all")
     assert any("layers.1.self_attn.v_cache" in note for note in report.meta["notes"])
@@ -123,7 +115,7 @@ def test_beams_across_revisions_and_on_the_command_line(tmp_path: Path, capsys) 
     assert decode["beams"] == {"beams": BEAMS, "length_penalty": 1.0, "eos": None}
     assert decode["entry"] == {"argument": "layers.0.self_attn.v_cache", "via": "reorder",
                                "detail": decode["entry"]["detail"]}
-    step = _first_moving_reorder(torch.tensor(decode["tokens"]), torch.tensor(decode["parents"]))
+    step = first_moving_reorder(torch.tensor(decode["tokens"]), torch.tensor(decode["parents"]))
     assert decode["first_module"] == f"layers.0.self_attn @ step {step}"
     assert main(["diagnose", f"{TOYS}:reordered", "--against", str(trace)]) == 0
     assert "Beam search of 4 beam(s) (length penalty 1, end of sequence none)" in \
@@ -155,7 +147,7 @@ def test_a_reference_model_reorders_its_cache_built_in() -> None:
     broken = copy.deepcopy(model)
     broken.new_cache = ValuesLeftBehind
     report = tp.diagnose_decode(model, broken, batch, steps=4, beams=BeamSettings(BEAMS))
-    step = _first_moving_reorder(report.tokens, report.parents)
+    step = first_moving_reorder(report.tokens, report.parents)
     assert report.first_step == step, report.render(100)
     assert report.first_module.module == "decoder.layers.0.attn"
     assert report.first_module.entry.argument == "state.cache.self_kv.0.1"

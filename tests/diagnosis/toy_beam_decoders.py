@@ -19,6 +19,8 @@ from collections.abc import Callable
 import torch
 from toy_decoders import ReorderedSelfAttention, SelfAttention, ToyDecoder, make
 
+from torchparity.subject.beams import lineage
+
 
 class BeamDecoder(ToyDecoder):
     """The toy decoder with the toolkit's hook for beam search."""
@@ -75,3 +77,19 @@ def clean_twins() -> dict:
 
 def reordered_twins() -> dict:
     return _make(BeamDecoder, ReorderedSelfAttention, twins=True)
+
+
+# What a reorder that leaves a cache part behind makes stale: a property of the search alone.
+
+
+def stale_rows(tokens: torch.Tensor, parents: torch.Tensor, step: int) -> list[int]:
+    """The rows whose parent at ``step`` holds other tokens than they do (the prompt of a row
+    is that of its parent: a search never leaves its prompt's rows)."""
+    held = lineage(tokens[:, :step - 1], parents[:, :step - 1])
+    index = parents[:, step - 1]
+    return [r for r in range(len(index)) if not torch.equal(held[r], held[index[r]])]
+
+
+def first_moving_reorder(tokens: torch.Tensor, parents: torch.Tensor) -> int:
+    """The first step whose reorder moves a row to a parent holding other tokens."""
+    return next(s for s in range(1, tokens.shape[1] + 1) if stale_rows(tokens, parents, s))

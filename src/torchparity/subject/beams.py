@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from torchparity.errors import UsageError
 from torchparity.subject import hf
 from torchparity.subject.trees import map_tensors
 
@@ -40,6 +41,19 @@ class BeamSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {"beams": self.beams, "length_penalty": self.length_penalty, "eos": self.eos}
+
+
+def search_settings(given: Any, label: str) -> BeamSettings | None:
+    """The factory's ``search`` key, ``{"beams": 4, "length_penalty": 1.0, "eos": None}`` (the
+    last two optional), as settings; anything else is a one-line :class:`UsageError`."""
+    if given is None:
+        return None
+    fields = ("beams", "length_penalty", "eos")
+    if not (isinstance(given, dict) and "beams" in given and set(given) <= set(fields)) or \
+            not isinstance(given["beams"], int) or given["beams"] < 1:
+        raise UsageError(f"{label} is {given!r}; give a dict like {{'beams': 4}} (beams >= 1, "
+                         "optionally 'length_penalty' and 'eos')")
+    return BeamSettings(**given)
 
 
 @dataclass

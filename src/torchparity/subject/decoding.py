@@ -67,6 +67,15 @@ class Decoding:
         return len(self.logits) - 1
 
 
+@dataclass(frozen=True)
+class Fed:
+    """What a decoding is fed: ``tokens`` (batch, steps) and, in a beam search, the rows they
+    continue, ``parents`` (batch, steps)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor | None = None
+
+
 def teacher_forced(step: StepFn, model: nn.Module, inputs: Any, steps: int,
                    tokens: torch.Tensor | None = None, *,
                    parents: torch.Tensor | None = None, reorder: ReorderFn | None = None,

@@ -12,7 +12,7 @@ from torch import nn
 
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
-from torchparity.subject.beams import builtin_reorder
+from torchparity.subject.beams import BeamSettings, builtin_reorder, search_settings
 from torchparity.subject.decoding import STEP_HINT, ReorderFn, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.padding import Padding, padding_of
@@ -35,7 +35,9 @@ class Subject:
     folder). Every command that takes a user's model (``check``, ``golden``, ``bench``,
     ``diagnose``, ``record``) loads it here. ``padding`` says which positions of its batch are
     padding, left out of every comparison and of the default loss: the factory's ``padding``,
-    else what the inputs' masks say (:mod:`torchparity.subject.padding`)."""
+    else what the inputs' masks say (:mod:`torchparity.subject.padding`). ``search`` makes its
+    decode golden a beam search (the factory's ``search`` key), ``reorder`` reorders its
+    decoding state between beam steps."""
 
     name: str
     entry: str
@@ -46,6 +48,7 @@ class Subject:
     decode: DecodeFn | None = None
     padding: Padding = field(default_factory=Padding)
     reorder: ReorderFn | None = None
+    search: BeamSettings | None = None
 
     @classmethod
     def load(cls, entry: str | Callable[[], Any]) -> Subject:
@@ -57,6 +60,7 @@ class Subject:
         fields = call_factory(factory, spec)
         fields["padding"] = padding_of(fields["padding"], fields["inputs"], fields["model"],
                                        f"the padding of factory {spec}", "the factory's padding")
+        fields["search"] = search_settings(fields["search"], f"the search of factory {spec}")
         return cls(name=entry_name(spec), entry=spec, **fields)
 
     @property
