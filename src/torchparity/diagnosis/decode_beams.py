@@ -117,15 +117,16 @@ def nbest_swaps(reference: DecodeReference, sides: Sides) -> list[BeamSwap]:
     dtype = reference.logits[0].dtype
     swaps = []
     for prompt, hypotheses in enumerate(pools):
-        scores = [rescored(h, hypotheses, penalty) if h is not None else None
-                  for h in (sides.a, sides.golden, sides.b, sides.b64)]
+        scores = [None if history is None else rescored(history, hypotheses, penalty)
+                  for history in (sides.a, sides.golden, sides.b, sides.b64)]
+        a_scores, _, b_scores, _ = scores
         a_rank, b_rank = (s.argsort(descending=True, stable=True)[:k].tolist()
-                          for s in scores[:3:2])
+                          for s in (a_scores, b_scores))
         rank = next((i for i, (x, y) in enumerate(zip(a_rank, b_rank, strict=True)) if x != y),
                     None)
         if rank is None:
             continue
-        budget = step_budget(_judged(scores[0], scores[1], scores[2], dtype))
+        budget = step_budget(_judged(a_scores, scores[1], b_scores, dtype))
         x, y = a_rank[rank], b_rank[rank]
         swaps.append(_swap(None, prompt, (x, y), (_tokens(hypotheses[x]), _tokens(hypotheses[y])),
                            scores, budget, rank=rank))
