@@ -49,6 +49,15 @@ def bart_generator() -> nn.Module:
         forced_eos_token_id=None, pad_token_id=0, eos_token_id=None))
 
 
+def generator(family: str) -> nn.Module:
+    """A tiny generating model of ``family`` (``llama``, ``gpt2`` or ``bart``), its weights
+    drawn from seed 0, in eval mode."""
+    import torch
+
+    torch.manual_seed(0)
+    return (bart_generator() if family == "bart" else globals()[family]()).eval()
+
+
 #: family -> (builder, its first attention module, the output fields holding attention weights)
 FAMILIES = {
     "gpt2": (gpt2, "transformer.h.0.attn", ["attentions"]),

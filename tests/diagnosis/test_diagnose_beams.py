@@ -22,7 +22,7 @@ import torchparity as tp
 from torchparity.cli import main
 from torchparity.diagnosis.decode_report import DecodeReport
 from torchparity.errors import UsageError
-from torchparity.reference import KVCache, build_model, zoo
+from torchparity.reference import build_model, zoo
 from torchparity.subject import hf
 from torchparity.subject.beams import BeamSettings
 from torchparity.subject.factory import resolve_entry
@@ -39,6 +39,7 @@ def _factory(name: str) -> dict:
 
 stale_rows = resolve_entry(f"{TOYS}:stale_rows")
 first_moving_reorder = resolve_entry(f"{TOYS}:first_moving_reorder")
+ValuesLeftBehind = resolve_entry(f"{TOYS}:ValuesLeftBehind")
 
 
 def _diagnosed(a: str, b: str, beams: int = BEAMS) -> DecodeReport:
@@ -83,9 +84,7 @@ def test_a_reordered_sum_in_a_beam_search_leaves_no_step_and_only_near_ties(twin
 def test_transformers_eager_against_sdpa_in_a_beam_search(family: str) -> None:
     import tiny_transformers
 
-    torch.manual_seed(0)
-    model = getattr(tiny_transformers, "bart_generator" if family == "bart" else family)()
-    model.eval()
+    model = tiny_transformers.generator(family)
     eager, sdpa = copy.deepcopy(model), copy.deepcopy(model)
     hf.set_attention(eager, hf.EAGER)
     hf.set_attention(sdpa, hf.SDPA)
@@ -126,15 +125,6 @@ def test_beams_across_revisions_and_on_the_command_line(tmp_path: Path, capsys) 
     decode = json.loads(out.read_text())["decode"]
     assert decode["beams"] == {"beams": BEAMS, "length_penalty": 0.5, "eos": 3}
     capsys.readouterr()
-
-
-class ValuesLeftBehind(KVCache):
-    """A refactored cache whose reorder forgets the self-attention values."""
-
-    def reorder(self, index: torch.Tensor) -> None:
-        values = {layer: v for layer, (_, v) in self.self_kv.items()}
-        super().reorder(index)
-        self.self_kv = {layer: (k, values[layer]) for layer, (k, _) in self.self_kv.items()}
 
 
 def test_a_reference_model_reorders_its_cache_built_in() -> None:

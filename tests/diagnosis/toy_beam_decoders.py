@@ -10,6 +10,9 @@ weights and prompt, with a ``step`` and a ``reorder`` for torchparity's beam sea
 - ``reordered``: the clean ``map_state``, attention summing its values in reverse order
   (legitimate rounding noise); ``*_twins``: with the twin tokens of ``toy_decoders.py``, so
   that beam candidates between twins are near ties.
+
+:class:`ValuesLeftBehind` is the same refactor of a reference model's ``KVCache``; ``stale_rows``
+says which rows such a refactor leaves stale, from the search alone.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable
 import torch
 from toy_decoders import ReorderedSelfAttention, SelfAttention, ToyDecoder, make
 
+from torchparity.reference import KVCache
 from torchparity.subject.beams import lineage
 
 
@@ -37,6 +41,15 @@ class ForgetfulBeamDecoder(BeamDecoder):
     def map_state(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for layer in self.layers:
             layer.self_attn.k_cache = fn(layer.self_attn.k_cache)
+
+
+class ValuesLeftBehind(KVCache):
+    """The same refactor of a reference model's cache: its reorder forgets the values."""
+
+    def reorder(self, index: torch.Tensor) -> None:
+        values = {layer: v for layer, (_, v) in self.self_kv.items()}
+        super().reorder(index)
+        self.self_kv = {layer: (k, values[layer]) for layer, (k, _) in self.self_kv.items()}
 
 
 def beam_step(model: BeamDecoder, tokens, state):

@@ -8,28 +8,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from torchparity.cli import main
 from torchparity.golden.store import GoldenStore
 from torchparity.golden.user_models import check_model, update_model_goldens
-from torchparity.reference import KVCache, build_model, zoo
+from torchparity.reference import build_model, zoo
 from torchparity.subject.factory import resolve_entry
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 
 BEAMS = 4
-first_moving_reorder = resolve_entry(
-    f"{Path(__file__).parents[1] / 'diagnosis' / 'toy_beam_decoders.py'}:first_moving_reorder")
-
-
-class ValuesLeftBehind(KVCache):
-    """A refactored cache whose reorder forgets the self-attention values."""
-
-    def reorder(self, index: torch.Tensor) -> None:
-        values = {layer: v for layer, (_, v) in self.self_kv.items()}
-        super().reorder(index)
-        self.self_kv = {layer: (k, values[layer]) for layer, (k, _) in self.self_kv.items()}
+TOYS = Path(__file__).parents[1] / "diagnosis" / "toy_beam_decoders.py"
+first_moving_reorder = resolve_entry(f"{TOYS}:first_moving_reorder")
+ValuesLeftBehind = resolve_entry(f"{TOYS}:ValuesLeftBehind")
 
 
 def searching() -> dict:
