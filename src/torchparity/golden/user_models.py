@@ -404,7 +404,7 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
     """Read and validate the goldens of ``subject``; a golden made with another kind of loss is
     :class:`GoldenStale`, and so are goldens with decoding when the factory no longer decodes.
     Goldens made without decoding are read as they are: a factory that decodes since (a
-    library upgrade) is checked on what they hold (see :func:`no_decode_golden`). (Changed
+    library upgrade) is checked on what they hold (see :func:`_no_decode_golden`). (Changed
     weights or inputs are verdicts of :func:`check_subject`.)"""
     goldens = {output: store.read(subject.name, output) for output in ("outputs", "loss",
                                                                        "grads")}
@@ -436,7 +436,7 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
     return goldens
 
 
-def no_decode_golden(subject: Subject, store: GoldenStore) -> str:
+def _no_decode_golden(subject: Subject, store: GoldenStore) -> str:
     """Why a factory that decodes gets no decode verdict from goldens made without decoding."""
     return (f"the goldens of {subject.name} in {store.root} have no decoding (made when the "
             f"factory did not decode); run `{store.update_command}` to add it")
@@ -472,7 +472,7 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
     goldens = load_goldens(subject, store)
     undecoded = None
     if subject.generates and "decode" not in goldens:
-        undecoded = no_decode_golden(subject, store)
+        undecoded = _no_decode_golden(subject, store)
         subject = dataclasses.replace(subject, decoding=False)
     changed = checksum_changes(goldens, model_checksums(subject), lambda what: (
         f"the {what} the factory {subject.entry} builds {{differ}}; seed the factory's "
