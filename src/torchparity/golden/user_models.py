@@ -7,7 +7,8 @@ computed in float64 on the CPU with every SDPA call on the ``manual`` backend, l
 ============  ==========  =============================================================
 output        kind        tensors
 ============  ==========  =============================================================
-``outputs``   forward     every tensor of the model's output, keyed by its path
+``outputs``   forward     every tensor of the model's output, keyed by its path, but those
+                          its cache holds (``past_key_values``, ``cache``: see ``decode``)
 ``loss``      loss        ``loss_fn(output, inputs)``, or the default loss (below)
 ``grads``     grad        the gradient of every parameter that requires one
 ``decode``    forward     a teacher-forced decoding of ``DECODE_STEPS`` steps through the
@@ -15,17 +16,19 @@ output        kind        tensors
                           reference models and ``transformers`` generators): the greedy
                           ``tokens`` of the float64 run and each step's next-token logits
                           (``cached.logits.<step>``, and ``recomputed.logits.<step>`` by full
-                          recompute where a built-in step offers one); or, for a factory with
+                          recompute where a built-in step offers one); with the factory's
+                          ``search`` key a beam search instead, its ``tokens`` and
+                          ``parents`` (the prompt expanded to its beams); or, for a factory with
                           the older ``decode(model, inputs, use_cache)``, what it returns with
                           the cache (``cached.*``) and by full recompute (``recomputed.*``)
 ============  ==========  =============================================================
 
-Every cell decodes along the golden's tokens, so a near tie that another dtype or backend
-breaks the other way changes no later step: each step's logits are judged in every cell, and a
-failure names the first step that leaves its budget. The reference cell decodes greedily: its
-tokens must be the golden's. It also judges ``decode-cache``: the cached decoding against the
-full recompute of the same run, so a KV-cache bug is caught even in the run that made the
-goldens.
+Every cell decodes along the golden's tokens (and parents), so a near tie that another dtype or
+backend breaks the other way changes no later step: each step's logits are judged in every
+cell, and a failure names the first step that leaves its budget. The reference cell decodes
+greedily, or searches: its tokens (and parents) must be the golden's. It also judges
+``decode-cache``: the cached decoding against the full recompute of the same run, so a
+KV-cache bug is caught even in the run that made the goldens.
 
 The default loss is a fixed pseudo-random projection of the floating outputs the golden has:
 its gradient reaches every element of them, and the same weights are used in every cell.
@@ -50,6 +53,7 @@ tensors both have are judged.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -63,7 +67,7 @@ import torch
 from torch import nn
 
 from torchparity import backends, sketching, tolerance
-from torchparity.comparison import compare
+from torchparity.comparison import NOT_COMPARED, compare
 from torchparity.dtypes import dtype_name
 from torchparity.errors import BackendUnavailable, UsageError
 from torchparity.golden.cases import (
@@ -85,11 +89,12 @@ from torchparity.golden.compiled import (
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
 from torchparity.sketching import Sketch, kept, seed_of
 from torchparity.subject import Subject, hf
+from torchparity.subject.beams import BeamSearch, expand_prompt, reorder_rows
 from torchparity.subject.blockwise import BlockProgress, Float64Run, stream_grads
 from torchparity.subject.compiling import CompileFailed, CompileLog, check_mode, compiled
-from torchparity.subject.decoding import recompute_step, teacher_forced
+from torchparity.subject.decoding import Fed, recompute_step, teacher_forced
 from torchparity.subject.padding import Padding
-from torchparity.subject.running import cast_inputs
+from torchparity.subject.running import cast_inputs, default_loss_paths, in_cache
 from torchparity.subject.trees import flatten_tensors
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -117,15 +122,18 @@ def backend_names(models: list[Subject] | None = None) -> list[str]:
 
 @dataclass
 class Run:
-    """One run of a model in a cell: output name -> {path: tensor}, why others are missing,
-    the loss's gradient with respect to each floating output (what carries the outputs' noise
-    into the loss's, see :func:`torchparity.tolerance.propagated_noise`), and ``compile_log``
-    what compiling cost in a compiled cell."""
+    """One run of a model in a cell: output name -> {path: tensor}, why others are missing
+    (``missing``: the cell cannot compute them, n/a; ``not_compared``: the model's output no
+    longer holds what the golden was made from, a failure), the loss's gradient with respect
+    to each floating output (what carries the outputs' noise into the loss's, see
+    :func:`torchparity.tolerance.propagated_noise`), and ``compile_log`` what compiling cost
+    in a compiled cell."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
     sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
     compile_log: CompileLog | None = None
+    not_compared: dict[str, str] = field(default_factory=dict)
 
 
 def model_store(subject: Subject, root: Any) -> GoldenStore:
@@ -183,13 +191,14 @@ def _own_dtype(model: nn.Module) -> torch.dtype:
 
 
 def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
-                perturb: bool = False, tokens: torch.Tensor | None = None,
+                perturb: bool = False, tokens: Fed | None = None,
                 models: CellModels | None = None, status: Status | None = None
                 ) -> tuple[Run, int | None]:
     """Run the model in ``cell``: forward, loss, gradients and decoding.
 
     ``loss_paths`` are the outputs the default loss projects (None: all floating ones);
-    ``tokens`` are what a step-by-step decoding is fed (None: its own greedy choices).
+    ``tokens`` are what a step-by-step decoding is fed (None: its own greedy choices, or its
+    beam search).
     ``models`` shares the cells' models (default: a fresh :class:`CellModels`); ``status``
     hears where a long run is (which block of how many). Tensors of
     :func:`~torchparity.sketching.threshold` elements or more are kept as sketches, each
@@ -281,9 +290,10 @@ def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
             output = subject.forward(model, inputs)
             flat = flatten_tensors(output, _ROOT)
             loss = subject.loss(output, inputs, flat, loss_paths)
+    # A cache is state for the next call, judged by the decoding that reads it.
     outputs: dict[str, dict[str, Any]] = {
         "outputs": {path: kept(path, t, _padded(subject, "outputs", path, t))
-                    for path, t in flat.items()}}
+                    for path, t in flat.items() if not in_cache(path)}}
     # The loss's gradient with respect to each floating output, heard as the backward passes.
     sensitivity: dict[str, torch.Tensor] = {}
     if "grads" not in missing and not isinstance(loss, str):
@@ -292,9 +302,8 @@ def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
                 t.register_hook(functools.partial(_heard, sensitivity, path))
     del output, flat  # the kept outputs are enough: the graph lives on in the loss
     if isinstance(loss, str):
-        missing["loss"] = missing["grads"] = loss
-    else:
-        outputs["loss"] = {"loss": loss.detach()}
+        return Run(outputs, missing, not_compared={"loss": loss, "grads": loss})
+    outputs["loss"] = {"loss": loss.detach()}
     if "grads" not in missing:
         try:
             outputs["grads"] = backward(loss)
@@ -308,7 +317,7 @@ def _heard(found: dict[str, torch.Tensor], path: str, grad: torch.Tensor) -> Non
 
 
 def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
-            tokens: torch.Tensor | None) -> None:
+            tokens: Fed | None) -> None:
     if not subject.generates:
         return
     try:
@@ -324,21 +333,35 @@ def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
         run.missing["decode"] = str(exc)
 
 
-def _stepped(subject: Subject, model: nn.Module, inputs: Any, tokens: torch.Tensor | None,
+def _stepped(subject: Subject, model: nn.Module, inputs: Any, fed: Fed | None,
              compile_log: CompileLog | None = None) -> dict[str, torch.Tensor]:
-    """The step protocol's decoding: tokens fed, and each step's logits cached and, where a
-    built-in step offers it, by full recompute along the same tokens; a compiled model's
-    calls recorded by step in ``compile_log``."""
-    cached = teacher_forced(subject.stepper(model), model, inputs, DECODE_STEPS, tokens,
+    """The step protocol's decoding: tokens (and parents) fed, else the greedy choices or the
+    factory's beam search, and each step's logits cached and, where a built-in step offers it,
+    by full recompute along the same tokens; a compiled model's calls recorded by step in
+    ``compile_log``."""
+    search = subject.search
+    if search is not None:
+        inputs = expand_prompt(inputs, search.beams)
+    searcher = BeamSearch(search, _rows(inputs) // search.beams) if search and not fed else None
+    cached = teacher_forced(subject.stepper(model), model, inputs, DECODE_STEPS,
+                            fed and fed.tokens, parents=fed and fed.parents,
+                            reorder=subject.reorderer(model),
+                            decide=searcher and searcher.decide,
                             during=decode_phases(compile_log, "cached"))
     outputs = {"tokens": cached.tokens,
+               **({} if cached.parents is None else {"parents": cached.parents}),
                **{f"cached.logits.{s}": t for s, t in enumerate(cached.logits)}}
     recompute = recompute_step(model) if subject.step is None else None
-    if recompute is not None:
+    if recompute is not None:  # its state holds tensors alone: their rows are reordered
         recomputed = teacher_forced(recompute, model, inputs, DECODE_STEPS, cached.tokens,
+                                    parents=cached.parents, reorder=reorder_rows,
                                     during=decode_phases(compile_log, "recomputed"))
         outputs.update({f"recomputed.logits.{s}": t for s, t in enumerate(recomputed.logits)})
     return outputs
+
+
+def _rows(inputs: Any) -> int:
+    return next(iter(flatten_tensors(inputs, "inputs").values())).shape[0]
 
 
 def _decoded(subject: Subject, model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
@@ -359,7 +382,7 @@ def first_step(comparison: Any) -> int | None:
         found = re.search(r"logits\.(\d+)", t.path)
         if found:
             steps.append(int(found.group(1)))
-        elif "tokens" in t.path and t.worst_index is not None:
+        elif ("tokens" in t.path or "parents" in t.path) and t.worst_index is not None:
             steps.append(t.worst_index[-1])
     return min(steps, default=None)
 
@@ -377,8 +400,7 @@ def write_goldens(subject: Subject, store: GoldenStore,
         output, reason = next(iter(run.missing.items()))
         raise UsageError(f"{subject.entry}: the float64 golden run cannot compute {output}: "
                          f"{reason}")
-    loss_paths = None if subject.loss_fn else [
-        p for p, t in run.outputs["outputs"].items() if t.is_floating_point()]
+    loss_paths = None if subject.loss_fn else default_loss_paths(run.outputs["outputs"])
     if status is not None:
         status("checksums of the weights and inputs")
     meta = {"entry": subject.entry, "model": type(subject.model).__name__,
@@ -398,17 +420,19 @@ def write_goldens(subject: Subject, store: GoldenStore,
 
 def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
     """Read and validate the goldens of ``subject``; a golden made with another kind of loss is
-    :class:`GoldenStale`. (Changed weights or inputs are verdicts of :func:`check_subject`.)"""
+    :class:`GoldenStale`, and so are goldens with decoding when the factory no longer decodes.
+    Goldens made without decoding are read as they are: a factory that decodes since (a
+    library upgrade) is checked on what they hold (see :func:`_no_decode_golden`). (Changed
+    weights or inputs are verdicts of :func:`check_subject`.)"""
     goldens = {output: store.read(subject.name, output) for output in ("outputs", "loss",
                                                                        "grads")}
     fix = f"if the change is intended, run `{store.update_command}`"
-    decodes = subject.generates
     if store.exists(subject.name, "decode"):
         goldens["decode"] = store.read(subject.name, "decode")
-    if decodes != ("decode" in goldens):
-        raise GoldenStale(f"the goldens of {subject.name} in {store.root} were made "
-                          f"{'without' if decodes else 'with'} decoding, the factory now "
-                          f"{'decodes' if decodes else 'does not'}; {fix}")
+    decodes = "decode" in goldens
+    if decodes and not subject.generates:
+        raise GoldenStale(f"the goldens of {subject.name} in {store.root} were made with "
+                          f"decoding, the factory now does not; {fix}")
     padding = subject.padding.summary()
     made = goldens["decode"].summary.get("decoding") if decodes else None
     if decodes and made != _decoding(subject):
@@ -430,6 +454,12 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
     return goldens
 
 
+def _no_decode_golden(subject: Subject, store: GoldenStore) -> str:
+    """Why a factory that decodes gets no decode verdict from goldens made without decoding."""
+    return (f"the goldens of {subject.name} in {store.root} have no decoding (made when the "
+            f"factory did not decode); run `{store.update_command}` to add it")
+
+
 def _default_loss(subject: Subject, loss_paths: list[str]) -> dict[str, Any]:
     """What a golden records of its default loss: the outputs projected and, when there is
     padding, which positions it leaves out."""
@@ -446,7 +476,13 @@ _SAME_EVERYWHERE = {
 
 def _decoding(subject: Subject) -> str:
     """How the subject decodes, as its goldens record it."""
-    return "step by step" if subject.steps else "its decode"
+    if not subject.steps:
+        return "its decode"
+    search = subject.search
+    return "step by step" if search is None else (
+        f"step by step, a beam search of {search.beams} beams (length penalty "
+        f"{search.length_penalty:g}, end of sequence "
+        f"{'none' if search.eos is None else search.eos})")
 
 
 def _loss_paths(goldens: dict[str, Golden]) -> list[str] | None:
@@ -465,6 +501,10 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
     The cells share the model (:class:`CellModels`): no more copies than dtypes.
     ``advance(label)`` is called after each cell, ``status(label, text)`` while one runs."""
     goldens = load_goldens(subject, store)
+    undecoded = None
+    if subject.generates and "decode" not in goldens:
+        undecoded = _no_decode_golden(subject, store)
+        subject = dataclasses.replace(subject, decoding=False)
     changed = checksum_changes(goldens, model_checksums(subject), lambda what: (
         f"the {what} the factory {subject.entry} builds {{differ}}; {_SAME_EVERYWHERE[what]}"
         f" (torch's own random draws differ between machines), or if the change is intended"
@@ -479,7 +519,8 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
     loss_paths = _loss_paths(goldens)
     models = CellModels(subject)
     # Step by step, every cell but the reference decodes along the golden's tokens.
-    tokens = goldens["decode"].tensors["tokens"] if subject.steps else None
+    decoded = goldens["decode"].tensors if subject.steps else None
+    tokens = decoded and Fed(decoded["tokens"], decoded.get("parents"))
     baselines: dict[tuple[str, str], Run] = {}
     for cell in cells:
         cell_status = None if status is None else (
@@ -495,19 +536,24 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
                                              status=cell_status)[0]
             results += _check_cell(subject, cell, goldens, baselines[key], loss_paths, tokens,
                                    models, cell_status)
+        if undecoded:
+            results.append(_result(subject, cell, "decode", "n/a", ok=True, reason=undecoded))
         advance(cell.label)
     return results
 
 
 def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Golden],
-                     loss_paths: list[str] | None, tokens: torch.Tensor | None,
+                     loss_paths: list[str] | None, tokens: Fed | None,
                      models: CellModels, status: Status | None) -> list[CheckResult]:
-    # The reference decodes greedily: its tokens are judged.
+    # The reference decodes greedily, or searches: its tokens (and parents) are judged.
     fresh, _ = run_in_cell(subject, REFERENCE, loss_paths, models=models, status=status)
     perturbed, _ = run_in_cell(subject, REFERENCE, loss_paths, perturb=True, tokens=tokens,
                                models=models, status=status)
     results = []
     for output, golden in goldens.items():
+        if output in fresh.not_compared:
+            results.append(_not_compared(subject, REFERENCE, output, fresh))
+            continue
         candidate = fresh.outputs.get(output, {})
         shared = {p: t for p, t in candidate.items()
                   if p in golden.tensors and p in perturbed.outputs.get(output, {})}
@@ -528,7 +574,7 @@ def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Go
 
 
 def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseline: Run,
-                loss_paths: list[str] | None, tokens: torch.Tensor | None,
+                loss_paths: list[str] | None, tokens: Fed | None,
                 models: CellModels, status: Status | None) -> list[CheckResult]:
     if cell.backend == HF_EAGER and not subject.is_transformers:
         reason = "not a transformers model: it has no attention implementation to switch"
@@ -546,6 +592,9 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
                         reason=backends.NO_SDPA_CALLS_REASON) for output in goldens]
     results = []
     for output, golden in goldens.items():
+        if output in run.not_compared:
+            results.append(_not_compared(subject, cell, output, run))
+            continue
         if output in run.missing:
             results.append(_result(subject, cell, output, "n/a", ok=True,
                                    reason=run.missing[output]))
@@ -564,7 +613,7 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
 
 
 def _compiled_run(subject: Subject, cell: Cell, loss_paths: list[str] | None,
-                  tokens: torch.Tensor | None) -> tuple[Run, int | None]:
+                  tokens: Fed | None) -> tuple[Run, int | None]:
     """The compiled cell's run; every output n/a with the reason where it cannot compile."""
     reason = unavailable_reason(cell)
     if reason is None:
@@ -607,6 +656,11 @@ def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, Any],
                    worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
                    structure=[str(d) for d in comparison.structure] or None,
                    left_out=left_out)
+
+
+def _not_compared(subject: Subject, cell: Cell, output: str, run: Run) -> CheckResult:
+    return _result(subject, cell, output, NOT_COMPARED, ok=False,
+                   reason=run.not_compared[output])
 
 
 def _padded(subject: Subject, output: str, path: str, tensor: torch.Tensor

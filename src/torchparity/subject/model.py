@@ -12,7 +12,8 @@ from torch import nn
 
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
-from torchparity.subject.decoding import STEP_HINT, StepFn, builtin_step
+from torchparity.subject.beams import BeamSettings, builtin_reorder, search_settings
+from torchparity.subject.decoding import STEP_HINT, ReorderFn, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.padding import Padding, padding_of
 from torchparity.subject.running import (
@@ -20,6 +21,7 @@ from torchparity.subject.running import (
     call_model,
     cast_inputs,
     converted,
+    default_loss_paths,
     projection_loss,
 )
 
@@ -34,7 +36,9 @@ class Subject:
     folder). Every command that takes a user's model (``check``, ``golden``, ``bench``,
     ``diagnose``, ``record``) loads it here. ``padding`` says which positions of its batch are
     padding, left out of every comparison and of the default loss: the factory's ``padding``,
-    else what the inputs' masks say (:mod:`torchparity.subject.padding`)."""
+    else what the inputs' masks say (:mod:`torchparity.subject.padding`). ``search`` makes its
+    decode golden a beam search (the factory's ``search`` key), ``reorder`` reorders its
+    decoding state between beam steps."""
 
     name: str
     entry: str
@@ -44,6 +48,10 @@ class Subject:
     step: StepFn | None = None
     decode: DecodeFn | None = None
     padding: Padding = field(default_factory=Padding)
+    reorder: ReorderFn | None = None
+    search: BeamSettings | None = None
+    #: False where it is checked against goldens made without decoding: it does not decode.
+    decoding: bool = True
 
     @classmethod
     def load(cls, entry: str | Callable[[], Any]) -> Subject:
@@ -55,6 +63,7 @@ class Subject:
         fields = call_factory(factory, spec)
         fields["padding"] = padding_of(fields["padding"], fields["inputs"], fields["model"],
                                        f"the padding of factory {spec}", "the factory's padding")
+        fields["search"] = search_settings(fields["search"], f"the search of factory {spec}")
         return cls(name=entry_name(spec), entry=spec, **fields)
 
     @property
@@ -65,13 +74,13 @@ class Subject:
     def steps(self) -> bool:
         """Whether it decodes step by step (:mod:`~torchparity.subject.decoding`): with the
         factory's ``step``, or a built-in one, and no ``decode`` of its own."""
-        return self.decode is None and (self.step is not None
-                                        or builtin_step(self.model) is not None)
+        return self.decoding and self.decode is None and (
+            self.step is not None or builtin_step(self.model) is not None)
 
     @property
     def generates(self) -> bool:
         """Whether it decodes: with its own ``decode``, or step by step."""
-        return self.decode is not None or self.steps
+        return self.decoding and (self.decode is not None or self.steps)
 
     def stepper(self, model: nn.Module | None = None) -> StepFn:
         """The decoding step of ``model`` (default: the factory's): the factory's ``step``, else
@@ -91,6 +100,17 @@ class Subject:
         guarded.label = (f"the step of {self.entry}" if self.step is not None
                          else f"the built-in decoding step of {self.entry}")  # in its messages
         return guarded
+
+    def reorderer(self, model: nn.Module | None = None) -> ReorderFn | None:
+        """The ``reorder(state, index)`` of a beam search over ``model`` (default: the
+        factory's): the factory's, else the built-in one, guarded like :meth:`stepper`; None
+        when there is neither (a search then says it needs one)."""
+        model = self.model if model is None else model
+        reorder = self.reorder or builtin_reorder(model)
+        if reorder is None:
+            return None
+        what = "its reorder" if self.reorder is not None else "the built-in reorder"
+        return lambda state, index: self.guarded(lambda: reorder(state, index), what)
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
                attention: str = hf.SDPA, *, share: bool = False) -> tuple[nn.Module, Any]:
@@ -114,7 +134,8 @@ class Subject:
     def loss(self, output: Any, inputs: Any, flat: Mapping[str, torch.Tensor],
              loss_paths: list[str] | None = None) -> torch.Tensor | str:
         """``loss_fn(output, inputs)``, else the projection loss of the outputs at
-        ``loss_paths`` (default: every floating one of ``flat``, the flattened output) on their
+        ``loss_paths`` (default: every floating one of ``flat``, the flattened output, that no
+        cache holds: :func:`~torchparity.subject.running.default_loss_paths`) on their
         unpadded positions; a string saying why when ``flat`` lacks one of them."""
         if self.loss_fn is not None:
             loss = self.guarded(lambda: self.loss_fn(output, inputs), "its loss_fn")
@@ -122,11 +143,11 @@ class Subject:
                 raise UsageError(f"loss_fn of {self.entry} must return a scalar tensor; got "
                                  f"{type(loss).__name__}")
             return loss.reshape(())
-        paths = loss_paths if loss_paths is not None else [
-            p for p, t in flat.items() if t.is_floating_point()]
+        paths = loss_paths if loss_paths is not None else default_loss_paths(flat)
         absent = [p for p in paths if p not in flat]
         if absent:
-            return (f"the output has no {', '.join(absent)}, which the golden's default loss "
+            more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+            return (f"the output has no {absent[0]}{more}, which the golden's default loss "
                     f"projects; the loss and gradients cannot be compared")
         if not paths:
             raise UsageError(f"the output of {self.entry} has no floating tensor to take "
