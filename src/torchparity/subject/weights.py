@@ -3,9 +3,9 @@
 Goldens record a checksum of the weights, so a factory must build the same weights wherever it
 runs. torch's own initialisation does not: its CPU ``normal_`` rounds differently by
 instruction set (without AVX against AVX2, x86 against ARM), so a model seeded with
-``torch.manual_seed`` on one machine can be another model on the next. These draw from the zoo's counter-based generator
-(:mod:`torchparity.reference.rng`: integer hashing and one multiply-add in float64), whose
-values are bit-identical everywhere.
+``torch.manual_seed`` on one machine can be another model on the next. These draw from the
+zoo's counter-based generator (:mod:`torchparity.reference.rng`: integer hashing and one
+multiply-add in float64), whose values are bit-identical everywhere.
 """
 
 from __future__ import annotations
