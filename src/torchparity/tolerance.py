@@ -710,5 +710,23 @@ def baseline_bound(
     return bound.analytic + stored + accumulated * bound.reordering_scale + bound.floor
 
 
+def baseline_headroom(baseline_error: float, bound: float, error: float, kind: str) -> float:
+    """The share of its guard a baseline's error uses: over 1 the baseline is degraded. The
+    guard is the larger of :func:`baseline_bound` and ``fudge`` times the candidate's
+    ``error``: a problem that amplifies rounding (a gradient that cancels to 1e-5 of the terms
+    it sums) may take any baseline past the bound; only a candidate in the same dtype doing
+    fudge times better shows that the baseline lost precision the problem does not cost."""
+    return baseline_error / max(bound, kind_tolerance(kind).fudge * error)
+
+
+def coarser(dtype: DtypeLike, other: DtypeLike | None) -> str:
+    """The name of the less precise of two dtypes (``dtype``'s when ``other`` is None)."""
+    mine = precision(dtype)
+    if other is None:
+        return mine.name
+    theirs = precision(other)
+    return theirs.name if theirs.unit_roundoff > mine.unit_roundoff else mine.name
+
+
 def _num(x: float) -> str:
     return f"{x:g}"
