@@ -524,8 +524,14 @@ def budget(
     atol: float = 0.0,
     rtol: float = 0.0,
     metric: Metric | None = None,
+    islands: DtypeLike | None = None,
 ) -> Budget:
     """The budget for one tensor, following the rule in this module's docstring.
+
+    ``islands`` is the narrowest dtype the model computes in whatever its own (transformers'
+    float32 norms and rotary table): where it is coarser than ``compute_dtype``, the noise
+    floor and the floor are its, since one rounding there that falls the other way reaches
+    every output (the next island rounds the difference again).
 
     ``baseline_error`` is err(baseline, golden) in the kind's metric, or None without a baseline;
     0.0 (an exact baseline) also selects the analytic bound. ``reduction_length`` defaults to the
@@ -546,6 +552,7 @@ def budget(
     tol = kind_tolerance(kind)
     metric = metric or tol.metric
     p = precision(compute_dtype)
+    least = precision(coarser(compute_dtype, islands))  # what the model's rounding can claim
     own_scale = own_magnitude(golden, metric)
     scale = own_scale or 1.0
     if group_scale is not None and cancelled(own_scale, group_scale):
@@ -566,7 +573,7 @@ def budget(
             (baseline_error, "baseline error"),
             (spread or 0.0, "spread of a rerun"),
             (input_noise or 0.0, "noise of its inputs"),
-            (noise_floor(golden, p.unit_roundoff, tol) * scale, "noise floor"),
+            (noise_floor(golden, least.unit_roundoff, tol) * scale, "noise floor"),
             ((group_noise or 0.0) * outer_scale, "noise of its group"),
         )
         allowance = tol.fudge * noise
@@ -595,7 +602,7 @@ def budget(
     allowance += inherited
     # Rounding to the dtype errs by up to u * |x| plus the subnormal spacing (which keeps the
     # floor of subnormal goldens positive).
-    floor = tol.floor_ulps * (p.unit_roundoff * outer_scale + p.min_spacing)
+    floor = tol.floor_ulps * (least.unit_roundoff * outer_scale + least.min_spacing)
     step_factor = 1.0 + tol.per_step_growth * (step or 0)
     return Budget(
         kind=kind,

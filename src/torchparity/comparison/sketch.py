@@ -103,7 +103,7 @@ def compare_sketch(
         g, baseline_error=None if baseline_error is None else baseline_error * margin,
         compute_dtype=precision.name, kind=kind, reduction_length=length, step=step,
         group_scale=group_scale, group_noise=group_noise, inherited=inherited, atol=atol,
-        rtol=rtol, metric="rms")
+        rtol=rtol, metric="rms", islands=islands)
     if spent.noise_source == "baseline error":
         spent = dataclasses.replace(
             spent, noise_source=f"baseline error (sketched, × {margin:.3g} for its spread)")

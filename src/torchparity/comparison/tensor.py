@@ -114,10 +114,11 @@ def compare_tensor(
     """Judge one tensor; ``left_out`` positions of its leading dimensions (padding) count
     neither in its error nor in its budget's scale, and a NaN or inf there is no fault.
 
-    A baseline that errs more than a plain computation in the compute dtype may (or in
-    ``islands``, the narrowest dtype the model computes in whatever its own, when that is
-    coarser) is degraded: it sets no budget, the analytic bound does, and the tensor is judged
-    by it. A candidate bit-equal to the golden is ``identical``, whatever the baseline did."""
+    ``islands`` is the narrowest dtype the model computes in whatever its own: where it is
+    coarser than the compute dtype, the baseline's guard, the noise floor and the floor are
+    its. A baseline that errs more than a plain computation may is degraded: it sets no
+    budget, the analytic bound does, and the tensor is judged by it. A candidate bit-equal to
+    the golden is ``identical``, whatever the baseline did."""
     if candidate.dtype.is_complex:
         raise StructureMismatch(f"{path}: complex tensors are not supported ({candidate.dtype})")
     c, g = as_float64(candidate), as_float64(golden)
@@ -152,7 +153,7 @@ def compare_tensor(
             g_finite_part, baseline_error=baseline_error, compute_dtype=precision.name,
             kind=kind, reduction_length=length, step=step, group_scale=group_scale,
             group_noise=group_noise, spread=spread, input_noise=input_noise,
-            inherited=inherited, atol=atol, rtol=rtol)
+            inherited=inherited, atol=atol, rtol=rtol, islands=islands)
 
     metrics = _metrics(c_valid, g_valid, abs_err, precision.name)
     err = metrics[metric]

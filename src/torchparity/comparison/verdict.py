@@ -273,7 +273,8 @@ def compare(
     it sets no budget (the analytic bound does) and :attr:`Comparison.baseline_degraded` says
     so; the candidate is judged all the same. ``islands`` is the narrowest dtype the model
     computes in whatever its own dtype (transformers' float32 norms and rotary tables, see
-    :mod:`torchparity.subject.islands`): a baseline may err as a plain computation in it may.
+    :mod:`torchparity.subject.islands`): a baseline may err as a plain computation in it may,
+    and the noise floor and floor of every budget are at least its.
     A candidate bit-equal to the golden is ``identical``.
 
     ``padding`` leaves positions out of the judgement: a bool tensor, True at padded positions
