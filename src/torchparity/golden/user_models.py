@@ -600,8 +600,8 @@ def islands_sentence(goldens: dict[str, Golden]) -> str | None:
     if not islands:
         return None
     where = "; ".join(f"{dtype} at {', '.join(modules)}" for dtype, modules in islands.items())
-    return (f"the float64 golden computes in {where} (the model's own casts): a rerun may "
-            f"err as a {narrowest(islands)} computation does there")
+    return (f"the float64 golden computes in {where} (the model's own casts): it is as "
+            f"precise as {narrowest(islands)} there, and every budget allows for it")
 
 
 def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, Any],
