@@ -57,6 +57,16 @@ all-zero golden), ``u`` the unit roundoff of the compute dtype and K the reducti
 
 The baseline itself is guarded (:func:`baseline_bound`): it may err at most as much as a plain
 computation in its dtype can, or it would lower the bar for every candidate judged against it.
+A baseline over its guard is *degraded*: it sets no budget (the bound without a baseline does,
+and judges the candidate), and the comparison fails as the baseline's finding, never as a
+divergence of a candidate within its budget.
+
+A model may compute parts of itself in a narrower dtype whatever its own (*islands*:
+``transformers``' Llama casts every RMSNorm's input and its rotary table to float32). Its
+float64 golden is then as precise as float32 there, and a rerun whose weights moved by one
+float64 rounding can turn one float32 rounding the other way, which the next island rounds
+again until every output differs at float32 level. With ``islands`` (the narrowest such dtype)
+the guard, the noise floor and the floor are at least that dtype's.
 Each budget states its *sensitivity*, ``budget / scale``: the smallest change of the output,
 relative to its scale, that the comparison would have flagged.
 
