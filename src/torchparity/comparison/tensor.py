@@ -147,14 +147,6 @@ def compare_tensor(
     precision = tolerance.precision(compute_dtype if compute_dtype is not None else candidate.dtype)
     bound_dtype = tolerance.coarser(precision.name, islands)
     length = reduction_length if reduction_length is not None else _last_dim(g)
-
-    def budget(baseline_error: float | None) -> Budget:
-        return tolerance.budget(
-            g_finite_part, baseline_error=baseline_error, compute_dtype=precision.name,
-            kind=kind, reduction_length=length, step=step, group_scale=group_scale,
-            group_noise=group_noise, spread=spread, input_noise=input_noise,
-            inherited=inherited, atol=atol, rtol=rtol, islands=islands)
-
     metrics = _metrics(c_valid, g_valid, abs_err, precision.name)
     err = metrics[metric]
     baseline_headroom = None
@@ -171,7 +163,11 @@ def compare_tensor(
             baseline_notes.append(degraded_note(baseline_error, bound, bound_dtype, kind))
     degraded = baseline_headroom is not None and baseline_headroom > 1
     # A degraded baseline cannot set the budget: the bound of a plain computation does.
-    spent = budget(None if degraded else baseline_error)
+    spent = tolerance.budget(
+        g_finite_part, baseline_error=None if degraded else baseline_error,
+        compute_dtype=precision.name, kind=kind, reduction_length=length, step=step,
+        group_scale=group_scale, group_noise=group_noise, spread=spread,
+        input_noise=input_noise, inherited=inherited, atol=atol, rtol=rtol, islands=islands)
     n_over = int((abs_err > spent.value).sum()) + (int(faults.sum()) if fault_notes else 0)
     if fault_notes:
         verdict, headroom, worst_index = "diverged", math.inf, _first_index(faults)
