@@ -6,6 +6,7 @@ baselines, and over the rows of a check."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchparity import sketching
+from torchparity.cli import main
 from torchparity.comparison import compare
 from torchparity.golden.cases import BASELINE_DEGRADED
 
@@ -82,14 +84,10 @@ def test_no_row_of_a_check_diverges_within_its_budget(tmp_path, monkeypatch):
     """A tiny transformers Llama (float32 norms and rotary table, so its float64 golden is not
     float64 throughout) checked with every big tensor sketched: every row passes, and none
     that the tolerance model judged is diverged inside its budget or with an error of 0."""
-    from torchparity.cli import main
-
     (tmp_path / "models.py").write_text(_LLAMA)
     monkeypatch.setenv(sketching.SKETCH_ABOVE_ENV, "256")
     entry, golden_dir = f"{tmp_path / 'models.py'}:llama", str(tmp_path / "golden")
     assert main(["golden", "update", "--model", entry, "--golden-dir", golden_dir]) == 0
-    import json
-
     report = tmp_path / "check.json"
     status = main(["check", "--model", entry, "--golden-dir", golden_dir, "--backend",
                    "manual", "--backend", "sdpa", "--dtype", "fp32", "--json", str(report)])
