@@ -76,6 +76,7 @@ from torchparity.golden.cases import (
     Cell,
     CheckResult,
     checksum_changes,
+    judged_fields,
     matmul_precision,
     write_status,
 )
@@ -93,6 +94,7 @@ from torchparity.subject.beams import BeamSearch, expand_prompt, reorder_rows
 from torchparity.subject.blockwise import BlockProgress, Float64Run, stream_grads
 from torchparity.subject.compiling import CompileFailed, CompileLog, check_mode, compiled
 from torchparity.subject.decoding import Fed, recompute_step, teacher_forced
+from torchparity.subject.islands import Islands, narrowest, summary
 from torchparity.subject.padding import Padding
 from torchparity.subject.running import cast_inputs, default_loss_paths, in_cache
 from torchparity.subject.trees import flatten_tensors
@@ -126,14 +128,17 @@ class Run:
     (``missing``: the cell cannot compute them, n/a; ``not_compared``: the model's output no
     longer holds what the golden was made from, a failure), the loss's gradient with respect
     to each floating output (what carries the outputs' noise into the loss's, see
-    :func:`torchparity.tolerance.propagated_noise`), and ``compile_log`` what compiling cost
-    in a compiled cell."""
+    :func:`torchparity.tolerance.propagated_noise`), ``compile_log`` what compiling cost in a
+    compiled cell, and ``islands`` where a float64 run computed in a narrower dtype."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
     sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
     compile_log: CompileLog | None = None
     not_compared: dict[str, str] = field(default_factory=dict)
+    #: Where a float64 run computed in a narrower dtype: dtype name -> modules (see
+    #: :mod:`torchparity.subject.islands`).
+    islands: dict[str, list[str]] = field(default_factory=dict)
 
 
 def model_store(subject: Subject, root: Any) -> GoldenStore:
@@ -218,11 +223,13 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
             if cell.dtype == "fp64":
                 grads: dict[str, Any] = {}
                 with Float64Run(model, on_grad=_keeper(grads), perturb=perturbation
-                                if perturb else None, progress=report) as run64:
+                                if perturb else None, progress=report) as run64, \
+                        Islands(model) as islands:
                     run = _forward_backward(subject, model, inputs, loss_paths,
                                             lambda loss: (run64.backward(loss), grads)[1])
                     run.compile_log = compile_log
                     _decode(subject, model, inputs, run, tokens)
+                run.islands = islands.found
             else:
                 with BlockProgress(model, report) as blocks:
                     run = _forward_backward(subject, model, inputs, loss_paths,
@@ -408,6 +415,8 @@ def write_goldens(subject: Subject, store: GoldenStore,
             "checksums": model_checksums(subject)}
     if subject.generates:
         meta["decoding"] = _decoding(subject)
+    if run.islands:
+        meta["islands"] = {dtype: summary(modules) for dtype, modules in run.islands.items()}
     statuses = {}
     for output, tensors in run.outputs.items():
         output_meta = {"kind": OUTPUT_KINDS[output], **meta}
@@ -559,7 +568,8 @@ def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Go
                   if p in golden.tensors and p in perturbed.outputs.get(output, {})}
         baseline = {p: sketching.shifted(golden.tensors[p], perturbed.outputs[output][p], t)
                     if t.is_floating_point() else golden.tensors[p] for p, t in shared.items()}
-        result = _judge(subject, REFERENCE, output, candidate, golden.tensors, baseline)
+        result = _judge(subject, REFERENCE, output, candidate, golden.tensors, baseline,
+                        islands=golden_islands(goldens))
         if not result.ok:
             store.write_obtained(subject.name, output, candidate)
         results.append(result)
@@ -601,7 +611,8 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
             continue
         noise = _loss_noise(baseline, goldens["outputs"].tensors) if output == "loss" else None
         results.append(_judge(subject, cell, output, run.outputs.get(output, {}),
-                              golden.tensors, baseline.outputs.get(output), noise))
+                              golden.tensors, baseline.outputs.get(output), noise,
+                              islands=golden_islands(goldens)))
     if cell.compile:
         decode = goldens.get("decode")
         annotate(results, run.compile_log, step_verdicts(
@@ -634,28 +645,41 @@ def _loss_noise(baseline: Run, golden: dict[str, Any]) -> float | None:
     return tolerance.propagated_noise(baseline.sensitivity, errors) if errors else None
 
 
+def golden_islands(goldens: dict[str, Golden]) -> str | None:
+    """The narrowest dtype the float64 golden run computed in (None: float64 throughout)."""
+    return narrowest(goldens["outputs"].summary.get("islands"))
+
+
+def islands_sentence(goldens: dict[str, Golden]) -> str | None:
+    """Where the float64 golden computed in a narrower dtype, as a sentence (None: nowhere)."""
+    islands = goldens["outputs"].summary.get("islands")
+    if not islands:
+        return None
+    where = "; ".join(f"{dtype} at {', '.join(modules)}" for dtype, modules in islands.items())
+    return (f"the float64 golden computes in {where} (the model's own casts): it is as "
+            f"precise as {narrowest(islands)} there, and every budget allows for it")
+
+
 def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, Any],
            golden: dict[str, Any], baseline: dict[str, Any] | None,
-           noise: float | None = None) -> CheckResult:
+           noise: float | None = None, islands: str | None = None) -> CheckResult:
     """Judge the tensors candidate and golden share; paths that one side lacks (eager's
     attention weights against sdpa's None) are structure differences, not divergences.
-    Outputs with a value per input position are judged on the unpadded ones."""
+    Outputs with a value per input position are judged on the unpadded ones; ``islands``
+    is the narrowest dtype the model computes in (a baseline may err as it does)."""
     comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
                          compute_dtype=cell.dtype, noise=noise if baseline else None,
-                         padding=_padding(subject, output))
-    worst = comparison.worst
-    left_out = comparison.left_out_sentence()
+                         padding=_padding(subject, output), islands=islands)
+    fields = judged_fields(comparison, cell)
     if output == "loss" and subject.loss_fn is None and subject.padding:
-        left_out = f"the default loss leaves the padding out: {subject.padding.summary()}."
-    explain = comparison.explain()
+        fields["left_out"] = (f"the default loss leaves the padding out: "
+                              f"{subject.padding.summary()}.")
     step = first_step(comparison) if output.startswith("decode") and subject.steps else None
     if step is not None:
-        explain = f"first step that differs: {step} (0 is the prompt); {explain}"
-    return _result(subject, cell, output, comparison.verdict, ok=comparison.ok,
-                   headroom=worst.headroom if worst else 0.0, explain=explain,
-                   worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
-                   structure=[str(d) for d in comparison.structure] or None,
-                   left_out=left_out)
+        fields["explain"] = f"first step that differs: {step} (0 is the prompt); " \
+                            f"{fields['explain']}"
+    return _result(subject, cell, output, **fields,
+                   structure=[str(d) for d in comparison.structure] or None)
 
 
 def _not_compared(subject: Subject, cell: Cell, output: str, run: Run) -> CheckResult:
