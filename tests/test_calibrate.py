@@ -9,12 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchparity import machine
+from torchparity.calibration import capabilities, sketched
 from torchparity.calibration.models import ModelProblem, draw_model_problems
 from torchparity.calibration.problems import BUGS, Variant, draw_problem, run_block
 from torchparity.calibration.report import render_markdown
 from torchparity.calibration.study import calibrate
 from torchparity.cli import main
 from torchparity.comparison import compare
+
+pytestmark = pytest.mark.rounding
 
 SMALL_SEED = 7  # a 2x4x18x128 causal problem: cheap, several heads, a mask to leak through
 
@@ -92,6 +96,24 @@ def test_the_command_writes_json_and_rejects_bad_arguments(
     with pytest.raises(SystemExit) as exc:
         main(["calibrate", "--problems", "layers"])
     assert exc.value.code == 2 and "invalid choice: 'layers'" in capsys.readouterr().err
+
+
+def test_each_instruction_set_runs_the_draws_in_its_own_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lowest instruction set alone, into a report that has the sketched study's section:
+    # the run dispatched those kernels (it checks), and its section goes beside the other.
+    lowest = machine.capabilities()[0]
+    monkeypatch.setattr(machine, "capabilities", lambda: [lowest])
+    out = tmp_path / "tolerance.md"
+    kept = f"{sketched.BEGIN}\nKEPT\n{sketched.END}\n"
+    out.write_text("# report\n\n" + kept)
+    assert main(["calibrate", "--capabilities", "--draws", "1", "--problems", "models",
+                 "--dtype", "fp32", "--backend", "sdpa", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert sketched.section_of(text) == kept
+    section = capabilities.SECTION.of(text)
+    assert section is not None and f"| {lowest} | 0 of 2 |" in section
 
 
 # --- the property suite's models ----------------------------------------------------------

@@ -27,6 +27,8 @@ _EXPORTS = {
     "deterministic": "torchparity.train.trainer",
     "check_model": "torchparity.golden.user_models",
     "model_cells": "torchparity.golden.user_models",
+    "init_weights": "torchparity.subject.weights",
+    "random_tensor": "torchparity.subject.weights",
 }
 _SUBMODULES = {"backends", "tolerance", "golden", "strategies", "reference", "train", "bench"}
 

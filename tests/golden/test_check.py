@@ -37,6 +37,7 @@ def failures(report: dict) -> list[tuple[str, str, str, str]]:
             for r in report["results"] if not r["ok"]]
 
 
+@pytest.mark.rounding
 def test_check_passes_on_the_code_as_it_is(tmp_path, capsys):
     status, report = check(tmp_path, "--case", "llama-tiny", "--case", "encdec-relative",
                            "--backend", "manual", "--backend", "sdpa")
@@ -119,6 +120,7 @@ def leak_padding_mask(monkeypatch):
                                                                                        **k))
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("case, change", [
     ("llama-tiny", shift_rotary_frequencies),
     ("llama-tiny", tenfold_rmsnorm_eps),
@@ -215,14 +217,16 @@ def test_cuda_without_a_gpu_is_a_usage_error(capsys):
     assert "no CUDA device is available" in capsys.readouterr().err
 
 
+@pytest.mark.rounding
 def test_train_flag_checks_the_golden_trajectories(tmp_path, capsys):
     status, report = check(tmp_path, "--train", "--case", "mqa", "--backend", "manual",
                            "--dtype", "fp32")
     assert status == 0
     rows = [r for r in report["results"] if r["output"] == "trajectory"]
-    assert [(r["case"], r["backend"], r["dtype"], r["verdict"]) for r in rows] == [
-        ("mqa", "manual", "fp32", "within")]
-    assert 0 < rows[0]["headroom"] <= 1
+    assert [(r["case"], r["backend"], r["dtype"]) for r in rows] == [("mqa", "manual", "fp32")]
+    # The fp32 baseline stored with the golden was trained on one machine: this run repeats it
+    # bit for bit where the same kernels run, and is within its budget elsewhere.
+    assert rows[0]["verdict"] in ("identical", "within") and rows[0]["headroom"] <= 1
     assert "OK:" in capsys.readouterr().out
 
 

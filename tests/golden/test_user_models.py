@@ -353,7 +353,8 @@ def test_weights_of_another_init_are_init_changed(models, tmp_path, capsys):
     status, rows = check(models, tmp_path, "gpt2", "--backend", "manual", "--dtype", "fp32",
                          source=reseeded)
     assert status == 1 and {r["verdict"] for r in rows} == {"init changed"}
-    assert "torchparity golden update --model" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "torchparity golden update --model" in out and "tp.init_weights(model, seed)" in out
 
 
 @pytest.mark.parametrize("entry, status, message", [

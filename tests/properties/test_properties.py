@@ -357,6 +357,7 @@ def decoding_plans(draw, backend, config, batch_size: int):
 # --- the tests --------------------------------------------------------------------------------
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("backend", CANDIDATE_BACKENDS)
 @given(data=st.data(), seed=seeds)
 def test_backend_matches_golden(backend, data, seed):
@@ -601,6 +602,7 @@ _FOUND["flash-row-term-reaches-the-embedding-forced"] = (
     check_backend_equivalence, dict(_ROW_TERM_FINDING, backend="sdpa-flash"))
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("name", list(_FOUND))
 def test_found_examples(name):
     check, arguments = _FOUND[name]
@@ -617,6 +619,7 @@ def _worst_share(candidate, golden, baseline, rerun=None):
     )
 
 
+@pytest.mark.rounding
 def test_a_real_change_at_the_edge_of_the_noise_is_caught_in_float64_and_above_it_in_fp32():
     # The norm's eps 1e-6 -> 1e-5 moves seed 510's logits and gradients by about one fp32
     # budget, and the flash kernel's rounding of the embedding gradient differs 8-fold between
@@ -646,6 +649,7 @@ _FLASH_FINDING = (check_backend_equivalence, dict(
     backend="sdpa-flash", dtype=torch.float16))
 
 
+@pytest.mark.rounding
 def test_flash_fp16_backward_error_flows_upstream():
     # The norm in front of the cross-attention erred 12 times its own baseline draw, 6 roundoffs
     # of its layer's scale: within the budget of the backward pass's relative noise.

@@ -46,6 +46,7 @@ from torchparity.calibration.problems import (
     draw_problem,
     run_block,
 )
+from torchparity.calibration.sections import Section
 from torchparity.comparison import compare
 from torchparity.errors import BackendUnavailable
 
@@ -290,18 +291,6 @@ Command: `{command}`; {results.draws} draws, {results.seconds / 60:.1f} minutes.
 """
 
 
-def merged(document: str, section: str) -> str:
-    """``document`` with its sketched section replaced by ``section`` (appended when it has
-    none)."""
-    if BEGIN in document and END in document:
-        head, _, rest = document.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        return head + section.strip("\n") + tail
-    return document.rstrip("\n") + "\n\n" + section
-
-
-def section_of(document: str) -> str | None:
-    """The sketched section of ``document``, None when it has none."""
-    if BEGIN not in document or END not in document:
-        return None
-    return BEGIN + document.partition(BEGIN)[2].partition(END)[0] + END + "\n"
+#: docs/tolerance.md's section of this study: a main run keeps it.
+SECTION = Section(BEGIN, END)
+merged, section_of = SECTION.merged, SECTION.of

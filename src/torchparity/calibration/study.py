@@ -453,6 +453,7 @@ def machine() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability().lower(),
         "torch": torch.__version__,
         "python": platform.python_version(),
     }

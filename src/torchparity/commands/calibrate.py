@@ -17,8 +17,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-from torchparity import backends
-from torchparity.calibration import sketched
+from torchparity import backends, machine
+from torchparity.calibration import capabilities, sketched
 from torchparity.calibration.problems import DTYPES
 from torchparity.calibration.report import json_safe, print_tables, render_markdown
 from torchparity.calibration.study import FAMILIES, calibrate, cpu_backends
@@ -62,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the sketched study instead: the draws grown to the size where goldens are "
         "sketched, judged full and sketched; --out replaces its section of the file",
     )
+    parser.add_argument(
+        "--capabilities",
+        action="store_true",
+        help="run the same draws under each instruction set this CPU offers (one process "
+        "each, ATEN_CPU_CAPABILITY) and compare their false alarms and detection; --out "
+        "replaces its section of the file",
+    )
     parser.add_argument("--out", metavar="PATH", help="write the report as markdown to PATH")
     parser.add_argument("--json", metavar="PATH", help="write the measurements as JSON to PATH")
 
@@ -81,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.sketched:
         return _run_sketched(args)
+    if args.capabilities:
+        return _run_per_capability(args)
     console = Console(stderr=True)
     with Progress(
         "calibrating", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -98,8 +107,12 @@ def run(args: argparse.Namespace) -> int:
     print_tables(results, Console())
     if args.out:
         text = render_markdown(results, command=_command_line(args))
-        kept = _existing_section(Path(args.out))  # the sketched study's, written on its own
-        _write(Path(args.out), text if kept is None else sketched.merged(text, kept))
+        path = Path(args.out)
+        document = path.read_text() if path.exists() else ""
+        for section in (sketched.SECTION, capabilities.SECTION):  # written by their own runs
+            if (kept := section.of(document)) is not None:
+                text = section.merged(text, kept)
+        _write(path, text)
     if args.json:
         _write(Path(args.json), json.dumps(json_safe(results.to_dict()), indent=2) + "\n")
     return 0 if results.n_false_alarms == 0 and results.detection_goal_met() else 1
@@ -127,16 +140,37 @@ def _run_sketched(args: argparse.Namespace) -> int:
     return 0 if results.false_alarms == 0 else 1
 
 
-def _existing_section(path: Path) -> str | None:
-    return sketched.section_of(path.read_text()) if path.exists() else None
+def _run_per_capability(args: argparse.Namespace) -> int:
+    offered = machine.capabilities()
+    with Progress(
+        "per instruction set", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True),
+    ) as progress:
+        task = progress.add_task("capabilities", total=len(offered))
+        rows = capabilities.calibrate_each(_study_arguments(args), offered,
+                                           on_done=lambda _: progress.advance(task))
+    command = "torchparity calibrate --capabilities " + " ".join(_study_arguments(args))
+    section = capabilities.render_section(
+        rows, command=command + (f" --out {args.out}" if args.out else ""))
+    print(section)
+    if args.out:
+        path = Path(args.out)
+        _write(path, capabilities.SECTION.merged(path.read_text() if path.exists() else "",
+                                                 section))
+    return 0 if all(row.false_alarms == 0 for row in rows) else 1
 
 
-def _command_line(args: argparse.Namespace) -> str:
-    parts = ["torchparity calibrate", f"--draws {args.draws}", f"--seed {args.seed}"]
-    parts += [f"--flex-every {args.flex_every}"]
+def _study_arguments(args: argparse.Namespace) -> list[str]:
+    """The arguments that choose the draws and candidates, as the command line gives them."""
+    parts = [f"--draws {args.draws}", f"--seed {args.seed}", f"--flex-every {args.flex_every}"]
     parts += [f"--problems {p}" for p in args.problems or []]
     parts += [f"--dtype {d}" for d in args.dtype or []]
     parts += [f"--backend {b}" for b in args.backend or []]
+    return " ".join(parts).split()
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    parts = ["torchparity calibrate", *_study_arguments(args)]
     parts += [f"--out {args.out}"] if args.out else []
     return " ".join(parts)
 

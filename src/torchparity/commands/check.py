@@ -27,7 +27,7 @@ from torchparity.errors import UsageError
 from torchparity.golden.cases import (
     load_case,
 )
-from torchparity.golden.report import render, write_json
+from torchparity.golden.report import Machines, render, write_json
 from torchparity.golden.runner import check_models, execute, train_results
 from torchparity.golden.selection import CHECK_DTYPES, select_cases, select_cells
 from torchparity.golden.store import GOLDEN_DIR_ENV, GoldenStore, default_golden_dir
@@ -111,11 +111,11 @@ def run(args: argparse.Namespace) -> int:
                       user_golden_dir(args.golden_dir))
         return _check(args, subjects, model_root, started,
                       f"{', '.join(args.model)} against base {side.name}" if side else
-                      "the goldens in " + str(model_root))
+                      "the goldens in " + str(model_root), made_here=bool(side))
 
 
 def _check(args: argparse.Namespace, subjects: list[Subject], model_root: Path,
-           started: float, compared: str) -> int:
+           started: float, compared: str, made_here: bool) -> int:
     cases = [] if subjects and not args.case else select_cases(args.case)
     # The zoo's goldens live in the source tree, a user's under the working directory.
     store = GoldenStore(default_golden_dir(args.golden_dir) if cases else model_root)
@@ -127,10 +127,11 @@ def _check(args: argparse.Namespace, subjects: list[Subject], model_root: Path,
     jobs = _jobs(args.jobs)
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"--json {args.json}: its folder does not exist")
-    for case in cases:  # every golden is validated before any work starts
-        load_case(store, case)
-    for subject in subjects:
-        load_goldens(subject, model_store(subject, model_root))
+    goldens = {case.name: load_case(store, case) for case in cases}  # validated before work
+    goldens |= {subject.name: load_goldens(subject, model_store(subject, model_root))
+                for subject in subjects}
+    # The base's goldens are made here and now, by a torchparity that may not record machines.
+    machines = Machines.of(goldens, cells, made_here=made_here)
     trajectories = _trajectory_store(store, cases) if args.train else None
 
     from rich.console import Console
@@ -146,10 +147,10 @@ def _check(args: argparse.Namespace, subjects: list[Subject], model_root: Path,
     elapsed = time.perf_counter() - started
 
     console = Console(soft_wrap=True)
-    render(console, results, cells, cases, elapsed)
+    render(console, results, cells, cases, elapsed, machines)
     ok = all(r.ok for r in results)
     if args.json:
-        write_json(Path(args.json), results, ok, store.root)
+        write_json(Path(args.json), results, ok, store.root, machines)
     publish(check_outcome(results, compared), args.summary, args.junit)
     return 0 if ok else 1
 

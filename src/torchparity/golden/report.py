@@ -5,21 +5,78 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from torchparity import machine
 from torchparity.errors import UsageError
 from torchparity.golden.cases import REFERENCE, Cell, CheckResult
 from torchparity.golden.compiled import cell_counts, compiled_lines
+from torchparity.golden.store import Golden, produced_by
 from torchparity.reference import zoo
 
 
-def write_json(path: Path, results: list[CheckResult], ok: bool, golden_dir: Path) -> None:
-    """``{"ok", "golden_dir", "torch", "results": [row, ...]}``; see :class:`CheckResult`."""
+@dataclass
+class Machines:
+    """The machine this check runs on and those that made its goldens (their
+    ``produced_by``, None per output made before goldens recorded the machine)."""
+
+    this_run: dict[str, Any]
+    goldens: dict[str, dict[str, dict[str, Any] | None]]  # case or model -> output -> it
+
+    @classmethod
+    def of(cls, goldens: dict[str, dict[str, Golden]], cells: list[Cell],
+           made_here: bool = False) -> Machines:
+        """The machines of ``goldens`` (case or model -> output -> golden) and of a run of
+        ``cells`` here (on CUDA when one of them is); ``made_here``: the goldens were made on
+        this machine, whatever they record."""
+        device = "cuda" if any(c.device.startswith("cuda") for c in cells) else "cpu"
+        here = produced_by(device)
+        return cls(here, {case: {output: here if made_here else golden.summary.get("produced_by")
+                                 for output, golden in outputs.items()}
+                          for case, outputs in goldens.items()})
+
+    def made_on(self, case: str) -> str | None:
+        """Where ``case``'s goldens were made, when that is not this run's machine."""
+        labels = dict.fromkeys(machine.label(p) for p in self.goldens.get(case, {}).values())
+        here = machine.label(self.this_run)
+        return None if list(labels) in ([], [here]) else " and ".join(labels)
+
+    def header(self) -> str | None:
+        """One line naming both machines, when any golden was made on another one; the cases
+        are named when not all of them come from that one machine."""
+        cases_by_machine: dict[str, list[str]] = {}
+        for case in self.goldens:
+            if (made_on := self.made_on(case)) is not None:
+                cases_by_machine.setdefault(made_on, []).append(case)
+        if not cases_by_machine:
+            return None
+        if len(cases_by_machine) == 1 and len(*cases_by_machine.values()) == len(self.goldens):
+            made = next(iter(cases_by_machine))
+        else:
+            made = "; ".join(f"{label} ({', '.join(cases)})"
+                             for label, cases in cases_by_machine.items())
+        return f"goldens made on {made}; this run on {machine.label(self.this_run)}"
+
+    def context(self, case: str) -> str | None:
+        """What a failure of ``case`` adds when its goldens come from another machine."""
+        made_on = self.made_on(case)
+        return None if made_on is None else (
+            f"goldens made on {made_on}, this run on {machine.label(self.this_run)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"this_run": self.this_run, "goldens": self.goldens}
+
+
+def write_json(path: Path, results: list[CheckResult], ok: bool, golden_dir: Path,
+               machines: Machines) -> None:
+    """``{"ok", "golden_dir", "torch", "machines", "results": [row, ...]}``; see
+    :class:`CheckResult` and :class:`Machines`."""
     payload = {"ok": ok, "golden_dir": str(golden_dir), "torch": torch.__version__,
-               "results": [r.to_dict() for r in results]}
+               "machines": machines.to_dict(), "results": [r.to_dict() for r in results]}
     try:
         path.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     except OSError as exc:
@@ -27,9 +84,13 @@ def write_json(path: Path, results: list[CheckResult], ok: bool, golden_dir: Pat
 
 
 def render(console: Any, results: list[CheckResult], cells: list[Cell],
-           cases: list[zoo.ZooCase], elapsed: float) -> None:
-    """The table, its footnotes, one line per failure and the summary."""
+           cases: list[zoo.ZooCase], elapsed: float, machines: Machines) -> None:
+    """The machines when the goldens come from another, the table, its footnotes, one line per
+    failure and the summary."""
     from rich.table import Table
+
+    if (header := machines.header()) is not None:
+        console.print(header, markup=False, highlight=False)
 
     by_cell: dict[tuple[str, Cell], list[CheckResult]] = {}
     for r in results:
@@ -64,8 +125,9 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
         console.print(line, markup=False, highlight=False)
     for r in results:
         if not r.ok:
-            console.print(f"FAIL {r.case} {r.cell.label} {r.output}: "
-                          f"{r.explain or r.reason}", markup=False, highlight=False)
+            context = machines.context(r.case)
+            console.print(f"FAIL {r.case} {r.cell.label} {r.output}: {r.explain or r.reason}"
+                          + (f" ({context})" if context else ""), markup=False, highlight=False)
     console.print(_sensitivity_line(results), markup=False, highlight=False)
     console.print(_summary(results, elapsed), markup=False, highlight=False)
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from filelock import FileLock
 
-from torchparity import sketching
+from torchparity import machine, sketching
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.sketching import Sketch
 
@@ -190,12 +190,13 @@ def as_stored(name: str, value: torch.Tensor | Sketch) -> torch.Tensor | Sketch:
     return value
 
 
-def produced_by() -> dict[str, str]:
-    """Versions of the software producing a golden (informational: never compared)."""
+def produced_by(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Versions of the software producing a golden and the machine it ran on (see
+    :func:`torchparity.machine.describe`); informational: never compared."""
     import torchparity
 
     return {"torchparity": torchparity.__version__, "torch": torch.__version__.split("+")[0],
-            "python": platform.python_version()}
+            "python": platform.python_version(), **machine.describe(device)}
 
 
 def format_json(value: Any, indent: int = 0) -> str:
@@ -287,7 +288,7 @@ class GoldenStore:
         stored = _storable(tensors)
         version = _version(stored)
         summary = {"schema_version": version, "case": case, "output": output,
-                   **dict(meta or {}), "produced_by": produced_by(),
+                   **dict(meta or {}), "produced_by": produced_by(_device(tensors)),
                    "tensors": {name: tensor_summary(t) for name, t in stored.items()}}
         from safetensors.torch import save
 
@@ -339,6 +340,12 @@ def _check_name(name: str, what: str) -> None:
     if not isinstance(name, str) or not _NAME.match(name) or name.endswith(_OBTAINED):
         raise UsageError(f"golden {what} name {name!r} is invalid: use letters, digits and "
                          f"'_.+-', starting with a letter or digit")
+
+
+def _device(tensors: Mapping[str, Any]) -> torch.device:
+    """The device a golden's tensors were computed on: CUDA when any of them is there."""
+    devices = [t.device for t in tensors.values() if isinstance(t, torch.Tensor)]
+    return next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
 
 
 def _storable(tensors: Mapping[str, torch.Tensor | Sketch]) -> dict[str, torch.Tensor | Sketch]:

@@ -476,6 +476,13 @@ def _default_loss(subject: Subject, loss_paths: list[str]) -> dict[str, Any]:
     return {"default projection of": loss_paths, **({"padding": padding} if padding else {})}
 
 
+#: How a factory builds the same weights and inputs on every machine.
+_SAME_EVERYWHERE = {
+    "weights": "initialise the model with tp.init_weights(model, seed)",
+    "inputs": "draw floating inputs with tp.random_tensor(shape, seed)",
+}
+
+
 def _decoding(subject: Subject) -> str:
     """How the subject decodes, as its goldens record it."""
     if not subject.steps:
@@ -508,8 +515,9 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
         undecoded = _no_decode_golden(subject, store)
         subject = dataclasses.replace(subject, decoding=False)
     changed = checksum_changes(goldens, model_checksums(subject), lambda what: (
-        f"the {what} the factory {subject.entry} builds {{differ}}; seed the factory's "
-        f"initialisation, or if the change is intended run `{store.update_command}`"))
+        f"the {what} the factory {subject.entry} builds {{differ}}; {_SAME_EVERYWHERE[what]}"
+        f" (torch's own random draws differ between machines), or if the change is intended"
+        f" run `{store.update_command}`"))
     results: list[CheckResult] = []
     if changed:
         for cell in cells:

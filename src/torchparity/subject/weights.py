@@ -1,0 +1,81 @@
+"""Weights and inputs that are the same on every machine, for any model.
+
+Goldens record a checksum of the weights, so a factory must build the same weights wherever it
+runs. torch's own initialisation does not: its CPU ``normal_`` rounds differently by
+instruction set (without AVX against AVX2, x86 against ARM), so a model seeded with
+``torch.manual_seed`` on one machine can be another model on the next. These draw from the
+zoo's counter-based generator (:mod:`torchparity.reference.rng`: integer hashing and one
+multiply-add in float64), whose values are bit-identical everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from torchparity.reference import rng
+
+#: Spread of a norm's weight around 1 and of its bias around 0.
+NORM_SPREAD = 0.05
+#: Standard deviation of embedding tables and biases (transformers' ``initializer_range``).
+SMALL_STD = 0.02
+
+
+def init_weights(model: nn.Module, seed: int) -> nn.Module:
+    """Fill every floating parameter and persistent floating buffer of ``model`` with values
+    that depend only on ``seed`` and the tensor's name, and return the model.
+
+    The values are uniform (a normal draw needs ``log`` and ``cos``, whose last bit differs
+    between math libraries), with the scales a freshly initialised transformer has:
+
+    - a norm's weight (any module whose class name has ``Norm``; also a running variance) is
+      1, its bias (and running mean) 0, each moved by a spread of 0.05: not exactly 1 and 0,
+      so that a refactor which drops or misplaces a norm's weight or bias changes the output;
+    - a weight of two or more dimensions has standard deviation 1/sqrt(fan-in)
+      (``in_features`` of a ``Linear``, the first dimension of transformers' ``Conv1D``, the
+      product of all but the first elsewhere): activations keep their size through the layers
+      and attention scores are of order 1, so the softmax is neither flat nor one-hot;
+    - an embedding table, a bias and any other tensor have standard deviation 0.02 around 0.
+
+    Tied parameters are filled once, under the first name ``state_dict`` gives them; integer
+    and bool tensors, and buffers a module recomputes itself (non-persistent ones, such as
+    rotary frequencies), are left as they are.
+    """
+    seen: set[int] = set()
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if not tensor.is_floating_point() or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            module_name, _, tensor_name = name.rpartition(".")
+            module = model.get_submodule(module_name)
+            std, mean = _scale(module, tensor_name, tensor)
+            tensor.copy_(rng.symmetric(seed, name, tensor.shape, std) + mean)
+    return model
+
+
+def random_tensor(shape: tuple[int, ...], seed: int, *, std: float = 1.0,
+                  dtype: torch.dtype = torch.float32, stream: str = "inputs") -> torch.Tensor:
+    """A ``shape`` tensor of uniform values with standard deviation ``std``, the same on every
+    machine: a factory's floating inputs, where ``torch.randn`` differs by instruction set.
+    Different ``stream`` names give independent values for one seed."""
+    return rng.symmetric(seed, stream, shape, std).to(dtype)
+
+
+def _scale(module: nn.Module, name: str, tensor: torch.Tensor) -> tuple[float, float]:
+    """(std, mean) of one tensor's uniform values (see :func:`init_weights`)."""
+    if "Norm" in type(module).__name__:
+        return NORM_SPREAD, 1.0 if name in ("weight", "running_var") else 0.0
+    if tensor.dim() < 2 or name == "bias" or isinstance(module, nn.Embedding):
+        return SMALL_STD, 0.0
+    return 1.0 / math.sqrt(_fan_in(module, tensor)), 0.0
+
+
+def _fan_in(module: nn.Module, tensor: torch.Tensor) -> int:
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    if type(module).__name__ == "Conv1D":  # transformers' GPT-2 layers store (in, out)
+        return tensor.shape[0]
+    return math.prod(tensor.shape[1:])
