@@ -27,6 +27,7 @@ from torchparity.diagnosis.report import (
     Result,
     Row,
     headroom,
+    html_cell,
     shape_difference,
     share_cell,
     svg_plot,
@@ -35,7 +36,8 @@ from torchparity.diagnosis.report import (
 __all__ = ["DecodeReport", "Flip"]
 
 _NOWRAP = "td.share { white-space: nowrap; }\n"
-_LEGEND = "of the budget used (=: bit-identical to A, X: diverged)"
+_LEGEND = ("of the budget used (=: bit-identical to A, X: diverged, n/c: not compared, "
+           "nothing alike on both sides)")
 
 
 @dataclass
@@ -90,8 +92,7 @@ class DecodeReport(Report):
                 parts.append(f"First module leaving its budget there: "
                              f"{self.first_module_label} ({row.module_type}).")
                 if row.entry is not None:
-                    parts.append(f"It enters through its {row.entry.via} "
-                                 f"{row.entry.argument} ({row.entry.detail}).")
+                    parts.append(row.entry.sentence())
             elif self.rows:
                 parts.append("No module's output leaves its budget at that step.")
         real = sum(f.verdict == "real change" for f in self.flips)
@@ -228,8 +229,8 @@ class DecodeReport(Report):
             parts.append(_html_table(
                 f"Modules at step {self.first_step} (B against the golden, A as baseline)",
                 ["#", "module (B)", "type", "inputs", "output"],
-                [([str(i), _html_name(r), html.escape(r.module_type), share_cell(r.inputs),
-                   share_cell(r.propagated)],
+                [([str(i), _html_name(r), html.escape(r.module_type), html_cell(r.inputs),
+                   html_cell(r.propagated)],
                   "first" if r is first else ("diverged" if r.propagated is not None
                                               and not r.propagated.ok else ""))
                  for i, r in enumerate(self.rows)], escape=False, wraps=1))
@@ -249,8 +250,7 @@ class DecodeReport(Report):
 def _html_name(row: Row) -> str:
     name = "&nbsp;" * 2 * row.depth + html.escape(_label(row.module))
     if row.entry is not None:
-        name += (f"<br><span class='entry'>enters through its {row.entry.via} "
-                 f"{html.escape(row.entry.argument)} ({html.escape(row.entry.detail)})</span>")
+        name += f"<br><span class='entry'>{html.escape(row.entry.sentence())}</span>"
     for d in row.shapes:
         name += f"<br><span class='entry'>{html.escape(shape_difference(d))}</span>"
     return name

@@ -60,6 +60,29 @@ class Mismatch:
         return {"verdict": self.verdict, "ok": False, "kind": self.kind, "mismatch": self.reason}
 
 
+@dataclass
+class NotCompared:
+    """A comparison with nothing to compare: A and B hold tensors there, but none that are the
+    same thing (different containers, no shared tensor). It is no evidence either way: it
+    neither passes as identical nor counts as a divergence, and every report says why."""
+
+    kind: str
+    reason: str
+    tensors: list = field(default_factory=list)
+    structure: tuple = ()
+    shapes: tuple = ()
+
+    ok = True  # nothing breaks a budget, and nothing is claimed to be within one
+    verdict = "not compared"
+
+    def explain(self) -> str:
+        return f"not compared: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "ok": None, "kind": self.kind,
+                "not_compared": self.reason}
+
+
 @dataclass(frozen=True)
 class Entry:
     """Where a divergence enters: in a container whose local replay diverged although none of
@@ -70,10 +93,17 @@ class Entry:
     module: str
     argument: str
     detail: str
-    via: str = "argument"  # or "state": what the module keeps (a cache on itself)
+    via: str = "argument"  # "state": what the module keeps (a cache on itself); "code": none
 
     def __str__(self) -> str:
         return f"{_label(self.module)} {self.via} {self.argument} ({self.detail})"
+
+    def sentence(self) -> str:
+        """``It enters through its state k_cache (holds ...).``, or that the change is in the
+        module's own code when neither its arguments nor its state differ."""
+        if self.via == "code":
+            return f"The change is in the module's own code: {self.detail}."
+        return f"It enters through its {self.via} {self.argument} ({self.detail})."
 
 
 @dataclass
@@ -105,7 +135,7 @@ class Bounded:
 
 def worst_error(result: Result | None) -> float | None:
     """The largest error (in the kind's metric) over the result's tensors; inf for a mismatch."""
-    if result is None:
+    if result is None or isinstance(result, NotCompared):
         return None
     if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
         return math.inf
@@ -117,7 +147,7 @@ def worst_error(result: Result | None) -> float | None:
 def headroom(result: Result | None) -> float | None:
     """The largest share of its budget any tensor used (>1 means diverged); for a
     :class:`Bounded` result, its bound."""
-    if result is None:
+    if result is None or isinstance(result, NotCompared):
         return None
     if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
         return math.inf
@@ -591,6 +621,8 @@ def _ratio(value: float | None) -> str:
 def share_cell(result: Result | None) -> str:
     if result is None:
         return "-"
+    if isinstance(result, NotCompared):
+        return "n/c"
     if result.verdict == "identical":
         return "="
     if getattr(result, "shapes", ()):
@@ -728,15 +760,15 @@ def _html_row(report: DiagnosisReport, index: int, backward: bool) -> str:
         name += ("<br><span class='structure'>structure differs at "
                  f"{html.escape(_difference(d))}</span>")
     cells = [str(index), name, html.escape(r.a_module if r.how != "name" else ""),
-             html.escape(r.module_type), _html_cell(r.local), _html_cell(r.propagated),
+             html.escape(r.module_type), html_cell(r.local), html_cell(r.propagated),
              html.escape(_amplification(r.amplification))]
     if backward:
-        cells += [_html_cell(r.grad_local), _html_cell(r.grad_propagated)]
+        cells += [html_cell(r.grad_local), html_cell(r.grad_propagated)]
     return (f"<tr class='{' '.join(classes)}' data-row='{index}'>"
             + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
 
 
-def _html_cell(result: Result | None) -> str:
+def html_cell(result: Result | None) -> str:
     if result is None:
         return "-"
     explanation = html.escape(result.explain(), quote=True)
