@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from torchparity.comparison.tensor import json_safe
+from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.decode_judging import Flip, first_module, step_budget, step_error
 from torchparity.diagnosis.report import (
     CSS,
@@ -143,7 +144,8 @@ class DecodeReport(Report):
             console.print(self._flips_table())
         console.print(self._steps_table())
         if self.rows:
-            console.print(self._rows_table())
+            say(f"Modules at step {self.first_step}, B against the golden (A as baseline)")
+            print_lines(console, self._rows_lines(console.width))
         for line in self._footer():
             say(line)
 
@@ -177,17 +179,14 @@ class DecodeReport(Report):
                           style="bold red" if step == self.first_step else None)
         return table
 
-    def _rows_table(self) -> Any:
-        table = self._table(f"Modules at step {self.first_step}, B against the golden (A as "
-                            "baseline)", ["#", "inputs", "output", "module (B)"], 3)
+    def _rows_lines(self, width: int) -> list[tuple[str, str | None]]:
+        """The modules at the first failing step, names never cut (see :mod:`.columns`)."""
         first = self.first_module
-        for index, r in enumerate(self.rows):
-            name = " " * r.depth + _label(r.module)
-            if r.shapes:
-                name += " (shape differs)"
-            table.add_row(str(index), share_cell(r.inputs), share_cell(r.propagated), name,
-                          style="bold red" if r is first else None)
-        return table
+        lines = [Line([str(index), share_cell(r.inputs), share_cell(r.propagated)],
+                      _label(r.module) + (" (shape differs)" if r.shapes else ""), r.depth,
+                      "bold red" if r is first else None)
+                 for index, r in enumerate(self.rows)]
+        return layout(["#", "inputs", "output", "module (B)"], lines, width, right=3)
 
     def _footer(self) -> list[str]:
         lines = [f"share: {_LEGEND}"]

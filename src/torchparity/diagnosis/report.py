@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torchparity.comparison.structure import format_shape
+from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.folding import FOLD_ABOVE, Fold, folded
 
-__all__ = ["AttributionReport", "Bounded", "DiagnosisReport", "Entry", "Mismatch", "Report",
-           "Result", "Row", "Unit"]
+__all__ = ["AttributionReport", "Bounded", "DiagnosisReport", "Entry", "Mismatch", "NotCompared",
+           "Report", "Result", "Row", "Unit"]
 
 
 class Result(Protocol):
@@ -353,30 +354,28 @@ class DiagnosisReport(Report):
         return super().render(width)
 
     def print(self, console: Any = None, *, fold: bool = True) -> None:
-        """Print the report to a ``rich.console.Console`` (default: stdout, with colours); a
-        deep model's rows fold as :meth:`rich_table` says."""
+        """Print the report to a ``rich.console.Console`` (default: stdout, with colours): the
+        summary, the rows (a deep model's fold as :meth:`table_lines` says), the notes."""
         from rich.console import Console
 
         console = console or Console()
         lines = self._lines(fold)
-        console.print(self.rich_table(fold=fold))
+        console.print(self.summary(), markup=False, highlight=False)
+        print_lines(console, self.table_lines(console.width, fold=fold))
         shown = {line for line in lines if isinstance(line, int)}
         for line in self._footer(shown if len(shown) < len(self.rows) else None):
             console.print(line, markup=False, highlight=False)
 
-    def rich_table(self, *, fold: bool = True) -> Any:
-        """The rows as a ``rich.table.Table`` (for printing to a live console with colours).
+    def table_lines(self, width: int, *, fold: bool = True) -> list[tuple[str, str | None]]:
+        """The rows as text lines of ``width`` columns, each with its rich style.
 
-        The module name is the last column and wraps, never truncates: in a CI log (80
-        columns) it is the answer. Types and amplification are in the JSON and HTML. With
-        ``fold``, a report of more than :data:`~torchparity.diagnosis.folding.FOLD_ABOVE` rows
-        shows the rows that matter (first divergences, where one enters, modules whose local
-        error diverged, structure differences, and their neighbours) and folds runs of layers
-        alike into one line, with the worst cell of each column; JSON and HTML keep every
-        row."""
-        from rich import box
-        from rich.table import Table
-
+        The module name is the last column and is never cut (see :mod:`.columns`): in a CI
+        log (80 columns) it is the answer. Types and amplification are in the JSON and HTML.
+        With ``fold``, a report of more than :data:`~torchparity.diagnosis.folding.FOLD_ABOVE`
+        rows shows the rows that matter (first divergences, where one enters, modules whose
+        local error diverged, structure differences, and their neighbours) and folds runs of
+        layers alike into one line, with the worst cell of each column; JSON and HTML keep
+        every row."""
         backward = bool(self.meta.get("backward"))
         heads = ["#", "local", "prop."] + (["grad l.", "grad p."] if backward else [])
         first, grad = self.first_divergence, self.first_grad_divergence
@@ -389,22 +388,13 @@ class DiagnosisReport(Report):
             cells = [str(line), share_cell(r.local), share_cell(r.propagated)]
             if backward:
                 cells += [share_cell(r.grad_local), share_cell(r.grad_propagated)]
-            name = " " * r.depth + _label(r.module) + _aligned_as(r)
+            name = _label(r.module) + _aligned_as(r)
             if r.structure:
                 name += " (structure differs)"
             style = "bold red" if r is first or r is grad else (
                 "dim" if r.local is not None and r.local.verdict == "identical" else None)
-            rows.append((cells, name, style))
-        table = Table(title=self.summary(), title_justify="left", box=box.SIMPLE_HEAD,
-                      pad_edge=False, collapse_padding=True)
-        for column, head in enumerate(heads):  # as narrow as their contents: names get the rest
-            width = max([len(head)] + [len(cells[column]) for cells, _, _ in rows])
-            table.add_column(head, justify="right" if column == 0 else "left", no_wrap=True,
-                             min_width=width, max_width=width)
-        table.add_column("module (B)", overflow="fold")
-        for cells, name, style in rows:
-            table.add_row(*cells, name, style=style)
-        return table
+            rows.append(Line(cells, name, r.depth, style))
+        return layout([*heads, "module (B)"], rows, width)
 
     def _lines(self, fold: bool) -> list[int | Fold]:
         """The table's lines: row indices and folds (see :meth:`rich_table`)."""
@@ -421,7 +411,7 @@ class DiagnosisReport(Report):
     def _column(self, indices: Any, attr: str) -> list[Result | None]:
         return [getattr(self.rows[i], attr) for i in indices]
 
-    def _fold_line(self, line: Fold, backward: bool) -> tuple[list[str], str, str]:
+    def _fold_line(self, line: Fold, backward: bool) -> Line:
         """The cells of a fold: its range of rows, the worst cell of each column, and what it
         folds."""
         rows = [self.rows[i] for i in line.rows]
@@ -436,11 +426,12 @@ class DiagnosisReport(Report):
                     f"{_label(self.rows[line.ends[-1]].module)}")
         else:
             what = f"{span} of {_label(self.rows[line.owner].module)}"
-        return cells, " " * rows[0].depth + f"({what})", "dim"
+        return Line(cells, f"({what})", rows[0].depth, "dim")
 
     def _footer(self, shown: set[int] | None = None) -> list[str]:
         lines = ["cells: share of the budget used (=: bit-identical to A, X: diverged, -: not "
-                 "computed); prop.: in B's own run, local: B's module on A's inputs"]
+                 "computed, n/c: not compared, nothing alike on both sides); prop.: in B's own "
+                 "run, local: B's module on A's inputs"]
         if shown is not None:
             lines.append(f"…: {len(self.rows) - len(shown)} of {len(self.rows)} rows folded "
                          "into lines with the worst cell of each column; --json and --html "
