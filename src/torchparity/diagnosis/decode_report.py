@@ -29,6 +29,7 @@ from torchparity.diagnosis.report import (
     Row,
     headroom,
     html_cell,
+    not_compared_legend,
     shape_difference,
     share_cell,
     svg_plot,
@@ -37,8 +38,7 @@ from torchparity.diagnosis.report import (
 __all__ = ["DecodeReport", "Flip"]
 
 _NOWRAP = "td.share { white-space: nowrap; }\n"
-_LEGEND = ("of the budget used (=: bit-identical to A, X: diverged, n/c: not compared, "
-           "nothing alike on both sides)")
+_LEGEND = "of the budget used (=: bit-identical to A, X: diverged{})"
 
 
 @dataclass
@@ -189,7 +189,7 @@ class DecodeReport(Report):
         return layout(["#", "inputs", "output", "module (B)"], lines, width, right=3)
 
     def _footer(self) -> list[str]:
-        lines = [f"share: {_LEGEND}"]
+        lines = [f"share: {_LEGEND.format(not_compared_legend(self.rows))}"]
         if self.flips:
             lines.append("margin: A's top-1 minus top-2 logit; change: the largest error of B's "
                          "logits there against the golden; budget: the step's")

@@ -430,8 +430,8 @@ class DiagnosisReport(Report):
 
     def _footer(self, shown: set[int] | None = None) -> list[str]:
         lines = ["cells: share of the budget used (=: bit-identical to A, X: diverged, -: not "
-                 "computed, n/c: not compared, nothing alike on both sides); prop.: in B's own "
-                 "run, local: B's module on A's inputs"]
+                 f"computed{not_compared_legend(self.rows)}); prop.: in B's own run, local: B's "
+                 "module on A's inputs"]
         if shown is not None:
             lines.append(f"…: {len(self.rows) - len(shown)} of {len(self.rows)} rows folded "
                          "into lines with the worst cell of each column; --json and --html "
@@ -607,6 +607,13 @@ def _ratio(value: float | None) -> str:
     if math.isinf(value):
         return "inf"
     return f"{value:.2g}"
+
+
+def not_compared_legend(rows: list[Row]) -> str:
+    """What ``n/c`` means, for a legend, when a row shows it."""
+    shown = any(isinstance(getattr(r, attr), NotCompared) for r in rows
+                for attr in (*_COLUMNS, "inputs"))
+    return ", n/c: not compared, nothing alike on both sides" if shown else ""
 
 
 def share_cell(result: Result | None) -> str:
