@@ -17,6 +17,7 @@ import torchparity as tp
 from torchparity import backends
 from torchparity.errors import BackendUnavailable, UsageError
 from torchparity.reference import build_model, sequence_loss, zoo
+from torchparity.subject import hf
 
 CPU_BACKENDS = [name for name, reason in backends.available("cpu").items() if reason is None]
 
@@ -368,10 +369,10 @@ def _hf(family: str):
 
     torch.manual_seed(0)
     model = tiny_transformers.FAMILIES[family][0]()
-    model.set_attn_implementation("sdpa")
+    hf.set_attention(model, "sdpa")
     # The float64 golden runs Hugging Face's own eager attention, which calls no SDPA.
     golden = copy.deepcopy(model).double()
-    golden.set_attn_implementation("eager")
+    hf.set_attention(golden, "eager")
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones(2, 8, dtype=torch.long)
     attention_mask[1, 6:] = 0  # right padding: every query still sees a key
@@ -395,7 +396,9 @@ def _logits_and_grads(model: nn.Module, inputs: dict, *, grads: bool):
 
 
 @pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if b != "sdpa"])
-@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("model_name", [
+    pytest.param(name, marks=[pytest.mark.transformers] if name.startswith("hf-") else [])
+    for name in MODELS])
 def test_sdpa_model_matches_float64_on_every_backend(model_name: str, backend: str) -> None:
     fp32_model, golden_model, inputs, layers = MODELS[model_name]()
     grads = backend != "flex"  # flex has no backward pass on the CPU
@@ -448,6 +451,7 @@ def test_a_compiled_model_counts_its_calls_without_recompiling() -> None:
     assert [m.recompile_reason for m in metrics] == [None], [m.co_name for m in metrics]
 
 
+@pytest.mark.transformers
 def test_model_that_never_calls_sdpa_counts_zero_and_says_why() -> None:
     _, eager_model, inputs, _ = _hf("llama")  # Hugging Face eager attention: no SDPA call
     with torch.no_grad(), backends.use("sdpa-flash") as intercepted:

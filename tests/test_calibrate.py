@@ -129,20 +129,26 @@ def _found_510() -> ModelProblem:
 
 def test_a_model_problem_is_judged_as_the_property_suite_judges_it() -> None:
     # The flash kernel's fp32 gradients on seed 510's example pass with the candidate's rerun
-    # and the rounding that entered at the residues; the norm's eps changed fails. (With one
-    # head and one query that sees one key, a leak or another softmax changes nothing.)
+    # and the rounding that entered at the residues, well inside the budget. The norm's eps
+    # changed moves them by about one fp32 budget, so its fp32 verdict is the instruction set's
+    # choice: it is judged in float64, where it diverges on every machine, and ten times
+    # larger in fp32. (With one head and one query that sees one key, a leak or another
+    # softmax changes nothing.)
     problem = _found_510()
     golden, baseline = problem.run("fp64"), problem.run("fp32")
-    flash = Variant(backend="sdpa")
+    flash = Variant(backend="sdpa-flash")
     candidate, rerun = problem.run("fp32", flash), problem.run("fp32", flash, rerun=True)
     result = compare(candidate["grad"], golden["grad"], baseline["grad"], "grad",
                      reruns=[rerun["grad"]])
-    assert result.ok, result.explain()
-    bug = BUGS["norm eps 1e-6 -> 1e-5"]
-    bugged, moved = problem.run("fp32", bug), problem.run("fp32", bug, rerun=True)
+    assert result.worst.headroom < 0.5, result.explain()
+    result = compare(problem.run("fp64", BUGS["norm eps 1e-6 -> 1e-5"])["grad"], golden["grad"],
+                     golden["grad"], "grad")
+    assert result.worst.headroom > 2, result.explain()
+    tenfold = Variant(norm_eps=1e-4)
+    bugged, moved = problem.run("fp32", tenfold), problem.run("fp32", tenfold, rerun=True)
     result = compare(bugged["grad"], golden["grad"], baseline["grad"], "grad",
                      reruns=[moved["grad"]])
-    assert result.verdict == "diverged"
+    assert result.worst.headroom > 2, result.explain()
     assert not problem.applies(BUGS["one head dropped"])
 
 

@@ -14,6 +14,9 @@ from torch import nn
 
 from tiny_transformers import FAMILIES, llama, transformers
 from torchparity.comparison import CACHE_RULE, StructureDifference, compare
+from torchparity.subject import hf
+
+pytestmark = pytest.mark.transformers
 
 
 def _tokens() -> torch.Tensor:
@@ -22,7 +25,7 @@ def _tokens() -> torch.Tensor:
 
 def _forward(model: nn.Module, attn_implementation: str, dtype: torch.dtype) -> object:
     variant = copy.deepcopy(model).to(dtype)
-    variant.set_attn_implementation(attn_implementation)
+    hf.set_attention(variant, attn_implementation)
     with torch.no_grad():
         return variant(_tokens(), output_attentions=True)
 

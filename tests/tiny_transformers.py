@@ -13,16 +13,17 @@ VOCAB = 64
 LAYERS = 2
 
 
-def gpt2() -> nn.Module:
+def gpt2(**config: object) -> nn.Module:
+    """``config``: more of the config's fields (``attn_implementation="eager"``)."""
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64, vocab_size=VOCAB))
+        n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64, vocab_size=VOCAB, **config))
 
 
-def llama() -> nn.Module:
+def llama(**config: object) -> nn.Module:
     """Grouped-query attention: 4 query heads over 2 key/value heads."""
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, vocab_size=VOCAB))
+        num_key_value_heads=2, max_position_embeddings=64, vocab_size=VOCAB, **config))
 
 
 def bert() -> nn.Module:

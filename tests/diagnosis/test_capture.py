@@ -194,6 +194,7 @@ def test_paused_calls_are_not_recorded(net: Net, x: torch.Tensor) -> None:
     assert cap.keys() == ["head"]
 
 
+@pytest.mark.transformers
 def test_flatten_and_map_handle_pytrees_and_model_outputs() -> None:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 

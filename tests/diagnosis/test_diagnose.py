@@ -27,7 +27,8 @@ from torchparity.reference.variants import swap_in
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+# tiny models: one thread is faster
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("single_thread")]
 
 SCALE = 1 + 2.0**-10  # a planted scale far above fp32 noise, far below anything visible
 

@@ -13,7 +13,8 @@ import pytest
 from torchparity.cli import main
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+# tiny models: one thread is faster
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("single_thread")]
 
 FACTORIES = '''
 import os
@@ -34,10 +35,9 @@ def gpt2():
     torch.manual_seed(0)  # initializer_range 0.3: outputs depend on attention as if trained
     config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                      vocab_size=VOCAB, initializer_range=0.3, bos_token_id=1,
-                                     eos_token_id=2)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    model.set_attn_implementation(os.environ.get("TP_ATTENTION", "eager"))
-    return model, prompt()
+                                     eos_token_id=2,
+                                     attn_implementation=os.environ.get("TP_ATTENTION", "eager"))
+    return transformers.GPT2LMHeadModel(config).eval(), prompt()
 
 
 def llama():
@@ -45,10 +45,9 @@ def llama():
     config = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, vocab_size=VOCAB,
-        initializer_range=0.3, rope_theta=float(os.environ.get("TP_ROPE_THETA", "10000")))
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.set_attn_implementation(os.environ.get("TP_ATTENTION", "eager"))
-    return model, prompt()
+        initializer_range=0.3, rope_theta=float(os.environ.get("TP_ROPE_THETA", "10000")),
+        attn_implementation=os.environ.get("TP_ATTENTION", "eager"))
+    return transformers.LlamaForCausalLM(config).eval(), prompt()
 
 
 def encoder_only():

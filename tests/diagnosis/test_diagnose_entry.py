@@ -121,6 +121,7 @@ def test_no_entry_when_a_leaf_module_diverges() -> None:
     assert report.first_divergence.entry is None
 
 
+@pytest.mark.transformers
 def test_entry_in_a_transformers_llama_whose_model_shifts_positions() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

@@ -19,8 +19,10 @@ from torch import nn
 
 import torchparity as tp
 from tiny_transformers import bart, gpt2, llama
+from torchparity.subject import hf
 
-pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+# tiny models: one thread is faster
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("single_thread")]
 
 PAD = 3  # padded positions of the second sequence
 
@@ -39,8 +41,8 @@ def eager_and_sdpa(build) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     a = build().eval()
     b = copy.deepcopy(a)
-    a.set_attn_implementation("eager")
-    b.set_attn_implementation("sdpa")
+    hf.set_attention(a, "eager")
+    hf.set_attention(b, "sdpa")
     return a, b
 
 

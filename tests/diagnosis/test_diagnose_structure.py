@@ -17,8 +17,10 @@ from torch import nn
 
 import torchparity as tp
 from tiny_transformers import FAMILIES
+from torchparity.subject import hf
 
-pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+# tiny models: one thread is faster
+pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("single_thread")]
 
 
 class SelfAttention(nn.Module):
@@ -121,8 +123,8 @@ def test_transformers_eager_vs_sdpa_differs_in_structure_only(family: str,
     torch.manual_seed(0)
     eager = build().to(dtype).eval()
     sdpa = copy.deepcopy(eager)
-    eager.set_attn_implementation("eager")
-    sdpa.set_attn_implementation("sdpa")
+    hf.set_attention(eager, "eager")
+    hf.set_attention(sdpa, "sdpa")
     ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, -2:] = 0  # padding: the mask reaches both paths

@@ -12,6 +12,9 @@ import torch
 
 from tiny_transformers import llama
 from torchparity.diagnosis.masks import by_meaning, readings
+from torchparity.subject import hf
+
+pytestmark = pytest.mark.transformers
 
 PAD = 3  # padded positions at the left of the second sequence
 
@@ -25,7 +28,7 @@ def handed_masks() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     found = {}
     for implementation in ("eager", "sdpa"):
         copied = copy.deepcopy(model)
-        copied.set_attn_implementation(implementation)
+        hf.set_attention(copied, implementation)
         copied.model.layers[0].self_attn.register_forward_pre_hook(
             lambda module, args, kwargs, key=implementation: found.__setitem__(
                 key, kwargs["attention_mask"]), with_kwargs=True)

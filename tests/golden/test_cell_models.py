@@ -14,6 +14,8 @@ from torchparity.subject import Subject, model
 transformers = pytest.importorskip("transformers")
 import tiny_transformers  # noqa: E402  (needs transformers)
 
+pytestmark = pytest.mark.transformers
+
 
 def llama():
     torch.manual_seed(0)

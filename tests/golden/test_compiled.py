@@ -133,6 +133,7 @@ def test_zoo_compiled_cells_pass_in_fp32_and_bf16_and_count_decoding(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.transformers
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_transformers_compiled_cells_pass_and_decode_step_by_step(tmp_path, family):
     pytest.importorskip("transformers")

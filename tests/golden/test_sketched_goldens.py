@@ -81,6 +81,8 @@ def test_a_bad_threshold_is_one_line(monkeypatch, capsys, tmp_path):
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.transformers
+
 LLAMA = '''
 import torch
 import transformers

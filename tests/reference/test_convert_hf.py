@@ -11,6 +11,8 @@ from torchparity.reference.convert import from_hf_llama, to_hf_llama
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.transformers
+
 VARIANTS = {
     "mha": dict(num_key_value_heads=4),
     "gqa": dict(num_key_value_heads=2),

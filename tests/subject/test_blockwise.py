@@ -19,6 +19,8 @@ from torchparity.subject.trees import flatten_tensors
 transformers = pytest.importorskip("transformers")
 import tiny_transformers  # noqa: E402  (needs transformers)
 
+pytestmark = pytest.mark.transformers
+
 
 def _hf_loss(output, inputs):
     return projection_loss({"logits": output.logits})

@@ -43,6 +43,7 @@ def _left_padded() -> dict[str, torch.Tensor]:
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
+@pytest.mark.transformers
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bart"])
 def test_transformers_steps_decode_as_generate_does_on_left_padded_prompts(family: str) -> None:
     import tiny_transformers
@@ -118,6 +119,7 @@ def test_a_step_changing_the_batch_is_named() -> None:
         teacher_forced(step, torch.nn.Identity(), None, 2)
 
 
+@pytest.mark.transformers
 def test_a_model_without_a_step_gets_one_line_naming_the_key() -> None:
     import tiny_transformers
 

@@ -1,8 +1,16 @@
 """Hugging Face ``transformers`` models, recognised without importing transformers: their
-attention implementation and whether they generate."""
+attention implementation and whether they generate.
+
+Nothing here needs an API newer than transformers 4.46, the oldest release supported: a model
+is recognised by its ``PreTrainedModel`` base, and its attention is switched by
+``set_attn_implementation`` where the release has it (5.x), else as 4.x chose it, by the
+config's ``_attn_implementation`` and, for the models that picked an attention class when they
+were built (4.46's ``LlamaSdpaAttention``), by that class.
+"""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 #: The attention implementations a ``transformers`` model is switched between.
@@ -10,8 +18,10 @@ EAGER, SDPA = "eager", "sdpa"
 
 
 def is_transformers(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``transformers`` model (it can switch its attention)."""
-    return hasattr(model, "set_attn_implementation") and hasattr(model, "config")
+    """Whether ``model`` is a ``transformers`` model (a ``PreTrainedModel`` with a config)."""
+    return hasattr(model, "config") and any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
+        for cls in type(model).__mro__)
 
 
 def generates(model: nn.Module) -> bool:
@@ -22,4 +32,34 @@ def generates(model: nn.Module) -> bool:
 
 def set_attention(model: nn.Module, implementation: str) -> None:
     """Switch a ``transformers`` model to its ``eager`` or ``sdpa`` attention."""
-    model.set_attn_implementation(implementation)
+    switch = getattr(model, "set_attn_implementation", None)
+    if callable(switch):
+        switch(implementation)
+        return
+    built = _built_with(model, implementation)
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if hasattr(config, "_attn_implementation"):
+            config._attn_implementation = implementation
+        like = built.get(name)
+        if like is not None and type(like) is not type(module):
+            _become(module, like)
+
+
+def _built_with(model: nn.Module, implementation: str) -> dict[str, nn.Module]:
+    """The modules of ``model``'s class built from its config with ``implementation``, on the
+    meta device (no memory, no initialisation): what 4.x would have built."""
+    with torch.device("meta"):
+        twin = type(model)._from_config(model.config, attn_implementation=implementation)
+    return dict(twin.named_modules())
+
+
+def _become(module: nn.Module, like: nn.Module) -> None:
+    """``module`` takes the class of ``like`` and the plain attributes that class's
+    ``__init__`` set on it (GPT-2's sdpa attention keeps a flag of its own); its parameters,
+    buffers and submodules stay."""
+    module.__class__ = type(like)
+    own = ("_parameters", "_buffers", "_modules")
+    for key, value in vars(like).items():
+        if key not in vars(module) and key not in own and not isinstance(value, torch.Tensor):
+            vars(module)[key] = value
