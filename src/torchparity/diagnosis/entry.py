@@ -273,8 +273,8 @@ def _cache_like(value: Any) -> bool:
 
 def _paired(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str | None, str | None]]:
     """A's and B's argument names paired: equal names, then renamed ones by equal value or as
-    caches, then a last one on each side; None values without a partner are not passed at
-    all."""
+    caches, then a last one on each side of one kind (tensors, or values of one type); None
+    values without a partner are not passed at all."""
     pairs: list[tuple[str | None, str | None]] = [(name, name) for name in a if name in b]
     rest_a = [n for n in a if n not in b]
     rest_b = [n for n in b if n not in a]
@@ -287,7 +287,7 @@ def _paired(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str | None, str 
                 rest_b.remove(partner)
     rest_a = [n for n in rest_a if a[n] is not None]
     rest_b = [n for n in rest_b if b[n] is not None]
-    if len(rest_a) == len(rest_b) == 1:
+    if len(rest_a) == len(rest_b) == 1 and type(a[rest_a[0]]) is type(b[rest_b[0]]):
         return [*pairs, (rest_a[0], rest_b[0])]
     return [*pairs, *((n, None) for n in rest_a), *((None, n) for n in rest_b)]
 
