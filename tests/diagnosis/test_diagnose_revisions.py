@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from release_decoders import NewCache, OldCache, StaleCache
 from torch import nn
 
 import torchparity as tp
@@ -162,10 +163,9 @@ def test_arguments_are_compared_by_what_the_module_reads(a, b, b_module, expecte
 
 
 def test_caches_of_both_layouts_are_compared_by_the_positions_they_hold() -> None:
-    releases = resolve_entry(f"{HERE / 'release_decoders.py'}:old").__globals__
-    old, new, stale = releases["OldCache"](), releases["NewCache"](), releases["StaleCache"]()
+    old, new, stale = OldCache(), NewCache(), StaleCache()
     module = nn.Identity()
-    for step in range(3):
+    for _ in range(3):
         for cache in (old, new, stale):
             for layer in range(2):
                 cache.update(torch.ones(1, 2, 1, 4), torch.ones(1, 2, 1, 4), layer)
