@@ -154,7 +154,7 @@ class Difference:
     argument: str
     detail: str
     b_value: Any
-    one_sided: bool = False  # an argument only one side passes, compared with what the other reads
+    one_sided: bool = False  # only one side passes it: compared with what the other reads
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -186,28 +186,41 @@ def argument_difference(a_sig: Signature | None, a_inputs: tuple[tuple, dict],
                                       a[a_name], b[b_name], padding)
             if found is not None:
                 return found
-            continue
-        if a_name is not None:
-            b_value, where = _read_instead(a_name, a[a_name], b_sig, b_module)
-            label = a_name if where is None else f"{a_name} (B: {where})"
-            a_value = a[a_name]
+        elif a_name is not None:
+            one_sided.append(_passed_by_a(a_name, a[a_name], b_sig, b_module))
         else:
-            b_value, label = b[b_name], b_name
-            if b_name not in _named(b_sig):
-                continue  # taken by **kwargs: B's own code does not read it by name
-            a_value, _ = _read_instead(b_name, b_value, a_sig, None)
-            if a_value is _UNREAD:  # a parameter A lacks: passing B's default is no change
-                default = _named(b_sig)[b_name]
-                if default and _leaf_difference(default[0], b_value) is None:
-                    continue
-                a_value = _MISSING
-        if a_value is not _UNREAD and b_value is not _UNREAD:
-            one_sided.append((label, a_value, b_value))
-    for label, a_value, b_value in one_sided:
+            one_sided.append(_passed_by_b(b_name, b[b_name], a_sig, b_sig))
+    for label, a_value, b_value in filter(None, one_sided):
         found = _value_difference(label, a_value, b_value, padding)
         if found is not None:
             return dataclasses.replace(found, one_sided=True)
     return None
+
+
+def _passed_by_a(name: str, value: Any, b_sig: Signature | None, b_module: nn.Module | None
+                 ) -> tuple[str, Any, Any] | None:
+    """An argument only A passes, as (label, A's value, what B reads instead), or None when
+    B's code does not read it."""
+    b_value, where = _read_instead(name, value, b_sig, b_module)
+    if b_value is _UNREAD:
+        return None
+    return (name if where is None else f"{name} (B: {where})"), value, b_value
+
+
+def _passed_by_b(name: str, value: Any, a_sig: Signature | None, b_sig: Signature | None
+                 ) -> tuple[str, Any, Any] | None:
+    """An argument only B passes, as (label, what A read instead, B's value), or None when B's
+    code does not read it by name (``**kwargs``) or it is B's own default for a parameter A
+    lacked."""
+    named = _named(b_sig)
+    if name not in named:
+        return None
+    a_value, _ = _read_instead(name, value, a_sig, None)
+    if a_value is _UNREAD:
+        if named[name] and _leaf_difference(named[name][0], value) is None:
+            return None
+        a_value = _MISSING
+    return name, a_value, value
 
 
 def _value_difference(label: str, a_value: Any, b_value: Any, padding: PaddingSpec
