@@ -10,12 +10,19 @@ error. See :mod:`torchparity.golden.cases` for what is compared and how.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
 
 from torchparity import backends
-from torchparity.commands.common import dtype_name
+from torchparity.ci import check_outcome, check_paths, publish
+from torchparity.commands.common import (
+    add_base_arguments,
+    add_report_arguments,
+    base_side,
+    dtype_name,
+)
 from torchparity.errors import UsageError
 from torchparity.golden.cases import (
     load_case,
@@ -26,6 +33,7 @@ from torchparity.golden.selection import CHECK_DTYPES, select_cases, select_cell
 from torchparity.golden.store import GOLDEN_DIR_ENV, GoldenStore, default_golden_dir
 from torchparity.golden.user_models import backend_names, load_goldens, model_store, user_golden_dir
 from torchparity.reference import zoo
+from torchparity.revisions import base_goldens
 from torchparity.subject import Subject
 from torchparity.subject.compiling import MODES
 
@@ -84,16 +92,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also train each case's golden recipe (20 steps) in every cell "
                              "but the reference one and judge the loss, gradient-norm and "
                              "update-norm trajectory against the golden trajectory")
+    add_base_arguments(parser, "there `torchparity golden update --model` makes the "
+                               "entries' float64 goldens, kept in a cache; yours are never "
+                               "written")
+    add_report_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    check_paths(args.summary, args.junit)
+    side = base_side(args)
+    if side and (args.case or not args.model or args.golden_dir or args.train):
+        raise UsageError("--base checks --model entries against the base's goldens, made on "
+                         "the fly: give --model ENTRY, without --case, --golden-dir or --train")
     subjects = [Subject.load(entry) for entry in args.model or []]
+    with contextlib.ExitStack() as stack:
+        model_root = (stack.enter_context(base_goldens(side, args.model)) if side else
+                      user_golden_dir(args.golden_dir))
+        return _check(args, subjects, model_root, started,
+                      f"{', '.join(args.model)} against base {side.name}" if side else
+                      "the goldens in " + str(model_root))
+
+
+def _check(args: argparse.Namespace, subjects: list[Subject], model_root: Path,
+           started: float, compared: str) -> int:
     cases = [] if subjects and not args.case else select_cases(args.case)
     # The zoo's goldens live in the source tree, a user's under the working directory.
-    store = GoldenStore(default_golden_dir(args.golden_dir) if cases else
-                        user_golden_dir(args.golden_dir))
-    model_root = user_golden_dir(args.golden_dir)
+    store = GoldenStore(default_golden_dir(args.golden_dir) if cases else model_root)
     if cases:
         store.require_root()
     cells = select_cells(args.backend, args.dtype, args.device,
@@ -125,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     ok = all(r.ok for r in results)
     if args.json:
         write_json(Path(args.json), results, ok, store.root)
+    publish(check_outcome(results, compared), args.summary, args.junit)
     return 0 if ok else 1
 
 

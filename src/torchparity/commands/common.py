@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from torchparity.dtypes import dtype_name
 from torchparity.errors import UsageError
+from torchparity.revisions.base import BaseSide
+from torchparity.revisions.cache import CACHE_ENV
 
-__all__ = ["dtype_name", "resolve_device"]
+__all__ = ["add_base_arguments", "add_report_arguments", "base_side", "dtype_name",
+           "resolve_device"]
 
 
 def resolve_device(name: str | None) -> str:
@@ -23,3 +28,38 @@ def resolve_device(name: str | None) -> str:
                          "use --device cpu")
     return device
 
+
+def add_base_arguments(parser: argparse.ArgumentParser, side: str) -> None:
+    """``--base REV`` and its options; ``side`` says what the base side makes."""
+    parser.add_argument("--base", metavar="REV",
+                        help=f"compare the working tree with git revision REV (a branch, a "
+                             f"tag, HEAD~1, A...B for their merge base), checked out in a "
+                             f"temporary worktree and run in a process of its own, leaving "
+                             f"the checkout, index and branches alone: {side} (docs/ci.md)")
+    parser.add_argument("--base-python", metavar="PATH",
+                        help="interpreter of the base side (default: this one), for a base "
+                             "that needs its own environment")
+    parser.add_argument("--no-base-cache", dest="base_cache", action="store_false",
+                        help=f"recompute the base side even when the cache has it (the cache: "
+                             f"${CACHE_ENV}, else torchparity/base under $XDG_CACHE_HOME or "
+                             f"~/.cache)")
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--summary`` and ``--junit``: the reports CI shows."""
+    parser.add_argument("--summary", metavar="PATH",
+                        help="append a Markdown summary (at most 40 lines) to PATH, e.g. "
+                             "$GITHUB_STEP_SUMMARY or a pull-request comment's file")
+    parser.add_argument("--junit", metavar="PATH",
+                        help="write JUnit XML to PATH, a test case per verdict (under GitHub "
+                             "Actions, GITHUB_ACTIONS=true, a failure is also printed as ::error "
+                             "annotations, with or without these options)")
+
+
+def base_side(args: argparse.Namespace) -> BaseSide | None:
+    """The base side ``--base`` asks for (None without it)."""
+    if not args.base:
+        if args.base_python or not args.base_cache:
+            raise UsageError("--base-python and --no-base-cache are options of --base REV")
+        return None
+    return BaseSide(args.base, python=args.base_python, use_cache=args.base_cache)

@@ -3,8 +3,11 @@
     torchparity diagnose pkg.mod:make_a pkg.mod:make_b          # two models, one process
     torchparity diagnose pkg.mod:make --against base.tptrace    # against `torchparity record`
     torchparity diagnose pkg.mod:make_a pkg.mod:make_b --decode # where their decodings part
+    torchparity diagnose pkg.mod:make --base origin/main        # against a git revision
 
-A trace written by ``record --decode`` is recognised: B is decoded along its tokens. Exit
+A trace written by ``record --decode`` is recognised: B is decoded along its tokens. With
+``--base REV`` the trace is recorded on REV, in a worktree of its own (see
+:mod:`torchparity.revisions`), with the options of A given here. Exit
 status 0 when no module's local error (or local gradient error) breaks its budget, and for a
 decoding when no step leaves its budget and no token flip is a real change; 1 otherwise; 2
 for usage errors.
@@ -13,9 +16,12 @@ for usage errors.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rich.console import Console
 
+from torchparity.ci import check_paths, diagnosis_outcome, publish
+from torchparity.commands.common import add_base_arguments, add_report_arguments, base_side
 from torchparity.commands.record import (
     add_decode_arguments,
     add_selection_arguments,
@@ -53,16 +59,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local", choices=("diverged", "all"), default="diverged",
                         help="modules that get a local error (module replay): those whose "
                              "propagated error diverged (default) or all")
+    add_base_arguments(parser, "A is ENTRY there, recorded by `torchparity record` with "
+                               "--backend-a, --dtype, --decode, --steps, --tokens, --include, "
+                               "--exclude and --no-backward, and kept in a cache")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
+    add_report_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from torchparity.diagnosis.decode_report import DecodeReport
     from torchparity.diagnosis.golden import golden_warning
 
+    check_paths(args.summary, args.junit)
     name_map = [_name_rule(rule) for rule in args.name_map or []] or None
-    report = _against(args, name_map) if args.against else _two_models(args, name_map)
+    side = base_side(args)
+    if side:
+        report, compared = _against_base(args, side, name_map), f"base {side.name}"
+    elif args.against:
+        report, compared = _against(args, name_map), f"the trace {args.against}"
+    else:
+        report, compared = _two_models(args, name_map), " and ".join(args.entries)
     console = Console()
     warning = golden_warning(report.meta.get("golden", ""))
     if warning:
@@ -72,31 +89,64 @@ def run(args: argparse.Namespace) -> int:
         report.to_json(args.json)
     if args.html:
         report.to_html(args.html)
+    publish(diagnosis_outcome(report, f"{args.entries[-1]} against {compared}"), args.summary,
+            args.junit)
     if isinstance(report, DecodeReport):
         return 0 if report.ok else 1
     return 1 if report.first_divergence or report.first_grad_divergence else 0
 
 
 def _against(args: argparse.Namespace, name_map):
+    if len(args.entries) != 1 or args.backend_a or args.stream or args.include or \
+            args.exclude or args.dtype or args.tokens or args.steps is not None:
+        raise UsageError("with --against give one entry point (B); the trace fixes A's "
+                         "backend, module selection, dtype, storage and decoded tokens")
+    return _judged_against(args, Path(args.against), Subject.load(args.entries[0]), name_map)
+
+
+def _against_base(args: argparse.Namespace, side, name_map):
+    """B, the working tree's ENTRY, against the trace ``record`` writes of it at the base."""
+    from torchparity.revisions import base_trace
+
+    if len(args.entries) != 1 or args.against:
+        raise UsageError("with --base give one entry point: the working tree's is B, the "
+                         "base's A (not --against: the base records the trace)")
+    decode_options(args)  # --steps and --tokens without --decode are a usage error here
+    b = Subject.load(args.entries[0])
+    options, files = _record_options(args)
+    trace = base_trace(side, args.entries[0], options, files)
+    return _judged_against(args, trace, b, name_map)
+
+
+def _record_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
+    """``torchparity record``'s options for A's side, and the input files they name."""
+    options = [] if args.backward else ["--no-backward"]
+    for flag, values in (("--include", args.include), ("--exclude", args.exclude)):
+        options += [arg for value in values or [] for arg in (flag, value)]
+    for flag, value in (("--backend", args.backend_a), ("--dtype", args.dtype),
+                        ("--steps", args.steps)):
+        if value is not None:
+            options += [flag, str(value)]
+    files = (str(Path(args.tokens).resolve()),) if args.tokens else ()
+    options += ["--tokens", files[0]] if files else []
+    return options + (["--decode"] if args.decode else []), files
+
+
+def _judged_against(args: argparse.Namespace, trace: Path, b: Subject, name_map):
     from torchparity.diagnosis.api import diagnose_against
     from torchparity.diagnosis.decode import diagnose_decode_against
     from torchparity.diagnosis.decode_trace import is_decode_trace
     from torchparity.diagnosis.trace import open_trace
 
-    if len(args.entries) != 1 or args.backend_a or args.stream or args.include or \
-            args.exclude or args.dtype or args.tokens or args.steps is not None:
-        raise UsageError("with --against give one entry point (B); the trace fixes A's "
-                         "backend, module selection, dtype, storage and decoded tokens")
-    b = Subject.load(args.entries[0])
-    meta, _ = open_trace(args.against)
+    meta, _ = open_trace(trace)
     if is_decode_trace(meta):
         _no_compiled_decoding(args)
-        return diagnose_decode_against(args.against, b.model, b.inputs, step=b.stepper(),
+        return diagnose_decode_against(trace, b.model, b.inputs, step=b.stepper(),
                                        name_map=name_map, backend=args.backend_b)
     if args.decode:
-        raise UsageError(f"trace {args.against} records a forward pass, not a decoding; record "
+        raise UsageError(f"trace {trace} records a forward pass, not a decoding; record "
                          "one with `torchparity record ENTRY --decode`")
-    return diagnose_against(args.against, b.model, b.inputs, loss_fn=b.loss_fn,
+    return diagnose_against(trace, b.model, b.inputs, loss_fn=b.loss_fn,
                             name_map=name_map, backward=None if args.backward else False,
                             backend=args.backend_b, local=args.local, padding=b.padding,
                             compile_b=args.compile_b)

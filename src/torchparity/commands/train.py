@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from torchparity import backends
-from torchparity.commands.common import dtype_name, resolve_device
+from torchparity.commands.common import add_base_arguments, base_side, dtype_name, resolve_device
 from torchparity.errors import UsageError
 from torchparity.reference import zoo
 from torchparity.train.parallel import PARALLELISMS
@@ -95,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--golden-dir", help="golden folder (default: golden/ of the source "
                                              "tree, or $TORCHPARITY_GOLDEN_DIR)")
     parser.add_argument("--json", metavar="PATH", help="write trajectory and verdict as JSON")
+    add_base_arguments(parser, "with --check, there `torchparity train --update-golden` "
+                               "trains the case's golden recipe in float64, and the run here "
+                               "is judged against it (REV must be a revision of torchparity's "
+                               "source)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,11 +107,24 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"cannot write --json {args.json}: its folder does not exist")
+    side = base_side(args)
     if args.update_golden:
+        if side:
+            raise UsageError("--base judges a run against the base's golden trajectory; it "
+                             "writes none (leave out --update-golden)")
         return _update_golden(args, console)
     if args.case == "all":
         raise UsageError("--case all is only for --update-golden; name one case")
     config, execution = _config(args), _execution(args)
+    if side:
+        from torchparity.revisions import base_trajectories
+
+        if not args.check or args.golden_dir or config != tj.golden_config(config.case):
+            raise UsageError("--base judges the golden recipe (the default --steps, --lr, "
+                             "--batch-size, ...) with --check against the base's golden "
+                             "trajectory: add --check, and leave out --golden-dir and the "
+                             "recipe's options")
+        args.golden_dir = str(base_trajectories(side, config.case))
     backends.resolve(execution.backend, execution.device, _probe_dtype(execution))
     if _nproc(args) > 1:
         return _run_parallel(config, execution, args, console)

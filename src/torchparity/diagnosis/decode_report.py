@@ -79,6 +79,10 @@ class DecodeReport(Report):
     def summary(self) -> str:
         """A few sentences: the prompt, the first step and module that leave the budget and
         where the change enters, the flips, the mode."""
+        return " ".join(self.findings())
+
+    def findings(self) -> list[str]:
+        """The sentences of :meth:`summary`, one finding each."""
         parts = [f"Prompt (step 0): {self.steps[0].verdict}."]
         if self.first_step is None:
             parts.append(f"No step's logits leave the budget ({len(self.steps) - 1} step(s) "
@@ -106,7 +110,7 @@ class DecodeReport(Report):
             parts.append("No token flips.")
         if self.meta.get("mode"):
             parts.append(f"Mode: {self.meta['mode']}.")
-        return " ".join(parts)
+        return parts
 
     # -- JSON ---------------------------------------------------------------------------------
 

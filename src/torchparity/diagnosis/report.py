@@ -301,6 +301,10 @@ class DiagnosisReport(Report):
     def summary(self) -> str:
         """A few sentences: where A and B part (and where that enters), or that they do not;
         structure differences; the final verdict; the precision the comparison ran in."""
+        return " ".join(self.findings())
+
+    def findings(self) -> list[str]:
+        """The sentences of :meth:`summary`, one finding each."""
         parts = []
         first = self.first_divergence
         if first is None:
@@ -329,7 +333,7 @@ class DiagnosisReport(Report):
             parts.append(f"But {self.meta['below_noise']}.")
         if self.meta.get("mode"):
             parts.append(f"Mode: {self.meta['mode']}.")
-        return " ".join(parts)
+        return parts
 
     # -- JSON ---------------------------------------------------------------------------------
 

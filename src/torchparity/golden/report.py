@@ -121,10 +121,10 @@ def _cell_text(rows: list[CheckResult], footnotes: dict[str, int], with_device: 
     if failed:
         verdicts = {r.verdict for r in failed}
         worst = max((r.headroom for r in failed if r.headroom is not None), default=None)
-        text = "✗ " + "/".join(sorted(verdicts)) + (f" {_share(worst)}" if worst else "")
+        text = "✗ " + "/".join(sorted(verdicts)) + (f" {budget_share(worst)}" if worst else "")
     elif compared:
         identical = all(r.verdict == "identical" for r in compared)
-        text = "≡" if identical else f"✓ {_share(max(r.headroom for r in compared))}"
+        text = "≡" if identical else f"✓ {budget_share(max(r.headroom for r in compared))}"
     else:
         text = "n/a"
     differing = [f"{r.output}: {s}" for r in rows for s in r.structure or []]
@@ -144,7 +144,7 @@ def _cell_text(rows: list[CheckResult], footnotes: dict[str, int], with_device: 
     return f"{label} {text}"
 
 
-def _share(headroom: float) -> str:
+def budget_share(headroom: float) -> str:
     if headroom == float("inf"):
         return "inf"
     return f"{headroom:.0%}" if headroom < 10 else f"{headroom:.3g}x"

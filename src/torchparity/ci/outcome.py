@@ -1,0 +1,162 @@
+"""What a check or a diagnosis found, in the form CI reports need.
+
+An :class:`Outcome` has the verdict, the findings a reviewer reads first (the first
+divergence, where it enters, the flips), the table that matters (the failures, else one row
+per cell or the modules that left their budget) and one :class:`Case` per cell and output
+(``check``) or per module, step and flip (``diagnose``), each with its verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchparity.diagnosis.decode_report import DecodeReport
+from torchparity.diagnosis.report import DiagnosisReport, Row, share_cell
+from torchparity.golden.cases import CheckResult
+from torchparity.golden.report import budget_share
+
+#: Flips listed among a decoding's findings (the JUnit report has every one).
+FLIPS = 5
+
+
+@dataclass
+class Case:
+    """One verdict: a test case of the JUnit report. ``skipped`` is why it could not be
+    judged (an ``n/a`` cell); ``message`` explains a failure."""
+
+    suite: str
+    name: str
+    verdict: str
+    ok: bool
+    message: str = ""
+    skipped: str | None = None
+
+
+@dataclass
+class Outcome:
+    """``command`` (``torchparity check``) on ``subject`` (what was compared with what);
+    ``alerts`` are the failures worth an annotation each."""
+
+    command: str
+    subject: str
+    ok: bool
+    verdict: str
+    findings: list[str]
+    heads: list[str]
+    rows: list[list[str]]
+    cases: list[Case] = field(default_factory=list)
+    alerts: list[str] = field(default_factory=list)
+
+
+def check_outcome(results: list[CheckResult], subject: str) -> Outcome:
+    """The outcome of ``torchparity check``: one case per case (model), cell and output."""
+    failed = [r for r in results if not r.ok]
+    cells = {(r.case, r.cell) for r in results}
+    if failed:
+        verdict = (f"FAIL: {len(failed)} of {len(results)} outputs diverged or changed, in "
+                   f"{len({(r.case, r.cell) for r in failed})} of {len(cells)} cells")
+        first = failed[0]
+        findings = [f"First failure: `{first.case}` {first.cell.label} `{first.output}`: "
+                    f"{first.explain or first.reason or first.verdict}"]
+        heads = ["model", "cell", "output", "verdict", "budget used"]
+        rows = [[f"`{r.case}`", r.cell.label, r.output, r.verdict,
+                 "-" if r.headroom is None else budget_share(r.headroom)] for r in failed]
+    else:
+        verdict = (f"PASS: {len(results)} outputs in {len(cells)} cells within their "
+                   "budgets or n/a")
+        findings = []
+        heads = ["model", "cell", "verdict", "most budget used"]
+        rows = [_cell_row(case, cell, [r for r in results if (r.case, r.cell) == (case, cell)])
+                for case, cell in dict.fromkeys((r.case, r.cell) for r in results)]
+    cases = [Case(f"torchparity.check.{r.case}", f"{r.cell.label} {r.output}", r.verdict, r.ok,
+                  message="" if r.ok else (r.explain or r.reason or r.verdict),
+                  skipped=r.reason if r.verdict == "n/a" else None) for r in results]
+    alerts = [f"{case.suite.removeprefix('torchparity.check.')} {case.name}: {case.message}"
+              for case in cases if not case.ok]
+    return Outcome("torchparity check", subject, not failed, verdict, findings, heads, rows,
+                   cases, alerts)
+
+
+def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str) -> Outcome:
+    """The outcome of ``torchparity diagnose``, forward or decoding: the report's own
+    sentences are its findings, its summary the one alert of a failure."""
+    if isinstance(report, DecodeReport):
+        return _decode_outcome(report, subject)
+    first, grad = report.first_divergence, report.first_grad_divergence
+    ok = first is None and grad is None
+    if ok:
+        verdict = "PASS: no module's local error breaks its budget"
+    elif first is not None:
+        verdict = f"FAIL: the first divergence is `{first.module or '(model)'}`"
+    else:
+        verdict = f"FAIL: the first gradient divergence is `{grad.module or '(model)'}`"
+    shown = [r for r in report.rows if _diverged(r)] if not ok else report.rows
+    rows = [[f"`{r.module or '(model)'}`", r.module_type, share_cell(r.local),
+             share_cell(r.propagated)] for r in shown]
+    cases = [Case("torchparity.diagnose", r.module or "(model)", _row_verdict(r),
+                  r.local is None or r.local.ok,
+                  message="" if r.local is None or r.local.ok else r.local.explain())
+             for r in report.rows]
+    return Outcome("torchparity diagnose", subject, ok, verdict, report.findings(),
+                   ["module", "type", "local", "propagated"], rows, cases,
+                   [] if ok else [report.summary()])
+
+
+def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
+    row = report.first_module
+    real = sum(f.verdict == "real change" for f in report.flips)
+    if report.ok:
+        verdict = "PASS: no step leaves its budget and no token flip is a real change"
+    elif row is not None:
+        verdict = f"FAIL: the first module leaving its budget is `{report.first_module_label}`"
+    elif report.first_step is not None:
+        verdict = f"FAIL: step {report.first_step}'s logits leave their budget"
+    else:
+        verdict = f"FAIL: {real} token flip(s) are real changes"
+    findings = report.findings() + [
+        f"Sequence {f.sequence} at step {f.step}: A's token {f.a_token}, B's {f.b_token}, "
+        f"A's margin {f.margin:.3g}, B's change {f.change:.3g}: {f.verdict}"
+        for f in report.flips[:FLIPS]]
+    heads = ["module", "type", "inputs", "output"]
+    rows = [[f"`{r.module or '(model)'}`", r.module_type, share_cell(r.inputs),
+             share_cell(r.propagated)] for r in report.rows
+            if r.propagated is not None and not r.propagated.ok]
+    suite = "torchparity.diagnose.decode"
+    cases = [Case(f"{suite}.steps", f"step {s} logits", r.verdict, r.ok,
+                  message="" if r.ok else r.explain()) for s, r in enumerate(report.steps)]
+    cases += [Case(f"{suite}.flips", f"sequence {f.sequence} at step {f.step}", f.verdict,
+                   f.verdict == "near tie",
+                   message=f"A's token {f.a_token}, B's {f.b_token}: margin {f.margin:.3g}, "
+                           f"change {f.change:.3g}") for f in report.flips]
+    cases += [Case(f"{suite}.modules", f"{r.module or '(model)'} @ step {report.first_step}",
+                   "-" if r.propagated is None else r.propagated.verdict, r is not row,
+                   message="" if r is not row or r.propagated is None else
+                   r.propagated.explain())
+              for r in report.rows]
+    return Outcome("torchparity diagnose --decode", subject, report.ok, verdict, findings,
+                   heads, rows, cases, [] if report.ok else [report.summary()])
+
+
+def _cell_row(case: str, cell: Any, results: list[CheckResult]) -> list[str]:
+    """A passing cell: ``within`` and the most budget used, or ``identical`` (≡, as in the
+    terminal's table), or ``n/a``; ``, n/a in part`` where some outputs could not run."""
+    compared = [r for r in results if r.verdict != "n/a"]
+    if not compared:
+        return [f"`{case}`", cell.label, "n/a", "-"]
+    identical = all(r.verdict == "identical" for r in compared)
+    verdict = ("identical" if identical else "within") + (
+        ", n/a in part" if len(compared) < len(results) else "")
+    used = max((r.headroom for r in compared if r.headroom is not None), default=None)
+    return [f"`{case}`", cell.label, verdict,
+            "≡" if identical or used is None else budget_share(used)]
+
+
+def _row_verdict(row: Row) -> str:
+    result = row.local or row.propagated
+    return result.verdict if result is not None else "-"
+
+
+def _diverged(row: Row) -> bool:
+    return any(r is not None and not r.ok for r in (row.local, row.propagated, row.grad_local))
+

@@ -1,0 +1,151 @@
+"""The reports for CI: the Markdown summary fits 40 lines whatever the number of failures, the
+JUnit XML parses with a verdict on every case (failures with their message, n/a cells
+skipped with the reason), GitHub's annotations escape what its workflow commands read, and
+the pytest plugin's tests land in pytest's own JUnit XML as ordinary test cases."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from torch import nn
+
+import torchparity as tp
+import toy_repo
+from torchparity.ci import check_outcome, diagnosis_outcome, junit_xml, publish, summary_markdown
+from torchparity.ci.writers import annotations
+from torchparity.cli import main
+from torchparity.golden.cases import CheckResult
+
+
+def result(output: str, verdict: str, backend: str = "sdpa", **details) -> CheckResult:
+    ok = verdict in ("identical", "within", "n/a")
+    return CheckResult(case="models.make", backend=backend, dtype="fp32", device="cpu",
+                       output=output, kind="forward", verdict=verdict,
+                       headroom=None if verdict == "n/a" else (3.0 if not ok else 0.25),
+                       ok=ok, **details)
+
+
+def verdicts(xml: str) -> dict[str, tuple[str, str | None]]:
+    """``{name: (verdict property, failure/skipped/None)}`` of every test case."""
+    found = {}
+    for case in ET.fromstring(xml).iter("testcase"):
+        outcome = next((child.tag for child in case if child.tag in ("failure", "skipped")),
+                       None)
+        found[case.get("name")] = (case.find("properties/property[@name='verdict']")
+                                   .get("value"), outcome)
+    return found
+
+
+@pytest.mark.parametrize("failures", [1, 37, 200])
+def test_the_summary_fits_40_lines_and_says_how_many_rows_it_left_out(failures):
+    results = [result(f"out{i}", "diverged", explain=f"diverged: line one\nline two {i}")
+               for i in range(failures)] + [result("loss", "within")]
+    markdown = summary_markdown(check_outcome(results, "models.py:make against base main"))
+    lines = markdown.splitlines()
+    assert len(lines) <= 40
+    assert lines[0] == "### ❌ torchparity check"
+    shown = [line for line in lines if line.startswith("| `models.make`")]
+    left_out = failures - len(shown)
+    assert (f"{left_out} more rows: see --junit or --json" in markdown) == (left_out > 0)
+    assert f"FAIL: {failures} of {failures + 1} outputs diverged" in markdown
+
+
+def test_junit_has_a_verdict_on_every_case_failures_with_their_message_and_skips():
+    results = [result("outputs", "diverged", explain="diverged: worst at (0, 1)"),
+               result("grads", "n/a", backend="flex", reason="flex has no backward pass"),
+               result("loss", "identical")]
+    found = verdicts(junit_xml(check_outcome(results, "models.py:make")))
+    assert found == {"sdpa fp32 cpu outputs": ("diverged", "failure"),
+                     "flex fp32 cpu grads": ("n/a", "skipped"),
+                     "sdpa fp32 cpu loss": ("identical", None)}
+    root = ET.fromstring(junit_xml(check_outcome(results, "models.py:make")))
+    suite = root.find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("3", "1", "1")
+    assert root.find(".//failure").get("message") == "diverged: worst at (0, 1)"
+
+
+def test_under_github_actions_a_failure_is_an_escaped_error_annotation(monkeypatch, capsys,
+                                                                       tmp_path):
+    results = [result(f"out{i}", "diverged", explain="100% over\nbudget") for i in range(12)]
+    outcome = check_outcome(results, "models.py:make")
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
+    publish(outcome)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    summary = tmp_path / "step_summary.md"
+    summary.write_text("earlier step\n")
+    publish(outcome, summary=str(summary))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 11 and all(line.startswith("::error title=torchparity check::")
+                                    for line in lines)
+    assert lines[0].endswith("models.make sdpa fp32 cpu out0: 100%25 over%0Abudget")
+    assert lines[-1].endswith("2 more failures: see the job's log")
+    assert summary.read_text().startswith("earlier step\n\n### ❌ torchparity check")
+
+
+def test_a_diagnosis_has_a_case_per_module_and_fails_the_first_divergence():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        b[2].bias.add_(0.1)  # B's last layer computes something else
+    report = tp.diagnose(a, b, (torch.randn(3, 4),), backward=False)
+    outcome = diagnosis_outcome(report, "b against a")
+    found = verdicts(junit_xml(outcome))
+    assert set(found) == {row.module or "(model)" for row in report.rows}
+    assert found["2"] == ("diverged", "failure")
+    assert found["0"][1] is None and found["1"][1] is None
+    markdown = summary_markdown(outcome)
+    assert "the first divergence is `2`" in markdown and len(markdown.splitlines()) <= 40
+    [annotation] = annotations(outcome)  # one for the diagnosis, not one per module
+    assert annotation.startswith("::error title=torchparity diagnose::First divergence: 2 ")
+
+
+PLUGIN_TESTS = '''
+import os
+
+import torch
+
+
+def test_same(golden):
+    golden.check("y", torch.linspace(-1, 1, 8))
+
+
+def test_changed(golden):
+    golden.check("y", torch.linspace(-1, 1, 8) + float(os.environ.get("SHIFT", "0")))
+'''
+
+
+def test_the_plugins_tests_land_in_pytests_own_junit_xml(pytester, monkeypatch):
+    installed = any(ep.name == "torchparity" for ep in entry_points(group="pytest11"))
+    plugin = () if installed else ("-p", "torchparity.pytest_plugin")
+    pytester.makepyfile(test_user=PLUGIN_TESTS)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider", *plugin,
+                                 "--torchparity-golden-update")
+    monkeypatch.setenv("SHIFT", "1e-3")
+    junit = pytester.path / "junit.xml"
+    outcome = pytester.runpytest_inprocess("-p", "no:cacheprovider", *plugin,
+                                           f"--junitxml={junit}")
+    outcome.assert_outcomes(passed=1, failed=1)
+    cases = {case.get("name"): case for case in ET.parse(junit).getroot().iter("testcase")}
+    assert set(cases) == {"test_same", "test_changed"}
+    assert cases["test_same"].find("failure") is None
+    assert "golden 'y': diverged" in cases["test_changed"].find("failure").get("message")
+
+
+def test_check_and_diagnose_write_their_reports_without_base(tmp_path, monkeypatch, capsys):
+    """The same file twice: A and B agree, so the reports say so, as files CI can read."""
+    models = tmp_path / "models.py"
+    models.write_text(toy_repo.MODELS)
+    monkeypatch.chdir(tmp_path)
+    summary, junit = tmp_path / "summary.md", tmp_path / "diagnose.xml"
+    assert main(["diagnose", "models.py:make", "models.py:make", "--summary", str(summary),
+                 "--junit", str(junit)]) == 0
+    assert summary.read_text().startswith("### ✅ torchparity diagnose\n")
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+    assert cases and all(c.find("failure") is None for c in cases)
+    capsys.readouterr()
