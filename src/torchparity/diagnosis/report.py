@@ -401,7 +401,7 @@ class DiagnosisReport(Report):
         return layout([*heads, "module (B)"], rows, width)
 
     def _lines(self, fold: bool) -> list[int | Fold]:
-        """The table's lines: row indices and folds (see :meth:`rich_table`)."""
+        """The table's lines: row indices and folds (see :meth:`table_lines`)."""
         if not fold or len(self.rows) <= FOLD_ABOVE:
             return list(range(len(self.rows)))
         important = {i for i, r in enumerate(self.rows)
