@@ -402,7 +402,13 @@ def _logits_and_grads(model: nn.Module, inputs: dict, *, grads: bool):
 def test_sdpa_model_matches_float64_on_every_backend(model_name: str, backend: str) -> None:
     fp32_model, golden_model, inputs, layers = MODELS[model_name]()
     grads = backend != "flex"  # flex has no backward pass on the CPU
-    golden, golden_grads = _logits_and_grads(golden_model, inputs, grads=grads)
+    # float64 the default dtype, as in torchparity's own float64 runs: transformers 4.46's
+    # GPT-2 fills its mask with float64's minimum in a tensor of that dtype.
+    torch.set_default_dtype(torch.float64)
+    try:
+        golden, golden_grads = _logits_and_grads(golden_model, inputs, grads=grads)
+    finally:
+        torch.set_default_dtype(torch.float32)
     with backends.use("manual") as manual:
         baseline, baseline_grads = _logits_and_grads(fp32_model, inputs, grads=grads)
     with backends.use(backend) as intercepted:

@@ -16,6 +16,7 @@ from hypothesis.extra.numpy import array_shapes, arrays
 from torch.utils import _pytree as pytree
 
 from torchparity.comparison import (
+    NOT_COMPARED,
     Comparison,
     ShapeDifference,
     StructureDifference,
@@ -394,6 +395,26 @@ def test_assert_parity_fails_on_a_structure_difference_unless_it_is_allowed() ->
     assert assert_parity(candidate, golden, allow_structure_changes=True).structure_differs
     with pytest.raises(AssertionError, match="diverged"):
         assert_parity((ONE * 2, None), golden, allow_structure_changes=True)
+
+
+@pytest.mark.parametrize("candidate, golden", [
+    ({"state": ONE}, {"hidden": ONE64}),  # renamed: nothing shared
+    ((ONE, ONE), {"logits": ONE64}),  # another container
+])
+def test_nothing_compared_is_not_identical_and_never_passes(candidate, golden) -> None:
+    result = compare(candidate, golden)
+    assert not result.compared and result.verdict == NOT_COMPARED == "not compared"
+    assert not result.ok
+    assert result.explain().startswith("not compared: ")
+    assert "identical" not in result.explain()
+    with pytest.raises(AssertionError, match="^not compared: "):
+        assert_parity(candidate, golden, allow_structure_changes=True)
+
+
+def test_two_sides_without_tensors_differ_in_nothing() -> None:
+    result = compare({"attentions": None}, {"attentions": None})
+    assert result.compared and result.ok and result.verdict == "identical"
+    assert result.explain().startswith("identical: neither side holds a tensor")
 
 
 def test_the_baseline_need_only_hold_the_shared_tensors() -> None:

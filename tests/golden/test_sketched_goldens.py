@@ -118,7 +118,10 @@ def llama():
 def llama():
     torch.manual_seed(0)
     changed = config()
-    changed.rope_parameters = {"rope_type": "default", "rope_theta": 5000.0}
+    if hasattr(changed, "rope_parameters"):  # transformers 5
+        changed.rope_parameters = {"rope_type": "default", "rope_theta": 5000.0}
+    else:
+        changed.rope_theta = 5000.0
     return transformers.LlamaForCausalLM(changed), inputs()
 ''',
 }

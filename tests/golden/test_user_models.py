@@ -15,6 +15,7 @@ from torchparity import backends
 from torchparity.cli import main
 
 pytest.importorskip("transformers")
+from tiny_transformers import ATTENTION_WEIGHTS, needs_5  # noqa: E402  (needs transformers)
 
 pytestmark = pytest.mark.transformers
 
@@ -210,6 +211,7 @@ def check(models: Path, tmp_path: Path, entry: str, *args: str,
     return status, json.loads(report.read_text())["results"] if report.exists() else []
 
 
+@needs_5(ATTENTION_WEIGHTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_families_pass_on_every_cpu_backend(models, tmp_path, capsys, family):
     status, rows = check(models, tmp_path, family, "--dtype", "fp32", "--dtype", "bf16")
@@ -227,6 +229,7 @@ def test_transformers_families_pass_on_every_cpu_backend(models, tmp_path, capsy
     assert "structure differs (not a divergence)" in capsys.readouterr().out
 
 
+@needs_5(ATTENTION_WEIGHTS)
 def test_padded_positions_are_left_out_and_counted(models, tmp_path, capsys):
     status, rows = check(models, tmp_path, "llama", "--backend", "hf-eager", "--dtype", "fp32")
     assert status == 0, [r["explain"] for r in rows if not r["ok"]]
@@ -240,6 +243,7 @@ def test_padded_positions_are_left_out_and_counted(models, tmp_path, capsys):
     assert "models.llama outputs: left out of the judgement: 3 of 16 positions" in out
 
 
+@needs_5("its eager and sdpa attention agree on the queries that attend to nothing")
 def test_a_factory_says_where_the_padding_is_when_the_inputs_cannot(models, tmp_path, capsys):
     # Positional inputs: eager's arbitrary values at the queries that attend to nothing are
     # judged, and eager against sdpa fails as if it were a bug.
@@ -288,6 +292,7 @@ def gpt2():
 '''
 
 
+@needs_5("the planted change takes 5.x's cache argument")
 def test_a_kv_cache_position_off_by_one_fails_decoding_only(models, tmp_path):
     changed = tmp_path / "changed" / "models.py"
     changed.parent.mkdir()
@@ -451,6 +456,7 @@ def test_goldens_with_decoding_refuse_a_factory_without_it(models, tmp_path, cap
     assert "were made with decoding, the factory now does not" in capsys.readouterr().err
 
 
+@needs_5(ATTENTION_WEIGHTS)
 def test_golden_verify_recomputes_a_users_model(models, tmp_path, capsys):
     golden_dir = str(models / "golden")
     assert main(["golden", "verify", "--golden-dir", golden_dir,

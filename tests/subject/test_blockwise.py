@@ -93,6 +93,31 @@ def test_decoding_under_no_grad_runs_in_float64():
     assert logits.dtype == torch.float64 and torch.equal(logits, expected)
 
 
+class _FillsInTheDefaultDtype(torch.nn.Module):
+    """Makes a mask in the default dtype with its input's minimum, as transformers 4.46's GPT-2
+    makes its causal mask: in float32 that minimum of float64 overflows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        hidden = torch.full(h.shape, torch.finfo(h.dtype).min).triu(1)
+        return (h + hidden).softmax(-1)
+
+
+def test_tensors_made_in_the_default_dtype_are_float64_and_it_is_restored():
+    torch.manual_seed(0)
+    model, x = _FillsInTheDefaultDtype(), torch.randn(2, 4, 4, dtype=torch.float64)
+    with Float64Run(model):
+        probs = model(x)
+    assert torch.get_default_dtype() == torch.float32
+    assert probs.dtype == torch.float64
+    # The row's first entry is all the softmax sees: the float64 minimum hides the others.
+    torch.testing.assert_close(probs[..., 0, 0], torch.ones(2, dtype=torch.float64))
+
+
 def test_progress_names_each_block_forward_and_backward():
     model, inputs, loss_fn = SUBJECTS["gpt2"]
     seen = []

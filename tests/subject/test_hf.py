@@ -1,11 +1,13 @@
 """``transformers`` models are recognised and switched between their attention implementations
 on every release supported (``tox -e hf-lowest`` runs these under the oldest): a model in
 ``eager`` makes no SDPA call, one in ``sdpa`` one per layer, and both compute what the float64
-model does."""
+model does; a plain factory decodes through the built-in step and gets its ``hf-eager`` cells."""
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ import torch
 import tiny_transformers  # skips the module where transformers is not installed
 import torchparity as tp
 from torchparity import backends
+from torchparity.cli import main
+from torchparity.golden.user_models import HF_EAGER
 from torchparity.subject import hf
 
 pytestmark = pytest.mark.transformers
@@ -46,3 +50,18 @@ def test_the_attention_switches_both_ways_whatever_the_model_was_built_with(
     assert calls == [0, tiny_transformers.LAYERS, 0]
     assert torch.equal(logits[0], logits[2])  # switched back, it computes as before
     tp.assert_parity(logits[1], expected, baseline=logits[0], kind="forward")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_plain_factory_gets_the_built_in_step_a_decode_golden_and_hf_eager(family, tmp_path):
+    entry = f"{Path(__file__).parents[1] / 'cross_release_models.py'}:{family}"
+    golden, report = tmp_path / "golden", tmp_path / "check.json"
+    assert main(["golden", "update", "--model", entry, "--golden-dir", str(golden)]) == 0
+    assert main(["check", "--model", entry, "--golden-dir", str(golden), "--backend",
+                 "hf-eager", "--dtype", "fp32", "--json", str(report)]) == 0
+    rows = json.loads(report.read_text())["results"]
+    eager = {r["output"]: r["verdict"] for r in rows if r["backend"] == HF_EAGER}
+    assert set(eager) == {"outputs", "loss", "grads", "decode"}
+    assert set(eager.values()) <= {"identical", "within"}
+    reference = {r["output"]: r["verdict"] for r in rows if r["backend"] == "manual"}
+    assert {"decode", "decode-cache"} <= set(reference)

@@ -21,10 +21,11 @@ from torchparity.comparison.structure import (
     shared_tensors,
 )
 from torchparity.comparison.tensor import RELATIVE_GUARD, TensorComparison, Verdict
-from torchparity.comparison.verdict import Comparison, assert_parity, compare
+from torchparity.comparison.verdict import NOT_COMPARED, Comparison, assert_parity, compare
 
 __all__ = [
     "CACHE_RULE",
+    "NOT_COMPARED",
     "RELATIVE_GUARD",
     "Comparison",
     "ShapeDifference",

@@ -35,6 +35,10 @@ from torchparity.comparison.tensor import (
 from torchparity.sketching import Sketch
 from torchparity.tolerance import DtypeLike
 
+#: The verdict of a comparison in which candidate and golden share no tensor: nothing was
+#: judged, so it is never "identical" and never passes.
+NOT_COMPARED = "not compared"
+
 
 @dataclass
 class Comparison:
@@ -44,8 +48,10 @@ class Comparison:
 
     ``verdict`` and ``ok`` judge the shared tensors and the shapes: a tensor whose shape
     differs (:attr:`shapes`) diverges; :attr:`structure_differs` says whether the structures
-    differ, which is no divergence. ``skipped`` holds ``(path, reason)`` pairs; ``atol`` and
-    ``rtol`` are the tolerances a user added to every budget by hand (see :func:`compare`).
+    differ, which is no divergence; where they share no tensor while one holds some the
+    verdict is :data:`NOT_COMPARED` and ``ok`` is False. ``skipped`` holds ``(path, reason)`` pairs;
+    ``atol`` and ``rtol`` are the tolerances a user added to every budget by hand (see
+    :func:`compare`).
     """
 
     kind: str
@@ -57,17 +63,26 @@ class Comparison:
     shapes: tuple[ShapeDifference, ...] = ()
 
     @property
-    def verdict(self) -> Verdict:
-        """``diverged`` when a shape differs, else the worst verdict over all tensors
-        (``identical`` when there are none)."""
+    def compared(self) -> bool:
+        """False when one side holds tensors and candidate and golden share none (in the same
+        shape or not); two sides without any tensor differ in nothing."""
+        return bool(self.tensors or self.shapes or not self.structure)
+
+    @property
+    def verdict(self) -> Verdict | str:
+        """``diverged`` when a shape differs, :data:`NOT_COMPARED` when nothing is shared
+        (see :attr:`compared`), else the worst verdict over the tensors (``identical`` when
+        neither side holds one)."""
         if self.shapes:
             return "diverged"
+        if not self.compared:
+            return NOT_COMPARED
         return max((t.verdict for t in self.tensors), key=VERDICT_ORDER.get, default="identical")
 
     @property
     def ok(self) -> bool:
-        """True when no tensor diverged."""
-        return self.verdict != "diverged"
+        """True when something was compared and no tensor diverged."""
+        return self.verdict not in ("diverged", NOT_COMPARED)
 
     @property
     def structure_differs(self) -> bool:
@@ -113,8 +128,10 @@ class Comparison:
     def _explain_tensors(self) -> str:
         worst = self.worst
         if worst is None:
-            nothing = "candidate and golden share no tensors" if self.structure else "no tensors"
-            return f"identical: {nothing} to compare (kind {self.kind})." + self._context()
+            if self.structure:
+                return (f"{NOT_COMPARED}: candidate and golden share no tensors to compare "
+                        f"(kind {self.kind})." + self._context())
+            return f"identical: neither side holds a tensor (kind {self.kind})." + self._context()
         n = len(self.tensors)
         verdict = max((t.verdict for t in self.tensors), key=VERDICT_ORDER.get)
         if verdict == "identical":

@@ -7,7 +7,8 @@ computed in float64 on the CPU with every SDPA call on the ``manual`` backend, l
 ============  ==========  =============================================================
 output        kind        tensors
 ============  ==========  =============================================================
-``outputs``   forward     every tensor of the model's output, keyed by its path
+``outputs``   forward     every tensor of the model's output, keyed by its path, but those
+                          its cache holds (``past_key_values``, ``cache``: see ``decode``)
 ``loss``      loss        ``loss_fn(output, inputs)``, or the default loss (below)
 ``grads``     grad        the gradient of every parameter that requires one
 ``decode``    forward     a teacher-forced decoding of ``DECODE_STEPS`` steps through the
@@ -50,6 +51,7 @@ tensors both have are judged.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -63,7 +65,7 @@ import torch
 from torch import nn
 
 from torchparity import backends, sketching, tolerance
-from torchparity.comparison import compare
+from torchparity.comparison import NOT_COMPARED, compare
 from torchparity.dtypes import dtype_name
 from torchparity.errors import BackendUnavailable, UsageError
 from torchparity.golden.cases import (
@@ -89,7 +91,7 @@ from torchparity.subject.blockwise import BlockProgress, Float64Run, stream_grad
 from torchparity.subject.compiling import CompileFailed, CompileLog, check_mode, compiled
 from torchparity.subject.decoding import recompute_step, teacher_forced
 from torchparity.subject.padding import Padding
-from torchparity.subject.running import cast_inputs
+from torchparity.subject.running import cast_inputs, default_loss_paths, in_cache
 from torchparity.subject.trees import flatten_tensors
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -117,15 +119,18 @@ def backend_names(models: list[Subject] | None = None) -> list[str]:
 
 @dataclass
 class Run:
-    """One run of a model in a cell: output name -> {path: tensor}, why others are missing,
-    the loss's gradient with respect to each floating output (what carries the outputs' noise
-    into the loss's, see :func:`torchparity.tolerance.propagated_noise`), and ``compile_log``
-    what compiling cost in a compiled cell."""
+    """One run of a model in a cell: output name -> {path: tensor}, why others are missing
+    (``missing``: the cell cannot compute them, n/a; ``not_compared``: the model's output no
+    longer holds what the golden was made from, a failure), the loss's gradient with respect
+    to each floating output (what carries the outputs' noise into the loss's, see
+    :func:`torchparity.tolerance.propagated_noise`), and ``compile_log`` what compiling cost
+    in a compiled cell."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
     sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
     compile_log: CompileLog | None = None
+    not_compared: dict[str, str] = field(default_factory=dict)
 
 
 def model_store(subject: Subject, root: Any) -> GoldenStore:
@@ -281,9 +286,10 @@ def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
             output = subject.forward(model, inputs)
             flat = flatten_tensors(output, _ROOT)
             loss = subject.loss(output, inputs, flat, loss_paths)
+    # A cache is state for the next call, judged by the decoding that reads it.
     outputs: dict[str, dict[str, Any]] = {
         "outputs": {path: kept(path, t, _padded(subject, "outputs", path, t))
-                    for path, t in flat.items()}}
+                    for path, t in flat.items() if not in_cache(path)}}
     # The loss's gradient with respect to each floating output, heard as the backward passes.
     sensitivity: dict[str, torch.Tensor] = {}
     if "grads" not in missing and not isinstance(loss, str):
@@ -292,9 +298,8 @@ def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
                 t.register_hook(functools.partial(_heard, sensitivity, path))
     del output, flat  # the kept outputs are enough: the graph lives on in the loss
     if isinstance(loss, str):
-        missing["loss"] = missing["grads"] = loss
-    else:
-        outputs["loss"] = {"loss": loss.detach()}
+        return Run(outputs, missing, not_compared={"loss": loss, "grads": loss})
+    outputs["loss"] = {"loss": loss.detach()}
     if "grads" not in missing:
         try:
             outputs["grads"] = backward(loss)
@@ -377,8 +382,7 @@ def write_goldens(subject: Subject, store: GoldenStore,
         output, reason = next(iter(run.missing.items()))
         raise UsageError(f"{subject.entry}: the float64 golden run cannot compute {output}: "
                          f"{reason}")
-    loss_paths = None if subject.loss_fn else [
-        p for p, t in run.outputs["outputs"].items() if t.is_floating_point()]
+    loss_paths = None if subject.loss_fn else default_loss_paths(run.outputs["outputs"])
     if status is not None:
         status("checksums of the weights and inputs")
     meta = {"entry": subject.entry, "model": type(subject.model).__name__,
@@ -398,17 +402,19 @@ def write_goldens(subject: Subject, store: GoldenStore,
 
 def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
     """Read and validate the goldens of ``subject``; a golden made with another kind of loss is
-    :class:`GoldenStale`. (Changed weights or inputs are verdicts of :func:`check_subject`.)"""
+    :class:`GoldenStale`, and so are goldens with decoding when the factory no longer decodes.
+    Goldens made without decoding are read as they are: a factory that decodes since (a
+    library upgrade) is checked on what they hold (see :func:`_no_decode_golden`). (Changed
+    weights or inputs are verdicts of :func:`check_subject`.)"""
     goldens = {output: store.read(subject.name, output) for output in ("outputs", "loss",
                                                                        "grads")}
     fix = f"if the change is intended, run `{store.update_command}`"
-    decodes = subject.generates
     if store.exists(subject.name, "decode"):
         goldens["decode"] = store.read(subject.name, "decode")
-    if decodes != ("decode" in goldens):
-        raise GoldenStale(f"the goldens of {subject.name} in {store.root} were made "
-                          f"{'without' if decodes else 'with'} decoding, the factory now "
-                          f"{'decodes' if decodes else 'does not'}; {fix}")
+    decodes = "decode" in goldens
+    if decodes and not subject.generates:
+        raise GoldenStale(f"the goldens of {subject.name} in {store.root} were made with "
+                          f"decoding, the factory now does not; {fix}")
     padding = subject.padding.summary()
     made = goldens["decode"].summary.get("decoding") if decodes else None
     if decodes and made != _decoding(subject):
@@ -428,6 +434,12 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
                               f"default loss over other positions ({made}; now "
                               f"{padding or 'no padding left out'}); {fix}")
     return goldens
+
+
+def _no_decode_golden(subject: Subject, store: GoldenStore) -> str:
+    """Why a factory that decodes gets no decode verdict from goldens made without decoding."""
+    return (f"the goldens of {subject.name} in {store.root} have no decoding (made when the "
+            f"factory did not decode); run `{store.update_command}` to add it")
 
 
 def _default_loss(subject: Subject, loss_paths: list[str]) -> dict[str, Any]:
@@ -458,6 +470,10 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
     The cells share the model (:class:`CellModels`): no more copies than dtypes.
     ``advance(label)`` is called after each cell, ``status(label, text)`` while one runs."""
     goldens = load_goldens(subject, store)
+    undecoded = None
+    if subject.generates and "decode" not in goldens:
+        undecoded = _no_decode_golden(subject, store)
+        subject = dataclasses.replace(subject, decoding=False)
     changed = checksum_changes(goldens, model_checksums(subject), lambda what: (
         f"the {what} the factory {subject.entry} builds {{differ}}; seed the factory's "
         f"initialisation, or if the change is intended run `{store.update_command}`"))
@@ -487,6 +503,8 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
                                              status=cell_status)[0]
             results += _check_cell(subject, cell, goldens, baselines[key], loss_paths, tokens,
                                    models, cell_status)
+        if undecoded:
+            results.append(_result(subject, cell, "decode", "n/a", ok=True, reason=undecoded))
         advance(cell.label)
     return results
 
@@ -500,6 +518,9 @@ def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Go
                                models=models, status=status)
     results = []
     for output, golden in goldens.items():
+        if output in fresh.not_compared:
+            results.append(_not_compared(subject, REFERENCE, output, fresh))
+            continue
         candidate = fresh.outputs.get(output, {})
         shared = {p: t for p, t in candidate.items()
                   if p in golden.tensors and p in perturbed.outputs.get(output, {})}
@@ -538,6 +559,9 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
                         reason=backends.NO_SDPA_CALLS_REASON) for output in goldens]
     results = []
     for output, golden in goldens.items():
+        if output in run.not_compared:
+            results.append(_not_compared(subject, cell, output, run))
+            continue
         if output in run.missing:
             results.append(_result(subject, cell, output, "n/a", ok=True,
                                    reason=run.missing[output]))
@@ -599,6 +623,11 @@ def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, Any],
                    worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
                    structure=[str(d) for d in comparison.structure] or None,
                    left_out=left_out)
+
+
+def _not_compared(subject: Subject, cell: Cell, output: str, run: Run) -> CheckResult:
+    return _result(subject, cell, output, NOT_COMPARED, ok=False,
+                   reason=run.not_compared[output])
 
 
 def _padded(subject: Subject, output: str, path: str, tensor: torch.Tensor

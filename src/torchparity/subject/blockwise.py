@@ -77,7 +77,9 @@ class Float64Run:
     ...     run.backward(loss)
 
     Guarantees: outputs, loss and gradients equal those of ``model.double()`` on the same
-    inputs (with ``device``, those of ``model.to(device, torch.float64)``: a CUDA model's
+    inputs, float64 being the default dtype (tensors the model makes in the default dtype are
+    float64 too: transformers 4.46's GPT-2 fills its causal mask with float64's minimum in it)
+    (with ``device``, those of ``model.to(device, torch.float64)``: a CUDA model's
     golden on the CPU, its weights copied over one module at a time); the model's parameters,
     buffers and ``.grad`` are as before when the block ends (also after an exception);
     :meth:`backward` hands every parameter that requires a gradient to ``on_grad`` exactly
@@ -111,6 +113,7 @@ class Float64Run:
         stack = self._exit.__enter__()
         try:
             stack.callback(self._restore_parameters)
+            stack.enter_context(_default_dtype(torch.float64))
             self._cast_buffers(stack)
             for module in self.model.modules():
                 if any(p is not None and p.is_floating_point()
@@ -349,6 +352,16 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 
 def _parameter_names(module: nn.Module, names: dict[int, str]) -> set[str]:
     return {names[id(p)] for p in module.parameters() if p.requires_grad and id(p) in names}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from torchparity.subject.running import (
     call_model,
     cast_inputs,
     converted,
+    default_loss_paths,
     projection_loss,
 )
 
@@ -44,6 +45,8 @@ class Subject:
     step: StepFn | None = None
     decode: DecodeFn | None = None
     padding: Padding = field(default_factory=Padding)
+    #: False where it is checked against goldens made without decoding: it does not decode.
+    decoding: bool = True
 
     @classmethod
     def load(cls, entry: str | Callable[[], Any]) -> Subject:
@@ -65,13 +68,13 @@ class Subject:
     def steps(self) -> bool:
         """Whether it decodes step by step (:mod:`~torchparity.subject.decoding`): with the
         factory's ``step``, or a built-in one, and no ``decode`` of its own."""
-        return self.decode is None and (self.step is not None
-                                        or builtin_step(self.model) is not None)
+        return self.decoding and self.decode is None and (
+            self.step is not None or builtin_step(self.model) is not None)
 
     @property
     def generates(self) -> bool:
         """Whether it decodes: with its own ``decode``, or step by step."""
-        return self.decode is not None or self.steps
+        return self.decoding and (self.decode is not None or self.steps)
 
     def stepper(self, model: nn.Module | None = None) -> StepFn:
         """The decoding step of ``model`` (default: the factory's): the factory's ``step``, else
@@ -114,7 +117,8 @@ class Subject:
     def loss(self, output: Any, inputs: Any, flat: Mapping[str, torch.Tensor],
              loss_paths: list[str] | None = None) -> torch.Tensor | str:
         """``loss_fn(output, inputs)``, else the projection loss of the outputs at
-        ``loss_paths`` (default: every floating one of ``flat``, the flattened output) on their
+        ``loss_paths`` (default: every floating one of ``flat``, the flattened output, that no
+        cache holds: :func:`~torchparity.subject.running.default_loss_paths`) on their
         unpadded positions; a string saying why when ``flat`` lacks one of them."""
         if self.loss_fn is not None:
             loss = self.guarded(lambda: self.loss_fn(output, inputs), "its loss_fn")
@@ -122,11 +126,11 @@ class Subject:
                 raise UsageError(f"loss_fn of {self.entry} must return a scalar tensor; got "
                                  f"{type(loss).__name__}")
             return loss.reshape(())
-        paths = loss_paths if loss_paths is not None else [
-            p for p, t in flat.items() if t.is_floating_point()]
+        paths = loss_paths if loss_paths is not None else default_loss_paths(flat)
         absent = [p for p in paths if p not in flat]
         if absent:
-            return (f"the output has no {', '.join(absent)}, which the golden's default loss "
+            more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+            return (f"the output has no {absent[0]}{more}, which the golden's default loss "
                     f"projects; the loss and gradients cannot be compared")
         if not paths:
             raise UsageError(f"the output of {self.entry} has no floating tensor to take "
