@@ -72,6 +72,10 @@ def _in_a_tuple(inside: str, bare: str) -> bool:
     return inside == (f"{bare}.0" if bare else "0")
 
 
+def _nothing_shared(result: Result) -> bool:
+    return isinstance(result, Comparison) and not result.compared
+
+
 def nothing_compared(result: Result) -> NotCompared | None:
     """A :class:`NotCompared` for a comparison whose sides hold tensors of which none are
     alike (None when something was compared, or neither side holds any)."""
@@ -264,7 +268,7 @@ def merged(first: Result | None, second: Result) -> Result:
     if first is None:
         return second
     for result in (first, second):
-        if isinstance(result, Mismatch) or not result.ok:
+        if isinstance(result, Mismatch) or not (result.ok or _nothing_shared(result)):
             return result
     if isinstance(first, Bounded) or isinstance(second, Bounded):
         verdict = "identical" if first.verdict == second.verdict == "identical" else "within"
