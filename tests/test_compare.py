@@ -26,7 +26,7 @@ from torchparity.comparison import (
     shared_tensors,
 )
 from torchparity.reference import TransformerConfig, build_model, positions, variants, zoo
-from torchparity.tolerance import KINDS, budget
+from torchparity.tolerance import KINDS, budget, error
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -755,10 +755,17 @@ def test_a_baseline_worse_than_its_dtype_allows_fails_naming_the_baseline() -> N
     # A lost upcast: the fp32 baseline's matmul ran in bf16, 2**16 times fp32's roundoff.
     degraded = (a.bfloat16() @ b.bfloat16()).float()
     result = compare(candidate, golden, degraded)
-    assert result.verdict == "diverged" and result.baseline_degraded
-    assert result.worst.baseline_headroom > 1 and result.worst.error < result.worst.budget.value
+    # The failure is the baseline's: the candidate is judged by the analytic bound instead.
+    assert not result.ok and result.baseline_degraded and result.verdict == "within"
+    worst = result.worst
+    assert worst.baseline_headroom > 1 and worst.budget.source == "analytic"
+    assert worst.error < worst.budget.value < 0.01 * error(degraded, golden, "max_abs")
+    assert result.explain().startswith("baseline degraded, a failure of the baseline")
     assert "the baseline itself errs" in result.explain()
     assert result.to_dict()["baseline_degraded"] is True
+    # The bar is not lowered: a candidate that errs as the degraded baseline does diverges.
+    lost = compare((a.bfloat16() @ b.bfloat16()).float() * (1 + 2**-20), golden, candidate)
+    assert lost.verdict == "diverged"
     honest = compare(candidate, golden, a.float() @ b.float() + 0.0)
     assert honest.ok and honest.worst.baseline_headroom < 1
 

@@ -52,6 +52,25 @@ def bart() -> nn.Module:
         max_position_embeddings=64, vocab_size=VOCAB))
 
 
+def bart_generator() -> nn.Module:
+    """A BART that generates: one layer each side, decoding starts at token 2, no end of
+    sequence (every hypothesis runs every step)."""
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        vocab_size=VOCAB, max_position_embeddings=32, decoder_start_token_id=2,
+        forced_eos_token_id=None, pad_token_id=0, eos_token_id=None))
+
+
+def generator(family: str) -> nn.Module:
+    """A tiny generating model of ``family`` (``llama``, ``gpt2`` or ``bart``), its weights
+    drawn from seed 0, in eval mode."""
+    import torch
+
+    torch.manual_seed(0)
+    return (bart_generator() if family == "bart" else globals()[family]()).eval()
+
+
 #: family -> (builder, its first attention module, the output fields holding attention weights)
 FAMILIES = {
     "gpt2": (gpt2, "transformer.h.0.attn", ["attentions"]),

@@ -57,6 +57,16 @@ all-zero golden), ``u`` the unit roundoff of the compute dtype and K the reducti
 
 The baseline itself is guarded (:func:`baseline_bound`): it may err at most as much as a plain
 computation in its dtype can, or it would lower the bar for every candidate judged against it.
+A baseline over its guard is *degraded*: it sets no budget (the bound without a baseline does,
+and judges the candidate), and the comparison fails as the baseline's finding, never as a
+divergence of a candidate within its budget.
+
+A model may compute parts of itself in a narrower dtype whatever its own (*islands*:
+``transformers``' Llama casts every RMSNorm's input and its rotary table to float32). Its
+float64 golden is then as precise as float32 there, and a rerun whose weights moved by one
+float64 rounding can turn one float32 rounding the other way, which the next island rounds
+again until every output differs at float32 level. With ``islands`` (the narrowest such dtype)
+the guard, the noise floor and the floor are at least that dtype's.
 Each budget states its *sensitivity*, ``budget / scale``: the smallest change of the output,
 relative to its scale, that the comparison would have flagged.
 
@@ -524,8 +534,14 @@ def budget(
     atol: float = 0.0,
     rtol: float = 0.0,
     metric: Metric | None = None,
+    islands: DtypeLike | None = None,
 ) -> Budget:
     """The budget for one tensor, following the rule in this module's docstring.
+
+    ``islands`` is the narrowest dtype the model computes in whatever its own (transformers'
+    float32 norms and rotary table): where it is coarser than ``compute_dtype``, the noise
+    floor and the floor are its, since one rounding there that falls the other way reaches
+    every output (the next island rounds the difference again).
 
     ``baseline_error`` is err(baseline, golden) in the kind's metric, or None without a baseline;
     0.0 (an exact baseline) also selects the analytic bound. ``reduction_length`` defaults to the
@@ -546,6 +562,7 @@ def budget(
     tol = kind_tolerance(kind)
     metric = metric or tol.metric
     p = precision(compute_dtype)
+    least = precision(coarser(compute_dtype, islands))  # what the model's rounding can claim
     own_scale = own_magnitude(golden, metric)
     scale = own_scale or 1.0
     if group_scale is not None and cancelled(own_scale, group_scale):
@@ -566,7 +583,7 @@ def budget(
             (baseline_error, "baseline error"),
             (spread or 0.0, "spread of a rerun"),
             (input_noise or 0.0, "noise of its inputs"),
-            (noise_floor(golden, p.unit_roundoff, tol) * scale, "noise floor"),
+            (noise_floor(golden, least.unit_roundoff, tol) * scale, "noise floor"),
             ((group_noise or 0.0) * outer_scale, "noise of its group"),
         )
         allowance = tol.fudge * noise
@@ -595,7 +612,7 @@ def budget(
     allowance += inherited
     # Rounding to the dtype errs by up to u * |x| plus the subnormal spacing (which keeps the
     # floor of subnormal goldens positive).
-    floor = tol.floor_ulps * (p.unit_roundoff * outer_scale + p.min_spacing)
+    floor = tol.floor_ulps * (least.unit_roundoff * outer_scale + least.min_spacing)
     step_factor = 1.0 + tol.per_step_growth * (step or 0)
     return Budget(
         kind=kind,
@@ -708,6 +725,24 @@ def baseline_bound(
     stored = tol.reorder_factor * root_k * bound.unit_roundoff * bound.reordering_scale
     accumulated = tol.guard_factor * root_k * accumulation_roundoff(bound.compute_dtype)
     return bound.analytic + stored + accumulated * bound.reordering_scale + bound.floor
+
+
+def baseline_headroom(baseline_error: float, bound: float, error: float, kind: str) -> float:
+    """The share of its guard a baseline's error uses: over 1 the baseline is degraded. The
+    guard is the larger of :func:`baseline_bound` and ``fudge`` times the candidate's
+    ``error``: a problem that amplifies rounding (a gradient that cancels to 1e-5 of the terms
+    it sums) may take any baseline past the bound; only a candidate in the same dtype doing
+    fudge times better shows that the baseline lost precision the problem does not cost."""
+    return baseline_error / max(bound, kind_tolerance(kind).fudge * error)
+
+
+def coarser(dtype: DtypeLike, other: DtypeLike | None) -> str:
+    """The name of the less precise of two dtypes (``dtype``'s when ``other`` is None)."""
+    mine = precision(dtype)
+    if other is None:
+        return mine.name
+    theirs = precision(other)
+    return theirs.name if theirs.unit_roundoff > mine.unit_roundoff else mine.name
 
 
 def _num(x: float) -> str:

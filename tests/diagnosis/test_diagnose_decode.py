@@ -222,4 +222,5 @@ def test_decode_usage_errors(llama, tmp_path: Path, capsys) -> None:
     with pytest.raises(UsageError, match="records a decoding; judge it with"):
         tp.diagnose_against(decoded, model, batch)
     assert main(["record", f"{TOYS}:clean", "--steps", "3", "-o", str(tmp_path / "x")]) == 2
-    assert "--steps and --tokens describe a decoding; add --decode" in capsys.readouterr().err
+    assert "--steps, --tokens, --beams and --sample describe a decoding; add --decode" in \
+        capsys.readouterr().err

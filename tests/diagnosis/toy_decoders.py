@@ -132,9 +132,10 @@ def generate_step(model: ToyDecoder, tokens, state):
     return model(tokens, step=state + 1), state + 1
 
 
-def make(attention: type[SelfAttention] = SelfAttention, twins: bool = False) -> dict:
+def make(attention: type[SelfAttention] = SelfAttention, twins: bool = False,
+         decoder: type[ToyDecoder] = ToyDecoder) -> dict:
     torch.manual_seed(0)
-    model = ToyDecoder(attention).eval()
+    model = decoder(attention).eval()
     with torch.no_grad():  # attention weighs in the residual stream as in a trained model
         for layer in model.layers:
             layer.self_attn.out.weight.mul_(4)

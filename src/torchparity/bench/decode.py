@@ -2,10 +2,12 @@
 
 ``record --decode`` of A (its decoding captured at every step, beside its float64 golden) and
 then ``diagnose --against`` of B, over :data:`STEPS` steps after the prompt, timed against what
-the reviewer's test runs anyway: a plain decoding of A and one of B along the same tokens. The
-models are those of the ``diagnose`` part (the first case at the first size, ``manual`` against
-``sdpa`` attention), prompted with the size's batch; every contender runs in this process, in
-rounds whose order rotates.
+the reviewer's test runs anyway: a plain decoding of A and one of B along the same tokens. With
+``--beams K`` a second row times the same for a beam search of ``K`` beams (``record --decode
+--beams K``), against a plain beam search of A and B along its choices. The models are those of
+the ``diagnose`` part (the first case at the first size, ``manual`` against ``sdpa``
+attention), prompted with the size's batch; every contender runs in this process, in rounds
+whose order rotates.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ FALLBACK_CASE = "llama-tiny"
 
 
 def decode_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
-    """One row: seconds of record + diagnose of a decoding, of two plain decodings, and their
-    ratio (``decode_time_ratio``; the goal is at most 4)."""
-    from torchparity.diagnosis.decode import diagnose_decode_against, record_decode
-    from torchparity.subject.decoding import builtin_step, teacher_forced
+    """A row per search (greedy, and a beam search with ``settings.beams``): seconds of record
+    + diagnose of a decoding, of two plain decodings, and their ratio (``decode_time_ratio``;
+    the goal is at most 4)."""
+    from torchparity.subject.beams import BeamSettings
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
@@ -52,25 +54,48 @@ def decode_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
               "n_layers": size.n_layers, "batch_size": size.batch_size,
               "seq_len": size.seq_len, "dtype": dtype, "steps": STEPS,
               "models": " vs ".join(DIAGNOSE_BACKENDS)}
-    model_a, model_b = (timing_model(config.replace(attention_backend=name), device,
-                                     getattr(torch, dtype)) for name in DIAGNOSE_BACKENDS)
+    models = [timing_model(config.replace(attention_backend=name), device, getattr(torch, dtype))
+              for name in DIAGNOSE_BACKENDS]
     prompt = {key: value.to(device) for key, value in zoo.make_batch(
         config, size.batch_size, size.seq_len, seed=0, padding="none").items()}
-    step = builtin_step(model_a)
+    searches = [None] + ([BeamSettings(settings.beams)] if settings.beams else [])
+    return [_decode_row(models, prompt, beams, settings, progress, device, case,
+                        {**fields, "search": f"{beams.beams} beams" if beams else "greedy"})
+            for beams in searches]
+
+
+def _decode_row(models: list[torch.nn.Module], prompt: dict[str, torch.Tensor],
+                beams: Any, settings: Settings, progress: Progress, device: torch.device,
+                case: str, fields: dict[str, Any]) -> dict[str, Any]:
+    from torchparity.diagnosis.decode import diagnose_decode_against, record_decode
+    from torchparity.subject.beams import BeamSearch, builtin_reorder, expand_prompt
+    from torchparity.subject.decoding import builtin_step, teacher_forced
+
+    model_a, model_b = models
+    step, reorder = builtin_step(model_a), builtin_reorder(model_a)
+    searched = expand_prompt(prompt, beams.beams) if beams else prompt
+    search = BeamSearch(beams, _prompts(prompt)) if beams else None
     with torch.no_grad():
-        tokens = teacher_forced(step, model_a, prompt, STEPS).tokens
+        first = teacher_forced(step, model_a, searched, STEPS, reorder=reorder,
+                               decide=search and search.decide)
 
     def plain() -> None:
         with torch.no_grad():
+            if beams:  # A searches, B follows its choices
+                teacher_forced(step, model_a, searched, STEPS, reorder=reorder,
+                               decide=BeamSearch(beams, _prompts(prompt)).decide)
+                teacher_forced(step, model_b, searched, STEPS, first.tokens, reorder=reorder,
+                               parents=first.parents)
+                return
             for model in (model_a, model_b):
-                teacher_forced(step, model, prompt, STEPS, tokens)
+                teacher_forced(step, model, prompt, STEPS, first.tokens)
 
     reports = []
 
     def diagnosis() -> None:
         with tempfile.TemporaryDirectory(prefix="torchparity-bench-") as tmp:
             trace = record_decode(model_a, prompt, Path(tmp) / "a.tptrace", steps=STEPS,
-                                  progress=False)
+                                  beams=beams, progress=False)
             reports.append(diagnose_decode_against(trace, model_b, prompt, progress=False))
 
     contenders = {"plain": plain, "diagnosis": diagnosis}
@@ -80,15 +105,22 @@ def decode_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
         for index in range(settings.warmup + settings.rounds):
             phase = "warm-up" if index < settings.warmup else "round"
             for name in rotated(list(contenders), index):
-                progress.advance(f"decode {case}: {phase} {index + 1}, {name}")
+                progress.advance(f"decode {case} ({fields['search']}): {phase} {index + 1}, "
+                                 f"{name}")
                 seconds = wall_time(contenders[name], device)
                 if index >= settings.warmup:
                     times[name].append(seconds)
     except Exception as exc:  # a failing diagnosis is a finding to report, not a crash
-        return [na_row(f"decoding diagnosis failed: {type(exc).__name__}: "
-                       f"{str(exc).splitlines()[0]}", **fields)]
+        return na_row(f"decoding diagnosis failed: {type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0]}", **fields)
     report = reports[-1]
-    return [{**fields, "status": "ok", "plain_s": statistics.median(times["plain"]),
-             "diagnosis_s": statistics.median(times["diagnosis"]),
-             "decode_time_ratio": 1 / paired_ratio(times["plain"], times["diagnosis"]),
-             "first_step": report.first_step, "flips": len(report.flips)}]
+    return {**fields, "status": "ok", "plain_s": statistics.median(times["plain"]),
+            "diagnosis_s": statistics.median(times["diagnosis"]),
+            "decode_time_ratio": 1 / paired_ratio(times["plain"], times["diagnosis"]),
+            "first_step": report.first_step, "flips": len(report.flips),
+            "beam_swaps": len(report.swaps)}
+
+
+def _prompts(prompt: dict[str, torch.Tensor]) -> int:
+    """The prompts of a batch."""
+    return next(iter(prompt.values())).shape[0]

@@ -55,21 +55,30 @@ def gpt2_small() -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 def llama_1b() -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """Llama 3.2 1B's shape with seeded random weights and 64 random tokens."""
+    return llama()
+
+
+def llama(layers: int = 16, *, vocab: int = 128256, intermediate: int = 8192,
+          tokens: int = 64) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Llama 3.2 1B's width (2048, 32 query and 8 key/value heads of 64, its rotary scaling)
+    with ``layers`` layers, a vocabulary of ``vocab``, an MLP of ``intermediate`` and
+    ``tokens`` random tokens: :func:`llama_1b` with the defaults, a model of real width that
+    runs in seconds with fewer."""
     import transformers
 
     theta = 10000.0 if _plant() == "rope-theta" else 500000.0
     config = transformers.LlamaConfig(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+        hidden_size=2048, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=vocab,
         tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=131072,
         rope_parameters={"rope_type": "llama3", "rope_theta": theta, "factor": 32.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 8192},
-        bos_token_id=128000, eos_token_id=128001)
+        bos_token_id=min(128000, vocab - 2), eos_token_id=min(128001, vocab - 1))
     model = _random(transformers.LlamaForCausalLM, config)
     if _plant() == "norm-eps":
-        model.model.layers[7].input_layernorm.variance_epsilon *= 10
-    return model, _tokens(config.vocab_size, 64)
+        model.model.layers[max(layers // 2 - 1, 0)].input_layernorm.variance_epsilon *= 10
+    return model, _tokens(config.vocab_size, tokens)
 
 
 def _plant() -> str | None:

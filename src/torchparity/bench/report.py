@@ -168,13 +168,15 @@ def _decode(rows: list[dict[str, Any]]) -> Section:
         ("size", _size),
         ("dtype", lambda r: r.get("dtype", "")),
         ("steps", lambda r: str(r.get("steps", ""))),
+        ("search", lambda r: r.get("search", "greedy")),
         ("plain s", lambda r: _num(r.get("plain_s"))),
         ("record + diagnose s", lambda r: _num(r.get("diagnosis_s"))),
         ("× plain", lambda r: _ratio(r.get("decode_time_ratio"))),
         ("note", _remark),
     ]
     return _table("Cost of a decoding diagnosis (record --decode of A, then diagnose --against "
-                  "of B; plain = a decoding of A and one of B)", columns, rows)
+                  "of B; plain = a decoding of A and one of B, a beam search of A and B along "
+                  "its choices with beams)", columns, rows)
 
 
 def _check(rows: list[dict[str, Any]]) -> Section:

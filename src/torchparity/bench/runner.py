@@ -96,6 +96,7 @@ class Settings:
     parts: tuple[str, ...] = PARTS
     quick: bool = False
     threads: int | None = None  # torch intra-op threads of the measured processes
+    beams: int | None = None  # the decode part also times a beam search of this many beams
 
 
 def default_settings(device: str = "cpu", quick: bool = False, size_names: tuple[str, ...] = (),
@@ -142,6 +143,8 @@ def _validate(s: Settings) -> None:
             raise UsageError(f"unknown part {part!r}: choose from {', '.join(PARTS)}")
     if s.threads is not None and s.threads < 1:
         raise UsageError(f"--threads {s.threads}: needs at least 1")
+    if s.beams is not None and s.beams < 1:
+        raise UsageError(f"--beams {s.beams}: search with one beam or more")
     if s.rounds < 1 or s.warmup < 0:
         raise UsageError(f"--rounds must be >= 1 and --warmup >= 0 (got {s.rounds}, {s.warmup})")
 
@@ -676,7 +679,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _where(row: dict[str, Any]) -> str:
-    return " ".join(str(row[k]) for k in ("model", "case", "size", "dtype") if k in row)
+    return " ".join(str(row[k]) for k in ("model", "case", "size", "dtype", "search") if k in row)
 
 
 def _target(key: str, where: str, measured: float | None, row: dict[str, Any]) -> dict[str, Any]:

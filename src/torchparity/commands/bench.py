@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads of the measured processes (default: "
                              "torch's own choice, one per core)")
+    parser.add_argument("--beams", type=int, metavar="K",
+                        help="the decode part also times record + diagnose of a K-beam "
+                             "search against a plain beam search of A and B (default: greedy "
+                             "only)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the models; reports graphs, graph breaks and "
                              "recompiles (the zoo: cold compile caches; with --model: each "
@@ -77,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         cases=tuple(args.case or ()),
         backends=tuple(args.backend or ()),
         rounds=args.rounds, warmup=args.warmup, compile=args.compile, threads=args.threads,
+        beams=args.beams,
         parts=tuple(p for p in bench.PARTS if p not in args.skip),
     )
     for path in (args.json, args.markdown):

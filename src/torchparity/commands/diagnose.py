@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="modules that get a local error (module replay): those whose "
                              "propagated error diverged (default) or all")
     add_base_arguments(parser, "A is ENTRY there, recorded by `torchparity record` with "
-                               "--backend-a, --dtype, --decode, --steps, --tokens, --include, "
+                               "--backend-a, --dtype, --decode and its options, --include, "
                                "--exclude and --no-backward, and kept in a cache")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
@@ -98,9 +98,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _against(args: argparse.Namespace, name_map):
     if len(args.entries) != 1 or args.backend_a or args.stream or args.include or \
-            args.exclude or args.dtype or args.tokens or args.steps is not None:
+            args.exclude or args.dtype or args.tokens or args.steps is not None or \
+            args.beams is not None or args.sample:
         raise UsageError("with --against give one entry point (B); the trace fixes A's "
-                         "backend, module selection, dtype, storage and decoded tokens")
+                         "backend, module selection, dtype, storage, decoded tokens, beams "
+                         "and sampling")
     return _judged_against(args, Path(args.against), Subject.load(args.entries[0]), name_map)
 
 
@@ -111,7 +113,7 @@ def _against_base(args: argparse.Namespace, side, name_map):
     if len(args.entries) != 1 or args.against:
         raise UsageError("with --base give one entry point: the working tree's is B, the "
                          "base's A (not --against: the base records the trace)")
-    decode_options(args)  # --steps and --tokens without --decode are a usage error here
+    decode_options(args)  # the decoding options without --decode are a usage error here
     b = Subject.load(args.entries[0])
     options, files = _record_options(args)
     trace = base_trace(side, args.entries[0], options, files)
@@ -124,11 +126,15 @@ def _record_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...
     for flag, values in (("--include", args.include), ("--exclude", args.exclude)):
         options += [arg for value in values or [] for arg in (flag, value)]
     for flag, value in (("--backend", args.backend_a), ("--dtype", args.dtype),
-                        ("--steps", args.steps)):
+                        ("--steps", args.steps), ("--beams", args.beams),
+                        ("--length-penalty", args.length_penalty), ("--eos", args.eos),
+                        ("--temperature", args.temperature), ("--top-k", args.top_k),
+                        ("--top-p", args.top_p), ("--seed", args.seed)):
         if value is not None:
             options += [flag, str(value)]
     files = (str(Path(args.tokens).resolve()),) if args.tokens else ()
     options += ["--tokens", files[0]] if files else []
+    options += ["--sample"] if args.sample else []
     return options + (["--decode"] if args.decode else []), files
 
 
@@ -142,6 +148,7 @@ def _judged_against(args: argparse.Namespace, trace: Path, b: Subject, name_map)
     if is_decode_trace(meta):
         _no_compiled_decoding(args)
         return diagnose_decode_against(trace, b.model, b.inputs, step=b.stepper(),
+                                       reorder=b.reorderer(),
                                        name_map=name_map, backend=args.backend_b)
     if args.decode:
         raise UsageError(f"trace {trace} records a forward pass, not a decoding; record "
@@ -166,7 +173,8 @@ def _two_models(args: argparse.Namespace, name_map):
             raise UsageError("--stream and --local are options of a forward diagnosis; a "
                              "decoding keeps each step's calls, and replays none")
         return diagnose_decode(a.model, b.model, a.inputs, step=a.stepper(),
-                               step_b=b.stepper(), name_map=name_map,
+                               step_b=b.stepper(), reorder=a.reorderer(),
+                               reorder_b=b.reorderer(), name_map=name_map,
                                include=args.include, exclude=args.exclude,
                                backends=(args.backend_a, args.backend_b),
                                dtype=dtype_option(args), rebuild=rebuilt(args.entries[0]),

@@ -23,6 +23,7 @@ from torchparity.golden.selection import select_cases
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import (
     check_subject,
+    islands_sentence,
     load_goldens,
     model_store,
     user_golden_dir,
@@ -110,6 +111,9 @@ def _update_models(subjects: list[Subject], root: Path, console: Any) -> int:
                                      progress.update(f"{s.name}: float64 golden run, {text}"))
             summary = ", ".join(f"{output} {status}" for output, status in statuses.items())
             console.print(f"{subject.name}: {summary}", markup=False)
+            islands = islands_sentence(load_goldens(subject, model_store(subject, root)))
+            if islands:
+                console.print(f"{subject.name}: {islands}", markup=False)
     console.print(f"goldens of {len(subjects)} model(s) are in {root}", markup=False)
     return 0
 

@@ -30,7 +30,12 @@ import torch
 
 from torchparity import sketching, tolerance
 from torchparity.comparison.structure import StructureMismatch, dtype_name
-from torchparity.comparison.tensor import TensorComparison, as_float64, compare_tensor
+from torchparity.comparison.tensor import (
+    TensorComparison,
+    as_float64,
+    compare_tensor,
+    degraded_note,
+)
 from torchparity.sketching import Sketch
 from torchparity.tolerance import DtypeLike, Metric
 
@@ -57,8 +62,11 @@ def compare_sketch(
     rtol: float = 0.0,
     group_noise: float | None = None,
     inherited: float = 0.0,
+    islands: DtypeLike | None = None,
 ) -> TensorComparison:
     """One tensor's comparison when any of the three is sketched (see the module docstring);
+    a degraded baseline (``islands`` as for
+    :func:`~torchparity.comparison.tensor.compare_tensor`) sets no budget;
     the :class:`TensorComparison` has the RMS estimate as its error and the slices' max-abs,
     relative and ULP errors and worst element. Raises :class:`StructureMismatch` when two
     sketches were made with other buckets."""
@@ -76,40 +84,41 @@ def compare_sketch(
     margin = tolerance.sketch_margin(g.size)
     error = sketching.error_estimate(c, g)
     baseline_error = None if b is None else sketching.error_estimate(b, g)
+    baseline_headroom = None
+    notes = [f"sketched: RMS error estimated from {g.size} coordinates"
+             f" (±{tolerance.sketch_spread(g.size):.1%}); max-abs error and worst element"
+             f" over the {g.slices.numel()} exact elements of its first and last rows"]
+    bound_dtype = tolerance.coarser(precision.name, islands)
+    if baseline_error is not None:
+        bound = tolerance.baseline_bound(g, compute_dtype=bound_dtype, kind=kind,
+                                         reduction_length=length, group_scale=group_scale,
+                                         metric="rms")
+        baseline_headroom = tolerance.baseline_headroom(baseline_error / margin, bound, error,
+                                                        kind)
+        if baseline_headroom > 1:
+            notes.append(degraded_note(baseline_error, bound, bound_dtype, kind,
+                                       "about (RMS) "))
+            b = baseline_error = None  # a degraded baseline sets no budget
     spent = tolerance.budget(
         g, baseline_error=None if baseline_error is None else baseline_error * margin,
         compute_dtype=precision.name, kind=kind, reduction_length=length, step=step,
         group_scale=group_scale, group_noise=group_noise, inherited=inherited, atol=atol,
-        rtol=rtol, metric="rms")
+        rtol=rtol, metric="rms", islands=islands)
     if spent.noise_source == "baseline error":
         spent = dataclasses.replace(
             spent, noise_source=f"baseline error (sketched, × {margin:.3g} for its spread)")
     slices = compare_tensor(
         path, c.slices, g.slices, None if b is None else b.slices, kind, precision.name,
         length, step, group_scale, equal_nan=equal_nan, atol=atol, rtol=rtol,
-        group_noise=group_noise)
-    notes = [f"sketched: RMS error estimated from {g.size} coordinates"
-             f" (±{tolerance.sketch_spread(g.size):.1%}); max-abs error and worst element"
-             f" over the {g.slices.numel()} exact elements of its first and last rows"]
+        group_noise=group_noise, islands=islands)
     notes += [f"slices: {note}" for note in slices.notes]
-    baseline_headroom = None
-    if baseline_error is not None:
-        bound = tolerance.baseline_bound(g, compute_dtype=precision.name, kind=kind,
-                                         reduction_length=length, group_scale=group_scale,
-                                         metric="rms")
-        fudge = tolerance.kind_tolerance(kind).fudge
-        baseline_headroom = (baseline_error / margin) / max(bound, fudge * error)
-        if baseline_headroom > 1:
-            notes.append(f"the baseline itself errs about {baseline_error:.3g} (RMS), over the "
-                         f"{bound:.3g} a plain {precision.name} computation may err; the "
-                         "baseline is degraded and cannot set a budget")
     faults = c.nonfinite != g.nonfinite
     if faults:
         notes.insert(0, f"candidate has {c.nonfinite} NaN/inf, the golden {g.nonfinite}")
     headroom = math.inf if faults else max(error / spent.value, slices.headroom)
-    if faults or (baseline_headroom is not None and baseline_headroom > 1):
+    if faults:
         verdict = "diverged"
-    elif c.same_values(b if b is not None else g):
+    elif c.same_values(g) or (b is not None and c.same_values(b)):
         verdict = "identical"
     else:
         within = error <= spent.value and slices.verdict != "diverged"

@@ -109,16 +109,23 @@ def compare_tensor(
     input_noise: float | None = None,
     inherited: float = 0.0,
     left_out: LeftOut | None = None,
+    islands: DtypeLike | None = None,
 ) -> TensorComparison:
     """Judge one tensor; ``left_out`` positions of its leading dimensions (padding) count
-    neither in its error nor in its budget's scale, and a NaN or inf there is no fault."""
+    neither in its error nor in its budget's scale, and a NaN or inf there is no fault.
+
+    ``islands`` is the narrowest dtype the model computes in whatever its own: where it is
+    coarser than the compute dtype, the baseline's guard, the noise floor and the floor are
+    its. A baseline that errs more than a plain computation may is degraded: it sets no
+    budget, the analytic bound does, and the tensor is judged by it. A candidate bit-equal to
+    the golden is ``identical``, whatever the baseline did."""
     if candidate.dtype.is_complex:
         raise StructureMismatch(f"{path}: complex tensors are not supported ({candidate.dtype})")
     c, g = as_float64(candidate), as_float64(golden)
     b = as_float64(baseline) if baseline is not None else None
     reference = baseline if baseline is not None else golden
     if not candidate.dtype.is_floating_point:
-        return _compare_exact(path, candidate, reference, kind, c, g, b, left_out)
+        return _compare_exact(path, candidate, golden, reference, kind, c, g, b, left_out)
 
     keep = None if left_out is None else left_out.keep(c.shape)
     if keep is not None:  # left-out elements become equal zeros: no fault, and not counted
@@ -138,53 +145,37 @@ def compare_tensor(
     metric = tolerance.kind_tolerance(kind).metric
     baseline_error, baseline_notes = _baseline_error(b, g, valid, metric)
     precision = tolerance.precision(compute_dtype if compute_dtype is not None else candidate.dtype)
-    spent = tolerance.budget(
-        g_finite_part,
-        baseline_error=baseline_error,
-        compute_dtype=precision.name,
-        kind=kind,
-        reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
-        step=step,
-        group_scale=group_scale,
-        group_noise=group_noise,
-        spread=spread,
-        input_noise=input_noise,
-        inherited=inherited,
-        atol=atol,
-        rtol=rtol,
-    )
+    bound_dtype = tolerance.coarser(precision.name, islands)
+    length = reduction_length if reduction_length is not None else _last_dim(g)
     metrics = _metrics(c_valid, g_valid, abs_err, precision.name)
     err = metrics[metric]
-    n_over = int((abs_err > spent.value).sum()) + (int(faults.sum()) if fault_notes else 0)
     baseline_headroom = None
     if baseline_error is not None:
         bound = tolerance.baseline_bound(
             g_finite_part,
-            compute_dtype=precision.name,
+            compute_dtype=bound_dtype,
             kind=kind,
-            reduction_length=spent.reduction_length,
+            reduction_length=length,
             group_scale=group_scale,
         )
-        # A problem that amplifies rounding (a gradient that cancels to 1e-5 of the terms it
-        # sums) may take any baseline past the bound; only a candidate in the same dtype doing
-        # fudge times better shows that the baseline lost precision the problem does not cost.
-        fudge = tolerance.kind_tolerance(kind).fudge
-        baseline_headroom = baseline_error / max(bound, fudge * err)
+        baseline_headroom = tolerance.baseline_headroom(baseline_error, bound, err, kind)
         if baseline_headroom > 1:
-            baseline_notes.append(
-                f"the baseline itself errs {baseline_error:.3g}, over the {bound:.3g} a"
-                f" plain {precision.name} computation may err and over {fudge:g} times the"
-                " candidate's error; the baseline is degraded (a softmax or reduction in a"
-                " narrower dtype, a lost upcast?) and cannot set a budget"
-            )
+            baseline_notes.append(degraded_note(baseline_error, bound, bound_dtype, kind))
+    degraded = baseline_headroom is not None and baseline_headroom > 1
+    # A degraded baseline cannot set the budget: the bound of a plain computation does.
+    spent = tolerance.budget(
+        g_finite_part, baseline_error=None if degraded else baseline_error,
+        compute_dtype=precision.name, kind=kind, reduction_length=length, step=step,
+        group_scale=group_scale, group_noise=group_noise, spread=spread,
+        input_noise=input_noise, inherited=inherited, atol=atol, rtol=rtol, islands=islands)
+    n_over = int((abs_err > spent.value).sum()) + (int(faults.sum()) if fault_notes else 0)
     if fault_notes:
         verdict, headroom, worst_index = "diverged", math.inf, _first_index(faults)
     else:
         headroom = err / spent.value
         worst_index = _worst_index(abs_err, valid, c.shape) if abs_err.numel() else None
-        if baseline_headroom is not None and baseline_headroom > 1:
-            verdict = "diverged"
-        elif _bit_equal(candidate, reference, keep):
+        if (_bit_equal(candidate, reference, keep) and not degraded) or _bit_equal(
+                candidate, golden, keep):
             verdict = "identical"
         else:
             verdict = "within" if err <= spent.value else "diverged"
@@ -210,9 +201,21 @@ def compare_tensor(
     )
 
 
+def degraded_note(baseline_error: float, bound: float, dtype: str, kind: str,
+                  measure: str = "") -> str:
+    """What a comparison says of a baseline over its bound (see
+    :func:`torchparity.tolerance.baseline_headroom`)."""
+    fudge = tolerance.kind_tolerance(kind).fudge
+    return (f"the baseline itself errs {measure}{baseline_error:.3g}, over the {bound:.3g} a"
+            f" plain {dtype} computation may err and over {fudge:g} times the candidate's"
+            " error: the baseline is degraded (a softmax or reduction in a narrower dtype, a"
+            " lost upcast?) and sets no budget; the analytic bound does")
+
+
 def _compare_exact(
     path: str,
     candidate: torch.Tensor,
+    golden: torch.Tensor,
     reference: torch.Tensor,
     kind: str,
     c: torch.Tensor,
@@ -225,12 +228,14 @@ def _compare_exact(
     abs_err = (c - g).abs()
     differ = abs_err > 0 if keep is None else (abs_err > 0) & keep
     n_differ = int(differ.sum())
-    # Identical means bit-equal to the baseline *and* equal to the golden: a baseline that
-    # differs from the golden cannot make a candidate that repeats it identical.
+    # Identical means bit-equal to the baseline *and* equal to the golden (a baseline that
+    # differs from the golden cannot make a candidate that repeats it identical), or
+    # bit-equal to the golden itself.
     if n_differ:
         verdict = "diverged"
     else:
-        verdict = "identical" if _bit_equal(candidate, reference, keep) else "within"
+        same = _bit_equal(candidate, reference, keep) or _bit_equal(candidate, golden, keep)
+        verdict = "identical" if same else "within"
     worst_index = _first_index(differ) if n_differ else None
     judged = (lambda t: t.flatten()) if keep is None else (lambda t: t[keep])
     metrics = _metrics(judged(c), judged(g), judged(abs_err), None)

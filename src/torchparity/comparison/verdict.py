@@ -81,8 +81,10 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        """True when something was compared and no tensor diverged."""
-        return self.verdict not in ("diverged", NOT_COMPARED)
+        """True when something was compared, no tensor diverged and no baseline was degraded
+        (a degraded baseline is a failure of the baseline, whatever the candidate's
+        verdict)."""
+        return self.verdict not in ("diverged", NOT_COMPARED) and not self.baseline_degraded
 
     @property
     def structure_differs(self) -> bool:
@@ -135,7 +137,8 @@ class Comparison:
         n = len(self.tensors)
         verdict = max((t.verdict for t in self.tensors), key=VERDICT_ORDER.get)
         if verdict == "identical":
-            reference = "baseline" if worst.baseline_value is not None else "golden"
+            to_golden = worst.baseline_value is None or all(t.error == 0 for t in self.tensors)
+            reference = "golden" if to_golden else "baseline"
             text = (
                 f"identical: all {n} tensor(s) are bit-equal to the {reference}"
                 f" (kind {self.kind}, compute dtype {worst.compute_dtype})."
@@ -148,6 +151,9 @@ class Comparison:
         else:
             text = f"within: all {n} tensor(s) within budget; closest to it {_describe(worst)}"
         others = _notes([t for t in self.tensors if t is not worst or verdict == "identical"])
+        if self.baseline_degraded and verdict != "diverged":
+            text = ("baseline degraded, a failure of the baseline and no divergence of the"
+                    f" candidate, which is {text}")
         return text + (f" Also: {'; '.join(others)}." if others else "") + self._context()
 
     def _context(self) -> str:
@@ -230,6 +236,7 @@ def compare(
     reruns: Sequence[Any] = (),
     noise: float | None = None,
     padding: PaddingSpec = None,
+    islands: DtypeLike | None = None,
 ) -> Comparison:
     """Compare ``candidate`` with ``golden`` under the budget that ``baseline`` earns.
 
@@ -278,6 +285,15 @@ def compare(
     such as banned tokens' logits written as -65504, ``finfo.min`` or ``-inf``) are judged
     apart: masked on both sides agrees, on one side only diverges, and they never set a
     budget's scale.
+
+    A baseline that errs more than a plain computation in its dtype may
+    (:func:`torchparity.tolerance.baseline_bound`) is *degraded*: it cannot lower the bar, so
+    it sets no budget (the analytic bound does) and :attr:`Comparison.baseline_degraded` says
+    so; the candidate is judged all the same. ``islands`` is the narrowest dtype the model
+    computes in whatever its own dtype (transformers' float32 norms and rotary tables, see
+    :mod:`torchparity.subject.islands`): a baseline may err as a plain computation in it may,
+    and the noise floor and floor of every budget are at least its.
+    A candidate bit-equal to the golden is ``identical``.
 
     ``padding`` leaves positions out of the judgement: a bool tensor, True at padded positions
     (``attention_mask == 0``), applies to every tensor whose leading dimensions it covers (a
@@ -330,7 +346,7 @@ def compare(
     def judge(path: str, c: Any, g: Any, b: Any, inherited: float = 0.0) -> TensorComparison:
         args = (path, c, g, b, kind, dtype_of(path), reduction_length, step, scales.get(path))
         options = {"equal_nan": equal_nan, "atol": atol, "rtol": rtol,
-                   "group_noise": noises.get(path), "inherited": inherited}
+                   "group_noise": noises.get(path), "inherited": inherited, "islands": islands}
         if involves_sketch(c, g, b):
             return _compare_sketched(args, options, left_out[path])
         return compare_tensor(*args, **options, spread=spreads[path], input_noise=noise,

@@ -11,7 +11,9 @@ with every module captured at that step (see :mod:`~torchparity.diagnosis.decode
 ``diagnose_decode`` does it in one process; ``record_decode`` writes A's side to a trace on the
 base revision and ``diagnose_decode_against`` judges the changed revision against it. Models
 decode through the step protocol of :mod:`torchparity.subject.decoding`: reference models and
-``transformers`` generators need no step of their own. No gradients are taken.
+``transformers`` generators need no step of their own. With ``beams`` A runs a beam search and
+every other side follows its parents and tokens (:mod:`~torchparity.diagnosis.decode_beams`
+judges where B would keep other hypotheses). No gradients are taken.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from torch import nn
 
 from torchparity.diagnosis.align import NameMap
 from torchparity.diagnosis.capture import PatternSpec
+from torchparity.diagnosis.decode_beams import (
+    Sides,
+    keeps_differ,
+    nbest_swaps,
+    reorder_entry,
+    step_swaps,
+)
 from torchparity.diagnosis.decode_judging import (
     first_flips,
     first_module,
@@ -34,15 +43,24 @@ from torchparity.diagnosis.decode_judging import (
 )
 from torchparity.diagnosis.decode_report import DecodeReport
 from torchparity.diagnosis.decode_run import DecodeReference, Side, capture_step, record_reference
+from torchparity.diagnosis.decode_sampling import first_changed_draws
 from torchparity.diagnosis.decode_trace import decode_meta, open_decode_reference
 from torchparity.diagnosis.golden import describe_mode, module_placement
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
 from torchparity.errors import UsageError
-from torchparity.subject.decoding import STEP_HINT, StepFn, builtin_step, recompute_step
+from torchparity.subject.beams import BeamSettings, builtin_reorder, expand_prompt
+from torchparity.subject.decoding import (
+    STEP_HINT,
+    ReorderFn,
+    StepFn,
+    builtin_step,
+    recompute_step,
+)
 from torchparity.subject.factory import first_line
 from torchparity.subject.running import check_models, in_dtype
+from torchparity.subject.sampling import SampleSettings
 
 __all__ = ["diagnose_decode", "diagnose_decode_against", "record_decode"]
 
@@ -66,6 +84,10 @@ def diagnose_decode(
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
     rebuild: Callable[[], nn.Module] | None = None,
+    beams: BeamSettings | None = None,
+    reorder: ReorderFn | None = None,
+    reorder_b: ReorderFn | None = None,
+    sample: SampleSettings | None = None,
 ) -> DecodeReport:
     """Decode A and B along the same tokens and report where B parts from A.
 
@@ -91,13 +113,17 @@ def diagnose_decode(
                              f"which only built-in steps offer, not {type(model_a).__name__}'s; "
                              "pass model_b")
         model_b, step_b, step = model_a, step_b or _step_of(model_a, None), step_a
+    inputs = _prompt(inputs, beams, sample, tokens, cut)
     opts = make_options(False, None, include, exclude, backends, progress)
     check_models(model_a=model_a, model_b=model_b)
     (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
-    side_a = Side(model_a, inputs, _step_of(model_a, step), opts.backend_a)
-    side_b = Side(model_b, inputs, _step_of(model_b, step_b or step), opts.backend_b)
+    side_a = Side(model_a, inputs, _step_of(model_a, step), opts.backend_a,
+                  reorder or builtin_reorder(model_a))
+    side_b = Side(model_b, inputs, _step_of(model_b, step_b or step), opts.backend_b,
+                  reorder_b or reorder or builtin_reorder(model_b))
     with progress_bar(opts.progress) as bar:
-        reference = record_reference(side_a, steps, tokens, MemoryStore(), opts, bar, rebuild)
+        reference = record_reference(side_a, steps, tokens, MemoryStore(), opts, bar, rebuild,
+                                     beams or sample)
         reference.mode = describe_mode(model_a, dtype, reference.has_golden)
         return judge_candidate(reference, side_b, opts, name_map, bar, cut=cut)
 
@@ -116,27 +142,33 @@ def record_decode(
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
     rebuild: Callable[[], nn.Module] | None = None,
+    beams: BeamSettings | None = None,
+    reorder: ReorderFn | None = None,
+    sample: SampleSettings | None = None,
 ) -> Path:
     """Write A's side of a decoding diagnosis to the trace ``path`` (run it on the base
     revision; :func:`diagnose_decode_against` judges another revision against it).
 
     The trace holds, per step, A's and the golden's next-token logits and every module call's
     outputs, inputs and the state it read, and the tokens fed (``steps`` of them, A's greedy
-    choices or ``tokens``). Written into a temporary directory that replaces ``path`` only
-    when complete. Arguments as in :func:`diagnose_decode`; ``backend`` must be a name.
-    Returns the path.
+    choices, ``tokens``, A's samples with ``sample``, or A's beam search with ``beams``, with
+    its parents). Written into a
+    temporary directory that replaces ``path`` only when complete. Arguments as in
+    :func:`diagnose_decode`; ``backend`` must be a name. Returns the path.
     """
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record_decode(backend=...) takes a backend name, which the trace "
                          "stores")
     opts = make_options(False, None, include, exclude, (backend, None), progress)
     check_models(model=model)
-    (cast,), cast_inputs = in_dtype([model], inputs, dtype)
+    (cast,), cast_inputs = in_dtype([model], _prompt(inputs, beams, sample, tokens), dtype)
     writer = TraceWriter(path)
     try:
         with progress_bar(opts.progress) as bar:
-            side = Side(cast, cast_inputs, _step_of(cast, step), opts.backend_a)
-            reference = record_reference(side, steps, tokens, writer.store, opts, bar, rebuild)
+            side = Side(cast, cast_inputs, _step_of(cast, step), opts.backend_a,
+                        reorder or builtin_reorder(cast))
+            reference = record_reference(side, steps, tokens, writer.store, opts, bar, rebuild,
+                                         beams or sample)
             reference.mode = describe_mode(cast, dtype, reference.has_golden)
         return writer.commit(decode_meta(reference, model, inputs, opts, dtype))
     except BaseException:
@@ -153,6 +185,7 @@ def diagnose_decode_against(
     name_map: NameMap | None = None,
     backend: BackendSpec = None,
     progress: bool | None = None,
+    reorder: ReorderFn | None = None,
 ) -> DecodeReport:
     """Judge ``model`` (the changed revision) decoding along the tokens of the trace
     :func:`record_decode` wrote. ``inputs`` must be the recorded prompt (checked by checksum);
@@ -168,8 +201,11 @@ def diagnose_decode_against(
     check_models(model=model)
     weights = changed_weights(meta["weights"], model)
     dtype = getattr(torch, meta["dtype"]) if meta.get("dtype") else None
+    if reference.beams is not None:
+        inputs = expand_prompt(inputs, reference.beams.beams)
     (model,), inputs = in_dtype([model], inputs, dtype)
-    side = Side(model, inputs, _step_of(model, step), opts.backend_b)
+    side = Side(model, inputs, _step_of(model, step), opts.backend_b,
+                reorder or builtin_reorder(model))
     with progress_bar(opts.progress) as bar:
         report = judge_candidate(reference, side, opts, name_map, bar)
     report.meta["weights"] = weights
@@ -186,7 +222,7 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
     """B decoded along the reference's tokens and judged: each step, the modules at the
     first step that leaves its budget and where the change enters, the first flips."""
     done = bar.phase("B: decoding along A's tokens")
-    decoded = side.decode(reference.steps, reference.tokens)
+    decoded = side.decode(reference.steps, reference.tokens, reference.parents)
     steps = judge_steps(reference, decoded.logits)
     first_step = next((s for s, r in enumerate(steps) if not r.ok), None)
     done()
@@ -196,34 +232,63 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
     rows = []
     if first_step is not None:
         done = bar.phase(f"B: step {first_step} again, every module captured")
-        _, calls = capture_step(side, first_step, reference.tokens, opts)
+        _, calls = capture_step(side, first_step, reference, opts)
         rows, unmatched = module_rows(reference, first_step, calls, name_map, cut=cut)
         notes += unmatched
         row = first_module(rows)
         if row is not None and not cut:
-            row.entry = where_it_enters(reference, first_step, row, calls, side.model)
+            if reference.parents is not None:  # rows without their parents' state first
+                row.entry, stale = reorder_entry(side, reference, first_step, row.module)
+                notes += stale
+            if row.entry is None:
+                row.entry = where_it_enters(reference, first_step, row, calls, side.model)
         done()
     logits64 = None
-    if any(bool((a.argmax(-1) != b.argmax(-1)).any())
-           for a, b in zip(reference.logits, decoded.logits, strict=True)):
-        done = bar.phase("B in float64: decoding, for the verdicts of token flips")
+    beams = reference.beams is not None
+    if _needs_float64(reference, decoded.logits):
+        done = bar.phase("B in float64: decoding, for the verdicts of "
+                         + ("beam swaps" if beams else "token flips"))
         logits64, note = _float64_logits(side, reference, decoded.logits)
         if note:
             notes.append(note)
         done()
+    swaps, nbest, flips = [], [], []
+    if beams:
+        sides = Sides.follow(reference, decoded.logits, logits64)
+        swaps, nbest = step_swaps(reference, sides), nbest_swaps(reference, sides)
+    elif reference.sample is not None:
+        flips = first_changed_draws(reference, decoded.logits, steps, reference.sample)
+    else:
+        flips = first_flips(reference, decoded.logits, steps, logits64)
     meta = {
         "reference": reference.source, "model_b": type(side.model).__name__,
         "steps": reference.steps,
-        "tokens": "A's greedy choices" if reference.greedy else "given",
+        "tokens": ("A's beam search" if beams else "A's samples" if reference.sample else
+                   "A's greedy choices" if reference.greedy else "given"),
+        "beams": reference.beams.to_dict() if beams else None,
+        "sample": None if reference.sample is None else reference.sample.to_dict(),
         "golden": reference.golden, "mode": reference.mode,
         "backends": [backend_name(opts.backend_a), backend_name(opts.backend_b)],
-        "flip_verdicts": ("B's float64 decoding" if logits64 is not None
+        "flip_verdicts": ("the uniform's distance from the boundary that moved, against the "
+                          "step's budget in probability" if reference.sample else
+                          "B's float64 decoding" if logits64 is not None
                           else "margin against twice the step's budget"),
         "notes": notes, "seconds": dict(bar.seconds),
     }
-    return DecodeReport(steps=steps, first_step=first_step, rows=rows,
-                        flips=first_flips(reference, decoded.logits, steps, logits64),
-                        tokens=reference.tokens, meta=meta)
+    return DecodeReport(steps=steps, first_step=first_step, rows=rows, flips=flips,
+                        tokens=reference.tokens, meta=meta, swaps=swaps, nbest=nbest,
+                        parents=reference.parents)
+
+
+def _needs_float64(reference: DecodeReference, logits: list[torch.Tensor]) -> bool:
+    """Whether verdicts need B's float64 decoding: a beam swap or a token flip to judge (a
+    changed draw is judged by its uniform's distance from the boundary that moved)."""
+    if reference.sample is not None:
+        return False
+    if reference.beams is not None:
+        return keeps_differ(reference, logits)
+    return any(bool((a.argmax(-1) != b.argmax(-1)).any())
+               for a, b in zip(reference.logits, logits, strict=True))
 
 
 def _float64_logits(side: Side, reference: DecodeReference, logits: list[torch.Tensor]
@@ -235,10 +300,28 @@ def _float64_logits(side: Side, reference: DecodeReference, logits: list[torch.T
         return None, ("no float64 copy of B: flip verdicts compare A's margin with twice the "
                       "step's budget")
     try:
-        return side64.decode(reference.steps, reference.tokens).logits, None
+        return side64.decode(reference.steps, reference.tokens, reference.parents).logits, None
     except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
         return None, (f"B's float64 decoding failed ({type(exc).__name__}: {first_line(exc)}); "
                       "flip verdicts compare A's margin with twice the step's budget")
+
+
+def _prompt(inputs: Any, beams: BeamSettings | None, sample: SampleSettings | None,
+            tokens: torch.Tensor | None, cut: bool = False) -> Any:
+    """The prompt a decoding runs: expanded to its beams in a beam search."""
+    if sample is not None and (beams is not None or tokens is not None):
+        raise UsageError("sampling chooses its own tokens, without beams; give one of tokens, "
+                         "beams or sample")
+    if beams is None:
+        return inputs
+    if tokens is not None:
+        raise UsageError("a beam search chooses its own tokens; give tokens or beams, not both")
+    if cut:
+        raise UsageError("a beam search compares two models; pass model_b (a cached decoding "
+                         "is checked against its recompute greedily)")
+    if beams.beams < 1:
+        raise UsageError(f"beams={beams.beams}: search with one beam or more")
+    return expand_prompt(inputs, beams.beams)
 
 
 def _step_of(model: nn.Module, step: StepFn | None) -> StepFn:

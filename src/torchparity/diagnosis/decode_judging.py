@@ -206,7 +206,7 @@ def first_flips(reference: DecodeReference, logits: list[torch.Tensor], steps: l
             flips.append(Flip(
                 step=step, sequence=sequence, a_token=a_token, b_token=b_token,
                 margin=float(top[0] - top[1]), change=_change(b_row, golden), budget=budget,
-                verdict=_verdict(a_row, golden, a_token, b_token, budget,
+                verdict=flip_verdict(a_row, golden, a_token, b_token, budget,
                                  None if logits64 is None else logits64[step][sequence])))
             break
     return flips
@@ -219,17 +219,20 @@ def _change(row: torch.Tensor, golden: torch.Tensor) -> float:
     return float((row.double() - golden.double())[judged].abs().max()) if judged.any() else 0.0
 
 
-def _verdict(a_row: torch.Tensor, golden: torch.Tensor, a_token: int, b_token: int,
-             budget: float | None, row64: torch.Tensor | None) -> Verdict:
-    """``real change`` when B's float64 decoding prefers another token than the golden's
-    choice beyond float64 rounding (the flip happens without fp32 noise too); without it, when
-    A's margin over B's token exceeds what twice the step's budget can swing."""
+def flip_verdict(a_row: torch.Tensor, golden: torch.Tensor, a_choice: int, b_choice: int,
+                 budget: float | None, row64: torch.Tensor | None,
+                 among: tuple[int, ...] | None = None) -> Verdict:
+    """``real change`` when B's float64 scores ``row64`` prefer another of the candidates
+    ``among`` (default: all) than the golden's choice among them beyond float64 rounding (the
+    flip happens without fp32 noise too); without them, when A's margin of ``a_choice`` over
+    ``b_choice`` exceeds what twice the step's budget can swing."""
     if row64 is not None:
         row64 = row64.double()
-        chosen = int(golden.argmax())  # what A computes without rounding noise
+        candidates = torch.tensor(among) if among is not None else torch.arange(len(golden))
+        chosen = int(candidates[golden.double()[candidates].argmax()])  # A without noise
         judged = row64[row64 > tolerance.MASKED_BELOW]
         tie = tolerance.budget(judged, baseline_error=None, compute_dtype="fp64").value
-        others = torch.cat((row64[:chosen], row64[chosen + 1:]))
+        others = row64[candidates[candidates != chosen]]
         return "real change" if float(others.max() - row64[chosen]) > tie else "near tie"
-    margin = float(a_row[a_token].double() - a_row[b_token].double())
+    margin = float(a_row[a_choice].double() - a_row[b_choice].double())
     return "near tie" if budget is not None and margin <= 2 * budget else "real change"

@@ -4,7 +4,8 @@ It answers, in order: did the prompt pass change; which step's logits first leav
 budget (error, budget); which module first leaves its budget at that step and how the change
 gets in (an argument, or state the module reads such as a cache holding other positions); and
 per sequence the first token flip, with the verdict ``near tie`` (regenerating the golden is
-safe) or ``real change`` (B computes something else).
+safe) or ``real change`` (B computes something else); in a beam search, per step the first beam
+swap (B would keep other hypotheses) and the final n-best, with the same verdicts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import html
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 
 from torchparity.comparison.tensor import json_safe
 from torchparity.diagnosis.columns import Line, layout, print_lines
+from torchparity.diagnosis.decode_beams import BeamSwap
 from torchparity.diagnosis.decode_judging import Flip, first_module, step_budget, step_error
 from torchparity.diagnosis.report import (
     CSS,
@@ -35,7 +37,7 @@ from torchparity.diagnosis.report import (
     svg_plot,
 )
 
-__all__ = ["DecodeReport", "Flip"]
+__all__ = ["BeamSwap", "DecodeReport", "Flip"]
 
 _NOWRAP = "td.share { white-space: nowrap; }\n"
 _LEGEND = "of the budget used (=: bit-identical to A, X: diverged{})"
@@ -51,7 +53,10 @@ class DecodeReport(Report):
     (None when none does). ``rows`` judge every aligned module's output (and inputs) at that
     step; :attr:`first_module` is the first whose output breaks its budget while its inputs do
     not, and its ``entry`` says how the change gets in. ``flips`` holds each sequence's first
-    token flip. ``tokens`` (batch, steps) are the tokens every side was fed.
+    token flip. ``tokens`` (batch, steps) are the tokens every side was fed. In a beam search
+    (``meta["beams"]``) ``swaps`` holds each step's first beam swap and ``nbest`` each
+    prompt's first difference of the final n-best, ``parents`` (batch, steps) the rows the
+    tokens of each step continue, and ``flips`` is empty.
     """
 
     steps: list[Result]
@@ -60,6 +65,9 @@ class DecodeReport(Report):
     flips: list[Flip]
     tokens: torch.Tensor
     meta: dict[str, Any]
+    swaps: list[BeamSwap] = field(default_factory=list)
+    nbest: list[BeamSwap] = field(default_factory=list)
+    parents: torch.Tensor | None = None
 
     @property
     def first_module(self) -> Row | None:
@@ -73,8 +81,9 @@ class DecodeReport(Report):
 
     @property
     def ok(self) -> bool:
-        """True when no step leaves its budget and no flip is a real change."""
-        return self.first_step is None and all(f.verdict == "near tie" for f in self.flips)
+        """True when no step leaves its budget and no flip or beam swap is a real change."""
+        return self.first_step is None and all(
+            f.verdict == "near tie" for f in [*self.flips, *self.swaps, *self.nbest])
 
     def summary(self) -> str:
         """A few sentences: the prompt, the first step and module that leave the budget and
@@ -96,21 +105,56 @@ class DecodeReport(Report):
             if row is not None:
                 parts.append(f"First module leaving its budget there: "
                              f"{self.first_module_label} ({row.module_type}).")
-                if row.entry is not None:
+                if row.entry is not None and row.entry.via == "reorder":
+                    parts.append(f"It enters through the reorder before step "
+                                 f"{self.first_step}: {row.entry.argument} {row.entry.detail}.")
+                elif row.entry is not None:
                     parts.append(row.entry.sentence())
             elif self.rows:
                 parts.append("No module's output leaves its budget at that step.")
         real = sum(f.verdict == "real change" for f in self.flips)
-        if self.flips:
+        if self.meta.get("beams"):
+            parts.append(self._beam_summary())
+        elif self.flips:
             safe = not real and self.first_step is None
-            parts.append(f"First token flips in {len(self.flips)} of {self.tokens.shape[0]} "
-                         f"sequence(s): {real} real change, {len(self.flips) - real} near tie"
+            parts.append(f"First {self._flipped} in {len(self.flips)} of "
+                         f"{self.tokens.shape[0]} sequence(s): {real} real change, "
+                         f"{len(self.flips) - real} near tie"
                          f"{' (regenerating the golden is safe)' if safe else ''}.")
         else:
-            parts.append("No token flips.")
+            parts.append(f"No {self._flipped}.")
         if self.meta.get("mode"):
             parts.append(f"Mode: {self.meta['mode']}.")
         return parts
+
+    @property
+    def _flipped(self) -> str:
+        return "changed draws" if self.meta.get("sample") else "token flips"
+
+    @property
+    def _flip_title(self) -> str:
+        return "First changed draw" if self.meta.get("sample") else "First token flip"
+
+    def _beam_summary(self) -> str:
+        beams = self.meta["beams"]
+        text = (f"Beam search of {beams['beams']} beam(s) (length penalty "
+                f"{beams['length_penalty']:g}, end of sequence "
+                f"{'none' if beams['eos'] is None else beams['eos']}): ")
+        if not self.swaps:
+            text += "B would keep A's hypotheses at every step"
+        else:
+            real = sum(s.verdict == "real change" for s in self.swaps)
+            text += (f"B would keep other hypotheses at {len(self.swaps)} step(s), first at step "
+                     f"{self.swaps[0].step}: {real} real change, {len(self.swaps) - real} near "
+                     "tie")
+        if not self.nbest:
+            return text + "; the final n-best is the same."
+        real = sum(s.verdict == "real change" for s in self.nbest)
+        safe = not real and self.first_step is None and all(
+            s.verdict == "near tie" for s in self.swaps)
+        return (text + f"; the final n-best differs for {len(self.nbest)} prompt(s): {real} real "
+                f"change, {len(self.nbest) - real} near tie"
+                f"{' (regenerating the golden is safe)' if safe else ''}.")
 
     # -- JSON ---------------------------------------------------------------------------------
 
@@ -126,11 +170,16 @@ class DecodeReport(Report):
                     "via": row.entry.via},
                 "prompt": self.steps[0].verdict,
                 "flips": [f.to_dict() for f in self.flips],
+                "beams": self.meta.get("beams"),
+                "sample": self.meta.get("sample"),
+                "swaps": [w.to_dict() for w in self.swaps],
+                "nbest": [w.to_dict() for w in self.nbest],
                 "steps": [{"step": s, "verdict": r.verdict, "error": step_error(r),
                            "budget": step_budget(r), "share": headroom(r)}
                           for s, r in enumerate(self.steps)],
                 "rows": [r.to_dict() for r in self.rows],
                 "tokens": self.tokens.tolist(),
+                "parents": None if self.parents is None else self.parents.tolist(),
             },
             "meta": self.meta,
         })
@@ -146,6 +195,10 @@ class DecodeReport(Report):
         say(self.summary())
         if self.flips:
             console.print(self._flips_table())
+        if self.swaps:
+            console.print(self._swaps_table())
+        if self.nbest:
+            console.print(self._nbest_table())
         console.print(self._steps_table())
         if self.rows:
             say(f"Modules at step {self.first_step}, B against the golden (A as baseline)")
@@ -166,12 +219,32 @@ class DecodeReport(Report):
         return table
 
     def _flips_table(self) -> Any:
-        table = self._table("First token flip per sequence",
+        table = self._table(f"{self._flip_title} per sequence",
                             ["seq", "step", "A", "B", "margin", "change", "budget", "verdict"], 7)
         for f in self.flips:
             table.add_row(str(f.sequence), str(f.step), str(f.a_token), str(f.b_token),
                           _number(f.margin), _number(f.change), _number(f.budget), f.verdict,
                           style="bold red" if f.verdict == "real change" else None)
+        return table
+
+    def _swaps_table(self) -> Any:
+        table = self._table("First beam swap per step", ["step", "prompt", "A keeps", "B keeps",
+                                                         "margin", "change", "budget",
+                                                         "verdict"], 7)
+        for w in self.swaps:
+            table.add_row(str(w.step), str(w.prompt), w.a_keeps, w.b_keeps, _number(w.margin),
+                          _number(w.change), _number(w.budget), w.verdict,
+                          style="bold red" if w.verdict == "real change" else None)
+        return table
+
+    def _nbest_table(self) -> Any:
+        table = self._table("Final n-best, first difference per prompt",
+                            ["rank", "prompt", "margin", "change", "budget", "verdict",
+                             "A keeps / B keeps"], 5)
+        for w in self.nbest:
+            table.add_row(str(w.rank), str(w.prompt), _number(w.margin), _number(w.change),
+                          _number(w.budget), w.verdict, f"{w.a_keeps} / {w.b_keeps}",
+                          style="bold red" if w.verdict == "real change" else None)
         return table
 
     def _steps_table(self) -> Any:
@@ -194,9 +267,18 @@ class DecodeReport(Report):
 
     def _footer(self) -> list[str]:
         lines = [f"share: {_LEGEND.format(not_compared_legend(self.rows))}"]
-        if self.flips:
+        if self.flips and self.meta.get("sample"):
+            lines.append("margin: the uniform's distance from the boundary of A's cumulative "
+                         "distribution that moved; change: how far B moved it; budget: the "
+                         "step's, carried to probabilities")
+        elif self.flips:
             lines.append("margin: A's top-1 minus top-2 logit; change: the largest error of B's "
                          "logits there against the golden; budget: the step's")
+        if self.swaps or self.nbest:
+            lines.append("A keeps / B keeps: the candidate (beam:token) or hypothesis (tokens) "
+                         "each side keeps and the other drops; margin: A's score of the first "
+                         "minus the second; change: B's largest score error there against the "
+                         "golden; budget: the scores'")
         first = self.first_module
         if first is not None:
             lines += [f"{_label(first.module)} @ step {self.first_step}: {shape_difference(d)}"
@@ -220,11 +302,22 @@ class DecodeReport(Report):
                  svg_plot(steps, {"logits": "propagated"}, "Logits per step: error / budget")]
         if self.flips:
             parts.append(_html_table(
-                "First token flip per sequence",
+                f"{self._flip_title} per sequence",
                 ["seq", "step", "A token", "B token", "margin", "change", "budget", "verdict"],
                 [([str(f.sequence), str(f.step), str(f.a_token), str(f.b_token),
                    _number(f.margin), _number(f.change), _number(f.budget), f.verdict],
                   "first" if f.verdict == "real change" else "") for f in self.flips]))
+        for title, swaps, where in (("First beam swap per step", self.swaps, "step"),
+                                    ("Final n-best, first difference per prompt", self.nbest,
+                                     "rank")):
+            if swaps:
+                parts.append(_html_table(
+                    title, [where, "prompt", "A keeps", "B keeps", "margin", "change",
+                            "budget", "verdict"],
+                    [([str(w.step if where == "step" else w.rank), str(w.prompt), w.a_keeps,
+                       w.b_keeps, _number(w.margin), _number(w.change), _number(w.budget),
+                       w.verdict], "first" if w.verdict == "real change" else "")
+                     for w in swaps]))
         if self.rows:
             first = self.first_module
             parts.append(svg_plot(self.rows, {"output": "propagated", "inputs": "inputs"},

@@ -2,7 +2,8 @@
 captured at every step into a store) and the candidate (B plainly, then captured at one step).
 
 Every side is teacher-forced along the same tokens (:func:`~torchparity.subject.decoding.
-teacher_forced`), under its attention backend, seeded and without gradients. A step's calls
+teacher_forced`), and with a beam search the same parents (A's search decides, the others follow
+it), under its attention backend, seeded and without gradients. A step's calls
 are stored under ``<call key>@<step>``: for A its outputs (``out``), its inputs (tensors and
 containers; caches stand as placeholders) and a summary of the state each module read
 (``call.state``); for the golden its outputs (``golden_out``). The step's next-token logits
@@ -24,9 +25,11 @@ from torchparity.diagnosis.capture import Capture, ModuleCall, Signature, signat
 from torchparity.diagnosis.golden import golden_copy
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
-from torchparity.subject.decoding import Decoding, StepFn, teacher_forced
+from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep
+from torchparity.subject.decoding import Decoding, ReorderFn, StepFn, teacher_forced
 from torchparity.subject.factory import first_line
 from torchparity.subject.running import seeded, upcast
+from torchparity.subject.sampling import Sampler, SampleSettings
 from torchparity.subject.trees import flatten_tensors
 
 STEP = "__step__"  # pseudo-call of a step's next-token logits
@@ -39,17 +42,23 @@ def step_key(key: str, step: int) -> str:
 
 @dataclass
 class Side:
-    """A model decoded by a step function under an attention backend."""
+    """A model decoded by a step function (and reordered by ``reorder`` in a beam search)
+    under an attention backend."""
 
     model: nn.Module
     inputs: Any
     step: StepFn
     backend: BackendSpec
+    reorder: ReorderFn | None = None
 
-    def decode(self, steps: int, tokens: torch.Tensor | None, during: Any = None) -> Decoding:
-        """Teacher-forced decoding (greedy when ``tokens`` is None), seeded, without grad."""
+    def decode(self, steps: int, tokens: torch.Tensor | None,
+               parents: torch.Tensor | None = None, *, decide: Any = None,
+               during: Any = None) -> Decoding:
+        """Teacher-forced decoding along ``tokens`` and ``parents`` (when ``tokens`` is None:
+        ``decide``'s choices, else greedy), seeded, without grad."""
         with backend_context(self.backend), seeded(), torch.no_grad():
             return teacher_forced(self.step, self.model, self.inputs, steps, tokens,
+                                  parents=parents, reorder=self.reorder, decide=decide,
                                   during=during)
 
     def in_float64(self) -> Side | None:
@@ -57,15 +66,17 @@ class Side:
         copy, _ = golden_copy(self.model)
         if copy is None:
             return None
-        return Side(copy, upcast(self.inputs, GOLDEN_DTYPE, "cpu"), self.step, self.backend)
+        return Side(copy, upcast(self.inputs, GOLDEN_DTYPE, "cpu"), self.step, self.backend,
+                    self.reorder)
 
 
 @dataclass
 class DecodeReference:
-    """A's side of a decoding diagnosis: the tokens every side is fed, A's and the golden's
-    next-token logits per step, A's calls per step (inputs, outputs and golden outputs in the
-    store), the forward parameter names of A's modules, and which golden was used (starting
-    with "none" when there is none)."""
+    """A's side of a decoding diagnosis: the tokens every side is fed (and the parent rows, in
+    a beam search: its settings and A's choices per step), A's and the golden's next-token
+    logits per step, A's calls per step (inputs, outputs and golden outputs in the store), the
+    forward parameter names of A's modules, and which golden was used (starting with "none"
+    when there is none)."""
 
     tokens: torch.Tensor
     greedy: bool
@@ -78,6 +89,10 @@ class DecodeReference:
     mode: str = ""
     source: str = "in-process"
     notes: list[str] = field(default_factory=list)
+    parents: torch.Tensor | None = None
+    beams: BeamSettings | None = None
+    choices: list[BeamStep] | None = None
+    sample: SampleSettings | None = None
 
     @property
     def steps(self) -> int:
@@ -91,14 +106,24 @@ class DecodeReference:
 
 def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store: Any,
                      opts: Options, bar: ProgressBar,
-                     rebuild: Callable[[], nn.Module] | None = None) -> DecodeReference:
-    """Decode A with every selected module captured at every step, then its float64 golden
-    along the same tokens, into ``store``. ``rebuild()`` makes A again when it cannot be
-    deep-copied into float64 (see :func:`~torchparity.diagnosis.golden.golden_copy`)."""
-    done = bar.phase("A: decoding, every step captured")
+                     rebuild: Callable[[], nn.Module] | None = None,
+                     search: BeamSettings | SampleSettings | None = None) -> DecodeReference:
+    """Decode A with every selected module captured at every step (along ``tokens``, else
+    A's greedy choices, A's samples or A's beam search over ``side.inputs``, the prompt
+    expanded to its beams, as ``search`` says), then its float64 golden along the same tokens
+    and parents, into
+    ``store``. ``rebuild()`` makes A again when it cannot be deep-copied into float64 (see
+    :func:`~torchparity.diagnosis.golden.golden_copy`)."""
+    beams = search if isinstance(search, BeamSettings) else None
+    sample = search if isinstance(search, SampleSettings) else None
+    done = bar.phase(f"A: {'beam search' if beams else 'sampling' if sample else 'decoding'}, "
+                     "every step captured")
     calls: dict[int, list[ModuleCall]] = {}
-    decoded = side.decode(steps, tokens, during=_capturing(side.model, store, opts, calls,
-                                                           "out", state=True))
+    rows = _rows(side.inputs)
+    decider = (BeamSearch(beams, rows // beams.beams) if beams else
+               Sampler(sample, steps + 1, rows) if sample else None)
+    decoded = side.decode(steps, tokens, decide=decider and decider.decide,
+                          during=_capturing(side.model, store, opts, calls, "out", state=True))
     store.put_all([(step_key(STEP, s), "out", {"logits": t})
                    for s, t in enumerate(decoded.logits)])
     done()
@@ -107,10 +132,12 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
     if golden is not None:
         done = bar.phase("golden (float64): decoding, every step captured")
         golden_side = Side(golden, upcast(side.inputs, GOLDEN_DTYPE, "cpu"), side.step,
-                           side.backend)
+                           side.backend, side.reorder)
         try:
-            golden_logits = golden_side.decode(steps, decoded.tokens, during=_capturing(
-                golden, store, opts, {}, "golden_out", state=False)).logits
+            golden_logits = golden_side.decode(steps, decoded.tokens, decoded.parents,
+                                               during=_capturing(golden, store, opts, {},
+                                                                 "golden_out",
+                                                                 state=False)).logits
         except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
             note = (f"none: the float64 decoding of A failed ({type(exc).__name__}: "
                     f"{first_line(exc)}); budgets come from A's own rounding")
@@ -129,7 +156,14 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
     signatures = {name: signature(module) for name, module in side.model.named_modules()}
     return DecodeReference(tokens=decoded.tokens, greedy=tokens is None, logits=decoded.logits,
                            golden_logits=golden_logits, calls=calls, store=store,
-                           signatures=signatures, golden=note)
+                           signatures=signatures, golden=note, parents=decoded.parents,
+                           beams=beams, choices=decider.history if beams else None,
+                           sample=sample)
+
+
+def _rows(inputs: Any) -> int:
+    """The rows of a prompt: the first dimension of its first tensor."""
+    return next(iter(flatten_tensors(inputs, "inputs").values())).shape[0]
 
 
 def _capturing(model: nn.Module, store: Any, opts: Options, calls: dict[int, list[ModuleCall]],
@@ -157,10 +191,11 @@ def _capturing(model: nn.Module, store: Any, opts: Options, calls: dict[int, lis
     return during
 
 
-def capture_step(side: Side, step: int, tokens: torch.Tensor, opts: Options
+def capture_step(side: Side, step: int, reference: DecodeReference, opts: Options
                  ) -> tuple[Decoding, list[ModuleCall]]:
-    """Decode ``side`` up to ``step`` along ``tokens``, keeping every selected module's call at
-    that step (inputs with caches as placeholders, outputs, the state each read)."""
+    """Decode ``side`` up to ``step`` along the reference's tokens and parents, keeping every
+    selected module's call at that step (inputs with caches as placeholders, outputs, the
+    state each read)."""
     captured: list[ModuleCall] = []
 
     @contextlib.contextmanager
@@ -173,7 +208,7 @@ def capture_step(side: Side, step: int, tokens: torch.Tensor, opts: Options
             yield
         captured.extend(capture.records)
 
-    return side.decode(step, tokens, during=during), captured
+    return side.decode(step, reference.tokens, reference.parents, during=during), captured
 
 
 def flat_inputs(store: Any, key: str) -> dict[str, torch.Tensor]:

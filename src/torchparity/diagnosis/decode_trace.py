@@ -2,7 +2,9 @@
 
 A decoding trace is a trace directory (:mod:`~torchparity.diagnosis.trace`) whose ``trace.json``
 says ``"kind": "decode"`` and holds, besides the checksums and the module tree: the number of
-steps, the tokens every side is fed and whether they were A's greedy choices, the golden used,
+steps, the tokens every side is fed and whether they were A's greedy choices (in a beam search:
+its settings, the parent rows and A's choices per step; in a sampled one: its settings), the
+golden used,
 the forward signature of every module of A, and per step the calls of A's modules with the
 state each read (:class:`~torchparity.diagnosis.state.Held`). Its tensor files hold, per step,
 A's and the golden's next-token logits and every call's outputs and inputs (one file per step
@@ -33,6 +35,8 @@ from torchparity.diagnosis.trace import (
     weight_digests,
 )
 from torchparity.errors import UsageError
+from torchparity.subject.beams import BeamSettings, BeamStep
+from torchparity.subject.sampling import SampleSettings
 
 
 def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts: Options,
@@ -55,6 +59,11 @@ def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts:
         "calls": {str(step): [_call_json(c) for c in calls]
                   for step, calls in reference.calls.items()},
         "notes": reference.notes,
+        "parents": None if reference.parents is None else reference.parents.tolist(),
+        "beams": None if reference.beams is None else reference.beams.to_dict(),
+        "choices": None if reference.choices is None else [
+            {"kept": c.kept.tolist(), "ended": c.ended} for c in reference.choices],
+        "sample": None if reference.sample is None else reference.sample.to_dict(),
     }
 
 
@@ -84,10 +93,17 @@ def open_decode_reference(path: str | Path) -> tuple[DecodeReference, dict[str, 
     logits = [store.get(step_key(STEP, s), "out")["logits"] for s in range(steps + 1)]
     golden = ([store.get(step_key(STEP, s), "golden_out")["logits"] for s in range(steps + 1)]
               if meta["has_golden"] else None)
+    parents, beams, choices = meta.get("parents"), meta.get("beams"), meta.get("choices")
     reference = DecodeReference(
         tokens=torch.tensor(meta["tokens"], dtype=torch.long).reshape(len(meta["tokens"]), -1),
         greedy=meta["greedy"], logits=logits, golden_logits=golden,
         calls={int(s): [_call(c) for c in calls] for s, calls in meta["calls"].items()},
         store=store, signatures=meta["signatures"], golden=meta["golden"], mode=meta["mode"],
-        source=str(path), notes=list(meta["notes"]))
+        source=str(path), notes=list(meta["notes"]),
+        parents=None if parents is None else torch.tensor(parents, dtype=torch.long),
+        beams=None if beams is None else BeamSettings(**beams),
+        choices=None if choices is None else [
+            BeamStep(None, torch.tensor(c["kept"], dtype=torch.long), c["ended"])
+            for c in choices],
+        sample=SampleSettings(**meta["sample"]) if meta.get("sample") else None)
     return reference, meta

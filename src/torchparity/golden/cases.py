@@ -24,6 +24,7 @@ judged on the unpadded positions of the case's batch (the loss ignores padded ta
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -99,7 +100,9 @@ REFERENCE = Cell("manual", "fp64", "cpu")
 class CheckResult:
     """The verdict of one output of one case in one cell (one row of ``check --json``).
 
-    ``verdict`` is ``identical``, ``within`` or ``diverged`` (from the tolerance model), ``n/a``
+    ``verdict`` is ``identical``, ``within`` or ``diverged`` (from the tolerance model),
+    ``baseline degraded`` (the candidate is within its budget, but the baseline erred more than
+    its dtype allows: the analytic bound set the budget; a failure of the baseline), ``n/a``
     (the cell cannot compute this output: ``reason`` says why; not a failure), or
     ``init changed`` / ``inputs changed`` (the weights or inputs the code builds differ from
     those the golden was made from, so the values cannot be compared).
@@ -124,6 +127,9 @@ class CheckResult:
     # Positions left out of the judgement (padding) and why; None when every one was judged.
     left_out: str | None = None
     compile: str | None = None  # the torch.compile form of a compiled cell
+    # A baseline that erred more than its dtype allows, and what that means for the budgets
+    # (see :func:`degraded_baseline`); None when none did.
+    baseline: str | None = None
     # A compiled cell's graphs, breaks, recompiles and seconds, with each call's and (on the
     # decode output) each decoding step's; see torchparity.golden.compiled.
     compiled: dict[str, Any] | None = None
@@ -554,11 +560,43 @@ def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torc
         return _result(case, cell, output, "diverged", ok=False, headroom=float("inf"),
                        explain=f"diverged: the outputs no longer have the golden's structure. "
                                f"{comparison.explain()}")
+    return _result(case, cell, output, **judged_fields(comparison, cell))
+
+
+#: The verdict of a row whose candidate is within its budget but whose baseline is degraded.
+BASELINE_DEGRADED = "baseline degraded"
+
+
+def judged_fields(comparison: Any, cell: Cell) -> dict[str, Any]:
+    """What a :class:`CheckResult` takes from a comparison: the verdict (``baseline
+    degraded`` for a candidate within its budget judged beside a degraded baseline: a finding
+    about the baseline, not a divergence), the worst tensor's share of its budget (inf where a
+    shape differs), the explanation, the sensitivity, the positions left out and, when a
+    baseline was degraded, what that means for the cell's budgets."""
     worst = comparison.worst
-    return _result(case, cell, output, comparison.verdict, ok=comparison.ok,
-                   headroom=worst.headroom if worst else 0.0, explain=comparison.explain(),
-                   worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
-                   left_out=comparison.left_out_sentence())
+    headroom = math.inf if comparison.shapes else worst.headroom if worst else 0.0
+    verdict = comparison.verdict
+    if verdict != "diverged" and comparison.baseline_degraded:
+        verdict = BASELINE_DEGRADED
+    return {"verdict": verdict, "ok": comparison.ok, "headroom": headroom,
+            "explain": comparison.explain(),
+            "worst": worst.path if worst else None, "sensitivity": comparison.sensitivity,
+            "left_out": comparison.left_out_sentence(),
+            "baseline": degraded_baseline(comparison, cell)}
+
+
+def degraded_baseline(comparison: Any, cell: Cell) -> str | None:
+    """The finding of a comparison whose baseline erred more than a plain computation in its
+    dtype may (None when none did): which tensors, and that the analytic bound judged them."""
+    degraded = [t.path for t in comparison.tensors if t.baseline_degraded]
+    if not degraded:
+        return None
+    which = degraded[0] if len(degraded) == 1 else f"{degraded[0]} and {len(degraded) - 1} more"
+    baseline = ("the rerun on weights moved by one float64 rounding" if cell == REFERENCE
+                else f"the {cell.dtype} baseline (manual)")
+    return (f"{baseline} errs more than a plain {cell.dtype} computation may at {which}: it "
+            f"is degraded and sets no budget there; every {cell.dtype} cell is judged by the "
+            "analytic bound instead")
 
 
 def _result(case: zoo.ZooCase, cell: Cell, output: str, verdict: str, *, ok: bool,

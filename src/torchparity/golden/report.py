@@ -60,7 +60,7 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
         console.print(f"{backend}: n/a in every cell here ({reason})", highlight=False)
     for line in compiled_lines(results):
         console.print(line, markup=False, highlight=False)
-    for line in _left_out_lines(results):
+    for line in [*_left_out_lines(results), *_baseline_lines(results)]:
         console.print(line, markup=False, highlight=False)
     for r in results:
         if not r.ok:
@@ -74,6 +74,13 @@ def _left_out_lines(results: list[CheckResult]) -> list[str]:
     """Per case and output, once, which positions its cells left out (padding) and why."""
     lines = (f"{r.case} {r.output}: {r.left_out[0].lower()}{r.left_out[1:]}"
              for r in results if r.left_out)
+    return list(dict.fromkeys(lines))
+
+
+def _baseline_lines(results: list[CheckResult]) -> list[str]:
+    """Per case, cell and output, each degraded baseline: a finding about the baseline (which
+    then sets no budget), not a divergence of the candidates judged against it."""
+    lines = (f"{r.case} {r.output}: {r.baseline}." for r in results if r.baseline)
     return list(dict.fromkeys(lines))
 
 

@@ -16,17 +16,19 @@ output        kind        tensors
                           reference models and ``transformers`` generators): the greedy
                           ``tokens`` of the float64 run and each step's next-token logits
                           (``cached.logits.<step>``, and ``recomputed.logits.<step>`` by full
-                          recompute where a built-in step offers one); or, for a factory with
+                          recompute where a built-in step offers one); with the factory's
+                          ``search`` key a beam search instead, its ``tokens`` and
+                          ``parents`` (the prompt expanded to its beams); or, for a factory with
                           the older ``decode(model, inputs, use_cache)``, what it returns with
                           the cache (``cached.*``) and by full recompute (``recomputed.*``)
 ============  ==========  =============================================================
 
-Every cell decodes along the golden's tokens, so a near tie that another dtype or backend
-breaks the other way changes no later step: each step's logits are judged in every cell, and a
-failure names the first step that leaves its budget. The reference cell decodes greedily: its
-tokens must be the golden's. It also judges ``decode-cache``: the cached decoding against the
-full recompute of the same run, so a KV-cache bug is caught even in the run that made the
-goldens.
+Every cell decodes along the golden's tokens (and parents), so a near tie that another dtype or
+backend breaks the other way changes no later step: each step's logits are judged in every
+cell, and a failure names the first step that leaves its budget. The reference cell decodes
+greedily, or searches: its tokens (and parents) must be the golden's. It also judges
+``decode-cache``: the cached decoding against the full recompute of the same run, so a
+KV-cache bug is caught even in the run that made the goldens.
 
 The default loss is a fixed pseudo-random projection of the floating outputs the golden has:
 its gradient reaches every element of them, and the same weights are used in every cell.
@@ -74,6 +76,7 @@ from torchparity.golden.cases import (
     Cell,
     CheckResult,
     checksum_changes,
+    judged_fields,
     matmul_precision,
     write_status,
 )
@@ -87,9 +90,11 @@ from torchparity.golden.compiled import (
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
 from torchparity.sketching import Sketch, kept, seed_of
 from torchparity.subject import Subject, hf
+from torchparity.subject.beams import BeamSearch, expand_prompt, reorder_rows
 from torchparity.subject.blockwise import BlockProgress, Float64Run, stream_grads
 from torchparity.subject.compiling import CompileFailed, CompileLog, check_mode, compiled
-from torchparity.subject.decoding import recompute_step, teacher_forced
+from torchparity.subject.decoding import Fed, recompute_step, teacher_forced
+from torchparity.subject.islands import Islands, narrowest, summary
 from torchparity.subject.padding import Padding
 from torchparity.subject.running import cast_inputs, default_loss_paths, in_cache
 from torchparity.subject.trees import flatten_tensors
@@ -123,14 +128,17 @@ class Run:
     (``missing``: the cell cannot compute them, n/a; ``not_compared``: the model's output no
     longer holds what the golden was made from, a failure), the loss's gradient with respect
     to each floating output (what carries the outputs' noise into the loss's, see
-    :func:`torchparity.tolerance.propagated_noise`), and ``compile_log`` what compiling cost
-    in a compiled cell."""
+    :func:`torchparity.tolerance.propagated_noise`), ``compile_log`` what compiling cost in a
+    compiled cell, and ``islands`` where a float64 run computed in a narrower dtype."""
 
     outputs: dict[str, dict[str, torch.Tensor]]
     missing: dict[str, str]
     sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
     compile_log: CompileLog | None = None
     not_compared: dict[str, str] = field(default_factory=dict)
+    #: Where a float64 run computed in a narrower dtype: dtype name -> modules (see
+    #: :mod:`torchparity.subject.islands`).
+    islands: dict[str, list[str]] = field(default_factory=dict)
 
 
 def model_store(subject: Subject, root: Any) -> GoldenStore:
@@ -188,13 +196,14 @@ def _own_dtype(model: nn.Module) -> torch.dtype:
 
 
 def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
-                perturb: bool = False, tokens: torch.Tensor | None = None,
+                perturb: bool = False, tokens: Fed | None = None,
                 models: CellModels | None = None, status: Status | None = None
                 ) -> tuple[Run, int | None]:
     """Run the model in ``cell``: forward, loss, gradients and decoding.
 
     ``loss_paths`` are the outputs the default loss projects (None: all floating ones);
-    ``tokens`` are what a step-by-step decoding is fed (None: its own greedy choices).
+    ``tokens`` are what a step-by-step decoding is fed (None: its own greedy choices, or its
+    beam search).
     ``models`` shares the cells' models (default: a fresh :class:`CellModels`); ``status``
     hears where a long run is (which block of how many). Tensors of
     :func:`~torchparity.sketching.threshold` elements or more are kept as sketches, each
@@ -214,11 +223,13 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
             if cell.dtype == "fp64":
                 grads: dict[str, Any] = {}
                 with Float64Run(model, on_grad=_keeper(grads), perturb=perturbation
-                                if perturb else None, progress=report) as run64:
+                                if perturb else None, progress=report) as run64, \
+                        Islands(model) as islands:
                     run = _forward_backward(subject, model, inputs, loss_paths,
                                             lambda loss: (run64.backward(loss), grads)[1])
                     run.compile_log = compile_log
                     _decode(subject, model, inputs, run, tokens)
+                run.islands = islands.found
             else:
                 with BlockProgress(model, report) as blocks:
                     run = _forward_backward(subject, model, inputs, loss_paths,
@@ -313,7 +324,7 @@ def _heard(found: dict[str, torch.Tensor], path: str, grad: torch.Tensor) -> Non
 
 
 def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
-            tokens: torch.Tensor | None) -> None:
+            tokens: Fed | None) -> None:
     if not subject.generates:
         return
     try:
@@ -329,21 +340,35 @@ def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
         run.missing["decode"] = str(exc)
 
 
-def _stepped(subject: Subject, model: nn.Module, inputs: Any, tokens: torch.Tensor | None,
+def _stepped(subject: Subject, model: nn.Module, inputs: Any, fed: Fed | None,
              compile_log: CompileLog | None = None) -> dict[str, torch.Tensor]:
-    """The step protocol's decoding: tokens fed, and each step's logits cached and, where a
-    built-in step offers it, by full recompute along the same tokens; a compiled model's
-    calls recorded by step in ``compile_log``."""
-    cached = teacher_forced(subject.stepper(model), model, inputs, DECODE_STEPS, tokens,
+    """The step protocol's decoding: tokens (and parents) fed, else the greedy choices or the
+    factory's beam search, and each step's logits cached and, where a built-in step offers it,
+    by full recompute along the same tokens; a compiled model's calls recorded by step in
+    ``compile_log``."""
+    search = subject.search
+    if search is not None:
+        inputs = expand_prompt(inputs, search.beams)
+    searcher = BeamSearch(search, _rows(inputs) // search.beams) if search and not fed else None
+    cached = teacher_forced(subject.stepper(model), model, inputs, DECODE_STEPS,
+                            fed and fed.tokens, parents=fed and fed.parents,
+                            reorder=subject.reorderer(model),
+                            decide=searcher and searcher.decide,
                             during=decode_phases(compile_log, "cached"))
     outputs = {"tokens": cached.tokens,
+               **({} if cached.parents is None else {"parents": cached.parents}),
                **{f"cached.logits.{s}": t for s, t in enumerate(cached.logits)}}
     recompute = recompute_step(model) if subject.step is None else None
-    if recompute is not None:
+    if recompute is not None:  # its state holds tensors alone: their rows are reordered
         recomputed = teacher_forced(recompute, model, inputs, DECODE_STEPS, cached.tokens,
+                                    parents=cached.parents, reorder=reorder_rows,
                                     during=decode_phases(compile_log, "recomputed"))
         outputs.update({f"recomputed.logits.{s}": t for s, t in enumerate(recomputed.logits)})
     return outputs
+
+
+def _rows(inputs: Any) -> int:
+    return next(iter(flatten_tensors(inputs, "inputs").values())).shape[0]
 
 
 def _decoded(subject: Subject, model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
@@ -364,7 +389,7 @@ def first_step(comparison: Any) -> int | None:
         found = re.search(r"logits\.(\d+)", t.path)
         if found:
             steps.append(int(found.group(1)))
-        elif "tokens" in t.path and t.worst_index is not None:
+        elif ("tokens" in t.path or "parents" in t.path) and t.worst_index is not None:
             steps.append(t.worst_index[-1])
     return min(steps, default=None)
 
@@ -390,6 +415,8 @@ def write_goldens(subject: Subject, store: GoldenStore,
             "checksums": model_checksums(subject)}
     if subject.generates:
         meta["decoding"] = _decoding(subject)
+    if run.islands:
+        meta["islands"] = {dtype: summary(modules) for dtype, modules in run.islands.items()}
     statuses = {}
     for output, tensors in run.outputs.items():
         output_meta = {"kind": OUTPUT_KINDS[output], **meta}
@@ -451,7 +478,13 @@ def _default_loss(subject: Subject, loss_paths: list[str]) -> dict[str, Any]:
 
 def _decoding(subject: Subject) -> str:
     """How the subject decodes, as its goldens record it."""
-    return "step by step" if subject.steps else "its decode"
+    if not subject.steps:
+        return "its decode"
+    search = subject.search
+    return "step by step" if search is None else (
+        f"step by step, a beam search of {search.beams} beams (length penalty "
+        f"{search.length_penalty:g}, end of sequence "
+        f"{'none' if search.eos is None else search.eos})")
 
 
 def _loss_paths(goldens: dict[str, Golden]) -> list[str] | None:
@@ -487,7 +520,8 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
     loss_paths = _loss_paths(goldens)
     models = CellModels(subject)
     # Step by step, every cell but the reference decodes along the golden's tokens.
-    tokens = goldens["decode"].tensors["tokens"] if subject.steps else None
+    decoded = goldens["decode"].tensors if subject.steps else None
+    tokens = decoded and Fed(decoded["tokens"], decoded.get("parents"))
     baselines: dict[tuple[str, str], Run] = {}
     for cell in cells:
         cell_status = None if status is None else (
@@ -510,9 +544,9 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
 
 
 def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Golden],
-                     loss_paths: list[str] | None, tokens: torch.Tensor | None,
+                     loss_paths: list[str] | None, tokens: Fed | None,
                      models: CellModels, status: Status | None) -> list[CheckResult]:
-    # The reference decodes greedily: its tokens are judged.
+    # The reference decodes greedily, or searches: its tokens (and parents) are judged.
     fresh, _ = run_in_cell(subject, REFERENCE, loss_paths, models=models, status=status)
     perturbed, _ = run_in_cell(subject, REFERENCE, loss_paths, perturb=True, tokens=tokens,
                                models=models, status=status)
@@ -526,7 +560,8 @@ def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Go
                   if p in golden.tensors and p in perturbed.outputs.get(output, {})}
         baseline = {p: sketching.shifted(golden.tensors[p], perturbed.outputs[output][p], t)
                     if t.is_floating_point() else golden.tensors[p] for p, t in shared.items()}
-        result = _judge(subject, REFERENCE, output, candidate, golden.tensors, baseline)
+        result = _judge(subject, REFERENCE, output, candidate, golden.tensors, baseline,
+                        islands=golden_islands(goldens))
         if not result.ok:
             store.write_obtained(subject.name, output, candidate)
         results.append(result)
@@ -541,7 +576,7 @@ def _check_reference(subject: Subject, store: GoldenStore, goldens: dict[str, Go
 
 
 def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseline: Run,
-                loss_paths: list[str] | None, tokens: torch.Tensor | None,
+                loss_paths: list[str] | None, tokens: Fed | None,
                 models: CellModels, status: Status | None) -> list[CheckResult]:
     if cell.backend == HF_EAGER and not subject.is_transformers:
         reason = "not a transformers model: it has no attention implementation to switch"
@@ -568,7 +603,8 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
             continue
         noise = _loss_noise(baseline, goldens["outputs"].tensors) if output == "loss" else None
         results.append(_judge(subject, cell, output, run.outputs.get(output, {}),
-                              golden.tensors, baseline.outputs.get(output), noise))
+                              golden.tensors, baseline.outputs.get(output), noise,
+                              islands=golden_islands(goldens)))
     if cell.compile:
         decode = goldens.get("decode")
         annotate(results, run.compile_log, step_verdicts(
@@ -580,7 +616,7 @@ def _check_cell(subject: Subject, cell: Cell, goldens: dict[str, Golden], baseli
 
 
 def _compiled_run(subject: Subject, cell: Cell, loss_paths: list[str] | None,
-                  tokens: torch.Tensor | None) -> tuple[Run, int | None]:
+                  tokens: Fed | None) -> tuple[Run, int | None]:
     """The compiled cell's run; every output n/a with the reason where it cannot compile."""
     reason = unavailable_reason(cell)
     if reason is None:
@@ -601,28 +637,41 @@ def _loss_noise(baseline: Run, golden: dict[str, Any]) -> float | None:
     return tolerance.propagated_noise(baseline.sensitivity, errors) if errors else None
 
 
+def golden_islands(goldens: dict[str, Golden]) -> str | None:
+    """The narrowest dtype the float64 golden run computed in (None: float64 throughout)."""
+    return narrowest(goldens["outputs"].summary.get("islands"))
+
+
+def islands_sentence(goldens: dict[str, Golden]) -> str | None:
+    """Where the float64 golden computed in a narrower dtype, as a sentence (None: nowhere)."""
+    islands = goldens["outputs"].summary.get("islands")
+    if not islands:
+        return None
+    where = "; ".join(f"{dtype} at {', '.join(modules)}" for dtype, modules in islands.items())
+    return (f"the float64 golden computes in {where} (the model's own casts): it is as "
+            f"precise as {narrowest(islands)} there, and every budget allows for it")
+
+
 def _judge(subject: Subject, cell: Cell, output: str, candidate: dict[str, Any],
            golden: dict[str, Any], baseline: dict[str, Any] | None,
-           noise: float | None = None) -> CheckResult:
+           noise: float | None = None, islands: str | None = None) -> CheckResult:
     """Judge the tensors candidate and golden share; paths that one side lacks (eager's
     attention weights against sdpa's None) are structure differences, not divergences.
-    Outputs with a value per input position are judged on the unpadded ones."""
+    Outputs with a value per input position are judged on the unpadded ones; ``islands``
+    is the narrowest dtype the model computes in (a baseline may err as it does)."""
     comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
                          compute_dtype=cell.dtype, noise=noise if baseline else None,
-                         padding=_padding(subject, output))
-    worst = comparison.worst
-    left_out = comparison.left_out_sentence()
+                         padding=_padding(subject, output), islands=islands)
+    fields = judged_fields(comparison, cell)
     if output == "loss" and subject.loss_fn is None and subject.padding:
-        left_out = f"the default loss leaves the padding out: {subject.padding.summary()}."
-    explain = comparison.explain()
+        fields["left_out"] = (f"the default loss leaves the padding out: "
+                              f"{subject.padding.summary()}.")
     step = first_step(comparison) if output.startswith("decode") and subject.steps else None
     if step is not None:
-        explain = f"first step that differs: {step} (0 is the prompt); {explain}"
-    return _result(subject, cell, output, comparison.verdict, ok=comparison.ok,
-                   headroom=worst.headroom if worst else 0.0, explain=explain,
-                   worst=worst.path if worst else None, sensitivity=comparison.sensitivity,
-                   structure=[str(d) for d in comparison.structure] or None,
-                   left_out=left_out)
+        fields["explain"] = f"first step that differs: {step} (0 is the prompt); " \
+                            f"{fields['explain']}"
+    return _result(subject, cell, output, **fields,
+                   structure=[str(d) for d in comparison.structure] or None)
 
 
 def _not_compared(subject: Subject, cell: Cell, output: str, run: Run) -> CheckResult:

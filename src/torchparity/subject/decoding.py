@@ -6,7 +6,10 @@ later call gets a LongTensor ``(batch, 1)`` of the next token ids and the state 
 call returned. ``logits`` is ``(batch, vocab)`` or ``(batch, positions, vocab)``, the last
 position being the next token's. torchparity owns the loop (:func:`teacher_forced`), so two
 revisions, or a model and its float64 copy, are fed the same tokens: a difference at one step
-cannot change what the next step sees.
+cannot change what the next step sees. A beam search also reorders the state between steps:
+``reorder(state, index) -> state`` keeps row ``index[r]`` of the state as row ``r`` (the parent
+of every new row, :mod:`~torchparity.subject.beams`), and the loop calls it before every step
+that has parents, so two revisions reorder exactly where the search did.
 
 Models that need no step of their own (:func:`builtin_step`): torchparity's reference models
 (``DecoderLM``, ``EncoderDecoder``, with their ``KVCache``), ``transformers`` causal LMs (their
@@ -32,6 +35,11 @@ from torchparity.subject import hf
 
 #: ``step(model, tokens, state) -> (logits, state)``: one decoding step of a model.
 StepFn = Callable[[nn.Module, Any, Any], tuple[torch.Tensor, Any]]
+#: ``reorder(state, index) -> state``: the state with row ``index[r]`` as its row ``r``.
+ReorderFn = Callable[[Any, torch.Tensor], Any]
+#: ``decide(step, logits) -> (tokens, parents)``: what a search feeds at ``step`` given the
+#: logits of the step before: the token of every row and the row it continues (None: its own).
+DecideFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 #: The help every "needs a step" message ends with.
 STEP_HINT = ("return a dict from the factory with a 'step' key: step(model, tokens, state) -> "
              "(logits, state), called first with the inputs and state=None, then with (batch, 1) "
@@ -46,10 +54,12 @@ STEP_HINT = ("return a dict from the factory with a 'step' key: step(model, toke
 class Decoding:
     """What a teacher-forced decoding saw: ``logits[s]`` is step ``s``'s next-token logits
     ``(batch, vocab)`` (step 0 is the prompt), ``tokens[:, s - 1]`` the tokens fed at step
-    ``s``."""
+    ``s`` and ``parents[:, s - 1]`` the rows they continue (None when no row changed its
+    parent: greedy or given tokens)."""
 
     logits: list[torch.Tensor]
     tokens: torch.Tensor
+    parents: torch.Tensor | None = None
 
     @property
     def steps(self) -> int:
@@ -57,12 +67,25 @@ class Decoding:
         return len(self.logits) - 1
 
 
+@dataclass(frozen=True)
+class Fed:
+    """What a decoding is fed: ``tokens`` (batch, steps) and, in a beam search, the rows they
+    continue, ``parents`` (batch, steps)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor | None = None
+
+
 def teacher_forced(step: StepFn, model: nn.Module, inputs: Any, steps: int,
                    tokens: torch.Tensor | None = None, *,
+                   parents: torch.Tensor | None = None, reorder: ReorderFn | None = None,
+                   decide: DecideFn | None = None,
                    during: Callable[[int], contextlib.AbstractContextManager] | None = None,
                    label: str | None = None) -> Decoding:
     """Run the prompt and ``steps`` further steps, feeding ``tokens`` ``(batch, steps)`` or,
-    when None, the greedy choice of the model's own logits at the step before.
+    when None, what ``decide`` chooses from the model's own logits at the step before (default:
+    the greedy choice). Before a step with parents (``parents[:, s - 1]``, or those ``decide``
+    gives) the state is ``reorder``-ed to them.
 
     ``during(s)`` gives a context the call of step ``s`` runs in (a capture of that step).
     Every step's return is checked (:func:`next_token_logits`); the logits are kept detached
@@ -76,15 +99,31 @@ def teacher_forced(step: StepFn, model: nn.Module, inputs: Any, steps: int,
     if tokens is not None and (tokens.dim() != 2 or tokens.shape[1] < steps):
         raise UsageError(f"tokens must be (batch, steps) = (batch, {steps}) token ids; got shape "
                          f"{tuple(tokens.shape)}")
+    if parents is not None and (tokens is None or parents.shape != tokens.shape):
+        raise UsageError("parents must come with tokens of the same shape (batch, steps)")
     during = during or (lambda s: contextlib.nullcontext())
     logits: list[torch.Tensor] = []
     fed: list[torch.Tensor] = []
+    moved: list[torch.Tensor] = []
     state, device = None, None
     for s in range(steps + 1):
         if s == 0:
             given = inputs
         else:
-            token = tokens[:, s - 1] if tokens is not None else logits[-1].argmax(-1)
+            if tokens is not None:
+                token = tokens[:, s - 1]
+                parent = None if parents is None else parents[:, s - 1]
+            elif decide is not None:
+                token, parent = decide(s, logits[-1])
+            else:
+                token, parent = logits[-1].argmax(-1), None
+            if parent is not None:
+                if reorder is None:
+                    raise UsageError(f"{label} has no reorder for a beam search; return a "
+                                     "'reorder' key from the factory: reorder(state, index) -> "
+                                     "state, keeping row index[r] of the state as row r")
+                state = reorder(state, parent.to(device))
+                moved.append(parent)
             fed.append(token)
             given = token[:, None].to(device)  # beside the logits the model returned
         with during(s):
@@ -101,7 +140,8 @@ def teacher_forced(step: StepFn, model: nn.Module, inputs: Any, steps: int,
         device = logits[-1].device
         logits[-1] = logits[-1].cpu()
     chosen = torch.stack(fed, 1) if fed else torch.empty(logits[0].shape[0], 0, dtype=torch.long)
-    return Decoding(logits, chosen.cpu())
+    rows = torch.stack(moved, 1).cpu() if moved and len(moved) == len(fed) else None
+    return Decoding(logits, chosen.cpu(), rows)
 
 
 def _batch(out: Any) -> int | None:

@@ -26,7 +26,7 @@ from torch import nn
 from torchparity.errors import UsageError, UserCodeError
 
 #: The keys a factory's dict may have; the first two are required.
-KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding")
+KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding", "reorder", "search")
 
 
 def resolve_entry(spec: str) -> Callable[[], Any]:
@@ -65,8 +65,8 @@ def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
         if unknown or not {"model", "inputs"} <= set(result):
             raise UsageError(f"factory {label} returned a dict with keys "
                              f"{', '.join(map(str, result)) or '(none)'}; it needs 'model' and "
-                             f"'inputs' and may have 'loss_fn', 'step', 'decode' and "
-                             "'padding'")
+                             f"'inputs' and may have 'loss_fn', 'step', 'reorder', 'search', "
+                             "'decode' and 'padding'")
         fields = {key: result.get(key) for key in KEYS}
     elif isinstance(result, tuple) and len(result) in (2, 3):
         fields = {**dict.fromkeys(KEYS), **dict(zip(KEYS, result, strict=False))}
@@ -80,7 +80,7 @@ def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
         raise UsageError(f"factory {label} returned inputs of type "
                          f"{type(fields['inputs']).__name__}; give a tuple of positional "
                          "arguments, a dict of keyword arguments or one tensor")
-    for key in ("loss_fn", "step", "decode"):
+    for key in ("loss_fn", "step", "reorder", "decode"):
         value = fields[key]
         if value is not None and not callable(value):
             raise UsageError(f"factory {label} returned a {type(value).__name__} as {key}; "

@@ -12,7 +12,8 @@ from torch import nn
 
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
-from torchparity.subject.decoding import STEP_HINT, StepFn, builtin_step
+from torchparity.subject.beams import BeamSettings, builtin_reorder, search_settings
+from torchparity.subject.decoding import STEP_HINT, ReorderFn, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.padding import Padding, padding_of
 from torchparity.subject.running import (
@@ -35,7 +36,9 @@ class Subject:
     folder). Every command that takes a user's model (``check``, ``golden``, ``bench``,
     ``diagnose``, ``record``) loads it here. ``padding`` says which positions of its batch are
     padding, left out of every comparison and of the default loss: the factory's ``padding``,
-    else what the inputs' masks say (:mod:`torchparity.subject.padding`)."""
+    else what the inputs' masks say (:mod:`torchparity.subject.padding`). ``search`` makes its
+    decode golden a beam search (the factory's ``search`` key), ``reorder`` reorders its
+    decoding state between beam steps."""
 
     name: str
     entry: str
@@ -45,6 +48,8 @@ class Subject:
     step: StepFn | None = None
     decode: DecodeFn | None = None
     padding: Padding = field(default_factory=Padding)
+    reorder: ReorderFn | None = None
+    search: BeamSettings | None = None
     #: False where it is checked against goldens made without decoding: it does not decode.
     decoding: bool = True
 
@@ -58,6 +63,7 @@ class Subject:
         fields = call_factory(factory, spec)
         fields["padding"] = padding_of(fields["padding"], fields["inputs"], fields["model"],
                                        f"the padding of factory {spec}", "the factory's padding")
+        fields["search"] = search_settings(fields["search"], f"the search of factory {spec}")
         return cls(name=entry_name(spec), entry=spec, **fields)
 
     @property
@@ -94,6 +100,17 @@ class Subject:
         guarded.label = (f"the step of {self.entry}" if self.step is not None
                          else f"the built-in decoding step of {self.entry}")  # in its messages
         return guarded
+
+    def reorderer(self, model: nn.Module | None = None) -> ReorderFn | None:
+        """The ``reorder(state, index)`` of a beam search over ``model`` (default: the
+        factory's): the factory's, else the built-in one, guarded like :meth:`stepper`; None
+        when there is neither (a search then says it needs one)."""
+        model = self.model if model is None else model
+        reorder = self.reorder or builtin_reorder(model)
+        if reorder is None:
+            return None
+        what = "its reorder" if self.reorder is not None else "the built-in reorder"
+        return lambda state, index: self.guarded(lambda: reorder(state, index), what)
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
                attention: str = hf.SDPA, *, share: bool = False) -> tuple[nn.Module, Any]:
