@@ -165,8 +165,11 @@ def _reachable_tensors(obj: Any, seen: set[int] | None = None, depth: int = 0
 # Records
 
 #: A forward's parameters as ``(name, kind)``, ``kind`` one of ``inspect.Parameter``'s kinds
-#: by name (``POSITIONAL_OR_KEYWORD``, ...): what binding a recorded call needs, and JSON-able.
-Signature = list[tuple[str, str]]
+#: by name (``POSITIONAL_OR_KEYWORD``, ...), followed by the default when it is plain data
+#: (``("sliding_window", "POSITIONAL_OR_KEYWORD", 0)``): what binding a recorded call and
+#: comparing it by meaning need, and JSON-able.
+Signature = list[tuple[str, str] | tuple[str, str, Any]]
+_JSON_PLAIN = (type(None), bool, int, float, str)
 
 
 def signature(module: nn.Module) -> Signature | None:
@@ -175,14 +178,15 @@ def signature(module: nn.Module) -> Signature | None:
         parameters = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
         return None
-    return [(p.name, p.kind.name) for p in parameters]
+    return [(p.name, p.kind.name, p.default) if isinstance(p.default, _JSON_PLAIN)
+            else (p.name, p.kind.name) for p in parameters]
 
 
 def bound_arguments(sig: Signature | None, args: tuple, kwargs: dict) -> dict[str, Any]:
     """A call's arguments by the name of the parameter each binds to: positional arguments to
     the positional parameters in order (``args.<i>`` past them, or without a signature),
     keyword arguments by their own names."""
-    positional = [name for name, kind in sig or []
+    positional = [name for name, kind, *_ in sig or []
                   if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
     bound = {(positional[i] if i < len(positional) else f"args.{i}"): value
              for i, value in enumerate(args)}

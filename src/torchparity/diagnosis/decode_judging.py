@@ -119,23 +119,25 @@ def first_module(rows: list[Row]) -> Row | None:
 
 def where_it_enters(reference: DecodeReference, step: int, row: Row, calls_b: list[ModuleCall],
                     model_b: nn.Module) -> Entry | None:
-    """How the change gets into ``row``'s module at ``step``: the first argument that differs
+    """How the change gets into ``row``'s module at ``step``: an argument whose value differs
     from A's by meaning, else the first state it read (a cache, on the module or in an object
-    it was handed) that holds other positions than A's."""
+    it was handed) that holds other positions than A's, else an argument only one side
+    passes that reads otherwise in the other; when none differs, the module's own code."""
     a = next((c for c in reference.calls.get(step, []) if c.key == row.a_module), None)
     b = next((c for c in calls_b if c.key == row.module), None)
     if a is None or b is None:
         return None
     label = f"{row.module} @ step {step}"
-    b_signature = signature(model_b.get_submodule(b.name))
+    module_b = model_b.get_submodule(b.name)
+    b_signature = signature(module_b)
     a_inputs = reference.store.get_inputs(step_key(a.key, step), placeholders=True)
     found = argument_difference(reference.signatures.get(a.name), a_inputs, b_signature,
-                                (b.args, b.kwargs))
-    if found is not None:
-        return Entry(label, found.argument, found.detail)
+                                (b.args, b.kwargs), b_module=module_b)
     held = state_difference(a.state, b.state)
+    if found is not None and (held is None or not found.one_sided):
+        return Entry(label, found.argument, found.detail)
     if held is None:
-        return None
+        return Entry(label, "", "its arguments and the state it reads are A's", via="code")
     path, detail = held
     if path.startswith("state."):
         return Entry(label, path.removeprefix("state."), detail, via="state")

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from torchparity.comparison.tensor import json_safe
+from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.decode_beams import BeamSwap
 from torchparity.diagnosis.decode_judging import Flip, first_module, step_budget, step_error
 from torchparity.diagnosis.report import (
@@ -29,6 +30,8 @@ from torchparity.diagnosis.report import (
     Result,
     Row,
     headroom,
+    html_cell,
+    not_compared_legend,
     shape_difference,
     share_cell,
     svg_plot,
@@ -37,7 +40,7 @@ from torchparity.diagnosis.report import (
 __all__ = ["BeamSwap", "DecodeReport", "Flip"]
 
 _NOWRAP = "td.share { white-space: nowrap; }\n"
-_LEGEND = "of the budget used (=: bit-identical to A, X: diverged)"
+_LEGEND = "of the budget used (=: bit-identical to A, X: diverged{})"
 
 
 @dataclass
@@ -106,8 +109,7 @@ class DecodeReport(Report):
                     parts.append(f"It enters through the reorder before step "
                                  f"{self.first_step}: {row.entry.argument} {row.entry.detail}.")
                 elif row.entry is not None:
-                    parts.append(f"It enters through its {row.entry.via} "
-                                 f"{row.entry.argument} ({row.entry.detail}).")
+                    parts.append(row.entry.sentence())
             elif self.rows:
                 parts.append("No module's output leaves its budget at that step.")
         real = sum(f.verdict == "real change" for f in self.flips)
@@ -199,7 +201,8 @@ class DecodeReport(Report):
             console.print(self._nbest_table())
         console.print(self._steps_table())
         if self.rows:
-            console.print(self._rows_table())
+            say(f"Modules at step {self.first_step}, B against the golden (A as baseline)")
+            print_lines(console, self._rows_lines(console.width))
         for line in self._footer():
             say(line)
 
@@ -253,20 +256,17 @@ class DecodeReport(Report):
                           style="bold red" if step == self.first_step else None)
         return table
 
-    def _rows_table(self) -> Any:
-        table = self._table(f"Modules at step {self.first_step}, B against the golden (A as "
-                            "baseline)", ["#", "inputs", "output", "module (B)"], 3)
+    def _rows_lines(self, width: int) -> list[tuple[str, str | None]]:
+        """The modules at the first failing step, names never cut (see :mod:`.columns`)."""
         first = self.first_module
-        for index, r in enumerate(self.rows):
-            name = " " * r.depth + _label(r.module)
-            if r.shapes:
-                name += " (shape differs)"
-            table.add_row(str(index), share_cell(r.inputs), share_cell(r.propagated), name,
-                          style="bold red" if r is first else None)
-        return table
+        lines = [Line([str(index), share_cell(r.inputs), share_cell(r.propagated)],
+                      _label(r.module) + (" (shape differs)" if r.shapes else ""), r.depth,
+                      "bold red" if r is first else None)
+                 for index, r in enumerate(self.rows)]
+        return layout(["#", "inputs", "output", "module (B)"], lines, width, right=3)
 
     def _footer(self) -> list[str]:
-        lines = [f"share: {_LEGEND}"]
+        lines = [f"share: {_LEGEND.format(not_compared_legend(self.rows))}"]
         if self.flips and self.meta.get("sample"):
             lines.append("margin: the uniform's distance from the boundary of A's cumulative "
                          "distribution that moved; change: how far B moved it; budget: the "
@@ -325,8 +325,8 @@ class DecodeReport(Report):
             parts.append(_html_table(
                 f"Modules at step {self.first_step} (B against the golden, A as baseline)",
                 ["#", "module (B)", "type", "inputs", "output"],
-                [([str(i), _html_name(r), html.escape(r.module_type), share_cell(r.inputs),
-                   share_cell(r.propagated)],
+                [([str(i), _html_name(r), html.escape(r.module_type), html_cell(r.inputs),
+                   html_cell(r.propagated)],
                   "first" if r is first else ("diverged" if r.propagated is not None
                                               and not r.propagated.ok else ""))
                  for i, r in enumerate(self.rows)], escape=False, wraps=1))
@@ -346,8 +346,7 @@ class DecodeReport(Report):
 def _html_name(row: Row) -> str:
     name = "&nbsp;" * 2 * row.depth + html.escape(_label(row.module))
     if row.entry is not None:
-        name += (f"<br><span class='entry'>enters through its {row.entry.via} "
-                 f"{html.escape(row.entry.argument)} ({html.escape(row.entry.detail)})</span>")
+        name += f"<br><span class='entry'>{html.escape(row.entry.sentence())}</span>"
     for d in row.shapes:
         name += f"<br><span class='entry'>{html.escape(shape_difference(d))}</span>"
     return name

@@ -14,7 +14,14 @@ from torchparity import tolerance
 from torchparity.comparison import Comparison, StructureMismatch, compare
 from torchparity.comparison.selection import PaddingSpec, left_out_of
 from torchparity.comparison.sketch import involves_sketch
-from torchparity.diagnosis.report import Bounded, Mismatch, Result, headroom, worst_error
+from torchparity.diagnosis.report import (
+    Bounded,
+    Mismatch,
+    NotCompared,
+    Result,
+    headroom,
+    worst_error,
+)
 from torchparity.subject.padding import Padding
 
 
@@ -34,10 +41,55 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
     -inf, and a fully masked query row turns NaN, which then reaches real positions through a
     zero weight). Its analytic bound is that of ``precision`` when given (a loss computed in
     float32 from bfloat16 outputs carries bfloat16's rounding), else of each tensor's dtype."""
+    candidate = as_a_names(candidate, golden or baseline)
     broken = _broken_goldens(golden, baseline, padding)
     if broken:
-        return _judged_against_a(candidate, golden, baseline, kind, padding, broken, precision)
-    return _judge(candidate, golden, baseline, kind, padding)
+        result = _judged_against_a(candidate, golden, baseline, kind, padding, broken,
+                                   precision)
+    else:
+        result = _judge(candidate, golden, baseline, kind, padding)
+    return nothing_compared(result) or result
+
+
+def as_a_names(candidate: dict[str, torch.Tensor], a_tensors: dict[str, torch.Tensor]
+               ) -> dict[str, torch.Tensor]:
+    """B's tensors under A's paths where only their container differs, the same thing by
+    meaning: the hidden state of a layer that returns ``(hidden,)`` in A and ``hidden`` in B
+    (``output.0`` against ``output``), of the same shape."""
+    only_a = [p for p in a_tensors if p not in candidate]
+    renamed = dict(candidate)
+    for path in [p for p in candidate if p not in a_tensors]:
+        partner = next((p for p in only_a if _in_a_tuple(p, path) or _in_a_tuple(path, p)), None)
+        if partner is not None and tuple(a_tensors[partner].shape) == tuple(
+                candidate[path].shape):
+            renamed[partner] = renamed.pop(path)
+            only_a.remove(partner)
+    return renamed
+
+
+def _in_a_tuple(inside: str, bare: str) -> bool:
+    """Whether ``inside`` is ``bare`` as the first element of a tuple."""
+    return inside == (f"{bare}.0" if bare else "0")
+
+
+def _nothing_shared(result: Result) -> bool:
+    return isinstance(result, Comparison) and not result.compared
+
+
+def nothing_compared(result: Result) -> NotCompared | None:
+    """A :class:`NotCompared` for a comparison whose sides hold tensors of which none are
+    alike (None when something was compared, or neither side holds any)."""
+    structure = getattr(result, "structure", ())
+    if not isinstance(result, Comparison) or result.tensors or not structure:
+        return None
+    a = sorted(d.path for d in structure if d.golden != "missing")
+    b = sorted(d.path for d in structure if d.candidate != "missing")
+    return NotCompared(result.kind, f"A and B share no tensor (A holds {_paths(a)}, B holds "
+                                    f"{_paths(b)})", structure=structure)
+
+
+def _paths(paths: list[str]) -> str:
+    return ", ".join(paths) if paths else "none"
 
 
 def _judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
@@ -216,7 +268,7 @@ def merged(first: Result | None, second: Result) -> Result:
     if first is None:
         return second
     for result in (first, second):
-        if isinstance(result, Mismatch) or not result.ok:
+        if isinstance(result, Mismatch) or not (result.ok or _nothing_shared(result)):
             return result
     if isinstance(first, Bounded) or isinstance(second, Bounded):
         verdict = "identical" if first.verdict == second.verdict == "identical" else "within"

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torchparity.comparison.structure import format_shape
+from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.folding import FOLD_ABOVE, Fold, folded
 
-__all__ = ["AttributionReport", "Bounded", "DiagnosisReport", "Entry", "Mismatch", "Report",
-           "Result", "Row", "Unit"]
+__all__ = ["AttributionReport", "Bounded", "DiagnosisReport", "Entry", "Mismatch", "NotCompared",
+           "Report", "Result", "Row", "Unit"]
 
 
 class Result(Protocol):
@@ -60,6 +61,29 @@ class Mismatch:
         return {"verdict": self.verdict, "ok": False, "kind": self.kind, "mismatch": self.reason}
 
 
+@dataclass
+class NotCompared:
+    """A comparison with nothing to compare: A and B hold tensors there, but none that are the
+    same thing (different containers, no shared tensor). It is no evidence either way: it
+    neither passes as identical nor counts as a divergence, and every report says why."""
+
+    kind: str
+    reason: str
+    tensors: list = field(default_factory=list)
+    structure: tuple = ()
+    shapes: tuple = ()
+
+    ok = True  # nothing breaks a budget, and nothing is claimed to be within one
+    verdict = "not compared"
+
+    def explain(self) -> str:
+        return f"not compared: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "ok": None, "kind": self.kind,
+                "not_compared": self.reason}
+
+
 @dataclass(frozen=True)
 class Entry:
     """Where a divergence enters: in a container whose local replay diverged although none of
@@ -70,10 +94,17 @@ class Entry:
     module: str
     argument: str
     detail: str
-    via: str = "argument"  # or "state": what the module keeps (a cache on itself)
+    via: str = "argument"  # "state": what the module keeps (a cache on itself); "code": none
 
     def __str__(self) -> str:
         return f"{_label(self.module)} {self.via} {self.argument} ({self.detail})"
+
+    def sentence(self) -> str:
+        """``It enters through its state k_cache (holds ...).``, or that the change is in the
+        module's own code when neither its arguments nor its state differ."""
+        if self.via == "code":
+            return f"The change is in the module's own code: {self.detail}."
+        return f"It enters through its {self.via} {self.argument} ({self.detail})."
 
 
 @dataclass
@@ -105,7 +136,7 @@ class Bounded:
 
 def worst_error(result: Result | None) -> float | None:
     """The largest error (in the kind's metric) over the result's tensors; inf for a mismatch."""
-    if result is None:
+    if result is None or isinstance(result, NotCompared):
         return None
     if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
         return math.inf
@@ -117,7 +148,7 @@ def worst_error(result: Result | None) -> float | None:
 def headroom(result: Result | None) -> float | None:
     """The largest share of its budget any tensor used (>1 means diverged); for a
     :class:`Bounded` result, its bound."""
-    if result is None:
+    if result is None or isinstance(result, NotCompared):
         return None
     if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
         return math.inf
@@ -327,30 +358,28 @@ class DiagnosisReport(Report):
         return super().render(width)
 
     def print(self, console: Any = None, *, fold: bool = True) -> None:
-        """Print the report to a ``rich.console.Console`` (default: stdout, with colours); a
-        deep model's rows fold as :meth:`rich_table` says."""
+        """Print the report to a ``rich.console.Console`` (default: stdout, with colours): the
+        summary, the rows (a deep model's fold as :meth:`table_lines` says), the notes."""
         from rich.console import Console
 
         console = console or Console()
         lines = self._lines(fold)
-        console.print(self.rich_table(fold=fold))
+        console.print(self.summary(), markup=False, highlight=False)
+        print_lines(console, self.table_lines(console.width, fold=fold))
         shown = {line for line in lines if isinstance(line, int)}
         for line in self._footer(shown if len(shown) < len(self.rows) else None):
             console.print(line, markup=False, highlight=False)
 
-    def rich_table(self, *, fold: bool = True) -> Any:
-        """The rows as a ``rich.table.Table`` (for printing to a live console with colours).
+    def table_lines(self, width: int, *, fold: bool = True) -> list[tuple[str, str | None]]:
+        """The rows as text lines of ``width`` columns, each with its rich style.
 
-        The module name is the last column and wraps, never truncates: in a CI log (80
-        columns) it is the answer. Types and amplification are in the JSON and HTML. With
-        ``fold``, a report of more than :data:`~torchparity.diagnosis.folding.FOLD_ABOVE` rows
-        shows the rows that matter (first divergences, where one enters, modules whose local
-        error diverged, structure differences, and their neighbours) and folds runs of layers
-        alike into one line, with the worst cell of each column; JSON and HTML keep every
-        row."""
-        from rich import box
-        from rich.table import Table
-
+        The module name is the last column and is never cut (see :mod:`.columns`): in a CI
+        log (80 columns) it is the answer. Types and amplification are in the JSON and HTML.
+        With ``fold``, a report of more than :data:`~torchparity.diagnosis.folding.FOLD_ABOVE`
+        rows shows the rows that matter (first divergences, where one enters, modules whose
+        local error diverged, structure differences, and their neighbours) and folds runs of
+        layers alike into one line, with the worst cell of each column; JSON and HTML keep
+        every row."""
         backward = bool(self.meta.get("backward"))
         heads = ["#", "local", "prop."] + (["grad l.", "grad p."] if backward else [])
         first, grad = self.first_divergence, self.first_grad_divergence
@@ -363,25 +392,16 @@ class DiagnosisReport(Report):
             cells = [str(line), share_cell(r.local), share_cell(r.propagated)]
             if backward:
                 cells += [share_cell(r.grad_local), share_cell(r.grad_propagated)]
-            name = " " * r.depth + _label(r.module) + _aligned_as(r)
+            name = _label(r.module) + _aligned_as(r)
             if r.structure:
                 name += " (structure differs)"
             style = "bold red" if r is first or r is grad else (
                 "dim" if r.local is not None and r.local.verdict == "identical" else None)
-            rows.append((cells, name, style))
-        table = Table(title=self.summary(), title_justify="left", box=box.SIMPLE_HEAD,
-                      pad_edge=False, collapse_padding=True)
-        for column, head in enumerate(heads):  # as narrow as their contents: names get the rest
-            width = max([len(head)] + [len(cells[column]) for cells, _, _ in rows])
-            table.add_column(head, justify="right" if column == 0 else "left", no_wrap=True,
-                             min_width=width, max_width=width)
-        table.add_column("module (B)", overflow="fold")
-        for cells, name, style in rows:
-            table.add_row(*cells, name, style=style)
-        return table
+            rows.append(Line(cells, name, r.depth, style))
+        return layout([*heads, "module (B)"], rows, width)
 
     def _lines(self, fold: bool) -> list[int | Fold]:
-        """The table's lines: row indices and folds (see :meth:`rich_table`)."""
+        """The table's lines: row indices and folds (see :meth:`table_lines`)."""
         if not fold or len(self.rows) <= FOLD_ABOVE:
             return list(range(len(self.rows)))
         important = {i for i, r in enumerate(self.rows)
@@ -395,7 +415,7 @@ class DiagnosisReport(Report):
     def _column(self, indices: Any, attr: str) -> list[Result | None]:
         return [getattr(self.rows[i], attr) for i in indices]
 
-    def _fold_line(self, line: Fold, backward: bool) -> tuple[list[str], str, str]:
+    def _fold_line(self, line: Fold, backward: bool) -> Line:
         """The cells of a fold: its range of rows, the worst cell of each column, and what it
         folds."""
         rows = [self.rows[i] for i in line.rows]
@@ -410,11 +430,12 @@ class DiagnosisReport(Report):
                     f"{_label(self.rows[line.ends[-1]].module)}")
         else:
             what = f"{span} of {_label(self.rows[line.owner].module)}"
-        return cells, " " * rows[0].depth + f"({what})", "dim"
+        return Line(cells, f"({what})", rows[0].depth, "dim")
 
     def _footer(self, shown: set[int] | None = None) -> list[str]:
         lines = ["cells: share of the budget used (=: bit-identical to A, X: diverged, -: not "
-                 "computed); prop.: in B's own run, local: B's module on A's inputs"]
+                 f"computed{not_compared_legend(self.rows)}); prop.: in B's own run, local: B's "
+                 "module on A's inputs"]
         if shown is not None:
             lines.append(f"…: {len(self.rows) - len(shown)} of {len(self.rows)} rows folded "
                          "into lines with the worst cell of each column; --json and --html "
@@ -592,9 +613,18 @@ def _ratio(value: float | None) -> str:
     return f"{value:.2g}"
 
 
+def not_compared_legend(rows: list[Row]) -> str:
+    """What ``n/c`` means, for a legend, when a row shows it."""
+    shown = any(isinstance(getattr(r, attr), NotCompared) for r in rows
+                for attr in (*_COLUMNS, "inputs"))
+    return ", n/c: not compared, nothing alike on both sides" if shown else ""
+
+
 def share_cell(result: Result | None) -> str:
     if result is None:
         return "-"
+    if isinstance(result, NotCompared):
+        return "n/c"
     if result.verdict == "identical":
         return "="
     if getattr(result, "shapes", ()):
@@ -732,15 +762,15 @@ def _html_row(report: DiagnosisReport, index: int, backward: bool) -> str:
         name += ("<br><span class='structure'>structure differs at "
                  f"{html.escape(_difference(d))}</span>")
     cells = [str(index), name, html.escape(r.a_module if r.how != "name" else ""),
-             html.escape(r.module_type), _html_cell(r.local), _html_cell(r.propagated),
+             html.escape(r.module_type), html_cell(r.local), html_cell(r.propagated),
              html.escape(_amplification(r.amplification))]
     if backward:
-        cells += [_html_cell(r.grad_local), _html_cell(r.grad_propagated)]
+        cells += [html_cell(r.grad_local), html_cell(r.grad_propagated)]
     return (f"<tr class='{' '.join(classes)}' data-row='{index}'>"
             + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
 
 
-def _html_cell(result: Result | None) -> str:
+def html_cell(result: Result | None) -> str:
     if result is None:
         return "-"
     explanation = html.escape(result.explain(), quote=True)

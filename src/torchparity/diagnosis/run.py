@@ -235,7 +235,7 @@ def rebind(recorded: Signature | None, inputs: tuple[tuple, dict], module: nn.Mo
         return args, kwargs
     except TypeError:
         pass
-    names = [name for name, _ in recorded or []]
+    names = [name for name, *_ in recorded or []]
     b_names = list(forward.parameters)
     rebound: dict[str, Any] = {}
     for name, value in bound_arguments(recorded, args, kwargs).items():

@@ -91,9 +91,10 @@ def held_state(module: nn.Module, args: tuple, kwargs: dict,
 
     held = {f"state.{path}": of(t) for path, t in kept_tensors(module, recurse=False)}
     for path, leaf in [*walk(args, "args"), *walk(kwargs, "kwargs")]:
-        if not isinstance(leaf, torch.Tensor) and _is_object(leaf):
-            held.update({f"{path}.{inner}": of(t)
-                         for inner, t in _tensors_in(vars(leaf), "", 0)})
+        if not isinstance(leaf, torch.Tensor) and (_is_object(leaf) or
+                                                   cache_layers(leaf) is not None):
+            inside = leaf if cache_layers(leaf) is not None else vars(leaf)
+            held.update({f"{path}.{inner}": of(t) for inner, t in _tensors_in(inside, "", 0)})
     return held
 
 
@@ -114,8 +115,12 @@ def kept_tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str,
 
 
 def _tensors_in(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
+    layered = cache_layers(value)
     if isinstance(value, torch.Tensor):
         yield path, value
+    elif layered is not None:
+        for inner, tensor in layered.items():
+            yield f"{path}.{inner}" if path else inner, tensor
     elif depth > _DEPTH or isinstance(value, (nn.Module, type)):
         return
     elif isinstance(value, dict):
@@ -128,6 +133,29 @@ def _tensors_in(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.
         yield from _tensors_in(vars(value), path, depth + 1)
 
 
+def cache_layers(value: Any) -> dict[str, torch.Tensor] | None:
+    """The tensors of a ``transformers`` cache by meaning, ``<layer>.keys`` and
+    ``<layer>.values``, whichever release laid it out: ``layers[i].keys`` (5.x),
+    ``key_cache[i]`` (4.x, where the cache is an ``nn.Module``); None for anything else."""
+    found: dict[str, torch.Tensor] = {}
+    layers = getattr(value, "layers", None)
+    key_cache, value_cache = (getattr(value, "key_cache", None),
+                              getattr(value, "value_cache", None))
+    if isinstance(layers, (list, tuple)) and layers and \
+            any(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
+        pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None))
+                 for layer in layers]
+    elif isinstance(key_cache, list) and isinstance(value_cache, list):
+        pairs = list(zip(key_cache, value_cache, strict=False))
+    else:
+        return None
+    for index, (keys, values) in enumerate(pairs):
+        for part, tensor in (("keys", keys), ("values", values)):
+            if isinstance(tensor, torch.Tensor) and tensor.numel():  # 4.x: [] for a new layer
+                found[f"{index}.{part}"] = tensor
+    return found
+
+
 def _is_object(value: Any) -> bool:
     """A plain object whose attributes may hold tensors (a cache), not a module or a class."""
     return hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)) and \
@@ -137,12 +165,28 @@ def _is_object(value: Any) -> bool:
 def state_difference(a: dict[str, Held], b: dict[str, Held]) -> tuple[str, str] | None:
     """The first state path both sides hold whose written extent differs, and how: ``holds 12
     positions in B, 11 in A; B never wrote position 10 (all zeros)``. A tensor laid out with
-    another capacity but written alike is no difference."""
+    another capacity but written alike is no difference. An object handed in under another
+    name in B (``past_key_value`` become ``past_key_values``) is compared by what it holds,
+    under A's name."""
+    b = _renamed_as_in(a, b)
     for path in [p for p in a if p in b]:
         detail = _held_difference(a[path], b[path])
         if detail is not None:
             return path, detail
     return None
+
+
+def _renamed_as_in(a: dict[str, Held], b: dict[str, Held]) -> dict[str, Held]:
+    """B's state with the one object argument only B has (``kwargs.cache``) named as the one
+    only A has, when there is one of each."""
+    def arguments(held: dict[str, Held]) -> set[str]:
+        return {".".join(p.split(".")[:2]) for p in held if not p.startswith("state.")}
+
+    only_a, only_b = arguments(a) - arguments(b), arguments(b) - arguments(a)
+    if len(only_a) != 1 or len(only_b) != 1:
+        return b
+    (old,), (new,) = only_b, only_a
+    return {f"{new}{p[len(old):]}" if p.startswith(f"{old}.") else p: h for p, h in b.items()}
 
 
 def _held_difference(a: Held, b: Held) -> str | None:

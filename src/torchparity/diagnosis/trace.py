@@ -387,10 +387,12 @@ def _import(path: str) -> Any:
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """SHA-256 (first 16 hex digits) of a tensor's dtype, shape and bytes."""
-    t = tensor.detach().cpu().contiguous()
+    """SHA-256 (first 16 hex digits) of a tensor's dtype, shape and bytes (of any dtype and
+    layout: a 0-dim, expanded or non-contiguous tensor is read as its values in order)."""
+    t = tensor.detach().cpu()
     digest = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    flat = t.reshape(-1).contiguous()  # a 0-dim tensor cannot be viewed as bytes, a 1-d can
+    digest.update(flat.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()[:16]
 
 

@@ -1,0 +1,161 @@
+"""What every report kind (terminal, JSON, HTML) says of what it could not compare, and how the
+terminal lays out long module names at 80 columns.
+
+A block that returns ``{"hidden": h}`` in A and ``[h]`` in B shares no tensor with A: its row is
+"not compared", with why, never ``=``. Module names of 60 characters are never cut.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torchparity as tp
+from torchparity.diagnosis.columns import wrapped
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+
+VOCAB, DIM = 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self, as_list: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+        self.as_list = as_list
+
+    def forward(self, x: torch.Tensor):
+        h = torch.tanh(self.proj(x))
+        return [h] if self.as_list else {"hidden": h}
+
+
+class Tiny(nn.Module):
+    """Embedding, a block, a head; B's block returns another container, and B's head is
+    scaled (a real change, so that a decoding has a failing step whose modules are judged)."""
+
+    def __init__(self, revised: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.block = Block(as_list=revised)
+        self.head = nn.Linear(DIM, VOCAB)
+        if revised:
+            with torch.no_grad():
+                self.head.weight.mul_(1.5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.block(self.embed(ids))
+        return self.head(out[0] if isinstance(out, list) else out["hidden"])
+
+
+def recompute(model, tokens, state):
+    ids = tokens["ids"] if state is None else torch.cat((state, tokens), dim=1)
+    return model(ids), ids
+
+
+IDS = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def forward_report():
+    return tp.diagnose(Tiny(False).eval(), Tiny(True).eval(), {"ids": IDS}, backward=False,
+                       local="all", progress=False)
+
+
+@pytest.fixture(scope="module")
+def decode_report():
+    return tp.diagnose_decode(Tiny(False).eval(), Tiny(True).eval(), {"ids": IDS},
+                              step=recompute, steps=2, progress=False)
+
+
+@pytest.fixture(params=["forward", "decode"])
+def report(request, forward_report, decode_report):
+    return forward_report if request.param == "forward" else decode_report
+
+
+def _block(report):
+    return next(r for r in report.rows if r.module == "block")
+
+
+def test_the_terminal_says_not_compared_never_identical(report) -> None:
+    assert _block(report).propagated.verdict == "not compared"
+    line = next(line for line in report.render(80).splitlines()
+                if re.match(r"\s*\d+\s.*\sblock(\s|$)", line))
+    cells = line.split()
+    assert cells[cells.index("block") - 1] == "n/c", line  # B's output against A's
+    assert "n/c: not compared" in " ".join(report.render(80).split())
+
+
+def test_the_json_says_not_compared_and_why(report) -> None:
+    rows = json.loads(report.to_json())
+    rows = rows["decode"]["rows"] if "decode" in rows else rows["rows"]
+    block = next(r for r in rows if r["module"] == "block")
+    assert block["propagated"]["verdict"] == "not compared"
+    assert block["propagated"]["ok"] is None
+    assert block["propagated"]["not_compared"] == (
+        "A and B share no tensor (A holds output.hidden, B holds output.0)")
+
+
+def test_the_html_says_not_compared_and_why(report, tmp_path: Path) -> None:
+    page = report.to_html(tmp_path / "report.html")
+    row = next(r for r in re.findall(r"<tr.*?</tr>", page) if re.search(r"(;|>)block(<|$)", r))
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+    assert ">n/c<" in cells[-1 if hasattr(report, "flips") else -2], row  # the output's cell
+    assert "not compared: A and B share no tensor (A holds output.hidden, B holds output.0)" \
+        in html.unescape(row)
+
+
+# --------------------------------------------------------------------------------------------
+# 80 columns
+
+
+LONG = "transformer_layers_of_the_decoder_stack"
+
+
+class Deep(nn.Module):
+    """Module names of 60 characters and more: ``decoder.<long>.0.self_attention.linear_values``."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        attention = nn.Module()
+        attention.linear_values = nn.Linear(DIM, DIM)
+        attention.linear_keys = nn.Linear(DIM, DIM)
+        layer = nn.Module()
+        layer.self_attention = attention
+        stack = nn.Module()
+        setattr(stack, LONG, nn.ModuleList([layer]))
+        self.decoder = stack
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attention = getattr(self.decoder, LONG)[0].self_attention
+        return attention.linear_values(x) * self.scale + attention.linear_keys(x)
+
+
+def test_no_name_of_60_characters_is_cut_at_80_columns() -> None:
+    a, b = Deep(1.0), Deep(1.001)
+    names = [n for n, _ in a.named_modules() if n.count(".") == 4]
+    assert min(map(len, names)) >= 60
+    report = tp.diagnose(a, b, torch.randn(3, DIM), progress=False)
+    text = report.render(80)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 80, text
+    for name in names:
+        assert any(re.search(rf"(^|\s){re.escape(name)}(\s|$)", line) for line in lines), text
+
+
+@pytest.mark.parametrize("width", [40, 60, 80])
+def test_a_layout_yields_indentation_then_gives_a_name_its_own_line(width: int) -> None:
+    name = "decoder." + LONG + ".0.self_attention.linear_values"
+    prefix = " 12  X 1e+03  X 2e+04  "
+    lines = wrapped(prefix, name + " (shape differs)", 6, width)
+    assert any(line.strip() == name or line.endswith(" " + name) for line in lines), lines
+    assert all(len(line) <= max(width, len(name)) for line in lines)
+    assert "".join(lines).replace(" ", "") == (prefix + name + "(shapediffers)").replace(" ", "")
