@@ -92,6 +92,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from torchparity.dtypes import ALIASES, dtype_name
+
 Metric = Literal["max_abs", "rms"]
 DtypeLike = torch.dtype | str
 
@@ -123,21 +125,6 @@ _PRECISIONS = {
     )
 }
 
-_ALIASES = {
-    "float64": "fp64",
-    "double": "fp64",
-    "float32": "fp32",
-    "float": "fp32",
-    "float16": "fp16",
-    "half": "fp16",
-    "bfloat16": "bf16",
-    "float8_e4m3fn": "fp8_e4m3",
-    "float8_e5m2": "fp8_e5m2",
-    # The "fnuz" variants share the significand; only their subnormal spacing differs by 2x.
-    "float8_e4m3fnuz": "fp8_e4m3",
-    "float8_e5m2fnuz": "fp8_e5m2",
-}
-
 #: Unit roundoff ``u`` per compute dtype, keyed by canonical name ("fp32", "bf16", "tf32", ...).
 UNIT_ROUNDOFF: dict[str, float] = {name: p.unit_roundoff for name, p in _PRECISIONS.items()}
 
@@ -148,10 +135,9 @@ def precision(dtype: DtypeLike) -> Precision:
     Raises ``ValueError`` naming the accepted names when the dtype has no rounding model
     (integer, bool, complex or unknown).
     """
-    name = str(dtype).removeprefix("torch.").lower()
-    name = _ALIASES.get(name, name)
+    name = dtype_name(dtype)
     if name not in _PRECISIONS:
-        known = ", ".join(sorted(_PRECISIONS) + sorted(_ALIASES))
+        known = ", ".join(sorted(_PRECISIONS) + sorted(ALIASES))
         raise ValueError(f"no rounding model for dtype {dtype!r}; use one of: {known}")
     return _PRECISIONS[name]
 

@@ -26,7 +26,7 @@ from torchparity.calibration.problems import (
     attention_with_softmax_in,
     leaked_mask,
 )
-from torchparity.dtypes import dtype_name
+from torchparity.dtypes import DTYPES, dtype_name
 from torchparity.errors import BackendUnavailable, UsageError
 from torchparity.reference import TransformerConfig, build_model, sequence_loss, variants
 from torchparity.reference.attention import Attention, AttentionContext
@@ -83,7 +83,7 @@ class ModelProblem:
         """As the suite: not the CPU flash kernel's gradients below fp32."""
         from torchparity.strategies import compares_gradients
 
-        return compares_gradients(backend, _DTYPES[dtype])
+        return compares_gradients(backend, DTYPES[dtype])
 
     def run(self, dtype: str, variant: Variant = PLAIN, *, grad: bool = True,
             rerun: bool = False) -> dict[str, dict[str, torch.Tensor]]:
@@ -93,7 +93,7 @@ class ModelProblem:
         config = self.config
         if variant.norm_eps != NORM_EPS:
             config = config.replace(norm_eps=config.norm_eps * variant.norm_eps / NORM_EPS)
-        model = build_model(config, self.model_seed, dtype=_DTYPES[dtype])
+        model = build_model(config, self.model_seed, dtype=DTYPES[dtype])
         if rerun:
             perturb_weights(model)
         _plant(model, variant)
@@ -108,10 +108,6 @@ class ModelProblem:
                     pass
             with torch.no_grad():
                 return {"forward": {"logits": model(**self.batch)}}
-
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-           "fp64": torch.float64}
 
 
 def draw_model_problems(draws: int, seed: int) -> list[ModelProblem]:

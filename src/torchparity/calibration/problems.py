@@ -16,16 +16,13 @@ from typing import Any
 import torch
 
 from torchparity import backends, tolerance
+from torchparity.dtypes import DTYPES
 from torchparity.reference import rng
 from torchparity.reference.norms import RMSNorm
 from torchparity.reference.positions import apply_rotary
 
-DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp64": torch.float64,
-}
+#: The dtypes calibrated, in the order of the study's tables.
+CALIBRATED = ("fp32", "bf16", "fp16", "fp64")
 MEASURED_KINDS = ("forward", "grad")
 NORM_EPS = 1e-6
 # The model width is kept small: the projections are not under test and would dominate the time.

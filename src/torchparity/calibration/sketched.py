@@ -37,7 +37,6 @@ import torch
 from torchparity import sketching, tolerance
 from torchparity.calibration.problems import (
     BUGS,
-    DTYPES,
     MEASURED_KINDS,
     MULTIPLES,
     SIZED_BUG,
@@ -48,6 +47,7 @@ from torchparity.calibration.problems import (
 )
 from torchparity.calibration.sections import Section
 from torchparity.comparison import compare
+from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
 
 BEGIN = "<!-- sketched study: written by `torchparity calibrate --sketched` -->"

@@ -25,8 +25,8 @@ from torchparity.calibration.draws import Calibration, baseline_ratio
 from torchparity.calibration.models import ModelProblem, draw_model_problems
 from torchparity.calibration.problems import (
     BUGS,
+    CALIBRATED,
     DETECTION_GOAL,
-    DTYPES,
     GOAL_MULTIPLE,
     MEASURED_KINDS,
     MULTIPLES,
@@ -208,7 +208,7 @@ def calibrate(
     for the attention blocks; hypothesis seeded with ``seed`` for the models) and return the
     statistics.
 
-    ``dtypes`` default to all of :data:`DTYPES`, ``backend_names`` to every CPU backend but
+    ``dtypes`` default to all of :data:`CALIBRATED`, ``backend_names`` to every CPU backend but
     manual (the baseline itself). flex, which recompiles on every CPU call, runs on every
     ``flex_every``-th draw only. ``on_draw`` is called after each problem (progress reporting).
     """
@@ -218,7 +218,7 @@ def calibrate(
     results = Results(
         draws=draws,
         seed=seed,
-        dtypes=dtypes or list(DTYPES),
+        dtypes=dtypes or list(CALIBRATED),
         backends=backend_names or cpu_backends(),
         false_alarms=defaultdict(FalseAlarmStats),
         detection=defaultdict(DetectionStats),

@@ -15,22 +15,20 @@ from rich.table import Table
 
 from torchparity import backends
 from torchparity.commands.common import dtype_name, resolve_device
-
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16,
-          "fp16": torch.float16}
+from torchparity.dtypes import CASTABLE, DTYPES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="device to probe (default: cuda when available, else cpu)")
-    parser.add_argument("--dtype", action="append", type=dtype_name, choices=list(DTYPES),
+    parser.add_argument("--dtype", action="append", type=dtype_name, choices=list(CASTABLE),
                         help="dtype to probe (repeatable; default: all)")
     parser.add_argument("--json", metavar="PATH", help="also write the table as JSON to PATH")
 
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    dtypes = args.dtype or list(DTYPES)
+    dtypes = args.dtype or list(CASTABLE)
     results = {name: backends.available(device, DTYPES[name]) for name in dtypes}
 
     table = Table(title=f"attention backends on {device} (torch {torch.__version__})")

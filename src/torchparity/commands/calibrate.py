@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from torchparity import backends, machine
 from torchparity.calibration import capabilities, sketched
-from torchparity.calibration.problems import DTYPES
+from torchparity.calibration.problems import CALIBRATED
 from torchparity.calibration.report import json_safe, print_tables, render_markdown
 from torchparity.calibration.study import FAMILIES, calibrate, cpu_backends
 from torchparity.commands.common import dtype_name
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         action="append",
         type=dtype_name,
-        choices=list(DTYPES),
+        choices=list(CALIBRATED),
         help="candidate dtype (repeatable; default: fp32, bf16, fp16, fp64)",
     )
     parser.add_argument(
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--draws must be at least 1, got {args.draws}")
     if args.flex_every < 1:
         raise UsageError(f"--flex-every must be at least 1, got {args.flex_every}")
-    dtypes = args.dtype or list(DTYPES)
+    dtypes = args.dtype or list(CALIBRATED)
     families = args.problems or list(FAMILIES)
     backend_names = args.backend or cpu_backends()
     unknown = [b for b in backend_names if b not in backends.names()]

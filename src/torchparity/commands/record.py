@@ -12,6 +12,7 @@ import argparse
 import torch
 
 from torchparity.commands.common import dtype_name
+from torchparity.dtypes import CASTABLE, torch_dtype
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
 
@@ -36,7 +37,7 @@ def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only modules matching this glob (or 're:REGEX'); repeatable")
     parser.add_argument("--exclude", action="append", metavar="PATTERN",
                         help="skip modules matching this glob (or 're:REGEX'); repeatable")
-    parser.add_argument("--dtype", type=dtype_name, choices=tuple(DTYPES),
+    parser.add_argument("--dtype", type=dtype_name, choices=CASTABLE,
                         help="run copies of the models in this dtype (fp64: compare A and B in "
                              "float64, where changes below fp32 noise show); default: as given")
 
@@ -76,14 +77,9 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, metavar=metavar, help=text)
 
 
-#: ``--dtype`` choices of diagnose and record.
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16,
-          "fp16": torch.float16}
-
-
 def dtype_option(args: argparse.Namespace) -> torch.dtype | None:
     """The torch dtype ``--dtype`` names (None when not given)."""
-    return DTYPES[args.dtype] if args.dtype else None
+    return torch_dtype(args.dtype) if args.dtype else None
 
 
 def decode_options(args: argparse.Namespace) -> dict:

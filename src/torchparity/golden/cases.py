@@ -33,6 +33,7 @@ import torch
 
 from torchparity import backends, tolerance
 from torchparity.comparison import StructureMismatch, compare
+from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.compiled import (
     annotate,
@@ -66,11 +67,6 @@ DECODE_STEPS = 4
 WEIGHT_SEED = 0
 #: The standard batch of every case (its padding comes from the case).
 INPUTS = {"batch_size": 2, "seq_len": 12, "seed": 0}
-
-#: Dtype names of the check; tf32 is fp32 tensors with TF32 matmuls (CUDA only).
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
-          "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass(frozen=True)
 class Cell:

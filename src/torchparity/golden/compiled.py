@@ -32,22 +32,18 @@ import torch
 
 from torchparity import backends
 from torchparity.comparison import compare
+from torchparity.dtypes import DTYPES
 from torchparity.subject.compiling import CompileLog
 
 if TYPE_CHECKING:
     from torchparity.golden.cases import Cell, CheckResult
-
-#: The torch dtype of each of the check's dtype names.
-_TORCH_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32,
-                 "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def unavailable_reason(cell: Cell) -> str | None:
     """Why the cell's backend cannot run eagerly on its device and dtype (then compiling it is
     not tried), or None. ``hf-eager`` and other backends of no registry are never refused."""
     if cell.backend not in backends.names():
         return None
-    return backends.available(cell.device, _TORCH_DTYPES[cell.dtype])[cell.backend]
+    return backends.available(cell.device, DTYPES[cell.dtype])[cell.backend]
 
 
 def decode_phases(log: CompileLog | None, label: str

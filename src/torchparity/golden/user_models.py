@@ -68,10 +68,9 @@ from torch import nn
 
 from torchparity import backends, sketching, tolerance
 from torchparity.comparison import NOT_COMPARED, compare
-from torchparity.dtypes import dtype_name
+from torchparity.dtypes import DTYPES, dtype_name
 from torchparity.errors import BackendUnavailable, UsageError
 from torchparity.golden.cases import (
-    DTYPES,
     REFERENCE,
     Cell,
     CheckResult,
