@@ -60,6 +60,17 @@ def test_round_trip_keeps_every_value_and_dtype(tmp_path):
     assert golden.summary["schema_version"] == EXACT_SCHEMA_VERSION
 
 
+def test_tensors_read_back_in_the_order_written(tmp_path):
+    # The file's own order is arbitrary (it changes between reads), and the order decides which
+    # of two equally close tensors a report names first, and the order of its sentences.
+    store = GoldenStore(tmp_path)
+    names = ["encoder.layers.1", "decoder.layers.0", "encoder.layers.0", "z", "a", "m", "b", "y"]
+    store.write("group", "out", {name: torch.full((2,), float(i)) for i, name in
+                                 enumerate(names)}, {"kind": "forward"})
+    for _ in range(5):
+        assert list(store.read("group", "out").tensors) == names
+
+
 def test_json_summary_states_numpy_statistics_one_line_per_tensor(tmp_path):
     store = GoldenStore(tmp_path)
     tensors = sample_tensors()

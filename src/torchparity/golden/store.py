@@ -384,8 +384,10 @@ def _flat(stored: Mapping[str, torch.Tensor | Sketch]) -> dict[str, torch.Tensor
 def _unflat(flat: dict[str, torch.Tensor], listed: Mapping[str, Any]
             ) -> dict[str, torch.Tensor | Sketch]:
     """The golden's tensors and sketches from the file's tensors and the JSON's lines (the
-    shape, dtype and seed of each sketch). Parts a sketch lacks are left as they are, for
-    :func:`_check_consistent` to report."""
+    shape, dtype and seed of each sketch), in the order the JSON lists them: the order they
+    were written, where the file's is arbitrary (it changes from process to process, and with
+    it which of two equal tensors a report names first). Parts a sketch lacks are left as they
+    are, for :func:`_check_consistent` to report."""
     tensors: dict[str, torch.Tensor | Sketch] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in flat.items():
@@ -408,7 +410,8 @@ def _unflat(flat: dict[str, torch.Tensor], listed: Mapping[str, Any]
         except (TypeError, ValueError, KeyError):
             # Left as stored: _check_consistent names what does not match.
             tensors.update({f"{name}{SEPARATOR}{part}": t for part, t in found.items()})
-    return tensors
+    order = {name: i for i, name in enumerate(listed)}
+    return dict(sorted(tensors.items(), key=lambda item: order.get(item[0], len(order))))
 
 
 def _lock(tensor_path: Path) -> FileLock:
