@@ -382,12 +382,17 @@ def _flex(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
     full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias_full = None if bias is None else bias.expand(full)
     mask_full = None if mask is None else mask.expand(full)
+    eager_cpu = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    # Eager flex vmaps score_mod over (b, h, q, kv), where a tensor's [] runs an
+    # autograd.Function whose vmap rule is rebuilt at every call (most of flex's time on the
+    # CPU); with no backward pass there, aten.index gathers the same values directly.
+    at = _gather if eager_cpu else _subscript
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if bias_full is not None:
-            score = score + bias_full[b, h, q_idx, kv_idx]
+            score = score + at(bias_full, b, h, q_idx, kv_idx)
         if mask_full is not None:
-            score = torch.where(mask_full[b, h, q_idx, kv_idx], score, -float("inf"))
+            score = torch.where(at(mask_full, b, h, q_idx, kv_idx), score, -float("inf"))
         if causal:
             score = torch.where(q_idx >= kv_idx, score, -float("inf"))
         return score
@@ -397,7 +402,6 @@ def _flex(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
         warnings.filterwarnings("ignore", message=".*_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG")
-        eager_cpu = q.device.type == "cpu" and not torch.compiler.is_compiling()
         untraced = _flex_untraced() if eager_cpu else contextlib.nullcontext()
         try:
             with untraced:
@@ -412,6 +416,14 @@ def _flex(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
             raise BackendUnavailable(
                 f"flex cannot compile this call ({q.device.type}, {q.dtype}, head dim "
                 f"{q.shape[-1]}): {str(cause).strip().splitlines()[0]}") from None
+
+
+def _subscript(t: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    return t[index]
+
+
+def _gather(t: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.index.Tensor(t, list(index))
 
 
 _IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
