@@ -36,18 +36,18 @@ from torch import nn
 
 from torchparity.diagnosis.align import Alignment, NameMap
 from torchparity.diagnosis.capture import PatternSpec
-from torchparity.diagnosis.compiled import compile_form, localise
-from torchparity.diagnosis.entry import find_entry
-from torchparity.diagnosis.golden import add_golden, describe_mode, float64_departure
-from torchparity.diagnosis.local import judge_local
-from torchparity.diagnosis.progress import ProgressBar, progress_bar
-from torchparity.diagnosis.propagated import judge_propagated
-from torchparity.diagnosis.reference import (
+from torchparity.diagnosis.capture_a import (
     Reference,
     capture_reference,
     open_reference,
     trace_meta,
 )
+from torchparity.diagnosis.compiled_localisation import compile_form, localise
+from torchparity.diagnosis.entry import find_entry
+from torchparity.diagnosis.float64_golden import add_golden, describe_mode, float64_departure
+from torchparity.diagnosis.local import judge_local
+from torchparity.diagnosis.progress import ProgressBar, progress_bar
+from torchparity.diagnosis.propagated import judge_propagated
 from torchparity.diagnosis.report import DiagnosisReport
 from torchparity.diagnosis.run import (
     BackendSpec,

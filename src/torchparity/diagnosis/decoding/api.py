@@ -27,25 +27,25 @@ from torch import nn
 
 from torchparity.diagnosis.align import NameMap
 from torchparity.diagnosis.capture import PatternSpec
-from torchparity.diagnosis.decode_beams import (
+from torchparity.diagnosis.decoding.beams import (
     Sides,
     keeps_differ,
     nbest_swaps,
     reorder_entry,
     step_swaps,
 )
-from torchparity.diagnosis.decode_judging import (
+from torchparity.diagnosis.decoding.judging import (
     first_flips,
     first_module,
     judge_steps,
     module_rows,
     where_it_enters,
 )
-from torchparity.diagnosis.decode_report import DecodeReport
-from torchparity.diagnosis.decode_run import DecodeReference, Side, capture_step, record_reference
-from torchparity.diagnosis.decode_sampling import first_changed_draws
-from torchparity.diagnosis.decode_trace import decode_meta, open_decode_reference
-from torchparity.diagnosis.golden import describe_mode, module_placement
+from torchparity.diagnosis.decoding.report import DecodeReport
+from torchparity.diagnosis.decoding.run import DecodeReference, Side, capture_step, record_reference
+from torchparity.diagnosis.decoding.sampling import first_changed_draws
+from torchparity.diagnosis.decoding.trace import decode_meta, open_decode_reference
+from torchparity.diagnosis.float64_golden import describe_mode, module_placement
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest

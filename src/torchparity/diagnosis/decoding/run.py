@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import Capture, ModuleCall, Signature, signature
-from torchparity.diagnosis.golden import golden_copy
+from torchparity.diagnosis.float64_golden import golden_copy
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
 from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep
