@@ -6,13 +6,13 @@ or a seeded sampler produced) with every module captured at every step, beside a
 of itself fed the same tokens (the golden). B is fed the same tokens, so a difference at one
 step cannot change what the next step sees; each step's next-token logits are judged against
 the golden with A's as the baseline. At the first step that leaves its budget B runs once more
-with every module captured at that step (see :mod:`~torchparity.diagnosis.decode_judging`).
+with every module captured at that step (see :mod:`~torchparity.diagnosis.decoding.judging`).
 
 ``diagnose_decode`` does it in one process; ``record_decode`` writes A's side to a trace on the
 base revision and ``diagnose_decode_against`` judges the changed revision against it. Models
 decode through the step protocol of :mod:`torchparity.subject.decoding`: reference models and
 ``transformers`` generators need no step of their own. With ``beams`` A runs a beam search and
-every other side follows its parents and tokens (:mod:`~torchparity.diagnosis.decode_beams`
+every other side follows its parents and tokens (:mod:`~torchparity.diagnosis.decoding.beams`
 judges where B would keep other hypotheses). No gradients are taken.
 """
 
