@@ -14,8 +14,11 @@ import pytest
 import torch
 
 from torchparity import cli
-from torchparity.bench import runner as bench
-from torchparity.bench.worker import peak_bytes, timing_model
+from torchparity.bench.models import model_config, timing_model
+from torchparity.bench.rounds import paired_ratio, rotated
+from torchparity.bench.runner import SCHEMA
+from torchparity.bench.settings import PARTS, QUICK_SIZES
+from torchparity.bench.timing import peak_bytes
 
 POSITIVE = {"tok_per_s", "step_s", "first_step_s", "ratio_vs_manual", "peak_bytes",
             "peak_vs_manual", "tokens_per_step", "wall_s", "cpu_s", "plain_s", "diagnose_s",
@@ -70,9 +73,9 @@ def check_rows(rows: list[dict[str, Any]]) -> None:
 
 
 def test_quick_result_schema(quick: dict[str, Any]) -> None:
-    assert quick["schema"] == bench.SCHEMA
+    assert quick["schema"] == SCHEMA
     assert {"cpu", "logical_cores", "torch", "load_average_start"} <= set(quick["machine"])
-    for part in bench.PARTS:
+    for part in PARTS:
         check_rows(quick[part])
     for target in quick["targets"]:
         assert target["met"] in (True, False, None)
@@ -84,7 +87,7 @@ def test_quick_result_schema(quick: dict[str, Any]) -> None:
 def test_quick_throughput_rows(quick: dict[str, Any], model: str) -> None:
     rows = {row["backend"]: row for row in quick["throughput"] if row["model"] == model}
     assert list(rows) == ["manual", "sdpa-math", "flex", "sdpa-efficient"]
-    size = bench.QUICK_SIZES[0]
+    size = QUICK_SIZES[0]
     for name in ("manual", "sdpa-math"):
         row = rows[name]
         assert row["status"] == "ok" and row["mode"] == "forward+backward"
@@ -148,7 +151,7 @@ def test_peak_bytes_counts_what_lives_together() -> None:
 
 def test_rotated_rounds_put_each_contender_first_once() -> None:
     names = ["manual", "sdpa", "flex"]
-    orders = [bench.rotated(names, r) for r in range(len(names))]
+    orders = [rotated(names, r) for r in range(len(names))]
     assert all(sorted(order) == sorted(names) for order in orders)
     assert sorted(order[0] for order in orders) == sorted(names)
 
@@ -157,7 +160,7 @@ def test_paired_ratio_cancels_drift() -> None:
     # The machine slows down 8x over the run; B is always exactly twice as fast as A.
     a = [0.5 * 2.0**r for r in range(4)]
     b = [t / 2 for t in a]
-    assert bench.paired_ratio(a, b) == 2.0
+    assert paired_ratio(a, b) == 2.0
 
 
 @pytest.mark.parametrize("args, named", [
@@ -184,7 +187,7 @@ def test_cuda_without_cuda_is_one_line(capsys: pytest.CaptureFixture[str]) -> No
 def test_timing_models_of_two_backends_hold_the_same_weights() -> None:
     # diagnose is timed on two such models and must find nothing: every parameter, linear
     # biases included, comes from the seeded generator rather than the global RNG.
-    config = bench.model_config("encdec-prenorm", bench.QUICK_SIZES[0])
+    config = model_config("encdec-prenorm", QUICK_SIZES[0])
     first = timing_model(config, torch.device("cpu"), torch.float32)
     torch.manual_seed(123)  # what the constructors draw from
     second = timing_model(config.replace(attention_backend="sdpa"), torch.device("cpu"),

@@ -7,8 +7,10 @@ import dataclasses
 import math
 
 from torchparity.bench import report
-from torchparity.bench.decode import STEPS, decode_rows
-from torchparity.bench.runner import Progress, default_settings, evaluate_targets
+from torchparity.bench.decode_cost import STEPS, decode_rows
+from torchparity.bench.rounds import Progress
+from torchparity.bench.settings import default_settings
+from torchparity.bench.targets import evaluate_targets
 
 
 def test_the_decode_part_times_a_decoding_diagnosis_against_two_plain_decodings() -> None:

@@ -10,6 +10,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from torchparity.bench.host import describe_machine
+from torchparity.bench.stages import REPORT, RUNS, STAGES
+
 Section = tuple[str, list[str], list[list[str]]]  # title, headers, rows of cells
 
 
@@ -48,20 +51,6 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
         for row in rows:
             table.add_row(*row)
         console.print(table)
-
-
-def describe_machine(machine: dict[str, Any]) -> str:
-    parts = [f"{machine['cpu']}, {machine['logical_cores']} logical cores "
-             f"({machine['torch_threads']} torch threads)"]
-    if machine.get("memory_gib"):
-        parts.append(f"{machine['memory_gib']} GiB RAM")
-    if machine.get("gpu"):
-        parts.append(f"{machine['gpu']} (CUDA {machine.get('cuda')})")
-    parts.append(f"torch {machine['torch']}, Python {machine['python']}")
-    loads = [machine.get("load_average_start"), machine.get("load_average_end")]
-    if all(loads):
-        parts.append(f"1-min load {loads[0][0]} at start, {loads[1][0]} at end")
-    return "; ".join(parts)
 
 
 def _md_row(cells: list[str]) -> str:
@@ -149,10 +138,10 @@ def _diagnose(rows: list[dict[str, Any]]) -> Section:
 
 
 def _diagnose_split(rows: list[dict[str, Any]]) -> Section:
-    parts = ("runs", "judging", "replays", "float64 check", "report")
     columns = [("model", lambda r: r.get("model", "")), ("size", _size),
                ("capture", lambda r: r.get("capture", ""))]
-    columns += [(part, lambda r, part=part: _ratio(r["split"].get(part))) for part in parts]
+    columns += [(stage, lambda r, stage=stage: _ratio(r["split"].get(stage)))
+                for stage in (RUNS, *STAGES, REPORT)]
     split_rows = [{**r, "capture": capture, "split": r[f"{key}_split"]}
                   for r in rows if r.get("status") == "ok"
                   for capture, key in (("full", "diagnose"), ("streaming", "stream"),

@@ -12,25 +12,26 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from torchparity.bench import report as bench_report
-from torchparity.bench import runner as bench
+from torchparity.bench.host import machine_info
+from torchparity.bench.rounds import Progress
+from torchparity.bench.runner import run as run_bench
+from torchparity.bench.settings import DTYPE_CHOICES, PARTS, REFERENCE_CASES, default_settings
 from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError
 from torchparity.golden.report import print_table
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available, else cpu)")
-    parser.add_argument("--dtype", action="append", type=dtype_name, choices=list(DTYPES),
+    parser.add_argument("--dtype", action="append", type=dtype_name, choices=DTYPE_CHOICES,
                         help="dtype to measure (repeatable; default: fp32 on the CPU, "
                              "bf16 and fp32 on CUDA)")
     parser.add_argument("--size", action="append", metavar="NAME",
                         help="benchmark size (repeatable; cpu: s, m; cuda: m, l; default: all)")
     parser.add_argument("--case", action="append", metavar="NAME",
                         help="zoo case to scale up as the model (repeatable; default: "
-                             f"{' and '.join(bench.REFERENCE_CASES)}; diagnose uses the first)")
+                             f"{' and '.join(REFERENCE_CASES)}; diagnose uses the first)")
     parser.add_argument("--model", action="append", metavar="ENTRY",
                         help="your own model instead of the zoo: file.py:factory or "
                              "package.module:factory (repeatable); measures tokens/s and time "
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and few rounds: a smoke run of seconds "
                              "(does not time `torchparity check`)")
-    parser.add_argument("--skip", action="append", choices=[*bench.PARTS, "size"], default=[],
+    parser.add_argument("--skip", action="append", choices=[*PARTS, "size"], default=[],
                         help="leave a part out (repeatable; size: with --model, the golden "
                              "update and check of the model in their own processes)")
     parser.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
@@ -75,14 +76,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--device {device!r} is not a torch device (try cpu or cuda)") from None
     if args.model:
         return _bench_models(args, device)
-    settings = bench.default_settings(
+    settings = default_settings(
         device, args.quick, tuple(args.size or ()),
-        dtypes=tuple(DTYPES[d] for d in args.dtype or ()),
+        dtypes=tuple(args.dtype or ()),
         cases=tuple(args.case or ()),
         backends=tuple(args.backend or ()),
         rounds=args.rounds, warmup=args.warmup, compile=args.compile, threads=args.threads,
         beams=args.beams,
-        parts=tuple(p for p in bench.PARTS if p not in args.skip),
+        parts=tuple(p for p in PARTS if p not in args.skip),
     )
     for path in (args.json, args.markdown):
         if path and not Path(path).parent.is_dir():
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     with _ProgressBar(Console(stderr=True)) as progress:
-        result = bench.run(settings, progress)
+        result = run_bench(settings, progress)
     bench_report.print_tables(result, console)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -109,7 +110,7 @@ def _bench_models(args: argparse.Namespace, device: str) -> int:
     subjects = {entry: Subject.load(entry) for entry in args.model} if in_process else {}
     dtypes = args.dtype or ["fp32"]
     console = Console(soft_wrap=True)
-    result: dict[str, Any] = {"machine": bench.machine_info(device, args.threads),
+    result: dict[str, Any] = {"machine": machine_info(device, args.threads),
                               "throughput": [], "size": [], "check": []}
     for entry in args.model:
         subject = subjects.pop(entry, None)  # the measured processes get the memory
@@ -202,7 +203,7 @@ def _compiled_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
     return table
 
 
-class _ProgressBar(bench.Progress):
+class _ProgressBar(Progress):
     """A rich progress bar per part, on stderr."""
 
     def __init__(self, console: Console) -> None:
