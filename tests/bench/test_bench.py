@@ -18,6 +18,7 @@ from torchparity.bench.models import model_config, timing_model
 from torchparity.bench.rounds import paired_ratio, rotated
 from torchparity.bench.runner import SCHEMA
 from torchparity.bench.settings import PARTS, QUICK_SIZES
+from torchparity.bench.stages import stage_seconds
 from torchparity.bench.timing import peak_bytes
 
 POSITIVE = {"tok_per_s", "step_s", "first_step_s", "ratio_vs_manual", "peak_bytes",
@@ -161,6 +162,34 @@ def test_paired_ratio_cancels_drift() -> None:
     a = [0.5 * 2.0**r for r in range(4)]
     b = [t / 2 for t in a]
     assert paired_ratio(a, b) == 2.0
+
+
+class PhasedReport:
+    """A report with the phases a diagnosis times; rendering it costs nothing."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.meta = {"seconds": seconds}
+
+    def render(self, width: int) -> str:
+        return ""
+
+    def to_json(self) -> str:
+        return ""
+
+    def to_html(self) -> str:
+        return ""
+
+
+def test_every_phase_of_a_diagnosis_is_in_one_stage() -> None:
+    phases = {"A: forward and backward": 1.0, "golden (float64): forward and backward": 2.0,
+              "B: forward and backward": 4.0, "judging while B runs": 3.0,
+              "A, golden and B: module replays": 0.5, "where the first divergence enters": 0.25,
+              "B in float64: forward": 8.0}
+    stages = stage_seconds(PhasedReport(phases), before=16.0)
+    # Judging happens inside B's run: counted once, as judging.
+    assert stages["runs"] == 16.0 + 1.0 + 2.0 + 4.0 - 3.0 and stages["judging"] == 3.0
+    assert stages["replays"] == 0.75 and stages["float64 check"] == 8.0
+    assert sum(stages.values()) - stages["report"] == 16.0 + sum(phases.values()) - 3.0
 
 
 @pytest.mark.parametrize("args, named", [

@@ -10,6 +10,7 @@ from torchparity.bench import report
 from torchparity.bench.decode_cost import STEPS, decode_rows
 from torchparity.bench.rounds import Progress
 from torchparity.bench.settings import default_settings
+from torchparity.bench.stages import REPORT, RUNS, STAGES
 from torchparity.bench.targets import evaluate_targets
 
 
@@ -23,6 +24,14 @@ def test_the_decode_part_times_a_decoding_diagnosis_against_two_plain_decodings(
     assert row["first_step"] is None  # manual and sdpa attention agree within the budget
     title, headers, cells = report._decode([row])
     assert "× plain" in headers and cells[0][headers.index("steps")] == "16"
+    # Where the time goes: every stage of the record and the diagnosis, each within the
+    # diagnosis's own time (one round: its median is that round, whose report is split).
+    split = row["diagnosis_split"]
+    assert list(split) == [RUNS, *STAGES, REPORT] and split[RUNS] > 0
+    assert all(share >= 0 for share in split.values())
+    assert sum(split[s] for s in (RUNS, *STAGES)) * row["plain_s"] <= row["diagnosis_s"]
+    _, headers, cells = report._diagnose_split([], [row])
+    assert cells[0][headers.index("capture")].startswith("record + --against, greedy")
     result = {"diagnose": [], "decode": [row], "check": [], "throughput": [],
               "settings": {"device": "cpu"}}
     (target,) = evaluate_targets(result)

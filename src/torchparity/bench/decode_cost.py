@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from torchparity.bench.models import model_config, timing_model
 from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio
 from torchparity.bench.settings import DIAGNOSE_BACKENDS, Settings
+from torchparity.bench.stages import per_plain, stage_seconds
 from torchparity.bench.timing import wall_time
 from torchparity.diagnosis.decode import diagnose_decode_against, record_decode
 from torchparity.dtypes import torch_dtype
@@ -38,7 +40,8 @@ FALLBACK_CASE = "llama-tiny"
 def decode_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
     """A row per search (greedy, and a beam search with ``settings.beams``): seconds of record
     + diagnose of a decoding, of two plain decodings, and their ratio (``decode_time_ratio``;
-    the goal is at most 4)."""
+    the goal is at most 4), and the diagnosis's seconds by stage, per plain second
+    (``diagnosis_split``, the record of A's side counted with the runs)."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
     case = next((c for c in settings.cases if not zoo.get(c).config.is_encoder_decoder),
@@ -82,12 +85,14 @@ def _decode_row(models: list[torch.nn.Module], prompt: dict[str, torch.Tensor],
             for model in (model_a, model_b):
                 teacher_forced(step, model, prompt, STEPS, first.tokens)
 
-    reports = []
+    reports, recorded = [], []
 
     def diagnosis() -> None:
         with tempfile.TemporaryDirectory(prefix="torchparity-bench-") as tmp:
+            start = time.perf_counter()
             trace = record_decode(model_a, prompt, Path(tmp) / "a.tptrace", steps=STEPS,
                                   beams=beams, progress=False)
+            recorded.append(time.perf_counter() - start)
             reports.append(diagnose_decode_against(trace, model_b, prompt, progress=False))
 
     contenders = {"plain": plain, "diagnosis": diagnosis}
@@ -100,9 +105,11 @@ def _decode_row(models: list[torch.nn.Module], prompt: dict[str, torch.Tensor],
         return na_row(f"decoding diagnosis failed: {type(exc).__name__}: "
                       f"{str(exc).splitlines()[0]}", **fields)
     report = reports[-1]
-    return {**fields, "status": "ok", "plain_s": statistics.median(times["plain"]),
+    plain_s = statistics.median(times["plain"])
+    return {**fields, "status": "ok", "plain_s": plain_s,
             "diagnosis_s": statistics.median(times["diagnosis"]),
             "decode_time_ratio": 1 / paired_ratio(times["plain"], times["diagnosis"]),
+            "diagnosis_split": per_plain(stage_seconds(report, recorded[-1]), plain_s),
             "first_step": report.first_step, "flips": len(report.flips),
             "beam_swaps": len(report.swaps)}
 

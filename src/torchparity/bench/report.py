@@ -21,7 +21,7 @@ def sections(result: dict[str, Any]) -> list[Section]:
     return [
         _throughput(result["throughput"], result["settings"]["compile"]),
         _diagnose(result["diagnose"]),
-        _diagnose_split(result["diagnose"]),
+        _diagnose_split(result["diagnose"], result["decode"]),
         _decode(result["decode"]),
         _check(result["check"]),
         _targets(result["targets"]),
@@ -137,7 +137,7 @@ def _diagnose(rows: list[dict[str, Any]]) -> Section:
                   columns, rows)
 
 
-def _diagnose_split(rows: list[dict[str, Any]]) -> Section:
+def _diagnose_split(rows: list[dict[str, Any]], decode_rows: list[dict[str, Any]]) -> Section:
     columns = [("model", lambda r: r.get("model", "")), ("size", _size),
                ("capture", lambda r: r.get("capture", ""))]
     columns += [(stage, lambda r, stage=stage: _ratio(r["split"].get(stage)))
@@ -147,6 +147,10 @@ def _diagnose_split(rows: list[dict[str, Any]]) -> Section:
                   for capture, key in (("full", "diagnose"), ("streaming", "stream"),
                                        ("--against (× plain B)", "against"))
                   if f"{key}_split" in r]
+    # A decoding's record of A (its runs with every step captured) counts as runs.
+    split_rows += [{**r, "capture": f"record + --against, {r['search']} decoding (× plain "
+                                    "decodings)", "split": r["diagnosis_split"]}
+                   for r in decode_rows if "diagnosis_split" in r]
     return _table("Where diagnose's time goes (× plain forward+backward of both models)",
                   columns, split_rows)
 
