@@ -185,11 +185,12 @@ def test_every_phase_of_a_diagnosis_is_in_one_stage() -> None:
               "B: forward and backward": 4.0, "judging while B runs": 3.0,
               "A, golden and B: module replays": 0.5, "where the first divergence enters": 0.25,
               "B in float64: forward": 8.0}
-    stages = stage_seconds(PhasedReport(phases), before=16.0)
+    stages = stage_seconds(PhasedReport(phases), call_s=64.0, before=16.0)
     # Judging happens inside B's run: counted once, as judging.
     assert stages["runs"] == 16.0 + 1.0 + 2.0 + 4.0 - 3.0 and stages["judging"] == 3.0
     assert stages["replays"] == 0.75 and stages["float64 check"] == 8.0
-    assert sum(stages.values()) - stages["report"] == 16.0 + sum(phases.values()) - 3.0
+    assert stages["other"] == 64.0 - 16.0 - (sum(phases.values()) - 3.0)
+    assert sum(stages.values()) - stages["report"] == 64.0
 
 
 @pytest.mark.parametrize("args, named", [

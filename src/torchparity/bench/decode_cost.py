@@ -109,7 +109,8 @@ def _decode_row(models: list[torch.nn.Module], prompt: dict[str, torch.Tensor],
     return {**fields, "status": "ok", "plain_s": plain_s,
             "diagnosis_s": statistics.median(times["diagnosis"]),
             "decode_time_ratio": 1 / paired_ratio(times["plain"], times["diagnosis"]),
-            "diagnosis_split": per_plain(stage_seconds(report, recorded[-1]), plain_s),
+            "diagnosis_split": per_plain(stage_seconds(report, times["diagnosis"][-1],
+                                                       recorded[-1]), plain_s),
             "first_step": report.first_step, "flips": len(report.flips),
             "beam_swaps": len(report.swaps)}
 

@@ -99,5 +99,5 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
     row["against_time_ratio"] = 1 / paired_ratio(times["plain_b"], times["against"])
     for name in ("diagnose", "stream", "against"):
         plain_s = row["plain_b_s" if name == "against" else "plain_s"]
-        row[f"{name}_split"] = per_plain(stage_seconds(timed[name]), plain_s)
+        row[f"{name}_split"] = per_plain(stage_seconds(timed[name], times[name][-1]), plain_s)
     return row

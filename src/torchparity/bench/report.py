@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchparity.bench.host import describe_machine
-from torchparity.bench.stages import REPORT, RUNS, STAGES
+from torchparity.bench.stages import OTHER, REPORT, RUNS, STAGES
 
 Section = tuple[str, list[str], list[list[str]]]  # title, headers, rows of cells
 
@@ -141,7 +141,7 @@ def _diagnose_split(rows: list[dict[str, Any]], decode_rows: list[dict[str, Any]
     columns = [("model", lambda r: r.get("model", "")), ("size", _size),
                ("capture", lambda r: r.get("capture", ""))]
     columns += [(stage, lambda r, stage=stage: _ratio(r["split"].get(stage)))
-                for stage in (RUNS, *STAGES, REPORT)]
+                for stage in (RUNS, *STAGES, OTHER, REPORT)]
     split_rows = [{**r, "capture": capture, "split": r[f"{key}_split"]}
                   for r in rows if r.get("status") == "ok"
                   for capture, key in (("full", "diagnose"), ("streaming", "stream"),
