@@ -118,13 +118,13 @@ def _bench_models(args: argparse.Namespace, device: str) -> int:
             with console.status(f"timing {subject.name}"):
                 rows = user_model.throughput_rows(subject, dtypes, args.rounds or 5, device)
             result["throughput"] += rows
-            console.print(_throughput_table(subject.name, device, rows))
+            console.print(bench_report.model_throughput_table(subject.name, device, rows))
         if args.compile and subject is not None:
             with console.status(f"compiling and timing {subject.name}"):
                 compiled = user_model.compiled_rows(subject, dtypes, rows, args.rounds or 5,
                                                     device, args.backend)
             result["compiled"] = result.get("compiled", []) + compiled
-            print_table(console, _compiled_table(subject.name, device, compiled))
+            print_table(console, bench_report.model_compiled_table(subject.name, device, compiled))
         if "check" not in args.skip:
             with console.status(f"timing check --model {subject.name}"):
                 cost = user_model.check_cost(subject)
@@ -139,68 +139,10 @@ def _bench_models(args: argparse.Namespace, device: str) -> int:
                                 "process"):
                 cost = at_size.measure(entry, dtypes, args.backend)
             result["size"].append(cost)
-            console.print(at_size_table(cost), markup=False, highlight=False)
+            console.print(bench_report.at_size_lines(cost), markup=False, highlight=False)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
-
-
-def _throughput_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
-
-    table = Table(title=f"{name} on {device}: one forward, loss and backward per step",
-                  title_justify="left")
-    for column in ("backend", "dtype", "tokens/s", "step ms", "first step s", "note"):
-        table.add_column(column, no_wrap=column != "note")
-    for r in rows:
-        if r["status"] == "ok":
-            table.add_row(r["backend"], r["dtype"], f"{r['tokens_per_s']:,.0f}",
-                          f"{r['step_s'] * 1e3:.2f}", f"{r['first_step_s']:.3f}",
-                          f"spread {r['spread']:.0%}")
-        else:
-            table.add_row(r["backend"], r["dtype"], "n/a", "", "", r["reason"])
-    return table
-
-
-def at_size_table(cost: dict[str, Any]) -> str:
-    """The plain step, golden update and check of one model, as lines of text."""
-    def mib(n: float) -> str:
-        return f"{n / 2**20:,.0f} MiB"
-
-    plain, golden, check = cost["plain"], cost["golden"], cost["check"]
-    verdict = "all cells pass" if not check["failed"] else f"failed: {', '.join(check['failed'])}"
-    return "\n".join([
-        f"{cost['model']} ({cost['parameters']:,} parameters), each in its own process:",
-        f"  plain forward+backward: {plain['step_s']:.2f} s (factory {plain['load_s']:.1f} s, "
-        f"first step {plain['first_step_s']:.2f} s), peak {mib(plain['peak_bytes'])}",
-        f"  golden update: {golden['s']:.1f} s = {golden['steps']:.1f} plain steps, peak "
-        f"{mib(golden['peak_bytes'])}, goldens {golden['bytes'] / 1e6:.1f} MB",
-        f"  check ({check['cells']} cells, {', '.join(cost['dtypes'])}): {check['s']:.1f} s = "
-        f"{check['steps']:.1f} plain steps, peak {mib(check['peak_bytes'])}; {verdict}"])
-
-
-def _compiled_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
-
-    table = Table(title=f"{name} on {device}, compiled: the first step with its compiling, "
-                        "graphs/graph breaks/recompiles, steady speed against the same "
-                        "backend eagerly", title_justify="left")
-    for column in ("backend", "dtype", "compile", "tok/s", "x eager", "step ms", "first s",
-                   "compiling s", "g/b/r", "note"):
-        table.add_column(column, overflow="fold")
-    for r in rows:
-        if r["status"] != "ok":
-            table.add_row(r["backend"], r["dtype"], r["compile"], "n/a", "", "", "", "", "",
-                          r["reason"])
-            continue
-        steady = (f"{r['steady_recompiles']} recompile(s) after the first step"
-                  if r["steady_recompiles"] else "")
-        table.add_row(r["backend"], r["dtype"], r["compile"], f"{r['tokens_per_s']:,.0f}",
-                      f"{r['vs_eager']:.2f}", f"{r['step_s'] * 1e3:.2f}",
-                      f"{r['first_step_s']:.1f}", f"{r['compile_s']:.1f}",
-                      f"{r['graphs']}/{r['graph_breaks']}/{r['recompiles']}",
-                      "; ".join(p for p in (f"spread {r['spread']:.0%}", steady) if p))
-    return table
 
 
 class _ProgressBar(Progress):
