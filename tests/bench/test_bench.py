@@ -17,9 +17,10 @@ from torchparity import cli
 from torchparity.bench.models import model_config, timing_model
 from torchparity.bench.rounds import paired_ratio, rotated
 from torchparity.bench.runner import SCHEMA
-from torchparity.bench.settings import PARTS, QUICK_SIZES
+from torchparity.bench.settings import PARTS, QUICK_SIZES, default_settings
 from torchparity.bench.stages import stage_seconds
 from torchparity.bench.timing import peak_bytes
+from torchparity.errors import UsageError
 
 POSITIVE = {"tok_per_s", "step_s", "first_step_s", "ratio_vs_manual", "peak_bytes",
             "peak_vs_manual", "tokens_per_step", "wall_s", "cpu_s", "plain_s", "diagnose_s",
@@ -206,6 +207,14 @@ def test_bad_input_is_one_line(args: list[str], named: str,
     assert cli.main(["bench", "--quick", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and named in err, err
+
+
+def test_dtypes_by_any_name_are_recorded_by_torchs() -> None:
+    settings = default_settings("cpu", quick=True, dtypes=("fp32", "torch.bfloat16", "half"))
+    assert settings.dtypes == tuple(str(d).removeprefix("torch.") for d in (
+        torch.float32, torch.bfloat16, torch.float16))
+    with pytest.raises(UsageError, match="--dtype float64: choose from fp32, bf16, fp16"):
+        default_settings("cpu", quick=True, dtypes=("float64",))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
