@@ -20,7 +20,7 @@ from torch import nn
 from torchparity.diagnosis.capture import ModuleCall, PatternSpec, Signature, call_key, signature
 from torchparity.diagnosis.judging import joined, judge, judge_quickly, module_padding
 from torchparity.diagnosis.progress import ProgressBar
-from torchparity.diagnosis.report import Result
+from torchparity.diagnosis.results import Result
 from torchparity.diagnosis.run import Options, Run, run_model
 from torchparity.diagnosis.state import OwnState, StateRecorder
 from torchparity.diagnosis.trace import (

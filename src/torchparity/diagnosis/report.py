@@ -13,229 +13,27 @@ import io
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from torchparity.comparison.structure import format_shape
+from torchparity.comparison.tensor import json_safe
 from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.folding import FOLD_ABOVE, Fold, folded
+from torchparity.diagnosis.results import (
+    NotCompared,
+    Result,
+    Row,
+    diverged,
+    headroom,
+    module_label,
+    ratio,
+    shape_difference,
+    share_cell,
+    structure_difference,
+)
 
-__all__ = ["AttributionReport", "Bounded", "DiagnosisReport", "Entry", "Mismatch", "NotCompared",
-           "Report", "Result", "Row", "Unit"]
-
-
-class Result(Protocol):
-    """What a row holds per comparison: a :class:`torchparity.comparison.Comparison` or a
-    :class:`Mismatch`."""
-
-    kind: str
-
-    @property
-    def ok(self) -> bool: ...
-
-    @property
-    def verdict(self) -> str: ...
-
-    def explain(self) -> str: ...
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-@dataclass
-class Mismatch:
-    """A comparison that could not be made because the two sides differ in structure or shape;
-    it counts as diverged."""
-
-    kind: str
-    reason: str
-    tensors: list = field(default_factory=list)
-
-    ok = False
-    verdict = "diverged"
-
-    def explain(self) -> str:
-        return f"diverged: outputs differ in structure: {self.reason}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "ok": False, "kind": self.kind, "mismatch": self.reason}
-
-
-@dataclass
-class NotCompared:
-    """A comparison with nothing to compare: A and B hold tensors there, but none that are the
-    same thing (different containers, no shared tensor). It is no evidence either way: it
-    neither passes as identical nor counts as a divergence, and every report says why."""
-
-    kind: str
-    reason: str
-    tensors: list = field(default_factory=list)
-    structure: tuple = ()
-    shapes: tuple = ()
-
-    ok = True  # nothing breaks a budget, and nothing is claimed to be within one
-    verdict = "not compared"
-
-    def explain(self) -> str:
-        return f"not compared: {self.reason}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "ok": None, "kind": self.kind,
-                "not_compared": self.reason}
-
-
-@dataclass(frozen=True)
-class Entry:
-    """Where a divergence enters: in a container whose local replay diverged although none of
-    its modules did, the first module inside whose inputs differ from A's while every output
-    that fed them matched; in a decoding step, the first module leaving its budget. Named by
-    the argument (``ctx.mask``) or the state it keeps (``k_cache``) and how it differs."""
-
-    module: str
-    argument: str
-    detail: str
-    via: str = "argument"  # "state": what the module keeps (a cache on itself); "code": none
-
-    def __str__(self) -> str:
-        return f"{_label(self.module)} {self.via} {self.argument} ({self.detail})"
-
-    def sentence(self) -> str:
-        """``It enters through its state k_cache (holds ...).``, or that the change is in the
-        module's own code when neither its arguments nor its state differ."""
-        if self.via == "code":
-            return f"The change is in the module's own code: {self.detail}."
-        return f"It enters through its {self.via} {self.argument} ({self.detail})."
-
-
-@dataclass
-class Bounded:
-    """A verdict reached without the full metric set: every tensor's error is at most
-    ``headroom`` of its budget (a bound: the budget is at least ``fudge`` times the noise A's
-    own rounding shows). Only ``within`` and ``identical`` are decided this way; anything else
-    gets the full comparison."""
-
-    kind: str
-    verdict: str
-    error: float  # the largest error, in the kind's metric
-    headroom: float  # an upper bound of the largest share of a budget used
-    tensors: list = field(default_factory=list)
-    structure: tuple = ()
-
-    ok = True
-
-    def explain(self) -> str:
-        if self.verdict == "identical":
-            return "identical: bit-equal to A's own output."
-        return (f"within: every tensor's error is at most {self.headroom:.3g} of its budget "
-                "(full metrics are computed for diverged modules, or with local='all').")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "ok": True, "kind": self.kind, "error": self.error,
-                "headroom_at_most": self.headroom}
-
-
-def worst_error(result: Result | None) -> float | None:
-    """The largest error (in the kind's metric) over the result's tensors; inf for a mismatch."""
-    if result is None or isinstance(result, NotCompared):
-        return None
-    if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
-        return math.inf
-    if isinstance(result, Bounded):
-        return result.error
-    return max((t.error for t in result.tensors), default=0.0)
-
-
-def headroom(result: Result | None) -> float | None:
-    """The largest share of its budget any tensor used (>1 means diverged); for a
-    :class:`Bounded` result, its bound."""
-    if result is None or isinstance(result, NotCompared):
-        return None
-    if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
-        return math.inf
-    if isinstance(result, Bounded):
-        return result.headroom
-    return max((t.headroom for t in result.tensors), default=0.0)
-
-
-@dataclass
-class Row:
-    """One aligned module (or fused group) of the diagnosis.
-
-    ``module`` is B's qualified name (with ``#k`` for its k-th later call), ``a_module`` A's;
-    ``how`` says how they were aligned ("name", "name_map", "order" or "fused"). ``local`` is B's
-    module fed A's recorded inputs against the golden module fed the same, ``propagated`` B's
-    output in its own full run against the golden's full run; ``grad_*`` the same for gradients
-    (of the module's inputs and direct parameters locally, of its outputs and direct parameters
-    propagated). ``amplification`` is propagated error / local error: about 1 where the module
-    itself is the source, large where it only carries error from upstream. ``inputs`` (decoding
-    diagnoses only) compares the module's input tensors the way ``propagated`` its outputs.
-    ``entry`` (on a first divergence that contains other modules) names where it enters.
-    :attr:`structure` lists the outputs that A and B hold in different structure (a tensor on
-    one side, ``None`` or nothing on the other): judged apart, never a numeric divergence;
-    :attr:`shapes` those both hold in different shapes, a divergence of its own.
-    """
-
-    module: str
-    a_module: str
-    how: str
-    module_type: str
-    depth: int
-    start: int
-    local: Result | None = None
-    propagated: Result | None = None
-    grad_local: Result | None = None
-    grad_propagated: Result | None = None
-    inputs: Result | None = None
-    entry: Entry | None = None
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def structure(self) -> tuple:
-        """The ``StructureDifference`` s of the module's outputs (B as candidate, A's side as
-        golden)."""
-        for result in (self.propagated, self.local):
-            if result is not None and getattr(result, "structure", ()):
-                return tuple(result.structure)
-        return ()
-
-    @property
-    def shapes(self) -> tuple:
-        """The ``ShapeDifference`` s of the module's outputs (B as candidate, A's side as
-        golden)."""
-        for result in (self.propagated, self.local):
-            if result is not None and getattr(result, "shapes", ()):
-                return tuple(result.shapes)
-        return ()
-
-    @property
-    def amplification(self) -> float | None:
-        propagated, local = worst_error(self.propagated), worst_error(self.local)
-        if propagated is None or local is None or math.isinf(propagated):
-            return None
-        if local == 0:
-            return None if propagated == 0 else math.inf
-        return propagated / local
-
-    def to_dict(self) -> dict[str, Any]:
-        def dump(result: Result | None) -> dict[str, Any] | None:
-            return None if result is None else result.to_dict()
-
-        return _json_safe({
-            "module": self.module, "a_module": self.a_module, "how": self.how,
-            "type": self.module_type, "depth": self.depth,
-            "inputs": dump(self.inputs),
-            "local": dump(self.local), "propagated": dump(self.propagated),
-            "amplification": self.amplification,
-            "grad_local": dump(self.grad_local), "grad_propagated": dump(self.grad_propagated),
-            "structure": [{"path": d.path, "a": d.golden, "b": d.candidate}
-                          for d in self.structure],
-            "shapes": [{"path": d.path, "a": list(d.golden), "b": list(d.candidate)}
-                       for d in self.shapes],
-            "entry": None if self.entry is None else {
-                "module": self.entry.module, "argument": self.entry.argument,
-                "detail": self.entry.detail, "via": self.entry.via},
-            "notes": self.notes,
-        })
+__all__ = ["AttributionReport", "DiagnosisReport", "Report", "Unit"]
 
 
 class Report:
@@ -296,7 +94,7 @@ class DiagnosisReport(Report):
     @property
     def structure_only(self) -> list[Row]:
         """Rows whose outputs differ from A's in structure and in nothing else."""
-        return [r for r in self.rows if r.structure and not _diverged(r)]
+        return [r for r in self.rows if r.structure and not diverged(r)]
 
     def summary(self) -> str:
         """A few sentences: where A and B part (and where that enters), or that they do not;
@@ -311,20 +109,21 @@ class DiagnosisReport(Report):
             parts.append("No module's local error breaks its budget.")
         else:
             what = (shape_difference(first.shapes[0]) if first.shapes else
-                    f"local error {_ratio(headroom(first.local))} of budget")
-            parts.append(f"First divergence: {_label(first.module)} ({first.module_type}), "
+                    f"local error {ratio(headroom(first.local))} of budget")
+            parts.append(f"First divergence: {module_label(first.module)} ({first.module_type}), "
                          f"{what}.")
             if first.entry is not None:
                 parts.append(f"It enters at {first.entry}.")
         if self.meta.get("backward"):
             grad = self.first_grad_divergence
             parts.append("No gradient diverges locally." if grad is None else
-                         f"First gradient divergence: {_label(grad.module)}.")
+                         f"First gradient divergence: {module_label(grad.module)}.")
         structural = self.structure_only
         if structural:
             where = structural[0]
             parts.append(f"{len(structural)} module(s) differ in structure only, no numeric "
-                         f"divergence (first: {_label(where.module)} {where.structure[0].path}).")
+                         f"divergence (first: {module_label(where.module)} "
+                         f"{where.structure[0].path}).")
         if self.output is not None:
             shape = getattr(self.output, "structure", ())
             paths = f" (structure differs at {', '.join(d.path for d in shape)})" if shape else ""
@@ -339,7 +138,7 @@ class DiagnosisReport(Report):
 
     def to_dict(self) -> dict[str, Any]:
         first, grad = self.first_divergence, self.first_grad_divergence
-        return _json_safe({
+        return json_safe({
             "summary": self.summary(),
             "first_divergence": first.module if first else None,
             "first_grad_divergence": grad.module if grad else None,
@@ -392,7 +191,7 @@ class DiagnosisReport(Report):
             cells = [str(line), share_cell(r.local), share_cell(r.propagated)]
             if backward:
                 cells += [share_cell(r.grad_local), share_cell(r.grad_propagated)]
-            name = _label(r.module) + _aligned_as(r)
+            name = module_label(r.module) + _aligned_as(r)
             if r.structure:
                 name += " (structure differs)"
             style = "bold red" if r is first or r is grad else (
@@ -424,12 +223,12 @@ class DiagnosisReport(Report):
                   for attr in _COLUMNS[:4 if backward else 2]]
         span = f"rows {line.rows[0]}-{line.rows[-1]}"
         if len(line.ends) == 1:
-            what = f"{span}, {_label(self.rows[line.ends[0]].module)}"
+            what = f"{span}, {module_label(self.rows[line.ends[0]].module)}"
         elif line.ends:
-            what = (f"{span}, {_label(self.rows[line.ends[0]].module)} to "
-                    f"{_label(self.rows[line.ends[-1]].module)}")
+            what = (f"{span}, {module_label(self.rows[line.ends[0]].module)} to "
+                    f"{module_label(self.rows[line.ends[-1]].module)}")
         else:
-            what = f"{span} of {_label(self.rows[line.owner].module)}"
+            what = f"{span} of {module_label(self.rows[line.owner].module)}"
         return Line(cells, f"({what})", rows[0].depth, "dim")
 
     def _footer(self, shown: set[int] | None = None) -> list[str]:
@@ -449,13 +248,13 @@ class DiagnosisReport(Report):
             if shown is not None and index not in shown:
                 continue
             if r.entry is not None:
-                lines.append(f"{_label(r.module)}: the divergence enters at {r.entry}")
-            lines += [f"{_label(r.module)}: {shape_difference(d)}" for d in r.shapes]
-            lines += [f"{_label(r.module)}: structure differs at {_difference(d)}"
+                lines.append(f"{module_label(r.module)}: the divergence enters at {r.entry}")
+            lines += [f"{module_label(r.module)}: {shape_difference(d)}" for d in r.shapes]
+            lines += [f"{module_label(r.module)}: structure differs at {structure_difference(d)}"
                       for d in r.structure]
-            lines += [f"{_label(r.module)}: {note}" for note in r.notes]
+            lines += [f"{module_label(r.module)}: {note}" for note in r.notes]
         shape = getattr(self.output, "structure", ())
-        lines += [f"final output: structure differs at {_difference(d)}" for d in shape]
+        lines += [f"final output: structure differs at {structure_difference(d)}" for d in shape]
         return lines
 
     def __str__(self) -> str:
@@ -497,7 +296,7 @@ class Unit:
         return 1.0 - self.leave_out / self.total if self.total > 0 else None
 
     def to_dict(self) -> dict[str, Any]:
-        return _json_safe({"name": self.name, "kind": self.kind, "swap_in_error": self.swap_in,
+        return json_safe({"name": self.name, "kind": self.kind, "swap_in_error": self.swap_in,
                            "leave_out_error": self.leave_out, "share": self.share,
                            "leave_out_share": self.leave_out_share})
 
@@ -529,7 +328,7 @@ class AttributionReport(Report):
                 f"leaving it out removes {_percent(top.leave_out_share)}.")
 
     def to_dict(self) -> dict[str, Any]:
-        return _json_safe({"summary": self.summary(), "total_error": self.total,
+        return json_safe({"summary": self.summary(), "total_error": self.total,
                            "units": [u.to_dict() for u in self.units],
                            "skipped": self.skipped, "meta": self.meta})
 
@@ -578,39 +377,8 @@ def _percent(share: float | None) -> str:
 # cells
 
 
-def _label(module: str) -> str:
-    return module or "(model)"
-
-
 def _aligned_as(row: Row) -> str:
     return "" if row.how == "name" else f" <- {row.a_module or '(model)'} [{row.how}]"
-
-
-def _difference(difference: Any) -> str:
-    """``output.1: A has Tensor(2, 4, 8, 8) float32, B has None``."""
-    def side(what: str) -> str:
-        return "nothing there" if what == "missing" else what
-
-    return f"{difference.path}: A has {side(difference.golden)}, B has {side(difference.candidate)}"
-
-
-def shape_difference(difference: Any) -> str:
-    """``shape differs at output.1: (1, 2, 1, 11) vs (1, 2, 1, 12) (A vs B)``."""
-    return (f"shape differs at {difference.path}: {format_shape(difference.golden)} vs "
-            f"{format_shape(difference.candidate)} (A vs B)")
-
-
-def _diverged(row: Row) -> bool:
-    results = (row.local, row.propagated, row.grad_local, row.grad_propagated)
-    return any(result is not None and not result.ok for result in results)
-
-
-def _ratio(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if math.isinf(value):
-        return "inf"
-    return f"{value:.2g}"
 
 
 def not_compared_legend(rows: list[Row]) -> str:
@@ -620,48 +388,10 @@ def not_compared_legend(rows: list[Row]) -> str:
     return ", n/c: not compared, nothing alike on both sides" if shown else ""
 
 
-def share_cell(result: Result | None) -> str:
-    if result is None:
-        return "-"
-    if isinstance(result, NotCompared):
-        return "n/c"
-    if result.verdict == "identical":
-        return "="
-    if getattr(result, "shapes", ()):
-        return "X shape"
-    share = _compact(headroom(result))
-    if isinstance(result, Bounded):
-        return f"<{share}" if not share.startswith("<") else share
-    return share if result.ok else f"X {share}"
-
-
-def _compact(share: float | None) -> str:
-    """A share of the budget in at most 5 characters: .14, <.01, 5.7, 290, 3e+05, inf."""
-    if share is None:
-        return "-"
-    if math.isinf(share) or math.isnan(share):
-        return str(share)
-    if share < 0.01:
-        return "<.01"
-    if share < 1:
-        return f"{share:.2f}".removeprefix("0")
-    return f"{share:.3g}" if share < 1000 else f"{share:.0e}"
-
-
 def _amplification(value: float | None) -> str:
     if value is None:
         return "-"
     return "inf" if math.isinf(value) else f"{value:.3g}"
-
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,7 +425,7 @@ def _html_page(report: DiagnosisReport) -> str:
         f"<p class='note'>Unmatched in {side}: {html.escape(', '.join(names))}</p>"
         for side, names in (("A", report.unmatched_a), ("B", report.unmatched_b)) if names)
     notes = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in report.meta.get("notes", []))
-    settings = json.dumps(_json_safe(report.meta), indent=1, default=str)
+    settings = json.dumps(json_safe(report.meta), indent=1, default=str)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{title}</title><style>{CSS}</style></head><body>"
@@ -720,8 +450,8 @@ def _html_table(report: DiagnosisReport) -> str:
     parts = []
     for group in groups:
         last = report.rows[group[-1]]
-        broken = any(_diverged(report.rows[i]) for i in group)
-        title = f"{_label(last.module)} ({last.module_type}): rows {group[0]}-{group[-1]}"
+        broken = any(diverged(report.rows[i]) for i in group)
+        title = f"{module_label(last.module)} ({last.module_type}): rows {group[0]}-{group[-1]}"
         title += ", diverged" if broken else ""
         parts.append(f"<details{' open' if broken else ''}><summary>{html.escape(title)}"
                      f"</summary><table class='layer'>{header}<tbody>"
@@ -753,14 +483,14 @@ def _html_row(report: DiagnosisReport, index: int, backward: bool) -> str:
         classes.append("diverged")
     elif r.local is not None and r.local.verdict == "identical":
         classes.append("identical")
-    name = "&nbsp;" * 2 * r.depth + html.escape(_label(r.module))
+    name = "&nbsp;" * 2 * r.depth + html.escape(module_label(r.module))
     if r.entry is not None:
         name += f"<br><span class='entry'>enters at {html.escape(str(r.entry))}</span>"
     for d in r.shapes:
         name += f"<br><span class='entry'>{html.escape(shape_difference(d))}</span>"
     for d in r.structure:
         name += ("<br><span class='structure'>structure differs at "
-                 f"{html.escape(_difference(d))}</span>")
+                 f"{html.escape(structure_difference(d))}</span>")
     cells = [str(index), name, html.escape(r.a_module if r.how != "name" else ""),
              html.escape(r.module_type), html_cell(r.local), html_cell(r.propagated),
              html.escape(_amplification(r.amplification))]
@@ -815,7 +545,7 @@ def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
     hi = math.ceil(math.log10(max(finite + [10.0])))
     left, top, plot_h, step = 60, 30, 220, max(4, min(40, 900 // max(len(rows), 1)))
     labelled = _spaced(_axis_rows(rows), min_gap=max(1, math.ceil(13 / step)))
-    label_h = 6 * max((len(_label(rows[i].module)) for i in labelled), default=0) + 10
+    label_h = 6 * max((len(module_label(rows[i].module)) for i in labelled), default=0) + 10
     width = max(left + step * max(len(rows), 1) + 30, 480)  # room for the title and legend
     height = top + plot_h + label_h + 30
 
@@ -847,7 +577,7 @@ def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
         for name, values in series.items():
             if values[i] is None:
                 continue
-            label = f"{_label(r.module)}: {name} error / budget = {_ratio(values[i])}"
+            label = f"{module_label(r.module)}: {name} error / budget = {ratio(values[i])}"
             parts.append(
                 f"<circle class='point-{name}' data-module='{html.escape(r.module, quote=True)}' "
                 f"cx='{x(i):.1f}' cy='{y(values[i]):.1f}' r='3' fill='{colours[name]}'>"
@@ -858,7 +588,7 @@ def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
                      "stroke='#f0f0f0'/>")
         parts.append(f"<text class='axis-module' x='{x(i):.1f}' y='{label_y}' "
                      f"transform='rotate(60 {x(i):.1f} {label_y})'>"
-                     f"{html.escape(_label(rows[i].module))}</text>")
+                     f"{html.escape(module_label(rows[i].module))}</text>")
     legend_y = top + plot_h + label_h + 20
     for offset, (name, colour) in enumerate(colours.items()):
         parts.append(f"<rect x='{left + 140 * offset}' y='{legend_y - 9}' width='10' height='10' "
