@@ -130,25 +130,25 @@ class Bounded:
 
 def worst_error(result: Result | None) -> float | None:
     """The largest error (in the kind's metric) over the result's tensors; inf for a mismatch."""
-    if result is None or isinstance(result, NotCompared):
-        return None
-    if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
-        return math.inf
-    if isinstance(result, Bounded):
-        return result.error
-    return max((t.error for t in result.tensors), default=0.0)
+    return _largest(result, "error")
 
 
 def headroom(result: Result | None) -> float | None:
     """The largest share of its budget any tensor used (>1 means diverged); for a
     :class:`Bounded` result, its bound."""
+    return _largest(result, "headroom")
+
+
+def _largest(result: Result | None, metric: str) -> float | None:
+    """The largest ``metric`` (``error`` or ``headroom``) of the result's tensors: None when
+    nothing was compared, inf for a mismatch of structure or shape, a bound's own value."""
     if result is None or isinstance(result, NotCompared):
         return None
     if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
         return math.inf
     if isinstance(result, Bounded):
-        return result.headroom
-    return max((t.headroom for t in result.tensors), default=0.0)
+        return getattr(result, metric)
+    return max((getattr(t, metric) for t in result.tensors), default=0.0)
 
 
 @dataclass
@@ -187,18 +187,19 @@ class Row:
     def structure(self) -> tuple:
         """The ``StructureDifference`` s of the module's outputs (B as candidate, A's side as
         golden)."""
-        for result in (self.propagated, self.local):
-            if result is not None and getattr(result, "structure", ()):
-                return tuple(result.structure)
-        return ()
+        return self._differences("structure")
 
     @property
     def shapes(self) -> tuple:
         """The ``ShapeDifference`` s of the module's outputs (B as candidate, A's side as
         golden)."""
+        return self._differences("shapes")
+
+    def _differences(self, kind: str) -> tuple:
+        """The differences of one kind the propagated result holds, else the local one."""
         for result in (self.propagated, self.local):
-            if result is not None and getattr(result, "shapes", ()):
-                return tuple(result.shapes)
+            if result is not None and getattr(result, kind, ()):
+                return tuple(getattr(result, kind))
         return ()
 
     @property
