@@ -25,7 +25,8 @@ import torch
 from torchparity import backends
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
-from torchparity.golden.cases import REFERENCE, Cell, check_case, single_thread
+from torchparity.golden.cases import check_case
+from torchparity.golden.cells import REFERENCE, Cell, single_thread
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import (
     HF_EAGER,

@@ -13,7 +13,7 @@ from typing import Any
 
 from torchparity.diagnosis.decode_report import DecodeReport
 from torchparity.diagnosis.report import DiagnosisReport, Row, share_cell
-from torchparity.golden.cases import CheckResult
+from torchparity.golden.cells import CheckResult
 from torchparity.golden.report import budget_share
 
 #: Flips listed among a decoding's findings (the JUnit report has every one).

@@ -10,14 +10,8 @@ from typing import Any
 
 from torchparity.commands.check import GOLDEN_DIR_HELP
 from torchparity.errors import UsageError
-from torchparity.golden.cases import (
-    OUTPUT_KINDS,
-    REFERENCE,
-    check_case,
-    load_case,
-    single_thread,
-    write_case,
-)
+from torchparity.golden.cases import OUTPUT_KINDS, check_case, load_case, write_case
+from torchparity.golden.cells import REFERENCE, single_thread
 from torchparity.golden.report import print_table
 from torchparity.golden.selection import select_cases
 from torchparity.golden.store import GoldenStore, default_golden_dir

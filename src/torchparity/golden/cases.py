@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +34,14 @@ from torchparity import backends, tolerance
 from torchparity.comparison import StructureMismatch, compare
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
+from torchparity.golden.cells import (
+    REFERENCE,
+    Cell,
+    CheckResult,
+    Run,
+    matmul_precision,
+    single_thread,
+)
 from torchparity.golden.compiled import (
     annotate,
     decode_phases,
@@ -54,7 +61,7 @@ from torchparity.golden.store import (
 from torchparity.reference import build_model, greedy_decode, rng, sequence_loss, zoo
 from torchparity.reference.layers import TransformerLayer
 from torchparity.reference.models import Model
-from torchparity.subject.compiling import CompileFailed, CompileLog, compiled
+from torchparity.subject.compiling import CompileFailed, compiled
 from torchparity.subject.padding import Padding, from_inputs
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -67,94 +74,6 @@ DECODE_STEPS = 4
 WEIGHT_SEED = 0
 #: The standard batch of every case (its padding comes from the case).
 INPUTS = {"batch_size": 2, "seq_len": 12, "seed": 0}
-
-@dataclass(frozen=True)
-class Cell:
-    """One way of running the reference models: attention backend, dtype name and device,
-    and ``compile``: None (eager) or the ``torch.compile`` form (``dynamic``, ``static``)."""
-
-    backend: str
-    dtype: str
-    device: str = "cpu"
-    compile: str | None = None
-
-    @property
-    def label(self) -> str:
-        compiled = f" compiled {self.compile}" if self.compile else ""
-        return f"{self.backend} {self.dtype} {self.device}{compiled}"
-
-    def __str__(self) -> str:  # a pytest id
-        return f"{self.backend}-{self.dtype}-{self.device}" + (f"-{self.compile}"
-                                                               if self.compile else "")
-
-
-#: The cell that recomputes the goldens themselves.
-REFERENCE = Cell("manual", "fp64", "cpu")
-
-
-@dataclass
-class CheckResult:
-    """The verdict of one output of one case in one cell (one row of ``check --json``).
-
-    ``verdict`` is ``identical``, ``within`` or ``diverged`` (from the tolerance model),
-    ``baseline degraded`` (the candidate is within its budget, but the baseline erred more than
-    its dtype allows: the analytic bound set the budget; a failure of the baseline), ``n/a``
-    (the cell cannot compute this output: ``reason`` says why; not a failure), or
-    ``init changed`` / ``inputs changed`` (the weights or inputs the code builds differ from
-    those the golden was made from, so the values cannot be compared).
-    """
-
-    case: str
-    backend: str
-    dtype: str
-    device: str
-    output: str
-    kind: str
-    verdict: str
-    headroom: float | None  # share of the budget used by the worst tensor; None when not compared
-    ok: bool
-    reason: str | None = None
-    explain: str | None = None
-    worst: str | None = None  # path of the worst tensor
-    structure: list[str] | None = None  # outputs present on one side only, with what each has
-    # The smallest change, relative to the golden's scale, the verdict would have flagged in
-    # every tensor of the output (the largest over them); None when not compared.
-    sensitivity: float | None = None
-    # Positions left out of the judgement (padding) and why; None when every one was judged.
-    left_out: str | None = None
-    compile: str | None = None  # the torch.compile form of a compiled cell
-    # A baseline that erred more than its dtype allows, and what that means for the budgets
-    # (see :func:`degraded_baseline`); None when none did.
-    baseline: str | None = None
-    # A compiled cell's graphs, breaks, recompiles and seconds, with each call's and (on the
-    # decode output) each decoding step's; see torchparity.golden.compiled.
-    compiled: dict[str, Any] | None = None
-
-    @property
-    def cell(self) -> Cell:
-        return Cell(self.backend, self.dtype, self.device, self.compile)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict; an infinite headroom becomes the string "inf"."""
-        data = asdict(self)
-        if data["headroom"] is not None and data["headroom"] == float("inf"):
-            data["headroom"] = "inf"
-        return data
-
-
-@dataclass
-class Run:
-    """Outputs of one run of a case; ``missing`` maps outputs the cell cannot compute to why;
-    ``sensitivity`` holds the loss's gradient with respect to the logits when the backward pass
-    ran (what carries their noise into the loss's, see
-    :func:`torchparity.tolerance.propagated_noise`); ``compile_log`` what compiling cost in a
-    compiled cell."""
-
-    outputs: dict[str, dict[str, torch.Tensor]]
-    missing: dict[str, str]
-    sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
-    compile_log: CompileLog | None = None
-
 
 # --- running a case -------------------------------------------------------------------------
 
@@ -197,32 +116,6 @@ def case_meta(case: zoo.ZooCase) -> dict[str, Any]:
     meta = recipe(case)
     config = meta.pop("config")
     return {**meta, "checksums": current_checksums(case), "config": config}
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Run torch on one intra-op thread inside the block.
-
-    The models are tiny: more threads only spin (burning several times the useful CPU time on
-    a busy machine), and one thread makes float64 reductions independent of the core count.
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-@contextlib.contextmanager
-def matmul_precision(dtype_name: str) -> Iterator[None]:
-    # fp32 cells must not pick up TF32 from a global setting; tf32 cells ask for it.
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if dtype_name == "tf32" else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 @contextlib.contextmanager

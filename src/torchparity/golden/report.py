@@ -13,7 +13,7 @@ import torch
 
 from torchparity import machine
 from torchparity.errors import UsageError
-from torchparity.golden.cases import REFERENCE, Cell, CheckResult
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult
 from torchparity.golden.compiled import cell_counts, compiled_lines
 from torchparity.golden.store import Golden, produced_by
 from torchparity.reference import zoo

@@ -12,14 +12,8 @@ from typing import Any
 
 import torch
 
-from torchparity.golden.cases import (
-    OUTPUT_KINDS,
-    REFERENCE,
-    Cell,
-    CheckResult,
-    check_case,
-    single_thread,
-)
+from torchparity.golden.cases import OUTPUT_KINDS, check_case
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult, single_thread
 from torchparity.golden.store import GoldenStore
 from torchparity.golden.user_models import check_subject, model_store
 from torchparity.reference import zoo

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from torchparity import backends
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
-from torchparity.golden.cases import REFERENCE, Cell, CheckResult
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult
 from torchparity.golden.store import GoldenStore
 from torchparity.train import trajectory as tj
 from torchparity.train.trainer import Execution, TrainConfig, Trajectory, train

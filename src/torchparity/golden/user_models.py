@@ -58,7 +58,7 @@ import functools
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +70,8 @@ from torchparity import backends, sketching, tolerance
 from torchparity.comparison import NOT_COMPARED, compare
 from torchparity.dtypes import DTYPES, dtype_name
 from torchparity.errors import BackendUnavailable, UsageError
-from torchparity.golden.cases import (
-    REFERENCE,
-    Cell,
-    CheckResult,
-    checksum_changes,
-    judged_fields,
-    matmul_precision,
-    write_status,
-)
+from torchparity.golden.cases import checksum_changes, judged_fields, write_status
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run, matmul_precision
 from torchparity.golden.compiled import (
     annotate,
     decode_phases,
@@ -119,25 +112,6 @@ def backend_names(models: list[Subject] | None = None) -> list[str]:
     of ``models`` is a ``transformers`` model (always when ``models`` is None)."""
     eager = models is None or any(m.is_transformers for m in models)
     return [*backends.names(), *([HF_EAGER] if eager else [])]
-
-
-@dataclass
-class Run:
-    """One run of a model in a cell: output name -> {path: tensor}, why others are missing
-    (``missing``: the cell cannot compute them, n/a; ``not_compared``: the model's output no
-    longer holds what the golden was made from, a failure), the loss's gradient with respect
-    to each floating output (what carries the outputs' noise into the loss's, see
-    :func:`torchparity.tolerance.propagated_noise`), ``compile_log`` what compiling cost in a
-    compiled cell, and ``islands`` where a float64 run computed in a narrower dtype."""
-
-    outputs: dict[str, dict[str, torch.Tensor]]
-    missing: dict[str, str]
-    sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
-    compile_log: CompileLog | None = None
-    not_compared: dict[str, str] = field(default_factory=dict)
-    #: Where a float64 run computed in a narrower dtype: dtype name -> modules (see
-    #: :mod:`torchparity.subject.islands`).
-    islands: dict[str, list[str]] = field(default_factory=dict)
 
 
 def model_store(subject: Subject, root: Any) -> GoldenStore:
