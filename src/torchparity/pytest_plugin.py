@@ -142,8 +142,8 @@ def model_parity(request: pytest.FixtureRequest):
     Goldens are read from ``golden/`` beside the test file unless ``golden_dir`` is given;
     ``torchparity golden update --model ENTRY --golden-dir DIR`` writes them.
     """
+    from torchparity.golden.model_check import check_model
     from torchparity.golden.store import GoldenError
-    from torchparity.golden.user_models import check_model
 
     def check(factory, cell, golden_dir=None):
         try:

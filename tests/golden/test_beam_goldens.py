@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from torchparity.cli import main
+from torchparity.golden.model_check import check_model, update_model_goldens
 from torchparity.golden.store import GoldenStore
-from torchparity.golden.user_models import check_model, update_model_goldens
 from torchparity.reference import build_model, zoo
 from torchparity.subject.factory import resolve_entry
 

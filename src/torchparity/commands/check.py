@@ -27,11 +27,12 @@ from torchparity.errors import UsageError
 from torchparity.golden.cases import (
     load_case,
 )
+from torchparity.golden.model_check import backend_names
 from torchparity.golden.report import Machines, render, write_json
 from torchparity.golden.runner import check_models, execute, train_results
 from torchparity.golden.selection import CHECK_DTYPES, select_cases, select_cells
 from torchparity.golden.store import GOLDEN_DIR_ENV, GoldenStore, default_golden_dir
-from torchparity.golden.user_models import backend_names, load_goldens, model_store, user_golden_dir
+from torchparity.golden.user_models import load_goldens, model_store, user_golden_dir
 from torchparity.reference import zoo
 from torchparity.revisions import base_goldens
 from torchparity.subject import Subject

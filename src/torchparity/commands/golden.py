@@ -12,11 +12,11 @@ from torchparity.commands.check import GOLDEN_DIR_HELP
 from torchparity.errors import UsageError
 from torchparity.golden.cases import OUTPUT_KINDS, check_case, load_case, write_case
 from torchparity.golden.cells import REFERENCE, single_thread
+from torchparity.golden.model_check import check_subject
 from torchparity.golden.report import print_table
 from torchparity.golden.selection import select_cases
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import (
-    check_subject,
     islands_sentence,
     load_goldens,
     model_store,

@@ -75,7 +75,7 @@ class CheckResult:
     left_out: str | None = None
     compile: str | None = None  # the torch.compile form of a compiled cell
     # A baseline that erred more than its dtype allows, and what that means for the budgets
-    # (see :func:`torchparity.golden.cases.degraded_baseline`); None when none did.
+    # (see :func:`torchparity.golden.check_loop.degraded_baseline`); None when none did.
     baseline: str | None = None
     # A compiled cell's graphs, breaks, recompiles and seconds, with each call's and (on the
     # decode output) each decoding step's; see torchparity.golden.compiled.
@@ -104,7 +104,8 @@ class Run:
     backward pass ran (what carries their noise into the loss's, see
     :func:`torchparity.tolerance.propagated_noise`); ``compile_log`` what compiling cost in a
     compiled cell; ``islands`` where a float64 run computed in a narrower dtype (dtype name
-    -> modules, see :mod:`torchparity.subject.islands`)."""
+    -> modules, see :mod:`torchparity.subject.islands`); ``sdpa_calls`` the SDPA calls the
+    cell's backend intercepted (None where nothing intercepts them)."""
 
     outputs: dict[str, Any]
     missing: dict[str, str]
@@ -112,6 +113,7 @@ class Run:
     compile_log: CompileLog | None = None
     not_compared: dict[str, str] = field(default_factory=dict)
     islands: dict[str, list[str]] = field(default_factory=dict)
+    sdpa_calls: int | None = None
 
 
 @contextlib.contextmanager

@@ -14,8 +14,9 @@ import torch
 
 from torchparity.golden.cases import OUTPUT_KINDS, check_case
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult, single_thread
+from torchparity.golden.model_check import check_subject
 from torchparity.golden.store import GoldenStore
-from torchparity.golden.user_models import check_subject, model_store
+from torchparity.golden.user_models import model_store
 from torchparity.reference import zoo
 from torchparity.subject import Subject
 

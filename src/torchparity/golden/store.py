@@ -298,6 +298,31 @@ class GoldenStore:
             _atomic_write(json_path, (format_json(summary) + "\n").encode())
         return [tensor_path, json_path]
 
+    def update(self, case: str, output: str, tensors: Mapping[str, torch.Tensor | Sketch],
+               meta: Mapping[str, Any]) -> str:
+        """Write one golden unless it holds these values and metadata already; returns what
+        happened: ``created``, ``replaced`` (unreadable before), ``updated`` or ``unchanged``
+        (the files are left untouched, so a rerun on another machine does not churn them)."""
+        status = self._update_status(case, output, tensors, meta)
+        if status != "unchanged":
+            self.write(case, output, tensors, meta)
+        return status
+
+    def _update_status(self, case: str, output: str,
+                       tensors: Mapping[str, torch.Tensor | Sketch], meta: Mapping[str, Any]
+                       ) -> str:
+        if not any(p.exists() for p in self.paths(case, output)):
+            return "created"
+        try:
+            old = self.read(case, output)
+        except GoldenError:
+            return "replaced"
+        same_tensors = ({n: s["sha256"] for n, s in old.summary["tensors"].items()}
+                        == {n: stored_sha256(as_stored(n, t)) for n, t in tensors.items()})
+        header = {"schema_version", "case", "output", "produced_by", "tensors"}
+        same_meta = {k: v for k, v in old.summary.items() if k not in header} == dict(meta)
+        return "unchanged" if same_tensors and same_meta else "updated"
+
     def write_obtained(self, case: str, output: str,
                        tensors: Mapping[str, torch.Tensor | Sketch]) -> Path:
         """Write what a mismatching run produced beside the golden, for inspection (big tensors
