@@ -47,7 +47,6 @@ from torchparity.golden.user_models import (
     model_store,
     no_decode_golden,
     user_golden_dir,
-    write_goldens,
 )
 from torchparity.subject import Subject
 from torchparity.subject.compiling import check_mode
@@ -258,10 +257,3 @@ def check_model(factory: str | Callable[[], Any], *, backends: list[str] | None 
     store = model_store(subject, user_golden_dir(golden_dir))
     cells = cells or model_cells(backends, dtypes, compile=compile)
     return ModelReport(check_subject(subject, store, cells))
-
-
-def update_model_goldens(factory: str | Callable[[], Any],
-                         golden_dir: str | os.PathLike | None = None) -> dict[str, str]:
-    """Write the goldens of ``factory`` (see :func:`check_model`); output -> what happened."""
-    subject = Subject.load(factory)
-    return write_goldens(subject, model_store(subject, user_golden_dir(golden_dir)))
