@@ -24,8 +24,8 @@ from torchparity.commands.common import (
     dtype_name,
 )
 from torchparity.errors import UsageError
+from torchparity.golden.cell_selection import CHECK_DTYPES
 from torchparity.golden.runner import check
-from torchparity.golden.selection import CHECK_DTYPES
 from torchparity.golden.store import GOLDEN_DIR_ENV
 from torchparity.revisions import base_goldens
 from torchparity.subject import Subject

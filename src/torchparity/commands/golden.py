@@ -12,10 +12,10 @@ from typing import Any
 from torchparity.commands.check import GOLDEN_DIR_HELP
 from torchparity.errors import UsageError
 from torchparity.golden.cases import OUTPUT_KINDS, write_case
+from torchparity.golden.cell_selection import select_cases
 from torchparity.golden.cells import CheckResult
 from torchparity.golden.report import print_table
 from torchparity.golden.runner import update_models, verify_cases, verify_models
-from torchparity.golden.selection import select_cases
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import user_golden_dir
 from torchparity.reference import TransformerConfig, zoo

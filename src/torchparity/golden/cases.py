@@ -44,7 +44,7 @@ from torchparity.golden.cells import (
     matmul_precision,
     single_thread,
 )
-from torchparity.golden.compiled import decode_phases, logprobs_by_step
+from torchparity.golden.compiled_cells import decode_phases, logprobs_by_step
 from torchparity.golden.store import Golden, GoldenStale, GoldenStore, checksum
 from torchparity.reference import build_model, greedy_decode, rng, sequence_loss, zoo
 from torchparity.reference.layers import TransformerLayer

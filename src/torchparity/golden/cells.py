@@ -78,7 +78,7 @@ class CheckResult:
     # (see :func:`torchparity.golden.check_loop.degraded_baseline`); None when none did.
     baseline: str | None = None
     # A compiled cell's graphs, breaks, recompiles and seconds, with each call's and (on the
-    # decode output) each decoding step's; see torchparity.golden.compiled.
+    # decode output) each decoding step's; see torchparity.golden.compiled_cells.
     compiled: dict[str, Any] | None = None
 
     @property

@@ -22,7 +22,7 @@ import torch
 from torchparity import backends, sketching, tolerance
 from torchparity.comparison import NOT_COMPARED
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run
-from torchparity.golden.compiled import annotate, step_verdicts, unavailable_reason
+from torchparity.golden.compiled_cells import annotate, step_verdicts, unavailable_reason
 from torchparity.golden.store import Golden, GoldenStore
 from torchparity.subject.compiling import CompileFailed
 

@@ -30,7 +30,7 @@ from torchparity.dtypes import DTYPES, dtype_name
 from torchparity.errors import UsageError
 from torchparity.golden import check_loop
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run
-from torchparity.golden.compiled import stepped_logits
+from torchparity.golden.compiled_cells import stepped_logits
 from torchparity.golden.model_runs import (
     HF_EAGER,
     OUTPUT_KINDS,

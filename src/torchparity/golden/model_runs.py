@@ -21,7 +21,7 @@ from torchparity import backends
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.cells import Cell, Run, matmul_precision
-from torchparity.golden.compiled import decode_phases
+from torchparity.golden.compiled_cells import decode_phases
 from torchparity.sketching import kept, seed_of
 from torchparity.subject import Subject, hf
 from torchparity.subject.beams import BeamSearch, expand_prompt, reorder_rows

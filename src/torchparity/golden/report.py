@@ -14,7 +14,7 @@ import torch
 from torchparity import machine
 from torchparity.errors import UsageError
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult
-from torchparity.golden.compiled import cell_counts, compiled_lines
+from torchparity.golden.compiled_cells import cell_counts, compiled_lines
 from torchparity.golden.store import Golden, produced_by
 from torchparity.reference import zoo
 

@@ -19,10 +19,10 @@ import torch
 from torchparity import backends
 from torchparity.errors import UsageError
 from torchparity.golden.cases import OUTPUT_KINDS, check_case, load_case
+from torchparity.golden.cell_selection import select_cases, select_cells
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult, single_thread
 from torchparity.golden.model_check import backend_names, check_subject
 from torchparity.golden.report import Machines, render, write_json
-from torchparity.golden.selection import select_cases, select_cells
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import (
     islands_sentence,
