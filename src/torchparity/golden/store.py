@@ -350,7 +350,10 @@ class GoldenStore:
             summary = _read_summary(json_path, fix)
             tensors = _unflat(_read_tensors(tensor_path, fix), summary["tensors"])
         _check_consistent(json_path, summary, tensors, fix)
-        return Golden(case, output, tensors, summary, tensor_path)
+        # safetensors gives the tensors in no set order: the JSON's is the order they were
+        # written in, so that a comparison meets them (and picks among ties) the same each run.
+        listed = {name: tensors[name] for name in summary["tensors"] if name in tensors}
+        return Golden(case, output, listed | tensors, summary, tensor_path)
 
     def _fix(self, case: str, output: str, path: Path) -> str:
         command = self.update_command.format(case=case, output=output)
