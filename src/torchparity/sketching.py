@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,8 @@ SKETCH_ABOVE_ENV = "TORCHPARITY_SKETCH_ABOVE"
 CHUNK = 1 << 22
 #: Version of the bucket and sign stream; recorded in goldens beside each sketch.
 METHOD = "countsketch-pcg64/1"
+#: Bytes of bucket streams kept for reuse (:class:`_Streams`).
+STREAM_CACHE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -205,11 +208,37 @@ def _bucket_stream(seed: int, chunk: int, n: int, size: int) -> torch.Tensor:
     """Bucket (with the sign as its high half) of each of ``n`` elements of one chunk."""
     if size & (size - 1) or size > 2**14:
         raise ValueError(f"sketch size must be a power of two up to 16384, got {size}")
-    words = np.random.PCG64(np.random.SeedSequence((seed, chunk))).random_raw(-(-n // 4))
-    draws = np.empty(n, dtype=np.int32)
-    np.bitwise_and(words.view(np.uint16)[:n], np.uint16(2 * size - 1), out=draws,
-                   casting="unsafe")
-    return torch.from_numpy(draws)
+    return _STREAMS.get((seed, chunk, n, size))
+
+
+class _Streams:
+    """The bucket streams drawn last, up to :data:`STREAM_CACHE_BYTES` in all: every tensor
+    of one name and size shares its stream (a diagnosis sketches A's, the golden's and B's
+    output of each module, most of them named ``output``), and drawing it costs as much as
+    the rest of the sketch."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, key: tuple[int, int, int, int]) -> torch.Tensor:
+        if key in self._kept:
+            self._kept.move_to_end(key)
+            return self._kept[key]
+        seed, chunk, n, size = key
+        words = np.random.PCG64(np.random.SeedSequence((seed, chunk))).random_raw(-(-n // 4))
+        draws = np.empty(n, dtype=np.int32)
+        np.bitwise_and(words.view(np.uint16)[:n], np.uint16(2 * size - 1), out=draws,
+                       casting="unsafe")
+        stream = torch.from_numpy(draws)
+        self._kept[key] = stream
+        self._bytes += stream.nbytes
+        while self._bytes > STREAM_CACHE_BYTES and len(self._kept) > 1:
+            self._bytes -= self._kept.popitem(last=False)[1].nbytes
+        return stream
+
+
+_STREAMS = _Streams()
 
 
 def like(reference: Sketch, value: torch.Tensor | Sketch) -> Sketch:
