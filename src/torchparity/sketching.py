@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ CHUNK = 1 << 22
 METHOD = "countsketch-pcg64/1"
 #: Bytes of bucket streams kept for reuse (:class:`_Streams`).
 STREAM_CACHE_BYTES = 64 << 20
+#: Sketches kept for reuse by the identity of their tensor (:class:`_Made`).
+SKETCH_CACHE_ENTRIES = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,6 +181,13 @@ def sketch(tensor: torch.Tensor, name: str | None = None, *, seed: int | None = 
             raise ValueError("sketch() needs the tensor's name or a seed")
         seed = seed_of(name)
     size = size or tolerance.SKETCH.size
+    made = _MADE.get(tensor, seed, size)
+    if made is None:
+        made = _MADE.put(tensor, seed, size, _sketch(tensor, seed, size))
+    return made
+
+
+def _sketch(tensor: torch.Tensor, seed: int, size: int) -> Sketch:
     flat = tensor.detach().reshape(-1)
     buckets = torch.zeros(2 * size, dtype=torch.float64)
     squares = total = 0.0
@@ -239,6 +249,40 @@ class _Streams:
 
 
 _STREAMS = _Streams()
+
+
+class _Made:
+    """The last :data:`SKETCH_CACHE_ENTRIES` sketches, by their tensor's identity, while it is
+    alive and unchanged (the same ``_version``): a comparison sketches a dense baseline for the
+    pass's noise and again for its error, and a candidate again when a residue's rounding
+    reaches the other gradients of its pass."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple[int, int, int],
+                                tuple[weakref.ref, int, Sketch]] = OrderedDict()
+
+    def get(self, tensor: torch.Tensor, seed: int, size: int) -> Sketch | None:
+        found = self._kept.get((id(tensor), seed, size))
+        if found is None or found[0]() is not tensor or found[1] != _version(tensor):
+            return None
+        return found[2]
+
+    def put(self, tensor: torch.Tensor, seed: int, size: int, made: Sketch) -> Sketch:
+        version = _version(tensor)
+        if version is not None:
+            self._kept[(id(tensor), seed, size)] = (weakref.ref(tensor), version, made)
+            while len(self._kept) > SKETCH_CACHE_ENTRIES:
+                self._kept.popitem(last=False)
+        return made
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter, which every in-place change moves (None for an inference
+    tensor, which has none)."""
+    return None if tensor.is_inference() else tensor._version
+
+
+_MADE = _Made()
 
 
 def like(reference: Sketch, value: torch.Tensor | Sketch) -> Sketch:
