@@ -392,11 +392,6 @@ def own_magnitude(golden: torch.Tensor | Summary, metric: Metric) -> float:
     return finite_magnitude(golden, metric)
 
 
-def golden_scale(golden: torch.Tensor | Summary, metric: Metric) -> float:
-    """:func:`own_magnitude`, 1.0 when zero."""
-    return own_magnitude(golden, metric) or 1.0
-
-
 def cancelled(scale: float, group_scale: float) -> bool:
     """Whether a golden of magnitude ``scale`` (0 included) cancelled within a group of
     magnitude ``group_scale``: smaller than one fp32 rounding of the group's values, so no

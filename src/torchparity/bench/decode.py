@@ -67,7 +67,7 @@ def decode_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
 def _decode_row(models: list[torch.nn.Module], prompt: dict[str, torch.Tensor],
                 beams: Any, settings: Settings, progress: Progress, device: torch.device,
                 case: str, fields: dict[str, Any]) -> dict[str, Any]:
-    from torchparity.diagnosis.decode import diagnose_decode_against, record_decode
+    from torchparity.diagnosis.decoding import diagnose_decode_against, record_decode
     from torchparity.subject.beams import BeamSearch, builtin_reorder, expand_prompt
     from torchparity.subject.decoding import builtin_step, teacher_forced
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchparity.diagnosis.decode_report import DecodeReport
+from torchparity.diagnosis.decoding import DecodeReport
 from torchparity.diagnosis.report import DiagnosisReport, Row, share_cell
 from torchparity.golden.cases import CheckResult
 from torchparity.golden.report import budget_share

@@ -68,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchparity.diagnosis.decode_report import DecodeReport
-    from torchparity.diagnosis.golden import golden_warning
+    from torchparity.diagnosis.decoding import DecodeReport
+    from torchparity.diagnosis.float64_golden import golden_warning
 
     check_paths(args.summary, args.junit)
     name_map = [_name_rule(rule) for rule in args.name_map or []] or None
@@ -140,8 +140,8 @@ def _record_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...
 
 def _judged_against(args: argparse.Namespace, trace: Path, b: Subject, name_map):
     from torchparity.diagnosis.api import diagnose_against
-    from torchparity.diagnosis.decode import diagnose_decode_against
-    from torchparity.diagnosis.decode_trace import is_decode_trace
+    from torchparity.diagnosis.decoding import diagnose_decode_against
+    from torchparity.diagnosis.decoding.trace import is_decode_trace
     from torchparity.diagnosis.trace import open_trace
 
     meta, _ = open_trace(trace)
@@ -161,7 +161,7 @@ def _judged_against(args: argparse.Namespace, trace: Path, b: Subject, name_map)
 
 def _two_models(args: argparse.Namespace, name_map):
     from torchparity.diagnosis.api import diagnose
-    from torchparity.diagnosis.decode import diagnose_decode
+    from torchparity.diagnosis.decoding import diagnose_decode
 
     if len(args.entries) != 2:
         raise UsageError("give two entry points (A and B), or one with --against TRACE")

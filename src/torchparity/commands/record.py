@@ -85,7 +85,7 @@ def dtype_option(args: argparse.Namespace) -> torch.dtype | None:
 def decode_options(args: argparse.Namespace) -> dict:
     """``steps``, ``tokens`` and ``beams`` of ``--steps`` / ``--tokens`` / ``--beams`` (with
     ``--length-penalty`` and ``--eos``); a usage error when they come without ``--decode``."""
-    from torchparity.diagnosis.decode import STEPS
+    from torchparity.diagnosis.decoding import STEPS
     from torchparity.subject.beams import LENGTH_PENALTY, BeamSettings
     from torchparity.subject.decoding import read_tokens
 
@@ -139,8 +139,8 @@ def rebuilt(entry: str):
 
 def run(args: argparse.Namespace) -> int:
     from torchparity.diagnosis.api import record
-    from torchparity.diagnosis.decode import record_decode
-    from torchparity.diagnosis.golden import golden_warning
+    from torchparity.diagnosis.decoding import record_decode
+    from torchparity.diagnosis.float64_golden import golden_warning
     from torchparity.diagnosis.trace import open_trace
 
     decoding = decode_options(args)

@@ -4,9 +4,9 @@ How a diagnosis works (``diagnose`` and ``diagnose_against`` share every step af
 
 A diagnosis is a pipeline; each stage is one module, and the data passes through each once:
 
-1. :mod:`~torchparity.diagnosis.reference`: **capture A**, every selected module's inputs,
+1. :mod:`~torchparity.diagnosis.capture_a`: **capture A**, every selected module's inputs,
    outputs and output gradients, in memory or on disk;
-2. :mod:`~torchparity.diagnosis.golden`: **A's float64 golden**, the same run in float64 on
+2. :mod:`~torchparity.diagnosis.float64_golden`: **A's float64 golden**, the same run in float64 on
    the CPU, and on-demand replays of each call for local goldens;
 3. :mod:`~torchparity.diagnosis.align`: **align** B's calls with A's (names, ``name_map``,
    call order and output shapes, fusion);
@@ -36,18 +36,18 @@ from torch import nn
 
 from torchparity.diagnosis.align import Alignment, NameMap
 from torchparity.diagnosis.capture import PatternSpec
-from torchparity.diagnosis.compiled import compile_form, localise
-from torchparity.diagnosis.entry import find_entry
-from torchparity.diagnosis.golden import add_golden, describe_mode, float64_departure
-from torchparity.diagnosis.local import judge_local
-from torchparity.diagnosis.progress import ProgressBar, progress_bar
-from torchparity.diagnosis.propagated import judge_propagated
-from torchparity.diagnosis.reference import (
+from torchparity.diagnosis.capture_a import (
     Reference,
     capture_reference,
     open_reference,
     trace_meta,
 )
+from torchparity.diagnosis.compiled_localisation import compile_form, localise
+from torchparity.diagnosis.entry import find_entry
+from torchparity.diagnosis.float64_golden import add_golden, describe_mode, float64_departure
+from torchparity.diagnosis.local import judge_local
+from torchparity.diagnosis.progress import ProgressBar, progress_bar
+from torchparity.diagnosis.propagated import judge_propagated
 from torchparity.diagnosis.report import DiagnosisReport
 from torchparity.diagnosis.run import (
     BackendSpec,
@@ -110,7 +110,7 @@ def diagnose(
     ``compile_b`` (``"dynamic"`` or ``"static"``) runs B by ``torch.compile`` in that form and
     names the first module whose compiled output leaves its budget; a ``model_b`` that is
     compiled already (``torch.compile(model)``, ``model.compile()``) is diagnosed so without it
-    (:mod:`torchparity.diagnosis.compiled`).
+    (:mod:`torchparity.diagnosis.compiled_localisation`).
 
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from

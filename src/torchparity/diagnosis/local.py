@@ -15,11 +15,11 @@ from torch import nn
 
 from torchparity.diagnosis.align import Match
 from torchparity.diagnosis.capture import ModuleCall
-from torchparity.diagnosis.golden import placed_on
+from torchparity.diagnosis.capture_a import Reference
+from torchparity.diagnosis.float64_golden import placed_on
 from torchparity.diagnosis.judging import joined
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.propagated import one_to_one
-from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Result, Row
 from torchparity.diagnosis.run import Options, placed, rebind, replay
 from torchparity.diagnosis.state import (

@@ -17,6 +17,7 @@ from torch import nn
 
 from torchparity.diagnosis.align import Alignment, Match, NameMap, align, name_translator
 from torchparity.diagnosis.capture import ModuleCall, call_key
+from torchparity.diagnosis.capture_a import Reference
 from torchparity.diagnosis.judging import (
     joined,
     judge_quickly,
@@ -25,7 +26,6 @@ from torchparity.diagnosis.judging import (
     with_leaves,
 )
 from torchparity.diagnosis.progress import ProgressBar
-from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.report import Result, Row
 from torchparity.diagnosis.run import Options, Run, run_model
 from torchparity.diagnosis.state import StateRecorder

@@ -62,7 +62,8 @@ class Options:
     progress: bool | None = None
     local: Local = "diverged"
     padding: Padding = field(default_factory=Padding)  # left out of every judgement and loss
-    # B run by torch.compile in this form (dynamic, static), module by module (compiled.py)
+    # B run by torch.compile in this form (dynamic, static), module by module
+    # (compiled_localisation.py)
     compile_b: str | None = None
 
     def selects(self) -> Callable[[str], bool]:

@@ -6,13 +6,13 @@ or a seeded sampler produced) with every module captured at every step, beside a
 of itself fed the same tokens (the golden). B is fed the same tokens, so a difference at one
 step cannot change what the next step sees; each step's next-token logits are judged against
 the golden with A's as the baseline. At the first step that leaves its budget B runs once more
-with every module captured at that step (see :mod:`~torchparity.diagnosis.decode_judging`).
+with every module captured at that step (see :mod:`~torchparity.diagnosis.decoding.judging`).
 
 ``diagnose_decode`` does it in one process; ``record_decode`` writes A's side to a trace on the
 base revision and ``diagnose_decode_against`` judges the changed revision against it. Models
 decode through the step protocol of :mod:`torchparity.subject.decoding`: reference models and
 ``transformers`` generators need no step of their own. With ``beams`` A runs a beam search and
-every other side follows its parents and tokens (:mod:`~torchparity.diagnosis.decode_beams`
+every other side follows its parents and tokens (:mod:`~torchparity.diagnosis.decoding.beams`
 judges where B would keep other hypotheses). No gradients are taken.
 """
 
@@ -27,25 +27,25 @@ from torch import nn
 
 from torchparity.diagnosis.align import NameMap
 from torchparity.diagnosis.capture import PatternSpec
-from torchparity.diagnosis.decode_beams import (
+from torchparity.diagnosis.decoding.beams import (
     Sides,
     keeps_differ,
     nbest_swaps,
     reorder_entry,
     step_swaps,
 )
-from torchparity.diagnosis.decode_judging import (
+from torchparity.diagnosis.decoding.judging import (
     first_flips,
     first_module,
     judge_steps,
     module_rows,
     where_it_enters,
 )
-from torchparity.diagnosis.decode_report import DecodeReport
-from torchparity.diagnosis.decode_run import DecodeReference, Side, capture_step, record_reference
-from torchparity.diagnosis.decode_sampling import first_changed_draws
-from torchparity.diagnosis.decode_trace import decode_meta, open_decode_reference
-from torchparity.diagnosis.golden import describe_mode, module_placement
+from torchparity.diagnosis.decoding.report import DecodeReport
+from torchparity.diagnosis.decoding.run import DecodeReference, Side, capture_step, record_reference
+from torchparity.diagnosis.decoding.sampling import first_changed_draws
+from torchparity.diagnosis.decoding.trace import decode_meta, open_decode_reference
+from torchparity.diagnosis.float64_golden import describe_mode, module_placement
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
 from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import ModuleCall
-from torchparity.diagnosis.decode_run import STEP, DecodeReference, step_key
-from torchparity.diagnosis.reference import pattern_json
+from torchparity.diagnosis.capture_a import pattern_json
+from torchparity.diagnosis.decoding.run import STEP, DecodeReference, step_key
 from torchparity.diagnosis.run import Options
 from torchparity.diagnosis.state import Held
 from torchparity.diagnosis.trace import (

@@ -5,7 +5,7 @@ Every side follows A's search (the same parents and tokens), so at every step ea
 the same candidates (:meth:`~torchparity.subject.beams.BeamSearch.follow`). A *beam swap* is a
 step where the candidates B would keep, by its own scores, are not A's: the candidate A kept
 and B drops (the lowest A kept of them) against the one B keeps instead (the highest A
-dropped). Its verdict is that of a token flip (:func:`~torchparity.diagnosis.decode_judging.
+dropped). Its verdict is that of a token flip (:func:`~torchparity.diagnosis.decoding.judging.
 flip_verdict`): a ``real change`` when B's float64 scores, along the same beams, prefer the
 other candidate than the golden does beyond float64 rounding; without them, when A's margin
 between the two exceeds twice the budget of the step's scores. The scores are judged under the
@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.diagnosis.decode_judging import Verdict, flip_verdict, step_budget
-from torchparity.diagnosis.decode_run import DecodeReference, Side
+from torchparity.diagnosis.decoding.judging import Verdict, flip_verdict, step_budget
+from torchparity.diagnosis.decoding.run import DecodeReference, Side
 from torchparity.diagnosis.judging import judge
 from torchparity.diagnosis.report import Entry, Result
 from torchparity.diagnosis.state import own_state

@@ -27,7 +27,7 @@ from torch import nn
 from torchparity import tolerance
 from torchparity.diagnosis.align import NameMap, align
 from torchparity.diagnosis.capture import ModuleCall, signature
-from torchparity.diagnosis.decode_run import DecodeReference, flat_inputs, step_key
+from torchparity.diagnosis.decoding.run import DecodeReference, flat_inputs, step_key
 from torchparity.diagnosis.entry import argument_difference, argument_path
 from torchparity.diagnosis.judging import joined, judge
 from torchparity.diagnosis.propagated import new_row, one_to_one

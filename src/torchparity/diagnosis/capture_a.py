@@ -3,7 +3,7 @@
 In one process A runs once with every selected module's inputs, outputs and output gradients
 kept in a store (memory, or a trace directory on disk with ``stream``/``record``); across
 revisions the reference is read back from the trace :func:`torchparity.record` wrote. Its float64
-golden is added by :mod:`torchparity.diagnosis.golden`.
+golden is added by :mod:`torchparity.diagnosis.float64_golden`.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import ModuleCall
+from torchparity.diagnosis.capture_a import Reference, grad_keeper, keep_run_results
 from torchparity.diagnosis.judging import judge_departure, module_padding
 from torchparity.diagnosis.progress import ProgressBar
-from torchparity.diagnosis.reference import Reference, grad_keeper, keep_run_results
 from torchparity.diagnosis.report import Result
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,

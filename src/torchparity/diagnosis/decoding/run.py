@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import Capture, ModuleCall, Signature, signature
-from torchparity.diagnosis.golden import golden_copy
+from torchparity.diagnosis.float64_golden import golden_copy
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
 from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep
@@ -113,7 +113,7 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
     expanded to its beams, as ``search`` says), then its float64 golden along the same tokens
     and parents, into
     ``store``. ``rebuild()`` makes A again when it cannot be deep-copied into float64 (see
-    :func:`~torchparity.diagnosis.golden.golden_copy`)."""
+    :func:`~torchparity.diagnosis.float64_golden.golden_copy`)."""
     beams = search if isinstance(search, BeamSettings) else None
     sample = search if isinstance(search, SampleSettings) else None
     done = bar.phase(f"A: {'beam search' if beams else 'sampling' if sample else 'decoding'}, "

@@ -22,8 +22,8 @@ import torch
 
 from torchparity.comparison.tensor import json_safe
 from torchparity.diagnosis.columns import Line, layout, print_lines
-from torchparity.diagnosis.decode_beams import BeamSwap
-from torchparity.diagnosis.decode_judging import Flip, first_module, step_budget, step_error
+from torchparity.diagnosis.decoding.beams import BeamSwap
+from torchparity.diagnosis.decoding.judging import Flip, first_module, step_budget, step_error
 from torchparity.diagnosis.report import (
     CSS,
     Report,
