@@ -14,8 +14,13 @@ import pytest
 import torch
 
 from torchparity import cli
-from torchparity.bench import runner as bench
-from torchparity.bench.worker import peak_bytes, timing_model
+from torchparity.bench.models import model_config, timing_model
+from torchparity.bench.rounds import paired_ratio, rotated
+from torchparity.bench.runner import SCHEMA
+from torchparity.bench.settings import PARTS, QUICK_SIZES, default_settings
+from torchparity.bench.stages import stage_seconds
+from torchparity.bench.timing import peak_bytes
+from torchparity.errors import UsageError
 
 POSITIVE = {"tok_per_s", "step_s", "first_step_s", "ratio_vs_manual", "peak_bytes",
             "peak_vs_manual", "tokens_per_step", "wall_s", "cpu_s", "plain_s", "diagnose_s",
@@ -70,9 +75,9 @@ def check_rows(rows: list[dict[str, Any]]) -> None:
 
 
 def test_quick_result_schema(quick: dict[str, Any]) -> None:
-    assert quick["schema"] == bench.SCHEMA
+    assert quick["schema"] == SCHEMA
     assert {"cpu", "logical_cores", "torch", "load_average_start"} <= set(quick["machine"])
-    for part in bench.PARTS:
+    for part in PARTS:
         check_rows(quick[part])
     for target in quick["targets"]:
         assert target["met"] in (True, False, None)
@@ -84,7 +89,7 @@ def test_quick_result_schema(quick: dict[str, Any]) -> None:
 def test_quick_throughput_rows(quick: dict[str, Any], model: str) -> None:
     rows = {row["backend"]: row for row in quick["throughput"] if row["model"] == model}
     assert list(rows) == ["manual", "sdpa-math", "flex", "sdpa-efficient"]
-    size = bench.QUICK_SIZES[0]
+    size = QUICK_SIZES[0]
     for name in ("manual", "sdpa-math"):
         row = rows[name]
         assert row["status"] == "ok" and row["mode"] == "forward+backward"
@@ -148,7 +153,7 @@ def test_peak_bytes_counts_what_lives_together() -> None:
 
 def test_rotated_rounds_put_each_contender_first_once() -> None:
     names = ["manual", "sdpa", "flex"]
-    orders = [bench.rotated(names, r) for r in range(len(names))]
+    orders = [rotated(names, r) for r in range(len(names))]
     assert all(sorted(order) == sorted(names) for order in orders)
     assert sorted(order[0] for order in orders) == sorted(names)
 
@@ -157,7 +162,36 @@ def test_paired_ratio_cancels_drift() -> None:
     # The machine slows down 8x over the run; B is always exactly twice as fast as A.
     a = [0.5 * 2.0**r for r in range(4)]
     b = [t / 2 for t in a]
-    assert bench.paired_ratio(a, b) == 2.0
+    assert paired_ratio(a, b) == 2.0
+
+
+class PhasedReport:
+    """A report with the phases a diagnosis times; rendering it costs nothing."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.meta = {"seconds": seconds}
+
+    def render(self, width: int) -> str:
+        return ""
+
+    def to_json(self) -> str:
+        return ""
+
+    def to_html(self) -> str:
+        return ""
+
+
+def test_every_phase_of_a_diagnosis_is_in_one_stage() -> None:
+    phases = {"A: forward and backward": 1.0, "golden (float64): forward and backward": 2.0,
+              "B: forward and backward": 4.0, "judging while B runs": 3.0,
+              "A, golden and B: module replays": 0.5, "where the first divergence enters": 0.25,
+              "B in float64: forward": 8.0}
+    stages = stage_seconds(PhasedReport(phases), call_s=64.0, before=16.0)
+    # Judging happens inside B's run: counted once, as judging.
+    assert stages["runs"] == 16.0 + 1.0 + 2.0 + 4.0 - 3.0 and stages["judging"] == 3.0
+    assert stages["replays"] == 0.75 and stages["float64 check"] == 8.0
+    assert stages["other"] == 64.0 - 16.0 - (sum(phases.values()) - 3.0)
+    assert sum(stages.values()) - stages["report"] == 64.0
 
 
 @pytest.mark.parametrize("args, named", [
@@ -175,6 +209,14 @@ def test_bad_input_is_one_line(args: list[str], named: str,
     assert len(err.splitlines()) == 1 and named in err, err
 
 
+def test_dtypes_by_any_name_are_recorded_by_torchs() -> None:
+    settings = default_settings("cpu", quick=True, dtypes=("fp32", "torch.bfloat16", "half"))
+    assert settings.dtypes == tuple(str(d).removeprefix("torch.") for d in (
+        torch.float32, torch.bfloat16, torch.float16))
+    with pytest.raises(UsageError, match="--dtype float64: choose from fp32, bf16, fp16"):
+        default_settings("cpu", quick=True, dtypes=("float64",))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "--device", "cuda"]) == 2
@@ -184,7 +226,7 @@ def test_cuda_without_cuda_is_one_line(capsys: pytest.CaptureFixture[str]) -> No
 def test_timing_models_of_two_backends_hold_the_same_weights() -> None:
     # diagnose is timed on two such models and must find nothing: every parameter, linear
     # biases included, comes from the seeded generator rather than the global RNG.
-    config = bench.model_config("encdec-prenorm", bench.QUICK_SIZES[0])
+    config = model_config("encdec-prenorm", QUICK_SIZES[0])
     first = timing_model(config, torch.device("cpu"), torch.float32)
     torch.manual_seed(123)  # what the constructors draw from
     second = timing_model(config.replace(attention_backend="sdpa"), torch.device("cpu"),

@@ -6,9 +6,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
+
 from torchparity.bench import report
-from torchparity.bench.decode import STEPS, decode_rows
-from torchparity.bench.runner import Progress, default_settings, evaluate_targets
+from torchparity.bench.decode_cost import STEPS, decode_rows
+from torchparity.bench.rounds import Progress
+from torchparity.bench.settings import default_settings
+from torchparity.bench.stages import OTHER, REPORT, RUNS, STAGES
+from torchparity.bench.targets import evaluate_targets
 
 
 def test_the_decode_part_times_a_decoding_diagnosis_against_two_plain_decodings() -> None:
@@ -21,6 +26,15 @@ def test_the_decode_part_times_a_decoding_diagnosis_against_two_plain_decodings(
     assert row["first_step"] is None  # manual and sdpa attention agree within the budget
     title, headers, cells = report._decode([row])
     assert "× plain" in headers and cells[0][headers.index("steps")] == "16"
+    # Where the time goes: the stages of the record and the diagnosis add up to the timed
+    # call (one round: its median is that round, whose report is split), none negative.
+    split = row["diagnosis_split"]
+    assert list(split) == [RUNS, *STAGES, OTHER, REPORT] and split[RUNS] > 0
+    assert all(share >= 0 for share in split.values())
+    timed = sum(split[s] for s in (RUNS, *STAGES, OTHER)) * row["plain_s"]
+    assert timed == pytest.approx(row["diagnosis_s"])
+    _, headers, cells = report._diagnose_split([], [row])
+    assert cells[0][headers.index("capture")].startswith("record + --against, greedy")
     result = {"diagnose": [], "decode": [row], "check": [], "throughput": [],
               "settings": {"device": "cpu"}}
     (target,) = evaluate_targets(result)

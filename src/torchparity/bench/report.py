@@ -1,7 +1,7 @@
 """Tables of a ``torchparity bench`` result, for the terminal (rich) and for Markdown.
 
 Both renderers draw the same :func:`sections`, so the terminal and ``BENCHMARKS.md`` cannot
-disagree about what a column means.
+disagree about what a column means. ``bench --model`` prints its own tables (the last section).
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+
+from torchparity.bench.host import describe_machine
+from torchparity.bench.stages import OTHER, REPORT, RUNS, STAGES
 
 Section = tuple[str, list[str], list[list[str]]]  # title, headers, rows of cells
 
@@ -18,7 +21,7 @@ def sections(result: dict[str, Any]) -> list[Section]:
     return [
         _throughput(result["throughput"], result["settings"]["compile"]),
         _diagnose(result["diagnose"]),
-        _diagnose_split(result["diagnose"]),
+        _diagnose_split(result["diagnose"], result["decode"]),
         _decode(result["decode"]),
         _check(result["check"]),
         _targets(result["targets"]),
@@ -48,20 +51,6 @@ def print_tables(result: dict[str, Any], console: Any) -> None:
         for row in rows:
             table.add_row(*row)
         console.print(table)
-
-
-def describe_machine(machine: dict[str, Any]) -> str:
-    parts = [f"{machine['cpu']}, {machine['logical_cores']} logical cores "
-             f"({machine['torch_threads']} torch threads)"]
-    if machine.get("memory_gib"):
-        parts.append(f"{machine['memory_gib']} GiB RAM")
-    if machine.get("gpu"):
-        parts.append(f"{machine['gpu']} (CUDA {machine.get('cuda')})")
-    parts.append(f"torch {machine['torch']}, Python {machine['python']}")
-    loads = [machine.get("load_average_start"), machine.get("load_average_end")]
-    if all(loads):
-        parts.append(f"1-min load {loads[0][0]} at start, {loads[1][0]} at end")
-    return "; ".join(parts)
 
 
 def _md_row(cells: list[str]) -> str:
@@ -148,16 +137,20 @@ def _diagnose(rows: list[dict[str, Any]]) -> Section:
                   columns, rows)
 
 
-def _diagnose_split(rows: list[dict[str, Any]]) -> Section:
-    parts = ("runs", "judging", "replays", "float64 check", "report")
+def _diagnose_split(rows: list[dict[str, Any]], decode_rows: list[dict[str, Any]]) -> Section:
     columns = [("model", lambda r: r.get("model", "")), ("size", _size),
                ("capture", lambda r: r.get("capture", ""))]
-    columns += [(part, lambda r, part=part: _ratio(r["split"].get(part))) for part in parts]
+    columns += [(stage, lambda r, stage=stage: _ratio(r["split"].get(stage)))
+                for stage in (RUNS, *STAGES, OTHER, REPORT)]
     split_rows = [{**r, "capture": capture, "split": r[f"{key}_split"]}
                   for r in rows if r.get("status") == "ok"
                   for capture, key in (("full", "diagnose"), ("streaming", "stream"),
                                        ("--against (× plain B)", "against"))
                   if f"{key}_split" in r]
+    # A decoding's record of A (its runs with every step captured) counts as runs.
+    split_rows += [{**r, "capture": f"record + --against, {r['search']} decoding (× plain "
+                                    "decodings)", "split": r["diagnosis_split"]}
+                   for r in decode_rows if "diagnosis_split" in r]
     return _table("Where diagnose's time goes (× plain forward+backward of both models)",
                   columns, split_rows)
 
@@ -202,3 +195,67 @@ def _targets(rows: list[dict[str, Any]]) -> Section:
         ("note", lambda r: r.get("note", "")),
     ]
     return _table("Targets", columns, rows)
+
+
+# --------------------------------------------------------------------------------------------
+# bench --model
+
+
+def model_throughput_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
+    """``bench --model``'s tokens/s and first step per backend and dtype, as a rich table."""
+    from rich.table import Table
+
+    table = Table(title=f"{name} on {device}: one forward, loss and backward per step",
+                  title_justify="left")
+    for column in ("backend", "dtype", "tokens/s", "step ms", "first step s", "note"):
+        table.add_column(column, no_wrap=column != "note")
+    for r in rows:
+        if r["status"] == "ok":
+            table.add_row(r["backend"], r["dtype"], f"{r['tokens_per_s']:,.0f}",
+                          f"{r['step_s'] * 1e3:.2f}", f"{r['first_step_s']:.3f}",
+                          f"spread {r['spread']:.0%}")
+        else:
+            table.add_row(r["backend"], r["dtype"], "n/a", "", "", r["reason"])
+    return table
+
+
+def at_size_lines(cost: dict[str, Any]) -> str:
+    """The plain step, golden update and check of one model, as lines of text."""
+    def mib(n: float) -> str:
+        return f"{n / 2**20:,.0f} MiB"
+
+    plain, golden, check = cost["plain"], cost["golden"], cost["check"]
+    verdict = "all cells pass" if not check["failed"] else f"failed: {', '.join(check['failed'])}"
+    return "\n".join([
+        f"{cost['model']} ({cost['parameters']:,} parameters), each in its own process:",
+        f"  plain forward+backward: {plain['step_s']:.2f} s (factory {plain['load_s']:.1f} s, "
+        f"first step {plain['first_step_s']:.2f} s), peak {mib(plain['peak_bytes'])}",
+        f"  golden update: {golden['s']:.1f} s = {golden['steps']:.1f} plain steps, peak "
+        f"{mib(golden['peak_bytes'])}, goldens {golden['bytes'] / 1e6:.1f} MB",
+        f"  check ({check['cells']} cells, {', '.join(cost['dtypes'])}): {check['s']:.1f} s = "
+        f"{check['steps']:.1f} plain steps, peak {mib(check['peak_bytes'])}; {verdict}"])
+
+
+def model_compiled_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
+    """``bench --model --compile``'s rows against eager, as a rich table."""
+    from rich.table import Table
+
+    table = Table(title=f"{name} on {device}, compiled: the first step with its compiling, "
+                        "graphs/graph breaks/recompiles, steady speed against the same "
+                        "backend eagerly", title_justify="left")
+    for column in ("backend", "dtype", "compile", "tok/s", "x eager", "step ms", "first s",
+                   "compiling s", "g/b/r", "note"):
+        table.add_column(column, overflow="fold")
+    for r in rows:
+        if r["status"] != "ok":
+            table.add_row(r["backend"], r["dtype"], r["compile"], "n/a", "", "", "", "", "",
+                          r["reason"])
+            continue
+        steady = (f"{r['steady_recompiles']} recompile(s) after the first step"
+                  if r["steady_recompiles"] else "")
+        table.add_row(r["backend"], r["dtype"], r["compile"], f"{r['tokens_per_s']:,.0f}",
+                      f"{r['vs_eager']:.2f}", f"{r['step_s'] * 1e3:.2f}",
+                      f"{r['first_step_s']:.1f}", f"{r['compile_s']:.1f}",
+                      f"{r['graphs']}/{r['graph_breaks']}/{r['recompiles']}",
+                      "; ".join(p for p in (f"spread {r['spread']:.0%}", steady) if p))
+    return table

@@ -12,25 +12,26 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from torchparity.bench import report as bench_report
-from torchparity.bench import runner as bench
+from torchparity.bench.host import machine_info
+from torchparity.bench.rounds import Progress
+from torchparity.bench.runner import run as run_bench
+from torchparity.bench.settings import DTYPE_CHOICES, PARTS, REFERENCE_CASES, default_settings
 from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError
 from torchparity.golden.report import print_table
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="cpu or cuda (default: cuda when available, else cpu)")
-    parser.add_argument("--dtype", action="append", type=dtype_name, choices=list(DTYPES),
+    parser.add_argument("--dtype", action="append", type=dtype_name, choices=DTYPE_CHOICES,
                         help="dtype to measure (repeatable; default: fp32 on the CPU, "
                              "bf16 and fp32 on CUDA)")
     parser.add_argument("--size", action="append", metavar="NAME",
                         help="benchmark size (repeatable; cpu: s, m; cuda: m, l; default: all)")
     parser.add_argument("--case", action="append", metavar="NAME",
                         help="zoo case to scale up as the model (repeatable; default: "
-                             f"{' and '.join(bench.REFERENCE_CASES)}; diagnose uses the first)")
+                             f"{' and '.join(REFERENCE_CASES)}; diagnose uses the first)")
     parser.add_argument("--model", action="append", metavar="ENTRY",
                         help="your own model instead of the zoo: file.py:factory or "
                              "package.module:factory (repeatable); measures tokens/s and time "
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and few rounds: a smoke run of seconds "
                              "(does not time `torchparity check`)")
-    parser.add_argument("--skip", action="append", choices=[*bench.PARTS, "size"], default=[],
+    parser.add_argument("--skip", action="append", choices=[*PARTS, "size"], default=[],
                         help="leave a part out (repeatable; size: with --model, the golden "
                              "update and check of the model in their own processes)")
     parser.add_argument("--json", metavar="PATH", help="write the full result as JSON to PATH")
@@ -75,14 +76,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--device {device!r} is not a torch device (try cpu or cuda)") from None
     if args.model:
         return _bench_models(args, device)
-    settings = bench.default_settings(
+    settings = default_settings(
         device, args.quick, tuple(args.size or ()),
-        dtypes=tuple(DTYPES[d] for d in args.dtype or ()),
+        dtypes=tuple(args.dtype or ()),
         cases=tuple(args.case or ()),
         backends=tuple(args.backend or ()),
         rounds=args.rounds, warmup=args.warmup, compile=args.compile, threads=args.threads,
         beams=args.beams,
-        parts=tuple(p for p in bench.PARTS if p not in args.skip),
+        parts=tuple(p for p in PARTS if p not in args.skip),
     )
     for path in (args.json, args.markdown):
         if path and not Path(path).parent.is_dir():
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     with _ProgressBar(Console(stderr=True)) as progress:
-        result = bench.run(settings, progress)
+        result = run_bench(settings, progress)
     bench_report.print_tables(result, console)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -109,7 +110,7 @@ def _bench_models(args: argparse.Namespace, device: str) -> int:
     subjects = {entry: Subject.load(entry) for entry in args.model} if in_process else {}
     dtypes = args.dtype or ["fp32"]
     console = Console(soft_wrap=True)
-    result: dict[str, Any] = {"machine": bench.machine_info(device, args.threads),
+    result: dict[str, Any] = {"machine": machine_info(device, args.threads),
                               "throughput": [], "size": [], "check": []}
     for entry in args.model:
         subject = subjects.pop(entry, None)  # the measured processes get the memory
@@ -117,13 +118,13 @@ def _bench_models(args: argparse.Namespace, device: str) -> int:
             with console.status(f"timing {subject.name}"):
                 rows = user_model.throughput_rows(subject, dtypes, args.rounds or 5, device)
             result["throughput"] += rows
-            console.print(_throughput_table(subject.name, device, rows))
+            console.print(bench_report.model_throughput_table(subject.name, device, rows))
         if args.compile and subject is not None:
             with console.status(f"compiling and timing {subject.name}"):
                 compiled = user_model.compiled_rows(subject, dtypes, rows, args.rounds or 5,
                                                     device, args.backend)
             result["compiled"] = result.get("compiled", []) + compiled
-            print_table(console, _compiled_table(subject.name, device, compiled))
+            print_table(console, bench_report.model_compiled_table(subject.name, device, compiled))
         if "check" not in args.skip:
             with console.status(f"timing check --model {subject.name}"):
                 cost = user_model.check_cost(subject)
@@ -138,71 +139,13 @@ def _bench_models(args: argparse.Namespace, device: str) -> int:
                                 "process"):
                 cost = at_size.measure(entry, dtypes, args.backend)
             result["size"].append(cost)
-            console.print(at_size_table(cost), markup=False, highlight=False)
+            console.print(bench_report.at_size_lines(cost), markup=False, highlight=False)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
-def _throughput_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
-
-    table = Table(title=f"{name} on {device}: one forward, loss and backward per step",
-                  title_justify="left")
-    for column in ("backend", "dtype", "tokens/s", "step ms", "first step s", "note"):
-        table.add_column(column, no_wrap=column != "note")
-    for r in rows:
-        if r["status"] == "ok":
-            table.add_row(r["backend"], r["dtype"], f"{r['tokens_per_s']:,.0f}",
-                          f"{r['step_s'] * 1e3:.2f}", f"{r['first_step_s']:.3f}",
-                          f"spread {r['spread']:.0%}")
-        else:
-            table.add_row(r["backend"], r["dtype"], "n/a", "", "", r["reason"])
-    return table
-
-
-def at_size_table(cost: dict[str, Any]) -> str:
-    """The plain step, golden update and check of one model, as lines of text."""
-    def mib(n: float) -> str:
-        return f"{n / 2**20:,.0f} MiB"
-
-    plain, golden, check = cost["plain"], cost["golden"], cost["check"]
-    verdict = "all cells pass" if not check["failed"] else f"failed: {', '.join(check['failed'])}"
-    return "\n".join([
-        f"{cost['model']} ({cost['parameters']:,} parameters), each in its own process:",
-        f"  plain forward+backward: {plain['step_s']:.2f} s (factory {plain['load_s']:.1f} s, "
-        f"first step {plain['first_step_s']:.2f} s), peak {mib(plain['peak_bytes'])}",
-        f"  golden update: {golden['s']:.1f} s = {golden['steps']:.1f} plain steps, peak "
-        f"{mib(golden['peak_bytes'])}, goldens {golden['bytes'] / 1e6:.1f} MB",
-        f"  check ({check['cells']} cells, {', '.join(cost['dtypes'])}): {check['s']:.1f} s = "
-        f"{check['steps']:.1f} plain steps, peak {mib(check['peak_bytes'])}; {verdict}"])
-
-
-def _compiled_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
-
-    table = Table(title=f"{name} on {device}, compiled: the first step with its compiling, "
-                        "graphs/graph breaks/recompiles, steady speed against the same "
-                        "backend eagerly", title_justify="left")
-    for column in ("backend", "dtype", "compile", "tok/s", "x eager", "step ms", "first s",
-                   "compiling s", "g/b/r", "note"):
-        table.add_column(column, overflow="fold")
-    for r in rows:
-        if r["status"] != "ok":
-            table.add_row(r["backend"], r["dtype"], r["compile"], "n/a", "", "", "", "", "",
-                          r["reason"])
-            continue
-        steady = (f"{r['steady_recompiles']} recompile(s) after the first step"
-                  if r["steady_recompiles"] else "")
-        table.add_row(r["backend"], r["dtype"], r["compile"], f"{r['tokens_per_s']:,.0f}",
-                      f"{r['vs_eager']:.2f}", f"{r['step_s'] * 1e3:.2f}",
-                      f"{r['first_step_s']:.1f}", f"{r['compile_s']:.1f}",
-                      f"{r['graphs']}/{r['graph_breaks']}/{r['recompiles']}",
-                      "; ".join(p for p in (f"spread {r['spread']:.0%}", steady) if p))
-    return table
-
-
-class _ProgressBar(bench.Progress):
+class _ProgressBar(Progress):
     """A rich progress bar per part, on stderr."""
 
     def __init__(self, console: Console) -> None:

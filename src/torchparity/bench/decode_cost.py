@@ -1,4 +1,4 @@
-"""The cost of a decoding diagnosis across revisions (``bench`` part ``decode``).
+"""Part ``decode``: the cost of a decoding diagnosis across revisions.
 
 ``record --decode`` of A (its decoding captured at every step, beside its float64 golden) and
 then ``diagnose --against`` of B, over :data:`STEPS` steps after the prompt, timed against what
@@ -6,30 +6,30 @@ the reviewer's test runs anyway: a plain decoding of A and one of B along the sa
 ``--beams K`` a second row times the same for a beam search of ``K`` beams (``record --decode
 --beams K``), against a plain beam search of A and B along its choices. The models are those of
 the ``diagnose`` part (the first case at the first size, ``manual`` against ``sdpa``
-attention), prompted with the size's batch; every contender runs in this process, in rounds
-whose order rotates.
+attention), prompted with the size's batch; every contender runs in this process, in the
+rounds of :mod:`~torchparity.bench.rounds`.
 """
 
 from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchparity.bench.runner import (
-    DIAGNOSE_BACKENDS,
-    Progress,
-    Settings,
-    model_config,
-    na_row,
-    paired_ratio,
-    rotated,
-)
-from torchparity.bench.worker import timing_model, wall_time
+from torchparity.bench.models import model_config, timing_model
+from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio
+from torchparity.bench.settings import DIAGNOSE_BACKENDS, Settings
+from torchparity.bench.stages import per_plain, stage_seconds
+from torchparity.bench.timing import wall_time
+from torchparity.diagnosis.decoding import diagnose_decode_against, record_decode
+from torchparity.dtypes import torch_dtype
 from torchparity.reference import zoo
+from torchparity.subject.beams import BeamSearch, BeamSettings, builtin_reorder, expand_prompt
+from torchparity.subject.decoding import builtin_step, teacher_forced
 
 #: Decoding steps after the prompt.
 STEPS = 16
@@ -40,9 +40,8 @@ FALLBACK_CASE = "llama-tiny"
 def decode_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
     """A row per search (greedy, and a beam search with ``settings.beams``): seconds of record
     + diagnose of a decoding, of two plain decodings, and their ratio (``decode_time_ratio``;
-    the goal is at most 4)."""
-    from torchparity.subject.beams import BeamSettings
-
+    the goal is at most 4), and the diagnosis's seconds by stage, per plain second
+    (``diagnosis_split``, the record of A's side counted with the runs)."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
     case = next((c for c in settings.cases if not zoo.get(c).config.is_encoder_decoder),
@@ -54,7 +53,7 @@ def decode_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
               "n_layers": size.n_layers, "batch_size": size.batch_size,
               "seq_len": size.seq_len, "dtype": dtype, "steps": STEPS,
               "models": " vs ".join(DIAGNOSE_BACKENDS)}
-    models = [timing_model(config.replace(attention_backend=name), device, getattr(torch, dtype))
+    models = [timing_model(config.replace(attention_backend=name), device, torch_dtype(dtype))
               for name in DIAGNOSE_BACKENDS]
     prompt = {key: value.to(device) for key, value in zoo.make_batch(
         config, size.batch_size, size.seq_len, seed=0, padding="none").items()}
@@ -65,12 +64,8 @@ def decode_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
 
 
 def _decode_row(models: list[torch.nn.Module], prompt: dict[str, torch.Tensor],
-                beams: Any, settings: Settings, progress: Progress, device: torch.device,
-                case: str, fields: dict[str, Any]) -> dict[str, Any]:
-    from torchparity.diagnosis.decoding import diagnose_decode_against, record_decode
-    from torchparity.subject.beams import BeamSearch, builtin_reorder, expand_prompt
-    from torchparity.subject.decoding import builtin_step, teacher_forced
-
+                beams: BeamSettings | None, settings: Settings, progress: Progress,
+                device: torch.device, case: str, fields: dict[str, Any]) -> dict[str, Any]:
     model_a, model_b = models
     step, reorder = builtin_step(model_a), builtin_reorder(model_a)
     searched = expand_prompt(prompt, beams.beams) if beams else prompt
@@ -90,33 +85,32 @@ def _decode_row(models: list[torch.nn.Module], prompt: dict[str, torch.Tensor],
             for model in (model_a, model_b):
                 teacher_forced(step, model, prompt, STEPS, first.tokens)
 
-    reports = []
+    reports, recorded = [], []
 
     def diagnosis() -> None:
         with tempfile.TemporaryDirectory(prefix="torchparity-bench-") as tmp:
+            start = time.perf_counter()
             trace = record_decode(model_a, prompt, Path(tmp) / "a.tptrace", steps=STEPS,
                                   beams=beams, progress=False)
+            recorded.append(time.perf_counter() - start)
             reports.append(diagnose_decode_against(trace, model_b, prompt, progress=False))
 
     contenders = {"plain": plain, "diagnosis": diagnosis}
     progress.start("decode", len(contenders) * (settings.warmup + settings.rounds))
-    times: dict[str, list[float]] = {name: [] for name in contenders}
     try:
-        for index in range(settings.warmup + settings.rounds):
-            phase = "warm-up" if index < settings.warmup else "round"
-            for name in rotated(list(contenders), index):
-                progress.advance(f"decode {case} ({fields['search']}): {phase} {index + 1}, "
-                                 f"{name}")
-                seconds = wall_time(contenders[name], device)
-                if index >= settings.warmup:
-                    times[name].append(seconds)
+        times = interleaved(list(contenders), lambda name: wall_time(contenders[name], device),
+                            settings.rounds, settings.warmup, progress,
+                            f"decode {case} ({fields['search']})")
     except Exception as exc:  # a failing diagnosis is a finding to report, not a crash
         return na_row(f"decoding diagnosis failed: {type(exc).__name__}: "
                       f"{str(exc).splitlines()[0]}", **fields)
     report = reports[-1]
-    return {**fields, "status": "ok", "plain_s": statistics.median(times["plain"]),
+    plain_s = statistics.median(times["plain"])
+    return {**fields, "status": "ok", "plain_s": plain_s,
             "diagnosis_s": statistics.median(times["diagnosis"]),
             "decode_time_ratio": 1 / paired_ratio(times["plain"], times["diagnosis"]),
+            "diagnosis_split": per_plain(stage_seconds(report, times["diagnosis"][-1],
+                                                       recorded[-1]), plain_s),
             "first_step": report.first_step, "flips": len(report.flips),
             "beam_swaps": len(report.swaps)}
 

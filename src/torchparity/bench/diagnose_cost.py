@@ -1,0 +1,103 @@
+"""Part ``diagnose``: what :func:`torchparity.diagnose` costs beside the plain step it explains.
+
+``diagnose`` in one process (full capture and streaming) against a plain forward+backward of
+both models, and ``diagnose --against`` a recorded trace against a plain forward+backward of B:
+in time (the median of interleaved rounds, :mod:`~torchparity.bench.rounds`), in peak memory,
+and by stage (:mod:`~torchparity.bench.stages`). On the first case at the first size, in the
+first dtype, ``manual`` against ``sdpa`` attention; its cost follows module count and tensor
+sizes, not the architecture.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchparity.bench.models import model_config, size_fields, timing_model
+from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio
+from torchparity.bench.settings import DIAGNOSE_BACKENDS, Settings, Size
+from torchparity.bench.stages import per_plain, stage_seconds
+from torchparity.bench.timing import peak_bytes, wall_time
+from torchparity.diagnosis.api import diagnose, diagnose_against, record
+from torchparity.dtypes import torch_dtype
+from torchparity.reference import sequence_loss, zoo
+
+
+def diagnose_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
+    """One row (see the module docstring): seconds, peak bytes and stages of each contender,
+    and the ratios the targets read (``diagnose_time_ratio``, ``against_time_ratio``,
+    ``stream_peak_ratio``)."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    return [_diagnose_case(settings.cases[0], settings.sizes[0], settings.dtypes[0],
+                           settings, progress)]
+
+
+def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
+                   progress: Progress) -> dict[str, Any]:
+    device = torch.device(settings.device)
+    config = model_config(case, size)
+    fields = {**size_fields(case, config, size), "dtype": dtype,
+              "models": " vs ".join(DIAGNOSE_BACKENDS)}
+    model_a, model_b = (timing_model(config.replace(attention_backend=name), device,
+                                     torch_dtype(dtype)) for name in DIAGNOSE_BACKENDS)
+    batch = {key: value.to(device) for key, value in
+             zoo.make_batch(config, size.batch_size, size.seq_len, seed=0, padding="none").items()}
+
+    def plain(*models: torch.nn.Module) -> Callable[[], None]:
+        def run_once() -> None:
+            for model in models:
+                model.zero_grad(set_to_none=True)
+                sequence_loss(model(**batch), batch).backward()
+        return run_once
+
+    reports: dict[str, Any] = {}
+
+    def diagnosis(name: str, stream: bool) -> Callable[[], None]:
+        def run_once() -> None:
+            for model in (model_a, model_b):
+                model.zero_grad(set_to_none=True)
+            reports[name] = diagnose(model_a, model_b, batch, loss_fn=sequence_loss,
+                                     stream=stream, progress=False)
+        return run_once
+
+    def against() -> None:  # B against a trace A's revision recorded
+        model_b.zero_grad(set_to_none=True)
+        reports["against"] = diagnose_against(trace, model_b, batch, loss_fn=sequence_loss,
+                                              progress=False)
+
+    contenders = {"plain": plain(model_a, model_b), "diagnose": diagnosis("diagnose", False),
+                  "stream": diagnosis("stream", True), "plain_b": plain(model_b),
+                  "against": against}
+    progress.start("diagnose", len(contenders) * (1 + settings.warmup + settings.rounds))
+    try:
+        with tempfile.TemporaryDirectory(prefix="torchparity-bench-") as tmp:
+            trace = record(model_a, batch, Path(tmp) / "a.tptrace", loss_fn=sequence_loss,
+                           progress=False)
+            times = interleaved(list(contenders), lambda name: wall_time(contenders[name], device),
+                                settings.rounds, settings.warmup, progress, f"diagnose {case}")
+            timed = dict(reports)  # the last round's: the peak-memory runs are profiled
+            peaks = {}
+            for name, contender in contenders.items():
+                progress.advance(f"diagnose {case}: peak memory, {name}")
+                peaks[name] = peak_bytes(contender, device)
+    except Exception as exc:  # a failing diagnose is a finding to report, not a crash
+        return na_row(f"diagnose failed: {type(exc).__name__}: {str(exc).splitlines()[0]}",
+                      **fields)
+    row = {**fields, "status": "ok"}
+    for name in contenders:
+        row[f"{name}_s"] = statistics.median(times[name])
+        row[f"{name}_peak_bytes"] = peaks[name]
+    for name in ("diagnose", "stream"):
+        row[f"{name}_time_ratio"] = 1 / paired_ratio(times["plain"], times[name])
+        row[f"{name}_peak_ratio"] = peaks[name] / peaks["plain"]
+    row["against_time_ratio"] = 1 / paired_ratio(times["plain_b"], times["against"])
+    for name in ("diagnose", "stream", "against"):
+        plain_s = row["plain_b_s" if name == "against" else "plain_s"]
+        row[f"{name}_split"] = per_plain(stage_seconds(timed[name], times[name][-1]), plain_s)
+    return row

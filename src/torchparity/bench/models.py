@@ -1,0 +1,93 @@
+"""The models a benchmark times: zoo cases scaled to a size, with seeded weights meant for
+timing, and one layer's attention call alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity import backends
+from torchparity.bench.settings import Size
+from torchparity.reference import DecoderLM, EncoderDecoder, TransformerConfig, zoo
+
+
+def model_config(case: str, size: Size) -> TransformerConfig:
+    """Zoo case ``case`` scaled to ``size``; its variant choices (norms, positions, GQA share)
+    are kept."""
+    base = zoo.get(case).config
+    kv_heads = None if base.n_kv_heads is None else max(
+        1, size.n_heads * base.kv_heads // base.n_heads)
+    changes: dict[str, Any] = dict(
+        d_model=size.d_model, n_heads=size.n_heads, n_kv_heads=kv_heads, head_dim=None,
+        n_layers=size.n_layers, d_ff=size.d_ff, vocab_size=size.vocab_size,
+        max_positions=max(base.max_positions, size.seq_len),
+    )
+    if base.is_encoder_decoder:
+        changes.update(n_encoder_layers=size.n_layers, src_vocab_size=size.vocab_size)
+    return base.replace(**changes)
+
+
+def tokens_per_step(config: TransformerConfig, size: Size) -> int:
+    """Tokens a step reads: an encoder-decoder reads a source and a target sequence."""
+    return size.batch_size * size.seq_len * (2 if config.is_encoder_decoder else 1)
+
+
+def size_fields(case: str, config: TransformerConfig, size: Size) -> dict[str, Any]:
+    """The fields of a row that say which model, at which size, was timed."""
+    return {"case": case, "model": config.architecture, "size": size.name,
+            "d_model": size.d_model, "n_layers": size.n_layers, "seq_len": size.seq_len,
+            "batch_size": size.batch_size}
+
+
+def timing_model(config: TransformerConfig, device: torch.device, dtype: torch.dtype,
+                 seed: int = 0) -> nn.Module:
+    """The reference model of ``config`` with seeded weights meant for timing only.
+
+    Every matrix is uniform with std ``1/sqrt(fan_in)`` from a seeded generator, and so is
+    every linear bias (its constructor draws from the global RNG), so all workers, and the two
+    models of a diagnosis, hold identical weights; norms keep their constant constructor
+    values. The deterministic float64 init of ``build_model`` would cost more than the
+    measurement at GPU sizes, and speed does not depend on the values.
+    """
+    model = (EncoderDecoder if config.is_encoder_decoder else DecoderLM)(config)
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(param: torch.Tensor, fan_in: int) -> None:
+        bound = (3.0 / fan_in) ** 0.5
+        param.copy_(torch.rand(param.shape, generator=gen) * (2 * bound) - bound)
+
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if param.dim() >= 2:
+                    draw(param, param.shape[-1])
+                elif isinstance(module, nn.Linear):
+                    draw(param, module.in_features)
+    return model.to(device=device, dtype=dtype)
+
+
+class AttentionOnly(torch.nn.Module):
+    """The attention call of one layer of ``config`` alone, causal, with trainable q, k, v of
+    the layer's shapes (GQA included): the kernels' own speed, without the rest of the model."""
+
+    def __init__(self, config: TransformerConfig, batch_size: int, seq_len: int,
+                 seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+
+        def heads(count: int) -> torch.nn.Parameter:
+            shape = (batch_size, count, seq_len, config.dim_head)
+            return torch.nn.Parameter(torch.randn(shape, generator=gen))
+
+        self.q, self.k, self.v = heads(config.n_heads), heads(config.kv_heads), heads(
+            config.kv_heads)
+        self.backend = config.attention_backend
+
+    def forward(self) -> torch.Tensor:
+        return backends.attention(self.q, self.k, self.v, causal=True, backend=self.backend)
+
+    @staticmethod
+    def loss(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return output.float().square().mean()

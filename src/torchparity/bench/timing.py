@@ -1,0 +1,93 @@
+"""Timing one call and its peak memory: the measurements every part's rounds take."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.profiler
+
+
+def wall_time(fn: Callable[[], Any], device: torch.device) -> float:
+    """Wall-clock seconds of ``fn()``, with the device synchronised on both sides."""
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def step_time(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of ``fn()``: CUDA events on a GPU (device time), else the wall clock."""
+    if device.type != "cuda":
+        return wall_time(fn, device)
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    torch.cuda.synchronize(device)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak bytes allocated while ``fn()`` runs, above what was allocated before it.
+
+    On CUDA the caching allocator's own peak. On the CPU the allocation events of the PyTorch
+    profiler (``profile_memory``): every allocation through PyTorch's CPU allocator counts,
+    kernel scratch included; memory a library allocates on its own (BLAS workspaces) does not.
+    """
+    # Garbage of earlier work freed by a collection inside ``fn`` would lower the CPU count.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with _quiet_stderr(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    allocations = sorted(_allocations(prof.profiler.kineto_results.experimental_event_tree()),
+                         key=lambda event: event.start_time_ns)
+    if not allocations:
+        return 0
+    # total_allocated is the running total of what was allocated since profiling began (frees
+    # of older blocks are not reported), so its maximum over the start is the step's peak.
+    first = allocations[0].extra_fields
+    start = first.total_allocated - first.alloc_size
+    return max(event.extra_fields.total_allocated for event in allocations) - start
+
+
+def _allocations(events: list[Any]) -> Iterator[Any]:
+    for event in events:
+        if event.tag == torch._C._profiler._EventType.Allocation:
+            yield event
+        yield from _allocations(event.children)
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    # The profiler's C++ side announces itself and warns about blocks allocated before it
+    # started (expected here) on file descriptor 2, across a progress bar.
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
