@@ -25,6 +25,8 @@ def test_bench_model_compile_reports_first_step_recompiles_and_speed(tmp_path, m
         # again never recompile.
         assert (row["graphs"], row["graph_breaks"], row["recompiles"]) == (1, 0, 0)
         assert row["steady_recompiles"] == 0
-        assert 0 < row["compile_s"] <= row["first_step_s"]
+        # Compiling took time; its share of the first step is not asserted: dynamo times it
+        # with its own clock, and under load the two clocks part by more than nothing.
+        assert row["compile_s"] > 0 and row["first_step_s"] > 0
         assert row["tokens_per_s"] > 0 and row["vs_eager"] > 0
     assert "x eager" in capsys.readouterr().out

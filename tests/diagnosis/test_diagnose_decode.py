@@ -126,6 +126,10 @@ def test_given_tokens_across_revisions_in_python_and_on_the_command_line(tmp_pat
                                         step=changed["step"])
     _assert_off_by_one_found(report)
     assert torch.equal(report.tokens, tokens) and report.meta["tokens"] == "given"
+    # diagnose_against reads the trace's kind: a decoding goes to the decoding pipeline
+    routed = tp.diagnose_against(trace, changed["model"], changed["inputs"], step=changed["step"])
+    _assert_off_by_one_found(routed)
+    assert routed.to_dict()["decode"] == report.to_dict()["decode"]
     reordered = _factory("reordered")
     _assert_reorder_is_noise(tp.diagnose_decode_against(trace, reordered["model"],
                                                         reordered["inputs"],
@@ -218,9 +222,8 @@ def test_decode_usage_errors(llama, tmp_path: Path, capsys) -> None:
     trace = tp.record(model, batch, tmp_path / "forward.tptrace", backward=False)
     with pytest.raises(UsageError, match="records a forward pass, not a decoding"):
         tp.diagnose_decode_against(trace, model, batch)
-    decoded = tp.record_decode(model, batch, tmp_path / "decode.tptrace", steps=2)
-    with pytest.raises(UsageError, match="records a decoding; judge it with"):
-        tp.diagnose_against(decoded, model, batch)
+    with pytest.raises(UsageError, match="records a forward pass, not a decoding"):
+        tp.diagnose_against(trace, model, batch, decode=True)
     assert main(["record", f"{TOYS}:clean", "--steps", "3", "-o", str(tmp_path / "x")]) == 2
     assert "--steps, --tokens, --beams and --sample describe a decoding; add --decode" in \
         capsys.readouterr().err

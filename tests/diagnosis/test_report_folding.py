@@ -10,7 +10,8 @@ import json
 import torch
 
 import torchparity as tp
-from torchparity.diagnosis.report import Bounded, DiagnosisReport, Row
+from torchparity.diagnosis.report import DiagnosisReport
+from torchparity.diagnosis.results import Bounded, Row
 
 LAYERS = 16
 MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchparity.diagnosis.decoding import DecodeReport
-from torchparity.diagnosis.report import DiagnosisReport, Row, share_cell
+from torchparity.diagnosis.report import DiagnosisReport
+from torchparity.diagnosis.results import Row, share_cell
 from torchparity.golden.cases import CheckResult
 from torchparity.golden.report import budget_share
 

@@ -140,27 +140,16 @@ def _record_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...
 
 def _judged_against(args: argparse.Namespace, trace: Path, b: Subject, name_map):
     from torchparity.diagnosis.api import diagnose_against
-    from torchparity.diagnosis.decoding import diagnose_decode_against
-    from torchparity.diagnosis.decoding.trace import is_decode_trace
-    from torchparity.diagnosis.trace import open_trace
 
-    meta, _ = open_trace(trace)
-    if is_decode_trace(meta):
-        _no_compiled_decoding(args)
-        return diagnose_decode_against(trace, b.model, b.inputs, step=b.stepper(),
-                                       reorder=b.reorderer(),
-                                       name_map=name_map, backend=args.backend_b)
-    if args.decode:
-        raise UsageError(f"trace {trace} records a forward pass, not a decoding; record "
-                         "one with `torchparity record ENTRY --decode`")
-    return diagnose_against(trace, b.model, b.inputs, loss_fn=b.loss_fn,
-                            name_map=name_map, backward=None if args.backward else False,
-                            backend=args.backend_b, local=args.local, padding=b.padding,
-                            compile_b=args.compile_b)
+    return diagnose_against(trace, b.model, b.inputs, loss_fn=b.loss_fn, name_map=name_map,
+                            backward=None if args.backward else False, backend=args.backend_b,
+                            local=args.local, padding=b.padding, compile_b=args.compile_b,
+                            step=b.stepper() if b.has_step else None, reorder=b.reorderer(),
+                            decode=args.decode)
 
 
 def _two_models(args: argparse.Namespace, name_map):
-    from torchparity.diagnosis.api import diagnose
+    from torchparity.diagnosis.api import COMPILED_DECODING, diagnose
     from torchparity.diagnosis.decoding import diagnose_decode
 
     if len(args.entries) != 2:
@@ -168,7 +157,8 @@ def _two_models(args: argparse.Namespace, name_map):
     decoding = decode_options(args)
     a, b = Subject.load(args.entries[0]), Subject.load(args.entries[1])
     if decoding:
-        _no_compiled_decoding(args)
+        if args.compile_b:
+            raise UsageError(COMPILED_DECODING)
         if args.stream or args.local != "diverged":
             raise UsageError("--stream and --local are options of a forward diagnosis; a "
                              "decoding keeps each step's calls, and replays none")
@@ -184,13 +174,6 @@ def _two_models(args: argparse.Namespace, name_map):
                     backends=(args.backend_a, args.backend_b), stream=args.stream,
                     local=args.local, dtype=dtype_option(args), padding=a.padding,
                     compile_b=args.compile_b)
-
-
-def _no_compiled_decoding(args: argparse.Namespace) -> None:
-    if args.compile_b:
-        raise UsageError("--compile-b localises a forward pass; a compiled decoding is judged "
-                         "step by step, with its recompiles, by `torchparity check --model "
-                         "ENTRY --compile` (docs/compile.md)")
 
 
 def _name_rule(rule: str) -> tuple[str, str]:

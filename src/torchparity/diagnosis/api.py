@@ -20,7 +20,8 @@ A diagnosis is a pipeline; each stage is one module, and the data passes through
 
 The first module whose local error breaks its budget is where B starts to compute something
 else; everything after it inherits the error. ``record`` runs stages 1 and 2 on one revision
-and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 to 6.
+and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 to 6, or
+hands a trace of a decoding to :mod:`~torchparity.diagnosis.decoding`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from torchparity.diagnosis.capture_a import (
     trace_meta,
 )
 from torchparity.diagnosis.compiled_localisation import compile_form, localise
+from torchparity.diagnosis.decoding import DecodeReport, diagnose_decode_against
+from torchparity.diagnosis.decoding.trace import is_decode_trace
 from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.float64_golden import add_golden, describe_mode, float64_departure
 from torchparity.diagnosis.local import judge_local
@@ -57,12 +60,24 @@ from torchparity.diagnosis.run import (
     make_options,
     stream_needed,
 )
-from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
+from torchparity.diagnosis.trace import (
+    MemoryStore,
+    TraceWriter,
+    changed_weights,
+    inputs_digest,
+    open_trace,
+)
 from torchparity.errors import UsageError
+from torchparity.subject.decoding import ReorderFn, StepFn
 from torchparity.subject.padding import PaddingLike, padding_of
 from torchparity.subject.running import Inputs, LossFn, check_models, in_dtype
 
 __all__ = ["diagnose", "diagnose_against", "record"]
+
+#: Why a decoding is not localised compiled.
+COMPILED_DECODING = ("--compile-b localises a forward pass; a compiled decoding is judged step "
+                     "by step, with its recompiles, by `torchparity check --model ENTRY "
+                     "--compile` (docs/compile.md)")
 
 
 def diagnose(
@@ -193,7 +208,10 @@ def diagnose_against(
     progress: bool | None = None,
     padding: PaddingLike = None,
     compile_b: str | None = None,
-) -> DiagnosisReport:
+    step: StepFn | None = None,
+    reorder: ReorderFn | None = None,
+    decode: bool = False,
+) -> DiagnosisReport | DecodeReport:
     """Diagnose ``model`` (the changed revision) against the trace :func:`record` wrote.
 
     ``inputs`` must be the recorded ones (checked by checksum). Propagated errors compare the
@@ -203,7 +221,21 @@ def diagnose_against(
     recorded one (see :func:`diagnose`). Weights that differ from the recorded ones are listed
     in ``report.meta["weights"]`` (a changed initialisation is not a changed computation).
     ``compile_b`` and a compiled ``model`` are as in :func:`diagnose`.
+
+    A trace of a decoding (:func:`torchparity.record_decode`) is judged by
+    :func:`torchparity.diagnose_decode_against`, with ``step`` and ``reorder``: ``loss_fn``,
+    ``backward``, ``local`` and ``padding`` are options of a forward pass and go unused there,
+    ``compile_b`` is a usage error. ``decode=True`` asks for a decoding: a trace of a forward
+    pass is then a usage error.
     """
+    if is_decode_trace(open_trace(path)[0]):
+        if compile_b is not None:
+            raise UsageError(COMPILED_DECODING)
+        return diagnose_decode_against(path, model, inputs, step=step, name_map=name_map,
+                                       backend=backend, progress=progress, reorder=reorder)
+    if decode:
+        raise UsageError(f"trace {path} records a forward pass, not a decoding; record one "
+                         "with `torchparity record ENTRY --decode`")
     model, compile_b = compile_form(model, compile_b)
     reference, meta = open_reference(path)
     if backward and not meta["backward"]:

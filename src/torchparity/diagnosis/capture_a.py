@@ -20,11 +20,10 @@ from torch import nn
 from torchparity.diagnosis.capture import ModuleCall, PatternSpec, Signature, call_key, signature
 from torchparity.diagnosis.judging import joined, judge, judge_quickly, module_padding
 from torchparity.diagnosis.progress import ProgressBar
-from torchparity.diagnosis.report import Result
+from torchparity.diagnosis.results import Result
 from torchparity.diagnosis.run import Options, Run, run_model
 from torchparity.diagnosis.state import OwnState, StateRecorder
 from torchparity.diagnosis.trace import (
-    DECODE,
     FINAL,
     SCHEMA,
     call_from_json,
@@ -192,12 +191,10 @@ def pattern_json(spec: PatternSpec) -> Any:
 
 
 def open_reference(path: str | Path) -> tuple[Reference, dict[str, Any]]:
-    """The reference side a trace holds (every call already replayed), and its metadata; a
-    decoding trace is a one-line :class:`UsageError`."""
+    """The reference side a trace of a forward pass holds (every call already replayed), and
+    its metadata (:func:`~torchparity.diagnosis.api.diagnose_against` sends a decoding trace to
+    the decoding pipeline)."""
     meta, store = open_trace(path)
-    if meta.get("kind") == DECODE:
-        raise UsageError(f"trace {path} records a decoding; judge it with "
-                         "tp.diagnose_decode_against (the command line recognises it)")
     reference = Reference(calls=[call_from_json(c) for c in meta["calls"]], store=store,
                           golden=meta["golden"], mode=meta["mode"], notes=meta["notes"],
                           source=str(path), signatures=meta["signatures"],

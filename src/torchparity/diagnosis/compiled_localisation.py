@@ -33,7 +33,7 @@ from torchparity.diagnosis.capture_a import Reference
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.propagated import Propagated, judge_propagated
-from torchparity.diagnosis.report import Row
+from torchparity.diagnosis.results import Row
 from torchparity.diagnosis.run import Options
 from torchparity.errors import UsageError
 from torchparity.subject.compiling import MODES, compiled_modules

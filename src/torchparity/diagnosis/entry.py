@@ -35,7 +35,7 @@ from torchparity.diagnosis.judging import judge, module_padding
 from torchparity.diagnosis.local import on_recorded_state
 from torchparity.diagnosis.masks import by_meaning
 from torchparity.diagnosis.propagated import one_to_one
-from torchparity.diagnosis.report import Entry, Row
+from torchparity.diagnosis.results import Entry, Row
 from torchparity.diagnosis.run import Options, backend_context, placed, rebind
 from torchparity.diagnosis.state import cache_layers
 from torchparity.diagnosis.trace import ReplayUnavailable

@@ -22,7 +22,7 @@ from torchparity.diagnosis.capture import ModuleCall
 from torchparity.diagnosis.capture_a import Reference, grad_keeper, keep_run_results
 from torchparity.diagnosis.judging import judge_departure, module_padding
 from torchparity.diagnosis.progress import ProgressBar
-from torchparity.diagnosis.report import Result
+from torchparity.diagnosis.results import Result
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,

@@ -14,7 +14,7 @@ from torchparity import tolerance
 from torchparity.comparison import Comparison, StructureMismatch, compare
 from torchparity.comparison.selection import PaddingSpec, left_out_of
 from torchparity.comparison.sketch import involves_sketch
-from torchparity.diagnosis.report import (
+from torchparity.diagnosis.results import (
     Bounded,
     Mismatch,
     NotCompared,

@@ -20,7 +20,7 @@ from torchparity.diagnosis.float64_golden import placed_on
 from torchparity.diagnosis.judging import joined
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.propagated import one_to_one
-from torchparity.diagnosis.report import Result, Row
+from torchparity.diagnosis.results import Result, Row
 from torchparity.diagnosis.run import Options, placed, rebind, replay
 from torchparity.diagnosis.state import (
     changing_within,

@@ -26,7 +26,7 @@ from torchparity.diagnosis.judging import (
     with_leaves,
 )
 from torchparity.diagnosis.progress import ProgressBar
-from torchparity.diagnosis.report import Result, Row
+from torchparity.diagnosis.results import Result, Row
 from torchparity.diagnosis.run import Options, Run, run_model
 from torchparity.diagnosis.state import StateRecorder
 from torchparity.diagnosis.trace import FINAL

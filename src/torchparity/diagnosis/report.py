@@ -1,241 +1,33 @@
-"""The divergence report: rows of aligned modules, and its terminal, JSON and HTML renderings.
-
-The HTML file is self-contained (inline CSS and SVG, no script, nothing fetched): it opens in a
-browser without network. Its plot shows each row's local and propagated error as a share of
-the budget on a log scale, so the row where the local curve crosses 1 is the culprit and the
-rows after it show how the error travels.
-"""
+"""The divergence report: rows of aligned modules, and its terminal and JSON renderings (its
+HTML page is :mod:`~torchparity.diagnosis.html`'s); the attribution report."""
 
 from __future__ import annotations
 
-import html
 import io
 import json
-import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from torchparity.comparison.structure import format_shape
+from torchparity.comparison.tensor import json_safe
 from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.folding import FOLD_ABOVE, Fold, folded
+from torchparity.diagnosis.html import html_page, layer_groups
+from torchparity.diagnosis.results import (
+    NotCompared,
+    Result,
+    Row,
+    diverged,
+    headroom,
+    module_label,
+    ratio,
+    shape_difference,
+    share_cell,
+    structure_difference,
+)
 
-__all__ = ["AttributionReport", "Bounded", "DiagnosisReport", "Entry", "Mismatch", "NotCompared",
-           "Report", "Result", "Row", "Unit"]
-
-
-class Result(Protocol):
-    """What a row holds per comparison: a :class:`torchparity.comparison.Comparison` or a
-    :class:`Mismatch`."""
-
-    kind: str
-
-    @property
-    def ok(self) -> bool: ...
-
-    @property
-    def verdict(self) -> str: ...
-
-    def explain(self) -> str: ...
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-@dataclass
-class Mismatch:
-    """A comparison that could not be made because the two sides differ in structure or shape;
-    it counts as diverged."""
-
-    kind: str
-    reason: str
-    tensors: list = field(default_factory=list)
-
-    ok = False
-    verdict = "diverged"
-
-    def explain(self) -> str:
-        return f"diverged: outputs differ in structure: {self.reason}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "ok": False, "kind": self.kind, "mismatch": self.reason}
-
-
-@dataclass
-class NotCompared:
-    """A comparison with nothing to compare: A and B hold tensors there, but none that are the
-    same thing (different containers, no shared tensor). It is no evidence either way: it
-    neither passes as identical nor counts as a divergence, and every report says why."""
-
-    kind: str
-    reason: str
-    tensors: list = field(default_factory=list)
-    structure: tuple = ()
-    shapes: tuple = ()
-
-    ok = True  # nothing breaks a budget, and nothing is claimed to be within one
-    verdict = "not compared"
-
-    def explain(self) -> str:
-        return f"not compared: {self.reason}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "ok": None, "kind": self.kind,
-                "not_compared": self.reason}
-
-
-@dataclass(frozen=True)
-class Entry:
-    """Where a divergence enters: in a container whose local replay diverged although none of
-    its modules did, the first module inside whose inputs differ from A's while every output
-    that fed them matched; in a decoding step, the first module leaving its budget. Named by
-    the argument (``ctx.mask``) or the state it keeps (``k_cache``) and how it differs."""
-
-    module: str
-    argument: str
-    detail: str
-    via: str = "argument"  # "state": what the module keeps (a cache on itself); "code": none
-
-    def __str__(self) -> str:
-        return f"{_label(self.module)} {self.via} {self.argument} ({self.detail})"
-
-    def sentence(self) -> str:
-        """``It enters through its state k_cache (holds ...).``, or that the change is in the
-        module's own code when neither its arguments nor its state differ."""
-        if self.via == "code":
-            return f"The change is in the module's own code: {self.detail}."
-        return f"It enters through its {self.via} {self.argument} ({self.detail})."
-
-
-@dataclass
-class Bounded:
-    """A verdict reached without the full metric set: every tensor's error is at most
-    ``headroom`` of its budget (a bound: the budget is at least ``fudge`` times the noise A's
-    own rounding shows). Only ``within`` and ``identical`` are decided this way; anything else
-    gets the full comparison."""
-
-    kind: str
-    verdict: str
-    error: float  # the largest error, in the kind's metric
-    headroom: float  # an upper bound of the largest share of a budget used
-    tensors: list = field(default_factory=list)
-    structure: tuple = ()
-
-    ok = True
-
-    def explain(self) -> str:
-        if self.verdict == "identical":
-            return "identical: bit-equal to A's own output."
-        return (f"within: every tensor's error is at most {self.headroom:.3g} of its budget "
-                "(full metrics are computed for diverged modules, or with local='all').")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "ok": True, "kind": self.kind, "error": self.error,
-                "headroom_at_most": self.headroom}
-
-
-def worst_error(result: Result | None) -> float | None:
-    """The largest error (in the kind's metric) over the result's tensors; inf for a mismatch."""
-    if result is None or isinstance(result, NotCompared):
-        return None
-    if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
-        return math.inf
-    if isinstance(result, Bounded):
-        return result.error
-    return max((t.error for t in result.tensors), default=0.0)
-
-
-def headroom(result: Result | None) -> float | None:
-    """The largest share of its budget any tensor used (>1 means diverged); for a
-    :class:`Bounded` result, its bound."""
-    if result is None or isinstance(result, NotCompared):
-        return None
-    if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
-        return math.inf
-    if isinstance(result, Bounded):
-        return result.headroom
-    return max((t.headroom for t in result.tensors), default=0.0)
-
-
-@dataclass
-class Row:
-    """One aligned module (or fused group) of the diagnosis.
-
-    ``module`` is B's qualified name (with ``#k`` for its k-th later call), ``a_module`` A's;
-    ``how`` says how they were aligned ("name", "name_map", "order" or "fused"). ``local`` is B's
-    module fed A's recorded inputs against the golden module fed the same, ``propagated`` B's
-    output in its own full run against the golden's full run; ``grad_*`` the same for gradients
-    (of the module's inputs and direct parameters locally, of its outputs and direct parameters
-    propagated). ``amplification`` is propagated error / local error: about 1 where the module
-    itself is the source, large where it only carries error from upstream. ``inputs`` (decoding
-    diagnoses only) compares the module's input tensors the way ``propagated`` its outputs.
-    ``entry`` (on a first divergence that contains other modules) names where it enters.
-    :attr:`structure` lists the outputs that A and B hold in different structure (a tensor on
-    one side, ``None`` or nothing on the other): judged apart, never a numeric divergence;
-    :attr:`shapes` those both hold in different shapes, a divergence of its own.
-    """
-
-    module: str
-    a_module: str
-    how: str
-    module_type: str
-    depth: int
-    start: int
-    local: Result | None = None
-    propagated: Result | None = None
-    grad_local: Result | None = None
-    grad_propagated: Result | None = None
-    inputs: Result | None = None
-    entry: Entry | None = None
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def structure(self) -> tuple:
-        """The ``StructureDifference`` s of the module's outputs (B as candidate, A's side as
-        golden)."""
-        for result in (self.propagated, self.local):
-            if result is not None and getattr(result, "structure", ()):
-                return tuple(result.structure)
-        return ()
-
-    @property
-    def shapes(self) -> tuple:
-        """The ``ShapeDifference`` s of the module's outputs (B as candidate, A's side as
-        golden)."""
-        for result in (self.propagated, self.local):
-            if result is not None and getattr(result, "shapes", ()):
-                return tuple(result.shapes)
-        return ()
-
-    @property
-    def amplification(self) -> float | None:
-        propagated, local = worst_error(self.propagated), worst_error(self.local)
-        if propagated is None or local is None or math.isinf(propagated):
-            return None
-        if local == 0:
-            return None if propagated == 0 else math.inf
-        return propagated / local
-
-    def to_dict(self) -> dict[str, Any]:
-        def dump(result: Result | None) -> dict[str, Any] | None:
-            return None if result is None else result.to_dict()
-
-        return _json_safe({
-            "module": self.module, "a_module": self.a_module, "how": self.how,
-            "type": self.module_type, "depth": self.depth,
-            "inputs": dump(self.inputs),
-            "local": dump(self.local), "propagated": dump(self.propagated),
-            "amplification": self.amplification,
-            "grad_local": dump(self.grad_local), "grad_propagated": dump(self.grad_propagated),
-            "structure": [{"path": d.path, "a": d.golden, "b": d.candidate}
-                          for d in self.structure],
-            "shapes": [{"path": d.path, "a": list(d.golden), "b": list(d.candidate)}
-                       for d in self.shapes],
-            "entry": None if self.entry is None else {
-                "module": self.entry.module, "argument": self.entry.argument,
-                "detail": self.entry.detail, "via": self.entry.via},
-            "notes": self.notes,
-        })
+__all__ = ["AttributionReport", "DiagnosisReport", "Report", "Unit"]
 
 
 class Report:
@@ -296,7 +88,7 @@ class DiagnosisReport(Report):
     @property
     def structure_only(self) -> list[Row]:
         """Rows whose outputs differ from A's in structure and in nothing else."""
-        return [r for r in self.rows if r.structure and not _diverged(r)]
+        return [r for r in self.rows if r.structure and not diverged(r)]
 
     def summary(self) -> str:
         """A few sentences: where A and B part (and where that enters), or that they do not;
@@ -311,20 +103,21 @@ class DiagnosisReport(Report):
             parts.append("No module's local error breaks its budget.")
         else:
             what = (shape_difference(first.shapes[0]) if first.shapes else
-                    f"local error {_ratio(headroom(first.local))} of budget")
-            parts.append(f"First divergence: {_label(first.module)} ({first.module_type}), "
+                    f"local error {ratio(headroom(first.local))} of budget")
+            parts.append(f"First divergence: {module_label(first.module)} ({first.module_type}), "
                          f"{what}.")
             if first.entry is not None:
                 parts.append(f"It enters at {first.entry}.")
         if self.meta.get("backward"):
             grad = self.first_grad_divergence
             parts.append("No gradient diverges locally." if grad is None else
-                         f"First gradient divergence: {_label(grad.module)}.")
+                         f"First gradient divergence: {module_label(grad.module)}.")
         structural = self.structure_only
         if structural:
             where = structural[0]
             parts.append(f"{len(structural)} module(s) differ in structure only, no numeric "
-                         f"divergence (first: {_label(where.module)} {where.structure[0].path}).")
+                         f"divergence (first: {module_label(where.module)} "
+                         f"{where.structure[0].path}).")
         if self.output is not None:
             shape = getattr(self.output, "structure", ())
             paths = f" (structure differs at {', '.join(d.path for d in shape)})" if shape else ""
@@ -339,7 +132,7 @@ class DiagnosisReport(Report):
 
     def to_dict(self) -> dict[str, Any]:
         first, grad = self.first_divergence, self.first_grad_divergence
-        return _json_safe({
+        return json_safe({
             "summary": self.summary(),
             "first_divergence": first.module if first else None,
             "first_grad_divergence": grad.module if grad else None,
@@ -392,7 +185,7 @@ class DiagnosisReport(Report):
             cells = [str(line), share_cell(r.local), share_cell(r.propagated)]
             if backward:
                 cells += [share_cell(r.grad_local), share_cell(r.grad_propagated)]
-            name = _label(r.module) + _aligned_as(r)
+            name = module_label(r.module) + _aligned_as(r)
             if r.structure:
                 name += " (structure differs)"
             style = "bold red" if r is first or r is grad else (
@@ -408,7 +201,7 @@ class DiagnosisReport(Report):
                      if r is self.first_divergence or r is self.first_grad_divergence
                      or r.entry is not None or r.structure
                      or any(x is not None and not x.ok for x in (r.local, r.grad_local))}
-        return folded(_layer_groups(self.rows), important,
+        return folded(layer_groups(self.rows), important,
                       lambda group: tuple(_worst_class(self._column(group, attr))
                                           for attr in _COLUMNS))
 
@@ -424,12 +217,12 @@ class DiagnosisReport(Report):
                   for attr in _COLUMNS[:4 if backward else 2]]
         span = f"rows {line.rows[0]}-{line.rows[-1]}"
         if len(line.ends) == 1:
-            what = f"{span}, {_label(self.rows[line.ends[0]].module)}"
+            what = f"{span}, {module_label(self.rows[line.ends[0]].module)}"
         elif line.ends:
-            what = (f"{span}, {_label(self.rows[line.ends[0]].module)} to "
-                    f"{_label(self.rows[line.ends[-1]].module)}")
+            what = (f"{span}, {module_label(self.rows[line.ends[0]].module)} to "
+                    f"{module_label(self.rows[line.ends[-1]].module)}")
         else:
-            what = f"{span} of {_label(self.rows[line.owner].module)}"
+            what = f"{span} of {module_label(self.rows[line.owner].module)}"
         return Line(cells, f"({what})", rows[0].depth, "dim")
 
     def _footer(self, shown: set[int] | None = None) -> list[str]:
@@ -449,13 +242,13 @@ class DiagnosisReport(Report):
             if shown is not None and index not in shown:
                 continue
             if r.entry is not None:
-                lines.append(f"{_label(r.module)}: the divergence enters at {r.entry}")
-            lines += [f"{_label(r.module)}: {shape_difference(d)}" for d in r.shapes]
-            lines += [f"{_label(r.module)}: structure differs at {_difference(d)}"
+                lines.append(f"{module_label(r.module)}: the divergence enters at {r.entry}")
+            lines += [f"{module_label(r.module)}: {shape_difference(d)}" for d in r.shapes]
+            lines += [f"{module_label(r.module)}: structure differs at {structure_difference(d)}"
                       for d in r.structure]
-            lines += [f"{_label(r.module)}: {note}" for note in r.notes]
+            lines += [f"{module_label(r.module)}: {note}" for note in r.notes]
         shape = getattr(self.output, "structure", ())
-        lines += [f"final output: structure differs at {_difference(d)}" for d in shape]
+        lines += [f"final output: structure differs at {structure_difference(d)}" for d in shape]
         return lines
 
     def __str__(self) -> str:
@@ -466,7 +259,7 @@ class DiagnosisReport(Report):
     def to_html(self, path: str | os.PathLike | None = None) -> str:
         """A self-contained HTML page (inline SVG plot, no scripts); written to ``path`` if
         given."""
-        page = _html_page(self)
+        page = html_page(self)
         if path is not None:
             Path(path).write_text(page, encoding="utf-8")
         return page
@@ -497,7 +290,7 @@ class Unit:
         return 1.0 - self.leave_out / self.total if self.total > 0 else None
 
     def to_dict(self) -> dict[str, Any]:
-        return _json_safe({"name": self.name, "kind": self.kind, "swap_in_error": self.swap_in,
+        return json_safe({"name": self.name, "kind": self.kind, "swap_in_error": self.swap_in,
                            "leave_out_error": self.leave_out, "share": self.share,
                            "leave_out_share": self.leave_out_share})
 
@@ -529,7 +322,7 @@ class AttributionReport(Report):
                 f"leaving it out removes {_percent(top.leave_out_share)}.")
 
     def to_dict(self) -> dict[str, Any]:
-        return _json_safe({"summary": self.summary(), "total_error": self.total,
+        return json_safe({"summary": self.summary(), "total_error": self.total,
                            "units": [u.to_dict() for u in self.units],
                            "skipped": self.skipped, "meta": self.meta})
 
@@ -578,39 +371,8 @@ def _percent(share: float | None) -> str:
 # cells
 
 
-def _label(module: str) -> str:
-    return module or "(model)"
-
-
 def _aligned_as(row: Row) -> str:
     return "" if row.how == "name" else f" <- {row.a_module or '(model)'} [{row.how}]"
-
-
-def _difference(difference: Any) -> str:
-    """``output.1: A has Tensor(2, 4, 8, 8) float32, B has None``."""
-    def side(what: str) -> str:
-        return "nothing there" if what == "missing" else what
-
-    return f"{difference.path}: A has {side(difference.golden)}, B has {side(difference.candidate)}"
-
-
-def shape_difference(difference: Any) -> str:
-    """``shape differs at output.1: (1, 2, 1, 11) vs (1, 2, 1, 12) (A vs B)``."""
-    return (f"shape differs at {difference.path}: {format_shape(difference.golden)} vs "
-            f"{format_shape(difference.candidate)} (A vs B)")
-
-
-def _diverged(row: Row) -> bool:
-    results = (row.local, row.propagated, row.grad_local, row.grad_propagated)
-    return any(result is not None and not result.ok for result in results)
-
-
-def _ratio(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if math.isinf(value):
-        return "inf"
-    return f"{value:.2g}"
 
 
 def not_compared_legend(rows: list[Row]) -> str:
@@ -618,251 +380,3 @@ def not_compared_legend(rows: list[Row]) -> str:
     shown = any(isinstance(getattr(r, attr), NotCompared) for r in rows
                 for attr in (*_COLUMNS, "inputs"))
     return ", n/c: not compared, nothing alike on both sides" if shown else ""
-
-
-def share_cell(result: Result | None) -> str:
-    if result is None:
-        return "-"
-    if isinstance(result, NotCompared):
-        return "n/c"
-    if result.verdict == "identical":
-        return "="
-    if getattr(result, "shapes", ()):
-        return "X shape"
-    share = _compact(headroom(result))
-    if isinstance(result, Bounded):
-        return f"<{share}" if not share.startswith("<") else share
-    return share if result.ok else f"X {share}"
-
-
-def _compact(share: float | None) -> str:
-    """A share of the budget in at most 5 characters: .14, <.01, 5.7, 290, 3e+05, inf."""
-    if share is None:
-        return "-"
-    if math.isinf(share) or math.isnan(share):
-        return str(share)
-    if share < 0.01:
-        return "<.01"
-    if share < 1:
-        return f"{share:.2f}".removeprefix("0")
-    return f"{share:.3g}" if share < 1000 else f"{share:.0e}"
-
-
-def _amplification(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return "inf" if math.isinf(value) else f"{value:.3g}"
-
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-# --------------------------------------------------------------------------------------------
-# HTML
-
-
-CSS = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; }
-table { border-collapse: collapse; font: 12px ui-monospace, monospace; }
-th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; }
-tr.diverged td { background: #fde8e8; } tr.first td { background: #f8b4b4; font-weight: bold; }
-tr.identical td { color: #999; }
-.summary { font-size: 16px; margin: 1em 0; } .note { color: #666; }
-svg text { font: 11px sans-serif; }
-table.layer { table-layout: fixed; width: 100%; } summary { cursor: pointer; margin: 4px 0; }
-table.layer td { overflow-wrap: anywhere; } table.layer th:nth-child(1) { width: 3em; }
-table.layer th:nth-child(2) { width: 28%; } table.layer th:nth-child(4) { width: 14%; }
-.entry { color: #a00; } .structure { color: #765; }
-"""
-
-
-def _html_page(report: DiagnosisReport) -> str:
-    title = "torchparity diagnosis"
-    plots = [svg_plot(report.rows, {"local": "local", "propagated": "propagated"},
-                      "Forward error / budget")]
-    if report.meta.get("backward"):
-        plots.append(svg_plot(report.rows, {"local": "grad_local",
-                                            "propagated": "grad_propagated"},
-                              "Gradient error / budget"))
-    unmatched = "".join(
-        f"<p class='note'>Unmatched in {side}: {html.escape(', '.join(names))}</p>"
-        for side, names in (("A", report.unmatched_a), ("B", report.unmatched_b)) if names)
-    notes = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in report.meta.get("notes", []))
-    settings = json.dumps(_json_safe(report.meta), indent=1, default=str)
-    return (
-        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{title}</title><style>{CSS}</style></head><body>"
-        f"<h1>{title}</h1><p class='summary'>{html.escape(report.summary())}</p>"
-        + "".join(plots) + _html_table(report) + unmatched + notes
-        + f"<details><summary>settings</summary><pre>{html.escape(settings)}</pre></details>"
-        "</body></html>\n"
-    )
-
-
-def _html_table(report: DiagnosisReport) -> str:
-    """The rows as one table, or, for a deep model, one collapsible table per layer (those
-    holding a divergence open)."""
-    backward = bool(report.meta.get("backward"))
-    heads = ["#", "module (B)", "A", "type", "local", "propagated", "ampl."]
-    heads += ["grad local", "grad propagated"] if backward else []
-    header = "<thead><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr></thead>"
-    lines = [_html_row(report, index, backward) for index in range(len(report.rows))]
-    groups = _layer_groups(report.rows)
-    if len(groups) == 1:
-        return f"<table>{header}<tbody>" + "\n".join(lines) + "</tbody></table>"
-    parts = []
-    for group in groups:
-        last = report.rows[group[-1]]
-        broken = any(_diverged(report.rows[i]) for i in group)
-        title = f"{_label(last.module)} ({last.module_type}): rows {group[0]}-{group[-1]}"
-        title += ", diverged" if broken else ""
-        parts.append(f"<details{' open' if broken else ''}><summary>{html.escape(title)}"
-                     f"</summary><table class='layer'>{header}<tbody>"
-                     + "\n".join(lines[i] for i in group) + "</tbody></table></details>")
-    return "\n".join(parts)
-
-
-def _layer_groups(rows: list[Row], most: int = 40) -> list[list[int]]:
-    """Row indices cut after each row named on the plot's axis (children finish before their
-    parent, so each group ends with its layer); one group when the model is small."""
-    if len(rows) <= most:
-        return [list(range(len(rows)))]
-    ends = set(_axis_rows(rows, most))
-    groups, current = [], []
-    for index in range(len(rows)):
-        current.append(index)
-        if index in ends:
-            groups.append(current)
-            current = []
-    return groups + ([current] if current else [])
-
-
-def _html_row(report: DiagnosisReport, index: int, backward: bool) -> str:
-    r = report.rows[index]
-    classes = []
-    if r is report.first_divergence or r is report.first_grad_divergence:
-        classes.append("first")
-    elif any(x is not None and not x.ok for x in (r.local, r.grad_local)):
-        classes.append("diverged")
-    elif r.local is not None and r.local.verdict == "identical":
-        classes.append("identical")
-    name = "&nbsp;" * 2 * r.depth + html.escape(_label(r.module))
-    if r.entry is not None:
-        name += f"<br><span class='entry'>enters at {html.escape(str(r.entry))}</span>"
-    for d in r.shapes:
-        name += f"<br><span class='entry'>{html.escape(shape_difference(d))}</span>"
-    for d in r.structure:
-        name += ("<br><span class='structure'>structure differs at "
-                 f"{html.escape(_difference(d))}</span>")
-    cells = [str(index), name, html.escape(r.a_module if r.how != "name" else ""),
-             html.escape(r.module_type), html_cell(r.local), html_cell(r.propagated),
-             html.escape(_amplification(r.amplification))]
-    if backward:
-        cells += [html_cell(r.grad_local), html_cell(r.grad_propagated)]
-    return (f"<tr class='{' '.join(classes)}' data-row='{index}'>"
-            + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-
-
-def html_cell(result: Result | None) -> str:
-    if result is None:
-        return "-"
-    explanation = html.escape(result.explain(), quote=True)
-    return f"<span title='{explanation}'>{html.escape(share_cell(result))}</span>"
-
-
-def _axis_rows(rows: list[Row], most: int = 40) -> list[int]:
-    """Rows to name on a plot's x axis: all when few, else the shallowest levels of the module
-    tree that stay within ``most`` labels (the layers of a deep model)."""
-    depths = sorted({r.depth for r in rows})
-    chosen: list[int] = []
-    for depth in depths:
-        candidate = [i for i, r in enumerate(rows) if r.depth <= depth]
-        if len(candidate) > most:
-            break
-        chosen = candidate
-    return chosen
-
-
-def _spaced(indices: list[int], min_gap: int) -> list[int]:
-    """``indices`` without those closer than ``min_gap`` rows to the previous kept one (labels
-    would overlap); the last one (a layer, or the model) is kept over its neighbour."""
-    kept: list[int] = []
-    for index in reversed(indices):
-        if not kept or kept[-1] - index >= min_gap:
-            kept.append(index)
-    return kept[::-1]
-
-
-_COLOURS = ("#c0392b", "#2471a3")
-
-
-def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
-    """Log-scale plot of error / budget per row, one series per ``{name: row attribute}`` (at
-    most two: local and propagated, say), with the budget at 1."""
-    series = {name: [headroom(getattr(r, attr)) for r in rows]
-              for name, attr in attributes.items()}
-    colours = dict(zip(series, _COLOURS, strict=False))
-    finite = [v for values in series.values() for v in values
-              if v is not None and 0 < v < math.inf]
-    lo = math.floor(math.log10(min(finite + [1e-2])))
-    hi = math.ceil(math.log10(max(finite + [10.0])))
-    left, top, plot_h, step = 60, 30, 220, max(4, min(40, 900 // max(len(rows), 1)))
-    labelled = _spaced(_axis_rows(rows), min_gap=max(1, math.ceil(13 / step)))
-    label_h = 6 * max((len(_label(rows[i].module)) for i in labelled), default=0) + 10
-    width = max(left + step * max(len(rows), 1) + 30, 480)  # room for the title and legend
-    height = top + plot_h + label_h + 30
-
-    def x(i: int) -> float:
-        return left + step * (i + 0.5)
-
-    def y(value: float) -> float:
-        clipped = min(max(value, 10.0**lo), 10.0**hi) if value > 0 else 10.0**lo
-        return top + plot_h * (hi - math.log10(clipped)) / (hi - lo)
-
-    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
-             f"role='img' aria-label='{html.escape(title)}'>",
-             f"<text x='{left}' y='16'>{html.escape(title)} "
-             "(log scale; above 1 breaks the budget)</text>"]
-    for decade in range(lo, hi + 1):
-        # The budget (1e0) is dashed and dark, the other decades light grid lines.
-        stroke = "stroke='#555' stroke-dasharray='4 3'" if decade == 0 else "stroke='#ddd'"
-        parts.append(f"<line x1='{left}' x2='{width - 20}' y1='{y(10.0**decade):.1f}' "
-                     f"y2='{y(10.0**decade):.1f}' {stroke}/>")
-        parts.append(f"<text x='{left - 6}' y='{y(10.0**decade) + 4:.1f}' text-anchor='end'>"
-                     f"1e{decade}</text>")
-    for name, values in series.items():
-        points = [(x(i), y(v)) for i, v in enumerate(values) if v is not None]
-        if points:
-            path = " ".join(f"{px:.1f},{py:.1f}" for px, py in points)
-            parts.append(f"<polyline class='series-{name}' fill='none' stroke='{colours[name]}' "
-                         f"stroke-width='1.5' points='{path}'/>")
-    for i, r in enumerate(rows):
-        for name, values in series.items():
-            if values[i] is None:
-                continue
-            label = f"{_label(r.module)}: {name} error / budget = {_ratio(values[i])}"
-            parts.append(
-                f"<circle class='point-{name}' data-module='{html.escape(r.module, quote=True)}' "
-                f"cx='{x(i):.1f}' cy='{y(values[i]):.1f}' r='3' fill='{colours[name]}'>"
-                f"<title>{html.escape(label)}</title></circle>")
-    for i in labelled:  # module names on the x axis, a faint line at each
-        label_y = top + plot_h + 8
-        parts.append(f"<line x1='{x(i):.1f}' x2='{x(i):.1f}' y1='{top}' y2='{top + plot_h}' "
-                     "stroke='#f0f0f0'/>")
-        parts.append(f"<text class='axis-module' x='{x(i):.1f}' y='{label_y}' "
-                     f"transform='rotate(60 {x(i):.1f} {label_y})'>"
-                     f"{html.escape(_label(rows[i].module))}</text>")
-    legend_y = top + plot_h + label_h + 20
-    for offset, (name, colour) in enumerate(colours.items()):
-        parts.append(f"<rect x='{left + 140 * offset}' y='{legend_y - 9}' width='10' height='10' "
-                     f"fill='{colour}'/><text x='{left + 140 * offset + 14}' y='{legend_y}'>"
-                     f"{name}</text>")
-    parts.append("</svg>")
-    return "<figure>" + "".join(parts) + "</figure>"

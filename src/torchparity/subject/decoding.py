@@ -243,7 +243,7 @@ def _keywords(inputs: Any, what: str) -> dict[str, Any]:
     return dict(inputs)
 
 
-def _grown(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+def _grown(mask: torch.Tensor | None) -> torch.Tensor | None:
     """The 1/0 mask with one more real position per sequence (None stays None)."""
     if mask is None:
         return None
@@ -266,7 +266,7 @@ def reference_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Ten
         return model(**inputs, cache=cache), {"cache": cache, "inputs": inputs}
     inputs = dict(state["inputs"])
     inputs[ids_key] = tokens
-    inputs[mask_key] = _grown(inputs.get(mask_key), tokens)
+    inputs[mask_key] = _grown(inputs.get(mask_key))
     return model(**inputs, cache=state["cache"]), {"cache": state["cache"], "inputs": inputs}
 
 
@@ -279,7 +279,7 @@ def reference_recompute_step(model: nn.Module, tokens: Any, state: Any
     else:
         inputs = dict(state)
         inputs[ids_key] = torch.cat((inputs[ids_key], tokens), dim=1)
-        inputs[mask_key] = _grown(inputs.get(mask_key), tokens)
+        inputs[mask_key] = _grown(inputs.get(mask_key))
     return model(**inputs), inputs
 
 
@@ -317,7 +317,7 @@ def causal_lm_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Ten
         mask = inputs.get("attention_mask")
         kwargs = {"input_ids": inputs["input_ids"], **_prompt_positions(model, mask)}
     else:
-        mask = _grown(state["attention_mask"], tokens)
+        mask = _grown(state["attention_mask"])
         kwargs = {"input_ids": tokens, cache_key: state["cache"]}
         if "position_ids" in state:
             kwargs["position_ids"] = state["position_ids"][:, -1:] + 1
@@ -339,8 +339,7 @@ def causal_lm_recompute_step(model: nn.Module, tokens: Any, state: Any
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
         kwargs = _prompt_positions(model, mask)
     else:
-        ids, mask = torch.cat((state["input_ids"], tokens), 1), _grown(state["attention_mask"],
-                                                                        tokens)
+        ids, mask = torch.cat((state["input_ids"], tokens), 1), _grown(state["attention_mask"])
         kwargs = {}
         if "position_ids" in state:
             last = state["position_ids"]
@@ -378,8 +377,7 @@ def seq2seq_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tenso
                  "decoder_attention_mask": inputs.get("decoder_attention_mask")}
         tokens = decoder_ids
     else:
-        state = {**state, "decoder_attention_mask": _grown(state["decoder_attention_mask"],
-                                                           tokens)}
+        state = {**state, "decoder_attention_mask": _grown(state["decoder_attention_mask"])}
     kwargs = {"encoder_outputs": state["encoder_outputs"], "decoder_input_ids": tokens}
     for key in ("attention_mask", "decoder_attention_mask"):
         if state[key] is not None:

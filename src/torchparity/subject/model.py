@@ -74,8 +74,12 @@ class Subject:
     def steps(self) -> bool:
         """Whether it decodes step by step (:mod:`~torchparity.subject.decoding`): with the
         factory's ``step``, or a built-in one, and no ``decode`` of its own."""
-        return self.decoding and self.decode is None and (
-            self.step is not None or builtin_step(self.model) is not None)
+        return self.decoding and self.decode is None and self.has_step
+
+    @property
+    def has_step(self) -> bool:
+        """Whether :meth:`stepper` has a step to give: the factory's, or a built-in one."""
+        return self.step is not None or builtin_step(self.model) is not None
 
     @property
     def generates(self) -> bool:

@@ -30,7 +30,7 @@ from torch import nn
 from torchparity.diagnosis.decoding.judging import Verdict, flip_verdict, step_budget
 from torchparity.diagnosis.decoding.run import DecodeReference, Side
 from torchparity.diagnosis.judging import judge
-from torchparity.diagnosis.report import Entry, Result
+from torchparity.diagnosis.results import Entry, Result
 from torchparity.diagnosis.state import own_state
 from torchparity.subject.beams import BeamSearch, BeamStep, Hypothesis, pool, rescored
 from torchparity.subject.trees import flatten_tensors

@@ -31,7 +31,7 @@ from torchparity.diagnosis.decoding.run import DecodeReference, flat_inputs, ste
 from torchparity.diagnosis.entry import argument_difference, argument_path
 from torchparity.diagnosis.judging import joined, judge
 from torchparity.diagnosis.propagated import new_row, one_to_one
-from torchparity.diagnosis.report import Entry, Mismatch, Result, Row
+from torchparity.diagnosis.results import Entry, Mismatch, Result, Row
 from torchparity.diagnosis.state import state_difference
 
 Verdict = Literal["near tie", "real change"]

@@ -24,18 +24,9 @@ from torchparity.comparison.tensor import json_safe
 from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.decoding.beams import BeamSwap
 from torchparity.diagnosis.decoding.judging import Flip, first_module, step_budget, step_error
-from torchparity.diagnosis.report import (
-    CSS,
-    Report,
-    Result,
-    Row,
-    headroom,
-    html_cell,
-    not_compared_legend,
-    shape_difference,
-    share_cell,
-    svg_plot,
-)
+from torchparity.diagnosis.html import CSS, html_cell, svg_plot
+from torchparity.diagnosis.report import Report, not_compared_legend
+from torchparity.diagnosis.results import Result, Row, headroom, shape_difference, share_cell
 
 __all__ = ["BeamSwap", "DecodeReport", "Flip"]
 

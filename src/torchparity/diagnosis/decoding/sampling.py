@@ -15,7 +15,7 @@ import torch
 
 from torchparity.diagnosis.decoding.judging import Flip, step_budget
 from torchparity.diagnosis.decoding.run import DecodeReference
-from torchparity.diagnosis.report import Result
+from torchparity.diagnosis.results import Result
 from torchparity.subject.sampling import (
     SampleSettings,
     drawn,

@@ -1,0 +1,235 @@
+"""The HTML page of a divergence report, and the CSS, cells and SVG plots the decoding
+report's page shares.
+
+The HTML file is self-contained (inline CSS and SVG, no script, nothing fetched): it opens in a
+browser without network. Its plot shows each row's local and propagated error as a share of
+the budget on a log scale, so the row where the local curve crosses 1 is the culprit and the
+rows after it show how the error travels. The page takes the report untyped (``Any``): it is a
+:class:`~torchparity.diagnosis.report.DiagnosisReport`, whose module imports this one.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from typing import Any
+
+from torchparity.comparison.tensor import json_safe
+from torchparity.diagnosis.results import (
+    Result,
+    Row,
+    diverged,
+    headroom,
+    module_label,
+    ratio,
+    shape_difference,
+    share_cell,
+    structure_difference,
+)
+
+CSS = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; font: 12px ui-monospace, monospace; }
+th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: left; }
+tr.diverged td { background: #fde8e8; } tr.first td { background: #f8b4b4; font-weight: bold; }
+tr.identical td { color: #999; }
+.summary { font-size: 16px; margin: 1em 0; } .note { color: #666; }
+svg text { font: 11px sans-serif; }
+table.layer { table-layout: fixed; width: 100%; } summary { cursor: pointer; margin: 4px 0; }
+table.layer td { overflow-wrap: anywhere; } table.layer th:nth-child(1) { width: 3em; }
+table.layer th:nth-child(2) { width: 28%; } table.layer th:nth-child(4) { width: 14%; }
+.entry { color: #a00; } .structure { color: #765; }
+"""
+
+
+def html_page(report: Any) -> str:
+    title = "torchparity diagnosis"
+    plots = [svg_plot(report.rows, {"local": "local", "propagated": "propagated"},
+                      "Forward error / budget")]
+    if report.meta.get("backward"):
+        plots.append(svg_plot(report.rows, {"local": "grad_local",
+                                            "propagated": "grad_propagated"},
+                              "Gradient error / budget"))
+    unmatched = "".join(
+        f"<p class='note'>Unmatched in {side}: {html.escape(', '.join(names))}</p>"
+        for side, names in (("A", report.unmatched_a), ("B", report.unmatched_b)) if names)
+    notes = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in report.meta.get("notes", []))
+    settings = json.dumps(json_safe(report.meta), indent=1, default=str)
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{title}</title><style>{CSS}</style></head><body>"
+        f"<h1>{title}</h1><p class='summary'>{html.escape(report.summary())}</p>"
+        + "".join(plots) + _html_table(report) + unmatched + notes
+        + f"<details><summary>settings</summary><pre>{html.escape(settings)}</pre></details>"
+        "</body></html>\n"
+    )
+
+
+def _html_table(report: Any) -> str:
+    """The rows as one table, or, for a deep model, one collapsible table per layer (those
+    holding a divergence open)."""
+    backward = bool(report.meta.get("backward"))
+    heads = ["#", "module (B)", "A", "type", "local", "propagated", "ampl."]
+    heads += ["grad local", "grad propagated"] if backward else []
+    header = "<thead><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr></thead>"
+    lines = [_html_row(report, index, backward) for index in range(len(report.rows))]
+    groups = layer_groups(report.rows)
+    if len(groups) == 1:
+        return f"<table>{header}<tbody>" + "\n".join(lines) + "</tbody></table>"
+    parts = []
+    for group in groups:
+        last = report.rows[group[-1]]
+        broken = any(diverged(report.rows[i]) for i in group)
+        title = f"{module_label(last.module)} ({last.module_type}): rows {group[0]}-{group[-1]}"
+        title += ", diverged" if broken else ""
+        parts.append(f"<details{' open' if broken else ''}><summary>{html.escape(title)}"
+                     f"</summary><table class='layer'>{header}<tbody>"
+                     + "\n".join(lines[i] for i in group) + "</tbody></table></details>")
+    return "\n".join(parts)
+
+
+def layer_groups(rows: list[Row], most: int = 40) -> list[list[int]]:
+    """Row indices cut after each row named on the plot's axis (children finish before their
+    parent, so each group ends with its layer); one group when the model is small."""
+    if len(rows) <= most:
+        return [list(range(len(rows)))]
+    ends = set(_axis_rows(rows, most))
+    groups, current = [], []
+    for index in range(len(rows)):
+        current.append(index)
+        if index in ends:
+            groups.append(current)
+            current = []
+    return groups + ([current] if current else [])
+
+
+def _html_row(report: Any, index: int, backward: bool) -> str:
+    r = report.rows[index]
+    classes = []
+    if r is report.first_divergence or r is report.first_grad_divergence:
+        classes.append("first")
+    elif any(x is not None and not x.ok for x in (r.local, r.grad_local)):
+        classes.append("diverged")
+    elif r.local is not None and r.local.verdict == "identical":
+        classes.append("identical")
+    name = "&nbsp;" * 2 * r.depth + html.escape(module_label(r.module))
+    if r.entry is not None:
+        name += f"<br><span class='entry'>enters at {html.escape(str(r.entry))}</span>"
+    for d in r.shapes:
+        name += f"<br><span class='entry'>{html.escape(shape_difference(d))}</span>"
+    for d in r.structure:
+        name += ("<br><span class='structure'>structure differs at "
+                 f"{html.escape(structure_difference(d))}</span>")
+    cells = [str(index), name, html.escape(r.a_module if r.how != "name" else ""),
+             html.escape(r.module_type), html_cell(r.local), html_cell(r.propagated),
+             html.escape(_amplification(r.amplification))]
+    if backward:
+        cells += [html_cell(r.grad_local), html_cell(r.grad_propagated)]
+    return (f"<tr class='{' '.join(classes)}' data-row='{index}'>"
+            + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+
+
+def _amplification(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "inf" if math.isinf(value) else f"{value:.3g}"
+
+
+def html_cell(result: Result | None) -> str:
+    if result is None:
+        return "-"
+    explanation = html.escape(result.explain(), quote=True)
+    return f"<span title='{explanation}'>{html.escape(share_cell(result))}</span>"
+
+
+def _axis_rows(rows: list[Row], most: int = 40) -> list[int]:
+    """Rows to name on a plot's x axis: all when few, else the shallowest levels of the module
+    tree that stay within ``most`` labels (the layers of a deep model)."""
+    depths = sorted({r.depth for r in rows})
+    chosen: list[int] = []
+    for depth in depths:
+        candidate = [i for i, r in enumerate(rows) if r.depth <= depth]
+        if len(candidate) > most:
+            break
+        chosen = candidate
+    return chosen
+
+
+def _spaced(indices: list[int], min_gap: int) -> list[int]:
+    """``indices`` without those closer than ``min_gap`` rows to the previous kept one (labels
+    would overlap); the last one (a layer, or the model) is kept over its neighbour."""
+    kept: list[int] = []
+    for index in reversed(indices):
+        if not kept or kept[-1] - index >= min_gap:
+            kept.append(index)
+    return kept[::-1]
+
+
+_COLOURS = ("#c0392b", "#2471a3")
+
+
+def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
+    """Log-scale plot of error / budget per row, one series per ``{name: row attribute}`` (at
+    most two: local and propagated, say), with the budget at 1."""
+    series = {name: [headroom(getattr(r, attr)) for r in rows]
+              for name, attr in attributes.items()}
+    colours = dict(zip(series, _COLOURS, strict=False))
+    finite = [v for values in series.values() for v in values
+              if v is not None and 0 < v < math.inf]
+    lo = math.floor(math.log10(min(finite + [1e-2])))
+    hi = math.ceil(math.log10(max(finite + [10.0])))
+    left, top, plot_h, step = 60, 30, 220, max(4, min(40, 900 // max(len(rows), 1)))
+    labelled = _spaced(_axis_rows(rows), min_gap=max(1, math.ceil(13 / step)))
+    label_h = 6 * max((len(module_label(rows[i].module)) for i in labelled), default=0) + 10
+    width = max(left + step * max(len(rows), 1) + 30, 480)  # room for the title and legend
+    height = top + plot_h + label_h + 30
+
+    def x(i: int) -> float:
+        return left + step * (i + 0.5)
+
+    def y(value: float) -> float:
+        clipped = min(max(value, 10.0**lo), 10.0**hi) if value > 0 else 10.0**lo
+        return top + plot_h * (hi - math.log10(clipped)) / (hi - lo)
+
+    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' "
+             f"role='img' aria-label='{html.escape(title)}'>",
+             f"<text x='{left}' y='16'>{html.escape(title)} "
+             "(log scale; above 1 breaks the budget)</text>"]
+    for decade in range(lo, hi + 1):
+        # The budget (1e0) is dashed and dark, the other decades light grid lines.
+        stroke = "stroke='#555' stroke-dasharray='4 3'" if decade == 0 else "stroke='#ddd'"
+        parts.append(f"<line x1='{left}' x2='{width - 20}' y1='{y(10.0**decade):.1f}' "
+                     f"y2='{y(10.0**decade):.1f}' {stroke}/>")
+        parts.append(f"<text x='{left - 6}' y='{y(10.0**decade) + 4:.1f}' text-anchor='end'>"
+                     f"1e{decade}</text>")
+    for name, values in series.items():
+        points = [(x(i), y(v)) for i, v in enumerate(values) if v is not None]
+        if points:
+            path = " ".join(f"{px:.1f},{py:.1f}" for px, py in points)
+            parts.append(f"<polyline class='series-{name}' fill='none' stroke='{colours[name]}' "
+                         f"stroke-width='1.5' points='{path}'/>")
+    for i, r in enumerate(rows):
+        for name, values in series.items():
+            if values[i] is None:
+                continue
+            label = f"{module_label(r.module)}: {name} error / budget = {ratio(values[i])}"
+            parts.append(
+                f"<circle class='point-{name}' data-module='{html.escape(r.module, quote=True)}' "
+                f"cx='{x(i):.1f}' cy='{y(values[i]):.1f}' r='3' fill='{colours[name]}'>"
+                f"<title>{html.escape(label)}</title></circle>")
+    for i in labelled:  # module names on the x axis, a faint line at each
+        label_y = top + plot_h + 8
+        parts.append(f"<line x1='{x(i):.1f}' x2='{x(i):.1f}' y1='{top}' y2='{top + plot_h}' "
+                     "stroke='#f0f0f0'/>")
+        parts.append(f"<text class='axis-module' x='{x(i):.1f}' y='{label_y}' "
+                     f"transform='rotate(60 {x(i):.1f} {label_y})'>"
+                     f"{html.escape(module_label(rows[i].module))}</text>")
+    legend_y = top + plot_h + label_h + 20
+    for offset, (name, colour) in enumerate(colours.items()):
+        parts.append(f"<rect x='{left + 140 * offset}' y='{legend_y - 9}' width='10' height='10' "
+                     f"fill='{colour}'/><text x='{left + 140 * offset + 14}' y='{legend_y}'>"
+                     f"{name}</text>")
+    parts.append("</svg>")
+    return "<figure>" + "".join(parts) + "</figure>"
+
