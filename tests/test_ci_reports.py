@@ -17,7 +17,7 @@ import toy_repo
 from torchparity.ci import check_outcome, diagnosis_outcome, junit_xml, publish, summary_markdown
 from torchparity.ci.writers import annotations
 from torchparity.cli import main
-from torchparity.golden.cases import CheckResult
+from torchparity.golden.cells import CheckResult
 
 
 def result(output: str, verdict: str, backend: str = "sdpa", **details) -> CheckResult:

@@ -34,6 +34,20 @@ def test_estimate_of_a_dense_error_has_the_stated_spread():
     assert (ratios - 1).abs().max().item() < tolerance.SKETCH.confidence * spread
 
 
+def test_a_sketch_made_again_is_reused_only_while_its_tensor_is_unchanged(monkeypatch):
+    """A tensor sketched again while unchanged gets the sketch made of it, one changed in place
+    since then a new one; a bucket stream reused is the stream drawn afresh."""
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
+    first = sketching.sketch(x, "x")
+    assert sketching.sketch(x, "x") is first
+    x.mul_(2)
+    again = sketching.sketch(x, "x")
+    assert again.rms == pytest.approx(2 * first.rms, rel=1e-12)
+    monkeypatch.setattr(sketching, "_STREAMS", sketching._Streams())  # nothing drawn yet
+    monkeypatch.setattr(sketching, "_MADE", sketching._Made())
+    assert sketching.sketch(x.clone(), "x").same_values(again)
+
+
 def test_a_change_of_one_element_is_estimated_exactly():
     zero = torch.zeros(300_000)
     one = zero.clone()
@@ -49,7 +63,7 @@ def test_sketch_is_linear_deterministic_and_exact_in_its_statistics():
     # holds bit for bit, with no rounding to allow for.
     a, b = (torch.randint(-2**20, 2**20, (n,), generator=gen).float() / 1024 for _ in "ab")
     sa, sb, sd = (sketching.sketch(x, "x") for x in (a, b, a.double() - b.double()))
-    assert sketching.sketch(a, "x").same_values(sa)
+    assert sketching.sketch(a.clone(), "x").same_values(sa)
     assert torch.equal(sa.projection - sb.projection, sd.projection)
     values = a.double()
     assert sa.rms == pytest.approx(values.square().mean().sqrt().item(), rel=1e-12)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torchparity import sketching
 from torchparity.cli import main
 from torchparity.comparison import compare
-from torchparity.golden.cases import BASELINE_DEGRADED
+from torchparity.golden.check_loop import BASELINE_DEGRADED
 
 #: How a side of a comparison is made from the float64 golden of a matmul.
 SIDES = {

@@ -25,8 +25,8 @@ _EXPORTS = {
     "attribute": "torchparity.diagnosis.attribution",
     "record": "torchparity.diagnosis.api",
     "deterministic": "torchparity.train.trainer",
-    "check_model": "torchparity.golden.user_models",
-    "model_cells": "torchparity.golden.user_models",
+    "check_model": "torchparity.golden.model_check",
+    "model_cells": "torchparity.golden.model_check",
     "init_weights": "torchparity.subject.weights",
     "random_tensor": "torchparity.subject.weights",
 }

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from torchparity.golden.store import GoldenFixture
+    from torchparity.golden.fixture import GoldenFixture
 
 GPU_MARKER = "gpu"
 GPU_MARKER_INI = "torchparity_gpu_marker"
@@ -88,12 +88,12 @@ def torchparity_device(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def golden(request: pytest.FixtureRequest) -> Iterator[GoldenFixture]:
     """``golden.check("name", tensors, kind="forward")`` compares with a golden of this test
-    kept beside its file (see :class:`torchparity.golden.store.GoldenFixture`).
+    kept beside its file (see :class:`torchparity.golden.fixture.GoldenFixture`).
 
     With ``--torchparity-golden-update`` it writes the golden instead, and the test errors at
     teardown with "golden written, rerun without --torchparity-golden-update".
     """
-    from torchparity.golden.store import GoldenFixture
+    from torchparity.golden.fixture import GoldenFixture
 
     fixture = GoldenFixture.for_test(
         request.path, request.node.nodeid, request.config.getoption("torchparity_golden_update"),
@@ -142,8 +142,8 @@ def model_parity(request: pytest.FixtureRequest):
     Goldens are read from ``golden/`` beside the test file unless ``golden_dir`` is given;
     ``torchparity golden update --model ENTRY --golden-dir DIR`` writes them.
     """
+    from torchparity.golden.model_check import check_model
     from torchparity.golden.store import GoldenError
-    from torchparity.golden.user_models import check_model
 
     def check(factory, cell, golden_dir=None):
         try:

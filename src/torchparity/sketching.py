@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,10 @@ SKETCH_ABOVE_ENV = "TORCHPARITY_SKETCH_ABOVE"
 CHUNK = 1 << 22
 #: Version of the bucket and sign stream; recorded in goldens beside each sketch.
 METHOD = "countsketch-pcg64/1"
+#: Bytes of bucket streams kept for reuse (:class:`_Streams`).
+STREAM_CACHE_BYTES = 64 << 20
+#: Sketches kept for reuse by the identity of their tensor (:class:`_Made`).
+SKETCH_CACHE_ENTRIES = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -175,6 +181,13 @@ def sketch(tensor: torch.Tensor, name: str | None = None, *, seed: int | None = 
             raise ValueError("sketch() needs the tensor's name or a seed")
         seed = seed_of(name)
     size = size or tolerance.SKETCH.size
+    made = _MADE.get(tensor, seed, size)
+    if made is None:
+        made = _MADE.put(tensor, seed, size, _sketch(tensor, seed, size))
+    return made
+
+
+def _sketch(tensor: torch.Tensor, seed: int, size: int) -> Sketch:
     flat = tensor.detach().reshape(-1)
     buckets = torch.zeros(2 * size, dtype=torch.float64)
     squares = total = 0.0
@@ -205,11 +218,71 @@ def _bucket_stream(seed: int, chunk: int, n: int, size: int) -> torch.Tensor:
     """Bucket (with the sign as its high half) of each of ``n`` elements of one chunk."""
     if size & (size - 1) or size > 2**14:
         raise ValueError(f"sketch size must be a power of two up to 16384, got {size}")
-    words = np.random.PCG64(np.random.SeedSequence((seed, chunk))).random_raw(-(-n // 4))
-    draws = np.empty(n, dtype=np.int32)
-    np.bitwise_and(words.view(np.uint16)[:n], np.uint16(2 * size - 1), out=draws,
-                   casting="unsafe")
-    return torch.from_numpy(draws)
+    return _STREAMS.get((seed, chunk, n, size))
+
+
+class _Streams:
+    """The bucket streams drawn last, up to :data:`STREAM_CACHE_BYTES` in all: every tensor
+    of one name and size shares its stream (a diagnosis sketches A's, the golden's and B's
+    output of each module, most of them named ``output``), and drawing one is about a fifth
+    of a sketch's time."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, key: tuple[int, int, int, int]) -> torch.Tensor:
+        if key in self._kept:
+            self._kept.move_to_end(key)
+            return self._kept[key]
+        seed, chunk, n, size = key
+        words = np.random.PCG64(np.random.SeedSequence((seed, chunk))).random_raw(-(-n // 4))
+        draws = np.empty(n, dtype=np.int32)
+        np.bitwise_and(words.view(np.uint16)[:n], np.uint16(2 * size - 1), out=draws,
+                       casting="unsafe")
+        stream = torch.from_numpy(draws)
+        self._kept[key] = stream
+        self._bytes += stream.nbytes
+        while self._bytes > STREAM_CACHE_BYTES and len(self._kept) > 1:
+            self._bytes -= self._kept.popitem(last=False)[1].nbytes
+        return stream
+
+
+_STREAMS = _Streams()
+
+
+class _Made:
+    """The last :data:`SKETCH_CACHE_ENTRIES` sketches, by their tensor's identity, while it is
+    alive and unchanged (the same ``_version``): a comparison sketches a dense baseline for the
+    pass's noise and again for its error, and a candidate again when a residue's rounding
+    reaches the other gradients of its pass."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple[int, int, int],
+                                tuple[weakref.ref, int, Sketch]] = OrderedDict()
+
+    def get(self, tensor: torch.Tensor, seed: int, size: int) -> Sketch | None:
+        found = self._kept.get((id(tensor), seed, size))
+        if found is None or found[0]() is not tensor or found[1] != _version(tensor):
+            return None
+        return found[2]
+
+    def put(self, tensor: torch.Tensor, seed: int, size: int, made: Sketch) -> Sketch:
+        version = _version(tensor)
+        if version is not None:
+            self._kept[(id(tensor), seed, size)] = (weakref.ref(tensor), version, made)
+            while len(self._kept) > SKETCH_CACHE_ENTRIES:
+                self._kept.popitem(last=False)
+        return made
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter, which every in-place change moves (None for an inference
+    tensor, which has none)."""
+    return None if tensor.is_inference() else tensor._version
+
+
+_MADE = _Made()
 
 
 def like(reference: Sketch, value: torch.Tensor | Sketch) -> Sketch:

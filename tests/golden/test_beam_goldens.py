@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from torchparity.cli import main
+from torchparity.golden.model_check import check_model
 from torchparity.golden.store import GoldenStore
-from torchparity.golden.user_models import check_model, update_model_goldens
 from torchparity.reference import build_model, zoo
 from torchparity.subject.factory import resolve_entry
 
@@ -35,10 +35,17 @@ def stale_values() -> dict:
     return made
 
 
+def updated(factory: str, golden_dir: Path) -> str:
+    """The entry of a factory of this file, its goldens made by ``torchparity golden update
+    --model``."""
+    entry = f"{__file__}:{factory}"
+    assert main(["golden", "update", "--model", entry, "--golden-dir", str(golden_dir)]) == 0
+    return entry
+
+
 def test_every_cell_decodes_along_the_golden_beam_search(tmp_path: Path) -> None:
-    update_model_goldens(searching, tmp_path)
-    report = check_model(searching, backends=["manual", "sdpa"], dtypes=["fp32"],
-                         golden_dir=tmp_path)
+    report = check_model(updated("searching", tmp_path), backends=["manual", "sdpa"],
+                         dtypes=["fp32"], golden_dir=tmp_path)
     assert report.ok, report.explain()
     decoded = [r for r in report.results if r.output in ("decode", "decode-cache")]
     assert {r.output for r in decoded} == {"decode", "decode-cache"} and len(decoded) >= 3
@@ -46,9 +53,8 @@ def test_every_cell_decodes_along_the_golden_beam_search(tmp_path: Path) -> None
 
 def test_a_reorder_that_leaves_the_values_behind_fails_the_cached_decoding(
         tmp_path: Path) -> None:
-    update_model_goldens(stale_values, tmp_path)
-    report = check_model(stale_values, backends=["manual"], dtypes=["fp32"],
-                         golden_dir=tmp_path)
+    report = check_model(updated("stale_values", tmp_path), backends=["manual"],
+                         dtypes=["fp32"], golden_dir=tmp_path)
     failed = [r for r in report.results if not r.ok]
     assert [r.output for r in failed] == ["decode-cache"], report.explain()
     golden = GoldenStore(tmp_path).read(report.results[0].case, "decode").tensors

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchparity.golden.model_check import check_subject, model_cells
 from torchparity.golden.store import GoldenStore
-from torchparity.golden.user_models import check_subject, model_cells, write_goldens
+from torchparity.golden.user_models import write_goldens
 from torchparity.subject import Subject, model
 
 transformers = pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ import torch
 from torchparity import backends
 from torchparity.cli import main
 from torchparity.golden.cases import OUTPUT_KINDS
-from torchparity.golden.selection import select_cells
+from torchparity.golden.cell_selection import select_cells
 from torchparity.reference import models, norms, positions, zoo
 from torchparity.train import trainer
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from torchparity.golden.store import GoldenStore, folder_of_test
+from torchparity.golden.fixture import folder_of_test
+from torchparity.golden.store import GoldenStore
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 N_PARAMETRIZED = 24

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import torchparity as tp
 from torchparity import strategies as tps
 from torchparity.errors import BackendUnavailable
-from torchparity.golden.cases import single_thread
+from torchparity.golden.cells import single_thread
 from torchparity.reference import TransformerConfig, build_model, sequence_loss, variants, zoo
 from torchparity.reference.attention import AttentionContext
 from torchparity.strategies import pad_rows

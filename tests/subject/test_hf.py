@@ -16,7 +16,7 @@ import tiny_transformers  # skips the module where transformers is not installed
 import torchparity as tp
 from torchparity import backends
 from torchparity.cli import main
-from torchparity.golden.user_models import HF_EAGER
+from torchparity.golden.model_runs import HF_EAGER
 from torchparity.subject import hf
 
 pytestmark = pytest.mark.transformers

@@ -25,15 +25,12 @@ import torch
 from torchparity import backends
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
-from torchparity.golden.cases import REFERENCE, Cell, check_case, single_thread
+from torchparity.golden.cases import check_case
+from torchparity.golden.cells import REFERENCE, Cell, single_thread
+from torchparity.golden.model_check import backend_names, check_subject
+from torchparity.golden.model_runs import HF_EAGER
 from torchparity.golden.store import GoldenStore, default_golden_dir
-from torchparity.golden.user_models import (
-    HF_EAGER,
-    backend_names,
-    check_subject,
-    model_store,
-    write_goldens,
-)
+from torchparity.golden.user_models import model_store, write_goldens
 from torchparity.reference import zoo
 from torchparity.subject import Subject, hf
 from torchparity.subject.compiling import MODES, CompileFailed, compiled

@@ -14,7 +14,7 @@ from typing import Any
 from torchparity.diagnosis.decoding import DecodeReport
 from torchparity.diagnosis.report import DiagnosisReport
 from torchparity.diagnosis.results import Row, share_cell
-from torchparity.golden.cases import CheckResult
+from torchparity.golden.cells import CheckResult
 from torchparity.golden.report import budget_share
 
 #: Flips listed among a decoding's findings (the JUnit report has every one).

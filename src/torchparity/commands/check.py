@@ -4,16 +4,16 @@ Checks every zoo case against its golden outputs in every cell (attention backen
 device) this machine offers and prints a table: rows are cases, columns backends, each cell the
 verdict and headroom (share of the tolerance budget used) per dtype. Exit status 0 when every
 cell passes, 1 when any output diverged or its weights/inputs changed, 2 for a usage or golden
-error. See :mod:`torchparity.golden.cases` for what is compared and how.
+error. See :mod:`torchparity.golden.check_loop` for what is compared and how.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import time
 from pathlib import Path
+from typing import Any
 
 from torchparity import backends
 from torchparity.ci import check_outcome, check_paths, publish
@@ -24,15 +24,9 @@ from torchparity.commands.common import (
     dtype_name,
 )
 from torchparity.errors import UsageError
-from torchparity.golden.cases import (
-    load_case,
-)
-from torchparity.golden.report import Machines, render, write_json
-from torchparity.golden.runner import check_models, execute, train_results
-from torchparity.golden.selection import CHECK_DTYPES, select_cases, select_cells
-from torchparity.golden.store import GOLDEN_DIR_ENV, GoldenStore, default_golden_dir
-from torchparity.golden.user_models import backend_names, load_goldens, model_store, user_golden_dir
-from torchparity.reference import zoo
+from torchparity.golden.cell_selection import CHECK_DTYPES
+from torchparity.golden.runner import check
+from torchparity.golden.store import GOLDEN_DIR_ENV
 from torchparity.revisions import base_goldens
 from torchparity.subject import Subject
 from torchparity.subject.compiling import MODES
@@ -107,52 +101,31 @@ def run(args: argparse.Namespace) -> int:
                          "the fly: give --model ENTRY, without --case, --golden-dir or --train")
     subjects = [Subject.load(entry) for entry in args.model or []]
     with contextlib.ExitStack() as stack:
-        model_root = (stack.enter_context(base_goldens(side, args.model)) if side else
-                      user_golden_dir(args.golden_dir))
-        return _check(args, subjects, model_root, started,
-                      f"{', '.join(args.model)} against base {side.name}" if side else
-                      "the goldens in " + str(model_root), made_here=bool(side))
+        base_root = stack.enter_context(base_goldens(side, args.model)) if side else None
+        report = check(cases=args.case, models=subjects, backend=args.backend,
+                       dtype=args.dtype, device=args.device,
+                       compile_forms=compile_forms(args.compile), golden_dir=args.golden_dir,
+                       model_root=base_root, jobs=args.jobs, train=args.train, json=args.json,
+                       progress=_progress())
+        elapsed = time.perf_counter() - started
+
+        from rich.console import Console
+
+        report.render(Console(soft_wrap=True), elapsed)
+        if args.json:
+            report.write_json(Path(args.json))
+        compared = (f"{', '.join(args.model)} against base {side.name}" if side else
+                    f"the goldens in {report.model_root}")
+        publish(check_outcome(report.results, compared), args.summary, args.junit)
+        return 0 if report.ok else 1
 
 
-def _check(args: argparse.Namespace, subjects: list[Subject], model_root: Path,
-           started: float, compared: str, made_here: bool) -> int:
-    cases = [] if subjects and not args.case else select_cases(args.case)
-    # The zoo's goldens live in the source tree, a user's under the working directory.
-    store = GoldenStore(default_golden_dir(args.golden_dir) if cases else model_root)
-    if cases:
-        store.require_root()
-    cells = select_cells(args.backend, args.dtype, args.device,
-                         backend_names(subjects) if subjects else backends.names(),
-                         compile_forms(args.compile))
-    jobs = _jobs(args.jobs)
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise UsageError(f"--json {args.json}: its folder does not exist")
-    goldens = {case.name: load_case(store, case) for case in cases}  # validated before work
-    goldens |= {subject.name: load_goldens(subject, model_store(subject, model_root))
-                for subject in subjects}
-    # The base's goldens are made here and now, by a torchparity that may not record machines.
-    machines = Machines.of(goldens, cells, made_here=made_here)
-    trajectories = _trajectory_store(store, cases) if args.train else None
-
+def _progress() -> Any:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    progress = Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(),
-                        TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-    with progress:
-        results = execute(store, cases, cells, jobs, progress) if cases else []
-        results += check_models(subjects, model_root, cells, progress)
-        if trajectories is not None:
-            results += train_results(trajectories, cases, cells, progress)
-    elapsed = time.perf_counter() - started
-
-    console = Console(soft_wrap=True)
-    render(console, results, cells, cases, elapsed, machines)
-    ok = all(r.ok for r in results)
-    if args.json:
-        write_json(Path(args.json), results, ok, store.root, machines)
-    publish(check_outcome(results, compared), args.summary, args.junit)
-    return 0 if ok else 1
+    return Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=True)
 
 
 def compile_forms(choice: str | None) -> list[str]:
@@ -160,17 +133,3 @@ def compile_forms(choice: str | None) -> list[str]:
     if choice is None:
         return []
     return list(MODES) if choice == "both" else [choice]
-
-
-def _trajectory_store(store: GoldenStore, cases: list[zoo.ZooCase]) -> GoldenStore:
-    from torchparity.golden.training import load_trajectories
-
-    return load_trajectories(store, [case.name for case in cases])
-
-
-def _jobs(jobs: int | None) -> int:
-    if jobs is None:
-        return 2 if (os.cpu_count() or 1) >= 2 else 1
-    if jobs < 1:
-        raise UsageError(f"--jobs must be at least 1, got {jobs}")
-    return jobs

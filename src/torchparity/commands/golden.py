@@ -5,30 +5,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from torchparity.commands.check import GOLDEN_DIR_HELP
 from torchparity.errors import UsageError
-from torchparity.golden.cases import (
-    OUTPUT_KINDS,
-    REFERENCE,
-    check_case,
-    load_case,
-    single_thread,
-    write_case,
-)
+from torchparity.golden.cases import OUTPUT_KINDS, write_case
+from torchparity.golden.cell_selection import select_cases
+from torchparity.golden.cells import CheckResult
 from torchparity.golden.report import print_table
-from torchparity.golden.selection import select_cases
+from torchparity.golden.runner import update_models, verify_cases, verify_models
 from torchparity.golden.store import GoldenStore, default_golden_dir
-from torchparity.golden.user_models import (
-    check_subject,
-    islands_sentence,
-    load_goldens,
-    model_store,
-    user_golden_dir,
-    write_goldens,
-)
+from torchparity.golden.user_models import user_golden_dir
 from torchparity.reference import TransformerConfig, zoo
 from torchparity.subject import Subject
 
@@ -104,14 +93,13 @@ def _update(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
 def _update_models(subjects: list[Subject], root: Path, console: Any) -> int:
     from rich.console import Console
 
-    with single_thread(), Console(stderr=True).status("") as progress:
-        for subject in subjects:
-            progress.update(f"{subject.name}: float64 golden run")
-            statuses = write_goldens(subject, model_store(subject, root), lambda text, s=subject:
-                                     progress.update(f"{s.name}: float64 golden run, {text}"))
+    with Console(stderr=True).status("") as progress:
+        def status(subject: Subject, text: str) -> None:
+            progress.update(f"{subject.name}: float64 golden run" + (f", {text}" if text else ""))
+
+        for subject, statuses, islands in update_models(subjects, root, status):
             summary = ", ".join(f"{output} {status}" for output, status in statuses.items())
             console.print(f"{subject.name}: {summary}", markup=False)
-            islands = islands_sentence(load_goldens(subject, model_store(subject, root)))
             if islands:
                 console.print(f"{subject.name}: {islands}", markup=False)
     console.print(f"goldens of {len(subjects)} model(s) are in {root}", markup=False)
@@ -119,39 +107,32 @@ def _update_models(subjects: list[Subject], root: Path, console: Any) -> int:
 
 
 def _verify_models(subjects: list[Subject], root: Path, console: Any) -> int:
-    for subject in subjects:  # every file is validated before anything is recomputed
-        load_goldens(subject, model_store(subject, root))
-    ok = True
-    with single_thread():
-        for subject in subjects:
-            results = check_subject(subject, model_store(subject, root), [REFERENCE])
-            failed = [r for r in results if not r.ok]
-            ok &= not failed
-            if not failed:
-                console.print(f"{subject.name}: ok ({len(results)} outputs reproduced)",
-                              markup=False)
-            for r in failed:
-                console.print(f"{subject.name}: {r.output} {r.verdict}: {r.explain or r.reason}",
-                              markup=False)
-    return 0 if ok else 1
+    return _print_verified(((subject.name, results, f"{len(results)} outputs reproduced")
+                            for subject, results in verify_models(subjects, root)), console)
 
 
 def _verify(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
-    for case in cases:  # every file is validated before anything is recomputed
-        load_case(store, case)
-    strays = sorted(set(store.cases()) - set(zoo.names()))
-    ok = True
-    for case in cases:
-        failed = [r for r in check_case(store, case, [REFERENCE]) if not r.ok]
-        ok &= not failed
-        if not failed:
-            console.print(f"{case.name}: ok ({len(OUTPUT_KINDS)} goldens reproduced)")
-        for r in failed:
-            console.print(f"{case.name}: {r.output} {r.verdict}: {r.explain or r.reason}",
-                          markup=False)
-    for name in strays:
+    status = _print_verified(((case.name, results, f"{len(OUTPUT_KINDS)} goldens reproduced")
+                              for case, results in verify_cases(store, cases)), console)
+    for name in sorted(set(store.cases()) - set(zoo.names())):
         console.print(f"note: {store.root / name} belongs to no zoo case (left in place; "
                       f"delete it by hand if the case was removed)", markup=False)
+    return status
+
+
+def _print_verified(verified: Iterable[tuple[str, list[CheckResult], str]], console: Any
+                    ) -> int:
+    """One line per case or model that reproduces its goldens (``ok`` and what), one per
+    output that does not; 1 when any does not."""
+    ok = True
+    for name, results, reproduced in verified:
+        failed = [r for r in results if not r.ok]
+        ok &= not failed
+        if not failed:
+            console.print(f"{name}: ok ({reproduced})", markup=False)
+        for r in failed:
+            console.print(f"{name}: {r.output} {r.verdict}: {r.explain or r.reason}",
+                          markup=False)
     return 0 if ok else 1
 
 

@@ -15,46 +15,41 @@ output        kind        tensors
 
 A *cell* is one (backend, dtype, device). The **reference cell** (manual, fp64, cpu) recomputes
 the goldens with today's code: it is what notices a changed component. Its budget comes from
-the float64 rounding noise of the computation itself (see :func:`check_case`). Every other cell
-is judged by the tolerance model with the ``manual`` backend in the same dtype and device as
-baseline, so it notices a backend or precision that misbehaves. Logits and hidden states are
-judged on the unpadded positions of the case's batch (the loss ignores padded targets itself).
+the float64 rounding noise of the computation itself (see :mod:`~torchparity.golden.check_loop`).
+Every other cell is judged by the tolerance model with the ``manual`` backend in the same dtype
+and device as baseline, so it notices a backend or precision that misbehaves. Logits and hidden
+states are judged on the unpadded positions of the case's batch (the loss ignores padded
+targets itself).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from torchparity import backends, tolerance
+from torchparity import backends
 from torchparity.comparison import StructureMismatch, compare
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
-from torchparity.golden.compiled import (
-    annotate,
-    decode_phases,
-    logprobs_by_step,
-    step_verdicts,
-    unavailable_reason,
+from torchparity.golden import check_loop
+from torchparity.golden.cells import (
+    REFERENCE,
+    Cell,
+    CheckResult,
+    Run,
+    matmul_precision,
+    single_thread,
 )
-from torchparity.golden.store import (
-    Golden,
-    GoldenError,
-    GoldenStale,
-    GoldenStore,
-    as_stored,
-    checksum,
-    stored_sha256,
-)
+from torchparity.golden.compiled_cells import decode_phases, logprobs_by_step
+from torchparity.golden.store import Golden, GoldenStale, GoldenStore, checksum
 from torchparity.reference import build_model, greedy_decode, rng, sequence_loss, zoo
 from torchparity.reference.layers import TransformerLayer
 from torchparity.reference.models import Model
-from torchparity.subject.compiling import CompileFailed, CompileLog, compiled
+from torchparity.subject.compiling import compiled
 from torchparity.subject.padding import Padding, from_inputs
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -67,94 +62,6 @@ DECODE_STEPS = 4
 WEIGHT_SEED = 0
 #: The standard batch of every case (its padding comes from the case).
 INPUTS = {"batch_size": 2, "seq_len": 12, "seed": 0}
-
-@dataclass(frozen=True)
-class Cell:
-    """One way of running the reference models: attention backend, dtype name and device,
-    and ``compile``: None (eager) or the ``torch.compile`` form (``dynamic``, ``static``)."""
-
-    backend: str
-    dtype: str
-    device: str = "cpu"
-    compile: str | None = None
-
-    @property
-    def label(self) -> str:
-        compiled = f" compiled {self.compile}" if self.compile else ""
-        return f"{self.backend} {self.dtype} {self.device}{compiled}"
-
-    def __str__(self) -> str:  # a pytest id
-        return f"{self.backend}-{self.dtype}-{self.device}" + (f"-{self.compile}"
-                                                               if self.compile else "")
-
-
-#: The cell that recomputes the goldens themselves.
-REFERENCE = Cell("manual", "fp64", "cpu")
-
-
-@dataclass
-class CheckResult:
-    """The verdict of one output of one case in one cell (one row of ``check --json``).
-
-    ``verdict`` is ``identical``, ``within`` or ``diverged`` (from the tolerance model),
-    ``baseline degraded`` (the candidate is within its budget, but the baseline erred more than
-    its dtype allows: the analytic bound set the budget; a failure of the baseline), ``n/a``
-    (the cell cannot compute this output: ``reason`` says why; not a failure), or
-    ``init changed`` / ``inputs changed`` (the weights or inputs the code builds differ from
-    those the golden was made from, so the values cannot be compared).
-    """
-
-    case: str
-    backend: str
-    dtype: str
-    device: str
-    output: str
-    kind: str
-    verdict: str
-    headroom: float | None  # share of the budget used by the worst tensor; None when not compared
-    ok: bool
-    reason: str | None = None
-    explain: str | None = None
-    worst: str | None = None  # path of the worst tensor
-    structure: list[str] | None = None  # outputs present on one side only, with what each has
-    # The smallest change, relative to the golden's scale, the verdict would have flagged in
-    # every tensor of the output (the largest over them); None when not compared.
-    sensitivity: float | None = None
-    # Positions left out of the judgement (padding) and why; None when every one was judged.
-    left_out: str | None = None
-    compile: str | None = None  # the torch.compile form of a compiled cell
-    # A baseline that erred more than its dtype allows, and what that means for the budgets
-    # (see :func:`degraded_baseline`); None when none did.
-    baseline: str | None = None
-    # A compiled cell's graphs, breaks, recompiles and seconds, with each call's and (on the
-    # decode output) each decoding step's; see torchparity.golden.compiled.
-    compiled: dict[str, Any] | None = None
-
-    @property
-    def cell(self) -> Cell:
-        return Cell(self.backend, self.dtype, self.device, self.compile)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict; an infinite headroom becomes the string "inf"."""
-        data = asdict(self)
-        if data["headroom"] is not None and data["headroom"] == float("inf"):
-            data["headroom"] = "inf"
-        return data
-
-
-@dataclass
-class Run:
-    """Outputs of one run of a case; ``missing`` maps outputs the cell cannot compute to why;
-    ``sensitivity`` holds the loss's gradient with respect to the logits when the backward pass
-    ran (what carries their noise into the loss's, see
-    :func:`torchparity.tolerance.propagated_noise`); ``compile_log`` what compiling cost in a
-    compiled cell."""
-
-    outputs: dict[str, dict[str, torch.Tensor]]
-    missing: dict[str, str]
-    sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
-    compile_log: CompileLog | None = None
-
 
 # --- running a case -------------------------------------------------------------------------
 
@@ -197,32 +104,6 @@ def case_meta(case: zoo.ZooCase) -> dict[str, Any]:
     meta = recipe(case)
     config = meta.pop("config")
     return {**meta, "checksums": current_checksums(case), "config": config}
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Run torch on one intra-op thread inside the block.
-
-    The models are tiny: more threads only spin (burning several times the useful CPU time on
-    a busy machine), and one thread makes float64 reductions independent of the core count.
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-@contextlib.contextmanager
-def matmul_precision(dtype_name: str) -> Iterator[None]:
-    # fp32 cells must not pick up TF32 from a global setting; tf32 cells ask for it.
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if dtype_name == "tf32" else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 @contextlib.contextmanager
@@ -352,31 +233,8 @@ def write_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, str]:
     with single_thread():
         run = run_case(case, REFERENCE)
     meta = case_meta(case)
-    statuses = {}
-    for output, kind in OUTPUT_KINDS.items():
-        tensors, output_meta = run.outputs[output], {"kind": kind, **meta}
-        status = write_status(store, case.name, output, tensors, output_meta)
-        if status != "unchanged":
-            store.write(case.name, output, tensors, output_meta)
-        statuses[output] = status
-    return statuses
-
-
-def write_status(store: GoldenStore, case: str, output: str,
-                 tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
-    """What writing ``tensors`` and ``meta`` would do to a golden: ``created``, ``replaced``
-    (unreadable before), ``updated`` or ``unchanged`` (then it is best left untouched)."""
-    if not any(p.exists() for p in store.paths(case, output)):
-        return "created"
-    try:
-        old = store.read(case, output)
-    except GoldenError:
-        return "replaced"
-    same_tensors = ({n: s["sha256"] for n, s in old.summary["tensors"].items()}
-                    == {n: stored_sha256(as_stored(n, t)) for n, t in tensors.items()})
-    header = {"schema_version", "case", "output", "produced_by", "tensors"}
-    same_meta = {k: v for k, v in old.summary.items() if k not in header} == dict(meta)
-    return "unchanged" if same_tensors and same_meta else "updated"
+    return {output: store.update(case.name, output, run.outputs[output], {"kind": kind, **meta})
+            for output, kind in OUTPUT_KINDS.items()}
 
 
 def load_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, Golden]:
@@ -424,180 +282,68 @@ def check_case(store: GoldenStore, case: zoo.ZooCase, cells: list[Cell],
                advance: Callable[[str], None] = lambda label: None) -> list[CheckResult]:
     """Check ``case`` in every cell against its goldens; one result per cell and output.
 
-    The reference cell compares today's float64 outputs with the goldens using a baseline of
-    *golden + (perturbed - fresh)*: ``perturbed`` is the same computation with every weight
-    moved by one float64 rounding error. A backward-stable computation is exact for inputs
-    perturbed by about that much, so this baseline's distance from the golden is the noise that
-    float64 cannot avoid (other BLAS, other torch), while any change of the math stands far out.
-    It also writes ``<output>.obtained.safetensors`` for each diverged output.
-
-    Other cells use the ``manual`` backend in their dtype and device as baseline and decode by
-    forcing the golden's tokens. ``advance(label)`` is called after each cell. Golden errors
-    propagate as :class:`~torchparity.golden.GoldenError`.
+    The reference cell judges today's float64 outputs against a rerun on weights moved by one
+    float64 rounding (see :mod:`torchparity.golden.check_loop`). Other cells use
+    the ``manual`` backend in their dtype and device as baseline and decode by forcing the
+    golden's tokens. ``advance(label)`` is called after each cell. Golden errors propagate as
+    :class:`~torchparity.golden.GoldenError`.
     """
-    goldens = load_case(store, case)
-    changed = checksum_changes(goldens, current_checksums(case), lambda what: (
-        f"the {what} built for {case.name} {{differ}}; if that is intended, run "
-        f"`torchparity golden update {case.name}`"))
-    results: list[CheckResult] = []
-    if changed:
-        for cell in cells:
-            results += [_result(case, cell, output, verdict, ok=False, reason=reason)
-                        for output, (verdict, reason) in changed.items()]
-            advance(cell.label)
-        return results
-    tokens = goldens["decode"].tensors["tokens"]
-    baselines: dict[tuple[str, str], Run] = {}
-    for cell in cells:
-        if cell == REFERENCE:
-            results += _check_reference(store, case, goldens)
-        else:
-            key = (cell.dtype, cell.device)
-            if key not in baselines:
-                baselines[key] = run_case(case, Cell("manual", *key), tokens=tokens)
-            results += _check_cell(case, cell, goldens, baselines[key], tokens)
-        advance(cell.label)
-    return results
+    return check_loop.check(ZooFeed(store, case), cells, advance)
 
 
-def checksum_changes(goldens: dict[str, Golden], now: dict[str, str],
-                     advice: Callable[[str], str]) -> dict[str, tuple[str, str]]:
-    """Per output whose golden was made from other weights or inputs than ``now``'s: its
-    verdict ("init changed" / "inputs changed") and why; ``advice(what)`` starts the reason
-    with what differs ("the weights built for llama-tiny") and ends it with the fix."""
-    changed = {}
-    for output, golden in goldens.items():
-        stored = golden.summary.get("checksums") or {}
-        for what, verdict in (("weights", "init changed"), ("inputs", "inputs changed")):
-            if stored.get(what) != now[what]:
-                before, after = str(stored.get(what))[:19], now[what][:19]
-                changed[output] = (verdict, advice(what).format(
-                    differ=f"differ from those its golden was made from ({before}... vs "
-                           f"{after}...)"))
-                break
-    return changed
+class ZooFeed:
+    """A zoo case as the check loop runs and judges it (see :class:`check_loop.Feed`)."""
 
+    kinds = OUTPUT_KINDS
+    outputs = tuple(OUTPUT_KINDS)
+    unjudged: dict[str, str] = {}
+    noise_from = "logits"
 
-def _check_reference(store: GoldenStore, case: zoo.ZooCase,
-                     goldens: dict[str, Golden]) -> list[CheckResult]:
-    fresh = run_case(case, REFERENCE)
-    perturbed = run_case(case, REFERENCE, perturb=True)
-    results = []
-    for output in OUTPUT_KINDS:
-        golden = goldens[output].tensors
-        baseline = {name: golden[name] + (perturbed.outputs[output][name] - tensor)
-                    if tensor.is_floating_point() else golden[name]
-                    for name, tensor in fresh.outputs[output].items() if name in golden}
-        result = _judge(case, REFERENCE, output, fresh.outputs[output], golden, baseline)
-        if not result.ok:
-            store.write_obtained(case.name, output, fresh.outputs[output])
-        results.append(result)
-    return results
+    def __init__(self, store: GoldenStore, case: zoo.ZooCase) -> None:
+        self.store, self.case, self.name = store, case, case.name
+        self.goldens = load_case(store, case)
+        self.tokens = self.goldens["decode"].tensors["tokens"]
 
+    def changed(self) -> dict[str, tuple[str, str]]:
+        return check_loop.checksum_changes(
+            self.goldens, current_checksums(self.case), lambda what: (
+                f"the {what} built for {self.name} {{differ}}; if that is intended, run "
+                f"`torchparity golden update {self.name}`"))
 
-def _check_cell(case: zoo.ZooCase, cell: Cell, goldens: dict[str, Golden], baseline: Run,
-                tokens: torch.Tensor) -> list[CheckResult]:
-    if cell.compile:
-        run = _compiled_run(case, cell, tokens)
-    else:
-        run = baseline if cell.backend == "manual" else run_case(case, cell, tokens=tokens)
-    results = []
-    for output in OUTPUT_KINDS:
-        if output in run.missing:
-            results.append(_result(case, cell, output, "n/a", ok=True,
-                                   reason=run.missing[output]))
-            continue
-        golden = dict(goldens[output].tensors)
-        if output == "decode":
-            del golden["tokens"]  # forced decoding reproduces the golden's tokens by design
-        noise = _loss_noise(baseline, goldens["logits"].tensors) if output == "loss" else None
-        results.append(_judge(case, cell, output, run.outputs[output], golden,
-                              baseline.outputs.get(output), noise))
-    if cell.compile:
-        annotate(results, run.compile_log, step_verdicts(
-            *(logprobs_by_step(tensors) for tensors in (
-                run.outputs.get("decode"), goldens["decode"].tensors,
-                baseline.outputs.get("decode"))), cell.dtype))
-    return results
+    def refused(self, cell: Cell) -> str | None:
+        return None  # a backend that cannot run an output says so in the run's ``missing``
 
+    def run(self, cell: Cell, *, perturb: bool = False) -> Run:
+        # The reference decodes greedily; every other cell is forced along the golden's tokens.
+        return run_case(self.case, cell, tokens=None if cell == REFERENCE else self.tokens,
+                        perturb=perturb)
 
-def _compiled_run(case: zoo.ZooCase, cell: Cell, tokens: torch.Tensor) -> Run:
-    """The compiled cell's run; every output n/a with the reason where it cannot compile."""
-    reason = unavailable_reason(cell)
-    if reason is None:
+    def golden(self, output: str) -> dict[str, torch.Tensor]:
+        return self.goldens[output].tensors
+
+    def judge(self, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
+              golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
+              noise: float | None = None) -> CheckResult:
+        if output == "decode" and cell != REFERENCE:
+            # forced decoding reproduces the golden's tokens by design
+            golden = {name: t for name, t in golden.items() if name != "tokens"}
+        padding = case_padding(self.case) if output in PER_POSITION else None
         try:
-            return run_case(case, cell, tokens=tokens)
-        except CompileFailed as exc:
-            reason = str(exc)
-    return Run({}, dict.fromkeys(OUTPUT_KINDS, reason))
+            comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
+                                 compute_dtype=cell.dtype, noise=noise if baseline else None,
+                                 padding=padding)
+        except StructureMismatch as exc:
+            return check_loop.row(self, cell, output, "diverged", ok=False, headroom=math.inf,
+                                  explain=f"diverged: the outputs no longer have the golden's "
+                                          f"structure: {exc}")
+        if comparison.structure_differs:
+            return check_loop.row(self, cell, output, "diverged", ok=False, headroom=math.inf,
+                                  explain=f"diverged: the outputs no longer have the golden's "
+                                          f"structure. {comparison.explain()}")
+        return check_loop.row(self, cell, output, **check_loop.judged_fields(comparison, cell))
 
+    def self_checks(self, fresh: Run) -> list[CheckResult]:
+        return []
 
-def _loss_noise(baseline: Run, golden: dict[str, torch.Tensor]) -> float | None:
-    """The noise the baseline's logits carry into the loss (None without its gradients)."""
-    if not baseline.sensitivity:
-        return None
-    error = baseline.outputs["logits"]["logits"].double() - golden["logits"].double()
-    return tolerance.propagated_noise(baseline.sensitivity, {"logits": error})
-
-
-def _judge(case: zoo.ZooCase, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
-           golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
-           noise: float | None = None) -> CheckResult:
-    kind = OUTPUT_KINDS[output]
-    padding = case_padding(case) if output in PER_POSITION else None
-    try:
-        comparison = compare(candidate, golden, baseline, kind, compute_dtype=cell.dtype,
-                             noise=noise if baseline else None, padding=padding)
-    except StructureMismatch as exc:
-        return _result(case, cell, output, "diverged", ok=False, headroom=float("inf"),
-                       explain=f"diverged: the outputs no longer have the golden's structure: "
-                               f"{exc}")
-    if comparison.structure_differs:
-        return _result(case, cell, output, "diverged", ok=False, headroom=float("inf"),
-                       explain=f"diverged: the outputs no longer have the golden's structure. "
-                               f"{comparison.explain()}")
-    return _result(case, cell, output, **judged_fields(comparison, cell))
-
-
-#: The verdict of a row whose candidate is within its budget but whose baseline is degraded.
-BASELINE_DEGRADED = "baseline degraded"
-
-
-def judged_fields(comparison: Any, cell: Cell) -> dict[str, Any]:
-    """What a :class:`CheckResult` takes from a comparison: the verdict (``baseline
-    degraded`` for a candidate within its budget judged beside a degraded baseline: a finding
-    about the baseline, not a divergence), the worst tensor's share of its budget (inf where a
-    shape differs), the explanation, the sensitivity, the positions left out and, when a
-    baseline was degraded, what that means for the cell's budgets."""
-    worst = comparison.worst
-    headroom = math.inf if comparison.shapes else worst.headroom if worst else 0.0
-    verdict = comparison.verdict
-    if verdict != "diverged" and comparison.baseline_degraded:
-        verdict = BASELINE_DEGRADED
-    return {"verdict": verdict, "ok": comparison.ok, "headroom": headroom,
-            "explain": comparison.explain(),
-            "worst": worst.path if worst else None, "sensitivity": comparison.sensitivity,
-            "left_out": comparison.left_out_sentence(),
-            "baseline": degraded_baseline(comparison, cell)}
-
-
-def degraded_baseline(comparison: Any, cell: Cell) -> str | None:
-    """The finding of a comparison whose baseline erred more than a plain computation in its
-    dtype may (None when none did): which tensors, and that the analytic bound judged them."""
-    degraded = [t.path for t in comparison.tensors if t.baseline_degraded]
-    if not degraded:
-        return None
-    which = degraded[0] if len(degraded) == 1 else f"{degraded[0]} and {len(degraded) - 1} more"
-    baseline = ("the rerun on weights moved by one float64 rounding" if cell == REFERENCE
-                else f"the {cell.dtype} baseline (manual)")
-    return (f"{baseline} errs more than a plain {cell.dtype} computation may at {which}: it "
-            f"is degraded and sets no budget there; every {cell.dtype} cell is judged by the "
-            "analytic bound instead")
-
-
-def _result(case: zoo.ZooCase, cell: Cell, output: str, verdict: str, *, ok: bool,
-            **details: Any) -> CheckResult:
-    return CheckResult(case=case.name, backend=cell.backend, dtype=cell.dtype,
-                       device=cell.device, output=output, kind=OUTPUT_KINDS[output],
-                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok,
-                       compile=cell.compile, **details)
+    def steps(self, decoded: dict[str, torch.Tensor] | None) -> list[dict[str, torch.Tensor]]:
+        return logprobs_by_step(decoded)

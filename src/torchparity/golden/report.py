@@ -13,8 +13,8 @@ import torch
 
 from torchparity import machine
 from torchparity.errors import UsageError
-from torchparity.golden.cases import REFERENCE, Cell, CheckResult
-from torchparity.golden.compiled import cell_counts, compiled_lines
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult
+from torchparity.golden.compiled_cells import cell_counts, compiled_lines
 from torchparity.golden.store import Golden, produced_by
 from torchparity.reference import zoo
 
@@ -87,8 +87,6 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
            cases: list[zoo.ZooCase], elapsed: float, machines: Machines) -> None:
     """The machines when the goldens come from another, the table, its footnotes, one line per
     failure and the summary."""
-    from rich.table import Table
-
     if (header := machines.header()) is not None:
         console.print(header, markup=False, highlight=False)
 
@@ -99,11 +97,8 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
     footnotes: dict[str, int] = {}
     columns = [b for b in dict.fromkeys(c.backend for c in cells if c != REFERENCE)
                if b not in never_run]
-    table = Table(title="torchparity check: verdict and share of the tolerance budget used "
-                        "(≡ bit-identical to the baseline)", title_justify="left")
-    for header in ["case", "reference", *columns]:
-        table.add_column(header, no_wrap=True)
     several_devices = len({c.device for c in cells if c != REFERENCE}) > 1
+    rows = []
     for case in dict.fromkeys(r.case for r in results):
         row = [case]
         for column in ["reference", *columns]:
@@ -113,8 +108,14 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
                      and (column == "reference" or cell.backend == column)
                      and (case, cell) in by_cell]
             row.append("\n".join(lines))
-        table.add_row(*row)
-    print_table(console, table)
+        rows.append(row)
+    # Logs and pipes have no width: the table fits 80 columns there, folded into as many
+    # tables as it takes rather than cut.
+    width = console.width if console.is_terminal else TABLE_WIDTH
+    title = ("torchparity check: verdict and share of the tolerance budget used "
+             "(≡ bit-identical to the baseline)")
+    for table in folded(title, ["case", "reference", *columns], rows, width):
+        print_table(console, table, width)
     for note, number in footnotes.items():
         console.print(f"[{number}] {note}", markup=False, highlight=False)
     for backend, reason in never_run.items():
@@ -159,14 +160,55 @@ def _sensitivity_line(results: list[CheckResult]) -> str:
             " would have been flagged): " + (", ".join(parts) or "none compared"))
 
 
-def print_table(console: Any, table: Any) -> None:
-    """Print a rich table; logs and pipes get all of it rather than an 80-column cut."""
+#: The width of the check's table where the output has none (a log, a pipe).
+TABLE_WIDTH = 80
+#: The narrowest a folded case column gets before a table grows past its width instead.
+CASE_MIN_WIDTH = 16
+
+
+def folded(title: str, headers: list[str], rows: list[list[str]], width: int) -> list[Any]:
+    """The table of ``headers`` and ``rows`` as rich tables of at most ``width`` columns: each
+    keeps the first column (the case) and takes as many of the next ones, in order, as fit;
+    the first has the title. No column is cut: a case name too long for its table is folded
+    onto more lines, and a table grows past ``width`` only where even that cannot fit it."""
+    from rich.cells import cell_len
+    from rich.table import Table
+
+    # A column takes its widest line and 3 more (padding and a rule); a table 1 more.
+    widths = [max(cell_len(line) for text in [header, *(row[column] for row in rows)]
+                  for line in text.split("\n")) + 3
+              for column, header in enumerate(headers)]
+
+    def table(columns: list[int], titled: bool) -> Table:
+        others = 1 + sum(widths[column] for column in columns)
+        made = Table(title=title if titled else None, title_justify="default",
+                     width=None if others + widths[0] <= width
+                     else max(width, others + CASE_MIN_WIDTH + 3))
+        made.add_column(headers[0], overflow="fold")
+        for column in columns:
+            made.add_column(headers[column], no_wrap=True)
+        for row in rows:
+            made.add_row(row[0], *(row[column] for column in columns))
+        return made
+
+    groups: list[list[int]] = [[]]
+    for column in range(1, len(headers)):
+        if groups[-1] and 1 + widths[0] + sum(widths[c] for c in [*groups[-1], column]) > width:
+            groups.append([])
+        groups[-1].append(column)
+    return [table(group, titled=number == 0) for number, group in enumerate(groups)]
+
+
+def print_table(console: Any, table: Any, width: int | None = None) -> None:
+    """Print a rich table; logs and pipes get all of it rather than an 80-column cut. With
+    ``width`` it is laid out in that many columns (its title wrapped to fit) unless it sets
+    its own."""
     from rich.measure import Measurement
 
     if not console.is_terminal:
-        wide = console.options.update_width(1000)
-        console.width = max(console.width, Measurement.get(console, wide, table).maximum)
-    console.print(table)
+        wide = Measurement.get(console, console.options.update_width(1000), table).maximum
+        console.width = max(console.width, table.width or width or wide)
+    console.print(table, width=table.width or width, soft_wrap=False if width else None)
 
 
 def _never_available(results: Iterable[CheckResult]) -> dict[str, str]:

@@ -1,29 +1,117 @@
-"""Running the check's matrix: zoo cases in worker processes, users' models and training
-trajectories in this one, with progress reported as each cell finishes."""
+"""``torchparity check`` in one call: what to check (cases, models, cells), every golden
+validated before any work, then the zoo's cases in worker processes, users' models and training
+trajectories in this one, with progress reported as each cell finishes; and ``golden verify``
+case by case, ``golden update`` and ``golden verify`` model by model."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchparity.golden.cases import (
-    OUTPUT_KINDS,
-    REFERENCE,
-    Cell,
-    CheckResult,
-    check_case,
-    single_thread,
+from torchparity import backends
+from torchparity.errors import UsageError
+from torchparity.golden.cases import OUTPUT_KINDS, check_case, load_case
+from torchparity.golden.cell_selection import select_cases, select_cells
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult, single_thread
+from torchparity.golden.model_check import backend_names, check_subject
+from torchparity.golden.report import Machines, render, write_json
+from torchparity.golden.store import GoldenStore, default_golden_dir
+from torchparity.golden.user_models import (
+    islands_sentence,
+    load_goldens,
+    model_store,
+    user_golden_dir,
+    write_goldens,
 )
-from torchparity.golden.store import GoldenStore
-from torchparity.golden.user_models import check_subject, model_store
 from torchparity.reference import zoo
 from torchparity.subject import Subject
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check` found, and what its report needs: the cells and cases checked, the
+    machines of the run and of the goldens, and where the goldens are."""
+
+    results: list[CheckResult]
+    cells: list[Cell]
+    cases: list[zoo.ZooCase]
+    machines: Machines
+    golden_dir: Path  # the zoo's, or the models' when no zoo case is checked
+    model_root: Path
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    def render(self, console: Any, elapsed: float) -> None:
+        """The table, its footnotes, the failures and the summary (see :func:`report.render`)."""
+        render(console, self.results, self.cells, self.cases, elapsed, self.machines)
+
+    def write_json(self, path: Path) -> None:
+        write_json(path, self.results, self.ok, self.golden_dir, self.machines)
+
+
+def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] | None,
+          dtype: list[str] | None, device: list[str] | None, compile_forms: list[str],
+          golden_dir: str | None, model_root: Path | None, jobs: int | None, train: bool,
+          json: str | None, progress: Any) -> CheckReport:
+    """Check the zoo ``cases`` (all when None; none when only ``models`` are given) and the
+    users' ``models`` in the cells selected by ``backend``, ``dtype``, ``device`` and
+    ``compile_forms``; with ``train`` also each case's golden training trajectory.
+
+    The zoo's goldens come from ``golden_dir`` (default: :func:`default_golden_dir`), the
+    models' from ``model_root`` when given (goldens made here, from a base revision), else
+    ``golden_dir`` or :func:`user_golden_dir`. Every choice and every golden is validated, and
+    the folder of ``json`` must exist, before any cell runs: a mistake is one
+    :class:`UsageError` or :class:`~torchparity.golden.GoldenError`. ``progress`` (a rich
+    ``Progress``) is shown while the cells run.
+    """
+    made_here = model_root is not None
+    model_root = model_root if made_here else user_golden_dir(golden_dir)
+    chosen = [] if models and not cases else select_cases(cases)
+    # The zoo's goldens live in the source tree, a user's under the working directory.
+    store = GoldenStore(default_golden_dir(golden_dir) if chosen else model_root)
+    if chosen:
+        store.require_root()
+    cells = select_cells(backend, dtype, device,
+                         backend_names(models) if models else backends.names(), compile_forms)
+    jobs = _jobs(jobs)
+    if json and not Path(json).resolve().parent.is_dir():
+        raise UsageError(f"--json {json}: its folder does not exist")
+    goldens = {case.name: load_case(store, case) for case in chosen}
+    goldens |= {subject.name: load_goldens(subject, model_store(subject, model_root))
+                for subject in models}
+    # The base's goldens are made here and now, by a torchparity that may not record machines.
+    machines = Machines.of(goldens, cells, made_here=made_here)
+    trajectories = _trajectory_store(store, chosen) if train else None
+    with progress:
+        results = execute(store, chosen, cells, jobs, progress) if chosen else []
+        results += check_models(models, model_root, cells, progress)
+        if trajectories is not None:
+            results += train_results(trajectories, chosen, cells, progress)
+    return CheckReport(results, cells, chosen, machines, store.root, model_root)
+
+
+def _jobs(jobs: int | None) -> int:
+    if jobs is None:
+        return 2 if (os.cpu_count() or 1) >= 2 else 1
+    if jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, got {jobs}")
+    return jobs
+
+
+def _trajectory_store(store: GoldenStore, cases: list[zoo.ZooCase]) -> GoldenStore:
+    from torchparity.golden.training import load_trajectories
+
+    return load_trajectories(store, [case.name for case in cases])
 
 
 def execute(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell], jobs: int,
@@ -131,3 +219,40 @@ def train_results(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell
         return check_trajectories(store, [case.name for case in cases], trained,
                                   lambda label: progress.update(task, advance=1,
                                                                 description=label))
+
+
+# --- golden update and verify ---------------------------------------------------------------
+
+
+def update_models(subjects: list[Subject], root: Path, status: Callable[[Subject, str], None]
+                  ) -> Iterator[tuple[Subject, dict[str, str], str | None]]:
+    """Each model with what writing its goldens did and where its float64 golden computes in
+    a narrower dtype (a sentence, or None); ``status(subject, text)`` hears where its float64
+    run is ("" as it starts)."""
+    with single_thread():
+        for subject in subjects:
+            status(subject, "")
+            store = model_store(subject, root)
+            statuses = write_goldens(subject, store, lambda text, s=subject: status(s, text))
+            yield subject, statuses, islands_sentence(load_goldens(subject, store))
+
+
+def verify_cases(store: GoldenStore, cases: list[zoo.ZooCase]
+                 ) -> Iterator[tuple[zoo.ZooCase, list[CheckResult]]]:
+    """Each case with its reference cell's rows: the goldens recomputed in float64. Every
+    golden file is validated before anything is recomputed."""
+    for case in cases:
+        load_case(store, case)
+    for case in cases:
+        yield case, check_case(store, case, [REFERENCE])
+
+
+def verify_models(subjects: list[Subject], root: Path
+                  ) -> Iterator[tuple[Subject, list[CheckResult]]]:
+    """Each model with its reference cell's rows, as :func:`verify_cases` does for the zoo."""
+    for subject in subjects:
+        load_goldens(subject, model_store(subject, root))
+    with single_thread():
+        for subject in subjects:
+            yield subject, check_subject(subject, model_store(subject, root), [REFERENCE])
+

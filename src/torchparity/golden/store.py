@@ -21,7 +21,7 @@ parallel writers (pytest-xdist workers) never lose each other's files; the two f
 golden are written and read under one lock, so no one sees one writer's tensors with another
 writer's JSON.
 
-The ``golden`` pytest fixture (:class:`GoldenFixture`) lets any project keep goldens of its own.
+The ``golden`` pytest fixture (:mod:`torchparity.golden.fixture`) keeps its goldens here too.
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ import math
 import os
 import platform
 import re
-import shlex
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,8 +62,6 @@ _OBTAINED = ".obtained"
 # Summary statistics are rounded for a readable diff; re-derived values must agree this well.
 _STAT_DIGITS = 6
 _STAT_TOLERANCE = 1e-5
-# Room for a golden's own name and suffix within the 255 bytes a file name may have.
-_MAX_TEST_NAME = 120
 # Lock files shared by all goldens (see _lock).
 _LOCK_FILES = 64
 
@@ -298,6 +295,31 @@ class GoldenStore:
             _atomic_write(json_path, (format_json(summary) + "\n").encode())
         return [tensor_path, json_path]
 
+    def update(self, case: str, output: str, tensors: Mapping[str, torch.Tensor | Sketch],
+               meta: Mapping[str, Any]) -> str:
+        """Write one golden unless it holds these values and metadata already; returns what
+        happened: ``created``, ``replaced`` (unreadable before), ``updated`` or ``unchanged``
+        (the files are left untouched, so a rerun on another machine does not churn them)."""
+        status = self._update_status(case, output, tensors, meta)
+        if status != "unchanged":
+            self.write(case, output, tensors, meta)
+        return status
+
+    def _update_status(self, case: str, output: str,
+                       tensors: Mapping[str, torch.Tensor | Sketch], meta: Mapping[str, Any]
+                       ) -> str:
+        if not any(p.exists() for p in self.paths(case, output)):
+            return "created"
+        try:
+            old = self.read(case, output)
+        except GoldenError:
+            return "replaced"
+        same_tensors = ({n: s["sha256"] for n, s in old.summary["tensors"].items()}
+                        == {n: stored_sha256(as_stored(n, t)) for n, t in tensors.items()})
+        header = {"schema_version", "case", "output", "produced_by", "tensors"}
+        same_meta = {k: v for k, v in old.summary.items() if k not in header} == dict(meta)
+        return "unchanged" if same_tensors and same_meta else "updated"
+
     def write_obtained(self, case: str, output: str,
                        tensors: Mapping[str, torch.Tensor | Sketch]) -> Path:
         """Write what a mismatching run produced beside the golden, for inspection (big tensors
@@ -328,7 +350,10 @@ class GoldenStore:
             summary = _read_summary(json_path, fix)
             tensors = _unflat(_read_tensors(tensor_path, fix), summary["tensors"])
         _check_consistent(json_path, summary, tensors, fix)
-        return Golden(case, output, tensors, summary, tensor_path)
+        # safetensors gives the tensors in no set order: the JSON's is the order they were
+        # written in, so that a comparison meets them (and picks among ties) the same each run.
+        listed = {name: tensors[name] for name in summary["tensors"] if name in tensors}
+        return Golden(case, output, listed | tensors, summary, tensor_path)
 
     def _fix(self, case: str, output: str, path: Path) -> str:
         command = self.update_command.format(case=case, output=output)
@@ -384,10 +409,8 @@ def _flat(stored: Mapping[str, torch.Tensor | Sketch]) -> dict[str, torch.Tensor
 def _unflat(flat: dict[str, torch.Tensor], listed: Mapping[str, Any]
             ) -> dict[str, torch.Tensor | Sketch]:
     """The golden's tensors and sketches from the file's tensors and the JSON's lines (the
-    shape, dtype and seed of each sketch), in the order the JSON lists them: the order they
-    were written, where the file's is arbitrary (it changes from process to process, and with
-    it which of two equal tensors a report names first). Parts a sketch lacks are left as they
-    are, for :func:`_check_consistent` to report."""
+    shape, dtype and seed of each sketch). Parts a sketch lacks are left as they are, for
+    :func:`_check_consistent` to report."""
     tensors: dict[str, torch.Tensor | Sketch] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in flat.items():
@@ -410,8 +433,7 @@ def _unflat(flat: dict[str, torch.Tensor], listed: Mapping[str, Any]
         except (TypeError, ValueError, KeyError):
             # Left as stored: _check_consistent names what does not match.
             tensors.update({f"{name}{SEPARATOR}{part}": t for part, t in found.items()})
-    order = {name: i for i, name in enumerate(listed)}
-    return dict(sorted(tensors.items(), key=lambda item: order.get(item[0], len(order))))
+    return tensors
 
 
 def _lock(tensor_path: Path) -> FileLock:
@@ -546,95 +568,3 @@ def _is_source_tree(folder: Path) -> bool:
     except OSError:
         return False
     return re.search(r'^name\s*=\s*"torchparity"\s*$', text, re.MULTILINE) is not None
-
-
-# --- the pytest fixture ---------------------------------------------------------------------
-
-
-class GoldenFixture:
-    """The ``golden`` pytest fixture: compare a test's tensors with goldens kept beside it.
-
-    The goldens of one test live in ``<test file folder>/golden/<test module>/<test>/`` as
-    ``<name>.{safetensors,json}``, where ``<test>`` comes from the test's node id (class, name
-    and parameters: see :func:`folder_of_test`), so two tests, or two parameters of one
-    test, that both store ``"logits"`` keep separate goldens. ``golden.check(name, tensors)``
-    compares with the stored golden under the tolerance model; in update mode it writes the
-    golden instead and lists the files in :attr:`written`, which the plugin turns into a
-    failure so an update cannot pass silently.
-    """
-
-    def __init__(self, store: GoldenStore, test: str, update: bool,
-                 on_written: Callable[[Path], None]) -> None:
-        self.store = store
-        self.test = test
-        self.update = update
-        self.on_written = on_written
-        self.written: list[Path] = []
-
-    @classmethod
-    def for_test(cls, node_path: Path, node_id: str, update: bool,
-                 on_written: Callable[[Path], None],
-                 update_option: str = "--torchparity-golden-update") -> GoldenFixture:
-        """The fixture of one test: ``node_path`` is its file, ``node_id`` its pytest id, and
-        ``update_option`` the pytest option that rewrites its goldens (quoted in messages)."""
-        command = f"pytest {shlex.quote(node_id)} {update_option}"
-        store = GoldenStore(node_path.parent / "golden" / node_path.stem,
-                            update_command=command.replace("{", "{{").replace("}", "}}"))
-        return cls(store, folder_of_test(node_id), update, on_written)
-
-    def check(self, name: str, tensors: torch.Tensor | Mapping[str, torch.Tensor],
-              kind: str = "forward", *, baseline: Any = None, compute_dtype: Any = None,
-              reduction_length: int | None = None) -> Any:
-        """Compare ``tensors`` (a tensor or a mapping of names to tensors) with golden ``name``.
-
-        Fails the test with the comparison's explanation when a tensor diverged, after writing
-        the obtained values to ``<name>.obtained.safetensors`` beside the golden; fails with the
-        command that creates the golden when it is missing. Returns the
-        :class:`~torchparity.comparison.Comparison`, or None when updating (the golden is
-        written and the test will fail at teardown).
-        """
-        import pytest
-
-        from torchparity.comparison import StructureMismatch, compare
-
-        candidate = {"value": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
-        if self.update:
-            for path in self.store.write(self.test, name, candidate, {"kind": kind}):
-                self.written.append(path)
-                self.on_written(path)
-            return None
-        try:
-            golden = self.store.read(self.test, name).tensors
-        except GoldenError as exc:
-            pytest.fail(str(exc), pytrace=False)
-        if isinstance(baseline, torch.Tensor):
-            baseline = {"value": baseline}
-        try:
-            result = compare(candidate, golden, baseline, kind, compute_dtype=compute_dtype,
-                             reduction_length=reduction_length)
-            failure = None if result.ok and not result.structure_differs else result.explain()
-        except StructureMismatch as exc:
-            result, failure = None, f"structure differs from the golden: {exc}"
-        if failure:
-            obtained = self.store.write_obtained(self.test, name, candidate)
-            pytest.fail(f"golden {name!r}: {failure} Obtained values: {obtained}; if the change "
-                        f"is intended, run `{self.store.update_command}`", pytrace=False)
-        return result
-
-
-def folder_of_test(node_id: str) -> str:
-    """The golden folder name of one test, from its pytest node id (the file left out).
-
-    ``test_model.py::TestBlock::test_logits[cpu-2]`` -> ``TestBlock.test_logits-cpu-2``: a
-    class joins with ``.`` and the parameter id follows a ``-`` (neither can occur in a Python
-    name, so distinct tests get distinct names). Characters a file name cannot safely hold
-    become ``_``; then, or for a very long id, a short hash of the id keeps names apart.
-    """
-    in_file = node_id.split("::", 1)[-1]
-    function, _, params = in_file.partition("[")
-    readable = function.replace("::", ".") + (f"-{params.removesuffix(']')}" if params else "")
-    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", readable)
-    if name != readable or len(name) > _MAX_TEST_NAME:
-        digest = hashlib.sha256(in_file.encode()).hexdigest()[:10]
-        name = f"{name[:_MAX_TEST_NAME - len(digest) - 1]}-{digest}"
-    return name

@@ -11,14 +11,16 @@ The reference cell trains nothing: a float64 run would be its own baseline.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torchparity import backends
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
-from torchparity.golden.cases import REFERENCE, Cell, CheckResult
+from torchparity.golden import check_loop
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run
 from torchparity.golden.store import GoldenStore
 from torchparity.train import trajectory as tj
-from torchparity.train.trainer import Execution, TrainConfig, Trajectory, train
+from torchparity.train.trainer import Execution, Trajectory, train
 
 OUTPUT = tj.GOLDEN_OUTPUT
 
@@ -42,41 +44,59 @@ def check_trajectories(store: GoldenStore, cases: list[str], cells: list[Cell],
     A backend that cannot train here (flex without a CPU backward, a CUDA-only kernel) gives
     an ``n/a`` row with the reason. ``advance(label)`` is called after each cell.
     """
-    results = []
-    for case in cases:
-        config = tj.golden_config(case)
-        baselines: dict[tuple[str, str], Trajectory] = {}
-        for cell in cells:
-            if cell == REFERENCE:
-                continue
-            results.append(_check_cell(store, config, cell, baselines))
-            advance(f"{case} {cell.label} trajectory")
-    return results
+    trained = [cell for cell in cells if cell != REFERENCE]
+    return [result for case in cases for result in check_loop.check(
+        TrajectoryFeed(store, case), trained,
+        lambda label, case=case: advance(f"{case} {label} trajectory"))]
 
 
-def _check_cell(store: GoldenStore, config: TrainConfig, cell: Cell,
-                baselines: dict[tuple[str, str], Trajectory]) -> CheckResult:
-    def row(verdict: str, ok: bool, **details) -> CheckResult:
-        return CheckResult(case=config.case, backend=cell.backend, dtype=cell.dtype,
-                           device=cell.device, output=OUTPUT, kind="trajectory",
-                           verdict=verdict, headroom=details.pop("headroom", None), ok=ok,
-                           **details)
+class TrajectoryFeed:
+    """A case's golden training recipe as the check loop runs and judges it (see
+    :class:`check_loop.Feed`): its one output is the trajectory."""
 
-    reason = backends.available(cell.device, DTYPES[cell.dtype])[cell.backend]
-    if reason is not None:
-        return row("n/a", True, reason=reason)
-    key = (cell.dtype, cell.device)
-    try:
-        if key not in baselines:
-            baselines[key] = train(config, Execution("manual", *key))
-        candidate = baselines[key] if cell.backend == "manual" else train(
-            config, Execution(cell.backend, cell.dtype, cell.device))
-    except BackendUnavailable as exc:
-        return row("n/a", True, reason=str(exc))
-    stored = Execution("manual", *key) == tj.STORED_BASELINE
-    comparison = tj.check_against_golden(candidate, store=store,
-                                         baseline=None if stored else baselines[key])
-    worst = comparison.first_divergence or comparison.worst
-    return row(comparison.verdict, comparison.ok, headroom=comparison.max_headroom,
-               explain=comparison.explain(),
-               worst=f"{worst.quantity} at step {worst.step}" if worst else None)
+    kinds = {OUTPUT: "trajectory"}
+    outputs = (OUTPUT,)
+    unjudged: dict[str, str] = {}
+    noise_from = OUTPUT  # a trajectory has no loss output to carry noise into
+
+    def __init__(self, store: GoldenStore, case: str) -> None:
+        self.store, self.name, self.config = store, case, tj.golden_config(case)
+        self._untrained: dict[tuple[str, str], str] = {}  # baselines that cannot train here
+
+    def changed(self) -> dict[str, tuple[str, str]]:
+        return {}  # a trajectory's golden records no weights: its recipe trains them
+
+    def refused(self, cell: Cell) -> str | None:
+        return backends.available(cell.device, DTYPES[cell.dtype])[cell.backend]
+
+    def run(self, cell: Cell, *, perturb: bool = False) -> Run:
+        try:
+            return Run({OUTPUT: train(self.config, Execution(cell.backend, cell.dtype,
+                                                             cell.device))}, {})
+        except BackendUnavailable as exc:
+            if cell.backend == "manual":
+                self._untrained[cell.dtype, cell.device] = str(exc)
+            return Run({}, {OUTPUT: str(exc)})
+
+    def golden(self, output: str) -> None:
+        return None  # read by check_against_golden from the store
+
+    def judge(self, cell: Cell, output: str, candidate: Trajectory, golden: None,
+              baseline: Trajectory | None, noise: float | None = None) -> CheckResult:
+        if baseline is None:
+            return check_loop.row(self, cell, output, "n/a", ok=True,
+                                  reason=self._untrained[cell.dtype, cell.device])
+        # fp32 on the CPU is judged against the baseline stored with the golden
+        stored = Execution("manual", cell.dtype, cell.device) == tj.STORED_BASELINE
+        comparison = tj.check_against_golden(candidate, store=self.store,
+                                             baseline=None if stored else baseline)
+        worst = comparison.first_divergence or comparison.worst
+        return check_loop.row(self, cell, output, comparison.verdict, ok=comparison.ok,
+                              headroom=comparison.max_headroom, explain=comparison.explain(),
+                              worst=f"{worst.quantity} at step {worst.step}" if worst else None)
+
+    def self_checks(self, fresh: Run) -> list[CheckResult]:
+        return []  # the reference cell trains nothing
+
+    def steps(self, decoded: Any) -> list[dict[str, Any]]:
+        return []  # a trajectory decodes nothing

@@ -136,12 +136,6 @@ def judge_parallel(candidate: Trajectory, config: TrainConfig, execution: Execut
             "float64 golden": check_against_golden(candidate, baseline=single, store=store)}
 
 
-def run_ddp(config: TrainConfig, execution: Execution | None = None, *, nproc: int = 2,
-            timeout: float = 300.0) -> Trajectory:
-    """:func:`run_parallel` with DDP."""
-    return run_parallel(config, execution, parallelism="ddp", nproc=nproc, timeout=timeout)
-
-
 def main(argv: list[str] | None = None) -> int:
     """The worker that ``torchrun`` starts: one rank of the run."""
     import torch.distributed as dist

@@ -367,14 +367,6 @@ def _series_tensors(run: Trajectory) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def check_training(case: str, execution: Execution | None = None,
-                   store: GoldenStore | None = None) -> TrajectoryComparison:
-    """Train ``case``'s golden recipe under ``execution`` and judge it against the stored golden
-    (what ``torchparity check --train`` does per case and execution)."""
-    return check_against_golden(train(golden_config(case), execution or Execution()),
-                                store=store)
-
-
 def golden_trajectory(config: TrainConfig, store: GoldenStore | None = None) -> Trajectory:
     """The float64 reference trajectory of ``config``: the stored golden when ``config`` is the
     golden recipe, else trained here in float64 on the CPU (a shorter run is not a prefix of

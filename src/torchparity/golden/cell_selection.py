@@ -6,7 +6,7 @@ import torch
 
 from torchparity import backends
 from torchparity.errors import UsageError
-from torchparity.golden.cases import REFERENCE, Cell
+from torchparity.golden.cells import REFERENCE, Cell
 from torchparity.reference import zoo
 
 DEFAULT_DTYPES = {"cpu": ["fp32", "bf16"], "cuda": ["fp32", "tf32", "bf16", "fp16"]}

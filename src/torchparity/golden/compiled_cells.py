@@ -17,8 +17,8 @@ verdict and recompiles (``compiled["steps"]``). A backend that cannot run the ce
 ``n/a`` here for the same reason, without compiling; a model that does not compile is ``n/a``
 with the compiler's reason.
 
-This module knows the check's results only by their fields; :mod:`~torchparity.golden.cases`
-and :mod:`~torchparity.golden.user_models` call it.
+The zoo's and a user model's checks call it; it knows the check only by its vocabulary
+(:mod:`torchparity.golden.cells`).
 """
 
 from __future__ import annotations
@@ -26,17 +26,16 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from torchparity import backends
 from torchparity.comparison import compare
 from torchparity.dtypes import DTYPES
+from torchparity.golden.cells import Cell, CheckResult
 from torchparity.subject.compiling import CompileLog
 
-if TYPE_CHECKING:
-    from torchparity.golden.cases import Cell, CheckResult
 
 def unavailable_reason(cell: Cell) -> str | None:
     """Why the cell's backend cannot run eagerly on its device and dtype (then compiling it is

@@ -1,0 +1,142 @@
+"""The check's vocabulary: a cell, the reference cell, one run in a cell, one row of results,
+and the settings every cell runs under (one thread, no stray TF32).
+
+A *cell* is one (backend, dtype, device), eager or compiled. The **reference cell** (manual,
+fp64, cpu) recomputes the goldens with today's code: it is what notices a changed component.
+Every other cell is judged by the tolerance model against the ``manual`` backend in its dtype
+and device, so it notices a backend or precision that misbehaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from torchparity.subject.compiling import CompileLog
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One way of running the reference models: attention backend, dtype name and device,
+    and ``compile``: None (eager) or the ``torch.compile`` form (``dynamic``, ``static``)."""
+
+    backend: str
+    dtype: str
+    device: str = "cpu"
+    compile: str | None = None
+
+    @property
+    def label(self) -> str:
+        compiled = f" compiled {self.compile}" if self.compile else ""
+        return f"{self.backend} {self.dtype} {self.device}{compiled}"
+
+    def __str__(self) -> str:  # a pytest id
+        return f"{self.backend}-{self.dtype}-{self.device}" + (f"-{self.compile}"
+                                                               if self.compile else "")
+
+
+#: The cell that recomputes the goldens themselves.
+REFERENCE = Cell("manual", "fp64", "cpu")
+
+
+@dataclass
+class CheckResult:
+    """The verdict of one output of one case in one cell (one row of ``check --json``).
+
+    ``verdict`` is ``identical``, ``within`` or ``diverged`` (from the tolerance model),
+    ``baseline degraded`` (the candidate is within its budget, but the baseline erred more than
+    its dtype allows: the analytic bound set the budget; a failure of the baseline), ``n/a``
+    (the cell cannot compute this output: ``reason`` says why; not a failure), or
+    ``init changed`` / ``inputs changed`` (the weights or inputs the code builds differ from
+    those the golden was made from, so the values cannot be compared).
+    """
+
+    case: str
+    backend: str
+    dtype: str
+    device: str
+    output: str
+    kind: str
+    verdict: str
+    headroom: float | None  # share of the budget used by the worst tensor; None when not compared
+    ok: bool
+    reason: str | None = None
+    explain: str | None = None
+    worst: str | None = None  # path of the worst tensor
+    structure: list[str] | None = None  # outputs present on one side only, with what each has
+    # The smallest change, relative to the golden's scale, the verdict would have flagged in
+    # every tensor of the output (the largest over them); None when not compared.
+    sensitivity: float | None = None
+    # Positions left out of the judgement (padding) and why; None when every one was judged.
+    left_out: str | None = None
+    compile: str | None = None  # the torch.compile form of a compiled cell
+    # A baseline that erred more than its dtype allows, and what that means for the budgets
+    # (see :func:`torchparity.golden.check_loop.degraded_baseline`); None when none did.
+    baseline: str | None = None
+    # A compiled cell's graphs, breaks, recompiles and seconds, with each call's and (on the
+    # decode output) each decoding step's; see torchparity.golden.compiled_cells.
+    compiled: dict[str, Any] | None = None
+
+    @property
+    def cell(self) -> Cell:
+        return Cell(self.backend, self.dtype, self.device, self.compile)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict; an infinite headroom becomes the string "inf"."""
+        data = asdict(self)
+        if data["headroom"] is not None and data["headroom"] == float("inf"):
+            data["headroom"] = "inf"
+        return data
+
+
+@dataclass
+class Run:
+    """One run of a subject in a cell: output name -> what it computed (``{path: tensor}``,
+    or a trajectory), and why other outputs are absent: ``missing``, the cell cannot compute
+    them (n/a); ``not_compared``, the run no longer holds what the golden was made from (a
+    failure).
+
+    ``sensitivity`` holds the loss's gradient with respect to each floating output when the
+    backward pass ran (what carries their noise into the loss's, see
+    :func:`torchparity.tolerance.propagated_noise`); ``compile_log`` what compiling cost in a
+    compiled cell; ``islands`` where a float64 run computed in a narrower dtype (dtype name
+    -> modules, see :mod:`torchparity.subject.islands`); ``sdpa_calls`` the SDPA calls the
+    cell's backend intercepted (None where nothing intercepts them)."""
+
+    outputs: dict[str, Any]
+    missing: dict[str, str]
+    sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
+    compile_log: CompileLog | None = None
+    not_compared: dict[str, str] = field(default_factory=dict)
+    islands: dict[str, list[str]] = field(default_factory=dict)
+    sdpa_calls: int | None = None
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch on one intra-op thread inside the block.
+
+    The models are tiny: more threads only spin (burning several times the useful CPU time on
+    a busy machine), and one thread makes float64 reductions independent of the core count.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def matmul_precision(dtype_name: str) -> Iterator[None]:
+    # fp32 cells must not pick up TF32 from a global setting; tf32 cells ask for it.
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if dtype_name == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)

@@ -1,0 +1,245 @@
+"""One check loop for every subject: a zoo case, a user's model, a training trajectory.
+
+Weights or inputs that changed since the goldens were made turn every row into ``init
+changed`` or ``inputs changed``. Otherwise each cell in turn: the **reference cell** is judged
+against a rerun on weights moved by one float64 rounding (see :func:`_check_reference`); every
+other cell, eager or compiled, against the golden with the ``manual`` backend in its dtype and
+device as baseline, run once per (dtype, device); a compiled cell's rows then carry its compile
+log and each decoding step's verdict.
+
+A subject feeds the loop with a :class:`Feed`: what it runs in a cell and how it judges an
+output; the loop owns the order, the baselines and the rows that say why nothing was judged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from torchparity import backends, sketching, tolerance
+from torchparity.comparison import NOT_COMPARED
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run
+from torchparity.golden.compiled_cells import annotate, step_verdicts, unavailable_reason
+from torchparity.golden.store import Golden, GoldenStore
+from torchparity.subject.compiling import CompileFailed
+
+#: ``advance(label)``: a cell is done.
+Advance = Callable[[str], None]
+
+
+class Feed(Protocol):
+    """What one subject gives the check loop."""
+
+    #: The rows' ``case``: the zoo case, the model or the trajectory's case.
+    name: str
+    #: Output -> kind of the tolerance model, for every output a row may name.
+    kinds: Mapping[str, str]
+    #: The outputs every cell judges, in the order of the rows.
+    outputs: Sequence[str]
+    #: Outputs n/a in every cell, and why.
+    unjudged: Mapping[str, str]
+    #: The output whose errors the loss's sensitivity carries into the loss.
+    noise_from: str
+    #: Where the reference cell writes what it obtained for an output that fails.
+    store: GoldenStore
+
+    def changed(self) -> dict[str, tuple[str, str]]:
+        """Per output made from other weights or inputs: its verdict and why (see
+        :func:`checksum_changes`); empty when the goldens were made from today's."""
+
+    def refused(self, cell: Cell) -> str | None:
+        """Why ``cell`` cannot run this subject at all (then not even its baseline runs)."""
+
+    def run(self, cell: Cell, *, perturb: bool = False) -> Run:
+        """The subject run in ``cell`` (``perturb``: on weights moved by one float64 rounding);
+        a compiled cell that does not compile raises
+        :class:`~torchparity.subject.compiling.CompileFailed`."""
+
+    def golden(self, output: str) -> Any:
+        """The golden of ``output`` (None where there is none)."""
+
+    def judge(self, cell: Cell, output: str, candidate: Any, golden: Any, baseline: Any,
+              noise: float | None = None) -> CheckResult:
+        """The row of ``output`` in ``cell``: the candidate against the golden, with the
+        baseline's error (and ``noise``, what the outputs' errors carry into the loss) as the
+        budget."""
+
+    def self_checks(self, fresh: Run) -> list[CheckResult]:
+        """Rows the reference cell's run judges by itself (a cached decoding against its full
+        recompute)."""
+
+    def steps(self, decoded: Any) -> list[dict[str, torch.Tensor]]:
+        """A decoding's outputs as one ``{path: tensor}`` per step (a compiled cell judges
+        each step on its own)."""
+
+
+def check(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None
+          ) -> list[CheckResult]:
+    """The rows of ``feed`` in every cell, in cell then output order; ``advance(label)`` is
+    called after each cell."""
+    results: list[CheckResult] = []
+    if changed := feed.changed():
+        for cell in cells:
+            results += [row(feed, cell, output, verdict, ok=False, reason=reason)
+                        for output, (verdict, reason) in changed.items()]
+            advance(cell.label)
+        return results
+    baselines: dict[tuple[str, str], Run] = {}
+    for cell in cells:
+        if cell == REFERENCE:
+            results += _check_reference(feed)
+        elif (refused := feed.refused(cell)) is not None:
+            results += [row(feed, cell, output, "n/a", ok=True, reason=refused)
+                        for output in feed.outputs]
+        else:
+            key = (cell.dtype, cell.device)
+            if key not in baselines:
+                baselines[key] = feed.run(Cell("manual", *key))
+            results += _check_cell(feed, cell, baselines[key])
+        results += [row(feed, cell, output, "n/a", ok=True, reason=reason)
+                    for output, reason in feed.unjudged.items()]
+        advance(cell.label)
+    return results
+
+
+def _check_reference(feed: Feed) -> list[CheckResult]:
+    """The reference cell: today's float64 outputs against the goldens, with a baseline of
+    *golden + (perturbed - fresh)*: ``perturbed`` is the same computation with every weight
+    moved by one float64 rounding error. A backward-stable computation is exact for inputs
+    perturbed by about that much, so this baseline's distance from the golden is the noise that
+    float64 cannot avoid (other BLAS, other torch), while any change of the math stands far out.
+    Writes ``<output>.obtained.safetensors`` for each output that fails."""
+    fresh = feed.run(REFERENCE)
+    perturbed = feed.run(REFERENCE, perturb=True)
+    results = []
+    for output in feed.outputs:
+        if output in fresh.not_compared:
+            results.append(row(feed, REFERENCE, output, NOT_COMPARED, ok=False,
+                               reason=fresh.not_compared[output]))
+            continue
+        candidate, golden = fresh.outputs.get(output, {}), feed.golden(output)
+        moved = perturbed.outputs.get(output, {})
+        baseline = {path: sketching.shifted(golden[path], moved[path], tensor)
+                    if tensor.is_floating_point() else golden[path]
+                    for path, tensor in candidate.items() if path in golden and path in moved}
+        result = feed.judge(REFERENCE, output, candidate, golden, baseline)
+        if not result.ok:
+            feed.store.write_obtained(feed.name, output, candidate)
+        results.append(result)
+    return results + feed.self_checks(fresh)
+
+
+def _check_cell(feed: Feed, cell: Cell, baseline: Run) -> list[CheckResult]:
+    run = _cell_run(feed, cell, baseline)
+    if run is not baseline and run.sdpa_calls == 0:
+        return [row(feed, cell, output, "n/a", ok=True, reason=backends.NO_SDPA_CALLS_REASON)
+                for output in feed.outputs]
+    results = []
+    for output in feed.outputs:
+        if output in run.not_compared:
+            results.append(row(feed, cell, output, NOT_COMPARED, ok=False,
+                               reason=run.not_compared[output]))
+        elif output in run.missing:
+            results.append(row(feed, cell, output, "n/a", ok=True, reason=run.missing[output]))
+        else:
+            noise = (loss_noise(baseline, feed.noise_from, feed.golden(feed.noise_from))
+                     if output == "loss" else None)
+            results.append(feed.judge(cell, output, run.outputs.get(output, {}),
+                                      feed.golden(output), baseline.outputs.get(output), noise))
+    if cell.compile:
+        annotate(results, run.compile_log, step_verdicts(
+            *(feed.steps(decoded) for decoded in (
+                run.outputs.get("decode"), feed.golden("decode"),
+                baseline.outputs.get("decode"))), cell.dtype))
+    return results
+
+
+def _cell_run(feed: Feed, cell: Cell, baseline: Run) -> Run:
+    """The cell's run: the baseline itself for the eager manual cell; every output n/a with
+    the reason where a compiled cell cannot compile."""
+    if not cell.compile:
+        return baseline if cell.backend == "manual" else feed.run(cell)
+    reason = unavailable_reason(cell)
+    if reason is None:
+        try:
+            return feed.run(cell)
+        except CompileFailed as exc:
+            reason = str(exc)
+    return Run({}, dict.fromkeys(feed.kinds, reason))
+
+
+def loss_noise(baseline: Run, output: str, golden: dict[str, Any]) -> float | None:
+    """The noise the baseline's ``output`` carries into the loss (None without its
+    gradients); sketched tensors, whose errors are known only in RMS, carry none."""
+    outputs = baseline.outputs.get(output, {})
+    errors = {path: outputs[path].double() - golden[path].double()
+              for path in baseline.sensitivity if path in outputs and path in golden
+              and not isinstance(outputs[path], sketching.Sketch)
+              and not isinstance(golden[path], sketching.Sketch)}
+    return tolerance.propagated_noise(baseline.sensitivity, errors) if errors else None
+
+
+def checksum_changes(goldens: dict[str, Golden], now: dict[str, str],
+                     advice: Callable[[str], str]) -> dict[str, tuple[str, str]]:
+    """Per output whose golden was made from other weights or inputs than ``now``'s: its
+    verdict ("init changed" / "inputs changed") and why; ``advice(what)`` starts the reason
+    with what differs ("the weights built for llama-tiny") and ends it with the fix."""
+    changed = {}
+    for output, golden in goldens.items():
+        stored = golden.summary.get("checksums") or {}
+        for what, verdict in (("weights", "init changed"), ("inputs", "inputs changed")):
+            if stored.get(what) != now[what]:
+                before, after = str(stored.get(what))[:19], now[what][:19]
+                changed[output] = (verdict, advice(what).format(
+                    differ=f"differ from those its golden was made from ({before}... vs "
+                           f"{after}...)"))
+                break
+    return changed
+
+
+#: The verdict of a row whose candidate is within its budget but whose baseline is degraded.
+BASELINE_DEGRADED = "baseline degraded"
+
+
+def judged_fields(comparison: Any, cell: Cell) -> dict[str, Any]:
+    """What a :class:`CheckResult` takes from a comparison: the verdict (``baseline
+    degraded`` for a candidate within its budget judged beside a degraded baseline: a finding
+    about the baseline, not a divergence), the worst tensor's share of its budget (inf where a
+    shape differs), the explanation, the sensitivity, the positions left out and, when a
+    baseline was degraded, what that means for the cell's budgets."""
+    worst = comparison.worst
+    headroom = math.inf if comparison.shapes else worst.headroom if worst else 0.0
+    verdict = comparison.verdict
+    if verdict != "diverged" and comparison.baseline_degraded:
+        verdict = BASELINE_DEGRADED
+    return {"verdict": verdict, "ok": comparison.ok, "headroom": headroom,
+            "explain": comparison.explain(),
+            "worst": worst.path if worst else None, "sensitivity": comparison.sensitivity,
+            "left_out": comparison.left_out_sentence(),
+            "baseline": degraded_baseline(comparison, cell)}
+
+
+def degraded_baseline(comparison: Any, cell: Cell) -> str | None:
+    """The finding of a comparison whose baseline erred more than a plain computation in its
+    dtype may (None when none did): which tensors, and that the analytic bound judged them."""
+    degraded = [t.path for t in comparison.tensors if t.baseline_degraded]
+    if not degraded:
+        return None
+    which = degraded[0] if len(degraded) == 1 else f"{degraded[0]} and {len(degraded) - 1} more"
+    baseline = ("the rerun on weights moved by one float64 rounding" if cell == REFERENCE
+                else f"the {cell.dtype} baseline (manual)")
+    return (f"{baseline} errs more than a plain {cell.dtype} computation may at {which}: it "
+            f"is degraded and sets no budget there; every {cell.dtype} cell is judged by the "
+            "analytic bound instead")
+
+
+def row(feed: Feed, cell: Cell, output: str, verdict: str, *, ok: bool,
+        **details: Any) -> CheckResult:
+    """One row of ``feed``'s results."""
+    return CheckResult(case=feed.name, backend=cell.backend, dtype=cell.dtype,
+                       device=cell.device, output=output, kind=feed.kinds[output],
+                       verdict=verdict, headroom=details.pop("headroom", None), ok=ok,
+                       compile=cell.compile, **details)

@@ -1,0 +1,107 @@
+"""The ``golden`` pytest fixture: any project's tests keep goldens of their own beside them,
+in a :class:`~torchparity.golden.store.GoldenStore`."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchparity.golden.store import GoldenError, GoldenStore
+
+# Room for a golden's own name and suffix within the 255 bytes a file name may have.
+_MAX_TEST_NAME = 120
+
+
+class GoldenFixture:
+    """The ``golden`` pytest fixture: compare a test's tensors with goldens kept beside it.
+
+    The goldens of one test live in ``<test file folder>/golden/<test module>/<test>/`` as
+    ``<name>.{safetensors,json}``, where ``<test>`` comes from the test's node id (class, name
+    and parameters: see :func:`folder_of_test`), so two tests, or two parameters of one
+    test, that both store ``"logits"`` keep separate goldens. ``golden.check(name, tensors)``
+    compares with the stored golden under the tolerance model; in update mode it writes the
+    golden instead and lists the files in :attr:`written`, which the plugin turns into a
+    failure so an update cannot pass silently.
+    """
+
+    def __init__(self, store: GoldenStore, test: str, update: bool,
+                 on_written: Callable[[Path], None]) -> None:
+        self.store = store
+        self.test = test
+        self.update = update
+        self.on_written = on_written
+        self.written: list[Path] = []
+
+    @classmethod
+    def for_test(cls, node_path: Path, node_id: str, update: bool,
+                 on_written: Callable[[Path], None],
+                 update_option: str = "--torchparity-golden-update") -> GoldenFixture:
+        """The fixture of one test: ``node_path`` is its file, ``node_id`` its pytest id, and
+        ``update_option`` the pytest option that rewrites its goldens (quoted in messages)."""
+        command = f"pytest {shlex.quote(node_id)} {update_option}"
+        store = GoldenStore(node_path.parent / "golden" / node_path.stem,
+                            update_command=command.replace("{", "{{").replace("}", "}}"))
+        return cls(store, folder_of_test(node_id), update, on_written)
+
+    def check(self, name: str, tensors: torch.Tensor | Mapping[str, torch.Tensor],
+              kind: str = "forward", *, baseline: Any = None, compute_dtype: Any = None,
+              reduction_length: int | None = None) -> Any:
+        """Compare ``tensors`` (a tensor or a mapping of names to tensors) with golden ``name``.
+
+        Fails the test with the comparison's explanation when a tensor diverged, after writing
+        the obtained values to ``<name>.obtained.safetensors`` beside the golden; fails with the
+        command that creates the golden when it is missing. Returns the
+        :class:`~torchparity.comparison.Comparison`, or None when updating (the golden is
+        written and the test will fail at teardown).
+        """
+        import pytest
+
+        from torchparity.comparison import StructureMismatch, compare
+
+        candidate = {"value": tensors} if isinstance(tensors, torch.Tensor) else dict(tensors)
+        if self.update:
+            for path in self.store.write(self.test, name, candidate, {"kind": kind}):
+                self.written.append(path)
+                self.on_written(path)
+            return None
+        try:
+            golden = self.store.read(self.test, name).tensors
+        except GoldenError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        if isinstance(baseline, torch.Tensor):
+            baseline = {"value": baseline}
+        try:
+            result = compare(candidate, golden, baseline, kind, compute_dtype=compute_dtype,
+                             reduction_length=reduction_length)
+            failure = None if result.ok and not result.structure_differs else result.explain()
+        except StructureMismatch as exc:
+            result, failure = None, f"structure differs from the golden: {exc}"
+        if failure:
+            obtained = self.store.write_obtained(self.test, name, candidate)
+            pytest.fail(f"golden {name!r}: {failure} Obtained values: {obtained}; if the change "
+                        f"is intended, run `{self.store.update_command}`", pytrace=False)
+        return result
+
+
+def folder_of_test(node_id: str) -> str:
+    """The golden folder name of one test, from its pytest node id (the file left out).
+
+    ``test_model.py::TestBlock::test_logits[cpu-2]`` -> ``TestBlock.test_logits-cpu-2``: a
+    class joins with ``.`` and the parameter id follows a ``-`` (neither can occur in a Python
+    name, so distinct tests get distinct names). Characters a file name cannot safely hold
+    become ``_``; then, or for a very long id, a short hash of the id keeps names apart.
+    """
+    in_file = node_id.split("::", 1)[-1]
+    function, _, params = in_file.partition("[")
+    readable = function.replace("::", ".") + (f"-{params.removesuffix(']')}" if params else "")
+    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", readable)
+    if name != readable or len(name) > _MAX_TEST_NAME:
+        digest = hashlib.sha256(in_file.encode()).hexdigest()[:10]
+        name = f"{name[:_MAX_TEST_NAME - len(digest) - 1]}-{digest}"
+    return name

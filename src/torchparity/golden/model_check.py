@@ -1,0 +1,259 @@
+"""The check of a user's model against its goldens (``check --model``, ``tp.check_model``).
+
+Cells are those of the zoo's check: the reference cell (manual, fp64) recomputes the goldens
+with a baseline of one float64 rounding of the weights; every other cell runs a copy of the
+model in its dtype with every ``scaled_dot_product_attention`` call on its backend, judged by
+the tolerance model against the ``manual`` backend in the same dtype. A model that makes no
+SDPA call has its backend cells ``n/a`` with that reason. ``transformers`` models run their
+``sdpa`` attention implementation there and get one more backend, ``hf-eager``: their own
+eager implementation. Outputs that one run has and another lacks (eager's attention weights
+against sdpa's ``None``) are reported as structure differences, never as divergences; the
+tensors both have are judged.
+
+Every cell decodes along the golden's tokens (and parents); the reference cell decodes greedily
+or searches, and also judges ``decode-cache``: the cached decoding against the full recompute
+of the same run. A decode row that fails names the first step that leaves its budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torchparity import backends
+from torchparity.comparison import compare
+from torchparity.dtypes import DTYPES, dtype_name
+from torchparity.errors import UsageError
+from torchparity.golden import check_loop
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run
+from torchparity.golden.compiled_cells import stepped_logits
+from torchparity.golden.model_runs import (
+    HF_EAGER,
+    OUTPUT_KINDS,
+    CellModels,
+    output_padding,
+    run_in_cell,
+)
+from torchparity.golden.store import GoldenStore
+from torchparity.golden.user_models import (
+    golden_islands,
+    load_goldens,
+    loss_paths,
+    model_checksums,
+    model_store,
+    no_decode_golden,
+    user_golden_dir,
+)
+from torchparity.subject import Subject
+from torchparity.subject.compiling import check_mode
+from torchparity.subject.decoding import Fed
+
+#: How a factory builds the same weights and inputs on every machine.
+_SAME_EVERYWHERE = {
+    "weights": "initialise the model with tp.init_weights(model, seed)",
+    "inputs": "draw floating inputs with tp.random_tensor(shape, seed)",
+}
+
+
+def backend_names(models: list[Subject] | None = None) -> list[str]:
+    """The backends of a user-model check: every attention backend, and ``hf-eager`` when one
+    of ``models`` is a ``transformers`` model (always when ``models`` is None)."""
+    eager = models is None or any(m.is_transformers for m in models)
+    return [*backends.names(), *([HF_EAGER] if eager else [])]
+
+
+def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
+                  advance: Callable[[str], None] = lambda label: None,
+                  status: Callable[[str, str], None] | None = None) -> list[CheckResult]:
+    """Check ``subject`` in every cell against its goldens; one result per cell and output.
+
+    The cells share the model (:class:`~torchparity.golden.model_runs.CellModels`): no more
+    copies than dtypes. ``advance(label)`` is called after each cell, ``status(label, text)``
+    while one runs."""
+    return check_loop.check(ModelFeed(subject, store, status), cells, advance)
+
+
+class ModelFeed:
+    """A user's model as the check loop runs and judges it (see :class:`check_loop.Feed`)."""
+
+    kinds = OUTPUT_KINDS
+    noise_from = "outputs"
+
+    def __init__(self, subject: Subject, store: GoldenStore,
+                 status: Callable[[str, str], None] | None = None) -> None:
+        self.goldens = load_goldens(subject, store)
+        self.unjudged: dict[str, str] = {}
+        if subject.generates and "decode" not in self.goldens:
+            self.unjudged["decode"] = no_decode_golden(subject, store)
+            subject = dataclasses.replace(subject, decoding=False)
+        self.subject, self.store, self.name, self.status = subject, store, subject.name, status
+        self.outputs = list(self.goldens)
+        self.loss_paths = loss_paths(self.goldens)
+        self.islands = golden_islands(self.goldens)
+        self.models = CellModels(subject)
+        # Step by step, every cell but the reference decodes along the golden's tokens.
+        decoded = self.goldens["decode"].tensors if subject.steps else None
+        self.tokens = decoded and Fed(decoded["tokens"], decoded.get("parents"))
+
+    def changed(self) -> dict[str, tuple[str, str]]:
+        return check_loop.checksum_changes(
+            self.goldens, model_checksums(self.subject), lambda what: (
+                f"the {what} the factory {self.subject.entry} builds {{differ}}; "
+                f"{_SAME_EVERYWHERE[what]} (torch's own random draws differ between "
+                f"machines), or if the change is intended run `{self.store.update_command}`"))
+
+    def refused(self, cell: Cell) -> str | None:
+        if cell.backend == HF_EAGER and not self.subject.is_transformers:
+            return "not a transformers model: it has no attention implementation to switch"
+        return None
+
+    def run(self, cell: Cell, *, perturb: bool = False) -> Run:
+        # The reference decodes greedily, or searches: its tokens (and parents) are judged.
+        # A compiled cell compiles a model of its own.
+        tokens = None if cell == REFERENCE and not perturb else self.tokens
+        status = None if self.status is None or cell.compile else (
+            lambda text: self.status(cell.label, text))
+        return run_in_cell(self.subject, cell, self.loss_paths, perturb=perturb, tokens=tokens,
+                           models=None if cell.compile else self.models, status=status)
+
+    def golden(self, output: str) -> dict[str, Any] | None:
+        golden = self.goldens.get(output)
+        return golden and golden.tensors
+
+    def judge(self, cell: Cell, output: str, candidate: dict[str, Any],
+              golden: dict[str, Any], baseline: dict[str, Any] | None,
+              noise: float | None = None) -> CheckResult:
+        return self._judge(cell, output, candidate, golden, baseline, noise, self.islands)
+
+    def self_checks(self, fresh: Run) -> list[CheckResult]:
+        """The reference's cached decoding against its full recompute along the same tokens:
+        a KV-cache bug is caught even in the run that made the goldens."""
+        decoded = fresh.outputs.get("decode")
+        if decoded is None:
+            return []
+        cached, recomputed = ({p.partition(".")[2] or "value": t for p, t in decoded.items()
+                               if p.partition(".")[0] == label}
+                              for label in ("cached", "recomputed"))
+        if not recomputed:  # a step of the factory's own has no recompute to judge it by
+            return []
+        return [self._judge(REFERENCE, "decode-cache", cached, recomputed, None)]
+
+    def steps(self, decoded: dict[str, Any] | None) -> list[dict[str, Any]]:
+        return stepped_logits(decoded)
+
+    def _judge(self, cell: Cell, output: str, candidate: dict[str, Any],
+               golden: dict[str, Any], baseline: dict[str, Any] | None,
+               noise: float | None = None, islands: str | None = None) -> CheckResult:
+        """Judge the tensors candidate and golden share; paths that one side lacks (eager's
+        attention weights against sdpa's None) are structure differences, not divergences.
+        Outputs with a value per input position are judged on the unpadded ones; ``islands``
+        is the narrowest dtype the model computes in (a baseline may err as it does)."""
+        subject = self.subject
+        comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
+                             compute_dtype=cell.dtype, noise=noise if baseline else None,
+                             padding=output_padding(subject, output), islands=islands)
+        fields = check_loop.judged_fields(comparison, cell)
+        if output == "loss" and subject.loss_fn is None and subject.padding:
+            fields["left_out"] = (f"the default loss leaves the padding out: "
+                                  f"{subject.padding.summary()}.")
+        step = first_step(comparison) if output.startswith("decode") and subject.steps else None
+        if step is not None:
+            fields["explain"] = f"first step that differs: {step} (0 is the prompt); " \
+                                f"{fields['explain']}"
+        return check_loop.row(self, cell, output, **fields,
+                              structure=[str(d) for d in comparison.structure] or None)
+
+
+def first_step(comparison: Any) -> int | None:
+    """The first decoding step a comparison of step-protocol decodings finds diverged: a
+    step's logits over their budget, or a greedy token (chosen at the step before it is fed)
+    that differs."""
+    steps = []
+    for t in comparison.tensors:
+        if t.verdict != "diverged":
+            continue
+        found = re.search(r"logits\.(\d+)", t.path)
+        if found:
+            steps.append(int(found.group(1)))
+        elif ("tokens" in t.path or "parents" in t.path) and t.worst_index is not None:
+            steps.append(t.worst_index[-1])
+    return min(steps, default=None)
+
+
+# --- the Python API -------------------------------------------------------------------------
+
+
+@dataclass
+class ModelReport:
+    """What :func:`check_model` found: one :class:`CheckResult` per cell and output."""
+
+    results: list[CheckResult]
+
+    @property
+    def ok(self) -> bool:
+        """True when no output diverged and the weights and inputs are the golden's."""
+        return all(r.ok for r in self.results)
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if not r.ok]
+
+    def explain(self) -> str:
+        """One line per failed output (``OK`` and the count when there is none)."""
+        if self.ok:
+            return f"OK: {len(self.results)} outputs within their budgets or n/a"
+        return "\n".join(f"FAIL {r.case} {r.cell.label} {r.output}: "
+                         f"{r.explain or r.reason}" for r in self.failures)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"ok", "results": [row, ...]}``, the rows of ``torchparity check --json``."""
+        return {"ok": self.ok, "results": [r.to_dict() for r in self.results]}
+
+
+def model_cells(backends: list[str] | None = None, dtypes: list[Any] | None = None,
+                device: str = "cpu", compile: list[str] | None = None) -> list[Cell]:
+    """The reference cell, then every (dtype, backend) on ``device``: the cells of
+    :func:`check_model`, for a ``pytest.mark.parametrize`` of one test per cell.
+
+    ``backends`` default to every attention backend and ``hf-eager`` (n/a for a model that is
+    not a ``transformers`` one), ``dtypes`` (short or torch names) to fp32 and bf16;
+    ``compile`` (``dynamic``, ``static``) adds each dtype's cells compiled in those forms.
+    """
+    known = backend_names()
+    for name in backends or []:
+        if name not in known:
+            raise UsageError(f"unknown attention backend {name!r}; choose from "
+                             f"{', '.join(known)}")
+    names = [dtype_name(d) for d in dtypes or ("fp32", "bf16")]
+    for name in names:
+        if name not in DTYPES or name == "fp64":
+            raise UsageError(f"unknown dtype {name!r}; choose from fp32, tf32, bf16, fp16 "
+                             "(the fp64 reference always runs)")
+    forms = [None, *(check_mode(form) for form in compile or [])]
+    return [REFERENCE, *(Cell(b, d, device, form) for d in names for form in forms
+                         for b in backends or known)]
+
+
+def check_model(factory: str | Callable[[], Any], *, backends: list[str] | None = None,
+                dtypes: list[Any] | None = None, golden_dir: str | os.PathLike | None = None,
+                cells: list[Cell] | None = None, compile: list[str] | None = None
+                ) -> ModelReport:
+    """Check a user's model against its goldens, as ``torchparity check --model`` does.
+
+    ``factory`` is an entry (``file.py:name``, ``pkg.mod:name``) or the callable itself,
+    returning ``(model, inputs)``, ``(model, inputs, loss_fn)`` or a dict with those keys and
+    ``decode``. ``golden_dir`` defaults to ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` in the
+    working directory; ``compile`` (``dynamic``, ``static``) adds the cells compiled by
+    ``torch.compile`` (docs/compile.md); ``cells`` (from :func:`model_cells`) replace
+    ``backends``/``dtypes``/``compile``.
+    Missing or damaged goldens raise their :class:`~torchparity.golden.GoldenError`, whose
+    message names the ``torchparity golden update --model`` command that creates them.
+    """
+    subject = Subject.load(factory)
+    store = model_store(subject, user_golden_dir(golden_dir))
+    cells = cells or model_cells(backends, dtypes, compile=compile)
+    return ModelReport(check_subject(subject, store, cells))

@@ -1,0 +1,282 @@
+"""A user's model run in a cell: forward, loss, gradients and decoding, with no more copies
+of the model than dtypes, every big tensor kept as a sketch as soon as it is complete.
+
+The float64 cells cast the model module by module (:class:`~torchparity.subject.blockwise.
+Float64Run`), noting where it computes in a narrower dtype; decoding follows the step protocol
+(:mod:`torchparity.subject.decoding`) or the factory's own ``decode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from torchparity import backends
+from torchparity.dtypes import DTYPES
+from torchparity.errors import BackendUnavailable
+from torchparity.golden.cells import Cell, Run, matmul_precision
+from torchparity.golden.compiled_cells import decode_phases
+from torchparity.sketching import kept, seed_of
+from torchparity.subject import Subject, hf
+from torchparity.subject.beams import BeamSearch, expand_prompt, reorder_rows
+from torchparity.subject.blockwise import BlockProgress, Float64Run, stream_grads
+from torchparity.subject.compiling import CompileLog, compiled
+from torchparity.subject.decoding import Fed, recompute_step, teacher_forced
+from torchparity.subject.islands import Islands
+from torchparity.subject.padding import Padding
+from torchparity.subject.running import cast_inputs, in_cache
+from torchparity.subject.trees import flatten_tensors
+
+#: Output name -> kind of the tolerance model it is judged with.
+OUTPUT_KINDS = {"outputs": "forward", "loss": "loss", "grads": "grad", "decode": "forward",
+                "decode-cache": "forward"}
+#: The attention implementation of ``transformers`` models as one more backend.
+HF_EAGER = "hf-eager"
+#: New tokens of the default decode of ``transformers`` generative models.
+DECODE_STEPS = 4
+_ROOT = "output"
+
+
+#: ``status(text)``: where a cell is in its run ("backward: block 3 of 16").
+Status = Callable[[str], None]
+
+
+class CellModels:
+    """The models a check's cells run, without more copies than dtypes.
+
+    The float64 cells and the cells of the model's own dtype and device run the factory's
+    model itself (float64 cells cast it module by module, :class:`Float64Run`); any other
+    dtype or device gets one converted copy, shared by the backends of that dtype and dropped
+    when a cell of another one asks for its model."""
+
+    def __init__(self, subject: Subject) -> None:
+        self.subject = subject
+        self._key: tuple[str, str] | None = None
+        self._copy: tuple[nn.Module, Any] | None = None
+
+    def get(self, cell: Cell, attention: str) -> tuple[nn.Module, Any]:
+        """The model (in eval mode, on ``attention``) and the inputs of ``cell``."""
+        subject = self.subject
+        if cell.dtype == "fp64":
+            return subject.placed(cell.device, _own_dtype(subject.model), attention,
+                                  share=True)[0], cast_inputs(subject.inputs, cell.device,
+                                                              torch.float64)
+        key = (cell.dtype, cell.device)
+        if key != self._key:
+            self._copy = None  # the previous dtype's copy goes before the next one is made
+            self._copy = subject.placed(cell.device, DTYPES[cell.dtype], attention, share=True)
+            self._key = key
+        model, inputs = self._copy
+        if subject.is_transformers:
+            hf.set_attention(model, attention)
+        return model, inputs
+
+
+def _own_dtype(model: nn.Module) -> torch.dtype:
+    floating = [t.dtype for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    return floating[0] if floating and len(set(floating)) == 1 else torch.float64
+
+
+def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
+                perturb: bool = False, tokens: Fed | None = None,
+                models: CellModels | None = None, status: Status | None = None) -> Run:
+    """Run the model in ``cell``: forward, loss, gradients and decoding.
+
+    ``loss_paths`` are the outputs the default loss projects (None: all floating ones);
+    ``tokens`` are what a step-by-step decoding is fed (None: its own greedy choices, or its
+    beam search).
+    ``models`` shares the cells' models (default: a fresh :class:`CellModels`); ``status``
+    hears where a long run is (which block of how many). Tensors of
+    :func:`~torchparity.sketching.threshold` elements or more are kept as sketches, each
+    gradient as soon as it is complete. ``perturb`` (float64 cells) moves every weight by one
+    float64 rounding. The run counts the SDPA calls intercepted (None for ``hf-eager``). A
+    compiled cell runs all of it compiled, each decoding step recorded in its compile log; a
+    failure to compile raises :class:`~torchparity.subject.compiling.CompileFailed`.
+    """
+    attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
+    model, inputs = (models or CellModels(subject)).get(cell, attention)
+    report = None if status is None else (
+        lambda phase, done, total: status(f"{phase}: block {done} of {total}"))
+    with compiled(model, cell.compile) as compile_log, _backend(cell.backend) as intercepted, \
+            matmul_precision(cell.dtype):
+        try:
+            if cell.dtype == "fp64":
+                grads: dict[str, Any] = {}
+                with Float64Run(model, on_grad=_keeper(grads), perturb=perturbation
+                                if perturb else None, progress=report) as run64, \
+                        Islands(model) as islands:
+                    run = _forward_backward(subject, model, inputs, loss_paths,
+                                            lambda loss: (run64.backward(loss), grads)[1])
+                    run.compile_log = compile_log
+                    _decode(subject, model, inputs, run, tokens)
+                run.islands = islands.found
+            else:
+                with BlockProgress(model, report) as blocks:
+                    run = _forward_backward(subject, model, inputs, loss_paths,
+                                            lambda loss: _streamed(model, loss, blocks))
+                run.compile_log = compile_log
+                _decode(subject, model, inputs, run, tokens)
+        except BackendUnavailable as exc:
+            return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
+    run.sdpa_calls = None if intercepted is None else intercepted.calls
+    return run
+
+
+def perturbation(name: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (float64) times 1 + d, |d| <= 2**-52 fixed per element and parameter name:
+    the reference cell's weights moved by one float64 rounding. The factors repeat with a
+    period of 2**20 elements from an offset of the name, so that the float64 run can recompute
+    them at every cast for a few operations per element."""
+    factors = _perturbation_factors().roll(-(seed_of(f"perturb.{name}") % _PERIOD))
+    flat = value.view(-1)
+    for start in range(0, flat.numel(), _PERIOD):
+        part = flat[start:start + _PERIOD]
+        part.mul_(factors[:part.numel()])
+    return value
+
+
+_PERIOD = 1 << 20
+
+
+@functools.cache
+def _perturbation_factors() -> torch.Tensor:
+    generator = np.random.Generator(np.random.PCG64(0))
+    return 1.0 + torch.from_numpy(generator.random(_PERIOD) * 2.0 - 1.0) * 2.0**-52
+
+
+def _keeper(found: dict[str, Any]) -> Callable[[str, torch.Tensor], None]:
+    return lambda name, tensor: found.__setitem__(name, kept(name, tensor))
+
+
+def _streamed(model: nn.Module, loss: torch.Tensor, blocks: BlockProgress) -> dict[str, Any]:
+    grads: dict[str, Any] = {}
+    stream_grads(model, loss, _keeper(grads), blocks)
+    return grads
+
+
+@contextlib.contextmanager
+def _backend(name: str) -> Iterator[Any]:
+    if name == HF_EAGER:
+        yield None
+    else:
+        with backends.use(name) as intercepted:
+            yield intercepted
+
+
+def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
+                      loss_paths: list[str] | None,
+                      backward: Callable[[torch.Tensor], dict[str, Any]]) -> Run:
+    missing: dict[str, str] = {}
+    try:
+        output = subject.forward(model, inputs)
+        flat = flatten_tensors(output, _ROOT)
+        loss = subject.loss(output, inputs, flat, loss_paths)
+    except BackendUnavailable as exc:  # no backward here: the forward still runs
+        missing["grads"] = str(exc)
+        with torch.no_grad():
+            output = subject.forward(model, inputs)
+            flat = flatten_tensors(output, _ROOT)
+            loss = subject.loss(output, inputs, flat, loss_paths)
+    # A cache is state for the next call, judged by the decoding that reads it.
+    outputs: dict[str, dict[str, Any]] = {
+        "outputs": {path: kept(path, t, padded_positions(subject, "outputs", path, t))
+                    for path, t in flat.items() if not in_cache(path)}}
+    # The loss's gradient with respect to each floating output, heard as the backward passes.
+    sensitivity: dict[str, torch.Tensor] = {}
+    if "grads" not in missing and not isinstance(loss, str):
+        for path, t in flat.items():
+            if t.is_floating_point() and t.requires_grad:
+                t.register_hook(functools.partial(_heard, sensitivity, path))
+    del output, flat  # the kept outputs are enough: the graph lives on in the loss
+    if isinstance(loss, str):
+        return Run(outputs, missing, not_compared={"loss": loss, "grads": loss})
+    outputs["loss"] = {"loss": loss.detach()}
+    if "grads" not in missing:
+        try:
+            outputs["grads"] = backward(loss)
+        except BackendUnavailable as exc:
+            missing["grads"] = str(exc)
+    return Run(outputs, missing, sensitivity)
+
+
+def _heard(found: dict[str, torch.Tensor], path: str, grad: torch.Tensor) -> None:
+    found[path] = grad.detach()
+
+
+def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
+            tokens: Fed | None) -> None:
+    if not subject.generates:
+        return
+    try:
+        # Both decodings are sketched alike, so that decode-cache can compare them.
+        with torch.no_grad():
+            run.outputs["decode"] = {
+                path: kept(path.partition(".")[2] or path, tensor,
+                           padded_positions(subject, "decode", path, tensor))
+                for path, tensor in (
+                    _stepped(subject, model, inputs, tokens, run.compile_log) if subject.steps
+                    else _decoded(subject, model, inputs)).items()}
+    except BackendUnavailable as exc:
+        run.missing["decode"] = str(exc)
+
+
+def _stepped(subject: Subject, model: nn.Module, inputs: Any, fed: Fed | None,
+             compile_log: CompileLog | None = None) -> dict[str, torch.Tensor]:
+    """The step protocol's decoding: tokens (and parents) fed, else the greedy choices or the
+    factory's beam search, and each step's logits cached and, where a built-in step offers it,
+    by full recompute along the same tokens; a compiled model's calls recorded by step in
+    ``compile_log``."""
+    search = subject.search
+    if search is not None:
+        inputs = expand_prompt(inputs, search.beams)
+    searcher = BeamSearch(search, _rows(inputs) // search.beams) if search and not fed else None
+    cached = teacher_forced(subject.stepper(model), model, inputs, DECODE_STEPS,
+                            fed and fed.tokens, parents=fed and fed.parents,
+                            reorder=subject.reorderer(model),
+                            decide=searcher and searcher.decide,
+                            during=decode_phases(compile_log, "cached"))
+    outputs = {"tokens": cached.tokens,
+               **({} if cached.parents is None else {"parents": cached.parents}),
+               **{f"cached.logits.{s}": t for s, t in enumerate(cached.logits)}}
+    recompute = recompute_step(model) if subject.step is None else None
+    if recompute is not None:  # its state holds tensors alone: their rows are reordered
+        recomputed = teacher_forced(recompute, model, inputs, DECODE_STEPS, cached.tokens,
+                                    parents=cached.parents, reorder=reorder_rows,
+                                    during=decode_phases(compile_log, "recomputed"))
+        outputs.update({f"recomputed.logits.{s}": t for s, t in enumerate(recomputed.logits)})
+    return outputs
+
+
+def _rows(inputs: Any) -> int:
+    return next(iter(flatten_tensors(inputs, "inputs").values())).shape[0]
+
+
+def _decoded(subject: Subject, model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
+    """The factory's own ``decode``, with the cache and by full recompute."""
+    return {path: tensor for label, cache in (("cached", True), ("recomputed", False))
+            for path, tensor in flatten_tensors(subject.decoded(model, inputs, cache),
+                                                label).items()}
+
+
+def padded_positions(subject: Subject, output: str, path: str, tensor: torch.Tensor
+            ) -> torch.Tensor | None:
+    """The padded positions of one tensor of ``output`` as its judgement reads them: a sketch
+    of it is made with them at 0."""
+    padding = output_padding(subject, output)
+    left_out = padding(path, tensor) if padding else None
+    return None if left_out is None else left_out.mask
+
+
+def output_padding(subject: Subject, output: str) -> Padding | None:
+    """The padding of an output's tensors: the model's outputs and its own decoding have a
+    value per input position; gradients are the parameters', and step-by-step decoding has a
+    value per step."""
+    if output == "outputs" or (output.startswith("decode") and subject.decode is not None):
+        return subject.padding
+    return None
