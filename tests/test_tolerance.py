@@ -341,6 +341,21 @@ def test_rounding_that_entered_at_a_residue_reaches_the_other_gradients() -> Non
     assert next(t for t in result.tensors if "embed" in t.path).budget.inherited == 0.0
 
 
+def test_a_residue_lends_its_rounding_also_where_masked_entries_hide_it() -> None:
+    # A masked entry (<= MASKED_BELOW, on every side) counts in no magnitude the budget takes,
+    # so the query projection stays a residue, whatever the raw tensor's largest entry.
+    from torchparity.comparison import compare
+
+    sides = _attention_pass(q_error=2.5e-7, embed_error=1e-7)
+    for side in sides:
+        side["layers.0.attn.q_proj.weight"][0, 0] = -1e5
+    result = compare(*sides, kind="grad")
+    assert result.ok, result.explain()
+    embed = next(t for t in result.tensors if "embed" in t.path)
+    query = next(t for t in result.tensors if "q_proj" in t.path)
+    assert query.budget.residue and embed.budget.inherited == query.error > 0
+
+
 def test_a_candidates_own_rounding_is_measured_by_its_rerun() -> None:
     # A kernel that recomputes the attention probabilities from the saved logsumexp errs by
     # u * |logit| where the plain softmax's stored probabilities do not: the baseline's noise

@@ -347,6 +347,33 @@ def _flex_function(device_type: str) -> Callable:
     return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
+# The switch that stops eager flex_attention from tracing itself (see _flex_untraced).
+_FLEX_TRACE_FLAG = "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"
+
+
+@contextlib.contextmanager
+def _flex_untraced() -> Iterator[None]:
+    """Eager flex on the CPU without its dynamo pass.
+
+    Called eagerly, ``flex_attention`` traces the call with dynamo (a compile per shape,
+    dtype and mask: most of a zoo check's time) only to run the same unfused math
+    (``math_attention``) on the traced graph; with the trace switched off it runs that math
+    on ``score_mod`` directly, value for value the same. The trace matters only to the
+    backward pass, which flex lacks on the CPU.
+    """
+    from torch.nn.attention import flex_attention as module
+
+    previous = getattr(module, _FLEX_TRACE_FLAG, None)
+    if previous is None:  # a torch without the switch: flex traces as before
+        yield
+        return
+    setattr(module, _FLEX_TRACE_FLAG, True)
+    try:
+        yield
+    finally:
+        setattr(module, _FLEX_TRACE_FLAG, previous)
+
+
 def _flex(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, bias)
@@ -355,12 +382,17 @@ def _flex(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
     full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     bias_full = None if bias is None else bias.expand(full)
     mask_full = None if mask is None else mask.expand(full)
+    eager_cpu = q.device.type == "cpu" and not torch.compiler.is_compiling()
+    # Eager flex vmaps score_mod over (b, h, q, kv), where a tensor's [] runs an
+    # autograd.Function whose vmap rule is rebuilt at every call (most of flex's time on the
+    # CPU); with no backward pass there, aten.index gathers the same values directly.
+    at = _gather if eager_cpu else _subscript
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if bias_full is not None:
-            score = score + bias_full[b, h, q_idx, kv_idx]
+            score = score + at(bias_full, b, h, q_idx, kv_idx)
         if mask_full is not None:
-            score = torch.where(mask_full[b, h, q_idx, kv_idx], score, -float("inf"))
+            score = torch.where(at(mask_full, b, h, q_idx, kv_idx), score, -float("inf"))
         if causal:
             score = torch.where(q_idx >= kv_idx, score, -float("inf"))
         return score
@@ -370,8 +402,10 @@ def _flex(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
         warnings.filterwarnings("ignore", message=".*_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG")
+        untraced = _flex_untraced() if eager_cpu else contextlib.nullcontext()
         try:
-            return _flex_function(q.device.type)(q, k, v, score_mod=score_mod, scale=scale)
+            with untraced:
+                return _flex_function(q.device.type)(q, k, v, score_mod=score_mod, scale=scale)
         except BackendCompilerFailed as exc:
             # Flex's kernel selection is its compiler: a kernel it cannot build for this call
             # (a head dim under 16 on CUDA, say) cannot run here. A built kernel that fails
@@ -382,6 +416,14 @@ def _flex(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
             raise BackendUnavailable(
                 f"flex cannot compile this call ({q.device.type}, {q.dtype}, head dim "
                 f"{q.shape[-1]}): {str(cause).strip().splitlines()[0]}") from None
+
+
+def _subscript(t: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    return t[index]
+
+
+def _gather(t: torch.Tensor, *index: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.index.Tensor(t, list(index))
 
 
 _IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {

@@ -172,7 +172,7 @@ _F64_EXPONENT_BITS = 0x7FF0_0000_0000_0000
 def all_finite(x: torch.Tensor) -> bool:
     """Whether every element of ``x`` is finite: one sum, with an elementwise check only when
     the sum is not finite (a NaN or inf, or an overflowing sum)."""
-    return bool(x.sum().isfinite()) or bool(x.isfinite().all())
+    return math.isfinite(x.sum().item()) or bool(x.isfinite().all())
 
 
 @dataclass(frozen=True)

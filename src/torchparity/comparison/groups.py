@@ -75,3 +75,12 @@ def residue_rounding(tensors: list[TensorComparison]) -> float:
          if t.budget is not None and t.budget.residue and t.verdict != "diverged"),
         default=0.0,
     )
+
+
+def likely_residues(leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric,
+                    scales: dict[str, float], share: float) -> set[str]:
+    """The floating leaves whose golden's finite magnitude makes them residues of their group
+    (see :func:`torchparity.tolerance.residue`): what judging will find, unless masked
+    entries leave part of a golden out of its magnitude."""
+    return {path for path, _, g, _ in leaves if g.dtype.is_floating_point
+            and tolerance.residue(magnitude(g, metric), scales.get(path), share)}

@@ -311,8 +311,8 @@ def _last_dim(t: torch.Tensor) -> int:
 def _masked(c: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Which entries of candidate and golden are masked (at or below
     :data:`~torchparity.tolerance.MASKED_BELOW`, -inf included); None when none is."""
-    if not c.numel() or (bool(c.amin() > tolerance.MASKED_BELOW)
-                         and bool(g.amin() > tolerance.MASKED_BELOW)):
+    if not c.numel() or (c.amin().item() > tolerance.MASKED_BELOW
+                         and g.amin().item() > tolerance.MASKED_BELOW):
         return None  # the common case, in two reductions (a NaN minimum falls through too)
     c_masked, g_masked = c <= tolerance.MASKED_BELOW, g <= tolerance.MASKED_BELOW
     return (c_masked, g_masked) if bool(c_masked.any() or g_masked.any()) else None

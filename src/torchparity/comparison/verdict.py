@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchparity import sketching, tolerance
-from torchparity.comparison.groups import group_noises, group_scales, residue_rounding
+from torchparity.comparison.groups import (
+    group_noises,
+    group_scales,
+    likely_residues,
+    residue_rounding,
+)
 from torchparity.comparison.selection import LeftOut, PaddingSpec, left_out_of, sentence
 from torchparity.comparison.sketch import compare_sketch, involves_sketch
 from torchparity.comparison.structure import (
@@ -352,11 +357,8 @@ def compare(
         return compare_tensor(*args, **options, spread=spreads[path], input_noise=noise,
                               left_out=left_out[path])
 
-    tensors = [judge(*leaf) for leaf in leaves]
-    if inherited := residue_rounding(tensors):
-        # The rounding that entered at a residue reaches the other gradients of the pass.
-        tensors = [t if t.budget is None or t.budget.residue else judge(*leaf, inherited)
-                   for t, leaf in zip(tensors, leaves, strict=True)]
+    residues = likely_residues(judged, tol.metric, scales, tol.residue_share) if scales else set()
+    tensors = _judged_residues_first(leaves, judge, residues)
     return Comparison(
         kind=kind,
         tensors=tensors,
@@ -366,6 +368,29 @@ def compare(
         rtol=rtol,
         shapes=tuple(found.shapes),
     )
+
+
+def _judged_residues_first(leaves: list[tuple], judge: Any, residues: set[str]
+                           ) -> list[TensorComparison]:
+    """Every leaf judged; the rounding that entered the pass at a residue reaches the other
+    gradients (:func:`~torchparity.comparison.groups.residue_rounding`). The likely
+    ``residues`` are judged first, so the rest is judged once, with what they showed; where
+    judging finds other residues, every leaf is judged again by the rule itself."""
+    first = {leaf[0]: judge(*leaf) for leaf in leaves if leaf[0] in residues}
+    inherited = residue_rounding(list(first.values()))
+    tensors = [first[leaf[0]] if leaf[0] in first else judge(*leaf, inherited)
+               for leaf in leaves]
+    if all(_is_residue(t) == (t.path in first) for t in tensors):
+        return tensors
+    tensors = [judge(*leaf) for leaf in leaves]
+    if inherited := residue_rounding(tensors):
+        tensors = [t if t.budget is None or t.budget.residue else judge(*leaf, inherited)
+                   for t, leaf in zip(tensors, leaves, strict=True)]
+    return tensors
+
+
+def _is_residue(t: TensorComparison) -> bool:
+    return t.budget is not None and t.budget.residue
 
 
 def _judged(tensor: Any, left_out: LeftOut | None) -> Any:
