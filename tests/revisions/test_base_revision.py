@@ -141,6 +141,10 @@ def test_revisions_git_cannot_name_and_files_missing_at_the_base_are_one_line(
     assert "needs a git repository" in capsys.readouterr().err
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, pytest.param(signal.SIGTERM,
                                                                   marks=pytest.mark.slow)])
 def test_ctrl_c_during_the_base_run_removes_the_worktree(repo, cache, tmp_path, signum):
@@ -157,7 +161,10 @@ def test_ctrl_c_during_the_base_run_removes_the_worktree(repo, cache, tmp_path, 
     process = subprocess.Popen(
         [sys.executable, "-m", "torchparity", "check", "--model", "models.py:make", "--base",
          f"slow-{signum.name}", "--no-base-cache", *CELLS], cwd=repo, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(temporary)})
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(temporary)},
+        # As from a terminal: SIGINT at its default. A test worker can have it ignored (a
+        # library of an earlier test set that), and a child inherits an ignored signal.
+        preexec_fn=_sigint_default)
     deadline = time.monotonic() + 120
     while not started.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
