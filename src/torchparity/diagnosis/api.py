@@ -64,7 +64,7 @@ from torchparity.diagnosis.trace import (
     MemoryStore,
     TraceWriter,
     changed_weights,
-    inputs_digest,
+    check_recorded_inputs,
     open_trace,
 )
 from torchparity.errors import UsageError
@@ -183,16 +183,12 @@ def record(
                         padding=padding_of(padding, inputs, model))
     check_models(model=model)
     (cast,), cast_inputs = in_dtype([model], inputs, dtype)
-    writer = TraceWriter(path)
-    try:
+    with TraceWriter(path) as writer:
         with progress_bar(opts.progress) as bar:
             reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
             # The trace must serve any later candidate: every call is replayed now.
             reference.replay_all(bar)
         return writer.commit(trace_meta(reference, model, inputs, opts, dtype))
-    except BaseException:
-        writer.abort()
-        raise
 
 
 def diagnose_against(
@@ -241,10 +237,7 @@ def diagnose_against(
     if backward and not meta["backward"]:
         raise UsageError(f"trace {path} has no gradients; record it with backward=True or pass "
                          "backward=False")
-    digest = inputs_digest(inputs)
-    if digest != meta["inputs_digest"]:
-        raise UsageError(f"inputs differ from the ones recorded in {path} (checksum {digest} vs "
-                         f"{meta['inputs_digest']}); pass the same inputs to both revisions")
+    check_recorded_inputs(path, inputs, meta, "inputs")
     if padding is not None or "padding" not in meta:  # else the recorded one
         reference.padding = padding_of(padding, inputs, model)
     opts = dataclasses.replace(

@@ -443,7 +443,8 @@ def call_from_json(data: dict[str, Any]) -> ModuleCall:
 
 
 class TraceWriter:
-    """A trace directory being written; ``commit`` moves it into place atomically."""
+    """A trace directory being written; ``commit`` moves it into place atomically. As a
+    context manager it removes what it wrote unless committed (an error, Ctrl-C)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -467,6 +468,22 @@ class TraceWriter:
 
     def abort(self) -> None:
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.abort()  # nothing left to remove once committed: the directory moved into place
+
+
+def check_recorded_inputs(path: str | os.PathLike, inputs: Any, meta: dict[str, Any],
+                          what: str) -> None:
+    """A one-line error unless ``inputs`` are the ones the trace at ``path`` recorded (by
+    checksum); ``what`` names them in the advice."""
+    digest = inputs_digest(inputs)
+    if digest != meta["inputs_digest"]:
+        raise UsageError(f"inputs differ from the ones recorded in {path} (checksum {digest} vs "
+                         f"{meta['inputs_digest']}); pass the same {what} to both revisions")
 
 
 def open_trace(path: str | os.PathLike) -> tuple[dict[str, Any], DiskStore]:

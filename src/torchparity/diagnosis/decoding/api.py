@@ -48,7 +48,12 @@ from torchparity.diagnosis.decoding.trace import decode_meta, open_decode_refere
 from torchparity.diagnosis.float64_golden import describe_mode, module_placement
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
-from torchparity.diagnosis.trace import MemoryStore, TraceWriter, changed_weights, inputs_digest
+from torchparity.diagnosis.trace import (
+    MemoryStore,
+    TraceWriter,
+    changed_weights,
+    check_recorded_inputs,
+)
 from torchparity.errors import UsageError
 from torchparity.subject.beams import BeamSettings, builtin_reorder, expand_prompt
 from torchparity.subject.decoding import (
@@ -162,8 +167,7 @@ def record_decode(
     opts = make_options(False, None, include, exclude, (backend, None), progress)
     check_models(model=model)
     (cast,), cast_inputs = in_dtype([model], _prompt(inputs, beams, sample, tokens), dtype)
-    writer = TraceWriter(path)
-    try:
+    with TraceWriter(path) as writer:
         with progress_bar(opts.progress) as bar:
             side = Side(cast, cast_inputs, _step_of(cast, step), opts.backend_a,
                         reorder or builtin_reorder(cast))
@@ -171,9 +175,6 @@ def record_decode(
                                          beams or sample)
             reference.mode = describe_mode(cast, dtype, reference.has_golden)
         return writer.commit(decode_meta(reference, model, inputs, opts, dtype))
-    except BaseException:
-        writer.abort()
-        raise
 
 
 def diagnose_decode_against(
@@ -192,10 +193,7 @@ def diagnose_decode_against(
     the module selection and dtype are the recorded ones. Weights that differ from the
     recorded ones are listed in ``report.meta["weights"]``."""
     reference, meta = open_decode_reference(path)
-    digest = inputs_digest(inputs)
-    if digest != meta["inputs_digest"]:
-        raise UsageError(f"inputs differ from the ones recorded in {path} (checksum {digest} vs "
-                         f"{meta['inputs_digest']}); pass the same prompt to both revisions")
+    check_recorded_inputs(path, inputs, meta, "prompt")
     opts = make_options(False, None, meta["include"], meta["exclude"],
                         (meta["backend"], backend), progress)
     check_models(model=model)
