@@ -35,11 +35,19 @@ def test_estimate_of_a_dense_error_has_the_stated_spread():
 
 
 def test_a_sketch_made_again_is_reused_only_while_its_tensor_is_unchanged(monkeypatch):
-    """A tensor sketched again while unchanged gets the sketch made of it, one changed in place
-    since then a new one; a bucket stream reused is the stream drawn afresh."""
+    """A tensor sketched again while unchanged gets the sketch made of it, also through another
+    tensor object reading the same memory (detached, or a view of the same elements); one
+    changed in place since then, through any view, a new one; a bucket stream reused is the
+    stream drawn afresh."""
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
     first = sketching.sketch(x, "x")
     assert sketching.sketch(x, "x") is first
+    assert sketching.sketch(x.detach(), "x") is first
+    assert sketching.sketch(x.view(100, 100).reshape(-1), "x") is first
+    assert sketching.sketch(x[1:], "x") is not first
+    x.view(100, 100)[0].mul_(2)
+    assert sketching.sketch(x, "x") is not first
+    x.view(100, 100)[0].div_(2)
     x.mul_(2)
     again = sketching.sketch(x, "x")
     assert again.rms == pytest.approx(2 * first.rms, rel=1e-12)
