@@ -17,6 +17,7 @@ import sys
 import traceback
 
 from torchparity import __version__
+from torchparity.collector import older_objects_frozen
 from torchparity.errors import TorchParityError
 
 EXIT_USAGE, EXIT_UNEXPECTED = 2, 3
@@ -42,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     prog = f"torchparity {args.command}"
     try:
-        return importlib.import_module(args._module).run(args)
+        command = importlib.import_module(args._module)  # torch and the rest imported
+        with older_objects_frozen():
+            return command.run(args)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

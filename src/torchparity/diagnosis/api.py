@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchparity.collector import with_older_objects_frozen
 from torchparity.diagnosis.align import Alignment, NameMap
 from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.capture_a import (
@@ -80,6 +81,7 @@ COMPILED_DECODING = ("--compile-b localises a forward pass; a compiled decoding 
                      "--compile` (docs/compile.md)")
 
 
+@with_older_objects_frozen
 def diagnose(
     model_a: nn.Module,
     model_b: nn.Module,
@@ -153,6 +155,7 @@ def diagnose(
         return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
 
 
+@with_older_objects_frozen
 def record(
     model: nn.Module,
     inputs: Inputs,
@@ -191,6 +194,7 @@ def record(
         return writer.commit(trace_meta(reference, model, inputs, opts, dtype))
 
 
+@with_older_objects_frozen
 def diagnose_against(
     path: str | Path,
     model: nn.Module,

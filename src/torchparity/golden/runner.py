@@ -5,6 +5,7 @@ case by case, ``golden update`` and ``golden verify`` model by model."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import queue
@@ -157,6 +158,7 @@ def _init_worker(progress_queue: Any) -> None:
     global _progress_queue
     _progress_queue = progress_queue
     torch.set_num_threads(1)  # one core per worker (see golden.cases.single_thread)
+    gc.freeze()  # the imports' objects, never garbage in a worker (see torchparity.collector)
 
 
 def _check_group(root: str, case_names: list[str], cells: list[Cell]) -> list[CheckResult]:

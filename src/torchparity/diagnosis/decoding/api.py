@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchparity.collector import with_older_objects_frozen
 from torchparity.diagnosis.align import NameMap
 from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.decoding.beams import (
@@ -73,6 +74,7 @@ __all__ = ["diagnose_decode", "diagnose_decode_against", "record_decode"]
 STEPS = 8
 
 
+@with_older_objects_frozen
 def diagnose_decode(
     model_a: nn.Module,
     model_b: nn.Module | None,
@@ -133,6 +135,7 @@ def diagnose_decode(
         return judge_candidate(reference, side_b, opts, name_map, bar, cut=cut)
 
 
+@with_older_objects_frozen
 def record_decode(
     model: nn.Module,
     inputs: Any,
@@ -177,6 +180,7 @@ def record_decode(
         return writer.commit(decode_meta(reference, model, inputs, opts, dtype))
 
 
+@with_older_objects_frozen
 def diagnose_decode_against(
     path: str | Path,
     model: nn.Module,
