@@ -21,6 +21,9 @@ def test_objects_alive_before_are_frozen_and_new_garbage_is_collected():
         gc.collect()
         assert all(ref() is None for ref in made)  # the run's own cycles are freed
         assert gc.get_freeze_count() == frozen
+        with older_objects_frozen():  # a diagnosis inside a command: the command froze
+            pass
+        assert gc.get_freeze_count() == frozen
     assert gc.get_freeze_count() == 0
 
 

@@ -5,7 +5,6 @@ case by case, ``golden update`` and ``golden verify`` model by model."""
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 import queue
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from torchparity import backends
+from torchparity.collector import freeze_for_good
 from torchparity.errors import UsageError
 from torchparity.golden.cases import OUTPUT_KINDS, check_case, load_case
 from torchparity.golden.cell_selection import select_cases, select_cells
@@ -158,7 +158,7 @@ def _init_worker(progress_queue: Any) -> None:
     global _progress_queue
     _progress_queue = progress_queue
     torch.set_num_threads(1)  # one core per worker (see golden.cases.single_thread)
-    gc.freeze()  # the imports' objects, never garbage in a worker (see torchparity.collector)
+    freeze_for_good()  # the imports' objects (see torchparity.collector)
 
 
 def _check_group(root: str, case_names: list[str], cells: list[Cell]) -> list[CheckResult]:
