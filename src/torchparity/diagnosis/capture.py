@@ -312,7 +312,9 @@ class Capture:
     ``clock``.
     ``on_call(call)`` runs when a call finishes and ``on_grad(call, path, grad)`` when a
     gradient arrives; with ``keep=False`` the record's tensors are dropped once its callback
-    has run, so memory stays bounded.
+    has run, so memory stays bounded, and with ``live=True`` too, ``on_call`` is handed the
+    outputs themselves, detached, not copies: it judges or sketches them at once, and copies
+    what it keeps (a store does), before the model can change them.
     """
 
     def __init__(
@@ -330,6 +332,7 @@ class Capture:
         state: bool = False,
         states: StateRecorder | None = None,
         share: bool = False,
+        live: bool = False,
     ) -> None:
         if what not in ("tensors", "outputs", "stats", "shapes"):
             raise UsageError(
@@ -347,6 +350,7 @@ class Capture:
         self._summaries: Summaries = {}
         self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = (
             {} if share else None)
+        self.live = live and not keep
         self.records: list[ModuleCall] = []
         self._by_key: dict[str, ModuleCall] = {}
         self._calls_per_name: dict[str, int] = {}
@@ -435,7 +439,7 @@ class Capture:
             if self.what == "stats":
                 call.output_stats = {path: TensorStats.of(t) for path, t in outputs.items()}
             elif self.what != "shapes":
-                call.output = map_tensors(output, self._copy)
+                call.output = map_tensors(output, torch.Tensor.detach if self.live else self._copy)
             if self.grads:
                 output, outputs = _downstream_only(output, outputs)
                 self._watch_grads(call, outputs)

@@ -111,8 +111,8 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Any, opts: Option
     done = bar.phase("A: forward" + (" and backward" if opts.backward else ""))
     recorder = StateRecorder(model)
     run = run_model(model, inputs, opts, opts.backend_a, backward=opts.backward, what="tensors",
-                    keep=False, on_call=keep_call, on_grad=grad_keeper(store, "grad_out"),
-                    states=recorder)
+                    keep=False, live=True, on_call=keep_call,
+                    on_grad=grad_keeper(store, "grad_out", "judged_grad_out"), states=recorder)
     keep_run_results(store, run, "out", "param_grad")
     states = recorder.kept()
     for name, history in states.items():  # a trace keeps them for replays on another revision
@@ -129,9 +129,11 @@ def state_key(name: str, clock: int) -> str:
     return f"state|{name}@{clock}"
 
 
-def grad_keeper(store: Any, group: str) -> Callable[[ModuleCall, str, torch.Tensor], None]:
-    """An ``on_grad`` callback that puts each output gradient into ``group`` of its call."""
-    return lambda call, path, grad: store.put(call.key, group, {path: grad})
+def grad_keeper(store: Any, *groups: str) -> Callable[[ModuleCall, str, torch.Tensor], None]:
+    """An ``on_grad`` callback that puts each output gradient into every one of ``groups`` of
+    its call (each keeps it its own way: exact, or sketched when big)."""
+    return lambda call, path, grad: store.put_all([(call.key, group, {path: grad})
+                                                   for group in groups])
 
 
 def keep_run_results(store: Any, run: Run, out_group: str, param_group: str) -> None:

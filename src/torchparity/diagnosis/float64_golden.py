@@ -116,7 +116,7 @@ def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
         try:
             golden_run = run_model(
                 golden, upcast(inputs, GOLDEN_DTYPE, "cpu"), opts, opts.backend_a,
-                backward=opts.backward, float64=True, what="outputs", keep=False,
+                backward=opts.backward, float64=True, what="outputs", keep=False, live=True,
                 on_call=lambda c: store.put(c.key, "golden_out", c.outputs),
                 on_grad=grad_keeper(store, "golden_grad_out"))
             keep_run_results(store, golden_run, "golden_out", "golden_param_grad")

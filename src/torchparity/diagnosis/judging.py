@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from torchparity import tolerance
+from torchparity import sketching, tolerance
 from torchparity.comparison import Comparison, StructureMismatch, compare
 from torchparity.comparison.selection import PaddingSpec, left_out_of
 from torchparity.comparison.sketch import involves_sketch
@@ -22,6 +22,7 @@ from torchparity.diagnosis.results import (
     headroom,
     worst_error,
 )
+from torchparity.sketching import Sketch
 from torchparity.subject.padding import Padding
 
 
@@ -214,9 +215,10 @@ def judge_quickly(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Te
 
     The tolerance model's budget is at least ``fudge`` times the baseline's error (the noise
     it measures is never smaller), so a candidate whose error is within that of every tensor
-    is within budget: two error norms decide it, and the headroom is reported as a bound. Any
-    other case (no golden or baseline, structure or dtype differences, non-finite or masked
-    values, a larger error) takes the full comparison."""
+    is within budget: two error norms decide it, and the headroom is reported as a bound (a
+    sketched tensor's by its two rules, see :func:`_bounded_sketched`). Any other case (no
+    golden or baseline, structure or dtype differences, non-finite or masked values, a larger
+    error) takes the full comparison."""
     quick = _bounded(candidate, golden, baseline, kind, padding)
     if quick is not None:
         return quick
@@ -230,7 +232,7 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
         return None
     if any(involves_sketch(*sides) for sides in zip(candidate.values(), golden.values(),
                                                     baseline.values(), strict=True)):
-        return None  # a sketched tensor's comparison is cheap already
+        return _bounded_sketched(candidate, golden, baseline, kind, padding)
     tol = tolerance.kind_tolerance(kind)
     errors, shares, identical = [], [], True
     for path, c in candidate.items():
@@ -252,6 +254,56 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
             return None
         errors.append(error)
         shares.append(error / (tol.fudge * noise))
+    verdict = "identical" if identical else "within"
+    return Bounded(kind, verdict, max(errors), 0.0 if identical else max(shares))
+
+
+def _bounded_sketched(candidate: dict[str, Any], golden: dict[str, Any],
+                      baseline: dict[str, Any], kind: str, padding: PaddingSpec
+                      ) -> Bounded | None:
+    """The bound of :func:`_bounded` where a side is a sketch, by the two rules of
+    :func:`~torchparity.comparison.sketch.compare_sketch`: the RMS error the projections
+    estimate within ``fudge`` times the baseline's at its upper confidence bound (the noise
+    that budget starts from), and the exact slices' error within ``fudge`` times the
+    baseline's, in the kind's metric. A baseline that the full comparison could find degraded
+    (it then sets no budget), padding, non-finite or masked values take the full one."""
+    tol = tolerance.kind_tolerance(kind)
+    errors, shares, identical = [], [], True
+    for path, c in candidate.items():
+        g, b = golden[path], baseline[path]
+        if left_out_of(padding, f'outputs["{path}"]', g) is not None:
+            return None
+        reference = next(v for v in (g, c, b) if isinstance(v, Sketch))
+        try:
+            g, c, b = (sketching.like(reference, v) for v in (g, c, b))
+        except ValueError:
+            return None
+        if c.shape != g.shape or c.shape != b.shape or c.dtype != b.dtype or g.rms <= 0 or \
+                c.nonfinite or g.nonfinite or b.nonfinite or _masks(c.slices, g.slices, b.slices):
+            return None
+        error = sketching.error_estimate(c, g)
+        if identical and c.same_values(b):
+            errors.append(error)
+            shares.append(0.0)
+            continue
+        identical = False
+        margin = tolerance.sketch_margin(g.size)
+        noise = sketching.error_estimate(b, g)
+        # The least bound the full comparison can set the baseline against (the group's
+        # scale only raises it): within it, the baseline is not degraded.
+        bound = tolerance.baseline_bound(g, compute_dtype=c.dtype, kind=kind,
+                                         reduction_length=c.shape[-1] if c.shape else 1,
+                                         metric="rms")
+        slice_error = tolerance.error(c.slices, g.slices, tol.metric)
+        slice_noise = tolerance.error(b.slices, g.slices, tol.metric)
+        if not (0 < noise < math.inf and 0 < slice_noise < math.inf
+                and tolerance.baseline_headroom(noise / margin, bound, error, kind) <= 1
+                and error <= tol.fudge * noise * margin
+                and slice_error <= tol.fudge * slice_noise):
+            return None
+        errors.append(error)
+        shares.append(max(error / (tol.fudge * noise * margin),
+                          slice_error / (tol.fudge * slice_noise)))
     verdict = "identical" if identical else "within"
     return Bounded(kind, verdict, max(errors), 0.0 if identical else max(shares))
 

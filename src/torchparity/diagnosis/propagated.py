@@ -88,7 +88,8 @@ def _run(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
     tracker = _Tracker(reference, pairing)
     states = StateRecorder(model, snapshots=False)
     run = run_model(model, inputs, opts, opts.backend_b, backward=opts.backward, what="outputs",
-                    keep=False, on_call=tracker.on_call, on_grad=tracker.on_grad, states=states)
+                    keep=False, live=True, on_call=tracker.on_call, on_grad=tracker.on_grad,
+                    states=states)
     tracker.finish(run.param_grads)
     done()
     return tracker, run
@@ -130,7 +131,9 @@ class _Tracker:
         if len(a_calls) == len(b_keys) == 1:
             self._one_to_one[call.key] = a_calls[0]
         parts = self._parts.setdefault(name, {})
-        parts[call.key] = {p: t.cpu() for p, t in call.outputs.items()}
+        # A member of a fused group waits for the rest: a copy, which the model cannot change.
+        waits = len(parts) + 1 < len(b_keys)
+        parts[call.key] = {p: t.to("cpu", copy=waits) for p, t in call.outputs.items()}
         if len(parts) == len(b_keys):  # a fused group is complete with its last member
             candidate = joined([parts[key] for key in b_keys])
             result = self.reference.judge(a_calls, candidate, "out", "golden_out", "forward",
@@ -152,7 +155,7 @@ class _Tracker:
     def _judge_output_grads(self, b_key: str) -> None:
         candidate = self._pending_grads.pop(b_key)
         self.grads[b_key] = self.reference.judge((self._one_to_one[b_key],), candidate,
-                                                 "grad_out", "golden_grad_out", "grad",
+                                                 "judged_grad_out", "golden_grad_out", "grad",
                                                  quick=True)
 
     def finish(self, param_grads: dict[str, dict[str, torch.Tensor]]) -> None:

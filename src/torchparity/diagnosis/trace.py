@@ -8,8 +8,9 @@ outputs and parameters, each under a *group* name:
   ``golden_out``: the float64 golden's output in its full run;
   ``local_golden``: the golden's module fed A's recorded inputs;
 - ``grad_out`` / ``golden_grad_out``: d loss / d output in A's / the golden's full run (A's is
-  also fed to the local backward replays); ``param_grad`` / ``golden_param_grad``: the same for
-  the module's direct parameters;
+  also fed to the local backward replays, so it is kept exact; ``judged_grad_out`` holds it
+  as judging reads it, sketched when big); ``param_grad`` / ``golden_param_grad``: the same
+  for the module's direct parameters;
 - ``local_grad`` / ``local_golden_grad``: A's / the golden's module replayed backward on A's
   recorded inputs and output gradient;
 - ``in``: the recorded inputs' tensors (on disk only).
@@ -59,7 +60,7 @@ from torchparity.sketching import Sketch
 from torchparity.subject.padding import Padding
 from torchparity.subject.trees import flatten_tensors
 
-SCHEMA = "torchparity.trace/5"
+SCHEMA = "torchparity.trace/6"
 TRACE_JSON = "trace.json"
 FINAL = "__final__"  # pseudo-call key of the model's own output and loss
 DECODE = "decode"  # the kind of a decoding trace (diagnosis.decoding.trace)
@@ -70,15 +71,16 @@ _PART = "::"
 
 
 def kept(group: str, path: str, tensor: torch.Tensor | Sketch,
-         left_out: torch.Tensor | None = None) -> torch.Tensor | Sketch:
+         left_out: torch.Tensor | None = None, *, copy: bool = False) -> torch.Tensor | Sketch:
     """How a store keeps one tensor of ``group``: a sketch by its ``path`` when it is big and
     not fed to replays (made with the positions ``left_out`` marks at 0, as its judgement
-    leaves them out: :func:`~torchparity.sketching.masked`), else the tensor on the CPU."""
+    leaves them out: :func:`~torchparity.sketching.masked`), else the tensor on the CPU, a copy
+    with ``copy`` (a store that holds it while the run may still change it in place)."""
     if isinstance(tensor, Sketch):
         return tensor
     if group not in EXACT_GROUPS and sketching.wants_sketch(tensor):
         return sketching.sketch(sketching.masked(tensor, left_out), path)
-    return tensor.detach().cpu()
+    return tensor.detach().to("cpu", copy=copy)
 
 
 def padded(padding: Padding | None, key: str, group: str, path: str, tensor: torch.Tensor
@@ -111,7 +113,8 @@ class MemoryStore:
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Add tensors to ``group`` of call ``key`` (merging with what is there)."""
         slot = self._tensors.setdefault((key, group), {})
-        slot.update({path: kept(group, path, t, padded(self.padding, key, group, path, t))
+        slot.update({path: kept(group, path, t, padded(self.padding, key, group, path, t),
+                                copy=True)
                      for path, t in tensors.items()})
 
     def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
