@@ -174,8 +174,10 @@ def _tokens(inputs: Any) -> int:
 
 
 def check_cost(subject: Subject) -> dict[str, Any]:
-    """Seconds of ``check --model`` on ``subject`` and of the zoo check of :data:`ZOO_CASE`
-    in the same cells (reference, then :data:`CHECK_BACKENDS` in fp32), and their ratio."""
+    """Seconds of ``check --model`` on ``subject``, of the zoo check of :data:`ZOO_CASE` in the
+    same cells (reference, then :data:`CHECK_BACKENDS` in fp32), and of one plain training
+    step of the model in each of those cells (``plain_steps_s``): the check as a multiple of
+    them (``plain_ratio``) says what it costs beyond running the model once per cell."""
     cells = [REFERENCE, *(Cell(b, "fp32") for b in CHECK_BACKENDS)]
     with tempfile.TemporaryDirectory() as folder, single_thread():
         store = model_store(subject, folder)
@@ -187,6 +189,16 @@ def check_cost(subject: Subject) -> dict[str, Any]:
         started = time.perf_counter()
         check_case(zoo_store, zoo.get(ZOO_CASE), cells)
         zoo_s = time.perf_counter() - started
+        plain_s = sum(_plain_step(subject, cell) for cell in cells)
     return {"model": subject.name, "zoo_case": ZOO_CASE, "cells": len(cells),
             "model_check_s": model_s, "zoo_check_s": zoo_s, "ratio": model_s / zoo_s,
+            "plain_steps_s": plain_s, "plain_ratio": model_s / plain_s,
             "model_check_ok": all(r.ok for r in model_rows)}
+
+
+def _plain_step(subject: Subject, cell: Cell, rounds: int = 3) -> float:
+    """The median seconds of one forward, loss and backward of the model as ``cell`` runs it
+    (its dtype and backend, a first step untimed)."""
+    model, inputs, _ = _first_step(subject, cell.backend, cell.dtype, cell.device)
+    return statistics.median(_timed_step(subject, model, inputs, cell.backend, cell.device)
+                             for _ in range(rounds))

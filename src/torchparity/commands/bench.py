@@ -130,9 +130,10 @@ def _bench_models(args: argparse.Namespace, device: str) -> int:
                 cost = user_model.check_cost(subject)
             result["check"].append(cost)
             console.print(f"check --model {subject.name}: {cost['model_check_s']:.2f} s for "
-                          f"{cost['cells']} cells; the zoo's {cost['zoo_case']} in the same "
-                          f"cells: {cost['zoo_check_s']:.2f} s; ratio {cost['ratio']:.2f}",
-                          markup=False)
+                          f"{cost['cells']} cells, {cost['plain_ratio']:.1f}× one plain step "
+                          f"per cell ({cost['plain_steps_s']:.3f} s); the zoo's "
+                          f"{cost['zoo_case']} in the same cells: {cost['zoo_check_s']:.2f} s; "
+                          f"ratio {cost['ratio']:.2f}", markup=False)
         del subject
         if "size" not in args.skip:
             with console.status(f"timing golden update and check of {entry}, each in its own "

@@ -133,8 +133,8 @@ def perturbation(name: str, value: torch.Tensor) -> torch.Tensor:
     the reference cell's weights moved by one float64 rounding. The factors repeat with a
     period of 2**20 elements from an offset of the name, so that the float64 run can recompute
     them at every cast for a few operations per element."""
-    factors = _perturbation_factors().roll(-(seed_of(f"perturb.{name}") % _PERIOD))
     flat = value.view(-1)
+    factors = _factors_from(seed_of(f"perturb.{name}") % _PERIOD, min(flat.numel(), _PERIOD))
     for start in range(0, flat.numel(), _PERIOD):
         part = flat[start:start + _PERIOD]
         part.mul_(factors[:part.numel()])
@@ -142,6 +142,16 @@ def perturbation(name: str, value: torch.Tensor) -> torch.Tensor:
 
 
 _PERIOD = 1 << 20
+
+
+def _factors_from(offset: int, n: int) -> torch.Tensor:
+    """``n`` factors of the period from ``offset`` on, wrapping around (the parameter's first
+    ``n``: a slice, not the whole period rolled, for a parameter far smaller than it)."""
+    factors = _perturbation_factors()
+    end = offset + n
+    if end <= _PERIOD:
+        return factors[offset:end]
+    return torch.cat([factors[offset:], factors[:end - _PERIOD]])
 
 
 @functools.cache

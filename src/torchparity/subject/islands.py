@@ -73,18 +73,20 @@ class Islands(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self._stack and _reads_float64(args, kwargs):
-            for tensor in tree_leaves(out):
-                if (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
-                        and tensor.dtype != torch.float64):
-                    dtype = str(tensor.dtype).removeprefix("torch.")
+        if self._stack:
+            # Most operations give float64: what they read is looked at only when not.
+            narrower = {str(t.dtype).removeprefix("torch.") for t in _tensors(out)
+                        if t.is_floating_point() and t.dtype != torch.float64}
+            if narrower and any(t.dtype == torch.float64 for t in _tensors((args, kwargs))):
+                for dtype in sorted(narrower):
                     self._found.setdefault(dtype, {})[self._stack[-1]] = None
         return out
 
 
-def _reads_float64(args: Any, kwargs: Any) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.dtype == torch.float64
-               for t in tree_leaves((args, kwargs)))
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):  # an operation's usual output, without a tree walk
+        return [tree]
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def narrowest(islands: dict[str, Iterable[str]] | None) -> str | None:
