@@ -1,8 +1,9 @@
-"""The quick judgement of a diagnosis decides only what the full comparison decides: a bound it
-gives is the verdict there too, and (for "within") at least the share of the budget the full one reports; every
-other case goes to the full comparison. Checked on exact tensors and on sketched ones (the
-golden kept as a sketch, as a big tensor's is in a trace), against candidates from a rounding
-of the golden's own size to many times it."""
+"""The quick judgement of a diagnosis decides only what the full comparison decides: a bound
+it gives has the full verdict and, for "within", at least the share of the budget the full one
+reports; every other case goes to the full comparison. Checked on exact tensors and on sketched
+ones (the golden kept as a sketch, as a big tensor's is in a trace), against candidates from a
+rounding of the golden's own size to many times it, everywhere or only where a sketch keeps no
+exact element."""
 
 import pytest
 import torch
