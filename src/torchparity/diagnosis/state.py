@@ -114,7 +114,13 @@ def kept_tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str,
                 yield f"{dotted}{path}", tensor
 
 
+#: Values that hold no tensor, most of a module's attributes (its settings), told apart first.
+_PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
+
+
 def _tensors_in(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, _PLAIN):
+        return
     layered = cache_layers(value)
     if isinstance(value, torch.Tensor):
         yield path, value
