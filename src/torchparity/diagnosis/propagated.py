@@ -146,7 +146,9 @@ class _Tracker:
         if a is None:
             return
         if call.key not in self._expected_grads:
-            self._expected_grads[call.key] = self.reference.store.paths(a.key, "grad_out")
+            # Read as its judgement will read them next (a trace keeps the call's last read).
+            self._expected_grads[call.key] = set(self.reference.store.get(a.key,
+                                                                          "judged_grad_out"))
         pending = self._pending_grads.setdefault(call.key, {})
         pending[path] = grad.cpu()
         if set(pending) >= self._expected_grads[call.key]:

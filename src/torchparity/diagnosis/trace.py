@@ -121,10 +121,6 @@ class MemoryStore:
         """The group's tensors ({} when none were stored)."""
         return dict(self._tensors.get((key, group), {}))
 
-    def paths(self, key: str, group: str) -> set[str]:
-        """The paths of the group's tensors."""
-        return set(self._tensors.get((key, group), {}))
-
     def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
         self._inputs[key] = (args, kwargs)
 
@@ -227,16 +223,6 @@ class DiskStore:
 
     def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
         return dict(self._load(key, group))
-
-    def paths(self, key: str, group: str) -> set[str]:
-        """The paths of the group's tensors, read from the files' headers only."""
-        prefix, found = _prefix(key, group), set()
-        for name in self.files.get(key, {}).get(group, []):
-            with safe_open(self.directory / name, framework="pt") as handle:
-                found.update(k[len(prefix):].partition(_PART)[0]
-                             for k in [*handle.keys(), *self.aliases.get(name, {})]
-                             if k.startswith(prefix))
-        return found
 
     def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
         self.put_all([self.inputs_entry(key, args, kwargs)])
