@@ -44,7 +44,7 @@ CHUNK = 1 << 22
 METHOD = "countsketch-pcg64/1"
 #: Bytes of bucket streams kept for reuse (:class:`_Streams`).
 STREAM_CACHE_BYTES = 128 << 20
-#: Sketches kept for reuse by the identity of their tensor (:class:`_Made`).
+#: Sketches kept for reuse by the memory their tensor reads (:class:`_Made`).
 SKETCH_CACHE_ENTRIES = 64
 
 
