@@ -53,7 +53,7 @@ def test_a_quick_verdict_is_the_full_one_and_bounds_its_share(
                 assert full.ok, (seed, scale)
                 assert quick.verdict == full.verdict
                 if quick.verdict == "within":  # an identical one reports no share
-                    assert quick.headroom >= headroom(full) * (1 - 1e-12), (seed, scale)
+                    assert quick.headroom >= headroom(full), (seed, scale)
             else:
                 assert quick.verdict == full.verdict
             diverged += not full.ok
