@@ -35,7 +35,7 @@ from torch import nn
 
 from torchparity.diagnosis.state import Held, StateRecorder, Summaries, held_state
 from torchparity.errors import UsageError
-from torchparity.subject.trees import flatten_tensors, map_tensors, walk
+from torchparity.subject.trees import field_names, flatten_tensors, map_tensors, walk
 
 __all__ = [
     "Capture",
@@ -131,8 +131,8 @@ def _copy_opaque(tree: Any, objects: bool = True) -> Any:
         return type(tree)(_copy_opaque(v, objects) for v in tree)
     if not objects:
         if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-            return dataclasses.replace(tree, **{f.name: _copy_opaque(getattr(tree, f.name), False)
-                                                for f in dataclasses.fields(tree) if f.init})
+            return dataclasses.replace(tree, **{name: _copy_opaque(getattr(tree, name), False)
+                                                for name in field_names(tree, init=True)})
         return Uncopyable(type(tree).__name__)
     # Tensors inside the object may be non-leaf graph nodes, which deepcopy refuses: hand it
     # detached clones of every tensor it can reach.
@@ -351,13 +351,21 @@ class Capture:
         self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = (
             {} if share else None)
         self.live = live and not keep
+        self._paused = 0
+        self._handles: list[Any] = []
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget every call recorded so far, the hooks staying in place: what follows is
+        recorded as a run of its own (a decoding's next step), its calls numbered from 0."""
         self.records: list[ModuleCall] = []
         self._by_key: dict[str, ModuleCall] = {}
         self._calls_per_name: dict[str, int] = {}
         self._open: dict[str, list[ModuleCall]] = {}  # calls in flight per module (recursion)
         self._started = 0
-        self._paused = 0
-        self._handles: list[Any] = []
+        self._summaries.clear()
+        if self._copies is not None:
+            self._copies.clear()
 
     # -- context management ------------------------------------------------------------------
 

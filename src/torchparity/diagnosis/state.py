@@ -54,10 +54,9 @@ class Held:
             others = tuple(d for d in range(values.dim()) if d != dim)
             written = (magnitude.amax(dim=others) if others else magnitude).gt(0).tolist()
             end = len(written) - written[::-1].index(True) if True in written else 0
-            gaps = [i for i in range(end) if not written[i]][:_HOLES]
+            if False in written[:end]:  # rare: the slots are listed only then
+                holes[dim] = tuple([i for i in range(end) if not written[i]][:_HOLES])
             extent.append(end)
-            if gaps:
-                holes[dim] = tuple(gaps)
         return cls(tuple(values.shape), tuple(extent), holes)
 
     def to_json(self) -> dict[str, Any]:
@@ -115,11 +114,11 @@ def kept_tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str,
 
 
 #: Values that hold no tensor, most of a module's attributes (its settings), told apart first.
-_PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
+_HOLDS_NO_TENSOR = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
 
 
 def _tensors_in(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(value, _PLAIN):
+    if isinstance(value, _HOLDS_NO_TENSOR):
         return
     layered = cache_layers(value)
     if isinstance(value, torch.Tensor):
@@ -131,10 +130,13 @@ def _tensors_in(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.
         return
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from _tensors_in(item, f"{path}.{key}" if path else str(key), depth + 1)
+            if not isinstance(item, _HOLDS_NO_TENSOR):
+                yield from _tensors_in(item, f"{path}.{key}" if path else str(key), depth + 1)
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
-            yield from _tensors_in(item, f"{path}.{index}" if path else str(index), depth + 1)
+            if not isinstance(item, _HOLDS_NO_TENSOR):
+                yield from _tensors_in(item, f"{path}.{index}" if path else str(index),
+                                       depth + 1)
     elif _is_object(value):
         yield from _tensors_in(vars(value), path, depth + 1)
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -46,8 +47,8 @@ def map_tensors_with_paths(tree: Any, fn: Callable[[str, torch.Tensor], Any],
     if isinstance(tree, (tuple, list)):
         return type(tree)(map_tensors_with_paths(v, fn, child(i)) for i, v in enumerate(tree))
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        changes = {f.name: map_tensors_with_paths(getattr(tree, f.name), fn, child(f.name))
-                   for f in _init_fields(tree)}
+        changes = {name: map_tensors_with_paths(getattr(tree, name), fn, child(name))
+                   for name in field_names(tree, init=True)}
         return dataclasses.replace(tree, **changes)
     return tree
 
@@ -74,8 +75,8 @@ def walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
         for index, value in enumerate(tree):
             yield from walk(value, child(index))
     elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        for field in dataclasses.fields(tree):
-            yield from walk(getattr(tree, field.name), child(field.name))
+        for name in field_names(tree):
+            yield from walk(getattr(tree, name), child(name))
     else:
         yield path, tree
 
@@ -94,5 +95,12 @@ def _is_model_output(obj: Any) -> bool:
     return any(cls.__name__ == "ModelOutput" for cls in type(obj).__mro__)
 
 
-def _init_fields(obj: Any) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(obj) if f.init]
+def field_names(obj: Any, *, init: bool = False) -> tuple[str, ...]:
+    """A dataclass instance's field names (with ``init``, those its constructor takes), looked
+    up once per class: trees of every module call of every decoding step go through here."""
+    return _field_names(type(obj), init)
+
+
+@functools.cache
+def _field_names(cls: type, init: bool) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init or not init)

@@ -122,8 +122,8 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
     rows = _rows(side.inputs)
     decider = (BeamSearch(beams, rows // beams.beams) if beams else
                Sampler(sample, steps + 1, rows) if sample else None)
-    decoded = side.decode(steps, tokens, decide=decider and decider.decide,
-                          during=_capturing(side.model, store, opts, calls, "out", state=True))
+    with _capturing(side.model, store, opts, calls, "out", state=True) as during:
+        decoded = side.decode(steps, tokens, decide=decider and decider.decide, during=during)
     store.put_all([(step_key(STEP, s), "out", {"logits": t})
                    for s, t in enumerate(decoded.logits)])
     done()
@@ -134,10 +134,9 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
         golden_side = Side(golden, upcast(side.inputs, GOLDEN_DTYPE, "cpu"), side.step,
                            side.backend, side.reorder)
         try:
-            golden_logits = golden_side.decode(steps, decoded.tokens, decoded.parents,
-                                               during=_capturing(golden, store, opts, {},
-                                                                 "golden_out",
-                                                                 state=False)).logits
+            with _capturing(golden, store, opts, {}, "golden_out", state=False) as during:
+                golden_logits = golden_side.decode(steps, decoded.tokens, decoded.parents,
+                                                   during=during).logits
         except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
             note = (f"none: the float64 decoding of A failed ({type(exc).__name__}: "
                     f"{first_line(exc)}); budgets come from A's own rounding")
@@ -166,29 +165,39 @@ def _rows(inputs: Any) -> int:
     return next(iter(flatten_tensors(inputs, "inputs").values())).shape[0]
 
 
+@contextlib.contextmanager
 def _capturing(model: nn.Module, store: Any, opts: Options, calls: dict[int, list[ModuleCall]],
-               group: str, *, state: bool) -> Any:
+               group: str, *, state: bool) -> Iterator[Callable[[int], Any]]:
     """``during(step)`` for :func:`teacher_forced`: capture that step's calls into ``store``
     (A's outputs, inputs and state in ``out``/``in``; the golden's outputs in
-    ``golden_out``), one file per step on disk."""
+    ``golden_out``), written step by step on disk. The hooks stay in place for the whole
+    decoding (placing them costs more than a step of a small model); what runs between steps
+    is not kept."""
+    entries: list[tuple[str, str, dict[str, torch.Tensor]]] = []
+    now: dict[str, int | None] = {"step": None}
+
+    def keep(call: ModuleCall) -> None:
+        if now["step"] is None:  # between steps
+            return
+        key = step_key(call.key, now["step"])
+        entries.append((key, group, call.outputs))
+        if group == "out":
+            entries.append(store.inputs_entry(key, call.args, call.kwargs))
+
     @contextlib.contextmanager
     def during(step: int) -> Iterator[None]:
-        entries: list[tuple[str, str, dict[str, torch.Tensor]]] = []
-
-        def keep(call: ModuleCall) -> None:
-            key = step_key(call.key, step)
-            entries.append((key, group, call.outputs))
-            if group == "out":
-                entries.append(store.inputs_entry(key, call.args, call.kwargs))
-
-        what = "tensors" if group == "out" else "outputs"
-        with Capture(model, opts.selects(), what=what, objects=False, state=state,
-                     share=True, keep=False, on_call=keep) as capture:
-            yield
+        now["step"] = step
+        entries.clear()
+        capture.restart()
+        yield
+        now["step"] = None
         store.put_all(entries)
         calls[step] = capture.records
 
-    return during
+    what = "tensors" if group == "out" else "outputs"
+    with Capture(model, opts.selects(), what=what, objects=False, state=state,
+                 share=True, keep=False, on_call=keep) as capture:
+        yield during
 
 
 def capture_step(side: Side, step: int, reference: DecodeReference, opts: Options
