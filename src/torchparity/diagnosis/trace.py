@@ -20,13 +20,16 @@ On disk (``tp.record``) a trace is a directory::
     base.tptrace/
       trace.json              schema, versions, settings, module tree, weight and input checksums,
                               the calls in execution order with their input structure
-      tensors/000123.safetensors  one file per write (of one call's group, or of a decoding
-                              step's calls): "<call>|<group>/<path>" -> tensor (trace.json
-                              lists each call's files by group, so a reader opens only the
-                              files of the group it needs)
+      tensors/000123.safetensors  one file per write of big tensors (of one call's group, or
+                              of a decoding step's calls), and one per batch of sketches and
+                              small tensors (of many calls):
+                              "<call>|<group>/<path>" -> tensor (trace.json lists each call's
+                              files by group, so a reader opens only the files of the group
+                              it needs)
 
-Writing is incremental (each write goes to a new file, so memory stays bounded and nothing is
-rewritten) into a temporary sibling directory that replaces the target only when complete.
+Writing is incremental (big exact tensors go to a new file as they come, sketches and small
+tensors a few megabytes at a time, so memory stays bounded and nothing is rewritten) into a
+temporary sibling directory that replaces the target only when complete.
 
 Tensors of :func:`torchparity.sketching.threshold` elements or more are kept as sketches (in
 memory and on disk: ``<call>|<group>/<path>::sketch``, ``::slices`` and ``::stats``, described
@@ -44,6 +47,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -58,7 +62,7 @@ from torchparity.diagnosis.capture import ModuleCall, Uncopyable, snapshot, unco
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.sketching import Sketch
 from torchparity.subject.padding import Padding
-from torchparity.subject.trees import flatten_tensors
+from torchparity.subject.trees import field_names, flatten_tensors
 
 SCHEMA = "torchparity.trace/6"
 TRACE_JSON = "trace.json"
@@ -68,6 +72,12 @@ _CACHE_HINT = " (run without a cache to replay it, e.g. use_cache=False for Hugg
 #: Groups kept exact whatever their size: replays are fed them.
 EXACT_GROUPS = ("in", "grad_out")
 _PART = "::"
+#: Bytes of sketches and small exact tensors a trace being written holds before it writes them.
+PENDING_BYTES = 4 << 20
+#: Exact tensors of at most this many bytes wait with the sketches (copied: cheap at this size).
+SMALL_BYTES = 64 << 10
+#: Trace files a reader keeps open.
+OPEN_FILES = 16
 
 
 def kept(group: str, path: str, tensor: torch.Tensor | Sketch,
@@ -154,9 +164,15 @@ class MemoryStore:
 
 
 class DiskStore:
-    """Tensors in safetensors files under ``directory/tensors``, one per write (a call's tensors
-    are written group by group, at different times); inputs' structure goes to the trace's JSON
-    (``input_specs``) with their tensors in the call's files."""
+    """Tensors in safetensors files under ``directory/tensors``; inputs' structure goes to the
+    trace's JSON (``input_specs``) with their tensors in the call's files.
+
+    Big exact tensors are written at once, a file per write (a call's tensors are written
+    group by group, at different times; the run may change them in place afterwards).
+    Sketches (new objects of a few dozen kilobytes) and copies of small exact tensors wait in
+    memory, up to :data:`PENDING_BYTES`, and go to disk together, so that a reader opens a
+    few files, not one per call and group. Files stay open while they are read (up to
+    :data:`OPEN_FILES`)."""
 
     def __init__(self, directory: Path, *, writable: bool) -> None:
         self.directory = Path(directory)
@@ -165,6 +181,8 @@ class DiskStore:
         self.padding: Padding | None = None  # the batch's, which sketches leave out
         self.aliases: dict[str, dict[str, str]] = {}  # file -> name -> the name stored for it
         self._n_files = 0
+        self._pending = _Batch()
+        self._open: OrderedDict[str, _OpenFile] = OrderedDict()
         self._cache_key: str | None = None
         self._cache: dict[str, dict[str, torch.Tensor | Sketch]] = {}  # group -> path -> tensor
         if writable:
@@ -173,50 +191,64 @@ class DiskStore:
     def _load(self, key: str, group: str) -> dict[str, torch.Tensor]:
         """The call's tensors of one group, by path (its files hold other groups and calls too:
         only these are read); the last call's are kept, as calls are read group after group."""
+        if (key, group) in self._pending.groups:
+            self._flush()
         if self._cache_key != key:
             self._cache, self._cache_key = {}, key
         if group not in self._cache:
             prefix = _prefix(key, group)
-            found = {}
+            found: dict[str, torch.Tensor | Sketch] = {}
             for name in self.files.get(key, {}).get(group, []):
-                aliases = self.aliases.get(name, {})
-                with safe_open(self.directory / name, framework="pt") as handle:
-                    stored = {k: handle.get_tensor(aliases.get(k, k))
-                              for k in [*handle.keys(), *aliases] if k.startswith(prefix)}
-                    found.update({k[len(prefix):]: t for k, t in
-                                  _with_sketches(stored, handle.metadata()).items()})
+                found.update({k[len(prefix):]: t
+                              for k, t in self._opened(name).read(prefix).items()})
             self._cache[group] = found
         return self._cache[group]
+
+    def _opened(self, name: str) -> _OpenFile:
+        if name in self._open:
+            self._open.move_to_end(name)
+        else:
+            self._open[name] = _OpenFile(self.directory / name, self.aliases.get(name, {}))
+            while len(self._open) > OPEN_FILES:
+                self._open.popitem(last=False)[1].close()
+        return self._open[name]
 
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
         self.put_all([(key, group, tensors)])
 
     def put_all(self, entries: list[tuple[str, str, Mapping[str, torch.Tensor]]]) -> None:
         """Write several calls' groups into one file (a decoding step's calls, say): fewer
-        files, the same reads."""
-        entries = [(key, group, tensors) for key, group, tensors in entries if tensors]
-        if not entries:
+        files, the same reads. Their sketches join the pending batch."""
+        now = _Batch()
+        for key, group, tensors in entries:
+            for path, tensor in tensors.items():
+                value = kept(group, path, tensor, padded(self.padding, key, group, path, tensor))
+                if isinstance(value, Sketch):
+                    self._pending.add(key, group, path, value)
+                elif value.numel() * value.element_size() <= SMALL_BYTES:
+                    self._pending.add(key, group, path, self._pending.copy_of(value))
+                else:
+                    now.add(key, group, path, value)
+        self._write(now)
+        if self._pending.bytes > PENDING_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, _Batch()
+        self._write(batch)
+
+    def _write(self, batch: _Batch) -> None:
+        if not batch.flat:
             return
         name = f"tensors/{self._n_files:06d}.safetensors"
         self._n_files += 1
-        flat: dict[str, torch.Tensor] = {}
-        described: dict[str, Any] = {}
-        for key, group, tensors in entries:
-            for path, tensor in tensors.items():
-                full = f"{_prefix(key, group)}{path}"
-                value = kept(group, path, tensor, padded(self.padding, key, group, path, tensor))
-                if isinstance(value, Sketch):
-                    flat.update({f"{full}{_PART}{part}": t.contiguous()
-                                 for part, t in sketching.parts(value).items()})
-                    described[full] = sketching.describe(value)
-                else:
-                    flat[full] = value.contiguous()
-        aliases = _aliased(flat)
+        aliases = _aliased(batch.flat)
         if aliases:
             self.aliases[name] = aliases
-        save_file(flat, str(self.directory / name),
-                  metadata={"sketches": json.dumps(described)} if described else None)
-        for key, group, _ in entries:
+        save_file(batch.flat, str(self.directory / name),
+                  metadata={"sketches": json.dumps(batch.described),
+                            "order": json.dumps(batch.order)})
+        for key, group in batch.groups:
             self.files.setdefault(key, {}).setdefault(group, []).append(name)
             if self._cache_key == key:
                 self._cache.pop(group, None)  # read again, with the new file
@@ -242,28 +274,101 @@ class DiskStore:
         return key, "in", tensors
 
     def finish(self, meta: dict[str, Any]) -> None:
+        self._flush()
+        self.close()
         meta = {**meta, "files": self.files, "aliases": self.aliases,
                 "input_specs": self.input_specs}
         (self.directory / TRACE_JSON).write_text(json.dumps(meta, default=str))
 
+    def close(self) -> None:
+        """Close the files open for reading."""
+        while self._open:
+            self._open.popitem()[1].close()
 
-def _with_sketches(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
+
+class _Batch:
+    """Tensors on their way to one file, by stored name, in the order they were put, with the
+    sketches' descriptions and the ``(call, group)`` pairs they belong to."""
+
+    def __init__(self) -> None:
+        self.flat: dict[str, torch.Tensor] = {}
+        self.order: list[str] = []  # every name put, sketches by their own
+        self.described: dict[str, Any] = {}
+        self.groups: dict[tuple[str, str], None] = {}  # in order of arrival
+        self.bytes = 0
+        self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of an exact tensor that waits (the run may change it in place meanwhile):
+        one per memory read unchanged since (the source is held, so its memory is not
+        reused), so that a call's output and the next call's input stay one tensor in the
+        file."""
+        if tensor.is_inference():  # no version counter to tell a change by
+            return tensor.clone()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+               tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor._version)
+        if key not in self._copies:
+            self._copies[key] = (tensor, tensor.clone())
+        return self._copies[key][1]
+
+    def add(self, key: str, group: str, path: str, value: torch.Tensor | Sketch) -> None:
+        full = f"{_prefix(key, group)}{path}"
+        self.order.append(full)
+        stored = ({f"{full}{_PART}{part}": t for part, t in sketching.parts(value).items()}
+                  if isinstance(value, Sketch) else {full: value})
+        if isinstance(value, Sketch):
+            self.described[full] = sketching.describe(value)
+        for name, tensor in stored.items():
+            self.flat[name] = tensor.contiguous()
+            self.bytes += tensor.numel() * tensor.element_size()
+        self.groups[(key, group)] = None
+
+
+class _OpenFile:
+    """A trace file open for reading: its names by the ``<call>|<group>/`` prefix they start
+    with (aliases included; in the order they were put where the file says it) and its
+    sketches' descriptions, read once."""
+
+    def __init__(self, path: Path, aliases: dict[str, str]) -> None:
+        self._handle = safe_open(path, framework="pt")
+        self._aliases = aliases
+        self._names: dict[str, list[str]] = {}
+        metadata = self._handle.metadata() or {}
+        names = [*self._handle.keys(), *aliases]
+        if "order" in metadata:  # as they were put, whether stored or an alias
+            rank: dict[str, int] = {}
+            for i, name in enumerate(json.loads(metadata["order"])):
+                rank.setdefault(name, i)
+            names.sort(key=lambda name: rank[name.partition(_PART)[0]])
+        for name in names:
+            self._names.setdefault(name[:name.index("/", name.index("|")) + 1], []).append(name)
+        self._described = json.loads(metadata.get("sketches", "{}"))
+
+    def read(self, prefix: str) -> dict[str, torch.Tensor | Sketch]:
+        stored = {name: self._handle.get_tensor(self._aliases.get(name, name))
+                  for name in self._names.get(prefix, [])}
+        return _with_sketches(stored, self._described)
+
+    def close(self) -> None:
+        self._handle.__exit__(None, None, None)
+
+
+def _with_sketches(tensors: dict[str, torch.Tensor], described: dict[str, Any]
                    ) -> dict[str, torch.Tensor | Sketch]:
-    """A file's tensors with each sketch's parts put back together."""
-    described = json.loads((metadata or {}).get("sketches", "{}"))
+    """A file's tensors with each sketch's parts put back together, as ``described``, in
+    the order they come."""
     if not described:
         return dict(tensors)
-    found: dict[str, torch.Tensor | Sketch] = {}
-    parts: dict[str, dict[str, torch.Tensor]] = {}
+    found: dict[str, Any] = {}
     for name, tensor in tensors.items():
         full, separator, part = name.partition(_PART)
         if separator:
-            parts.setdefault(full, {})[part] = tensor
+            found.setdefault(full, {})[part] = tensor
         else:
             found[name] = tensor
-    for full, stored in parts.items():
+    for full in [name for name in found if name in described]:
         try:
-            found[full] = sketching.from_parts(described[full], stored)
+            found[full] = sketching.from_parts(described[full], found[full])
         except (KeyError, ValueError) as exc:
             raise TorchParityError(f"a trace file's sketch {full} is damaged ({exc}); record "
                                    "the trace again") from None
@@ -301,8 +406,8 @@ def encode_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return {"opaque": tree.type_name}
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         cls = type(tree)
-        fields = {f.name: encode_tree(getattr(tree, f.name), tensors)
-                  for f in dataclasses.fields(tree) if f.init}
+        fields = {name: encode_tree(getattr(tree, name), tensors)
+                  for name in field_names(tree, init=True)}
         return {"dataclass": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
     return {"opaque": type(tree).__name__}
 

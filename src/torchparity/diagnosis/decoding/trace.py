@@ -4,11 +4,10 @@ A decoding trace is a trace directory (:mod:`~torchparity.diagnosis.trace`) whos
 says ``"kind": "decode"`` and holds, besides the checksums and the module tree: the number of
 steps, the tokens every side is fed and whether they were A's greedy choices (in a beam search:
 its settings, the parent rows and A's choices per step; in a sampled one: its settings), the
-golden used,
-the forward signature of every module of A, and per step the calls of A's modules with the
-state each read (:class:`~torchparity.diagnosis.state.Held`). Its tensor files hold, per step,
-A's and the golden's next-token logits and every call's outputs and inputs (one file per step
-and side).
+golden used, the forward signature of every module of A, and per step the calls of A's modules
+with the state each read (:class:`~torchparity.diagnosis.state.Held`). Its tensor files hold,
+per step, A's and the golden's next-token logits and every call's outputs and inputs (written
+step by step; a step's tensors are a token's worth each, and many steps share a file).
 """
 
 from __future__ import annotations

@@ -1,0 +1,101 @@
+"""How a trace being written keeps its tensors: big exact ones go to a file at once, sketches
+and small exact ones wait (copied) and go to disk together, a few megabytes at a time; a
+reader gets back exactly what was put, whenever it asks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from torchparity import sketching
+from torchparity.diagnosis import trace
+from torchparity.diagnosis.trace import DiskStore, TraceWriter, open_trace
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted((directory / "tensors").iterdir())
+
+
+def _small() -> torch.Tensor:
+    return torch.arange(12.0).reshape(3, 4)
+
+
+def test_small_tensors_wait_and_are_read_back_whenever_asked(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, writable=True)
+    store.put("a#0", "out", {"output": _small()})
+    store.put("b#0", "out", {"output": _small() + 1})
+    assert _files(tmp_path) == []  # both wait
+    assert torch.equal(store.get("b#0", "out")["output"], _small() + 1)
+    assert len(_files(tmp_path)) == 1  # the read wrote them, together
+    assert torch.equal(store.get("a#0", "out")["output"], _small())
+
+
+def test_a_waiting_tensor_is_a_copy_taken_when_it_was_put(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, writable=True)
+    live = _small()
+    store.put("a#0", "grad_out", {"output": live})
+    live.mul_(-1)  # the run goes on and reuses the memory
+    assert torch.equal(store.get("a#0", "grad_out")["output"], _small())
+
+
+def test_one_memory_put_twice_is_stored_once_unless_changed_between(tmp_path: Path) -> None:
+    with TraceWriter(tmp_path / "t.tptrace") as writer:
+        hidden = _small()
+        writer.store.put("a#0", "out", {"output": hidden})
+        writer.store.put("b#0", "in", {"0": hidden})  # the next call's input
+        writer.store.put("c#0", "in", {"0": hidden.view(3, 4)})  # another view of it
+        hidden.add_(1)
+        writer.store.put("d#0", "in", {"0": hidden})  # changed since: a tensor of its own
+        path = writer.commit({"schema": trace.SCHEMA})
+    meta, store = open_trace(path)
+    (stored,) = _files(path)
+    with safe_open(stored, framework="pt") as handle:
+        assert len(list(handle.keys())) == 2
+    assert sum(len(names) for names in meta["aliases"].values()) == 2
+    for key, expected in (("a#0", _small()), ("b#0", _small()), ("c#0", _small()),
+                          ("d#0", _small() + 1)):
+        (got,) = (store.get(key, "out") or store.get(key, "in")).values()
+        assert torch.equal(got, expected)
+
+
+def test_big_exact_tensors_are_written_at_once_and_sketches_wait(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, writable=True)
+    big = torch.randn(sketching.threshold())  # sketched when not fed to replays
+    store.put("a#0", "grad_out", {"output": big})  # kept exact: replays are fed it
+    assert len(_files(tmp_path)) == 1
+    store.put("a#0", "out", {"output": big})
+    assert len(_files(tmp_path)) == 1  # its sketch waits
+    sketch = store.get("a#0", "out")["output"]
+    assert isinstance(sketch, sketching.Sketch)
+    assert torch.equal(sketch.projection, sketching.sketch(big, "output").projection)
+    assert torch.equal(store.get("a#0", "grad_out")["output"], big)
+
+
+def test_what_waits_is_bounded(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(trace, "PENDING_BYTES", 4 * _small().nbytes)
+    store = DiskStore(tmp_path, writable=True)
+    for call in range(20):
+        store.put(f"m#{call}", "out", {"output": _small() + call})
+    # Five tensors' worth at most waits: a file every five puts.
+    assert len(_files(tmp_path)) == 20 // 5
+    store.finish({"schema": trace.SCHEMA})
+    meta = json.loads((tmp_path / trace.TRACE_JSON).read_text())
+    assert all(store.get(f"m#{call}", "out")["output"][0, 0] == call for call in range(20))
+    assert len(meta["files"]) == 20
+
+
+def test_a_group_reads_back_in_the_order_it_was_put(tmp_path: Path) -> None:
+    # As a store in memory gives it back: the order the model returned its outputs in, which
+    # a report lists them by; neither the name's order nor which of them are sketched.
+    store = DiskStore(tmp_path, writable=True)
+    big = torch.randn(sketching.threshold())
+    hidden = _small()
+    store.put("a#0", "out", {"output.10": hidden, "output.2": big, "output.1": hidden + 1})
+    store.put("b#0", "in", {"0": hidden})  # the same memory: stored once, read as put
+    store.finish({"schema": trace.SCHEMA})
+    _, reader = open_trace(tmp_path)
+    assert list(reader.get("a#0", "out")) == ["output.10", "output.2", "output.1"]
+    assert torch.equal(reader.get("b#0", "in")["0"], hidden)
