@@ -75,6 +75,23 @@ def test_ulp_below_the_normal_range_is_the_subnormal_spacing() -> None:
     assert torch.equal(spacing, torch.full((2,), tiny * torch.finfo(torch.float16).eps).double())
 
 
+@pytest.mark.parametrize("n", [640, 4096, 10007])
+def test_a_dot_product_is_the_same_wherever_its_operands_sit(n: int) -> None:
+    # A BLAS dot (MKL's here) may add in an order set by where its operands start; a cosine
+    # of a tensor read from a trace must not depend on where the file's layout put it.
+    generator = torch.Generator().manual_seed(n)
+    x, y = (torch.randn(n, dtype=torch.float64, generator=generator) for _ in range(2))
+    expected = tolerance.dot(x, y)
+    for offset_x in range(4):
+        for offset_y in range(4):
+            placed = []
+            for values, offset in ((x, offset_x), (y, offset_y)):
+                buffer = torch.empty(n + offset, dtype=torch.float64)
+                buffer[offset:] = values
+                placed.append(buffer[offset:])
+            assert tolerance.dot(*placed) == expected
+
+
 def test_every_kind_defines_a_usable_rule() -> None:
     assert set(KINDS) == {"forward", "grad", "loss", "trajectory"}
     for tol in KINDS.values():

@@ -322,7 +322,7 @@ def cosine_estimate(a: Sketch, b: Sketch) -> float:
     norms = torch.linalg.vector_norm(a.projection) * torch.linalg.vector_norm(b.projection)
     if norms == 0:
         return 1.0 if torch.equal(a.projection, b.projection) else 0.0
-    return max(-1.0, min(1.0, (torch.dot(a.projection, b.projection) / norms).item()))
+    return max(-1.0, min(1.0, tolerance.dot(a.projection, b.projection) / norms.item()))
 
 
 def shifted(golden: torch.Tensor | Sketch, plus: torch.Tensor | Sketch,

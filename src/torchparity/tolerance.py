@@ -378,6 +378,19 @@ def rms(x: torch.Tensor) -> float:
     return norm / math.sqrt(x.numel())
 
 
+#: Where the CPU allocator places every tensor it makes, in bytes.
+_ALIGNMENT = 64
+
+
+def dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The dot product of two flat tensors, the same wherever they sit in memory: a BLAS dot
+    adds in an order that depends on where its operands start, and a tensor read from a trace
+    sits wherever the file's layout put it, so one that starts elsewhere is copied to where
+    the allocator would have put it."""
+    a, b = (t if t.data_ptr() % _ALIGNMENT == 0 else t.clone() for t in (a, b))
+    return torch.dot(a, b).item()
+
+
 def finite_magnitude(x: torch.Tensor, metric: Metric) -> float:
     """Magnitude of the finite elements of ``x`` in ``metric`` (absmax or RMS)."""
     x = _float64(x)

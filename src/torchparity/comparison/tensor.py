@@ -441,7 +441,7 @@ def _cosine(c: torch.Tensor, g: torch.Tensor, c_rms: float, g_rms: float) -> flo
     if not tolerance.SAFE_NORMS[0] < scale < tolerance.SAFE_NORMS[1]:
         # Normalise first: the product of two tiny or huge norms would underflow or overflow.
         c, g, scale = c / c_rms, g / g_rms, c.numel()
-    return max(-1.0, min(1.0, torch.dot(c, g).item() / scale))
+    return max(-1.0, min(1.0, tolerance.dot(c, g) / scale))
 
 
 _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
