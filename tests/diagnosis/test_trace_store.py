@@ -52,8 +52,10 @@ def test_one_memory_put_twice_is_stored_once_unless_changed_between(tmp_path: Pa
         path = writer.commit({"schema": trace.SCHEMA})
     meta, store = open_trace(path)
     (stored,) = _files(path)
-    with safe_open(stored, framework="pt") as handle:
-        assert len(list(handle.keys())) == 2
+    with safe_open(stored, framework="pt") as handle:  # small: laid end to end, 24 values
+        assert json.loads(handle.metadata()["packed"]).keys() == {"a#0|out/output",
+                                                                  "d#0|in/0"}
+        assert [handle.get_slice(name).get_shape() for name in handle.keys()] == [[24]]
     assert sum(len(names) for names in meta["aliases"].values()) == 2
     for key, expected in (("a#0", _small()), ("b#0", _small()), ("c#0", _small()),
                           ("d#0", _small() + 1)):
@@ -99,3 +101,23 @@ def test_a_group_reads_back_in_the_order_it_was_put(tmp_path: Path) -> None:
     _, reader = open_trace(tmp_path)
     assert list(reader.get("a#0", "out")) == ["output.10", "output.2", "output.1"]
     assert torch.equal(reader.get("b#0", "in")["0"], hidden)
+
+
+def test_small_tensors_of_every_kind_read_back_bit_for_bit(tmp_path: Path) -> None:
+    kinds = {"scalar": torch.tensor(-1e4), "flag": torch.tensor([True, False]),
+             "count": torch.tensor([3, 4]), "phase": torch.tensor([2 + 1j]),
+             "half": torch.tensor([1.5, -0.0], dtype=torch.bfloat16),
+             "empty": torch.zeros(0, 3), "expanded": torch.ones(1, 3).expand(4, 3)}
+    store = DiskStore(tmp_path, writable=True)
+    store.put("a#0", "in", kinds)
+    store.finish({"schema": trace.SCHEMA})
+    _, reader = open_trace(tmp_path)
+    got = reader.get("a#0", "in")
+    assert list(got) == list(kinds)
+    for name, expected in kinds.items():
+        assert got[name].dtype == expected.dtype and got[name].shape == expected.shape
+        assert torch.equal(_bits(got[name]), _bits(expected))
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)

@@ -22,10 +22,11 @@ On disk (``tp.record``) a trace is a directory::
                               the calls in execution order with their input structure
       tensors/000123.safetensors  one file per write of big tensors (of one call's group, or
                               of a decoding step's calls), and one per batch of sketches and
-                              small tensors (of many calls):
-                              "<call>|<group>/<path>" -> tensor (trace.json lists each call's
-                              files by group, so a reader opens only the files of the group
-                              it needs)
+                              small tensors (of many calls), those laid end to end in one
+                              tensor per dtype: "<call>|<group>/<path>" -> tensor, or where
+                              in ``__packed__/<dtype>`` it lies (trace.json lists each
+                              call's files by group, so a reader opens only the files of
+                              the group it needs)
 
 Writing is incremental (big exact tensors go to a new file as they come, sketches and small
 tensors a few megabytes at a time, so memory stays bounded and nothing is rewritten) into a
@@ -44,6 +45,7 @@ import dataclasses
 import hashlib
 import importlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -78,6 +80,8 @@ PENDING_BYTES = 4 << 20
 SMALL_BYTES = 64 << 10
 #: Trace files a reader keeps open.
 OPEN_FILES = 16
+#: The names of a file's small tensors laid end to end, one per dtype (``__packed__/float32``).
+_PACKED = "__packed__/"
 
 
 def kept(group: str, path: str, tensor: torch.Tensor | Sketch,
@@ -245,9 +249,10 @@ class DiskStore:
         aliases = _aliased(batch.flat)
         if aliases:
             self.aliases[name] = aliases
-        save_file(batch.flat, str(self.directory / name),
+        flat, packed = _packed(batch.flat)
+        save_file(flat, str(self.directory / name),
                   metadata={"sketches": json.dumps(batch.described),
-                            "order": json.dumps(batch.order)})
+                            "order": json.dumps(batch.order), "packed": json.dumps(packed)})
         for key, group in batch.groups:
             self.files.setdefault(key, {}).setdefault(group, []).append(name)
             if self._cache_key == key:
@@ -324,6 +329,26 @@ class _Batch:
         self.groups[(key, group)] = None
 
 
+def _packed(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``named`` with its small tensors laid end to end, one tensor per dtype (a file's
+    writer and reader pay per tensor, not per byte, at this size), and where each one lies:
+    name -> [the tensor it lies in, offset, shape]."""
+    flat, by_dtype = {}, {}
+    for name, tensor in named.items():
+        if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
+            by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+        else:
+            flat[name] = tensor
+    where: dict[str, Any] = {}
+    for dtype, members in by_dtype.items():
+        pack, offset = f"{_PACKED}{str(dtype).removeprefix('torch.')}", 0
+        for name, tensor in members:
+            where[name] = [pack, offset, list(tensor.shape)]
+            offset += tensor.numel()
+        flat[pack] = torch.cat([tensor.reshape(-1) for _, tensor in members])
+    return flat, where
+
+
 class _OpenFile:
     """A trace file open for reading: its names by the ``<call>|<group>/`` prefix they start
     with (aliases included; in the order they were put where the file says it) and its
@@ -334,7 +359,9 @@ class _OpenFile:
         self._aliases = aliases
         self._names: dict[str, list[str]] = {}
         metadata = self._handle.metadata() or {}
-        names = [*self._handle.keys(), *aliases]
+        self._packed = json.loads(metadata.get("packed", "{}"))
+        names = [*(n for n in self._handle.keys() if not n.startswith(_PACKED)), *self._packed,
+                 *aliases]
         if "order" in metadata:  # as they were put, whether stored or an alias
             rank: dict[str, int] = {}
             for i, name in enumerate(json.loads(metadata["order"])):
@@ -345,9 +372,15 @@ class _OpenFile:
         self._described = json.loads(metadata.get("sketches", "{}"))
 
     def read(self, prefix: str) -> dict[str, torch.Tensor | Sketch]:
-        stored = {name: self._handle.get_tensor(self._aliases.get(name, name))
+        stored = {name: self._tensor(self._aliases.get(name, name))
                   for name in self._names.get(prefix, [])}
         return _with_sketches(stored, self._described)
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        if name not in self._packed:
+            return self._handle.get_tensor(name)
+        pack, offset, shape = self._packed[name]
+        return self._handle.get_slice(pack)[offset:offset + math.prod(shape)].reshape(shape)
 
     def close(self) -> None:
         self._handle.__exit__(None, None, None)
