@@ -97,10 +97,18 @@ def test_a_group_reads_back_in_the_order_it_was_put(tmp_path: Path) -> None:
     hidden = _small()
     store.put("a#0", "out", {"output.10": hidden, "output.2": big, "output.1": hidden + 1})
     store.put("b#0", "in", {"0": hidden})  # the same memory: stored once, read as put
+    # One gradient at a time, as backward hands them on: a small one waits, a big exact one
+    # is written at once, and one put again keeps its place with its new value.
+    store.put("a#0", "grad_out", {"output.1": hidden})
+    store.put("a#0", "grad_out", {"output.0": big})
+    store.put("a#0", "grad_out", {"output.1": hidden + 1})
     store.finish({"schema": trace.SCHEMA})
     _, reader = open_trace(tmp_path)
     assert list(reader.get("a#0", "out")) == ["output.10", "output.2", "output.1"]
     assert torch.equal(reader.get("b#0", "in")["0"], hidden)
+    grads = reader.get("a#0", "grad_out")
+    assert list(grads) == ["output.1", "output.0"]
+    assert torch.equal(grads["output.1"], hidden + 1) and torch.equal(grads["output.0"], big)
 
 
 def test_small_tensors_of_every_kind_read_back_bit_for_bit(tmp_path: Path) -> None:

@@ -185,6 +185,7 @@ class DiskStore:
         self.padding: Padding | None = None  # the batch's, which sketches leave out
         self.aliases: dict[str, dict[str, str]] = {}  # file -> name -> the name stored for it
         self._n_files = 0
+        self._n_put = 0  # tensors put so far: a tensor's rank in the order of putting
         self._pending = _Batch()
         self._open: OrderedDict[str, _OpenFile] = OrderedDict()
         self._cache_key: str | None = None
@@ -194,17 +195,23 @@ class DiskStore:
 
     def _load(self, key: str, group: str) -> dict[str, torch.Tensor]:
         """The call's tensors of one group, by path (its files hold other groups and calls too:
-        only these are read); the last call's are kept, as calls are read group after group."""
+        only these are read), in the order they were put, as a store in memory gives them
+        back (a tensor put again keeps its place and takes the new value); the last call's
+        are kept, as calls are read group after group."""
         if (key, group) in self._pending.groups:
             self._flush()
         if self._cache_key != key:
             self._cache, self._cache_key = {}, key
         if group not in self._cache:
             prefix = _prefix(key, group)
+            read = []
+            for index, name in enumerate(self.files.get(key, {}).get(group, [])):
+                opened = self._opened(name)
+                read += [(opened.ranks.get(k, 0), index, position, k[len(prefix):], t)
+                         for position, (k, t) in enumerate(opened.read(prefix).items())]
             found: dict[str, torch.Tensor | Sketch] = {}
-            for name in self.files.get(key, {}).get(group, []):
-                found.update({k[len(prefix):]: t
-                              for k, t in self._opened(name).read(prefix).items()})
+            for *_, path, tensor in sorted(read, key=lambda entry: entry[:3]):
+                found[path] = tensor
             self._cache[group] = found
         return self._cache[group]
 
@@ -222,17 +229,19 @@ class DiskStore:
 
     def put_all(self, entries: list[tuple[str, str, Mapping[str, torch.Tensor]]]) -> None:
         """Write several calls' groups into one file (a decoding step's calls, say): fewer
-        files, the same reads. Their sketches join the pending batch."""
+        files, the same reads. Their sketches and small tensors join those that wait."""
         now = _Batch()
         for key, group, tensors in entries:
             for path, tensor in tensors.items():
                 value = kept(group, path, tensor, padded(self.padding, key, group, path, tensor))
+                self._n_put += 1
                 if isinstance(value, Sketch):
-                    self._pending.add(key, group, path, value)
+                    self._pending.add(key, group, path, value, self._n_put)
                 elif value.numel() * value.element_size() <= SMALL_BYTES:
-                    self._pending.add(key, group, path, self._pending.copy_of(value))
+                    self._pending.add(key, group, path, self._pending.copy_of(value),
+                                      self._n_put)
                 else:
-                    now.add(key, group, path, value)
+                    now.add(key, group, path, value, self._n_put)
         self._write(now)
         if self._pending.bytes > PENDING_BYTES:
             self._flush()
@@ -252,7 +261,7 @@ class DiskStore:
         flat, packed = _packed(batch.flat)
         save_file(flat, str(self.directory / name),
                   metadata={"sketches": json.dumps(batch.described),
-                            "order": json.dumps(batch.order), "packed": json.dumps(packed)})
+                            "ranks": json.dumps(batch.ranks), "packed": json.dumps(packed)})
         for key, group in batch.groups:
             self.files.setdefault(key, {}).setdefault(group, []).append(name)
             if self._cache_key == key:
@@ -292,12 +301,12 @@ class DiskStore:
 
 
 class _Batch:
-    """Tensors on their way to one file, by stored name, in the order they were put, with the
-    sketches' descriptions and the ``(call, group)`` pairs they belong to."""
+    """Tensors on their way to one file, by stored name, with each one's rank in the order of
+    putting, the sketches' descriptions and the ``(call, group)`` pairs they belong to."""
 
     def __init__(self) -> None:
         self.flat: dict[str, torch.Tensor] = {}
-        self.order: list[str] = []  # every name put, sketches by their own
+        self.ranks: dict[str, int] = {}  # full name (a sketch's own) -> rank
         self.described: dict[str, Any] = {}
         self.groups: dict[tuple[str, str], None] = {}  # in order of arrival
         self.bytes = 0
@@ -316,9 +325,10 @@ class _Batch:
             self._copies[key] = (tensor, tensor.clone())
         return self._copies[key][1]
 
-    def add(self, key: str, group: str, path: str, value: torch.Tensor | Sketch) -> None:
+    def add(self, key: str, group: str, path: str, value: torch.Tensor | Sketch,
+            rank: int) -> None:
         full = f"{_prefix(key, group)}{path}"
-        self.order.append(full)
+        self.ranks.setdefault(full, rank)
         stored = ({f"{full}{_PART}{part}": t for part, t in sketching.parts(value).items()}
                   if isinstance(value, Sketch) else {full: value})
         if isinstance(value, Sketch):
@@ -351,8 +361,7 @@ def _packed(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
 
 class _OpenFile:
     """A trace file open for reading: its names by the ``<call>|<group>/`` prefix they start
-    with (aliases included; in the order they were put where the file says it) and its
-    sketches' descriptions, read once."""
+    with (aliases included), their ranks and its sketches' descriptions, read once."""
 
     def __init__(self, path: Path, aliases: dict[str, str]) -> None:
         self._handle = safe_open(path, framework="pt")
@@ -360,14 +369,10 @@ class _OpenFile:
         self._names: dict[str, list[str]] = {}
         metadata = self._handle.metadata() or {}
         self._packed = json.loads(metadata.get("packed", "{}"))
-        names = [*(n for n in self._handle.keys() if not n.startswith(_PACKED)), *self._packed,
-                 *aliases]
-        if "order" in metadata:  # as they were put, whether stored or an alias
-            rank: dict[str, int] = {}
-            for i, name in enumerate(json.loads(metadata["order"])):
-                rank.setdefault(name, i)
-            names.sort(key=lambda name: rank[name.partition(_PART)[0]])
-        for name in names:
+        #: Each full name's rank in the order of putting (none in a file of an older writer).
+        self.ranks: dict[str, int] = json.loads(metadata.get("ranks", "{}"))
+        for name in [*(n for n in self._handle.keys() if not n.startswith(_PACKED)),
+                     *self._packed, *aliases]:
             self._names.setdefault(name[:name.index("/", name.index("|")) + 1], []).append(name)
         self._described = json.loads(metadata.get("sketches", "{}"))
 
