@@ -20,10 +20,12 @@ def test_objects_alive_before_are_frozen_and_new_garbage_is_collected():
         made = [weakref.ref(Node()) for _ in range(1000)]
         gc.collect()
         assert all(ref() is None for ref in made)  # the run's own cycles are freed
-        assert gc.get_freeze_count() == frozen
+        # Nothing made since is frozen (a frozen object may still die: a thread of the test
+        # runner frees its own), and nothing was unfrozen.
+        assert 0 < gc.get_freeze_count() <= frozen
         with older_objects_frozen():  # a diagnosis inside a command: the command froze
             pass
-        assert gc.get_freeze_count() == frozen
+        assert 0 < gc.get_freeze_count() <= frozen
     assert gc.get_freeze_count() == 0
 
 
@@ -33,7 +35,7 @@ def test_a_caller_that_froze_or_disabled_the_collector_keeps_its_setting():
         frozen = gc.get_freeze_count()
         with older_objects_frozen():
             Node()
-        assert gc.get_freeze_count() == frozen
+        assert 0 < gc.get_freeze_count() <= frozen  # neither frozen again nor unfrozen
     finally:
         gc.unfreeze()
     gc.disable()
