@@ -4,6 +4,7 @@ compares (propagated and local errors, decoding steps)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any
@@ -216,7 +217,7 @@ def judge_quickly(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Te
     The tolerance model's budget is at least ``fudge`` times the baseline's error (the noise
     it measures is never smaller), so a candidate whose error is within that of every tensor
     is within budget: two error norms decide it, and the headroom is reported as a bound (a
-    sketched tensor's by its two rules, see :func:`_bounded_sketched`). Any other case (no
+    sketched tensor's by its two rules, see :func:`_sketched_bound`). Any other case (no
     golden or baseline, structure or dtype differences, non-finite or masked values, a larger
     error) takes the full comparison."""
     quick = _bounded(candidate, golden, baseline, kind, padding)
@@ -230,82 +231,84 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
              ) -> Bounded | None:
     if not golden or not candidate or not (candidate.keys() == golden.keys() == baseline.keys()):
         return None
-    if any(involves_sketch(*sides) for sides in zip(candidate.values(), golden.values(),
-                                                    baseline.values(), strict=True)):
-        return _bounded_sketched(candidate, golden, baseline, kind, padding)
+    sketched = any(involves_sketch(*sides) for sides in zip(
+        candidate.values(), golden.values(), baseline.values(), strict=True))
+    bound = _sketched_bound if sketched else _exact_bound
     tol = tolerance.kind_tolerance(kind)
     errors, shares, identical = [], [], True
     for path, c in candidate.items():
-        g, b = golden[path], baseline[path]
-        if c.shape != g.shape or c.dtype != b.dtype or c.shape != b.shape or \
-                not c.is_floating_point() or _masks(c, g, b):
+        one = bound(c, golden[path], baseline[path], tol, kind,
+                    functools.partial(left_out_of, padding, f'outputs["{path}"]'), identical)
+        if one is None:
             return None
-        left_out = left_out_of(padding, f'outputs["{path}"]', g)
-        if left_out is not None:
-            c, g, b = (left_out.judged(t) for t in (c, g, b))
-        if identical and torch.equal(c, b) and bool(torch.isfinite(c).all()):
-            errors.append(tolerance.error(c, g, tol.metric))
-            shares.append(0.0)
-            continue
-        identical = False
-        error, noise = tolerance.error(c, g, tol.metric), tolerance.error(b, g, tol.metric)
-        # NaN and Inf make an error NaN or Inf, which fails this test: they get the full one.
-        if not (0 < noise < math.inf and error <= tol.fudge * noise):
-            return None
+        error, share, identical = one
         errors.append(error)
-        shares.append(error / (tol.fudge * noise))
+        shares.append(share)
     verdict = "identical" if identical else "within"
     return Bounded(kind, verdict, max(errors), 0.0 if identical else max(shares))
 
 
-def _bounded_sketched(candidate: dict[str, Any], golden: dict[str, Any],
-                      baseline: dict[str, Any], kind: str, padding: PaddingSpec
-                      ) -> Bounded | None:
-    """The bound of :func:`_bounded` where a side is a sketch, by the two rules of
+#: One tensor's bound: its error, its share of the bound (0.0 where it equals the baseline,
+#: as every tensor before it did) and whether that held; None where it takes the full one.
+OneBound = tuple[float, float, bool] | None
+
+
+def _exact_bound(c: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
+                 tol: tolerance.KindTolerance, kind: str, left_out_of_golden: Any,
+                 identical: bool) -> OneBound:
+    """Within ``fudge`` times the baseline's error, in the kind's metric."""
+    if c.shape != g.shape or c.dtype != b.dtype or c.shape != b.shape or \
+            not c.is_floating_point() or _masks(c, g, b):
+        return None
+    left_out = left_out_of_golden(g)
+    if left_out is not None:
+        c, g, b = (left_out.judged(t) for t in (c, g, b))
+    if identical and torch.equal(c, b) and bool(torch.isfinite(c).all()):
+        return tolerance.error(c, g, tol.metric), 0.0, True
+    error, noise = tolerance.error(c, g, tol.metric), tolerance.error(b, g, tol.metric)
+    # NaN and Inf make an error NaN or Inf, which fails this test: they get the full one.
+    if not (0 < noise < math.inf and error <= tol.fudge * noise):
+        return None
+    return error, error / (tol.fudge * noise), False
+
+
+def _sketched_bound(c: Any, g: Any, b: Any, tol: tolerance.KindTolerance, kind: str,
+                    left_out_of_golden: Any, identical: bool) -> OneBound:
+    """Where a side is a sketch, the two rules of
     :func:`~torchparity.comparison.sketch.compare_sketch`: the RMS error the projections
     estimate within ``fudge`` times the baseline's at its upper confidence bound (the noise
     that budget starts from), and the exact slices' error within ``fudge`` times the
     baseline's, in the kind's metric. A baseline that the full comparison could find degraded
     (it then sets no budget), padding, non-finite or masked values take the full one."""
-    tol = tolerance.kind_tolerance(kind)
-    errors, shares, identical = [], [], True
-    for path, c in candidate.items():
-        g, b = golden[path], baseline[path]
-        if left_out_of(padding, f'outputs["{path}"]', g) is not None:
-            return None
-        reference = next(v for v in (g, c, b) if isinstance(v, Sketch))
-        try:
-            g, c, b = (sketching.like(reference, v) for v in (g, c, b))
-        except ValueError:
-            return None
-        if c.shape != g.shape or c.shape != b.shape or c.dtype != b.dtype or g.rms <= 0 or \
-                c.nonfinite or g.nonfinite or b.nonfinite or _masks(c.slices, g.slices, b.slices):
-            return None
-        error = sketching.error_estimate(c, g)
-        if identical and c.same_values(b):
-            errors.append(error)
-            shares.append(0.0)
-            continue
-        identical = False
-        margin = tolerance.sketch_margin(g.size)
-        noise = sketching.error_estimate(b, g)
-        # The least bound the full comparison can set the baseline against (the group's
-        # scale only raises it): within it, the baseline is not degraded.
-        bound = tolerance.baseline_bound(g, compute_dtype=c.dtype, kind=kind,
-                                         reduction_length=c.shape[-1] if c.shape else 1,
-                                         metric="rms")
-        slice_error = tolerance.error(c.slices, g.slices, tol.metric)
-        slice_noise = tolerance.error(b.slices, g.slices, tol.metric)
-        if not (0 < noise < math.inf and 0 < slice_noise < math.inf
-                and tolerance.baseline_headroom(noise / margin, bound, error, kind) <= 1
-                and error <= tol.fudge * noise * margin
-                and slice_error <= tol.fudge * slice_noise):
-            return None
-        errors.append(error)
-        shares.append(max(error / (tol.fudge * noise * margin),
-                          slice_error / (tol.fudge * slice_noise)))
-    verdict = "identical" if identical else "within"
-    return Bounded(kind, verdict, max(errors), 0.0 if identical else max(shares))
+    if left_out_of_golden(g) is not None:
+        return None
+    reference = next(v for v in (g, c, b) if isinstance(v, Sketch))
+    try:
+        g, c, b = (sketching.like(reference, v) for v in (g, c, b))
+    except ValueError:
+        return None
+    if c.shape != g.shape or c.shape != b.shape or c.dtype != b.dtype or g.rms <= 0 or \
+            c.nonfinite or g.nonfinite or b.nonfinite or _masks(c.slices, g.slices, b.slices):
+        return None
+    error = sketching.error_estimate(c, g)
+    if identical and c.same_values(b):
+        return error, 0.0, True
+    margin = tolerance.sketch_margin(g.size)
+    noise = sketching.error_estimate(b, g)
+    # The least bound the full comparison can set the baseline against (the group's scale
+    # only raises it): within it, the baseline is not degraded.
+    bound = tolerance.baseline_bound(g, compute_dtype=c.dtype, kind=kind,
+                                     reduction_length=c.shape[-1] if c.shape else 1,
+                                     metric="rms")
+    slice_error = tolerance.error(c.slices, g.slices, tol.metric)
+    slice_noise = tolerance.error(b.slices, g.slices, tol.metric)
+    if not (0 < noise < math.inf and 0 < slice_noise < math.inf
+            and tolerance.baseline_headroom(noise / margin, bound, error, kind) <= 1
+            and error <= tol.fudge * noise * margin
+            and slice_error <= tol.fudge * slice_noise):
+        return None
+    return error, max(error / (tol.fudge * noise * margin),
+                      slice_error / (tol.fudge * slice_noise)), False
 
 
 def _masks(*tensors: torch.Tensor) -> bool:
