@@ -124,11 +124,13 @@ class MemoryStore:
         self._inputs: dict[str, tuple[tuple, dict]] = {}
         self.padding: Padding | None = None  # the batch's, which sketches leave out
 
-    def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Add tensors to ``group`` of call ``key`` (merging with what is there)."""
+    def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor], *,
+            owned: bool = False) -> None:
+        """Add tensors to ``group`` of call ``key`` (merging with what is there), copied
+        unless ``owned`` (copies of the caller's own, which nothing changes afterwards)."""
         slot = self._tensors.setdefault((key, group), {})
         slot.update({path: kept(group, path, t, padded(self.padding, key, group, path, t),
-                                copy=True)
+                                copy=not owned)
                      for path, t in tensors.items()})
 
     def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
@@ -158,10 +160,11 @@ class MemoryStore:
                                     f"{_CACHE_HINT if 'Cache' in uncopyable[0] else ''}")
         return snapshot(self._inputs[key])
 
-    def put_all(self, entries: list[tuple[str, str, Mapping[str, torch.Tensor]]]) -> None:
+    def put_all(self, entries: list[tuple[str, str, Mapping[str, torch.Tensor]]], *,
+                owned: bool = False) -> None:
         """:meth:`put` of each ``(key, group, tensors)``."""
         for key, group, tensors in entries:
-            self.put(key, group, tensors)
+            self.put(key, group, tensors, owned=owned)
 
     def finish(self, meta: dict[str, Any]) -> None:
         """Nothing to write; memory traces live as long as their report needs them."""
@@ -227,9 +230,12 @@ class DiskStore:
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
         self.put_all([(key, group, tensors)])
 
-    def put_all(self, entries: list[tuple[str, str, Mapping[str, torch.Tensor]]]) -> None:
+    def put_all(self, entries: list[tuple[str, str, Mapping[str, torch.Tensor]]], *,
+                owned: bool = False) -> None:
         """Write several calls' groups into one file (a decoding step's calls, say): fewer
-        files, the same reads. Their sketches and small tensors join those that wait."""
+        files, the same reads. Their sketches and small tensors join those that wait, the
+        small ones copied unless ``owned`` (copies of the caller's own, which nothing changes
+        afterwards)."""
         now = _Batch()
         for key, group, tensors in entries:
             for path, tensor in tensors.items():
@@ -238,7 +244,8 @@ class DiskStore:
                 if isinstance(value, Sketch):
                     self._pending.add(key, group, path, value, self._n_put)
                 elif value.numel() * value.element_size() <= SMALL_BYTES:
-                    self._pending.add(key, group, path, self._pending.copy_of(value),
+                    self._pending.add(key, group, path,
+                                      value if owned else self._pending.copy_of(value),
                                       self._n_put)
                 else:
                     now.add(key, group, path, value, self._n_put)

@@ -191,7 +191,7 @@ def _capturing(model: nn.Module, store: Any, opts: Options, calls: dict[int, lis
         capture.restart()
         yield
         now["step"] = None
-        store.put_all(entries)
+        store.put_all(entries, owned=True)  # the capture's copies
         calls[step] = capture.records
 
     what = "tensors" if group == "out" else "outputs"
