@@ -89,7 +89,7 @@ def held_state(module: nn.Module, args: tuple, kwargs: dict,
         return summaries[key][1]
 
     held = {f"state.{path}": of(t) for path, t in kept_tensors(module, recurse=False)}
-    for path, leaf in [*walk(args, "args"), *walk(kwargs, "kwargs")]:
+    for path, leaf in walk(args, "args") + walk(kwargs, "kwargs"):
         if not isinstance(leaf, torch.Tensor) and (_is_object(leaf) or
                                                    cache_layers(leaf) is not None):
             inside = leaf if cache_layers(leaf) is not None else vars(leaf)
@@ -104,8 +104,9 @@ def kept_tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str,
     owners = module.named_modules() if recurse else [("", module)]
     for prefix, owner in owners:
         dotted = f"{prefix}." if prefix else ""
-        for name, buffer in owner.named_buffers(recurse=False):
-            yield f"{dotted}{name}", buffer
+        for name, buffer in owner._buffers.items():  # named_buffers() costs more than a call
+            if buffer is not None:
+                yield f"{dotted}{name}", buffer
         public = {k: v for k, v in vars(owner).items()
                   if not k.startswith("_") and not isinstance(v, nn.Module)}
         for path, tensor in _tensors_in(public, "", 0):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,11 +18,7 @@ def flatten_tensors(tree: Any, prefix: str = "output") -> dict[str, torch.Tensor
     Walks tensors, mappings (including Hugging Face ``ModelOutput``), tuples, lists and
     dataclasses in order; other leaves (caches, None, numbers) are skipped.
     """
-    flat: dict[str, torch.Tensor] = {}
-    for path, leaf in walk(tree, prefix):
-        if isinstance(leaf, torch.Tensor):
-            flat[path] = leaf
-    return flat
+    return {path: leaf for path, leaf in walk(tree, prefix) if isinstance(leaf, torch.Tensor)}
 
 
 def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -59,26 +55,29 @@ def leaves(tree: Any, prefix: str) -> dict[str, Any]:
     return dict(walk(tree, prefix))
 
 
-def walk(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
+def walk(tree: Any, path: str) -> list[tuple[str, Any]]:
     """Every leaf of ``tree`` with its path (see :func:`leaves`), in order."""
+    found: list[tuple[str, Any]] = []
+    _collect(tree, path, found)
+    return found
+
+
+def _collect(tree: Any, path: str, found: list[tuple[str, Any]]) -> None:
+    # A plain recursion into a list, not nested generators: every module call of a captured
+    # run walks its inputs and outputs, and a generator per level costs more than the walk.
     if isinstance(tree, (torch.Tensor, *_SCALARS)):  # the common leaves, without the ABC checks
-        yield path, tree
-        return
-
-    def child(key: Any) -> str:
-        return f"{path}.{key}" if path else str(key)
-
-    if isinstance(tree, Mapping):
+        found.append((path, tree))
+    elif isinstance(tree, Mapping):
         for key, value in tree.items():
-            yield from walk(value, child(key))
+            _collect(value, f"{path}.{key}" if path else str(key), found)
     elif isinstance(tree, (tuple, list)):
         for index, value in enumerate(tree):
-            yield from walk(value, child(index))
+            _collect(value, f"{path}.{index}" if path else str(index), found)
     elif dataclasses.is_dataclass(tree) and not isinstance(tree, type):
         for name in field_names(tree):
-            yield from walk(getattr(tree, name), child(name))
+            _collect(getattr(tree, name), f"{path}.{name}" if path else name, found)
     else:
-        yield path, tree
+        found.append((path, tree))
 
 
 _SCALARS = (type(None), bool, int, float, str)
