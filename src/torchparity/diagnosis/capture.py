@@ -454,8 +454,11 @@ class Capture:
             self.records.append(call)
             self._by_key[call.key] = call
             if self.on_call is not None:
-                with self.paused():
+                self._paused += 1  # what the callback runs is not recorded (``paused()``)
+                try:
                     self.on_call(call)
+                finally:
+                    self._paused -= 1
             if not self.keep:
                 call.drop_tensors()
             return output
