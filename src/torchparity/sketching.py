@@ -193,20 +193,21 @@ def _sketch(tensor: torch.Tensor, seed: int, size: int) -> Sketch:
     squares = total = 0.0
     absmax, nonfinite = 0.0, 0
     for index, start in enumerate(range(0, flat.numel(), CHUNK)):
-        values = flat[start:start + CHUNK].to("cpu", torch.float64)
+        chunk = flat[start:start + CHUNK]
+        values = chunk.to("cpu", torch.float64)
         chunk_total = values.sum().item()
         if not math.isfinite(chunk_total) and not bool(values.isfinite().all()):
             finite = values.isfinite()
             nonfinite += int((~finite).sum())
-            values = torch.where(finite, values, 0.0)
+            values = chunk = torch.where(finite, values, 0.0)
             chunk_total = values.sum().item()
         # Buckets 0..k-1 add the element, k..2k-1 subtract it: bucket and sign in one draw.
         # scatter_add_ adds in element order, as index_add_ does, at twice its speed.
         buckets.scatter_add_(0, _bucket_stream(seed, index, values.numel(), size), values)
         squares += torch.dot(values, values).item()
         total += chunk_total
-        if values.numel():
-            low, high = torch.aminmax(values)
+        if values.numel():  # in the tensor's own dtype: exact, and fewer bytes to read
+            low, high = torch.aminmax(chunk)
             absmax = max(absmax, -low.item(), high.item())
     finite = flat.numel() - nonfinite
     slices = torch.cat([flat[start:start + length] for start, length in slice_ranges(tensor.shape)]
