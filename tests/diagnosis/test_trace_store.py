@@ -129,3 +129,17 @@ def test_small_tensors_of_every_kind_read_back_bit_for_bit(tmp_path: Path) -> No
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_a_small_tensor_read_back_is_a_copy_of_its_own(tmp_path: Path) -> None:
+    # Packed tensors are read from one tensor of the file: a replay that changes its input in
+    # place must not change what the next read gives, nor the tensor laid beside it.
+    with TraceWriter(tmp_path / "t.tptrace") as writer:
+        writer.store.put("a#0", "in", {"0": _small(), "1": _small() + 1})
+        writer.store.put("b#0", "in", {"0": _small() + 2})
+        path = writer.commit({"schema": trace.SCHEMA})
+    _, store = open_trace(path)
+    store.get("a#0", "in")["0"].fill_(-1)
+    store.get("b#0", "in")  # the store keeps the last call's tensors: read another's between
+    again = store.get("a#0", "in")
+    assert torch.equal(again["0"], _small()) and torch.equal(again["1"], _small() + 1)

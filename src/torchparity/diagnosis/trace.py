@@ -179,7 +179,7 @@ class DiskStore:
     Sketches (new objects of a few dozen kilobytes) and copies of small exact tensors wait in
     memory, up to :data:`PENDING_BYTES`, and go to disk together, so that a reader opens a
     few files, not one per call and group. Files stay open while they are read (up to
-    :data:`OPEN_FILES`)."""
+    :data:`OPEN_FILES`), each with its packed small tensors read whole on first use."""
 
     def __init__(self, directory: Path, *, writable: bool) -> None:
         self.directory = Path(directory)
@@ -382,6 +382,7 @@ class _OpenFile:
                      *self._packed, *aliases]:
             self._names.setdefault(name[:name.index("/", name.index("|")) + 1], []).append(name)
         self._described = json.loads(metadata.get("sketches", "{}"))
+        self._packs: dict[str, torch.Tensor] = {}  # read whole, once: a few MiB at most
 
     def read(self, prefix: str) -> dict[str, torch.Tensor | Sketch]:
         stored = {name: self._tensor(self._aliases.get(name, name))
@@ -392,7 +393,10 @@ class _OpenFile:
         if name not in self._packed:
             return self._handle.get_tensor(name)
         pack, offset, shape = self._packed[name]
-        return self._handle.get_slice(pack)[offset:offset + math.prod(shape)].reshape(shape)
+        if pack not in self._packs:
+            self._packs[pack] = self._handle.get_tensor(pack)
+        # A copy of its own, as a tensor read from the file is: a replay may change it in place.
+        return self._packs[pack][offset:offset + math.prod(shape)].reshape(shape).clone()
 
     def close(self) -> None:
         self._handle.__exit__(None, None, None)
