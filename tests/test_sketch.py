@@ -191,3 +191,18 @@ def test_a_sketch_of_a_padded_tensor_leaves_the_padding_out():
     changed = garbage.clone()
     changed[0, 10] += 1e-3
     assert not tp.compare({"h": changed}, sketched, {"h": baseline}, padding=padding).ok
+
+
+def test_a_float64_sketch_is_the_same_wherever_its_tensor_sits() -> None:
+    # A float64 tensor is sketched where it lies (no float64 copy is made of it): its RMS
+    # must not depend on where in memory that is (a view, a tensor read from a trace), which
+    # MKL's dot does on values of a wide range.
+    n = 1 << 20
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(n, dtype=torch.float64, generator=generator) * \
+        torch.randn(n, dtype=torch.float64, generator=generator).mul(3).exp()
+    expected = sketching.sketch(values, "output")
+    for offset in range(1, 8):
+        buffer = torch.empty(n + offset, dtype=torch.float64)
+        buffer[offset:] = values
+        assert sketching.sketch(buffer[offset:], "output").same_values(expected)

@@ -204,7 +204,7 @@ def _sketch(tensor: torch.Tensor, seed: int, size: int) -> Sketch:
         # Buckets 0..k-1 add the element, k..2k-1 subtract it: bucket and sign in one draw.
         # scatter_add_ adds in element order, as index_add_ does, at twice its speed.
         buckets.scatter_add_(0, _bucket_stream(seed, index, values.numel(), size), values)
-        squares += torch.dot(values, values).item()
+        squares += tolerance.dot(values, values)  # wherever a float64 tensor sits
         total += chunk_total
         if values.numel():  # in the tensor's own dtype: exact, and fewer bytes to read
             low, high = torch.aminmax(chunk)
