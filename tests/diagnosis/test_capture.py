@@ -13,7 +13,13 @@ import torch
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.capture import Capture, TensorStats, call_key, module_filter
+from torchparity.diagnosis.capture import (
+    Capture,
+    ModuleCall,
+    TensorStats,
+    call_key,
+    module_filter,
+)
 from torchparity.subject.trees import flatten_tensors, map_tensors
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
@@ -213,3 +219,30 @@ def test_flatten_and_map_handle_pytrees_and_model_outputs() -> None:
     assert isinstance(doubled["m"], CausalLMOutputWithPast) and isinstance(doubled["p"], Pair)
     assert doubled["m"].logits.tolist() == [2.0, 2.0] and doubled["d"].extra[1] == "s"
     assert flatten_tensors(t) == {"output": t}
+
+
+def test_a_shared_copy_is_one_per_memory_unchanged_since() -> None:
+    class ChangesItsInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Identity(), nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.first(x)  # x itself
+            x.add_(1)
+            return self.second(y)
+
+    model = ChangesItsInput()
+    kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on_call(call: ModuleCall) -> None:
+        # live: the output itself, detached (another tensor object reading the same memory)
+        kept[call.key] = (call.args[0], cap.copy(call.outputs["output"]))
+
+    with Capture(model, what="tensors", share=True, keep=False, live=True,
+                 on_call=on_call) as cap:
+        model(torch.zeros(3))
+    (first_in, first_out), (second_in, _) = kept["first"], kept["second"]
+    assert first_out is first_in  # one copy of one memory
+    assert second_in is not first_in  # changed in place in between: a copy of its own
+    assert torch.equal(first_in, torch.zeros(3)) and torch.equal(second_in, torch.ones(3))

@@ -348,7 +348,7 @@ class Capture:
         self.state = state
         self.states = states
         self._summaries: Summaries = {}
-        self._copies: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = (
+        self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] | None = (
             {} if share else None)
         self.live = live and not keep
         self._paused = 0
@@ -426,8 +426,8 @@ class Capture:
             call.input_placement = {p: (t.dtype, t.device) for p, t in inputs.items()}
             if self.what == "tensors":
                 # Copied now: the module (or its callers) may change them in place later.
-                call.args = snapshot(args, self.objects, self._copy)
-                call.kwargs = snapshot(kwargs, self.objects, self._copy)
+                call.args = snapshot(args, self.objects, self.copy)
+                call.kwargs = snapshot(kwargs, self.objects, self.copy)
             elif self.what == "stats":
                 call.input_stats = {path: TensorStats.of(t) for path, t in inputs.items()}
             self._open.setdefault(name, []).append(call)
@@ -447,7 +447,7 @@ class Capture:
             if self.what == "stats":
                 call.output_stats = {path: TensorStats.of(t) for path, t in outputs.items()}
             elif self.what != "shapes":
-                call.output = map_tensors(output, torch.Tensor.detach if self.live else self._copy)
+                call.output = map_tensors(output, torch.Tensor.detach if self.live else self.copy)
             if self.grads:
                 output, outputs = _downstream_only(output, outputs)
                 self._watch_grads(call, outputs)
@@ -465,13 +465,15 @@ class Capture:
 
         return hook
 
-    def _copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A detached copy of ``tensor``; with ``share``, the same copy for the same tensor
-        unchanged since."""
-        if self._copies is None:
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A detached copy of ``tensor``, as the capture takes one; with ``share``, the same
+        copy for the same memory unchanged since, whichever tensor object reads it (a call's
+        output is the next call's input, and ``live`` hands out detached ones)."""
+        if self._copies is None or tensor.is_inference():  # no version to tell a change by
             return tensor.detach().clone()
-        key = (id(tensor), tensor._version)
-        if key not in self._copies or self._copies[key][0] is not tensor:
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype,
+               tensor.device, tensor._version)
+        if key not in self._copies:  # the source is held: its memory is not reused meanwhile
             self._copies[key] = (tensor, tensor.detach().clone())
         return self._copies[key][1]
 
