@@ -92,9 +92,14 @@ def kept(group: str, path: str, tensor: torch.Tensor | Sketch,
     with ``copy`` (a store that holds it while the run may still change it in place)."""
     if isinstance(tensor, Sketch):
         return tensor
-    if group not in EXACT_GROUPS and sketching.wants_sketch(tensor):
+    if sketched_in(group, tensor):
         return sketching.sketch(sketching.masked(tensor, left_out), path)
     return tensor.detach().to("cpu", copy=copy)
+
+
+def sketched_in(group: str, tensor: torch.Tensor) -> bool:
+    """Whether a store keeps ``tensor`` of ``group`` as a sketch (:func:`kept`)."""
+    return group not in EXACT_GROUPS and sketching.wants_sketch(tensor)
 
 
 def padded(padding: Padding | None, key: str, group: str, path: str, tensor: torch.Tensor

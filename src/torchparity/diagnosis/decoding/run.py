@@ -25,6 +25,8 @@ from torchparity.diagnosis.capture import Capture, ModuleCall, Signature, signat
 from torchparity.diagnosis.float64_golden import golden_copy
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
+from torchparity.diagnosis.trace import kept, padded, sketched_in
+from torchparity.sketching import Sketch
 from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep
 from torchparity.subject.decoding import Decoding, ReorderFn, StepFn, teacher_forced
 from torchparity.subject.factory import first_line
@@ -172,15 +174,22 @@ def _capturing(model: nn.Module, store: Any, opts: Options, calls: dict[int, lis
     (A's outputs, inputs and state in ``out``/``in``; the golden's outputs in
     ``golden_out``), written step by step on disk. The hooks stay in place for the whole
     decoding (placing them costs more than a step of a small model); what runs between steps
-    is not kept."""
-    entries: list[tuple[str, str, dict[str, torch.Tensor]]] = []
+    is not kept. An output the store keeps as a sketch (the prompt's big ones) is sketched
+    from the live tensor when its call ends; the others are copied then."""
+    entries: list[tuple[str, str, dict[str, torch.Tensor | Sketch]]] = []
     now: dict[str, int | None] = {"step": None}
 
     def keep(call: ModuleCall) -> None:
         if now["step"] is None:  # between steps
             return
         key = step_key(call.key, now["step"])
-        entries.append((key, group, call.outputs))
+
+        def held(path: str, tensor: torch.Tensor) -> torch.Tensor | Sketch:
+            if not sketched_in(group, tensor):
+                return capture.copy(tensor)
+            return kept(group, path, tensor, padded(store.padding, key, group, path, tensor))
+
+        entries.append((key, group, {path: held(path, t) for path, t in call.outputs.items()}))
         if group == "out":
             entries.append(store.inputs_entry(key, call.args, call.kwargs))
 
@@ -191,12 +200,12 @@ def _capturing(model: nn.Module, store: Any, opts: Options, calls: dict[int, lis
         capture.restart()
         yield
         now["step"] = None
-        store.put_all(entries, owned=True)  # the capture's copies
+        store.put_all(entries, owned=True)  # the capture's copies and sketches
         calls[step] = capture.records
 
     what = "tensors" if group == "out" else "outputs"
     with Capture(model, opts.selects(), what=what, objects=False, state=state,
-                 share=True, keep=False, on_call=keep) as capture:
+                 share=True, keep=False, live=True, on_call=keep) as capture:
         yield during
 
 
