@@ -90,10 +90,13 @@ def held_state(module: nn.Module, args: tuple, kwargs: dict,
 
     held = {f"state.{path}": of(t) for path, t in kept_tensors(module, recurse=False)}
     for path, leaf in walk(args, "args") + walk(kwargs, "kwargs"):
-        if not isinstance(leaf, torch.Tensor) and (_is_object(leaf) or
-                                                   cache_layers(leaf) is not None):
-            inside = leaf if cache_layers(leaf) is not None else vars(leaf)
-            held.update({f"{path}.{inner}": of(t) for inner, t in _tensors_in(inside, "", 0)})
+        if isinstance(leaf, (torch.Tensor, *_HOLDS_NO_TENSOR)):  # an argument, or a setting
+            continue
+        layered = cache_layers(leaf)
+        if layered is None and not _is_object(leaf):
+            continue
+        inside = layered.items() if layered is not None else _tensors_in(vars(leaf), "", 0)
+        held.update({f"{path}.{inner}": of(t) for inner, t in inside})
     return held
 
 
@@ -107,39 +110,50 @@ def kept_tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str,
         for name, buffer in owner._buffers.items():  # named_buffers() costs more than a call
             if buffer is not None:
                 yield f"{dotted}{name}", buffer
-        public = {k: v for k, v in vars(owner).items()
-                  if not k.startswith("_") and not isinstance(v, nn.Module)}
-        for path, tensor in _tensors_in(public, "", 0):
-            if not isinstance(tensor, nn.Parameter):
-                yield f"{dotted}{path}", tensor
+        for key, value in vars(owner).items():
+            if key.startswith("_") or isinstance(value, (*_HOLDS_NO_TENSOR, nn.Module)):
+                continue
+            for path, tensor in _tensors_in(value, key, 1):
+                if not isinstance(tensor, nn.Parameter):
+                    yield f"{dotted}{path}", tensor
 
 
 #: Values that hold no tensor, most of a module's attributes (its settings), told apart first.
 _HOLDS_NO_TENSOR = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
 
 
-def _tensors_in(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors_in(value: Any, path: str, depth: int) -> list[tuple[str, torch.Tensor]]:
+    found: list[tuple[str, torch.Tensor]] = []
+    _collect_tensors(value, path, depth, found)
+    return found
+
+
+def _collect_tensors(value: Any, path: str, depth: int,
+                     found: list[tuple[str, torch.Tensor]]) -> None:
+    # A plain recursion into one list (see subject.trees.walk): every captured call of a
+    # decoding step comes through here.
     if isinstance(value, _HOLDS_NO_TENSOR):
         return
-    layered = cache_layers(value)
     if isinstance(value, torch.Tensor):
-        yield path, value
-    elif layered is not None:
-        for inner, tensor in layered.items():
-            yield f"{path}.{inner}" if path else inner, tensor
+        found.append((path, value))
+        return
+    # A builtin container has no attributes of its own: only other objects can be caches.
+    layered = None if type(value) in (dict, list, tuple) else cache_layers(value)
+    if layered is not None:
+        found.extend((f"{path}.{inner}" if path else inner, t) for inner, t in layered.items())
     elif depth > _DEPTH or isinstance(value, (nn.Module, type)):
         return
     elif isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(item, _HOLDS_NO_TENSOR):
-                yield from _tensors_in(item, f"{path}.{key}" if path else str(key), depth + 1)
+                _collect_tensors(item, f"{path}.{key}" if path else str(key), depth + 1, found)
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             if not isinstance(item, _HOLDS_NO_TENSOR):
-                yield from _tensors_in(item, f"{path}.{index}" if path else str(index),
-                                       depth + 1)
+                _collect_tensors(item, f"{path}.{index}" if path else str(index), depth + 1,
+                                 found)
     elif _is_object(value):
-        yield from _tensors_in(vars(value), path, depth + 1)
+        _collect_tensors(vars(value), path, depth + 1, found)
 
 
 def cache_layers(value: Any) -> dict[str, torch.Tensor] | None:
