@@ -23,30 +23,38 @@ def flatten_tensors(tree: Any, prefix: str = "output") -> dict[str, torch.Tensor
 
 def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """Rebuild ``tree`` with ``fn`` applied to every tensor; containers keep their types."""
-    return map_tensors_with_paths(tree, lambda path, tensor: fn(tensor), "")
+    return _mapped(tree, lambda path, tensor: fn(tensor), None)
 
 
 def map_tensors_with_paths(tree: Any, fn: Callable[[str, torch.Tensor], Any],
                            prefix: str = "output") -> Any:
     """Like :func:`map_tensors`, with ``fn(path, tensor)`` getting the path that
     :func:`flatten_tensors` gives the tensor under the same ``prefix``."""
-    def child(key: Any) -> str:
-        return f"{prefix}.{key}" if prefix else str(key)
+    return _mapped(tree, fn, prefix)
 
+
+def _mapped(tree: Any, fn: Callable[[Any, torch.Tensor], Any], path: str | None) -> Any:
+    # ``path`` None: no paths are wanted (map_tensors), and none is built.
     if isinstance(tree, torch.Tensor):
-        return fn(prefix, tree)
+        return fn(path, tree)
+    if isinstance(tree, _SCALARS):  # the common leaves, without the ABC checks
+        return tree
     if isinstance(tree, Mapping):
-        mapped = {k: map_tensors_with_paths(v, fn, child(k)) for k, v in tree.items()}
+        mapped = {k: _mapped(v, fn, _child(path, k)) for k, v in tree.items()}
         return _rebuild_mapping(tree, mapped)
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*(map_tensors_with_paths(v, fn, child(i)) for i, v in enumerate(tree)))
+        return type(tree)(*[_mapped(v, fn, _child(path, i)) for i, v in enumerate(tree)])
     if isinstance(tree, (tuple, list)):
-        return type(tree)(map_tensors_with_paths(v, fn, child(i)) for i, v in enumerate(tree))
+        return type(tree)([_mapped(v, fn, _child(path, i)) for i, v in enumerate(tree)])
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        changes = {name: map_tensors_with_paths(getattr(tree, name), fn, child(name))
+        changes = {name: _mapped(getattr(tree, name), fn, _child(path, name))
                    for name in field_names(tree, init=True)}
         return dataclasses.replace(tree, **changes)
     return tree
+
+
+def _child(path: str | None, key: Any) -> str | None:
+    return None if path is None else f"{path}.{key}" if path else str(key)
 
 
 def leaves(tree: Any, prefix: str) -> dict[str, Any]:
