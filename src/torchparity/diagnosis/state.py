@@ -50,9 +50,8 @@ class Held:
         magnitude = (values.abs().nan_to_num(nan=1.0) if values.is_floating_point()  # NaN: written
                      else values.ne(0).to(torch.uint8))
         extent, holes = [], {}
-        for dim in range(values.dim()):
-            others = tuple(d for d in range(values.dim()) if d != dim)
-            written = (magnitude.amax(dim=others) if others else magnitude).gt(0).tolist()
+        for dim, largest in enumerate(_largest_along(magnitude)):
+            written = largest.gt(0).tolist()
             end = len(written) - written[::-1].index(True) if True in written else 0
             if False in written[:end]:  # rare: the slots are listed only then
                 holes[dim] = tuple([i for i in range(end) if not written[i]][:_HOLES])
@@ -67,6 +66,16 @@ class Held:
     def from_json(cls, data: dict[str, Any]) -> Held:
         return cls(tuple(data["shape"]), tuple(data["extent"]),
                    {int(d): tuple(h) for d, h in data["holes"].items()})
+
+
+def _largest_along(magnitude: torch.Tensor) -> list[torch.Tensor]:
+    """For each dimension, the largest value of each of its slices. The maxima over all but
+    the last dimension are those of the tensor reduced over the last one: two passes over
+    the tensor, not one per dimension."""
+    if magnitude.dim() <= 1:
+        return [magnitude] if magnitude.dim() else []
+    return [*_largest_along(magnitude.amax(dim=-1)),
+            magnitude.amax(dim=tuple(range(magnitude.dim() - 1)))]
 
 
 #: Summaries already made, by tensor identity and version (with the tensor, so that the
