@@ -246,3 +246,12 @@ def test_a_shared_copy_is_one_per_memory_unchanged_since() -> None:
     assert first_out is first_in  # one copy of one memory
     assert second_in is not first_in  # changed in place in between: a copy of its own
     assert torch.equal(first_in, torch.zeros(3)) and torch.equal(second_in, torch.ones(3))
+
+
+def test_shared_copies_of_an_inference_mode_run(net: Net, x: torch.Tensor) -> None:
+    # Inference tensors have no version counter to tell a change by: each gets its own copy.
+    with torch.inference_mode():
+        expected = net(x)["logits"]
+        with Capture(net, share=True) as cap:
+            net(x)
+    assert torch.equal(cap["head"].output, expected)
