@@ -26,7 +26,7 @@ FLOORS = (
     ("top", ("commands", "cli", "pytest_plugin", "__main__")),
     ("wings", ("golden", "diagnosis", "train", "bench", "calibration", "revisions", "ci")),
     ("shared", ("comparison", "subject", "strategies")),
-    ("bottom", ("backends", "tolerance", "sketching", "machine", "dtypes", "errors",
+    ("bottom", ("backends", "tolerance", "sketching", "memory", "machine", "dtypes", "errors",
                 "collector", "reference")),
 )
 

@@ -34,6 +34,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchparity import tolerance
+from torchparity.memory import memory_key, version
 
 #: Environment variable overriding :attr:`SketchTolerance.min_elements` (a number of
 #: elements): floating tensors with at least this many elements are sketched.
@@ -267,36 +268,20 @@ class _Made:
         self._kept: OrderedDict[tuple, tuple[StorageWeakRef, int, Sketch]] = OrderedDict()
 
     def get(self, tensor: torch.Tensor, seed: int, size: int) -> Sketch | None:
-        key = _memory_key(tensor, seed, size)
-        found = None if key is None else self._kept.get(key)
-        if found is None or found[0].expired() or found[1] != _version(tensor):
+        key = memory_key(tensor)
+        found = None if key is None else self._kept.get((*key, seed, size))
+        if found is None or found[0].expired() or found[1] != version(tensor):
             return None
         return found[2]
 
     def put(self, tensor: torch.Tensor, seed: int, size: int, made: Sketch) -> Sketch:
-        key, version = _memory_key(tensor, seed, size), _version(tensor)
-        if key is not None and version is not None:
-            self._kept[key] = (StorageWeakRef(tensor.untyped_storage()), version, made)
+        key, changes = memory_key(tensor), version(tensor)
+        if key is not None and changes is not None:
+            self._kept[(*key, seed, size)] = (StorageWeakRef(tensor.untyped_storage()), changes,
+                                              made)
             while len(self._kept) > SKETCH_CACHE_ENTRIES:
                 self._kept.popitem(last=False)
         return made
-
-
-def _memory_key(tensor: torch.Tensor, seed: int, size: int) -> tuple | None:
-    """What identifies the values a tensor reads: None for one without a storage of its own
-    (a tensor subclass that wraps others)."""
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return (storage._cdata, tensor.device, tensor.storage_offset(), tuple(tensor.shape),
-            tensor.stride(), tensor.dtype, seed, size)
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter, which every in-place change moves (None for an inference
-    tensor, which has none)."""
-    return None if tensor.is_inference() else tensor._version
 
 
 _MADE = _Made()

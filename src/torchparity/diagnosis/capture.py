@@ -35,6 +35,7 @@ from torch import nn
 
 from torchparity.diagnosis.state import Held, StateRecorder, Summaries, held_state
 from torchparity.errors import UsageError
+from torchparity.memory import SharedCopies
 from torchparity.subject.trees import field_names, flatten_tensors, map_tensors, walk
 
 __all__ = [
@@ -348,8 +349,7 @@ class Capture:
         self.state = state
         self.states = states
         self._summaries: Summaries = {}
-        self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] | None = (
-            {} if share else None)
+        self._copies = SharedCopies() if share else None
         self.live = live and not keep
         self._paused = 0
         self._handles: list[Any] = []
@@ -469,13 +469,9 @@ class Capture:
         """A detached copy of ``tensor``, as the capture takes one; with ``share``, the same
         copy for the same memory unchanged since, whichever tensor object reads it (a call's
         output is the next call's input, and ``live`` hands out detached ones)."""
-        if self._copies is None or tensor.is_inference():  # no version to tell a change by
+        if self._copies is None:
             return tensor.detach().clone()
-        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype,
-               tensor.device, tensor._version)
-        if key not in self._copies:  # the source is held: its memory is not reused meanwhile
-            self._copies[key] = (tensor, tensor.detach().clone())
-        return self._copies[key][1]
+        return self._copies.copy(tensor)
 
     def _watch_grads(self, call: ModuleCall, outputs: dict[str, torch.Tensor]) -> None:
         for path, tensor in outputs.items():

@@ -62,6 +62,7 @@ from torch import nn
 from torchparity import sketching
 from torchparity.diagnosis.capture import ModuleCall, Uncopyable, snapshot, uncopyable_leaves
 from torchparity.errors import TorchParityError, UsageError
+from torchparity.memory import SharedCopies, memory_key
 from torchparity.sketching import Sketch
 from torchparity.subject.padding import Padding
 from torchparity.subject.trees import field_names, flatten_tensors
@@ -250,7 +251,7 @@ class DiskStore:
                     self._pending.add(key, group, path, value, self._n_put)
                 elif value.numel() * value.element_size() <= SMALL_BYTES:
                     self._pending.add(key, group, path,
-                                      value if owned else self._pending.copy_of(value),
+                                      value if owned else self._pending.copies.copy(value),
                                       self._n_put)
                 else:
                     now.add(key, group, path, value, self._n_put)
@@ -322,20 +323,10 @@ class _Batch:
         self.described: dict[str, Any] = {}
         self.groups: dict[tuple[str, str], None] = {}  # in order of arrival
         self.bytes = 0
-        self._copies: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of an exact tensor that waits (the run may change it in place meanwhile):
-        one per memory read unchanged since (the source is held, so its memory is not
-        reused), so that a call's output and the next call's input stay one tensor in the
-        file."""
-        if tensor.is_inference():  # no version counter to tell a change by
-            return tensor.clone()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-               tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor._version)
-        if key not in self._copies:
-            self._copies[key] = (tensor, tensor.clone())
-        return self._copies[key][1]
+        #: Copies of the small exact tensors that wait (the run may change them in place
+        #: meanwhile), one per memory, so that a call's output and the next call's input stay
+        #: one tensor in the file.
+        self.copies = SharedCopies()
 
     def add(self, key: str, group: str, path: str, value: torch.Tensor | Sketch,
             rank: int) -> None:
@@ -500,9 +491,7 @@ def _aliased(named: dict[str, torch.Tensor]) -> dict[str, str]:
     kept: dict[tuple, str] = {}
     aliases, pointers = {}, set()
     for name, tensor in list(named.items()):
-        pointer = tensor.untyped_storage().data_ptr()
-        same = (pointer, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(),
-                tensor.dtype)
+        pointer, same = tensor.untyped_storage().data_ptr(), memory_key(tensor)
         if same in kept:
             aliases[name] = kept[same]
             del named[name]
