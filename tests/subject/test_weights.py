@@ -13,6 +13,7 @@ from torch import nn
 
 import torchparity as tp
 from torchparity import machine
+from torchparity.reference import rng
 
 SQRT3 = math.sqrt(3.0)
 
@@ -32,14 +33,17 @@ class TinyLM(nn.Module):
 
 def test_each_kind_of_tensor_gets_its_scale() -> None:
     model = tp.init_weights(TinyLM(), seed=0)
-    # Uniform values: std s spans [-sqrt(3) s, sqrt(3) s] around the mean.
-    for tensor, mean, std in ((model.norm.weight, 1.0, 0.05), (model.norm.bias, 0.0, 0.05),
-                              (model.batch_norm.running_var, 1.0, 0.05),
-                              (model.embed.weight, 0.0, 0.02), (model.up.bias, 0.0, 0.02),
-                              (model.up.weight, 0.0, 1 / math.sqrt(32)),
-                              (model.down.weight, 0.0, 1 / math.sqrt(128))):
+    # Uniform values: std s spans [-sqrt(3) s, sqrt(3) s] around the mean; each tensor is the
+    # seeded uniform draw of its name, at its kind's scale, to the bit.
+    for name, mean, std in (("norm.weight", 1.0, 0.05), ("norm.bias", 0.0, 0.05),
+                            ("batch_norm.running_var", 1.0, 0.05),
+                            ("embed.weight", 0.0, 0.02), ("up.bias", 0.0, 0.02),
+                            ("up.weight", 0.0, 1 / math.sqrt(32)),
+                            ("down.weight", 0.0, 1 / math.sqrt(128))):
+        tensor = model.state_dict()[name]
         assert (tensor - mean).abs().max() <= SQRT3 * std
-        assert tensor.std().item() == pytest.approx(std, rel=0.2)
+        drawn = rng.symmetric(0, name, tensor.shape, std) + mean
+        assert torch.equal(tensor, drawn.to(tensor.dtype)), name
     assert model.head.weight is model.embed.weight
     assert model.batch_norm.num_batches_tracked.item() == 0  # integers are left alone
     assert torch.equal(model.table, torch.full((4,), -1.0))  # the module recomputes it
