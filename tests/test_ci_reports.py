@@ -105,6 +105,31 @@ def test_a_diagnosis_has_a_case_per_module_and_fails_the_first_divergence():
     assert annotation.startswith("::error title=torchparity diagnose::First divergence: 2 ")
 
 
+def test_a_module_whose_output_inherits_a_divergence_fails_and_every_case_has_a_time():
+    """B changes its first layer only: the later modules' own local errors are identical,
+    their outputs in B's run are not; no JUnit viewer may show those modules green."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        b[0].bias.add_(0.1)
+    report = tp.diagnose(a, b, (torch.randn(3, 4),), backward=False, local="all")
+    rows = {row.module: row for row in report.rows}
+    assert rows["2"].local.verdict == "identical" and not rows["2"].propagated.ok
+    xml = junit_xml(diagnosis_outcome(report, "b against a", seconds=2.0))
+    found = verdicts(xml)
+    assert found["0"] == ("diverged", "failure")
+    assert found["1"] == ("diverged", "failure") and found["2"] == ("diverged", "failure")
+    root = ET.fromstring(xml)
+    message = root.find(".//testcase[@name='2']/failure").text
+    assert "inherited: its own local error is identical; it enters at 0" in message
+    times = [float(case.get("time")) for case in root.iter("testcase")]
+    assert root.find("testsuite").get("time") == "2.000"
+    # Each share is printed to the millisecond: the shares add up to the suite's time.
+    assert all(t > 0 for t in times) and abs(sum(times) - 2.0) <= len(times) * 0.0005
+
+
 PLUGIN_TESTS = '''
 import os
 

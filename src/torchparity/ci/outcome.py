@@ -13,7 +13,7 @@ from typing import Any
 
 from torchparity.diagnosis.decoding import DecodeReport
 from torchparity.diagnosis.report import DiagnosisReport
-from torchparity.diagnosis.results import Row, share_cell
+from torchparity.diagnosis.results import Row, headroom, module_label, ratio, share_cell
 from torchparity.golden.cells import CheckResult
 from torchparity.golden.report import budget_share
 
@@ -48,9 +48,11 @@ class Outcome:
     rows: list[list[str]]
     cases: list[Case] = field(default_factory=list)
     alerts: list[str] = field(default_factory=list)
+    seconds: float | None = None  # the command's wall time, when known
 
 
-def check_outcome(results: list[CheckResult], subject: str) -> Outcome:
+def check_outcome(results: list[CheckResult], subject: str,
+                  seconds: float | None = None) -> Outcome:
     """The outcome of ``torchparity check``: one case per case (model), cell and output."""
     failed = [r for r in results if not r.ok]
     cells = {(r.case, r.cell) for r in results}
@@ -76,14 +78,17 @@ def check_outcome(results: list[CheckResult], subject: str) -> Outcome:
     alerts = [f"{case.suite.removeprefix('torchparity.check.')} {case.name}: {case.message}"
               for case in cases if not case.ok]
     return Outcome("torchparity check", subject, not failed, verdict, findings, heads, rows,
-                   cases, alerts)
+                   cases, alerts, seconds)
 
 
-def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str) -> Outcome:
+def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str,
+                      seconds: float | None = None) -> Outcome:
     """The outcome of ``torchparity diagnose``, forward or decoding: the report's own
     sentences are its findings, its summary the one alert of a failure."""
     if isinstance(report, DecodeReport):
-        return _decode_outcome(report, subject)
+        outcome = _decode_outcome(report, subject)
+        outcome.seconds = seconds
+        return outcome
     first, grad = report.first_divergence, report.first_grad_divergence
     ok = first is None and grad is None
     if ok:
@@ -95,13 +100,10 @@ def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str) -> O
     shown = [r for r in report.rows if _diverged(r)] if not ok else report.rows
     rows = [[f"`{r.module or '(model)'}`", r.module_type, share_cell(r.local),
              share_cell(r.propagated)] for r in shown]
-    cases = [Case("torchparity.diagnose", r.module or "(model)", _row_verdict(r),
-                  r.local is None or r.local.ok,
-                  message="" if r.local is None or r.local.ok else r.local.explain())
-             for r in report.rows]
+    cases = [_module_case(r, first) for r in report.rows]
     return Outcome("torchparity diagnose", subject, ok, verdict, report.findings(),
                    ["module", "type", "local", "propagated"], rows, cases,
-                   [] if ok else [report.summary()])
+                   [] if ok else [report.summary()], seconds)
 
 
 def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
@@ -153,9 +155,26 @@ def _cell_row(case: str, cell: Any, results: list[CheckResult]) -> list[str]:
             "≡" if identical or used is None else budget_share(used)]
 
 
-def _row_verdict(row: Row) -> str:
-    result = row.local or row.propagated
-    return result.verdict if result is not None else "-"
+def _module_case(row: Row, first: Row | None) -> Case:
+    """A module's case fails when its own local error diverged, and also when only its
+    output in B's own run did: a divergence it inherits is still a divergence of its output,
+    and the message says where it entered and what the module's own error was."""
+    name = row.module or "(model)"
+    local, propagated = row.local, row.propagated
+    if local is not None and not local.ok:
+        return Case("torchparity.diagnose", name, local.verdict, False, local.explain())
+    if propagated is not None and not propagated.ok:
+        own = "not computed" if local is None else local.verdict
+        source = (f"; it enters at {module_label(first.module)}" if first is not None and
+                  first is not row else "")
+        message = (f"its output in B's own run diverged ({ratio(headroom(propagated))} of its "
+                   f"budget), inherited: its own local error is {own}{source}. "
+                   f"{propagated.explain()}")
+        return Case("torchparity.diagnose", name, propagated.verdict, False, message)
+    compared = [r for r in (local, propagated) if r is not None]
+    verdicts = {r.verdict for r in compared}
+    verdict = next((v for v in ("within", "not compared", "identical") if v in verdicts), "-")
+    return Case("torchparity.diagnose", name, verdict, True)
 
 
 def _diverged(row: Row) -> bool:

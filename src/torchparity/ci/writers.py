@@ -3,7 +3,9 @@
 The Markdown summary fits a screen (:data:`SUMMARY_LINES` lines at most: the table is cut,
 with a line saying how many rows were left out and where to find them). The JUnit XML has one
 ``<testcase>`` per case, each with its verdict as a property; a failure carries its message,
-an ``n/a`` cell is ``<skipped>`` with the reason. Under GitHub Actions (``GITHUB_ACTIONS=true``)
+an ``n/a`` cell is ``<skipped>`` with the reason. The suite's ``time`` is the command's wall
+time; the cases are judged together, so each case's ``time`` is an even share of it (they add
+up to the suite's, as CI viewers expect). Under GitHub Actions (``GITHUB_ACTIONS=true``)
 each alert (a failed cell, a diagnosis's summary) is also a ``::error`` workflow command on
 stdout, which GitHub shows on the run.
 """
@@ -72,13 +74,16 @@ def junit_xml(outcome: Outcome) -> str:
     skipped = sum(c.skipped is not None for c in outcome.cases)
     suites = ET.Element("testsuites", name=outcome.command, tests=str(len(outcome.cases)),
                         failures=str(failures))
+    seconds = outcome.seconds or 0.0
+    share = f"{seconds / max(len(outcome.cases), 1):.3f}"
     suite = ET.SubElement(suites, "testsuite", name=outcome.command,
                           tests=str(len(outcome.cases)), failures=str(failures),
-                          errors="0", skipped=str(skipped))
+                          errors="0", skipped=str(skipped), time=f"{seconds:.3f}")
     ET.SubElement(ET.SubElement(suite, "properties"), "property", name="compared",
                   value=outcome.subject)
     for case in outcome.cases:
-        element = ET.SubElement(suite, "testcase", classname=case.suite, name=case.name)
+        element = ET.SubElement(suite, "testcase", classname=case.suite, name=case.name,
+                                time=share)
         ET.SubElement(ET.SubElement(element, "properties"), "property", name="verdict",
                       value=case.verdict)
         if not case.ok:

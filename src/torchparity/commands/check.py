@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             report.write_json(Path(args.json))
         compared = (f"{', '.join(args.model)} against base {side.name}" if side else
                     f"the goldens in {report.model_root}")
-        publish(check_outcome(report.results, compared), args.summary, args.junit)
+        publish(check_outcome(report.results, compared, elapsed), args.summary, args.junit)
         return 0 if report.ok else 1
 
 

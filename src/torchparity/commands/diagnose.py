@@ -16,6 +16,7 @@ for usage errors.
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from torchparity.diagnosis.decoding import DecodeReport
     from torchparity.diagnosis.float64_golden import golden_warning
 
+    started = time.perf_counter()
     check_paths(args.summary, args.junit)
     name_map = [_name_rule(rule) for rule in args.name_map or []] or None
     side = base_side(args)
@@ -89,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
         report.to_json(args.json)
     if args.html:
         report.to_html(args.html)
-    publish(diagnosis_outcome(report, f"{args.entries[-1]} against {compared}"), args.summary,
-            args.junit)
+    outcome = diagnosis_outcome(report, f"{args.entries[-1]} against {compared}",
+                                time.perf_counter() - started)
+    publish(outcome, args.summary, args.junit)
     if isinstance(report, DecodeReport):
         return 0 if report.ok else 1
     return 1 if report.first_divergence or report.first_grad_divergence else 0
