@@ -159,3 +159,42 @@ def test_a_layout_yields_indentation_then_gives_a_name_its_own_line(width: int) 
     assert any(line.strip() == name or line.endswith(" " + name) for line in lines), lines
     assert all(len(line) <= max(width, len(name)) for line in lines)
     assert "".join(lines).replace(" ", "") == (prefix + name + "(shapediffers)").replace(" ", "")
+
+
+class _SteeperBackward(torch.autograd.Function):
+    """The identity forward, a backward that scales the gradient: only gradients change."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.5
+
+
+class _Scaled(nn.Module):
+    def __init__(self, steeper: bool) -> None:
+        super().__init__()
+        self.weight, self.steeper = nn.Parameter(torch.randn(DIM)), steeper
+
+    def forward(self, x):
+        y = x * self.weight
+        return _SteeperBackward.apply(y) if self.steeper else y
+
+
+def test_a_failing_diagnosis_whose_output_is_within_says_why_it_fails() -> None:
+    """The forward passes agree bit for bit, the backward of one module does not: the
+    report says ``Final output: identical`` and must also say why it fails."""
+    torch.manual_seed(0)
+    a, b = nn.Sequential(_Scaled(False), nn.Tanh()), nn.Sequential(_Scaled(True), nn.Tanh())
+    b.load_state_dict(a.state_dict())
+    report = tp.diagnose(a, b, (torch.randn(3, DIM),), local="all")
+    assert report.first_divergence is None and report.first_grad_divergence is not None
+    assert report.output.ok
+    findings = report.findings()
+    final = next(i for i, f in enumerate(findings) if f.startswith("Final output: "))
+    assert findings[final + 1] == (
+        f"Verdict: fail (exit 1): the local gradient error of "
+        f"{report.first_grad_divergence.module} breaks its budget, although the output "
+        "stays within its budget: the backward pass differs, the forward pass does not.")

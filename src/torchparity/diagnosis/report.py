@@ -124,9 +124,30 @@ class DiagnosisReport(Report):
             parts.append(f"Final output: {self.output.verdict}{paths}.")
         if self.meta.get("below_noise"):
             parts.append(f"But {self.meta['below_noise']}.")
+        parts.append(self._verdict_sentence())
         if self.meta.get("mode"):
             parts.append(f"Mode: {self.meta['mode']}.")
         return parts
+
+    def _verdict_sentence(self) -> str:
+        """Why the diagnosis passes or fails, whatever the final output says: a module's
+        local error or gradient can break its budget while the output stays within."""
+        first, grad = self.first_divergence, self.first_grad_divergence
+        if first is None and grad is None:
+            return "Verdict: pass, no module's local error breaks its budget."
+        why = []
+        if first is not None:
+            why.append(f"the local error of {module_label(first.module)} breaks its budget")
+        if grad is not None:
+            why.append(f"the local gradient error of {module_label(grad.module)} breaks its "
+                       "budget")
+        tail = ""
+        if self.output is not None and self.output.ok:
+            tail = (", although the final output stays within its budget: the change is "
+                    "real but smaller than the output's noise" if first is not None else
+                    ", although the output stays within its budget: the backward pass "
+                    "differs, the forward pass does not")
+        return f"Verdict: fail (exit 1): {' and '.join(why)}{tail}."
 
     # -- JSON ---------------------------------------------------------------------------------
 
