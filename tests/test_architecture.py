@@ -185,3 +185,21 @@ def test_the_reader_finds_what_python_imports() -> None:
     graph = [Import("a", "b", tree, 1), Import("b", "c", tree, 1), Import("c", "a", tree, 1),
              Import("c", "d", tree, 1)]
     assert cycles(graph) == [{"a", "b", "c"}]
+
+
+#: The stages of a module diagnosis, called in order by its pipelines and by nothing else
+#: (docs/diagnose.md): what they share lives in diagnosis/reference.py and the modules below it.
+DIAGNOSIS_STAGES = tuple(f"torchparity.diagnosis.{stage}" for stage in (
+    "capture_a", "float64_golden", "propagated", "local", "entry"))
+#: The modules that call the stages: a diagnosis in one process or across a trace, and one of a
+#: compiled B.
+DIAGNOSIS_PIPELINES = tuple(f"torchparity.diagnosis.{name}" for name in (
+    "api", "compiled_localisation"))
+
+
+def test_no_stage_of_a_diagnosis_imports_another(edges: list[Import]) -> None:
+    reaching = [edge for edge in edges if edge.imported in DIAGNOSIS_STAGES
+                and edge.importer not in DIAGNOSIS_PIPELINES]
+    assert not reaching, ("a stage of diagnosis is imported by a module that is not its "
+                          "pipeline: move what is shared into diagnosis/reference.py:\n"
+                          + "\n".join(str(edge) for edge in reaching))

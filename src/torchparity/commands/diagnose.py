@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from torchparity.diagnosis.decoding import DecodeReport
-    from torchparity.diagnosis.float64_golden import golden_warning
+    from torchparity.diagnosis.reference import golden_warning
 
     started = time.perf_counter()
     check_paths(args.summary, args.junit)

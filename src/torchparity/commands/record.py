@@ -140,7 +140,7 @@ def rebuilt(entry: str):
 def run(args: argparse.Namespace) -> int:
     from torchparity.diagnosis.api import record
     from torchparity.diagnosis.decoding import record_decode
-    from torchparity.diagnosis.float64_golden import golden_warning
+    from torchparity.diagnosis.reference import golden_warning
     from torchparity.diagnosis.trace import open_trace
 
     decoding = decode_options(args)

@@ -58,6 +58,11 @@ class Match:
         """When the match is complete in B's run: the last of its B calls to finish."""
         return max(c.order for c in self.b)
 
+    @property
+    def one_to_one(self) -> bool:
+        """Whether one call of A matches one call of B (not a fused group)."""
+        return len(self.a) == 1 and len(self.b) == 1
+
 
 @dataclass
 class Alignment:

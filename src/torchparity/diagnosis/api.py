@@ -2,20 +2,23 @@
 
 How a diagnosis works (``diagnose`` and ``diagnose_against`` share every step after 1):
 
-A diagnosis is a pipeline; each stage is one module, and the data passes through each once:
+A diagnosis is a pipeline; each stage is one module, called here in order and by nothing
+else (no stage imports another: what they share, the :class:`~.reference.Reference` to A's side,
+is in :mod:`~torchparity.diagnosis.reference`), and the data passes through each once:
 
 1. :mod:`~torchparity.diagnosis.capture_a`: **capture A**, every selected module's inputs,
    outputs and output gradients, in memory or on disk;
 2. :mod:`~torchparity.diagnosis.float64_golden`: **A's float64 golden**, the same run in float64 on
    the CPU, and on-demand replays of each call for local goldens;
-3. :mod:`~torchparity.diagnosis.align`: **align** B's calls with A's (names, ``name_map``,
-   call order and output shapes, fusion);
-4. :mod:`~torchparity.diagnosis.propagated`: **propagated errors**, B's full run judged
-   against the golden's as it runs (calls paired by name meanwhile, aligned afterwards);
+3. and 4. :mod:`~torchparity.diagnosis.propagated`: **propagated errors**, B's full run judged
+   against the golden's as it runs (calls paired by name meanwhile), then B's calls
+   **aligned** with A's by :mod:`~torchparity.diagnosis.align` (names, ``name_map``, call order
+   and output shapes, fusion);
 5. :mod:`~torchparity.diagnosis.local`: **local errors**, B's modules replayed on A's
    recorded inputs (by default those whose propagated error diverged); then
    :mod:`~torchparity.diagnosis.entry`: when the first divergence is a container, **where it
-   enters** (the module inside and the argument that carry a mask or position built above);
+   enters** (the module inside and the argument that carry a mask or position built above,
+   arguments compared by meaning in :mod:`~torchparity.diagnosis.arguments`);
 6. :mod:`~torchparity.diagnosis.report`: the **report** (table, JSON, HTML).
 
 The first module whose local error breaks its budget is where B starts to compute something
@@ -38,20 +41,16 @@ from torch import nn
 from torchparity.collector import with_older_objects_frozen
 from torchparity.diagnosis.align import Alignment, NameMap
 from torchparity.diagnosis.capture import PatternSpec
-from torchparity.diagnosis.capture_a import (
-    Reference,
-    capture_reference,
-    open_reference,
-    trace_meta,
-)
+from torchparity.diagnosis.capture_a import capture_reference, open_reference, trace_meta
 from torchparity.diagnosis.compiled_localisation import compile_form, localise
 from torchparity.diagnosis.decoding import DecodeReport, diagnose_decode_against
 from torchparity.diagnosis.decoding.trace import is_decode_trace
 from torchparity.diagnosis.entry import find_entry
-from torchparity.diagnosis.float64_golden import add_golden, describe_mode, float64_departure
+from torchparity.diagnosis.float64_golden import add_golden, float64_departure
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
+from torchparity.diagnosis.reference import Reference, describe_mode
 from torchparity.diagnosis.report import DiagnosisReport
 from torchparity.diagnosis.run import (
     BackendSpec,
@@ -325,12 +324,12 @@ def _report_meta(reference: Reference, model: nn.Module, opts: Options,
     return {
         "reference": reference.source,
         "model_b": type(model).__name__,
-        "golden": reference.golden,
+        "golden": reference.golden_label,
         "backward": opts.backward,
         "backends": [backend_name(opts.backend_a), backend_name(opts.backend_b)],
         "mode": reference.mode,
         "alignment": alignment.counts(),
-        "notes": [] if reference.has_golden else [f"golden: {reference.golden}"],
+        "notes": [] if reference.has_golden else [f"golden: {reference.golden_label}"],
     }
 
 

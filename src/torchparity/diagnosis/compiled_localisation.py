@@ -29,9 +29,9 @@ from typing import Any
 from torch import nn
 
 from torchparity.diagnosis.align import Alignment, NameMap, name_translator
-from torchparity.diagnosis.capture_a import Reference
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.progress import ProgressBar
+from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.propagated import Propagated, judge_propagated
 from torchparity.diagnosis.results import Row
 from torchparity.diagnosis.run import Options

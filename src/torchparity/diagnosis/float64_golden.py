@@ -11,97 +11,45 @@ replayed backward from A's recorded output gradient.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import ModuleCall
-from torchparity.diagnosis.capture_a import Reference, grad_keeper, keep_run_results
 from torchparity.diagnosis.judging import judge_departure, module_padding
 from torchparity.diagnosis.progress import ProgressBar
+from torchparity.diagnosis.reference import (
+    IN_FLOAT64,
+    Reference,
+    grad_keeper,
+    keep_run_results,
+    module_placement,
+    placed_on,
+)
 from torchparity.diagnosis.results import Result
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,
     backend_context,
-    dtype_label,
     placed,
     replay,
     run_model,
 )
 from torchparity.diagnosis.state import replaying, states_within
-from torchparity.diagnosis.trace import FINAL, ReplayUnavailable, weight_digests
+from torchparity.diagnosis.trace import FINAL, ReplayUnavailable, Store
 from torchparity.subject.blockwise import Float64Run
-from torchparity.subject.factory import first_line
 from torchparity.subject.running import Inputs, call_model, seeded, upcast
 from torchparity.subject.trees import flatten_tensors
 
 
-def module_placement(module: nn.Module) -> tuple[Any, Any]:
-    """The floating dtype and device of a module's parameters/buffers (None when it has none)."""
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if tensor.is_floating_point():
-            return tensor.dtype, tensor.device
-    return None, None
-
-
-def describe_mode(model: nn.Module, dtype: torch.dtype | None, has_golden: bool) -> str:
-    """The precision a diagnosis runs in: ``float32: A and B as given, against A's float64
-    golden`` (``dtype``: the one A and B were cast to, None when run as given)."""
-    a_dtype = dtype_label(module_placement(model)[0])
-    mode = (f"{a_dtype}: A and B both cast to {a_dtype}" if dtype is not None
-            else f"{a_dtype}: A and B as given")
-    return mode + (", against A's float64 golden" if has_golden
-                   else f", budgets from {a_dtype} rounding")
-
-
-def golden_warning(note: str) -> str | None:
-    """The line that says, first thing, that no float64 golden could be made, why and the fix
-    (None when there is one, or when A runs in float64 and needs none)."""
-    if not note.startswith("none: ") or "already runs in float64" in note:
-        return None
-    return f"warning: no float64 golden: {note.removeprefix('none: ')}"
-
-
-#: What to do when A cannot be copied into float64.
-COPY_FIX = ("fix: make the model deep-copyable, or diagnose it from its factory (the command "
-            "line builds it again in float64 when copying fails; seed its initialisation)")
-
-
-def golden_copy(model: nn.Module, rebuild: Callable[[], nn.Module] | None = None
-                ) -> tuple[nn.Module | None, str]:
-    """A float64 CPU copy of ``model`` and a description of the golden used (starting with
-    "none: ", the reason and the fix, when there is none). A model that cannot be
-    deep-copied is built again by ``rebuild()`` (its factory) when given, and used when its
-    weights are A's."""
-    dtype, _ = module_placement(model)
-    if dtype == GOLDEN_DTYPE:
-        return None, "none: A already runs in float64; budgets use the analytic bound"
-    try:
-        golden = copy.deepcopy(model)
-    except Exception as exc:  # noqa: BLE001 - any failure means: try again, or say why
-        failure = f"copying A to float64 failed ({type(exc).__name__}: {first_line(exc)})"
-        if rebuild is None:
-            return None, f"none: {failure}; budgets come from A's own rounding; {COPY_FIX}"
-        golden = rebuild()
-        if weight_digests(golden) != weight_digests(model):
-            return None, (f"none: {failure}, and the factory built other weights when called "
-                          "again; budgets come from A's own rounding; fix: seed the factory's "
-                          "initialisation, or make the model deep-copyable")
-        return golden.to(device="cpu", dtype=GOLDEN_DTYPE).eval(), (
-            f"float64 copy of A on the CPU, built again by its factory ({failure})")
-    return golden.to(device="cpu", dtype=GOLDEN_DTYPE), "float64 copy of A on the CPU"
-
-
 def golden_model(model: nn.Module) -> tuple[nn.Module | None, str]:
     """The model whose float64 run on the CPU, module by module, is the golden: ``model``
-    itself (None when it runs in float64 already), and a description of the golden used."""
+    itself and a description of the golden used, or None and why there is none (it runs in
+    float64 already)."""
     dtype, _ = module_placement(model)
     if dtype == GOLDEN_DTYPE:
-        return None, "none: A already runs in float64; budgets use the analytic bound"
+        return None, IN_FLOAT64
     return model, "float64 run of A on the CPU (module by module, no float64 copy)"
 
 
@@ -110,8 +58,11 @@ def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
     """Run A in float64 (:func:`golden_model`) into the reference's store and arm the replays
     of its calls."""
     store = reference.store
-    golden, reference.golden = golden_model(model)
-    if golden is not None:
+    golden, note = golden_model(model)
+    if golden is None:
+        reference.no_golden = note
+    else:
+        reference.golden = note
         done = bar.phase("golden (float64): forward" + (" and backward" if opts.backward else ""))
         try:
             golden_run = run_model(
@@ -122,7 +73,8 @@ def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
             keep_run_results(store, golden_run, "golden_out", "golden_param_grad")
         except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
             reason = f"{type(exc).__name__}: {exc}"
-            golden, reference.golden = None, f"none: the float64 run failed ({reason})"
+            golden, reference.golden = None, None
+            reference.no_golden = f"the float64 run failed ({reason})"
         done()
     reference.replayer = _Replayer(store, reference.notes, model, golden, opts,
                                    reference.states)
@@ -151,7 +103,7 @@ def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,
 class _Replayer:
     """Local goldens (and local gradients of A and the golden) of A's recorded calls."""
 
-    def __init__(self, store: Any, notes: dict[str, str], model: nn.Module,
+    def __init__(self, store: Store, notes: dict[str, str], model: nn.Module,
                  golden: nn.Module | None, opts: Options,
                  states: dict[str, list[tuple[int, Any]]]) -> None:
         self.store, self.notes, self.opts, self.states = store, notes, opts, states
@@ -184,15 +136,6 @@ class _Replayer:
             self.notes[call.key] = f"not replayable: {exc}"
         except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
             self.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"
-
-
-def placed_on(tensor: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """A state tensor as ``module`` holds it: on its parameters' device, and in their floating
-    dtype when floating."""
-    dtype, device = module_placement(module)
-    if dtype is None or not tensor.is_floating_point():
-        dtype = tensor.dtype
-    return tensor.to(device=device or tensor.device, dtype=dtype)
 
 
 def _upcast(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,25 +9,15 @@ has nothing to localise, and replaying every module of a deep model costs many t
 
 from __future__ import annotations
 
-import contextlib
-
 from torch import nn
 
 from torchparity.diagnosis.align import Match
 from torchparity.diagnosis.capture import ModuleCall
-from torchparity.diagnosis.capture_a import Reference
-from torchparity.diagnosis.float64_golden import placed_on
 from torchparity.diagnosis.judging import joined
 from torchparity.diagnosis.progress import ProgressBar
-from torchparity.diagnosis.propagated import one_to_one
+from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import Result, Row
 from torchparity.diagnosis.run import Options, placed, rebind, replay
-from torchparity.diagnosis.state import (
-    changing_within,
-    replaying,
-    states_within,
-    why_not_replayable,
-)
 from torchparity.diagnosis.trace import ReplayUnavailable
 
 
@@ -73,14 +63,14 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
     try:
         outputs = []
         for b in match.b:
-            with on_recorded_state(reference, a, modules[b.name], b.name, changing):
+            with reference.on_recorded_state(a, modules[b.name], b.name, changing):
                 outputs.append(replay(modules[b.name], inputs(b), opts.backend_b)[0])
         local = reference.judge(match.a, joined(outputs), "out", "local_golden", "forward")
-        grad_out = store.get(a.key, "grad_out") if opts.backward and one_to_one(match) else {}
+        grad_out = store.get(a.key, "grad_out") if opts.backward and match.one_to_one else {}
         if not grad_out:
             return local, None, None
         b = match.b[0]
-        with on_recorded_state(reference, a, modules[b.name], b.name, changing):
+        with reference.on_recorded_state(a, modules[b.name], b.name, changing):
             _, grads = replay(modules[b.name], inputs(b), opts.backend_b, grad_out=grad_out,
                               requires_grad=a.inputs_requiring_grad)
         grad_local = reference.judge(match.a, grads, "local_grad", "local_golden_grad", "grad")
@@ -89,18 +79,3 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
         return None, None, f"not replayable: {exc}"
     except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
         return None, None, f"replay of B's module failed: {type(exc).__name__}: {exc}"
-
-
-def on_recorded_state(reference: Reference, a: ModuleCall, module: nn.Module, name: str,
-                      changing: set[str]) -> contextlib.AbstractContextManager:
-    """A context in which B's ``module`` (called ``name`` in B) and its submodules hold the
-    state A's had when the recorded call ``a`` started (nothing to do for modules that keep
-    none); :class:`ReplayUnavailable` when B keeps its state otherwise than A."""
-    states = states_within(reference.states, a.name, a.clock)
-    b_changing = changing_within(changing, name)
-    if not states and not b_changing:
-        return contextlib.nullcontext()
-    reason = why_not_replayable(states, module, b_changing)
-    if reason is not None:
-        raise ReplayUnavailable(reason)
-    return replaying(module, states, placed_on)

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchparity.diagnosis.align import Alignment, Match, NameMap, align, name_translator
+from torchparity.diagnosis.align import Alignment, NameMap, align, name_translator
 from torchparity.diagnosis.capture import ModuleCall, call_key
-from torchparity.diagnosis.capture_a import Reference
 from torchparity.diagnosis.judging import (
     joined,
     judge_quickly,
@@ -26,7 +25,8 @@ from torchparity.diagnosis.judging import (
     with_leaves,
 )
 from torchparity.diagnosis.progress import ProgressBar
-from torchparity.diagnosis.results import Result, Row
+from torchparity.diagnosis.reference import Reference
+from torchparity.diagnosis.results import Result, Row, new_row
 from torchparity.diagnosis.run import Options, Run, run_model
 from torchparity.diagnosis.state import StateRecorder
 from torchparity.diagnosis.trace import FINAL
@@ -93,19 +93,6 @@ def _run(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
     tracker.finish(run.param_grads)
     done()
     return tracker, run
-
-
-def new_row(match: Match) -> Row:
-    """An empty row for an aligned module (named after B's first call of it)."""
-    first_b = min(match.b, key=lambda c: c.start)
-    return Row(module=match.b_name, a_module=match.a_name, how=match.how,
-               module_type="+".join(c.module_type for c in match.b), depth=first_b.depth,
-               start=first_b.start)
-
-
-def one_to_one(match: Match) -> bool:
-    """Whether one call of A matches one call of B (not a fused group)."""
-    return len(match.a) == 1 and len(match.b) == 1
 
 
 class _Tracker:

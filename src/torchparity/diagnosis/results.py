@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torchparity.comparison.structure import format_shape
 from torchparity.comparison.tensor import json_safe
+
+if TYPE_CHECKING:
+    from torchparity.diagnosis.align import Match
 
 __all__ = ["Bounded", "Entry", "Mismatch", "NotCompared", "Result", "Row"]
 
@@ -294,3 +297,11 @@ def _compact(share: float | None) -> str:
     if share < 1:
         return f"{share:.2f}".removeprefix("0")
     return f"{share:.3g}" if share < 1000 else f"{share:.0e}"
+
+
+def new_row(match: Match) -> Row:
+    """An empty row for an aligned module (named after B's first call of it)."""
+    first_b = min(match.b, key=lambda c: c.start)
+    return Row(module=match.b_name, a_module=match.a_name, how=match.how,
+               module_type="+".join(c.module_type for c in match.b), depth=first_b.depth,
+               start=first_b.start)

@@ -52,7 +52,7 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -60,7 +60,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from torchparity import sketching
-from torchparity.diagnosis.capture import ModuleCall, Uncopyable, snapshot, uncopyable_leaves
+from torchparity.diagnosis.capture import (
+    ModuleCall,
+    PatternSpec,
+    Uncopyable,
+    snapshot,
+    uncopyable_leaves,
+)
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.memory import SharedCopies, memory_key
 from torchparity.sketching import Sketch
@@ -120,6 +126,41 @@ class ReplayUnavailable(TorchParityError):
 
 # --------------------------------------------------------------------------------------------
 # Stores
+
+
+Entry = tuple[str, str, Mapping[str, torch.Tensor]]  # (call key, group, tensors by path)
+
+
+class Store(Protocol):
+    """Where a diagnosis keeps A's tensors, by call key and group (``out``, ``grad_out``,
+    ``golden_out``, ...), and each call's inputs for replays: :class:`MemoryStore` in one
+    process, :class:`DiskStore` in a trace."""
+
+    padding: Padding | None  # the batch's, which sketches leave out
+
+    def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Add tensors to ``group`` of call ``key``, merging with what is there."""
+
+    def put_all(self, entries: list[Entry], *, owned: bool = False) -> None:
+        """:meth:`put` of each ``(key, group, tensors)``; ``owned``: the caller's own copies,
+        which nothing changes afterwards."""
+
+    def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
+        """The group's tensors ({} when none were stored)."""
+
+    def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
+        """Keep a call's inputs for replays."""
+
+    def inputs_entry(self, key: str, args: tuple, kwargs: dict) -> Entry:
+        """Keep a call's inputs; the :meth:`put_all` entry of their tensors."""
+
+    def get_inputs(self, key: str, placeholders: bool = False) -> tuple[tuple, dict]:
+        """A fresh copy of a call's inputs; :class:`ReplayUnavailable` when they were not
+        recorded or could not be copied (with ``placeholders`` an uncopied object stays the
+        :class:`~torchparity.diagnosis.capture.Uncopyable` that stands for it)."""
+
+    def finish(self, meta: dict[str, Any]) -> None:
+        """Write what is pending, with ``meta`` (a trace's JSON)."""
 
 
 class MemoryStore:
@@ -655,3 +696,13 @@ def changed_weights(recorded: Mapping[str, str], model: nn.Module) -> dict[str, 
         "only_recorded": sorted(recorded.keys() - current.keys()),
         "only_current": sorted(current.keys() - recorded.keys()),
     }
+
+
+def pattern_json(spec: PatternSpec) -> Any:
+    """A module selection as a trace stores it (globs and ``re:`` strings only)."""
+    if spec is None or isinstance(spec, str):
+        return spec
+    if isinstance(spec, (list, tuple)) and all(isinstance(p, str) for p in spec):
+        return list(spec)
+    raise UsageError("record() stores the module selection in the trace: pass include/exclude "
+                     "as glob or 're:' strings, not compiled patterns or callables")

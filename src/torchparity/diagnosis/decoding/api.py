@@ -46,8 +46,8 @@ from torchparity.diagnosis.decoding.report import DecodeReport
 from torchparity.diagnosis.decoding.run import DecodeReference, Side, capture_step, record_reference
 from torchparity.diagnosis.decoding.sampling import first_changed_draws
 from torchparity.diagnosis.decoding.trace import decode_meta, open_decode_reference
-from torchparity.diagnosis.float64_golden import describe_mode, module_placement
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
+from torchparity.diagnosis.reference import describe_mode, module_placement
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
 from torchparity.diagnosis.trace import (
     MemoryStore,
@@ -230,7 +230,7 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
     done()
     notes = list(reference.notes)
     if not reference.has_golden:
-        notes.insert(0, f"golden: {reference.golden}")
+        notes.insert(0, f"golden: {reference.golden_label}")
     rows = []
     if first_step is not None:
         done = bar.phase(f"B: step {first_step} again, every module captured")
@@ -269,7 +269,7 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
                    "A's greedy choices" if reference.greedy else "given"),
         "beams": reference.beams.to_dict() if beams else None,
         "sample": None if reference.sample is None else reference.sample.to_dict(),
-        "golden": reference.golden, "mode": reference.mode,
+        "golden": reference.golden_label, "mode": reference.mode,
         "backends": [backend_name(opts.backend_a), backend_name(opts.backend_b)],
         "flip_verdicts": ("the uniform's distance from the boundary that moved, against the "
                           "step's budget in probability" if reference.sample else

@@ -28,10 +28,9 @@ from torchparity import tolerance
 from torchparity.diagnosis.align import NameMap, align
 from torchparity.diagnosis.capture import ModuleCall, signature
 from torchparity.diagnosis.decoding.run import DecodeReference, flat_inputs, step_key
-from torchparity.diagnosis.entry import argument_difference, argument_path
+from torchparity.diagnosis.arguments import argument_difference, argument_path
 from torchparity.diagnosis.judging import joined, judge
-from torchparity.diagnosis.propagated import new_row, one_to_one
-from torchparity.diagnosis.results import Entry, Mismatch, Result, Row
+from torchparity.diagnosis.results import Entry, Mismatch, Result, Row, new_row
 from torchparity.diagnosis.state import state_difference
 
 Verdict = Literal["near tie", "real change"]
@@ -99,7 +98,7 @@ def module_rows(reference: DecodeReference, step: int, calls_b: list[ModuleCall]
             else {}
         row.propagated = _compare(joined([c.outputs for c in match.b]),
                                   joined([store.get(k, "out") for k in keys]), golden, cut)
-        if one_to_one(match):  # inputs within A's rounding of A's: the analytic budget
+        if match.one_to_one:  # inputs within A's rounding of A's: the analytic budget
             row.inputs = _compare(match.b[0].inputs, {}, flat_inputs(store, keys[0]), cut,
                                   common_only=True)
         rows.append(row)

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import Capture, ModuleCall, Signature, signature
-from torchparity.diagnosis.float64_golden import golden_copy
 from torchparity.diagnosis.progress import ProgressBar
+from torchparity.diagnosis.reference import golden_copy, golden_label
 from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
-from torchparity.diagnosis.trace import kept, padded, sketched_in
+from torchparity.diagnosis.trace import Store, kept, padded, sketched_in
 from torchparity.sketching import Sketch
 from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep
 from torchparity.subject.decoding import Decoding, ReorderFn, StepFn, teacher_forced
@@ -77,17 +77,18 @@ class DecodeReference:
     """A's side of a decoding diagnosis: the tokens every side is fed (and the parent rows, in
     a beam search: its settings and A's choices per step), A's and the golden's next-token
     logits per step, A's calls per step (inputs, outputs and golden outputs in the store), the
-    forward parameter names of A's modules, and which golden was used (starting with "none"
-    when there is none)."""
+    forward parameter names of A's modules, and which golden was used (None when there is
+    none, ``no_golden`` then says why)."""
 
     tokens: torch.Tensor
     greedy: bool
     logits: list[torch.Tensor]
     golden_logits: list[torch.Tensor] | None
     calls: dict[int, list[ModuleCall]]
-    store: Any
+    store: Store
     signatures: dict[str, Signature | None]
-    golden: str
+    golden: str | None = None
+    no_golden: str | None = None
     mode: str = ""
     source: str = "in-process"
     notes: list[str] = field(default_factory=list)
@@ -105,8 +106,14 @@ class DecodeReference:
     def has_golden(self) -> bool:
         return self.golden_logits is not None
 
+    @property
+    def golden_label(self) -> str:
+        """The golden as reports and traces write it
+        (:func:`~torchparity.diagnosis.reference.golden_label`)."""
+        return golden_label(self.golden, self.no_golden)
 
-def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store: Any,
+
+def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store: Store,
                      opts: Options, bar: ProgressBar,
                      rebuild: Callable[[], nn.Module] | None = None,
                      search: BeamSettings | SampleSettings | None = None) -> DecodeReference:
@@ -115,7 +122,7 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
     expanded to its beams, as ``search`` says), then its float64 golden along the same tokens
     and parents, into
     ``store``. ``rebuild()`` makes A again when it cannot be deep-copied into float64 (see
-    :func:`~torchparity.diagnosis.float64_golden.golden_copy`)."""
+    :func:`~torchparity.diagnosis.reference.golden_copy`)."""
     beams = search if isinstance(search, BeamSettings) else None
     sample = search if isinstance(search, SampleSettings) else None
     done = bar.phase(f"A: {'beam search' if beams else 'sampling' if sample else 'decoding'}, "
@@ -130,6 +137,7 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
                    for s, t in enumerate(decoded.logits)])
     done()
     golden, note = golden_copy(side.model, rebuild)
+    described, no_golden = (None, note) if golden is None else (note, None)
     golden_logits = None
     if golden is not None:
         done = bar.phase("golden (float64): decoding, every step captured")
@@ -140,14 +148,14 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
                 golden_logits = golden_side.decode(steps, decoded.tokens, decoded.parents,
                                                    during=during).logits
         except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
-            note = (f"none: the float64 decoding of A failed ({type(exc).__name__}: "
+            no_golden = (f"the float64 decoding of A failed ({type(exc).__name__}: "
                     f"{first_line(exc)}); budgets come from A's own rounding")
         broken = next((s for s, (a, g) in enumerate(zip(decoded.logits, golden_logits or [],
                                                         strict=False))
                        if bool((a.isfinite() & ~g.isfinite()).any())), None)
         if broken is not None:
             golden_logits = None
-            note = (f"none: the float64 decoding of A gives NaN or inf at step {broken} where A "
+            no_golden = (f"the float64 decoding of A gives NaN or inf at step {broken} where A "
                     "is finite (its float64 path differs, e.g. eager attention's masks on "
                     "padded rows); budgets come from A's own rounding")
         if golden_logits is not None:
@@ -157,7 +165,9 @@ def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store:
     signatures = {name: signature(module) for name, module in side.model.named_modules()}
     return DecodeReference(tokens=decoded.tokens, greedy=tokens is None, logits=decoded.logits,
                            golden_logits=golden_logits, calls=calls, store=store,
-                           signatures=signatures, golden=note, parents=decoded.parents,
+                           signatures=signatures,
+                           golden=described if golden_logits is not None else None,
+                           no_golden=no_golden, parents=decoded.parents,
                            beams=beams, choices=decider.history if beams else None,
                            sample=sample)
 
@@ -168,7 +178,7 @@ def _rows(inputs: Any) -> int:
 
 
 @contextlib.contextmanager
-def _capturing(model: nn.Module, store: Any, opts: Options, calls: dict[int, list[ModuleCall]],
+def _capturing(model: nn.Module, store: Store, opts: Options, calls: dict[int, list[ModuleCall]],
                group: str, *, state: bool) -> Iterator[Callable[[int], Any]]:
     """``during(step)`` for :func:`teacher_forced`: capture that step's calls into ``store``
     (A's outputs, inputs and state in ``out``/``in``; the golden's outputs in
@@ -229,7 +239,7 @@ def capture_step(side: Side, step: int, reference: DecodeReference, opts: Option
     return side.decode(step, reference.tokens, reference.parents, during=during), captured
 
 
-def flat_inputs(store: Any, key: str) -> dict[str, torch.Tensor]:
+def flat_inputs(store: Store, key: str) -> dict[str, torch.Tensor]:
     """A stored call's input tensors by path (``args.0``, ``kwargs.mask``)."""
     args, kwargs = store.get_inputs(key, placeholders=True)
     return {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}

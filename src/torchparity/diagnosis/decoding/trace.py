@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import ModuleCall
-from torchparity.diagnosis.capture_a import pattern_json
 from torchparity.diagnosis.decoding.run import STEP, DecodeReference, step_key
+from torchparity.diagnosis.reference import parse_golden_label
 from torchparity.diagnosis.run import Options
 from torchparity.diagnosis.state import Held
 from torchparity.diagnosis.trace import (
@@ -31,6 +31,7 @@ from torchparity.diagnosis.trace import (
     inputs_digest,
     module_tree,
     open_trace,
+    pattern_json,
     weight_digests,
 )
 from torchparity.errors import UsageError
@@ -47,7 +48,7 @@ def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts:
     return {
         "schema": SCHEMA, "kind": DECODE,
         "torchparity": torchparity.__version__, "torch": torch.__version__,
-        "model": type(model).__name__, "golden": reference.golden, "mode": reference.mode,
+        "model": type(model).__name__, "golden": reference.golden_label, "mode": reference.mode,
         "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
         "backend": opts.backend_a,
         "include": pattern_json(opts.include), "exclude": pattern_json(opts.exclude),
@@ -93,11 +94,13 @@ def open_decode_reference(path: str | Path) -> tuple[DecodeReference, dict[str, 
     golden = ([store.get(step_key(STEP, s), "golden_out")["logits"] for s in range(steps + 1)]
               if meta["has_golden"] else None)
     parents, beams, choices = meta.get("parents"), meta.get("beams"), meta.get("choices")
+    described, no_golden = parse_golden_label(meta["golden"])
     reference = DecodeReference(
         tokens=torch.tensor(meta["tokens"], dtype=torch.long).reshape(len(meta["tokens"]), -1),
         greedy=meta["greedy"], logits=logits, golden_logits=golden,
         calls={int(s): [_call(c) for c in calls] for s, calls in meta["calls"].items()},
-        store=store, signatures=meta["signatures"], golden=meta["golden"], mode=meta["mode"],
+        store=store, signatures=meta["signatures"], mode=meta["mode"],
+        golden=described, no_golden=no_golden,
         source=str(path), notes=list(meta["notes"]),
         parents=None if parents is None else torch.tensor(parents, dtype=torch.long),
         beams=None if beams is None else BeamSettings(**beams),
