@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from torchparity import sketching, tolerance
+from torchparity.comparison.settings import Settings
 from torchparity.comparison.structure import StructureMismatch, dtype_name
 from torchparity.comparison.tensor import (
     TensorComparison,
@@ -37,7 +38,7 @@ from torchparity.comparison.tensor import (
     degraded_note,
 )
 from torchparity.sketching import Sketch
-from torchparity.tolerance import DtypeLike, Metric
+from torchparity.tolerance import Metric
 
 
 def involves_sketch(*values: Any) -> bool:
@@ -51,21 +52,10 @@ def compare_sketch(
     candidate: torch.Tensor | Sketch,
     golden: torch.Tensor | Sketch,
     baseline: torch.Tensor | Sketch | None,
-    kind: str,
-    compute_dtype: DtypeLike | None,
-    reduction_length: int | None,
-    step: int | None,
-    group_scale: float | None = None,
-    *,
-    equal_nan: bool = False,
-    atol: float = 0.0,
-    rtol: float = 0.0,
-    group_noise: float | None = None,
-    inherited: float = 0.0,
-    islands: DtypeLike | None = None,
+    settings: Settings,
 ) -> TensorComparison:
-    """One tensor's comparison when any of the three is sketched (see the module docstring);
-    a degraded baseline (``islands`` as for
+    """One tensor's comparison under ``settings`` when any of the three is sketched (see the
+    module docstring); a degraded baseline (``settings.islands`` as for
     :func:`~torchparity.comparison.tensor.compare_tensor`) sets no budget;
     the :class:`TensorComparison` has the RMS estimate as its error and the slices' max-abs,
     relative and ULP errors and worst element. Raises :class:`StructureMismatch` when two
@@ -79,8 +69,11 @@ def compare_sketch(
     if not c.dtype.is_floating_point:
         raise StructureMismatch(f"{path}: a sketch holds a floating tensor, the candidate is "
                                 f"{dtype_name(c.dtype)}")
-    precision = tolerance.precision(compute_dtype if compute_dtype is not None else c.dtype)
-    length = reduction_length if reduction_length is not None else (c.shape[-1] if c.shape else 1)
+    kind = settings.kind
+    precision = tolerance.precision(settings.compute_dtype if settings.compute_dtype is not None
+                                    else c.dtype)
+    length = settings.reduction_length if settings.reduction_length is not None else (
+        c.shape[-1] if c.shape else 1)
     margin = tolerance.sketch_margin(g.size)
     error = sketching.error_estimate(c, g)
     baseline_error = None if b is None else sketching.error_estimate(b, g)
@@ -88,11 +81,11 @@ def compare_sketch(
     notes = [f"sketched: RMS error estimated from {g.size} coordinates"
              f" (±{tolerance.sketch_spread(g.size):.1%}); max-abs error and worst element"
              f" over the {g.slices.numel()} exact elements of its first and last rows"]
-    bound_dtype = tolerance.coarser(precision.name, islands)
+    bound_dtype = tolerance.coarser(precision.name, settings.islands)
     if baseline_error is not None:
         bound = tolerance.baseline_bound(g, compute_dtype=bound_dtype, kind=kind,
-                                         reduction_length=length, group_scale=group_scale,
-                                         metric="rms")
+                                         reduction_length=length,
+                                         group_scale=settings.group_scale, metric="rms")
         baseline_headroom = tolerance.baseline_headroom(baseline_error / margin, bound, error,
                                                         kind)
         if baseline_headroom > 1:
@@ -101,16 +94,17 @@ def compare_sketch(
             b = baseline_error = None  # a degraded baseline sets no budget
     spent = tolerance.budget(
         g, baseline_error=None if baseline_error is None else baseline_error * margin,
-        compute_dtype=precision.name, kind=kind, reduction_length=length, step=step,
-        group_scale=group_scale, group_noise=group_noise, inherited=inherited, atol=atol,
-        rtol=rtol, metric="rms", islands=islands)
+        compute_dtype=precision.name, kind=kind, reduction_length=length, step=settings.step,
+        group_scale=settings.group_scale, group_noise=settings.group_noise,
+        inherited=settings.inherited, atol=settings.atol, rtol=settings.rtol, metric="rms",
+        islands=settings.islands)
     if spent.noise_source == "baseline error":
         spent = dataclasses.replace(
             spent, noise_source=f"baseline error (sketched, × {margin:.3g} for its spread)")
     slices = compare_tensor(
-        path, c.slices, g.slices, None if b is None else b.slices, kind, precision.name,
-        length, step, group_scale, equal_nan=equal_nan, atol=atol, rtol=rtol,
-        group_noise=group_noise, islands=islands)
+        path, c.slices, g.slices, None if b is None else b.slices,
+        dataclasses.replace(settings, compute_dtype=precision.name, reduction_length=length,
+                            inherited=0.0))
     notes += [f"slices: {note}" for note in slices.notes]
     faults = c.nonfinite != g.nonfinite
     if faults:

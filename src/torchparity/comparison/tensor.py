@@ -13,8 +13,9 @@ import torch
 
 from torchparity import tolerance
 from torchparity.comparison.selection import LeftOut
+from torchparity.comparison.settings import Settings
 from torchparity.comparison.structure import StructureMismatch, dtype_name
-from torchparity.tolerance import Budget, DtypeLike
+from torchparity.tolerance import Budget
 
 Verdict = Literal["identical", "within", "diverged"]
 VERDICT_ORDER = {"identical": 0, "within": 1, "diverged": 2}
@@ -95,26 +96,17 @@ def compare_tensor(
     candidate: torch.Tensor,
     golden: torch.Tensor,
     baseline: torch.Tensor | None,
-    kind: str,
-    compute_dtype: DtypeLike | None,
-    reduction_length: int | None,
-    step: int | None,
-    group_scale: float | None = None,
+    settings: Settings,
     *,
-    equal_nan: bool = False,
-    atol: float = 0.0,
-    rtol: float = 0.0,
-    group_noise: float | None = None,
     spread: float | None = None,
     input_noise: float | None = None,
-    inherited: float = 0.0,
     left_out: LeftOut | None = None,
-    islands: DtypeLike | None = None,
 ) -> TensorComparison:
-    """Judge one tensor; ``left_out`` positions of its leading dimensions (padding) count
-    neither in its error nor in its budget's scale, and a NaN or inf there is no fault.
+    """Judge one tensor under ``settings``; ``left_out`` positions of its leading dimensions
+    (padding) count neither in its error nor in its budget's scale, and a NaN or inf there is
+    no fault.
 
-    ``islands`` is the narrowest dtype the model computes in whatever its own: where it is
+    ``settings.islands`` is the narrowest dtype the model computes in whatever its own: where it is
     coarser than the compute dtype, the baseline's guard, the noise floor and the floor are
     its. A baseline that errs more than a plain computation may is degraded: it sets no
     budget, the analytic bound does, and the tensor is judged by it. A candidate bit-equal to
@@ -124,6 +116,7 @@ def compare_tensor(
     c, g = as_float64(candidate), as_float64(golden)
     b = as_float64(baseline) if baseline is not None else None
     reference = baseline if baseline is not None else golden
+    kind = settings.kind
     if not candidate.dtype.is_floating_point:
         return _compare_exact(path, candidate, golden, reference, kind, c, g, b, left_out)
 
@@ -136,17 +129,18 @@ def compare_tensor(
         valid, faults, fault_notes, matched_notes = None, None, [], []
         c_valid, g_valid, g_finite_part = c.flatten(), g.flatten(), g
     else:
-        c_finite, g_finite, faults, fault_notes, matched_notes = _set_apart(c, g, masked,
-                                                                            equal_nan)
+        c_finite, g_finite, faults, fault_notes, matched_notes = _set_apart(
+            c, g, masked, settings.equal_nan)
         counted = g_finite if keep is None else g_finite & keep
         valid = c_finite & counted
         c_valid, g_valid, g_finite_part = c[valid], g[valid], g[counted]
     abs_err = (c_valid - g_valid).abs()
     metric = tolerance.kind_tolerance(kind).metric
     baseline_error, baseline_notes = _baseline_error(b, g, valid, metric)
-    precision = tolerance.precision(compute_dtype if compute_dtype is not None else candidate.dtype)
-    bound_dtype = tolerance.coarser(precision.name, islands)
-    length = reduction_length if reduction_length is not None else _last_dim(g)
+    precision = tolerance.precision(settings.compute_dtype if settings.compute_dtype is not None
+                                    else candidate.dtype)
+    bound_dtype = tolerance.coarser(precision.name, settings.islands)
+    length = settings.reduction_length if settings.reduction_length is not None else _last_dim(g)
     metrics = _metrics(c_valid, g_valid, abs_err, precision.name)
     err = metrics[metric]
     baseline_headroom = None
@@ -156,7 +150,7 @@ def compare_tensor(
             compute_dtype=bound_dtype,
             kind=kind,
             reduction_length=length,
-            group_scale=group_scale,
+            group_scale=settings.group_scale,
         )
         baseline_headroom = tolerance.baseline_headroom(baseline_error, bound, err, kind)
         if baseline_headroom > 1:
@@ -165,9 +159,10 @@ def compare_tensor(
     # A degraded baseline cannot set the budget: the bound of a plain computation does.
     spent = tolerance.budget(
         g_finite_part, baseline_error=None if degraded else baseline_error,
-        compute_dtype=precision.name, kind=kind, reduction_length=length, step=step,
-        group_scale=group_scale, group_noise=group_noise, spread=spread,
-        input_noise=input_noise, inherited=inherited, atol=atol, rtol=rtol, islands=islands)
+        compute_dtype=precision.name, kind=kind, reduction_length=length, step=settings.step,
+        group_scale=settings.group_scale, group_noise=settings.group_noise, spread=spread,
+        input_noise=input_noise, inherited=settings.inherited, atol=settings.atol,
+        rtol=settings.rtol, islands=settings.islands)
     n_over = int((abs_err > spent.value).sum()) + (int(faults.sum()) if fault_notes else 0)
     if fault_notes:
         verdict, headroom, worst_index = "diverged", math.inf, _first_index(faults)
@@ -265,20 +260,18 @@ def rerun_spread(
     candidate: torch.Tensor,
     golden: torch.Tensor,
     reruns: list[torch.Tensor],
-    kind: str,
-    compute_dtype: DtypeLike,
-    reduction_length: int | None,
-    group_scale: float | None,
+    settings: Settings,
 ) -> float | None:
     """The candidate's own rounding: the largest difference between it and its reruns (None
     without any), each over the elements where both are finite and counted up to what a plain
-    computation in ``compute_dtype`` may err on ``golden``
+    computation in the compute dtype (the candidate's when ``settings`` names none) may err
+    on ``golden``
     (:func:`torchparity.tolerance.baseline_bound`): a kernel that lost precision, or a rerun
     that crossed a kink, does not raise the bar past it."""
     if not reruns or not golden.dtype.is_floating_point:
         return None
     c = as_float64(candidate)
-    metric = tolerance.kind_tolerance(kind).metric
+    metric = tolerance.kind_tolerance(settings.kind).metric
     spreads = []
     for rerun in reruns:
         r = as_float64(rerun)
@@ -286,9 +279,10 @@ def rerun_spread(
         spreads.append(tolerance.error(r[usable], c[usable], metric))
     g = as_float64(golden)
     bound = tolerance.baseline_bound(
-        g[g.isfinite()], compute_dtype=compute_dtype, kind=kind,
-        reduction_length=reduction_length if reduction_length is not None else _last_dim(g),
-        group_scale=group_scale,
+        g[g.isfinite()], compute_dtype=settings.compute_dtype or candidate.dtype,
+        kind=settings.kind, reduction_length=settings.reduction_length
+        if settings.reduction_length is not None else _last_dim(g),
+        group_scale=settings.group_scale,
     )
     return min(max(spreads), bound)
 

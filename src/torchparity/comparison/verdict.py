@@ -17,6 +17,7 @@ from torchparity.comparison.groups import (
     residue_rounding,
 )
 from torchparity.comparison.selection import LeftOut, PaddingSpec, left_out_of, sentence
+from torchparity.comparison.settings import Settings
 from torchparity.comparison.sketch import compare_sketch, involves_sketch
 from torchparity.comparison.structure import (
     ROOT,
@@ -333,8 +334,14 @@ def compare(
               for path, *tensors in leaves]
     floats_dtype = compute_dtype or numbers_dtype(leaves, found.numbers)
 
-    def dtype_of(path: str) -> DtypeLike | None:
-        return floats_dtype if path in found.numbers else compute_dtype
+    settings = Settings(kind=kind, compute_dtype=compute_dtype,
+                        reduction_length=reduction_length, step=step, equal_nan=equal_nan,
+                        atol=atol, rtol=rtol, islands=islands)
+
+    def settings_of(path: str, **found_by_group: Any) -> Settings:
+        """The settings of one tensor: Python numbers take the floats' dtype."""
+        dtype = floats_dtype if path in found.numbers else compute_dtype
+        return dataclasses.replace(settings, compute_dtype=dtype, **found_by_group)
 
     scales = group_scales(judged, tol.metric) if tol.group_scale else {}
     rerun_leaves = [tensor_leaves(r, ROOT, {}) for r in reruns]
@@ -342,20 +349,19 @@ def compare(
         path: None if involves_sketch(c, g, b) else rerun_spread(
             c_judged, g_judged,
             [_judged(baseline_at(path, c, r), left_out[path]) for r in rerun_leaves],
-            kind, dtype_of(path) or c.dtype, reduction_length, scales.get(path),
+            settings_of(path, group_scale=scales.get(path)),
         )
         for (path, c, g, b), (_, c_judged, g_judged, _) in zip(leaves, judged, strict=True)
     }
     noises = group_noises(judged, tol.metric, scales, spreads) if tol.group_scale else {}
 
     def judge(path: str, c: Any, g: Any, b: Any, inherited: float = 0.0) -> TensorComparison:
-        args = (path, c, g, b, kind, dtype_of(path), reduction_length, step, scales.get(path))
-        options = {"equal_nan": equal_nan, "atol": atol, "rtol": rtol,
-                   "group_noise": noises.get(path), "inherited": inherited, "islands": islands}
+        tensor_settings = settings_of(path, group_scale=scales.get(path),
+                                      group_noise=noises.get(path), inherited=inherited)
         if involves_sketch(c, g, b):
-            return _compare_sketched(args, options, left_out[path])
-        return compare_tensor(*args, **options, spread=spreads[path], input_noise=noise,
-                              left_out=left_out[path])
+            return _compare_sketched(path, c, g, b, tensor_settings, left_out[path])
+        return compare_tensor(path, c, g, b, tensor_settings, spread=spreads[path],
+                              input_noise=noise, left_out=left_out[path])
 
     residues = likely_residues(judged, tol.metric, scales, tol.residue_share) if scales else set()
     tensors = _judged_residues_first(leaves, judge, residues)
@@ -399,17 +405,16 @@ def _judged(tensor: Any, left_out: LeftOut | None) -> Any:
     return left_out.judged(tensor)
 
 
-def _compare_sketched(args: tuple, options: dict[str, Any], left_out: LeftOut | None
-                      ) -> TensorComparison:
+def _compare_sketched(path: str, candidate: Any, golden: Any, baseline: Any,
+                      settings: Settings, left_out: LeftOut | None) -> TensorComparison:
     """A comparison with a sketch on some side. A sketch of a padded tensor was made with its
     padded positions at 0 (:func:`~torchparity.sketching.masked`): the exact sides are
     masked alike, so those positions add nothing to the error, the baseline's or the scale."""
     if left_out is None:
-        return compare_sketch(*args, **options)
-    path, *sides = args[:4]
+        return compare_sketch(path, candidate, golden, baseline, settings)
     sides = [v if v is None or isinstance(v, Sketch) else sketching.masked(v, left_out.mask)
-             for v in sides]
-    result = compare_sketch(path, *sides, *args[4:], **options)
+             for v in (candidate, golden, baseline)]
+    result = compare_sketch(path, *sides, settings)
     return dataclasses.replace(result, left_out=left_out.positions, positions=left_out.total,
                                left_out_reason=left_out.reason)
 
