@@ -27,7 +27,7 @@ FLOORS = (
     ("wings", ("golden", "diagnosis", "train", "bench", "calibration", "revisions", "ci")),
     ("shared", ("comparison", "subject", "strategies")),
     ("bottom", ("backends", "tolerance", "sketching", "memory", "machine", "dtypes", "errors",
-                "collector", "reference")),
+                "collector", "reference", "text")),
 )
 
 #: Circles that remain, each deleted with the change that removes it (the test fails until it

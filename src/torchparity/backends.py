@@ -317,11 +317,29 @@ def _check_kernel_accepts(name, q, k, v, attn_mask, dropout_p, is_causal, scale,
                 raise
             detail = str(exc).splitlines()[0]
     reasons = [str(w.message).split("(Triggered")[0].strip() for w in caught]
-    detail = "; ".join(r for r in reasons if r) or detail
+    # PyTorch may announce a reason and give none ("... not used because:"): dropped.
+    detail = "; ".join(r for r in reasons if r and not r.endswith(":")) or (
+        _mask_gradient_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        or detail)
     raise BackendUnavailable(
         f"{name} cannot run this call ({q.device.type}, {q.dtype}, "
         f"{_describe_call(attn_mask, dropout_p, is_causal, enable_gqa)}): {detail}"
     )
+
+
+def _mask_gradient_reason(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                          enable_gqa) -> str | None:
+    """Why a kernel refused a call when PyTorch does not say: the same call with the mask
+    detached from autograd runs, so it is the gradient for the mask the kernel lacks."""
+    if attn_mask is None or not attn_mask.requires_grad:
+        return None
+    try:
+        torch._fused_sdp_choice(q, k, v, attn_mask.detach(), dropout_p, is_causal,
+                                scale=scale, enable_gqa=enable_gqa)
+    except RuntimeError:
+        return None
+    return ("the kernel computes no gradient for an attention mask (PyTorch gives no reason; "
+            "the same call with the mask not requiring grad runs)")
 
 
 def _describe_call(attn_mask, dropout_p, is_causal, enable_gqa) -> str:

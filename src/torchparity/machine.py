@@ -43,9 +43,9 @@ def describe(device: str | torch.device = "cpu") -> dict[str, Any]:
 def label(produced_by: dict[str, Any] | None) -> str:
     """One short line for the machine of a golden's ``produced_by`` (:func:`describe` and the
     torch version): ``cpu avx512, torch 2.13.0``, with the CUDA device and its TF32 setting
-    where there was one; "an unknown machine" for goldens made before they recorded it."""
+    where there was one; for goldens made before they recorded it, says so."""
     if not produced_by or "cpu_capability" not in produced_by:
-        return "an unknown machine"
+        return "a machine they do not record (made before goldens recorded it)"
     parts = [f"cpu {produced_by['cpu_capability']}", f"torch {produced_by.get('torch')}"]
     if "cuda_device" in produced_by:
         tf32 = "on" if produced_by.get("tf32_matmul") else "off"

@@ -92,7 +92,7 @@ def test_compiled_decoding_is_judged_and_counted_step_by_step(tmp_path, capsys, 
     assert all(step["verdict"] in ("within", "identical") for step in steps)
     phases = [call["phase"] for call in decode["compiled"]["calls"]]
     assert phases[-5:] == [f"recomputed step {s}" for s in range(5)]  # the cache's check
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the lines wrapped at 80, joined
     assert "static: 1 1 1 1 1 recompile(s), every step in 1 cell(s)" in out
     assert "recompiles at every call of the model (each new length compiles anew" in out
 

@@ -6,6 +6,7 @@ with that as context."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +109,8 @@ def test_a_planted_change_fails_there_naming_both_machines(made_elsewhere, monke
     failed = {r["output"] for r in report["results"] if not r["ok"]}
     assert {"outputs", "decode"} <= failed
     assert not {r["verdict"] for r in report["results"]} & {"init changed", "inputs changed"}
-    fails = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL ")]
+    # A line wrapped at 80 goes on in lines indented by two: each FAIL line read whole.
+    lines = re.split(r"\n(?! )", capsys.readouterr().out)
+    fails = [" ".join(line.split()) for line in lines if line.startswith("FAIL ")]
     assert fails and all(f"(goldens made on cpu {other}" in line
                          and f"this run on cpu {HERE}" in line for line in fails)

@@ -240,7 +240,7 @@ def test_padded_positions_are_left_out_and_counted(models, tmp_path, capsys):
     assert "the default loss leaves the padding out" in counted["loss"]
     assert counted["grads"] is None  # a parameter's gradient has no positions
     out = capsys.readouterr().out
-    assert "models.llama outputs: left out of the judgement: 3 of 16 positions" in out
+    assert "models.llama outputs: 3 of 16 positions" in " ".join(out.split())
 
 
 @needs_5("its eager and sdpa attention agree on the queries that attend to nothing")
@@ -353,7 +353,7 @@ def test_weights_of_another_init_are_init_changed(models, tmp_path, capsys):
     status, rows = check(models, tmp_path, "gpt2", "--backend", "manual", "--dtype", "fp32",
                          source=reseeded)
     assert status == 1 and {r["verdict"] for r in rows} == {"init changed"}
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # the lines wrapped at 80, joined
     assert "torchparity golden update --model" in out and "tp.init_weights(model, seed)" in out
 
 

@@ -15,6 +15,7 @@ from torchparity.golden.cases import OUTPUT_KINDS, write_case
 from torchparity.golden.cell_selection import select_cases
 from torchparity.golden.cells import CheckResult
 from torchparity.golden.report import print_table
+from torchparity.text import wrapped
 from torchparity.golden.runner import update_models, verify_cases, verify_models
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import user_golden_dir
@@ -99,9 +100,9 @@ def _update_models(subjects: list[Subject], root: Path, console: Any) -> int:
 
         for subject, statuses, islands in update_models(subjects, root, status):
             summary = ", ".join(f"{output} {status}" for output, status in statuses.items())
-            console.print(f"{subject.name}: {summary}", markup=False)
+            console.print(wrapped(f"{subject.name}: {summary}"), markup=False)
             if islands:
-                console.print(f"{subject.name}: {islands}", markup=False)
+                console.print(wrapped(f"{subject.name}: {islands}"), markup=False)
     console.print(f"goldens of {len(subjects)} model(s) are in {root}", markup=False)
     return 0
 

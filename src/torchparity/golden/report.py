@@ -17,6 +17,7 @@ from torchparity.golden.cells import REFERENCE, Cell, CheckResult
 from torchparity.golden.compiled_cells import cell_counts, compiled_lines
 from torchparity.golden.store import Golden, produced_by
 from torchparity.reference import zoo
+from torchparity.text import WIDTH, wrap
 
 
 @dataclass
@@ -87,8 +88,16 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
            cases: list[zoo.ZooCase], elapsed: float, machines: Machines) -> None:
     """The machines when the goldens come from another, the table, its footnotes, one line per
     failure and the summary."""
+    # Logs and pipes have no width: every line fits 80 columns there, wrapped at spaces and
+    # never cut; the table is folded into as many tables as it takes.
+    width = console.width if console.is_terminal else TABLE_WIDTH
+
+    def say(text: str) -> None:
+        for line in wrap(text, width):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+
     if (header := machines.header()) is not None:
-        console.print(header, markup=False, highlight=False)
+        say(header)
 
     by_cell: dict[tuple[str, Cell], list[CheckResult]] = {}
     for r in results:
@@ -109,35 +118,55 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
                      and (case, cell) in by_cell]
             row.append("\n".join(lines))
         rows.append(row)
-    # Logs and pipes have no width: the table fits 80 columns there, folded into as many
-    # tables as it takes rather than cut.
-    width = console.width if console.is_terminal else TABLE_WIDTH
-    title = ("torchparity check: verdict and share of the tolerance budget used "
-             "(≡ bit-identical to the baseline)")
-    for table in folded(title, ["case", "reference", *columns], rows, width):
+    say("torchparity check: each cell's verdict and the largest share of its tolerance "
+        "budget an output used")
+    say(LEGEND)
+    for table in folded(None, ["case", "reference", *columns], rows, width):
         print_table(console, table, width)
     for note, number in footnotes.items():
-        console.print(f"[{number}] {note}", markup=False, highlight=False)
+        say(f"[{number}] {note}")
     for backend, reason in never_run.items():
-        console.print(f"{backend}: n/a in every cell here ({reason})", highlight=False)
-    for line in compiled_lines(results):
-        console.print(line, markup=False, highlight=False)
-    for line in [*_left_out_lines(results), *_baseline_lines(results)]:
-        console.print(line, markup=False, highlight=False)
+        say(f"{backend}: n/a in every cell here ({reason})")
+    for line in [*compiled_lines(results), *_left_out_lines(results),
+                 *_baseline_lines(results)]:
+        say(line)
     for r in results:
         if not r.ok:
             context = machines.context(r.case)
-            console.print(f"FAIL {r.case} {r.cell.label} {r.output}: {r.explain or r.reason}"
-                          + (f" ({context})" if context else ""), markup=False, highlight=False)
-    console.print(_sensitivity_line(results), markup=False, highlight=False)
-    console.print(_summary(results, elapsed), markup=False, highlight=False)
+            say(f"FAIL {r.case} {r.cell.label} {r.output}: {r.explain or r.reason}"
+                + (f" ({context})" if context else ""))
+    for line in sensitivity_lines(results):
+        say(line)
+    say(_summary(results, elapsed))
+
+
+#: What the symbols of the check's table mean.
+LEGEND = ("≡ bit-identical to the baseline, ✓ within its budget, ✗ diverged, n/a could "
+          "not run here, [n] a note below the table")
+#: A sensitivity at or above this share of the golden's scale rules out nothing: a change as
+#: large as the output itself would have passed.
+COARSE = 1.0
+#: What a cell with such a sensitivity is marked with.
+COARSE_NOTE = ("coarse: an output of this cell would only have flagged a change larger "
+               "than its golden's own scale (see Sensitivity below)")
 
 
 def _left_out_lines(results: list[CheckResult]) -> list[str]:
-    """Per case and output, once, which positions its cells left out (padding) and why."""
-    lines = (f"{r.case} {r.output}: {r.left_out[0].lower()}{r.left_out[1:]}"
-             for r in results if r.left_out)
-    return list(dict.fromkeys(lines))
+    """Which positions the cells left out (padding) and why: one line per output and reason,
+    naming every case it holds for."""
+    prefix = "Left out of the judgement: "
+    cases: dict[tuple[str, str], list[str]] = {}
+    for r in results:
+        if r.left_out:
+            note = r.left_out.removeprefix(prefix)
+            names = cases.setdefault((r.output, note), [])
+            if r.case not in names:
+                names.append(r.case)
+    if not cases:
+        return []
+    return ["Padded positions left out of the judgement (what two backends write there is "
+            "arbitrary):", *(f"{', '.join(names)} {output}: {note}"
+                            for (output, note), names in cases.items())]
 
 
 def _baseline_lines(results: list[CheckResult]) -> list[str]:
@@ -147,26 +176,34 @@ def _baseline_lines(results: list[CheckResult]) -> list[str]:
     return list(dict.fromkeys(lines))
 
 
-def _sensitivity_line(results: list[CheckResult]) -> str:
+def sensitivity_lines(results: list[CheckResult]) -> list[str]:
     """What the passing cells rule out: per dtype and kind, the largest relative change of an
-    output that could have passed (the least sensitive cell's)."""
+    output that could have passed (the least sensitive cell's); one too coarse to rule out
+    anything is marked."""
     weakest: dict[tuple[str, str], float] = {}
     for r in results:
         if r.sensitivity is not None:
             key = (r.dtype, r.kind)
             weakest[key] = max(weakest.get(key, 0.0), r.sensitivity)
-    parts = [f"{dtype} {kind} {value:.2g}" for (dtype, kind), value in sorted(weakest.items())]
-    return ("Sensitivity (a change of an output by more than this share of its golden's scale"
-            " would have been flagged): " + (", ".join(parts) or "none compared"))
+    parts = [f"{dtype} {kind} {value:.2g}" + (" (coarse)" if value >= COARSE else "")
+             for (dtype, kind), value in sorted(weakest.items())]
+    lines = ["Sensitivity: a change of an output larger than this share of its golden's "
+             "scale would have been flagged (the least sensitive cell per dtype and kind): "
+             + (", ".join(parts) or "none compared") + "."]
+    if any(value >= COARSE for value in weakest.values()):
+        lines.append("coarse: 1 or more means that even a change as large as the output "
+                     "itself could have passed; such a verdict rules out little (the cells "
+                     "are marked)")
+    return lines
 
 
 #: The width of the check's table where the output has none (a log, a pipe).
-TABLE_WIDTH = 80
+TABLE_WIDTH = WIDTH
 #: The narrowest a folded case column gets before a table grows past its width instead.
 CASE_MIN_WIDTH = 16
 
 
-def folded(title: str, headers: list[str], rows: list[list[str]], width: int) -> list[Any]:
+def folded(title: str | None, headers: list[str], rows: list[list[str]], width: int) -> list[Any]:
     """The table of ``headers`` and ``rows`` as rich tables of at most ``width`` columns: each
     keeps the first column (the case) and takes as many of the next ones, in order, as fit;
     the first has the title. No column is cut: a case name too long for its table is folded
@@ -248,6 +285,8 @@ def _cell_text(rows: list[CheckResult], footnotes: dict[str, int], with_device: 
             f"n/a: {unavailable[0].reason}"
         number = footnotes.setdefault(note, len(footnotes) + 1)
         text += f" [{number}]"
+    if any(r.sensitivity is not None and r.sensitivity >= COARSE for r in rows):
+        text += f" [{footnotes.setdefault(COARSE_NOTE, len(footnotes) + 1)}]"
     if first.compiled:
         counts, notes = cell_counts(first.compiled)
         text += f" {counts}" + "".join(f" [{footnotes.setdefault(note, len(footnotes) + 1)}]"

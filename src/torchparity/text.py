@@ -1,0 +1,24 @@
+"""Plain text for logs and pipes: lines of at most 80 columns, wrapped at spaces, never cut.
+
+A CI log has no width and is searched for module names and paths, so a long line is wrapped
+between words (later lines indented) and a word longer than a line stands whole.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+#: The width of what torchparity prints where the output has none (a log, a pipe).
+WIDTH = 80
+
+
+def wrap(text: str, width: int = WIDTH) -> list[str]:
+    """``text`` in lines of at most ``width`` columns, wrapped at spaces (later lines indented
+    by two); no word is cut, so a module name or a path longer than a line stands whole."""
+    return textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=False,
+                         break_on_hyphens=False) or [""]
+
+
+def wrapped(text: str, width: int = WIDTH) -> str:
+    """:func:`wrap`'s lines joined, one paragraph."""
+    return "\n".join(wrap(text, width))
