@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 import traceback
@@ -41,11 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    args._argv = argv  # a command run as several ranks starts itself again (--nproc)
     prog = f"torchparity {args.command}"
     try:
         command = importlib.import_module(args._module)  # torch and the rest imported
         with older_objects_frozen():
-            return command.run(args)
+            return _recorded(command.run(args))
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
@@ -73,6 +75,16 @@ def _report(prog: str, message: str, status: int, exc: BaseException,
         if not debug:
             line += "; --debug shows the traceback"
     print(line, file=sys.stderr)
+    return _recorded(status, line)
+
+
+def _recorded(status: int, line: str | None = None) -> int:
+    """``status``, also left for the launcher when this process is one of several ranks that
+    ``--nproc`` started (see :mod:`torchparity.subject.launcher`)."""
+    if "RANK" in os.environ:  # torch is imported already: the launcher costs nothing more
+        from torchparity.subject.launcher import record_outcome
+
+        record_outcome(status, line)
     return status
 
 

@@ -24,6 +24,7 @@ from torchparity.commands.common import (
     dtype_name,
 )
 from torchparity.errors import UsageError
+from torchparity.golden import sharded
 from torchparity.golden.cell_selection import CHECK_DTYPES
 from torchparity.golden.runner import check
 from torchparity.golden.store import GOLDEN_DIR_ENV
@@ -86,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also train each case's golden recipe (20 steps) in every cell "
                              "but the reference one and judge the loss, gradient-norm and "
                              "update-norm trajectory against the golden trajectory")
+    parser.add_argument("--nproc", type=int, metavar="N",
+                        help="check each --model sharded over N ranks by its factory's "
+                             "parallelize plan: starts torchrun (gloo on the CPU, nccl with a "
+                             "GPU per rank); inside your own torchrun leave it out "
+                             "(docs/your-model.md)")
     add_base_arguments(parser, "there `torchparity golden update --model` makes the "
                                "entries' float64 goldens, kept in a cache; yours are never "
                                "written")
@@ -94,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    launched = sharded.start(args.nproc, args._argv)
+    if launched is not None:
+        return launched
     check_paths(args.summary, args.junit)
     side = base_side(args)
     if side and (args.case or not args.model or args.golden_dir or args.train):

@@ -11,6 +11,7 @@ from typing import Any
 
 from torchparity.commands.check import GOLDEN_DIR_HELP
 from torchparity.errors import UsageError
+from torchparity.golden import sharded
 from torchparity.golden.cases import OUTPUT_KINDS, write_case
 from torchparity.golden.cell_selection import select_cases
 from torchparity.golden.cells import CheckResult
@@ -50,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and recomputed in float64")
     show = actions.add_parser("show", help="print a readable summary of one case's goldens")
     show.add_argument("case", metavar="CASE")
+    update.add_argument("--nproc", type=int, metavar="N",
+                        help="with --model: compute the goldens sharded over N ranks by the "
+                             "factory's parallelize plan, in float64 (starts torchrun; inside "
+                             "your own torchrun leave it out); they check with any number of "
+                             "ranks")
     for sub in (update, verify, show):
         sub.add_argument("--golden-dir", metavar="DIR", help=GOLDEN_DIR_HELP)
 
@@ -59,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(highlight=False, soft_wrap=True)
     if getattr(args, "model", None):
+        launched = sharded.start(getattr(args, "nproc", None), args._argv)
+        if launched is not None:
+            return launched
         if args.cases:
             raise UsageError(f"golden {args.action} takes zoo cases or --model, not both (got "
                              f"{' '.join(args.cases)} and --model)")

@@ -103,7 +103,7 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
     model, inputs = (models or CellModels(subject)).get(cell, attention)
     report = None if status is None else (
         lambda phase, done, total: status(f"{phase}: block {done} of {total}"))
-    with compiled(model, cell.compile) as compile_log, _backend(cell.backend) as intercepted, \
+    with compiled(model, cell.compile) as compile_log, attention_backend(cell.backend) as intercepted, \
             matmul_precision(cell.dtype):
         try:
             if cell.dtype == "fp64":
@@ -111,14 +111,14 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
                 with Float64Run(model, on_grad=_keeper(grads), perturb=perturbation
                                 if perturb else None, progress=report) as run64, \
                         Islands(model) as islands:
-                    run = _forward_backward(subject, model, inputs, loss_paths,
+                    run = forward_backward(subject, model, inputs, loss_paths,
                                             lambda loss: (run64.backward(loss), grads)[1])
                     run.compile_log = compile_log
                     _decode(subject, model, inputs, run, tokens)
                 run.islands = islands.found
             else:
                 with BlockProgress(model, report) as blocks:
-                    run = _forward_backward(subject, model, inputs, loss_paths,
+                    run = forward_backward(subject, model, inputs, loss_paths,
                                             lambda loss: _streamed(model, loss, blocks))
                 run.compile_log = compile_log
                 _decode(subject, model, inputs, run, tokens)
@@ -171,7 +171,9 @@ def _streamed(model: nn.Module, loss: torch.Tensor, blocks: BlockProgress) -> di
 
 
 @contextlib.contextmanager
-def _backend(name: str) -> Iterator[Any]:
+def attention_backend(name: str) -> Iterator[Any]:
+    """Every SDPA call on backend ``name`` inside the block (what intercepted them, or None
+    for ``hf-eager``: the model's own eager attention)."""
     if name == HF_EAGER:
         yield None
     else:
@@ -179,9 +181,11 @@ def _backend(name: str) -> Iterator[Any]:
             yield intercepted
 
 
-def _forward_backward(subject: Subject, model: nn.Module, inputs: Any,
-                      loss_paths: list[str] | None,
-                      backward: Callable[[torch.Tensor], dict[str, Any]]) -> Run:
+def forward_backward(subject: Subject, model: nn.Module, inputs: Any,
+                     loss_paths: list[str] | None,
+                     backward: Callable[[torch.Tensor], dict[str, Any]]) -> Run:
+    """The forward, the loss and ``backward(loss)``'s gradients of ``model`` on ``inputs``,
+    outputs kept (sketched when big) with the loss's sensitivity to each of them."""
     missing: dict[str, str] = {}
     try:
         output = subject.forward(model, inputs)

@@ -19,6 +19,7 @@ import torch
 from torchparity import backends
 from torchparity.collector import freeze_for_good
 from torchparity.errors import UsageError
+from torchparity.golden import sharded
 from torchparity.golden.cases import OUTPUT_KINDS, check_case, load_case
 from torchparity.golden.cell_selection import select_cases, select_cells
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult, single_thread
@@ -201,7 +202,8 @@ def check_models(subjects: list[Subject], root: Path, cells: list[Cell],
     results = []
     with single_thread():
         for subject in subjects:
-            results += check_subject(
+            check_one = sharded.check_sharded if sharded.active() else check_subject
+            results += check_one(
                 subject, model_store(subject, root), cells,
                 lambda label, s=subject: progress.update(task, advance=1,
                                                          description=f"{s.name} {label}"),
@@ -235,7 +237,8 @@ def update_models(subjects: list[Subject], root: Path, status: Callable[[Subject
         for subject in subjects:
             status(subject, "")
             store = model_store(subject, root)
-            statuses = write_goldens(subject, store, lambda text, s=subject: status(s, text))
+            statuses = (sharded.write_sharded_goldens(subject, store) if sharded.active() else
+                        write_goldens(subject, store, lambda text, s=subject: status(s, text)))
             yield subject, statuses, islands_sentence(load_goldens(subject, store))
 
 

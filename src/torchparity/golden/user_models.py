@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from torchparity.errors import UsageError
-from torchparity.golden.cells import REFERENCE
+from torchparity.golden.cells import REFERENCE, Run
 from torchparity.golden.model_runs import OUTPUT_KINDS, Status, run_in_cell
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
 from torchparity.subject import Subject
@@ -75,12 +75,13 @@ def model_checksums(subject: Subject) -> dict[str, str]:
             "inputs": checksum(flatten_tensors(subject.inputs, "inputs"))}
 
 
-def write_goldens(subject: Subject, store: GoldenStore,
-                  status: Status | None = None) -> dict[str, str]:
+def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = None,
+                  run: Run | None = None) -> dict[str, str]:
     """Compute and write the goldens of ``subject``; output -> what happened to its file
     (``created``, ``updated``, ``replaced`` or ``unchanged``, as for the zoo). ``status``
-    hears where the float64 run is (which block of how many)."""
-    run = run_in_cell(subject, REFERENCE, None, status=status)
+    hears where the float64 run is (which block of how many); ``run`` is that run when it
+    was made elsewhere (by the ranks of a sharded model)."""
+    run = run or run_in_cell(subject, REFERENCE, None, status=status)
     if run.missing:
         output, reason = next(iter(run.missing.items()))
         raise UsageError(f"{subject.entry}: the float64 golden run cannot compute {output}: "

@@ -7,7 +7,10 @@ tensor; ``loss_fn(output, inputs)`` returns a scalar; ``step(model, tokens, stat
 state)`` is one decoding step (:mod:`torchparity.subject.decoding`); ``decode(model, inputs,
 use_cache)`` runs the model's incremental decoding and returns its outputs (a pytree of
 tensors); ``padding`` says which positions are padding where the inputs do not (see
-:mod:`torchparity.subject.padding`). A file imports as ``python file.py`` would run it: its
+:mod:`torchparity.subject.padding`); ``parallelize(model, mesh)`` shards the model in place
+over a device mesh (its FSDP2 ``fully_shard`` / ``parallelize_module`` plan) and ``mesh`` is the
+mesh it wants, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left), both read under
+torchrun only (:mod:`torchparity.subject.sharded`). A file imports as ``python file.py`` would run it: its
 folder comes first on ``sys.path``, so modules beside it import.
 """
 
@@ -26,7 +29,8 @@ from torch import nn
 from torchparity.errors import UsageError, UserCodeError
 
 #: The keys a factory's dict may have; the first two are required.
-KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding", "reorder", "search")
+KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding", "reorder", "search",
+        "parallelize", "mesh")
 
 
 def resolve_entry(spec: str) -> Callable[[], Any]:
@@ -66,7 +70,7 @@ def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
             raise UsageError(f"factory {label} returned a dict with keys "
                              f"{', '.join(map(str, result)) or '(none)'}; it needs 'model' and "
                              f"'inputs' and may have 'loss_fn', 'step', 'reorder', 'search', "
-                             "'decode' and 'padding'")
+                             "'decode', 'padding', 'parallelize' and 'mesh'")
         fields = {key: result.get(key) for key in KEYS}
     elif isinstance(result, tuple) and len(result) in (2, 3):
         fields = {**dict.fromkeys(KEYS), **dict(zip(KEYS, result, strict=False))}
@@ -80,7 +84,7 @@ def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
         raise UsageError(f"factory {label} returned inputs of type "
                          f"{type(fields['inputs']).__name__}; give a tuple of positional "
                          "arguments, a dict of keyword arguments or one tensor")
-    for key in ("loss_fn", "step", "reorder", "decode"):
+    for key in ("loss_fn", "step", "reorder", "decode", "parallelize"):
         value = fields[key]
         if value is not None and not callable(value):
             raise UsageError(f"factory {label} returned a {type(value).__name__} as {key}; "

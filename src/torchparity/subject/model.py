@@ -50,6 +50,10 @@ class Subject:
     padding: Padding = field(default_factory=Padding)
     reorder: ReorderFn | None = None
     search: BeamSettings | None = None
+    #: ``parallelize(model, mesh)``: the factory's plan to shard the model over ``mesh``, a
+    #: ``{dimension name: size}`` (see :mod:`torchparity.subject.sharded`).
+    parallelize: Callable[[nn.Module, Any], Any] | None = None
+    mesh: Any = None
     #: False where it is checked against goldens made without decoding: it does not decode.
     decoding: bool = True
 

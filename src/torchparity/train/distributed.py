@@ -1,6 +1,6 @@
 """Distributed parity: a zoo case trained by N processes under ``torchrun``.
 
-:func:`run_parallel` launches the ranks (see :mod:`torchparity.train.launcher`) with one of the
+:func:`run_parallel` launches the ranks (see :mod:`torchparity.subject.launcher`) with one of the
 parallelisms of :mod:`torchparity.train.parallel` (DDP, FSDP2, tensor parallel, FSDP2 x TP) and
 returns rank 0's trajectory, to be judged with
 :func:`torchparity.train.trajectory.compare_trajectories` against one process training the same
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from torchparity.errors import TorchParityError
-from torchparity.train import launcher
+from torchparity.subject import launcher
 from torchparity.train.parallel import Layout, tensor_parallel_problem
 from torchparity.train.step_capture import (
     Location,

@@ -9,7 +9,10 @@
   (:func:`die_with_parent`), so none is orphaned.
 - A worker that raises writes ``rank<N>.error`` (:func:`record_failure`) before exiting;
   torchrun then stops the others at once. The error names the first rank that failed, with its
-  message.
+  message; a rank that dies without a word (killed) is named from torchrun's own report.
+- A worker that runs a command with an exit status of its own (``torchparity check`` under
+  torchrun: 1 when a check fails) records it with :func:`record_outcome`; :func:`launch`
+  returns the worst one instead of raising.
 
 Workers print their log lines to stdout; each line is passed to ``log`` as it arrives.
 """
@@ -25,8 +28,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+import re
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from torchparity.errors import TorchParityError
@@ -38,9 +43,19 @@ _SIGKILL = 9
 _PR_SET_PDEATHSIG = 1
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """The worst exit status the ranks recorded (:func:`record_outcome`) and its one-line
+    message (None: no rank had one)."""
+
+    status: int = 0
+    message: str | None = None
+
+
 def launch(module: str, args: list[str], *, nproc: int, timeout: float,
-           log: Callable[[str], None] | None = None) -> None:
-    """Run ``python -m module *args`` as ``nproc`` ranks under torchrun; return when all exit 0.
+           log: Callable[[str], None] | None = None) -> Outcome:
+    """Run ``python -m module *args`` as ``nproc`` ranks under torchrun; return when all exit
+    0, or when every rank recorded its exit status (:func:`record_outcome`): the worst one.
 
     Raises :class:`~torchparity.errors.TorchParityError` naming the rank that failed and its
     message, or saying that the run exceeded ``timeout`` seconds (everything started is
@@ -70,9 +85,12 @@ def launch(module: str, args: list[str], *, nproc: int, timeout: float,
                 raise
             finally:
                 reader.join(timeout=5)
-        if code != 0:
-            failure = _first_failure(errors) or _tail(stderr_path.read_text())
+        outcome = _recorded_outcome(errors)
+        died = _died(stderr_path.read_text(), errors) if code != 0 else None
+        if code != 0 and (died or outcome is None or outcome.status == 0):
+            failure = (_first_failure(errors) or died or _tail(stderr_path.read_text()))
             raise TorchParityError(f"torchrun failed with exit status {code}: {failure}")
+        return outcome or Outcome()
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -99,6 +117,40 @@ def record_failure(rank: int, exc: BaseException) -> None:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
         Path(folder, f"rank{rank}.error").write_text(text)
+
+
+def record_outcome(status: int, message: str | None = None) -> None:
+    """Leave this rank's exit status and one-line message where :func:`launch` finds them (a
+    no-op outside a run it started)."""
+    folder, rank = os.environ.get(_ERROR_DIR), os.environ.get("RANK")
+    if folder and rank is not None:
+        Path(folder, f"rank{rank}.outcome").write_text(f"{status}\n{message or ''}")
+
+
+def _recorded_outcome(errors: Path) -> Outcome | None:
+    """The worst outcome the ranks recorded (None: none did). A rank that failed outweighs
+    ranks stopped before they could record theirs."""
+    found = []
+    for path in sorted(errors.glob("rank*.outcome")):
+        status, _, message = path.read_text().partition("\n")
+        found.append(Outcome(int(status), message.strip() or None))
+    return max(found, key=lambda outcome: outcome.status, default=None)
+
+
+def _died(stderr: str, errors: Path) -> str | None:
+    """``rank N died (...)`` when the root cause torchrun reports is a worker that ended
+    without a word (killed: it recorded no outcome), else None."""
+    cause = stderr.rpartition("Root Cause")[2]
+    rank = re.search(r"^\s*rank\s*:\s*(\d+)", cause, re.M)
+    if rank and (errors / f"rank{rank.group(1)}.outcome").exists():
+        return None
+    how = re.search(r"^\s*traceback\s*:\s*(Signal [^\n]*)", cause, re.M) or re.search(
+        r"^\s*exitcode\s*:\s*(-?\d+)", cause, re.M)
+    if not (rank and how):
+        return None
+    what = how.group(1).strip()
+    what = what if what.startswith("Signal") else f"exit code {what}"
+    return f"rank {rank.group(1)} died ({what}) without reporting an error"
 
 
 def _first_failure(errors: Path) -> str | None:

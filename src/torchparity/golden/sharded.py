@@ -1,0 +1,202 @@
+"""Goldens and checks of a user's model sharded over the ranks of ``torchrun``.
+
+``golden update --model ENTRY --nproc N`` and ``check --model ENTRY --nproc N`` start the same
+command as N ranks (:func:`start`, through :mod:`torchparity.subject.launcher`); inside a user's
+own ``torchrun ... -m torchparity ...`` the command finds itself a rank and runs as one.
+
+Every rank loads the factory; each run (the float64 golden run, each cell and its baseline)
+copies the model into its dtype, shards the copy by the factory's plan
+(:func:`~torchparity.subject.sharded.shard`) and runs it, so the float64 golden is computed by
+the sharded model in float64. Outputs and gradients that are DTensors are gathered one at a
+time, each kept (sketched when big) before the next is gathered, so the goldens on disk are the
+same whatever the number of ranks: made with 2, they check with 1 or 4. Every rank judges
+alike; rank 0 alone writes and prints. The differences sharding makes (reductions split across
+ranks) are in the baseline, which runs sharded as the cell does, and so in every budget.
+
+Decoding and compiled cells are not run across ranks (their rows say so).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchparity.dtypes import DTYPES
+from torchparity.errors import BackendUnavailable, TorchParityError, UsageError
+from torchparity.golden import check_loop
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run, matmul_precision
+from torchparity.golden.model_check import ModelFeed
+from torchparity.golden.model_runs import (
+    HF_EAGER,
+    OUTPUT_KINDS,
+    attention_backend,
+    forward_backward,
+    perturbation,
+)
+from torchparity.golden.store import GoldenStore
+from torchparity.golden.user_models import write_goldens
+from torchparity.sketching import kept
+from torchparity.subject import Subject, hf, launcher, sharded
+from torchparity.subject.factory import first_line
+from torchparity.subject.trees import map_tensors
+
+#: Seconds a launched run may take in all (environment variable, default one hour).
+RUN_TIMEOUT_ENV = "TORCHPARITY_RUN_TIMEOUT"
+_DEFAULT_RUN_TIMEOUT = 3600.0
+NOT_ACROSS_RANKS = "decoding is not run across ranks; check it in one process"
+
+
+def start(nproc: int | None, argv: list[str]) -> int | None:
+    """Where a command that takes ``--nproc`` runs. Under torchrun: join the ranks, silence
+    every rank's output but rank 0's and return None (the command runs here, as one rank).
+    With ``nproc`` > 1 outside torchrun: run ``torchparity argv`` (without ``--nproc``) as
+    ``nproc`` ranks and return its exit status. Else None: one process, as ever."""
+    if sharded.under_torchrun():
+        if nproc is not None and nproc != sharded.world_size():
+            raise UsageError(f"--nproc {nproc} under a torchrun of {sharded.world_size()} "
+                             "ranks; leave --nproc out inside torchrun")
+        sharded.join()
+        atexit.register(sharded.leave)
+        if sharded.rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the rank)
+        return None
+    if nproc is not None and nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {nproc}")
+    if nproc is None or nproc == 1:
+        return None
+    outcome = launcher.launch("torchparity", without_nproc(argv), nproc=nproc,
+                              timeout=_run_timeout(), log=print)
+    if outcome.message:
+        print(outcome.message, file=sys.stderr)
+    return outcome.status
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` without its ``--nproc N`` (or ``--nproc=N``)."""
+    kept_args, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            kept_args.append(arg)
+    return kept_args
+
+
+def _run_timeout() -> float:
+    text = os.environ.get(RUN_TIMEOUT_ENV)
+    try:
+        return float(text) if text else _DEFAULT_RUN_TIMEOUT
+    except ValueError:
+        raise UsageError(f"${RUN_TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+
+
+def active() -> bool:
+    """Whether this process is one rank of a sharded run."""
+    return sharded.under_torchrun()
+
+
+def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
+                perturb: bool = False) -> Run:
+    """``subject`` run in ``cell`` by every rank: a copy in the cell's dtype (its weights
+    moved by one float64 rounding with ``perturb``), sharded by the factory's plan; outputs
+    and gradients gathered one by one and kept."""
+    run_name = f"the {cell.label} run" + (" (perturbed)" if perturb else "")
+    try:
+        return _run_sharded(subject, cell, loss_paths, perturb, run_name)
+    except Exception as exc:
+        if not sharded.collective_failed(exc):
+            raise
+        raise TorchParityError(
+            f"rank {sharded.rank()}: a collective failed in {run_name} "
+            f"({sharded.where_others_are()}): {first_line(exc.__cause__ or exc)}") from exc
+
+
+def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, perturb: bool,
+                 run_name: str) -> Run:
+    attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
+    model, inputs = subject.placed(cell.device, DTYPES[cell.dtype], attention)
+    if perturb:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                perturbation(name, param.data)
+    sharded.mark(f"the sharding of {run_name} (the factory's plan)")
+    model = sharded.shard(subject, model, sharded.device_mesh(subject))
+    sharded.mark(f"the forward and backward of {run_name}")
+
+    def gathered_grads(loss: torch.Tensor) -> dict[str, Any]:
+        loss.backward()
+        return {name: kept(name, sharded.whole(param.grad))
+                for name, param in model.named_parameters() if param.grad is not None}
+
+    try:  # every rank meets the same unavailable backend, before any collective
+        with attention_backend(cell.backend) as intercepted, matmul_precision(cell.dtype):
+            run = forward_backward(subject, _Whole(model), inputs, loss_paths, gathered_grads)
+    except BackendUnavailable as exc:
+        return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
+    run.sdpa_calls = None if intercepted is None else intercepted.calls
+    return run
+
+
+class _Whole(torch.nn.Module):
+    """The sharded model with its DTensor outputs gathered: the loss and the judgement see
+    the outputs one process would return."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return map_tensors(self.model(*args, **kwargs), sharded.whole)
+
+
+class ShardedFeed(ModelFeed):
+    """A user's model as the check loop runs it on every rank (see :class:`ModelFeed`)."""
+
+    def __init__(self, subject: Subject, store: GoldenStore,
+                 status: Callable[[str, str], None] | None = None) -> None:
+        super().__init__(subject, store, status)
+        if "decode" in self.outputs:
+            self.outputs.remove("decode")
+            self.unjudged["decode"] = NOT_ACROSS_RANKS
+        self.tokens = None
+
+    def refused(self, cell: Cell) -> str | None:
+        if cell.compile:
+            return "compiled cells are not run across ranks; check them in one process"
+        return super().refused(cell)
+
+    def run(self, cell: Cell, *, perturb: bool = False) -> Run:
+        sharded.together(f"the {cell.label} run" + (" (perturbed)" if perturb else ""))
+        return run_sharded(self.subject, cell, self.loss_paths, perturb=perturb)
+
+    def self_checks(self, fresh: Run) -> list[CheckResult]:
+        return []
+
+
+def check_sharded(subject: Subject, store: GoldenStore, cells: list[Cell],
+                  advance: Callable[[str], None] = lambda label: None,
+                  status: Callable[[str, str], None] | None = None) -> list[CheckResult]:
+    """:func:`~torchparity.golden.model_check.check_subject` on every rank of a sharded run."""
+    return check_loop.check(ShardedFeed(subject, store, status), cells, advance)
+
+
+def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str]:
+    """The goldens of ``subject`` computed by every rank in float64, written by rank 0 (each
+    file atomically, none before the whole run succeeded); what happened to each file, as
+    :func:`~torchparity.golden.user_models.write_goldens` says, on every rank."""
+    import torch.distributed as dist
+
+    subject = dataclasses.replace(subject, decoding=False)
+    sharded.together("the float64 golden run")
+    run = run_sharded(subject, REFERENCE, None)
+    statuses = [write_goldens(subject, store, run=run) if sharded.rank() == 0 else None]
+    dist.broadcast_object_list(statuses, src=0)
+    return statuses[0]

@@ -1,0 +1,236 @@
+"""A user's model sharded over the ranks of ``torchrun`` by its own plan.
+
+Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank joins one process group (:func:`join`:
+gloo on the CPU, nccl on CUDA), loads the factory and holds its model; the copy a run makes in
+its dtype is then sharded by the factory's ``parallelize(model, mesh)`` (:func:`shard`) over the
+mesh the factory asks for, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left; none
+given: one dimension ``"shard"`` over every rank). A plan that shards a parameter unevenly is
+refused with one line: its ranks would pad, or split a head.
+
+Every collective waits at most :func:`collective_timeout` seconds; :func:`together` meets the
+ranks between phases and names the ones that do not come (gloo's monitored barrier).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from torchparity.errors import TorchParityError, UsageError
+
+if TYPE_CHECKING:  # importing torch.distributed's mesh module takes seconds
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torchparity.subject.model import Subject
+
+#: Seconds a collective waits for the other ranks (environment variable, default 300).
+COLLECTIVE_TIMEOUT_ENV = "TORCHPARITY_COLLECTIVE_TIMEOUT"
+_DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+#: The name of the mesh's one dimension when the factory gives none.
+DEFAULT_DIMENSION = "shard"
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of ``torchrun`` (or another launcher setting its
+    ``RANK`` and ``WORLD_SIZE``)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank() -> int:
+    """This process's rank (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """The number of ranks (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for the other ranks: ``$TORCHPARITY_COLLECTIVE_TIMEOUT``."""
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    try:
+        return float(text) if text else _DEFAULT_COLLECTIVE_TIMEOUT
+    except ValueError:
+        raise UsageError(f"${COLLECTIVE_TIMEOUT_ENV}={text!r} is not a number of "
+                         "seconds") from None
+
+
+def device_type() -> str:
+    """``cuda`` when this rank has a GPU of its own (nccl), else ``cpu`` (gloo)."""
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+
+
+def join() -> None:
+    """Join the ranks' process group (once): nccl with this rank's GPU, else gloo."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=collective_timeout())
+    if device_type() == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise UsageError(f"nccl needs one GPU per rank: local rank {local}, "
+                             f"{torch.cuda.device_count()} GPU(s) here")
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def leave() -> None:
+    """Leave the process group once every rank is done with it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(RuntimeError):  # a rank that died has nothing to wait for
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def together(what: str) -> None:
+    """Wait until every rank reaches ``what``; a rank that does not come within the collective
+    timeout is named in a one-line :class:`TorchParityError` (gloo), or the barrier's own."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=collective_timeout())
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        else:
+            dist.barrier()
+    except RuntimeError as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TorchParityError(f"rank {rank()}: the ranks did not all reach {what} within "
+                               f"{timeout.total_seconds():.0f}s: {message}") from None
+
+
+_PHASE_KEY = "torchparity/phase/"
+
+
+def mark(phase: str) -> None:
+    """Note in the ranks' store that this rank is at ``phase`` (what :func:`where_others_are`
+    reads when a collective fails)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        _store().set(f"{_PHASE_KEY}{rank()}", phase)
+
+
+def where_others_are() -> str:
+    """Which ranks are not where this one is, as ``rank 1 is at sharding the fp32 run`` ("every
+    rank is here" when none): said when a collective fails or times out."""
+    store, here = _store(), None
+    phases = {}
+    for other in range(world_size()):
+        key = f"{_PHASE_KEY}{other}"
+        phases[other] = store.get(key).decode() if store.check([key]) else "its start"
+    here = phases[rank()]
+    behind = [f"rank {r} is at {phase}" for r, phase in phases.items() if phase != here]
+    return ", ".join(behind) or "every rank is here"
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def collective_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the exception it wraps) was raised by a collective: a rank that
+    died, or did not come within the timeout."""
+    import traceback
+
+    for error in (exc, exc.__cause__):
+        frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+        if frames and "torch/distributed/" in frames[-1].filename.replace(os.sep, "/"):
+            return True
+    return False
+
+
+def mesh_sizes(shape: Any, ranks: int, label: str) -> dict[str, int]:
+    """The factory's ``mesh`` as ``{dimension: size}`` over ``ranks``: a -1 becomes the ranks
+    left; a shape whose sizes do not multiply to ``ranks`` is a one-line :class:`UsageError`."""
+    if shape is None:
+        return {DEFAULT_DIMENSION: ranks}
+    if not (isinstance(shape, Mapping) and shape and all(
+            isinstance(k, str) and isinstance(v, int) for k, v in shape.items())):
+        raise UsageError(f"factory {label} returned mesh={shape!r}; give the dimensions by "
+                         'name and size, such as {"dp": -1, "tp": 2}')
+    sizes = dict(shape)
+    unknown = [name for name, size in sizes.items() if size == -1]
+    known = math.prod(size for size in sizes.values() if size != -1)
+    if len(unknown) > 1 or any(size < 1 and size != -1 for size in sizes.values()):
+        raise UsageError(f"factory {label}: mesh {shape} may have one size of -1 and positive "
+                         "sizes otherwise")
+    if unknown:
+        if ranks % known:
+            raise UsageError(f"factory {label}: mesh {shape} needs a multiple of {known} ranks; "
+                             f"there are {ranks} (--nproc)")
+        sizes[unknown[0]] = ranks // known
+    if math.prod(sizes.values()) != ranks:
+        raise UsageError(f"factory {label}: mesh {shape} holds {math.prod(sizes.values())} "
+                         f"ranks; there are {ranks} (--nproc {math.prod(sizes.values())})")
+    return sizes
+
+
+def device_mesh(subject: Subject) -> DeviceMesh:
+    """The mesh ``subject``'s factory asks for, over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sizes = mesh_sizes(subject.mesh, world_size(), subject.entry)
+    return init_device_mesh(device_type(), tuple(sizes.values()),
+                            mesh_dim_names=tuple(sizes))
+
+
+def shard(subject: Subject, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """``model`` (a copy of the factory's, in the run's dtype) sharded by the factory's
+    ``parallelize(model, mesh)``; the model it returns, else ``model`` sharded in place."""
+    plan = subject.parallelize
+    if plan is None:
+        raise UsageError(f"factory {subject.entry} has no 'parallelize' to shard its model over "
+                         f"{world_size()} ranks; return parallelize(model, mesh) (an FSDP2 or "
+                         "tensor-parallel plan) from it, or run it in one process")
+    returned = subject.guarded(lambda: plan(model, mesh), "its parallelize")
+    sharded = returned if isinstance(returned, nn.Module) else model
+    uneven = uneven_shard(sharded)
+    if uneven:
+        raise UsageError(f"the plan of {subject.entry} {uneven}; choose a mesh or --nproc "
+                         "that divides it")
+    return sharded
+
+
+def uneven_shard(model: nn.Module) -> str | None:
+    """How the first parameter sharded unevenly is split (its ranks would hold padding, or
+    half a head), or None."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        for dim, placement in enumerate(param.placements):
+            if isinstance(placement, Shard):
+                ranks = param.device_mesh.size(dim)
+                extent = param.shape[placement.dim]
+                if extent % ranks:
+                    return (f"splits {name} (shape {tuple(param.shape)}) along dimension "
+                            f"{placement.dim} over {ranks} ranks, which do not divide {extent}")
+    return None
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered into the plain tensor it stands for (every rank gets it); a plain
+    tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

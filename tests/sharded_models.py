@@ -1,0 +1,189 @@
+"""Factories of sharded models, each with its own plan, for ``--nproc`` runs: a small
+transformer written here and a tiny ``transformers`` Llama, each with an FSDP2 plan, a
+tensor-parallel plan and both on a 2-D mesh; and faulty plans (one that does not divide the
+model's shapes, one whose rank 1 dies). The ranks import this file by its path."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import torchparity as tp
+
+VOCAB, WIDTH, HEADS, LAYERS = 64, 32, 4, 2
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention whose head count comes from its projections' width: a
+    tensor-parallel rank holds whole heads and runs them as its own."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = width // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, length, -1, self.head_dim).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)),
+                                           is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.attn = Attention(width, heads)
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = VOCAB, width: int = WIDTH, heads: int = HEADS,
+                 hidden: int = 2 * WIDTH) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(Block(width, heads, hidden) for _ in range(LAYERS))
+        self.norm, self.head = nn.RMSNorm(width), nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+# --- plans ----------------------------------------------------------------------------------
+
+
+def fsdp_plan(layers: str):
+    """FSDP2: one unit per layer of ``model.<layers>``, the rest in the root's, over the
+    mesh's ``dp`` dimension."""
+    def parallelize(model: nn.Module, mesh) -> None:
+        for layer in model.get_submodule(layers):
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+
+    return parallelize
+
+
+def tp_plan(layers: str, columns: tuple[str, ...], rows: tuple[str, ...]):
+    """Tensor parallel over the mesh's ``tp`` dimension: ``columns`` of each layer split by
+    output (heads, hidden units), ``rows`` by input, their partial sums reduced."""
+    def parallelize(model: nn.Module, mesh) -> None:
+        for layer in model.get_submodule(layers):
+            parallelize_module(layer, mesh["tp"], {
+                **{name: ColwiseParallel() for name in columns},
+                **{name: RowwiseParallel() for name in rows}})
+
+    return parallelize
+
+
+def both(tensor_parallel, fsdp):
+    """Tensor parallel inside each ``tp`` group, then FSDP2 across ``dp``: the 2-D plan."""
+    def parallelize(model: nn.Module, mesh) -> None:
+        tensor_parallel(model, mesh)
+        fsdp(model, mesh)
+
+    return parallelize
+
+
+MINE_TP = tp_plan("layers", ("attn.q", "attn.k", "attn.v", "up"), ("attn.o", "down"))
+MINE_FSDP = fsdp_plan("layers")
+LLAMA_TP = tp_plan("model.layers",
+                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                    "mlp.gate_proj", "mlp.up_proj"),
+                   ("self_attn.o_proj", "mlp.down_proj"))
+LLAMA_FSDP = fsdp_plan("model.layers")
+
+
+# --- factories ------------------------------------------------------------------------------
+
+
+def _mine(plan, mesh: dict[str, int], **sizes: int) -> dict:
+    model = TinyLM(**sizes)
+    tp.init_weights(model, seed=0)
+    return {"model": model, "inputs": (tokens(),), "parallelize": plan, "mesh": mesh}
+
+
+def mine_fsdp() -> dict:
+    return _mine(MINE_FSDP, {"dp": -1})
+
+
+def mine_tp() -> dict:
+    return _mine(MINE_TP, {"tp": -1})
+
+
+def mine_fsdp_tp() -> dict:
+    return _mine(both(MINE_TP, MINE_FSDP), {"dp": -1, "tp": 2})
+
+
+def mine_uneven() -> dict:
+    """Tensor parallel over an MLP of 33 hidden units, which 2 ranks cannot split."""
+    return _mine(MINE_TP, {"tp": -1}, hidden=33)
+
+
+def _dies_in_rank_one(model: nn.Module, mesh) -> None:
+    MINE_FSDP(model, mesh)
+    if int(os.environ["RANK"]) == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def mine_rank_one_dies() -> dict:
+    return _mine(_dies_in_rank_one, {"dp": -1})
+
+
+def _hangs_in_rank_one(model: nn.Module, mesh) -> None:
+    MINE_FSDP(model, mesh)
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(3600)
+
+
+def mine_rank_one_hangs() -> dict:
+    return _mine(_hangs_in_rank_one, {"dp": -1})
+
+
+def _llama(plan, mesh: dict[str, int]) -> dict:
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    tp.init_weights(model, seed=0)
+    return {"model": model, "inputs": {"input_ids": tokens()}, "parallelize": plan,
+            "mesh": mesh}
+
+
+def llama_fsdp() -> dict:
+    return _llama(LLAMA_FSDP, {"dp": -1})
+
+
+def llama_tp() -> dict:
+    return _llama(LLAMA_TP, {"tp": -1})
+
+
+def llama_fsdp_tp() -> dict:
+    return _llama(both(LLAMA_TP, LLAMA_FSDP), {"dp": -1, "tp": 2})
