@@ -1,0 +1,108 @@
+"""Users' models sharded over the ranks of torchrun (``--nproc N``), on the CPU with gloo: the
+goldens made by the sharded model in float64 check with any number of ranks, with the verdicts
+one process gives; a rank that dies, a collective that times out and a plan that does not
+divide the model end the run with one line, exit status 2 and no golden written.
+
+Each ``--nproc`` run starts torchrun and its ranks (seconds of imports each), so the default
+suite runs a few of them with 2 ranks; the other plans and 4 ranks are ``slow``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchparity.cli import main
+
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.transformers
+
+MODELS = Path(__file__).resolve().parents[1] / "sharded_models.py"
+#: The outputs a sharded run judges (decoding runs in one process only).
+JUDGED = ("outputs", "loss", "grads")
+#: Cells enough to meet each kind of row: the baseline backend, and one that differs from it.
+CELLS = ["--backend", "manual", "--backend", "sdpa-math", "--dtype", "fp32"]
+
+
+def entry(name: str) -> str:
+    return f"{MODELS}:{name}"
+
+
+def verdicts(path: Path) -> dict[tuple[str, str, str], str]:
+    """(backend, dtype, output) -> verdict of a ``check --json``; a bit-identical output is
+    within its budget as well (which it is depends on how many ranks made the golden)."""
+    rows = json.loads(path.read_text())["results"]
+    return {(r["backend"], r["dtype"], r["output"]):
+            "within" if r["verdict"] == "identical" else r["verdict"]
+            for r in rows if r["output"] in JUDGED}
+
+
+def update_then_check(tmp_path: Path, name: str, nproc: list[int], capsys) -> dict[int, dict]:
+    """Goldens made by 2 ranks, then checked with each of ``nproc`` (1: one process); the
+    verdicts of each check."""
+    golden = ["--golden-dir", str(tmp_path / "golden")]
+    assert main(["golden", "update", "--model", entry(name), "--nproc", "2", *golden]) == 0
+    found = {}
+    for n in nproc:
+        report = tmp_path / f"check{n}.json"
+        status = main(["check", "--model", entry(name), "--nproc", str(n), *CELLS, *golden,
+                       "--json", str(report)])
+        assert status == 0, capsys.readouterr()
+        found[n] = verdicts(report)
+    return found
+
+
+def test_a_llama_tensor_parallel_golden_checks_on_2_ranks_and_in_one_process(tmp_path, capsys):
+    found = update_then_check(tmp_path, "llama_tp", [2, 1], capsys)
+    assert found[2] == found[1]
+    assert set(found[1].values()) <= {"within", "n/a"}
+    assert any(verdict == "within" for verdict in found[1].values())
+    assert {output for (_, _, output) in found[1]} == set(JUDGED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mine_fsdp", "mine_tp", "mine_fsdp_tp", "llama_fsdp",
+                                  "llama_fsdp_tp"])
+def test_each_plan_checks_on_2_ranks_and_in_one_process(tmp_path, capsys, name):
+    found = update_then_check(tmp_path, name, [2, 1], capsys)
+    assert found[2] == found[1]
+    assert set(found[1].values()) <= {"within", "n/a"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mine_fsdp_tp", "llama_tp"])
+def test_a_golden_of_2_ranks_checks_on_4(tmp_path, capsys, name):
+    found = update_then_check(tmp_path, name, [4, 1], capsys)
+    assert found[4] == found[1]
+
+
+def refused(tmp_path: Path, name: str, capsys, **env: str) -> str:
+    """The one line a failed ``golden update --nproc 2`` prints; nothing may be written."""
+    golden = tmp_path / "golden"
+    status = main(["golden", "update", "--model", entry(name), "--nproc", "2",
+                   "--golden-dir", str(golden)])
+    err = capsys.readouterr().err.strip()
+    assert status == 2
+    assert len(err.splitlines()) == 1, err
+    assert not golden.exists() or not any(golden.rglob("*.safetensors"))
+    return err
+
+
+def test_a_rank_that_dies_is_named_and_nothing_is_written(tmp_path, capsys):
+    assert "rank 1 died (Signal 9 (SIGKILL)" in refused(tmp_path, "mine_rank_one_dies", capsys)
+
+
+def test_a_plan_that_does_not_divide_a_parameter_is_refused(tmp_path, capsys):
+    err = refused(tmp_path, "mine_uneven", capsys)
+    assert "splits layers.0.up.weight (shape (33, 32)) along dimension 0 over 2 ranks" in err
+
+
+@pytest.mark.slow
+def test_a_rank_that_hangs_is_named_within_the_collective_timeout(tmp_path, capsys,
+                                                                   monkeypatch):
+    monkeypatch.setenv("TORCHPARITY_COLLECTIVE_TIMEOUT", "10")
+    err = refused(tmp_path, "mine_rank_one_hangs", capsys)
+    assert "rank 0: a collective failed" in err
+    assert "rank 1 is at the sharding of" in err
