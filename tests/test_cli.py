@@ -94,6 +94,49 @@ def test_a_file_error_exits_2_in_one_line(monkeypatch, capsys):
         "'/goldens/llama-tiny/logits.json'\n")
 
 
+SHAPE_ERROR = '''
+import torch
+from torch import nn
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.extra = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return torch.matmul(self.proj(x), self.extra)
+
+
+def make():
+    return {"model": Broken(), "inputs": torch.randn(2, 8)}
+'''
+
+
+def test_an_error_inside_the_users_model_points_at_the_users_line(tmp_path, capsys):
+    """torch raises the shape error from its own Python frames (torch/_ops.py under the
+    golden run's modes): the line named is the user's call."""
+    path = tmp_path / "broken.py"
+    path.write_text(SHAPE_ERROR)
+    line = SHAPE_ERROR.splitlines().index("        return torch.matmul(self.proj(x), "
+                                          "self.extra)") + 1
+    status = cli.main(["golden", "update", "--model", f"{path}:make", "--golden-dir",
+                       str(tmp_path / "golden")])
+    err = capsys.readouterr().err
+    assert status == 3 and err.count("\n") == 1, err
+    assert f"(at {path}:{line})" in err
+
+
+def test_a_usage_error_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["diagnose", "a.py:make", "b.py:make", "--dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("torchparity diagnose: error: ")
+    assert "'fp8'" in err and "bf16" in err and "torchparity diagnose --help" in err
+
+
 def test_python_m_torchparity_prints_the_version():
     result = subprocess.run([sys.executable, "-m", "torchparity", "--version"],
                             capture_output=True, text=True, timeout=120)

@@ -15,7 +15,9 @@ import importlib
 import os
 import re
 import sys
+import sysconfig
 import traceback
+from pathlib import Path
 
 from torchparity import __version__
 from torchparity.collector import older_objects_frozen
@@ -89,13 +91,37 @@ def _recorded(status: int, line: str | None = None) -> int:
 
 
 def _innermost_frame(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame in the user's own code (else the innermost one):
+    an error raised by torch inside the user's model points at the user's line that called
+    torch, not at ``torch/_ops.py``."""
     # An exception from a worker process (concurrent.futures) carries the worker's traceback
     # as the text of its cause: the frame that raised is there, not where it was re-raised.
     remote = re.findall(r'File "([^"]+)", line (\d+)', str(exc.__cause__ or ""))
     if type(exc.__cause__).__name__ == "_RemoteTraceback" and remote:
-        return ":".join(remote[-1])
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown location"
+        frames = [(path, int(line)) for path, line in remote]
+    else:
+        frames = [(f.filename, f.lineno) for f in traceback.extract_tb(exc.__traceback__)]
+    if not frames:
+        return "unknown location"
+    path, line = next((frame for frame in reversed(frames) if _users(frame[0])), frames[-1])
+    return f"{path}:{line}"
+
+
+def _users(path: str) -> bool:
+    """Whether ``path`` is the user's code: not Python's, an installed package's, nor
+    torchparity's own."""
+    if path.startswith("<"):
+        return False
+    resolved = str(Path(path).resolve())
+    return not any(resolved.startswith(root) for root in _LIBRARY_ROOTS)
+
+
+#: Where code that is not the user's lives: the standard library, installed packages and
+#: torchparity itself.
+_LIBRARY_ROOTS = tuple(dict.fromkeys(
+    [str(Path(p).resolve()) + os.sep for p in
+     (sysconfig.get_path("stdlib"), sysconfig.get_path("purelib"),
+      sysconfig.get_path("platlib"), Path(__file__).parent)]))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -103,9 +129,17 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else "(no message)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose usage errors are one line, naming the command, what is wrong and where
+    the options are listed (argparse prints its whole usage block first)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Build the parser, loading the arguments of the subcommand named in ``argv`` only."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="torchparity",
         description="Numerical-equivalence checks for PyTorch transformer code.",
         epilog=EXIT_STATUSES,
@@ -114,7 +148,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of an unexpected error")
     # Also accepted after the subcommand; SUPPRESS keeps an absent one from resetting it.
-    debug_after = argparse.ArgumentParser(add_help=False)
+    debug_after = _Parser(add_help=False)
     debug_after.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="print the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

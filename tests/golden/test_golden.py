@@ -203,6 +203,14 @@ def scramble(folder: Path) -> None:
     path.write_bytes(b"\xff" * 16 + path.read_bytes()[16:])
 
 
+def zero_bytes(folder: Path) -> None:
+    """Bytes of the data zeroed, as a bad disk or copy leaves them: the file still parses."""
+    path = folder / CASE / "logits.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-64:-32] = bytes(32)
+    path.write_bytes(bytes(data))
+
+
 def edit_statistic(folder: Path) -> None:
     edit_json(folder, "hidden", lambda s: s["tensors"]["decoder.layers.0"].update(absmax=9.5))
 
@@ -223,6 +231,8 @@ def broken_json(folder: Path) -> None:
 @pytest.mark.parametrize("damage, message", [
     (truncate, "logits.safetensors is truncated or corrupt"),
     (scramble, "grads.safetensors is truncated or corrupt"),
+    (zero_bytes, "logits.safetensors is damaged: its bytes no longer match the checksum "
+                 "logits.json records"),
     (edit_statistic, "hidden.json no longer matches its tensors (decoder.layers.0: absmax"),
     (newer_schema, f"schema version {SCHEMA_VERSION + 1}, newer than"),
     (other_config, "different config (norm_eps: 1e-05 in the golden, 1e-06 now)"),

@@ -509,6 +509,12 @@ def _check_consistent(path: Path, summary: dict[str, Any],
             problem = _summary_mismatch(name, listed[name], tensor_summary(tensor))
             if problem:
                 break
+    if problem and ": sha256 " in problem:
+        # Same names, shapes and dtypes, other bytes: the tensors' file changed after it was
+        # written (a disk or a copy damaged it), not the readable JSON.
+        raise GoldenCorrupt(f"{path.with_suffix('.safetensors')} is damaged: its bytes no "
+                            f"longer match the checksum {path.name} records ({problem}). "
+                            f"{fix[0].upper()}{fix[1:]}")
     if problem:
         raise GoldenCorrupt(f"{path} no longer matches its tensors ({problem}); was it edited "
                             f"by hand? {fix[0].upper()}{fix[1:]}")
