@@ -165,6 +165,7 @@ class ShardedFeed(ModelFeed):
         super().__init__(subject, store, status)
         if "decode" in self.outputs:
             self.outputs.remove("decode")
+        if subject.generates:
             self.unjudged["decode"] = NOT_ACROSS_RANKS
         self.tokens = None
 
