@@ -48,6 +48,7 @@ from torchparity.diagnosis.decoding.trace import is_decode_trace
 from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.float64_golden import add_golden, float64_departure
 from torchparity.diagnosis.local import judge_local
+from torchparity.diagnosis.ops import drill_down
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
 from torchparity.diagnosis.reference import Reference, describe_mode
@@ -98,6 +99,7 @@ def diagnose(
     dtype: torch.dtype | None = None,
     padding: PaddingLike = None,
     compile_b: str | None = None,
+    ops: str | None = None,
 ) -> DiagnosisReport:
     """Localise where ``model_b`` starts to compute something other than ``model_a``.
 
@@ -127,6 +129,8 @@ def diagnose(
     names the first module whose compiled output leaves its budget; a ``model_b`` that is
     compiled already (``torch.compile(model)``, ``model.compile()``) is diagnosed so without it
     (:mod:`torchparity.diagnosis.compiled_localisation`).
+    The first divergence is drilled down to the op and source line where it enters
+    (:mod:`torchparity.diagnosis.ops`); ``ops`` names another of B's modules to drill into.
 
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from
@@ -149,9 +153,11 @@ def diagnose(
             with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:
                 writer = TraceWriter(Path(tmp) / "reference.tptrace")
                 reference = _reference(model_a, inputs, writer.store, opts, bar, dtype)
-                return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
+                return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar,
+                                           model_a, ops)
         reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype)
-        return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar)
+        return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar, model_a,
+                                   ops)
 
 
 @with_older_objects_frozen
@@ -271,8 +277,11 @@ def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar:
 
 
 def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
-                        name_map: NameMap | None, bar: ProgressBar) -> DiagnosisReport:
-    """Stages 3 to 6: align B with the reference, judge propagated then local errors, report."""
+                        name_map: NameMap | None, bar: ProgressBar,
+                        model_a: nn.Module | None = None, ops: str | None = None
+                        ) -> DiagnosisReport:
+    """Stages 3 to 7: align B with the reference, judge propagated then local errors, drill
+    down to the op (with ``model_a`` in this process), report."""
     if opts.compile_b is None:
         propagated = judge_propagated(reference, model, inputs, name_map, opts, bar)
         alignment = propagated.alignment
@@ -282,6 +291,8 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
         find_entry(reference, alignment.matches, propagated.rows, model, opts,
                    propagated.changing)
         done()
+        _drill_down(reference, alignment.matches, propagated.rows, model_a, model, opts, ops,
+                    bar)
     else:  # each stage per level of B's modules, compiled; the search for an entry replays
         # modules eagerly, which a compiled B does not run
         propagated, replayed, compiled_note = localise(reference, model, inputs, opts,
@@ -317,6 +328,49 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
         unmatched_b=[c.key for c in alignment.unmatched_b],
         meta=meta,
     )
+
+
+def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Module | None,
+                model_b: nn.Module, opts: Options, module: str | None, bar: ProgressBar
+                ) -> None:
+    """Stage 7: the first divergent row (or B's ``module``) drilled down to its ops."""
+    if module is not None:
+        index = next((i for i, r in enumerate(rows) if r.module == module), None)
+        if index is None:
+            raise UsageError(f"--ops {module}: B has no recorded call of that module; "
+                             f"modules: {', '.join(r.module for r in rows[:12])}")
+    else:
+        index = next((i for i, r in enumerate(rows) if r.local is not None and not r.local.ok),
+                     None)
+    if index is None:
+        return  # nothing diverged: the drill-down costs nothing
+    if model_a is None:
+        rows[index].notes.append(
+            "no op drill-down: A's ops are not in a trace; diagnose both revisions in one "
+            "process (`torchparity diagnose A_ENTRY B_ENTRY`) to find the op and line")
+        return
+    done = bar.phase("A, golden and B: the module's ops")
+    row = rows[index]
+    found = drill_down(reference, matches[index], model_a, model_b, opts,
+                       diverged=row.local is not None and not row.local.ok)
+    parent = _parent_row(rows, index)
+    if not isinstance(found, str) and not found.has_source and parent is not None:
+        # a library module (nn.Linear) has no line of its own: its caller's code does
+        found = drill_down(reference, matches[parent], model_a, model_b, opts)
+    done()
+    if isinstance(found, str):
+        row.notes.append(found)
+    else:
+        row.ops = found
+
+
+def _parent_row(rows: list, index: int) -> int | None:
+    """The row of the call that made the call of row ``index``: the latest started before it
+    of its parent module."""
+    parent = rows[index].module.split("#")[0].rpartition(".")[0]
+    candidates = [i for i, r in enumerate(rows) if r.module.split("#")[0] == parent
+                  and r.start <= rows[index].start]
+    return max(candidates, key=lambda i: rows[i].start, default=None)
 
 
 def _report_meta(reference: Reference, model: nn.Module, opts: Options,

@@ -108,6 +108,8 @@ class DiagnosisReport(Report):
                          f"{what}.")
             if first.entry is not None:
                 parts.append(f"It enters at {first.entry}.")
+            if first.ops is not None:
+                parts.append(first.ops.sentence())
         if self.meta.get("backward"):
             grad = self.first_grad_divergence
             parts.append("No gradient diverges locally." if grad is None else
@@ -157,6 +159,7 @@ class DiagnosisReport(Report):
             "summary": self.summary(),
             "first_divergence": first.module if first else None,
             "first_grad_divergence": grad.module if grad else None,
+            "first_divergence_op": first.ops.to_dict() if first and first.ops else None,
             "output": self.output.to_dict() if self.output else None,
             "loss": self.loss.to_dict() if self.loss else None,
             "rows": [r.to_dict() for r in self.rows],
@@ -180,6 +183,9 @@ class DiagnosisReport(Report):
         lines = self._lines(fold)
         console.print(self.summary(), markup=False, highlight=False)
         print_lines(console, self.table_lines(console.width, fold=fold))
+        for row in self.rows:
+            if row.ops is not None:
+                print_lines(console, row.ops.table_lines(console.width))
         shown = {line for line in lines if isinstance(line, int)}
         for line in self._footer(shown if len(shown) < len(self.rows) else None):
             console.print(line, markup=False, highlight=False)

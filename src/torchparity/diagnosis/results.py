@@ -166,7 +166,8 @@ class Row:
     propagated). ``amplification`` is propagated error / local error: about 1 where the module
     itself is the source, large where it only carries error from upstream. ``inputs`` (decoding
     diagnoses only) compares the module's input tensors the way ``propagated`` its outputs.
-    ``entry`` (on a first divergence that contains other modules) names where it enters.
+    ``entry`` (on a first divergence that contains other modules) names where it enters;
+    ``ops`` (on the first divergence, or the module asked for) the op and line where it does.
     :attr:`structure` lists the outputs that A and B hold in different structure (a tensor on
     one side, ``None`` or nothing on the other): judged apart, never a numeric divergence;
     :attr:`shapes` those both hold in different shapes, a divergence of its own.
@@ -185,6 +186,7 @@ class Row:
     inputs: Result | None = None
     entry: Entry | None = None
     notes: list[str] = field(default_factory=list)
+    ops: Any = None  # the op drill-down of this call (diagnosis/ops), when it was drilled
 
     @property
     def structure(self) -> tuple:
@@ -233,6 +235,7 @@ class Row:
                 "module": self.entry.module, "argument": self.entry.argument,
                 "detail": self.entry.detail, "via": self.entry.via},
             "notes": self.notes,
+            "ops": None if self.ops is None else self.ops.to_dict(),
         })
 
 

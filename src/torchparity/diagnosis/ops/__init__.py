@@ -1,0 +1,70 @@
+"""Stage 7 of a diagnosis: the operation, and its source line, where a module's divergence
+enters.
+
+The first divergent module's recorded call (or the one the user names) is run three times on
+A's recorded inputs with its ops captured (:mod:`.capture`): A, the golden (a float64 copy of
+A's module) and B. The streams are aligned as sequences (:mod:`.align`), each paired op judged
+under the tolerance model (:mod:`.judge`) and the answer said as a maintainer wants it
+(:mod:`.report`). The cost is three replays of one module, nothing when no module diverges.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from torchparity.diagnosis.align import Match
+from torchparity.diagnosis.capture_a import Reference
+from torchparity.diagnosis.judging import module_padding
+from torchparity.diagnosis.ops.align import align_steps
+from torchparity.diagnosis.ops.capture import Step, capture_steps
+from torchparity.diagnosis.ops.judge import judge_ops
+from torchparity.diagnosis.ops.report import OpReport
+from torchparity.diagnosis.run import GOLDEN_DTYPE, Options, backend_context, placed, rebind
+from torchparity.diagnosis.state import states_within
+from torchparity.subject.running import seeded, upcast
+
+__all__ = ["OpReport", "drill_down"]
+
+
+def drill_down(reference: Reference, match: Match, model_a: nn.Module, model_b: nn.Module,
+               opts: Options, *, diverged: bool = True) -> OpReport | str:
+    """The op report of one aligned module call, or one line saying why there is none;
+    ``diverged``: whether the module's local error left its budget."""
+    if len(match.a) != 1 or len(match.b) != 1:
+        return "no op drill-down of a fused group of modules"
+    a_call, b_call = match.a[0], match.b[0]
+    if states_within(reference.states, a_call.name, a_call.clock):
+        return "no op drill-down of a module that keeps state across calls"
+    module_a = dict(model_a.named_modules())[a_call.name]
+    module_b = dict(model_b.named_modules())[b_call.name]
+    recorded = reference.store.get_inputs(a_call.key)
+    args_a, kwargs_a = placed(recorded, a_call)
+    args_b, kwargs_b = rebind(reference.signatures.get(a_call.name), placed(recorded, b_call),
+                              module_b)
+    with backend_context(opts.backend_a), seeded():
+        a_steps = capture_steps(module_a, args_a, kwargs_a)
+    with backend_context(opts.backend_b), seeded():
+        b_steps = capture_steps(module_b, args_b, kwargs_b)
+    golden, notes = _golden_steps(module_a, (args_a, kwargs_a), opts)
+    partners = {p.a.index: p.b for p in align_steps(a_steps, golden)
+                if p.a is not None and p.b is not None}
+    lines, first = judge_ops(align_steps(a_steps, b_steps), partners,
+                             module_padding(reference.padding, a_call.name),
+                             module_diverged=diverged)
+    return OpReport(b_call.name, lines, first, notes)
+
+
+def _golden_steps(module: nn.Module, inputs: tuple[tuple, dict], opts: Options
+                  ) -> tuple[list[Step], list[str]]:
+    """The steps of a float64 copy of A's module on the same inputs; none (A's own op
+    outputs serve as the golden, with the analytic budget) when it cannot be copied."""
+    try:
+        golden = copy.deepcopy(module).to(device="cpu", dtype=GOLDEN_DTYPE)
+    except Exception as exc:  # noqa: BLE001 - judged against A then, and said so
+        return [], [f"no float64 golden of the module's ops: copying it failed "
+                    f"({type(exc).__name__}: {exc})"]
+    args, kwargs = upcast(inputs, GOLDEN_DTYPE, "cpu")
+    with backend_context(opts.backend_a), seeded():
+        return capture_steps(golden, args, kwargs), []

@@ -1,0 +1,234 @@
+"""Op capture inside one module call: the aten operations its own code runs, in order.
+
+A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every operation below
+autograd under its aten name, whatever Python spelled it (``x * y``, ``torch.mul``,
+``x.mul_``): two revisions that write one computation differently still meet on the same
+names, and in-place writes into a buffer (a cache slot) are operations too, which a
+``__torch_function__`` mode would see only as ``__setitem__``. A call of a child module is one
+step of the stream, judged as the child: the ops inside it are its own diagnosis's business.
+Each step keeps its inputs as they were when it ran (copies: an in-place op changes them), its
+outputs, which earlier step made each input (the dataflow the alignment follows) and where in
+the user's code it ran (frames outside torch and torchparity, innermost first).
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["Frame", "Step", "capture_steps"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep
+#: torchparity's own models are user code here: the zoo is what is under test.
+_SUBJECT_DIR = os.path.join(_PACKAGE_DIR, "reference") + os.sep
+#: Ops that compute nothing: autograd's and tracing's bookkeeping.
+_SKIPPED = {"aten::detach", "aten::lift_fresh", "aten::alias"}
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One source line of a step: ``path:line`` and the line's text."""
+
+    path: str
+    line: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+@dataclass
+class Step:
+    """One step of a module call: an aten op (``kind="op"``) or a child module's call
+    (``kind="module"``, named by its path below the module)."""
+
+    index: int
+    name: str
+    kind: str
+    call: Callable[..., Any]  # the op overload, or the child module: replays the step
+    args: tuple
+    kwargs: dict
+    outputs: dict[str, torch.Tensor]  # "out.0", ...; "base.0": the buffer an op wrote into
+    producers: tuple[int | None, ...]  # per tensor input, the step that made it (None: given)
+    stack: tuple[Frame, ...]
+    scalars: dict[str, Any] = field(default_factory=dict)  # non-tensor arguments by name
+    returned: bool = False  # an output of the step is an output of the module
+
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        return [t for t in tree_flatten((self.args, self.kwargs))[0]
+                if isinstance(t, torch.Tensor)]
+
+    @property
+    def op(self) -> str:
+        """The op without its overload (``aten::mul`` for ``aten::mul.Tensor``)."""
+        return self.name.split(".")[0] if self.kind == "op" else self.name
+
+    @property
+    def code(self) -> str:
+        """The innermost source line's text, or "" when the step has none."""
+        return self.stack[0].text if self.stack else ""
+
+    def signature(self) -> tuple:
+        """What the alignment matches first: kind, op, input and output shapes and dtypes."""
+        return (self.kind, self.op,
+                tuple((tuple(t.shape), t.dtype) for t in self.inputs),
+                tuple((tuple(t.shape), t.dtype) for t in self.outputs.values()))
+
+
+def capture_steps(module: nn.Module, args: tuple, kwargs: dict) -> list[Step]:
+    """Run ``module(*args, **kwargs)`` without gradients and return the steps its own code ran."""
+    recorder = _Recorder(module, sys._getframe())
+    with torch.no_grad(), recorder:
+        try:
+            output = module(*args, **kwargs)
+        finally:
+            recorder.remove_hooks()
+    for index in recorder._producers(output):
+        if index is not None:
+            recorder.steps[index].returned = True
+    return recorder.steps
+
+
+def copied(value: Any) -> Any:
+    """``value`` with every tensor copied (detached)."""
+    return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, value)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, module: nn.Module, anchor: FrameType) -> None:
+        super().__init__()
+        self.anchor = anchor
+        self.steps: list[Step] = []
+        self.made: dict[int, int] = {}  # id of a tensor -> the step that made or last wrote it
+        self.alive: list[torch.Tensor] = []  # keeps the ids above unique during the call
+        self.depth = 0
+        self.pending: list[tuple] = []
+        self.handles = []
+        for name, child in module.named_modules():
+            if child is not module:
+                self.handles.append(child.register_forward_pre_hook(
+                    self._entering(name, child), with_kwargs=True))
+                self.handles.append(child.register_forward_hook(self._leaving,
+                                                                with_kwargs=True))
+
+    def remove_hooks(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    # -- child modules: one step each -----------------------------------------------------------
+
+    def _entering(self, name: str, child: nn.Module) -> Callable:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.depth += 1  # first: the copies below are no ops of the module's own code
+            if self.depth == 1:
+                self.pending.append((name, child, copied(args), copied(kwargs),
+                                     self._producers((args, kwargs)), self._stack()))
+        return hook
+
+    def _leaving(self, _module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
+        if self.depth == 1:
+            name, child, args, kwargs, producers, stack = self.pending.pop()
+            self._add(name, "module", child, args, kwargs, producers, stack, output, {})
+        self.depth -= 1
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.name()
+        if self.depth or name.split(".")[0] in _SKIPPED:
+            return func(*args, **kwargs)
+        before = copied((args, kwargs))
+        producers = self._producers((args, kwargs))
+        output = func(*args, **kwargs)
+        written = _written_bases(func, args, kwargs)
+        self._add(name, "op", func, *before, producers, self._stack(), output,
+                  _scalars(func, args, kwargs), written)
+        return output
+
+    def _add(self, name: str, kind: str, call: Callable, args: tuple, kwargs: dict,
+             producers: tuple, stack: tuple, output: Any, scalars: dict,
+             written: list[torch.Tensor] = ()) -> None:
+        index = len(self.steps)
+        outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        outputs = {f"out.{i}": t.detach().clone() for i, t in enumerate(outs)}
+        outputs.update({f"base.{i}": t.detach().clone() for i, t in enumerate(written)})
+        for t in [*outs, *written]:
+            self.made[id(t)] = index
+            self.alive.append(t)
+        self.steps.append(Step(index, name, kind, call, args, kwargs, outputs, producers,
+                               stack, scalars))
+
+    def _producers(self, value: Any) -> tuple[int | None, ...]:
+        """For each tensor in ``value``, the step that made it (or wrote the buffer it views)."""
+        found = []
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor):
+                base = t._base if t._base is not None else t
+                found.append(self.made.get(id(t), self.made.get(id(base))))
+        return tuple(found)
+
+    def _stack(self) -> tuple[Frame, ...]:
+        """The frames of user code from here out to the module's call, innermost first."""
+        frames = []
+        frame = sys._getframe(2)
+        while frame is not None and frame is not self.anchor:
+            path = frame.f_code.co_filename
+            if _is_user_code(path):
+                text = linecache.getline(path, frame.f_lineno).strip()
+                frames.append(Frame(display_path(path), frame.f_lineno, text))
+            frame = frame.f_back
+        return tuple(frames)
+
+
+def _is_user_code(path: str) -> bool:
+    if path.startswith(_TORCH_DIR) or path.startswith("<"):
+        return False
+    return not path.startswith(_PACKAGE_DIR) or path.startswith(_SUBJECT_DIR)
+
+
+def display_path(path: str) -> str:
+    """A source path as a report names it: relative to the working directory below it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def _written_bases(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The buffers an in-place op wrote into through a view (a cache slot's whole cache)."""
+    bases = []
+    schema = func._schema
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        if isinstance(value, torch.Tensor) and value._base is not None:
+            bases.append(value._base)
+    return bases
+
+
+def _scalars(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The op's arguments that hold no tensor, by their names in its schema."""
+    found = {}
+    for i, argument in enumerate(func._schema.arguments):
+        if i < len(args):
+            value = args[i]
+        elif argument.name in kwargs:
+            value = kwargs[argument.name]
+        else:
+            continue
+        if not any(isinstance(x, torch.Tensor) for x in tree_flatten(value)[0]):
+            found[argument.name] = value
+    return found

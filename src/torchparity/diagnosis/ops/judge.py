@@ -1,0 +1,140 @@
+"""A verdict per op from the tolerance model, and the op where the divergence enters.
+
+Each paired step gets two results. *local*: B's op applied to A's op inputs against the golden
+op (A's, in float64) on the same inputs, with A's own output as the baseline: the error the
+op makes itself. *prop.*: B's output in B's replay of the module against the golden module's
+(A in float64), A's as the baseline: what the op carries. The answer is the first step, in
+B's order, that is paired and whose local error leaves its budget, or whose output leaves it
+while every input it reads agrees (an in-place write into the wrong slot of a buffer: the
+value written is right, the buffer is not), or that is on one side only and whose consumers'
+outputs leave their budgets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torchparity.comparison.selection import PaddingSpec
+from torchparity.diagnosis.judging import judge
+from torchparity.diagnosis.ops.align import Pair
+from torchparity.diagnosis.ops.capture import Step
+from torchparity.diagnosis.results import Result
+
+__all__ = ["OpLine", "judge_ops"]
+
+#: Ops whose output is no function of their inputs: nothing to judge locally.
+_UNJUDGED = ("empty", "new_empty", "empty_like", "empty_strided", "bernoulli", "rand",
+             "randn", "normal", "uniform", "native_dropout", "multinomial")
+
+
+@dataclass
+class OpLine:
+    """One aligned step with its verdicts; ``why`` is set on the answer."""
+
+    pair: Pair
+    local: Result | None = None
+    propagated: Result | None = None
+    why: str = ""
+    replaces: Step | None = None  # on a step only in B: the step only in A it stands in for
+
+
+def judge_ops(pairs: list[Pair], golden: dict[int, Step], padding: PaddingSpec = None, *,
+              module_diverged: bool = True) -> tuple[list[OpLine], int | None]:
+    """Each pair judged (``golden``: A's step index -> the golden's step; ``padding``: the
+    module's, left out of every judgement), and the index of the line where the divergence
+    enters (None when no op explains it). ``module_diverged``: whether the module's output
+    left its budget (a step on one side whose output the module returns is then its cause)."""
+    lines = [OpLine(pair, *_results(pair, golden.get(pair.a.index) if pair.a else None,
+                                    padding))
+             for pair in pairs]
+    diverged = {side: {getattr(line.pair, side).index for line in lines
+                       if getattr(line.pair, side) is not None and _diverged(line.propagated)}
+                for side in ("a", "b")}
+    for index, line in enumerate(lines):
+        why = _why(line, diverged, lines, module_diverged)
+        if not why:
+            continue
+        if line.pair.b is None:  # B's stand-in, on one side in the same gap, says it better
+            for later in range(index + 1, len(lines)):
+                other = lines[later]
+                if other.pair.kind == "paired":
+                    break
+                if other.pair.a is None and _why(other, diverged, lines, module_diverged):
+                    other.why = _why(other, diverged, lines, module_diverged)
+                    other.replaces = line.pair.a
+                    return lines, later
+        line.why = why
+        return lines, index
+    return lines, None
+
+
+def _why(line: OpLine, diverged: dict[str, set[int]], lines: list[OpLine],
+         module_diverged: bool) -> str:
+    a, b = line.pair.a, line.pair.b
+    if a is not None and b is not None:
+        if _diverged(line.local):
+            return "its local error leaves its budget"
+        inputs_agree = not any(p in diverged["b"] for p in b.producers if p is not None)
+        if _diverged(line.propagated) and inputs_agree:
+            return "its output leaves its budget while every input it reads agrees"
+        return ""
+    side = "b" if b is not None else "a"
+    step = b if b is not None else a
+    readers = [getattr(x.pair, side) for x in lines if getattr(x.pair, side) is not None]
+    consumers = [r for r in readers if step.index in r.producers]
+    name = side.upper()
+    if any(c.index in diverged[side] for c in consumers):
+        return f"it runs in {name} only and the ops reading its output diverge"
+    if step.returned and module_diverged:
+        return f"it runs in {name} only and the module returns its output, which diverges"
+    return ""
+
+
+def _diverged(result: Result | None) -> bool:
+    return result is not None and not result.ok
+
+
+def _results(pair: Pair, golden: Step | None, padding: PaddingSpec
+             ) -> tuple[Result | None, Result | None]:
+    a, b = pair.a, pair.b
+    if a is None or b is None:
+        return None, None
+    baseline = a.outputs
+    golden_outputs = golden.outputs if golden is not None else {}
+    propagated = judge(b.outputs, golden_outputs, baseline, "forward", padding)
+    if any(part in a.op for part in _UNJUDGED):
+        return None, propagated
+    candidate = _applied(b, a.inputs)
+    reference = golden if golden is not None else a
+    exact = _applied(reference, [_to_float64(t) for t in a.inputs])
+    if candidate is None or exact is None:
+        return None, propagated
+    out = {p: t for p, t in baseline.items() if p.startswith("out.")}
+    return judge(candidate, exact, out, "forward", padding), propagated
+
+
+def _applied(step: Step, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """``step`` run again with ``tensors`` in place of its tensor inputs (copies: an in-place
+    op must not change them); None when they do not fit its arguments."""
+    leaves, spec = tree_flatten((step.args, step.kwargs))
+    slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if len(slots) != len(tensors) or any(
+            tuple(leaves[i].shape) != tuple(t.shape) for i, t in zip(slots, tensors, strict=True)):
+        return None
+    for i, tensor in zip(slots, tensors, strict=True):
+        leaves[i] = tensor.clone()
+    args, kwargs = tree_unflatten(leaves, spec)
+    try:
+        with torch.no_grad():
+            output = step.call(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an op that does not take the other side's inputs
+        return None
+    outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    return {f"out.{i}": t.detach() for i, t in enumerate(outs)}
+
+
+def _to_float64(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to(torch.float64) if tensor.is_floating_point() else tensor

@@ -1,0 +1,140 @@
+"""The op drill-down as a maintainer reads it: the op table, one sentence, and the JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchparity.diagnosis.columns import Line, layout
+from torchparity.diagnosis.ops.capture import Step
+from torchparity.diagnosis.ops.judge import OpLine
+from torchparity.diagnosis.results import headroom, share_cell
+
+__all__ = ["OpReport"]
+
+#: Steps shown on each side of one that matters; the others fold into one line per run.
+_NEIGHBOURS = 1
+
+
+@dataclass
+class OpReport:
+    """The steps of one module call of A and B, aligned and judged; ``first`` indexes the
+    line where the divergence enters (None when no op explains it)."""
+
+    module: str
+    lines: list[OpLine]
+    first: int | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def answer(self) -> OpLine | None:
+        return None if self.first is None else self.lines[self.first]
+
+    def sentence(self) -> str:
+        """``It enters at aten::mul (B: path:line "code"; A: path:line "code").``"""
+        line = self.answer
+        if line is None:
+            return (f"No op of {self.module or '(model)'}'s own code leaves its budget "
+                    f"({len(self.lines)} steps aligned).")
+        a, b = line.pair.a or line.replaces, line.pair.b
+        sides = "; ".join(f"{side}: {_where(step, other)}"
+                          for side, step, other in (("B", b, a), ("A", a, b)) if step is not None)
+        kind = "" if line.pair.kind == "paired" else f", {line.pair.kind}"
+        if line.replaces is not None:
+            kind += f" for {line.replaces.name}"
+        args = f": {', '.join(line.pair.differences)}" if line.pair.differences else ""
+        return f"It enters at {line.pair.name}{kind} ({sides}){args}."
+
+    @property
+    def has_source(self) -> bool:
+        """Whether any step ran in user code (a library module's own ops have no line)."""
+        return any(side is not None and side.stack for line in self.lines
+                   for side in (line.pair.a, line.pair.b))
+
+    def to_dict(self) -> dict[str, Any]:
+        """``first_divergence.op``: the answer's name, kind, stacks, code and verdicts, and
+        every aligned step."""
+        line = self.answer
+        return {"module": self.module,
+                **({} if line is None else _line_dict(line, answer=True)),
+                "found": line is not None,
+                "steps": [_line_dict(x) for x in self.lines],
+                "notes": self.notes}
+
+    def table_lines(self, width: int) -> list[tuple[str, str | None]]:
+        """The op table, ``width`` columns wide, folded to the steps that matter (the answer,
+        steps of one side, changed arguments, diverged ones, and their neighbours)."""
+        keep = set()
+        for i, line in enumerate(self.lines):
+            if i == self.first or line.pair.kind != "paired" or line.pair.differences or \
+                    any(r is not None and not r.ok for r in (line.local, line.propagated)):
+                keep.update(range(i - _NEIGHBOURS, i + _NEIGHBOURS + 1))
+        rows, run = [], []
+
+        def fold() -> None:
+            if run:
+                steps = "1 step" if len(run) == 1 else f"{len(run)} steps"
+                rows.append(Line(["…", "", ""], f"({steps} within their budgets)", 0, "dim"))
+                run.clear()
+
+        for i, line in enumerate(self.lines):
+            if i not in keep:
+                run.append(i)
+                continue
+            fold()
+            rows.append(Line([str(i), share_cell(line.local), share_cell(line.propagated)],
+                             _describe(line), 0, "bold red" if i == self.first else None))
+        fold()
+        return layout(["#", "local", "prop.", f"op of {self.module or '(model)'}"], rows,
+                      width)
+
+
+def _where(step: Step, other: Step | None) -> str:
+    """The step's line that tells it from the other side's: its innermost frame whose text
+    the other's stack lacks (a changed caller of a shared helper), else its innermost."""
+    if not step.stack:
+        return "no source line"
+    theirs = {(f.path, f.text) for f in other.stack} if other is not None else set()
+    frame = next((f for f in step.stack if (f.path, f.text) not in theirs), step.stack[0])
+    return f'{frame} "{frame.text}"'
+
+
+def _describe(line: OpLine) -> str:
+    a, b = line.pair.a, line.pair.b
+    step = b if b is not None else a
+    shape = next(iter(step.outputs.values()), None)
+    text = f"{line.pair.name}"
+    if shape is not None:
+        text += " (" + ", ".join(str(n) for n in shape.shape) + ")"
+    if line.pair.kind != "paired":
+        text += f" [{line.pair.kind}]"
+    if line.pair.moved:
+        text += " [moved]"
+    text += "".join(f" {side}: {step.stack[0]}" for side, step in (("B", b), ("A", a))
+                    if step is not None and step.stack)
+    if line.pair.differences:
+        text += " - " + ", ".join(line.pair.differences)
+    return text
+
+
+def _line_dict(line: OpLine, answer: bool = False) -> dict[str, Any]:
+    a, b = line.pair.a or line.replaces, line.pair.b
+    step = b if b is not None else a
+    kind = {"paired": "differs" if answer else "paired"}.get(line.pair.kind, line.pair.kind)
+    found = {
+        "name": line.pair.name,
+        "kind": kind,
+        "a_stack": [str(f) for f in a.stack] if a is not None else [],
+        "b_stack": [str(f) for f in b.stack] if b is not None else [],
+        "code": {"a": a.code if a is not None else None, "b": b.code if b is not None else None},
+        "arguments": line.pair.differences,
+        "local": None if line.local is None else line.local.to_dict(),
+        "propagated": None if line.propagated is None else line.propagated.to_dict(),
+        "local_share": headroom(line.local),
+        "propagated_share": headroom(line.propagated),
+    }
+    if answer:
+        found["why"] = line.why
+        found["replaces"] = None if line.replaces is None else line.replaces.name
+        found["shape"] = [list(t.shape) for t in step.outputs.values()]
+    return found

@@ -1,0 +1,115 @@
+"""One-line changes planted inside the zoo's modules, each line marked ``# planted``.
+
+Each plant is a subclass whose method is the original with one line changed; the test finds
+the marked line itself (its path and number), independently of the diagnosis.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from torchparity import backends
+from torchparity.reference.attention import Attention
+from torchparity.reference.layers import TransformerLayer
+from torchparity.reference.mlp import MLP
+from torchparity.reference.norms import LayerNorm, RMSNorm
+from torchparity.reference.positions import apply_rotary
+
+
+class RMSNormEps(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps * 1000)  # planted
+        return self.weight * h.to(x.dtype)
+
+
+class RMSNormNoWeight(RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.detach() * h.to(x.dtype) * 1.001  # planted
+
+
+class LayerNormEps(LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, 1e-3)  # planted
+
+
+class MLPActivation(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))  # planted
+
+
+class MLPSwapped(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(self.act(self.up_proj(x)) * self.gate_proj(x))  # planted
+
+
+class AttentionScale(Attention):
+    def attend(self, q, k, v, ctx, bias):
+        backend = backends.current(self.config.attention_backend)
+        q = q * 1.01  # planted
+        return backends.attention(q, k, v, mask=ctx.mask, bias=bias, scale=self.scale,
+                                  causal=ctx.causal, backend=backend)
+
+
+class AttentionMergeHeads(Attention):
+    def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(0, 2, 3, 1).flatten(-2)  # planted
+
+
+class AttentionValuesFromKeys(Attention):
+    def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.split_heads(self.k_proj(source), self.n_kv_heads)
+        return k, self.split_heads(self.k_proj(source), self.n_kv_heads)  # planted
+
+
+class AttentionPartialRotary(Attention):
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(x, positions, rotary_dim=self.config.rotary_dims // 2,  # planted
+                            theta=self.config.rope_theta, layout=self.config.rotary_layout)
+
+
+class AttentionFutureKeys(Attention):
+    """Lets every query see the keys after it (needs an explicit mask: a padded batch)."""
+
+    def attend(self, q, k, v, ctx, bias):
+        backend = backends.current(self.config.attention_backend)
+        mask = ctx.mask | torch.ones_like(ctx.mask).triu(1)  # planted
+        return backends.attention(q, k, v, mask=mask, bias=bias, scale=self.scale,
+                                  causal=ctx.causal, backend=backend)
+
+
+class LayerResidual(TransformerLayer):
+    def residual(self, x: torch.Tensor, norm, sublayer) -> torch.Tensor:
+        if self.pre_norm:
+            return x + 0.5 * self.dropout(sublayer(norm(x)))  # planted
+        return norm(x + self.dropout(sublayer(x)))
+
+
+# Changes that compute the same thing: no op may be called divergent.
+
+
+class ResidualReordered(TransformerLayer):
+    def residual(self, x: torch.Tensor, norm, sublayer) -> torch.Tensor:
+        if self.pre_norm:
+            return self.dropout(sublayer(norm(x))) + x
+        return norm(self.dropout(sublayer(x)) + x)
+
+
+class FusedProjection(Attention):
+    """Queries, keys and values from one fused matmul of the three weights."""
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        bias = None if self.q_proj.bias is None else torch.cat(
+            [self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        q, k, v = F.linear(x, weight, bias).split(
+            [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+        return (self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads),
+                self.split_heads(v, self.n_kv_heads))

@@ -1,0 +1,186 @@
+"""The op drill-down: a planted one-line change is named at its line of B.
+
+Each plant (tests/diagnosis/op_plants.py) changes one line of one module of a zoo model, and
+marks it ``# planted``; the expected line is read from the plant's source, independently of the
+diagnosis. Changes that compute the same thing (a reordered sum, a fused projection, sdpa for
+eager attention) must yield no divergent op.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import torchparity as tp
+from torchparity.diagnosis.ops.align import align_steps
+from torchparity.diagnosis.ops.capture import capture_steps
+from torchparity.errors import UsageError
+from torchparity.reference import build_model, sequence_loss, zoo
+
+import op_plants as plants
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def planted_line(cls: type) -> str:
+    """``path:line`` of the line marked ``# planted`` in ``cls``'s source."""
+    lines, start = inspect.getsourcelines(cls)
+    offset = next(i for i, line in enumerate(lines) if "# planted" in line)
+    return f"{os.path.relpath(inspect.getsourcefile(cls))}:{start + offset}"
+
+
+def model_and_batch(case: str) -> tuple[nn.Module, dict]:
+    config = zoo.get(case).config
+    return build_model(config, seed=0), zoo.make_batch(config, batch_size=2, seq_len=12, seed=0)
+
+
+PLANTS = [
+    (plants.RMSNormEps, "llama-tiny", "decoder.layers.1.attn_norm", "differs"),
+    (plants.RMSNormNoWeight, "llama-tiny", "decoder.layers.0.mlp_norm", "only in B"),
+    (plants.LayerNormEps, "rotary-interleaved", "decoder.layers.0.attn_norm", "differs"),
+    (plants.MLPActivation, "llama-tiny", "decoder.layers.0.mlp", "only in B"),
+    (plants.MLPSwapped, "llama-tiny", "decoder.layers.1.mlp", "differs"),
+    (plants.AttentionScale, "llama-tiny", "decoder.layers.0.attn", "only in B"),
+    (plants.AttentionMergeHeads, "llama-tiny", "decoder.layers.1.attn", "only in B"),
+    (plants.AttentionValuesFromKeys, "llama-tiny", "decoder.layers.0.attn", "only in B"),
+    (plants.AttentionPartialRotary, "llama-tiny", "decoder.layers.0.attn", "differs"),
+    (plants.AttentionFutureKeys, "nope-postnorm", "decoder.layers.0.attn", "only in B"),
+    (plants.LayerResidual, "llama-tiny", "decoder.layers.1", "only in B"),
+]
+#: Every plant runs in the slow suite; these three kinds (a norm's argument, an activation,
+#: an op inserted in attention) in the default one.
+FAST = {plants.LayerNormEps, plants.MLPActivation, plants.AttentionScale}
+
+
+@pytest.mark.parametrize("plant, case, module, kind", [
+    pytest.param(*p, id=p[0].__name__,
+                 marks=() if p[0] in FAST else pytest.mark.slow) for p in PLANTS])
+def test_planted_line_is_named(plant: type, case: str, module: str, kind: str) -> None:
+    model_a, batch = model_and_batch(case)
+    model_b = copy.deepcopy(model_a)
+    model_b.get_submodule(module).__class__ = plant
+    report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, backward=False)
+    op = report.to_dict()["first_divergence_op"]
+    assert op is not None and op["found"], report.render()
+    assert planted_line(plant) in op["b_stack"], report.render()
+    assert op["kind"] == kind, report.render()
+    assert f"It enters at {op['name']}" in report.summary()
+
+
+def test_changed_argument_is_named() -> None:
+    model_a, batch = model_and_batch("rotary-interleaved")
+    model_b = copy.deepcopy(model_a)
+    model_b.decoder.layers[0].attn_norm.__class__ = plants.LayerNormEps
+    eps = model_a.decoder.layers[0].attn_norm.eps
+    report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, backward=False)
+    op = report.to_dict()["first_divergence_op"]
+    assert op["name"] == "aten::native_layer_norm"
+    assert op["arguments"] == [f"eps {eps!r} (A) vs 0.001 (B)"], op["arguments"]
+    assert f"eps {eps!r} (A) vs 0.001 (B)" in report.summary()
+
+
+@pytest.mark.parametrize("twin, module", [
+    (plants.ResidualReordered, "decoder.layers.0"),
+    (plants.FusedProjection, "decoder.layers.0.attn"),
+])
+def test_legitimate_change_has_no_divergent_op(twin: type, module: str) -> None:
+    model_a, batch = model_and_batch("llama-tiny")
+    model_b = copy.deepcopy(model_a)
+    model_b.get_submodule(module).__class__ = twin
+    report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, backward=False,
+                         ops=module)
+    assert report.first_divergence is None, report.render()
+    ops = report.row(module).ops
+    assert ops is not None and ops.answer is None, report.render()
+    assert "No op of" not in report.summary()  # no divergence: nothing to explain
+    one_sided = [line.pair.kind for line in ops.lines if line.pair.kind != "paired"]
+    if twin is plants.FusedProjection:  # the fused matmul and its split are B's alone
+        assert "only in B" in one_sided and "only in A" in one_sided
+
+
+def test_nothing_diverges_nothing_drilled() -> None:
+    model_a, batch = model_and_batch("llama-tiny")
+    report = tp.diagnose(model_a, copy.deepcopy(model_a), batch, loss_fn=sequence_loss,
+                         backward=False)
+    assert all(r.ops is None for r in report.rows)
+    assert report.to_dict()["first_divergence_op"] is None
+
+
+def test_ops_of_an_unknown_module_is_one_clear_error() -> None:
+    model_a, batch = model_and_batch("llama-tiny")
+    with pytest.raises(UsageError, match="--ops decoder.nowhere: B has no recorded call"):
+        tp.diagnose(model_a, copy.deepcopy(model_a), batch, backward=False,
+                    ops="decoder.nowhere")
+
+
+# --- alignment: streams of any length, order and fusion -------------------------------------
+
+
+class Reordered(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.tanh(x)
+        b = torch.sigmoid(x)
+        return a * b
+
+
+class Swapped(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = torch.sigmoid(x)
+        a = torch.tanh(x)
+        return a * b
+
+
+class Fused(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+class Unfused(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = 0.7978845608 * (x + 0.044715 * x.pow(3))
+        return 0.5 * x * (1 + torch.tanh(inner))
+
+
+class Empty(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def steps(module: nn.Module) -> list:
+    return capture_steps(module, (torch.randn(3, 5, generator=torch.Generator().manual_seed(0)),),
+                         {})
+
+
+@pytest.mark.parametrize("left, right", [(Reordered, Swapped), (Fused, Unfused),
+                                         (Unfused, Fused), (Empty, Unfused), (Unfused, Empty)])
+def test_alignment_never_raises_and_accounts_for_every_step(left: type, right: type) -> None:
+    a, b = steps(left()), steps(right())
+    pairs = align_steps(a, b)
+    assert sorted(p.a.index for p in pairs if p.a is not None) == list(range(len(a)))
+    assert sorted(p.b.index for p in pairs if p.b is not None) == list(range(len(b)))
+    if left is Reordered:  # the same ops in another order: every one paired, one moved
+        assert all(p.kind == "paired" for p in pairs) and sum(p.moved for p in pairs) == 1
+    longer = "only in A" if len(a) > len(b) else "only in B"
+    assert sum(p.kind == longer for p in pairs) >= abs(len(a) - len(b))
+
+
+def test_gelu_approximation_is_named_as_an_argument() -> None:
+    class Exact(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.gelu(x)
+
+    pairs = align_steps(steps(Exact()), steps(Fused()))
+    assert [p.differences for p in pairs] == [["approximate default (A) vs 'tanh' (B)"]]
+
+
+def test_op_stack_names_the_line_and_its_text() -> None:
+    (step,) = steps(Fused())
+    frame = step.stack[0]
+    lines, start = inspect.getsourcelines(Fused.forward)
+    assert frame.line == start + 1 and frame.text == lines[1].strip()
+    assert frame.path == os.path.relpath(__file__)
