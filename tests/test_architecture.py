@@ -190,7 +190,7 @@ def test_the_reader_finds_what_python_imports() -> None:
 #: The stages of a module diagnosis, called in order by its pipelines and by nothing else
 #: (docs/diagnose.md): what they share lives in diagnosis/reference.py and the modules below it.
 DIAGNOSIS_STAGES = tuple(f"torchparity.diagnosis.{stage}" for stage in (
-    "capture_a", "float64_golden", "propagated", "local", "entry"))
+    "capture_a", "float64_golden", "propagated", "local", "entry", "ops"))
 #: The modules that call the stages: a diagnosis in one process or across a trace, and one of a
 #: compiled B.
 DIAGNOSIS_PIPELINES = tuple(f"torchparity.diagnosis.{name}" for name in (

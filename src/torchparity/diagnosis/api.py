@@ -19,11 +19,13 @@ is in :mod:`~torchparity.diagnosis.reference`), and the data passes through each
    :mod:`~torchparity.diagnosis.entry`: when the first divergence is a container, **where it
    enters** (the module inside and the argument that carry a mask or position built above,
    arguments compared by meaning in :mod:`~torchparity.diagnosis.arguments`);
-6. :mod:`~torchparity.diagnosis.report`: the **report** (table, JSON, HTML).
+6. :mod:`~torchparity.diagnosis.ops`: the first divergence (or the module ``ops`` names)
+   **drilled down to the op** and the source line where it enters, when A runs in this process;
+7. :mod:`~torchparity.diagnosis.report`: the **report** (table, JSON, HTML).
 
 The first module whose local error breaks its budget is where B starts to compute something
 else; everything after it inherits the error. ``record`` runs stages 1 and 2 on one revision
-and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 to 6, or
+and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 to 5 and 7, or
 hands a trace of a decoding to :mod:`~torchparity.diagnosis.decoding`.
 """
 
@@ -333,7 +335,7 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
 def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Module | None,
                 model_b: nn.Module, opts: Options, module: str | None, bar: ProgressBar
                 ) -> None:
-    """Stage 7: the first divergent row (or B's ``module``) drilled down to its ops."""
+    """Stage 6: the first divergent row (or B's ``module``) drilled down to its ops."""
     if module is not None:
         index = next((i for i, r in enumerate(rows) if r.module == module), None)
         if index is None:

@@ -1,4 +1,4 @@
-"""Stage 7 of a diagnosis: the operation, and its source line, where a module's divergence
+"""Stage 6 of a diagnosis: the operation, and its source line, where a module's divergence
 enters.
 
 The first divergent module's recorded call (or the one the user names) is run three times on
@@ -15,7 +15,7 @@ import copy
 from torch import nn
 
 from torchparity.diagnosis.align import Match
-from torchparity.diagnosis.capture_a import Reference
+from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.ops.align import align_steps
 from torchparity.diagnosis.ops.capture import Step, capture_steps
