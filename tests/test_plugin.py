@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import toy_repo
+from torchparity.cli import main
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 INSTALLED = any(ep.name == "torchparity" for ep in entry_points(group="pytest11"))
 # How to run a pytest with and without the plugin, installed or from the source tree.
@@ -174,3 +177,52 @@ def test_summary_lines_reach_the_terminal_summary(pytester):
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*= throughput =*", "run 1: 100 tokens/s",
                                  "run 2: 200 tokens/s", "run 3: 300 tokens/s"])
+
+
+MODEL_PARITY_TESTS = '''
+import pytest
+import torchparity as tp
+
+
+@pytest.mark.parametrize("cell", tp.model_cells(backends=["sdpa"], dtypes=["fp32"]), ids=str)
+def test_my_model(model_parity, cell):
+    model_parity("tests/my_models.py:make", cell)
+'''
+
+
+def test_model_parity_finds_its_entry_from_any_folder_and_says_a_missing_golden_once(
+        pytester, monkeypatch):
+    """The entry ``tests/my_models.py:make`` is found under the rootdir when pytest runs in
+    ``tests/``; a missing golden is said once, with the command that makes it there."""
+    tests = pytester.mkdir("tests")
+    (tests / "my_models.py").write_text(toy_repo.MODELS)
+    (tests / "test_m.py").write_text(MODEL_PARITY_TESTS)
+    pytester.makeini("[pytest]\n")
+    monkeypatch.chdir(tests)
+    missing = pytester.runpytest_inprocess("-p", "no:cacheprovider", *WITH_PLUGIN, "test_m.py",
+                                           "-k", "sdpa")
+    missing.assert_outcomes(failed=1)
+    text = missing.stdout.str()
+    assert "Traceback" not in text and "During handling" not in text
+    # Run from tests/, whose golden/ is where the command writes by default.
+    command = f"`torchparity golden update --model {tests / 'my_models.py'}:make`"
+    assert text.count(command) == 1, text  # in the failure, not again as its cause
+
+    assert main(["golden", "update", "--model", str(tests / "my_models.py:make"),
+                 "--golden-dir", str(tests / "golden")]) == 0
+    passed = pytester.runpytest_inprocess("-p", "no:cacheprovider", *WITH_PLUGIN, "test_m.py")
+    passed.assert_outcomes(passed=2)
+
+
+def test_tests_skipped_for_want_of_cuda_are_counted_on_one_line(pytester, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pytester.makepyfile(test_many="import pytest\n\n" + "".join(
+        f"@pytest.mark.gpu\ndef test_{i}(torchparity_device):\n    pass\n\n" for i in range(4)))
+    pytester.makeini("[pytest]\ntorchparity_gpu_marker = true\n")
+    result = pytester.runpytest_inprocess("-rs", "-p", "no:cacheprovider", *WITH_PLUGIN)
+    result.assert_outcomes(skipped=4)
+    reasons = [line for line in result.stdout.lines if line.startswith("SKIPPED")]
+    assert len(reasons) == 1 and reasons[0].startswith("SKIPPED [4] ") and \
+        "no CUDA device here" in reasons[0], reasons

@@ -11,6 +11,7 @@ marker is registered and acted on only in suites that opt in with the ini option
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -60,20 +61,24 @@ def gpu_device(config: pytest.Config) -> str:
     return config.getoption("torchparity_device") or "cuda"
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.getini(GPU_MARKER_INI):
+#: Why a test marked ``gpu`` is skipped on a machine without CUDA.
+NO_CUDA = f"no CUDA device here; '{DEVICE_OPTION} cpu' runs these tests' logic on the CPU"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip a test marked ``gpu`` without CUDA. The skip is raised here, not marked on each
+    test, so pytest's summary counts them all on one line rather than one per test."""
+    config = item.config
+    if not config.getini(GPU_MARKER_INI) or not item.get_closest_marker(GPU_MARKER):
         return
-    marked = [item for item in items if item.get_closest_marker(GPU_MARKER)]
-    if not marked or not gpu_device(config).startswith("cuda"):
-        return
+    if gpu_device(config).startswith("cuda") and not _cuda_available():
+        pytest.skip(NO_CUDA)
+
+
+def _cuda_available() -> bool:
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason=f"no CUDA device here; '{DEVICE_OPTION} cpu' runs these "
-                                   "tests' logic on the CPU")
-    for item in marked:
-        item.add_marker(skip)
+    return torch.cuda.is_available()
 
 
 @pytest.fixture
@@ -139,20 +144,42 @@ def model_parity(request: pytest.FixtureRequest):
         def test_my_model(model_parity, cell):
             model_parity("tests/my_models.py:tiny_gpt", cell)
 
-    Goldens are read from ``golden/`` beside the test file unless ``golden_dir`` is given;
-    ``torchparity golden update --model ENTRY --golden-dir DIR`` writes them.
+    A file entry's relative path is looked for beside the test file, then under pytest's
+    rootdir, whatever the working directory. Goldens are read from ``golden/`` beside the
+    test file unless ``golden_dir`` is given; ``torchparity golden update --model ENTRY
+    --golden-dir DIR`` writes them.
     """
     from torchparity.golden.model_check import check_model
     from torchparity.golden.store import GoldenError
 
     def check(factory, cell, golden_dir=None):
+        entry = _entry_for_test(factory, request)
         try:
-            report = check_model(factory, cells=[cell],
+            report = check_model(entry, cells=[cell],
                                  golden_dir=golden_dir or request.path.parent / "golden")
         except GoldenError as exc:
-            pytest.fail(str(exc), pytrace=False)
-        if not report.ok:
-            pytest.fail(report.explain(), pytrace=False)
+            failure = str(exc)
+        else:
+            failure = None if report.ok else report.explain()
+        if failure is not None:  # failed outside the except block: the message shows once
+            pytest.fail(failure, pytrace=False)
         return report
 
     return check
+
+
+def _entry_for_test(factory, request: pytest.FixtureRequest):
+    """``file.py:name`` with its relative path found beside the test file, else under the
+    rootdir; other entries (``pkg.mod:name``, a callable, an absolute path) as given."""
+    if not isinstance(factory, str):
+        return factory
+    location, _, name = factory.rpartition(":")
+    if not location.endswith(".py") or Path(location).is_absolute():
+        return factory
+    folders = dict.fromkeys([request.path.parent, request.config.rootpath])
+    for folder in folders:
+        if (folder / location).is_file():
+            return f"{folder / location}:{name}"
+    pytest.fail(f"model_parity: no {location} beside the test file or under the rootdir "
+                f"(looked in {', '.join(str(f) for f in folders)}); give the path from "
+                "either", pytrace=False)

@@ -65,8 +65,12 @@ def user_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
 
 
 def model_store(subject: Subject, root: Any) -> GoldenStore:
-    """The golden store under ``root`` whose messages name this model's update command."""
-    return GoldenStore(root, update_command=f"torchparity golden update --model {subject.entry}")
+    """The golden store under ``root`` whose messages name this model's update command (with
+    ``--golden-dir`` where ``root`` is not where the command writes by default)."""
+    command = f"torchparity golden update --model {subject.entry}"
+    if Path(root).resolve() != user_golden_dir().resolve():
+        command += f" --golden-dir {root}"
+    return GoldenStore(root, update_command=command)
 
 
 def model_checksums(subject: Subject) -> dict[str, str]:
