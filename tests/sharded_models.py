@@ -1,7 +1,8 @@
 """Factories of sharded models, each with its own plan, for ``--nproc`` runs: a small
 transformer written here and a tiny ``transformers`` Llama, each with an FSDP2 plan, a
-tensor-parallel plan and both on a 2-D mesh; and faulty plans (one that does not divide the
-model's shapes, one whose rank 1 dies). The ranks import this file by its path."""
+tensor-parallel plan and both on a 2-D mesh; the classic sharding bugs planted in a plan; and
+faulty runs (a plan that does not divide the model's shapes, a rank 1 that dies or hangs).
+The ranks import this file by its path."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -187,3 +189,76 @@ def llama_tp() -> dict:
 
 def llama_fsdp_tp() -> dict:
     return _llama(both(LLAMA_TP, LLAMA_FSDP), {"dp": -1, "tp": 2})
+
+
+# --- the classic sharding bugs, each planted in an otherwise correct tensor-parallel plan -------
+
+
+class _Unreduced(RowwiseParallel):
+    """A row-parallel linear whose partial sums are never reduced: each rank goes on with its
+    own share of the sum."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()
+
+
+class _GatheredOutOfOrder(ColwiseParallel):
+    """A column-parallel linear whose output is gathered with the ranks' columns in the
+    wrong order."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        whole = outputs.redistribute(placements=[Replicate()]).to_local()
+        return torch.cat(list(reversed(whole.chunk(device_mesh.size(), dim=-1))), dim=-1)
+
+
+def _unreduced_rows(model: nn.Module, mesh) -> None:
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {
+            **{name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v", "up")},
+            "attn.o": _Unreduced(), "down": RowwiseParallel()})
+
+
+def _columns_out_of_order(model: nn.Module, mesh) -> None:
+    """The MLP's up projection split by columns and gathered back (down stays whole)."""
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {
+            **{name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v")},
+            "attn.o": RowwiseParallel(), "up": _GatheredOutOfOrder()})
+
+
+def _norm_drifts(model: nn.Module, mesh) -> None:
+    """A correct plan, but rank 1's copy of the replicated norm weights has drifted."""
+    MINE_TP(model, mesh)
+    if mesh["tp"].get_local_rank() == 1:
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.attn_norm.weight.mul_(1 + 2**-10)
+
+
+def _heads_swapped(model: nn.Module, mesh) -> None:
+    """Keys and values split by heads, but each rank gets another rank's heads: the query
+    heads of one rank attend with the keys of another's."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for projection in (layer.attn.k, layer.attn.v):
+                for tensor in (projection.weight, projection.bias):
+                    tensor.copy_(torch.cat(list(reversed(tensor.chunk(2, dim=0)))))
+    MINE_TP(model, mesh)
+
+
+def mine_unreduced_rows() -> dict:
+    return _mine(_unreduced_rows, {"tp": -1})
+
+
+def mine_columns_out_of_order() -> dict:
+    return _mine(_columns_out_of_order, {"tp": -1})
+
+
+def mine_norm_drifts() -> dict:
+    return _mine(_norm_drifts, {"tp": -1})
+
+
+def mine_heads_swapped() -> dict:
+    return _mine(_heads_swapped, {"tp": -1})

@@ -106,3 +106,20 @@ def test_a_rank_that_hangs_is_named_within_the_collective_timeout(tmp_path, caps
     err = refused(tmp_path, "mine_rank_one_hangs", capsys)
     assert "rank 0: a collective failed" in err
     assert "rank 1 is at the sharding of" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mine_unreduced_rows", "mine_columns_out_of_order",
+                                  "mine_norm_drifts", "mine_heads_swapped"])
+def test_each_classic_sharding_bug_fails_the_check(tmp_path, capsys, name):
+    # The goldens are made in one process, where no plan runs: the model's own mathematics.
+    # Every cell's baseline runs the same buggy plan, so the reference cell is the one that
+    # sees it: the sharded float64 run against the one-process golden.
+    golden = ["--golden-dir", str(tmp_path / "golden")]
+    assert main(["golden", "update", "--model", entry(name), *golden]) == 0
+    report = tmp_path / "check.json"
+    assert main(["check", "--model", entry(name), "--nproc", "2", *CELLS, *golden,
+                 "--json", str(report)]) == 1
+    failed = {output for (backend, dtype, output), verdict in verdicts(report).items()
+              if verdict == "diverged" and (backend, dtype) == ("manual", "fp64")}
+    assert failed == set(JUDGED)
