@@ -27,8 +27,9 @@ import op_plants as plants
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def planted_line(cls: type) -> str:
-    """``path:line`` of the line marked ``# planted`` in ``cls``'s source."""
+def planted_line(cls: object) -> str:
+    """``path:line`` of the line marked ``# planted`` in the source of ``cls`` (a class or a
+    function)."""
     lines, start = inspect.getsourcelines(cls)
     offset = next(i for i, line in enumerate(lines) if "# planted" in line)
     return f"{os.path.relpath(inspect.getsourcefile(cls))}:{start + offset}"
@@ -184,3 +185,59 @@ def test_op_stack_names_the_line_and_its_text() -> None:
     lines, start = inspect.getsourcelines(Fused.forward)
     assert frame.line == start + 1 and frame.text == lines[1].strip()
     assert frame.path == os.path.relpath(__file__)
+
+
+# --- tiny transformers models ----------------------------------------------------------------
+
+
+def hf_inputs() -> dict:
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding: the mask reaches every attention path
+    return {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize("plant", [
+    "scores", pytest.param("activation", marks=pytest.mark.slow)])
+def test_planted_line_in_transformers_llama_is_named(plant: str) -> None:
+    import hf_op_plants
+    import tiny_transformers
+
+    from torchparity.subject import hf
+
+    torch.manual_seed(0)
+    model_a = tiny_transformers.llama().eval()
+    hf.set_attention(model_a, "eager")
+    model_b = copy.deepcopy(model_a)
+    if plant == "scores":
+        hf.set_attention(model_b, hf_op_plants.SCALED_SCORES)
+        where, kind = hf_op_plants.scaled_scores_attention, "differs"
+    else:
+        model_b.model.layers[1].mlp.__class__ = hf_op_plants.GeluMLP
+        where, kind = hf_op_plants.GeluMLP, "only in B"
+    report = tp.diagnose(model_a, model_b, hf_inputs())
+    op = report.to_dict()["first_divergence_op"]
+    assert op is not None and op["found"], report.render()
+    assert planted_line(where) in op["b_stack"] and op["kind"] == kind, report.render()
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize("family, attention", [
+    ("llama", "model.layers.0.self_attn"),
+    pytest.param("gpt2", "transformer.h.0.attn", marks=pytest.mark.slow)])
+def test_transformers_eager_vs_sdpa_has_no_divergent_op(family: str, attention: str) -> None:
+    import tiny_transformers
+
+    from torchparity.subject import hf
+
+    torch.manual_seed(0)
+    eager = getattr(tiny_transformers, family)().eval()
+    hf.set_attention(eager, "eager")
+    sdpa = copy.deepcopy(eager)
+    hf.set_attention(sdpa, "sdpa")
+    report = tp.diagnose(eager, sdpa, hf_inputs(), ops=attention)
+    ops = report.row(attention).ops
+    assert ops is not None and ops.answer is None, report.render()
+    kinds = {line.pair.kind for line in ops.lines}
+    assert {"only in A", "only in B"} <= kinds  # eager's matmuls and softmax, sdpa's kernel

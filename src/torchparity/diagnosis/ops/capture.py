@@ -56,10 +56,11 @@ class Step:
     index: int
     name: str
     kind: str
-    call: Callable[..., Any]  # the op overload, or the child module: replays the step
-    args: tuple
-    kwargs: dict
-    outputs: dict[str, torch.Tensor]  # "out.0", ...; "base.0": the buffer an op wrote into
+    call: Callable[..., Any] = field(repr=False)  # the op overload, or the child module
+    args: tuple = field(repr=False)
+    kwargs: dict = field(repr=False)
+    # "out.0", ...; "base.0": the buffer an op wrote into through a view
+    outputs: dict[str, torch.Tensor] = field(repr=False)
     producers: tuple[int | None, ...]  # per tensor input, the step that made it (None: given)
     stack: tuple[Frame, ...]
     scalars: dict[str, Any] = field(default_factory=dict)  # non-tensor arguments by name
