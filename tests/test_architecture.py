@@ -24,7 +24,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "torchparity"
 #: Each floor's name and its top-level modules and sub-packages of torchparity, top first.
 FLOORS = (
     ("top", ("commands", "cli", "pytest_plugin", "__main__")),
-    ("wings", ("golden", "diagnosis", "train", "bench", "calibration", "revisions", "ci")),
+    ("wings", ("golden", "diagnosis", "train", "bench", "calibration", "revisions", "ci",
+               "twins")),
     ("shared", ("comparison", "subject", "strategies")),
     ("bottom", ("backends", "tolerance", "sketching", "memory", "machine", "dtypes", "errors",
                 "collector", "reference", "text")),

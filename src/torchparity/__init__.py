@@ -29,8 +29,10 @@ _EXPORTS = {
     "model_cells": "torchparity.golden.model_check",
     "init_weights": "torchparity.subject.weights",
     "random_tensor": "torchparity.subject.weights",
+    "assert_twins": "torchparity.twins",
 }
-_SUBMODULES = {"backends", "tolerance", "golden", "strategies", "reference", "train", "bench"}
+_SUBMODULES = {"backends", "tolerance", "golden", "strategies", "reference", "train", "bench",
+               "twins"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES) + ["__version__"]
 

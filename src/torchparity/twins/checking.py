@@ -1,0 +1,115 @@
+"""One twin check: build both implementations, run the golden, the baselines, the candidate
+and its rerun, and judge (:func:`check`, :func:`assert_twins`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from torchparity import backends
+from torchparity.dtypes import dtype_name, torch_dtype
+from torchparity.errors import UsageError
+from torchparity.subject.rounding import perturb_weights
+from torchparity.twins import building, reproducer, running
+from torchparity.twins.building import Buildable, WeightMap
+from torchparity.twins.judging import TwinVerdict, judge
+from torchparity.twins.running import Inputs, Steps
+
+CacheFactory = Callable[[], Any]
+
+
+class TwinFailure(AssertionError):
+    """A failed twin check: the message explains it; ``verdict`` and ``example`` (the
+    arguments of the check: ``inputs``, ``init``, ``dtype``, ...) say what failed where."""
+
+    def __init__(self, message: str, verdict: TwinVerdict, example: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.verdict, self.example = verdict, example
+
+
+def check(old: Buildable, new: Buildable, inputs: Inputs, *, dtype: str | torch.dtype = "fp32",
+          backend: str | None = None, init: Mapping[str, Any] | None = None, seed: int = 0,
+          weight_map: WeightMap | None = None, grads: bool = True,
+          padding: torch.Tensor | None = None,
+          cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None) -> TwinVerdict:
+    """The verdict on ``new`` against ``old`` on ``inputs``; see :func:`assert_twins`."""
+    name, target = dtype_name(dtype), torch_dtype(dtype)
+    if backend is not None and backend not in backends.names():
+        raise UsageError(f"unknown backend {backend!r}; choose one of "
+                         f"{', '.join(backends.names())}")
+    if not isinstance(inputs, tuple | dict | Steps):
+        raise UsageError(f"inputs must be a tuple of positional arguments, a dict of keyword "
+                         f"arguments or Steps of them; got {type(inputs).__name__}")
+    old_cache, new_cache = cache if isinstance(cache, tuple) else (cache, cache)
+    old_module, new_module = building.build(old, new, init=init, seed=seed,
+                                            weight_map=weight_map)
+    old_module.eval(), new_module.eval()
+    rounded = running.cast(inputs, target)
+    grads = grads and not isinstance(inputs, Steps)
+    old_in_dtype = building.copy_in(old_module, target)
+    new_in_dtype = building.copy_in(new_module, target)
+    sides = {  # name: (module, inputs, backend, cache)
+        "golden": (building.copy_in(old_in_dtype, torch.float64),
+                   running.cast(rounded, torch.float64), None, old_cache),
+        "baseline": (old_in_dtype, rounded, None, old_cache),
+        "candidate": (new_in_dtype, rounded, backend, new_cache),
+        "rerun": (perturb_weights(building.copy_in(new_module, target)), rounded, backend,
+                  new_cache),
+    }
+    if backend is not None:
+        sides["baseline on the backend"] = (old_in_dtype, rounded, backend, old_cache)
+    runs, leaves = {}, {}
+    for side, (module, side_inputs, side_backend, side_cache) in sides.items():
+        runs[side], leaves[side] = running.forward(module, side_inputs, side_backend,
+                                                   grads=grads, cache=side_cache)
+    if grads:
+        old_state = old_module.state_dict()
+        for side, run in runs.items():
+            other = runs["golden" if side in ("candidate", "rerun") else "candidate"]
+            running.backward(sides[side][0], run, leaves[side], other.outputs, padding, seed)
+            if side in ("candidate", "rerun") and run.grads is not None:
+                run.grads["params"] = building.old_layout(run.grads["params"], weight_map,
+                                                          old_state)
+    baselines = [run for side, run in runs.items() if side.startswith("baseline")]
+    return judge(runs["candidate"], runs["golden"], baselines, runs["rerun"], padding=padding,
+                 dtype=name, backend=backend)
+
+
+def assert_twins(old: Buildable, new: Buildable, inputs: Inputs, *,
+                 dtype: str | torch.dtype = "fp32", backend: str | None = None,
+                 init: Mapping[str, Any] | None = None, seed: int = 0,
+                 weight_map: WeightMap | None = None, grads: bool = True,
+                 padding: torch.Tensor | None = None,
+                 cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None
+                 ) -> TwinVerdict:
+    """Check that ``new`` computes what ``old`` does on ``inputs``, within the rounding the
+    tolerance model allows; raise :class:`TwinFailure` (an ``AssertionError``) with the
+    explanation (and a standalone reproducer script where both sides can be rebuilt) when it
+    does not.
+
+    ``old`` and ``new`` are modules (weights taken as equal in meaning), or classes or
+    factories built with ``**init`` and filled from ``seed``; the new one gets the old one's
+    weights through ``weight_map`` (see :mod:`torchparity.twins.building`). ``inputs`` is a
+    tuple of positional arguments, a dict of keyword arguments, or :class:`Steps` of them for a
+    decoding twin, called step by step, each side with its own cache from ``cache`` (a factory,
+    or a pair: the old side's and the new side's) passed as the keyword ``cache``.
+
+    The old implementation runs in float64 (the golden, on the weights and inputs rounded to
+    ``dtype``) and in ``dtype`` (the baseline), the new one in ``dtype`` on ``backend`` (a name
+    of :func:`torchparity.backends.names`; None: as written) and again on weights moved by one
+    rounding (its own rounding). With ``grads`` the gradients of a fixed random projection of
+    the outputs both return, with respect to floating inputs (not masks or biases) and
+    parameters, are judged too. ``padding`` (bool, True at padded positions, leading
+    dimensions of the outputs) leaves padded positions out of the judgement and the backward.
+    """
+    verdict = check(old, new, inputs, dtype=dtype, backend=backend, init=init, seed=seed,
+                    weight_map=weight_map, grads=grads, padding=padding, cache=cache)
+    if not verdict.ok:
+        options = dict(dtype=dtype_name(dtype), backend=backend, init=init, seed=seed,
+                       weight_map=weight_map, grads=grads, padding=padding, cache=cache)
+        raise TwinFailure(verdict.explain() + "\n\n"
+                          + reproducer.section(old, new, inputs, options),
+                          verdict, dict(options, inputs=inputs))
+    return verdict

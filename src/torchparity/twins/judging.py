@@ -1,0 +1,76 @@
+"""The verdict on a candidate: the comparison engine applied to outputs and gradients.
+
+As in the reference's property suite, the candidate (the new implementation in the dtype) is
+compared with the golden (the old one in float64) under the budget a baseline earns (the old
+one in the dtype), with its own rounding measured by a rerun on weights moved by one rounding.
+There may be several baselines (the old implementation as it is and on the candidate's
+backend): each is one draw of the dtype's rounding, and the candidate passes when it stays
+within the budget of one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchparity.comparison import Comparison, compare
+from torchparity.twins.running import Run
+
+
+@dataclass
+class TwinVerdict:
+    """The forward comparison, the gradients' (None without a backward pass) and what ran."""
+
+    forward: Comparison
+    grads: Comparison | None
+    dtype: str
+    backend: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.forward.ok and (self.grads is None or self.grads.ok)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def explain(self) -> str:
+        """What was compared and, for each part, the comparison's own explanation."""
+        where = f"{self.dtype}" + (f" on {self.backend}" if self.backend else "")
+        parts = [f"twins in {where}: {'pass' if self.ok else 'FAIL'}",
+                 "outputs: " + self.forward.explain()]
+        if self.grads is not None:
+            parts.append("gradients: " + self.grads.explain())
+        return "\n".join(parts)
+
+
+def judge(candidate: Run, golden: Run, baselines: list[Run], rerun: Run, *,
+          padding: torch.Tensor | None, dtype: str, backend: str | None) -> TwinVerdict:
+    """The verdict: outputs under the forward tolerance, gradients under the gradient one."""
+    forward = _best(candidate.outputs, golden.outputs, [b.outputs for b in baselines],
+                    rerun.outputs, "forward", padding)
+    grads = None
+    if candidate.grads is not None and golden.grads is not None:
+        shared = _shared_grads(candidate.grads, golden.grads)
+        grads = _best(shared(candidate.grads), shared(golden.grads),
+                      [shared(b.grads) for b in baselines if b.grads is not None],
+                      shared(rerun.grads), "grad", None)
+    return TwinVerdict(forward, grads, dtype, backend)
+
+
+def _best(candidate, golden, baselines, rerun, kind, padding) -> Comparison:
+    results = [compare(candidate, golden, baseline, kind, reruns=[rerun], padding=padding)
+               for baseline in baselines]
+    return next((result for result in results if result.ok), results[0])
+
+
+def _shared_grads(a: dict, b: dict):
+    """Gradients are compared under the names both sides have (a map function may leave some
+    of the new module's parameters without an old name)."""
+    names = {group: set(a[group]) & set(b[group]) for group in a}
+
+    def select(grads: dict) -> dict:
+        return {group: {n: g for n, g in grads[group].items() if n in names[group]}
+                for group in grads}
+
+    return select

@@ -1,0 +1,128 @@
+"""One implementation run on the twins' inputs: its outputs and, where asked, gradients.
+
+Inputs are a tuple of positional arguments or a dict of keyword arguments, or
+:class:`Steps` of them for a decoding twin, called step by step on one module (with its own
+cache, when there is a cache factory). Floating inputs are cast to the run's dtype; integer and
+bool ones (ids, masks, positions) pass as they are. The backward pass differentiates a fixed
+random projection of the outputs, the same for every run, taken only at the outputs both
+implementations return and zero at padded positions (:func:`torch.where`, so that what a
+padded row holds, NaN included, reaches no gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import torch
+from torch import nn
+
+from torchparity import backends
+from torchparity.comparison import shared_tensors
+from torchparity.errors import UserCodeError
+from torchparity.subject.weights import random_tensor
+
+Inputs: TypeAlias = "tuple | dict | Steps"
+#: Keyword inputs whose names hold one of these are not differentiated: masks and biases
+#: steer attention, no loss is a function of them.
+NOT_DIFFERENTIATED = ("mask", "bias")
+
+
+class Steps(list):
+    """The inputs of a decoding twin's steps, in order: each a tuple or a dict."""
+
+    def __repr__(self) -> str:
+        return f"Steps({list.__repr__(self)})"
+
+
+@dataclass
+class Run:
+    """What one run gave: its outputs (a list of them for :class:`Steps`) and its gradients
+    (``{"inputs": {...}, "params": {...}}``), None when not computed."""
+
+    outputs: Any
+    grads: dict[str, dict[str, torch.Tensor]] | None = None
+
+
+def cast(inputs: Any, dtype: torch.dtype) -> Any:
+    """``inputs`` with every floating tensor in ``dtype``."""
+    if isinstance(inputs, Steps):
+        return Steps(cast(step, dtype) for step in inputs)
+    return torch.utils._pytree.tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        inputs)
+
+
+def forward(module: nn.Module, inputs: Inputs, backend: str | None, *, grads: bool,
+            cache: Callable[[], Any] | None = None) -> tuple[Run, dict[str, torch.Tensor]]:
+    """Run ``module`` on ``inputs`` (already cast) under ``backend`` (None: as it is). With
+    ``grads`` the graph is kept and the differentiated inputs are returned by name."""
+    leaves: dict[str, torch.Tensor] = {}
+    if grads and not isinstance(inputs, Steps):
+        inputs = _requiring_grad(inputs, leaves)
+    switch = backends.use(backend) if backend is not None else nullcontext()
+    grad_mode = torch.enable_grad() if grads and not isinstance(inputs, Steps) \
+        else torch.no_grad()
+    try:
+        with switch, grad_mode:
+            if isinstance(inputs, Steps):
+                state = cache() if cache is not None else None
+                outputs = [_call(module, step, state) for step in inputs]
+            else:
+                outputs = _call(module, inputs, None)
+    except Exception as exc:
+        if isinstance(exc, backends.BackendUnavailable):
+            raise
+        raise UserCodeError(f"{type(module).__qualname__} raised {type(exc).__name__}: "
+                            f"{exc}") from exc
+    return Run(outputs), leaves
+
+
+def _call(module: nn.Module, inputs: tuple | dict, state: Any) -> Any:
+    extra = {} if state is None else {"cache": state}
+    if isinstance(inputs, dict):
+        return module(**inputs, **extra)
+    return module(*inputs, **extra)
+
+
+def _requiring_grad(inputs: tuple | dict, leaves: dict[str, torch.Tensor]) -> tuple | dict:
+    def leaf(name: str, x: Any) -> Any:
+        if (isinstance(x, torch.Tensor) and x.is_floating_point()
+                and not any(word in name for word in NOT_DIFFERENTIATED)):
+            leaves[name] = x.detach().requires_grad_()
+            return leaves[name]
+        return x
+
+    if isinstance(inputs, dict):
+        return {name: leaf(name, x) for name, x in inputs.items()}
+    return tuple(leaf(f"arg{i}", x) for i, x in enumerate(inputs))
+
+
+def backward(module: nn.Module, run: Run, leaves: dict[str, torch.Tensor], other: Any,
+             padding: torch.Tensor | None, seed: int) -> None:
+    """Fill ``run.grads``: the gradients of the projection of the outputs that ``run`` shares
+    with ``other`` (the other implementation's outputs) with respect to the differentiated
+    inputs and the parameters."""
+    loss = 0.0
+    for path, out, _ in shared_tensors(run.outputs, other):
+        if not (out.is_floating_point() and out.requires_grad):
+            continue
+        projection = random_tensor(tuple(out.shape), seed, stream=f"cotangent{path}",
+                                   dtype=out.dtype)
+        if padding is not None and tuple(out.shape[:padding.dim()]) == tuple(padding.shape):
+            keep = ~padding.reshape(*padding.shape, *[1] * (out.dim() - padding.dim()))
+            out = torch.where(keep, out, torch.zeros((), dtype=out.dtype))
+        loss = loss + (out * projection).sum()
+    params = dict(module.named_parameters())
+    targets = {**{f"inputs.{n}": x for n, x in leaves.items()},
+               **{f"params.{n}": p for n, p in params.items() if p.requires_grad}}
+    if not isinstance(loss, torch.Tensor) or not targets:
+        return
+    found = torch.autograd.grad(loss, list(targets.values()), allow_unused=True)
+    grads: dict[str, dict[str, torch.Tensor]] = {"inputs": {}, "params": {}}
+    for name, grad in zip(targets, found, strict=True):
+        group, _, key = name.partition(".")
+        grads[group][key] = torch.zeros_like(targets[name]) if grad is None else grad
+    run.grads = grads

@@ -1,0 +1,84 @@
+"""The property search: many twin checks on drawn examples, a failure shrunk to its smallest.
+
+:func:`check_twins` draws the module's constructor arguments, an example of its inputs, a
+dtype and a backend, and runs :func:`~torchparity.twins.checking.assert_twins` on each. On a
+failure hypothesis shrinks the example and raises the smallest one's ``AssertionError``: the
+verdict's explanation and a standalone reproducer. Examples that failed are kept in
+hypothesis' database (``.hypothesis/`` by default), under a key of the two implementations
+and the caller's ``database_key``, and tried first on the next run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
+
+from torchparity.twins.building import Buildable, WeightMap
+from torchparity.twins.checking import CacheFactory, assert_twins
+from torchparity.twins.strategies import Range, TwinInputs, constructor_args
+
+InputsStrategy = SearchStrategy[TwinInputs] | Callable[[dict], SearchStrategy[TwinInputs]]
+
+
+def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
+                init: Mapping[str, Range] | None = None, dtypes: Sequence[str] = ("fp32",),
+                backends: Sequence[str | None] = (None,), weight_map: WeightMap | None = None,
+                cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None,
+                grads: bool = True, max_examples: int = 100,
+                database_key: str = "") -> None:
+    """Check ``new`` against ``old`` on drawn examples; ``AssertionError`` for the smallest
+    failing one, with its explanation and reproducer.
+
+    ``init`` gives the constructor arguments' ranges (see
+    :func:`~torchparity.twins.strategies.constructor_args`); ``inputs`` is a strategy of
+    :class:`~torchparity.twins.strategies.TwinInputs`, or a function of the drawn
+    constructor arguments that returns one (``lambda a: attention_inputs(a["d_model"])``).
+    Each example draws a dtype from ``dtypes``, a backend from ``backends`` (None: the modules
+    as written) and a weight seed. ``max_examples`` is hypothesis' own default, whatever the
+    profile (which sets the rest: seeds, the database); the other arguments are
+    :func:`~torchparity.twins.assert_twins`'s.
+    """
+    def one_example(data: st.DataObject) -> None:
+        arguments = data.draw(constructor_args(**(init or {})), label="init")
+        strategy = inputs(arguments) if callable(inputs) else inputs
+        example = data.draw(strategy, label="inputs")
+        dtype = data.draw(st.sampled_from(list(dtypes)), label="dtype")
+        backend = data.draw(st.sampled_from(list(backends)), label="backend")
+        seed = data.draw(st.integers(0, 2**16), label="weight seed")
+        assert_twins(old, new, example.inputs, dtype=dtype, backend=backend, init=arguments,
+                     seed=seed, weight_map=weight_map, grads=grads, padding=example.padding,
+                     cache=cache)
+
+    # Without this every caller's search would share one database key (this function's).
+    key = f"{_name(old)} {_name(new)} {database_key}"
+    one_example._hypothesis_internal_add_digest = key.encode()
+    options: dict[str, Any] = dict(deadline=None, max_examples=max_examples,
+                                   suppress_health_check=[HealthCheck.too_slow,
+                                                          HealthCheck.data_too_large])
+    with one_thread():
+        given(data=st.data())(settings(settings.default, **options)(one_example))()
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one intra-op thread: on modules this small more threads only synchronise
+    (several times slower on a busy machine)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _name(side: Any) -> str:
+    kind = side if isinstance(side, type) or callable(side) and not hasattr(side, "forward") \
+        else type(side)
+    return f"{getattr(kind, '__module__', '')}.{getattr(kind, '__qualname__', repr(kind))}"

@@ -1,0 +1,176 @@
+"""Hypothesis strategies for the inputs real attention modules take, and their constructor
+arguments, for :func:`torchparity.twins.search.check_twins` or a property test of one's own.
+
+Everything shrinks toward the smallest problem: one row, one token, no padding, position 0,
+no history. Floating values are drawn by seed (:func:`torchparity.random_tensor`, the same on
+every machine), so shrinking moves shapes and seeds, not thousands of floats.
+
+- :func:`constructor_args`: a module's arguments from ranges (``n_heads=[1, 2, 4]``,
+  ``d_model=(8, 64)``, a strategy, or a function of the arguments drawn before it);
+- :func:`hidden_states`: (batch, seq, d_model) with seq down to 1;
+- :func:`attention_inputs`: hidden states with a mask in one of :data:`MASKS` conventions,
+  left or right padding (fully padded rows too), position ids with an offset;
+- :func:`decoding_inputs`: a prompt of some history length, then chunks of new positions,
+  for twins called step by step with a KV cache;
+- :func:`dtypes`, :func:`backends`: what runs on the device.
+
+Needs ``hypothesis`` (``pip install 'torchparity[strategies]'``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
+
+from torchparity import strategies as tps
+from torchparity.dtypes import dtype_name
+from torchparity.subject.weights import random_tensor
+from torchparity.twins.running import Steps
+
+#: Mask conventions, each a tensor built from which keys a query may see:
+#: ``key-padding`` (batch, keys), 1 for a real token and 0 for padding (Hugging Face's
+#: ``attention_mask``); ``bool-attend`` (batch, 1, queries, keys), True where a query may
+#: attend (SDPA's); ``bool-masked`` the same inverted (``nn.MultiheadAttention``'s);
+#: ``additive`` the same as a float bias, 0 or the dtype's lowest value; ``causal`` no mask
+#: tensor (the module is causal by itself); ``none`` neither padding nor mask.
+MASKS = ("none", "causal", "key-padding", "bool-attend", "bool-masked", "additive")
+PADDINGS = tps.PADDINGS
+#: The argument names of :func:`attention_inputs`'s tensors, by role.
+NAMES = {"hidden": "hidden_states", "mask": "attention_mask", "positions": "position_ids"}
+
+Range = tuple[int, int] | Sequence[Any] | SearchStrategy | Callable[[dict], Any]
+
+
+@dataclass
+class TwinInputs:
+    """One drawn example: the inputs, and which query positions are padding (True), left out
+    of the judgement; None where none are."""
+
+    inputs: tuple | dict | Steps
+    padding: torch.Tensor | None = None
+
+
+def _strategy(value: Range, drawn: dict) -> SearchStrategy:
+    if isinstance(value, SearchStrategy):
+        return value
+    if callable(value):
+        return _strategy(value(drawn), drawn)
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return st.integers(*value)
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return st.sampled_from(list(value))
+    return st.just(value)
+
+
+@st.composite
+def constructor_args(draw: st.DrawFn, **ranges: Range) -> dict[str, Any]:
+    """Keyword arguments of a module's constructor, drawn in the order given: ``(lo, hi)``
+    integers, a list to choose from (the first is the simplest), a strategy, a plain value,
+    or a function of the arguments drawn so far (``n_kv_heads=lambda a: divisors(a["n_heads"])``).
+    """
+    drawn: dict[str, Any] = {}
+    for name, value in ranges.items():
+        drawn[name] = draw(_strategy(value, drawn), label=name)
+    return drawn
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, smallest first: the key/value head counts GQA allows."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def hidden_states(draw: st.DrawFn, d_model: int, *, batch: Range = (1, 3),
+                  seq: Range = (1, 8)) -> torch.Tensor:
+    """A float32 (batch, seq, d_model) tensor of unit-variance values."""
+    shape = (draw(_strategy(batch, {})), draw(_strategy(seq, {})), d_model)
+    return random_tensor(shape, draw(st.integers(0, 2**16), label="seed"))
+
+
+def mask_in(convention: str, allow: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
+    """The mask of ``convention`` for ``allow`` ((batch, 1, q, k) bool, True where a query may
+    attend) and ``real`` ((batch, k) bool, the real keys)."""
+    if convention in ("none", "causal"):
+        return None
+    if convention == "key-padding":
+        return real.long()
+    if convention == "bool-attend":
+        return allow
+    if convention == "bool-masked":
+        return ~allow
+    if convention == "additive":
+        return torch.zeros(allow.shape).masked_fill(~allow, torch.finfo(torch.float32).min)
+    raise ValueError(f"unknown mask convention {convention!r}; use one of {', '.join(MASKS)}")
+
+
+def causal(q_len: int, k_len: int) -> torch.Tensor:
+    """(q, k) bool: query i (the last q of k positions) sees keys up to its own position."""
+    return torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+
+
+@st.composite
+def attention_inputs(draw: st.DrawFn, d_model: int, *, batch: Range = (1, 3),
+                     seq: Range = (1, 8), mask: str | Sequence[str] = "key-padding",
+                     padding: str | Sequence[str] = PADDINGS, empty_rows: bool = True,
+                     positions: tuple[int, int] | None = None,
+                     names: Mapping[str, str] = NAMES) -> TwinInputs:
+    """Keyword inputs of a causal self-attention: hidden states, a mask in the ``mask``
+    convention (or one drawn from several), padded on a side drawn from ``padding`` (every
+    row its own length; with ``empty_rows`` a row may be all padding), and with
+    ``positions=(lo, hi)`` position ids counting real tokens from an offset drawn there
+    (where a model continues a long text). ``names`` renames the arguments."""
+    names = {**NAMES, **names}
+    convention = draw(_strategy(mask if isinstance(mask, str) else list(mask), {}))
+    side = "none" if convention in ("none", "causal") else draw(_strategy(
+        padding if isinstance(padding, str) else list(padding), {}))
+    hidden = draw(hidden_states(d_model, batch=batch, seq=seq))
+    rows, length = hidden.shape[:2]
+    shortest = length if side == "none" else 0 if empty_rows else 1
+    lengths = [draw(st.integers(shortest, length), label="real tokens") for _ in range(rows)]
+    _, real = tps.pad_rows([[1] * n for n in lengths], side, length)
+    real = torch.ones(rows, length, dtype=torch.bool) if real is None else real.bool()
+    allow = causal(length, length)[None, None] & real[:, None, None, :]
+    inputs: dict[str, Any] = {names["hidden"]: hidden}
+    if (tensor := mask_in(convention, allow, real)) is not None:
+        inputs[names["mask"]] = tensor
+    if positions is not None:
+        offset = draw(st.integers(*positions), label="position offset")
+        inputs[names["positions"]] = offset + (real.long().cumsum(-1) - 1).clamp(min=0)
+    return TwinInputs(inputs, padding=None if side == "none" else ~real)
+
+
+@st.composite
+def decoding_inputs(draw: st.DrawFn, d_model: int, *, batch: Range = (1, 2),
+                    history: Range = (1, 8), chunks: Range = (1, 3), chunk: Range = (1, 4),
+                    name: str = NAMES["hidden"]) -> TwinInputs:
+    """Steps of a decoding twin: a prompt of ``history`` positions, then
+    ``chunks`` chunks of ``chunk`` new positions each, every step's hidden states as the
+    keyword ``name``. Queries are causal with an offset: each sees the whole history."""
+    rows = draw(_strategy(batch, {}))
+    sizes = [draw(_strategy(history, {}), label="history")]
+    sizes += [draw(_strategy(chunk, {}), label="chunk")
+              for _ in range(draw(_strategy(chunks, {}), label="chunks"))]
+    seed = draw(st.integers(0, 2**16), label="seed")
+    hidden = random_tensor((rows, sum(sizes), d_model), seed)
+    return TwinInputs(Steps({name: part} for part in hidden.split(sizes, dim=1)))
+
+
+def dtypes(device: str | torch.device = "cpu",
+           candidates: Sequence[str] = ("fp32", "bf16", "fp16")) -> SearchStrategy[str]:
+    """The names of the ``candidates`` that compute on ``device`` (fp32 first)."""
+    from torchparity.dtypes import torch_dtype
+
+    runs = tps.dtypes(device, [torch_dtype(name) for name in candidates])
+    return runs.map(dtype_name)
+
+
+def backends(device: str | torch.device = "cpu", dtype: str = "fp32") -> SearchStrategy[str]:
+    """The attention backends that run on ``device`` in ``dtype`` ("manual" first)."""
+    from torchparity.dtypes import torch_dtype
+
+    return tps.attention_backends(device, torch_dtype(dtype))
