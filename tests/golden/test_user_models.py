@@ -469,3 +469,55 @@ def test_golden_verify_recomputes_a_users_model(models, tmp_path, capsys):
     assert main(["golden", "verify", "--golden-dir", golden_dir,
                  "--model", f"{changed}:llama"]) == 1
     assert "models.llama: outputs diverged" in capsys.readouterr().out
+
+
+DRAWN = '''
+import torch
+from torch import nn
+import torchparity as tp
+
+
+def layers():
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def drawn():
+    g = torch.Generator().manual_seed(0)
+    model = layers()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(generator=g)
+    return {"model": model, "inputs": tp.random_tensor((2, 16), 1)}
+
+
+def drawn_inputs():
+    return {"model": tp.init_weights(layers(), 0), "inputs": torch.randn(2, 16)}
+
+
+def redrawn():
+    # torch's default init, then every value drawn again the same on every machine.
+    model = layers()
+    torch.nn.init.normal_(model[0].weight)
+    return {"model": tp.init_weights(model, 0), "inputs": tp.random_tensor((2, 16), 1)}
+'''
+
+
+@pytest.mark.parametrize("factory, drawn", [("drawn", "0.weight and 3 more"),
+                                            ("drawn_inputs", "inputs"),
+                                            ("redrawn", None)])
+def test_golden_update_warns_of_weights_or_inputs_drawn_by_torchs_cpu_normal(
+        tmp_path, capsys, factory, drawn):
+    """torch's CPU normal draws round differently by instruction set: goldens of such a
+    factory read 'init changed' elsewhere, so the update says so in one warning."""
+    path = tmp_path / "drawn_models.py"
+    path.write_text(DRAWN)
+    assert main(["golden", "update", "--model", f"{path}:{factory}", "--golden-dir",
+                 str(tmp_path / "golden")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    if drawn is None:
+        assert "warning" not in out
+        return
+    assert out.count("warning:") == 1
+    assert (f"drawn_models.{factory}: warning: {drawn} come from torch's normal draws on the "
+            "CPU") in out
+    assert "tp.init_weights(model, seed) and tp.random_tensor(shape, seed)" in out

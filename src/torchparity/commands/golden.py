@@ -16,12 +16,14 @@ from torchparity.golden.cases import OUTPUT_KINDS, write_case
 from torchparity.golden.cell_selection import select_cases
 from torchparity.golden.cells import CheckResult
 from torchparity.golden.report import print_table
-from torchparity.text import wrapped
 from torchparity.golden.runner import update_models, verify_cases, verify_models
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import user_golden_dir
 from torchparity.reference import TransformerConfig, zoo
 from torchparity.subject import Subject
+from torchparity.subject.trees import flatten_tensors
+from torchparity.subject.weights import NormalDraws
+from torchparity.text import wrapped
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +73,11 @@ def run(args: argparse.Namespace) -> int:
         if args.cases:
             raise UsageError(f"golden {args.action} takes zoo cases or --model, not both (got "
                              f"{' '.join(args.cases)} and --model)")
-        subjects = [Subject.load(entry) for entry in args.model]  # every factory loads first
+        # Every factory loads first; an update says which of them draw machine-bound values.
+        loaded = [_load(entry, noting_draws=args.action == "update") for entry in args.model]
+        subjects = [subject for subject, _ in loaded]
+        for warning in filter(None, (warning for _, warning in loaded)):
+            console.print(wrapped(warning), markup=False)
         root = user_golden_dir(args.golden_dir)
         if args.action == "update":
             return _update_models(subjects, root, console)
@@ -83,6 +89,25 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "verify":
         return _verify(store, select_cases(args.cases or None), console)
     return _show(store, select_cases([args.case])[0], console)
+
+
+def _load(entry: str, noting_draws: bool) -> tuple[Subject, str | None]:
+    """The subject of ``entry`` and, when ``noting_draws``, a warning if its weights or
+    inputs come from torch's normal draws on the CPU, whose last bits differ by instruction
+    set: such goldens read 'init changed' on another machine."""
+    if not noting_draws:
+        return Subject.load(entry), None
+    with NormalDraws() as draws:
+        subject = Subject.load(entry)
+    drawn = [*draws.drawn(dict(subject.model.state_dict(keep_vars=True))),
+             *draws.drawn(flatten_tensors(subject.inputs, "inputs"))]
+    if not drawn:
+        return subject, None
+    named = drawn[0] + (f" and {len(drawn) - 1} more" if len(drawn) > 1 else "")
+    return subject, (f"{subject.name}: warning: {named} come from torch's normal draws on the "
+                     "CPU, whose last bits differ by instruction set, so these goldens may "
+                     "read 'init changed' on another machine; draw them with "
+                     "tp.init_weights(model, seed) and tp.random_tensor(shape, seed)")
 
 
 def _update(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:

@@ -14,6 +14,8 @@ import math
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from torchparity.reference import rng
 
@@ -79,3 +81,50 @@ def _fan_in(module: nn.Module, tensor: torch.Tensor) -> int:
     if type(module).__name__ == "Conv1D":  # transformers' GPT-2 layers store (in, out)
         return tensor.shape[0]
     return math.prod(tensor.shape[1:])
+
+
+#: torch's CPU draws whose last bits depend on the instruction set (a vectorised normal).
+_NORMAL_DRAWS = {"normal", "normal_", "randn", "randn_like"}
+#: In-place ops that overwrite their tensor without reading it.
+_OVERWRITES = {"copy_", "fill_", "zero_", "uniform_", "random_", "bernoulli_", "exponential_",
+               "geometric_", "cauchy_", "log_normal_"}
+
+
+class NormalDraws(TorchDispatchMode):
+    """Which tensors hold values drawn from torch's normal generator on the CPU, while it is
+    active: a tensor is marked when a normal draw writes it, or when an op computes it from
+    a marked one; an overwrite with other values (``tp.init_weights``' ``copy_``) clears it.
+    Tensors are known by their storage, so views and parameters share their base's mark."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._drawn: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        drawn = name in _NORMAL_DRAWS and all(
+            t.device.type == "cpu" for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        if name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+            written = [args[0]]
+            read = inputs[1:] if drawn or name in _OVERWRITES else inputs
+        else:
+            written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            read = inputs
+        marked = drawn or any(_storage(t) in self._drawn for t in read)
+        for tensor in written:
+            (self._drawn.add if marked else self._drawn.discard)(_storage(tensor))
+        return out
+
+    def drawn(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """The names among ``tensors`` whose values came from a CPU normal draw."""
+        return [name for name, tensor in tensors.items() if _storage(tensor) in self._drawn]
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, ...)
+        return id(tensor)
