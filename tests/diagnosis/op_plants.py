@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from torchparity import backends
+from torchparity.reference import build_model, sequence_loss, zoo
 from torchparity.reference.attention import Attention
 from torchparity.reference.layers import TransformerLayer
 from torchparity.reference.mlp import MLP
@@ -113,3 +114,25 @@ class FusedProjection(Attention):
             [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
         return (self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads),
                 self.split_heads(v, self.n_kv_heads))
+
+
+# Factories for the command line (docs/diagnose.md): llama-tiny, and the same weights with a
+# plant in B.
+
+
+def make_a() -> tuple:
+    config = zoo.get("llama-tiny").config
+    batch = zoo.make_batch(config, batch_size=2, seq_len=12, seed=0)
+    return build_model(config, seed=0), batch, sequence_loss
+
+
+def make_b_activation() -> tuple:
+    model, batch, loss = make_a()
+    model.decoder.layers[0].mlp.__class__ = MLPActivation
+    return model, batch, loss
+
+
+def make_b_scale() -> tuple:
+    model, batch, loss = make_a()
+    model.decoder.layers[1].attn.__class__ = AttentionScale
+    return model, batch, loss

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import os
 
 import pytest
@@ -241,3 +242,31 @@ def test_transformers_eager_vs_sdpa_has_no_divergent_op(family: str, attention: 
     assert ops is not None and ops.answer is None, report.render()
     kinds = {line.pair.kind for line in ops.lines}
     assert {"only in A", "only in B"} <= kinds  # eager's matmuls and softmax, sdpa's kernel
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def test_command_line_names_the_planted_line_in_80_columns(tmp_path, capsys) -> None:
+    from torchparity import cli
+
+    plants_file = inspect.getsourcefile(plants)
+    entries = [f"{plants_file}:make_a", f"{plants_file}:make_b_scale"]
+    assert cli.main(["diagnose", *entries, "--no-backward",
+                     "--json", str(tmp_path / "d.json")]) == 1
+    out = capsys.readouterr().out
+    op = json.loads((tmp_path / "d.json").read_text())["first_divergence_op"]
+    assert planted_line(plants.AttentionScale) in op["b_stack"]
+    table = out[out.index("op of decoder.layers.1.attn"):].splitlines()
+    assert any(planted_line(plants.AttentionScale) in line for line in table)  # never cut
+    assert all(len(line) <= 80 for line in table), out
+
+
+def test_ops_with_a_trace_is_one_line_naming_the_command(capsys) -> None:
+    from torchparity import cli
+
+    plants_file = inspect.getsourcefile(plants)
+    assert cli.main(["diagnose", f"{plants_file}:make_b_scale", "--against", "base.tptrace",
+                     "--ops", "decoder.layers.1.attn"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "torchparity diagnose A_ENTRY B_ENTRY --ops MODULE" in err and "\n" not in err

@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="keep A's side on disk so memory stays bounded (default: when "
                              "the two models take more than a quarter of the free memory)")
+    parser.add_argument("--ops", metavar="MODULE",
+                        help="drill B's MODULE down to its ops and source lines (default: the "
+                             "first divergent module; needs A and B in one process)")
     parser.add_argument("--local", choices=("diverged", "all"), default="diverged",
                         help="modules that get a local error (module replay): those whose "
                              "propagated error diverged (default) or all")
@@ -76,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     check_paths(args.summary, args.junit)
     name_map = [_name_rule(rule) for rule in args.name_map or []] or None
     side = base_side(args)
+    if args.ops and (side or args.against):
+        raise UsageError("--ops needs A's ops, which a trace does not keep: run "
+                         "`torchparity diagnose A_ENTRY B_ENTRY --ops MODULE`")
     if side:
         report, compared = _against_base(args, side, name_map), f"base {side.name}"
     elif args.against:
@@ -162,6 +168,9 @@ def _two_models(args: argparse.Namespace, name_map):
     if decoding:
         if args.compile_b:
             raise UsageError(COMPILED_DECODING)
+        if args.ops:
+            raise UsageError("--ops drills down a forward diagnosis; a decoding names the "
+                             "module at its first divergent step")
         if args.stream or args.local != "diverged":
             raise UsageError("--stream and --local are options of a forward diagnosis; a "
                              "decoding keeps each step's calls, and replays none")
@@ -176,7 +185,7 @@ def _two_models(args: argparse.Namespace, name_map):
                     backward=args.backward, include=args.include, exclude=args.exclude,
                     backends=(args.backend_a, args.backend_b), stream=args.stream,
                     local=args.local, dtype=dtype_option(args), padding=a.padding,
-                    compile_b=args.compile_b)
+                    compile_b=args.compile_b, ops=args.ops)
 
 
 def _name_rule(rule: str) -> tuple[str, str]:

@@ -8,7 +8,7 @@ from typing import Any
 from torchparity.diagnosis.columns import Line, layout
 from torchparity.diagnosis.ops.capture import Step
 from torchparity.diagnosis.ops.judge import OpLine
-from torchparity.diagnosis.results import headroom, share_cell
+from torchparity.diagnosis.results import Result, headroom, share_cell
 
 __all__ = ["OpReport"]
 
@@ -62,19 +62,24 @@ class OpReport:
                 "notes": self.notes}
 
     def table_lines(self, width: int) -> list[tuple[str, str | None]]:
-        """The op table, ``width`` columns wide, folded to the steps that matter (the answer,
-        steps of one side, changed arguments, diverged ones, and their neighbours)."""
+        """The op table, ``width`` columns wide, folded to the steps that matter: the answer,
+        steps of one side, changed arguments, local errors out of budget, and their
+        neighbours; each run of the others is one line with the worst cell of each column
+        (after the answer, they carry its error)."""
         keep = set()
         for i, line in enumerate(self.lines):
             if i == self.first or line.pair.kind != "paired" or line.pair.differences or \
-                    any(r is not None and not r.ok for r in (line.local, line.propagated)):
+                    _diverged(line.local) or (self.first is None and
+                                              _diverged(line.propagated)):
                 keep.update(range(i - _NEIGHBOURS, i + _NEIGHBOURS + 1))
         rows, run = [], []
 
         def fold() -> None:
             if run:
                 steps = "1 step" if len(run) == 1 else f"{len(run)} steps"
-                rows.append(Line(["…", "", ""], f"({steps} within their budgets)", 0, "dim"))
+                cells = [share_cell(_worst([self.lines[i].local for i in run])),
+                         share_cell(_worst([self.lines[i].propagated for i in run]))]
+                rows.append(Line(["…", *cells], f"({steps})", 0, "dim"))
                 run.clear()
 
         for i, line in enumerate(self.lines):
@@ -87,6 +92,16 @@ class OpReport:
         fold()
         return layout(["#", "local", "prop.", f"op of {self.module or '(model)'}"], rows,
                       width)
+
+
+def _diverged(result: Result | None) -> bool:
+    return result is not None and not result.ok
+
+
+def _worst(results: list[Result | None]) -> Result | None:
+    """The result that used the largest share of its budget (a diverged one first)."""
+    present = [r for r in results if r is not None]
+    return max(present, key=lambda r: (not r.ok, headroom(r) or 0.0), default=None)
 
 
 def _where(step: Step, other: Step | None) -> str:
