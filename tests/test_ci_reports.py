@@ -130,6 +130,41 @@ def test_a_module_whose_output_inherits_a_divergence_fails_and_every_case_has_a_
     assert all(t > 0 for t in times) and abs(sum(times) - 2.0) <= len(times) * 0.0005
 
 
+def test_a_failing_summary_opens_with_a_plain_sentence_and_the_next_command():
+    formula = ("diverged: max-abs error 7.18e-05 exceeds the budget 4.47e-15 = 6 × baseline "
+               "error 6.66e-16 + floor 4.73e-16")
+    results = [result("outputs", "diverged", explain=formula), result("loss", "within")]
+    outcome = check_outcome(results, "models.py:make against base main",
+                            next_step="torchparity diagnose models.py:make --base main")
+    lines = summary_markdown(outcome).splitlines()
+    assert lines[2] == ("The outputs of `models.make` changed: 1 of 2 outputs diverged; the "
+                        "worst, `outputs` in sdpa fp32 cpu, used 300% of its budget.")
+    assert lines[4] == "Next: `torchparity diagnose models.py:make --base main`"
+    assert formula not in "\n".join(lines)  # the formula is the JUnit message's, not here
+    assert formula in junit_xml(outcome)
+
+
+def test_the_diagnosis_summary_explains_its_cells():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        b[2].bias.add_(0.1)
+    report = tp.diagnose(a, b, (torch.randn(3, 4),), backward=False)
+    markdown = summary_markdown(diagnosis_outcome(report, "b against a",
+                                                  next_step="torchparity diagnose a b --html x"))
+    lines = markdown.splitlines()
+    assert lines[2].startswith("The model changed in `2` (Linear): its own error is ")
+    assert lines[4] == "Next: `torchparity diagnose a b --html x`"
+    cells = {cell.strip() for line in lines if line.startswith("| `")
+             for cell in line.split("|")[3:5]}
+    assert any(cell.startswith("X ") for cell in cells)
+    legend = lines[-1]
+    for symbol in ("=: bit-identical", "X n: diverged", "<n: within", "-: not computed"):
+        assert symbol in legend
+
+
 PLUGIN_TESTS = '''
 import os
 

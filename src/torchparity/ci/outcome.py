@@ -49,25 +49,40 @@ class Outcome:
     cases: list[Case] = field(default_factory=list)
     alerts: list[str] = field(default_factory=list)
     seconds: float | None = None  # the command's wall time, when known
+    headline: str = ""  # one plain sentence: what changed, where, how much
+    next_step: str | None = None  # the exact command to run next
+    legend: str | None = None  # what the table's symbols mean
 
 
 def check_outcome(results: list[CheckResult], subject: str,
-                  seconds: float | None = None) -> Outcome:
-    """The outcome of ``torchparity check``: one case per case (model), cell and output."""
+                  seconds: float | None = None, next_step: str | None = None) -> Outcome:
+    """The outcome of ``torchparity check``: one case per case (model), cell and output;
+    ``next_step`` is the command that localises a failure (``diagnose ENTRY --base REV``)."""
     failed = [r for r in results if not r.ok]
     cells = {(r.case, r.cell) for r in results}
     if failed:
         verdict = (f"FAIL: {len(failed)} of {len(results)} outputs diverged or changed, in "
                    f"{len({(r.case, r.cell) for r in failed})} of {len(cells)} cells")
         first = failed[0]
+        worst = max(failed, key=lambda r: -1.0 if r.headroom is None else r.headroom)
+        models = ", ".join(f"`{case}`" for case in dict.fromkeys(r.case for r in failed))
+        how_much = ("" if worst.headroom is None else
+                    f"; the worst, `{worst.output}` in {worst.cell.label}, used "
+                    f"{_of_budget(worst.headroom)}")
+        headline = (f"The outputs of {models} changed: {len(failed)} of {len(results)} "
+                    f"outputs {_verdict_words(failed)}{how_much}.")
         findings = [f"First failure: `{first.case}` {first.cell.label} `{first.output}`: "
-                    f"{first.explain or first.reason or first.verdict}"]
+                    f"{first.verdict}" + ("" if first.headroom is None else
+                                          f", {_of_budget(first.headroom)}") +
+                    " (the JUnit report has the full message)"]
         heads = ["model", "cell", "output", "verdict", "budget used"]
         rows = [[f"`{r.case}`", r.cell.label, r.output, r.verdict,
                  "-" if r.headroom is None else budget_share(r.headroom)] for r in failed]
     else:
         verdict = (f"PASS: {len(results)} outputs in {len(cells)} cells within their "
                    "budgets or n/a")
+        headline = "No output changed beyond the rounding its cell allows."
+        next_step = None
         findings = []
         heads = ["model", "cell", "verdict", "most budget used"]
         rows = [_cell_row(case, cell, [r for r in results if (r.case, r.cell) == (case, cell)])
@@ -78,16 +93,18 @@ def check_outcome(results: list[CheckResult], subject: str,
     alerts = [f"{case.suite.removeprefix('torchparity.check.')} {case.name}: {case.message}"
               for case in cases if not case.ok]
     return Outcome("torchparity check", subject, not failed, verdict, findings, heads, rows,
-                   cases, alerts, seconds)
+                   cases, alerts, seconds, headline, next_step, CHECK_LEGEND)
 
 
 def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str,
-                      seconds: float | None = None) -> Outcome:
+                      seconds: float | None = None, next_step: str | None = None) -> Outcome:
     """The outcome of ``torchparity diagnose``, forward or decoding: the report's own
-    sentences are its findings, its summary the one alert of a failure."""
+    sentences are its findings, its summary the one alert of a failure; ``next_step`` is the
+    command that writes the full report."""
     if isinstance(report, DecodeReport):
         outcome = _decode_outcome(report, subject)
         outcome.seconds = seconds
+        outcome.next_step = None if outcome.ok else next_step
         return outcome
     first, grad = report.first_divergence, report.first_grad_divergence
     ok = first is None and grad is None
@@ -101,9 +118,19 @@ def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str,
     rows = [[f"`{r.module or '(model)'}`", r.module_type, share_cell(r.local),
              share_cell(r.propagated)] for r in shown]
     cases = [_module_case(r, first) for r in report.rows]
+    if ok:
+        headline = "No module's own error leaves the rounding its budget allows."
+    elif first is not None:
+        headline = (f"The model changed in `{module_label(first.module)}` "
+                    f"({first.module_type}): its own error is "
+                    f"{ratio(headroom(first.local))} times its budget.")
+    else:
+        headline = (f"The backward pass changed in `{module_label(grad.module)}` "
+                    f"({grad.module_type}); its forward output did not leave its budget.")
     return Outcome("torchparity diagnose", subject, ok, verdict, report.findings(),
                    ["module", "type", "local", "propagated"], rows, cases,
-                   [] if ok else [report.summary()], seconds)
+                   [] if ok else [report.summary()], seconds, headline,
+                   None if ok else next_step, DIAGNOSIS_LEGEND)
 
 
 def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
@@ -139,6 +166,28 @@ def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
               for r in report.rows]
     return Outcome("torchparity diagnose --decode", subject, report.ok, verdict, findings,
                    heads, rows, cases, [] if report.ok else [report.summary()])
+
+
+#: What the check summary's table says.
+CHECK_LEGEND = ("budget used: the largest share of its tolerance budget an output used (over "
+                "100%: diverged); ≡: bit-identical to the baseline")
+#: What the diagnosis summary's cells say.
+DIAGNOSIS_LEGEND = ("local: B's module fed A's inputs; propagated: B's module in B's own run. "
+                    "=: bit-identical to A; a number: the share of its budget used; X n: "
+                    "diverged, using n times its budget; <n: within, at most n of it; n/c: "
+                    "not compared; -: not computed")
+
+
+def _of_budget(headroom: float) -> str:
+    """``40% of its budget`` or ``6.1e+10 times its budget``."""
+    if headroom < 10:
+        return f"{headroom:.0%} of its budget"
+    return f"{headroom:.2g} times its budget"
+
+
+def _verdict_words(failed: list[CheckResult]) -> str:
+    """``diverged`` or ``diverged or init changed``: the verdicts of the failures."""
+    return " or ".join(dict.fromkeys(r.verdict for r in failed))
 
 
 def _cell_row(case: str, cell: Any, results: list[CheckResult]) -> list[str]:

@@ -53,18 +53,24 @@ def summary_markdown(outcome: Outcome) -> str:
     """The summary: a heading with the verdict, what was compared, the findings and the
     table, cut to :data:`SUMMARY_LINES` lines."""
     mark = "✅" if outcome.ok else "❌"
-    lines = [f"### {mark} {outcome.command}", "", _one_line(outcome.verdict), "",
-             f"Compared: {outcome.subject}", ""]
+    lines = [f"### {mark} {outcome.command}", ""]
+    if outcome.headline:
+        lines += [_one_line(outcome.headline), ""]
+    if outcome.next_step:
+        lines += [f"Next: `{outcome.next_step}`", ""]
+    lines += [_one_line(outcome.verdict), "", f"Compared: {outcome.subject}", ""]
     lines += [f"- {_one_line(finding)}" for finding in outcome.findings]
     if outcome.findings:
         lines.append("")
     if outcome.rows:
-        room = SUMMARY_LINES - len(lines) - 4  # the head, the rule, the rows left out
+        room = SUMMARY_LINES - len(lines) - 6  # head, rule, rows left out, legend
         shown = outcome.rows if len(outcome.rows) <= room + 1 else outcome.rows[:room]
         lines += [_row(outcome.heads), _row(["---"] * len(outcome.heads))]
         lines += [_row(row) for row in shown]
         if len(shown) < len(outcome.rows):
             lines += ["", f"{len(outcome.rows) - len(shown)} more rows: see --junit or --json"]
+        if outcome.legend:
+            lines += ["", _one_line(outcome.legend)]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -16,6 +16,7 @@ for usage errors.
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 
@@ -98,11 +99,26 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         report.to_html(args.html)
     outcome = diagnosis_outcome(report, f"{args.entries[-1]} against {compared}",
-                                time.perf_counter() - started)
+                                time.perf_counter() - started, _full_report_command(args))
     publish(outcome, args.summary, args.junit)
     if isinstance(report, DecodeReport):
         return 0 if report.ok else 1
     return 1 if report.first_divergence or report.first_grad_divergence else 0
+
+
+def _full_report_command(args: argparse.Namespace) -> str:
+    """This very command with ``--html`` (when it had none): every module, its cells'
+    evidence and the chart, for the reader of a CI summary."""
+    kept, skip = [], False
+    for arg in args._argv:  # the CI reports' own paths are not needed again
+        if skip:
+            skip = False
+        elif arg in ("--summary", "--junit"):
+            skip = True
+        elif not arg.startswith(("--summary=", "--junit=")):
+            kept.append(arg)
+    html = [] if args.html else ["--html", "diagnosis.html"]
+    return shlex.join(["torchparity", *kept, *html])
 
 
 def _against(args: argparse.Namespace, name_map):
