@@ -36,6 +36,7 @@ COMMANDS = {
     "bench": "measure backend throughput, start-up and the cost of the safety net",
     "backends": "list attention backends and why each is or is not available here",
     "calibrate": "measure the tolerance model's false-alarm and detection rates",
+    "twins": "check a refactored module against the original on drawn shapes, masks, dtypes",
 }
 
 

@@ -1,4 +1,5 @@
-"""pytest plugin: the ``golden`` and ``torchparity_device`` fixtures and an opt-in ``gpu`` marker.
+"""pytest plugin: the ``golden``, ``twins`` and ``torchparity_device`` fixtures and an opt-in
+``gpu`` marker.
 
 Loaded through the ``pytest11`` entry point into every pytest run of an environment where
 torchparity is installed (or by the root ``conftest.py`` of a source tree), so it changes
@@ -10,6 +11,7 @@ marker is registered and acted on only in suites that opt in with the ini option
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -108,6 +110,17 @@ def golden(request: pytest.FixtureRequest) -> Iterator[GoldenFixture]:
     if fixture.written:
         pytest.fail(f"golden written, rerun without {UPDATE_OPTION}: "
                     f"{', '.join(str(path) for path in fixture.written)}", pytrace=False)
+
+
+@pytest.fixture
+def twins(request: pytest.FixtureRequest):
+    """``twins(Old, New, inputs=..., init=...)`` checks a refactored module against the
+    original on drawn examples (:func:`torchparity.twins.search.check_twins`); the examples
+    that failed are kept in hypothesis' database under this test's id and tried first next
+    time. See docs/twins.md."""
+    from torchparity.twins.search import check_twins
+
+    return functools.partial(check_twins, database_key=request.node.nodeid)
 
 
 def add_summary_line(node: pytest.Item, section: str, line: str) -> None:

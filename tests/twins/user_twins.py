@@ -127,6 +127,13 @@ class FusedQKVAttention(Heads):
 FUSED_QKV = {"qkv.weight": ["q.weight", "k.weight", "v.weight"]}
 
 
+def fuse_qkv(state: dict) -> dict:
+    """:data:`FUSED_QKV` as a function, for the command line (``--weight-map``)."""
+    out = {name: t for name, t in state.items() if name[0] not in "qkv"}
+    out["qkv.weight"] = torch.cat([state[f"{p}.weight"] for p in "qkv"])
+    return out
+
+
 class InterleavedRotaryAttention(ThreeProjectionAttention):
     """Another rotary layout: GPT-J's adjacent pairs, on projections whose rows are permuted
     to match (:func:`interleave_rotary_rows`)."""
@@ -151,6 +158,13 @@ def interleave_rotary_rows(state: dict) -> dict:
         heads = w.view(-1, 2, ROTARY_HEAD_DIM // 2, w.shape[-1])
         out[name] = heads.transpose(1, 2).reshape(w.shape)
     return out
+
+
+def padded_batch(arguments: dict) -> dict:
+    """Inputs of one check from the command line (``--inputs user_twins.py:padded_batch``):
+    two rows of five tokens, the second left-padded to two."""
+    hidden = torch.linspace(-2, 2, 2 * 5 * arguments["d_model"]).reshape(2, 5, -1)
+    return {"hidden_states": hidden, "attention_mask": torch.tensor([[1] * 5, [0, 0, 0, 1, 1]])}
 
 
 # --- planted bugs -------------------------------------------------------------------------

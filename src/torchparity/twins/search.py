@@ -32,29 +32,35 @@ def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
                 backends: Sequence[str | None] = (None,), weight_map: WeightMap | None = None,
                 cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None,
                 grads: bool = True, max_examples: int = 100,
-                database_key: str = "") -> None:
-    """Check ``new`` against ``old`` on drawn examples; ``AssertionError`` for the smallest
-    failing one, with its explanation and reproducer.
+                database_key: str = "") -> int:
+    """Check ``new`` against ``old`` on drawn examples and return how many passed;
+    ``AssertionError`` for the smallest failing one, with its explanation and reproducer.
 
     ``init`` gives the constructor arguments' ranges (see
     :func:`~torchparity.twins.strategies.constructor_args`); ``inputs`` is a strategy of
-    :class:`~torchparity.twins.strategies.TwinInputs`, or a function of the drawn
+    :class:`~torchparity.twins.strategies.TwinInputs` (or of plain inputs), or a function of the drawn
     constructor arguments that returns one (``lambda a: attention_inputs(a["d_model"])``).
     Each example draws a dtype from ``dtypes``, a backend from ``backends`` (None: the modules
     as written) and a weight seed. ``max_examples`` is hypothesis' own default, whatever the
     profile (which sets the rest: seeds, the database); the other arguments are
     :func:`~torchparity.twins.assert_twins`'s.
     """
+    passed = 0
+
     def one_example(data: st.DataObject) -> None:
+        nonlocal passed
         arguments = data.draw(constructor_args(**(init or {})), label="init")
         strategy = inputs(arguments) if callable(inputs) else inputs
         example = data.draw(strategy, label="inputs")
+        if not isinstance(example, TwinInputs):  # a strategy of plain inputs
+            example = TwinInputs(example)
         dtype = data.draw(st.sampled_from(list(dtypes)), label="dtype")
         backend = data.draw(st.sampled_from(list(backends)), label="backend")
         seed = data.draw(st.integers(0, 2**16), label="weight seed")
         assert_twins(old, new, example.inputs, dtype=dtype, backend=backend, init=arguments,
                      seed=seed, weight_map=weight_map, grads=grads, padding=example.padding,
                      cache=cache)
+        passed += 1
 
     # Without this every caller's search would share one database key (this function's).
     key = f"{_name(old)} {_name(new)} {database_key}"
@@ -64,6 +70,7 @@ def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
                                                           HealthCheck.data_too_large])
     with one_thread():
         given(data=st.data())(settings(settings.default, **options)(one_example))()
+    return passed
 
 
 @contextlib.contextmanager

@@ -1,0 +1,73 @@
+"""What ``torchparity twins`` runs: entries and a short input description turned into one
+check or a search.
+
+``--inputs`` is ``attention`` (keyword ``hidden_states`` and a mask of ``--mask``'s
+convention, padded when it has one, position ids with ``--positions``), ``decoding`` (steps
+of ``hidden_states``; ``--cache`` names each side's cache factory), or an entry
+``file.py:name``: a function of the constructor arguments that returns the inputs (a tuple or
+a dict: one check) or a strategy of :class:`~torchparity.twins.strategies.TwinInputs` (a
+search).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hypothesis.strategies import SearchStrategy
+
+from torchparity.errors import UsageError
+from torchparity.subject.factory import resolve_entry
+from torchparity.twins import strategies as tpt
+from torchparity.twins.checking import assert_twins
+from torchparity.twins.search import check_twins
+
+DESCRIBED = ("attention", "decoding")
+
+
+def parse_init(items: Sequence[str]) -> dict[str, Any]:
+    """``["n_heads=1,2,4", "d_model=16"]`` -> ``{"n_heads": [1, 2, 4], "d_model": 16}``: a
+    Python literal each, several separated by commas drawn from."""
+    init = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise UsageError(f"--init {item!r}: write NAME=VALUE (n_heads=4, or n_heads=1,2,4 "
+                             "to draw from)")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise UsageError(f"--init {item!r}: {text!r} is not a Python literal (quote "
+                             "strings: name='x')") from None
+        init[name] = list(value) if isinstance(value, tuple) else value
+    return init
+
+
+def run(old: str, new: str, inputs: str, *, init: Mapping[str, Any], dtypes: Sequence[str],
+        backends: Sequence[str | None], weight_map: str | None, cache: Sequence[str],
+        mask: str, positions: tuple[int, int] | None, examples: int, seed: int) -> str:
+    """Run the check or the search; the line to print when it passes (a failure raises
+    :class:`~torchparity.twins.TwinFailure`)."""
+    old_side, new_side = resolve_entry(old), resolve_entry(new)
+    mapping = resolve_entry(weight_map) if weight_map else None
+    caches = tuple(resolve_entry(c) for c in cache) or None
+    caches = caches[0] if caches and len(caches) == 1 else caches
+    drawn = any(isinstance(v, list) for v in init.values())
+    if inputs in DESCRIBED:
+        if "d_model" not in init:
+            raise UsageError(f"--inputs {inputs} needs the width: --init d_model=N")
+        strategy = (lambda a: tpt.attention_inputs(a["d_model"], mask=mask, positions=positions)
+                    ) if inputs == "attention" else (lambda a: tpt.decoding_inputs(a["d_model"]))
+    else:
+        made = resolve_entry(inputs)
+        strategy = made if drawn else made(init)
+        if not drawn and not isinstance(strategy, SearchStrategy):
+            assert_twins(old_side, new_side, strategy, dtype=dtypes[0], backend=backends[0],
+                         init=init, seed=seed, weight_map=mapping, cache=caches)
+            return "twins: pass (1 check)"
+    count = check_twins(old_side, new_side, inputs=strategy, init=init, dtypes=dtypes,
+                        backends=backends, weight_map=mapping, cache=caches,
+                        max_examples=examples)
+    return f"twins: pass ({count} examples, {', '.join(dtypes)}, backends " \
+           f"{', '.join(b or 'as written' for b in backends)})"
