@@ -73,3 +73,60 @@ def test_sdpa_differs_from_eager_in_structure_only_where_eager_returns_attention
     assert expected and result.structure == expected
     assert result.verdict == "within" and result.ok
     assert "Structure differs at" in result.explain()
+
+
+def _cache_of(pairs: tuple) -> object:
+    """A ``DynamicCache`` holding ``pairs`` (keys, values per layer), as a newer release
+    returns what an older one returned as the tuple itself."""
+    cache = transformers.DynamicCache()
+    for layer, (keys, values) in enumerate(pairs):
+        cache.update(keys.clone(), values.clone(), layer)
+    return cache
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["same", "changed"])
+def test_a_cache_object_is_compared_by_its_tensors_with_the_tuple_it_replaced(changed) -> None:
+    """Two releases of one model: the older returns its cache as a tuple of (keys, values)
+    per layer, the newer as a ``DynamicCache`` holding the same tensors. Nothing differs in
+    structure, and the tensors are judged: a changed key is found."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 8, 16, generator=generator)
+    pairs = tuple((torch.randn(2, 2, 8, 4, generator=generator),
+                   torch.randn(2, 2, 8, 4, generator=generator)) for _ in range(2))
+    newer = _cache_of(pairs)
+    if changed:
+        dict(_layers(newer))["1.keys"][0, 0, 0, 0] += 1.0
+    older_output = {"logits": logits, "past_key_values": pairs}
+    newer_output = {"logits": logits, "past_key_values": newer}
+
+    result = compare(newer_output, older_output)
+
+    assert not result.structure and not result.skipped
+    compared = {t.path for t in result.tensors}
+    assert {f'outputs["past_key_values"][{layer}][{part}]' for layer in (0, 1)
+            for part in (0, 1)} <= compared
+    assert result.verdict == ("diverged" if changed else "identical")
+    if changed:
+        assert result.worst.path == 'outputs["past_key_values"][1][0]'
+
+
+def _layers(cache: object) -> list:
+    from torchparity.comparison.structure import cache_layers
+
+    return list(cache_layers(cache).items())
+
+
+def test_a_users_dataclass_cache_is_compared_by_its_fields() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class KVCache:
+        keys: torch.Tensor
+        values: torch.Tensor
+        length: int
+
+    generator = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(1, 2, 4, 4, generator=generator) for _ in range(2))
+    result = compare({"cache": KVCache(keys.clone(), values + 1, 4)},
+                     {"cache": KVCache(keys, values, 4)})
+    assert result.verdict == "diverged" and result.worst.path == 'outputs["cache"].values'

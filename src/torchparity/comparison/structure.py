@@ -128,12 +128,47 @@ def align(candidate: Any, golden: Any, path: str, found: Alignment) -> None:
     ):
         for key in {**g_children, **c_children}:  # the golden's order, the candidate's extras
             align(c_children.get(key, _MISSING), g_children.get(key, _MISSING), path + key, found)
+    elif (legacy := _key_value_pairs(candidate, golden)) is not None:
+        align(*legacy, path, found)
     elif _is_cache(candidate) and _is_cache(golden):
         found.skipped.append((path, CACHE_RULE))
     elif _is_opaque(candidate) and type(candidate) is type(golden):
         found.skipped.append((path, f"{type(candidate).__name__}: {_OPAQUE_RULE}"))
     elif not _same_value(candidate, golden):
         found.structure.append(StructureDifference(path, _what(candidate), _what(golden)))
+
+
+def _key_value_pairs(candidate: Any, golden: Any) -> tuple[Any, Any] | None:
+    """Both sides as ``((keys, values), ...)`` per layer, where they hold a cache in two
+    forms: a ``transformers`` release that returns a ``DynamicCache`` holds what an older one
+    returned as a tuple, so the two are compared by the tensors they hold. None where either
+    side holds no such tensors, for two caches of one class (:data:`CACHE_RULE`), and for
+    two that lay out their positions differently (a static cache's preallocated length):
+    that is their implementation's, not the model's."""
+    if not (_is_cache(candidate) or _is_cache(golden)) or type(candidate) is type(golden):
+        return None
+    sides = (_as_pairs(candidate), _as_pairs(golden))
+    if sides[0] is None or sides[1] is None:
+        return None
+    shapes = [[tuple(t.shape) for pair in side for t in pair] for side in sides]
+    if _is_cache(candidate) and _is_cache(golden) and shapes[0] != shapes[1]:
+        return None
+    return sides
+
+
+def _as_pairs(x: Any) -> tuple | None:
+    """A cache's tensors as ``((keys, values), ...)``, a tuple of that form as itself."""
+    if _is_cache(x):
+        layers = cache_layers(x)
+        if not layers:
+            return None
+        count = 1 + max(int(name.split(".")[0]) for name in layers)
+        return tuple((layers.get(f"{i}.keys"), layers.get(f"{i}.values")) for i in range(count))
+    if isinstance(x, tuple) and x and all(
+            isinstance(pair, tuple) and len(pair) >= 2 and
+            all(isinstance(t, torch.Tensor) for t in pair[:2]) for pair in x):
+        return tuple(pair[:2] for pair in x)
+    return None
 
 
 def _leaf_tensor(x: Any) -> torch.Tensor | Sketch | None:
@@ -179,6 +214,29 @@ def _is_cache(x: Any) -> bool:
         cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
         for cls in type(x).__mro__
     )
+
+
+def cache_layers(value: Any) -> dict[str, torch.Tensor] | None:
+    """The tensors of a ``transformers`` cache by meaning, ``<layer>.keys`` and
+    ``<layer>.values``, whichever release laid it out: ``layers[i].keys`` (5.x),
+    ``key_cache[i]`` (4.x, where the cache is an ``nn.Module``); None for anything else."""
+    found: dict[str, torch.Tensor] = {}
+    layers = getattr(value, "layers", None)
+    key_cache, value_cache = (getattr(value, "key_cache", None),
+                              getattr(value, "value_cache", None))
+    if isinstance(layers, (list, tuple)) and layers and \
+            any(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
+        pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None))
+                 for layer in layers]
+    elif isinstance(key_cache, list) and isinstance(value_cache, list):
+        pairs = list(zip(key_cache, value_cache, strict=False))
+    else:
+        return None
+    for index, (keys, values) in enumerate(pairs):
+        for part, tensor in (("keys", keys), ("values", values)):
+            if isinstance(tensor, torch.Tensor) and tensor.numel():  # 4.x: [] for a new layer
+                found[f"{index}.{part}"] = tensor
+    return found
 
 
 def _is_opaque(x: Any) -> bool:

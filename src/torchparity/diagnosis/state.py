@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchparity.comparison.structure import cache_layers
 from torchparity.subject.trees import walk
 
 #: How deep attributes are followed into plain objects, dicts, lists and tuples.
@@ -163,29 +164,6 @@ def _collect_tensors(value: Any, path: str, depth: int,
                                  found)
     elif _is_object(value):
         _collect_tensors(vars(value), path, depth + 1, found)
-
-
-def cache_layers(value: Any) -> dict[str, torch.Tensor] | None:
-    """The tensors of a ``transformers`` cache by meaning, ``<layer>.keys`` and
-    ``<layer>.values``, whichever release laid it out: ``layers[i].keys`` (5.x),
-    ``key_cache[i]`` (4.x, where the cache is an ``nn.Module``); None for anything else."""
-    found: dict[str, torch.Tensor] = {}
-    layers = getattr(value, "layers", None)
-    key_cache, value_cache = (getattr(value, "key_cache", None),
-                              getattr(value, "value_cache", None))
-    if isinstance(layers, (list, tuple)) and layers and \
-            any(isinstance(getattr(layer, "keys", None), torch.Tensor) for layer in layers):
-        pairs = [(getattr(layer, "keys", None), getattr(layer, "values", None))
-                 for layer in layers]
-    elif isinstance(key_cache, list) and isinstance(value_cache, list):
-        pairs = list(zip(key_cache, value_cache, strict=False))
-    else:
-        return None
-    for index, (keys, values) in enumerate(pairs):
-        for part, tensor in (("keys", keys), ("values", values)):
-            if isinstance(tensor, torch.Tensor) and tensor.numel():  # 4.x: [] for a new layer
-                found[f"{index}.{part}"] = tensor
-    return found
 
 
 def _is_object(value: Any) -> bool:
