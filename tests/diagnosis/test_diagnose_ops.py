@@ -270,3 +270,16 @@ def test_ops_with_a_trace_is_one_line_naming_the_command(capsys) -> None:
                      "--ops", "decoder.layers.1.attn"]) == 2
     err = capsys.readouterr().err.strip()
     assert "torchparity diagnose A_ENTRY B_ENTRY --ops MODULE" in err and "\n" not in err
+
+
+def test_html_shows_both_sides_lines() -> None:
+    model_a, batch = model_and_batch("rotary-interleaved")
+    model_b = copy.deepcopy(model_a)
+    model_b.decoder.layers[0].attn_norm.__class__ = plants.LayerNormEps
+    page = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss,
+                       backward=False).to_html()
+    ops = page[page.index("<h2>Ops of decoder.layers.0.attn_norm</h2>"):]
+    answer = ops[ops.index("<tr class='entry'>"):]
+    answer = answer[:answer.index("</tr>")]
+    assert planted_line(plants.LayerNormEps) in answer
+    assert "src/torchparity/reference/norms.py:" in answer and "eps 1e-05 (A)" in answer

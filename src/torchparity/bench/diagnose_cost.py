@@ -1,7 +1,8 @@
 """Part ``diagnose``: what :func:`torchparity.diagnose` costs beside the plain step it explains.
 
 ``diagnose`` in one process (full capture and streaming) against a plain forward+backward of
-both models, and ``diagnose --against`` a recorded trace against a plain forward+backward of B:
+both models, the same with a divergence planted in B (a norm's epsilon: the op drill-down
+runs), and ``diagnose --against`` a recorded trace against a plain forward+backward of B:
 in time (the median of interleaved rounds, :mod:`~torchparity.bench.rounds`), in peak memory,
 and by stage (:mod:`~torchparity.bench.stages`). On the first case at the first size, in the
 first dtype, ``manual`` against ``sdpa`` attention; its cost follows module count and tensor
@@ -10,6 +11,7 @@ sizes, not the architecture.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -58,11 +60,15 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
 
     reports: dict[str, Any] = {}
 
-    def diagnosis(name: str, stream: bool) -> Callable[[], None]:
+    planted = copy.deepcopy(model_a)
+    planted.decoder.layers[0].attn_norm.eps *= 1000  # a divergence: the drill-down runs
+
+    def diagnosis(name: str, stream: bool, b: torch.nn.Module = model_b
+                  ) -> Callable[[], None]:
         def run_once() -> None:
-            for model in (model_a, model_b):
+            for model in (model_a, b):
                 model.zero_grad(set_to_none=True)
-            reports[name] = diagnose(model_a, model_b, batch, loss_fn=sequence_loss,
+            reports[name] = diagnose(model_a, b, batch, loss_fn=sequence_loss,
                                      stream=stream, progress=False)
         return run_once
 
@@ -72,7 +78,8 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
                                               progress=False)
 
     contenders = {"plain": plain(model_a, model_b), "diagnose": diagnosis("diagnose", False),
-                  "stream": diagnosis("stream", True), "plain_b": plain(model_b),
+                  "stream": diagnosis("stream", True),
+                  "planted": diagnosis("planted", False, planted), "plain_b": plain(model_b),
                   "against": against}
     progress.start("diagnose", len(contenders) * (1 + settings.warmup + settings.rounds))
     try:
@@ -93,11 +100,11 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
     for name in contenders:
         row[f"{name}_s"] = statistics.median(times[name])
         row[f"{name}_peak_bytes"] = peaks[name]
-    for name in ("diagnose", "stream"):
+    for name in ("diagnose", "stream", "planted"):
         row[f"{name}_time_ratio"] = 1 / paired_ratio(times["plain"], times[name])
         row[f"{name}_peak_ratio"] = peaks[name] / peaks["plain"]
     row["against_time_ratio"] = 1 / paired_ratio(times["plain_b"], times["against"])
-    for name in ("diagnose", "stream", "against"):
+    for name in ("diagnose", "stream", "planted", "against"):
         plain_s = row["plain_b_s" if name == "against" else "plain_s"]
         row[f"{name}_split"] = per_plain(stage_seconds(timed[name], times[name][-1]), plain_s)
     return row

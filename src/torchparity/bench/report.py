@@ -145,6 +145,7 @@ def _diagnose_split(rows: list[dict[str, Any]], decode_rows: list[dict[str, Any]
     split_rows = [{**r, "capture": capture, "split": r[f"{key}_split"]}
                   for r in rows if r.get("status") == "ok"
                   for capture, key in (("full", "diagnose"), ("streaming", "stream"),
+                                       ("full, a divergence planted in B", "planted"),
                                        ("--against (× plain B)", "against"))
                   if f"{key}_split" in r]
     # A decoding's record of A (its runs with every step captured) counts as runs.

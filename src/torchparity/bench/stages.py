@@ -20,6 +20,7 @@ STAGES = {
     "judging": ("judging",),
     "replays": ("replays", "where the first divergence enters", "again, every module captured"),
     "float64 check": ("in float64",),
+    "op drill-down": ("the module's ops",),
 }
 OTHER = "other"
 REPORT = "report"

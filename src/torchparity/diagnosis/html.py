@@ -60,7 +60,8 @@ def html_page(report: Any) -> str:
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{title}</title><style>{CSS}</style></head><body>"
         f"<h1>{title}</h1><p class='summary'>{html.escape(report.summary())}</p>"
-        + "".join(plots) + _html_table(report) + unmatched + notes
+        + "".join(plots) + _html_table(report)
+        + "".join(r.ops.to_html() for r in report.rows if r.ops is not None) + unmatched + notes
         + f"<details><summary>settings</summary><pre>{html.escape(settings)}</pre></details>"
         "</body></html>\n"
     )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from typing import Any
 
 from torchparity.diagnosis.columns import Line, layout
+from torchparity.diagnosis.html import html_cell
 from torchparity.diagnosis.ops.capture import Step
 from torchparity.diagnosis.ops.judge import OpLine
 from torchparity.diagnosis.results import Result, headroom, share_cell
@@ -61,6 +63,27 @@ class OpReport:
                 "steps": [_line_dict(x) for x in self.lines],
                 "notes": self.notes}
 
+    def to_html(self) -> str:
+        """Every aligned step as an HTML table, both sides' source lines side by side."""
+        heads = ["#", "op", "shape", "local", "prop.", "A's line", "B's line", "arguments"]
+        rows = []
+        for i, line in enumerate(self.lines):
+            a, b = line.pair.a or line.replaces, line.pair.b
+            step = b if b is not None else a
+            shape = ", ".join(str(tuple(t.shape)) for t in step.outputs.values())
+            cells = [str(i), html.escape(line.pair.name + ("" if line.pair.kind == "paired"
+                                                           else f" [{line.pair.kind}]")),
+                     html.escape(shape), html_cell(line.local), html_cell(line.propagated),
+                     _html_source(line.pair.a), _html_source(b),
+                     html.escape(", ".join(line.pair.differences))]
+            style = " class='entry'" if i == self.first else ""
+            rows.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+        head = "".join(f"<th>{h}</th>" for h in heads)
+        return (f"<h2>Ops of {html.escape(self.module or '(model)')}</h2>"
+                f"<p class='summary'>{html.escape(self.sentence())}</p>"
+                f"<table><thead><tr>{head}</tr></thead><tbody>" + "\n".join(rows)
+                + "</tbody></table>")
+
     def table_lines(self, width: int) -> list[tuple[str, str | None]]:
         """The op table, ``width`` columns wide, folded to the steps that matter: the answer,
         steps of one side, changed arguments, local errors out of budget, and their
@@ -92,6 +115,13 @@ class OpReport:
         fold()
         return layout(["#", "local", "prop.", f"op of {self.module or '(model)'}"], rows,
                       width)
+
+
+def _html_source(step: Step | None) -> str:
+    if step is None or not step.stack:
+        return ""
+    frame = step.stack[0]
+    return f"{html.escape(str(frame))}<br><code>{html.escape(frame.text)}</code>"
 
 
 def _diverged(result: Result | None) -> bool:
