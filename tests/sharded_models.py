@@ -262,3 +262,17 @@ def mine_norm_drifts() -> dict:
 
 def mine_heads_swapped() -> dict:
     return _mine(_heads_swapped, {"tp": -1})
+
+
+# --- a wider model whose weights outweigh the interpreter: what BENCHMARKS.md measures ---------
+
+WIDE = {"width": 1536, "heads": 16, "hidden": 3072}
+
+
+def wide_fsdp() -> dict:
+    """37.9M parameters (152 MB in fp32): 2 layers of width 1536, sharded by FSDP2."""
+    return _mine(MINE_FSDP, {"dp": -1}, **WIDE)
+
+
+def wide_tp() -> dict:
+    return _mine(MINE_TP, {"tp": -1}, **WIDE)

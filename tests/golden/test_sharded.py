@@ -72,7 +72,7 @@ def test_each_plan_checks_on_2_ranks_and_in_one_process(tmp_path, capsys, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mine_fsdp_tp", "llama_tp"])
+@pytest.mark.parametrize("name", ["mine_fsdp_tp", "llama_fsdp_tp"])
 def test_a_golden_of_2_ranks_checks_on_4(tmp_path, capsys, name):
     found = update_then_check(tmp_path, name, [4, 1], capsys)
     assert found[4] == found[1]
