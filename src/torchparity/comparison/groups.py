@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchparity import tolerance
-from torchparity.comparison.sketch import magnitude, relative_baseline_error
+from torchparity.comparison.sketch import relative_baseline_error
 from torchparity.comparison.tensor import TensorComparison
 
 
@@ -29,7 +29,8 @@ def group_scales(
     (see :data:`torchparity.tolerance.KINDS`, ``group_scale``). A group that cancelled as a
     whole (a module all of whose gradients vanish, e.g. the queries' path when every key is the
     same) takes the scale of the whole comparison, by the same rule one level up."""
-    own = {path: magnitude(g, metric) for path, _, g, _ in leaves if g.dtype.is_floating_point}
+    own = {path: tolerance.own_magnitude(g, metric)
+           for path, _, g, _ in leaves if g.dtype.is_floating_point}
     group: dict[str, float] = {}
     for path, scale in own.items():
         group[_group_of(path)] = max(group.get(_group_of(path), 0.0), scale)
@@ -55,7 +56,7 @@ def group_noises(
             continue
         # Relative to the group's scale: a member far smaller than its module carries the
         # module's rounding, which says nothing of the pass's.
-        scale = max(magnitude(g, metric), scales.get(path) or 0.0)
+        scale = max(tolerance.own_magnitude(g, metric), scales.get(path) or 0.0)
         members.append(path)
         relative = max(relative, relative_baseline_error(b, g, metric, scale),
                        (spreads.get(path) or 0.0) / scale if scale > 0 else 0.0)
@@ -83,4 +84,4 @@ def likely_residues(leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.M
     (see :func:`torchparity.tolerance.residue`): what judging will find, unless masked
     entries leave part of a golden out of its magnitude."""
     return {path for path, _, g, _ in leaves if g.dtype.is_floating_point
-            and tolerance.residue(magnitude(g, metric), scales.get(path), share)}
+            and tolerance.residue(tolerance.own_magnitude(g, metric), scales.get(path), share)}

@@ -149,13 +149,6 @@ def compare_sketch(
     )
 
 
-def magnitude(golden: torch.Tensor | Sketch, metric: Metric) -> float:
-    """The golden's finite magnitude in ``metric``; a sketch's is exact."""
-    if isinstance(golden, Sketch):
-        return golden.rms if metric == "rms" else golden.absmax
-    return tolerance.finite_magnitude(golden, metric)
-
-
 def relative_baseline_error(baseline: torch.Tensor | Sketch, golden: torch.Tensor | Sketch,
                             metric: Metric, scale: float) -> float:
     """err(baseline, golden) / scale over the elements both have finite; estimated at its
