@@ -107,7 +107,7 @@ def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str,
         outcome.next_step = None if outcome.ok else next_step
         return outcome
     first, grad = report.first_divergence, report.first_grad_divergence
-    ok = first is None and grad is None
+    ok = report.ok
     if ok:
         verdict = "PASS: no module's local error breaks its budget"
     elif first is not None:

@@ -73,7 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchparity.diagnosis.decoding import DecodeReport
     from torchparity.diagnosis.reference import golden_warning
 
     started = time.perf_counter()
@@ -101,9 +100,7 @@ def run(args: argparse.Namespace) -> int:
     outcome = diagnosis_outcome(report, f"{args.entries[-1]} against {compared}",
                                 time.perf_counter() - started, _full_report_command(args))
     publish(outcome, args.summary, args.junit)
-    if isinstance(report, DecodeReport):
-        return 0 if report.ok else 1
-    return 1 if report.first_divergence or report.first_grad_divergence else 0
+    return report.exit_status
 
 
 def _full_report_command(args: argparse.Namespace) -> str:

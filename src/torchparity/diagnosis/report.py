@@ -31,7 +31,13 @@ __all__ = ["AttributionReport", "DiagnosisReport", "Report", "Unit"]
 
 
 class Report:
-    """JSON and plain text of a report, from its own ``to_dict()`` and ``print(console)``."""
+    """JSON and plain text of a report, from its own ``to_dict()`` and ``print(console)``; a
+    report of a diagnosis says whether it passes (``ok``) and so the command's exit status."""
+
+    @property
+    def exit_status(self) -> int:
+        """0 when the diagnosis passes (``ok``), 1 when it does not."""
+        return 0 if self.ok else 1
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The report as JSON text; also written to ``path`` when given."""
@@ -76,6 +82,11 @@ class DiagnosisReport(Report):
         # Backward runs in reverse start order: later modules, and children before parents.
         broken = [r for r in self.rows if r.grad_local is not None and not r.grad_local.ok]
         return max(broken, key=lambda r: r.start, default=None)
+
+    @property
+    def ok(self) -> bool:
+        """True when no module's local error, forward or backward, breaks its budget."""
+        return self.first_divergence is None and self.first_grad_divergence is None
 
     def row(self, module: str) -> Row:
         """The row of B's module ``module``; KeyError naming close names otherwise."""
