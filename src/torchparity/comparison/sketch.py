@@ -30,7 +30,7 @@ import torch
 
 from torchparity import sketching, tolerance
 from torchparity.comparison.settings import Settings
-from torchparity.comparison.structure import StructureMismatch, dtype_name
+from torchparity.comparison.structure import StructureMismatch, torch_dtype_name
 from torchparity.comparison.tensor import (
     TensorComparison,
     as_float64,
@@ -68,7 +68,7 @@ def compare_sketch(
         raise StructureMismatch(f"{path}: {exc}") from None
     if not c.dtype.is_floating_point:
         raise StructureMismatch(f"{path}: a sketch holds a floating tensor, the candidate is "
-                                f"{dtype_name(c.dtype)}")
+                                f"{torch_dtype_name(c.dtype)}")
     kind = settings.kind
     precision = tolerance.precision(settings.compute_dtype if settings.compute_dtype is not None
                                     else c.dtype)
@@ -121,7 +121,7 @@ def compare_sketch(
     return TensorComparison(
         path=path,
         shape=tuple(c.shape),
-        dtype=dtype_name(c.dtype),
+        dtype=torch_dtype_name(c.dtype),
         compute_dtype=precision.name,
         kind=kind,
         verdict=verdict,

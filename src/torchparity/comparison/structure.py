@@ -307,7 +307,8 @@ def _what(x: Any) -> str:
     if tensor is not None:
         name = "Tensor" if isinstance(x, torch.Tensor | Sketch) else type(x).__name__
         sketched = " (sketched)" if isinstance(x, Sketch) else ""
-        return f"{name}({', '.join(map(str, tensor.shape))}) {dtype_name(tensor.dtype)}{sketched}"
+        dtype = torch_dtype_name(tensor.dtype)
+        return f"{name}({', '.join(map(str, tensor.shape))}) {dtype}{sketched}"
     children = _children(x)
     if children is not None:
         return f"{type(x).__name__} of {len(children)}"
@@ -367,5 +368,5 @@ def _dtype_family(dtype: torch.dtype) -> str:
 def _mismatch(path: str, what: str, candidate: Any, other: Any, side: str) -> StructureMismatch:
     return StructureMismatch(f"{path}: {what} {candidate} vs {other} (candidate vs {side})")
 
-def dtype_name(dtype: torch.dtype) -> str:
+def torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")

@@ -14,7 +14,7 @@ import torch
 from torchparity import tolerance
 from torchparity.comparison.selection import LeftOut
 from torchparity.comparison.settings import Settings
-from torchparity.comparison.structure import StructureMismatch, dtype_name
+from torchparity.comparison.structure import StructureMismatch, torch_dtype_name
 from torchparity.tolerance import Budget
 
 Verdict = Literal["identical", "within", "diverged"]
@@ -177,7 +177,7 @@ def compare_tensor(
     return TensorComparison(
         path=path,
         shape=tuple(candidate.shape),
-        dtype=dtype_name(candidate.dtype),
+        dtype=torch_dtype_name(candidate.dtype),
         compute_dtype=precision.name,
         kind=kind,
         verdict=verdict,
@@ -237,7 +237,7 @@ def _compare_exact(
     return TensorComparison(
         path=path,
         shape=tuple(candidate.shape),
-        dtype=dtype_name(candidate.dtype),
+        dtype=torch_dtype_name(candidate.dtype),
         compute_dtype=None,
         kind=kind,
         verdict=verdict,

@@ -91,7 +91,7 @@ OPEN_FILES = 16
 _PACKED = "__packed__/"
 
 
-def kept(group: str, path: str, tensor: torch.Tensor | Sketch,
+def stored_form(group: str, path: str, tensor: torch.Tensor | Sketch,
          left_out: torch.Tensor | None = None, *, copy: bool = False) -> torch.Tensor | Sketch:
     """How a store keeps one tensor of ``group``: a sketch by its ``path`` when it is big and
     not fed to replays (made with the positions ``left_out`` marks at 0, as its judgement
@@ -105,7 +105,7 @@ def kept(group: str, path: str, tensor: torch.Tensor | Sketch,
 
 
 def sketched_in(group: str, tensor: torch.Tensor) -> bool:
-    """Whether a store keeps ``tensor`` of ``group`` as a sketch (:func:`kept`)."""
+    """Whether a store keeps ``tensor`` of ``group`` as a sketch (:func:`stored_form`)."""
     return group not in EXACT_GROUPS and sketching.wants_sketch(tensor)
 
 
@@ -176,7 +176,7 @@ class MemoryStore:
         """Add tensors to ``group`` of call ``key`` (merging with what is there), copied
         unless ``owned`` (copies of the caller's own, which nothing changes afterwards)."""
         slot = self._tensors.setdefault((key, group), {})
-        slot.update({path: kept(group, path, t, padded(self.padding, key, group, path, t),
+        slot.update({path: stored_form(group, path, t, padded(self.padding, key, group, path, t),
                                 copy=not owned)
                      for path, t in tensors.items()})
 
@@ -286,7 +286,8 @@ class DiskStore:
         now = _Batch()
         for key, group, tensors in entries:
             for path, tensor in tensors.items():
-                value = kept(group, path, tensor, padded(self.padding, key, group, path, tensor))
+                left_out = padded(self.padding, key, group, path, tensor)
+                value = stored_form(group, path, tensor, left_out)
                 self._n_put += 1
                 if isinstance(value, Sketch):
                     self._pending.add(key, group, path, value, self._n_put)

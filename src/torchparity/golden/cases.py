@@ -123,7 +123,7 @@ def _layer_outputs(model: Model) -> Iterator[dict[str, torch.Tensor]]:
             handle.remove()
 
 
-def perturb_weights(model: torch.nn.Module) -> None:
+def nudge_weights_by_2_52(model: torch.nn.Module) -> None:
     """Multiply every weight by 1 + d with |d| <= 2**-52, d fixed per element (deterministic)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -185,15 +185,15 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
 
     Without ``tokens`` decoding is greedy (the golden's ``decode`` holds tokens and log-probs);
     with them it is forced (:func:`forced_logprobs`, ``decode`` holds log-probs only).
-    ``perturb`` applies :func:`perturb_weights` to the weights. When the backend cannot run the
-    backward pass (flex on the CPU, a trainable bias on sdpa-flash) the forward runs without
-    gradients and ``grads`` is listed in ``missing``; nothing falls back to another backend.
+    ``perturb`` applies :func:`nudge_weights_by_2_52` to the weights. When the backend cannot
+    run the backward pass (flex on the CPU, a trainable bias on sdpa-flash) the forward runs
+    without gradients and ``grads`` is listed in ``missing``; nothing falls back to another backend.
     A compiled cell runs all of it compiled; a failure to compile raises
     :class:`~torchparity.subject.compiling.CompileFailed`.
     """
     model = build_model(case.config, WEIGHT_SEED, dtype=DTYPES[cell.dtype], device=cell.device)
     if perturb:
-        perturb_weights(model)
+        nudge_weights_by_2_52(model)
     batch = case_batch(case, cell.device)
     missing: dict[str, str] = {}
     # Zoo models reach SDPA through backends.attention alone: no interception needed.

@@ -96,7 +96,7 @@ def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] 
     trajectories = _trajectory_store(store, chosen) if train else None
     with progress:
         results = execute(store, chosen, cells, jobs, progress) if chosen else []
-        results += check_models(models, model_root, cells, progress)
+        results += check_user_models(models, model_root, cells, progress)
         if trajectories is not None:
             results += train_results(trajectories, chosen, cells, progress)
     return CheckReport(results, cells, chosen, machines, store.root, model_root)
@@ -195,7 +195,7 @@ def _drain(progress_queue: Any, advance: Callable[[str], None], timeout: float) 
         pass
 
 
-def check_models(subjects: list[Subject], root: Path, cells: list[Cell],
+def check_user_models(subjects: list[Subject], root: Path, cells: list[Cell],
                  progress: Any) -> list[CheckResult]:
     """Check users' models in this process (their factories need not import elsewhere)."""
     task = progress.add_task("checking", total=len(subjects) * len(cells))

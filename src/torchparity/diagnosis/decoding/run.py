@@ -25,7 +25,7 @@ from torchparity.diagnosis.capture import Capture, ModuleCall, Signature, signat
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import golden_copy, golden_label
 from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
-from torchparity.diagnosis.trace import Store, kept, padded, sketched_in
+from torchparity.diagnosis.trace import Store, padded, sketched_in, stored_form
 from torchparity.sketching import Sketch
 from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep
 from torchparity.subject.decoding import Decoding, ReorderFn, StepFn, teacher_forced
@@ -197,7 +197,7 @@ def _capturing(model: nn.Module, store: Store, opts: Options, calls: dict[int, l
         def held(path: str, tensor: torch.Tensor) -> torch.Tensor | Sketch:
             if not sketched_in(group, tensor):
                 return capture.copy(tensor)
-            return kept(group, path, tensor, padded(store.padding, key, group, path, tensor))
+            return stored_form(group, path, tensor, padded(store.padding, key, group, path, tensor))
 
         entries.append((key, group, {path: held(path, t) for path, t in call.outputs.items()}))
         if group == "out":
