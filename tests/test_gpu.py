@@ -38,6 +38,7 @@ from torchparity import backends
 from torchparity.errors import BackendUnavailable
 from torchparity.golden import cases as golden_cases
 from torchparity.golden.store import GoldenStore, default_golden_dir
+from torchparity.golden.trajectories import check_against_golden, golden_config, golden_trajectory
 from torchparity.pytest_plugin import add_summary_line
 from torchparity.reference import build_model, sequence_loss, zoo
 from torchparity.train.trainer import (
@@ -49,7 +50,6 @@ from torchparity.train.trainer import (
     deterministic,
     train,
 )
-from torchparity.train.trajectory import check_against_golden, golden_config, golden_trajectory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("single_thread", "recompile_room")]
 

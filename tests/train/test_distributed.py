@@ -22,11 +22,12 @@ import torch
 
 from torchparity import cli
 from torchparity.errors import TorchParityError
+from torchparity.golden.trajectories import check_against_golden
 from torchparity.reference import zoo
 from torchparity.train.distributed import run_parallel, run_parallel_jobs
 from torchparity.train.parallel import PARALLELISMS, Layout, tensor_parallel_problem
 from torchparity.train.trainer import Execution, TrainConfig, train
-from torchparity.train.trajectory import check_against_golden, compare_trajectories, reduction_twin
+from torchparity.train.trajectory import compare_trajectories, reduction_twin
 
 FAULTS = str(Path(__file__).with_name("parallel_faults.py"))
 

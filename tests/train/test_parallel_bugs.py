@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from torchparity.golden.trajectories import check_against_golden
 from torchparity.train.distributed import diagnose_parallel_step, run_parallel
 from torchparity.train.trainer import TrainConfig, train
-from torchparity.train.trajectory import check_against_golden, compare_trajectories, reduction_twin
+from torchparity.train.trajectory import compare_trajectories, reduction_twin
 
 FAULTS = str(Path(__file__).with_name("parallel_faults.py"))
 

@@ -16,25 +16,24 @@ import torch
 
 import torchparity as tp
 from torchparity import backends, cli, tolerance
+from torchparity.diagnosis.training_step import diagnose_step
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.store import GoldenMissing, GoldenStale, GoldenStore
+from torchparity.golden.trajectories import (
+    GOLDEN_OUTPUT,
+    UPDATE_COMMAND,
+    check_against_golden,
+    golden_config,
+    golden_store,
+    read_golden_trajectory,
+    read_stored_baseline,
+)
 from torchparity.pytest_plugin import add_summary_line
 from torchparity.reference import zoo
 from torchparity.train import trainer as train_module
 from torchparity.train.data import BOS, EOS, FIRST_SYMBOL, IGNORE, PAD, SEP, TASKS, Corpus
 from torchparity.train.trainer import Execution, TrainConfig, Trajectory, learning_rate, train
-from torchparity.train.trajectory import (
-    GOLDEN_OUTPUT,
-    UPDATE_COMMAND,
-    check_against_golden,
-    compare_trajectories,
-    diagnose_step,
-    golden_config,
-    golden_store,
-    read_golden_trajectory,
-    read_stored_baseline,
-    reduction_twin,
-)
+from torchparity.train.trajectory import compare_trajectories, reduction_twin
 
 SHORT = TrainConfig(case="llama-tiny", steps=4)
 

@@ -18,26 +18,22 @@ arguments or files, or when a rank of a distributed run failed (its message is p
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
-from typing import Any
 
-import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from torchparity import backends
 from torchparity.commands.common import add_base_arguments, base_side, dtype_name, resolve_device
 from torchparity.errors import UsageError
+from torchparity.golden.judged_training import (
+    TrainPlan,
+    train_and_judge,
+    update_golden_trajectories,
+)
+from torchparity.golden.trajectories import golden_config
 from torchparity.reference import zoo
 from torchparity.train.parallel import PARALLELISMS
-from torchparity.train.trainer import (
-    DTYPE_MODES,
-    NORMALIZATIONS,
-    Execution,
-    TrainConfig,
-    Trainer,
-)
+from torchparity.train.trainer import DTYPE_MODES, NORMALIZATIONS, Execution, TrainConfig
 
 _DEFAULTS = TrainConfig()
 
@@ -102,8 +98,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchparity.train import trajectory as tj
-
     console = Console()
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"cannot write --json {args.json}: its folder does not exist")
@@ -112,50 +106,31 @@ def run(args: argparse.Namespace) -> int:
         if side:
             raise UsageError("--base judges a run against the base's golden trajectory; it "
                              "writes none (leave out --update-golden)")
-        return _update_golden(args, console)
+        cases = zoo.names() if args.case == "all" else [args.case]
+        update_golden_trajectories(cases, args.golden_dir, console)
+        return 0
     if args.case == "all":
         raise UsageError("--case all is only for --update-golden; name one case")
-    config, execution = _config(args), _execution(args)
+    config = TrainConfig(
+        case=args.case, steps=args.steps, batch_size=args.batch_size, accum_steps=args.accum,
+        lr=args.lr, warmup_steps=args.warmup, clip_norm=args.clip or None,
+        normalization=args.normalization, task=args.task, seed=args.seed)
+    golden_dir = args.golden_dir
     if side:
         from torchparity.revisions import base_trajectories
 
-        if not args.check or args.golden_dir or config != tj.golden_config(config.case):
+        if not args.check or args.golden_dir or config != golden_config(config.case):
             raise UsageError("--base judges the golden recipe (the default --steps, --lr, "
                              "--batch-size, ...) with --check against the base's golden "
                              "trajectory: add --check, and leave out --golden-dir and the "
                              "recipe's options")
-        args.golden_dir = str(base_trajectories(side, config.case))
-    backends.resolve(execution.backend, execution.device, _probe_dtype(execution))
-    if _nproc(args) > 1:
-        return _run_parallel(config, execution, args, console)
-    candidate = _train(config, execution, args, console)
-    console.print(f"{execution.label()}: {candidate.tokens_per_second:,.0f} tok/s, first step "
-                  f"after {candidate.time_to_first_step:.2f}s")
-    for note in candidate.notes:
-        console.print(f"note: {note}")
-
-    comparison = None
-    if args.check:
-        comparison = tj.check_against_golden(candidate, store=_store(args))
-    elif args.against:
-        console.print(f"training the same recipe on {args.against}, and its reduction-order "
-                      "twin")
-        comparison = tj.judge_against(candidate, config, Execution(
-            args.against, execution.dtype, execution.device, execution.compile))
-    if comparison is not None:
-        console.print(comparison.explain(), markup=False, soft_wrap=True)
-    report = None
-    if comparison is not None and not comparison.ok and args.diagnose:
-        step = comparison.first_divergence.step
-        reference_execution = Execution(args.against or "manual", execution.dtype,
-                                        execution.device)
-        console.print(f"diagnosing step {step}: {reference_execution.label()} vs "
-                      f"{execution.label()} on the same weights")
-        report = tj.diagnose_step(config, reference_execution, execution, step)
-        console.print(report.render(), markup=False, soft_wrap=True)
-    if args.json:
-        _write_json(args.json, candidate, comparison, report)
-    return 0 if comparison is None or comparison.ok else 1
+        golden_dir = str(base_trajectories(side, config.case))
+    plan = TrainPlan(config, Execution(args.backend, args.dtype, resolve_device(args.device),
+                                       args.compile),
+                     check=args.check, against=args.against, diagnose=args.diagnose,
+                     golden_dir=golden_dir, json=args.json, log_every=args.log_every,
+                     nproc=_nproc(args), parallel=args.parallel)
+    return 0 if train_and_judge(plan, console) else 1
 
 
 def _nproc(args: argparse.Namespace) -> int:
@@ -166,102 +141,3 @@ def _nproc(args: argparse.Namespace) -> int:
         raise UsageError(f"--parallel {args.parallel} needs at least 2 processes; "
                          "use --nproc 2")
     return nproc
-
-
-def _run_parallel(config: TrainConfig, execution: Execution, args: argparse.Namespace,
-                  console: Console) -> int:
-    """Train with ``--nproc`` ranks, judge against one process and the golden."""
-    from torchparity.train.distributed import (
-        check_layout,
-        diagnose_parallel_step,
-        judge_parallel,
-        run_parallel,
-    )
-
-    if args.against:
-        raise UsageError("--against runs in one process; leave it out with --nproc > 1 (a "
-                         "distributed run is judged against one process and the golden)")
-    parallelism, nproc = args.parallel or "ddp", _nproc(args)
-    check_layout(config, execution, parallelism, nproc)
-    console.print(f"training {config.case} with {nproc} processes, {parallelism.upper()} "
-                  f"(torchrun); rank 0 logs")
-    candidate = run_parallel(config, execution, parallelism=parallelism, nproc=nproc,
-                             log=lambda line: console.print(line, markup=False, soft_wrap=True),
-                             log_every=args.log_every)
-    console.print(f"{candidate.label()}: {candidate.tokens_per_second:,.0f} tok/s, first "
-                  f"step after {candidate.time_to_first_step:.2f}s")
-    console.print("training the same recipe in one process, and its reduction-order twin")
-    judged = judge_parallel(candidate, config, execution, _store(args))
-    for against, comparison in judged.items():
-        console.print(f"vs {against}: {comparison.budget_share()}", markup=False)
-        console.print(comparison.explain(), markup=False, soft_wrap=True)
-    parted = [c.first_divergence.step for c in judged.values() if not c.ok]
-    location = None
-    if parted and args.diagnose:
-        console.print(f"diagnosing step {min(parted)}: {nproc} processes vs one, module by "
-                      "module")
-        location = diagnose_parallel_step(config, execution, parallelism=parallelism,
-                                          nproc=nproc, step=min(parted))
-        console.print(location.render(), markup=False, soft_wrap=True)
-    if args.json:
-        data = {"trajectory": candidate.to_dict(),
-                "comparison": judged["float64 golden"].to_dict(),
-                "single_process_comparison": judged["one process"].to_dict(),
-                "diagnosis": None if location is None else vars(location)}
-        Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
-    return 0 if all(c.ok for c in judged.values()) else 1
-
-
-def _config(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        case=args.case, steps=args.steps, batch_size=args.batch_size, accum_steps=args.accum,
-        lr=args.lr, warmup_steps=args.warmup, clip_norm=args.clip or None,
-        normalization=args.normalization, task=args.task, seed=args.seed)
-
-
-def _execution(args: argparse.Namespace) -> Execution:
-    return Execution(args.backend, args.dtype, resolve_device(args.device), args.compile)
-
-
-def _probe_dtype(execution: Execution) -> torch.dtype:
-    mode = execution.mode
-    return mode.autocast_dtype or mode.param_dtype
-
-
-def _train(config: TrainConfig, execution: Execution, args: argparse.Namespace,
-           console: Console) -> Any:
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task(f"{config.case} {execution.label()}", total=config.steps)
-        def log(line: str) -> None:
-            bar.console.print(line, markup=False, soft_wrap=True)
-
-        trainer = Trainer(config, execution, log=log, log_every=args.log_every)
-        for step in range(1, config.steps + 1):
-            trainer.step(step)
-            bar.advance(task)
-    return trainer.trajectory()
-
-
-def _update_golden(args: argparse.Namespace, console: Console) -> int:
-    from torchparity.train import trajectory as tj
-
-    cases = zoo.names() if args.case == "all" else [args.case]
-    store = _store(args)
-    for case in cases:
-        for path in tj.write_golden_trajectory(case, store):
-            console.print(f"wrote {path}")
-    return 0
-
-
-def _store(args: argparse.Namespace) -> Any:
-    from torchparity.train import trajectory as tj
-
-    return tj.golden_store(args.golden_dir)
-
-
-def _write_json(path: str, candidate: Any, comparison: Any, report: Any) -> None:
-    data = {"trajectory": candidate.to_dict(),
-            "comparison": comparison.to_dict() if comparison is not None else None,
-            "diagnosis": json.loads(report.to_json()) if report is not None else None}
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")

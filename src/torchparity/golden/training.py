@@ -2,7 +2,7 @@
 
 Each cell trains the case's golden recipe (:func:`~torchparity.train.trajectory.golden_config`)
 with its backend and dtype and judges the run with
-:func:`~torchparity.train.trajectory.check_against_golden`: the stored float64 golden as
+:func:`~torchparity.golden.trajectories.check_against_golden`: the stored float64 golden as
 reference, the manual backend in the cell's dtype as baseline (for fp32 on the CPU the baseline
 stored with the golden, so a change of the training code itself cannot earn its own budget).
 The reference cell trains nothing: a float64 run would be its own baseline.
@@ -19,7 +19,7 @@ from torchparity.errors import BackendUnavailable
 from torchparity.golden import check_loop
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run
 from torchparity.golden.store import GoldenStore
-from torchparity.train import trajectory as tj
+from torchparity.golden import trajectories as tj
 from torchparity.train.trainer import Execution, Trajectory, train
 
 OUTPUT = tj.GOLDEN_OUTPUT

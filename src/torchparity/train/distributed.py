@@ -23,7 +23,6 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -38,8 +37,7 @@ from torchparity.train.step_capture import (
     load_weights,
     locate,
 )
-from torchparity.train.trainer import Execution, TrainConfig, Trainer, Trajectory, train
-from torchparity.train.trajectory import check_against_golden, compare_trajectories, reduction_twin
+from torchparity.train.trainer import Execution, TrainConfig, Trainer, Trajectory
 
 #: Seconds a collective may wait for a rank before it fails (a rank stuck elsewhere).
 COLLECTIVE_TIMEOUT = 120.0
@@ -124,16 +122,6 @@ def check_layout(config: TrainConfig, execution: Execution, parallelism: str,
     if torch.device(execution.device).type == "cuda" and torch.cuda.device_count() < nproc:
         raise TorchParityError(f"nccl needs one GPU per process: {nproc} processes, "
                                f"{torch.cuda.device_count()} GPU(s) here")
-
-
-def judge_parallel(candidate: Trajectory, config: TrainConfig, execution: Execution,
-                   store: Any) -> dict[str, Any]:
-    """Judge a distributed run twice: against one process training the same recipe (noise from
-    that run and its reduction-order twin) and against the float64 golden (baseline: the
-    one-process run). Returns ``{"one process": ..., "float64 golden": ...}`` comparisons."""
-    single, twin = train(config, execution), train(reduction_twin(config), execution)
-    return {"one process": compare_trajectories(candidate, single, (single, twin)),
-            "float64 golden": check_against_golden(candidate, baseline=single, store=store)}
 
 
 def main(argv: list[str] | None = None) -> int:

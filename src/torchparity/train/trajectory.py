@@ -16,35 +16,22 @@ The running maximum is used because rounding differences compound and do not hea
 which the baseline happens to land close to the reference says nothing about the next one.
 ``n - 1`` (the number of updates before the step) drives the growth, so step 1 is judged like a
 single forward and backward pass.
+
+The golden trajectories a run is judged against are stored and read by
+:mod:`torchparity.golden.trajectories`; a step that parts is diagnosed module by module by
+:mod:`torchparity.diagnosis.training_step`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from torchparity import tolerance
-from torchparity.golden.store import GoldenStale, GoldenStore, checksum, default_golden_dir
-from torchparity.reference import build_model
-from torchparity.train.data import token_losses
-from torchparity.train.trainer import (
-    GOLDEN_EXECUTION,
-    QUANTITIES,
-    Execution,
-    StepRecord,
-    TrainConfig,
-    Trajectory,
-    batch_at,
-    model_before,
-    train,
-)
+from torchparity.train.trainer import QUANTITIES, Execution, TrainConfig, Trajectory, train
 
 Verdict = Literal["identical", "within", "diverged"]
 
@@ -275,202 +262,3 @@ def _share(headroom: float) -> str:
 
 def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else ("nan" if math.isnan(x) else "inf")
-
-
-# --- golden trajectories --------------------------------------------------------------------
-
-GOLDEN_OUTPUT = "trajectory"
-GOLDEN_STEPS = 20
-UPDATE_COMMAND = "torchparity train --case {case} --update-golden"
-_GOLDEN_SERIES = ("loss", "grad_norm", "update_norm", "lr")
-_GOLDEN_COUNTS = ("tokens", "correct", "input_tokens")
-
-
-def golden_config(case: str) -> TrainConfig:
-    """The recipe the shipped golden trajectories are made with: defaults, GOLDEN_STEPS steps."""
-    return TrainConfig(case=case, steps=GOLDEN_STEPS)
-
-
-def golden_store(root: str | Path | None = None) -> GoldenStore:
-    return GoldenStore(default_golden_dir(root), update_command=UPDATE_COMMAND)
-
-
-#: The baseline stored with each golden: it was produced by the code that made the golden, so
-#: a later bug in the training code cannot inflate the budget it earns (a baseline trained by
-#: the code under test shares that code's bugs with the candidate).
-STORED_BASELINE = Execution("manual", "fp32", "cpu")
-_BASELINE_PREFIX = "baseline_fp32."
-
-
-def write_golden_trajectory(case: str, store: GoldenStore | None = None) -> list[Path]:
-    """Train ``case``'s golden recipe in float64 on the CPU (manual attention) and store it,
-    together with the fp32 CPU manual run of the same recipe as the stored baseline.
-
-    The JSON records the recipe, the model config and version-independent checksums of the
-    float64 initial weights and of every step's batch, so a later read can tell a changed
-    recipe, init or corpus from a changed model. The fp32 baseline's values depend on the
-    machine and torch version; they only size budgets and are never compared with.
-    """
-    config = golden_config(case)
-    tensors = _series_tensors(train(config, GOLDEN_EXECUTION))
-    baseline = _series_tensors(train(config, STORED_BASELINE))
-    tensors.update({_BASELINE_PREFIX + q: baseline[q] for q in QUANTITIES})
-    meta = {**_golden_meta(config), "stored_baseline": STORED_BASELINE.to_dict()}
-    return (store or golden_store()).write(case, GOLDEN_OUTPUT, tensors, meta)
-
-
-def read_golden_trajectory(case: str, store: GoldenStore | None = None) -> Trajectory:
-    """The stored golden trajectory of ``case``.
-
-    Raises the golden store's errors (missing, corrupt, foreign schema) and
-    :class:`~torchparity.golden.GoldenStale` naming what changed (recipe, model config, initial
-    weights or corpus) with the command that regenerates it.
-    """
-    return _read_golden(case, store)[0]
-
-
-def read_stored_baseline(case: str, store: GoldenStore | None = None) -> Trajectory:
-    """The fp32 CPU manual-attention run stored with ``case``'s golden (see
-    :data:`STORED_BASELINE`)."""
-    return _read_golden(case, store)[1]
-
-
-def _read_golden(case: str, store: GoldenStore | None) -> tuple[Trajectory, Trajectory]:
-    store = store or golden_store()
-    golden = store.read(case, GOLDEN_OUTPUT)
-    config = golden_config(case)
-    _check_fresh(golden.summary, _golden_meta(config), store.update_command.format(case=case),
-                 golden.path)
-    t = golden.tensors
-    expected = {*_GOLDEN_SERIES, *_GOLDEN_COUNTS, *(_BASELINE_PREFIX + q for q in QUANTITIES)}
-    if not expected <= set(t):
-        raise GoldenStale(f"{golden.path} lacks {', '.join(sorted(expected - set(t)))}; "
-                          f"regenerate it with `{store.update_command.format(case=case)}`")
-    counts = [tuple(int(t[c][n]) for c in _GOLDEN_COUNTS) for n in range(len(t["loss"]))]
-
-    def trajectory(prefix: str, execution: Execution, note: str) -> Trajectory:
-        records = [StepRecord(n + 1, *(t[prefix + q][n].item() for q in QUANTITIES),
-                              t["lr"][n].item(), *counts[n], math.nan)
-                   for n in range(len(counts))]
-        return Trajectory(config, execution, records, math.nan, notes=[note])
-
-    return (trajectory("", GOLDEN_EXECUTION, f"golden read from {golden.path}"),
-            trajectory(_BASELINE_PREFIX, STORED_BASELINE,
-                       f"baseline recorded with the golden in {golden.path}"))
-
-
-def _series_tensors(run: Trajectory) -> dict[str, torch.Tensor]:
-    tensors = {name: torch.tensor([getattr(r, name) for r in run.records], dtype=torch.float64)
-               for name in _GOLDEN_SERIES}
-    tensors.update({name: torch.tensor([getattr(r, name) for r in run.records])
-                    for name in _GOLDEN_COUNTS})
-    return tensors
-
-
-def golden_trajectory(config: TrainConfig, store: GoldenStore | None = None) -> Trajectory:
-    """The float64 reference trajectory of ``config``: the stored golden when ``config`` is the
-    golden recipe, else trained here in float64 on the CPU (a shorter run is not a prefix of
-    the golden: the learning-rate schedule spans the run)."""
-    if config == golden_config(config.case):
-        return read_golden_trajectory(config.case, store)
-    return train(config, GOLDEN_EXECUTION)
-
-
-def check_against_golden(
-    candidate: Trajectory, *, golden: Trajectory | None = None,
-    baseline: Trajectory | None = None, store: GoldenStore | None = None,
-) -> TrajectoryComparison:
-    """The three-way verdict on ``candidate``: the float64 golden as reference and, as baseline,
-    the plain manual-attention run of the recipe in the candidate's dtype on its device.
-
-    For the golden recipe of a case, the golden is read from the store, and an fp32 CPU
-    candidate gets the baseline stored with it, so changes to the training code itself are
-    judged against what the old code's rounding earned. Otherwise the golden is trained here in
-    float64 and the baseline trained here too: that judges backends, dtypes, devices and
-    distribution, but a bug in the training code would be shared by all three runs.
-    """
-    config, execution = candidate.config, candidate.execution
-    stored = config == golden_config(config.case)
-    golden = golden if golden is not None else golden_trajectory(config, store)
-    plain = Execution("manual", execution.dtype, execution.device)
-    if baseline is None and stored and plain == STORED_BASELINE:
-        baseline = read_stored_baseline(config.case, store)
-    elif baseline is None:
-        baseline = candidate if (execution == plain and candidate.world_size == 1) else \
-            train(config, plain)
-    return compare_trajectories(candidate, golden, baseline)
-
-
-def _golden_meta(config: TrainConfig) -> dict[str, Any]:
-    model = config.model_config
-    weights = build_model(model, config.seed, dtype=torch.float64)
-    corpus = config.corpus()
-    data = {}
-    for n in range(1, config.steps + 1):
-        batch = corpus.batch(n)
-        data.update({f"{n}.{key}": value
-                     for key, value in {**batch.inputs, "labels": batch.labels}.items()})
-    return {
-        "kind": "trajectory",
-        "train_config": config.to_dict(),
-        "execution": GOLDEN_EXECUTION.to_dict(),
-        "model_config": model.to_dict(),
-        "weights_checksum": checksum(dict(weights.named_parameters())),
-        "data_checksum": checksum(data),
-    }
-
-
-def _check_fresh(summary: dict[str, Any], expected: dict[str, Any], command: str,
-                 path: Path) -> None:
-    what = {"train_config": "training recipe", "model_config": "model config",
-            "weights_checksum": "initial weights", "data_checksum": "training corpus"}
-    for key, label in what.items():
-        if summary.get(key) != expected[key]:
-            raise GoldenStale(f"{path} was made with another {label} than the code has now; "
-                              f"if the change is intended, regenerate it with `{command}`")
-
-
-# --- handing a diverging step to diagnose ---------------------------------------------------
-
-def diagnose_step(config: TrainConfig, reference: Execution, candidate: Execution, step: int,
-                  **diagnose_kwargs: Any) -> Any:
-    """Run :func:`torchparity.diagnose` on step ``step`` of ``config``.
-
-    Both sides get the same weights, the reference's as they enter the step, and the step's
-    global batch with the training loss; A runs under the reference execution's backend and
-    dtype mode, B under the candidate's. A module that diverges here is where the step's
-    forward or backward pass differs; a clean report points at the optimizer, clipping or
-    loss scaling instead. Returns the :class:`~torchparity.diagnosis.report.DiagnosisReport`.
-    """
-    from torchparity.diagnosis.api import diagnose
-
-    if torch.device(candidate.device) != torch.device(reference.device):
-        raise ValueError("diagnose_step compares executions on one device; got "
-                         f"{reference.device} and {candidate.device}")
-    model_a = model_before(config, reference, step)
-    model_b = copy.deepcopy(model_a).to(candidate.device, candidate.mode.param_dtype)
-    batch = batch_at(config, step)
-
-    def loss_fn(output: torch.Tensor, inputs: Any) -> torch.Tensor:
-        return token_losses(output, batch.labels.to(output.device)).sum() / batch.n_tokens
-
-    return diagnose(model_a, model_b, batch.to(candidate.device).inputs, loss_fn=loss_fn,
-                    backends=(_runs_as(reference), _runs_as(candidate)), **diagnose_kwargs)
-
-
-def _runs_as(execution: Execution) -> Any:
-    """A context factory that selects the execution's backend, autocast and TF32 setting."""
-    @contextlib.contextmanager
-    def select() -> Iterator[None]:
-        from torchparity import backends
-        from torchparity.train.trainer import deterministic
-
-        mode = execution.mode
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(backends.use(execution.backend))
-            stack.enter_context(deterministic(tf32=mode.tf32))
-            if mode.autocast_dtype is not None:
-                device_type = torch.device(execution.device).type
-                stack.enter_context(torch.autocast(device_type, dtype=mode.autocast_dtype))
-            yield
-    return select

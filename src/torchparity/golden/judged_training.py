@@ -1,0 +1,160 @@
+"""A zoo case trained and its trajectory judged, what ``torchparity train`` does.
+
+One process: the run is judged against the float64 golden trajectory (``check``) or against
+the same recipe under another backend (``against``), and with ``diagnose`` the first step that
+parts is diagnosed module by module (:mod:`torchparity.diagnosis.training_step`). Several
+processes under ``torchrun``: the run is judged against one process and against the golden,
+and the first step that parts is located module by module (:mod:`torchparity.train.distributed`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from torchparity import backends
+from torchparity.diagnosis.report import DiagnosisReport
+from torchparity.diagnosis.training_step import diagnose_step
+from torchparity.errors import UsageError
+from torchparity.golden.trajectories import (
+    check_against_golden,
+    golden_store,
+    judge_parallel,
+    write_golden_trajectory,
+)
+from torchparity.train.trainer import Execution, TrainConfig, Trainer, Trajectory
+from torchparity.train.trajectory import TrajectoryComparison, judge_against
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """What to train and how to judge it: ``check`` against the golden trajectories in
+    ``golden_dir``, or ``against`` another backend; ``diagnose`` the first step that parts;
+    ``nproc`` processes (``parallel`` says how they split the work); ``json`` the file the
+    trajectory and verdict go to."""
+
+    config: TrainConfig
+    execution: Execution
+    check: bool = False
+    against: str | None = None
+    diagnose: bool = False
+    golden_dir: str | None = None
+    json: str | None = None
+    log_every: int = 10
+    nproc: int = 1
+    parallel: str | None = None
+
+
+def update_golden_trajectories(cases: list[str], golden_dir: str | None,
+                               console: Console) -> None:
+    """Train each case's golden recipe in float64 and store it in ``golden_dir``."""
+    store = golden_store(golden_dir)
+    for case in cases:
+        for path in write_golden_trajectory(case, store):
+            console.print(f"wrote {path}")
+
+
+def train_and_judge(plan: TrainPlan, console: Console) -> bool:
+    """Train ``plan``'s run, print it and its verdict; True when it passed (or nothing judged
+    it)."""
+    execution = plan.execution
+    mode = execution.mode
+    backends.resolve(execution.backend, execution.device, mode.autocast_dtype or mode.param_dtype)
+    if plan.nproc > 1:
+        return _train_parallel(plan, console)
+    candidate = _train(plan, console)
+    console.print(f"{execution.label()}: {candidate.tokens_per_second:,.0f} tok/s, first step "
+                  f"after {candidate.time_to_first_step:.2f}s")
+    for note in candidate.notes:
+        console.print(f"note: {note}")
+
+    comparison = None
+    if plan.check:
+        comparison = check_against_golden(candidate, store=golden_store(plan.golden_dir))
+    elif plan.against:
+        console.print(f"training the same recipe on {plan.against}, and its reduction-order "
+                      "twin")
+        comparison = judge_against(candidate, plan.config, Execution(
+            plan.against, execution.dtype, execution.device, execution.compile))
+    if comparison is not None:
+        console.print(comparison.explain(), markup=False, soft_wrap=True)
+    report = None
+    if comparison is not None and not comparison.ok and plan.diagnose:
+        step = comparison.first_divergence.step
+        reference_execution = Execution(plan.against or "manual", execution.dtype,
+                                        execution.device)
+        console.print(f"diagnosing step {step}: {reference_execution.label()} vs "
+                      f"{execution.label()} on the same weights")
+        report = diagnose_step(plan.config, reference_execution, execution, step)
+        console.print(report.render(), markup=False, soft_wrap=True)
+    if plan.json:
+        _write_json(plan.json, candidate, comparison, report)
+    return comparison is None or comparison.ok
+
+
+def _train_parallel(plan: TrainPlan, console: Console) -> bool:
+    """Train with ``plan.nproc`` ranks, judge against one process and the golden."""
+    from torchparity.train.distributed import check_layout, diagnose_parallel_step, run_parallel
+
+    if plan.against:
+        raise UsageError("--against runs in one process; leave it out with --nproc > 1 (a "
+                         "distributed run is judged against one process and the golden)")
+    config, execution, nproc = plan.config, plan.execution, plan.nproc
+    parallelism = plan.parallel or "ddp"
+    check_layout(config, execution, parallelism, nproc)
+    console.print(f"training {config.case} with {nproc} processes, {parallelism.upper()} "
+                  f"(torchrun); rank 0 logs")
+    candidate = run_parallel(config, execution, parallelism=parallelism, nproc=nproc,
+                             log=lambda line: console.print(line, markup=False, soft_wrap=True),
+                             log_every=plan.log_every)
+    console.print(f"{candidate.label()}: {candidate.tokens_per_second:,.0f} tok/s, first "
+                  f"step after {candidate.time_to_first_step:.2f}s")
+    console.print("training the same recipe in one process, and its reduction-order twin")
+    judged = judge_parallel(candidate, config, execution, golden_store(plan.golden_dir))
+    for against, comparison in judged.items():
+        console.print(f"vs {against}: {comparison.budget_share()}", markup=False)
+        console.print(comparison.explain(), markup=False, soft_wrap=True)
+    parted = [c.first_divergence.step for c in judged.values() if not c.ok]
+    location = None
+    if parted and plan.diagnose:
+        console.print(f"diagnosing step {min(parted)}: {nproc} processes vs one, module by "
+                      "module")
+        location = diagnose_parallel_step(config, execution, parallelism=parallelism,
+                                          nproc=nproc, step=min(parted))
+        console.print(location.render(), markup=False, soft_wrap=True)
+    if plan.json:
+        data = {"trajectory": candidate.to_dict(),
+                "comparison": judged["float64 golden"].to_dict(),
+                "single_process_comparison": judged["one process"].to_dict(),
+                "diagnosis": None if location is None else vars(location)}
+        Path(plan.json).write_text(json.dumps(data, indent=2) + "\n")
+    return all(c.ok for c in judged.values())
+
+
+def _train(plan: TrainPlan, console: Console) -> Trajectory:
+    config, execution = plan.config, plan.execution
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task(f"{config.case} {execution.label()}", total=config.steps)
+        def log(line: str) -> None:
+            bar.console.print(line, markup=False, soft_wrap=True)
+
+        trainer = Trainer(config, execution, log=log, log_every=plan.log_every)
+        for step in range(1, config.steps + 1):
+            trainer.step(step)
+            bar.advance(task)
+    return trainer.trajectory()
+
+
+def _write_json(path: str, candidate: Trajectory, comparison: TrajectoryComparison | None,
+                report: DiagnosisReport | None) -> None:
+    data: dict[str, Any] = {
+        "trajectory": candidate.to_dict(),
+        "comparison": comparison.to_dict() if comparison is not None else None,
+        "diagnosis": json.loads(report.to_json()) if report is not None else None}
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
