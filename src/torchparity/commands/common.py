@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
 import torch
 
@@ -63,3 +64,18 @@ def base_side(args: argparse.Namespace) -> BaseSide | None:
             raise UsageError("--base-python and --no-base-cache are options of --base REV")
         return None
     return BaseSide(args.base, python=args.base_python, use_cache=args.base_cache)
+
+
+def full_report_command(args: argparse.Namespace) -> str:
+    """This very command with ``--html`` (when it had none): every module, its cells'
+    evidence and the chart, for the reader of a CI summary."""
+    kept, skip = [], False
+    for arg in args._argv:  # the CI reports' own paths are not needed again
+        if skip:
+            skip = False
+        elif arg in ("--summary", "--junit"):
+            skip = True
+        elif not arg.startswith(("--summary=", "--junit=")):
+            kept.append(arg)
+    html = [] if args.html else ["--html", "diagnosis.html"]
+    return shlex.join(["torchparity", *kept, *html])

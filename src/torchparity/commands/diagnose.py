@@ -16,20 +16,25 @@ for usage errors.
 from __future__ import annotations
 
 import argparse
-import shlex
 import time
 from pathlib import Path
 
 from rich.console import Console
 
 from torchparity.ci import check_paths, diagnosis_outcome, publish
-from torchparity.commands.common import add_base_arguments, add_report_arguments, base_side
-from torchparity.commands.record import (
-    add_decode_arguments,
+from torchparity.commands.common import (
+    add_base_arguments,
+    add_report_arguments,
+    base_side,
+    full_report_command,
+)
+from torchparity.commands.decode_options import add_decode_arguments, decode_options
+from torchparity.commands.trace_options import (
     add_selection_arguments,
-    decode_options,
     dtype_option,
+    name_rules,
     rebuilt,
+    record_options,
 )
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
@@ -73,11 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchparity.diagnosis.reference import golden_warning
-
     started = time.perf_counter()
     check_paths(args.summary, args.junit)
-    name_map = [_name_rule(rule) for rule in args.name_map or []] or None
+    name_map = name_rules(args.name_map)
     side = base_side(args)
     if args.ops and (side or args.against):
         raise UsageError("--ops needs A's ops, which a trace does not keep: run "
@@ -88,34 +91,11 @@ def run(args: argparse.Namespace) -> int:
         report, compared = _against(args, name_map), f"the trace {args.against}"
     else:
         report, compared = _two_models(args, name_map), " and ".join(args.entries)
-    console = Console()
-    warning = golden_warning(report.meta.get("golden", ""))
-    if warning:
-        console.print(warning, markup=False, highlight=False)
-    report.print(console)
-    if args.json:
-        report.to_json(args.json)
-    if args.html:
-        report.to_html(args.html)
-    outcome = diagnosis_outcome(report, f"{args.entries[-1]} against {compared}",
-                                time.perf_counter() - started, _full_report_command(args))
-    publish(outcome, args.summary, args.junit)
+    report.show(Console(), args.json, args.html)
+    publish(diagnosis_outcome(report, f"{args.entries[-1]} against {compared}",
+                              time.perf_counter() - started, full_report_command(args)),
+            args.summary, args.junit)
     return report.exit_status
-
-
-def _full_report_command(args: argparse.Namespace) -> str:
-    """This very command with ``--html`` (when it had none): every module, its cells'
-    evidence and the chart, for the reader of a CI summary."""
-    kept, skip = [], False
-    for arg in args._argv:  # the CI reports' own paths are not needed again
-        if skip:
-            skip = False
-        elif arg in ("--summary", "--junit"):
-            skip = True
-        elif not arg.startswith(("--summary=", "--junit=")):
-            kept.append(arg)
-    html = [] if args.html else ["--html", "diagnosis.html"]
-    return shlex.join(["torchparity", *kept, *html])
 
 
 def _against(args: argparse.Namespace, name_map):
@@ -137,27 +117,9 @@ def _against_base(args: argparse.Namespace, side, name_map):
                          "base's A (not --against: the base records the trace)")
     decode_options(args)  # the decoding options without --decode are a usage error here
     b = Subject.load(args.entries[0])
-    options, files = _record_options(args)
+    options, files = record_options(args)
     trace = base_trace(side, args.entries[0], options, files)
     return _judged_against(args, trace, b, name_map)
-
-
-def _record_options(args: argparse.Namespace) -> tuple[list[str], tuple[str, ...]]:
-    """``torchparity record``'s options for A's side, and the input files they name."""
-    options = [] if args.backward else ["--no-backward"]
-    for flag, values in (("--include", args.include), ("--exclude", args.exclude)):
-        options += [arg for value in values or [] for arg in (flag, value)]
-    for flag, value in (("--backend", args.backend_a), ("--dtype", args.dtype),
-                        ("--steps", args.steps), ("--beams", args.beams),
-                        ("--length-penalty", args.length_penalty), ("--eos", args.eos),
-                        ("--temperature", args.temperature), ("--top-k", args.top_k),
-                        ("--top-p", args.top_p), ("--seed", args.seed)):
-        if value is not None:
-            options += [flag, str(value)]
-    files = (str(Path(args.tokens).resolve()),) if args.tokens else ()
-    options += ["--tokens", files[0]] if files else []
-    options += ["--sample"] if args.sample else []
-    return options + (["--decode"] if args.decode else []), files
 
 
 def _judged_against(args: argparse.Namespace, trace: Path, b: Subject, name_map):
@@ -199,11 +161,3 @@ def _two_models(args: argparse.Namespace, name_map):
                     backends=(args.backend_a, args.backend_b), stream=args.stream,
                     local=args.local, dtype=dtype_option(args), padding=a.padding,
                     compile_b=args.compile_b, ops=args.ops)
-
-
-def _name_rule(rule: str) -> tuple[str, str]:
-    pattern, sep, replacement = rule.partition("=")
-    if not sep or not pattern:
-        raise UsageError(f"--name-map {rule!r} must look like REGEX=REPLACEMENT "
-                         "(e.g. 'attn\\.q_proj=attn.query')")
-    return pattern, replacement

@@ -14,6 +14,7 @@ from torchparity.comparison.tensor import json_safe
 from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.folding import FOLD_ABOVE, Fold, folded
 from torchparity.diagnosis.html import html_page, layer_groups
+from torchparity.diagnosis.reference import golden_warning
 from torchparity.diagnosis.results import (
     NotCompared,
     Result,
@@ -45,6 +46,19 @@ class Report:
         if path is not None:
             Path(path).write_text(text)
         return text
+
+    def show(self, console: Any, json_path: str | None = None, html_path: str | None = None
+             ) -> None:
+        """Print the report to ``console``, after the line that says no float64 golden could
+        be made when so, and write its JSON and HTML where asked."""
+        warning = golden_warning(self.meta.get("golden", ""))
+        if warning:
+            console.print(warning, markup=False, highlight=False)
+        self.print(console)
+        if json_path:
+            self.to_json(json_path)
+        if html_path:
+            self.to_html(html_path)
 
     def render(self, width: int = 100) -> str:
         """The report as plain text, ``width`` columns wide."""
