@@ -11,17 +11,11 @@ when its effect on the float64 output exceeds the fp32 noise (the fp32 baseline'
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-from torchparity import backends, machine
-from torchparity.calibration import capabilities, sketched
+from torchparity import backends
 from torchparity.calibration.problems import CALIBRATED
-from torchparity.calibration.report import json_safe, print_tables, render_markdown
-from torchparity.calibration.study import FAMILIES, calibrate, cpu_backends
+from torchparity.calibration.runs import run_per_capability, run_sketched, run_study
+from torchparity.calibration.study import FAMILIES, cpu_backends
 from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError
 
@@ -87,77 +81,13 @@ def run(args: argparse.Namespace) -> int:
             f"unknown --backend {', '.join(unknown)}; choose from {', '.join(backends.names())}"
         )
     if args.sketched:
-        return _run_sketched(args)
+        return 0 if run_sketched(args.draws, args.seed, args.dtype, args.out, args.json) else 1
     if args.capabilities:
-        return _run_per_capability(args)
-    console = Console(stderr=True)
-    with Progress(
-        "calibrating", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    ) as progress:
-        task = progress.add_task("draws", total=args.draws * len(families))
-        results = calibrate(
-            args.draws,
-            seed=args.seed,
-            dtypes=dtypes,
-            backend_names=backend_names,
-            flex_every=args.flex_every,
-            families=tuple(families),
-            on_draw=lambda: progress.advance(task),
-        )
-    print_tables(results, Console())
-    if args.out:
-        text = render_markdown(results, command=_command_line(args))
-        path = Path(args.out)
-        document = path.read_text() if path.exists() else ""
-        for section in (sketched.SECTION, capabilities.SECTION):  # written by their own runs
-            if (kept := section.of(document)) is not None:
-                text = section.merged(text, kept)
-        _write(path, text)
-    if args.json:
-        _write(Path(args.json), json.dumps(json_safe(results.to_dict()), indent=2) + "\n")
-    return 0 if results.n_false_alarms == 0 and results.detection_goal_met() else 1
-
-
-def _run_sketched(args: argparse.Namespace) -> int:
-    with Progress(
-        "sketched study", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=Console(stderr=True),
-    ) as progress:
-        task = progress.add_task("draws", total=args.draws)
-        dtypes = tuple(d for d in args.dtype or sketched.SKETCHED_DTYPES if d != "fp64")
-        results = sketched.calibrate_sketched(args.draws, seed=args.seed, dtypes=dtypes,
-                                              on_draw=lambda: progress.advance(task))
-    command = f"torchparity calibrate --sketched --draws {args.draws} --seed {args.seed}"
-    command += "".join(f" --dtype {d}" for d in args.dtype or [])
-    section = sketched.render_section(
-        results, command=command + (f" --out {args.out}" if args.out else ""))
-    print(section)
-    if args.out:
-        path = Path(args.out)
-        _write(path, sketched.merged(path.read_text() if path.exists() else "", section))
-    if args.json:
-        _write(Path(args.json), json.dumps(json_safe(results.to_dict()), indent=2) + "\n")
-    return 0 if results.false_alarms == 0 else 1
-
-
-def _run_per_capability(args: argparse.Namespace) -> int:
-    offered = machine.capabilities()
-    with Progress(
-        "per instruction set", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=Console(stderr=True),
-    ) as progress:
-        task = progress.add_task("capabilities", total=len(offered))
-        rows = capabilities.calibrate_each(_study_arguments(args), offered,
-                                           on_done=lambda _: progress.advance(task))
-    command = "torchparity calibrate --capabilities " + " ".join(_study_arguments(args))
-    section = capabilities.render_section(
-        rows, command=command + (f" --out {args.out}" if args.out else ""))
-    print(section)
-    if args.out:
-        path = Path(args.out)
-        _write(path, capabilities.SECTION.merged(path.read_text() if path.exists() else "",
-                                                 section))
-    return 0 if all(row.false_alarms == 0 for row in rows) else 1
+        return 0 if run_per_capability(_study_arguments(args), args.out) else 1
+    ok = run_study(args.draws, seed=args.seed, dtypes=dtypes, backend_names=backend_names,
+                   flex_every=args.flex_every, families=tuple(families), out=args.out,
+                   json_path=args.json, command=_command_line(args))
+    return 0 if ok else 1
 
 
 def _study_arguments(args: argparse.Namespace) -> list[str]:
@@ -173,10 +103,3 @@ def _command_line(args: argparse.Namespace) -> str:
     parts = ["torchparity calibrate", *_study_arguments(args)]
     parts += [f"--out {args.out}"] if args.out else []
     return " ".join(parts)
-
-
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -15,11 +14,11 @@ from torchparity.golden import sharded
 from torchparity.golden.cases import OUTPUT_KINDS, write_case
 from torchparity.golden.cell_selection import select_cases
 from torchparity.golden.cells import CheckResult
-from torchparity.golden.report import print_table
 from torchparity.golden.runner import update_models, verify_cases, verify_models
+from torchparity.golden.show import show_golden
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import user_golden_dir
-from torchparity.reference import TransformerConfig, zoo
+from torchparity.reference import zoo
 from torchparity.subject import Subject
 from torchparity.subject.trees import flatten_tensors
 from torchparity.subject.weights import NormalDraws
@@ -88,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
     store.require_root()
     if args.action == "verify":
         return _verify(store, select_cases(args.cases or None), console)
-    return _show(store, select_cases([args.case])[0], console)
+    show_golden(store, select_cases([args.case])[0], console)
+    return 0
 
 
 def _load(entry: str, noting_draws: bool) -> tuple[Subject, str | None]:
@@ -169,46 +169,3 @@ def _print_verified(verified: Iterable[tuple[str, list[CheckResult], str]], cons
             console.print(f"{name}: {r.output} {r.verdict}: {r.explain or r.reason}",
                           markup=False)
     return 0 if ok else 1
-
-
-def _show(store: GoldenStore, case: zoo.ZooCase, console: Any) -> int:
-    from rich.table import Table
-
-    goldens = {output: store.read(case.name, output) for output in OUTPUT_KINDS}
-    summary = goldens["logits"].summary
-    console.print(f"[bold]{case.name}[/bold]: {summary.get('description', case.description)}")
-    console.print(f"folder: {store.root / case.name}", markup=False)
-    console.print(f"config (fields differing from the defaults): "
-                  f"{_config_text(summary.get('config'))}", markup=False)
-    inputs = summary.get("inputs", {})
-    console.print(f"inputs: batch {inputs.get('batch_size')} x {inputs.get('seq_len')} tokens, "
-                  f"{inputs.get('padding')} padding; seeds {summary.get('seeds')}; "
-                  f"{summary.get('decode_steps')} decode steps", markup=False)
-    for what, digest in (summary.get("checksums") or {}).items():
-        console.print(f"{what} checksum: {digest}", markup=False)
-    produced = summary.get("produced_by", {})
-    console.print("produced by: " + ", ".join(f"{k} {v}" for k, v in produced.items()),
-                  markup=False)
-    for output, golden in goldens.items():
-        table = Table(title=f"{output} ({golden.summary.get('kind')})", title_justify="left")
-        for column in ("tensor", "shape", "dtype", "mean", "std", "absmax"):
-            table.add_column(column, justify="left" if column == "tensor" else "right",
-                             no_wrap=True)
-        for name, info in golden.summary["tensors"].items():
-            table.add_row(name, "x".join(map(str, info["shape"])) or "scalar", info["dtype"],
-                          *(_number(info[k]) for k in ("mean", "std", "absmax")))
-        print_table(console, table)
-    return 0
-
-
-def _config_text(config: Any) -> str:
-    if not isinstance(config, dict):
-        return "(none recorded)"
-    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
-    changed = [f"{k}={v}" for k, v in config.items() if defaults.get(k, object()) != v]
-    return ", ".join(changed) or "(all defaults)"
-
-
-def _number(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
-
