@@ -204,3 +204,16 @@ def test_no_stage_of_a_diagnosis_imports_another(edges: list[Import]) -> None:
     assert not reaching, ("a stage of diagnosis is imported by a module that is not its "
                           "pipeline: move what is shared into diagnosis/reference.py:\n"
                           + "\n".join(str(edge) for edge in reaching))
+
+
+#: A module of commands/ parses its command's arguments and makes one call into a wing; it
+#: stays under this many lines (what grows past it is a wing's work).
+COMMAND_LINES = 150
+
+
+def test_every_command_module_is_thin() -> None:
+    lines = {path.name: len(path.read_text().splitlines())
+             for path in sorted((PACKAGE / "commands").glob("*.py"))}
+    long = {name: n for name, n in lines.items() if n >= COMMAND_LINES}
+    assert not long, (f"command modules of {COMMAND_LINES} lines or more: move their work into "
+                      f"a wing: {long}")

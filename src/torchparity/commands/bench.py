@@ -5,20 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from torchparity.bench import report as bench_report
-from torchparity.bench.host import machine_info
-from torchparity.bench.rounds import Progress
+from torchparity.bench.model_runs import ProgressBar, bench_models
 from torchparity.bench.runner import run as run_bench
 from torchparity.bench.settings import DTYPE_CHOICES, PARTS, REFERENCE_CASES, default_settings
 from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError
-from torchparity.golden.report import print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +71,14 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError:
         raise UsageError(f"--device {device!r} is not a torch device (try cpu or cuda)") from None
     if args.model:
-        return _bench_models(args, device)
+        if args.json and not Path(args.json).resolve().parent.is_dir():
+            raise UsageError(f"cannot write {args.json}: its directory does not exist")
+        result = bench_models(args.model, args.dtype or ["fp32"], device, rounds=args.rounds,
+                              threads=args.threads, compile=args.compile,
+                              backend=args.backend, skip=set(args.skip))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     settings = default_settings(
         device, args.quick, tuple(args.size or ()),
         dtypes=tuple(args.dtype or ()),
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write {path}: directory {Path(path).parent} does not exist")
 
     console = Console()
-    with _ProgressBar(Console(stderr=True)) as progress:
+    with ProgressBar(Console(stderr=True)) as progress:
         result = run_bench(settings, progress)
     bench_report.print_tables(result, console)
     if args.json:
@@ -98,85 +101,3 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         Path(args.markdown).write_text(bench_report.to_markdown(result))
     return 0
-
-
-def _bench_models(args: argparse.Namespace, device: str) -> int:
-    from torchparity.bench import at_size, user_model
-    from torchparity.subject import Subject
-
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise UsageError(f"cannot write {args.json}: its directory does not exist")
-    in_process = {"throughput", "check"} - set(args.skip)
-    subjects = {entry: Subject.load(entry) for entry in args.model} if in_process else {}
-    dtypes = args.dtype or ["fp32"]
-    console = Console(soft_wrap=True)
-    result: dict[str, Any] = {"machine": machine_info(device, args.threads),
-                              "throughput": [], "size": [], "check": []}
-    for entry in args.model:
-        subject = subjects.pop(entry, None)  # the measured processes get the memory
-        if "throughput" not in args.skip:
-            with console.status(f"timing {subject.name}"):
-                rows = user_model.throughput_rows(subject, dtypes, args.rounds or 5, device)
-            result["throughput"] += rows
-            console.print(bench_report.model_throughput_table(subject.name, device, rows))
-        if args.compile and subject is not None:
-            with console.status(f"compiling and timing {subject.name}"):
-                compiled = user_model.compiled_rows(subject, dtypes, rows, args.rounds or 5,
-                                                    device, args.backend)
-            result["compiled"] = result.get("compiled", []) + compiled
-            print_table(console, bench_report.model_compiled_table(subject.name, device, compiled))
-        if "check" not in args.skip:
-            with console.status(f"timing check --model {subject.name}"):
-                cost = user_model.check_cost(subject)
-            result["check"].append(cost)
-            console.print(f"check --model {subject.name}: {cost['model_check_s']:.2f} s for "
-                          f"{cost['cells']} cells, {cost['plain_ratio']:.1f}× one plain step "
-                          f"per cell ({cost['plain_steps_s']:.3f} s); the zoo's "
-                          f"{cost['zoo_case']} in the same cells: {cost['zoo_check_s']:.2f} s; "
-                          f"ratio {cost['ratio']:.2f}", markup=False)
-        del subject
-        if "size" not in args.skip:
-            with console.status(f"timing golden update and check of {entry}, each in its own "
-                                "process"):
-                cost = at_size.measure(entry, dtypes, args.backend)
-            result["size"].append(cost)
-            console.print(bench_report.at_size_lines(cost), markup=False, highlight=False)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
-
-
-class _ProgressBar(Progress):
-    """A rich progress bar per part, on stderr."""
-
-    def __init__(self, console: Console) -> None:
-        from rich.progress import Progress
-
-        self._bar = Progress(TextColumn("{task.fields[part]:<10}"), BarColumn(),
-                             MofNCompleteColumn(), TimeElapsedColumn(),
-                             TextColumn("{task.description}"), console=console, transient=False)
-        self._task: Any = None
-
-    def __enter__(self) -> _ProgressBar:
-        self._bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._finish()
-        self._bar.stop()
-
-    def start(self, part: str, total: int) -> None:
-        self._finish()
-        self._task = self._bar.add_task("", total=total, part=part)
-
-    def _finish(self) -> None:
-        if self._task is not None:
-            self._bar.update(self._task, completed=self._bar.tasks[self._task].total,
-                             description="done")
-
-    def advance(self, description: str) -> None:
-        # Advancing when the next unit starts keeps the description on what is running now.
-        task = self._bar.tasks[self._task]
-        if task.description:
-            self._bar.advance(self._task)
-        self._bar.update(self._task, description=description)
