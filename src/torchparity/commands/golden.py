@@ -17,11 +17,9 @@ from torchparity.golden.cells import CheckResult
 from torchparity.golden.runner import update_models, verify_cases, verify_models
 from torchparity.golden.show import show_golden
 from torchparity.golden.store import GoldenStore, default_golden_dir
-from torchparity.golden.user_models import user_golden_dir
+from torchparity.golden.user_models import load_noting_draws, user_golden_dir
 from torchparity.reference import zoo
 from torchparity.subject import Subject
-from torchparity.subject.trees import flatten_tensors
-from torchparity.subject.weights import NormalDraws
 from torchparity.text import wrapped
 
 
@@ -73,14 +71,16 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"golden {args.action} takes zoo cases or --model, not both (got "
                              f"{' '.join(args.cases)} and --model)")
         # Every factory loads first; an update says which of them draw machine-bound values.
-        loaded = [_load(entry, noting_draws=args.action == "update") for entry in args.model]
+        loaded = [load_noting_draws(entry, noting_draws=args.action == "update")
+                  for entry in args.model]
         subjects = [subject for subject, _ in loaded]
         for warning in filter(None, (warning for _, warning in loaded)):
             console.print(wrapped(warning), markup=False)
         root = user_golden_dir(args.golden_dir)
         if args.action == "update":
             return _update_models(subjects, root, console)
-        return _verify_models(subjects, root, console)
+        return _print_verified(((subject.name, results, f"{len(results)} outputs reproduced")
+                                for subject, results in verify_models(subjects, root)), console)
     store = GoldenStore(default_golden_dir(args.golden_dir))
     if args.action == "update":
         return _update(store, select_cases(args.cases or None), console)
@@ -89,25 +89,6 @@ def run(args: argparse.Namespace) -> int:
         return _verify(store, select_cases(args.cases or None), console)
     show_golden(store, select_cases([args.case])[0], console)
     return 0
-
-
-def _load(entry: str, noting_draws: bool) -> tuple[Subject, str | None]:
-    """The subject of ``entry`` and, when ``noting_draws``, a warning if its weights or
-    inputs come from torch's normal draws on the CPU, whose last bits differ by instruction
-    set: such goldens read 'init changed' on another machine."""
-    if not noting_draws:
-        return Subject.load(entry), None
-    with NormalDraws() as draws:
-        subject = Subject.load(entry)
-    drawn = [*draws.drawn(dict(subject.model.state_dict(keep_vars=True))),
-             *draws.drawn(flatten_tensors(subject.inputs, "inputs"))]
-    if not drawn:
-        return subject, None
-    named = drawn[0] + (f" and {len(drawn) - 1} more" if len(drawn) > 1 else "")
-    return subject, (f"{subject.name}: warning: {named} come from torch's normal draws on the "
-                     "CPU, whose last bits differ by instruction set, so these goldens may "
-                     "read 'init changed' on another machine; draw them with "
-                     "tp.init_weights(model, seed) and tp.random_tensor(shape, seed)")
 
 
 def _update(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:
@@ -139,11 +120,6 @@ def _update_models(subjects: list[Subject], root: Path, console: Any) -> int:
                 console.print(wrapped(f"{subject.name}: {islands}"), markup=False)
     console.print(f"goldens of {len(subjects)} model(s) are in {root}", markup=False)
     return 0
-
-
-def _verify_models(subjects: list[Subject], root: Path, console: Any) -> int:
-    return _print_verified(((subject.name, results, f"{len(results)} outputs reproduced")
-                            for subject, results in verify_models(subjects, root)), console)
 
 
 def _verify(store: GoldenStore, cases: list[zoo.ZooCase], console: Any) -> int:

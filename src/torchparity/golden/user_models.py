@@ -56,6 +56,7 @@ from torchparity.subject import Subject
 from torchparity.subject.islands import narrowest, summary
 from torchparity.subject.running import default_loss_paths
 from torchparity.subject.trees import flatten_tensors
+from torchparity.subject.weights import NormalDraws
 
 
 def user_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
@@ -183,3 +184,22 @@ def islands_sentence(goldens: dict[str, Golden]) -> str | None:
     where = "; ".join(f"{dtype} at {', '.join(modules)}" for dtype, modules in islands.items())
     return (f"the float64 golden computes in {where} (the model's own casts): it is as "
             f"precise as {narrowest(islands)} there, and every budget allows for it")
+
+
+def load_noting_draws(entry: str, noting_draws: bool) -> tuple[Subject, str | None]:
+    """The subject of ``entry`` and, when ``noting_draws``, a warning if its weights or
+    inputs come from torch's normal draws on the CPU, whose last bits differ by instruction
+    set: such goldens read 'init changed' on another machine."""
+    if not noting_draws:
+        return Subject.load(entry), None
+    with NormalDraws() as draws:
+        subject = Subject.load(entry)
+    drawn = [*draws.drawn(dict(subject.model.state_dict(keep_vars=True))),
+             *draws.drawn(flatten_tensors(subject.inputs, "inputs"))]
+    if not drawn:
+        return subject, None
+    named = drawn[0] + (f" and {len(drawn) - 1} more" if len(drawn) > 1 else "")
+    return subject, (f"{subject.name}: warning: {named} come from torch's normal draws on the "
+                     "CPU, whose last bits differ by instruction set, so these goldens may "
+                     "read 'init changed' on another machine; draw them with "
+                     "tp.init_weights(model, seed) and tp.random_tensor(shape, seed)")
