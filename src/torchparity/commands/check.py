@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from torchparity.commands.common import (
     add_report_arguments,
     base_side,
     dtype_name,
+    next_step_command,
 )
 from torchparity.errors import UsageError
 from torchparity.golden import sharded
@@ -126,20 +126,10 @@ def run(args: argparse.Namespace) -> int:
             report.write_json(Path(args.json))
         compared = (f"{', '.join(args.model)} against base {side.name}" if side else
                     f"the goldens in {report.model_root}")
-        next_step = _next_step(args.base, subjects, report.results)
+        next_step = next_step_command(args.base, subjects, report.results)
         publish(check_outcome(report.results, compared, elapsed, next_step), args.summary,
                 args.junit)
         return 0 if report.ok else 1
-
-
-def _next_step(base: str | None, subjects: list[Subject], results: list) -> str | None:
-    """``torchparity diagnose ENTRY --base REV`` for the first model that failed against its
-    base: the command that names the module where it changed."""
-    failed = next((r.case for r in results if not r.ok), None)
-    entry = next((s.entry for s in subjects if s.name == failed), None)
-    if base is None or entry is None:
-        return None
-    return f"torchparity diagnose {shlex.quote(entry)} --base {shlex.quote(base)}"
 
 
 def _progress() -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from torchparity.dtypes import dtype_name
 from torchparity.errors import UsageError
 from torchparity.revisions.base import BaseSide
 from torchparity.revisions.cache import CACHE_ENV
+
+if TYPE_CHECKING:
+    from torchparity.subject import Subject
 
 __all__ = ["add_base_arguments", "add_report_arguments", "base_side", "dtype_name",
            "resolve_device"]
@@ -79,3 +83,13 @@ def full_report_command(args: argparse.Namespace) -> str:
             kept.append(arg)
     html = [] if args.html else ["--html", "diagnosis.html"]
     return shlex.join(["torchparity", *kept, *html])
+
+
+def next_step_command(base: str | None, subjects: list[Subject], results: list) -> str | None:
+    """``torchparity diagnose ENTRY --base REV`` for the first model that failed against its
+    base: the command that names the module where it changed."""
+    failed = next((r.case for r in results if not r.ok), None)
+    entry = next((s.entry for s in subjects if s.name == failed), None)
+    if base is None or entry is None:
+        return None
+    return f"torchparity diagnose {shlex.quote(entry)} --base {shlex.quote(base)}"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from rich.console import Console
 
@@ -29,12 +28,12 @@ from torchparity.commands.common import (
     full_report_command,
 )
 from torchparity.commands.decode_options import add_decode_arguments, decode_options
+from torchparity.commands.diagnose_against import against_base, against_trace
 from torchparity.commands.trace_options import (
     add_selection_arguments,
     dtype_option,
     name_rules,
     rebuilt,
-    record_options,
 )
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
@@ -86,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--ops needs A's ops, which a trace does not keep: run "
                          "`torchparity diagnose A_ENTRY B_ENTRY --ops MODULE`")
     if side:
-        report, compared = _against_base(args, side, name_map), f"base {side.name}"
+        report, compared = against_base(args, side, name_map), f"base {side.name}"
     elif args.against:
-        report, compared = _against(args, name_map), f"the trace {args.against}"
+        report, compared = against_trace(args, name_map), f"the trace {args.against}"
     else:
         report, compared = _two_models(args, name_map), " and ".join(args.entries)
     report.show(Console(), args.json, args.html)
@@ -96,40 +95,6 @@ def run(args: argparse.Namespace) -> int:
                               time.perf_counter() - started, full_report_command(args)),
             args.summary, args.junit)
     return report.exit_status
-
-
-def _against(args: argparse.Namespace, name_map):
-    if len(args.entries) != 1 or args.backend_a or args.stream or args.include or \
-            args.exclude or args.dtype or args.tokens or args.steps is not None or \
-            args.beams is not None or args.sample:
-        raise UsageError("with --against give one entry point (B); the trace fixes A's "
-                         "backend, module selection, dtype, storage, decoded tokens, beams "
-                         "and sampling")
-    return _judged_against(args, Path(args.against), Subject.load(args.entries[0]), name_map)
-
-
-def _against_base(args: argparse.Namespace, side, name_map):
-    """B, the working tree's ENTRY, against the trace ``record`` writes of it at the base."""
-    from torchparity.revisions import base_trace
-
-    if len(args.entries) != 1 or args.against:
-        raise UsageError("with --base give one entry point: the working tree's is B, the "
-                         "base's A (not --against: the base records the trace)")
-    decode_options(args)  # the decoding options without --decode are a usage error here
-    b = Subject.load(args.entries[0])
-    options, files = record_options(args)
-    trace = base_trace(side, args.entries[0], options, files)
-    return _judged_against(args, trace, b, name_map)
-
-
-def _judged_against(args: argparse.Namespace, trace: Path, b: Subject, name_map):
-    from torchparity.diagnosis.api import diagnose_against
-
-    return diagnose_against(trace, b.model, b.inputs, loss_fn=b.loss_fn, name_map=name_map,
-                            backward=None if args.backward else False, backend=args.backend_b,
-                            local=args.local, padding=b.padding, compile_b=args.compile_b,
-                            step=b.stepper() if b.has_step else None, reorder=b.reorderer(),
-                            decode=args.decode)
 
 
 def _two_models(args: argparse.Namespace, name_map):
