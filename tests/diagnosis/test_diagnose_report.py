@@ -61,9 +61,11 @@ def test_html_is_self_contained_and_plots_every_row(report, tmp_path: Path) -> N
     svgs = [a for t, a in tags if t == "svg"]
     assert len(svgs) == 2  # forward and gradient plots
     modules = [r.module for r in report.rows]
-    for series in ("point-local", "point-propagated"):
-        plotted = [a["data-module"] for t, a in tags if t == "circle" and a.get("class") == series]
-        assert plotted[:len(modules)] == modules  # the forward plot: one point per row, in order
+    for series in ("local", "propagated"):
+        # One mark per row, in order: its share of the budget, or on the floor for "=".
+        plotted = [a["data-module"] for t, a in tags if t == "circle" and
+                   a.get("class") in (f"point-{series}", f"identical-{series}")]
+        assert plotted[:len(modules)] == modules
     table_rows = [a for t, a in tags if t == "tr" and "data-row" in a]
     assert len(table_rows) == len(report.rows)
     first = report.rows.index(report.first_divergence)
@@ -75,7 +77,7 @@ def test_plot_puts_the_culprit_above_the_budget_line(report) -> None:
     budget_y = next(float(a["y1"]) for t, a in tags
                     if t == "line" and a.get("stroke-dasharray"))  # the dashed line at 1
     local = {a["data-module"]: float(a["cy"]) for t, a in tags
-             if t == "circle" and a.get("class") == "point-local"}
+             if t == "circle" and a.get("class") in ("point-local", "identical-local")}
     assert local["norm"] < budget_y  # SVG y grows downwards: above the line = over budget
     assert local["fc1"] > budget_y
 
@@ -158,3 +160,70 @@ def test_deep_model_html_collapses_by_layer_and_names_layers_on_the_axis() -> No
     assert opened and all("decoder.layers.2" in s.split("</summary>")[0] for s in opened[:1])
     assert "decoder.layers.2.mlp_norm" in opened[0]
     assert page.index("<svg") < page.index("<table")  # the error plot first
+
+
+class CellParser(HTMLParser):
+    """The text of each table cell, by its column's heading, and the legend's text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads: list[str] = []
+        self.rows: list[list[str]] = []
+        self.legend = ""
+        self._cell: list[str] | None = None
+        self._in_legend = False
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        if tag == "tr":
+            self.rows.append([])
+        if tag in ("th", "td"):
+            self._cell = []
+        if tag == "p" and "legend" in dict(attrs).get("class", ""):
+            self._in_legend = True
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("th", "td") and self._cell is not None:
+            text = " ".join("".join(self._cell).split())
+            (self.heads if tag == "th" and not self.heads_done else self.rows[-1]).append(text)
+            self._cell = None
+        if tag == "thead":
+            self.heads_done = True
+        if tag == "p":
+            self._in_legend = False
+
+    heads_done = False
+
+    def handle_data(self, data: str) -> None:
+        if self._cell is not None:
+            self._cell.append(data)
+        if self._in_legend:
+            self.legend += data
+
+
+def test_html_explains_every_symbol_has_no_empty_column_and_its_chart_agrees(report):
+    page = report.to_html()
+    cells = CellParser()
+    cells.feed(page.split("<details><summary>settings")[0])
+    rows = [row for row in cells.rows if len(row) == len(cells.heads)]
+    assert rows and len(rows) == len(report.rows)
+    for column, head in enumerate(cells.heads):
+        if head not in ("#", "module (B)", "type"):
+            assert any(row[column] not in ("", "-") for row in rows), head  # never all empty
+            assert head in cells.legend  # every column is explained
+    symbols = {cell.split(" ")[0] if cell.startswith("X") else cell[:1]
+               for row in rows for cell in row[cells.heads.index("type") + 1:]}
+    for symbol in symbols - {""}:
+        if symbol.isdigit() or symbol == ".":
+            symbol = "0.15"  # a plain share, explained by its example
+        assert symbol in cells.legend, symbol
+    # A cell marked "=" is bit-identical to A: the chart plots no share of the budget for it.
+    tags = parse(page)
+    identical = {r.module for r in report.rows if r.local is not None
+                 and r.local.verdict == "identical"}
+    plotted = {a["data-module"] for t, a in tags if t == "circle"
+               and a.get("class") == "point-local"}
+    floor = {a["data-module"] for t, a in tags if t == "circle"
+             and a.get("class") == "identical-local"}
+    assert identical and not identical & plotted and identical <= floor
+    settings = page.split("<summary>settings</summary>")[1]
+    assert "null" not in settings and "A: as given" in settings

@@ -11,7 +11,6 @@ rows after it show how the error travels. The page takes the report untyped (``A
 from __future__ import annotations
 
 import html
-import json
 import math
 from typing import Any
 
@@ -55,26 +54,79 @@ def html_page(report: Any) -> str:
         f"<p class='note'>Unmatched in {side}: {html.escape(', '.join(names))}</p>"
         for side, names in (("A", report.unmatched_a), ("B", report.unmatched_b)) if names)
     notes = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in report.meta.get("notes", []))
-    settings = json.dumps(json_safe(report.meta), indent=1, default=str)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         f"<title>{title}</title><style>{CSS}</style></head><body>"
         f"<h1>{title}</h1><p class='summary'>{html.escape(report.summary())}</p>"
-        + "".join(plots) + _html_table(report)
+        + "".join(plots) + _html_table(report) + legend(report)
         + "".join(r.ops.to_html() for r in report.rows if r.ops is not None) + unmatched + notes
-        + f"<details><summary>settings</summary><pre>{html.escape(settings)}</pre></details>"
+        + f"<details><summary>settings</summary>{settings_table(report.meta)}</details>"
         "</body></html>\n"
     )
+
+
+#: What each symbol of a cell means, in the words of the terminal's legend.
+CELL_LEGEND = (("=", "bit-identical to A"),
+               ("0.15", "within its budget, using that share of it"),
+               ("<.18", "within its budget, using at most that share of it (a bound)"),
+               ("X 46", "diverged: the error is that many times its budget"),
+               ("X shape", "A and B hold tensors of different shapes there"),
+               ("n/c", "not compared: A and B hold nothing alike there"),
+               ("-", "not computed"))
+#: What each column holds.
+COLUMN_LEGEND = (("local", "B's module fed A's recorded inputs, against the golden fed the same"),
+                 ("propagated", "B's module in B's own run, against the golden's run"),
+                 ("amplification", "propagated error / local error: about 1 where the module "
+                                   "is the source, large where it carries error from upstream"),
+                 ("A", "A's module, where it is not aligned by name"),
+                 ("grad local", "the gradients of B's module's inputs and own parameters, "
+                                "fed A's output gradient"),
+                 ("grad propagated", "the gradients of its outputs and own parameters in B's "
+                                     "own backward pass"))
+
+
+def legend(report: Any) -> str:
+    """The symbols of the cells and the columns the table shows, each explained."""
+    shown = set(_columns(report))
+    columns = [(name, text) for name, text in COLUMN_LEGEND if name in shown]
+    items = [*(f"<b>{html.escape(symbol)}</b> {html.escape(text)}" for symbol, text in CELL_LEGEND),
+             *(f"<b>{html.escape(name)}</b>: {html.escape(text)}" for name, text in columns)]
+    return "<p class='note legend'>" + "; ".join(items) + "</p>"
+
+
+def settings_table(meta: dict[str, Any]) -> str:
+    """The run's settings as a readable table: unset ones left out, lists and mappings
+    spelled out (A's and B's backends as given are said so, not ``[null, null]``)."""
+    rows = []
+    for key, value in json_safe(meta).items():
+        if key == "backends" and isinstance(value, list):
+            value = {side: backend or "as given" for side, backend in zip("AB", value)}
+        text = _setting(value)
+        if text:
+            rows.append(f"<tr><th>{html.escape(key.replace('_', ' '))}</th>"
+                        f"<td>{html.escape(text)}</td></tr>")
+    return "<table class='settings'>" + "".join(rows) + "</table>"
+
+
+def _setting(value: Any) -> str:
+    if value is None or value == [] or value == {}:
+        return ""
+    if isinstance(value, dict):
+        parts = [f"{key}: {_setting(item) or 'none'}" for key, item in value.items()]
+        return "; ".join(parts)
+    if isinstance(value, list):
+        return ", ".join(_setting(item) or "none" for item in value)
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
 
 
 def _html_table(report: Any) -> str:
     """The rows as one table, or, for a deep model, one collapsible table per layer (those
     holding a divergence open)."""
-    backward = bool(report.meta.get("backward"))
-    heads = ["#", "module (B)", "A", "type", "local", "propagated", "ampl."]
-    heads += ["grad local", "grad propagated"] if backward else []
+    heads = _columns(report)
     header = "<thead><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr></thead>"
-    lines = [_html_row(report, index, backward) for index in range(len(report.rows))]
+    lines = [_html_row(report, index, heads) for index in range(len(report.rows))]
     groups = layer_groups(report.rows)
     if len(groups) == 1:
         return f"<table>{header}<tbody>" + "\n".join(lines) + "</tbody></table>"
@@ -105,15 +157,26 @@ def layer_groups(rows: list[Row], most: int = 40) -> list[list[int]]:
     return groups + ([current] if current else [])
 
 
-def _html_row(report: Any, index: int, backward: bool) -> str:
+def _columns(report: Any) -> list[str]:
+    """The table's columns: none that would be empty in every row (A's name where every
+    module aligned by name, an amplification never computed, gradients without backward)."""
+    heads = ["#", "module (B)"]
+    heads += ["A"] if any(r.how != "name" for r in report.rows) else []
+    heads += ["type", "local", "propagated"]
+    heads += ["amplification"] if any(r.amplification is not None for r in report.rows) else []
+    heads += ["grad local", "grad propagated"] if report.meta.get("backward") else []
+    return heads
+
+
+def _html_row(report: Any, index: int, heads: list[str]) -> str:
     r = report.rows[index]
     classes = []
     if r is report.first_divergence or r is report.first_grad_divergence:
         classes.append("first")
     elif any(x is not None and not x.ok for x in (r.local, r.grad_local)):
         classes.append("diverged")
-    elif r.local is not None and r.local.verdict == "identical":
-        classes.append("identical")
+    elif r.local is not None and r.local.verdict == "identical" and not diverged(r):
+        classes.append("identical")  # greyed only when nothing in the row diverged
     name = "&nbsp;" * 2 * r.depth + html.escape(module_label(r.module))
     if r.entry is not None:
         name += f"<br><span class='entry'>enters at {html.escape(str(r.entry))}</span>"
@@ -122,13 +185,15 @@ def _html_row(report: Any, index: int, backward: bool) -> str:
     for d in r.structure:
         name += ("<br><span class='structure'>structure differs at "
                  f"{html.escape(structure_difference(d))}</span>")
-    cells = [str(index), name, html.escape(r.a_module if r.how != "name" else ""),
-             html.escape(r.module_type), html_cell(r.local), html_cell(r.propagated),
-             html.escape(_amplification(r.amplification))]
-    if backward:
-        cells += [html_cell(r.grad_local), html_cell(r.grad_propagated)]
+    cells = {"#": str(index), "module (B)": name,
+             "A": html.escape(r.a_module if r.how != "name" else ""),
+             "type": html.escape(r.module_type), "local": html_cell(r.local),
+             "propagated": html_cell(r.propagated),
+             "amplification": html.escape(_amplification(r.amplification)),
+             "grad local": html_cell(r.grad_local),
+             "grad propagated": html_cell(r.grad_propagated)}
     return (f"<tr class='{' '.join(classes)}' data-row='{index}'>"
-            + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+            + "".join(f"<td>{cells[head]}</td>" for head in heads) + "</tr>")
 
 
 def _amplification(value: float | None) -> str:
@@ -142,6 +207,10 @@ def html_cell(result: Result | None) -> str:
         return "-"
     explanation = html.escape(result.explain(), quote=True)
     return f"<span title='{explanation}'>{html.escape(share_cell(result))}</span>"
+
+
+def _identical(result: Result | None) -> bool:
+    return result is not None and result.verdict == "identical"
 
 
 def _axis_rows(rows: list[Row], most: int = 40) -> list[int]:
@@ -173,8 +242,11 @@ _COLOURS = ("#c0392b", "#2471a3")
 def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
     """Log-scale plot of error / budget per row, one series per ``{name: row attribute}`` (at
     most two: local and propagated, say), with the budget at 1."""
-    series = {name: [headroom(getattr(r, attr)) for r in rows]
-              for name, attr in attributes.items()}
+    # A result bit-identical to A shows "=" in the table: no share is plotted for it (its
+    # error against the golden is A's own), only a hollow mark on the plot's floor.
+    results = {name: [getattr(r, attr) for r in rows] for name, attr in attributes.items()}
+    series = {name: [None if _identical(result) else headroom(result) for result in values]
+              for name, values in results.items()}
     colours = dict(zip(series, _COLOURS, strict=False))
     finite = [v for values in series.values() for v in values
               if v is not None and 0 < v < math.inf]
@@ -211,14 +283,20 @@ def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
             parts.append(f"<polyline class='series-{name}' fill='none' stroke='{colours[name]}' "
                          f"stroke-width='1.5' points='{path}'/>")
     for i, r in enumerate(rows):
-        for name, values in series.items():
-            if values[i] is None:
-                continue
-            label = f"{module_label(r.module)}: {name} error / budget = {ratio(values[i])}"
-            parts.append(
-                f"<circle class='point-{name}' data-module='{html.escape(r.module, quote=True)}' "
-                f"cx='{x(i):.1f}' cy='{y(values[i]):.1f}' r='3' fill='{colours[name]}'>"
-                f"<title>{html.escape(label)}</title></circle>")
+        module = html.escape(r.module, quote=True)
+        for offset, (name, values) in enumerate(series.items()):
+            if _identical(results[name][i]):
+                label = f"{module_label(r.module)}: {name} bit-identical to A (=)"
+                parts.append(
+                    f"<circle class='identical-{name}' data-module='{module}' cx='{x(i):.1f}' "
+                    f"cy='{top + plot_h - 4 - 6 * offset:.1f}' r='2.5' fill='none' "
+                    f"stroke='{colours[name]}'><title>{html.escape(label)}</title></circle>")
+            elif values[i] is not None:
+                label = f"{module_label(r.module)}: {name} error / budget = {ratio(values[i])}"
+                parts.append(
+                    f"<circle class='point-{name}' data-module='{module}' cx='{x(i):.1f}' "
+                    f"cy='{y(values[i]):.1f}' r='3' fill='{colours[name]}'>"
+                    f"<title>{html.escape(label)}</title></circle>")
     for i in labelled:  # module names on the x axis, a faint line at each
         label_y = top + plot_h + 8
         parts.append(f"<line x1='{x(i):.1f}' x2='{x(i):.1f}' y1='{top}' y2='{top + plot_h}' "
@@ -231,6 +309,9 @@ def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
         parts.append(f"<rect x='{left + 140 * offset}' y='{legend_y - 9}' width='10' height='10' "
                      f"fill='{colour}'/><text x='{left + 140 * offset + 14}' y='{legend_y}'>"
                      f"{name}</text>")
+    parts.append(f"<circle cx='{left + 140 * len(colours) + 5}' cy='{legend_y - 4}' r='3' "
+                 f"fill='none' stroke='#555'/><text x='{left + 140 * len(colours) + 14}' "
+                 f"y='{legend_y}'>on the floor: bit-identical to A (=)</text>")
     parts.append("</svg>")
     return "<figure>" + "".join(parts) + "</figure>"
 
