@@ -136,3 +136,20 @@ def make_b_scale() -> tuple:
     model, batch, loss = make_a()
     model.decoder.layers[1].attn.__class__ = AttentionScale
     return model, batch, loss
+
+
+class SeedlessDropout(torch.nn.Module):
+    """Draws a new dropout mask on every call: no generator, no seed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(self.proj(x), p=0.5, training=True)  # planted
+        return h.sum(-1)
+
+
+def make_seedless() -> tuple:
+    torch.manual_seed(0)
+    return SeedlessDropout(), (torch.randn(4, 8, generator=torch.Generator().manual_seed(0)),)

@@ -283,3 +283,28 @@ def test_html_shows_both_sides_lines() -> None:
     answer = answer[:answer.index("</tr>")]
     assert planted_line(plants.LayerNormEps) in answer
     assert "src/torchparity/reference/norms.py:" in answer and "eps 1e-05 (A)" in answer
+
+
+# --- the determinism probe -------------------------------------------------------------------
+
+
+def test_determinism_probe_names_a_seedless_dropout_at_its_line(tmp_path, capsys) -> None:
+    from torchparity import cli
+
+    entry = f"{inspect.getsourcefile(plants)}:make_seedless"
+    assert cli.main(["diagnose", "--determinism", entry, "--json",
+                     str(tmp_path / "d.json")]) == 1
+    found = json.loads((tmp_path / "d.json").read_text())
+    (op,) = found["between_runs"]
+    assert op["name"].startswith("aten::bernoulli")
+    assert planted_line(plants.SeedlessDropout) in op["stack"]
+    assert planted_line(plants.SeedlessDropout) in capsys.readouterr().out
+
+
+def test_determinism_probe_finds_the_zoo_deterministic() -> None:
+    from torchparity.diagnosis.ops.determinism import probe_determinism
+
+    model, batch = model_and_batch("llama-tiny")
+    found = probe_determinism(model.eval(), batch)
+    assert found.deterministic and not found.between_runs, found.lines()
+    assert found.steps > 100

@@ -29,6 +29,7 @@ from torchparity.commands.common import (
 )
 from torchparity.commands.decode_options import add_decode_arguments, decode_options
 from torchparity.commands.diagnose_against import against_base, against_trace
+from torchparity.commands.diagnose_determinism import determinism
 from torchparity.commands.trace_options import (
     add_selection_arguments,
     dtype_option,
@@ -62,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="keep A's side on disk so memory stays bounded (default: when "
                              "the two models take more than a quarter of the free memory)")
+    parser.add_argument("--determinism", action="store_true",
+                        help="run ENTRY twice and under another thread count, and name the "
+                             "ops whose outputs differ between the runs, with their lines "
+                             "(exit 1 when two runs differ)")
     parser.add_argument("--ops", metavar="MODULE",
                         help="drill B's MODULE down to its ops and source lines (default: the "
                              "first divergent module; needs A and B in one process)")
@@ -77,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.determinism:
+        return determinism(args)
     started = time.perf_counter()
     check_paths(args.summary, args.junit)
     name_map = name_rules(args.name_map)

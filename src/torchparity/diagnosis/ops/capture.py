@@ -88,9 +88,11 @@ class Step:
                 tuple((tuple(t.shape), t.dtype) for t in self.outputs.values()))
 
 
-def capture_steps(module: nn.Module, args: tuple, kwargs: dict) -> list[Step]:
-    """Run ``module(*args, **kwargs)`` without gradients and return the steps its own code ran."""
-    recorder = _Recorder(module, sys._getframe())
+def capture_steps(module: nn.Module, args: tuple, kwargs: dict, *, children: bool = True
+                  ) -> list[Step]:
+    """Run ``module(*args, **kwargs)`` without gradients and return the steps its own code ran
+    (``children=False``: every op at any depth, no child module a step of its own)."""
+    recorder = _Recorder(module if children else nn.Module(), sys._getframe())
     with torch.no_grad(), recorder:
         try:
             output = module(*args, **kwargs)
