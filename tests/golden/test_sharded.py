@@ -123,3 +123,23 @@ def test_each_classic_sharding_bug_fails_the_check(tmp_path, capsys, name):
     failed = {output for (backend, dtype, output), verdict in verdicts(report).items()
               if verdict == "diverged" and (backend, dtype) == ("manual", "fp64")}
     assert failed == set(JUDGED)
+
+
+@pytest.mark.gpu
+def test_nccl_ranks_check_like_one_process(tmp_path, capsys, device):
+    import torch
+
+    if torch.device(device).type != "cuda" or torch.cuda.device_count() < 2:
+        pytest.skip("nccl needs a GPU per rank: 2 GPUs; the CPU path (gloo) is tested above")
+    golden = ["--golden-dir", str(tmp_path / "golden")]
+    assert main(["golden", "update", "--model", entry("llama_fsdp_tp"), "--nproc", "2",
+                 *golden]) == 0
+    found = {}
+    for n in (2, 1):
+        report = tmp_path / f"check{n}.json"
+        assert main(["check", "--model", entry("llama_fsdp_tp"), "--nproc", str(n),
+                     "--device", "cuda", "--backend", "manual", "--backend", "sdpa",
+                     "--dtype", "fp32", "--dtype", "bf16", *golden, "--json", str(report)]
+                    ) == 0, capsys.readouterr()
+        found[n] = verdicts(report)
+    assert found[2] == found[1]

@@ -128,7 +128,7 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, per
             for name, param in model.named_parameters():
                 perturbation(name, param.data)
     sharded.mark(f"the sharding of {run_name} (the factory's plan)")
-    model = sharded.shard(subject, model, sharded.device_mesh(subject))
+    model = sharded.shard(subject, model, sharded.device_mesh(subject, cell.device))
     sharded.mark(f"the forward and backward of {run_name}")
 
     def gathered_grads(loss: torch.Tensor) -> dict[str, Any]:

@@ -64,12 +64,13 @@ def collective_timeout() -> float:
 
 
 def device_type() -> str:
-    """``cuda`` when this rank has a GPU of its own (nccl), else ``cpu`` (gloo)."""
+    """``cuda`` when this machine has a GPU for the ranks (nccl joins gloo), else ``cpu``."""
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
 
 
 def join() -> None:
-    """Join the ranks' process group (once): nccl with this rank's GPU, else gloo."""
+    """Join the ranks' process group (once): gloo on the CPU, with nccl for the CUDA tensors
+    where this rank has a GPU of its own (a check's CPU cells still run on gloo)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -81,7 +82,8 @@ def join() -> None:
             raise UsageError(f"nccl needs one GPU per rank: local rank {local}, "
                              f"{torch.cuda.device_count()} GPU(s) here")
         torch.cuda.set_device(local)
-        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout,
+                                device_id=torch.device("cuda", local))
     else:
         dist.init_process_group("gloo", timeout=timeout)
 
@@ -184,12 +186,12 @@ def mesh_sizes(shape: Any, ranks: int, label: str) -> dict[str, int]:
     return sizes
 
 
-def device_mesh(subject: Subject) -> DeviceMesh:
-    """The mesh ``subject``'s factory asks for, over every rank."""
+def device_mesh(subject: Subject, device: str | torch.device) -> DeviceMesh:
+    """The mesh ``subject``'s factory asks for, over every rank, for tensors on ``device``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     sizes = mesh_sizes(subject.mesh, world_size(), subject.entry)
-    return init_device_mesh(device_type(), tuple(sizes.values()),
+    return init_device_mesh(torch.device(device).type, tuple(sizes.values()),
                             mesh_dim_names=tuple(sizes))
 
 
