@@ -81,3 +81,22 @@ def test_a_preallocated_cache_passes():
     check_twins(ut.CachedAttention, ut.CachedAttention, init=HEADS,
                 inputs=lambda a: tpt.decoding_inputs(a["d_model"]),
                 cache=(ut.ConcatCache, ut.PreallocatedCache), dtypes=["fp32", "bf16"])
+
+
+@pytest.mark.transformers
+def test_transformers_llama_attention_eager_and_sdpa_are_twins_under_an_additive_mask():
+    hf = pytest.importorskip("hf_twins")
+    check_twins(hf.LlamaSelfAttention, hf.LlamaSdpaSelfAttention, init=HEADS,
+                inputs=attention_inputs(mask="additive", positions=(0, 4096)),
+                dtypes=["fp32", "bf16"], backends=[None, "sdpa-math"])
+
+
+@pytest.mark.transformers
+def test_transformers_llama_attention_without_a_mask_is_causal_on_sdpa_only():
+    # What the search found: called without a mask, the sdpa implementation is causal (it
+    # passes is_causal for more than one query) and the eager one attends to every key.
+    hf = pytest.importorskip("hf_twins")
+    failure = found(hf.LlamaSelfAttention, hf.LlamaSdpaSelfAttention, init=HEADS,
+                    inputs=attention_inputs(mask="causal"))
+    assert failure.example["init"] == {"n_heads": 1, "n_kv_heads": 1, "d_model": 8}
+    assert failure.example["inputs"]["hidden_states"].shape[:2] == (1, 2)

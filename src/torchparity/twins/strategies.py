@@ -36,10 +36,13 @@ from torchparity.twins.running import Steps
 #: ``key-padding`` (batch, keys), 1 for a real token and 0 for padding (Hugging Face's
 #: ``attention_mask``); ``bool-attend`` (batch, 1, queries, keys), True where a query may
 #: attend (SDPA's); ``bool-masked`` the same inverted (``nn.MultiheadAttention``'s);
-#: ``additive`` the same as a float bias, 0 or the dtype's lowest value; ``causal`` no mask
+#: ``additive`` the same as a float bias, 0 or :data:`MASKED`; ``causal`` no mask
 #: tensor (the module is causal by itself); ``none`` neither padding nor mask.
 MASKS = ("none", "causal", "key-padding", "bool-attend", "bool-masked", "additive")
 PADDINGS = tps.PADDINGS
+#: The additive mask's value at a masked key: fp16's lowest, which every floating dtype holds
+#: (float32's would become -inf in bf16 and fp16, and a fully masked row NaN).
+MASKED = torch.finfo(torch.float16).min
 #: The argument names of :func:`attention_inputs`'s tensors, by role.
 NAMES = {"hidden": "hidden_states", "mask": "attention_mask", "positions": "position_ids"}
 
@@ -104,7 +107,7 @@ def mask_in(convention: str, allow: torch.Tensor, real: torch.Tensor) -> torch.T
     if convention == "bool-masked":
         return ~allow
     if convention == "additive":
-        return torch.zeros(allow.shape).masked_fill(~allow, torch.finfo(torch.float32).min)
+        return torch.zeros(allow.shape).masked_fill(~allow, MASKED)
     raise ValueError(f"unknown mask convention {convention!r}; use one of {', '.join(MASKS)}")
 
 
