@@ -195,7 +195,7 @@ DIAGNOSIS_STAGES = tuple(f"torchparity.diagnosis.{stage}" for stage in (
 #: The modules that call the stages: a diagnosis in one process or across a trace, and one of a
 #: compiled B.
 DIAGNOSIS_PIPELINES = tuple(f"torchparity.diagnosis.{name}" for name in (
-    "api", "compiled_localisation"))
+    "api", "compiled_localisation", "decoding.api"))
 
 
 def test_no_stage_of_a_diagnosis_imports_another(edges: list[Import]) -> None:

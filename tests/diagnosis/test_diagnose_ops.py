@@ -308,3 +308,27 @@ def test_determinism_probe_finds_the_zoo_deterministic() -> None:
     found = probe_determinism(model.eval(), batch)
     assert found.deterministic and not found.between_runs, found.lines()
     assert found.steps > 100
+
+
+# --- a decoding ------------------------------------------------------------------------------
+
+
+def test_decoding_names_the_op_and_line_of_the_unwritten_cache_slot() -> None:
+    """The toy decoder's preallocated cache written one slot off (toy_decoders.py): at the
+    first divergent step, the op is B's write into the buffer or its read of the slot never
+    written, at its line."""
+    from toy_decoders import PreallocatedSelfAttention
+
+    from torchparity.subject.factory import resolve_entry
+
+    toys = inspect.getsourcefile(PreallocatedSelfAttention)
+    clean, changed = (resolve_entry(f"{toys}:{name}")() for name in ("clean", "off_by_one"))
+    report = tp.diagnose_decode(clean["model"], changed["model"], clean["inputs"],
+                                step=clean["step"], steps=4)
+    op = report.to_dict()["decode"]["first_op"]
+    assert report.first_step == 1 and op is not None and op["found"], report.render(100)
+    lines, start = inspect.getsourcelines(PreallocatedSelfAttention.cached)
+    cache_lines = {f"{os.path.relpath(toys)}:{start + i}" for i, line in enumerate(lines)
+                   if "self.k_cache[..., " in line}  # the write and the read of the buffer
+    assert cache_lines & set(op["b_stack"][:1]), op
+    assert "It enters at aten::" in report.summary()

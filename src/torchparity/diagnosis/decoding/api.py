@@ -18,7 +18,8 @@ judges where B would keep other hypotheses). No gradients are taken.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from torchparity.diagnosis.decoding.report import DecodeReport
 from torchparity.diagnosis.decoding.run import DecodeReference, Side, capture_step, record_reference
 from torchparity.diagnosis.decoding.sampling import first_changed_draws
 from torchparity.diagnosis.decoding.trace import decode_meta, open_decode_reference
+from torchparity.diagnosis.ops import capturing_first_call, judged_streams
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.reference import describe_mode, module_placement
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
@@ -132,7 +134,16 @@ def diagnose_decode(
         reference = record_reference(side_a, steps, tokens, MemoryStore(), opts, bar, rebuild,
                                      beams or sample)
         reference.mode = describe_mode(model_a, dtype, reference.has_golden)
-        return judge_candidate(reference, side_b, opts, name_map, bar, cut=cut)
+        report = judge_candidate(reference, side_b, opts, name_map, bar, cut=cut)
+        row = report.first_module
+        if row is not None and not cut:
+            done = bar.phase(f"A and B: step {report.first_step} again, the module's ops")
+            row.ops = judged_streams(row.module, _step_ops(side_a, reference, report.first_step,
+                                                           row.a_module),
+                                     _step_ops(side_b, reference, report.first_step,
+                                               row.module))
+            done()
+        return report
 
 
 @with_older_objects_frozen
@@ -280,6 +291,24 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
     return DecodeReport(steps=steps, first_step=first_step, rows=rows, flips=flips,
                         tokens=reference.tokens, meta=meta, swaps=swaps, nbest=nbest,
                         parents=reference.parents)
+
+
+def _step_ops(side: Side, reference: DecodeReference, step: int, module: str) -> list:
+    """The ops of ``module``'s first call at ``step``, ``side`` decoded again up to it along
+    the reference's tokens (the state it keeps is the decoding's own)."""
+    steps: list = []
+    target = side.model.get_submodule(module.split("#")[0])
+
+    @contextlib.contextmanager
+    def during(s: int) -> Iterator[None]:
+        if s != step:
+            yield
+            return
+        with capturing_first_call(target, steps):
+            yield
+
+    side.decode(step, reference.tokens, reference.parents, during=during)
+    return steps
 
 
 def _needs_float64(reference: DecodeReference, logits: list[torch.Tensor]) -> bool:

@@ -101,6 +101,8 @@ class DecodeReport(Report):
                                  f"{self.first_step}: {row.entry.argument} {row.entry.detail}.")
                 elif row.entry is not None:
                     parts.append(row.entry.sentence())
+                if row.ops is not None:
+                    parts.append(row.ops.sentence())
             elif self.rows:
                 parts.append("No module's output leaves its budget at that step.")
         real = sum(f.verdict == "real change" for f in self.flips)
@@ -159,6 +161,7 @@ class DecodeReport(Report):
                 "entry": None if row is None or row.entry is None else {
                     "argument": row.entry.argument, "detail": row.entry.detail,
                     "via": row.entry.via},
+                "first_op": None if row is None or row.ops is None else row.ops.to_dict(),
                 "prompt": self.steps[0].verdict,
                 "flips": [f.to_dict() for f in self.flips],
                 "beams": self.meta.get("beams"),

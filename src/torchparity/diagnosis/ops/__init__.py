@@ -18,14 +18,14 @@ from torchparity.diagnosis.align import Match
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.ops.align import align_steps
-from torchparity.diagnosis.ops.capture import Step, capture_steps
+from torchparity.diagnosis.ops.capture import Step, capture_steps, capturing_first_call
 from torchparity.diagnosis.ops.judge import judge_ops
 from torchparity.diagnosis.ops.report import OpReport
 from torchparity.diagnosis.run import GOLDEN_DTYPE, Options, backend_context, placed, rebind
 from torchparity.diagnosis.state import states_within
 from torchparity.subject.running import seeded, upcast
 
-__all__ = ["OpReport", "drill_down"]
+__all__ = ["OpReport", "capturing_first_call", "drill_down", "judged_streams"]
 
 
 def drill_down(reference: Reference, match: Match, model_a: nn.Module, model_b: nn.Module,
@@ -54,6 +54,14 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module, model_b: 
                              module_padding(reference.padding, a_call.name),
                              module_diverged=diverged)
     return OpReport(b_call.name, lines, first, notes)
+
+
+def judged_streams(module: str, a_steps: list[Step], b_steps: list[Step]) -> OpReport:
+    """Two captured calls (a decoding step's module, A's and B's) aligned and judged, A's
+    outputs standing in for the golden's where a golden stream was not captured."""
+    lines, first = judge_ops(align_steps(a_steps, b_steps), {})
+    notes = [] if a_steps else ["A's call of the module was not captured"]
+    return OpReport(module, lines, first, notes)
 
 
 def _golden_steps(module: nn.Module, inputs: tuple[tuple, dict], opts: Options

@@ -13,10 +13,11 @@ the user's code it ran (frames outside torch and torchparity, innermost first).
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -26,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["Frame", "Step", "capture_steps"]
+__all__ = ["Frame", "Step", "capture_steps", "capturing_first_call"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep
@@ -102,6 +103,35 @@ def capture_steps(module: nn.Module, args: tuple, kwargs: dict, *, children: boo
         if index is not None:
             recorder.steps[index].returned = True
     return recorder.steps
+
+
+@contextlib.contextmanager
+def capturing_first_call(module: nn.Module, into: list[Step]) -> Iterator[None]:
+    """Within the block, the steps of ``module``'s first call (made by whatever runs it: a
+    decoding step) are appended to ``into``."""
+    recorder: list[_Recorder] = []
+
+    def entering(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not recorder:  # the frame that calls forward bounds the stacks
+            recorder.append(_Recorder(module, sys._getframe(1)))
+            recorder[0].__enter__()
+
+    def leaving(_module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
+        if recorder and not into:
+            recorder[0].__exit__(None, None, None)
+            recorder[0].remove_hooks()
+            for index in recorder[0]._producers(output):
+                if index is not None:
+                    recorder[0].steps[index].returned = True
+            into.extend(recorder[0].steps)
+
+    handles = [module.register_forward_pre_hook(entering, with_kwargs=True),
+               module.register_forward_hook(leaving, with_kwargs=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def copied(value: Any) -> Any:
