@@ -325,7 +325,7 @@ def test_a_planted_change_fails_naming_output_and_cell(models, tmp_path, capsys,
     failed = {(r["backend"], r["dtype"], r["output"]) for r in rows if not r["ok"]}
     assert ("manual", "fp64", "outputs") in failed
     assert {r["verdict"] for r in rows if not r["ok"]} == {"diverged"}
-    assert f"FAIL models.{entry} manual fp64 cpu outputs: diverged" in capsys.readouterr().out
+    assert f"FAIL models.{entry} reference fp64 cpu outputs: diverged" in capsys.readouterr().out
 
 
 def test_a_model_without_sdpa_calls_has_its_backend_cells_na(models, tmp_path):
@@ -426,7 +426,7 @@ def test_the_pytest_fixture_gives_one_test_per_cell(models, tmp_path, pytester):
     # The changed model fails in the reference cell; its sdpa cell is n/a (no SDPA call).
     result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(["*test_model?changed-manual-fp64-cpu?*",
-                                 "*FAIL models.without_sdpa manual fp64 cpu outputs: diverged*"])
+                                 "*FAIL models.without_sdpa reference fp64 cpu outputs: diverged*"])
 
 
 def test_bench_times_each_backend_and_the_check_of_a_users_model(models, tmp_path):

@@ -64,18 +64,18 @@ def test_check_base_fails_a_real_change_passes_a_reordered_sum_and_reuses_the_ba
     out, err = capsys.readouterr()
     assert toy_repo.state(repo) == before
     assert "goldens made in" in err and "from the cache" not in err
-    assert "FAIL models.make manual fp64 cpu outputs: diverged" in out
+    assert "FAIL models.make reference fp64 cpu outputs: diverged" in out
 
     lines = summary.read_text().splitlines()
     assert len(lines) <= 40 and "❌" in lines[0]
     # A plain sentence first, then the exact command that finds the module that changed.
     assert lines[2].startswith("The outputs of `models.make` changed: ")
     assert lines[4] == "Next: `torchparity diagnose models.py:make --base HEAD`"
-    assert any("`models.make` | manual fp64 cpu | outputs | diverged" in line for line in lines)
+    assert any("`models.make` | reference fp64 cpu | outputs | diverged" in line for line in lines)
     cases = ET.parse(junit).getroot().iter("testcase")
     verdicts = {case.get("name"): (case.find("properties/property").get("value"),
                                    case.find("failure") is not None) for case in cases}
-    assert verdicts["manual fp64 cpu outputs"] == ("diverged", True)
+    assert verdicts["reference fp64 cpu outputs"] == ("diverged", True)
     assert all(verdict in ("identical", "within", "diverged") and failed == (
         verdict == "diverged") for verdict, failed in verdicts.values())
 

@@ -138,12 +138,18 @@ def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
     real = sum(f.verdict == "real change" for f in report.flips)
     if report.ok:
         verdict = "PASS: no step leaves its budget and no token flip is a real change"
+        headline = "The generation did not change beyond the rounding its budget allows."
     elif row is not None:
         verdict = f"FAIL: the first module leaving its budget is `{report.first_module_label}`"
+        headline = (f"The generation changed from step {report.first_step} on; the first "
+                    f"module to leave its budget is `{report.first_module_label}` "
+                    f"({row.module_type}).")
     elif report.first_step is not None:
         verdict = f"FAIL: step {report.first_step}'s logits leave their budget"
+        headline = f"The generation's logits changed from step {report.first_step} on."
     else:
         verdict = f"FAIL: {real} token flip(s) are real changes"
+        headline = f"The generation changed: {real} token flip(s) are real changes."
     findings = report.findings() + [
         f"Sequence {f.sequence} at step {f.step}: A's token {f.a_token}, B's {f.b_token}, "
         f"A's margin {f.margin:.3g}, B's change {f.change:.3g}: {f.verdict}"
@@ -165,12 +171,17 @@ def _decode_outcome(report: DecodeReport, subject: str) -> Outcome:
                    r.propagated.explain())
               for r in report.rows]
     return Outcome("torchparity diagnose --decode", subject, report.ok, verdict, findings,
-                   heads, rows, cases, [] if report.ok else [report.summary()])
+                   heads, rows, cases, [] if report.ok else [report.summary()],
+                   headline=headline, legend=DECODE_LEGEND)
 
 
 #: What the check summary's table says.
 CHECK_LEGEND = ("budget used: the largest share of its tolerance budget an output used (over "
                 "100%: diverged); ≡: bit-identical to the baseline")
+#: What the decoding summary's cells say.
+DECODE_LEGEND = ("inputs, output: the module's inputs and output at that step, B against the "
+                 "golden; =: bit-identical to A; a number: the share of its budget used; X n: "
+                 "diverged, using n times its budget; -: not compared")
 #: What the diagnosis summary's cells say.
 DIAGNOSIS_LEGEND = ("local: B's module fed A's inputs; propagated: B's module in B's own run. "
                     "=: bit-identical to A; a number: the share of its budget used; X n: "

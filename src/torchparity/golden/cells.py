@@ -31,8 +31,11 @@ class Cell:
 
     @property
     def label(self) -> str:
+        """``sdpa bf16 cpu``; the reference cell is ``reference fp64 cpu`` wherever it is
+        named, as in the check table's column (it runs the manual backend)."""
         compiled = f" compiled {self.compile}" if self.compile else ""
-        return f"{self.backend} {self.dtype} {self.device}{compiled}"
+        backend = "reference" if self == REFERENCE else self.backend
+        return f"{backend} {self.dtype} {self.device}{compiled}"
 
     def __str__(self) -> str:  # a pytest id
         return f"{self.backend}-{self.dtype}-{self.device}" + (f"-{self.compile}"

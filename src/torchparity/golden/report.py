@@ -96,6 +96,8 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
         for line in wrap(text, width):
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
+    for line in reference_lines(results):  # a change of the model itself, said first
+        say(line)
     if (header := machines.header()) is not None:
         say(header)
 
@@ -149,6 +151,20 @@ COARSE = 1.0
 #: What a cell with such a sensitivity is marked with.
 COARSE_NOTE = ("coarse: an output of this cell would only have flagged a change larger "
                "than its golden's own scale (see Sensitivity below)")
+
+
+def reference_lines(results: list[CheckResult]) -> list[str]:
+    """First, per case whose reference cell failed: the model's own float64 outputs no
+    longer match its goldens, a change of the model rather than of a backend or dtype; the
+    other cells' verdicts are then against goldens of another model."""
+    failed: dict[str, list[str]] = {}
+    for r in results:
+        if r.cell == REFERENCE and not r.ok:
+            failed.setdefault(r.case, []).append(f"{r.output} {r.verdict}")
+    return [f"The model's outputs changed: {case}'s {REFERENCE.label} cell (the manual "
+            f"backend in float64) no longer matches its goldens ({', '.join(outputs)}). That "
+            "is a change of the model's math, not of a backend or dtype; the other cells are "
+            "judged against the same goldens." for case, outputs in failed.items()]
 
 
 def _left_out_lines(results: list[CheckResult]) -> list[str]:
