@@ -332,3 +332,30 @@ def test_decoding_names_the_op_and_line_of_the_unwritten_cache_slot() -> None:
                    if "self.k_cache[..., " in line}  # the write and the read of the buffer
     assert cache_lines & set(op["b_stack"][:1]), op
     assert "It enters at aten::" in report.summary()
+
+
+def test_long_streams_align_by_signature_and_still_account_for_every_step(monkeypatch) -> None:
+    from torchparity.diagnosis.ops import align
+
+    monkeypatch.setattr(align, "_LARGEST_TABLE", 0)  # the fallback of very long streams
+    a, b = steps(Unfused()), steps(Fused())
+    pairs = align_steps(a, b)
+    assert sorted(p.a.index for p in pairs if p.a is not None) == list(range(len(a)))
+    assert sorted(p.b.index for p in pairs if p.b is not None) == list(range(len(b)))
+
+
+def test_a_failing_drill_down_leaves_the_diagnosis_whole(monkeypatch) -> None:
+    import torchparity.diagnosis.ops as ops
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a tensor subclass the capture cannot copy")
+
+    monkeypatch.setattr(ops, "capture_steps", broken)
+    model_a, batch = model_and_batch("rotary-interleaved")
+    model_b = copy.deepcopy(model_a)
+    model_b.decoder.layers[0].attn_norm.__class__ = plants.LayerNormEps
+    report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, backward=False)
+    assert report.first_divergence.module == "decoder.layers.0.attn_norm"
+    assert report.first_divergence.ops is None
+    assert "op drill-down failed: RuntimeError: a tensor subclass the capture cannot copy" in \
+        report.first_divergence.notes

@@ -71,6 +71,7 @@ from torchparity.diagnosis.trace import (
     open_trace,
 )
 from torchparity.errors import UsageError
+from torchparity.subject.factory import first_line
 from torchparity.subject.decoding import ReorderFn, StepFn
 from torchparity.subject.padding import PaddingLike, padding_of
 from torchparity.subject.running import Inputs, LossFn, check_models, in_dtype
@@ -353,12 +354,15 @@ def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Mod
         return
     done = bar.phase("A, golden and B: the module's ops")
     row = rows[index]
-    found = drill_down(reference, matches[index], model_a, model_b, opts,
-                       diverged=row.local is not None and not row.local.ok)
-    parent = _parent_row(rows, index)
-    if not isinstance(found, str) and not found.has_source and parent is not None:
-        # a library module (nn.Linear) has no line of its own: its caller's code does
-        found = drill_down(reference, matches[parent], model_a, model_b, opts)
+    try:
+        found = drill_down(reference, matches[index], model_a, model_b, opts,
+                           diverged=row.local is not None and not row.local.ok)
+        parent = _parent_row(rows, index)
+        if not isinstance(found, str) and not found.has_source and parent is not None:
+            # a library module (nn.Linear) has no line of its own: its caller's code does
+            found = drill_down(reference, matches[parent], model_a, model_b, opts)
+    except Exception as exc:  # noqa: BLE001 - the module's verdicts stand without it
+        found = f"op drill-down failed: {type(exc).__name__}: {first_line(exc)}"
     done()
     if isinstance(found, str):
         row.notes.append(found)

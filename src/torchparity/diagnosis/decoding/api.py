@@ -138,10 +138,12 @@ def diagnose_decode(
         row = report.first_module
         if row is not None and not cut:
             done = bar.phase(f"A and B: step {report.first_step} again, the module's ops")
-            row.ops = judged_streams(row.module, _step_ops(side_a, reference, report.first_step,
-                                                           row.a_module),
-                                     _step_ops(side_b, reference, report.first_step,
-                                               row.module))
+            try:
+                row.ops = judged_streams(
+                    row.module, _step_ops(side_a, reference, report.first_step, row.a_module),
+                    _step_ops(side_b, reference, report.first_step, row.module))
+            except Exception as exc:  # noqa: BLE001 - the step's verdicts stand without it
+                row.notes.append(f"op drill-down failed: {type(exc).__name__}: {exc}")
             done()
         return report
 
