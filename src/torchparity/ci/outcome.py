@@ -76,7 +76,7 @@ def check_outcome(results: list[CheckResult], subject: str,
                                           f", {_of_budget(first.headroom)}") +
                     " (the JUnit report has the full message)"]
         heads = ["model", "cell", "output", "verdict", "budget used"]
-        rows = [[f"`{r.case}`", r.cell.label, r.output, r.verdict,
+        rows = [[f"`{r.case}`", r.cell.label, r.output, r.plain_verdict,
                  "-" if r.headroom is None else budget_share(r.headroom)] for r in failed]
     else:
         verdict = (f"PASS: {len(results)} outputs in {len(cells)} cells within their "
@@ -87,7 +87,8 @@ def check_outcome(results: list[CheckResult], subject: str,
         heads = ["model", "cell", "verdict", "most budget used"]
         rows = [_cell_row(case, cell, [r for r in results if (r.case, r.cell) == (case, cell)])
                 for case, cell in dict.fromkeys((r.case, r.cell) for r in results)]
-    cases = [Case(f"torchparity.check.{r.case}", f"{r.cell.label} {r.output}", r.verdict, r.ok,
+    cases = [Case(f"torchparity.check.{r.case}", f"{r.cell.label} {r.output}", r.plain_verdict,
+                  r.ok,
                   message="" if r.ok else (r.explain or r.reason or r.verdict),
                   skipped=r.reason if r.verdict == "n/a" else None) for r in results]
     alerts = [f"{case.suite.removeprefix('torchparity.check.')} {case.name}: {case.message}"
@@ -203,13 +204,14 @@ def _verdict_words(failed: list[CheckResult]) -> str:
 
 def _cell_row(case: str, cell: Any, results: list[CheckResult]) -> list[str]:
     """A passing cell: ``within`` and the most budget used, or ``identical`` (≡, as in the
-    terminal's table), or ``n/a``; ``, n/a in part`` where some outputs could not run."""
+    terminal's table), or ``could not run``; ``, could not run in part`` where some of its
+    outputs could not."""
     compared = [r for r in results if r.verdict != "n/a"]
     if not compared:
-        return [f"`{case}`", cell.label, "n/a", "-"]
+        return [f"`{case}`", cell.label, "could not run", "-"]
     identical = all(r.verdict == "identical" for r in compared)
     verdict = ("identical" if identical else "within") + (
-        ", n/a in part" if len(compared) < len(results) else "")
+        ", could not run in part" if len(compared) < len(results) else "")
     used = max((r.headroom for r in compared if r.headroom is not None), default=None)
     return [f"`{case}`", cell.label, verdict,
             "≡" if identical or used is None else budget_share(used)]
@@ -231,6 +233,8 @@ def _module_case(row: Row, first: Row | None) -> Case:
                    f"budget), inherited: its own local error is {own}{source}. "
                    f"{propagated.explain()}")
         return Case("torchparity.diagnose", name, propagated.verdict, False, message)
+    if row.structure:  # told apart from a numeric verdict, as every report does
+        return Case("torchparity.diagnose", name, "structure differs", True)
     compared = [r for r in (local, propagated) if r is not None]
     verdicts = {r.verdict for r in compared}
     verdict = next((v for v in ("within", "not compared", "identical") if v in verdicts), "-")

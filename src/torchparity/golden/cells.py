@@ -88,12 +88,33 @@ class CheckResult:
     def cell(self) -> Cell:
         return Cell(self.backend, self.dtype, self.device, self.compile)
 
+    @property
+    def plain_verdict(self) -> str:
+        """The verdict in the words every report shares (:data:`PLAIN_VERDICTS`)."""
+        return plain_verdict(self.verdict)
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict; an infinite headroom becomes the string "inf"."""
+        """A JSON-serialisable dict; an infinite headroom becomes the string "inf"; with the
+        verdict also in the words every report shares (``plain_verdict``)."""
         data = asdict(self)
         if data["headroom"] is not None and data["headroom"] == float("inf"):
             data["headroom"] = "inf"
+        data["plain_verdict"] = self.plain_verdict
         return data
+
+
+#: The verdicts every report (terminal, JSON, Markdown, JUnit, HTML) names, check and diagnose.
+PLAIN_VERDICTS = ("identical", "within", "diverged", "structure differs", "not compared",
+                  "could not run")
+#: A check's own verdicts that say something more specific, in those words: a cell that cannot
+#: run here, and goldens made from other weights or inputs (the outputs are not comparable).
+_PLAIN = {"n/a": "could not run", "init changed": "not compared",
+          "inputs changed": "not compared"}
+
+
+def plain_verdict(verdict: str) -> str:
+    """``verdict`` (a check's or a comparison's) as one of :data:`PLAIN_VERDICTS`."""
+    return _PLAIN.get(verdict, verdict)
 
 
 @dataclass
