@@ -16,6 +16,7 @@ from torchparity.reference.layers import TransformerLayer
 from torchparity.reference.mlp import MLP
 from torchparity.reference.norms import LayerNorm, RMSNorm
 from torchparity.reference.positions import apply_rotary
+from torchparity.reference.variants import PreallocatedKVCache
 
 
 class RMSNormEps(RMSNorm):
@@ -153,3 +154,19 @@ class SeedlessDropout(torch.nn.Module):
 def make_seedless() -> tuple:
     torch.manual_seed(0)
     return SeedlessDropout(), (torch.randn(4, 8, generator=torch.Generator().manual_seed(0)),)
+
+
+class CacheWrittenOneOff(PreallocatedKVCache):
+    """The ``preallocated-cache`` twin's cache with its key written one slot further than read."""
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.lengths.get(layer, 0)
+        stop = start + k.shape[-2]
+        if stop + 1 > self.capacity(layer):
+            self._grow(layer, k, v, -(-(stop + 1) // self.chunk) * self.chunk)
+        buf_k, buf_v = self.buffers[layer]
+        buf_k[..., start + 1:stop + 1, :] = k  # planted
+        buf_v[..., start:stop, :] = v
+        self.lengths[layer] = stop
+        return buf_k[..., :stop, :], buf_v[..., :stop, :]  # read

@@ -359,3 +359,21 @@ def test_a_failing_drill_down_leaves_the_diagnosis_whole(monkeypatch) -> None:
     assert report.first_divergence.ops is None
     assert "op drill-down failed: RuntimeError: a tensor subclass the capture cannot copy" in \
         report.first_divergence.notes
+
+
+@pytest.mark.slow
+def test_decoding_names_the_write_or_read_of_the_preallocated_cache_one_off() -> None:
+    import functools
+
+    model_a, _ = model_and_batch("llama-tiny")
+    config = zoo.get("llama-tiny").config
+    prompt = zoo.make_batch(config, batch_size=2, seq_len=6, seed=0, padding="none")
+    model_b = copy.deepcopy(model_a.eval())
+    model_b.new_cache = functools.partial(plants.CacheWrittenOneOff, chunk=4)
+    report = tp.diagnose_decode(model_a, model_b, prompt, steps=2)
+    op = report.to_dict()["decode"]["first_op"]
+    assert op is not None and op["found"], report.render(100)
+    lines, start = inspect.getsourcelines(plants.CacheWrittenOneOff)
+    write_or_read = {f"{os.path.relpath(inspect.getsourcefile(plants))}:{start + i}"
+                     for i, line in enumerate(lines) if "# planted" in line or "# read" in line}
+    assert write_or_read & set(op["b_stack"][:1]), op
