@@ -198,3 +198,58 @@ def test_a_failing_diagnosis_whose_output_is_within_says_why_it_fails() -> None:
         f"Verdict: fail (exit 1): the local gradient error of "
         f"{report.first_grad_divergence.module} breaks its budget, although the output "
         "stays within its budget: the backward pass differs, the forward pass does not.")
+
+
+class _MaskedAttention(nn.Module):
+    """Scores plus an additive mask; A's caller sizes the mask to a preallocated cache of
+    ``keys`` positions and the module takes the first ones, B's sizes it to the sequence."""
+
+    def __init__(self, sliced: bool) -> None:
+        super().__init__()
+        self.proj, self.sliced = nn.Linear(DIM, DIM), sliced
+
+    def forward(self, x, mask):
+        scores = x @ self.proj(x).transpose(-1, -2)
+        scores = scores + (mask[..., :x.shape[-2]] if self.sliced else mask)
+        return scores.softmax(-1) @ x
+
+
+class _Masked(nn.Module):
+    def __init__(self, revised: bool, keys: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(DIM, DIM)
+        self.attn, self.keys, self.revised = _MaskedAttention(not revised), keys, revised
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x):
+        length = x.shape[-2]
+        width = length if self.revised else self.keys
+        mask = torch.full((length, width), float("-inf")).triu(1)
+        return self.head(self.attn(self.pre(x), mask))
+
+
+@pytest.mark.parametrize("changed, depends", [(None, "could depend on them"),
+                                             ("head", "could depend on them"),
+                                             ("pre", "does not depend on them: pre diverges "
+                                                     "before them")])
+def test_a_module_that_cannot_be_replayed_says_its_local_error_is_unknown(changed,
+                                                                          depends) -> None:
+    """A's attention gets a mask of 16 keys, B's one of 5: B's attention cannot be fed A's
+    recorded arguments. Its row says its local error is unknown, and the summary says
+    whether the verdict could depend on it: not when a module before it diverges."""
+    x = torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(1))
+    a, b = _Masked(False), _Masked(True)
+    if changed:
+        with torch.no_grad():
+            getattr(b, changed).bias.add_(1.0)
+    report = tp.diagnose(a, b, (x,), backward=False, local="all")
+    attn = report.row("attn")
+    assert attn.local is None
+    assert any(note.startswith("local error unknown: replay of B's module on A's recorded "
+                               "inputs failed (RuntimeError") for note in attn.notes)
+    assert "attn: local error unknown" in " ".join(report.render().split())
+    summary = report.summary()
+    assert "The local error of 1 module(s) is unknown, their replay on A's inputs failed " \
+           f"(attn); the verdict {depends}" in summary
+    assert (report.first_divergence is not None) == (changed is not None)

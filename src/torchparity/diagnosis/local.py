@@ -16,7 +16,7 @@ from torchparity.diagnosis.capture import ModuleCall
 from torchparity.diagnosis.judging import joined
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
-from torchparity.diagnosis.results import Result, Row
+from torchparity.diagnosis.results import UNKNOWN_LOCAL, Result, Row
 from torchparity.diagnosis.run import Options, placed, rebind, replay
 from torchparity.diagnosis.trace import ReplayUnavailable
 
@@ -78,4 +78,8 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
     except ReplayUnavailable as exc:
         return None, None, f"not replayable: {exc}"
     except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
-        return None, None, f"replay of B's module failed: {type(exc).__name__}: {exc}"
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        return None, None, (f"{UNKNOWN_LOCAL}: replay of B's module on A's recorded inputs "
+                            f"failed ({detail}); A's arguments may not fit B (an argument "
+                            "renamed or moved, a mask sized to another cache length), so "
+                            "whether this module itself changed the result is not known")

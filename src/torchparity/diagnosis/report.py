@@ -26,6 +26,7 @@ from torchparity.diagnosis.results import (
     shape_difference,
     share_cell,
     structure_difference,
+    unknown_local,
 )
 
 __all__ = ["AttributionReport", "DiagnosisReport", "Report", "Unit"]
@@ -151,10 +152,31 @@ class DiagnosisReport(Report):
             parts.append(f"Final output: {self.output.verdict}{paths}.")
         if self.meta.get("below_noise"):
             parts.append(f"But {self.meta['below_noise']}.")
+        if (unknown := self._unknown_sentence()) is not None:
+            parts.append(unknown)
         parts.append(self._verdict_sentence())
         if self.meta.get("mode"):
             parts.append(f"Mode: {self.meta['mode']}.")
         return parts
+
+    def _unknown_sentence(self) -> str | None:
+        """The modules whose local error is unknown (their replay failed), and whether the
+        verdict could depend on them: it could unless a module before them already
+        diverges, since any of them may be where the change is."""
+        unknown = [r for r in self.rows if unknown_local(r)]
+        if not unknown:
+            return None
+        names = ", ".join(module_label(r.module) for r in unknown[:3])
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        first = self.first_divergence
+        if first is not None and first.start < min(r.start for r in unknown):
+            depends = (f"the verdict does not depend on them: {module_label(first.module)} "
+                       "diverges before them")
+        else:
+            depends = ("the verdict could depend on them: a change inside them would be "
+                       "missed or placed elsewhere")
+        return (f"The local error of {len(unknown)} module(s) is unknown, their replay on "
+                f"A's inputs failed ({names}{more}); {depends}.")
 
     def _verdict_sentence(self) -> str:
         """Why the diagnosis passes or fails, whatever the final output says: a module's

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Bounded", "Entry", "Mismatch", "NotCompared", "Result", "Row"]
 
+#: How a row's note begins when its module could not be replayed: its local error is unknown.
+UNKNOWN_LOCAL = "local error unknown"
+
 
 class Result(Protocol):
     """What a row holds per comparison: a :class:`torchparity.comparison.Comparison` or a
@@ -259,6 +262,12 @@ def shape_difference(difference: Any) -> str:
     """``shape differs at output.1: (1, 2, 1, 11) vs (1, 2, 1, 12) (A vs B)``."""
     return (f"shape differs at {difference.path}: {format_shape(difference.golden)} vs "
             f"{format_shape(difference.candidate)} (A vs B)")
+
+
+def unknown_local(row: Row) -> bool:
+    """Whether the row's module was to be replayed and could not be: its local error is
+    not known (the row's note says why)."""
+    return row.local is None and any(note.startswith(UNKNOWN_LOCAL) for note in row.notes)
 
 
 def diverged(row: Row) -> bool:
