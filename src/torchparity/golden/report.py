@@ -163,8 +163,10 @@ def reference_lines(results: list[CheckResult]) -> list[str]:
             failed.setdefault(r.case, []).append(f"{r.output} {r.verdict}")
     return [f"The model's outputs changed: {case}'s {REFERENCE.label} cell (the manual "
             f"backend in float64) no longer matches its goldens ({', '.join(outputs)}). That "
-            "is a change of the model's math, not of a backend or dtype; the other cells are "
-            "judged against the same goldens." for case, outputs in failed.items()]
+            "is a change of the model's math, not of a backend or dtype. The other cells are "
+            "judged against the same goldens, with budgets earned by this revision's "
+            "baselines, which carry the change: wider than their cells normally allow (the "
+            "Sensitivity line says how wide)." for case, outputs in failed.items()]
 
 
 def _left_out_lines(results: list[CheckResult]) -> list[str]:
