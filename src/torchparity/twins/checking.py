@@ -45,7 +45,8 @@ def check(old: Buildable, new: Buildable, inputs: Inputs, *, dtype: str | torch.
     old_cache, new_cache = cache if isinstance(cache, tuple) else (cache, cache)
     old_module, new_module = building.build(old, new, init=init, seed=seed,
                                             weight_map=weight_map)
-    old_module.eval(), new_module.eval()
+    old_module.eval()
+    new_module.eval()
     rounded = running.cast(inputs, target)
     grads = grads and not isinstance(inputs, Steps)
     old_in_dtype = building.copy_in(old_module, target)

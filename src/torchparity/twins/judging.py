@@ -10,7 +10,9 @@ within the budget of one of them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,13 +60,15 @@ def judge(candidate: Run, golden: Run, baselines: list[Run], rerun: Run, *,
     return TwinVerdict(forward, grads, dtype, backend)
 
 
-def _best(candidate, golden, baselines, rerun, kind, padding) -> Comparison:
+def _best(candidate: Any, golden: Any, baselines: list[Any], rerun: Any, kind: str,
+          padding: torch.Tensor | None) -> Comparison:
+    """The first baseline's comparison that passes, else the first one's."""
     results = [compare(candidate, golden, baseline, kind, reruns=[rerun], padding=padding)
                for baseline in baselines]
     return next((result for result in results if result.ok), results[0])
 
 
-def _shared_grads(a: dict, b: dict):
+def _shared_grads(a: dict, b: dict) -> Callable[[dict], dict]:
     """Gradients are compared under the names both sides have (a map function may leave some
     of the new module's parameters without an old name)."""
     names = {group: set(a[group]) & set(b[group]) for group in a}

@@ -34,7 +34,10 @@ def entry(obj: Any, label: str) -> str:
         raise NotRebuildable(f"the {label} is a module instance; pass its class or a factory "
                              f"(with init=) to get a reproducer")
     name = getattr(obj, "__qualname__", "")
-    path = inspect.getsourcefile(obj) if callable(obj) else None
+    try:
+        path = inspect.getsourcefile(obj)
+    except TypeError:  # a builtin, a functools.partial, an instance with __call__
+        path = None
     if not name or "<" in name or "." in name or path is None:
         raise NotRebuildable(f"the {label} {name or obj!r} is not defined at the top of a file; "
                              "define it there to get a reproducer")

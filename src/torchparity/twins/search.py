@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -86,6 +87,6 @@ def one_thread() -> Iterator[None]:
 
 
 def _name(side: Any) -> str:
-    kind = side if isinstance(side, type) or callable(side) and not hasattr(side, "forward") \
-        else type(side)
+    """A class's or factory's dotted name (a module instance's class's)."""
+    kind = type(side) if isinstance(side, nn.Module) else side
     return f"{getattr(kind, '__module__', '')}.{getattr(kind, '__qualname__', repr(kind))}"

@@ -73,7 +73,8 @@ def _strategy(value: Range, drawn: dict) -> SearchStrategy:
 @st.composite
 def constructor_args(draw: st.DrawFn, **ranges: Range) -> dict[str, Any]:
     """Keyword arguments of a module's constructor, drawn in the order given: ``(lo, hi)``
-    integers, a list to choose from (the first is the simplest), a strategy, a plain value,
+    integers (a tuple of two ints), a list to choose from (the first is the simplest), a
+    strategy, a plain value,
     or a function of the arguments drawn so far (``n_kv_heads=lambda a: divisors(a["n_heads"])``).
     """
     drawn: dict[str, Any] = {}
