@@ -60,6 +60,7 @@ def test_the_zoo_check_fits_80_columns_and_says_every_note_whole(tmp_path, capsy
     for output, note in notes:
         assert text.count(f"{output}: {note}") == 1  # once, for every case it holds for
     assert "unknown machine" not in text
+    assert "torchparity check: each cell's verdict and the most of its budget used" in lines
     assert "≡ bit-identical to the baseline, ✓ within its budget, ✗ diverged" in text
     assert text.startswith("goldens made on a machine they do not record") or \
         text.startswith("torchparity check:")

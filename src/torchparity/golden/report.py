@@ -120,8 +120,7 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
                      and (case, cell) in by_cell]
             row.append("\n".join(lines))
         rows.append(row)
-    say("torchparity check: each cell's verdict and the largest share of its tolerance "
-        "budget an output used")
+    say("torchparity check: each cell's verdict and the most of its budget used")
     say(LEGEND)
     for table in folded(None, ["case", "reference", *columns], rows, width):
         print_table(console, table, width)
