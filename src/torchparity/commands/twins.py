@@ -7,6 +7,7 @@ import argparse
 
 from torchparity.backends import names as backend_names
 from torchparity.dtypes import CASTABLE, dtype_name
+from torchparity.twins.strategies import MASKS
 
 AS_WRITTEN = "none"
 
@@ -34,9 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", action="append", default=[], metavar="ENTRY",
                         help="cache factory of a decoding twin, passed as cache=; give it "
                              "twice for the old side's and the new side's")
-    parser.add_argument("--mask", default="key-padding",
-                        choices=["none", "causal", "key-padding", "bool-attend", "bool-masked",
-                                 "additive"],
+    parser.add_argument("--mask", default="key-padding", choices=MASKS,
                         help="mask convention of --inputs attention (default key-padding)")
     parser.add_argument("--positions", metavar="LO,HI",
                         help="--inputs attention also passes position_ids from an offset "

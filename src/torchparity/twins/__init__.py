@@ -7,7 +7,9 @@ smallest example and prints a script that reproduces it. One module per step:
 :mod:`~torchparity.twins.building` (both with the same weights),
 :mod:`~torchparity.twins.running` (forward, steps and backward),
 :mod:`~torchparity.twins.judging` (the verdict), :mod:`~torchparity.twins.checking` (one
-check), :mod:`~torchparity.twins.reproducer` (the script). See docs/twins.md.
+check), :mod:`~torchparity.twins.reproducer` (the script), :mod:`~torchparity.twins.search`
+and :mod:`~torchparity.twins.strategies` (the search), :mod:`~torchparity.twins.shell` (the
+command). See docs/twins.md.
 """
 
 from torchparity.twins.checking import TwinFailure, assert_twins, check
