@@ -170,3 +170,12 @@ class CacheWrittenOneOff(PreallocatedKVCache):
         buf_v[..., start:stop, :] = v
         self.lengths[layer] = stop
         return buf_k[..., :stop, :], buf_v[..., :stop, :]  # read
+
+
+class RMSNormHalfGradient(RMSNorm):
+    """The same forward; the statistics' gradient halved (one factor of the square detached)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt((h * h.detach()).mean(-1, keepdim=True) + self.eps)  # planted
+        return self.weight * h.to(x.dtype)

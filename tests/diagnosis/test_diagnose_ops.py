@@ -377,3 +377,22 @@ def test_decoding_names_the_write_or_read_of_the_preallocated_cache_one_off() ->
     write_or_read = {f"{os.path.relpath(inspect.getsourcefile(plants))}:{start + i}"
                      for i, line in enumerate(lines) if "# planted" in line or "# read" in line}
     assert write_or_read & set(op["b_stack"][:1]), op
+
+
+def test_a_gradient_only_change_is_drilled_in_its_backward_pass() -> None:
+    """The same forward, the gradient of the norm's statistics halved: the backward ops of the
+    first gradient divergence name the changed statement (B's line, or A's of it)."""
+    from torchparity.reference.norms import RMSNorm
+
+    model_a, batch = model_and_batch("llama-tiny")
+    model_b = copy.deepcopy(model_a)
+    model_b.decoder.layers[1].mlp_norm.__class__ = plants.RMSNormHalfGradient
+    report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, local="all")
+    assert report.first_divergence is None and report.first_grad_divergence is not None
+    op = report.to_dict()["first_grad_divergence_op"]
+    assert op is not None and op["found"], report.render()
+    lines, start = inspect.getsourcelines(RMSNorm.forward)
+    a_line = next(f"{os.path.relpath(inspect.getsourcefile(RMSNorm))}:{start + i}"
+                  for i, line in enumerate(lines) if "h.pow(2)" in line)
+    assert planted_line(plants.RMSNormHalfGradient) in op["b_stack"] or a_line in op["a_stack"]
+    assert "In its backward pass: It enters at aten::" in report.summary()

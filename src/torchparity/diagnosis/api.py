@@ -50,7 +50,7 @@ from torchparity.diagnosis.decoding.trace import is_decode_trace
 from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.float64_golden import add_golden, float64_departure
 from torchparity.diagnosis.local import judge_local
-from torchparity.diagnosis.ops import drill_down
+from torchparity.diagnosis.ops import OpReport, drill_down
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
 from torchparity.diagnosis.reference import Reference, describe_mode
@@ -336,7 +336,8 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
 def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Module | None,
                 model_b: nn.Module, opts: Options, module: str | None, bar: ProgressBar
                 ) -> None:
-    """Stage 6: the first divergent row (or B's ``module``) drilled down to its ops."""
+    """Stage 6: the first divergent row (or B's ``module``) drilled down to its ops, and the
+    first gradient divergence to its backward ops when its forward ops do not explain it."""
     if module is not None:
         index = next((i for i, r in enumerate(rows) if r.module == module), None)
         if index is None:
@@ -345,29 +346,49 @@ def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Mod
     else:
         index = next((i for i, r in enumerate(rows) if r.local is not None and not r.local.ok),
                      None)
-    if index is None:
+    broken = [i for i, r in enumerate(rows) if r.grad_local is not None and not r.grad_local.ok]
+    # backward runs the later modules first
+    grad = None if module is not None or not opts.backward else \
+        max(broken, key=lambda i: rows[i].start, default=None)
+    if index is None and grad is None:
         return  # nothing diverged: the drill-down costs nothing
     if model_a is None:
-        rows[index].notes.append(
+        rows[index if index is not None else grad].notes.append(
             "no op drill-down: A's ops are not in a trace; diagnose both revisions in one "
             "process (`torchparity diagnose A_ENTRY B_ENTRY`) to find the op and line")
         return
     done = bar.phase("A, golden and B: the module's ops")
+    if index is not None:
+        rows[index].ops = _drilled(reference, matches, rows, index, model_a, model_b, opts)
+    explained = index == grad and isinstance(rows[index].ops, OpReport) and \
+        rows[index].ops.answer is not None
+    if grad is not None and not explained:
+        rows[grad].grad_ops = _drilled(reference, matches, rows, grad, model_a, model_b, opts,
+                                       backward=True)
+    for row in rows:  # a reason there is none goes to the notes
+        for attr in ("ops", "grad_ops"):
+            if isinstance(getattr(row, attr), str):
+                row.notes.append(getattr(row, attr))
+                setattr(row, attr, None)
+    done()
+
+
+def _drilled(reference: Reference, matches: list, rows: list, index: int, model_a: nn.Module,
+             model_b: nn.Module, opts: Options, backward: bool = False) -> OpReport | str:
+    """Row ``index``'s call drilled down, or through its caller when the module's own code is
+    a library's (an ``nn.Linear`` has no line of the user's); a line saying why not."""
     row = rows[index]
     try:
         found = drill_down(reference, matches[index], model_a, model_b, opts,
-                           diverged=row.local is not None and not row.local.ok)
+                           diverged=row.local is not None and not row.local.ok,
+                           backward=backward)
         parent = _parent_row(rows, index)
         if not isinstance(found, str) and not found.has_source and parent is not None:
-            # a library module (nn.Linear) has no line of its own: its caller's code does
-            found = drill_down(reference, matches[parent], model_a, model_b, opts)
+            found = drill_down(reference, matches[parent], model_a, model_b, opts,
+                               backward=backward)
     except Exception as exc:  # noqa: BLE001 - the module's verdicts stand without it
         found = f"op drill-down failed: {type(exc).__name__}: {first_line(exc)}"
-    done()
-    if isinstance(found, str):
-        row.notes.append(found)
-    else:
-        row.ops = found
+    return found
 
 
 def _parent_row(rows: list, index: int) -> int | None:

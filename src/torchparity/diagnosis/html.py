@@ -59,7 +59,8 @@ def html_page(report: Any) -> str:
         f"<title>{title}</title><style>{CSS}</style></head><body>"
         f"<h1>{title}</h1><p class='summary'>{html.escape(report.summary())}</p>"
         + "".join(plots) + _html_table(report) + legend(report)
-        + "".join(r.ops.to_html() for r in report.rows if r.ops is not None) + unmatched + notes
+        + "".join(ops.to_html() for r in report.rows for ops in (r.ops, r.grad_ops)
+                  if ops is not None) + unmatched + notes
         + f"<details><summary>settings</summary>{settings_table(report.meta)}</details>"
         "</body></html>\n"
     )

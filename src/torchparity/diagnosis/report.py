@@ -140,6 +140,8 @@ class DiagnosisReport(Report):
             grad = self.first_grad_divergence
             parts.append("No gradient diverges locally." if grad is None else
                          f"First gradient divergence: {module_label(grad.module)}.")
+            if grad is not None and grad.grad_ops is not None:
+                parts.append(f"In its backward pass: {grad.grad_ops.sentence()}")
         structural = self.structure_only
         if structural:
             where = structural[0]
@@ -207,6 +209,8 @@ class DiagnosisReport(Report):
             "first_divergence": first.module if first else None,
             "first_grad_divergence": grad.module if grad else None,
             "first_divergence_op": first.ops.to_dict() if first and first.ops else None,
+            "first_grad_divergence_op": (grad.grad_ops.to_dict() if grad and grad.grad_ops
+                                         else None),
             "output": self.output.to_dict() if self.output else None,
             "loss": self.loss.to_dict() if self.loss else None,
             "rows": [r.to_dict() for r in self.rows],
@@ -231,8 +235,9 @@ class DiagnosisReport(Report):
         console.print(self.summary(), markup=False, highlight=False)
         print_lines(console, self.table_lines(console.width, fold=fold))
         for row in self.rows:
-            if row.ops is not None:
-                print_lines(console, row.ops.table_lines(console.width))
+            for ops in (row.ops, row.grad_ops):
+                if ops is not None:
+                    print_lines(console, ops.table_lines(console.width))
         shown = {line for line in lines if isinstance(line, int)}
         for line in self._footer(shown if len(shown) < len(self.rows) else None):
             console.print(line, markup=False, highlight=False)

@@ -190,6 +190,7 @@ class Row:
     entry: Entry | None = None
     notes: list[str] = field(default_factory=list)
     ops: Any = None  # the op drill-down of this call (diagnosis/ops), when it was drilled
+    grad_ops: Any = None  # the same of its backward pass, on the first gradient divergence
 
     @property
     def structure(self) -> tuple:
@@ -239,6 +240,7 @@ class Row:
                 "detail": self.entry.detail, "via": self.entry.via},
             "notes": self.notes,
             "ops": None if self.ops is None else self.ops.to_dict(),
+            "grad_ops": None if self.grad_ops is None else self.grad_ops.to_dict(),
         })
 
 

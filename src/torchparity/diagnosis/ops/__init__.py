@@ -11,13 +11,16 @@ under the tolerance model (:mod:`.judge`) and the answer said as a maintainer wa
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from torchparity.diagnosis.align import Match
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.ops.align import align_steps
+from torchparity.diagnosis.ops.backward import capture_backward
 from torchparity.diagnosis.ops.capture import Step, capture_steps, capturing_first_call
 from torchparity.diagnosis.ops.judge import judge_ops
 from torchparity.diagnosis.ops.report import OpReport
@@ -29,14 +32,27 @@ __all__ = ["OpReport", "capturing_first_call", "drill_down", "judged_streams"]
 
 
 def drill_down(reference: Reference, match: Match, model_a: nn.Module, model_b: nn.Module,
-               opts: Options, *, diverged: bool = True) -> OpReport | str:
+               opts: Options, *, diverged: bool = True, backward: bool = False
+               ) -> OpReport | str:
     """The op report of one aligned module call, or one line saying why there is none;
-    ``diverged``: whether the module's local error left its budget."""
+    ``diverged``: whether the module's local error left its budget. With ``backward``, the
+    ops of its backward pass from A's recorded output gradient (each with the lines of the
+    forward op it differentiates)."""
     if len(match.a) != 1 or len(match.b) != 1:
         return "no op drill-down of a fused group of modules"
     a_call, b_call = match.a[0], match.b[0]
     if states_within(reference.states, a_call.name, a_call.clock):
         return "no op drill-down of a module that keeps state across calls"
+    grad_out = reference.store.get(a_call.key, "grad_out") if backward else {}
+    if backward and not grad_out:
+        return "no backward op drill-down: no output gradient was recorded for the call"
+
+    def capture(module: nn.Module, args: tuple, kwargs: dict,
+                grads: dict[str, torch.Tensor]) -> list[Step]:
+        if backward:
+            return capture_backward(module, args, kwargs, grads)
+        return capture_steps(module, args, kwargs)
+
     module_a = dict(model_a.named_modules())[a_call.name]
     module_b = dict(model_b.named_modules())[b_call.name]
     recorded = reference.store.get_inputs(a_call.key)
@@ -44,16 +60,17 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module, model_b: 
     args_b, kwargs_b = rebind(reference.signatures.get(a_call.name), placed(recorded, b_call),
                               module_b)
     with backend_context(opts.backend_a), seeded():
-        a_steps = capture_steps(module_a, args_a, kwargs_a)
+        a_steps = capture(module_a, args_a, kwargs_a, grad_out)
     with backend_context(opts.backend_b), seeded():
-        b_steps = capture_steps(module_b, args_b, kwargs_b)
-    golden, notes = _golden_steps(module_a, (args_a, kwargs_a), opts)
+        b_steps = capture(module_b, args_b, kwargs_b, grad_out)
+    golden, notes = _golden_steps(module_a, (args_a, kwargs_a, grad_out), opts, capture)
     partners = {p.a.index: p.b for p in align_steps(a_steps, golden)
                 if p.a is not None and p.b is not None}
     lines, first = judge_ops(align_steps(a_steps, b_steps), partners,
                              module_padding(reference.padding, a_call.name),
                              module_diverged=diverged)
-    return OpReport(b_call.name, lines, first, notes)
+    label = f"{b_call.name} (backward)" if backward else b_call.name
+    return OpReport(label, lines, first, notes)
 
 
 def judged_streams(module: str, a_steps: list[Step], b_steps: list[Step]) -> OpReport:
@@ -64,15 +81,16 @@ def judged_streams(module: str, a_steps: list[Step], b_steps: list[Step]) -> OpR
     return OpReport(module, lines, first, notes)
 
 
-def _golden_steps(module: nn.Module, inputs: tuple[tuple, dict], opts: Options
-                  ) -> tuple[list[Step], list[str]]:
-    """The steps of a float64 copy of A's module on the same inputs; none (A's own op
-    outputs serve as the golden, with the analytic budget) when it cannot be copied."""
+def _golden_steps(module: nn.Module, inputs: tuple[tuple, dict, dict], opts: Options,
+                  capture: Callable[..., list[Step]]) -> tuple[list[Step], list[str]]:
+    """The steps of a float64 copy of A's module on the same inputs (and output gradient);
+    none (A's own op outputs serve as the golden, with the analytic budget) when it cannot be
+    copied."""
     try:
         golden = copy.deepcopy(module).to(device="cpu", dtype=GOLDEN_DTYPE)
     except Exception as exc:  # noqa: BLE001 - judged against A then, and said so
         return [], [f"no float64 golden of the module's ops: copying it failed "
                     f"({type(exc).__name__}: {exc})"]
-    args, kwargs = upcast(inputs, GOLDEN_DTYPE, "cpu")
+    args, kwargs, grads = upcast(inputs, GOLDEN_DTYPE, "cpu")
     with backend_context(opts.backend_a), seeded():
-        return capture_steps(golden, args, kwargs), []
+        return capture(golden, args, kwargs, grads), []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -140,9 +141,10 @@ def copied(value: Any) -> Any:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, module: nn.Module, anchor: FrameType) -> None:
+    def __init__(self, module: nn.Module, anchor: FrameType | None, *,
+                 backward: bool = False) -> None:
         super().__init__()
-        self.anchor = anchor
+        self.anchor, self.backward = anchor, backward
         self.steps: list[Step] = []
         self.made: dict[int, int] = {}  # id of a tensor -> the step that made or last wrote it
         self.alive: list[torch.Tensor] = []  # keeps the ids above unique during the call
@@ -215,7 +217,12 @@ class _Recorder(TorchDispatchMode):
         return tuple(found)
 
     def _stack(self) -> tuple[Frame, ...]:
-        """The frames of user code from here out to the module's call, innermost first."""
+        """The frames of user code from here out to the module's call, innermost first; in a
+        backward pass, those of the forward op that made the running node (recorded under
+        anomaly detection)."""
+        if self.backward:
+            node = torch._C._current_autograd_node()
+            return () if node is None else forward_stack(node.metadata.get("traceback_") or [])
         frames = []
         frame = sys._getframe(2)
         while frame is not None and frame is not self.anchor:
@@ -225,6 +232,26 @@ class _Recorder(TorchDispatchMode):
                 frames.append(Frame(display_path(path), frame.f_lineno, text))
             frame = frame.f_back
         return tuple(frames)
+
+
+_TRACEBACK_LINE = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+)')
+
+
+def forward_stack(traceback: list[str]) -> tuple[Frame, ...]:
+    """A forward op's stack as anomaly detection formats it (outermost first), as frames of
+    user code innermost first, up to the first frame of torchparity's own machinery."""
+    frames = []
+    for entry in reversed(traceback):
+        found = _TRACEBACK_LINE.search(entry)
+        if found is None:
+            continue
+        path, line = found["path"], int(found["line"])
+        if not _is_user_code(path):
+            if path.startswith(_PACKAGE_DIR):
+                break  # the replay that called the module: outside the module's code
+            continue
+        frames.append(Frame(display_path(path), line, linecache.getline(path, line).strip()))
+    return tuple(frames)
 
 
 def _is_user_code(path: str) -> bool:
