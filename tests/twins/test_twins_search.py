@@ -4,8 +4,9 @@ example; correct twins pass it. Each search runs up to 100 examples (and shrinks
 from __future__ import annotations
 
 import pytest
-import torch
 
+from torchparity.backends import available
+from torchparity.dtypes import torch_dtype
 from torchparity.twins import TwinFailure
 from torchparity.twins import strategies as tpt
 from torchparity.twins.search import check_twins
@@ -100,3 +101,14 @@ def test_transformers_llama_attention_without_a_mask_is_causal_on_sdpa_only():
                     inputs=attention_inputs(mask="causal"))
     assert failure.example["init"] == {"n_heads": 1, "n_kv_heads": 1, "d_model": 8}
     assert failure.example["inputs"]["hidden_states"].shape[:2] == (1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_correct_twins_pass_on_the_device_on_every_backend_it_offers(device, dtype):
+    # flex compiles for every new shape (and has no backward on the CPU): tests/test_gpu.py's.
+    offered = [name for name, why in available(device, torch_dtype(dtype)).items()
+               if why is None and name != "flex"]
+    check_twins(ut.ThreeProjectionAttention, ut.FusedQKVAttention, init=HEADS,
+                weight_map=ut.FUSED_QKV, inputs=attention_inputs(positions=(0, 4096)),
+                dtypes=[dtype], backends=[None, *offered], device=device)

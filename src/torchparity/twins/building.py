@@ -119,6 +119,6 @@ def old_layout(grads: Tensors, weight_map: WeightMap | None, old_state: Tensors)
     return out
 
 
-def copy_in(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of ``module`` with its floating tensors in ``dtype``."""
-    return copy.deepcopy(module).to(dtype)
+def copy_in(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """A copy of ``module`` on ``device`` with its floating tensors in ``dtype``."""
+    return copy.deepcopy(module).to(device=device, dtype=dtype)

@@ -33,7 +33,8 @@ def check(old: Buildable, new: Buildable, inputs: Inputs, *, dtype: str | torch.
           backend: str | None = None, init: Mapping[str, Any] | None = None, seed: int = 0,
           weight_map: WeightMap | None = None, grads: bool = True,
           padding: torch.Tensor | None = None,
-          cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None) -> TwinVerdict:
+          cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None,
+          device: str | torch.device = "cpu") -> TwinVerdict:
     """The verdict on ``new`` against ``old`` on ``inputs``; see :func:`assert_twins`."""
     name, target = dtype_name(dtype), torch_dtype(dtype)
     if backend is not None and backend not in backends.names():
@@ -47,17 +48,18 @@ def check(old: Buildable, new: Buildable, inputs: Inputs, *, dtype: str | torch.
                                             weight_map=weight_map)
     old_module.eval()
     new_module.eval()
-    rounded = running.cast(inputs, target)
+    rounded = running.cast(inputs, target, device)
+    padding = None if padding is None else padding.to(device)
     grads = grads and not isinstance(inputs, Steps)
-    old_in_dtype = building.copy_in(old_module, target)
-    new_in_dtype = building.copy_in(new_module, target)
+    old_in_dtype = building.copy_in(old_module, target, device)
+    new_in_dtype = building.copy_in(new_module, target, device)
     sides = {  # name: (module, inputs, backend, cache)
-        "golden": (building.copy_in(old_in_dtype, torch.float64),
-                   running.cast(rounded, torch.float64), None, old_cache),
+        "golden": (building.copy_in(old_in_dtype, torch.float64, device),
+                   running.cast(rounded, torch.float64, device), None, old_cache),
         "baseline": (old_in_dtype, rounded, None, old_cache),
         "candidate": (new_in_dtype, rounded, backend, new_cache),
-        "rerun": (perturb_weights(building.copy_in(new_module, target)), rounded, backend,
-                  new_cache),
+        "rerun": (perturb_weights(building.copy_in(new_module, target, device)), rounded,
+                  backend, new_cache),
     }
     if backend is not None:
         sides["baseline on the backend"] = (old_in_dtype, rounded, backend, old_cache)
@@ -83,8 +85,8 @@ def assert_twins(old: Buildable, new: Buildable, inputs: Inputs, *,
                  init: Mapping[str, Any] | None = None, seed: int = 0,
                  weight_map: WeightMap | None = None, grads: bool = True,
                  padding: torch.Tensor | None = None,
-                 cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None
-                 ) -> TwinVerdict:
+                 cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None,
+                 device: str | torch.device = "cpu") -> TwinVerdict:
     """Check that ``new`` computes what ``old`` does on ``inputs``, within the rounding the
     tolerance model allows; raise :class:`TwinFailure` (an ``AssertionError``) with the
     explanation (and a standalone reproducer script where both sides can be rebuilt) when it
@@ -104,12 +106,15 @@ def assert_twins(old: Buildable, new: Buildable, inputs: Inputs, *,
     the outputs both return, with respect to floating inputs (not masks or biases) and
     parameters, are judged too. ``padding`` (bool, True at padded positions, leading
     dimensions of the outputs) leaves padded positions out of the judgement and the backward.
+    Everything runs on ``device`` (the modules are built on the CPU, then copied there).
     """
     verdict = check(old, new, inputs, dtype=dtype, backend=backend, init=init, seed=seed,
-                    weight_map=weight_map, grads=grads, padding=padding, cache=cache)
+                    weight_map=weight_map, grads=grads, padding=padding, cache=cache,
+                    device=device)
     if not verdict.ok:
         options = dict(dtype=dtype_name(dtype), backend=backend, init=init, seed=seed,
-                       weight_map=weight_map, grads=grads, padding=padding, cache=cache)
+                       weight_map=weight_map, grads=grads, padding=padding, cache=cache,
+                       device=None if str(device) == "cpu" else str(device))
         raise TwinFailure(verdict.explain() + "\n\n"
                           + reproducer.section(old, new, inputs, options),
                           verdict, dict(options, inputs=inputs))

@@ -46,13 +46,17 @@ class Run:
     grads: dict[str, dict[str, torch.Tensor]] | None = None
 
 
-def cast(inputs: Any, dtype: torch.dtype) -> Any:
-    """``inputs`` with every floating tensor in ``dtype``."""
+def cast(inputs: Any, dtype: torch.dtype, device: str | torch.device) -> Any:
+    """``inputs`` on ``device``, with every floating tensor in ``dtype``."""
     if isinstance(inputs, Steps):
-        return Steps(cast(step, dtype) for step in inputs)
-    return torch.utils._pytree.tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-        inputs)
+        return Steps(cast(step, dtype, device) for step in inputs)
+
+    def moved(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return x.to(device, dtype) if x.is_floating_point() else x.to(device)
+
+    return torch.utils._pytree.tree_map(moved, inputs)
 
 
 def forward(module: nn.Module, inputs: Inputs, backend: str | None, *, grads: bool,
@@ -110,10 +114,11 @@ def backward(module: nn.Module, run: Run, leaves: dict[str, torch.Tensor], other
         if not (out.is_floating_point() and out.requires_grad):
             continue
         projection = random_tensor(tuple(out.shape), seed, stream=f"cotangent{path}",
-                                   dtype=out.dtype)
+                                   dtype=out.dtype).to(out.device)
         if padding is not None and tuple(out.shape[:padding.dim()]) == tuple(padding.shape):
             keep = ~padding.reshape(*padding.shape, *[1] * (out.dim() - padding.dim()))
-            out = torch.where(keep, out, torch.zeros((), dtype=out.dtype))
+            out = torch.where(keep.to(out.device), out, torch.zeros((), dtype=out.dtype,
+                                                                    device=out.device))
         loss = loss + (out * projection).sum()
     params = dict(module.named_parameters())
     targets = {**{f"inputs.{n}": x for n, x in leaves.items()},

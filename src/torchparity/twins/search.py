@@ -32,17 +32,18 @@ def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
                 init: Mapping[str, Range] | None = None, dtypes: Sequence[str] = ("fp32",),
                 backends: Sequence[str | None] = (None,), weight_map: WeightMap | None = None,
                 cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None,
-                grads: bool = True, max_examples: int = 100,
+                grads: bool = True, max_examples: int = 100, device: str = "cpu",
                 database_key: str = "") -> int:
     """Check ``new`` against ``old`` on drawn examples and return how many passed;
     ``AssertionError`` for the smallest failing one, with its explanation and reproducer.
 
     ``init`` gives the constructor arguments' ranges (see
     :func:`~torchparity.twins.strategies.constructor_args`); ``inputs`` is a strategy of
-    :class:`~torchparity.twins.strategies.TwinInputs` (or of plain inputs), or a function of the drawn
-    constructor arguments that returns one (``lambda a: attention_inputs(a["d_model"])``).
+    :class:`~torchparity.twins.strategies.TwinInputs` (or of plain inputs), or a function of
+    the drawn constructor arguments that returns one
+    (``lambda a: attention_inputs(a["d_model"])``).
     Each example draws a dtype from ``dtypes``, a backend from ``backends`` (None: the modules
-    as written) and a weight seed. ``max_examples`` is hypothesis' own default, whatever the
+    as written) and a weight seed; everything runs on ``device``. ``max_examples`` is hypothesis' own default, whatever the
     profile (which sets the rest: seeds, the database); the other arguments are
     :func:`~torchparity.twins.assert_twins`'s.
     """
@@ -60,7 +61,7 @@ def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
         seed = data.draw(st.integers(0, 2**16), label="weight seed")
         assert_twins(old, new, example.inputs, dtype=dtype, backend=backend, init=arguments,
                      seed=seed, weight_map=weight_map, grads=grads, padding=example.padding,
-                     cache=cache)
+                     cache=cache, device=device)
         passed += 1
 
     # Without this every caller's search would share one database key (this function's).
