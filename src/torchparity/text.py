@@ -1,7 +1,8 @@
 """Plain text for logs and pipes: lines of at most 80 columns, wrapped at spaces, never cut.
 
 A CI log has no width and is searched for module names and paths, so a long line is wrapped
-between words (later lines indented) and a word longer than a line stands whole.
+between words (later lines indented); a word longer than a line is folded across lines as the
+tables fold a long name, every character kept.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ WIDTH = 80
 
 def wrap(text: str, width: int = WIDTH) -> list[str]:
     """``text`` in lines of at most ``width`` columns, wrapped at spaces (later lines indented
-    by two); no word is cut, so a module name or a path longer than a line stands whole."""
-    return textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=False,
+    by two); a module name or a path longer than a line is folded, never shortened."""
+    return textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=True,
                          break_on_hyphens=False) or [""]
 
 
