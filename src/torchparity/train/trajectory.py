@@ -122,7 +122,8 @@ class TrajectoryComparison:
         if self.ok:
             return f"within: {head}: all {steps} steps within budget; closest: {detail}."
         return (f"diverged: {head}: the runs part at step {point.step}; {detail}. "
-                f"Inspect that step with train.diagnose_step(..., step={point.step}).")
+                "Inspect that step with torchparity.diagnosis.training_step.diagnose_step"
+                f"(..., step={point.step}).")
 
     def to_dict(self) -> dict[str, Any]:
         first = self.first_divergence
