@@ -20,6 +20,7 @@ from torchparity.bench.runner import SCHEMA
 from torchparity.bench.settings import PARTS, QUICK_SIZES, default_settings
 from torchparity.bench.stages import stage_seconds
 from torchparity.bench.timing import peak_bytes
+from torchparity.bench.twins_time import QUICK_EXAMPLES
 from torchparity.errors import UsageError
 
 POSITIVE = {"tok_per_s", "step_s", "first_step_s", "ratio_vs_manual", "peak_bytes",
@@ -119,6 +120,20 @@ def test_markdown_has_a_line_per_row(quick: dict[str, Any]) -> None:
     table_rows = [line for line in lines if line.startswith(("| decoder |", "| attention |"))]
     assert len(table_rows) == len(quick["throughput"])
     assert any(quick["throughput"][-1]["reason"] in line for line in table_rows)
+
+
+def test_quick_twins_search_passes_and_reports_its_figures(quick: dict[str, Any]) -> None:
+    # The fused-QKV refactor is correct, so the search passes every example it draws; the
+    # figures are a search's own, in its Markdown table, and only a 100-example run is judged.
+    [row] = quick["twins"]
+    assert row["status"] == "ok" and row["examples"] == QUICK_EXAMPLES
+    assert row["result"].startswith(f"twins: pass ({QUICK_EXAMPLES} examples")
+    assert row["command"].endswith(f"--examples {QUICK_EXAMPLES}")
+    assert row["wall_s"] > 0 and row["cpu_s"] > 0
+    assert len(row["load_before"]) == len(row["load_after"]) == 3
+    assert row["command"] in quick["_markdown"] and row["result"] in quick["_markdown"]
+    [target] = [t for t in quick["targets"] if t["target"] == "twins_wall"]
+    assert target["met"] is None and "100 examples" in target["note"]
 
 
 @pytest.mark.slow

@@ -1,11 +1,14 @@
 """The models a benchmark times: zoo cases scaled to a size, with seeded weights meant for
-timing, and one layer's attention call alone."""
+timing, one layer's attention call alone, and a small attention twin pair (three projections
+against one fused projection) whose search the ``twins`` part times."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchparity import backends
@@ -91,3 +94,68 @@ class AttentionOnly(torch.nn.Module):
     @staticmethod
     def loss(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return output.float().square().mean()
+
+
+class ThreeProjectionAttention(nn.Module):
+    """A causal attention as first written: query, key and value projections, GQA by
+    repeating each key/value head for its group, a key-padding ``attention_mask`` (1 real,
+    0 padding); a query with nothing to attend to gets zeros."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads or n_heads
+        self.head_dim = d_model // n_heads
+        self.sizes = [n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
+        self.q, self.k, self.v = (nn.Linear(d_model, size, bias=False) for size in self.sizes)
+        self.o = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.heads(self.q(hidden_states), self.k(hidden_states),
+                             self.v(hidden_states))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        scores = scores.masked_fill(~self.allowed(q, attention_mask), float("-inf"))
+        return self.merge(torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v)
+
+    def heads(self, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(batch, heads, seq, head_dim) each, keys and values repeated for their groups."""
+        groups = self.n_heads // self.n_kv_heads
+        split = [t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in (q, k, v)]
+        return split[0], *(t.repeat_interleave(groups, dim=1) for t in split[1:])
+
+    @staticmethod
+    def allowed(q: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """(batch or 1, 1, seq, seq) bool, True where a query may attend."""
+        seq = q.shape[2]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None]
+        return causal if attention_mask is None else (
+            causal & attention_mask.bool()[:, None, None, :])
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(x.transpose(1, 2).flatten(2))
+
+
+class FusedQKVAttention(ThreeProjectionAttention):
+    """The refactor: one fused projection, attention by ``scaled_dot_product_attention``;
+    weights from the original by :func:`fuse_qkv`."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None) -> None:
+        super().__init__(d_model, n_heads, n_kv_heads)
+        del self.q, self.k, self.v
+        self.qkv = nn.Linear(d_model, sum(self.sizes), bias=False)
+
+    def forward(self, hidden_states: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.heads(*self.qkv(hidden_states).split(self.sizes, dim=-1))
+        allow = self.allowed(q, attention_mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow)
+        # SDPA gives a query with nothing to attend to NaN; the original gives it zeros.
+        return self.merge(out.masked_fill(~allow.any(-1, keepdim=True), 0.0))
+
+
+def fuse_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The original's state_dict in the fused layout (``--weight-map``)."""
+    out = {name: t for name, t in state.items() if name.split(".")[0] not in "qkv"}
+    out["qkv.weight"] = torch.cat([state[f"{p}.weight"] for p in "qkv"])
+    return out

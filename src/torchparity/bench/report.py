@@ -17,13 +17,14 @@ Section = tuple[str, list[str], list[list[str]]]  # title, headers, rows of cell
 
 
 def sections(result: dict[str, Any]) -> list[Section]:
-    """Throughput, diagnose, check and targets tables as plain strings."""
+    """Throughput, diagnose, check, twins and targets tables as plain strings."""
     return [
         _throughput(result["throughput"], result["settings"]["compile"]),
         _diagnose(result["diagnose"]),
         _diagnose_split(result["diagnose"], result["decode"]),
         _decode(result["decode"]),
         _check(result["check"]),
+        _twins(result["twins"]),
         _targets(result["targets"]),
     ]
 
@@ -183,6 +184,25 @@ def _check(rows: list[dict[str, Any]]) -> Section:
         ("note", _remark),
     ]
     return _table("Wall time of torchparity check", columns, rows)
+
+
+def _twins(rows: list[dict[str, Any]]) -> Section:
+    columns = [
+        ("examples", lambda r: str(r.get("examples", ""))),
+        ("result", lambda r: r.get("result", "")),
+        ("wall s", lambda r: _num(r.get("wall_s"))),
+        ("CPU s", lambda r: _num(r.get("cpu_s"))),
+        ("1-min load before, after", lambda r: _loads(r)),
+        ("logical cores", lambda r: str(r.get("logical_cores", ""))),
+        ("note", _remark),
+    ]
+    commands = sorted({r["command"] for r in rows if "command" in r})
+    return _table(f"A twins search ({'; '.join(commands) or 'not run'})", columns, rows)
+
+
+def _loads(row: dict[str, Any]) -> str:
+    loads = [row.get("load_before"), row.get("load_after")]
+    return ", ".join(str(load[0]) for load in loads) if all(loads) else "—"
 
 
 def _targets(rows: list[dict[str, Any]]) -> Section:

@@ -9,7 +9,9 @@ module, and returns one JSON-ready document (schema :data:`SCHEMA`):
   ``--against`` over a plain forward+backward, in time, memory and by stage;
 - ``decode`` (:mod:`~torchparity.bench.decode_cost`): record + diagnose of a decoding across
   revisions over two plain decodings;
-- ``check`` (:mod:`~torchparity.bench.check_time`): the wall time of ``torchparity check``.
+- ``check`` (:mod:`~torchparity.bench.check_time`): the wall time of ``torchparity check``;
+- ``twins`` (:mod:`~torchparity.bench.twins_time`): a ``torchparity twins`` search of 100
+  examples of a small attention twin.
 
 Every part measures in the interleaved rounds of :mod:`~torchparity.bench.rounds`. A row that
 could not be measured has ``status: "n/a"`` and a ``reason``; every number present is finite.
@@ -29,10 +31,11 @@ from torchparity.bench.rounds import Progress, na_row
 from torchparity.bench.settings import PARTS, Settings
 from torchparity.bench.targets import evaluate_targets
 from torchparity.bench.throughput import throughput_rows
+from torchparity.bench.twins_time import twins_rows
 
 SCHEMA = "torchparity.bench/1"
 MEASURES = {"throughput": throughput_rows, "diagnose": diagnose_rows, "decode": decode_rows,
-            "check": check_rows}
+            "check": check_rows, "twins": twins_rows}
 
 
 def run(settings: Settings, progress: Progress | None = None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from torchparity.dtypes import CASTABLE, dtype_name, torch_dtype
 from torchparity.errors import UsageError
 from torchparity.reference import zoo
 
-PARTS = ("throughput", "diagnose", "decode", "check")
+PARTS = ("throughput", "diagnose", "decode", "check", "twins")
 #: The reference models: a Llama-style decoder and a classic pre-norm encoder-decoder.
 REFERENCE_CASES = ("llama-tiny", "encdec-prenorm")
 #: ``diagnose`` and ``decode`` are timed on the most common question: manual attention against

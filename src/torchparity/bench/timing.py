@@ -5,9 +5,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import resource
+import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +37,26 @@ def step_time(fn: Callable[[], Any], device: torch.device) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3
+
+
+def timed_command(args: Sequence[str], cwd: str | Path | None = None,
+                  ) -> tuple[subprocess.CompletedProcess[str], float, float]:
+    """Run ``python -m torchparity.cli *args`` as a user runs it, in its own process (this
+    checkout's sources on its path); returns the finished process, its wall seconds and its
+    CPU seconds (user + system). CPU time is reported beside wall time because on a shared
+    machine the wall clock also counts other jobs."""
+    src = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    start, cpu_start = time.perf_counter(), _children_cpu_s()
+    done = subprocess.run([sys.executable, "-m", "torchparity.cli", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True)
+    return done, time.perf_counter() - start, _children_cpu_s() - cpu_start
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
