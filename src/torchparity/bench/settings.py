@@ -80,7 +80,8 @@ def default_settings(device: str = "cpu", quick: bool = False, size_names: tuple
                      **changes: Any) -> Settings:
     """Settings sized for ``device``: on the CPU the default run takes minutes on 2 cores
     (fp32 only; bf16 without native CPU support is many times slower, ask with ``dtypes``);
-    ``quick`` is a seconds-long smoke run of every part except ``check``. ``size_names``
+    ``quick`` is a seconds-long smoke run of every part except ``check`` (``twins`` searches
+    10 examples). ``size_names``
     picks among the device's sizes; ``changes`` override fields, dtypes by any name
     :mod:`torchparity.dtypes` reads (recorded by torch's). Invalid values raise
     :class:`~torchparity.errors.UsageError`."""
