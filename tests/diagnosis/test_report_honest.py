@@ -18,6 +18,7 @@ from torch import nn
 
 import torchparity as tp
 from torchparity.diagnosis.columns import wrapped
+from masked_models import CachedMask
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 
@@ -200,46 +201,17 @@ def test_a_failing_diagnosis_whose_output_is_within_says_why_it_fails() -> None:
         "stays within its budget: the backward pass differs, the forward pass does not.")
 
 
-class _MaskedAttention(nn.Module):
-    """Scores plus an additive mask; A's caller sizes the mask to a preallocated cache of
-    ``keys`` positions and the module takes the first ones, B's sizes it to the sequence."""
-
-    def __init__(self, sliced: bool) -> None:
-        super().__init__()
-        self.proj, self.sliced = nn.Linear(DIM, DIM), sliced
-
-    def forward(self, x, mask):
-        scores = x @ self.proj(x).transpose(-1, -2)
-        scores = scores + (mask[..., :x.shape[-2]] if self.sliced else mask)
-        return scores.softmax(-1) @ x
-
-
-class _Masked(nn.Module):
-    def __init__(self, revised: bool, keys: int = 16) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.pre = nn.Linear(DIM, DIM)
-        self.attn, self.keys, self.revised = _MaskedAttention(not revised), keys, revised
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, x):
-        length = x.shape[-2]
-        width = length if self.revised else self.keys
-        mask = torch.full((length, width), float("-inf")).triu(1)
-        return self.head(self.attn(self.pre(x), mask))
-
-
 @pytest.mark.parametrize("changed, depends", [(None, "could depend on them"),
                                              ("head", "could depend on them"),
                                              ("pre", "does not depend on them: pre diverges "
                                                      "before them")])
 def test_a_module_that_cannot_be_replayed_says_its_local_error_is_unknown(changed,
                                                                           depends) -> None:
-    """A's attention gets a mask of 16 keys, B's one of 5: B's attention cannot be fed A's
-    recorded arguments. Its row says its local error is unknown, and the summary says
+    """A's attention gets a mask of 16 keys, B's one of 5, and A's attends keys past the 5 (A's
+    attention ignores them): B's attention cannot be fed A's recorded arguments. Its row says its local error is unknown, and the summary says
     whether the verdict could depend on it: not when a module before it diverges."""
     x = torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(1))
-    a, b = _Masked(False), _Masked(True)
+    a, b = CachedMask(False, spare=0.0), CachedMask(True)
     if changed:
         with torch.no_grad():
             getattr(b, changed).bias.add_(1.0)

@@ -237,8 +237,8 @@ class ModuleCall:
     ``start`` is the order in which calls began (pre-order), ``order`` the order in which they
     finished (children before parents). ``args``/``kwargs`` and ``output`` hold the call's
     inputs and output pytree when tensors are kept, the ``*_stats`` fields their statistics in
-    "stats" mode. ``output_shapes``, ``inputs_requiring_grad`` and ``input_placement`` (dtype
-    and device of each input tensor) are filled in every mode.
+    "stats" mode. ``output_shapes``, ``input_shapes``, ``inputs_requiring_grad`` and
+    ``input_placement`` (dtype and device of each input tensor) are filled in every mode.
     """
 
     name: str
@@ -257,6 +257,7 @@ class ModuleCall:
     inputs_requiring_grad: frozenset[str] = frozenset()
     input_placement: dict[str, tuple[torch.dtype, torch.device]] = dataclasses.field(
         default_factory=dict)
+    input_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     state: dict[str, Held] = dataclasses.field(default_factory=dict)
     clock: int = 0  # the call's place among all modules' calls, with a StateRecorder
 
@@ -424,6 +425,7 @@ class Capture:
             inputs = {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}
             call.inputs_requiring_grad = frozenset(p for p, t in inputs.items() if t.requires_grad)
             call.input_placement = {p: (t.dtype, t.device) for p, t in inputs.items()}
+            call.input_shapes = {p: tuple(t.shape) for p, t in inputs.items()}
             if self.what == "tensors":
                 # Copied now: the module (or its callers) may change them in place later.
                 call.args = snapshot(args, self.objects, self.copy)

@@ -17,7 +17,7 @@ from torchparity.diagnosis.judging import joined
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import UNKNOWN_LOCAL, Result, Row
-from torchparity.diagnosis.run import Options, placed, rebind, replay
+from torchparity.diagnosis.run import Options, fitted, placed, rebind, replay
 from torchparity.diagnosis.trace import ReplayUnavailable
 
 
@@ -55,10 +55,12 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
     if a.key in reference.notes:
         return None, None, None
     store = reference.store
+    fits: list[str] = []
 
     def inputs(b: ModuleCall) -> tuple[tuple, dict]:
-        return rebind(reference.signatures.get(a.name), placed(store.get_inputs(a.key), b),
-                      modules[b.name])
+        recorded, notes = fitted(placed(store.get_inputs(a.key), b), b)
+        fits.extend(note for note in notes if note not in fits)
+        return rebind(reference.signatures.get(a.name), recorded, modules[b.name])
 
     try:
         outputs = []
@@ -68,13 +70,13 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
         local = reference.judge(match.a, joined(outputs), "out", "local_golden", "forward")
         grad_out = store.get(a.key, "grad_out") if opts.backward and match.one_to_one else {}
         if not grad_out:
-            return local, None, None
+            return local, None, "; ".join(fits) or None
         b = match.b[0]
         with reference.on_recorded_state(a, modules[b.name], b.name, changing):
             _, grads = replay(modules[b.name], inputs(b), opts.backend_b, grad_out=grad_out,
                               requires_grad=a.inputs_requiring_grad)
         grad_local = reference.judge(match.a, grads, "local_grad", "local_golden_grad", "grad")
-        return local, grad_local, None
+        return local, grad_local, "; ".join(fits) or None
     except ReplayUnavailable as exc:
         return None, None, f"not replayable: {exc}"
     except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing

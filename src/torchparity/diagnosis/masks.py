@@ -103,3 +103,29 @@ def _judged(shape: torch.Size, padding: PaddingSpec, path: str, device: torch.de
         return None
     kept = ~left_out.mask.to(device)
     return kept.reshape(shape[0], *(1,) * (len(shape) - 3), shape[-2], 1)
+
+
+def fitted_keys(mask: torch.Tensor, keys: int) -> tuple[torch.Tensor, str] | None:
+    """``mask`` with its last dimension (the keys) made ``keys`` long without changing what any
+    query attends, and how ("trimmed from 16 to 5 keys: ..."); None when that cannot be done.
+
+    A static cache hands attention a mask sized to the cache (128 keys) where another revision
+    hands one of the keys in use (12): the same attention, in another shape. Keys past ``keys``
+    are dropped only when no query attends them; missing ones are added masked. Bool masks are
+    read as "True: attend" (SDPA's and transformers' convention), floats as additive.
+    """
+    forms = readings(mask)
+    if not forms or mask.dim() == 0:
+        return None
+    have = mask.shape[-1]
+    if keys < have:
+        extra = next(iter(forms.values()))[..., keys:]
+        if bool(extra.any()):
+            return None
+        return mask[..., :keys], (f"trimmed from {have} to {keys} keys: the "
+                                  f"{have - keys} others are masked for every query")
+    blocked = (False if mask.dtype == torch.bool else
+               torch.finfo(mask.dtype).min if mask.is_floating_point() else 0)
+    padding = mask.new_full((*mask.shape[:-1], keys - have), blocked)
+    return torch.cat((mask, padding), -1), (f"padded from {have} to {keys} keys: the "
+                                            f"{keys - have} added are masked for every query")

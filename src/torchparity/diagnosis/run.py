@@ -22,6 +22,7 @@ from torchparity.diagnosis.capture import (
     bound_arguments,
     module_filter,
 )
+from torchparity.diagnosis.masks import fitted_keys
 from torchparity.diagnosis.state import StateRecorder
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.errors import UsageError, UserCodeError
@@ -349,6 +350,29 @@ def placed(inputs: tuple[tuple, dict], call: ModuleCall) -> tuple[tuple, dict]:
     args, kwargs = inputs
     return (map_tensors_with_paths(args, place, "args"),
             map_tensors_with_paths(kwargs, place, "kwargs"))
+
+
+def fitted(inputs: tuple[tuple, dict], call: ModuleCall
+           ) -> tuple[tuple[tuple, dict], list[str]]:
+    """Recorded inputs with each attention mask sized to the keys of ``call``'s own mask, where
+    that changes no query's keys (see :func:`~torchparity.diagnosis.masks.fitted_keys`), and a
+    note per mask changed. Another revision may size the mask to a static cache where this one
+    sizes it to the keys in use: fed as recorded, its module would fail on the shape alone."""
+    notes = []
+
+    def fit(path: str, tensor: torch.Tensor) -> torch.Tensor:
+        shape = call.input_shapes.get(path)
+        if shape is None or shape[:-1] != tensor.shape[:-1] or shape == tensor.shape:
+            return tensor
+        found = fitted_keys(tensor, shape[-1])
+        if found is None:
+            return tensor
+        notes.append(f"mask {path} {found[1]}")
+        return found[0]
+
+    args, kwargs = inputs
+    return (map_tensors_with_paths(args, fit, "args"),
+            map_tensors_with_paths(kwargs, fit, "kwargs")), notes
 
 
 def dtype_label(dtype: torch.dtype | None) -> str:

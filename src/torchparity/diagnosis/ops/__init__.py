@@ -24,7 +24,14 @@ from torchparity.diagnosis.ops.backward import capture_backward
 from torchparity.diagnosis.ops.capture import Step, capture_steps, capturing_first_call
 from torchparity.diagnosis.ops.judge import judge_ops
 from torchparity.diagnosis.ops.report import OpReport
-from torchparity.diagnosis.run import GOLDEN_DTYPE, Options, backend_context, placed, rebind
+from torchparity.diagnosis.run import (
+    GOLDEN_DTYPE,
+    Options,
+    backend_context,
+    fitted,
+    placed,
+    rebind,
+)
 from torchparity.diagnosis.state import states_within
 from torchparity.subject.running import seeded, upcast
 
@@ -57,8 +64,8 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module, model_b: 
     module_b = dict(model_b.named_modules())[b_call.name]
     recorded = reference.store.get_inputs(a_call.key)
     args_a, kwargs_a = placed(recorded, a_call)
-    args_b, kwargs_b = rebind(reference.signatures.get(a_call.name), placed(recorded, b_call),
-                              module_b)
+    fitted_b, _ = fitted(placed(recorded, b_call), b_call)
+    args_b, kwargs_b = rebind(reference.signatures.get(a_call.name), fitted_b, module_b)
     with backend_context(opts.backend_a), seeded():
         a_steps = capture(module_a, args_a, kwargs_a, grad_out)
     with backend_context(opts.backend_b), seeded():

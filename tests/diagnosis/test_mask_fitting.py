@@ -1,0 +1,62 @@
+"""A's attention gets a mask sized to a static cache, B's one of the keys in use: B's replay
+on A's recorded inputs trims the mask where the keys it drops are masked for every query, pads
+it with masked keys where B's holds more, and says so on the row; a mask whose extra keys some
+query attends is left as recorded, and the local error stays unknown."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchparity as tp
+from masked_models import DIM, CachedMask
+from torchparity.diagnosis.masks import fitted_keys, readings
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
+
+TRIMMED = "mask args.1 trimmed from 16 to 5 keys: the 11 others are masked for every query"
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_a_cache_sized_mask_is_trimmed_to_the_keys_b_attends(planted: bool) -> None:
+    """B's attention computes what A's does on the first 5 keys: fed the trimmed mask it is
+    bit-identical; with its projection scaled it diverges, the projection first."""
+    a, b = CachedMask(False), CachedMask(True)
+    if planted:
+        with torch.no_grad():
+            b.attn.proj.weight.mul_(2.0)
+    report = tp.diagnose(a, b, (_x(),), backward=False, local="all")
+    attn = report.row("attn")
+    assert attn.local is not None
+    assert attn.local.verdict == ("diverged" if planted else "identical")
+    assert TRIMMED in attn.notes
+    assert not any(note.startswith("local error unknown") for note in attn.notes)
+    first = report.first_divergence
+    assert (first.module if first is not None else None) == ("attn.proj" if planted else None)
+
+
+def test_a_mask_whose_extra_keys_are_attended_is_not_trimmed() -> None:
+    a, b = CachedMask(False, spare=0.0), CachedMask(True)
+    attn = tp.diagnose(a, b, (_x(),), backward=False, local="all").row("attn")
+    assert attn.local is None
+    assert not any("trimmed" in note for note in attn.notes)
+    assert any(note.startswith("local error unknown") for note in attn.notes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.bfloat16])
+def test_fitting_keeps_the_keys_each_query_attends(dtype: torch.dtype) -> None:
+    """Trimmed to 5 keys and padded back to 16, a causal mask over 5 of 16 cached keys lets
+    every query attend the keys it attended: the round trip of a mask is itself."""
+    attends = torch.ones(5, 16, dtype=torch.bool).tril()
+    mask = attends if dtype == torch.bool else torch.zeros(5, 16, dtype=dtype).masked_fill(
+        ~attends, torch.finfo(dtype).min)
+    trimmed, _ = fitted_keys(mask, 5)
+    padded, note = fitted_keys(trimmed, 16)
+    assert torch.equal(next(iter(readings(padded).values())), attends)
+    assert note == "padded from 5 to 16 keys: the 11 added are masked for every query"
+    attends[0, 10] = True  # one query attends a key past the 5
+    assert fitted_keys(attends, 5) is None
