@@ -60,3 +60,13 @@ def test_fitting_keeps_the_keys_each_query_attends(dtype: torch.dtype) -> None:
     assert note == "padded from 5 to 16 keys: the 11 added are masked for every query"
     attends[0, 10] = True  # one query attends a key past the 5
     assert fitted_keys(attends, 5) is None
+
+
+def test_a_mask_b_takes_as_recorded_is_not_fitted() -> None:
+    """B's attention slices its mask as A's does: fed A's 16 keys it runs, and the mask is
+    left as recorded (no note), though B's own call had 5."""
+    a, b = CachedMask(False), CachedMask(True)
+    b.attn.sliced = True
+    attn = tp.diagnose(a, b, (_x(),), backward=False, local="all").row("attn")
+    assert attn.local is not None and attn.local.verdict == "identical"
+    assert not any(note.startswith("mask ") for note in attn.notes)

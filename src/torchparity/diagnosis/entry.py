@@ -21,7 +21,7 @@ from torchparity.diagnosis.capture import Capture, ModuleCall, signature
 from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import Entry, Row
-from torchparity.diagnosis.run import Options, backend_context, fitted, placed, rebind
+from torchparity.diagnosis.run import Options, backend_context, fitting_masks, placed, rebind
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.subject.running import seeded
 
@@ -73,13 +73,18 @@ def _replay_capturing(reference: Reference, match: Match, container: nn.Module,
     """B's container run on A's recorded inputs (and state), every module inside it
     captured."""
     a, b = match.a[0], match.b[0]
-    recorded, _ = fitted(placed(reference.store.get_inputs(a.key), b), b)
-    args, kwargs = rebind(reference.signatures.get(a.name), recorded, container)
-    with reference.on_recorded_state(a, container, b.name, changing), \
-            backend_context(opts.backend_b), seeded(), torch.no_grad(), \
-            Capture(container, exclude="", what="tensors") as capture:
-        container(*args, **kwargs)
-    return capture.records
+    recorded = reference.store.get_inputs(a.key)
+
+    def attempt(fit: bool) -> list[ModuleCall]:
+        args, kwargs = rebind(reference.signatures.get(a.name), placed(recorded, b, fit=fit),
+                              container)
+        with reference.on_recorded_state(a, container, b.name, changing), \
+                backend_context(opts.backend_b), seeded(), torch.no_grad(), \
+                Capture(container, exclude="", what="tensors") as capture:
+            container(*args, **kwargs)
+        return capture.records
+
+    return fitting_masks(attempt, recorded, [b])[0]
 
 
 def _first_differing_input(reference: Reference, replayed: list[ModuleCall],

@@ -17,7 +17,7 @@ from torchparity.diagnosis.judging import joined
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import UNKNOWN_LOCAL, Result, Row
-from torchparity.diagnosis.run import Options, fitted, placed, rebind, replay
+from torchparity.diagnosis.run import Options, fitting_masks, placed, rebind, replay
 from torchparity.diagnosis.trace import ReplayUnavailable
 
 
@@ -55,27 +55,28 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
     if a.key in reference.notes:
         return None, None, None
     store = reference.store
-    fits: list[str] = []
 
-    def inputs(b: ModuleCall) -> tuple[tuple, dict]:
-        recorded, notes = fitted(placed(store.get_inputs(a.key), b), b)
-        fits.extend(note for note in notes if note not in fits)
-        return rebind(reference.signatures.get(a.name), recorded, modules[b.name])
+    def inputs(b: ModuleCall, fit: bool) -> tuple[tuple, dict]:
+        return rebind(reference.signatures.get(a.name), placed(store.get_inputs(a.key), b, fit=fit),
+                      modules[b.name])
 
-    try:
+    def judged(fit: bool) -> tuple[Result, Result | None]:
         outputs = []
         for b in match.b:
             with reference.on_recorded_state(a, modules[b.name], b.name, changing):
-                outputs.append(replay(modules[b.name], inputs(b), opts.backend_b)[0])
+                outputs.append(replay(modules[b.name], inputs(b, fit), opts.backend_b)[0])
         local = reference.judge(match.a, joined(outputs), "out", "local_golden", "forward")
         grad_out = store.get(a.key, "grad_out") if opts.backward and match.one_to_one else {}
         if not grad_out:
-            return local, None, "; ".join(fits) or None
+            return local, None
         b = match.b[0]
         with reference.on_recorded_state(a, modules[b.name], b.name, changing):
-            _, grads = replay(modules[b.name], inputs(b), opts.backend_b, grad_out=grad_out,
-                              requires_grad=a.inputs_requiring_grad)
-        grad_local = reference.judge(match.a, grads, "local_grad", "local_golden_grad", "grad")
+            _, grads = replay(modules[b.name], inputs(b, fit), opts.backend_b,
+                              grad_out=grad_out, requires_grad=a.inputs_requiring_grad)
+        return local, reference.judge(match.a, grads, "local_grad", "local_golden_grad", "grad")
+
+    try:
+        (local, grad_local), fits = fitting_masks(judged, store.get_inputs(a.key), match.b)
         return local, grad_local, "; ".join(fits) or None
     except ReplayUnavailable as exc:
         return None, None, f"not replayable: {exc}"

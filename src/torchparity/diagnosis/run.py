@@ -8,7 +8,7 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -338,9 +338,11 @@ def _replay_float64(module: nn.Module, args: tuple, kwargs: dict, backend: Backe
     return {p: t.detach() for p, t in outputs.items()}, grads
 
 
-def placed(inputs: tuple[tuple, dict], call: ModuleCall) -> tuple[tuple, dict]:
+def placed(inputs: tuple[tuple, dict], call: ModuleCall, *, fit: bool = False
+           ) -> tuple[tuple, dict]:
     """Recorded inputs with each tensor moved to the device, and floating ones cast to the
-    dtype, that ``call``'s module saw at the same input in its own run."""
+    dtype, that ``call``'s module saw at the same input in its own run; with ``fit``, each mask
+    also sized to the keys of ``call``'s own (:func:`fitted`)."""
     def place(path: str, tensor: torch.Tensor) -> torch.Tensor:
         dtype, device = call.input_placement.get(path, (tensor.dtype, tensor.device))
         if not (tensor.is_floating_point() and dtype.is_floating_point):
@@ -348,16 +350,16 @@ def placed(inputs: tuple[tuple, dict], call: ModuleCall) -> tuple[tuple, dict]:
         return tensor.to(device=device, dtype=dtype)
 
     args, kwargs = inputs
-    return (map_tensors_with_paths(args, place, "args"),
-            map_tensors_with_paths(kwargs, place, "kwargs"))
+    moved = (map_tensors_with_paths(args, place, "args"),
+             map_tensors_with_paths(kwargs, place, "kwargs"))
+    return fitted(moved, call)[0] if fit else moved
 
 
 def fitted(inputs: tuple[tuple, dict], call: ModuleCall
            ) -> tuple[tuple[tuple, dict], list[str]]:
     """Recorded inputs with each attention mask sized to the keys of ``call``'s own mask, where
     that changes no query's keys (see :func:`~torchparity.diagnosis.masks.fitted_keys`), and a
-    note per mask changed. Another revision may size the mask to a static cache where this one
-    sizes it to the keys in use: fed as recorded, its module would fail on the shape alone."""
+    note per mask changed."""
     notes = []
 
     def fit(path: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -373,6 +375,30 @@ def fitted(inputs: tuple[tuple, dict], call: ModuleCall
     args, kwargs = inputs
     return (map_tensors_with_paths(args, fit, "args"),
             map_tensors_with_paths(kwargs, fit, "kwargs")), notes
+
+
+Replayed = TypeVar("Replayed")
+
+
+def fitting_masks(attempt: Callable[[bool], Replayed], inputs: tuple[tuple, dict],
+                  calls: list[ModuleCall]) -> tuple[Replayed, list[str]]:
+    """``attempt(False)``: a replay of B on A's recorded ``inputs`` as recorded; where it fails
+    and :func:`fitted` changes a mask for one of B's ``calls``, ``attempt(True)`` (the replay
+    on fitted inputs) with the notes saying how.
+
+    Another revision may size the mask to a static cache (128 keys) where B sizes it to the keys
+    in use (12): fed as recorded, B's module would fail on the shape alone. Fitted only on a
+    failure, so that a replay that takes the recorded mask (B slices it, or is handed A's cache
+    and its keys) runs on it unchanged."""
+    try:
+        return attempt(False), []
+    except ReplayUnavailable:
+        raise
+    except Exception:
+        notes = list(dict.fromkeys(note for call in calls for note in fitted(inputs, call)[1]))
+        if not notes:
+            raise
+    return attempt(True), notes
 
 
 def dtype_label(dtype: torch.dtype | None) -> str:

@@ -28,7 +28,7 @@ from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,
     backend_context,
-    fitted,
+    fitting_masks,
     placed,
     rebind,
 )
@@ -64,12 +64,16 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module, model_b: 
     module_b = dict(model_b.named_modules())[b_call.name]
     recorded = reference.store.get_inputs(a_call.key)
     args_a, kwargs_a = placed(recorded, a_call)
-    fitted_b, _ = fitted(placed(recorded, b_call), b_call)
-    args_b, kwargs_b = rebind(reference.signatures.get(a_call.name), fitted_b, module_b)
     with backend_context(opts.backend_a), seeded():
         a_steps = capture(module_a, args_a, kwargs_a, grad_out)
-    with backend_context(opts.backend_b), seeded():
-        b_steps = capture(module_b, args_b, kwargs_b, grad_out)
+
+    def b_steps_on(fit: bool) -> list[Step]:
+        args_b, kwargs_b = rebind(reference.signatures.get(a_call.name),
+                                  placed(recorded, b_call, fit=fit), module_b)
+        with backend_context(opts.backend_b), seeded():
+            return capture(module_b, args_b, kwargs_b, grad_out)
+
+    b_steps, _ = fitting_masks(b_steps_on, recorded, [b_call])
     golden, notes = _golden_steps(module_a, (args_a, kwargs_a, grad_out), opts, capture)
     partners = {p.a.index: p.b for p in align_steps(a_steps, golden)
                 if p.a is not None and p.b is not None}
