@@ -58,7 +58,7 @@ def device(torchparity_device: str) -> str:
 def single_thread() -> Iterator[None]:
     """torch on one CPU thread for the module's tests, restored afterwards: tiny models run
     faster on one thread, and on a shared machine several threads contend for the cores."""
-    from torchparity.golden.cells import single_thread as one_thread
+    from torchparity.threads import single_thread as one_thread
 
     with one_thread():
         yield

@@ -28,7 +28,7 @@ FLOORS = (
                "twins")),
     ("shared", ("comparison", "subject", "strategies")),
     ("bottom", ("backends", "tolerance", "sketching", "memory", "machine", "dtypes", "errors",
-                "collector", "reference", "text")),
+                "collector", "reference", "text", "threads")),
 )
 
 #: Circles that remain, each deleted with the change that removes it (the test fails until it

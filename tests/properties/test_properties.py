@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 import torchparity as tp
 from torchparity import strategies as tps
 from torchparity.errors import BackendUnavailable
-from torchparity.golden.cells import single_thread
 from torchparity.reference import TransformerConfig, build_model, sequence_loss, variants, zoo
 from torchparity.reference.attention import AttentionContext
 from torchparity.strategies import pad_rows
 from torchparity.subject.rounding import perturb_weights
+from torchparity.threads import single_thread
 
 BACKENDS = [name for name, why in tp.backends.available("cpu", torch.float32).items()
             if why is None]

@@ -26,7 +26,7 @@ from torchparity import backends
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.cases import check_case
-from torchparity.golden.cells import REFERENCE, Cell, single_thread
+from torchparity.golden.cells import REFERENCE, Cell
 from torchparity.golden.model_check import backend_names, check_subject
 from torchparity.golden.model_runs import HF_EAGER
 from torchparity.golden.store import GoldenStore, default_golden_dir
@@ -35,6 +35,7 @@ from torchparity.reference import zoo
 from torchparity.subject import Subject, hf
 from torchparity.subject.compiling import MODES, CompileFailed, compiled
 from torchparity.subject.trees import flatten_tensors
+from torchparity.threads import single_thread
 
 #: The zoo case whose check the model's check is compared with, and the backends of both.
 ZOO_CASE = "llama-tiny"

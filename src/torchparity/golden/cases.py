@@ -42,7 +42,6 @@ from torchparity.golden.cells import (
     CheckResult,
     Run,
     matmul_precision,
-    single_thread,
 )
 from torchparity.golden.compiled_cells import decode_phases, logprobs_by_step
 from torchparity.golden.store import Golden, GoldenStale, GoldenStore, checksum
@@ -51,6 +50,7 @@ from torchparity.reference.layers import TransformerLayer
 from torchparity.reference.models import Model
 from torchparity.subject.compiling import compiled
 from torchparity.subject.padding import Padding, from_inputs
+from torchparity.threads import single_thread
 
 #: Output name -> kind of the tolerance model it is judged with.
 OUTPUT_KINDS = {"logits": "forward", "hidden": "forward", "loss": "loss", "grads": "grad",

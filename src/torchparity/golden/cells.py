@@ -141,21 +141,6 @@ class Run:
 
 
 @contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Run torch on one intra-op thread inside the block.
-
-    The models are tiny: more threads only spin (burning several times the useful CPU time on
-    a busy machine), and one thread makes float64 reductions independent of the core count.
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-@contextlib.contextmanager
 def matmul_precision(dtype_name: str) -> Iterator[None]:
     # fp32 cells must not pick up TF32 from a global setting; tf32 cells ask for it.
     previous = torch.get_float32_matmul_precision()

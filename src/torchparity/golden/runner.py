@@ -22,7 +22,7 @@ from torchparity.errors import UsageError
 from torchparity.golden import sharded
 from torchparity.golden.cases import OUTPUT_KINDS, check_case, load_case
 from torchparity.golden.cell_selection import select_cases, select_cells
-from torchparity.golden.cells import REFERENCE, Cell, CheckResult, single_thread
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult
 from torchparity.golden.model_check import backend_names, check_subject
 from torchparity.golden.report import Machines, render, write_json
 from torchparity.golden.store import GoldenStore, default_golden_dir
@@ -35,6 +35,7 @@ from torchparity.golden.user_models import (
 )
 from torchparity.reference import zoo
 from torchparity.subject import Subject
+from torchparity.threads import single_thread
 
 
 @dataclass

@@ -10,17 +10,15 @@ and the caller's ``database_key``, and tried first on the next run.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import torch
-from torch import nn
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
+from torch import nn
 
+from torchparity.threads import single_thread
 from torchparity.twins.building import Buildable, WeightMap
 from torchparity.twins.checking import CacheFactory, assert_twins
 from torchparity.twins.strategies import Range, TwinInputs, constructor_args
@@ -43,8 +41,9 @@ def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
     the drawn constructor arguments that returns one
     (``lambda a: attention_inputs(a["d_model"])``).
     Each example draws a dtype from ``dtypes``, a backend from ``backends`` (None: the modules
-    as written) and a weight seed; everything runs on ``device``. ``max_examples`` is hypothesis' own default, whatever the
-    profile (which sets the rest: seeds, the database); the other arguments are
+    as written) and a weight seed; everything runs on ``device``. ``max_examples`` is
+    hypothesis' own default, whatever the profile (which sets the rest: seeds, the database);
+    the other arguments are
     :func:`~torchparity.twins.assert_twins`'s.
     """
     passed = 0
@@ -70,21 +69,9 @@ def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
     options: dict[str, Any] = dict(deadline=None, max_examples=max_examples,
                                    suppress_health_check=[HealthCheck.too_slow,
                                                           HealthCheck.data_too_large])
-    with one_thread():
+    with single_thread():
         given(data=st.data())(settings(settings.default, **options)(one_example))()
     return passed
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """torch on one intra-op thread: on modules this small more threads only synchronise
-    (several times slower on a busy machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _name(side: Any) -> str:

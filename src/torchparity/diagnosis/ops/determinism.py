@@ -10,8 +10,6 @@ scatter); one under another thread count is rounding, noise the budgets must all
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +17,7 @@ from torch import nn
 
 from torchparity.diagnosis.ops.capture import Step, capture_steps
 from torchparity.subject.running import Inputs
+from torchparity.threads import torch_threads
 
 __all__ = ["Determinism", "probe_determinism"]
 
@@ -69,7 +68,7 @@ def probe_determinism(model: nn.Module, inputs: Inputs, threads: int | None = No
     first = capture_steps(model, args, kwargs, children=False)
     second = capture_steps(model, args, kwargs, children=False)
     other = threads or (1 if torch.get_num_threads() > 1 else 2)
-    with _threads(other):
+    with torch_threads(other):
         third = capture_steps(model, args, kwargs, children=False)
     between = _entries(first, second)
     seen = {step.index for step in between}
@@ -122,11 +121,3 @@ def _as_call(inputs: Inputs) -> tuple[tuple, dict]:
     return (inputs,), {}
 
 
-@contextlib.contextmanager
-def _threads(count: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

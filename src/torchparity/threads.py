@@ -1,0 +1,29 @@
+"""torch's intra-op thread count, set for one block and put back after it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run torch on ``count`` intra-op threads inside the block."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def single_thread() -> contextlib.AbstractContextManager[None]:
+    """Run torch on one intra-op thread inside the block.
+
+    The models checked are small: more threads only spin (burning several times the useful
+    CPU time on a busy machine), and one thread makes float64 reductions independent of the
+    core count.
+    """
+    return torch_threads(1)
