@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 
+import op_plants as plants
 import pytest
 import torch
 from torch import nn
@@ -22,8 +23,6 @@ from torchparity.diagnosis.ops.align import align_steps
 from torchparity.diagnosis.ops.capture import capture_steps
 from torchparity.errors import UsageError
 from torchparity.reference import build_model, sequence_loss, zoo
-
-import op_plants as plants
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -203,8 +202,8 @@ def hf_inputs() -> dict:
     "scores", pytest.param("activation", marks=pytest.mark.slow)])
 def test_planted_line_in_transformers_llama_is_named(plant: str) -> None:
     import hf_op_plants
-    import tiny_transformers
 
+    import tiny_transformers
     from torchparity.subject import hf
 
     torch.manual_seed(0)
@@ -229,7 +228,6 @@ def test_planted_line_in_transformers_llama_is_named(plant: str) -> None:
     pytest.param("gpt2", "transformer.h.0.attn", marks=pytest.mark.slow)])
 def test_transformers_eager_vs_sdpa_has_no_divergent_op(family: str, attention: str) -> None:
     import tiny_transformers
-
     from torchparity.subject import hf
 
     torch.manual_seed(0)

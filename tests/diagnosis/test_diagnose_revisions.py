@@ -21,8 +21,8 @@ from release_decoders import NewCache, OldCache, StaleCache
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.capture import Uncopyable
 from torchparity.diagnosis.arguments import argument_difference
+from torchparity.diagnosis.capture import Uncopyable
 from torchparity.diagnosis.state import held_state, state_difference
 from torchparity.subject.factory import resolve_entry
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from masked_models import DIM, CachedMask
 
 import torchparity as tp
-from masked_models import DIM, CachedMask
 from torchparity.diagnosis.masks import fitted_keys, readings
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from masked_models import CachedMask
 from torch import nn
 
 import torchparity as tp
 from torchparity.diagnosis.columns import wrapped
-from masked_models import CachedMask
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 
@@ -208,8 +208,9 @@ def test_a_failing_diagnosis_whose_output_is_within_says_why_it_fails() -> None:
 def test_a_module_that_cannot_be_replayed_says_its_local_error_is_unknown(changed,
                                                                           depends) -> None:
     """A's attention gets a mask of 16 keys, B's one of 5, and A's attends keys past the 5 (A's
-    attention ignores them): B's attention cannot be fed A's recorded arguments. Its row says its local error is unknown, and the summary says
-    whether the verdict could depend on it: not when a module before it diverges."""
+    attention ignores them): B's attention cannot be fed A's recorded arguments. Its row says
+    its local error is unknown, and the summary says whether the verdict could depend on it:
+    not when a module before it diverges."""
     x = torch.randn(2, 5, DIM, generator=torch.Generator().manual_seed(1))
     a, b = CachedMask(False, spare=0.0), CachedMask(True)
     if changed:

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import user_twins as ut
 
 import torchparity as tp
 from torchparity.errors import UsageError
 from torchparity.twins import Steps, TwinFailure
-
-import user_twins as ut
 
 SRC = Path(tp.__file__).resolve().parents[1]
 HIDDEN = tp.random_tensor((2, 5, 16), seed=0)

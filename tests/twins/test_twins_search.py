@@ -4,14 +4,13 @@ example; correct twins pass it. Each search runs up to 100 examples (and shrinks
 from __future__ import annotations
 
 import pytest
+import user_twins as ut
 
 from torchparity.backends import available
 from torchparity.dtypes import torch_dtype
 from torchparity.twins import TwinFailure
 from torchparity.twins import strategies as tpt
 from torchparity.twins.search import check_twins
-
-import user_twins as ut
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,6 @@ import argparse
 
 from torchparity.errors import UsageError
 
-
 #: The decoding options that take a value: flag, type, metavar, help.
 _DECODE_VALUES = (
     ("--steps", int, "N", "decoding steps after the prompt (default 8, or the length of the "

@@ -71,8 +71,8 @@ from torchparity.diagnosis.trace import (
     open_trace,
 )
 from torchparity.errors import UsageError
-from torchparity.subject.factory import first_line
 from torchparity.subject.decoding import ReorderFn, StepFn
+from torchparity.subject.factory import first_line
 from torchparity.subject.padding import PaddingLike, padding_of
 from torchparity.subject.running import Inputs, LossFn, check_models, in_dtype
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.diagnosis.capture import signature
+from torchparity.diagnosis.capture import ModuleCall, signature
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import (
     Reference,

@@ -31,8 +31,8 @@ from torch import nn
 from torchparity.diagnosis.align import Alignment, NameMap, name_translator
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.progress import ProgressBar
-from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.propagated import Propagated, judge_propagated
+from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import Row
 from torchparity.diagnosis.run import Options
 from torchparity.errors import UsageError

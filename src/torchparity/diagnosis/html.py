@@ -101,7 +101,8 @@ def settings_table(meta: dict[str, Any]) -> str:
     rows = []
     for key, value in json_safe(meta).items():
         if key == "backends" and isinstance(value, list):
-            value = {side: backend or "as given" for side, backend in zip("AB", value)}
+            value = {side: backend or "as given"
+                     for side, backend in zip("AB", value, strict=False)}
         text = _setting(value)
         if text:
             rows.append(f"<tr><th>{html.escape(key.replace('_', ' '))}</th>"

@@ -103,8 +103,8 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
     model, inputs = (models or CellModels(subject)).get(cell, attention)
     report = None if status is None else (
         lambda phase, done, total: status(f"{phase}: block {done} of {total}"))
-    with compiled(model, cell.compile) as compile_log, attention_backend(cell.backend) as intercepted, \
-            matmul_precision(cell.dtype):
+    with compiled(model, cell.compile) as compile_log, \
+            attention_backend(cell.backend) as intercepted, matmul_precision(cell.dtype):
         try:
             if cell.dtype == "fp64":
                 grads: dict[str, Any] = {}

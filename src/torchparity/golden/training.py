@@ -17,9 +17,9 @@ from torchparity import backends
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
 from torchparity.golden import check_loop
+from torchparity.golden import trajectories as tj
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run
 from torchparity.golden.store import GoldenStore
-from torchparity.golden import trajectories as tj
 from torchparity.train.trainer import Execution, Trajectory, train
 
 OUTPUT = tj.GOLDEN_OUTPUT

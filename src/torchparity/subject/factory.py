@@ -10,8 +10,8 @@ tensors); ``padding`` says which positions are padding where the inputs do not (
 :mod:`torchparity.subject.padding`); ``parallelize(model, mesh)`` shards the model in place
 over a device mesh (its FSDP2 ``fully_shard`` / ``parallelize_module`` plan) and ``mesh`` is the
 mesh it wants, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left), both read under
-torchrun only (:mod:`torchparity.subject.sharded`). A file imports as ``python file.py`` would run it: its
-folder comes first on ``sys.path``, so modules beside it import.
+torchrun only (:mod:`torchparity.subject.sharded`). A file imports as ``python file.py`` would
+run it: its folder comes first on ``sys.path``, so modules beside it import.
 """
 
 from __future__ import annotations

@@ -22,13 +22,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass

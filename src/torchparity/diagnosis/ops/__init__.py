@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.align import Match
-from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.ops.align import align_steps
 from torchparity.diagnosis.ops.backward import capture_backward
 from torchparity.diagnosis.ops.capture import Step, capture_steps, capturing_first_call
 from torchparity.diagnosis.ops.judge import judge_ops
 from torchparity.diagnosis.ops.report import OpReport
+from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,
