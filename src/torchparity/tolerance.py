@@ -675,6 +675,14 @@ MASKED_BELOW = -65504.0
 FEW_ELEMENTS = 16
 
 
+#: Once a model's float64 outputs changed, a cell is judged against the stored goldens and
+#: against this revision's own float64. Both use the same baseline, so where the two goldens
+#: agree to float64 rounding the budgets agree to within the baseline's own rounding; a budget
+#: against the stored goldens more than this many times the other was set by the model's
+#: change, not by rounding, and is named as grown.
+BUDGET_GROWTH = 2.0
+
+
 def noise_floor(golden: torch.Tensor | Summary, unit_roundoff: float,
                 tol: KindTolerance) -> float:
     """The least noise, relative to the scale, that a baseline of ``golden``'s size may claim:

@@ -14,7 +14,7 @@ from typing import Any
 from torchparity.diagnosis.decoding import DecodeReport
 from torchparity.diagnosis.report import DiagnosisReport
 from torchparity.diagnosis.results import Row, headroom, module_label, ratio, share_cell
-from torchparity.golden.cells import CheckResult
+from torchparity.golden.cells import OWN_FLOAT64, CheckResult
 from torchparity.golden.report import budget_share
 
 #: Flips listed among a decoding's findings (the JUnit report has every one).
@@ -32,6 +32,7 @@ class Case:
     ok: bool
     message: str = ""
     skipped: str | None = None
+    judged_against: str | None = None  # a check's: the goldens its verdict is against
 
 
 @dataclass
@@ -75,6 +76,12 @@ def check_outcome(results: list[CheckResult], subject: str,
                     f"{first.verdict}" + ("" if first.headroom is None else
                                           f", {_of_budget(first.headroom)}") +
                     " (the JUnit report has the full message)"]
+        both = {(r.case, r.cell.label) for r in results if r.stored_goldens}
+        if both:
+            findings.append(
+                f"The model's float64 outputs changed, so {len(both)} cells were judged "
+                f"against {OWN_FLOAT64} outputs as well as the stored goldens: "
+                + ", ".join(f"`{case}` {label}" for case, label in sorted(both)) + ".")
         heads = ["model", "cell", "output", "verdict", "budget used"]
         rows = [[f"`{r.case}`", r.cell.label, r.output, r.plain_verdict,
                  "-" if r.headroom is None else budget_share(r.headroom)] for r in failed]
@@ -89,8 +96,11 @@ def check_outcome(results: list[CheckResult], subject: str,
                 for case, cell in dict.fromkeys((r.case, r.cell) for r in results)]
     cases = [Case(f"torchparity.check.{r.case}", f"{r.cell.label} {r.output}", r.plain_verdict,
                   r.ok,
-                  message="" if r.ok else (r.explain or r.reason or r.verdict),
-                  skipped=r.reason if r.verdict == "n/a" else None) for r in results]
+                  message="" if r.ok else (r.explain or r.reason or r.verdict)
+                  + (f" Against the stored goldens: {r.stored_goldens['verdict']}."
+                     if r.stored_goldens else ""),
+                  skipped=r.reason if r.verdict == "n/a" else None,
+                  judged_against=r.judged_against) for r in results]
     alerts = [f"{case.suite.removeprefix('torchparity.check.')} {case.name}: {case.message}"
               for case in cases if not case.ok]
     return Outcome("torchparity check", subject, not failed, verdict, findings, heads, rows,

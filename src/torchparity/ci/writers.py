@@ -90,8 +90,11 @@ def junit_xml(outcome: Outcome) -> str:
     for case in outcome.cases:
         element = ET.SubElement(suite, "testcase", classname=case.suite, name=case.name,
                                 time=share)
-        ET.SubElement(ET.SubElement(element, "properties"), "property", name="verdict",
-                      value=case.verdict)
+        properties = ET.SubElement(element, "properties")
+        ET.SubElement(properties, "property", name="verdict", value=case.verdict)
+        if case.judged_against is not None:
+            ET.SubElement(properties, "property", name="judged against",
+                          value=case.judged_against)
         if not case.ok:
             failure = ET.SubElement(element, "failure", message=_first_line(case.message),
                                     type=case.verdict)

@@ -83,6 +83,11 @@ class CheckResult:
     # A compiled cell's graphs, breaks, recompiles and seconds, with each call's and (on the
     # decode output) each decoding step's; see torchparity.golden.compiled_cells.
     compiled: dict[str, Any] | None = None
+    # The goldens the row was judged against: the stored ones, or, once the reference cell
+    # diverged (the model changed), this revision's own float64 outputs as well.
+    judged_against: str = "stored goldens"
+    # Then its verdict, headroom and sensitivity against the stored goldens.
+    stored_goldens: dict[str, Any] | None = None
 
     @property
     def cell(self) -> Cell:
@@ -97,10 +102,17 @@ class CheckResult:
         """A JSON-serialisable dict; an infinite headroom becomes the string "inf"; with the
         verdict also in the words every report shares (``plain_verdict``)."""
         data = asdict(self)
-        if data["headroom"] is not None and data["headroom"] == float("inf"):
-            data["headroom"] = "inf"
+        for judged in filter(None, (data, data["stored_goldens"])):
+            if judged["headroom"] is not None and judged["headroom"] == float("inf"):
+                judged["headroom"] = "inf"
         data["plain_verdict"] = self.plain_verdict
         return data
+
+
+#: What a cell is judged against as well once the reference cell diverged.
+OWN_FLOAT64 = "this revision's own float64"
+#: The ``judged_against`` of such a cell.
+BOTH_GOLDENS = f"{OWN_FLOAT64} and the stored goldens"
 
 
 #: The verdicts every report (terminal, JSON, Markdown, JUnit, HTML) names, check and diagnose.

@@ -5,7 +5,9 @@ changed`` or ``inputs changed``. Otherwise each cell in turn: the **reference ce
 against a rerun on weights moved by one float64 rounding (see :func:`_check_reference`); every
 other cell, eager or compiled, against the golden with the ``manual`` backend in its dtype and
 device as baseline, run once per (dtype, device); a compiled cell's rows then carry its compile
-log and each decoding step's verdict.
+log and each decoding step's verdict. Once the reference cell diverged (the model's math
+changed, and the baselines carry the change), every other cell is judged against this
+revision's own float64 outputs as well, so a backend or dtype problem still stands out.
 
 A subject feeds the loop with a :class:`Feed`: what it runs in a cell and how it judges an
 output; the loop owns the order, the baselines and the rows that say why nothing was judged.
@@ -21,7 +23,7 @@ import torch
 
 from torchparity import backends, sketching, tolerance
 from torchparity.comparison import NOT_COMPARED
-from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run
+from torchparity.golden.cells import BOTH_GOLDENS, REFERENCE, Cell, CheckResult, Run
 from torchparity.golden.compiled_cells import annotate, step_verdicts, unavailable_reason
 from torchparity.golden.store import Golden, GoldenStore
 from torchparity.subject.compiling import CompileFailed
@@ -88,9 +90,13 @@ def check(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None
             advance(cell.label)
         return results
     baselines: dict[tuple[str, str], Run] = {}
-    for cell in cells:
+    own: Run | None = None  # this revision's float64 outputs, once they diverged
+    for cell in sorted(cells, key=lambda cell: cell != REFERENCE):
         if cell == REFERENCE:
-            results += _check_reference(feed)
+            rows, fresh = _check_reference(feed)
+            results += rows
+            if any(r.verdict == "diverged" for r in rows if r.output in feed.outputs):
+                own = fresh
         elif (refused := feed.refused(cell)) is not None:
             results += [row(feed, cell, output, "n/a", ok=True, reason=refused)
                         for output in feed.outputs]
@@ -98,20 +104,21 @@ def check(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None
             key = (cell.dtype, cell.device)
             if key not in baselines:
                 baselines[key] = feed.run(Cell("manual", *key))
-            results += _check_cell(feed, cell, baselines[key])
+            results += _check_cell(feed, cell, baselines[key], own)
         results += [row(feed, cell, output, "n/a", ok=True, reason=reason)
                     for output, reason in feed.unjudged.items()]
         advance(cell.label)
     return results
 
 
-def _check_reference(feed: Feed) -> list[CheckResult]:
+def _check_reference(feed: Feed) -> tuple[list[CheckResult], Run]:
     """The reference cell: today's float64 outputs against the goldens, with a baseline of
     *golden + (perturbed - fresh)*: ``perturbed`` is the same computation with every weight
     moved by one float64 rounding error. A backward-stable computation is exact for inputs
     perturbed by about that much, so this baseline's distance from the golden is the noise that
     float64 cannot avoid (other BLAS, other torch), while any change of the math stands far out.
-    Writes ``<output>.obtained.safetensors`` for each output that fails."""
+    Writes ``<output>.obtained.safetensors`` for each output that fails. Returns the rows
+    and today's float64 run."""
     fresh = feed.run(REFERENCE)
     perturbed = feed.run(REFERENCE, perturb=True)
     results = []
@@ -129,10 +136,12 @@ def _check_reference(feed: Feed) -> list[CheckResult]:
         if not result.ok:
             feed.store.write_obtained(feed.name, output, candidate)
         results.append(result)
-    return results + feed.self_checks(fresh)
+    return results + feed.self_checks(fresh), fresh
 
 
-def _check_cell(feed: Feed, cell: Cell, baseline: Run) -> list[CheckResult]:
+def _check_cell(feed: Feed, cell: Cell, baseline: Run, own: Run | None) -> list[CheckResult]:
+    """The rows of ``cell`` against the goldens; with ``own`` (this revision's float64 run,
+    once it diverged from them) against it as well (see :func:`_against_both`)."""
     run = _cell_run(feed, cell, baseline)
     if run is not baseline and run.sdpa_calls == 0:
         return [row(feed, cell, output, "n/a", ok=True, reason=backends.NO_SDPA_CALLS_REASON)
@@ -147,14 +156,32 @@ def _check_cell(feed: Feed, cell: Cell, baseline: Run) -> list[CheckResult]:
         else:
             noise = (loss_noise(baseline, feed.noise_from, feed.golden(feed.noise_from))
                      if output == "loss" else None)
-            results.append(feed.judge(cell, output, run.outputs.get(output, {}),
-                                      feed.golden(output), baseline.outputs.get(output), noise))
+            result = feed.judge(cell, output, run.outputs.get(output, {}),
+                                feed.golden(output), baseline.outputs.get(output), noise)
+            if own is not None and output in own.outputs:
+                noise = (loss_noise(baseline, feed.noise_from, own.outputs.get(feed.noise_from, {}))
+                         if output == "loss" else None)
+                result = _against_both(result, feed.judge(
+                    cell, output, run.outputs.get(output, {}), own.outputs[output],
+                    baseline.outputs.get(output), noise))
+            results.append(result)
     if cell.compile:
         annotate(results, run.compile_log, step_verdicts(
             *(feed.steps(decoded) for decoded in (
                 run.outputs.get("decode"), feed.golden("decode"),
                 baseline.outputs.get("decode"))), cell.dtype))
     return results
+
+
+def _against_both(stored: CheckResult, own: CheckResult) -> CheckResult:
+    """The row of a cell judged against the stored goldens and against this revision's own
+    float64: the latter's verdict (the stored goldens are of another model, and the
+    reference cell already failed for it), with the former's verdict, share of its budget
+    and sensitivity (see :func:`torchparity.golden.report.stored_goldens_lines`)."""
+    own.judged_against = BOTH_GOLDENS
+    own.stored_goldens = {"verdict": stored.verdict, "headroom": stored.headroom,
+                          "sensitivity": stored.sensitivity}
+    return own
 
 
 def _cell_run(feed: Feed, cell: Cell, baseline: Run) -> Run:

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from torchparity import machine
+from torchparity import machine, tolerance
 from torchparity.errors import UsageError
-from torchparity.golden.cells import REFERENCE, Cell, CheckResult
+from torchparity.golden.cells import BOTH_GOLDENS, OWN_FLOAT64, REFERENCE, Cell, CheckResult
 from torchparity.golden.compiled_cells import cell_counts, compiled_lines
 from torchparity.golden.store import Golden, produced_by
 from torchparity.reference import zoo
@@ -129,12 +129,13 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
     for backend, reason in never_run.items():
         say(f"{backend}: n/a in every cell here ({reason})")
     for line in [*compiled_lines(results), *_left_out_lines(results),
-                 *_baseline_lines(results)]:
+                 *_baseline_lines(results), *stored_goldens_lines(results)]:
         say(line)
     for r in results:
         if not r.ok:
             context = machines.context(r.case)
-            say(f"FAIL {r.case} {r.cell.label} {r.output}: {r.explain or r.reason}"
+            against = f" (against {OWN_FLOAT64})" if r.stored_goldens else ""
+            say(f"FAIL {r.case} {r.cell.label} {r.output}{against}: {r.explain or r.reason}"
                 + (f" ({context})" if context else ""))
     for line in sensitivity_lines(results):
         say(line)
@@ -160,12 +161,52 @@ def reference_lines(results: list[CheckResult]) -> list[str]:
     for r in results:
         if r.cell == REFERENCE and not r.ok:
             failed.setdefault(r.case, []).append(f"{r.output} {r.verdict}")
+    both = {r.case for r in results if r.judged_against == BOTH_GOLDENS}
     return [f"The model's outputs changed: {case}'s {REFERENCE.label} cell (the manual "
             f"backend in float64) no longer matches its goldens ({', '.join(outputs)}). That "
-            "is a change of the model's math, not of a backend or dtype. The other cells are "
-            "judged against the same goldens, with budgets earned by this revision's "
-            "baselines, which carry the change: wider than their cells normally allow (the "
-            "Sensitivity line says how wide)." for case, outputs in failed.items()]
+            "is a change of the model's math, not of a backend or dtype. "
+            + (f"The other cells are judged against {OWN_FLOAT64} outputs, so a backend or "
+               "dtype problem still shows; their verdicts against the stored goldens follow "
+               "the table." if case in both else
+               "The other cells are judged against the same goldens, with budgets earned by "
+               "this revision's baselines, which carry the change: wider than their cells "
+               "normally allow (the Sensitivity line says how wide).")
+            for case, outputs in failed.items()]
+
+
+#: The note of a cell judged against this revision's own float64 as well.
+BOTH_NOTE = (f"judged against {OWN_FLOAT64} outputs (the model changed) and against the "
+             "stored goldens (see below)")
+
+
+def stored_goldens_lines(results: list[CheckResult]) -> list[str]:
+    """The rows judged against this revision's own float64 as well, per case, dtype and
+    output: their verdicts against the stored goldens and, where the budget there grew
+    beyond what the cells allow against their own model, by how much and why."""
+    groups: dict[tuple[str, str, str], list[CheckResult]] = {}
+    for r in results:
+        if r.stored_goldens:
+            groups.setdefault((r.case, r.dtype, r.output), []).append(r)
+    if not groups:
+        return []
+    lines = [f"Against the stored goldens (of the model before its change; the verdicts "
+             f"above are against {OWN_FLOAT64}):"]
+    for (case, dtype, output), rows in groups.items():
+        stored = [r.stored_goldens for r in rows]
+        verdicts = "/".join(sorted({s["verdict"] for s in stored}))
+        shares = [s["headroom"] for s in stored if s["headroom"] is not None]
+        line = f"{case} {dtype} {output}: {verdicts} in {len(rows)} cell(s)" + (
+            f", at most {budget_share(max(shares))}" if shares else "")
+        grown = [(s["sensitivity"], r.sensitivity) for s, r in zip(stored, rows)
+                 if s["sensitivity"] is not None and r.sensitivity
+                 and s["sensitivity"] > tolerance.BUDGET_GROWTH * r.sensitivity]
+        if grown:
+            wide, usual = max(grown, key=lambda pair: pair[0] / pair[1])
+            line += (f"; budget {wide / usual:.2g} times what the cell allows against its own "
+                     f"model (sensitivity {wide:.2g}, not {usual:.2g}): the {dtype} baseline "
+                     "carries the model's change")
+        lines.append(line)
+    return lines
 
 
 def _left_out_lines(results: list[CheckResult]) -> list[str]:
@@ -302,6 +343,8 @@ def _cell_text(rows: list[CheckResult], footnotes: dict[str, int], with_device: 
             f"n/a: {unavailable[0].reason}"
         number = footnotes.setdefault(note, len(footnotes) + 1)
         text += f" [{number}]"
+    if any(r.judged_against == BOTH_GOLDENS for r in rows):
+        text += f" [{footnotes.setdefault(BOTH_NOTE, len(footnotes) + 1)}]"
     if any(r.sensitivity is not None and r.sensitivity >= COARSE for r in rows):
         text += f" [{footnotes.setdefault(COARSE_NOTE, len(footnotes) + 1)}]"
     if first.compiled:

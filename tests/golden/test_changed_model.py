@@ -1,0 +1,90 @@
+"""A model whose math changed (its reference cell diverges from the goldens): every other cell
+is judged against this revision's own float64 as well, so a backend or dtype bug planted in
+the same run still fails its cell, and every report says which goldens each cell was judged
+against."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+from toy_repo import CHANGES, MODELS
+
+from torchparity import backends
+from torchparity.cli import main
+from torchparity.golden.cells import BOTH_GOLDENS, OWN_FLOAT64
+
+#: The cells of these tests: the reference, the baseline and one sdpa kernel, in fp32.
+CELLS = ("--backend", "manual", "--backend", "sdpa-math", "--dtype", "fp32")
+#: The planted bug's relative error in the attention's softmax scale: 2**14 fp32 roundings,
+#: far beyond what a one-block model's fp32 rounding can reach.
+PLANTED = torch.finfo(torch.float32).eps * 2**14
+
+
+@pytest.fixture
+def changed_model(tmp_path: Path) -> Path:
+    """models.py with goldens made from it, then its GELU switched to the tanh form."""
+    models = tmp_path / "models.py"
+    models.write_text(MODELS)
+    assert main(["golden", "update", "--golden-dir", str(tmp_path / "golden"),
+                 "--model", f"{models}:make"]) == 0
+    before, after = CHANGES["real"]
+    models.write_text(MODELS.replace(before, after))
+    return models
+
+
+def check(models: Path, *args: str) -> tuple[int, list[dict], ET.Element]:
+    folder = models.parent
+    status = main(["check", "--model", f"{models}:make", "--golden-dir", str(folder / "golden"),
+                   "--json", str(folder / "check.json"), "--junit", str(folder / "check.xml"),
+                   *CELLS, *args])
+    rows = json.loads((folder / "check.json").read_text())["results"]
+    return status, rows, ET.parse(folder / "check.xml").getroot()
+
+
+def test_a_changed_model_judges_its_cells_against_its_own_float64(changed_model, capsys):
+    status, rows, junit = check(changed_model)
+    assert status == 1  # the reference cell diverged: the model changed
+    reference = [r for r in rows if r["backend"] == "manual" and r["dtype"] == "fp64"]
+    assert {r["verdict"] for r in reference} == {"diverged"}
+    others = [r for r in rows if r not in reference and r["verdict"] != "n/a"]
+    assert others and all(r["ok"] for r in others)
+    assert {r["judged_against"] for r in others} == {BOTH_GOLDENS}
+    assert all(r["stored_goldens"]["verdict"] for r in others)
+    assert {r["judged_against"] for r in reference} == {"stored goldens"}
+    # Each budget against the stored goldens carries the change, so it is wider than the one
+    # against the model's own float64, and the lines under the table name it and why.
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"judged against {OWN_FLOAT64} outputs (the model changed)" in out
+    assert "Against the stored goldens (of the model before its change" in out
+    assert "the fp32 baseline carries the model's change" in out
+    judged = {case.get("name"): case.find("properties/property[@name='judged against']")
+              for case in junit.iter("testcase")}
+    assert judged["sdpa-math fp32 cpu outputs"].get("value") == BOTH_GOLDENS
+
+
+def test_a_backend_bug_beside_a_changed_model_still_fails_its_cell(changed_model, monkeypatch,
+                                                                   capsys):
+    run_sdpa = backends._run_sdpa
+
+    def wrong_scale(name, q, k, v, attn_mask, dropout_p, is_causal, *, scale, **kwargs):
+        if name == "sdpa-math":
+            scale = (scale or q.shape[-1] ** -0.5) * (1 + PLANTED)
+        return run_sdpa(name, q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                        **kwargs)
+
+    monkeypatch.setattr(backends, "_run_sdpa", wrong_scale)
+    status, rows, _ = check(changed_model)
+    assert status == 1
+    failed = {(r["backend"], r["dtype"]) for r in rows if not r["ok"]}
+    assert failed == {("manual", "fp64"), ("sdpa-math", "fp32")}
+    bugged = [r for r in rows if r["backend"] == "sdpa-math" and r["output"] == "outputs"]
+    assert bugged[0]["verdict"] == "diverged" and bugged[0]["judged_against"] == BOTH_GOLDENS
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"FAIL models.make sdpa-math fp32 cpu outputs (against {OWN_FLOAT64}):" in out
+    # Against its own float64 the baseline's budget is the cell's usual one: the planted bug,
+    # far beyond fp32 rounding, stands out there whatever the stored goldens' verdict.
+    assert bugged[0]["stored_goldens"]["sensitivity"] > bugged[0]["sensitivity"]
