@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from toy_repo import CHANGES, MODELS
 
 from torchparity import backends
 from torchparity.cli import main
 from torchparity.golden.cells import BOTH_GOLDENS, OWN_FLOAT64
+from toy_repo import CHANGES, MODELS
 
 #: The cells of these tests: the reference, the baseline and one sdpa kernel, in fp32.
 CELLS = ("--backend", "manual", "--backend", "sdpa-math", "--dtype", "fp32")

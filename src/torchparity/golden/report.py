@@ -197,9 +197,9 @@ def stored_goldens_lines(results: list[CheckResult]) -> list[str]:
         shares = [s["headroom"] for s in stored if s["headroom"] is not None]
         line = f"{case} {dtype} {output}: {verdicts} in {len(rows)} cell(s)" + (
             f", at most {budget_share(max(shares))}" if shares else "")
-        grown = [(s["sensitivity"], r.sensitivity) for s, r in zip(stored, rows)
-                 if s["sensitivity"] is not None and r.sensitivity
-                 and s["sensitivity"] > tolerance.BUDGET_GROWTH * r.sensitivity]
+        grown = [(r.stored_goldens["sensitivity"], r.sensitivity) for r in rows
+                 if r.stored_goldens["sensitivity"] is not None and r.sensitivity
+                 and r.stored_goldens["sensitivity"] > tolerance.BUDGET_GROWTH * r.sensitivity]
         if grown:
             wide, usual = max(grown, key=lambda pair: pair[0] / pair[1])
             line += (f"; budget {wide / usual:.2g} times what the cell allows against its own "
