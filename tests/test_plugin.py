@@ -199,8 +199,10 @@ def test_model_parity_finds_its_entry_from_any_folder_and_says_a_missing_golden_
     (tests / "test_m.py").write_text(MODEL_PARITY_TESTS)
     pytester.makeini("[pytest]\n")
     monkeypatch.chdir(tests)
-    missing = pytester.runpytest_inprocess("-p", "no:cacheprovider", *WITH_PLUGIN, "test_m.py",
-                                           "-k", "sdpa")
+    # -rN: pytest's own one-line recap repeats the message whole where it runs in CI
+    # (CI=true turns off its truncation); the count below is of the failure's report alone.
+    missing = pytester.runpytest_inprocess("-rN", "-p", "no:cacheprovider", *WITH_PLUGIN,
+                                           "test_m.py", "-k", "sdpa")
     missing.assert_outcomes(failed=1)
     text = missing.stdout.str()
     assert "Traceback" not in text and "During handling" not in text
