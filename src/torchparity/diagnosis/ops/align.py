@@ -143,6 +143,13 @@ def _similarity(x: Step, y: Step, partners: dict[int, int]) -> float | None:
     return score
 
 
+#: Two outputs whose difference is under this share of their norm count as one computation's
+#: when pairing a fused op with the ops it replaces. It is evidence for the alignment only,
+#: far above any rounding and far below a real change of the value; the verdict on the pair
+#: is the tolerance model's.
+SAME_VALUES_SHARE = 1e-3
+
+
 def _close(x: Step, y: Step) -> bool:
     """Whether the outputs are nearly the same values: evidence of one computation, not a
     verdict (that is the tolerance model's)."""
@@ -152,7 +159,7 @@ def _close(x: Step, y: Step) -> bool:
                 return False
             continue
         scale = left.double().norm() + right.double().norm()
-        if scale > 0 and (left.double() - right.double()).norm() > 1e-3 * scale:
+        if scale > 0 and (left.double() - right.double()).norm() > SAME_VALUES_SHARE * scale:
             return False
     return True
 
