@@ -105,16 +105,21 @@ def test_a_diagnosis_has_a_case_per_module_and_fails_the_first_divergence():
     assert annotation.startswith("::error title=torchparity diagnose::First divergence: 2 ")
 
 
-def test_a_module_whose_output_inherits_a_divergence_fails_and_every_case_has_a_time():
-    """B changes its first layer only: the later modules' own local errors are identical,
-    their outputs in B's run are not; no JUnit viewer may show those modules green."""
+def _biased_at(layer: int) -> tuple[nn.Module, nn.Module, tuple[torch.Tensor]]:
+    """A small MLP, the same MLP with one layer's bias moved by 0.1, and an input."""
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     b.load_state_dict(a.state_dict())
     with torch.no_grad():
-        b[0].bias.add_(0.1)
-    report = tp.diagnose(a, b, (torch.randn(3, 4),), backward=False, local="all")
+        b[layer].bias.add_(0.1)
+    return a, b, (torch.randn(3, 4),)
+
+
+def test_a_module_whose_output_inherits_a_divergence_fails_and_every_case_has_a_time():
+    """B changes its first layer only: the later modules' own local errors are identical,
+    their outputs in B's run are not; no JUnit viewer may show those modules green."""
+    report = tp.diagnose(*_biased_at(0), backward=False, local="all")
     rows = {row.module: row for row in report.rows}
     assert rows["2"].local.verdict == "identical" and not rows["2"].propagated.ok
     xml = junit_xml(diagnosis_outcome(report, "b against a", seconds=2.0))
@@ -145,13 +150,7 @@ def test_a_failing_summary_opens_with_a_plain_sentence_and_the_next_command():
 
 
 def test_the_diagnosis_summary_explains_its_cells():
-    torch.manual_seed(0)
-    a = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    b = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    b.load_state_dict(a.state_dict())
-    with torch.no_grad():
-        b[2].bias.add_(0.1)
-    report = tp.diagnose(a, b, (torch.randn(3, 4),), backward=False)
+    report = tp.diagnose(*_biased_at(2), backward=False)
     markdown = summary_markdown(diagnosis_outcome(report, "b against a",
                                                   next_step="torchparity diagnose a b --html x"))
     lines = markdown.splitlines()
