@@ -12,6 +12,7 @@ from torchparity import backends
 from torchparity.dtypes import dtype_name, torch_dtype
 from torchparity.errors import UsageError
 from torchparity.subject.rounding import perturb_weights
+from torchparity.subject.running import cast_inputs
 from torchparity.twins import building, reproducer, running
 from torchparity.twins.building import Buildable, WeightMap
 from torchparity.twins.judging import TwinVerdict, judge
@@ -48,14 +49,14 @@ def check(old: Buildable, new: Buildable, inputs: Inputs, *, dtype: str | torch.
                                             weight_map=weight_map)
     old_module.eval()
     new_module.eval()
-    rounded = running.cast(inputs, target, device)
+    rounded = cast_inputs(inputs, device, target)
     padding = None if padding is None else padding.to(device)
     grads = grads and not isinstance(inputs, Steps)
     old_in_dtype = building.copy_in(old_module, target, device)
     new_in_dtype = building.copy_in(new_module, target, device)
     sides = {  # name: (module, inputs, backend, cache)
         "golden": (building.copy_in(old_in_dtype, torch.float64, device),
-                   running.cast(rounded, torch.float64, device), None, old_cache),
+                   cast_inputs(rounded, device, torch.float64), None, old_cache),
         "baseline": (old_in_dtype, rounded, None, old_cache),
         "candidate": (new_in_dtype, rounded, backend, new_cache),
         "rerun": (perturb_weights(building.copy_in(new_module, target, device)), rounded,

@@ -46,19 +46,6 @@ class Run:
     grads: dict[str, dict[str, torch.Tensor]] | None = None
 
 
-def cast(inputs: Any, dtype: torch.dtype, device: str | torch.device) -> Any:
-    """``inputs`` on ``device``, with every floating tensor in ``dtype``."""
-    if isinstance(inputs, Steps):
-        return Steps(cast(step, dtype, device) for step in inputs)
-
-    def moved(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        return x.to(device, dtype) if x.is_floating_point() else x.to(device)
-
-    return torch.utils._pytree.tree_map(moved, inputs)
-
-
 def forward(module: nn.Module, inputs: Inputs, backend: str | None, *, grads: bool,
             cache: Callable[[], Any] | None = None) -> tuple[Run, dict[str, torch.Tensor]]:
     """Run ``module`` on ``inputs`` (already cast) under ``backend`` (None: as it is). With
