@@ -91,11 +91,7 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 
 def _run_timeout() -> float:
-    text = os.environ.get(RUN_TIMEOUT_ENV)
-    try:
-        return float(text) if text else _DEFAULT_RUN_TIMEOUT
-    except ValueError:
-        raise UsageError(f"${RUN_TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+    return sharded.seconds_from_env(RUN_TIMEOUT_ENV, _DEFAULT_RUN_TIMEOUT)
 
 
 def active() -> bool:

@@ -53,14 +53,19 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def seconds_from_env(name: str, default: float) -> float:
+    """The number of seconds ``$name`` holds, ``default`` where it is unset or empty; a
+    :class:`UsageError` naming the variable where it is not a number."""
+    text = os.environ.get(name)
+    try:
+        return float(text) if text else default
+    except ValueError:
+        raise UsageError(f"${name}={text!r} is not a number of seconds") from None
+
+
 def collective_timeout() -> float:
     """Seconds a collective waits for the other ranks: ``$TORCHPARITY_COLLECTIVE_TIMEOUT``."""
-    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
-    try:
-        return float(text) if text else _DEFAULT_COLLECTIVE_TIMEOUT
-    except ValueError:
-        raise UsageError(f"${COLLECTIVE_TIMEOUT_ENV}={text!r} is not a number of "
-                         "seconds") from None
+    return seconds_from_env(COLLECTIVE_TIMEOUT_ENV, _DEFAULT_COLLECTIVE_TIMEOUT)
 
 
 def device_type() -> str:
