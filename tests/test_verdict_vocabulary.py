@@ -1,5 +1,5 @@
 """One vocabulary of verdicts across every report: a diagnosis and a check, each rendered as
-the terminal, JSON, Markdown, JUnit (and, for the diagnosis, HTML) show them, agree row by row.
+the terminal, JSON, Markdown, JUnit and HTML show them, agree row by row.
 
 Each format is read back on its own terms (a symbol through its legend, a word as written)
 and compared with the JSON's verdicts, in the words identical, within, diverged, structure
@@ -164,11 +164,12 @@ def test_a_diagnosis_reads_the_same_in_all_five_formats():
 TERMINAL_SYMBOLS = {"≡": "identical", "✓": "within", "✗": "diverged", "n/a": "could not run"}
 
 
-def test_a_check_reads_the_same_in_every_format(tmp_path, capsys):
+def test_a_check_reads_the_same_in_all_five_formats(tmp_path, capsys):
     """The zoo's llama-tiny, one backend that runs and one that cannot on the CPU."""
-    report_path = tmp_path / "check.json"
+    report_path, page_path = tmp_path / "check.json", tmp_path / "check.html"
     assert main(["check", "--jobs", "1", "--golden-dir", str(SHIPPED), "--json",
-                 str(report_path), "--case", "llama-tiny", "--backend", "sdpa",
+                 str(report_path), "--html", str(page_path), "--case", "llama-tiny",
+                 "--backend", "sdpa",
                  "--backend", "sdpa-cudnn", "--backend", "flex", "--dtype", "fp32"]) == 0
     terminal = capsys.readouterr().out
     results = json.loads(report_path.read_text())["results"]
@@ -200,6 +201,24 @@ def test_a_check_reads_the_same_in_every_format(tmp_path, capsys):
             assert TERMINAL_SYMBOLS[symbol] == cell_word(backend, dtype), (head, cell)
     assert "sdpa-cudnn: n/a in every cell here" in terminal
     assert cell_word("sdpa-cudnn", "fp32") == "could not run"
+
+    # HTML: the same table, a line per dtype in each cell, and a legend for every symbol.
+    cells = Cells()
+    page = page_path.read_text()
+    cells.feed(page)
+    heads, *rows = [r for r in cells.rows if r]
+    assert [row[0] for row in rows] == ["llama-tiny"]
+    shown = set()
+    for row in rows:
+        for head, cell in zip(heads[1:], row[1:], strict=True):
+            for line in cell.split("\n"):
+                dtype, symbol = line.split()[:2]
+                backend = "manual" if head == "reference" else head
+                assert TERMINAL_SYMBOLS[symbol] == cell_word(backend, dtype), (head, line)
+                shown.add(symbol)
+    assert shown >= {"≡", "✓"}
+    assert all(f"<b>{symbol}</b> " in page for symbol in TERMINAL_SYMBOLS)
+    assert "sdpa-cudnn: n/a in every cell here" in page
 
     # JUnit: one case per cell and output, in the same words as the JSON.
     from torchparity.golden.cells import CheckResult

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from pathlib import Path
 from typing import Any
 
 from torchparity import backends
@@ -73,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=GOLDEN_DIR_HELP + f"; for --model: ${GOLDEN_DIR_ENV}, else "
                              "golden/ in the working directory")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument("--html", metavar="PATH",
+                        help="also write the report as a self-contained HTML page to PATH")
     parser.add_argument("--jobs", type=int, metavar="N",
                         help="worker processes (default: 2 when the machine has 2+ cores; 1 "
                              "runs in this process)")
@@ -116,14 +117,13 @@ def run(args: argparse.Namespace) -> int:
                        dtype=args.dtype, device=args.device,
                        compile_forms=compile_forms(args.compile), golden_dir=args.golden_dir,
                        model_root=base_root, jobs=args.jobs, train=args.train, json=args.json,
-                       progress=_progress())
+                       html=args.html, progress=_progress())
         elapsed = time.perf_counter() - started
 
         from rich.console import Console
 
         report.render(Console(soft_wrap=True), elapsed)
-        if args.json:
-            report.write_json(Path(args.json))
+        report.write(args.json, args.html, elapsed)
         compared = (f"{', '.join(args.model)} against base {side.name}" if side else
                     f"the goldens in {report.model_root}")
         next_step = next_step_command(args.base, subjects, report.results)

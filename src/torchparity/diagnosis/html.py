@@ -1,5 +1,5 @@
-"""The HTML page of a divergence report, and the CSS, cells and SVG plots the decoding
-report's page shares.
+"""The HTML page of a divergence report, and the page shell, legend, settings, cells and SVG
+plots the decoding report's page and the check's page share.
 
 The HTML file is self-contained (inline CSS and SVG, no script, nothing fetched): it opens in a
 browser without network. Its plot shows each row's local and propagated error as a share of
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Iterable
 from typing import Any
 
 from torchparity.comparison.tensor import json_safe
@@ -39,11 +40,33 @@ table.layer { table-layout: fixed; width: 100%; } summary { cursor: pointer; mar
 table.layer td { overflow-wrap: anywhere; } table.layer th:nth-child(1) { width: 3em; }
 table.layer th:nth-child(2) { width: 28%; } table.layer th:nth-child(4) { width: 14%; }
 .entry { color: #a00; } .structure { color: #765; }
+td .failed { background: #fde8e8; font-weight: bold; } td .unavailable { color: #999; }
 """
 
 
+def page(title: str, body: str, css: str = "") -> str:
+    """A self-contained page: ``title`` as its heading, ``body`` under it, the shared CSS and
+    ``css`` inline."""
+    return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+            f"<title>{html.escape(title)}</title><style>{CSS}{css}</style></head><body>"
+            f"<h1>{html.escape(title)}</h1>{body}</body></html>\n")
+
+
+def legend_paragraph(symbols: Iterable[tuple[str, str]],
+                     columns: Iterable[tuple[str, str]] = ()) -> str:
+    """What each ``(symbol, meaning)`` and each ``(column, what it holds)`` says, in one
+    paragraph under a table."""
+    items = [*(f"<b>{html.escape(symbol)}</b> {html.escape(text)}" for symbol, text in symbols),
+             *(f"<b>{html.escape(name)}</b>: {html.escape(text)}" for name, text in columns)]
+    return "<p class='note legend'>" + "; ".join(items) + "</p>"
+
+
+def settings_details(meta: dict[str, Any]) -> str:
+    """The run's settings, folded away under the page."""
+    return f"<details><summary>settings</summary>{settings_table(meta)}</details>"
+
+
 def html_page(report: Any) -> str:
-    title = "torchparity diagnosis"
     plots = [svg_plot(report.rows, {"local": "local", "propagated": "propagated"},
                       "Forward error / budget")]
     if report.meta.get("backward"):
@@ -54,16 +77,12 @@ def html_page(report: Any) -> str:
         f"<p class='note'>Unmatched in {side}: {html.escape(', '.join(names))}</p>"
         for side, names in (("A", report.unmatched_a), ("B", report.unmatched_b)) if names)
     notes = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in report.meta.get("notes", []))
-    return (
-        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{title}</title><style>{CSS}</style></head><body>"
-        f"<h1>{title}</h1><p class='summary'>{html.escape(report.summary())}</p>"
-        + "".join(plots) + _html_table(report) + legend(report)
-        + "".join(ops.to_html() for r in report.rows for ops in (r.ops, r.grad_ops)
-                  if ops is not None) + unmatched + notes
-        + f"<details><summary>settings</summary>{settings_table(report.meta)}</details>"
-        "</body></html>\n"
-    )
+    return page("torchparity diagnosis",
+                f"<p class='summary'>{html.escape(report.summary())}</p>"
+                + "".join(plots) + _html_table(report) + legend(report)
+                + "".join(ops.to_html() for r in report.rows for ops in (r.ops, r.grad_ops)
+                          if ops is not None) + unmatched + notes
+                + settings_details(report.meta))
 
 
 #: What each symbol of a cell means, in the words of the terminal's legend.
@@ -89,10 +108,8 @@ COLUMN_LEGEND = (("local", "B's module fed A's recorded inputs, against the gold
 def legend(report: Any) -> str:
     """The symbols of the cells and the columns the table shows, each explained."""
     shown = set(_columns(report))
-    columns = [(name, text) for name, text in COLUMN_LEGEND if name in shown]
-    items = [*(f"<b>{html.escape(symbol)}</b> {html.escape(text)}" for symbol, text in CELL_LEGEND),
-             *(f"<b>{html.escape(name)}</b>: {html.escape(text)}" for name, text in columns)]
-    return "<p class='note legend'>" + "; ".join(items) + "</p>"
+    return legend_paragraph(CELL_LEGEND,
+                            [(name, text) for name, text in COLUMN_LEGEND if name in shown])
 
 
 def settings_table(meta: dict[str, Any]) -> str:
@@ -257,7 +274,7 @@ def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
     left, top, plot_h, step = 60, 30, 220, max(4, min(40, 900 // max(len(rows), 1)))
     labelled = _spaced(_axis_rows(rows), min_gap=max(1, math.ceil(13 / step)))
     label_h = 6 * max((len(module_label(rows[i].module)) for i in labelled), default=0) + 10
-    width = max(left + step * max(len(rows), 1) + 30, 480)  # room for the title and legend
+    width = max(left + step * max(len(rows), 1) + 30, 600)  # room for the title and legend
     height = top + plot_h + label_h + 30
 
     def x(i: int) -> float:

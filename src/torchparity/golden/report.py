@@ -16,7 +16,6 @@ from torchparity.errors import UsageError
 from torchparity.golden.cells import BOTH_GOLDENS, OWN_FLOAT64, REFERENCE, Cell, CheckResult
 from torchparity.golden.compiled_cells import cell_counts, compiled_lines
 from torchparity.golden.store import Golden, produced_by
-from torchparity.reference import zoo
 from torchparity.text import WIDTH, wrap
 
 
@@ -84,23 +83,25 @@ def write_json(path: Path, results: list[CheckResult], ok: bool, golden_dir: Pat
         raise UsageError(f"cannot write --json {path}: {exc.strerror}") from None
 
 
-def render(console: Any, results: list[CheckResult], cells: list[Cell],
-           cases: list[zoo.ZooCase], elapsed: float, machines: Machines) -> None:
+@dataclass
+class Page:
+    """What the check's report says, in order, for the terminal and the HTML page alike: the
+    lines before the table, the table (a row per case, a column per backend, a line per
+    dtype in each cell) and the lines after it."""
+
+    before: list[str]
+    headers: list[str]
+    rows: list[list[str]]
+    after: list[str]
+
+
+def page(results: list[CheckResult], cells: list[Cell], elapsed: float,
+         machines: Machines) -> Page:
     """The machines when the goldens come from another, the table, its footnotes, one line per
     failure and the summary."""
-    # Logs and pipes have no width: every line fits 80 columns there, wrapped at spaces and
-    # never cut; the table is folded into as many tables as it takes.
-    width = console.width if console.is_terminal else TABLE_WIDTH
-
-    def say(text: str) -> None:
-        for line in wrap(text, width):
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-    for line in reference_lines(results):  # a change of the model itself, said first
-        say(line)
+    before = reference_lines(results)  # a change of the model itself, said first
     if (header := machines.header()) is not None:
-        say(header)
-
+        before.append(header)
     by_cell: dict[tuple[str, Cell], list[CheckResult]] = {}
     for r in results:
         by_cell.setdefault((r.case, r.cell), []).append(r)
@@ -120,31 +121,45 @@ def render(console: Any, results: list[CheckResult], cells: list[Cell],
                      and (case, cell) in by_cell]
             row.append("\n".join(lines))
         rows.append(row)
-    say("torchparity check: each cell's verdict and the most of its budget used")
-    say(LEGEND)
-    for table in folded(None, ["case", "reference", *columns], rows, width):
-        print_table(console, table, width)
-    for note, number in footnotes.items():
-        say(f"[{number}] {note}")
-    for backend, reason in never_run.items():
-        say(f"{backend}: n/a in every cell here ({reason})")
-    for line in [*compiled_lines(results), *_left_out_lines(results),
-                 *_baseline_lines(results), *stored_goldens_lines(results)]:
-        say(line)
+    after = [f"[{number}] {note}" for note, number in footnotes.items()]
+    after += [f"{backend}: n/a in every cell here ({reason})"
+              for backend, reason in never_run.items()]
+    after += [*compiled_lines(results), *_left_out_lines(results), *_baseline_lines(results),
+              *stored_goldens_lines(results)]
     for r in results:
         if not r.ok:
             context = machines.context(r.case)
             against = f" (against {OWN_FLOAT64})" if r.stored_goldens else ""
-            say(f"FAIL {r.case} {r.cell.label} {r.output}{against}: {r.explain or r.reason}"
-                + (f" ({context})" if context else ""))
-    for line in sensitivity_lines(results):
+            after.append(f"FAIL {r.case} {r.cell.label} {r.output}{against}: "
+                         f"{r.explain or r.reason}" + (f" ({context})" if context else ""))
+    after += [*sensitivity_lines(results), _summary(results, elapsed)]
+    return Page(before, ["case", "reference", *columns], rows, after)
+
+
+def render(console: Any, content: Page) -> None:
+    """``content`` on ``console``: its lines wrapped, its table folded to the width."""
+    # Logs and pipes have no width: every line fits 80 columns there, wrapped at spaces and
+    # never cut; the table is folded into as many tables as it takes.
+    width = console.width if console.is_terminal else TABLE_WIDTH
+
+    def say(text: str) -> None:
+        for line in wrap(text, width):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    for line in [*content.before, TITLE, LEGEND]:
         say(line)
-    say(_summary(results, elapsed))
+    for table in folded(None, content.headers, content.rows, width):
+        print_table(console, table, width)
+    for line in content.after:
+        say(line)
 
 
+#: The check's title line.
+TITLE = "torchparity check: each cell's verdict and the most of its budget used"
 #: What the symbols of the check's table mean.
-LEGEND = ("≡ bit-identical to the baseline, ✓ within its budget, ✗ diverged, n/a could "
-          "not run here, [n] a note below the table")
+SYMBOLS = (("≡", "bit-identical to the baseline"), ("✓", "within its budget"),
+           ("✗", "diverged"), ("n/a", "could not run here"), ("[n]", "a note below the table"))
+LEGEND = ", ".join(f"{symbol} {meaning}" for symbol, meaning in SYMBOLS)
 #: A sensitivity at or above this share of the golden's scale rules out nothing: a change as
 #: large as the output itself would have passed.
 COARSE = 1.0

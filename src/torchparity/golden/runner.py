@@ -23,8 +23,9 @@ from torchparity.golden import sharded
 from torchparity.golden.cases import OUTPUT_KINDS, check_case, load_case
 from torchparity.golden.cell_selection import select_cases, select_cells
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult
+from torchparity.golden.html import write_html
 from torchparity.golden.model_check import backend_names, check_subject
-from torchparity.golden.report import Machines, render, write_json
+from torchparity.golden.report import Machines, Page, page, render, write_json
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import (
     islands_sentence,
@@ -54,18 +55,26 @@ class CheckReport:
     def ok(self) -> bool:
         return all(r.ok for r in self.results)
 
-    def render(self, console: Any, elapsed: float) -> None:
-        """The table, its footnotes, the failures and the summary (see :func:`report.render`)."""
-        render(console, self.results, self.cells, self.cases, elapsed, self.machines)
+    def page(self, elapsed: float) -> Page:
+        """The table, its footnotes, the failures and the summary (see :func:`report.page`)."""
+        return page(self.results, self.cells, elapsed, self.machines)
 
-    def write_json(self, path: Path) -> None:
-        write_json(path, self.results, self.ok, self.golden_dir, self.machines)
+    def render(self, console: Any, elapsed: float) -> None:
+        render(console, self.page(elapsed))
+
+    def write(self, json: str | None, html: str | None, elapsed: float) -> None:
+        """The results as JSON to ``json`` and the report as an HTML page to ``html``, each
+        when given."""
+        if json:
+            write_json(Path(json), self.results, self.ok, self.golden_dir, self.machines)
+        if html:
+            write_html(Path(html), self.page(elapsed))
 
 
 def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] | None,
           dtype: list[str] | None, device: list[str] | None, compile_forms: list[str],
           golden_dir: str | None, model_root: Path | None, jobs: int | None, train: bool,
-          json: str | None, progress: Any) -> CheckReport:
+          json: str | None, progress: Any, html: str | None = None) -> CheckReport:
     """Check the zoo ``cases`` (all when None; none when only ``models`` are given) and the
     users' ``models`` in the cells selected by ``backend``, ``dtype``, ``device`` and
     ``compile_forms``; with ``train`` also each case's golden training trajectory.
@@ -73,7 +82,7 @@ def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] 
     The zoo's goldens come from ``golden_dir`` (default: :func:`default_golden_dir`), the
     models' from ``model_root`` when given (goldens made here, from a base revision), else
     ``golden_dir`` or :func:`user_golden_dir`. Every choice and every golden is validated, and
-    the folder of ``json`` must exist, before any cell runs: a mistake is one
+    the folders of ``json`` and ``html`` must exist, before any cell runs: a mistake is one
     :class:`UsageError` or :class:`~torchparity.golden.GoldenError`. ``progress`` (a rich
     ``Progress``) is shown while the cells run.
     """
@@ -87,8 +96,9 @@ def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] 
     cells = select_cells(backend, dtype, device,
                          backend_names(models) if models else backends.names(), compile_forms)
     jobs = _jobs(jobs)
-    if json and not Path(json).resolve().parent.is_dir():
-        raise UsageError(f"--json {json}: its folder does not exist")
+    for flag, path in (("--json", json), ("--html", html)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise UsageError(f"{flag} {path}: its folder does not exist")
     goldens = {case.name: load_case(store, case) for case in chosen}
     goldens |= {subject.name: load_goldens(subject, model_store(subject, model_root))
                 for subject in models}

@@ -11,7 +11,6 @@ swap (B would keep other hypotheses) and the final n-best, with the same verdict
 from __future__ import annotations
 
 import html
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from torchparity.comparison.tensor import json_safe
 from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.decoding.beams import BeamSwap
 from torchparity.diagnosis.decoding.judging import Flip, first_module, step_budget, step_error
-from torchparity.diagnosis.html import CSS, html_cell, svg_plot
+from torchparity.diagnosis.html import html_cell, page, settings_details, svg_plot
 from torchparity.diagnosis.report import Report, not_compared_legend
 from torchparity.diagnosis.results import Result, Row, headroom, shape_difference, share_cell
 
@@ -291,8 +290,7 @@ class DecodeReport(Report):
         given."""
         steps = [Row(module=f"step {s}", a_module="", how="name", module_type="step",
                      depth=0, start=s, propagated=r) for s, r in enumerate(self.steps)]
-        parts = [f"<h1>torchparity decoding diagnosis</h1><p class='summary'>"
-                 f"{html.escape(self.summary())}</p>",
+        parts = [f"<p class='summary'>{html.escape(self.summary())}</p>",
                  svg_plot(steps, {"logits": "propagated"}, "Logits per step: error / budget")]
         if self.flips:
             parts.append(_html_table(
@@ -325,16 +323,11 @@ class DecodeReport(Report):
                                               and not r.propagated.ok else ""))
                  for i, r in enumerate(self.rows)], escape=False, wraps=1))
         parts += [f"<p class='note'>{html.escape(line)}</p>" for line in self._footer()]
-        settings = json.dumps(json_safe(self.meta), indent=1, default=str)
-        page = ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-                f"<title>torchparity decoding diagnosis</title><style>{CSS}{_NOWRAP}</style>"
-                "</head><body>"
-                + "".join(parts)
-                + f"<details><summary>settings</summary><pre>{html.escape(settings)}</pre>"
-                "</details></body></html>\n")
+        parts.append(settings_details(self.meta))
+        text = page("torchparity decoding diagnosis", "".join(parts), _NOWRAP)
         if path is not None:
-            Path(path).write_text(page, encoding="utf-8")
-        return page
+            Path(path).write_text(text, encoding="utf-8")
+        return text
 
 
 def _html_name(row: Row) -> str:

@@ -1,0 +1,59 @@
+"""The check's report as one self-contained HTML page (inline CSS, no script): the lines the
+terminal prints, in the same order, and its table with each dtype's line marked by its
+verdict, under a legend for every symbol. The shell, legend and CSS are the diagnosis page's."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+from torchparity.diagnosis.html import legend_paragraph, page
+from torchparity.errors import UsageError
+from torchparity.golden.report import SYMBOLS, TITLE, Page
+
+#: What a share after a symbol says, by example.
+SHARES = (("17%", "the most of its budget an output of the cell used"),
+          ("12x", "that many times its budget (a share of 10 or more)"),
+          ("fp32, bf16, ...", "the dtype each line of a cell is run in"))
+#: What each kind of column holds.
+COLUMNS = (("reference", "the manual backend in float64, against the goldens: a change "
+                         "there is a change of the model's math"),
+           ("any other", "that attention backend, judged by the tolerance model against the "
+                         "manual backend in the same dtype"))
+#: A line of a cell is marked by its first symbol.
+MARKS = {"✗": "failed", "n/a": "unavailable"}
+
+
+def html_page(content: Page) -> str:
+    """``content`` as a page: lines before the table, the table, its legend, lines after."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in content.headers)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(text)}</td>" for text in row) + "</tr>"
+                   for row in content.rows)
+    table = f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return page(TITLE.split(":")[0],
+                _paragraphs(content.before, "summary")
+                + f"<p>{html.escape(TITLE.split(': ', 1)[1])}</p>" + table
+                + legend_paragraph([*SYMBOLS, *SHARES], COLUMNS)
+                + _paragraphs(content.after, "note"))
+
+
+def write_html(path: Path, content: Page) -> None:
+    try:
+        path.write_text(html_page(content), encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write --html {path}: {exc.strerror}") from None
+
+
+def _cell(text: str) -> str:
+    """A cell's lines, ``fp32 ✓ 17% [1]`` each, one under the other; a failed or unavailable
+    line marked."""
+    lines = []
+    for line in text.split("\n"):
+        symbol = next((mark for mark in MARKS if f" {mark}" in line), None)
+        escaped = html.escape(line)
+        lines.append(f"<span class='{MARKS[symbol]}'>{escaped}</span>" if symbol else escaped)
+    return "<br>".join(lines)
+
+
+def _paragraphs(lines: list[str], css: str) -> str:
+    return "".join(f"<p class='{css}'>{html.escape(line)}</p>" for line in lines)
