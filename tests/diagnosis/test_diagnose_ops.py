@@ -12,6 +12,7 @@ import copy
 import inspect
 import json
 import os
+from pathlib import Path
 
 import op_plants as plants
 import pytest
@@ -260,14 +261,58 @@ def test_command_line_names_the_planted_line_in_80_columns(tmp_path, capsys) -> 
     assert all(len(line) <= 80 for line in table), out
 
 
-def test_ops_with_a_trace_is_one_line_naming_the_command(capsys) -> None:
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> dict[str, Path]:
+    """A's trace of ``make_a``, without and with its ops of the planted attention."""
+    from torchparity import cli
+
+    folder = tmp_path_factory.mktemp("traces")
+    entry = f"{inspect.getsourcefile(plants)}:make_a"
+    for name, ops in (("plain", []), ("ops", ["--ops", "decoder.layers.1.attn"])):
+        assert cli.main(["record", entry, "--no-backward", "-o", str(folder / name), *ops]) == 0
+    return {"plain": folder / "plain", "ops": folder / "ops"}
+
+
+def test_against_a_trace_with_ops_names_the_planted_line_as_in_process(traces, tmp_path,
+                                                                        capsys) -> None:
     from torchparity import cli
 
     plants_file = inspect.getsourcefile(plants)
-    assert cli.main(["diagnose", f"{plants_file}:make_b_scale", "--against", "base.tptrace",
-                     "--ops", "decoder.layers.1.attn"]) == 2
+    assert cli.main(["diagnose", f"{plants_file}:make_b_scale", "--against",
+                     str(traces["ops"]), "--json", str(tmp_path / "d.json")]) == 1
+    op = json.loads((tmp_path / "d.json").read_text())["first_divergence_op"]
+    assert planted_line(plants.AttentionScale) in op["b_stack"]
+    model_a, batch, loss = plants.make_a()
+    in_process = tp.diagnose(model_a, plants.make_b_scale()[0], batch, loss_fn=loss,
+                             backward=False).to_dict()["first_divergence_op"]
+    same = ("name", "kind", "a_stack", "b_stack", "code", "arguments")
+    assert {k: op[k] for k in same} == {k: in_process[k] for k in same}
+    assert len(op["steps"]) == len(in_process["steps"])
+    capsys.readouterr()
+
+
+def test_against_a_trace_without_ops_says_in_one_line_which_command_adds_them(
+        traces, tmp_path, capsys) -> None:
+    from torchparity import cli
+
+    plants_file = inspect.getsourcefile(plants)
+    assert cli.main(["diagnose", f"{plants_file}:make_b_scale", "--against",
+                     str(traces["plain"]), "--json", str(tmp_path / "d.json")]) == 1
+    found = json.loads((tmp_path / "d.json").read_text())
+    assert found["first_divergence_op"] is None
+    out = " ".join(capsys.readouterr().out.split())
+    assert "`torchparity record ENTRY --ops decoder.layers.1.attn` adds them" in out
+
+
+def test_record_ops_of_a_module_the_model_lacks_is_one_line(tmp_path, capsys) -> None:
+    from torchparity import cli
+
+    entry = f"{inspect.getsourcefile(plants)}:make_a"
+    assert cli.main(["record", entry, "--no-backward", "-o", str(tmp_path / "t"),
+                     "--ops", "decoder.layers.9.attn"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "torchparity diagnose A_ENTRY B_ENTRY --ops MODULE" in err and "\n" not in err
+    assert "--ops decoder.layers.9.attn: the model has no such module" in err
+    assert "\n" not in err and not (tmp_path / "t").exists()
 
 
 def test_html_shows_both_sides_lines() -> None:

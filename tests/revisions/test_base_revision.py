@@ -106,6 +106,30 @@ def test_diagnose_base_decode_names_the_module_and_the_step(repo, capsys, tmp_pa
     assert all(c.find("properties/property").get("name") == "verdict" for c in cases)
 
 
+def test_diagnose_base_drills_down_to_both_sides_lines_and_records_ops_only_on_a_change(
+        repo, capsys, tmp_path):
+    base_line, head_line = toy_repo.CHANGES["real"]
+    toy_repo.change(repo, "real")
+    before = toy_repo.state(repo)
+    report = tmp_path / "report.json"
+    assert main(["diagnose", "models.py:make", "--base", "HEAD", "--json", str(report)]) == 1
+    assert toy_repo.state(repo) == before
+    err = capsys.readouterr().err
+    assert "--ops mlp" in err  # A's ops recorded at the base for the divergent module only
+    op = json.loads(report.read_text())["first_divergence_op"]
+    line = next(i for i, text in enumerate(toy_repo.MODELS.splitlines(), 1)
+                if base_line in text)
+    assert op["name"].startswith("aten::gelu") and op["kind"] == "differs"
+    assert op["b_stack"][0] == op["a_stack"][0] == f"models.py:{line}"
+    assert op["code"] == {"a": base_line, "b": head_line}
+    assert "approximate default (A) vs 'tanh' (B)" in op["arguments"]
+
+    toy_repo.git(repo, "checkout", "--quiet", "models.py")
+    toy_repo.change(repo, "reordered")
+    assert main(["diagnose", "models.py:make", "--base", "HEAD"]) == 0
+    assert "--ops" not in capsys.readouterr().err  # nothing diverged: nothing more recorded
+
+
 def test_a_base_that_fails_or_is_interrupted_is_one_line_and_leaves_the_repository(
         repo, capsys):
     toy_repo.commit_variant(repo, "interrupted", 'raise KeyboardInterrupt\n')

@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(exit 1 when two runs differ)")
     parser.add_argument("--ops", metavar="MODULE",
                         help="drill B's MODULE down to its ops and source lines (default: the "
-                             "first divergent module; needs A and B in one process)")
+                             "first divergent module; with --against, A's ops must be in the "
+                             "trace: `record --ops`)")
     parser.add_argument("--local", choices=("diverged", "all"), default="diverged",
                         help="modules that get a local error (module replay): those whose "
                              "propagated error diverged (default) or all")
@@ -88,9 +89,6 @@ def run(args: argparse.Namespace) -> int:
     check_paths(args.summary, args.junit)
     name_map = name_rules(args.name_map)
     side = base_side(args)
-    if args.ops and (side or args.against):
-        raise UsageError("--ops needs A's ops, which a trace does not keep: run "
-                         "`torchparity diagnose A_ENTRY B_ENTRY --ops MODULE`")
     if side:
         report, compared = against_base(args, side, name_map), f"base {side.name}"
     elif args.against:

@@ -4,6 +4,7 @@ base revision by ``record`` with the options given here (``--base``)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,15 +42,20 @@ def against_base(args: argparse.Namespace, side: BaseSide, name_map: NameMap | N
     b = Subject.load(args.entries[0])
     options, files = record_options(args)
     trace = base_trace(side, args.entries[0], options, files)
-    return _judged_against(args, trace, b, name_map)
+
+    def with_ops(module: str) -> Path:  # only when a module diverges: its ops at the base
+        return base_trace(side, args.entries[0], [*options, "--ops", module], files)
+
+    return _judged_against(args, trace, b, name_map, with_ops)
 
 
 def _judged_against(args: argparse.Namespace, trace: Path, b: Subject,
-                    name_map: NameMap | None) -> Report:
+                    name_map: NameMap | None, more_ops: Callable[[str], Path] | None = None
+                    ) -> Report:
     from torchparity.diagnosis.api import diagnose_against
 
     return diagnose_against(trace, b.model, b.inputs, loss_fn=b.loss_fn, name_map=name_map,
                             backward=None if args.backward else False, backend=args.backend_b,
                             local=args.local, padding=b.padding, compile_b=args.compile_b,
                             step=b.stepper() if b.has_step else None, reorder=b.reorderer(),
-                            decode=args.decode)
+                            decode=args.decode, ops=args.ops, more_ops=more_ops)

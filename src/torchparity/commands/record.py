@@ -15,6 +15,7 @@ from torchparity.commands.trace_options import (
     dtype_option,
     rebuilt,
 )
+from torchparity.errors import UsageError
 from torchparity.subject import Subject
 
 
@@ -27,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_selection_arguments(parser)
     add_decode_arguments(parser)
     parser.add_argument("--backend", help="attention backend to run the model under")
+    parser.add_argument("--ops", metavar="all|MODULE",
+                        help="also keep A's ops (names, arguments, source lines, tensors) of "
+                             "MODULE's calls, or of every module's, so that `diagnose "
+                             "--against` drills down to the op (see docs/diagnose.md for "
+                             "the cost)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -37,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
 
     decoding = decode_options(args)
     subject = Subject.load(args.entry)
+    if decoding and args.ops:
+        raise UsageError("--ops keeps the ops of a forward pass; a decoding's diagnosis names "
+                         "the op at its first divergent step by replaying it")
     if decoding:
         path = record_decode(subject.model, subject.inputs, args.output,
                              step=subject.stepper(), reorder=subject.reorderer(),
@@ -46,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         path = record(subject.model, subject.inputs, args.output, loss_fn=subject.loss_fn,
                       backward=args.backward, include=args.include, exclude=args.exclude,
-                      backend=args.backend, dtype=dtype_option(args), padding=subject.padding)
+                      backend=args.backend, dtype=dtype_option(args), padding=subject.padding,
+                      ops=args.ops)
     meta, _ = open_trace(path)
     warning = golden_warning(meta["golden"])
     if warning:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 
 from torchparity.collector import with_older_objects_frozen
-from torchparity.diagnosis.align import Alignment, NameMap
+from torchparity.diagnosis.align import Alignment, Match, NameMap
 from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.capture_a import capture_reference, open_reference, trace_meta
 from torchparity.diagnosis.compiled_localisation import compile_form, localise
@@ -50,7 +51,8 @@ from torchparity.diagnosis.decoding.trace import is_decode_trace
 from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.float64_golden import add_golden, float64_departure
 from torchparity.diagnosis.local import judge_local
-from torchparity.diagnosis.ops import OpReport, drill_down
+from torchparity.diagnosis.ops import OpReport, a_side, drill_down, keep_ops
+from torchparity.diagnosis.ops.recorded import recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
 from torchparity.diagnosis.reference import Reference, describe_mode
@@ -63,6 +65,7 @@ from torchparity.diagnosis.run import (
     make_options,
     stream_needed,
 )
+from torchparity.diagnosis.state import states_within
 from torchparity.diagnosis.trace import (
     MemoryStore,
     TraceWriter,
@@ -177,6 +180,7 @@ def record(
     progress: bool | None = None,
     dtype: torch.dtype | None = None,
     padding: PaddingLike = None,
+    ops: str | None = None,
 ) -> Path:
     """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
 
@@ -186,20 +190,30 @@ def record(
     call by call (bounded memory) into a temporary directory that replaces ``path`` only when
     complete. ``backend`` must be a name here (it is stored in the trace); ``dtype`` and
     ``padding`` are as in :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded
-    dtype and leaves the recorded padding out. Returns the path.
+    dtype and leaves the recorded padding out. ``ops`` (``"all"`` or a module name) keeps A's
+    ops of every call of every module, or of that module, so that :func:`diagnose_against`
+    drills down to the op (:mod:`torchparity.diagnosis.ops.recorded`). Returns the path.
     """
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record(backend=...) takes a backend name, which the trace stores")
     opts = make_options(backward, loss_fn, include, exclude, (backend, None), progress,
                         padding=padding_of(padding, inputs, model))
     check_models(model=model)
+    names = [name for name, _ in model.named_modules()]
+    if ops is not None and ops not in ("all", *names):
+        raise UsageError(f"--ops {ops}: the model has no such module; give all or a module "
+                         f"name such as {names[-1]}")
     (cast,), cast_inputs = in_dtype([model], inputs, dtype)
     with TraceWriter(path) as writer:
         with progress_bar(opts.progress) as bar:
             reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
             # The trace must serve any later candidate: every call is replayed now.
             reference.replay_all(bar)
-        return writer.commit(trace_meta(reference, model, inputs, opts, dtype))
+            missing = [] if ops is None else _keep_ops(reference, cast, ops, opts, bar)
+        meta = trace_meta(reference, model, inputs, opts, dtype)
+        if ops is not None:
+            meta["ops"] = {"module": ops, "missing": missing}
+        return writer.commit(meta)
 
 
 @with_older_objects_frozen
@@ -219,6 +233,8 @@ def diagnose_against(
     step: StepFn | None = None,
     reorder: ReorderFn | None = None,
     decode: bool = False,
+    ops: str | None = None,
+    more_ops: Callable[[str], Path] | None = None,
 ) -> DiagnosisReport | DecodeReport:
     """Diagnose ``model`` (the changed revision) against the trace :func:`record` wrote.
 
@@ -235,6 +251,11 @@ def diagnose_against(
     ``backward``, ``local`` and ``padding`` are options of a forward pass and go unused there,
     ``compile_b`` is a usage error. ``decode=True`` asks for a decoding: a trace of a forward
     pass is then a usage error.
+
+    The first divergence (or B's module ``ops``) is drilled down to the op with A's ops the
+    trace holds (``record(ops=...)``); where it lacks them, ``more_ops(module)`` (A's module
+    name) returns a trace that holds them (one recorded at the base with ``ops=module``), and
+    without it the report says which command adds them.
     """
     if is_decode_trace(open_trace(path)[0]):
         if compile_b is not None:
@@ -261,7 +282,8 @@ def diagnose_against(
     dtype = getattr(torch, meta["dtype"]) if meta.get("dtype") else None
     (model,), inputs = in_dtype([model], inputs, dtype)
     with progress_bar(opts.progress) as bar:
-        report = _diagnose_candidate(reference, model, inputs, opts, name_map, bar)
+        report = _diagnose_candidate(reference, model, inputs, opts, name_map, bar, ops=ops,
+                                     more_ops=more_ops)
     report.meta["weights"] = weights
     if weights["changed"]:
         report.meta["notes"].append(
@@ -279,12 +301,29 @@ def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar:
     return reference
 
 
+def _keep_ops(reference: Reference, model: nn.Module, ops: str, opts: Options,
+              bar: ProgressBar) -> list[str]:
+    """A's ops of the calls of module ``ops`` (every call for ``"all"``) put into the
+    reference's store; why any call has none."""
+    calls = [c for c in reference.calls if ops in ("all", c.name)
+             and not states_within(reference.states, c.name, c.clock)]
+    if not calls:
+        raise UsageError(f"--ops {ops}: the run records no call of that module (not "
+                         "selected, or never called), or only calls that keep state")
+    done = bar.phase(f"A and golden: the ops of {len(calls)} call(s)")
+    missing = keep_ops(reference.store, calls, opts.backward,
+                       lambda call, backward: a_side(reference, call, model, opts, backward))
+    done()
+    return missing
+
+
 def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
                         name_map: NameMap | None, bar: ProgressBar,
-                        model_a: nn.Module | None = None, ops: str | None = None
-                        ) -> DiagnosisReport:
+                        model_a: nn.Module | None = None, ops: str | None = None,
+                        more_ops: Callable[[str], Path] | None = None) -> DiagnosisReport:
     """Stages 3 to 7: align B with the reference, judge propagated then local errors, drill
-    down to the op (with ``model_a`` in this process), report."""
+    down to the op (with ``model_a`` in this process, else from A's ops in the trace or the
+    one ``more_ops`` records), report."""
     if opts.compile_b is None:
         propagated = judge_propagated(reference, model, inputs, name_map, opts, bar)
         alignment = propagated.alignment
@@ -295,7 +334,7 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
                    propagated.changing)
         done()
         _drill_down(reference, alignment.matches, propagated.rows, model_a, model, opts, ops,
-                    bar)
+                    bar, more_ops)
     else:  # each stage per level of B's modules, compiled; the search for an entry replays
         # modules eagerly, which a compiled B does not run
         propagated, replayed, compiled_note = localise(reference, model, inputs, opts,
@@ -334,8 +373,8 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
 
 
 def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Module | None,
-                model_b: nn.Module, opts: Options, module: str | None, bar: ProgressBar
-                ) -> None:
+                model_b: nn.Module, opts: Options, module: str | None, bar: ProgressBar,
+                more_ops: Callable[[str], Path] | None) -> None:
     """Stage 6: the first divergent row (or B's ``module``) drilled down to its ops, and the
     first gradient divergence to its backward ops when its forward ops do not explain it."""
     if module is not None:
@@ -352,12 +391,11 @@ def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Mod
         max(broken, key=lambda i: rows[i].start, default=None)
     if index is None and grad is None:
         return  # nothing diverged: the drill-down costs nothing
-    if model_a is None:
-        rows[index if index is not None else grad].notes.append(
-            "no op drill-down: A's ops are not in a trace; diagnose both revisions in one "
-            "process (`torchparity diagnose A_ENTRY B_ENTRY`) to find the op and line")
-        return
-    done = bar.phase("A, golden and B: the module's ops")
+    if model_a is None and more_ops is not None:
+        reference = _with_ops(reference, [matches[i] for i in (index, grad) if i is not None],
+                              more_ops)
+    done = bar.phase("A, golden and B: the module's ops" if model_a is not None else
+                     "B: the module's ops, against A's in the trace")
     if index is not None:
         rows[index].ops = _drilled(reference, matches, rows, index, model_a, model_b, opts)
     explained = index == grad and isinstance(rows[index].ops, OpReport) and \
@@ -373,6 +411,18 @@ def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Mod
     done()
 
 
+def _with_ops(reference: Reference, matches: list[Match],
+              more_ops: Callable[[str], Path]) -> Reference:
+    """``reference`` reading its calls' ops from the trace ``more_ops(module)`` records when
+    its own trace lacks A's ops of the (first) module to drill into."""
+    calls = [m.a[0] for m in matches if len(m.a) == 1]
+    if not calls or all(recorded_side(reference.store, c.key, False) is not None
+                        for c in calls):
+        return reference
+    other, _ = open_reference(more_ops(calls[0].name))
+    return dataclasses.replace(reference, store=other.store)
+
+
 def _drilled(reference: Reference, matches: list, rows: list, index: int, model_a: nn.Module,
              model_b: nn.Module, opts: Options, backward: bool = False) -> OpReport | str:
     """Row ``index``'s call drilled down, or through its caller when the module's own code is
@@ -384,8 +434,9 @@ def _drilled(reference: Reference, matches: list, rows: list, index: int, model_
                            backward=backward)
         parent = _parent_row(rows, index)
         if not isinstance(found, str) and not found.has_source and parent is not None:
-            found = drill_down(reference, matches[parent], model_a, model_b, opts,
-                               backward=backward)
+            caller = drill_down(reference, matches[parent], model_a, model_b, opts,
+                                backward=backward)
+            found = found if isinstance(caller, str) else caller
     except Exception as exc:  # noqa: BLE001 - the module's verdicts stand without it
         found = f"op drill-down failed: {type(exc).__name__}: {first_line(exc)}"
     return found

@@ -11,7 +11,6 @@ under the tolerance model (:mod:`.judge`) and the answer said as a maintainer wa
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -21,9 +20,10 @@ from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.ops.align import align_steps
 from torchparity.diagnosis.ops.backward import capture_backward
 from torchparity.diagnosis.ops.capture import Step, capture_steps, capturing_first_call
-from torchparity.diagnosis.ops.judge import judge_ops
+from torchparity.diagnosis.ops.judge import golden_on_inputs, judge_ops
+from torchparity.diagnosis.ops.recorded import ASide, keep_ops, recorded_side
 from torchparity.diagnosis.ops.report import OpReport
-from torchparity.diagnosis.reference import Reference
+from torchparity.diagnosis.reference import ModuleCall, Reference
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,
@@ -35,16 +35,18 @@ from torchparity.diagnosis.run import (
 from torchparity.diagnosis.state import states_within
 from torchparity.subject.running import seeded, upcast
 
-__all__ = ["OpReport", "capturing_first_call", "drill_down", "judged_streams"]
+__all__ = ["OpReport", "a_side", "capturing_first_call", "drill_down", "judged_streams",
+           "keep_ops"]
 
 
-def drill_down(reference: Reference, match: Match, model_a: nn.Module, model_b: nn.Module,
-               opts: Options, *, diverged: bool = True, backward: bool = False
-               ) -> OpReport | str:
+def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
+               model_b: nn.Module, opts: Options, *, diverged: bool = True,
+               backward: bool = False) -> OpReport | str:
     """The op report of one aligned module call, or one line saying why there is none;
     ``diverged``: whether the module's local error left its budget. With ``backward``, the
     ops of its backward pass from A's recorded output gradient (each with the lines of the
-    forward op it differentiates)."""
+    forward op it differentiates). A's side (its steps and the golden's) is captured from
+    ``model_a``, or read from the trace when ``model_a`` is None (:mod:`.recorded`)."""
     if len(match.a) != 1 or len(match.b) != 1:
         return "no op drill-down of a fused group of modules"
     a_call, b_call = match.a[0], match.b[0]
@@ -53,35 +55,46 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module, model_b: 
     grad_out = reference.store.get(a_call.key, "grad_out") if backward else {}
     if backward and not grad_out:
         return "no backward op drill-down: no output gradient was recorded for the call"
-
-    def capture(module: nn.Module, args: tuple, kwargs: dict,
-                grads: dict[str, torch.Tensor]) -> list[Step]:
-        if backward:
-            return capture_backward(module, args, kwargs, grads)
-        return capture_steps(module, args, kwargs)
-
-    module_a = dict(model_a.named_modules())[a_call.name]
-    module_b = dict(model_b.named_modules())[b_call.name]
     recorded = reference.store.get_inputs(a_call.key)
-    args_a, kwargs_a = placed(recorded, a_call)
-    with backend_context(opts.backend_a), seeded():
-        a_steps = capture(module_a, args_a, kwargs_a, grad_out)
+    if model_a is None:
+        side = recorded_side(reference.store, a_call.key, backward)
+        if side is None:
+            return (f"no op drill-down: the trace does not hold A's ops of {a_call.name}; "
+                    f"`torchparity record ENTRY --ops {a_call.name}` adds them")
+    else:
+        side = a_side(reference, a_call, model_a, opts, backward)
+    module_b = dict(model_b.named_modules())[b_call.name]
 
     def b_steps_on(fit: bool) -> list[Step]:
         args_b, kwargs_b = rebind(reference.signatures.get(a_call.name),
                                   placed(recorded, b_call, fit=fit), module_b)
         with backend_context(opts.backend_b), seeded():
-            return capture(module_b, args_b, kwargs_b, grad_out)
+            return _capture(module_b, args_b, kwargs_b, grad_out, backward)
 
     b_steps, _ = fitting_masks(b_steps_on, recorded, [b_call])
-    golden, notes = _golden_steps(module_a, (args_a, kwargs_a, grad_out), opts, capture)
-    partners = {p.a.index: p.b for p in align_steps(a_steps, golden)
-                if p.a is not None and p.b is not None}
-    lines, first = judge_ops(align_steps(a_steps, b_steps), partners,
+    lines, first = judge_ops(align_steps(side.steps, b_steps), side.golden,
                              module_padding(reference.padding, a_call.name),
                              module_diverged=diverged)
     label = f"{b_call.name} (backward)" if backward else b_call.name
-    return OpReport(label, lines, first, notes)
+    return OpReport(label, lines, first, side.notes)
+
+
+def a_side(reference: Reference, a_call: ModuleCall, model_a: nn.Module, opts: Options,
+           backward: bool) -> ASide:
+    """A's steps of one recorded call, replayed on its recorded inputs (and output gradient
+    with ``backward``), each paired with the golden's (a float64 copy of A's module) and
+    given the golden op's output on its own inputs."""
+    grad_out = reference.store.get(a_call.key, "grad_out") if backward else {}
+    module_a = dict(model_a.named_modules())[a_call.name]
+    args_a, kwargs_a = placed(reference.store.get_inputs(a_call.key), a_call)
+    with backend_context(opts.backend_a), seeded():
+        steps = _capture(module_a, args_a, kwargs_a, grad_out, backward)
+    golden, notes = _golden_steps(module_a, (args_a, kwargs_a, grad_out), opts, backward)
+    partners = {p.a.index: p.b for p in align_steps(steps, golden)
+                if p.a is not None and p.b is not None}
+    for step in steps:
+        step.local_golden = golden_on_inputs(step, partners.get(step.index))
+    return ASide(steps, partners, notes)
 
 
 def judged_streams(module: str, a_steps: list[Step], b_steps: list[Step]) -> OpReport:
@@ -92,8 +105,15 @@ def judged_streams(module: str, a_steps: list[Step], b_steps: list[Step]) -> OpR
     return OpReport(module, lines, first, notes)
 
 
+def _capture(module: nn.Module, args: tuple, kwargs: dict, grads: dict[str, torch.Tensor],
+             backward: bool) -> list[Step]:
+    if backward:
+        return capture_backward(module, args, kwargs, grads)
+    return capture_steps(module, args, kwargs)
+
+
 def _golden_steps(module: nn.Module, inputs: tuple[tuple, dict, dict], opts: Options,
-                  capture: Callable[..., list[Step]]) -> tuple[list[Step], list[str]]:
+                  backward: bool) -> tuple[list[Step], list[str]]:
     """The steps of a float64 copy of A's module on the same inputs (and output gradient);
     none (A's own op outputs serve as the golden, with the analytic budget) when it cannot be
     copied."""
@@ -104,4 +124,4 @@ def _golden_steps(module: nn.Module, inputs: tuple[tuple, dict, dict], opts: Opt
                     f"({type(exc).__name__}: {exc})"]
     args, kwargs, grads = upcast(inputs, GOLDEN_DTYPE, "cpu")
     with backend_context(opts.backend_a), seeded():
-        return capture(golden, args, kwargs, grads), []
+        return _capture(golden, args, kwargs, grads, backward), []

@@ -67,6 +67,8 @@ class Step:
     stack: tuple[Frame, ...]
     scalars: dict[str, Any] = field(default_factory=dict)  # non-tensor arguments by name
     returned: bool = False  # an output of the step is an output of the module
+    # the golden op's outputs on this step's inputs in float64 (A's steps, once paired)
+    local_golden: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def inputs(self) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ from torchparity.diagnosis.ops.align import Pair
 from torchparity.diagnosis.ops.capture import Step
 from torchparity.diagnosis.results import Result
 
-__all__ = ["OpLine", "judge_ops"]
+__all__ = ["OpLine", "golden_on_inputs", "judge_ops"]
 
 #: Ops whose output is no function of their inputs: nothing to judge locally.
 _UNJUDGED = ("empty", "new_empty", "empty_like", "empty_strided", "bernoulli", "rand",
@@ -108,12 +108,18 @@ def _results(pair: Pair, golden: Step | None, padding: PaddingSpec
     if any(part in a.op for part in _UNJUDGED):
         return None, propagated
     candidate = _applied(b, a.inputs)
-    reference = golden if golden is not None else a
-    exact = _applied(reference, [_to_float64(t) for t in a.inputs])
+    exact = a.local_golden if a.local_golden is not None else golden_on_inputs(a, golden)
     if candidate is None or exact is None:
         return None, propagated
     out = {p: t for p, t in baseline.items() if p.startswith("out.")}
     return judge(candidate, exact, out, "forward", padding), propagated
+
+
+def golden_on_inputs(step: Step, golden: Step | None) -> dict[str, torch.Tensor] | None:
+    """The golden op (``step`` itself without one) on ``step``'s inputs in float64: the
+    exact output the local error of its partner in B is judged against."""
+    return _applied(golden if golden is not None else step,
+                    [_to_float64(t) for t in step.inputs])
 
 
 def _applied(step: Step, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor] | None:
