@@ -6,6 +6,7 @@ against."""
 from __future__ import annotations
 
 import json
+import shutil
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -90,3 +91,43 @@ def test_a_backend_bug_beside_a_changed_model_still_fails_its_cell(changed_model
     # Against its own float64 the baseline's budget is the cell's usual one: the planted bug,
     # far beyond fp32 rounding, stands out there whatever the stored goldens' verdict.
     assert bugged[0]["stored_goldens"]["sensitivity"] > bugged[0]["sensitivity"]
+
+
+def test_a_changed_zoo_case_judges_its_cells_against_its_own_float64(tmp_path, monkeypatch,
+                                                                     capsys):
+    """The zoo's path: its reference cell runs apart from the other cells' groups, whose
+    judgement against today's float64 must still catch a backend bug beside the change."""
+    from torchparity.reference import norms
+
+    shipped = Path(__file__).resolve().parents[2] / "golden"
+    shutil.copytree(shipped / "llama-tiny", tmp_path / "golden" / "llama-tiny")
+    rms_norm = norms.RMSNorm.forward
+    # The model's math changes (each norm's output grows by a thousandth) ...
+    monkeypatch.setattr(norms.RMSNorm, "forward", lambda self, x: rms_norm(self, x) * 1.001)
+    run_sdpa = backends._run_sdpa
+
+    def wrong_scale(name, q, k, v, attn_mask, dropout_p, is_causal, *, scale, **kwargs):
+        if name == "sdpa-math":  # ... and one backend's softmax scale is off as well
+            scale = (scale or q.shape[-1] ** -0.5) * (1 + PLANTED)
+        return run_sdpa(name, q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                        **kwargs)
+
+    monkeypatch.setattr(backends, "_run_sdpa", wrong_scale)
+    report = tmp_path / "check.json"
+    assert main(["check", "--jobs", "1", "--golden-dir", str(tmp_path / "golden"), "--case",
+                 "llama-tiny", *CELLS, "--json", str(report)]) == 1
+    rows = json.loads(report.read_text())["results"]
+    failed = {(r["backend"], r["dtype"]) for r in rows if not r["ok"]}
+    assert failed == {("manual", "fp64"), ("sdpa-math", "fp32")}
+    judged = {(r["backend"], r["output"]): r for r in rows if r["dtype"] == "fp32"}
+    assert {judged["manual", o]["judged_against"] for o in ("logits", "grads")} == {BOTH_GOLDENS}
+    bugged = judged["sdpa-math", "logits"]
+    assert bugged["verdict"] == "diverged" and bugged["judged_against"] == BOTH_GOLDENS
+    assert bugged["stored_goldens"]["sensitivity"] > bugged["sensitivity"]
+    # A forced decoding follows the stored goldens' tokens: judged against them only, with a
+    # line naming why its budget carries the change.
+    assert judged["sdpa-math", "decode"]["judged_against"] == "stored goldens"
+    out = " ".join(capsys.readouterr().out.split())
+    assert "The other cells are judged against this revision's own float64 outputs" in out
+    assert ("llama-tiny fp32 decode: against the stored goldens only (it follows their "
+            "tokens), with a budget earned by a baseline that carries the model's change") in out

@@ -279,16 +279,18 @@ def _config_changes(stored: Any, current: dict[str, Any]) -> str:
 
 
 def check_case(store: GoldenStore, case: zoo.ZooCase, cells: list[Cell],
-               advance: Callable[[str], None] = lambda label: None) -> list[CheckResult]:
+               advance: Callable[[str], None] = lambda label: None,
+               model_changed: bool = False) -> list[CheckResult]:
     """Check ``case`` in every cell against its goldens; one result per cell and output.
 
     The reference cell judges today's float64 outputs against a rerun on weights moved by one
     float64 rounding (see :mod:`torchparity.golden.check_loop`). Other cells use
     the ``manual`` backend in their dtype and device as baseline and decode by forcing the
-    golden's tokens. ``advance(label)`` is called after each cell. Golden errors propagate as
-    :class:`~torchparity.golden.GoldenError`.
+    golden's tokens; with ``model_changed`` (the reference cell, checked apart, diverged) they
+    are judged against today's float64 outputs as well. ``advance(label)`` is called after
+    each cell. Golden errors propagate as :class:`~torchparity.golden.GoldenError`.
     """
-    return check_loop.check(ZooFeed(store, case), cells, advance)
+    return check_loop.check(ZooFeed(store, case), cells, advance, model_changed)
 
 
 class ZooFeed:

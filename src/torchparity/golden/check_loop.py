@@ -78,10 +78,11 @@ class Feed(Protocol):
         each step on its own)."""
 
 
-def check(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None
-          ) -> list[CheckResult]:
+def check(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None,
+          model_changed: bool = False) -> list[CheckResult]:
     """The rows of ``feed`` in every cell, in cell then output order; ``advance(label)`` is
-    called after each cell."""
+    called after each cell. ``model_changed``: the reference cell, checked in another run
+    of this loop, diverged; these cells are judged against today's float64 as well."""
     results: list[CheckResult] = []
     if changed := feed.changed():
         for cell in cells:
@@ -90,7 +91,8 @@ def check(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None
             advance(cell.label)
         return results
     baselines: dict[tuple[str, str], Run] = {}
-    own: Run | None = None  # this revision's float64 outputs, once they diverged
+    # This revision's float64 outputs, once they diverged.
+    own = feed.run(REFERENCE) if model_changed and REFERENCE not in cells else None
     for cell in sorted(cells, key=lambda cell: cell != REFERENCE):
         if cell == REFERENCE:
             rows, fresh = _check_reference(feed)

@@ -132,7 +132,9 @@ def execute(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell], job
     """Check ``cases`` in ``cells``; results in case, cell, output order.
 
     Cells are grouped by dtype and device (each group shares its baseline and the traces of
-    compiled kernels); with ``jobs > 1`` the groups run in that many spawned processes.
+    compiled kernels). The reference group, the cheapest, runs first, here: the cases whose
+    model changed have the other groups judge them against today's float64 as well. With
+    ``jobs > 1`` the other groups run in that many spawned processes.
     """
     task = progress.add_task("checking", total=len(cases) * len(cells))
 
@@ -140,13 +142,20 @@ def execute(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell], job
         progress.update(task, advance=1, description=label)
 
     groups = _groups(cells)
+    with single_thread():
+        results = [r for group in groups if REFERENCE in group for case in cases
+                   for r in check_case(store, case, group,
+                                       lambda label, c=case: advance(f"{c.name} {label}"))]
+    changed = sorted({r.case for r in results if r.cell == REFERENCE and r.verdict == "diverged"})
+    groups = [group for group in groups if REFERENCE not in group]
     if jobs == 1 or len(groups) == 1:
         with single_thread():
-            results = [r for group in groups for case in cases
-                       for r in check_case(store, case, group,
-                                           lambda label, c=case: advance(f"{c.name} {label}"))]
-    else:
-        results = _execute_parallel(store, cases, groups, jobs, advance)
+            results += [r for group in groups for case in cases
+                        for r in check_case(store, case, group,
+                                            lambda label, c=case: advance(f"{c.name} {label}"),
+                                            case.name in changed)]
+    elif groups:
+        results += _execute_parallel(store, cases, groups, jobs, advance, changed)
     case_order = {c.name: i for i, c in enumerate(cases)}
     cell_order = {c: i for i, c in enumerate(cells)}
     output_order = {o: i for i, o in enumerate(OUTPUT_KINDS)}
@@ -159,8 +168,7 @@ def _groups(cells: list[Cell]) -> list[list[Cell]]:
     for cell in cells:
         key = ("reference", "") if cell == REFERENCE else (cell.device, cell.dtype)
         groups.setdefault(key, []).append(cell)
-    # The reference group is the cheapest: run it last, in whichever worker is free first.
-    return sorted(groups.values(), key=lambda group: group[0] == REFERENCE)
+    return list(groups.values())
 
 
 _progress_queue: Any = None
@@ -173,23 +181,27 @@ def _init_worker(progress_queue: Any) -> None:
     freeze_for_good()  # the imports' objects (see torchparity.collector)
 
 
-def _check_group(root: str, case_names: list[str], cells: list[Cell]) -> list[CheckResult]:
+def _check_group(root: str, case_names: list[str], cells: list[Cell],
+                 changed: list[str]) -> list[CheckResult]:
     store = GoldenStore(root)
     results = []
     for name in case_names:
         results += check_case(store, zoo.get(name), cells,
-                              lambda label, n=name: _progress_queue.put(f"{n} {label}"))
+                              lambda label, n=name: _progress_queue.put(f"{n} {label}"),
+                              name in changed)
     return results
 
 
 def _execute_parallel(store: GoldenStore, cases: list[zoo.ZooCase], groups: list[list[Cell]],
-                      jobs: int, advance: Callable[[str], None]) -> list[CheckResult]:
+                      jobs: int, advance: Callable[[str], None],
+                      changed: list[str]) -> list[CheckResult]:
     context = multiprocessing.get_context("spawn")  # fork is unsafe once torch has threads
     progress_queue = context.Queue()
     names = [case.name for case in cases]
     with ProcessPoolExecutor(min(jobs, len(groups)), mp_context=context,
                              initializer=_init_worker, initargs=(progress_queue,)) as pool:
-        futures = [pool.submit(_check_group, str(store.root), names, group) for group in groups]
+        futures = [pool.submit(_check_group, str(store.root), names, group, changed)
+                   for group in groups]
         while not all(f.done() for f in futures):
             _drain(progress_queue, advance, timeout=0.1)
         results = [r for f in futures for r in f.result()]
