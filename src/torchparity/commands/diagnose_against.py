@@ -44,7 +44,8 @@ def against_base(args: argparse.Namespace, side: BaseSide, name_map: NameMap | N
     trace = base_trace(side, args.entries[0], options, files)
 
     def with_ops(module: str) -> Path:  # only when a module diverges: its ops at the base
-        return base_trace(side, args.entries[0], [*options, "--ops", module], files)
+        return base_trace(side, args.entries[0], [*options, "--ops", module, "--ops-only"],
+                          files)
 
     return _judged_against(args, trace, b, name_map, with_ops)
 

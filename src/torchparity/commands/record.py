@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "MODULE's calls, or of every module's, so that `diagnose "
                              "--against` drills down to the op (see docs/diagnose.md for "
                              "the cost)")
+    parser.add_argument("--ops-only", action="store_true",
+                        help="with --ops MODULE, write only what its drill-down reads (one "
+                             "forward and backward of A, no golden): what `diagnose --base` "
+                             "records at the base when MODULE diverges")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         path = record(subject.model, subject.inputs, args.output, loss_fn=subject.loss_fn,
                       backward=args.backward, include=args.include, exclude=args.exclude,
                       backend=args.backend, dtype=dtype_option(args), padding=subject.padding,
-                      ops=args.ops)
+                      ops=args.ops, ops_only=args.ops_only)
     meta, _ = open_trace(path)
     warning = golden_warning(meta["golden"])
     if warning:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -181,6 +182,7 @@ def record(
     dtype: torch.dtype | None = None,
     padding: PaddingLike = None,
     ops: str | None = None,
+    ops_only: bool = False,
 ) -> Path:
     """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
 
@@ -192,8 +194,15 @@ def record(
     ``padding`` are as in :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded
     dtype and leaves the recorded padding out. ``ops`` (``"all"`` or a module name) keeps A's
     ops of every call of every module, or of that module, so that :func:`diagnose_against`
-    drills down to the op (:mod:`torchparity.diagnosis.ops.recorded`). Returns the path.
+    drills down to the op (:mod:`torchparity.diagnosis.ops.recorded`). ``ops_only`` writes
+    only what that drill-down reads: the module's calls' inputs, output gradients and ops (one
+    forward and backward of A, no golden, no replays), as ``diagnose --base`` records the
+    first divergent module at the base. Returns the path.
     """
+    if ops_only:
+        if ops in (None, "all"):
+            raise UsageError("--ops-only keeps the ops of one module: give --ops MODULE")
+        include, exclude = f"re:^{re.escape(ops)}$", None
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record(backend=...) takes a backend name, which the trace stores")
     opts = make_options(backward, loss_fn, include, exclude, (backend, None), progress,
@@ -206,13 +215,16 @@ def record(
     (cast,), cast_inputs = in_dtype([model], inputs, dtype)
     with TraceWriter(path) as writer:
         with progress_bar(opts.progress) as bar:
-            reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
-            # The trace must serve any later candidate: every call is replayed now.
-            reference.replay_all(bar)
+            if ops_only:
+                reference = capture_reference(cast, cast_inputs, writer.store, opts, bar)
+            else:
+                reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
+                # The trace must serve any later candidate: every call is replayed now.
+                reference.replay_all(bar)
             missing = [] if ops is None else _keep_ops(reference, cast, ops, opts, bar)
         meta = trace_meta(reference, model, inputs, opts, dtype)
         if ops is not None:
-            meta["ops"] = {"module": ops, "missing": missing}
+            meta["ops"] = {"module": ops, "only": ops_only, "missing": missing}
         return writer.commit(meta)
 
 
@@ -267,6 +279,9 @@ def diagnose_against(
                          "with `torchparity record ENTRY --decode`")
     model, compile_b = compile_form(model, compile_b)
     reference, meta = open_reference(path)
+    if meta.get("ops", {}).get("only"):
+        raise UsageError(f"trace {path} holds only the ops of {meta['ops']['module']} "
+                         "(record --ops-only); record it without --ops-only")
     if backward and not meta["backward"]:
         raise UsageError(f"trace {path} has no gradients; record it with backward=True or pass "
                          "backward=False")
