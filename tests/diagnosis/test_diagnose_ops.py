@@ -223,6 +223,51 @@ def test_planted_line_in_transformers_llama_is_named(plant: str) -> None:
     assert planted_line(where) in op["b_stack"] and op["kind"] == kind, report.render()
 
 
+class StaticCacheDecoding(nn.Module):
+    """A prompt, then one token, through a ``transformers`` ``StaticCache`` made per call."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=self.lm.config, max_cache_len=16)
+        prompt = self.lm(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        step = self.lm(input_ids=token, past_key_values=cache, use_cache=True).logits
+        return torch.cat((prompt, step), 1)
+
+
+@pytest.mark.transformers
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_the_float64_golden_writes_into_its_own_float64_static_cache() -> None:
+    """The decoding step's attention gets the float32 StaticCache; its float64 golden, in the
+    module replays and in the drill-down, gets a float64 copy to write into, so the planted
+    line is named at the step and every module of it has a local error."""
+    import hf_op_plants
+
+    import tiny_transformers
+    from torchparity.subject import hf
+
+    torch.manual_seed(0)
+    lm = tiny_transformers.llama().eval()
+    hf.set_attention(lm, "eager")
+    model_a = StaticCacheDecoding(lm)
+    model_b = copy.deepcopy(model_a)
+    hf.set_attention(model_b.lm, hf_op_plants.SCALED_SCORES)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    token = torch.randint(0, 64, (2, 1), generator=torch.Generator().manual_seed(1))
+    step_attention = "lm.model.layers.0.self_attn#1"
+    report = tp.diagnose(model_a, model_b, (ids, token), backward=False, local="all",
+                         ops=step_attention)
+    row = report.row(step_attention)
+    assert row.local is not None and not row.local.ok, row.notes
+    assert row.ops is not None and row.ops.answer is not None and not row.ops.notes, row.notes
+    assert planted_line(hf_op_plants.scaled_scores_attention) in \
+        [str(frame) for frame in row.ops.answer.pair.b.stack], row.ops.sentence()
+
+
 @pytest.mark.transformers
 @pytest.mark.parametrize("family, attention", [
     ("llama", "model.layers.0.self_attn"),

@@ -9,6 +9,9 @@ left behind.
 
 from __future__ import annotations
 
+import inspect
+import math
+import os
 from pathlib import Path
 
 import pytest
@@ -96,11 +99,58 @@ def test_a_cache_slot_left_unwritten_is_found_at_the_first_decoding_call() -> No
     report = tp.diagnose(a, b, inputs, backward=False)
     assert report.first_divergence.module == "decoder.layers.0.self_attn#1", report.render()
     first = report.first_divergence
-    # A number on A's state, not a note that the replay failed; the op drill-down stops at a
-    # module that keeps state across calls and says so.
-    assert first.shapes, report.render()
-    assert first.notes == ["no op drill-down of a module that keeps state across calls"], \
-        report.render()
+    # A number on A's state, not a note that the replay failed; the op drill-down replays the
+    # call on the cache as it was when the call started and names B's read of the buffer,
+    # whose slot 10 the counter (one too far) skipped.
+    assert first.shapes and not first.notes, report.render()
+    assert first.ops is not None and first.ops.answer is not None, report.render()
+    assert source_lines(toys["PreallocatedSelfAttention"].cached, "return self.k_cache[") & \
+        {str(frame) for frame in first.ops.answer.pair.b.stack[:1]}, report.render()
+
+
+class ShiftedWriteAttention(toys["PreallocatedSelfAttention"]):
+    """The preallocated cache with each new key written one slot further than it is read."""
+
+    def cached(self, k, v, step):
+        stop = step + k.shape[-2]
+        if step == 0:
+            self.k_cache = self.v_cache = None
+        if self.k_cache is None or stop + 1 > self.k_cache.shape[-2]:
+            size = math.ceil((stop + 1) / self.chunk) * self.chunk
+            grown = [k.new_zeros(*k.shape[:-2], size, k.shape[-1]) for _ in range(2)]
+            if self.k_cache is not None:
+                for new, old in zip(grown, (self.k_cache, self.v_cache), strict=True):
+                    new[..., :old.shape[-2], :] = old
+            self.k_cache, self.v_cache = grown
+        self.k_cache[..., step + 1:stop + 1, :] = k  # planted
+        self.v_cache[..., step:stop, :] = v
+        if step == 0:
+            return k, v
+        return self.k_cache[..., :stop, :], self.v_cache[..., :stop, :]
+
+
+def source_lines(function: object, text: str) -> set[str]:
+    """``path:line`` of each line of ``function``'s source that holds ``text``."""
+    lines, start = inspect.getsourcelines(function)
+    path = os.path.relpath(inspect.getsourcefile(function))
+    return {f"{path}:{start + i}" for i, line in enumerate(lines) if text in line}
+
+
+def test_a_cache_written_one_slot_off_is_named_at_the_write() -> None:
+    """A and B both keep a preallocated cache on the attention module; B writes each key one
+    slot further. The replays of the first divergent call start from A's cache as it was then
+    (the prompt's keys), so B's write is the op whose output, the buffer, leaves its budget
+    while what it writes agrees."""
+    a, inputs = unrolled(toys["PreallocatedSelfAttention"])
+    b, _ = unrolled(ShiftedWriteAttention)
+    report = tp.diagnose(a, b, inputs, backward=False)
+    first = report.first_divergence
+    assert first.module == "decoder.layers.0.self_attn#1", report.render()
+    assert first.ops is not None and first.ops.answer is not None, report.render()
+    answer = first.ops.answer
+    assert answer.pair.kind == "paired", first.ops.sentence()
+    assert source_lines(ShiftedWriteAttention.cached, "# planted") == \
+        {str(frame) for frame in answer.pair.b.stack[:1]}, first.ops.sentence()
 
 
 def test_state_kept_in_another_layout_is_not_replayable_and_says_so() -> None:

@@ -349,7 +349,7 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
                    propagated.changing)
         done()
         _drill_down(reference, alignment.matches, propagated.rows, model_a, model, opts, ops,
-                    bar, more_ops)
+                    bar, more_ops, propagated.changing)
     else:  # each stage per level of B's modules, compiled; the search for an entry replays
         # modules eagerly, which a compiled B does not run
         propagated, replayed, compiled_note = localise(reference, model, inputs, opts,
@@ -389,9 +389,11 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
 
 def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Module | None,
                 model_b: nn.Module, opts: Options, module: str | None, bar: ProgressBar,
-                more_ops: Callable[[str], Path] | None) -> None:
+                more_ops: Callable[[str], Path] | None, changing: set[str] = frozenset()
+                ) -> None:
     """Stage 6: the first divergent row (or B's ``module``) drilled down to its ops, and the
-    first gradient divergence to its backward ops when its forward ops do not explain it."""
+    first gradient divergence to its backward ops when its forward ops do not explain it
+    (``changing``: B's modules that keep state across calls)."""
     if module is not None:
         index = next((i for i, r in enumerate(rows) if r.module == module), None)
         if index is None:
@@ -412,12 +414,13 @@ def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Mod
     done = bar.phase("A, golden and B: the module's ops" if model_a is not None else
                      "B: the module's ops, against A's in the trace")
     if index is not None:
-        rows[index].ops = _drilled(reference, matches, rows, index, model_a, model_b, opts)
+        rows[index].ops = _drilled(reference, matches, rows, index, model_a, model_b, opts,
+                                   changing=changing)
     explained = index == grad and isinstance(rows[index].ops, OpReport) and \
         rows[index].ops.answer is not None
     if grad is not None and not explained:
         rows[grad].grad_ops = _drilled(reference, matches, rows, grad, model_a, model_b, opts,
-                                       backward=True)
+                                       backward=True, changing=changing)
     for row in rows:  # a reason there is none goes to the notes
         for attr in ("ops", "grad_ops"):
             if isinstance(getattr(row, attr), str):
@@ -439,18 +442,19 @@ def _with_ops(reference: Reference, matches: list[Match],
 
 
 def _drilled(reference: Reference, matches: list, rows: list, index: int, model_a: nn.Module,
-             model_b: nn.Module, opts: Options, backward: bool = False) -> OpReport | str:
+             model_b: nn.Module, opts: Options, backward: bool = False,
+             changing: set[str] = frozenset()) -> OpReport | str:
     """Row ``index``'s call drilled down, or through its caller when the module's own code is
     a library's (an ``nn.Linear`` has no line of the user's); a line saying why not."""
     row = rows[index]
     try:
         found = drill_down(reference, matches[index], model_a, model_b, opts,
                            diverged=row.local is not None and not row.local.ok,
-                           backward=backward)
+                           backward=backward, changing=changing)
         parent = _parent_row(rows, index)
         if not isinstance(found, str) and not found.has_source and parent is not None:
             caller = drill_down(reference, matches[parent], model_a, model_b, opts,
-                                backward=backward)
+                                backward=backward, changing=changing)
             found = found if isinstance(caller, str) else caller
     except Exception as exc:  # noqa: BLE001 - the module's verdicts stand without it
         found = f"op drill-down failed: {type(exc).__name__}: {first_line(exc)}"

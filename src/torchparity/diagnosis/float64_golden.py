@@ -32,6 +32,8 @@ from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,
     backend_context,
+    golden_inputs,
+    in_golden_dtype,
     placed,
     replay,
     run_model,
@@ -125,9 +127,9 @@ class _Replayer:
                 store.put(call.key, "local_grad", grads)
             if self.golden_modules is not None:
                 module = self.golden_modules[call.name]
-                with replaying(module, states, lambda t, m: _upcast(t)):
+                with replaying(module, states, lambda t, m: in_golden_dtype(t)):
                     outputs, grads = replay(
-                        module, upcast(store.get_inputs(call.key), GOLDEN_DTYPE, "cpu"),
+                        module, golden_inputs(store.get_inputs(call.key)),
                         opts.backend_a, grad_out=upcast(grad_out, GOLDEN_DTYPE, "cpu"),
                         requires_grad=call.inputs_requiring_grad, float64=True)
                 store.put(call.key, "local_golden", outputs)
@@ -137,6 +139,3 @@ class _Replayer:
         except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
             self.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"
 
-
-def _upcast(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to("cpu", GOLDEN_DTYPE) if tensor.is_floating_point() else tensor.cpu()

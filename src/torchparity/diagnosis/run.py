@@ -23,7 +23,7 @@ from torchparity.diagnosis.capture import (
     module_filter,
 )
 from torchparity.diagnosis.masks import fitted_keys
-from torchparity.diagnosis.state import StateRecorder
+from torchparity.diagnosis.state import StateRecorder, cast_held
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.errors import UsageError, UserCodeError
 from torchparity.sketching import kept
@@ -36,6 +36,7 @@ from torchparity.subject.running import (
     call_model,
     projection_loss,
     seeded,
+    upcast,
 )
 from torchparity.subject.trees import flatten_tensors, map_tensors, map_tensors_with_paths
 
@@ -48,6 +49,20 @@ Local = Literal["diverged", "all"]
 
 #: The golden's dtype: A's math with rounding far below any other dtype's.
 GOLDEN_DTYPE = torch.float64
+
+
+def in_golden_dtype(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as the golden holds it: on the CPU, in float64 when floating."""
+    return tensor.to("cpu", GOLDEN_DTYPE) if tensor.is_floating_point() else tensor.cpu()
+
+
+def golden_inputs(inputs: Any) -> Any:
+    """Recorded inputs (a fresh copy) as the golden's replay takes them: tensors in float64
+    on the CPU, those inside a cache handed in (a ``StaticCache``'s buffers) too, so that the
+    float64 replay's writes into the cache keep one dtype."""
+    inputs = upcast(inputs, GOLDEN_DTYPE, "cpu")
+    cast_held(inputs, in_golden_dtype)
+    return inputs
 
 
 @dataclass(frozen=True)

@@ -427,3 +427,29 @@ def _mapped(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_mapped(v, fn) for v in value)
     return value
+
+
+
+def cast_held(value: Any, cast: Callable[[torch.Tensor], torch.Tensor], *, inside: bool = False,
+              depth: int = 0) -> None:
+    """Every tensor held inside an object in ``value`` (a cache handed to a module: a
+    ``transformers`` ``StaticCache``'s buffers) replaced, in place, by ``cast(tensor)``: a
+    float64 replay writes float64 keys into its copy of the cache, which must be float64 too.
+    Tensors that are arguments themselves are left to the caller; ``value`` must be a copy the
+    caller owns (recorded inputs as a replay gets them)."""
+    if depth > _DEPTH or isinstance(value, (*_HOLDS_NO_TENSOR, nn.Module, type)):
+        return
+    if isinstance(value, (dict, list)):
+        slots, assign = (value.items() if isinstance(value, dict) else enumerate(value),
+                         value.__setitem__)
+    elif isinstance(value, tuple):
+        slots, assign = enumerate(value), None
+    elif _is_object(value):
+        slots, assign, inside = vars(value).items(), lambda k, v: setattr(value, k, v), True
+    else:
+        return
+    for key, item in list(slots):
+        if not isinstance(item, torch.Tensor):
+            cast_held(item, cast, inside=inside, depth=depth + 1)
+        elif inside and assign is not None:
+            assign(key, cast(item))

@@ -6,6 +6,8 @@ A's recorded inputs with its ops captured (:mod:`.capture`): A, the golden (a fl
 A's module) and B. The streams are aligned as sequences (:mod:`.align`), each paired op judged
 under the tolerance model (:mod:`.judge`) and the answer said as a maintainer wants it
 (:mod:`.report`). The cost is three replays of one module, nothing when no module diverges.
+A module that keeps state across calls (a cache on itself) is replayed on the state it had
+when the recorded call started, as the module-level replays are.
 """
 
 from __future__ import annotations
@@ -23,17 +25,20 @@ from torchparity.diagnosis.ops.capture import Step, capture_steps, capturing_fir
 from torchparity.diagnosis.ops.judge import golden_on_inputs, judge_ops
 from torchparity.diagnosis.ops.recorded import ASide, keep_ops, recorded_side
 from torchparity.diagnosis.ops.report import OpReport
-from torchparity.diagnosis.reference import ModuleCall, Reference
+from torchparity.diagnosis.reference import ModuleCall, Reference, placed_on
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,
     backend_context,
     fitting_masks,
+    golden_inputs,
+    in_golden_dtype,
     placed,
     rebind,
 )
-from torchparity.diagnosis.state import states_within
-from torchparity.subject.running import seeded, upcast
+from torchparity.diagnosis.state import OwnState, replaying, states_within
+from torchparity.diagnosis.trace import ReplayUnavailable
+from torchparity.subject.running import seeded
 
 __all__ = ["OpReport", "a_side", "capturing_first_call", "drill_down", "judged_streams",
            "keep_ops"]
@@ -41,21 +46,20 @@ __all__ = ["OpReport", "a_side", "capturing_first_call", "drill_down", "judged_s
 
 def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
                model_b: nn.Module, opts: Options, *, diverged: bool = True,
-               backward: bool = False) -> OpReport | str:
+               backward: bool = False, changing: set[str] = frozenset()) -> OpReport | str:
     """The op report of one aligned module call, or one line saying why there is none;
     ``diverged``: whether the module's local error left its budget. With ``backward``, the
     ops of its backward pass from A's recorded output gradient (each with the lines of the
     forward op it differentiates). A's side (its steps and the golden's) is captured from
-    ``model_a``, or read from the trace when ``model_a`` is None (:mod:`.recorded`)."""
+    ``model_a``, or read from the trace when ``model_a`` is None (:mod:`.recorded`). A module
+    that keeps state across calls (a cache on itself) runs each replay on the state it had
+    when the recorded call started; ``changing`` names B's modules that change theirs."""
     if len(match.a) != 1 or len(match.b) != 1:
         return "no op drill-down of a fused group of modules"
     a_call, b_call = match.a[0], match.b[0]
-    if states_within(reference.states, a_call.name, a_call.clock):
-        return "no op drill-down of a module that keeps state across calls"
     grad_out = reference.store.get(a_call.key, "grad_out") if backward else {}
     if backward and not grad_out:
         return "no backward op drill-down: no output gradient was recorded for the call"
-    recorded = reference.store.get_inputs(a_call.key)
     if model_a is None:
         side = recorded_side(reference.store, a_call.key, backward)
         if side is None:
@@ -66,12 +70,19 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
     module_b = dict(model_b.named_modules())[b_call.name]
 
     def b_steps_on(fit: bool) -> list[Step]:
+        # each replay its own copy of the inputs: a replay writes into a cache handed to it
         args_b, kwargs_b = rebind(reference.signatures.get(a_call.name),
-                                  placed(recorded, b_call, fit=fit), module_b)
-        with backend_context(opts.backend_b), seeded():
+                                  placed(reference.store.get_inputs(a_call.key), b_call,
+                                         fit=fit), module_b)
+        with reference.on_recorded_state(a_call, module_b, b_call.name, changing), \
+                backend_context(opts.backend_b), seeded():
             return _capture(module_b, args_b, kwargs_b, grad_out, backward)
 
-    b_steps, _ = fitting_masks(b_steps_on, recorded, [b_call])
+    try:
+        b_steps, _ = fitting_masks(b_steps_on, reference.store.get_inputs(a_call.key),
+                                   [b_call])
+    except ReplayUnavailable as exc:
+        return f"no op drill-down: B's module is not replayable: {exc}"
     lines, first = judge_ops(align_steps(side.steps, b_steps), side.golden,
                              module_padding(reference.padding, a_call.name),
                              module_diverged=diverged)
@@ -86,10 +97,12 @@ def a_side(reference: Reference, a_call: ModuleCall, model_a: nn.Module, opts: O
     given the golden op's output on its own inputs."""
     grad_out = reference.store.get(a_call.key, "grad_out") if backward else {}
     module_a = dict(model_a.named_modules())[a_call.name]
+    states = states_within(reference.states, a_call.name, a_call.clock)
     args_a, kwargs_a = placed(reference.store.get_inputs(a_call.key), a_call)
-    with backend_context(opts.backend_a), seeded():
+    with replaying(module_a, states, placed_on), backend_context(opts.backend_a), seeded():
         steps = _capture(module_a, args_a, kwargs_a, grad_out, backward)
-    golden, notes = _golden_steps(module_a, (args_a, kwargs_a, grad_out), opts, backward)
+    inputs = (*placed(reference.store.get_inputs(a_call.key), a_call), grad_out)
+    golden, notes = _golden_steps(module_a, states, inputs, opts, backward)
     partners = {p.a.index: p.b for p in align_steps(steps, golden)
                 if p.a is not None and p.b is not None}
     for step in steps:
@@ -112,16 +125,18 @@ def _capture(module: nn.Module, args: tuple, kwargs: dict, grads: dict[str, torc
     return capture_steps(module, args, kwargs)
 
 
-def _golden_steps(module: nn.Module, inputs: tuple[tuple, dict, dict], opts: Options,
-                  backward: bool) -> tuple[list[Step], list[str]]:
-    """The steps of a float64 copy of A's module on the same inputs (and output gradient);
-    none (A's own op outputs serve as the golden, with the analytic budget) when it cannot be
-    copied."""
+def _golden_steps(module: nn.Module, states: dict[str, OwnState],
+                  inputs: tuple[tuple, dict, dict], opts: Options, backward: bool
+                  ) -> tuple[list[Step], list[str]]:
+    """The steps of a float64 copy of A's module on the same inputs (and output gradient),
+    on the recorded ``states``, a cache handed to it cast too; none (A's own op outputs serve
+    as the golden, with the analytic budget) when it cannot be copied."""
     try:
         golden = copy.deepcopy(module).to(device="cpu", dtype=GOLDEN_DTYPE)
     except Exception as exc:  # noqa: BLE001 - judged against A then, and said so
         return [], [f"no float64 golden of the module's ops: copying it failed "
                     f"({type(exc).__name__}: {exc})"]
-    args, kwargs, grads = upcast(inputs, GOLDEN_DTYPE, "cpu")
-    with backend_context(opts.backend_a), seeded():
+    args, kwargs, grads = golden_inputs(inputs)
+    with replaying(golden, states, lambda t, m: in_golden_dtype(t)), \
+            backend_context(opts.backend_a), seeded():
         return _capture(golden, args, kwargs, grads, backward), []
