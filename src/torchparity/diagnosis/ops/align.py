@@ -114,8 +114,8 @@ def _sequence(a: list[Step], b: list[Step], partners: dict[int, int]) -> list[Pa
 def _by_signature(a: list[Step], b: list[Step]) -> list[Pair]:
     import difflib
 
-    matcher = difflib.SequenceMatcher(None, [s.signature() for s in a],
-                                      [s.signature() for s in b], autojunk=False)
+    matcher = difflib.SequenceMatcher(None, [s.signature for s in a],
+                                      [s.signature for s in b], autojunk=False)
     pairs, i, j = [], 0, 0
     for block in matcher.get_matching_blocks():
         pairs += [Pair(step, None) for step in a[i:block.a]]
@@ -129,7 +129,7 @@ def _similarity(x: Step, y: Step, partners: dict[int, int]) -> float | None:
     """How much pairing ``x`` with ``y`` is worth; None when they cannot be one computation."""
     if x.kind != y.kind:
         return None
-    sx, sy = x.signature(), y.signature()
+    sx, sy = x.signature, y.signature
     same_outputs = sx[3] == sy[3]
     if x.op != y.op and not (x.kind == "op" and same_outputs and _close(x, y)):
         return None  # another op pairs only as a stand-in of the same result (a fused form)
@@ -178,7 +178,7 @@ def _moved(pairs: list[Pair]) -> list[Pair]:
     for pair in pairs:
         if pair.a is not None or pair.b is None:
             continue
-        alike = [p for p in only_a if p.a.signature() == pair.b.signature()]
+        alike = [p for p in only_a if p.a.signature == pair.b.signature]
         partner = next((p for p in alike if _close(p.a, pair.b)), alike[0] if alike else None)
         if partner is not None:
             only_a.remove(partner)

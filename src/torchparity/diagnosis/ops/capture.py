@@ -14,6 +14,7 @@ the user's code it ran (frames outside torch and torchparity, innermost first).
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import os
 import re
@@ -85,8 +86,10 @@ class Step:
         """The innermost source line's text, or "" when the step has none."""
         return self.stack[0].text if self.stack else ""
 
+    @functools.cached_property
     def signature(self) -> tuple:
-        """What the alignment matches first: kind, op, input and output shapes and dtypes."""
+        """What the alignment matches first: kind, op, input and output shapes and dtypes
+        (kept: an alignment reads it for every pair of steps)."""
         return (self.kind, self.op,
                 tuple((tuple(t.shape), t.dtype) for t in self.inputs),
                 tuple((tuple(t.shape), t.dtype) for t in self.outputs.values()))
