@@ -258,7 +258,7 @@ def test_json_report_names_the_culprit(llama) -> None:
     model_b = copy.deepcopy(model_a)
     planted = plant_rotary(model_b)
     data = json.loads(tp.diagnose(model_a, model_b, batch, backward=False).to_json())
-    assert data["first_divergence"] == planted
+    assert data["first_divergence"]["module"] == planted
     row = next(r for r in data["rows"] if r["module"] == planted)
     assert row["local"]["verdict"] == "diverged" and row["local"]["tensors"]
 

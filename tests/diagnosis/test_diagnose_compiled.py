@@ -34,8 +34,8 @@ def test_diagnose_compile_b_names_the_module_that_departs_under_compile(models, 
     assert main(["diagnose", eager, planted, "--compile-b", "static", "--json",
                  str(report)]) == 1
     diagnosis = json.loads(report.read_text())
-    assert diagnosis["first_divergence"] == "blocks.1.norm"
-    assert diagnosis["first_grad_divergence"] == "blocks.1.norm"
+    assert diagnosis["first_divergence"]["module"] == "blocks.1.norm"
+    assert diagnosis["first_grad_divergence"]["module"] == "blocks.1.norm"
     rows = {row["module"]: row for row in diagnosis["rows"]}
     # The search opened only what departed: the model, then block 1, then its norm.
     assert set(rows) == {"", "blocks.0", "blocks.1", "head", "blocks.1.norm", "blocks.1.qkv",
@@ -51,7 +51,7 @@ def test_a_factory_returning_a_compiled_model_is_diagnosed_compiled(models, tmp_
     report = tmp_path / "diagnosis.json"
     assert main(["diagnose", eager, compiled, "--json", str(report)]) == 1
     diagnosis = json.loads(report.read_text())
-    assert diagnosis["first_divergence"] == "blocks.1.norm"
+    assert diagnosis["first_divergence"]["module"] == "blocks.1.norm"
     assert diagnosis["meta"]["compile_b"] == "static"  # torch.compile(model, dynamic=False)
 
 
@@ -61,7 +61,7 @@ def test_record_against_a_compiled_revision_names_the_module(models, tmp_path, a
     assert main(["record", eager, "-o", str(trace)]) == 0
     assert main(["diagnose", planted, "--against", str(trace), "--compile-b", "static",
                  "--json", str(report)]) == 1
-    assert json.loads(report.read_text())["first_divergence"] == "blocks.1.norm"
+    assert json.loads(report.read_text())["first_divergence"]["module"] == "blocks.1.norm"
 
 
 def test_one_model_against_itself_compiled(models, aot_eager, monkeypatch):
@@ -90,6 +90,6 @@ def test_inductor_diagnosis_names_the_planted_norm_of_a_zoo_model(tmp_path):
     assert main(["diagnose", f"{spec}:eager", f"{spec}:planted", "--compile-b", "--json",
                  str(report)]) == 1
     diagnosis = json.loads(report.read_text())
-    assert diagnosis["first_divergence"] == "decoder.layers.1.mlp_norm"
+    assert diagnosis["first_divergence"]["module"] == "decoder.layers.1.mlp_norm"
     rows = {row["module"]: row for row in diagnosis["rows"]}
     assert rows["decoder.layers.0"]["local"]["ok"]  # compiled, the rest stays within budget

@@ -110,7 +110,7 @@ def test_cli_dtype_option(tmp_path: Path, capsys, monkeypatch) -> None:
     assert "--dtype fp64" in json.loads((tmp_path / "fp32.json").read_text())["summary"]
     assert main(["diagnose", a, b, "--dtype", "float64", "--json",
                  str(tmp_path / "fp64.json")]) == 1
-    assert json.loads((tmp_path / "fp64.json").read_text())["first_divergence"] == PLANTED
+    assert json.loads((tmp_path / "fp64.json").read_text())["first_divergence"]["module"] == PLANTED
     assert main(["record", a, "-o", str(tmp_path / "t"), "--dtype", "fp64"]) == 0
     assert main(["diagnose", b, "--against", str(tmp_path / "t")]) == 1
     capsys.readouterr()

@@ -67,7 +67,7 @@ def test_planted_line_is_named(plant: type, case: str, module: str, kind: str) -
     model_b = copy.deepcopy(model_a)
     model_b.get_submodule(module).__class__ = plant
     report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, backward=False)
-    op = report.to_dict()["first_divergence_op"]
+    op = report.to_dict()["first_divergence"]["op"]
     assert op is not None and op["found"], report.render()
     assert planted_line(plant) in op["b_stack"], report.render()
     assert op["kind"] == kind, report.render()
@@ -80,7 +80,7 @@ def test_changed_argument_is_named() -> None:
     model_b.decoder.layers[0].attn_norm.__class__ = plants.LayerNormEps
     eps = model_a.decoder.layers[0].attn_norm.eps
     report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, backward=False)
-    op = report.to_dict()["first_divergence_op"]
+    op = report.to_dict()["first_divergence"]["op"]
     assert op["name"] == "aten::native_layer_norm"
     assert op["arguments"] == [f"eps {eps!r} (A) vs 0.001 (B)"], op["arguments"]
     assert f"eps {eps!r} (A) vs 0.001 (B)" in report.summary()
@@ -110,7 +110,7 @@ def test_nothing_diverges_nothing_drilled() -> None:
     report = tp.diagnose(model_a, copy.deepcopy(model_a), batch, loss_fn=sequence_loss,
                          backward=False)
     assert all(r.ops is None for r in report.rows)
-    assert report.to_dict()["first_divergence_op"] is None
+    assert report.to_dict()["first_divergence"] is None
 
 
 def test_ops_of_an_unknown_module_is_one_clear_error() -> None:
@@ -218,7 +218,7 @@ def test_planted_line_in_transformers_llama_is_named(plant: str) -> None:
         model_b.model.layers[1].mlp.__class__ = hf_op_plants.GeluMLP
         where, kind = hf_op_plants.GeluMLP, "only in B"
     report = tp.diagnose(model_a, model_b, hf_inputs())
-    op = report.to_dict()["first_divergence_op"]
+    op = report.to_dict()["first_divergence"]["op"]
     assert op is not None and op["found"], report.render()
     assert planted_line(where) in op["b_stack"] and op["kind"] == kind, report.render()
 
@@ -299,7 +299,7 @@ def test_command_line_names_the_planted_line_in_80_columns(tmp_path, capsys) -> 
     assert cli.main(["diagnose", *entries, "--no-backward",
                      "--json", str(tmp_path / "d.json")]) == 1
     out = capsys.readouterr().out
-    op = json.loads((tmp_path / "d.json").read_text())["first_divergence_op"]
+    op = json.loads((tmp_path / "d.json").read_text())["first_divergence"]["op"]
     assert planted_line(plants.AttentionScale) in op["b_stack"]
     table = out[out.index("op of decoder.layers.1.attn"):].splitlines()
     assert any(planted_line(plants.AttentionScale) in line for line in table)  # never cut
@@ -325,11 +325,11 @@ def test_against_a_trace_with_ops_names_the_planted_line_as_in_process(traces, t
     plants_file = inspect.getsourcefile(plants)
     assert cli.main(["diagnose", f"{plants_file}:make_b_scale", "--against",
                      str(traces["ops"]), "--json", str(tmp_path / "d.json")]) == 1
-    op = json.loads((tmp_path / "d.json").read_text())["first_divergence_op"]
+    op = json.loads((tmp_path / "d.json").read_text())["first_divergence"]["op"]
     assert planted_line(plants.AttentionScale) in op["b_stack"]
     model_a, batch, loss = plants.make_a()
     in_process = tp.diagnose(model_a, plants.make_b_scale()[0], batch, loss_fn=loss,
-                             backward=False).to_dict()["first_divergence_op"]
+                             backward=False).to_dict()["first_divergence"]["op"]
     same = ("name", "kind", "a_stack", "b_stack", "code", "arguments")
     assert {k: op[k] for k in same} == {k: in_process[k] for k in same}
     assert len(op["steps"]) == len(in_process["steps"])
@@ -344,7 +344,7 @@ def test_against_a_trace_without_ops_says_in_one_line_which_command_adds_them(
     assert cli.main(["diagnose", f"{plants_file}:make_b_scale", "--against",
                      str(traces["plain"]), "--json", str(tmp_path / "d.json")]) == 1
     found = json.loads((tmp_path / "d.json").read_text())
-    assert found["first_divergence_op"] is None
+    assert found["first_divergence"]["op"] is None
     out = " ".join(capsys.readouterr().out.split())
     assert "`torchparity record ENTRY --ops decoder.layers.1.attn` adds them" in out
 
@@ -477,7 +477,7 @@ def test_a_gradient_only_change_is_drilled_in_its_backward_pass() -> None:
     model_b.decoder.layers[1].mlp_norm.__class__ = plants.RMSNormHalfGradient
     report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, local="all")
     assert report.first_divergence is None and report.first_grad_divergence is not None
-    op = report.to_dict()["first_grad_divergence_op"]
+    op = report.to_dict()["first_grad_divergence"]["op"]
     assert op is not None and op["found"], report.render()
     lines, start = inspect.getsourcelines(RMSNorm.forward)
     a_line = next(f"{os.path.relpath(inspect.getsourcefile(RMSNorm))}:{start + i}"

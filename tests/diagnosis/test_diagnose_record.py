@@ -76,8 +76,8 @@ def test_record_in_one_process_diagnose_in_another(factory_dir: Path, monkeypatc
                  "--json", "report.json", "--html", "report.html"])
     assert code == 1
     report = json.loads((factory_dir / "report.json").read_text())
-    assert report["first_divergence"] == "decoder.layers.1.mlp_norm"
-    assert report["first_grad_divergence"] == "decoder.layers.1.mlp_norm"
+    assert report["first_divergence"]["module"] == "decoder.layers.1.mlp_norm"
+    assert report["first_grad_divergence"]["module"] == "decoder.layers.1.mlp_norm"
     assert "decoder.layers.1.mlp_norm" in capsys.readouterr().out
     assert (factory_dir / "report.html").read_text().startswith("<!DOCTYPE html>")
 

@@ -87,7 +87,7 @@ def test_terminal_and_json_name_the_first_divergence(report) -> None:
     assert "First divergence: norm (LayerNorm)" in text
     assert text.count("\n") > len(report.rows)
     data = json.loads(report.to_json())
-    assert data["first_divergence"] == "norm" and data["first_grad_divergence"] == "norm"
+    assert data["first_divergence"]["module"] == data["first_grad_divergence"]["module"] == "norm"
     assert [r["module"] for r in data["rows"]] == [r.module for r in report.rows]
     assert data["rows"][0]["local"]["verdict"] == "diverged"
 

@@ -116,7 +116,7 @@ def test_diagnose_base_drills_down_to_both_sides_lines_and_records_ops_only_on_a
     assert toy_repo.state(repo) == before
     err = capsys.readouterr().err
     assert "--ops mlp" in err  # A's ops recorded at the base for the divergent module only
-    op = json.loads(report.read_text())["first_divergence_op"]
+    op = json.loads(report.read_text())["first_divergence"]["op"]
     line = next(i for i, text in enumerate(toy_repo.MODELS.splitlines(), 1)
                 if base_line in text)
     assert op["name"].startswith("aten::gelu") and op["kind"] == "differs"

@@ -206,11 +206,8 @@ class DiagnosisReport(Report):
         first, grad = self.first_divergence, self.first_grad_divergence
         return json_safe({
             "summary": self.summary(),
-            "first_divergence": first.module if first else None,
-            "first_grad_divergence": grad.module if grad else None,
-            "first_divergence_op": first.ops.to_dict() if first and first.ops else None,
-            "first_grad_divergence_op": (grad.grad_ops.to_dict() if grad and grad.grad_ops
-                                         else None),
+            "first_divergence": _divergence(first, "ops"),
+            "first_grad_divergence": _divergence(grad, "grad_ops"),
             "output": self.output.to_dict() if self.output else None,
             "loss": self.loss.to_dict() if self.loss else None,
             "rows": [r.to_dict() for r in self.rows],
@@ -459,3 +456,12 @@ def not_compared_legend(rows: list[Row]) -> str:
     shown = any(isinstance(getattr(r, attr), NotCompared) for r in rows
                 for attr in (*_COLUMNS, "inputs"))
     return ", n/c: not compared, nothing alike on both sides" if shown else ""
+
+
+def _divergence(row: Row | None, ops: str) -> dict[str, Any] | None:
+    """``first_divergence`` (or the gradient's) in the JSON: B's module and, when it was
+    drilled down, the op where the divergence enters (:meth:`OpReport.to_dict`)."""
+    if row is None:
+        return None
+    drilled = getattr(row, ops)
+    return {"module": row.module, "op": drilled.to_dict() if drilled else None}
