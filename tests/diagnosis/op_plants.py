@@ -156,6 +156,26 @@ def make_seedless() -> tuple:
     return SeedlessDropout(), (torch.randn(4, 8, generator=torch.Generator().manual_seed(0)),)
 
 
+class GeneratorNoise(torch.nn.Module):
+    """A projection, then a scale. With ``noisy``, the projection is perturbed by one part in
+    1e4, drawn from a generator the module keeps and never reseeds: every call draws anew, as
+    a scatter whose order atomics decide sums anew. ``scale`` other than 2 is a real change."""
+
+    def __init__(self, noisy: bool = False, scale: float = 2.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.noisy, self.scale = noisy, scale
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if self.noisy:
+            noise = torch.randn(h.shape, generator=self.generator, dtype=h.dtype)
+            h = h * (1 + 1e-4 * noise)  # nondeterministic
+        return (h.relu() * self.scale).sum(-1)  # planted
+
+
 class CacheWrittenOneOff(PreallocatedKVCache):
     """The ``preallocated-cache`` twin's cache with its key written one slot further than read."""
 

@@ -389,6 +389,25 @@ def test_determinism_probe_names_a_seedless_dropout_at_its_line(tmp_path, capsys
     assert planted_line(plants.SeedlessDropout) in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("scale", [2.0, 2.01])
+def test_run_to_run_noise_joins_the_budget_of_the_ops_it_reaches(scale: float) -> None:
+    """B perturbs a projection by one part in 1e4 drawn anew at every call: the module's
+    output leaves its budget, but between two runs of B the ops it reaches differ as much as
+    from the golden, so no op is called the change; a scale changed by 0.5% still is."""
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    model_b = plants.GeneratorNoise(noisy=True, scale=scale)
+    report = tp.diagnose(plants.GeneratorNoise(), model_b, (x,), backward=False)
+    first = report.first_divergence
+    assert first is not None and first.module == "" and first.ops is not None, report.render()
+    if scale == 2.0:
+        assert first.ops.answer is None, first.ops.sentence()
+    else:
+        assert first.ops.answer is not None, report.render()
+        assert first.ops.answer.pair.kind == "paired", first.ops.sentence()
+        assert planted_line(plants.GeneratorNoise) in \
+            [str(f) for f in first.ops.answer.pair.b.stack], first.ops.sentence()
+
+
 def test_determinism_probe_finds_the_zoo_deterministic() -> None:
     from torchparity.diagnosis.ops.determinism import probe_determinism
 

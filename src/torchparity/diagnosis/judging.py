@@ -29,7 +29,7 @@ from torchparity.subject.padding import Padding
 
 def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
           baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec = None,
-          precision: torch.dtype | None = None) -> Result:
+          precision: torch.dtype | None = None, noise: float | None = None) -> Result:
     """Compare under the tolerance model; without a golden, the baseline serves as golden and
     the analytic bound as budget. Tensors on one side only are differences of structure
     (``result.structure``), judged apart from the shared ones; a tensor both have in other
@@ -42,14 +42,16 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
     (an eager ``transformers`` attention casts float64's most negative mask value to float32's
     -inf, and a fully masked query row turns NaN, which then reaches real positions through a
     zero weight). Its analytic bound is that of ``precision`` when given (a loss computed in
-    float32 from bfloat16 outputs carries bfloat16's rounding), else of each tensor's dtype."""
+    float32 from bfloat16 outputs carries bfloat16's rounding), else of each tensor's dtype.
+    ``noise``: what the candidate carries besides rounding (its spread between two runs),
+    joining the noise its baseline measures (see ``compare``'s ``noise``)."""
     candidate = as_a_names(candidate, golden or baseline)
     broken = _broken_goldens(golden, baseline, padding)
     if broken:
         result = _judged_against_a(candidate, golden, baseline, kind, padding, broken,
                                    precision)
     else:
-        result = _judge(candidate, golden, baseline, kind, padding)
+        result = _judge(candidate, golden, baseline, kind, padding, noise=noise)
     return nothing_compared(result) or result
 
 
@@ -96,15 +98,17 @@ def _paths(paths: list[str]) -> str:
 
 def _judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
            baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec,
-           compute_dtype: torch.dtype | None = None) -> Result:
+           compute_dtype: torch.dtype | None = None, noise: float | None = None) -> Result:
     original = baseline or golden
     if not golden:
         golden, baseline = baseline, {}
     same_dtypes = all(candidate[p].dtype == t.dtype for p, t in baseline.items()
                       if p in candidate)
+    measured = baseline and same_dtypes
     try:
-        result = compare(candidate, golden, baseline if baseline and same_dtypes else None, kind,
-                         compute_dtype=compute_dtype, padding=padding)
+        result = compare(candidate, golden, baseline if measured else None, kind,
+                         compute_dtype=compute_dtype, padding=padding,
+                         noise=noise if measured else None)
     except StructureMismatch as exc:
         return Mismatch(kind, str(exc))
     result.structure = tuple(_as_a_sees_it(d, original)

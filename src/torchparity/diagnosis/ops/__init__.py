@@ -7,7 +7,9 @@ A's module) and B. The streams are aligned as sequences (:mod:`.align`), each pa
 under the tolerance model (:mod:`.judge`) and the answer said as a maintainer wants it
 (:mod:`.report`). The cost is three replays of one module, nothing when no module diverges.
 A module that keeps state across calls (a cache on itself) is replayed on the state it had
-when the recorded call started, as the module-level replays are.
+when the recorded call started, as the module-level replays are. Before an op is named,
+B's call runs once more: what differs between its two runs (nondeterminism) joins the
+budgets of the ops it reaches instead of being called a change.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.ops.align import align_steps
 from torchparity.diagnosis.ops.backward import capture_backward
 from torchparity.diagnosis.ops.capture import Step, capture_steps, capturing_first_call
+from torchparity.diagnosis.ops.determinism import run_to_run_spreads
 from torchparity.diagnosis.ops.judge import golden_on_inputs, judge_ops
 from torchparity.diagnosis.ops.recorded import ASide, keep_ops, recorded_side
 from torchparity.diagnosis.ops.report import OpReport
@@ -79,13 +82,18 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
             return _capture(module_b, args_b, kwargs_b, grad_out, backward)
 
     try:
-        b_steps, _ = fitting_masks(b_steps_on, reference.store.get_inputs(a_call.key),
-                                   [b_call])
+        b_steps, fits = fitting_masks(b_steps_on, reference.store.get_inputs(a_call.key),
+                                      [b_call])
     except ReplayUnavailable as exc:
         return f"no op drill-down: B's module is not replayable: {exc}"
-    lines, first = judge_ops(align_steps(side.steps, b_steps), side.golden,
-                             module_padding(reference.padding, a_call.name),
-                             module_diverged=diverged)
+    pairs = align_steps(side.steps, b_steps)
+    padding = module_padding(reference.padding, a_call.name)
+    lines, first = judge_ops(pairs, side.golden, padding, module_diverged=diverged)
+    if first is not None:  # before an op is called the change: is it run-to-run noise?
+        spreads = run_to_run_spreads(b_steps, b_steps_on(bool(fits)))
+        if spreads:
+            lines, first = judge_ops(pairs, side.golden, padding, module_diverged=diverged,
+                                     spreads=spreads)
     label = f"{b_call.name} (backward)" if backward else b_call.name
     return OpReport(label, lines, first, side.notes)
 

@@ -6,6 +6,8 @@ thread count (reductions split otherwise). An op is named where a difference *en
 inputs were bit-equal to the first run's and its outputs are not; the ops after it only carry
 it. A run-to-run difference is nondeterminism (a seedless dropout, a nondeterministic
 scatter); one under another thread count is rounding, noise the budgets must allow.
+:func:`run_to_run_spreads` measures the first kind step by step, for the op drill-down's
+budgets.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchparity import tolerance
 from torchparity.diagnosis.ops.capture import Step, capture_steps
 from torchparity.subject.running import Inputs
 from torchparity.threads import torch_threads
 
-__all__ = ["Determinism", "probe_determinism"]
+__all__ = ["Determinism", "probe_determinism", "run_to_run_spreads"]
 
 
 @dataclass
@@ -94,6 +97,30 @@ def _entries(first: list[Step], again: list[Step]) -> list[Step]:
         if inputs_equal and not outputs_equal:
             found.append(b)
     return found
+
+
+def run_to_run_spreads(first: list[Step], again: list[Step]) -> dict[int, float]:
+    """Per step of ``first`` whose outputs differ in ``again`` (the same call run twice), the
+    largest difference in the forward metric: where it enters and every step that carries it.
+    The two runs are paired step by step up to where the code took another path."""
+    metric = tolerance.kind_tolerance("forward").metric
+    spreads = {}
+    for a, b in zip(first, again, strict=False):
+        if a.name != b.name:
+            break
+        if _uninitialised(a) or all(_equal(x, y) for x, y in zip(
+                a.outputs.values(), b.outputs.values(), strict=False)):
+            continue
+        spreads[a.index] = max((_spread(x, y, metric) for x, y in zip(
+            a.outputs.values(), b.outputs.values(), strict=False)), default=0.0)
+    return spreads
+
+
+def _spread(x: torch.Tensor, y: torch.Tensor, metric: tolerance.Metric) -> float:
+    if x.shape != y.shape or not x.is_floating_point():
+        return 0.0
+    usable = x.isfinite() & y.isfinite()
+    return tolerance.error(x[usable], y[usable], metric)
 
 
 def _uninitialised(step: Step) -> bool:

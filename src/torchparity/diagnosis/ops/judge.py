@@ -42,13 +42,17 @@ class OpLine:
 
 
 def judge_ops(pairs: list[Pair], golden: dict[int, Step], padding: PaddingSpec = None, *,
-              module_diverged: bool = True) -> tuple[list[OpLine], int | None]:
+              module_diverged: bool = True, spreads: dict[int, float] | None = None
+              ) -> tuple[list[OpLine], int | None]:
     """Each pair judged (``golden``: A's step index -> the golden's step; ``padding``: the
     module's, left out of every judgement), and the index of the line where the divergence
     enters (None when no op explains it). ``module_diverged``: whether the module's output
-    left its budget (a step on one side whose output the module returns is then its cause)."""
+    left its budget (a step on one side whose output the module returns is then its cause).
+    ``spreads``: B's step index -> how far its outputs differ between two runs of B's module
+    (nondeterminism), which joins the noise of its budgets instead of being called a change."""
+    spreads = spreads or {}
     lines = [OpLine(pair, *_results(pair, golden.get(pair.a.index) if pair.a else None,
-                                    padding))
+                                    padding, spreads.get(pair.b.index) if pair.b else None))
              for pair in pairs]
     diverged = {side: {getattr(line.pair, side).index for line in lines
                        if getattr(line.pair, side) is not None and _diverged(line.propagated)}
@@ -97,14 +101,14 @@ def _diverged(result: Result | None) -> bool:
     return result is not None and not result.ok
 
 
-def _results(pair: Pair, golden: Step | None, padding: PaddingSpec
+def _results(pair: Pair, golden: Step | None, padding: PaddingSpec, spread: float | None
              ) -> tuple[Result | None, Result | None]:
     a, b = pair.a, pair.b
     if a is None or b is None:
         return None, None
     baseline = a.outputs
     golden_outputs = golden.outputs if golden is not None else {}
-    propagated = judge(b.outputs, golden_outputs, baseline, "forward", padding)
+    propagated = judge(b.outputs, golden_outputs, baseline, "forward", padding, noise=spread)
     if any(part in a.op for part in _UNJUDGED):
         return None, propagated
     candidate = _applied(b, a.inputs)
@@ -112,7 +116,7 @@ def _results(pair: Pair, golden: Step | None, padding: PaddingSpec
     if candidate is None or exact is None:
         return None, propagated
     out = {p: t for p, t in baseline.items() if p.startswith("out.")}
-    return judge(candidate, exact, out, "forward", padding), propagated
+    return judge(candidate, exact, out, "forward", padding, noise=spread), propagated
 
 
 def golden_on_inputs(step: Step, golden: Step | None) -> dict[str, torch.Tensor] | None:
