@@ -4,12 +4,13 @@
 command as N ranks (:func:`start`, through :mod:`torchparity.subject.launcher`); inside a user's
 own ``torchrun ... -m torchparity ...`` the command finds itself a rank and runs as one.
 
-Every rank loads the factory; each run (the float64 golden run, each cell and its baseline)
-copies the model into its dtype, shards the copy by the factory's plan
-(:func:`~torchparity.subject.sharded.shard`) and runs it, so the float64 golden is computed by
-the sharded model in float64. Outputs and gradients that are DTensors are gathered one at a
-time, each kept (sketched when big) before the next is gathered, so the goldens on disk are the
-same whatever the number of ranks: made with 2, they check with 1 or 4. Every rank judges
+Every rank loads the factory, whose plan shards its model before the first run; each run (the
+float64 golden run, each cell and its baseline) makes a copy in its dtype sharded alike, each
+rank only its part (:func:`~torchparity.subject.sharded.placed`), and runs it, so the float64
+golden is computed by the sharded model in float64 and no rank holds the whole model.
+Outputs and gradients that are DTensors are gathered one at a time, each kept (sketched when
+big) before the next is gathered, so the goldens on disk are the same whatever the number of
+ranks: made with 2, they check with 1 or 4. Every rank judges
 alike; rank 0 alone writes and prints. The differences sharding makes (reductions split across
 ranks) are in the baseline, which runs sharded as the cell does, and so in every budget.
 
@@ -40,7 +41,7 @@ from torchparity.golden.model_runs import (
     perturbation,
 )
 from torchparity.golden.store import GoldenStore
-from torchparity.golden.user_models import write_goldens
+from torchparity.golden.user_models import model_checksums, write_goldens
 from torchparity.sketching import kept
 from torchparity.subject import Subject, hf, launcher, sharded
 from torchparity.subject.factory import first_line
@@ -118,13 +119,9 @@ def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
 def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, perturb: bool,
                  run_name: str) -> Run:
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
-    model, inputs = subject.placed(cell.device, DTYPES[cell.dtype], attention)
-    if perturb:
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                perturbation(name, param.data)
     sharded.mark(f"the sharding of {run_name} (the factory's plan)")
-    model = sharded.shard(subject, model, sharded.device_mesh(subject, cell.device))
+    model, inputs = sharded.placed(subject, cell.device, DTYPES[cell.dtype], attention,
+                                   perturbation if perturb else None)
     sharded.mark(f"the forward and backward of {run_name}")
 
     def gathered_grads(loss: torch.Tensor) -> dict[str, Any]:
@@ -192,8 +189,10 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
     import torch.distributed as dist
 
     subject = dataclasses.replace(subject, decoding=False)
+    checksums = model_checksums(subject)  # of the whole model, before its plan shards it
     sharded.together("the float64 golden run")
     run = run_sharded(subject, REFERENCE, None)
-    statuses = [write_goldens(subject, store, run=run) if sharded.rank() == 0 else None]
+    statuses = [write_goldens(subject, store, run=run, checksums=checksums)
+                if sharded.rank() == 0 else None]
     dist.broadcast_object_list(statuses, src=0)
     return statuses[0]

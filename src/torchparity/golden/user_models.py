@@ -81,11 +81,13 @@ def model_checksums(subject: Subject) -> dict[str, str]:
 
 
 def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = None,
-                  run: Run | None = None) -> dict[str, str]:
+                  run: Run | None = None, checksums: dict[str, str] | None = None
+                  ) -> dict[str, str]:
     """Compute and write the goldens of ``subject``; output -> what happened to its file
     (``created``, ``updated``, ``replaced`` or ``unchanged``, as for the zoo). ``status``
     hears where the float64 run is (which block of how many); ``run`` is that run when it
-    was made elsewhere (by the ranks of a sharded model)."""
+    was made elsewhere (by the ranks of a sharded model), ``checksums`` the model's
+    (:func:`model_checksums`) when taken before its plan sharded it."""
     run = run or run_in_cell(subject, REFERENCE, None, status=status)
     if run.missing:
         output, reason = next(iter(run.missing.items()))
@@ -96,7 +98,7 @@ def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = 
         status("checksums of the weights and inputs")
     meta = {"entry": subject.entry, "model": type(subject.model).__name__,
             "loss": "loss_fn" if loss_paths is None else _default_loss(subject, loss_paths),
-            "checksums": model_checksums(subject)}
+            "checksums": checksums or model_checksums(subject)}
     if subject.generates:
         meta["decoding"] = _decoding(subject)
     if run.islands:

@@ -54,6 +54,10 @@ class Subject:
     #: ``{dimension name: size}`` (see :mod:`torchparity.subject.sharded`).
     parallelize: Callable[[nn.Module, Any], Any] | None = None
     mesh: Any = None
+    #: Under torchrun, once :func:`~torchparity.subject.sharded.hold` sharded the factory's
+    #: model by its plan (its own dtype, each rank its part): that model, ``model`` being then
+    #: its structure on the meta device.
+    shards: nn.Module | None = None
     #: False where it is checked against goldens made without decoding: it does not decode.
     decoding: bool = True
 

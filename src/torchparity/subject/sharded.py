@@ -1,11 +1,14 @@
 """A user's model sharded over the ranks of ``torchrun`` by its own plan.
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank joins one process group (:func:`join`:
-gloo on the CPU, nccl on CUDA), loads the factory and holds its model; the copy a run makes in
-its dtype is then sharded by the factory's ``parallelize(model, mesh)`` (:func:`shard`) over the
+gloo on the CPU, nccl on CUDA) and loads the factory, whose model the factory's
+``parallelize(model, mesh)`` (:func:`shard`) then shards in place, in its own dtype, over the
 mesh the factory asks for, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left; none
-given: one dimension ``"shard"`` over every rank). A plan that shards a parameter unevenly is
-refused with one line: its ranks would pad, or split a head.
+given: one dimension ``"shard"`` over every rank): each rank keeps its part only (:func:`hold`).
+A run's copy in its dtype is planned on the meta device by the same plan, and each rank fills
+its own part from its part of the factory's model (:func:`placed`): no rank ever holds the whole
+model in a run's dtype. A plan that shards a parameter unevenly is refused with one line: its
+ranks would pad, or split a head.
 
 Every collective waits at most :func:`collective_timeout` seconds; :func:`together` meets the
 ranks between phases and names the ones that do not come (gloo's monitored barrier).
@@ -14,16 +17,19 @@ ranks between phases and names the ones that do not come (gloo's monitored barri
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from torchparity.errors import TorchParityError, UsageError
+from torchparity.subject import hf
+from torchparity.subject.running import cast_inputs, converted
 
 if TYPE_CHECKING:  # importing torch.distributed's mesh module takes seconds
     from torch.distributed.device_mesh import DeviceMesh
@@ -241,3 +247,74 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def hold(subject: Subject) -> None:
+    """Shard the factory's model by its plan, once, in its own dtype and on its own device:
+    each rank keeps its part (``subject.shards``), and ``subject.model`` becomes the model's
+    structure on the meta device, from which :func:`placed` plans each run's copy."""
+    if subject.shards is not None:
+        return
+    model = subject.model
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    structure = converted(model, "meta", torch.float64)
+    mark("the sharding of the factory's model (its plan)")
+    subject.shards = shard(subject, model, device_mesh(subject, device))
+    subject.model = structure
+
+
+#: ``perturb(name, whole)``: a parameter's whole value in the run's dtype, changed in place.
+Perturb = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
+           attention: str = hf.SDPA, perturb: Perturb | None = None) -> tuple[nn.Module, Any]:
+    """A copy of the model in ``dtype`` on ``device``, sharded by the factory's plan, in eval
+    mode (a ``transformers`` model on its ``attention``), and the inputs cast alike. The plan
+    shards a copy on the meta device; each rank then fills its own part from its part of the
+    factory's model, sharded alike (:func:`hold`). With ``perturb`` each parameter is gathered
+    whole (one at a time) and perturbed before its part is taken."""
+    hold(subject)
+    model = converted(subject.model, "meta", dtype)
+    if model is subject.model:
+        model = copy.deepcopy(model)
+    model = shard(subject, model, device_mesh(subject, device))
+    model.to_empty(device=device)
+    _fill(model, subject.shards, perturb)
+    model.eval()
+    if subject.is_transformers:
+        hf.set_attention(model, attention)
+    return model, cast_inputs(subject.inputs, device, dtype)
+
+
+def _fill(model: nn.Module, source: nn.Module, perturb: Perturb | None) -> None:
+    """This rank's part of each parameter and buffer of ``model`` copied from ``source``
+    (the same model sharded alike), converted on the way."""
+    parts = dict(source.named_parameters()) | dict(source.named_buffers())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            part = parts[name]
+            if perturb is not None:
+                part = _part(perturb(name, whole(part).to(param.dtype, copy=True)), param)
+            _local(param).copy_(_local(part))
+        for name, buffer in model.named_buffers():
+            _local(buffer).copy_(_local(parts[name]))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _part(whole_value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``whole_value`` as the DTensor ``like`` places it (all of it
+    for a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(like, DTensor):
+        return whole_value
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh,
+                                                          like.placements)
+    return whole_value[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
