@@ -147,6 +147,11 @@ def mine_uneven() -> dict:
     return _mine(MINE_TP, {"tp": -1}, hidden=33)
 
 
+def mine_odd_heads() -> dict:
+    """Tensor parallel over attention of 3 heads of 16: 2 ranks would split one."""
+    return _mine(MINE_TP, {"tp": -1}, width=48, heads=3)
+
+
 def _dies_in_rank_one(model: nn.Module, mesh) -> None:
     MINE_FSDP(model, mesh)
     if int(os.environ["RANK"]) == 1:

@@ -99,6 +99,12 @@ def test_a_plan_that_does_not_divide_a_parameter_is_refused(tmp_path, capsys):
     assert "splits layers.0.up.weight (shape (33, 32)) along dimension 0 over 2 ranks" in err
 
 
+def test_a_plan_that_splits_a_head_is_refused(tmp_path, capsys):
+    err = refused(tmp_path, "mine_odd_heads", capsys)
+    assert ("splits the 3 heads of layers.0.attn (16 wide, in layers.0.attn.q.weight of shape "
+            "(48, 48)) over 2 ranks") in err
+
+
 @pytest.mark.slow
 def test_a_rank_that_hangs_is_named_within_the_collective_timeout(tmp_path, capsys,
                                                                    monkeypatch):

@@ -216,9 +216,9 @@ def shard(subject: Subject, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
                          "tensor-parallel plan) from it, or run it in one process")
     returned = subject.guarded(lambda: plan(model, mesh), "its parallelize")
     sharded = returned if isinstance(returned, nn.Module) else model
-    uneven = uneven_shard(sharded)
-    if uneven:
-        raise UsageError(f"the plan of {subject.entry} {uneven}; choose a mesh or --nproc "
+    unfit = uneven_shard(sharded) or split_heads(sharded)
+    if unfit:
+        raise UsageError(f"the plan of {subject.entry} {unfit}; choose a mesh or --nproc "
                          "that divides it")
     return sharded
 
@@ -238,6 +238,29 @@ def uneven_shard(model: nn.Module) -> str | None:
                 if extent % ranks:
                     return (f"splits {name} (shape {tuple(param.shape)}) along dimension "
                             f"{placement.dim} over {ranks} ranks, which do not divide {extent}")
+    return None
+
+
+def split_heads(model: nn.Module) -> str | None:
+    """How the first attention module (one with a ``head_dim``) whose heads do not divide
+    among the ranks of a sharded dimension is split (a rank would hold part of a head), or
+    None."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for module_name, module in model.named_modules():
+        head_dim = getattr(module, "head_dim", None)
+        if not isinstance(head_dim, int) or head_dim < 1:
+            continue
+        for name, param in module.named_parameters():
+            if not isinstance(param, DTensor):
+                continue
+            for dim, placement in enumerate(param.placements):
+                extent = param.shape[placement.dim] if isinstance(placement, Shard) else 0
+                heads, ranks = extent // head_dim, param.device_mesh.size(dim)
+                if extent % head_dim == 0 and heads % ranks:
+                    return (f"splits the {heads} heads of {module_name} ({head_dim} wide, in "
+                            f"{module_name}.{name} of shape {tuple(param.shape)}) over "
+                            f"{ranks} ranks")
     return None
 
 
