@@ -27,6 +27,7 @@ from torchparity.golden.store import (
     GoldenStore,
     checksum,
     default_golden_dir,
+    machine_recorded,
     tensor_sha256,
 )
 from torchparity.reference import zoo
@@ -142,6 +143,7 @@ def test_shipped_goldens_are_complete_valid_and_small():
     for name in zoo.names():
         goldens = load_case(store, zoo.get(name))
         assert set(goldens) == set(OUTPUT_KINDS)
+        assert all(machine_recorded(golden.summary) for golden in goldens.values())
     zoo_files = [p for name in zoo.names() for output in OUTPUT_KINDS
                  for p in store.paths(name, output)]
     assert sum(p.stat().st_size for p in zoo_files) <= 5 * 2**20
@@ -162,6 +164,19 @@ def test_update_writes_goldens_that_verify_and_leaves_unchanged_files_alone(tmp_
     assert "logits unchanged" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in files} == stamps
     assert main(["golden", "verify", "mqa", "--golden-dir", str(tmp_path)]) == 0
+
+
+def test_update_records_the_machine_of_goldens_made_before_they_did(tmp_path, capsys):
+    assert main(["golden", "update", "mqa", "--golden-dir", str(tmp_path)]) == 0
+    summary_path = tmp_path / "mqa" / "loss.json"
+    summary = json.loads(summary_path.read_text())
+    here = summary["produced_by"].pop("cpu_capability")  # as goldens were once written
+    summary_path.write_text(json.dumps(summary))
+    assert main(["golden", "update", "mqa", "--golden-dir", str(tmp_path)]) == 0
+    assert "logits unchanged, hidden unchanged, loss machine recorded" in capsys.readouterr().out
+    rewritten = json.loads(summary_path.read_text())
+    assert rewritten["produced_by"]["cpu_capability"] == here
+    assert rewritten["tensors"] == summary["tensors"]  # the values' digests: the same values
 
 
 def test_show_prints_a_readable_summary(capsys):

@@ -196,6 +196,11 @@ def produced_by(device: str | torch.device = "cpu") -> dict[str, Any]:
             "python": platform.python_version(), **machine.describe(device)}
 
 
+def machine_recorded(summary: Mapping[str, Any]) -> bool:
+    """Whether a golden's summary names the machine that made it (see :func:`produced_by`)."""
+    return "cpu_capability" in (summary.get("produced_by") or {})
+
+
 def format_json(value: Any, indent: int = 0) -> str:
     """JSON for reviewers: small flat objects and lists of scalars on one line, the rest nested.
 
@@ -298,7 +303,8 @@ class GoldenStore:
     def update(self, case: str, output: str, tensors: Mapping[str, torch.Tensor | Sketch],
                meta: Mapping[str, Any]) -> str:
         """Write one golden unless it holds these values and metadata already; returns what
-        happened: ``created``, ``replaced`` (unreadable before), ``updated`` or ``unchanged``
+        happened: ``created``, ``replaced`` (unreadable before), ``updated``, ``machine
+        recorded`` (same values, made before goldens recorded their machine) or ``unchanged``
         (the files are left untouched, so a rerun on another machine does not churn them)."""
         status = self._update_status(case, output, tensors, meta)
         if status != "unchanged":
@@ -318,7 +324,11 @@ class GoldenStore:
                         == {n: stored_sha256(as_stored(n, t)) for n, t in tensors.items()})
         header = {"schema_version", "case", "output", "produced_by", "tensors"}
         same_meta = {k: v for k, v in old.summary.items() if k not in header} == dict(meta)
-        return "unchanged" if same_tensors and same_meta else "updated"
+        if not (same_tensors and same_meta):
+            return "updated"
+        # Goldens made before they recorded their machine are rewritten once, values as they
+        # are, so that a check elsewhere can name the machine that made them.
+        return "unchanged" if machine_recorded(old.summary) else "machine recorded"
 
     def write_obtained(self, case: str, output: str,
                        tensors: Mapping[str, torch.Tensor | Sketch]) -> Path:
