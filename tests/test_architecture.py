@@ -27,8 +27,8 @@ FLOORS = (
     ("wings", ("golden", "diagnosis", "train", "bench", "calibration", "revisions", "ci",
                "twins")),
     ("shared", ("comparison", "subject", "strategies")),
-    ("bottom", ("backends", "tolerance", "sketching", "memory", "machine", "dtypes", "errors",
-                "collector", "reference", "text", "threads")),
+    ("bottom", ("backends", "tolerance", "sketching", "digests", "memory", "machine", "dtypes",
+                "errors", "collector", "reference", "text", "threads")),
 )
 
 #: Circles that remain, each deleted with the change that removes it (the test fails until it

@@ -59,7 +59,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from torchparity import sketching
+from torchparity import digests, sketching
 from torchparity.diagnosis.capture import (
     ModuleCall,
     PatternSpec,
@@ -566,13 +566,8 @@ def _import(path: str) -> Any:
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """SHA-256 (first 16 hex digits) of a tensor's dtype, shape and bytes (of any dtype and
-    layout: a 0-dim, expanded or non-contiguous tensor is read as its values in order)."""
-    t = tensor.detach().cpu()
-    digest = hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode())
-    flat = t.reshape(-1).contiguous()  # a 0-dim tensor cannot be viewed as bytes, a 1-d can
-    digest.update(flat.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()[:16]
+    """SHA-256 (first 16 hex digits) of a tensor's dtype, shape and values."""
+    return digests.sha256(tensor, header=f"{tensor.dtype}{tuple(tensor.shape)}")[:16]
 
 
 def inputs_digest(inputs: Any) -> str:

@@ -33,7 +33,7 @@ import os
 import platform
 import re
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from filelock import FileLock
 
-from torchparity import machine, sketching
+from torchparity import digests, machine, sketching
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.sketching import Sketch
 
@@ -100,23 +100,9 @@ class Golden:
 # --- checksums and summaries ----------------------------------------------------------------
 
 
-def _tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Iterator[Any]:
-    """Raw little-endian bytes (the byte order of every platform torch runs on, and of the
-    safetensors format), so a digest depends on the values only, not on the torch version;
-    with ``dtype``, of the values converted to it. In chunks (buffers, not copies), so a
-    tensor of gigabytes never needs a second copy of itself."""
-    flat = tensor.detach().reshape(-1)
-    for start in range(0, max(flat.numel(), 1), sketching.CHUNK):
-        chunk = flat[start:start + sketching.CHUNK].to("cpu", dtype or flat.dtype).contiguous()
-        yield chunk.view(torch.uint8).numpy()
-
-
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's values: the same on every machine and torch version."""
-    digest = hashlib.sha256()
-    for chunk in _tensor_bytes(tensor):
-        digest.update(chunk)
-    return digest.hexdigest()
+    return digests.sha256(tensor)
 
 
 def checksum(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
@@ -133,8 +119,7 @@ def checksum(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = No
         target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
         header = f"{name}|{str(target).removeprefix('torch.')}|{list(tensor.shape)}|"
         digest.update(header.encode())
-        for chunk in _tensor_bytes(tensor, target):
-            digest.update(chunk)
+        digests.update(digest, tensor, target)
     return "sha256:" + digest.hexdigest()
 
 
@@ -174,8 +159,7 @@ def stored_sha256(value: torch.Tensor | Sketch) -> str:
         return tensor_sha256(value)
     digest = hashlib.sha256()
     for part in sketching.parts(value).values():
-        for chunk in _tensor_bytes(part):
-            digest.update(chunk)
+        digests.update(digest, part)
     return digest.hexdigest()
 
 
