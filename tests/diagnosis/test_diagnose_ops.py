@@ -304,6 +304,12 @@ def test_command_line_names_the_planted_line_in_80_columns(tmp_path, capsys) -> 
     table = out[out.index("op of decoder.layers.1.attn"):].splitlines()
     assert any(planted_line(plants.AttentionScale) in line for line in table)  # never cut
     assert all(len(line) <= 80 for line in table), out
+    # under the module's row, closed by the one sentence, which is said there only
+    above = out[:out.index("op of decoder.layers.1.attn")].splitlines()
+    assert above[-2].endswith(" decoder.layers.1.attn"), out
+    assert out.count("It enters at aten::") == 1
+    sentence = next(i for i, line in enumerate(table) if "It enters at aten::" in line)
+    assert any(line.endswith(" decoder.layers.1.mlp_norm") for line in table[sentence:])
 
 
 @pytest.fixture(scope="module")

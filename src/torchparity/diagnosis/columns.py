@@ -19,12 +19,14 @@ _GAP = "  "
 @dataclass(frozen=True)
 class Line:
     """One row of the table: its cells, the text of its last column (a module name), how deep
-    the module is, and a rich style (None: plain)."""
+    the module is, a rich style (None: plain) and laid-out lines printed under it (a module's
+    op table)."""
 
     cells: list[str]
     name: str
     depth: int = 0
     style: str | None = None
+    below: tuple[tuple[str, str | None], ...] = ()
 
 
 def layout(heads: list[str], lines: list[Line], width: int, right: int = 1
@@ -40,9 +42,10 @@ def layout(heads: list[str], lines: list[Line], width: int, right: int = 1
         return " " + _GAP.join(aligned) + _GAP
 
     out = [(prefix(heads[:-1]) + heads[-1], None)]
-    body = [(text, line.style) for line in lines
-            for text in wrapped(prefix(line.cells), line.name, line.depth, width)]
-    rule = min(width, max(len(text) for text, _ in [*out, *body])) - 1
+    rows = [[(text, line.style) for text in wrapped(prefix(line.cells), line.name, line.depth,
+                                                    width)] for line in lines]
+    rule = min(width, max(len(text) for text, _ in [*out, *(t for r in rows for t in r)])) - 1
+    body = [text for line, row in zip(lines, rows, strict=True) for text in [*row, *line.below]]
     return [*out, (" " + "─" * rule, None), *body]
 
 

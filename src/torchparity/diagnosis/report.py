@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,8 +122,9 @@ class DiagnosisReport(Report):
         structure differences; the final verdict; the precision the comparison ran in."""
         return " ".join(self.findings())
 
-    def findings(self) -> list[str]:
-        """The sentences of :meth:`summary`, one finding each."""
+    def findings(self, ops: bool = True) -> list[str]:
+        """The sentences of :meth:`summary`, one finding each; without ``ops`` the op
+        drill-downs' (the terminal prints them under their module's row)."""
         parts = []
         first = self.first_divergence
         if first is None:
@@ -134,13 +136,13 @@ class DiagnosisReport(Report):
                          f"{what}.")
             if first.entry is not None:
                 parts.append(f"It enters at {first.entry}.")
-            if first.ops is not None:
+            if first.ops is not None and ops:
                 parts.append(first.ops.sentence())
         if self.meta.get("backward"):
             grad = self.first_grad_divergence
             parts.append("No gradient diverges locally." if grad is None else
                          f"First gradient divergence: {module_label(grad.module)}.")
-            if grad is not None and grad.grad_ops is not None:
+            if grad is not None and grad.grad_ops is not None and ops:
                 parts.append(f"In its backward pass: {grad.grad_ops.sentence()}")
         structural = self.structure_only
         if structural:
@@ -229,12 +231,8 @@ class DiagnosisReport(Report):
 
         console = console or Console()
         lines = self._lines(fold)
-        console.print(self.summary(), markup=False, highlight=False)
+        console.print(" ".join(self.findings(ops=False)), markup=False, highlight=False)
         print_lines(console, self.table_lines(console.width, fold=fold))
-        for row in self.rows:
-            for ops in (row.ops, row.grad_ops):
-                if ops is not None:
-                    print_lines(console, ops.table_lines(console.width))
         shown = {line for line in lines if isinstance(line, int)}
         for line in self._footer(shown if len(shown) < len(self.rows) else None):
             console.print(line, markup=False, highlight=False)
@@ -248,7 +246,7 @@ class DiagnosisReport(Report):
         rows shows the rows that matter (first divergences, where one enters, modules whose
         local error diverged, structure differences, and their neighbours) and folds runs of
         layers alike into one line, with the worst cell of each column; JSON and HTML keep
-        every row."""
+        every row. Under a row drilled down to its ops: the op table and where it enters."""
         backward = bool(self.meta.get("backward"))
         heads = ["#", "local", "prop."] + (["grad l.", "grad p."] if backward else [])
         first, grad = self.first_divergence, self.first_grad_divergence
@@ -266,7 +264,7 @@ class DiagnosisReport(Report):
                 name += " (structure differs)"
             style = "bold red" if r is first or r is grad else (
                 "dim" if r.local is not None and r.local.verdict == "identical" else None)
-            rows.append(Line(cells, name, r.depth, style))
+            rows.append(Line(cells, name, r.depth, style, _ops_lines(r, width)))
         return layout([*heads, "module (B)"], rows, width)
 
     def _lines(self, fold: bool) -> list[int | Fold]:
@@ -465,3 +463,16 @@ def _divergence(row: Row | None, ops: str) -> dict[str, Any] | None:
         return None
     drilled = getattr(row, ops)
     return {"module": row.module, "op": drilled.to_dict() if drilled else None}
+
+
+def _ops_lines(row: Row, width: int) -> tuple[tuple[str, str | None], ...]:
+    """The op tables of a row drilled down (forward, backward), each closed by its sentence
+    wrapped at spaces (a path is never cut)."""
+    lines = []
+    for ops, lead in ((row.ops, ""), (row.grad_ops, "In its backward pass: ")):
+        if ops is not None:
+            lines += ops.table_lines(width)
+            lines += [(f" {text}", "bold") for text in textwrap.wrap(
+                lead + ops.sentence(), width - 1, break_long_words=False,
+                break_on_hyphens=False)]
+    return tuple(lines)
