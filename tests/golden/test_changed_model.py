@@ -131,3 +131,19 @@ def test_a_changed_zoo_case_judges_its_cells_against_its_own_float64(tmp_path, m
     assert "The other cells are judged against this revision's own float64 outputs" in out
     assert ("llama-tiny fp32 decode: against the stored goldens only (it follows their "
             "tokens), with a budget earned by a baseline that carries the model's change") in out
+
+
+def test_a_reference_failure_the_other_cells_do_not_judge_leaves_their_goldens_alone():
+    """Only the cached decoding diverged (a self-check of the reference cell): the other
+    cells' outputs matched in float64, so nothing says their budgets grew."""
+    from torchparity.golden.cells import CheckResult
+    from torchparity.golden.report import reference_lines
+
+    rows = [CheckResult("m", "manual", "fp64", "cpu", "decode-cache", "forward", "diverged",
+                        10.0, ok=False),
+            CheckResult("m", "sdpa", "fp32", "cpu", "outputs", "forward", "within", 0.2,
+                        ok=True)]
+    [line] = reference_lines(rows)
+    assert line.startswith("The model's outputs changed: m's reference fp64 cpu cell")
+    assert line.endswith("The other cells are judged against the stored goldens as usual: "
+                         "none of the outputs they judge diverged in float64.")

@@ -183,9 +183,8 @@ def reference_lines(results: list[CheckResult]) -> list[str]:
             + (f"The other cells are judged against {OWN_FLOAT64} outputs, so a backend or "
                "dtype problem still shows; their verdicts against the stored goldens follow "
                "the table." if case in both else
-               "The other cells are judged against the same goldens, with budgets earned by "
-               "this revision's baselines, which carry the change: wider than their cells "
-               "normally allow (the Sensitivity line says how wide).")
+               "The other cells are judged against the stored goldens as usual: none of "
+               "the outputs they judge diverged in float64.")
             for case, outputs in failed.items()]
 
 
