@@ -2,7 +2,9 @@
 
 ``diagnose`` in one process (full capture and streaming) against a plain forward+backward of
 both models, the same with a divergence planted in B (a norm's epsilon: the op drill-down
-runs), and ``diagnose --against`` a recorded trace against a plain forward+backward of B:
+runs) and with a gradient-only one (a norm's gradient scaled, its outputs the same: the
+drill-down of the backward pass runs), and ``diagnose --against`` a recorded trace against a
+plain forward+backward of B:
 in time (the median of interleaved rounds, :mod:`~torchparity.bench.rounds`), in peak memory,
 and by stage (:mod:`~torchparity.bench.stages`). On the first case at the first size, in the
 first dtype, ``manual`` against ``sdpa`` attention; its cost follows module count and tensor
@@ -62,6 +64,8 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
 
     planted = copy.deepcopy(model_a)
     planted.decoder.layers[0].attn_norm.eps *= 1000  # a divergence: the drill-down runs
+    planted_grad = copy.deepcopy(model_a)
+    _scale_gradient(planted_grad.decoder.layers[0].mlp_norm)
 
     def diagnosis(name: str, stream: bool, b: torch.nn.Module = model_b
                   ) -> Callable[[], None]:
@@ -79,7 +83,9 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
 
     contenders = {"plain": plain(model_a, model_b), "diagnose": diagnosis("diagnose", False),
                   "stream": diagnosis("stream", True),
-                  "planted": diagnosis("planted", False, planted), "plain_b": plain(model_b),
+                  "planted": diagnosis("planted", False, planted),
+                  "planted_grad": diagnosis("planted_grad", False, planted_grad),
+                  "plain_b": plain(model_b),
                   "against": against}
     progress.start("diagnose", len(contenders) * (1 + settings.warmup + settings.rounds))
     try:
@@ -100,11 +106,25 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
     for name in contenders:
         row[f"{name}_s"] = statistics.median(times[name])
         row[f"{name}_peak_bytes"] = peaks[name]
-    for name in ("diagnose", "stream", "planted"):
+    for name in ("diagnose", "stream", "planted", "planted_grad"):
         row[f"{name}_time_ratio"] = 1 / paired_ratio(times["plain"], times[name])
         row[f"{name}_peak_ratio"] = peaks[name] / peaks["plain"]
     row["against_time_ratio"] = 1 / paired_ratio(times["plain_b"], times["against"])
-    for name in ("diagnose", "stream", "planted", "against"):
+    for name in ("diagnose", "stream", "planted", "planted_grad", "against"):
         plain_s = row["plain_b_s" if name == "against" else "plain_s"]
         row[f"{name}_split"] = per_plain(stage_seconds(timed[name], times[name][-1]), plain_s)
+    # the drill-down against one plain forward+backward of the model (B's), not of both
+    row["drill_down_ratio"] = max(row[f"{name}_split"]["op drill-down"] for name in
+                                  ("planted", "planted_grad")) * row["plain_s"] / row["plain_b_s"]
     return row
+
+
+def _scale_gradient(module: torch.nn.Module) -> None:
+    """``module`` made to compute the same outputs with a gradient 1% larger: a change only
+    a backward pass shows."""
+    class GradientScaled(type(module)):
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().forward(*args, **kwargs)
+            return out + 0.01 * (out - out.detach())  # the same values, 1.01 × the gradient
+
+    module.__class__ = GradientScaled

@@ -147,6 +147,8 @@ def _diagnose_split(rows: list[dict[str, Any]], decode_rows: list[dict[str, Any]
                   for r in rows if r.get("status") == "ok"
                   for capture, key in (("full", "diagnose"), ("streaming", "stream"),
                                        ("full, a divergence planted in B", "planted"),
+                                       ("full, a gradient-only divergence planted in B",
+                                        "planted_grad"),
                                        ("--against (× plain B)", "against"))
                   if f"{key}_split" in r]
     # A decoding's record of A (its runs with every step captured) counts as runs.

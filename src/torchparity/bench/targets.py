@@ -8,6 +8,8 @@ TARGETS = {
     "diagnose_time": ("diagnose time / plain fwd+bwd of both models", "<=", 3.0),
     "against_time": ("diagnose --against time / plain fwd+bwd of B", "<=", 2.5),
     "stream_peak": ("streaming diagnose peak memory / plain run's", "<=", 2.5),
+    "drill_down_time": ("op drill-down time (forward, or backward for a gradient-only change) "
+                        "/ plain fwd+bwd of the model", "<=", 1.0),
     "decode_time": ("record + diagnose of 16 decoding steps / two plain 16-step decodings",
                     "<=", 4.0),
     "check_wall": ("`torchparity check` wall time (s)", "<=", 15.0),
@@ -26,6 +28,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_target("diagnose_time", where, row.get("diagnose_time_ratio"), row))
         out.append(_target("against_time", where, row.get("against_time_ratio"), row))
         out.append(_target("stream_peak", where, row.get("stream_peak_ratio"), row))
+        out.append(_target("drill_down_time", where, row.get("drill_down_ratio"), row))
     for row in result["decode"]:
         out.append(_target("decode_time", _where(row), row.get("decode_time_ratio"), row))
     for row in result["check"]:
