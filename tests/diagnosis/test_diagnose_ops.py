@@ -105,6 +105,39 @@ def test_legitimate_change_has_no_divergent_op(twin: type, module: str) -> None:
         assert "only in B" in one_sided and "only in A" in one_sided
 
 
+@pytest.mark.parametrize("plant, module", [
+    (plants.LayerNormEps, "decoder.layers.0.attn_norm"),
+    (plants.FusedProjection, "decoder.layers.0.attn")])
+def test_big_op_outputs_are_kept_as_sketches_and_judged_from_them(monkeypatch, plant: type,
+                                                                  module: str) -> None:
+    """Op outputs as large as a layer's hidden states are kept as sketches: the planted eps
+    is still named at its line, from the sketch of its output, and a fused projection still
+    yields no divergent op."""
+    from torchparity.diagnosis.ops import capture
+    from torchparity.sketching import Sketch
+
+    model_a, batch = model_and_batch("rotary-interleaved")
+    hidden = model_a.decoder.layers[0].attn_norm.weight.numel() * batch["input_ids"].numel()
+    monkeypatch.setattr(capture, "wants_sketch",
+                        lambda t: t.is_floating_point() and t.numel() >= hidden)
+    model_b = copy.deepcopy(model_a)
+    model_b.get_submodule(module).__class__ = plant
+    report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, backward=False,
+                         ops=module)
+    ops = report.row(module).ops
+    sketched = [line for line in ops.lines if line.pair.b is not None and
+                any(isinstance(t, Sketch) for t in line.pair.b.outputs.values())]
+    assert sketched, report.render()
+    if plant is plants.FusedProjection:
+        assert ops.answer is None, ops.sentence()
+        return
+    answer = ops.answer
+    assert answer is not None and answer in sketched, report.render()
+    assert planted_line(plant) in [str(frame) for frame in answer.pair.b.stack]
+    notes = [note for t in answer.local.tensors for note in t.notes]
+    assert not answer.local.ok and any(note.startswith("sketched") for note in notes), notes
+
+
 def test_nothing_diverges_nothing_drilled() -> None:
     model_a, batch = model_and_batch("llama-tiny")
     report = tp.diagnose(model_a, copy.deepcopy(model_a), batch, loss_fn=sequence_loss,

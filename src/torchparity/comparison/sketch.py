@@ -53,13 +53,15 @@ def compare_sketch(
     golden: torch.Tensor | Sketch,
     baseline: torch.Tensor | Sketch | None,
     settings: Settings,
+    input_noise: float | None = None,
 ) -> TensorComparison:
     """One tensor's comparison under ``settings`` when any of the three is sketched (see the
     module docstring); a degraded baseline (``settings.islands`` as for
     :func:`~torchparity.comparison.tensor.compare_tensor`) sets no budget;
     the :class:`TensorComparison` has the RMS estimate as its error and the slices' max-abs,
     relative and ULP errors and worst element. Raises :class:`StructureMismatch` when two
-    sketches were made with other buckets."""
+    sketches were made with other buckets. ``input_noise`` joins the noise of the budget and
+    of the slices' as for :func:`~torchparity.comparison.tensor.compare_tensor`."""
     reference = next(v for v in (golden, candidate, baseline) if isinstance(v, Sketch))
     try:
         g, c = sketching.like(reference, golden), sketching.like(reference, candidate)
@@ -97,14 +99,14 @@ def compare_sketch(
         compute_dtype=precision.name, kind=kind, reduction_length=length, step=settings.step,
         group_scale=settings.group_scale, group_noise=settings.group_noise,
         inherited=settings.inherited, atol=settings.atol, rtol=settings.rtol, metric="rms",
-        islands=settings.islands)
+        islands=settings.islands, input_noise=input_noise if b is not None else None)
     if spent.noise_source == "baseline error":
         spent = dataclasses.replace(
             spent, noise_source=f"baseline error (sketched, × {margin:.3g} for its spread)")
     slices = compare_tensor(
         path, c.slices, g.slices, None if b is None else b.slices,
         dataclasses.replace(settings, compute_dtype=precision.name, reduction_length=length,
-                            inherited=0.0))
+                            inherited=0.0), input_noise=input_noise if b is not None else None)
     notes += [f"slices: {note}" for note in slices.notes]
     faults = c.nonfinite != g.nonfinite
     if faults:

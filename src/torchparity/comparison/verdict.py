@@ -359,7 +359,7 @@ def compare(
         tensor_settings = settings_of(path, group_scale=scales.get(path),
                                       group_noise=noises.get(path), inherited=inherited)
         if involves_sketch(c, g, b):
-            return _compare_sketched(path, c, g, b, tensor_settings, left_out[path])
+            return _compare_sketched(path, c, g, b, tensor_settings, left_out[path], noise)
         return compare_tensor(path, c, g, b, tensor_settings, spread=spreads[path],
                               input_noise=noise, left_out=left_out[path])
 
@@ -406,15 +406,16 @@ def _judged(tensor: Any, left_out: LeftOut | None) -> Any:
 
 
 def _compare_sketched(path: str, candidate: Any, golden: Any, baseline: Any,
-                      settings: Settings, left_out: LeftOut | None) -> TensorComparison:
+                      settings: Settings, left_out: LeftOut | None,
+                      noise: float | None = None) -> TensorComparison:
     """A comparison with a sketch on some side. A sketch of a padded tensor was made with its
     padded positions at 0 (:func:`~torchparity.sketching.masked`): the exact sides are
     masked alike, so those positions add nothing to the error, the baseline's or the scale."""
     if left_out is None:
-        return compare_sketch(path, candidate, golden, baseline, settings)
+        return compare_sketch(path, candidate, golden, baseline, settings, noise)
     sides = [v if v is None or isinstance(v, Sketch) else sketching.masked(v, left_out.mask)
              for v in (candidate, golden, baseline)]
-    result = compare_sketch(path, *sides, settings)
+    result = compare_sketch(path, *sides, settings, noise)
     return dataclasses.replace(result, left_out=left_out.positions, positions=left_out.total,
                                left_out_reason=left_out.reason)
 

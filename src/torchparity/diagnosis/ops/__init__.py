@@ -19,6 +19,7 @@ import copy
 import torch
 from torch import nn
 
+from torchparity.comparison.selection import PaddingSpec
 from torchparity.diagnosis.align import Match
 from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.ops.align import align_steps
@@ -71,6 +72,7 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
     else:
         side = a_side(reference, a_call, model_a, opts, backward)
     module_b = dict(model_b.named_modules())[b_call.name]
+    padding = module_padding(reference.padding, a_call.name)
 
     def b_steps_on(fit: bool) -> list[Step]:
         # each replay its own copy of the inputs: a replay writes into a cache handed to it
@@ -79,7 +81,7 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
                                          fit=fit), module_b)
         with reference.on_recorded_state(a_call, module_b, b_call.name, changing), \
                 backend_context(opts.backend_b), seeded():
-            return _capture(module_b, args_b, kwargs_b, grad_out, backward)
+            return _capture(module_b, args_b, kwargs_b, grad_out, backward, padding)
 
     try:
         b_steps, fits = fitting_masks(b_steps_on, reference.store.get_inputs(a_call.key),
@@ -87,7 +89,6 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
     except ReplayUnavailable as exc:
         return f"no op drill-down: B's module is not replayable: {exc}"
     pairs = align_steps(side.steps, b_steps)
-    padding = module_padding(reference.padding, a_call.name)
     lines, first = judge_ops(pairs, side.golden, padding, module_diverged=diverged)
     if first is not None:  # before an op is called the change: is it run-to-run noise?
         spreads = run_to_run_spreads(b_steps, b_steps_on(bool(fits)))
@@ -105,12 +106,13 @@ def a_side(reference: Reference, a_call: ModuleCall, model_a: nn.Module, opts: O
     given the golden op's output on its own inputs."""
     grad_out = reference.store.get(a_call.key, "grad_out") if backward else {}
     module_a = dict(model_a.named_modules())[a_call.name]
+    padding = module_padding(reference.padding, a_call.name)
     states = states_within(reference.states, a_call.name, a_call.clock)
     args_a, kwargs_a = placed(reference.store.get_inputs(a_call.key), a_call)
     with replaying(module_a, states, placed_on), backend_context(opts.backend_a), seeded():
-        steps = _capture(module_a, args_a, kwargs_a, grad_out, backward)
+        steps = _capture(module_a, args_a, kwargs_a, grad_out, backward, padding)
     inputs = (*placed(reference.store.get_inputs(a_call.key), a_call), grad_out)
-    golden, notes = _golden_steps(module_a, states, inputs, opts, backward)
+    golden, notes = _golden_steps(module_a, states, inputs, opts, backward, padding)
     partners = {p.a.index: p.b for p in align_steps(steps, golden)
                 if p.a is not None and p.b is not None}
     for step in steps:
@@ -127,15 +129,15 @@ def judged_streams(module: str, a_steps: list[Step], b_steps: list[Step]) -> OpR
 
 
 def _capture(module: nn.Module, args: tuple, kwargs: dict, grads: dict[str, torch.Tensor],
-             backward: bool) -> list[Step]:
+             backward: bool, padding: PaddingSpec) -> list[Step]:
     if backward:
-        return capture_backward(module, args, kwargs, grads)
-    return capture_steps(module, args, kwargs)
+        return capture_backward(module, args, kwargs, grads, padding)
+    return capture_steps(module, args, kwargs, padding=padding)
 
 
 def _golden_steps(module: nn.Module, states: dict[str, OwnState],
-                  inputs: tuple[tuple, dict, dict], opts: Options, backward: bool
-                  ) -> tuple[list[Step], list[str]]:
+                  inputs: tuple[tuple, dict, dict], opts: Options, backward: bool,
+                  padding: PaddingSpec) -> tuple[list[Step], list[str]]:
     """The steps of a float64 copy of A's module on the same inputs (and output gradient),
     on the recorded ``states``, a cache handed to it cast too; none (A's own op outputs serve
     as the golden, with the analytic budget) when it cannot be copied."""
@@ -147,4 +149,4 @@ def _golden_steps(module: nn.Module, states: dict[str, OwnState],
     args, kwargs, grads = golden_inputs(inputs)
     with replaying(golden, states, lambda t, m: in_golden_dtype(t)), \
             backend_context(opts.backend_a), seeded():
-        return _capture(golden, args, kwargs, grads, backward), []
+        return _capture(golden, args, kwargs, grads, backward, padding), []

@@ -156,7 +156,9 @@ def _close(x: Step, y: Step) -> bool:
     """Whether the outputs are nearly the same values: evidence of one computation, not a
     verdict (that is the tolerance model's)."""
     for left, right in zip(x.outputs.values(), y.outputs.values(), strict=False):
-        if isinstance(left, Sketch):  # A's output as a trace keeps a big one
+        if isinstance(right, Sketch):
+            left, right = right, left
+        if isinstance(left, Sketch):  # a big output, kept as its sketch
             right = sketching.like(left, right)
             if sketching.error_estimate(left, right) > SAME_VALUES_SHARE * (left.rms + right.rms):
                 return False

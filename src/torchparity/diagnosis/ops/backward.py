@@ -12,6 +12,7 @@ import warnings
 import torch
 from torch import nn
 
+from torchparity.comparison.selection import PaddingSpec
 from torchparity.diagnosis.ops.capture import Step, _Recorder, copied
 from torchparity.subject.trees import flatten_tensors
 
@@ -19,7 +20,8 @@ __all__ = ["capture_backward"]
 
 
 def capture_backward(module: nn.Module, args: tuple, kwargs: dict,
-                     grad_out: dict[str, torch.Tensor]) -> list[Step]:
+                     grad_out: dict[str, torch.Tensor], padding: PaddingSpec = None
+                     ) -> list[Step]:
     """The ops of ``module``'s backward from ``grad_out`` (gradients by output path), its
     floating inputs made leaves that require grad; [] when no output takes a gradient."""
     args, kwargs = copied((args, kwargs))  # the recorded inputs stay as they were
@@ -35,7 +37,7 @@ def capture_backward(module: nn.Module, args: tuple, kwargs: dict,
     targets = leaves + [p for p in module.parameters() if p.requires_grad]
     if not targets:
         return []
-    recorder = _Recorder(nn.Module(), None, backward=True)
+    recorder = _Recorder(nn.Module(), None, backward=True, padding=padding)
     with recorder:  # autograd.grad: the module's own .grad stays as it was
         torch.autograd.grad([o for o, _ in seeds], targets, [g for _, g in seeds],
                             allow_unused=True)

@@ -6,9 +6,12 @@ autograd under its aten name, whatever Python spelled it (``x * y``, ``torch.mul
 names, and in-place writes into a buffer (a cache slot) are operations too, which a
 ``__torch_function__`` mode would see only as ``__setitem__``. A call of a child module is one
 step of the stream, judged as the child: the ops inside it are its own diagnosis's business.
-Each step keeps its inputs as they were when it ran (copies: an in-place op changes them), its
-outputs, which earlier step made each input (the dataflow the alignment follows) and where in
-the user's code it ran (frames outside torch and torchparity, innermost first).
+Each step keeps its inputs as they were when it ran (copies: an in-place op changes them;
+a local error replays the op on them), its outputs (a floating output past the sketching
+threshold as its :class:`~torchparity.sketching.Sketch`, seeded by its place among the step's
+outputs so that every side's sketches compare), which earlier step made each input (the
+dataflow the alignment follows) and where in the user's code it ran (frames outside torch and
+torchparity, innermost first).
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from torchparity import sketching
+from torchparity.comparison.selection import PaddingSpec, left_out_of
+from torchparity.sketching import Sketch, wants_sketch
 
 __all__ = ["Frame", "Step", "capture_steps", "capturing_first_call"]
 
@@ -63,7 +70,7 @@ class Step:
     args: tuple = field(repr=False)
     kwargs: dict = field(repr=False)
     # "out.0", ...; "base.0": the buffer an op wrote into through a view
-    outputs: dict[str, torch.Tensor] = field(repr=False)
+    outputs: dict[str, torch.Tensor | Sketch] = field(repr=False)
     producers: tuple[int | None, ...]  # per tensor input, the step that made it (None: given)
     stack: tuple[Frame, ...]
     scalars: dict[str, Any] = field(default_factory=dict)  # non-tensor arguments by name
@@ -95,11 +102,13 @@ class Step:
                 tuple((tuple(t.shape), t.dtype) for t in self.outputs.values()))
 
 
-def capture_steps(module: nn.Module, args: tuple, kwargs: dict, *, children: bool = True
-                  ) -> list[Step]:
+def capture_steps(module: nn.Module, args: tuple, kwargs: dict, *, children: bool = True,
+                  padding: PaddingSpec = None) -> list[Step]:
     """Run ``module(*args, **kwargs)`` without gradients and return the steps its own code ran
-    (``children=False``: every op at any depth, no child module a step of its own)."""
-    recorder = _Recorder(module if children else nn.Module(), sys._getframe())
+    (``children=False``: every op at any depth, no child module a step of its own;
+    ``padding``: the positions the judgement leaves out, zeros in a sketched output)."""
+    recorder = _Recorder(module if children else nn.Module(), sys._getframe(),
+                         padding=padding)
     with torch.no_grad(), recorder:
         try:
             output = module(*args, **kwargs)
@@ -147,9 +156,9 @@ def copied(value: Any) -> Any:
 
 class _Recorder(TorchDispatchMode):
     def __init__(self, module: nn.Module, anchor: FrameType | None, *,
-                 backward: bool = False) -> None:
+                 backward: bool = False, padding: PaddingSpec = None) -> None:
         super().__init__()
-        self.anchor, self.backward = anchor, backward
+        self.anchor, self.backward, self.padding = anchor, backward, padding
         self.steps: list[Step] = []
         self.made: dict[int, int] = {}  # id of a tensor -> the step that made or last wrote it
         self.alive: list[torch.Tensor] = []  # keeps the ids above unique during the call
@@ -204,13 +213,24 @@ class _Recorder(TorchDispatchMode):
              written: list[torch.Tensor] = ()) -> None:
         index = len(self.steps)
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
-        outputs = {f"out.{i}": t.detach().clone() for i, t in enumerate(outs)}
-        outputs.update({f"base.{i}": t.detach().clone() for i, t in enumerate(written)})
+        outputs = {f"out.{i}": t for i, t in enumerate(outs)}
+        outputs.update({f"base.{i}": t for i, t in enumerate(written)})
+        outputs = {path: self._kept(path, t) for path, t in outputs.items()}
         for t in [*outs, *written]:
             self.made[id(t)] = index
             self.alive.append(t)
         self.steps.append(Step(index, name, kind, call, args, kwargs, outputs, producers,
                                stack, scalars))
+
+    def _kept(self, path: str, tensor: torch.Tensor) -> torch.Tensor | Sketch:
+        """An output as a step keeps it: a copy, or past the threshold a sketch seeded by its
+        path (the same in A's, B's and the golden's steps: their sketches compare), made with
+        the positions the judgement leaves out at zero, as judging expects."""
+        if not wants_sketch(tensor):
+            return tensor.detach().clone()
+        left_out = left_out_of(self.padding, path, tensor)
+        return sketching.sketch(sketching.masked(tensor.detach(), left_out and left_out.mask),
+                                path)
 
     def _producers(self, value: Any) -> tuple[int | None, ...]:
         """For each tensor in ``value``, the step that made it (or wrote the buffer it views)."""

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchparity import tolerance
+from torchparity import sketching, tolerance
 from torchparity.diagnosis.ops.capture import Step, capture_steps
+from torchparity.sketching import Sketch
 from torchparity.subject.running import Inputs
 from torchparity.threads import torch_threads
 
@@ -116,9 +117,15 @@ def run_to_run_spreads(first: list[Step], again: list[Step]) -> dict[int, float]
     return spreads
 
 
-def _spread(x: torch.Tensor, y: torch.Tensor, metric: tolerance.Metric) -> float:
+def _spread(x: torch.Tensor | Sketch, y: torch.Tensor | Sketch, metric: tolerance.Metric
+            ) -> float:
     if x.shape != y.shape or not x.is_floating_point():
         return 0.0
+    if isinstance(x, Sketch) or isinstance(y, Sketch):  # big: as its sketch is judged
+        sketched = x if isinstance(x, Sketch) else y
+        x, y = sketching.like(sketched, x), sketching.like(sketched, y)
+        slices = tolerance.error(x.slices, y.slices, "max_abs") if x.slices.numel() else 0.0
+        return max(sketching.error_estimate(x, y), slices)
     usable = x.isfinite() & y.isfinite()
     return tolerance.error(x[usable], y[usable], metric)
 
@@ -127,7 +134,10 @@ def _uninitialised(step: Step) -> bool:
     return "empty" in step.op
 
 
-def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+def _equal(x: torch.Tensor | Sketch, y: torch.Tensor | Sketch) -> bool:
+    if isinstance(x, Sketch) or isinstance(y, Sketch):  # a big output: its sketch
+        sketched = x if isinstance(x, Sketch) else y
+        return sketching.like(sketched, x).same_values(sketching.like(sketched, y))
     return x.shape == y.shape and x.dtype == y.dtype and bool(
         torch.equal(x, y) or (x.is_floating_point() and torch.equal(x.isnan(), y.isnan())
                               and torch.equal(x.nan_to_num(), y.nan_to_num())))
