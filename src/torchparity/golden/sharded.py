@@ -44,6 +44,7 @@ from torchparity.golden.store import GoldenStore
 from torchparity.golden.user_models import model_checksums, write_goldens
 from torchparity.sketching import kept
 from torchparity.subject import Subject, hf, launcher, sharded
+from torchparity.subject.blockwise import stream_grads
 from torchparity.subject.factory import first_line
 from torchparity.subject.trees import map_tensors
 
@@ -101,13 +102,14 @@ def active() -> bool:
 
 
 def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
-                perturb: bool = False) -> Run:
+                perturb: bool = False, last: bool = False) -> Run:
     """``subject`` run in ``cell`` by every rank: a copy in the cell's dtype (its weights
-    moved by one float64 rounding with ``perturb``), sharded by the factory's plan; outputs
-    and gradients gathered one by one and kept."""
+    moved by one float64 rounding with ``perturb``), sharded by the factory's plan, or, when
+    it is the ``last`` run, the factory's sharded model itself converted; outputs and
+    gradients gathered one by one as the backward completes each, and kept."""
     run_name = f"the {cell.label} run" + (" (perturbed)" if perturb else "")
     try:
-        return _run_sharded(subject, cell, loss_paths, perturb, run_name)
+        return _run_sharded(subject, cell, loss_paths, run_name, perturb=perturb, last=last)
     except Exception as exc:
         if not sharded.collective_failed(exc):
             raise
@@ -116,18 +118,19 @@ def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
             f"({sharded.where_others_are()}): {first_line(exc.__cause__ or exc)}") from exc
 
 
-def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, perturb: bool,
-                 run_name: str) -> Run:
+def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run_name: str,
+                 *, perturb: bool, last: bool) -> Run:
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
     sharded.mark(f"the sharding of {run_name} (the factory's plan)")
     model, inputs = sharded.placed(subject, cell.device, DTYPES[cell.dtype], attention,
-                                   perturbation if perturb else None)
+                                   perturbation if perturb else None, reuse=last)
     sharded.mark(f"the forward and backward of {run_name}")
 
     def gathered_grads(loss: torch.Tensor) -> dict[str, Any]:
-        loss.backward()
-        return {name: kept(name, sharded.whole(param.grad))
-                for name, param in model.named_parameters() if param.grad is not None}
+        grads: dict[str, Any] = {}
+        stream_grads(model, loss, lambda name, grad: grads.__setitem__(
+            name, kept(name, sharded.whole(grad))), unused=False)
+        return {name: grads[name] for name, _ in model.named_parameters() if name in grads}
 
     try:  # every rank meets the same unavailable backend, before any collective
         with attention_backend(cell.backend) as intercepted, matmul_precision(cell.dtype):
@@ -191,7 +194,7 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
     subject = dataclasses.replace(subject, decoding=False)
     checksums = model_checksums(subject)  # of the whole model, before its plan shards it
     sharded.together("the float64 golden run")
-    run = run_sharded(subject, REFERENCE, None)
+    run = run_sharded(subject, REFERENCE, None, last=True)
     statuses = [write_goldens(subject, store, run=run, checksums=checksums)
                 if sharded.rank() == 0 else None]
     dist.broadcast_object_list(statuses, src=0)

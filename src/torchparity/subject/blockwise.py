@@ -302,7 +302,8 @@ def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
     gradient to ``on_grad(name, grad)`` as soon as it is complete, then drop it: at most the
     gradients in flight are held, never all of them. Every parameter that requires a gradient
     is handed over once (zeros for one the loss does not reach, unless ``unused`` is False);
-    ``.grad`` is as before."""
+    one whose ``.grad`` the model's own hooks set, bypassing accumulation (FSDP2's sharded
+    parameters), after the backward. ``.grad`` is as before."""
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     names = {id(p): name for name, p in params.items()}
     saved = {name: p.grad for name, p in params.items()}
@@ -322,6 +323,9 @@ def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
     try:
         if loss.requires_grad:
             loss.backward()
+        for name, p in params.items():  # set by the model's own hooks (FSDP2's reduce-scatter)
+            if name not in done and p.grad is not None:
+                complete(p)
     finally:
         for handle in handles:
             handle.remove()

@@ -174,11 +174,16 @@ def _loopback_interface() -> str | None:
 
 
 def _worker_env(errors: Path) -> dict[str, str]:
-    """The workers' environment: this package importable, loopback only, one thread each."""
+    """The workers' environment: this package importable, loopback only, one thread each, big
+    tensors' memory returned to the system when freed."""
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
+    # Every tensor of 64 KiB or more gets pages of its own, returned when it is freed: glibc's
+    # threshold otherwise rises with the first big tensor freed, and the whole model a rank
+    # frees when its plan shards it stays in the rank's heap.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 16))
     env["PYTHONUNBUFFERED"] = "1"
     env[_ERROR_DIR] = str(errors)
     loopback = _loopback_interface()

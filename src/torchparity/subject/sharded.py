@@ -291,19 +291,25 @@ Perturb = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
-           attention: str = hf.SDPA, perturb: Perturb | None = None) -> tuple[nn.Module, Any]:
+           attention: str = hf.SDPA, perturb: Perturb | None = None, *, reuse: bool = False
+           ) -> tuple[nn.Module, Any]:
     """A copy of the model in ``dtype`` on ``device``, sharded by the factory's plan, in eval
     mode (a ``transformers`` model on its ``attention``), and the inputs cast alike. The plan
     shards a copy on the meta device; each rank then fills its own part from its part of the
     factory's model, sharded alike (:func:`hold`). With ``perturb`` each parameter is gathered
-    whole (one at a time) and perturbed before its part is taken."""
+    whole (one at a time) and perturbed before its part is taken. With ``reuse`` (no run
+    follows, as in a golden update) the factory's sharded model itself is converted in place,
+    parameter by parameter: no second copy at all."""
     hold(subject)
-    model = converted(subject.model, "meta", dtype)
-    if model is subject.model:
-        model = copy.deepcopy(model)
-    model = shard(subject, model, device_mesh(subject, device))
-    model.to_empty(device=device)
-    _fill(model, subject.shards, perturb)
+    if reuse and perturb is None:
+        model = subject.shards.to(device, dtype)
+    else:
+        model = converted(subject.model, "meta", dtype)
+        if model is subject.model:
+            model = copy.deepcopy(model)
+        model = shard(subject, model, device_mesh(subject, device))
+        model.to_empty(device=device)
+        _fill(model, subject.shards, perturb)
     model.eval()
     if subject.is_transformers:
         hf.set_attention(model, attention)
