@@ -56,4 +56,6 @@ def _cell(text: str) -> str:
 
 
 def _paragraphs(lines: list[str], css: str) -> str:
-    return "".join(f"<p class='{css}'>{html.escape(line)}</p>" for line in lines)
+    """One paragraph per line; a failure's line marked."""
+    return "".join(f"<p class='{css}{' failed' if line.startswith('FAIL ') else ''}'>"
+                   f"{html.escape(line)}</p>" for line in lines)
