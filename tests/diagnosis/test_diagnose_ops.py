@@ -375,6 +375,18 @@ def test_against_a_trace_with_ops_names_the_planted_line_as_in_process(traces, t
     capsys.readouterr()
 
 
+def test_against_a_trace_with_sketched_op_outputs_names_the_planted_line(
+        tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TORCHPARITY_SKETCH_ABOVE", "64")  # every op output past it is sketched
+    model_a, batch, loss = plants.make_a()
+    trace = tp.record(model_a, batch, tmp_path / "t", loss_fn=loss, backward=False,
+                      ops="decoder.layers.1.attn")
+    report = tp.diagnose_against(trace, plants.make_b_scale()[0], batch, loss_fn=loss)
+    op = report.to_dict()["first_divergence"]["op"]
+    assert op is not None and planted_line(plants.AttentionScale) in op["b_stack"], \
+        report.render()
+
+
 def test_against_a_trace_without_ops_says_in_one_line_which_command_adds_them(
         traces, tmp_path, capsys) -> None:
     from torchparity import cli

@@ -66,7 +66,6 @@ from torchparity.diagnosis.run import (
     make_options,
     stream_needed,
 )
-from torchparity.diagnosis.state import states_within
 from torchparity.diagnosis.trace import (
     MemoryStore,
     TraceWriter,
@@ -320,11 +319,10 @@ def _keep_ops(reference: Reference, model: nn.Module, ops: str, opts: Options,
               bar: ProgressBar) -> list[str]:
     """A's ops of the calls of module ``ops`` (every call for ``"all"``) put into the
     reference's store; why any call has none."""
-    calls = [c for c in reference.calls if ops in ("all", c.name)
-             and not states_within(reference.states, c.name, c.clock)]
+    calls = [c for c in reference.calls if ops in ("all", c.name)]
     if not calls:
         raise UsageError(f"--ops {ops}: the run records no call of that module (not "
-                         "selected, or never called), or only calls that keep state")
+                         "selected, or never called)")
     done = bar.phase(f"A and golden: the ops of {len(calls)} call(s)")
     missing = keep_ops(reference.store, calls, opts.backward,
                        lambda call, backward: a_side(reference, call, model, opts, backward))

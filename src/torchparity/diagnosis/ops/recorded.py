@@ -3,10 +3,11 @@
 ``record --ops`` captures, for each selected module call, A's steps and the golden's on A's
 recorded inputs (as an in-process drill-down does) and keeps them with the call: each step's
 op name, kind, dataflow, source stack and non-tensor arguments (as their ``repr``, all a
-comparison reads), its input tensors exact (B's op is fed them for its local error), its
-outputs, the golden partner's outputs and the golden op's output on the step's own inputs
-(sketched past a size, as the trace keeps module outputs). A diagnosis against the trace then
-replays only B's module and aligns it with these steps.
+comparison reads), its input tensors and the golden op's output on them exact (B's op is fed
+the inputs for its local error, which that output judges), its outputs and the golden
+partner's (sketches past a size as the capture made them, as the trace keeps module
+outputs). A diagnosis against the trace then replays only B's module and aligns it with these
+steps.
 """
 
 from __future__ import annotations
@@ -61,15 +62,14 @@ def recorded_side(store: Store, key: str, backward: bool) -> ASide | None:
         (described,), _ = store.get_inputs(okey, placeholders=True)
     except ReplayUnavailable:
         return None
-    outputs, goldens, locals_ = (_by_step(store.get(okey, group))
-                                 for group in ("ops_out", "ops_golden", "ops_local_golden"))
+    outputs, goldens = (_by_step(store.get(okey, group)) for group in ("ops_out", "ops_golden"))
     steps, partners = [], {}
     for index, step in enumerate(described):
         kept = Step(index, step["name"], step["kind"], None, tuple(step["args"]),
                     dict(step["kwargs"]), outputs.get(index, {}), tuple(step["producers"]),
                     tuple(Frame(*frame) for frame in step["stack"]),
                     {name: Shown(text) for name, text in step["scalars"].items()},
-                    step["returned"], local_golden=locals_.get(index))
+                    step["returned"], local_golden=step["local_golden"])
         steps.append(kept)
         if index in goldens:
             partners[index] = replace(kept, outputs=goldens[index], local_golden=None)
@@ -81,14 +81,11 @@ def _put(store: Store, okey: str, side: ASide) -> None:
                   "producers": list(s.producers),
                   "stack": [[f.path, f.line, f.text] for f in s.stack],
                   "scalars": {name: repr(value) for name, value in s.scalars.items()},
-                  "returned": s.returned} for s in side.steps]
+                  "returned": s.returned, "local_golden": s.local_golden}
+                 for s in side.steps]
     store.put_inputs(okey, (described,), {})
-    for group, tensors in (
-            ("ops_out", {s.index: s.outputs for s in side.steps}),
-            ("ops_golden", {i: g.outputs for i, g in side.golden.items()}),
-            ("ops_local_golden", {s.index: s.local_golden for s in side.steps
-                                  if s.local_golden is not None})):
-        # one path per output of a step in every group: their sketches share buckets
+    for group, tensors in (("ops_out", {s.index: s.outputs for s in side.steps}),
+                           ("ops_golden", {i: g.outputs for i, g in side.golden.items()})):
         store.put(okey, group, {f"{index}/{path}": t for index, outs in tensors.items()
                                 for path, t in outs.items()})
 
