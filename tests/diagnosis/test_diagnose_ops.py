@@ -387,6 +387,47 @@ def test_against_a_trace_with_sketched_op_outputs_names_the_planted_line(
         report.render()
 
 
+class _NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.up(x)) * 2  # a library module's call: its caller has the line
+
+
+class _NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block, self.head = _NormBlock(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def test_more_ops_records_a_library_modules_caller_and_answers_as_in_process(tmp_path) -> None:
+    model_a, x = _NormNet(), torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    model_b = copy.deepcopy(model_a)
+    model_b.block.norm.eps = 1e-2  # nn.LayerNorm's own code has no line of ours
+    trace = tp.record(model_a, (x,), tmp_path / "plain", backward=False)
+    asked = []
+
+    def more_ops(modules: list[str]) -> Path:
+        asked.append(modules)
+        return tp.record(model_a, (x,), tmp_path / "ops", backward=False,
+                         ops=",".join(modules), ops_only=True)
+
+    op = tp.diagnose_against(trace, model_b, (x,), more_ops=more_ops
+                             ).to_dict()["first_divergence"]["op"]
+    in_process = tp.diagnose(model_a, model_b, (x,), backward=False
+                             ).to_dict()["first_divergence"]["op"]
+    assert asked == [["block.norm", "block"]]
+    same = ("module", "name", "kind", "a_stack", "b_stack", "code", "arguments")
+    assert {k: op[k] for k in same} == {k: in_process[k] for k in same}
+    assert op["code"]["b"].startswith("return self.norm(self.up(x)) * 2")
+
+
 def test_against_a_trace_without_ops_says_in_one_line_which_command_adds_them(
         traces, tmp_path, capsys) -> None:
     from torchparity import cli

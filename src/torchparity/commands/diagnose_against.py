@@ -43,15 +43,15 @@ def against_base(args: argparse.Namespace, side: BaseSide, name_map: NameMap | N
     options, files = record_options(args)
     trace = base_trace(side, args.entries[0], options, files)
 
-    def with_ops(module: str) -> Path:  # only when a module diverges: its ops at the base
-        return base_trace(side, args.entries[0], [*options, "--ops", module, "--ops-only"],
-                          files)
+    def with_ops(modules: list[str]) -> Path:  # only when a module diverges: its ops at base
+        return base_trace(side, args.entries[0],
+                          [*options, "--ops", ",".join(modules), "--ops-only"], files)
 
     return _judged_against(args, trace, b, name_map, with_ops)
 
 
 def _judged_against(args: argparse.Namespace, trace: Path, b: Subject,
-                    name_map: NameMap | None, more_ops: Callable[[str], Path] | None = None
+                    name_map: NameMap | None, more_ops: Callable[[list[str]], Path] | None = None
                     ) -> Report:
     from torchparity.diagnosis.api import diagnose_against
 

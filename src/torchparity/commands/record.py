@@ -28,13 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_selection_arguments(parser)
     add_decode_arguments(parser)
     parser.add_argument("--backend", help="attention backend to run the model under")
-    parser.add_argument("--ops", metavar="all|MODULE",
+    parser.add_argument("--ops", metavar="all|MODULE[,MODULE]",
                         help="also keep A's ops (names, arguments, source lines, tensors) of "
-                             "MODULE's calls, or of every module's, so that `diagnose "
+                             "those modules' calls, or of every module's, so that `diagnose "
                              "--against` drills down to the op (see docs/diagnose.md for "
                              "the cost)")
     parser.add_argument("--ops-only", action="store_true",
-                        help="with --ops MODULE, write only what its drill-down reads (one "
+                        help="with --ops MODULE, write only what their drill-down reads (one "
                              "forward and backward of A, no golden): what `diagnose --base` "
                              "records at the base when MODULE diverges")
 

@@ -191,26 +191,29 @@ def record(
     call by call (bounded memory) into a temporary directory that replaces ``path`` only when
     complete. ``backend`` must be a name here (it is stored in the trace); ``dtype`` and
     ``padding`` are as in :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded
-    dtype and leaves the recorded padding out. ``ops`` (``"all"`` or a module name) keeps A's
-    ops of every call of every module, or of that module, so that :func:`diagnose_against`
-    drills down to the op (:mod:`torchparity.diagnosis.ops.recorded`). ``ops_only`` writes
-    only what that drill-down reads: the module's calls' inputs, output gradients and ops (one
-    forward and backward of A, no golden, no replays), as ``diagnose --base`` records the
-    first divergent module at the base. Returns the path.
+    dtype and leaves the recorded padding out. ``ops`` (``"all"`` or module names joined by
+    commas) keeps A's ops of every call of every module, or of those, so that
+    :func:`diagnose_against` drills down to the op (:mod:`torchparity.diagnosis.ops.recorded`).
+    ``ops_only`` writes only what that drill-down reads: the modules' calls' inputs, output
+    gradients and ops (one forward and backward of A, no golden, no replays), as ``diagnose
+    --base`` records the first divergent module (and its caller) at the base. Returns the
+    path.
     """
+    modules = None if ops is None else ops.split(",")
     if ops_only:
         if ops in (None, "all"):
-            raise UsageError("--ops-only keeps the ops of one module: give --ops MODULE")
-        include, exclude = f"re:^{re.escape(ops)}$", None
+            raise UsageError("--ops-only keeps the ops of named modules: give --ops MODULE")
+        include, exclude = [f"re:^{re.escape(m)}$" for m in modules], None
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record(backend=...) takes a backend name, which the trace stores")
     opts = make_options(backward, loss_fn, include, exclude, (backend, None), progress,
                         padding=padding_of(padding, inputs, model))
     check_models(model=model)
     names = [name for name, _ in model.named_modules()]
-    if ops is not None and ops not in ("all", *names):
-        raise UsageError(f"--ops {ops}: the model has no such module; give all or a module "
-                         f"name such as {names[-1]}")
+    unknown = [m for m in modules or [] if ops != "all" and m not in names]
+    if unknown:
+        raise UsageError(f"--ops {ops}: the model has no module {unknown[0]}; give all or "
+                         f"module names joined by commas, such as {names[-1]}")
     (cast,), cast_inputs = in_dtype([model], inputs, dtype)
     with TraceWriter(path) as writer:
         with progress_bar(opts.progress) as bar:
@@ -220,7 +223,7 @@ def record(
                 reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
                 # The trace must serve any later candidate: every call is replayed now.
                 reference.replay_all(bar)
-            missing = [] if ops is None else _keep_ops(reference, cast, ops, opts, bar)
+            missing = [] if ops is None else _keep_ops(reference, cast, modules, opts, bar)
         meta = trace_meta(reference, model, inputs, opts, dtype)
         if ops is not None:
             meta["ops"] = {"module": ops, "only": ops_only, "missing": missing}
@@ -245,7 +248,7 @@ def diagnose_against(
     reorder: ReorderFn | None = None,
     decode: bool = False,
     ops: str | None = None,
-    more_ops: Callable[[str], Path] | None = None,
+    more_ops: Callable[[list[str]], Path] | None = None,
 ) -> DiagnosisReport | DecodeReport:
     """Diagnose ``model`` (the changed revision) against the trace :func:`record` wrote.
 
@@ -264,8 +267,8 @@ def diagnose_against(
     pass is then a usage error.
 
     The first divergence (or B's module ``ops``) is drilled down to the op with A's ops the
-    trace holds (``record(ops=...)``); where it lacks them, ``more_ops(module)`` (A's module
-    name) returns a trace that holds them (one recorded at the base with ``ops=module``), and
+    trace holds (``record(ops=...)``); where it lacks them, ``more_ops(modules)`` (A's module
+    names) returns a trace that holds them (one recorded at the base with ``ops=...``), and
     without it the report says which command adds them.
     """
     if is_decode_trace(open_trace(path)[0]):
@@ -315,14 +318,14 @@ def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar:
     return reference
 
 
-def _keep_ops(reference: Reference, model: nn.Module, ops: str, opts: Options,
+def _keep_ops(reference: Reference, model: nn.Module, modules: list[str], opts: Options,
               bar: ProgressBar) -> list[str]:
-    """A's ops of the calls of module ``ops`` (every call for ``"all"``) put into the
+    """A's ops of the calls of ``modules`` (every call for ``["all"]``) put into the
     reference's store; why any call has none."""
-    calls = [c for c in reference.calls if ops in ("all", c.name)]
+    calls = [c for c in reference.calls if modules == ["all"] or c.name in modules]
     if not calls:
-        raise UsageError(f"--ops {ops}: the run records no call of that module (not "
-                         "selected, or never called)")
+        raise UsageError(f"--ops {','.join(modules)}: the run records no call of those "
+                         "modules (not selected, or never called)")
     done = bar.phase(f"A and golden: the ops of {len(calls)} call(s)")
     missing = keep_ops(reference.store, calls, opts.backward,
                        lambda call, backward: a_side(reference, call, model, opts, backward))
@@ -333,7 +336,7 @@ def _keep_ops(reference: Reference, model: nn.Module, ops: str, opts: Options,
 def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
                         name_map: NameMap | None, bar: ProgressBar,
                         model_a: nn.Module | None = None, ops: str | None = None,
-                        more_ops: Callable[[str], Path] | None = None) -> DiagnosisReport:
+                        more_ops: Callable[[list[str]], Path] | None = None) -> DiagnosisReport:
     """Stages 3 to 7: align B with the reference, judge propagated then local errors, drill
     down to the op (with ``model_a`` in this process, else from A's ops in the trace or the
     one ``more_ops`` records), report."""
@@ -387,7 +390,7 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
 
 def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Module | None,
                 model_b: nn.Module, opts: Options, module: str | None, bar: ProgressBar,
-                more_ops: Callable[[str], Path] | None, changing: set[str] = frozenset()
+                more_ops: Callable[[list[str]], Path] | None, changing: set[str] = frozenset()
                 ) -> None:
     """Stage 6: the first divergent row (or B's ``module``) drilled down to its ops, and the
     first gradient divergence to its backward ops when its forward ops do not explain it
@@ -407,8 +410,9 @@ def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Mod
     if index is None and grad is None:
         return  # nothing diverged: the drill-down costs nothing
     if model_a is None and more_ops is not None:
-        reference = _with_ops(reference, [matches[i] for i in (index, grad) if i is not None],
-                              more_ops)
+        drilled = [j for i in (index, grad) if i is not None
+                   for j in (i, _parent_row(rows, i)) if j is not None]
+        reference = _with_ops(reference, [matches[j] for j in drilled], more_ops)
     done = bar.phase("A, golden and B: the module's ops" if model_a is not None else
                      "B: the module's ops, against A's in the trace")
     if index is not None:
@@ -428,14 +432,14 @@ def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Mod
 
 
 def _with_ops(reference: Reference, matches: list[Match],
-              more_ops: Callable[[str], Path]) -> Reference:
-    """``reference`` reading its calls' ops from the trace ``more_ops(module)`` records when
-    its own trace lacks A's ops of the (first) module to drill into."""
-    calls = [m.a[0] for m in matches if len(m.a) == 1]
-    if not calls or all(recorded_side(reference.store, c.key, False) is not None
-                        for c in calls):
+              more_ops: Callable[[list[str]], Path]) -> Reference:
+    """``reference`` reading its calls' ops from the trace ``more_ops(modules)`` records when
+    its own trace lacks A's ops of the first module to drill into (its caller's too: a
+    library module's own ops have no line of the user's, as :func:`_drilled` knows)."""
+    calls = [m.a[0] for m in matches if len(m.a) == 1 and m.a[0].name]
+    if not calls or recorded_side(reference.store, calls[0].key, False) is not None:
         return reference
-    other, _ = open_reference(more_ops(calls[0].name))
+    other, _ = open_reference(more_ops(list(dict.fromkeys(c.name for c in calls))))
     return dataclasses.replace(reference, store=other.store)
 
 
