@@ -10,9 +10,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+import torchparity as tp
 from torchparity import sketching
+from torchparity.cli import main
 from torchparity.diagnosis import trace
 from torchparity.diagnosis.trace import DiskStore, TraceWriter, open_trace
+from torchparity.diagnosis.trace_meta import DecodeTraceMeta, ForwardTraceMeta, meta_from_json
 
 
 def _files(directory: Path) -> list[Path]:
@@ -143,3 +146,25 @@ def test_a_small_tensor_read_back_is_a_copy_of_its_own(tmp_path: Path) -> None:
     store.get("b#0", "in")  # the store keeps the last call's tensors: read another's between
     again = store.get("a#0", "in")
     assert torch.equal(again["0"], _small()) and torch.equal(again["1"], _small() + 1)
+
+
+def _written_back(path: Path) -> None:
+    """The typed metadata read from ``path`` writes back its trace.json: every key, in order
+    (the storage keys are the store's)."""
+    data = json.loads((path / trace.TRACE_JSON).read_text())
+    stored = {k: v for k, v in data.items() if k not in ("files", "aliases", "input_specs")}
+    written = meta_from_json(data).to_json()
+    assert list(written) == list(stored) and written == stored
+
+
+def test_a_traces_metadata_is_read_back_whole(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.randn(2, 4)
+    forward = tp.record(model, (x,), tmp_path / "f.tptrace", ops="0")
+    assert isinstance(meta_from_json(open_trace(forward)[0]), ForwardTraceMeta)
+    _written_back(forward)
+    toys = Path(__file__).with_name("toy_decoders.py")
+    assert main(["record", f"{toys}:clean", "--decode", "--steps", "2", "-o",
+                 str(tmp_path / "d.tptrace")]) == 0
+    assert isinstance(meta_from_json(open_trace(tmp_path / "d.tptrace")[0]), DecodeTraceMeta)
+    _written_back(tmp_path / "d.tptrace")

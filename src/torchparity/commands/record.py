@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from torchparity.diagnosis.decoding import record_decode
     from torchparity.diagnosis.reference import golden_warning
     from torchparity.diagnosis.trace import open_trace
+    from torchparity.diagnosis.trace_meta import meta_from_json
 
     decoding = decode_options(args)
     subject = Subject.load(args.entry)
@@ -61,14 +62,14 @@ def run(args: argparse.Namespace) -> int:
                       backward=args.backward, include=args.include, exclude=args.exclude,
                       backend=args.backend, dtype=dtype_option(args), padding=subject.padding,
                       ops=args.ops, ops_only=args.ops_only)
-    meta, _ = open_trace(path)
-    warning = golden_warning(meta["golden"])
+    meta = meta_from_json(open_trace(path)[0])
+    warning = golden_warning(meta.golden)
     if warning:
         print(warning)
     what = ""
     if decoding:
         search = (f" ({decoding['beams'].beams} beams)" if decoding["beams"] else
                   " (sampled)" if decoding["sample"] else "")
-        what = f"a decoding of {meta['steps']} step(s){search} of"
+        what = f"a decoding of {meta.steps} step(s){search} of"
     print(f"recorded {what} {type(subject.model).__name__} to {path}".replace("  ", " "))
     return 0

@@ -73,6 +73,7 @@ from torchparity.diagnosis.trace import (
     check_recorded_inputs,
     open_trace,
 )
+from torchparity.diagnosis.trace_meta import KeptOps
 from torchparity.errors import UsageError
 from torchparity.subject.decoding import ReorderFn, StepFn
 from torchparity.subject.factory import first_line
@@ -226,8 +227,8 @@ def record(
             missing = [] if ops is None else _keep_ops(reference, cast, modules, opts, bar)
         meta = trace_meta(reference, model, inputs, opts, dtype)
         if ops is not None:
-            meta["ops"] = {"module": ops, "only": ops_only, "missing": missing}
-        return writer.commit(meta)
+            meta = dataclasses.replace(meta, ops=KeptOps(ops, ops_only, missing))
+        return writer.commit(meta.to_json())
 
 
 @with_older_objects_frozen
@@ -281,22 +282,22 @@ def diagnose_against(
                          "with `torchparity record ENTRY --decode`")
     model, compile_b = compile_form(model, compile_b)
     reference, meta = open_reference(path)
-    if meta.get("ops", {}).get("only"):
-        raise UsageError(f"trace {path} holds only the ops of {meta['ops']['module']} "
+    if meta.ops is not None and meta.ops.only:
+        raise UsageError(f"trace {path} holds only the ops of {meta.ops.module} "
                          "(record --ops-only); record it without --ops-only")
-    if backward and not meta["backward"]:
+    if backward and not meta.backward:
         raise UsageError(f"trace {path} has no gradients; record it with backward=True or pass "
                          "backward=False")
-    check_recorded_inputs(path, inputs, meta, "inputs")
-    if padding is not None or "padding" not in meta:  # else the recorded one
+    check_recorded_inputs(path, inputs, meta.inputs_digest, "inputs")
+    if padding is not None or meta.padding is None:  # else the recorded one
         reference.padding = padding_of(padding, inputs, model)
     opts = dataclasses.replace(
-        make_options(meta["backward"] if backward is None else backward, loss_fn,
-                     meta["include"], meta["exclude"], (meta["backend"], backend), progress,
+        make_options(meta.backward if backward is None else backward, loss_fn,
+                     meta.include, meta.exclude, (meta.backend, backend), progress,
                      local, reference.padding), compile_b=compile_b)
     check_models(model=model)
-    weights = changed_weights(meta["weights"], model)
-    dtype = getattr(torch, meta["dtype"]) if meta.get("dtype") else None
+    weights = changed_weights(meta.weights, model)
+    dtype = getattr(torch, meta.dtype) if meta.dtype else None
     (model,), inputs = in_dtype([model], inputs, dtype)
     with progress_bar(opts.progress) as bar:
         report = _diagnose_candidate(reference, model, inputs, opts, name_map, bar, ops=ops,

@@ -9,7 +9,6 @@ golden is added by :mod:`torchparity.diagnosis.float64_golden`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,7 +25,6 @@ from torchparity.diagnosis.reference import (
 from torchparity.diagnosis.run import Options, run_model
 from torchparity.diagnosis.state import StateRecorder
 from torchparity.diagnosis.trace import (
-    SCHEMA,
     Store,
     call_from_json,
     call_to_json,
@@ -36,6 +34,7 @@ from torchparity.diagnosis.trace import (
     pattern_json,
     weight_digests,
 )
+from torchparity.diagnosis.trace_meta import ForwardTraceMeta, meta_from_json
 from torchparity.subject.padding import Padding
 from torchparity.subject.running import Inputs
 
@@ -70,48 +69,48 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Store, opts: Opti
 
 
 def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
-               dtype: torch.dtype | None) -> dict[str, Any]:
+               dtype: torch.dtype | None) -> ForwardTraceMeta:
     """What a trace's ``trace.json`` says besides its tensors (``model`` and ``inputs`` as the
     user gave them, before any cast to ``dtype``)."""
     import torchparity
 
-    return {
-        "schema": SCHEMA,
-        "torchparity": torchparity.__version__,
-        "torch": torch.__version__,
-        "model": type(model).__name__,
-        "golden": reference.golden_label,
-        "mode": reference.mode,
-        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-        "backward": opts.backward,
-        "backend": opts.backend_a,
-        "include": pattern_json(opts.include),
-        "exclude": pattern_json(opts.exclude),
-        "inputs_digest": inputs_digest(inputs),
-        "weights": weight_digests(model),
-        "modules": module_tree(model),
-        "calls": [call_to_json(c) for c in reference.calls],
-        "signatures": reference.signatures,
-        "states": {name: [clock for clock, _ in history]
-                   for name, history in reference.states.items()},
-        "notes": reference.notes,
-        "padding": reference.padding.to_json(),
-    }
+    return ForwardTraceMeta(
+        torchparity=torchparity.__version__,
+        torch=torch.__version__,
+        model=type(model).__name__,
+        golden=reference.golden_label,
+        mode=reference.mode,
+        dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+        backward=opts.backward,
+        backend=opts.backend_a,
+        include=pattern_json(opts.include),
+        exclude=pattern_json(opts.exclude),
+        inputs_digest=inputs_digest(inputs),
+        weights=weight_digests(model),
+        modules=module_tree(model),
+        calls=[call_to_json(c) for c in reference.calls],
+        signatures=reference.signatures,
+        states={name: [clock for clock, _ in history]
+                for name, history in reference.states.items()},
+        notes=reference.notes,
+        padding=reference.padding.to_json(),
+    )
 
 
-def open_reference(path: str | Path) -> tuple[Reference, dict[str, Any]]:
+def open_reference(path: str | Path) -> tuple[Reference, ForwardTraceMeta]:
     """The reference side a trace of a forward pass holds (every call already replayed), and
     its metadata (:func:`~torchparity.diagnosis.api.diagnose_against` sends a decoding trace to
     the decoding pipeline)."""
-    meta, store = open_trace(path)
-    golden, no_golden = parse_golden_label(meta["golden"])
-    reference = Reference(calls=[call_from_json(c) for c in meta["calls"]], store=store,
-                          golden=golden, no_golden=no_golden, mode=meta["mode"],
-                          notes=meta["notes"],
-                          source=str(path), signatures=meta["signatures"],
+    data, store = open_trace(path)
+    meta = meta_from_json(data)
+    golden, no_golden = parse_golden_label(meta.golden)
+    reference = Reference(calls=[call_from_json(c) for c in meta.calls], store=store,
+                          golden=golden, no_golden=no_golden, mode=meta.mode,
+                          notes=meta.notes,
+                          source=str(path), signatures=meta.signatures,
                           states={name: [(clock, store.get_inputs(state_key(name, clock))[1])
                                          for clock in clocks]
-                                  for name, clocks in meta["states"].items()})
-    if meta.get("padding"):
-        reference.padding = Padding.from_json(meta["padding"])
+                                  for name, clocks in meta.states.items()})
+    if meta.padding:
+        reference.padding = Padding.from_json(meta.padding)
     return reference, meta

@@ -650,14 +650,14 @@ class TraceWriter:
         self.abort()  # nothing left to remove once committed: the directory moved into place
 
 
-def check_recorded_inputs(path: str | os.PathLike, inputs: Any, meta: dict[str, Any],
+def check_recorded_inputs(path: str | os.PathLike, inputs: Any, recorded: str,
                           what: str) -> None:
     """A one-line error unless ``inputs`` are the ones the trace at ``path`` recorded (by
-    checksum); ``what`` names them in the advice."""
+    checksum: ``recorded``); ``what`` names them in the advice."""
     digest = inputs_digest(inputs)
-    if digest != meta["inputs_digest"]:
+    if digest != recorded:
         raise UsageError(f"inputs differ from the ones recorded in {path} (checksum {digest} vs "
-                         f"{meta['inputs_digest']}); pass the same {what} to both revisions")
+                         f"{recorded}); pass the same {what} to both revisions")
 
 
 def open_trace(path: str | os.PathLike) -> tuple[dict[str, Any], DiskStore]:

@@ -190,7 +190,7 @@ def record_decode(
             reference = record_reference(side, steps, tokens, writer.store, opts, bar, rebuild,
                                          beams or sample)
             reference.mode = describe_mode(cast, dtype, reference.has_golden)
-        return writer.commit(decode_meta(reference, model, inputs, opts, dtype))
+        return writer.commit(decode_meta(reference, model, inputs, opts, dtype).to_json())
 
 
 @with_older_objects_frozen
@@ -210,12 +210,12 @@ def diagnose_decode_against(
     the module selection and dtype are the recorded ones. Weights that differ from the
     recorded ones are listed in ``report.meta["weights"]``."""
     reference, meta = open_decode_reference(path)
-    check_recorded_inputs(path, inputs, meta, "prompt")
-    opts = make_options(False, None, meta["include"], meta["exclude"],
-                        (meta["backend"], backend), progress)
+    check_recorded_inputs(path, inputs, meta.inputs_digest, "prompt")
+    opts = make_options(False, None, meta.include, meta.exclude,
+                        (meta.backend, backend), progress)
     check_models(model=model)
-    weights = changed_weights(meta["weights"], model)
-    dtype = getattr(torch, meta["dtype"]) if meta.get("dtype") else None
+    weights = changed_weights(meta.weights, model)
+    dtype = getattr(torch, meta.dtype) if meta.dtype else None
     if reference.beams is not None:
         inputs = expand_prompt(inputs, reference.beams.beams)
     (model,), inputs = in_dtype([model], inputs, dtype)
