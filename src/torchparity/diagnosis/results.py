@@ -19,10 +19,24 @@ from torchparity.comparison.tensor import json_safe
 if TYPE_CHECKING:
     from torchparity.diagnosis.align import Match
 
-__all__ = ["Bounded", "Entry", "Mismatch", "NotCompared", "Result", "Row"]
+__all__ = ["Bounded", "DrilledOps", "Entry", "Mismatch", "NotCompared", "Result", "Row"]
 
 #: How a row's note begins when its module could not be replayed: its local error is unknown.
 UNKNOWN_LOCAL = "local error unknown"
+
+
+class DrilledOps(Protocol):
+    """What a row and the reports read of a call drilled down to its ops: the
+    :class:`~torchparity.diagnosis.ops.OpReport` (a protocol here, because diagnosis/ops
+    builds on these results)."""
+
+    def sentence(self) -> str: ...
+
+    def table_lines(self, width: int) -> list[tuple[str, str | None]]: ...
+
+    def to_html(self) -> str: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 class Result(Protocol):
@@ -189,8 +203,9 @@ class Row:
     inputs: Result | None = None
     entry: Entry | None = None
     notes: list[str] = field(default_factory=list)
-    ops: Any = None  # the op drill-down of this call (diagnosis/ops), when it was drilled
-    grad_ops: Any = None  # the same of its backward pass, on the first gradient divergence
+    ops: DrilledOps | None = None  # the op drill-down of this call, when it was drilled
+    grad_ops: DrilledOps | None = None  # the same of its backward pass, on the first
+    # gradient divergence
 
     @property
     def structure(self) -> tuple:
