@@ -1,6 +1,7 @@
 """One-line changes planted inside tiny ``transformers`` Llama code, each marked ``# planted``:
 an attention function registered beside eager's (its scores scaled once more), and an MLP
-whose activation changed."""
+whose activation changed; and entries of a tiny random Llama with eager and with sdpa
+attention (``llama_eager``, ``llama_sdpa``), the same weights, a left-padded batch."""
 
 from __future__ import annotations
 
@@ -35,3 +36,21 @@ transformers.AttentionInterface.register(SCALED_SCORES, scaled_scores_attention)
 class GeluMLP(modeling_llama.LlamaMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))  # planted
+
+
+def llama_eager(attention: str = "eager") -> tuple[nn.Module, dict]:
+    """A tiny random Llama (grouped-query attention, 2 layers) with ``attention``, on a batch
+    whose second row is padded on the left."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, vocab_size=64,
+        attn_implementation=attention)).eval()
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return model, {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+
+
+def llama_sdpa() -> tuple[nn.Module, dict]:
+    return llama_eager("sdpa")

@@ -110,9 +110,9 @@ def test_legitimate_change_has_no_divergent_op(twin: type, module: str) -> None:
     (plants.FusedProjection, "decoder.layers.0.attn")])
 def test_big_op_outputs_are_kept_as_sketches_and_judged_from_them(monkeypatch, plant: type,
                                                                   module: str) -> None:
-    """Op outputs as large as a layer's hidden states are kept as sketches: the planted eps
-    is still named at its line, from the sketch of its output, and a fused projection still
-    yields no divergent op."""
+    """Op outputs as large as a layer's hidden states are kept as sketches (here from the
+    first byte kept): the planted eps is still named at its line, from the sketch of its
+    output, and a fused projection still yields no divergent op."""
     from torchparity.diagnosis.ops import capture
     from torchparity.sketching import Sketch
 
@@ -120,6 +120,7 @@ def test_big_op_outputs_are_kept_as_sketches_and_judged_from_them(monkeypatch, p
     hidden = model_a.decoder.layers[0].attn_norm.weight.numel() * batch["input_ids"].numel()
     monkeypatch.setattr(capture, "wants_sketch",
                         lambda t: t.is_floating_point() and t.numel() >= hidden)
+    monkeypatch.setattr(capture, "KEPT_WHOLE_BYTES", 0)
     model_b = copy.deepcopy(model_a)
     model_b.get_submodule(module).__class__ = plant
     report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, backward=False,

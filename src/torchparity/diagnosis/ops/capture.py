@@ -7,9 +7,10 @@ names, and in-place writes into a buffer (a cache slot) are operations too, whic
 ``__torch_function__`` mode would see only as ``__setitem__``. A call of a child module is one
 step of the stream, judged as the child: the ops inside it are its own diagnosis's business.
 Each step keeps its inputs as they were when it ran (copies: an in-place op changes them;
-a local error replays the op on them), its outputs (a floating output past the sketching
-threshold as its :class:`~torchparity.sketching.Sketch`, seeded by its place among the step's
-outputs so that every side's sketches compare), which earlier step made each input (the
+a local error replays the op on them), its outputs (once the call's kept outputs pass
+:data:`KEPT_WHOLE_BYTES`, a floating output past the sketching threshold as its
+:class:`~torchparity.sketching.Sketch`, seeded by its place among the step's outputs so that
+every side's sketches compare), which earlier step made each input (the
 dataflow the alignment follows) and where in the user's code it ran (frames outside torch and
 torchparity, innermost first).
 """
@@ -42,6 +43,10 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep
 #: torchparity's own models are user code here: the zoo is what is under test.
 _SUBJECT_DIR = os.path.join(_PACKAGE_DIR, "reference") + os.sep
+#: Bytes of outputs one captured call keeps whole; past them a big output is kept as its
+#: sketch (a pass over it, and an estimate when judged): a small module's outputs stay whole
+#: and exact, a large one's memory stays bounded.
+KEPT_WHOLE_BYTES = 256 << 20
 #: Ops that compute nothing: autograd's and tracing's bookkeeping.
 _SKIPPED = {"aten::detach", "aten::lift_fresh", "aten::alias"}
 
@@ -159,6 +164,7 @@ class _Recorder(TorchDispatchMode):
                  backward: bool = False, padding: PaddingSpec = None) -> None:
         super().__init__()
         self.anchor, self.backward, self.padding = anchor, backward, padding
+        self.kept_bytes = 0
         self.steps: list[Step] = []
         self.made: dict[int, int] = {}  # id of a tensor -> the step that made or last wrote it
         self.alive: list[torch.Tensor] = []  # keeps the ids above unique during the call
@@ -226,7 +232,8 @@ class _Recorder(TorchDispatchMode):
         """An output as a step keeps it: a copy, or past the threshold a sketch seeded by its
         path (the same in A's, B's and the golden's steps: their sketches compare), made with
         the positions the judgement leaves out at zero, as judging expects."""
-        if not wants_sketch(tensor):
+        if self.kept_bytes < KEPT_WHOLE_BYTES or not wants_sketch(tensor):
+            self.kept_bytes += tensor.numel() * tensor.element_size()
             return tensor.detach().clone()
         left_out = left_out_of(self.padding, path, tensor)
         return sketching.sketch(sketching.masked(tensor.detach(), left_out and left_out.mask),
