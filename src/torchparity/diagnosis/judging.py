@@ -215,7 +215,7 @@ def module_padding(padding: Padding | None, module: str) -> PaddingSpec:
 
 def judge_quickly(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
                   baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec = None,
-                  precision: torch.dtype | None = None) -> Result:
+                  precision: torch.dtype | None = None, noise: float | None = None) -> Result:
     """:func:`judge`, at a fraction of its cost when the answer is clearly "within".
 
     The tolerance model's budget is at least ``fudge`` times the baseline's error (the noise
@@ -223,11 +223,12 @@ def judge_quickly(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Te
     is within budget: two error norms decide it, and the headroom is reported as a bound (a
     sketched tensor's by its two rules, see :func:`_sketched_bound`). Any other case (no
     golden or baseline, structure or dtype differences, non-finite or masked values, a larger
-    error) takes the full comparison."""
+    error) takes the full comparison. ``noise`` (see :func:`judge`) only raises a budget, so
+    the quick bound stands without it."""
     quick = _bounded(candidate, golden, baseline, kind, padding)
     if quick is not None:
         return quick
-    return judge(candidate, golden, baseline, kind, padding, precision)
+    return judge(candidate, golden, baseline, kind, padding, precision, noise)
 
 
 def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],

@@ -18,7 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchparity.comparison.selection import PaddingSpec
-from torchparity.diagnosis.judging import judge
+from torchparity.diagnosis.judging import judge_quickly
 from torchparity.diagnosis.ops.align import Pair
 from torchparity.diagnosis.ops.capture import Step
 from torchparity.diagnosis.results import Result
@@ -108,7 +108,8 @@ def _results(pair: Pair, golden: Step | None, padding: PaddingSpec, spread: floa
         return None, None
     baseline = a.outputs
     golden_outputs = golden.outputs if golden is not None else {}
-    propagated = judge(b.outputs, golden_outputs, baseline, "forward", padding, noise=spread)
+    propagated = judge_quickly(b.outputs, golden_outputs, baseline, "forward", padding,
+                               noise=spread)
     if any(part in a.op for part in _UNJUDGED):
         return None, propagated
     candidate = _applied(b, a.inputs)
@@ -116,7 +117,7 @@ def _results(pair: Pair, golden: Step | None, padding: PaddingSpec, spread: floa
     if candidate is None or exact is None:
         return None, propagated
     out = {p: t for p, t in baseline.items() if p.startswith("out.")}
-    return judge(candidate, exact, out, "forward", padding, noise=spread), propagated
+    return judge_quickly(candidate, exact, out, "forward", padding, noise=spread), propagated
 
 
 def golden_on_inputs(step: Step, golden: Step | None) -> dict[str, torch.Tensor] | None:
