@@ -130,6 +130,23 @@ def _mine(plan, mesh: dict[str, int], **sizes: int) -> dict:
     return {"model": model, "inputs": (tokens(),), "parallelize": plan, "mesh": mesh}
 
 
+def _mine_on_meta(plan, mesh: dict[str, int], **sizes: int) -> dict:
+    """The model built on the meta device, its weights filled by ``init``: under torchrun each
+    rank materialises and fills only its part."""
+    with torch.device("meta"):
+        model = TinyLM(**sizes)
+    return {"model": model, "inputs": (tokens(),), "parallelize": plan, "mesh": mesh,
+            "init": lambda model: tp.init_weights(model, seed=0)}
+
+
+def mine_tp_on_meta() -> dict:
+    return _mine_on_meta(MINE_TP, {"tp": -1})
+
+
+def mine_fsdp_on_meta() -> dict:
+    return _mine_on_meta(MINE_FSDP, {"dp": -1})
+
+
 def mine_fsdp() -> dict:
     return _mine(MINE_FSDP, {"dp": -1})
 
@@ -275,9 +292,15 @@ WIDE = {"width": 1536, "heads": 16, "hidden": 3072, "layers": 8}
 
 
 def wide_fsdp() -> dict:
-    """151M parameters (604 MB in fp32): 8 layers of width 1536, sharded by FSDP2."""
-    return _mine(MINE_FSDP, {"dp": -1}, **WIDE)
+    """151M parameters (604 MB in fp32): 8 layers of width 1536, sharded by FSDP2, built on
+    the meta device: under torchrun each rank materialises only its part."""
+    return _mine_on_meta(MINE_FSDP, {"dp": -1}, **WIDE)
 
 
 def wide_tp() -> dict:
+    return _mine_on_meta(MINE_TP, {"tp": -1}, **WIDE)
+
+
+def wide_tp_whole() -> dict:
+    """The same model and plan, built whole by every rank before the plan shards it."""
     return _mine(MINE_TP, {"tp": -1}, **WIDE)

@@ -62,9 +62,18 @@ def test_a_llama_tensor_parallel_golden_checks_on_2_ranks_and_in_one_process(tmp
     assert {output for (_, _, output) in found[1]} == set(JUDGED)
 
 
+def test_a_model_built_on_meta_is_made_rank_by_rank_with_the_weights_of_one_process(
+        tmp_path, capsys):
+    # Each rank fills only its part of the weights; the one-process check recomputes the
+    # weights' checksum from a whole model, so any part filled wrongly reads "init changed".
+    found = update_then_check(tmp_path, "mine_tp_on_meta", [1], capsys)
+    assert set(found[1].values()) <= {"within", "n/a"}
+    assert {output for (_, _, output) in found[1]} == set(JUDGED)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mine_fsdp", "mine_tp", "mine_fsdp_tp", "llama_fsdp",
-                                  "llama_fsdp_tp"])
+@pytest.mark.parametrize("name", ["mine_fsdp", "mine_tp", "mine_fsdp_on_meta", "mine_fsdp_tp",
+                                  "llama_fsdp", "llama_fsdp_tp"])
 def test_each_plan_checks_on_2_ranks_and_in_one_process(tmp_path, capsys, name):
     found = update_then_check(tmp_path, name, [2, 1], capsys)
     assert found[2] == found[1]

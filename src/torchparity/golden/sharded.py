@@ -46,6 +46,7 @@ from torchparity.sketching import kept
 from torchparity.subject import Subject, hf, launcher, sharded
 from torchparity.subject.blockwise import stream_grads
 from torchparity.subject.factory import first_line
+from torchparity.subject.ranks import under_torchrun
 from torchparity.subject.trees import map_tensors
 
 #: Seconds a launched run may take in all (environment variable, default one hour).
@@ -59,7 +60,7 @@ def start(nproc: int | None, argv: list[str]) -> int | None:
     every rank's output but rank 0's and return None (the command runs here, as one rank).
     With ``nproc`` > 1 outside torchrun: run ``torchparity argv`` (without ``--nproc``) as
     ``nproc`` ranks and return its exit status. Else None: one process, as ever."""
-    if sharded.under_torchrun():
+    if under_torchrun():
         if nproc is not None and nproc != sharded.world_size():
             raise UsageError(f"--nproc {nproc} under a torchrun of {sharded.world_size()} "
                              "ranks; leave --nproc out inside torchrun")
@@ -98,7 +99,7 @@ def _run_timeout() -> float:
 
 def active() -> bool:
     """Whether this process is one rank of a sharded run."""
-    return sharded.under_torchrun()
+    return under_torchrun()
 
 
 def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
@@ -108,14 +109,32 @@ def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
     it is the ``last`` run, the factory's sharded model itself converted; outputs and
     gradients gathered one by one as the backward completes each, and kept."""
     run_name = f"the {cell.label} run" + (" (perturbed)" if perturb else "")
+    return collectively(run_name, lambda: _run_sharded(subject, cell, loss_paths, run_name,
+                                                       perturb=perturb, last=last))
+
+
+def collectively(what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, run by every rank; a collective that fails in it (a rank that died or did not
+    come) becomes one line naming ``what`` and where the other ranks are."""
     try:
-        return _run_sharded(subject, cell, loss_paths, run_name, perturb=perturb, last=last)
+        return fn()
     except Exception as exc:
         if not sharded.collective_failed(exc):
             raise
         raise TorchParityError(
-            f"rank {sharded.rank()}: a collective failed in {run_name} "
+            f"rank {sharded.rank()}: a collective failed in {what} "
             f"({sharded.where_others_are()}): {first_line(exc.__cause__ or exc)}") from exc
+
+
+def _held(subject: Subject, what: str) -> dict[str, str]:
+    """The weights' and inputs' checksums of ``subject`` once its plan sharded it
+    (:func:`~torchparity.subject.sharded.hold`), taken by every rank; the weights gathered
+    one tensor at a time."""
+    def hold() -> dict[str, str]:
+        sharded.hold(subject)
+        return model_checksums(subject)
+
+    return collectively(what, hold)
 
 
 def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run_name: str,
@@ -182,7 +201,10 @@ def check_sharded(subject: Subject, store: GoldenStore, cells: list[Cell],
                   advance: Callable[[str], None] = lambda label: None,
                   status: Callable[[str, str], None] | None = None) -> list[CheckResult]:
     """:func:`~torchparity.golden.model_check.check_subject` on every rank of a sharded run."""
-    return check_loop.check(ShardedFeed(subject, store, status), cells, advance)
+    _held(subject, "the sharding of the factory's model")
+    feed = collectively("the checksums of the weights", lambda: ShardedFeed(subject, store,
+                                                                             status))
+    return check_loop.check(feed, cells, advance)
 
 
 def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str]:
@@ -192,7 +214,7 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
     import torch.distributed as dist
 
     subject = dataclasses.replace(subject, decoding=False)
-    checksums = model_checksums(subject)  # of the whole model, before its plan shards it
+    checksums = _held(subject, "the sharding of the factory's model")
     sharded.together("the float64 golden run")
     run = run_sharded(subject, REFERENCE, None, last=True)
     statuses = [write_goldens(subject, store, run=run, checksums=checksums)

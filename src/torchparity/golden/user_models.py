@@ -52,7 +52,7 @@ from torchparity.errors import UsageError
 from torchparity.golden.cells import REFERENCE, Run
 from torchparity.golden.model_runs import OUTPUT_KINDS, Status, run_in_cell
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
-from torchparity.subject import Subject
+from torchparity.subject import Subject, sharded
 from torchparity.subject.islands import narrowest, summary
 from torchparity.subject.running import default_loss_paths
 from torchparity.subject.trees import flatten_tensors
@@ -76,7 +76,9 @@ def model_store(subject: Subject, root: Any) -> GoldenStore:
 
 def model_checksums(subject: Subject) -> dict[str, str]:
     """Checksums of the float64 state dict and of the input tensors the factory gave."""
-    return {"weights": checksum(subject.model.state_dict(), dtype=torch.float64),
+    weights = (subject.model.state_dict() if subject.shards is None
+               else sharded.WholeState(subject.shards.state_dict()))
+    return {"weights": checksum(weights, dtype=torch.float64),
             "inputs": checksum(flatten_tensors(subject.inputs, "inputs"))}
 
 

@@ -16,12 +16,14 @@ from torchparity.subject.beams import BeamSettings, builtin_reorder, search_sett
 from torchparity.subject.decoding import STEP_HINT, ReorderFn, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.padding import Padding, padding_of
+from torchparity.subject.ranks import under_torchrun
 from torchparity.subject.running import (
     LossFn,
     call_model,
     cast_inputs,
     converted,
     default_loss_paths,
+    on_meta,
     projection_loss,
 )
 
@@ -58,6 +60,8 @@ class Subject:
     #: model by its plan (its own dtype, each rank its part): that model, ``model`` being then
     #: its structure on the meta device.
     shards: nn.Module | None = None
+    #: ``init(model)``: fills the weights of a model the factory built on the meta device.
+    init: Callable[[nn.Module], Any] | None = None
     #: False where it is checked against goldens made without decoding: it does not decode.
     decoding: bool = True
 
@@ -72,7 +76,19 @@ class Subject:
         fields["padding"] = padding_of(fields["padding"], fields["inputs"], fields["model"],
                                        f"the padding of factory {spec}", "the factory's padding")
         fields["search"] = search_settings(fields["search"], f"the search of factory {spec}")
-        return cls(name=entry_name(spec), entry=spec, **fields)
+        subject = cls(name=entry_name(spec), entry=spec, **fields)
+        if on_meta(subject.model) and not (under_torchrun() and subject.parallelize):
+            subject.materialise(subject.model, "cpu")
+        return subject
+
+    def materialise(self, model: nn.Module, device: str | torch.device) -> None:
+        """Give ``model``, on the meta device, memory on ``device`` and fill it with the
+        factory's ``init``."""
+        if self.init is None:
+            raise UsageError(f"factory {self.entry} built its model on the meta device; return "
+                             "init(model), which fills its weights, with it")
+        model.to_empty(device=device)
+        self.guarded(lambda: self.init(model), "its init")
 
     @property
     def is_transformers(self) -> bool:

@@ -104,6 +104,11 @@ def _copy_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy.deepcopy(model) if cast is model else cast
 
 
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device: parameters without memory yet."""
+    return any(param.is_meta for param in model.parameters())
+
+
 def converted(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
     """``model`` with floating parameters and buffers in ``dtype``, everything on ``device``:
     the model itself when it is already so, else a copy made without a second copy in the

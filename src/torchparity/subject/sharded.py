@@ -29,7 +29,7 @@ from torch import nn
 
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.subject import hf
-from torchparity.subject.running import cast_inputs, converted
+from torchparity.subject.running import cast_inputs, converted, on_meta
 
 if TYPE_CHECKING:  # importing torch.distributed's mesh module takes seconds
     from torch.distributed.device_mesh import DeviceMesh
@@ -41,12 +41,6 @@ COLLECTIVE_TIMEOUT_ENV = "TORCHPARITY_COLLECTIVE_TIMEOUT"
 _DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 #: The name of the mesh's one dimension when the factory gives none.
 DEFAULT_DIMENSION = "shard"
-
-
-def under_torchrun() -> bool:
-    """Whether this process is one rank of ``torchrun`` (or another launcher setting its
-    ``RANK`` and ``WORLD_SIZE``)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def rank() -> int:
@@ -264,6 +258,23 @@ def split_heads(model: nn.Module) -> str | None:
     return None
 
 
+class WholeState(Mapping):
+    """A sharded model's state dict whose tensors are gathered whole as each is read: every
+    rank must read them in the same order."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return whole(self._state[name])
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered into the plain tensor it stands for (every rank gets it); a plain
     tensor as it is."""
@@ -275,15 +286,19 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 def hold(subject: Subject) -> None:
     """Shard the factory's model by its plan, once, in its own dtype and on its own device:
     each rank keeps its part (``subject.shards``), and ``subject.model`` becomes the model's
-    structure on the meta device, from which :func:`placed` plans each run's copy."""
+    structure on the meta device, from which :func:`placed` plans each run's copy. A model
+    the factory built on the meta device is sharded there, and each rank then materialises
+    its part, filled by the factory's ``init``."""
     if subject.shards is not None:
         return
     model = subject.model
-    device = next(iter(model.parameters()), torch.empty(0)).device
+    device = "cpu" if on_meta(model) else next(iter(model.parameters()), torch.empty(0)).device
     structure = converted(model, "meta", torch.float64)
     mark("the sharding of the factory's model (its plan)")
-    subject.shards = shard(subject, model, device_mesh(subject, device))
-    subject.model = structure
+    shards = shard(subject, model, device_mesh(subject, device))
+    if on_meta(shards):  # built on meta: each rank gets memory for its part only
+        subject.materialise(shards, device)
+    subject.shards, subject.model = shards, structure
 
 
 #: ``perturb(name, whole)``: a parameter's whole value in the run's dtype, changed in place.
@@ -319,24 +334,25 @@ def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
 def _fill(model: nn.Module, source: nn.Module, perturb: Perturb | None) -> None:
     """This rank's part of each parameter and buffer of ``model`` copied from ``source``
     (the same model sharded alike), converted on the way."""
-    parts = dict(source.named_parameters()) | dict(source.named_buffers())
+    sources = dict(source.named_parameters()) | dict(source.named_buffers())
     with torch.no_grad():
         for name, param in model.named_parameters():
-            part = parts[name]
+            value = sources[name]
             if perturb is not None:
-                part = _part(perturb(name, whole(part).to(param.dtype, copy=True)), param)
-            _local(param).copy_(_local(part))
+                value = part(perturb(name, whole(value).to(param.dtype, copy=True)), param)
+            local(param).copy_(local(value))
         for name, buffer in model.named_buffers():
-            _local(buffer).copy_(_local(parts[name]))
+            local(buffer).copy_(local(sources[name]))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _part(whole_value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def part(whole_value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``whole_value`` as the DTensor ``like`` places it (all of it
     for a plain tensor)."""
     from torch.distributed.tensor import DTensor

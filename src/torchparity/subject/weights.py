@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from torchparity.reference import rng
+from torchparity.subject.sharded import local, part
 
 #: Spread of a norm's weight around 1 and of its bias around 0.
 NORM_SPREAD = 0.05
@@ -41,7 +42,9 @@ def init_weights(model: nn.Module, seed: int) -> nn.Module:
       and attention scores are of order 1, so the softmax is neither flat nor one-hot;
     - an embedding table, a bias and any other tensor have standard deviation 0.02 around 0.
 
-    Tied parameters are filled once, under the first name ``state_dict`` gives them; integer
+    A model sharded over ranks (DTensor parameters) gets on each rank its part of the values
+    one process draws: a parameter at a time is drawn whole. Tied parameters are filled once,
+    under the first name ``state_dict`` gives them; integer
     and bool tensors, and buffers a module recomputes itself (non-persistent ones, such as
     rotary frequencies), are left as they are.
     """
@@ -54,7 +57,8 @@ def init_weights(model: nn.Module, seed: int) -> nn.Module:
             module_name, _, tensor_name = name.rpartition(".")
             module = model.get_submodule(module_name)
             std, mean = _scale(module, tensor_name, tensor)
-            tensor.copy_(rng.symmetric(seed, name, tensor.shape, std) + mean)
+            values = rng.symmetric(seed, name, tensor.shape, std) + mean
+            local(tensor).copy_(part(values, tensor))  # a sharded one: this rank's part
     return model
 
 
