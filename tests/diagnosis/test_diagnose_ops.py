@@ -303,6 +303,29 @@ def test_the_float64_golden_writes_into_its_own_float64_static_cache() -> None:
 
 
 @pytest.mark.transformers
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_eager_vs_sdpa_at_a_static_cache_step_has_no_divergent_op() -> None:
+    """At the decoding step, eager reshapes its keys to (batch * heads, keys, dim) for its
+    matmuls and sdpa views them per key-value group: layouts of other ranks are not one
+    computation, so they are not paired (which would read as a shape that diverges)."""
+    import tiny_transformers
+    from torchparity.subject import hf
+
+    torch.manual_seed(0)
+    lm = tiny_transformers.llama().eval()
+    hf.set_attention(lm, "eager")
+    model_a = StaticCacheDecoding(lm)
+    model_b = copy.deepcopy(model_a)
+    hf.set_attention(model_b.lm, "sdpa")
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    token = torch.randint(0, 64, (2, 1), generator=torch.Generator().manual_seed(1))
+    step_attention = "lm.model.layers.0.self_attn#1"
+    report = tp.diagnose(model_a, model_b, (ids, token), backward=False, ops=step_attention)
+    ops = report.row(step_attention).ops
+    assert ops is not None and ops.answer is None, ops.sentence()
+
+
+@pytest.mark.transformers
 @pytest.mark.parametrize("family, attention", [
     ("llama", "model.layers.0.self_attn"),
     pytest.param("gpt2", "transformer.h.0.attn", marks=pytest.mark.slow)])
