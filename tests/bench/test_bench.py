@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,7 @@ class PhasedReport:
     """A report with the phases a diagnosis times; rendering it costs nothing."""
 
     def __init__(self, seconds: dict[str, float]) -> None:
-        self.meta = {"seconds": seconds}
+        self.meta = types.SimpleNamespace(seconds=seconds)
 
     def render(self, width: int) -> str:
         return ""

@@ -36,7 +36,7 @@ def test_sketched_trace_still_names_the_planted_norm(tmp_path, monkeypatch):
     assert report.first_divergence.module == "decoder.layers.1.mlp_norm"
     in_process = tp.diagnose(a, b, batch, loss_fn=sequence_loss)
     assert in_process.first_divergence.module == "decoder.layers.1.mlp_norm"
-    assert "no float64 copy" in in_process.meta["golden"]
+    assert "no float64 copy" in in_process.meta.golden
 
 
 def test_streaming_is_the_default_when_the_models_are_big_for_the_memory(monkeypatch):

@@ -61,7 +61,7 @@ def test_a_cache_part_left_out_of_the_reorder_is_named_where_a_reorder_first_mov
     stale = stale_rows(tokens, parents, step)
     assert entry.detail.startswith(f"rows {', '.join(map(str, stale[:6]))}")
     assert entry.detail.endswith("not reordered at all")
-    assert any("layers.1.self_attn.v_cache" in note for note in report.meta["notes"])
+    assert any("layers.1.self_attn.v_cache" in note for note in report.meta.notes)
     assert not report.ok
 
 

@@ -125,7 +125,7 @@ def test_given_tokens_across_revisions_in_python_and_on_the_command_line(tmp_pat
     report = tp.diagnose_decode_against(trace, changed["model"], changed["inputs"],
                                         step=changed["step"])
     _assert_off_by_one_found(report)
-    assert torch.equal(report.tokens, tokens) and report.meta["tokens"] == "given"
+    assert torch.equal(report.tokens, tokens) and report.meta.tokens == "given"
     # diagnose_against reads the trace's kind: a decoding goes to the decoding pipeline
     routed = tp.diagnose_against(trace, changed["model"], changed["inputs"], step=changed["step"])
     _assert_off_by_one_found(routed)

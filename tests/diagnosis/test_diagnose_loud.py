@@ -86,7 +86,7 @@ def test_python_gets_the_golden_of_a_model_that_cannot_be_deep_copied(factories:
 
     subject = Subject.load(f"{factories}:seeded")
     report = tp.diagnose(subject.model, subject.model, subject.inputs)
-    assert report.meta["golden"].startswith("float64 run of A on the CPU")
+    assert report.meta.golden.startswith("float64 run of A on the CPU")
     assert report.first_divergence is None
 
 

@@ -66,7 +66,7 @@ def test_eager_against_sdpa_on_a_padded_batch_finds_no_divergence(family, dtype)
     assert report.first_grad_divergence is None, report.render()
     assert report.output.ok and (report.loss is None or report.loss.ok), report.render()
     assert all(row.entry is None for row in report.rows) and "argument" not in report.summary()
-    assert f"{PAD} of 16 positions are padding" in " ".join(report.meta["notes"])
+    assert f"{PAD} of 16 positions are padding" in " ".join(report.meta.notes)
 
 
 def leaks_one_padded_key(model: nn.Module) -> nn.Module:
@@ -130,6 +130,6 @@ def test_a_recorded_trace_keeps_its_padding(tmp_path):
     trace = tp.record(a, inputs, tmp_path / "eager.tptrace", padding=padding)
     report = tp.diagnose_against(trace, b, inputs)
     assert report.first_divergence is None and report.output.ok, report.render()
-    assert "(per the padding given)" in " ".join(report.meta["notes"])
+    assert "(per the padding given)" in " ".join(report.meta.notes)
     judged_whole = tp.diagnose_against(trace, b, inputs, padding=False)
     assert not judged_whole.output.ok  # eager's values at the queries that see nothing

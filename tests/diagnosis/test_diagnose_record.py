@@ -87,7 +87,7 @@ def test_record_in_one_process_diagnose_in_another(factory_dir: Path, monkeypatc
                                local="all")
     assert same.first_divergence is None and same.first_grad_divergence is None
     assert all(r.local.verdict == "identical" for r in same.rows)
-    assert same.meta["weights"]["changed"] == []
+    assert same.meta.weights["changed"] == []
 
 
 def test_changed_weights_are_reported(tmp_path: Path) -> None:
@@ -95,8 +95,8 @@ def test_changed_weights_are_reported(tmp_path: Path) -> None:
     path = tp.record(model, batch, tmp_path / "t.tptrace", backward=False)
     other = build_model(zoo.get("llama-tiny").config, seed=1)
     report = tp.diagnose_against(path, other, batch)
-    assert "decoder.layers.0.attn.q_proj.weight" in report.meta["weights"]["changed"]
-    assert any("differ from the recorded ones" in n for n in report.meta["notes"])
+    assert "decoder.layers.0.attn.q_proj.weight" in report.meta.weights["changed"]
+    assert any("differ from the recorded ones" in n for n in report.meta.notes)
 
 
 def test_trace_errors_say_what_to_do(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ def test_a_temperature_applied_twice_is_a_real_change_from_the_first_draw() -> N
 
     report = tp.diagnose_decode(clean["model"], copy.deepcopy(clean["model"]), clean["inputs"],
                                 step=clean["step"], step_b=twice, steps=4, sample=SETTINGS)
-    assert report.first_step == 0 and report.meta["tokens"] == "A's samples"
+    assert report.first_step == 0 and report.meta.tokens == "A's samples"
     first = min(report.flips, key=lambda f: f.step)
     assert first.step == 0 and first.verdict == "real change", report.render(100)
     assert not report.ok

@@ -11,6 +11,7 @@ import torch
 
 import torchparity as tp
 from torchparity.diagnosis.report import DiagnosisReport
+from torchparity.diagnosis.report_meta import DiagnosisMeta
 from torchparity.diagnosis.results import Bounded, Row
 
 LAYERS = 16
@@ -51,10 +52,12 @@ def deep_report() -> DiagnosisReport:
     rows += [_row("model.norm", len(rows), None, _diverged()),
              _row("lm_head", len(rows), None, _diverged()),
              _row("", len(rows), _diverged(), _diverged())]
+    meta = DiagnosisMeta(reference="model A", model_b="Model", golden="float64 run of A",
+                         backward=True, backends=["manual", "manual"],
+                         mode="float32: A and B as given, against A's float64 golden",
+                         alignment={}, notes=[], seconds={})
     return DiagnosisReport(rows=rows, output=_diverged(), loss=None, unmatched_a=[],
-                           unmatched_b=[], meta={"backward": True, "mode": "float32: A and B "
-                                                 "as given, against A's float64 golden",
-                                                 "notes": []})
+                           unmatched_b=[], meta=meta)
 
 
 def test_a_deep_report_fits_40_lines_of_80_columns_with_the_rows_that_matter():

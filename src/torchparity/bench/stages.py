@@ -1,6 +1,6 @@
 """Where a diagnosis's time goes: the phases it reports, summed into the bench's stages.
 
-A diagnosis times each of its phases (``report.meta["seconds"]``, see
+A diagnosis times each of its phases (``report.meta.seconds``, see
 :mod:`torchparity.diagnosis.progress`); the bench adds the time to render the report and, for a
 decoding, the ``record`` of A's side, and sums them into :data:`STAGES`. A phase goes to the
 first stage whose words it contains; one that no stage names is a run (A's, the golden's, B's,
@@ -34,7 +34,7 @@ def stage_seconds(report: Any, call_s: float, before: float = 0.0) -> dict[str, 
 
     Judging while B runs is timed inside B's run, so it is taken out of the runs."""
     stages = {RUNS: before, **dict.fromkeys(STAGES, 0.0)}
-    for phase, seconds in report.meta["seconds"].items():
+    for phase, seconds in report.meta.seconds.items():
         stage = next((s for s, words in STAGES.items() if any(w in phase for w in words)), RUNS)
         stages[stage] += seconds
     stages[RUNS] -= stages["judging"]

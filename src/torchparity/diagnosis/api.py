@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from torchparity.collector import with_older_objects_frozen
-from torchparity.diagnosis.align import Alignment, Match, NameMap
+from torchparity.diagnosis.align import Match, NameMap
 from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.capture_a import capture_reference, open_reference, trace_meta
 from torchparity.diagnosis.compiled_localisation import compile_form, localise
@@ -58,6 +58,7 @@ from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
 from torchparity.diagnosis.reference import Reference, describe_mode
 from torchparity.diagnosis.report import DiagnosisReport
+from torchparity.diagnosis.report_meta import DiagnosisMeta
 from torchparity.diagnosis.run import (
     BackendSpec,
     Local,
@@ -142,7 +143,7 @@ def diagnose(
     Guarantees: both models, their gradients and the global RNG state are left as they were;
     every run is seeded identically; each row's verdicts come from
     :func:`torchparity.compare` with a float64 golden when A can run in float64 (see
-    ``report.meta["golden"]``); unmatched modules are listed, never dropped.
+    ``report.meta.golden``); unmatched modules are listed, never dropped.
     """
     model_b, compile_b = compile_form(model_b, compile_b)
     if compile_b is not None and model_b is model_a:  # A's replays must stay eager
@@ -258,7 +259,7 @@ def diagnose_against(
     model's modules. ``backward`` defaults to whether the trace has gradients; module selection
     is the recorded one; ``local`` is as in :func:`diagnose`; ``padding`` defaults to the
     recorded one (see :func:`diagnose`). Weights that differ from the recorded ones are listed
-    in ``report.meta["weights"]`` (a changed initialisation is not a changed computation).
+    in ``report.meta.weights`` (a changed initialisation is not a changed computation).
     ``compile_b`` and a compiled ``model`` are as in :func:`diagnose`.
 
     A trace of a decoding (:func:`torchparity.record_decode`) is judged by
@@ -302,9 +303,9 @@ def diagnose_against(
     with progress_bar(opts.progress) as bar:
         report = _diagnose_candidate(reference, model, inputs, opts, name_map, bar, ops=ops,
                                      more_ops=more_ops)
-    report.meta["weights"] = weights
+    report.meta = dataclasses.replace(report.meta, weights=weights)
     if weights["changed"]:
-        report.meta["notes"].append(
+        report.meta.notes.append(
             f"{len(weights['changed'])} parameter(s)/buffer(s) differ from the recorded ones, "
             f"e.g. {weights['changed'][0]}")
     return report
@@ -357,26 +358,26 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
         propagated, replayed, compiled_note = localise(reference, model, inputs, opts,
                                                        name_map, bar)
         alignment = propagated.alignment
-    meta = _report_meta(reference, model, opts, alignment)
+    notes = [] if reference.has_golden else [f"golden: {reference.golden_label}"]
     if reference.padding:
-        meta["notes"].append(f"{reference.padding.summary()}: left out of every judgement and"
-                             " of the default loss")
+        notes.append(f"{reference.padding.summary()}: left out of every judgement and of the "
+                     "default loss")
+    below_noise = None
     if opts.compile_b is None and propagated.output.verdict != "identical" and all(
             r.local is None or r.local.ok for r in propagated.rows):
         done = bar.phase("B in float64: forward")
         departure = float64_departure(reference, model, inputs, opts)
         done()
         if departure is not None and not departure.ok:
-            meta["below_noise"] = (
+            below_noise = (
                 f"B's float64 output departs from A's float64 golden ({_share(departure)} of the "
                 "float64 budget): a change below the noise of this dtype; run with --dtype fp64 "
                 "(dtype=torch.float64) to localise it")
-    meta["seconds"] = {**bar.seconds, "judging while B runs": reference.judging_seconds}
+    seconds = {**bar.seconds, "judging while B runs": reference.judging_seconds}
     if opts.compile_b is not None:
-        meta["compile_b"] = opts.compile_b
-        meta["notes"].append(compiled_note)
+        notes.append(compiled_note)
     elif opts.local != "all":
-        meta["notes"].append(
+        notes.append(
             f"local errors of {replayed} of {len(propagated.rows)} module(s): those whose "
             "propagated error diverged or could not be judged (local='all' computes every one)")
     return DiagnosisReport(
@@ -385,7 +386,12 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
         loss=propagated.loss,
         unmatched_a=[c.key for c in alignment.unmatched_a],
         unmatched_b=[c.key for c in alignment.unmatched_b],
-        meta=meta,
+        meta=DiagnosisMeta(
+            reference=reference.source, model_b=type(model).__name__,
+            golden=reference.golden_label, backward=opts.backward,
+            backends=[backend_name(opts.backend_a), backend_name(opts.backend_b)],
+            mode=reference.mode, alignment=alignment.counts(), notes=notes, seconds=seconds,
+            below_noise=below_noise, compile_b=opts.compile_b),
     )
 
 
@@ -471,20 +477,6 @@ def _parent_row(rows: list, index: int) -> int | None:
     candidates = [i for i, r in enumerate(rows) if r.module.split("#")[0] == parent
                   and r.start <= rows[index].start]
     return max(candidates, key=lambda i: rows[i].start, default=None)
-
-
-def _report_meta(reference: Reference, model: nn.Module, opts: Options,
-                 alignment: Alignment) -> dict[str, Any]:
-    return {
-        "reference": reference.source,
-        "model_b": type(model).__name__,
-        "golden": reference.golden_label,
-        "backward": opts.backward,
-        "backends": [backend_name(opts.backend_a), backend_name(opts.backend_b)],
-        "mode": reference.mode,
-        "alignment": alignment.counts(),
-        "notes": [] if reference.has_golden else [f"golden: {reference.golden_label}"],
-    }
 
 
 def _share(result: Any) -> str:

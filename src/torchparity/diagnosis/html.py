@@ -70,20 +70,20 @@ def settings_details(meta: dict[str, Any]) -> str:
 def html_page(report: Any) -> str:
     plots = [svg_plot(report.rows, {"local": "local", "propagated": "propagated"},
                       "Forward error / budget")]
-    if report.meta.get("backward"):
+    if report.meta.backward:
         plots.append(svg_plot(report.rows, {"local": "grad_local",
                                             "propagated": "grad_propagated"},
                               "Gradient error / budget"))
     unmatched = "".join(
         f"<p class='note'>Unmatched in {side}: {html.escape(', '.join(names))}</p>"
         for side, names in (("A", report.unmatched_a), ("B", report.unmatched_b)) if names)
-    notes = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in report.meta.get("notes", []))
+    notes = "".join(f"<p class='note'>{html.escape(n)}</p>" for n in report.meta.notes)
     return page("torchparity diagnosis",
                 f"<p class='summary'>{html.escape(report.summary())}</p>"
                 + "".join(plots) + _html_table(report) + legend(report)
                 + "".join(ops.to_html() for r in report.rows for ops in (r.ops, r.grad_ops)
                           if ops is not None) + unmatched + notes
-                + settings_details(report.meta))
+                + settings_details(report.meta.to_json()))
 
 
 #: What each symbol of a cell means, in the words of the terminal's legend.
@@ -184,7 +184,7 @@ def _columns(report: Any) -> list[str]:
     heads += ["A"] if any(r.how != "name" for r in report.rows) else []
     heads += ["type", "local", "propagated"]
     heads += ["amplification"] if any(r.amplification is not None for r in report.rows) else []
-    heads += ["grad local", "grad propagated"] if report.meta.get("backward") else []
+    heads += ["grad local", "grad propagated"] if report.meta.backward else []
     return heads
 
 

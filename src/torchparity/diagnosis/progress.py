@@ -1,5 +1,5 @@
 """Progress of a diagnosis: one line per phase (runs, replays) on stderr through rich, and the
-wall time of each phase (``report.meta["seconds"]``), shown or not."""
+wall time of each phase (``report.meta.seconds``), shown or not."""
 
 from __future__ import annotations
 

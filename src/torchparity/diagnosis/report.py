@@ -16,6 +16,7 @@ from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.folding import FOLD_ABOVE, Fold, folded
 from torchparity.diagnosis.html import html_page, layer_groups
 from torchparity.diagnosis.reference import golden_warning
+from torchparity.diagnosis.report_meta import DiagnosisMeta
 from torchparity.diagnosis.results import (
     NotCompared,
     Result,
@@ -53,7 +54,7 @@ class Report:
              ) -> None:
         """Print the report to ``console``, after the line that says no float64 golden could
         be made when so, and write its JSON and HTML where asked."""
-        warning = golden_warning(self.meta.get("golden", ""))
+        warning = golden_warning(getattr(self.meta, "golden", ""))  # "": no golden used
         if warning:
             console.print(warning, markup=False, highlight=False)
         self.print(console)
@@ -87,7 +88,7 @@ class DiagnosisReport(Report):
     loss: Result | None
     unmatched_a: list[str]
     unmatched_b: list[str]
-    meta: dict[str, Any]
+    meta: DiagnosisMeta
 
     @property
     def first_divergence(self) -> Row | None:
@@ -138,7 +139,7 @@ class DiagnosisReport(Report):
                 parts.append(f"It enters at {first.entry}.")
             if first.ops is not None and ops:
                 parts.append(first.ops.sentence())
-        if self.meta.get("backward"):
+        if self.meta.backward:
             grad = self.first_grad_divergence
             parts.append("No gradient diverges locally." if grad is None else
                          f"First gradient divergence: {module_label(grad.module)}.")
@@ -154,13 +155,13 @@ class DiagnosisReport(Report):
             shape = getattr(self.output, "structure", ())
             paths = f" (structure differs at {', '.join(d.path for d in shape)})" if shape else ""
             parts.append(f"Final output: {self.output.verdict}{paths}.")
-        if self.meta.get("below_noise"):
-            parts.append(f"But {self.meta['below_noise']}.")
+        if self.meta.below_noise:
+            parts.append(f"But {self.meta.below_noise}.")
         if (unknown := self._unknown_sentence()) is not None:
             parts.append(unknown)
         parts.append(self._verdict_sentence())
-        if self.meta.get("mode"):
-            parts.append(f"Mode: {self.meta['mode']}.")
+        if self.meta.mode:
+            parts.append(f"Mode: {self.meta.mode}.")
         return parts
 
     def _unknown_sentence(self) -> str | None:
@@ -215,7 +216,7 @@ class DiagnosisReport(Report):
             "rows": [r.to_dict() for r in self.rows],
             "unmatched_a": self.unmatched_a,
             "unmatched_b": self.unmatched_b,
-            "meta": self.meta,
+            "meta": self.meta.to_json(),
         })
 
     # -- terminal -----------------------------------------------------------------------------
@@ -247,7 +248,7 @@ class DiagnosisReport(Report):
         local error diverged, structure differences, and their neighbours) and folds runs of
         layers alike into one line, with the worst cell of each column; JSON and HTML keep
         every row. Under a row drilled down to its ops: the op table and where it enters."""
-        backward = bool(self.meta.get("backward"))
+        backward = self.meta.backward
         heads = ["#", "local", "prop."] + (["grad l.", "grad p."] if backward else [])
         first, grad = self.first_divergence, self.first_grad_divergence
         rows = []
@@ -311,7 +312,7 @@ class DiagnosisReport(Report):
             lines.append(f"unmatched in A: {', '.join(self.unmatched_a)}")
         if self.unmatched_b:
             lines.append(f"unmatched in B: {', '.join(self.unmatched_b)}")
-        lines += [f"note: {note}" for note in self.meta.get("notes", [])]
+        lines += [f"note: {note}" for note in self.meta.notes]
         for index, r in enumerate(self.rows):
             if shown is not None and index not in shown:
                 continue

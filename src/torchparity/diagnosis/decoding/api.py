@@ -19,6 +19,7 @@ judges where B would keep other hypotheses). No gradients are taken.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ from torchparity.diagnosis.decoding.trace import decode_meta, open_decode_refere
 from torchparity.diagnosis.ops import capturing_first_call, judged_streams
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.reference import describe_mode, module_placement
+from torchparity.diagnosis.report_meta import DecodeMeta
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
 from torchparity.diagnosis.trace import (
     MemoryStore,
@@ -208,7 +210,7 @@ def diagnose_decode_against(
     """Judge ``model`` (the changed revision) decoding along the tokens of the trace
     :func:`record_decode` wrote. ``inputs`` must be the recorded prompt (checked by checksum);
     the module selection and dtype are the recorded ones. Weights that differ from the
-    recorded ones are listed in ``report.meta["weights"]``."""
+    recorded ones are listed in ``report.meta.weights``."""
     reference, meta = open_decode_reference(path)
     check_recorded_inputs(path, inputs, meta.inputs_digest, "prompt")
     opts = make_options(False, None, meta.include, meta.exclude,
@@ -223,9 +225,9 @@ def diagnose_decode_against(
                 reorder or builtin_reorder(model))
     with progress_bar(opts.progress) as bar:
         report = judge_candidate(reference, side, opts, name_map, bar)
-    report.meta["weights"] = weights
+    report.meta = dataclasses.replace(report.meta, weights=weights)
     if weights["changed"]:
-        report.meta["notes"].append(
+        report.meta.notes.append(
             f"{len(weights['changed'])} parameter(s)/buffer(s) differ from the recorded ones, "
             f"e.g. {weights['changed'][0]}")
     return report
@@ -275,21 +277,21 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
         flips = first_changed_draws(reference, decoded.logits, steps, reference.sample)
     else:
         flips = first_flips(reference, decoded.logits, steps, logits64)
-    meta = {
-        "reference": reference.source, "model_b": type(side.model).__name__,
-        "steps": reference.steps,
-        "tokens": ("A's beam search" if beams else "A's samples" if reference.sample else
-                   "A's greedy choices" if reference.greedy else "given"),
-        "beams": reference.beams.to_dict() if beams else None,
-        "sample": None if reference.sample is None else reference.sample.to_dict(),
-        "golden": reference.golden_label, "mode": reference.mode,
-        "backends": [backend_name(opts.backend_a), backend_name(opts.backend_b)],
-        "flip_verdicts": ("the uniform's distance from the boundary that moved, against the "
-                          "step's budget in probability" if reference.sample else
-                          "B's float64 decoding" if logits64 is not None
-                          else "margin against twice the step's budget"),
-        "notes": notes, "seconds": dict(bar.seconds),
-    }
+    meta = DecodeMeta(
+        reference=reference.source, model_b=type(side.model).__name__,
+        steps=reference.steps,
+        tokens=("A's beam search" if beams else "A's samples" if reference.sample else
+                "A's greedy choices" if reference.greedy else "given"),
+        beams=reference.beams.to_dict() if beams else None,
+        sample=None if reference.sample is None else reference.sample.to_dict(),
+        golden=reference.golden_label, mode=reference.mode,
+        backends=[backend_name(opts.backend_a), backend_name(opts.backend_b)],
+        flip_verdicts=("the uniform's distance from the boundary that moved, against the "
+                       "step's budget in probability" if reference.sample else
+                       "B's float64 decoding" if logits64 is not None
+                       else "margin against twice the step's budget"),
+        notes=notes, seconds=dict(bar.seconds),
+    )
     return DecodeReport(steps=steps, first_step=first_step, rows=rows, flips=flips,
                         tokens=reference.tokens, meta=meta, swaps=swaps, nbest=nbest,
                         parents=reference.parents)

@@ -25,6 +25,7 @@ from torchparity.diagnosis.decoding.beams import BeamSwap
 from torchparity.diagnosis.decoding.judging import Flip, first_module, step_budget, step_error
 from torchparity.diagnosis.html import html_cell, page, settings_details, svg_plot
 from torchparity.diagnosis.report import Report, not_compared_legend
+from torchparity.diagnosis.report_meta import DecodeMeta
 from torchparity.diagnosis.results import Result, Row, headroom, shape_difference, share_cell
 
 __all__ = ["BeamSwap", "DecodeReport", "Flip"]
@@ -44,7 +45,7 @@ class DecodeReport(Report):
     step; :attr:`first_module` is the first whose output breaks its budget while its inputs do
     not, and its ``entry`` says how the change gets in. ``flips`` holds each sequence's first
     token flip. ``tokens`` (batch, steps) are the tokens every side was fed. In a beam search
-    (``meta["beams"]``) ``swaps`` holds each step's first beam swap and ``nbest`` each
+    (``meta.beams``) ``swaps`` holds each step's first beam swap and ``nbest`` each
     prompt's first difference of the final n-best, ``parents`` (batch, steps) the rows the
     tokens of each step continue, and ``flips`` is empty.
     """
@@ -54,7 +55,7 @@ class DecodeReport(Report):
     rows: list[Row]
     flips: list[Flip]
     tokens: torch.Tensor
-    meta: dict[str, Any]
+    meta: DecodeMeta
     swaps: list[BeamSwap] = field(default_factory=list)
     nbest: list[BeamSwap] = field(default_factory=list)
     parents: torch.Tensor | None = None
@@ -105,7 +106,7 @@ class DecodeReport(Report):
             elif self.rows:
                 parts.append("No module's output leaves its budget at that step.")
         real = sum(f.verdict == "real change" for f in self.flips)
-        if self.meta.get("beams"):
+        if self.meta.beams:
             parts.append(self._beam_summary())
         elif self.flips:
             safe = not real and self.first_step is None
@@ -115,20 +116,20 @@ class DecodeReport(Report):
                          f"{' (regenerating the golden is safe)' if safe else ''}.")
         else:
             parts.append(f"No {self._flipped}.")
-        if self.meta.get("mode"):
-            parts.append(f"Mode: {self.meta['mode']}.")
+        if self.meta.mode:
+            parts.append(f"Mode: {self.meta.mode}.")
         return parts
 
     @property
     def _flipped(self) -> str:
-        return "changed draws" if self.meta.get("sample") else "token flips"
+        return "changed draws" if self.meta.sample else "token flips"
 
     @property
     def _flip_title(self) -> str:
-        return "First changed draw" if self.meta.get("sample") else "First token flip"
+        return "First changed draw" if self.meta.sample else "First token flip"
 
     def _beam_summary(self) -> str:
-        beams = self.meta["beams"]
+        beams = self.meta.beams
         text = (f"Beam search of {beams['beams']} beam(s) (length penalty "
                 f"{beams['length_penalty']:g}, end of sequence "
                 f"{'none' if beams['eos'] is None else beams['eos']}): ")
@@ -163,8 +164,8 @@ class DecodeReport(Report):
                 "first_op": None if row is None or row.ops is None else row.ops.to_dict(),
                 "prompt": self.steps[0].verdict,
                 "flips": [f.to_dict() for f in self.flips],
-                "beams": self.meta.get("beams"),
-                "sample": self.meta.get("sample"),
+                "beams": self.meta.beams,
+                "sample": self.meta.sample,
                 "swaps": [w.to_dict() for w in self.swaps],
                 "nbest": [w.to_dict() for w in self.nbest],
                 "steps": [{"step": s, "verdict": r.verdict, "error": step_error(r),
@@ -174,7 +175,7 @@ class DecodeReport(Report):
                 "tokens": self.tokens.tolist(),
                 "parents": None if self.parents is None else self.parents.tolist(),
             },
-            "meta": self.meta,
+            "meta": self.meta.to_json(),
         })
 
     # -- terminal -----------------------------------------------------------------------------
@@ -260,7 +261,7 @@ class DecodeReport(Report):
 
     def _footer(self) -> list[str]:
         lines = [f"share: {_LEGEND.format(not_compared_legend(self.rows))}"]
-        if self.flips and self.meta.get("sample"):
+        if self.flips and self.meta.sample:
             lines.append("margin: the uniform's distance from the boundary of A's cumulative "
                          "distribution that moved; change: how far B moved it; budget: the "
                          "step's, carried to probabilities")
@@ -276,7 +277,7 @@ class DecodeReport(Report):
         if first is not None:
             lines += [f"{_label(first.module)} @ step {self.first_step}: {shape_difference(d)}"
                       for d in first.shapes]
-        lines += [f"note: {note}" for note in self.meta.get("notes", [])]
+        lines += [f"note: {note}" for note in self.meta.notes]
         return lines
 
     def __str__(self) -> str:
@@ -323,7 +324,7 @@ class DecodeReport(Report):
                                               and not r.propagated.ok else ""))
                  for i, r in enumerate(self.rows)], escape=False, wraps=1))
         parts += [f"<p class='note'>{html.escape(line)}</p>" for line in self._footer()]
-        parts.append(settings_details(self.meta))
+        parts.append(settings_details(self.meta.to_json()))
         text = page("torchparity decoding diagnosis", "".join(parts), _NOWRAP)
         if path is not None:
             Path(path).write_text(text, encoding="utf-8")
