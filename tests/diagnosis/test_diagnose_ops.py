@@ -619,3 +619,19 @@ def test_a_gradient_only_change_is_drilled_in_its_backward_pass() -> None:
                   for i, line in enumerate(lines) if "h.pow(2)" in line)
     assert planted_line(plants.RMSNormHalfGradient) in op["b_stack"] or a_line in op["a_stack"]
     assert "In its backward pass: It enters at aten::" in report.summary()
+
+
+def test_against_a_trace_with_ops_names_the_backward_op_as_in_process(tmp_path) -> None:
+    """The gradient-only change drilled against A's trace: the backward ops kept by
+    ``record --ops`` give the same answer as the in-process drill-down."""
+    model_a, batch = model_and_batch("llama-tiny")
+    model_b = copy.deepcopy(model_a)
+    model_b.decoder.layers[1].mlp_norm.__class__ = plants.RMSNormHalfGradient
+    trace = tp.record(model_a, batch, tmp_path / "t", loss_fn=sequence_loss,
+                      ops="decoder.layers.1.mlp_norm")
+    against = tp.diagnose_against(trace, model_b, batch, loss_fn=sequence_loss, local="all")
+    in_process = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, local="all")
+    op, expected = (r.to_dict()["first_grad_divergence"]["op"] for r in (against, in_process))
+    assert op is not None and op["found"], against.render()
+    same = ("module", "name", "kind", "a_stack", "b_stack", "code", "arguments")
+    assert {k: op[k] for k in same} == {k: expected[k] for k in same}, against.render()
