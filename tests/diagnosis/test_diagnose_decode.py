@@ -105,8 +105,15 @@ def test_across_revisions_and_on_the_command_line(tmp_path: Path, capsys) -> Non
     assert set(decode["flips"][0]) == {"step", "sequence", "a_token", "b_token", "margin",
                                        "change", "budget", "verdict"}
     assert min(decode["flips"], key=lambda f: f["step"])["verdict"] == "real change"
+    assert decode["first_op"] is None  # A's model is not here: said in one line, with how
     text = capsys.readouterr().out
     assert "layers.0.self_attn @ step 1" in text and max(map(len, text.splitlines())) <= 80
+    assert "(`torchparity diagnose A B --decode`) name the op" in " ".join(text.split())
+    # --ops is refused, never ignored, with a decoding's trace
+    assert main(["diagnose", f"{TOYS}:off_by_one", "--against", str(trace), "--ops",
+                 "layers.0.self_attn"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--ops drills down a forward diagnosis" in err
     assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")
 
     assert main(["diagnose", f"{TOYS}:reordered", "--against", str(trace)]) == 0

@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", metavar="MODULE",
                         help="drill B's MODULE down to its ops and source lines (default: the "
                              "first divergent module; with --against, A's ops must be in the "
-                             "trace: `record --ops`)")
+                             "trace: `record --ops`; not with --decode)")
     parser.add_argument("--local", choices=("diverged", "all"), default="diverged",
                         help="modules that get a local error (module replay): those whose "
                              "propagated error diverged (default) or all")
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _two_models(args: argparse.Namespace, name_map):
-    from torchparity.diagnosis.api import COMPILED_DECODING, diagnose
+    from torchparity.diagnosis.api import COMPILED_DECODING, DECODE_OPS, diagnose
     from torchparity.diagnosis.decoding import diagnose_decode
 
     if len(args.entries) != 2:
@@ -114,8 +114,7 @@ def _two_models(args: argparse.Namespace, name_map):
         if args.compile_b:
             raise UsageError(COMPILED_DECODING)
         if args.ops:
-            raise UsageError("--ops drills down a forward diagnosis; a decoding names the "
-                             "module at its first divergent step")
+            raise UsageError(DECODE_OPS)
         if args.stream or args.local != "diverged":
             raise UsageError("--stream and --local are options of a forward diagnosis; a "
                              "decoding keeps each step's calls, and replays none")

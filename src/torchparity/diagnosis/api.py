@@ -87,6 +87,10 @@ __all__ = ["diagnose", "diagnose_against", "record"]
 COMPILED_DECODING = ("--compile-b localises a forward pass; a compiled decoding is judged step "
                      "by step, with its recompiles, by `torchparity check --model ENTRY "
                      "--compile` (docs/compile.md)")
+#: Why ``--ops`` is not taken with a decoding.
+DECODE_OPS = ("--ops drills down a forward diagnosis; a decoding drills down the first "
+              "divergent module at its first divergent step, in-process (`torchparity "
+              "diagnose A B --decode`)")
 
 
 @with_older_objects_frozen
@@ -276,6 +280,8 @@ def diagnose_against(
     if is_decode_trace(open_trace(path)[0]):
         if compile_b is not None:
             raise UsageError(COMPILED_DECODING)
+        if ops is not None:
+            raise UsageError(DECODE_OPS)
         return diagnose_decode_against(path, model, inputs, step=step, name_map=name_map,
                                        backend=backend, progress=progress, reorder=reorder)
     if decode:

@@ -210,7 +210,8 @@ def diagnose_decode_against(
     """Judge ``model`` (the changed revision) decoding along the tokens of the trace
     :func:`record_decode` wrote. ``inputs`` must be the recorded prompt (checked by checksum);
     the module selection and dtype are the recorded ones. Weights that differ from the
-    recorded ones are listed in ``report.meta.weights``."""
+    recorded ones are listed in ``report.meta.weights``. The first divergent module is not
+    drilled down to its ops (A would be decoded again up to the step): a note says so."""
     reference, meta = open_decode_reference(path)
     check_recorded_inputs(path, inputs, meta.inputs_digest, "prompt")
     opts = make_options(False, None, meta.include, meta.exclude,
@@ -226,6 +227,10 @@ def diagnose_decode_against(
     with progress_bar(opts.progress) as bar:
         report = judge_candidate(reference, side, opts, name_map, bar)
     report.meta = dataclasses.replace(report.meta, weights=weights)
+    if report.first_module is not None:  # A's model is not here to decode again
+        report.meta.notes.append(
+            "no op drill-down against a decoding's trace: two entries in-process "
+            "(`torchparity diagnose A B --decode`) name the op and its line")
     if weights["changed"]:
         report.meta.notes.append(
             f"{len(weights['changed'])} parameter(s)/buffer(s) differ from the recorded ones, "
