@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import torchparity as tp
+from torchparity.diagnosis.report import DiagnosisReport
 from torchparity.subject.factory import resolve_entry
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
@@ -136,6 +137,18 @@ def source_lines(function: object, text: str) -> set[str]:
     return {f"{path}:{start + i}" for i, line in enumerate(lines) if text in line}
 
 
+def names_the_shifted_write(report: DiagnosisReport) -> None:
+    """The first divergence is the first decoding call of the attention, its op B's write
+    (paired with A's) at the planted line."""
+    first = report.first_divergence
+    assert first.module == "decoder.layers.0.self_attn#1", report.render()
+    assert first.ops is not None and first.ops.answer is not None, report.render()
+    answer = first.ops.answer
+    assert answer.pair.kind == "paired", first.ops.sentence()
+    assert source_lines(ShiftedWriteAttention.cached, "# planted") == \
+        {str(frame) for frame in answer.pair.b.stack[:1]}, first.ops.sentence()
+
+
 def test_a_cache_written_one_slot_off_is_named_at_the_write() -> None:
     """A and B both keep a preallocated cache on the attention module; B writes each key one
     slot further. The replays of the first divergent call start from A's cache as it was then
@@ -144,13 +157,7 @@ def test_a_cache_written_one_slot_off_is_named_at_the_write() -> None:
     a, inputs = unrolled(toys["PreallocatedSelfAttention"])
     b, _ = unrolled(ShiftedWriteAttention)
     report = tp.diagnose(a, b, inputs, backward=False)
-    first = report.first_divergence
-    assert first.module == "decoder.layers.0.self_attn#1", report.render()
-    assert first.ops is not None and first.ops.answer is not None, report.render()
-    answer = first.ops.answer
-    assert answer.pair.kind == "paired", first.ops.sentence()
-    assert source_lines(ShiftedWriteAttention.cached, "# planted") == \
-        {str(frame) for frame in answer.pair.b.stack[:1]}, first.ops.sentence()
+    names_the_shifted_write(report)
 
 
 def test_state_kept_in_another_layout_is_not_replayable_and_says_so() -> None:
@@ -182,3 +189,15 @@ def test_a_trace_keeps_the_state_replays_need(tmp_path: Path) -> None:
     changed, _ = unrolled(toys["PreallocatedSelfAttention"])
     report = tp.diagnose_against(path, changed, inputs)
     assert report.first_divergence.module == "decoder.layers.0.self_attn#1", report.render()
+
+
+def test_a_cache_written_one_slot_off_is_named_at_the_write_against_a_trace(
+        tmp_path: Path) -> None:
+    """As in-process: A's ops of the call, kept by ``record --ops`` from A's cache as it was
+    when the call started, and B replayed on that cache, name B's write at its line."""
+    a, inputs = unrolled(toys["PreallocatedSelfAttention"])
+    path = tp.record(a, inputs, tmp_path / "base.tptrace", backward=False,
+                     ops="decoder.layers.0.self_attn")
+    b, _ = unrolled(ShiftedWriteAttention)
+    report = tp.diagnose_against(path, b, inputs)
+    names_the_shifted_write(report)
