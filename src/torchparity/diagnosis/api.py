@@ -58,7 +58,7 @@ from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
 from torchparity.diagnosis.reference import Reference, describe_mode
 from torchparity.diagnosis.report import DiagnosisReport
-from torchparity.diagnosis.report_meta import DiagnosisMeta
+from torchparity.diagnosis.report_meta import DiagnosisMeta, with_weights
 from torchparity.diagnosis.run import (
     BackendSpec,
     Local,
@@ -309,11 +309,7 @@ def diagnose_against(
     with progress_bar(opts.progress) as bar:
         report = _diagnose_candidate(reference, model, inputs, opts, name_map, bar, ops=ops,
                                      more_ops=more_ops)
-    report.meta = dataclasses.replace(report.meta, weights=weights)
-    if weights["changed"]:
-        report.meta.notes.append(
-            f"{len(weights['changed'])} parameter(s)/buffer(s) differ from the recorded ones, "
-            f"e.g. {weights['changed'][0]}")
+    report.meta = with_weights(report.meta, weights)
     return report
 
 

@@ -6,7 +6,7 @@ out the optional ones a diagnosis did not set."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 
 def _json(meta: Any, optional: tuple[str, ...], order: tuple[str, ...]) -> dict[str, Any]:
@@ -58,3 +58,15 @@ class DecodeMeta:
 
     def to_json(self) -> dict[str, Any]:
         return _json(self, ("weights",), tuple(f.name for f in dataclasses.fields(self)))
+
+
+Meta = TypeVar("Meta", DiagnosisMeta, DecodeMeta)
+
+
+def with_weights(meta: Meta, weights: dict[str, list[str]]) -> Meta:
+    """``meta`` of a diagnosis against a trace, with the weights that differ from the recorded
+    ones (:func:`~torchparity.diagnosis.trace.changed_weights`) and, when any do, a note."""
+    if weights["changed"]:
+        meta.notes.append(f"{len(weights['changed'])} parameter(s)/buffer(s) differ from the "
+                          f"recorded ones, e.g. {weights['changed'][0]}")
+    return dataclasses.replace(meta, weights=weights)

@@ -19,7 +19,6 @@ judges where B would keep other hypotheses). No gradients are taken.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ from torchparity.diagnosis.decoding.trace import decode_meta, open_decode_refere
 from torchparity.diagnosis.ops import capturing_first_call, judged_streams
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.reference import describe_mode, module_placement
-from torchparity.diagnosis.report_meta import DecodeMeta
+from torchparity.diagnosis.report_meta import DecodeMeta, with_weights
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
 from torchparity.diagnosis.trace import (
     MemoryStore,
@@ -226,15 +225,11 @@ def diagnose_decode_against(
                 reorder or builtin_reorder(model))
     with progress_bar(opts.progress) as bar:
         report = judge_candidate(reference, side, opts, name_map, bar)
-    report.meta = dataclasses.replace(report.meta, weights=weights)
     if report.first_module is not None:  # A's model is not here to decode again
         report.meta.notes.append(
             "no op drill-down against a decoding's trace: two entries in-process "
             "(`torchparity diagnose A B --decode`) name the op and its line")
-    if weights["changed"]:
-        report.meta.notes.append(
-            f"{len(weights['changed'])} parameter(s)/buffer(s) differ from the recorded ones, "
-            f"e.g. {weights['changed'][0]}")
+    report.meta = with_weights(report.meta, weights)
     return report
 
 
