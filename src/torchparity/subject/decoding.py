@@ -243,6 +243,15 @@ def _keywords(inputs: Any, what: str) -> dict[str, Any]:
     return dict(inputs)
 
 
+def _with_input_ids(inputs: Any, what: str) -> dict[str, Any]:
+    """A transformers prompt's keyword arguments, which must hold its ``input_ids``."""
+    keywords = _keywords(inputs, what)
+    if "input_ids" not in keywords:
+        raise UsageError(f"the prompt has no 'input_ids' (it has {', '.join(keywords)}); "
+                         f"or {STEP_HINT}")
+    return keywords
+
+
 def _grown(mask: torch.Tensor | None) -> torch.Tensor | None:
     """The 1/0 mask with one more real position per sequence (None stays None)."""
     if mask is None:
@@ -310,10 +319,7 @@ def causal_lm_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Ten
     growing by one per step and position ids as ``generate`` computes them."""
     cache_key = _cache_keyword(model)
     if state is None:
-        inputs = _keywords(tokens, "a transformers model")
-        if "input_ids" not in inputs:
-            raise UsageError(f"the prompt has no 'input_ids' (it has {', '.join(inputs)}); "
-                             f"or {STEP_HINT}")
+        inputs = _with_input_ids(tokens, "a transformers model")
         mask = inputs.get("attention_mask")
         kwargs = {"input_ids": inputs["input_ids"], **_prompt_positions(model, mask)}
     else:
@@ -359,10 +365,7 @@ def seq2seq_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tenso
     ``decoder_input_ids`` (else the config's ``decoder_start_token_id``) and keeps its cache."""
     cache_key = _cache_keyword(model)
     if state is None:
-        inputs = _keywords(tokens, "a transformers encoder-decoder")
-        if "input_ids" not in inputs:
-            raise UsageError(f"the prompt has no 'input_ids' (it has {', '.join(inputs)}); "
-                             f"or {STEP_HINT}")
+        inputs = _with_input_ids(tokens, "a transformers encoder-decoder")
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
         encoded = model.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True)
         decoder_ids = inputs.get("decoder_input_ids")
