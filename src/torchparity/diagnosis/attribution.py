@@ -26,6 +26,7 @@ from torchparity.diagnosis.align import NameMap, align
 from torchparity.diagnosis.api import diagnose
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.report import AttributionReport, Unit
+from torchparity.diagnosis.report_meta import AttributionMeta
 from torchparity.diagnosis.run import (
     BackendSpec,
     Options,
@@ -83,10 +84,10 @@ def attribute(
                 leave_out = runs.error(hybrid, opts.backend_b, reference)
             units.append(Unit(b_name or "(model)", "module", total, swap_in=swap_in,
                               leave_out=leave_out))
-    return AttributionReport(units=units, total=total, skipped=skipped, meta={
-        "backends": [backend_name(opts.backend_a), backend_name(opts.backend_b)],
-        "error": "mean squared difference of all floating outputs from A's",
-    })
+    return AttributionReport(units=units, total=total, skipped=skipped, meta=AttributionMeta(
+        backends=[backend_name(opts.backend_a), backend_name(opts.backend_b)],
+        error="mean squared difference of all floating outputs from A's",
+    ))
 
 
 def _has_backend_unit(opts: Options) -> bool:

@@ -16,7 +16,7 @@ from torchparity.diagnosis.columns import Line, layout, print_lines
 from torchparity.diagnosis.folding import FOLD_ABOVE, Fold, folded
 from torchparity.diagnosis.html import html_page, layer_groups
 from torchparity.diagnosis.reference import golden_warning
-from torchparity.diagnosis.report_meta import DiagnosisMeta
+from torchparity.diagnosis.report_meta import AttributionMeta, DiagnosisMeta
 from torchparity.diagnosis.results import (
     NotCompared,
     Result,
@@ -378,7 +378,7 @@ class AttributionReport(Report):
     units: list[Unit]
     total: float
     skipped: dict[str, str]
-    meta: dict[str, Any]
+    meta: AttributionMeta
 
     def unit(self, name: str) -> Unit:
         """The unit called ``name`` (a module of B, or "backend ..."); KeyError otherwise."""
@@ -399,7 +399,7 @@ class AttributionReport(Report):
     def to_dict(self) -> dict[str, Any]:
         return json_safe({"summary": self.summary(), "total_error": self.total,
                            "units": [u.to_dict() for u in self.units],
-                           "skipped": self.skipped, "meta": self.meta})
+                           "skipped": self.skipped, "meta": self.meta.to_json()})
 
     def print(self, console: Any = None) -> None:
         from rich.console import Console

@@ -39,6 +39,17 @@ class DiagnosisMeta:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttributionMeta:
+    """An attribution of B's output error to its units of change."""
+
+    backends: list[str]  # A's and B's attention backends
+    error: str  # what the error of a unit is
+
+    def to_json(self) -> dict[str, Any]:
+        return {"backends": self.backends, "error": self.error}
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeMeta:
     """A diagnosis of a teacher-forced decoding of ``steps`` steps after the prompt."""
 
