@@ -430,10 +430,25 @@ class _NormNet(nn.Module):
         return self.head(self.block(x))
 
 
-def test_more_ops_records_a_library_modules_caller_and_answers_as_in_process(tmp_path) -> None:
-    model_a, x = _NormNet(), torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+class _RootNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.norm, self.head = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.up(x)) * 2)  # the root's own call of a library module
+
+
+@pytest.mark.parametrize("net, norm, caller, source", [
+    (_NormNet, "block.norm", "block", _NormBlock), (_RootNorm, "norm", "(model)", _RootNorm)])
+def test_more_ops_records_a_library_modules_caller_and_answers_as_in_process(
+        tmp_path, net: type, norm: str, caller: str, source: type) -> None:
+    """A library module's own ops have no line of ours: its caller's call is recorded too,
+    the model's root (named as reports name it) as any other, and names the caller's line."""
+    model_a, x = net(), torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
     model_b = copy.deepcopy(model_a)
-    model_b.block.norm.eps = 1e-2  # nn.LayerNorm's own code has no line of ours
+    model_b.get_submodule(norm).eps = 1e-2  # nn.LayerNorm's own code has no line of ours
     trace = tp.record(model_a, (x,), tmp_path / "plain", backward=False)
     asked = []
 
@@ -446,10 +461,12 @@ def test_more_ops_records_a_library_modules_caller_and_answers_as_in_process(tmp
                              ).to_dict()["first_divergence"]["op"]
     in_process = tp.diagnose(model_a, model_b, (x,), backward=False
                              ).to_dict()["first_divergence"]["op"]
-    assert asked == [["block.norm", "block"]]
+    assert asked == [[norm, caller]]
     same = ("module", "name", "kind", "a_stack", "b_stack", "code", "arguments")
     assert {k: op[k] for k in same} == {k: in_process[k] for k in same}
-    assert op["code"]["b"].startswith("return self.norm(self.up(x)) * 2")
+    lines, start = inspect.getsourcelines(source.forward)
+    line = next(start + i for i, text in enumerate(lines) if "self.norm(" in text)
+    assert op["b_stack"][0] == f"{os.path.relpath(__file__)}:{line}", op
 
 
 def test_against_a_trace_without_ops_says_in_one_line_which_command_adds_them(

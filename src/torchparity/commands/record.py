@@ -30,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", help="attention backend to run the model under")
     parser.add_argument("--ops", metavar="all|MODULE[,MODULE]",
                         help="also keep A's ops (names, arguments, source lines, tensors) of "
-                             "those modules' calls, or of every module's, so that `diagnose "
-                             "--against` drills down to the op (see docs/diagnose.md for "
-                             "the cost)")
+                             "those modules' calls ('(model)': the root's), or of every "
+                             "module's, so that `diagnose --against` drills down to the op "
+                             "(see docs/diagnose.md for the cost)")
     parser.add_argument("--ops-only", action="store_true",
                         help="with --ops MODULE, write only what their drill-down reads (one "
                              "forward and backward of A, no golden): what `diagnose --base` "

@@ -59,6 +59,7 @@ from torchparity.diagnosis.propagated import judge_propagated
 from torchparity.diagnosis.reference import Reference, describe_mode
 from torchparity.diagnosis.report import DiagnosisReport
 from torchparity.diagnosis.report_meta import DiagnosisMeta, with_weights
+from torchparity.diagnosis.results import module_label
 from torchparity.diagnosis.run import (
     BackendSpec,
     Local,
@@ -205,7 +206,9 @@ def record(
     --base`` records the first divergent module (and its caller) at the base. Returns the
     path.
     """
-    modules = None if ops is None else ops.split(",")
+    # the root as reports name it: its forward's calls of library modules have its lines
+    modules = None if ops is None else \
+        ["" if m == module_label("") else m for m in ops.split(",")]
     if ops_only:
         if ops in (None, "all"):
             raise UsageError("--ops-only keeps the ops of named modules: give --ops MODULE")
@@ -445,10 +448,11 @@ def _with_ops(reference: Reference, matches: list[Match],
     """``reference`` reading its calls' ops from the trace ``more_ops(modules)`` records when
     its own trace lacks A's ops of the first module to drill into (its caller's too: a
     library module's own ops have no line of the user's, as :func:`_drilled` knows)."""
-    calls = [m.a[0] for m in matches if len(m.a) == 1 and m.a[0].name]
+    calls = [m.a[0] for m in matches if len(m.a) == 1]
     if not calls or recorded_side(reference.store, calls[0].key, False) is not None:
         return reference
-    other, _ = open_reference(more_ops(list(dict.fromkeys(c.name for c in calls))))
+    other, _ = open_reference(more_ops(list(dict.fromkeys(module_label(c.name)
+                                                           for c in calls))))
     return dataclasses.replace(reference, store=other.store)
 
 

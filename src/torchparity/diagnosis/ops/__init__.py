@@ -15,6 +15,7 @@ budgets of the ops it reaches instead of being called a change.
 from __future__ import annotations
 
 import copy
+import shlex
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torchparity.diagnosis.ops.judge import golden_on_inputs, judge_ops
 from torchparity.diagnosis.ops.recorded import ASide, keep_ops, recorded_side
 from torchparity.diagnosis.ops.report import OpReport
 from torchparity.diagnosis.reference import ModuleCall, Reference, placed_on
+from torchparity.diagnosis.results import module_label
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,
@@ -67,8 +69,9 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
     if model_a is None:
         side = recorded_side(reference.store, a_call.key, backward)
         if side is None:
-            return (f"no op drill-down: the trace does not hold A's ops of {a_call.name}; "
-                    f"`torchparity record ENTRY --ops {a_call.name}` adds them")
+            label = module_label(a_call.name)
+            return (f"no op drill-down: the trace does not hold A's ops of {label}; "
+                    f"`torchparity record ENTRY --ops {shlex.quote(label)}` adds them")
     else:
         side = a_side(reference, a_call, model_a, opts, backward)
     module_b = dict(model_b.named_modules())[b_call.name]
