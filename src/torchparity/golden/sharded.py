@@ -132,6 +132,7 @@ def _held(subject: Subject, what: str) -> dict[str, str]:
     one tensor at a time."""
     def hold() -> dict[str, str]:
         sharded.hold(subject)
+        sharded.mark("the checksums of the weights")
         return model_checksums(subject)
 
     return collectively(what, hold)

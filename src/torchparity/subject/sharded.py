@@ -154,15 +154,19 @@ def _store() -> Any:
 
 
 def collective_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` (or the exception it wraps) was raised by a collective: a rank that
-    died, or did not come within the timeout."""
+    """Whether ``exc`` was raised by a collective (a rank that died, or did not come within
+    the timeout): raised through torch.distributed (a DTensor's gather raises from torch's
+    dispatcher beneath it), or wrapping an exception raised there."""
     import traceback
 
-    for error in (exc, exc.__cause__):
-        frames = traceback.extract_tb(error.__traceback__) if error is not None else []
-        if frames and "torch/distributed/" in frames[-1].filename.replace(os.sep, "/"):
-            return True
-    return False
+    def distributed(frame: traceback.FrameSummary) -> bool:
+        return "torch/distributed/" in frame.filename.replace(os.sep, "/")
+
+    if any(distributed(frame) for frame in traceback.extract_tb(exc.__traceback__)):
+        return True
+    cause = exc.__cause__
+    frames = traceback.extract_tb(cause.__traceback__) if cause is not None else []
+    return bool(frames) and distributed(frames[-1])
 
 
 def mesh_sizes(shape: Any, ranks: int, label: str) -> dict[str, int]:
