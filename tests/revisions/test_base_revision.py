@@ -155,6 +155,8 @@ def test_revisions_git_cannot_name_and_files_missing_at_the_base_are_one_line(
              "the factory file new.py does not exist at the base"),
             (["diagnose", "models.py:make", "--base", "HEAD", "--against", "x.tptrace"],
              "with --base give one entry point"),
+            (["diagnose", "models.py:make", "--base", "HEAD", "--decode", "--ops", "mlp"],
+             "--ops drills down a forward diagnosis"),
             (["train", "--case", "llama-tiny", "--base", "HEAD"], "add --check"),
             (["train", "--case", "llama-tiny", "--check", "--base", "HEAD"],
              "the base has no src/torchparity")):

@@ -39,6 +39,10 @@ def against_base(args: argparse.Namespace, side: BaseSide, name_map: NameMap | N
         raise UsageError("with --base give one entry point: the working tree's is B, the "
                          "base's A (not --against: the base records the trace)")
     decode_options(args)  # the decoding options without --decode are a usage error here
+    if args.decode and args.ops:  # said before the base is checked out and recorded
+        from torchparity.diagnosis.api import DECODE_OPS
+
+        raise UsageError(DECODE_OPS)
     b = Subject.load(args.entries[0])
     options, files = record_options(args)
     trace = base_trace(side, args.entries[0], options, files)
