@@ -105,19 +105,46 @@ def test_across_revisions_and_on_the_command_line(tmp_path: Path, capsys) -> Non
     assert set(decode["flips"][0]) == {"step", "sequence", "a_token", "b_token", "margin",
                                        "change", "budget", "verdict"}
     assert min(decode["flips"], key=lambda f: f["step"])["verdict"] == "real change"
-    assert decode["first_op"] is None  # A's model is not here: said in one line, with how
+    assert decode["first_op"] is None  # the trace holds no ops: said in one line, with how
     text = capsys.readouterr().out
     assert "layers.0.self_attn @ step 1" in text and max(map(len, text.splitlines())) <= 80
-    assert "(`torchparity diagnose A B --decode`) name the op" in " ".join(text.split())
+    assert ("`torchparity record ENTRY --decode --ops layers.0.self_attn` adds them"
+            in " ".join(text.split()))
     # --ops is refused, never ignored, with a decoding's trace
     assert main(["diagnose", f"{TOYS}:off_by_one", "--against", str(trace), "--ops",
                  "layers.0.self_attn"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--ops drills down a forward diagnosis" in err
+    assert main(["record", f"{TOYS}:clean", "--decode", "--ops", "layers.9", "-o",
+                 str(tmp_path / "no.tptrace")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--ops layers.9: ToyDecoder has no such module" in err
     assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")
 
     assert main(["diagnose", f"{TOYS}:reordered", "--against", str(trace)]) == 0
     assert "No step's logits leave the budget" in capsys.readouterr().out
+
+
+def test_a_trace_with_ops_drills_down_as_in_process(tmp_path: Path) -> None:
+    """A's ops kept by ``record --decode --ops`` give the op and B's line at the first
+    divergent step that the two models in one process give."""
+    clean, changed = _factory("clean"), _factory("off_by_one")
+    trace = tp.record_decode(clean["model"], clean["inputs"], tmp_path / "ops.tptrace",
+                             step=clean["step"], steps=4, ops="layers.0.self_attn")
+    against = tp.diagnose_decode_against(trace, changed["model"], changed["inputs"],
+                                         step=changed["step"])
+    in_process = tp.diagnose_decode(_factory("clean")["model"], _factory("off_by_one")["model"],
+                                    clean["inputs"], step=clean["step"], steps=4)
+    op, expected = (r.to_dict()["decode"]["first_op"] for r in (against, in_process))
+    assert against.first_step == in_process.first_step == 1
+    assert op is not None and op["found"], against.render(100)
+    assert {k: op[k] for k in ("name", "kind", "a_stack", "b_stack", "code")} == \
+        {k: expected[k] for k in ("name", "kind", "a_stack", "b_stack", "code")}
+    assert "self.k_cache[..., " in op["code"]["b"]  # the read of the slot never written
+    # nothing diverges: no op drill-down, no note about one
+    same = tp.diagnose_decode_against(trace, _factory("clean")["model"], clean["inputs"],
+                                      step=clean["step"])
+    assert same.first_step is None and "drill-down" not in " ".join(same.meta.notes)
 
 
 def test_given_tokens_across_revisions_in_python_and_on_the_command_line(tmp_path: Path,

@@ -91,6 +91,11 @@ def test_check_base_fails_a_real_change_passes_a_reordered_sum_and_reuses_the_ba
                                                  if not p.name.startswith(".staging")]
 
 
+def _line_of(code: str) -> int:
+    """The line of the toy repository's models.py that holds ``code``."""
+    return next(i for i, text in enumerate(toy_repo.MODELS.splitlines(), 1) if code in text)
+
+
 def test_diagnose_base_decode_names_the_module_and_the_step(repo, capsys, tmp_path):
     toy_repo.change(repo, "real")
     before = toy_repo.state(repo)
@@ -100,7 +105,16 @@ def test_diagnose_base_decode_names_the_module_and_the_step(repo, capsys, tmp_pa
     assert toy_repo.state(repo) == before
     decode = json.loads(report.read_text())["decode"]
     assert decode["first_module"] == "mlp @ step 0"
-    assert "mlp @ step 0" in " ".join(capsys.readouterr().out.split())  # wrapped at 80
+    # A's ops of mlp recorded at the base on the divergence: the changed gelu, at its line
+    op = decode["first_op"]
+    base_line, head_line = toy_repo.CHANGES["real"]
+    line = _line_of(base_line)
+    assert op is not None and op["name"].startswith("aten::gelu"), op
+    assert op["b_stack"][0] == op["a_stack"][0] == f"models.py:{line}"
+    assert op["code"] == {"a": base_line, "b": head_line}
+    out, err = capsys.readouterr()
+    assert "mlp @ step 0" in " ".join(out.split())  # wrapped at 80
+    assert "--ops mlp" in err
     cases = list(ET.parse(junit).getroot().iter("testcase"))
     assert {c.get("name") for c in cases} >= {"step 0 logits", "mlp @ step 0"}
     assert all(c.find("properties/property").get("name") == "verdict" for c in cases)
@@ -117,8 +131,7 @@ def test_diagnose_base_drills_down_to_both_sides_lines_and_records_ops_only_on_a
     err = capsys.readouterr().err
     assert "--ops mlp" in err  # A's ops recorded at the base for the divergent module only
     op = json.loads(report.read_text())["first_divergence"]["op"]
-    line = next(i for i, text in enumerate(toy_repo.MODELS.splitlines(), 1)
-                if base_line in text)
+    line = _line_of(base_line)
     assert op["name"].startswith("aten::gelu") and op["kind"] == "differs"
     assert op["b_stack"][0] == op["a_stack"][0] == f"models.py:{line}"
     assert op["code"] == {"a": base_line, "b": head_line}

@@ -43,13 +43,15 @@ def against_base(args: argparse.Namespace, side: BaseSide, name_map: NameMap | N
         from torchparity.diagnosis.api import DECODE_OPS
 
         raise UsageError(DECODE_OPS)
+    # a decoding's ops are kept beside its whole trace: recorded again with them
+    only = [] if args.decode else ["--ops-only"]
     b = Subject.load(args.entries[0])
     options, files = record_options(args)
     trace = base_trace(side, args.entries[0], options, files)
 
     def with_ops(modules: list[str]) -> Path:  # only when a module diverges: its ops at base
         return base_trace(side, args.entries[0],
-                          [*options, "--ops", ",".join(modules), "--ops-only"], files)
+                          [*options, "--ops", ",".join(modules), *only], files)
 
     return _judged_against(args, trace, b, name_map, with_ops)
 

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also keep A's ops (names, arguments, source lines, tensors) of "
                              "those modules' calls ('(model)': the root's), or of every "
                              "module's, so that `diagnose --against` drills down to the op "
-                             "(see docs/diagnose.md for the cost)")
+                             "(with --decode: MODULE's first call at every step; see "
+                             "docs/diagnose.md for the cost)")
     parser.add_argument("--ops-only", action="store_true",
                         help="with --ops MODULE, write only what their drill-down reads (one "
                              "forward and backward of A, no golden): what `diagnose --base` "
@@ -48,15 +49,15 @@ def run(args: argparse.Namespace) -> int:
 
     decoding = decode_options(args)
     subject = Subject.load(args.entry)
-    if decoding and args.ops:
-        raise UsageError("--ops keeps the ops of a forward pass; a decoding's diagnosis names "
-                         "the op at its first divergent step by replaying it")
+    if decoding and (args.ops_only or args.ops == "all"):
+        raise UsageError("a decoding keeps the ops of the modules --ops names "
+                         "(MODULE[,MODULE]), at every step, beside its whole trace")
     if decoding:
         path = record_decode(subject.model, subject.inputs, args.output,
                              step=subject.stepper(), reorder=subject.reorderer(),
                              include=args.include, exclude=args.exclude,
                              backend=args.backend, dtype=dtype_option(args),
-                             rebuild=rebuilt(args.entry), **decoding)
+                             rebuild=rebuilt(args.entry), ops=args.ops, **decoding)
     else:
         path = record(subject.model, subject.inputs, args.output, loss_fn=subject.loss_fn,
                       backward=args.backward, include=args.include, exclude=args.exclude,

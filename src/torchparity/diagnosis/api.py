@@ -90,8 +90,8 @@ COMPILED_DECODING = ("--compile-b localises a forward pass; a compiled decoding 
                      "--compile` (docs/compile.md)")
 #: Why ``--ops`` is not taken with a decoding.
 DECODE_OPS = ("--ops drills down a forward diagnosis; a decoding drills down the first "
-              "divergent module at its first divergent step, in-process (`torchparity "
-              "diagnose A B --decode`)")
+              "divergent module at its first divergent step by itself (against a trace: "
+              "one recorded with `torchparity record ENTRY --decode --ops MODULE`)")
 
 
 @with_older_objects_frozen
@@ -286,7 +286,8 @@ def diagnose_against(
         if ops is not None:
             raise UsageError(DECODE_OPS)
         return diagnose_decode_against(path, model, inputs, step=step, name_map=name_map,
-                                       backend=backend, progress=progress, reorder=reorder)
+                                       backend=backend, progress=progress, reorder=reorder,
+                                       more_ops=more_ops)
     if decode:
         raise UsageError(f"trace {path} records a forward pass, not a decoding; record one "
                          "with `torchparity record ENTRY --decode`")

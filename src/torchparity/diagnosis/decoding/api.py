@@ -19,6 +19,7 @@ judges where B would keep other hypotheses). No gradients are taken.
 from __future__ import annotations
 
 import contextlib
+import shlex
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,17 @@ from torchparity.diagnosis.decoding.judging import (
     where_it_enters,
 )
 from torchparity.diagnosis.decoding.report import DecodeReport
-from torchparity.diagnosis.decoding.run import DecodeReference, Side, capture_step, record_reference
+from torchparity.diagnosis.decoding.run import (
+    DecodeReference,
+    Side,
+    capture_step,
+    record_reference,
+    step_key,
+)
 from torchparity.diagnosis.decoding.sampling import first_changed_draws
 from torchparity.diagnosis.decoding.trace import decode_meta, open_decode_reference
 from torchparity.diagnosis.ops import capturing_first_call, judged_streams
+from torchparity.diagnosis.ops.recorded import ASide, put_side, recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.reference import describe_mode, module_placement
 from torchparity.diagnosis.report_meta import DecodeMeta, with_weights
@@ -57,6 +65,7 @@ from torchparity.diagnosis.trace import (
     TraceWriter,
     changed_weights,
     check_recorded_inputs,
+    open_trace,
 )
 from torchparity.errors import UsageError
 from torchparity.subject.beams import BeamSettings, builtin_reorder, expand_prompt
@@ -138,14 +147,8 @@ def diagnose_decode(
         report = judge_candidate(reference, side_b, opts, name_map, bar, cut=cut)
         row = report.first_module
         if row is not None and not cut:
-            done = bar.phase(f"A and B: step {report.first_step} again, the module's ops")
-            try:
-                row.ops = judged_streams(
-                    row.module, _step_ops(side_a, reference, report.first_step, row.a_module),
-                    _step_ops(side_b, reference, report.first_step, row.module))
-            except Exception as exc:  # noqa: BLE001 - the step's verdicts stand without it
-                row.notes.append(f"op drill-down failed: {type(exc).__name__}: {exc}")
-            done()
+            _drill_down(report, side_b, reference, bar,
+                        lambda: _step_ops(side_a, reference, report.first_step, row.a_module))
         return report
 
 
@@ -167,6 +170,7 @@ def record_decode(
     beams: BeamSettings | None = None,
     reorder: ReorderFn | None = None,
     sample: SampleSettings | None = None,
+    ops: str | None = None,
 ) -> Path:
     """Write A's side of a decoding diagnosis to the trace ``path`` (run it on the base
     revision; :func:`diagnose_decode_against` judges another revision against it).
@@ -176,13 +180,16 @@ def record_decode(
     choices, ``tokens``, A's samples with ``sample``, or A's beam search with ``beams``, with
     its parents). Written into a
     temporary directory that replaces ``path`` only when complete. Arguments as in
-    :func:`diagnose_decode`; ``backend`` must be a name. Returns the path.
+    :func:`diagnose_decode`; ``backend`` must be a name. ``ops`` (``MODULE[,MODULE]``) also
+    keeps A's ops of each module's first call at every step (one more decoding of A per
+    module), so that :func:`diagnose_decode_against` drills down to the op. Returns the path.
     """
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record_decode(backend=...) takes a backend name, which the trace "
                          "stores")
     opts = make_options(False, None, include, exclude, (backend, None), progress)
     check_models(model=model)
+    modules = _ops_modules(model, ops)
     (cast,), cast_inputs = in_dtype([model], _prompt(inputs, beams, sample, tokens), dtype)
     with TraceWriter(path) as writer:
         with progress_bar(opts.progress) as bar:
@@ -191,6 +198,12 @@ def record_decode(
             reference = record_reference(side, steps, tokens, writer.store, opts, bar, rebuild,
                                          beams or sample)
             reference.mode = describe_mode(cast, dtype, reference.has_golden)
+            for module in modules:
+                done = bar.phase(f"A: decoding again, the ops of {module} at every step")
+                kept = _ops_at(side, reference, module, range(reference.steps + 1))
+                for at, ops_at in kept.items():
+                    put_side(writer.store, step_key(module, at), ASide(ops_at, {}))
+                done()
         return writer.commit(decode_meta(reference, model, inputs, opts, dtype).to_json())
 
 
@@ -205,12 +218,15 @@ def diagnose_decode_against(
     backend: BackendSpec = None,
     progress: bool | None = None,
     reorder: ReorderFn | None = None,
+    more_ops: Callable[[list[str]], Path] | None = None,
 ) -> DecodeReport:
     """Judge ``model`` (the changed revision) decoding along the tokens of the trace
     :func:`record_decode` wrote. ``inputs`` must be the recorded prompt (checked by checksum);
     the module selection and dtype are the recorded ones. Weights that differ from the
-    recorded ones are listed in ``report.meta.weights``. The first divergent module is not
-    drilled down to its ops (A would be decoded again up to the step): a note says so."""
+    recorded ones are listed in ``report.meta.weights``. The first divergent module is drilled
+    down to the op at the first divergent step with A's ops the trace holds (``ops=``); where
+    it lacks them, ``more_ops(modules)`` returns a trace that holds them (one recorded at the
+    base), and without it a note says which command adds them."""
     reference, meta = open_decode_reference(path)
     check_recorded_inputs(path, inputs, meta.inputs_digest, "prompt")
     opts = make_options(False, None, meta.include, meta.exclude,
@@ -225,12 +241,38 @@ def diagnose_decode_against(
                 reorder or builtin_reorder(model))
     with progress_bar(opts.progress) as bar:
         report = judge_candidate(reference, side, opts, name_map, bar)
-    if report.first_module is not None:  # A's model is not here to decode again
-        report.meta.notes.append(
-            "no op drill-down against a decoding's trace: two entries in-process "
-            "(`torchparity diagnose A B --decode`) name the op and its line")
+        row = report.first_module
+        if row is not None:  # A's model is not here: its ops come from a trace
+            module = row.a_module.split("#")[0]
+            key = step_key(module, report.first_step)
+            kept = recorded_side(reference.store, key, False)
+            if kept is None and more_ops is not None:
+                done = bar.phase(f"A at the base: the ops of {module}")
+                kept = recorded_side(open_trace(more_ops([module]))[1], key, False)
+                done()
+            if kept is None:
+                report.meta.notes.append(
+                    f"no op drill-down: the trace does not hold A's ops of {module}; "
+                    f"`torchparity record ENTRY --decode --ops {shlex.quote(module)}` "
+                    "adds them")
+            else:
+                _drill_down(report, side, reference, bar, lambda: kept.steps)
     report.meta = with_weights(report.meta, weights)
     return report
+
+
+def _drill_down(report: DecodeReport, side_b: Side, reference: DecodeReference,
+                bar: ProgressBar, a_steps: Callable[[], list]) -> None:
+    """The first divergent module's ops at the first divergent step: ``a_steps()`` A's,
+    B's captured by decoding B again up to the step, aligned and judged."""
+    row, step = report.first_module, report.first_step
+    done = bar.phase(f"B: step {step} again, the module's ops")
+    try:
+        row.ops = judged_streams(row.module, a_steps(),
+                                 _step_ops(side_b, reference, step, row.module))
+    except Exception as exc:  # noqa: BLE001 - the step's verdicts stand without it
+        row.notes.append(f"op drill-down failed: {type(exc).__name__}: {exc}")
+    done()
 
 
 def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
@@ -298,21 +340,39 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
 
 
 def _step_ops(side: Side, reference: DecodeReference, step: int, module: str) -> list:
-    """The ops of ``module``'s first call at ``step``, ``side`` decoded again up to it along
-    the reference's tokens (the state it keeps is the decoding's own)."""
-    steps: list = []
+    """The ops of ``module``'s first call at ``step`` (see :func:`_ops_at`)."""
+    return _ops_at(side, reference, module, range(step, step + 1))[step]
+
+
+def _ops_at(side: Side, reference: DecodeReference, module: str, steps: range
+            ) -> dict[int, list]:
+    """The ops of ``module``'s first call at each of ``steps``, ``side`` decoded again up to
+    the last along the reference's tokens (the state it keeps is the decoding's own)."""
+    found: dict[int, list] = {s: [] for s in steps}
     target = side.model.get_submodule(module.split("#")[0])
 
     @contextlib.contextmanager
     def during(s: int) -> Iterator[None]:
-        if s != step:
+        if s not in found:
             yield
             return
-        with capturing_first_call(target, steps):
+        with capturing_first_call(target, found[s]):
             yield
 
-    side.decode(step, reference.tokens, reference.parents, during=during)
-    return steps
+    side.decode(steps[-1], reference.tokens, reference.parents, during=during)
+    return found
+
+
+def _ops_modules(model: nn.Module, ops: str | None) -> list[str]:
+    """The modules ``ops`` (``MODULE[,MODULE]``) names; a usage error for one not in the
+    model."""
+    modules = [] if ops is None else ops.split(",")
+    names = dict(model.named_modules())
+    for module in modules:
+        if module not in names:
+            raise UsageError(f"--ops {module}: {type(model).__name__} has no such module; "
+                             "name one by its path (decoder.layers.0.attn)")
+    return modules
 
 
 def _needs_float64(reference: DecodeReference, logits: list[torch.Tensor]) -> bool:

@@ -21,7 +21,7 @@ from torchparity.diagnosis.capture import ModuleCall
 from torchparity.diagnosis.ops.capture import Frame, Step
 from torchparity.diagnosis.trace import ReplayUnavailable, Store
 
-__all__ = ["ASide", "keep_ops", "recorded_side"]
+__all__ = ["ASide", "keep_ops", "put_side", "recorded_side"]
 
 
 @dataclass
@@ -49,7 +49,7 @@ def keep_ops(store: Store, calls: list[ModuleCall], backward: bool,
     for call in calls:
         for direction in (False, True) if backward else (False,):
             try:
-                _put(store, _key(call.key, direction), side_of(call, direction))
+                put_side(store, call.key, side_of(call, direction), direction)
             except Exception as exc:  # noqa: BLE001 - the trace stands without it, said so
                 skipped.append(f"no ops of {call.key}: {type(exc).__name__}: {exc}")
     return skipped
@@ -76,7 +76,9 @@ def recorded_side(store: Store, key: str, backward: bool) -> ASide | None:
     return ASide(steps, partners)
 
 
-def _put(store: Store, okey: str, side: ASide) -> None:
+def put_side(store: Store, key: str, side: ASide, backward: bool = False) -> None:
+    """Put A's side of call ``key`` (its backward steps with ``backward``) into ``store``."""
+    okey = _key(key, backward)
     described = [{"name": s.name, "kind": s.kind, "args": s.args, "kwargs": s.kwargs,
                   "producers": list(s.producers),
                   "stack": [[f.path, f.line, f.text] for f in s.stack],
