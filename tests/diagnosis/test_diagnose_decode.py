@@ -119,6 +119,10 @@ def test_across_revisions_and_on_the_command_line(tmp_path: Path, capsys) -> Non
                  str(tmp_path / "no.tptrace")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--ops layers.9: ToyDecoder has no such module" in err
+    assert main(["record", f"{TOYS}:clean", "--decode", "--ops", "all", "-o",
+                 str(tmp_path / "no.tptrace")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "a decoding keeps the ops of the modules --ops names" in err
     assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")
 
     assert main(["diagnose", f"{TOYS}:reordered", "--against", str(trace)]) == 0

@@ -119,6 +119,12 @@ def test_diagnose_base_decode_names_the_module_and_the_step(repo, capsys, tmp_pa
     assert {c.get("name") for c in cases} >= {"step 0 logits", "mlp @ step 0"}
     assert all(c.find("properties/property").get("name") == "verdict" for c in cases)
 
+    toy_repo.git(repo, "checkout", "--quiet", "models.py")
+    toy_repo.change(repo, "reordered")
+    assert main(["diagnose", "models.py:make", "--base", "HEAD", "--decode", "--steps",
+                 "2"]) == 0
+    assert "--ops" not in capsys.readouterr().err  # nothing diverged: nothing more recorded
+
 
 def test_diagnose_base_drills_down_to_both_sides_lines_and_records_ops_only_on_a_change(
         repo, capsys, tmp_path):
