@@ -47,6 +47,7 @@ from torchparity.subject import Subject, hf, launcher, sharded
 from torchparity.subject.blockwise import stream_grads
 from torchparity.subject.factory import first_line
 from torchparity.subject.ranks import under_torchrun
+from torchparity.subject.running import on_meta
 from torchparity.subject.trees import map_tensors
 
 #: Seconds a launched run may take in all (environment variable, default one hour).
@@ -126,16 +127,16 @@ def collectively(what: str, fn: Callable[[], Any]) -> Any:
             f"({sharded.where_others_are()}): {first_line(exc.__cause__ or exc)}") from exc
 
 
-def _held(subject: Subject, what: str) -> dict[str, str]:
-    """The weights' and inputs' checksums of ``subject`` once its plan sharded it
-    (:func:`~torchparity.subject.sharded.hold`), taken by every rank; the weights gathered
-    one tensor at a time."""
-    def hold() -> dict[str, str]:
+def _weighed(subject: Subject) -> Subject:
+    """``subject``, held (:func:`~torchparity.subject.sharded.hold`) when its factory built it
+    on the meta device: its weights exist only once the plan shards it, and their checksums
+    are then gathered one tensor at a time. A model built whole is weighed before its plan
+    runs, since a plan may change weights (a drifted copy is a difference to find, not
+    another init)."""
+    if on_meta(subject.model):
         sharded.hold(subject)
         sharded.mark("the checksums of the weights")
-        return model_checksums(subject)
-
-    return collectively(what, hold)
+    return subject
 
 
 def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run_name: str,
@@ -202,9 +203,8 @@ def check_sharded(subject: Subject, store: GoldenStore, cells: list[Cell],
                   advance: Callable[[str], None] = lambda label: None,
                   status: Callable[[str, str], None] | None = None) -> list[CheckResult]:
     """:func:`~torchparity.golden.model_check.check_subject` on every rank of a sharded run."""
-    _held(subject, "the sharding of the factory's model")
-    feed = collectively("the checksums of the weights", lambda: ShardedFeed(subject, store,
-                                                                             status))
+    feed = collectively("the checksums of the weights",
+                        lambda: ShardedFeed(_weighed(subject), store, status))
     return check_loop.check(feed, cells, advance)
 
 
@@ -215,7 +215,8 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
     import torch.distributed as dist
 
     subject = dataclasses.replace(subject, decoding=False)
-    checksums = _held(subject, "the sharding of the factory's model")
+    checksums = collectively("the checksums of the weights",
+                             lambda: model_checksums(_weighed(subject)))
     sharded.together("the float64 golden run")
     run = run_sharded(subject, REFERENCE, None, last=True)
     statuses = [write_goldens(subject, store, run=run, checksums=checksums)
