@@ -42,6 +42,7 @@ table.layer th:nth-child(2) { width: 28%; } table.layer th:nth-child(4) { width:
 .entry { color: #a00; } .structure { color: #765; }
 td .failed { background: #fde8e8; font-weight: bold; } td .unavailable { color: #999; }
 p.note { margin: 0.3em 0; } p.failed { color: #a00; }
+table.ops td:nth-child(-n+5) { white-space: nowrap; }
 """
 
 

@@ -81,7 +81,7 @@ class OpReport:
         head = "".join(f"<th>{h}</th>" for h in heads)
         return (f"<h2>Ops of {html.escape(self.module or '(model)')}</h2>"
                 f"<p class='summary'>{html.escape(self.sentence())}</p>"
-                f"<table><thead><tr>{head}</tr></thead><tbody>" + "\n".join(rows)
+                f"<table class='ops'><thead><tr>{head}</tr></thead><tbody>" + "\n".join(rows)
                 + "</tbody></table>")
 
     def table_lines(self, width: int) -> list[tuple[str, str | None]]:
