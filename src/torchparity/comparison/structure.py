@@ -156,14 +156,22 @@ def _key_value_pairs(candidate: Any, golden: Any) -> tuple[Any, Any] | None:
     return sides
 
 
+def cache_pairs(x: Any) -> tuple | None:
+    """A ``transformers`` cache's tensors as ``((keys, values), ...)`` per layer, the tuple
+    older releases returned in its place; None for anything else, and for an empty cache."""
+    if not _is_cache(x):
+        return None
+    layers = cache_layers(x)
+    if not layers:
+        return None
+    count = 1 + max(int(name.split(".")[0]) for name in layers)
+    return tuple((layers.get(f"{i}.keys"), layers.get(f"{i}.values")) for i in range(count))
+
+
 def _as_pairs(x: Any) -> tuple | None:
     """A cache's tensors as ``((keys, values), ...)``, a tuple of that form as itself."""
     if _is_cache(x):
-        layers = cache_layers(x)
-        if not layers:
-            return None
-        count = 1 + max(int(name.split(".")[0]) for name in layers)
-        return tuple((layers.get(f"{i}.keys"), layers.get(f"{i}.values")) for i in range(count))
+        return cache_pairs(x)
     if isinstance(x, tuple) and x and all(
             isinstance(pair, tuple) and len(pair) >= 2 and
             all(isinstance(t, torch.Tensor) for t in pair[:2]) for pair in x):

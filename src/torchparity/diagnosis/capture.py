@@ -33,10 +33,17 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from torchparity.comparison.structure import cache_pairs
 from torchparity.diagnosis.state import Held, StateRecorder, Summaries, held_state
 from torchparity.errors import UsageError
 from torchparity.memory import SharedCopies
-from torchparity.subject.trees import field_names, flatten_tensors, map_tensors, walk
+from torchparity.subject.trees import (
+    field_names,
+    flatten_tensors,
+    map_objects,
+    map_tensors,
+    walk,
+)
 
 __all__ = [
     "Capture",
@@ -46,6 +53,7 @@ __all__ = [
     "TensorStats",
     "call_key",
     "module_filter",
+    "read_caches",
     "signature",
     "Uncopyable",
     "snapshot",
@@ -105,6 +113,13 @@ class Uncopyable:
 
     def __repr__(self) -> str:
         return f"Uncopyable({self.type_name})"
+
+
+def read_caches(output: Any) -> Any:
+    """``output`` with each ``transformers`` cache object in it read as the tensors it holds,
+    ``((keys, values), ...)`` per layer as the tuple older releases returned: compared by what
+    it holds, and read now, since the calls that follow write to the same object."""
+    return map_objects(output, cache_pairs)
 
 
 def uncopyable_leaves(tree: Any) -> list[str]:
@@ -442,16 +457,18 @@ class Capture:
                 return
             call = self._open[name].pop()
             call.order = len(self.records)
-            outputs = flatten_tensors(output)
+            held = read_caches(output) if self.objects else output
+            outputs = flatten_tensors(held)
             call.output_shapes = {path: tuple(t.shape) for path, t in outputs.items()}
             if self.state:
                 call.state = held_state(module, args, kwargs, self._summaries)
             if self.what == "stats":
                 call.output_stats = {path: TensorStats.of(t) for path, t in outputs.items()}
             elif self.what != "shapes":
-                call.output = map_tensors(output, torch.Tensor.detach if self.live else self.copy)
+                call.output = map_tensors(held, torch.Tensor.detach if self.live else self.copy)
             if self.grads:
-                output, outputs = _downstream_only(output, outputs)
+                output, outputs = _downstream_only(
+                    output, outputs if held is output else flatten_tensors(output))
                 self._watch_grads(call, outputs)
             self.records.append(call)
             self._by_key[call.key] = call

@@ -21,6 +21,7 @@ from torchparity.diagnosis.capture import (
     Signature,
     bound_arguments,
     module_filter,
+    read_caches,
 )
 from torchparity.diagnosis.masks import fitted_keys
 from torchparity.diagnosis.state import StateRecorder, cast_held
@@ -220,7 +221,7 @@ def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendS
                if names.get(id(p)) in grads}
         for name, module in cap.modules.items()
     }
-    output = map_tensors(output, lambda t: t.detach())
+    output = map_tensors(read_caches(output), lambda t: t.detach())
     return Run(cap.records, output, None if loss is None else loss.detach(), param_grads,
                set() if states is None else states.changing)
 
@@ -301,7 +302,7 @@ def replay(module: nn.Module, inputs: tuple[tuple, dict], backend: BackendSpec, 
     with backend_context(backend), seeded():
         if not grad_out:
             with torch.no_grad():
-                return flatten_tensors(module(*args, **kwargs)), {}
+                return flatten_tensors(read_caches(module(*args, **kwargs))), {}
         outputs, leaves, seeds = _forward_for_backward(module, args, kwargs, grad_out,
                                                        requires_grad)
         params = {f"param.{n}": p for n, p in module.named_parameters(recurse=False)
@@ -326,7 +327,7 @@ def _forward_for_backward(module: nn.Module, args: tuple, kwargs: dict,
                               **flatten_tensors(kwargs, "kwargs")}.items()
               if path in requires_grad}
     with torch.enable_grad():
-        outputs = flatten_tensors(module(*args, **kwargs))
+        outputs = flatten_tensors(read_caches(module(*args, **kwargs)))
     seeds = [(outputs[p], g.to(outputs[p])) for p, g in grad_out.items()
              if p in outputs and outputs[p].requires_grad]
     return outputs, leaves, seeds
@@ -342,7 +343,7 @@ def _replay_float64(module: nn.Module, args: tuple, kwargs: dict, backend: Backe
     with backend_context(backend), seeded(), run64:
         if not grad_out:
             with torch.no_grad():
-                return flatten_tensors(module(*args, **kwargs)), {}
+                return flatten_tensors(read_caches(module(*args, **kwargs))), {}
         outputs, leaves, seeds = _forward_for_backward(module, args, kwargs, grad_out,
                                                        requires_grad)
         if seeds:

@@ -33,23 +33,35 @@ def map_tensors_with_paths(tree: Any, fn: Callable[[str, torch.Tensor], Any],
     return _mapped(tree, fn, prefix)
 
 
-def _mapped(tree: Any, fn: Callable[[Any, torch.Tensor], Any], path: str | None) -> Any:
+def map_objects(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    """``tree`` with each leaf that is an object (no tensor, plain value or container: a cache)
+    replaced by ``fn(leaf)`` where that is not None; ``tree`` itself when nothing is."""
+    if all(isinstance(leaf, (torch.Tensor, *_SCALARS)) or fn(leaf) is None
+           for _, leaf in walk(tree, "")):
+        return tree
+    return _mapped(tree, lambda path, tensor: tensor, None, fn)
+
+
+def _mapped(tree: Any, fn: Callable[[Any, torch.Tensor], Any], path: str | None,
+            objects: Callable[[Any], Any] | None = None) -> Any:
     # ``path`` None: no paths are wanted (map_tensors), and none is built.
     if isinstance(tree, torch.Tensor):
         return fn(path, tree)
     if isinstance(tree, _SCALARS):  # the common leaves, without the ABC checks
         return tree
     if isinstance(tree, Mapping):
-        mapped = {k: _mapped(v, fn, _child(path, k)) for k, v in tree.items()}
+        mapped = {k: _mapped(v, fn, _child(path, k), objects) for k, v in tree.items()}
         return _rebuild_mapping(tree, mapped)
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
-        return type(tree)(*[_mapped(v, fn, _child(path, i)) for i, v in enumerate(tree)])
+        return type(tree)(*[_mapped(v, fn, _child(path, i), objects) for i, v in enumerate(tree)])
     if isinstance(tree, (tuple, list)):
-        return type(tree)([_mapped(v, fn, _child(path, i)) for i, v in enumerate(tree)])
+        return type(tree)([_mapped(v, fn, _child(path, i), objects) for i, v in enumerate(tree)])
     if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
-        changes = {name: _mapped(getattr(tree, name), fn, _child(path, name))
+        changes = {name: _mapped(getattr(tree, name), fn, _child(path, name), objects)
                    for name in field_names(tree, init=True)}
         return dataclasses.replace(tree, **changes)
+    if objects is not None and (replaced := objects(tree)) is not None:
+        return _mapped(replaced, fn, path, objects)
     return tree
 
 
