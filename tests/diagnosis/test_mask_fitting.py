@@ -1,13 +1,14 @@
 """A's attention gets a mask sized to a static cache, B's one of the keys in use: B's replay
 on A's recorded inputs trims the mask where the keys it drops are masked for every query, pads
 it with masked keys where B's holds more, and says so on the row; a mask whose extra keys some
-query attends is left as recorded, and the local error stays unknown."""
+query attends is left as recorded, and the local error stays unknown. A's arguments are handed
+to B's parameters by meaning first: a mask passed by keyword or renamed is fitted too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from masked_models import DIM, CachedMask
+from masked_models import DIM, CachedMask, RenamedMaskAttention, TemperedAttention
 
 import torchparity as tp
 from torchparity.diagnosis.masks import fitted_keys, readings
@@ -70,3 +71,39 @@ def test_a_mask_b_takes_as_recorded_is_not_fitted() -> None:
     attn = tp.diagnose(a, b, (_x(),), backward=False, local="all").row("attn")
     assert attn.local is not None and attn.local.verdict == "identical"
     assert not any(note.startswith("mask ") for note in attn.notes)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+@pytest.mark.parametrize("a_side", [
+    {},  # A hands the mask by position, B by keyword
+    {"attention": RenamedMaskAttention, "keyword": "attention_mask"},  # B renamed it
+])
+def test_a_mask_handed_by_another_name_or_way_is_fitted(a_side: dict, planted: bool) -> None:
+    """B's attention takes A's mask under its own parameter: fitted there, it is
+    bit-identical, and a change planted inside it is still named."""
+    a, b = CachedMask(False, **a_side), CachedMask(True, keyword="mask")
+    if planted:
+        with torch.no_grad():
+            b.attn.proj.weight.mul_(2.0)
+    report = tp.diagnose(a, b, (_x(),), backward=False, local="all")
+    attn = report.row("attn")
+    assert attn.local is not None, attn.notes
+    assert attn.local.verdict == ("diverged" if planted else "identical")
+    notes = "; ".join(attn.notes)
+    assert TRIMMED in notes  # the mask as B's forward binds it: its second argument
+    renamed = "A's attention_mask handed to B's mask; " in notes
+    assert renamed == ("attention" in a_side)
+    first = report.first_divergence
+    assert (first.module if first is not None else None) == ("attn.proj" if planted else None)
+
+
+def test_a_parameter_b_requires_and_a_never_passed_leaves_the_local_error_unknown() -> None:
+    a = CachedMask(False)
+    b = CachedMask(True, attention=TemperedAttention, keyword="mask", also={"temperature": 1.0})
+    report = tp.diagnose(a, b, (_x(),), backward=False, local="all")
+    attn = report.row("attn")
+    assert attn.local is None
+    assert any(note.startswith("local error unknown: A's recorded arguments do not fit") and
+               "missing a required argument: 'temperature'" in note for note in attn.notes)
+    assert ("The local error of 1 module(s) is unknown, their replay on A's inputs failed "
+            "(attn); the verdict could depend on them") in " ".join(report.summary().split())

@@ -21,7 +21,7 @@ from torchparity.diagnosis.capture import Capture, ModuleCall, signature
 from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import Entry, Row
-from torchparity.diagnosis.run import Options, backend_context, fitting_masks, placed, rebind
+from torchparity.diagnosis.run import Options, backend_context, fitting_masks, for_b
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.subject.running import seeded
 
@@ -73,18 +73,20 @@ def _replay_capturing(reference: Reference, match: Match, container: nn.Module,
     """B's container run on A's recorded inputs (and state), every module inside it
     captured."""
     a, b = match.a[0], match.b[0]
-    recorded = reference.store.get_inputs(a.key)
+
+    def handed(fit: bool) -> tuple[tuple[tuple, dict], list[str]]:
+        return for_b(reference.signatures.get(a.name), reference.store.get_inputs(a.key), b,
+                     container, fit)
 
     def attempt(fit: bool) -> list[ModuleCall]:
-        args, kwargs = rebind(reference.signatures.get(a.name), placed(recorded, b, fit=fit),
-                              container)
+        args, kwargs = handed(fit)[0]
         with reference.on_recorded_state(a, container, b.name, changing), \
                 backend_context(opts.backend_b), seeded(), torch.no_grad(), \
                 Capture(container, exclude="", what="tensors") as capture:
             container(*args, **kwargs)
         return capture.records
 
-    return fitting_masks(attempt, recorded, [b])[0]
+    return fitting_masks(attempt, lambda fit: handed(fit)[1])[0]
 
 
 def _first_differing_input(reference: Reference, replayed: list[ModuleCall],

@@ -17,7 +17,7 @@ from torchparity.diagnosis.judging import joined
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import UNKNOWN_LOCAL, Result, Row
-from torchparity.diagnosis.run import Options, fitting_masks, placed, rebind, replay
+from torchparity.diagnosis.run import Options, UnfitArguments, fitting_masks, for_b, replay
 from torchparity.diagnosis.trace import ReplayUnavailable
 
 
@@ -56,9 +56,15 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
         return None, None, None
     store = reference.store
 
+    def handed(b: ModuleCall, fit: bool) -> tuple[tuple[tuple, dict], list[str]]:
+        return for_b(reference.signatures.get(a.name), store.get_inputs(a.key), b,
+                     modules[b.name], fit)
+
     def inputs(b: ModuleCall, fit: bool) -> tuple[tuple, dict]:
-        return rebind(reference.signatures.get(a.name), placed(store.get_inputs(a.key), b, fit=fit),
-                      modules[b.name])
+        return handed(b, fit)[0]
+
+    def notes(fit: bool) -> list[str]:
+        return [note for b in match.b for note in handed(b, fit)[1]]
 
     def judged(fit: bool) -> tuple[Result, Result | None]:
         outputs = []
@@ -76,8 +82,12 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
         return local, reference.judge(match.a, grads, "local_grad", "local_golden_grad", "grad")
 
     try:
-        (local, grad_local), fits = fitting_masks(judged, store.get_inputs(a.key), match.b)
+        (local, grad_local), fits, _ = fitting_masks(judged, notes)
         return local, grad_local, "; ".join(fits) or None
+    except UnfitArguments as exc:
+        return None, None, (f"{UNKNOWN_LOCAL}: A's recorded arguments do not fit B's module: "
+                            f"{exc}; whether this module itself changed the result is not "
+                            "known")
     except ReplayUnavailable as exc:
         return None, None, f"not replayable: {exc}"
     except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing

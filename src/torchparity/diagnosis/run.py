@@ -22,6 +22,7 @@ from torchparity.diagnosis.capture import (
     bound_arguments,
     module_filter,
     read_caches,
+    signature,
 )
 from torchparity.diagnosis.masks import fitted_keys
 from torchparity.diagnosis.state import StateRecorder, cast_held
@@ -237,44 +238,65 @@ def _backward_errors(model: nn.Module) -> Iterator[None]:
                             "(--decode takes none)") from exc
 
 
+class UnfitArguments(ReplayUnavailable):
+    """A's recorded arguments have no sound mapping onto B's ``forward``."""
+
+
 def rebind(recorded: Signature | None, inputs: tuple[tuple, dict], module: nn.Module
-           ) -> tuple[tuple, dict]:
-    """A recorded call's arguments as ``module`` (another revision's) takes them: as they were
-    when its forward binds them; else each bound to B's parameter of the same name, or of the
-    same position when B renamed it, a None for which B has no parameter left out (its
-    default); :class:`ReplayUnavailable` saying why when they still do not bind."""
+           ) -> tuple[tuple[tuple, dict], list[str]]:
+    """A recorded call's arguments as ``module`` (another revision's) takes them, by meaning,
+    and a note per argument handed to a parameter of another name. As recorded when B binds
+    each to a parameter of the name A's had (or A's signature is unknown); else each bound
+    to A's parameter and handed to B's of the same name, or of the same position when B
+    renamed it, a None for which B has no parameter left out (its default); :class:`UnfitArguments`
+    saying why when no sound mapping exists."""
     args, kwargs = inputs
     try:
         forward = inspect.signature(module.forward)
     except (TypeError, ValueError):
-        return args, kwargs
+        return inputs, []
+    a_bound = bound_arguments(recorded, args, kwargs)
+    # B binds an argument by another name than A did (``*args`` on either side names none)
+    renamed = any(a_name != b_name and not a_name.startswith("args.")
+                  and not b_name.startswith("args.") for a_name, b_name in
+                  zip(a_bound, bound_arguments(signature(module), args, kwargs), strict=False))
     try:
         forward.bind(*args, **kwargs)
-        return args, kwargs
+        if recorded is None or not renamed:
+            return inputs, []
     except TypeError:
         pass
     names = [name for name, *_ in recorded or []]
-    b_names = list(forward.parameters)
+    forward_text = f"B's {type(module).__name__}.forward({', '.join(forward.parameters)})"
     rebound: dict[str, Any] = {}
-    for name, value in bound_arguments(recorded, args, kwargs).items():
-        target = name if name in forward.parameters else None
-        if target is None and name in names and names.index(name) < len(b_names):
-            target = b_names[names.index(name)]
-            if forward.parameters[target].kind in (inspect.Parameter.VAR_POSITIONAL,
-                                                   inspect.Parameter.VAR_KEYWORD):
-                target = None
+    notes = []
+    for name, value in a_bound.items():
+        target = name if name in forward.parameters else _renamed(name, names, forward)
         if target is None or target in rebound:
             if value is None:
                 continue
-            raise ReplayUnavailable(f"B's {type(module).__name__}.forward({', '.join(b_names)}) "
-                                    f"has no parameter for the recorded argument {name}")
+            raise UnfitArguments(f"{forward_text} has no parameter that A's argument {name} "
+                                 "surely maps to (none of its name, none new at its position)")
+        if target != name:
+            notes.append(f"A's {name} handed to B's {target}")
         rebound[target] = value
     try:
         bound = forward.bind(**rebound)
     except TypeError as exc:
-        raise ReplayUnavailable(f"the recorded arguments do not bind to B's "
-                                f"{type(module).__name__}.forward: {exc}") from None
-    return bound.args, bound.kwargs
+        raise UnfitArguments(f"A's arguments do not bind to {forward_text}: {exc}") from None
+    return (bound.args, bound.kwargs), notes
+
+
+def _renamed(name: str, names: list[str], forward: inspect.Signature) -> str | None:
+    """B's parameter at the position A's parameter ``name`` had, taken as its new name: only
+    one A has no parameter of (else it may be one A has, moved) and not ``*args``/``**kw``."""
+    if name not in names or names.index(name) >= len(forward.parameters):
+        return None
+    target = list(forward.parameters)[names.index(name)]
+    if target in names or forward.parameters[target].kind in (
+            inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        return None
+    return target
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
@@ -354,32 +376,49 @@ def _replay_float64(module: nn.Module, args: tuple, kwargs: dict, backend: Backe
     return {p: t.detach() for p, t in outputs.items()}, grads
 
 
-def placed(inputs: tuple[tuple, dict], call: ModuleCall, *, fit: bool = False
+def placed(inputs: tuple[tuple, dict], call: ModuleCall, sig: Signature | None = None
            ) -> tuple[tuple, dict]:
     """Recorded inputs with each tensor moved to the device, and floating ones cast to the
-    dtype, that ``call``'s module saw at the same input in its own run; with ``fit``, each mask
-    also sized to the keys of ``call``'s own (:func:`fitted`)."""
+    dtype, that ``call``'s module saw at the same input in its own run (the same parameter of
+    ``sig``, its forward's, when given: :func:`parameter_path`)."""
+    own = {parameter_path(sig, path): found for path, found in call.input_placement.items()}
+
     def place(path: str, tensor: torch.Tensor) -> torch.Tensor:
-        dtype, device = call.input_placement.get(path, (tensor.dtype, tensor.device))
+        dtype, device = own.get(parameter_path(sig, path), (tensor.dtype, tensor.device))
         if not (tensor.is_floating_point() and dtype.is_floating_point):
             dtype = tensor.dtype
         return tensor.to(device=device, dtype=dtype)
 
     args, kwargs = inputs
-    moved = (map_tensors_with_paths(args, place, "args"),
-             map_tensors_with_paths(kwargs, place, "kwargs"))
-    return fitted(moved, call)[0] if fit else moved
+    return (map_tensors_with_paths(args, place, "args"),
+            map_tensors_with_paths(kwargs, place, "kwargs"))
 
 
-def fitted(inputs: tuple[tuple, dict], call: ModuleCall
+def parameter_path(sig: Signature | None, path: str) -> str:
+    """An input's path by the parameter it binds to (``args.1.0`` -> ``mask.0`` where
+    ``mask`` is the second parameter, ``kwargs.mask`` -> ``mask``): one value passed by
+    position in one call and by keyword in another has one path. As given without ``sig``."""
+    if sig is None:
+        return path
+    head, _, rest = path.partition(".")
+    index, _, tail = rest.partition(".")
+    positional = [name for name, kind, *_ in sig
+                  if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    name = index if head == "kwargs" else (
+        positional[int(index)] if int(index) < len(positional) else f"args.{index}")
+    return f"{name}.{tail}" if tail else name
+
+
+def fitted(inputs: tuple[tuple, dict], call: ModuleCall, sig: Signature | None = None
            ) -> tuple[tuple[tuple, dict], list[str]]:
-    """Recorded inputs with each attention mask sized to the keys of ``call``'s own mask, where
-    that changes no query's keys (see :func:`~torchparity.diagnosis.masks.fitted_keys`), and a
-    note per mask changed."""
+    """Recorded inputs with each attention mask sized to the keys of ``call``'s own mask (at
+    the same parameter of ``sig``, as in :func:`placed`), where that changes no query's keys
+    (see :func:`~torchparity.diagnosis.masks.fitted_keys`), and a note per mask changed."""
     notes = []
+    shapes = {parameter_path(sig, path): shape for path, shape in call.input_shapes.items()}
 
     def fit(path: str, tensor: torch.Tensor) -> torch.Tensor:
-        shape = call.input_shapes.get(path)
+        shape = shapes.get(parameter_path(sig, path))
         if shape is None or shape[:-1] != tensor.shape[:-1] or shape == tensor.shape:
             return tensor
         found = fitted_keys(tensor, shape[-1])
@@ -393,28 +432,43 @@ def fitted(inputs: tuple[tuple, dict], call: ModuleCall
             map_tensors_with_paths(kwargs, fit, "kwargs")), notes
 
 
+def for_b(recorded: Signature | None, inputs: tuple[tuple, dict], call: ModuleCall,
+          module: nn.Module, fit: bool = False) -> tuple[tuple[tuple, dict], list[str]]:
+    """A's recorded ``inputs`` as B's ``module`` takes them at ``call``, and notes saying
+    what changed: handed to its parameters by meaning (:func:`rebind`), placed as B's call
+    had them, and with ``fit`` each mask fitted to the keys of B's (:func:`fitted`)."""
+    inputs, notes = rebind(recorded, inputs, module)
+    own = signature(module)
+    inputs = placed(inputs, call, own)
+    if fit:
+        inputs, fits = fitted(inputs, call, own)
+        notes += fits
+    return inputs, notes
+
+
 Replayed = TypeVar("Replayed")
 
 
-def fitting_masks(attempt: Callable[[bool], Replayed], inputs: tuple[tuple, dict],
-                  calls: list[ModuleCall]) -> tuple[Replayed, list[str]]:
-    """``attempt(False)``: a replay of B on A's recorded ``inputs`` as recorded; where it fails
-    and :func:`fitted` changes a mask for one of B's ``calls``, ``attempt(True)`` (the replay
-    on fitted inputs) with the notes saying how.
+def fitting_masks(attempt: Callable[[bool], Replayed], notes: Callable[[bool], list[str]]
+                  ) -> tuple[Replayed, list[str], bool]:
+    """``attempt(False)``: a replay of B on A's recorded inputs as :func:`for_b` hands them
+    over; where it fails and fitting changes a mask (``notes(True)``, the notes of the
+    inputs with masks fitted, says more than ``notes(False)``), ``attempt(True)``, the replay
+    on fitted inputs. With the notes of the replay that ran, and whether it was fitted.
 
     Another revision may size the mask to a static cache (128 keys) where B sizes it to the keys
     in use (12): fed as recorded, B's module would fail on the shape alone. Fitted only on a
     failure, so that a replay that takes the recorded mask (B slices it, or is handed A's cache
     and its keys) runs on it unchanged."""
     try:
-        return attempt(False), []
+        return attempt(False), list(dict.fromkeys(notes(False))), False
     except ReplayUnavailable:
         raise
     except Exception:
-        notes = list(dict.fromkeys(note for call in calls for note in fitted(inputs, call)[1]))
-        if not notes:
+        fits = list(dict.fromkeys(notes(True)))
+        if fits == list(dict.fromkeys(notes(False))):
             raise
-    return attempt(True), notes
+    return attempt(True), fits, True
 
 
 def dtype_label(dtype: torch.dtype | None) -> str:

@@ -37,10 +37,10 @@ from torchparity.diagnosis.run import (
     Options,
     backend_context,
     fitting_masks,
+    for_b,
     golden_inputs,
     in_golden_dtype,
     placed,
-    rebind,
 )
 from torchparity.diagnosis.state import OwnState, replaying, states_within
 from torchparity.diagnosis.trace import ReplayUnavailable
@@ -77,24 +77,25 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
     module_b = dict(model_b.named_modules())[b_call.name]
     padding = module_padding(reference.padding, a_call.name)
 
-    def b_steps_on(fit: bool) -> list[Step]:
+    def handed(fit: bool) -> tuple[tuple[tuple, dict], list[str]]:
         # each replay its own copy of the inputs: a replay writes into a cache handed to it
-        args_b, kwargs_b = rebind(reference.signatures.get(a_call.name),
-                                  placed(reference.store.get_inputs(a_call.key), b_call,
-                                         fit=fit), module_b)
+        return for_b(reference.signatures.get(a_call.name),
+                     reference.store.get_inputs(a_call.key), b_call, module_b, fit)
+
+    def b_steps_on(fit: bool) -> list[Step]:
+        args_b, kwargs_b = handed(fit)[0]
         with reference.on_recorded_state(a_call, module_b, b_call.name, changing), \
                 backend_context(opts.backend_b), seeded():
             return _capture(module_b, args_b, kwargs_b, grad_out, backward, padding)
 
     try:
-        b_steps, fits = fitting_masks(b_steps_on, reference.store.get_inputs(a_call.key),
-                                      [b_call])
+        b_steps, _, fit = fitting_masks(b_steps_on, lambda fit: handed(fit)[1])
     except ReplayUnavailable as exc:
         return f"no op drill-down: B's module is not replayable: {exc}"
     pairs = align_steps(side.steps, b_steps)
     lines, first = judge_ops(pairs, side.golden, padding, module_diverged=diverged)
     if first is not None:  # before an op is called the change: is it run-to-run noise?
-        spreads = run_to_run_spreads(b_steps, b_steps_on(bool(fits)))
+        spreads = run_to_run_spreads(b_steps, b_steps_on(fit))
         if spreads:
             lines, first = judge_ops(pairs, side.golden, padding, module_diverged=diverged,
                                      spreads=spreads)
