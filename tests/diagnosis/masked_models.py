@@ -61,3 +61,39 @@ class CachedMask(nn.Module):
         if self.keyword is None:
             return self.head(self.attn(hidden, mask))
         return self.head(self.attn(hidden, **{self.keyword: mask}, **self.also))
+
+
+class RowPickingAttention(nn.Module):
+    """Attention over ``x`` whose mask covers every position of a static cache; with
+    ``picks``, its rows and keys are picked by ``cache_position`` (transformers 4.38's
+    ``attention_mask[:, :, cache_position, :keys]``), without, the mask is already one row per
+    query and one column per key (4.39's)."""
+
+    def __init__(self, picks: bool) -> None:
+        super().__init__()
+        self.proj, self.picks = nn.Linear(DIM, DIM), picks
+
+    def forward(self, x, mask, cache_position=None):
+        if self.picks:
+            mask = mask[:, cache_position, :x.shape[-2]]
+        scores = x @ self.proj(x).transpose(-1, -2)
+        return (scores + mask).softmax(-1) @ x
+
+
+class SquareCachedMask(nn.Module):
+    """A (``revised=False``) hands its attention a causal mask over ``positions`` queries and
+    keys, and the queries' ``cache_position``; B one over the sequence."""
+
+    def __init__(self, revised: bool, positions: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(DIM, DIM)
+        self.attn, self.positions, self.revised = RowPickingAttention(not revised), positions, \
+            revised
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x):
+        length = x.shape[-2]
+        size = length if self.revised else self.positions
+        mask = torch.full((1, size, size), float("-inf")).triu(1)
+        return self.head(self.attn(self.pre(x), mask, cache_position=torch.arange(length)))

@@ -27,7 +27,7 @@ from torchparity.diagnosis.reference import (
     module_placement,
     placed_on,
 )
-from torchparity.diagnosis.results import Result
+from torchparity.diagnosis.results import UNKNOWN_LOCAL, Result
 from torchparity.diagnosis.run import (
     GOLDEN_DTYPE,
     Options,
@@ -137,5 +137,9 @@ class _Replayer:
         except ReplayUnavailable as exc:
             self.notes[call.key] = f"not replayable: {exc}"
         except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
-            self.notes[call.key] = f"replay failed: {type(exc).__name__}: {exc}"
+            detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+            self.notes[call.key] = (f"{UNKNOWN_LOCAL}: the float64 golden of A's module "
+                                    f"could not be replayed on its recorded inputs ({detail}), "
+                                    "so whether this module itself changed the result is not "
+                                    "known")
 

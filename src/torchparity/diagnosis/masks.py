@@ -105,6 +105,29 @@ def _judged(shape: torch.Size, padding: PaddingSpec, path: str, device: torch.de
     return kept.reshape(shape[0], *(1,) * (len(shape) - 3), shape[-2], 1)
 
 
+def fitted_queries(mask: torch.Tensor, positions: torch.Tensor | None, queries: int
+                   ) -> tuple[torch.Tensor, str] | None:
+    """``mask``'s rows of the queries at ``positions``, ``queries`` of them, and how; None when
+    that cannot be done.
+
+    A static cache may hand attention a mask over every position of the cache (128 queries,
+    128 keys) and let it pick the rows of its queries by ``cache_position``, where another
+    revision hands one row per query: the rows at those positions are what the first one
+    attends with.
+    """
+    if positions is None or mask.dim() < 3 or positions.dim() != 1 or \
+            positions.numel() != queries or positions.dtype.is_floating_point or \
+            not readings(mask):
+        return None
+    rows = mask.shape[-2]
+    if not bool(((positions >= 0) & (positions < rows)).all()):
+        return None
+    picked = mask.index_select(-2, positions.to(mask.device))
+    first, last = int(positions[0]), int(positions[-1])
+    return picked, (f"rows of queries {first}..{last} of {rows} picked by cache_position, "
+                    "as A's attention picks them")
+
+
 def fitted_keys(mask: torch.Tensor, keys: int) -> tuple[torch.Tensor, str] | None:
     """``mask`` with its last dimension (the keys) made ``keys`` long without changing what any
     query attends, and how ("trimmed from 16 to 5 keys: ..."); None when that cannot be done.

@@ -24,7 +24,7 @@ from torchparity.diagnosis.capture import (
     read_caches,
     signature,
 )
-from torchparity.diagnosis.masks import fitted_keys
+from torchparity.diagnosis.masks import fitted_keys, fitted_queries
 from torchparity.diagnosis.state import StateRecorder, cast_held
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.errors import UsageError, UserCodeError
@@ -413,21 +413,37 @@ def fitted(inputs: tuple[tuple, dict], call: ModuleCall, sig: Signature | None =
            ) -> tuple[tuple[tuple, dict], list[str]]:
     """Recorded inputs with each attention mask sized to the keys of ``call``'s own mask (at
     the same parameter of ``sig``, as in :func:`placed`), where that changes no query's keys
-    (see :func:`~torchparity.diagnosis.masks.fitted_keys`), and a note per mask changed."""
+    (see :func:`~torchparity.diagnosis.masks.fitted_keys`), after taking the rows of its
+    queries by A's ``cache_position`` where the mask covers every position of a cache
+    (:func:`~torchparity.diagnosis.masks.fitted_queries`), and a note per mask changed."""
     notes = []
     shapes = {parameter_path(sig, path): shape for path, shape in call.input_shapes.items()}
+    args, kwargs = inputs
+    positions = kwargs.get("cache_position")
 
     def fit(path: str, tensor: torch.Tensor) -> torch.Tensor:
         shape = shapes.get(parameter_path(sig, path))
-        if shape is None or shape[:-1] != tensor.shape[:-1] or shape == tensor.shape:
+        if shape is None or shape == tensor.shape or len(shape) != tensor.dim():
             return tensor
-        found = fitted_keys(tensor, shape[-1])
-        if found is None:
+        said = []
+        if shape[:-2] == tensor.shape[:-2] and shape[-2] != tensor.shape[-2]:
+            rows = fitted_queries(tensor, positions if isinstance(positions, torch.Tensor)
+                                  else None, shape[-2])
+            if rows is None:
+                return tensor
+            tensor, how = rows
+            said.append(how)
+        if shape[:-1] != tensor.shape[:-1]:
             return tensor
-        notes.append(f"mask {path} {found[1]}")
-        return found[0]
+        if shape != tensor.shape:
+            keys = fitted_keys(tensor, shape[-1])
+            if keys is None:
+                return tensor
+            tensor, how = keys
+            said.append(how)
+        notes.append(f"mask {path} {', '.join(said)}")
+        return tensor
 
-    args, kwargs = inputs
     return (map_tensors_with_paths(args, fit, "args"),
             map_tensors_with_paths(kwargs, fit, "kwargs")), notes
 
