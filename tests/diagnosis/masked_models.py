@@ -41,6 +41,19 @@ class TemperedAttention(MaskedAttention):
         return super().forward(x / temperature, mask)
 
 
+class BiasedAttention(MaskedAttention):
+    def forward(self, x, attention_mask, bias):
+        return super().forward(x + bias, attention_mask)
+
+
+class MovedBiasAttention(MaskedAttention):
+    """:class:`BiasedAttention` with its mask renamed and moved after the bias: which
+    parameter A's ``attention_mask`` became is not sure from the names and positions."""
+
+    def forward(self, x, bias, mask):
+        return super().forward(x + bias, mask)
+
+
 class CachedMask(nn.Module):
     def __init__(self, revised: bool, keys: int = 16, spare: float = float("-inf"),
                  attention: type[MaskedAttention] = MaskedAttention, keyword: str | None = None,

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from masked_models import DIM, CachedMask, RenamedMaskAttention, TemperedAttention
+from masked_models import (
+    DIM,
+    BiasedAttention,
+    CachedMask,
+    MovedBiasAttention,
+    RenamedMaskAttention,
+    TemperedAttention,
+)
 
 import torchparity as tp
 from torchparity.diagnosis.masks import fitted_keys, readings
@@ -97,13 +104,19 @@ def test_a_mask_handed_by_another_name_or_way_is_fitted(a_side: dict, planted: b
     assert (first.module if first is not None else None) == ("attn.proj" if planted else None)
 
 
-def test_a_parameter_b_requires_and_a_never_passed_leaves_the_local_error_unknown() -> None:
-    a = CachedMask(False)
-    b = CachedMask(True, attention=TemperedAttention, keyword="mask", also={"temperature": 1.0})
-    report = tp.diagnose(a, b, (_x(),), backward=False, local="all")
+@pytest.mark.parametrize(("a", "b", "why"), [
+    ({}, {"attention": TemperedAttention, "also": {"temperature": 1.0}},
+     "missing a required argument: 'temperature'"),  # B requires what A never passed
+    ({"attention": BiasedAttention, "keyword": "attention_mask", "also": {"bias": 0.0}},
+     {"attention": MovedBiasAttention, "also": {"bias": 0.0}},
+     "no parameter that A's argument attention_mask surely maps to"),  # renamed and moved
+])
+def test_arguments_without_a_sound_mapping_leave_the_local_error_unknown(a, b, why) -> None:
+    report = tp.diagnose(CachedMask(False, **a), CachedMask(True, keyword="mask", **b),
+                         (_x(),), backward=False, local="all")
     attn = report.row("attn")
     assert attn.local is None
     assert any(note.startswith("local error unknown: A's recorded arguments do not fit") and
-               "missing a required argument: 'temperature'" in note for note in attn.notes)
+               why in note for note in attn.notes), attn.notes
     assert ("The local error of 1 module(s) is unknown, their replay on A's inputs failed "
             "(attn); the verdict could depend on them") in " ".join(report.summary().split())
