@@ -192,10 +192,10 @@ def test_the_reader_finds_what_python_imports() -> None:
 #: (docs/diagnose.md): what they share lives in diagnosis/reference.py and the modules below it.
 DIAGNOSIS_STAGES = tuple(f"torchparity.diagnosis.{stage}" for stage in (
     "capture_a", "float64_golden", "propagated", "local", "entry", "ops"))
-#: The modules that call the stages: a diagnosis in one process or across a trace, and one of a
-#: compiled B.
+#: The modules that call the stages: a diagnosis in one process or across a trace, one of a
+#: compiled B, and one across the ranks of torchrun.
 DIAGNOSIS_PIPELINES = tuple(f"torchparity.diagnosis.{name}" for name in (
-    "api", "compiled_localisation", "decoding.api"))
+    "api", "compiled_localisation", "decoding.api", "across_ranks"))
 
 
 def test_no_stage_of_a_diagnosis_imports_another(edges: list[Import]) -> None:

@@ -4,6 +4,7 @@
     torchparity diagnose pkg.mod:make --against base.tptrace    # against `torchparity record`
     torchparity diagnose pkg.mod:make_a pkg.mod:make_b --decode # where their decodings part
     torchparity diagnose pkg.mod:make --base origin/main        # against a git revision
+    torchparity diagnose pkg.mod:make --nproc 2 --against T     # sharded, under torchrun
 
 A trace written by ``record --decode`` is recognised: B is decoded along its tokens. With
 ``--base REV`` the trace is recorded on REV, in a worktree of its own (see
@@ -30,6 +31,7 @@ from torchparity.commands.common import (
 from torchparity.commands.decode_options import add_decode_arguments, decode_options
 from torchparity.commands.diagnose_against import against_base, against_trace
 from torchparity.commands.diagnose_determinism import determinism
+from torchparity.commands.diagnose_ranks import across_ranks
 from torchparity.commands.trace_options import (
     add_selection_arguments,
     dtype_option,
@@ -39,6 +41,7 @@ from torchparity.commands.trace_options import (
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
 from torchparity.subject.compiling import MODES
+from torchparity.subject.ranks import under_torchrun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_base_arguments(parser, "A is ENTRY there, recorded by `torchparity record` with "
                                "--backend-a, --dtype, --decode and its options, --include, "
                                "--exclude and --no-backward, and kept in a cache")
+    parser.add_argument("--nproc", type=int, metavar="N",
+                        help="run B sharded by its factory's plan as N ranks of torchrun, "
+                             "against a trace recorded in one process (--against)")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
     add_report_arguments(parser)
@@ -85,6 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.determinism:
         return determinism(args)
+    if args.nproc is not None or under_torchrun():
+        return across_ranks(args)
     started = time.perf_counter()
     check_paths(args.summary, args.junit)
     name_map = name_rules(args.name_map)

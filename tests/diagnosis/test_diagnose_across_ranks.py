@@ -1,0 +1,82 @@
+"""``diagnose ENTRY --nproc 2 --against TRACE``: a sharded model run by 2 ranks of torchrun
+(gloo, CPU) against a trace of the same model recorded in one process, where no plan runs (the
+model's own mathematics). Each classic sharding bug planted in a tensor-parallel plan
+(tests/sharded_models.py) is named at the module it is planted in, with the ranks where it
+shows; a correct plan passes.
+
+Each run starts torchrun and its ranks (seconds of imports each): the default suite runs one
+bug; the others and the correct plans are ``slow``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchparity.cli import main
+
+MODELS = Path(__file__).resolve().parents[1] / "sharded_models.py"
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory) -> Path:
+    """The correct model (the plans change how it runs, not what it computes) in one
+    process."""
+    path = tmp_path_factory.mktemp("ranks") / "mine.tptrace"
+    assert main(["record", f"{MODELS}:mine_tp", "-o", str(path)]) == 0
+    return path
+
+
+def diagnosed(trace: Path, name: str, tmp_path: Path) -> tuple[int, dict]:
+    report = tmp_path / "report.json"
+    status = main(["diagnose", f"{MODELS}:{name}", "--nproc", "2", "--against", str(trace),
+                   "--json", str(report)])
+    return status, json.loads(report.read_text())
+
+
+def test_a_row_parallel_linear_whose_partial_sums_are_not_reduced_is_named(
+        trace, tmp_path, capsys):
+    status, report = diagnosed(trace, "mine_unreduced_rows", tmp_path)
+    out = capsys.readouterr().out
+    assert status == 1
+    first = report["first_divergence"]
+    # Each rank holds its own share of the sum: both ranks' outputs leave A's budget.
+    assert (first["module"], first["ranks"]) == ("layers.0.attn.o", [0, 1])
+    assert first["result"]["verdict"] == "diverged"
+    assert out.count("First divergence: layers.0.attn.o (Linear) on ranks 0, 1 of 2") == 1
+    assert "Local errors are not computed across ranks" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "module", "ranks", "verdict"), [
+    # gathered in the wrong order: every rank gets the same wrong whole
+    ("mine_columns_out_of_order", "layers.0.up", [0, 1], "diverged"),
+    # rank 1's copy of the replicated norm drifted: its output is not rank 0's
+    ("mine_norm_drifts", "layers.0.attn_norm", [1], "differs between ranks"),
+    # keys split by heads but each rank holds the other's: the ranks' keys joined are not A's
+    ("mine_heads_swapped", "layers.0.attn.k", [0, 1], "diverged"),
+])
+def test_each_other_sharding_bug_is_named_at_its_module(trace, tmp_path, name, module, ranks,
+                                                        verdict):
+    status, report = diagnosed(trace, name, tmp_path)
+    assert status == 1
+    first = report["first_divergence"]
+    assert (first["module"], first["ranks"], first["result"]["verdict"]) == (
+        module, ranks, verdict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mine_tp", "mine_fsdp", "mine_fsdp_tp"])
+def test_a_correct_plan_passes(trace, tmp_path, name):
+    status, report = diagnosed(trace, name, tmp_path)
+    assert status == 0
+    assert report["first_divergence"] is None
+    assert report["judged_modules"] > 0
+
+
+def test_without_a_trace_the_command_to_record_one_is_said(capsys):
+    assert main(["diagnose", f"{MODELS}:mine_tp", "--nproc", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "`torchparity record ENTRY -o TRACE`, then --against TRACE" in err
