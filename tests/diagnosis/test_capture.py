@@ -19,6 +19,7 @@ from torchparity.diagnosis.capture import (
     TensorStats,
     call_key,
     module_filter,
+    snapshot,
 )
 from torchparity.subject.trees import flatten_tensors, map_tensors
 
@@ -255,3 +256,27 @@ def test_shared_copies_of_an_inference_mode_run(net: Net, x: torch.Tensor) -> No
         with Capture(net, share=True) as cap:
             net(x)
     assert torch.equal(cap["head"].output, expected)
+
+
+@dataclass
+class _FieldLess:
+    """transformers 4.38's ``Cache``: a dataclass without fields."""
+
+
+class _ListCache(_FieldLess):
+    """4.38's ``DynamicCache``: its tensors in attributes of its own, set by its ``__init__``."""
+
+    def __init__(self) -> None:
+        self.key_cache: list[torch.Tensor] = []
+
+
+def test_a_cache_under_a_field_less_dataclass_is_copied_with_what_it_holds() -> None:
+    """Rebuilt from its (no) fields, such a cache would come back empty: a replay of the second
+    layer would find no entry for the first."""
+    cache = _ListCache()
+    cache.key_cache.append(torch.ones(2, 3))
+    copied = snapshot({"past_key_value": cache})["past_key_value"]
+    assert copied is not cache and len(copied.key_cache) == 1
+    assert torch.equal(copied.key_cache[0], cache.key_cache[0])
+    cache.key_cache[0].mul_(2)
+    assert torch.equal(copied.key_cache[0], torch.ones(2, 3))

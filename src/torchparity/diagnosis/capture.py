@@ -42,6 +42,7 @@ from torchparity.subject.trees import (
     flatten_tensors,
     map_objects,
     map_tensors,
+    rebuilt_from_fields,
     walk,
 )
 
@@ -146,7 +147,7 @@ def _copy_opaque(tree: Any, objects: bool = True) -> Any:
     if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
         return type(tree)(_copy_opaque(v, objects) for v in tree)
     if not objects:
-        if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+        if rebuilt_from_fields(tree):
             return dataclasses.replace(tree, **{name: _copy_opaque(getattr(tree, name), False)
                                                 for name in field_names(tree, init=True)})
         return Uncopyable(type(tree).__name__)

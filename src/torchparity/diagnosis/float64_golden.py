@@ -135,7 +135,7 @@ class _Replayer:
                 store.put(call.key, "local_golden", outputs)
                 store.put(call.key, "local_golden_grad", grads)
         except ReplayUnavailable as exc:
-            self.notes[call.key] = f"not replayable: {exc}"
+            self.notes[call.key] = f"{UNKNOWN_LOCAL}: not replayable: {exc}"
         except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
             detail = " ".join(f"{type(exc).__name__}: {exc}".split())
             self.notes[call.key] = (f"{UNKNOWN_LOCAL}: the float64 golden of A's module "

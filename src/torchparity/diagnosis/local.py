@@ -89,7 +89,7 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
                             f"{exc}; whether this module itself changed the result is not "
                             "known")
     except ReplayUnavailable as exc:
-        return None, None, f"not replayable: {exc}"
+        return None, None, f"{UNKNOWN_LOCAL}: not replayable: {exc}"
     except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
         detail = " ".join(f"{type(exc).__name__}: {exc}".split())
         return None, None, (f"{UNKNOWN_LOCAL}: replay of B's module on A's recorded inputs "

@@ -41,7 +41,6 @@ buckets, whatever its group, so A's, the golden's and B's tensors compare.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib
 import json
@@ -71,7 +70,7 @@ from torchparity.errors import TorchParityError, UsageError
 from torchparity.memory import SharedCopies, memory_key
 from torchparity.sketching import Sketch
 from torchparity.subject.padding import Padding
-from torchparity.subject.trees import field_names, flatten_tensors
+from torchparity.subject.trees import field_names, flatten_tensors, rebuilt_from_fields
 
 SCHEMA = "torchparity.trace/6"
 TRACE_JSON = "trace.json"
@@ -491,7 +490,7 @@ def encode_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return {"dict": {k: encode_tree(v, tensors) for k, v in tree.items()}}
     if isinstance(tree, Uncopyable):
         return {"opaque": tree.type_name}
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+    if rebuilt_from_fields(tree):
         cls = type(tree)
         fields = {name: encode_tree(getattr(tree, name), tensors)
                   for name in field_names(tree, init=True)}

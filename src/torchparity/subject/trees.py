@@ -56,7 +56,7 @@ def _mapped(tree: Any, fn: Callable[[Any, torch.Tensor], Any], path: str | None,
         return type(tree)(*[_mapped(v, fn, _child(path, i), objects) for i, v in enumerate(tree)])
     if isinstance(tree, (tuple, list)):
         return type(tree)([_mapped(v, fn, _child(path, i), objects) for i, v in enumerate(tree)])
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, type):
+    if rebuilt_from_fields(tree):
         changes = {name: _mapped(getattr(tree, name), fn, _child(path, name), objects)
                    for name in field_names(tree, init=True)}
         return dataclasses.replace(tree, **changes)
@@ -112,6 +112,14 @@ def _rebuild_mapping(original: Mapping, mapped: dict) -> Any:
 
 def _is_model_output(obj: Any) -> bool:
     return any(cls.__name__ == "ModelOutput" for cls in type(obj).__mro__)
+
+
+def rebuilt_from_fields(obj: Any) -> bool:
+    """Whether ``obj`` is a dataclass instance that its constructor's fields rebuild. One with
+    no such field is an object: transformers 4.38's caches subclass a field-less dataclass
+    and keep their tensors in attributes of their own, which a rebuild would drop."""
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type) and \
+        bool(field_names(obj, init=True))
 
 
 def field_names(obj: Any, *, init: bool = False) -> tuple[str, ...]:
