@@ -80,3 +80,11 @@ def test_without_a_trace_the_command_to_record_one_is_said(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
     assert "`torchparity record ENTRY -o TRACE`, then --against TRACE" in err
+
+
+def test_an_option_a_diagnosis_across_ranks_does_not_take_is_refused_not_ignored(capsys):
+    assert main(["diagnose", f"{MODELS}:mine_tp", "--nproc", "2", "--against", "T",
+                 "--backend-b", "sdpa", "--local", "all"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "does not take --backend-b, --local" in err

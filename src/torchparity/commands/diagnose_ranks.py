@@ -11,6 +11,13 @@ from pathlib import Path
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
 
+# The options of a diagnosis in one process, at their defaults: under --nproc any other value
+# is refused, not ignored.
+_DEFAULTS = {"backward": True, "include": None, "exclude": None, "dtype": None,
+             "decode": False, "name_map": None, "backend_a": None, "backend_b": None,
+             "compile_b": None, "stream": None, "ops": None, "local": "diverged",
+             "base": None, "html": None, "summary": None, "junit": None}
+
 
 def across_ranks(args: argparse.Namespace) -> int:
     """Start the ranks (or run as one, under torchrun); rank 0 prints the first divergence
@@ -20,9 +27,13 @@ def across_ranks(args: argparse.Namespace) -> int:
     if not args.against:
         raise UsageError("diagnose --nproc needs a trace of the correct model recorded in one "
                          "process: `torchparity record ENTRY -o TRACE`, then --against TRACE")
-    if len(args.entries) != 1 or args.decode or args.ops or args.compile_b or args.base:
-        raise UsageError("diagnose --nproc takes one entry point (B) with --against TRACE, "
-                         "without --decode, --ops, --compile-b or --base")
+    if len(args.entries) != 1:
+        raise UsageError("diagnose --nproc takes one entry point (B) with --against TRACE")
+    given = [name for name, default in _DEFAULTS.items() if getattr(args, name) != default]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"diagnose --nproc does not take {flags}: it judges B's module "
+                         "outputs, forward, against the trace (--against) and --json only")
     launched = sharded.start(args.nproc, args._argv)
     if launched is not None:
         return launched
