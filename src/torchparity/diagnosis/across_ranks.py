@@ -30,6 +30,7 @@ from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import Result, module_label
 from torchparity.diagnosis.trace import check_recorded_inputs
 from torchparity.subject import Subject, sharded
+from torchparity.subject.running import call_model
 from torchparity.subject.trees import flatten_tensors, map_tensors
 from torchparity.text import wrap
 
@@ -145,7 +146,7 @@ def _module_outputs(model: torch.nn.Module, inputs: Any) -> Outputs:
     handles = [module.register_forward_hook(keep(name)) for name, module in model.named_modules()]
     try:
         with torch.no_grad():
-            model(*inputs) if isinstance(inputs, tuple) else model(**inputs)
+            call_model(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
