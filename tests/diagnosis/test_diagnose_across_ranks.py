@@ -1,6 +1,7 @@
 """``diagnose ENTRY --nproc 2 --against TRACE``: a sharded model run by 2 ranks of torchrun
 (gloo, CPU) against a trace of the same model recorded in one process, where no plan runs (the
-model's own mathematics). Each classic sharding bug planted in a tensor-parallel plan
+model's own mathematics); and ``diagnose A B --nproc 2``: against the correct plan's model,
+sharded too. Each classic sharding bug planted in a tensor-parallel plan
 (tests/sharded_models.py) is named at the module it is planted in, with the ranks where it
 shows; a correct plan passes.
 
@@ -75,11 +76,53 @@ def test_a_correct_plan_passes(trace, tmp_path, name):
     assert report["judged_modules"] > 0
 
 
-def test_without_a_trace_the_command_to_record_one_is_said(capsys):
+def against_a(a: str, b: str, tmp_path: Path) -> tuple[int, dict]:
+    report = tmp_path / "report.json"
+    status = main(["diagnose", f"{MODELS}:{a}", f"{MODELS}:{b}", "--nproc", "2",
+                   "--json", str(report)])
+    return status, json.loads(report.read_text())
+
+
+def test_against_a_correct_plan_a_column_output_gathered_out_of_order_is_named(tmp_path):
+    # B gathers up's output (in the wrong order) where A keeps each rank's columns: A's
+    # columns joined in rank order are what B's whole output is judged against.
+    status, report = against_a("mine_tp", "mine_columns_out_of_order", tmp_path)
+    assert status == 1
+    first = report["first_divergence"]
+    assert (first["module"], first["ranks"], first["result"]["verdict"]) == (
+        "layers.0.up", [0, 1], "diverged")
+    assert report["against"] == f"{MODELS}:mine_tp run sharded alike"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "module", "ranks", "verdict"), [
+    ("mine_unreduced_rows", "layers.0.attn.o", [0, 1], "diverged"),
+    ("mine_norm_drifts", "layers.0.attn_norm", [1], "differs between ranks"),
+    ("mine_heads_swapped", "layers.0.attn.k", [0, 1], "diverged"),
+])
+def test_against_a_correct_plan_each_other_bug_is_named(tmp_path, name, module, ranks,
+                                                        verdict):
+    status, report = against_a("mine_tp", name, tmp_path)
+    assert status == 1
+    first = report["first_divergence"]
+    assert (first["module"], first["ranks"], first["result"]["verdict"]) == (
+        module, ranks, verdict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mine_tp", "mine_fsdp", "mine_fsdp_tp"])
+def test_a_correct_plan_against_itself_passes(tmp_path, name):
+    status, report = against_a(name, name, tmp_path)
+    assert status == 0
+    assert report["first_divergence"] is None
+    assert report["judged_modules"] > 0
+
+
+def test_one_entry_without_a_trace_is_refused_with_both_forms(capsys):
     assert main(["diagnose", f"{MODELS}:mine_tp", "--nproc", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "`torchparity record ENTRY -o TRACE`, then --against TRACE" in err
+    assert "one entry point (B) with --against TRACE, or two (A and B" in err
 
 
 def test_an_option_a_diagnosis_across_ranks_does_not_take_is_refused_not_ignored(capsys):

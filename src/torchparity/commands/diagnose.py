@@ -5,6 +5,7 @@
     torchparity diagnose pkg.mod:make_a pkg.mod:make_b --decode # where their decodings part
     torchparity diagnose pkg.mod:make --base origin/main        # against a git revision
     torchparity diagnose pkg.mod:make --nproc 2 --against T     # sharded, under torchrun
+    torchparity diagnose pkg.mod:make_a pkg.mod:make_b --nproc 2  # both sharded
 
 A trace written by ``record --decode`` is recognised: B is decoded along its tokens. With
 ``--base REV`` the trace is recorded on REV, in a worktree of its own (see
@@ -82,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "--exclude and --no-backward, and kept in a cache")
     parser.add_argument("--nproc", type=int, metavar="N",
                         help="run B sharded by its factory's plan as N ranks of torchrun, "
-                             "against a trace recorded in one process (--against)")
+                             "against a trace recorded in one process (--against), or "
+                             "against A sharded by its own")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--html", metavar="PATH", help="write a self-contained HTML report")
     add_report_arguments(parser)

@@ -1,6 +1,7 @@
-"""``torchparity diagnose ENTRY --nproc N --against TRACE``: a sharded model's first divergence
-across the ranks of torchrun, against a trace recorded in one process (see
-:mod:`torchparity.diagnosis.across_ranks`)."""
+"""``torchparity diagnose ENTRY --nproc N --against TRACE`` and ``diagnose A B --nproc N``: a
+sharded model's first divergence across the ranks of torchrun, against a trace recorded in one
+process or against another model sharded alike (see :mod:`torchparity.diagnosis.across_ranks`).
+"""
 
 from __future__ import annotations
 
@@ -24,23 +25,28 @@ def across_ranks(args: argparse.Namespace) -> int:
     once, and writes ``--json``. Exit status 1 when a module diverges."""
     from torchparity.golden import sharded
 
-    if not args.against:
-        raise UsageError("diagnose --nproc needs a trace of the correct model recorded in one "
-                         "process: `torchparity record ENTRY -o TRACE`, then --against TRACE")
-    if len(args.entries) != 1:
-        raise UsageError("diagnose --nproc takes one entry point (B) with --against TRACE")
+    if len(args.entries) != (1 if args.against else 2):
+        raise UsageError("diagnose --nproc takes one entry point (B) with --against TRACE, or "
+                         "two (A and B, each sharded by its own plan)")
     given = [name for name, default in _DEFAULTS.items() if getattr(args, name) != default]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise UsageError(f"diagnose --nproc does not take {flags}: it judges B's module "
-                         "outputs, forward, against the trace (--against) and --json only")
+                         "outputs, forward, against A's, and takes --against and --json only")
     launched = sharded.start(args.nproc, args._argv)
     if launched is not None:
         return launched
-    from torchparity.diagnosis.across_ranks import diagnose_across_ranks
+    from torchparity.diagnosis.across_ranks import (
+        diagnose_across_ranks,
+        diagnose_pair_across_ranks,
+    )
 
-    report = sharded.collectively("the diagnosis", lambda: diagnose_across_ranks(
-        Path(args.against), Subject.load(args.entries[0])))
+    if args.against:
+        report = sharded.collectively("the diagnosis", lambda: diagnose_across_ranks(
+            Path(args.against), Subject.load(args.entries[0])))
+    else:
+        report = sharded.collectively("the diagnosis", lambda: diagnose_pair_across_ranks(
+            Subject.load(args.entries[0]), Subject.load(args.entries[1]), args.entries[0]))
     if report is None:  # not rank 0: rank 0 speaks for every rank
         return 0
     print("\n".join(report.lines()))
