@@ -25,8 +25,10 @@ is in :mod:`~torchparity.diagnosis.reference`), and the data passes through each
 
 The first module whose local error breaks its budget is where B starts to compute something
 else; everything after it inherits the error. ``record`` runs stages 1 and 2 on one revision
-and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 to 5 and 7, or
-hands a trace of a decoding to :mod:`~torchparity.diagnosis.decoding`.
+and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 to 5 and 7, or,
+when the trace's metadata is a decoding's (:class:`~.trace_meta.DecodeTraceMeta`), hands it to
+the decoding pipeline, :mod:`~torchparity.diagnosis.decoding`, which runs the same stages at
+the steps of a decoding.
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.capture_a import capture_reference, open_reference, trace_meta
 from torchparity.diagnosis.compiled_localisation import compile_form, localise
 from torchparity.diagnosis.decoding import DecodeReport, diagnose_decode_against
-from torchparity.diagnosis.decoding.trace import is_decode_trace
 from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.float64_golden import add_golden, float64_departure
 from torchparity.diagnosis.local import judge_local
@@ -75,7 +76,7 @@ from torchparity.diagnosis.trace import (
     check_recorded_inputs,
     open_trace,
 )
-from torchparity.diagnosis.trace_meta import KeptOps
+from torchparity.diagnosis.trace_meta import DecodeTraceMeta, KeptOps, meta_from_json
 from torchparity.errors import UsageError
 from torchparity.subject.decoding import ReorderFn, StepFn
 from torchparity.subject.factory import first_line
@@ -280,7 +281,9 @@ def diagnose_against(
     names) returns a trace that holds them (one recorded at the base with ``ops=...``), and
     without it the report says which command adds them.
     """
-    if is_decode_trace(open_trace(path)[0]):
+    # The trace's metadata says which pipeline judges it: a decoding's has its own
+    # (decode=True only asks that it be one).
+    if isinstance(meta_from_json(open_trace(path)[0]), DecodeTraceMeta):
         if compile_b is not None:
             raise UsageError(COMPILED_DECODING)
         if ops is not None:

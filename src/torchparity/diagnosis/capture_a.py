@@ -4,16 +4,28 @@ In one process A runs once with every selected module's inputs, outputs and outp
 kept in a store (memory, or a trace directory on disk with ``stream``/``record``); across
 revisions the reference is read back from the trace :func:`torchparity.record` wrote. Its float64
 golden is added by :mod:`torchparity.diagnosis.float64_golden`.
+
+A decoding's reference (:class:`~torchparity.diagnosis.decode_reference.DecodeReference`) is
+captured the same way at every step of A's decoding, and written to and read from a trace of
+its own kind (``record --decode``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import ModuleCall, signature
+from torchparity.diagnosis.decode_reference import (
+    STEP,
+    DecodeReference,
+    Side,
+    capturing_steps,
+    step_key,
+)
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import (
     Reference,
@@ -23,7 +35,7 @@ from torchparity.diagnosis.reference import (
     state_key,
 )
 from torchparity.diagnosis.run import Options, run_model
-from torchparity.diagnosis.state import StateRecorder
+from torchparity.diagnosis.state import Held, StateRecorder
 from torchparity.diagnosis.trace import (
     Store,
     call_from_json,
@@ -34,9 +46,13 @@ from torchparity.diagnosis.trace import (
     pattern_json,
     weight_digests,
 )
-from torchparity.diagnosis.trace_meta import ForwardTraceMeta, meta_from_json
+from torchparity.diagnosis.trace_meta import DecodeTraceMeta, ForwardTraceMeta, meta_from_json
+from torchparity.errors import UsageError
+from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep
 from torchparity.subject.padding import Padding
 from torchparity.subject.running import Inputs
+from torchparity.subject.sampling import Sampler, SampleSettings
+from torchparity.subject.trees import flatten_tensors
 
 
 def capture_reference(model: nn.Module, inputs: Inputs, store: Store, opts: Options,
@@ -64,6 +80,38 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Store, opts: Opti
                                  for name, module in model.named_modules()})
 
 
+def capture_decoding(side: Side, steps: int, tokens: torch.Tensor | None, store: Store,
+                     opts: Options, bar: ProgressBar,
+                     search: BeamSettings | SampleSettings | None = None) -> DecodeReference:
+    """Decode A with every selected module captured at every step into ``store`` (along
+    ``tokens``, else A's greedy choices, A's samples or A's beam search over ``side.inputs``,
+    the prompt expanded to its beams, as ``search`` says)."""
+    beams = search if isinstance(search, BeamSettings) else None
+    sample = search if isinstance(search, SampleSettings) else None
+    done = bar.phase(f"A: {'beam search' if beams else 'sampling' if sample else 'decoding'}, "
+                     "every step captured")
+    calls: dict[int, list[ModuleCall]] = {}
+    rows = _rows(side.inputs)
+    decider = (BeamSearch(beams, rows // beams.beams) if beams else
+               Sampler(sample, steps + 1, rows) if sample else None)
+    with capturing_steps(side.model, store, opts, calls, "out", state=True) as during:
+        decoded = side.decode(steps, tokens, decide=decider and decider.decide, during=during)
+    store.put_all([(step_key(STEP, s), "out", {"logits": t})
+                   for s, t in enumerate(decoded.logits)])
+    done()
+    signatures = {name: signature(module) for name, module in side.model.named_modules()}
+    return DecodeReference(tokens=decoded.tokens, greedy=tokens is None, logits=decoded.logits,
+                           golden_logits=None, calls=calls, store=store,
+                           signatures=signatures, parents=decoded.parents,
+                           beams=beams, choices=decider.history if beams else None,
+                           sample=sample)
+
+
+def _rows(inputs: Any) -> int:
+    """The rows of a prompt: the first dimension of its first tensor."""
+    return next(iter(flatten_tensors(inputs, "inputs").values())).shape[0]
+
+
 # --------------------------------------------------------------------------------------------
 # Traces: the reference side on disk
 
@@ -72,35 +120,73 @@ def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
                dtype: torch.dtype | None) -> ForwardTraceMeta:
     """What a trace's ``trace.json`` says besides its tensors (``model`` and ``inputs`` as the
     user gave them, before any cast to ``dtype``)."""
-    import torchparity
-
     return ForwardTraceMeta(
-        torchparity=torchparity.__version__,
-        torch=torch.__version__,
-        model=type(model).__name__,
-        golden=reference.golden_label,
-        mode=reference.mode,
-        dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+        **_described(reference, model, inputs, opts, dtype),
         backward=opts.backward,
-        backend=opts.backend_a,
-        include=pattern_json(opts.include),
-        exclude=pattern_json(opts.exclude),
-        inputs_digest=inputs_digest(inputs),
-        weights=weight_digests(model),
-        modules=module_tree(model),
         calls=[call_to_json(c) for c in reference.calls],
-        signatures=reference.signatures,
         states={name: [clock for clock, _ in history]
                 for name, history in reference.states.items()},
-        notes=reference.notes,
         padding=reference.padding.to_json(),
     )
+
+
+def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts: Options,
+                dtype: torch.dtype | None) -> DecodeTraceMeta:
+    """What a decoding trace's ``trace.json`` says besides its tensors (arguments as in
+    :func:`trace_meta`)."""
+    return DecodeTraceMeta(
+        **_described(reference, model, inputs, opts, dtype),
+        steps=reference.steps, tokens=reference.tokens.tolist(),
+        greedy=reference.greedy, has_golden=reference.has_golden,
+        calls={str(step): [_decode_call_json(c) for c in calls]
+               for step, calls in reference.calls.items()},
+        parents=None if reference.parents is None else reference.parents.tolist(),
+        beams=None if reference.beams is None else reference.beams.to_dict(),
+        choices=None if reference.choices is None else [
+            {"kept": c.kept.tolist(), "ended": c.ended} for c in reference.choices],
+        sample=None if reference.sample is None else reference.sample.to_dict(),
+    )
+
+
+def _described(reference: Reference | DecodeReference, model: nn.Module, inputs: Any,
+               opts: Options, dtype: torch.dtype | None) -> dict[str, Any]:
+    """The fields every trace's metadata has: versions, the model and its weights, the
+    golden, the settings and the inputs' checksum."""
+    import torchparity
+
+    return {
+        "torchparity": torchparity.__version__,
+        "torch": torch.__version__,
+        "model": type(model).__name__,
+        "golden": reference.golden_label,
+        "mode": reference.mode,
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        "backend": opts.backend_a,
+        "include": pattern_json(opts.include),
+        "exclude": pattern_json(opts.exclude),
+        "inputs_digest": inputs_digest(inputs),
+        "weights": weight_digests(model),
+        "modules": module_tree(model),
+        "signatures": reference.signatures,
+        "notes": reference.notes,
+    }
+
+
+def _decode_call_json(call: ModuleCall) -> dict[str, Any]:
+    """A decoding's call with the state it read (a cache)."""
+    return {**call_to_json(call), "state": {p: h.to_json() for p, h in call.state.items()}}
+
+
+def _decode_call(data: dict[str, Any]) -> ModuleCall:
+    call = call_from_json(data)
+    call.state = {p: Held.from_json(h) for p, h in data["state"].items()}
+    return call
 
 
 def open_reference(path: str | Path) -> tuple[Reference, ForwardTraceMeta]:
     """The reference side a trace of a forward pass holds (every call already replayed), and
     its metadata (:func:`~torchparity.diagnosis.api.diagnose_against` sends a decoding trace to
-    the decoding pipeline)."""
+    the decoding pipeline, which opens it with :func:`open_decode_reference`)."""
     data, store = open_trace(path)
     meta = meta_from_json(data)
     golden, no_golden = parse_golden_label(meta.golden)
@@ -113,4 +199,34 @@ def open_reference(path: str | Path) -> tuple[Reference, ForwardTraceMeta]:
                                   for name, clocks in meta.states.items()})
     if meta.padding:
         reference.padding = Padding.from_json(meta.padding)
+    return reference, meta
+
+
+def open_decode_reference(path: str | Path) -> tuple[DecodeReference, DecodeTraceMeta]:
+    """The reference side a decoding trace holds, and its metadata; a trace of a forward pass
+    is a one-line :class:`UsageError`."""
+    data, store = open_trace(path)
+    meta = meta_from_json(data)
+    if not isinstance(meta, DecodeTraceMeta):
+        raise UsageError(f"trace {path} records a forward pass, not a decoding; record one with "
+                         "`torchparity record ENTRY --decode` (tp.record_decode)")
+    steps = meta.steps
+    logits = [store.get(step_key(STEP, s), "out")["logits"] for s in range(steps + 1)]
+    golden = ([store.get(step_key(STEP, s), "golden_out")["logits"] for s in range(steps + 1)]
+              if meta.has_golden else None)
+    parents, beams, choices = meta.parents, meta.beams, meta.choices
+    described, no_golden = parse_golden_label(meta.golden)
+    reference = DecodeReference(
+        tokens=torch.tensor(meta.tokens, dtype=torch.long).reshape(len(meta.tokens), -1),
+        greedy=meta.greedy, logits=logits, golden_logits=golden,
+        calls={int(s): [_decode_call(c) for c in calls] for s, calls in meta.calls.items()},
+        store=store, signatures=meta.signatures, mode=meta.mode,
+        golden=described, no_golden=no_golden,
+        source=str(path), notes=list(meta.notes),
+        parents=None if parents is None else torch.tensor(parents, dtype=torch.long),
+        beams=None if beams is None else BeamSettings(**beams),
+        choices=None if choices is None else [
+            BeamStep(None, torch.tensor(c["kept"], dtype=torch.long), c["ended"])
+            for c in choices],
+        sample=SampleSettings(**meta.sample) if meta.sample else None)
     return reference, meta

@@ -7,21 +7,33 @@ budget's measure.
 For local errors each recorded call is also replayed, on demand: the golden module fed A's
 recorded inputs gives the local golden, and with gradients A's and the golden's module are
 replayed backward from A's recorded output gradient.
+
+A decoding's golden is a float64 copy of A decoded along A's tokens (and parents), every step
+captured (:func:`add_decode_golden`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import ModuleCall
+from torchparity.diagnosis.decode_reference import (
+    STEP,
+    DecodeReference,
+    Side,
+    capturing_steps,
+    step_key,
+)
 from torchparity.diagnosis.judging import judge_departure, module_padding
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import (
     IN_FLOAT64,
     Reference,
+    golden_copy,
     grad_keeper,
     keep_run_results,
     module_placement,
@@ -41,6 +53,7 @@ from torchparity.diagnosis.run import (
 from torchparity.diagnosis.state import replaying, states_within
 from torchparity.diagnosis.trace import FINAL, ReplayUnavailable, Store
 from torchparity.subject.blockwise import Float64Run
+from torchparity.subject.factory import first_line
 from torchparity.subject.running import Inputs, call_model, seeded, upcast
 from torchparity.subject.trees import flatten_tensors
 
@@ -80,6 +93,44 @@ def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
         done()
     reference.replayer = _Replayer(store, reference.notes, model, golden, opts,
                                    reference.states)
+    return reference
+
+
+def add_decode_golden(reference: DecodeReference, side: Side, opts: Options, bar: ProgressBar,
+                      rebuild: Callable[[], nn.Module] | None = None) -> DecodeReference:
+    """Decode a float64 copy of A (``side``) along the reference's tokens and parents, every
+    step captured into its store. ``rebuild()`` makes A again when it cannot be deep-copied
+    into float64 (see :func:`~torchparity.diagnosis.reference.golden_copy`)."""
+    store = reference.store
+    golden, note = golden_copy(side.model, rebuild)
+    described, no_golden = (None, note) if golden is None else (note, None)
+    golden_logits = None
+    if golden is not None:
+        done = bar.phase("golden (float64): decoding, every step captured")
+        golden_side = Side(golden, upcast(side.inputs, GOLDEN_DTYPE, "cpu"), side.step,
+                           side.backend, side.reorder)
+        try:
+            with capturing_steps(golden, store, opts, {}, "golden_out", state=False) as during:
+                golden_logits = golden_side.decode(reference.steps, reference.tokens,
+                                                   reference.parents, during=during).logits
+        except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
+            no_golden = (f"the float64 decoding of A failed ({type(exc).__name__}: "
+                    f"{first_line(exc)}); budgets come from A's own rounding")
+        broken = next((s for s, (a, g) in enumerate(zip(reference.logits, golden_logits or [],
+                                                        strict=False))
+                       if bool((a.isfinite() & ~g.isfinite()).any())), None)
+        if broken is not None:
+            golden_logits = None
+            no_golden = (f"the float64 decoding of A gives NaN or inf at step {broken} where A "
+                    "is finite (its float64 path differs, e.g. eager attention's masks on "
+                    "padded rows); budgets come from A's own rounding")
+        if golden_logits is not None:
+            store.put_all([(step_key(STEP, s), "golden_out", {"logits": t})
+                           for s, t in enumerate(golden_logits)])
+        done()
+    reference.golden_logits = golden_logits
+    reference.golden = described if golden_logits is not None else None
+    reference.no_golden = no_golden
     return reference
 
 

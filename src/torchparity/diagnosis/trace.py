@@ -75,7 +75,7 @@ from torchparity.subject.trees import field_names, flatten_tensors, rebuilt_from
 SCHEMA = "torchparity.trace/6"
 TRACE_JSON = "trace.json"
 FINAL = "__final__"  # pseudo-call key of the model's own output and loss
-DECODE = "decode"  # the kind of a decoding trace (diagnosis.decoding.trace)
+DECODE = "decode"  # the kind of a decoding trace (trace_meta.DecodeTraceMeta)
 _CACHE_HINT = " (run without a cache to replay it, e.g. use_cache=False for Hugging Face models)"
 #: Groups kept exact whatever their size: replays are fed them.
 EXACT_GROUPS = ("in", "grad_out")

@@ -30,6 +30,17 @@ from torch import nn
 from torchparity.collector import with_older_objects_frozen
 from torchparity.diagnosis.align import NameMap
 from torchparity.diagnosis.capture import PatternSpec
+from torchparity.diagnosis.capture_a import (
+    capture_decoding,
+    decode_meta,
+    open_decode_reference,
+)
+from torchparity.diagnosis.decode_reference import (
+    DecodeReference,
+    Side,
+    capture_step,
+    step_key,
+)
 from torchparity.diagnosis.decoding.beams import (
     Sides,
     keeps_differ,
@@ -45,15 +56,8 @@ from torchparity.diagnosis.decoding.judging import (
     where_it_enters,
 )
 from torchparity.diagnosis.decoding.report import DecodeReport
-from torchparity.diagnosis.decoding.run import (
-    DecodeReference,
-    Side,
-    capture_step,
-    record_reference,
-    step_key,
-)
 from torchparity.diagnosis.decoding.sampling import first_changed_draws
-from torchparity.diagnosis.decoding.trace import decode_meta, open_decode_reference
+from torchparity.diagnosis.float64_golden import add_decode_golden
 from torchparity.diagnosis.ops import capturing_first_call, judged_streams
 from torchparity.diagnosis.ops.recorded import ASide, put_side, recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
@@ -62,6 +66,7 @@ from torchparity.diagnosis.report_meta import DecodeMeta, with_weights
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
 from torchparity.diagnosis.trace import (
     MemoryStore,
+    Store,
     TraceWriter,
     changed_weights,
     check_recorded_inputs,
@@ -141,8 +146,8 @@ def diagnose_decode(
     side_b = Side(model_b, inputs, _step_of(model_b, step_b or step), opts.backend_b,
                   reorder_b or reorder or builtin_reorder(model_b))
     with progress_bar(opts.progress) as bar:
-        reference = record_reference(side_a, steps, tokens, MemoryStore(), opts, bar, rebuild,
-                                     beams or sample)
+        reference = _reference(side_a, steps, tokens, MemoryStore(), opts, bar, rebuild,
+                               beams or sample)
         reference.mode = describe_mode(model_a, dtype, reference.has_golden)
         report = judge_candidate(reference, side_b, opts, name_map, bar, cut=cut)
         row = report.first_module
@@ -195,8 +200,8 @@ def record_decode(
         with progress_bar(opts.progress) as bar:
             side = Side(cast, cast_inputs, _step_of(cast, step), opts.backend_a,
                         reorder or builtin_reorder(cast))
-            reference = record_reference(side, steps, tokens, writer.store, opts, bar, rebuild,
-                                         beams or sample)
+            reference = _reference(side, steps, tokens, writer.store, opts, bar, rebuild,
+                                   beams or sample)
             reference.mode = describe_mode(cast, dtype, reference.has_golden)
             for module in modules:
                 done = bar.phase(f"A: decoding again, the ops of {module} at every step")
@@ -259,6 +264,15 @@ def diagnose_decode_against(
                 _drill_down(report, side, reference, bar, lambda: kept.steps)
     report.meta = with_weights(report.meta, weights)
     return report
+
+
+def _reference(side: Side, steps: int, tokens: torch.Tensor | None, store: Store,
+               opts: Options, bar: ProgressBar, rebuild: Callable[[], nn.Module] | None,
+               search: BeamSettings | SampleSettings | None) -> DecodeReference:
+    """Stages 1 and 2 at every step: A's decoding captured into ``store``, then its float64
+    golden's along the same tokens."""
+    reference = capture_decoding(side, steps, tokens, store, opts, bar, search)
+    return add_decode_golden(reference, side, opts, bar, rebuild)
 
 
 def _drill_down(report: DecodeReport, side_b: Side, reference: DecodeReference,

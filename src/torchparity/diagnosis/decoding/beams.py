@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchparity.diagnosis.decode_reference import DecodeReference, Side
 from torchparity.diagnosis.decoding.judging import Verdict, flip_verdict, step_budget
-from torchparity.diagnosis.decoding.run import DecodeReference, Side
 from torchparity.diagnosis.judging import judge
 from torchparity.diagnosis.results import Entry, Result
 from torchparity.diagnosis.state import own_state

@@ -28,7 +28,7 @@ from torchparity import tolerance
 from torchparity.diagnosis.align import NameMap, align
 from torchparity.diagnosis.arguments import argument_difference, argument_path
 from torchparity.diagnosis.capture import ModuleCall, signature
-from torchparity.diagnosis.decoding.run import DecodeReference, flat_inputs, step_key
+from torchparity.diagnosis.decode_reference import DecodeReference, flat_inputs, step_key
 from torchparity.diagnosis.judging import joined, judge
 from torchparity.diagnosis.results import Entry, Mismatch, Result, Row, new_row
 from torchparity.diagnosis.state import state_difference

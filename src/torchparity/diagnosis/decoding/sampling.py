@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from torchparity.diagnosis.decode_reference import DecodeReference
 from torchparity.diagnosis.decoding.judging import Flip, step_budget
-from torchparity.diagnosis.decoding.run import DecodeReference
 from torchparity.diagnosis.results import Result
 from torchparity.subject.sampling import (
     SampleSettings,

@@ -1,14 +1,12 @@
-"""Running decodings for a diagnosis: the reference side (A, and its float64 golden, every module
-captured at every step into a store) and the candidate (B plainly, then captured at one step).
+"""A decoding's reference side, as every stage of a decoding diagnosis reads it.
 
 Every side is teacher-forced along the same tokens (:func:`~torchparity.subject.decoding.
 teacher_forced`), and with a beam search the same parents (A's search decides, the others follow
-it), under its attention backend, seeded and without gradients. A step's calls
-are stored under ``<call key>@<step>``: for A its outputs (``out``), its inputs (tensors and
-containers; caches stand as placeholders) and a summary of the state each module read
-(``call.state``); for the golden its outputs (``golden_out``). The step's next-token logits
-are under the pseudo-call ``__step__@<step>``.
-With a KV cache a step's module outputs are a token's worth each, so the trace stays small.
+it), under its attention backend, seeded and without gradients. A step's calls are stored under
+``<call key>@<step>``: for A its outputs (``out``), its inputs (tensors and containers; caches
+stand as placeholders) and a summary of the state each module read (``call.state``); for the
+golden its outputs (``golden_out``). The step's next-token logits are under the pseudo-call
+``__step__@<step>``.
 """
 
 from __future__ import annotations
@@ -21,17 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.diagnosis.capture import Capture, ModuleCall, Signature, signature
-from torchparity.diagnosis.progress import ProgressBar
+from torchparity.diagnosis.capture import Capture, ModuleCall, Signature
 from torchparity.diagnosis.reference import golden_copy, golden_label
 from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
 from torchparity.diagnosis.trace import Store, padded, sketched_in, stored_form
 from torchparity.sketching import Sketch
-from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep
+from torchparity.subject.beams import BeamSettings, BeamStep
 from torchparity.subject.decoding import Decoding, ReorderFn, StepFn, teacher_forced
-from torchparity.subject.factory import first_line
 from torchparity.subject.running import seeded, upcast
-from torchparity.subject.sampling import Sampler, SampleSettings
+from torchparity.subject.sampling import SampleSettings
 from torchparity.subject.trees import flatten_tensors
 
 STEP = "__step__"  # pseudo-call of a step's next-token logits
@@ -113,73 +109,10 @@ class DecodeReference:
         return golden_label(self.golden, self.no_golden)
 
 
-def record_reference(side: Side, steps: int, tokens: torch.Tensor | None, store: Store,
-                     opts: Options, bar: ProgressBar,
-                     rebuild: Callable[[], nn.Module] | None = None,
-                     search: BeamSettings | SampleSettings | None = None) -> DecodeReference:
-    """Decode A with every selected module captured at every step (along ``tokens``, else
-    A's greedy choices, A's samples or A's beam search over ``side.inputs``, the prompt
-    expanded to its beams, as ``search`` says), then its float64 golden along the same tokens
-    and parents, into
-    ``store``. ``rebuild()`` makes A again when it cannot be deep-copied into float64 (see
-    :func:`~torchparity.diagnosis.reference.golden_copy`)."""
-    beams = search if isinstance(search, BeamSettings) else None
-    sample = search if isinstance(search, SampleSettings) else None
-    done = bar.phase(f"A: {'beam search' if beams else 'sampling' if sample else 'decoding'}, "
-                     "every step captured")
-    calls: dict[int, list[ModuleCall]] = {}
-    rows = _rows(side.inputs)
-    decider = (BeamSearch(beams, rows // beams.beams) if beams else
-               Sampler(sample, steps + 1, rows) if sample else None)
-    with _capturing(side.model, store, opts, calls, "out", state=True) as during:
-        decoded = side.decode(steps, tokens, decide=decider and decider.decide, during=during)
-    store.put_all([(step_key(STEP, s), "out", {"logits": t})
-                   for s, t in enumerate(decoded.logits)])
-    done()
-    golden, note = golden_copy(side.model, rebuild)
-    described, no_golden = (None, note) if golden is None else (note, None)
-    golden_logits = None
-    if golden is not None:
-        done = bar.phase("golden (float64): decoding, every step captured")
-        golden_side = Side(golden, upcast(side.inputs, GOLDEN_DTYPE, "cpu"), side.step,
-                           side.backend, side.reorder)
-        try:
-            with _capturing(golden, store, opts, {}, "golden_out", state=False) as during:
-                golden_logits = golden_side.decode(steps, decoded.tokens, decoded.parents,
-                                                   during=during).logits
-        except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
-            no_golden = (f"the float64 decoding of A failed ({type(exc).__name__}: "
-                    f"{first_line(exc)}); budgets come from A's own rounding")
-        broken = next((s for s, (a, g) in enumerate(zip(decoded.logits, golden_logits or [],
-                                                        strict=False))
-                       if bool((a.isfinite() & ~g.isfinite()).any())), None)
-        if broken is not None:
-            golden_logits = None
-            no_golden = (f"the float64 decoding of A gives NaN or inf at step {broken} where A "
-                    "is finite (its float64 path differs, e.g. eager attention's masks on "
-                    "padded rows); budgets come from A's own rounding")
-        if golden_logits is not None:
-            store.put_all([(step_key(STEP, s), "golden_out", {"logits": t})
-                           for s, t in enumerate(golden_logits)])
-        done()
-    signatures = {name: signature(module) for name, module in side.model.named_modules()}
-    return DecodeReference(tokens=decoded.tokens, greedy=tokens is None, logits=decoded.logits,
-                           golden_logits=golden_logits, calls=calls, store=store,
-                           signatures=signatures,
-                           golden=described if golden_logits is not None else None,
-                           no_golden=no_golden, parents=decoded.parents,
-                           beams=beams, choices=decider.history if beams else None,
-                           sample=sample)
-
-
-def _rows(inputs: Any) -> int:
-    """The rows of a prompt: the first dimension of its first tensor."""
-    return next(iter(flatten_tensors(inputs, "inputs").values())).shape[0]
-
-
 @contextlib.contextmanager
-def _capturing(model: nn.Module, store: Store, opts: Options, calls: dict[int, list[ModuleCall]],
-               group: str, *, state: bool) -> Iterator[Callable[[int], Any]]:
+def capturing_steps(model: nn.Module, store: Store, opts: Options,
+                    calls: dict[int, list[ModuleCall]], group: str, *, state: bool
+                    ) -> Iterator[Callable[[int], Any]]:
     """``during(step)`` for :func:`teacher_forced`: capture that step's calls into ``store``
     (A's outputs, inputs and state in ``out``/``in``; the golden's outputs in
     ``golden_out``), written step by step on disk. The hooks stay in place for the whole
