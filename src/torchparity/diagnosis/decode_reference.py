@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.capture import Capture, ModuleCall, Signature
+from torchparity.diagnosis.judging import joined, judge
 from torchparity.diagnosis.reference import golden_copy, golden_label
+from torchparity.diagnosis.results import Mismatch, Result
 from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
 from torchparity.diagnosis.trace import Store, padded, sketched_in, stored_form
 from torchparity.sketching import Sketch
@@ -108,6 +110,112 @@ class DecodeReference:
         (:func:`~torchparity.diagnosis.reference.golden_label`)."""
         return golden_label(self.golden, self.no_golden)
 
+    def at(self, step: int, *, cut: bool = False) -> StepReference:
+        """Step ``step`` as the stages read a reference (see :class:`StepReference`)."""
+        return StepReference(self, step, cut)
+
+
+class _StepStore:
+    """A decoding reference's store as one step's calls read it: by call key, ``@step``
+    implied."""
+
+    def __init__(self, store: Store, step: int) -> None:
+        self._store, self._step = store, step
+
+    def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
+        return self._store.get(step_key(key, self._step), group)
+
+    def get_inputs(self, key: str, *, placeholders: bool = False) -> tuple[tuple, dict]:
+        return self._store.get_inputs(step_key(key, self._step), placeholders=placeholders)
+
+
+@dataclass
+class StepReference:
+    """One step of a decoding's reference as the stages read a
+    :class:`~torchparity.diagnosis.reference.Reference`: A's calls of that step, their
+    tensors by call key (``store``), A's forward signatures and the golden. With ``cut`` A's
+    tensors (a full recompute) are cut to the candidate's positions (a cached step's new
+    tokens) before they are judged."""
+
+    decoding: DecodeReference
+    step: int
+    cut: bool = False
+
+    @property
+    def calls(self) -> list[ModuleCall]:
+        return self.decoding.calls.get(self.step, [])
+
+    @property
+    def store(self) -> _StepStore:
+        return _StepStore(self.decoding.store, self.step)
+
+    @property
+    def signatures(self) -> dict[str, Signature | None]:
+        return self.decoding.signatures
+
+    @property
+    def has_golden(self) -> bool:
+        return self.decoding.has_golden
+
+    def judge(self, calls: tuple[ModuleCall, ...], candidate: dict[str, torch.Tensor],
+              baseline_group: str, golden_group: str, kind: str) -> Result:
+        """``candidate`` against the golden's ``golden_group`` of ``calls``, with A's
+        ``baseline_group`` as the baseline (as :meth:`Reference.judge`)."""
+        store = self.store
+        golden = joined([store.get(c.key, golden_group) for c in calls]) if self.has_golden \
+            else {}
+        return _judged(candidate, joined([store.get(c.key, baseline_group) for c in calls]),
+                       golden, self.cut, kind)
+
+    def judge_inputs(self, call: ModuleCall, candidate: dict[str, torch.Tensor]) -> Result:
+        """A candidate's inputs against ``call``'s recorded ones under the analytic budget of
+        their dtype, tensors on one side only left out (a mask a recompute hands the kernel,
+        an argument B renamed)."""
+        args, kwargs = self.store.get_inputs(call.key, placeholders=True)
+        recorded = {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}
+        return _judged(candidate, {}, recorded, self.cut, "forward", common_only=True)
+
+
+def _judged(candidate: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor],
+            golden: dict[str, torch.Tensor], cut: bool, kind: str, *,
+            common_only: bool = False) -> Result:
+    """Judge one step's tensors (with ``cut``, baseline and golden cut to the candidate's
+    positions first); with ``common_only`` only the tensors every side has."""
+    candidate = {p: t.cpu() for p, t in candidate.items()}
+    if cut:
+        baseline, golden = _trailing(baseline, candidate), _trailing(golden, candidate)
+        for part in (baseline, golden):
+            if isinstance(part, Mismatch):
+                return part
+    if common_only:
+        paths = set(candidate)
+        for side in (baseline, golden):
+            paths &= side.keys() if side else paths
+        candidate = {p: t for p, t in candidate.items() if p in paths}
+        baseline = {p: t for p, t in baseline.items() if p in paths}
+        golden = {p: t for p, t in golden.items() if p in paths}
+    return judge(candidate, golden, baseline, kind)
+
+
+def _trailing(tensors: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
+              ) -> dict[str, torch.Tensor] | Mismatch:
+    """``tensors`` cut to ``like``'s shapes by keeping the last positions of the one dimension
+    in which they are longer (a recompute's whole sequence against a cached step's new tokens)."""
+    out = {}
+    for path, tensor in tensors.items():
+        target = like.get(path)
+        if target is None or target.shape == tensor.shape:
+            out[path] = tensor.cpu()
+            continue
+        longer = [d for d in range(tensor.dim()) if tensor.shape[d] != target.shape[d]]
+        if tensor.dim() != target.dim() or len(longer) != 1 or \
+                tensor.shape[longer[0]] < target.shape[longer[0]]:
+            return Mismatch("forward", f"{path}: shape {tuple(tensor.shape)} cannot be cut to "
+                                       f"{tuple(target.shape)}")
+        dim = longer[0]
+        out[path] = tensor.narrow(dim, tensor.shape[dim] - target.shape[dim], target.shape[dim])
+    return out
+
 
 @contextlib.contextmanager
 def capturing_steps(model: nn.Module, store: Store, opts: Options,
@@ -170,9 +278,3 @@ def capture_step(side: Side, step: int, reference: DecodeReference, opts: Option
         captured.extend(capture.records)
 
     return side.decode(step, reference.tokens, reference.parents, during=during), captured
-
-
-def flat_inputs(store: Store, key: str) -> dict[str, torch.Tensor]:
-    """A stored call's input tensors by path (``args.0``, ``kwargs.mask``)."""
-    args, kwargs = store.get_inputs(key, placeholders=True)
-    return {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}

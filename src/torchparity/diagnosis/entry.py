@@ -8,6 +8,9 @@ module inside captured. In the order they start, each one's inputs are compared 
 recorded ones: the first whose inputs differ, while every output that finished before it
 matched, takes the change in; it is followed down to the deepest module inside it that is
 handed the same differing value (the layer gets the mask, its attention uses it).
+
+At a step of a decoding the first divergent module's own arguments and the state it read (a
+cache) are compared with A's (:func:`argument_entry`).
 """
 
 from __future__ import annotations
@@ -16,12 +19,19 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.align import Match
-from torchparity.diagnosis.arguments import Difference, argument_difference, same_value
+from torchparity.diagnosis.arguments import (
+    Difference,
+    argument_difference,
+    argument_path,
+    same_value,
+)
 from torchparity.diagnosis.capture import Capture, ModuleCall, signature
+from torchparity.diagnosis.decode_reference import StepReference
 from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import Entry, Row
 from torchparity.diagnosis.run import Options, backend_context, fitting_masks, for_b
+from torchparity.diagnosis.state import state_difference
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.subject.running import seeded
 
@@ -48,6 +58,33 @@ def find_entry(reference: Reference, matches: list[Match], rows: list[Row], mode
     except Exception as exc:  # noqa: BLE001 - the search must not end the diagnosis
         first.notes.append("where the divergence enters is unknown: the replay failed "
                            f"({type(exc).__name__}: {exc})")
+
+
+def argument_entry(reference: StepReference, row: Row, calls_b: list[ModuleCall],
+                   model: nn.Module, label: str) -> Entry | None:
+    """How the change gets into ``row``'s module at a step of a decoding (``label`` names
+    it): an argument whose value differs from A's by meaning, else the first state it read (a
+    cache, on the module or in an object it was handed) that holds other positions than A's,
+    else an argument only one side passes that reads otherwise in the other; when none
+    differs, the module's own code."""
+    a = next((c for c in reference.calls if c.key == row.a_module), None)
+    b = next((c for c in calls_b if c.key == row.module), None)
+    if a is None or b is None:
+        return None
+    module_b = model.get_submodule(b.name)
+    b_signature = signature(module_b)
+    a_inputs = reference.store.get_inputs(a.key, placeholders=True)
+    found = argument_difference(reference.signatures.get(a.name), a_inputs, b_signature,
+                                (b.args, b.kwargs), b_module=module_b)
+    held = state_difference(a.state, b.state)
+    if found is not None and (held is None or not found.one_sided):
+        return Entry(label, found.argument, found.detail)
+    if held is None:
+        return Entry(label, "", "its arguments and the state it reads are A's", via="code")
+    path, detail = held
+    if path.startswith("state."):
+        return Entry(label, path.removeprefix("state."), detail, via="state")
+    return Entry(label, argument_path(path, b_signature), detail)
 
 
 def _calls_inside(container: ModuleCall, matches: list[Match]

@@ -5,6 +5,9 @@ B runs once, whole; each aligned module's outputs (and output gradients, and dir
 gradients) are compared, as they are produced, with the golden's full run under the budget A's
 own rounding earns, so only the tensors of calls still in flight are held. The final output
 and loss are judged the same way.
+
+At a step of a decoding B's calls are captured first (:func:`judge_captured`), then aligned and
+judged the same way against that step of the reference.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 
 from torchparity.diagnosis.align import Alignment, NameMap, align, name_translator
 from torchparity.diagnosis.capture import ModuleCall, call_key
+from torchparity.diagnosis.decode_reference import StepReference
 from torchparity.diagnosis.judging import (
     joined,
     judge_quickly,
@@ -80,6 +84,23 @@ def judge_propagated(reference: Reference, model: nn.Module, inputs: Inputs,
     return Propagated(alignment=alignment, rows=rows, output=_final(reference, run, "output"),
                       loss=_final(reference, run, "loss") if run.loss is not None else None,
                       changing=run.changing)
+
+
+def judge_captured(reference: StepReference, calls_b: list[ModuleCall],
+                   name_map: NameMap | None) -> tuple[Alignment, list[Row]]:
+    """B's calls captured at a step of a decoding, aligned with A's of that step: each aligned
+    module's outputs against the golden's with A's as the baseline, and (one to one) its
+    inputs against A's under the analytic budget of their dtype."""
+    alignment = align(reference.calls, calls_b, name_map)
+    rows = []
+    for match in alignment.matches:
+        row = new_row(match)
+        row.propagated = reference.judge(match.a, joined([c.outputs for c in match.b]), "out",
+                                         "golden_out", "forward")
+        if match.one_to_one:  # inputs within A's rounding of A's: the analytic budget
+            row.inputs = reference.judge_inputs(match.a[0], match.b[0].inputs)
+        rows.append(row)
+    return alignment, rows
 
 
 def _run(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,

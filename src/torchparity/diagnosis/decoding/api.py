@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from torchparity.collector import with_older_objects_frozen
-from torchparity.diagnosis.align import NameMap
+from torchparity.diagnosis.align import Alignment, NameMap
 from torchparity.diagnosis.capture import PatternSpec
 from torchparity.diagnosis.capture_a import (
     capture_decoding,
@@ -48,19 +48,15 @@ from torchparity.diagnosis.decoding.beams import (
     reorder_entry,
     step_swaps,
 )
-from torchparity.diagnosis.decoding.judging import (
-    first_flips,
-    first_module,
-    judge_steps,
-    module_rows,
-    where_it_enters,
-)
+from torchparity.diagnosis.decoding.judging import first_flips, first_module, judge_steps
 from torchparity.diagnosis.decoding.report import DecodeReport
 from torchparity.diagnosis.decoding.sampling import first_changed_draws
+from torchparity.diagnosis.entry import argument_entry
 from torchparity.diagnosis.float64_golden import add_decode_golden
 from torchparity.diagnosis.ops import capturing_first_call, judged_streams
 from torchparity.diagnosis.ops.recorded import ASide, put_side, recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
+from torchparity.diagnosis.propagated import judge_captured
 from torchparity.diagnosis.reference import describe_mode, module_placement
 from torchparity.diagnosis.report_meta import DecodeMeta, with_weights
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
@@ -306,15 +302,17 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
     if first_step is not None:
         done = bar.phase(f"B: step {first_step} again, every module captured")
         _, calls = capture_step(side, first_step, reference, opts)
-        rows, unmatched = module_rows(reference, first_step, calls, name_map, cut=cut)
-        notes += unmatched
+        at_step = reference.at(first_step, cut=cut)
+        alignment, rows = judge_captured(at_step, calls, name_map)
+        notes += _unmatched(alignment, first_step)
         row = first_module(rows)
         if row is not None and not cut:
             if reference.parents is not None:  # rows without their parents' state first
                 row.entry, stale = reorder_entry(side, reference, first_step, row.module)
                 notes += stale
             if row.entry is None:
-                row.entry = where_it_enters(reference, first_step, row, calls, side.model)
+                row.entry = argument_entry(at_step, row, calls, side.model,
+                                           f"{row.module} @ step {first_step}")
         done()
     logits64 = None
     beams = reference.beams is not None
@@ -351,6 +349,13 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
     return DecodeReport(steps=steps, first_step=first_step, rows=rows, flips=flips,
                         tokens=reference.tokens, meta=meta, swaps=swaps, nbest=nbest,
                         parents=reference.parents)
+
+
+def _unmatched(alignment: Alignment, step: int) -> list[str]:
+    """Notes on the calls of ``step`` left unmatched on either side."""
+    return [f"unmatched in {side} at step {step}: {', '.join(c.key for c in calls)}"
+            for side, calls in (("A", alignment.unmatched_a), ("B", alignment.unmatched_b))
+            if calls]
 
 
 def _step_ops(side: Side, reference: DecodeReference, step: int, module: str) -> list:

@@ -1,12 +1,13 @@
-"""Judging a decoding: each step's logits, the modules at the first step that leaves its budget,
-where the change enters there, and the first token flip of each sequence with its verdict.
+"""Judging a decoding: each step's logits, the first divergent module at the first step that
+leaves its budget, and the first token flip of each sequence with its verdict.
 
 Every side is fed the same tokens, so each step's next-token logits of B are judged against the
 golden's (A's float64 copy) with A's as the baseline, under the tolerance model. At the first
-step that breaks its budget, B's module outputs of that step are judged the same way; the first
-module whose output breaks its budget while its inputs do not is where B computes something
-else, and comparing its arguments and the state it read (a cache) with A's says how the change
-gets in.
+step that breaks its budget, B's module outputs of that step are judged the same way (by
+:func:`~torchparity.diagnosis.propagated.judge_captured`); the first module whose output
+breaks its budget while its inputs do not is where B computes something else, and comparing
+its arguments and the state it read (a cache) with A's
+(:func:`~torchparity.diagnosis.entry.argument_entry`) says how the change gets in.
 
 A *token flip* is a step where B's greedy choice differs from A's. It is a ``near tie`` when
 legitimate noise explains it (regenerating the golden is safe) and a ``real change`` when B
@@ -22,16 +23,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
 from torchparity import tolerance
-from torchparity.diagnosis.align import NameMap, align
-from torchparity.diagnosis.arguments import argument_difference, argument_path
-from torchparity.diagnosis.capture import ModuleCall, signature
-from torchparity.diagnosis.decode_reference import DecodeReference, flat_inputs, step_key
-from torchparity.diagnosis.judging import joined, judge
-from torchparity.diagnosis.results import Entry, Mismatch, Result, Row, new_row
-from torchparity.diagnosis.state import state_difference
+from torchparity.diagnosis.decode_reference import DecodeReference
+from torchparity.diagnosis.judging import judge
+from torchparity.diagnosis.results import Result, Row
 
 Verdict = Literal["near tie", "real change"]
 
@@ -82,106 +78,12 @@ def step_error(result: Result) -> float | None:
 # Modules at one step
 
 
-def module_rows(reference: DecodeReference, step: int, calls_b: list[ModuleCall],
-                name_map: NameMap | None, *, cut: bool = False) -> tuple[list[Row], list[str]]:
-    """Each aligned module's output at ``step``, B against the golden with A as the baseline,
-    and (one to one) its inputs against A's under the analytic budget of their dtype; and
-    notes on calls left unmatched. With ``cut`` A's tensors
-    (a full recompute) are cut to B's positions (a cached step's new tokens)."""
-    alignment = align(reference.calls.get(step, []), calls_b, name_map)
-    store = reference.store
-    rows = []
-    for match in alignment.matches:
-        keys = [step_key(c.key, step) for c in match.a]
-        row = new_row(match)
-        golden = joined([store.get(k, "golden_out") for k in keys]) if reference.has_golden \
-            else {}
-        row.propagated = _compare(joined([c.outputs for c in match.b]),
-                                  joined([store.get(k, "out") for k in keys]), golden, cut)
-        if match.one_to_one:  # inputs within A's rounding of A's: the analytic budget
-            row.inputs = _compare(match.b[0].inputs, {}, flat_inputs(store, keys[0]), cut,
-                                  common_only=True)
-        rows.append(row)
-    notes = [f"unmatched in {side} at step {step}: {', '.join(c.key for c in calls)}"
-             for side, calls in (("A", alignment.unmatched_a), ("B", alignment.unmatched_b))
-             if calls]
-    return rows, notes
-
-
 def first_module(rows: list[Row]) -> Row | None:
     """The first row (in the order B's calls finished) whose output breaks its budget while
     its inputs do not (or cannot be judged); else the first that breaks it."""
     broken = [r for r in rows if r.propagated is not None and not r.propagated.ok]
     origin = (r for r in broken if r.inputs is None or r.inputs.ok)
     return next(origin, broken[0] if broken else None)
-
-
-def where_it_enters(reference: DecodeReference, step: int, row: Row, calls_b: list[ModuleCall],
-                    model_b: nn.Module) -> Entry | None:
-    """How the change gets into ``row``'s module at ``step``: an argument whose value differs
-    from A's by meaning, else the first state it read (a cache, on the module or in an object
-    it was handed) that holds other positions than A's, else an argument only one side
-    passes that reads otherwise in the other; when none differs, the module's own code."""
-    a = next((c for c in reference.calls.get(step, []) if c.key == row.a_module), None)
-    b = next((c for c in calls_b if c.key == row.module), None)
-    if a is None or b is None:
-        return None
-    label = f"{row.module} @ step {step}"
-    module_b = model_b.get_submodule(b.name)
-    b_signature = signature(module_b)
-    a_inputs = reference.store.get_inputs(step_key(a.key, step), placeholders=True)
-    found = argument_difference(reference.signatures.get(a.name), a_inputs, b_signature,
-                                (b.args, b.kwargs), b_module=module_b)
-    held = state_difference(a.state, b.state)
-    if found is not None and (held is None or not found.one_sided):
-        return Entry(label, found.argument, found.detail)
-    if held is None:
-        return Entry(label, "", "its arguments and the state it reads are A's", via="code")
-    path, detail = held
-    if path.startswith("state."):
-        return Entry(label, path.removeprefix("state."), detail, via="state")
-    return Entry(label, argument_path(path, b_signature), detail)
-
-
-def _compare(candidate: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor],
-             golden: dict[str, torch.Tensor], cut: bool, *, common_only: bool = False) -> Result:
-    """Judge one step's tensors (with ``cut``, baseline and golden cut to the candidate's
-    positions first). With ``common_only`` tensors on one side only are left out (a mask a
-    recompute hands the kernel, an argument B renamed)."""
-    candidate = {p: t.cpu() for p, t in candidate.items()}
-    if cut:
-        baseline, golden = _trailing(baseline, candidate), _trailing(golden, candidate)
-        for part in (baseline, golden):
-            if isinstance(part, Mismatch):
-                return part
-    if common_only:
-        paths = set(candidate)
-        for side in (baseline, golden):
-            paths &= side.keys() if side else paths
-        candidate = {p: t for p, t in candidate.items() if p in paths}
-        baseline = {p: t for p, t in baseline.items() if p in paths}
-        golden = {p: t for p, t in golden.items() if p in paths}
-    return judge(candidate, golden, baseline, "forward")
-
-
-def _trailing(tensors: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
-              ) -> dict[str, torch.Tensor] | Mismatch:
-    """``tensors`` cut to ``like``'s shapes by keeping the last positions of the one dimension
-    in which they are longer (a recompute's whole sequence against a cached step's new tokens)."""
-    out = {}
-    for path, tensor in tensors.items():
-        target = like.get(path)
-        if target is None or target.shape == tensor.shape:
-            out[path] = tensor.cpu()
-            continue
-        longer = [d for d in range(tensor.dim()) if tensor.shape[d] != target.shape[d]]
-        if tensor.dim() != target.dim() or len(longer) != 1 or \
-                tensor.shape[longer[0]] < target.shape[longer[0]]:
-            return Mismatch("forward", f"{path}: shape {tuple(tensor.shape)} cannot be cut to "
-                                       f"{tuple(target.shape)}")
-        dim = longer[0]
-        out[path] = tensor.narrow(dim, tensor.shape[dim] - target.shape[dim], target.shape[dim])
-    return out
 
 
 # --------------------------------------------------------------------------------------------
