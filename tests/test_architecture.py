@@ -206,6 +206,24 @@ def test_no_stage_of_a_diagnosis_imports_another(edges: list[Import]) -> None:
                           + "\n".join(str(edge) for edge in reaching))
 
 
+#: What the stages share of A's side: a forward pass's and a decoding's reference.
+STAGES_SHARE = ("torchparity.diagnosis.reference", "torchparity.diagnosis.decode_reference")
+
+
+def test_the_stages_serve_every_pipeline_and_import_none(edges: list[Import]) -> None:
+    """A decoding is a pipeline of the same stages, not a second copy of them: the stages and
+    what they share import no pipeline and nothing of the decoding wing (its step loop, flips,
+    beams and sampling call them)."""
+    def within(name: str, modules: tuple[str, ...]) -> bool:
+        return any(name == m or name.startswith(f"{m}.") for m in modules)
+
+    reaching = [edge for edge in edges if within(edge.importer, DIAGNOSIS_STAGES + STAGES_SHARE)
+                and within(edge.imported, (*DIAGNOSIS_PIPELINES, "torchparity.diagnosis.decoding"))]
+    assert not reaching, ("a stage of diagnosis, or what the stages share, imports a pipeline: "
+                          "the pipeline calls the stage, never the other way round:\n"
+                          + "\n".join(str(edge) for edge in reaching))
+
+
 #: A module of commands/ parses its command's arguments and makes one call into a wing; it
 #: stays under this many lines (what grows past it is a wing's work).
 COMMAND_LINES = 150

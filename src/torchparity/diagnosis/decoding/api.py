@@ -1,12 +1,18 @@
 """Decoding diagnosis: the first step, and the module, where B's decoding parts from A, and
 whether each changed token is a near tie or a real change.
 
-A decodes teacher-forced (along its own greedy choices, or any tokens given: what a beam search
-or a seeded sampler produced) with every module captured at every step, beside a float64 copy
-of itself fed the same tokens (the golden). B is fed the same tokens, so a difference at one
-step cannot change what the next step sees; each step's next-token logits are judged against
-the golden with A's as the baseline. At the first step that leaves its budget B runs once more
-with every module captured at that step (see :mod:`~torchparity.diagnosis.decoding.judging`).
+The pipeline of a decoding, calling the stages of :mod:`torchparity.diagnosis.api` at the
+steps: A decodes teacher-forced (along its own greedy choices, or any tokens given: what a beam
+search or a seeded sampler produced) with every module captured at every step
+(:mod:`~torchparity.diagnosis.capture_a`), beside a float64 copy of itself fed the same tokens
+(the golden, :mod:`~torchparity.diagnosis.float64_golden`). B is fed the same tokens, so a
+difference at one step cannot change what the next step sees; each step's next-token logits
+are judged against the golden with A's as the baseline
+(:mod:`~torchparity.diagnosis.decoding.judging`). At the first step that leaves its budget B
+runs once more with every module captured at that step; its calls are aligned and judged
+(:mod:`~torchparity.diagnosis.propagated`) against that step of the reference, where the
+change enters is named (:mod:`~torchparity.diagnosis.entry`, or the reorder of a beam search)
+and the first divergent module drilled down to its ops (:mod:`~torchparity.diagnosis.ops`).
 
 ``diagnose_decode`` does it in one process; ``record_decode`` writes A's side to a trace on the
 base revision and ``diagnose_decode_against`` judges the changed revision against it. Models
