@@ -4,10 +4,12 @@
 command as N ranks (:func:`start`, through :mod:`torchparity.subject.launcher`); inside a user's
 own ``torchrun ... -m torchparity ...`` the command finds itself a rank and runs as one.
 
-Every rank loads the factory, whose plan shards its model before the first run; each run (the
-float64 golden run, each cell and its baseline) makes a copy in its dtype sharded alike, each
-rank only its part (:func:`~torchparity.subject.sharded.placed`), and runs it, so the float64
-golden is computed by the sharded model in float64 and no rank holds the whole model.
+Every rank loads the factory, whose plan shards its model before the first run. The float64
+golden is computed by that sharded model itself, cast module by module as the 1B path of one
+process does (:class:`~torchparity.subject.blockwise.Float64Run`): a rank holds its part of the
+model in the model's dtype and the running module's part in float64, never the whole model.
+Each cell and its baseline (and the perturbed reference run) makes a copy in its dtype sharded
+alike, each rank only its part (:func:`~torchparity.subject.sharded.placed`).
 Outputs and gradients that are DTensors are gathered one at a time, each kept (sketched when
 big) before the next is gathered, so the goldens on disk are the same whatever the number of
 ranks: made with 2, they check with 1 or 4. Every rank judges
@@ -20,6 +22,7 @@ Decoding and compiled cells are not run across ranks (their rows say so).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import sys
@@ -44,10 +47,10 @@ from torchparity.golden.store import GoldenStore
 from torchparity.golden.user_models import model_checksums, write_goldens
 from torchparity.sketching import kept
 from torchparity.subject import Subject, hf, launcher, sharded
-from torchparity.subject.blockwise import stream_grads
+from torchparity.subject.blockwise import Float64Run, stream_grads
 from torchparity.subject.factory import first_line
 from torchparity.subject.ranks import under_torchrun
-from torchparity.subject.running import on_meta
+from torchparity.subject.running import cast_inputs, on_meta
 from torchparity.subject.trees import map_tensors
 
 #: Seconds a launched run may take in all (environment variable, default one hour).
@@ -106,9 +109,11 @@ def active() -> bool:
 def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
                 perturb: bool = False, last: bool = False) -> Run:
     """``subject`` run in ``cell`` by every rank: a copy in the cell's dtype (its weights
-    moved by one float64 rounding with ``perturb``), sharded by the factory's plan, or, when
-    it is the ``last`` run, the factory's sharded model itself converted; outputs and
-    gradients gathered one by one as the backward completes each, and kept."""
+    moved by one float64 rounding with ``perturb``), sharded by the factory's plan, or, for
+    the float64 golden (``last``), the factory's sharded model itself cast module by module
+    (:class:`~torchparity.subject.blockwise.Float64Run`: a rank holds its part in the model's
+    dtype and one module's part in float64); outputs and gradients gathered one by one as the
+    backward completes each, and kept."""
     run_name = f"the {cell.label} run" + (" (perturbed)" if perturb else "")
     return collectively(run_name, lambda: _run_sharded(subject, cell, loss_paths, run_name,
                                                        perturb=perturb, last=last))
@@ -143,23 +148,38 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
                  *, perturb: bool, last: bool) -> Run:
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
     sharded.mark(f"the sharding of {run_name} (the factory's plan)")
-    model, inputs = sharded.placed(subject, cell.device, DTYPES[cell.dtype], attention,
-                                   perturbation if perturb else None, reuse=last)
+    grads: dict[str, Any] = {}
+    float64 = None
+    if last and not perturb and cell.dtype == "fp64":
+        model = sharded.held(subject, attention)
+        inputs = cast_inputs(subject.inputs, cell.device, torch.float64)
+        float64 = Float64Run(model, on_grad=_gathered_into(grads), device=cell.device)
+    else:
+        model, inputs = sharded.placed(subject, cell.device, DTYPES[cell.dtype], attention,
+                                       perturbation if perturb else None)
     sharded.mark(f"the forward and backward of {run_name}")
 
     def gathered_grads(loss: torch.Tensor) -> dict[str, Any]:
-        grads: dict[str, Any] = {}
-        stream_grads(model, loss, lambda name, grad: grads.__setitem__(
-            name, kept(name, sharded.whole(grad))), unused=False)
+        if float64 is None:
+            stream_grads(model, loss, _gathered_into(grads), unused=False)
+        else:
+            float64.backward(loss, unused=False)
         return {name: grads[name] for name, _ in model.named_parameters() if name in grads}
 
     try:  # every rank meets the same unavailable backend, before any collective
-        with attention_backend(cell.backend) as intercepted, matmul_precision(cell.dtype):
+        with attention_backend(cell.backend) as intercepted, matmul_precision(cell.dtype), \
+                float64 or contextlib.nullcontext():
             run = forward_backward(subject, _Whole(model), inputs, loss_paths, gathered_grads)
     except BackendUnavailable as exc:
         return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
     run.sdpa_calls = None if intercepted is None else intercepted.calls
     return run
+
+
+def _gathered_into(grads: dict[str, Any]) -> Callable[[str, torch.Tensor], None]:
+    """``on_grad(name, grad)`` keeping each gradient in ``grads``, gathered whole (the ranks
+    hand them over in the same order) and sketched when big, before the next one comes."""
+    return lambda name, grad: grads.__setitem__(name, kept(name, sharded.whole(grad)))
 
 
 class _Whole(torch.nn.Module):

@@ -28,6 +28,7 @@ the forward pass enters them and as the backward pass completes their gradients.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -45,13 +46,16 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass(frozen=True)
 class _Recast:
-    """A saved float64 parameter (or a view of one), kept as the parameter it was cast from."""
+    """A saved float64 parameter (or a view of one), kept as the parameter it was cast from:
+    the view's size, stride and offset in the cast's storage (of its local part, for a
+    DTensor), and for a DTensor its ``(mesh, placements, shape, stride)``."""
 
     name: str
     parameter: torch.Tensor
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+    spec: tuple[Any, ...] | None = None
 
 
 class _AsFloat64(torch.autograd.Function):
@@ -97,6 +101,7 @@ class Float64Run:
         self.perturb = perturb
         self.progress = progress
         self.names: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+        self._prefixes = {id(m): f"{n}." if n else "" for n, m in model.named_modules()}
         self._anchor = torch.zeros((), dtype=torch.float64, requires_grad=True)
         self._live: dict[int, tuple[str, torch.Tensor]] = {}  # storage of a float64 copy
         self._swapped: dict[int, list[list[tuple[str, torch.Tensor, int]]]] = {}
@@ -165,23 +170,25 @@ class Float64Run:
     def _device(self, tensor: torch.Tensor) -> torch.device:
         return tensor.device if self.device is None else self.device
 
-    def _cast(self, parameter: torch.Tensor) -> torch.Tensor:
-        name = self.names.get(id(parameter), f"<unnamed {id(parameter)}>")
+    def _cast(self, parameter: torch.Tensor, name: str) -> torch.Tensor:
         if torch.is_grad_enabled() and parameter.requires_grad and self.on_grad is not None:
             self._uses[name] = self._uses.get(name, 0) + 1
             value = _AsFloat64.apply(self._anchor, parameter.detach(), self, name)
         else:
             value = self.value(name, parameter)
-        self._live[value.untyped_storage().data_ptr()] = (name, parameter)
+        self._live[_storage(value)] = (name, parameter)
         return value
 
     def _enter_module(self, module: nn.Module, args: Any) -> None:
         swapped = []
         for key, parameter in list(module._parameters.items()):
             if parameter is not None and parameter.is_floating_point():
-                value = self._cast(parameter)
+                # By the model's name for it; a parameter the model holds under another
+                # object while the module runs (FSDP2's unsharded one) by the module's.
+                name = self.names.get(id(parameter), f"{self._prefixes[id(module)]}{key}")
+                value = self._cast(parameter, name)
                 module._parameters[key] = value
-                swapped.append((key, parameter, value.untyped_storage().data_ptr()))
+                swapped.append((key, parameter, _storage(value)))
         self._swapped.setdefault(id(module), []).append(swapped)
 
     def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -220,20 +227,28 @@ class Float64Run:
         if tensor.dtype != torch.float64 or tensor.layout != torch.strided:
             return tensor
         try:
-            storage = tensor.untyped_storage().data_ptr()
+            found = self._live.get(_storage(tensor))
         except (RuntimeError, NotImplementedError):  # a tensor without storage
             return tensor
-        found = self._live.get(storage)
         if found is None:
             return tensor
         name, parameter = found
-        return _Recast(name, parameter, tensor.size(), tensor.stride(), tensor.storage_offset())
+        spec = _dtensor_spec(tensor)
+        view = tensor if spec is None else _local_part(tensor)
+        return _Recast(name, parameter, view.size(), view.stride(), view.storage_offset(), spec)
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Recast):
             return saved
         value = self.value(saved.name, saved.parameter)
-        return value.as_strided(saved.size, saved.stride, saved.offset)
+        if saved.spec is None:
+            return value.as_strided(saved.size, saved.stride, saved.offset)
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = saved.spec
+        view = _local_part(value).as_strided(saved.size, saved.stride, saved.offset)
+        return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -334,6 +349,28 @@ def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
     for name, p in params.items():
         if name not in done and unused:
             on_grad(name, torch.zeros_like(p))
+
+
+def _dtensor_spec(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """A DTensor's ``(mesh, placements, shape, stride)``; None for a plain tensor. (No DTensor
+    exists before torch.distributed.tensor is imported, which takes seconds.)"""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or not isinstance(tensor, module.DTensor):
+        return None
+    return tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()
+
+
+def _local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor, outside autograd; a plain tensor as it is."""
+    if _dtensor_spec(tensor) is None:
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Where the memory of ``tensor`` (of its local part, for a DTensor) begins."""
+    return _local_part(tensor).untyped_storage().data_ptr()
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

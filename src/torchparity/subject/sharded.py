@@ -310,29 +310,37 @@ Perturb = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
-           attention: str = hf.SDPA, perturb: Perturb | None = None, *, reuse: bool = False
+           attention: str = hf.SDPA, perturb: Perturb | None = None
            ) -> tuple[nn.Module, Any]:
     """A copy of the model in ``dtype`` on ``device``, sharded by the factory's plan, in eval
     mode (a ``transformers`` model on its ``attention``), and the inputs cast alike. The plan
     shards a copy on the meta device; each rank then fills its own part from its part of the
     factory's model, sharded alike (:func:`hold`). With ``perturb`` each parameter is gathered
-    whole (one at a time) and perturbed before its part is taken. With ``reuse`` (no run
-    follows, as in a golden update) the factory's sharded model itself is converted in place,
-    parameter by parameter: no second copy at all."""
+    whole (one at a time) and perturbed before its part is taken."""
     hold(subject)
-    if reuse and perturb is None:
-        model = subject.shards.to(device, dtype)
-    else:
-        model = converted(subject.model, "meta", dtype)
-        if model is subject.model:
-            model = copy.deepcopy(model)
-        model = shard(subject, model, device_mesh(subject, device))
-        model.to_empty(device=device)
-        _fill(model, subject.shards, perturb)
+    model = converted(subject.model, "meta", dtype)
+    if model is subject.model:
+        model = copy.deepcopy(model)
+    model = shard(subject, model, device_mesh(subject, device))
+    model.to_empty(device=device)
+    _fill(model, subject.shards, perturb)
+    return _ready(subject, model, attention), cast_inputs(subject.inputs, device, dtype)
+
+
+def held(subject: Subject, attention: str = hf.SDPA) -> nn.Module:
+    """The factory's sharded model itself (:func:`hold`), in its own dtype and on its own
+    device, in eval mode (a ``transformers`` model on its ``attention``): what a float64 run
+    casts module by module (:class:`~torchparity.subject.blockwise.Float64Run`), no copy of
+    it made."""
+    hold(subject)
+    return _ready(subject, subject.shards, attention)
+
+
+def _ready(subject: Subject, model: nn.Module, attention: str) -> nn.Module:
     model.eval()
     if subject.is_transformers:
         hf.set_attention(model, attention)
-    return model, cast_inputs(subject.inputs, device, dtype)
+    return model
 
 
 def _fill(model: nn.Module, source: nn.Module, perturb: Perturb | None) -> None:
