@@ -270,6 +270,29 @@ def _heads_swapped(model: nn.Module, mesh) -> None:
     MINE_TP(model, mesh)
 
 
+def _norm_grads_reduced_twice(model: nn.Module, mesh) -> None:
+    """A correct plan, but the replicated norms' weight gradients, complete on every rank
+    already, are summed across the ranks once more: every rank ends with twice the gradient.
+    The forward is untouched. (The gradient hook is put on by the norm's first forward: a hook
+    put on a parameter of a model planned on the meta device does not outlive its
+    materialisation.)"""
+    MINE_TP(model, mesh)
+    group = mesh["tp"].get_group()
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=group)
+        return grad
+
+    def arm(norm: nn.Module, args) -> None:
+        if not getattr(norm.weight, "summed", False):
+            norm.weight.register_hook(summed)
+            norm.weight.summed = True
+
+    for layer in model.layers:
+        layer.mlp_norm.register_forward_pre_hook(arm)
+
+
 def mine_unreduced_rows() -> dict:
     return _mine(_unreduced_rows, {"tp": -1})
 
@@ -284,6 +307,10 @@ def mine_norm_drifts() -> dict:
 
 def mine_heads_swapped() -> dict:
     return _mine(_heads_swapped, {"tp": -1})
+
+
+def mine_norm_grads_reduced_twice() -> dict:
+    return _mine(_norm_grads_reduced_twice, {"tp": -1})
 
 
 # --- a wider model whose weights outweigh the interpreter: what BENCHMARKS.md measures ---------

@@ -195,7 +195,7 @@ DIAGNOSIS_STAGES = tuple(f"torchparity.diagnosis.{stage}" for stage in (
 #: The modules that call the stages: a diagnosis in one process or across a trace, one of a
 #: compiled B, and one across the ranks of torchrun.
 DIAGNOSIS_PIPELINES = tuple(f"torchparity.diagnosis.{name}" for name in (
-    "api", "compiled_localisation", "decoding.api", "across_ranks"))
+    "api", "compiled_localisation", "decoding.api", "ranks.api"))
 
 
 def test_no_stage_of_a_diagnosis_imports_another(edges: list[Import]) -> None:

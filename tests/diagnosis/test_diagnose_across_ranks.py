@@ -76,10 +76,10 @@ def test_a_correct_plan_passes(trace, tmp_path, name):
     assert report["judged_modules"] > 0
 
 
-def against_a(a: str, b: str, tmp_path: Path) -> tuple[int, dict]:
+def against_a(a: str, b: str, tmp_path: Path, *options: str) -> tuple[int, dict]:
     report = tmp_path / "report.json"
     status = main(["diagnose", f"{MODELS}:{a}", f"{MODELS}:{b}", "--nproc", "2",
-                   "--json", str(report)])
+                   "--json", str(report), *options])
     return status, json.loads(report.read_text())
 
 
@@ -92,6 +92,24 @@ def test_against_a_correct_plan_a_column_output_gathered_out_of_order_is_named(t
     assert (first["module"], first["ranks"], first["result"]["verdict"]) == (
         "layers.0.up", [0, 1], "diverged")
     assert report["against"] == f"{MODELS}:mine_tp run sharded alike"
+    # past a forward divergence every gradient differs: none is named
+    assert report["first_grad_divergence"] is None
+    assert report["gradients"].startswith("Gradients are not judged past a forward divergence")
+
+
+@pytest.mark.slow
+def test_a_gradient_summed_twice_across_ranks_is_named_where_backward_reaches_it(tmp_path):
+    status, report = against_a("mine_tp", "mine_norm_grads_reduced_twice", tmp_path)
+    assert status == 1
+    assert report["first_divergence"] is None  # the forward is untouched
+    grad = report["first_grad_divergence"]
+    # both layers' norms carry the bug; a backward reaches layer 1's first
+    assert (grad["module"], grad["ranks"], grad["result"]["verdict"]) == (
+        "layers.1.mlp_norm", [0, 1], "diverged")
+    status, report = against_a("mine_tp", "mine_norm_grads_reduced_twice", tmp_path,
+                               "--no-backward")
+    assert (status, report["judged_gradients"]) == (0, None)
+    assert report["gradients"] == "Gradients are not judged (--no-backward)."
 
 
 @pytest.mark.slow
@@ -114,8 +132,8 @@ def test_against_a_correct_plan_each_other_bug_is_named(tmp_path, name, module, 
 def test_a_correct_plan_against_itself_passes(tmp_path, name):
     status, report = against_a(name, name, tmp_path)
     assert status == 0
-    assert report["first_divergence"] is None
-    assert report["judged_modules"] > 0
+    assert report["first_divergence"] is None and report["first_grad_divergence"] is None
+    assert report["judged_modules"] > 0 and report["judged_gradients"] > 0
 
 
 def test_one_entry_without_a_trace_is_refused_with_both_forms(capsys):

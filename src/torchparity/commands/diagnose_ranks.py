@@ -1,6 +1,6 @@
 """``torchparity diagnose ENTRY --nproc N --against TRACE`` and ``diagnose A B --nproc N``: a
 sharded model's first divergence across the ranks of torchrun, against a trace recorded in one
-process or against another model sharded alike (see :mod:`torchparity.diagnosis.across_ranks`).
+process or against another model sharded alike (see :mod:`torchparity.diagnosis.ranks`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torchparity.subject import Subject
 
 # The options of a diagnosis in one process, at their defaults: under --nproc any other value
 # is refused, not ignored.
-_DEFAULTS = {"backward": True, "include": None, "exclude": None, "dtype": None,
+_DEFAULTS = {"include": None, "exclude": None, "dtype": None,
              "decode": False, "name_map": None, "backend_a": None, "backend_b": None,
              "compile_b": None, "stream": None, "ops": None, "local": "diverged",
              "base": None, "html": None, "summary": None, "junit": None}
@@ -32,21 +32,20 @@ def across_ranks(args: argparse.Namespace) -> int:
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
         raise UsageError(f"diagnose --nproc does not take {flags}: it judges B's module "
-                         "outputs, forward, against A's, and takes --against and --json only")
+                         "outputs and gradients against A's, and takes --against, "
+                         "--no-backward and --json only")
     launched = sharded.start(args.nproc, args._argv)
     if launched is not None:
         return launched
-    from torchparity.diagnosis.across_ranks import (
-        diagnose_across_ranks,
-        diagnose_pair_across_ranks,
-    )
+    from torchparity.diagnosis.ranks import diagnose_across_ranks, diagnose_pair_across_ranks
 
     if args.against:
         report = sharded.collectively("the diagnosis", lambda: diagnose_across_ranks(
             Path(args.against), Subject.load(args.entries[0])))
     else:
         report = sharded.collectively("the diagnosis", lambda: diagnose_pair_across_ranks(
-            Subject.load(args.entries[0]), Subject.load(args.entries[1]), args.entries[0]))
+            Subject.load(args.entries[0]), Subject.load(args.entries[1]), args.entries[0],
+            backward=args.backward))
     if report is None:  # not rank 0: rank 0 speaks for every rank
         return 0
     print("\n".join(report.lines()))

@@ -1,0 +1,227 @@
+"""Judging a diagnosis across ranks: each module's output on every rank against A's (a
+trace's whole output, or each rank's own of A sharded alike), and each module's parameter
+gradients, each rank its own shards against A's and the golden's, with the budgets a
+propagated error gets in a diagnosis in one process.
+
+Ranks that run a replicated computation on the same inputs compute the same bits, so where
+A's copies agree on every rank, B's must too: a copy that differs at all (a replicated norm
+whose weights drifted on one rank, a gradient reduced on one rank only) is a divergence of its
+own, however small.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from torchparity import digests
+from torchparity.diagnosis.judging import judge_quickly, module_padding
+from torchparity.diagnosis.ranks.report import RankDivergence, RanksDiffer
+from torchparity.diagnosis.ranks.runs import RankRun, Tensors
+from torchparity.diagnosis.reference import Reference
+from torchparity.diagnosis.results import Result
+from torchparity.subject.padding import Padding
+
+#: One rank's module outputs: call key -> output path -> tensor.
+Outputs = dict[str, Tensors]
+#: One rank's A, golden and B tensors of one call.
+Sides = tuple[Tensors, Tensors, Tensors]
+
+
+@dataclass
+class Judged:
+    """One module call judged on every rank: B's verdict per rank, and B's copies of an
+    output every rank must compute bit for bit alike (None: not a replicated output)."""
+
+    module: str
+    module_type: str
+    results: list[Result]
+    copies: list[Tensors] | None
+
+
+def first_divergence(judged: Iterator[Judged]) -> tuple[int, RankDivergence | None]:
+    """How many calls were judged, and the first (in finishing order) that diverges on some
+    rank, or whose replicated copies differ between ranks."""
+    count = 0
+    for call in judged:
+        count += 1
+        diverged = [rank for rank, result in enumerate(call.results) if not result.ok]
+        if diverged:
+            return count, RankDivergence(call.module, call.module_type, diverged,
+                                         call.results[diverged[0]])
+        differ = None if call.copies is None else ranks_differ(call.copies)
+        if differ is not None:
+            return count, RankDivergence(call.module, call.module_type, differ.ranks, differ)
+    return count, None
+
+
+def against_trace(reference: Reference, everyone: list[Outputs]) -> Iterator[Judged]:
+    """Each of A's recorded calls that every rank made, B's outputs as A's whole ones
+    (:func:`_as_a_sees_them`) judged against the trace's, with its budgets."""
+    for a in sorted(reference.calls, key=lambda call: call.order):
+        if not all(a.key in ranks for ranks in everyone):
+            continue
+        candidates = _as_a_sees_them([ranks[a.key] for ranks in everyone], a.output_shapes)
+        if candidates:
+            yield Judged(a.name, a.module_type,
+                         [reference.judge((a,), c, "out", "golden_out", "forward", quick=True)
+                          for c in candidates], candidates)
+
+
+def against_a(calls: dict[str, tuple[str, str]], a_ranks: list[Outputs],
+              golden_ranks: list[Outputs], b_ranks: list[Outputs], padding: Padding
+              ) -> Iterator[Judged]:
+    """Each call of A that every rank of B made, each rank's B judged against that rank's A
+    and golden in one layout (:func:`_in_one_layout`); an output whose copies are alike on
+    every rank of A is one B must compute alike too."""
+    for key, (name, module_type) in calls.items():
+        parts = [(a.get(key), g.get(key), b.get(key))
+                 for a, g, b in zip(a_ranks, golden_ranks, b_ranks, strict=True)]
+        if any(side is None for sides in parts for side in sides):
+            continue
+        sides = _in_one_layout(*(list(side) for side in zip(*parts, strict=True)))
+        if sides is None:
+            continue
+        spec = module_padding(padding, name)
+        results = [judge_quickly(b, g, a, "forward", spec) for a, g, b in sides]
+        replicated = ranks_differ([a for a, _, _ in sides]) is None
+        yield Judged(name, module_type, results,
+                     [b for _, _, b in sides] if replicated else None)
+
+
+def _in_one_layout(a_parts: list[Tensors], golden_parts: list[Tensors], b_parts: list[Tensors]
+                   ) -> list[Sides] | None:
+    """Per rank, A's, the golden's and B's output tensors of one call in one layout: as they
+    are where each rank's A and B have one shape; where one side holds slices of the other's
+    whole along one dimension (one plan keeps a column-parallel output local, the other
+    gathers it), those slices joined in rank order. None where a tensor fits neither."""
+    if any(a.keys() != b.keys() for a, b in zip(a_parts, b_parts, strict=True)):
+        return None
+    sides: list[Sides] = [({}, {}, {}) for _ in a_parts]
+    for path in a_parts[0]:
+        a, g, b = ([part[path] for part in parts] for parts in (a_parts, golden_parts, b_parts))
+        if all(x.shape == y.shape for x, y in zip(a, b, strict=True)):
+            found = list(zip(a, g, b, strict=True))
+        elif (whole := _joined(b, tuple(a[0].shape))) is not None:
+            found = [(x, y, whole) for x, y in zip(a, g, strict=True)]
+        elif (whole_a := _joined(a, tuple(b[0].shape))) is not None and \
+                (whole_g := _joined(g, tuple(b[0].shape))) is not None:
+            found = [(whole_a, whole_g, y) for y in b]
+        else:
+            return None
+        for side, tensors in zip(sides, found, strict=True):
+            for held, tensor in zip(side, tensors, strict=True):
+                held[path] = tensor
+    return sides
+
+
+def ranks_differ(candidates: list[Tensors], what: str = "output") -> RanksDiffer | None:
+    """The ranks whose ``what`` (``candidates``, one per rank) differs in any bit from rank
+    0's, and by how much; None when every rank's equals it."""
+    first = candidates[0]
+    differences = {rank: max(float((t.double() - first[p].double()).abs().max())
+                             for p, t in c.items())
+                   for rank, c in enumerate(candidates[1:], start=1)
+                   if any(not torch.equal(t, first[p]) for p, t in c.items())}
+    if not differences:
+        return None
+    return RanksDiffer(sorted(differences), max(differences.values()), what)
+
+
+def _as_a_sees_them(parts: list[Tensors], shapes: dict[str, tuple[int, ...]]
+                    ) -> list[Tensors]:
+    """Each rank's output tensors that stand for A's: those of A's shape as they are, and
+    slices of A's along one dimension joined in rank order (the same for every rank); empty
+    when none does."""
+    candidates: list[Tensors] = [{} for _ in parts]
+    for path, shape in shapes.items():
+        tensors = [rank.get(path) for rank in parts]
+        if any(t is None for t in tensors):
+            continue
+        if all(tuple(t.shape) == tuple(shape) for t in tensors):
+            for candidate, tensor in zip(candidates, tensors, strict=True):
+                candidate[path] = tensor
+            continue
+        joined = _joined(tensors, tuple(shape))
+        if joined is not None:
+            for candidate in candidates:
+                candidate[path] = joined
+    return candidates if candidates[0] else []
+
+
+def _joined(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``tensors`` joined along the one dimension where they are slices of ``shape``."""
+    first = tensors[0]
+    if first.dim() != len(shape):
+        return None
+    differing = [d for d in range(first.dim()) if first.shape[d] != shape[d]]
+    if len(differing) != 1:
+        return None
+    dim = differing[0]
+    if any(t.shape[:dim] + t.shape[dim + 1:] != first.shape[:dim] + first.shape[dim + 1:]
+           for t in tensors) or sum(t.shape[dim] for t in tensors) != shape[dim]:
+        return None
+    return torch.cat(tensors, dim=dim)
+
+
+@dataclass
+class GradVerdict:
+    """One rank's verdict on one module's parameter gradients (its shards), and digests of
+    A's and B's, which say whether they agree with the other ranks'."""
+
+    module: str
+    module_type: str
+    result: Result
+    a_digest: str
+    b_digest: str
+
+
+def judged_grads(a: RankRun, golden: RankRun, b: RankRun) -> list[GradVerdict]:
+    """This rank's verdict on each module's parameter gradients, B's shards against A's and
+    the golden's, in the order a backward reaches the modules (the latest to start first)."""
+    verdicts = []
+    for module in sorted(b.grads, key=lambda name: -b.starts.get(name, 0)):
+        a_grads, golden_grads, b_grads = a.grads.get(module), golden.grads.get(module), \
+            b.grads[module]
+        if a_grads is None or golden_grads is None or not _same_shapes(a_grads, b_grads):
+            continue
+        verdicts.append(GradVerdict(module, b.module_type(module),
+                                    judge_quickly(b_grads, golden_grads, a_grads, "grad"),
+                                    _digest(a_grads), _digest(b_grads)))
+    return verdicts
+
+
+def first_grad_divergence(everyone: list[list[GradVerdict]]
+                          ) -> tuple[int, RankDivergence | None, str | None]:
+    """How many modules' gradients every rank judged, and the first (in backward order) that
+    diverges on some rank, or else the first whose gradients agree on every rank of A but
+    not of B (only its name: how far they differ takes B's gradients of it)."""
+    count = 0
+    for verdict in everyone[0]:
+        found = [next((v for v in rank if v.module == verdict.module), None)
+                 for rank in everyone]
+        if any(v is None for v in found):
+            continue
+        count += 1
+        diverged = [rank for rank, v in enumerate(found) if not v.result.ok]
+        if diverged:
+            return count, RankDivergence(verdict.module, verdict.module_type, diverged,
+                                         found[diverged[0]].result), None
+        if len({v.a_digest for v in found}) == 1 and len({v.b_digest for v in found}) > 1:
+            return count, None, verdict.module
+    return count, None, None
+
+
+def _same_shapes(a: Tensors, b: Tensors) -> bool:
+    return a.keys() == b.keys() and all(a[p].shape == b[p].shape for p in a)
+
+
+def _digest(tensors: Tensors) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(tensors):
+        digest.update(path.encode())
+        digests.update(digest, tensors[path])
+    return digest.hexdigest()

@@ -1,0 +1,99 @@
+"""A user's model run sharded by its own plan on every rank of ``torchrun``, as a diagnosis
+across ranks sees it: each module call's output (a DTensor gathered whole, a plain tensor as
+the rank holds it), the order the modules start, and, with a loss, each parameter's gradient
+as this rank holds it: its shard, never gathered."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.diagnosis.capture import call_key
+from torchparity.subject import Subject, sharded
+from torchparity.subject.running import call_model, cast_inputs
+from torchparity.subject.trees import flatten_tensors, map_tensors
+
+#: One call's (or one module's parameters') tensors by path.
+Tensors = dict[str, torch.Tensor]
+#: The loss a backward starts from, of the whole output and the inputs; a string saying why
+#: there is none.
+Loss = Callable[[Any, Any], "torch.Tensor | str"]
+
+
+@dataclass
+class RankRun:
+    """What one rank's run of a sharded model leaves, on the CPU."""
+
+    outputs: dict[str, Tensors] = field(default_factory=dict)  # call key -> output path -> tensor
+    calls: dict[str, tuple[str, str]] = field(default_factory=dict)  # call key -> (module,
+    # its type), in the order the calls finished
+    starts: dict[str, int] = field(default_factory=dict)  # module -> when its first call started
+    grads: dict[str, Tensors] = field(default_factory=dict)  # module -> param.<name> -> shard
+    no_grads: str | None = None  # why there are no gradients (a run with a loss)
+
+    def module_type(self, module: str) -> str:
+        return next((kind for name, kind in self.calls.values() if name == module), "")
+
+
+def sharded_run(subject: Subject, dtype: torch.dtype, inputs: Any, label: str,
+                loss: Loss | None = None) -> RankRun:
+    """``subject`` in ``dtype`` sharded by its plan (each rank its part), run forward on
+    ``inputs`` with every module's outputs kept, and backward from ``loss`` when given."""
+    device = sharded.device_type()
+    sharded.mark(f"the sharding of {label} (the factory's plan)")
+    model, _ = sharded.placed(subject, device, dtype)
+    sharded.mark(f"the forward{'' if loss is None else ' and backward'} of {label}")
+    run = RankRun()
+    inputs = cast_inputs(inputs, device, dtype)
+    handles = _hooks(model, run)
+    try:
+        with torch.set_grad_enabled(loss is not None):
+            output = map_tensors(call_model(model, inputs), sharded.whole)
+            if loss is not None:
+                value = loss(output, inputs)
+                if isinstance(value, str):
+                    run.no_grads = value
+                else:
+                    value.backward()
+                    run.grads = _local_grads(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return run
+
+
+def _hooks(model: nn.Module, run: RankRun) -> list[Any]:
+    counts: dict[str, int] = {}
+
+    def started(name: str):
+        def hook(module, args) -> None:
+            run.starts.setdefault(name, len(run.starts))
+        return hook
+
+    def finished(name: str):
+        def hook(module, args, output) -> None:
+            key = call_key(name, counts.get(name, 0))
+            counts[name] = counts.get(name, 0) + 1
+            whole = map_tensors(output, lambda t: sharded.whole(t).detach().cpu())
+            run.outputs[key] = flatten_tensors(whole)
+            run.calls[key] = (name, type(module).__name__)
+        return hook
+
+    modules = list(model.named_modules())
+    return ([module.register_forward_pre_hook(started(name)) for name, module in modules]
+            + [module.register_forward_hook(finished(name)) for name, module in modules])
+
+
+def _local_grads(model: nn.Module) -> dict[str, Tensors]:
+    """Each module's direct parameters' gradients, each as this rank holds it."""
+    grads = {}
+    for name, module in model.named_modules():
+        held = {f"param.{n}": sharded.local(p.grad).detach().cpu()
+                for n, p in module.named_parameters(recurse=False) if p.grad is not None}
+        if held:
+            grads[name] = held
+    return grads
