@@ -21,14 +21,14 @@ from torch import nn
 
 from torchparity.diagnosis.capture import Capture, ModuleCall, Signature
 from torchparity.diagnosis.judging import joined, judge
-from torchparity.diagnosis.reference import golden_copy, golden_label
+from torchparity.diagnosis.reference import golden_label
 from torchparity.diagnosis.results import Mismatch, Result
-from torchparity.diagnosis.run import GOLDEN_DTYPE, BackendSpec, Options, backend_context
+from torchparity.diagnosis.run import BackendSpec, Options, backend_context
 from torchparity.diagnosis.trace import Store, padded, sketched_in, stored_form
 from torchparity.sketching import Sketch
 from torchparity.subject.beams import BeamSettings, BeamStep
 from torchparity.subject.decoding import Decoding, ReorderFn, StepFn, teacher_forced
-from torchparity.subject.running import seeded, upcast
+from torchparity.subject.running import seeded
 from torchparity.subject.sampling import SampleSettings
 from torchparity.subject.trees import flatten_tensors
 
@@ -60,14 +60,6 @@ class Side:
             return teacher_forced(self.step, self.model, self.inputs, steps, tokens,
                                   parents=parents, reorder=self.reorder, decide=decide,
                                   during=during)
-
-    def in_float64(self) -> Side | None:
-        """A float64 CPU copy of this side, or None when the model cannot be copied so."""
-        copy, _ = golden_copy(self.model)
-        if copy is None:
-            return None
-        return Side(copy, upcast(self.inputs, GOLDEN_DTYPE, "cpu"), self.step, self.backend,
-                    self.reorder)
 
 
 @dataclass

@@ -107,8 +107,7 @@ def add_decode_golden(reference: DecodeReference, side: Side, opts: Options, bar
     golden_logits = None
     if golden is not None:
         done = bar.phase("golden (float64): decoding, every step captured")
-        golden_side = Side(golden, upcast(side.inputs, GOLDEN_DTYPE, "cpu"), side.step,
-                           side.backend, side.reorder)
+        golden_side = _in_float64(side, golden)
         try:
             with capturing_steps(golden, store, opts, {}, "golden_out", state=False) as during:
                 golden_logits = golden_side.decode(reference.steps, reference.tokens,
@@ -132,6 +131,30 @@ def add_decode_golden(reference: DecodeReference, side: Side, opts: Options, bar
     reference.golden = described if golden_logits is not None else None
     reference.no_golden = no_golden
     return reference
+
+
+def float64_decoding(side: Side, reference: DecodeReference, logits: list[torch.Tensor]
+                     ) -> tuple[list[torch.Tensor] | None, str | None]:
+    """B (``side``, whose decoding gave ``logits``) decoded in float64 along the reference's
+    tokens and parents: its logits per step, or None and why there are none."""
+    if module_placement(side.model)[0] == torch.float64:
+        return logits, None  # B runs in float64 already
+    copy, _ = golden_copy(side.model)
+    if copy is None:
+        return None, ("no float64 copy of B: flip verdicts compare A's margin with twice the "
+                      "step's budget")
+    try:
+        return _in_float64(side, copy).decode(reference.steps, reference.tokens,
+                                              reference.parents).logits, None
+    except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
+        return None, (f"B's float64 decoding failed ({type(exc).__name__}: {first_line(exc)}); "
+                      "flip verdicts compare A's margin with twice the step's budget")
+
+
+def _in_float64(side: Side, copy: nn.Module) -> Side:
+    """``side`` decoding its float64 CPU ``copy`` on float64 inputs."""
+    return Side(copy, upcast(side.inputs, GOLDEN_DTYPE, "cpu"), side.step, side.backend,
+                side.reorder)
 
 
 def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,

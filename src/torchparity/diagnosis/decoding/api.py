@@ -58,12 +58,12 @@ from torchparity.diagnosis.decoding.judging import first_flips, first_module, ju
 from torchparity.diagnosis.decoding.report import DecodeReport
 from torchparity.diagnosis.decoding.sampling import first_changed_draws
 from torchparity.diagnosis.entry import argument_entry
-from torchparity.diagnosis.float64_golden import add_decode_golden
+from torchparity.diagnosis.float64_golden import add_decode_golden, float64_decoding
 from torchparity.diagnosis.ops import capturing_first_call, judged_streams
 from torchparity.diagnosis.ops.recorded import ASide, put_side, recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_captured
-from torchparity.diagnosis.reference import describe_mode, module_placement
+from torchparity.diagnosis.reference import describe_mode
 from torchparity.diagnosis.report_meta import DecodeMeta, with_weights
 from torchparity.diagnosis.run import BackendSpec, Options, backend_name, make_options
 from torchparity.diagnosis.trace import (
@@ -83,7 +83,6 @@ from torchparity.subject.decoding import (
     builtin_step,
     recompute_step,
 )
-from torchparity.subject.factory import first_line
 from torchparity.subject.running import check_models, in_dtype
 from torchparity.subject.sampling import SampleSettings
 
@@ -325,7 +324,7 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
     if _needs_float64(reference, decoded.logits):
         done = bar.phase("B in float64: decoding, for the verdicts of "
                          + ("beam swaps" if beams else "token flips"))
-        logits64, note = _float64_logits(side, reference, decoded.logits)
+        logits64, note = float64_decoding(side, reference, decoded.logits)
         if note:
             notes.append(note)
         done()
@@ -409,21 +408,6 @@ def _needs_float64(reference: DecodeReference, logits: list[torch.Tensor]) -> bo
         return keeps_differ(reference, logits)
     return any(bool((a.argmax(-1) != b.argmax(-1)).any())
                for a, b in zip(reference.logits, logits, strict=True))
-
-
-def _float64_logits(side: Side, reference: DecodeReference, logits: list[torch.Tensor]
-                    ) -> tuple[list[torch.Tensor] | None, str | None]:
-    if module_placement(side.model)[0] == torch.float64:
-        return logits, None  # B runs in float64 already
-    side64 = side.in_float64()
-    if side64 is None:
-        return None, ("no float64 copy of B: flip verdicts compare A's margin with twice the "
-                      "step's budget")
-    try:
-        return side64.decode(reference.steps, reference.tokens, reference.parents).logits, None
-    except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
-        return None, (f"B's float64 decoding failed ({type(exc).__name__}: {first_line(exc)}); "
-                      "flip verdicts compare A's margin with twice the step's budget")
 
 
 def _prompt(inputs: Any, beams: BeamSettings | None, sample: SampleSettings | None,
