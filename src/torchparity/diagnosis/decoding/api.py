@@ -24,9 +24,8 @@ judges where B would keep other hypotheses). No gradients are taken.
 
 from __future__ import annotations
 
-import contextlib
 import shlex
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +58,7 @@ from torchparity.diagnosis.decoding.report import DecodeReport
 from torchparity.diagnosis.decoding.sampling import first_changed_draws
 from torchparity.diagnosis.entry import argument_entry
 from torchparity.diagnosis.float64_golden import add_decode_golden, float64_decoding
-from torchparity.diagnosis.ops import capturing_first_call, judged_streams
+from torchparity.diagnosis.ops import judged_streams, ops_at_steps
 from torchparity.diagnosis.ops.recorded import ASide, put_side, recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_captured
@@ -206,7 +205,7 @@ def record_decode(
             reference.mode = describe_mode(cast, dtype, reference.has_golden)
             for module in modules:
                 done = bar.phase(f"A: decoding again, the ops of {module} at every step")
-                kept = _ops_at(side, reference, module, range(reference.steps + 1))
+                kept = ops_at_steps(side, reference, module, range(reference.steps + 1))
                 for at, ops_at in kept.items():
                     put_side(writer.store, step_key(module, at), ASide(ops_at, {}))
                 done()
@@ -364,27 +363,9 @@ def _unmatched(alignment: Alignment, step: int) -> list[str]:
 
 
 def _step_ops(side: Side, reference: DecodeReference, step: int, module: str) -> list:
-    """The ops of ``module``'s first call at ``step`` (see :func:`_ops_at`)."""
-    return _ops_at(side, reference, module, range(step, step + 1))[step]
-
-
-def _ops_at(side: Side, reference: DecodeReference, module: str, steps: range
-            ) -> dict[int, list]:
-    """The ops of ``module``'s first call at each of ``steps``, ``side`` decoded again up to
-    the last along the reference's tokens (the state it keeps is the decoding's own)."""
-    found: dict[int, list] = {s: [] for s in steps}
-    target = side.model.get_submodule(module.split("#")[0])
-
-    @contextlib.contextmanager
-    def during(s: int) -> Iterator[None]:
-        if s not in found:
-            yield
-            return
-        with capturing_first_call(target, found[s]):
-            yield
-
-    side.decode(steps[-1], reference.tokens, reference.parents, during=during)
-    return found
+    """The ops of ``module``'s first call at ``step`` (see
+    :func:`~torchparity.diagnosis.ops.ops_at_steps`)."""
+    return ops_at_steps(side, reference, module, range(step, step + 1))[step]
 
 
 def _ops_modules(model: nn.Module, ops: str | None) -> list[str]:

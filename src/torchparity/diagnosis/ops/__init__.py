@@ -10,18 +10,25 @@ A module that keeps state across calls (a cache on itself) is replayed on the st
 when the recorded call started, as the module-level replays are. Before an op is named,
 B's call runs once more: what differs between its two runs (nondeterminism) joins the
 budgets of the ops it reaches instead of being called a change.
+
+At a step of a decoding the module's first call is captured as the side decodes along the
+reference's tokens (:func:`ops_at_steps`), and A's and B's ops are aligned and judged
+(:func:`judged_streams`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shlex
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from torchparity.comparison.selection import PaddingSpec
 from torchparity.diagnosis.align import Match
+from torchparity.diagnosis.decode_reference import DecodeReference, Side
 from torchparity.diagnosis.judging import module_padding
 from torchparity.diagnosis.ops.align import align_steps
 from torchparity.diagnosis.ops.backward import capture_backward
@@ -46,8 +53,7 @@ from torchparity.diagnosis.state import OwnState, replaying, states_within
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.subject.running import seeded
 
-__all__ = ["OpReport", "a_side", "capturing_first_call", "drill_down", "judged_streams",
-           "keep_ops"]
+__all__ = ["OpReport", "a_side", "drill_down", "judged_streams", "keep_ops", "ops_at_steps"]
 
 
 def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
@@ -130,6 +136,25 @@ def judged_streams(module: str, a_steps: list[Step], b_steps: list[Step]) -> OpR
     lines, first = judge_ops(align_steps(a_steps, b_steps), {})
     notes = [] if a_steps else ["A's call of the module was not captured"]
     return OpReport(module, lines, first, notes)
+
+
+def ops_at_steps(side: Side, reference: DecodeReference, module: str, steps: range
+                 ) -> dict[int, list]:
+    """The ops of ``module``'s first call at each of ``steps``, ``side`` decoded again up to
+    the last along the reference's tokens (the state it keeps is the decoding's own)."""
+    found: dict[int, list] = {s: [] for s in steps}
+    target = side.model.get_submodule(module.split("#")[0])
+
+    @contextlib.contextmanager
+    def during(s: int) -> Iterator[None]:
+        if s not in found:
+            yield
+            return
+        with capturing_first_call(target, found[s]):
+            yield
+
+    side.decode(steps[-1], reference.tokens, reference.parents, during=during)
+    return found
 
 
 def _capture(module: nn.Module, args: tuple, kwargs: dict, grads: dict[str, torch.Tensor],
