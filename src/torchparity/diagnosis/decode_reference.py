@@ -252,8 +252,8 @@ def capturing_steps(model: nn.Module, store: Store, opts: Options,
         yield during
 
 
-def capture_step(side: Side, step: int, reference: DecodeReference, opts: Options
-                 ) -> tuple[Decoding, list[ModuleCall]]:
+def calls_at_step(side: Side, step: int, reference: DecodeReference, opts: Options
+                  ) -> list[ModuleCall]:
     """Decode ``side`` up to ``step`` along the reference's tokens and parents, keeping every
     selected module's call at that step (inputs with caches as placeholders, outputs, the
     state each read)."""
@@ -269,4 +269,5 @@ def capture_step(side: Side, step: int, reference: DecodeReference, opts: Option
             yield
         captured.extend(capture.records)
 
-    return side.decode(step, reference.tokens, reference.parents, during=during), captured
+    side.decode(step, reference.tokens, reference.parents, during=during)
+    return captured

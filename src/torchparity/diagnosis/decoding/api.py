@@ -43,7 +43,7 @@ from torchparity.diagnosis.capture_a import (
 from torchparity.diagnosis.decode_reference import (
     DecodeReference,
     Side,
-    capture_step,
+    calls_at_step,
     step_key,
 )
 from torchparity.diagnosis.decoding.beams import (
@@ -305,7 +305,7 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
     rows = []
     if first_step is not None:
         done = bar.phase(f"B: step {first_step} again, every module captured")
-        _, calls = capture_step(side, first_step, reference, opts)
+        calls = calls_at_step(side, first_step, reference, opts)
         at_step = reference.at(first_step, cut=cut)
         alignment, rows = judge_captured(at_step, calls, name_map)
         notes += _unmatched(alignment, first_step)
