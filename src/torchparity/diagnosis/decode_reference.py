@@ -6,7 +6,12 @@ it), under its attention backend, seeded and without gradients. A step's calls a
 ``<call key>@<step>``: for A its outputs (``out``), its inputs (tensors and containers; caches
 stand as placeholders) and a summary of the state each module read (``call.state``); for the
 golden its outputs (``golden_out``). The step's next-token logits are under the pseudo-call
-``__step__@<step>``.
+``__step__@<step>``. With a KV cache a step's module outputs are a token's worth each, so a
+trace stays small.
+
+:meth:`DecodeReference.at` reads one step as the stages read a forward pass's
+:class:`~torchparity.diagnosis.reference.Reference`, so that stage 4 (aligning and judging B's
+calls) and stage 5 (where the change enters) serve a decoding unchanged.
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ class DecodeReference:
     a beam search: its settings and A's choices per step), A's and the golden's next-token
     logits per step, A's calls per step (inputs, outputs and golden outputs in the store), the
     forward parameter names of A's modules, and which golden was used (None when there is
-    none, ``no_golden`` then says why)."""
+    none, ``no_golden`` then says why; both None until stage 2 ran)."""
 
     tokens: torch.Tensor
     greedy: bool
