@@ -72,8 +72,9 @@ def test_each_other_sharding_bug_is_named_at_its_module(trace, tmp_path, name, m
 def test_a_correct_plan_passes(trace, tmp_path, name):
     status, report = diagnosed(trace, name, tmp_path)
     assert status == 0
-    assert report["first_divergence"] is None
-    assert report["judged_modules"] > 0
+    # gradients too: each rank's shards against its cut of the one-process gradients
+    assert report["first_divergence"] is None and report["first_grad_divergence"] is None
+    assert report["judged_modules"] > 0 and report["judged_gradients"] > 0
 
 
 def against_a(a: str, b: str, tmp_path: Path, *options: str) -> tuple[int, dict]:
@@ -98,14 +99,16 @@ def test_against_a_correct_plan_a_column_output_gathered_out_of_order_is_named(t
 
 
 @pytest.mark.slow
-def test_a_gradient_summed_twice_across_ranks_is_named_where_backward_reaches_it(tmp_path):
-    status, report = against_a("mine_tp", "mine_norm_grads_reduced_twice", tmp_path)
-    assert status == 1
-    assert report["first_divergence"] is None  # the forward is untouched
-    grad = report["first_grad_divergence"]
-    # both layers' norms carry the bug; a backward reaches layer 1's first
-    assert (grad["module"], grad["ranks"], grad["result"]["verdict"]) == (
-        "layers.1.mlp_norm", [0, 1], "diverged")
+def test_a_gradient_summed_twice_across_ranks_is_named_where_backward_reaches_it(trace,
+                                                                                 tmp_path):
+    for status, report in (against_a("mine_tp", "mine_norm_grads_reduced_twice", tmp_path),
+                           diagnosed(trace, "mine_norm_grads_reduced_twice", tmp_path)):
+        assert status == 1
+        assert report["first_divergence"] is None  # the forward is untouched
+        grad = report["first_grad_divergence"]
+        # both layers' norms carry the bug; a backward reaches layer 1's first
+        assert (grad["module"], grad["ranks"], grad["result"]["verdict"]) == (
+            "layers.1.mlp_norm", [0, 1], "diverged")
     status, report = against_a("mine_tp", "mine_norm_grads_reduced_twice", tmp_path,
                                "--no-backward")
     assert (status, report["judged_gradients"]) == (0, None)
@@ -140,7 +143,8 @@ def test_one_entry_without_a_trace_is_refused_with_both_forms(capsys):
     assert main(["diagnose", f"{MODELS}:mine_tp", "--nproc", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "one entry point (B) with --against TRACE, or two (A and B" in err
+    assert "one entry point (B) with --against TRACE (recorded in one process: " \
+        "`torchparity record ENTRY -o TRACE`), or two (A and B" in err
 
 
 def test_an_option_a_diagnosis_across_ranks_does_not_take_is_refused_not_ignored(capsys):

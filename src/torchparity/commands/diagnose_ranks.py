@@ -26,7 +26,8 @@ def across_ranks(args: argparse.Namespace) -> int:
     from torchparity.golden import sharded
 
     if len(args.entries) != (1 if args.against else 2):
-        raise UsageError("diagnose --nproc takes one entry point (B) with --against TRACE, or "
+        raise UsageError("diagnose --nproc takes one entry point (B) with --against TRACE "
+                         "(recorded in one process: `torchparity record ENTRY -o TRACE`), or "
                          "two (A and B, each sharded by its own plan)")
     given = [name for name, default in _DEFAULTS.items() if getattr(args, name) != default]
     if given:
@@ -41,7 +42,7 @@ def across_ranks(args: argparse.Namespace) -> int:
 
     if args.against:
         report = sharded.collectively("the diagnosis", lambda: diagnose_across_ranks(
-            Path(args.against), Subject.load(args.entries[0])))
+            Path(args.against), Subject.load(args.entries[0]), backward=args.backward))
     else:
         report = sharded.collectively("the diagnosis", lambda: diagnose_pair_across_ranks(
             Subject.load(args.entries[0]), Subject.load(args.entries[1]), args.entries[0],

@@ -12,12 +12,14 @@ own, however small.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from torchparity import digests
+from torchparity.comparison.sketch import involves_sketch
+from torchparity.diagnosis.capture import call_key
 from torchparity.diagnosis.judging import judge_quickly, module_padding
 from torchparity.diagnosis.ranks.report import RankDivergence, RanksDiffer
 from torchparity.diagnosis.ranks.runs import RankRun, Tensors
@@ -181,16 +183,48 @@ class GradVerdict:
 
 def judged_grads(a: RankRun, golden: RankRun, b: RankRun) -> list[GradVerdict]:
     """This rank's verdict on each module's parameter gradients, B's shards against A's and
-    the golden's, in the order a backward reaches the modules (the latest to start first)."""
+    the golden's (each rank's own, of the models sharded alike), in backward order."""
+    def sides(module: str) -> tuple[Tensors, Tensors] | None:
+        if module not in a.grads or module not in golden.grads:
+            return None
+        return a.grads[module], golden.grads[module]
+
+    return _grad_verdicts(b, sides)
+
+
+def judged_grads_against_trace(reference: Reference, b: RankRun) -> list[GradVerdict]:
+    """This rank's verdict on each module's parameter gradients, B's shards against this
+    rank's shards of A's and the golden's whole ones in the trace, cut as B's are (one the
+    trace keeps sketched, being big, is not judged), in backward order."""
+    def sides(module: str) -> tuple[Tensors, Tensors] | None:
+        key = call_key(module, 0)
+        a = reference.store.get(key, "param_grad")
+        golden = reference.store.get(key, "golden_param_grad") if reference.has_golden else {}
+        cut = b.shard_of[module]
+        if not a or involves_sketch(*a.values(), *golden.values()) or \
+                {f"param.{name}" for name in a} != cut.keys():
+            return None
+        return tuple({f"param.{name}": cut[f"param.{name}"](t) for name, t in whole.items()}
+                     for whole in (a, golden))
+
+    return _grad_verdicts(b, sides)
+
+
+def _grad_verdicts(b: RankRun, sides: Callable[[str], tuple[Tensors, Tensors] | None]
+                   ) -> list[GradVerdict]:
+    """B's verdict on each module's gradients against ``sides(module)`` (A's and the
+    golden's, as this rank holds them; None: not judged), in the order a backward reaches
+    the modules (the latest to start first)."""
     verdicts = []
     for module in sorted(b.grads, key=lambda name: -b.starts.get(name, 0)):
-        a_grads, golden_grads, b_grads = a.grads.get(module), golden.grads.get(module), \
-            b.grads[module]
-        if a_grads is None or golden_grads is None or not _same_shapes(a_grads, b_grads):
+        found = sides(module)
+        if found is None or not _same_shapes(found[0], b.grads[module]):
             continue
+        a_grads, golden_grads = found
         verdicts.append(GradVerdict(module, b.module_type(module),
-                                    judge_quickly(b_grads, golden_grads, a_grads, "grad"),
-                                    _digest(a_grads), _digest(b_grads)))
+                                    judge_quickly(b.grads[module], golden_grads, a_grads,
+                                                  "grad"),
+                                    _digest(a_grads), _digest(b.grads[module])))
     return verdicts
 
 

@@ -5,6 +5,7 @@ as this rank holds it: its shard, never gathered."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,9 @@ class RankRun:
     # its type), in the order the calls finished
     starts: dict[str, int] = field(default_factory=dict)  # module -> when its first call started
     grads: dict[str, Tensors] = field(default_factory=dict)  # module -> param.<name> -> shard
+    # module -> param.<name> -> this rank's shard of a whole gradient, cut as its own is
+    shard_of: dict[str, dict[str, Callable[[torch.Tensor], torch.Tensor]]] = field(
+        default_factory=dict)
     no_grads: str | None = None  # why there are no gradients (a run with a loss)
 
     def module_type(self, module: str) -> str:
@@ -59,7 +63,7 @@ def sharded_run(subject: Subject, dtype: torch.dtype, inputs: Any, label: str,
                     run.no_grads = value
                 else:
                     value.backward()
-                    run.grads = _local_grads(model)
+                    _keep_grads(model, run)
     finally:
         for handle in handles:
             handle.remove()
@@ -88,12 +92,17 @@ def _hooks(model: nn.Module, run: RankRun) -> list[Any]:
             + [module.register_forward_hook(finished(name)) for name, module in modules])
 
 
-def _local_grads(model: nn.Module) -> dict[str, Tensors]:
-    """Each module's direct parameters' gradients, each as this rank holds it."""
-    grads = {}
+def _keep_grads(model: nn.Module, run: RankRun) -> None:
+    """Each module's direct parameters' gradients, each as this rank holds it, and how to
+    cut this rank's shard from a whole one."""
     for name, module in model.named_modules():
-        held = {f"param.{n}": sharded.local(p.grad).detach().cpu()
-                for n, p in module.named_parameters(recurse=False) if p.grad is not None}
-        if held:
-            grads[name] = held
-    return grads
+        params = [(f"param.{n}", p) for n, p in module.named_parameters(recurse=False)
+                  if p.grad is not None]
+        if params:
+            run.grads[name] = {path: sharded.local(p.grad).detach().cpu() for path, p in params}
+            run.shard_of[name] = {path: functools.partial(_cut, like=p.grad)
+                                  for path, p in params}
+
+
+def _cut(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return sharded.part(whole, like).cpu()
