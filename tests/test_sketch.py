@@ -206,3 +206,14 @@ def test_a_float64_sketch_is_the_same_wherever_its_tensor_sits() -> None:
         buffer = torch.empty(n + offset, dtype=torch.float64)
         buffer[offset:] = values
         assert sketching.sketch(buffer[offset:], "output").same_values(expected)
+
+
+def test_a_stream_drawn_once_is_not_kept(monkeypatch):
+    # A golden update sketches each gradient once: holding its stream would only cost memory.
+    monkeypatch.setattr(sketching, "_STREAMS", sketching._Streams())
+    monkeypatch.setattr(sketching, "_MADE", sketching._Made())
+    x = torch.randn(sketching.CHUNK + 7, generator=torch.Generator().manual_seed(3))
+    first = sketching.sketch(x, "x")
+    assert not sketching._STREAMS._kept
+    assert sketching.sketch(x.clone(), "x").same_values(first)
+    assert len(sketching._STREAMS._kept) == 2  # drawn twice: kept (both chunks)

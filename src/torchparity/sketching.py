@@ -45,6 +45,8 @@ CHUNK = 1 << 22
 METHOD = "countsketch-pcg64/1"
 #: Bytes of bucket streams kept for reuse (:class:`_Streams`).
 STREAM_CACHE_BYTES = 128 << 20
+#: Streams remembered as drawn once (their keys only), so that a second draw keeps its stream.
+DRAWN_KEYS = 4096
 #: Sketches kept for reuse by the memory their tensor reads (:class:`_Made`).
 SKETCH_CACHE_ENTRIES = 64
 
@@ -227,30 +229,41 @@ def _bucket_stream(seed: int, chunk: int, n: int, size: int) -> torch.Tensor:
 
 
 class _Streams:
-    """The bucket streams drawn last, up to :data:`STREAM_CACHE_BYTES` in all: every tensor
-    of one name and size shares its stream (a diagnosis sketches A's, the golden's and B's
-    output of each module, most of them named ``output``), and drawing one is about a fifth
-    of a sketch's time."""
+    """The bucket streams drawn more than once, the last of them up to
+    :data:`STREAM_CACHE_BYTES` in all: every tensor of one name and size shares its stream (a
+    diagnosis sketches A's, the golden's and B's output of each module, most of them named
+    ``output``), and drawing one is about a fifth of a sketch's time. A stream drawn for the
+    first time is not kept: a golden update sketches each name once, and a model's gradients
+    would only push each other out."""
 
     def __init__(self) -> None:
         self._kept: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
+        self._drawn: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()
         self._bytes = 0
 
     def get(self, key: tuple[int, int, int, int]) -> torch.Tensor:
         if key in self._kept:
             self._kept.move_to_end(key)
             return self._kept[key]
-        seed, chunk, n, size = key
+        stream = self._draw(*key)
+        if key not in self._drawn:
+            self._drawn[key] = None
+            while len(self._drawn) > DRAWN_KEYS:
+                self._drawn.popitem(last=False)
+            return stream
+        while self._kept and self._bytes + stream.nbytes > STREAM_CACHE_BYTES:
+            self._bytes -= self._kept.popitem(last=False)[1].nbytes
+        self._kept[key] = stream
+        self._bytes += stream.nbytes
+        return stream
+
+    @staticmethod
+    def _draw(seed: int, chunk: int, n: int, size: int) -> torch.Tensor:
         words = np.random.PCG64(np.random.SeedSequence((seed, chunk))).random_raw(-(-n // 4))
         draws = np.empty(n, dtype=np.int64)  # scatter_add_ takes int64 indices
         np.bitwise_and(words.view(np.uint16)[:n], np.uint16(2 * size - 1), out=draws,
                        casting="unsafe")
-        stream = torch.from_numpy(draws)
-        self._kept[key] = stream
-        self._bytes += stream.nbytes
-        while self._bytes > STREAM_CACHE_BYTES and len(self._kept) > 1:
-            self._bytes -= self._kept.popitem(last=False)[1].nbytes
-        return stream
+        return torch.from_numpy(draws)
 
 
 _STREAMS = _Streams()
