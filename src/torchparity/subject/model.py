@@ -23,6 +23,8 @@ from torchparity.subject.running import (
     cast_inputs,
     converted,
     default_loss_paths,
+    left_unfilled,
+    mark_unfilled,
     on_meta,
     projection_loss,
 )
@@ -88,7 +90,14 @@ class Subject:
             raise UsageError(f"factory {self.entry} built its model on the meta device; return "
                              "init(model), which fills its weights, with it")
         model.to_empty(device=device)
+        mark_unfilled(model)
         self.guarded(lambda: self.init(model), "its init")
+        unfilled = left_unfilled(model)
+        if unfilled:
+            raise UsageError(f"factory {self.entry}: its init left {unfilled} unfilled (NaN) "
+                             "after the model was built on the meta device; fill it in init "
+                             "(a buffer the model computes when built, such as rotary "
+                             "frequencies, must be computed again there)")
 
     @property
     def is_transformers(self) -> bool:

@@ -109,6 +109,32 @@ def on_meta(model: nn.Module) -> bool:
     return any(param.is_meta for param in model.parameters())
 
 
+def mark_unfilled(model: nn.Module) -> None:
+    """Fill the floating parameters and buffers of a model just given memory (``to_empty``)
+    with NaN, so that :func:`left_unfilled` finds what the factory's ``init`` did not fill."""
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if tensor.is_floating_point():
+                _local(tensor).fill_(math.nan)
+
+
+def left_unfilled(model: nn.Module) -> str | None:
+    """``buffer NAME`` or ``parameter NAME`` of the first floating tensor of ``model`` still
+    holding a NaN of :func:`mark_unfilled` (this rank's part of it, for a DTensor), or None."""
+    named = [("parameter", model.named_parameters()), ("buffer", model.named_buffers())]
+    with torch.no_grad():
+        for kind, tensors in named:
+            for name, tensor in tensors:
+                if tensor.is_floating_point() and bool(_local(tensor).isnan().any()):
+                    return f"{kind} {name}"
+    return None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (its memory), a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def converted(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
     """``model`` with floating parameters and buffers in ``dtype``, everything on ``device``:
     the model itself when it is already so, else a copy made without a second copy in the
