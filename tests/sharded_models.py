@@ -273,9 +273,7 @@ def _heads_swapped(model: nn.Module, mesh) -> None:
 def _norm_grads_reduced_twice(model: nn.Module, mesh) -> None:
     """A correct plan, but the replicated norms' weight gradients, complete on every rank
     already, are summed across the ranks once more: every rank ends with twice the gradient.
-    The forward is untouched. (The gradient hook is put on by the norm's first forward: a hook
-    put on a parameter of a model planned on the meta device does not outlive its
-    materialisation.)"""
+    The forward is untouched."""
     MINE_TP(model, mesh)
     group = mesh["tp"].get_group()
 
@@ -284,13 +282,8 @@ def _norm_grads_reduced_twice(model: nn.Module, mesh) -> None:
         torch.distributed.all_reduce(grad, group=group)
         return grad
 
-    def arm(norm: nn.Module, args) -> None:
-        if not getattr(norm.weight, "summed", False):
-            norm.weight.register_hook(summed)
-            norm.weight.summed = True
-
     for layer in model.layers:
-        layer.mlp_norm.register_forward_pre_hook(arm)
+        layer.mlp_norm.weight.register_hook(summed)
 
 
 def mine_unreduced_rows() -> dict:

@@ -140,6 +140,21 @@ def test_each_classic_sharding_bug_fails_the_check(tmp_path, capsys, name):
     assert failed == set(JUDGED)
 
 
+@pytest.mark.slow
+def test_a_plan_that_sums_a_gradient_twice_fails_the_check_on_gradients_only(tmp_path):
+    # The plan reduces the norms' gradients in a hook on their parameters: every run's copy,
+    # planned on the meta device, must keep it for the check to see what the model does.
+    name = "mine_norm_grads_reduced_twice"
+    golden = ["--golden-dir", str(tmp_path / "golden")]
+    assert main(["golden", "update", "--model", entry(name), *golden]) == 0
+    report = tmp_path / "check.json"
+    assert main(["check", "--model", entry(name), "--nproc", "2", *CELLS, *golden,
+                 "--json", str(report)]) == 1
+    failed = {output for (backend, dtype, output), verdict in verdicts(report).items()
+              if verdict == "diverged" and (backend, dtype) == ("manual", "fp64")}
+    assert failed == {"grads"}
+
+
 @pytest.mark.gpu
 def test_nccl_ranks_check_like_one_process(tmp_path, capsys, device):
     import torch

@@ -322,7 +322,7 @@ def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
     if model is subject.model:
         model = copy.deepcopy(model)
     model = shard(subject, model, device_mesh(subject, device))
-    model.to_empty(device=device)
+    _materialised(model, device)
     _fill(model, subject.shards, perturb)
     return _ready(subject, model, attention), cast_inputs(subject.inputs, device, dtype)
 
@@ -341,6 +341,18 @@ def _ready(subject: Subject, model: nn.Module, attention: str) -> nn.Module:
     if subject.is_transformers:
         hf.set_attention(model, attention)
     return model
+
+
+def _materialised(model: nn.Module, device: str | torch.device) -> None:
+    """``model``'s meta parameters and buffers given (empty) storage on ``device``, with the
+    gradient hooks the plan put on its parameters: the new parameters would be without them
+    (a plan may reduce a gradient in a hook; a copy without it computes something else)."""
+    hooks = {name: list((p._backward_hooks or {}).values())
+             for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        for hook in hooks[name]:
+            param.register_hook(hook)
 
 
 def _fill(model: nn.Module, source: nn.Module, perturb: Perturb | None) -> None:
