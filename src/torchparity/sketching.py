@@ -25,7 +25,7 @@ import hashlib
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,11 +192,30 @@ def sketch(tensor: torch.Tensor, name: str | None = None, *, seed: int | None = 
 
 def _sketch(tensor: torch.Tensor, seed: int, size: int) -> Sketch:
     flat = tensor.detach().reshape(-1)
+    chunks = (flat[start:start + CHUNK] for start in range(0, flat.numel(), CHUNK))
+    return _sketch_chunks(tuple(tensor.shape), tensor.dtype, chunks, seed, size)
+
+
+def sketch_chunks(shape: tuple[int, ...], dtype: torch.dtype, chunks: Iterable[torch.Tensor],
+                  name: str) -> Sketch:
+    """The sketch :func:`sketch` makes of a tensor of ``shape`` and ``dtype`` seeded by
+    ``name``, bit for bit, from its flat values given as ``chunks``: runs of :data:`CHUNK`
+    elements in order (the last one shorter), each made when it is read, so that the tensor
+    is never whole in one place (a gradient sharded over ranks)."""
+    return _sketch_chunks(tuple(shape), dtype, chunks, seed_of(name), tolerance.SKETCH.size)
+
+
+def _sketch_chunks(shape: tuple[int, ...], dtype: torch.dtype, chunks: Iterable[torch.Tensor],
+                   seed: int, size: int) -> Sketch:
     buckets = torch.zeros(2 * size, dtype=torch.float64)
     squares = total = 0.0
     absmax, nonfinite = 0.0, 0
-    for index, start in enumerate(range(0, flat.numel(), CHUNK)):
-        chunk = flat[start:start + CHUNK]
+    slices, start = [], 0
+    for index, chunk in enumerate(chunks):
+        slices += [chunk[max(first - start, 0):first + length - start].to("cpu", copy=True)
+                   for first, length in slice_ranges(shape)
+                   if first < start + chunk.numel() and first + length > start]
+        start += chunk.numel()
         values = chunk.to("cpu", torch.float64)
         chunk_total = values.sum().item()
         if not math.isfinite(chunk_total) and not bool(values.isfinite().all()):
@@ -212,11 +231,10 @@ def _sketch(tensor: torch.Tensor, seed: int, size: int) -> Sketch:
         if values.numel():  # in the tensor's own dtype: exact, and fewer bytes to read
             low, high = torch.aminmax(chunk)
             absmax = max(absmax, -low.item(), high.item())
-    finite = flat.numel() - nonfinite
-    slices = torch.cat([flat[start:start + length] for start, length in slice_ranges(tensor.shape)]
-                       or [flat[:0]]).to("cpu", copy=True)
-    return Sketch(shape=tuple(tensor.shape), dtype=tensor.dtype, seed=seed,
-                  projection=buckets[:size] - buckets[size:], slices=slices,
+    finite = math.prod(shape) - nonfinite
+    return Sketch(shape=shape, dtype=dtype, seed=seed,
+                  projection=buckets[:size] - buckets[size:],
+                  slices=torch.cat(slices) if slices else torch.empty(0, dtype=dtype),
                   rms=math.sqrt(squares / finite) if finite else 0.0, absmax=absmax,
                   mean=total / finite if finite else 0.0, nonfinite=nonfinite)
 

@@ -10,9 +10,11 @@ process does (:class:`~torchparity.subject.blockwise.Float64Run`): a rank holds 
 model in the model's dtype and the running module's part in float64, never the whole model.
 Each cell and its baseline (and the perturbed reference run) makes a copy in its dtype sharded
 alike, each rank only its part (:func:`~torchparity.subject.sharded.placed`).
-Outputs and gradients that are DTensors are gathered one at a time, each kept (sketched when
-big) before the next is gathered, so the goldens on disk are the same whatever the number of
-ranks: made with 2, they check with 1 or 4. Every rank judges
+A big gradient held in parts by the ranks is sketched from runs of it assembled across them
+(:func:`kept_across_ranks`), never whole on a rank; outputs and small gradients that are
+DTensors are gathered one at a time, each kept before the next. The kept tensors are bit for
+bit what one process keeps of the same values, so the goldens on disk do not depend on the
+number of ranks: made with 2, they check with 1 or 4. Every rank judges
 alike; rank 0 alone writes and prints. The differences sharding makes (reductions split across
 ranks) are in the baseline, which runs sharded as the cell does, and so in every budget.
 
@@ -45,7 +47,7 @@ from torchparity.golden.model_runs import (
 )
 from torchparity.golden.store import GoldenStore
 from torchparity.golden.user_models import model_checksums, write_goldens
-from torchparity.sketching import kept
+from torchparity.sketching import CHUNK, Sketch, kept, sketch_chunks, wants_sketch
 from torchparity.subject import Subject, hf, launcher, sharded
 from torchparity.subject.blockwise import Float64Run, stream_grads
 from torchparity.subject.factory import first_line
@@ -177,9 +179,20 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
 
 
 def _gathered_into(grads: dict[str, Any]) -> Callable[[str, torch.Tensor], None]:
-    """``on_grad(name, grad)`` keeping each gradient in ``grads``, gathered whole (the ranks
-    hand them over in the same order) and sketched when big, before the next one comes."""
-    return lambda name, grad: grads.__setitem__(name, kept(name, sharded.whole(grad)))
+    """``on_grad(name, grad)`` keeping each gradient in ``grads`` (:func:`kept_across_ranks`)
+    before the next one comes; the ranks hand them over in the same order."""
+    return lambda name, grad: grads.__setitem__(name, kept_across_ranks(name, grad))
+
+
+def kept_across_ranks(name: str, tensor: torch.Tensor) -> torch.Tensor | Sketch:
+    """``tensor`` as one process keeps it (:func:`~torchparity.sketching.kept`), bit for bit:
+    a big one held in parts by the ranks is sketched from runs of it assembled across them
+    (:func:`~torchparity.subject.sharded.flat_chunks`), so that no rank holds it whole; any
+    other is gathered whole."""
+    if wants_sketch(tensor) and sharded.in_parts(tensor):
+        return sketch_chunks(tuple(tensor.shape), tensor.dtype,
+                             sharded.flat_chunks(tensor, CHUNK), name)
+    return kept(name, sharded.whole(tensor))
 
 
 class _Whole(torch.nn.Module):

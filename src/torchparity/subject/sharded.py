@@ -21,7 +21,7 @@ import copy
 import datetime
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -285,6 +285,51 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def flat_chunks(tensor: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
+    """The whole flat value of a DTensor (not partial) in runs of ``size`` elements, in order,
+    each run made on every rank of its mesh when it is read: no rank holds more of the tensor
+    than its part and one run. Each rank writes the elements of its part that fall in the run,
+    the others leave zeros, and the runs' bits are summed as integers over each dimension of
+    the mesh (-0.0 and a NaN's payload survive, as they would not a floating sum); along a
+    dimension its part is replicated over, only the first rank writes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = tensor.device_mesh, tensor.placements
+    coordinate = mesh.get_coordinate()
+    writes = all(coordinate[dim] == 0 for dim, placement in enumerate(placements)
+                 if not isinstance(placement, Shard))
+    bits = _BITS[tensor.element_size()]
+    mine = tensor.to_local().detach().reshape(-1).view(bits)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    where = torch.zeros((), dtype=torch.int64)  # each element's place in the whole flat value
+    for extent, start, stride in zip(shape, offset, torch.empty(tensor.shape, device="meta")
+                                     .stride(), strict=True):
+        where = where[..., None] + (start + torch.arange(extent)) * stride
+    where = where.reshape(-1)
+    for start in range(0, tensor.numel(), size):
+        run = torch.zeros(min(size, tensor.numel() - start), dtype=bits, device=mine.device)
+        if writes:
+            inside = (where >= start) & (where < start + run.numel())
+            run[where[inside] - start] = mine[inside]
+        for dim in range(mesh.ndim):
+            dist.all_reduce(run, group=mesh.get_group(dim))
+        yield run.view(tensor.dtype)
+
+
+#: The integer dtype of each floating element size, whose sum of one value and zeros is exact.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def in_parts(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor whose ranks hold parts of its value (none holding an
+    addend of a pending reduction): what :func:`flat_chunks` reads."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor) and not any(p.is_partial() for p in tensor.placements)
 
 
 def hold(subject: Subject) -> None:
