@@ -124,9 +124,14 @@ def test_a_rank_that_hangs_is_named_within_the_collective_timeout(tmp_path, caps
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mine_unreduced_rows", "mine_columns_out_of_order",
-                                  "mine_norm_drifts", "mine_heads_swapped"])
-def test_each_classic_sharding_bug_fails_the_check(tmp_path, capsys, name):
+@pytest.mark.parametrize(("name", "diverged"), [
+    *((name, set(JUDGED)) for name in ("mine_unreduced_rows", "mine_columns_out_of_order",
+                                       "mine_norm_drifts", "mine_heads_swapped")),
+    # the plan sums the norms' gradients again in a hook on their parameters: every run's
+    # copy, planned on the meta device, must keep the hook for the check to see it
+    ("mine_norm_grads_reduced_twice", {"grads"}),
+])
+def test_each_classic_sharding_bug_fails_the_check(tmp_path, capsys, name, diverged):
     # The goldens are made in one process, where no plan runs: the model's own mathematics.
     # Every cell's baseline runs the same buggy plan, so the reference cell is the one that
     # sees it: the sharded float64 run against the one-process golden.
@@ -137,22 +142,7 @@ def test_each_classic_sharding_bug_fails_the_check(tmp_path, capsys, name):
                  "--json", str(report)]) == 1
     failed = {output for (backend, dtype, output), verdict in verdicts(report).items()
               if verdict == "diverged" and (backend, dtype) == ("manual", "fp64")}
-    assert failed == set(JUDGED)
-
-
-@pytest.mark.slow
-def test_a_plan_that_sums_a_gradient_twice_fails_the_check_on_gradients_only(tmp_path):
-    # The plan reduces the norms' gradients in a hook on their parameters: every run's copy,
-    # planned on the meta device, must keep it for the check to see what the model does.
-    name = "mine_norm_grads_reduced_twice"
-    golden = ["--golden-dir", str(tmp_path / "golden")]
-    assert main(["golden", "update", "--model", entry(name), *golden]) == 0
-    report = tmp_path / "check.json"
-    assert main(["check", "--model", entry(name), "--nproc", "2", *CELLS, *golden,
-                 "--json", str(report)]) == 1
-    failed = {output for (backend, dtype, output), verdict in verdicts(report).items()
-              if verdict == "diverged" and (backend, dtype) == ("manual", "fp64")}
-    assert failed == {"grads"}
+    assert failed == diverged
 
 
 @pytest.mark.gpu
