@@ -71,6 +71,7 @@ from torchparity.diagnosis.run import (
 )
 from torchparity.diagnosis.trace import (
     MemoryStore,
+    Store,
     TraceWriter,
     changed_weights,
     check_recorded_inputs,
@@ -320,7 +321,7 @@ def diagnose_against(
     return report
 
 
-def _reference(model: nn.Module, inputs: Inputs, store: Any, opts: Options, bar: ProgressBar,
+def _reference(model: nn.Module, inputs: Inputs, store: Store, opts: Options, bar: ProgressBar,
                dtype: torch.dtype | None) -> Reference:
     """Stages 1 and 2: A captured into ``store``, and its float64 golden."""
     reference = add_golden(capture_reference(model, inputs, store, opts, bar), model, inputs,

@@ -70,7 +70,7 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Store, opts: Opti
                     keep=False, live=True, on_call=keep_call,
                     on_grad=grad_keeper(store, "grad_out", "judged_grad_out"), states=recorder)
     keep_run_results(store, run, "out", "param_grad")
-    states = recorder.kept()
+    states = recorder.snapshots_of_changing()
     for name, history in states.items():  # a trace keeps them for replays on another revision
         for clock, state in history:
             store.put_inputs(state_key(name, clock), (), state)

@@ -322,7 +322,7 @@ class StateRecorder:
             return type(value)(self._copy(name, v) for v in value)
         return value
 
-    def kept(self) -> dict[str, list[tuple[int, OwnState]]]:
+    def snapshots_of_changing(self) -> dict[str, list[tuple[int, OwnState]]]:
         """The snapshots of the modules that change their state across calls."""
         return {name: self.history.get(name, []) for name in sorted(self.changing)}
 
