@@ -29,15 +29,19 @@ Loss = Callable[[Any, Any], "torch.Tensor | str"]
 class RankRun:
     """What one rank's run of a sharded model leaves, on the CPU."""
 
-    outputs: dict[str, Tensors] = field(default_factory=dict)  # call key -> output path -> tensor
-    calls: dict[str, tuple[str, str]] = field(default_factory=dict)  # call key -> (module,
-    # its type), in the order the calls finished
-    starts: dict[str, int] = field(default_factory=dict)  # module -> when its first call started
-    grads: dict[str, Tensors] = field(default_factory=dict)  # module -> param.<name> -> shard
-    # module -> param.<name> -> this rank's shard of a whole gradient, cut as its own is
+    #: call key -> output path -> tensor
+    outputs: dict[str, Tensors] = field(default_factory=dict)
+    #: call key -> (module, its type), in the order the calls finished
+    calls: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: module -> when its first call started
+    starts: dict[str, int] = field(default_factory=dict)
+    #: module -> param.<name> -> this rank's gradient (its shard)
+    grads: dict[str, Tensors] = field(default_factory=dict)
+    #: module -> param.<name> -> this rank's shard of a whole gradient, cut as its own is
     shard_of: dict[str, dict[str, Callable[[torch.Tensor], torch.Tensor]]] = field(
         default_factory=dict)
-    no_grads: str | None = None  # why there are no gradients (a run with a loss)
+    #: why there are no gradients, in a run with a loss
+    no_grads: str | None = None
 
     def module_type(self, module: str) -> str:
         return next((kind for name, kind in self.calls.values() if name == module), "")
