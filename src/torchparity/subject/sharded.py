@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -305,19 +306,43 @@ def flat_chunks(tensor: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
     bits = _BITS[tensor.element_size()]
     mine = tensor.to_local().detach().reshape(-1).view(bits)
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    where = torch.zeros((), dtype=torch.int64)  # each element's place in the whole flat value
-    for extent, start, stride in zip(shape, offset, torch.empty(tensor.shape, device="meta")
-                                     .stride(), strict=True):
-        where = where[..., None] + (start + torch.arange(extent)) * stride
-    where = where.reshape(-1)
+    segments = list(_segments(tuple(tensor.shape), shape, offset)) if writes else []
+    first = 0  # the first segment that may reach into the run
     for start in range(0, tensor.numel(), size):
-        run = torch.zeros(min(size, tensor.numel() - start), dtype=bits, device=mine.device)
-        if writes:
-            inside = (where >= start) & (where < start + run.numel())
-            run[where[inside] - start] = mine[inside]
+        end = min(start + size, tensor.numel())
+        run = torch.zeros(end - start, dtype=bits, device=mine.device)
+        while first < len(segments) and sum(segments[first][:2]) <= start:
+            first += 1
+        for whole_start, length, part_start in segments[first:]:
+            if whole_start >= end:
+                break
+            low, high = max(whole_start, start), min(whole_start + length, end)
+            run[low - start:high - start] = mine[part_start + low - whole_start:
+                                                 part_start + high - whole_start]
         for dim in range(mesh.ndim):
             dist.all_reduce(run, group=mesh.get_group(dim))
         yield run.view(tensor.dtype)
+
+
+def _segments(whole: tuple[int, ...], shape: tuple[int, ...], offset: tuple[int, ...]
+              ) -> Iterator[tuple[int, int, int]]:
+    """``(start in the whole flat value, length, start in the part's flat value)`` of each
+    stretch of a part (of ``shape`` at ``offset`` in a tensor of shape ``whole``) that is
+    contiguous in the whole, in order: the part's last dimensions that span the whole tensor
+    and the one before them make one stretch for each index of the dimensions before."""
+    spans = len(whole)
+    while spans > 0 and shape[spans - 1] == whole[spans - 1]:
+        spans -= 1
+    if spans == 0:  # the part spans the whole tensor
+        yield 0, math.prod(whole), 0
+        return
+    strides = torch.empty(whole, device="meta").stride()
+    length = math.prod(shape[spans - 1:])
+    outer = range(spans - 1)
+    for number, index in enumerate(itertools.product(*(range(shape[d]) for d in outer))):
+        start = sum((offset[d] + index[d]) * strides[d] for d in outer)
+        if length:
+            yield start + offset[spans - 1] * strides[spans - 1], length, number * length
 
 
 #: The integer dtype of each floating element size, whose sum of one value and zeros is exact.
