@@ -324,3 +324,16 @@ def wide_tp() -> dict:
 def wide_tp_whole() -> dict:
     """The same model and plan, built whole by every rank before the plan shards it."""
     return _mine(MINE_TP, {"tp": -1}, **WIDE)
+
+
+#: Five times as deep: 755M parameters (3.0 GB in fp32), where a rank's weights, not the
+#: interpreter every process holds, make its peak.
+DEEP = {**WIDE, "layers": 40}
+
+
+def deep_fsdp() -> dict:
+    return _mine_on_meta(MINE_FSDP, {"dp": -1}, **DEEP)
+
+
+def deep_tp() -> dict:
+    return _mine_on_meta(MINE_TP, {"tp": -1}, **DEEP)
