@@ -156,3 +156,21 @@ def test_streamed_gradients_equal_autograds_and_leave_grad_alone():
     assert all(torch.equal(found[n], g) for n, g in zip(params, expected, strict=True))
     assert model.lm_head.weight.grad is marker
     model.lm_head.weight.grad = None
+
+
+def test_a_parameter_s_own_gradient_hooks_act_on_its_float64_gradient():
+    # A sharding plan may reduce a gradient in a hook on its parameter; model.double() runs it.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    double = copy.deepcopy(model).double()
+    expected = dict(zip(("0.weight", "0.bias", "1.weight", "1.bias"),
+                        torch.autograd.grad(double(x).sum(), list(double.parameters())),
+                        strict=True))
+    model[0].weight.register_hook(lambda grad: 3 * grad)
+    found = {}
+    with Float64Run(model, on_grad=found.__setitem__) as run:
+        run.backward(model(x).sum())
+    assert torch.equal(found["0.weight"], 3 * expected["0.weight"])
+    assert all(torch.equal(found[name], expected[name]) for name in ("0.bias", "1.weight",
+                                                                     "1.bias"))

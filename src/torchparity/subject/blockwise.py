@@ -11,8 +11,10 @@ only the module running at the moment holds its parameters in float64:
   (:func:`torch.autograd.graph.saved_tensors_hooks`), so no module's float64 weights outlive its
   call. The activations are saved in float64 as usual;
 - each float64 parameter enters the graph through a function whose backward hands its gradient
-  to ``on_grad(name, grad)`` as soon as every use of the parameter has contributed: gradients
-  are float64, one (or a few) at a time, and the model's ``.grad`` is never touched.
+  to ``on_grad(name, grad)`` as soon as every use of the parameter has contributed, through
+  the hooks registered on the parameter (``register_hook``: a sharding plan's reduction) as
+  autograd would pass it: gradients are float64, one (or a few) at a time, and the model's
+  ``.grad`` is never touched.
 
 Peak memory is the model in its own dtype, one module's parameters (and gradient) in float64,
 and the float64 activations. The values are those of ``model.double()``: the same float64
@@ -108,6 +110,7 @@ class Float64Run:
         self._uses: dict[str, int] = {}
         self._received: dict[str, int] = {}
         self._pending: dict[str, torch.Tensor] = {}
+        self._hooks: dict[str, list[Callable[[torch.Tensor], Any]]] = {}
         self._delivered: set[str] = set()
         self._progress = BlockProgress(model, progress)
         self._exit = contextlib.ExitStack()
@@ -173,6 +176,7 @@ class Float64Run:
     def _cast(self, parameter: torch.Tensor, name: str) -> torch.Tensor:
         if torch.is_grad_enabled() and parameter.requires_grad and self.on_grad is not None:
             self._uses[name] = self._uses.get(name, 0) + 1
+            self._hooks[name] = list((parameter._backward_hooks or {}).values())
             value = _AsFloat64.apply(self._anchor, parameter.detach(), self, name)
         else:
             value = self.value(name, parameter)
@@ -266,6 +270,9 @@ class Float64Run:
 
     def _deliver(self, name: str, grad: torch.Tensor) -> None:
         self._delivered.add(name)
+        for hook in self._hooks.get(name, ()):  # the parameter's own (a plan's reduction)
+            changed = hook(grad)
+            grad = grad if changed is None else changed
         if self.on_grad is not None:
             self.on_grad(name, grad)
         self._progress.gradient_done(name)
