@@ -133,12 +133,18 @@ def perturbation(name: str, value: torch.Tensor) -> torch.Tensor:
     the reference cell's weights moved by one float64 rounding. The factors repeat with a
     period of 2**20 elements from an offset of the name, so that the float64 run can recompute
     them at every cast for a few operations per element."""
-    flat = value.view(-1)
-    factors = _factors_from(seed_of(f"perturb.{name}") % _PERIOD, min(flat.numel(), _PERIOD))
-    for start in range(0, flat.numel(), _PERIOD):
-        part = flat[start:start + _PERIOD]
-        part.mul_(factors[:part.numel()])
+    perturb_stretch(name, value.view(-1), 0)
     return value
+
+
+def perturb_stretch(name: str, flat: torch.Tensor, start: int) -> None:
+    """Move ``flat``, the elements of parameter ``name`` from flat position ``start`` on (a
+    rank's stretch of it), in place, as :func:`perturbation` moves them in the whole."""
+    factors = _factors_from((seed_of(f"perturb.{name}") + start) % _PERIOD,
+                            min(flat.numel(), _PERIOD))
+    for first in range(0, flat.numel(), _PERIOD):
+        part = flat[first:first + _PERIOD]
+        part.mul_(factors[:part.numel()])
 
 
 _PERIOD = 1 << 20

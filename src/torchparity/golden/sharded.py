@@ -43,6 +43,7 @@ from torchparity.golden.model_runs import (
     OUTPUT_KINDS,
     attention_backend,
     forward_backward,
+    perturb_stretch,
     perturbation,
 )
 from torchparity.golden.store import GoldenStore
@@ -109,16 +110,15 @@ def active() -> bool:
 
 
 def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
-                perturb: bool = False, last: bool = False) -> Run:
-    """``subject`` run in ``cell`` by every rank: a copy in the cell's dtype (its weights
-    moved by one float64 rounding with ``perturb``), sharded by the factory's plan, or, for
-    the float64 golden (``last``), the factory's sharded model itself cast module by module
-    (:class:`~torchparity.subject.blockwise.Float64Run`: a rank holds its part in the model's
-    dtype and one module's part in float64); outputs and gradients gathered one by one as the
-    backward completes each, and kept."""
+                perturb: bool = False) -> Run:
+    """``subject`` run in ``cell`` by every rank: in float64, the factory's sharded model
+    itself cast module by module (:class:`~torchparity.subject.blockwise.Float64Run`: a rank
+    holds its part in the model's dtype and one module's part in float64; its weights moved
+    by one float64 rounding with ``perturb``), else a copy in the cell's dtype sharded by the
+    factory's plan; outputs and gradients kept one by one as the backward completes each."""
     run_name = f"the {cell.label} run" + (" (perturbed)" if perturb else "")
     return collectively(run_name, lambda: _run_sharded(subject, cell, loss_paths, run_name,
-                                                       perturb=perturb, last=last))
+                                                       perturb=perturb))
 
 
 def collectively(what: str, fn: Callable[[], Any]) -> Any:
@@ -147,18 +147,18 @@ def _weighed(subject: Subject) -> Subject:
 
 
 def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run_name: str,
-                 *, perturb: bool, last: bool) -> Run:
+                 *, perturb: bool) -> Run:
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
     sharded.mark(f"the sharding of {run_name} (the factory's plan)")
     grads: dict[str, Any] = {}
     float64 = None
-    if last and not perturb and cell.dtype == "fp64":
+    if _cast_by_module(subject, cell):
         model = sharded.held(subject, attention)
         inputs = cast_inputs(subject.inputs, cell.device, torch.float64)
-        float64 = Float64Run(model, on_grad=_gathered_into(grads), device=cell.device)
+        float64 = Float64Run(model, on_grad=_gathered_into(grads), device=cell.device,
+                             perturb=perturbation_in_parts if perturb else None)
     else:
-        model, inputs = sharded.placed(subject, cell.device, DTYPES[cell.dtype], attention,
-                                       perturbation if perturb else None)
+        model, inputs = sharded.placed(subject, cell.device, DTYPES[cell.dtype], attention)
     sharded.mark(f"the forward and backward of {run_name}")
 
     def gathered_grads(loss: torch.Tensor) -> dict[str, Any]:
@@ -176,6 +176,25 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
         return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
     run.sdpa_calls = None if intercepted is None else intercepted.calls
     return run
+
+
+def _cast_by_module(subject: Subject, cell: Cell) -> bool:
+    """Whether ``cell`` runs the factory's sharded model itself, cast module by module: a
+    float64 cell on the kind of device its shards are on (its mesh's)."""
+    sharded.hold(subject)
+    shards = next(subject.shards.parameters(), torch.empty(0)).device
+    return cell.dtype == "fp64" and torch.device(cell.device).type == shards.type
+
+
+def perturbation_in_parts(name: str, value: torch.Tensor) -> torch.Tensor:
+    """:func:`~torchparity.golden.model_runs.perturbation` of a parameter's float64 value,
+    whole or (a DTensor) this rank's part of it, moved as its place in the whole is."""
+    if not sharded.in_parts(value):
+        return perturbation(name, value)
+    flat = sharded.local(value).view(-1)
+    for start, length, part_start in sharded.stretches(value):
+        perturb_stretch(name, flat[part_start:part_start + length], start)
+    return value
 
 
 def _gathered_into(grads: dict[str, Any]) -> Callable[[str, torch.Tensor], None]:
@@ -251,7 +270,7 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
     checksums = collectively("the checksums of the weights",
                              lambda: model_checksums(_weighed(subject)))
     sharded.together("the float64 golden run")
-    run = run_sharded(subject, REFERENCE, None, last=True)
+    run = run_sharded(subject, REFERENCE, None)
     statuses = [write_goldens(subject, store, run=run, checksums=checksums)
                 if sharded.rank() == 0 else None]
     dist.broadcast_object_list(statuses, src=0)

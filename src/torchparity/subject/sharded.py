@@ -22,7 +22,7 @@ import datetime
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -297,7 +297,6 @@ def flat_chunks(tensor: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
     dimension its part is replicated over, only the first rank writes."""
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh, placements = tensor.device_mesh, tensor.placements
     coordinate = mesh.get_coordinate()
@@ -305,8 +304,7 @@ def flat_chunks(tensor: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
                  if not isinstance(placement, Shard))
     bits = _BITS[tensor.element_size()]
     mine = tensor.to_local().detach().reshape(-1).view(bits)
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-    segments = list(_segments(tuple(tensor.shape), shape, offset)) if writes else []
+    segments = stretches(tensor) if writes else []
     first = 0  # the first segment that may reach into the run
     for start in range(0, tensor.numel(), size):
         end = min(start + size, tensor.numel())
@@ -322,6 +320,16 @@ def flat_chunks(tensor: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
         for dim in range(mesh.ndim):
             dist.all_reduce(run, group=mesh.get_group(dim))
         yield run.view(tensor.dtype)
+
+
+def stretches(tensor: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(start in the whole flat value, length, start in this rank's part)`` of each stretch
+    of this rank's part of a DTensor that is contiguous in the whole tensor, in order."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                          tensor.placements)
+    return list(_segments(tuple(tensor.shape), shape, offset))
 
 
 def _segments(whole: tuple[int, ...], shape: tuple[int, ...], offset: tuple[int, ...]
@@ -375,25 +383,19 @@ def hold(subject: Subject) -> None:
     subject.shards, subject.model = shards, structure
 
 
-#: ``perturb(name, whole)``: a parameter's whole value in the run's dtype, changed in place.
-Perturb = Callable[[str, torch.Tensor], torch.Tensor]
-
-
 def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
-           attention: str = hf.SDPA, perturb: Perturb | None = None
-           ) -> tuple[nn.Module, Any]:
+           attention: str = hf.SDPA) -> tuple[nn.Module, Any]:
     """A copy of the model in ``dtype`` on ``device``, sharded by the factory's plan, in eval
     mode (a ``transformers`` model on its ``attention``), and the inputs cast alike. The plan
     shards a copy on the meta device; each rank then fills its own part from its part of the
-    factory's model, sharded alike (:func:`hold`). With ``perturb`` each parameter is gathered
-    whole (one at a time) and perturbed before its part is taken."""
+    factory's model, sharded alike (:func:`hold`)."""
     hold(subject)
     model = converted(subject.model, "meta", dtype)
     if model is subject.model:
         model = copy.deepcopy(model)
     model = shard(subject, model, device_mesh(subject, device))
     _materialised(model, device)
-    _fill(model, subject.shards, perturb)
+    _fill(model, subject.shards)
     return _ready(subject, model, attention), cast_inputs(subject.inputs, device, dtype)
 
 
@@ -425,16 +427,13 @@ def _materialised(model: nn.Module, device: str | torch.device) -> None:
             param.register_hook(hook)
 
 
-def _fill(model: nn.Module, source: nn.Module, perturb: Perturb | None) -> None:
+def _fill(model: nn.Module, source: nn.Module) -> None:
     """This rank's part of each parameter and buffer of ``model`` copied from ``source``
     (the same model sharded alike), converted on the way."""
     sources = dict(source.named_parameters()) | dict(source.named_buffers())
     with torch.no_grad():
         for name, param in model.named_parameters():
-            value = sources[name]
-            if perturb is not None:
-                value = part(perturb(name, whole(value).to(param.dtype, copy=True)), param)
-            local(param).copy_(local(value))
+            local(param).copy_(local(sources[name]))
         for name, buffer in model.named_buffers():
             local(buffer).copy_(local(sources[name]))
 
