@@ -53,7 +53,7 @@ from torchparity.subject import Subject, hf, launcher, sharded
 from torchparity.subject.blockwise import Float64Run, stream_grads
 from torchparity.subject.factory import first_line
 from torchparity.subject.ranks import under_torchrun
-from torchparity.subject.running import cast_inputs, on_meta
+from torchparity.subject.running import cast_inputs, local_part, on_meta
 from torchparity.subject.trees import map_tensors
 
 #: Seconds a launched run may take in all (environment variable, default one hour).
@@ -191,7 +191,7 @@ def perturbation_in_parts(name: str, value: torch.Tensor) -> torch.Tensor:
     whole or (a DTensor) this rank's part of it, moved as its place in the whole is."""
     if not sharded.in_parts(value):
         return perturbation(name, value)
-    flat = sharded.local(value).view(-1)
+    flat = local_part(value).view(-1)
     for start, length, part_start in sharded.stretches(value):
         perturb_stretch(name, flat[part_start:part_start + length], start)
     return value

@@ -30,13 +30,14 @@ the forward pass enters them and as the backward pass completes their gradients.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from torchparity.subject.running import is_dtensor, local_part
 
 #: ``on_grad(parameter name, float64 gradient)``.
 GradSink = Callable[[str, torch.Tensor], None]
@@ -238,7 +239,7 @@ class Float64Run:
             return tensor
         name, parameter = found
         spec = _dtensor_spec(tensor)
-        view = tensor if spec is None else _local_part(tensor)
+        view = local_part(tensor)
         return _Recast(name, parameter, view.size(), view.stride(), view.storage_offset(), spec)
 
     def _unpack(self, saved: Any) -> torch.Tensor:
@@ -250,7 +251,7 @@ class Float64Run:
         from torch.distributed.tensor import DTensor
 
         mesh, placements, shape, stride = saved.spec
-        view = _local_part(value).as_strided(saved.size, saved.stride, saved.offset)
+        view = local_part(value).as_strided(saved.size, saved.stride, saved.offset)
         return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape,
                                   stride=stride)
 
@@ -359,25 +360,15 @@ def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
 
 
 def _dtensor_spec(tensor: torch.Tensor) -> tuple[Any, ...] | None:
-    """A DTensor's ``(mesh, placements, shape, stride)``; None for a plain tensor. (No DTensor
-    exists before torch.distributed.tensor is imported, which takes seconds.)"""
-    module = sys.modules.get("torch.distributed.tensor")
-    if module is None or not isinstance(tensor, module.DTensor):
+    """A DTensor's ``(mesh, placements, shape, stride)``; None for a plain tensor."""
+    if not is_dtensor(tensor):
         return None
     return tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()
 
 
-def _local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor, outside autograd; a plain tensor as it is."""
-    if _dtensor_spec(tensor) is None:
-        return tensor
-    with torch.no_grad():
-        return tensor.to_local()
-
-
 def _storage(tensor: torch.Tensor) -> int:
     """Where the memory of ``tensor`` (of its local part, for a DTensor) begins."""
-    return _local_part(tensor).untyped_storage().data_ptr()
+    return local_part(tensor).untyped_storage().data_ptr()
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:

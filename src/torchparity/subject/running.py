@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -115,7 +116,7 @@ def mark_unfilled(model: nn.Module) -> None:
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             if tensor.is_floating_point():
-                _local(tensor).fill_(math.nan)
+                local_part(tensor).fill_(math.nan)
 
 
 def left_unfilled(model: nn.Module) -> str | None:
@@ -125,14 +126,25 @@ def left_unfilled(model: nn.Module) -> str | None:
     with torch.no_grad():
         for kind, tensors in named:
             for name, tensor in tensors:
-                if tensor.is_floating_point() and bool(_local(tensor).isnan().any()):
+                if tensor.is_floating_point() and bool(local_part(tensor).isnan().any()):
                     return f"{kind} {name}"
     return None
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (its memory), a plain tensor as it is."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor. (None exists before torch.distributed.tensor is
+    imported, which takes seconds: it is not imported here.)"""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (its memory), outside autograd; a plain tensor as it
+    is."""
+    if not is_dtensor(tensor):
+        return tensor
+    with torch.no_grad():
+        return tensor.to_local()
 
 
 def converted(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:

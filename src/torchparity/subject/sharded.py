@@ -30,7 +30,7 @@ from torch import nn
 
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.subject import hf
-from torchparity.subject.running import cast_inputs, converted, on_meta
+from torchparity.subject.running import cast_inputs, converted, local_part, on_meta
 
 if TYPE_CHECKING:  # importing torch.distributed's mesh module takes seconds
     from torch.distributed.device_mesh import DeviceMesh
@@ -433,16 +433,9 @@ def _fill(model: nn.Module, source: nn.Module) -> None:
     sources = dict(source.named_parameters()) | dict(source.named_buffers())
     with torch.no_grad():
         for name, param in model.named_parameters():
-            local(param).copy_(local(sources[name]))
+            local_part(param).copy_(local_part(sources[name]))
         for name, buffer in model.named_buffers():
-            local(buffer).copy_(local(sources[name]))
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor; a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local_part(buffer).copy_(local_part(sources[name]))
 
 
 def part(whole_value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from torchparity.reference import rng
-from torchparity.subject.sharded import local, part
+from torchparity.subject.running import local_part
+from torchparity.subject.sharded import part
 
 #: Spread of a norm's weight around 1 and of its bias around 0.
 NORM_SPREAD = 0.05
@@ -58,7 +59,7 @@ def init_weights(model: nn.Module, seed: int) -> nn.Module:
             module = model.get_submodule(module_name)
             std, mean = _scale(module, tensor_name, tensor)
             values = rng.symmetric(seed, name, tensor.shape, std) + mean
-            local(tensor).copy_(part(values, tensor))  # a sharded one: this rank's part
+            local_part(tensor).copy_(part(values, tensor))  # a sharded one: this rank's part
     return model
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from torchparity.diagnosis.capture import call_key
 from torchparity.subject import Subject, sharded
-from torchparity.subject.running import call_model, cast_inputs
+from torchparity.subject.running import call_model, cast_inputs, local_part
 from torchparity.subject.trees import flatten_tensors, map_tensors
 
 #: One call's (or one module's parameters') tensors by path.
@@ -103,7 +103,7 @@ def _keep_grads(model: nn.Module, run: RankRun) -> None:
         params = [(f"param.{n}", p) for n, p in module.named_parameters(recurse=False)
                   if p.grad is not None]
         if params:
-            run.grads[name] = {path: sharded.local(p.grad).detach().cpu() for path, p in params}
+            run.grads[name] = {path: local_part(p.grad).detach().cpu() for path, p in params}
             run.shard_of[name] = {path: functools.partial(_cut, like=p.grad)
                                   for path, p in params}
 
