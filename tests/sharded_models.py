@@ -114,10 +114,9 @@ def both(tensor_parallel, fsdp):
 
 MINE_TP = tp_plan("layers", ("attn.q", "attn.k", "attn.v", "up"), ("attn.o", "down"))
 MINE_FSDP = fsdp_plan("layers")
-LLAMA_TP = tp_plan("model.layers",
-                   ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                    "mlp.gate_proj", "mlp.up_proj"),
-                   ("self_attn.o_proj", "mlp.down_proj"))
+LLAMA_COLUMNS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                 "mlp.up_proj")
+LLAMA_TP = tp_plan("model.layers", LLAMA_COLUMNS, ("self_attn.o_proj", "mlp.down_proj"))
 LLAMA_FSDP = fsdp_plan("model.layers")
 
 
@@ -288,6 +287,17 @@ def _norm_grads_reduced_twice(model: nn.Module, mesh) -> None:
 
 def mine_unreduced_rows() -> dict:
     return _mine(_unreduced_rows, {"tp": -1})
+
+
+def _llama_unreduced_rows(model: nn.Module, mesh) -> None:
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], {
+            **{name: ColwiseParallel() for name in LLAMA_COLUMNS},
+            "self_attn.o_proj": _Unreduced(), "mlp.down_proj": RowwiseParallel()})
+
+
+def llama_unreduced_rows() -> dict:
+    return _llama(_llama_unreduced_rows, {"tp": -1})
 
 
 def mine_columns_out_of_order() -> dict:

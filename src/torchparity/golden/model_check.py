@@ -111,13 +111,18 @@ class ModelFeed:
             return "not a transformers model: it has no attention implementation to switch"
         return None
 
+    def fed(self, cell: Cell, perturb: bool) -> Fed | None:
+        """The tokens a step-by-step decoding in ``cell`` is fed: none for the reference,
+        which decodes greedily or searches (its tokens, and parents, are judged); the
+        golden's for every other run."""
+        return None if cell == REFERENCE and not perturb else self.tokens
+
     def run(self, cell: Cell, *, perturb: bool = False) -> Run:
-        # The reference decodes greedily, or searches: its tokens (and parents) are judged.
         # A compiled cell compiles a model of its own.
-        tokens = None if cell == REFERENCE and not perturb else self.tokens
         status = None if self.status is None or cell.compile else (
             lambda text: self.status(cell.label, text))
-        return run_in_cell(self.subject, cell, self.loss_paths, perturb=perturb, tokens=tokens,
+        return run_in_cell(self.subject, cell, self.loss_paths, perturb=perturb,
+                           tokens=self.fed(cell, perturb),
                            models=None if cell.compile else self.models, status=status)
 
     def golden(self, output: str) -> dict[str, Any] | None:

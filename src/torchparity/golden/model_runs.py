@@ -114,14 +114,14 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
                     run = forward_backward(subject, model, inputs, loss_paths,
                                             lambda loss: (run64.backward(loss), grads)[1])
                     run.compile_log = compile_log
-                    _decode(subject, model, inputs, run, tokens)
+                    decode_into(subject, model, inputs, run, tokens)
                 run.islands = islands.found
             else:
                 with BlockProgress(model, report) as blocks:
                     run = forward_backward(subject, model, inputs, loss_paths,
                                             lambda loss: _streamed(model, loss, blocks))
                 run.compile_log = compile_log
-                _decode(subject, model, inputs, run, tokens)
+                decode_into(subject, model, inputs, run, tokens)
         except BackendUnavailable as exc:
             return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
     run.sdpa_calls = None if intercepted is None else intercepted.calls
@@ -229,8 +229,11 @@ def _heard(found: dict[str, torch.Tensor], path: str, grad: torch.Tensor) -> Non
     found[path] = grad.detach()
 
 
-def _decode(subject: Subject, model: nn.Module, inputs: Any, run: Run,
-            tokens: Fed | None) -> None:
+def decode_into(subject: Subject, model: nn.Module, inputs: Any, run: Run,
+                tokens: Fed | None) -> None:
+    """``run.outputs["decode"]``: ``model``'s decoding of ``inputs``, step by step fed
+    ``tokens`` (None: its own choices) or the factory's own ``decode``; where a backend is
+    unavailable, why it is missing. Nothing for a model that does not generate."""
     if not subject.generates:
         return
     try:

@@ -18,20 +18,23 @@ number of ranks: made with 2, they check with 1 or 4. Every rank judges
 alike; rank 0 alone writes and prints. The differences sharding makes (reductions split across
 ranks) are in the baseline, which runs sharded as the cell does, and so in every budget.
 
-Decoding and compiled cells are not run across ranks (their rows say so).
+A model that generates decodes on every rank as in one process, each step's outputs gathered
+whole before the next token is chosen: the reference cell greedily (or by its search), every
+other cell along the golden's tokens. Compiled cells are not run across ranks (their rows say
+so).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable, TorchParityError, UsageError
@@ -42,6 +45,7 @@ from torchparity.golden.model_runs import (
     HF_EAGER,
     OUTPUT_KINDS,
     attention_backend,
+    decode_into,
     forward_backward,
     perturb_stretch,
     perturbation,
@@ -51,7 +55,9 @@ from torchparity.golden.user_models import model_checksums, write_goldens
 from torchparity.sketching import CHUNK, Sketch, kept, sketch_chunks, wants_sketch
 from torchparity.subject import Subject, hf, launcher, sharded
 from torchparity.subject.blockwise import Float64Run, stream_grads
+from torchparity.subject.decoding import Fed
 from torchparity.subject.factory import first_line
+from torchparity.subject.islands import Islands
 from torchparity.subject.ranks import under_torchrun
 from torchparity.subject.running import cast_inputs, local_part, on_meta
 from torchparity.subject.trees import map_tensors
@@ -59,7 +65,6 @@ from torchparity.subject.trees import map_tensors
 #: Seconds a launched run may take in all (environment variable, default one hour).
 RUN_TIMEOUT_ENV = "TORCHPARITY_RUN_TIMEOUT"
 _DEFAULT_RUN_TIMEOUT = 3600.0
-NOT_ACROSS_RANKS = "decoding is not run across ranks; check it in one process"
 
 
 def start(nproc: int | None, argv: list[str]) -> int | None:
@@ -110,15 +115,16 @@ def active() -> bool:
 
 
 def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
-                perturb: bool = False) -> Run:
+                perturb: bool = False, tokens: Fed | None = None) -> Run:
     """``subject`` run in ``cell`` by every rank: in float64, the factory's sharded model
     itself cast module by module (:class:`~torchparity.subject.blockwise.Float64Run`: a rank
     holds its part in the model's dtype and one module's part in float64; its weights moved
     by one float64 rounding with ``perturb``), else a copy in the cell's dtype sharded by the
-    factory's plan; outputs and gradients kept one by one as the backward completes each."""
+    factory's plan; outputs and gradients kept one by one as the backward completes each; a
+    model that generates then decodes, fed ``tokens`` (None: its own choices)."""
     run_name = f"the {cell.label} run" + (" (perturbed)" if perturb else "")
     return collectively(run_name, lambda: _run_sharded(subject, cell, loss_paths, run_name,
-                                                       perturb=perturb))
+                                                       perturb=perturb, tokens=tokens))
 
 
 def collectively(what: str, fn: Callable[[], Any]) -> Any:
@@ -147,7 +153,7 @@ def _weighed(subject: Subject) -> Subject:
 
 
 def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run_name: str,
-                 *, perturb: bool) -> Run:
+                 *, perturb: bool, tokens: Fed | None) -> Run:
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
     sharded.mark(f"the sharding of {run_name} (the factory's plan)")
     grads: dict[str, Any] = {}
@@ -166,14 +172,20 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
             stream_grads(model, loss, _gathered_into(grads), unused=False)
         else:
             float64.backward(loss, unused=False)
-        return {name: grads[name] for name, _ in model.named_parameters() if name in grads}
+        return grads
 
+    # A float64 run notes where the model computes in a narrower dtype, as one process does.
+    islands = Islands(model) if float64 is not None else None
     try:  # every rank meets the same unavailable backend, before any collective
         with attention_backend(cell.backend) as intercepted, matmul_precision(cell.dtype), \
-                float64 or contextlib.nullcontext():
-            run = forward_backward(subject, _Whole(model), inputs, loss_paths, gathered_grads)
+                float64 or contextlib.nullcontext(), islands or contextlib.nullcontext(), \
+                outputs_whole(model):
+            run = forward_backward(subject, model, inputs, loss_paths, gathered_grads)
+            decode_into(subject, model, inputs, run, tokens)
     except BackendUnavailable as exc:
         return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
+    if islands is not None:
+        run.islands = islands.found
     run.sdpa_calls = None if intercepted is None else intercepted.calls
     return run
 
@@ -214,16 +226,18 @@ def kept_across_ranks(name: str, tensor: torch.Tensor) -> torch.Tensor | Sketch:
     return kept(name, sharded.whole(tensor))
 
 
-class _Whole(torch.nn.Module):
-    """The sharded model with its DTensor outputs gathered: the loss and the judgement see
-    the outputs one process would return."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return map_tensors(self.model(*args, **kwargs), sharded.whole)
+@contextlib.contextmanager
+def outputs_whole(model: nn.Module) -> Iterator[None]:
+    """``model``'s DTensor outputs gathered as it returns them: the loss, the judgement and a
+    decoding's choice of the next token see the outputs one process would return. A hook, not
+    a wrapper, so that the decoding still finds the model's own step (a ``transformers``
+    model's cache)."""
+    handle = model.register_forward_hook(
+        lambda module, args, output: map_tensors(output, sharded.whole))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 class ShardedFeed(ModelFeed):
@@ -232,11 +246,6 @@ class ShardedFeed(ModelFeed):
     def __init__(self, subject: Subject, store: GoldenStore,
                  status: Callable[[str, str], None] | None = None) -> None:
         super().__init__(subject, store, status)
-        if "decode" in self.outputs:
-            self.outputs.remove("decode")
-        if subject.generates:
-            self.unjudged["decode"] = NOT_ACROSS_RANKS
-        self.tokens = None
 
     def refused(self, cell: Cell) -> str | None:
         if cell.compile:
@@ -245,10 +254,8 @@ class ShardedFeed(ModelFeed):
 
     def run(self, cell: Cell, *, perturb: bool = False) -> Run:
         sharded.together(f"the {cell.label} run" + (" (perturbed)" if perturb else ""))
-        return run_sharded(self.subject, cell, self.loss_paths, perturb=perturb)
-
-    def self_checks(self, fresh: Run) -> list[CheckResult]:
-        return []
+        return run_sharded(self.subject, cell, self.loss_paths, perturb=perturb,
+                           tokens=self.fed(cell, perturb))
 
 
 def check_sharded(subject: Subject, store: GoldenStore, cells: list[Cell],
@@ -266,7 +273,6 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
     :func:`~torchparity.golden.user_models.write_goldens` says, on every rank."""
     import torch.distributed as dist
 
-    subject = dataclasses.replace(subject, decoding=False)
     checksums = collectively("the checksums of the weights",
                              lambda: model_checksums(_weighed(subject)))
     sharded.together("the float64 golden run")
