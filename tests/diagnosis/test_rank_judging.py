@@ -1,5 +1,6 @@
-"""Which module's gradients a diagnosis across ranks names (diagnosis/ranks/judging.py), from
-each rank's verdicts on its own shards: no process group needed."""
+"""Which module a diagnosis across ranks names (diagnosis/ranks/judging.py): from every rank's
+outputs of one call, streamed call by call to rank 0 (here by a gather in one process), and
+from each rank's verdicts on its own gradient shards: no process group needed."""
 
 from __future__ import annotations
 
@@ -8,9 +9,78 @@ import torch
 from torchparity.diagnosis.judging import judge_quickly
 from torchparity.diagnosis.ranks.judging import (
     GradVerdict,
+    Sides,
+    first_divergence,
     first_grad_divergence,
+    judged_against_a,
     ranks_differ,
 )
+
+X = torch.linspace(-1, 1, 2 * 8).reshape(2, 8)
+
+
+def sides(a: torch.Tensor, b: torch.Tensor) -> Sides:
+    """One rank's A, golden (A in float64: A is exact) and B outputs of one call."""
+    return {"output": a}, {"output": a.double()}, {"output": b}
+
+
+def streamed(calls: dict[str, list[Sides]]):
+    """``first_divergence`` over ``calls`` (key -> each rank's sides) as rank 0 runs it, with
+    a gather that hands it the other ranks' sides of the call rank 0 gives; which calls
+    rank 0 gave, and what it told the other ranks after each."""
+    given, said = [], []
+
+    def held(key: str) -> Sides:
+        given.append(key)
+        return calls[key][0]
+
+    def gather(mine: Sides) -> list[Sides]:
+        return [mine, *calls[given[-1]][1:]]
+
+    def stop(diverged: bool) -> bool:
+        said.append(diverged)
+        return diverged
+
+    def judge(key: str, parts: list[Sides]):
+        return judged_against_a(key, "Linear", parts, None)
+
+    return first_divergence(list(calls), held, judge, gather, stop), given, said
+
+
+def test_the_ranks_stop_at_the_first_call_that_diverges_and_gather_no_later_one():
+    calls = {"embed": [sides(X, X), sides(X, X)],
+             "up": [sides(X, X), sides(X, 1.5 * X)],  # rank 1's B far off A
+             "head": [sides(X, 2 * X), sides(X, 2 * X)]}
+    (judged, first), given, said = streamed(calls)
+    assert (judged, first.module, first.ranks, first.result.verdict) == (2, "up", [1],
+                                                                         "diverged")
+    assert given == ["embed", "up"] and said == [False, True]  # head's never gathered
+
+
+def test_a_correct_run_is_judged_call_by_call_to_the_end():
+    (judged, first), given, said = streamed({"embed": [sides(X, X), sides(X, X)],
+                                             "head": [sides(X, X), sides(X, X)]})
+    assert (judged, first, given, said) == (2, None, ["embed", "head"], [False, False])
+
+
+def test_columns_a_keeps_per_rank_are_joined_to_judge_b_s_gathered_whole():
+    # A keeps each rank's half of the columns; B gathers them, in order or swapped
+    left, right = X[:, :4], X[:, 4:]
+    swapped = torch.cat([right, left], dim=1)
+    in_order = judged_against_a("up", "Linear", [sides(left, X), sides(right, X)], None)
+    out_of_order = judged_against_a("up", "Linear",
+                                    [sides(left, swapped), sides(right, swapped)], None)
+    assert [r.ok for r in in_order.results] == [True, True]
+    assert [r.verdict for r in out_of_order.results] == ["diverged", "diverged"]
+    # A's columns joined are alike on every rank: so must B's gathered wholes be
+    assert in_order.copies is not None and ranks_differ(in_order.copies) is None
+
+
+def test_a_replicated_output_one_rank_computes_otherwise_differs_between_ranks():
+    drifted = X * (1 + 2**-20)  # far inside any budget, but not the same bits
+    (judged, first), _, _ = streamed({"norm": [sides(X, X), sides(X, drifted)]})
+    assert first.result.ok is False and first.result.verdict == "differs between ranks"
+    assert (judged, first.ranks) == (1, [1]) and 0 < first.result.difference <= 2**-20
 
 
 def verdict(module: str, b: torch.Tensor, a: torch.Tensor, a_digest: str, b_digest: str

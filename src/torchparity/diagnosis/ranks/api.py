@@ -4,11 +4,16 @@ is found), or against another model sharded alike (``diagnose A B --nproc N``, f
 process holds whole).
 
 Every rank runs B, the factory's model sharded by its own plan, forward on A's inputs with a
-hook on each module (:mod:`~torchparity.diagnosis.ranks.runs`). Rank 0 gathers every rank's
-module outputs and judges them (:mod:`~torchparity.diagnosis.ranks.judging`) in the order the
-calls finished (children before parents): the first module whose output leaves its budget on
-some rank, or whose copies differ between ranks, is the first divergence, said once with the
-ranks where it shows (:mod:`~torchparity.diagnosis.ranks.report`).
+hook on each module (:mod:`~torchparity.diagnosis.ranks.runs`) that keeps each output as the
+rank holds it: a DTensor its part only. The ranks then judge the calls every rank made one at
+a time, in the order they finished (children before parents;
+:func:`~torchparity.diagnosis.ranks.judging.first_divergence`): each rank makes the call's
+DTensors whole (a collective), rank 0 gathers that call's outputs from every rank, judges them
+and tells every rank whether to go on. The first module whose output leaves its budget on
+some rank, or whose copies differ between ranks, is the first divergence, which every rank
+stops at, said once by rank 0 with the ranks where it shows
+(:mod:`~torchparity.diagnosis.ranks.report`). So no rank holds more than its own outputs'
+parts and one call's whole outputs, rank 0 one call's of every rank.
 
 Against a trace, each rank's output is judged against A's recorded whole one; where every rank
 holds a plain slice of it along one dimension (a column-parallel output kept local), the slices
@@ -29,6 +34,7 @@ Local errors (module replays) are not computed across ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +43,17 @@ import torch
 from torchparity.diagnosis.capture_a import open_reference
 from torchparity.diagnosis.ranks.judging import (
     GradVerdict,
-    against_a,
-    against_trace,
+    Judge,
     first_divergence,
     first_grad_divergence,
+    judged_against_a,
+    judged_against_trace,
     judged_grads,
     judged_grads_against_trace,
     ranks_differ,
 )
 from torchparity.diagnosis.ranks.report import RankDivergence, RankReport
-from torchparity.diagnosis.ranks.runs import RankRun, sharded_run
+from torchparity.diagnosis.ranks.runs import RankRun, sharded_run, whole_call
 from torchparity.diagnosis.run import GOLDEN_DTYPE, default_loss
 from torchparity.diagnosis.trace import check_recorded_inputs
 from torchparity.subject import Subject, sharded
@@ -76,11 +83,14 @@ def diagnose_across_ranks(trace: Path, subject: Subject, *, backward: bool = Tru
                       loss if with_grads else None)
     grads = _grad_divergence(judged_grads_against_trace(reference, run), run) \
         if with_grads else None
-    everyone = _at_rank_zero(run.outputs)
-    if everyone is None:
+    recorded = {a.key: a for a in sorted(reference.calls, key=lambda call: call.order)}
+    judged, first = _streamed([key for key in recorded if key in run.outputs],
+                              lambda key: whole_call(run.outputs[key]),
+                              lambda key, parts: judged_against_trace(reference, recorded[key],
+                                                                      parts))
+    if sharded.rank() != 0:
         return None
-    judged, first = first_divergence(against_trace(reference, everyone))
-    report = RankReport(str(trace), len(everyone), judged, first)
+    report = RankReport(str(trace), sharded.world_size(), judged, first)
     _say_grads(report, grads, NO_BACKWARD if not backward else None if meta.backward else
                f"Gradients are not judged: trace {trace} has none (recorded with "
                "--no-backward).")
@@ -104,13 +114,13 @@ def diagnose_pair_across_ranks(subject_a: Subject, subject_b: Subject, entry_a: 
     golden = run(subject_a, GOLDEN_DTYPE, "A's golden")
     b = run(subject_b, _dtype_of(subject_b), "B")
     grads = _grad_divergence(judged_grads(a, golden, b), b) if backward else None
-    everyone = _at_rank_zero((a.outputs, golden.outputs, b.outputs))
-    if everyone is None:
+    judged, first = _streamed(
+        [key for key in a.calls if key in golden.outputs and key in b.outputs],
+        lambda key: tuple(whole_call(side.outputs[key]) for side in (a, golden, b)),
+        lambda key, parts: judged_against_a(*a.calls[key], parts, subject_a.padding))
+    if sharded.rank() != 0:
         return None
-    a_ranks, golden_ranks, b_ranks = (list(side) for side in zip(*everyone, strict=True))
-    judged, first = first_divergence(against_a(a.calls, a_ranks, golden_ranks, b_ranks,
-                                               subject_a.padding))
-    report = RankReport(f"{entry_a} run sharded alike", len(everyone), judged, first)
+    report = RankReport(f"{entry_a} run sharded alike", sharded.world_size(), judged, first)
     no_grads = a.no_grads or b.no_grads
     _say_grads(report, grads, NO_BACKWARD if not backward else
                f"Gradients are not judged: {no_grads}." if no_grads else None)
@@ -129,6 +139,35 @@ def _say_grads(report: RankReport, grads: tuple[int, RankDivergence | None] | No
         report.grads_judged, report.first_grad_divergence = grads
 
 
+def _streamed(keys: list[str], held: Callable[[str], Any], judge: Judge
+              ) -> tuple[int, RankDivergence | None]:
+    """The first divergence over the calls of ``keys`` (this rank's, in finishing order) that
+    every rank made, judged one at a time on rank 0
+    (:func:`~torchparity.diagnosis.ranks.judging.first_divergence`). Every rank must call
+    it."""
+    return first_divergence(_agreed(keys), held, judge, _at_rank_zero, _said_by_rank_zero)
+
+
+def _agreed(keys: list[str]) -> list[str]:
+    """Rank 0's ``keys`` that every rank has too, in rank 0's order: the same list on every
+    rank, so that every rank makes the same collectives in the same order."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * sharded.world_size()
+    dist.all_gather_object(everyone, keys)
+    others = [set(rank) for rank in everyone[1:]]
+    return [key for key in everyone[0] if all(key in rank for rank in others)]
+
+
+def _said_by_rank_zero(value: Any) -> Any:
+    """Rank 0's ``value`` (a small object), on every rank."""
+    import torch.distributed as dist
+
+    said = [value]
+    dist.broadcast_object_list(said, src=0)
+    return said[0]
+
+
 def _grad_divergence(verdicts: list[GradVerdict], b: RankRun
                      ) -> tuple[int, RankDivergence | None] | None:
     """On rank 0, how many modules' gradients every rank judged (``verdicts``, this rank's)
@@ -136,13 +175,10 @@ def _grad_divergence(verdicts: list[GradVerdict], b: RankRun
     (:func:`~torchparity.diagnosis.ranks.judging.first_grad_divergence`); None on the other
     ranks. Every rank must call it: B's gradients of a module whose copies disagree between
     ranks are gathered to say by how much."""
-    import torch.distributed as dist
-
     everyone = _at_rank_zero(verdicts)
     found = None if everyone is None else first_grad_divergence(everyone)
-    flagged = [None if found is None else found[2]]
-    dist.broadcast_object_list(flagged, src=0)
-    copies = None if flagged[0] is None else _at_rank_zero(b.grads[flagged[0]])
+    flagged = _said_by_rank_zero(None if found is None else found[2])
+    copies = None if flagged is None else _at_rank_zero(b.grads[flagged])
     if found is None:
         return None
     judged, first, module = found

@@ -1,7 +1,8 @@
-"""Judging a diagnosis across ranks: each module's output on every rank against A's (a
-trace's whole output, or each rank's own of A sharded alike), and each module's parameter
-gradients, each rank its own shards against A's and the golden's, with the budgets a
-propagated error gets in a diagnosis in one process.
+"""Judging a diagnosis across ranks: each module call's output on every rank against A's (a
+trace's whole output, or each rank's own of A sharded alike), one call at a time as the ranks
+stream them to rank 0 (:func:`first_divergence`), and each module's parameter gradients, each
+rank its own shards against A's and the golden's, with the budgets a propagated error gets in
+a diagnosis in one process.
 
 Ranks that run a replicated computation on the same inputs compute the same bits, so where
 A's copies agree on every rank, B's must too: a copy that differs at all (a replicated norm
@@ -12,14 +13,15 @@ own, however small.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from torchparity import digests
 from torchparity.comparison.sketch import involves_sketch
-from torchparity.diagnosis.capture import call_key
+from torchparity.diagnosis.capture import ModuleCall, call_key
 from torchparity.diagnosis.judging import judge_quickly, module_padding
 from torchparity.diagnosis.ranks.report import RankDivergence, RanksDiffer
 from torchparity.diagnosis.ranks.runs import RankRun, Tensors
@@ -27,10 +29,12 @@ from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import Result
 from torchparity.subject.padding import Padding
 
-#: One rank's module outputs: call key -> output path -> tensor.
-Outputs = dict[str, Tensors]
 #: One rank's A, golden and B tensors of one call.
 Sides = tuple[Tensors, Tensors, Tensors]
+#: Every rank's value of one call, in rank order on rank 0; None on the other ranks.
+Gather = Callable[[Any], "list[Any] | None"]
+#: One call (its key) judged from every rank's tensors of it; None: not judged.
+Judge = Callable[[str, list[Any]], "Judged | None"]
 
 
 @dataclass
@@ -44,54 +48,75 @@ class Judged:
     copies: list[Tensors] | None
 
 
-def first_divergence(judged: Iterator[Judged]) -> tuple[int, RankDivergence | None]:
+def first_divergence(keys: list[str], held: Callable[[str], Any], judge: Judge,
+                     gather: Gather, stop: Callable[[bool], bool]
+                     ) -> tuple[int, RankDivergence | None]:
     """How many calls were judged, and the first (in finishing order) that diverges on some
-    rank, or whose replicated copies differ between ranks."""
-    count = 0
-    for call in judged:
-        count += 1
-        diverged = [rank for rank, result in enumerate(call.results) if not result.ok]
-        if diverged:
-            return count, RankDivergence(call.module, call.module_type, diverged,
-                                         call.results[diverged[0]])
-        differ = None if call.copies is None else ranks_differ(call.copies)
-        if differ is not None:
-            return count, RankDivergence(call.module, call.module_type, differ.ranks, differ)
-    return count, None
+    rank, or whose replicated copies differ between ranks (:func:`divergence`), as rank 0
+    sees them. Every rank walks ``keys`` (the calls every rank made, in finishing order)
+    together, one call at a time: each gives its tensors of the call (``held(key)``), rank 0
+    gathers them (``gather``) and judges them (``judge``), and every rank stops where rank 0
+    says (``stop``): at the first divergence. So rank 0 holds one call of every rank's at a
+    time, never every rank's outputs."""
+    judged, first = 0, None
+    for key in keys:
+        was_judged, first = _verdict(key, held, judge, gather)
+        judged += was_judged
+        if stop(first is not None):
+            break
+    return judged, first
 
 
-def against_trace(reference: Reference, everyone: list[Outputs]) -> Iterator[Judged]:
-    """Each of A's recorded calls that every rank made, B's outputs as A's whole ones
-    (:func:`_as_a_sees_them`) judged against the trace's, with its budgets."""
-    for a in sorted(reference.calls, key=lambda call: call.order):
-        if not all(a.key in ranks for ranks in everyone):
-            continue
-        candidates = _as_a_sees_them([ranks[a.key] for ranks in everyone], a.output_shapes)
-        if candidates:
-            yield Judged(a.name, a.module_type,
-                         [reference.judge((a,), c, "out", "golden_out", "forward", quick=True)
-                          for c in candidates], candidates)
+def _verdict(key: str, held: Callable[[str], Any], judge: Judge, gather: Gather
+             ) -> tuple[bool, RankDivergence | None]:
+    """Whether rank 0 judged call ``key`` (never on another rank), and the divergence it
+    shows; every rank's tensors of the call are dropped on return, before the next call's
+    are gathered."""
+    everyone = gather(held(key))
+    call = None if everyone is None else judge(key, everyone)
+    return call is not None, None if call is None else divergence(call)
 
 
-def against_a(calls: dict[str, tuple[str, str]], a_ranks: list[Outputs],
-              golden_ranks: list[Outputs], b_ranks: list[Outputs], padding: Padding
-              ) -> Iterator[Judged]:
-    """Each call of A that every rank of B made, each rank's B judged against that rank's A
-    and golden in one layout (:func:`_in_one_layout`); an output whose copies are alike on
-    every rank of A is one B must compute alike too."""
-    for key, (name, module_type) in calls.items():
-        parts = [(a.get(key), g.get(key), b.get(key))
-                 for a, g, b in zip(a_ranks, golden_ranks, b_ranks, strict=True)]
-        if any(side is None for sides in parts for side in sides):
-            continue
-        sides = _in_one_layout(*(list(side) for side in zip(*parts, strict=True)))
-        if sides is None:
-            continue
-        spec = module_padding(padding, name)
-        results = [judge_quickly(b, g, a, "forward", spec) for a, g, b in sides]
-        replicated = ranks_differ([a for a, _, _ in sides]) is None
-        yield Judged(name, module_type, results,
-                     [b for _, _, b in sides] if replicated else None)
+def divergence(call: Judged) -> RankDivergence | None:
+    """Where ``call`` diverges: the ranks whose output leaves its budget, else those whose
+    replicated copies differ from rank 0's; None where it does not."""
+    diverged = [rank for rank, result in enumerate(call.results) if not result.ok]
+    if diverged:
+        return RankDivergence(call.module, call.module_type, diverged,
+                              call.results[diverged[0]])
+    differ = None if call.copies is None else ranks_differ(call.copies)
+    if differ is not None:
+        return RankDivergence(call.module, call.module_type, differ.ranks, differ)
+    return None
+
+
+def judged_against_trace(reference: Reference, a: ModuleCall, parts: list[Tensors]
+                         ) -> Judged | None:
+    """A's recorded call ``a`` on every rank (``parts``, each rank's whole outputs of it in
+    rank order), B's outputs as A's whole ones (:func:`_as_a_sees_them`) judged against the
+    trace's, with its budgets; None where no output stands for A's."""
+    candidates = _as_a_sees_them(parts, a.output_shapes)
+    if not candidates:
+        return None
+    return Judged(a.name, a.module_type,
+                  [reference.judge((a,), c, "out", "golden_out", "forward", quick=True)
+                   for c in candidates], candidates)
+
+
+def judged_against_a(module: str, module_type: str, parts: list[Sides], padding: Padding
+                     ) -> Judged | None:
+    """One call of ``module`` on every rank (``parts``, each rank's whole outputs of A, the
+    golden and B in rank order), each rank's B judged against that rank's A and golden in one
+    layout (:func:`_in_one_layout`; None where they fit none); an output whose copies are
+    alike on every rank of A is one B must compute alike too."""
+    sides = _in_one_layout(*(list(side) for side in zip(*parts, strict=True)))
+    if sides is None:
+        return None
+    spec = module_padding(padding, module)
+    results = [judge_quickly(b, g, a, "forward", spec) for a, g, b in sides]
+    replicated = ranks_differ([a for a, _, _ in sides]) is None
+    return Judged(module, module_type, results,
+                  [b for _, _, b in sides] if replicated else None)
 
 
 def _in_one_layout(a_parts: list[Tensors], golden_parts: list[Tensors], b_parts: list[Tensors]

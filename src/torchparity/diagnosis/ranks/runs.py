@@ -1,7 +1,8 @@
 """A user's model run sharded by its own plan on every rank of ``torchrun``, as a diagnosis
-across ranks sees it: each module call's output (a DTensor gathered whole, a plain tensor as
-the rank holds it), the order the modules start, and, with a loss, each parameter's gradient
-as this rank holds it: its shard, never gathered."""
+across ranks sees it: each module call's output as this rank holds it (a DTensor stays one,
+this rank's part only: it is made whole one call at a time when judged, :func:`whole_call`),
+the order the modules start, and, with a loss, each parameter's gradient as this rank holds
+it: its shard, never gathered."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from torchparity.diagnosis.capture import call_key
 from torchparity.subject import Subject, sharded
-from torchparity.subject.running import call_model, cast_inputs, local_part
+from torchparity.subject.running import call_model, cast_inputs, is_dtensor, local_part
 from torchparity.subject.trees import flatten_tensors, map_tensors
 
 #: One call's (or one module's parameters') tensors by path.
@@ -27,9 +28,10 @@ Loss = Callable[[Any, Any], "torch.Tensor | str"]
 
 @dataclass
 class RankRun:
-    """What one rank's run of a sharded model leaves, on the CPU."""
+    """What one rank's run of a sharded model leaves, on the CPU (a DTensor output on its
+    mesh's device)."""
 
-    #: call key -> output path -> tensor
+    #: call key -> output path -> tensor as this rank holds it (:func:`_kept`)
     outputs: dict[str, Tensors] = field(default_factory=dict)
     #: call key -> (module, its type), in the order the calls finished
     calls: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -86,14 +88,25 @@ def _hooks(model: nn.Module, run: RankRun) -> list[Any]:
         def hook(module, args, output) -> None:
             key = call_key(name, counts.get(name, 0))
             counts[name] = counts.get(name, 0) + 1
-            whole = map_tensors(output, lambda t: sharded.whole(t).detach().cpu())
-            run.outputs[key] = flatten_tensors(whole)
+            run.outputs[key] = flatten_tensors(map_tensors(output, _kept))
             run.calls[key] = (name, type(module).__name__)
         return hook
 
     modules = list(model.named_modules())
     return ([module.register_forward_pre_hook(started(name)) for name, module in modules]
             + [module.register_forward_hook(finished(name)) for name, module in modules])
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` outside autograd as this rank holds it: a DTensor stays one (its part only,
+    on its mesh's device, where making it whole is a collective), a plain tensor on the CPU."""
+    return tensor.detach() if is_dtensor(tensor) else tensor.detach().cpu()
+
+
+def whole_call(outputs: Tensors) -> Tensors:
+    """One call's ``outputs`` whole on the CPU: each DTensor gathered (every rank must make
+    the same call's at once), a plain tensor as it is."""
+    return {path: sharded.whole(tensor).cpu() for path, tensor in outputs.items()}
 
 
 def _keep_grads(model: nn.Module, run: RankRun) -> None:
