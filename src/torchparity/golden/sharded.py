@@ -184,6 +184,8 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
             decode_into(subject, model, inputs, run, tokens)
     except BackendUnavailable as exc:
         return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
+    finally:
+        sharded.resharded(model)
     if islands is not None:
         run.islands = islands.found
     run.sdpa_calls = None if intercepted is None else intercepted.calls

@@ -408,6 +408,17 @@ def held(subject: Subject, attention: str = hf.SDPA) -> nn.Module:
     return _ready(subject, subject.shards, attention)
 
 
+def resharded(model: nn.Module) -> None:
+    """Every FSDP2 unit of ``model`` back to its shards: a forward with no backward after it
+    (a decoding) leaves the root's parameters gathered whole, and the next run's copy is
+    filled from each rank's part (:func:`placed`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _ready(subject: Subject, model: nn.Module, attention: str) -> nn.Module:
     model.eval()
     if subject.is_transformers:
