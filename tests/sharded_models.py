@@ -73,8 +73,8 @@ class TinyLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+def tokens(length: int = 8) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(0))
 
 
 # --- plans ----------------------------------------------------------------------------------
@@ -329,6 +329,12 @@ def wide_fsdp() -> dict:
 
 def wide_tp() -> dict:
     return _mine_on_meta(MINE_TP, {"tp": -1}, **WIDE)
+
+
+def wide_tp_long() -> dict:
+    """The same on 2 x 128 tokens: its module outputs (110 MB a run in fp32) outweigh what
+    judging one call at a time holds."""
+    return {**wide_tp(), "inputs": (tokens(128),)}
 
 
 def wide_tp_whole() -> dict:
