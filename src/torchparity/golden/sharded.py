@@ -8,8 +8,9 @@ Every rank loads the factory, whose plan shards its model before the first run. 
 golden is computed by that sharded model itself, cast module by module as the 1B path of one
 process does (:class:`~torchparity.subject.blockwise.Float64Run`): a rank holds its part of the
 model in the model's dtype and the running module's part in float64, never the whole model.
-Each cell and its baseline (and the perturbed reference run) makes a copy in its dtype sharded
-alike, each rank only its part (:func:`~torchparity.subject.sharded.placed`).
+The cells of the model's own dtype run it as it is, as in one process; a cell of another dtype
+makes a copy in its dtype sharded alike, each rank only its part
+(:func:`~torchparity.subject.sharded.placed`).
 A big gradient held in parts by the ranks is sketched from runs of it assembled across them
 (:func:`kept_across_ranks`), never whole on a rank; outputs and small gradients that are
 DTensors are gathered one at a time, each kept before the next. The kept tensors are bit for
@@ -158,11 +159,12 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
     sharded.mark(f"the sharding of {run_name} (the factory's plan)")
     grads: dict[str, Any] = {}
     float64 = None
-    if _cast_by_module(subject, cell):
+    if _runs_held(subject, cell):
         model = sharded.held(subject, attention)
-        inputs = cast_inputs(subject.inputs, cell.device, torch.float64)
-        float64 = Float64Run(model, on_grad=_gathered_into(grads), device=cell.device,
-                             perturb=perturbation_in_parts if perturb else None)
+        inputs = cast_inputs(subject.inputs, cell.device, DTYPES[cell.dtype])
+        if cell.dtype == "fp64":
+            float64 = Float64Run(model, on_grad=_gathered_into(grads), device=cell.device,
+                                 perturb=perturbation_in_parts if perturb else None)
     else:
         model, inputs = sharded.placed(subject, cell.device, DTYPES[cell.dtype], attention)
     sharded.mark(f"the forward and backward of {run_name}")
@@ -192,12 +194,17 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
     return run
 
 
-def _cast_by_module(subject: Subject, cell: Cell) -> bool:
-    """Whether ``cell`` runs the factory's sharded model itself, cast module by module: a
-    float64 cell on the kind of device its shards are on (its mesh's)."""
+def _runs_held(subject: Subject, cell: Cell) -> bool:
+    """Whether ``cell`` runs the factory's sharded model itself, as one process runs the
+    factory's model (:class:`~torchparity.golden.model_runs.CellModels`): a float64 cell
+    (cast module by module) or one of the model's own dtype, on the kind of device its shards
+    are on (its mesh's). Any other cell runs a copy."""
     sharded.hold(subject)
-    shards = next(subject.shards.parameters(), torch.empty(0)).device
-    return cell.dtype == "fp64" and torch.device(cell.device).type == shards.type
+    params = list(subject.shards.parameters())
+    device = params[0].device.type if params else "cpu"
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    return torch.device(cell.device).type == device and (
+        cell.dtype == "fp64" or dtypes == {DTYPES[cell.dtype]})
 
 
 def perturbation_in_parts(name: str, value: torch.Tensor) -> torch.Tensor:
