@@ -52,7 +52,7 @@ def first_divergence(keys: list[str], held: Callable[[str], Any], judge: Judge,
                      gather: Gather, stop: Callable[[bool], bool]
                      ) -> tuple[int, RankDivergence | None]:
     """How many calls were judged, and the first (in finishing order) that diverges on some
-    rank, or whose replicated copies differ between ranks (:func:`divergence`), as rank 0
+    rank, or whose replicated copies differ between ranks (:func:`_divergence`), as rank 0
     sees them. Every rank walks ``keys`` (the calls every rank made, in finishing order)
     together, one call at a time: each gives its tensors of the call (``held(key)``), rank 0
     gathers them (``gather``) and judges them (``judge``), and every rank stops where rank 0
@@ -74,10 +74,10 @@ def _verdict(key: str, held: Callable[[str], Any], judge: Judge, gather: Gather
     are gathered."""
     everyone = gather(held(key))
     call = None if everyone is None else judge(key, everyone)
-    return call is not None, None if call is None else divergence(call)
+    return call is not None, None if call is None else _divergence(call)
 
 
-def divergence(call: Judged) -> RankDivergence | None:
+def _divergence(call: Judged) -> RankDivergence | None:
     """Where ``call`` diverges: the ranks whose output leaves its budget, else those whose
     replicated copies differ from rank 0's; None where it does not."""
     diverged = [rank for rank, result in enumerate(call.results) if not result.ok]
