@@ -212,6 +212,11 @@ def llama_fsdp_tp() -> dict:
     return _llama(both(LLAMA_TP, LLAMA_FSDP), {"dp": -1, "tp": 2})
 
 
+def llama_tp_beams() -> dict:
+    """Decoded by a beam search of 2 beams: each rank reorders its heads' cache rows."""
+    return {**llama_tp(), "search": {"beams": 2}}
+
+
 # --- the classic sharding bugs, each planted in an otherwise correct tensor-parallel plan -------
 
 
