@@ -34,23 +34,25 @@ def entry(name: str) -> str:
 
 
 def verdicts(path: Path) -> dict[tuple[str, str, str], str]:
-    """(backend, dtype, output) -> verdict of a ``check --json``; a bit-identical output is
-    within its budget as well (which it is depends on how many ranks made the golden)."""
+    """(backend, dtype, output) -> verdict of a ``check --json`` (a compiled cell's dtype as
+    its row shows it: ``fp32 static``); a bit-identical output is within its budget as well
+    (which it is depends on how many ranks made the golden)."""
     rows = json.loads(path.read_text())["results"]
-    return {(r["backend"], r["dtype"], r["output"]):
+    return {(r["backend"], " ".join(filter(None, (r["dtype"], r.get("compile")))), r["output"]):
             "within" if r["verdict"] == "identical" else r["verdict"]
             for r in rows if r["output"] in JUDGED}
 
 
-def update_then_check(tmp_path: Path, name: str, nproc: list[int], capsys) -> dict[int, dict]:
-    """Goldens made by 2 ranks, then checked with each of ``nproc`` (1: one process); the
-    verdicts of each check."""
+def update_then_check(tmp_path: Path, name: str, nproc: list[int], capsys,
+                      cells: list[str] = CELLS) -> dict[int, dict]:
+    """Goldens made by 2 ranks, then checked in ``cells`` with each of ``nproc`` (1: one
+    process); the verdicts of each check."""
     golden = ["--golden-dir", str(tmp_path / "golden")]
     assert main(["golden", "update", "--model", entry(name), "--nproc", "2", *golden]) == 0
     found = {}
     for n in nproc:
         report = tmp_path / f"check{n}.json"
-        status = main(["check", "--model", entry(name), "--nproc", str(n), *CELLS, *golden,
+        status = main(["check", "--model", entry(name), "--nproc", str(n), *cells, *golden,
                        "--json", str(report)])
         assert status == 0, capsys.readouterr()
         found[n] = verdicts(report)
@@ -88,6 +90,18 @@ def test_each_plan_checks_on_2_ranks_and_in_one_process(tmp_path, capsys, name):
 def test_a_golden_of_2_ranks_checks_on_4(tmp_path, capsys, name):
     found = update_then_check(tmp_path, name, [4, 1], capsys)
     assert found[4] == found[1]
+
+
+@pytest.mark.slow
+def test_a_compiled_cell_runs_on_the_ranks_as_in_one_process(tmp_path, capsys):
+    # Each rank compiles its sharded copy (FSDP2's hooks and collectives in the graph or
+    # around it) and judges it against the same eager baseline as one process does.
+    found = update_then_check(tmp_path, "mine_fsdp", [2, 1], capsys,
+                              cells=["--backend", "manual", "--dtype", "fp32",
+                                     "--compile", "static"])
+    assert found[2] == found[1]
+    assert {dtype for (_, dtype, _), verdict in found[2].items() if verdict == "within"} >= {
+        "fp32 static"}
 
 
 def refused(tmp_path: Path, name: str, capsys, **env: str) -> str:

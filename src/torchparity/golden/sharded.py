@@ -21,8 +21,8 @@ ranks) are in the baseline, which runs sharded as the cell does, and so in every
 
 A model that generates decodes on every rank as in one process, each step's outputs gathered
 whole before the next token is chosen: the reference cell greedily (or by its search), every
-other cell along the golden's tokens. Compiled cells are not run across ranks (their rows say
-so).
+other cell along the golden's tokens. A compiled cell (``--compile``) compiles its own sharded
+copy on every rank, as one process compiles a model of its own.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from torchparity.golden.user_models import model_checksums, write_goldens
 from torchparity.sketching import CHUNK, Sketch, kept, sketch_chunks, wants_sketch
 from torchparity.subject import Subject, hf, launcher, sharded
 from torchparity.subject.blockwise import Float64Run, stream_grads
+from torchparity.subject.compiling import compiled
 from torchparity.subject.decoding import Fed
 from torchparity.subject.factory import first_line
 from torchparity.subject.islands import Islands
@@ -179,10 +180,12 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
     # A float64 run notes where the model computes in a narrower dtype, as one process does.
     islands = Islands(model) if float64 is not None else None
     try:  # every rank meets the same unavailable backend, before any collective
-        with attention_backend(cell.backend) as intercepted, matmul_precision(cell.dtype), \
+        with compiled(model, cell.compile) as compile_log, \
+                attention_backend(cell.backend) as intercepted, matmul_precision(cell.dtype), \
                 float64 or contextlib.nullcontext(), islands or contextlib.nullcontext(), \
                 outputs_whole(model):
             run = forward_backward(subject, model, inputs, loss_paths, gathered_grads)
+            run.compile_log = compile_log
             decode_into(subject, model, inputs, run, tokens)
     except BackendUnavailable as exc:
         return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
@@ -203,7 +206,7 @@ def _runs_held(subject: Subject, cell: Cell) -> bool:
     params = list(subject.shards.parameters())
     device = params[0].device.type if params else "cpu"
     dtypes = {p.dtype for p in params if p.is_floating_point()}
-    return torch.device(cell.device).type == device and (
+    return not cell.compile and torch.device(cell.device).type == device and (
         cell.dtype == "fp64" or dtypes == {DTYPES[cell.dtype]})
 
 
@@ -255,11 +258,6 @@ class ShardedFeed(ModelFeed):
     def __init__(self, subject: Subject, store: GoldenStore,
                  status: Callable[[str, str], None] | None = None) -> None:
         super().__init__(subject, store, status)
-
-    def refused(self, cell: Cell) -> str | None:
-        if cell.compile:
-            return "compiled cells are not run across ranks; check them in one process"
-        return super().refused(cell)
 
     def run(self, cell: Cell, *, perturb: bool = False) -> Run:
         sharded.together(f"the {cell.label} run" + (" (perturbed)" if perturb else ""))
