@@ -56,6 +56,16 @@ def test_a_sketch_made_again_is_reused_only_while_its_tensor_is_unchanged(monkey
     assert sketching.sketch(x.clone(), "x").same_values(again)
 
 
+def test_a_tensor_that_wraps_another_is_sketched_as_its_values():
+    """A functional collective's result (what a tensor-parallel layer returns) wraps a tensor
+    and has no storage whose data can be read: it is sketched as the tensor it wraps."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3))
+    assert sketching.sketch(AsyncCollectiveTensor(x), "x").same_values(
+        sketching.sketch(x.clone(), "x"))
+
+
 def test_a_change_of_one_element_is_estimated_exactly():
     zero = torch.zeros(300_000)
     one = zero.clone()

@@ -15,12 +15,13 @@ import torch
 def memory_key(tensor: torch.Tensor) -> tuple | None:
     """What identifies the values ``tensor`` reads while its storage lives: where that
     storage is, and the offset, shape, strides and dtype it is read with (None for a tensor
-    without a storage of its own, a subclass that wraps others)."""
+    without a storage of its own, a subclass that wraps others: some give a storage whose data
+    cannot be read, as a functional collective's result a tensor-parallel layer returns)."""
     try:
-        storage = tensor.untyped_storage()
+        where = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return None
-    return (tensor.device, storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+    return (tensor.device, where, tensor.storage_offset(), tuple(tensor.shape),
             tensor.stride(), tensor.dtype)
 
 

@@ -4,6 +4,7 @@ from each rank's verdicts on its own gradient shards: no process group needed.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from torchparity.diagnosis.judging import judge_quickly
@@ -24,11 +25,15 @@ def sides(a: torch.Tensor, b: torch.Tensor) -> Sides:
     return {"output": a}, {"output": a.double()}, {"output": b}
 
 
-def streamed(calls: dict[str, list[Sides]]):
+def judged(key: str, parts: list[Sides]):
+    return judged_against_a(key, "Linear", parts, None)
+
+
+def streamed(calls: dict[str, list[Sides]], said: list[bool] | None = None, judge=judged):
     """``first_divergence`` over ``calls`` (key -> each rank's sides) as rank 0 runs it, with
     a gather that hands it the other ranks' sides of the call rank 0 gives; which calls
-    rank 0 gave, and what it told the other ranks after each."""
-    given, said = [], []
+    rank 0 gave, and what it told the other ranks after each (into ``said``)."""
+    given, said = [], [] if said is None else said
 
     def held(key: str) -> Sides:
         given.append(key)
@@ -41,9 +46,6 @@ def streamed(calls: dict[str, list[Sides]]):
         said.append(diverged)
         return diverged
 
-    def judge(key: str, parts: list[Sides]):
-        return judged_against_a(key, "Linear", parts, None)
-
     return first_divergence(list(calls), held, judge, gather, stop), given, said
 
 
@@ -55,6 +57,19 @@ def test_the_ranks_stop_at_the_first_call_that_diverges_and_gather_no_later_one(
     assert (judged, first.module, first.ranks, first.result.verdict) == (2, "up", [1],
                                                                          "diverged")
     assert given == ["embed", "up"] and said == [False, True]  # head's never gathered
+
+
+def test_a_call_rank_0_fails_to_judge_lets_the_other_ranks_go_before_rank_0_fails():
+    def judge(key: str, parts: list[Sides]):
+        if key == "up":
+            raise RuntimeError("up cannot be judged")
+        return judged(key, parts)
+
+    said: list[bool] = []
+    with pytest.raises(RuntimeError, match="up cannot be judged"):
+        streamed({name: [sides(X, X), sides(X, X)] for name in ("embed", "up", "head")},
+                 said, judge)
+    assert said == [False, True]  # else they would wait for rank 0 at head's gather
 
 
 def test_a_correct_run_is_judged_call_by_call_to_the_end():

@@ -60,21 +60,25 @@ def first_divergence(keys: list[str], held: Callable[[str], Any], judge: Judge,
     time, never every rank's outputs."""
     judged, first = 0, None
     for key in keys:
-        was_judged, first = _verdict(key, held, judge, gather)
+        was_judged, first = _verdict(key, held, judge, gather, stop)
         judged += was_judged
         if stop(first is not None):
             break
     return judged, first
 
 
-def _verdict(key: str, held: Callable[[str], Any], judge: Judge, gather: Gather
-             ) -> tuple[bool, RankDivergence | None]:
+def _verdict(key: str, held: Callable[[str], Any], judge: Judge, gather: Gather,
+             stop: Callable[[bool], bool]) -> tuple[bool, RankDivergence | None]:
     """Whether rank 0 judged call ``key`` (never on another rank), and the divergence it
     shows; every rank's tensors of the call are dropped on return, before the next call's
     are gathered."""
     everyone = gather(held(key))
-    call = None if everyone is None else judge(key, everyone)
-    return call is not None, None if call is None else _divergence(call)
+    try:
+        call = None if everyone is None else judge(key, everyone)
+        return call is not None, None if call is None else _divergence(call)
+    except Exception:
+        stop(True)  # the other ranks wait for rank 0's word: they stop, rank 0 fails alone
+        raise
 
 
 def _divergence(call: Judged) -> RankDivergence | None:
