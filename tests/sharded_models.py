@@ -254,6 +254,16 @@ def _columns_out_of_order(model: nn.Module, mesh) -> None:
             "attn.o": RowwiseParallel(), "up": _GatheredOutOfOrder()})
 
 
+def _up_as_dtensor(model: nn.Module, mesh) -> None:
+    """A correct plan whose MLP up projection hands its columns on as a DTensor (the next
+    module takes them as one): an output that each rank holds a part of."""
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"], {
+            **{name: ColwiseParallel() for name in ("attn.q", "attn.k", "attn.v")},
+            "up": ColwiseParallel(use_local_output=False),
+            "attn.o": RowwiseParallel(), "down": RowwiseParallel()})
+
+
 def _norm_drifts(model: nn.Module, mesh) -> None:
     """A correct plan, but rank 1's copy of the replicated norm weights has drifted."""
     MINE_TP(model, mesh)
@@ -303,6 +313,10 @@ def _llama_unreduced_rows(model: nn.Module, mesh) -> None:
 
 def llama_unreduced_rows() -> dict:
     return _llama(_llama_unreduced_rows, {"tp": -1})
+
+
+def mine_up_as_dtensor() -> dict:
+    return _mine(_up_as_dtensor, {"tp": -1})
 
 
 def mine_columns_out_of_order() -> dict:

@@ -70,7 +70,7 @@ def test_each_other_sharding_bug_is_named_at_its_module(trace, tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mine_tp", "mine_fsdp", "mine_fsdp_tp"])
+@pytest.mark.parametrize("name", ["mine_tp", "mine_fsdp", "mine_fsdp_tp", "mine_up_as_dtensor"])
 def test_a_correct_plan_passes(trace, tmp_path, name):
     status, report = diagnosed(trace, name, tmp_path)
     assert status == 0
@@ -112,6 +112,16 @@ def test_a_gradient_summed_twice_across_ranks_is_named_where_backward_reaches_it
                                "--no-backward")
     assert (status, report["judged_gradients"]) == (0, None)
     assert report["gradients"] == "Gradients are not judged (--no-backward)."
+
+
+@pytest.mark.slow
+def test_an_output_each_rank_holds_a_part_of_is_made_whole_and_judged_against_a_s_columns(
+        tmp_path):
+    # B's up hands on a DTensor, each rank keeping its part until the call is judged; A's up
+    # keeps each rank's columns, joined to be judged against B's whole
+    status, report = against_a("mine_tp", "mine_up_as_dtensor", tmp_path, "--no-backward")
+    # every module call is judged: TinyLM's 24 (its ModuleList is never called)
+    assert (status, report["first_divergence"], report["judged_modules"]) == (0, None, 24)
 
 
 @pytest.mark.slow

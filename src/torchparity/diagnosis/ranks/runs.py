@@ -98,9 +98,10 @@ def _hooks(model: nn.Module, run: RankRun) -> list[Any]:
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` outside autograd as this rank holds it: a DTensor stays one (its part only,
-    on its mesh's device, where making it whole is a collective), a plain tensor on the CPU."""
-    return tensor.detach() if is_dtensor(tensor) else tensor.detach().cpu()
+    """``tensor`` outside autograd as this rank holds it: a DTensor stays one, a copy of its
+    part (on its mesh's device, where making it whole is a collective; copied, so that an
+    in-place change later in the forward does not reach it), a plain tensor on the CPU."""
+    return tensor.detach().clone() if is_dtensor(tensor) else tensor.detach().cpu()
 
 
 def whole_call(outputs: Tensors) -> Tensors:
