@@ -86,3 +86,21 @@ def test_a_float64_run_over_shards_is_the_float64_model_and_keeps_no_float64_wei
     assert found.keys() == grads.keys()
     assert all(torch.equal(found[name], grad) for name, grad in grads.items())
     assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_a_tied_weight_is_one_gradient_named_as_the_model_names_it_under_fsdp2(mesh):
+    # While a unit runs, FSDP2 gives both modules that hold a tied weight one unsharded
+    # tensor of its own: the float64 run hands over one gradient, the sum of both uses, under
+    # the name one process gives it (named_parameters' first), not one per module.
+    model = _model()
+    model.head.weight = model.embed.weight
+    ids = sharded_models.tokens()
+    loss, grads = _float64_copy(model, ids)
+    sharded_models.MINE_FSDP(model, mesh)
+    found = {}
+    with Float64Run(model, on_grad=lambda name, grad: found.__setitem__(name, _whole(grad))
+                    ) as run:
+        run.backward(projection_loss({"logits": model(ids)}))
+    assert "embed.weight" in grads and "head.weight" not in grads
+    assert found.keys() == grads.keys()
+    assert all(torch.equal(found[name], grad) for name, grad in grads.items())

@@ -104,6 +104,10 @@ class Float64Run:
         self.perturb = perturb
         self.progress = progress
         self.names: dict[int, str] = {id(p): n for n, p in model.named_parameters()}
+        # Every name of a tied parameter -> the name the model gives it (its first).
+        first: dict[int, str] = {}
+        self._tied = {n: first.setdefault(id(p), n)
+                      for n, p in model.named_parameters(remove_duplicate=False)}
         self._prefixes = {id(m): f"{n}." if n else "" for n, m in model.named_modules()}
         self._anchor = torch.zeros((), dtype=torch.float64, requires_grad=True)
         self._live: dict[int, tuple[str, torch.Tensor]] = {}  # storage of a float64 copy
@@ -189,8 +193,10 @@ class Float64Run:
         for key, parameter in list(module._parameters.items()):
             if parameter is not None and parameter.is_floating_point():
                 # By the model's name for it; a parameter the model holds under another
-                # object while the module runs (FSDP2's unsharded one) by the module's.
-                name = self.names.get(id(parameter), f"{self._prefixes[id(module)]}{key}")
+                # object while the module runs (FSDP2's unsharded one) by the module's, a
+                # tied one's by the name the model gives it, as one process names it.
+                own = f"{self._prefixes[id(module)]}{key}"
+                name = self.names.get(id(parameter), self._tied.get(own, own))
                 value = self._cast(parameter, name)
                 module._parameters[key] = value
                 swapped.append((key, parameter, _storage(value)))
