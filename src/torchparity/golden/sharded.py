@@ -186,6 +186,7 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
                 outputs_whole(model):
             run = forward_backward(subject, model, inputs, loss_paths, gathered_grads)
             run.compile_log = compile_log
+            sharded.root_gathered(model)
             decode_into(subject, model, inputs, run, tokens)
     except BackendUnavailable as exc:
         return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))

@@ -419,6 +419,17 @@ def resharded(model: nn.Module) -> None:
             module.reshard()
 
 
+def root_gathered(model: nn.Module) -> None:
+    """``model``'s own FSDP2 unit gathered (until :func:`resharded`): a decoding step may call
+    a part of the model without the whole model's forward (an encoder-decoder's encoder, as
+    ``generate`` does), and only that forward's hook gathers the parameters the root's unit
+    holds (the shared embedding)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.unshard()
+
+
 def _ready(subject: Subject, model: nn.Module, attention: str) -> nn.Module:
     model.eval()
     if subject.is_transformers:
