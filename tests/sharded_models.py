@@ -1,6 +1,7 @@
 """Factories of sharded models, each with its own plan, for ``--nproc`` runs: a small
 transformer written here and a tiny ``transformers`` Llama, each with an FSDP2 plan, a
-tensor-parallel plan and both on a 2-D mesh; the classic sharding bugs planted in a plan; and
+tensor-parallel plan and both on a 2-D mesh; a GPT-2 (a tied embedding and head) and a BART
+(an encoder-decoder) with FSDP2; the classic sharding bugs planted in a plan; and
 faulty runs (a plan that does not divide the model's shapes, a rank 1 that dies or hangs).
 The ranks import this file by its path."""
 
@@ -80,12 +81,13 @@ def tokens(length: int = 8) -> torch.Tensor:
 # --- plans ----------------------------------------------------------------------------------
 
 
-def fsdp_plan(layers: str):
-    """FSDP2: one unit per layer of ``model.<layers>``, the rest in the root's, over the
-    mesh's ``dp`` dimension."""
+def fsdp_plan(*stacks: str):
+    """FSDP2: one unit per layer of each of ``model.<stacks>``, the rest in the root's, over
+    the mesh's ``dp`` dimension."""
     def parallelize(model: nn.Module, mesh) -> None:
-        for layer in model.get_submodule(layers):
-            fully_shard(layer, mesh=mesh["dp"])
+        for stack in stacks:
+            for layer in model.get_submodule(stack):
+                fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
 
     return parallelize
@@ -210,6 +212,36 @@ def llama_tp() -> dict:
 
 def llama_fsdp_tp() -> dict:
     return _llama(both(LLAMA_TP, LLAMA_FSDP), {"dp": -1, "tp": 2})
+
+
+def gpt2_fsdp() -> dict:
+    """A transformers GPT-2, whose embedding and head share one weight (FSDP2's root unit
+    holds it), sharded by FSDP2 on every block."""
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=WIDTH, n_layer=LAYERS, n_head=HEADS, n_positions=64,
+        bos_token_id=1, eos_token_id=2))
+    tp.init_weights(model, seed=0)
+    return {"model": model, "inputs": {"input_ids": tokens()},
+            "parallelize": fsdp_plan("transformer.h"), "mesh": {"dp": -1}}
+
+
+def bart_fsdp() -> dict:
+    """A transformers BART sharded by FSDP2 on every layer of both sides: its decoding step
+    runs the encoder by itself, not through the whole model's forward."""
+    import transformers
+
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=WIDTH, encoder_layers=LAYERS, decoder_layers=LAYERS,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+        encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH, max_position_embeddings=64,
+        decoder_start_token_id=2, forced_eos_token_id=None, pad_token_id=0,
+        eos_token_id=None))
+    tp.init_weights(model, seed=0)
+    return {"model": model, "inputs": {"input_ids": tokens()},
+            "parallelize": fsdp_plan("model.encoder.layers", "model.decoder.layers"),
+            "mesh": {"dp": -1}}
 
 
 def llama_tp_beams() -> dict:

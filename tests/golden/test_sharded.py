@@ -78,7 +78,8 @@ def test_a_model_built_on_meta_is_made_rank_by_rank_with_the_weights_of_one_proc
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mine_fsdp", "mine_tp", "mine_fsdp_on_meta", "mine_fsdp_tp",
-                                  "llama_fsdp", "llama_fsdp_tp", "llama_tp_beams"])
+                                  "llama_fsdp", "llama_fsdp_tp", "llama_tp_beams",
+                                  "gpt2_fsdp", "bart_fsdp"])
 def test_each_plan_checks_on_2_ranks_and_in_one_process(tmp_path, capsys, name):
     found = update_then_check(tmp_path, name, [2, 1], capsys)
     assert found[2] == found[1]
