@@ -121,9 +121,10 @@ def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
     """``subject`` run in ``cell`` by every rank: in float64, the factory's sharded model
     itself cast module by module (:class:`~torchparity.subject.blockwise.Float64Run`: a rank
     holds its part in the model's dtype and one module's part in float64; its weights moved
-    by one float64 rounding with ``perturb``), else a copy in the cell's dtype sharded by the
-    factory's plan; outputs and gradients kept one by one as the backward completes each; a
-    model that generates then decodes, fed ``tokens`` (None: its own choices)."""
+    by one float64 rounding with ``perturb``); in the model's own dtype, that model as it is;
+    else a copy in the cell's dtype sharded by the factory's plan. Outputs and gradients are
+    kept one by one as the backward completes each; a model that generates then decodes, fed
+    ``tokens`` (None: its own choices)."""
     run_name = f"the {cell.label} run" + (" (perturbed)" if perturb else "")
     return collectively(run_name, lambda: _run_sharded(subject, cell, loss_paths, run_name,
                                                        perturb=perturb, tokens=tokens))
@@ -186,12 +187,12 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
                 outputs_whole(model):
             run = forward_backward(subject, model, inputs, loss_paths, gathered_grads)
             run.compile_log = compile_log
-            sharded.root_gathered(model)
+            sharded.gather_root(model)
             decode_into(subject, model, inputs, run, tokens)
     except BackendUnavailable as exc:
         return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
     finally:
-        sharded.resharded(model)
+        sharded.reshard(model)
     if islands is not None:
         run.islands = islands.found
     run.sdpa_calls = None if intercepted is None else intercepted.calls
@@ -255,10 +256,6 @@ def outputs_whole(model: nn.Module) -> Iterator[None]:
 
 class ShardedFeed(ModelFeed):
     """A user's model as the check loop runs it on every rank (see :class:`ModelFeed`)."""
-
-    def __init__(self, subject: Subject, store: GoldenStore,
-                 status: Callable[[str, str], None] | None = None) -> None:
-        super().__init__(subject, store, status)
 
     def run(self, cell: Cell, *, perturb: bool = False) -> Run:
         sharded.together(f"the {cell.label} run" + (" (perturbed)" if perturb else ""))

@@ -408,7 +408,7 @@ def held(subject: Subject, attention: str = hf.SDPA) -> nn.Module:
     return _ready(subject, subject.shards, attention)
 
 
-def resharded(model: nn.Module) -> None:
+def reshard(model: nn.Module) -> None:
     """Every FSDP2 unit of ``model`` back to its shards: a forward with no backward after it
     (a decoding) leaves the root's parameters gathered whole, and the next run's copy is
     filled from each rank's part (:func:`placed`)."""
@@ -419,8 +419,8 @@ def resharded(model: nn.Module) -> None:
             module.reshard()
 
 
-def root_gathered(model: nn.Module) -> None:
-    """``model``'s own FSDP2 unit gathered (until :func:`resharded`): a decoding step may call
+def gather_root(model: nn.Module) -> None:
+    """``model``'s own FSDP2 unit gathered (until :func:`reshard`): a decoding step may call
     a part of the model without the whole model's forward (an encoder-decoder's encoder, as
     ``generate`` does), and only that forward's hook gathers the parameters the root's unit
     holds (the shared embedding)."""
