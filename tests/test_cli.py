@@ -137,6 +137,15 @@ def test_a_usage_error_is_one_line(capsys):
     assert "'fp8'" in err and "bf16" in err and "torchparity diagnose --help" in err
 
 
+def test_train_with_only_a_model_is_refused_not_ignored(capsys):
+    # --train trains the zoo's golden recipes, which a user's model has not: said before the
+    # factory is loaded
+    assert cli.main(["check", "--model", "no_such_file.py:make", "--train"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--train trains the zoo's cases by their golden recipes" in err
+
+
 def test_python_m_torchparity_prints_the_version():
     result = subprocess.run([sys.executable, "-m", "torchparity", "--version"],
                             capture_output=True, text=True, timeout=120)

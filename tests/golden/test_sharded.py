@@ -117,6 +117,23 @@ def refused(tmp_path: Path, name: str, capsys, **env: str) -> str:
     return err
 
 
+@pytest.mark.parametrize("argv", [
+    ["check", "--nproc", "2"],
+    ["check", "--case", "llama-tiny", "--model", entry("mine_tp"), "--nproc", "2"],
+    ["golden", "update", "--nproc", "2"],
+    ["golden", "update", "llama-tiny", "--nproc", "2"],
+])
+def test_the_zoo_s_cases_across_ranks_are_refused_not_run_on_every_rank(tmp_path, capsys,
+                                                                         argv):
+    # The zoo is not sharded: every rank would run the same cases; refused before any rank
+    # starts or any golden is touched.
+    assert main([*argv, "--golden-dir", str(tmp_path / "golden")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "the zoo's cases run in one process: leave --nproc out for them" in err
+    assert not (tmp_path / "golden").exists()
+
+
 def test_a_rank_that_dies_is_named_and_nothing_is_written(tmp_path, capsys):
     assert "rank 1 died (Signal 9 (SIGKILL)" in refused(tmp_path, "mine_rank_one_dies", capsys)
 

@@ -93,3 +93,15 @@ def next_step_command(base: str | None, subjects: list[Subject], results: list) 
     if base is None or entry is None:
         return None
     return f"torchparity diagnose {shlex.quote(entry)} --base {shlex.quote(base)}"
+
+
+def refuse_zoo_across_ranks(args: argparse.Namespace, zoo_cases: list[str] | None) -> None:
+    """``--nproc`` (or a torchrun of the user's) shards each ``--model`` by its factory's
+    plan; the zoo's cases (``zoo_cases``, or all of them without ``--model``) run in one
+    process. Asked across ranks, they are a usage error, not the same work on every rank."""
+    from torchparity.subject.ranks import under_torchrun
+
+    across = (getattr(args, "nproc", None) or 1) > 1 or under_torchrun()
+    if across and (zoo_cases or not getattr(args, "model", None)):
+        raise UsageError("--nproc shards each --model ENTRY by its factory's plan; the zoo's "
+                         "cases run in one process: leave --nproc out for them")

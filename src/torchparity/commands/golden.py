@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from torchparity.commands.check import GOLDEN_DIR_HELP
+from torchparity.commands.common import refuse_zoo_across_ranks
 from torchparity.errors import UsageError
 from torchparity.golden import sharded
 from torchparity.golden.cases import OUTPUT_KINDS, write_case
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(highlight=False, soft_wrap=True)
+    if args.action == "update":
+        refuse_zoo_across_ranks(args, args.cases)
     if getattr(args, "model", None):
         launched = sharded.start(getattr(args, "nproc", None), args._argv)
         if launched is not None:
