@@ -8,6 +8,7 @@ import multiprocessing
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -138,9 +139,9 @@ def test_a_usage_error_is_one_line(capsys):
 
 
 def test_train_with_only_a_model_is_refused_not_ignored(capsys):
-    # --train trains the zoo's golden recipes, which a user's model has not: said before the
-    # factory is loaded
-    assert cli.main(["check", "--model", "no_such_file.py:make", "--train"]) == 2
+    # --train trains the zoo's golden recipes, which a user's model has not
+    models = Path(__file__).parent / "sharded_models.py"
+    assert cli.main(["check", "--model", f"{models}:mine_tp", "--train"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "--train trains the zoo's cases by their golden recipes" in err

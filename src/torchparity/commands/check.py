@@ -104,9 +104,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     refuse_zoo_across_ranks(args, args.case)
-    if args.train and args.model and not args.case:
-        raise UsageError("--train trains the zoo's cases by their golden recipes, which a "
-                         "--model entry has not: add --case NAME, or leave --train out")
     launched = sharded.start(args.nproc, args._argv)
     if launched is not None:
         return launched

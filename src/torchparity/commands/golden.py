@@ -64,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(highlight=False, soft_wrap=True)
-    if args.action == "update":
-        refuse_zoo_across_ranks(args, args.cases)
+    refuse_zoo_across_ranks(args, getattr(args, "cases", None))
     if getattr(args, "model", None):
         launched = sharded.start(getattr(args, "nproc", None), args._argv)
         if launched is not None:

@@ -89,6 +89,9 @@ def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] 
     made_here = model_root is not None
     model_root = model_root if made_here else user_golden_dir(golden_dir)
     chosen = [] if models and not cases else select_cases(cases)
+    if train and not chosen:
+        raise UsageError("--train trains the zoo's cases by their golden recipes, which a "
+                         "--model entry has not: add --case NAME, or leave --train out")
     # The zoo's goldens live in the source tree, a user's under the working directory.
     store = GoldenStore(default_golden_dir(golden_dir) if chosen else model_root)
     if chosen:
