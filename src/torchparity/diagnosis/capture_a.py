@@ -48,11 +48,10 @@ from torchparity.diagnosis.trace import (
 )
 from torchparity.diagnosis.trace_meta import DecodeTraceMeta, ForwardTraceMeta, meta_from_json
 from torchparity.errors import UsageError
-from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep
+from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep, prompt_rows
 from torchparity.subject.padding import Padding
 from torchparity.subject.running import Inputs
 from torchparity.subject.sampling import Sampler, SampleSettings
-from torchparity.subject.trees import flatten_tensors
 
 
 def capture_reference(model: nn.Module, inputs: Inputs, store: Store, opts: Options,
@@ -91,7 +90,7 @@ def capture_decoding(side: Side, steps: int, tokens: torch.Tensor | None, store:
     done = bar.phase(f"A: {'beam search' if beams else 'sampling' if sample else 'decoding'}, "
                      "every step captured")
     calls: dict[int, list[ModuleCall]] = {}
-    rows = _rows(side.inputs)
+    rows = prompt_rows(side.inputs)
     decider = (BeamSearch(beams, rows // beams.beams) if beams else
                Sampler(sample, steps + 1, rows) if sample else None)
     with capturing_steps(side.model, store, opts, calls, "out", state=True) as during:
@@ -105,11 +104,6 @@ def capture_decoding(side: Side, steps: int, tokens: torch.Tensor | None, store:
                            signatures=signatures, parents=decoded.parents,
                            beams=beams, choices=decider.history if beams else None,
                            sample=sample)
-
-
-def _rows(inputs: Any) -> int:
-    """The rows of a prompt: the first dimension of its first tensor."""
-    return next(iter(flatten_tensors(inputs, "inputs").values())).shape[0]
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from torchparity.golden.cells import Cell, Run, matmul_precision
 from torchparity.golden.compiled_cells import decode_phases
 from torchparity.sketching import kept, seed_of
 from torchparity.subject import Subject, hf
-from torchparity.subject.beams import BeamSearch, expand_prompt, reorder_rows
+from torchparity.subject.beams import BeamSearch, expand_prompt, prompt_rows, reorder_rows
 from torchparity.subject.blockwise import BlockProgress, Float64Run, stream_grads
 from torchparity.subject.compiling import CompileLog, compiled
 from torchparity.subject.decoding import Fed, recompute_step, teacher_forced
@@ -258,7 +258,8 @@ def _stepped(subject: Subject, model: nn.Module, inputs: Any, fed: Fed | None,
     search = subject.search
     if search is not None:
         inputs = expand_prompt(inputs, search.beams)
-    searcher = BeamSearch(search, _rows(inputs) // search.beams) if search and not fed else None
+    searcher = (BeamSearch(search, prompt_rows(inputs) // search.beams)
+                if search and not fed else None)
     cached = teacher_forced(subject.stepper(model), model, inputs, DECODE_STEPS,
                             fed and fed.tokens, parents=fed and fed.parents,
                             reorder=subject.reorderer(model),
@@ -274,10 +275,6 @@ def _stepped(subject: Subject, model: nn.Module, inputs: Any, fed: Fed | None,
                                     during=decode_phases(compile_log, "recomputed"))
         outputs.update({f"recomputed.logits.{s}": t for s, t in enumerate(recomputed.logits)})
     return outputs
-
-
-def _rows(inputs: Any) -> int:
-    return next(iter(flatten_tensors(inputs, "inputs").values())).shape[0]
 
 
 def _decoded(subject: Subject, model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:

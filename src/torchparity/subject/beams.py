@@ -174,12 +174,14 @@ def lineage(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
 def expand_prompt(inputs: Any, beams: int) -> Any:
     """The prompt with each sequence repeated ``beams`` times in a row: every tensor whose
     first dimension is the batch's (that of the first tensor) is repeated along it."""
-    batch = _first_rows(inputs)
+    batch = prompt_rows(inputs)
     return map_tensors(inputs, lambda t: t.repeat_interleave(beams, 0)
                        if t.dim() and t.shape[0] == batch else t)
 
 
-def _first_rows(inputs: Any) -> int | None:
+def prompt_rows(inputs: Any) -> int | None:
+    """The rows (sequences) of a prompt: the first dimension of its first tensor that has
+    one; None for a prompt without such a tensor."""
     found: list[int] = []
     map_tensors(inputs, lambda t: found.append(t.shape[0]) if t.dim() else None)
     return found[0] if found else None

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.subject.running import is_dtensor, local_part
+from torchparity.subject.running import grad_hooks, is_dtensor, local_part
 
 #: ``on_grad(parameter name, float64 gradient)``.
 GradSink = Callable[[str, torch.Tensor], None]
@@ -181,7 +181,7 @@ class Float64Run:
     def _cast(self, parameter: torch.Tensor, name: str) -> torch.Tensor:
         if torch.is_grad_enabled() and parameter.requires_grad and self.on_grad is not None:
             self._uses[name] = self._uses.get(name, 0) + 1
-            self._hooks[name] = list((parameter._backward_hooks or {}).values())
+            self._hooks[name] = grad_hooks(parameter)
             value = _AsFloat64.apply(self._anchor, parameter.detach(), self, name)
         else:
             value = self.value(name, parameter)

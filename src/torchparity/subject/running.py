@@ -147,6 +147,13 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local()
 
 
+def grad_hooks(parameter: torch.Tensor) -> list[Callable[[torch.Tensor], Any]]:
+    """The hooks registered on ``parameter``'s gradient (``register_hook``: a sharding plan's
+    reduction), in order: what a copy of it, or a gradient computed beside autograd, must
+    pass through too. (PyTorch has no public way to list them.)"""
+    return list((parameter._backward_hooks or {}).values())
+
+
 def converted(model: nn.Module, device: str | torch.device, dtype: torch.dtype) -> nn.Module:
     """``model`` with floating parameters and buffers in ``dtype``, everything on ``device``:
     the model itself when it is already so, else a copy made without a second copy in the

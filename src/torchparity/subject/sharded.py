@@ -30,7 +30,13 @@ from torch import nn
 
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.subject import hf
-from torchparity.subject.running import cast_inputs, converted, local_part, on_meta
+from torchparity.subject.running import (
+    cast_inputs,
+    converted,
+    grad_hooks,
+    local_part,
+    on_meta,
+)
 
 if TYPE_CHECKING:  # importing torch.distributed's mesh module takes seconds
     from torch.distributed.device_mesh import DeviceMesh
@@ -441,8 +447,7 @@ def _materialised(model: nn.Module, device: str | torch.device) -> None:
     """``model``'s meta parameters and buffers given (empty) storage on ``device``, with the
     gradient hooks the plan put on its parameters: the new parameters would be without them
     (a plan may reduce a gradient in a hook; a copy without it computes something else)."""
-    hooks = {name: list((p._backward_hooks or {}).values())
-             for name, p in model.named_parameters()}
+    hooks = {name: grad_hooks(p) for name, p in model.named_parameters()}
     model.to_empty(device=device)
     for name, param in model.named_parameters():
         for hook in hooks[name]:
