@@ -5,6 +5,7 @@ it, not even a NaN there."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -43,9 +44,41 @@ def test_a_1_0_attention_mask_says_where_the_padding_is(mask):
                            "attention_mask": mask})
     assert torch.equal(left_out(padding, 'outputs["output.logits"]', (2, 6, 64)), mask == 0)
     assert torch.equal(left_out(padding, "output.hidden_states.1", (2, 6, 32)), mask == 0)
-    assert left_out(padding, "output.attentions.0", (2, 4, 6, 6)) is None  # (batch, heads)
     assert left_out(padding, "output.loss", ()) is None
     assert padding.summary() == "2 of 12 positions are padding (per the inputs' attention_mask)"
+
+
+@pytest.mark.parametrize("path, shape, positions", [
+    ("output.cache.1.0", (2, 3, 6, 4), 2),  # a cache's keys: (batch, heads, positions, head_dim)
+    ("output.cache.1.1", (2, 3, 6, 6), 2),  # its values, head_dim as long as the sequence
+    ("output.attentions.0", (2, 4, 6, 6), 2),  # (batch, heads, queries, keys): by the queries
+    ("output.1.0", (2, 4, 3, 6, 2), 3),  # a layout of more dimensions
+    ("output.hidden_states.0", (2, 6, 6), 1),  # features as many as positions
+    ("output.past_key_values.0.0", (2, 6, 6, 4), None),  # heads or positions: a doubt
+])
+def test_positions_are_found_by_meaning_whatever_dimension_holds_them(path, shape, positions):
+    """Padding is a set of the sequence's positions, left out across every dimension before
+    them (every head): the mask, True at padding, spread over the tensor's leading dimensions.
+    The last dimension (features) never holds them; a tensor with two dimensions that could
+    is judged whole, a doubt judging more."""
+    mask = left_padded()
+    padding = from_inputs({"input_ids": torch.zeros(2, 6, dtype=torch.long),
+                           "attention_mask": mask})
+    found = left_out(padding, path, shape)
+    if positions is None:
+        assert found is None
+        return
+    assert found.shape == shape[:positions + 1]
+    index = [slice(None)] * len(found.shape)
+    for head in itertools.product(*map(range, shape[1:positions])):
+        index[1:positions] = head
+        assert torch.equal(found[tuple(index)], mask == 0)
+
+
+def test_a_tensor_whose_positions_are_not_the_sequences_is_judged_whole():
+    padding = from_inputs({"attention_mask": left_padded()})
+    assert left_out(padding, "output.cache.0.0", (2, 2, 3, 4)) is None  # a sliding window's
+    assert left_out(padding, "output.cache.0.0", (4, 2, 6, 4)) is None  # another batch
 
 
 @pytest.mark.parametrize("inputs", [

@@ -15,8 +15,15 @@ Where the padding comes from, in order:
 - else the keyword inputs: the 1/0 masks of :data:`MASK_KEYS` (1 or True: a token, 0 or
   False: padding), as ``transformers`` models and the reference zoo take them.
 
-A tensor is matched to a mask by its leading dimensions: a (batch, sequence, ...) tensor whose
-first two sizes are the mask's shape. In an encoder-decoder the source and the target may have
+A tensor is matched to a mask by the meaning of its dimensions: its first is the batch, its last
+(of three or more) its features, and the one in between of the sequence's length holds its
+positions: (batch, sequence, hidden) hidden states and logits, (batch, heads, sequence,
+head_dim) keys and values of a cache and of attention, (batch, heads, queries, keys) attention
+weights by their queries, (batch, sequence) per-token values. Positions are left out across
+every other dimension before them (every head of a padded position). A tensor with two such
+dimensions (as many heads as positions) could be either's and is judged whole, as is one whose
+positions are not the sequence's (a sliding-window cache holding its last few). In an
+encoder-decoder the source and the target may have
 the same length, so the part a tensor belongs to is read from its path (module names
 included): the first of ``encoder``/``decoder`` it names (``model.decoder.layers.0.encoder_attn``
 is the decoder's). A tensor that names neither is matched only when the sequences of both parts
@@ -92,14 +99,13 @@ class Padding:
                                  f"{tuple(own.pad.shape)}; the tensor there has shape "
                                  f"{tuple(shape)}: give a (batch, sequence) mask of its "
                                  "leading dimensions")
-            return _left_out([own])
-        if len(shape) < 2:
-            return None
-        fits = [s for s in self.sequences if tuple(s.pad.shape) == tuple(shape[:2])]
+            return _left_out({own: own.pad})
+        fits = {s: mask for s in self.sequences
+                if (mask := _over_positions(s.pad, shape)) is not None}
         named = _PART.search(f"{self.scope} {flat}")
         if named is not None:
             part = named.group(0).lower()
-            return _left_out([s for s in fits if s.part in (part, None)])
+            return _left_out({s: m for s, m in fits.items() if s.part in (part, None)})
         tagged = {s.part for s in self.sequences if s.part is not None}
         if self.encoder_decoder and tagged != {"encoder", "decoder"} and \
                 any(s.part is not None for s in fits):
@@ -145,13 +151,30 @@ class Padding:
         return [*self.sequences, *(s for _, s in self.outputs)]
 
 
-def _left_out(sequences: list[Sequence]) -> LeftOut | None:
-    """Positions padded in every one of ``sequences`` (None when there is none)."""
-    if not sequences:
+def _over_positions(pad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``pad`` (batch, sequence) spread over the leading dimensions of a tensor of ``shape`` up
+    to the one holding its positions (see the module docstring); None when no dimension, or
+    more than one, can be the sequence's."""
+    batch, length = pad.shape
+    if len(shape) < 2 or shape[0] != batch:
         return None
-    pad = sequences[0].pad
-    for other in sequences[1:]:
-        pad = pad & other.pad
+    between = range(1, 2) if len(shape) == 2 else range(1, len(shape) - 1)
+    dims = [d for d in between if shape[d] == length]
+    if len(dims) != 1:
+        return None
+    dim = dims[0]
+    return pad.reshape(batch, *(1,) * (dim - 1), length).expand(*shape[:dim + 1])
+
+
+def _left_out(masks: Mapping[Sequence, torch.Tensor]) -> LeftOut | None:
+    """Positions padded in every one of the sequences of ``masks`` (each spread over the
+    tensor's leading dimensions); None when there is none, or when they lie on different
+    dimensions of the tensor (it could be either's)."""
+    if not masks or len({m.shape for m in masks.values()}) > 1:
+        return None
+    sequences, (pad, *others) = list(masks), list(masks.values())
+    for other in others:
+        pad = pad & other
     if not bool(pad.any()):
         return None
     if len(sequences) == 1:
