@@ -19,7 +19,10 @@ from torch import nn
 
 import torchparity as tp
 from tiny_transformers import bart, gpt2, llama
+from torchparity.diagnosis.capture import read_caches
 from torchparity.subject import hf
+from torchparity.subject.running import in_cache
+from torchparity.subject.trees import flatten_tensors
 
 # tiny models: one thread is faster
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("single_thread")]
@@ -133,3 +136,67 @@ def test_a_recorded_trace_keeps_its_padding(tmp_path):
     assert "(per the padding given)" in " ".join(report.meta.notes)
     judged_whole = tp.diagnose_against(trace, b, inputs, padding=False)
     assert not judged_whole.output.ok  # eager's values at the queries that see nothing
+
+
+# With the model's default cache (no use_cache given) the outputs hold its keys and values,
+# (batch, heads, positions, head_dim): those of padded positions are padding like the rest.
+# family -> (builder, a real change planted through its config, which a release that rebuilds
+# a model to switch its attention keeps, and the module where it enters: the activation made
+# a ReLU).
+CACHED = {
+    "llama": (llama, {"hidden_act": "relu"}, "model.layers.0.mlp.act_fn"),
+    "gpt2": (gpt2, {"activation_function": "relu"}, "transformer.h.0.mlp.act"),
+}
+
+
+def cached_batch() -> dict[str, torch.Tensor]:
+    return {key: value for key, value in batch().items() if key != "use_cache"}
+
+
+def checked(build, tmp_path, changed: dict | None = None) -> list:
+    """``torchparity check``'s verdicts of the left-padded batch in its sdpa and eager cells,
+    the goldens made of ``build``'s model and the cells run on one built with the ``changed``
+    config: one entry at two revisions."""
+    from torchparity.golden.model_check import check_subject, model_cells
+    from torchparity.golden.store import GoldenStore
+    from torchparity.golden.user_models import write_goldens
+    from torchparity.subject import Subject
+
+    def factory(config):
+        def made():
+            torch.manual_seed(0)
+            return {"model": build(**config).eval(), "inputs": cached_batch()}
+        made.__qualname__ = f"padded_{build.__name__}"
+        return made
+
+    store = GoldenStore(tmp_path)
+    write_goldens(Subject.load(factory({})), store)
+    return check_subject(Subject.load(factory(changed or {})), store,
+                         model_cells(backends=["sdpa", "hf-eager"], dtypes=["fp32"]))
+
+
+@pytest.mark.parametrize("family", CACHED)
+def test_eager_against_sdpa_with_the_default_cache_passes_diagnose_and_check(family, tmp_path):
+    build, _, _ = CACHED[family]
+    a, b = eager_and_sdpa(build)
+    with torch.no_grad():  # the outputs hold the cache's tensors
+        assert any(in_cache(path) for path in flatten_tensors(read_caches(b(**cached_batch()))))
+    report = tp.diagnose(a, b, cached_batch())
+    assert report.first_divergence is None and report.output.ok, report.render()
+    results = checked(build, tmp_path)
+    assert results and all(r.ok for r in results), [r.explain for r in results if not r.ok]
+
+
+@pytest.mark.parametrize("family", CACHED)
+def test_a_real_change_with_the_default_cache_fails_diagnose_and_check(family, tmp_path):
+    build, change, enters = CACHED[family]
+    a, _ = eager_and_sdpa(build)
+    b, _ = eager_and_sdpa(lambda: build(**change))
+    hf.set_attention(b, "sdpa")
+    report = tp.diagnose(a, b, cached_batch())
+    assert report.first_divergence is not None and not report.output.ok
+    assert report.first_divergence.module == enters, report.render()
+    # The model changed: its float64 reference cell parts from the goldens (check exits 1).
+    results = checked(build, tmp_path, change)
+    failed = {(r.dtype, r.output) for r in results if not r.ok}
+    assert {("fp64", "outputs"), ("fp64", "grads")} <= failed
