@@ -158,6 +158,7 @@ def _over_positions(pad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor |
     batch, length = pad.shape
     if len(shape) < 2 or shape[0] != batch:
         return None
+    # The last dimension holds features, but for (batch, sequence) per-token values.
     between = range(1, 2) if len(shape) == 2 else range(1, len(shape) - 1)
     dims = [d for d in between if shape[d] == length]
     if len(dims) != 1:
