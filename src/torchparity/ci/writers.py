@@ -101,6 +101,9 @@ def junit_xml(outcome: Outcome) -> str:
             failure.text = case.message
         elif case.skipped is not None:
             ET.SubElement(element, "skipped", message=case.skipped)
+        if case.note:
+            ET.SubElement(properties, "property", name="note", value=case.note)
+            ET.SubElement(element, "system-out").text = case.note
     ET.indent(suites)
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 
