@@ -245,3 +245,20 @@ def test_check_and_diagnose_write_their_reports_without_base(tmp_path, monkeypat
     cases = list(ET.parse(junit).getroot().iter("testcase"))
     assert cases and all(c.find("failure") is None for c in cases)
     capsys.readouterr()
+
+
+def test_the_next_command_is_never_the_one_just_run(tmp_path, monkeypatch, capsys):
+    """A failing diagnosis points at the command that writes the HTML page; once the page
+    was asked for, the summary names it instead of the same command again."""
+    before, after = toy_repo.CHANGES["real"]
+    (tmp_path / "a.py").write_text(toy_repo.MODELS)
+    (tmp_path / "b.py").write_text(toy_repo.MODELS.replace(before, after))
+    monkeypatch.chdir(tmp_path)
+    command = ["diagnose", "a.py:make", "b.py:make", "--no-backward"]
+    assert main([*command, "--summary", "plain.md"]) == 1
+    assert "Next: `torchparity diagnose a.py:make b.py:make --no-backward --html " \
+           "diagnosis.html`" in (tmp_path / "plain.md").read_text()
+    assert main([*command, "--html", "page.html", "--summary", "with_html.md"]) == 1
+    summary = (tmp_path / "with_html.md").read_text()
+    assert "Next:" not in summary and "Full report: `page.html`" in summary
+    capsys.readouterr()

@@ -53,8 +53,9 @@ class Outcome:
     alerts: list[str] = field(default_factory=list)
     seconds: float | None = None  # the command's wall time, when known
     headline: str = ""  # one plain sentence: what changed, where, how much
-    next_step: str | None = None  # the exact command to run next
+    next_step: str | None = None  # the exact command to run next (never the one just run)
     legend: str | None = None  # what the table's symbols mean
+    full_report: str | None = None  # the HTML page the command wrote
 
 
 def check_outcome(results: list[CheckResult], subject: str,

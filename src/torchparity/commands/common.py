@@ -70,9 +70,11 @@ def base_side(args: argparse.Namespace) -> BaseSide | None:
     return BaseSide(args.base, python=args.base_python, use_cache=args.base_cache)
 
 
-def full_report_command(args: argparse.Namespace) -> str:
-    """This very command with ``--html`` (when it had none): every module, its cells'
-    evidence and the chart, for the reader of a CI summary."""
+def full_report_command(args: argparse.Namespace) -> str | None:
+    """This very command with ``--html``: every module, its cells' evidence and the chart,
+    for the reader of a CI summary; None when it had ``--html`` (the page is written)."""
+    if args.html:
+        return None
     kept, skip = [], False
     for arg in args._argv:  # the CI reports' own paths are not needed again
         if skip:
@@ -81,8 +83,7 @@ def full_report_command(args: argparse.Namespace) -> str:
             skip = True
         elif not arg.startswith(("--summary=", "--junit=")):
             kept.append(arg)
-    html = [] if args.html else ["--html", "diagnosis.html"]
-    return shlex.join(["torchparity", *kept, *html])
+    return shlex.join(["torchparity", *kept, "--html", "diagnosis.html"])
 
 
 def next_step_command(base: str | None, subjects: list[Subject], results: list) -> str | None:
