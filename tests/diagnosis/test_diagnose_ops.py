@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 from pathlib import Path
 
 import op_plants as plants
@@ -475,17 +476,27 @@ def test_more_ops_records_a_library_modules_caller_and_answers_as_in_process(
     assert op["b_stack"][0] == f"{os.path.relpath(__file__)}:{line}", op
 
 
-def test_against_a_trace_without_ops_says_in_one_line_which_command_adds_them(
-        traces, tmp_path, capsys) -> None:
+def test_against_a_trace_without_ops_prints_the_command_that_adds_them(tmp_path,
+                                                                       capsys) -> None:
+    """The note names the trace's own record command with --ops: run as printed, the next
+    diagnosis drills down to the op."""
     from torchparity import cli
 
     plants_file = inspect.getsourcefile(plants)
-    assert cli.main(["diagnose", f"{plants_file}:make_b_scale", "--against",
-                     str(traces["plain"]), "--json", str(tmp_path / "d.json")]) == 1
-    found = json.loads((tmp_path / "d.json").read_text())
-    assert found["first_divergence"]["op"] is None
+    trace = tmp_path / "plain"
+    assert cli.main(["record", f"{plants_file}:make_a", "--no-backward", "-o", str(trace)]) == 0
+    diagnose = ["diagnose", f"{plants_file}:make_b_scale", "--against", str(trace),
+                "--json", str(tmp_path / "d.json")]
+    assert cli.main(diagnose) == 1
+    assert json.loads((tmp_path / "d.json").read_text())["first_divergence"]["op"] is None
     out = " ".join(capsys.readouterr().out.split())
-    assert "`torchparity record ENTRY --ops decoder.layers.1.attn` adds them" in out
+    command = shlex.join(["torchparity", "record", f"{plants_file}:make_a", "--no-backward",
+                          "-o", str(trace), "--ops", "decoder.layers.1.attn"])
+    assert f"`{command}` on A's code adds them" in out
+    assert cli.main(shlex.split(command)[1:]) == 0
+    assert cli.main(diagnose) == 1
+    op = json.loads((tmp_path / "d.json").read_text())["first_divergence"]["op"]
+    assert op["found"] and planted_line(plants.AttentionScale) in op["b_stack"]
 
 
 def test_record_ops_of_a_module_the_model_lacks_is_one_line(tmp_path, capsys) -> None:
