@@ -5,6 +5,7 @@ the pytest plugin's tests land in pytest's own JUnit XML as ordinary test cases.
 
 from __future__ import annotations
 
+import copy
 import xml.etree.ElementTree as ET
 from importlib.metadata import entry_points
 
@@ -17,6 +18,7 @@ import toy_repo
 from torchparity.ci import check_outcome, diagnosis_outcome, junit_xml, publish, summary_markdown
 from torchparity.ci.writers import annotations
 from torchparity.cli import main
+from torchparity.diagnosis.results import module_label
 from torchparity.golden.cells import CheckResult
 
 
@@ -116,23 +118,58 @@ def _biased_at(layer: int) -> tuple[nn.Module, nn.Module, tuple[torch.Tensor]]:
     return a, b, (torch.randn(3, 4),)
 
 
-def test_a_module_whose_output_inherits_a_divergence_fails_and_every_case_has_a_time():
+def test_junit_fails_where_the_divergence_enters_and_every_case_has_a_time():
     """B changes its first layer only: the later modules' own local errors are identical,
-    their outputs in B's run are not; no JUnit viewer may show those modules green."""
+    their outputs in B's run are not. Only the first layer fails; the others pass with a
+    note saying their output diverged by inheritance, and where it entered."""
     report = tp.diagnose(*_biased_at(0), backward=False, local="all")
     rows = {row.module: row for row in report.rows}
     assert rows["2"].local.verdict == "identical" and not rows["2"].propagated.ok
     xml = junit_xml(diagnosis_outcome(report, "b against a", seconds=2.0))
     found = verdicts(xml)
     assert found["0"] == ("diverged", "failure")
-    assert found["1"] == ("diverged", "failure") and found["2"] == ("diverged", "failure")
+    assert found["1"] == ("diverged", None) and found["2"] == ("diverged", None)
+    # The model's replay diverges too, but only because it contains layer 0.
+    assert found["(model)"] == ("diverged", None)
     root = ET.fromstring(xml)
-    message = root.find(".//testcase[@name='2']/failure").text
-    assert "inherited: its own local error is identical; it enters at 0" in message
+    assert sum(1 for _ in root.iter("failure")) == 1
+    note = root.find(".//testcase[@name='2']/system-out").text
+    assert "inherited: its output in B's own run diverged" in note
+    assert note.endswith("its own local error is identical; it enters at 0")
+    assert "because it contains 0," in root.find(".//testcase[@name='(model)']/system-out").text
     times = [float(case.get("time")) for case in root.iter("testcase")]
     assert root.find("testsuite").get("time") == "2.000"
     # Each share is printed to the millisecond: the shares add up to the suite's time.
     assert all(t > 0 for t in times) and abs(sum(times) - 2.0) <= len(times) * 0.0005
+
+
+class _SteeperBackward(torch.autograd.Function):
+    """The identity forward, a backward 2% too steep."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.02
+
+
+class _Steeper(nn.Module):
+    def forward(self, x):
+        return _SteeperBackward.apply(x)
+
+
+def test_junit_fails_the_module_whose_gradient_alone_diverges():
+    a, _, inputs = _biased_at(0)
+    b = copy.deepcopy(a)
+    b[1] = nn.Sequential(nn.Tanh(), _Steeper())  # same forward, a steeper gradient
+    report = tp.diagnose(a, b, inputs, loss_fn=lambda out, _: out.square().sum(),
+                         local="all")
+    assert report.first_divergence is None and report.first_grad_divergence is not None
+    found = verdicts(junit_xml(diagnosis_outcome(report, "b against a")))
+    failed = {name for name, (_, outcome) in found.items() if outcome == "failure"}
+    assert failed == {module_label(report.first_grad_divergence.module)}, found
 
 
 def test_a_failing_summary_opens_with_a_plain_sentence_and_the_next_command():
@@ -207,4 +244,21 @@ def test_check_and_diagnose_write_their_reports_without_base(tmp_path, monkeypat
     assert summary.read_text().startswith("### ✅ torchparity diagnose\n")
     cases = list(ET.parse(junit).getroot().iter("testcase"))
     assert cases and all(c.find("failure") is None for c in cases)
+    capsys.readouterr()
+
+
+def test_the_next_command_is_never_the_one_just_run(tmp_path, monkeypatch, capsys):
+    """A failing diagnosis points at the command that writes the HTML page; once the page
+    was asked for, the summary names it instead of the same command again."""
+    before, after = toy_repo.CHANGES["real"]
+    (tmp_path / "a.py").write_text(toy_repo.MODELS)
+    (tmp_path / "b.py").write_text(toy_repo.MODELS.replace(before, after))
+    monkeypatch.chdir(tmp_path)
+    command = ["diagnose", "a.py:make", "b.py:make", "--no-backward"]
+    assert main([*command, "--summary", "plain.md"]) == 1
+    assert "Next: `torchparity diagnose a.py:make b.py:make --no-backward --html " \
+           "diagnosis.html`" in (tmp_path / "plain.md").read_text()
+    assert main([*command, "--html", "page.html", "--summary", "with_html.md"]) == 1
+    summary = (tmp_path / "with_html.md").read_text()
+    assert "Next:" not in summary and "Full report: `page.html`" in summary
     capsys.readouterr()

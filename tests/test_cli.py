@@ -54,6 +54,20 @@ def test_debug_shows_the_traceback(raising_factory, tmp_path, capsys, before):
     assert last.startswith("torchparity record: error:") and f"(at {where})" in last
 
 
+@pytest.mark.parametrize("command", [["golden", "update"], ["golden", "verify"],
+                                     ["check"]], ids=" ".join)
+def test_every_command_that_says_debug_shows_the_traceback_takes_debug(
+        raising_factory, tmp_path, capsys, command):
+    """The hint is said wherever an error comes from the user's code; the subcommands of a
+    command (golden update) take the option too, wherever it stands."""
+    entry, _ = raising_factory
+    args = [*command, "--model", entry, "--golden-dir", str(tmp_path / "goldens")]
+    assert cli.main(args) == 3
+    assert capsys.readouterr().err.endswith("; --debug shows the traceback\n")
+    assert cli.main([*args, "--debug"]) == 3
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
 def test_an_unexpected_error_exits_3_naming_the_exception_and_frame(monkeypatch, capsys):
     def broken(args):
         return {}["no such key"]

@@ -43,8 +43,10 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``) and return its exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    # --debug is taken anywhere on the line, after a nested subcommand (golden update) too
+    plain = [arg for arg in argv if arg != "--debug"]
+    args = build_parser(plain).parse_args(plain)
+    args.debug = len(plain) < len(argv)
     args._argv = argv  # a command run as several ranks starts itself again (--nproc)
     prog = f"torchparity {args.command}"
     try:
@@ -147,17 +149,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"torchparity {__version__}")
     parser.add_argument("--debug", action="store_true",
-                        help="print the traceback of an unexpected error")
-    # Also accepted after the subcommand; SUPPRESS keeps an absent one from resetting it.
-    debug_after = _Parser(add_help=False)
-    debug_after.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                             help="print the traceback of an unexpected error")
+                        help="print the traceback of an unexpected error (anywhere on the "
+                             "line, after the command too)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, help_text in COMMANDS.items():
-        cmd_parser = sub.add_parser(name, help=help_text, description=help_text,
-                                    parents=[debug_after])
+        cmd_parser = sub.add_parser(name, help=help_text, description=help_text)
         cmd_parser.set_defaults(_module=f"torchparity.commands.{name}")
         if name == chosen:
             importlib.import_module(f"torchparity.commands.{name}").add_arguments(cmd_parser)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,9 @@ def test_across_revisions_and_on_the_command_line(tmp_path: Path, capsys) -> Non
     assert decode["first_op"] is None  # the trace holds no ops: said in one line, with how
     text = capsys.readouterr().out
     assert "layers.0.self_attn @ step 1" in text and max(map(len, text.splitlines())) <= 80
-    assert ("`torchparity record ENTRY --decode --ops layers.0.self_attn` adds them"
-            in " ".join(text.split()))
+    command = shlex.join(["torchparity", "record", f"{TOYS}:clean", "--decode", "--steps",
+                          str(STEPS), "-o", str(trace), "--ops", "layers.0.self_attn"])
+    assert f"`{command}` on A's code adds them" in " ".join(text.split())
     # --ops is refused, never ignored, with a decoding's trace
     assert main(["diagnose", f"{TOYS}:off_by_one", "--against", str(trace), "--ops",
                  "layers.0.self_attn"]) == 2

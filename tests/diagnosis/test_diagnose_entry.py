@@ -89,9 +89,11 @@ def assert_entry(report: tp.DiagnosisReport, name: str) -> None:
     assert first.entry is not None, report.render()
     assert (first.entry.module, first.entry.argument) == (module, argument), report.render()
     assert detail in first.entry.detail
-    expected = f"{module} argument {argument}"
+    expected = f"{module} through its argument {argument}" if first.ops else \
+        f"{module} argument {argument}"
     assert expected in report.summary()
-    assert expected in report.render(width=80).replace("\n", " ")
+    assert report.summary().count("It enters") == 1  # the module, the op, the line at once
+    assert expected in " ".join(report.render(width=80).split())
     assert json.loads(report.to_json())["rows"][report.rows.index(first)]["entry"] == {
         "module": module, "argument": argument, "detail": first.entry.detail, "via": "argument"}
     assert expected in report.to_html()

@@ -12,6 +12,8 @@ import copy
 import inspect
 import json
 import os
+import re
+import shlex
 from pathlib import Path
 
 import op_plants as plants
@@ -71,7 +73,11 @@ def test_planted_line_is_named(plant: type, case: str, module: str, kind: str) -
     assert op is not None and op["found"], report.render()
     assert planted_line(plant) in op["b_stack"], report.render()
     assert op["kind"] == kind, report.render()
-    assert f"It enters at {op['name']}" in report.summary()
+    summary = report.summary()
+    assert summary.count("It enters") == 1, summary  # the module, then the op, then the line
+    sentence = summary[summary.index("It enters at "):]
+    assert re.match(rf"It enters at {re.escape(module)}\b[^;]*, in {re.escape(op['name'])}[ ,]",
+                    sentence), summary
 
 
 def test_changed_argument_is_named() -> None:
@@ -364,8 +370,9 @@ def test_command_line_names_the_planted_line_in_80_columns(tmp_path, capsys) -> 
     # under the module's row, closed by the one sentence, which is said there only
     above = out[:out.index("op of decoder.layers.1.attn")].splitlines()
     assert above[-2].endswith(" decoder.layers.1.attn"), out
-    assert out.count("It enters at aten::") == 1
-    sentence = next(i for i, line in enumerate(table) if "It enters at aten::" in line)
+    assert out.count("It enters") == 1
+    sentence = next(i for i, line in enumerate(table) if "It enters at" in line)
+    assert table[sentence].startswith(" It enters at decoder.layers.1.attn, in aten::"), out
     assert any(line.endswith(" decoder.layers.1.mlp_norm") for line in table[sentence:])
 
 
@@ -469,17 +476,27 @@ def test_more_ops_records_a_library_modules_caller_and_answers_as_in_process(
     assert op["b_stack"][0] == f"{os.path.relpath(__file__)}:{line}", op
 
 
-def test_against_a_trace_without_ops_says_in_one_line_which_command_adds_them(
-        traces, tmp_path, capsys) -> None:
+def test_against_a_trace_without_ops_prints_the_command_that_adds_them(tmp_path,
+                                                                       capsys) -> None:
+    """The note names the trace's own record command with --ops: run as printed, the next
+    diagnosis drills down to the op."""
     from torchparity import cli
 
     plants_file = inspect.getsourcefile(plants)
-    assert cli.main(["diagnose", f"{plants_file}:make_b_scale", "--against",
-                     str(traces["plain"]), "--json", str(tmp_path / "d.json")]) == 1
-    found = json.loads((tmp_path / "d.json").read_text())
-    assert found["first_divergence"]["op"] is None
+    trace = tmp_path / "plain"
+    assert cli.main(["record", f"{plants_file}:make_a", "--no-backward", "-o", str(trace)]) == 0
+    diagnose = ["diagnose", f"{plants_file}:make_b_scale", "--against", str(trace),
+                "--json", str(tmp_path / "d.json")]
+    assert cli.main(diagnose) == 1
+    assert json.loads((tmp_path / "d.json").read_text())["first_divergence"]["op"] is None
     out = " ".join(capsys.readouterr().out.split())
-    assert "`torchparity record ENTRY --ops decoder.layers.1.attn` adds them" in out
+    command = shlex.join(["torchparity", "record", f"{plants_file}:make_a", "--no-backward",
+                          "-o", str(trace), "--ops", "decoder.layers.1.attn"])
+    assert f"`{command}` on A's code adds them" in out
+    assert cli.main(shlex.split(command)[1:]) == 0
+    assert cli.main(diagnose) == 1
+    op = json.loads((tmp_path / "d.json").read_text())["first_divergence"]["op"]
+    assert op["found"] and planted_line(plants.AttentionScale) in op["b_stack"]
 
 
 def test_record_ops_of_a_module_the_model_lacks_is_one_line(tmp_path, capsys) -> None:
@@ -571,7 +588,9 @@ def test_decoding_names_the_op_and_line_of_the_unwritten_cache_slot() -> None:
     cache_lines = {f"{os.path.relpath(toys)}:{start + i}" for i, line in enumerate(lines)
                    if "self.k_cache[..., " in line}  # the write and the read of the buffer
     assert cache_lines & set(op["b_stack"][:1]), op
-    assert "It enters at aten::" in report.summary()
+    assert report.summary().count("It enters") == 1
+    assert "It enters at layers.0.self_attn @ step 1 through its state k_cache (" in \
+        report.summary()
 
 
 def test_long_streams_align_by_signature_and_still_account_for_every_step(monkeypatch) -> None:
@@ -635,7 +654,8 @@ def test_a_gradient_only_change_is_drilled_in_its_backward_pass() -> None:
     a_line = next(f"{os.path.relpath(inspect.getsourcefile(RMSNorm))}:{start + i}"
                   for i, line in enumerate(lines) if "h.pow(2)" in line)
     assert planted_line(plants.RMSNormHalfGradient) in op["b_stack"] or a_line in op["a_stack"]
-    assert "In its backward pass: It enters at aten::" in report.summary()
+    assert "In its backward pass: It enters at decoder.layers.1.mlp_norm (backward), in aten::" \
+        in report.summary()
 
 
 def test_against_a_trace_with_ops_names_the_backward_op_as_in_process(tmp_path) -> None:

@@ -64,6 +64,7 @@ def test_check_base_fails_a_real_change_passes_a_reordered_sum_and_reuses_the_ba
     out, err = capsys.readouterr()
     assert toy_repo.state(repo) == before
     assert "goldens made in" in err and "from the cache" not in err
+    assert max(map(len, err.splitlines())) <= 80, err  # progress read in a CI log
     assert "FAIL models.make reference fp64 cpu outputs: diverged" in out
 
     lines = summary.read_text().splitlines()
@@ -86,6 +87,7 @@ def test_check_base_fails_a_real_change_passes_a_reordered_sum_and_reuses_the_ba
     out, err = capsys.readouterr()
     assert toy_repo.state(repo) == before
     assert "goldens from the cache" in err and "--no-base-cache" in err
+    assert max(map(len, err.splitlines())) <= 80, err
     assert not (repo / "golden").exists()  # the user's goldens are never written
     assert [p.name for p in cache.iterdir()] == [p.name for p in cache.iterdir()
                                                  if not p.name.startswith(".staging")]

@@ -111,16 +111,25 @@ def test_the_reproducer_runs_on_its_own_and_fails_the_same_way(tmp_path):
     assert _verdict_lines(reproduced) == _verdict_lines(message)
 
 
-def test_modules_given_as_instances_are_checked_without_a_reproducer():
+def test_modules_given_as_instances_are_saved_beside_a_reproducer_that_fails_the_same_way():
     for n_kv_heads in (4, 2):  # with MHA tiling is repeating; with groups of 2 it is not
         old, new = (cls(16, 4, n_kv_heads) for cls in (ut.ThreeProjectionAttention,
                                                         ut.TiledKVAttention))
         new.load_state_dict(old.state_dict())
         if n_kv_heads == 4:
             tp.assert_twins(old, new, PADDED, padding=MASK == 0)
-    with pytest.raises(TwinFailure, match="No reproducer: the old implementation is a module "
-                                          "instance; pass its class"):
+    with pytest.raises(TwinFailure) as failure:
         tp.assert_twins(old, new, PADDED, padding=MASK == 0)
+    message = str(failure.value)
+    assert all(len(line) <= 80 for line in message.splitlines()), message
+    path = Path(re.search(r"saved beside it\):\n  python (\S+)\n", message).group(1))
+    assert (path.parent / "twins.pt").is_file()
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    ran = subprocess.run([sys.executable, str(path)], cwd=path.anchor, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode != 0
+    reproduced = ran.stderr.split("TwinFailure: ")[1]
+    assert _verdict_lines(reproduced) == _verdict_lines(message)
 
 
 @pytest.mark.parametrize(("arguments", "message"), [

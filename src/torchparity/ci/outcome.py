@@ -13,7 +13,8 @@ from typing import Any
 
 from torchparity.diagnosis.decoding import DecodeReport
 from torchparity.diagnosis.report import DiagnosisReport
-from torchparity.diagnosis.results import Row, headroom, module_label, ratio, share_cell
+from torchparity.diagnosis.results import (Row, headroom, module_label, ratio, share_cell,
+                                          unknown_local)
 from torchparity.golden.cells import OWN_FLOAT64, CheckResult
 from torchparity.golden.report import budget_share
 
@@ -32,6 +33,7 @@ class Case:
     ok: bool
     message: str = ""
     skipped: str | None = None
+    note: str = ""  # a passing case's remark: where the divergence it carries entered
     judged_against: str | None = None  # a check's: the goldens its verdict is against
 
 
@@ -51,8 +53,9 @@ class Outcome:
     alerts: list[str] = field(default_factory=list)
     seconds: float | None = None  # the command's wall time, when known
     headline: str = ""  # one plain sentence: what changed, where, how much
-    next_step: str | None = None  # the exact command to run next
+    next_step: str | None = None  # the exact command to run next (never the one just run)
     legend: str | None = None  # what the table's symbols mean
+    full_report: str | None = None  # the HTML page the command wrote
 
 
 def check_outcome(results: list[CheckResult], subject: str,
@@ -128,7 +131,7 @@ def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str,
     shown = [r for r in report.rows if _diverged(r)] if not ok else report.rows
     rows = [[f"`{r.module or '(model)'}`", r.module_type, share_cell(r.local),
              share_cell(r.propagated)] for r in shown]
-    cases = [_module_case(r, first) for r in report.rows]
+    cases = [_module_case(r, report.rows, first) for r in report.rows]
     if ok:
         headline = "No module's own error leaves the rounding its budget allows."
     elif first is not None:
@@ -227,28 +230,49 @@ def _cell_row(case: str, cell: Any, results: list[CheckResult]) -> list[str]:
             "≡" if identical or used is None else budget_share(used)]
 
 
-def _module_case(row: Row, first: Row | None) -> Case:
-    """A module's case fails when its own local error diverged, and also when only its
-    output in B's own run did: a divergence it inherits is still a divergence of its output,
-    and the message says where it entered and what the module's own error was."""
-    name = row.module or "(model)"
-    local, propagated = row.local, row.propagated
+def _module_case(row: Row, rows: list[Row], first: Row | None) -> Case:
+    """A module's case fails where a divergence enters: its own local error (or its local
+    gradient error) breaks its budget while no module inside it does. A module that only
+    carries a divergence (its output in B's own run, or a container's replay around a child
+    that changed) passes, with the verdict of its output and a note saying where it entered."""
+    name = module_label(row.module)
+    local, propagated, grad = row.local, row.propagated, row.grad_local
+    inside = [r for r in rows if r is not row and _contains(row, r)]
     if local is not None and not local.ok:
-        return Case("torchparity.diagnose", name, local.verdict, False, local.explain())
+        changed = next((r for r in inside if r.local is not None and not r.local.ok), None)
+        if changed is None:
+            return Case("torchparity.diagnose", name, local.verdict, False, local.explain())
+        return Case("torchparity.diagnose", name, local.verdict, True,
+                    note=f"inherited: its replay diverges ({ratio(headroom(local))} of its "
+                         f"budget) because it contains {module_label(changed.module)}, "
+                         "whose own local error breaks its budget")
+    if grad is not None and not grad.ok and not any(
+            r.grad_local is not None and not r.grad_local.ok for r in inside):
+        return Case("torchparity.diagnose", name, grad.verdict, False,
+                    f"its local gradient error breaks its budget: {grad.explain()}")
     if propagated is not None and not propagated.ok:
+        if unknown_local(row):
+            return Case("torchparity.diagnose", name, propagated.verdict, True,
+                        skipped="its output in B's own run diverged and its own local error "
+                                "is unknown: its replay on A's inputs failed")
         own = "not computed" if local is None else local.verdict
         source = (f"; it enters at {module_label(first.module)}" if first is not None and
                   first is not row else "")
-        message = (f"its output in B's own run diverged ({ratio(headroom(propagated))} of its "
-                   f"budget), inherited: its own local error is {own}{source}. "
-                   f"{propagated.explain()}")
-        return Case("torchparity.diagnose", name, propagated.verdict, False, message)
+        return Case("torchparity.diagnose", name, propagated.verdict, True,
+                    note=f"inherited: its output in B's own run diverged "
+                         f"({ratio(headroom(propagated))} of its budget), its own local "
+                         f"error is {own}{source}")
     if row.structure:  # told apart from a numeric verdict, as every report does
         return Case("torchparity.diagnose", name, "structure differs", True)
     compared = [r for r in (local, propagated) if r is not None]
     verdicts = {r.verdict for r in compared}
     verdict = next((v for v in ("within", "not compared", "identical") if v in verdicts), "-")
     return Case("torchparity.diagnose", name, verdict, True)
+
+
+def _contains(parent: Row, row: Row) -> bool:
+    """Whether ``row``'s module is inside ``parent``'s (the model contains every one)."""
+    return not parent.module or row.module.startswith(f"{parent.module}.")
 
 
 def _diverged(row: Row) -> bool:

@@ -58,6 +58,8 @@ def summary_markdown(outcome: Outcome) -> str:
         lines += [_one_line(outcome.headline), ""]
     if outcome.next_step:
         lines += [f"Next: `{outcome.next_step}`", ""]
+    elif outcome.full_report and not outcome.ok:
+        lines += [f"Full report: `{outcome.full_report}`", ""]
     lines += [_one_line(outcome.verdict), "", f"Compared: {outcome.subject}", ""]
     lines += [f"- {_one_line(finding)}" for finding in outcome.findings]
     if outcome.findings:
@@ -101,6 +103,9 @@ def junit_xml(outcome: Outcome) -> str:
             failure.text = case.message
         elif case.skipped is not None:
             ET.SubElement(element, "skipped", message=case.skipped)
+        if case.note:
+            ET.SubElement(properties, "property", name="note", value=case.note)
+            ET.SubElement(element, "system-out").text = case.note
     ET.indent(suites)
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
 

@@ -70,19 +70,28 @@ def base_side(args: argparse.Namespace) -> BaseSide | None:
     return BaseSide(args.base, python=args.base_python, use_cache=args.base_cache)
 
 
-def full_report_command(args: argparse.Namespace) -> str:
-    """This very command with ``--html`` (when it had none): every module, its cells'
-    evidence and the chart, for the reader of a CI summary."""
+def full_report_command(args: argparse.Namespace) -> str | None:
+    """This very command with ``--html``: every module, its cells' evidence and the chart,
+    for the reader of a CI summary; None when it had ``--html`` (the page is written)."""
+    if args.html:
+        return None
+    kept = without_options(args._argv, ("--summary", "--junit"))  # CI's paths: not again
+    return shlex.join(["torchparity", *kept, "--html", "diagnosis.html"])
+
+
+def without_options(argv: list[str], valued: tuple[str, ...], flags: tuple[str, ...] = ()
+                    ) -> list[str]:
+    """``argv`` without the options ``valued`` (with their values, spelt either way) and the
+    ``flags``."""
     kept, skip = [], False
-    for arg in args._argv:  # the CI reports' own paths are not needed again
+    for arg in argv:
         if skip:
             skip = False
-        elif arg in ("--summary", "--junit"):
+        elif arg in valued:
             skip = True
-        elif not arg.startswith(("--summary=", "--junit=")):
+        elif arg not in flags and not arg.startswith(tuple(f"{o}=" for o in valued)):
             kept.append(arg)
-    html = [] if args.html else ["--html", "diagnosis.html"]
-    return shlex.join(["torchparity", *kept, *html])
+    return kept
 
 
 def next_step_command(base: str | None, subjects: list[Subject], results: list) -> str | None:

@@ -106,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         report, compared = _two_models(args, name_map), " and ".join(args.entries)
     report.show(Console(), args.json, args.html)
-    publish(diagnosis_outcome(report, f"{args.entries[-1]} against {compared}",
-                              time.perf_counter() - started, full_report_command(args)),
-            args.summary, args.junit)
+    outcome = diagnosis_outcome(report, f"{args.entries[-1]} against {compared}",
+                                time.perf_counter() - started, full_report_command(args))
+    outcome.full_report = args.html
+    publish(outcome, args.summary, args.junit)
     return report.exit_status
 
 

@@ -8,7 +8,9 @@ decoding instead of one forward (and backward) pass.
 from __future__ import annotations
 
 import argparse
+import shlex
 
+from torchparity.commands.common import without_options
 from torchparity.commands.decode_options import add_decode_arguments, decode_options
 from torchparity.commands.trace_options import (
     add_selection_arguments,
@@ -57,12 +59,14 @@ def run(args: argparse.Namespace) -> int:
                              step=subject.stepper(), reorder=subject.reorderer(),
                              include=args.include, exclude=args.exclude,
                              backend=args.backend, dtype=dtype_option(args),
-                             rebuild=rebuilt(args.entry), ops=args.ops, **decoding)
+                             rebuild=rebuilt(args.entry), ops=args.ops,
+                             recorded_by=_recorded_by(args), **decoding)
     else:
         path = record(subject.model, subject.inputs, args.output, loss_fn=subject.loss_fn,
                       backward=args.backward, include=args.include, exclude=args.exclude,
                       backend=args.backend, dtype=dtype_option(args), padding=subject.padding,
-                      ops=args.ops, ops_only=args.ops_only)
+                      ops=args.ops, ops_only=args.ops_only,
+                      recorded_by=_recorded_by(args))
     meta = meta_from_json(open_trace(path)[0])
     warning = golden_warning(meta.golden)
     if warning:
@@ -74,3 +78,9 @@ def run(args: argparse.Namespace) -> int:
         what = f"a decoding of {meta.steps} step(s){search} of"
     print(f"recorded {what} {type(subject.model).__name__} to {path}".replace("  ", " "))
     return 0
+
+
+def _recorded_by(args: argparse.Namespace) -> str:
+    """This record command line without its ``--ops`` choice: kept in the trace, so that a
+    drill-down missing A's ops of a module prints the command that adds them."""
+    return shlex.join(["torchparity", *without_options(args._argv, ("--ops",), ("--ops-only",))])

@@ -191,6 +191,7 @@ def record(
     padding: PaddingLike = None,
     ops: str | None = None,
     ops_only: bool = False,
+    recorded_by: str | None = None,
 ) -> Path:
     """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
 
@@ -205,8 +206,9 @@ def record(
     :func:`diagnose_against` drills down to the op (:mod:`torchparity.diagnosis.ops.recorded`).
     ``ops_only`` writes only what that drill-down reads: the modules' calls' inputs, output
     gradients and ops (one forward and backward of A, no golden, no replays), as ``diagnose
-    --base`` records the first divergent module (and its caller) at the base. Returns the
-    path.
+    --base`` records the first divergent module (and its caller) at the base.
+    ``recorded_by`` is the command line that records it, kept so that a drill-down missing
+    A's ops can say how to add them. Returns the path.
     """
     # the root as reports name it: its forward's calls of library modules have its lines
     modules = None if ops is None else \
@@ -235,7 +237,8 @@ def record(
                 # The trace must serve any later candidate: every call is replayed now.
                 reference.replay_all(bar)
             missing = [] if ops is None else _keep_ops(reference, cast, modules, opts, bar)
-        meta = trace_meta(reference, model, inputs, opts, dtype)
+        meta = dataclasses.replace(trace_meta(reference, model, inputs, opts, dtype),
+                                   recorded_by=recorded_by)
         if ops is not None:
             meta = dataclasses.replace(meta, ops=KeptOps(ops, ops_only, missing))
         return writer.commit(meta.to_json())

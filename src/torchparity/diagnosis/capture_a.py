@@ -187,7 +187,8 @@ def open_reference(path: str | Path) -> tuple[Reference, ForwardTraceMeta]:
     reference = Reference(calls=[call_from_json(c) for c in meta.calls], store=store,
                           golden=golden, no_golden=no_golden, mode=meta.mode,
                           notes=meta.notes,
-                          source=str(path), signatures=meta.signatures,
+                          source=str(path), recorded_by=meta.recorded_by,
+                          signatures=meta.signatures,
                           states={name: [(clock, store.get_inputs(state_key(name, clock))[1])
                                          for clock in clocks]
                                   for name, clocks in meta.states.items()})
@@ -216,7 +217,7 @@ def open_decode_reference(path: str | Path) -> tuple[DecodeReference, DecodeTrac
         calls={int(s): [_decode_call(c) for c in calls] for s, calls in meta.calls.items()},
         store=store, signatures=meta.signatures, mode=meta.mode,
         golden=described, no_golden=no_golden,
-        source=str(path), notes=list(meta.notes),
+        source=str(path), recorded_by=meta.recorded_by, notes=list(meta.notes),
         parents=None if parents is None else torch.tensor(parents, dtype=torch.long),
         beams=None if beams is None else BeamSettings(**beams),
         choices=None if choices is None else [

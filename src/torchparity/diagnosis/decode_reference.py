@@ -86,6 +86,7 @@ class DecodeReference:
     no_golden: str | None = None
     mode: str = ""
     source: str = "in-process"
+    recorded_by: str | None = None  # a trace's record command line, when it has one
     notes: list[str] = field(default_factory=list)
     parents: torch.Tensor | None = None
     beams: BeamSettings | None = None

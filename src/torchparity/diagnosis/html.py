@@ -82,8 +82,9 @@ def html_page(report: Any) -> str:
     return page("torchparity diagnosis",
                 f"<p class='summary'>{html.escape(report.summary())}</p>"
                 + "".join(plots) + _html_table(report) + legend(report)
-                + "".join(ops.to_html() for r in report.rows for ops in (r.ops, r.grad_ops)
-                          if ops is not None) + unmatched + notes
+                + "".join(ops.to_html(r.entry if ops is r.ops else None) for r in report.rows
+                          for ops in (r.ops, r.grad_ops) if ops is not None)
+                + unmatched + notes
                 + settings_details(report.meta.to_json()))
 
 

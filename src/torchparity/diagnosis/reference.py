@@ -67,6 +67,7 @@ class Reference:
     mode: str = ""
     notes: dict[str, str] = field(default_factory=dict)
     source: str = "in-process"
+    recorded_by: str | None = None  # a trace's record command line, when it has one
     replayer: Callable[[ModuleCall], None] | None = None
     replayed: set[str] = field(default_factory=set)
     judging_seconds: float = 0.0  # spent judging B's tensors while B runs (``quick``)

@@ -135,10 +135,11 @@ class DiagnosisReport(Report):
                     f"local error {ratio(headroom(first.local))} of budget")
             parts.append(f"First divergence: {module_label(first.module)} ({first.module_type}), "
                          f"{what}.")
-            if first.entry is not None:
+            found = first.ops is not None and first.ops.answer is not None
+            if first.entry is not None and not found:
                 parts.append(f"It enters at {first.entry}.")
             if first.ops is not None and ops:
-                parts.append(first.ops.sentence())
+                parts.append(first.ops.sentence(first.entry))
         if self.meta.backward:
             grad = self.first_grad_divergence
             parts.append("No gradient diverges locally." if grad is None else
@@ -316,7 +317,7 @@ class DiagnosisReport(Report):
         for index, r in enumerate(self.rows):
             if shown is not None and index not in shown:
                 continue
-            if r.entry is not None:
+            if r.entry is not None and (r.ops is None or r.ops.answer is None):
                 lines.append(f"{module_label(r.module)}: the divergence enters at {r.entry}")
             lines += [f"{module_label(r.module)}: {shape_difference(d)}" for d in r.shapes]
             lines += [f"{module_label(r.module)}: structure differs at {structure_difference(d)}"
@@ -470,10 +471,11 @@ def _ops_lines(row: Row, width: int) -> tuple[tuple[str, str | None], ...]:
     """The op tables of a row drilled down (forward, backward), each closed by its sentence
     wrapped at spaces (a path is never cut)."""
     lines = []
-    for ops, lead in ((row.ops, ""), (row.grad_ops, "In its backward pass: ")):
+    for ops, lead, entry in ((row.ops, "", row.entry),
+                             (row.grad_ops, "In its backward pass: ", None)):
         if ops is not None:
             lines += ops.table_lines(width)
             lines += [(f" {text}", "bold") for text in textwrap.wrap(
-                lead + ops.sentence(), width - 1, break_long_words=False,
+                lead + ops.sentence(entry), width - 1, break_long_words=False,
                 break_on_hyphens=False)]
     return tuple(lines)

@@ -47,6 +47,7 @@ class ForwardTraceMeta:
     notes: list[str]
     padding: dict[str, Any] | None = None  # None: a trace from before padding was kept
     ops: KeptOps | None = None  # written only when record kept ops
+    recorded_by: str | None = None  # the record command line (None: the Python API)
 
     def to_json(self) -> dict[str, Any]:
         data = {"schema": SCHEMA, **_fields(self)}
@@ -84,6 +85,7 @@ class DecodeTraceMeta:
     beams: dict[str, Any] | None = None  # its settings
     choices: list[dict[str, Any]] | None = None  # A's choices per step
     sample: dict[str, Any] | None = None  # a sampled decoding's settings
+    recorded_by: str | None = None  # the record command line (None: the Python API)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, "kind": DECODE, **_fields(self)}

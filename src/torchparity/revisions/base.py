@@ -28,6 +28,7 @@ from typing import Any
 from torchparity.golden.store import SCHEMA_VERSION
 from torchparity.revisions import cache
 from torchparity.revisions.worktree import Repository, RevisionError
+from torchparity.text import wrapped
 
 #: Distributions whose versions change the numbers a base side makes.
 NUMERIC_DISTRIBUTIONS = ("torch", "transformers", "numpy", "safetensors", "torchparity")
@@ -277,4 +278,5 @@ def _cpu_capability() -> str:
 
 
 def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """One step on stderr, read in CI logs: wrapped to 80 columns, paths whole."""
+    print(wrapped(line), file=sys.stderr, flush=True)

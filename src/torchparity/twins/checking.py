@@ -22,12 +22,21 @@ CacheFactory = Callable[[], Any]
 
 
 class TwinFailure(AssertionError):
-    """A failed twin check: the message explains it; ``verdict`` and ``example`` (the
-    arguments of the check: ``inputs``, ``init``, ``dtype``, ...) say what failed where."""
+    """A failed twin check: the message explains it, and ends with the reproducer
+    ``reproduce`` writes; ``verdict`` and ``example`` (the arguments of the check:
+    ``inputs``, ``init``, ``dtype``, ...) say what failed where."""
 
-    def __init__(self, message: str, verdict: TwinVerdict, example: dict[str, Any]) -> None:
-        super().__init__(message)
+    def __init__(self, verdict: TwinVerdict, example: dict[str, Any],
+                 reproduce: Callable[[], str]) -> None:
+        super().__init__(verdict.explain())
         self.verdict, self.example = verdict, example
+        self._reproduce, self._message = reproduce, None
+
+    def __str__(self) -> str:
+        # Made when first read: a search's shrinking raises many failures, reads one.
+        if self._message is None:
+            self._message = f"{self.verdict.explain()}\n\n{self._reproduce()}"
+        return self._message
 
 
 def check(old: Buildable, new: Buildable, inputs: Inputs, *, dtype: str | torch.dtype = "fp32",
@@ -116,7 +125,6 @@ def assert_twins(old: Buildable, new: Buildable, inputs: Inputs, *,
         options = dict(dtype=dtype_name(dtype), backend=backend, init=init, seed=seed,
                        weight_map=weight_map, grads=grads, padding=padding, cache=cache,
                        device=None if str(device) == "cpu" else str(device))
-        raise TwinFailure(verdict.explain() + "\n\n"
-                          + reproducer.section(old, new, inputs, options),
-                          verdict, dict(options, inputs=inputs))
+        raise TwinFailure(verdict, dict(options, inputs=inputs),
+                          lambda: reproducer.section(old, new, inputs, options))
     return verdict

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from torchparity.comparison import Comparison, compare
+from torchparity.text import wrapped
 from torchparity.twins.running import Run
 
 
@@ -37,13 +38,14 @@ class TwinVerdict:
         return self.ok
 
     def explain(self) -> str:
-        """What was compared and, for each part, the comparison's own explanation."""
+        """What was compared and, for each part, the comparison's own explanation, in lines
+        of at most 80 columns."""
         where = f"{self.dtype}" + (f" on {self.backend}" if self.backend else "")
         parts = [f"twins in {where}: {'pass' if self.ok else 'FAIL'}",
                  "outputs: " + self.forward.explain()]
         if self.grads is not None:
             parts.append("gradients: " + self.grads.explain())
-        return "\n".join(parts)
+        return "\n".join(wrapped(part) for part in parts)
 
 
 def judge(candidate: Run, golden: Run, baselines: list[Run], rerun: Run, *,

@@ -3,13 +3,17 @@
 Classes, factories, weight-map functions and cache factories are named by their file and
 name (``path/to/file.py:Name``, loaded as ``torchparity check --model`` loads factories), so
 the script runs from any folder while the file is there; tensors are written out in full.
-Objects the script cannot rebuild (a module instance, a lambda, a function defined inside
-another) are named in one line instead of the script.
+Module instances are saved instead, with the inputs, into a folder beside the script (their
+classes are imported from where they were defined). Objects the script cannot rebuild (a
+lambda, a function defined inside another) are named in one line instead of the script.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,15 +28,16 @@ from torchparity.twins import Steps
 """
 
 
+#: The file beside the script that holds the saved module instances and inputs.
+SAVED = "twins.pt"
+
+
 class NotRebuildable(ValueError):
     """An argument of the check that a script cannot name."""
 
 
 def entry(obj: Any, label: str) -> str:
     """``path/to/file.py:Name`` of a class or function defined at the top of a file."""
-    if isinstance(obj, torch.nn.Module):
-        raise NotRebuildable(f"the {label} is a module instance; pass its class or a factory "
-                             f"(with init=) to get a reproducer")
     name = getattr(obj, "__qualname__", "")
     try:
         path = inspect.getsourcefile(obj)
@@ -44,12 +49,27 @@ def entry(obj: Any, label: str) -> str:
     return f"{path}:{name}"
 
 
-def script(old: Any, new: Any, inputs: Any, options: dict[str, Any]) -> str:
-    """The script's text; :class:`NotRebuildable` when some argument cannot be named."""
+def script(old: Any, new: Any, inputs: Any, options: dict[str, Any],
+           saved: Path | None = None) -> str:
+    """The script's text; :class:`NotRebuildable` when some argument cannot be named. With
+    ``saved``, the folder the script will sit in: module instances and the inputs are
+    written there and loaded back."""
     from torchparity.strategies import python_source  # hypothesis: only to write a script
 
-    lines = [HEADER, f"old = resolve_entry({entry(old, 'old implementation')!r})",
-             f"new = resolve_entry({entry(new, 'new implementation')!r})"]
+    lines = [HEADER]
+    if saved is not None:
+        objects = {side: obj for side, obj in (("old", old), ("new", new))
+                   if isinstance(obj, torch.nn.Module)}
+        tensors = {k: v for k, v in options.items() if isinstance(v, torch.Tensor)}
+        torch.save({**objects, **tensors, "inputs": inputs}, saved / SAVED)
+        lines += ["import sys", "from pathlib import Path", "",
+                  f"sys.path[:0] = {_import_roots(objects.values())!r}  # the classes' modules",
+                  f"saved = torch.load(Path(__file__).with_name({SAVED!r}), "
+                  "weights_only=False)"]
+    for side, label in (("old", "old implementation"), ("new", "new implementation")):
+        obj = old if side == "old" else new
+        lines.append(f"{side} = saved[{side!r}]" if isinstance(obj, torch.nn.Module) else
+                     f"{side} = resolve_entry({entry(obj, label)!r})")
     arguments = []
     for name, value in options.items():
         if value is None or (name in ("seed", "grads") and value in (0, True)):
@@ -60,10 +80,13 @@ def script(old: Any, new: Any, inputs: Any, options: dict[str, Any]) -> str:
             pair = value if isinstance(value, tuple) else (value,)
             named = [f"resolve_entry({entry(f, 'cache factory')!r})" for f in pair]
             lines.append(f"cache = {named[0] if len(named) == 1 else '(' + ', '.join(named) + ')'}")
+        elif saved is not None and isinstance(value, torch.Tensor):
+            lines.append(f"{name} = saved[{name!r}]")
         else:
             lines.append(f"{name} = {python_source(value)}")
         arguments.append(name)
-    lines.append(f"inputs = {_inputs_source(inputs)}")
+    lines.append("inputs = saved['inputs']" if saved is not None else
+                 f"inputs = {_inputs_source(inputs)}")
     call = ", ".join(["old", "new", "inputs", *(f"{n}={n}" for n in arguments)])
     lines.append(f"tp.assert_twins({call})")
     return "\n".join(lines) + "\n"
@@ -78,10 +101,33 @@ def _inputs_source(inputs: Any) -> str:
 
 
 def section(old: Any, new: Any, inputs: Any, options: dict[str, Any]) -> str:
-    """The reproducer as a failure message shows it, or the line saying why there is none."""
+    """The reproducer as a failure message shows it, or the line saying why there is none.
+    Module instances cannot be named: they are saved with the inputs beside the script."""
+    instances = any(isinstance(side, torch.nn.Module) for side in (old, new))
     try:
-        text = script(old, new, inputs, options)
+        if not instances:
+            text = script(old, new, inputs, options)
+            return ("Reproducer (a standalone script; save it and run it with python):\n"
+                    + "# --- reproducer ---\n" + text + "# --- end of reproducer ---")
+        folder = Path(tempfile.mkdtemp(prefix="torchparity-twins-"))
+        text = script(old, new, inputs, options, saved=folder)
     except NotRebuildable as exc:
         return f"No reproducer: {exc}."
-    return ("Reproducer (a standalone script; save it and run it with python):\n"
+    path = folder / "reproduce.py"
+    path.write_text(text)
+    return (f"Reproducer (the modules and inputs saved beside it):\n  python {path}\n"
             + "# --- reproducer ---\n" + text + "# --- end of reproducer ---")
+
+
+def _import_roots(modules: Any) -> list[str]:
+    """The folders to put first on ``sys.path`` so that the classes of ``modules`` (and of
+    their submodules) import under the names pickle saved them by."""
+    roots = []
+    for module in modules:
+        for cls in {type(m) for m in module.modules()}:
+            source = getattr(sys.modules.get(cls.__module__), "__file__", None)
+            if source is None or cls.__module__.split(".")[0] in ("torch", "torchparity"):
+                continue
+            depth = cls.__module__.count(".") + (Path(source).name == "__init__.py")
+            roots.append(str(Path(source).resolve().parents[depth]))
+    return list(dict.fromkeys(roots))

@@ -24,7 +24,7 @@ judges where B would keep other hypotheses). No gradients are taken.
 
 from __future__ import annotations
 
-import shlex
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,7 @@ from torchparity.diagnosis.decoding.sampling import first_changed_draws
 from torchparity.diagnosis.entry import argument_entry
 from torchparity.diagnosis.float64_golden import add_decode_golden, float64_decoding
 from torchparity.diagnosis.ops import judged_streams, ops_at_steps
-from torchparity.diagnosis.ops.recorded import ASide, put_side, recorded_side
+from torchparity.diagnosis.ops.recorded import ASide, missing_ops, put_side, recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_captured
 from torchparity.diagnosis.reference import describe_mode
@@ -176,6 +176,7 @@ def record_decode(
     reorder: ReorderFn | None = None,
     sample: SampleSettings | None = None,
     ops: str | None = None,
+    recorded_by: str | None = None,
 ) -> Path:
     """Write A's side of a decoding diagnosis to the trace ``path`` (run it on the base
     revision; :func:`diagnose_decode_against` judges another revision against it).
@@ -187,7 +188,9 @@ def record_decode(
     temporary directory that replaces ``path`` only when complete. Arguments as in
     :func:`diagnose_decode`; ``backend`` must be a name. ``ops`` (``MODULE[,MODULE]``) also
     keeps A's ops of each module's first call at every step (one more decoding of A per
-    module), so that :func:`diagnose_decode_against` drills down to the op. Returns the path.
+    module), so that :func:`diagnose_decode_against` drills down to the op. ``recorded_by``
+    is the command line that records it, kept so that a drill-down missing A's ops can say
+    how to add them. Returns the path.
     """
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record_decode(backend=...) takes a backend name, which the trace "
@@ -209,7 +212,8 @@ def record_decode(
                 for at, ops_at in kept.items():
                     put_side(writer.store, step_key(module, at), ASide(ops_at, {}))
                 done()
-        return writer.commit(decode_meta(reference, model, inputs, opts, dtype).to_json())
+        meta = decode_meta(reference, model, inputs, opts, dtype)
+        return writer.commit(dataclasses.replace(meta, recorded_by=recorded_by).to_json())
 
 
 @with_older_objects_frozen
@@ -256,10 +260,8 @@ def diagnose_decode_against(
                 kept = recorded_side(open_trace(more_ops([module]))[1], key, False)
                 done()
             if kept is None:
-                report.meta.notes.append(
-                    f"no op drill-down: the trace does not hold A's ops of {module}; "
-                    f"`torchparity record ENTRY --decode --ops {shlex.quote(module)}` "
-                    "adds them")
+                report.meta.notes.append(missing_ops(reference.recorded_by, module,
+                                                     decode=True))
             else:
                 _drill_down(report, side, reference, bar, lambda: kept.steps)
     report.meta = with_weights(report.meta, weights)

@@ -99,10 +99,11 @@ class DecodeReport(Report):
                 if row.entry is not None and row.entry.via == "reorder":
                     parts.append(f"It enters through the reorder before step "
                                  f"{self.first_step}: {row.entry.argument} {row.entry.detail}.")
-                elif row.entry is not None:
+                elif row.entry is not None and (row.ops is None or row.ops.answer is None
+                                                or row.entry.via == "code"):
                     parts.append(row.entry.sentence())
                 if row.ops is not None:
-                    parts.append(row.ops.sentence())
+                    parts.append(row.ops.sentence(row.entry, self.first_module_label))
             elif self.rows:
                 parts.append("No module's output leaves its budget at that step.")
         real = sum(f.verdict == "real change" for f in self.flips)

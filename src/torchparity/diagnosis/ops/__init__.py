@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import shlex
 from collections.abc import Iterator
 
 import torch
@@ -35,7 +34,7 @@ from torchparity.diagnosis.ops.backward import capture_backward
 from torchparity.diagnosis.ops.capture import Step, capture_steps, capturing_first_call
 from torchparity.diagnosis.ops.determinism import run_to_run_spreads
 from torchparity.diagnosis.ops.judge import golden_on_inputs, judge_ops
-from torchparity.diagnosis.ops.recorded import ASide, keep_ops, recorded_side
+from torchparity.diagnosis.ops.recorded import ASide, keep_ops, missing_ops, recorded_side
 from torchparity.diagnosis.ops.report import OpReport
 from torchparity.diagnosis.reference import ModuleCall, Reference, placed_on
 from torchparity.diagnosis.results import module_label
@@ -75,9 +74,7 @@ def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
     if model_a is None:
         side = recorded_side(reference.store, a_call.key, backward)
         if side is None:
-            label = module_label(a_call.name)
-            return (f"no op drill-down: the trace does not hold A's ops of {label}; "
-                    f"`torchparity record ENTRY --ops {shlex.quote(label)}` adds them")
+            return missing_ops(reference.recorded_by, module_label(a_call.name))
     else:
         side = a_side(reference, a_call, model_a, opts, backward)
     module_b = dict(model_b.named_modules())[b_call.name]

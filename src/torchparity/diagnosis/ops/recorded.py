@@ -12,6 +12,7 @@ steps.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -21,7 +22,7 @@ from torchparity.diagnosis.capture import ModuleCall
 from torchparity.diagnosis.ops.capture import Frame, Step
 from torchparity.diagnosis.trace import ReplayUnavailable, Store
 
-__all__ = ["ASide", "keep_ops", "put_side", "recorded_side"]
+__all__ = ["ASide", "keep_ops", "missing_ops", "put_side", "recorded_side"]
 
 
 @dataclass
@@ -103,3 +104,14 @@ def _by_step(flat: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]
 def _key(key: str, backward: bool) -> str:
     """Where a call's ops are kept: a key of their own beside the call's."""
     return f"{key}:{'grad_ops' if backward else 'ops'}"
+
+
+def missing_ops(recorded_by: str | None, module: str, decode: bool = False) -> str:
+    """Why a drill-down against a trace stops at ``module``, and the exact way on: the
+    trace's own record command with ``--ops`` (run where A's code is), or the Python API's
+    argument for a trace the API wrote."""
+    why = f"no op drill-down: the trace does not hold A's ops of {module}"
+    if recorded_by is None:
+        call = "record_decode" if decode else "record"
+        return f"{why}; record it again with tp.{call}(..., ops={module!r})"
+    return f"{why}; `{recorded_by} --ops {shlex.quote(module)}` on A's code adds them"

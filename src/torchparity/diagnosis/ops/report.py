@@ -10,7 +10,7 @@ from torchparity.diagnosis.columns import Line, layout
 from torchparity.diagnosis.html import html_cell
 from torchparity.diagnosis.ops.capture import Step
 from torchparity.diagnosis.ops.judge import OpLine
-from torchparity.diagnosis.results import Result, headroom, share_cell
+from torchparity.diagnosis.results import Entry, Result, headroom, module_label, share_cell
 
 __all__ = ["OpReport"]
 
@@ -32,11 +32,14 @@ class OpReport:
     def answer(self) -> OpLine | None:
         return None if self.first is None else self.lines[self.first]
 
-    def sentence(self) -> str:
-        """``It enters at aten::mul (B: path:line "code"; A: path:line "code").``"""
+    def sentence(self, entry: Entry | None = None, label: str | None = None) -> str:
+        """Where the divergence enters, in one sentence: the module (``label``, by default
+        its name; and the argument or state it comes through, when the entry stage found
+        one), the op, then the lines: ``It enters at attn through its argument mask (...),
+        in aten::mul (B: path:line "code"; A: path:line "code").``"""
         line = self.answer
         if line is None:
-            return (f"No op of {self.module or '(model)'}'s own code leaves its budget "
+            return (f"No op of {module_label(self.module)}'s own code leaves its budget "
                     f"({len(self.lines)} steps aligned).")
         a, b = line.pair.a or line.replaces, line.pair.b
         sides = "; ".join(f"{side}: {_where(step, other)}"
@@ -45,7 +48,14 @@ class OpReport:
         if line.replaces is not None:
             kind += f" for {line.replaces.name}"
         args = f": {', '.join(line.pair.differences)}" if line.pair.differences else ""
-        return f"It enters at {line.pair.name}{kind} ({sides}){args}."
+        where, reaches = label or module_label(self.module), ""
+        if entry is not None and entry.via in ("argument", "state"):
+            through = f"its {entry.via} {entry.argument} ({entry.detail})"
+            if entry.module in (self.module, where):
+                where += f" through {through}"
+            else:  # a module inside, the first handed what the op made
+                reaches = f", and reaches {module_label(entry.module)} through {through}"
+        return f"It enters at {where}, in {line.pair.name}{kind} ({sides}){args}{reaches}."
 
     @property
     def has_source(self) -> bool:
@@ -63,8 +73,9 @@ class OpReport:
                 "steps": [_line_dict(x) for x in self.lines],
                 "notes": self.notes}
 
-    def to_html(self) -> str:
-        """Every aligned step as an HTML table, both sides' source lines side by side."""
+    def to_html(self, entry: Entry | None = None) -> str:
+        """Every aligned step as an HTML table, both sides' source lines side by side, under
+        :meth:`sentence`."""
         heads = ["#", "op", "shape", "local", "prop.", "A's line", "B's line", "arguments"]
         rows = []
         for i, line in enumerate(self.lines):
@@ -80,7 +91,7 @@ class OpReport:
             rows.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
         head = "".join(f"<th>{h}</th>" for h in heads)
         return (f"<h2>Ops of {html.escape(self.module or '(model)')}</h2>"
-                f"<p class='summary'>{html.escape(self.sentence())}</p>"
+                f"<p class='summary'>{html.escape(self.sentence(entry))}</p>"
                 f"<table class='ops'><thead><tr>{head}</tr></thead><tbody>" + "\n".join(rows)
                 + "</tbody></table>")
 
