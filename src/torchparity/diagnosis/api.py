@@ -54,6 +54,7 @@ from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.float64_golden import add_golden, float64_departure
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.ops import OpReport, a_side, drill_down, keep_ops
+from torchparity.diagnosis.ops.library import built_at, in_callers_code
 from torchparity.diagnosis.ops.recorded import recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
@@ -475,10 +476,36 @@ def _drilled(reference: Reference, matches: list, rows: list, index: int, model_
         if not isinstance(found, str) and not found.has_source and parent is not None:
             caller = drill_down(reference, matches[parent], model_a, model_b, opts,
                                 backward=backward, changing=changing)
-            found = found if isinstance(caller, str) else caller
+            if isinstance(caller, str):
+                pass  # the module's own ops, without the line that calls it
+            elif found.answer is None and caller.answer is not None:
+                found = caller  # the module's ops name nothing: the caller's code does
+            else:
+                found = _in_callers_code(found, caller, rows, index, parent, matches,
+                                         model_a, model_b)
     except Exception as exc:  # noqa: BLE001 - the module's verdicts stand without it
         found = f"op drill-down failed: {type(exc).__name__}: {first_line(exc)}"
     return found
+
+
+def _in_callers_code(found: OpReport, caller: OpReport, rows: list, index: int, parent: int,
+                     matches: list, model_a: nn.Module | None, model_b: nn.Module) -> OpReport:
+    """A library module's ops (row ``index``) at the line of its caller (row ``parent``)
+    that calls it, with where each side built it (A's only when A is in this process)."""
+    module = rows[index].module.split("#")[0]
+    nth = sum(1 for r in rows if r.module.split("#")[0] == module
+              and rows[parent].start <= r.start < rows[index].start)
+    sides = {"A": (matches[index].a[0], matches[parent].a[0], model_a),
+             "B": (matches[index].b[0], matches[parent].b[0], model_b)}
+    calls = {side: _below(call.name, outer.name) for side, (call, outer, _) in sides.items()}
+    built = {side: built_at(model, call.name) for side, (call, _, model) in sides.items()
+             if model is not None}
+    return in_callers_code(found, caller, calls, nth, built)
+
+
+def _below(name: str, outer: str) -> str:
+    """Module ``name`` as its caller ``outer``'s op stream names it."""
+    return name[len(outer) + 1:] if outer else name
 
 
 def _parent_row(rows: list, index: int) -> int | None:
