@@ -71,6 +71,7 @@ def argument_differences(a: Step, b: Step) -> list[str]:
         left, right = (_text(s.scalars[name]) if name in s.scalars else "default"
                        for s in (a, b))
         if left != right:
+            left, right = _shown(left, right)
             found.append(f"{name} {left} (A) vs {right} (B)")
     if a.op != b.op:
         found.insert(0, f"op {a.name} (A) vs {b.name} (B)")
@@ -79,6 +80,29 @@ def argument_differences(a: Step, b: Step) -> list[str]:
 
 def _text(value: object) -> str:
     return repr(value)
+
+
+def _shown(left: str, right: str) -> tuple[str, str]:
+    """Two differing arguments as a report writes them: a float that is a float32 exactly
+    (an ``eps`` torch casts before the op sees it) by the shortest text that reads back as
+    that float32, unless that would make the two read alike."""
+    short = _shortest_float32(left), _shortest_float32(right)
+    return (left, right) if short[0] == short[1] else short
+
+
+def _shortest_float32(text: str) -> str:
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    single = torch.tensor(value, dtype=torch.float32)
+    if value != float(single):
+        return text
+    for digits in range(1, 10):  # 9 significant digits tell any two float32 apart
+        short = repr(float(f"{value:.{digits}g}"))
+        if torch.tensor(float(short), dtype=torch.float32) == single:
+            return short if len(short) < len(text) else text
+    return text
 
 
 def _sequence(a: list[Step], b: list[Step], partners: dict[int, int]) -> list[Pair]:
