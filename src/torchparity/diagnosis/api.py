@@ -54,7 +54,7 @@ from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.float64_golden import add_golden, float64_departure
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.ops import OpReport, a_side, drill_down, keep_ops
-from torchparity.diagnosis.ops.library import built_at, in_callers_code
+from torchparity.diagnosis.ops.library import built_at, holds_other_tensors, in_callers_code
 from torchparity.diagnosis.ops.recorded import recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
@@ -478,8 +478,9 @@ def _drilled(reference: Reference, matches: list, rows: list, index: int, model_
                                 backward=backward, changing=changing)
             if isinstance(caller, str):
                 pass  # the module's own ops, without the line that calls it
-            elif found.answer is None and caller.answer is not None:
-                found = caller  # the module's ops name nothing: the caller's code does
+            elif (found.answer is None or holds_other_tensors(found)) and \
+                    caller.answer is not None:
+                found = caller  # the module's code changed nothing: the caller's did
             else:
                 found = _in_callers_code(found, caller, rows, index, parent, matches,
                                          model_a, model_b)

@@ -22,7 +22,17 @@ from torch import nn
 from torchparity.diagnosis.ops.capture import Frame, Step, display_path
 from torchparity.diagnosis.ops.report import OpReport
 
-__all__ = ["built_at", "in_callers_code"]
+__all__ = ["built_at", "holds_other_tensors", "in_callers_code"]
+
+
+def holds_other_tensors(found: OpReport) -> bool:
+    """Whether ``found``'s answer is an op that reads only tensors no op of the call made, and
+    whose local error agrees: B's module, replayed on A's inputs, holds other values (another
+    module's weights, which its caller chose), so its code is not where the change is."""
+    line = found.answer
+    return line is not None and line.pair.kind == "paired" and \
+        (line.local is None or line.local.ok) and \
+        all(p is None for p in line.pair.b.producers)
 
 
 def in_callers_code(found: OpReport, caller: OpReport, calls: dict[str, str], nth: int,
