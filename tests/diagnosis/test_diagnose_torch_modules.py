@@ -95,14 +95,31 @@ def test_a_torch_module_changed_after_it_was_built_has_one_constructor_line() ->
     assert f"ln2 was built at {built}" in " ".join(printed.split()), printed
 
 
-def test_the_printed_op_part_says_call_and_constructor_lines_whole_in_80_columns() -> None:
-    model_a, model_b, ids = plants.pair(plants.LayerNormEps)
-    report = tp.diagnose(model_a, model_b, (ids,), backward=False)
-    lines = [text for text, _ in report.table_lines(80)]
+def test_the_command_line_says_call_and_constructor_lines_whole_in_80_columns(
+        tmp_path, capsys) -> None:
+    from torchparity import cli
+
+    plants_file = inspect.getsourcefile(plants)
+    assert cli.main(["diagnose", f"{plants_file}:make_a", f"{plants_file}:make_b_layer_norm",
+                     "--no-backward", "--json", str(tmp_path / "d.json")]) == 1
+    lines = capsys.readouterr().out.splitlines()
     assert all(len(line) <= 80 for line in lines), "\n".join(lines)
     words = " ".join(lines).split()
     assert source_line(plants.Block, "forward", "self.ln2(") in words, "\n".join(lines)
     assert source_line(plants.LayerNormEps, "__init__", "# planted") in words, "\n".join(lines)
+    assert "eps 1e-05 (A) vs 0.001 (B)" in " ".join(words)
+
+
+def test_against_a_trace_the_op_and_lines_are_as_in_process_and_b_built_it(tmp_path) -> None:
+    """A's ops of the norm and of its caller (the root) come from the trace; only B's model
+    is here to say where it was built."""
+    model_a, model_b, ids = plants.pair(plants.LayerNormEps)
+    trace = tp.record(model_a, (ids,), tmp_path / "t", backward=False, ops="ln2,(model)")
+    op = tp.diagnose_against(trace, model_b, (ids,)).to_dict()["first_divergence"]["op"]
+    in_process = drilled(plants.LayerNormEps)
+    same = ("module", "name", "kind", "a_stack", "b_stack", "code", "arguments")
+    assert {k: op[k] for k in same} == {k: in_process[k] for k in same}
+    assert op["built"] == {"b": in_process["built"]["b"]}, op
 
 
 # --- an installed package's code ---------------------------------------------------------------

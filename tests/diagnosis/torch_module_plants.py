@@ -56,3 +56,15 @@ def pair(plant: type) -> tuple[nn.Module, nn.Module, torch.Tensor]:
     model_b.load_state_dict(model_a.state_dict(), strict=False)
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
     return model_a, model_b, ids
+
+
+def make_a() -> tuple:
+    """A's block and its ids, as an entry of the command line."""
+    model_a, _, ids = pair(Block)
+    return model_a, (ids,)
+
+
+def make_b_layer_norm() -> tuple:
+    """B's block, its ``ln2`` built with ``eps=1e-3``, as an entry of the command line."""
+    _, model_b, ids = pair(LayerNormEps)
+    return model_b, (ids,)
