@@ -74,9 +74,11 @@ def test_a_max_norm_of_an_embedding_is_named_at_its_renorm_only_in_b() -> None:
                                                  "# planted")
 
 
-def test_a_linear_without_its_bias_is_named_at_its_own_ops() -> None:
+def test_a_linear_without_its_bias_is_named_at_its_addmm_only_in_a() -> None:
+    """A's addmm adds the bias that B's mm lacks; the view A's Linear returns is only its
+    reader."""
     op = drilled(plants.LinearNoBias)
-    assert op["module"] == "down" and op["kind"] == "only in A", op
+    assert (op["module"], op["name"], op["kind"]) == ("down", "aten::addmm", "only in A"), op
     assert op["a_stack"] == [source_line(plants.Block, "forward", "self.down(")], op
     assert op["built"]["b"]["code"] == "self.down = nn.Linear(2 * d, d, bias=False)  # planted"
 

@@ -153,7 +153,7 @@ def _by_signature(a: list[Step], b: list[Step]) -> list[Pair]:
 #: them are one computation only on outputs of as many dimensions (the reshapes around
 #: eager's matmuls and around sdpa's kernel are not; a view of 12 keys where A's has 11, the
 #: same layout of a longer cache, is).
-_LAYOUT = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::expand",
+LAYOUT = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::expand",
                      "aten::transpose", "aten::permute", "aten::unsqueeze", "aten::squeeze",
                      "aten::t"})
 
@@ -164,7 +164,7 @@ def _similarity(x: Step, y: Step, partners: dict[int, int]) -> float | None:
         return None
     sx, sy = x.signature, y.signature
     same_outputs = sx[3] == sy[3]
-    if (x.op in _LAYOUT or y.op in _LAYOUT) and [len(s) for s, _ in sx[3]] != \
+    if (x.op in LAYOUT or y.op in LAYOUT) and [len(s) for s, _ in sx[3]] != \
             [len(s) for s, _ in sy[3]]:
         return None
     if x.op != y.op and not (x.kind == "op" and same_outputs and _close(x, y)):
