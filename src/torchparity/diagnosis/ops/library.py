@@ -20,6 +20,7 @@ import textwrap
 from torch import nn
 
 from torchparity.diagnosis.ops.capture import Frame, Step, display_path
+from torchparity.diagnosis.ops.judge import OpLine
 from torchparity.diagnosis.ops.report import OpReport
 
 __all__ = ["built_at", "holds_other_tensors", "in_callers_code"]
@@ -36,19 +37,22 @@ def holds_other_tensors(found: OpReport) -> bool:
 
 
 def in_callers_code(found: OpReport, caller: OpReport, calls: dict[str, str], nth: int,
-                    built: dict[str, Frame | None]) -> OpReport:
+                    built: dict[str, Frame | None]) -> OpReport | None:
     """``found`` (a library module's ops) with each side's ops at the line of ``caller``'s
     code that makes its ``nth`` call (0: the first) of the module (``calls``: each side's
-    name of the module below the caller, ``"A"`` and ``"B"``), and where each side built it."""
+    name of the module below the caller, ``"A"`` and ``"B"``), and where each side built it;
+    None when the caller's steps hold no call of it (a backward pass: its steps are ops)."""
+    stacks = {}
     for side, name in calls.items():
         made = [step for line in caller.lines if (step := _side(line, side)) is not None
                 and step.kind == "module" and step.name == name]
-        if not made:
-            continue
-        stack = made[min(nth, len(made) - 1)].stack
-        for line in found.lines:
-            step = _side(line, side)
-            if step is not None:
+        if made:
+            stacks[side] = made[min(nth, len(made) - 1)].stack
+    if not stacks:
+        return None
+    for line in found.lines:
+        for side, stack in stacks.items():
+            if (step := _side(line, side)) is not None:
                 step.stack = step.stack + stack
     found.built = {side: frame for side, frame in built.items() if frame is not None}
     return found
@@ -59,10 +63,13 @@ def built_at(model: nn.Module, name: str) -> Frame | None:
     to its attribute in the ``__init__`` of the class that owns it (of a container's owner,
     for a module in an ``nn.ModuleList``); None when no source says it."""
     *path, attribute = name.split(".")
-    owner = model.get_submodule(".".join(path))
-    while path and type(owner).__module__.startswith("torch."):  # a container's element
-        attribute = path.pop()
+    try:
         owner = model.get_submodule(".".join(path))
+        while path and type(owner).__module__.startswith("torch."):  # a container's element
+            attribute = path.pop()
+            owner = model.get_submodule(".".join(path))
+    except AttributeError:  # a name the model does not hold (a module it swapped in)
+        return None
     for cls in type(owner).__mro__:
         if "__init__" in vars(cls) and not cls.__module__.startswith("torch."):
             frame = _assignment(vars(cls)["__init__"], attribute)
@@ -71,7 +78,7 @@ def built_at(model: nn.Module, name: str) -> Frame | None:
     return None
 
 
-def _side(line, side: str) -> Step | None:
+def _side(line: OpLine, side: str) -> Step | None:
     return line.pair.a if side == "A" else line.pair.b
 
 
