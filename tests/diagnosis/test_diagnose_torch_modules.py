@@ -136,16 +136,11 @@ IN_PACKAGE = re.compile(r"^transformers/[\w/]+\.py:\d+$")
 def test_ops_in_an_installed_package_are_named_by_the_packages_own_path() -> None:
     """GPT-2's attention without its scaling in B: the op rows are in modeling_gpt2.py, named
     from the package's folder, never the environment's, whole in 80 columns."""
-    import tiny_transformers
-    from test_diagnose_ops import hf_inputs
+    import gpt2_plants
     from transformers.models.gpt2 import modeling_gpt2
 
-    torch.manual_seed(0)
-    model_a = tiny_transformers.gpt2(attn_implementation="eager").eval()
-    model_b = copy.deepcopy(model_a)
-    attention = model_b.transformer.h[1].attn
-    attention.scale_attn_weights, attention.scaling = False, 1.0  # older releases, 5.x
-    report = tp.diagnose(model_a, model_b, hf_inputs(), backward=False)
+    model_a, batch = gpt2_plants.gpt2_a()
+    report = tp.diagnose(model_a, gpt2_plants.gpt2_b_unscaled()[0], batch, backward=False)
     op = report.to_dict()["first_divergence"]["op"]
     assert op is not None and op["found"], report.render()
     # 5.x scales by the attribute (B's mul differs), older releases divide (A's only)
