@@ -168,3 +168,21 @@ def test_a_torch_norm_in_an_installed_package_is_named_at_the_packages_lines() -
     assert PACKAGE_PATH.match(op["b_stack"][0]) and "self.ln_2(" in op["code"]["b"], op
     assert PACKAGE_PATH.match(op["built"]["b"]["at"]), op
     assert op["built"]["b"]["code"].startswith("self.ln_2 = nn.LayerNorm("), op
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(4) for _ in range(2))
+        self.up, self.norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+
+
+def test_the_constructor_line_of_a_containers_element_and_of_a_tuple_assignment() -> None:
+    from torchparity.diagnosis.ops.library import built_at
+
+    model = _Stack()
+    container = source(_Stack, "__init__", "self.norms =")
+    assert (str(built_at(model, "norms.1")), built_at(model, "norms.1").text) == container
+    tupled = source(_Stack, "__init__", "self.up, self.norm =")
+    assert (str(built_at(model, "norm")), built_at(model, "norm").text) == tupled
+    assert built_at(torch.nn.Sequential(torch.nn.LayerNorm(4)), "0") is None  # torch's own
