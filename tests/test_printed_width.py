@@ -120,3 +120,15 @@ def test_diagnose_fits_80_columns_and_cuts_no_module_name(toy_models, capsys, de
     names = {row["module"] for row in rows if row.get("module")}
     assert names and names <= words  # every module's name stands whole on a line
     assert re.search(r"\bmlp\b", flat(lines))
+
+
+@pytest.mark.transformers
+def test_diagnose_of_an_installed_packages_model_fits_80_columns(capsys):
+    """GPT-2's op rows name transformers' files from the package's folder, each whole."""
+    plants = Path(__file__).parent / "diagnosis" / "gpt2_plants.py"
+    status, lines = printed(capsys, ["diagnose", f"{plants}:gpt2_a", f"{plants}:gpt2_b_unscaled",
+                                     "--no-backward"])
+    assert status == 1
+    assert_fits(lines)
+    package = re.compile(r"^transformers/models/gpt2/modeling_gpt2\.py:\d+$")
+    assert any(package.match(word) for word in flat(lines).split()), lines

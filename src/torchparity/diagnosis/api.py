@@ -54,6 +54,7 @@ from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.float64_golden import add_golden, float64_departure
 from torchparity.diagnosis.local import judge_local
 from torchparity.diagnosis.ops import OpReport, a_side, drill_down, keep_ops
+from torchparity.diagnosis.ops.library import built_at, holds_other_tensors, in_callers_code
 from torchparity.diagnosis.ops.recorded import recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.propagated import judge_propagated
@@ -467,8 +468,9 @@ def _with_ops(reference: Reference, matches: list[Match],
 def _drilled(reference: Reference, matches: list, rows: list, index: int, model_a: nn.Module,
              model_b: nn.Module, opts: Options, backward: bool = False,
              changing: set[str] = frozenset()) -> OpReport | str:
-    """Row ``index``'s call drilled down, or through its caller when the module's own code is
-    a library's (an ``nn.Linear`` has no line of the user's); a line saying why not."""
+    """Row ``index``'s call drilled down, through its caller when the module's own code is a
+    library's (an ``nn.Linear`` has no line of the user's: its caller's holds the call); a
+    line saying why not."""
     row = rows[index]
     try:
         found = drill_down(reference, matches[index], model_a, model_b, opts,
@@ -478,10 +480,35 @@ def _drilled(reference: Reference, matches: list, rows: list, index: int, model_
         if not isinstance(found, str) and not found.has_source and parent is not None:
             caller = drill_down(reference, matches[parent], model_a, model_b, opts,
                                 backward=backward, changing=changing)
-            found = found if isinstance(caller, str) else caller
+            if not isinstance(caller, str):  # else the module's ops, without their line
+                found = _through_caller(found, caller, rows, index, parent, matches,
+                                        model_a, model_b)
     except Exception as exc:  # noqa: BLE001 - the module's verdicts stand without it
         found = f"op drill-down failed: {type(exc).__name__}: {first_line(exc)}"
     return found
+
+
+def _through_caller(found: OpReport, caller: OpReport, rows: list, index: int, parent: int,
+                    matches: list, model_a: nn.Module | None, model_b: nn.Module) -> OpReport:
+    """A library module's ops (row ``index``) at the line of its caller (row ``parent``)
+    that calls it, with where each side built it (A's only when A is in this process); the
+    caller's ops when the module's code changed nothing or its steps hold no call of it."""
+    if (found.answer is None or holds_other_tensors(found)) and caller.answer is not None:
+        return caller
+    module = rows[index].module.split("#")[0]
+    nth = sum(1 for r in rows if r.module.split("#")[0] == module
+              and rows[parent].start <= r.start < rows[index].start)
+    sides = {"A": (matches[index].a[0], matches[parent].a[0], model_a),
+             "B": (matches[index].b[0], matches[parent].b[0], model_b)}
+    calls = {side: _below(call.name, outer.name) for side, (call, outer, _) in sides.items()}
+    built = {side: built_at(model, call.name) for side, (call, _, model) in sides.items()
+             if model is not None}
+    return in_callers_code(found, caller, calls, nth, built) or caller
+
+
+def _below(name: str, outer: str) -> str:
+    """Module ``name`` as its caller ``outer``'s op stream names it."""
+    return name[len(outer) + 1:] if outer else name
 
 
 def _parent_row(rows: list, index: int) -> int | None:

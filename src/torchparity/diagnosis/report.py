@@ -478,4 +478,7 @@ def _ops_lines(row: Row, width: int) -> tuple[tuple[str, str | None], ...]:
             lines += [(f" {text}", "bold") for text in textwrap.wrap(
                 lead + ops.sentence(entry), width - 1, break_long_words=False,
                 break_on_hyphens=False)]
+            lines += [(f" {text}", None) for text in textwrap.wrap(
+                ops.built_sentence(), width - 1, break_long_words=False,
+                break_on_hyphens=False)]
     return tuple(lines)

@@ -71,6 +71,7 @@ def argument_differences(a: Step, b: Step) -> list[str]:
         left, right = (_text(s.scalars[name]) if name in s.scalars else "default"
                        for s in (a, b))
         if left != right:
+            left, right = _shown(left, right)
             found.append(f"{name} {left} (A) vs {right} (B)")
     if a.op != b.op:
         found.insert(0, f"op {a.name} (A) vs {b.name} (B)")
@@ -79,6 +80,29 @@ def argument_differences(a: Step, b: Step) -> list[str]:
 
 def _text(value: object) -> str:
     return repr(value)
+
+
+def _shown(left: str, right: str) -> tuple[str, str]:
+    """Two differing arguments as a report writes them: a float that is a float32 exactly
+    (an ``eps`` torch casts before the op sees it) by the shortest text that reads back as
+    that float32, unless that would make the two read alike."""
+    short = _shortest_float32(left), _shortest_float32(right)
+    return (left, right) if short[0] == short[1] else short
+
+
+def _shortest_float32(text: str) -> str:
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    single = torch.tensor(value, dtype=torch.float32)
+    if value != float(single):
+        return text
+    for digits in range(1, 10):  # 9 significant digits tell any two float32 apart
+        short = repr(float(f"{value:.{digits}g}"))
+        if torch.tensor(float(short), dtype=torch.float32) == single:
+            return short if len(short) < len(text) else text
+    return text
 
 
 def _sequence(a: list[Step], b: list[Step], partners: dict[int, int]) -> list[Pair]:
@@ -129,7 +153,7 @@ def _by_signature(a: list[Step], b: list[Step]) -> list[Pair]:
 #: them are one computation only on outputs of as many dimensions (the reshapes around
 #: eager's matmuls and around sdpa's kernel are not; a view of 12 keys where A's has 11, the
 #: same layout of a longer cache, is).
-_LAYOUT = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::expand",
+LAYOUT = frozenset({"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::expand",
                      "aten::transpose", "aten::permute", "aten::unsqueeze", "aten::squeeze",
                      "aten::t"})
 
@@ -140,7 +164,7 @@ def _similarity(x: Step, y: Step, partners: dict[int, int]) -> float | None:
         return None
     sx, sy = x.signature, y.signature
     same_outputs = sx[3] == sy[3]
-    if (x.op in _LAYOUT or y.op in _LAYOUT) and [len(s) for s, _ in sx[3]] != \
+    if (x.op in LAYOUT or y.op in LAYOUT) and [len(s) for s, _ in sx[3]] != \
             [len(s) for s, _ in sy[3]]:
         return None
     if x.op != y.op and not (x.kind == "op" and same_outputs and _close(x, y)):

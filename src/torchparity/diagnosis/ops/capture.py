@@ -22,7 +22,9 @@ import functools
 import linecache
 import os
 import re
+import site
 import sys
+import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
@@ -167,6 +169,10 @@ class _Recorder(TorchDispatchMode):
         self.kept_bytes = 0
         self.steps: list[Step] = []
         self.made: dict[int, int] = {}  # id of a tensor -> the step that made or last wrote it
+        # storage -> the step that last wrote into it: an alias written in place (torch's own
+        # ``weight.detach()`` that nn.Embedding's max_norm renormalises) is neither the
+        # tensor read later nor its ``_base``
+        self.wrote: dict[tuple, int] = {}
         self.alive: list[torch.Tensor] = []  # keeps the ids above unique during the call
         self.depth = 0
         self.pending: list[tuple] = []
@@ -209,9 +215,13 @@ class _Recorder(TorchDispatchMode):
         before = copied((args, kwargs))
         producers = self._producers((args, kwargs))
         output = func(*args, **kwargs)
-        written = _written_bases(func, args, kwargs)
+        written = _written(func, args, kwargs)
+        for t in written:
+            if _storage(t) is not None:
+                self.wrote[_storage(t)] = len(self.steps)
+                self.alive.append(t)
         self._add(name, "op", func, *before, producers, self._stack(), output,
-                  _scalars(func, args, kwargs), written)
+                  _scalars(func, args, kwargs), [t._base for t in written if t._base is not None])
         return output
 
     def _add(self, name: str, kind: str, call: Callable, args: tuple, kwargs: dict,
@@ -240,12 +250,15 @@ class _Recorder(TorchDispatchMode):
                                 path)
 
     def _producers(self, value: Any) -> tuple[int | None, ...]:
-        """For each tensor in ``value``, the step that made it (or wrote the buffer it views)."""
+        """For each tensor in ``value``, the step that made it or last wrote into it (or into
+        the buffer it views)."""
         found = []
         for t in tree_flatten(value)[0]:
             if isinstance(t, torch.Tensor):
                 base = t._base if t._base is not None else t
-                found.append(self.made.get(id(t), self.made.get(id(base))))
+                steps = [self.made.get(id(t)), self.made.get(id(base)),
+                         self.wrote.get(_storage(t))]
+                found.append(max((s for s in steps if s is not None), default=None))
         return tuple(found)
 
     def _stack(self) -> tuple[Frame, ...]:
@@ -293,22 +306,47 @@ def _is_user_code(path: str) -> bool:
 
 
 def display_path(path: str) -> str:
-    """A source path as a report names it: relative to the working directory below it."""
+    """A source path as a report names it: an installed package's file by its place in the
+    package (``transformers/models/gpt2/modeling_gpt2.py``, as its import names it, whatever
+    the environment's prefix), any other relative to the working directory below it."""
+    installed = max((d for d in _installed_dirs() if path.startswith(d)), key=len, default=None)
+    if installed is not None:
+        return path[len(installed):]
     relative = os.path.relpath(path)
     return path if relative.startswith("..") else relative
 
 
-def _written_bases(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The buffers an in-place op wrote into through a view (a cache slot's whole cache)."""
-    bases = []
-    schema = func._schema
-    for i, argument in enumerate(schema.arguments):
+@functools.cache
+def _installed_dirs() -> tuple[str, ...]:
+    """The folders packages are installed into (``site-packages``), each ending in a
+    separator."""
+    found = {sysconfig.get_path(key) for key in ("purelib", "platlib")}
+    found.update(site.getsitepackages() + [site.getusersitepackages()])
+    found.update(p for p in sys.path if os.path.basename(p) in ("site-packages",
+                                                                "dist-packages"))
+    return tuple(os.path.join(os.path.abspath(d), "") for d in found if d)
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an in-place (or ``out=``) op wrote into."""
+    written = []
+    for i, argument in enumerate(func._schema.arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(argument.name)
-        if isinstance(value, torch.Tensor) and value._base is not None:
-            bases.append(value._base)
-    return bases
+        if isinstance(value, torch.Tensor):
+            written.append(value)
+    return written
+
+
+def _storage(tensor: torch.Tensor) -> tuple | None:
+    """Where a tensor's elements live, shared by all its aliases; None for one without
+    storage of its own (a wrapper subclass) or without elements."""
+    try:
+        place = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (tensor.device, place) if place else None
 
 
 def _scalars(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchparity.comparison.selection import PaddingSpec
 from torchparity.diagnosis.judging import judge_quickly
-from torchparity.diagnosis.ops.align import Pair
+from torchparity.diagnosis.ops.align import LAYOUT, Pair
 from torchparity.diagnosis.ops.capture import Step
 from torchparity.diagnosis.results import Result
 
@@ -94,6 +94,13 @@ def _why(line: OpLine, diverged: dict[str, set[int]], lines: list[OpLine],
         return f"it runs in {name} only and the ops reading its output diverge"
     if step.returned and module_diverged:
         return f"it runs in {name} only and the module returns its output, which diverges"
+    # a layout op on one side only relays what it reads (A's addmm, whose view nn.Linear
+    # returns, where B's mm runs without the bias): the op that made it is the answer
+    relays = [x for x in lines if getattr(x.pair, side) in consumers
+              and x.pair.kind != "paired" and x.pair.name.split(".")[0] in LAYOUT]
+    if any(_why(x, diverged, lines, module_diverged) for x in relays):
+        return f"it runs in {name} only and the layout of its output that {name} alone " \
+            "makes diverges"
     return ""
 
 

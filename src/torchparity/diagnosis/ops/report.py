@@ -8,7 +8,7 @@ from typing import Any
 
 from torchparity.diagnosis.columns import Line, layout
 from torchparity.diagnosis.html import html_cell
-from torchparity.diagnosis.ops.capture import Step
+from torchparity.diagnosis.ops.capture import Frame, Step
 from torchparity.diagnosis.ops.judge import OpLine
 from torchparity.diagnosis.results import Entry, Result, headroom, module_label, share_cell
 
@@ -21,12 +21,14 @@ _NEIGHBOURS = 1
 @dataclass
 class OpReport:
     """The steps of one module call of A and B, aligned and judged; ``first`` indexes the
-    line where the divergence enters (None when no op explains it)."""
+    line where the divergence enters (None when no op explains it); ``built``: for a library
+    module, the line of the user's code where each side (``"A"``, ``"B"``) built it."""
 
     module: str
     lines: list[OpLine]
     first: int | None
     notes: list[str] = field(default_factory=list)
+    built: dict[str, Frame] = field(default_factory=dict)
 
     @property
     def answer(self) -> OpLine | None:
@@ -57,6 +59,18 @@ class OpReport:
                 reaches = f", and reaches {module_label(entry.module)} through {through}"
         return f"It enters at {where}, in {line.pair.name}{kind} ({sides}){args}{reaches}."
 
+    def built_sentence(self) -> str:
+        """``ln2 was built at B: path:line "code"; A: path:line "code".`` ("" when unknown)."""
+        if not self.built:
+            return ""
+        frames = set(self.built.values())
+        if len(frames) == 1 and len(self.built) == 2:
+            (frame,) = frames
+            return f'{self.module} was built at {frame} "{frame.text}" (A and B).'
+        sides = "; ".join(f'{side}: {frame} "{frame.text}"'
+                          for side, frame in sorted(self.built.items(), reverse=True))
+        return f"{self.module} was built at {sides}."
+
     @property
     def has_source(self) -> bool:
         """Whether any step ran in user code (a library module's own ops have no line)."""
@@ -71,6 +85,8 @@ class OpReport:
                 **({} if line is None else _line_dict(line, answer=True)),
                 "found": line is not None,
                 "steps": [_line_dict(x) for x in self.lines],
+                "built": {side.lower(): {"at": str(frame), "code": frame.text}
+                          for side, frame in self.built.items()},
                 "notes": self.notes}
 
     def to_html(self, entry: Entry | None = None) -> str:
@@ -91,7 +107,8 @@ class OpReport:
             rows.append(f"<tr{style}>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
         head = "".join(f"<th>{h}</th>" for h in heads)
         return (f"<h2>Ops of {html.escape(self.module or '(model)')}</h2>"
-                f"<p class='summary'>{html.escape(self.sentence(entry))}</p>"
+                f"<p class='summary'>{html.escape(self.sentence(entry))} "
+                f"{html.escape(self.built_sentence())}</p>"
                 f"<table class='ops'><thead><tr>{head}</tr></thead><tbody>" + "\n".join(rows)
                 + "</tbody></table>")
 
