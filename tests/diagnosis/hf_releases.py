@@ -5,8 +5,14 @@ Weights are drawn per parameter from a generator seeded by the parameter's name,
 releases that initialise in another order still hold the same numbers. ``TP_PLANT=1`` plants a
 bug in the cached decoding path of the attention (the query of a single new token scaled by
 1.05, inside the attention's own code) of the release it runs under.
+
+``llama_cached`` and ``mistral_cached`` run with ``use_cache=True``, so that every layer and
+attention is handed the cache object (a ``DynamicCache`` in both releases); ``TP_PLANT=mask``
+makes their layer 1 hand its attention a mask on which the last query no longer sees key 0,
+a change that enters through an argument (the layer's own code is otherwise A's).
 """
 
+import functools
 import os
 import zlib
 
@@ -71,3 +77,35 @@ def gpt2():
     config = _eager(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                             vocab_size=VOCAB, bos_token_id=1, eos_token_id=2))
     return _same_weights(transformers.GPT2LMHeadModel(config)), prompt()
+
+
+def _blocks_first_key(layer):
+    """``layer`` handing its attention a mask on which the last query cannot see key 0."""
+    forward = layer.forward
+
+    @functools.wraps(forward)
+    def planted(*args, **kwargs):
+        mask = kwargs["attention_mask"].clone()
+        mask[..., -1, 0] = torch.finfo(mask.dtype).min
+        return forward(*args, **{**kwargs, "attention_mask": mask})
+
+    layer.forward = planted
+
+
+def _cached(model):
+    if os.environ.get("TP_PLANT") == "mask":
+        _blocks_first_key(model.model.layers[1])
+    return _same_weights(model), {**prompt(), "use_cache": True}
+
+
+def llama_cached():
+    return _cached(transformers.LlamaForCausalLM(_eager(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, vocab_size=VOCAB))))
+
+
+def mistral_cached():
+    return _cached(transformers.MistralForCausalLM(_eager(transformers.MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, vocab_size=VOCAB,
+        sliding_window=None))))

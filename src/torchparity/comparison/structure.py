@@ -130,7 +130,7 @@ def align(candidate: Any, golden: Any, path: str, found: Alignment) -> None:
             align(c_children.get(key, _MISSING), g_children.get(key, _MISSING), path + key, found)
     elif (legacy := _key_value_pairs(candidate, golden)) is not None:
         align(*legacy, path, found)
-    elif _is_cache(candidate) and _is_cache(golden):
+    elif is_cache(candidate) and is_cache(golden):
         found.skipped.append((path, CACHE_RULE))
     elif _is_opaque(candidate) and type(candidate) is type(golden):
         found.skipped.append((path, f"{type(candidate).__name__}: {_OPAQUE_RULE}"))
@@ -145,13 +145,13 @@ def _key_value_pairs(candidate: Any, golden: Any) -> tuple[Any, Any] | None:
     side holds no such tensors, for two caches of one class (:data:`CACHE_RULE`), and for
     two that lay out their positions differently (a static cache's preallocated length):
     that is their implementation's, not the model's."""
-    if not (_is_cache(candidate) or _is_cache(golden)) or type(candidate) is type(golden):
+    if not (is_cache(candidate) or is_cache(golden)) or type(candidate) is type(golden):
         return None
     sides = (_as_pairs(candidate), _as_pairs(golden))
     if sides[0] is None or sides[1] is None:
         return None
     shapes = [[tuple(t.shape) for pair in side for t in pair] for side in sides]
-    if _is_cache(candidate) and _is_cache(golden) and shapes[0] != shapes[1]:
+    if is_cache(candidate) and is_cache(golden) and shapes[0] != shapes[1]:
         return None
     return sides
 
@@ -159,7 +159,7 @@ def _key_value_pairs(candidate: Any, golden: Any) -> tuple[Any, Any] | None:
 def cache_pairs(x: Any) -> tuple | None:
     """A ``transformers`` cache's tensors as ``((keys, values), ...)`` per layer, the tuple
     older releases returned in its place; None for anything else, and for an empty cache."""
-    if not _is_cache(x):
+    if not is_cache(x):
         return None
     layers = cache_layers(x)
     if not layers:
@@ -170,7 +170,7 @@ def cache_pairs(x: Any) -> tuple | None:
 
 def _as_pairs(x: Any) -> tuple | None:
     """A cache's tensors as ``((keys, values), ...)``, a tuple of that form as itself."""
-    if _is_cache(x):
+    if is_cache(x):
         return cache_pairs(x)
     if isinstance(x, tuple) and x and all(
             isinstance(pair, tuple) and len(pair) >= 2 and
@@ -215,7 +215,7 @@ def _same_value(a: Any, b: Any) -> bool:
     return (a is None or isinstance(a, _PLAIN_VALUES)) and type(a) is type(b) and a == b
 
 
-def _is_cache(x: Any) -> bool:
+def is_cache(x: Any) -> bool:
     """A ``transformers`` cache (DynamicCache, StaticCache, EncoderDecoderCache, ...), recognised
     by its base class without importing transformers."""
     return any(
@@ -260,7 +260,7 @@ def _is_opaque(x: Any) -> bool:
 
 def _children(x: Any) -> dict[str, Any] | None:
     """Map path suffix (``["key"]``, ``[0]``, ``.field``) to child; None for a leaf."""
-    if isinstance(x, torch.Tensor | Sketch) or _is_cache(x):
+    if isinstance(x, torch.Tensor | Sketch) or is_cache(x):
         return None
     if isinstance(x, Mapping):  # dicts, OrderedDicts and ModelOutput (an OrderedDict subclass)
         return {_key_syntax(k): v for k, v in x.items()}

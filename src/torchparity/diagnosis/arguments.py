@@ -18,11 +18,12 @@ from torch import nn
 
 from torchparity.comparison.selection import PaddingSpec
 from torchparity.comparison.structure import format_shape
-from torchparity.diagnosis.capture import Signature, Uncopyable, bound_arguments
+from torchparity.diagnosis.capture import ModuleCall, Signature, Uncopyable, bound_arguments
 from torchparity.diagnosis.judging import judge
-from torchparity.diagnosis.masks import by_meaning
+from torchparity.diagnosis.masks import by_meaning, readings
+from torchparity.diagnosis.run import parameter_path
 from torchparity.diagnosis.state import cache_layers
-from torchparity.subject.trees import leaves
+from torchparity.subject.trees import flatten_tensors, leaves
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,53 @@ class Difference:
     detail: str
     b_value: Any
     one_sided: bool = False  # only one side passes it: compared with what the other reads
+
+
+@dataclass(frozen=True)
+class Convention:
+    """How A's and B's calls hand a module one argument in another convention: B's
+    parameter, the two sides described, and whether B passes None there."""
+
+    argument: str
+    detail: str
+    b_none: bool
+
+
+def convention_change(a_sig: Signature | None, a_inputs: tuple[tuple, dict],
+                      b_sig: Signature | None, b: ModuleCall) -> Convention | None:
+    """The first mask A's call (its ``a_inputs``) hands the module in another convention than
+    B's call ``b`` (of which the shapes and dtypes of its tensors are known): a tensor against
+    None, a bool mask against a float one, another number of dimensions. None when there is
+    none: masks of one kind sized otherwise (to another cache length) are fitted, not this."""
+    args, kwargs = a_inputs
+    a_tensors = {parameter_path(a_sig, path): t for path, t in
+                 {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}.items()}
+    b_tensors = {parameter_path(b_sig, path): (b.input_shapes[path], dtype)
+                 for path, (dtype, _) in b.input_placement.items()}
+    for path, mask in a_tensors.items():
+        if mask.dim() < 2 or not readings(mask):
+            continue
+        a_side = f"A passes {_described(mask.shape, mask.dtype)}"
+        if path not in b_tensors:
+            return Convention(path, f"{a_side}, B passes None", b_none=True)
+        shape, dtype = b_tensors[path]
+        if _kind(mask.dtype) != _kind(dtype) or len(shape) != mask.dim():
+            return Convention(path, f"{a_side}, B passes {_described(shape, dtype)}",
+                              b_none=False)
+    # Of B's tensors only shapes and dtypes are known: a mask is told by its parameter's name.
+    for path, (shape, dtype) in b_tensors.items():
+        if path not in a_tensors and len(shape) >= 2 and "mask" in path.rpartition(".")[2]:
+            return Convention(path, f"A passes None, B passes {_described(shape, dtype)}",
+                              b_none=False)
+    return None
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "bool" if dtype == torch.bool else "float" if dtype.is_floating_point else "integer"
+
+
+def _described(shape: tuple, dtype: torch.dtype) -> str:
+    return f"Tensor{tuple(shape)} {str(dtype).removeprefix('torch.')}"
 
 
 def same_value(a: Any, b: Any) -> bool:

@@ -23,6 +23,7 @@ from torchparity.diagnosis.arguments import (
     Difference,
     argument_difference,
     argument_path,
+    convention_change,
     same_value,
 )
 from torchparity.diagnosis.capture import Capture, ModuleCall, signature
@@ -51,7 +52,11 @@ def find_entry(reference: Reference, matches: list[Match], rows: list[Row], mode
         return
     container = model.get_submodule(match.b[0].name)
     try:
-        replayed = _replay_capturing(reference, match, container, opts, changing)
+        a_inputs = reference.store.get_inputs(match.a[0].key, placeholders=True)
+        changed = convention_change(reference.signatures.get(match.a[0].name), a_inputs,
+                                    signature(container), match.b[0])
+        as_none = changed.argument if changed is not None and changed.b_none else None
+        replayed = _replay_capturing(reference, match, container, opts, changing, as_none)
         first.entry = _first_differing_input(reference, replayed, inside, container)
     except ReplayUnavailable as exc:
         first.notes.append(f"where the divergence enters is unknown: {exc}")
@@ -106,14 +111,15 @@ def _calls_inside(container: ModuleCall, matches: list[Match]
 
 
 def _replay_capturing(reference: Reference, match: Match, container: nn.Module,
-                      opts: Options, changing: set[str]) -> list[ModuleCall]:
+                      opts: Options, changing: set[str], as_none: str | None
+                      ) -> list[ModuleCall]:
     """B's container run on A's recorded inputs (and state), every module inside it
-    captured."""
+    captured; the argument of its parameter ``as_none`` handed as None, as B hands it."""
     a, b = match.a[0], match.b[0]
 
     def handed(fit: bool) -> tuple[tuple[tuple, dict], list[str]]:
         return for_b(reference.signatures.get(a.name), reference.store.get_inputs(a.key), b,
-                     container, fit)
+                     container, fit, as_none)
 
     def attempt(fit: bool) -> list[ModuleCall]:
         args, kwargs = handed(fit)[0]

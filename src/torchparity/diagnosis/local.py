@@ -5,6 +5,11 @@ compared with the local golden (the golden module fed the same), with A's own re
 baseline: an error the module makes itself, not one it inherits. By default only modules whose
 propagated error diverged are replayed (on both sides): a module that agrees in the full run
 has nothing to localise, and replaying every module of a deep model costs many times the runs.
+
+Where A and B hand a module a mask in another convention (a tensor against None, as a release
+that asks SDPA for ``is_causal=True`` instead of passing the causal mask; a float mask against
+a bool one; another number of dimensions), B's module fed A's mask computes something B never
+does: a replay that diverges then is no evidence, and the module is judged by B's own run.
 """
 
 from __future__ import annotations
@@ -12,12 +17,19 @@ from __future__ import annotations
 from torch import nn
 
 from torchparity.diagnosis.align import Match
-from torchparity.diagnosis.capture import ModuleCall
+from torchparity.diagnosis.arguments import Convention, convention_change
+from torchparity.diagnosis.capture import ModuleCall, signature
 from torchparity.diagnosis.judging import joined
 from torchparity.diagnosis.progress import ProgressBar
 from torchparity.diagnosis.reference import Reference
 from torchparity.diagnosis.results import UNKNOWN_LOCAL, Result, Row
-from torchparity.diagnosis.run import Options, UnfitArguments, fitting_masks, for_b, replay
+from torchparity.diagnosis.run import (
+    Options,
+    UnfitArguments,
+    fitting_masks,
+    for_b,
+    replay,
+)
 from torchparity.diagnosis.trace import ReplayUnavailable
 
 
@@ -34,6 +46,10 @@ def judge_local(reference: Reference, matches: list[Match], rows: list[Row], mod
             reference.ensure_replayed(call)
         row.notes += [reference.notes[c.key] for c in match.a if c.key in reference.notes]
         row.local, row.grad_local, note = _local(reference, match, modules, opts, changing)
+        changed = _convention_change(reference, match, modules)
+        if changed is not None and row.local is not None and not row.local.ok:
+            row.local, row.grad_local, note = _by_own_run(reference, match, row, modules, opts,
+                                                          changing, changed)
         if note:
             row.notes.append(note)
         advance()
@@ -48,9 +64,11 @@ def needs_local(row: Row) -> bool:
 
 
 def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], opts: Options,
-           changing: set[str]) -> tuple[Result | None, Result | None, str | None]:
+           changing: set[str], as_none: str | None = None
+           ) -> tuple[Result | None, Result | None, str | None]:
     """B's module(s) fed A's recorded inputs (and output gradient), judged against the local
-    golden with A's replay as the baseline."""
+    golden with A's replay as the baseline; the argument of B's parameter ``as_none`` handed
+    as None, as B's own run hands it."""
     a = match.a[0]
     if a.key in reference.notes:
         return None, None, None
@@ -58,7 +76,7 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
 
     def handed(b: ModuleCall, fit: bool) -> tuple[tuple[tuple, dict], list[str]]:
         return for_b(reference.signatures.get(a.name), store.get_inputs(a.key), b,
-                     modules[b.name], fit)
+                     modules[b.name], fit, as_none)
 
     def inputs(b: ModuleCall, fit: bool) -> tuple[tuple, dict]:
         return handed(b, fit)[0]
@@ -96,3 +114,43 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
                             f"failed ({detail}); A's arguments may not fit B (an argument "
                             "renamed or moved, a mask sized to another cache length), so "
                             "whether this module itself changed the result is not known")
+
+
+def _convention_change(reference: Reference, match: Match, modules: dict[str, nn.Module]
+                       ) -> Convention | None:
+    """:func:`convention_change` of a match of one call each; None for any other."""
+    if not match.one_to_one:
+        return None
+    a, b = match.a[0], match.b[0]
+    try:
+        a_inputs = reference.store.get_inputs(a.key, placeholders=True)
+    except ReplayUnavailable:
+        return None
+    return convention_change(reference.signatures.get(a.name), a_inputs,
+                             signature(modules[b.name]), b)
+
+
+def _by_own_run(reference: Reference, match: Match, row: Row, modules: dict[str, nn.Module],
+                opts: Options, changing: set[str], changed: Convention
+                ) -> tuple[Result | None, Result | None, str]:
+    """A module handed a mask in another convention, whose replay on A's arguments diverged,
+    judged by B's own run: within budget there, it adds no error of its own; else, where B
+    passes None, replayed on A's arguments with that one as B passes it (B derives what it
+    stands for, ``is_causal``), so that what it inherits is A's and what it adds its own."""
+    said = f"{CONVENTION}: {changed.argument}: {changed.detail}"
+    if row.propagated is not None and row.propagated.ok:
+        return row.propagated, None, (f"{said}; the replay on A's arguments is no evidence: "
+                                      "judged by B's own run, where it is within budget")
+    if not changed.b_none:
+        return None, None, (f"{UNKNOWN_LOCAL}: {said}; the replay on A's arguments is no "
+                            "evidence, and in B's own run its output diverged, with what it "
+                            "inherits")
+    local, grad_local, note = _local(reference, match, modules, opts, changing,
+                                     as_none=changed.argument)
+    replayed = (f"{said}; replayed on A's arguments with {changed.argument} as B passes it "
+                "(None)")
+    return local, grad_local, f"{note}; {replayed}" if note else replayed
+
+
+#: The start of a note saying that a module's arguments changed convention between A and B.
+CONVENTION = "arguments in another convention"

@@ -449,17 +449,31 @@ def fitted(inputs: tuple[tuple, dict], call: ModuleCall, sig: Signature | None =
 
 
 def for_b(recorded: Signature | None, inputs: tuple[tuple, dict], call: ModuleCall,
-          module: nn.Module, fit: bool = False) -> tuple[tuple[tuple, dict], list[str]]:
+          module: nn.Module, fit: bool = False, as_none: str | None = None
+          ) -> tuple[tuple[tuple, dict], list[str]]:
     """A's recorded ``inputs`` as B's ``module`` takes them at ``call``, and notes saying
     what changed: handed to its parameters by meaning (:func:`rebind`), placed as B's call
-    had them, and with ``fit`` each mask fitted to the keys of B's (:func:`fitted`)."""
+    had them, with the argument of parameter ``as_none`` as None (B's call passes None
+    there: the convention it derives the rest from), and with ``fit`` each mask fitted to
+    the keys of B's (:func:`fitted`)."""
     inputs, notes = rebind(recorded, inputs, module)
     own = signature(module)
     inputs = placed(inputs, call, own)
+    if as_none is not None:
+        inputs = _with_none(inputs, own, as_none)
     if fit:
         inputs, fits = fitted(inputs, call, own)
         notes += fits
     return inputs, notes
+
+
+def _with_none(inputs: tuple[tuple, dict], sig: Signature | None, name: str
+               ) -> tuple[tuple, dict]:
+    """``inputs`` with the argument bound to parameter ``name`` replaced by None."""
+    args, kwargs = inputs
+    args = tuple(None if parameter_path(sig, f"args.{i}") == name else value
+                 for i, value in enumerate(args))
+    return args, {key: None if key == name else value for key, value in kwargs.items()}
 
 
 Replayed = TypeVar("Replayed")

@@ -59,6 +59,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from torchparity import digests, sketching
+from torchparity.comparison.structure import cache_layers, is_cache
 from torchparity.diagnosis.capture import (
     ModuleCall,
     PatternSpec,
@@ -330,7 +331,10 @@ class DiskStore:
     def get_inputs(self, key: str, placeholders: bool = False) -> tuple[tuple, dict]:
         if key not in self.input_specs:
             raise ReplayUnavailable("its inputs were not recorded")
-        args, kwargs = decode_tree(self.input_specs[key], self.get(key, "in"), placeholders)
+        # A fresh copy, as from memory: a replay may write into a tensor it is handed (a
+        # StaticCache's keys), and the next replay of this call reads the same file.
+        fresh = {path: tensor.clone() for path, tensor in self.get(key, "in").items()}
+        args, kwargs = decode_tree(self.input_specs[key], fresh, placeholders)
         return tuple(args), dict(kwargs)
 
     def inputs_entry(self, key: str, args: tuple, kwargs: dict
@@ -465,12 +469,15 @@ def _with_sketches(tensors: dict[str, torch.Tensor], described: dict[str, Any]
 # Inputs as JSON + tensors
 
 
-def encode_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def encode_tree(tree: Any, tensors: dict[str, torch.Tensor], depth: int = 0) -> Any:
     """A JSON-able description of ``tree``; its tensors are added to ``tensors`` by name.
 
     Plain data, tuples, lists, string-keyed dicts, dataclasses (by import path), dtypes and
-    devices are kept; any other object becomes ``{"opaque": type name}`` and makes the call
-    impossible to replay (``decode_tree`` raises :class:`ReplayUnavailable`).
+    devices are kept, and so is an object that holds its state in attributes (a
+    ``transformers`` ``DynamicCache`` or ``StaticCache`` and its layers): by its class's import
+    path and its attributes, each described in turn. Anything else (a module, a function, an
+    object of a class defined in a function) becomes ``{"opaque": type name}`` and makes the
+    call impossible to replay (``decode_tree`` raises :class:`ReplayUnavailable`).
     """
     if isinstance(tree, torch.Tensor):
         name = str(len(tensors))
@@ -483,19 +490,51 @@ def encode_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, torch.device):
         return {"device": str(tree)}
     if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return {"tuple": [encode_tree(v, tensors) for v in tree]}
+        return {"tuple": [encode_tree(v, tensors, depth) for v in tree]}
     if isinstance(tree, list):
-        return [encode_tree(v, tensors) for v in tree]
+        return [encode_tree(v, tensors, depth) for v in tree]
     if isinstance(tree, dict) and all(isinstance(k, str) for k in tree):
-        return {"dict": {k: encode_tree(v, tensors) for k, v in tree.items()}}
+        return {"dict": {k: encode_tree(v, tensors, depth) for k, v in tree.items()}}
     if isinstance(tree, Uncopyable):
         return {"opaque": tree.type_name}
     if rebuilt_from_fields(tree):
         cls = type(tree)
-        fields = {name: encode_tree(getattr(tree, name), tensors)
+        fields = {name: encode_tree(getattr(tree, name), tensors, depth + 1)
                   for name in field_names(tree, init=True)}
         return {"dataclass": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
+    if isinstance(tree, type) and _importable(tree):
+        return {"class": _import_path(tree)}
+    if is_cache(tree) and _importable(type(tree)):
+        described = {"cache": _import_path(type(tree)),
+                     "layers": {name: encode_tree(t, tensors)
+                                for name, t in (cache_layers(tree) or {}).items()}}
+        if _rebuilt_from_attributes(tree, depth):
+            described["attributes"] = encode_tree(vars(tree), tensors, depth + 1)["dict"]
+        return described
+    if _rebuilt_from_attributes(tree, depth):
+        return {"object": _import_path(type(tree)),
+                "attributes": {name: encode_tree(value, tensors, depth + 1)
+                               for name, value in vars(tree).items()}}
     return {"opaque": type(tree).__name__}
+
+
+#: How deep objects nest inside one another in an input that is recorded (a cache, its layers).
+_OBJECT_DEPTH = 4
+
+
+def _rebuilt_from_attributes(obj: Any, depth: int) -> bool:
+    """Whether ``obj`` is rebuilt by its class and its attributes: a plain object (no module,
+    class or function) of a class importable by name, not nested too deep (a cycle)."""
+    return depth < _OBJECT_DEPTH and hasattr(obj, "__dict__") and not callable(obj) and \
+        not isinstance(obj, (nn.Module, type)) and _importable(type(obj))
+
+
+def _importable(cls: type) -> bool:
+    return "<locals>" not in cls.__qualname__ and cls.__module__ not in ("__main__", "builtins")
+
+
+def _import_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def decode_tree(spec: Any, tensors: Mapping[str, torch.Tensor], placeholders: bool = False
@@ -519,10 +558,49 @@ def decode_tree(spec: Any, tensors: Mapping[str, torch.Tensor], placeholders: bo
     if "dataclass" in spec:
         cls = _import(spec["dataclass"])
         return cls(**{k: decode_tree(v, tensors, placeholders) for k, v in spec["fields"].items()})
+    if "class" in spec:
+        return _import(spec["class"])
+    if "object" in spec:
+        return _with_attributes(_import(spec["object"]), spec["attributes"], tensors,
+                                placeholders)
+    if "cache" in spec:
+        return _rebuilt_cache(spec, tensors, placeholders)
     if placeholders:
         return Uncopyable(spec["opaque"])
     raise ReplayUnavailable(f"an input of type {spec['opaque']} could not be recorded"
                             f"{_CACHE_HINT if 'Cache' in spec['opaque'] else ''}")
+
+
+def _with_attributes(cls: type, attributes: dict[str, Any], tensors: Mapping[str, torch.Tensor],
+                     placeholders: bool) -> Any:
+    rebuilt = cls.__new__(cls)  # its state is its attributes: no constructor runs
+    vars(rebuilt).update({k: decode_tree(v, tensors, placeholders)
+                          for k, v in attributes.items()})
+    return rebuilt
+
+
+def _rebuilt_cache(spec: dict[str, Any], tensors: Mapping[str, torch.Tensor],
+                   placeholders: bool) -> Any:
+    """A ``transformers`` cache as this release's class holds it: from its recorded attributes
+    where a new cache of the class has the same ones (the release that recorded it), else a
+    new cache given the recorded keys and values layer by layer (``update``, which every
+    release has: 4.x kept them in ``key_cache``, 5.x in ``layers``)."""
+    cls = _import(spec["cache"])
+    attributes = spec.get("attributes")
+    try:
+        empty = cls()
+    except Exception:  # noqa: BLE001 - it needs its settings (a StaticCache's length)
+        empty = None
+    if attributes is not None and (empty is None or set(vars(empty)) == set(attributes)):
+        return _with_attributes(cls, attributes, tensors, placeholders)
+    if empty is None:
+        raise ReplayUnavailable(f"an input of type {cls.__name__} could not be rebuilt: it was "
+                                "recorded by another release, and this one's needs settings "
+                                "to make a new one")
+    layers = {name: decode_tree(t, tensors) for name, t in spec["layers"].items()}
+    for index in sorted({int(name.split(".")[0]) for name in layers}):
+        empty.update(layers[f"{index}.keys"], layers[f"{index}.values"], index)
+    return empty
 
 
 def _aliased(named: dict[str, torch.Tensor]) -> dict[str, str]:
