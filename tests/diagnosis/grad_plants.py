@@ -1,6 +1,7 @@
 """A small user-style model whose activation is one module, and changes of it that show in
 gradients: a custom ``autograd.Function`` whose backward alone is off, tanh GELU for exact
-GELU (its forward changes, and its backward with it), and an exact rewrite of the same math.
+GELU (its forward changes, and its backward with it), GELU shifted (its forward changes, its
+backward does not), and an exact rewrite of the same math.
 
 The lines the answers should name are marked ``# planted``; the tests read them from this
 file's source, independently of the diagnosis.
@@ -44,6 +45,13 @@ class GeluCustomBackward(nn.Module):
 class GeluTanh(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")  # planted
+
+
+class GeluShifted(nn.Module):
+    """Exact GELU moved up: its own backward is A's, the next linear's weight gradient is not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x) + 0.05  # planted
 
 
 class GeluRewritten(nn.Module):
@@ -96,6 +104,10 @@ def make_b_custom_backward() -> tuple:
 
 def make_b_tanh() -> tuple:
     return _with_act(GeluTanh)
+
+
+def make_b_shifted() -> tuple:
+    return _with_act(GeluShifted)
 
 
 def make_b_rewritten() -> tuple:
