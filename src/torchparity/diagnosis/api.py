@@ -129,7 +129,8 @@ def diagnose(
     temporary trace) so memory stays bounded on big models; by default it does so when the two
     models take more than a quarter of the memory available (``stream_needed``). ``local`` says
     which modules get a local error: ``"diverged"`` (those whose propagated output or gradient
-    diverged, or could not be judged) or ``"all"``. ``progress`` shows a progress bar on stderr
+    diverged, or could not be judged, and with gradients those whose backward ran before the
+    first output gradient that diverges) or ``"all"``. ``progress`` shows a progress bar on stderr
     (default: when stderr is a terminal). ``dtype=torch.float64`` runs copies of A and B, and the
     inputs, in float64 against each other with float64 budgets: any change of the math above
     float64 rounding is localised, also one below the noise of the models' own dtype (when a
