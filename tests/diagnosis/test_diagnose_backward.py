@@ -87,15 +87,14 @@ def test_an_exact_rewrite_of_the_math_is_clean(tmp_path, capsys) -> None:
     assert "No gradient diverges locally." in out
 
 
-def test_a_backward_op_that_differs_itself_is_named_not_one_that_inherits() -> None:
-    """A block's backward with tanh GELU: the next linear's weight gradient (an ``mm`` that
-    reads the changed activation the forward saved) diverges first, but on A's inputs it
-    computes what A's does; ``gelu_backward``, whose own arguments differ, is the answer, at
-    the forward line it differentiates."""
+def judged_block_backward(act: type[torch.nn.Module]) -> tuple[list, int | None]:
+    """A block's backward ops, B's activation ``act``, aligned and judged as a drill-down
+    judges them: A's and B's on the same input and output gradient, a float64 copy of A's
+    as the golden."""
     torch.manual_seed(0)
     block_a = plants.Block(8)
     block_b = copy.deepcopy(block_a)
-    block_b.act = plants.GeluTanh()
+    block_b.act = act()
     x = torch.randn(2, 5, 8)
     grad_out = {"output": torch.randn(2, 5, 8)}
     steps_a, steps_b = (capture_backward(m, (x,), {}, grad_out) for m in (block_a, block_b))
@@ -104,7 +103,15 @@ def test_a_backward_op_that_differs_itself_is_named_not_one_that_inherits() -> N
     partners = {p.a.index: p.b for p in align_steps(steps_a, golden) if p.a and p.b}
     for step in steps_a:
         step.local_golden = golden_on_inputs(step, partners.get(step.index))
-    lines, first = judge_ops(align_steps(steps_a, steps_b), partners)
+    return judge_ops(align_steps(steps_a, steps_b), partners)
+
+
+def test_a_backward_op_that_differs_itself_is_named_not_one_that_inherits() -> None:
+    """A block's backward with tanh GELU: the next linear's weight gradient (an ``mm`` that
+    reads the changed activation the forward saved) diverges first, but on A's inputs it
+    computes what A's does; ``gelu_backward``, whose own arguments differ, is the answer, at
+    the forward line it differentiates."""
+    lines, first = judged_block_backward(plants.GeluTanh)
     assert first is not None
     answer = lines[first]
     assert answer.pair.name == "aten::gelu_backward", [line.pair.name for line in lines]
@@ -114,3 +121,15 @@ def test_a_backward_op_that_differs_itself_is_named_not_one_that_inherits() -> N
     assert any(line.pair.name == "aten::mm" for line in inherited), [
         (line.pair.name, line.propagated) for line in lines]
     assert all(line.local is None or line.local.ok for line in inherited)
+
+
+def test_a_backward_whose_ops_only_inherit_a_forward_change_names_none() -> None:
+    """GELU shifted up: its own backward is A's; the weight gradient of the next linear
+    diverges through the saved activation alone, so no backward op is named."""
+    lines, first = judged_block_backward(plants.GeluShifted)
+    assert first is None, lines[first].pair.name
+    diverged = [line for line in lines if line.propagated is not None
+                and not line.propagated.ok]
+    mms = [line for line in diverged if line.pair.name == "aten::mm"]
+    assert mms and all(line.reads_divergent for line in mms), [
+        (line.pair.name, line.propagated) for line in lines]
