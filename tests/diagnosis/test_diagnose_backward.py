@@ -16,6 +16,7 @@ import grad_plants as plants
 import pytest
 import torch
 
+import torchparity as tp
 from torchparity import cli
 from torchparity.diagnosis.ops.align import align_steps
 from torchparity.diagnosis.ops.backward import capture_backward
@@ -133,3 +134,18 @@ def test_a_backward_whose_ops_only_inherit_a_forward_change_names_none() -> None
     mms = [line for line in diverged if line.pair.name == "aten::mm"]
     assert mms and all(line.reads_divergent for line in mms), [
         (line.pair.name, line.propagated) for line in lines]
+
+
+def test_against_a_trace_the_backward_line_is_named_as_in_process(tmp_path) -> None:
+    """The custom Function's backward drilled with A's backward ops from ``record --ops``:
+    the same answer as in one process."""
+    model_a, inputs = plants.make_a()
+    model_b, _ = plants.make_b_custom_backward()
+    trace = tp.record(model_a, inputs, tmp_path / "t", ops="blocks.1.act")
+    against = tp.diagnose_against(trace, model_b, inputs)
+    in_process = tp.diagnose(model_a, model_b, inputs)
+    op, expected = (r.to_dict()["first_grad_divergence"]["op"] for r in (against, in_process))
+    assert op is not None and op["found"], against.render()
+    assert op["b_stack"][0] == planted_line(plants.ScaledGelu.backward)
+    same = ("module", "name", "kind", "a_stack", "b_stack", "code", "follows_forward")
+    assert {k: op[k] for k in same} == {k: expected[k] for k in same}, against.render()
