@@ -53,7 +53,8 @@ from torchparity.diagnosis.state import OwnState, replaying, states_within
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.subject.running import seeded
 
-__all__ = ["ForwardCause", "OpReport", "a_side", "drill_down", "judged_streams", "keep_ops", "ops_at_steps"]
+__all__ = ["ForwardCause", "OpReport", "a_side", "drill_down", "judged_streams", "keep_ops",
+           "ops_at_steps"]
 
 
 def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,
