@@ -639,14 +639,15 @@ def test_decoding_names_the_write_or_read_of_the_preallocated_cache_one_off() ->
 
 
 def test_a_gradient_only_change_is_drilled_in_its_backward_pass() -> None:
-    """The same forward, the gradient of the norm's statistics halved: the backward ops of the
+    """The same forward, the gradient of the norm's statistics halved: found by default (its
+    output gradient agrees, the gradient it hands back does not), and the backward ops of the
     first gradient divergence name the changed statement (B's line, or A's of it)."""
     from torchparity.reference.norms import RMSNorm
 
     model_a, batch = model_and_batch("llama-tiny")
     model_b = copy.deepcopy(model_a)
     model_b.decoder.layers[1].mlp_norm.__class__ = plants.RMSNormHalfGradient
-    report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, local="all")
+    report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss)
     assert report.first_divergence is None and report.first_grad_divergence is not None
     op = report.to_dict()["first_grad_divergence"]["op"]
     assert op is not None and op["found"], report.render()

@@ -52,8 +52,8 @@ from torchparity.diagnosis.compiled_localisation import compile_form, localise
 from torchparity.diagnosis.decoding import DecodeReport, diagnose_decode_against
 from torchparity.diagnosis.entry import find_entry
 from torchparity.diagnosis.float64_golden import add_golden, float64_departure
-from torchparity.diagnosis.local import judge_local
-from torchparity.diagnosis.ops import OpReport, a_side, drill_down, keep_ops
+from torchparity.diagnosis.local import backward_before_divergence, judge_local
+from torchparity.diagnosis.ops import ForwardCause, OpReport, a_side, drill_down, keep_ops
 from torchparity.diagnosis.ops.library import built_at, holds_other_tensors, in_callers_code
 from torchparity.diagnosis.ops.recorded import recorded_side
 from torchparity.diagnosis.progress import ProgressBar, progress_bar
@@ -130,7 +130,8 @@ def diagnose(
     temporary trace) so memory stays bounded on big models; by default it does so when the two
     models take more than a quarter of the memory available (``stream_needed``). ``local`` says
     which modules get a local error: ``"diverged"`` (those whose propagated output or gradient
-    diverged, or could not be judged) or ``"all"``. ``progress`` shows a progress bar on stderr
+    diverged, or could not be judged, and with gradients those whose backward ran before the
+    first output gradient that diverges) or ``"all"``. ``progress`` shows a progress bar on stderr
     (default: when stderr is a terminal). ``dtype=torch.float64`` runs copies of A and B, and the
     inputs, in float64 against each other with float64 budgets: any change of the math above
     float64 rounding is localised, also one below the noise of the models' own dtype (when a
@@ -393,7 +394,10 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
     elif opts.local != "all":
         notes.append(
             f"local errors of {replayed} of {len(propagated.rows)} module(s): those whose "
-            "propagated error diverged or could not be judged (local='all' computes every one)")
+            "propagated error diverged or could not be judged"
+            + (", and those whose backward ran before the first diverging gradient"
+               if backward_before_divergence(propagated.rows) else "")
+            + " (local='all' computes every one)")
     return DiagnosisReport(
         rows=propagated.rows,
         output=propagated.output,
@@ -415,7 +419,9 @@ def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Mod
                 ) -> None:
     """Stage 6: the first divergent row (or B's ``module``) drilled down to its ops, and the
     first gradient divergence to its backward ops when its forward ops do not explain it
-    (``changing``: B's modules that keep state across calls)."""
+    (``changing``: B's modules that keep state across calls). A gradient divergence whose
+    forward ops name the change, or whose backward ops name none while the forward
+    diverges, says it follows from the forward divergence."""
     if module is not None:
         index = next((i for i, r in enumerate(rows) if r.module == module), None)
         if index is None:
@@ -439,11 +445,18 @@ def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Mod
     if index is not None:
         rows[index].ops = _drilled(reference, matches, rows, index, model_a, model_b, opts,
                                    changing=changing)
-    explained = index == grad and isinstance(rows[index].ops, OpReport) and \
-        rows[index].ops.answer is not None
-    if grad is not None and not explained:
+    forward = None if index is None else ForwardCause.of(
+        module_label(rows[index].module),
+        rows[index].ops if isinstance(rows[index].ops, OpReport) else None)
+    if grad is not None and index == grad and forward.op is not None:
+        # the module's forward ops name the change: its gradient follows from it
+        rows[grad].grad_ops = OpReport(f"{rows[grad].module} (backward)", [], None,
+                                       follows=forward)
+    elif grad is not None:
         rows[grad].grad_ops = _drilled(reference, matches, rows, grad, model_a, model_b, opts,
                                        backward=True, changing=changing)
+        if isinstance(rows[grad].grad_ops, OpReport) and rows[grad].grad_ops.answer is None:
+            rows[grad].grad_ops.follows = forward  # no backward op of its own differs
     for row in rows:  # a reason there is none goes to the notes
         for attr in ("ops", "grad_ops"):
             if isinstance(getattr(row, attr), str):

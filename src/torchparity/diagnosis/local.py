@@ -10,6 +10,12 @@ Where A and B hand a module a mask in another convention (a tensor against None,
 that asks SDPA for ``is_causal=True`` instead of passing the causal mask; a float mask against
 a bool one; another number of dimensions), B's module fed A's mask computes something B never
 does: a replay that diverges then is no evidence, and the module is judged by B's own run.
+
+A change in a backward pass alone (a custom ``autograd.Function`` whose backward is off) leaves
+the module's outputs and output gradient as A's: only the gradients it hands back diverge. So
+with gradients, the modules whose backward ran before the first output gradient that diverges
+(those that finished after it in the forward) are replayed too: one of them made it, or the
+forward did.
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ def judge_local(reference: Reference, matches: list[Match], rows: list[Row], mod
                 opts: Options, bar: ProgressBar, changing: set[str] = frozenset()) -> int:
     """Fill the local results of the rows that need them; returns how many were replayed.
     ``changing`` names B's modules that change their own state across calls."""
-    to_replay = [(match, row) for match, row in zip(matches, rows, strict=True)
-                 if opts.local == "all" or needs_local(row)]
+    before = backward_before_divergence(rows)
+    to_replay = [(match, row) for index, (match, row) in enumerate(zip(matches, rows,
+                                                                       strict=True))
+                 if opts.local == "all" or needs_local(row) or index in before]
     modules = dict(model.named_modules())
     advance = bar.phase("A, golden and B: module replays", total=len(to_replay))
     for match, row in to_replay:
@@ -61,6 +69,15 @@ def needs_local(row: Row) -> bool:
     forward one is missing."""
     return row.propagated is None or any(
         result is not None and not result.ok for result in (row.propagated, row.grad_propagated))
+
+
+def backward_before_divergence(rows: list[Row]) -> range:
+    """The rows whose backward ran before the first output gradient that diverges: those
+    after the last row (rows are in finish order) whose propagated gradient diverged; none
+    when no gradient diverges."""
+    diverged = [i for i, row in enumerate(rows)
+                if row.grad_propagated is not None and not row.grad_propagated.ok]
+    return range(max(diverged) + 1, len(rows)) if diverged else range(0)
 
 
 def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], opts: Options,

@@ -142,8 +142,11 @@ class DiagnosisReport(Report):
                 parts.append(first.ops.sentence(first.entry))
         if self.meta.backward:
             grad = self.first_grad_divergence
+            follows = None if grad is None or grad.grad_ops is None else grad.grad_ops.follows
             parts.append("No gradient diverges locally." if grad is None else
-                         f"First gradient divergence: {module_label(grad.module)}.")
+                         f"First gradient divergence: {module_label(grad.module)}" +
+                         ("." if follows is None else
+                          f", which follows from the forward divergence of {follows.module}."))
             if grad is not None and grad.grad_ops is not None and ops:
                 parts.append(f"In its backward pass: {grad.grad_ops.sentence()}")
         structural = self.structure_only

@@ -30,6 +30,10 @@ class DrilledOps(Protocol):
     :class:`~torchparity.diagnosis.ops.OpReport` (a protocol here, because diagnosis/ops
     builds on these results)."""
 
+    #: on a backward pass, the forward divergence its gradient follows from (a
+    #: :class:`~torchparity.diagnosis.ops.ForwardCause`), or None
+    follows: Any
+
     def sentence(self) -> str: ...
 
     def table_lines(self, width: int) -> list[tuple[str, str | None]]: ...

@@ -46,7 +46,8 @@ from torchparity.subject.trees import flatten_tensors, map_tensors, map_tensors_
 #: context manager that selects it (for models the registry does not drive), or None.
 BackendSpec = str | Callable[[], contextlib.AbstractContextManager] | None
 
-#: Which modules get a local error: those whose propagated error diverged, or every one.
+#: Which modules get a local error: those whose propagated error diverged (and those whose
+#: backward ran before the first diverging gradient), or every one.
 Local = Literal["diverged", "all"]
 
 #: The golden's dtype: A's math with rounding far below any other dtype's.

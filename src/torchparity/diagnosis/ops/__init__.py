@@ -35,7 +35,7 @@ from torchparity.diagnosis.ops.capture import Step, capture_steps, capturing_fir
 from torchparity.diagnosis.ops.determinism import run_to_run_spreads
 from torchparity.diagnosis.ops.judge import golden_on_inputs, judge_ops
 from torchparity.diagnosis.ops.recorded import ASide, keep_ops, missing_ops, recorded_side
-from torchparity.diagnosis.ops.report import OpReport
+from torchparity.diagnosis.ops.report import ForwardCause, OpReport
 from torchparity.diagnosis.reference import ModuleCall, Reference, placed_on
 from torchparity.diagnosis.results import module_label
 from torchparity.diagnosis.run import (
@@ -52,7 +52,8 @@ from torchparity.diagnosis.state import OwnState, replaying, states_within
 from torchparity.diagnosis.trace import ReplayUnavailable
 from torchparity.subject.running import seeded
 
-__all__ = ["OpReport", "a_side", "drill_down", "judged_streams", "keep_ops", "ops_at_steps"]
+__all__ = ["ForwardCause", "OpReport", "a_side", "drill_down", "judged_streams", "keep_ops",
+           "ops_at_steps"]
 
 
 def drill_down(reference: Reference, match: Match, model_a: nn.Module | None,

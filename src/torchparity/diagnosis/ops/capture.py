@@ -263,11 +263,9 @@ class _Recorder(TorchDispatchMode):
 
     def _stack(self) -> tuple[Frame, ...]:
         """The frames of user code from here out to the module's call, innermost first; in a
-        backward pass, those of the forward op that made the running node (recorded under
-        anomaly detection)."""
-        if self.backward:
-            node = torch._C._current_autograd_node()
-            return () if node is None else forward_stack(node.metadata.get("traceback_") or [])
+        backward pass, those of the backward's own code (a custom ``autograd.Function``'s
+        ``backward`` is the user's: its line is where its gradient is computed), then those
+        of the forward op that made the running node (recorded under anomaly detection)."""
         frames = []
         frame = sys._getframe(2)
         while frame is not None and frame is not self.anchor:
@@ -275,7 +273,13 @@ class _Recorder(TorchDispatchMode):
             if _is_user_code(path):
                 text = linecache.getline(path, frame.f_lineno).strip()
                 frames.append(Frame(display_path(path), frame.f_lineno, text))
+            elif self.backward and path.startswith(_PACKAGE_DIR):
+                break  # the backward this capture started: outside the module's code
             frame = frame.f_back
+        if self.backward:
+            node = torch._C._current_autograd_node()
+            if node is not None:
+                frames += forward_stack(node.metadata.get("traceback_") or [])
         return tuple(frames)
 
 

@@ -7,7 +7,9 @@ op makes itself. *prop.*: B's output in B's replay of the module against the gol
 B's order, that is paired and whose local error leaves its budget, or whose output leaves it
 while every input it reads agrees (an in-place write into the wrong slot of a buffer: the
 value written is right, the buffer is not), or that is on one side only and whose consumers'
-outputs leave their budgets.
+outputs leave their budgets. An input no step of the stream made (the module's arguments, a
+weight, a tensor the forward saved for a backward op) is judged itself against the golden's:
+an op whose output diverges only because such an input does inherited the error.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class OpLine:
     propagated: Result | None = None
     why: str = ""
     replaces: Step | None = None  # on a step only in B: the step only in A it stands in for
+    reads_divergent: bool = False  # an input from outside the stream leaves its budget
 
 
 def judge_ops(pairs: list[Pair], golden: dict[int, Step], padding: PaddingSpec = None, *,
@@ -54,6 +57,11 @@ def judge_ops(pairs: list[Pair], golden: dict[int, Step], padding: PaddingSpec =
     lines = [OpLine(pair, *_results(pair, golden.get(pair.a.index) if pair.a else None,
                                     padding, spreads.get(pair.b.index) if pair.b else None))
              for pair in pairs]
+    for line in lines:
+        if line.pair.a is not None and line.pair.b is not None and \
+                _diverged(line.propagated) and not _diverged(line.local):
+            line.reads_divergent = _given_inputs_diverge(line.pair,
+                                                         golden.get(line.pair.a.index))
     diverged = {side: {getattr(line.pair, side).index for line in lines
                        if getattr(line.pair, side) is not None and _diverged(line.propagated)}
                 for side in ("a", "b")}
@@ -81,7 +89,8 @@ def _why(line: OpLine, diverged: dict[str, set[int]], lines: list[OpLine],
     if a is not None and b is not None:
         if _diverged(line.local):
             return "its local error leaves its budget"
-        inputs_agree = not any(p in diverged["b"] for p in b.producers if p is not None)
+        inputs_agree = not line.reads_divergent and \
+            not any(p in diverged["b"] for p in b.producers if p is not None)
         if _diverged(line.propagated) and inputs_agree:
             return "its output leaves its budget while every input it reads agrees"
         return ""
@@ -102,6 +111,22 @@ def _why(line: OpLine, diverged: dict[str, set[int]], lines: list[OpLine],
         return f"it runs in {name} only and the layout of its output that {name} alone " \
             "makes diverges"
     return ""
+
+
+def _given_inputs_diverge(pair: Pair, golden: Step | None) -> bool:
+    """Whether an input of B's step that no step made leaves its budget against the golden
+    op's same input, A's as the baseline (not known without a golden: taken as agreeing)."""
+    a, b = pair.a, pair.b
+    if golden is None or not len(a.inputs) == len(b.inputs) == len(golden.inputs):
+        return False
+    for producer, b_in, a_in, g_in in zip(b.producers, b.inputs, a.inputs, golden.inputs,
+                                          strict=True):
+        if producer is not None or not b_in.is_floating_point() or \
+                not b_in.shape == a_in.shape == g_in.shape:
+            continue
+        if _diverged(judge_quickly({"in": b_in}, {"in": g_in}, {"in": a_in}, "forward")):
+            return True
+    return False
 
 
 def _diverged(result: Result | None) -> bool:

@@ -12,23 +12,57 @@ from torchparity.diagnosis.ops.capture import Frame, Step
 from torchparity.diagnosis.ops.judge import OpLine
 from torchparity.diagnosis.results import Entry, Result, headroom, module_label, share_cell
 
-__all__ = ["OpReport"]
+__all__ = ["ForwardCause", "OpReport"]
 
 #: Steps shown on each side of one that matters; the others fold into one line per run.
 _NEIGHBOURS = 1
+
+
+@dataclass(frozen=True)
+class ForwardCause:
+    """The forward divergence a gradient divergence follows from: B's module, and the op and
+    B's line where it enters when its forward was drilled down."""
+
+    module: str
+    op: str | None = None
+    line: Frame | None = None
+
+    @classmethod
+    def of(cls, module: str, ops: OpReport | None) -> ForwardCause:
+        answer = None if ops is None else ops.answer
+        if answer is None:
+            return cls(module)
+        a, b = answer.pair.a or answer.replaces, answer.pair.b
+        step, other = (b, a) if b is not None else (a, b)
+        return cls(module, answer.pair.name, _telling_frame(step, other))
+
+    def clause(self) -> str:
+        """``the forward divergence of MODULE, which enters at OP (path:line "code")``."""
+        if self.op is None:
+            return f"the forward divergence of {self.module}"
+        where = "no source line" if self.line is None else f'{self.line} "{self.line.text}"'
+        return f"the forward divergence of {self.module}, which enters at {self.op} ({where})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"module": self.module, "op": self.op,
+                "line": None if self.line is None else str(self.line),
+                "code": None if self.line is None else self.line.text}
 
 
 @dataclass
 class OpReport:
     """The steps of one module call of A and B, aligned and judged; ``first`` indexes the
     line where the divergence enters (None when no op explains it); ``built``: for a library
-    module, the line of the user's code where each side (``"A"``, ``"B"``) built it."""
+    module, the line of the user's code where each side (``"A"``, ``"B"``) built it;
+    ``follows``: on a backward pass, the forward divergence its gradient follows from (no
+    backward op of its own leaves its budget, or its forward ops already name the change)."""
 
     module: str
     lines: list[OpLine]
     first: int | None
     notes: list[str] = field(default_factory=list)
     built: dict[str, Frame] = field(default_factory=dict)
+    follows: ForwardCause | None = None
 
     @property
     def answer(self) -> OpLine | None:
@@ -40,6 +74,11 @@ class OpReport:
         one), the op, then the lines: ``It enters at attn through its argument mask (...),
         in aten::mul (B: path:line "code"; A: path:line "code").``"""
         line = self.answer
+        if line is None and self.follows is not None:
+            if not self.lines:  # not drilled: the forward ops already name the change
+                return f"Its gradient follows from {self.follows.clause()}."
+            return (f"No backward op leaves its budget on its own inputs ({len(self.lines)} "
+                    f"steps aligned): the gradient follows from {self.follows.clause()}.")
         if line is None:
             return (f"No op of {module_label(self.module)}'s own code leaves its budget "
                     f"({len(self.lines)} steps aligned).")
@@ -84,6 +123,7 @@ class OpReport:
         return {"module": self.module,
                 **({} if line is None else _line_dict(line, answer=True)),
                 "found": line is not None,
+                "follows_forward": None if self.follows is None else self.follows.to_dict(),
                 "steps": [_line_dict(x) for x in self.lines],
                 "built": {side.lower(): {"at": str(frame), "code": frame.text}
                           for side, frame in self.built.items()},
@@ -116,7 +156,9 @@ class OpReport:
         """The op table, ``width`` columns wide, folded to the steps that matter: the answer,
         steps of one side, changed arguments, local errors out of budget, and their
         neighbours; each run of the others is one line with the worst cell of each column
-        (after the answer, they carry its error)."""
+        (after the answer, they carry its error). None for a pass not drilled."""
+        if not self.lines:
+            return []
         keep = set()
         for i, line in enumerate(self.lines):
             if i == self.first or line.pair.kind != "paired" or line.pair.differences or \
@@ -163,13 +205,17 @@ def _worst(results: list[Result | None]) -> Result | None:
 
 
 def _where(step: Step, other: Step | None) -> str:
+    frame = _telling_frame(step, other)
+    return "no source line" if frame is None else f'{frame} "{frame.text}"'
+
+
+def _telling_frame(step: Step, other: Step | None) -> Frame | None:
     """The step's line that tells it from the other side's: its innermost frame whose text
     the other's stack lacks (a changed caller of a shared helper), else its innermost."""
     if not step.stack:
-        return "no source line"
+        return None
     theirs = {(f.path, f.text) for f in other.stack} if other is not None else set()
-    frame = next((f for f in step.stack if (f.path, f.text) not in theirs), step.stack[0])
-    return f'{frame} "{frame.text}"'
+    return next((f for f in step.stack if (f.path, f.text) not in theirs), step.stack[0])
 
 
 def _describe(line: OpLine) -> str:
