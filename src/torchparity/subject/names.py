@@ -23,7 +23,7 @@ __all__ = ["NameMap", "common_subsequence", "concatenations", "name_translator"]
 NameMap = Mapping[str, str] | Sequence[tuple[str, str]]
 
 #: How to hand a name map on the command line (``diagnose`` and ``check``).
-NAME_MAP_OPTION = "--name-map REGEX=REPLACEMENT (A's module names to B's, repeatable)"
+NAME_MAP_OPTION = "--name-map REGEX=REPLACEMENT (a regex on the whole name; repeatable)"
 
 Item = TypeVar("Item")
 Shape = tuple[int, ...]
@@ -83,11 +83,11 @@ def concatenations(wholes: Sequence[Item], parts: Sequence[Item],
                    ) -> list[tuple[Item, tuple[Item, ...]]]:
     """Each of ``wholes`` whose shape is that of two or more consecutive ``parts``
     concatenated along ``dim``, with those parts; each part is used at most once, and an item
-    whose ``shape_of`` is None takes no part."""
+    whose ``shape_of`` is None or empty (a scalar) takes no part."""
     found, used = [], set()
     for whole in wholes:
         target = shape_of(whole)
-        if target is None:
+        if not target:
             continue
         for start in range(len(parts)):
             run = _concatenating_run(parts[start:], target, shape_of, dim, used)
@@ -101,11 +101,11 @@ def concatenations(wholes: Sequence[Item], parts: Sequence[Item],
 def _concatenating_run(parts: Sequence[Item], target: Shape,
                        shape_of: Callable[[Item], Shape | None], dim: int, used: set[int]
                        ) -> tuple[Item, ...] | None:
-    dim = dim % len(target) if target else 0
+    dim = dim % len(target)
     run, width = [], 0
     for part in parts:
         shape = shape_of(part)
-        if (id(part) in used or shape is None or len(shape) != len(target)
+        if (id(part) in used or not shape or len(shape) != len(target)
                 or shape[:dim] + shape[dim + 1:] != target[:dim] + target[dim + 1:]):
             return None
         run.append(part)
