@@ -139,8 +139,8 @@ def renaming(golden: Layout, model: Layout, name_map: NameMap | None = None) -> 
             take(whole, parts)
     keys_a = [(_kind(n), shape_of[("a", n)]) for n in rest_a]
     keys_b = [(_kind(n), shape_of[("b", n)]) for n in rest_b]
-    for i, j in [(rest_a[i], rest_b[j]) for i, j in common_subsequence(keys_a, keys_b)]:
-        take(j, (i,))
+    for a, b in [(rest_a[i], rest_b[j]) for i, j in common_subsequence(keys_a, keys_b)]:
+        take(b, (a,))
     for kind in dict.fromkeys(_kind(n) for n in rest_b):
         wholes = [("b", n) for n in rest_b if _kind(n) == kind]
         parts = [("a", n) for n in rest_a if _kind(n) == kind]
