@@ -126,3 +126,11 @@ def test_the_python_api_takes_a_name_map(golden):
     report = tp.check_model(entry, backends=["manual"], dtypes=["fp32"], golden_dir=golden,
                             name_map={"mlp.up": "mlp.fc1", "mlp.down": "mlp.fc2"})
     assert report.ok, report.explain()
+
+
+def test_diagnose_runs_a_head_read_outside_its_module_in_float64(golden, capsys):
+    # A's float64 golden runs the tied head, x @ embed.weight.t(), outside any module.
+    tied, base = (f"{_write(golden.parent / v, v)}:make" for v in ("tied", "base"))
+    assert main(["diagnose", tied, base]) == 0
+    out = _out(capsys)
+    assert "against A's float64 golden" in out and "Verdict: pass" in out
