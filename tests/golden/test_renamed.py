@@ -134,3 +134,9 @@ def test_diagnose_runs_a_head_read_outside_its_module_in_float64(golden, capsys)
     assert main(["diagnose", tied, base]) == 0
     out = _out(capsys)
     assert "against A's float64 golden" in out and "Verdict: pass" in out
+
+
+def test_a_name_map_without_a_model_is_refused_in_one_line(capsys):
+    assert main(["check", "--case", "mqa", "--name-map", "a=b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--name-map" in err and "--model ENTRY" in err

@@ -90,9 +90,10 @@ def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] 
     :class:`UsageError` or :class:`~torchparity.golden.GoldenError`. ``progress`` (a rich
     ``Progress``) is shown while the cells run.
     """
-    if name_map and sharded.active():
-        raise UsageError("--name-map maps the goldens of a model in one process; a sharded "
-                         "model's weights are checked by their names: leave out --nproc")
+    if name_map and (sharded.active() or not models):
+        raise UsageError("--name-map maps the goldens' module names of a --model entry checked "
+                         "in one process (a zoo case's and a sharded model's weights keep "
+                         "their names): give --model ENTRY, without --nproc")
     made_here = model_root is not None
     model_root = model_root if made_here else user_golden_dir(golden_dir)
     chosen = [] if models and not cases else select_cases(cases)
