@@ -354,7 +354,9 @@ def test_weights_of_another_init_are_init_changed(models, tmp_path, capsys):
                          source=reseeded)
     assert status == 1 and {r["verdict"] for r in rows} == {"init changed"}
     out = " ".join(capsys.readouterr().out.split())  # the lines wrapped at 80, joined
-    assert "torchparity golden update --model" in out and "tp.init_weights(model, seed)" in out
+    # Made on this machine's instruction set: the values changed, not the machine.
+    assert "torchparity golden update --model" in out and "their values changed" in out
+    assert "tp.init_weights" not in out and out.count("FAIL models.") == 1
 
 
 @pytest.mark.parametrize("entry, status, message", [

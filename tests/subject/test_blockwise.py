@@ -174,3 +174,37 @@ def test_a_parameter_s_own_gradient_hooks_act_on_its_float64_gradient():
     assert torch.equal(found["0.weight"], 3 * expected["0.weight"])
     assert all(torch.equal(found[name], expected[name]) for name in ("0.bias", "1.weight",
                                                                      "1.bias"))
+
+
+class _ReadsParametersOutside(torch.nn.Module):
+    """Parameters used outside their module's forward: a tied head read directly, as
+    Megatron's output layer reads the embedding, and a weight passed as an argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.proj = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.proj(self.emb(tokens)) * self.scale
+        return x @ self.emb.weight.t() + torch.nn.functional.linear(x, self.proj.weight).sum()
+
+
+def test_parameters_read_outside_their_module_run_in_float64_bit_for_bit():
+    torch.manual_seed(0)
+    model, tokens = _ReadsParametersOutside(), torch.randint(0, 10, (2, 5))
+    outputs, loss, grads = _reference(model, {"tokens": tokens},
+                                     lambda out, _: out.square().sum())
+    found = {}
+    with Float64Run(model, on_grad=found.__setitem__) as run:
+        output = model(tokens)
+        run.backward(output.square().sum())
+        with torch.no_grad():
+            decoded = model(tokens)
+    assert output.dtype == torch.float64 and torch.equal(output, outputs["output"])
+    assert torch.equal(decoded, outputs["output"])
+    # The embedding's gradient sums its lookup's and the head's, delivered once.
+    assert found.keys() == grads.keys()
+    assert all(torch.equal(found[n], g) for n, g in grads.items())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -24,9 +24,10 @@ from torchparity.commands.common import (
     next_step_command,
     refuse_zoo_across_ranks,
 )
+from torchparity.commands.trace_options import name_rules
 from torchparity.errors import UsageError
 from torchparity.golden import sharded
-from torchparity.golden.cell_selection import CHECK_DTYPES
+from torchparity.golden.cell_selection import CHECK_DTYPES, compile_forms
 from torchparity.golden.runner import check
 from torchparity.golden.store import GOLDEN_DIR_ENV
 from torchparity.revisions import base_goldens
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"fp32, bf16 on cpu and also tf32, fp16 on cuda)")
     parser.add_argument("--device", action="append", metavar="DEVICE",
                         help="device (repeatable; default: cpu, and cuda when available)")
+    parser.add_argument("--name-map", action="append", metavar="REGEX=REPLACEMENT",
+                        help="map the goldens' module names to --model's where a refactor "
+                             "renamed them (regex on the whole name); repeatable")
     parser.add_argument("--golden-dir", metavar="DIR",
                         help=GOLDEN_DIR_HELP + f"; for --model: ${GOLDEN_DIR_ENV}, else "
                              "golden/ in the working directory")
@@ -119,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                        dtype=args.dtype, device=args.device,
                        compile_forms=compile_forms(args.compile), golden_dir=args.golden_dir,
                        model_root=base_root, jobs=args.jobs, train=args.train, json=args.json,
-                       html=args.html, progress=_progress())
+                       html=args.html, progress=_progress(), name_map=name_rules(args.name_map))
         elapsed = time.perf_counter() - started
 
         from rich.console import Console
@@ -140,10 +144,3 @@ def _progress() -> Any:
 
     return Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-
-
-def compile_forms(choice: str | None) -> list[str]:
-    """The compile forms ``--compile FORM`` asks for (none without it)."""
-    if choice is None:
-        return []
-    return list(MODES) if choice == "both" else [choice]

@@ -15,20 +15,20 @@ Whatever is still unmatched is returned as such, never dropped.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Literal
 
 from torchparity.diagnosis.capture import ModuleCall, call_key
-from torchparity.errors import UsageError
+from torchparity.subject.names import (
+    NameMap,
+    common_subsequence,
+    concatenations,
+    name_translator,
+)
 
 __all__ = ["Alignment", "Match", "NameMap", "align", "name_translator"]
-
-#: A's module names to B's: exact names in a dict, or ``(regex, replacement)`` pairs where the
-#: first regex that matches the whole of A's name gives B's name (``\1`` groups allowed).
-NameMap = Mapping[str, str] | Sequence[tuple[str, str]]
 
 How = Literal["name", "name_map", "order", "fused"]
 
@@ -77,33 +77,6 @@ class Alignment:
         for match in self.matches:
             counts[match.how] += 1
         return counts
-
-
-def name_translator(name_map: NameMap | None) -> Callable[[str], str]:
-    """A function from A's module names to the names ``name_map`` says they have in B."""
-    if name_map is None:
-        return lambda name: name
-    if isinstance(name_map, Mapping):
-        return lambda name: name_map.get(name, name)
-    rules = []
-    for pair in name_map:
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise UsageError(
-                f"name_map entry {pair!r} is not a (regex, replacement) pair; pass a dict of "
-                "A-name -> B-name or a list of (regex, replacement) pairs")
-        try:
-            rules.append((re.compile(pair[0]), pair[1]))
-        except re.error as exc:
-            raise UsageError(f"name_map regex {pair[0]!r} is invalid: {exc}") from None
-
-    def translate(name: str) -> str:
-        for regex, replacement in rules:
-            found = regex.fullmatch(name)
-            if found:
-                return found.expand(replacement)
-        return name
-
-    return translate
 
 
 def align(
@@ -171,76 +144,22 @@ def _monotone(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def _align_gap(gap_a: list[ModuleCall], gap_b: list[ModuleCall]) -> list[Match]:
-    pairs = _common_subsequence([_shapes(c) for c in gap_a], [_shapes(c) for c in gap_b])
+    pairs = common_subsequence([_shapes(c) for c in gap_a], [_shapes(c) for c in gap_b])
     matches = [Match((gap_a[i],), (gap_b[j],), "order") for i, j in pairs]
     paired_a, paired_b = {i for i, _ in pairs}, {j for _, j in pairs}
     rest_a = [c for i, c in enumerate(gap_a) if i not in paired_a]
     rest_b = [c for j, c in enumerate(gap_b) if j not in paired_b]
-    matches += [Match(parts, (whole,), "fused") for whole, parts in _fusions(rest_b, rest_a)]
+    matches += [Match(parts, (whole,), "fused")
+                for whole, parts in concatenations(rest_b, rest_a, _single_shape, -1)]
     fused_a = {id(c) for m in matches for c in m.a}
     rest_a = [c for c in rest_a if id(c) not in fused_a]
-    matches += [Match((whole,), parts, "fused") for whole, parts in _fusions(rest_a, rest_b)]
+    matches += [Match((whole,), parts, "fused")
+                for whole, parts in concatenations(rest_a, rest_b, _single_shape, -1)]
     return matches
 
 
 def _shapes(call: ModuleCall) -> tuple[tuple[int, ...], ...]:
     return tuple(call.output_shapes.values())
-
-
-def _common_subsequence(xs: list, ys: list) -> list[tuple[int, int]]:
-    """Index pairs of a longest common subsequence of non-empty equal items."""
-    n, m = len(xs), len(ys)
-    best = [[0] * (m + 1) for _ in range(n + 1)]
-    for i in range(n - 1, -1, -1):
-        for j in range(m - 1, -1, -1):
-            if xs[i] and xs[i] == ys[j]:
-                best[i][j] = best[i + 1][j + 1] + 1
-            else:
-                best[i][j] = max(best[i + 1][j], best[i][j + 1])
-    pairs, i, j = [], 0, 0
-    while i < n and j < m:
-        if xs[i] and xs[i] == ys[j]:
-            pairs.append((i, j))
-            i, j = i + 1, j + 1
-        elif best[i + 1][j] >= best[i][j + 1]:
-            i += 1
-        else:
-            j += 1
-    return pairs
-
-
-def _fusions(wholes: list[ModuleCall], parts: list[ModuleCall]
-             ) -> list[tuple[ModuleCall, tuple[ModuleCall, ...]]]:
-    """Single-output calls in ``wholes`` whose output is a concatenation of consecutive
-    ``parts`` along the last dimension; each part is used at most once."""
-    found, used = [], set()
-    for whole in wholes:
-        target = _single_shape(whole)
-        if target is None:
-            continue
-        for start in range(len(parts)):
-            run = _concatenating_run(parts, start, target, used)
-            if run:
-                found.append((whole, run))
-                used.update(id(c) for c in run)
-                break
-    return found
-
-
-def _concatenating_run(parts: list[ModuleCall], start: int, target: tuple[int, ...],
-                       used: set[int]) -> tuple[ModuleCall, ...] | None:
-    run, width = [], 0
-    for part in parts[start:]:
-        shape = _single_shape(part)
-        if id(part) in used or shape is None or shape[:-1] != target[:-1]:
-            return None
-        run.append(part)
-        width += shape[-1]
-        if width == target[-1]:
-            return tuple(run) if len(run) > 1 else None
-        if width > target[-1]:
-            return None
-    return None
 
 
 def _single_shape(call: ModuleCall) -> tuple[int, ...] | None:

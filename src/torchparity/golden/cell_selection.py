@@ -8,6 +8,7 @@ from torchparity import backends
 from torchparity.errors import UsageError
 from torchparity.golden.cells import REFERENCE, Cell
 from torchparity.reference import zoo
+from torchparity.subject.compiling import MODES
 
 DEFAULT_DTYPES = {"cpu": ["fp32", "bf16"], "cuda": ["fp32", "tf32", "bf16", "fp16"]}
 CHECK_DTYPES = ("fp32", "tf32", "bf16", "fp16")
@@ -68,3 +69,11 @@ def _devices(devices: list[str] | None) -> list[str]:
         if kind == "cuda" and not torch.cuda.is_available():
             raise UsageError(f"--device {device}: no CUDA device is available here")
     return list(dict.fromkeys(devices))
+
+
+def compile_forms(choice: str | None) -> list[str]:
+    """The compile forms ``check --compile FORM`` asks for (none without it; ``both``: every
+    form)."""
+    if choice is None:
+        return []
+    return list(MODES) if choice == "both" else [choice]

@@ -88,6 +88,9 @@ class CheckResult:
     judged_against: str = "stored goldens"
     # Then its verdict, headroom and sensitivity against the stored goldens.
     stored_goldens: dict[str, Any] | None = None
+    # The modules the goldens name otherwise, whose gradients were judged by meaning
+    # (``attn.qkv <- attn.q+attn.k+attn.v [fused]``); None where the names are the goldens'.
+    renamed: str | None = None
 
     @property
     def cell(self) -> Cell:

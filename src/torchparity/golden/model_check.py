@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torchparity import backends
+from torchparity import backends, machine
 from torchparity.comparison import compare
 from torchparity.dtypes import DTYPES, dtype_name
 from torchparity.errors import UsageError
@@ -38,6 +38,7 @@ from torchparity.golden.model_runs import (
     output_padding,
     run_in_cell,
 )
+from torchparity.golden.renamed import Renaming, renaming, state_layout
 from torchparity.golden.store import GoldenStore
 from torchparity.golden.user_models import (
     golden_islands,
@@ -51,6 +52,7 @@ from torchparity.golden.user_models import (
 from torchparity.subject import Subject
 from torchparity.subject.compiling import check_mode
 from torchparity.subject.decoding import Fed
+from torchparity.subject.names import NameMap
 
 #: How a factory builds the same weights and inputs on every machine.
 _SAME_EVERYWHERE = {
@@ -68,13 +70,16 @@ def backend_names(models: list[Subject] | None = None) -> list[str]:
 
 def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
                   advance: Callable[[str], None] = lambda label: None,
-                  status: Callable[[str, str], None] | None = None) -> list[CheckResult]:
+                  status: Callable[[str, str], None] | None = None,
+                  name_map: NameMap | None = None) -> list[CheckResult]:
     """Check ``subject`` in every cell against its goldens; one result per cell and output.
 
     The cells share the model (:class:`~torchparity.golden.model_runs.CellModels`): no more
     copies than dtypes. ``advance(label)`` is called after each cell, ``status(label, text)``
-    while one runs."""
-    return check_loop.check(ModelFeed(subject, store, status), cells, advance)
+    while one runs. Weights named otherwise than in the goldens are found by
+    :mod:`~torchparity.golden.renamed` (``name_map``: the goldens' module names to the
+    model's)."""
+    return check_loop.check(ModelFeed(subject, store, status, name_map), cells, advance)
 
 
 class ModelFeed:
@@ -84,8 +89,10 @@ class ModelFeed:
     noise_from = "outputs"
 
     def __init__(self, subject: Subject, store: GoldenStore,
-                 status: Callable[[str, str], None] | None = None) -> None:
+                 status: Callable[[str, str], None] | None = None,
+                 name_map: NameMap | None = None) -> None:
         self.goldens = load_goldens(subject, store)
+        self.renamed = golden_renaming(self.goldens, subject, name_map)
         self.unjudged: dict[str, str] = {}
         if subject.generates and "decode" not in self.goldens:
             self.unjudged["decode"] = no_decode_golden(subject, store)
@@ -100,11 +107,29 @@ class ModelFeed:
         self.tokens = decoded and Fed(decoded["tokens"], decoded.get("parents"))
 
     def changed(self) -> dict[str, tuple[str, str]]:
+        """Weights or inputs other than the goldens', each with the hint of its cause:
+        names that pair with nothing, values that changed, or torch's own random draws on a
+        machine of another instruction set."""
+        fix = f"if the change is intended run `{self.store.update_command}`"
+        if self.renamed is not None and not self.renamed.complete:
+            reason = f"{self.renamed.unmatched_sentence(self.subject.entry)}, or {fix}"
+            return dict.fromkeys(self.goldens, ("init changed", reason))
+        made_on = self.goldens["grads"].summary.get("produced_by", {}).get("cpu_capability")
+        here = machine.describe()["cpu_capability"]
+        renamed = self.renamed and self.renamed.summary()
+        by_meaning = f" (compared by meaning: {renamed})" if renamed else ""
+
+        def advice(what: str) -> str:
+            told = f"the {what} the factory {self.subject.entry} builds{by_meaning} {{differ}}"
+            if made_on == here:
+                return (f"{told}, on a machine of the instruction set that made them "
+                        f"(cpu {here}): their values changed, not the machine; {fix}")
+            return (f"{told}; the goldens were made on cpu {made_on or 'unrecorded'}, this "
+                    f"run is on cpu {here}, whose torch random draws round otherwise: "
+                    f"{_SAME_EVERYWHERE[what]}, or {fix}")
+
         return check_loop.checksum_changes(
-            self.goldens, model_checksums(self.subject), lambda what: (
-                f"the {what} the factory {self.subject.entry} builds {{differ}}; "
-                f"{_SAME_EVERYWHERE[what]} (torch's own random draws differ between "
-                f"machines), or if the change is intended run `{self.store.update_command}`"))
+            self.goldens, model_checksums(self.subject, self.renamed), advice)
 
     def refused(self, cell: Cell) -> str | None:
         if cell.backend == HF_EAGER and not self.subject.is_transformers:
@@ -123,7 +148,8 @@ class ModelFeed:
             lambda text: self.status(cell.label, text))
         return run_in_cell(self.subject, cell, self.loss_paths, perturb=perturb,
                            tokens=self.fed(cell, perturb),
-                           models=None if cell.compile else self.models, status=status)
+                           models=None if cell.compile else self.models, status=status,
+                           renamed=self.renamed)
 
     def golden(self, output: str) -> dict[str, Any] | None:
         golden = self.goldens.get(output)
@@ -169,8 +195,23 @@ class ModelFeed:
         if step is not None:
             fields["explain"] = f"first step that differs: {step} (0 is the prompt); " \
                                 f"{fields['explain']}"
+        if output == "grads" and self.renamed is not None:
+            fields["renamed"] = self.renamed.summary() or None
         return check_loop.row(self, cell, output, **fields,
                               structure=[str(d) for d in comparison.structure] or None)
+
+
+def golden_renaming(goldens: dict[str, Any], subject: Subject, name_map: NameMap | None
+                    ) -> Renaming | None:
+    """How the goldens' weights are found in ``subject``'s model: None where the names are
+    the goldens' (or the goldens record no layout, or the model is sharded)."""
+    layout = goldens["grads"].summary.get("layout")
+    if layout is None or subject.shards is not None:
+        return None
+    now = state_layout(subject.model)
+    if now == layout:
+        return None
+    return renaming(layout, now, name_map)
 
 
 def first_step(comparison: Any) -> int | None:
@@ -245,8 +286,8 @@ def model_cells(backends: list[str] | None = None, dtypes: list[Any] | None = No
 
 def check_model(factory: str | Callable[[], Any], *, backends: list[str] | None = None,
                 dtypes: list[Any] | None = None, golden_dir: str | os.PathLike | None = None,
-                cells: list[Cell] | None = None, compile: list[str] | None = None
-                ) -> ModelReport:
+                cells: list[Cell] | None = None, compile: list[str] | None = None,
+                name_map: NameMap | None = None) -> ModelReport:
     """Check a user's model against its goldens, as ``torchparity check --model`` does.
 
     ``factory`` is an entry (``file.py:name``, ``pkg.mod:name``) or the callable itself,
@@ -261,4 +302,4 @@ def check_model(factory: str | Callable[[], Any], *, backends: list[str] | None 
     subject = Subject.load(factory)
     store = model_store(subject, user_golden_dir(golden_dir))
     cells = cells or model_cells(backends, dtypes, compile=compile)
-    return ModelReport(check_subject(subject, store, cells))
+    return ModelReport(check_subject(subject, store, cells, name_map=name_map))

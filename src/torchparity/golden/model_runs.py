@@ -22,6 +22,7 @@ from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.cells import Cell, Run, matmul_precision
 from torchparity.golden.compiled_cells import decode_phases
+from torchparity.golden.renamed import Renaming
 from torchparity.sketching import kept, seed_of
 from torchparity.subject import Subject, hf
 from torchparity.subject.beams import BeamSearch, expand_prompt, prompt_rows, reorder_rows
@@ -85,14 +86,16 @@ def _own_dtype(model: nn.Module) -> torch.dtype:
 
 def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
                 perturb: bool = False, tokens: Fed | None = None,
-                models: CellModels | None = None, status: Status | None = None) -> Run:
+                models: CellModels | None = None, status: Status | None = None,
+                renamed: Renaming | None = None) -> Run:
     """Run the model in ``cell``: forward, loss, gradients and decoding.
 
     ``loss_paths`` are the outputs the default loss projects (None: all floating ones);
     ``tokens`` are what a step-by-step decoding is fed (None: its own greedy choices, or its
     beam search).
     ``models`` shares the cells' models (default: a fresh :class:`CellModels`); ``status``
-    hears where a long run is (which block of how many). Tensors of
+    hears where a long run is (which block of how many); ``renamed`` gives the gradients the
+    goldens' names (a fused parameter's as its parts). Tensors of
     :func:`~torchparity.sketching.threshold` elements or more are kept as sketches, each
     gradient as soon as it is complete. ``perturb`` (float64 cells) moves every weight by one
     float64 rounding. The run counts the SDPA calls intercepted (None for ``hf-eager``). A
@@ -108,7 +111,7 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
         try:
             if cell.dtype == "fp64":
                 grads: dict[str, Any] = {}
-                with Float64Run(model, on_grad=_keeper(grads), perturb=perturbation
+                with Float64Run(model, on_grad=_keeper(grads, renamed), perturb=perturbation
                                 if perturb else None, progress=report) as run64, \
                         Islands(model) as islands:
                     run = forward_backward(subject, model, inputs, loss_paths,
@@ -119,7 +122,7 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
             else:
                 with BlockProgress(model, report) as blocks:
                     run = forward_backward(subject, model, inputs, loss_paths,
-                                            lambda loss: _streamed(model, loss, blocks))
+                                            lambda loss: _streamed(model, loss, blocks, renamed))
                 run.compile_log = compile_log
                 decode_into(subject, model, inputs, run, tokens)
         except BackendUnavailable as exc:
@@ -166,13 +169,19 @@ def _perturbation_factors() -> torch.Tensor:
     return 1.0 + torch.from_numpy(generator.random(_PERIOD) * 2.0 - 1.0) * 2.0**-52
 
 
-def _keeper(found: dict[str, Any]) -> Callable[[str, torch.Tensor], None]:
-    return lambda name, tensor: found.__setitem__(name, kept(name, tensor))
+def _keeper(found: dict[str, Any], renamed: Renaming | None = None
+            ) -> Callable[[str, torch.Tensor], None]:
+    """Keep each gradient under the goldens' name of it (``renamed``: of each of its parts)."""
+    def keep(name: str, tensor: torch.Tensor) -> None:
+        for golden, part in renamed.split(name, tensor) if renamed else ((name, tensor),):
+            found[golden] = kept(golden, part)
+    return keep
 
 
-def _streamed(model: nn.Module, loss: torch.Tensor, blocks: BlockProgress) -> dict[str, Any]:
+def _streamed(model: nn.Module, loss: torch.Tensor, blocks: BlockProgress,
+              renamed: Renaming | None) -> dict[str, Any]:
     grads: dict[str, Any] = {}
-    stream_grads(model, loss, _keeper(grads), blocks)
+    stream_grads(model, loss, _keeper(grads, renamed), blocks)
     return grads
 
 

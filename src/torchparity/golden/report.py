@@ -124,16 +124,27 @@ def page(results: list[CheckResult], cells: list[Cell], elapsed: float,
     after = [f"[{number}] {note}" for note, number in footnotes.items()]
     after += [f"{backend}: n/a in every cell here ({reason})"
               for backend, reason in never_run.items()]
-    after += [*compiled_lines(results), *_left_out_lines(results), *_baseline_lines(results),
-              *stored_goldens_lines(results)]
+    after += [*compiled_lines(results), *_left_out_lines(results), *_renamed_lines(results),
+              *_baseline_lines(results), *stored_goldens_lines(results)]
+    changed: dict[tuple[str, str | None], int] = {}  # the weights or inputs, said once
     for r in results:
-        if not r.ok:
+        if not r.ok and r.verdict in _CHANGED:
+            changed[r.case, r.reason] = changed.get((r.case, r.reason), 0) + 1
+        elif not r.ok:
             context = machines.context(r.case)
             against = f" (against {OWN_FLOAT64})" if r.stored_goldens else ""
             after.append(f"FAIL {r.case} {r.cell.label} {r.output}{against}: "
                          f"{r.explain or r.reason}" + (f" ({context})" if context else ""))
+    for (case, reason), count in changed.items():
+        context = machines.context(case)
+        after.append(f"FAIL {case} ({count} row(s), every cell): {reason}"
+                     + (f" ({context})" if context else ""))
     after += [*sensitivity_lines(results), _summary(results, elapsed)]
     return Page(before, ["case", "reference", *columns], rows, after)
+
+
+#: Verdicts of goldens made from other weights or inputs: one reason for every row of a case.
+_CHANGED = ("init changed", "inputs changed")
 
 
 def render(console: Any, content: Page) -> None:
@@ -174,7 +185,7 @@ def reference_lines(results: list[CheckResult]) -> list[str]:
     other cells' verdicts are then against goldens of another model."""
     failed: dict[str, list[str]] = {}
     for r in results:
-        if r.cell == REFERENCE and not r.ok:
+        if r.cell == REFERENCE and not r.ok and r.verdict not in _CHANGED:
             failed.setdefault(r.case, []).append(f"{r.output} {r.verdict}")
     both = {r.case for r in results if r.judged_against == BOTH_GOLDENS}
     return [f"The model's outputs changed: {case}'s {REFERENCE.label} cell (the manual "
@@ -254,6 +265,16 @@ def _left_out_lines(results: list[CheckResult]) -> list[str]:
     return ["Padded positions left out of the judgement (what two backends write there is "
             "arbitrary):", *(f"{', '.join(names)} {output}: {note}"
                             for (output, note), names in cases.items())]
+
+
+def _renamed_lines(results: list[CheckResult]) -> list[str]:
+    """Per model, the modules its goldens name otherwise: its weights were checked and its
+    gradients judged through them."""
+    lines = list(dict.fromkeys(f"{r.case}: {r.renamed}" for r in results if r.renamed))
+    if not lines:
+        return []
+    return ["Weights and gradients judged by meaning, under the goldens' names (model <- "
+            "goldens):", *lines]
 
 
 def _baseline_lines(results: list[CheckResult]) -> list[str]:

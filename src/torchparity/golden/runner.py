@@ -5,6 +5,7 @@ case by case, ``golden update`` and ``golden verify`` model by model."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import queue
@@ -36,6 +37,7 @@ from torchparity.golden.user_models import (
 )
 from torchparity.reference import zoo
 from torchparity.subject import Subject
+from torchparity.subject.names import NameMap
 from torchparity.threads import single_thread
 
 
@@ -74,10 +76,12 @@ class CheckReport:
 def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] | None,
           dtype: list[str] | None, device: list[str] | None, compile_forms: list[str],
           golden_dir: str | None, model_root: Path | None, jobs: int | None, train: bool,
-          json: str | None, progress: Any, html: str | None = None) -> CheckReport:
+          json: str | None, progress: Any, html: str | None = None,
+          name_map: NameMap | None = None) -> CheckReport:
     """Check the zoo ``cases`` (all when None; none when only ``models`` are given) and the
     users' ``models`` in the cells selected by ``backend``, ``dtype``, ``device`` and
-    ``compile_forms``; with ``train`` also each case's golden training trajectory.
+    ``compile_forms``; with ``train`` also each case's golden training trajectory;
+    ``name_map`` maps the models' goldens' module names to theirs (renamed weights).
 
     The zoo's goldens come from ``golden_dir`` (default: :func:`default_golden_dir`), the
     models' from ``model_root`` when given (goldens made here, from a base revision), else
@@ -86,6 +90,10 @@ def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] 
     :class:`UsageError` or :class:`~torchparity.golden.GoldenError`. ``progress`` (a rich
     ``Progress``) is shown while the cells run.
     """
+    if name_map and (sharded.active() or not models):
+        raise UsageError("--name-map maps the goldens' module names of a --model entry checked "
+                         "in one process (a zoo case's and a sharded model's weights keep "
+                         "their names): give --model ENTRY, without --nproc")
     made_here = model_root is not None
     model_root = model_root if made_here else user_golden_dir(golden_dir)
     chosen = [] if models and not cases else select_cases(cases)
@@ -110,7 +118,7 @@ def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] 
     trajectories = _trajectory_store(store, chosen) if train else None
     with progress:
         results = execute(store, chosen, cells, jobs, progress) if chosen else []
-        results += check_user_models(models, model_root, cells, progress)
+        results += check_user_models(models, model_root, cells, progress, name_map)
         if trajectories is not None:
             results += train_results(trajectories, chosen, cells, progress)
     return CheckReport(results, cells, chosen, machines, store.root, model_root)
@@ -222,13 +230,14 @@ def _drain(progress_queue: Any, advance: Callable[[str], None], timeout: float) 
 
 
 def check_user_models(subjects: list[Subject], root: Path, cells: list[Cell],
-                 progress: Any) -> list[CheckResult]:
+                      progress: Any, name_map: NameMap | None = None) -> list[CheckResult]:
     """Check users' models in this process (their factories need not import elsewhere)."""
     task = progress.add_task("checking", total=len(subjects) * len(cells))
     results = []
     with single_thread():
         for subject in subjects:
-            check_one = sharded.check_sharded if sharded.active() else check_subject
+            check_one = (sharded.check_sharded if sharded.active() else
+                         functools.partial(check_subject, name_map=name_map))
             results += check_one(
                 subject, model_store(subject, root), cells,
                 lambda label, s=subject: progress.update(task, advance=1,

@@ -51,6 +51,7 @@ import torch
 from torchparity.errors import UsageError
 from torchparity.golden.cells import REFERENCE, Run
 from torchparity.golden.model_runs import OUTPUT_KINDS, Status, run_in_cell
+from torchparity.golden.renamed import Renaming, state_layout
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
 from torchparity.subject import Subject, sharded
 from torchparity.subject.islands import narrowest, summary
@@ -74,10 +75,13 @@ def model_store(subject: Subject, root: Any) -> GoldenStore:
     return GoldenStore(root, update_command=command)
 
 
-def model_checksums(subject: Subject) -> dict[str, str]:
-    """Checksums of the float64 state dict and of the input tensors the factory gave."""
+def model_checksums(subject: Subject, renamed: Renaming | None = None) -> dict[str, str]:
+    """Checksums of the float64 state dict and of the input tensors the factory gave; with
+    ``renamed``, of the state dict under the goldens' names."""
     weights = (subject.model.state_dict() if subject.shards is None
                else sharded.WholeState(subject.shards.state_dict()))
+    if renamed is not None:
+        weights = renamed.golden_state(weights, state_layout(subject.model))
     return {"weights": checksum(weights, dtype=torch.float64),
             "inputs": checksum(flatten_tensors(subject.inputs, "inputs"))}
 
@@ -105,8 +109,11 @@ def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = 
         meta["decoding"] = _decoding(subject)
     if run.islands:
         meta["islands"] = {dtype: summary(modules) for dtype, modules in run.islands.items()}
+    # The gradients' names as the model laid them out: a check of renamed ones pairs them.
+    layout = {"layout": state_layout(subject.model)}
     return {output: store.update(subject.name, output, tensors,
-                                 {"kind": OUTPUT_KINDS[output], **meta})
+                                 {"kind": OUTPUT_KINDS[output], **meta,
+                                  **(layout if output == "grads" else {})})
             for output, tensors in run.outputs.items()}
 
 

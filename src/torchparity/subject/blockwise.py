@@ -21,21 +21,26 @@ and the float64 activations. The values are those of ``model.double()``: the sam
 operations on the same float64 numbers (the cast of a float32 or bfloat16 parameter to float64
 is exact), which the tests check bit for bit on ``transformers`` models and the zoo.
 
-It needs each module to use only its own parameters (a parameter read by another module's
-forward would meet float64 activations in its own dtype: a dtype error, or a silent float32
-step). ``progress(phase, done, total)`` reports the model's repeated blocks (the layers) as
+A parameter read outside its module's forward (a tied head's ``x @ self.emb.weight.t()``, as
+Megatron's output layer reads the embedding; a weight passed to another module as an argument)
+is cast as it is read: a torch function mode hands every torch function that takes a plain
+model parameter its float64 value instead, its gradient joining the parameter's other uses.
+``progress(phase, done, total)`` reports the model's repeated blocks (the layers) as
 the forward pass enters them and as the backward pass completes their gradients.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from torchparity.subject.running import grad_hooks, is_dtensor, local_part
 
@@ -119,6 +124,8 @@ class Float64Run:
         self._delivered: set[str] = set()
         self._progress = BlockProgress(model, progress)
         self._exit = contextlib.ExitStack()
+        # While the run's own code reads the model's parameters, they are not cast.
+        self._quiet = False
 
     # -- the block -----------------------------------------------------------------------------
 
@@ -132,11 +139,14 @@ class Float64Run:
                 if any(p is not None and p.is_floating_point()
                        for p in module._parameters.values()):
                     stack.enter_context(_removing(
-                        module.register_forward_pre_hook(self._enter_module, prepend=True),
-                        module.register_forward_hook(self._leave_module, always_call=True)))
+                        module.register_forward_pre_hook(self._quietly(self._enter_module),
+                                                         prepend=True),
+                        module.register_forward_hook(self._quietly(self._leave_module),
+                                                     always_call=True)))
             stack.enter_context(self._progress)
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack,
-                                                                         self._unpack))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                self._quietly(self._pack), self._quietly(self._unpack)))
+            stack.enter_context(_ReadsOutside(self))
         except BaseException:
             self._exit.__exit__(None, None, None)
             raise
@@ -158,22 +168,53 @@ class Float64Run:
         if any(o.requires_grad for o in outputs):
             found = torch.autograd.grad(outputs, [*inputs, self._anchor], grad_outputs,
                                         allow_unused=True)[:len(inputs)]
-        for name, param in self.model.named_parameters():
-            if not param.requires_grad or name in self._delivered:
-                continue
-            grad = self._pending.pop(name, None)
-            if grad is None and unused:
-                grad = torch.zeros(param.shape, dtype=torch.float64, device=self._device(param))
-            if grad is not None:
-                self._deliver(name, grad)
+        with self._quiet_block():
+            for name, param in self.model.named_parameters():
+                if not param.requires_grad or name in self._delivered:
+                    continue
+                grad = self._pending.pop(name, None)
+                if grad is None and unused:
+                    grad = torch.zeros(param.shape, dtype=torch.float64,
+                                       device=self._device(param))
+                if grad is not None:
+                    self._deliver(name, grad)
         return found
 
     # -- casting -------------------------------------------------------------------------------
 
     def value(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
         """The float64 value a module sees of ``parameter`` (perturbed when asked)."""
-        value = parameter.detach().to(self._device(parameter), torch.float64, copy=True)
-        return self.perturb(name, value) if self.perturb is not None else value
+        with self._quiet_block():
+            value = parameter.detach().to(self._device(parameter), torch.float64, copy=True)
+            return self.perturb(name, value) if self.perturb is not None else value
+
+    def read_outside(self, parameter: torch.Tensor) -> torch.Tensor:
+        """The float64 value of ``parameter`` where code outside its module's forward reads
+        it: known to the saved-tensor hooks while the value lives."""
+        value = self._cast(parameter, self.names[id(parameter)])
+        weakref.finalize(value, self._live.pop, _storage(value), None)
+        return value
+
+    def is_read_outside(self, tensor: Any) -> bool:
+        """Whether ``tensor`` is one of the model's floating parameters as the model holds it
+        (its module not running) and this run casts it where it is read."""
+        return (not self._quiet and isinstance(tensor, nn.Parameter)
+                and id(tensor) in self.names and tensor.is_floating_point()
+                and not is_dtensor(tensor))
+
+    @contextlib.contextmanager
+    def _quiet_block(self) -> Iterator[None]:
+        before, self._quiet = self._quiet, True
+        try:
+            yield
+        finally:
+            self._quiet = before
+
+    def _quietly(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def quietly(*args: Any) -> Any:
+            with self._quiet_block():
+                return function(*args)
+        return quietly
 
     def _device(self, tensor: torch.Tensor) -> torch.device:
         return tensor.device if self.device is None else self.device
@@ -283,6 +324,33 @@ class Float64Run:
         if self.on_grad is not None:
             self.on_grad(name, grad)
         self._progress.gradient_done(name)
+
+
+class _ReadsOutside(TorchFunctionMode):
+    """Every torch function that takes one of the run's parameters outside its module's
+    forward gets the parameter's float64 value (:meth:`Float64Run.read_outside`); functions
+    that read no values (a shape, a dtype) get the parameter."""
+
+    def __init__(self, run: Float64Run) -> None:
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) not in _READS_NO_VALUES:
+            args, kwargs = tree_map(self._cast, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _cast(self, leaf: Any) -> Any:
+        return self.run.read_outside(leaf) if self.run.is_read_outside(leaf) else leaf
+
+
+#: Torch functions that read a tensor's metadata, not its values.
+_READS_NO_VALUES = {"__get__", "__set__", "size", "dim", "numel", "stride", "storage_offset",
+                    "is_floating_point", "is_complex", "is_contiguous", "data_ptr",
+                    "untyped_storage", "element_size", "requires_grad_", "register_hook",
+                    "register_post_accumulate_grad_hook", "__repr__", "__format__",
+                    "__hash__", "__len__"}
 
 
 class BlockProgress:

@@ -1,0 +1,180 @@
+"""The goldens' tensors found in a model whose names changed since they were made.
+
+Goldens record the layout of the state dict they were made from (:func:`state_layout`): each
+tensor's name and shape in the model's order, a tied one as the name it ties to. A model whose
+layout differs is paired with the goldens' as diagnose pairs module calls
+(:mod:`torchparity.subject.names`), each pass over what the previous left:
+
+1. **names**: the goldens' module names, translated by the name map when given, equal to the
+   model's, the shapes equal; several of the goldens' tensors that the map sends to one of the
+   model's are its parts, concatenated along dimension 0;
+2. **order and shape**: the longest common subsequence of the rest, by kind (``weight``,
+   ``bias``) and shape: a renamed module keeps its place and its shapes;
+3. **fusion**: one of the model's tensors that is consecutive tensors of the goldens', of its
+   kind, concatenated along dimension 0 (``qkv.weight`` for ``q.weight``, ``k.weight``,
+   ``v.weight``: a fused projection stacks its parts' output rows).
+
+A :class:`Renaming` then gives the model's state dict and gradients under the goldens' names:
+a fused tensor as its parts, each a stretch of its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.subject.names import (
+    NAME_MAP_OPTION,
+    NameMap,
+    common_subsequence,
+    concatenations,
+    name_translator,
+)
+
+#: Name -> shape, or for a tied tensor the name of the one it ties to, in the model's order.
+Layout = dict[str, Any]
+
+
+def state_layout(model: nn.Module) -> Layout:
+    """The layout of ``model``'s state dict (see :data:`Layout`)."""
+    first: dict[int, str] = {}
+    layout: Layout = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        tied = first.setdefault(id(tensor), name)
+        layout[name] = list(tensor.shape) if tied == name else tied
+    return layout
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One of the goldens' tensors as rows ``start`` to ``start + rows`` of one of the
+    model's."""
+
+    golden: str
+    start: int
+    rows: int
+
+
+@dataclass
+class Renaming:
+    """How the goldens' tensors are found in the model: ``pieces`` for each of the model's
+    tensors named otherwise in the goldens (one piece: renamed; several: fused), ``ties``
+    the goldens' tied names and the names they tie to, and what neither side found."""
+
+    pieces: dict[str, tuple[Piece, ...]] = field(default_factory=dict)
+    ties: dict[str, str] = field(default_factory=dict)
+    unmatched_golden: list[str] = field(default_factory=list)
+    unmatched_model: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return not (self.unmatched_golden or self.unmatched_model)
+
+    def split(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's tensor ``name`` as the goldens name it: itself, or its parts."""
+        pieces = self.pieces.get(name)
+        if pieces is None or len(pieces) == 1:  # the same tensor, or renamed
+            yield (name if pieces is None else pieces[0].golden), tensor
+            return
+        for piece in pieces:
+            yield piece.golden, tensor.narrow(0, piece.start, piece.rows)
+
+    def golden_state(self, state: Mapping[str, torch.Tensor], model: Layout
+                     ) -> dict[str, torch.Tensor]:
+        """The model's ``state`` dict (of layout ``model``) under the goldens' names, tied
+        names as the goldens have them."""
+        found = {golden: part for name, tensor in state.items()
+                 if not isinstance(model[name], str) for golden, part in self.split(name, tensor)}
+        return found | {alias: found[first] for alias, first in self.ties.items()
+                        if first in found}
+
+    def summary(self) -> str:
+        """The modules named otherwise in the goldens, one entry per module:
+        ``attn.qkv <- attn.q+attn.k+attn.v [fused]``."""
+        said: dict[str, None] = {}
+        for name, pieces in self.pieces.items():
+            golden = "+".join(_module(p.golden) or "(model)" for p in pieces)
+            how = "fused" if len(pieces) > 1 else "renamed"
+            said[f"{_module(name) or '(model)'} <- {golden} [{how}]"] = None
+        return ", ".join(said)
+
+    def unmatched_sentence(self, entry: str) -> str:
+        """Which names found no counterpart, and how to hand a map."""
+        golden = ", ".join(self.unmatched_golden) or "nothing"
+        model = ", ".join(self.unmatched_model) or "nothing"
+        return (f"the weights' names or shapes changed: the goldens' {golden} and the model's "
+                f"{model} ({entry}) pair with nothing by name, order and shape; map the "
+                f"goldens' module names to the model's with {NAME_MAP_OPTION} (name_map= in "
+                "tp.check_model)")
+
+
+def renaming(golden: Layout, model: Layout, name_map: NameMap | None = None) -> Renaming:
+    """Pair the goldens' tensors with the model's (see the module docstring)."""
+    renamed = Renaming(ties={name: first for name, first in golden.items()
+                             if isinstance(first, str)})
+    rest_a = [name for name, shape in golden.items() if not isinstance(shape, str)]
+    rest_b = [name for name, shape in model.items() if not isinstance(shape, str)]
+    shape_of = {**{("a", n): tuple(golden[n]) for n in rest_a},
+                **{("b", n): tuple(model[n]) for n in rest_b}}
+    pairs: list[tuple[str, tuple[str, ...]]] = []
+
+    def take(whole: str, parts: tuple[str, ...]) -> None:
+        pairs.append((whole, parts))
+        rest_b.remove(whole)
+        for part in parts:
+            rest_a.remove(part)
+
+    translate = name_translator(name_map)
+    by_name: dict[str, list[str]] = {}
+    for name in rest_a:
+        module, dot, kind = name.rpartition(".")
+        by_name.setdefault(f"{translate(module)}{dot}{kind}" if dot else name, []).append(name)
+    for whole in list(rest_b):
+        parts = tuple(by_name.get(whole, ()))
+        if parts and _stacks(shape_of[("b", whole)], [shape_of[("a", p)] for p in parts]):
+            take(whole, parts)
+    keys_a = [(_kind(n), shape_of[("a", n)]) for n in rest_a]
+    keys_b = [(_kind(n), shape_of[("b", n)]) for n in rest_b]
+    for a, b in [(rest_a[i], rest_b[j]) for i, j in common_subsequence(keys_a, keys_b)]:
+        take(b, (a,))
+    for kind in dict.fromkeys(_kind(n) for n in rest_b):
+        wholes = [("b", n) for n in rest_b if _kind(n) == kind]
+        parts = [("a", n) for n in rest_a if _kind(n) == kind]
+        for (_, whole), found in concatenations(wholes, parts, shape_of.get, 0):
+            take(whole, tuple(name for _, name in found))
+    starts: dict[str, list[Piece]] = {}
+    for whole, parts in pairs:
+        row = 0
+        for part in parts:
+            rows = shape_of[("a", part)][0] if shape_of[("a", part)] else 1
+            starts.setdefault(whole, []).append(Piece(part, row, rows))
+            row += rows
+    renamed.pieces = {whole: tuple(starts[whole]) for whole in model if whole in starts
+                      and [p.golden for p in starts[whole]] != [whole]}
+    renamed.unmatched_golden = [f"{n} {_shape(shape_of[('a', n)])}" for n in rest_a]
+    renamed.unmatched_model = [f"{n} {_shape(shape_of[('b', n)])}" for n in rest_b]
+    return renamed
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return f"({', '.join(map(str, shape))})"
+
+
+def _stacks(whole: tuple[int, ...], parts: list[tuple[int, ...]]) -> bool:
+    """Whether ``parts`` concatenated along dimension 0 have the shape ``whole``."""
+    if len(parts) == 1:
+        return parts[0] == whole
+    return bool(whole) and all(len(p) == len(whole) and p[1:] == whole[1:] for p in parts) \
+        and sum(p[0] for p in parts) == whole[0]
+
+
+def _kind(name: str) -> str:
+    return name.rpartition(".")[2]
+
+
+def _module(name: str) -> str:
+    return name.rpartition(".")[0]
