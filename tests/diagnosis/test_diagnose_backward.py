@@ -57,7 +57,8 @@ def test_a_backward_only_change_is_found_at_the_line_of_its_backward(tmp_path, c
     line = planted_line(plants.ScaledGelu.backward)
     assert op["b_stack"][0] == line, op
     assert "First gradient divergence: blocks.1.act." in out
-    assert f"In its backward pass: It enters at {op['name']} (B: {line} " in out, out
+    assert (f"In its backward pass: It enters at blocks.1.act (backward), in {op['name']} "
+            f"(B: {line} ") in out, out
 
 
 def test_a_forward_change_s_gradient_follows_from_the_forward_divergence(tmp_path,
