@@ -1,5 +1,5 @@
-"""A user's model file in the versions a refactor gives it, for ``check --model`` of weights
-whose names changed (:func:`source`).
+"""A user's model file in the versions a refactor gives it (:func:`source`): for ``check
+--model`` of weights whose names changed, and for ``diagnose`` of changes to its arithmetic.
 
 The base: a one-block language model with q, k and v projections, an MLP ``up`` and ``down``
 with ``F.gelu``, and a head tied to the embedding (an ``nn.Linear`` sharing its weight). Each
@@ -16,13 +16,20 @@ Versions (:data:`VERSIONS`):
 - ``fused-k-grad-doubled``: ``fused`` whose gradient of the k part is doubled (a hook on the
   parameter), the forward as it was;
 - ``swapped``: the MLP's modules renamed ``fc1``/``fc2`` and registered in the other order,
-  which order and shape cannot pair (``mlp.up`` is ``mlp.fc1``, ``mlp.down`` ``mlp.fc2``).
+  which order and shape cannot pair (``mlp.up`` is ``mlp.fc1``, ``mlp.down`` ``mlp.fc2``);
+- ``eps``: ``norm2`` built with ``eps=1e-3``;
+- ``scale``: the attention's scale 0.9 of SDPA's default;
+- ``tanh``: the tanh approximation of GELU;
+- ``backward``: the GELU as a ``torch.autograd.Function`` whose forward is exact and whose
+  backward is 2% off.
+
+Each changed line carries ``# changed`` in every version, so a test finds it in the text.
 """
 
 from __future__ import annotations
 
 VERSIONS = ("base", "tied", "fused", "gelu", "fused-k-changed", "fused-k-grad-doubled",
-            "swapped")
+            "swapped", "eps", "scale", "tanh", "backward")
 
 _MODEL = '''\
 import math
@@ -36,6 +43,22 @@ import torchparity as tp
 VERSION = {version!r}
 FUSED = VERSION.startswith("fused")
 VOCAB, DIM, HEADS = 16, 16, 2
+SCALE = 0.9 / math.sqrt(DIM // HEADS) if VERSION == "scale" else None
+EPS = 1e-3 if VERSION == "eps" else 1e-5
+
+
+class ScaledGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+        pdf = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        return grad * (cdf + x * pdf) * 1.02  # changed
 
 
 class Attention(nn.Module):
@@ -53,7 +76,7 @@ class Attention(nn.Module):
     def forward(self, x):
         qkv = self.qkv(x).chunk(3, dim=-1) if FUSED else (self.q(x), self.k(x), self.v(x))
         q, k, v = (t.unflatten(-1, (HEADS, -1)).transpose(1, 2) for t in qkv)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)  # changed
         return self.out(y.transpose(1, 2).flatten(-2))
 
 
@@ -68,7 +91,12 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h = (self.fc1 if VERSION == "swapped" else self.up)(x)
-        h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2))) if VERSION == "gelu" else F.gelu(h)
+        if VERSION == "gelu":
+            h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
+        elif VERSION == "backward":
+            h = ScaledGelu.apply(h)
+        else:
+            h = F.gelu(h, approximate="tanh" if VERSION == "tanh" else "none")  # changed
         return (self.fc2 if VERSION == "swapped" else self.down)(h)
 
 
@@ -76,7 +104,7 @@ class TinyLM(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM, eps=EPS)  # changed
         self.attn, self.mlp = Attention(), MLP()
         if VERSION != "tied":
             self.head = nn.Linear(DIM, VOCAB, bias=False)

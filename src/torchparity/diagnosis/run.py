@@ -218,14 +218,20 @@ def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendS
                         run64.backward(loss, unused=False)
                     else:
                         stream_grads(model, loss, keep, unused=False)
+    # A weight shared by several modules (a tied head) is judged at the module whose name the
+    # model gives it: its gradient is complete only when that module's backward has run.
     param_grads = {
         name: {pn: grads[names[id(p)]] for pn, p in module.named_parameters(recurse=False)
-               if names.get(id(p)) in grads}
+               if names.get(id(p)) == _qualified(name, pn) and names[id(p)] in grads}
         for name, module in cap.modules.items()
     }
     output = map_tensors(read_caches(output), lambda t: t.detach())
     return Run(cap.records, output, None if loss is None else loss.detach(), param_grads,
                set() if states is None else states.changing)
+
+
+def _qualified(module: str, param: str) -> str:
+    return f"{module}.{param}" if module else param
 
 
 @contextlib.contextmanager
