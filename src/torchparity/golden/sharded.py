@@ -52,6 +52,7 @@ from torchparity.golden.model_runs import (
     perturbation,
 )
 from torchparity.golden.store import GoldenStore
+from torchparity.golden.renamed import state_layout
 from torchparity.golden.user_models import model_checksums, write_goldens
 from torchparity.sketching import CHUNK, Sketch, kept, sketch_chunks, wants_sketch
 from torchparity.subject import Subject, hf, launcher, sharded
@@ -278,11 +279,11 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
     :func:`~torchparity.golden.user_models.write_goldens` says, on every rank."""
     import torch.distributed as dist
 
-    checksums = collectively("the checksums of the weights",
-                             lambda: model_checksums(_weighed(subject)))
+    checksums, layout = collectively("the checksums of the weights", lambda: (
+        model_checksums(_weighed(subject)), state_layout(subject.model)))
     sharded.together("the float64 golden run")
     run = run_sharded(subject, REFERENCE, None)
-    statuses = [write_goldens(subject, store, run=run, checksums=checksums)
+    statuses = [write_goldens(subject, store, run=run, checksums=checksums, layout=layout)
                 if sharded.rank() == 0 else None]
     dist.broadcast_object_list(statuses, src=0)
     return statuses[0]

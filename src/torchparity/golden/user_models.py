@@ -51,7 +51,7 @@ import torch
 from torchparity.errors import UsageError
 from torchparity.golden.cells import REFERENCE, Run
 from torchparity.golden.model_runs import OUTPUT_KINDS, Status, run_in_cell
-from torchparity.golden.renamed import Renaming, state_layout
+from torchparity.golden.renamed import Layout, Renaming, state_layout
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
 from torchparity.subject import Subject, sharded
 from torchparity.subject.islands import narrowest, summary
@@ -87,13 +87,15 @@ def model_checksums(subject: Subject, renamed: Renaming | None = None) -> dict[s
 
 
 def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = None,
-                  run: Run | None = None, checksums: dict[str, str] | None = None
-                  ) -> dict[str, str]:
+                  run: Run | None = None, checksums: dict[str, str] | None = None,
+                  layout: Layout | None = None) -> dict[str, str]:
     """Compute and write the goldens of ``subject``; output -> what happened to its file
     (``created``, ``updated``, ``replaced`` or ``unchanged``, as for the zoo). ``status``
     hears where the float64 run is (which block of how many); ``run`` is that run when it
     was made elsewhere (by the ranks of a sharded model), ``checksums`` the model's
-    (:func:`model_checksums`) when taken before its plan sharded it."""
+    (:func:`model_checksums`) and ``layout`` its state dict's
+    (:func:`~torchparity.golden.renamed.state_layout`) when taken before its plan sharded
+    it."""
     run = run or run_in_cell(subject, REFERENCE, None, status=status)
     if run.missing:
         output, reason = next(iter(run.missing.items()))
@@ -110,7 +112,7 @@ def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = 
     if run.islands:
         meta["islands"] = {dtype: summary(modules) for dtype, modules in run.islands.items()}
     # The gradients' names as the model laid them out: a check of renamed ones pairs them.
-    layout = {"layout": state_layout(subject.model)}
+    layout = {"layout": layout or state_layout(subject.model)}
     return {output: store.update(subject.name, output, tensors,
                                  {"kind": OUTPUT_KINDS[output], **meta,
                                   **(layout if output == "grads" else {})})
