@@ -489,14 +489,27 @@ def test_against_a_trace_without_ops_prints_the_command_that_adds_them(tmp_path,
                 "--json", str(tmp_path / "d.json")]
     assert cli.main(diagnose) == 1
     assert json.loads((tmp_path / "d.json").read_text())["first_divergence"]["op"] is None
-    out = " ".join(capsys.readouterr().out.split())
+    out = "".join(capsys.readouterr().out.split())  # a path longer than a line is folded
     command = shlex.join(["torchparity", "record", f"{plants_file}:make_a", "--no-backward",
                           "-o", str(trace), "--ops", "decoder.layers.1.attn"])
-    assert f"`{command}` on A's code adds them" in out
+    assert "".join(f"`{command}` on A's code adds them".split()) in out
     assert cli.main(shlex.split(command)[1:]) == 0
     assert cli.main(diagnose) == 1
     op = json.loads((tmp_path / "d.json").read_text())["first_divergence"]["op"]
     assert op["found"] and planted_line(plants.AttentionScale) in op["b_stack"]
+
+
+def test_a_module_diverging_forward_and_backward_says_its_missing_ops_once(tmp_path) -> None:
+    """Against a trace with gradients and no ops, the first divergence and the first gradient
+    divergence are one module: the reason it is not drilled down is one note, not two."""
+    model_a, batch, _ = plants.make_a()
+    trace = tp.record(model_a, batch, tmp_path / "t", loss_fn=sequence_loss)
+    model_b, _, _ = plants.make_b_scale()
+    report = tp.diagnose_against(trace, model_b, batch, loss_fn=sequence_loss)
+    row = report.first_divergence
+    assert row is not None and row is report.first_grad_divergence, report.render()
+    missing = [note for note in row.notes if "no op drill-down" in note]
+    assert len(missing) == 1, row.notes
 
 
 def test_record_ops_of_a_module_the_model_lacks_is_one_line(tmp_path, capsys) -> None:

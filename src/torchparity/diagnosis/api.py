@@ -457,10 +457,12 @@ def _drill_down(reference: Reference, matches: list, rows: list, model_a: nn.Mod
                                        backward=True, changing=changing)
         if isinstance(rows[grad].grad_ops, OpReport) and rows[grad].grad_ops.answer is None:
             rows[grad].grad_ops.follows = forward  # no backward op of its own differs
-    for row in rows:  # a reason there is none goes to the notes
+    for row in rows:  # a reason there is none goes to the notes, once for both passes
         for attr in ("ops", "grad_ops"):
-            if isinstance(getattr(row, attr), str):
-                row.notes.append(getattr(row, attr))
+            reason = getattr(row, attr)
+            if isinstance(reason, str):
+                if reason not in row.notes:
+                    row.notes.append(reason)
                 setattr(row, attr, None)
     done()
 
