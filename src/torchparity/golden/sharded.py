@@ -51,8 +51,8 @@ from torchparity.golden.model_runs import (
     perturb_stretch,
     perturbation,
 )
-from torchparity.golden.store import GoldenStore
 from torchparity.golden.renamed import state_layout
+from torchparity.golden.store import GoldenStore
 from torchparity.golden.user_models import model_checksums, write_goldens
 from torchparity.sketching import CHUNK, Sketch, kept, sketch_chunks, wants_sketch
 from torchparity.subject import Subject, hf, launcher, sharded
@@ -279,8 +279,9 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
     :func:`~torchparity.golden.user_models.write_goldens` says, on every rank."""
     import torch.distributed as dist
 
-    checksums, layout = collectively("the checksums of the weights", lambda: (
-        model_checksums(_weighed(subject)), state_layout(subject.model)))
+    checksums = collectively("the checksums of the weights",
+                             lambda: model_checksums(_weighed(subject)))
+    layout = state_layout(subject.model)  # its names and shapes as the factory made them
     sharded.together("the float64 golden run")
     run = run_sharded(subject, REFERENCE, None)
     statuses = [write_goldens(subject, store, run=run, checksums=checksums, layout=layout)

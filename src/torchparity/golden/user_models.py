@@ -112,10 +112,10 @@ def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = 
     if run.islands:
         meta["islands"] = {dtype: summary(modules) for dtype, modules in run.islands.items()}
     # The gradients' names as the model laid them out: a check of renamed ones pairs them.
-    layout = {"layout": layout or state_layout(subject.model)}
+    grads_meta = {"layout": layout or state_layout(subject.model)}
     return {output: store.update(subject.name, output, tensors,
                                  {"kind": OUTPUT_KINDS[output], **meta,
-                                  **(layout if output == "grads" else {})})
+                                  **(grads_meta if output == "grads" else {})})
             for output, tensors in run.outputs.items()}
 
 
