@@ -188,40 +188,54 @@ def test_the_reader_finds_what_python_imports() -> None:
     assert cycles(graph) == [{"a", "b", "c"}]
 
 
-#: The stages of a module diagnosis, called in order by its pipelines and by nothing else
-#: (docs/diagnose.md): what they share lives in diagnosis/reference.py and the modules below it.
-DIAGNOSIS_STAGES = tuple(f"torchparity.diagnosis.{stage}" for stage in (
-    "capture_a", "float64_golden", "propagated", "local", "entry", "ops"))
-#: The modules that call the stages: a diagnosis in one process or across a trace, one of a
-#: compiled B, and one across the ranks of torchrun.
-DIAGNOSIS_PIPELINES = tuple(f"torchparity.diagnosis.{name}" for name in (
-    "api", "compiled_localisation", "decoding.api", "ranks.api"))
+DIAGNOSIS = "torchparity.diagnosis"
+
+
+def room_of(name: str) -> tuple[str, str] | None:
+    """A diagnosis module's room (core, stages, reports, pipelines) and, in stages and
+    pipelines, which stage or pipeline it belongs to; None outside diagnosis/."""
+    parts = name.split(".")
+    if parts[:2] != DIAGNOSIS.split(".") or len(parts) < 3:
+        return None
+    return parts[2], parts[3] if len(parts) > 3 else ""
+
+
+#: Which rooms of diagnosis/ each room may import: the pipelines call the stages, the stages
+#: use the core, the reports read the core's results; nothing points up.
+DIAGNOSIS_ROOMS = {
+    "pipelines": {"pipelines", "stages", "reports", "core"},
+    "stages": {"stages", "reports", "core"},
+    "reports": {"reports", "core"},
+    "core": {"core"},
+}
+
+
+def test_diagnosis_rooms_point_one_way(edges: list[Import]) -> None:
+    wrong = []
+    for edge in edges:
+        importer, imported = room_of(edge.importer), room_of(edge.imported)
+        if importer is None or imported is None or importer[0] not in DIAGNOSIS_ROOMS:
+            continue
+        if imported[0] not in DIAGNOSIS_ROOMS[importer[0]]:
+            wrong.append(f"{edge}: {importer[0]}/ may not import {imported[0]}/")
+    assert not wrong, "diagnosis/ rooms imported against their order:\n" + "\n".join(wrong)
 
 
 def test_no_stage_of_a_diagnosis_imports_another(edges: list[Import]) -> None:
-    reaching = [edge for edge in edges if edge.imported in DIAGNOSIS_STAGES
-                and edge.importer not in DIAGNOSIS_PIPELINES]
-    assert not reaching, ("a stage of diagnosis is imported by a module that is not its "
-                          "pipeline: move what is shared into diagnosis/reference.py:\n"
-                          + "\n".join(str(edge) for edge in reaching))
+    """A stage is called by the pipelines, never by another stage: what two stages share
+    lives in core/."""
+    reaching = [edge for edge in edges
+                if (room_of(edge.importer) or ("",))[0] == "stages"
+                and (room_of(edge.imported) or ("",))[0] == "stages"
+                and room_of(edge.importer) != room_of(edge.imported)]
+    assert not reaching, ("a stage of diagnosis imports another: move what they share into "
+                          "diagnosis/core/:\n" + "\n".join(str(edge) for edge in reaching))
 
 
-#: What the stages share of A's side: a forward pass's and a decoding's reference.
-STAGES_SHARE = ("torchparity.diagnosis.reference", "torchparity.diagnosis.decode_reference")
-
-
-def test_the_stages_serve_every_pipeline_and_import_none(edges: list[Import]) -> None:
-    """A decoding is a pipeline of the same stages, not a second copy of them: the stages and
-    what they share import no pipeline and nothing of the decoding wing (its step loop, flips,
-    beams and sampling call them)."""
-    def within(name: str, modules: tuple[str, ...]) -> bool:
-        return any(name == m or name.startswith(f"{m}.") for m in modules)
-
-    reaching = [edge for edge in edges if within(edge.importer, DIAGNOSIS_STAGES + STAGES_SHARE)
-                and within(edge.imported, (*DIAGNOSIS_PIPELINES, "torchparity.diagnosis.decoding"))]
-    assert not reaching, ("a stage of diagnosis, or what the stages share, imports a pipeline: "
-                          "the pipeline calls the stage, never the other way round:\n"
-                          + "\n".join(str(edge) for edge in reaching))
+def test_the_diagnosis_rooms_hold_every_module() -> None:
+    loose = [name for name in module_names()
+             if name.startswith(f"{DIAGNOSIS}.") and room_of(name)[0] not in DIAGNOSIS_ROOMS]
+    assert not loose, f"diagnosis modules outside core/, stages/, reports/, pipelines/: {loose}"
 
 
 #: A module of commands/ parses its command's arguments and makes one call into a wing; it
@@ -230,8 +244,8 @@ COMMAND_LINES = 150
 
 
 def test_every_command_module_is_thin() -> None:
-    lines = {path.name: len(path.read_text().splitlines())
-             for path in sorted((PACKAGE / "commands").glob("*.py"))}
+    lines = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines())
+             for path in sorted((PACKAGE / "commands").rglob("*.py"))}
     long = {name: n for name, n in lines.items() if n >= COMMAND_LINES}
     assert not long, (f"command modules of {COMMAND_LINES} lines or more: move their work into "
                       f"a wing: {long}")

@@ -18,7 +18,7 @@ import toy_repo
 from torchparity.ci import check_outcome, diagnosis_outcome, junit_xml, publish, summary_markdown
 from torchparity.ci.writers import annotations
 from torchparity.cli import main
-from torchparity.diagnosis.results import module_label
+from torchparity.diagnosis.core.results import module_label
 from torchparity.golden.cells import CheckResult
 
 

@@ -3,7 +3,7 @@
 depends on the values only, never on the torch version, the device or the tensor's layout.
 
 Goldens (``golden/store.py``: a tensor's sha256, the checksum of a case's weights and inputs)
-and traces (``diagnosis/trace.py``: the digests of recorded weights and inputs) both feed their
+and traces (``diagnosis/core/trace.py``: the digests of recorded weights and inputs) both feed their
 tensors through :func:`update`; each puts its own header before the bytes, as its stored files
 always have.
 """

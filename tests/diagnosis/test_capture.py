@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.capture import (
+from torchparity.diagnosis.core.capture import (
     Capture,
     ModuleCall,
     TensorStats,

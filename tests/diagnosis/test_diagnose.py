@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.report import DiagnosisReport
+from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.errors import UsageError
 from torchparity.reference import build_model, sequence_loss, zoo
 from torchparity.reference.attention import Attention, AttentionContext

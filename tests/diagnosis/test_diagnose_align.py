@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.align import align, name_translator
-from torchparity.diagnosis.capture import Capture
+from torchparity.diagnosis.core.align import align, name_translator
+from torchparity.diagnosis.core.capture import Capture
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 

@@ -9,8 +9,8 @@ import torch
 
 import torchparity as tp
 from torchparity import sketching
-from torchparity.diagnosis import run
-from torchparity.diagnosis.trace import open_trace
+from torchparity.diagnosis.core import run
+from torchparity.diagnosis.core.trace import open_trace
 from torchparity.reference import build_model, sequence_loss, zoo
 
 

@@ -18,9 +18,9 @@ import torch
 
 import torchparity as tp
 from torchparity import cli
-from torchparity.diagnosis.ops.align import align_steps
-from torchparity.diagnosis.ops.backward import capture_backward
-from torchparity.diagnosis.ops.judge import golden_on_inputs, judge_ops
+from torchparity.diagnosis.stages.ops.align import align_steps
+from torchparity.diagnosis.stages.ops.backward import capture_backward
+from torchparity.diagnosis.stages.ops.judge import golden_on_inputs, judge_ops
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -20,7 +20,7 @@ import torch
 
 import torchparity as tp
 from torchparity.cli import main
-from torchparity.diagnosis.decoding.report import DecodeReport
+from torchparity.diagnosis.pipelines.decoding.report import DecodeReport
 from torchparity.errors import UsageError
 from torchparity.reference import build_model, zoo
 from torchparity.subject import hf

@@ -18,7 +18,7 @@ from hf_releases import llama_cached, mistral_cached
 
 import torchparity as tp
 from torchparity.comparison.structure import cache_layers
-from torchparity.diagnosis.trace import DiskStore, ReplayUnavailable
+from torchparity.diagnosis.core.trace import DiskStore, ReplayUnavailable
 
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("single_thread")]
 

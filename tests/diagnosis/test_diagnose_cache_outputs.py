@@ -12,7 +12,7 @@ import torch
 from cache_object_llamas import cache_object, cache_object_scaled_keys, tuples
 
 import torchparity as tp
-from torchparity.diagnosis.capture import Capture
+from torchparity.diagnosis.core.capture import Capture
 
 # tiny models: one thread is faster
 pytestmark = [pytest.mark.transformers, pytest.mark.usefixtures("single_thread")]

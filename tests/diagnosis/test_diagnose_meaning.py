@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.arguments import argument_difference
+from torchparity.diagnosis.core.arguments import argument_difference
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 

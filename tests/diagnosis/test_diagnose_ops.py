@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.ops.align import align_steps
-from torchparity.diagnosis.ops.capture import capture_steps
+from torchparity.diagnosis.stages.ops.align import align_steps
+from torchparity.diagnosis.stages.ops.capture import capture_steps
 from torchparity.errors import UsageError
 from torchparity.reference import build_model, sequence_loss, zoo
 
@@ -119,7 +119,7 @@ def test_big_op_outputs_are_kept_as_sketches_and_judged_from_them(monkeypatch, p
     """Op outputs as large as a layer's hidden states are kept as sketches (here from the
     first byte kept): the planted eps is still named at its line, from the sketch of its
     output, and a fused projection still yields no divergent op."""
-    from torchparity.diagnosis.ops import capture
+    from torchparity.diagnosis.stages.ops import capture
     from torchparity.sketching import Sketch
 
     model_a, batch = model_and_batch("rotary-interleaved")
@@ -572,7 +572,7 @@ def test_run_to_run_noise_joins_the_budget_of_the_ops_it_reaches(scale: float) -
 
 
 def test_determinism_probe_finds_the_zoo_deterministic() -> None:
-    from torchparity.diagnosis.ops.determinism import probe_determinism
+    from torchparity.diagnosis.stages.ops.determinism import probe_determinism
 
     model, batch = model_and_batch("llama-tiny")
     found = probe_determinism(model.eval(), batch)
@@ -607,7 +607,7 @@ def test_decoding_names_the_op_and_line_of_the_unwritten_cache_slot() -> None:
 
 
 def test_long_streams_align_by_signature_and_still_account_for_every_step(monkeypatch) -> None:
-    from torchparity.diagnosis.ops import align
+    from torchparity.diagnosis.stages.ops import align
 
     monkeypatch.setattr(align, "_LARGEST_TABLE", 0)  # the fallback of very long streams
     a, b = steps(Unfused()), steps(Fused())
@@ -617,12 +617,12 @@ def test_long_streams_align_by_signature_and_still_account_for_every_step(monkey
 
 
 def test_a_failing_drill_down_leaves_the_diagnosis_whole(monkeypatch) -> None:
-    import torchparity.diagnosis.ops as ops
+    from torchparity.diagnosis.stages.ops import calls
 
     def broken(*args, **kwargs):
         raise RuntimeError("a tensor subclass the capture cannot copy")
 
-    monkeypatch.setattr(ops, "capture_steps", broken)
+    monkeypatch.setattr(calls, "capture_steps", broken)
     model_a, batch = model_and_batch("rotary-interleaved")
     model_b = copy.deepcopy(model_a)
     model_b.decoder.layers[0].attn_norm.__class__ = plants.LayerNormEps

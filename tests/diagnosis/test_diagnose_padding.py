@@ -19,7 +19,7 @@ from torch import nn
 
 import torchparity as tp
 from tiny_transformers import bart, gpt2, llama
-from torchparity.diagnosis.capture import read_caches
+from torchparity.diagnosis.core.capture import read_caches
 from torchparity.subject import hf
 from torchparity.subject.running import in_cache
 from torchparity.subject.trees import flatten_tensors

@@ -21,9 +21,9 @@ from release_decoders import NewCache, OldCache, StaleCache
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.arguments import argument_difference
-from torchparity.diagnosis.capture import Uncopyable
-from torchparity.diagnosis.state import held_state, state_difference
+from torchparity.diagnosis.core.arguments import argument_difference
+from torchparity.diagnosis.core.capture import Uncopyable
+from torchparity.diagnosis.core.state import held_state, state_difference
 from torchparity.subject.factory import resolve_entry
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster

@@ -14,9 +14,9 @@ import torch
 
 import torchparity as tp
 from torchparity.cli import main
-from torchparity.diagnosis.decode_reference import DecodeReference
-from torchparity.diagnosis.decoding.judging import judge_steps
-from torchparity.diagnosis.decoding.sampling import first_changed_draws
+from torchparity.diagnosis.core.decode_reference import DecodeReference
+from torchparity.diagnosis.pipelines.decoding.judging import judge_steps
+from torchparity.diagnosis.pipelines.decoding.sampling import first_changed_draws
 from torchparity.subject import hf
 from torchparity.subject.factory import resolve_entry
 from torchparity.subject.sampling import SampleSettings, drawn, probabilities, uniforms

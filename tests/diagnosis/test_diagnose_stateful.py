@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.report import DiagnosisReport
+from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.subject.factory import resolve_entry
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster

@@ -18,7 +18,7 @@ import torch
 import torch_module_plants as plants
 
 import torchparity as tp
-from torchparity.diagnosis.ops.capture import display_path
+from torchparity.diagnosis.stages.ops.capture import display_path
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -178,7 +178,7 @@ class _Stack(torch.nn.Module):
 
 
 def test_the_constructor_line_of_a_containers_element_and_of_a_tuple_assignment() -> None:
-    from torchparity.diagnosis.ops.library import built_at
+    from torchparity.diagnosis.stages.ops.library import built_at
 
     model = _Stack()
     container = source(_Stack, "__init__", "self.norms =")

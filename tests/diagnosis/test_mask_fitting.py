@@ -18,7 +18,7 @@ from masked_models import (
 )
 
 import torchparity as tp
-from torchparity.diagnosis.masks import fitted_keys, readings
+from torchparity.diagnosis.core.masks import fitted_keys, readings
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 

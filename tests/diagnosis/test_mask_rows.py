@@ -10,7 +10,7 @@ import torch
 from masked_models import DIM, SquareCachedMask
 
 import torchparity as tp
-from torchparity.diagnosis.masks import fitted_queries
+from torchparity.diagnosis.core.masks import fitted_queries
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 

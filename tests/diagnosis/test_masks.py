@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tiny_transformers import llama
-from torchparity.diagnosis.masks import by_meaning, readings
+from torchparity.diagnosis.core.masks import by_meaning, readings
 from torchparity.subject import hf
 
 pytestmark = pytest.mark.transformers

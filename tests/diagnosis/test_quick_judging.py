@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from torchparity import sketching
-from torchparity.diagnosis.judging import judge, judge_quickly
-from torchparity.diagnosis.results import Bounded, headroom
+from torchparity.diagnosis.core.judging import judge, judge_quickly
+from torchparity.diagnosis.core.results import Bounded, headroom
 
 #: Candidate errors as multiples of A's own rounding error.
 SCALES = (0.0, 0.5, 1.0, 2.0, 8.0, 40.0)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchparity.diagnosis.judging import judge_quickly
-from torchparity.diagnosis.ranks.judging import (
+from torchparity.diagnosis.core.judging import judge_quickly
+from torchparity.diagnosis.pipelines.ranks.judging import (
     GradVerdict,
     Sides,
     first_divergence,

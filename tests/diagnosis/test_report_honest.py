@@ -18,7 +18,7 @@ from masked_models import CachedMask
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.columns import wrapped
+from torchparity.diagnosis.reports.columns import wrapped
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 

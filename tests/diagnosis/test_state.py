@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torchparity.diagnosis.state import Held, state_difference
+from torchparity.diagnosis.core.state import Held, state_difference
 
 
 def _cache(capacity: int, written: list[int]) -> torch.Tensor:

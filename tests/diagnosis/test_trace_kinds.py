@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.trace import tensor_digest, weight_digests
+from torchparity.diagnosis.core.trace import tensor_digest, weight_digests
 
 
 class Holder(nn.Module):

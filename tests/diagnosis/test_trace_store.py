@@ -13,9 +13,9 @@ from safetensors import safe_open
 import torchparity as tp
 from torchparity import sketching
 from torchparity.cli import main
-from torchparity.diagnosis import trace
-from torchparity.diagnosis.trace import DiskStore, TraceWriter, open_trace
-from torchparity.diagnosis.trace_meta import DecodeTraceMeta, ForwardTraceMeta, meta_from_json
+from torchparity.diagnosis.core import trace
+from torchparity.diagnosis.core.trace import DiskStore, TraceWriter, open_trace
+from torchparity.diagnosis.core.trace_meta import DecodeTraceMeta, ForwardTraceMeta, meta_from_json
 
 
 def _files(directory: Path) -> list[Path]:

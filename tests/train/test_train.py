@@ -16,7 +16,7 @@ import torch
 
 import torchparity as tp
 from torchparity import backends, cli, tolerance
-from torchparity.diagnosis.training_step import diagnose_step
+from torchparity.diagnosis.pipelines.training_step import diagnose_step
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.store import GoldenMissing, GoldenStale, GoldenStore
 from torchparity.golden.trajectories import (

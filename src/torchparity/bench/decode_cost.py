@@ -25,7 +25,7 @@ from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio
 from torchparity.bench.settings import DIAGNOSE_BACKENDS, Settings
 from torchparity.bench.stages import per_plain, stage_seconds
 from torchparity.bench.timing import wall_time
-from torchparity.diagnosis.decoding import diagnose_decode_against, record_decode
+from torchparity.diagnosis.pipelines.decoding import diagnose_decode_against, record_decode
 from torchparity.dtypes import torch_dtype
 from torchparity.reference import zoo
 from torchparity.subject.beams import BeamSearch, BeamSettings, builtin_reorder, expand_prompt

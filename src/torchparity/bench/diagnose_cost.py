@@ -27,7 +27,7 @@ from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio
 from torchparity.bench.settings import DIAGNOSE_BACKENDS, Settings, Size
 from torchparity.bench.stages import per_plain, stage_seconds
 from torchparity.bench.timing import peak_bytes, wall_time
-from torchparity.diagnosis.api import diagnose, diagnose_against, record
+from torchparity.diagnosis.pipelines.forward import diagnose, diagnose_against, record
 from torchparity.dtypes import torch_dtype
 from torchparity.reference import sequence_loss, zoo
 

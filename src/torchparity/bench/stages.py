@@ -1,7 +1,7 @@
 """Where a diagnosis's time goes: the phases it reports, summed into the bench's stages.
 
 A diagnosis times each of its phases (``report.meta.seconds``, see
-:mod:`torchparity.diagnosis.progress`); the bench adds the time to render the report and, for a
+:mod:`torchparity.diagnosis.core.progress`); the bench adds the time to render the report and, for a
 decoding, the ``record`` of A's side, and sums them into :data:`STAGES`. A phase goes to the
 first stage whose words it contains; one that no stage names is a run (A's, the golden's, B's,
 aligning the modules, attribution runs). What the timed call spent outside every phase

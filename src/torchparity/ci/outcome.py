@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchparity.diagnosis.decoding import DecodeReport
-from torchparity.diagnosis.report import DiagnosisReport
-from torchparity.diagnosis.results import (Row, headroom, module_label, ratio, share_cell,
+from torchparity.diagnosis.pipelines.decoding import DecodeReport
+from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
+from torchparity.diagnosis.core.results import (Row, headroom, module_label, ratio, share_cell,
                                           unknown_local)
 from torchparity.golden.cells import OWN_FLOAT64, CheckResult
 from torchparity.golden.report import budget_share

@@ -21,10 +21,10 @@ from torchparity.commands.common import (
     add_report_arguments,
     base_side,
     dtype_name,
+    name_rules,
     next_step_command,
     refuse_zoo_across_ranks,
 )
-from torchparity.commands.trace_options import name_rules
 from torchparity.errors import UsageError
 from torchparity.golden import sharded
 from torchparity.golden.cell_selection import CHECK_DTYPES, compile_forms

@@ -114,3 +114,17 @@ def refuse_zoo_across_ranks(args: argparse.Namespace, zoo_cases: list[str] | Non
     if across and (zoo_cases or not getattr(args, "model", None)):
         raise UsageError("--nproc shards each --model ENTRY by its factory's plan; the zoo's "
                          "cases run in one process: leave --nproc out for them")
+
+
+def name_rules(rules: list[str] | None) -> list[tuple[str, str]] | None:
+    """``--name-map REGEX=REPLACEMENT`` options as (pattern, replacement) pairs (None for
+    none)."""
+    return [_name_rule(rule) for rule in rules or []] or None
+
+
+def _name_rule(rule: str) -> tuple[str, str]:
+    pattern, sep, replacement = rule.partition("=")
+    if not sep or not pattern:
+        raise UsageError(f"--name-map {rule!r} must look like REGEX=REPLACEMENT "
+                         "(e.g. 'attn\\.q_proj=attn.query')")
+    return pattern, replacement

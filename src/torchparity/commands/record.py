@@ -11,8 +11,8 @@ import argparse
 import shlex
 
 from torchparity.commands.common import without_options
-from torchparity.commands.decode_options import add_decode_arguments, decode_options
-from torchparity.commands.trace_options import (
+from torchparity.commands.diagnose.decode_options import add_decode_arguments, decode_options
+from torchparity.commands.diagnose.trace_options import (
     add_selection_arguments,
     dtype_option,
     rebuilt,
@@ -43,11 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchparity.diagnosis.api import record
-    from torchparity.diagnosis.decoding import record_decode
-    from torchparity.diagnosis.reference import golden_warning
-    from torchparity.diagnosis.trace import open_trace
-    from torchparity.diagnosis.trace_meta import meta_from_json
+    from torchparity.diagnosis.pipelines.forward import record
+    from torchparity.diagnosis.pipelines.decoding import record_decode
+    from torchparity.diagnosis.core.reference import golden_warning
+    from torchparity.diagnosis.core.trace import open_trace
+    from torchparity.diagnosis.core.trace_meta import meta_from_json
 
     decoding = decode_options(args)
     subject = Subject.load(args.entry)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from torchparity.diagnosis.html import legend_paragraph, page
+from torchparity.diagnosis.reports.html import legend_paragraph, page
 from torchparity.errors import UsageError
 from torchparity.golden.report import SYMBOLS, TITLE, Page
 

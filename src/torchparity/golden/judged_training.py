@@ -2,7 +2,7 @@
 
 One process: the run is judged against the float64 golden trajectory (``check``) or against
 the same recipe under another backend (``against``), and with ``diagnose`` the first step that
-parts is diagnosed module by module (:mod:`torchparity.diagnosis.training_step`). Several
+parts is diagnosed module by module (:mod:`torchparity.diagnosis.pipelines.training_step`). Several
 processes under ``torchrun``: the run is judged against one process and against the golden,
 and the first step that parts is located module by module (:mod:`torchparity.train.distributed`).
 """
@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from torchparity import backends
-from torchparity.diagnosis.report import DiagnosisReport
-from torchparity.diagnosis.training_step import diagnose_step
+from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
+from torchparity.diagnosis.pipelines.training_step import diagnose_step
 from torchparity.errors import UsageError
 from torchparity.golden.trajectories import (
     check_against_golden,

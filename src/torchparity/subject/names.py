@@ -1,6 +1,6 @@
 """Two versions of a model matched by meaning where their names differ: name maps, and the
 alignment by order and shape that diagnose pairs module calls with and check pairs
-parameters with (:mod:`torchparity.diagnosis.align`, :mod:`torchparity.golden.renamed`).
+parameters with (:mod:`torchparity.diagnosis.core.align`, :mod:`torchparity.golden.renamed`).
 
 A refactor that renames a module keeps its place and its shapes: two sequences are paired as
 the longest common subsequence of their shapes. One that fuses modules (``qkv`` for ``q``,

@@ -19,7 +19,7 @@ single forward and backward pass.
 
 The golden trajectories a run is judged against are stored and read by
 :mod:`torchparity.golden.trajectories`; a step that parts is diagnosed module by module by
-:mod:`torchparity.diagnosis.training_step`.
+:mod:`torchparity.diagnosis.pipelines.training_step`.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class TrajectoryComparison:
         if self.ok:
             return f"within: {head}: all {steps} steps within budget; closest: {detail}."
         return (f"diverged: {head}: the runs part at step {point.step}; {detail}. "
-                "Inspect that step with torchparity.diagnosis.training_step.diagnose_step"
+                "Inspect that step with torchparity.diagnosis.pipelines.training_step.diagnose_step"
                 f"(..., step={point.step}).")
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,0 +1,308 @@
+"""Two calls' arguments compared by meaning: where they differ, and how.
+
+Each side's call is bound to its own module's ``forward`` signature; a parameter B renamed
+pairs with A's by value, masks are compared by the keys each query attends to
+(:mod:`~torchparity.diagnosis.core.masks`), caches by the positions they hold, and a value one side
+does not pass is compared with what the other reads instead. Used where a divergence enters
+(:mod:`~torchparity.diagnosis.stages.entry`) and at a decoding's first diverging step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.comparison.selection import PaddingSpec
+from torchparity.comparison.structure import format_shape
+from torchparity.diagnosis.core.capture import ModuleCall, Signature, Uncopyable, bound_arguments
+from torchparity.diagnosis.core.judging import judge
+from torchparity.diagnosis.core.masks import by_meaning, readings
+from torchparity.diagnosis.core.run import parameter_path
+from torchparity.diagnosis.core.state import cache_layers
+from torchparity.subject.trees import flatten_tensors, leaves
+
+
+@dataclass(frozen=True)
+class Difference:
+    """Where two calls' arguments differ: the argument (``ctx.mask``; ``mask (B: attn_mask)``
+    when B renamed it), how, and B's value there."""
+
+    argument: str
+    detail: str
+    b_value: Any
+    one_sided: bool = False  # only one side passes it: compared with what the other reads
+
+
+@dataclass(frozen=True)
+class Convention:
+    """How A's and B's calls hand a module one argument in another convention: B's
+    parameter, the two sides described, and whether B passes None there."""
+
+    argument: str
+    detail: str
+    b_none: bool
+
+
+def convention_change(a_sig: Signature | None, a_inputs: tuple[tuple, dict],
+                      b_sig: Signature | None, b: ModuleCall) -> Convention | None:
+    """The first mask A's call (its ``a_inputs``) hands the module in another convention than
+    B's call ``b`` (of which the shapes and dtypes of its tensors are known): a tensor against
+    None, a bool mask against a float one, another number of dimensions. None when there is
+    none: masks of one kind sized otherwise (to another cache length) are fitted, not this."""
+    args, kwargs = a_inputs
+    a_tensors = {parameter_path(a_sig, path): t for path, t in
+                 {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}.items()}
+    b_tensors = {parameter_path(b_sig, path): (b.input_shapes[path], dtype)
+                 for path, (dtype, _) in b.input_placement.items()}
+    for path, mask in a_tensors.items():
+        if mask.dim() < 2 or not readings(mask):
+            continue
+        a_side = f"A passes {_described(mask.shape, mask.dtype)}"
+        if path not in b_tensors:
+            return Convention(path, f"{a_side}, B passes None", b_none=True)
+        shape, dtype = b_tensors[path]
+        if _kind(mask.dtype) != _kind(dtype) or len(shape) != mask.dim():
+            return Convention(path, f"{a_side}, B passes {_described(shape, dtype)}",
+                              b_none=False)
+    # Of B's tensors only shapes and dtypes are known: a mask is told by its parameter's name.
+    for path, (shape, dtype) in b_tensors.items():
+        if path not in a_tensors and len(shape) >= 2 and "mask" in path.rpartition(".")[2]:
+            return Convention(path, f"A passes None, B passes {_described(shape, dtype)}",
+                              b_none=False)
+    return None
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "bool" if dtype == torch.bool else "float" if dtype.is_floating_point else "integer"
+
+
+def _described(shape: tuple, dtype: torch.dtype) -> str:
+    return f"Tensor{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two argument values are the same (tensors equal in shape, dtype and value)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and \
+        (_objects_alike(a, b) or _same_plain(a, b))
+
+
+def argument_difference(a_sig: Signature | None, a_inputs: tuple[tuple, dict],
+                        b_sig: Signature | None, b_inputs: tuple[tuple, dict],
+                        padding: PaddingSpec = None, b_module: nn.Module | None = None
+                        ) -> Difference | None:
+    """The first argument in which B's call differs from A's, compared by meaning: arguments
+    bind to their parameters by name, and a parameter B renamed pairs with A's by value (both
+    None, the same tensor, caches of one kind) or, when one is left on each side, with the
+    other. An argument one side does not pass is compared with what that side's module reads
+    instead: the default of its parameter, or (in B, ``b_module``) the attribute or config
+    value of that name it became (``self.sliding_window``); one the module does not name at
+    all is no difference, its code cannot read it. Objects the arguments hold (caches) are
+    compared through the state they hold (:mod:`.state`); masks by what they let the judged
+    queries attend to (``padding`` says which are judged). Values both sides pass come before
+    those one side passes."""
+    a, b = bound_arguments(a_sig, *a_inputs), bound_arguments(b_sig, *b_inputs)
+    one_sided = []
+    for a_name, b_name in _paired(a, b):
+        if a_name is not None and b_name is not None:
+            found = _value_difference(a_name if a_name == b_name else f"{a_name} (B: {b_name})",
+                                      a[a_name], b[b_name], padding)
+            if found is not None:
+                return found
+        elif a_name is not None:
+            one_sided.append(_passed_by_a(a_name, a[a_name], b_sig, b_module))
+        else:
+            one_sided.append(_passed_by_b(b_name, b[b_name], a_sig, b_sig))
+    for label, a_value, b_value in filter(None, one_sided):
+        found = _value_difference(label, a_value, b_value, padding)
+        if found is not None:
+            return dataclasses.replace(found, one_sided=True)
+    return None
+
+
+def _passed_by_a(name: str, value: Any, b_sig: Signature | None, b_module: nn.Module | None
+                 ) -> tuple[str, Any, Any] | None:
+    """An argument only A passes, as (label, A's value, what B reads instead), or None when
+    B's code does not read it."""
+    b_value, where = _read_instead(name, value, b_sig, b_module)
+    if b_value is _UNREAD:
+        return None
+    return (name if where is None else f"{name} (B: {where})"), value, b_value
+
+
+def _passed_by_b(name: str, value: Any, a_sig: Signature | None, b_sig: Signature | None
+                 ) -> tuple[str, Any, Any] | None:
+    """An argument only B passes, as (label, what A read instead, B's value), or None when B's
+    code does not read it by name (``**kwargs``) or it is B's own default for a parameter A
+    lacked."""
+    named = _named(b_sig)
+    if name not in named:
+        return None
+    a_value, _ = _read_instead(name, value, a_sig, None)
+    if a_value is _UNREAD:
+        if named[name] and _leaf_difference(named[name][0], value) is None:
+            return None
+        a_value = _MISSING
+    return name, a_value, value
+
+
+def _value_difference(label: str, a_value: Any, b_value: Any, padding: PaddingSpec
+                      ) -> Difference | None:
+    if _caches(a_value, b_value):
+        return None  # their state is compared apart
+    a_leaves, b_leaves = leaves(a_value, ""), leaves(b_value, "")
+    for path in [*a_leaves, *(p for p in b_leaves if p not in a_leaves)]:
+        x, y = a_leaves.get(path, _MISSING), b_leaves.get(path, _MISSING)
+        detail = _leaf_difference(x, y, padding)
+        if detail is not None:
+            return Difference(f"{label}.{path}" if path else label, detail, y)
+    return None
+
+
+#: What a module reads for an argument its caller does not pass, when nothing can be said.
+_UNREAD = object()
+
+
+def _named(sig: Signature | None) -> dict[str, tuple]:
+    """A signature's parameters by name (``**kwargs`` and ``*args`` left out): (default,) or
+    () when the default is not plain data."""
+    return {name: tuple(rest) for name, kind, *rest in sig or []
+            if kind not in ("VAR_POSITIONAL", "VAR_KEYWORD")}
+
+
+def _read_instead(name: str, passed: Any, sig: Signature | None, module: nn.Module | None
+                  ) -> tuple[Any, str | None]:
+    """What the other side's module reads for ``name``, which its caller did not pass: its
+    parameter's default, else its attribute or config value of that name (with where it
+    is), else ``_UNREAD``. A default that is not plain data reads as the value passed when
+    that is None, as unknown otherwise."""
+    named = _named(sig)
+    if name in named:
+        if named[name]:
+            return named[name][0], None
+        return (None, None) if passed is None else (_UNREAD, None)
+    for where, owner in (("self", module), ("self.config", getattr(module, "config", None))):
+        value = getattr(owner, name, _UNREAD) if owner is not None else _UNREAD
+        if value is not _UNREAD and (value is None or isinstance(value, (bool, int, float, str,
+                                                                          torch.Tensor))):
+            return value, f"{where}.{name}"
+    return _UNREAD, None
+
+
+def _caches(a: Any, b: Any) -> bool:
+    """Both values hold a key/value cache, and one of them is an object (a ``DynamicCache``
+    against the ``(keys, values)`` tuple another release passes)."""
+    return _cache_like(a) and _cache_like(b) and not (
+        isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)))
+
+
+def _cache_like(value: Any) -> bool:
+    if isinstance(value, Uncopyable):
+        return "Cache" in value.type_name
+    if isinstance(value, (tuple, list)):
+        tensors = [v for v in value if isinstance(v, torch.Tensor)]
+        if len(tensors) == len(value) == 2:  # one layer's (keys, values)
+            return tensors[0].dim() >= 3 and tensors[0].shape == tensors[1].shape
+        return bool(value) and all(_cache_like(v) for v in value)  # a tuple of layers
+    return cache_layers(value) is not None
+
+
+def _paired(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str | None, str | None]]:
+    """A's and B's argument names paired: equal names, then renamed ones by equal value or as
+    caches, then a last one on each side of one kind (tensors, or values of one type); None
+    values without a partner are not passed at all."""
+    pairs: list[tuple[str | None, str | None]] = [(name, name) for name in a if name in b]
+    rest_a = [n for n in a if n not in b]
+    rest_b = [n for n in b if n not in a]
+    for alike in (same_value, _caches):
+        for name in list(rest_a):
+            partner = next((m for m in rest_b if alike(a[name], b[m])), None)
+            if partner is not None:
+                pairs.append((name, partner))
+                rest_a.remove(name)
+                rest_b.remove(partner)
+    rest_a = [n for n in rest_a if a[n] is not None]
+    rest_b = [n for n in rest_b if b[n] is not None]
+    if len(rest_a) == len(rest_b) == 1 and type(a[rest_a[0]]) is type(b[rest_b[0]]):
+        return [*pairs, (rest_a[0], rest_b[0])]
+    return [*pairs, *((n, None) for n in rest_a), *((None, n) for n in rest_b)]
+
+
+_MISSING = object()
+
+
+def _leaf_difference(a: Any, b: Any, padding: PaddingSpec = None) -> str | None:
+    """How two values of one argument differ (None when they agree): integer and bool tensors
+    exactly, floating ones within the analytic budget on the judged positions, masks by meaning
+    (:mod:`.masks`), other values by equality; objects of one type (caches, placeholders of
+    them) agree here, their state is compared apart."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        if _objects_alike(a, b):
+            return None
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or not _same_plain(a, b):
+            return f"A has {_describe(a)}, B has {_describe(b)}"
+        return None
+    if not same_value(a, b.to(a.device)):
+        meaning = by_meaning(a, b, padding)
+        if meaning is not None:
+            return meaning.detail
+    if a.shape != b.shape:
+        return (f"shape differs: {format_shape(tuple(a.shape))} vs "
+                f"{format_shape(tuple(b.shape))} (A vs B)")
+    b = b.to(a.device)
+    if not (a.is_floating_point() and b.is_floating_point()):
+        differ = int((a != b).sum())
+        return f"{differ} of {a.numel()} entries differ" if differ else None
+    result = judge({"input": b}, {"input": a}, {}, "forward", padding)
+    if result.ok:
+        return None
+    worst = result.tensors[0]
+    return f"{worst.n_over} of {a.numel()} entries differ beyond the budget"
+
+
+def _objects_alike(a: Any, b: Any) -> bool:
+    """Two objects that are no plain values, tensors or containers, of one type."""
+    plain = (type(None), bool, int, float, str, torch.Tensor)
+    if a is _MISSING or b is _MISSING or isinstance(a, plain) or isinstance(b, plain):
+        return False
+    return _type_name(a) == _type_name(b)
+
+
+def _type_name(leaf: Any) -> str:
+    return leaf.type_name if isinstance(leaf, Uncopyable) else type(leaf).__name__
+
+
+def _same_plain(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects without a usable ==: compare their types
+        return type(a) is type(b)
+
+
+def _describe(leaf: Any) -> str:
+    if leaf is _MISSING:
+        return "nothing"
+    if isinstance(leaf, torch.Tensor):
+        dtype = str(leaf.dtype).removeprefix("torch.")
+        return f"Tensor{tuple(leaf.shape)} {dtype}"
+    return repr(leaf) if leaf is None or isinstance(leaf, (bool, int, float, str)) else \
+        type(leaf).__name__
+
+
+def argument_path(path: str, sig: Signature | None) -> str:
+    """``args.1.cache.self_kv`` -> ``ctx.cache.self_kv`` (the parameter the argument binds to),
+    ``kwargs.x.y`` -> ``x.y``."""
+    head, _, rest = path.partition(".")
+    index, _, tail = rest.partition(".")
+    if head == "args" and index.isdigit():
+        positional = [name for name, kind, *_ in sig or []
+                      if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+        index = positional[int(index)] if int(index) < len(positional) else f"args.{index}"
+    elif head != "kwargs":
+        return path
+    return f"{index}.{tail}" if tail else index

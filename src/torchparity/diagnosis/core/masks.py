@@ -1,0 +1,154 @@
+"""Attention masks compared by what they mean, not by their bits.
+
+Two implementations may hand a module the same mask in different forms: eager attention an
+additive float mask (0 where a query attends, a large negative number where it does not), SDPA
+a boolean one (True: attend), other code a boolean "masked" one (True: do not attend). Where
+the divergence search (:mod:`~torchparity.diagnosis.stages.entry`) meets two such arguments, it asks
+whether they let every *judged* query (one that is not padding) attend to the same keys: only
+then do they differ in what the module computes on the positions that are judged. A mask that
+lets a padded key reach a real query differs; one that differs only on padded queries does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from torchparity.comparison.selection import PaddingSpec, left_out_of
+
+#: Additive masks block a key with a value at most this (``-inf``, ``finfo.min``, ``-1e9``,
+#: BERT's ``-10000``); softmax gives it a weight below exp(-10000) of a key that is attended.
+LARGE_NEGATIVE = -1e4
+
+
+@dataclass(frozen=True)
+class Meaning:
+    """Two masks compared by meaning: ``detail`` says how they differ, None when they let every
+    judged query attend to the same keys."""
+
+    detail: str | None
+
+    @property
+    def same(self) -> bool:
+        return self.detail is None
+
+
+def readings(mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The ways ``mask`` can be read as an attention mask, each as a bool "attends" tensor:
+    ``boolean attend`` and ``boolean masked`` for bool tensors, ``additive float`` for floats
+    that hold only 0 and large negative values, ``1/0 attend`` for integers that hold only 1
+    and 0. Empty for anything else (a bias such as ALiBi's is no mask)."""
+    if mask.dtype == torch.bool:
+        return {"boolean attend": mask, "boolean masked": ~mask}
+    if mask.is_floating_point():
+        attends = mask == 0
+        return {"additive float": attends} if bool((attends | (mask <= LARGE_NEGATIVE)).all()) \
+            else {}
+    if mask.is_complex():
+        return {}
+    attends = mask == 1
+    return {"1/0 attend": attends} if bool((attends | (mask == 0)).all()) else {}
+
+
+def by_meaning(a: torch.Tensor, b: torch.Tensor, padding: PaddingSpec = None,
+               path: str = "mask") -> Meaning | None:
+    """A's and B's masks compared by what they let each judged query attend to; None when one
+    of them is no mask or their shapes do not broadcast (compare them as plain values then).
+
+    The last dimension of a mask is the keys, the one before it (for three or more dimensions)
+    the queries, the first the batch; ``padding`` (as :func:`torchparity.compare` takes it)
+    says which (batch, query) positions are padding, and those rows are not compared. Two bool
+    masks keep one convention (either both "attend" or both "masked"); across forms the
+    readings that agree best are compared, so an inverted form is no difference but one
+    flipped entry is.
+    """
+    a_readings, b_readings = readings(a), readings(b.to(a.device))
+    if not a_readings or not b_readings:
+        return None
+    try:
+        shape = torch.broadcast_shapes(a.shape, b.shape)
+    except RuntimeError:
+        return None
+    judged = _judged(shape, padding, path, a.device)
+    if judged is not None:
+        shape = torch.broadcast_shapes(shape, judged.shape)
+    compared = int(judged.expand(shape).sum()) if judged is not None else shape.numel()
+    best: tuple[int, str, str] | None = None
+    for a_form, a_attends in a_readings.items():
+        for b_form, b_attends in b_readings.items():
+            if a.dtype == b.dtype == torch.bool and a_form != b_form:
+                continue
+            differ = a_attends.expand(shape) != b_attends.expand(shape)
+            n = int((differ & judged).sum()) if judged is not None else int(differ.sum())
+            if best is None or n < best[0]:
+                best = (n, a_form, b_form)
+    n, a_form, b_form = best
+    if n == 0:
+        return Meaning(None)
+    what = "(query, key) pairs of judged queries" if len(shape) >= 3 else "entries"
+    return Meaning(f"{n} of {compared} {what} attend otherwise (A: {a_form} mask, B: {b_form}"
+                   " mask)")
+
+
+def _judged(shape: torch.Size, padding: PaddingSpec, path: str, device: torch.device
+            ) -> torch.Tensor | None:
+    """Bool, broadcastable to (batch, ..., queries, keys): True on the rows of judged queries;
+    None when every row is judged (no padding, or a mask without query or batch dimension)."""
+    if len(shape) < 3:
+        return None
+    rows = torch.empty((shape[0], shape[-2]), device="meta")
+    left_out = left_out_of(padding, path, rows)
+    if left_out is None:
+        return None
+    kept = ~left_out.mask.to(device)
+    return kept.reshape(shape[0], *(1,) * (len(shape) - 3), shape[-2], 1)
+
+
+def fitted_queries(mask: torch.Tensor, positions: torch.Tensor | None, queries: int
+                   ) -> tuple[torch.Tensor, str] | None:
+    """``mask``'s rows of the queries at ``positions``, ``queries`` of them, and how; None when
+    that cannot be done.
+
+    A static cache may hand attention a mask over every position of the cache (128 queries,
+    128 keys) and let it pick the rows of its queries by ``cache_position``, where another
+    revision hands one row per query: the rows at those positions are what the first one
+    attends with.
+    """
+    if positions is None or mask.dim() < 3 or positions.dim() != 1 or \
+            positions.numel() != queries or positions.dtype.is_floating_point or \
+            not readings(mask):
+        return None
+    rows = mask.shape[-2]
+    if not bool(((positions >= 0) & (positions < rows)).all()):
+        return None
+    picked = mask.index_select(-2, positions.to(mask.device))
+    first, last = int(positions[0]), int(positions[-1])
+    return picked, (f"rows of queries {first}..{last} of {rows} picked by cache_position, "
+                    "as A's attention picks them")
+
+
+def fitted_keys(mask: torch.Tensor, keys: int) -> tuple[torch.Tensor, str] | None:
+    """``mask`` with its last dimension (the keys) made ``keys`` long without changing what any
+    query attends, and how ("trimmed from 16 to 5 keys: ..."); None when that cannot be done.
+
+    A static cache hands attention a mask sized to the cache (128 keys) where another revision
+    hands one of the keys in use (12): the same attention, in another shape. Keys past ``keys``
+    are dropped only when no query attends them; missing ones are added masked. Bool masks are
+    read as "True: attend" (SDPA's and transformers' convention), floats as additive.
+    """
+    forms = readings(mask)
+    if not forms or mask.dim() == 0:
+        return None
+    have = mask.shape[-1]
+    if keys < have:
+        extra = next(iter(forms.values()))[..., keys:]
+        if bool(extra.any()):
+            return None
+        return mask[..., :keys], (f"trimmed from {have} to {keys} keys: the "
+                                  f"{have - keys} others are masked for every query")
+    blocked = (False if mask.dtype == torch.bool else
+               torch.finfo(mask.dtype).min if mask.is_floating_point() else 0)
+    padding = mask.new_full((*mask.shape[:-1], keys - have), blocked)
+    return torch.cat((mask, padding), -1), (f"padded from {have} to {keys} keys: the "
+                                            f"{keys - have} added are masked for every query")

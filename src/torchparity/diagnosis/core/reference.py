@@ -1,0 +1,228 @@
+"""What the stages of a diagnosis share: the reference side, model A's recorded calls, where
+their tensors are and the float64 golden that judges them.
+
+Each stage (:mod:`~torchparity.diagnosis.stages.capture_a`, :mod:`~torchparity.diagnosis.stages.float64_golden`,
+:mod:`~torchparity.diagnosis.stages.propagated`, :mod:`~torchparity.diagnosis.stages.local`,
+:mod:`~torchparity.diagnosis.stages.entry`) reads and adds to a :class:`Reference`; no stage imports
+another, the pipeline (:mod:`~torchparity.diagnosis.pipelines.forward`) calls them in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.diagnosis.core.capture import ModuleCall, Signature, call_key
+from torchparity.diagnosis.core.judging import joined, judge, judge_quickly, module_padding
+from torchparity.diagnosis.core.progress import ProgressBar
+from torchparity.diagnosis.core.results import Result
+from torchparity.diagnosis.core.run import GOLDEN_DTYPE, Run, dtype_label
+from torchparity.diagnosis.core.state import (
+    OwnState,
+    changing_within,
+    replaying,
+    states_within,
+    why_not_replayable,
+)
+from torchparity.diagnosis.core.trace import FINAL, ReplayUnavailable, Store, weight_digests
+from torchparity.subject.factory import first_line
+from torchparity.subject.padding import Padding
+from torchparity.subject.trees import flatten_tensors
+
+#: Why a model already in float64 has no golden of its own.
+IN_FLOAT64 = "A already runs in float64; budgets use the analytic bound"
+
+
+def golden_label(golden: str | None, no_golden: str | None) -> str:
+    """The golden as reports and traces write it: its description, or ``none: `` and why
+    there is none (``not made yet`` before the golden stage ran)."""
+    return golden if golden is not None else f"none: {no_golden or 'not made yet'}"
+
+
+def parse_golden_label(label: str) -> tuple[str | None, str | None]:
+    """``(golden, no_golden)`` from a label :func:`golden_label` wrote (a trace's)."""
+    if label.startswith("none: "):
+        return None, label.removeprefix("none: ")
+    return label, None
+
+
+@dataclass
+class Reference:
+    """A's recorded calls and where their tensors are; ``golden`` describes the float64
+    golden used (None when there is none, ``no_golden`` then says why, None while it is not
+    made yet); ``notes`` why some calls cannot be replayed. ``replayer`` replays a call of A
+    and the golden on demand (None when every call was replayed already, as in a trace)."""
+
+    calls: list[ModuleCall]
+    store: Store
+    golden: str | None = None
+    no_golden: str | None = None
+    mode: str = ""
+    notes: dict[str, str] = field(default_factory=dict)
+    source: str = "in-process"
+    recorded_by: str | None = None  # a trace's record command line, when it has one
+    replayer: Callable[[ModuleCall], None] | None = None
+    replayed: set[str] = field(default_factory=set)
+    judging_seconds: float = 0.0  # spent judging B's tensors while B runs (``quick``)
+    padding: Padding = field(default_factory=Padding)  # positions no judgement counts
+    signatures: dict[str, Signature | None] = field(default_factory=dict)  # A's forwards
+    #: Modules that change their own state across calls: name -> (clock, state before a call).
+    states: dict[str, list[tuple[int, OwnState]]] = field(default_factory=dict)
+
+    def ensure_replayed(self, call: ModuleCall) -> None:
+        """The local golden (and local gradients) of ``call`` are in the store after this."""
+        if self.replayer is not None and call.key not in self.replayed:
+            self.replayer(call)
+            self.replayed.add(call.key)
+
+    def replay_all(self, bar: ProgressBar) -> None:
+        """Replay every call now (a trace must serve any later candidate)."""
+        advance = bar.phase("A and golden: module replays", total=len(self.calls))
+        for call in self.calls:
+            self.ensure_replayed(call)
+            advance()
+
+    @property
+    def has_golden(self) -> bool:
+        return self.golden is not None
+
+    @property
+    def golden_label(self) -> str:
+        """The golden as reports and traces write it (:func:`golden_label`)."""
+        return golden_label(self.golden, self.no_golden)
+
+    def tensors(self, calls: tuple[ModuleCall, ...], group: str) -> dict[str, torch.Tensor]:
+        return joined([self.store.get(c.key, group) for c in calls])
+
+    def judge(self, calls: tuple[ModuleCall, ...], candidate: dict[str, torch.Tensor],
+              baseline_group: str, golden_group: str, kind: str, *, quick: bool = False
+              ) -> Result:
+        """``candidate`` against the golden's ``golden_group`` of ``calls``, with A's
+        ``baseline_group`` as the baseline; ``quick`` bounds clearly-within verdicts instead
+        of computing every metric (:func:`~torchparity.diagnosis.core.judging.judge_quickly`).
+        Padded positions of the module's tensors are left out (parameter gradients have
+        none)."""
+        start = time.perf_counter()
+        golden = self.tensors(calls, golden_group) if self.has_golden else {}
+        padding = None if baseline_group == "param_grad" else \
+            module_padding(self.padding, calls[0].name)
+        result = (judge_quickly if quick else judge)(
+            candidate, golden, self.tensors(calls, baseline_group), kind, padding)
+        if quick:
+            self.judging_seconds += time.perf_counter() - start
+        return result
+
+    def on_recorded_state(self, a: ModuleCall, module: nn.Module, name: str,
+                          changing: set[str]) -> contextlib.AbstractContextManager:
+        """A context in which B's ``module`` (called ``name`` in B) and its submodules hold the
+        state A's had when the recorded call ``a`` started (nothing to do for modules that
+        keep none); :class:`ReplayUnavailable` when B keeps its state otherwise than A."""
+        states = states_within(self.states, a.name, a.clock)
+        b_changing = changing_within(changing, name)
+        if not states and not b_changing:
+            return contextlib.nullcontext()
+        reason = why_not_replayable(states, module, b_changing)
+        if reason is not None:
+            raise ReplayUnavailable(reason)
+        return replaying(module, states, placed_on)
+
+
+def state_key(name: str, clock: int) -> str:
+    """Where a module's state before one of its calls is stored."""
+    return f"state|{name}@{clock}"
+
+
+def grad_keeper(store: Store, *groups: str) -> Callable[[ModuleCall, str, torch.Tensor], None]:
+    """An ``on_grad`` callback that puts each output gradient into every one of ``groups`` of
+    its call (each keeps it its own way: exact, or sketched when big)."""
+    return lambda call, path, grad: store.put_all([(call.key, group, {path: grad})
+                                                   for group in groups])
+
+
+def keep_run_results(store: Store, run: Run, out_group: str, param_group: str) -> None:
+    """Store a run's final output and loss (under the pseudo-call FINAL) and each module's
+    direct parameter gradients."""
+    final = flatten_tensors(run.output)
+    if run.loss is not None:
+        final["loss"] = run.loss
+    store.put(FINAL, out_group, final)
+    for name, grads in run.param_grads.items():
+        if grads:
+            store.put(call_key(name, 0), param_group, grads)
+
+
+# --------------------------------------------------------------------------------------------
+# The float64 golden: which model gives it, and how a diagnosis says so
+
+
+def module_placement(module: nn.Module) -> tuple[Any, Any]:
+    """The floating dtype and device of a module's parameters/buffers (None when it has none)."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point():
+            return tensor.dtype, tensor.device
+    return None, None
+
+
+def placed_on(tensor: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """A state tensor as ``module`` holds it: on its parameters' device, and in their floating
+    dtype when floating."""
+    dtype, device = module_placement(module)
+    if dtype is None or not tensor.is_floating_point():
+        dtype = tensor.dtype
+    return tensor.to(device=device or tensor.device, dtype=dtype)
+
+
+def describe_mode(model: nn.Module, dtype: torch.dtype | None, has_golden: bool) -> str:
+    """The precision a diagnosis runs in: ``float32: A and B as given, against A's float64
+    golden`` (``dtype``: the one A and B were cast to, None when run as given)."""
+    a_dtype = dtype_label(module_placement(model)[0])
+    mode = (f"{a_dtype}: A and B both cast to {a_dtype}" if dtype is not None
+            else f"{a_dtype}: A and B as given")
+    return mode + (", against A's float64 golden" if has_golden
+                   else f", budgets from {a_dtype} rounding")
+
+
+def golden_warning(label: str) -> str | None:
+    """The line that says, first thing, that no float64 golden could be made, why and the fix
+    (None when there is one, or when A runs in float64 and needs none); ``label`` as
+    :func:`golden_label` writes it."""
+    golden, no_golden = parse_golden_label(label)
+    if golden is not None or no_golden == IN_FLOAT64:
+        return None
+    return f"warning: no float64 golden: {no_golden}"
+
+
+#: What to do when A cannot be copied into float64.
+COPY_FIX = ("fix: make the model deep-copyable, or diagnose it from its factory (the command "
+            "line builds it again in float64 when copying fails; seed its initialisation)")
+
+
+def golden_copy(model: nn.Module, rebuild: Callable[[], nn.Module] | None = None
+                ) -> tuple[nn.Module | None, str]:
+    """A float64 CPU copy of ``model`` and a description of the golden used, or None and
+    why there is none (the reason and the fix). A model that cannot be deep-copied is built
+    again by ``rebuild()`` (its factory) when given, and used when its weights are A's."""
+    dtype, _ = module_placement(model)
+    if dtype == GOLDEN_DTYPE:
+        return None, IN_FLOAT64
+    try:
+        golden = copy.deepcopy(model)
+    except Exception as exc:  # noqa: BLE001 - any failure means: try again, or say why
+        failure = f"copying A to float64 failed ({type(exc).__name__}: {first_line(exc)})"
+        if rebuild is None:
+            return None, f"{failure}; budgets come from A's own rounding; {COPY_FIX}"
+        golden = rebuild()
+        if weight_digests(golden) != weight_digests(model):
+            return None, (f"{failure}, and the factory built other weights when called "
+                          "again; budgets come from A's own rounding; fix: seed the factory's "
+                          "initialisation, or make the model deep-copyable")
+        return golden.to(device="cpu", dtype=GOLDEN_DTYPE).eval(), (
+            f"float64 copy of A on the CPU, built again by its factory ({failure})")
+    return golden.to(device="cpu", dtype=GOLDEN_DTYPE), "float64 copy of A on the CPU"

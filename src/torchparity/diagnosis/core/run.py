@@ -1,0 +1,517 @@
+"""Running models for a diagnosis: its options, seeded whole-model runs with capture, and
+replays of one module on recorded inputs. Every stage runs models through here."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+from torch import nn
+
+from torchparity import backends as attention_backends
+from torchparity.diagnosis.core.capture import (
+    Capture,
+    ModuleCall,
+    PatternSpec,
+    Signature,
+    bound_arguments,
+    module_filter,
+    read_caches,
+    signature,
+)
+from torchparity.diagnosis.core.masks import fitted_keys, fitted_queries
+from torchparity.diagnosis.core.state import StateRecorder, cast_held
+from torchparity.diagnosis.core.trace import ReplayUnavailable
+from torchparity.errors import UsageError, UserCodeError
+from torchparity.sketching import kept
+from torchparity.subject.blockwise import Float64Run, stream_grads
+from torchparity.subject.factory import first_line
+from torchparity.subject.padding import Padding
+from torchparity.subject.running import (
+    Inputs,
+    LossFn,
+    call_model,
+    projection_loss,
+    seeded,
+    upcast,
+)
+from torchparity.subject.trees import flatten_tensors, map_tensors, map_tensors_with_paths
+
+#: An attention backend name for :func:`torchparity.backends.use`, or a function returning a
+#: context manager that selects it (for models the registry does not drive), or None.
+BackendSpec = str | Callable[[], contextlib.AbstractContextManager] | None
+
+#: Which modules get a local error: those whose propagated error diverged (and those whose
+#: backward ran before the first diverging gradient), or every one.
+Local = Literal["diverged", "all"]
+
+#: The golden's dtype: A's math with rounding far below any other dtype's.
+GOLDEN_DTYPE = torch.float64
+
+
+def in_golden_dtype(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor as the golden holds it: on the CPU, in float64 when floating."""
+    return tensor.to("cpu", GOLDEN_DTYPE) if tensor.is_floating_point() else tensor.cpu()
+
+
+def golden_inputs(inputs: Any) -> Any:
+    """Recorded inputs (a fresh copy) as the golden's replay takes them: tensors in float64
+    on the CPU, those inside a cache handed in (a ``StaticCache``'s buffers) too, so that the
+    float64 replay's writes into the cache keep one dtype."""
+    inputs = upcast(inputs, GOLDEN_DTYPE, "cpu")
+    cast_held(inputs, in_golden_dtype)
+    return inputs
+
+
+@dataclass(frozen=True)
+class Options:
+    """Settings shared by the reference and the candidate side of one diagnosis."""
+
+    include: PatternSpec = None
+    exclude: PatternSpec = None
+    backward: bool = True
+    loss_fn: LossFn | None = None
+    backend_a: BackendSpec = None
+    backend_b: BackendSpec = None
+    progress: bool | None = None
+    local: Local = "diverged"
+    padding: Padding = field(default_factory=Padding)  # left out of every judgement and loss
+    # B run by torch.compile in this form (dynamic, static), module by module
+    # (compiled_localisation.py)
+    compile_b: str | None = None
+
+    def selects(self) -> Callable[[str], bool]:
+        return module_filter(self.include, self.exclude)
+
+
+# --------------------------------------------------------------------------------------------
+# Checking arguments
+
+
+def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
+                 exclude: PatternSpec, backends: tuple[BackendSpec, BackendSpec] | None,
+                 progress: bool | None, local: Local = "diverged",
+                 padding: Padding | None = None) -> Options:
+    """Check the arguments every diagnosis shares; progress defaults to "stderr is a tty"."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise UsageError(f"loss_fn must be callable(output, inputs); got {type(loss_fn).__name__}")
+    if backends is not None and not (isinstance(backends, (tuple, list)) and len(backends) == 2):
+        raise UsageError("backends must be a pair (backend of A, backend of B); "
+                         f"got {backends!r}")
+    backend_a, backend_b = backends if backends is not None else (None, None)
+    for spec in (backend_a, backend_b):
+        if isinstance(spec, str) and spec not in attention_backends.names():
+            raise UsageError(f"unknown attention backend {spec!r}; choose one of "
+                             f"{', '.join(attention_backends.names())}")
+    if local not in ("diverged", "all"):
+        raise UsageError(f"local must be 'diverged' or 'all'; got {local!r}")
+    if progress is None:
+        progress = sys.stderr.isatty()
+    return Options(include, exclude, bool(backward), loss_fn, backend_a, backend_b, progress,
+                   local, padding or Padding())
+
+
+def stream_needed(*models: nn.Module) -> bool:
+    """Whether a diagnosis of ``models`` should keep A's side on disk: when the models take
+    more than a quarter of the memory available now (the captured tensors, A's float64
+    golden and the replays come on top)."""
+    size = sum(t.numel() * t.element_size() for model in models
+               for t in [*model.parameters(), *model.buffers()])
+    available = _available_memory()
+    return available is not None and size > available / 4
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Running a model
+
+
+@contextlib.contextmanager
+def backend_context(spec: BackendSpec) -> Iterator[None]:
+    """Run under the attention backend ``spec`` (a registry name or a context factory)."""
+    if spec is None:
+        yield
+    elif isinstance(spec, str):
+        with attention_backends.use(spec):
+            yield
+    else:
+        with spec():
+            yield
+
+
+def default_loss(output: Any, inputs: Any = None, padding: Padding | None = None
+                 ) -> torch.Tensor:
+    """A scalar whose gradient reaches every unpadded element of the first floating output:
+    its :func:`~torchparity.subject.running.projection_loss`. Uses the output's own ``loss``
+    field when it has one."""
+    flat = flatten_tensors(output)
+    if "output.loss" in flat and flat["output.loss"].numel() == 1:
+        return flat["output.loss"].reshape(())
+    first = next(((p, t) for p, t in flat.items() if t.is_floating_point()), None)
+    if first is None:
+        raise UsageError("the model output has no floating tensor to take gradients of; pass "
+                         "loss_fn or backward=False")
+    return projection_loss(dict([first]), padding)
+
+
+@dataclass
+class Run:
+    """What one captured run leaves: its calls, detached output, loss and parameter grads."""
+
+    calls: list[ModuleCall]
+    output: Any
+    loss: torch.Tensor | None
+    param_grads: dict[str, dict[str, torch.Tensor]]  # module name -> direct param name -> grad
+    changing: set[str] = field(default_factory=set)  # modules that change their own state
+
+
+def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendSpec, *,
+              backward: bool, float64: bool = False, states: StateRecorder | None = None,
+              **capture: Any) -> Run:
+    """One seeded forward (and backward, ``.grad`` untouched) with the selected modules
+    captured, and every module's state recorded by ``states``. Each parameter's gradient is
+    kept (sketched above the size threshold, by its name in its module) as soon as it is
+    complete. With ``float64`` the model runs in float64 on the CPU module by module
+    (:class:`~torchparity.subject.blockwise.Float64Run`), its ``inputs`` already cast: no
+    float64 copy of it is made. An error of the backward pass is a one-line
+    :class:`UserCodeError` that names ``--no-backward``."""
+    loss = None
+    names = {id(p): name for name, p in model.named_parameters()}
+    grads: dict[str, Any] = {}
+
+    def keep(name: str, grad: torch.Tensor) -> None:
+        grads[name] = kept(name.rpartition(".")[2], grad)
+
+    capturing = Capture(model, opts.selects(), grads=backward, states=states, **capture)
+    recording = states if states is not None else contextlib.nullcontext()
+    precision = (Float64Run(model, on_grad=keep, device="cpu") if float64
+                 else contextlib.nullcontext())
+    with backend_context(backend), seeded(), recording, capturing as cap, precision as run64:
+        with torch.set_grad_enabled(backward):
+            output = call_model(model, inputs)
+            if backward:
+                loss = (opts.loss_fn(output, inputs) if opts.loss_fn is not None
+                        else default_loss(output, inputs, opts.padding))
+                if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+                    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+                    raise UsageError(f"loss_fn must return a scalar tensor; got {shape}")
+                loss = loss.reshape(())
+                _trainable(model)
+                with _backward_errors(model):
+                    if float64:
+                        run64.backward(loss, unused=False)
+                    else:
+                        stream_grads(model, loss, keep, unused=False)
+    # A weight shared by several modules (a tied head) is judged at the module whose name the
+    # model gives it: its gradient is complete only when that module's backward has run.
+    param_grads = {
+        name: {pn: grads[names[id(p)]] for pn, p in module.named_parameters(recurse=False)
+               if names.get(id(p)) == _qualified(name, pn) and names[id(p)] in grads}
+        for name, module in cap.modules.items()
+    }
+    output = map_tensors(read_caches(output), lambda t: t.detach())
+    return Run(cap.records, output, None if loss is None else loss.detach(), param_grads,
+               set() if states is None else states.changing)
+
+
+def _qualified(module: str, param: str) -> str:
+    return f"{module}.{param}" if module else param
+
+
+@contextlib.contextmanager
+def _backward_errors(model: nn.Module) -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as exc:  # e.g. a cache written in place while autograd needs it
+        raise UserCodeError(f"the backward pass of {type(model).__name__} raised RuntimeError: "
+                            f"{first_line(exc)}; to compare forward outputs only, run with "
+                            "--no-backward (backward=False); a decoding needs no gradients "
+                            "(--decode takes none)") from exc
+
+
+class UnfitArguments(ReplayUnavailable):
+    """A's recorded arguments have no sound mapping onto B's ``forward``."""
+
+
+def rebind(recorded: Signature | None, inputs: tuple[tuple, dict], module: nn.Module
+           ) -> tuple[tuple[tuple, dict], list[str]]:
+    """A recorded call's arguments as ``module`` (another revision's) takes them, by meaning,
+    and a note per argument handed to a parameter of another name. As recorded when B binds
+    each to a parameter of the name A's had (or A's signature is unknown); else each bound
+    to A's parameter and handed to B's of the same name, or of the same position when B
+    renamed it, a None for which B has no parameter left out (its default); :class:`UnfitArguments`
+    saying why when no sound mapping exists."""
+    args, kwargs = inputs
+    try:
+        forward = inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return inputs, []
+    a_bound = bound_arguments(recorded, args, kwargs)
+    # B binds an argument by another name than A did (``*args`` on either side names none)
+    renamed = any(a_name != b_name and not a_name.startswith("args.")
+                  and not b_name.startswith("args.") for a_name, b_name in
+                  zip(a_bound, bound_arguments(signature(module), args, kwargs), strict=False))
+    try:
+        forward.bind(*args, **kwargs)
+        if recorded is None or not renamed:
+            return inputs, []
+    except TypeError:
+        pass
+    names = [name for name, *_ in recorded or []]
+    forward_text = f"B's {type(module).__name__}.forward({', '.join(forward.parameters)})"
+    rebound: dict[str, Any] = {}
+    notes = []
+    for name, value in a_bound.items():
+        target = name if name in forward.parameters else _renamed(name, names, forward)
+        if target is None or target in rebound:
+            if value is None:
+                continue
+            raise UnfitArguments(f"{forward_text} has no parameter that A's argument {name} "
+                                 "surely maps to (none of its name, none new at its position)")
+        if target != name:
+            notes.append(f"A's {name} handed to B's {target}")
+        rebound[target] = value
+    try:
+        bound = forward.bind(**rebound)
+    except TypeError as exc:
+        raise UnfitArguments(f"A's arguments do not bind to {forward_text}: {exc}") from None
+    return (bound.args, bound.kwargs), notes
+
+
+def _renamed(name: str, names: list[str], forward: inspect.Signature) -> str | None:
+    """B's parameter at the position A's parameter ``name`` had, taken as its new name: only
+    one A has no parameter of (else it may be one A has, moved) and not ``*args``/``**kw``."""
+    if name not in names or names.index(name) >= len(forward.parameters):
+        return None
+    target = list(forward.parameters)[names.index(name)]
+    if target in names or forward.parameters[target].kind in (
+            inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        return None
+    return target
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UsageError(f"{type(model).__name__} has no parameter that requires grad; pass "
+                         "backward=False")
+    return params
+
+
+def replay(module: nn.Module, inputs: tuple[tuple, dict], backend: BackendSpec, *,
+           grad_out: Mapping[str, torch.Tensor] | None = None,
+           requires_grad: frozenset[str] = frozenset(), float64: bool = False,
+           ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Run one module on recorded inputs; with ``grad_out``, also backward from it.
+
+    Returns the output tensors by path and, with ``grad_out``, the gradients of the inputs
+    that required grad in the recorded run (``input.<path>``) and of the module's direct
+    parameters (``param.<name>``). With ``float64`` the module runs in float64 on the CPU
+    without a float64 copy (its ``inputs`` already cast, see :func:`run_model`).
+    """
+    args, kwargs = inputs
+    if float64:
+        return _replay_float64(module, args, kwargs, backend, grad_out, requires_grad)
+    with backend_context(backend), seeded():
+        if not grad_out:
+            with torch.no_grad():
+                return flatten_tensors(read_caches(module(*args, **kwargs))), {}
+        outputs, leaves, seeds = _forward_for_backward(module, args, kwargs, grad_out,
+                                                       requires_grad)
+        params = {f"param.{n}": p for n, p in module.named_parameters(recurse=False)
+                  if p.requires_grad}
+        targets = {**leaves, **params}
+        grads = {}
+        if seeds and targets:
+            found = torch.autograd.grad([o for o, _ in seeds], list(targets.values()),
+                                        [g for _, g in seeds], allow_unused=True)
+            grads = {name: g for name, g in zip(targets, found, strict=True) if g is not None}
+    return {p: t.detach() for p, t in outputs.items()}, grads
+
+
+def _forward_for_backward(module: nn.Module, args: tuple, kwargs: dict,
+                          grad_out: Mapping[str, torch.Tensor], requires_grad: frozenset[str]
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                     list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The module's outputs by path, the inputs that required grad in the recorded run (now
+    leaves that require it), and each output that backward starts from with its gradient."""
+    leaves = {f"input.{path}": t.requires_grad_()
+              for path, t in {**flatten_tensors(args, "args"),
+                              **flatten_tensors(kwargs, "kwargs")}.items()
+              if path in requires_grad}
+    with torch.enable_grad():
+        outputs = flatten_tensors(read_caches(module(*args, **kwargs)))
+    seeds = [(outputs[p], g.to(outputs[p])) for p, g in grad_out.items()
+             if p in outputs and outputs[p].requires_grad]
+    return outputs, leaves, seeds
+
+
+def _replay_float64(module: nn.Module, args: tuple, kwargs: dict, backend: BackendSpec,
+                    grad_out: Mapping[str, torch.Tensor] | None, requires_grad: frozenset[str]
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    grads: dict[str, torch.Tensor] = {}
+    direct = {n for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    run64 = Float64Run(module, device="cpu", on_grad=lambda name, grad: grads.__setitem__(
+        f"param.{name}", grad) if name in direct else None)
+    with backend_context(backend), seeded(), run64:
+        if not grad_out:
+            with torch.no_grad():
+                return flatten_tensors(read_caches(module(*args, **kwargs))), {}
+        outputs, leaves, seeds = _forward_for_backward(module, args, kwargs, grad_out,
+                                                       requires_grad)
+        if seeds:
+            found = run64.backward([o for o, _ in seeds], [g for _, g in seeds],
+                                   tuple(leaves.values()), unused=False)
+            grads.update({name: g for name, g in zip(leaves, found, strict=True)
+                          if g is not None})
+    return {p: t.detach() for p, t in outputs.items()}, grads
+
+
+def placed(inputs: tuple[tuple, dict], call: ModuleCall, sig: Signature | None = None
+           ) -> tuple[tuple, dict]:
+    """Recorded inputs with each tensor moved to the device, and floating ones cast to the
+    dtype, that ``call``'s module saw at the same input in its own run (the same parameter of
+    ``sig``, its forward's, when given: :func:`parameter_path`)."""
+    own = {parameter_path(sig, path): found for path, found in call.input_placement.items()}
+
+    def place(path: str, tensor: torch.Tensor) -> torch.Tensor:
+        dtype, device = own.get(parameter_path(sig, path), (tensor.dtype, tensor.device))
+        if not (tensor.is_floating_point() and dtype.is_floating_point):
+            dtype = tensor.dtype
+        return tensor.to(device=device, dtype=dtype)
+
+    args, kwargs = inputs
+    return (map_tensors_with_paths(args, place, "args"),
+            map_tensors_with_paths(kwargs, place, "kwargs"))
+
+
+def parameter_path(sig: Signature | None, path: str) -> str:
+    """An input's path by the parameter it binds to (``args.1.0`` -> ``mask.0`` where
+    ``mask`` is the second parameter, ``kwargs.mask`` -> ``mask``): one value passed by
+    position in one call and by keyword in another has one path. As given without ``sig``."""
+    if sig is None:
+        return path
+    head, _, rest = path.partition(".")
+    index, _, tail = rest.partition(".")
+    positional = [name for name, kind, *_ in sig
+                  if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    name = index if head == "kwargs" else (
+        positional[int(index)] if int(index) < len(positional) else f"args.{index}")
+    return f"{name}.{tail}" if tail else name
+
+
+def fitted(inputs: tuple[tuple, dict], call: ModuleCall, sig: Signature | None = None
+           ) -> tuple[tuple[tuple, dict], list[str]]:
+    """Recorded inputs with each attention mask sized to the keys of ``call``'s own mask (at
+    the same parameter of ``sig``, as in :func:`placed`), where that changes no query's keys
+    (see :func:`~torchparity.diagnosis.core.masks.fitted_keys`), after taking the rows of its
+    queries by A's ``cache_position`` where the mask covers every position of a cache
+    (:func:`~torchparity.diagnosis.core.masks.fitted_queries`), and a note per mask changed."""
+    notes = []
+    shapes = {parameter_path(sig, path): shape for path, shape in call.input_shapes.items()}
+    args, kwargs = inputs
+    positions = kwargs.get("cache_position")
+
+    def fit(path: str, tensor: torch.Tensor) -> torch.Tensor:
+        shape = shapes.get(parameter_path(sig, path))
+        if shape is None or shape == tensor.shape or len(shape) != tensor.dim():
+            return tensor
+        said = []
+        if shape[:-2] == tensor.shape[:-2] and shape[-2] != tensor.shape[-2]:
+            rows = fitted_queries(tensor, positions if isinstance(positions, torch.Tensor)
+                                  else None, shape[-2])
+            if rows is None:
+                return tensor
+            tensor, how = rows
+            said.append(how)
+        if shape[:-1] != tensor.shape[:-1]:
+            return tensor
+        if shape != tensor.shape:
+            keys = fitted_keys(tensor, shape[-1])
+            if keys is None:
+                return tensor
+            tensor, how = keys
+            said.append(how)
+        notes.append(f"mask {path} {', '.join(said)}")
+        return tensor
+
+    return (map_tensors_with_paths(args, fit, "args"),
+            map_tensors_with_paths(kwargs, fit, "kwargs")), notes
+
+
+def for_b(recorded: Signature | None, inputs: tuple[tuple, dict], call: ModuleCall,
+          module: nn.Module, fit: bool = False, as_none: str | None = None
+          ) -> tuple[tuple[tuple, dict], list[str]]:
+    """A's recorded ``inputs`` as B's ``module`` takes them at ``call``, and notes saying
+    what changed: handed to its parameters by meaning (:func:`rebind`), placed as B's call
+    had them, with the argument of parameter ``as_none`` as None (B's call passes None
+    there: the convention it derives the rest from), and with ``fit`` each mask fitted to
+    the keys of B's (:func:`fitted`)."""
+    inputs, notes = rebind(recorded, inputs, module)
+    own = signature(module)
+    inputs = placed(inputs, call, own)
+    if as_none is not None:
+        inputs = _with_none(inputs, own, as_none)
+    if fit:
+        inputs, fits = fitted(inputs, call, own)
+        notes += fits
+    return inputs, notes
+
+
+def _with_none(inputs: tuple[tuple, dict], sig: Signature | None, name: str
+               ) -> tuple[tuple, dict]:
+    """``inputs`` with the argument bound to parameter ``name`` replaced by None."""
+    args, kwargs = inputs
+    args = tuple(None if parameter_path(sig, f"args.{i}") == name else value
+                 for i, value in enumerate(args))
+    return args, {key: None if key == name else value for key, value in kwargs.items()}
+
+
+Replayed = TypeVar("Replayed")
+
+
+def fitting_masks(attempt: Callable[[bool], Replayed], notes: Callable[[bool], list[str]]
+                  ) -> tuple[Replayed, list[str], bool]:
+    """``attempt(False)``: a replay of B on A's recorded inputs as :func:`for_b` hands them
+    over; where it fails and fitting changes a mask (``notes(True)``, the notes of the
+    inputs with masks fitted, says more than ``notes(False)``), ``attempt(True)``, the replay
+    on fitted inputs. With the notes of the replay that ran, and whether it was fitted.
+
+    Another revision may size the mask to a static cache (128 keys) where B sizes it to the keys
+    in use (12): fed as recorded, B's module would fail on the shape alone. Fitted only on a
+    failure, so that a replay that takes the recorded mask (B slices it, or is handed A's cache
+    and its keys) runs on it unchanged."""
+    try:
+        return attempt(False), list(dict.fromkeys(notes(False))), False
+    except ReplayUnavailable:
+        raise
+    except Exception:
+        fits = list(dict.fromkeys(notes(True)))
+        if fits == list(dict.fromkeys(notes(False))):
+            raise
+    return attempt(True), fits, True
+
+
+def dtype_label(dtype: torch.dtype | None) -> str:
+    """``torch.float32`` -> ``float32``; None -> ``unknown``."""
+    return "unknown" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def backend_name(spec: BackendSpec) -> str | None:
+    return spec if spec is None or isinstance(spec, str) else getattr(spec, "__name__", repr(spec))

@@ -1,0 +1,108 @@
+"""What a trace's ``trace.json`` says besides its tensors, as two frozen dataclasses: one for a
+trace of a forward pass (``record``), one for a trace of a decoding (``record --decode``).
+
+Their fields are the file's keys, in the file's order, so :meth:`to_json` writes the
+``trace.json`` torchparity always wrote and :func:`meta_from_json` reads every trace of this
+schema; the storage keys (``files``, ``aliases``, ``input_specs``) stay with the
+:class:`~torchparity.diagnosis.core.trace.DiskStore` that reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torchparity.diagnosis.core.trace import DECODE, SCHEMA
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptOps:
+    """The ops of one module a trace keeps (``record --ops``); ``only``: nothing else."""
+
+    module: str
+    only: bool
+    missing: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTraceMeta:
+    """A trace of a forward pass (and backward, when ``backward``)."""
+
+    torchparity: str
+    torch: str
+    model: str  # the class name
+    golden: str  # the golden's label (reference.golden_label)
+    mode: str
+    dtype: str | None  # what the models were cast to, None: as given
+    backward: bool
+    backend: str | None
+    include: Any  # the module selection, as pattern_json writes it
+    exclude: Any
+    inputs_digest: str
+    weights: dict[str, str]  # digest of every parameter and buffer
+    modules: list[dict[str, Any]]
+    calls: list[dict[str, Any]]
+    signatures: dict[str, Any]
+    states: dict[str, list[int]]  # the clocks of each stateful module
+    notes: list[str]
+    padding: dict[str, Any] | None = None  # None: a trace from before padding was kept
+    ops: KeptOps | None = None  # written only when record kept ops
+    recorded_by: str | None = None  # the record command line (None: the Python API)
+
+    def to_json(self) -> dict[str, Any]:
+        data = {"schema": SCHEMA, **_fields(self)}
+        if self.ops is None:
+            del data["ops"]
+        else:
+            data["ops"] = dataclasses.asdict(self.ops)
+        return data
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTraceMeta:
+    """A trace of a teacher-forced decoding of ``steps`` steps after the prompt."""
+
+    torchparity: str
+    torch: str
+    model: str
+    golden: str
+    mode: str
+    dtype: str | None
+    backend: str | None
+    include: Any
+    exclude: Any
+    inputs_digest: str
+    weights: dict[str, str]
+    modules: list[dict[str, Any]]
+    signatures: dict[str, Any]
+    steps: int
+    tokens: list[list[int]]  # what every side is fed
+    greedy: bool  # whether the tokens are A's greedy choices
+    has_golden: bool
+    calls: dict[str, list[dict[str, Any]]]  # by step
+    notes: list[str]
+    parents: list[list[int]] | None = None  # a beam search's parent rows per step
+    beams: dict[str, Any] | None = None  # its settings
+    choices: list[dict[str, Any]] | None = None  # A's choices per step
+    sample: dict[str, Any] | None = None  # a sampled decoding's settings
+    recorded_by: str | None = None  # the record command line (None: the Python API)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "kind": DECODE, **_fields(self)}
+
+
+TraceMeta = ForwardTraceMeta | DecodeTraceMeta
+
+
+def meta_from_json(data: dict[str, Any]) -> TraceMeta:
+    """The metadata of a ``trace.json`` (:func:`~torchparity.diagnosis.core.trace.open_trace`
+    checked its schema)."""
+    cls = DecodeTraceMeta if data.get("kind") == DECODE else ForwardTraceMeta
+    known = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+    if known.get("ops") is not None:
+        known["ops"] = KeptOps(**known["ops"])
+    return cls(**known)
+
+
+def _fields(meta: ForwardTraceMeta | DecodeTraceMeta) -> dict[str, Any]:
+    return {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}

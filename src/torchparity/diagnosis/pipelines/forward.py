@@ -1,0 +1,431 @@
+"""The public entry points of a diagnosis: ``diagnose``, ``record`` and ``diagnose_against``.
+
+How a diagnosis works (``diagnose`` and ``diagnose_against`` share every step after 1):
+
+A diagnosis is a pipeline; each stage is one module, called here in order and by nothing
+else (no stage imports another: what they share, the :class:`~.reference.Reference` to A's side,
+is in :mod:`~torchparity.diagnosis.core.reference`), and the data passes through each once:
+
+1. :mod:`~torchparity.diagnosis.stages.capture_a`: **capture A**, every selected module's inputs,
+   outputs and output gradients, in memory or on disk;
+2. :mod:`~torchparity.diagnosis.stages.float64_golden`: **A's float64 golden**, the same run in float64 on
+   the CPU, and on-demand replays of each call for local goldens;
+3. and 4. :mod:`~torchparity.diagnosis.stages.propagated`: **propagated errors**, B's full run judged
+   against the golden's as it runs (calls paired by name meanwhile), then B's calls
+   **aligned** with A's by :mod:`~torchparity.diagnosis.core.align` (names, ``name_map``, call order
+   and output shapes, fusion);
+5. :mod:`~torchparity.diagnosis.stages.local`: **local errors**, B's modules replayed on A's
+   recorded inputs (by default those whose propagated error diverged); then
+   :mod:`~torchparity.diagnosis.stages.entry`: when the first divergence is a container, **where it
+   enters** (the module inside and the argument that carry a mask or position built above,
+   arguments compared by meaning in :mod:`~torchparity.diagnosis.core.arguments`);
+6. :mod:`~torchparity.diagnosis.stages.ops`: the first divergence (or the module ``ops`` names)
+   **drilled down to the op** and the source line where it enters, when A runs in this process;
+7. :mod:`~torchparity.diagnosis.reports.diagnosis`: the **report** (table, JSON, HTML).
+
+The first module whose local error breaks its budget is where B starts to compute something
+else; everything after it inherits the error. ``record`` runs stages 1 and 2 on one revision
+and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 to 5 and 7, or,
+when the trace's metadata is a decoding's (:class:`~.trace_meta.DecodeTraceMeta`), hands it to
+the decoding pipeline, :mod:`~torchparity.diagnosis.pipelines.decoding`, which runs the same stages at
+the steps of a decoding.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.collector import with_older_objects_frozen
+from torchparity.diagnosis.core.align import Match, NameMap
+from torchparity.diagnosis.core.capture import PatternSpec
+from torchparity.diagnosis.stages.capture_a import capture_reference, open_reference, trace_meta
+from torchparity.diagnosis.pipelines.compiled import compile_form, localise
+from torchparity.diagnosis.pipelines.decoding import DecodeReport, diagnose_decode_against
+from torchparity.diagnosis.stages.entry import find_entry
+from torchparity.diagnosis.stages.float64_golden import add_golden, float64_departure
+from torchparity.diagnosis.stages.local import backward_before_divergence, judge_local
+from torchparity.diagnosis.stages.ops import a_side, drill_down, keep_ops
+from torchparity.diagnosis.stages.ops.recorded import recorded_side
+from torchparity.diagnosis.core.progress import ProgressBar, progress_bar
+from torchparity.diagnosis.stages.propagated import judge_propagated
+from torchparity.diagnosis.core.reference import Reference, describe_mode
+from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
+from torchparity.diagnosis.reports.meta import DiagnosisMeta, with_weights
+from torchparity.diagnosis.core.results import module_label
+from torchparity.diagnosis.core.run import (
+    BackendSpec,
+    Local,
+    Options,
+    backend_name,
+    make_options,
+    stream_needed,
+)
+from torchparity.diagnosis.core.trace import (
+    MemoryStore,
+    Store,
+    TraceWriter,
+    changed_weights,
+    check_recorded_inputs,
+    open_trace,
+)
+from torchparity.diagnosis.core.trace_meta import DecodeTraceMeta, KeptOps, meta_from_json
+from torchparity.errors import UsageError
+from torchparity.subject.decoding import ReorderFn, StepFn
+from torchparity.subject.padding import PaddingLike, padding_of
+from torchparity.subject.running import Inputs, LossFn, check_models, in_dtype
+
+__all__ = ["diagnose", "diagnose_against", "record"]
+
+#: Why a decoding is not localised compiled.
+COMPILED_DECODING = ("--compile-b localises a forward pass; a compiled decoding is judged step "
+                     "by step, with its recompiles, by `torchparity check --model ENTRY "
+                     "--compile` (docs/compile.md)")
+#: Why ``--ops`` is not taken with a decoding.
+DECODE_OPS = ("--ops drills down a forward diagnosis; a decoding drills down the first "
+              "divergent module at its first divergent step by itself (against a trace: "
+              "one recorded with `torchparity record ENTRY --decode --ops MODULE`)")
+
+
+@with_older_objects_frozen
+def diagnose(
+    model_a: nn.Module,
+    model_b: nn.Module,
+    inputs: Inputs,
+    loss_fn: LossFn | None = None,
+    name_map: NameMap | None = None,
+    backward: bool = True,
+    *,
+    include: PatternSpec = None,
+    exclude: PatternSpec = None,
+    backends: tuple[BackendSpec, BackendSpec] | None = None,
+    stream: bool | None = None,
+    local: Local = "diverged",
+    progress: bool | None = None,
+    dtype: torch.dtype | None = None,
+    padding: PaddingLike = None,
+    compile_b: str | None = None,
+    ops: str | None = None,
+) -> DiagnosisReport:
+    """Localise where ``model_b`` starts to compute something other than ``model_a``.
+
+    ``inputs`` is a tuple of positional arguments or a dict of keyword arguments (a single
+    tensor is taken as one positional argument); both models get the same. ``loss_fn(output,
+    inputs)`` gives the scalar that gradients are taken of; by default a fixed random projection
+    of the first floating output (so every output element gets a distinct gradient).
+    ``name_map`` maps A's module names to B's (dict, or ``(regex, replacement)`` pairs);
+    unmapped renamed or fused modules are aligned by call order and output shapes.
+    ``include``/``exclude`` select modules by glob or ``re:`` regex; ``backends=(a, b)`` runs A
+    and B under those attention backends. ``stream=True`` keeps the reference side on disk (a
+    temporary trace) so memory stays bounded on big models; by default it does so when the two
+    models take more than a quarter of the memory available (``stream_needed``). ``local`` says
+    which modules get a local error: ``"diverged"`` (those whose propagated output or gradient
+    diverged, or could not be judged, and with gradients those whose backward ran before the
+    first output gradient that diverges) or ``"all"``. ``progress`` shows a progress bar on stderr
+    (default: when stderr is a terminal). ``dtype=torch.float64`` runs copies of A and B, and the
+    inputs, in float64 against each other with float64 budgets: any change of the math above
+    float64 rounding is localised, also one below the noise of the models' own dtype (when a
+    diagnosis in that dtype finds nothing while B's float64 output departs from A's golden, the
+    summary says so). ``padding`` says which positions of the batch are padding, left out of
+    every judgement and of the default loss: by default what the inputs' 1/0 ``attention_mask``
+    (and ``decoder_attention_mask``) say; a bool (batch, sequence) tensor, True at padding; a
+    dict of them by output path; or ``False`` to judge every position (see
+    :mod:`torchparity.subject.padding`). The report's notes say how many were left out.
+    A's golden is A itself run in float64 module by module, so no copy of A is made.
+    ``compile_b`` (``"dynamic"`` or ``"static"``) runs B by ``torch.compile`` in that form and
+    names the first module whose compiled output leaves its budget; a ``model_b`` that is
+    compiled already (``torch.compile(model)``, ``model.compile()``) is diagnosed so without it
+    (:mod:`torchparity.diagnosis.pipelines.compiled`).
+    The first divergence is drilled down to the op and source line where it enters
+    (:mod:`torchparity.diagnosis.stages.ops`); ``ops`` names another of B's modules to drill into.
+
+    Guarantees: both models, their gradients and the global RNG state are left as they were;
+    every run is seeded identically; each row's verdicts come from
+    :func:`torchparity.compare` with a float64 golden when A can run in float64 (see
+    ``report.meta.golden``); unmatched modules are listed, never dropped.
+    """
+    model_b, compile_b = compile_form(model_b, compile_b)
+    if compile_b is not None and model_b is model_a:  # A's replays must stay eager
+        model_b = copy.deepcopy(model_b)
+    opts = dataclasses.replace(
+        make_options(backward, loss_fn, include, exclude, backends, progress, local,
+                     padding_of(padding, inputs, model_a)),
+        compile_b=compile_b)
+    check_models(model_a=model_a, model_b=model_b)
+    (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
+    if stream is None:
+        stream = stream_needed(model_a, model_b)
+    with progress_bar(opts.progress) as bar:
+        if stream:
+            with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:
+                writer = TraceWriter(Path(tmp) / "reference.tptrace")
+                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype)
+                return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar,
+                                           model_a, ops)
+        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype)
+        return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar, model_a,
+                                   ops)
+
+
+@with_older_objects_frozen
+def record(
+    model: nn.Module,
+    inputs: Inputs,
+    path: str | Path,
+    *,
+    loss_fn: LossFn | None = None,
+    backward: bool = True,
+    include: PatternSpec = None,
+    exclude: PatternSpec = None,
+    backend: BackendSpec = None,
+    progress: bool | None = None,
+    dtype: torch.dtype | None = None,
+    padding: PaddingLike = None,
+    ops: str | None = None,
+    ops_only: bool = False,
+    recorded_by: str | None = None,
+) -> Path:
+    """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
+
+    Run it on the base revision; on the changed revision :func:`diagnose_against` compares a
+    model with it. The trace is a directory of safetensors files plus ``trace.json`` (module
+    tree, parameter and input checksums, settings, each call's input structure). It is written
+    call by call (bounded memory) into a temporary directory that replaces ``path`` only when
+    complete. ``backend`` must be a name here (it is stored in the trace); ``dtype`` and
+    ``padding`` are as in :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded
+    dtype and leaves the recorded padding out. ``ops`` (``"all"`` or module names joined by
+    commas) keeps A's ops of every call of every module, or of those, so that
+    :func:`diagnose_against` drills down to the op (:mod:`torchparity.diagnosis.stages.ops.recorded`).
+    ``ops_only`` writes only what that drill-down reads: the modules' calls' inputs, output
+    gradients and ops (one forward and backward of A, no golden, no replays), as ``diagnose
+    --base`` records the first divergent module (and its caller) at the base.
+    ``recorded_by`` is the command line that records it, kept so that a drill-down missing
+    A's ops can say how to add them. Returns the path.
+    """
+    # the root as reports name it: its forward's calls of library modules have its lines
+    modules = None if ops is None else \
+        ["" if m == module_label("") else m for m in ops.split(",")]
+    if ops_only:
+        if ops in (None, "all"):
+            raise UsageError("--ops-only keeps the ops of named modules: give --ops MODULE")
+        include, exclude = [f"re:^{re.escape(m)}$" for m in modules], None
+    if backend is not None and not isinstance(backend, str):
+        raise UsageError("record(backend=...) takes a backend name, which the trace stores")
+    opts = make_options(backward, loss_fn, include, exclude, (backend, None), progress,
+                        padding=padding_of(padding, inputs, model))
+    check_models(model=model)
+    names = [name for name, _ in model.named_modules()]
+    unknown = [m for m in modules or [] if ops != "all" and m not in names]
+    if unknown:
+        raise UsageError(f"--ops {ops}: the model has no module {unknown[0]}; give all or "
+                         f"module names joined by commas, such as {names[-1]}")
+    (cast,), cast_inputs = in_dtype([model], inputs, dtype)
+    with TraceWriter(path) as writer:
+        with progress_bar(opts.progress) as bar:
+            if ops_only:
+                reference = capture_reference(cast, cast_inputs, writer.store, opts, bar)
+            else:
+                reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
+                # The trace must serve any later candidate: every call is replayed now.
+                reference.replay_all(bar)
+            missing = [] if ops is None else _keep_ops(reference, cast, modules, opts, bar)
+        meta = dataclasses.replace(trace_meta(reference, model, inputs, opts, dtype),
+                                   recorded_by=recorded_by)
+        if ops is not None:
+            meta = dataclasses.replace(meta, ops=KeptOps(ops, ops_only, missing))
+        return writer.commit(meta.to_json())
+
+
+@with_older_objects_frozen
+def diagnose_against(
+    path: str | Path,
+    model: nn.Module,
+    inputs: Inputs,
+    *,
+    loss_fn: LossFn | None = None,
+    name_map: NameMap | None = None,
+    backward: bool | None = None,
+    backend: BackendSpec = None,
+    local: Local = "diverged",
+    progress: bool | None = None,
+    padding: PaddingLike = None,
+    compile_b: str | None = None,
+    step: StepFn | None = None,
+    reorder: ReorderFn | None = None,
+    decode: bool = False,
+    ops: str | None = None,
+    more_ops: Callable[[list[str]], Path] | None = None,
+) -> DiagnosisReport | DecodeReport:
+    """Diagnose ``model`` (the changed revision) against the trace :func:`record` wrote.
+
+    ``inputs`` must be the recorded ones (checked by checksum). Propagated errors compare the
+    live run with the recorded golden; local errors replay the recorded module inputs into this
+    model's modules. ``backward`` defaults to whether the trace has gradients; module selection
+    is the recorded one; ``local`` is as in :func:`diagnose`; ``padding`` defaults to the
+    recorded one (see :func:`diagnose`). Weights that differ from the recorded ones are listed
+    in ``report.meta.weights`` (a changed initialisation is not a changed computation).
+    ``compile_b`` and a compiled ``model`` are as in :func:`diagnose`.
+
+    A trace of a decoding (:func:`torchparity.record_decode`) is judged by
+    :func:`torchparity.diagnose_decode_against`, with ``step`` and ``reorder``: ``loss_fn``,
+    ``backward``, ``local`` and ``padding`` are options of a forward pass and go unused there,
+    ``compile_b`` is a usage error. ``decode=True`` asks for a decoding: a trace of a forward
+    pass is then a usage error.
+
+    The first divergence (or B's module ``ops``) is drilled down to the op with A's ops the
+    trace holds (``record(ops=...)``); where it lacks them, ``more_ops(modules)`` (A's module
+    names) returns a trace that holds them (one recorded at the base with ``ops=...``), and
+    without it the report says which command adds them.
+    """
+    # The trace's metadata says which pipeline judges it: a decoding's has its own
+    # (decode=True only asks that it be one).
+    if isinstance(meta_from_json(open_trace(path)[0]), DecodeTraceMeta):
+        if compile_b is not None:
+            raise UsageError(COMPILED_DECODING)
+        if ops is not None:
+            raise UsageError(DECODE_OPS)
+        return diagnose_decode_against(path, model, inputs, step=step, name_map=name_map,
+                                       backend=backend, progress=progress, reorder=reorder,
+                                       more_ops=more_ops)
+    if decode:
+        raise UsageError(f"trace {path} records a forward pass, not a decoding; record one "
+                         "with `torchparity record ENTRY --decode`")
+    model, compile_b = compile_form(model, compile_b)
+    reference, meta = open_reference(path)
+    if meta.ops is not None and meta.ops.only:
+        raise UsageError(f"trace {path} holds only the ops of {meta.ops.module} "
+                         "(record --ops-only); record it without --ops-only")
+    if backward and not meta.backward:
+        raise UsageError(f"trace {path} has no gradients; record it with backward=True or pass "
+                         "backward=False")
+    check_recorded_inputs(path, inputs, meta.inputs_digest, "inputs")
+    if padding is not None or meta.padding is None:  # else the recorded one
+        reference.padding = padding_of(padding, inputs, model)
+    opts = dataclasses.replace(
+        make_options(meta.backward if backward is None else backward, loss_fn,
+                     meta.include, meta.exclude, (meta.backend, backend), progress,
+                     local, reference.padding), compile_b=compile_b)
+    check_models(model=model)
+    weights = changed_weights(meta.weights, model)
+    dtype = getattr(torch, meta.dtype) if meta.dtype else None
+    (model,), inputs = in_dtype([model], inputs, dtype)
+    with progress_bar(opts.progress) as bar:
+        report = _diagnose_candidate(reference, model, inputs, opts, name_map, bar, ops=ops,
+                                     more_ops=more_ops)
+    report.meta = with_weights(report.meta, weights)
+    return report
+
+
+def _reference(model: nn.Module, inputs: Inputs, store: Store, opts: Options, bar: ProgressBar,
+               dtype: torch.dtype | None) -> Reference:
+    """Stages 1 and 2: A captured into ``store``, and its float64 golden."""
+    reference = add_golden(capture_reference(model, inputs, store, opts, bar), model, inputs,
+                           opts, bar)
+    reference.mode = describe_mode(model, dtype, reference.has_golden)
+    return reference
+
+
+def _keep_ops(reference: Reference, model: nn.Module, modules: list[str], opts: Options,
+              bar: ProgressBar) -> list[str]:
+    """A's ops of the calls of ``modules`` (every call for ``["all"]``) put into the
+    reference's store; why any call has none."""
+    calls = [c for c in reference.calls if modules == ["all"] or c.name in modules]
+    if not calls:
+        raise UsageError(f"--ops {','.join(modules)}: the run records no call of those "
+                         "modules (not selected, or never called)")
+    done = bar.phase(f"A and golden: the ops of {len(calls)} call(s)")
+    missing = keep_ops(reference.store, calls, opts.backward,
+                       lambda call, backward: a_side(reference, call, model, opts, backward))
+    done()
+    return missing
+
+
+def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
+                        name_map: NameMap | None, bar: ProgressBar,
+                        model_a: nn.Module | None = None, ops: str | None = None,
+                        more_ops: Callable[[list[str]], Path] | None = None) -> DiagnosisReport:
+    """Stages 3 to 7: align B with the reference, judge propagated then local errors, drill
+    down to the op (with ``model_a`` in this process, else from A's ops in the trace or the
+    one ``more_ops`` records), report."""
+    if opts.compile_b is None:
+        propagated = judge_propagated(reference, model, inputs, name_map, opts, bar)
+        alignment = propagated.alignment
+        replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar,
+                               propagated.changing)
+        done = bar.phase("where the first divergence enters")
+        find_entry(reference, alignment.matches, propagated.rows, model, opts,
+                   propagated.changing)
+        done()
+        with_ops = None if model_a is not None or more_ops is None else \
+            (lambda matches: _with_ops(reference, matches, more_ops))
+        drill_down(reference, alignment.matches, propagated.rows, model_a, model, opts, ops,
+                   bar, with_ops, propagated.changing)
+    else:  # each stage per level of B's modules, compiled; the search for an entry replays
+        # modules eagerly, which a compiled B does not run
+        propagated, replayed, compiled_note = localise(reference, model, inputs, opts,
+                                                       name_map, bar)
+        alignment = propagated.alignment
+    notes = [] if reference.has_golden else [f"golden: {reference.golden_label}"]
+    if reference.padding:
+        notes.append(f"{reference.padding.summary()}: left out of every judgement and of the "
+                     "default loss")
+    below_noise = None
+    if opts.compile_b is None and propagated.output.verdict != "identical" and all(
+            r.local is None or r.local.ok for r in propagated.rows):
+        done = bar.phase("B in float64: forward")
+        departure = float64_departure(reference, model, inputs, opts)
+        done()
+        if departure is not None and not departure.ok:
+            below_noise = (
+                f"B's float64 output departs from A's float64 golden ({_share(departure)} of the "
+                "float64 budget): a change below the noise of this dtype; run with --dtype fp64 "
+                "(dtype=torch.float64) to localise it")
+    seconds = {**bar.seconds, "judging while B runs": reference.judging_seconds}
+    if opts.compile_b is not None:
+        notes.append(compiled_note)
+    elif opts.local != "all":
+        notes.append(
+            f"local errors of {replayed} of {len(propagated.rows)} module(s): those whose "
+            "propagated error diverged or could not be judged"
+            + (", and those whose backward ran before the first diverging gradient"
+               if backward_before_divergence(propagated.rows) else "")
+            + " (local='all' computes every one)")
+    return DiagnosisReport(
+        rows=propagated.rows,
+        output=propagated.output,
+        loss=propagated.loss,
+        unmatched_a=[c.key for c in alignment.unmatched_a],
+        unmatched_b=[c.key for c in alignment.unmatched_b],
+        meta=DiagnosisMeta(
+            reference=reference.source, model_b=type(model).__name__,
+            golden=reference.golden_label, backward=opts.backward,
+            backends=[backend_name(opts.backend_a), backend_name(opts.backend_b)],
+            mode=reference.mode, alignment=alignment.counts(), notes=notes, seconds=seconds,
+            below_noise=below_noise, compile_b=opts.compile_b),
+    )
+
+
+def _with_ops(reference: Reference, matches: list[Match],
+              more_ops: Callable[[list[str]], Path]) -> Reference:
+    """``reference`` reading its calls' ops from the trace ``more_ops(modules)`` records when
+    its own trace lacks A's ops of the first module to drill into (its caller's too: a
+    library module's own ops have no line of the user's)."""
+    calls = [m.a[0] for m in matches if len(m.a) == 1]
+    if not calls or recorded_side(reference.store, calls[0].key, False) is not None:
+        return reference
+    other, _ = open_reference(more_ops(list(dict.fromkeys(module_label(c.name)
+                                                           for c in calls))))
+    return dataclasses.replace(reference, store=other.store)
+
+
+def _share(result: Any) -> str:
+    worst = max((t.headroom for t in result.tensors), default=float("inf"))
+    return f"{worst:.3g}x"

@@ -1,0 +1,201 @@
+"""A diagnosis of a sharded model across the ranks of ``torchrun``: against a trace of the
+model recorded in one process (``diagnose ENTRY --nproc N --against TRACE``, how a sharding bug
+is found), or against another model sharded alike (``diagnose A B --nproc N``, for models no
+process holds whole).
+
+Every rank runs B, the factory's model sharded by its own plan, forward on A's inputs with a
+hook on each module (:mod:`~torchparity.diagnosis.pipelines.ranks.runs`) that keeps each output as the
+rank holds it: a DTensor its part only. The ranks then judge the calls every rank made one at
+a time, in the order they finished (children before parents;
+:func:`~torchparity.diagnosis.pipelines.ranks.judging.first_divergence`): each rank makes the call's
+DTensors whole (a collective), rank 0 gathers that call's outputs from every rank, judges them
+and tells every rank whether to go on. The first module whose output leaves its budget on
+some rank, or whose copies differ between ranks, is the first divergence, which every rank
+stops at, said once by rank 0 with the ranks where it shows
+(:mod:`~torchparity.diagnosis.pipelines.ranks.report`). So no rank holds more than its own outputs'
+parts and one call's whole outputs, rank 0 one call's of every rank.
+
+Against a trace, each rank's output is judged against A's recorded whole one; where every rank
+holds a plain slice of it along one dimension (a column-parallel output kept local), the slices
+joined in rank order are judged, and outputs that are neither are not judged. Against a model,
+A and its float64 golden run sharded by A's plan, and each rank's output of B is judged against
+that rank's of A and of the golden: the plans must shard alike (where one keeps a column's
+slices local and the other gathers them, the slices are joined), and a call whose outputs fit
+neither layout is not judged.
+
+Unless ``backward`` is off, B (and A and the golden, against a model) also runs backward from
+A's loss, and each rank judges its own shards of each module's parameter gradients against its
+shards of A's and the golden's (against a trace: cut from the recorded whole ones as B's are
+cut): no gradient is gathered, only the verdicts are. A gradient divergence is reported where
+the forward has none (past one, every gradient inherits it).
+
+Local errors (module replays) are not computed across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchparity.diagnosis.stages.capture_a import open_reference
+from torchparity.diagnosis.pipelines.ranks.judging import (
+    GradVerdict,
+    Judge,
+    first_divergence,
+    first_grad_divergence,
+    judged_against_a,
+    judged_against_trace,
+    judged_grads,
+    judged_grads_against_trace,
+    ranks_differ,
+)
+from torchparity.diagnosis.pipelines.ranks.report import RankDivergence, RankReport
+from torchparity.diagnosis.pipelines.ranks.runs import RankRun, sharded_run, whole_call
+from torchparity.diagnosis.core.run import GOLDEN_DTYPE, default_loss
+from torchparity.diagnosis.core.trace import check_recorded_inputs
+from torchparity.subject import Subject, sharded
+from torchparity.subject.trees import flatten_tensors
+
+NO_BACKWARD = "Gradients are not judged (--no-backward)."
+PAST_A_DIVERGENCE = ("Gradients are not judged past a forward divergence: each one inherits "
+                     "it.")
+
+
+def diagnose_across_ranks(trace: Path, subject: Subject, *, backward: bool = True
+                          ) -> RankReport | None:
+    """Run ``subject`` sharded on every rank against ``trace``, forward and, with ``backward``
+    where the trace has gradients, backward from the loss the trace's were taken of; rank 0's
+    report (None on the other ranks). Every rank must call it."""
+    reference, meta = open_reference(trace)
+    check_recorded_inputs(trace, subject.inputs, meta.inputs_digest, "inputs")
+    dtype = getattr(torch, meta.dtype) if meta.dtype else _dtype_of(subject)
+    with_grads = backward and meta.backward
+
+    def loss(output: Any, inputs: Any) -> torch.Tensor:
+        if subject.loss_fn is not None:
+            return subject.loss_fn(output, inputs)
+        return default_loss(output, inputs, reference.padding)
+
+    run = sharded_run(subject, dtype, subject.inputs, "the diagnosed model",
+                      loss if with_grads else None)
+    grads = _grad_divergence(judged_grads_against_trace(reference, run), run) \
+        if with_grads else None
+    recorded = {a.key: a for a in sorted(reference.calls, key=lambda call: call.order)}
+    judged, first = _streamed([key for key in recorded if key in run.outputs],
+                              lambda key: whole_call(run.outputs[key]),
+                              lambda key, parts: judged_against_trace(reference, recorded[key],
+                                                                      parts))
+    if sharded.rank() != 0:
+        return None
+    report = RankReport(str(trace), sharded.world_size(), judged, first)
+    _say_grads(report, grads, NO_BACKWARD if not backward else None if meta.backward else
+               f"Gradients are not judged: trace {trace} has none (recorded with "
+               "--no-backward).")
+    return report
+
+
+def diagnose_pair_across_ranks(subject_a: Subject, subject_b: Subject, entry_a: str, *,
+                               backward: bool = True) -> RankReport | None:
+    """Run A (``subject_a``, its float64 golden too) and B sharded by their plans on every
+    rank, both on A's inputs, forward and, with ``backward``, backward from A's loss; rank 0's
+    report (None on the other ranks). Every rank must call it."""
+    inputs = subject_a.inputs
+
+    def loss(output: Any, cast: Any) -> torch.Tensor | str:
+        return subject_a.loss(output, cast, flatten_tensors(output))
+
+    def run(subject: Subject, dtype: torch.dtype, label: str) -> RankRun:
+        return sharded_run(subject, dtype, inputs, label, loss if backward else None)
+
+    a = run(subject_a, _dtype_of(subject_a), "A")
+    golden = run(subject_a, GOLDEN_DTYPE, "A's golden")
+    b = run(subject_b, _dtype_of(subject_b), "B")
+    grads = _grad_divergence(judged_grads(a, golden, b), b) if backward else None
+    judged, first = _streamed(
+        [key for key in a.calls if key in golden.outputs and key in b.outputs],
+        lambda key: tuple(whole_call(side.outputs[key]) for side in (a, golden, b)),
+        lambda key, parts: judged_against_a(*a.calls[key], parts, subject_a.padding))
+    if sharded.rank() != 0:
+        return None
+    report = RankReport(f"{entry_a} run sharded alike", sharded.world_size(), judged, first)
+    no_grads = a.no_grads or b.no_grads
+    _say_grads(report, grads, NO_BACKWARD if not backward else
+               f"Gradients are not judged: {no_grads}." if no_grads else None)
+    return report
+
+
+def _say_grads(report: RankReport, grads: tuple[int, RankDivergence | None] | None,
+               why_not: str | None) -> None:
+    """The gradients' part of ``report``: ``why_not`` they were not judged, else their
+    verdict, which stands only where the forward has no divergence."""
+    if why_not is not None:
+        report.grad_note = why_not
+    elif report.first_divergence is not None:
+        report.grad_note = PAST_A_DIVERGENCE
+    else:
+        report.grads_judged, report.first_grad_divergence = grads
+
+
+def _streamed(keys: list[str], held: Callable[[str], Any], judge: Judge
+              ) -> tuple[int, RankDivergence | None]:
+    """The first divergence over the calls of ``keys`` (this rank's, in finishing order) that
+    every rank made, judged one at a time on rank 0
+    (:func:`~torchparity.diagnosis.pipelines.ranks.judging.first_divergence`). Every rank must call
+    it."""
+    return first_divergence(_agreed(keys), held, judge, _at_rank_zero, _said_by_rank_zero)
+
+
+def _agreed(keys: list[str]) -> list[str]:
+    """Rank 0's ``keys`` that every rank has too, in rank 0's order: the same list on every
+    rank, so that every rank makes the same collectives in the same order."""
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * sharded.world_size()
+    dist.all_gather_object(everyone, keys)
+    others = [set(rank) for rank in everyone[1:]]
+    return [key for key in everyone[0] if all(key in rank for rank in others)]
+
+
+def _said_by_rank_zero(value: Any) -> Any:
+    """Rank 0's ``value`` (a small object), on every rank."""
+    import torch.distributed as dist
+
+    said = [value]
+    dist.broadcast_object_list(said, src=0)
+    return said[0]
+
+
+def _grad_divergence(verdicts: list[GradVerdict], b: RankRun
+                     ) -> tuple[int, RankDivergence | None] | None:
+    """On rank 0, how many modules' gradients every rank judged (``verdicts``, this rank's)
+    and the first that diverges
+    (:func:`~torchparity.diagnosis.pipelines.ranks.judging.first_grad_divergence`); None on the other
+    ranks. Every rank must call it: B's gradients of a module whose copies disagree between
+    ranks are gathered to say by how much."""
+    everyone = _at_rank_zero(verdicts)
+    found = None if everyone is None else first_grad_divergence(everyone)
+    flagged = _said_by_rank_zero(None if found is None else found[2])
+    copies = None if flagged is None else _at_rank_zero(b.grads[flagged])
+    if found is None:
+        return None
+    judged, first, module = found
+    if module is not None:
+        differ = ranks_differ(copies, "gradient")
+        first = RankDivergence(module, b.module_type(module), differ.ranks, differ)
+    return judged, first
+
+
+def _dtype_of(subject: Subject) -> torch.dtype:
+    return next((p.dtype for p in subject.model.parameters()), torch.float32)
+
+
+def _at_rank_zero(value: Any) -> list[Any] | None:
+    """Every rank's ``value`` in rank order on rank 0; None on the other ranks."""
+    import torch.distributed as dist
+
+    everyone = [None] * sharded.world_size() if sharded.rank() == 0 else None
+    dist.gather_object(value, everyone, dst=0)
+    return everyone

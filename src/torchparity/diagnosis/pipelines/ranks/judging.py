@@ -1,0 +1,290 @@
+"""Judging a diagnosis across ranks: each module call's output on every rank against A's (a
+trace's whole output, or each rank's own of A sharded alike), one call at a time as the ranks
+stream them to rank 0 (:func:`first_divergence`), and each module's parameter gradients, each
+rank its own shards against A's and the golden's, with the budgets a propagated error gets in
+a diagnosis in one process.
+
+Ranks that run a replicated computation on the same inputs compute the same bits, so where
+A's copies agree on every rank, B's must too: a copy that differs at all (a replicated norm
+whose weights drifted on one rank, a gradient reduced on one rank only) is a divergence of its
+own, however small.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchparity import digests
+from torchparity.comparison.sketch import involves_sketch
+from torchparity.diagnosis.core.capture import ModuleCall, call_key
+from torchparity.diagnosis.core.judging import judge_quickly, module_padding
+from torchparity.diagnosis.pipelines.ranks.report import RankDivergence, RanksDiffer
+from torchparity.diagnosis.pipelines.ranks.runs import RankRun, Tensors
+from torchparity.diagnosis.core.reference import Reference
+from torchparity.diagnosis.core.results import Result
+from torchparity.subject.padding import Padding
+
+#: One rank's A, golden and B tensors of one call.
+Sides = tuple[Tensors, Tensors, Tensors]
+#: Every rank's value of one call, in rank order on rank 0; None on the other ranks.
+Gather = Callable[[Any], "list[Any] | None"]
+#: One call (its key) judged from every rank's tensors of it; None: not judged.
+Judge = Callable[[str, list[Any]], "Judged | None"]
+
+
+@dataclass
+class Judged:
+    """One module call judged on every rank: B's verdict per rank, and B's copies of an
+    output every rank must compute bit for bit alike (None: not a replicated output)."""
+
+    module: str
+    module_type: str
+    results: list[Result]
+    copies: list[Tensors] | None
+
+
+def first_divergence(keys: list[str], held: Callable[[str], Any], judge: Judge,
+                     gather: Gather, stop: Callable[[bool], bool]
+                     ) -> tuple[int, RankDivergence | None]:
+    """How many calls were judged, and the first (in finishing order) that diverges on some
+    rank, or whose replicated copies differ between ranks (:func:`_divergence`), as rank 0
+    sees them. Every rank walks ``keys`` (the calls every rank made, in finishing order)
+    together, one call at a time: each gives its tensors of the call (``held(key)``), rank 0
+    gathers them (``gather``) and judges them (``judge``), and every rank stops where rank 0
+    says (``stop``): at the first divergence. So rank 0 holds one call of every rank's at a
+    time, never every rank's outputs."""
+    judged, first = 0, None
+    for key in keys:
+        was_judged, first = _verdict(key, held, judge, gather, stop)
+        judged += was_judged
+        if stop(first is not None):
+            break
+    return judged, first
+
+
+def _verdict(key: str, held: Callable[[str], Any], judge: Judge, gather: Gather,
+             stop: Callable[[bool], bool]) -> tuple[bool, RankDivergence | None]:
+    """Whether rank 0 judged call ``key`` (never on another rank), and the divergence it
+    shows; every rank's tensors of the call are dropped on return, before the next call's
+    are gathered."""
+    everyone = gather(held(key))
+    try:
+        call = None if everyone is None else judge(key, everyone)
+        return call is not None, None if call is None else _divergence(call)
+    except Exception:
+        stop(True)  # the other ranks wait for rank 0's word: they stop, rank 0 fails alone
+        raise
+
+
+def _divergence(call: Judged) -> RankDivergence | None:
+    """Where ``call`` diverges: the ranks whose output leaves its budget, else those whose
+    replicated copies differ from rank 0's; None where it does not."""
+    diverged = [rank for rank, result in enumerate(call.results) if not result.ok]
+    if diverged:
+        return RankDivergence(call.module, call.module_type, diverged,
+                              call.results[diverged[0]])
+    differ = None if call.copies is None else ranks_differ(call.copies)
+    if differ is not None:
+        return RankDivergence(call.module, call.module_type, differ.ranks, differ)
+    return None
+
+
+def judged_against_trace(reference: Reference, a: ModuleCall, parts: list[Tensors]
+                         ) -> Judged | None:
+    """A's recorded call ``a`` on every rank (``parts``, each rank's whole outputs of it in
+    rank order), B's outputs as A's whole ones (:func:`_as_a_sees_them`) judged against the
+    trace's, with its budgets; None where no output stands for A's."""
+    candidates = _as_a_sees_them(parts, a.output_shapes)
+    if not candidates:
+        return None
+    return Judged(a.name, a.module_type,
+                  [reference.judge((a,), c, "out", "golden_out", "forward", quick=True)
+                   for c in candidates], candidates)
+
+
+def judged_against_a(module: str, module_type: str, parts: list[Sides], padding: Padding
+                     ) -> Judged | None:
+    """One call of ``module`` on every rank (``parts``, each rank's whole outputs of A, the
+    golden and B in rank order), each rank's B judged against that rank's A and golden in one
+    layout (:func:`_in_one_layout`; None where they fit none); an output whose copies are
+    alike on every rank of A is one B must compute alike too."""
+    sides = _in_one_layout(*(list(side) for side in zip(*parts, strict=True)))
+    if sides is None:
+        return None
+    spec = module_padding(padding, module)
+    results = [judge_quickly(b, g, a, "forward", spec) for a, g, b in sides]
+    replicated = ranks_differ([a for a, _, _ in sides]) is None
+    return Judged(module, module_type, results,
+                  [b for _, _, b in sides] if replicated else None)
+
+
+def _in_one_layout(a_parts: list[Tensors], golden_parts: list[Tensors], b_parts: list[Tensors]
+                   ) -> list[Sides] | None:
+    """Per rank, A's, the golden's and B's output tensors of one call in one layout: as they
+    are where each rank's A and B have one shape; where one side holds slices of the other's
+    whole along one dimension (one plan keeps a column-parallel output local, the other
+    gathers it), those slices joined in rank order. None where a tensor fits neither."""
+    if any(a.keys() != b.keys() for a, b in zip(a_parts, b_parts, strict=True)):
+        return None
+    sides: list[Sides] = [({}, {}, {}) for _ in a_parts]
+    for path in a_parts[0]:
+        a, g, b = ([part[path] for part in parts] for parts in (a_parts, golden_parts, b_parts))
+        if all(x.shape == y.shape for x, y in zip(a, b, strict=True)):
+            found = list(zip(a, g, b, strict=True))
+        elif (whole := _joined(b, tuple(a[0].shape))) is not None:
+            found = [(x, y, whole) for x, y in zip(a, g, strict=True)]
+        elif (whole_a := _joined(a, tuple(b[0].shape))) is not None and \
+                (whole_g := _joined(g, tuple(b[0].shape))) is not None:
+            found = [(whole_a, whole_g, y) for y in b]
+        else:
+            return None
+        for side, tensors in zip(sides, found, strict=True):
+            for held, tensor in zip(side, tensors, strict=True):
+                held[path] = tensor
+    return sides
+
+
+def ranks_differ(candidates: list[Tensors], what: str = "output") -> RanksDiffer | None:
+    """The ranks whose ``what`` (``candidates``, one per rank) differs in any bit from rank
+    0's, and by how much; None when every rank's equals it."""
+    first = candidates[0]
+    differences = {rank: max(float((t.double() - first[p].double()).abs().max())
+                             for p, t in c.items())
+                   for rank, c in enumerate(candidates[1:], start=1)
+                   if any(not torch.equal(t, first[p]) for p, t in c.items())}
+    if not differences:
+        return None
+    return RanksDiffer(sorted(differences), max(differences.values()), what)
+
+
+def _as_a_sees_them(parts: list[Tensors], shapes: dict[str, tuple[int, ...]]
+                    ) -> list[Tensors]:
+    """Each rank's output tensors that stand for A's: those of A's shape as they are, and
+    slices of A's along one dimension joined in rank order (the same for every rank); empty
+    when none does."""
+    candidates: list[Tensors] = [{} for _ in parts]
+    for path, shape in shapes.items():
+        tensors = [rank.get(path) for rank in parts]
+        if any(t is None for t in tensors):
+            continue
+        if all(tuple(t.shape) == tuple(shape) for t in tensors):
+            for candidate, tensor in zip(candidates, tensors, strict=True):
+                candidate[path] = tensor
+            continue
+        joined = _joined(tensors, tuple(shape))
+        if joined is not None:
+            for candidate in candidates:
+                candidate[path] = joined
+    return candidates if candidates[0] else []
+
+
+def _joined(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``tensors`` joined along the one dimension where they are slices of ``shape``."""
+    first = tensors[0]
+    if first.dim() != len(shape):
+        return None
+    differing = [d for d in range(first.dim()) if first.shape[d] != shape[d]]
+    if len(differing) != 1:
+        return None
+    dim = differing[0]
+    if any(t.shape[:dim] + t.shape[dim + 1:] != first.shape[:dim] + first.shape[dim + 1:]
+           for t in tensors) or sum(t.shape[dim] for t in tensors) != shape[dim]:
+        return None
+    return torch.cat(tensors, dim=dim)
+
+
+@dataclass
+class GradVerdict:
+    """One rank's verdict on one module's parameter gradients (its shards), and digests of
+    A's and B's, which say whether they agree with the other ranks'."""
+
+    module: str
+    module_type: str
+    result: Result
+    a_digest: str
+    b_digest: str
+
+
+def judged_grads(a: RankRun, golden: RankRun, b: RankRun) -> list[GradVerdict]:
+    """This rank's verdict on each module's parameter gradients, B's shards against A's and
+    the golden's (each rank's own, of the models sharded alike), in backward order."""
+    def sides(module: str) -> tuple[Tensors, Tensors] | None:
+        if module not in a.grads or module not in golden.grads:
+            return None
+        return a.grads[module], golden.grads[module]
+
+    return _grad_verdicts(b, sides)
+
+
+def judged_grads_against_trace(reference: Reference, b: RankRun) -> list[GradVerdict]:
+    """This rank's verdict on each module's parameter gradients, B's shards against this
+    rank's shards of A's and the golden's whole ones in the trace, cut as B's are (one the
+    trace keeps sketched, being big, is not judged), in backward order."""
+    def sides(module: str) -> tuple[Tensors, Tensors] | None:
+        key = call_key(module, 0)
+        a = reference.store.get(key, "param_grad")
+        golden = reference.store.get(key, "golden_param_grad") if reference.has_golden else {}
+        cut = b.shard_of[module]
+        if not a or involves_sketch(*a.values(), *golden.values()) or \
+                {f"param.{name}" for name in a} != cut.keys():
+            return None
+        return tuple({f"param.{name}": cut[f"param.{name}"](t) for name, t in whole.items()}
+                     for whole in (a, golden))
+
+    return _grad_verdicts(b, sides)
+
+
+def _grad_verdicts(b: RankRun, sides: Callable[[str], tuple[Tensors, Tensors] | None]
+                   ) -> list[GradVerdict]:
+    """B's verdict on each module's gradients against ``sides(module)`` (A's and the
+    golden's, as this rank holds them; None: not judged), in the order a backward reaches
+    the modules (the latest to start first)."""
+    verdicts = []
+    for module in sorted(b.grads, key=lambda name: -b.starts.get(name, 0)):
+        found = sides(module)
+        if found is None or not _same_shapes(found[0], b.grads[module]):
+            continue
+        a_grads, golden_grads = found
+        verdicts.append(GradVerdict(module, b.module_type(module),
+                                    judge_quickly(b.grads[module], golden_grads, a_grads,
+                                                  "grad"),
+                                    _digest(a_grads), _digest(b.grads[module])))
+    return verdicts
+
+
+def first_grad_divergence(everyone: list[list[GradVerdict]]
+                          ) -> tuple[int, RankDivergence | None, str | None]:
+    """How many modules' gradients every rank judged, and the first (in backward order) that
+    diverges on some rank, or else the first whose gradients agree on every rank of A but
+    not of B (only its name: how far they differ takes B's gradients of it)."""
+    count = 0
+    for verdict in everyone[0]:
+        found = [next((v for v in rank if v.module == verdict.module), None)
+                 for rank in everyone]
+        if any(v is None for v in found):
+            continue
+        count += 1
+        diverged = [rank for rank, v in enumerate(found) if not v.result.ok]
+        if diverged:
+            return count, RankDivergence(verdict.module, verdict.module_type, diverged,
+                                         found[diverged[0]].result), None
+        if len({v.a_digest for v in found}) == 1 and len({v.b_digest for v in found}) > 1:
+            return count, None, verdict.module
+    return count, None, None
+
+
+def _same_shapes(a: Tensors, b: Tensors) -> bool:
+    return a.keys() == b.keys() and all(a[p].shape == b[p].shape for p in a)
+
+
+def _digest(tensors: Tensors) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(tensors):
+        digest.update(path.encode())
+        digests.update(digest, tensors[path])
+    return digest.hexdigest()

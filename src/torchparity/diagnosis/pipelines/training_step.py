@@ -1,0 +1,57 @@
+"""A training step that parts from its reference, diagnosed module by module: both sides on
+the weights the reference has as the step starts, fed the step's batch and training loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from torchparity import backends
+from torchparity.diagnosis.pipelines.forward import diagnose
+from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
+from torchparity.train.data import token_losses
+from torchparity.train.trainer import Execution, TrainConfig, batch_at, deterministic, model_before
+
+
+def diagnose_step(config: TrainConfig, reference: Execution, candidate: Execution, step: int,
+                  **diagnose_kwargs: Any) -> DiagnosisReport:
+    """Run :func:`torchparity.diagnose` on step ``step`` of ``config``.
+
+    Both sides get the same weights, the reference's as they enter the step, and the step's
+    global batch with the training loss; A runs under the reference execution's backend and
+    dtype mode, B under the candidate's. A module that diverges here is where the step's
+    forward or backward pass differs; a clean report points at the optimizer, clipping or
+    loss scaling instead. Returns the :class:`~torchparity.diagnosis.reports.diagnosis.DiagnosisReport`.
+    """
+    if torch.device(candidate.device) != torch.device(reference.device):
+        raise ValueError("diagnose_step compares executions on one device; got "
+                         f"{reference.device} and {candidate.device}")
+    model_a = model_before(config, reference, step)
+    model_b = copy.deepcopy(model_a).to(candidate.device, candidate.mode.param_dtype)
+    batch = batch_at(config, step)
+
+    def loss_fn(output: torch.Tensor, inputs: Any) -> torch.Tensor:
+        return token_losses(output, batch.labels.to(output.device)).sum() / batch.n_tokens
+
+    return diagnose(model_a, model_b, batch.to(candidate.device).inputs, loss_fn=loss_fn,
+                    backends=(_runs_as(reference), _runs_as(candidate)), **diagnose_kwargs)
+
+
+def _runs_as(execution: Execution) -> Any:
+    """A context factory that selects the execution's backend, autocast and TF32 setting."""
+    @contextlib.contextmanager
+    def select() -> Iterator[None]:
+        mode = execution.mode
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(backends.use(execution.backend))
+            stack.enter_context(deterministic(tf32=mode.tf32))
+            if mode.autocast_dtype is not None:
+                device_type = torch.device(execution.device).type
+                stack.enter_context(torch.autocast(device_type, dtype=mode.autocast_dtype))
+            yield
+    return select

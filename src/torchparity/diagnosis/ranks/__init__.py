@@ -1,7 +1,0 @@
-"""A diagnosis of a model sharded over the ranks of ``torchrun`` (see
-:mod:`~torchparity.diagnosis.ranks.api`): what ``diagnose --nproc`` calls."""
-
-from torchparity.diagnosis.ranks.api import diagnose_across_ranks, diagnose_pair_across_ranks
-from torchparity.diagnosis.ranks.report import RankReport
-
-__all__ = ["RankReport", "diagnose_across_ranks", "diagnose_pair_across_ranks"]

@@ -1,0 +1,173 @@
+"""Stage 5 of a diagnosis: local errors, each of B's modules replayed on A's recorded inputs.
+
+B's module is fed A's recorded inputs (and, with gradients, A's recorded output gradient) and
+compared with the local golden (the golden module fed the same), with A's own replay as the
+baseline: an error the module makes itself, not one it inherits. By default only modules whose
+propagated error diverged are replayed (on both sides): a module that agrees in the full run
+has nothing to localise, and replaying every module of a deep model costs many times the runs.
+
+Where A and B hand a module a mask in another convention (a tensor against None, as a release
+that asks SDPA for ``is_causal=True`` instead of passing the causal mask; a float mask against
+a bool one; another number of dimensions), B's module fed A's mask computes something B never
+does: a replay that diverges then is no evidence, and the module is judged by B's own run.
+
+A change in a backward pass alone (a custom ``autograd.Function`` whose backward is off) leaves
+the module's outputs and output gradient as A's: only the gradients it hands back diverge. So
+with gradients, the modules whose backward ran before the first output gradient that diverges
+(those that finished after it in the forward) are replayed too: one of them made it, or the
+forward did.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from torchparity.diagnosis.core.align import Match
+from torchparity.diagnosis.core.arguments import Convention, convention_change
+from torchparity.diagnosis.core.capture import ModuleCall, signature
+from torchparity.diagnosis.core.judging import joined
+from torchparity.diagnosis.core.progress import ProgressBar
+from torchparity.diagnosis.core.reference import Reference
+from torchparity.diagnosis.core.results import UNKNOWN_LOCAL, Result, Row
+from torchparity.diagnosis.core.run import (
+    Options,
+    UnfitArguments,
+    fitting_masks,
+    for_b,
+    replay,
+)
+from torchparity.diagnosis.core.trace import ReplayUnavailable
+
+
+def judge_local(reference: Reference, matches: list[Match], rows: list[Row], model: nn.Module,
+                opts: Options, bar: ProgressBar, changing: set[str] = frozenset()) -> int:
+    """Fill the local results of the rows that need them; returns how many were replayed.
+    ``changing`` names B's modules that change their own state across calls."""
+    before = backward_before_divergence(rows)
+    to_replay = [(match, row) for index, (match, row) in enumerate(zip(matches, rows,
+                                                                       strict=True))
+                 if opts.local == "all" or needs_local(row) or index in before]
+    modules = dict(model.named_modules())
+    advance = bar.phase("A, golden and B: module replays", total=len(to_replay))
+    for match, row in to_replay:
+        for call in match.a:
+            reference.ensure_replayed(call)
+        row.notes += [reference.notes[c.key] for c in match.a if c.key in reference.notes]
+        row.local, row.grad_local, note = _local(reference, match, modules, opts, changing)
+        changed = _convention_change(reference, match, modules)
+        if changed is not None and row.local is not None and not row.local.ok:
+            row.local, row.grad_local, note = _by_own_run(reference, match, row, modules, opts,
+                                                          changing, changed)
+        if note:
+            row.notes.append(note)
+        advance()
+    return len(to_replay)
+
+
+def needs_local(row: Row) -> bool:
+    """Whether a row's propagated results leave something to localise: one diverged, or the
+    forward one is missing."""
+    return row.propagated is None or any(
+        result is not None and not result.ok for result in (row.propagated, row.grad_propagated))
+
+
+def backward_before_divergence(rows: list[Row]) -> range:
+    """The rows whose backward ran before the first output gradient that diverges: those
+    after the last row (rows are in finish order) whose propagated gradient diverged; none
+    when no gradient diverges."""
+    diverged = [i for i, row in enumerate(rows)
+                if row.grad_propagated is not None and not row.grad_propagated.ok]
+    return range(max(diverged) + 1, len(rows)) if diverged else range(0)
+
+
+def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], opts: Options,
+           changing: set[str], as_none: str | None = None
+           ) -> tuple[Result | None, Result | None, str | None]:
+    """B's module(s) fed A's recorded inputs (and output gradient), judged against the local
+    golden with A's replay as the baseline; the argument of B's parameter ``as_none`` handed
+    as None, as B's own run hands it."""
+    a = match.a[0]
+    if a.key in reference.notes:
+        return None, None, None
+    store = reference.store
+
+    def handed(b: ModuleCall, fit: bool) -> tuple[tuple[tuple, dict], list[str]]:
+        return for_b(reference.signatures.get(a.name), store.get_inputs(a.key), b,
+                     modules[b.name], fit, as_none)
+
+    def inputs(b: ModuleCall, fit: bool) -> tuple[tuple, dict]:
+        return handed(b, fit)[0]
+
+    def notes(fit: bool) -> list[str]:
+        return [note for b in match.b for note in handed(b, fit)[1]]
+
+    def judged(fit: bool) -> tuple[Result, Result | None]:
+        outputs = []
+        for b in match.b:
+            with reference.on_recorded_state(a, modules[b.name], b.name, changing):
+                outputs.append(replay(modules[b.name], inputs(b, fit), opts.backend_b)[0])
+        local = reference.judge(match.a, joined(outputs), "out", "local_golden", "forward")
+        grad_out = store.get(a.key, "grad_out") if opts.backward and match.one_to_one else {}
+        if not grad_out:
+            return local, None
+        b = match.b[0]
+        with reference.on_recorded_state(a, modules[b.name], b.name, changing):
+            _, grads = replay(modules[b.name], inputs(b, fit), opts.backend_b,
+                              grad_out=grad_out, requires_grad=a.inputs_requiring_grad)
+        return local, reference.judge(match.a, grads, "local_grad", "local_golden_grad", "grad")
+
+    try:
+        (local, grad_local), fits, _ = fitting_masks(judged, notes)
+        return local, grad_local, "; ".join(fits) or None
+    except UnfitArguments as exc:
+        return None, None, (f"{UNKNOWN_LOCAL}: A's recorded arguments do not fit B's module: "
+                            f"{exc}; whether this module itself changed the result is not "
+                            "known")
+    except ReplayUnavailable as exc:
+        return None, None, f"{UNKNOWN_LOCAL}: not replayable: {exc}"
+    except Exception as exc:  # noqa: BLE001 - report it on the row, keep diagnosing
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        return None, None, (f"{UNKNOWN_LOCAL}: replay of B's module on A's recorded inputs "
+                            f"failed ({detail}); A's arguments may not fit B (an argument "
+                            "renamed or moved, a mask sized to another cache length), so "
+                            "whether this module itself changed the result is not known")
+
+
+def _convention_change(reference: Reference, match: Match, modules: dict[str, nn.Module]
+                       ) -> Convention | None:
+    """:func:`convention_change` of a match of one call each; None for any other."""
+    if not match.one_to_one:
+        return None
+    a, b = match.a[0], match.b[0]
+    try:
+        a_inputs = reference.store.get_inputs(a.key, placeholders=True)
+    except ReplayUnavailable:
+        return None
+    return convention_change(reference.signatures.get(a.name), a_inputs,
+                             signature(modules[b.name]), b)
+
+
+def _by_own_run(reference: Reference, match: Match, row: Row, modules: dict[str, nn.Module],
+                opts: Options, changing: set[str], changed: Convention
+                ) -> tuple[Result | None, Result | None, str]:
+    """A module handed a mask in another convention, whose replay on A's arguments diverged,
+    judged by B's own run: within budget there, it adds no error of its own; else, where B
+    passes None, replayed on A's arguments with that one as B passes it (B derives what it
+    stands for, ``is_causal``), so that what it inherits is A's and what it adds its own."""
+    said = f"{CONVENTION}: {changed.argument}: {changed.detail}"
+    if row.propagated is not None and row.propagated.ok:
+        return row.propagated, None, (f"{said}; the replay on A's arguments is no evidence: "
+                                      "judged by B's own run, where it is within budget")
+    if not changed.b_none:
+        return None, None, (f"{UNKNOWN_LOCAL}: {said}; the replay on A's arguments is no "
+                            "evidence, and in B's own run its output diverged, with what it "
+                            "inherits")
+    local, grad_local, note = _local(reference, match, modules, opts, changing,
+                                     as_none=changed.argument)
+    replayed = (f"{said}; replayed on A's arguments with {changed.argument} as B passes it "
+                "(None)")
+    return local, grad_local, f"{note}; {replayed}" if note else replayed
+
+
+#: The start of a note saying that a module's arguments changed convention between A and B.
+CONVENTION = "arguments in another convention"
