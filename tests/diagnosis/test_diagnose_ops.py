@@ -686,3 +686,16 @@ def test_against_a_trace_with_ops_names_the_backward_op_as_in_process(tmp_path) 
     assert op is not None and op["found"], against.render()
     same = ("module", "name", "kind", "a_stack", "b_stack", "code", "arguments")
     assert {k: op[k] for k in same} == {k: expected[k] for k in same}, against.render()
+
+
+def test_an_ops_lines_are_the_models_own_never_torchparitys_machinery() -> None:
+    # the zoo's attention calls the backend switch (torchparity/backends.py): the ops of a
+    # changed attention are named at the model's lines, never inside the switch
+    model_a, batch = model_and_batch("llama-tiny")
+    model_b = copy.deepcopy(model_a)
+    model_b.decoder.layers[0].attn.scale *= 1.5
+    report = tp.diagnose(model_a, model_b, batch, loss_fn=sequence_loss, backward=False)
+    steps = report.to_dict()["first_divergence"]["op"]["steps"]
+    paths = {frame for step in steps for frame in step["a_stack"] + step["b_stack"]}
+    assert any("reference/attention.py" in p for p in paths), paths
+    assert all("torchparity/reference/" in p for p in paths), paths

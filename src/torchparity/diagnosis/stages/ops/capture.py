@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+import torchparity
 from torchparity import sketching
 from torchparity.comparison.selection import PaddingSpec, left_out_of
 from torchparity.sketching import Sketch, wants_sketch
@@ -42,7 +43,7 @@ from torchparity.sketching import Sketch, wants_sketch
 __all__ = ["Frame", "Step", "capture_steps", "capturing_first_call"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(__file__))) + os.sep
+_PACKAGE_DIR = os.path.dirname(torchparity.__file__) + os.sep
 #: torchparity's own models are user code here: the zoo is what is under test.
 _SUBJECT_DIR = os.path.join(_PACKAGE_DIR, "reference") + os.sep
 #: Bytes of outputs one captured call keeps whole; past them a big output is kept as its
