@@ -249,3 +249,24 @@ def test_every_command_module_is_thin() -> None:
     long = {name: n for name, n in lines.items() if n >= COMMAND_LINES}
     assert not long, (f"command modules of {COMMAND_LINES} lines or more: move their work into "
                       f"a wing: {long}")
+
+
+#: Names every command module defines, the protocol cli.py calls (as a pytest plugin's hooks).
+COMMAND_PROTOCOL = {"add_arguments", "run"}
+#: Public names still defined in two modules, each deleted with the change that renames it.
+#: `get` and `names` are always called qualified, as catalogues: `zoo.get`, `variants.get`,
+#: `backends.names()`.
+TWICE_DEFINED: set[str] = {"get", "names"}
+
+
+def test_no_public_name_is_defined_twice() -> None:
+    where: dict[str, list[str]] = {}
+    for name, path in module_names().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                if name.startswith("torchparity.commands.") and node.name in COMMAND_PROTOCOL:
+                    continue
+                where.setdefault(node.name, []).append(name)
+    twice = {n: m for n, m in where.items() if len(m) > 1 and n not in TWICE_DEFINED}
+    assert not twice, "public names defined in two or more modules: rename one:\n" + "\n".join(
+        f"{n}: {', '.join(m)}" for n, m in sorted(twice.items()))

@@ -12,7 +12,7 @@ import torch
 from torchparity import machine
 from torchparity.calibration import capabilities, sketched
 from torchparity.calibration.models import ModelProblem, draw_model_problems
-from torchparity.calibration.problems import BUGS, Variant, draw_problem, run_block
+from torchparity.calibration.problems import BUGS, ProblemVariant, draw_problem, run_block
 from torchparity.calibration.report import render_markdown
 from torchparity.calibration.study import calibrate
 from torchparity.cli import main
@@ -30,7 +30,7 @@ def outputs() -> dict[str, dict[str, dict[str, torch.Tensor]]]:
     return {
         "golden": run_block(problem, torch.float64),
         "baseline": run_block(problem, torch.float32),
-        "sdpa": run_block(problem, torch.float32, Variant(backend="sdpa")),
+        "sdpa": run_block(problem, torch.float32, ProblemVariant(backend="sdpa")),
         "dropped": run_block(problem, torch.float32, BUGS["one head dropped"]),
     }
 
@@ -158,7 +158,7 @@ def test_a_model_problem_is_judged_as_the_property_suite_judges_it() -> None:
     # softmax changes nothing.)
     problem = _found_510()
     golden, baseline = problem.run("fp64"), problem.run("fp32")
-    flash = Variant(backend="sdpa-flash")
+    flash = ProblemVariant(backend="sdpa-flash")
     candidate, rerun = problem.run("fp32", flash), problem.run("fp32", flash, rerun=True)
     result = compare(candidate["grad"], golden["grad"], baseline["grad"], "grad",
                      reruns=[rerun["grad"]])
@@ -166,7 +166,7 @@ def test_a_model_problem_is_judged_as_the_property_suite_judges_it() -> None:
     result = compare(problem.run("fp64", BUGS["norm eps 1e-6 -> 1e-5"])["grad"], golden["grad"],
                      golden["grad"], "grad")
     assert result.worst.headroom > 2, result.explain()
-    tenfold = Variant(norm_eps=1e-4)
+    tenfold = ProblemVariant(norm_eps=1e-4)
     bugged, moved = problem.run("fp32", tenfold), problem.run("fp32", tenfold, rerun=True)
     result = compare(bugged["grad"], golden["grad"], baseline["grad"], "grad",
                      reruns=[moved["grad"]])

@@ -39,7 +39,7 @@ def test_sketched_study_finds_no_false_alarm_and_catches_the_big_changes(small_s
         changes, full, caught = counts.counts[32]
         if dtype == "fp32" and family == "all bugs":
             assert changes > 0 and caught == changes  # 32 times the noise: every one
-    section = sketched.render_section(results, command="torchparity calibrate --sketched")
+    section = sketched.sketched_section(results, command="torchparity calibrate --sketched")
     assert section.startswith(sketched.BEGIN) and section.rstrip().endswith(sketched.END)
     assert "False alarms" in section and "| fp32 | grad |" in section
 

@@ -108,7 +108,7 @@ def _forward_backward(case: str, dtype: torch.dtype, device: str, *, grad: bool 
     goldens, under whatever backend and TF32 setting are in force."""
     model = build_model(zoo.get(case).config, golden_cases.WEIGHT_SEED, dtype=dtype,
                         device=device)
-    batch = golden_cases.case_batch(zoo.get(case), device)
+    batch = golden_cases.golden_batch(zoo.get(case), device)
     with torch.set_grad_enabled(grad):
         logits = model(**batch)
         loss = sequence_loss(logits, batch)

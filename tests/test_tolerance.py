@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
 from torchparity import tolerance
-from torchparity.calibration.draws import calibrate
+from torchparity.calibration.draws import calibrate_draws
 from torchparity.tolerance import KINDS, UNIT_ROUNDOFF, budget, unit_roundoff
 
 TORCH_FLOATS = [
@@ -250,7 +250,7 @@ def _matmul(seed: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def test_calibrate_reports_ratio_one_for_a_candidate_equal_to_the_baseline() -> None:
-    result = calibrate(
+    result = calibrate_draws(
         lambda s: _matmul(s, torch.bfloat16),
         lambda s: _matmul(s, torch.bfloat16),
         lambda s: _matmul(s, torch.float64),
@@ -261,7 +261,7 @@ def test_calibrate_reports_ratio_one_for_a_candidate_equal_to_the_baseline() -> 
 
 
 def test_calibrate_lists_the_draws_a_wrong_candidate_fails() -> None:
-    result = calibrate(
+    result = calibrate_draws(
         lambda s: _matmul(s, torch.float32) * 1.01,
         lambda s: _matmul(s, torch.float32),
         lambda s: _matmul(s, torch.float64),

@@ -364,20 +364,20 @@ PARTS = ("sketch", "slices", "stats")
 
 def parts(value: Sketch) -> dict[str, torch.Tensor]:
     """The tensors a file stores of a sketch: its projection, slices and statistics; with
-    :func:`describe` they give it back through :func:`from_parts`."""
+    :func:`describe_sketch` they give it back through :func:`from_parts`."""
     stats = torch.tensor([value.rms, value.absmax, value.mean, float(value.nonfinite)],
                          dtype=torch.float64)
     return {"sketch": value.projection, "slices": value.slices, "stats": stats}
 
 
-def describe(value: Sketch) -> dict[str, Any]:
+def describe_sketch(value: Sketch) -> dict[str, Any]:
     """What a file records beside a sketch's parts (JSON): shape, dtype, method, size, seed."""
     return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
             "method": METHOD, "size": value.size, "seed": str(value.seed)}
 
 
 def from_parts(description: Mapping[str, Any], stored: Mapping[str, torch.Tensor]) -> Sketch:
-    """The sketch :func:`parts` and :func:`describe` wrote; ``ValueError`` when one is missing
+    """The sketch :func:`parts` and :func:`describe_sketch` wrote; ``ValueError`` when one is missing
     or malformed, or the sketch was made by another method."""
     try:
         if description["method"] != METHOD:

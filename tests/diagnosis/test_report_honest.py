@@ -18,7 +18,7 @@ from masked_models import CachedMask
 from torch import nn
 
 import torchparity as tp
-from torchparity.diagnosis.reports.columns import wrapped
+from torchparity.diagnosis.reports.columns import wrapped_name
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 
@@ -156,7 +156,7 @@ def test_no_name_of_60_characters_is_cut_at_80_columns() -> None:
 def test_a_layout_yields_indentation_then_gives_a_name_its_own_line(width: int) -> None:
     name = "decoder." + LONG + ".0.self_attention.linear_values"
     prefix = " 12  X 1e+03  X 2e+04  "
-    lines = wrapped(prefix, name + " (shape differs)", 6, width)
+    lines = wrapped_name(prefix, name + " (shape differs)", 6, width)
     assert any(line.strip() == name or line.endswith(" " + name) for line in lines), lines
     assert all(len(line) <= max(width, len(name)) for line in lines)
     assert "".join(lines).replace(" ", "") == (prefix + name + "(shapediffers)").replace(" ", "")

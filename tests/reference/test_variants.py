@@ -8,7 +8,7 @@ import torch
 
 import torchparity as tp
 from torchparity import tolerance
-from torchparity.calibration.draws import calibrate
+from torchparity.calibration.draws import calibrate_draws
 from torchparity.reference import KVCache, build_model, greedy_decode, variants, zoo
 from torchparity.reference.attention import Attention, AttentionContext
 from torchparity.reference.config import TransformerConfig
@@ -162,7 +162,7 @@ def _attention_output(config: TransformerConfig, seed: int, dtype: torch.dtype,
 
 
 def _calibrate(config: TransformerConfig, dtype: torch.dtype, variant: str):
-    return calibrate(
+    return calibrate_draws(
         lambda s: _attention_output(config, s, dtype, variant),
         lambda s: _attention_output(config, s, dtype),
         lambda s: _attention_output(config, s, torch.float64),

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from torchparity.golden.cases import case_batch
+from torchparity.golden.cases import golden_batch
 from torchparity.reference import build_model, sequence_loss, zoo
 from torchparity.subject.blockwise import Float64Run, repeated_blocks, stream_grads
 from torchparity.subject.running import projection_loss, upcast
@@ -38,7 +38,7 @@ def _subjects():
     yield "gpt2", tiny_transformers.gpt2().eval(), inputs, _hf_loss
     yield "llama", tiny_transformers.llama().eval(), inputs, _hf_loss
     case = zoo.get("encdec-prenorm")  # tied embeddings, two stacks, cross-attention
-    yield case.name, build_model(case.config, 0), case_batch(case), _zoo_loss
+    yield case.name, build_model(case.config, 0), golden_batch(case), _zoo_loss
 
 
 SUBJECTS = {name: rest for name, *rest in _subjects()}

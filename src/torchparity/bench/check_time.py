@@ -6,13 +6,13 @@ import os
 from typing import Any
 
 from torchparity.bench.rounds import Progress, na_row
-from torchparity.bench.settings import Settings
+from torchparity.bench.settings import BenchSettings
 from torchparity.bench.timing import timed_command
 
 CHECK_COMMAND = ("torchparity", "check")
 
 
-def check_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
+def check_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
     """Wall and CPU seconds of ``torchparity check`` with no options, in its own process."""
     fields = {"command": " ".join(CHECK_COMMAND), "logical_cores": os.cpu_count()}
     if settings.quick:

@@ -22,7 +22,7 @@ import torch
 
 from torchparity.bench.models import model_config, timing_model
 from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio
-from torchparity.bench.settings import DIAGNOSE_BACKENDS, Settings
+from torchparity.bench.settings import DIAGNOSE_BACKENDS, BenchSettings
 from torchparity.bench.stages import per_plain, stage_seconds
 from torchparity.bench.timing import wall_time
 from torchparity.diagnosis.pipelines.decoding import diagnose_decode_against, record_decode
@@ -37,7 +37,7 @@ STEPS = 16
 FALLBACK_CASE = "llama-tiny"
 
 
-def decode_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
+def decode_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
     """A row per search (greedy, and a beam search with ``settings.beams``): seconds of record
     + diagnose of a decoding, of two plain decodings, and their ratio (``decode_time_ratio``;
     the goal is at most 4), and the diagnosis's seconds by stage, per plain second
@@ -64,7 +64,7 @@ def decode_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
 
 
 def _decode_row(models: list[torch.nn.Module], prompt: dict[str, torch.Tensor],
-                beams: BeamSettings | None, settings: Settings, progress: Progress,
+                beams: BeamSettings | None, settings: BenchSettings, progress: Progress,
                 device: torch.device, case: str, fields: dict[str, Any]) -> dict[str, Any]:
     model_a, model_b = models
     step, reorder = builtin_step(model_a), builtin_reorder(model_a)

@@ -24,7 +24,7 @@ import torch
 
 from torchparity.bench.models import model_config, size_fields, timing_model
 from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio
-from torchparity.bench.settings import DIAGNOSE_BACKENDS, Settings, Size
+from torchparity.bench.settings import DIAGNOSE_BACKENDS, BenchSettings, Size
 from torchparity.bench.stages import per_plain, stage_seconds
 from torchparity.bench.timing import peak_bytes, wall_time
 from torchparity.diagnosis.pipelines.forward import diagnose, diagnose_against, record
@@ -32,7 +32,7 @@ from torchparity.dtypes import torch_dtype
 from torchparity.reference import sequence_loss, zoo
 
 
-def diagnose_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
+def diagnose_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
     """One row (see the module docstring): seconds, peak bytes and stages of each contender,
     and the ratios the targets read (``diagnose_time_ratio``, ``against_time_ratio``,
     ``stream_peak_ratio``)."""
@@ -42,7 +42,7 @@ def diagnose_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]
                            settings, progress)]
 
 
-def _diagnose_case(case: str, size: Size, dtype: str, settings: Settings,
+def _diagnose_case(case: str, size: Size, dtype: str, settings: BenchSettings,
                    progress: Progress) -> dict[str, Any]:
     device = torch.device(settings.device)
     config = model_config(case, size)

@@ -32,7 +32,7 @@ def bench_models(entries: list[str], dtypes: list[str], device: str, *, rounds: 
         subject = subjects.pop(entry, None)  # the measured processes get the memory
         if "throughput" not in skip:
             with console.status(f"timing {subject.name}"):
-                rows = user_model.throughput_rows(subject, dtypes, rounds or 5, device)
+                rows = user_model.model_throughput_rows(subject, dtypes, rounds or 5, device)
             result["throughput"] += rows
             console.print(bench_report.model_throughput_table(subject.name, device, rows))
         if compile and subject is not None:
@@ -60,7 +60,7 @@ def bench_models(entries: list[str], dtypes: list[str], device: str, *, rounds: 
     return result
 
 
-class ProgressBar(Progress):
+class PartProgressBar(Progress):
     """A rich progress bar per part, on stderr."""
 
     def __init__(self, console: Console) -> None:
@@ -69,7 +69,7 @@ class ProgressBar(Progress):
                              TextColumn("{task.description}"), console=console, transient=False)
         self._task: Any = None
 
-    def __enter__(self) -> ProgressBar:
+    def __enter__(self) -> PartProgressBar:
         self._bar.start()
         return self
 

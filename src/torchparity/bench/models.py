@@ -136,7 +136,7 @@ class ThreeProjectionAttention(nn.Module):
         return self.o(x.transpose(1, 2).flatten(2))
 
 
-class FusedQKVAttention(ThreeProjectionAttention):
+class FusedProjectionAttention(ThreeProjectionAttention):
     """The refactor: one fused projection, attention by ``scaled_dot_product_attention``;
     weights from the original by :func:`fuse_qkv`."""
 

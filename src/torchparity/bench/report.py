@@ -40,7 +40,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def print_tables(result: dict[str, Any], console: Any) -> None:
+def print_bench_tables(result: dict[str, Any], console: Any) -> None:
     """Print every table with rich on ``console``."""
     from rich.table import Table
 

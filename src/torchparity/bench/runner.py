@@ -28,7 +28,7 @@ from torchparity.bench.decode_cost import decode_rows
 from torchparity.bench.diagnose_cost import diagnose_rows
 from torchparity.bench.host import load_average, machine_info
 from torchparity.bench.rounds import Progress, na_row
-from torchparity.bench.settings import PARTS, Settings
+from torchparity.bench.settings import PARTS, BenchSettings
 from torchparity.bench.targets import evaluate_targets
 from torchparity.bench.throughput import throughput_rows
 from torchparity.bench.twins_time import twins_rows
@@ -38,7 +38,7 @@ MEASURES = {"throughput": throughput_rows, "diagnose": diagnose_rows, "decode": 
             "check": check_rows, "twins": twins_rows}
 
 
-def run(settings: Settings, progress: Progress | None = None) -> dict[str, Any]:
+def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, Any]:
     """Measure the parts in ``settings.parts``; returns the result document.
 
     Guarantees: every part in PARTS has a list of rows (a skipped part: one ``n/a`` row saying

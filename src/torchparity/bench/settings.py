@@ -1,7 +1,7 @@
 """What a ``torchparity bench`` run measures: its parts, sizes, dtypes, cases and rounds.
 
 :func:`default_settings` sizes a run for its device and rejects invalid values with one line
-(:class:`~torchparity.errors.UsageError`); every part reads the :class:`Settings` it returns,
+(:class:`~torchparity.errors.UsageError`); every part reads the :class:`BenchSettings` it returns,
 which the result records as given.
 """
 
@@ -59,7 +59,7 @@ GPU_SIZES = (
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
+class BenchSettings:
     """Everything a benchmark run depends on; recorded in the result as given."""
 
     device: str
@@ -77,8 +77,8 @@ class Settings:
 
 
 def default_settings(device: str = "cpu", quick: bool = False, size_names: tuple[str, ...] = (),
-                     **changes: Any) -> Settings:
-    """Settings sized for ``device``: on the CPU the default run takes minutes on 2 cores
+                     **changes: Any) -> BenchSettings:
+    """BenchSettings sized for ``device``: on the CPU the default run takes minutes on 2 cores
     (fp32 only; bf16 without native CPU support is many times slower, ask with ``dtypes``);
     ``quick`` is a seconds-long smoke run of every part except ``check`` (``twins`` searches
     10 examples). ``size_names``
@@ -86,11 +86,11 @@ def default_settings(device: str = "cpu", quick: bool = False, size_names: tuple
     :mod:`torchparity.dtypes` reads (recorded by torch's). Invalid values raise
     :class:`~torchparity.errors.UsageError`."""
     if quick:
-        base = Settings(device, ("float32",), QUICK_SIZES, rounds=3, warmup=1, quick=True)
+        base = BenchSettings(device, ("float32",), QUICK_SIZES, rounds=3, warmup=1, quick=True)
     elif torch.device(device).type == "cuda":
-        base = Settings(device, ("bfloat16", "float32"), GPU_SIZES)
+        base = BenchSettings(device, ("bfloat16", "float32"), GPU_SIZES)
     else:
-        base = Settings(device, ("float32",), CPU_SIZES)
+        base = BenchSettings(device, ("float32",), CPU_SIZES)
     known = {size.name: size for size in base.sizes}
     unknown = [name for name in size_names if name not in known]
     if unknown:
@@ -104,7 +104,7 @@ def default_settings(device: str = "cpu", quick: bool = False, size_names: tuple
     return dataclasses.replace(settings, dtypes=tuple(torch_name(d) for d in settings.dtypes))
 
 
-def _validate(s: Settings) -> None:
+def _validate(s: BenchSettings) -> None:
     if torch.device(s.device).type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {s.device}: CUDA is not available here; use --device cpu")
     for dtype in s.dtypes:

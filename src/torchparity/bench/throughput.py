@@ -16,12 +16,12 @@ from typing import Any
 from torchparity import backends
 from torchparity.bench.models import model_config, size_fields, tokens_per_step
 from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio, spread
-from torchparity.bench.settings import Settings, Size
+from torchparity.bench.settings import BenchSettings, Size
 from torchparity.bench.worker import Job, Worker, workers
 from torchparity.dtypes import torch_dtype
 
 
-def throughput_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
+def throughput_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
     """One row per case × size × dtype × backend (see the module docstring), and per size ×
     dtype × backend for the attention call of the first case alone (``model: "attention"``),
     which shows how much of the whole model's difference is the kernel's."""
@@ -37,12 +37,12 @@ def throughput_rows(settings: Settings, progress: Progress) -> list[dict[str, An
     return rows
 
 
-def _runnable(settings: Settings, dtype: str) -> list[str]:
+def _runnable(settings: BenchSettings, dtype: str) -> list[str]:
     probe = backends.available(settings.device, torch_dtype(dtype))
     return [name for name in settings.backends if probe[name] is None]
 
 
-def _throughput_group(workload: str, case: str, size: Size, dtype: str, settings: Settings,
+def _throughput_group(workload: str, case: str, size: Size, dtype: str, settings: BenchSettings,
                       progress: Progress) -> list[dict[str, Any]]:
     config = model_config(case, size)
     label = f"{case if workload == 'model' else 'attention'} {size.name} {dtype}"
@@ -68,7 +68,7 @@ def _throughput_group(workload: str, case: str, size: Size, dtype: str, settings
     return rows
 
 
-def _drive(started: dict[str, Worker], settings: Settings, progress: Progress,
+def _drive(started: dict[str, Worker], settings: BenchSettings, progress: Progress,
            label: str) -> dict[str, dict[str, Any]]:
     """First steps one after another, warm-up, interleaved rounds, then memory and compiles."""
     names = list(started)

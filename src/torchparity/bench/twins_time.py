@@ -15,7 +15,7 @@ from typing import Any
 
 from torchparity.bench.host import load_average
 from torchparity.bench.rounds import Progress, na_row
-from torchparity.bench.settings import Settings
+from torchparity.bench.settings import BenchSettings
 from torchparity.bench.timing import timed_command
 
 #: The examples of the target's search; ``--quick`` searches fewer.
@@ -32,7 +32,7 @@ def twins_command(examples: int) -> tuple[str, ...]:
     return ("twins", *PAIR, *OPTIONS, "--examples", str(examples))
 
 
-def twins_rows(settings: Settings, progress: Progress) -> list[dict[str, Any]]:
+def twins_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
     """Wall and CPU seconds of one search, with the 1-minute load before and after."""
     examples = QUICK_EXAMPLES if settings.quick else EXAMPLES
     command = twins_command(examples)

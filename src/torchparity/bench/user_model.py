@@ -42,7 +42,7 @@ ZOO_CASE = "llama-tiny"
 CHECK_BACKENDS = ("manual", "sdpa", "sdpa-math", "sdpa-flash")
 
 
-def throughput_rows(subject: Subject, dtypes: list[str], rounds: int = 5,
+def model_throughput_rows(subject: Subject, dtypes: list[str], rounds: int = 5,
                     device: str = "cpu") -> list[dict[str, Any]]:
     """One row per backend and dtype: tokens/s, first-step and steady step seconds, or the
     reason the backend cannot run (``status`` ``n/a``)."""
@@ -81,7 +81,7 @@ def compiled_rows(subject: Subject, dtypes: list[str], eager: list[dict[str, Any
                   rounds: int = 5, device: str = "cpu", backend_names: list[str] | None = None,
                   ) -> list[dict[str, Any]]:
     """One row per backend, dtype and compile form (:data:`~torchparity.subject.compiling
-    .MODES`) that ran eagerly in ``eager`` (rows of :func:`throughput_rows`): the time to the
+    .MODES`) that ran eagerly in ``eager`` (rows of :func:`model_throughput_rows`): the time to the
     first step (compiling it included, and how much of it compiled), graphs, graph breaks and
     recompiles (also those of the steady steps, which should be none), tokens/s and its ratio
     to the same backend eagerly (``vs_eager``), or why it did not compile (``n/a``).

@@ -85,7 +85,7 @@ def _rate(caught: int, total: int) -> str:
     return f"{caught} of {total} ({caught / total:.1%})" if total else "none"
 
 
-def render_section(rows: list[CapabilityRow], *, command: str) -> str:
+def capabilities_section(rows: list[CapabilityRow], *, command: str) -> str:
     """The markdown section of docs/tolerance.md: one row per capability."""
     kinds = sorted({kind for row in rows for kind in row.caught})
     header = ("| capability | false alarms | "

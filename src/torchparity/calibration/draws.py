@@ -50,7 +50,7 @@ class Calibration:
         return max(self.headrooms, default=math.nan)
 
 
-def calibrate(
+def calibrate_draws(
     candidate_fn: Callable[[int], Any],
     baseline_fn: Callable[[int], Any],
     golden_fn: Callable[[int], Any],

@@ -22,7 +22,7 @@ from torchparity import backends
 from torchparity.calibration.problems import (
     NORM_EPS,
     PLAIN,
-    Variant,
+    ProblemVariant,
     attention_with_softmax_in,
     leaked_mask,
 )
@@ -70,7 +70,7 @@ class ModelProblem:
         """The dtypes this problem runs in: its own (as in the suite) and fp64 (exact baseline)."""
         return [d for d in requested if d in (self.dtype, "fp64")]
 
-    def applies(self, variant: Variant) -> bool:
+    def applies(self, variant: ProblemVariant) -> bool:
         """Whether a planted bug can occur here: a leak needs a causal row with a masked key,
         dropping a head needs two; keys are not shifted (positions vary by config)."""
         if variant.leak:
@@ -85,7 +85,7 @@ class ModelProblem:
 
         return compares_gradients(backend, DTYPES[dtype])
 
-    def run(self, dtype: str, variant: Variant = PLAIN, *, grad: bool = True,
+    def run(self, dtype: str, variant: ProblemVariant = PLAIN, *, grad: bool = True,
             rerun: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """``{"forward": {"logits": ...}, "grad": {...}}`` of the model in ``dtype``, with
         ``variant``'s backend or bug; ``grad=False`` (or a backend without a backward pass)
@@ -143,7 +143,7 @@ def draw_model_problems(draws: int, seed: int) -> list[ModelProblem]:
     return found[:draws]
 
 
-def _plant(model: torch.nn.Module, variant: Variant) -> None:
+def _plant(model: torch.nn.Module, variant: ProblemVariant) -> None:
     """Plant ``variant``'s bug in the model's attention modules (the leak in the first
     self-attention of the stack that decodes)."""
     attentions = [m for m in model.modules() if isinstance(m, Attention)]
@@ -159,7 +159,7 @@ def _decodes(model: torch.nn.Module, module: Attention) -> bool:
     return any(m is module for m in model.decoder.modules())
 
 
-def _bugged_attend(module: Attention, variant: Variant, leak: bool, q: torch.Tensor,
+def _bugged_attend(module: Attention, variant: ProblemVariant, leak: bool, q: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                    bias: torch.Tensor | None) -> torch.Tensor:
     mask, causal = ctx.mask, ctx.causal

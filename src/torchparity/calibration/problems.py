@@ -39,7 +39,7 @@ SIZED_BUG = "softmax scale +1e-3"
 
 
 @dataclass(frozen=True)
-class Variant:
+class ProblemVariant:
     """How one run departs from the plain reference: another backend, or one planted bug."""
 
     backend: str = "manual"
@@ -52,15 +52,15 @@ class Variant:
 
 
 #: The plain reference: no other backend, no bug.
-PLAIN = Variant()
+PLAIN = ProblemVariant()
 
 BUGS = {
-    "softmax scale +1e-3": Variant(scale_factor=1 + 1e-3),
-    "masked key leaks into one row": Variant(leak=True),
-    "rotary keys shifted by one": Variant(key_shift=1),
-    "norm eps 1e-6 -> 1e-5": Variant(norm_eps=1e-5),
-    "softmax in bf16": Variant(softmax_dtype=torch.bfloat16),
-    "one head dropped": Variant(drop_head=True),
+    "softmax scale +1e-3": ProblemVariant(scale_factor=1 + 1e-3),
+    "masked key leaks into one row": ProblemVariant(leak=True),
+    "rotary keys shifted by one": ProblemVariant(key_shift=1),
+    "norm eps 1e-6 -> 1e-5": ProblemVariant(norm_eps=1e-5),
+    "softmax in bf16": ProblemVariant(softmax_dtype=torch.bfloat16),
+    "one head dropped": ProblemVariant(drop_head=True),
 }
 
 
@@ -97,7 +97,7 @@ class Problem:
         """The dtypes this problem runs in: every requested one."""
         return requested
 
-    def applies(self, variant: Variant) -> bool:
+    def applies(self, variant: ProblemVariant) -> bool:
         """Whether a planted bug can occur here: a leak needs a masked key, dropping a head
         needs two (else it drops the whole output)."""
         if variant.leak:
@@ -108,7 +108,7 @@ class Problem:
         """Every backend's gradients are compared (flex has no backward pass on the CPU)."""
         return True
 
-    def run(self, dtype: str, variant: Variant = Variant(), *, grad: bool = True,
+    def run(self, dtype: str, variant: ProblemVariant = ProblemVariant(), *, grad: bool = True,
             rerun: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """:func:`run_block` in the dtype named ``dtype``."""
         return run_block(self, DTYPES[dtype], variant, grad=grad, rerun=rerun)
@@ -201,7 +201,7 @@ GRAD_NAMES = {"x": "input", "norm": "attn_norm.weight", "wq": "attn.q_proj.weigh
 
 
 def run_block(
-    problem: Problem, dtype: torch.dtype, variant: Variant = Variant(), *, grad: bool = True,
+    problem: Problem, dtype: torch.dtype, variant: ProblemVariant = ProblemVariant(), *, grad: bool = True,
     rerun: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Outputs of the block in ``dtype``: ``{"forward": {"out": ...}, "grad": {...}}``.
@@ -227,7 +227,7 @@ def run_block(
     return results
 
 
-def _block(problem: Problem, inputs: dict[str, torch.Tensor], variant: Variant) -> torch.Tensor:
+def _block(problem: Problem, inputs: dict[str, torch.Tensor], variant: ProblemVariant) -> torch.Tensor:
     norm = RMSNorm(D_MODEL, variant.norm_eps)
     h = torch.func.functional_call(norm, {"weight": inputs["norm"]}, (inputs["x"],))
 

@@ -6,7 +6,6 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator
 from datetime import datetime, timezone
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -457,13 +456,3 @@ def _pct(x: float | None) -> str:
 
 def _num(x: float) -> str:
     return f"{x:g}"
-
-
-def json_safe(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [json_safe(v) for v in x]
-    return x

@@ -12,8 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from torchparity import machine
 from torchparity.calibration import capabilities, sketched
-from torchparity.calibration.report import json_safe, print_tables, render_markdown
+from torchparity.calibration.report import print_tables, render_markdown
 from torchparity.calibration.study import calibrate
+from torchparity.comparison.tensor import json_safe
 
 
 def run_study(draws: int, *, seed: int, dtypes: list[str], backend_names: list[str],
@@ -64,7 +65,7 @@ def run_sketched(draws: int, seed: int, dtypes: list[str] | None, out: str | Non
                                               on_draw=lambda: progress.advance(task))
     command = f"torchparity calibrate --sketched --draws {draws} --seed {seed}"
     command += "".join(f" --dtype {d}" for d in dtypes or [])
-    section = sketched.render_section(
+    section = sketched.sketched_section(
         results, command=command + (f" --out {out}" if out else ""))
     print(section)
     if out:
@@ -88,7 +89,7 @@ def run_per_capability(study_arguments: list[str], out: str | None) -> bool:
         rows = capabilities.calibrate_each(study_arguments, offered,
                                            on_done=lambda _: progress.advance(task))
     command = "torchparity calibrate --capabilities " + " ".join(study_arguments)
-    section = capabilities.render_section(
+    section = capabilities.capabilities_section(
         rows, command=command + (f" --out {out}" if out else ""))
     print(section)
     if out:

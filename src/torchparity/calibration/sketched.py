@@ -41,7 +41,7 @@ from torchparity.calibration.problems import (
     MULTIPLES,
     SIZED_BUG,
     Problem,
-    Variant,
+    ProblemVariant,
     draw_problem,
     run_block,
 )
@@ -166,7 +166,7 @@ def _measure(problem: Problem, results: SketchedResults) -> None:
         noise = {kind: _error(baseline[kind], golden[kind], kind) for kind in MEASURED_KINDS}
         for backend in BACKENDS:
             try:
-                candidate = run_block(problem, dtype, Variant(backend=backend))
+                candidate = run_block(problem, dtype, ProblemVariant(backend=backend))
             except BackendUnavailable:
                 continue
             for kind in MEASURED_KINDS:
@@ -205,7 +205,7 @@ def _sized(problem: Problem, dtype: torch.dtype, golden: dict, noise: dict
     delta = BUGS[SIZED_BUG].scale_factor - 1
     changes = []
     for target in MULTIPLES:
-        variant = Variant(scale_factor=1 + delta * target / effect)
+        variant = ProblemVariant(scale_factor=1 + delta * target / effect)
         changes.append(("sized scale", run_block(problem, dtype, variant),
                         run_block(problem, torch.float64, variant)))
     return changes
@@ -237,7 +237,7 @@ def _spreads(candidate: dict, baseline: dict, golden: dict) -> list[float]:
 # --- the report ---------------------------------------------------------------------------
 
 
-def render_section(results: SketchedResults, *, command: str) -> str:
+def sketched_section(results: SketchedResults, *, command: str) -> str:
     """The section of docs/tolerance.md, between :data:`BEGIN` and :data:`END`."""
     k, z = tolerance.SKETCH.size, tolerance.SKETCH.confidence
     alarms = ["| dtype | kind | comparisons | failed full | failed sketched | max sketched "

@@ -32,7 +32,7 @@ from torchparity.calibration.problems import (
     MULTIPLES,
     SIZED_BUG,
     Problem,
-    Variant,
+    ProblemVariant,
     draw_problem,
 )
 from torchparity.comparison import Comparison, compare
@@ -286,7 +286,7 @@ def _measure(problem: AnyProblem, index: int, results: Results) -> None:
 def _candidate(
     problem: AnyProblem,
     dtype: str,
-    variant: Variant,
+    variant: ProblemVariant,
     in_fp64: dict[str, dict[str, torch.Tensor]] | None = None,
     *,
     grad: bool = True,
@@ -318,7 +318,7 @@ def _measure_sized(
         return
     delta = BUGS[SIZED_BUG].scale_factor - 1
     for target in MULTIPLES:
-        variant = Variant(scale_factor=1 + delta * target / reference)
+        variant = ProblemVariant(scale_factor=1 + delta * target / reference)
         bugged64 = problem.run("fp64", variant)
         candidate, reruns = _candidate(problem, dtype, variant)
         for kind in MEASURED_KINDS:
@@ -347,7 +347,7 @@ def _measure_backend(
     # flex has no CPU backward pass: its gradients cannot be measured there.
     grad = backend != "flex" and problem.compares_gradients(backend, dtype)
     try:
-        candidate, reruns = _candidate(problem, dtype, Variant(backend=backend), grad=grad)
+        candidate, reruns = _candidate(problem, dtype, ProblemVariant(backend=backend), grad=grad)
     except BackendUnavailable as exc:
         for kind in MEASURED_KINDS:
             results.false_alarms[(backend, dtype, kind)].unavailable = str(exc)

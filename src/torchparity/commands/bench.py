@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 from torchparity.bench import report as bench_report
-from torchparity.bench.model_runs import ProgressBar, bench_models
+from torchparity.bench.model_runs import PartProgressBar, bench_models
 from torchparity.bench.runner import run as run_bench
 from torchparity.bench.settings import DTYPE_CHOICES, PARTS, REFERENCE_CASES, default_settings
 from torchparity.commands.common import dtype_name
@@ -93,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write {path}: directory {Path(path).parent} does not exist")
 
     console = Console()
-    with ProgressBar(Console(stderr=True)) as progress:
+    with PartProgressBar(Console(stderr=True)) as progress:
         result = run_bench(settings, progress)
-    bench_report.print_tables(result, console)
+    bench_report.print_bench_tables(result, console)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.markdown:

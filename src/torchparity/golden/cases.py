@@ -66,7 +66,7 @@ INPUTS = {"batch_size": 2, "seq_len": 12, "seed": 0}
 # --- running a case -------------------------------------------------------------------------
 
 
-def case_batch(case: zoo.ZooCase, device: str = "cpu") -> dict[str, torch.Tensor]:
+def golden_batch(case: zoo.ZooCase, device: str = "cpu") -> dict[str, torch.Tensor]:
     """The inputs every golden of ``case`` is computed from."""
     batch = zoo.case_batch(case, **INPUTS)
     return {name: tensor.to(device) for name, tensor in batch.items()}
@@ -76,7 +76,7 @@ def current_checksums(case: zoo.ZooCase) -> dict[str, str]:
     """Checksums of the float64 weights and the inputs that today's code builds for ``case``."""
     model = build_model(case.config, WEIGHT_SEED, dtype=torch.float64)
     return {"weights": checksum(dict(model.named_parameters())),
-            "inputs": checksum(case_batch(case))}
+            "inputs": checksum(golden_batch(case))}
 
 
 def recipe(case: zoo.ZooCase) -> dict[str, Any]:
@@ -96,7 +96,7 @@ def recipe(case: zoo.ZooCase) -> dict[str, Any]:
 
 def case_padding(case: zoo.ZooCase) -> Padding:
     """The padding of the case's standard batch: what its masks say."""
-    return from_inputs(case_batch(case), encoder_decoder=case.config.is_encoder_decoder)
+    return from_inputs(golden_batch(case), encoder_decoder=case.config.is_encoder_decoder)
 
 
 def case_meta(case: zoo.ZooCase) -> dict[str, Any]:
@@ -194,7 +194,7 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
     model = build_model(case.config, WEIGHT_SEED, dtype=DTYPES[cell.dtype], device=cell.device)
     if perturb:
         nudge_weights_by_2_52(model)
-    batch = case_batch(case, cell.device)
+    batch = golden_batch(case, cell.device)
     missing: dict[str, str] = {}
     # Zoo models reach SDPA through backends.attention alone: no interception needed.
     with backends.use(cell.backend, intercept=False), matmul_precision(cell.dtype), \

@@ -159,7 +159,7 @@ def render(console: Any, content: Page) -> None:
 
     for line in [*content.before, TITLE, LEGEND]:
         say(line)
-    for table in folded(None, content.headers, content.rows, width):
+    for table in folded_tables(None, content.headers, content.rows, width):
         print_table(console, table, width)
     for line in content.after:
         say(line)
@@ -311,7 +311,7 @@ TABLE_WIDTH = WIDTH
 CASE_MIN_WIDTH = 16
 
 
-def folded(title: str | None, headers: list[str], rows: list[list[str]], width: int) -> list[Any]:
+def folded_tables(title: str | None, headers: list[str], rows: list[list[str]], width: int) -> list[Any]:
     """The table of ``headers`` and ``rows`` as rich tables of at most ``width`` columns: each
     keeps the first column (the case) and takes as many of the next ones, in order, as fit;
     the first has the title. No column is cut: a case name too long for its table is folded

@@ -190,11 +190,11 @@ def build_model(config: TransformerConfig, seed: int = 0, *, dtype: torch.dtype 
     ``(config, seed)`` gives bit-identical weights on every machine and every torch version.
     """
     model = (EncoderDecoder if config.is_encoder_decoder else DecoderLM)(config)
-    init_weights(model, seed)
+    init_reference_weights(model, seed)
     return model.to(device=device, dtype=dtype)
 
 
-def init_weights(model: nn.Module, seed: int) -> None:
+def init_reference_weights(model: nn.Module, seed: int) -> None:
     """Overwrite every parameter with its deterministic value (see :func:`build_model`)."""
     seen: set[int] = set()  # tied parameters are initialised once, by their first owner
     with torch.no_grad():

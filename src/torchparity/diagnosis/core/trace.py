@@ -380,7 +380,7 @@ class _Batch:
         stored = ({f"{full}{_PART}{part}": t for part, t in sketching.parts(value).items()}
                   if isinstance(value, Sketch) else {full: value})
         if isinstance(value, Sketch):
-            self.described[full] = sketching.describe(value)
+            self.described[full] = sketching.describe_sketch(value)
         for name, tensor in stored.items():
             self.flat[name] = tensor.contiguous()
             self.bytes += tensor.numel() * tensor.element_size()

@@ -42,14 +42,14 @@ def layout(heads: list[str], lines: list[Line], width: int, right: int = 1
         return " " + _GAP.join(aligned) + _GAP
 
     out = [(prefix(heads[:-1]) + heads[-1], None)]
-    rows = [[(text, line.style) for text in wrapped(prefix(line.cells), line.name, line.depth,
+    rows = [[(text, line.style) for text in wrapped_name(prefix(line.cells), line.name, line.depth,
                                                     width)] for line in lines]
     rule = min(width, max(len(text) for text, _ in [*out, *(t for r in rows for t in r)])) - 1
     body = [text for line, row in zip(lines, rows, strict=True) for text in [*row, *line.below]]
     return [*out, (" " + "─" * rule, None), *body]
 
 
-def wrapped(prefix: str, name: str, depth: int, width: int) -> list[str]:
+def wrapped_name(prefix: str, name: str, depth: int, width: int) -> list[str]:
     """``prefix`` then ``name`` indented by ``depth``, in lines of at most ``width`` where the
     words allow (see the module's docstring); no word is cut."""
     column = len(prefix)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchparity.comparison.selection import PaddingSpec
-from torchparity.diagnosis.stages.ops.capture import Step, _Recorder, copied
+from torchparity.diagnosis.stages.ops.capture import Step, _Recorder, detached_copy
 from torchparity.subject.trees import flatten_tensors
 
 __all__ = ["capture_backward"]
@@ -24,7 +24,7 @@ def capture_backward(module: nn.Module, args: tuple, kwargs: dict,
                      ) -> list[Step]:
     """The ops of ``module``'s backward from ``grad_out`` (gradients by output path), its
     floating inputs made leaves that require grad; [] when no output takes a gradient."""
-    args, kwargs = copied((args, kwargs))  # the recorded inputs stay as they were
+    args, kwargs = detached_copy((args, kwargs))  # the recorded inputs stay as they were
     leaves = [t.requires_grad_() for t in _floating(args, kwargs)]
     with torch.enable_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anomaly detection's own warning: wanted here

@@ -157,7 +157,7 @@ def capturing_first_call(module: nn.Module, into: list[Step]) -> Iterator[None]:
             handle.remove()
 
 
-def copied(value: Any) -> Any:
+def detached_copy(value: Any) -> Any:
     """``value`` with every tensor copied (detached)."""
     return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, value)
 
@@ -195,7 +195,7 @@ class _Recorder(TorchDispatchMode):
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.depth += 1  # first: the copies below are no ops of the module's own code
             if self.depth == 1:
-                self.pending.append((name, child, copied(args), copied(kwargs),
+                self.pending.append((name, child, detached_copy(args), detached_copy(kwargs),
                                      self._producers((args, kwargs)), self._stack()))
         return hook
 
@@ -213,7 +213,7 @@ class _Recorder(TorchDispatchMode):
         name = func.name()
         if self.depth or name.split(".")[0] in _SKIPPED:
             return func(*args, **kwargs)
-        before = copied((args, kwargs))
+        before = detached_copy((args, kwargs))
         producers = self._producers((args, kwargs))
         output = func(*args, **kwargs)
         written = _written(func, args, kwargs)
