@@ -377,8 +377,8 @@ def describe_sketch(value: Sketch) -> dict[str, Any]:
 
 
 def from_parts(description: Mapping[str, Any], stored: Mapping[str, torch.Tensor]) -> Sketch:
-    """The sketch :func:`parts` and :func:`describe_sketch` wrote; ``ValueError`` when one is missing
-    or malformed, or the sketch was made by another method."""
+    """The sketch :func:`parts` and :func:`describe_sketch` wrote; ``ValueError`` when one is
+    missing or malformed, or the sketch was made by another method."""
     try:
         if description["method"] != METHOD:
             raise ValueError(f"sketched by {description['method']!r}, this torchparity "

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from torchparity import backends
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult
-from torchparity.golden.report import Machines, page, render
+from torchparity.golden.report import Machines, check_page, render
 from torchparity.golden.store import produced_by
 from torchparity.reference import zoo
 
@@ -24,7 +24,7 @@ def table_of(cases: list[str], cells: list[Cell]) -> str:
                for case in cases for cell in cells]
     out = io.StringIO()
     console = Console(file=out, soft_wrap=True)
-    render(console, page(results, cells, 1.0, Machines(produced_by("cpu"), {})))
+    render(console, check_page(results, cells, 1.0, Machines(produced_by("cpu"), {})))
     return out.getvalue().split("\nFAIL ", 1)[0]
 
 

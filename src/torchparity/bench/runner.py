@@ -1,6 +1,6 @@
 """Throughput, start-up and the cost of the safety net itself (``torchparity bench``).
 
-:func:`run` measures the parts in :data:`~torchparity.bench.settings.PARTS`, each in its own
+:func:`run_bench` measures the parts in :data:`~torchparity.bench.settings.PARTS`, each in its own
 module, and returns one JSON-ready document (schema :data:`SCHEMA`):
 
 - ``throughput`` (:mod:`~torchparity.bench.throughput`): per reference model, size, dtype and
@@ -38,7 +38,7 @@ MEASURES = {"throughput": throughput_rows, "diagnose": diagnose_rows, "decode": 
             "check": check_rows, "twins": twins_rows}
 
 
-def run(settings: BenchSettings, progress: Progress | None = None) -> dict[str, Any]:
+def run_bench(settings: BenchSettings, progress: Progress | None = None) -> dict[str, Any]:
     """Measure the parts in ``settings.parts``; returns the result document.
 
     Guarantees: every part in PARTS has a list of rows (a skipped part: one ``n/a`` row saying

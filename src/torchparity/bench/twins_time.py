@@ -21,7 +21,7 @@ from torchparity.bench.timing import timed_command
 #: The examples of the target's search; ``--quick`` searches fewer.
 EXAMPLES, QUICK_EXAMPLES = 100, 10
 PAIR = "torchparity.bench.models:ThreeProjectionAttention", \
-    "torchparity.bench.models:FusedQKVAttention"
+    "torchparity.bench.models:FusedProjectionAttention"
 OPTIONS = ("--inputs", "attention", "--init", "d_model=16", "--init", "n_heads=1,2,4",
            "--init", "n_kv_heads=None,1", "--weight-map", "torchparity.bench.models:fuse_qkv",
            "--dtype", "fp32", "--dtype", "bf16", "--backend", "none", "--backend", "sdpa-math")

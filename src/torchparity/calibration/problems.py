@@ -201,8 +201,8 @@ GRAD_NAMES = {"x": "input", "norm": "attn_norm.weight", "wq": "attn.q_proj.weigh
 
 
 def run_block(
-    problem: Problem, dtype: torch.dtype, variant: ProblemVariant = ProblemVariant(), *, grad: bool = True,
-    rerun: bool = False,
+    problem: Problem, dtype: torch.dtype, variant: ProblemVariant = ProblemVariant(), *,
+    grad: bool = True, rerun: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Outputs of the block in ``dtype``: ``{"forward": {"out": ...}, "grad": {...}}``.
 
@@ -227,7 +227,8 @@ def run_block(
     return results
 
 
-def _block(problem: Problem, inputs: dict[str, torch.Tensor], variant: ProblemVariant) -> torch.Tensor:
+def _block(problem: Problem, inputs: dict[str, torch.Tensor], variant: ProblemVariant
+           ) -> torch.Tensor:
     norm = RMSNorm(D_MODEL, variant.norm_eps)
     h = torch.func.functional_call(norm, {"weight": inputs["norm"]}, (inputs["x"],))
 

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from torchparity.bench import report as bench_report
 from torchparity.bench.model_runs import PartProgressBar, bench_models
-from torchparity.bench.runner import run as run_bench
+from torchparity.bench.runner import run_bench
 from torchparity.bench.settings import DTYPE_CHOICES, PARTS, REFERENCE_CASES, default_settings
 from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError

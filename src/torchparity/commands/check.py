@@ -28,7 +28,7 @@ from torchparity.commands.common import (
 from torchparity.errors import UsageError
 from torchparity.golden import sharded
 from torchparity.golden.cell_selection import CHECK_DTYPES, compile_forms
-from torchparity.golden.runner import check
+from torchparity.golden.runner import CheckRequest, check_goldens
 from torchparity.golden.store import GOLDEN_DIR_ENV
 from torchparity.revisions import base_goldens
 from torchparity.subject import Subject
@@ -119,11 +119,12 @@ def run(args: argparse.Namespace) -> int:
     subjects = [Subject.load(entry) for entry in args.model or []]
     with contextlib.ExitStack() as stack:
         base_root = stack.enter_context(base_goldens(side, args.model)) if side else None
-        report = check(cases=args.case, models=subjects, backend=args.backend,
-                       dtype=args.dtype, device=args.device,
-                       compile_forms=compile_forms(args.compile), golden_dir=args.golden_dir,
-                       model_root=base_root, jobs=args.jobs, train=args.train, json=args.json,
-                       html=args.html, progress=_progress(), name_map=name_rules(args.name_map))
+        request = CheckRequest(
+            cases=args.case, models=subjects, backend=args.backend, dtype=args.dtype,
+            device=args.device, compile_forms=compile_forms(args.compile),
+            golden_dir=args.golden_dir, model_root=base_root, jobs=args.jobs, train=args.train,
+            json=args.json, html=args.html, name_map=name_rules(args.name_map))
+        report = check_goldens(request, _progress())
         elapsed = time.perf_counter() - started
 
         from rich.console import Console

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         positions = (low, high)
     backends = [None if b == AS_WRITTEN else b for b in args.backend or [AS_WRITTEN]]
     try:
-        line = shell.run(args.old, args.new, args.inputs, init=shell.parse_init(args.init),
+        line = shell.run_twins(args.old, args.new, args.inputs, init=shell.parse_init(args.init),
                          dtypes=args.dtype or ["fp32"], backends=backends,
                          weight_map=args.weight_map, cache=args.cache, mask=args.mask,
                          positions=positions, examples=args.examples, seed=args.seed)

@@ -81,13 +81,13 @@ def shared_tensors(a: Any, b: Any) -> list[tuple[str, torch.Tensor, torch.Tensor
     The tensors are returned as given (still attached to their graphs), so a loss summed over
     them reaches only outputs both sides produce. Python numbers are left out.
     """
-    found = Alignment()
-    align(a, b, ROOT, found)
+    found = TreeAlignment()
+    align_trees(a, b, ROOT, found)
     return [(path, x, y) for path, x, y in found.pairs if path not in found.numbers]
 
 
 @dataclass
-class Alignment:
+class TreeAlignment:
     """What walking candidate and golden together found: the (path, candidate, golden) tensors
     both hold, which of those paths were Python numbers, the differences of structure and of
     shape, the skipped leaves."""
@@ -111,7 +111,7 @@ _OPAQUE_RULE = (
 )
 
 
-def align(candidate: Any, golden: Any, path: str, found: Alignment) -> None:
+def align_trees(candidate: Any, golden: Any, path: str, found: TreeAlignment) -> None:
     """Walk candidate and golden together from ``path``, recording into ``found``."""
     c, g = _leaf_tensor(candidate), _leaf_tensor(golden)
     c_children, g_children = _children(candidate), _children(golden)
@@ -127,9 +127,10 @@ def align(candidate: Any, golden: Any, path: str, found: Alignment) -> None:
         and _container_type(candidate) == _container_type(golden)
     ):
         for key in {**g_children, **c_children}:  # the golden's order, the candidate's extras
-            align(c_children.get(key, _MISSING), g_children.get(key, _MISSING), path + key, found)
+            align_trees(c_children.get(key, _MISSING), g_children.get(key, _MISSING), path + key,
+                        found)
     elif (legacy := _key_value_pairs(candidate, golden)) is not None:
-        align(*legacy, path, found)
+        align_trees(*legacy, path, found)
     elif is_cache(candidate) and is_cache(golden):
         found.skipped.append((path, CACHE_RULE))
     elif _is_opaque(candidate) and type(candidate) is type(golden):

@@ -21,10 +21,10 @@ from torchparity.comparison.settings import Settings
 from torchparity.comparison.sketch import compare_sketch, involves_sketch
 from torchparity.comparison.structure import (
     ROOT,
-    Alignment,
+    TreeAlignment,
     ShapeDifference,
     StructureDifference,
-    align,
+    align_trees,
     baseline_at,
     format_shape,
     numbers_dtype,
@@ -322,8 +322,8 @@ def compare(
     if (reruns or noise is not None) and baseline is None:
         raise ValueError("reruns and noise refine the noise a baseline measures; pass the"
                          " baseline too")
-    found = Alignment()
-    align(candidate, golden, ROOT, found)
+    found = TreeAlignment()
+    align_trees(candidate, golden, ROOT, found)
     baselines = None if baseline is None else tensor_leaves(baseline, ROOT, {})
     leaves = [
         (path, c, g, None if baselines is None else baseline_at(path, c, baselines))

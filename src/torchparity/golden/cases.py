@@ -40,7 +40,7 @@ from torchparity.golden.cells import (
     REFERENCE,
     Cell,
     CheckResult,
-    Run,
+    CellRun,
     matmul_precision,
 )
 from torchparity.golden.compiled_cells import decode_phases, logprobs_by_step
@@ -180,7 +180,7 @@ def forced_logprobs(model: Model, batch: dict[str, torch.Tensor], tokens: torch.
 
 
 def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = None,
-             perturb: bool = False) -> Run:
+             perturb: bool = False) -> CellRun:
     """Run ``case`` in ``cell``: forward, loss, backward and decoding.
 
     Without ``tokens`` decoding is greedy (the golden's ``decode`` holds tokens and log-probs);
@@ -207,7 +207,7 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
             try:
                 outputs, sensitivity = _forward_backward(model, batch, backward=False)
             except BackendUnavailable as exc_forward:
-                return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc_forward)))
+                return CellRun({}, dict.fromkeys(OUTPUT_KINDS, str(exc_forward)))
         try:
             if tokens is None:
                 decoded = greedy_decode(model, batch, DECODE_STEPS)
@@ -217,7 +217,7 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
                     model, batch, tokens, decode_phases(compile_log, "cached"))}
         except BackendUnavailable as exc:
             missing["decode"] = str(exc)
-    return Run(outputs, missing, sensitivity, compile_log)
+    return CellRun(outputs, missing, sensitivity, compile_log)
 
 
 # --- writing and reading a case's goldens ---------------------------------------------------
@@ -290,7 +290,7 @@ def check_case(store: GoldenStore, case: zoo.ZooCase, cells: list[Cell],
     are judged against today's float64 outputs as well. ``advance(label)`` is called after
     each cell. Golden errors propagate as :class:`~torchparity.golden.GoldenError`.
     """
-    return check_loop.check(ZooFeed(store, case), cells, advance, model_changed)
+    return check_loop.check_cells(ZooFeed(store, case), cells, advance, model_changed)
 
 
 class ZooFeed:
@@ -315,7 +315,7 @@ class ZooFeed:
     def refused(self, cell: Cell) -> str | None:
         return None  # a backend that cannot run an output says so in the run's ``missing``
 
-    def run(self, cell: Cell, *, perturb: bool = False) -> Run:
+    def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
         # The reference decodes greedily; every other cell is forced along the golden's tokens.
         return run_case(self.case, cell, tokens=None if cell == REFERENCE else self.tokens,
                         perturb=perturb)
@@ -344,7 +344,7 @@ class ZooFeed:
                                           f"structure. {comparison.explain()}")
         return check_loop.row(self, cell, output, **check_loop.judged_fields(comparison, cell))
 
-    def self_checks(self, fresh: Run) -> list[CheckResult]:
+    def self_checks(self, fresh: CellRun) -> list[CheckResult]:
         return []
 
     def steps(self, decoded: dict[str, torch.Tensor] | None) -> list[dict[str, torch.Tensor]]:

@@ -133,7 +133,7 @@ def plain_verdict(verdict: str) -> str:
 
 
 @dataclass
-class Run:
+class CellRun:
     """One run of a subject in a cell: output name -> what it computed (``{path: tensor}``,
     or a trajectory), and why other outputs are absent: ``missing``, the cell cannot compute
     them (n/a); ``not_compared``, the run no longer holds what the golden was made from (a

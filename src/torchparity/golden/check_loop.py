@@ -23,7 +23,7 @@ import torch
 
 from torchparity import backends, sketching, tolerance
 from torchparity.comparison import NOT_COMPARED
-from torchparity.golden.cells import BOTH_GOLDENS, REFERENCE, Cell, CheckResult, Run
+from torchparity.golden.cells import BOTH_GOLDENS, REFERENCE, Cell, CheckResult, CellRun
 from torchparity.golden.compiled_cells import annotate, step_verdicts, unavailable_reason
 from torchparity.golden.store import Golden, GoldenStore
 from torchparity.subject.compiling import CompileFailed
@@ -55,7 +55,7 @@ class Feed(Protocol):
     def refused(self, cell: Cell) -> str | None:
         """Why ``cell`` cannot run this subject at all (then not even its baseline runs)."""
 
-    def run(self, cell: Cell, *, perturb: bool = False) -> Run:
+    def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
         """The subject run in ``cell`` (``perturb``: on weights moved by one float64 rounding);
         a compiled cell that does not compile raises
         :class:`~torchparity.subject.compiling.CompileFailed`."""
@@ -69,7 +69,7 @@ class Feed(Protocol):
         baseline's error (and ``noise``, what the outputs' errors carry into the loss) as the
         budget."""
 
-    def self_checks(self, fresh: Run) -> list[CheckResult]:
+    def self_checks(self, fresh: CellRun) -> list[CheckResult]:
         """Rows the reference cell's run judges by itself (a cached decoding against its full
         recompute)."""
 
@@ -78,8 +78,8 @@ class Feed(Protocol):
         each step on its own)."""
 
 
-def check(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None,
-          model_changed: bool = False) -> list[CheckResult]:
+def check_cells(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None,
+                model_changed: bool = False) -> list[CheckResult]:
     """The rows of ``feed`` in every cell, in cell then output order; ``advance(label)`` is
     called after each cell. ``model_changed``: the reference cell, checked in another run
     of this loop, diverged; these cells are judged against today's float64 as well."""
@@ -90,7 +90,7 @@ def check(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None,
                         for output, (verdict, reason) in changed.items()]
             advance(cell.label)
         return results
-    baselines: dict[tuple[str, str], Run] = {}
+    baselines: dict[tuple[str, str], CellRun] = {}
     # This revision's float64 outputs, once they diverged.
     own = feed.run(REFERENCE) if model_changed and REFERENCE not in cells else None
     for cell in sorted(cells, key=lambda cell: cell != REFERENCE):
@@ -113,7 +113,7 @@ def check(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None,
     return results
 
 
-def _check_reference(feed: Feed) -> tuple[list[CheckResult], Run]:
+def _check_reference(feed: Feed) -> tuple[list[CheckResult], CellRun]:
     """The reference cell: today's float64 outputs against the goldens, with a baseline of
     *golden + (perturbed - fresh)*: ``perturbed`` is the same computation with every weight
     moved by one float64 rounding error. A backward-stable computation is exact for inputs
@@ -141,7 +141,8 @@ def _check_reference(feed: Feed) -> tuple[list[CheckResult], Run]:
     return results + feed.self_checks(fresh), fresh
 
 
-def _check_cell(feed: Feed, cell: Cell, baseline: Run, own: Run | None) -> list[CheckResult]:
+def _check_cell(feed: Feed, cell: Cell, baseline: CellRun, own: CellRun | None
+                ) -> list[CheckResult]:
     """The rows of ``cell`` against the goldens; with ``own`` (this revision's float64 run,
     once it diverged from them) against it as well (see :func:`_against_both`)."""
     run = _cell_run(feed, cell, baseline)
@@ -188,7 +189,7 @@ def _against_both(stored: CheckResult, own: CheckResult) -> CheckResult:
     return own
 
 
-def _cell_run(feed: Feed, cell: Cell, baseline: Run) -> Run:
+def _cell_run(feed: Feed, cell: Cell, baseline: CellRun) -> CellRun:
     """The cell's run: the baseline itself for the eager manual cell; every output n/a with
     the reason where a compiled cell cannot compile."""
     if not cell.compile:
@@ -199,10 +200,10 @@ def _cell_run(feed: Feed, cell: Cell, baseline: Run) -> Run:
             return feed.run(cell)
         except CompileFailed as exc:
             reason = str(exc)
-    return Run({}, dict.fromkeys(feed.kinds, reason))
+    return CellRun({}, dict.fromkeys(feed.kinds, reason))
 
 
-def loss_noise(baseline: Run, output: str, golden: dict[str, Any]) -> float | None:
+def loss_noise(baseline: CellRun, output: str, golden: dict[str, Any]) -> float | None:
     """The noise the baseline's ``output`` carries into the loss (None without its
     gradients); sketched tensors, whose errors are known only in RMS, carry none."""
     outputs = baseline.outputs.get(output, {})

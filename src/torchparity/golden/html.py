@@ -24,7 +24,7 @@ COLUMNS = (("reference", "the manual backend in float64, against the goldens: a 
 MARKS = {"✗": "failed", "n/a": "unavailable"}
 
 
-def html_page(content: Page) -> str:
+def check_html_page(content: Page) -> str:
     """``content`` as a page: lines before the table, the table, its legend, lines after."""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in content.headers)
     body = "".join("<tr>" + "".join(f"<td>{_cell(text)}</td>" for text in row) + "</tr>"
@@ -39,7 +39,7 @@ def html_page(content: Page) -> str:
 
 def write_html(path: Path, content: Page) -> None:
     try:
-        path.write_text(html_page(content), encoding="utf-8")
+        path.write_text(check_html_page(content), encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot write --html {path}: {exc.strerror}") from None
 

@@ -29,7 +29,7 @@ from torchparity.comparison import compare
 from torchparity.dtypes import DTYPES, dtype_name
 from torchparity.errors import UsageError
 from torchparity.golden import check_loop
-from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult, CellRun
 from torchparity.golden.compiled_cells import stepped_logits
 from torchparity.golden.model_runs import (
     HF_EAGER,
@@ -79,7 +79,7 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
     while one runs. Weights named otherwise than in the goldens are found by
     :mod:`~torchparity.golden.renamed` (``name_map``: the goldens' module names to the
     model's)."""
-    return check_loop.check(ModelFeed(subject, store, status, name_map), cells, advance)
+    return check_loop.check_cells(ModelFeed(subject, store, status, name_map), cells, advance)
 
 
 class ModelFeed:
@@ -142,7 +142,7 @@ class ModelFeed:
         golden's for every other run."""
         return None if cell == REFERENCE and not perturb else self.tokens
 
-    def run(self, cell: Cell, *, perturb: bool = False) -> Run:
+    def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
         # A compiled cell compiles a model of its own.
         status = None if self.status is None or cell.compile else (
             lambda text: self.status(cell.label, text))
@@ -160,7 +160,7 @@ class ModelFeed:
               noise: float | None = None) -> CheckResult:
         return self._judge(cell, output, candidate, golden, baseline, noise, self.islands)
 
-    def self_checks(self, fresh: Run) -> list[CheckResult]:
+    def self_checks(self, fresh: CellRun) -> list[CheckResult]:
         """The reference's cached decoding against its full recompute along the same tokens:
         a KV-cache bug is caught even in the run that made the goldens."""
         decoded = fresh.outputs.get("decode")

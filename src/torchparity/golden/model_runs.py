@@ -20,7 +20,7 @@ from torch import nn
 from torchparity import backends
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
-from torchparity.golden.cells import Cell, Run, matmul_precision
+from torchparity.golden.cells import Cell, CellRun, matmul_precision
 from torchparity.golden.compiled_cells import decode_phases
 from torchparity.golden.renamed import Renaming
 from torchparity.sketching import kept, seed_of
@@ -87,7 +87,7 @@ def _own_dtype(model: nn.Module) -> torch.dtype:
 def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
                 perturb: bool = False, tokens: Fed | None = None,
                 models: CellModels | None = None, status: Status | None = None,
-                renamed: Renaming | None = None) -> Run:
+                renamed: Renaming | None = None) -> CellRun:
     """Run the model in ``cell``: forward, loss, gradients and decoding.
 
     ``loss_paths`` are the outputs the default loss projects (None: all floating ones);
@@ -126,7 +126,7 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
                 run.compile_log = compile_log
                 decode_into(subject, model, inputs, run, tokens)
         except BackendUnavailable as exc:
-            return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
+            return CellRun({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
     run.sdpa_calls = None if intercepted is None else intercepted.calls
     return run
 
@@ -198,7 +198,7 @@ def attention_backend(name: str) -> Iterator[Any]:
 
 def forward_backward(subject: Subject, model: nn.Module, inputs: Any,
                      loss_paths: list[str] | None,
-                     backward: Callable[[torch.Tensor], dict[str, Any]]) -> Run:
+                     backward: Callable[[torch.Tensor], dict[str, Any]]) -> CellRun:
     """The forward, the loss and ``backward(loss)``'s gradients of ``model`` on ``inputs``,
     outputs kept (sketched when big) with the loss's sensitivity to each of them."""
     missing: dict[str, str] = {}
@@ -224,21 +224,21 @@ def forward_backward(subject: Subject, model: nn.Module, inputs: Any,
                 t.register_hook(functools.partial(_heard, sensitivity, path))
     del output, flat  # the kept outputs are enough: the graph lives on in the loss
     if isinstance(loss, str):
-        return Run(outputs, missing, not_compared={"loss": loss, "grads": loss})
+        return CellRun(outputs, missing, not_compared={"loss": loss, "grads": loss})
     outputs["loss"] = {"loss": loss.detach()}
     if "grads" not in missing:
         try:
             outputs["grads"] = backward(loss)
         except BackendUnavailable as exc:
             missing["grads"] = str(exc)
-    return Run(outputs, missing, sensitivity)
+    return CellRun(outputs, missing, sensitivity)
 
 
 def _heard(found: dict[str, torch.Tensor], path: str, grad: torch.Tensor) -> None:
     found[path] = grad.detach()
 
 
-def decode_into(subject: Subject, model: nn.Module, inputs: Any, run: Run,
+def decode_into(subject: Subject, model: nn.Module, inputs: Any, run: CellRun,
                 tokens: Fed | None) -> None:
     """``run.outputs["decode"]``: ``model``'s decoding of ``inputs``, step by step fed
     ``tokens`` (None: its own choices) or the factory's own ``decode``; where a backend is

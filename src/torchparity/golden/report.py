@@ -95,7 +95,7 @@ class Page:
     after: list[str]
 
 
-def page(results: list[CheckResult], cells: list[Cell], elapsed: float,
+def check_page(results: list[CheckResult], cells: list[Cell], elapsed: float,
          machines: Machines) -> Page:
     """The machines when the goldens come from another, the table, its footnotes, one line per
     failure and the summary."""
@@ -311,7 +311,8 @@ TABLE_WIDTH = WIDTH
 CASE_MIN_WIDTH = 16
 
 
-def folded_tables(title: str | None, headers: list[str], rows: list[list[str]], width: int) -> list[Any]:
+def folded_tables(title: str | None, headers: list[str], rows: list[list[str]], width: int
+                  ) -> list[Any]:
     """The table of ``headers`` and ``rows`` as rich tables of at most ``width`` columns: each
     keeps the first column (the case) and takes as many of the next ones, in order, as fit;
     the first has the title. No column is cut: a case name too long for its table is folded

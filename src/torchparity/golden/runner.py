@@ -11,7 +11,7 @@ import os
 import queue
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from torchparity.golden.cell_selection import select_cases, select_cells
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult
 from torchparity.golden.html import write_html
 from torchparity.golden.model_check import backend_names, check_subject
-from torchparity.golden.report import Machines, Page, page, render, write_json
+from torchparity.golden.report import Machines, Page, check_page, render, write_json
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import (
     islands_sentence,
@@ -43,7 +43,7 @@ from torchparity.threads import single_thread
 
 @dataclass
 class CheckReport:
-    """What :func:`check` found, and what its report needs: the cells and cases checked, the
+    """What :func:`check_goldens` found, and what its report needs: the cells and cases checked, the
     machines of the run and of the goldens, and where the goldens are."""
 
     results: list[CheckResult]
@@ -58,8 +58,9 @@ class CheckReport:
         return all(r.ok for r in self.results)
 
     def page(self, elapsed: float) -> Page:
-        """The table, its footnotes, the failures and the summary (see :func:`report.page`)."""
-        return page(self.results, self.cells, elapsed, self.machines)
+        """The table, its footnotes, the failures and the summary (see
+        :func:`report.check_page`)."""
+        return check_page(self.results, self.cells, elapsed, self.machines)
 
     def render(self, console: Any, elapsed: float) -> None:
         render(console, self.page(elapsed))
@@ -73,40 +74,69 @@ class CheckReport:
             write_html(Path(html), self.page(elapsed))
 
 
-def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] | None,
-          dtype: list[str] | None, device: list[str] | None, compile_forms: list[str],
-          golden_dir: str | None, model_root: Path | None, jobs: int | None, train: bool,
-          json: str | None, progress: Any, html: str | None = None,
-          name_map: NameMap | None = None) -> CheckReport:
-    """Check the zoo ``cases`` (all when None; none when only ``models`` are given) and the
-    users' ``models`` in the cells selected by ``backend``, ``dtype``, ``device`` and
-    ``compile_forms``; with ``train`` also each case's golden training trajectory;
-    ``name_map`` maps the models' goldens' module names to theirs (renamed weights).
+@dataclass(frozen=True)
+class CheckRequest:
+    """What one check is asked: the zoo ``cases`` (all when None; none when only ``models``
+    are given) and the users' ``models``, in the cells selected by ``backend``, ``dtype``,
+    ``device`` and ``compile_forms``.
 
     The zoo's goldens come from ``golden_dir`` (default: :func:`default_golden_dir`), the
     models' from ``model_root`` when given (goldens made here, from a base revision), else
-    ``golden_dir`` or :func:`user_golden_dir`. Every choice and every golden is validated, and
-    the folders of ``json`` and ``html`` must exist, before any cell runs: a mistake is one
-    :class:`UsageError` or :class:`~torchparity.golden.GoldenError`. ``progress`` (a rich
-    ``Progress``) is shown while the cells run.
+    ``golden_dir`` or :func:`user_golden_dir`. ``jobs``: processes for the zoo's cells;
+    ``train``: each case's golden training trajectory too; ``json`` and ``html``: where the
+    report goes (their folders must exist); ``name_map`` maps the models' goldens' module
+    names to theirs (renamed weights).
     """
+
+    cases: list[str] | None
+    models: list[Subject]
+    backend: list[str] | None = None
+    dtype: list[str] | None = None
+    device: list[str] | None = None
+    compile_forms: list[str] = field(default_factory=list)
+    golden_dir: str | None = None
+    model_root: Path | None = None
+    jobs: int | None = None
+    train: bool = False
+    json: str | None = None
+    html: str | None = None
+    name_map: NameMap | None = None
+
+
+def check_goldens(request: CheckRequest, progress: Any) -> CheckReport:
+    """Check what ``request`` asks against its goldens.
+
+    Args:
+        request: the cases, models, cells and golden folders (see :class:`CheckRequest`).
+        progress: a rich ``Progress``, shown while the cells run.
+
+    Returns:
+        The results with what their report needs.
+
+    Raises:
+        UsageError, GoldenError: every choice and every golden is validated, and the folders
+            of ``json`` and ``html`` must exist, before any cell runs.
+    """
+    cases, models, name_map = request.cases, request.models, request.name_map
+    golden_dir, json, html = request.golden_dir, request.json, request.html
     if name_map and (sharded.active() or not models):
         raise UsageError("--name-map maps the goldens' module names of a --model entry checked "
                          "in one process (a zoo case's and a sharded model's weights keep "
                          "their names): give --model ENTRY, without --nproc")
-    made_here = model_root is not None
-    model_root = model_root if made_here else user_golden_dir(golden_dir)
+    made_here = request.model_root is not None
+    model_root = request.model_root if made_here else user_golden_dir(golden_dir)
     chosen = [] if models and not cases else select_cases(cases)
-    if train and not chosen:
+    if request.train and not chosen:
         raise UsageError("--train trains the zoo's cases by their golden recipes, which a "
                          "--model entry has not: add --case NAME, or leave --train out")
     # The zoo's goldens live in the source tree, a user's under the working directory.
     store = GoldenStore(default_golden_dir(golden_dir) if chosen else model_root)
     if chosen:
         store.require_root()
-    cells = select_cells(backend, dtype, device,
-                         backend_names(models) if models else backends.names(), compile_forms)
-    jobs = _jobs(jobs)
+    cells = select_cells(request.backend, request.dtype, request.device,
+                         backend_names(models) if models else backends.names(),
+                         request.compile_forms)
+    jobs = _jobs(request.jobs)
     for flag, path in (("--json", json), ("--html", html)):
         if path and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"{flag} {path}: its folder does not exist")
@@ -115,7 +145,7 @@ def check(*, cases: list[str] | None, models: list[Subject], backend: list[str] 
                 for subject in models}
     # The base's goldens are made here and now, by a torchparity that may not record machines.
     machines = Machines.of(goldens, cells, made_here=made_here)
-    trajectories = _trajectory_store(store, chosen) if train else None
+    trajectories = _trajectory_store(store, chosen) if request.train else None
     with progress:
         results = execute(store, chosen, cells, jobs, progress) if chosen else []
         results += check_user_models(models, model_root, cells, progress, name_map)

@@ -40,7 +40,7 @@ from torch import nn
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable, TorchParityError, UsageError
 from torchparity.golden import check_loop
-from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run, matmul_precision
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult, CellRun, matmul_precision
 from torchparity.golden.model_check import ModelFeed
 from torchparity.golden.model_runs import (
     HF_EAGER,
@@ -118,7 +118,7 @@ def active() -> bool:
 
 
 def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
-                perturb: bool = False, tokens: Fed | None = None) -> Run:
+                perturb: bool = False, tokens: Fed | None = None) -> CellRun:
     """``subject`` run in ``cell`` by every rank: in float64, the factory's sharded model
     itself cast module by module (:class:`~torchparity.subject.blockwise.Float64Run`: a rank
     holds its part in the model's dtype and one module's part in float64; its weights moved
@@ -157,7 +157,7 @@ def _weighed(subject: Subject) -> Subject:
 
 
 def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run_name: str,
-                 *, perturb: bool, tokens: Fed | None) -> Run:
+                 *, perturb: bool, tokens: Fed | None) -> CellRun:
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
     sharded.mark(f"the sharding of {run_name} (the factory's plan)")
     grads: dict[str, Any] = {}
@@ -191,7 +191,7 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
             sharded.gather_root(model)
             decode_into(subject, model, inputs, run, tokens)
     except BackendUnavailable as exc:
-        return Run({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
+        return CellRun({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
     finally:
         sharded.reshard(model)
     if islands is not None:
@@ -258,7 +258,7 @@ def outputs_whole(model: nn.Module) -> Iterator[None]:
 class ShardedFeed(ModelFeed):
     """A user's model as the check loop runs it on every rank (see :class:`ModelFeed`)."""
 
-    def run(self, cell: Cell, *, perturb: bool = False) -> Run:
+    def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
         sharded.together(f"the {cell.label} run" + (" (perturbed)" if perturb else ""))
         return run_sharded(self.subject, cell, self.loss_paths, perturb=perturb,
                            tokens=self.fed(cell, perturb))
@@ -270,7 +270,7 @@ def check_sharded(subject: Subject, store: GoldenStore, cells: list[Cell],
     """:func:`~torchparity.golden.model_check.check_subject` on every rank of a sharded run."""
     feed = collectively("the checksums of the weights",
                         lambda: ShardedFeed(_weighed(subject), store, status))
-    return check_loop.check(feed, cells, advance)
+    return check_loop.check_cells(feed, cells, advance)
 
 
 def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str]:

@@ -18,7 +18,7 @@ from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
 from torchparity.golden import check_loop
 from torchparity.golden import trajectories as tj
-from torchparity.golden.cells import REFERENCE, Cell, CheckResult, Run
+from torchparity.golden.cells import REFERENCE, Cell, CheckResult, CellRun
 from torchparity.golden.store import GoldenStore
 from torchparity.train.trainer import Execution, Trajectory, train
 
@@ -45,7 +45,7 @@ def check_trajectories(store: GoldenStore, cases: list[str], cells: list[Cell],
     an ``n/a`` row with the reason. ``advance(label)`` is called after each cell.
     """
     trained = [cell for cell in cells if cell != REFERENCE]
-    return [result for case in cases for result in check_loop.check(
+    return [result for case in cases for result in check_loop.check_cells(
         TrajectoryFeed(store, case), trained,
         lambda label, case=case: advance(f"{case} {label} trajectory"))]
 
@@ -69,14 +69,14 @@ class TrajectoryFeed:
     def refused(self, cell: Cell) -> str | None:
         return backends.available(cell.device, DTYPES[cell.dtype])[cell.backend]
 
-    def run(self, cell: Cell, *, perturb: bool = False) -> Run:
+    def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
         try:
-            return Run({OUTPUT: train(self.config, Execution(cell.backend, cell.dtype,
+            return CellRun({OUTPUT: train(self.config, Execution(cell.backend, cell.dtype,
                                                              cell.device))}, {})
         except BackendUnavailable as exc:
             if cell.backend == "manual":
                 self._untrained[cell.dtype, cell.device] = str(exc)
-            return Run({}, {OUTPUT: str(exc)})
+            return CellRun({}, {OUTPUT: str(exc)})
 
     def golden(self, output: str) -> None:
         return None  # read by check_against_golden from the store
@@ -95,7 +95,7 @@ class TrajectoryFeed:
                               headroom=comparison.max_headroom, explain=comparison.explain(),
                               worst=f"{worst.quantity} at step {worst.step}" if worst else None)
 
-    def self_checks(self, fresh: Run) -> list[CheckResult]:
+    def self_checks(self, fresh: CellRun) -> list[CheckResult]:
         return []  # the reference cell trains nothing
 
     def steps(self, decoded: Any) -> list[dict[str, Any]]:

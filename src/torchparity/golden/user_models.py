@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from torchparity.errors import UsageError
-from torchparity.golden.cells import REFERENCE, Run
+from torchparity.golden.cells import REFERENCE, CellRun
 from torchparity.golden.model_runs import OUTPUT_KINDS, Status, run_in_cell
 from torchparity.golden.renamed import Layout, Renaming, state_layout
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
@@ -87,7 +87,7 @@ def model_checksums(subject: Subject, renamed: Renaming | None = None) -> dict[s
 
 
 def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = None,
-                  run: Run | None = None, checksums: dict[str, str] | None = None,
+                  run: CellRun | None = None, checksums: dict[str, str] | None = None,
                   layout: Layout | None = None) -> dict[str, str]:
     """Compute and write the goldens of ``subject``; output -> what happened to its file
     (``created``, ``updated``, ``replaced`` or ``unchanged``, as for the zoo). ``status``

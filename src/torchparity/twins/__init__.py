@@ -12,8 +12,8 @@ and :mod:`~torchparity.twins.strategies` (the search), :mod:`~torchparity.twins.
 command). See docs/twins.md.
 """
 
-from torchparity.twins.checking import TwinFailure, assert_twins, check
+from torchparity.twins.checking import TwinFailure, TwinOptions, assert_twins, check
 from torchparity.twins.judging import TwinVerdict
 from torchparity.twins.running import Steps
 
-__all__ = ["Steps", "TwinFailure", "TwinVerdict", "assert_twins", "check"]
+__all__ = ["Steps", "TwinFailure", "TwinOptions", "TwinVerdict", "assert_twins", "check"]

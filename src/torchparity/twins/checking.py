@@ -4,6 +4,7 @@ and its rerun, and judge (:func:`check`, :func:`assert_twins`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torchparity.subject.rounding import perturb_weights
 from torchparity.subject.running import cast_inputs
 from torchparity.twins import building, reproducer, running
 from torchparity.twins.building import Buildable, WeightMap
-from torchparity.twins.judging import TwinVerdict, judge
+from torchparity.twins.judging import TwinVerdict, judge_twins
 from torchparity.twins.running import Inputs, Steps
 
 CacheFactory = Callable[[], Any]
@@ -39,28 +40,70 @@ class TwinFailure(AssertionError):
         return self._message
 
 
-def check(old: Buildable, new: Buildable, inputs: Inputs, *, dtype: str | torch.dtype = "fp32",
-          backend: str | None = None, init: Mapping[str, Any] | None = None, seed: int = 0,
-          weight_map: WeightMap | None = None, grads: bool = True,
-          padding: torch.Tensor | None = None,
-          cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None,
-          device: str | torch.device = "cpu") -> TwinVerdict:
+@dataclass(frozen=True)
+class TwinOptions:
+    """How two implementations are run and judged (see :func:`assert_twins` for each).
+
+    Attributes:
+        dtype: the dtype both run in (the golden in float64).
+        backend: the new side's attention backend (a name of
+            :func:`torchparity.backends.names`; None: as written).
+        init: the constructor arguments of a class or factory.
+        seed: the seed the weights are filled from.
+        weight_map: how the new side's weights come from the old side's.
+        grads: judge gradients too.
+        padding: bool, True at padded positions, left out of the judgement and the backward.
+        cache: a decoding twin's cache factory, or a pair (the old side's, the new side's).
+        device: where everything runs.
+    """
+
+    dtype: str | torch.dtype = "fp32"
+    backend: str | None = None
+    init: Mapping[str, Any] | None = None
+    seed: int = 0
+    weight_map: WeightMap | None = None
+    grads: bool = True
+    padding: torch.Tensor | None = None
+    cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None
+    device: str | torch.device = "cpu"
+
+    @classmethod
+    def of(cls, options: TwinOptions | None, keywords: Mapping[str, Any]) -> TwinOptions:
+        """``options`` (the defaults when None) with ``keywords`` replacing its fields."""
+        unknown = sorted(set(keywords) - {f.name for f in fields(cls)})
+        if unknown:
+            raise UsageError(f"unknown twin option(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(f.name for f in fields(cls))}")
+        return replace(options or cls(), **keywords)
+
+    def for_reproducer(self) -> dict[str, Any]:
+        """The options as the reproducer script writes them."""
+        return dict(dtype=dtype_name(self.dtype), backend=self.backend, init=self.init,
+                    seed=self.seed, weight_map=self.weight_map, grads=self.grads,
+                    padding=self.padding, cache=self.cache,
+                    device=None if str(self.device) == "cpu" else str(self.device))
+
+
+def check(old: Buildable, new: Buildable, inputs: Inputs, options: TwinOptions | None = None,
+          **keywords: Any) -> TwinVerdict:
     """The verdict on ``new`` against ``old`` on ``inputs``; see :func:`assert_twins`."""
-    name, target = dtype_name(dtype), torch_dtype(dtype)
+    o = TwinOptions.of(options, keywords)
+    backend, device, padding, weight_map = o.backend, o.device, o.padding, o.weight_map
+    name, target = dtype_name(o.dtype), torch_dtype(o.dtype)
     if backend is not None and backend not in backends.names():
         raise UsageError(f"unknown backend {backend!r}; choose one of "
                          f"{', '.join(backends.names())}")
     if not isinstance(inputs, tuple | dict | Steps):
         raise UsageError(f"inputs must be a tuple of positional arguments, a dict of keyword "
                          f"arguments or Steps of them; got {type(inputs).__name__}")
-    old_cache, new_cache = cache if isinstance(cache, tuple) else (cache, cache)
-    old_module, new_module = building.build(old, new, init=init, seed=seed,
+    old_cache, new_cache = o.cache if isinstance(o.cache, tuple) else (o.cache, o.cache)
+    old_module, new_module = building.build(old, new, init=o.init, seed=o.seed,
                                             weight_map=weight_map)
     old_module.eval()
     new_module.eval()
     rounded = cast_inputs(inputs, device, target)
     padding = None if padding is None else padding.to(device)
-    grads = grads and not isinstance(inputs, Steps)
+    grads = o.grads and not isinstance(inputs, Steps)
     old_in_dtype = building.copy_in(old_module, target, device)
     new_in_dtype = building.copy_in(new_module, target, device)
     sides = {  # name: (module, inputs, backend, cache)
@@ -81,22 +124,17 @@ def check(old: Buildable, new: Buildable, inputs: Inputs, *, dtype: str | torch.
         old_state = old_module.state_dict()
         for side, run in runs.items():
             other = runs["golden" if side in ("candidate", "rerun") else "candidate"]
-            running.backward(sides[side][0], run, leaves[side], other.outputs, padding, seed)
+            running.backward(sides[side][0], run, leaves[side], other.outputs, padding, o.seed)
             if side in ("candidate", "rerun") and run.grads is not None:
                 run.grads["params"] = building.old_layout(run.grads["params"], weight_map,
                                                           old_state)
     baselines = [run for side, run in runs.items() if side.startswith("baseline")]
-    return judge(runs["candidate"], runs["golden"], baselines, runs["rerun"], padding=padding,
-                 dtype=name, backend=backend)
+    return judge_twins(runs["candidate"], runs["golden"], baselines, runs["rerun"],
+                       padding=padding, dtype=name, backend=backend)
 
 
-def assert_twins(old: Buildable, new: Buildable, inputs: Inputs, *,
-                 dtype: str | torch.dtype = "fp32", backend: str | None = None,
-                 init: Mapping[str, Any] | None = None, seed: int = 0,
-                 weight_map: WeightMap | None = None, grads: bool = True,
-                 padding: torch.Tensor | None = None,
-                 cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None,
-                 device: str | torch.device = "cpu") -> TwinVerdict:
+def assert_twins(old: Buildable, new: Buildable, inputs: Inputs,
+                 options: TwinOptions | None = None, **keywords: Any) -> TwinVerdict:
     """Check that ``new`` computes what ``old`` does on ``inputs``, within the rounding the
     tolerance model allows; raise :class:`TwinFailure` (an ``AssertionError``) with the
     explanation (and a standalone reproducer script where both sides can be rebuilt) when it
@@ -117,14 +155,21 @@ def assert_twins(old: Buildable, new: Buildable, inputs: Inputs, *,
     parameters, are judged too. ``padding`` (bool, True at padded positions, leading
     dimensions of the outputs) leaves padded positions out of the judgement and the backward.
     Everything runs on ``device`` (the modules are built on the CPU, then copied there).
+
+    Args:
+        old, new: the two implementations (modules, classes or factories).
+        inputs: a tuple of positional arguments, a dict of keyword arguments, or
+            :class:`Steps`.
+        options: a :class:`TwinOptions`; its fields may also be given as keywords
+            (``dtype="bf16"``), which replace those of ``options``.
+
+    Returns:
+        The verdict, when it passes.
     """
-    verdict = check(old, new, inputs, dtype=dtype, backend=backend, init=init, seed=seed,
-                    weight_map=weight_map, grads=grads, padding=padding, cache=cache,
-                    device=device)
+    o = TwinOptions.of(options, keywords)
+    verdict = check(old, new, inputs, o)
     if not verdict.ok:
-        options = dict(dtype=dtype_name(dtype), backend=backend, init=init, seed=seed,
-                       weight_map=weight_map, grads=grads, padding=padding, cache=cache,
-                       device=None if str(device) == "cpu" else str(device))
-        raise TwinFailure(verdict, dict(options, inputs=inputs),
-                          lambda: reproducer.section(old, new, inputs, options))
+        written = o.for_reproducer()
+        raise TwinFailure(verdict, dict(written, inputs=inputs),
+                          lambda: reproducer.section(old, new, inputs, written))
     return verdict

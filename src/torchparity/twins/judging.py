@@ -48,7 +48,7 @@ class TwinVerdict:
         return "\n".join(wrapped(part) for part in parts)
 
 
-def judge(candidate: Run, golden: Run, baselines: list[Run], rerun: Run, *,
+def judge_twins(candidate: Run, golden: Run, baselines: list[Run], rerun: Run, *,
           padding: torch.Tensor | None, dtype: str, backend: str | None) -> TwinVerdict:
     """The verdict: outputs under the forward tolerance, gradients under the gradient one."""
     forward = _best(candidate.outputs, golden.outputs, [b.outputs for b in baselines],

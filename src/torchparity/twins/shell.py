@@ -44,7 +44,7 @@ def parse_init(items: Sequence[str]) -> dict[str, Any]:
     return init
 
 
-def run(old: str, new: str, inputs: str, *, init: Mapping[str, Any], dtypes: Sequence[str],
+def run_twins(old: str, new: str, inputs: str, *, init: Mapping[str, Any], dtypes: Sequence[str],
         backends: Sequence[str | None], weight_map: str | None, cache: Sequence[str],
         mask: str, positions: tuple[int, int] | None, examples: int, seed: int) -> str:
     """Run the check or the search; the line to print when it passes (a failure raises

@@ -38,7 +38,10 @@ def across_ranks(args: argparse.Namespace) -> int:
     launched = sharded.start(args.nproc, args._argv)
     if launched is not None:
         return launched
-    from torchparity.diagnosis.pipelines.ranks import diagnose_across_ranks, diagnose_pair_across_ranks
+    from torchparity.diagnosis.pipelines.ranks import (
+        diagnose_across_ranks,
+        diagnose_pair_across_ranks,
+    )
 
     if args.against:
         report = sharded.collectively("the diagnosis", lambda: diagnose_across_ranks(

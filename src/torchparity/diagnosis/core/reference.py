@@ -1,10 +1,11 @@
 """What the stages of a diagnosis share: the reference side, model A's recorded calls, where
 their tensors are and the float64 golden that judges them.
 
-Each stage (:mod:`~torchparity.diagnosis.stages.capture_a`, :mod:`~torchparity.diagnosis.stages.float64_golden`,
+Each stage (:mod:`~torchparity.diagnosis.stages.capture_a`,
+:mod:`~torchparity.diagnosis.stages.float64_golden`,
 :mod:`~torchparity.diagnosis.stages.propagated`, :mod:`~torchparity.diagnosis.stages.local`,
-:mod:`~torchparity.diagnosis.stages.entry`) reads and adds to a :class:`Reference`; no stage imports
-another, the pipeline (:mod:`~torchparity.diagnosis.pipelines.forward`) calls them in order.
+:mod:`~torchparity.diagnosis.stages.entry`) reads and adds to a :class:`Reference`; no stage
+imports another, the pipeline (:mod:`~torchparity.diagnosis.pipelines.forward`) calls them in order.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torchparity.diagnosis.core.capture import ModuleCall, Signature, call_key
 from torchparity.diagnosis.core.judging import joined, judge, judge_quickly, module_padding
 from torchparity.diagnosis.core.progress import ProgressBar
 from torchparity.diagnosis.core.results import Result
-from torchparity.diagnosis.core.run import GOLDEN_DTYPE, Run, dtype_label
+from torchparity.diagnosis.core.run import GOLDEN_DTYPE, CapturedRun, dtype_label
 from torchparity.diagnosis.core.state import (
     OwnState,
     changing_within,
@@ -146,7 +147,7 @@ def grad_keeper(store: Store, *groups: str) -> Callable[[ModuleCall, str, torch.
                                                    for group in groups])
 
 
-def keep_run_results(store: Store, run: Run, out_group: str, param_group: str) -> None:
+def keep_run_results(store: Store, run: CapturedRun, out_group: str, param_group: str) -> None:
     """Store a run's final output and loss (under the pseudo-call FINAL) and each module's
     direct parameter gradients."""
     final = flatten_tensors(run.output)

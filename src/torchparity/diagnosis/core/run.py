@@ -171,7 +171,7 @@ def default_loss(output: Any, inputs: Any = None, padding: Padding | None = None
 
 
 @dataclass
-class Run:
+class CapturedRun:
     """What one captured run leaves: its calls, detached output, loss and parameter grads."""
 
     calls: list[ModuleCall]
@@ -183,7 +183,7 @@ class Run:
 
 def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendSpec, *,
               backward: bool, float64: bool = False, states: StateRecorder | None = None,
-              **capture: Any) -> Run:
+              **capture: Any) -> CapturedRun:
     """One seeded forward (and backward, ``.grad`` untouched) with the selected modules
     captured, and every module's state recorded by ``states``. Each parameter's gradient is
     kept (sketched above the size threshold, by its name in its module) as soon as it is
@@ -226,7 +226,7 @@ def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendS
         for name, module in cap.modules.items()
     }
     output = map_tensors(read_caches(output), lambda t: t.detach())
-    return Run(cap.records, output, None if loss is None else loss.detach(), param_grads,
+    return CapturedRun(cap.records, output, None if loss is None else loss.detach(), param_grads,
                set() if states is None else states.changing)
 
 

@@ -8,10 +8,10 @@ is in :mod:`~torchparity.diagnosis.core.reference`), and the data passes through
 
 1. :mod:`~torchparity.diagnosis.stages.capture_a`: **capture A**, every selected module's inputs,
    outputs and output gradients, in memory or on disk;
-2. :mod:`~torchparity.diagnosis.stages.float64_golden`: **A's float64 golden**, the same run in float64 on
-   the CPU, and on-demand replays of each call for local goldens;
-3. and 4. :mod:`~torchparity.diagnosis.stages.propagated`: **propagated errors**, B's full run judged
-   against the golden's as it runs (calls paired by name meanwhile), then B's calls
+2. :mod:`~torchparity.diagnosis.stages.float64_golden`: **A's float64 golden**, the same run in
+   float64 on the CPU, and on-demand replays of each call for local goldens;
+3. and 4. :mod:`~torchparity.diagnosis.stages.propagated`: **propagated errors**, B's full run
+   judged against the golden's as it runs (calls paired by name meanwhile), then B's calls
    **aligned** with A's by :mod:`~torchparity.diagnosis.core.align` (names, ``name_map``, call order
    and output shapes, fusion);
 5. :mod:`~torchparity.diagnosis.stages.local`: **local errors**, B's modules replayed on A's
@@ -27,8 +27,8 @@ The first module whose local error breaks its budget is where B starts to comput
 else; everything after it inherits the error. ``record`` runs stages 1 and 2 on one revision
 and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 to 5 and 7, or,
 when the trace's metadata is a decoding's (:class:`~.trace_meta.DecodeTraceMeta`), hands it to
-the decoding pipeline, :mod:`~torchparity.diagnosis.pipelines.decoding`, which runs the same stages at
-the steps of a decoding.
+the decoding pipeline, :mod:`~torchparity.diagnosis.pipelines.decoding`, which runs the same stages
+at the steps of a decoding.
 """
 
 from __future__ import annotations
@@ -203,9 +203,10 @@ def record(
     ``padding`` are as in :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded
     dtype and leaves the recorded padding out. ``ops`` (``"all"`` or module names joined by
     commas) keeps A's ops of every call of every module, or of those, so that
-    :func:`diagnose_against` drills down to the op (:mod:`torchparity.diagnosis.stages.ops.recorded`).
-    ``ops_only`` writes only what that drill-down reads: the modules' calls' inputs, output
-    gradients and ops (one forward and backward of A, no golden, no replays), as ``diagnose
+    :func:`diagnose_against` drills down to the op
+    (:mod:`torchparity.diagnosis.stages.ops.recorded`). ``ops_only`` writes only what that
+    drill-down reads: the modules' calls' inputs, output gradients and ops (one forward and
+    backward of A, no golden, no replays), as ``diagnose
     --base`` records the first divergent module (and its caller) at the base.
     ``recorded_by`` is the command line that records it, kept so that a drill-down missing
     A's ops can say how to add them. Returns the path.

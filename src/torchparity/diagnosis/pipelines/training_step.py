@@ -26,7 +26,8 @@ def diagnose_step(config: TrainConfig, reference: Execution, candidate: Executio
     global batch with the training loss; A runs under the reference execution's backend and
     dtype mode, B under the candidate's. A module that diverges here is where the step's
     forward or backward pass differs; a clean report points at the optimizer, clipping or
-    loss scaling instead. Returns the :class:`~torchparity.diagnosis.reports.diagnosis.DiagnosisReport`.
+    loss scaling instead. Returns the
+    :class:`~torchparity.diagnosis.reports.diagnosis.DiagnosisReport`.
     """
     if torch.device(candidate.device) != torch.device(reference.device):
         raise ValueError("diagnose_step compares executions on one device; got "

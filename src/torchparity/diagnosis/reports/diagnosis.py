@@ -14,7 +14,7 @@ from typing import Any
 from torchparity.comparison.tensor import json_safe
 from torchparity.diagnosis.reports.columns import Line, layout, print_lines
 from torchparity.diagnosis.reports.folding import FOLD_ABOVE, Fold, folded
-from torchparity.diagnosis.reports.html import html_page, layer_groups
+from torchparity.diagnosis.reports.html import diagnosis_html_page, layer_groups
 from torchparity.diagnosis.core.reference import golden_warning
 from torchparity.diagnosis.reports.meta import AttributionMeta, DiagnosisMeta
 from torchparity.diagnosis.core.results import (
@@ -247,11 +247,12 @@ class DiagnosisReport(Report):
 
         The module name is the last column and is never cut (see :mod:`.columns`): in a CI
         log (80 columns) it is the answer. Types and amplification are in the JSON and HTML.
-        With ``fold``, a report of more than :data:`~torchparity.diagnosis.reports.folding.FOLD_ABOVE`
-        rows shows the rows that matter (first divergences, where one enters, modules whose
-        local error diverged, structure differences, and their neighbours) and folds runs of
-        layers alike into one line, with the worst cell of each column; JSON and HTML keep
-        every row. Under a row drilled down to its ops: the op table and where it enters."""
+        With ``fold``, a report of more than
+        :data:`~torchparity.diagnosis.reports.folding.FOLD_ABOVE` rows shows the rows that matter
+        (first divergences, where one enters, modules whose local error diverged, structure
+        differences, and their neighbours) and folds runs of layers alike into one line, with the
+        worst cell of each column; JSON and HTML keep every row. Under a row drilled down to its
+        ops: the op table and where it enters."""
         backward = self.meta.backward
         heads = ["#", "local", "prop."] + (["grad l.", "grad p."] if backward else [])
         first, grad = self.first_divergence, self.first_grad_divergence
@@ -338,7 +339,7 @@ class DiagnosisReport(Report):
     def to_html(self, path: str | os.PathLike | None = None) -> str:
         """A self-contained HTML page (inline SVG plot, no scripts); written to ``path`` if
         given."""
-        page = html_page(self)
+        page = diagnosis_html_page(self)
         if path is not None:
             Path(path).write_text(page, encoding="utf-8")
         return page

@@ -68,7 +68,7 @@ def settings_details(meta: dict[str, Any]) -> str:
     return f"<details><summary>settings</summary>{settings_table(meta)}</details>"
 
 
-def html_page(report: Any) -> str:
+def diagnosis_html_page(report: Any) -> str:
     plots = [svg_plot(report.rows, {"local": "local", "propagated": "propagated"},
                       "Forward error / budget")]
     if report.meta.backward:

@@ -179,8 +179,8 @@ def _decode_call(data: dict[str, Any]) -> ModuleCall:
 
 def open_reference(path: str | Path) -> tuple[Reference, ForwardTraceMeta]:
     """The reference side a trace of a forward pass holds (every call already replayed), and
-    its metadata (:func:`~torchparity.diagnosis.pipelines.forward.diagnose_against` sends a decoding trace to
-    the decoding pipeline, which opens it with :func:`open_decode_reference`)."""
+    its metadata (:func:`~torchparity.diagnosis.pipelines.forward.diagnose_against` sends a
+    decoding trace to the decoding pipeline, which opens it with :func:`open_decode_reference`)."""
     data, store = open_trace(path)
     meta = meta_from_json(data)
     golden, no_golden = parse_golden_label(meta.golden)

@@ -31,7 +31,7 @@ from torchparity.diagnosis.core.judging import (
 from torchparity.diagnosis.core.progress import ProgressBar
 from torchparity.diagnosis.core.reference import Reference
 from torchparity.diagnosis.core.results import Result, Row, new_row
-from torchparity.diagnosis.core.run import Options, Run, run_model
+from torchparity.diagnosis.core.run import Options, CapturedRun, run_model
 from torchparity.diagnosis.core.state import StateRecorder
 from torchparity.diagnosis.core.trace import FINAL
 from torchparity.subject.running import Inputs
@@ -104,7 +104,7 @@ def judge_captured(reference: StepReference, calls_b: list[ModuleCall],
 
 
 def _run(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
-         bar: ProgressBar, pairing: Pairing) -> tuple[_Tracker, Run]:
+         bar: ProgressBar, pairing: Pairing) -> tuple[_Tracker, CapturedRun]:
     done = bar.phase("B: forward" + (" and backward" if opts.backward else ""))
     tracker = _Tracker(reference, pairing)
     states = StateRecorder(model, snapshots=False)
@@ -182,7 +182,7 @@ class _Tracker:
             self.grads[b_key] = merged(self.grads.get(b_key), params)
 
 
-def _final(reference: Reference, run: Run, which: str) -> Result:
+def _final(reference: Reference, run: CapturedRun, which: str) -> Result:
     final = flatten_tensors(run.output)
     # A loss carries the rounding of the outputs it is computed from.
     precision = next((t.dtype for t in final.values() if t.is_floating_point()), None)

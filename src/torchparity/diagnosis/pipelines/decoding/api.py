@@ -1,15 +1,15 @@
 """Decoding diagnosis: the first step, and the module, where B's decoding parts from A, and
 whether each changed token is a near tie or a real change.
 
-The pipeline of a decoding, calling the stages of :mod:`torchparity.diagnosis.pipelines.forward` at the
-steps: A decodes teacher-forced (along its own greedy choices, or any tokens given: what a beam
+The pipeline of a decoding, calling the stages of :mod:`torchparity.diagnosis.pipelines.forward` at
+the steps: A decodes teacher-forced (along its own greedy choices, or any tokens given: what a beam
 search or a seeded sampler produced) with every module captured at every step
-(:mod:`~torchparity.diagnosis.stages.capture_a`), beside a float64 copy of itself fed the same tokens
-(the golden, :mod:`~torchparity.diagnosis.stages.float64_golden`). B is fed the same tokens, so a
-difference at one step cannot change what the next step sees; each step's next-token logits
+(:mod:`~torchparity.diagnosis.stages.capture_a`), beside a float64 copy of itself fed the same
+tokens (the golden, :mod:`~torchparity.diagnosis.stages.float64_golden`). B is fed the same tokens,
+so a difference at one step cannot change what the next step sees; each step's next-token logits
 are judged against the golden with A's as the baseline
-(:mod:`~torchparity.diagnosis.pipelines.decoding.judging`). At the first step that leaves its budget B
-runs once more with every module captured at that step; its calls are aligned and judged
+(:mod:`~torchparity.diagnosis.pipelines.decoding.judging`). At the first step that leaves its
+budget B runs once more with every module captured at that step; its calls are aligned and judged
 (:mod:`~torchparity.diagnosis.stages.propagated`) against that step of the reference, where the
 change enters is named (:mod:`~torchparity.diagnosis.stages.entry`, or the reorder of a beam search)
 and the first divergent module drilled down to its ops (:mod:`~torchparity.diagnosis.stages.ops`).
@@ -18,8 +18,9 @@ and the first divergent module drilled down to its ops (:mod:`~torchparity.diagn
 base revision and ``diagnose_decode_against`` judges the changed revision against it. Models
 decode through the step protocol of :mod:`torchparity.subject.decoding`: reference models and
 ``transformers`` generators need no step of their own. With ``beams`` A runs a beam search and
-every other side follows its parents and tokens (:mod:`~torchparity.diagnosis.pipelines.decoding.beams`
-judges where B would keep other hypotheses). No gradients are taken.
+every other side follows its parents and tokens
+(:mod:`~torchparity.diagnosis.pipelines.decoding.beams` judges where B would keep other
+hypotheses). No gradients are taken.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ Every side follows A's search (the same parents and tokens), so at every step ea
 the same candidates (:meth:`~torchparity.subject.beams.BeamSearch.follow`). A *beam swap* is a
 step where the candidates B would keep, by its own scores, are not A's: the candidate A kept
 and B drops (the lowest A kept of them) against the one B keeps instead (the highest A
-dropped). Its verdict is that of a token flip (:func:`~torchparity.diagnosis.pipelines.decoding.judging.
-flip_verdict`): a ``real change`` when B's float64 scores, along the same beams, prefer the
-other candidate than the golden does beyond float64 rounding; without them, when A's margin
-between the two exceeds twice the budget of the step's scores. The scores are judged under the
-tolerance model like logits, in the logits' dtype (their noise is the logits'). The final
-n-best ranks every hypothesis the search ended or kept; a difference there is judged alike.
+dropped). Its verdict is that of a token flip
+(:func:`~torchparity.diagnosis.pipelines.decoding.judging.flip_verdict`): a ``real change`` when
+B's float64 scores, along the same beams, prefer the other candidate than the golden does beyond
+float64 rounding; without them, when A's margin between the two exceeds twice the budget of the
+step's scores. The scores are judged under the tolerance model like logits, in the logits' dtype
+(their noise is the logits'). The final n-best ranks every hypothesis the search ended or kept; a
+difference there is judged alike.
 
 A reorder that leaves a row of the state without its parent's positions (one cache part left
 out of the reorder, the index taken on another dimension) shows in the state itself:

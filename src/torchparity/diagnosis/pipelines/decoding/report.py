@@ -22,7 +22,12 @@ import torch
 from torchparity.comparison.tensor import json_safe
 from torchparity.diagnosis.reports.columns import Line, layout, print_lines
 from torchparity.diagnosis.pipelines.decoding.beams import BeamSwap
-from torchparity.diagnosis.pipelines.decoding.judging import Flip, first_module, step_budget, step_error
+from torchparity.diagnosis.pipelines.decoding.judging import (
+    Flip,
+    first_module,
+    step_budget,
+    step_error,
+)
 from torchparity.diagnosis.reports.html import html_cell, page, settings_details, svg_plot
 from torchparity.diagnosis.reports.diagnosis import Report, not_compared_legend
 from torchparity.diagnosis.reports.meta import DecodeMeta

@@ -4,8 +4,8 @@ is found), or against another model sharded alike (``diagnose A B --nproc N``, f
 process holds whole).
 
 Every rank runs B, the factory's model sharded by its own plan, forward on A's inputs with a
-hook on each module (:mod:`~torchparity.diagnosis.pipelines.ranks.runs`) that keeps each output as the
-rank holds it: a DTensor its part only. The ranks then judge the calls every rank made one at
+hook on each module (:mod:`~torchparity.diagnosis.pipelines.ranks.runs`) that keeps each output as
+the rank holds it: a DTensor its part only. The ranks then judge the calls every rank made one at
 a time, in the order they finished (children before parents;
 :func:`~torchparity.diagnosis.pipelines.ranks.judging.first_divergence`): each rank makes the call's
 DTensors whole (a collective), rank 0 gathers that call's outputs from every rank, judges them
@@ -172,8 +172,8 @@ def _grad_divergence(verdicts: list[GradVerdict], b: RankRun
                      ) -> tuple[int, RankDivergence | None] | None:
     """On rank 0, how many modules' gradients every rank judged (``verdicts``, this rank's)
     and the first that diverges
-    (:func:`~torchparity.diagnosis.pipelines.ranks.judging.first_grad_divergence`); None on the other
-    ranks. Every rank must call it: B's gradients of a module whose copies disagree between
+    (:func:`~torchparity.diagnosis.pipelines.ranks.judging.first_grad_divergence`); None on the
+    other ranks. Every rank must call it: B's gradients of a module whose copies disagree between
     ranks are gathered to say by how much."""
     everyone = _at_rank_zero(verdicts)
     found = None if everyone is None else first_grad_divergence(everyone)

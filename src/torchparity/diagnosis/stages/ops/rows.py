@@ -93,9 +93,9 @@ def drill_down(reference: Reference, matches: list[Match], rows: list[Row],
     done()
 
 
-def _drilled(reference: Reference, matches: list[Match], rows: list[Row], index: int, model_a: nn.Module,
-             model_b: nn.Module, opts: Options, backward: bool = False,
-             changing: set[str] = frozenset()) -> OpReport | NoOps:
+def _drilled(reference: Reference, matches: list[Match], rows: list[Row], index: int,
+             model_a: nn.Module | None, model_b: nn.Module, opts: Options,
+             backward: bool = False, changing: set[str] = frozenset()) -> OpReport | NoOps:
     """Row ``index``'s call drilled down, through its caller when the module's own code is a
     library's (an ``nn.Linear`` has no line of the user's: its caller's holds the call); or
     why not."""
