@@ -20,6 +20,8 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.transformers
 
 MODELS = Path(__file__).resolve().parents[1] / "sharded_models.py"
+#: Factories that shard their models themselves under torchrun, handing no plan.
+SELF_SHARDED = MODELS.with_name("self_sharded_models.py")
 #: The outputs a sharded run judges: a transformers Llama decodes too (greedily in the
 #: reference cell, along the golden's tokens elsewhere; ``decode-cache``: its cache against
 #: recomputing the whole sequence).
@@ -30,6 +32,9 @@ CELLS = ["--backend", "manual", "--backend", "sdpa-math", "--dtype", "fp32"]
 
 
 def entry(name: str) -> str:
+    """A factory of tests/sharded_models.py, or ``self:NAME`` of tests/self_sharded_models.py."""
+    if name.startswith("self:"):
+        return f"{SELF_SHARDED}:{name.removeprefix('self:')}"
     return f"{MODELS}:{name}"
 
 
@@ -86,8 +91,37 @@ def test_each_plan_checks_on_2_ranks_and_in_one_process(tmp_path, capsys, name):
     assert set(found[1].values()) <= {"within", "n/a"}
 
 
+def test_a_model_that_shards_itself_checks_on_2_ranks_against_goldens_of_one_process(
+        tmp_path, capsys):
+    # The factory applies tensor parallel and FSDP2 itself when it finds itself under
+    # torchrun: its DTensor parameters are weighed and kept through their placements, and the
+    # verdicts are those of the same model whose factory hands its plan.
+    golden = ["--golden-dir", str(tmp_path / "golden")]
+    assert main(["golden", "update", "--model", entry("self:fsdp_tp"), *golden]) == 0
+    report = tmp_path / "check.json"
+    assert main(["check", "--model", entry("self:fsdp_tp"), "--nproc", "2", *CELLS, *golden,
+                 "--json", str(report)]) == 0, capsys.readouterr()
+    found = verdicts(report)
+    assert set(found.values()) <= {"within"}
+    assert {output for (_, _, output) in found} == WITHOUT_DECODING
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mine_fsdp_tp", "llama_fsdp_tp"])
+@pytest.mark.parametrize(("name", "planned"), [("self:dtensor_tp", "mine_tp"),
+                                               ("self:fsdp", "mine_fsdp"),
+                                               ("self:fsdp_tp", "mine_fsdp_tp")])
+def test_a_model_that_shards_itself_checks_as_the_model_whose_plan_is_handed_in(
+        tmp_path, capsys, name, planned):
+    # In a dtype of its own too (bf16): each run's copy is built and sharded by the factory.
+    cells = [*CELLS, "--dtype", "bf16"]
+    itself = update_then_check(tmp_path / "itself", name, [2, 1], capsys, cells=cells)
+    handed = update_then_check(tmp_path / "handed", planned, [2], capsys, cells=cells)
+    assert itself[2] == itself[1] == handed[2]
+    assert set(itself[2].values()) <= {"within"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mine_fsdp_tp", "llama_fsdp_tp", "self:fsdp_tp"])
 def test_a_golden_of_2_ranks_checks_on_4(tmp_path, capsys, name):
     found = update_then_check(tmp_path, name, [4, 1], capsys)
     assert found[4] == found[1]

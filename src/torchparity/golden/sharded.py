@@ -146,11 +146,11 @@ def collectively(what: str, fn: Callable[[], Any]) -> Any:
 
 def _weighed(subject: Subject) -> Subject:
     """``subject``, held (:func:`~torchparity.subject.sharded.hold`) when its factory built it
-    on the meta device: its weights exist only once the plan shards it, and their checksums
-    are then gathered one tensor at a time. A model built whole is weighed before its plan
-    runs, since a plan may change weights (a drifted copy is a difference to find, not
-    another init)."""
-    if on_meta(subject.model):
+    on the meta device, or sharded it itself: its weights exist only in parts, and their
+    checksums are then gathered one tensor at a time. A model built whole is weighed before
+    its plan runs, since a plan may change weights (a drifted copy is a difference to find,
+    not another init)."""
+    if on_meta(subject.model) or sharded.shards_itself(subject.model):
         sharded.hold(subject)
         sharded.mark("the checksums of the weights")
     return subject

@@ -30,10 +30,12 @@ from torch import nn
 
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.subject import hf
+from torchparity.subject.factory import call_factory, resolve_entry
 from torchparity.subject.running import (
     cast_inputs,
     converted,
     grad_hooks,
+    is_dtensor,
     local_part,
     on_meta,
 )
@@ -221,11 +223,25 @@ def shard(subject: Subject, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
                          "tensor-parallel plan) from it, or run it in one process")
     returned = subject.guarded(lambda: plan(model, mesh), "its parallelize")
     sharded = returned if isinstance(returned, nn.Module) else model
-    unfit = uneven_shard(sharded) or split_heads(sharded)
-    if unfit:
-        raise UsageError(f"the plan of {subject.entry} {unfit}; choose a mesh or --nproc "
-                         "that divides it")
+    refuse_unfit(subject, sharded)
     return sharded
+
+
+def shards_itself(model: nn.Module) -> bool:
+    """Whether the factory returned its model sharded already (it called ``fully_shard`` or
+    ``parallelize_module`` itself, under torchrun): some of its parameters are DTensors."""
+    return any(is_dtensor(param) for param in model.parameters())
+
+
+def refuse_unfit(subject: Subject, model: nn.Module) -> None:
+    """A one-line :class:`UsageError` where ``model``'s sharding splits a parameter unevenly
+    or a head (:func:`uneven_shard`, :func:`split_heads`)."""
+    unfit = uneven_shard(model) or split_heads(model)
+    if unfit:
+        sharding = ("the plan of" if subject.parallelize is not None
+                    else "the sharding by factory")
+        raise UsageError(f"{sharding} {subject.entry} {unfit}; choose a mesh or --nproc "
+                         "that divides it")
 
 
 def uneven_shard(model: nn.Module) -> str | None:
@@ -380,6 +396,11 @@ def hold(subject: Subject) -> None:
     if subject.shards is not None:
         return
     model = subject.model
+    if subject.parallelize is None and shards_itself(model):
+        mark("the checks of the factory's sharded model")
+        refuse_unfit(subject, model)
+        subject.shards = model  # its structure is its own: DTensors have the whole shapes
+        return
     device = "cpu" if on_meta(model) else next(iter(model.parameters()), torch.empty(0)).device
     structure = converted(model, "meta", torch.float64)
     mark("the sharding of the factory's model (its plan)")
@@ -396,13 +417,23 @@ def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
     shards a copy on the meta device; each rank then fills its own part from its part of the
     factory's model, sharded alike (:func:`hold`)."""
     hold(subject)
-    model = converted(subject.model, "meta", dtype)
-    if model is subject.model:
-        model = copy.deepcopy(model)
-    model = shard(subject, model, device_mesh(subject, device))
-    _materialised(model, device)
+    if subject.shards is subject.model:  # sharded by the factory: it shards a copy alike
+        model = rebuilt(subject).to(device, dtype)
+    else:
+        model = converted(subject.model, "meta", dtype)
+        if model is subject.model:
+            model = copy.deepcopy(model)
+        model = shard(subject, model, device_mesh(subject, device))
+        _materialised(model, device)
     _fill(model, subject.shards)
     return _ready(subject, model, attention), cast_inputs(subject.inputs, device, dtype)
+
+
+def rebuilt(subject: Subject) -> nn.Module:
+    """The model of a factory that shards it itself, built and sharded again by the factory
+    (FSDP2's modules cannot be copied): a run's copy, whose parts :func:`placed` fills."""
+    factory = resolve_entry(subject.entry)
+    return call_factory(factory, subject.entry)["model"]
 
 
 def held(subject: Subject, attention: str = hf.SDPA) -> nn.Module:
