@@ -9,6 +9,7 @@ The ranks import this file by its path."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -108,7 +109,11 @@ class _GatherFromRanks(torch.autograd.Function):
         return grad[..., start:start + ctx.width].contiguous(), None
 
 
-def _slice(tensor: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+def _slice(tensor: torch.Tensor, dim: int, rank: int, dealt: bool = False) -> torch.Tensor:
+    """Rank ``rank``'s slice along ``dim``: the ``rank``-th of equal chunks, or (``dealt``)
+    every ``ranks()``-th entry from ``rank`` on, as cards are dealt."""
+    if dealt:
+        return tensor.detach().index_select(dim, torch.arange(rank, tensor.shape[dim], ranks()))
     return tensor.detach().chunk(ranks(), dim=dim)[rank].clone()
 
 
@@ -117,10 +122,10 @@ class ColumnLinear(nn.Linear):
     rank's), its output either those columns or gathered whole."""
 
     def shard(self, holds: int | None = None, gather: bool = False,
-              order: list[int] | None = None) -> None:
+              order: list[int] | None = None, dealt: bool = False) -> None:
         holds = this_rank() if holds is None else holds
-        self.weight = nn.Parameter(_slice(self.weight, 0, holds))
-        self.bias = nn.Parameter(_slice(self.bias, 0, holds))
+        self.weight = nn.Parameter(_slice(self.weight, 0, holds, dealt))
+        self.bias = nn.Parameter(_slice(self.bias, 0, holds, dealt))
         self.parallel, self.gather = True, gather
         self.order = order or list(range(ranks()))
 
@@ -135,8 +140,8 @@ class RowLinear(nn.Linear):
     """A linear whose rank holds the input rows of its own rank's slice; the ranks' partial
     sums reduced ``reductions`` times (1: correct), the bias added once after."""
 
-    def shard(self, reductions: int = 1) -> None:
-        self.weight = nn.Parameter(_slice(self.weight, 1, this_rank()))
+    def shard(self, reductions: int = 1, dealt: bool = False) -> None:
+        self.weight = nn.Parameter(_slice(self.weight, 1, this_rank(), dealt))
         self.parallel, self.reductions = True, reductions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,12 +224,15 @@ def _manual(shard=None, dims=split_dims) -> dict:
     return found
 
 
-def _correct(model: ManualLM, **row) -> None:
+def _correct(model: ManualLM, reductions: int = 1, dealt: bool = False) -> None:
+    """Heads and MLP units split among the ranks; the attention's output projection's partial
+    sums reduced ``reductions`` times (1: correct), the MLP's units ``dealt`` in turn."""
     for layer in model.layers:
-        for column in (layer.attn.q, layer.attn.k, layer.attn.v, layer.up):
+        for column in (layer.attn.q, layer.attn.k, layer.attn.v):
             column.shard()
-        layer.attn.o.shard(**row)
-        layer.down.shard()
+        layer.up.shard(dealt=dealt)
+        layer.attn.o.shard(reductions)
+        layer.down.shard(dealt=dealt)
 
 
 def manual_tp() -> dict:
@@ -236,22 +244,21 @@ def manual_tp_inferred() -> dict:
     return _manual(dims=None)
 
 
-def _unreduced_rows(model: ManualLM) -> None:
-    _correct(model, reductions=0)
+def manual_tp_mlp_dealt() -> dict:
+    """Correct, but the MLP's hidden units are dealt to the ranks in turn (the MLP computes
+    the same whatever their order), not declared: no rank's slice of it is a stretch of the
+    one-process weight."""
+    return _manual(functools.partial(_correct, dealt=True), dims=None)
 
 
 def manual_tp_unreduced_rows() -> dict:
     """The attention's output projection never adds up the ranks' partial sums."""
-    return _manual(_unreduced_rows)
-
-
-def _reduced_twice(model: ManualLM) -> None:
-    _correct(model, reductions=2)
+    return _manual(functools.partial(_correct, reductions=0))
 
 
 def manual_tp_reduced_twice() -> dict:
     """The attention's output projection adds up the ranks' partial sums twice."""
-    return _manual(_reduced_twice)
+    return _manual(functools.partial(_correct, reductions=2))
 
 
 def _columns_out_of_order(model: ManualLM) -> None:

@@ -129,6 +129,10 @@ def _check_reference(feed: Feed) -> tuple[list[CheckResult], Run]:
             results.append(row(feed, REFERENCE, output, NOT_COMPARED, ok=False,
                                reason=fresh.not_compared[output]))
             continue
+        if output in fresh.missing:
+            results.append(row(feed, REFERENCE, output, "n/a", ok=True,
+                               reason=fresh.missing[output]))
+            continue
         candidate, golden = fresh.outputs.get(output, {}), feed.golden(output)
         moved = perturbed.outputs.get(output, {})
         baseline = {path: sketching.shifted(golden[path], moved[path], tensor)
