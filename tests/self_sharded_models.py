@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -307,3 +308,16 @@ def manual_tp_heads_swapped() -> dict:
     """Its slices found by matching them to the one-process weights: each rank's keys and
     values are where the other rank's belong."""
     return _manual(_heads_swapped, dims=None)
+
+
+def _dies_in_rank_one(model: ManualLM) -> None:
+    """Correct, but rank 1 is killed in the middle of its first forward, between two
+    collectives."""
+    _correct(model)
+    if this_rank() == 1:
+        model.layers[-1].down.register_forward_pre_hook(
+            lambda module, args: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def manual_tp_rank_one_dies() -> dict:
+    return _manual(_dies_in_rank_one)

@@ -237,6 +237,25 @@ def test_a_rank_that_hangs_is_named_within_the_collective_timeout(tmp_path, caps
 
 
 @pytest.mark.slow
+def test_a_rank_killed_mid_run_ends_the_run_in_one_line_and_leaves_the_goldens_whole(
+        tmp_path, capsys):
+    # Rank 1 of a model sharded by hand is killed inside its forward, between collectives:
+    # rank 0 waits in the next one until torchrun stops it.
+    err = refused(tmp_path / "update", "self:manual_tp_rank_one_dies", capsys)
+    assert "rank 1 died (Signal 9 (SIGKILL)" in err
+    golden = tmp_path / "golden"
+    assert main(["golden", "update", "--model", entry("self:manual_tp_rank_one_dies"),
+                 "--golden-dir", str(golden)]) == 0  # one process: no rank to kill
+    before = {path: path.read_bytes() for path in golden.rglob("*") if path.is_file()}
+    capsys.readouterr()
+    assert main(["check", "--model", entry("self:manual_tp_rank_one_dies"), "--nproc", "2",
+                 *CELLS, "--golden-dir", str(golden)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "rank 1 died" in err
+    assert {path: path.read_bytes() for path in golden.rglob("*") if path.is_file()} == before
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "diverged"), [
     *((name, WITHOUT_DECODING) for name in (
         "mine_unreduced_rows", "mine_columns_out_of_order", "mine_norm_drifts",
