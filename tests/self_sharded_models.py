@@ -16,7 +16,18 @@ import signal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sharded_models import HEADS, LAYERS, MINE_FSDP, MINE_TP, VOCAB, WIDTH, TinyLM, both, tokens
+from sharded_models import (
+    HEADS,
+    LAYERS,
+    MINE_FSDP,
+    MINE_TP,
+    VOCAB,
+    WIDE,
+    WIDTH,
+    TinyLM,
+    both,
+    tokens,
+)
 from torch import nn
 
 import torchparity as tp
@@ -33,12 +44,12 @@ def this_rank() -> int:
 # --- DTensor tensor parallel and FSDP2, applied by the factory itself ------------------------
 
 
-def _sharded_by(plan, dimensions: tuple[str, ...]) -> dict:
+def _sharded_by(plan, dimensions: tuple[str, ...], **sizes: int) -> dict:
     """The small decoder, sharded by ``plan`` over a mesh of ``dimensions`` (the last one takes
     the ranks the others leave) when the factory runs under torchrun."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    model = TinyLM()
+    model = TinyLM(**sizes)
     tp.init_weights(model, seed=0)
     if ranks() > 1:
         sizes = (1,) * (len(dimensions) - 1) + (ranks(),)
@@ -211,11 +222,11 @@ def split_dims(model: ManualLM) -> dict[str, int]:
     return dims
 
 
-def _manual(shard=None, dims=split_dims) -> dict:
+def _manual(shard=None, dims=split_dims, **sizes: int) -> dict:
     """The Megatron-style decoder, each rank keeping its slices (``shard(model)``; default: the
     correct split) under torchrun, with ``dims(model)``: which dimension each sharded
     parameter is split along, as the factory declares it (None: torchparity finds it)."""
-    model = ManualLM()
+    model = ManualLM(**sizes)
     tp.init_weights(model, seed=0)
     found = {"model": model, "inputs": (tokens(),)}
     if ranks() > 1:
@@ -321,3 +332,17 @@ def _dies_in_rank_one(model: ManualLM) -> None:
 
 def manual_tp_rank_one_dies() -> dict:
     return _manual(_dies_in_rank_one)
+
+
+# --- the wide model of tests/sharded_models.py, sharded by its factory: BENCHMARKS.md -----------
+
+
+def wide_dtensor_tp() -> dict:
+    """151M parameters, built whole by every rank and sharded by the factory's tensor-parallel
+    plan: ``sharded_models.py:wide_tp_whole`` with no plan handed in."""
+    return _sharded_by(MINE_TP, ("tp",), **WIDE)
+
+
+def wide_manual_tp() -> dict:
+    """The same model and split written by hand, its slices declared."""
+    return _manual(**WIDE)

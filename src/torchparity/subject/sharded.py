@@ -1,4 +1,4 @@
-"""A user's model sharded over the ranks of ``torchrun`` by its own plan.
+"""A user's model sharded over the ranks of ``torchrun``: by its own plan, or by its factory.
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank joins one process group (:func:`join`:
 gloo on the CPU, nccl on CUDA) and loads the factory, whose model the factory's
@@ -9,6 +9,13 @@ A run's copy in its dtype is planned on the meta device by the same plan, and ea
 its own part from its part of the factory's model (:func:`placed`): no rank ever holds the whole
 model in a run's dtype. A plan that shards a parameter unevenly is refused with one line: its
 ranks would pad, or split a head.
+
+A factory that hands in no plan may shard its model itself under torchrun: with DTensors
+(``fully_shard``, ``parallelize_module``), read through their placements, or by hand, each
+rank holding plain slices whose places in the one-process weights
+:mod:`~torchparity.subject.slices` finds. Either way that model is the one each rank runs, and
+a run's copy in another dtype is the factory's model built and sharded again
+(:func:`rebuilt`).
 
 Every collective waits at most :func:`collective_timeout` seconds; :func:`together` meets the
 ranks between phases and names the ones that do not come (gloo's monitored barrier).
