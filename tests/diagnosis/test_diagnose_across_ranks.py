@@ -33,10 +33,25 @@ BUGS = {
 }
 
 
+#: The same bugs written by hand, Megatron-style, in a model that shards itself
+#: (tests/self_sharded_models.py), with a row-parallel linear that reduces twice.
+BY_HAND = {
+    "self:manual_tp_unreduced_rows": ("layers.0.attn.o", [0, 1], "diverged"),
+    "self:manual_tp_reduced_twice": ("layers.0.attn.o", [0, 1], "diverged"),
+    "self:manual_tp_columns_out_of_order": ("layers.0.up", [0, 1], "diverged"),
+    "self:manual_tp_norm_drifts": ("layers.0.attn_norm", [1], "differs between ranks"),
+    # its slices are found where they lie in the one-process weights, but the ranks' keys
+    # joined in rank order, as a gather joins them, are not A's
+    "self:manual_tp_heads_swapped": ("layers.0.attn.k", [0, 1], "diverged"),
+}
+SELF_SHARDED = MODELS.with_name("self_sharded_models.py")
+
+
 def assert_named(status: int, report: dict, name: str) -> None:
     first = report["first_divergence"]
     assert status == 1
-    assert (first["module"], first["ranks"], first["result"]["verdict"]) == BUGS[name]
+    assert (first["module"], first["ranks"], first["result"]["verdict"]) == {
+        **BUGS, **BY_HAND}[name]
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +63,24 @@ def trace(tmp_path_factory) -> Path:
     return path
 
 
+def entry(name: str) -> str:
+    """A factory of tests/sharded_models.py, or ``self:NAME`` of tests/self_sharded_models.py."""
+    if name.startswith("self:"):
+        return f"{SELF_SHARDED}:{name.removeprefix('self:')}"
+    return f"{MODELS}:{name}"
+
+
+@pytest.fixture(scope="module")
+def by_hand_trace(tmp_path_factory) -> Path:
+    """The Megatron-style model in one process, where its factory does not shard it."""
+    path = tmp_path_factory.mktemp("ranks") / "manual.tptrace"
+    assert main(["record", entry("self:manual_tp"), "-o", str(path)]) == 0
+    return path
+
+
 def diagnosed(trace: Path, name: str, tmp_path: Path) -> tuple[int, dict]:
     report = tmp_path / "report.json"
-    status = main(["diagnose", f"{MODELS}:{name}", "--nproc", "2", "--against", str(trace),
+    status = main(["diagnose", entry(name), "--nproc", "2", "--against", str(trace),
                    "--json", str(report)])
     return status, json.loads(report.read_text())
 
@@ -70,13 +100,33 @@ def test_each_other_sharding_bug_is_named_at_its_module(trace, tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mine_tp", "mine_fsdp", "mine_fsdp_tp", "mine_up_as_dtensor"])
+@pytest.mark.parametrize("name", ["mine_tp", "mine_fsdp", "mine_fsdp_tp", "mine_up_as_dtensor",
+                                  # the same model sharded by its factory itself
+                                  "self:dtensor_tp", "self:fsdp", "self:fsdp_tp"])
 def test_a_correct_plan_passes(trace, tmp_path, name):
     status, report = diagnosed(trace, name, tmp_path)
     assert status == 0
     # gradients too: each rank's shards against its cut of the one-process gradients
     assert report["first_divergence"] is None and report["first_grad_divergence"] is None
     assert report["judged_modules"] > 0 and report["judged_gradients"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(BY_HAND))
+def test_each_bug_of_tensor_parallel_written_by_hand_is_named_at_its_module(
+        by_hand_trace, tmp_path, name):
+    assert_named(*diagnosed(by_hand_trace, name, tmp_path), name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["self:manual_tp", "self:manual_tp_inferred"])
+def test_tensor_parallel_written_by_hand_passes_with_its_gradients_judged_slice_by_slice(
+        by_hand_trace, tmp_path, name):
+    status, report = diagnosed(by_hand_trace, name, tmp_path)
+    assert status == 0
+    assert report["first_divergence"] is None and report["first_grad_divergence"] is None
+    # every module with parameters: 2 layers of 8, the embedding, the final norm and head
+    assert (report["judged_modules"], report["judged_gradients"]) == (24, 19)
 
 
 def against_a(a: str, b: str, tmp_path: Path, *options: str) -> tuple[int, dict]:

@@ -20,6 +20,8 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.transformers
 
 MODELS = Path(__file__).resolve().parents[1] / "sharded_models.py"
+#: Factories that shard their models themselves under torchrun, handing no plan.
+SELF_SHARDED = MODELS.with_name("self_sharded_models.py")
 #: The outputs a sharded run judges: a transformers Llama decodes too (greedily in the
 #: reference cell, along the golden's tokens elsewhere; ``decode-cache``: its cache against
 #: recomputing the whole sequence).
@@ -30,6 +32,9 @@ CELLS = ["--backend", "manual", "--backend", "sdpa-math", "--dtype", "fp32"]
 
 
 def entry(name: str) -> str:
+    """A factory of tests/sharded_models.py, or ``self:NAME`` of tests/self_sharded_models.py."""
+    if name.startswith("self:"):
+        return f"{SELF_SHARDED}:{name.removeprefix('self:')}"
     return f"{MODELS}:{name}"
 
 
@@ -79,15 +84,88 @@ def test_a_model_built_on_meta_is_made_rank_by_rank_with_the_weights_of_one_proc
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mine_fsdp", "mine_tp", "mine_fsdp_on_meta", "mine_fsdp_tp",
                                   "llama_fsdp", "llama_fsdp_tp", "llama_tp_beams",
-                                  "gpt2_fsdp", "bart_fsdp"])
+                                  "gpt2_fsdp", "bart_fsdp", "self:manual_tp",
+                                  "self:manual_tp_inferred"])
 def test_each_plan_checks_on_2_ranks_and_in_one_process(tmp_path, capsys, name):
     found = update_then_check(tmp_path, name, [2, 1], capsys)
     assert found[2] == found[1]
     assert set(found[1].values()) <= {"within", "n/a"}
 
 
+def test_a_model_that_shards_itself_checks_on_2_ranks_against_goldens_of_one_process(
+        tmp_path, capsys):
+    # The factory applies tensor parallel and FSDP2 itself when it finds itself under
+    # torchrun: its DTensor parameters are weighed and kept through their placements, and the
+    # verdicts are those of the same model whose factory hands its plan.
+    golden = ["--golden-dir", str(tmp_path / "golden")]
+    assert main(["golden", "update", "--model", entry("self:fsdp_tp"), *golden]) == 0
+    report = tmp_path / "check.json"
+    assert main(["check", "--model", entry("self:fsdp_tp"), "--nproc", "2", *CELLS, *golden,
+                 "--json", str(report)]) == 0, capsys.readouterr()
+    found = verdicts(report)
+    assert set(found.values()) <= {"within"}
+    assert {output for (_, _, output) in found} == WITHOUT_DECODING
+
+
+def test_a_model_sharded_by_hand_checks_on_2_ranks_against_goldens_of_one_process(
+        tmp_path, capsys):
+    # Megatron-style: each rank holds plain slices of the column- and row-parallel weights,
+    # which torchparity finds in the weights the factory builds as one process; the ranks'
+    # slices of each gradient joined are judged against the one-process gradient.
+    golden = ["--golden-dir", str(tmp_path / "golden")]
+    assert main(["golden", "update", "--model", entry("self:manual_tp_inferred"), *golden]) == 0
+    report = tmp_path / "check.json"
+    assert main(["check", "--model", entry("self:manual_tp_inferred"), "--nproc", "2", *CELLS,
+                 *golden, "--json", str(report)]) == 0, capsys.readouterr()
+    found = verdicts(report)
+    assert set(found.values()) <= {"within"}
+    assert {output for (_, _, output) in found} == WITHOUT_DECODING
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mine_fsdp_tp", "llama_fsdp_tp"])
+def test_slices_found_nowhere_leave_the_gradients_not_compared_and_say_how_to_declare_them(
+        tmp_path, capsys):
+    # The MLP's hidden units dealt to the ranks in turn: the outputs are the one-process
+    # model's, its slices are no stretch of the one-process weights.
+    golden = ["--golden-dir", str(tmp_path / "golden")]
+    assert main(["golden", "update", "--model", entry("self:manual_tp_mlp_dealt"),
+                 *golden]) == 0
+    capsys.readouterr()
+    report = tmp_path / "check.json"
+    assert main(["check", "--model", entry("self:manual_tp_mlp_dealt"), "--nproc", "2",
+                 *CELLS, *golden, "--json", str(report)]) == 0
+    rows = json.loads(report.read_text())["results"]
+    grads = [r for r in rows if r["output"] == "grads"]
+    assert grads and {r["verdict"] for r in grads} == {"n/a"}
+    assert all("layers.0.up.weight and 5 more are found nowhere" in r["reason"]
+               and 'returning shards={"layers.0.attn.q.weight": 0' in r["reason"]
+               for r in grads)
+    assert {r["verdict"] for r in rows if r["output"] != "grads"} <= {"identical", "within"}
+    # no golden is made across ranks of weights no one process holds
+    other = tmp_path / "other"
+    assert main(["golden", "update", "--model", entry("self:manual_tp_mlp_dealt"), "--nproc",
+                 "2", "--golden-dir", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no golden can be made of it across ranks" in err
+    assert not other.exists() or not any(other.rglob("*.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "planned"), [("self:dtensor_tp", "mine_tp"),
+                                               ("self:fsdp", "mine_fsdp"),
+                                               ("self:fsdp_tp", "mine_fsdp_tp")])
+def test_a_model_that_shards_itself_checks_as_the_model_whose_plan_is_handed_in(
+        tmp_path, capsys, name, planned):
+    # In a dtype of its own too (bf16): each run's copy is built and sharded by the factory.
+    cells = [*CELLS, "--dtype", "bf16"]
+    itself = update_then_check(tmp_path / "itself", name, [2, 1], capsys, cells=cells)
+    handed = update_then_check(tmp_path / "handed", planned, [2], capsys, cells=cells)
+    assert itself[2] == itself[1] == handed[2]
+    assert set(itself[2].values()) <= {"within"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mine_fsdp_tp", "llama_fsdp_tp", "self:fsdp_tp"])
 def test_a_golden_of_2_ranks_checks_on_4(tmp_path, capsys, name):
     found = update_then_check(tmp_path, name, [4, 1], capsys)
     assert found[4] == found[1]
@@ -159,6 +237,25 @@ def test_a_rank_that_hangs_is_named_within_the_collective_timeout(tmp_path, caps
 
 
 @pytest.mark.slow
+def test_a_rank_killed_mid_run_ends_the_run_in_one_line_and_leaves_the_goldens_whole(
+        tmp_path, capsys):
+    # Rank 1 of a model sharded by hand is killed inside its forward, between collectives:
+    # rank 0 waits in the next one until torchrun stops it.
+    err = refused(tmp_path / "update", "self:manual_tp_rank_one_dies", capsys)
+    assert "rank 1 died (Signal 9 (SIGKILL)" in err
+    golden = tmp_path / "golden"
+    assert main(["golden", "update", "--model", entry("self:manual_tp_rank_one_dies"),
+                 "--golden-dir", str(golden)]) == 0  # one process: no rank to kill
+    before = {path: path.read_bytes() for path in golden.rglob("*") if path.is_file()}
+    capsys.readouterr()
+    assert main(["check", "--model", entry("self:manual_tp_rank_one_dies"), "--nproc", "2",
+                 *CELLS, "--golden-dir", str(golden)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "rank 1 died" in err
+    assert {path: path.read_bytes() for path in golden.rglob("*") if path.is_file()} == before
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "diverged"), [
     *((name, WITHOUT_DECODING) for name in (
         "mine_unreduced_rows", "mine_columns_out_of_order", "mine_norm_drifts",
@@ -169,6 +266,11 @@ def test_a_rank_that_hangs_is_named_within_the_collective_timeout(tmp_path, caps
     # a Llama decodes with the bug too: its tokens or logits leave the golden's (its cache
     # and its recompute agree, both being wrong alike)
     ("llama_unreduced_rows", {*WITHOUT_DECODING, "decode"}),
+    # the same bugs written by hand, Megatron-style, in a model that shards itself; and a
+    # row-parallel linear that reduces its partial sums twice
+    *((f"self:manual_tp_{bug}", WITHOUT_DECODING) for bug in (
+        "unreduced_rows", "reduced_twice", "columns_out_of_order", "norm_drifts",
+        "heads_swapped")),
 ])
 def test_each_classic_sharding_bug_fails_the_check(tmp_path, capsys, name, diverged):
     # The goldens are made in one process, where no plan runs: the model's own mathematics.

@@ -129,6 +129,10 @@ def _check_reference(feed: Feed) -> tuple[list[CheckResult], CellRun]:
             results.append(row(feed, REFERENCE, output, NOT_COMPARED, ok=False,
                                reason=fresh.not_compared[output]))
             continue
+        if output in fresh.missing:
+            results.append(row(feed, REFERENCE, output, "n/a", ok=True,
+                               reason=fresh.missing[output]))
+            continue
         candidate, golden = fresh.outputs.get(output, {}), feed.golden(output)
         moved = perturbed.outputs.get(output, {})
         baseline = {path: sketching.shifted(golden[path], moved[path], tensor)
@@ -218,12 +222,13 @@ def checksum_changes(goldens: dict[str, Golden], now: dict[str, str],
                      advice: Callable[[str], str]) -> dict[str, tuple[str, str]]:
     """Per output whose golden was made from other weights or inputs than ``now``'s: its
     verdict ("init changed" / "inputs changed") and why; ``advice(what)`` starts the reason
-    with what differs ("the weights built for llama-tiny") and ends it with the fix."""
+    with what differs ("the weights built for llama-tiny") and ends it with the fix. A checksum
+    ``now`` cannot say (None) is not compared."""
     changed = {}
     for output, golden in goldens.items():
         stored = golden.summary.get("checksums") or {}
         for what, verdict in (("weights", "init changed"), ("inputs", "inputs changed")):
-            if stored.get(what) != now[what]:
+            if now[what] is not None and stored.get(what) != now[what]:
                 before, after = str(stored.get(what))[:19], now[what][:19]
                 changed[output] = (verdict, advice(what).format(
                     differ=f"differ from those its golden was made from ({before}... vs "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -63,6 +64,7 @@ from torchparity.subject.factory import first_line
 from torchparity.subject.islands import Islands
 from torchparity.subject.ranks import under_torchrun
 from torchparity.subject.running import cast_inputs, local_part, on_meta
+from torchparity.subject.slices import DECLARE_HINT, Slice, Slices, whole_of
 from torchparity.subject.trees import map_tensors
 
 #: Seconds a launched run may take in all (environment variable, default one hour).
@@ -146,11 +148,11 @@ def collectively(what: str, fn: Callable[[], Any]) -> Any:
 
 def _weighed(subject: Subject) -> Subject:
     """``subject``, held (:func:`~torchparity.subject.sharded.hold`) when its factory built it
-    on the meta device: its weights exist only once the plan shards it, and their checksums
-    are then gathered one tensor at a time. A model built whole is weighed before its plan
-    runs, since a plan may change weights (a drifted copy is a difference to find, not
-    another init)."""
-    if on_meta(subject.model):
+    on the meta device, or sharded it itself: its weights exist only in parts, and their
+    checksums are then gathered one tensor at a time. A model built whole is weighed before
+    its plan runs, since a plan may change weights (a drifted copy is a difference to find,
+    not another init)."""
+    if on_meta(subject.model) or subject.parallelize is None:
         sharded.hold(subject)
         sharded.mark("the checksums of the weights")
     return subject
@@ -166,15 +168,16 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
         model = sharded.held(subject, attention)
         inputs = cast_inputs(subject.inputs, cell.device, DTYPES[cell.dtype])
         if cell.dtype == "fp64":
-            float64 = Float64Run(model, on_grad=_gathered_into(grads), device=cell.device,
-                                 perturb=perturbation_in_parts if perturb else None)
+            moved = functools.partial(perturbation_in_parts, held=subject.slices)
+            float64 = Float64Run(model, on_grad=_gathered_into(grads, subject.slices),
+                                 device=cell.device, perturb=moved if perturb else None)
     else:
         model, inputs = sharded.placed(subject, cell.device, DTYPES[cell.dtype], attention)
     sharded.mark(f"the forward and backward of {run_name}")
 
     def gathered_grads(loss: torch.Tensor) -> dict[str, Any]:
         if float64 is None:
-            stream_grads(model, loss, _gathered_into(grads), unused=False)
+            stream_grads(model, loss, _gathered_into(grads, subject.slices), unused=False)
         else:
             float64.backward(loss, unused=False)
         return grads
@@ -194,6 +197,9 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
         return CellRun({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
     finally:
         sharded.reshard(model)
+    if subject.slices is not None and subject.slices.unmapped:
+        run.outputs.pop("grads", None)
+        run.missing["grads"] = unmapped_reason(subject.slices)
     if islands is not None:
         run.islands = islands.found
     run.sdpa_calls = None if intercepted is None else intercepted.calls
@@ -213,28 +219,52 @@ def _runs_held(subject: Subject, cell: Cell) -> bool:
         cell.dtype == "fp64" or dtypes == {DTYPES[cell.dtype]})
 
 
-def perturbation_in_parts(name: str, value: torch.Tensor) -> torch.Tensor:
+def unmapped_reason(held: Slices) -> str:
+    """Why the gradients of a model sharded by hand are not compared, in one line."""
+    names = held.unmapped
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return (f"not compared: the ranks' slices of {names[0]}{more} are found nowhere in the "
+            f"weights the factory builds as one process; {DECLARE_HINT}")
+
+
+def perturbation_in_parts(name: str, value: torch.Tensor, held: Slices | None = None
+                          ) -> torch.Tensor:
     """:func:`~torchparity.golden.model_runs.perturbation` of a parameter's float64 value,
-    whole or (a DTensor) this rank's part of it, moved as its place in the whole is."""
-    if not sharded.in_parts(value):
+    whole or this rank's part of it (a DTensor's, or a slice ``held`` says where it lies),
+    moved as its place in the whole is."""
+    where = held.of(name) if held is not None else None
+    if where is not None:
+        stretches = sharded.segments(where.whole, tuple(value.shape), where.offset)
+    elif sharded.in_parts(value):
+        stretches = sharded.stretches(value)
+    else:
         return perturbation(name, value)
     flat = local_part(value).view(-1)
-    for start, length, part_start in sharded.stretches(value):
+    for start, length, part_start in stretches:
         perturb_stretch(name, flat[part_start:part_start + length], start)
     return value
 
 
-def _gathered_into(grads: dict[str, Any]) -> Callable[[str, torch.Tensor], None]:
+def _gathered_into(grads: dict[str, Any], held: Slices | None
+                   ) -> Callable[[str, torch.Tensor], None]:
     """``on_grad(name, grad)`` keeping each gradient in ``grads`` (:func:`kept_across_ranks`)
-    before the next one comes; the ranks hand them over in the same order."""
-    return lambda name, grad: grads.__setitem__(name, kept_across_ranks(name, grad))
+    before the next one comes; the ranks hand them over in the same order. Of a model
+    sharded by hand, a gradient whose slices are found nowhere is not kept."""
+    def keep(name: str, grad: torch.Tensor) -> None:
+        if held is None or name not in held.unmapped:
+            grads[name] = kept_across_ranks(name, grad, held and held.of(name))
+
+    return keep
 
 
-def kept_across_ranks(name: str, tensor: torch.Tensor) -> torch.Tensor | Sketch:
+def kept_across_ranks(name: str, tensor: torch.Tensor, where: Slice | None = None
+                      ) -> torch.Tensor | Sketch:
     """``tensor`` as one process keeps it (:func:`~torchparity.sketching.kept`), bit for bit:
     a big one held in parts by the ranks is sketched from runs of it assembled across them
     (:func:`~torchparity.subject.sharded.flat_chunks`), so that no rank holds it whole; any
-    other is gathered whole."""
+    other is gathered whole (a plain slice, ``where`` it lies, joined to the ranks' others)."""
+    if where is not None:
+        return kept(name, whole_of(tensor, where))
     if wants_sketch(tensor) and sharded.in_parts(tensor):
         return sketch_chunks(tuple(tensor.shape), tensor.dtype,
                              sharded.flat_chunks(tensor, CHUNK), name)
@@ -281,7 +311,12 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
 
     checksums = collectively("the checksums of the weights",
                              lambda: model_checksums(_weighed(subject)))
+    if subject.slices is not None and subject.slices.unmapped:
+        raise UsageError(f"{subject.entry}: no golden can be made of it across ranks: "
+                         f"{unmapped_reason(subject.slices).removeprefix('not compared: ')}")
     layout = state_layout(subject.model)  # its names and shapes as the factory made them
+    if subject.slices is not None:  # a model sharded by hand: as one process holds it
+        layout |= {name: list(where.whole) for name, where in subject.slices.held.items()}
     sharded.together("the float64 golden run")
     run = run_sharded(subject, REFERENCE, None)
     statuses = [write_goldens(subject, store, run=run, checksums=checksums, layout=layout)

@@ -77,9 +77,12 @@ def model_store(subject: Subject, root: Any) -> GoldenStore:
 
 def model_checksums(subject: Subject, renamed: Renaming | None = None) -> dict[str, str]:
     """Checksums of the float64 state dict and of the input tensors the factory gave; with
-    ``renamed``, of the state dict under the goldens' names."""
+    ``renamed``, of the state dict under the goldens' names. The weights' is None for a model
+    sharded by hand some of whose slices were found nowhere: no whole state to weigh."""
+    if subject.slices is not None and subject.slices.unmapped:
+        return {"weights": None, "inputs": checksum(flatten_tensors(subject.inputs, "inputs"))}
     weights = (subject.model.state_dict() if subject.shards is None
-               else sharded.WholeState(subject.shards.state_dict()))
+               else sharded.WholeState(subject.shards.state_dict(), subject.slices))
     if renamed is not None:
         weights = renamed.golden_state(weights, state_layout(subject.model))
     return {"weights": checksum(weights, dtype=torch.float64),

@@ -10,7 +10,9 @@ tensors); ``padding`` says which positions are padding where the inputs do not (
 :mod:`torchparity.subject.padding`); ``parallelize(model, mesh)`` shards the model in place
 over a device mesh (its FSDP2 ``fully_shard`` / ``parallelize_module`` plan) and ``mesh`` is the
 mesh it wants, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left), both read under
-torchrun only (:mod:`torchparity.subject.sharded`); ``init(model)`` fills the weights of a
+torchrun only (:mod:`torchparity.subject.sharded`); ``shards`` says, of a model a factory
+sharded by hand under torchrun (plain per-rank slices), which dimension each sliced parameter
+is split along (:mod:`torchparity.subject.slices`); ``init(model)`` fills the weights of a
 model the factory built on the meta device, once it is materialised (under torchrun: sharded
 first, each rank filling its part only). A file imports as ``python file.py`` would
 run it: its folder comes first on ``sys.path``, so modules beside it import.
@@ -32,7 +34,7 @@ from torchparity.errors import UsageError, UserCodeError
 
 #: The keys a factory's dict may have; the first two are required.
 KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding", "reorder", "search",
-        "parallelize", "mesh", "init")
+        "parallelize", "mesh", "init", "shards")
 
 
 def resolve_entry(spec: str) -> Callable[[], Any]:
@@ -72,7 +74,7 @@ def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
             raise UsageError(f"factory {label} returned a dict with keys "
                              f"{', '.join(map(str, result)) or '(none)'}; it needs 'model' and "
                              f"'inputs' and may have 'loss_fn', 'step', 'reorder', 'search', "
-                             "'decode', 'padding', 'parallelize', 'mesh' and 'init'")
+                             "'decode', 'padding', 'parallelize', 'mesh', 'init' and 'shards'")
         fields = {key: result.get(key) for key in KEYS}
     elif isinstance(result, tuple) and len(result) in (2, 3):
         fields = {**dict.fromkeys(KEYS), **dict(zip(KEYS, result, strict=False))}

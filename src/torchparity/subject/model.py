@@ -17,6 +17,7 @@ from torchparity.subject.decoding import STEP_HINT, ReorderFn, StepFn, builtin_s
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.padding import Padding, padding_of
 from torchparity.subject.ranks import under_torchrun
+from torchparity.subject.slices import Slices
 from torchparity.subject.running import (
     LossFn,
     call_model,
@@ -62,6 +63,12 @@ class Subject:
     #: model by its plan (its own dtype, each rank its part): that model, ``model`` being then
     #: its structure on the meta device.
     shards: nn.Module | None = None
+    #: The factory's ``shards``: parameter name -> the dimension its ranks' plain slices
+    #: split it along, for a model it sharded by hand (:mod:`~torchparity.subject.slices`).
+    split: Mapping[str, int] | None = None
+    #: Under torchrun, a model sharded by hand: where each rank's slices lie (set by
+    #: :func:`~torchparity.subject.sharded.hold`).
+    slices: Slices | None = None
     #: ``init(model)``: fills the weights of a model the factory built on the meta device.
     init: Callable[[nn.Module], Any] | None = None
     #: False where it is checked against goldens made without decoding: it does not decode.
@@ -78,6 +85,11 @@ class Subject:
         fields["padding"] = padding_of(fields["padding"], fields["inputs"], fields["model"],
                                        f"the padding of factory {spec}", "the factory's padding")
         fields["search"] = search_settings(fields["search"], f"the search of factory {spec}")
+        fields["split"] = fields.pop("shards")
+        if fields["split"] is not None and not isinstance(fields["split"], Mapping):
+            raise UsageError(f"factory {spec} returned shards={fields['split']!r}; give each "
+                             'sliced parameter\'s dimension by name, such as '
+                             '{"layers.0.attn.q.weight": 0}')
         subject = cls(name=entry_name(spec), entry=spec, **fields)
         if on_meta(subject.model) and not (under_torchrun() and subject.parallelize):
             subject.materialise(subject.model, "cpu")

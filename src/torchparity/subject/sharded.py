@@ -1,4 +1,4 @@
-"""A user's model sharded over the ranks of ``torchrun`` by its own plan.
+"""A user's model sharded over the ranks of ``torchrun``: by its own plan, or by its factory.
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank joins one process group (:func:`join`:
 gloo on the CPU, nccl on CUDA) and loads the factory, whose model the factory's
@@ -9,6 +9,13 @@ A run's copy in its dtype is planned on the meta device by the same plan, and ea
 its own part from its part of the factory's model (:func:`placed`): no rank ever holds the whole
 model in a run's dtype. A plan that shards a parameter unevenly is refused with one line: its
 ranks would pad, or split a head.
+
+A factory that hands in no plan may shard its model itself under torchrun: with DTensors
+(``fully_shard``, ``parallelize_module``), read through their placements, or by hand, each
+rank holding plain slices whose places in the one-process weights
+:mod:`~torchparity.subject.slices` finds. Either way that model is the one each rank runs, and
+a run's copy in another dtype is the factory's model built and sharded again
+(:func:`rebuilt`).
 
 Every collective waits at most :func:`collective_timeout` seconds; :func:`together` meets the
 ranks between phases and names the ones that do not come (gloo's monitored barrier).
@@ -29,11 +36,13 @@ import torch
 from torch import nn
 
 from torchparity.errors import TorchParityError, UsageError
-from torchparity.subject import hf
+from torchparity.subject import hf, slices
+from torchparity.subject.factory import call_factory, resolve_entry
 from torchparity.subject.running import (
     cast_inputs,
     converted,
     grad_hooks,
+    is_dtensor,
     local_part,
     on_meta,
 )
@@ -215,17 +224,44 @@ def shard(subject: Subject, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """``model`` (a copy of the factory's, in the run's dtype) sharded by the factory's
     ``parallelize(model, mesh)``; the model it returns, else ``model`` sharded in place."""
     plan = subject.parallelize
-    if plan is None:
-        raise UsageError(f"factory {subject.entry} has no 'parallelize' to shard its model over "
-                         f"{world_size()} ranks; return parallelize(model, mesh) (an FSDP2 or "
-                         "tensor-parallel plan) from it, or run it in one process")
     returned = subject.guarded(lambda: plan(model, mesh), "its parallelize")
     sharded = returned if isinstance(returned, nn.Module) else model
-    unfit = uneven_shard(sharded) or split_heads(sharded)
-    if unfit:
-        raise UsageError(f"the plan of {subject.entry} {unfit}; choose a mesh or --nproc "
-                         "that divides it")
+    refuse_unfit(subject, sharded)
     return sharded
+
+
+def shards_itself(model: nn.Module) -> bool:
+    """Whether the factory returned its model sharded already (it called ``fully_shard`` or
+    ``parallelize_module`` itself, under torchrun): some of its parameters are DTensors."""
+    return any(is_dtensor(param) for param in model.parameters())
+
+
+def sliced_by_hand(subject: Subject, model: nn.Module) -> slices.Slices:
+    """The slices of a model the factory sharded by hand: as it declares them (its
+    ``shards``), else as found in the model it builds as one process. A model no rank holds
+    a slice of has no sharding to check: a one-line :class:`UsageError`."""
+    if subject.split is not None:
+        return slices.declared_slices(model, subject.split, world_size(), rank(),
+                                      subject.entry)
+    one_process = slices.one_process_model(lambda: rebuilt(subject))
+    found = slices.found_slices(model, one_process)
+    if not (found.held or found.unmapped):
+        raise UsageError(f"factory {subject.entry} has no 'parallelize' to shard its model over "
+                         f"{world_size()} ranks and did not shard it itself; return "
+                         "parallelize(model, mesh) (an FSDP2 or tensor-parallel plan) from it, "
+                         "shard it in the factory, or run it in one process")
+    return found
+
+
+def refuse_unfit(subject: Subject, model: nn.Module) -> None:
+    """A one-line :class:`UsageError` where ``model``'s sharding splits a parameter unevenly
+    or a head (:func:`uneven_shard`, :func:`split_heads`)."""
+    unfit = uneven_shard(model) or split_heads(model)
+    if unfit:
+        sharding = ("the plan of" if subject.parallelize is not None
+                    else "the sharding by factory")
+        raise UsageError(f"{sharding} {subject.entry} {unfit}; choose a mesh or --nproc "
+                         "that divides it")
 
 
 def uneven_shard(model: nn.Module) -> str | None:
@@ -271,19 +307,35 @@ def split_heads(model: nn.Module) -> str | None:
 
 class WholeState(Mapping):
     """A sharded model's state dict whose tensors are gathered whole as each is read: every
-    rank must read them in the same order."""
+    rank must read them in the same order. Of a model sharded by hand (``held``: its
+    slices), the ranks' slices are joined, and a tensor every rank holds whole is rank 0's
+    (a copy that drifted on another rank is a difference to find, not another init)."""
 
-    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
-        self._state = state
+    def __init__(self, state: Mapping[str, torch.Tensor],
+                 held: slices.Slices | None = None) -> None:
+        self._state, self._held = state, held
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return whole(self._state[name])
+        tensor = self._state[name]
+        if self._held is None or is_dtensor(tensor):
+            return whole(tensor)
+        where = self._held.of(name)
+        return slices.whole_of(tensor, where) if where else rank_zeros(tensor)
 
     def __iter__(self):
         return iter(self._state)
 
     def __len__(self) -> int:
         return len(self._state)
+
+
+def rank_zeros(tensor: torch.Tensor) -> torch.Tensor:
+    """Rank 0's value of ``tensor``, which every rank holds whole, on every rank."""
+    import torch.distributed as dist
+
+    copy_of = tensor.detach().clone()
+    dist.broadcast(copy_of, src=0)
+    return copy_of
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -335,10 +387,10 @@ def stretches(tensor: torch.Tensor) -> list[tuple[int, int, int]]:
 
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
                                                           tensor.placements)
-    return list(_segments(tuple(tensor.shape), shape, offset))
+    return list(segments(tuple(tensor.shape), shape, offset))
 
 
-def _segments(whole: tuple[int, ...], shape: tuple[int, ...], offset: tuple[int, ...]
+def segments(whole: tuple[int, ...], shape: tuple[int, ...], offset: tuple[int, ...]
               ) -> Iterator[tuple[int, int, int]]:
     """``(start in the whole flat value, length, start in the part's flat value)`` of each
     stretch of a part (of ``shape`` at ``offset`` in a tensor of shape ``whole``) that is
@@ -380,6 +432,14 @@ def hold(subject: Subject) -> None:
     if subject.shards is not None:
         return
     model = subject.model
+    if subject.parallelize is None:  # the factory sharded it: its structure is its own
+        mark("the slices of the factory's sharded model")
+        if shards_itself(model):
+            refuse_unfit(subject, model)
+        else:
+            subject.slices = sliced_by_hand(subject, model)
+        subject.shards = model
+        return
     device = "cpu" if on_meta(model) else next(iter(model.parameters()), torch.empty(0)).device
     structure = converted(model, "meta", torch.float64)
     mark("the sharding of the factory's model (its plan)")
@@ -396,13 +456,23 @@ def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
     shards a copy on the meta device; each rank then fills its own part from its part of the
     factory's model, sharded alike (:func:`hold`)."""
     hold(subject)
-    model = converted(subject.model, "meta", dtype)
-    if model is subject.model:
-        model = copy.deepcopy(model)
-    model = shard(subject, model, device_mesh(subject, device))
-    _materialised(model, device)
+    if subject.shards is subject.model:  # sharded by the factory: it shards a copy alike
+        model = rebuilt(subject).to(device, dtype)
+    else:
+        model = converted(subject.model, "meta", dtype)
+        if model is subject.model:
+            model = copy.deepcopy(model)
+        model = shard(subject, model, device_mesh(subject, device))
+        _materialised(model, device)
     _fill(model, subject.shards)
     return _ready(subject, model, attention), cast_inputs(subject.inputs, device, dtype)
+
+
+def rebuilt(subject: Subject) -> nn.Module:
+    """The model of a factory that shards it itself, built and sharded again by the factory
+    (FSDP2's modules cannot be copied): a run's copy, whose parts :func:`placed` fills."""
+    factory = resolve_entry(subject.entry)
+    return call_factory(factory, subject.entry)["model"]
 
 
 def held(subject: Subject, attention: str = hf.SDPA) -> nn.Module:

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.core.capture import call_key
-from torchparity.subject import Subject, sharded
+from torchparity.subject import Subject, sharded, slices
 from torchparity.subject.running import call_model, cast_inputs, is_dtensor, local_part
+from torchparity.subject.slices import Slice, Slices
 from torchparity.subject.trees import flatten_tensors, map_tensors
 
 #: One call's (or one module's parameters') tensors by path.
@@ -69,7 +70,7 @@ def sharded_run(subject: Subject, dtype: torch.dtype, inputs: Any, label: str,
                     run.no_grads = value
                 else:
                     value.backward()
-                    _keep_grads(model, run)
+                    _keep_grads(model, run, subject.slices)
     finally:
         for handle in handles:
             handle.remove()
@@ -110,17 +111,18 @@ def whole_call(outputs: Tensors) -> Tensors:
     return {path: sharded.whole(tensor).cpu() for path, tensor in outputs.items()}
 
 
-def _keep_grads(model: nn.Module, run: RankRun) -> None:
+def _keep_grads(model: nn.Module, run: RankRun, held: Slices | None) -> None:
     """Each module's direct parameters' gradients, each as this rank holds it, and how to
-    cut this rank's shard from a whole one."""
+    cut this rank's shard from a whole one (of a model sharded by hand, the slice ``held``
+    says it holds)."""
     for name, module in model.named_modules():
-        params = [(f"param.{n}", p) for n, p in module.named_parameters(recurse=False)
-                  if p.grad is not None]
+        params = [(f"param.{n}", p, held and held.of(f"{name}.{n}".lstrip(".")))
+                  for n, p in module.named_parameters(recurse=False) if p.grad is not None]
         if params:
-            run.grads[name] = {path: local_part(p.grad).detach().cpu() for path, p in params}
-            run.shard_of[name] = {path: functools.partial(_cut, like=p.grad)
-                                  for path, p in params}
+            run.grads[name] = {path: local_part(p.grad).detach().cpu() for path, p, _ in params}
+            run.shard_of[name] = {path: functools.partial(_cut, like=p.grad, where=where)
+                                  for path, p, where in params}
 
 
-def _cut(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return sharded.part(whole, like).cpu()
+def _cut(whole: torch.Tensor, like: torch.Tensor, where: Slice | None) -> torch.Tensor:
+    return (slices.cut(whole, where) if where else sharded.part(whole, like)).cpu()

@@ -1,0 +1,173 @@
+"""A model sharded by hand, Megatron-style: its column- and row-parallel parameters are plain
+tensors, each rank holding one slice of the one-process weight along one dimension, and the
+model reduces its partial sums itself (``all_reduce``).
+
+Where each rank's slice lies in the one-process weight (:class:`Slice`) is either declared by
+the factory, ``shards={"blocks.0.attn.q.weight": 0, ...}`` (the dimension it is split along;
+rank r holds the r-th of the equal slices, as Megatron cuts them), or found by matching each
+rank's slice to the one-process weight of the same name, the factory being called once more
+as one process (:func:`found_slices`). Knowing them, a rank's weights and gradients are read
+as one process holds them (:func:`whole_of`: the ranks' slices joined), and a whole one is cut
+as a rank holds it (:func:`cut`). A parameter whose slices are found nowhere is *unmapped*:
+its gradient cannot be compared with one process's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from torchparity.errors import UsageError
+
+#: How a factory declares its slices, said where they cannot be found.
+DECLARE_HINT = ("declare which dimension each parameter held in slices is split along, "
+                'returning shards={"layers.0.attn.q.weight": 0, ...} from the factory')
+
+
+@dataclass(frozen=True)
+class Slice:
+    """This rank's slice of a parameter: ``length`` entries from ``start`` along ``dim`` of
+    the one-process parameter, of shape ``whole``."""
+
+    dim: int
+    start: int
+    length: int
+    whole: tuple[int, ...]
+
+    @property
+    def offset(self) -> tuple[int, ...]:
+        """Where the slice starts in the whole, dimension by dimension."""
+        return tuple(self.start if d == self.dim else 0 for d in range(len(self.whole)))
+
+
+@dataclass
+class Slices:
+    """The slices of a model sharded by hand: parameter name -> this rank's :class:`Slice`
+    (a parameter not named is whole on every rank), and the parameters whose slices were
+    found nowhere."""
+
+    held: dict[str, Slice]
+    unmapped: list[str]
+
+    def of(self, name: str) -> Slice | None:
+        return self.held.get(name)
+
+
+def declared_slices(model: nn.Module, dims: Mapping[str, int], ranks: int, rank: int,
+                    label: str) -> Slices:
+    """The slices the factory declares (``dims``: parameter name -> dimension), rank ``rank``
+    holding the ``rank``-th of ``ranks`` equal slices; a name the model does not have, or a
+    dimension it does not have, is a one-line :class:`UsageError`."""
+    params = dict(model.named_parameters())
+    held = {}
+    for name, dim in dims.items():
+        if name not in params:
+            raise UsageError(f"factory {label} declares shards of {name!r}, which its model "
+                             "does not have; name the parameters as named_parameters() does")
+        shape = tuple(params[name].shape)
+        if not (isinstance(dim, int) and -len(shape) <= dim < len(shape)):
+            raise UsageError(f"factory {label} declares {name} (shape {shape}) split along "
+                             f"dimension {dim!r}, which it does not have")
+        dim %= len(shape)
+        whole = shape[:dim] + (shape[dim] * ranks,) + shape[dim + 1:]
+        held[name] = Slice(dim, rank * shape[dim], shape[dim], whole)
+    return Slices(held, [])
+
+
+def found_slices(model: nn.Module, one_process: nn.Module) -> Slices:
+    """Each parameter of ``model`` (this rank's) that is smaller than the one-process
+    ``one_process``'s of the same name, located in it: the dimension where they differ and
+    the equal slice along it that it is bit for bit. The ranks agree on each: a parameter
+    whose slices do not make the whole on every rank together is unmapped on every rank."""
+    import torch.distributed as dist
+
+    whole = dict(one_process.named_parameters())
+    found: dict[str, Slice | None] = {}
+    for name, param in model.named_parameters():
+        found[name] = None
+        if name not in whole or whole[name].shape == param.shape:
+            if name in whole:
+                del found[name]
+            continue
+        found[name] = _located(param.detach(), whole[name].detach())
+    everyone: list[dict[str, Slice | None]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, found)
+    held, unmapped = {}, []
+    for name, mine in found.items():
+        theirs = [rank.get(name) for rank in everyone]
+        if mine is not None and _partition(theirs):
+            held[name] = mine
+        else:
+            unmapped.append(name)
+    return Slices(held, unmapped)
+
+
+def _located(part: torch.Tensor, whole: torch.Tensor) -> Slice | None:
+    differ = [d for d in range(whole.ndim) if part.ndim == whole.ndim
+              and part.shape[d] != whole.shape[d]]
+    if len(differ) != 1 or whole.shape[differ[0]] % part.shape[differ[0]]:
+        return None
+    dim, length = differ[0], part.shape[differ[0]]
+    for start in range(0, whole.shape[dim], length):
+        if torch.equal(whole.narrow(dim, start, length), part):
+            return Slice(dim, start, length, tuple(whole.shape))
+    return None
+
+
+def _partition(slices: list[Slice | None]) -> bool:
+    """Whether the ranks' ``slices`` of one parameter together make its whole, once each."""
+    if any(s is None for s in slices):
+        return False
+    first = slices[0]
+    return (all((s.dim, s.length, s.whole) == (first.dim, first.length, first.whole)
+                for s in slices)
+            and sorted(s.start for s in slices) == list(range(0, first.whole[first.dim],
+                                                              first.length)))
+
+
+def whole_of(tensor: torch.Tensor, where: Slice) -> torch.Tensor:
+    """The one-process tensor whose slice ``where`` this rank's ``tensor`` is: the ranks'
+    slices gathered and joined where they lie (every rank gets it; all must call it)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.detach().contiguous())
+    starts: list[int] = [0] * len(parts)
+    dist.all_gather_object(starts, where.start)
+    ordered = [part for _, part in sorted(zip(starts, parts, strict=True),
+                                          key=lambda pair: pair[0])]
+    return torch.cat(ordered, dim=where.dim)
+
+
+def cut(whole: torch.Tensor, where: Slice) -> torch.Tensor:
+    """This rank's slice ``where`` of the one-process ``whole``."""
+    return whole.narrow(where.dim, where.start, where.length)
+
+
+@contextlib.contextmanager
+def as_one_process() -> Iterator[None]:
+    """The environment of one process (no ``RANK``, ``WORLD_SIZE`` 1) while a factory builds
+    the model it builds there: what a rank's slices are matched to."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"] = "1", "1"
+    os.environ["RANK"], os.environ["LOCAL_RANK"] = "0", "0"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def one_process_model(build: Callable[[], nn.Module]) -> nn.Module:
+    """The model ``build`` (the factory) makes as one process."""
+    with as_one_process():
+        return build()
