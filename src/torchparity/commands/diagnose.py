@@ -6,6 +6,7 @@
     torchparity diagnose pkg.mod:make --base origin/main        # against a git revision
     torchparity diagnose pkg.mod:make --nproc 2 --against T     # sharded, under torchrun
     torchparity diagnose pkg.mod:make_a pkg.mod:make_b --nproc 2  # both sharded
+    torchparity diagnose pkg.mod:make --compile --bisect       # which compiler pass
 
 A trace written by ``record --decode`` is recognised: B is decoded along its tokens. With
 ``--base REV`` the trace is recorded on REV, in a worktree of its own (see
@@ -31,6 +32,7 @@ from torchparity.commands.common import (
 )
 from torchparity.commands.decode_options import add_decode_arguments, decode_options
 from torchparity.commands.diagnose_against import against_base, against_trace
+from torchparity.commands.diagnose_bisect import add_bisect_arguments, bisect
 from torchparity.commands.diagnose_determinism import determinism
 from torchparity.commands.diagnose_ranks import across_ranks
 from torchparity.commands.trace_options import (
@@ -64,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "budget: B is compiled whole, then module by module where it "
                              "departs (a factory that returns a compiled model is diagnosed "
                              "so without this flag; see docs/compile.md)")
+    add_bisect_arguments(parser)
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="keep A's side on disk so memory stays bounded (default: when "
                              "the two models take more than a quarter of the free memory)")
@@ -91,6 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bisect or args.compile:
+        return bisect(args)
     if args.determinism:
         return determinism(args)
     if args.nproc is not None or under_torchrun():
