@@ -35,10 +35,12 @@ class Block(nn.Module):
         self.down = nn.Linear(16, 8, bias=False)
 
     def forward(self, x):
-        q, k, v = (t.unflatten(-1, (2, 4)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(-2)
+        q, k, v = self.qkv(x).chunk(3, -1)  # QKV_LINE
+        q, k, v = (t.unflatten(-1, (2, 4)).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + y.transpose(1, 2).flatten(-2)
         h = F.gelu(self.up(x))  # GELU_LINE
-        return x + self.down(h)
+        return x + self.down(h)  # DOWN_LINE
 
 
 def _backward(graph):
@@ -120,7 +122,9 @@ def write(folder: Path, name: str = "bisect_models") -> Path:
     return path
 
 
-def gelu_line(path: Path) -> int:
-    """The line of the model's GELU call in the written file."""
+def line_of(path: Path, marker: str) -> int:
+    """The line of the written file marked ``# <marker>_LINE`` (``QKV``: the first matmul of
+    the forward, ``GELU``, ``DOWN``: the last matmul, whose gradient is the backward's
+    first)."""
     return next(number for number, line in enumerate(path.read_text().splitlines(), 1)
-                if "GELU_LINE" in line)
+                if f"# {marker}_LINE" in line)
