@@ -124,9 +124,9 @@ def bisect(entry: str, cell: Cell, *, repeats: int = 1,
                 if outcome.compiles == 0 and (reason := unrunnable(rows)):
                     raise UsageError(f"the cell cannot run compiled here: {reason}")
                 outcome.compiles += 1
-                bound = f" of at most {outcome.bound}" if outcome.bound else ""
+                bound = f"/{outcome.bound}" if outcome.bound else ""
                 say(f"  run {outcome.compiles}{bound}: {describe}: "
-                    f"{'within its budget' if ok else 'diverged'} "
+                    f"{'within budget' if ok else 'diverged'} "
                     f"({time.perf_counter() - run_started:.0f} s)")
                 return ok
 
