@@ -1,4 +1,5 @@
-"""A tiny attention block and Inductor customisations planted in it, for ``diagnose --compile --bisect``.
+"""A tiny attention block and Inductor customisations planted in it, for ``diagnose
+--compile --bisect``.
 
 Each planted factory installs a custom post-grad pass (``torch._inductor.config.
 post_grad_custom_post_pass``) that changes the math by more than float32's noise: ``mm``
