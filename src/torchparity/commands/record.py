@@ -15,7 +15,7 @@ from torchparity.commands.diagnose.decode_options import add_decode_arguments, d
 from torchparity.commands.diagnose.trace_options import (
     add_selection_arguments,
     dtype_option,
-    rebuilt,
+    rebuild_of,
 )
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                              step=subject.stepper(), reorder=subject.reorderer(),
                              include=args.include, exclude=args.exclude,
                              backend=args.backend, dtype=dtype_option(args),
-                             rebuild=rebuilt(args.entry), ops=args.ops,
+                             rebuild=rebuild_of(args.entry), ops=args.ops,
                              recorded_by=_recorded_by(args), **decoding)
     else:
         path = record(subject.model, subject.inputs, args.output, loss_fn=subject.loss_fn,

@@ -6,6 +6,7 @@
     torchparity diagnose pkg.mod:make --base origin/main        # against a git revision
     torchparity diagnose pkg.mod:make --nproc 2 --against T     # sharded, under torchrun
     torchparity diagnose pkg.mod:make_a pkg.mod:make_b --nproc 2  # both sharded
+    torchparity diagnose pkg.mod:make --compile --bisect       # which compiler pass
 
 A trace written by ``record --decode`` is recognised: B is decoded along its tokens. With
 ``--base REV`` the trace is recorded on REV, in a worktree of its own (see
@@ -32,12 +33,13 @@ from torchparity.commands.common import (
 )
 from torchparity.commands.diagnose.decode_options import add_decode_arguments, decode_options
 from torchparity.commands.diagnose.against import against_base, against_trace
+from torchparity.commands.diagnose.bisect import add_bisect_arguments, run_bisect
 from torchparity.commands.diagnose.determinism import determinism
 from torchparity.commands.diagnose.ranks import across_ranks
 from torchparity.commands.diagnose.trace_options import (
     add_selection_arguments,
     dtype_option,
-    rebuilt,
+    rebuild_of,
 )
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
@@ -64,6 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "budget: B is compiled whole, then module by module where it "
                              "departs (a factory that returns a compiled model is diagnosed "
                              "so without this flag; see docs/compile.md)")
+    add_bisect_arguments(parser)
     parser.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                         help="keep A's side on disk so memory stays bounded (default: when "
                              "the two models take more than a quarter of the free memory)")
@@ -91,6 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bisect or args.compile:
+        return run_bisect(args)
     if args.determinism:
         return determinism(args)
     if args.nproc is not None or under_torchrun():
@@ -134,7 +139,7 @@ def _two_models(args: argparse.Namespace, name_map):
                                reorder_b=b.reorderer(), name_map=name_map,
                                include=args.include, exclude=args.exclude,
                                backends=(args.backend_a, args.backend_b),
-                               dtype=dtype_option(args), rebuild=rebuilt(args.entries[0]),
+                               dtype=dtype_option(args), rebuild=rebuild_of(args.entries[0]),
                                **decoding)
     return diagnose(a.model, b.model, a.inputs, loss_fn=a.loss_fn, name_map=name_map,
                     backward=args.backward, include=args.include, exclude=args.exclude,

@@ -33,7 +33,7 @@ def dtype_option(args: argparse.Namespace) -> torch.dtype | None:
     return torch_dtype(args.dtype) if args.dtype else None
 
 
-def rebuilt(entry: str):
+def rebuild_of(entry: str):
     """``rebuild()`` for a golden of the model of ``entry``: the factory called again."""
     return lambda: Subject.load(entry).model
 
