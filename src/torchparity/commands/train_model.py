@@ -2,6 +2,7 @@
 
     torchparity train --model models.py:make --steps 200 --update-golden
     torchparity train --model models.py:make --steps 200 --check --json verdict.json
+    torchparity train --model models.py:make --steps 200 --base origin/main
 
 ``--update-golden`` trains the float64 trajectory and the rounding-only ensemble whose spread
 is the noise band, and stores both; ``--check`` trains once and judges the run against them.
@@ -13,7 +14,7 @@ import argparse
 
 from rich.console import Console
 
-from torchparity.commands.common import resolve_device
+from torchparity.commands.common import base_side, resolve_device
 from torchparity.errors import UsageError
 from torchparity.golden.judged_model_training import ModelPlan, check_model, update_model_golden
 from torchparity.train.trainer import OWN_ATTENTION, Execution, TrainConfig
@@ -36,13 +37,23 @@ def run_model(args: argparse.Namespace, console: Console) -> int:
                          "by its own batches, optimizer and train_step: leave them out")
     if (args.nproc or 1) > 1:
         raise UsageError("--nproc with --model is not supported yet; train in one process")
-    if args.update_golden == args.check:
+    side = base_side(args)
+    golden_dir = args.golden_dir
+    if side:
+        if args.update_golden or args.golden_dir:
+            raise UsageError("--base trains the base's golden trajectory and judges the "
+                             "working tree against it: leave out --update-golden and "
+                             "--golden-dir")
+        from torchparity.revisions import base_model_trajectories
+
+        golden_dir = str(base_model_trajectories(side, args.model, args.steps, args.dtype))
+    elif args.update_golden == args.check:
         raise UsageError("train --model needs --update-golden (store the golden trajectory "
-                         "and noise band) or --check (judge against them)")
+                         "and noise band), --check (judge against them) or --base REV")
     backend = OWN_ATTENTION if args.backend is None else args.backend
     plan = ModelPlan(args.model, args.steps, Execution(backend, args.dtype,
                                                        resolve_device(args.device)),
-                     golden_dir=args.golden_dir, json=args.json, diagnose=args.diagnose)
+                     golden_dir=golden_dir, json=args.json, diagnose=args.diagnose)
     if args.update_golden:
         update_model_golden(plan, console)
         return 0
