@@ -290,14 +290,16 @@ KINDS: dict[str, KindTolerance] = {
     # the ensemble's (docs/training.md has the false alarms over refactors and seeds). Noise
     # floor 1 ulp (times 4 for a scalar, see :func:`noise_floor`): members that round alike at
     # one step (a loss before any update, an update of a zero learning rate) claim at least
-    # that. Floor 8 ulps: the rounding of the quantity itself, as the trajectory kind's.
+    # that. Floor 8 ulps: the rounding of the quantity itself, as the trajectory kind's. The
+    # analytic and reordering factors, as trajectory's, serve only a budget asked without a
+    # band (band_budget always has one).
     "trajectory_band": KindTolerance(
         fudge=3.0,
         metric="max_abs",
         floor_ulps=8.0,
         noise_floor_ulps=1.0,
         analytic_factor=8.0,
-        reorder_factor=0.0,
+        reorder_factor=64.0,
         guard_factor=256.0,
         pool_steps=4,
     ),
