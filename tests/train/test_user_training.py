@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 import toy_repo
-from torchparity import tolerance
+from torchparity import backends, tolerance
 from torchparity.cli import main
 from torchparity.golden import model_trajectories as mt
+from torchparity.pytest_plugin import gpu_device
 from torchparity.subject.model import Subject
 from torchparity.train.trainer import OWN_ATTENTION, Execution
 from torchparity.train.user_model import UserRecipe
@@ -181,3 +182,25 @@ def test_base_rev_judges_the_working_tree_against_the_revision(tmp_path, monkeyp
         assert main(["train", "--model", "user_lm.py:lm", "--steps", "30",
                      "--base", "HEAD"]) == status, variant
     assert toy_repo.git(repo, "status", "--porcelain").strip() == "M user_lm.py"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", backends.names())
+def test_a_training_step_of_the_user_model_on_cuda_is_within_its_band(backend, request,
+                                                                     monkeypatch, tmp_path):
+    """Every backend trains the user-style LM 20 steps on the GPU within the band of its own
+    rounding-only ensemble there, around the float64 run (manual attention) on that GPU."""
+    import torch
+
+    device = gpu_device(request.config)
+    reason = backends.available(device, torch.float32)[backend]
+    if reason:
+        pytest.skip(reason)
+    monkeypatch.setenv("USER_LM_VARIANT", "base")
+    args = ("--steps", "20", "--backend", backend, "--device", device,
+            "--golden-dir", str(tmp_path))
+    assert train_cli(*args, "--update-golden") == 0
+    monkeypatch.setenv("USER_LM_VARIANT", "fused")
+    out = tmp_path / "verdict.json"
+    assert train_cli(*args, "--check", "--json", str(out)) == 0
+    assert json.loads(out.read_text())["comparison"]["verdict"] == "within"

@@ -23,7 +23,7 @@ from torchparity.golden.user_models import user_golden_dir
 from torchparity.subject.model import Subject
 from torchparity.subject.trees import flatten_tensors
 from torchparity.train.ensemble import measure_band
-from torchparity.train.trainer import Execution, StepRecord, Trajectory
+from torchparity.train.trainer import OWN_ATTENTION, Execution, StepRecord, Trajectory
 from torchparity.train.trajectory import NoiseBand, TrajectoryComparison, compare_trajectories
 from torchparity.train.user_model import UserRecipe, check_hooks, train_user_model
 
@@ -49,8 +49,11 @@ def trajectory_store(subject: Subject, root: Any, execution: Execution, steps: i
 
 
 def reference_execution(execution: Execution) -> Execution:
-    """The float64 run of the recipe: the execution's backend and device, in float64."""
-    return Execution(execution.backend, "fp64", execution.device)
+    """The float64 run of the recipe on the execution's device: the model's own attention,
+    or, where a backend replaces it, torchparity's manual attention (fused kernels have no
+    float64)."""
+    backend = OWN_ATTENTION if execution.backend == OWN_ATTENTION else "manual"
+    return Execution(backend, "fp64", execution.device)
 
 
 def write_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execution,
