@@ -93,7 +93,7 @@ def test_a_dot_product_is_the_same_wherever_its_operands_sit(n: int) -> None:
 
 
 def test_every_kind_defines_a_usable_rule() -> None:
-    assert set(KINDS) == {"forward", "grad", "loss", "trajectory"}
+    assert set(KINDS) == {"forward", "grad", "loss", "trajectory", "trajectory_band"}
     for tol in KINDS.values():
         assert tol.metric in ("max_abs", "rms")
         assert tol.fudge >= 1 and tol.floor_ulps > 0
@@ -101,6 +101,17 @@ def test_every_kind_defines_a_usable_rule() -> None:
         assert tol.noise_floor_ulps > 0 or tol.bounded_reordering
         assert tol.analytic_factor > 0 and tol.reorder_factor > 0 and tol.guard_factor > 0
     assert KINDS["trajectory"].per_step_growth > 0
+
+
+def test_a_band_budget_is_the_fudged_spread_plus_the_floor_without_growth() -> None:
+    tol = KINDS["trajectory_band"]
+    u = 2.0**-24
+    b = tolerance.band_budget(2.0, 1e-5, "fp32")
+    assert b.noise == 1e-5 and b.step_factor == 1.0 and b.reordering == 0.0
+    assert b.value == pytest.approx(tol.fudge * 1e-5 + tol.floor_ulps * (u * 2.0 + 2.0**-149))
+    # members that rounded alike (zero spread) still claim the noise floor: 4 ulps of a scalar
+    lucky = tolerance.band_budget(2.0, 0.0, "fp32")
+    assert lucky.noise == pytest.approx(tol.noise_floor_ulps * u * 4 * 2.0)
 
 
 def test_unknown_kind_names_the_known_kinds() -> None:

@@ -199,6 +199,9 @@ class KindTolerance:
     # allowed at least the bound at its group's scale, and the rounding the candidate made on
     # it may reach the other members of the pass. 0: no residues.
     residue_share: float = 0.0
+    # Trajectories judged by a measured noise band: its spread at a step is pooled (the maximum
+    # taken) over this many steps on either side. 0: no pooling.
+    pool_steps: int = 0
 
 
 #: The one table of tolerance constants. ``torchparity calibrate`` measures them: false alarms
@@ -278,7 +281,37 @@ KINDS: dict[str, KindTolerance] = {
         per_step_growth=0.5,
         bounded_reordering=True,
     ),
+    # Trajectories judged by a noise band: an ensemble of runs that differ only in rounding
+    # (weights moved by one rounding, other instruction sets), its spread from the float64
+    # trajectory measured at every step (train/ensemble.py). The band is measured, so no growth
+    # per step and no reordering term. The maximum of a few members at one step is itself
+    # noisy (a legitimate refactor pokes out of it at isolated steps by 2x): the spread is
+    # pooled over 4 steps either side, and the fudge of 3 covers a draw beyond the largest of
+    # the ensemble's (docs/training.md has the false alarms over refactors and seeds). Noise
+    # floor 1 ulp (times 4 for a scalar, see :func:`noise_floor`): members that round alike at
+    # one step (a loss before any update, an update of a zero learning rate) claim at least
+    # that. Floor 8 ulps: the rounding of the quantity itself, as the trajectory kind's. The
+    # analytic and reordering factors, as trajectory's, serve only a budget asked without a
+    # band (band_budget always has one).
+    "trajectory_band": KindTolerance(
+        fudge=3.0,
+        metric="max_abs",
+        floor_ulps=8.0,
+        noise_floor_ulps=1.0,
+        analytic_factor=8.0,
+        reorder_factor=64.0,
+        guard_factor=256.0,
+        pool_steps=4,
+    ),
 }
+
+
+#: Members of a noise band beside the plain run and the other instruction sets: runs whose
+#: initial weights moved by one rounding (train/ensemble.py). Four: with the plain run and the
+#: CPU's other instruction sets (one or two more), a band of six or seven members, whose
+#: pooled spread times the fudge of ``trajectory_band`` left no false alarm over the refactors
+#: and seeds of docs/training.md; each member costs one more training run at a golden update.
+BAND_REROUNDINGS = 4
 
 
 class Summary(Protocol):
@@ -634,6 +667,18 @@ def budget(
         residue_bound=residue_bound,
         inherited=inherited,
     )
+
+
+def band_budget(reference: float, spread: float, compute_dtype: DtypeLike) -> Budget:
+    """The budget of one quantity of a trajectory at one step, judged by a noise band: the
+    kind ``trajectory_band``'s fudge times ``spread`` (the ensemble's pooled spread, at least
+    the kind's noise floor) plus its floor, at the scale of ``reference`` (the float64 value;
+    1 where it is 0, an update of a zero learning rate)."""
+    tol = KINDS["trajectory_band"]
+    value = torch.tensor(reference, dtype=torch.float64)
+    least = noise_floor(value, unit_roundoff(compute_dtype), tol) * (abs(reference) or 1.0)
+    return budget(value, baseline_error=max(spread, least), compute_dtype=compute_dtype,
+                  kind="trajectory_band")
 
 
 def propagated_noise(

@@ -5,11 +5,9 @@
     torchparity train --case llama-tiny --nproc 2 --check          # DDP under torchrun
     torchparity train --case mqa --parallel tp --nproc 2           # tensor parallel
     torchparity train --case llama-tiny --parallel fsdp+tp --nproc 4   # FSDP2 x TP, 2-D mesh
-    torchparity train --case all --update-golden                   # rewrite golden/<case>/
 
-A distributed run (``--nproc`` > 1) is judged twice: against one process training the same
-recipe (noise from that run and its reduction-order twin) and against the float64 golden
-(baseline: the one-process run). Rank 0 prints the log lines.
+A distributed run (``--nproc`` > 1) is judged against one process and against the float64
+golden. ``--model ENTRY`` trains a user's model (:mod:`torchparity.commands.train_model`).
 
 Exit status: 0 when the run (and any check) passed, 1 when the trajectory diverged, 2 on bad
 arguments or files, or when a rank of a distributed run failed (its message is printed).
@@ -24,6 +22,7 @@ from rich.console import Console
 
 from torchparity import backends
 from torchparity.commands.common import add_base_arguments, base_side, dtype_name, resolve_device
+from torchparity.commands.train_model import train_model
 from torchparity.errors import UsageError
 from torchparity.golden.judged_training import (
     TrainPlan,
@@ -39,13 +38,17 @@ _DEFAULTS = TrainConfig()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--case", required=True,
-                        help=f"zoo case to train ('all' with --update-golden): "
-                             f"{', '.join(zoo.names())}")
+    parser.add_argument("--case", help=f"zoo case to train ('all' with --update-golden): "
+                                       f"{', '.join(zoo.names())}")
+    parser.add_argument("--model", metavar="ENTRY",
+                        help="your model's factory, file.py:name or package.module:name, "
+                             "trained by its batches, optimizer and train_step "
+                             "(docs/training.md)")
     parser.add_argument("--steps", type=int, default=_DEFAULTS.steps,
                         help=f"optimizer steps (default {_DEFAULTS.steps})")
-    parser.add_argument("--backend", default="manual", choices=backends.names(),
-                        help="attention backend (default manual)")
+    parser.add_argument("--backend", choices=backends.names(),
+                        help="attention backend (default manual; with --model the model's "
+                             "own attention)")
     parser.add_argument("--dtype", default="fp32", type=dtype_name,
                         choices=list(DTYPE_MODES),
                         help="fp64, fp32 (TF32 off), tf32, bf16 or fp16 (autocast with fp32 "
@@ -101,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if args.json and not Path(args.json).resolve().parent.is_dir():
         raise UsageError(f"cannot write --json {args.json}: its folder does not exist")
+    if args.model or not args.case:
+        return train_model(args, console)
     side = base_side(args)
     if args.update_golden:
         if side:
@@ -125,8 +130,9 @@ def run(args: argparse.Namespace) -> int:
                              "trajectory: add --check, and leave out --golden-dir and the "
                              "recipe's options")
         golden_dir = str(base_trajectories(side, config.case))
-    plan = TrainPlan(config, Execution(args.backend, args.dtype, resolve_device(args.device),
-                                       args.compile),
+    execution = Execution(args.backend or "manual", args.dtype, resolve_device(args.device),
+                          args.compile)
+    plan = TrainPlan(config, execution,
                      check=args.check, against=args.against, diagnose=args.diagnose,
                      golden_dir=golden_dir, json=args.json, log_every=args.log_every,
                      nproc=_nproc(args), parallel=args.parallel)

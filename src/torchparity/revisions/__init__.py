@@ -10,6 +10,13 @@ record`` or ``torchparity train --update-golden`` there in a process of its own,
 so that the next run against the same base costs only the head side.
 """
 
-from torchparity.revisions.base import BaseSide, base_goldens, base_trace, base_trajectories
+from torchparity.revisions.base import (
+    BaseSide,
+    base_goldens,
+    base_model_trajectories,
+    base_trace,
+    base_trajectories,
+)
 
-__all__ = ["BaseSide", "base_goldens", "base_trace", "base_trajectories"]
+__all__ = ["BaseSide", "base_goldens", "base_model_trajectories", "base_trace",
+           "base_trajectories"]

@@ -222,6 +222,16 @@ def base_trajectories(side: BaseSide, case: str) -> Path:
     return kept / "goldens"
 
 
+def base_model_trajectories(side: BaseSide, entry: str, steps: int, dtype: str) -> Path:
+    """The golden folder where ``torchparity train --model ENTRY --update-golden`` wrote the
+    model's float64 trajectory and noise band at the base (in the cache): the base's model
+    and recipe, trained by this torchparity when the base is not torchparity's source."""
+    kept = side.run([entry], ["train", "--model", "{entry:0}", "--steps", str(steps),
+                              "--dtype", dtype, "--update-golden", "--golden-dir",
+                              "{out}/goldens"], "golden trajectory and noise band")
+    return kept / "goldens"
+
+
 def _filled(arg: str, entries: list[str], out: Path) -> str:
     for i, entry in enumerate(entries):
         arg = arg.replace(f"{{entry:{i}}}", entry)

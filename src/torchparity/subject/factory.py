@@ -14,7 +14,11 @@ torchrun only (:mod:`torchparity.subject.sharded`); ``shards`` says, of a model 
 sharded by hand under torchrun (plain per-rank slices), which dimension each sliced parameter
 is split along (:mod:`torchparity.subject.slices`); ``init(model)`` fills the weights of a
 model the factory built on the meta device, once it is materialised (under torchrun: sharded
-first, each rank filling its part only). A file imports as ``python file.py`` would
+first, each rank filling its part only). Training (``torchparity train --model``, see
+:mod:`torchparity.train.user_model`) reads ``batches(step) -> inputs`` (the inputs of optimizer
+step ``step``, 1-based, deterministic), ``optimizer(model) -> torch.optim.Optimizer`` (the
+user's param groups), optionally ``scheduler(optimizer)`` (stepped after every optimizer step)
+and ``train_step(model, batch, optimizer) -> loss`` (the user's own step). A file imports as ``python file.py`` would
 run it: its folder comes first on ``sys.path``, so modules beside it import.
 """
 
@@ -34,7 +38,8 @@ from torchparity.errors import UsageError, UserCodeError
 
 #: The keys a factory's dict may have; the first two are required.
 KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding", "reorder", "search",
-        "parallelize", "mesh", "init", "shards")
+        "parallelize", "mesh", "init", "shards", "batches", "optimizer", "scheduler",
+        "train_step")
 
 
 def resolve_entry(spec: str) -> Callable[[], Any]:
@@ -74,7 +79,8 @@ def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
             raise UsageError(f"factory {label} returned a dict with keys "
                              f"{', '.join(map(str, result)) or '(none)'}; it needs 'model' and "
                              f"'inputs' and may have 'loss_fn', 'step', 'reorder', 'search', "
-                             "'decode', 'padding', 'parallelize', 'mesh', 'init' and 'shards'")
+                             "'decode', 'padding', 'parallelize', 'mesh', 'init', 'shards', "
+                             "'batches', 'optimizer', 'scheduler' and 'train_step'")
         fields = {key: result.get(key) for key in KEYS}
     elif isinstance(result, tuple) and len(result) in (2, 3):
         fields = {**dict.fromkeys(KEYS), **dict(zip(KEYS, result, strict=False))}
@@ -88,7 +94,8 @@ def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
         raise UsageError(f"factory {label} returned inputs of type "
                          f"{type(fields['inputs']).__name__}; give a tuple of positional "
                          "arguments, a dict of keyword arguments or one tensor")
-    for key in ("loss_fn", "step", "reorder", "decode", "parallelize", "init"):
+    for key in ("loss_fn", "step", "reorder", "decode", "parallelize", "init", "batches",
+                "optimizer", "scheduler", "train_step"):
         value = fields[key]
         if value is not None and not callable(value):
             raise UsageError(f"factory {label} returned a {type(value).__name__} as {key}; "

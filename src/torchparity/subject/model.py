@@ -71,6 +71,13 @@ class Subject:
     slices: Slices | None = None
     #: ``init(model)``: fills the weights of a model the factory built on the meta device.
     init: Callable[[nn.Module], Any] | None = None
+    #: Training (:mod:`torchparity.train.user_model`): ``batches(step)`` the inputs of optimizer
+    #: step ``step``, ``optimizer(model)`` its optimizer, ``scheduler(optimizer)`` its learning
+    #: rate schedule, ``train_step(model, batch, optimizer) -> loss`` the user's own step.
+    batches: Callable[[int], Any] | None = None
+    optimizer: Callable[[nn.Module], Any] | None = None
+    scheduler: Callable[[Any], Any] | None = None
+    train_step: Callable[[nn.Module, Any, Any], Any] | None = None
     #: False where it is checked against goldens made without decoding: it does not decode.
     decoding: bool = True
 

@@ -209,6 +209,10 @@ class TrainConfig:
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
+    def same_recipe(self) -> TrainConfig:
+        """The recipe up to its micro-batch split: what two comparable runs share."""
+        return self.replace(accum_steps=1)
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["betas"] = list(self.betas)
@@ -243,9 +247,14 @@ DTYPE_MODES = {
 }
 
 
+#: The backend of a user's model trained with its own attention, no call intercepted.
+OWN_ATTENTION = "own"
+
+
 @dataclass(frozen=True)
 class Execution:
-    """How a recipe is executed: none of these changes the mathematics, only the rounding."""
+    """How a recipe is executed: none of these changes the mathematics, only the rounding.
+    ``backend`` :data:`OWN_ATTENTION` leaves a user's model's attention as it is."""
 
     backend: str = "manual"
     dtype: str = "fp32"
@@ -253,7 +262,7 @@ class Execution:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        if self.backend not in backends.names():
+        if self.backend not in (*backends.names(), OWN_ATTENTION):
             raise UsageError(f"unknown attention backend {self.backend!r}; choose one of "
                              f"{', '.join(backends.names())}")
         if self.dtype not in DTYPE_MODES:
@@ -293,6 +302,9 @@ class StepRecord:
     input_tokens: int
     seconds: float
     skipped: bool = False
+    #: Per parameter group, where the optimizer has several: ``grad_norm[NAME]`` and
+    #: ``update_norm[NAME]`` (a user's model; the zoo's records have none).
+    groups: dict[str, float] = field(default_factory=dict)
 
 
 QUANTITIES = ("loss", "grad_norm", "update_norm")
@@ -300,9 +312,10 @@ QUANTITIES = ("loss", "grad_norm", "update_norm")
 
 @dataclass
 class Trajectory:
-    """The records of a run, with its recipe, execution and timings."""
+    """The records of a run, with its recipe (a zoo case's :class:`TrainConfig` or a user's
+    model's :class:`~torchparity.train.user_model.UserRecipe`), execution and timings."""
 
-    config: TrainConfig
+    config: Any
     execution: Execution
     records: list[StepRecord]
     time_to_first_step: float
@@ -310,10 +323,15 @@ class Trajectory:
     notes: list[str] = field(default_factory=list)
     parallelism: str = "ddp"  # how world_size > 1 processes split the work (see train.parallel)
 
+    def quantities(self) -> list[str]:
+        """Loss, grad_norm, update_norm, then the per-group norms the records hold."""
+        return [*QUANTITIES, *(self.records[0].groups if self.records else ())]
+
     def series(self) -> dict[str, torch.Tensor]:
-        """``{quantity: float64 tensor over steps}`` for loss, grad_norm and update_norm."""
-        return {q: torch.tensor([getattr(r, q) for r in self.records], dtype=torch.float64)
-                for q in QUANTITIES}
+        """``{quantity: float64 tensor over steps}`` for every one of :meth:`quantities`."""
+        return {q: torch.tensor([r.groups[q] if q in r.groups else getattr(r, q)
+                                 for r in self.records], dtype=torch.float64)
+                for q in self.quantities()}
 
     @property
     def tokens_per_second(self) -> float:

@@ -10,7 +10,12 @@ reference by the trajectory budget of :mod:`torchparity.tolerance`:
 - three-way (``baseline`` is one run): ``|baseline - reference|``, with the reference the float64
   golden and the baseline the plain manual-attention run in the candidate's dtype and device;
 - two-run calibration (``baseline`` is a pair): ``|baseline_1 - baseline_2|``, two runs that
-  differ only in reduction order (see :func:`reduction_twin`).
+  differ only in reduction order (see :func:`reduction_twin`);
+- a noise band (``baseline`` is a :class:`NoiseBand`, measured by
+  :mod:`torchparity.train.ensemble`): the largest distance from the float64 reference of an
+  ensemble of runs that differ only in rounding, pooled over neighbouring steps, and judged
+  by the ``trajectory_band`` kind: ``fudge * max(noise(n), noise floor) + floor``, no growth
+  term (the band has measured the growth).
 
 The running maximum is used because rounding differences compound and do not heal: a step at
 which the baseline happens to land close to the reference says nothing about the next one.
@@ -31,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from torchparity import tolerance
-from torchparity.train.trainer import QUANTITIES, Execution, TrainConfig, Trajectory, train
+from torchparity.train.trainer import Execution, TrainConfig, Trajectory, train
 
 Verdict = Literal["identical", "within", "diverged"]
 
@@ -70,6 +75,11 @@ class TrajectoryComparison:
     points: list[Point]
     identical: bool
     notes: list[str] = field(default_factory=list)
+    quantities: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.quantities:  # in the order the points name them
+            self.quantities = list(dict.fromkeys(p.quantity for p in self.points))
 
     @property
     def ok(self) -> bool:
@@ -97,7 +107,20 @@ class TrajectoryComparison:
     def headroom_by_quantity(self) -> dict[str, float]:
         """The largest share of the budget each quantity used over the run."""
         return {q: max((p.headroom for p in self.points if p.quantity == q), default=0.0)
-                for q in QUANTITIES}
+                for q in self.quantities}
+
+    def sensitivity(self) -> dict[str, float]:
+        """Per quantity, the smallest change relative to the reference that its budget at the
+        last step would have flagged (``budget / |reference|``): what the run could detect."""
+        last = max((p.step for p in self.points), default=0)
+        return {p.quantity: p.budget / abs(p.reference) if p.reference else math.inf
+                for p in self.points if p.step == last}
+
+    def sensitivity_line(self) -> str:
+        """``could have detected at step 200: loss 0.0012%, grad_norm 0.03%, ...``."""
+        last = max((p.step for p in self.points), default=0)
+        parts = ", ".join(f"{q} {_relative(v)}" for q, v in self.sensitivity().items())
+        return f"could have detected changes, relative, at step {last}: {parts}"
 
     def budget_share(self) -> str:
         """``within, 12% of the budget used (loss 3%, grad_norm 12%, update_norm 5%)``."""
@@ -139,9 +162,58 @@ class TrajectoryComparison:
             "max_headroom": _finite(self.max_headroom),
             "headroom_by_quantity": {q: _finite(h)
                                      for q, h in self.headroom_by_quantity().items()},
+            "sensitivity": {q: _finite(v) for q, v in self.sensitivity().items()},
             "notes": self.notes,
             "points": [{**vars(p), "headroom": _finite(p.headroom)} for p in self.points],
         }
+
+
+def _relative(x: float) -> str:
+    return "none" if not math.isfinite(x) else f"{100 * x:.2g}%"
+
+
+@dataclass
+class NoiseBand:
+    """What rounding alone does to a recipe: per quantity and step, the largest distance of
+    a rounding-only ensemble's members from the float64 reference trajectory, as measured
+    (pooled over neighbouring steps only when judged, so the table's constant rules)."""
+
+    spread: dict[str, torch.Tensor]
+    members: list[str]
+    compute_dtype: str
+
+    @classmethod
+    def measure(cls, reference: Trajectory, members: list[Trajectory],
+                compute_dtype: str) -> NoiseBand:
+        """The band of ``members`` (runs of the reference's recipe in ``compute_dtype``) around
+        ``reference``; a member that is not finite where the reference is makes it infinite
+        there (it sets no budget)."""
+        ref = reference.series()
+        steps = len(reference.records)
+        spread = {}
+        for q in reference.quantities():
+            distances = torch.stack([(m.series()[q][:steps] - ref[q]).abs()
+                                     for m in members])
+            spread[q] = distances.nan_to_num(nan=math.inf).max(dim=0).values
+        return cls(spread, [_member_label(m) for m in members], compute_dtype)
+
+    def pooled(self, quantity: str) -> torch.Tensor:
+        """The spread of ``quantity`` at each step, the largest within ``pool_steps`` steps of
+        it (:data:`torchparity.tolerance.KINDS` ``trajectory_band``)."""
+        width = tolerance.KINDS["trajectory_band"].pool_steps
+        x = self.spread[quantity]
+        if not width or x.numel() == 0:
+            return x
+        padded = torch.nn.functional.pad(x[None, None], (width, width), value=0.0)
+        return torch.nn.functional.max_pool1d(padded, 2 * width + 1, stride=1)[0, 0]
+
+    def label(self) -> str:
+        return f"noise band of {len(self.members)} rounding-only runs"
+
+
+def _member_label(run: Trajectory) -> str:
+    rounding = getattr(run.config, "rounding", None)
+    return f"{run.label()}, {rounding}" if rounding else run.label()
 
 
 def _percent(headroom: float) -> str:
@@ -153,44 +225,50 @@ def _percent(headroom: float) -> str:
 def compare_trajectories(
     candidate: Trajectory,
     reference: Trajectory,
-    baseline: Trajectory | tuple[Trajectory, Trajectory],
+    baseline: Trajectory | tuple[Trajectory, Trajectory] | NoiseBand,
     *,
     compute_dtype: str | None = None,
 ) -> TrajectoryComparison:
     """Judge ``candidate`` against ``reference`` step by step (see the module docstring).
 
-    ``baseline`` is one run (three-way rule, ``reference`` being the golden) or a pair of runs
-    that differ only in reduction order (two-run calibration). All runs must share the recipe
-    and have at least the candidate's number of steps. ``compute_dtype`` (default: the
-    candidate's dtype mode) sets the unit roundoff of the floor.
+    ``baseline`` is one run (three-way rule, ``reference`` being the golden), a pair of runs
+    that differ only in reduction order (two-run calibration) or a :class:`NoiseBand` around
+    ``reference`` (the float64 trajectory). All runs must share the recipe and have at least
+    the candidate's number of steps. ``compute_dtype`` (default: the candidate's dtype mode)
+    sets the unit roundoff of the floor.
 
     Guarantees: a candidate bit-equal to the baseline is ``identical``; NaN or inf where the
     reference is finite diverges, except a gradient overflow at a step the baseline skipped too
     (fp16 loss scaling), which is excused and noted.
     """
+    band = baseline if isinstance(baseline, NoiseBand) else None
     pair = isinstance(baseline, tuple)
-    runs = [candidate, reference, *(baseline if pair else (baseline,))]
+    runs = [candidate, reference, *(baseline if pair else () if band else (baseline,))]
     _check_compatible(runs)
     steps = len(candidate.records)
     dtype = compute_dtype or candidate.execution.mode.compute_dtype
-    if pair:
-        noise_a, noise_b = baseline
-        calibration = f"noise of {noise_a.label()} vs its reduction-order twin"
+    quantities = [q for q in candidate.quantities() if q in reference.quantities()]
+    if band is not None:
+        noise_a = None
+        calibration = band.label()
+        envelopes = {q: band.pooled(q)[:steps] for q in quantities}
     else:
-        noise_a, noise_b = baseline, reference
-        calibration = f"baseline {baseline.label()}"
-    series = [run.series() for run in (candidate, reference, noise_a, noise_b)]
-    points = []
-    for q in QUANTITIES:
-        cand, ref, a, b = (s[q][:steps] for s in series)
-        envelope = _running_max((a - b).abs().nan_to_num(nan=math.inf))
-        points += [_point(q, n, cand[n - 1].item(), ref[n - 1].item(), envelope[n - 1].item(),
-                          dtype, _skipped_by_both(candidate, noise_a, n))
-                   for n in range(1, steps + 1)]
-    points.sort(key=lambda p: (p.step, QUANTITIES.index(p.quantity)))
-    identical = not pair and _bit_equal(series[0], series[2], steps)
-    return TrajectoryComparison(candidate.label(), reference.label(),
-                                calibration, dtype, points, identical, list(candidate.notes))
+        noise_a, noise_b = baseline if pair else (baseline, reference)
+        calibration = (f"noise of {noise_a.label()} vs its reduction-order twin" if pair else
+                       f"baseline {noise_a.label()}")
+        a, b = noise_a.series(), noise_b.series()
+        envelopes = {q: _running_max((a[q][:steps] - b[q][:steps]).abs()
+                                     .nan_to_num(nan=math.inf)) for q in quantities}
+    cand, ref = candidate.series(), reference.series()
+    points = [_point(q, n, cand[q][n - 1].item(), ref[q][n - 1].item(),
+                     envelopes[q][n - 1].item(), dtype,
+                     noise_a is not None and _skipped_by_both(candidate, noise_a, n),
+                     band=band is not None)
+              for q in quantities for n in range(1, steps + 1)]
+    points.sort(key=lambda p: (p.step, quantities.index(p.quantity)))
+    identical = not pair and band is None and _bit_equal(cand, baseline.series(), steps)
+    return TrajectoryComparison(candidate.label(), reference.label(), calibration, dtype,
+                                points, identical, list(candidate.notes), quantities)
 
 
 def reduction_twin(config: TrainConfig) -> TrainConfig:
@@ -215,13 +293,17 @@ def judge_against(candidate: Trajectory, config: TrainConfig,
 
 
 def _point(quantity: str, step: int, candidate: float, reference: float, noise: float,
-           dtype: str, excused: bool) -> Point:
+           dtype: str, excused: bool, *, band: bool = False) -> Point:
     if excused and quantity != "loss":
         return Point(step, quantity, candidate, reference, noise, 0.0, math.inf, 0.0,
                      "step skipped by fp16 loss scaling in candidate and baseline alike")
-    value = torch.tensor(reference, dtype=torch.float64)
-    budget = tolerance.budget(value, baseline_error=noise if math.isfinite(noise) else None,
-                              compute_dtype=dtype, kind="trajectory", step=step - 1).value
+    if band:
+        budget = tolerance.band_budget(reference, noise if math.isfinite(noise) else 0.0,
+                                       dtype).value
+    else:
+        value = torch.tensor(reference, dtype=torch.float64)
+        budget = tolerance.budget(value, baseline_error=noise if math.isfinite(noise) else None,
+                                  compute_dtype=dtype, kind="trajectory", step=step - 1).value
     if not math.isfinite(noise):
         budget = math.inf
     if not math.isfinite(candidate) and math.isfinite(reference):
@@ -241,13 +323,13 @@ def _skipped_by_both(candidate: Trajectory, baseline: Trajectory, step: int) -> 
 
 
 def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], steps: int) -> bool:
-    return all(torch.equal(a[q][:steps], b[q][:steps]) for q in QUANTITIES)
+    return all(torch.equal(a[q][:steps], b[q][:steps]) for q in a if q in b)
 
 
 def _check_compatible(runs: list[Trajectory]) -> None:
     recipe = runs[0].config
     for run in runs[1:]:
-        if run.config.replace(accum_steps=1) != recipe.replace(accum_steps=1):
+        if run.config.same_recipe() != recipe.same_recipe():
             raise ValueError(f"trajectories of different recipes cannot be compared: "
                              f"{run.config} vs {recipe}")
         if len(run.records) < len(runs[0].records):

@@ -1,0 +1,65 @@
+"""``torchparity train --model ENTRY``: a user's model trained by its factory's recipe.
+
+    torchparity train --model models.py:make --steps 200 --update-golden
+    torchparity train --model models.py:make --steps 200 --check --json verdict.json
+    torchparity train --model models.py:make --steps 200 --base origin/main
+
+``--update-golden`` trains the float64 trajectory and the rounding-only ensemble whose spread
+is the noise band, and stores both; ``--check`` trains once and judges the run against them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from torchparity.commands.common import base_side, resolve_device
+from torchparity.errors import UsageError
+from torchparity.golden.judged_model_training import (
+    ModelPlan,
+    judge_model_training,
+    update_model_golden,
+)
+from torchparity.train.trainer import OWN_ATTENTION, Execution, TrainConfig
+
+_ZOO = TrainConfig()
+#: The zoo's recipe options, which a factory's own recipe replaces, and their defaults.
+_ZOO_OPTIONS = {"batch_size": _ZOO.batch_size, "accum": 1, "lr": _ZOO.lr,
+                "warmup": _ZOO.warmup_steps, "normalization": "tokens", "task": _ZOO.task,
+                "parallel": None, "against": None}
+
+
+def train_model(args: argparse.Namespace, console: Console) -> int:
+    """Exit status of ``train --model``: 0 stored or within, 1 diverged."""
+    if bool(args.case) == bool(args.model):
+        raise UsageError("give --case NAME (a zoo case) or --model ENTRY (your factory)")
+    given = [f"--{name.replace('_', '-')}" for name, default in _ZOO_OPTIONS.items()
+             if getattr(args, name) != default]
+    if given:
+        raise UsageError(f"{', '.join(given)} set the zoo's recipe; a factory's model trains "
+                         "by its own batches, optimizer and train_step: leave them out")
+    if (args.nproc or 1) > 1:
+        raise UsageError("--nproc with --model is not supported yet; train in one process")
+    side = base_side(args)
+    golden_dir = args.golden_dir
+    if side:
+        if args.update_golden or args.golden_dir:
+            raise UsageError("--base trains the base's golden trajectory and judges the "
+                             "working tree against it: leave out --update-golden and "
+                             "--golden-dir")
+        from torchparity.revisions import base_model_trajectories
+
+        golden_dir = str(base_model_trajectories(side, args.model, args.steps, args.dtype))
+    elif args.update_golden == args.check:
+        raise UsageError("train --model needs --update-golden (store the golden trajectory "
+                         "and noise band), --check (judge against them) or --base REV")
+    backend = OWN_ATTENTION if args.backend is None else args.backend
+    plan = ModelPlan(args.model, args.steps, Execution(backend, args.dtype,
+                                                       resolve_device(args.device)),
+                     golden_dir=golden_dir, json=args.json, diagnose=args.diagnose)
+    if args.update_golden:
+        update_model_golden(plan, console)
+        return 0
+    return 0 if judge_model_training(plan, console) else 1
+
