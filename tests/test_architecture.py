@@ -26,7 +26,7 @@ FLOORS = (
     ("top", ("commands", "cli", "pytest_plugin", "__main__")),
     ("wings", ("golden", "diagnosis", "train", "bench", "calibration", "revisions", "ci",
                "twins")),
-    ("shared", ("comparison", "subject", "strategies")),
+    ("shared", ("comparison", "subject", "distributed", "strategies")),
     ("bottom", ("backends", "tolerance", "sketching", "digests", "memory", "machine", "dtypes",
                 "errors", "collector", "reference", "text", "threads")),
 )
@@ -273,3 +273,20 @@ def test_no_public_name_is_defined_twice() -> None:
     twice = {n: m for n, m in where.items() if len(m) > 1 and n not in TWICE_DEFINED}
     assert not twice, "public names defined in two or more modules: rename one:\n" + "\n".join(
         f"{n}: {', '.join(m)}" for n, m in sorted(twice.items()))
+
+
+#: torch.distributed's set-up, which only the distributed home calls: one backend choice, one
+#: timeout (torchparity/distributed/group.py).
+PROCESS_GROUP_CALLS = {"init_process_group", "destroy_process_group", "new_group"}
+
+
+def test_only_the_distributed_home_sets_up_process_groups() -> None:
+    calls = []
+    for name, path in module_names().items():
+        if name == "torchparity.distributed" or name.startswith("torchparity.distributed."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in PROCESS_GROUP_CALLS:
+                calls.append(f"{path.relative_to(PACKAGE.parents[1])}:{node.lineno}: {node.attr}")
+    assert not calls, ("torch.distributed set up outside torchparity/distributed/: call "
+                       "group.join() and group.leave():\n" + "\n".join(calls))

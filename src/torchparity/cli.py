@@ -85,9 +85,11 @@ def _report(prog: str, message: str, status: int, exc: BaseException,
 
 def _recorded(status: int, line: str | None = None) -> int:
     """``status``, also left for the launcher when this process is one of several ranks that
-    ``--nproc`` started (see :mod:`torchparity.subject.launcher`)."""
-    if "RANK" in os.environ:  # torch is imported already: the launcher costs nothing more
-        from torchparity.subject.launcher import record_outcome
+    ``--nproc`` started (see :mod:`torchparity.distributed.launch`)."""
+    from torchparity.distributed.group import under_torchrun
+
+    if under_torchrun():  # torch is imported already: the launcher costs nothing more
+        from torchparity.distributed.launch import record_outcome
 
         record_outcome(status, line)
     return status

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from torchparity.subject import launcher
+from torchparity.distributed import launch
 
 RANKS_SCRIPT = '''
 import json
@@ -25,9 +25,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torchparity import sketching
 from torchparity.golden.model_runs import perturbation
 from torchparity.golden.sharded import kept_across_ranks, perturbation_in_parts
-from torchparity.subject import sharded
+from torchparity.distributed import group, sharding
 
-sharded.join()
+group.join()
 whole = torch.randn(300, 500, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 whole[0, 1], whole[299, 7], whole[150, 3] = -0.0, float("nan"), float("-inf")
 expected = sketching.sketch(whole, "layers.0.w")
@@ -38,20 +38,20 @@ for label, mesh, placements in [
         ("rows", "1-D", [Shard(0)]), ("columns", "1-D", [Shard(1)]),
         ("replicated", "1-D", [Replicate()]), ("2-D", "2-D", [Shard(1), Replicate()])]:
     part = distribute_tensor(whole, meshes[mesh], placements)
-    runs = torch.cat(list(sharded.flat_chunks(part, 4096)))  # runs cross the parts' edges
+    runs = torch.cat(list(sharding.flat_chunks(part, 4096)))  # runs cross the parts' edges
     kept = kept_across_ranks("layers.0.w", part)
     # In place, on this rank's part of a copy (a run perturbs its own float64 cast).
     moved = perturbation_in_parts("layers.0.w", distribute_tensor(whole.clone(),
                                                                   meshes[mesh], placements))
-    moved_whole = sharded.part(perturbation("layers.0.w", whole.clone()), moved)
+    moved_whole = sharding.part(perturbation("layers.0.w", whole.clone()), moved)
     found[label] = {"runs": torch.equal(runs.view(torch.int64), flat_bits),
                     "sketch": isinstance(kept, sketching.Sketch) and kept.same_values(expected),
                     "perturbed": torch.equal(moved.to_local().view(torch.int64),
                                              moved_whole.contiguous().view(torch.int64))}
-if sharded.rank() == 0:
+if group.rank() == 0:
     with open(sys.argv[1], "w") as out:
         json.dump(found, out)
-sharded.leave()
+group.leave()
 '''
 
 
@@ -60,7 +60,7 @@ def test_a_gradient_in_parts_is_sketched_as_one_process_sketches_it_whole(tmp_pa
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
     result = tmp_path / "found.json"
-    outcome = launcher.launch("sketch_across_ranks", [str(result)], nproc=2, timeout=300)
+    outcome = launch.launch("sketch_across_ranks", [str(result)], nproc=2, timeout=300)
     assert outcome.status == 0, outcome.message
     found = json.loads(Path(result).read_text())
     assert found == {label: {"runs": True, "sketch": True, "perturbed": True}

@@ -1,5 +1,5 @@
 """A run's copy of a sharded model is planned on the meta device and then given storage
-(subject/sharded.py): the gradient hooks the plan put on its parameters must survive that, or
+(distributed/sharding.py): the gradient hooks the plan put on its parameters must survive that, or
 the copy computes other gradients than the model (a plan that reduces a gradient in a hook)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchparity.subject import sharded
+from torchparity.distributed import sharding
 
 
 def test_a_gradient_hook_the_plan_put_on_a_meta_parameter_runs_on_the_copy():
     with torch.device("meta"):
         model = nn.Linear(3, 2)
     model.weight.register_hook(lambda grad: 2 * grad)  # what a plan may do
-    sharded._materialised(model, "cpu")
+    sharding._materialised(model, "cpu")
     with torch.no_grad():
         model.weight.copy_(torch.arange(6.0).reshape(2, 3))
         model.bias.zero_()

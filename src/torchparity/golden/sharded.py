@@ -1,7 +1,7 @@
 """Goldens and checks of a user's model sharded over the ranks of ``torchrun``.
 
 ``golden update --model ENTRY --nproc N`` and ``check --model ENTRY --nproc N`` start the same
-command as N ranks (:func:`start`, through :mod:`torchparity.subject.launcher`); inside a user's
+command as N ranks (:func:`start`, through :mod:`torchparity.distributed.launch`); inside a user's
 own ``torchrun ... -m torchparity ...`` the command finds itself a rank and runs as one.
 
 Every rank loads the factory, whose plan shards its model before the first run. The float64
@@ -10,7 +10,7 @@ process does (:class:`~torchparity.subject.blockwise.Float64Run`): a rank holds 
 model in the model's dtype and the running module's part in float64, never the whole model.
 The cells of the model's own dtype run it as it is, as in one process; a cell of another dtype
 makes a copy in its dtype sharded alike, each rank only its part
-(:func:`~torchparity.subject.sharded.placed`).
+(:func:`~torchparity.subject.sharding.placed`).
 A big gradient held in parts by the ranks is sketched from runs of it assembled across them
 (:func:`kept_across_ranks`), never whole on a rank; outputs and small gradients that are
 DTensors are gathered one at a time, each kept before the next. The kept tensors are bit for
@@ -56,15 +56,16 @@ from torchparity.golden.renamed import state_layout
 from torchparity.golden.store import GoldenStore
 from torchparity.golden.user_models import model_checksums, write_goldens
 from torchparity.sketching import CHUNK, Sketch, kept, sketch_chunks, wants_sketch
-from torchparity.subject import Subject, hf, launcher, sharded
+from torchparity.distributed import group, launch, sharding
+from torchparity.subject import Subject, hf
 from torchparity.subject.blockwise import Float64Run, stream_grads
 from torchparity.subject.compiling import compiled
 from torchparity.subject.decoding import Fed
 from torchparity.subject.factory import first_line
 from torchparity.subject.islands import Islands
-from torchparity.subject.ranks import under_torchrun
+from torchparity.distributed.group import under_torchrun
 from torchparity.subject.running import cast_inputs, local_part, on_meta
-from torchparity.subject.slices import DECLARE_HINT, Slice, Slices, whole_of
+from torchparity.distributed.slices import DECLARE_HINT, Slice, Slices, whole_of
 from torchparity.subject.trees import map_tensors
 
 #: Seconds a launched run may take in all (environment variable, default one hour).
@@ -78,19 +79,19 @@ def start(nproc: int | None, argv: list[str]) -> int | None:
     With ``nproc`` > 1 outside torchrun: run ``torchparity argv`` (without ``--nproc``) as
     ``nproc`` ranks and return its exit status. Else None: one process, as ever."""
     if under_torchrun():
-        if nproc is not None and nproc != sharded.world_size():
-            raise UsageError(f"--nproc {nproc} under a torchrun of {sharded.world_size()} "
+        if nproc is not None and nproc != group.world_size():
+            raise UsageError(f"--nproc {nproc} under a torchrun of {group.world_size()} "
                              "ranks; leave --nproc out inside torchrun")
-        sharded.join()
-        atexit.register(sharded.leave)
-        if sharded.rank() != 0:
+        group.join()
+        atexit.register(group.leave)
+        if group.rank() != 0:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the rank)
         return None
     if nproc is not None and nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")
     if nproc is None or nproc == 1:
         return None
-    outcome = launcher.launch("torchparity", without_nproc(argv), nproc=nproc,
+    outcome = launch.launch("torchparity", without_nproc(argv), nproc=nproc,
                               timeout=_run_timeout(), log=print)
     if outcome.message:
         print(outcome.message, file=sys.stderr)
@@ -111,7 +112,7 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 
 def _run_timeout() -> float:
-    return sharded.seconds_from_env(RUN_TIMEOUT_ENV, _DEFAULT_RUN_TIMEOUT)
+    return group.seconds_from_env(RUN_TIMEOUT_ENV, _DEFAULT_RUN_TIMEOUT)
 
 
 def active() -> bool:
@@ -139,41 +140,41 @@ def collectively(what: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception as exc:
-        if not sharded.collective_failed(exc):
+        if not group.collective_failed(exc):
             raise
         raise TorchParityError(
-            f"rank {sharded.rank()}: a collective failed in {what} "
-            f"({sharded.where_others_are()}): {first_line(exc.__cause__ or exc)}") from exc
+            f"rank {group.rank()}: a collective failed in {what} "
+            f"({group.where_others_are()}): {first_line(exc.__cause__ or exc)}") from exc
 
 
 def _weighed(subject: Subject) -> Subject:
-    """``subject``, held (:func:`~torchparity.subject.sharded.hold`) when its factory built it
+    """``subject``, held (:func:`~torchparity.subject.sharding.hold`) when its factory built it
     on the meta device, or sharded it itself: its weights exist only in parts, and their
     checksums are then gathered one tensor at a time. A model built whole is weighed before
     its plan runs, since a plan may change weights (a drifted copy is a difference to find,
     not another init)."""
     if on_meta(subject.model) or subject.parallelize is None:
-        sharded.hold(subject)
-        sharded.mark("the checksums of the weights")
+        sharding.hold(subject)
+        group.mark("the checksums of the weights")
     return subject
 
 
 def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run_name: str,
                  *, perturb: bool, tokens: Fed | None) -> CellRun:
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
-    sharded.mark(f"the sharding of {run_name} (the factory's plan)")
+    group.mark(f"the sharding of {run_name} (the factory's plan)")
     grads: dict[str, Any] = {}
     float64 = None
     if _runs_held(subject, cell):
-        model = sharded.held(subject, attention)
+        model = sharding.held(subject, attention)
         inputs = cast_inputs(subject.inputs, cell.device, DTYPES[cell.dtype])
         if cell.dtype == "fp64":
             moved = functools.partial(perturbation_in_parts, held=subject.slices)
             float64 = Float64Run(model, on_grad=_gathered_into(grads, subject.slices),
                                  device=cell.device, perturb=moved if perturb else None)
     else:
-        model, inputs = sharded.placed(subject, cell.device, DTYPES[cell.dtype], attention)
-    sharded.mark(f"the forward and backward of {run_name}")
+        model, inputs = sharding.placed(subject, cell.device, DTYPES[cell.dtype], attention)
+    group.mark(f"the forward and backward of {run_name}")
 
     def gathered_grads(loss: torch.Tensor) -> dict[str, Any]:
         if float64 is None:
@@ -191,12 +192,12 @@ def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run
                 outputs_whole(model):
             run = forward_backward(subject, model, inputs, loss_paths, gathered_grads)
             run.compile_log = compile_log
-            sharded.gather_root(model)
+            sharding.gather_root(model)
             decode_into(subject, model, inputs, run, tokens)
     except BackendUnavailable as exc:
         return CellRun({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
     finally:
-        sharded.reshard(model)
+        sharding.reshard(model)
     if subject.slices is not None and subject.slices.unmapped:
         run.outputs.pop("grads", None)
         run.missing["grads"] = unmapped_reason(subject.slices)
@@ -211,7 +212,7 @@ def _runs_held(subject: Subject, cell: Cell) -> bool:
     factory's model (:class:`~torchparity.golden.model_runs.CellModels`): a float64 cell
     (cast module by module) or one of the model's own dtype, on the kind of device its shards
     are on (its mesh's). Any other cell runs a copy."""
-    sharded.hold(subject)
+    sharding.hold(subject)
     params = list(subject.shards.parameters())
     device = params[0].device.type if params else "cpu"
     dtypes = {p.dtype for p in params if p.is_floating_point()}
@@ -234,9 +235,9 @@ def perturbation_in_parts(name: str, value: torch.Tensor, held: Slices | None = 
     moved as its place in the whole is."""
     where = held.of(name) if held is not None else None
     if where is not None:
-        stretches = sharded.segments(where.whole, tuple(value.shape), where.offset)
-    elif sharded.in_parts(value):
-        stretches = sharded.stretches(value)
+        stretches = sharding.segments(where.whole, tuple(value.shape), where.offset)
+    elif sharding.in_parts(value):
+        stretches = sharding.stretches(value)
     else:
         return perturbation(name, value)
     flat = local_part(value).view(-1)
@@ -261,14 +262,14 @@ def kept_across_ranks(name: str, tensor: torch.Tensor, where: Slice | None = Non
                       ) -> torch.Tensor | Sketch:
     """``tensor`` as one process keeps it (:func:`~torchparity.sketching.kept`), bit for bit:
     a big one held in parts by the ranks is sketched from runs of it assembled across them
-    (:func:`~torchparity.subject.sharded.flat_chunks`), so that no rank holds it whole; any
+    (:func:`~torchparity.subject.sharding.flat_chunks`), so that no rank holds it whole; any
     other is gathered whole (a plain slice, ``where`` it lies, joined to the ranks' others)."""
     if where is not None:
         return kept(name, whole_of(tensor, where))
-    if wants_sketch(tensor) and sharded.in_parts(tensor):
+    if wants_sketch(tensor) and sharding.in_parts(tensor):
         return sketch_chunks(tuple(tensor.shape), tensor.dtype,
-                             sharded.flat_chunks(tensor, CHUNK), name)
-    return kept(name, sharded.whole(tensor))
+                             sharding.flat_chunks(tensor, CHUNK), name)
+    return kept(name, sharding.whole(tensor))
 
 
 @contextlib.contextmanager
@@ -278,7 +279,7 @@ def outputs_whole(model: nn.Module) -> Iterator[None]:
     a wrapper, so that the decoding still finds the model's own step (a ``transformers``
     model's cache)."""
     handle = model.register_forward_hook(
-        lambda module, args, output: map_tensors(output, sharded.whole))
+        lambda module, args, output: map_tensors(output, sharding.whole))
     try:
         yield
     finally:
@@ -289,7 +290,7 @@ class ShardedFeed(ModelFeed):
     """A user's model as the check loop runs it on every rank (see :class:`ModelFeed`)."""
 
     def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
-        sharded.together(f"the {cell.label} run" + (" (perturbed)" if perturb else ""))
+        group.together(f"the {cell.label} run" + (" (perturbed)" if perturb else ""))
         return run_sharded(self.subject, cell, self.loss_paths, perturb=perturb,
                            tokens=self.fed(cell, perturb))
 
@@ -317,9 +318,9 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
     layout = state_layout(subject.model)  # its names and shapes as the factory made them
     if subject.slices is not None:  # a model sharded by hand: as one process holds it
         layout |= {name: list(where.whole) for name, where in subject.slices.held.items()}
-    sharded.together("the float64 golden run")
+    group.together("the float64 golden run")
     run = run_sharded(subject, REFERENCE, None)
     statuses = [write_goldens(subject, store, run=run, checksums=checksums, layout=layout)
-                if sharded.rank() == 0 else None]
+                if group.rank() == 0 else None]
     dist.broadcast_object_list(statuses, src=0)
     return statuses[0]

@@ -53,7 +53,8 @@ from torchparity.golden.cells import REFERENCE, CellRun
 from torchparity.golden.model_runs import OUTPUT_KINDS, Status, run_in_cell
 from torchparity.golden.renamed import Layout, Renaming, state_layout
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
-from torchparity.subject import Subject, sharded
+from torchparity.distributed import sharding
+from torchparity.subject import Subject
 from torchparity.subject.islands import narrowest, summary
 from torchparity.subject.running import default_loss_paths
 from torchparity.subject.trees import flatten_tensors
@@ -82,7 +83,7 @@ def model_checksums(subject: Subject, renamed: Renaming | None = None) -> dict[s
     if subject.slices is not None and subject.slices.unmapped:
         return {"weights": None, "inputs": checksum(flatten_tensors(subject.inputs, "inputs"))}
     weights = (subject.model.state_dict() if subject.shards is None
-               else sharded.WholeState(subject.shards.state_dict(), subject.slices))
+               else sharding.WholeState(subject.shards.state_dict(), subject.slices))
     if renamed is not None:
         weights = renamed.golden_state(weights, state_layout(subject.model))
     return {"weights": checksum(weights, dtype=torch.float64),

@@ -10,9 +10,9 @@ tensors); ``padding`` says which positions are padding where the inputs do not (
 :mod:`torchparity.subject.padding`); ``parallelize(model, mesh)`` shards the model in place
 over a device mesh (its FSDP2 ``fully_shard`` / ``parallelize_module`` plan) and ``mesh`` is the
 mesh it wants, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left), both read under
-torchrun only (:mod:`torchparity.subject.sharded`); ``shards`` says, of a model a factory
+torchrun only (:mod:`torchparity.distributed.sharding`); ``shards`` says, of a model a factory
 sharded by hand under torchrun (plain per-rank slices), which dimension each sliced parameter
-is split along (:mod:`torchparity.subject.slices`); ``init(model)`` fills the weights of a
+is split along (:mod:`torchparity.distributed.slices`); ``init(model)`` fills the weights of a
 model the factory built on the meta device, once it is materialised (under torchrun: sharded
 first, each rank filling its part only). Training (``torchparity train --model``, see
 :mod:`torchparity.train.user_model`) reads ``batches(step) -> inputs`` (the inputs of optimizer

@@ -16,8 +16,8 @@ from torchparity.subject.beams import BeamSettings, builtin_reorder, search_sett
 from torchparity.subject.decoding import STEP_HINT, ReorderFn, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.padding import Padding, padding_of
-from torchparity.subject.ranks import under_torchrun
-from torchparity.subject.slices import Slices
+from torchparity.distributed.group import under_torchrun
+from torchparity.distributed.slices import Slices
 from torchparity.subject.running import (
     LossFn,
     call_model,
@@ -56,18 +56,18 @@ class Subject:
     reorder: ReorderFn | None = None
     search: BeamSettings | None = None
     #: ``parallelize(model, mesh)``: the factory's plan to shard the model over ``mesh``, a
-    #: ``{dimension name: size}`` (see :mod:`torchparity.subject.sharded`).
+    #: ``{dimension name: size}`` (see :mod:`torchparity.distributed.sharding`).
     parallelize: Callable[[nn.Module, Any], Any] | None = None
     mesh: Any = None
-    #: Under torchrun, once :func:`~torchparity.subject.sharded.hold` sharded the factory's
+    #: Under torchrun, once :func:`~torchparity.distributed.sharding.hold` sharded the factory's
     #: model by its plan (its own dtype, each rank its part): that model, ``model`` being then
     #: its structure on the meta device.
     shards: nn.Module | None = None
     #: The factory's ``shards``: parameter name -> the dimension its ranks' plain slices
-    #: split it along, for a model it sharded by hand (:mod:`~torchparity.subject.slices`).
+    #: split it along, for a model it sharded by hand (:mod:`~torchparity.distributed.slices`).
     split: Mapping[str, int] | None = None
     #: Under torchrun, a model sharded by hand: where each rank's slices lie (set by
-    #: :func:`~torchparity.subject.sharded.hold`).
+    #: :func:`~torchparity.distributed.sharding.hold`).
     slices: Slices | None = None
     #: ``init(model)``: fills the weights of a model the factory built on the meta device.
     init: Callable[[nn.Module], Any] | None = None

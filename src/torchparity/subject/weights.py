@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from torchparity.reference import rng
 from torchparity.subject.running import local_part
-from torchparity.subject.sharded import part
+from torchparity.distributed.sharding import part
 
 #: Spread of a norm's weight around 1 and of its bias around 0.
 NORM_SPREAD = 0.05

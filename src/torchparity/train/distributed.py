@@ -1,6 +1,6 @@
 """Distributed parity: a zoo case trained by N processes under ``torchrun``.
 
-:func:`run_parallel` launches the ranks (see :mod:`torchparity.subject.launcher`) with one of the
+:func:`run_parallel` launches the ranks (see :mod:`torchparity.distributed.launch`) with one of the
 parallelisms of :mod:`torchparity.train.parallel` (DDP, FSDP2, tensor parallel, FSDP2 x TP) and
 returns rank 0's trajectory, to be judged with
 :func:`torchparity.train.trajectory.compare_trajectories` against one process training the same
@@ -16,7 +16,6 @@ Run by hand::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -26,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from torchparity.distributed import group, launch
 from torchparity.errors import TorchParityError
-from torchparity.subject import launcher
 from torchparity.train.parallel import Layout, tensor_parallel_problem
 from torchparity.train.step_capture import (
     Location,
@@ -38,10 +37,6 @@ from torchparity.train.step_capture import (
     locate,
 )
 from torchparity.train.trainer import Execution, TrainConfig, Trainer, Trajectory
-
-#: Seconds a collective may wait for a rank before it fails (a rank stuck elsewhere).
-COLLECTIVE_TIMEOUT = 120.0
-
 
 def run_parallel(config: TrainConfig, execution: Execution | None = None, *,
                  parallelism: str = "ddp", nproc: int = 2, timeout: float = 300.0,
@@ -104,7 +99,7 @@ def _launch(specs: list[dict], execution: Execution, nproc: int, timeout: float,
             *(["--setup", setup] if setup else [])]
     for spec in specs:
         args += ["--job", json.dumps({**spec, "config": spec["config"].to_dict()})]
-    launcher.launch("torchparity.train.distributed", args, nproc=nproc, timeout=timeout, log=log)
+    launch.launch("torchparity.train.distributed", args, nproc=nproc, timeout=timeout, log=log)
 
 
 def check_layout(config: TrainConfig, execution: Execution, parallelism: str,
@@ -126,11 +121,9 @@ def check_layout(config: TrainConfig, execution: Execution, parallelism: str,
 
 def main(argv: list[str] | None = None) -> int:
     """The worker that ``torchrun`` starts: one rank of the run."""
-    import torch.distributed as dist
-
-    launcher.die_with_parent()
+    launch.die_with_parent()
     args = _parser().parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = group.rank()
     try:
         execution = Execution(**json.loads(args.execution))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -143,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             from torchparity.subject.factory import resolve_entry
 
             resolve_entry(args.setup)()
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+        group.join()
         for job in map(json.loads, args.job):
             trainer = Trainer(TrainConfig.from_dict(job["config"]), execution,
                               parallelism=job["parallelism"],
@@ -159,10 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:
                 Path(job["out"]).write_text(json.dumps(trajectory.to_dict()))
     except BaseException as exc:
-        launcher.record_failure(rank, exc)
+        launch.record_failure(rank, exc)
         raise
-    dist.barrier()  # no rank closes its connections while another still uses them
-    dist.destroy_process_group()
+    group.leave()  # once every rank is done: none closes what another still uses
     return 0
 
 

@@ -44,7 +44,7 @@ from torchparity.commands.diagnose.trace_options import (
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
 from torchparity.subject.compiling import MODES
-from torchparity.subject.ranks import under_torchrun
+from torchparity.distributed.group import under_torchrun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

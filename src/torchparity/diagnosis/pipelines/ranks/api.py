@@ -56,7 +56,8 @@ from torchparity.diagnosis.pipelines.ranks.report import RankDivergence, RankRep
 from torchparity.diagnosis.pipelines.ranks.runs import RankRun, sharded_run, whole_call
 from torchparity.diagnosis.core.run import GOLDEN_DTYPE, default_loss
 from torchparity.diagnosis.core.trace import check_recorded_inputs
-from torchparity.subject import Subject, sharded
+from torchparity.distributed import group
+from torchparity.subject import Subject
 from torchparity.subject.trees import flatten_tensors
 
 NO_BACKWARD = "Gradients are not judged (--no-backward)."
@@ -88,9 +89,9 @@ def diagnose_across_ranks(trace: Path, subject: Subject, *, backward: bool = Tru
                               lambda key: whole_call(run.outputs[key]),
                               lambda key, parts: judged_against_trace(reference, recorded[key],
                                                                       parts))
-    if sharded.rank() != 0:
+    if group.rank() != 0:
         return None
-    report = RankReport(str(trace), sharded.world_size(), judged, first)
+    report = RankReport(str(trace), group.world_size(), judged, first)
     _say_grads(report, grads, NO_BACKWARD if not backward else None if meta.backward else
                f"Gradients are not judged: trace {trace} has none (recorded with "
                "--no-backward).")
@@ -118,9 +119,9 @@ def diagnose_pair_across_ranks(subject_a: Subject, subject_b: Subject, entry_a: 
         [key for key in a.calls if key in golden.outputs and key in b.outputs],
         lambda key: tuple(whole_call(side.outputs[key]) for side in (a, golden, b)),
         lambda key, parts: judged_against_a(*a.calls[key], parts, subject_a.padding))
-    if sharded.rank() != 0:
+    if group.rank() != 0:
         return None
-    report = RankReport(f"{entry_a} run sharded alike", sharded.world_size(), judged, first)
+    report = RankReport(f"{entry_a} run sharded alike", group.world_size(), judged, first)
     no_grads = a.no_grads or b.no_grads
     _say_grads(report, grads, NO_BACKWARD if not backward else
                f"Gradients are not judged: {no_grads}." if no_grads else None)
@@ -153,7 +154,7 @@ def _agreed(keys: list[str]) -> list[str]:
     rank, so that every rank makes the same collectives in the same order."""
     import torch.distributed as dist
 
-    everyone: list[Any] = [None] * sharded.world_size()
+    everyone: list[Any] = [None] * group.world_size()
     dist.all_gather_object(everyone, keys)
     others = [set(rank) for rank in everyone[1:]]
     return [key for key in everyone[0] if all(key in rank for rank in others)]
@@ -196,6 +197,6 @@ def _at_rank_zero(value: Any) -> list[Any] | None:
     """Every rank's ``value`` in rank order on rank 0; None on the other ranks."""
     import torch.distributed as dist
 
-    everyone = [None] * sharded.world_size() if sharded.rank() == 0 else None
+    everyone = [None] * group.world_size() if group.rank() == 0 else None
     dist.gather_object(value, everyone, dst=0)
     return everyone

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.core.capture import call_key
-from torchparity.subject import Subject, sharded, slices
+from torchparity.distributed import group, sharding, slices
+from torchparity.subject import Subject
 from torchparity.subject.running import call_model, cast_inputs, is_dtensor, local_part
-from torchparity.subject.slices import Slice, Slices
+from torchparity.distributed.slices import Slice, Slices
 from torchparity.subject.trees import flatten_tensors, map_tensors
 
 #: One call's (or one module's parameters') tensors by path.
@@ -54,16 +55,16 @@ def sharded_run(subject: Subject, dtype: torch.dtype, inputs: Any, label: str,
                 loss: Loss | None = None) -> RankRun:
     """``subject`` in ``dtype`` sharded by its plan (each rank its part), run forward on
     ``inputs`` with every module's outputs kept, and backward from ``loss`` when given."""
-    device = sharded.device_type()
-    sharded.mark(f"the sharding of {label} (the factory's plan)")
-    model, _ = sharded.placed(subject, device, dtype)
-    sharded.mark(f"the forward{'' if loss is None else ' and backward'} of {label}")
+    device = group.device_type()
+    group.mark(f"the sharding of {label} (the factory's plan)")
+    model, _ = sharding.placed(subject, device, dtype)
+    group.mark(f"the forward{'' if loss is None else ' and backward'} of {label}")
     run = RankRun()
     inputs = cast_inputs(inputs, device, dtype)
     handles = _hooks(model, run)
     try:
         with torch.set_grad_enabled(loss is not None):
-            output = map_tensors(call_model(model, inputs), sharded.whole)
+            output = map_tensors(call_model(model, inputs), sharding.whole)
             if loss is not None:
                 value = loss(output, inputs)
                 if isinstance(value, str):
@@ -108,7 +109,7 @@ def _kept(tensor: torch.Tensor) -> torch.Tensor:
 def whole_call(outputs: Tensors) -> Tensors:
     """One call's ``outputs`` whole on the CPU: each DTensor gathered (every rank must make
     the same call's at once), a plain tensor as it is."""
-    return {path: sharded.whole(tensor).cpu() for path, tensor in outputs.items()}
+    return {path: sharding.whole(tensor).cpu() for path, tensor in outputs.items()}
 
 
 def _keep_grads(model: nn.Module, run: RankRun, held: Slices | None) -> None:
@@ -125,4 +126,4 @@ def _keep_grads(model: nn.Module, run: RankRun, held: Slices | None) -> None:
 
 
 def _cut(whole: torch.Tensor, like: torch.Tensor, where: Slice | None) -> torch.Tensor:
-    return (slices.cut(whole, where) if where else sharded.part(whole, like)).cpu()
+    return (slices.cut(whole, where) if where else sharding.part(whole, like)).cpu()

@@ -1,7 +1,7 @@
 """A user's model sharded over the ranks of ``torchrun``: by its own plan, or by its factory.
 
-Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank joins one process group (:func:`join`:
-gloo on the CPU, nccl on CUDA) and loads the factory, whose model the factory's
+Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank joins one process group
+(:func:`~.group.join`: gloo on the CPU, nccl on CUDA) and loads the factory, whose model the factory's
 ``parallelize(model, mesh)`` (:func:`shard`) then shards in place, in its own dtype, over the
 mesh the factory asks for, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left; none
 given: one dimension ``"shard"`` over every rank): each rank keeps its part only (:func:`hold`).
@@ -13,30 +13,28 @@ ranks would pad, or split a head.
 A factory that hands in no plan may shard its model itself under torchrun: with DTensors
 (``fully_shard``, ``parallelize_module``), read through their placements, or by hand, each
 rank holding plain slices whose places in the one-process weights
-:mod:`~torchparity.subject.slices` finds. Either way that model is the one each rank runs, and
+:mod:`~torchparity.distributed.slices` finds. Either way that model is the one each rank runs, and
 a run's copy in another dtype is the factory's model built and sharded again
 (:func:`rebuilt`).
 
-Every collective waits at most :func:`collective_timeout` seconds; :func:`together` meets the
-ranks between phases and names the ones that do not come (gloo's monitored barrier).
+The process group itself, and every collective's timeout, are :mod:`.group`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import datetime
 import itertools
 import math
-import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from torchparity.errors import TorchParityError, UsageError
-from torchparity.subject import hf, slices
+from torchparity.distributed import slices
+from torchparity.distributed.group import mark, rank, world_size
+from torchparity.errors import UsageError
+from torchparity.subject import hf
 from torchparity.subject.factory import call_factory, resolve_entry
 from torchparity.subject.running import (
     cast_inputs,
@@ -52,137 +50,8 @@ if TYPE_CHECKING:  # importing torch.distributed's mesh module takes seconds
 
     from torchparity.subject.model import Subject
 
-#: Seconds a collective waits for the other ranks (environment variable, default 300).
-COLLECTIVE_TIMEOUT_ENV = "TORCHPARITY_COLLECTIVE_TIMEOUT"
-_DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 #: The name of the mesh's one dimension when the factory gives none.
 DEFAULT_DIMENSION = "shard"
-
-
-def rank() -> int:
-    """This process's rank (0 outside torchrun)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def world_size() -> int:
-    """The number of ranks (1 outside torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def seconds_from_env(name: str, default: float) -> float:
-    """The number of seconds ``$name`` holds, ``default`` where it is unset or empty; a
-    :class:`UsageError` naming the variable where it is not a number."""
-    text = os.environ.get(name)
-    try:
-        return float(text) if text else default
-    except ValueError:
-        raise UsageError(f"${name}={text!r} is not a number of seconds") from None
-
-
-def collective_timeout() -> float:
-    """Seconds a collective waits for the other ranks: ``$TORCHPARITY_COLLECTIVE_TIMEOUT``."""
-    return seconds_from_env(COLLECTIVE_TIMEOUT_ENV, _DEFAULT_COLLECTIVE_TIMEOUT)
-
-
-def device_type() -> str:
-    """``cuda`` when this machine has a GPU for the ranks (nccl joins gloo), else ``cpu``."""
-    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
-
-
-def join() -> None:
-    """Join the ranks' process group (once): gloo on the CPU, with nccl for the CUDA tensors
-    where this rank has a GPU of its own (a check's CPU cells still run on gloo)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    timeout = datetime.timedelta(seconds=collective_timeout())
-    if device_type() == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if local >= torch.cuda.device_count():
-            raise UsageError(f"nccl needs one GPU per rank: local rank {local}, "
-                             f"{torch.cuda.device_count()} GPU(s) here")
-        torch.cuda.set_device(local)
-        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout,
-                                device_id=torch.device("cuda", local))
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
-
-
-def leave() -> None:
-    """Leave the process group once every rank is done with it."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        with contextlib.suppress(RuntimeError):  # a rank that died has nothing to wait for
-            dist.barrier()
-        dist.destroy_process_group()
-
-
-def together(what: str) -> None:
-    """Wait until every rank reaches ``what``; a rank that does not come within the collective
-    timeout is named in a one-line :class:`TorchParityError` (gloo), or the barrier's own."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    timeout = datetime.timedelta(seconds=collective_timeout())
-    try:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
-        else:
-            dist.barrier()
-    except RuntimeError as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TorchParityError(f"rank {rank()}: the ranks did not all reach {what} within "
-                               f"{timeout.total_seconds():.0f}s: {message}") from None
-
-
-_PHASE_KEY = "torchparity/phase/"
-
-
-def mark(phase: str) -> None:
-    """Note in the ranks' store that this rank is at ``phase`` (what :func:`where_others_are`
-    reads when a collective fails)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        _store().set(f"{_PHASE_KEY}{rank()}", phase)
-
-
-def where_others_are() -> str:
-    """Which ranks are not where this one is, as ``rank 1 is at sharding the fp32 run`` ("every
-    rank is here" when none): said when a collective fails or times out."""
-    store, here = _store(), None
-    phases = {}
-    for other in range(world_size()):
-        key = f"{_PHASE_KEY}{other}"
-        phases[other] = store.get(key).decode() if store.check([key]) else "its start"
-    here = phases[rank()]
-    behind = [f"rank {r} is at {phase}" for r, phase in phases.items() if phase != here]
-    return ", ".join(behind) or "every rank is here"
-
-
-def _store() -> Any:
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._get_default_store()
-
-
-def collective_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised by a collective (a rank that died, or did not come within
-    the timeout): raised through torch.distributed (a DTensor's gather raises from torch's
-    dispatcher beneath it), or wrapping an exception raised there."""
-    import traceback
-
-    def distributed(frame: traceback.FrameSummary) -> bool:
-        return "torch/distributed/" in frame.filename.replace(os.sep, "/")
-
-    if any(distributed(frame) for frame in traceback.extract_tb(exc.__traceback__)):
-        return True
-    cause = exc.__cause__
-    frames = traceback.extract_tb(cause.__traceback__) if cause is not None else []
-    return bool(frames) and distributed(frames[-1])
 
 
 def mesh_sizes(shape: Any, ranks: int, label: str) -> dict[str, int]:

@@ -1,0 +1,150 @@
+"""This process as one rank of ``torchrun``: who it is, joining and leaving the process group
+(one backend choice: gloo on the CPU, nccl on CUDA; one timeout, :func:`collective_timeout`),
+meeting the other ranks between phases and naming the ones that do not come."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from typing import Any
+
+import torch
+
+from torchparity.errors import TorchParityError, UsageError
+
+#: Seconds a collective waits for the other ranks (environment variable, default 300).
+COLLECTIVE_TIMEOUT_ENV = "TORCHPARITY_COLLECTIVE_TIMEOUT"
+_DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of ``torchrun`` (or another launcher setting its
+    ``RANK`` and ``WORLD_SIZE``)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank() -> int:
+    """This process's rank (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """The number of ranks (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """The number of seconds ``$name`` holds, ``default`` where it is unset or empty; a
+    :class:`UsageError` naming the variable where it is not a number."""
+    text = os.environ.get(name)
+    try:
+        return float(text) if text else default
+    except ValueError:
+        raise UsageError(f"${name}={text!r} is not a number of seconds") from None
+
+
+def collective_timeout() -> float:
+    """Seconds a collective waits for the other ranks: ``$TORCHPARITY_COLLECTIVE_TIMEOUT``."""
+    return seconds_from_env(COLLECTIVE_TIMEOUT_ENV, _DEFAULT_COLLECTIVE_TIMEOUT)
+
+
+def device_type() -> str:
+    """``cuda`` when this machine has a GPU for the ranks (nccl joins gloo), else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
+
+
+def join() -> None:
+    """Join the ranks' process group (once): gloo on the CPU, with nccl for the CUDA tensors
+    where this rank has a GPU of its own (a check's CPU cells still run on gloo)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=collective_timeout())
+    if device_type() == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if local >= torch.cuda.device_count():
+            raise UsageError(f"nccl needs one GPU per rank: local rank {local}, "
+                             f"{torch.cuda.device_count()} GPU(s) here")
+        torch.cuda.set_device(local)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout,
+                                device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+
+
+def leave() -> None:
+    """Leave the process group once every rank is done with it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        with contextlib.suppress(RuntimeError):  # a rank that died has nothing to wait for
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def together(what: str) -> None:
+    """Wait until every rank reaches ``what``; a rank that does not come within the collective
+    timeout is named in a one-line :class:`TorchParityError` (gloo), or the barrier's own."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=collective_timeout())
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)
+        else:
+            dist.barrier()
+    except RuntimeError as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TorchParityError(f"rank {rank()}: the ranks did not all reach {what} within "
+                               f"{timeout.total_seconds():.0f}s: {message}") from None
+
+
+_PHASE_KEY = "torchparity/phase/"
+
+
+def mark(phase: str) -> None:
+    """Note in the ranks' store that this rank is at ``phase`` (what :func:`where_others_are`
+    reads when a collective fails)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        _store().set(f"{_PHASE_KEY}{rank()}", phase)
+
+
+def where_others_are() -> str:
+    """Which ranks are not where this one is, as ``rank 1 is at sharding the fp32 run`` ("every
+    rank is here" when none): said when a collective fails or times out."""
+    store, here = _store(), None
+    phases = {}
+    for other in range(world_size()):
+        key = f"{_PHASE_KEY}{other}"
+        phases[other] = store.get(key).decode() if store.check([key]) else "its start"
+    here = phases[rank()]
+    behind = [f"rank {r} is at {phase}" for r, phase in phases.items() if phase != here]
+    return ", ".join(behind) or "every rank is here"
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def collective_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by a collective (a rank that died, or did not come within
+    the timeout): raised through torch.distributed (a DTensor's gather raises from torch's
+    dispatcher beneath it), or wrapping an exception raised there."""
+    import traceback
+
+    def distributed(frame: traceback.FrameSummary) -> bool:
+        return "torch/distributed/" in frame.filename.replace(os.sep, "/")
+
+    if any(distributed(frame) for frame in traceback.extract_tb(exc.__traceback__)):
+        return True
+    cause = exc.__cause__
+    frames = traceback.extract_tb(cause.__traceback__) if cause is not None else []
+    return bool(frames) and distributed(frames[-1])
