@@ -257,9 +257,10 @@ COMMAND_PROTOCOL = {"add_arguments", "run"}
 #: `get` and `names` are always called qualified, as catalogues: `zoo.get`, `variants.get`,
 #: `backends.names()`; `dtypes` is a strategy of both public strategy modules (torch dtypes
 #: in `torchparity.strategies`, their names in `torchparity.twins.strategies`).
-#: `check`: `torchparity.twins.check` is public, as `golden.runner`'s was renamed; `main`,
-#: `Outcome` and `placed` go with the move of the distributed runs into one home.
-TWICE_DEFINED: set[str] = {"get", "names", "dtypes", "check", "main", "Outcome", "placed"}
+#: `main` is the `python -m` entry of a module a worker process runs (cli.py, a bisection's
+#: worker, a training rank); `placed` is still both a run's inputs placed (diagnosis) and a
+#: rank's part of a model placed (distributed.sharding).
+TWICE_DEFINED: set[str] = {"get", "names", "dtypes", "main", "placed"}
 
 
 def test_no_public_name_is_defined_twice() -> None:

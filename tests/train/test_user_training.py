@@ -102,6 +102,14 @@ def test_a_loss_that_turns_nan_names_the_step_exit_3_and_no_golden(tmp_path, cap
     assert not list(tmp_path.iterdir())
 
 
+
+def test_diagnose_with_a_users_model_is_refused_in_one_line(tmp_path, capsys):
+    assert main(["train", "--model", ENTRY, "--steps", "3", "--check", "--diagnose",
+                 "--golden-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--diagnose with --model" in err and len(err.splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
+
 # --- 200 steps ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

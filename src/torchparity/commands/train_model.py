@@ -41,6 +41,10 @@ def train_model(args: argparse.Namespace, console: Console) -> int:
                          "by its own batches, optimizer and train_step: leave them out")
     if (args.nproc or 1) > 1:
         raise UsageError("--nproc with --model is not supported yet; train in one process")
+    if args.diagnose:
+        raise UsageError("--diagnose with --model is not supported yet: the verdict names the "
+                         "first divergent step; diagnose that step with "
+                         "torchparity.diagnosis.pipelines.training_step.diagnose_step")
     side = base_side(args)
     golden_dir = args.golden_dir
     if side:
@@ -57,7 +61,7 @@ def train_model(args: argparse.Namespace, console: Console) -> int:
     backend = OWN_ATTENTION if args.backend is None else args.backend
     plan = ModelPlan(args.model, args.steps, Execution(backend, args.dtype,
                                                        resolve_device(args.device)),
-                     golden_dir=golden_dir, json=args.json, diagnose=args.diagnose)
+                     golden_dir=golden_dir, json=args.json)
     if args.update_golden:
         update_model_golden(plan, console)
         return 0

@@ -44,7 +44,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
-class Outcome:
+class RankOutcome:
     """The worst exit status the ranks recorded (:func:`record_outcome`) and its one-line
     message (None: no rank had one)."""
 
@@ -53,7 +53,7 @@ class Outcome:
 
 
 def launch(module: str, args: list[str], *, nproc: int, timeout: float,
-           log: Callable[[str], None] | None = None) -> Outcome:
+           log: Callable[[str], None] | None = None) -> RankOutcome:
     """Run ``python -m module *args`` as ``nproc`` ranks under torchrun; return when all exit
     0, or when every rank recorded its exit status (:func:`record_outcome`): the worst one.
 
@@ -90,7 +90,7 @@ def launch(module: str, args: list[str], *, nproc: int, timeout: float,
         if code != 0 and (died or outcome is None or outcome.status == 0):
             failure = (_first_failure(errors) or died or _tail(stderr_path.read_text()))
             raise TorchParityError(f"torchrun failed with exit status {code}: {failure}")
-        return outcome or Outcome()
+        return outcome or RankOutcome()
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -127,13 +127,13 @@ def record_outcome(status: int, message: str | None = None) -> None:
         Path(folder, f"rank{rank}.outcome").write_text(f"{status}\n{message or ''}")
 
 
-def _recorded_outcome(errors: Path) -> Outcome | None:
+def _recorded_outcome(errors: Path) -> RankOutcome | None:
     """The worst outcome the ranks recorded (None: none did). A rank that failed outweighs
     ranks stopped before they could record theirs."""
     found = []
     for path in sorted(errors.glob("rank*.outcome")):
         status, _, message = path.read_text().partition("\n")
-        found.append(Outcome(int(status), message.strip() or None))
+        found.append(RankOutcome(int(status), message.strip() or None))
     return max(found, key=lambda outcome: outcome.status, default=None)
 
 

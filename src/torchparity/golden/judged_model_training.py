@@ -32,7 +32,6 @@ class ModelPlan:
     execution: Execution
     golden_dir: str | None = None
     json: str | None = None
-    diagnose: bool = False
 
 
 def update_model_golden(plan: ModelPlan, console: Console) -> None:
