@@ -195,21 +195,12 @@ class ManualBlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
 
 
-class ManualLM(nn.Module):
+class ManualLM(TinyLM):
     """The small decoder with hand-written tensor-parallel layers: whole in one process."""
 
     def __init__(self, vocab: int = VOCAB, width: int = WIDTH, heads: int = HEADS,
                  hidden: int = 2 * WIDTH, layers: int = LAYERS) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(ManualBlock(width, heads, hidden) for _ in range(layers))
-        self.norm, self.head = nn.RMSNorm(width), nn.Linear(width, vocab, bias=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
+        super().__init__(vocab, width, heads, hidden, layers, block=ManualBlock)
 
 
 def split_dims(model: ManualLM) -> dict[str, int]:

@@ -61,10 +61,11 @@ class Block(nn.Module):
 
 class TinyLM(nn.Module):
     def __init__(self, vocab: int = VOCAB, width: int = WIDTH, heads: int = HEADS,
-                 hidden: int = 2 * WIDTH, layers: int = LAYERS) -> None:
+                 hidden: int = 2 * WIDTH, layers: int = LAYERS,
+                 block: type[nn.Module] = Block) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.layers = nn.ModuleList(Block(width, heads, hidden) for _ in range(layers))
+        self.layers = nn.ModuleList(block(width, heads, hidden) for _ in range(layers))
         self.norm, self.head = nn.RMSNorm(width), nn.Linear(width, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

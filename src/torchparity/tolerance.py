@@ -287,7 +287,7 @@ KINDS: dict[str, KindTolerance] = {
     # per step and no reordering term. The maximum of a few members at one step is itself
     # noisy (a legitimate refactor pokes out of it at isolated steps by 2x): the spread is
     # pooled over 4 steps either side, and the fudge of 3 covers a draw beyond the largest of
-    # the ensemble's (docs/training.md has the false alarms over refactors and seeds). Noise
+    # the ensemble's (docs/training.md has the refactors measured against it, one seed). Noise
     # floor 1 ulp (times 4 for a scalar, see :func:`noise_floor`): members that round alike at
     # one step (a loss before any update, an update of a zero learning rate) claim at least
     # that. Floor 8 ulps: the rounding of the quantity itself, as the trajectory kind's. The
