@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from torchparity.errors import UsageError
 from torchparity.subject import hf
-from torchparity.subject.trees import map_tensors
+from torchparity.subject.decoding import ReorderFn
+from torchparity.subject.trees import PyTree, map_tensors
 
 #: Defaults of the command line and of :class:`BeamSettings` (those of ``generate``).
 LENGTH_PENALTY = 1.0
@@ -40,12 +42,28 @@ class BeamSettings:
     eos: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings as a report's JSON writes them.
+
+        Returns:
+            ``beams``, ``length_penalty`` and ``eos`` by name.
+        """
         return {"beams": self.beams, "length_penalty": self.length_penalty, "eos": self.eos}
 
 
-def search_settings(given: Any, label: str) -> BeamSettings | None:
-    """The factory's ``search`` key, ``{"beams": 4, "length_penalty": 1.0, "eos": None}`` (the
-    last two optional), as settings; anything else is a one-line :class:`UsageError`."""
+def search_settings(given: object, label: str) -> BeamSettings | None:
+    """The factory's ``search`` key as settings, checked so a typo fails before any run.
+
+    Args:
+        given: ``{"beams": 4, "length_penalty": 1.0, "eos": None}`` (the last two optional),
+            or None for no beam search.
+        label: what a message calls the key (``the search of factory m.py:make``).
+
+    Returns:
+        The settings, or None when ``given`` is None.
+
+    Raises:
+        UsageError: ``given`` is not such a dict, or ``beams`` is not a positive int.
+    """
     if given is None:
         return None
     fields = ("beams", "length_penalty", "eos")
@@ -90,14 +108,29 @@ class BeamSearch:
     sums: torch.Tensor | None = None  # (prompts, beams): each live row's summed log-probs
 
     def decide(self, step: int, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens and parent rows of ``step`` chosen from ``logits`` (rows, vocab)."""
+        """The tokens and parent rows of ``step`` chosen from this side's own ``logits``.
+
+        Args:
+            step: the step, from 1.
+            logits: the step's logits, (rows, vocab), rows being prompts x beams.
+
+        Returns:
+            The tokens fed next and, for each row, the row it continues, both (rows,).
+        """
         scored = self._score(logits)
         self._advance(scored, scored.kept)
         return self._fed(scored.kept, logits.shape[-1])
 
     def follow(self, logits: list[torch.Tensor], choices: list[BeamStep]) -> list[BeamStep]:
-        """This side's scores and would-be choices at every step along ``choices`` (another
-        side's ``history``), ``logits[s]`` being this side's logits at step ``s``."""
+        """This side's scores and would-be choices at every step, along another side's choices.
+
+        Args:
+            logits: this side's logits, ``logits[s]`` at step ``s + 1``.
+            choices: the other side's ``history``, whose kept candidates are followed.
+
+        Returns:
+            This side's ``history``: what it scored, and would have kept, at each step.
+        """
         for step, chosen in enumerate(choices, 1):
             self._advance(self._score(logits[step - 1]), chosen.kept)
         return self.history
@@ -134,8 +167,17 @@ class BeamSearch:
 
 def pool(choices: list[BeamStep], tokens: torch.Tensor, parents: torch.Tensor, vocab: int
          ) -> list[list[Hypothesis]]:
-    """Per prompt, every hypothesis a search (``choices``: its history) ended or kept to the
-    end, ``tokens`` and ``parents`` being what it fed, (rows, steps)."""
+    """Per prompt, every hypothesis a search ended or kept to the end: the n-best candidates.
+
+    Args:
+        choices: the search's history, one :class:`BeamStep` per step.
+        tokens: the tokens it fed, (rows, steps).
+        parents: the parent row of each fed token, (rows, steps).
+        vocab: the vocabulary size, to split a candidate into beam and token.
+
+    Returns:
+        One list of hypotheses per prompt, in the order they ended.
+    """
     beams, steps = choices[0].kept.shape[1], len(choices)
     pools: list[list[Hypothesis]] = [[] for _ in choices[0].ended]
     for step, chosen in enumerate(choices, 1):
@@ -151,15 +193,34 @@ def pool(choices: list[BeamStep], tokens: torch.Tensor, parents: torch.Tensor, v
 
 def rescored(history: list[BeamStep], hypotheses: list[Hypothesis], length_penalty: float
              ) -> torch.Tensor:
-    """The length-penalised scores of ``hypotheses`` in a side's ``history``."""
+    """The length-penalised scores of ``hypotheses`` as a side's ``history`` scored them.
+
+    Args:
+        history: one side's scores at every step.
+        hypotheses: hypotheses of the pool, maybe found by another side.
+        length_penalty: the exponent of the length divided by.
+
+    Returns:
+        One float64 score per hypothesis, in order.
+    """
     return torch.tensor([float(history[h.step - 1].scores[h.prompt, h.candidate])
                          / len(h.tokens) ** length_penalty for h in hypotheses],
                         dtype=torch.float64)
 
 
 def lineage(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """The tokens each row holds after the last step, (rows, steps): the tokens fed were
-    appended to reordered rows, so a row's history is its parents' tokens, traced back."""
+    """The tokens each row holds after the last step.
+
+    The tokens fed were appended to reordered rows, so a row's history is its parents'
+    tokens, traced back step by step.
+
+    Args:
+        tokens: the tokens fed, (rows, steps).
+        parents: each fed token's parent row, (rows, steps).
+
+    Returns:
+        Each row's tokens after the prompt, (rows, steps).
+    """
     rows, steps = tokens.shape
     held = torch.empty(rows, 0, dtype=torch.long)
     for step in range(steps):
@@ -171,32 +232,62 @@ def lineage(tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
 # The prompt and the state
 
 
-def expand_prompt(inputs: Any, beams: int) -> Any:
-    """The prompt with each sequence repeated ``beams`` times in a row: every tensor whose
-    first dimension is the batch's (that of the first tensor) is repeated along it."""
+def expand_prompt(inputs: PyTree, beams: int) -> PyTree:
+    """The prompt with each sequence repeated ``beams`` times in a row, as ``generate`` does.
+
+    Args:
+        inputs: the prompt's inputs.
+        beams: the hypotheses per prompt.
+
+    Returns:
+        The inputs with every tensor whose first dimension is the batch's (that of the first
+        tensor) repeated along it; others (a shared table) as they were.
+    """
     batch = prompt_rows(inputs)
     return map_tensors(inputs, lambda t: t.repeat_interleave(beams, 0)
                        if t.dim() and t.shape[0] == batch else t)
 
 
-def prompt_rows(inputs: Any) -> int | None:
-    """The rows (sequences) of a prompt: the first dimension of its first tensor that has
-    one; None for a prompt without such a tensor."""
+def prompt_rows(inputs: PyTree) -> int | None:
+    """The rows (sequences) of a prompt.
+
+    Args:
+        inputs: the prompt's inputs.
+
+    Returns:
+        The first dimension of its first tensor that has one, or None.
+    """
     found: list[int] = []
     map_tensors(inputs, lambda t: found.append(t.shape[0]) if t.dim() else None)
     return found[0] if found else None
 
 
-def reorder_rows(tree: Any, index: torch.Tensor) -> Any:
-    """``tree`` with row ``index[r]`` of every tensor as its row ``r`` (tensors whose first
-    dimension is the number of rows; others, such as a shared table, stay)."""
+def reorder_rows(tree: PyTree, index: torch.Tensor) -> PyTree:
+    """``tree`` with row ``index[r]`` of every batched tensor as its row ``r``.
+
+    Args:
+        tree: a step's state or inputs.
+        index: the parent row of each row.
+
+    Returns:
+        The tree with tensors whose first dimension is ``len(index)`` reordered; others, such as
+        a shared table, as they were.
+    """
     return map_tensors(tree, lambda t: t.index_select(0, index.to(t.device))
                        if t.dim() and t.shape[0] == len(index) else t)
 
 
 def reorder_cache(cache: Any, index: torch.Tensor) -> Any:
-    """A ``transformers`` cache reordered: the cache object's own ``reorder_cache`` (5.x), or
-    the tuples of (key, value) per layer of 4.x, by index_select on the batch dimension."""
+    """A ``transformers`` cache with its rows reordered along the beams' parents.
+
+    Args:
+        cache: a cache object with ``reorder_cache`` (5.x, reordered in place), the (key,
+            value) tuples per layer of 4.x, or None.
+        index: the parent row of each row.
+
+    Returns:
+        The reordered cache (the same object for 5.x), or None.
+    """
     if cache is None:
         return None
     if callable(getattr(cache, "reorder_cache", None)):
@@ -205,10 +296,18 @@ def reorder_cache(cache: Any, index: torch.Tensor) -> Any:
     return tuple(tuple(t.index_select(0, index.to(t.device)) for t in layer) for layer in cache)
 
 
-def builtin_reorder(model: Any):
-    """The ``reorder`` of the models whose step :func:`~torchparity.subject.decoding.
-    builtin_step` gives, or None: reference models (their ``KVCache``), ``transformers``
-    generators (their cache, masks, positions and encoder outputs)."""
+def builtin_reorder(model: nn.Module) -> ReorderFn | None:
+    """The ``reorder`` of a model whose step torchparity provides, or None.
+
+    Reference models reorder their ``KVCache``; ``transformers`` generators their cache,
+    masks, positions and encoder outputs (see ``subject.decoding.builtin_step``).
+
+    Args:
+        model: the model decoded.
+
+    Returns:
+        :func:`reference_reorder`, :func:`hf_reorder`, or None: the factory must give one.
+    """
     if callable(getattr(model, "new_cache", None)) and hasattr(model, "config"):
         return reference_reorder
     if hf.generates(model):
@@ -217,13 +316,29 @@ def builtin_reorder(model: Any):
 
 
 def reference_reorder(state: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
-    """A reference model's state: its ``KVCache`` and the inputs every step passes on."""
+    """A reference model's step state reordered along the beams' parents.
+
+    Args:
+        state: its ``KVCache`` (reordered in place) and the inputs every step passes on.
+        index: the parent row of each row.
+
+    Returns:
+        The state with the same cache and the inputs reordered.
+    """
     state["cache"].reorder(index)
     return {"cache": state["cache"], "inputs": reorder_rows(state["inputs"], index)}
 
 
 def hf_reorder(state: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
-    """A ``transformers`` step's state: the cache, and every tensor beside it (the attention
-    masks, position ids, the encoder's outputs)."""
+    """A ``transformers`` step's state reordered along the beams' parents.
+
+    Args:
+        state: the cache and every tensor beside it (attention masks, position ids, the
+            encoder's outputs).
+        index: the parent row of each row.
+
+    Returns:
+        The state with each of them reordered.
+    """
     rest = {key: value for key, value in state.items() if key != "cache"}
     return {**reorder_rows(rest, index), "cache": reorder_cache(state["cache"], index)}

@@ -39,8 +39,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import FunctionCtx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
+from torch.utils.hooks import RemovableHandle
 
 from torchparity.subject.running import grad_hooks, is_dtensor, local_part
 
@@ -70,13 +72,13 @@ class _AsFloat64(torch.autograd.Function):
     """The float64 value of a parameter, whose gradient goes to the run's sink."""
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, parameter: torch.Tensor, run: Float64Run,
+    def forward(ctx: FunctionCtx, anchor: torch.Tensor, parameter: torch.Tensor, run: Float64Run,
                 name: str) -> torch.Tensor:
         ctx.run, ctx.name = run, name
         return run.value(name, parameter)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[None, None, None, None]:
         ctx.run.receive(ctx.name, grad)
         return None, None, None, None
 
@@ -120,7 +122,7 @@ class Float64Run:
         self._uses: dict[str, int] = {}
         self._received: dict[str, int] = {}
         self._pending: dict[str, torch.Tensor] = {}
-        self._hooks: dict[str, list[Callable[[torch.Tensor], Any]]] = {}
+        self._hooks: dict[str, list[Callable[[torch.Tensor], torch.Tensor | None]]] = {}
         self._delivered: set[str] = set()
         self._progress = BlockProgress(model, progress)
         self._exit = contextlib.ExitStack()
@@ -159,10 +161,17 @@ class Float64Run:
                  grad_outputs: list[torch.Tensor] | None = None,
                  inputs: tuple[torch.Tensor, ...] = (), *, unused: bool = True
                  ) -> tuple[torch.Tensor | None, ...]:
-        """Backpropagate ``outputs`` (a loss, or tensors with their ``grad_outputs``) and hand
-        every parameter's float64 gradient to ``on_grad``; returns the gradients of
-        ``inputs`` (None for one not reached). With ``unused`` a parameter the outputs do not
-        reach gets zeros, else nothing."""
+        """Backpropagate and hand every parameter's float64 gradient to ``on_grad``.
+
+        Args:
+            outputs: a loss, or tensors with their ``grad_outputs``.
+            grad_outputs: the gradients of ``outputs`` (None for a scalar loss).
+            inputs: tensors whose gradients are wanted too (a module's inputs, for a replay).
+            unused: give a parameter the outputs do not reach zeros, else nothing.
+
+        Returns:
+            The gradients of ``inputs``, None for one not reached.
+        """
         outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
         found: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
         if any(o.requires_grad for o in outputs):
@@ -183,21 +192,45 @@ class Float64Run:
     # -- casting -------------------------------------------------------------------------------
 
     def value(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
-        """The float64 value a module sees of ``parameter`` (perturbed when asked)."""
+        """The float64 value a module sees of ``parameter`` (perturbed when asked).
+
+        Args:
+            name: the parameter's name in the model.
+            parameter: the parameter as the model holds it.
+
+        Returns:
+            A new float64 tensor on the run's device.
+        """
         with self._quiet_block():
             value = parameter.detach().to(self._device(parameter), torch.float64, copy=True)
             return self.perturb(name, value) if self.perturb is not None else value
 
     def read_outside(self, parameter: torch.Tensor) -> torch.Tensor:
-        """The float64 value of ``parameter`` where code outside its module's forward reads
-        it: known to the saved-tensor hooks while the value lives."""
+        """The float64 value of ``parameter`` where code outside its module's forward reads it.
+
+        The value is known to the saved-tensor hooks while it lives, so autograd keeps the
+        parameter rather than the float64 copy.
+
+        Args:
+            parameter: one of the model's parameters.
+
+        Returns:
+            Its float64 value.
+        """
         value = self._cast(parameter, self.names[id(parameter)])
         weakref.finalize(value, self._live.pop, _storage(value), None)
         return value
 
-    def is_read_outside(self, tensor: Any) -> bool:
-        """Whether ``tensor`` is one of the model's floating parameters as the model holds it
-        (its module not running) and this run casts it where it is read."""
+    def is_read_outside(self, tensor: object) -> bool:
+        """Whether this run casts ``tensor`` where it is read.
+
+        Args:
+            tensor: an argument of a torch function.
+
+        Returns:
+            True for one of the model's floating parameters as the model holds it (its module not
+            running, the run's own code not reading it).
+        """
         return (not self._quiet and isinstance(tensor, nn.Parameter)
                 and id(tensor) in self.names and tensor.is_floating_point()
                 and not is_dtensor(tensor))
@@ -229,7 +262,7 @@ class Float64Run:
         self._live[_storage(value)] = (name, parameter)
         return value
 
-    def _enter_module(self, module: nn.Module, args: Any) -> None:
+    def _enter_module(self, module: nn.Module, args: tuple[object, ...]) -> None:
         swapped = []
         for key, parameter in list(module._parameters.items()):
             if parameter is not None and parameter.is_floating_point():
@@ -243,7 +276,8 @@ class Float64Run:
                 swapped.append((key, parameter, _storage(value)))
         self._swapped.setdefault(id(module), []).append(swapped)
 
-    def _leave_module(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _leave_module(self, module: nn.Module, args: tuple[object, ...], output: object
+                      ) -> None:
         calls = self._swapped.get(id(module))
         if not calls:
             return
@@ -275,7 +309,7 @@ class Float64Run:
 
     # -- saved tensors -------------------------------------------------------------------------
 
-    def _pack(self, tensor: torch.Tensor) -> Any:
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Recast:
         if tensor.dtype != torch.float64 or tensor.layout != torch.strided:
             return tensor
         try:
@@ -289,7 +323,7 @@ class Float64Run:
         view = local_part(tensor)
         return _Recast(name, parameter, view.size(), view.stride(), view.storage_offset(), spec)
 
-    def _unpack(self, saved: Any) -> torch.Tensor:
+    def _unpack(self, saved: torch.Tensor | _Recast) -> torch.Tensor:
         if not isinstance(saved, _Recast):
             return saved
         value = self.value(saved.name, saved.parameter)
@@ -305,7 +339,12 @@ class Float64Run:
     # -- gradients -----------------------------------------------------------------------------
 
     def receive(self, name: str, grad: torch.Tensor) -> None:
-        """One use's gradient of parameter ``name``; the sum goes on once all have come."""
+        """One use's gradient of parameter ``name``; the sum goes on once all uses have come.
+
+        Args:
+            name: the parameter's name.
+            grad: that use's float64 gradient.
+        """
         grad = grad.detach()
         pending = self._pending.get(name)
         if pending is not None:
@@ -341,7 +380,7 @@ class _ReadsOutside(TorchFunctionMode):
             args, kwargs = tree_map(self._cast, (args, kwargs))
         return func(*args, **kwargs)
 
-    def _cast(self, leaf: Any) -> Any:
+    def _cast(self, leaf: object) -> object:
         return self.run.read_outside(leaf) if self.run.is_read_outside(leaf) else leaf
 
 
@@ -366,7 +405,7 @@ class BlockProgress:
         self._block_of = {n: i for i, block in enumerate(self._blocks)
                           for n in _parameter_names(block, names)}
         self._left = [len(_parameter_names(b, names)) for b in self._blocks]
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> BlockProgress:
         self._handles = [block.register_forward_pre_hook(
@@ -380,7 +419,11 @@ class BlockProgress:
         self._handles = []
 
     def gradient_done(self, name: str) -> None:
-        """Parameter ``name`` has its whole gradient."""
+        """Count parameter ``name``'s gradient as complete, reporting its block once all of it is.
+
+        Args:
+            name: the parameter's name.
+        """
         block = self._block_of.get(name)
         if block is None:
             return
@@ -395,12 +438,20 @@ class BlockProgress:
 
 def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
                  progress: BlockProgress | None = None, *, unused: bool = True) -> None:
-    """Backpropagate ``loss`` through ``model`` in its own dtype and hand each parameter's
-    gradient to ``on_grad(name, grad)`` as soon as it is complete, then drop it: at most the
-    gradients in flight are held, never all of them. Every parameter that requires a gradient
-    is handed over once (zeros for one the loss does not reach, unless ``unused`` is False);
-    one whose ``.grad`` the model's own hooks set, bypassing accumulation (FSDP2's sharded
-    parameters), after the backward. ``.grad`` is as before."""
+    """Backpropagate ``loss`` through ``model`` in its own dtype, one gradient at a time.
+
+    Each parameter's gradient goes to ``on_grad`` as soon as it is complete, then is dropped:
+    at most the gradients in flight are held, never all of them. One whose ``.grad`` the model's
+    own hooks set, bypassing accumulation (FSDP2's sharded parameters), goes after the
+    backward. ``.grad`` is as before.
+
+    Args:
+        model: the model ``loss`` was computed by.
+        loss: the scalar loss.
+        on_grad: called once with ``(name, grad)`` for every parameter requiring a gradient.
+        progress: told of each complete gradient, to report the blocks done.
+        unused: give a parameter the loss does not reach zeros, else nothing.
+    """
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     names = {id(p): name for name, p in params.items()}
     saved = {name: p.grad for name, p in params.items()}
@@ -446,9 +497,15 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks (its layers): the children of the list of modules (a
-    ``ModuleList`` or ``Sequential``) holding the most parameters in two or more modules of
-    one class; empty when there is none."""
+    """The model's repeated blocks (its layers), for progress through a big model.
+
+    Args:
+        model: any model.
+
+    Returns:
+        The children of the list of modules (a ``ModuleList`` or ``Sequential``) holding the
+        most parameters in two or more modules of one class; empty when there is none.
+    """
     best: list[nn.Module] = []
     best_size = 0
     for module in model.modules():
@@ -478,7 +535,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _removing(*handles: Any) -> Iterator[None]:
+def _removing(*handles: RemovableHandle) -> Iterator[None]:
     try:
         yield
     finally:

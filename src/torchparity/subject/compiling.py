@@ -59,20 +59,38 @@ class CompileFailed(BackendUnavailable):
 
 
 def check_mode(mode: str) -> str:
-    """``mode`` if it is a compile form of :data:`MODES`, else a :class:`UsageError`."""
+    """``mode`` checked against :data:`MODES`, so a typo fails before any compile.
+
+    Args:
+        mode: the compile form a command or caller gave.
+
+    Returns:
+        ``mode`` unchanged.
+
+    Raises:
+        UsageError: ``mode`` is not a compile form.
+    """
     if mode not in MODES:
         raise UsageError(f"unknown compile form {mode!r}; choose {' or '.join(MODES)}")
     return mode
 
 
 def default_compiler() -> str:
-    """``$TORCHPARITY_COMPILER``, else ``inductor``: the ``torch.compile`` backend used."""
+    """The ``torch.compile`` backend used: ``$TORCHPARITY_COMPILER``, else ``inductor``.
+
+    Returns:
+        The backend's registered name.
+    """
     return os.environ.get(COMPILER_ENV) or "inductor"
 
 
 def cache_dir() -> Path:
-    """Where Inductor's caches live: ``$TORCHINDUCTOR_CACHE_DIR``, else
-    ``torchparity/inductor`` under ``$XDG_CACHE_HOME`` (default ``~/.cache``)."""
+    """Where Inductor's caches live: kept between runs, a graph compiled before costs less.
+
+    Returns:
+        ``$TORCHINDUCTOR_CACHE_DIR``, else ``torchparity/inductor`` under ``$XDG_CACHE_HOME``
+        (default ``~/.cache``).
+    """
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
         return Path(explicit)
@@ -120,8 +138,14 @@ class CompileLog:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """The calls made in the block are recorded as part of ``name`` (e.g. one decoding
-        step), so a report can say what each step compiled."""
+        """Record the block's calls as part of ``name``: a report says what each part compiled.
+
+        Args:
+            name: the part of the run (``cached step 3`` of a decoding).
+
+        Yields:
+            Nothing; the outer phase is restored after the block.
+        """
         outer, self.current_phase = self.current_phase, name
         try:
             yield
@@ -129,15 +153,24 @@ class CompileLog:
             self.current_phase = outer
 
     def in_phase(self, name: str) -> list[CallRecord]:
-        """The calls recorded as part of ``name``, in order."""
+        """The calls recorded as part of ``name``, in order.
+
+        Args:
+            name: a phase given to :meth:`phase`.
+
+        Returns:
+            Their records.
+        """
         return [call for call in self.calls if call.phase == name]
 
     @property
     def recompiles(self) -> int:
+        """Dynamo's recompiles over every call of the block."""
         return sum(len(c.recompiles) for c in self.calls)
 
     @property
     def compile_seconds(self) -> float:
+        """The part of the block's wall time spent compiling."""
         return sum(c.compile_seconds for c in self.calls)
 
     @property
@@ -147,7 +180,11 @@ class CompileLog:
         return len(later) >= 2 and all(c.recompiles for c in later)
 
     def to_dict(self) -> dict[str, Any]:
-        """The counts, the seconds (compile and the rest), and every call's record."""
+        """The log as a report's JSON writes it.
+
+        Returns:
+            The counts, the seconds (compile and the rest), and every call's record.
+        """
         return {"mode": self.mode, "compiler": self.compiler, "graphs": self.graphs,
                 "graph_breaks": self.graph_breaks, "break_reasons": self.break_reasons,
                 "recompiles": self.recompiles, "recompiles_every_call":
@@ -221,8 +258,18 @@ class _Recorder:
 
 
 def failure_reason(exc: BaseException) -> str | None:
-    """The compiler's one-line reason when ``exc`` (or an exception it was raised from) is a
-    failure to compile, else None."""
+    """The compiler's one-line reason when ``exc`` is a failure to compile, else None.
+
+    A compile failure is a cell the compiler cannot run here, not a numerical departure:
+    the caller reports it as such.
+
+    Args:
+        exc: an exception raised in a compiled block, followed along its causes.
+
+    Returns:
+        ``torch.compile (backend) failed: Error: first line``, or None when the model's own
+        code, or an unavailable backend, raised it.
+    """
     import torch._dynamo.exc as dynamo_exc
     from torch._inductor.exc import InductorError
 
@@ -251,15 +298,22 @@ def failure_reason(exc: BaseException) -> str | None:
 @contextlib.contextmanager
 def compiled(model: nn.Module, mode: str | None, *, compiler: Compiler | None = None
              ) -> Iterator[CompileLog | None]:
-    """Compile ``model`` in place for the block (``mode`` from :data:`MODES`; None: leave it
-    eager and yield None) and yield its :class:`CompileLog`, complete when the block ends.
-    ``compiler`` is the ``torch.compile`` backend (default :func:`default_compiler`).
+    """Compile ``model`` in place for the block, and log what compiling cost.
 
     The whole call is compiled, hooks included, as ``model.compile()`` does. Every block starts
     from dynamo's empty caches, so its counts are its own (Inductor's caches on disk stay: a
-    graph compiled before costs its tracing only). A failure to compile anywhere in the block,
-    also in a backward pass, leaves it as :class:`CompileFailed`. The model is eager again
-    after the block.
+    graph compiled before costs its tracing only). The model is eager again after the block.
+
+    Args:
+        model: the model compiled.
+        mode: a compile form of :data:`MODES`, or None to leave it eager.
+        compiler: the ``torch.compile`` backend (default :func:`default_compiler`).
+
+    Yields:
+        The block's :class:`CompileLog`, complete when the block ends; None when ``mode`` is.
+
+    Raises:
+        CompileFailed: compiling failed anywhere in the block, a backward pass included.
     """
     if mode is None:
         yield None
@@ -275,10 +329,22 @@ def compiled(model: nn.Module, mode: str | None, *, compiler: Compiler | None = 
 @contextlib.contextmanager
 def compiled_modules(modules: Mapping[str, nn.Module], mode: str, *,
                      compiler: Compiler | None = None) -> Iterator[CompileLog]:
-    """Compile the ``forward`` of each of ``modules`` (name -> module) on its own for the
-    block, and yield the :class:`CompileLog` of all of them (each call's record names its
-    module). A module's hooks stay outside its compiled graph, so whoever hooks it sees its
-    compiled output; everything it calls is inside. Otherwise as :func:`compiled`."""
+    """Compile the ``forward`` of each of ``modules`` on its own for the block.
+
+    A module's hooks stay outside its compiled graph, so whoever hooks it sees its compiled
+    output; everything it calls is inside. Otherwise as :func:`compiled`.
+
+    Args:
+        modules: the modules by name.
+        mode: a compile form of :data:`MODES`.
+        compiler: the ``torch.compile`` backend (default :func:`default_compiler`).
+
+    Yields:
+        One :class:`CompileLog` for all of them, each call's record naming its module.
+
+    Raises:
+        CompileFailed: compiling failed anywhere in the block.
+    """
     with _compiling(mode, compiler) as (log, recorder):
         saved = {name: module.__dict__.get("forward") for name, module in modules.items()}
         for name, module in modules.items():

@@ -18,8 +18,9 @@ first, each rank filling its part only). Training (``torchparity train --model``
 :mod:`torchparity.train.user_model`) reads ``batches(step) -> inputs`` (the inputs of optimizer
 step ``step``, 1-based, deterministic), ``optimizer(model) -> torch.optim.Optimizer`` (the
 user's param groups), optionally ``scheduler(optimizer)`` (stepped after every optimizer step)
-and ``train_step(model, batch, optimizer) -> loss`` (the user's own step). A file imports as ``python file.py`` would
-run it: its folder comes first on ``sys.path``, so modules beside it import.
+and ``train_step(model, batch, optimizer) -> loss`` (the user's own step). A file imports as
+``python file.py`` would run it: its folder comes first on ``sys.path``, so modules beside it
+import.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import importlib.util
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -42,8 +44,19 @@ KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding", "reorder", "s
         "train_step")
 
 
-def resolve_entry(spec: str) -> Callable[[], Any]:
-    """The callable an entry names (imported, not called)."""
+def resolve_entry(spec: str) -> Callable[..., Any]:
+    """The callable an entry names, imported but not called.
+
+    Args:
+        spec: ``package.module:name`` or ``path/to/file.py:name``.
+
+    Returns:
+        The factory.
+
+    Raises:
+        UsageError: the entry is malformed, does not import, or names no callable.
+        UserCodeError: importing the user's module raised.
+    """
     location, _, attribute = spec.rpartition(":")
     if not location or not attribute:
         raise UsageError(f"entry point {spec!r} must look like package.module:factory or "
@@ -56,17 +69,32 @@ def resolve_entry(spec: str) -> Callable[[], Any]:
 
 
 def entry_name(spec: str) -> str:
-    """``path/to/models.py:gpt2`` -> ``models.gpt2``; ``pkg.mod:gpt2`` -> ``pkg.mod.gpt2``."""
+    """A factory's name as reports and golden folders use it, without the file's folder.
+
+    Args:
+        spec: ``path/to/models.py:gpt2`` or ``pkg.mod:gpt2``.
+
+    Returns:
+        ``models.gpt2`` or ``pkg.mod.gpt2``.
+    """
     location, _, attribute = spec.rpartition(":")
     stem = Path(location).stem if location.endswith(".py") else location
     return f"{stem}.{attribute}"
 
 
-def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
-    """Call ``factory`` and check what it returns: a dict of :data:`KEYS` (absent ones None).
+def call_factory(factory: Callable[[], object], label: str) -> dict[str, Any]:
+    """Call ``factory`` and check what it returns, so a mistake is named before any run.
 
-    A problem with what it returns is a one-line :class:`UsageError`, an exception raised by
-    the factory a :class:`UserCodeError` naming ``label``.
+    Args:
+        factory: the user's factory.
+        label: the factory's name in messages.
+
+    Returns:
+        Every key of :data:`KEYS` (absent ones None).
+
+    Raises:
+        UsageError: what it returns has the wrong form, keys or types (one line).
+        UserCodeError: the factory raised.
     """
     try:
         result = factory()
@@ -103,19 +131,26 @@ def call_factory(factory: Callable[[], Any], label: str) -> dict[str, Any]:
     return fields
 
 
-def _describe(result: Any) -> str:
+def _describe(result: object) -> str:
     if isinstance(result, tuple):
         return f"a tuple of {len(result)}"
     return "None" if result is None else f"a {type(result).__name__}"
 
 
 def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message, for one-line errors."""
+    """The first line of an exception's message, for one-line errors.
+
+    Args:
+        exc: the exception.
+
+    Returns:
+        Its message's first line, or ``(no message)``.
+    """
     text = str(exc).strip()
     return text.splitlines()[0] if text else "(no message)"
 
 
-def _import_location(location: str, spec: str) -> Any:
+def _import_location(location: str, spec: str) -> ModuleType:
     try:
         if location.endswith(".py"):
             return _import_file(Path(location), spec)
@@ -131,7 +166,7 @@ def _import_location(location: str, spec: str) -> Any:
                             f"{type(exc).__name__}: {first_line(exc)}") from exc
 
 
-def _import_file(path: Path, spec: str) -> Any:
+def _import_file(path: Path, spec: str) -> ModuleType:
     """Import ``path`` as ``python path`` runs it: its folder first on ``sys.path`` (it stays
     there, as for a script, so the factory's later imports find its neighbours too)."""
     if not path.is_file():

@@ -18,20 +18,39 @@ EAGER, SDPA = "eager", "sdpa"
 
 
 def is_transformers(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``transformers`` model (a ``PreTrainedModel`` with a config)."""
+    """Whether ``model`` is a ``transformers`` model (a ``PreTrainedModel`` with a config).
+
+    Args:
+        model: any module; transformers is not imported to tell.
+
+    Returns:
+        True for a ``transformers`` model.
+    """
     return hasattr(model, "config") and any(
         cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
         for cls in type(model).__mro__)
 
 
 def generates(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``transformers`` model that can ``generate``."""
+    """Whether ``model`` is a ``transformers`` model that can ``generate``.
+
+    Args:
+        model: any module.
+
+    Returns:
+        True when its built-in decoding step applies.
+    """
     can = getattr(model, "can_generate", None)
     return is_transformers(model) and callable(can) and bool(can())
 
 
 def set_attention(model: nn.Module, implementation: str) -> None:
-    """Switch a ``transformers`` model to its ``eager`` or ``sdpa`` attention."""
+    """Switch a ``transformers`` model to its ``eager`` or ``sdpa`` attention, in place.
+
+    Args:
+        model: a ``transformers`` model.
+        implementation: :data:`EAGER` or :data:`SDPA`.
+    """
     switch = getattr(model, "set_attn_implementation", None)
     if callable(switch):
         switch(implementation)

@@ -23,6 +23,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+from torchparity.subject.trees import PyTree
 
 
 class Islands(TorchDispatchMode):
@@ -42,7 +45,7 @@ class Islands(TorchDispatchMode):
         super().__init__()
         self._names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
         self._stack: list[str] = []
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._found: dict[str, dict[str, None]] = {}
 
     def __enter__(self) -> Islands:
@@ -59,14 +62,15 @@ class Islands(TorchDispatchMode):
 
     @property
     def found(self) -> dict[str, list[str]]:
+        """Each narrower dtype's name (``float32``) -> the modules computing in it, in run order."""
         return {dtype: list(modules) for dtype, modules in self._found.items()}
 
-    def _enter(self, module: nn.Module, args: Any) -> None:
+    def _enter(self, module: nn.Module, args: tuple[object, ...]) -> None:
         name = self._names.get(id(module))
         if name is not None:
             self._stack.append(name)
 
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _leave(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if self._names.get(id(module)) is not None and self._stack:
             self._stack.pop()
 
@@ -83,20 +87,34 @@ class Islands(TorchDispatchMode):
         return out
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def _tensors(tree: PyTree) -> list[torch.Tensor]:
     if isinstance(tree, torch.Tensor):  # an operation's usual output, without a tree walk
         return [tree]
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def narrowest(islands: dict[str, Iterable[str]] | None) -> str | None:
-    """The least precise dtype among ``islands`` (None without any)."""
+    """The least precise dtype among ``islands``: the one that bounds a float64 golden's accuracy.
+
+    Args:
+        islands: :attr:`Islands.found`, or None.
+
+    Returns:
+        Its name (``bfloat16``), or None without any island.
+    """
     dtypes = [getattr(torch, name) for name, modules in (islands or {}).items() if modules]
     return str(max(dtypes, key=lambda d: torch.finfo(d).eps)).removeprefix("torch.") \
         if dtypes else None
 
 
 def summary(modules: Iterable[str]) -> list[str]:
-    """Module names with the index of each repeated block written ``*``, once each:
-    ``model.layers.*.input_layernorm`` for the sixteen layers' input norms."""
+    """Module names with each repeated block's index written ``*``, once each, for a short report.
+
+    Args:
+        modules: module names, such as :attr:`Islands.found` gives.
+
+    Returns:
+        ``model.layers.*.input_layernorm`` once for the sixteen layers' input norms, in first
+        appearance order.
+    """
     return list(dict.fromkeys(re.sub(r"\.\d+(?=\.|$)", ".*", name) for name in modules))

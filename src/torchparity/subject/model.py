@@ -5,20 +5,21 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
+from torchparity.distributed.group import under_torchrun
+from torchparity.distributed.slices import Slices
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
 from torchparity.subject.beams import BeamSettings, builtin_reorder, search_settings
 from torchparity.subject.decoding import STEP_HINT, ReorderFn, StepFn, builtin_step
 from torchparity.subject.factory import call_factory, entry_name, first_line, resolve_entry
 from torchparity.subject.padding import Padding, padding_of
-from torchparity.distributed.group import under_torchrun
-from torchparity.distributed.slices import Slices
 from torchparity.subject.running import (
+    Inputs,
     LossFn,
     call_model,
     cast_inputs,
@@ -29,9 +30,17 @@ from torchparity.subject.running import (
     on_meta,
     projection_loss,
 )
+from torchparity.subject.trees import PyTree
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.optim import Optimizer
+    from torch.optim.lr_scheduler import LRScheduler
+
+_Result = TypeVar("_Result")
 
 #: ``decode(model, inputs, use_cache)``: a model's incremental decoding, its outputs a pytree.
-DecodeFn = Callable[[nn.Module, Any, bool], Any]
+DecodeFn = Callable[[nn.Module, Inputs, bool], PyTree]
 
 
 @dataclass
@@ -48,7 +57,7 @@ class Subject:
     name: str
     entry: str
     model: nn.Module
-    inputs: Any
+    inputs: Inputs
     loss_fn: LossFn | None = None
     step: StepFn | None = None
     decode: DecodeFn | None = None
@@ -57,8 +66,9 @@ class Subject:
     search: BeamSettings | None = None
     #: ``parallelize(model, mesh)``: the factory's plan to shard the model over ``mesh``, a
     #: ``{dimension name: size}`` (see :mod:`torchparity.distributed.sharding`).
-    parallelize: Callable[[nn.Module, Any], Any] | None = None
-    mesh: Any = None
+    parallelize: Callable[[nn.Module, DeviceMesh], nn.Module | None] | None = None
+    #: The factory's ``mesh``, as it gave it: ``mesh_sizes`` checks it once under torchrun.
+    mesh: object = None
     #: Under torchrun, once :func:`~torchparity.distributed.sharding.hold` sharded the factory's
     #: model by its plan (its own dtype, each rank its part): that model, ``model`` being then
     #: its structure on the meta device.
@@ -70,20 +80,34 @@ class Subject:
     #: :func:`~torchparity.distributed.sharding.hold`).
     slices: Slices | None = None
     #: ``init(model)``: fills the weights of a model the factory built on the meta device.
-    init: Callable[[nn.Module], Any] | None = None
+    init: Callable[[nn.Module], object] | None = None
     #: Training (:mod:`torchparity.train.user_model`): ``batches(step)`` the inputs of optimizer
     #: step ``step``, ``optimizer(model)`` its optimizer, ``scheduler(optimizer)`` its learning
     #: rate schedule, ``train_step(model, batch, optimizer) -> loss`` the user's own step.
-    batches: Callable[[int], Any] | None = None
-    optimizer: Callable[[nn.Module], Any] | None = None
-    scheduler: Callable[[Any], Any] | None = None
-    train_step: Callable[[nn.Module, Any, Any], Any] | None = None
+    batches: Callable[[int], Inputs] | None = None
+    optimizer: Callable[[nn.Module], Optimizer] | None = None
+    scheduler: Callable[[Optimizer], LRScheduler] | None = None
+    train_step: Callable[[nn.Module, Inputs, Optimizer], torch.Tensor | float] | None = None
     #: False where it is checked against goldens made without decoding: it does not decode.
     decoding: bool = True
 
     @classmethod
-    def load(cls, entry: str | Callable[[], Any]) -> Subject:
-        """From an entry ``file.py:name`` / ``pkg.mod:name``, or from the factory itself."""
+    def load(cls, entry: str | Callable[[], object]) -> Subject:
+        """Load a user's model the one way every command does: factory called, keys checked.
+
+        A model built on the meta device is materialised on the CPU by the factory's ``init``
+        here, except under torchrun with a plan, where each rank fills its own part once sharded.
+
+        Args:
+            entry: ``file.py:name`` or ``pkg.mod:name``, or the factory itself.
+
+        Returns:
+            The subject, its padding and search settings resolved.
+
+        Raises:
+            UsageError: the entry or what the factory returns is wrong (one line saying which).
+            UserCodeError: the factory, or its ``init``, raised.
+        """
         if isinstance(entry, str):
             factory, spec = resolve_entry(entry), entry
         else:
@@ -103,8 +127,19 @@ class Subject:
         return subject
 
     def materialise(self, model: nn.Module, device: str | torch.device) -> None:
-        """Give ``model``, on the meta device, memory on ``device`` and fill it with the
-        factory's ``init``."""
+        """Give ``model``, on the meta device, memory on ``device``, filled by the factory's init.
+
+        Every floating tensor is first set to NaN, so a weight ``init`` forgot is named rather
+        than read as whatever memory held.
+
+        Args:
+            model: the factory's model, or its copy, on the meta device.
+            device: where its memory goes.
+
+        Raises:
+            UsageError: the factory has no ``init``, or ``init`` left a tensor unfilled.
+            UserCodeError: ``init`` raised.
+        """
         if self.init is None:
             raise UsageError(f"factory {self.entry} built its model on the meta device; return "
                              "init(model), which fills its weights, with it")
@@ -120,6 +155,7 @@ class Subject:
 
     @property
     def is_transformers(self) -> bool:
+        """Whether the model is a ``transformers`` model (see :func:`hf.is_transformers`)."""
         return hf.is_transformers(self.model)
 
     @property
@@ -139,10 +175,19 @@ class Subject:
         return self.decoding and (self.decode is not None or self.steps)
 
     def stepper(self, model: nn.Module | None = None) -> StepFn:
-        """The decoding step of ``model`` (default: the factory's): the factory's ``step``, else
-        the built-in one (:func:`~torchparity.subject.decoding.builtin_step`), guarded so that
-        an exception in it is a one-line :class:`UserCodeError`. A model without either is a
-        one-line :class:`UsageError` naming the ``step`` key it needs."""
+        """The decoding step of ``model``, guarded so the user's exception is one line.
+
+        Args:
+            model: the model decoded (default: the factory's).
+
+        Returns:
+            The factory's ``step``, else the built-in one
+            (:func:`~torchparity.subject.decoding.builtin_step`), raising a
+            :class:`UserCodeError` where the step raises.
+
+        Raises:
+            UsageError: the model has neither, naming the ``step`` key it needs.
+        """
         model = self.model if model is None else model
         step = self.step or builtin_step(model)
         if step is None:
@@ -158,9 +203,15 @@ class Subject:
         return guarded
 
     def reorderer(self, model: nn.Module | None = None) -> ReorderFn | None:
-        """The ``reorder(state, index)`` of a beam search over ``model`` (default: the
-        factory's): the factory's, else the built-in one, guarded like :meth:`stepper`; None
-        when there is neither (a search then says it needs one)."""
+        """The ``reorder(state, index)`` of a beam search, guarded like :meth:`stepper`.
+
+        Args:
+            model: the model decoded (default: the factory's).
+
+        Returns:
+            The factory's ``reorder``, else the built-in one, or None when there is neither (a
+            search then says it needs one).
+        """
         model = self.model if model is None else model
         reorder = self.reorder or builtin_reorder(model)
         if reorder is None:
@@ -169,12 +220,22 @@ class Subject:
         return lambda state, index: self.guarded(lambda: reorder(state, index), what)
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
-               attention: str = hf.SDPA, *, share: bool = False) -> tuple[nn.Module, Any]:
-        """A copy of the model in ``dtype`` on ``device`` in eval mode (dropout, modules' or
-        ``F.dropout(training=self.training)``, would make runs differ), a ``transformers``
-        model on its ``attention`` implementation, and the inputs cast alike. With ``share``
-        the model itself is used (put in eval mode and on ``attention``) when it already has
-        that dtype and device: no copy."""
+               attention: str = hf.SDPA, *, share: bool = False) -> tuple[nn.Module, Inputs]:
+        """The model and its inputs ready for one cell: ``dtype``, ``device``, eval mode.
+
+        Eval mode because dropout, modules' or ``F.dropout(training=self.training)``, would make
+        runs differ.
+
+        Args:
+            device: where the model and inputs go.
+            dtype: the dtype of their floating tensors.
+            attention: a ``transformers`` model's attention implementation.
+            share: use the model itself (put in eval mode and on ``attention``) when it already has
+                that dtype and device: no copy of a big model.
+
+        Returns:
+            The model, a copy unless shared, and the inputs cast alike.
+        """
         model = converted(self.model, device, dtype)
         if model is self.model and not share:
             model = copy.deepcopy(model)
@@ -183,16 +244,44 @@ class Subject:
             hf.set_attention(model, attention)
         return model, cast_inputs(self.inputs, device, dtype)
 
-    def forward(self, model: nn.Module, inputs: Any) -> Any:
-        """``model`` called on ``inputs``; the model's own exception as a :class:`UserCodeError`."""
+    def forward(self, model: nn.Module, inputs: Inputs) -> PyTree:
+        """``model`` called on ``inputs``, the model's own exception as one line.
+
+        Args:
+            model: this subject's model, or its copy in a cell.
+            inputs: its inputs, as :meth:`placed` cast them.
+
+        Returns:
+            The model's output.
+
+        Raises:
+            UserCodeError: the forward raised.
+        """
         return self.guarded(lambda: call_model(model, inputs), "the model's forward")
 
-    def loss(self, output: Any, inputs: Any, flat: Mapping[str, torch.Tensor],
+    def loss(self, output: PyTree, inputs: Inputs, flat: Mapping[str, torch.Tensor],
              loss_paths: list[str] | None = None) -> torch.Tensor | str:
-        """``loss_fn(output, inputs)``, else the projection loss of the outputs at
-        ``loss_paths`` (default: every floating one of ``flat``, the flattened output, that no
-        cache holds: :func:`~torchparity.subject.running.default_loss_paths`) on their
-        unpadded positions; a string saying why when ``flat`` lacks one of them."""
+        """The loss whose gradients a cell compares: ``loss_fn``, else the projection loss.
+
+        The projection loss reads the outputs at ``loss_paths`` on their unpadded positions (see
+        :func:`~torchparity.subject.running.projection_loss`).
+
+        Args:
+            output: the model's output.
+            inputs: the inputs it was called on.
+            flat: ``output`` flattened under its root.
+            loss_paths: the outputs projected; default: every floating one of ``flat`` that no
+                cache holds (:func:`~torchparity.subject.running.default_loss_paths`), the
+                goldens' choice.
+
+        Returns:
+            The scalar loss, or a string saying why it cannot be computed when ``flat`` lacks one of
+            ``loss_paths`` (the gradients are then not compared).
+
+        Raises:
+            UsageError: ``loss_fn`` returned no scalar tensor, or the output has nothing floating.
+            UserCodeError: ``loss_fn`` raised.
+        """
         if self.loss_fn is not None:
             loss = self.guarded(lambda: self.loss_fn(output, inputs), "its loss_fn")
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
@@ -210,13 +299,34 @@ class Subject:
                              "gradients of; return a loss_fn from the factory")
         return projection_loss({p: flat[p] for p in paths}, self.padding)
 
-    def decoded(self, model: nn.Module, inputs: Any, use_cache: bool) -> Any:
-        """The factory's ``decode(model, inputs, use_cache)``."""
+    def decoded(self, model: nn.Module, inputs: Inputs, use_cache: bool) -> PyTree:
+        """The factory's ``decode(model, inputs, use_cache)``, its exception as one line.
+
+        Args:
+            model: this subject's model, or its copy in a cell.
+            inputs: its inputs.
+            use_cache: decode incrementally with the model's cache, or recompute every step.
+
+        Returns:
+            The decoding's outputs.
+        """
         return self.guarded(lambda: self.decode(model, inputs, use_cache), "its decode")
 
-    def guarded(self, fn: Callable[[], Any], what: str) -> Any:
-        """``fn()``; an exception of the user's code becomes a one-line
-        :class:`UserCodeError` naming ``what`` of this entry."""
+    def guarded(self, fn: Callable[[], _Result], what: str) -> _Result:
+        """``fn()``, with an exception of the user's code as a one-line :class:`UserCodeError`.
+
+        torchparity's own usage errors and an unavailable backend pass through unchanged.
+
+        Args:
+            fn: the call into the user's code.
+            what: what the message calls it (``its loss_fn``).
+
+        Returns:
+            What ``fn`` returns.
+
+        Raises:
+            UserCodeError: ``fn`` raised, naming ``what`` of this entry.
+        """
         try:
             return fn()
         except (BackendUnavailable, UsageError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from torchparity.errors import UsageError
 
@@ -30,7 +30,17 @@ Shape = tuple[int, ...]
 
 
 def name_translator(name_map: NameMap | None) -> Callable[[str], str]:
-    """A function from A's module names to the names ``name_map`` says they have in B."""
+    """A function from A's module names to the names ``name_map`` says they have in B.
+
+    Args:
+        name_map: exact names, ``(regex, replacement)`` pairs, or None (names unchanged).
+
+    Returns:
+        The translation; a name no rule matches stays as it is.
+
+    Raises:
+        UsageError: an entry is not a pair, or its regex does not compile.
+    """
     if name_map is None:
         return lambda name: name
     if isinstance(name_map, Mapping):
@@ -56,8 +66,19 @@ def name_translator(name_map: NameMap | None) -> Callable[[str], str]:
     return translate
 
 
-def common_subsequence(xs: Sequence[Any], ys: Sequence[Any]) -> list[tuple[int, int]]:
-    """Index pairs of a longest common subsequence of non-empty equal items."""
+def common_subsequence(xs: Sequence[object], ys: Sequence[object]) -> list[tuple[int, int]]:
+    """Index pairs of a longest common subsequence of non-empty equal items.
+
+    Two versions of a model run most of their modules in the same order; pairing their
+    shapes this way survives a module added or removed.
+
+    Args:
+        xs: A's items (shapes; an empty one never pairs).
+        ys: B's items.
+
+    Returns:
+        ``(i, j)`` with ``xs[i] == ys[j]``, increasing in both.
+    """
     n, m = len(xs), len(ys)
     best = [[0] * (m + 1) for _ in range(n + 1)]
     for i in range(n - 1, -1, -1):
@@ -81,9 +102,20 @@ def common_subsequence(xs: Sequence[Any], ys: Sequence[Any]) -> list[tuple[int, 
 def concatenations(wholes: Sequence[Item], parts: Sequence[Item],
                    shape_of: Callable[[Item], Shape | None], dim: int
                    ) -> list[tuple[Item, tuple[Item, ...]]]:
-    """Each of ``wholes`` whose shape is that of two or more consecutive ``parts``
-    concatenated along ``dim``, with those parts; each part is used at most once, and an item
-    whose ``shape_of`` is None or empty (a scalar) takes no part."""
+    """Each of ``wholes`` shaped as two or more consecutive ``parts`` concatenated along ``dim``.
+
+    A fused weight (``qkv``) found as the parts another version keeps apart (``q``, ``k``,
+    ``v``).
+
+    Args:
+        wholes: the candidates for a fused tensor.
+        parts: the candidates for its parts, in order.
+        shape_of: an item's shape; None or empty (a scalar) takes no part.
+        dim: the dimension the parts are concatenated along.
+
+    Returns:
+        ``(whole, parts)`` pairs; each part is used at most once.
+    """
     found, used = [], set()
     for whole in wholes:
         target = shape_of(whole)

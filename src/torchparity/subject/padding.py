@@ -45,6 +45,7 @@ from torch import nn
 
 from torchparity.comparison.selection import LeftOut
 from torchparity.errors import UsageError
+from torchparity.subject.trees import PyTree
 
 #: Input keys read as 1/0 padding masks, and the part of an encoder-decoder they belong to
 #: (``attention_mask`` is the encoder's in an encoder-decoder, else the model's one sequence).
@@ -86,11 +87,30 @@ class Padding:
         return self.positions(path, tuple(tensor.shape))
 
     def within(self, module: str) -> Padding:
-        """The same padding, matched to the tensors of ``module`` (its name says the part)."""
+        """The same padding, matched to the tensors of ``module`` (its name says the part).
+
+        Args:
+            module: a module's name, as a diagnosis reads its tensors.
+
+        Returns:
+            A copy scoped to ``module``.
+        """
         return dataclasses.replace(self, scope=module)
 
     def positions(self, path: str, shape: tuple[int, ...]) -> LeftOut | None:
-        """The padded positions of a tensor of ``shape`` at ``path``, or None."""
+        """The padded positions of a tensor of ``shape`` at ``path``, left out of its comparison.
+
+        Args:
+            path: a comparison path (``outputs["output.logits"]``) or a flat one
+                (``output.logits``).
+            shape: the tensor's shape.
+
+        Returns:
+            The positions left out, or None when the tensor is judged whole.
+
+        Raises:
+            UsageError: a mask the factory gave for ``path`` does not fit the tensor's shape.
+        """
         flat = flat_path(path)
         own = self._own(flat) if not self.scope else None
         if own is not None:
@@ -113,7 +133,11 @@ class Padding:
         return _left_out(fits)
 
     def summary(self) -> str | None:
-        """One line: how many positions are padding and where that was read (None: none)."""
+        """One line for a report: how many positions are padding and where that was read.
+
+        Returns:
+            The line, or None when nothing is padding.
+        """
         padded = [s for s in self._all() if bool(s.pad.any())]
         if not padded:
             return None
@@ -121,7 +145,11 @@ class Padding:
                          f"({s.source.removeprefix('padding ')})" for s in padded)
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON form that :meth:`from_json` reads back (a trace keeps it)."""
+        """A JSON form that :meth:`from_json` reads back, so a trace keeps its batch's padding.
+
+        Returns:
+            The sequences and the factory's masks as lists of 0/1.
+        """
         def sequence(s: Sequence) -> dict[str, Any]:
             return {"pad": s.pad.int().tolist(), "source": s.source, "part": s.part}
 
@@ -131,7 +159,14 @@ class Padding:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Padding:
-        """The padding :meth:`to_json` wrote."""
+        """The padding :meth:`to_json` wrote.
+
+        Args:
+            data: what :meth:`to_json` returned, read back from JSON.
+
+        Returns:
+            The padding, equal in its masks, sources and parts.
+        """
         def sequence(d: Mapping[str, Any]) -> Sequence:
             return Sequence(torch.tensor(d["pad"], dtype=torch.bool), d["source"], d["part"])
 
@@ -184,10 +219,20 @@ def _left_out(masks: Mapping[Sequence, torch.Tensor]) -> LeftOut | None:
     return LeftOut(pad, f"padding in both {sources} (the tensor may be either's)")
 
 
-def from_inputs(inputs: Any, *, encoder_decoder: bool = False) -> Padding:
-    """The padding that keyword ``inputs`` carry in their 1/0 masks (:data:`MASK_KEYS`); a
-    target given as tokens without a mask (:data:`DECODER_IDS`) is a sequence without padding.
-    Inputs of another form, and masks that are not 1/0 (batch, sequence), say nothing."""
+def from_inputs(inputs: PyTree, *, encoder_decoder: bool = False) -> Padding:
+    """The padding that keyword ``inputs`` carry in their 1/0 masks (:data:`MASK_KEYS`).
+
+    A target given as tokens without a mask (:data:`DECODER_IDS`) is a sequence without
+    padding. Inputs of another form, and masks that are not 1/0 (batch, sequence), say nothing:
+    a doubt judges more, never less.
+
+    Args:
+        inputs: a model's inputs.
+        encoder_decoder: the model is an encoder-decoder, even if its inputs do not say so.
+
+    Returns:
+        The padding, empty when the inputs carry none.
+    """
     if not isinstance(inputs, Mapping):
         return Padding()
     encoder_decoder = encoder_decoder or any(
@@ -207,7 +252,7 @@ def from_inputs(inputs: Any, *, encoder_decoder: bool = False) -> Padding:
     return Padding(tuple(sequences), encoder_decoder=encoder_decoder)
 
 
-def _padding_of(mask: Any) -> torch.Tensor | None:
+def _padding_of(mask: object) -> torch.Tensor | None:
     """``mask == 0`` of a 1/0 (batch, sequence) mask on the CPU; None for anything else."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_complex():
         return None
@@ -223,13 +268,24 @@ def _padding_of(mask: Any) -> torch.Tensor | None:
 PaddingLike = Padding | torch.Tensor | Mapping[str, torch.Tensor] | bool | None
 
 
-def padding_of(spec: PaddingLike, inputs: Any, model: nn.Module | None = None,
+def padding_of(spec: PaddingLike, inputs: PyTree, model: nn.Module | None = None,
                label: str = "padding", given_by: str = "the padding given") -> Padding:
-    """The :class:`Padding` of a batch from what a factory or a caller gave (``spec``): None
-    (read the inputs), ``False`` (none), a bool (batch, sequence) tensor, a dict of them by
-    output path, or a :class:`Padding`. ``model`` tells an encoder-decoder by its config's
-    ``is_encoder_decoder``; reports name a given mask by ``given_by``. A spec of another form
-    is a :class:`UsageError` naming ``label``."""
+    """The :class:`Padding` of a batch from what a factory or a caller gave.
+
+    Args:
+        spec: None (read the inputs), ``False`` (none), a bool (batch, sequence) tensor, a dict
+            of them by output path, or a :class:`Padding`.
+        inputs: the batch's inputs, read for their masks.
+        model: tells an encoder-decoder by its config's ``is_encoder_decoder``.
+        label: what a message calls ``spec``.
+        given_by: what reports call a given mask's source.
+
+    Returns:
+        The padding.
+
+    Raises:
+        UsageError: ``spec`` has another form, or a mask is not a bool (batch, sequence) tensor.
+    """
     if isinstance(spec, Padding):
         return spec
     encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
@@ -250,7 +306,7 @@ def padding_of(spec: PaddingLike, inputs: Any, model: nn.Module | None = None,
                      f"of them by output path, or False; got {type(spec).__name__}")
 
 
-def _checked(mask: Any, label: str) -> torch.Tensor:
+def _checked(mask: object, label: str) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
         what = (f"a {mask.dtype} tensor of shape {tuple(mask.shape)}"
                 if isinstance(mask, torch.Tensor) else f"a {type(mask).__name__}")
@@ -262,8 +318,14 @@ def _checked(mask: Any, label: str) -> torch.Tensor:
 
 
 def flat_path(path: str) -> str:
-    """A comparison path in flat form: ``outputs["output.logits"]`` -> ``output.logits``,
-    ``outputs["hidden"][0]`` -> ``hidden.0``; a flat path stays as it is."""
+    """A comparison path in flat form, so both kinds match the factory's masks.
+
+    Args:
+        path: ``outputs["output.logits"]``, ``outputs["hidden"][0]``, or a flat path.
+
+    Returns:
+        ``output.logits``, ``hidden.0``; a flat path as it is.
+    """
     if not path.startswith("outputs") or path[len("outputs"):len("outputs") + 1] not in "[.":
         return path
     keys = re.findall(r'\["((?:[^"\\]|\\.)*)"\]|\[([^\]]*)\]|\.(\w+)', path[len("outputs"):])

@@ -18,12 +18,19 @@ from torchparity.reference import rng
 
 
 def perturb_weights(model: nn.Module, *, seed: int = 1) -> nn.Module:
-    """Multiply every floating parameter of ``model`` in place by ``1 + d * u``,
-    ``u`` the unit roundoff of its dtype and ``d`` uniform in [-1, 1], a pure function of
-    ``seed`` and the tensor's name (the same on every machine); returns ``model``.
+    """Move every floating parameter of ``model`` by up to one rounding of its dtype, in place.
 
-    The product is rounded to the tensor's dtype from float64, so about half the values move
-    by one unit in the last place. Float64 tensors move by one float64 rounding.
+    Each is multiplied by ``1 + d * u``, ``u`` the unit roundoff of its dtype and ``d``
+    uniform in [-1, 1], a pure function of ``seed`` and the tensor's name (the same on every
+    machine). The product is rounded to the tensor's dtype from float64, so about half the
+    values move by one unit in the last place. Float64 tensors move by one float64 rounding.
+
+    Args:
+        model: the model, changed in place.
+        seed: which draw of the rounding.
+
+    Returns:
+        ``model`` itself.
     """
     with torch.no_grad():
         for name, tensor in model.named_parameters():

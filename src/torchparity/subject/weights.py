@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from torchparity.distributed.sharding import part
 from torchparity.reference import rng
 from torchparity.subject.running import local_part
-from torchparity.distributed.sharding import part
 
 #: Spread of a norm's weight around 1 and of its bias around 0.
 NORM_SPREAD = 0.05
@@ -28,11 +28,11 @@ SMALL_STD = 0.02
 
 
 def init_weights(model: nn.Module, seed: int) -> nn.Module:
-    """Fill every floating parameter and persistent floating buffer of ``model`` with values
-    that depend only on ``seed`` and the tensor's name, and return the model.
+    """Fill a model's weights with values that are the same on every machine.
 
-    The values are uniform (a normal draw needs ``log`` and ``cos``, whose last bit differs
-    between math libraries), with the scales a freshly initialised transformer has:
+    The values depend only on ``seed`` and the tensor's name. They are uniform (a normal
+    draw needs ``log`` and ``cos``, whose last bit differs between math libraries), with the
+    scales a freshly initialised transformer has:
 
     - a norm's weight (any module whose class name has ``Norm``; also a running variance) is
       1, its bias (and running mean) 0, each moved by a spread of 0.05: not exactly 1 and 0,
@@ -45,9 +45,17 @@ def init_weights(model: nn.Module, seed: int) -> nn.Module:
 
     A model sharded over ranks (DTensor parameters) gets on each rank its part of the values
     one process draws: a parameter at a time is drawn whole. Tied parameters are filled once,
-    under the first name ``state_dict`` gives them; integer
-    and bool tensors, and buffers a module recomputes itself (non-persistent ones, such as
-    rotary frequencies), are left as they are.
+    under the first name ``state_dict`` gives them; integer and bool tensors, and buffers a
+    module recomputes itself (non-persistent ones, such as rotary frequencies), are left as
+    they are.
+
+    Args:
+        model: the model, filled in place: every floating parameter and persistent floating
+            buffer.
+        seed: which draw of the weights.
+
+    Returns:
+        ``model`` itself.
     """
     seen: set[int] = set()
     with torch.no_grad():
@@ -65,9 +73,21 @@ def init_weights(model: nn.Module, seed: int) -> nn.Module:
 
 def random_tensor(shape: tuple[int, ...], seed: int, *, std: float = 1.0,
                   dtype: torch.dtype = torch.float32, stream: str = "inputs") -> torch.Tensor:
-    """A ``shape`` tensor of uniform values with standard deviation ``std``, the same on every
-    machine: a factory's floating inputs, where ``torch.randn`` differs by instruction set.
-    Different ``stream`` names give independent values for one seed."""
+    """A tensor of uniform values that is the same on every machine: a factory's floating inputs.
+
+    ``torch.randn`` differs by instruction set, so goldens made from its inputs would not
+    check on another machine.
+
+    Args:
+        shape: the tensor's shape.
+        seed: which draw.
+        std: the values' standard deviation (their mean is 0).
+        dtype: the tensor's dtype; the values are drawn in float64 and rounded to it.
+        stream: a name; different names give independent values for one seed.
+
+    Returns:
+        The tensor, on the CPU.
+    """
     return rng.symmetric(seed, stream, shape, std).to(dtype)
 
 
@@ -124,7 +144,14 @@ class NormalDraws(TorchDispatchMode):
         return out
 
     def drawn(self, tensors: dict[str, torch.Tensor]) -> list[str]:
-        """The names among ``tensors`` whose values came from a CPU normal draw."""
+        """The names among ``tensors`` whose values came from a CPU normal draw.
+
+        Args:
+            tensors: tensors by name (a model's state dict, its inputs flattened).
+
+        Returns:
+            Their names, in order: the values a golden made here would not reproduce elsewhere.
+        """
         return [name for name, tensor in tensors.items() if _storage(tensor) in self._drawn]
 
 
