@@ -26,7 +26,7 @@ from torchparity.comparison import (
     shared_tensors,
 )
 from torchparity.reference import TransformerConfig, build_model, positions, variants, zoo
-from torchparity.tolerance import KINDS, budget, error
+from torchparity.tolerance import KINDS, Measurement, budget, error
 
 FLOAT_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -150,7 +150,8 @@ def test_compute_dtype_override_widens_the_budget() -> None:
 def test_trajectory_budget_grows_with_the_step() -> None:
     golden = torch.linspace(1, 2, 8, dtype=torch.float64)
     baseline = golden + 2.0**-20
-    at_start = budget(golden, baseline_error=2.0**-20, compute_dtype="fp32", kind="trajectory")
+    at_start = budget(Measurement(golden, baseline_error=2.0**-20, compute_dtype="fp32",
+                                  kind="trajectory"))
     candidate = golden + 1.5 * at_start.value  # float64, judged as fp32 compute
     assert 1.5 < 1 + KINDS["trajectory"].per_step_growth * 10
     assert not compare(candidate, golden, baseline, "trajectory", compute_dtype="fp32").ok

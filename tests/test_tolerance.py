@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import array_shapes, arrays
 
 from torchparity import tolerance
 from torchparity.calibration.draws import calibrate_draws
-from torchparity.tolerance import KINDS, UNIT_ROUNDOFF, budget, unit_roundoff
+from torchparity.tolerance import KINDS, UNIT_ROUNDOFF, Measurement, budget, unit_roundoff
 
 TORCH_FLOATS = [
     torch.float64,
@@ -116,13 +116,13 @@ def test_a_band_budget_is_the_fudged_spread_plus_the_floor_without_growth() -> N
 
 def test_unknown_kind_names_the_known_kinds() -> None:
     with pytest.raises(ValueError, match="forward, grad, loss, trajectory"):
-        budget(torch.ones(3), baseline_error=None, compute_dtype="fp32", kind="logits")
+        budget(Measurement(torch.ones(3), baseline_error=None, compute_dtype="fp32", kind="logits"))
 
 
 def test_budget_with_a_baseline_follows_the_formula() -> None:
     golden = torch.tensor([1.0, -2.0], dtype=torch.float64)
     tol = KINDS["forward"]
-    b = budget(golden, baseline_error=2.0**-20, compute_dtype=torch.float32)
+    b = budget(Measurement(golden, baseline_error=2.0**-20, compute_dtype=torch.float32))
     # forward uses max-abs, so scale = absmax = 2; the baseline erred 8 ulps of it
     floor = tol.floor_ulps * (2.0**-24 * 2.0 + subnormal_spacing(torch.float32))
     assert b.source == "baseline" and b.analytic is None and b.reordering == 0.0
@@ -136,7 +136,7 @@ def test_a_lucky_baseline_draw_is_lifted_to_the_noise_floor() -> None:
     golden = torch.linspace(-1.0, 3.5, tolerance.FEW_ELEMENTS, dtype=torch.float64)
     tol = KINDS["forward"]
     lucky = 0.1 * 2.0**-8 * 3.5  # a tenth of a bf16 roundoff of the largest value
-    b = budget(golden, baseline_error=lucky, compute_dtype="bf16")
+    b = budget(Measurement(golden, baseline_error=lucky, compute_dtype="bf16"))
     assert b.noise == tol.noise_floor_ulps * 2.0**-8 * 3.5 > lucky
     assert "noise floor" in b.formula()
 
@@ -145,10 +145,10 @@ def test_the_noise_floor_rises_for_tensors_of_few_elements() -> None:
     # The largest of n roundings is a poor estimate of the noise when n is small: one score
     # whose baseline happened to round exactly may not set a budget of zero width.
     u, tol = unit_roundoff("fp32"), KINDS["forward"]
-    one = budget(torch.tensor([[0.5]], dtype=torch.float64), baseline_error=1e-12,
-                 compute_dtype="fp32")
-    many = budget(torch.full((4, 16), 0.5, dtype=torch.float64), baseline_error=1e-12,
-                  compute_dtype="fp32")
+    one = budget(Measurement(torch.tensor([[0.5]], dtype=torch.float64), baseline_error=1e-12,
+                             compute_dtype="fp32"))
+    many = budget(Measurement(torch.full((4, 16), 0.5, dtype=torch.float64), baseline_error=1e-12,
+                              compute_dtype="fp32"))
     assert one.noise == tol.noise_floor_ulps * u * 0.5 * math.sqrt(tolerance.FEW_ELEMENTS)
     assert many.noise == tol.noise_floor_ulps * u * 0.5
 
@@ -158,18 +158,18 @@ def test_a_group_member_takes_the_relative_noise_of_its_group(dtype: str) -> Non
     golden = torch.full((4, 16), 1e-3, dtype=torch.float64)  # RMS 1e-3, in a group of RMS 1
     own_error = 1e-3 * unit_roundoff(dtype)  # one roundoff of its own scale: a lucky draw
     group_noise = 50 * unit_roundoff(dtype)  # another member erred 50 roundoffs of its scale
-    b = budget(golden, baseline_error=own_error, compute_dtype=dtype, kind="grad",
-               group_scale=1.0, group_noise=group_noise)
+    b = budget(Measurement(golden, baseline_error=own_error, compute_dtype=dtype, kind="grad",
+                           group_scale=1.0, group_noise=group_noise))
     assert b.noise == group_noise * 1.0 and "noise of its group" in b.formula()
-    alone = budget(golden, baseline_error=own_error, compute_dtype=dtype, kind="grad")
+    alone = budget(Measurement(golden, baseline_error=own_error, compute_dtype=dtype, kind="grad"))
     assert alone.noise == own_error and alone.value < b.value
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "tf32", "fp8_e4m3"])
 def test_reordering_is_bounded_at_fp32_accumulation_precision(dtype: str) -> None:
     golden = torch.ones(16, dtype=torch.float64)
-    narrow = budget(golden, baseline_error=None, compute_dtype=dtype)
-    fp32 = budget(golden, baseline_error=None, compute_dtype="fp32")
+    narrow = budget(Measurement(golden, baseline_error=None, compute_dtype=dtype))
+    fp32 = budget(Measurement(golden, baseline_error=None, compute_dtype="fp32"))
     assert narrow.reordering == fp32.reordering
     assert tolerance.accumulation_roundoff(dtype) == UNIT_ROUNDOFF["fp32"]
 
@@ -178,7 +178,7 @@ def test_reordering_is_bounded_at_fp32_accumulation_precision(dtype: str) -> Non
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_the_baseline_bound_admits_what_the_analytic_budget_admits(kind: str, dtype: str) -> None:
     golden = torch.linspace(-3, 2, 64, dtype=torch.float64).reshape(4, 16)
-    analytic = budget(golden, baseline_error=None, compute_dtype=dtype, kind=kind)
+    analytic = budget(Measurement(golden, baseline_error=None, compute_dtype=dtype, kind=kind))
     bound = tolerance.baseline_bound(golden, compute_dtype=dtype, kind=kind)
     assert bound > analytic.value
     # ... but not a computation that lost its dtype: an fp32 baseline rounded to bf16
@@ -188,7 +188,7 @@ def test_the_baseline_bound_admits_what_the_analytic_budget_admits(kind: str, dt
 
 def test_rms_kinds_scale_the_floor_by_the_golden_rms() -> None:
     golden = torch.tensor([3.0, -4.0, 0.0, 0.0], dtype=torch.float64)  # RMS 2.5
-    b = budget(golden, baseline_error=1e-3, compute_dtype="bf16", kind="grad")
+    b = budget(Measurement(golden, baseline_error=1e-3, compute_dtype="bf16", kind="grad"))
     assert b.scale == 2.5
     assert b.floor == KINDS["grad"].floor_ulps * (2.0**-8 * 2.5 + subnormal_spacing(torch.bfloat16))
 
@@ -200,20 +200,21 @@ def test_without_an_inexact_baseline_the_analytic_bound_applies(
 ) -> None:
     golden = torch.full((3, 64), -0.5, dtype=torch.float64)
     tol = KINDS["forward"]
-    b = budget(golden, baseline_error=baseline_error, compute_dtype=dtype)
+    b = budget(Measurement(golden, baseline_error=baseline_error, compute_dtype=dtype))
     u, u_acc = unit_roundoff(dtype), tolerance.accumulation_roundoff(dtype)
     assert b.source == "analytic" and b.baseline_error is None
     assert b.analytic == tol.analytic_factor * math.sqrt(64) * u * 0.5
     assert b.reordering == tol.reorder_factor * math.sqrt(64) * u_acc * 0.5
     floor = tol.floor_ulps * (u * 0.5 + tolerance.precision(dtype).min_spacing)
     assert b.value == b.analytic + b.reordering + floor
-    short = budget(golden, baseline_error=baseline_error, compute_dtype=dtype, reduction_length=4)
+    short = budget(Measurement(golden, baseline_error=baseline_error, compute_dtype=dtype,
+                               reduction_length=4))
     assert short.analytic == b.analytic / 4 and short.reordering == b.reordering / 4
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_budget_of_an_all_zero_golden_is_never_zero(kind: str) -> None:
-    b = budget(torch.zeros(2, 2), baseline_error=None, compute_dtype="fp32", kind=kind)
+    b = budget(Measurement(torch.zeros(2, 2), baseline_error=None, compute_dtype="fp32", kind=kind))
     assert b.scale == 1.0
     assert b.floor == KINDS[kind].floor_ulps * (2.0**-24 + subnormal_spacing(torch.float32))
 
@@ -223,7 +224,8 @@ def test_budgets_order_by_dtype_precision(golden: torch.Tensor, kind: str) -> No
     # Near zero the subnormal spacing rules instead, and fp8_e4m3 and fp16 have coarse ones.
     assume(tolerance.own_magnitude(golden, "rms") >= 0.1)
     values = [
-        budget(golden, baseline_error=None, compute_dtype=d, kind=kind).value for d in BY_PRECISION
+        budget(Measurement(golden, baseline_error=None, compute_dtype=d,
+                           kind=kind)).value for d in BY_PRECISION
     ]
     assert all(v > 0 for v in values)
     assert values == sorted(values)
@@ -235,7 +237,8 @@ def test_trajectory_budget_grows_with_step_and_other_kinds_ignore_it(
     golden: torch.Tensor, step: int
 ) -> None:
     def value(kind: str, step: int) -> float:
-        return budget(golden, baseline_error=1e-3, compute_dtype="fp32", kind=kind, step=step).value
+        return budget(Measurement(golden, baseline_error=1e-3, compute_dtype="fp32", kind=kind,
+                                  step=step)).value
 
     assert value("trajectory", step + 1) > value("trajectory", step)
     assert value("forward", step) == value("forward", 0)
@@ -243,9 +246,10 @@ def test_trajectory_budget_grows_with_step_and_other_kinds_ignore_it(
 
 def test_negative_step_and_reduction_length_are_rejected() -> None:
     with pytest.raises(ValueError, match="step"):
-        budget(torch.ones(2), baseline_error=None, compute_dtype="fp32", step=-1)
+        budget(Measurement(torch.ones(2), baseline_error=None, compute_dtype="fp32", step=-1))
     with pytest.raises(ValueError, match="reduction_length"):
-        budget(torch.ones(2), baseline_error=None, compute_dtype="fp32", reduction_length=0)
+        budget(Measurement(torch.ones(2), baseline_error=None, compute_dtype="fp32",
+                           reduction_length=0))
 
 
 def _problem(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,8 +293,9 @@ def test_calibrate_lists_the_draws_a_wrong_candidate_fails() -> None:
 def test_a_gradient_that_is_exactly_zero_is_judged_at_its_groups_scale() -> None:
     # Every key the same token: the query projection gets no gradient at all. Its budget is
     # taken at the module's scale, as for any cancelled member, not at an arbitrary scale of 1.
-    b = budget(torch.zeros(4, 8, dtype=torch.float64), baseline_error=0.0, compute_dtype="fp32",
-               kind="grad", group_scale=0.1)
+    b = budget(Measurement(torch.zeros(4, 8, dtype=torch.float64), baseline_error=0.0,
+                           compute_dtype="fp32",
+                           kind="grad", group_scale=0.1))
     assert b.scale == 0.1 and b.sensitivity == b.value / 0.1
     assert b.value < 1e-4 * 0.1
 
@@ -300,14 +305,16 @@ def test_a_residue_is_allowed_the_bound_at_its_groups_scale() -> None:
     # plain baseline's fused softmax backward rounds it almost exactly.
     golden = torch.full((4, 16), 1e-3, dtype=torch.float64)
     lucky = 1e-3 * unit_roundoff("fp32")
-    b = budget(golden, baseline_error=lucky, compute_dtype="fp32", kind="grad", group_scale=1.0)
+    b = budget(Measurement(golden, baseline_error=lucky, compute_dtype="fp32", kind="grad",
+                           group_scale=1.0))
     tol = KINDS["grad"]
     bound = (tol.analytic_factor + tol.reorder_factor) * math.sqrt(16) * unit_roundoff("fp32")
     assert b.residue and b.residue_bound == pytest.approx(bound)
     assert b.value == pytest.approx(bound + b.floor) and "bound of a residue" in b.formula()
     # A member at a quarter of its module is no residue: its measured noise rules.
-    quarter = budget(torch.full((4, 16), 0.25, dtype=torch.float64), baseline_error=lucky,
-                     compute_dtype="fp32", kind="grad", group_scale=1.0)
+    quarter = budget(Measurement(torch.full((4, 16), 0.25, dtype=torch.float64),
+                                 baseline_error=lucky,
+                                 compute_dtype="fp32", kind="grad", group_scale=1.0))
     assert not quarter.residue and quarter.residue_bound is None and quarter.value < b.value
 
 
@@ -316,7 +323,8 @@ def test_a_residues_bound_is_taken_at_the_accumulators_precision() -> None:
     # inputs to bf16 is the same on both sides of the difference: a bf16 residue is granted
     # the fp32 bound, not a bf16 rounding of its whole module.
     golden = torch.full((4, 16), 1e-3, dtype=torch.float64)
-    b = budget(golden, baseline_error=1e-9, compute_dtype="bf16", kind="grad", group_scale=1.0)
+    b = budget(Measurement(golden, baseline_error=1e-9, compute_dtype="bf16", kind="grad",
+                           group_scale=1.0))
     assert b.residue and b.value - b.floor < 0.01 * unit_roundoff("bf16") * 1.0
 
 

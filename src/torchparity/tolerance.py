@@ -545,47 +545,82 @@ class Budget:
         return text
 
 
-def budget(
-    golden: torch.Tensor | Summary,
-    *,
-    baseline_error: float | None,
-    compute_dtype: DtypeLike,
-    kind: str = "forward",
-    reduction_length: int | None = None,
-    step: int | None = None,
-    group_scale: float | None = None,
-    group_noise: float | None = None,
-    spread: float | None = None,
-    input_noise: float | None = None,
-    inherited: float = 0.0,
-    atol: float = 0.0,
-    rtol: float = 0.0,
-    metric: Metric | None = None,
-    islands: DtypeLike | None = None,
-) -> Budget:
+@dataclass(frozen=True)
+class Measurement:
+    """What was measured of one tensor: everything :func:`budget` computes its allowance from.
+
+    Attributes:
+        golden: the golden tensor (float64), or a :class:`Summary` of it.
+        baseline_error: err(baseline, golden) in the kind's metric, or None without a
+            baseline; 0.0 (an exact baseline) also selects the analytic bound.
+        compute_dtype: the dtype the candidate computes in (its unit roundoff).
+        kind: a name of :data:`KINDS`.
+        reduction_length: K of the analytic bound; None: the golden's last dimension (1 for
+            scalars).
+        step: the step of a trajectory (budgets grow by ``per_step_growth`` per step).
+        group_scale: the magnitude of the group the tensor belongs to, in the kind's metric
+            (see :func:`cancelled`).
+        group_noise: the largest relative baseline error ``err(baseline) / scale`` among the
+            tensors compared with it.
+        spread: the candidate's own rounding, its difference from a rerun on weights moved
+            by one rounding.
+        input_noise: the noise propagated from what it is computed from (see
+            :func:`propagated_noise`).
+        inherited: the rounding the candidate showed on the residues of its pass.
+        atol: a user's hand-set absolute loosening, added last and recorded.
+        rtol: likewise, times the scale.
+        metric: replaces the kind's own metric (a sketched tensor is judged in RMS, see
+            :data:`SKETCH`).
+        islands: the narrowest dtype the model computes in whatever its own (transformers'
+            float32 norms and rotary table).
+    """
+
+    golden: torch.Tensor | Summary
+    baseline_error: float | None
+    compute_dtype: DtypeLike
+    kind: str = "forward"
+    reduction_length: int | None = None
+    step: int | None = None
+    group_scale: float | None = None
+    group_noise: float | None = None
+    spread: float | None = None
+    input_noise: float | None = None
+    inherited: float = 0.0
+    atol: float = 0.0
+    rtol: float = 0.0
+    metric: Metric | None = None
+    islands: DtypeLike | None = None
+
+
+def budget(measured: Measurement) -> Budget:
     """The budget for one tensor, following the rule in this module's docstring.
 
-    ``islands`` is the narrowest dtype the model computes in whatever its own (transformers'
-    float32 norms and rotary table): where it is coarser than ``compute_dtype``, the noise
-    floor and the floor are its, since one rounding there that falls the other way reaches
-    every output (the next island rounds the difference again).
+    Where ``islands`` is coarser than ``compute_dtype``, the noise floor and the floor are
+    its, since one rounding there that falls the other way reaches every output (the next
+    island rounds the difference again). The noise is the largest of the baseline's error
+    ("baseline error"), the noise floor ("noise floor"), the candidate's own rounding
+    (``spread``: "spread of a rerun"), the noise propagated from what it is computed from
+    (``input_noise``: "noise of its inputs") and the relative noise times the group's scale
+    ("noise of its group"). For kinds judged by group, a :func:`residue` is allowed at least
+    the bound at its group's scale, and ``inherited`` is added. ``atol + rtol * scale``, a
+    user's hand-set loosening, is added last and recorded.
 
-    ``baseline_error`` is err(baseline, golden) in the kind's metric, or None without a baseline;
-    0.0 (an exact baseline) also selects the analytic bound. ``reduction_length`` defaults to the
-    golden's last dimension (1 for scalars). ``group_scale`` is the magnitude of the group the
-    tensor belongs to, in the kind's metric (see :func:`cancelled`), ``group_noise`` the largest
-    relative baseline error ``err(baseline) / scale`` among the tensors compared with it. The
-    noise is the largest of the baseline's error ("baseline error"), the noise floor ("noise
-    floor"), the candidate's own rounding (``spread``, its difference from a rerun on weights
-    moved by one rounding: "spread of a rerun"), the noise propagated from what it is computed from
-    (``input_noise``, "noise of its inputs", see :func:`propagated_noise`) and the relative noise
-    times the group's scale ("noise of its group"). For kinds
-    judged by group, a :func:`residue` is allowed at least the bound at its group's scale, and
-    ``inherited`` (the rounding the candidate showed on the residues of its pass) is added.
-    ``atol + rtol * scale``, a user's hand-set loosening, is added last and recorded. The result
-    is always positive. ``metric`` replaces the kind's own metric (a sketched tensor is judged in
-    RMS, see :data:`SKETCH`); ``golden`` may be a :class:`Summary` of the golden.
+    Args:
+        measured: what was measured of the tensor (see :class:`Measurement`).
+
+    Returns:
+        The :class:`Budget`, whose ``value`` is always positive.
+
+    Raises:
+        ValueError: for an unknown kind or dtype, a reduction length below 1 or a negative
+            step.
     """
+    golden, baseline_error, kind = measured.golden, measured.baseline_error, measured.kind
+    compute_dtype, islands, metric = measured.compute_dtype, measured.islands, measured.metric
+    reduction_length, step = measured.reduction_length, measured.step
+    group_scale, group_noise = measured.group_scale, measured.group_noise
+    spread, input_noise, inherited = measured.spread, measured.input_noise, measured.inherited
+    atol, rtol = measured.atol, measured.rtol
     tol = kind_tolerance(kind)
     metric = metric or tol.metric
     p = precision(compute_dtype)
@@ -677,8 +712,8 @@ def band_budget(reference: float, spread: float, compute_dtype: DtypeLike) -> Bu
     tol = KINDS["trajectory_band"]
     value = torch.tensor(reference, dtype=torch.float64)
     least = noise_floor(value, unit_roundoff(compute_dtype), tol) * (abs(reference) or 1.0)
-    return budget(value, baseline_error=max(spread, least), compute_dtype=compute_dtype,
-                  kind="trajectory_band")
+    return budget(Measurement(value, baseline_error=max(spread, least),
+                              compute_dtype=compute_dtype, kind="trajectory_band"))
 
 
 def propagated_noise(
@@ -759,7 +794,7 @@ def baseline_bound(
     would lower the bar for every candidate judged against it.
     """
     tol = kind_tolerance(kind)
-    bound = budget(
+    bound = budget(Measurement(
         golden,
         baseline_error=None,
         compute_dtype=compute_dtype,
@@ -767,7 +802,7 @@ def baseline_bound(
         reduction_length=reduction_length,
         group_scale=group_scale,
         metric=metric,
-    )
+    ))
     root_k = math.sqrt(bound.reduction_length)
     stored = tol.reorder_factor * root_k * bound.unit_roundoff * bound.reordering_scale
     accumulated = tol.guard_factor * root_k * accumulation_roundoff(bound.compute_dtype)

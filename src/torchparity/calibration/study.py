@@ -399,9 +399,9 @@ def _noise(
         noise[kind] = {}
         for name, g in golden[kind].items():
             error = tolerance.error(baseline[kind][name], g, metric)
-            budget = tolerance.budget(
+            budget = tolerance.budget(tolerance.Measurement(
                 g, baseline_error=error, compute_dtype=dtype_name, kind=kind
-            ).value
+            )).value
             noise[kind][name] = Noise(level=error or budget, budget=budget)
     return noise
 

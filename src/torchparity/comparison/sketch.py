@@ -94,12 +94,12 @@ def compare_sketch(
             notes.append(degraded_note(baseline_error, bound, bound_dtype, kind,
                                        "about (RMS) "))
             b = baseline_error = None  # a degraded baseline sets no budget
-    spent = tolerance.budget(
+    spent = tolerance.budget(tolerance.Measurement(
         g, baseline_error=None if baseline_error is None else baseline_error * margin,
         compute_dtype=precision.name, kind=kind, reduction_length=length, step=settings.step,
         group_scale=settings.group_scale, group_noise=settings.group_noise,
         inherited=settings.inherited, atol=settings.atol, rtol=settings.rtol, metric="rms",
-        islands=settings.islands, input_noise=input_noise if b is not None else None)
+        islands=settings.islands, input_noise=input_noise if b is not None else None))
     if spent.noise_source == "baseline error":
         spent = dataclasses.replace(
             spent, noise_source=f"baseline error (sketched, × {margin:.3g} for its spread)")

@@ -157,12 +157,12 @@ def compare_tensor(
             baseline_notes.append(degraded_note(baseline_error, bound, bound_dtype, kind))
     degraded = baseline_headroom is not None and baseline_headroom > 1
     # A degraded baseline cannot set the budget: the bound of a plain computation does.
-    spent = tolerance.budget(
+    spent = tolerance.budget(tolerance.Measurement(
         g_finite_part, baseline_error=None if degraded else baseline_error,
         compute_dtype=precision.name, kind=kind, reduction_length=length, step=settings.step,
         group_scale=settings.group_scale, group_noise=settings.group_noise, spread=spread,
         input_noise=input_noise, inherited=settings.inherited, atol=settings.atol,
-        rtol=settings.rtol, islands=settings.islands)
+        rtol=settings.rtol, islands=settings.islands))
     n_over = int((abs_err > spent.value).sum()) + (int(faults.sum()) if fault_notes else 0)
     if fault_notes:
         verdict, headroom, worst_index = "diverged", math.inf, _first_index(faults)

@@ -132,7 +132,8 @@ def flip_verdict(a_row: torch.Tensor, golden: torch.Tensor, a_choice: int, b_cho
         candidates = torch.tensor(among) if among is not None else torch.arange(len(golden))
         chosen = int(candidates[golden.double()[candidates].argmax()])  # A without noise
         judged = row64[row64 > tolerance.MASKED_BELOW]
-        tie = tolerance.budget(judged, baseline_error=None, compute_dtype="fp64").value
+        tie = tolerance.budget(tolerance.Measurement(judged, baseline_error=None,
+                                                     compute_dtype="fp64")).value
         others = row64[candidates[candidates != chosen]]
         return "real change" if float(others.max() - row64[chosen]) > tie else "near tie"
     margin = float(a_row[a_choice].double() - a_row[b_choice].double())
