@@ -29,8 +29,14 @@ _depth = 0
 
 @contextlib.contextmanager
 def older_objects_frozen() -> Iterator[None]:
-    """Inside the block, the collector does not walk the objects alive when it began. A caller
-    that froze objects itself (or disabled the collector) is left to its own setting."""
+    """Inside the block, the collector does not walk the objects alive when it began.
+
+    A caller that froze objects itself (or disabled the collector) is left to its own
+    setting, and nested blocks freeze once.
+
+    Yields:
+        Nothing.
+    """
     global _depth
     if _depth:
         yield
@@ -48,7 +54,14 @@ def older_objects_frozen() -> Iterator[None]:
 
 
 def with_older_objects_frozen(function: Callable[P, R]) -> Callable[P, R]:
-    """``function`` run under :func:`older_objects_frozen`."""
+    """``function`` run under :func:`older_objects_frozen`: a decorator for long library calls.
+
+    Args:
+        function: the function wrapped.
+
+    Returns:
+        The wrapper, with ``function``'s signature.
+    """
     @functools.wraps(function)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         with older_objects_frozen():

@@ -11,17 +11,23 @@ always have.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import torch
 
 from torchparity import sketching
 
 
-def update(digest: Any, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-    """Feed ``tensor``'s values in order (a 0-dim, expanded or non-contiguous tensor alike) to
-    ``digest``; with ``dtype``, of the values converted to it. In chunks (buffers, not copies),
-    so a tensor of gigabytes never needs a second copy of itself."""
+def update(digest: hashlib._Hash, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """Feed ``tensor``'s values in order to ``digest``, in chunks that are buffers, not copies.
+
+    A 0-dim, expanded or non-contiguous tensor gives the bytes of its values alike, and a
+    tensor of gigabytes never needs a second copy of itself.
+
+    Args:
+        digest: a ``hashlib`` hash, after its owner's header.
+        tensor: the values hashed, on any device.
+        dtype: hash the values converted to this dtype instead of their own.
+    """
     flat = tensor.detach().reshape(-1)
     for start in range(0, max(flat.numel(), 1), sketching.CHUNK):
         chunk = flat[start:start + sketching.CHUNK].to("cpu", dtype or flat.dtype).contiguous()
@@ -29,7 +35,15 @@ def update(digest: Any, tensor: torch.Tensor, dtype: torch.dtype | None = None) 
 
 
 def sha256(tensor: torch.Tensor, header: str = "") -> str:
-    """Hex sha256 of ``header`` followed by ``tensor``'s values."""
+    """Hex sha256 of ``header`` followed by ``tensor``'s values.
+
+    Args:
+        tensor: the values hashed.
+        header: what the digest starts with (a store's own prefix).
+
+    Returns:
+        The hex digest.
+    """
     digest = hashlib.sha256(header.encode())
     update(digest, tensor)
     return digest.hexdigest()

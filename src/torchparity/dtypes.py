@@ -26,18 +26,31 @@ ALIASES = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": 
 
 
 def dtype_name(value: str | torch.dtype) -> str:
-    """The short name: ``float32``, ``torch.float32`` and ``torch.float32`` itself -> ``fp32``.
+    """The short name of a dtype, the one reports and golden files use.
 
-    Unknown names are returned unchanged (lower-cased), for the caller to reject with its list
-    of choices.
+    Args:
+        value: ``float32``, ``torch.float32``, ``torch.float32`` itself, ``fp32``...
+
+    Returns:
+        ``fp32``; an unknown name unchanged (lower-cased), for the caller to reject with its
+        list of choices.
     """
     name = str(value).strip().lower().removeprefix("torch.")
     return ALIASES.get(name, name)
 
 
 def torch_dtype(value: str | torch.dtype) -> torch.dtype:
-    """The torch dtype of a name (short or torch's); ``ValueError`` naming the choices for
-    another."""
+    """The torch dtype of a name, short or torch's.
+
+    Args:
+        value: a dtype name or a ``torch.dtype``.
+
+    Returns:
+        The torch dtype (``tf32`` is float32).
+
+    Raises:
+        ValueError: the name is unknown, naming the choices.
+    """
     name = dtype_name(value)
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {value!r}; use one of: {', '.join(DTYPES)}")

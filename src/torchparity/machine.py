@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 
@@ -22,10 +22,17 @@ CAPABILITY_VARIABLE = "ATEN_CPU_CAPABILITY"
 X86_CAPABILITIES = ("default", "avx2", "avx512")
 
 
-def describe(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """What rounds on ``device`` here besides torch's version: the CPU capability, and on CUDA
-    the device's name and whether TF32 or reduced-precision reductions are allowed."""
-    described: dict[str, Any] = {
+def describe(device: str | torch.device = "cpu") -> dict[str, str | bool]:
+    """What rounds on ``device`` here besides torch's version, for a golden to record.
+
+    Args:
+        device: the device a result is computed on.
+
+    Returns:
+        The CPU capability and, on CUDA, the device's name and whether TF32 or
+        reduced-precision reductions are allowed.
+    """
+    described: dict[str, str | bool] = {
         "cpu_capability": torch.backends.cpu.get_cpu_capability().lower(),
     }
     if torch.device(device).type == "cuda":
@@ -40,10 +47,17 @@ def describe(device: str | torch.device = "cpu") -> dict[str, Any]:
     return described
 
 
-def label(produced_by: dict[str, Any] | None) -> str:
-    """One short line for the machine of a golden's ``produced_by`` (:func:`describe` and the
-    torch version): ``cpu avx512, torch 2.13.0``, with the CUDA device and its TF32 setting
-    where there was one; for goldens made before they recorded it, says so."""
+def label(produced_by: Mapping[str, object] | None) -> str:
+    """One short line for the machine a golden was made on.
+
+    Args:
+        produced_by: a golden's ``produced_by`` (:func:`describe` and the torch version), or
+            None.
+
+    Returns:
+        ``cpu avx512, torch 2.13.0``, with the CUDA device and its TF32 setting where there was
+        one; for goldens made before they recorded it, a line saying so.
+    """
     if not produced_by or "cpu_capability" not in produced_by:
         return "a machine they do not record (made before goldens recorded it)"
     parts = [f"cpu {produced_by['cpu_capability']}", f"torch {produced_by.get('torch')}"]
@@ -54,8 +68,11 @@ def label(produced_by: dict[str, Any] | None) -> str:
 
 
 def native_capability() -> str:
-    """The highest instruction set torch dispatches on this CPU, whatever this process was
-    started with (a child without ``ATEN_CPU_CAPABILITY`` reads it when that is set)."""
+    """The highest instruction set torch dispatches on this CPU, whatever this process started with.
+
+    Returns:
+        Its lower-case name; when ``ATEN_CPU_CAPABILITY`` is set, read by a child without it.
+    """
     if CAPABILITY_VARIABLE not in os.environ:
         return torch.backends.cpu.get_cpu_capability().lower()
     env = {k: v for k, v in os.environ.items() if k != CAPABILITY_VARIABLE}
@@ -66,8 +83,12 @@ def native_capability() -> str:
 
 
 def capabilities() -> list[str]:
-    """Every instruction set this CPU can dispatch, lowest first: on x86 those of
-    :data:`X86_CAPABILITIES` up to the native one, elsewhere ``default`` and the native one."""
+    """Every instruction set this CPU can dispatch, lowest first.
+
+    Returns:
+        On x86 those of :data:`X86_CAPABILITIES` up to the native one, elsewhere ``default``
+        and the native one.
+    """
     native = native_capability()
     if native in X86_CAPABILITIES:
         return list(X86_CAPABILITIES[: X86_CAPABILITIES.index(native) + 1])
@@ -75,12 +96,22 @@ def capabilities() -> list[str]:
 
 
 def second_capability() -> str | None:
-    """The instruction set just below the native one, where CI reruns the tests whose
-    verdicts hinge on rounding: the next machine down (None on a CPU with one)."""
+    """The instruction set just below the native one: the next machine down, for CI's rerun.
+
+    Returns:
+        Its name, or None on a CPU that offers one.
+    """
     offered = capabilities()
     return offered[-2] if len(offered) > 1 else None
 
 
 def environment(capability: str) -> dict[str, str]:
-    """This process's environment with ``capability`` dispatched by the child it starts."""
+    """This process's environment with ``capability`` dispatched by the child it starts.
+
+    Args:
+        capability: an instruction set of :func:`capabilities`.
+
+    Returns:
+        A copy of ``os.environ`` with ``ATEN_CPU_CAPABILITY`` set.
+    """
     return {**os.environ, CAPABILITY_VARIABLE: capability}

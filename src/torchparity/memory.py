@@ -13,10 +13,17 @@ import torch
 
 
 def memory_key(tensor: torch.Tensor) -> tuple | None:
-    """What identifies the values ``tensor`` reads while its storage lives: where that
-    storage is, and the offset, shape, strides and dtype it is read with (None for a tensor
-    without a storage of its own, a subclass that wraps others: some give a storage whose data
-    cannot be read, as a functional collective's result a tensor-parallel layer returns)."""
+    """What identifies the values ``tensor`` reads while its storage lives.
+
+    Args:
+        tensor: any tensor.
+
+    Returns:
+        Its device, storage address, offset, shape, strides and dtype; None for a tensor
+        without a storage of its own, a subclass that wraps others (some give a storage whose
+        data cannot be read, as a functional collective's result a tensor-parallel layer
+        returns).
+    """
     try:
         where = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
@@ -26,8 +33,14 @@ def memory_key(tensor: torch.Tensor) -> tuple | None:
 
 
 def version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter, which every in-place change moves (None for an inference
-    tensor, which has none)."""
+    """The tensor's version counter, which every in-place change moves.
+
+    Args:
+        tensor: any tensor.
+
+    Returns:
+        The counter, or None for an inference tensor, which has none.
+    """
     return None if tensor.is_inference() else tensor._version
 
 
@@ -39,9 +52,16 @@ class SharedCopies:
         self._kept: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The copy of what ``tensor`` reads now: the one made before when its memory is
-        unchanged since, else a new one (always a new one for a tensor without a storage or
-        a version counter: nothing tells whether it changed)."""
+        """The copy of what ``tensor`` reads now, made once per memory and version.
+
+        Args:
+            tensor: a run's tensor, about to be kept.
+
+        Returns:
+            The copy made before when its memory is unchanged since, else a new one (always a new
+            one for a tensor without a storage or a version counter: nothing tells whether it
+            changed).
+        """
         key, changes = memory_key(tensor), version(tensor)
         if key is None or changes is None:
             return tensor.detach().clone()
@@ -51,4 +71,5 @@ class SharedCopies:
         return self._kept[key][1]
 
     def clear(self) -> None:
+        """Drop every copy and the sources held beside them."""
         self._kept.clear()

@@ -12,7 +12,7 @@ marker is registered and acted on only in suites that opt in with the ini option
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +20,7 @@ import pytest
 
 if TYPE_CHECKING:
     from torchparity.golden.fixture import GoldenFixture
+    from torchparity.golden.model_check import ModelReport
 
 GPU_MARKER = "gpu"
 GPU_MARKER_INI = "torchparity_gpu_marker"
@@ -29,6 +30,11 @@ _SUMMARY_KEY = "torchparity-summary"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add torchparity's options, namespaced so they clash with no suite's own.
+
+    Args:
+        parser: pytest's parser.
+    """
     group = parser.getgroup("torchparity")
     group.addoption(
         DEVICE_OPTION, dest="torchparity_device", default=None, metavar="DEVICE",
@@ -48,6 +54,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``gpu`` marker, only in a suite that opts in and has not registered it.
+
+    Args:
+        config: pytest's config.
+    """
     if config.getini(GPU_MARKER_INI) and not _marker_registered(config, GPU_MARKER):
         config.addinivalue_line(
             "markers", f"{GPU_MARKER}: runs on CUDA (or on {DEVICE_OPTION}); skipped without it")
@@ -59,7 +70,14 @@ def _marker_registered(config: pytest.Config, name: str) -> bool:
 
 
 def gpu_device(config: pytest.Config) -> str:
-    """The device tests marked ``gpu`` run on: ``--torchparity-device``, else ``cuda``."""
+    """The device tests marked ``gpu`` run on.
+
+    Args:
+        config: pytest's config.
+
+    Returns:
+        ``--torchparity-device``, else ``cuda``.
+    """
     return config.getoption("torchparity_device") or "cuda"
 
 
@@ -68,8 +86,14 @@ NO_CUDA = f"no CUDA device here; '{DEVICE_OPTION} cpu' runs these tests' logic o
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Skip a test marked ``gpu`` without CUDA. The skip is raised here, not marked on each
-    test, so pytest's summary counts them all on one line rather than one per test."""
+    """Skip a test marked ``gpu`` without CUDA, in a suite that opted in.
+
+    The skip is raised here, not marked on each test, so pytest's summary counts them all
+    on one line rather than one per test.
+
+    Args:
+        item: the test about to run.
+    """
     config = item.config
     if not config.getini(GPU_MARKER_INI) or not item.get_closest_marker(GPU_MARKER):
         return
@@ -85,8 +109,12 @@ def _cuda_available() -> bool:
 
 @pytest.fixture
 def torchparity_device(request: pytest.FixtureRequest) -> str:
-    """``cpu``; for tests marked ``gpu`` in a suite that set ``torchparity_gpu_marker``, the
-    ``--torchparity-device`` (default ``cuda``)."""
+    """The device a test runs on.
+
+    Returns:
+        ``cpu``; for tests marked ``gpu`` in a suite that set ``torchparity_gpu_marker``, the
+        ``--torchparity-device`` (default ``cuda``).
+    """
     if request.config.getini(GPU_MARKER_INI) and request.node.get_closest_marker(GPU_MARKER):
         return gpu_device(request.config)
     return "cpu"
@@ -94,11 +122,15 @@ def torchparity_device(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def golden(request: pytest.FixtureRequest) -> Iterator[GoldenFixture]:
-    """``golden.check("name", tensors, kind="forward")`` compares with a golden of this test
-    kept beside its file (see :class:`torchparity.golden.fixture.GoldenFixture`).
+    """Goldens of this test, kept beside its file (a :class:`GoldenFixture`).
 
-    With ``--torchparity-golden-update`` it writes the golden instead, and the test errors at
-    teardown with "golden written, rerun without --torchparity-golden-update".
+    ``golden.check("name", tensors, kind="forward")`` compares with it. With
+    ``--torchparity-golden-update`` it writes the golden instead, and the test fails at
+    teardown with "golden written, rerun without --torchparity-golden-update", so the option
+    cannot be left on.
+
+    Yields:
+        The fixture.
     """
     from torchparity.golden.fixture import GoldenFixture
 
@@ -113,23 +145,42 @@ def golden(request: pytest.FixtureRequest) -> Iterator[GoldenFixture]:
 
 
 @pytest.fixture
-def twins(request: pytest.FixtureRequest):
-    """``twins(Old, New, inputs=..., init=...)`` checks a refactored module against the
-    original on drawn examples (:func:`torchparity.twins.search.check_twins`); the examples
-    that failed are kept in hypothesis' database under this test's id and tried first next
-    time. See docs/twins.md."""
+def twins(request: pytest.FixtureRequest) -> Callable[..., int]:
+    """``twins(Old, New, inputs=..., init=...)``: a refactored module checked against the original.
+
+    The examples are drawn by :func:`torchparity.twins.search.check_twins`; those that failed
+    are kept in hypothesis' database under this test's id and tried first next time. See
+    docs/twins.md.
+
+    Returns:
+        ``check_twins`` with this test's database key: it returns how many examples passed.
+    """
     from torchparity.twins.search import check_twins
 
     return functools.partial(check_twins, database_key=request.node.nodeid)
 
 
 def add_summary_line(node: pytest.Item, section: str, line: str) -> None:
-    """Show ``line`` under ``section`` in the terminal summary (golden files written,
-    measured throughput, ...). It travels on the test report, so it works under xdist too."""
+    """Show ``line`` under ``section`` in the terminal summary (goldens written, throughput, ...).
+
+    It travels on the test report, so it works under xdist too.
+
+    Args:
+        node: the test adding it.
+        section: the summary's section title.
+        line: the line, shown once however many tests add it.
+    """
     node.user_properties.append((_SUMMARY_KEY, (section, line)))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Print the lines tests added with :func:`add_summary_line`, by section.
+
+    Args:
+        terminalreporter: pytest's terminal reporter.
+        exitstatus: the session's exit status (unused).
+        config: pytest's config.
+    """
     sections: dict[str, list[str]] = {}
     for reports in terminalreporter.stats.values():
         for report in reports:
@@ -148,9 +199,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 @pytest.fixture
-def model_parity(request: pytest.FixtureRequest):
-    """``model_parity(factory, cell)`` checks a user's model in one cell against its goldens,
-    as ``torchparity check --model`` does, and fails the test with one line per output that
+def model_parity(request: pytest.FixtureRequest) -> Callable[..., ModelReport]:
+    """``model_parity(factory, cell)``: a user's model checked in one cell against its goldens.
+
+    As ``torchparity check --model`` does; the test fails with one line per output that
     diverged. Parametrize over :func:`torchparity.model_cells` for one test per cell::
 
         @pytest.mark.parametrize("cell", tp.model_cells(dtypes=["fp32", "bf16"]), ids=str)
@@ -161,6 +213,9 @@ def model_parity(request: pytest.FixtureRequest):
     rootdir, whatever the working directory. Goldens are read from ``golden/`` beside the
     test file unless ``golden_dir`` is given; ``torchparity golden update --model ENTRY
     --golden-dir DIR`` writes them.
+
+    Returns:
+        The check, which returns the cell's report when it passes.
     """
     from torchparity.golden.model_check import check_model
     from torchparity.golden.store import GoldenError

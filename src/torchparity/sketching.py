@@ -77,17 +77,27 @@ class Sketch:
         return self.projection.numel()
 
     def numel(self) -> int:
+        """The elements of the tensor sketched, as ``Tensor.numel`` counts them."""
         return math.prod(self.shape)
 
     def dim(self) -> int:
+        """The dimensions of the tensor sketched, as ``Tensor.dim`` counts them."""
         return len(self.shape)
 
     def is_floating_point(self) -> bool:
-        """Always: only floating tensors are sketched."""
+        """Always: only floating tensors are sketched.
+
+        Returns:
+            True, as ``Tensor.is_floating_point`` would for the tensor sketched.
+        """
         return True
 
     def cpu(self) -> Sketch:
-        """The sketch itself: sketches live on the CPU."""
+        """The sketch itself: sketches live on the CPU.
+
+        Returns:
+            ``self``, so code that moves a tensor to the CPU takes a sketch too.
+        """
         return self
 
     @property
@@ -96,7 +106,17 @@ class Sketch:
         return math.sqrt(max(self.rms**2 - self.mean**2, 0.0))
 
     def slice_index(self, position: int) -> tuple[int, ...]:
-        """The index, in the tensor, of element ``position`` of :attr:`slices`."""
+        """The index, in the tensor, of element ``position`` of :attr:`slices`.
+
+        Args:
+            position: an element of the slices, counted across them.
+
+        Returns:
+            Its index in the tensor, one int per dimension: where a report shows the worst element.
+
+        Raises:
+            IndexError: the slices have no such element.
+        """
         for start, length in slice_ranges(self.shape):
             if position < length:
                 return tuple(int(j) for j in np.unravel_index(start + position, self.shape))
@@ -104,8 +124,14 @@ class Sketch:
         raise IndexError(f"a sketch of shape {self.shape} has no slice element {position}")
 
     def same_values(self, other: Sketch) -> bool:
-        """Whether two sketches have the same dtype and bit-equal projections, slices and
-        statistics: what the sketches can tell of two tensors being bit-identical."""
+        """Whether two sketches are bit-equal: all they can tell of two tensors being bit-identical.
+
+        Args:
+            other: another sketch.
+
+        Returns:
+            True when dtype, shape, seed, projection, slices and statistics all match bit for bit.
+        """
         return (self.dtype == other.dtype and self.shape == other.shape
                 and self.seed == other.seed and torch.equal(self.projection, other.projection)
                 and _bits_equal(self.slices, other.slices)
@@ -118,8 +144,15 @@ class Sketch:
 
 
 def threshold() -> int:
-    """The number of elements from which floating tensors are sketched:
-    ``$TORCHPARITY_SKETCH_ABOVE`` when set, else :attr:`SketchTolerance.min_elements`."""
+    """The number of elements from which floating tensors are sketched.
+
+    Returns:
+        ``$TORCHPARITY_SKETCH_ABOVE`` when set (at least 1), else
+        :attr:`SketchTolerance.min_elements`.
+
+    Raises:
+        UsageError: the variable is not an integer.
+    """
     value = os.environ.get(SKETCH_ABOVE_ENV)
     if not value:
         return tolerance.SKETCH.min_elements
@@ -133,25 +166,46 @@ def threshold() -> int:
 
 
 def wants_sketch(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is kept as a sketch: floating, with at least :func:`threshold`
-    elements."""
+    """Whether ``tensor`` is kept as a sketch.
+
+    Args:
+        tensor: any tensor.
+
+    Returns:
+        True when it is floating, with at least :func:`threshold` elements.
+    """
     return tensor.is_floating_point() and tensor.numel() >= threshold()
 
 
 def kept(name: str, tensor: torch.Tensor, left_out: torch.Tensor | None = None
          ) -> torch.Tensor | Sketch:
-    """``tensor`` as a run keeps it: a sketch seeded by ``name`` when :func:`wants_sketch`
-    (of the tensor with the positions ``left_out`` marks set to 0, see :func:`masked`), else a
-    detached copy on the CPU."""
+    """``tensor`` as a run keeps it: a sketch when big, else a detached copy on the CPU.
+
+    Args:
+        name: the tensor's name, which seeds its sketch's buckets.
+        tensor: the tensor.
+        left_out: its padded positions, set to 0 before sketching (see :func:`masked`).
+
+    Returns:
+        A sketch when :func:`wants_sketch`, else the copy.
+    """
     if wants_sketch(tensor):
         return sketch(masked(tensor, left_out), name)
     return tensor.detach().to("cpu", copy=True)
 
 
 def masked(tensor: torch.Tensor, left_out: torch.Tensor | None) -> torch.Tensor:
-    """``tensor`` with the positions that ``left_out`` (a bool mask over its leading
-    dimensions, True at padding) marks set to 0: what the sketch of a padded tensor is made of,
-    so that padded positions add nothing to its projection, statistics or slices."""
+    """``tensor`` with its padded positions set to 0: what the sketch of a padded tensor is made of.
+
+    Padded positions then add nothing to its projection, statistics or slices.
+
+    Args:
+        tensor: the tensor.
+        left_out: a bool mask over its leading dimensions, True at padding, or None.
+
+    Returns:
+        A new tensor, or ``tensor`` itself when nothing is left out.
+    """
     if left_out is None or not bool(left_out.any()):
         return tensor
     mask = left_out.to(tensor.device)
@@ -159,13 +213,27 @@ def masked(tensor: torch.Tensor, left_out: torch.Tensor | None) -> torch.Tensor:
 
 
 def seed_of(name: str) -> int:
-    """The seed of a tensor's buckets and signs: a pure function of its name."""
+    """The seed of a tensor's buckets and signs: a pure function of its name.
+
+    Args:
+        name: the tensor's name (its path).
+
+    Returns:
+        A 64-bit seed, the same on every machine and in every process.
+    """
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
 def slice_ranges(shape: tuple[int, ...] | torch.Size) -> list[tuple[int, int]]:
-    """``(flat start, length)`` of a sketch's exact slices: the first
-    :attr:`SketchTolerance.slice_elements` elements of the first and of the last row."""
+    """Where a sketch's exact slices lie: the first elements of the first and last row.
+
+    Args:
+        shape: the tensor's shape.
+
+    Returns:
+        ``(flat start, length)`` of each slice, at most
+        :attr:`SketchTolerance.slice_elements` long; empty for an empty tensor.
+    """
     n = math.prod(shape)
     if n == 0:
         return []
@@ -177,8 +245,21 @@ def slice_ranges(shape: tuple[int, ...] | torch.Size) -> list[tuple[int, int]]:
 
 def sketch(tensor: torch.Tensor, name: str | None = None, *, seed: int | None = None,
            size: int | None = None) -> Sketch:
-    """The sketch of ``tensor`` with the buckets of ``name`` (or of ``seed``) and ``size``
-    coordinates (default :attr:`SketchTolerance.size`)."""
+    """The sketch of ``tensor``, remembered while the tensor's memory is unchanged.
+
+    Args:
+        tensor: a floating tensor.
+        name: its name, which seeds the buckets.
+        seed: the buckets' seed, instead of ``name`` (to match another sketch).
+        size: the coordinates of the projection (default :attr:`SketchTolerance.size`).
+
+    Returns:
+        The sketch.
+
+    Raises:
+        ValueError: neither ``name`` nor ``seed`` is given, or ``size`` is not a power of two
+            up to 16384.
+    """
     if seed is None:
         if name is None:
             raise ValueError("sketch() needs the tensor's name or a seed")
@@ -198,10 +279,21 @@ def _sketch(tensor: torch.Tensor, seed: int, size: int) -> Sketch:
 
 def sketch_chunks(shape: tuple[int, ...], dtype: torch.dtype, chunks: Iterable[torch.Tensor],
                   name: str) -> Sketch:
-    """The sketch :func:`sketch` makes of a tensor of ``shape`` and ``dtype`` seeded by
-    ``name``, bit for bit, from its flat values given as ``chunks``: runs of :data:`CHUNK`
-    elements in order (the last one shorter), each made when it is read, so that the tensor
-    is never whole in one place (a gradient sharded over ranks)."""
+    """The sketch :func:`sketch` makes, bit for bit, from a tensor's values given in chunks.
+
+    Each chunk is made when it is read, so the tensor is never whole in one place (a
+    gradient sharded over ranks).
+
+    Args:
+        shape: the tensor's shape.
+        dtype: its dtype.
+        chunks: its flat values as runs of :data:`CHUNK` elements in order, the last one
+            shorter.
+        name: its name, which seeds the buckets.
+
+    Returns:
+        The sketch.
+    """
     return _sketch_chunks(tuple(shape), dtype, chunks, seed_of(name), tolerance.SKETCH.size)
 
 
@@ -319,8 +411,18 @@ _MADE = _Made()
 
 
 def like(reference: Sketch, value: torch.Tensor | Sketch) -> Sketch:
-    """``value`` as a sketch comparable with ``reference`` (same buckets and size); a sketch
-    made with other buckets is a ``ValueError`` (it cannot be compared)."""
+    """``value`` as a sketch comparable with ``reference``: the same buckets and size.
+
+    Args:
+        reference: the sketch compared against.
+        value: a tensor (sketched now) or a sketch.
+
+    Returns:
+        The sketch of ``value``.
+
+    Raises:
+        ValueError: ``value`` is a sketch made with other buckets: the two cannot be compared.
+    """
     if isinstance(value, Sketch):
         if (value.seed, value.size) != (reference.seed, reference.size):
             raise ValueError("sketched with other buckets: the two sketches cannot be compared")
@@ -329,13 +431,29 @@ def like(reference: Sketch, value: torch.Tensor | Sketch) -> Sketch:
 
 
 def error_estimate(a: Sketch, b: Sketch) -> float:
-    """The RMS of ``a - b`` as the projections estimate it (unbiased in the square)."""
+    """The RMS of ``a - b`` as the projections estimate it (unbiased in the square).
+
+    Args:
+        a: one sketch.
+        b: another, with the same buckets.
+
+    Returns:
+        The estimated RMS of the difference of the tensors sketched.
+    """
     difference = a.projection - b.projection
     return tolerance.rms(difference) * math.sqrt(a.size / max(a.numel(), 1))
 
 
 def cosine_estimate(a: Sketch, b: Sketch) -> float:
-    """The cosine similarity of the two tensors as their projections estimate it."""
+    """The cosine similarity of the two tensors as their projections estimate it.
+
+    Args:
+        a: one sketch.
+        b: another, with the same buckets.
+
+    Returns:
+        The estimate, clamped to [-1, 1]; 1 for two equal zero projections.
+    """
     norms = torch.linalg.vector_norm(a.projection) * torch.linalg.vector_norm(b.projection)
     if norms == 0:
         return 1.0 if torch.equal(a.projection, b.projection) else 0.0
@@ -344,9 +462,19 @@ def cosine_estimate(a: Sketch, b: Sketch) -> float:
 
 def shifted(golden: torch.Tensor | Sketch, plus: torch.Tensor | Sketch,
             minus: torch.Tensor | Sketch) -> torch.Tensor | Sketch:
-    """``golden + (plus - minus)``; when any is a sketch, the sketch of it (the projection and
-    the slices are linear; the statistics are the golden's, which the shift moves by rounding
-    only)."""
+    """``golden + (plus - minus)``: the golden moved by the change between two runs.
+
+    When any is a sketch, the result is its sketch: the projection and the slices are
+    linear; the statistics are the golden's, which the shift moves by rounding only.
+
+    Args:
+        golden: the golden value.
+        plus: one run's value.
+        minus: the other run's value.
+
+    Returns:
+        A tensor, or a sketch with the golden's buckets.
+    """
     reference = next((v for v in (golden, plus, minus) if isinstance(v, Sketch)), None)
     if reference is None:
         return golden + (plus - minus)
@@ -363,22 +491,47 @@ PARTS = ("sketch", "slices", "stats")
 
 
 def parts(value: Sketch) -> dict[str, torch.Tensor]:
-    """The tensors a file stores of a sketch: its projection, slices and statistics; with
-    :func:`describe_sketch` they give it back through :func:`from_parts`."""
+    """The tensors a file stores of a sketch: its projection, slices and statistics.
+
+    With :func:`describe_sketch` they give it back through :func:`from_parts`.
+
+    Args:
+        value: the sketch.
+
+    Returns:
+        The tensors by the names of :data:`PARTS`.
+    """
     stats = torch.tensor([value.rms, value.absmax, value.mean, float(value.nonfinite)],
                          dtype=torch.float64)
     return {"sketch": value.projection, "slices": value.slices, "stats": stats}
 
 
-def describe_sketch(value: Sketch) -> dict[str, Any]:
-    """What a file records beside a sketch's parts (JSON): shape, dtype, method, size, seed."""
+def describe_sketch(value: Sketch) -> dict[str, list[int] | str | int]:
+    """What a file records beside a sketch's parts, as JSON.
+
+    Args:
+        value: the sketch.
+
+    Returns:
+        Its shape, dtype, method, size and seed (a string: JSON numbers lose 64-bit ints).
+    """
     return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
             "method": METHOD, "size": value.size, "seed": str(value.seed)}
 
 
 def from_parts(description: Mapping[str, Any], stored: Mapping[str, torch.Tensor]) -> Sketch:
-    """The sketch :func:`parts` and :func:`describe_sketch` wrote; ``ValueError`` when one is
-    missing or malformed, or the sketch was made by another method."""
+    """The sketch :func:`parts` and :func:`describe_sketch` wrote.
+
+    Args:
+        description: what :func:`describe_sketch` returned, read back from JSON.
+        stored: the tensors :func:`parts` returned, read back from the file.
+
+    Returns:
+        The sketch, equal to the one stored.
+
+    Raises:
+        ValueError: a part is missing or malformed, or the sketch was made by another method.
+    """
     try:
         if description["method"] != METHOD:
             raise ValueError(f"sketched by {description['method']!r}, this torchparity "

@@ -31,7 +31,7 @@ import functools
 import inspect
 import textwrap
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,6 +51,7 @@ PADDINGS = ("none", "right", "left")  # simplest first: hypothesis shrinks towar
 #: Rotary bases drawn by :func:`configs`: Llama 2's, Llama 3's and a long-context one.
 ROPE_THETAS = (10000.0, 500000.0, 1000000.0)
 _FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
+_Result = TypeVar("_Result")
 
 
 # --- configs ----------------------------------------------------------------------------------
@@ -58,14 +59,24 @@ _FIELDS = {f.name for f in dataclasses.fields(TransformerConfig)}
 
 def configs(*, architectures: Sequence[str] = config_module.ARCHITECTURES,
             max_d_model: int = 32, max_layers: int = 2,
-            **fixed: Any) -> SearchStrategy[TransformerConfig]:
-    """Valid tiny configs: every field that the reference supports is drawn, in combinations
-    that :class:`TransformerConfig` accepts, with ``d_model <= max_d_model`` and at most
-    ``max_layers`` layers per stack. Dropout is 0 (properties need determinism).
+            **fixed: object) -> SearchStrategy[TransformerConfig]:
+    """Valid tiny configs: every field the reference supports, drawn in valid combinations.
 
-    ``fixed`` pins fields, to a value (``positions="rotary"``) or to a strategy
-    (``activation=st.sampled_from(["gated-silu", "gated-gelu"])``); fields that depend on a
-    pinned one are drawn consistently with it. An unknown field name raises ``ValueError``.
+    Dropout is 0 (properties need determinism). Pinned fields keep the fields that depend on
+    them consistent.
+
+    Args:
+        architectures: the architectures drawn from.
+        max_d_model: the largest ``d_model`` drawn (at least 8).
+        max_layers: the most layers per stack (at least 1).
+        **fixed: fields pinned to a value (``positions="rotary"``) or to a strategy
+            (``activation=st.sampled_from(["gated-silu", "gated-gelu"])``).
+
+    Returns:
+        A strategy of :class:`TransformerConfig`, shrinking toward the simplest config.
+
+    Raises:
+        ValueError: an unknown field name, an unknown architecture, or bounds too small.
     """
     unknown = sorted(set(fixed) - _FIELDS)
     if unknown:
@@ -82,7 +93,7 @@ def configs(*, architectures: Sequence[str] = config_module.ARCHITECTURES,
 
 @st.composite
 def _configs(draw: st.DrawFn, architectures: tuple[str, ...], max_d_model: int,
-             max_layers: int, fixed: dict[str, Any]) -> TransformerConfig:
+             max_layers: int, fixed: dict[str, object]) -> TransformerConfig:
     fields: dict[str, Any] = {}
 
     def pick(field: str, strategy: SearchStrategy) -> Any:
@@ -156,8 +167,16 @@ def token_rows(vocab_size: int, *, batch_size: SearchStrategy[int] | int | None 
                ) -> SearchStrategy[list[list[int]]]:
     """Rows of real token ids in ``[1, vocab_size)`` (0 is padding), one length per row.
 
-    ``batch_size`` (default 1 to 3 rows) and ``lengths`` (default 1 to 12 tokens per row)
-    take a number or a strategy.
+    Args:
+        vocab_size: the vocabulary size (at least 2).
+        batch_size: the rows, a number or a strategy (default 1 to 3).
+        lengths: each row's tokens, a number or a strategy (default 1 to 12).
+
+    Returns:
+        A strategy of lists of rows, ready for :func:`pad_rows`.
+
+    Raises:
+        ValueError: ``vocab_size`` leaves no real token.
     """
     if vocab_size < 2:
         raise ValueError(f"token_rows needs vocab_size >= 2 (0 is padding); got {vocab_size}")
@@ -170,8 +189,18 @@ def token_rows(vocab_size: int, *, batch_size: SearchStrategy[int] | int | None 
 
 def pad_rows(rows: Sequence[Sequence[int]], side: str, length: int | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(ids, mask)`` of ``rows`` padded with 0 on ``side`` ("left"/"right") to ``length``
-    (default: the longest row). ``side="none"`` needs rows of equal length and gives no mask.
+    """``rows`` padded with 0 on ``side`` into one batch and its 1/0 mask.
+
+    Args:
+        rows: token ids per row, of any lengths.
+        side: "left", "right", or "none" (rows of equal length, no mask).
+        length: the batch's columns (default: the longest row).
+
+    Returns:
+        ``(ids, mask)``, both (rows, length) long; the mask is None for ``side="none"``.
+
+    Raises:
+        ValueError: an unknown side, a row longer than ``length``, or unequal rows with "none".
     """
     if side not in PADDINGS:
         raise ValueError(f"side={side!r} is invalid; expected one of {', '.join(PADDINGS)}")
@@ -192,7 +221,7 @@ def pad_rows(rows: Sequence[Sequence[int]], side: str, length: int | None = None
     return ids, mask
 
 
-def _as_strategy(value: SearchStrategy | Any | None, default: SearchStrategy) -> SearchStrategy:
+def _as_strategy(value: SearchStrategy | object, default: SearchStrategy) -> SearchStrategy:
     if value is None:
         return default
     return value if isinstance(value, SearchStrategy) else st.just(value)
@@ -213,15 +242,22 @@ def batches(draw: st.DrawFn, config: TransformerConfig, *,
             seq_len: SearchStrategy[int] | int | None = None,
             padding: SearchStrategy[str] | str | None = None,
             allow_empty_rows: bool = True) -> dict[str, torch.Tensor]:
-    """Model keyword arguments, like :func:`torchparity.reference.zoo.make_batch`:
-    ``model(**batch)`` runs and ``sequence_loss(logits, batch)`` scores it.
+    """Model keyword arguments, like :func:`torchparity.reference.zoo.make_batch`.
 
-    ``batch_size`` rows (default 1 to 3) of ``seq_len`` columns (default 2 to 12), each a
-    number or a strategy. Every row has its own number of real tokens, padded with 0 on the
-    ``padding`` side ("none", "right", "left"; drawn unless given); masks are 1 for tokens and
-    0 for padding. With ``allow_empty_rows`` a row may be entirely padding. ``"none"`` gives
-    full rows and no mask. Encoder-decoder batches draw source and target lengths
-    independently, padded on the same side.
+    ``model(**batch)`` runs and ``sequence_loss(logits, batch)`` scores it. Every row has its
+    own number of real tokens; masks are 1 for tokens and 0 for padding. Encoder-decoder batches
+    draw source and target lengths independently, padded on the same side.
+
+    Args:
+        draw: hypothesis's draw (given by ``@st.composite``, not by the caller).
+        config: the model's config: its vocabulary and architecture.
+        batch_size: the rows, a number or a strategy (default 1 to 3).
+        seq_len: the columns, a number or a strategy (default 2 to 12).
+        padding: "none" (full rows, no mask), "right" or "left"; drawn unless given.
+        allow_empty_rows: a row may be entirely padding.
+
+    Returns:
+        The batch: ``input_ids`` and ``attention_mask``, or the ``src_``/``tgt_`` pairs.
     """
     side = draw(_as_strategy(padding, st.sampled_from(PADDINGS)))
     rows = draw(_as_strategy(batch_size, st.integers(1, 3)))
@@ -240,7 +276,14 @@ def batches(draw: st.DrawFn, config: TransformerConfig, *,
 
 
 def lengths(batch: dict[str, torch.Tensor]) -> dict[str, list[int]]:
-    """Real tokens per row for every ids tensor of ``batch`` (its mask's row sums)."""
+    """Real tokens per row for every ids tensor of ``batch`` (its mask's row sums).
+
+    Args:
+        batch: a batch of :func:`batches`.
+
+    Returns:
+        The lengths per row by ids key (``input_ids``, ``src_ids``, ``tgt_ids``).
+    """
     out = {}
     for ids_key, mask_key in (("input_ids", "attention_mask"), ("src_ids", "src_mask"),
                               ("tgt_ids", "tgt_mask")):
@@ -259,7 +302,18 @@ _LOW_AND_SINGLE = (torch.float32, torch.bfloat16, torch.float16)
 
 def dtypes(device: str | torch.device = "cpu",
            candidates: Sequence[torch.dtype] = _LOW_AND_SINGLE) -> SearchStrategy[torch.dtype]:
-    """The ``candidates`` in which the reference attention runs on ``device`` (float32 first)."""
+    """The ``candidates`` in which the reference attention runs on ``device`` (float32 first).
+
+    Args:
+        device: the device the property runs on.
+        candidates: the dtypes to try.
+
+    Returns:
+        A strategy of the dtypes that run.
+
+    Raises:
+        ValueError: none of them runs on ``device``.
+    """
     usable = [d for d in candidates if _manual_attention_runs(str(torch.device(device)), d)]
     if not usable:
         raise ValueError(f"none of {[str(d) for d in candidates]} runs on {device}")
@@ -282,7 +336,15 @@ def _manual_attention_runs(device: str, dtype: torch.dtype) -> bool:
 
 def attention_backends(device: str | torch.device = "cpu",
                        dtype: torch.dtype = torch.float32) -> SearchStrategy[str]:
-    """Names of the attention backends that run on ``device`` in ``dtype`` ("manual" first)."""
+    """Names of the attention backends that run on ``device`` in ``dtype`` ("manual" first).
+
+    Args:
+        device: the device the property runs on.
+        dtype: the dtype it runs in.
+
+    Returns:
+        A strategy of backend names.
+    """
     return st.sampled_from([n for n, why in backends.available(device, dtype).items()
                             if why is None])
 
@@ -300,16 +362,34 @@ _FLASH_BACKWARD = ("sdpa", "sdpa-flash")
 
 
 def compares_gradients(backend: str, dtype: torch.dtype) -> bool:
-    """Whether the property suite compares ``backend``'s gradients in ``dtype``: every
-    backend's, but the CPU flash kernel's only in fp32 and fp64."""
+    """Whether the property suite compares ``backend``'s gradients in ``dtype``.
+
+    The CPU flash kernel's low-precision gradients carry its real rounding upstream (see
+    ``_FLASH_BACKWARD``): they are reported, not budgeted.
+
+    Args:
+        backend: an attention backend's name.
+        dtype: the dtype compared.
+
+    Returns:
+        True for every backend, but the CPU flash kernel's only in fp32 and fp64.
+    """
     return backend not in _FLASH_BACKWARD or dtype in (torch.float32, torch.float64)
 
 
-def differentiable_in(dtype: torch.dtype) -> dict[str, Any]:
-    """:func:`configs` pins for properties that compare gradients in ``dtype``. Below fp32,
-    ReLU is left out: a pre-activation within rounding of 0 flips whether a unit passes
-    gradient, which changes whole gradient rows by O(1); the tolerance model budgets rounding,
-    not kinks."""
+def differentiable_in(dtype: torch.dtype) -> dict[str, SearchStrategy[str]]:
+    """:func:`configs` pins for properties that compare gradients in ``dtype``.
+
+    Below fp32, ReLU is left out: a pre-activation within rounding of 0 flips whether a unit
+    passes gradient, which changes whole gradient rows by O(1); the tolerance model budgets
+    rounding, not kinks.
+
+    Args:
+        dtype: the dtype the gradients are compared in.
+
+    Returns:
+        The ``**fixed`` to pass to :func:`configs`; empty in fp32 and fp64.
+    """
     if dtype in (torch.float32, torch.float64):
         return {}
     return dict(activation=st.sampled_from(["gelu", "silu", "gated-gelu", "gated-silu"]))
@@ -329,9 +409,16 @@ from torchparity.subject.rounding import perturb_weights
 """
 
 
-def python_source(value: Any) -> str:
-    """A Python expression that rebuilds ``value`` (configs, tensors, dtypes, containers of
-    them, literals). Tensors are written out in full, so keep them small."""
+def python_source(value: object) -> str:
+    """A Python expression that rebuilds ``value``, for a reproducer.
+
+    Args:
+        value: a config, tensor, dtype, container of them, or literal. Tensors are written out
+            in full, so keep them small.
+
+    Returns:
+        The expression.
+    """
     if isinstance(value, TransformerConfig):
         return config_source(value)
     if isinstance(value, torch.Tensor):
@@ -350,20 +437,35 @@ def python_source(value: Any) -> str:
 
 
 def config_source(config: TransformerConfig) -> str:
-    """``TransformerConfig(...)`` with only the fields that differ from the defaults."""
+    """``TransformerConfig(...)`` with only the fields that differ from the defaults.
+
+    Args:
+        config: the config.
+
+    Returns:
+        The expression, short enough to read in a failure's output.
+    """
     default = TransformerConfig()
     changed = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
                if getattr(config, f.name) != getattr(default, f.name)]
     return f"TransformerConfig({', '.join(changed)})"
 
 
-def reproducer(check: Callable[..., Any], arguments: dict[str, Any],
-               helpers: Sequence[Callable[..., Any]] = ()) -> str:
+def reproducer(check: Callable[..., object], arguments: dict[str, object],
+               helpers: Sequence[Callable[..., object]] = ()) -> str:
     """A self-contained script that reruns ``check(**arguments)``.
 
     It holds :data:`REPRODUCER_HEADER`, the source of every helper and of ``check`` (so it
     shows the exact computation that failed), one assignment per argument written with
-    :func:`python_source`, and the call. ``check`` and helpers may only use the header's names.
+    :func:`python_source`, and the call.
+
+    Args:
+        check: the check; it and the helpers may only use the header's names.
+        arguments: its keyword arguments.
+        helpers: functions ``check`` calls, written before it.
+
+    Returns:
+        The script's source.
     """
     parts = [REPRODUCER_HEADER]
     parts += [textwrap.dedent(inspect.getsource(f)) for f in (*helpers, check)]
@@ -372,10 +474,21 @@ def reproducer(check: Callable[..., Any], arguments: dict[str, Any],
     return "\n\n".join(parts) + "\n\n" + assignments + "\n" + call + "\n"
 
 
-def note_reproducer(check: Callable[..., Any], arguments: dict[str, Any],
-                    helpers: Sequence[Callable[..., Any]] = ()) -> Any:
-    """Run ``check(**arguments)`` inside a hypothesis test; if the test fails, hypothesis
-    prints the :func:`reproducer` of the shrunk example along with the error."""
+def note_reproducer(check: Callable[..., _Result], arguments: dict[str, object],
+                    helpers: Sequence[Callable[..., object]] = ()) -> _Result:
+    """Run ``check(**arguments)`` inside a hypothesis test, with its reproducer noted.
+
+    If the test fails, hypothesis prints the :func:`reproducer` of the shrunk example along
+    with the error.
+
+    Args:
+        check: the check; it and the helpers may only use the header's names.
+        arguments: its keyword arguments.
+        helpers: functions ``check`` calls.
+
+    Returns:
+        What ``check`` returns.
+    """
     note("# Reproducer: paste into a Python shell where torchparity is importable\n"
          + reproducer(check, arguments, helpers))
     return check(**arguments)

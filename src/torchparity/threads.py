@@ -10,7 +10,14 @@ import torch
 
 @contextlib.contextmanager
 def torch_threads(count: int) -> Iterator[None]:
-    """Run torch on ``count`` intra-op threads inside the block."""
+    """Run torch on ``count`` intra-op threads inside the block; the count is put back after.
+
+    Args:
+        count: the intra-op threads.
+
+    Yields:
+        Nothing.
+    """
     previous = torch.get_num_threads()
     torch.set_num_threads(count)
     try:
@@ -25,5 +32,8 @@ def single_thread() -> contextlib.AbstractContextManager[None]:
     The models checked are small: more threads only spin (burning several times the useful
     CPU time on a busy machine), and one thread makes float64 reductions independent of the
     core count.
+
+    Returns:
+        The block's context manager.
     """
     return torch_threads(1)
