@@ -21,9 +21,9 @@ from torchparity.comparison.settings import Settings
 from torchparity.comparison.sketch import compare_sketch, involves_sketch
 from torchparity.comparison.structure import (
     ROOT,
-    TreeAlignment,
     ShapeDifference,
     StructureDifference,
+    TreeAlignment,
     align_trees,
     baseline_at,
     format_shape,
@@ -245,6 +245,10 @@ def compare(
     islands: DtypeLike | None = None,
 ) -> Comparison:
     """Compare ``candidate`` with ``golden`` under the budget that ``baseline`` earns.
+
+    One of the few functions of more than eight parameters: the public keyword API, as
+    ``torch.testing.assert_close``'s; it makes one
+    :class:`~torchparity.comparison.settings.Settings` of them and passes it down whole.
 
     The three are tensors, Python numbers or pytrees of them (see :func:`shared_tensors` for the
     containers walked). Every tensor that candidate and golden hold at the same path, with the

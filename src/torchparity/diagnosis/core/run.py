@@ -8,12 +8,14 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 from torch import nn
 
 from torchparity import backends as attention_backends
+from torchparity.diagnosis.core.align import NameMap
 from torchparity.diagnosis.core.capture import (
     Capture,
     ModuleCall,
@@ -70,7 +72,29 @@ def golden_inputs(inputs: Any) -> Any:
 
 @dataclass(frozen=True)
 class Options:
-    """Settings shared by the reference and the candidate side of one diagnosis."""
+    """The settings of one diagnosis, made once from the public function's arguments
+    (:func:`make_options`) and passed whole down the pipeline: each stage reads what it
+    needs. See :func:`torchparity.diagnose` for each.
+
+    Attributes:
+        include: the modules captured, by glob or ``re:`` regex (None: all).
+        exclude: the modules left out.
+        backward: whether gradients are taken and judged.
+        loss_fn: ``loss_fn(output, inputs)``, the scalar gradients are taken of (None: a
+            fixed random projection of the first floating output).
+        backend_a: A's attention backend.
+        backend_b: B's attention backend.
+        progress: whether a progress bar is shown on stderr.
+        local: which modules get a local error.
+        padding: the positions left out of every judgement and of the default loss.
+        compile_b: B run by ``torch.compile`` in this form (dynamic, static), module by
+            module (:mod:`~torchparity.diagnosis.pipelines.compiled`), or None.
+        name_map: A's module names mapped to B's, or None.
+        ops: B's module drilled down to its ops (``--ops``), or None for the first
+            divergence.
+        more_ops: ``more_ops(modules)`` records a trace that holds A's ops of those modules
+            (``diagnose --base``), where the trace judged against lacks them; or None.
+    """
 
     include: PatternSpec = None
     exclude: PatternSpec = None
@@ -80,13 +104,22 @@ class Options:
     backend_b: BackendSpec = None
     progress: bool | None = None
     local: Local = "diverged"
-    padding: Padding = field(default_factory=Padding)  # left out of every judgement and loss
-    # B run by torch.compile in this form (dynamic, static), module by module
-    # (compiled_localisation.py)
+    padding: Padding = field(default_factory=Padding)
     compile_b: str | None = None
+    name_map: NameMap | None = None
+    ops: str | None = None
+    more_ops: Callable[[list[str]], Path] | None = None
 
     def selects(self) -> Callable[[str], bool]:
+        """The filter of module names ``include`` and ``exclude`` make."""
         return module_filter(self.include, self.exclude)
+
+
+class Models(NamedTuple):
+    """The two models of a diagnosis: A, None where its side is read from a trace, and B."""
+
+    a: nn.Module | None
+    b: nn.Module
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,23 +47,13 @@ from torch import nn
 from torchparity.collector import with_older_objects_frozen
 from torchparity.diagnosis.core.align import Match, NameMap
 from torchparity.diagnosis.core.capture import PatternSpec
-from torchparity.diagnosis.stages.capture_a import capture_reference, open_reference, trace_meta
-from torchparity.diagnosis.pipelines.compiled import compile_form, localise
-from torchparity.diagnosis.pipelines.decoding import DecodeReport, diagnose_decode_against
-from torchparity.diagnosis.stages.entry import find_entry
-from torchparity.diagnosis.stages.float64_golden import add_golden, float64_departure
-from torchparity.diagnosis.stages.local import backward_before_divergence, judge_local
-from torchparity.diagnosis.stages.ops import a_side, drill_down, keep_ops
-from torchparity.diagnosis.stages.ops.recorded import recorded_side
 from torchparity.diagnosis.core.progress import ProgressBar, progress_bar
-from torchparity.diagnosis.stages.propagated import judge_propagated
 from torchparity.diagnosis.core.reference import Reference, describe_mode
-from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
-from torchparity.diagnosis.reports.meta import DiagnosisMeta, with_weights
 from torchparity.diagnosis.core.results import module_label
 from torchparity.diagnosis.core.run import (
     BackendSpec,
     Local,
+    Models,
     Options,
     backend_name,
     make_options,
@@ -78,6 +68,17 @@ from torchparity.diagnosis.core.trace import (
     open_trace,
 )
 from torchparity.diagnosis.core.trace_meta import DecodeTraceMeta, KeptOps, meta_from_json
+from torchparity.diagnosis.pipelines.compiled import compile_form, localise
+from torchparity.diagnosis.pipelines.decoding import DecodeOptions, DecodeReport, decode_against
+from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
+from torchparity.diagnosis.reports.meta import DiagnosisMeta, with_weights
+from torchparity.diagnosis.stages.capture_a import capture_reference, open_reference, trace_meta
+from torchparity.diagnosis.stages.entry import find_entry
+from torchparity.diagnosis.stages.float64_golden import add_golden, float64_departure
+from torchparity.diagnosis.stages.local import backward_before_divergence, judge_local
+from torchparity.diagnosis.stages.ops import a_side, drill_down, keep_ops
+from torchparity.diagnosis.stages.ops.recorded import recorded_side
+from torchparity.diagnosis.stages.propagated import judge_propagated
 from torchparity.errors import UsageError
 from torchparity.subject.decoding import ReorderFn, StepFn
 from torchparity.subject.padding import PaddingLike, padding_of
@@ -116,6 +117,10 @@ def diagnose(
     ops: str | None = None,
 ) -> DiagnosisReport:
     """Localise where ``model_b`` starts to compute something other than ``model_a``.
+
+    One of the few functions of more than eight parameters: the public keyword API (as
+    ``torch.testing.assert_close``'s), each keyword a field of the
+    :class:`~torchparity.diagnosis.core.run.Options` it makes and passes down whole.
 
     ``inputs`` is a tuple of positional arguments or a dict of keyword arguments (a single
     tensor is taken as one positional argument); both models get the same. ``loss_fn(output,
@@ -158,7 +163,7 @@ def diagnose(
     opts = dataclasses.replace(
         make_options(backward, loss_fn, include, exclude, backends, progress, local,
                      padding_of(padding, inputs, model_a)),
-        compile_b=compile_b)
+        compile_b=compile_b, name_map=name_map, ops=ops)
     check_models(model_a=model_a, model_b=model_b)
     (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
     if stream is None:
@@ -168,11 +173,9 @@ def diagnose(
             with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:
                 writer = TraceWriter(Path(tmp) / "reference.tptrace")
                 reference = _reference(model_a, inputs, writer.store, opts, bar, dtype)
-                return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar,
-                                           model_a, ops)
+                return _diagnose_candidate(reference, model_b, inputs, opts, bar, model_a)
         reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype)
-        return _diagnose_candidate(reference, model_b, inputs, opts, name_map, bar, model_a,
-                                   ops)
+        return _diagnose_candidate(reference, model_b, inputs, opts, bar, model_a)
 
 
 @with_older_objects_frozen
@@ -194,6 +197,10 @@ def record(
     recorded_by: str | None = None,
 ) -> Path:
     """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
+
+    One of the few functions of more than eight parameters: the public keyword API (as
+    ``torch.testing.assert_close``'s), each keyword a field of the
+    :class:`~torchparity.diagnosis.core.run.Options` it makes and passes down whole.
 
     Run it on the base revision; on the changed revision :func:`diagnose_against` compares a
     model with it. The trace is a directory of safetensors files plus ``trace.json`` (module
@@ -267,6 +274,10 @@ def diagnose_against(
 ) -> DiagnosisReport | DecodeReport:
     """Diagnose ``model`` (the changed revision) against the trace :func:`record` wrote.
 
+    One of the few functions of more than eight parameters: the public keyword API (as
+    ``torch.testing.assert_close``'s), each keyword a field of the
+    :class:`~torchparity.diagnosis.core.run.Options` it makes and passes down whole.
+
     ``inputs`` must be the recorded ones (checked by checksum). Propagated errors compare the
     live run with the recorded golden; local errors replay the recorded module inputs into this
     model's modules. ``backward`` defaults to whether the trace has gradients; module selection
@@ -293,9 +304,9 @@ def diagnose_against(
             raise UsageError(COMPILED_DECODING)
         if ops is not None:
             raise UsageError(DECODE_OPS)
-        return diagnose_decode_against(path, model, inputs, step=step, name_map=name_map,
-                                       backend=backend, progress=progress, reorder=reorder,
-                                       more_ops=more_ops)
+        return decode_against(path, model, inputs, DecodeOptions(
+            name_map=name_map, backend_b=backend, progress=progress, step=step,
+            reorder=reorder, more_ops=more_ops))
     if decode:
         raise UsageError(f"trace {path} records a forward pass, not a decoding; record one "
                          "with `torchparity record ENTRY --decode`")
@@ -313,14 +324,14 @@ def diagnose_against(
     opts = dataclasses.replace(
         make_options(meta.backward if backward is None else backward, loss_fn,
                      meta.include, meta.exclude, (meta.backend, backend), progress,
-                     local, reference.padding), compile_b=compile_b)
+                     local, reference.padding),
+        compile_b=compile_b, name_map=name_map, ops=ops, more_ops=more_ops)
     check_models(model=model)
     weights = changed_weights(meta.weights, model)
     dtype = getattr(torch, meta.dtype) if meta.dtype else None
     (model,), inputs = in_dtype([model], inputs, dtype)
     with progress_bar(opts.progress) as bar:
-        report = _diagnose_candidate(reference, model, inputs, opts, name_map, bar, ops=ops,
-                                     more_ops=more_ops)
+        report = _diagnose_candidate(reference, model, inputs, opts, bar)
     report.meta = with_weights(report.meta, weights)
     return report
 
@@ -350,14 +361,12 @@ def _keep_ops(reference: Reference, model: nn.Module, modules: list[str], opts: 
 
 
 def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
-                        name_map: NameMap | None, bar: ProgressBar,
-                        model_a: nn.Module | None = None, ops: str | None = None,
-                        more_ops: Callable[[list[str]], Path] | None = None) -> DiagnosisReport:
+                        bar: ProgressBar, model_a: nn.Module | None = None) -> DiagnosisReport:
     """Stages 3 to 7: align B with the reference, judge propagated then local errors, drill
     down to the op (with ``model_a`` in this process, else from A's ops in the trace or the
-    one ``more_ops`` records), report."""
+    one ``opts.more_ops`` records), report."""
     if opts.compile_b is None:
-        propagated = judge_propagated(reference, model, inputs, name_map, opts, bar)
+        propagated = judge_propagated(reference, model, inputs, opts.name_map, opts, bar)
         alignment = propagated.alignment
         replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar,
                                propagated.changing)
@@ -365,14 +374,14 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
         find_entry(reference, alignment.matches, propagated.rows, model, opts,
                    propagated.changing)
         done()
-        with_ops = None if model_a is not None or more_ops is None else \
-            (lambda matches: _with_ops(reference, matches, more_ops))
-        drill_down(reference, alignment.matches, propagated.rows, model_a, model, opts, ops,
+        with_ops = None if model_a is not None or opts.more_ops is None else \
+            (lambda matches: _with_ops(reference, matches, opts.more_ops))
+        drill_down(reference, alignment.matches, propagated.rows, Models(model_a, model), opts,
                    bar, with_ops, propagated.changing)
     else:  # each stage per level of B's modules, compiled; the search for an entry replays
         # modules eagerly, which a compiled B does not run
         propagated, replayed, compiled_note = localise(reference, model, inputs, opts,
-                                                       name_map, bar)
+                                                       opts.name_map, bar)
         alignment = propagated.alignment
     notes = [] if reference.has_golden else [f"golden: {reference.golden_label}"]
     if reference.padding:

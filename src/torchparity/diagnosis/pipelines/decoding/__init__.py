@@ -3,11 +3,13 @@
 
 from torchparity.diagnosis.pipelines.decoding.api import (
     STEPS,
+    DecodeOptions,
+    decode_against,
     diagnose_decode,
     diagnose_decode_against,
     record_decode,
 )
 from torchparity.diagnosis.pipelines.decoding.report import DecodeReport
 
-__all__ = ["STEPS", "DecodeReport", "diagnose_decode", "diagnose_decode_against",
-           "record_decode"]
+__all__ = ["STEPS", "DecodeOptions", "DecodeReport", "decode_against", "diagnose_decode",
+           "diagnose_decode_against", "record_decode"]

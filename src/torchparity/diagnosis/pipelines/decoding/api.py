@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,16 +37,22 @@ from torch import nn
 from torchparity.collector import with_older_objects_frozen
 from torchparity.diagnosis.core.align import Alignment, NameMap
 from torchparity.diagnosis.core.capture import PatternSpec
-from torchparity.diagnosis.stages.capture_a import (
-    capture_decoding,
-    decode_meta,
-    open_decode_reference,
-)
 from torchparity.diagnosis.core.decode_reference import (
     DecodeReference,
     Side,
     calls_at_step,
     step_key,
+)
+from torchparity.diagnosis.core.progress import ProgressBar, progress_bar
+from torchparity.diagnosis.core.reference import describe_mode
+from torchparity.diagnosis.core.run import BackendSpec, Options, backend_name, make_options
+from torchparity.diagnosis.core.trace import (
+    MemoryStore,
+    Store,
+    TraceWriter,
+    changed_weights,
+    check_recorded_inputs,
+    open_trace,
 )
 from torchparity.diagnosis.pipelines.decoding.beams import (
     Sides,
@@ -57,23 +64,17 @@ from torchparity.diagnosis.pipelines.decoding.beams import (
 from torchparity.diagnosis.pipelines.decoding.judging import first_flips, first_module, judge_steps
 from torchparity.diagnosis.pipelines.decoding.report import DecodeReport
 from torchparity.diagnosis.pipelines.decoding.sampling import first_changed_draws
+from torchparity.diagnosis.reports.meta import DecodeMeta, with_weights
+from torchparity.diagnosis.stages.capture_a import (
+    capture_decoding,
+    decode_meta,
+    open_decode_reference,
+)
 from torchparity.diagnosis.stages.entry import argument_entry
 from torchparity.diagnosis.stages.float64_golden import add_decode_golden, float64_decoding
 from torchparity.diagnosis.stages.ops import judged_streams, ops_at_steps
 from torchparity.diagnosis.stages.ops.recorded import ASide, missing_ops, put_side, recorded_side
-from torchparity.diagnosis.core.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.stages.propagated import judge_captured
-from torchparity.diagnosis.core.reference import describe_mode
-from torchparity.diagnosis.reports.meta import DecodeMeta, with_weights
-from torchparity.diagnosis.core.run import BackendSpec, Options, backend_name, make_options
-from torchparity.diagnosis.core.trace import (
-    MemoryStore,
-    Store,
-    TraceWriter,
-    changed_weights,
-    check_recorded_inputs,
-    open_trace,
-)
 from torchparity.errors import UsageError
 from torchparity.subject.beams import BeamSettings, builtin_reorder, expand_prompt
 from torchparity.subject.decoding import (
@@ -86,10 +87,42 @@ from torchparity.subject.decoding import (
 from torchparity.subject.running import check_models, in_dtype
 from torchparity.subject.sampling import SampleSettings
 
-__all__ = ["diagnose_decode", "diagnose_decode_against", "record_decode"]
+__all__ = ["DecodeOptions", "decode_against", "diagnose_decode", "diagnose_decode_against",
+           "record_decode"]
 
 #: Decoding steps after the prompt when none are asked for.
 STEPS = 8
+
+
+@dataclass(frozen=True)
+class DecodeOptions(Options):
+    """The settings of one decoding diagnosis: those of every diagnosis (:class:`Options`:
+    module selection, backends, progress, name map) and the decoding's own, made once from
+    the public function's arguments and passed whole (see :func:`diagnose_decode`).
+
+    Attributes:
+        step: ``step(model, tokens, state) -> (logits, state)`` of A (against a trace: of
+            the model judged), and of B unless ``step_b``; None: the built-in one.
+        step_b: B's step where it differs from A's.
+        steps: the decoding steps after the prompt.
+        tokens: the tokens fed, ``(batch, steps)``; None: A's own choices.
+        rebuild: makes A again where it cannot be deep-copied into float64.
+        beams: A's beam search, whose parents and tokens every other side follows.
+        reorder: A's reorder of its cache in a beam search (against a trace: the judged
+            model's), and B's unless ``reorder_b``; None: the built-in one.
+        reorder_b: B's reorder where it differs from A's.
+        sample: A's seeded sampling.
+    """
+
+    step: StepFn | None = None
+    step_b: StepFn | None = None
+    steps: int = STEPS
+    tokens: torch.Tensor | None = None
+    rebuild: Callable[[], nn.Module] | None = None
+    beams: BeamSettings | None = None
+    reorder: ReorderFn | None = None
+    reorder_b: ReorderFn | None = None
+    sample: SampleSettings | None = None
 
 
 @with_older_objects_frozen
@@ -116,6 +149,10 @@ def diagnose_decode(
 ) -> DecodeReport:
     """Decode A and B along the same tokens and report where B parts from A.
 
+    One of the few functions of more than eight parameters: the public keyword API (as
+    ``torch.testing.assert_close``'s), each keyword a field of the :class:`DecodeOptions`
+    it makes and passes down whole.
+
     ``inputs`` is the prompt as the model takes it (the first call of the step); ``step``
     (``step_b`` for B when it differs) is ``step(model, tokens, state) -> (logits, state)``,
     by default the built-in one of reference models and ``transformers`` generators. Step 0
@@ -139,18 +176,20 @@ def diagnose_decode(
                              "pass model_b")
         model_b, step_b, step = model_a, step_b or _step_of(model_a, None), step_a
     inputs = _prompt(inputs, beams, sample, tokens, cut)
-    opts = make_options(False, None, include, exclude, backends, progress)
+    opts = _decoding(make_options(False, None, include, exclude, backends, progress),
+                     name_map=name_map, step=step, step_b=step_b, steps=steps, tokens=tokens,
+                     rebuild=rebuild, beams=beams, reorder=reorder, reorder_b=reorder_b,
+                     sample=sample)
     check_models(model_a=model_a, model_b=model_b)
     (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
-    side_a = Side(model_a, inputs, _step_of(model_a, step), opts.backend_a,
-                  reorder or builtin_reorder(model_a))
-    side_b = Side(model_b, inputs, _step_of(model_b, step_b or step), opts.backend_b,
-                  reorder_b or reorder or builtin_reorder(model_b))
+    side_a = Side(model_a, inputs, _step_of(model_a, opts.step), opts.backend_a,
+                  opts.reorder or builtin_reorder(model_a))
+    side_b = Side(model_b, inputs, _step_of(model_b, opts.step_b or opts.step), opts.backend_b,
+                  opts.reorder_b or opts.reorder or builtin_reorder(model_b))
     with progress_bar(opts.progress) as bar:
-        reference = _reference(side_a, steps, tokens, MemoryStore(), opts, bar, rebuild,
-                               beams or sample)
+        reference = _reference(side_a, MemoryStore(), opts, bar)
         reference.mode = describe_mode(model_a, dtype, reference.has_golden)
-        report = judge_candidate(reference, side_b, opts, name_map, bar, cut=cut)
+        report = judge_candidate(reference, side_b, opts, bar, cut=cut)
         row = report.first_module
         if row is not None and not cut:
             _drill_down(report, side_b, reference, bar,
@@ -182,6 +221,9 @@ def record_decode(
     """Write A's side of a decoding diagnosis to the trace ``path`` (run it on the base
     revision; :func:`diagnose_decode_against` judges another revision against it).
 
+    One of the few functions of more than eight parameters: the public keyword API, each
+    keyword a field of the :class:`DecodeOptions` it makes and passes down whole.
+
     The trace holds, per step, A's and the golden's next-token logits and every module call's
     outputs, inputs and the state it read, and the tokens fed (``steps`` of them, A's greedy
     choices, ``tokens``, A's samples with ``sample``, or A's beam search with ``beams``, with
@@ -196,16 +238,17 @@ def record_decode(
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record_decode(backend=...) takes a backend name, which the trace "
                          "stores")
-    opts = make_options(False, None, include, exclude, (backend, None), progress)
+    opts = _decoding(make_options(False, None, include, exclude, (backend, None), progress),
+                     step=step, steps=steps, tokens=tokens, rebuild=rebuild, beams=beams,
+                     reorder=reorder, sample=sample, ops=ops)
     check_models(model=model)
     modules = _ops_modules(model, ops)
     (cast,), cast_inputs = in_dtype([model], _prompt(inputs, beams, sample, tokens), dtype)
     with TraceWriter(path) as writer:
         with progress_bar(opts.progress) as bar:
-            side = Side(cast, cast_inputs, _step_of(cast, step), opts.backend_a,
-                        reorder or builtin_reorder(cast))
-            reference = _reference(side, steps, tokens, writer.store, opts, bar, rebuild,
-                                   beams or sample)
+            side = Side(cast, cast_inputs, _step_of(cast, opts.step), opts.backend_a,
+                        opts.reorder or builtin_reorder(cast))
+            reference = _reference(side, writer.store, opts, bar)
             reference.mode = describe_mode(cast, dtype, reference.has_golden)
             for module in modules:
                 done = bar.phase(f"A: decoding again, the ops of {module} at every step")
@@ -228,37 +271,63 @@ def diagnose_decode_against(
     backend: BackendSpec = None,
     progress: bool | None = None,
     reorder: ReorderFn | None = None,
-    more_ops: Callable[[list[str]], Path] | None = None,
 ) -> DecodeReport:
     """Judge ``model`` (the changed revision) decoding along the tokens of the trace
-    :func:`record_decode` wrote. ``inputs`` must be the recorded prompt (checked by checksum);
-    the module selection and dtype are the recorded ones. Weights that differ from the
-    recorded ones are listed in ``report.meta.weights``. The first divergent module is drilled
-    down to the op at the first divergent step with A's ops the trace holds (``ops=``); where
-    it lacks them, ``more_ops(modules)`` returns a trace that holds them (one recorded at the
-    base), and without it a note says which command adds them."""
+    :func:`record_decode` wrote.
+
+    ``inputs`` must be the recorded prompt (checked by checksum); the module selection and
+    dtype are the recorded ones. Weights that differ from the recorded ones are listed in
+    ``report.meta.weights``. The first divergent module is drilled down to the op at the
+    first divergent step with A's ops the trace holds (``record_decode(ops=)``); where it
+    lacks them, a note says which command adds them.
+
+    Args:
+        path: the trace.
+        model: the model judged.
+        inputs: the recorded prompt.
+        step: the model's step (None: the built-in one).
+        name_map: A's module names mapped to the model's.
+        backend: the model's attention backend.
+        progress: show a progress bar on stderr (None: when stderr is a terminal).
+        reorder: the model's cache reorder of a beam search (None: the built-in one).
+
+    Returns:
+        The :class:`DecodeReport`.
+    """
+    return decode_against(path, model, inputs, DecodeOptions(
+        name_map=name_map, backend_b=backend, progress=progress, step=step, reorder=reorder))
+
+
+def decode_against(path: str | Path, model: nn.Module, inputs: Any,
+                   options: DecodeOptions) -> DecodeReport:
+    """:func:`diagnose_decode_against` with its settings in ``options``, of which it reads
+    ``name_map``, ``backend_b``, ``progress``, ``step``, ``reorder`` and ``more_ops``:
+    ``more_ops(modules)`` returns a trace that holds A's ops where this one lacks them (one
+    recorded at the base, ``diagnose --base``)."""
     reference, meta = open_decode_reference(path)
     check_recorded_inputs(path, inputs, meta.inputs_digest, "prompt")
-    opts = make_options(False, None, meta.include, meta.exclude,
-                        (meta.backend, backend), progress)
+    opts = _decoding(make_options(False, None, meta.include, meta.exclude,
+                                  (meta.backend, options.backend_b), options.progress),
+                     name_map=options.name_map, step=options.step, reorder=options.reorder,
+                     more_ops=options.more_ops)
     check_models(model=model)
     weights = changed_weights(meta.weights, model)
     dtype = getattr(torch, meta.dtype) if meta.dtype else None
     if reference.beams is not None:
         inputs = expand_prompt(inputs, reference.beams.beams)
     (model,), inputs = in_dtype([model], inputs, dtype)
-    side = Side(model, inputs, _step_of(model, step), opts.backend_b,
-                reorder or builtin_reorder(model))
+    side = Side(model, inputs, _step_of(model, opts.step), opts.backend_b,
+                opts.reorder or builtin_reorder(model))
     with progress_bar(opts.progress) as bar:
-        report = judge_candidate(reference, side, opts, name_map, bar)
+        report = judge_candidate(reference, side, opts, bar)
         row = report.first_module
         if row is not None:  # A's model is not here: its ops come from a trace
             module = row.a_module.split("#")[0]
             key = step_key(module, report.first_step)
             kept = recorded_side(reference.store, key, False)
-            if kept is None and more_ops is not None:
+            if kept is None and opts.more_ops is not None:
                 done = bar.phase(f"A at the base: the ops of {module}")
-                kept = recorded_side(open_trace(more_ops([module]))[1], key, False)
+                kept = recorded_side(open_trace(opts.more_ops([module]))[1], key, False)
                 done()
             if kept is None:
                 report.meta.notes.append(missing_ops(reference.recorded_by, module,
@@ -269,13 +338,20 @@ def diagnose_decode_against(
     return report
 
 
-def _reference(side: Side, steps: int, tokens: torch.Tensor | None, store: Store,
-               opts: Options, bar: ProgressBar, rebuild: Callable[[], nn.Module] | None,
-               search: BeamSettings | SampleSettings | None) -> DecodeReference:
+def _decoding(shared: Options, **decoding: Any) -> DecodeOptions:
+    """The checked settings ``shared`` with the decoding's own (fields of
+    :class:`DecodeOptions`)."""
+    fields = {f.name: getattr(shared, f.name) for f in dataclasses.fields(Options)}
+    return DecodeOptions(**{**fields, **decoding})
+
+
+def _reference(side: Side, store: Store, opts: DecodeOptions, bar: ProgressBar
+               ) -> DecodeReference:
     """Stages 1 and 2 at every step: A's decoding captured into ``store``, then its float64
     golden's along the same tokens."""
-    reference = capture_decoding(side, steps, tokens, store, opts, bar, search)
-    return add_decode_golden(reference, side, opts, bar, rebuild)
+    reference = capture_decoding(side, opts.steps, opts.tokens, store, opts, bar,
+                                 opts.beams or opts.sample)
+    return add_decode_golden(reference, side, opts, bar, opts.rebuild)
 
 
 def _drill_down(report: DecodeReport, side_b: Side, reference: DecodeReference,
@@ -292,9 +368,8 @@ def _drill_down(report: DecodeReport, side_b: Side, reference: DecodeReference,
     done()
 
 
-def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
-                    name_map: NameMap | None, bar: ProgressBar, *, cut: bool = False
-                    ) -> DecodeReport:
+def judge_candidate(reference: DecodeReference, side: Side, opts: Options, bar: ProgressBar,
+                    *, cut: bool = False) -> DecodeReport:
     """B decoded along the reference's tokens and judged: each step, the modules at the
     first step that leaves its budget and where the change enters, the first flips."""
     done = bar.phase("B: decoding along A's tokens")
@@ -310,7 +385,7 @@ def judge_candidate(reference: DecodeReference, side: Side, opts: Options,
         done = bar.phase(f"B: step {first_step} again, every module captured")
         calls = calls_at_step(side, first_step, reference, opts)
         at_step = reference.at(first_step, cut=cut)
-        alignment, rows = judge_captured(at_step, calls, name_map)
+        alignment, rows = judge_captured(at_step, calls, opts.name_map)
         notes += _unmatched(alignment, first_step)
         row = first_module(rows)
         if row is not None and not cut:

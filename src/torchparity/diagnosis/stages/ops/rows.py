@@ -12,7 +12,7 @@ from torchparity.diagnosis.core.align import Match
 from torchparity.diagnosis.core.progress import ProgressBar
 from torchparity.diagnosis.core.reference import Reference
 from torchparity.diagnosis.core.results import Row, module_label
-from torchparity.diagnosis.core.run import Options
+from torchparity.diagnosis.core.run import Models, Options
 from torchparity.diagnosis.stages.ops.calls import drill_call
 from torchparity.diagnosis.stages.ops.library import built_at, holds_other_tensors, in_callers_code
 from torchparity.diagnosis.stages.ops.report import ForwardCause, NoOps, OpReport
@@ -22,9 +22,8 @@ from torchparity.subject.factory import first_line
 __all__ = ["drill_down"]
 
 
-def drill_down(reference: Reference, matches: list[Match], rows: list[Row],
-               model_a: nn.Module | None,
-               model_b: nn.Module, opts: Options, module: str | None, bar: ProgressBar,
+def drill_down(reference: Reference, matches: list[Match], rows: list[Row], models: Models,
+               opts: Options, bar: ProgressBar,
                with_ops: Callable[[list[Match]], Reference] | None = None,
                changing: set[str] = frozenset()) -> None:
     """Stage 6: the first divergent row (or B's ``module``) drilled down to its ops, and the
@@ -34,20 +33,21 @@ def drill_down(reference: Reference, matches: list[Match], rows: list[Row],
     diverges, says it follows from the forward divergence.
 
     Args:
-        reference: A's side; its store holds A's ops when ``model_a`` is None.
+        reference: A's side; its store holds A's ops when ``models.a`` is None.
         matches: B's calls aligned with A's, one per row.
         rows: the rows judged so far; their ``ops`` and ``grad_ops`` are set here, and why a
             row has none joins its notes.
-        model_a: A in this process (its ops captured here), or None (read from the trace).
-        model_b: B.
-        opts: the diagnosis's options.
-        module: the module the user asked for (``--ops``), or None for the first divergence.
+        models: A and B; A is None where its ops are read from the trace, not captured
+            here.
+        opts: the diagnosis's options; ``opts.ops`` is the module the user asked for
+            (``--ops``), or None for the first divergence.
         bar: the progress bar.
         with_ops: the reference read from another trace that holds A's ops of the matches
             given, where this one lacks them (``diagnose --against`` recording them at the
             base), or None.
         changing: B's modules that keep state across calls.
     """
+    module = opts.ops
     if module is not None:
         index = next((i for i, r in enumerate(rows) if r.module == module), None)
         if index is None:
@@ -66,10 +66,10 @@ def drill_down(reference: Reference, matches: list[Match], rows: list[Row],
         drilled = [j for i in (index, grad) if i is not None
                    for j in (i, _parent_row(rows, i)) if j is not None]
         reference = with_ops([matches[j] for j in drilled])
-    done = bar.phase("A, golden and B: the module's ops" if model_a is not None else
+    done = bar.phase("A, golden and B: the module's ops" if models.a is not None else
                      "B: the module's ops, against A's in the trace")
     if index is not None:
-        rows[index].ops = _drilled(reference, matches, rows, index, model_a, model_b, opts,
+        rows[index].ops = _drilled(reference, matches, rows, index, models, opts,
                                    changing=changing)
     forward = None if index is None else ForwardCause.of(
         module_label(rows[index].module),
@@ -79,7 +79,7 @@ def drill_down(reference: Reference, matches: list[Match], rows: list[Row],
         rows[grad].grad_ops = OpReport(f"{rows[grad].module} (backward)", [], None,
                                        follows=forward)
     elif grad is not None:
-        rows[grad].grad_ops = _drilled(reference, matches, rows, grad, model_a, model_b, opts,
+        rows[grad].grad_ops = _drilled(reference, matches, rows, grad, models, opts,
                                        backward=True, changing=changing)
         if isinstance(rows[grad].grad_ops, OpReport) and rows[grad].grad_ops.answer is None:
             rows[grad].grad_ops.follows = forward  # no backward op of its own differs
@@ -94,13 +94,14 @@ def drill_down(reference: Reference, matches: list[Match], rows: list[Row],
 
 
 def _drilled(reference: Reference, matches: list[Match], rows: list[Row], index: int,
-             model_a: nn.Module | None, model_b: nn.Module, opts: Options,
-             backward: bool = False, changing: set[str] = frozenset()) -> OpReport | NoOps:
+             models: Models, opts: Options, backward: bool = False,
+             changing: set[str] = frozenset()) -> OpReport | NoOps:
     """Row ``index``'s call drilled down, through its caller when the module's own code is a
     library's (an ``nn.Linear`` has no line of the user's: its caller's holds the call); or
     why not."""
     row = rows[index]
     try:
+        model_a, model_b = models
         found = drill_call(reference, matches[index], model_a, model_b, opts,
                            diverged=row.local is not None and not row.local.ok,
                            backward=backward, changing=changing)
