@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from torchparity.backends import names as backend_names
 
@@ -16,6 +16,8 @@ ACTIVATIONS = ("relu", "gelu", "silu", "gated-gelu", "gated-silu")
 POSITIONS = ("sinusoidal", "learned", "rotary", "alibi", "relative", "none")
 SINUSOIDAL_LAYOUTS = ("concatenated", "interleaved")
 ROTARY_LAYOUTS = ("half", "interleaved")
+#: The value of one field: every field is a number, a string, a flag or None.
+FieldValue = int | float | str | bool | None
 
 
 @dataclass(frozen=True)
@@ -67,38 +69,69 @@ class TransformerConfig:
     # Derived sizes, so no caller recomputes them differently.
     @property
     def kv_heads(self) -> int:
+        """The key/value heads: ``n_kv_heads``, else ``n_heads`` (plain multi-head attention)."""
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
     def dim_head(self) -> int:
+        """The width of one head: ``head_dim``, else ``d_model // n_heads``."""
         return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
 
     @property
     def rotary_dims(self) -> int:
+        """The rotated width of a head: ``rotary_dim``, else the whole head."""
         return self.dim_head if self.rotary_dim is None else self.rotary_dim
 
     @property
     def source_vocab_size(self) -> int:
+        """The encoder's vocabulary: ``src_vocab_size``, else the shared ``vocab_size``."""
         return self.vocab_size if self.src_vocab_size is None else self.src_vocab_size
 
     @property
     def is_encoder_decoder(self) -> bool:
+        """Whether the model has an encoder and cross-attention."""
         return self.architecture == "encoder-decoder"
 
     @property
     def gated(self) -> bool:
+        """Whether the MLP is gated (``gated-silu``, ``gated-gelu``): two input projections."""
         return self.activation.startswith("gated-")
 
-    def replace(self, **changes: Any) -> TransformerConfig:
-        """A copy with ``changes`` applied, validated like a new config."""
+    def replace(self, **changes: FieldValue) -> TransformerConfig:
+        """A copy with ``changes`` applied, validated like a new config.
+
+        Args:
+            **changes: new values by field name.
+
+        Returns:
+            The new config.
+
+        Raises:
+            ValueError: the result is not a valid config, naming the field.
+        """
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, FieldValue]:
+        """Every field by name, as :meth:`from_dict` takes them back.
+
+        Returns:
+            The fields' values.
+        """
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
-        """Build from a dict; unknown keys raise ``ValueError`` naming them."""
+    def from_dict(cls, data: Mapping[str, FieldValue]) -> TransformerConfig:
+        """Build from a dict of fields, as :meth:`to_dict` or a golden's JSON gives them.
+
+        Args:
+            data: field values by name.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: unknown keys, naming them, or an invalid value.
+        """
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -106,10 +139,15 @@ class TransformerConfig:
         return cls(**data)
 
     def to_json(self) -> str:
+        """The fields as JSON with sorted keys: one text for one config, to hash or store.
+
+        Returns:
+            The JSON text.
+        """
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-def _fail(field: str, value: Any, allowed: str) -> None:
+def _fail(field: str, value: object, allowed: str) -> None:
     raise ValueError(f"TransformerConfig.{field}={value!r} is invalid: {allowed}")
 
 

@@ -7,12 +7,15 @@ nothing here is imported by ``torchparity`` itself.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from torchparity.reference.config import TransformerConfig
 from torchparity.reference.models import DecoderLM
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Our parameter names <-> Hugging Face Llama names; "{i}" is the layer index.
 _NAME_MAP = {
@@ -37,7 +40,7 @@ def _rename(name: str, mapping: dict[str, str]) -> str:
     raise ValueError(f"parameter {name!r} has no Llama counterpart")
 
 
-def _rope_theta(hf_config: Any) -> float:
+def _rope_theta(hf_config: PretrainedConfig) -> float:
     params = getattr(hf_config, "rope_parameters", None) or {}
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
@@ -46,8 +49,18 @@ def _rope_theta(hf_config: Any) -> float:
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
-def config_from_hf_llama(hf_config: Any) -> TransformerConfig:
-    """The :class:`TransformerConfig` equivalent to an HF ``LlamaConfig``."""
+def config_from_hf_llama(hf_config: PretrainedConfig) -> TransformerConfig:
+    """The :class:`TransformerConfig` equivalent to an HF ``LlamaConfig``.
+
+    Args:
+        hf_config: a Llama-family config (``model.config``).
+
+    Returns:
+        The config of a :class:`DecoderLM` that computes the same function.
+
+    Raises:
+        ValueError: an activation other than silu, or a rope scaling other than the default.
+    """
     if hf_config.hidden_act != "silu":
         raise ValueError(f"hidden_act={hf_config.hidden_act!r} is not supported; Llama uses silu")
     return TransformerConfig(
@@ -80,6 +93,15 @@ def from_hf_llama(hf_model: torch.nn.Module) -> DecoderLM:
     Rotary uses the half-split layout that HF Llama checkpoints are stored in, so q/k weights
     copy over without permutation. Position ids follow the mask (see ``token_positions``): pass
     HF the same ``position_ids`` when comparing padded batches.
+
+    Args:
+        hf_model: the Hugging Face model.
+
+    Returns:
+        The reference model, independent of ``hf_model``'s memory.
+
+    Raises:
+        ValueError: its config is one the reference cannot express.
     """
     config = config_from_hf_llama(hf_model.config)
     dtype = next(hf_model.parameters()).dtype
@@ -94,7 +116,15 @@ def from_hf_llama(hf_model: torch.nn.Module) -> DecoderLM:
 def to_hf_llama(model: DecoderLM) -> torch.nn.Module:
     """An HF ``LlamaForCausalLM`` with ``model``'s weights; the inverse of :func:`from_hf_llama`.
 
-    Raises ``ValueError`` for configs Llama cannot express (e.g. LayerNorm, ALiBi).
+    Args:
+        model: a reference decoder whose config Llama can express.
+
+    Returns:
+        The Hugging Face model, in ``model``'s dtype and in eval mode.
+
+    Raises:
+        ValueError: the config is one Llama cannot express (e.g. LayerNorm, ALiBi), naming the
+            fields.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -12,25 +12,35 @@ from torchparity.reference.models import Model
 
 @dataclass
 class Decoded:
+    """A greedy decoding: the tokens chosen, their log-probabilities and the logits behind them."""
     tokens: torch.Tensor  # (batch, steps) int64
     logprobs: torch.Tensor  # (batch, steps) log-probability of each chosen token
     logits: torch.Tensor  # (batch, steps, vocab) logits each step's choice was made from
 
 
-def _prompt(model: Model, batch: dict[str, Any]) -> tuple[str, str]:
+def _prompt(model: Model, batch: Mapping[str, torch.Tensor]) -> tuple[str, str]:
     return ("tgt_ids", "tgt_mask") if model.config.is_encoder_decoder else ("input_ids",
                                                                             "attention_mask")
 
 
 @torch.no_grad()
-def greedy_decode(model: Model, batch: dict[str, Any], steps: int, *,
+def greedy_decode(model: Model, batch: Mapping[str, torch.Tensor], steps: int, *,
                   use_cache: bool = True) -> Decoded:
     """Extend the prompt in ``batch`` by ``steps`` greedy tokens.
 
-    The prompt is ``input_ids`` (decoder) or ``tgt_ids`` (encoder-decoder, usually a start
-    token), padded on either side. With ``use_cache`` each step feeds one token through a
-    :class:`~torchparity.reference.cache.KVCache`; without it each step recomputes the whole
-    sequence. Both give the same tokens up to floating-point reordering.
+    Both ways give the same tokens up to floating-point reordering, which is what a
+    cached-against-recomputed check compares.
+
+    Args:
+        model: a reference model.
+        batch: its keyword arguments; the prompt is ``input_ids`` (decoder) or ``tgt_ids``
+            (encoder-decoder, usually a start token), padded on either side.
+        steps: the tokens added.
+        use_cache: feed one token a step through a
+            :class:`~torchparity.reference.cache.KVCache`, else recompute the whole sequence.
+
+    Returns:
+        The tokens, log-probabilities and logits of every step.
     """
     ids_key, mask_key = _prompt(model, batch)
     ids = batch[ids_key]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from torchparity.reference.attention import Attention, AttentionContext
+from torchparity.reference.config import TransformerConfig
 from torchparity.reference.mlp import MLP
 from torchparity.reference.norms import build_norm
 
@@ -14,7 +17,8 @@ class TransformerLayer(nn.Module):
     """Pre-norm ``x + f(norm(x))``, post-norm ``norm(x + f(x))``, or parallel residual
     ``x + attn(norm1(x)) + mlp(norm2(x))`` (one shared norm with ``shared_layernorm``)."""
 
-    def __init__(self, config, layer_idx: int, *, cross: bool = False) -> None:
+    def __init__(self, config: TransformerConfig, layer_idx: int, *, cross: bool = False
+                 ) -> None:
         super().__init__()
         self.pre_norm = config.norm_placement == "pre"
         self.parallel = config.parallel_residual
@@ -29,7 +33,18 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
 
-    def residual(self, x: torch.Tensor, norm: nn.Module, sublayer) -> torch.Tensor:
+    def residual(self, x: torch.Tensor, norm: nn.Module,
+                 sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``x + f(norm(x))`` in pre-norm, ``norm(x + f(x))`` in post-norm.
+
+        Args:
+            x: (batch, len, d_model).
+            norm: the sublayer's norm.
+            sublayer: the attention or MLP.
+
+        Returns:
+            (batch, len, d_model).
+        """
         if self.pre_norm:
             return x + self.dropout(sublayer(norm(x)))
         return norm(x + self.dropout(sublayer(x)))
@@ -37,6 +52,17 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext,
                 memory: torch.Tensor | None = None,
                 memory_ctx: AttentionContext | None = None) -> torch.Tensor:
+        """One layer: self-attention, cross-attention when there is an encoder, and the MLP.
+
+        Args:
+            x: (batch, len, d_model).
+            ctx: the self-attention's positions, mask and cache.
+            memory: the encoder's output, for cross-attention.
+            memory_ctx: the cross-attention's mask and cache.
+
+        Returns:
+            (batch, len, d_model).
+        """
         if self.parallel:
             h = self.attn_norm(x)
             mlp_in = h if self.mlp_norm is None else self.mlp_norm(x)

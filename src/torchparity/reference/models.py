@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -23,6 +23,15 @@ def token_positions(mask: torch.Tensor | None, batch: int, length: int,
 
     Padding tokens get the position of the nearest real token before them (0 at the left), so
     that left- and right-padded rows see the same positions as unpadded ones.
+
+    Args:
+        mask: (batch, length) 1/0, or None for no padding.
+        batch: the rows, for a None mask.
+        length: the columns, for a None mask.
+        device: where the positions go, for a None mask.
+
+    Returns:
+        (batch, length) int64 positions.
     """
     if mask is None:
         return torch.arange(length, device=device).expand(batch, length)
@@ -31,8 +40,19 @@ def token_positions(mask: torch.Tensor | None, batch: int, length: int,
 
 def self_attention_mask(key_mask: torch.Tensor | None, new: int, past: int, *, causal: bool,
                         window: int | None) -> tuple[torch.Tensor | None, bool]:
-    """Boolean (batch|1, 1, new, past + new) mask, or ``(None, True)`` for a plain causal mask
-    that kernels can apply themselves."""
+    """The boolean self-attention mask of ``new`` queries over ``past + new`` keys.
+
+    Args:
+        key_mask: (batch, past + new) 1/0 key padding, or None.
+        new: the queries of this call.
+        past: the keys already cached.
+        causal: queries see no later key.
+        window: a sliding window's width, or None.
+
+    Returns:
+        A (batch|1, 1, new, past + new) mask, True where a query may attend, and False; or
+        ``(None, True)`` for a plain causal mask that kernels can apply themselves.
+    """
     total = past + new
     if causal and key_mask is None and window is None and past == 0:
         return None, True
@@ -63,6 +83,19 @@ class Embeddings(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Checked in eager mode only: reading a tensor's value would break a compiled graph.
+        """Token embeddings plus absolute positions, as the config says.
+
+        Args:
+            ids: (batch, len) token ids.
+            positions: (batch, len) each token's position.
+
+        Returns:
+            (batch, len, d_model).
+
+        Raises:
+            ValueError: a token id outside the vocabulary (checked in eager mode only: reading a
+                tensor's value would break a compiled graph).
+        """
         if not torch.compiler.is_compiling() and (
                 int(ids.max()) >= self.tokens.num_embeddings or int(ids.min()) < 0):
             raise ValueError(f"token ids must lie in [0, {self.tokens.num_embeddings}); "
@@ -94,6 +127,21 @@ class Stack(nn.Module):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, *,
                 cache: KVCache | None = None, memory: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The stack's hidden states of ``ids``.
+
+        Args:
+            ids: (batch, new) token ids: all of them, or with a cache only the new ones.
+            mask: (batch, cached + new) 1/0, or None for no padding.
+            cache: the keys and values of earlier calls, extended in place.
+            memory: the encoder's output, for a decoder with cross-attention.
+            memory_mask: the encoder's 1/0 mask.
+
+        Returns:
+            (batch, new, d_model).
+
+        Raises:
+            ValueError: ``mask`` does not cover the cached and new tokens.
+        """
         batch, new = ids.shape
         past = len(cache) if cache is not None else 0
         if mask is not None and tuple(mask.shape) != (batch, past + new):
@@ -132,10 +180,25 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.decoder.embed.tokens.weight
 
     def new_cache(self) -> KVCache:
+        """An empty cache for incremental decoding.
+
+        Returns:
+            A new :class:`KVCache`.
+        """
         return KVCache()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
+        """Next-token logits of every position.
+
+        Args:
+            input_ids: (batch, new) token ids; with a cache, only the new ones.
+            attention_mask: (batch, cached + new) 1/0, or None for no padding.
+            cache: the keys and values of earlier calls, extended in place.
+
+        Returns:
+            (batch, new, vocab) logits.
+        """
         return self.lm_head(self.decoder(input_ids, attention_mask, cache=cache))
 
 
@@ -160,14 +223,40 @@ class EncoderDecoder(nn.Module):
             self.lm_head.weight = self.decoder.embed.tokens.weight
 
     def new_cache(self) -> KVCache:
+        """An empty cache for incremental decoding; it keeps the encoder's output too.
+
+        Returns:
+            A new :class:`KVCache`.
+        """
         return KVCache()
 
     def encode(self, src_ids: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The encoder's output for the source.
+
+        Args:
+            src_ids: (batch, src_len) source token ids.
+            src_mask: (batch, src_len) 1/0, or None for no padding.
+
+        Returns:
+            (batch, src_len, d_model), what cross-attention reads.
+        """
         return self.encoder(src_ids, src_mask)
 
     def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor,
                 src_mask: torch.Tensor | None = None, tgt_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
+        """Next-token logits of every target position.
+
+        Args:
+            src_ids: (batch, src_len) source token ids (not read when the cache has the memory).
+            tgt_ids: (batch, new) target token ids; with a cache, only the new ones.
+            src_mask: (batch, src_len) 1/0, or None.
+            tgt_mask: (batch, cached + new) 1/0, or None.
+            cache: the encoder's output and the keys and values of earlier calls.
+
+        Returns:
+            (batch, new, vocab) logits.
+        """
         if cache is not None and cache.memory is not None:
             memory = cache.memory
         else:
@@ -188,6 +277,16 @@ def build_model(config: TransformerConfig, seed: int = 0, *, dtype: torch.dtype 
     Weights are drawn in float64 from :mod:`torchparity.reference.rng` (SplitMix64 in numpy
     integer arithmetic, one stream per parameter name) and then cast to ``dtype``: the same
     ``(config, seed)`` gives bit-identical weights on every machine and every torch version.
+
+    Args:
+        config: the architecture.
+        seed: which draw of the weights.
+        dtype: the model's dtype.
+        device: the model's device.
+
+    Returns:
+        A :class:`DecoderLM` or an :class:`EncoderDecoder`, in training mode (dropout is the
+        config's).
     """
     model = (EncoderDecoder if config.is_encoder_decoder else DecoderLM)(config)
     init_reference_weights(model, seed)
@@ -195,7 +294,12 @@ def build_model(config: TransformerConfig, seed: int = 0, *, dtype: torch.dtype 
 
 
 def init_reference_weights(model: nn.Module, seed: int) -> None:
-    """Overwrite every parameter with its deterministic value (see :func:`build_model`)."""
+    """Overwrite every parameter with its deterministic value (see :func:`build_model`).
+
+    Args:
+        model: a reference model, changed in place; tied parameters are set once.
+        seed: which draw of the weights.
+    """
     seen: set[int] = set()  # tied parameters are initialised once, by their first owner
     with torch.no_grad():
         for module_name, module in model.named_modules():
@@ -221,11 +325,17 @@ def _init_scale(module: nn.Module, param_name: str, param: torch.Tensor) -> tupl
     return 1.0 / math.sqrt(param.shape[-1]), 0.0
 
 
-def sequence_loss(logits: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+def sequence_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Mean next-token cross-entropy over real target tokens, computed in at least fp32.
 
-    ``batch`` is the model's keyword arguments: targets are ``input_ids`` (decoder) or
-    ``tgt_ids`` (encoder-decoder) shifted by one; positions padded on either side are ignored.
+    Args:
+        logits: (batch, len, vocab).
+        batch: the model's keyword arguments: targets are ``input_ids`` (decoder) or
+            ``tgt_ids`` (encoder-decoder) shifted by one; positions padded on either side are
+            ignored.
+
+    Returns:
+        The scalar loss (0 for a batch without a real target).
     """
     ids_key, mask_key = ("tgt_ids", "tgt_mask") if "tgt_ids" in batch else ("input_ids",
                                                                             "attention_mask")

@@ -6,8 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchparity.reference.config import TransformerConfig
+
 
 class LayerNorm(nn.Module):
+    """Layer norm (Ba et al.) with an optional bias, as ``F.layer_norm`` computes it."""
     def __init__(self, dim: int, eps: float, bias: bool = True) -> None:
         super().__init__()
         self.eps = eps
@@ -15,6 +18,14 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` normalised over its last dimension, scaled and shifted.
+
+        Args:
+            x: (..., dim).
+
+        Returns:
+            (..., dim), in ``x``'s dtype.
+        """
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 
@@ -27,12 +38,28 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` divided by its root mean square over the last dimension, then scaled.
+
+        Args:
+            x: (..., dim).
+
+        Returns:
+            (..., dim), in ``x``'s dtype; the statistics in at least fp32.
+        """
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 
-def build_norm(config) -> nn.Module:
+def build_norm(config: TransformerConfig) -> nn.Module:
+    """The norm ``config`` asks for.
+
+    Args:
+        config: the model's config: its norm, width, epsilon and bias.
+
+    Returns:
+        An :class:`RMSNorm` or a :class:`LayerNorm`.
+    """
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, config.norm_eps)
     return LayerNorm(config.d_model, config.norm_eps, bias=config.norm_bias)

@@ -35,17 +35,49 @@ def _bits(seed: int, stream: str, n: int) -> np.ndarray:
 
 
 def uniform(seed: int, stream: str, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
-    """float64 tensor of ``shape`` with values uniform in [0, 1), a pure function of its args."""
+    """Values uniform in [0, 1), a pure function of the arguments.
+
+    Args:
+        seed: the draw.
+        stream: a name; each gets an independent sequence.
+        shape: the tensor's shape.
+
+    Returns:
+        A float64 tensor of ``shape`` on the CPU.
+    """
     n = math.prod(shape)
     values = (_bits(seed, stream, n) >> np.uint64(11)).astype(np.float64) * 2.0**-53
     return torch.from_numpy(values).reshape(tuple(shape))
 
 
-def symmetric(seed: int, stream: str, shape, std: float) -> torch.Tensor:
-    """Uniform in [-a, a] with standard deviation ``std`` (a = sqrt(3) * std), float64."""
+def symmetric(seed: int, stream: str, shape: tuple[int, ...] | torch.Size, std: float
+              ) -> torch.Tensor:
+    """Values uniform in [-a, a] with standard deviation ``std`` (a = sqrt(3) * std).
+
+    Args:
+        seed: the draw.
+        stream: a name; each gets an independent sequence.
+        shape: the tensor's shape.
+        std: the standard deviation.
+
+    Returns:
+        A float64 tensor of ``shape`` on the CPU.
+    """
     return (uniform(seed, stream, shape) * 2.0 - 1.0) * (math.sqrt(3.0) * std)
 
 
-def integers(seed: int, stream: str, shape, low: int, high: int) -> torch.Tensor:
-    """int64 tensor uniform in [low, high)."""
+def integers(seed: int, stream: str, shape: tuple[int, ...] | torch.Size, low: int, high: int
+             ) -> torch.Tensor:
+    """Integers uniform in [low, high).
+
+    Args:
+        seed: the draw.
+        stream: a name; each gets an independent sequence.
+        shape: the tensor's shape.
+        low: the smallest value.
+        high: one past the largest value.
+
+    Returns:
+        An int64 tensor of ``shape`` on the CPU.
+    """
     return (uniform(seed, stream, shape) * (high - low)).floor().to(torch.int64) + low

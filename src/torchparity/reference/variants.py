@@ -62,16 +62,34 @@ class Twin(nn.Module):
 
     @classmethod
     def blank_like(cls: type[T], reference: nn.Module, config: TransformerConfig) -> T:
+        """An empty twin (fresh weights) shaped like ``reference``; subclasses say how.
+
+        Args:
+            reference: the module it replaces.
+            config: the model's config.
+
+        Returns:
+            The twin, its weights not yet converted.
+        """
         raise NotImplementedError
 
     @classmethod
     def from_reference(cls: type[T], reference: nn.Module,
                        config: TransformerConfig | None = None) -> T:
-        """A twin computing the same function as ``reference``, with its weights converted,
-        on the reference's device and dtype and in its train/eval mode.
+        """A twin computing the same function as ``reference``, with its weights converted.
 
-        ``config`` is the model's config; it defaults to ``reference.config`` (attention keeps
-        it, the MLP does not).
+        It is on the reference's device and dtype and in its train/eval mode.
+
+        Args:
+            reference: the module it replaces.
+            config: the model's config; it defaults to ``reference.config`` (attention keeps it,
+                the MLP does not).
+
+        Returns:
+            The twin.
+
+        Raises:
+            ValueError: no config is given and ``reference`` keeps none.
         """
         config = config if config is not None else getattr(reference, "config", None)
         if config is None:
@@ -86,12 +104,25 @@ class Twin(nn.Module):
         return twin.train(reference.training)
 
     def twin_layout(self, state: Tensors) -> Tensors:
-        """Reference-layout tensors (keyed by the reference's local names) in this twin's layout."""
+        """Reference-layout tensors in this twin's layout.
+
+        Args:
+            state: tensors keyed by the reference's local names.
+
+        Returns:
+            Tensors keyed by this twin's local names; as given for a twin of the same layout.
+        """
         return dict(state)
 
     def reference_layout(self, tensors: Tensors) -> Tensors:
-        """This twin's tensors (weights or their gradients, keyed by its local parameter names)
-        in the reference's names and layout: the inverse of :meth:`twin_layout`."""
+        """This twin's tensors in the reference's names and layout: :meth:`twin_layout` undone.
+
+        Args:
+            tensors: weights or their gradients, keyed by this twin's local parameter names.
+
+        Returns:
+            The same values keyed by the reference's local names.
+        """
         return dict(tensors)
 
 
@@ -102,6 +133,15 @@ class AttentionTwin(Twin, Attention):
 
     @classmethod
     def blank_like(cls, reference: Attention, config: TransformerConfig) -> AttentionTwin:
+        """An attention twin for ``reference``'s layer, self- or cross-attention alike.
+
+        Args:
+            reference: the attention it replaces.
+            config: the model's config.
+
+        Returns:
+            The twin, its weights not yet converted.
+        """
         return cls(config, reference.layer_idx, cross=reference.cross)
 
 
@@ -129,22 +169,62 @@ class FusedQKVAttention(AttentionTwin):
         return self.in_proj.weight[start:stop], None if bias is None else bias[start:stop]
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        """The queries, from the query rows of ``in_proj`` (cross-attention's decoder side).
+
+        Args:
+            x: (batch, len, d_model).
+
+        Returns:
+            (batch, heads, len, head_dim).
+        """
         return self.split_heads(F.linear(x, *self._rows(0, self._sizes()[0])), self.n_heads)
 
     def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values from the key/value rows of ``in_proj`` (cross-attention's encoder side).
+
+        Args:
+            source: (batch, len, d_model).
+
+        Returns:
+            Keys and values, each (batch, kv_heads, len, head_dim).
+        """
         q_size, kv_size, _ = self._sizes()
         k, v = F.linear(source, *self._rows(q_size, q_size + 2 * kv_size)).split(kv_size, -1)
         return self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values from one ``in_proj`` matmul, split by rows.
+
+        Args:
+            x: (batch, len, d_model).
+
+        Returns:
+            The three projections, split into heads.
+        """
         q, k, v = self.in_proj(x).split(self._sizes(), -1)
         return (self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads),
                 self.split_heads(v, self.n_kv_heads))
 
     def twin_layout(self, state: Tensors) -> Tensors:
+        """``q_proj``, ``k_proj`` and ``v_proj`` concatenated by rows into ``in_proj``.
+
+        Args:
+            state: the reference attention's tensors.
+
+        Returns:
+            This twin's tensors.
+        """
         return _fuse(state, ("q_proj", "k_proj", "v_proj"), "in_proj")
 
     def reference_layout(self, tensors: Tensors) -> Tensors:
+        """``in_proj`` split by rows back into ``q_proj``, ``k_proj`` and ``v_proj``.
+
+        Args:
+            tensors: this twin's weights or gradients.
+
+        Returns:
+            The reference's tensors.
+        """
         return _unfuse(tensors, "in_proj", ("q_proj", "k_proj", "v_proj"), self._sizes())
 
 
@@ -164,16 +244,49 @@ class FusedGateUpMLP(Twin, MLP):
 
     @classmethod
     def blank_like(cls, reference: MLP, config: TransformerConfig) -> FusedGateUpMLP:
+        """A fused MLP of the model's config.
+
+        Args:
+            reference: the MLP it replaces (it keeps no config).
+            config: the model's config.
+
+        Returns:
+            The twin, its weights not yet converted.
+        """
         return cls(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP with gate and up projections from one matmul, split in halves.
+
+        Args:
+            x: (batch, len, d_model).
+
+        Returns:
+            (batch, len, d_model).
+        """
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
     def twin_layout(self, state: Tensors) -> Tensors:
+        """``gate_proj`` and ``up_proj`` concatenated by rows into ``gate_up_proj``.
+
+        Args:
+            state: the reference MLP's tensors.
+
+        Returns:
+            This twin's tensors.
+        """
         return _fuse(state, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def reference_layout(self, tensors: Tensors) -> Tensors:
+        """``gate_up_proj`` split in halves back into ``gate_proj`` and ``up_proj``.
+
+        Args:
+            tensors: this twin's weights or gradients.
+
+        Returns:
+            The reference's tensors.
+        """
         return _unfuse(tensors, "gate_up_proj", ("gate_proj", "up_proj"), [self.d_ff] * 2)
 
 
@@ -199,11 +312,20 @@ def _unfuse(tensors: Tensors, fused: str, parts: tuple[str, ...], sizes: list[in
 
 
 def rotary_permutation(head_dim: int, rotary_dim: int, source: str, target: str) -> torch.Tensor:
-    """Index ``p`` (head_dim,) such that channel ``j`` in rotary layout ``target`` holds channel
-    ``p[j]`` of layout ``source`` ("half" or "interleaved"); pass-through channels stay put.
+    """The channel permutation from one rotary layout to the other.
 
     Applied to the query and key projections of every head, it turns a model of one layout
     into an identical model of the other (q.k is unchanged by a permutation applied to both).
+
+    Args:
+        head_dim: a head's channels.
+        rotary_dim: the rotated channels; the others stay put.
+        source: the layout converted from, "half" or "interleaved".
+        target: the layout converted to.
+
+    Returns:
+        ``p`` (head_dim,) such that channel ``j`` in ``target`` holds channel ``p[j]`` of
+        ``source``.
     """
     half = rotary_dim // 2
     # Half-split pairs channel i with i + half; interleaved pairs 2i with 2i + 1.
@@ -236,6 +358,7 @@ class RotaryFormAttention(AttentionTwin):
 
     @property
     def layout(self) -> str:
+        """The real-arithmetic layout this form's channels pair in ("half" or "interleaved")."""
         return self.layouts[self.form]
 
     def _permute(self, tensors: Tensors, source: str, target: str) -> Tensors:
@@ -245,12 +368,37 @@ class RotaryFormAttention(AttentionTwin):
                 for name, t in tensors.items()}
 
     def twin_layout(self, state: Tensors) -> Tensors:
+        """The q/k projection rows permuted from the config's rotary layout into this form's.
+
+        Args:
+            state: the reference attention's tensors.
+
+        Returns:
+            This twin's tensors.
+        """
         return self._permute(state, self.config.rotary_layout, self.layout)
 
     def reference_layout(self, tensors: Tensors) -> Tensors:
+        """The q/k projection rows permuted back into the config's rotary layout.
+
+        Args:
+            tensors: this twin's weights or gradients.
+
+        Returns:
+            The reference's tensors.
+        """
         return self._permute(tensors, self.layout, self.config.rotary_layout)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` rotated in this form: a complex product, or the real form's channel pairing.
+
+        Args:
+            x: queries or keys, (batch, heads, seq, head_dim).
+            positions: (batch, seq).
+
+        Returns:
+            The rotated tensor, in ``x``'s dtype.
+        """
         if self.form == "complex":
             return _rotate_complex(x, positions, self.config.rotary_dims, self.config.rope_theta)
         return apply_rotary(x, positions, rotary_dim=self.config.rotary_dims,
@@ -258,14 +406,17 @@ class RotaryFormAttention(AttentionTwin):
 
 
 class RotateHalfAttention(RotaryFormAttention):
+    """Rotary via ``rotate_half`` (Llama in Hugging Face, GPT-NeoX)."""
     form = "rotate-half"
 
 
 class InterleavedRotaryAttention(RotaryFormAttention):
+    """Rotary on interleaved channel pairs (GPT-J)."""
     form = "interleaved"
 
 
 class ComplexRotaryAttention(RotaryFormAttention):
+    """Rotary as a complex product of channel pairs (Meta's Llama)."""
     form = "complex"
 
 
@@ -290,7 +441,16 @@ class RotaryTableAttention(AttentionTwin):
 
     def table(self, length: int, dtype: torch.dtype, device: torch.device
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (>= length, rotary_dim) in ``dtype``, channels laid out for the config."""
+        """cos and sin tables covering ``length`` positions, made once per dtype and device.
+
+        Args:
+            length: the positions needed; a table grows to the next power of two.
+            dtype: the tables' dtype.
+            device: the tables' device.
+
+        Returns:
+            cos and sin, each (>= length, rotary_dim), channels laid out for the config.
+        """
         cos, _ = self._tables.get((dtype, device), (None, None))
         if cos is None or cos.shape[0] < length:
             positions = torch.arange(1 << max(length - 1, 1).bit_length(), device=device)[None]
@@ -304,6 +464,15 @@ class RotaryTableAttention(AttentionTwin):
         return self._tables[dtype, device]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` rotated with cos and sin read from the tables by position.
+
+        Args:
+            x: queries or keys, (batch, heads, seq, head_dim).
+            positions: (batch, seq).
+
+        Returns:
+            The rotated tensor, in ``x``'s dtype.
+        """
         cos, sin = self.table(int(positions.max()) + 1, x.dtype, x.device)
         cos, sin = cos[positions][:, None], sin[positions][:, None]  # (b, 1, s, rotary_dim)
         turn = rotate_half if self.config.rotary_layout == "half" else rotate_pairs
@@ -326,6 +495,21 @@ class AdditiveMaskAttention(AttentionTwin):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                bias: torch.Tensor | None) -> torch.Tensor:
+        """Attention with the mask added as a float bias (0 or ``finfo.min``).
+
+        Rows without a visible key are left unmasked (no all-min rows, no NaN) and zeroed, as the
+        backends' contract makes them.
+
+        Args:
+            q: (batch, heads, q_len, head_dim).
+            k: (batch, kv_heads, k_len, head_dim).
+            v: (batch, kv_heads, k_len, head_dim).
+            ctx: the boolean mask converted.
+            bias: a position bias the mask is added to, or None.
+
+        Returns:
+            (batch, heads, q_len, head_dim).
+        """
         if ctx.mask is None:
             return super().attend(q, k, v, ctx, bias)
         empty = _empty_rows(ctx.mask)
@@ -343,10 +527,27 @@ class ContiguousViewAttention(AttentionTwin):
     """Heads split and merged with ``view`` (after ``contiguous()``) instead of reshapes."""
 
     def split_heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """The heads split with ``view`` instead of ``unflatten``.
+
+        Args:
+            x: (batch, len, heads * head_dim).
+            n_heads: the heads it holds.
+
+        Returns:
+            (batch, heads, len, head_dim).
+        """
         batch, length, _ = x.shape
         return x.view(batch, length, n_heads, self.head_dim).transpose(1, 2)
 
     def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The heads merged with ``contiguous().view`` instead of ``flatten``.
+
+        Args:
+            x: (batch, heads, len, head_dim).
+
+        Returns:
+            (batch, len, heads * head_dim).
+        """
         batch, _, length, _ = x.shape
         return x.transpose(1, 2).contiguous().view(batch, length, -1)
 
@@ -358,6 +559,18 @@ class InputDtypeSoftmaxAttention(AttentionTwin):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                bias: torch.Tensor | None) -> torch.Tensor:
+        """Attention computed by hand in the input dtype, softmax included.
+
+        Args:
+            q: (batch, heads, q_len, head_dim).
+            k: (batch, kv_heads, k_len, head_dim).
+            v: (batch, kv_heads, k_len, head_dim).
+            ctx: the mask, or a plain causal one.
+            bias: an additive score bias, or None.
+
+        Returns:
+            (batch, heads, q_len, head_dim); rows without a visible key are zero.
+        """
         repeats = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         scores = (q @ k.transpose(-2, -1)) * self.scale
@@ -396,11 +609,28 @@ class PreallocatedKVCache(KVCache):
         return self.lengths.get(0, 0)
 
     def capacity(self, layer: int = 0) -> int:
-        """Positions allocated for ``layer`` (a multiple of ``chunk``; 0 before the first call)."""
+        """Positions allocated for ``layer``.
+
+        Args:
+            layer: the layer's index.
+
+        Returns:
+            A multiple of ``chunk``; 0 before the first call.
+        """
         return self.buffers[layer][0].shape[-2] if layer in self.buffers else 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this call's keys and values into ``layer``'s buffers, growing them by chunks.
+
+        Args:
+            layer: the layer's index.
+            k: this call's keys, (batch, kv_heads, new, head_dim).
+            v: this call's values, alike.
+
+        Returns:
+            Views of the filled part of the buffers: every position so far.
+        """
         start = self.lengths.get(layer, 0)
         stop = start + k.shape[-2]
         if stop > self.capacity(layer):
@@ -422,6 +652,11 @@ class PreallocatedKVCache(KVCache):
         self.buffers[layer] = (grown[0], grown[1])
 
     def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (in that order) in the buffers too.
+
+        Args:
+            index: the row each new row is taken from.
+        """
         super().reorder(index)
         for layer, (k, v) in self.buffers.items():
             self.buffers[layer] = (k.index_select(0, index), v.index_select(0, index))
@@ -431,8 +666,16 @@ class PreallocatedKVCache(KVCache):
 
 
 def expand_kv_heads(model: Model) -> Model:
-    """An MHA copy of a GQA/MQA ``model``: every key/value head repeated for the query heads
-    that share it, so the two models compute the same function."""
+    """An MHA copy of a GQA/MQA ``model``, computing the same function.
+
+    Every key/value head is repeated for the query heads that share it.
+
+    Args:
+        model: a reference model with fewer key/value heads than query heads.
+
+    Returns:
+        The MHA model, on ``model``'s device and dtype and in its train/eval mode.
+    """
     config = model.config.replace(n_kv_heads=None)
     mha = type(model)(config)
     first = next(model.parameters())
@@ -448,8 +691,15 @@ def expand_kv_heads(model: Model) -> Model:
 
 
 def fold_kv_heads(tensors: Tensors, gqa_config: TransformerConfig) -> Tensors:
-    """Gradients of an :func:`expand_kv_heads` model, summed over each group's copies: the
-    gradients of the GQA model it was expanded from."""
+    """Gradients of an :func:`expand_kv_heads` model, as the GQA model it came from has them.
+
+    Args:
+        tensors: the MHA model's gradients by name.
+        gqa_config: the GQA model's config.
+
+    Returns:
+        The gradients with each group's key/value copies summed.
+    """
     repeats = gqa_config.n_heads // gqa_config.kv_heads
     head_dim = gqa_config.dim_head
     return {
@@ -490,6 +740,14 @@ class Variant:
     swaps: Callable[[nn.Module], bool] = lambda module: True
 
     def applies(self, config: TransformerConfig) -> bool:
+        """Whether the variant applies to models of ``config``.
+
+        Args:
+            config: the model's config.
+
+        Returns:
+            True when :attr:`requires` gives no reason against it.
+        """
         return self.requires(config) is None
 
 
@@ -535,12 +793,26 @@ _BY_NAME = {v.name: v for v in _VARIANTS}
 
 
 def names() -> list[str]:
-    """Names of all variants, in a stable order."""
+    """Names of all variants, in a stable order.
+
+    Returns:
+        The names, as :func:`get` and :func:`swap_in` take them.
+    """
     return list(_BY_NAME)
 
 
 def get(name: str) -> Variant:
-    """The variant called ``name``; an unknown name raises ``KeyError`` listing the known ones."""
+    """The variant called ``name``.
+
+    Args:
+        name: a name of :func:`names`.
+
+    Returns:
+        The variant.
+
+    Raises:
+        KeyError: an unknown name, listing the known ones.
+    """
     try:
         return _BY_NAME[name]
     except KeyError:
@@ -548,7 +820,14 @@ def get(name: str) -> Variant:
 
 
 def applicable(config: TransformerConfig) -> list[str]:
-    """Names of the variants that apply to models of ``config``."""
+    """Names of the variants that apply to models of ``config``.
+
+    Args:
+        config: the model's config.
+
+    Returns:
+        The names, in registry order.
+    """
     return [v.name for v in _VARIANTS if v.applies(config)]
 
 
@@ -557,8 +836,19 @@ def swap_in(model: Model, name: str, *, inplace: bool = False) -> Model:
 
     Every module the variant targets is replaced by its twin, with weights converted; the
     ``preallocated-cache`` variant makes ``model.new_cache()`` return a
-    :class:`PreallocatedKVCache`. Works on a deep copy unless ``inplace``. Raises ``ValueError``
-    when the variant does not apply to the model's config, saying why.
+    :class:`PreallocatedKVCache`.
+
+    Args:
+        model: a reference model.
+        name: a variant's name.
+        inplace: change ``model`` itself instead of a deep copy.
+
+    Returns:
+        The swapped model.
+
+    Raises:
+        ValueError: the variant does not apply to the model's config, saying why.
+        KeyError: an unknown variant name.
     """
     variant = get(name)
     reason = variant.requires(model.config)
@@ -578,8 +868,16 @@ def swap_in(model: Model, name: str, *, inplace: bool = False) -> Model:
 
 
 def reference_layout(model: nn.Module, tensors: Tensors) -> Tensors:
-    """Tensors keyed by ``model``'s parameter names (its weights or their gradients), with every
-    twin's entries converted to the names and layout of the reference model it came from."""
+    """A swapped model's tensors in the names and layout of the reference model.
+
+    Args:
+        model: a model with twins swapped in.
+        tensors: its weights or their gradients, keyed by its parameter names.
+
+    Returns:
+        The tensors with every twin's entries converted, comparable name for name with the
+        reference's.
+    """
     out = dict(tensors)
     for prefix, module in model.named_modules():
         if not isinstance(module, Twin):
@@ -591,8 +889,15 @@ def reference_layout(model: nn.Module, tensors: Tensors) -> Tensors:
 
 
 def reference_gradients(model: nn.Module) -> Tensors:
-    """The gradients of ``model``'s parameters in reference names and layout (see
-    :func:`reference_layout`); a parameter without a gradient gets zeros."""
+    """The gradients of ``model``'s parameters in reference names and layout.
+
+    Args:
+        model: a model with twins swapped in, after a backward pass.
+
+    Returns:
+        The gradients (zeros for a parameter without one), as :func:`reference_layout` gives
+        them.
+    """
     grads = {name: p.grad if p.grad is not None else torch.zeros_like(p)
              for name, p in model.named_parameters()}
     return reference_layout(model, grads)

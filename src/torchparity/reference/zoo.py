@@ -7,7 +7,6 @@ whole zoo runs forward and backward on a CPU in a few seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -19,6 +18,7 @@ PADDINGS = ("none", "left", "right")
 
 @dataclass(frozen=True)
 class ZooCase:
+    """A named reference case: its config, what it exercises, and how its batch is padded."""
     name: str
     config: TransformerConfig
     description: str
@@ -92,12 +92,26 @@ _BY_NAME = {case.name: case for case in _CASES}
 
 
 def names() -> list[str]:
-    """Names of all zoo cases, in a stable order."""
+    """Names of all zoo cases, in a stable order.
+
+    Returns:
+        The names, as goldens and commands use them.
+    """
     return list(_BY_NAME)
 
 
 def get(name: str) -> ZooCase:
-    """The case called ``name``; an unknown name raises ``KeyError`` listing the known ones."""
+    """The case called ``name``.
+
+    Args:
+        name: a name of :func:`names`.
+
+    Returns:
+        The case.
+
+    Raises:
+        KeyError: an unknown name, listing the known ones.
+    """
     try:
         return _BY_NAME[name]
     except KeyError:
@@ -105,7 +119,19 @@ def get(name: str) -> ZooCase:
 
 
 def padding_mask(batch_size: int, seq_len: int, padding: str) -> torch.Tensor | None:
-    """1/0 mask whose first row is full and later rows shorter (down to half), or None."""
+    """A 1/0 mask whose first row is full and later rows shorter (down to half).
+
+    Args:
+        batch_size: the rows.
+        seq_len: the columns.
+        padding: "none", "left" or "right".
+
+    Returns:
+        (batch_size, seq_len) int64, or None for "none".
+
+    Raises:
+        ValueError: an unknown padding.
+    """
     if padding not in PADDINGS:
         raise ValueError(f"padding={padding!r} is invalid; expected one of {', '.join(PADDINGS)}")
     if padding == "none":
@@ -123,12 +149,25 @@ def _tokens(seed: int, stream: str, shape: tuple[int, int], vocab: int,
 
 
 def make_batch(config: TransformerConfig, batch_size: int = 2, seq_len: int = 16,
-               seed: int = 0, padding: str = "right") -> dict[str, Any]:
+               seed: int = 0, padding: str = "right") -> dict[str, torch.Tensor]:
     """Deterministic model inputs: ``model(**make_batch(...))`` runs.
 
     Token ids come from :mod:`torchparity.reference.rng`, so they are identical on every
-    machine and torch version. Padding tokens are 0 and masked out; with ``padding="none"``
-    no mask is passed at all.
+    machine and torch version. Padding tokens are 0 and masked out.
+
+    Args:
+        config: the model's config: its vocabularies and architecture.
+        batch_size: the rows.
+        seq_len: the columns (at least 2: the loss predicts the next token).
+        seed: which draw of the tokens.
+        padding: "none" (no mask passed at all), "left" or "right".
+
+    Returns:
+        ``input_ids`` and ``attention_mask``, or ``src_ids``, ``tgt_ids``, ``src_mask`` and
+        ``tgt_mask``.
+
+    Raises:
+        ValueError: a batch too small, or an unknown padding.
     """
     if batch_size < 1 or seq_len < 2:
         raise ValueError(f"make_batch needs batch_size >= 1 and seq_len >= 2; "
@@ -150,6 +189,16 @@ def make_batch(config: TransformerConfig, batch_size: int = 2, seq_len: int = 16
 
 
 def case_batch(case: ZooCase, batch_size: int = 2, seq_len: int = 12, seed: int = 0,
-               ) -> dict[str, Any]:
-    """The standard batch of a case, padded as the case says."""
+               ) -> dict[str, torch.Tensor]:
+    """The standard batch of a case, padded as the case says.
+
+    Args:
+        case: the zoo case.
+        batch_size: the rows.
+        seq_len: the columns.
+        seed: which draw of the tokens.
+
+    Returns:
+        The model's keyword arguments (see :func:`make_batch`).
+    """
     return make_batch(case.config, batch_size, seq_len, seed, case.padding)
