@@ -8,10 +8,11 @@ the tests' logic on a machine without a GPU. Each test:
   every parameter gradient against the float64 goldens in ``golden/<case>/``, with the manual
   backend in the same dtype on the same device as baseline;
 - 20 full training steps (the golden recipe) of an encoder-decoder and a decoder case against
-  the stored golden trajectories, with the manual backend's run in the same dtype mode as
-  baseline (flash and cuDNN attention, which take no mask, train the unpadded variant of the
-  recipe against a float64 golden trained on the CPU); tokens per second and the time to the
-  first step go to the terminal summary.
+  the float64 trajectory, within the noise band of the manual backend's rounding-only ensemble
+  in the same dtype mode on the same device, both trained there once per case and dtype (a
+  CUDA run's band is its device's, not the CPU's stored one: ``golden_and_band``; flash and
+  cuDNN attention, which take no mask, train the unpadded variant of the recipe); tokens per
+  second and the time to the first step go to the terminal summary.
 
 dtype modes: fp32 (TF32 off), tf32 (TF32 on for cuBLAS and cuDNN), bf16 and fp16 (pure
 low-precision models for forward/backward; autocast with fp32 master weights, and a grad scaler
@@ -38,18 +39,18 @@ from torchparity import backends
 from torchparity.errors import BackendUnavailable
 from torchparity.golden import cases as golden_cases
 from torchparity.golden.store import GoldenStore, default_golden_dir
-from torchparity.golden.trajectories import check_against_golden, golden_config, golden_trajectory
+from torchparity.golden.trajectories import golden_and_band, golden_config
 from torchparity.pytest_plugin import add_summary_line
 from torchparity.reference import build_model, sequence_loss, zoo
 from torchparity.train.trainer import (
     DTYPE_MODES,
-    GOLDEN_EXECUTION,
     Execution,
     TrainConfig,
     Trajectory,
     deterministic,
     train,
 )
+from torchparity.train.trajectory import NoiseBand, compare_trajectories
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("single_thread", "recompile_room")]
 
@@ -173,7 +174,7 @@ def test_forward_and_backward_match_the_float64_golden(case, backend, dtype, dev
 # Flash and cuDNN attention take no mask, so they train on the unpadded variant of the recipe
 # (every string of the longest length), whose float64 golden is trained here on the CPU.
 _MASKLESS = {"sdpa-flash", "sdpa-cudnn"}
-_train_runs: dict[tuple, Trajectory] = {}
+_golden_and_bands: dict[tuple, tuple[Trajectory, NoiseBand]] = {}
 _SUMMARY = "torchparity training parity and throughput (20 steps)"
 
 
@@ -190,16 +191,13 @@ def _summarise(node, run: Trajectory, verdict: str) -> None:
                      f"first step {run.time_to_first_step:6.2f}s  {verdict}")
 
 
-def _reference_run(config: TrainConfig, execution: Execution, node) -> Trajectory:
-    """The golden (float64 CPU) or baseline (manual) run of ``config``, trained once."""
-    key = (config, execution)
-    if key not in _train_runs:
-        if execution == GOLDEN_EXECUTION:
-            _train_runs[key] = golden_trajectory(config)
-        else:
-            _train_runs[key] = train(config, execution)
-            _summarise(node, _train_runs[key], "baseline")
-    return _train_runs[key]
+def _golden_and_band(config: TrainConfig, dtype: str, device: str
+                     ) -> tuple[Trajectory, NoiseBand]:
+    """The float64 trajectory of ``config`` and its band in ``dtype`` on ``device``, once."""
+    key = (config, dtype, device)
+    if key not in _golden_and_bands:
+        _golden_and_bands[key] = golden_and_band(config, Execution("manual", dtype, device))
+    return _golden_and_bands[key]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -213,9 +211,8 @@ def test_training_steps_follow_the_golden_trajectory(case, backend, dtype, devic
         candidate = train(config, Execution(backend, dtype, device))
     except BackendUnavailable as exc:
         pytest.skip(str(exc))
-    golden = _reference_run(config, GOLDEN_EXECUTION, request.node)
-    baseline = _reference_run(config, Execution("manual", dtype, device), request.node)
-    result = check_against_golden(candidate, golden=golden, baseline=baseline)
+    golden, band = _golden_and_band(config, dtype, device)
+    result = compare_trajectories(candidate, golden, band, compute_dtype=dtype)
     _summarise(request.node, candidate,
                f"{result.verdict} (headroom {result.max_headroom:.2f})")
     assert result.ok, result.explain()

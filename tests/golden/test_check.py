@@ -232,9 +232,8 @@ def test_train_flag_checks_the_golden_trajectories(tmp_path, capsys):
     assert status == 0
     rows = [r for r in report["results"] if r["output"] == "trajectory"]
     assert [(r["case"], r["backend"], r["dtype"]) for r in rows] == [("mqa", "manual", "fp32")]
-    # The fp32 baseline stored with the golden was trained on one machine: this run repeats it
-    # bit for bit where the same kernels run, and is within its budget elsewhere.
-    assert rows[0]["verdict"] in ("identical", "within") and rows[0]["headroom"] <= 1
+    # Judged against the float64 golden within the fp32 noise band stored with it.
+    assert rows[0]["verdict"] == "within" and rows[0]["headroom"] <= 1
     assert "OK:" in capsys.readouterr().out
 
 

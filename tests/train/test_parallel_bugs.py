@@ -4,7 +4,7 @@ A bug in the forward pass (a bias counted once per rank, query heads paired with
 heads) changes the loss of step 1, which is measured before any update. A bug in the gradient
 (a loss scaled down twice, a replicated norm's gradient left unreduced) leaves the step-1 loss
 alone and changes the step-1 gradient norm. The bugs are planted in the ranks only, so the
-one-process run and the golden are those of the correct code. ``diagnose_parallel_step`` then
+one-process run and its noise band are those of the correct code. ``diagnose_parallel_step`` then
 names the module: the first whose output, else whose gradient, leaves its budget.
 """
 
@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from torchparity.golden.trajectories import check_against_golden
+from torchparity.golden.trajectories import judge_against_run
 from torchparity.train.distributed import diagnose_parallel_step, run_parallel
-from torchparity.train.trainer import TrainConfig, train
-from torchparity.train.trajectory import compare_trajectories, reduction_twin
+from torchparity.train.trainer import Execution, TrainConfig
 
 FAULTS = str(Path(__file__).with_name("parallel_faults.py"))
 
@@ -28,20 +27,14 @@ def _config(case: str) -> TrainConfig:
     return TrainConfig(case=case, steps=3, batch_size=4)
 
 
-def _caught(bug: str, parallelism: str, case: str) -> list:
+def _assert_first(bug, parallelism, case, quantity):
     config = _config(case)
     run = run_parallel(config, parallelism=parallelism, nproc=2, setup=f"{FAULTS}:{bug}")
-    single = train(config)
-    results = (compare_trajectories(run, single, (single, train(reduction_twin(config)))),
-               check_against_golden(run, baseline=single))
-    return [(r.first_divergence, r.explain()) for r in results]
-
-
-def _assert_first(bug, parallelism, case, quantity):
-    for first, explanation in _caught(bug, parallelism, case):
-        assert first is not None, f"{bug} went unnoticed: {explanation}"
-        assert (first.step, first.quantity) == (1, quantity), explanation
-        assert "part at step 1" in explanation
+    result = judge_against_run(run, config, Execution())
+    first, explanation = result.first_divergence, result.explain()
+    assert first is not None, f"{bug} went unnoticed: {explanation}"
+    assert (first.step, first.quantity) == (1, quantity), explanation
+    assert "part at step 1" in explanation
 
 
 _BUGS = [

@@ -20,20 +20,22 @@ from torchparity.diagnosis.pipelines.training_step import diagnose_step
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.store import GoldenMissing, GoldenStale, GoldenStore
 from torchparity.golden.trajectories import (
-    GOLDEN_OUTPUT,
+    STORED_DTYPES,
     UPDATE_COMMAND,
     check_against_golden,
     golden_config,
     golden_store,
+    is_stored,
+    judge_against_run,
     read_golden_trajectory,
-    read_stored_baseline,
+    trajectory_output,
 )
 from torchparity.pytest_plugin import add_summary_line
 from torchparity.reference import zoo
 from torchparity.train import trainer as train_module
 from torchparity.train.data import BOS, EOS, FIRST_SYMBOL, IGNORE, PAD, SEP, TASKS, Corpus
 from torchparity.train.trainer import Execution, TrainConfig, Trajectory, learning_rate, train
-from torchparity.train.trajectory import compare_trajectories, reduction_twin
+from torchparity.train.trajectory import NoiseBand, compare_trajectories
 
 SHORT = TrainConfig(case="llama-tiny", steps=4)
 
@@ -41,9 +43,10 @@ SHORT = TrainConfig(case="llama-tiny", steps=4)
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def fp32_baseline(case: str) -> Trajectory:
-    """The fp32 manual-attention run stored with the case's golden (the three-way baseline)."""
-    return read_stored_baseline(case)
+def zero_band(run: Trajectory) -> NoiseBand:
+    """A band that claims no rounding noise at all: only the floor of the budget remains."""
+    return NoiseBand({q: torch.zeros(len(run.records), dtype=torch.float64)
+                      for q in run.quantities()}, ["none"], "fp32")
 
 
 # --- determinism ----------------------------------------------------------------------------
@@ -187,7 +190,7 @@ def test_two_identical_runs_are_bit_identical_on_cpu():
     a, b = train(SHORT), train(SHORT)
     for quantity, values in a.series().items():
         assert torch.equal(values, b.series()[quantity]), quantity
-    assert compare_trajectories(a, b, b).verdict == "identical"
+    assert compare_trajectories(a, b, zero_band(b)).verdict == "identical"
 
 
 def test_log_lines_have_the_production_format():
@@ -212,17 +215,20 @@ def test_the_loss_really_falls_below_what_ignoring_the_input_allows():
 
 
 @pytest.mark.parametrize("case", ["llama-tiny", "encdec-prenorm", "alibi"])
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa-math", "sdpa-flash"])
-def test_cpu_backends_follow_the_golden_trajectory_for_20_steps(case, backend, request):
+@pytest.mark.parametrize("backend, dtype", [("sdpa", "fp32"), ("sdpa-math", "fp32"),
+                                            ("sdpa-flash", "fp32"), ("sdpa", "bf16")])
+def test_cpu_backends_follow_the_golden_trajectory_for_20_steps(case, backend, dtype,
+                                                                 request):
     config = golden_config(case)
-    candidate = train(config, Execution(backend, "fp32"))
-    result = check_against_golden(candidate, baseline=fp32_baseline(case))
+    candidate = train(config, Execution(backend, dtype))
+    result = check_against_golden(candidate)
     assert result.ok, result.explain()
+    assert result.calibration.startswith("noise band of") and result.compute_dtype == dtype
     assert len(result.points) == 3 * config.steps
     headroom = result.headroom_by_quantity()
     add_summary_line(
-        request.node, "torchparity training parity (cpu, fp32, 20 steps)",
-        f"{case:16s} {backend:11s} {result.verdict:9s} headroom " +
+        request.node, "torchparity training parity (cpu, 20 steps)",
+        f"{case:16s} {backend:11s} {dtype} {result.verdict:9s} headroom " +
         " ".join(f"{q}={h:.2f}" for q, h in headroom.items()))
 
 
@@ -231,14 +237,15 @@ def test_training_a_backend_without_a_cpu_backward_fails_with_the_reason():
         train(SHORT, Execution("flex"))
 
 
-def test_reduction_twin_changes_the_rounding_only():
+def test_micro_batches_change_the_rounding_only_and_stay_within_the_stored_band():
     config = golden_config("llama-tiny")
-    twin = train(reduction_twin(config))
-    baseline = fp32_baseline("llama-tiny")
-    differ = any(not torch.equal(twin.series()[q], baseline.series()[q])
+    split = train(config.replace(accum_steps=2))
+    plain = train(config)
+    differ = any(not torch.equal(split.series()[q], plain.series()[q])
                  for q in ("loss", "grad_norm", "update_norm"))
-    assert differ, "a twin that rounds identically cannot calibrate anything"
-    result = check_against_golden(twin, baseline=baseline)
+    assert differ, "a split that rounds identically tests nothing"
+    assert is_stored(split.config, split.execution)  # judged by the stored band
+    result = check_against_golden(split)
     assert result.ok, result.explain()
 
 
@@ -283,11 +290,11 @@ def test_planted_training_bugs_are_caught_at_the_right_step(bug, function, expec
     replacement = {"loss_denominator": _sentence_normalisation, "clip_gradients": _no_clipping,
                    "param_groups": _decay_group_without_decay}[function]
     config = golden_config("llama-tiny")
-    golden = read_golden_trajectory("llama-tiny")
+    golden, _ = read_golden_trajectory("llama-tiny")
     monkeypatch.setattr(train_module, function, replacement)
     candidate = train(config)
     monkeypatch.undo()
-    result = check_against_golden(candidate, golden=golden)
+    result = check_against_golden(candidate)
     first = result.first_divergence
     step, quantities = expected(golden)
     assert first is not None, f"{bug} went unnoticed: {result.explain()}"
@@ -304,8 +311,7 @@ def test_a_wrong_attention_backend_is_localised_by_diagnose_at_the_first_divergi
     monkeypatch.setitem(backends._IMPLEMENTATIONS, "sdpa-math", halved_scale)
     config = TrainConfig(case="llama-tiny", steps=3)
     candidate = train(config, Execution("sdpa-math"))
-    result = compare_trajectories(candidate, train(config), (train(config),
-                                                             train(reduction_twin(config))))
+    result = judge_against_run(candidate, config, Execution("manual"))
     first = result.first_divergence
     assert first is not None and first.step == 1 and first.quantity == "loss"
     report = diagnose_step(config, Execution("manual"), Execution("sdpa-math"), first.step,
@@ -324,21 +330,23 @@ def _with(run: Trajectory, step: int, **changes) -> Trajectory:
 
 
 def test_a_nan_where_the_reference_is_finite_diverges_at_that_step():
-    golden = read_golden_trajectory("llama-tiny")
-    baseline = fp32_baseline("llama-tiny")
-    broken = _with(baseline, 4, loss=math.nan)
-    result = compare_trajectories(broken, golden, baseline)
+    golden, band = read_golden_trajectory("llama-tiny")
+    broken = _with(golden, 4, loss=math.nan)
+    assert compare_trajectories(golden, golden, band, compute_dtype="fp32").ok
+    result = compare_trajectories(broken, golden, band, compute_dtype="fp32")
     assert result.first_divergence.step == 4
     assert "nan" in result.first_divergence.note
 
 
-def test_an_fp16_skipped_step_is_excused_only_when_the_baseline_skipped_it_too():
-    golden = read_golden_trajectory("llama-tiny")
-    baseline = fp32_baseline("llama-tiny")
-    skipped = _with(baseline, 2, grad_norm=math.inf, update_norm=0.0, skipped=True)
-    alone = compare_trajectories(skipped, golden, baseline, compute_dtype="fp16")
+def test_an_fp16_skipped_step_is_excused_only_where_a_member_of_the_band_overflowed_too():
+    golden, band = read_golden_trajectory("llama-tiny")
+    skipped = _with(golden, 2, grad_norm=math.inf, update_norm=0.0, skipped=True)
+    alone = compare_trajectories(skipped, golden, band, compute_dtype="fp16")
     assert alone.first_divergence.step == 2
-    both = compare_trajectories(skipped, golden, skipped, compute_dtype="fp16")
+    overflowed = band.spread["grad_norm"].clone()
+    overflowed[1] = math.inf  # a member's fp16 step 2 overflowed: its gradient norm is inf
+    both = compare_trajectories(skipped, golden, NoiseBand(
+        {**band.spread, "grad_norm": overflowed}, band.members, "fp16"), compute_dtype="fp16")
     assert all(p.ok for p in both.points if p.step == 2)
     assert any("skipped" in p.note for p in both.points)
 
@@ -346,23 +354,39 @@ def test_an_fp16_skipped_step_is_excused_only_when_the_baseline_skipped_it_too()
 def test_trajectories_of_different_recipes_are_refused():
     a = train(SHORT)
     with pytest.raises(ValueError, match="different recipes"):
-        compare_trajectories(train(SHORT.replace(lr=1e-3)), a, a)
+        compare_trajectories(train(SHORT.replace(lr=1e-3)), a, zero_band(a))
 
 
 # --- goldens --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", STORED_DTYPES)
 @pytest.mark.parametrize("case", zoo.names())
-def test_shipped_golden_trajectories_are_fresh(case):
-    golden = read_golden_trajectory(case)
+def test_shipped_golden_trajectories_are_fresh_with_a_measured_band(case, dtype):
+    golden, band = read_golden_trajectory(case, dtype)
     assert len(golden.records) == golden_config(case).steps
     assert all(math.isfinite(r.loss) and r.update_norm > 0 for r in golden.records)
+    # The plain run and the runs on weights moved by one rounding, at least.
+    assert len(band.members) >= 1 + tolerance.BAND_REROUNDINGS
+    assert all(m.startswith(f"manual {dtype} cpu") for m in band.members), band.members
+    for quantity, spread in band.spread.items():
+        # Measured, not assumed: rounding moved every quantity of some member by the end.
+        assert torch.isfinite(spread).all() and spread[-1] > 0, quantity
+
+
+def test_only_the_golden_recipe_in_a_stored_dtype_is_read_from_the_store():
+    config = golden_config("llama-tiny")
+    assert is_stored(config, Execution("sdpa", "fp32"))
+    assert is_stored(config.replace(accum_steps=4), Execution(dtype="bf16"))
+    assert not is_stored(config, Execution(dtype="tf32"))
+    assert not is_stored(config, Execution(dtype="fp32", device="cuda"))
+    assert not is_stored(config.replace(lr=1e-3), Execution(dtype="fp32"))
 
 
 def test_a_golden_made_with_another_recipe_is_stale_with_the_fix(tmp_path):
-    source = golden_store().paths("llama-tiny", GOLDEN_OUTPUT)
+    source = golden_store().paths("llama-tiny", trajectory_output("fp32"))
     store = GoldenStore(tmp_path, UPDATE_COMMAND)
-    target = store.paths("llama-tiny", GOLDEN_OUTPUT)
+    target = store.paths("llama-tiny", trajectory_output("fp32"))
     target[0].parent.mkdir()
     for src, dst in zip(source, target, strict=True):
         shutil.copy(src, dst)
@@ -371,9 +395,9 @@ def test_a_golden_made_with_another_recipe_is_stale_with_the_fix(tmp_path):
     target[1].write_text(json.dumps(summary))
     with pytest.raises(GoldenStale, match="training recipe.*torchparity train --case llama-tiny "
                                           "--update-golden"):
-        read_golden_trajectory("llama-tiny", store)
+        read_golden_trajectory("llama-tiny", "fp32", store)
     with pytest.raises(GoldenMissing, match="--update-golden"):
-        read_golden_trajectory("mqa", store)
+        read_golden_trajectory("mqa", "fp32", store)
 
 
 # --- the command line -----------------------------------------------------------------------
@@ -386,14 +410,35 @@ def test_cli_trains_checks_against_the_golden_and_writes_json(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "Step 20/20; acc:" in printed and "within: sdpa fp32 cpu vs manual fp64" in printed
+    assert "training the float64 golden" not in printed  # read from the store
     data = json.loads(out.read_text())
     assert data["comparison"]["verdict"] == "within"
+    assert data["comparison"]["calibration"].startswith("noise band of")
     assert len(data["trajectory"]["records"]) == 20
 
 
+def test_cli_another_recipe_trains_its_golden_and_band_here_and_says_so(capsys):
+    code = cli.main(["train", "--case", "llama-tiny", "--steps", "3", "--backend", "sdpa",
+                     "--check"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert code == 0, printed
+    assert re.search(r"training the float64 golden and the noise band \(\d+ rounding-only runs "
+                     r"of manual fp32 cpu\) here: the recipe is not the golden one", printed)
+    assert "within: sdpa fp32 cpu vs manual fp64 cpu (noise band of" in printed
+
+
+def test_cli_against_a_backend_is_judged_within_that_runs_band(capsys):
+    code = cli.main(["train", "--case", "llama-tiny", "--steps", "3", "--backend", "sdpa",
+                     "--against", "manual"])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert code == 0, printed
+    assert "rounding-only runs of it for the noise band" in printed
+    assert "within: sdpa fp32 cpu vs manual fp32 cpu (noise band of" in printed
+
+
 def test_cli_check_catches_a_training_code_bug_against_the_stored_golden(monkeypatch, capsys):
-    # The baseline stored with the golden was made by the code that made the golden, so the
-    # bug cannot inflate the budget as a baseline trained by the same buggy code would.
+    # The band stored with the golden was measured by the code that made the golden, so the
+    # bug cannot inflate the budget as a band trained by the same buggy code would.
     monkeypatch.setattr(train_module, "loss_denominator", _sentence_normalisation)
     code = cli.main(["train", "--case", "llama-tiny", "--check"])
     printed = capsys.readouterr().out

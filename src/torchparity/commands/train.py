@@ -6,8 +6,9 @@
     torchparity train --case mqa --parallel tp --nproc 2           # tensor parallel
     torchparity train --case llama-tiny --parallel fsdp+tp --nproc 4   # FSDP2 x TP, 2-D mesh
 
-A distributed run (``--nproc`` > 1) is judged against one process and against the float64
-golden. ``--model ENTRY`` trains a user's model (:mod:`torchparity.commands.train_model`).
+A run is judged within a noise band, as a user's model's: ``--check`` against the float64
+golden (:mod:`torchparity.golden.trajectories`), ``--against`` and ``--nproc`` > 1 against
+BACKEND's or one process's run. ``--model ENTRY``: :mod:`torchparity.commands.train_model`.
 
 Exit status: 0 when the run (and any check) passed, 1 when the trajectory diverged, 2 on bad
 arguments or files, or when a rank of a distributed run failed (its message is printed).
@@ -29,7 +30,7 @@ from torchparity.golden.judged_training import (
     train_and_judge,
     update_golden_trajectories,
 )
-from torchparity.golden.trajectories import golden_config
+from torchparity.golden.trajectories import is_stored
 from torchparity.reference import zoo
 from torchparity.train.parallel import PARALLELISMS
 from torchparity.train.trainer import DTYPE_MODES, NORMALIZATIONS, Execution, TrainConfig
@@ -79,25 +80,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "parallel groups of 2)")
     judge = parser.add_mutually_exclusive_group()
     judge.add_argument("--check", action="store_true",
-                       help="judge the trajectory against the float64 golden (stored for the "
-                            "default recipe, else trained here) with the manual backend in "
-                            "the same dtype as baseline")
+                       help="judge the trajectory against the float64 golden and the noise "
+                            "band of its dtype (stored for the default recipe in fp32 and "
+                            "bf16, else trained here)")
     judge.add_argument("--against", metavar="BACKEND", choices=backends.names(),
-                       help="judge against a run of BACKEND in the same dtype, calibrated by "
-                            "that run and its reduction-order twin")
+                       help="judge against a run of BACKEND in the same dtype, within the "
+                            "noise band of that run's rounding-only ensemble")
     parser.add_argument("--diagnose", action="store_true",
                         help="when the trajectory diverges, diagnose the first diverging step "
                              "(with --nproc: name the first module whose output or gradient "
                              "differs from one process)")
-    parser.add_argument("--update-golden", action="store_true",
-                        help="(re)write golden/<case>/trajectory for the golden recipe")
+    parser.add_argument("--update-golden", action="store_true", help="(re)write golden/<case>/"
+                        "trajectory_<dtype> (fp32, bf16): float64 and the noise bands")
     parser.add_argument("--golden-dir", help="golden folder (default: golden/ of the source "
                                              "tree, or $TORCHPARITY_GOLDEN_DIR)")
     parser.add_argument("--json", metavar="PATH", help="write trajectory and verdict as JSON")
-    add_base_arguments(parser, "with --check, there `torchparity train --update-golden` "
-                               "trains the case's golden recipe in float64, and the run here "
-                               "is judged against it (REV must be a revision of torchparity's "
-                               "source)")
+    add_base_arguments(parser, "with --check, there `torchparity train --update-golden` makes "
+                               "the golden trajectories and noise bands the run here is judged "
+                               "against (REV must be a revision of torchparity's source)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,20 +120,20 @@ def run(args: argparse.Namespace) -> int:
         case=args.case, steps=args.steps, batch_size=args.batch_size, accum_steps=args.accum,
         lr=args.lr, warmup_steps=args.warmup, clip_norm=args.clip or None,
         normalization=args.normalization, task=args.task, seed=args.seed)
+    execution = Execution(args.backend or "manual", args.dtype, resolve_device(args.device),
+                          args.compile)
     golden_dir = args.golden_dir
     if side:
         from torchparity.revisions import base_trajectories
 
-        if not args.check or args.golden_dir or config != golden_config(config.case):
+        if not args.check or args.golden_dir or not is_stored(config, execution):
             raise UsageError("--base judges the golden recipe (the default --steps, --lr, "
-                             "--batch-size, ...) with --check against the base's golden "
-                             "trajectory: add --check, and leave out --golden-dir and the "
-                             "recipe's options")
+                             "--batch-size, ...) in fp32 or bf16 on the CPU with --check "
+                             "against the base's golden trajectory: add --check, and leave "
+                             "out --golden-dir and the recipe's options")
         golden_dir = str(base_trajectories(side, config.case))
-    execution = Execution(args.backend or "manual", args.dtype, resolve_device(args.device),
-                          args.compile)
-    plan = TrainPlan(config, execution,
-                     check=args.check, against=args.against, diagnose=args.diagnose,
+    plan = TrainPlan(config, execution, check=args.check, against=args.against,
+                     diagnose=args.diagnose,
                      golden_dir=golden_dir, json=args.json, log_every=args.log_every,
                      nproc=_nproc(args), parallel=args.parallel)
     return 0 if train_and_judge(plan, console) else 1

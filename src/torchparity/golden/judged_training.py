@@ -1,10 +1,13 @@
 """A zoo case trained and its trajectory judged, what ``torchparity train`` does.
 
-One process: the run is judged against the float64 golden trajectory (``check``) or against
-the same recipe under another backend (``against``), and with ``diagnose`` the first step that
-parts is diagnosed module by module (:mod:`torchparity.diagnosis.pipelines.training_step`). Several
-processes under ``torchrun``: the run is judged against one process and against the golden,
-and the first step that parts is located module by module (:mod:`torchparity.train.distributed`).
+Every verdict is a user's model's (:mod:`torchparity.golden.judged_model_training`): a run
+against a reference trajectory within the noise band of a rounding-only ensemble. One process:
+the run is judged against the float64 golden trajectory and the band of its dtype (``check``,
+:mod:`torchparity.golden.trajectories`) or against the same recipe under another backend and
+that run's band (``against``), and with ``diagnose`` the first step that parts is diagnosed
+module by module (:mod:`torchparity.diagnosis.pipelines.training_step`). Several processes under
+``torchrun``: the run is judged against one process and its band, and the first step that
+parts is located module by module (:mod:`torchparity.train.distributed`).
 """
 
 from __future__ import annotations
@@ -18,17 +21,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from torchparity import backends
-from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.diagnosis.pipelines.training_step import diagnose_step
+from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.errors import UsageError
 from torchparity.golden.trajectories import (
+    GOLDEN_STEPS,
+    STORED_DTYPES,
     check_against_golden,
     golden_store,
-    judge_parallel,
+    judge_against_run,
+    runs_per_golden,
     write_golden_trajectory,
 )
+from torchparity.text import wrapped
 from torchparity.train.trainer import Execution, TrainConfig, Trainer, Trajectory
-from torchparity.train.trajectory import TrajectoryComparison, judge_against
+from torchparity.train.trajectory import TrajectoryComparison
 
 
 @dataclass(frozen=True)
@@ -52,11 +59,18 @@ class TrainPlan:
 
 def update_golden_trajectories(cases: list[str], golden_dir: str | None,
                                console: Console) -> None:
-    """Train each case's golden recipe in float64 and store it in ``golden_dir``."""
+    """Train each case's golden recipe in float64 and its noise ensembles in
+    :data:`~torchparity.golden.trajectories.STORED_DTYPES`, and store them in ``golden_dir``."""
     store = golden_store(golden_dir)
+    runs = runs_per_golden()
     for case in cases:
-        for path in write_golden_trajectory(case, store):
-            console.print(f"wrote {path}")
+        console.print(wrapped(f"training {case} in float64 and {runs - 1} rounding-only runs "
+                              f"in {' and '.join(STORED_DTYPES)} for the noise bands"),
+                      markup=False)
+        with _bar(console, f"{case} golden", runs * GOLDEN_STEPS) as advance:
+            paths = write_golden_trajectory(case, store, advance=advance)
+        for path in paths:
+            console.print(f"wrote {path}", markup=False, soft_wrap=True)
 
 
 def train_and_judge(plan: TrainPlan, console: Console) -> bool:
@@ -73,16 +87,19 @@ def train_and_judge(plan: TrainPlan, console: Console) -> bool:
     for note in candidate.notes:
         console.print(f"note: {note}")
 
+    def say(line: str) -> None:
+        console.print(wrapped(line), markup=False, soft_wrap=True)
+
     comparison = None
     if plan.check:
-        comparison = check_against_golden(candidate, store=golden_store(plan.golden_dir))
+        comparison = check_against_golden(candidate, golden_store(plan.golden_dir), say=say)
     elif plan.against:
-        console.print(f"training the same recipe on {plan.against}, and its reduction-order "
-                      "twin")
-        comparison = judge_against(candidate, plan.config, Execution(
-            plan.against, execution.dtype, execution.device, execution.compile))
+        comparison = judge_against_run(candidate, plan.config, Execution(
+            plan.against, execution.dtype, execution.device, execution.compile), say=say)
     if comparison is not None:
-        console.print(comparison.explain(), markup=False, soft_wrap=True)
+        for line in (comparison.explain(), comparison.budget_share(),
+                     comparison.sensitivity_line()):
+            say(line)
     report = None
     if comparison is not None and not comparison.ok and plan.diagnose:
         step = comparison.first_divergence.step
@@ -114,41 +131,51 @@ def _train_parallel(plan: TrainPlan, console: Console) -> bool:
                              log_every=plan.log_every)
     console.print(f"{candidate.label()}: {candidate.tokens_per_second:,.0f} tok/s, first "
                   f"step after {candidate.time_to_first_step:.2f}s")
-    console.print("training the same recipe in one process, and its reduction-order twin")
-    judged = judge_parallel(candidate, config, execution, golden_store(plan.golden_dir))
-    for against, comparison in judged.items():
-        console.print(f"vs {against}: {comparison.budget_share()}", markup=False)
-        console.print(comparison.explain(), markup=False, soft_wrap=True)
-    parted = [c.first_divergence.step for c in judged.values() if not c.ok]
+    comparison = judge_against_run(
+        candidate, config, execution,
+        say=lambda line: console.print(wrapped(line), markup=False, soft_wrap=True))
+    for line in (f"vs one process: {comparison.budget_share()}", comparison.explain()):
+        console.print(wrapped(line), markup=False, soft_wrap=True)
     location = None
-    if parted and plan.diagnose:
-        console.print(f"diagnosing step {min(parted)}: {nproc} processes vs one, module by "
-                      "module")
+    if not comparison.ok and plan.diagnose:
+        step = comparison.first_divergence.step
+        console.print(f"diagnosing step {step}: {nproc} processes vs one, module by module")
         location = diagnose_parallel_step(config, execution, parallelism=parallelism,
-                                          nproc=nproc, step=min(parted))
+                                          nproc=nproc, step=step)
         console.print(location.render(), markup=False, soft_wrap=True)
     if plan.json:
-        data = {"trajectory": candidate.to_dict(),
-                "comparison": judged["float64 golden"].to_dict(),
-                "single_process_comparison": judged["one process"].to_dict(),
+        data = {"trajectory": candidate.to_dict(), "comparison": comparison.to_dict(),
                 "diagnosis": None if location is None else vars(location)}
         Path(plan.json).write_text(json.dumps(data, indent=2) + "\n")
-    return all(c.ok for c in judged.values())
+    return comparison.ok
 
 
 def _train(plan: TrainPlan, console: Console) -> Trajectory:
     config, execution = plan.config, plan.execution
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task(f"{config.case} {execution.label()}", total=config.steps)
-        def log(line: str) -> None:
-            bar.console.print(line, markup=False, soft_wrap=True)
-
-        trainer = Trainer(config, execution, log=log, log_every=plan.log_every)
+    with _bar(console, f"{config.case} {execution.label()}", config.steps) as advance:
+        trainer = Trainer(config, execution, log_every=plan.log_every,
+                          log=lambda line: console.print(line, markup=False, soft_wrap=True))
         for step in range(1, config.steps + 1):
             trainer.step(step)
-            bar.advance(task)
+            advance()
     return trainer.trajectory()
+
+
+class _bar:  # noqa: N801 - a context manager used like a function
+    """A transient progress bar of ``total`` steps; entering it gives ``advance()``."""
+
+    def __init__(self, console: Console, description: str, total: int) -> None:
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                                 transient=True)
+        self.task = self.progress.add_task(description, total=total)
+
+    def __enter__(self) -> Any:
+        self.progress.__enter__()
+        return lambda: self.progress.advance(self.task)
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)
 
 
 def _write_json(path: str, candidate: Trajectory, comparison: TrajectoryComparison | None,

@@ -1,39 +1,126 @@
-"""Golden trajectories: each zoo case's recipe trained in float64, stored with the fp32 run
-that sizes its budgets, read back only while recipe, model, weights and corpus are unchanged,
-and the verdict of a run against them (compared by :mod:`torchparity.train.trajectory`).
+"""Golden trajectories, one format for a zoo case and a user's model: the recipe trained in
+float64, stored per dtype with the noise band of its rounding-only ensemble
+(:mod:`torchparity.train.ensemble`) as ``<name>/trajectory_<dtype>``, read back, and a run
+judged against them by :func:`~torchparity.train.trajectory.compare_trajectories`.
+
+A golden holds a float64 series per quantity, ``lr``, and ``band.<quantity>``, the ensemble's
+spread per step. A user's model's are written by :mod:`torchparity.golden.model_trajectories`;
+a zoo case's here: its golden recipe (:func:`golden_config`) in fp32 and bf16 on the CPU
+(:data:`STORED_DTYPES`), read back only while recipe, model, weights and corpus are unchanged.
+Another recipe, or a dtype with no stored band, has its float64 golden and band trained on
+the spot, and so has a run on CUDA (on its device).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchparity.golden.store import GoldenStale, GoldenStore, checksum, default_golden_dir
+from torchparity.errors import UsageError
+from torchparity.golden.store import Golden, GoldenStale, GoldenStore, checksum, default_golden_dir
 from torchparity.reference import build_model
+from torchparity.train.ensemble import measure_band, members_count
 from torchparity.train.trainer import (
     GOLDEN_EXECUTION,
-    QUANTITIES,
+    CaseRuns,
     Execution,
     StepRecord,
     TrainConfig,
     Trajectory,
     train,
 )
-from torchparity.train.trajectory import (
-    TrajectoryComparison,
-    compare_trajectories,
-    reduction_twin,
-)
+from torchparity.train.trajectory import NoiseBand, TrajectoryComparison, compare_trajectories
 
-GOLDEN_OUTPUT = "trajectory"
 GOLDEN_STEPS = 20
+#: The dtypes whose bands a zoo case's golden stores, measured on the CPU.
+STORED_DTYPES = ("fp32", "bf16")
 UPDATE_COMMAND = "torchparity train --case {case} --update-golden"
-_GOLDEN_SERIES = ("loss", "grad_norm", "update_norm", "lr")
-_GOLDEN_COUNTS = ("tokens", "correct", "input_tokens")
+_BAND = "band."
 
+Say = Callable[[str], None]
+Advance = Callable[[], None]
+
+
+# --- the one format ---------------------------------------------------------------------------
+
+def trajectory_output(dtype: str) -> str:
+    """The golden's output name for a band in ``dtype``: ``trajectory_<dtype>``."""
+    return f"trajectory_{dtype}"
+
+
+def write_trajectory(store: GoldenStore, name: str, reference: Trajectory, band: NoiseBand,
+                     meta: dict[str, Any]) -> list[Path]:
+    """Store ``reference`` (a float64 trajectory) and ``band`` as ``name``'s golden in the
+    band's dtype.
+
+    Args:
+        store: where the golden goes.
+        name: the case or model name (its folder).
+        reference: the float64 trajectory of the recipe.
+        band: the noise band measured around it.
+        meta: what the JSON records beside steps and members (execution, checksums).
+
+    Returns:
+        The paths written.
+    """
+    tensors = dict(reference.series())
+    tensors["lr"] = torch.tensor([r.lr for r in reference.records], dtype=torch.float64)
+    tensors.update({_BAND + q: v for q, v in band.spread.items()})
+    summary = {"kind": "trajectory", "steps": len(reference.records), **meta,
+               "members": band.members}
+    return store.write(name, trajectory_output(band.compute_dtype), tensors, summary)
+
+
+def read_trajectory(store: GoldenStore, name: str, dtype: str, recipe: Any,
+                    reference_execution: Execution, steps: int,
+                    fresh: Callable[[Golden], None] = lambda golden: None,
+                    ) -> tuple[Trajectory, NoiseBand]:
+    """The float64 trajectory and the noise band stored for ``name`` in ``dtype``, cut to
+    ``steps``.
+
+    Args:
+        store: where the golden is.
+        name: the case or model name.
+        dtype: the band's dtype.
+        recipe: the recipe the trajectory is labelled with.
+        reference_execution: how the float64 trajectory was trained.
+        steps: how many steps to read (at most those stored).
+        fresh: raises :class:`~torchparity.golden.GoldenStale` for a golden its recipe,
+            model or data outgrew.
+
+    Returns:
+        ``(reference, band)``. Raises the store's one-line errors, ``fresh``'s, and a
+        :class:`UsageError` for more steps than the golden holds.
+    """
+    golden = store.read(name, trajectory_output(dtype))
+    stored = golden.summary.get("steps", 0)
+    command = store.update_command.format(case=name, output=golden.output)
+    if steps > stored:
+        raise UsageError(f"{golden.path} holds {stored} steps, fewer than --steps {steps}; "
+                         f"run `{command}` for more")
+    fresh(golden)
+    t = golden.tensors
+    quantities = [q for q in t if q != "lr" and not q.startswith(_BAND)]
+    if not quantities or any(_BAND + q not in t for q in quantities):
+        raise GoldenStale(f"{golden.path} is not a trajectory with its noise band; regenerate "
+                          f"it with `{command}`")
+    groups = [q for q in quantities if "[" in q]
+    records = [StepRecord(i + 1, t["loss"][i].item(), t["grad_norm"][i].item(),
+                          t["update_norm"][i].item(), t["lr"][i].item(), 0, 0, 0, math.nan,
+                          groups={q: t[q][i].item() for q in groups})
+               for i in range(steps)]
+    reference = Trajectory(recipe, reference_execution, records, math.nan,
+                           notes=[f"golden read from {golden.path}"])
+    band = NoiseBand({q: t[_BAND + q][:steps] for q in quantities},
+                     list(golden.summary.get("members", [])), dtype)
+    return reference, band
+
+
+# --- a zoo case's goldens ---------------------------------------------------------------------
 
 def golden_config(case: str) -> TrainConfig:
     """The recipe the shipped golden trajectories are made with: defaults, GOLDEN_STEPS steps."""
@@ -44,110 +131,110 @@ def golden_store(root: str | Path | None = None) -> GoldenStore:
     return GoldenStore(default_golden_dir(root), update_command=UPDATE_COMMAND)
 
 
-#: The baseline stored with each golden: it was produced by the code that made the golden, so
-#: a later bug in the training code cannot inflate the budget it earns (a baseline trained by
-#: the code under test shares that code's bugs with the candidate).
-STORED_BASELINE = Execution("manual", "fp32", "cpu")
-_BASELINE_PREFIX = "baseline_fp32."
+def band_execution(dtype: str, device: str = "cpu") -> Execution:
+    """The runs a zoo case's band is measured from: the manual backend in ``dtype``."""
+    return Execution("manual", dtype, device)
 
 
-def write_golden_trajectory(case: str, store: GoldenStore | None = None) -> list[Path]:
-    """Train ``case``'s golden recipe in float64 on the CPU (manual attention) and store it,
-    together with the fp32 CPU manual run of the same recipe as the stored baseline.
+def runs_per_golden(dtypes: tuple[str, ...] = STORED_DTYPES) -> int:
+    """Training runs one case's golden update makes: float64, then each dtype's ensemble."""
+    return 1 + sum(members_count(band_execution(d)) for d in dtypes)
+
+
+def write_golden_trajectory(case: str, store: GoldenStore | None = None, *,
+                            advance: Advance = lambda: None) -> list[Path]:
+    """Train ``case``'s golden recipe in float64 on the CPU (manual attention) and the noise
+    ensemble of each of :data:`STORED_DTYPES`, and store one golden per dtype.
 
     The JSON records the recipe, the model config and version-independent checksums of the
     float64 initial weights and of every step's batch, so a later read can tell a changed
-    recipe, init or corpus from a changed model. The fp32 baseline's values depend on the
-    machine and torch version; they only size budgets and are never compared with.
+    recipe, init or corpus from a changed model. ``advance()`` is called after every step of
+    every run.
+
+    Returns:
+        The paths written.
     """
     config = golden_config(case)
-    tensors = _series_tensors(train(config, GOLDEN_EXECUTION))
-    baseline = _series_tensors(train(config, STORED_BASELINE))
-    tensors.update({_BASELINE_PREFIX + q: baseline[q] for q in QUANTITIES})
-    meta = {**_golden_meta(config), "stored_baseline": STORED_BASELINE.to_dict()}
-    return (store or golden_store()).write(case, GOLDEN_OUTPUT, tensors, meta)
+    reference = train(config, GOLDEN_EXECUTION, advance=advance)
+    meta = _golden_meta(config)
+    paths = []
+    for dtype in STORED_DTYPES:
+        execution = band_execution(dtype)
+        band = measure_band(CaseRuns(config), execution, reference, advance=advance)
+        paths += write_trajectory(store or golden_store(), case, reference, band,
+                                  {**meta, "band_execution": execution.to_dict()})
+    return paths
 
 
-def read_golden_trajectory(case: str, store: GoldenStore | None = None) -> Trajectory:
-    """The stored golden trajectory of ``case``.
+def read_golden_trajectory(case: str, dtype: str = "fp32", store: GoldenStore | None = None
+                           ) -> tuple[Trajectory, NoiseBand]:
+    """The stored float64 trajectory of ``case`` and its noise band in ``dtype``.
 
     Raises the golden store's errors (missing, corrupt, foreign schema) and
     :class:`~torchparity.golden.GoldenStale` naming what changed (recipe, model config, initial
     weights or corpus) with the command that regenerates it.
     """
-    return _read_golden(case, store)[0]
-
-
-def read_stored_baseline(case: str, store: GoldenStore | None = None) -> Trajectory:
-    """The fp32 CPU manual-attention run stored with ``case``'s golden (see
-    :data:`STORED_BASELINE`)."""
-    return _read_golden(case, store)[1]
-
-
-def _read_golden(case: str, store: GoldenStore | None) -> tuple[Trajectory, Trajectory]:
     store = store or golden_store()
-    golden = store.read(case, GOLDEN_OUTPUT)
     config = golden_config(case)
-    _check_fresh(golden.summary, _golden_meta(config), store.update_command.format(case=case),
-                 golden.path)
-    t = golden.tensors
-    expected = {*_GOLDEN_SERIES, *_GOLDEN_COUNTS, *(_BASELINE_PREFIX + q for q in QUANTITIES)}
-    if not expected <= set(t):
-        raise GoldenStale(f"{golden.path} lacks {', '.join(sorted(expected - set(t)))}; "
-                          f"regenerate it with `{store.update_command.format(case=case)}`")
-    counts = [tuple(int(t[c][n]) for c in _GOLDEN_COUNTS) for n in range(len(t["loss"]))]
 
-    def trajectory(prefix: str, execution: Execution, note: str) -> Trajectory:
-        records = [StepRecord(n + 1, *(t[prefix + q][n].item() for q in QUANTITIES),
-                              t["lr"][n].item(), *counts[n], math.nan)
-                   for n in range(len(counts))]
-        return Trajectory(config, execution, records, math.nan, notes=[note])
+    def fresh(golden: Golden) -> None:
+        _check_fresh(golden.summary, _golden_meta(config),
+                     store.update_command.format(case=case), golden.path)
 
-    return (trajectory("", GOLDEN_EXECUTION, f"golden read from {golden.path}"),
-            trajectory(_BASELINE_PREFIX, STORED_BASELINE,
-                       f"baseline recorded with the golden in {golden.path}"))
+    return read_trajectory(store, case, dtype, config, GOLDEN_EXECUTION, config.steps, fresh)
 
 
-def _series_tensors(run: Trajectory) -> dict[str, torch.Tensor]:
-    tensors = {name: torch.tensor([getattr(r, name) for r in run.records], dtype=torch.float64)
-               for name in _GOLDEN_SERIES}
-    tensors.update({name: torch.tensor([getattr(r, name) for r in run.records])
-                    for name in _GOLDEN_COUNTS})
-    return tensors
+def is_stored(config: TrainConfig, execution: Execution) -> bool:
+    """Whether the goldens hold the float64 trajectory and the band that judge ``config`` run
+    under ``execution``: the golden recipe (any micro-batch split) on the CPU in one of
+    :data:`STORED_DTYPES`. A CUDA run's band is its device's: its kernels, and the ops its
+    autocast lowers, are not the CPU's."""
+    return (config.same_recipe() == golden_config(config.case)
+            and execution.dtype in STORED_DTYPES and torch.device(execution.device).type == "cpu")
 
 
-def golden_trajectory(config: TrainConfig, store: GoldenStore | None = None) -> Trajectory:
-    """The float64 reference trajectory of ``config``: the stored golden when ``config`` is the
-    golden recipe, else trained here in float64 on the CPU (a shorter run is not a prefix of
-    the golden: the learning-rate schedule spans the run)."""
-    if config == golden_config(config.case):
-        return read_golden_trajectory(config.case, store)
-    return train(config, GOLDEN_EXECUTION)
+def golden_and_band(config: TrainConfig, execution: Execution,
+                    store: GoldenStore | None = None, *, say: Say = lambda line: None
+                    ) -> tuple[Trajectory, NoiseBand]:
+    """The float64 trajectory of ``config`` and the noise band of ``execution``'s dtype: read
+    from ``store`` where :func:`is_stored`, else trained here (``say`` is told why, before the
+    runs start), on ``execution``'s device.
 
-
-def check_against_golden(
-    candidate: Trajectory, *, golden: Trajectory | None = None,
-    baseline: Trajectory | None = None, store: GoldenStore | None = None,
-) -> TrajectoryComparison:
-    """The three-way verdict on ``candidate``: the float64 golden as reference and, as baseline,
-    the plain manual-attention run of the recipe in the candidate's dtype on its device.
-
-    For the golden recipe of a case, the golden is read from the store, and an fp32 CPU
-    candidate gets the baseline stored with it, so changes to the training code itself are
-    judged against what the old code's rounding earned. Otherwise the golden is trained here in
-    float64 and the baseline trained here too: that judges backends, dtypes, devices and
-    distribution, but a bug in the training code would be shared by all three runs.
+    Returns:
+        ``(reference, band)``.
     """
-    config, execution = candidate.config, candidate.execution
-    stored = config == golden_config(config.case)
-    golden = golden if golden is not None else golden_trajectory(config, store)
-    plain = Execution("manual", execution.dtype, execution.device)
-    if baseline is None and stored and plain == STORED_BASELINE:
-        baseline = read_stored_baseline(config.case, store)
-    elif baseline is None:
-        baseline = candidate if (execution == plain and candidate.world_size == 1) else \
-            train(config, plain)
-    return compare_trajectories(candidate, golden, baseline)
+    if is_stored(config, execution):
+        return read_golden_trajectory(config.case, execution.dtype, store)
+    plain = band_execution(execution.dtype, execution.device)
+    why = ("the recipe is not the golden one" if config.same_recipe() !=
+           golden_config(config.case) else f"no {execution.dtype} band is stored"
+           if execution.dtype not in STORED_DTYPES else "the stored bands are the CPU's")
+    say(f"training the float64 golden and the noise band ({members_count(plain)} "
+        f"rounding-only runs of {plain.label()}) here: {why}")
+    recipe = config.same_recipe()
+    reference = train(recipe, Execution("manual", "fp64", execution.device))
+    return reference, measure_band(CaseRuns(recipe), plain, reference)
+
+
+def check_against_golden(candidate: Trajectory, store: GoldenStore | None = None, *,
+                         say: Say = lambda line: None) -> TrajectoryComparison:
+    """The verdict on ``candidate`` (a zoo case's run) against the float64 golden of its
+    recipe and the noise band of its dtype (see :func:`golden_and_band`)."""
+    reference, band = golden_and_band(candidate.config, candidate.execution, store, say=say)
+    return compare_trajectories(candidate, reference, band,
+                                compute_dtype=candidate.execution.dtype)
+
+
+def judge_against_run(candidate: Trajectory, config: TrainConfig, execution: Execution, *,
+                      say: Say = lambda line: None) -> TrajectoryComparison:
+    """The verdict on ``candidate`` against ``config`` trained in this process under
+    ``execution`` (another backend, or one process for a distributed run), the noise band
+    that run's rounding-only ensemble spreads around it."""
+    say(f"training the same recipe on {execution.label()} in one process, and "
+        f"{members_count(execution) - 1} rounding-only runs of it for the noise band")
+    plain = train(config, execution)
+    band = measure_band(CaseRuns(config), execution, plain, plain=plain)
+    return compare_trajectories(candidate, plain, band, compute_dtype=execution.dtype)
 
 
 def _golden_meta(config: TrainConfig) -> dict[str, Any]:
@@ -160,7 +247,6 @@ def _golden_meta(config: TrainConfig) -> dict[str, Any]:
         data.update({f"{n}.{key}": value
                      for key, value in {**batch.inputs, "labels": batch.labels}.items()})
     return {
-        "kind": "trajectory",
         "train_config": config.to_dict(),
         "execution": GOLDEN_EXECUTION.to_dict(),
         "model_config": model.to_dict(),
@@ -177,13 +263,3 @@ def _check_fresh(summary: dict[str, Any], expected: dict[str, Any], command: str
         if summary.get(key) != expected[key]:
             raise GoldenStale(f"{path} was made with another {label} than the code has now; "
                               f"if the change is intended, regenerate it with `{command}`")
-
-
-def judge_parallel(candidate: Trajectory, config: TrainConfig, execution: Execution,
-                   store: GoldenStore) -> dict[str, TrajectoryComparison]:
-    """Judge a distributed run twice: against one process training the same recipe (noise from
-    that run and its reduction-order twin) and against the float64 golden (baseline: the
-    one-process run). Returns ``{"one process": ..., "float64 golden": ...}`` comparisons."""
-    single, twin = train(config, execution), train(reduction_twin(config), execution)
-    return {"one process": compare_trajectories(candidate, single, (single, twin)),
-            "float64 golden": check_against_golden(candidate, baseline=single, store=store)}

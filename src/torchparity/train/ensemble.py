@@ -1,5 +1,6 @@
-"""The noise band of a user's model: an ensemble of runs that differ from the plain run only in
-rounding, and their spread from the float64 trajectory at every step.
+"""The noise band of a recipe (a user's model's or a zoo case's): an ensemble of runs that
+differ from the plain run only in rounding, and their spread from a reference trajectory (the
+float64 one, or the run judged against) at every step.
 
 The members, all in the dtype judged:
 
@@ -20,17 +21,29 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from torchparity import machine, tolerance
-from torchparity.errors import UsageError, UserCodeError
-from torchparity.subject.model import Subject
-from torchparity.train.trainer import Execution, StepRecord, Trajectory
+from torchparity.errors import UserCodeError
+from torchparity.train.trainer import CaseRuns, Execution, StepRecord, TrainConfig, Trajectory
 from torchparity.train.trajectory import NoiseBand
-from torchparity.train.user_model import UserRecipe, train_user_model
+from torchparity.train.user_model import ModelRuns
 
 Advance = Callable[[], None]
+
+
+class Runs(Protocol):
+    """A recipe the ensemble trains: :class:`~torchparity.train.user_model.ModelRuns` (a user's
+    model) or :class:`~torchparity.train.trainer.CaseRuns` (a zoo case)."""
+
+    recipe: Any  # has ``steps`` and ``replace(rounding=...)``
+
+    def train(self, execution: Execution, *, perturb_seed: int | None = None,
+              rounding: str | None = None, advance: Advance = ...) -> Trajectory: ...
+
+    def spec(self) -> dict[str, Any]: ...
 
 
 def members_count(execution: Execution) -> int:
@@ -38,21 +51,20 @@ def members_count(execution: Execution) -> int:
     return 1 + tolerance.BAND_REROUNDINGS + len(_other_capabilities(execution))
 
 
-def measure_band(subject: Subject, recipe: UserRecipe, execution: Execution,
-                 reference: Trajectory, *, advance: Advance = lambda: None,
-                 plain: Trajectory | None = None) -> NoiseBand:
-    """Train the ensemble of ``subject`` under ``execution`` and measure its band around
-    ``reference`` (the float64 trajectory of the recipe). ``plain`` is the plain run when
-    the caller trained it already. ``advance()`` is called after every step of every run.
+def measure_band(recipe: Runs, execution: Execution, reference: Trajectory, *,
+                 advance: Advance = lambda: None, plain: Trajectory | None = None) -> NoiseBand:
+    """Train the ensemble of ``recipe`` under ``execution`` and measure its band around
+    ``reference`` (the float64 trajectory of the recipe, or the plain run judged against).
+    ``plain`` is the plain run when the caller trained it already. ``advance()`` is called
+    after every step of every run.
     """
-    runs = [plain or train_user_model(subject, recipe, execution, advance=advance)]
+    runs = [plain or recipe.train(execution, advance=advance)]
     for seed in range(1, tolerance.BAND_REROUNDINGS + 1):
-        member = recipe.replace(rounding=f"weights moved by one rounding, seed {seed}")
-        runs.append(train_user_model(subject, member, execution, perturb_seed=seed,
-                                     advance=advance))
+        runs.append(recipe.train(execution, perturb_seed=seed, advance=advance,
+                                 rounding=f"weights moved by one rounding, seed {seed}"))
     for capability in _other_capabilities(execution):
-        runs.append(_in_capability(subject, recipe, execution, capability))
-        for _ in range(recipe.steps):
+        runs.append(_in_capability(recipe, execution, capability))
+        for _ in range(recipe.recipe.steps):
             advance()
     return NoiseBand.measure(reference, runs, execution.dtype)
 
@@ -64,34 +76,33 @@ def _other_capabilities(execution: Execution) -> list[str]:
     return [c for c in machine.capabilities() if c != native]
 
 
-def _in_capability(subject: Subject, recipe: UserRecipe, execution: Execution,
-                   capability: str) -> Trajectory:
+def _in_capability(recipe: Runs, execution: Execution, capability: str) -> Trajectory:
     """The plain run in a process of its own that dispatches ``capability``."""
-    if ":" not in subject.entry or subject.entry.startswith("<"):
-        raise UsageError(f"the noise band reruns {subject.entry} under another instruction "
-                         "set in a process of its own: load it from an entry file.py:name")
     code = ("import sys; from torchparity.train.ensemble import member_main; "
             "member_main(sys.argv[1:])")
-    argv = [sys.executable, "-c", code, subject.entry, str(recipe.steps), execution.backend,
+    argv = [sys.executable, "-c", code, json.dumps(recipe.spec()), execution.backend,
             execution.dtype]
     done = subprocess.run(argv, env=machine.environment(capability), capture_output=True,
                           text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise UserCodeError(f"the run of {subject.entry} under {capability} failed: {last}")
+        raise UserCodeError(f"the run of {recipe.recipe.case} under {capability} failed: "
+                            f"{last}")
     records = [StepRecord(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
-    label = recipe.replace(rounding=f"instruction set {capability}")
+    label = recipe.recipe.replace(rounding=f"instruction set {capability}")
     return Trajectory(label, Execution(execution.backend, execution.dtype, "cpu"), records,
                       records[0].seconds if records else float("nan"),
                       notes=[f"ATEN_CPU_CAPABILITY={capability}"])
 
 
 def member_main(argv: list[str]) -> None:
-    """A member run in this process: ``ENTRY STEPS BACKEND DTYPE``; prints its records as one
-    JSON line (what :func:`_in_capability` reads)."""
+    """A member run in this process: ``SPEC BACKEND DTYPE``, ``SPEC`` the JSON of a
+    :class:`Runs`'s ``spec()``; prints its records as one JSON line (what
+    :func:`_in_capability` reads)."""
     import dataclasses
 
-    entry, steps, backend, dtype = argv
-    subject = Subject.load(entry)
-    run = train_user_model(subject, UserRecipe(entry, int(steps)), Execution(backend, dtype))
+    spec, backend, dtype = json.loads(argv[0]), argv[1], argv[2]
+    recipe = (CaseRuns(TrainConfig.from_dict(spec["case"])) if "case" in spec else
+              ModelRuns.from_spec(spec))
+    run = recipe.train(Execution(backend, dtype))
     print(json.dumps([dataclasses.asdict(r) for r in run.records]))

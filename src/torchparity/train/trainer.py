@@ -29,6 +29,7 @@ from torchparity import backends
 from torchparity.errors import UsageError
 from torchparity.reference import build_model, zoo
 from torchparity.reference.config import TransformerConfig
+from torchparity.subject.rounding import perturb_weights
 from torchparity.train.data import Corpus, TrainBatch, correct_tokens, token_losses
 
 # --- determinism ----------------------------------------------------------------------------
@@ -157,6 +158,8 @@ class TrainConfig:
     linearly for ``warmup_steps`` and then follows a cosine down to ``min_lr_ratio * lr`` at
     ``steps``. Gradients are clipped to ``clip_norm`` (None: no clipping). The loss is summed
     over target tokens and divided by the global count of ``normalization`` units.
+    ``rounding`` names the rounding-only change a member of the noise ensemble makes (None:
+    the plain run); it never changes the mathematics, so every member shares the recipe.
     """
 
     case: str = "llama-tiny"
@@ -175,6 +178,7 @@ class TrainConfig:
     min_len: int = 3
     max_len: int = 8
     seed: int = 0
+    rounding: str | None = None
 
     def __post_init__(self) -> None:
         if self.case not in zoo.names():
@@ -210,8 +214,9 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def same_recipe(self) -> TrainConfig:
-        """The recipe up to its micro-batch split: what two comparable runs share."""
-        return self.replace(accum_steps=1)
+        """The recipe up to its micro-batch split and rounding: what two comparable runs
+        share."""
+        return self.replace(accum_steps=1, rounding=None)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -431,6 +436,10 @@ LogFn = Callable[[str], None]
 class Trainer:
     """Runs a recipe under an execution, one optimizer step at a time.
 
+    ``perturb_seed`` moves the initial weights by one rounding of their dtype first
+    (:func:`~torchparity.subject.rounding.perturb_weights`): a rounding-only member of the
+    noise ensemble (:mod:`torchparity.train.ensemble`).
+
     ``parallelism`` (one of :data:`torchparity.train.parallel.PARALLELISMS`) expects an
     initialised default process group (``torchrun``) and spreads the model as that module
     describes. Every process builds the same global batch; the data-parallel ranks train on
@@ -441,7 +450,7 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, execution: Execution | None = None, *,
                  parallelism: str | None = None, log: LogFn | None = None,
-                 log_every: int = 0) -> None:
+                 log_every: int = 0, perturb_seed: int | None = None) -> None:
         self.started = time.perf_counter()
         self.config, self.execution = config, execution or Execution()
         execution = self.execution
@@ -457,6 +466,8 @@ class Trainer:
         model_config = config.model_config.replace(attention_backend=execution.backend)
         self.model = build_model(model_config, config.seed, dtype=mode.param_dtype,
                                  device=self.device)
+        if perturb_seed is not None:
+            perturb_weights(self.model, seed=perturb_seed)
         self.forward, self.mesh = self._wrap(self.model, parallelism)
         self.dp_rank, self.dp_size, self.dp_group = self._data_parallel_group(parallelism)
         if config.batch_size % (self.dp_size * config.accum_steps):
@@ -620,15 +631,42 @@ def format_log_line(window: list[StepRecord], total_steps: int, elapsed: float) 
 
 
 def train(config: TrainConfig, execution: Execution | None = None, *, log: LogFn | None = None,
-          log_every: int = 0) -> Trajectory:
-    """Run ``config`` under ``execution`` in this process and return its trajectory.
+          log_every: int = 0, perturb_seed: int | None = None,
+          advance: Callable[[], None] = lambda: None) -> Trajectory:
+    """Run ``config`` under ``execution`` in this process and return its trajectory;
+    ``advance()`` is called after every step, ``perturb_seed`` as :class:`Trainer` takes it.
 
     Two calls with equal arguments on the CPU give bit-identical trajectories (timings aside).
     Raises :class:`~torchparity.errors.BackendUnavailable` when the backend cannot train here
     (flex has no CPU backward, for instance) and :class:`~torchparity.errors.UsageError` for
     bad settings.
     """
-    return Trainer(config, execution, log=log, log_every=log_every).run()
+    trainer = Trainer(config, execution, log=log, log_every=log_every,
+                      perturb_seed=perturb_seed)
+    for step in range(1, config.steps + 1):
+        trainer.step(step)
+        advance()
+    return trainer.trajectory()
+
+
+@dataclass(frozen=True)
+class CaseRuns:
+    """A zoo case's recipe as the noise ensemble (:mod:`torchparity.train.ensemble`) trains
+    it: the same protocol as a user's model's
+    :class:`~torchparity.train.user_model.ModelRuns`."""
+
+    recipe: TrainConfig
+
+    def train(self, execution: Execution, *, perturb_seed: int | None = None,
+              rounding: str | None = None,
+              advance: Callable[[], None] = lambda: None) -> Trajectory:
+        """One run of the recipe under ``execution``, its rounding labelled ``rounding``."""
+        return train(self.recipe.replace(rounding=rounding), execution,
+                     perturb_seed=perturb_seed, advance=advance)
+
+    def spec(self) -> dict[str, Any]:
+        """What a member process rebuilds these runs from (:func:`ensemble.member_main`)."""
+        return {"case": self.recipe.to_dict()}
 
 
 def batch_at(config: TrainConfig, step: int) -> TrainBatch:

@@ -1,28 +1,19 @@
 """Trajectory comparison: do two training runs of one recipe follow the same path?
 
-Per step and per quantity (loss, gradient norm, update norm) the candidate may differ from the
-reference by the trajectory budget of :mod:`torchparity.tolerance`:
+Per step and per quantity (loss, gradient norm, update norm, per-group norms) the candidate may
+differ from the reference by the budget of the ``trajectory_band`` kind of
+:mod:`torchparity.tolerance`:
 
-    |candidate(n) - reference(n)| <= (fudge * noise(n) + floor) * (1 + per_step_growth * (n-1))
+    |candidate(n) - reference(n)| <= fudge * max(noise(n), noise floor) + floor
 
-``noise(n)`` is the running maximum over steps 1..n of a difference that rounding alone makes:
+``noise(n)`` is the noise band (a :class:`NoiseBand`, measured by
+:mod:`torchparity.train.ensemble`): the largest distance from the reference of an ensemble of
+runs that differ only in rounding, pooled over neighbouring steps. The band has measured how
+rounding differences grow over the run, so the budget has no growth term of its own. The
+reference is the float64 trajectory of the recipe (a golden), or the plain run the band's
+members perturb (a run judged against another backend, or against one process).
 
-- three-way (``baseline`` is one run): ``|baseline - reference|``, with the reference the float64
-  golden and the baseline the plain manual-attention run in the candidate's dtype and device;
-- two-run calibration (``baseline`` is a pair): ``|baseline_1 - baseline_2|``, two runs that
-  differ only in reduction order (see :func:`reduction_twin`);
-- a noise band (``baseline`` is a :class:`NoiseBand`, measured by
-  :mod:`torchparity.train.ensemble`): the largest distance from the float64 reference of an
-  ensemble of runs that differ only in rounding, pooled over neighbouring steps, and judged
-  by the ``trajectory_band`` kind: ``fudge * max(noise(n), noise floor) + floor``, no growth
-  term (the band has measured the growth).
-
-The running maximum is used because rounding differences compound and do not heal: a step at
-which the baseline happens to land close to the reference says nothing about the next one.
-``n - 1`` (the number of updates before the step) drives the growth, so step 1 is judged like a
-single forward and backward pass.
-
-The golden trajectories a run is judged against are stored and read by
+Zoo cases and users' models are judged alike; their golden trajectories are stored and read by
 :mod:`torchparity.golden.trajectories`; a step that parts is diagnosed module by module by
 :mod:`torchparity.diagnosis.pipelines.training_step`.
 """
@@ -36,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from torchparity import tolerance
-from torchparity.train.trainer import Execution, TrainConfig, Trajectory, train
+from torchparity.train.trainer import Trajectory
 
 Verdict = Literal["identical", "within", "diverged"]
 
@@ -132,7 +123,7 @@ class TrajectoryComparison:
         head = f"{self.candidate} vs {self.reference} ({self.calibration}, {self.compute_dtype})"
         steps = max((p.step for p in self.points), default=0)
         if self.verdict == "identical":
-            return f"identical: {head}: all {steps} steps bit-equal to the baseline."
+            return f"identical: {head}: all {steps} steps bit-equal to the reference."
         point = self.first_divergence or self.worst
         if point is None:
             return f"identical: {head}: no steps to compare."
@@ -222,88 +213,46 @@ def _percent(headroom: float) -> str:
     return f"{headroom:.0%}" if headroom >= 0.1 else f"{100 * headroom:.2g}%"
 
 
-def compare_trajectories(
-    candidate: Trajectory,
-    reference: Trajectory,
-    baseline: Trajectory | tuple[Trajectory, Trajectory] | NoiseBand,
-    *,
-    compute_dtype: str | None = None,
-) -> TrajectoryComparison:
-    """Judge ``candidate`` against ``reference`` step by step (see the module docstring).
+def compare_trajectories(candidate: Trajectory, reference: Trajectory, band: NoiseBand, *,
+                         compute_dtype: str | None = None) -> TrajectoryComparison:
+    """Judge ``candidate`` against ``reference`` step by step within ``band`` (see the module
+    docstring).
 
-    ``baseline`` is one run (three-way rule, ``reference`` being the golden), a pair of runs
-    that differ only in reduction order (two-run calibration) or a :class:`NoiseBand` around
-    ``reference`` (the float64 trajectory). All runs must share the recipe and have at least
-    the candidate's number of steps. ``compute_dtype`` (default: the candidate's dtype mode)
-    sets the unit roundoff of the floor.
+    Args:
+        candidate: the run judged.
+        reference: the trajectory it should follow: the float64 golden, or the plain run
+            ``band`` was measured around. Both share the recipe; the reference has at least
+            the candidate's steps.
+        band: the noise band around ``reference``.
+        compute_dtype: sets the unit roundoff of the floor (default: the candidate's dtype).
 
-    Guarantees: a candidate bit-equal to the baseline is ``identical``; NaN or inf where the
-    reference is finite diverges, except a gradient overflow at a step the baseline skipped too
-    (fp16 loss scaling), which is excused and noted.
+    Returns:
+        The comparison. A candidate bit-equal to the reference is ``identical``; NaN or inf
+        where the reference is finite diverges, except a gradient overflow at a step where a
+        member of the band overflowed too (fp16 loss scaling), which is excused and noted.
     """
-    band = baseline if isinstance(baseline, NoiseBand) else None
-    pair = isinstance(baseline, tuple)
-    runs = [candidate, reference, *(baseline if pair else () if band else (baseline,))]
-    _check_compatible(runs)
+    _check_compatible([candidate, reference])
     steps = len(candidate.records)
     dtype = compute_dtype or candidate.execution.mode.compute_dtype
     quantities = [q for q in candidate.quantities() if q in reference.quantities()]
-    if band is not None:
-        noise_a = None
-        calibration = band.label()
-        envelopes = {q: band.pooled(q)[:steps] for q in quantities}
-    else:
-        noise_a, noise_b = baseline if pair else (baseline, reference)
-        calibration = (f"noise of {noise_a.label()} vs its reduction-order twin" if pair else
-                       f"baseline {noise_a.label()}")
-        a, b = noise_a.series(), noise_b.series()
-        envelopes = {q: _running_max((a[q][:steps] - b[q][:steps]).abs()
-                                     .nan_to_num(nan=math.inf)) for q in quantities}
+    envelopes = {q: band.pooled(q)[:steps] for q in quantities}
     cand, ref = candidate.series(), reference.series()
     points = [_point(q, n, cand[q][n - 1].item(), ref[q][n - 1].item(),
-                     envelopes[q][n - 1].item(), dtype,
-                     noise_a is not None and _skipped_by_both(candidate, noise_a, n),
-                     band=band is not None)
+                     envelopes[q][n - 1].item(), dtype, _skipped_by_both(candidate, band, n))
               for q in quantities for n in range(1, steps + 1)]
     points.sort(key=lambda p: (p.step, quantities.index(p.quantity)))
-    identical = not pair and band is None and _bit_equal(cand, baseline.series(), steps)
-    return TrajectoryComparison(candidate.label(), reference.label(), calibration, dtype,
-                                points, identical, list(candidate.notes), quantities)
-
-
-def reduction_twin(config: TrainConfig) -> TrainConfig:
-    """The same recipe with each step's batch split into twice the micro-batches (or, when
-    rows do not allow that, merged into one): identical mathematics, a different summation
-    order of every gradient. Two runs of a config and its twin measure rounding noise."""
-    doubled = config.accum_steps * 2
-    if config.batch_size % doubled == 0:
-        return config.replace(accum_steps=doubled)
-    if config.accum_steps > 1:
-        return config.replace(accum_steps=1)
-    raise ValueError(f"batch_size={config.batch_size} has no second micro-batch split; "
-                     "use an even batch size for two-run calibration")
-
-
-def judge_against(candidate: Trajectory, config: TrainConfig,
-                  reference: Execution) -> TrajectoryComparison:
-    """Compare ``candidate`` with the same recipe trained under ``reference`` (another backend,
-    say), the noise measured from that run and its :func:`reduction_twin`."""
-    baseline, twin = train(config, reference), train(reduction_twin(config), reference)
-    return compare_trajectories(candidate, baseline, (baseline, twin))
+    return TrajectoryComparison(candidate.label(), reference.label(), band.label(), dtype,
+                                points, _bit_equal(cand, ref, steps), list(candidate.notes),
+                                quantities)
 
 
 def _point(quantity: str, step: int, candidate: float, reference: float, noise: float,
-           dtype: str, excused: bool, *, band: bool = False) -> Point:
+           dtype: str, excused: bool) -> Point:
     if excused and quantity != "loss":
         return Point(step, quantity, candidate, reference, noise, 0.0, math.inf, 0.0,
-                     "step skipped by fp16 loss scaling in candidate and baseline alike")
-    if band:
-        budget = tolerance.band_budget(reference, noise if math.isfinite(noise) else 0.0,
-                                       dtype).value
-    else:
-        value = torch.tensor(reference, dtype=torch.float64)
-        budget = tolerance.budget(value, baseline_error=noise if math.isfinite(noise) else None,
-                                  compute_dtype=dtype, kind="trajectory", step=step - 1).value
+                     "step skipped by fp16 loss scaling in the candidate and in the band")
+    budget = tolerance.band_budget(reference, noise if math.isfinite(noise) else 0.0,
+                                   dtype).value
     if not math.isfinite(noise):
         budget = math.inf
     if not math.isfinite(candidate) and math.isfinite(reference):
@@ -314,12 +263,11 @@ def _point(quantity: str, step: int, candidate: float, reference: float, noise: 
     return Point(step, quantity, candidate, reference, noise, error, budget, headroom)
 
 
-def _running_max(x: torch.Tensor) -> torch.Tensor:
-    return torch.cummax(x, dim=0).values if x.numel() else x
-
-
-def _skipped_by_both(candidate: Trajectory, baseline: Trajectory, step: int) -> bool:
-    return candidate.records[step - 1].skipped and baseline.records[step - 1].skipped
+def _skipped_by_both(candidate: Trajectory, band: NoiseBand, step: int) -> bool:
+    # A member whose fp16 step overflowed has an infinite gradient norm there: an infinite band.
+    spread = band.spread["grad_norm"]
+    return (candidate.records[step - 1].skipped and step <= spread.numel()
+            and not math.isfinite(spread[step - 1].item()))
 
 
 def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], steps: int) -> bool:
@@ -333,7 +281,7 @@ def _check_compatible(runs: list[Trajectory]) -> None:
             raise ValueError(f"trajectories of different recipes cannot be compared: "
                              f"{run.config} vs {recipe}")
         if len(run.records) < len(runs[0].records):
-            raise ValueError(f"a reference or baseline run has {len(run.records)} steps, fewer "
+            raise ValueError(f"the reference has {len(run.records)} steps, fewer "
                              f"than the candidate's {len(runs[0].records)}")
 
 

@@ -221,6 +221,35 @@ def train_user_model(subject: Subject, recipe: UserRecipe, execution: Execution,
     return trainer.trajectory()
 
 
+@dataclass(frozen=True)
+class ModelRuns:
+    """A user's model's recipe as the noise ensemble (:mod:`torchparity.train.ensemble`)
+    trains it: the same protocol as a zoo case's :class:`~torchparity.train.trainer.CaseRuns`."""
+
+    subject: Subject
+    recipe: UserRecipe
+
+    def train(self, execution: Execution, *, perturb_seed: int | None = None,
+              rounding: str | None = None,
+              advance: Callable[[], None] = lambda: None) -> Trajectory:
+        """One run of the recipe under ``execution``, its rounding labelled ``rounding``."""
+        return train_user_model(self.subject, self.recipe.replace(rounding=rounding),
+                                execution, perturb_seed=perturb_seed, advance=advance)
+
+    def spec(self) -> dict[str, Any]:
+        """What a member process rebuilds these runs from: the entry, loaded again there."""
+        entry = self.subject.entry
+        if ":" not in entry or entry.startswith("<"):
+            raise UsageError(f"the noise band reruns {entry} under another instruction set in "
+                             "a process of its own: load it from an entry file.py:name")
+        return {"entry": entry, "steps": self.recipe.steps}
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> ModelRuns:
+        """The runs :meth:`spec` describes, the factory loaded in this process."""
+        return cls(Subject.load(spec["entry"]), UserRecipe(spec["entry"], spec["steps"]))
+
+
 def _norm(parts: list[torch.Tensor | float | None]) -> float:
     values = [float(p) for p in parts if p is not None]
     return math.sqrt(sum(v * v for v in values))
