@@ -58,10 +58,12 @@ def run(args: argparse.Namespace) -> int:
         positions = (low, high)
     backends = [None if b == AS_WRITTEN else b for b in args.backend or [AS_WRITTEN]]
     try:
-        line = shell.run_twins(args.old, args.new, args.inputs, init=shell.parse_init(args.init),
-                         dtypes=args.dtype or ["fp32"], backends=backends,
-                         weight_map=args.weight_map, cache=args.cache, mask=args.mask,
-                         positions=positions, examples=args.examples, seed=args.seed)
+        options = shell.twin_options(shell.parse_init(args.init), args.weight_map, args.cache,
+                                     args.seed)
+        line = shell.run_twins(args.old, args.new,
+                               shell.InputsSpec(args.inputs, args.mask, positions), options,
+                               dtypes=args.dtype or ["fp32"], backends=backends,
+                               examples=args.examples)
     except TwinFailure as failure:
         print(failure)
         return 1

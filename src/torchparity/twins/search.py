@@ -10,7 +10,8 @@ and the caller's ``database_key``, and tried first on the next run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -19,38 +20,51 @@ from hypothesis.strategies import SearchStrategy
 from torch import nn
 
 from torchparity.threads import single_thread
-from torchparity.twins.building import Buildable, WeightMap
-from torchparity.twins.checking import CacheFactory, assert_twins
-from torchparity.twins.strategies import Range, TwinInputs, constructor_args
+from torchparity.twins.building import Buildable
+from torchparity.twins.checking import TwinOptions, assert_twins
+from torchparity.twins.strategies import TwinInputs, constructor_args
 
 InputsStrategy = SearchStrategy[TwinInputs] | Callable[[dict], SearchStrategy[TwinInputs]]
 
 
 def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
-                init: Mapping[str, Range] | None = None, dtypes: Sequence[str] = ("fp32",),
-                backends: Sequence[str | None] = (None,), weight_map: WeightMap | None = None,
-                cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None,
-                grads: bool = True, max_examples: int = 100, device: str = "cpu",
-                database_key: str = "") -> int:
+                options: TwinOptions | None = None, dtypes: Sequence[str] = ("fp32",),
+                backends: Sequence[str | None] = (None,), max_examples: int = 100,
+                database_key: str = "", **keywords: Any) -> int:
     """Check ``new`` against ``old`` on drawn examples and return how many passed;
     ``AssertionError`` for the smallest failing one, with its explanation and reproducer.
 
-    ``init`` gives the constructor arguments' ranges (see
-    :func:`~torchparity.twins.strategies.constructor_args`); ``inputs`` is a strategy of
-    :class:`~torchparity.twins.strategies.TwinInputs` (or of plain inputs), or a function of
-    the drawn constructor arguments that returns one
-    (``lambda a: attention_inputs(a["d_model"])``).
-    Each example draws a dtype from ``dtypes``, a backend from ``backends`` (None: the modules
-    as written) and a weight seed; everything runs on ``device``. ``max_examples`` is
-    hypothesis' own default, whatever the profile (which sets the rest: seeds, the database);
-    the other arguments are
-    :func:`~torchparity.twins.assert_twins`'s.
+    Each example draws the constructor arguments from the ranges ``init`` gives (see
+    :func:`~torchparity.twins.strategies.constructor_args`), an example of ``inputs``, a
+    dtype from ``dtypes``, a backend from ``backends`` (None: the modules as written) and a
+    weight seed, and runs :func:`~torchparity.twins.assert_twins` on it with the other
+    options (``weight_map``, ``grads``, ``cache``, ``device``).
+
+    Args:
+        old, new: the two implementations (modules, classes or factories).
+        inputs: a strategy of :class:`~torchparity.twins.strategies.TwinInputs` (or of plain
+            inputs), or a function of the drawn constructor arguments that returns one
+            (``lambda a: attention_inputs(a["d_model"])``).
+        options: a :class:`~torchparity.twins.TwinOptions` whose ``init`` holds ranges; its
+            ``dtype``, ``backend``, ``seed`` and ``padding`` are drawn per example. Its
+            fields may also be given as keywords (``init=``, ``weight_map=``), which replace
+            those of ``options``.
+        dtypes: the dtypes drawn from.
+        backends: the attention backends drawn from.
+        max_examples: hypothesis' ``max_examples``, whatever the profile (which sets the
+            rest: seeds, the database).
+        database_key: tells this search's failures in hypothesis' database from another's
+            of the same two implementations.
+
+    Returns:
+        How many examples passed.
     """
+    o = TwinOptions.of(options, keywords)
     passed = 0
 
     def one_example(data: st.DataObject) -> None:
         nonlocal passed
-        arguments = data.draw(constructor_args(**(init or {})), label="init")
+        arguments = data.draw(constructor_args(**(o.init or {})), label="init")
         strategy = inputs(arguments) if callable(inputs) else inputs
         example = data.draw(strategy, label="inputs")
         if not isinstance(example, TwinInputs):  # a strategy of plain inputs
@@ -58,9 +72,8 @@ def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
         dtype = data.draw(st.sampled_from(list(dtypes)), label="dtype")
         backend = data.draw(st.sampled_from(list(backends)), label="backend")
         seed = data.draw(st.integers(0, 2**16), label="weight seed")
-        assert_twins(old, new, example.inputs, dtype=dtype, backend=backend, init=arguments,
-                     seed=seed, weight_map=weight_map, grads=grads, padding=example.padding,
-                     cache=cache, device=device)
+        assert_twins(old, new, example.inputs, replace(
+            o, dtype=dtype, backend=backend, init=arguments, seed=seed, padding=example.padding))
         passed += 1
 
     # Without this every caller's search would share one database key (this function's).

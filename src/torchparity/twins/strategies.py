@@ -120,21 +120,36 @@ def causal(q_len: int, k_len: int) -> torch.Tensor:
 @st.composite
 def attention_inputs(draw: st.DrawFn, d_model: int, *, batch: Range = (1, 3),
                      seq: Range = (1, 8), mask: str | Sequence[str] = "key-padding",
-                     padding: str | Sequence[str] = PADDINGS, empty_rows: bool = True,
+                     padding: str | Sequence[str] = PADDINGS,
                      positions: tuple[int, int] | None = None,
                      names: Mapping[str, str] = NAMES) -> TwinInputs:
     """Keyword inputs of a causal self-attention: hidden states, a mask in the ``mask``
     convention (or one drawn from several), padded on a side drawn from ``padding`` (every
-    row its own length; with ``empty_rows`` a row may be all padding), and with
-    ``positions=(lo, hi)`` position ids counting real tokens from an offset drawn there
-    (where a model continues a long text). ``names`` renames the arguments."""
+    row its own length, a row possibly all padding), and with ``positions=(lo, hi)``
+    position ids counting real tokens from an offset drawn there (where a model continues a
+    long text).
+
+    Args:
+        draw: hypothesis' draw (given by ``@st.composite``).
+        d_model: the width of the hidden states.
+        batch: the rows drawn from.
+        seq: the sequence lengths drawn from.
+        mask: the mask convention, or several drawn from (:data:`MASKS`).
+        padding: the padding side, or several drawn from.
+        positions: the range of the position ids' offset; None: no position ids.
+        names: the arguments' names by role (hidden, mask, positions), renaming
+            :data:`NAMES`.
+
+    Returns:
+        A strategy of :class:`TwinInputs`, their ``padding`` True at padded positions.
+    """
     names = {**NAMES, **names}
     convention = draw(_strategy(mask if isinstance(mask, str) else list(mask), {}))
     side = "none" if convention in ("none", "causal") else draw(_strategy(
         padding if isinstance(padding, str) else list(padding), {}))
     hidden = draw(hidden_states(d_model, batch=batch, seq=seq))
     rows, length = hidden.shape[:2]
-    shortest = length if side == "none" else 0 if empty_rows else 1
+    shortest = length if side == "none" else 0
     lengths = [draw(st.integers(shortest, length), label="real tokens") for _ in range(rows)]
     _, real = tps.pad_rows([[1] * n for n in lengths], side, length)
     real = torch.ones(rows, length, dtype=torch.bool) if real is None else real.bool()
