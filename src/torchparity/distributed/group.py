@@ -7,11 +7,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from torchparity.errors import TorchParityError, UsageError
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 #: Seconds a collective waits for the other ranks (environment variable, default 300).
 COLLECTIVE_TIMEOUT_ENV = "TORCHPARITY_COLLECTIVE_TIMEOUT"
@@ -19,24 +22,45 @@ _DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 
 
 def under_torchrun() -> bool:
-    """Whether this process is one rank of ``torchrun`` (or another launcher setting its
-    ``RANK`` and ``WORLD_SIZE``)."""
+    """Whether this process is one rank of ``torchrun``.
+
+    Returns:
+        True where ``RANK`` and ``WORLD_SIZE`` are set (by torchrun or another launcher).
+    """
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def rank() -> int:
-    """This process's rank (0 outside torchrun)."""
+    """This process's rank.
+
+    Returns:
+        ``$RANK``, 0 outside torchrun.
+    """
     return int(os.environ.get("RANK", "0"))
 
 
 def world_size() -> int:
-    """The number of ranks (1 outside torchrun)."""
+    """The number of ranks.
+
+    Returns:
+        ``$WORLD_SIZE``, 1 outside torchrun.
+    """
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def seconds_from_env(name: str, default: float) -> float:
-    """The number of seconds ``$name`` holds, ``default`` where it is unset or empty; a
-    :class:`UsageError` naming the variable where it is not a number."""
+    """The number of seconds ``$name`` holds.
+
+    Args:
+        name: the environment variable.
+        default: the seconds where it is unset or empty.
+
+    Returns:
+        The seconds.
+
+    Raises:
+        UsageError: the variable is not a number, naming it.
+    """
     text = os.environ.get(name)
     try:
         return float(text) if text else default
@@ -45,12 +69,20 @@ def seconds_from_env(name: str, default: float) -> float:
 
 
 def collective_timeout() -> float:
-    """Seconds a collective waits for the other ranks: ``$TORCHPARITY_COLLECTIVE_TIMEOUT``."""
+    """Seconds a collective waits for the other ranks before naming those that did not come.
+
+    Returns:
+        ``$TORCHPARITY_COLLECTIVE_TIMEOUT``, default 300.
+    """
     return seconds_from_env(COLLECTIVE_TIMEOUT_ENV, _DEFAULT_COLLECTIVE_TIMEOUT)
 
 
 def device_type() -> str:
-    """``cuda`` when this machine has a GPU for the ranks (nccl joins gloo), else ``cpu``."""
+    """The device the ranks' tensors live on.
+
+    Returns:
+        ``cuda`` when this machine has a GPU for the ranks (nccl joins gloo), else ``cpu``.
+    """
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
 
 
@@ -84,9 +116,26 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
+def abandon() -> None:
+    """Leave the process group at once, waiting for no other rank: a rank that fails alone
+    then ends, and torchrun stops the others, which would wait for it in their next
+    collective (or in :func:`leave`'s barrier) until the collective timeout."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def together(what: str) -> None:
-    """Wait until every rank reaches ``what``; a rank that does not come within the collective
-    timeout is named in a one-line :class:`TorchParityError` (gloo), or the barrier's own."""
+    """Wait until every rank reaches ``what``; a no-op outside a process group.
+
+    Args:
+        what: the phase, as a message names it (``the fp32 run``).
+
+    Raises:
+        TorchParityError: a rank did not come within the collective timeout, naming it (gloo;
+            nccl's barrier says what it can).
+    """
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -107,8 +156,14 @@ _PHASE_KEY = "torchparity/phase/"
 
 
 def mark(phase: str) -> None:
-    """Note in the ranks' store that this rank is at ``phase`` (what :func:`where_others_are`
-    reads when a collective fails)."""
+    """Note in the ranks' store that this rank is at ``phase``.
+
+    :func:`where_others_are` reads it when a collective fails, so the message says which rank
+    lagged and where.
+
+    Args:
+        phase: what this rank does now.
+    """
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -116,8 +171,11 @@ def mark(phase: str) -> None:
 
 
 def where_others_are() -> str:
-    """Which ranks are not where this one is, as ``rank 1 is at sharding the fp32 run`` ("every
-    rank is here" when none): said when a collective fails or times out."""
+    """Which ranks are not where this one is, said when a collective fails or times out.
+
+    Returns:
+        ``rank 1 is at sharding the fp32 run``, or "every rank is here" when none.
+    """
     store, here = _store(), None
     phases = {}
     for other in range(world_size()):
@@ -128,16 +186,22 @@ def where_others_are() -> str:
     return ", ".join(behind) or "every rank is here"
 
 
-def _store() -> Any:
+def _store() -> Store:
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
 
 
 def collective_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised by a collective (a rank that died, or did not come within
-    the timeout): raised through torch.distributed (a DTensor's gather raises from torch's
-    dispatcher beneath it), or wrapping an exception raised there."""
+    """Whether ``exc`` was raised by a collective: a rank that died, or did not come in time.
+
+    Args:
+        exc: an exception caught in a rank.
+
+    Returns:
+        True when it was raised through torch.distributed (a DTensor's gather raises from
+        torch's dispatcher beneath it), or wraps an exception raised there.
+    """
     import traceback
 
     def distributed(frame: traceback.FrameSummary) -> bool:

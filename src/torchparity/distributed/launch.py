@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from torchparity.errors import TorchParityError
 
@@ -54,12 +55,22 @@ class RankOutcome:
 
 def launch(module: str, args: list[str], *, nproc: int, timeout: float,
            log: Callable[[str], None] | None = None) -> RankOutcome:
-    """Run ``python -m module *args`` as ``nproc`` ranks under torchrun; return when all exit
-    0, or when every rank recorded its exit status (:func:`record_outcome`): the worst one.
+    """Run ``python -m module *args`` as ``nproc`` ranks under torchrun, leaving nothing behind.
 
-    Raises :class:`~torchparity.errors.TorchParityError` naming the rank that failed and its
-    message, or saying that the run exceeded ``timeout`` seconds (everything started is
-    stopped first).
+    Args:
+        module: the module each rank runs.
+        args: its command line.
+        nproc: the ranks.
+        timeout: seconds the whole run may take.
+        log: called with each line the workers print, as it arrives.
+
+    Returns:
+        The worst exit status the ranks recorded (:func:`record_outcome`), or status 0 when
+        all exited 0 without one.
+
+    Raises:
+        TorchParityError: a rank failed, naming it and its message, or the run exceeded
+            ``timeout`` (everything started is stopped first).
     """
     with tempfile.TemporaryDirectory(prefix="torchparity-run-") as tmp:
         errors = Path(tmp)
@@ -94,7 +105,11 @@ def launch(module: str, args: list[str], *, nproc: int, timeout: float,
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """End ``proc``'s process group: SIGTERM, then SIGKILL after :data:`GRACE_SECONDS`."""
+    """End ``proc``'s process group: SIGTERM, then SIGKILL after :data:`GRACE_SECONDS`.
+
+    Args:
+        proc: torchrun, started in a session of its own.
+    """
     for sig, wait in ((signal.SIGTERM, GRACE_SECONDS), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
@@ -111,7 +126,12 @@ def die_with_parent() -> None:
 
 
 def record_failure(rank: int, exc: BaseException) -> None:
-    """Leave ``exc``'s one-line message where :func:`launch` finds it (inside a worker)."""
+    """Leave ``exc``'s one-line message where :func:`launch` finds it (inside a worker).
+
+    Args:
+        rank: this worker's rank.
+        exc: the exception it fails with.
+    """
     folder = os.environ.get(_ERROR_DIR)
     if folder:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -120,8 +140,14 @@ def record_failure(rank: int, exc: BaseException) -> None:
 
 
 def record_outcome(status: int, message: str | None = None) -> None:
-    """Leave this rank's exit status and one-line message where :func:`launch` finds them (a
-    no-op outside a run it started)."""
+    """Leave this rank's exit status and message where :func:`launch` finds them.
+
+    A no-op outside a run it started.
+
+    Args:
+        status: the command's exit status (1: a check failed).
+        message: its one-line message, or None.
+    """
     folder, rank = os.environ.get(_ERROR_DIR), os.environ.get("RANK")
     if folder and rank is not None:
         Path(folder, f"rank{rank}.outcome").write_text(f"{status}\n{message or ''}")
@@ -162,7 +188,7 @@ def _first_failure(errors: Path) -> str | None:
     return f"rank {first.stem.removeprefix('rank')}: {first.read_text()}"
 
 
-def _forward(stream, log: Callable[[str], None] | None) -> None:
+def _forward(stream: IO[str], log: Callable[[str], None] | None) -> None:
     for line in stream:
         if log is not None:
             log(line.rstrip("\n"))

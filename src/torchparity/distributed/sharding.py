@@ -1,10 +1,11 @@
 """A user's model sharded over the ranks of ``torchrun``: by its own plan, or by its factory.
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank joins one process group
-(:func:`~.group.join`: gloo on the CPU, nccl on CUDA) and loads the factory, whose model the factory's
-``parallelize(model, mesh)`` (:func:`shard`) then shards in place, in its own dtype, over the
-mesh the factory asks for, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left; none
-given: one dimension ``"shard"`` over every rank): each rank keeps its part only (:func:`hold`).
+(:func:`~.group.join`: gloo on the CPU, nccl on CUDA) and loads the factory, whose model the
+factory's ``parallelize(model, mesh)`` (:func:`shard`) then shards in place, in its own dtype,
+over the mesh the factory asks for, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left;
+none given: one dimension ``"shard"`` over every rank): each rank keeps its part only
+(:func:`hold`).
 A run's copy in its dtype is planned on the meta device by the same plan, and each rank fills
 its own part from its part of the factory's model (:func:`placed`): no rank ever holds the whole
 model in a run's dtype. A plan that shards a parameter unevenly is refused with one line: its
@@ -26,7 +27,7 @@ import copy
 import itertools
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from torchparity.errors import UsageError
 from torchparity.subject import hf
 from torchparity.subject.factory import call_factory, resolve_entry
 from torchparity.subject.running import (
+    Inputs,
     cast_inputs,
     converted,
     grad_hooks,
@@ -54,9 +56,20 @@ if TYPE_CHECKING:  # importing torch.distributed's mesh module takes seconds
 DEFAULT_DIMENSION = "shard"
 
 
-def mesh_sizes(shape: Any, ranks: int, label: str) -> dict[str, int]:
-    """The factory's ``mesh`` as ``{dimension: size}`` over ``ranks``: a -1 becomes the ranks
-    left; a shape whose sizes do not multiply to ``ranks`` is a one-line :class:`UsageError`."""
+def mesh_sizes(shape: object, ranks: int, label: str) -> dict[str, int]:
+    """The factory's ``mesh`` as ``{dimension: size}`` over ``ranks``; a -1 becomes the ranks left.
+
+    Args:
+        shape: the factory's ``mesh``, unchecked (None: one dimension over every rank).
+        ranks: the ranks (``--nproc``).
+        label: the factory's name in messages.
+
+    Returns:
+        The sizes by dimension name, multiplying to ``ranks``.
+
+    Raises:
+        UsageError: the shape is malformed, or its sizes do not fit ``ranks``.
+    """
     if shape is None:
         return {DEFAULT_DIMENSION: ranks}
     if not (isinstance(shape, Mapping) and shape and all(
@@ -81,7 +94,15 @@ def mesh_sizes(shape: Any, ranks: int, label: str) -> dict[str, int]:
 
 
 def device_mesh(subject: Subject, device: str | torch.device) -> DeviceMesh:
-    """The mesh ``subject``'s factory asks for, over every rank, for tensors on ``device``."""
+    """The mesh ``subject``'s factory asks for, over every rank.
+
+    Args:
+        subject: the user's model.
+        device: where the mesh's tensors live.
+
+    Returns:
+        The mesh, its dimensions named as the factory named them.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     sizes = mesh_sizes(subject.mesh, world_size(), subject.entry)
@@ -90,8 +111,20 @@ def device_mesh(subject: Subject, device: str | torch.device) -> DeviceMesh:
 
 
 def shard(subject: Subject, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """``model`` (a copy of the factory's, in the run's dtype) sharded by the factory's
-    ``parallelize(model, mesh)``; the model it returns, else ``model`` sharded in place."""
+    """``model`` sharded by the factory's ``parallelize(model, mesh)``, checked to fit the mesh.
+
+    Args:
+        subject: the user's model, whose plan shards.
+        model: a copy of the factory's model, in the run's dtype.
+        mesh: the mesh it is sharded over.
+
+    Returns:
+        The model the plan returns, else ``model`` sharded in place.
+
+    Raises:
+        UsageError: the plan splits a parameter unevenly or a head (:func:`refuse_unfit`).
+        UserCodeError: the plan raised.
+    """
     plan = subject.parallelize
     returned = subject.guarded(lambda: plan(model, mesh), "its parallelize")
     sharded = returned if isinstance(returned, nn.Module) else model
@@ -100,15 +133,32 @@ def shard(subject: Subject, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def shards_itself(model: nn.Module) -> bool:
-    """Whether the factory returned its model sharded already (it called ``fully_shard`` or
-    ``parallelize_module`` itself, under torchrun): some of its parameters are DTensors."""
+    """Whether the factory returned its model sharded already.
+
+    Args:
+        model: the factory's model.
+
+    Returns:
+        True when some parameters are DTensors (it called ``fully_shard`` or
+        ``parallelize_module`` itself, under torchrun).
+    """
     return any(is_dtensor(param) for param in model.parameters())
 
 
 def sliced_by_hand(subject: Subject, model: nn.Module) -> slices.Slices:
-    """The slices of a model the factory sharded by hand: as it declares them (its
-    ``shards``), else as found in the model it builds as one process. A model no rank holds
-    a slice of has no sharding to check: a one-line :class:`UsageError`."""
+    """Where the slices of a model the factory sharded by hand lie in the one-process weights.
+
+    Args:
+        subject: the user's model.
+        model: this rank's model as the factory built it.
+
+    Returns:
+        The slices as the factory declares them (its ``shards``), else as found in the model
+        it builds as one process.
+
+    Raises:
+        UsageError: no rank holds a slice: the model is not sharded at all.
+    """
     if subject.split is not None:
         return slices.declared_slices(model, subject.split, world_size(), rank(),
                                       subject.entry)
@@ -123,8 +173,15 @@ def sliced_by_hand(subject: Subject, model: nn.Module) -> slices.Slices:
 
 
 def refuse_unfit(subject: Subject, model: nn.Module) -> None:
-    """A one-line :class:`UsageError` where ``model``'s sharding splits a parameter unevenly
-    or a head (:func:`uneven_shard`, :func:`split_heads`)."""
+    """Refuse a sharding whose ranks would pad a parameter or split a head.
+
+    Args:
+        subject: the user's model, named in the message.
+        model: the sharded model.
+
+    Raises:
+        UsageError: see :func:`uneven_shard` and :func:`split_heads`.
+    """
     unfit = uneven_shard(model) or split_heads(model)
     if unfit:
         sharding = ("the plan of" if subject.parallelize is not None
@@ -134,8 +191,14 @@ def refuse_unfit(subject: Subject, model: nn.Module) -> None:
 
 
 def uneven_shard(model: nn.Module) -> str | None:
-    """How the first parameter sharded unevenly is split (its ranks would hold padding, or
-    half a head), or None."""
+    """How the first parameter sharded unevenly is split (its ranks would hold padding).
+
+    Args:
+        model: a sharded model.
+
+    Returns:
+        The split, for a message, or None.
+    """
     from torch.distributed.tensor import DTensor, Shard
 
     for name, param in model.named_parameters():
@@ -152,9 +215,16 @@ def uneven_shard(model: nn.Module) -> str | None:
 
 
 def split_heads(model: nn.Module) -> str | None:
-    """How the first attention module (one with a ``head_dim``) whose heads do not divide
-    among the ranks of a sharded dimension is split (a rank would hold part of a head), or
-    None."""
+    """How the first attention module whose heads do not divide among the ranks is split.
+
+    An attention module is one with a ``head_dim``; a rank would hold part of a head.
+
+    Args:
+        model: a sharded model.
+
+    Returns:
+        The split, for a message, or None.
+    """
     from torch.distributed.tensor import DTensor, Shard
 
     for module_name, module in model.named_modules():
@@ -191,7 +261,7 @@ class WholeState(Mapping):
         where = self._held.of(name)
         return slices.whole_of(tensor, where) if where else rank_zeros(tensor)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._state)
 
     def __len__(self) -> int:
@@ -199,7 +269,14 @@ class WholeState(Mapping):
 
 
 def rank_zeros(tensor: torch.Tensor) -> torch.Tensor:
-    """Rank 0's value of ``tensor``, which every rank holds whole, on every rank."""
+    """Rank 0's value of ``tensor``, which every rank holds whole, on every rank.
+
+    Args:
+        tensor: this rank's copy (a collective: every rank calls it).
+
+    Returns:
+        A new tensor with rank 0's values.
+    """
     import torch.distributed as dist
 
     copy_of = tensor.detach().clone()
@@ -208,20 +285,35 @@ def rank_zeros(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor gathered into the plain tensor it stands for (every rank gets it); a plain
-    tensor as it is."""
+    """A DTensor gathered into the plain tensor it stands for, on every rank.
+
+    Args:
+        tensor: a DTensor (a collective: every rank calls it), or a plain tensor.
+
+    Returns:
+        The whole tensor; a plain tensor as it is.
+    """
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def flat_chunks(tensor: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
-    """The whole flat value of a DTensor (not partial) in runs of ``size`` elements, in order,
-    each run made on every rank of its mesh when it is read: no rank holds more of the tensor
-    than its part and one run. Each rank writes the elements of its part that fall in the run,
-    the others leave zeros, and the runs' bits are summed as integers over each dimension of
-    the mesh (-0.0 and a NaN's payload survive, as they would not a floating sum); along a
-    dimension its part is replicated over, only the first rank writes."""
+    """The whole flat value of a DTensor, in runs of ``size`` elements, never whole on one rank.
+
+    Each run is made on every rank of its mesh when it is read: each rank writes the
+    elements of its part that fall in the run, the others leave zeros, and the runs' bits are
+    summed as integers over each dimension of the mesh (-0.0 and a NaN's payload survive, as
+    they would not a floating sum); along a dimension its part is replicated over, only the
+    first rank writes.
+
+    Args:
+        tensor: a DTensor whose ranks hold parts, not partial sums (see :func:`in_parts`).
+        size: the elements of a run.
+
+    Yields:
+        The runs in order, the last one shorter, in the tensor's dtype.
+    """
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
@@ -250,8 +342,15 @@ def flat_chunks(tensor: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 
 
 def stretches(tensor: torch.Tensor) -> list[tuple[int, int, int]]:
-    """``(start in the whole flat value, length, start in this rank's part)`` of each stretch
-    of this rank's part of a DTensor that is contiguous in the whole tensor, in order."""
+    """The stretches of this rank's part of a DTensor that are contiguous in the whole tensor.
+
+    Args:
+        tensor: a DTensor.
+
+    Returns:
+        ``(start in the whole flat value, length, start in this rank's part)`` of each, in
+        order.
+    """
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
@@ -261,10 +360,19 @@ def stretches(tensor: torch.Tensor) -> list[tuple[int, int, int]]:
 
 def segments(whole: tuple[int, ...], shape: tuple[int, ...], offset: tuple[int, ...]
               ) -> Iterator[tuple[int, int, int]]:
-    """``(start in the whole flat value, length, start in the part's flat value)`` of each
-    stretch of a part (of ``shape`` at ``offset`` in a tensor of shape ``whole``) that is
-    contiguous in the whole, in order: the part's last dimensions that span the whole tensor
-    and the one before them make one stretch for each index of the dimensions before."""
+    """The stretches of a part that are contiguous in the whole tensor.
+
+    The part's last dimensions that span the whole tensor and the one before them make one
+    stretch for each index of the dimensions before.
+
+    Args:
+        whole: the whole tensor's shape.
+        shape: the part's shape.
+        offset: where the part starts in the whole, per dimension.
+
+    Yields:
+        ``(start in the whole flat value, length, start in the part's flat value)``, in order.
+    """
     spans = len(whole)
     while spans > 0 and shape[spans - 1] == whole[spans - 1]:
         spans -= 1
@@ -285,19 +393,31 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def in_parts(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor whose ranks hold parts of its value (none holding an
-    addend of a pending reduction): what :func:`flat_chunks` reads."""
+    """Whether ``tensor`` is a DTensor whose ranks hold parts of its value.
+
+    Args:
+        tensor: any tensor.
+
+    Returns:
+        True when no rank holds an addend of a pending reduction: what :func:`flat_chunks`
+        reads.
+    """
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor) and not any(p.is_partial() for p in tensor.placements)
 
 
 def hold(subject: Subject) -> None:
-    """Shard the factory's model by its plan, once, in its own dtype and on its own device:
-    each rank keeps its part (``subject.shards``), and ``subject.model`` becomes the model's
-    structure on the meta device, from which :func:`placed` plans each run's copy. A model
-    the factory built on the meta device is sharded there, and each rank then materialises
-    its part, filled by the factory's ``init``."""
+    """Shard the factory's model once, in its own dtype and on its own device.
+
+    Each rank keeps its part (``subject.shards``), and ``subject.model`` becomes the model's
+    structure on the meta device, from which :func:`placed` plans each run's copy. A model the
+    factory built on the meta device is sharded there, and each rank then materialises its part,
+    filled by the factory's ``init``. A model the factory sharded itself is kept as it is.
+
+    Args:
+        subject: the user's model, changed in place.
+    """
     if subject.shards is not None:
         return
     model = subject.model
@@ -319,11 +439,21 @@ def hold(subject: Subject) -> None:
 
 
 def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
-           attention: str = hf.SDPA) -> tuple[nn.Module, Any]:
-    """A copy of the model in ``dtype`` on ``device``, sharded by the factory's plan, in eval
-    mode (a ``transformers`` model on its ``attention``), and the inputs cast alike. The plan
-    shards a copy on the meta device; each rank then fills its own part from its part of the
-    factory's model, sharded alike (:func:`hold`)."""
+           attention: str = hf.SDPA) -> tuple[nn.Module, Inputs]:
+    """A run's copy of the model in ``dtype`` on ``device``, sharded by the factory's plan.
+
+    The plan shards a copy on the meta device; each rank then fills its own part from its
+    part of the factory's model, sharded alike (:func:`hold`): no rank holds the whole model.
+
+    Args:
+        subject: the user's model.
+        device: where the copy goes.
+        dtype: the copy's dtype.
+        attention: a ``transformers`` model's attention implementation.
+
+    Returns:
+        The copy in eval mode, and the inputs cast alike.
+    """
     hold(subject)
     if subject.shards is subject.model:  # sharded by the factory: it shards a copy alike
         model = rebuilt(subject).to(device, dtype)
@@ -338,25 +468,47 @@ def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
 
 
 def rebuilt(subject: Subject) -> nn.Module:
-    """The model of a factory that shards it itself, built and sharded again by the factory
-    (FSDP2's modules cannot be copied): a run's copy, whose parts :func:`placed` fills."""
+    """The model of a factory that shards it itself, built and sharded again by the factory.
+
+    FSDP2's modules cannot be copied, so a run's copy is the factory's model made anew;
+    :func:`placed` then fills its parts.
+
+    Args:
+        subject: the user's model.
+
+    Returns:
+        The new model, as the factory returns it.
+    """
     factory = resolve_entry(subject.entry)
     return call_factory(factory, subject.entry)["model"]
 
 
 def held(subject: Subject, attention: str = hf.SDPA) -> nn.Module:
-    """The factory's sharded model itself (:func:`hold`), in its own dtype and on its own
-    device, in eval mode (a ``transformers`` model on its ``attention``): what a float64 run
-    casts module by module (:class:`~torchparity.subject.blockwise.Float64Run`), no copy of
-    it made."""
+    """The factory's sharded model itself, in eval mode: no copy of it made.
+
+    What a float64 run casts module by module
+    (:class:`~torchparity.subject.blockwise.Float64Run`).
+
+    Args:
+        subject: the user's model.
+        attention: a ``transformers`` model's attention implementation.
+
+    Returns:
+        The model, in its own dtype and on its own device.
+    """
     hold(subject)
     return _ready(subject, subject.shards, attention)
 
 
 def reshard(model: nn.Module) -> None:
-    """Every FSDP2 unit of ``model`` back to its shards: a forward with no backward after it
-    (a decoding) leaves the root's parameters gathered whole, and the next run's copy is
-    filled from each rank's part (:func:`placed`)."""
+    """Every FSDP2 unit of ``model`` back to its shards.
+
+    A forward with no backward after it (a decoding) leaves the root's parameters gathered
+    whole, and the next run's copy is filled from each rank's part (:func:`placed`).
+
+    Args:
+        model: a model sharded with FSDP2.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
@@ -365,10 +517,15 @@ def reshard(model: nn.Module) -> None:
 
 
 def gather_root(model: nn.Module) -> None:
-    """``model``'s own FSDP2 unit gathered (until :func:`reshard`): a decoding step may call
-    a part of the model without the whole model's forward (an encoder-decoder's encoder, as
-    ``generate`` does), and only that forward's hook gathers the parameters the root's unit
-    holds (the shared embedding)."""
+    """``model``'s own FSDP2 unit gathered, until :func:`reshard`.
+
+    A decoding step may call a part of the model without the whole model's forward (an
+    encoder-decoder's encoder, as ``generate`` does), and only that forward's hook gathers the
+    parameters the root's unit holds (the shared embedding).
+
+    Args:
+        model: a model sharded with FSDP2.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
@@ -405,8 +562,15 @@ def _fill(model: nn.Module, source: nn.Module) -> None:
 
 
 def part(whole_value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``whole_value`` as the DTensor ``like`` places it (all of it
-    for a plain tensor)."""
+    """This rank's part of ``whole_value`` as the DTensor ``like`` places it.
+
+    Args:
+        whole_value: the one-process value.
+        like: a DTensor, or a plain tensor.
+
+    Returns:
+        The slice of ``whole_value`` this rank holds; all of it for a plain tensor.
+    """
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

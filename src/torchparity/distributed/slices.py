@@ -55,14 +55,34 @@ class Slices:
     unmapped: list[str]
 
     def of(self, name: str) -> Slice | None:
+        """This rank's slice of parameter ``name``.
+
+        Args:
+            name: the parameter's name.
+
+        Returns:
+            The slice, or None for a parameter whole on every rank.
+        """
         return self.held.get(name)
 
 
 def declared_slices(model: nn.Module, dims: Mapping[str, int], ranks: int, rank: int,
                     label: str) -> Slices:
-    """The slices the factory declares (``dims``: parameter name -> dimension), rank ``rank``
-    holding the ``rank``-th of ``ranks`` equal slices; a name the model does not have, or a
-    dimension it does not have, is a one-line :class:`UsageError`."""
+    """The slices the factory declares, rank ``rank`` holding the ``rank``-th of equal slices.
+
+    Args:
+        model: this rank's model.
+        dims: parameter name -> the dimension it is split along.
+        ranks: the ranks.
+        rank: this rank.
+        label: the factory's name in messages.
+
+    Returns:
+        The slices, none unmapped.
+
+    Raises:
+        UsageError: a name the model does not have, or a dimension its parameter does not have.
+    """
     params = dict(model.named_parameters())
     held = {}
     for name, dim in dims.items():
@@ -80,10 +100,20 @@ def declared_slices(model: nn.Module, dims: Mapping[str, int], ranks: int, rank:
 
 
 def found_slices(model: nn.Module, one_process: nn.Module) -> Slices:
-    """Each parameter of ``model`` (this rank's) that is smaller than the one-process
-    ``one_process``'s of the same name, located in it: the dimension where they differ and
-    the equal slice along it that it is bit for bit. The ranks agree on each: a parameter
-    whose slices do not make the whole on every rank together is unmapped on every rank."""
+    """Where each of this rank's parameters lies in the one-process parameter of the same name.
+
+    A parameter smaller than its one-process namesake is located by the dimension where they
+    differ and the equal slice along it that it is bit for bit. The ranks agree on each (a
+    collective): a parameter whose slices do not make the whole on every rank together is
+    unmapped on every rank.
+
+    Args:
+        model: this rank's model.
+        one_process: the model the factory builds as one process.
+
+    Returns:
+        The slices, and the parameters found nowhere.
+    """
     import torch.distributed as dist
 
     whole = dict(one_process.named_parameters())
@@ -131,8 +161,18 @@ def _partition(slices: list[Slice | None]) -> bool:
 
 
 def whole_of(tensor: torch.Tensor, where: Slice) -> torch.Tensor:
-    """The one-process tensor whose slice ``where`` this rank's ``tensor`` is: the ranks'
-    slices gathered and joined where they lie (every rank gets it; all must call it)."""
+    """The one-process tensor whose slice ``where`` this rank's ``tensor`` is.
+
+    The ranks' slices are gathered and joined where they lie (a collective: every rank must
+    call it, and every rank gets the whole).
+
+    Args:
+        tensor: this rank's slice (a weight or a gradient).
+        where: where it lies.
+
+    Returns:
+        The whole tensor.
+    """
     import torch.distributed as dist
 
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
@@ -145,14 +185,28 @@ def whole_of(tensor: torch.Tensor, where: Slice) -> torch.Tensor:
 
 
 def cut(whole: torch.Tensor, where: Slice) -> torch.Tensor:
-    """This rank's slice ``where`` of the one-process ``whole``."""
+    """This rank's slice ``where`` of the one-process ``whole``.
+
+    Args:
+        whole: a one-process tensor.
+        where: this rank's slice of it.
+
+    Returns:
+        A view of ``whole``.
+    """
     return whole.narrow(where.dim, where.start, where.length)
 
 
 @contextlib.contextmanager
 def as_one_process() -> Iterator[None]:
-    """The environment of one process (no ``RANK``, ``WORLD_SIZE`` 1) while a factory builds
-    the model it builds there: what a rank's slices are matched to."""
+    """The environment of one process (no ``RANK``, ``WORLD_SIZE`` 1) inside the block.
+
+    A factory then builds the model it builds as one process: what a rank's slices are matched
+    to. The environment is put back after.
+
+    Yields:
+        Nothing.
+    """
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     saved = {name: os.environ.get(name) for name in names}
     os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"] = "1", "1"
@@ -168,6 +222,13 @@ def as_one_process() -> Iterator[None]:
 
 
 def one_process_model(build: Callable[[], nn.Module]) -> nn.Module:
-    """The model ``build`` (the factory) makes as one process."""
+    """The model ``build`` (the factory) makes as one process.
+
+    Args:
+        build: calls the factory and returns its model.
+
+    Returns:
+        The one-process model.
+    """
     with as_one_process():
         return build()
