@@ -9,13 +9,18 @@ per cell or the modules that left their budget) and one :class:`Case` per cell a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
+from torchparity.diagnosis.core.results import (
+    Row,
+    headroom,
+    module_label,
+    ratio,
+    share_cell,
+    unknown_local,
+)
 from torchparity.diagnosis.pipelines.decoding import DecodeReport
 from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
-from torchparity.diagnosis.core.results import (Row, headroom, module_label, ratio, share_cell,
-                                          unknown_local)
-from torchparity.golden.cells import OWN_FLOAT64, CheckResult
+from torchparity.golden.cells import OWN_FLOAT64, Cell, CheckResult
 from torchparity.golden.report import budget_share
 
 #: Flips listed among a decoding's findings (the JUnit report has every one).
@@ -60,8 +65,18 @@ class Outcome:
 
 def check_outcome(results: list[CheckResult], subject: str,
                   seconds: float | None = None, next_step: str | None = None) -> Outcome:
-    """The outcome of ``torchparity check``: one case per case (model), cell and output;
-    ``next_step`` is the command that localises a failure (``diagnose ENTRY --base REV``)."""
+    """The outcome of ``torchparity check``: one case per model, cell and output.
+
+    Args:
+        results: every output's result, in the table's order.
+        subject: what was compared with what, as the summary says it.
+        seconds: the command's wall time, shared among the JUnit cases.
+        next_step: the command that localises a failure (``diagnose ENTRY --base REV``);
+            dropped when everything passed.
+
+    Returns:
+        The outcome: the failures' table, else one row per cell.
+    """
     failed = [r for r in results if not r.ok]
     cells = {(r.case, r.cell) for r in results}
     if failed:
@@ -112,9 +127,19 @@ def check_outcome(results: list[CheckResult], subject: str,
 
 def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str,
                       seconds: float | None = None, next_step: str | None = None) -> Outcome:
-    """The outcome of ``torchparity diagnose``, forward or decoding: the report's own
-    sentences are its findings, its summary the one alert of a failure; ``next_step`` is the
-    command that writes the full report."""
+    """The outcome of ``torchparity diagnose``, forward or decoding.
+
+    The report's own sentences are its findings, its summary the one alert of a failure.
+
+    Args:
+        report: the diagnosis.
+        subject: what was compared with what, as the summary says it.
+        seconds: the command's wall time.
+        next_step: the command that writes the full report; dropped when it passed.
+
+    Returns:
+        The outcome: the modules that left their budget, else every module.
+    """
     if isinstance(report, DecodeReport):
         outcome = _decode_outcome(report, subject)
         outcome.seconds = seconds
@@ -215,7 +240,7 @@ def _verdict_words(failed: list[CheckResult]) -> str:
     return " or ".join(dict.fromkeys(r.verdict for r in failed))
 
 
-def _cell_row(case: str, cell: Any, results: list[CheckResult]) -> list[str]:
+def _cell_row(case: str, cell: Cell, results: list[CheckResult]) -> list[str]:
     """A passing cell: ``within`` and the most budget used, or ``identical`` (≡, as in the
     terminal's table), or ``could not run``; ``, could not run in part`` where some of its
     outputs could not."""

@@ -26,17 +26,29 @@ ANNOTATIONS = 10
 
 
 def check_paths(summary: str | None, junit: str | None) -> None:
-    """A usage error for a ``--summary`` or ``--junit`` path whose folder does not exist,
-    before any work starts."""
+    """Refuse a ``--summary`` or ``--junit`` path whose folder does not exist, before any work.
+
+    Args:
+        summary: the ``--summary`` path, or None.
+        junit: the ``--junit`` path, or None.
+
+    Raises:
+        UsageError: naming the option and the path.
+    """
     for option, path in (("--summary", summary), ("--junit", junit)):
         if path and not Path(path).resolve().parent.is_dir():
             raise UsageError(f"{option} {path}: its folder does not exist")
 
 
 def publish(outcome: Outcome, summary: str | None = None, junit: str | None = None) -> None:
-    """Write the Markdown ``summary`` and the ``junit`` XML where asked (a summary is appended
-    to a file that already has text, as ``$GITHUB_STEP_SUMMARY`` wants), and print the
-    annotations of a failure under GitHub Actions."""
+    """Write the reports CI asked for, and the annotations of a failure under GitHub Actions.
+
+    Args:
+        outcome: what the command found.
+        summary: the Markdown file, appended to when it has text already (as
+            ``$GITHUB_STEP_SUMMARY`` wants), or None.
+        junit: the JUnit XML file, overwritten, or None.
+    """
     if summary:
         path = Path(summary)
         separator = "\n" if path.is_file() and path.stat().st_size else ""
@@ -50,8 +62,15 @@ def publish(outcome: Outcome, summary: str | None = None, junit: str | None = No
 
 
 def summary_markdown(outcome: Outcome) -> str:
-    """The summary: a heading with the verdict, what was compared, the findings and the
-    table, cut to :data:`SUMMARY_LINES` lines."""
+    """The Markdown summary, cut to :data:`SUMMARY_LINES` lines: one screen of a comment.
+
+    Args:
+        outcome: what the command found.
+
+    Returns:
+        A heading with the verdict, what was compared, the findings and the table; a line
+        says how many rows were left out and where they are.
+    """
     mark = "✅" if outcome.ok else "❌"
     lines = [f"### {mark} {outcome.command}", ""]
     if outcome.headline:
@@ -77,7 +96,14 @@ def summary_markdown(outcome: Outcome) -> str:
 
 
 def junit_xml(outcome: Outcome) -> str:
-    """The JUnit XML: one ``<testsuite>`` of the command, a ``<testcase>`` per case."""
+    """The JUnit XML: one ``<testsuite>`` of the command, a ``<testcase>`` per case.
+
+    Args:
+        outcome: what the command found.
+
+    Returns:
+        The XML text, each case's ``time`` an even share of the command's.
+    """
     failures = sum(not c.ok for c in outcome.cases)
     skipped = sum(c.skipped is not None for c in outcome.cases)
     suites = ET.Element("testsuites", name=outcome.command, tests=str(len(outcome.cases)),
@@ -111,7 +137,14 @@ def junit_xml(outcome: Outcome) -> str:
 
 
 def annotations(outcome: Outcome) -> list[str]:
-    """``::error title=...::message`` for the first :data:`ANNOTATIONS` alerts."""
+    """GitHub's ``::error`` workflow commands for the first :data:`ANNOTATIONS` alerts.
+
+    Args:
+        outcome: what the command found.
+
+    Returns:
+        ``::error title=...::message`` lines, and one counting the alerts left out.
+    """
     title = _escape(outcome.command, True)
     lines = [f"::error title={title}::{_escape(alert)}"
              for alert in outcome.alerts[:ANNOTATIONS]]
