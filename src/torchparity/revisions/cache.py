@@ -16,7 +16,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 #: Moves the cache (default: ``torchparity`` under ``$XDG_CACHE_HOME``, else ``~/.cache``).
 CACHE_ENV = "TORCHPARITY_CACHE_DIR"
@@ -24,8 +23,12 @@ _KEY_FILE = "key.json"
 
 
 def cache_root() -> Path:
-    """Where base results are kept: ``$TORCHPARITY_CACHE_DIR/base``, else
-    ``torchparity/base`` under ``$XDG_CACHE_HOME`` (default ``~/.cache``)."""
+    """Where base results are kept between runs.
+
+    Returns:
+        ``$TORCHPARITY_CACHE_DIR/base``, else ``torchparity/base`` under ``$XDG_CACHE_HOME``
+        (default ``~/.cache``).
+    """
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
         return Path(explicit) / "base"
@@ -33,27 +36,59 @@ def cache_root() -> Path:
     return Path(root) / "torchparity" / "base"
 
 
-def cache_key(parts: dict[str, Any]) -> str:
-    """A short hash of ``parts`` (JSON-serialisable)."""
+def cache_key(parts: dict[str, object]) -> str:
+    """A short hash of everything that changes what the base side makes.
+
+    Args:
+        parts: the commit, entries, command, options, file contents and versions; JSON
+            values.
+
+    Returns:
+        20 hex digits, the entry's folder name.
+    """
     text = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def lookup(key: str) -> Path | None:
-    """The folder kept under ``key``, or None."""
+    """The folder kept under ``key``, if a run finished writing it.
+
+    Args:
+        key: a :func:`cache_key`.
+
+    Returns:
+        The folder, or None.
+    """
     folder = cache_root() / key
     return folder if (folder / _KEY_FILE).is_file() else None
 
 
 def staging() -> Path:
-    """An empty folder in the cache's file system for an entry to be written into."""
+    """An empty folder for an entry to be written into, in the cache's own file system.
+
+    Being there, :func:`keep` moves it into place by a rename: a half-written entry is never
+    read.
+
+    Returns:
+        The new folder.
+    """
     cache_root().mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=".staging-", dir=cache_root()))
 
 
-def keep(key: str, parts: dict[str, Any], staged: Path) -> Path:
-    """Move ``staged`` into place under ``key`` (replacing an older entry) with its parts; when
-    another run put the same entry there first, that one is kept."""
+def keep(key: str, parts: dict[str, object], staged: Path) -> Path:
+    """Move ``staged`` into place under ``key``, replacing an older entry, with its parts.
+
+    When another run put the same entry there first, that one is kept.
+
+    Args:
+        key: a :func:`cache_key`.
+        parts: what the key hashes, written beside the entry for a person to read.
+        staged: the folder of :func:`staging` the entry was written into.
+
+    Returns:
+        The entry's folder.
+    """
     (staged / _KEY_FILE).write_text(json.dumps(parts, indent=1, sort_keys=True) + "\n")
     folder = cache_root() / key
     if folder.exists():

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 from torchparity.errors import UsageError
 
@@ -34,6 +35,18 @@ class Repository:
 
     @classmethod
     def around(cls, cwd: Path, option: str) -> Repository:
+        """The repository around ``cwd``.
+
+        Args:
+            cwd: a folder in the user's checkout.
+            option: the option that needs it (``--base``), named in messages.
+
+        Returns:
+            The repository, with where ``cwd`` sits in it.
+
+        Raises:
+            RevisionError: ``cwd`` is in no git repository, or git is missing.
+        """
         try:
             top = _git(cwd, "rev-parse", "--show-toplevel")
         except RevisionError:
@@ -42,8 +55,19 @@ class Repository:
         return cls(Path(top), Path(cwd).resolve().relative_to(Path(top).resolve()))
 
     def resolve(self, revision: str, option: str) -> str:
-        """The commit ``revision`` names; ``A...B`` names the merge base of A and B (either
-        side defaults to HEAD), as ``git diff A...B`` reads it."""
+        """The commit ``revision`` names.
+
+        Args:
+            revision: any revision git takes; ``A...B`` names the merge base of A and B (either
+                side defaults to HEAD), as ``git diff A...B`` reads it.
+            option: the option that gave it, named in messages.
+
+        Returns:
+            The full commit hash.
+
+        Raises:
+            RevisionError: git cannot name that commit, with git's reason.
+        """
         left, dots, right = revision.partition("...")
         try:
             if dots:
@@ -56,7 +80,15 @@ class Repository:
                                 f"({reason})") from None
 
     def has_file(self, commit: str, path: str) -> bool:
-        """Whether ``commit`` has a file at ``path`` (relative to the top folder)."""
+        """Whether ``commit`` has a file at ``path``.
+
+        Args:
+            commit: a commit hash.
+            path: relative to the top folder.
+
+        Returns:
+            True for a file (a blob) there.
+        """
         try:
             return _git(self.top, "cat-file", "-t", f"{commit}:{path}") == "blob"
         except RevisionError:
@@ -64,7 +96,20 @@ class Repository:
 
     @contextlib.contextmanager
     def worktree(self, commit: str) -> Iterator[Path]:
-        """A detached worktree of ``commit`` in a temporary folder, removed afterwards."""
+        """A detached worktree of ``commit`` in a temporary folder, removed afterwards.
+
+        It is removed also on failure, Ctrl-C and SIGTERM; the user's checkout, index, stash and
+        branches stay as they are.
+
+        Args:
+            commit: the commit checked out.
+
+        Yields:
+            The worktree's top folder.
+
+        Raises:
+            RevisionError: git cannot check the commit out.
+        """
         folder = Path(tempfile.mkdtemp(prefix="torchparity-base-"))
         tree = folder / "tree"
         try:
@@ -105,7 +150,7 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield
         return
 
-    def interrupt(signum, frame):
+    def interrupt(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
