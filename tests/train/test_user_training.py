@@ -21,6 +21,7 @@ import pytest
 import toy_repo
 from torchparity import backends, tolerance
 from torchparity.cli import main
+from torchparity.diagnosis.pipelines import user_training_step as uts
 from torchparity.golden import model_trajectories as mt
 from torchparity.pytest_plugin import gpu_device
 from torchparity.subject.model import Subject
@@ -103,12 +104,62 @@ def test_a_loss_that_turns_nan_names_the_step_exit_3_and_no_golden(tmp_path, cap
 
 
 
-def test_diagnose_with_a_users_model_is_refused_in_one_line(tmp_path, capsys):
-    assert main(["train", "--model", ENTRY, "--steps", "3", "--check", "--diagnose",
+def test_diagnose_with_update_golden_is_one_line_exit_2_and_no_golden(tmp_path, capsys):
+    assert main(["train", "--model", ENTRY, "--steps", "3", "--update-golden", "--diagnose",
                  "--golden-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--diagnose with --model" in err and len(err.splitlines()) == 1, err
-    assert not list(tmp_path.iterdir())
+    assert "--diagnose drills down a run that leaves its band" in err, err
+    assert len(err.splitlines()) == 1 and not list(tmp_path.iterdir())
+
+
+# What each change touches first decides the stage: the loss normalised per micro-batch is
+# the step's loss (forward), the GELU's backward the gradients, and weight decay on the norms
+# or a shorter warm-up the update alone, of the no-decay group or of every group. Without
+# --base A would be this very code: no module table, and the output says why.
+@pytest.mark.parametrize("variant, stage, groups, reason", [
+    ("per_micro_batch", "forward", set(), "add --base REV"),
+    ("gelu_backward", "backward", {"decay", "no_decay"}, "add --base REV"),
+    ("decay_norms", "optimizer", {"no_decay"}, "no module to look for"),
+    ("warmup_short", "optimizer", {"decay", "no_decay"}, "no module to look for"),
+])
+def test_diagnose_names_the_stage_and_the_groups_that_leave_the_band(
+        goldens_20, monkeypatch, tmp_path, capsys, variant, stage, groups, reason):
+    monkeypatch.setenv("USER_LM_VARIANT", variant)
+    out = tmp_path / "verdict.json"
+    assert train_cli("--steps", "5", "--check", "--diagnose", "--golden-dir", str(goldens_20),
+                     "--json", str(out)) == 1
+    data = json.loads(out.read_text())
+    diagnosis, first = data["diagnosis"], data["comparison"]["first_divergence"]
+    assert (diagnosis["stage"], diagnosis["step"]) == (stage, first["step"])
+    assert set(diagnosis["groups"]) == groups
+    assert all(share > 1 for share in diagnosis["groups"].values())
+    assert diagnosis["modules"] is None and reason in diagnosis["reason"]
+    printed = capsys.readouterr().out.replace("\n  ", " ")
+    assert f"diagnosis: step {first['step']} parts in" in printed and reason in printed
+
+
+def test_diagnose_of_a_refactor_within_the_band_has_nothing_to_diagnose(goldens_20, monkeypatch,
+                                                                        tmp_path, capsys):
+    monkeypatch.setenv("USER_LM_VARIANT", "fused")
+    out = tmp_path / "verdict.json"
+    assert train_cli("--steps", "5", "--check", "--diagnose", "--golden-dir", str(goldens_20),
+                     "--json", str(out)) == 0
+    assert json.loads(out.read_text())["diagnosis"] is None
+    assert "nothing to diagnose" in capsys.readouterr().out
+
+
+def test_a_gelu_with_another_backward_is_found_in_the_block_that_calls_it(monkeypatch,
+                                                                          tmp_path):
+    """The base's step 1 recorded as the base side records it, the GELU's custom backward
+    judged against it: its forward is exact, so no module's output parts; backward reaches
+    the last block first, whose forward calls the GELU (no module of its own holds it)."""
+    execution = Execution(OWN_ATTENTION, "fp32")
+    base = uts.record_step(load(monkeypatch, "base"), 1, execution, tmp_path / "base")
+    subject = load(monkeypatch, "gelu_backward")
+    stage = uts.StepStage(1, "backward", "grad_norm", math.inf)
+    report = uts.diagnose_user_step(subject, execution, stage, base=base).report
+    assert report.first_divergence is None
+    assert report.first_grad_divergence.module == f"blocks.{len(subject.model.blocks) - 1}"
 
 # --- 200 steps ------------------------------------------------------------------------------
 
@@ -171,10 +222,47 @@ def test_bf16_passes_its_own_band_and_states_what_it_could_detect(tmp_path, monk
 def test_base_rev_judges_the_working_tree_against_the_revision(tmp_path, monkeypatch, capsys):
     """A repository holding the model: HEAD's recipe as base; a working tree whose warm-up is
     one step short diverges, one whose projection is fused passes."""
+    repo = _repository(tmp_path, monkeypatch)
+    for variant, status in (("warmup_short", 1), ("fused", 0)):
+        _with_default_variant(repo, variant)
+        assert main(["train", "--model", "user_lm.py:lm", "--steps", "30",
+                     "--base", "HEAD"]) == status, variant
+    assert toy_repo.git(repo, "status", "--porcelain").strip() == "M user_lm.py"
+
+
+@pytest.mark.slow
+def test_diagnose_base_rev_names_the_gelus_block_and_its_op(tmp_path, monkeypatch, capsys):
+    """HEAD's model as base; a working tree whose GELU has another backward parts at step 1
+    in the backward pass, found in the last block (its forward calls the GELU) down to the
+    op, against the base's recorded step; one whose no-decay group decays parts in that
+    group's update, with no module to look for."""
+    repo = _repository(tmp_path, monkeypatch)
+    out = tmp_path / "verdict.json"
+    _with_default_variant(repo, "gelu_backward")
+    assert main(["train", "--model", "user_lm.py:lm", "--steps", "5", "--base", "HEAD",
+                 "--diagnose", "--json", str(out)]) == 1
+    diagnosis = json.loads(out.read_text())["diagnosis"]
+    assert (diagnosis["stage"], diagnosis["step"]) == ("backward", 1)
+    modules = diagnosis["modules"]
+    assert modules["first_divergence"] is None
+    blocks = len(Subject.load(f"{repo / 'user_lm.py'}:lm").model.blocks)
+    assert modules["first_grad_divergence"]["module"] == f"blocks.{blocks - 1}"
+    assert modules["first_grad_divergence"]["op"] is not None
+    assert "A is the base's code" in capsys.readouterr().out.replace("\n  ", " ")
+    _with_default_variant(repo, "decay_norms")
+    assert main(["train", "--model", "user_lm.py:lm", "--steps", "5", "--base", "HEAD",
+                 "--diagnose", "--json", str(out)]) == 1
+    diagnosis = json.loads(out.read_text())["diagnosis"]
+    assert (diagnosis["stage"], list(diagnosis["groups"])) == ("optimizer", ["no_decay"])
+    assert diagnosis["modules"] is None
+    assert toy_repo.git(repo, "status", "--porcelain").strip() == "M user_lm.py"
+
+
+def _repository(tmp_path: Path, monkeypatch) -> Path:
+    """A git repository holding the user's model, committed; the current folder."""
     repo = tmp_path / "repo"
     repo.mkdir()
-    source = (HERE / "user_lm.py").read_text()
-    (repo / "user_lm.py").write_text(source)
+    (repo / "user_lm.py").write_text((HERE / "user_lm.py").read_text())
     toy_repo.git(repo, "init", "--quiet", "--initial-branch=main")
     toy_repo.git(repo, "config", "user.name", "Toy Author")
     toy_repo.git(repo, "config", "user.email", "toy@example.com")
@@ -183,13 +271,15 @@ def test_base_rev_judges_the_working_tree_against_the_revision(tmp_path, monkeyp
     monkeypatch.chdir(repo)
     monkeypatch.setenv("TORCHPARITY_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("USER_LM_VARIANT", raising=False)
-    for variant, status in (("warmup_short", 1), ("fused", 0)):
-        default = 'os.environ.get("USER_LM_VARIANT", "base")'
-        (repo / "user_lm.py").write_text(source.replace(
-            default, default.replace('"base"', f'"{variant}"')))
-        assert main(["train", "--model", "user_lm.py:lm", "--steps", "30",
-                     "--base", "HEAD"]) == status, variant
-    assert toy_repo.git(repo, "status", "--porcelain").strip() == "M user_lm.py"
+    return repo
+
+
+def _with_default_variant(repo: Path, variant: str) -> None:
+    """The working tree's model: the committed one whose default variant is ``variant``."""
+    default = 'os.environ.get("USER_LM_VARIANT", "base")'
+    source = (HERE / "user_lm.py").read_text()
+    (repo / "user_lm.py").write_text(
+        source.replace(default, default.replace('"base"', f'"{variant}"')))
 
 
 @pytest.mark.gpu

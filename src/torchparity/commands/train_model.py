@@ -11,6 +11,8 @@ is the noise band, and stores both; ``--check`` trains once and judges the run a
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from pathlib import Path
 
 from rich.console import Console
 
@@ -21,6 +23,7 @@ from torchparity.golden.judged_model_training import (
     judge_model_training,
     update_model_golden,
 )
+from torchparity.revisions.base import BaseSide
 from torchparity.train.trainer import OWN_ATTENTION, Execution, TrainConfig
 
 _ZOO = TrainConfig()
@@ -41,10 +44,9 @@ def train_model(args: argparse.Namespace, console: Console) -> int:
                          "by its own batches, optimizer and train_step: leave them out")
     if (args.nproc or 1) > 1:
         raise UsageError("--nproc with --model is not supported yet; train in one process")
-    if args.diagnose:
-        raise UsageError("--diagnose with --model is not supported yet: the verdict names the "
-                         "first divergent step; diagnose that step with "
-                         "torchparity.diagnosis.pipelines.training_step.diagnose_step")
+    if args.diagnose and args.update_golden:
+        raise UsageError("--diagnose drills down a run that leaves its band: use it with "
+                         "--check or --base REV, not --update-golden")
     side = base_side(args)
     golden_dir = args.golden_dir
     if side:
@@ -59,11 +61,20 @@ def train_model(args: argparse.Namespace, console: Console) -> int:
         raise UsageError("train --model needs --update-golden (store the golden trajectory "
                          "and noise band), --check (judge against them) or --base REV")
     backend = OWN_ATTENTION if args.backend is None else args.backend
-    plan = ModelPlan(args.model, args.steps, Execution(backend, args.dtype,
-                                                       resolve_device(args.device)),
-                     golden_dir=golden_dir, json=args.json)
+    execution = Execution(backend, args.dtype, resolve_device(args.device))
+    plan = ModelPlan(args.model, args.steps, execution, golden_dir=golden_dir, json=args.json,
+                     diagnose=args.diagnose,
+                     base_step=_base_step(side, args.model, execution) if side else None)
     if args.update_golden:
         update_model_golden(plan, console)
         return 0
     return 0 if judge_model_training(plan, console) else 1
 
+
+def _base_step(side: BaseSide, entry: str, execution: Execution
+               ) -> Callable[[int, str | None], Path]:
+    """Step ``step`` of the base's model recorded at the base (``ops``: its ops only)."""
+    from torchparity.revisions import base_training_step
+
+    where = [execution.backend, execution.dtype, execution.device]
+    return lambda step, ops: base_training_step(side, entry, step, where, ops)

@@ -6,6 +6,7 @@ and judges the run against them (:mod:`torchparity.golden.model_trajectories`).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,11 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from torchparity.diagnosis.pipelines.user_training_step import (
+    StepDiagnosis,
+    diagnose_user_step,
+    step_stage,
+)
 from torchparity.golden import model_trajectories as mt
 from torchparity.subject.model import Subject
 from torchparity.text import wrapped
@@ -32,6 +38,10 @@ class ModelPlan:
     execution: Execution
     golden_dir: str | None = None
     json: str | None = None
+    diagnose: bool = False
+    #: ``base_step(step, ops)``: the folder the base wrote step ``step`` of its model into
+    #: (:func:`~torchparity.revisions.base_training_step`); None: no base.
+    base_step: Callable[[int, str | None], Path] | None = None
 
 
 def update_model_golden(plan: ModelPlan, console: Console) -> None:
@@ -60,10 +70,37 @@ def judge_model_training(plan: ModelPlan, console: Console) -> bool:
                                                           store, advance=advance)
     console.print(f"{subject.name} {plan.execution.label()}: {plan.steps} steps", markup=False)
     show_verdict(comparison, console)
+    data = {"trajectory": candidate.to_dict(), "comparison": comparison.to_dict()}
+    if plan.diagnose:
+        diagnosis = _diagnosed(subject, comparison, plan, console)
+        data["diagnosis"] = None if diagnosis is None else diagnosis.to_dict()
     if plan.json:
-        data = {"trajectory": candidate.to_dict(), "comparison": comparison.to_dict()}
         Path(plan.json).write_text(json.dumps(data, indent=2) + "\n")
     return comparison.ok
+
+
+def _diagnosed(subject: Subject, comparison: TrajectoryComparison, plan: ModelPlan,
+               console: Console) -> StepDiagnosis | None:
+    """The first divergent step drilled down to its stage and module, printed; None (and
+    "nothing to diagnose") for a run within the band."""
+    stage = step_stage(comparison)
+    if stage is None:
+        console.print("nothing to diagnose: every step is within the band", markup=False)
+        return None
+    base, more_ops = None, None
+    if plan.base_step is not None and stage.stage != "optimizer":
+        base = plan.base_step(stage.step, None)
+        more_ops = lambda modules: plan.base_step(stage.step, ",".join(modules))  # noqa: E731
+    diagnosis = diagnose_user_step(subject, plan.execution, stage, base=base,
+                                   more_ops=more_ops)
+    console.print(wrapped(f"diagnosis: {stage.sentence()}."), markup=False, soft_wrap=True)
+    if diagnosis.note:
+        console.print(wrapped(diagnosis.note), markup=False, soft_wrap=True)
+    if diagnosis.report is not None:
+        diagnosis.report.show(console)
+    if diagnosis.reason:
+        console.print(wrapped(diagnosis.reason), markup=False, soft_wrap=True)
+    return diagnosis
 
 
 def show_verdict(comparison: TrajectoryComparison, console: Console) -> None:

@@ -15,8 +15,9 @@ from torchparity.revisions.base import (
     base_goldens,
     base_model_trajectories,
     base_trace,
+    base_training_step,
     base_trajectories,
 )
 
 __all__ = ["BaseSide", "base_goldens", "base_model_trajectories", "base_trace",
-           "base_trajectories"]
+           "base_training_step", "base_trajectories"]

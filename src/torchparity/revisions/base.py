@@ -1,4 +1,5 @@
-"""The base side: ``torchparity golden update --model`` or ``record`` run on a revision.
+"""The base side: ``torchparity golden update --model``, ``record``, ``train --update-golden``
+or a user's training step recorded, run on a revision.
 
 The revision is checked out in a worktree of its own (:mod:`~torchparity.revisions.worktree`)
 and the command runs there in a process of its own, with the worktree's ``src/`` and the
@@ -70,16 +71,18 @@ class BaseSide:
         return f"--base {self.name}"
 
     def run(self, entries: list[str], command: list[str], what: str,
-            files: tuple[str, ...] = ()) -> Path:
+            files: tuple[str, ...] = (), module: str = "torchparity") -> Path:
         """The cache folder holding what ``torchparity COMMAND`` wrote into ``{out}`` (every
         ``{out}`` of ``command`` is replaced by a folder of the cache entry) at the base, with
         ``{entry:I}`` replaced by entry ``I`` as the base's worktree names it; ``files`` are
         input files the command reads, hashed into the key. ``what`` names the result in the
-        progress lines."""
+        progress lines; ``module`` is what ``python -m`` runs (torchparity's command line, or
+        a module of its own with a ``main``)."""
         relative = [self._relative(entry) for entry in entries]
+        program = [] if module == "torchparity" else [module]  # the keys made before it stay
         parts = {"commit": self.commit, "entries": [f"{path}:{attr}" for path, attr in relative],
                  "outside": self._outside_sources(entries),
-                 "command": command, "files": {f: _digest(Path(f)) for f in files},
+                 "command": [*program, *command], "files": {f: _digest(Path(f)) for f in files},
                  "versions": self._versions(), "golden_schema": SCHEMA_VERSION,
                  "cpu_capability": _cpu_capability(), "python": self.python,
                  "cwd": self.repository.prefix.as_posix()}
@@ -97,8 +100,9 @@ class BaseSide:
                 mapped = [self._mapped(tree, path, attr) for path, attr in relative]
                 argv = [_filled(arg, mapped, staged) for arg in command]
                 shown = [_filled(arg, entries, Path("<cache>")) for arg in command]
-                _progress(f"base {self.name}: torchparity {' '.join(shown)}")
-                self._call(tree, argv, entries)
+                _progress(f"base {self.name}: "
+                          f"{'python -m ' * bool(program)}{module} {' '.join(shown)}")
+                self._call(tree, argv, entries, module)
             folder = cache.keep(key, parts, staged)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
@@ -159,10 +163,10 @@ class BaseSide:
 
     # -- the base's process -----------------------------------------------------------------
 
-    def _call(self, tree: Path, argv: list[str], entries: list[str]) -> None:
+    def _call(self, tree: Path, argv: list[str], entries: list[str], module: str) -> None:
         cwd = tree / self.repository.prefix
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(self._search_path(tree, entries))}
-        process = subprocess.Popen([self.python, "-m", "torchparity", *argv],
+        process = subprocess.Popen([self.python, "-m", module, *argv],
                                    cwd=cwd if cwd.is_dir() else tree, env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    text=True)
@@ -230,6 +234,19 @@ def base_model_trajectories(side: BaseSide, entry: str, steps: int, dtype: str) 
                               "--dtype", dtype, "--update-golden", "--golden-dir",
                               "{out}/goldens"], "golden trajectory and noise band")
     return kept / "goldens"
+
+
+def base_training_step(side: BaseSide, entry: str, step: int, execution: list[str],
+                       ops: str | None = None) -> Path:
+    """The folder where the base's model ENTRY, trained in float64 by its recipe up to step
+    ``step``, left its weights and the trace of that step
+    (:func:`torchparity.diagnosis.pipelines.user_training_step.record_step`; in the cache).
+    ``execution`` is the run's backend, dtype and device; ``ops`` keeps A's ops of those
+    modules (and nothing else of the step: a second, small trace)."""
+    more = [] if ops is None else ["--ops", ops, "--ops-only"]
+    kept = side.run([entry], ["{entry:0}", str(step), *execution, "{out}/step", *more],
+                    "training step", module="torchparity.diagnosis.pipelines.user_training_step")
+    return kept / "step"
 
 
 def _filled(arg: str, entries: list[str], out: Path) -> str:

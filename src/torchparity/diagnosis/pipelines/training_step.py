@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,7 +15,14 @@ from torchparity import backends
 from torchparity.diagnosis.pipelines.forward import diagnose
 from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.train.data import token_losses
-from torchparity.train.trainer import Execution, TrainConfig, batch_at, deterministic, model_before
+from torchparity.train.trainer import (
+    OWN_ATTENTION,
+    Execution,
+    TrainConfig,
+    batch_at,
+    deterministic,
+    model_before,
+)
 
 
 def diagnose_step(config: TrainConfig, reference: Execution, candidate: Execution, step: int,
@@ -40,16 +47,18 @@ def diagnose_step(config: TrainConfig, reference: Execution, candidate: Executio
         return token_losses(output, batch.labels.to(output.device)).sum() / batch.n_tokens
 
     return diagnose(model_a, model_b, batch.to(candidate.device).inputs, loss_fn=loss_fn,
-                    backends=(_runs_as(reference), _runs_as(candidate)), **diagnose_kwargs)
+                    backends=(runs_as(reference), runs_as(candidate)), **diagnose_kwargs)
 
 
-def _runs_as(execution: Execution) -> Any:
-    """A context factory that selects the execution's backend, autocast and TF32 setting."""
+def runs_as(execution: Execution) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context factory that selects the execution's backend (none for a user's model's own
+    attention), autocast and TF32 setting."""
     @contextlib.contextmanager
     def select() -> Iterator[None]:
         mode = execution.mode
         with contextlib.ExitStack() as stack:
-            stack.enter_context(backends.use(execution.backend))
+            if execution.backend != OWN_ATTENTION:
+                stack.enter_context(backends.use(execution.backend))
             stack.enter_context(deterministic(tf32=mode.tf32))
             if mode.autocast_dtype is not None:
                 device_type = torch.device(execution.device).type
