@@ -31,6 +31,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -149,7 +150,7 @@ class _RedirectSdpa(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _SDPA and _blocks and not _own_calls:
             _count_call()
-            return _redirected_sdpa(_blocks[-1].backend, *args, **kwargs)
+            return _redirected_sdpa(_blocks[-1].backend, SdpaCall(*args, **kwargs))
         name = getattr(func, "__name__", "") if torch.compiler.is_compiling() else ""
         if name and getattr(torch.Tensor, name, None) is func:
             # As a method: torch.compile traces x.unflatten(...) but not the body of
@@ -158,15 +159,31 @@ class _RedirectSdpa(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _redirected_sdpa(name: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                     is_causal: bool = False, *, scale: float | None = None,
-                     enable_gqa: bool = False) -> torch.Tensor:
+class SdpaCall(NamedTuple):
+    """One call of ``F.scaled_dot_product_attention``, its arguments by name (as it takes
+    them)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
+
+    def apply(self, function: Callable[..., Any]) -> Any:
+        """``function`` (SDPA, or PyTorch's choice of kernel for it) called with these
+        arguments, as SDPA takes them."""
+        return function(*self[:6], scale=self.scale, enable_gqa=self.enable_gqa)
+
+
+def _redirected_sdpa(name: str, call: SdpaCall) -> torch.Tensor:
     """One SDPA call of user code on backend ``name``: a kernel gets the call exactly as made;
     manual and flex get it translated into :func:`attention`'s contract."""
     if name == "sdpa" or name in _SDPA_KERNELS:
-        return _run_sdpa(name, query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                         enable_gqa=enable_gqa)
+        return _run_sdpa(name, call)
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = call
     if dropout_p > 0:
         raise BackendUnavailable(f"{name} runs attention without dropout, and this call asks for "
                                  f"dropout_p={dropout_p}; put the model in eval() mode")
@@ -270,47 +287,44 @@ def _sdpa_mask(mask, bias, dtype) -> torch.Tensor | None:
 
 
 def _sdpa(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
-    return _run_sdpa(name, q, k, v, _sdpa_mask(mask, bias, q.dtype), 0.0, causal, scale=scale)
+    return _run_sdpa(name, SdpaCall(q, k, v, _sdpa_mask(mask, bias, q.dtype), 0.0, causal,
+                                    scale=scale))
 
 
-def _run_sdpa(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, *,
-              scale: float | None, enable_gqa: bool = False) -> torch.Tensor:
-    """The SDPA function with these arguments, on kernel ``name`` ("sdpa": PyTorch's choice).
+def _run_sdpa(name: str, call: SdpaCall) -> torch.Tensor:
+    """The SDPA function with ``call``'s arguments, on kernel ``name`` ("sdpa": PyTorch's
+    choice).
 
     The kernel's own selection decides first whether it accepts the call; if not, this raises
     :class:`BackendUnavailable` with its reasons. Errors of the kernel itself propagate.
     """
-    def call() -> torch.Tensor:
+    def run() -> torch.Tensor:
         _own_calls.append(None)
         try:
-            return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                         enable_gqa=enable_gqa)
+            return call.apply(_SDPA)
         finally:
             _own_calls.pop()
 
     if name == "sdpa":
-        return call()
-    if name in _CUDA_ONLY and q.device.type != "cuda":
-        raise BackendUnavailable(f"{name} needs a CUDA device; tensors are on {q.device.type}")
+        return run()
+    device = call.query.device.type
+    if name in _CUDA_ONLY and device != "cuda":
+        raise BackendUnavailable(f"{name} needs a CUDA device; tensors are on {device}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel([getattr(SDPBackend, _SDPA_KERNELS[name])]):
         if not torch.compiler.is_compiling():  # compiled, the kernel is chosen at lowering
-            _check_kernel_accepts(name, q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                  enable_gqa)
-        return call()
+            _check_kernel_accepts(name, call)
+        return run()
 
 
-def _check_kernel_accepts(name, q, k, v, attn_mask, dropout_p, is_causal, scale,
-                          enable_gqa) -> None:
+def _check_kernel_accepts(name: str, call: SdpaCall) -> None:
     """Ask PyTorch's kernel selection, under the current sdpa_kernel() setting, whether it
-    would run this call; raise BackendUnavailable with its stated reasons when it would not."""
+    would run ``call``; raise BackendUnavailable with its stated reasons when it would not."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                                    enable_gqa=enable_gqa)
+            call.apply(torch._fused_sdp_choice)
             return
         except RuntimeError as exc:
             if not any(m in str(exc) for m in _NO_KERNEL_MESSAGES):
@@ -319,30 +333,30 @@ def _check_kernel_accepts(name, q, k, v, attn_mask, dropout_p, is_causal, scale,
     reasons = [str(w.message).split("(Triggered")[0].strip() for w in caught]
     # PyTorch may announce a reason and give none ("... not used because:"): dropped.
     detail = "; ".join(r for r in reasons if r and not r.endswith(":")) or (
-        _mask_gradient_reason(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        or detail)
+        _mask_gradient_reason(call) or detail)
     raise BackendUnavailable(
-        f"{name} cannot run this call ({q.device.type}, {q.dtype}, "
-        f"{_describe_call(attn_mask, dropout_p, is_causal, enable_gqa)}): {detail}"
+        f"{name} cannot run this call ({call.query.device.type}, {call.query.dtype}, "
+        f"{_describe_call(call)}): {detail}"
     )
 
 
-def _mask_gradient_reason(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                          enable_gqa) -> str | None:
+def _mask_gradient_reason(call: SdpaCall) -> str | None:
     """Why a kernel refused a call when PyTorch does not say: the same call with the mask
     detached from autograd runs, so it is the gradient for the mask the kernel lacks."""
-    if attn_mask is None or not attn_mask.requires_grad:
+    if call.attn_mask is None or not call.attn_mask.requires_grad:
         return None
     try:
-        torch._fused_sdp_choice(q, k, v, attn_mask.detach(), dropout_p, is_causal,
-                                scale=scale, enable_gqa=enable_gqa)
+        call._replace(attn_mask=call.attn_mask.detach()).apply(torch._fused_sdp_choice)
     except RuntimeError:
         return None
     return ("the kernel computes no gradient for an attention mask (PyTorch gives no reason; "
             "the same call with the mask not requiring grad runs)")
 
 
-def _describe_call(attn_mask, dropout_p, is_causal, enable_gqa) -> str:
+def _describe_call(call: SdpaCall) -> str:
+    """The call's mask, causality, dropout and grouping, as a refusal names them."""
+    attn_mask, dropout_p, is_causal, enable_gqa = (call.attn_mask, call.dropout_p,
+                                                   call.is_causal, call.enable_gqa)
     parts = []
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         parts.append("boolean mask")

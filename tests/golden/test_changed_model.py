@@ -73,11 +73,11 @@ def test_a_backend_bug_beside_a_changed_model_still_fails_its_cell(changed_model
                                                                    capsys):
     run_sdpa = backends._run_sdpa
 
-    def wrong_scale(name, q, k, v, attn_mask, dropout_p, is_causal, *, scale, **kwargs):
+    def wrong_scale(name, call):
         if name == "sdpa-math":
-            scale = (scale or q.shape[-1] ** -0.5) * (1 + PLANTED)
-        return run_sdpa(name, q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                        **kwargs)
+            call = call._replace(scale=(call.scale or call.query.shape[-1] ** -0.5)
+                                 * (1 + PLANTED))
+        return run_sdpa(name, call)
 
     monkeypatch.setattr(backends, "_run_sdpa", wrong_scale)
     status, rows, _ = check(changed_model)
@@ -106,11 +106,11 @@ def test_a_changed_zoo_case_judges_its_cells_against_its_own_float64(tmp_path, m
     monkeypatch.setattr(norms.RMSNorm, "forward", lambda self, x: rms_norm(self, x) * 1.001)
     run_sdpa = backends._run_sdpa
 
-    def wrong_scale(name, q, k, v, attn_mask, dropout_p, is_causal, *, scale, **kwargs):
+    def wrong_scale(name, call):
         if name == "sdpa-math":  # ... and one backend's softmax scale is off as well
-            scale = (scale or q.shape[-1] ** -0.5) * (1 + PLANTED)
-        return run_sdpa(name, q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
-                        **kwargs)
+            call = call._replace(scale=(call.scale or call.query.shape[-1] ** -0.5)
+                                 * (1 + PLANTED))
+        return run_sdpa(name, call)
 
     monkeypatch.setattr(backends, "_run_sdpa", wrong_scale)
     report = tmp_path / "check.json"

@@ -118,7 +118,7 @@ def compare_tensor(
     reference = baseline if baseline is not None else golden
     kind = settings.kind
     if not candidate.dtype.is_floating_point:
-        return _compare_exact(path, candidate, golden, reference, kind, c, g, b, left_out)
+        return _compare_exact(path, candidate, golden, baseline, kind, left_out)
 
     keep = None if left_out is None else left_out.keep(c.shape)
     if keep is not None:  # left-out elements become equal zeros: no fault, and not counted
@@ -211,14 +211,14 @@ def _compare_exact(
     path: str,
     candidate: torch.Tensor,
     golden: torch.Tensor,
-    reference: torch.Tensor,
+    baseline: torch.Tensor | None,
     kind: str,
-    c: torch.Tensor,
-    g: torch.Tensor,
-    b: torch.Tensor | None,
     left_out: LeftOut | None,
 ) -> TensorComparison:
     """Integer and bool tensors (token ids, masks) carry no rounding: they must match exactly."""
+    c, g = as_float64(candidate), as_float64(golden)
+    b = as_float64(baseline) if baseline is not None else None
+    reference = baseline if baseline is not None else golden
     keep = None if left_out is None else left_out.keep(c.shape)
     abs_err = (c - g).abs()
     differ = abs_err > 0 if keep is None else (abs_err > 0) & keep
