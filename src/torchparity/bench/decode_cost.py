@@ -29,7 +29,7 @@ from torchparity.diagnosis.pipelines.decoding import diagnose_decode_against, re
 from torchparity.dtypes import torch_dtype
 from torchparity.reference import zoo
 from torchparity.subject.beams import BeamSearch, BeamSettings, builtin_reorder, expand_prompt
-from torchparity.subject.decoding import builtin_step, teacher_forced
+from torchparity.subject.decoding import Fed, builtin_step, teacher_forced
 
 #: Decoding steps after the prompt.
 STEPS = 16
@@ -79,8 +79,8 @@ def _decode_row(models: list[torch.nn.Module], prompt: dict[str, torch.Tensor],
             if beams:  # A searches, B follows its choices
                 teacher_forced(step, model_a, searched, STEPS, reorder=reorder,
                                decide=BeamSearch(beams, _prompts(prompt)).decide)
-                teacher_forced(step, model_b, searched, STEPS, first.tokens, reorder=reorder,
-                               parents=first.parents)
+                teacher_forced(step, model_b, searched, STEPS, Fed(first.tokens, first.parents),
+                               reorder=reorder)
                 return
             for model in (model_a, model_b):
                 teacher_forced(step, model, prompt, STEPS, first.tokens)

@@ -23,7 +23,7 @@ from torchparity.errors import BackendUnavailable
 from torchparity.golden.cells import Cell, CellRun, matmul_precision
 from torchparity.golden.compiled_cells import decode_phases
 from torchparity.golden.renamed import Renaming
-from torchparity.sketching import kept, seed_of
+from torchparity.sketching import Sketch, kept, seed_of
 from torchparity.subject import Subject, hf
 from torchparity.subject.beams import BeamSearch, expand_prompt, prompt_rows, reorder_rows
 from torchparity.subject.blockwise import BlockProgress, Float64Run, stream_grads
@@ -31,7 +31,7 @@ from torchparity.subject.compiling import CompileLog, compiled
 from torchparity.subject.decoding import Fed, recompute_step, teacher_forced
 from torchparity.subject.islands import Islands
 from torchparity.subject.padding import Padding
-from torchparity.subject.running import cast_inputs, in_cache
+from torchparity.subject.running import Inputs, cast_inputs, in_cache
 from torchparity.subject.trees import flatten_tensors
 
 #: Output name -> kind of the tolerance model it is judged with.
@@ -59,10 +59,18 @@ class CellModels:
     def __init__(self, subject: Subject) -> None:
         self.subject = subject
         self._key: tuple[str, str] | None = None
-        self._copy: tuple[nn.Module, Any] | None = None
+        self._copy: tuple[nn.Module, Inputs] | None = None
 
-    def get(self, cell: Cell, attention: str) -> tuple[nn.Module, Any]:
-        """The model (in eval mode, on ``attention``) and the inputs of ``cell``."""
+    def get(self, cell: Cell, attention: str) -> tuple[nn.Module, Inputs]:
+        """The model and the inputs of ``cell``, copying only when its dtype or device needs one.
+
+        Args:
+            cell: the cell.
+            attention: a ``transformers`` model's attention implementation.
+
+        Returns:
+            The model in eval mode, on ``attention``, and the inputs cast alike.
+        """
         subject = self.subject
         if cell.dtype == "fp64":
             return subject.placed(cell.device, _own_dtype(subject.model), attention,
@@ -90,17 +98,27 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
                 renamed: Renaming | None = None) -> CellRun:
     """Run the model in ``cell``: forward, loss, gradients and decoding.
 
-    ``loss_paths`` are the outputs the default loss projects (None: all floating ones);
-    ``tokens`` are what a step-by-step decoding is fed (None: its own greedy choices, or its
-    beam search).
-    ``models`` shares the cells' models (default: a fresh :class:`CellModels`); ``status``
-    hears where a long run is (which block of how many); ``renamed`` gives the gradients the
-    goldens' names (a fused parameter's as its parts). Tensors of
-    :func:`~torchparity.sketching.threshold` elements or more are kept as sketches, each
-    gradient as soon as it is complete. ``perturb`` (float64 cells) moves every weight by one
-    float64 rounding. The run counts the SDPA calls intercepted (None for ``hf-eager``). A
-    compiled cell runs all of it compiled, each decoding step recorded in its compile log; a
-    failure to compile raises :class:`~torchparity.subject.compiling.CompileFailed`.
+    Tensors of :func:`~torchparity.sketching.threshold` elements or more are kept as
+    sketches, each gradient as soon as it is complete. The run counts the SDPA calls
+    intercepted (None for ``hf-eager``). A compiled cell runs all of it compiled, each decoding
+    step recorded in its compile log.
+
+    Args:
+        subject: the user's model.
+        cell: the cell.
+        loss_paths: the outputs the default loss projects (None: all floating ones).
+        perturb: float64 cells: every weight moved by one float64 rounding.
+        tokens: what a step-by-step decoding is fed (None: its own greedy choices, or its
+            beam search).
+        models: the cells' shared models (default: a fresh :class:`CellModels`).
+        status: hears where a long run is (which block of how many).
+        renamed: gives the gradients the goldens' names (a fused parameter's as its parts).
+
+    Returns:
+        The run's outputs by name, and why others are absent.
+
+    Raises:
+        CompileFailed: a compiled cell that does not compile.
     """
     attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
     model, inputs = (models or CellModels(subject)).get(cell, attention)
@@ -132,17 +150,31 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
 
 
 def perturbation(name: str, value: torch.Tensor) -> torch.Tensor:
-    """``value`` (float64) times 1 + d, |d| <= 2**-52 fixed per element and parameter name:
-    the reference cell's weights moved by one float64 rounding. The factors repeat with a
+    """``value`` times 1 + d, |d| <= 2**-52 fixed per element and parameter name.
+
+    The reference cell's weights moved by one float64 rounding. The factors repeat with a
     period of 2**20 elements from an offset of the name, so that the float64 run can recompute
-    them at every cast for a few operations per element."""
+    them at every cast for a few operations per element.
+
+    Args:
+        name: the parameter's name.
+        value: its float64 value.
+
+    Returns:
+        The moved value, float64.
+    """
     perturb_stretch(name, value.view(-1), 0)
     return value
 
 
 def perturb_stretch(name: str, flat: torch.Tensor, start: int) -> None:
-    """Move ``flat``, the elements of parameter ``name`` from flat position ``start`` on (a
-    rank's stretch of it), in place, as :func:`perturbation` moves them in the whole."""
+    """Move a rank's stretch of a parameter in place, as :func:`perturbation` moves the whole.
+
+    Args:
+        name: the parameter's name.
+        flat: its elements from flat position ``start`` on, float64, changed in place.
+        start: where the stretch starts in the whole parameter.
+    """
     factors = _factors_from((seed_of(f"perturb.{name}") + start) % _PERIOD,
                             min(flat.numel(), _PERIOD))
     for first in range(0, flat.numel(), _PERIOD):
@@ -187,8 +219,14 @@ def _streamed(model: nn.Module, loss: torch.Tensor, blocks: BlockProgress,
 
 @contextlib.contextmanager
 def attention_backend(name: str) -> Iterator[Any]:
-    """Every SDPA call on backend ``name`` inside the block (what intercepted them, or None
-    for ``hf-eager``: the model's own eager attention)."""
+    """Every SDPA call inside the block on backend ``name``.
+
+    Args:
+        name: an attention backend, or ``hf-eager`` (the model's own eager attention).
+
+    Yields:
+        What intercepted the calls, or None for ``hf-eager``.
+    """
     if name == HF_EAGER:
         yield None
     else:
@@ -196,11 +234,24 @@ def attention_backend(name: str) -> Iterator[Any]:
             yield intercepted
 
 
-def forward_backward(subject: Subject, model: nn.Module, inputs: Any,
+def forward_backward(subject: Subject, model: nn.Module, inputs: Inputs,
                      loss_paths: list[str] | None,
-                     backward: Callable[[torch.Tensor], dict[str, Any]]) -> CellRun:
-    """The forward, the loss and ``backward(loss)``'s gradients of ``model`` on ``inputs``,
-    outputs kept (sketched when big) with the loss's sensitivity to each of them."""
+                     backward: Callable[[torch.Tensor], dict[str, torch.Tensor | Sketch]]
+                     ) -> CellRun:
+    """The forward, the loss and the gradients of ``model`` on ``inputs``.
+
+    Outputs are kept (sketched when big) with the loss's sensitivity to each of them.
+
+    Args:
+        subject: the user's model: its loss and padding.
+        model: the cell's model.
+        inputs: its inputs.
+        loss_paths: the outputs the default loss projects (None: all floating ones).
+        backward: runs the backward pass from the loss and returns the gradients by name.
+
+    Returns:
+        The run's ``output``, ``loss`` and ``grads``.
+    """
     missing: dict[str, str] = {}
     try:
         output = subject.forward(model, inputs)
@@ -238,11 +289,20 @@ def _heard(found: dict[str, torch.Tensor], path: str, grad: torch.Tensor) -> Non
     found[path] = grad.detach()
 
 
-def decode_into(subject: Subject, model: nn.Module, inputs: Any, run: CellRun,
+def decode_into(subject: Subject, model: nn.Module, inputs: Inputs, run: CellRun,
                 tokens: Fed | None) -> None:
-    """``run.outputs["decode"]``: ``model``'s decoding of ``inputs``, step by step fed
-    ``tokens`` (None: its own choices) or the factory's own ``decode``; where a backend is
-    unavailable, why it is missing. Nothing for a model that does not generate."""
+    """Put ``model``'s decoding of ``inputs`` into ``run.outputs["decode"]``.
+
+    Where a backend is unavailable, ``run`` says why it is missing. Nothing for a model that
+    does not generate.
+
+    Args:
+        subject: the user's model: its step or its own ``decode``.
+        model: the cell's model.
+        inputs: its inputs.
+        run: the cell's run, added to.
+        tokens: what a step-by-step decoding is fed (None: its own choices).
+    """
     if not subject.generates:
         return
     try:
@@ -258,7 +318,7 @@ def decode_into(subject: Subject, model: nn.Module, inputs: Any, run: CellRun,
         run.missing["decode"] = str(exc)
 
 
-def _stepped(subject: Subject, model: nn.Module, inputs: Any, fed: Fed | None,
+def _stepped(subject: Subject, model: nn.Module, inputs: Inputs, fed: Fed | None,
              compile_log: CompileLog | None = None) -> dict[str, torch.Tensor]:
     """The step protocol's decoding: tokens (and parents) fed, else the greedy choices or the
     factory's beam search, and each step's logits cached and, where a built-in step offers it,
@@ -270,7 +330,7 @@ def _stepped(subject: Subject, model: nn.Module, inputs: Any, fed: Fed | None,
     searcher = (BeamSearch(search, prompt_rows(inputs) // search.beams)
                 if search and not fed else None)
     cached = teacher_forced(subject.stepper(model), model, inputs, DECODE_STEPS,
-                            fed and fed.tokens, parents=fed and fed.parents,
+                            fed,
                             reorder=subject.reorderer(model),
                             decide=searcher and searcher.decide,
                             during=decode_phases(compile_log, "cached"))
@@ -279,14 +339,14 @@ def _stepped(subject: Subject, model: nn.Module, inputs: Any, fed: Fed | None,
                **{f"cached.logits.{s}": t for s, t in enumerate(cached.logits)}}
     recompute = recompute_step(model) if subject.step is None else None
     if recompute is not None:  # its state holds tensors alone: their rows are reordered
-        recomputed = teacher_forced(recompute, model, inputs, DECODE_STEPS, cached.tokens,
-                                    parents=cached.parents, reorder=reorder_rows,
+        recomputed = teacher_forced(recompute, model, inputs, DECODE_STEPS,
+                                    Fed(cached.tokens, cached.parents), reorder=reorder_rows,
                                     during=decode_phases(compile_log, "recomputed"))
         outputs.update({f"recomputed.logits.{s}": t for s, t in enumerate(recomputed.logits)})
     return outputs
 
 
-def _decoded(subject: Subject, model: nn.Module, inputs: Any) -> dict[str, torch.Tensor]:
+def _decoded(subject: Subject, model: nn.Module, inputs: Inputs) -> dict[str, torch.Tensor]:
     """The factory's own ``decode``, with the cache and by full recompute."""
     return {path: tensor for label, cache in (("cached", True), ("recomputed", False))
             for path, tensor in flatten_tensors(subject.decoded(model, inputs, cache),
@@ -295,17 +355,37 @@ def _decoded(subject: Subject, model: nn.Module, inputs: Any) -> dict[str, torch
 
 def padded_positions(subject: Subject, output: str, path: str, tensor: torch.Tensor
             ) -> torch.Tensor | None:
-    """The padded positions of one tensor of ``output`` as its judgement reads them: a sketch
-    of it is made with them at 0."""
+    """The padded positions of one tensor of ``output``, as its judgement reads them.
+
+    A sketch of the tensor is made with them at 0.
+
+    Args:
+        subject: the user's model.
+        output: the output the tensor belongs to.
+        path: the tensor's path.
+        tensor: the tensor.
+
+    Returns:
+        A bool mask over its leading dimensions, or None.
+    """
     padding = output_padding(subject, output)
     left_out = padding(path, tensor) if padding else None
     return None if left_out is None else left_out.mask
 
 
 def output_padding(subject: Subject, output: str) -> Padding | None:
-    """The padding of an output's tensors: the model's outputs and its own decoding have a
-    value per input position; gradients are the parameters', and step-by-step decoding has a
-    value per step."""
+    """The padding of an output's tensors.
+
+    The model's outputs and its own decoding have a value per input position; gradients are
+    the parameters', and step-by-step decoding has a value per step.
+
+    Args:
+        subject: the user's model.
+        output: the output's name.
+
+    Returns:
+        The padding, or None where positions are not the inputs'.
+    """
     if output == "outputs" or (output.startswith("decode") and subject.decode is not None):
         return subject.padding
     return None

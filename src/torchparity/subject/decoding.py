@@ -77,23 +77,38 @@ class Fed:
 
 
 def teacher_forced(step: StepFn, model: nn.Module, inputs: Any, steps: int,
-                   tokens: torch.Tensor | None = None, *,
-                   parents: torch.Tensor | None = None, reorder: ReorderFn | None = None,
+                   fed: torch.Tensor | Fed | None = None, *, reorder: ReorderFn | None = None,
                    decide: DecideFn | None = None,
                    during: Callable[[int], contextlib.AbstractContextManager] | None = None,
-                   label: str | None = None) -> Decoding:
-    """Run the prompt and ``steps`` further steps, feeding ``tokens`` ``(batch, steps)`` or,
-    when None, what ``decide`` chooses from the model's own logits at the step before (default:
-    the greedy choice). Before a step with parents (``parents[:, s - 1]``, or those ``decide``
-    gives) the state is ``reorder``-ed to them.
+                   ) -> Decoding:
+    """Run the prompt and ``steps`` further steps, feeding the tokens ``fed`` or, when None,
+    what ``decide`` chooses from the model's own logits at the step before (default: the
+    greedy choice). Before a step with parents (those of ``fed``, or those ``decide`` gives)
+    the state is ``reorder``-ed to them.
 
-    ``during(s)`` gives a context the call of step ``s`` runs in (a capture of that step).
     Every step's return is checked (:func:`next_token_logits`); the logits are kept detached
-    on the CPU; a problem names the step by ``label`` (default: the step's own ``label``
-    attribute, else "the step"). Guarantees: the model sees exactly the tokens returned in
-    ``tokens``.
+    on the CPU; a problem names the step by its ``label`` attribute, else "the step".
+    Guarantees: the model sees exactly the tokens returned in ``tokens``.
+
+    Args:
+        step: ``step(model, tokens, state) -> (logits, state)``.
+        model: the model decoded.
+        inputs: the prompt, as the step's first call takes it.
+        steps: the steps after the prompt.
+        fed: the tokens ``(batch, steps)``, or a :class:`Fed` of them and, in a beam search,
+            the rows they continue (``parents[:, s - 1]`` before step ``s``); None: the
+            model's own choices.
+        reorder: ``reorder(state, index) -> state``, keeping row ``index[r]`` as row ``r``.
+        decide: chooses a step's tokens (and parents) from the logits of the step before,
+            where ``fed`` is None.
+        during: ``during(s)`` gives a context the call of step ``s`` runs in (a capture of
+            that step).
+
+    Returns:
+        The :class:`Decoding`: every step's logits, the tokens fed and their parents.
     """
-    label = label or getattr(step, "label", "the step")
+    tokens, parents = (fed.tokens, fed.parents) if isinstance(fed, Fed) else (fed, None)
+    label = getattr(step, "label", "the step")
     if steps < 0:
         raise UsageError(f"steps={steps}: decode zero or more steps after the prompt")
     if tokens is not None and (tokens.dim() != 2 or tokens.shape[1] < steps):

@@ -32,7 +32,14 @@ from torchparity.diagnosis.core.run import BackendSpec, Options, backend_context
 from torchparity.diagnosis.core.trace import Store, padded, sketched_in, stored_form
 from torchparity.sketching import Sketch
 from torchparity.subject.beams import BeamSettings, BeamStep
-from torchparity.subject.decoding import Decoding, ReorderFn, StepFn, teacher_forced
+from torchparity.subject.decoding import (
+    DecideFn,
+    Decoding,
+    Fed,
+    ReorderFn,
+    StepFn,
+    teacher_forced,
+)
 from torchparity.subject.running import seeded
 from torchparity.subject.sampling import SampleSettings
 from torchparity.subject.trees import flatten_tensors
@@ -57,14 +64,15 @@ class Side:
     reorder: ReorderFn | None = None
 
     def decode(self, steps: int, tokens: torch.Tensor | None,
-               parents: torch.Tensor | None = None, *, decide: Any = None,
-               during: Any = None) -> Decoding:
+               parents: torch.Tensor | None = None, *, decide: DecideFn | None = None,
+               during: Callable[[int], contextlib.AbstractContextManager] | None = None
+               ) -> Decoding:
         """Teacher-forced decoding along ``tokens`` and ``parents`` (when ``tokens`` is None:
         ``decide``'s choices, else greedy), seeded, without grad."""
+        fed = tokens if parents is None else Fed(tokens, parents)
         with backend_context(self.backend), seeded(), torch.no_grad():
-            return teacher_forced(self.step, self.model, self.inputs, steps, tokens,
-                                  parents=parents, reorder=self.reorder, decide=decide,
-                                  during=during)
+            return teacher_forced(self.step, self.model, self.inputs, steps, fed,
+                                  reorder=self.reorder, decide=decide, during=during)
 
 
 @dataclass
