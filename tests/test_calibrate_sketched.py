@@ -1,7 +1,8 @@
 """The sketched study: grown draws judged full and sketched find no false alarm, the estimates
 stay within the stated spread, the planted bugs are caught, and its section of
-docs/tolerance.md survives the main study's rewrite. (A sketch of 512 coordinates and a small
-threshold keep the draws cheap; the study itself runs at the table's size.)"""
+docs/tolerance.md (and the training study's) survives the main study's rewrite. (A sketch of
+512 coordinates and a small threshold keep the draws cheap; the study itself runs at the
+table's size.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 import pytest
 
 from torchparity import tolerance
-from torchparity.calibration import sketched
+from torchparity.calibration import sketched, training_report
 from torchparity.calibration.problems import draw_problem
 from torchparity.cli import main
 
@@ -47,12 +48,14 @@ def test_sketched_study_finds_no_false_alarm_and_catches_the_big_changes(small_s
 def test_the_main_report_keeps_the_sketched_section(tmp_path, small_sketches):
     out = tmp_path / "tolerance.md"
     section = f"{sketched.BEGIN}\n## Sketched goldens\nFIRST-RUN\n{sketched.END}\n"
-    out.write_text("# old report\n\n" + section)
+    training = f"{training_report.BEGIN}\n## Training\nTRAINED\n{training_report.END}\n"
+    out.write_text("# old report\n\n" + section + "\n" + training)
     assert main(["calibrate", "--draws", "1", "--seed", str(SMALL_SEED), "--dtype", "fp32",
                  "--backend", "sdpa", "--out", str(out)]) == 0
     text = out.read_text()
     assert "# old report" not in text and text.count(sketched.BEGIN) == 1
     assert sketched.section_of(text) == section
+    assert training_report.SECTION.of(text) == training
     again = sketched.merged(text, section.replace("FIRST-RUN", "SECOND-RUN"))
     assert "FIRST-RUN" not in again and again.count("SECOND-RUN") == 1
 

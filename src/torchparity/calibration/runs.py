@@ -5,49 +5,82 @@ written by another study is kept)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
 from torchparity import machine
-from torchparity.calibration import capabilities, sketched
+from torchparity.calibration import capabilities, sketched, training_report
 from torchparity.calibration.report import print_tables, render_markdown
 from torchparity.calibration.study import calibrate
+from torchparity.calibration.training import TrainingSettings, study_training
 from torchparity.comparison.tensor import json_safe
 
 
-def run_study(draws: int, *, seed: int, dtypes: list[str], backend_names: list[str],
-              flex_every: int, families: tuple[str, ...], out: str | None,
-              json_path: str | None, command: str) -> bool:
+@dataclass(frozen=True)
+class StudySettings:
+    """What the main study draws and judges (see :func:`~.study.calibrate`).
+
+    Args:
+        draws: problems of each family.
+        seed: the seed of the first draw.
+        dtypes: the candidate dtypes.
+        backend_names: the legitimate backends judged.
+        flex_every: flex runs on every ``flex_every``-th draw only.
+        families: the families of problems.
+    """
+
+    draws: int
+    seed: int
+    dtypes: list[str]
+    backend_names: list[str]
+    flex_every: int
+    families: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a study's results go: ``out`` the Markdown report (a section of it for the
+    studies that write one), ``json`` the measurements, ``command`` the command line the
+    report quotes."""
+
+    out: str | None = None
+    json: str | None = None
+    command: str = "torchparity calibrate"
+
+
+def run_study(settings: StudySettings, destination: Destination) -> bool:
     """The main study: false alarms of every backend and detections of planted bugs, its
-    tables printed and written to ``out`` (made by ``command``) and ``json_path``; True
-    without false alarms and with the detection goal met."""
+    tables printed and written to the destination; True without false alarms and with the
+    detection goal met."""
     console = Console(stderr=True)
     with Progress(
         "calibrating", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
-        task = progress.add_task("draws", total=draws * len(families))
+        task = progress.add_task("draws", total=settings.draws * len(settings.families))
         results = calibrate(
-            draws,
-            seed=seed,
-            dtypes=dtypes,
-            backend_names=backend_names,
-            flex_every=flex_every,
-            families=families,
+            settings.draws,
+            seed=settings.seed,
+            dtypes=settings.dtypes,
+            backend_names=settings.backend_names,
+            flex_every=settings.flex_every,
+            families=settings.families,
             on_draw=lambda: progress.advance(task),
         )
     print_tables(results, Console())
-    if out:
-        text = render_markdown(results, command=command)
-        path = Path(out)
+    if destination.out:
+        text = render_markdown(results, command=destination.command)
+        path = Path(destination.out)
         document = path.read_text() if path.exists() else ""
-        for section in (sketched.SECTION, capabilities.SECTION):  # written by their own runs
+        # the sections of the studies that write their own, kept
+        for section in (sketched.SECTION, capabilities.SECTION, training_report.SECTION):
             if (kept := section.of(document)) is not None:
                 text = section.merged(text, kept)
         _write(path, text)
-    if json_path:
-        _write(Path(json_path), json.dumps(json_safe(results.to_dict()), indent=2) + "\n")
+    if destination.json:
+        _write(Path(destination.json), json.dumps(json_safe(results.to_dict()), indent=2) + "\n")
     return results.n_false_alarms == 0 and results.detection_goal_met()
 
 
@@ -97,6 +130,26 @@ def run_per_capability(study_arguments: list[str], out: str | None) -> bool:
         _write(path, capabilities.SECTION.merged(path.read_text() if path.exists() else "",
                                                  section))
     return all(row.false_alarms == 0 for row in rows)
+
+
+def run_training(settings: TrainingSettings, destination: Destination) -> bool:
+    """The training study: its section printed and merged into the destination's report;
+    True without false alarms."""
+    with Progress(
+        "training study", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True),
+    ) as progress:
+        task = progress.add_task("seeds", total=sum(settings.seeds.values()))
+        results = study_training(settings, on_seed=lambda _: progress.advance(task))
+    section = training_report.training_section(results, command=destination.command)
+    print(section)
+    if destination.out:
+        path = Path(destination.out)
+        _write(path, training_report.SECTION.merged(
+            path.read_text() if path.exists() else "", section))
+    if destination.json:
+        _write(Path(destination.json), json.dumps(json_safe(results.to_dict()), indent=2) + "\n")
+    return all(not v.diverged for v in results.verdicts if v.eps is None)
 
 
 def _write(path: Path, text: str) -> None:

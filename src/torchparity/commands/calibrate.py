@@ -14,8 +14,16 @@ import argparse
 
 from torchparity import backends
 from torchparity.calibration.problems import CALIBRATED
-from torchparity.calibration.runs import run_per_capability, run_sketched, run_study
+from torchparity.calibration.runs import (
+    Destination,
+    StudySettings,
+    run_per_capability,
+    run_sketched,
+    run_study,
+    run_training,
+)
 from torchparity.calibration.study import FAMILIES, cpu_backends
+from torchparity.calibration.training import TrainingSettings
 from torchparity.commands.common import dtype_name
 from torchparity.errors import UsageError
 
@@ -63,6 +71,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each, ATEN_CPU_CAPABILITY) and compare their false alarms and detection; --out "
         "replaces its section of the file",
     )
+    parser.add_argument(
+        "--training",
+        action="store_true",
+        help="run the training study instead: the noise band's false alarms over legitimate "
+        "refactors and the smallest planted training bug it catches, per seed, horizon and "
+        "dtype (fp32, bf16); --out replaces its section of the file",
+    )
+    parser.add_argument("--seeds", action="append", metavar="[DTYPE=]N",
+                        help="--training: seeds per dtype, N for all or DTYPE=N for one "
+                        "(repeatable; default 10)")
+    parser.add_argument("--horizon", action="append", type=int, metavar="STEPS",
+                        help="--training: steps a check is judged over (repeatable; default "
+                        "20 and 200)")
     parser.add_argument("--out", metavar="PATH", help="write the report as markdown to PATH")
     parser.add_argument("--json", metavar="PATH", help="write the measurements as JSON to PATH")
 
@@ -80,13 +101,18 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"unknown --backend {', '.join(unknown)}; choose from {', '.join(backends.names())}"
         )
+    if args.training:
+        destination = Destination(args.out, args.json, _training_command(args))
+        settings = TrainingSettings.parse(args.seeds or [], args.horizon or [], args.dtype or [],
+                                          first_seed=args.seed)
+        return 0 if run_training(settings, destination) else 1
     if args.sketched:
         return 0 if run_sketched(args.draws, args.seed, args.dtype, args.out, args.json) else 1
     if args.capabilities:
         return 0 if run_per_capability(_study_arguments(args), args.out) else 1
-    ok = run_study(args.draws, seed=args.seed, dtypes=dtypes, backend_names=backend_names,
-                   flex_every=args.flex_every, families=tuple(families), out=args.out,
-                   json_path=args.json, command=_command_line(args))
+    settings = StudySettings(args.draws, args.seed, dtypes, backend_names, args.flex_every,
+                             tuple(families))
+    ok = run_study(settings, Destination(args.out, args.json, _command_line(args)))
     return 0 if ok else 1
 
 
@@ -101,5 +127,14 @@ def _study_arguments(args: argparse.Namespace) -> list[str]:
 
 def _command_line(args: argparse.Namespace) -> str:
     parts = ["torchparity calibrate", *_study_arguments(args)]
+    parts += [f"--out {args.out}"] if args.out else []
+    return " ".join(parts)
+
+
+def _training_command(args: argparse.Namespace) -> str:
+    parts = ["torchparity calibrate --training", f"--seed {args.seed}"]
+    parts += [f"--seeds {s}" for s in args.seeds or []]
+    parts += [f"--horizon {h}" for h in args.horizon or []]
+    parts += [f"--dtype {d}" for d in args.dtype or []]
     parts += [f"--out {args.out}"] if args.out else []
     return " ".join(parts)
