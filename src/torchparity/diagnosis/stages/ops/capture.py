@@ -28,7 +28,7 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -162,6 +162,19 @@ def detached_copy(value: Any) -> Any:
     return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, value)
 
 
+class _Called(NamedTuple):
+    """A step as it is entered: what is called (an op or a child module), on copies of what,
+    which steps made those inputs, and from which lines of user code."""
+
+    name: str
+    kind: str
+    call: Callable[..., Any]
+    args: tuple
+    kwargs: dict[str, Any]
+    producers: tuple[int | None, ...]
+    stack: tuple[Frame, ...]
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, module: nn.Module, anchor: FrameType | None, *,
                  backward: bool = False, padding: PaddingSpec = None) -> None:
@@ -176,7 +189,7 @@ class _Recorder(TorchDispatchMode):
         self.wrote: dict[tuple, int] = {}
         self.alive: list[torch.Tensor] = []  # keeps the ids above unique during the call
         self.depth = 0
-        self.pending: list[tuple] = []
+        self.pending: list[_Called] = []
         self.handles = []
         for name, child in module.named_modules():
             if child is not module:
@@ -195,14 +208,14 @@ class _Recorder(TorchDispatchMode):
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.depth += 1  # first: the copies below are no ops of the module's own code
             if self.depth == 1:
-                self.pending.append((name, child, detached_copy(args), detached_copy(kwargs),
-                                     self._producers((args, kwargs)), self._stack()))
+                self.pending.append(_Called(name, "module", child, detached_copy(args),
+                                            detached_copy(kwargs),
+                                            self._producers((args, kwargs)), self._stack()))
         return hook
 
     def _leaving(self, _module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
         if self.depth == 1:
-            name, child, args, kwargs, producers, stack = self.pending.pop()
-            self._add(name, "module", child, args, kwargs, producers, stack, output, {})
+            self._add(self.pending.pop(), output, {})
         self.depth -= 1
 
     # -- ops ------------------------------------------------------------------------------------
@@ -221,13 +234,14 @@ class _Recorder(TorchDispatchMode):
             if _storage(t) is not None:
                 self.wrote[_storage(t)] = len(self.steps)
                 self.alive.append(t)
-        self._add(name, "op", func, *before, producers, self._stack(), output,
+        self._add(_Called(name, "op", func, *before, producers, self._stack()), output,
                   _scalars(func, args, kwargs), [t._base for t in written if t._base is not None])
         return output
 
-    def _add(self, name: str, kind: str, call: Callable, args: tuple, kwargs: dict,
-             producers: tuple, stack: tuple, output: Any, scalars: dict,
+    def _add(self, called: _Called, output: Any, scalars: dict[str, Any],
              written: list[torch.Tensor] = ()) -> None:
+        """The step ``called`` that returned ``output`` (and wrote into the buffers
+        ``written`` through views), its outputs kept."""
         index = len(self.steps)
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
         outputs = {f"out.{i}": t for i, t in enumerate(outs)}
@@ -236,8 +250,8 @@ class _Recorder(TorchDispatchMode):
         for t in [*outs, *written]:
             self.made[id(t)] = index
             self.alive.append(t)
-        self.steps.append(Step(index, name, kind, call, args, kwargs, outputs, producers,
-                               stack, scalars))
+        self.steps.append(Step(index, called.name, called.kind, called.call, called.args,
+                               called.kwargs, outputs, called.producers, called.stack, scalars))
 
     def _kept(self, path: str, tensor: torch.Tensor) -> torch.Tensor | Sketch:
         """An output as a step keeps it: a copy, or past the threshold a sketch seeded by its
