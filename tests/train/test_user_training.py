@@ -148,6 +148,19 @@ def test_diagnose_of_a_refactor_within_the_band_has_nothing_to_diagnose(goldens_
     assert "nothing to diagnose" in capsys.readouterr().out
 
 
+def test_without_base_a_backend_is_judged_against_manual_attention_in_the_same_code(
+        monkeypatch):
+    """Without --base A is the code itself, its attention call run by torchparity's manual
+    attention: SDPA's math kernel computes the same, so no module parts, and the note says
+    the table cannot speak for the code."""
+    stage = uts.StepStage(2, "backward", "grad_norm", math.inf)
+    diagnosis = uts.diagnose_user_step(load(monkeypatch, "base"), Execution("sdpa-math"), stage)
+    assert diagnosis.report.ok
+    assert diagnosis.report.meta.backends == ["manual fp32 cpu", "sdpa-math fp32 cpu"]
+    assert "a change of code shows only as the stage" in diagnosis.note
+    assert "add --base REV" in diagnosis.note
+
+
 def test_a_gelu_with_another_backward_is_found_in_the_block_that_calls_it(monkeypatch,
                                                                           tmp_path):
     """The base's step 1 recorded as the base side records it, the GELU's custom backward

@@ -64,4 +64,5 @@ def runs_as(execution: Execution) -> Callable[[], contextlib.AbstractContextMana
                 device_type = torch.device(execution.device).type
                 stack.enter_context(torch.autocast(device_type, dtype=mode.autocast_dtype))
             yield
+    select.__name__ = execution.label()  # how reports name the backend
     return select

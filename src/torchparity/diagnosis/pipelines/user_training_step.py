@@ -323,7 +323,7 @@ def record_step(subject: Subject, step: int, execution: Execution, folder: Path,
     with _cpu_thread(execution):
         call = capture_call(trainer, step)
     layout = state_layout(weights)
-    state = {name: t.detach().contiguous() for name, t in weights.state_dict().items()
+    state = {name: t.detach().cpu().contiguous() for name, t in weights.state_dict().items()
              if not isinstance(layout[name], str)}  # a tied tensor once
     save_file(state, str(folder / _WEIGHTS))
     (folder / _LAYOUT).write_text(json.dumps({"layout": layout,
