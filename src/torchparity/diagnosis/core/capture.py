@@ -306,6 +306,31 @@ class ModuleCall:
 # The hooks
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureSettings:
+    """What a :class:`Capture` keeps of each call.
+
+    Attributes:
+        what: ``"tensors"`` keeps copies of inputs and outputs, ``"outputs"`` copies of
+            outputs and no inputs, ``"stats"`` only statistics, ``"shapes"`` only output
+            shapes.
+        grads: a backward run inside the block fills each call's ``grad_output``.
+        keep: keep each record's tensors once its callback has run.
+        objects: copy input objects other than tensors and containers (caches).
+        state: summarise, after each call, the state the module read.
+        share: keep one copy of a tensor that several calls see.
+        live: without ``keep``, hand ``on_call`` the outputs themselves, detached.
+    """
+
+    what: Literal["tensors", "outputs", "stats", "shapes"] = "tensors"
+    grads: bool = False
+    keep: bool = True
+    objects: bool = True
+    state: bool = False
+    share: bool = False
+    live: bool = False
+
+
 class Capture:
     """Record the calls of a model's modules while the ``with`` block runs.
 
@@ -341,33 +366,44 @@ class Capture:
         include: PatternSpec = None,
         exclude: PatternSpec = None,
         *,
-        what: Literal["tensors", "outputs", "stats", "shapes"] = "tensors",
-        grads: bool = False,
+        settings: CaptureSettings | None = None,
         on_call: Callable[[ModuleCall], None] | None = None,
         on_grad: Callable[[ModuleCall, str, torch.Tensor], None] | None = None,
-        keep: bool = True,
-        objects: bool = True,
-        state: bool = False,
         states: StateRecorder | None = None,
-        share: bool = False,
-        live: bool = False,
+        **keywords: Any,
     ) -> None:
+        """Select the modules to hook (they are hooked on entering the ``with`` block).
+
+        Args:
+            model: the model whose modules are recorded.
+            include: the modules selected, by glob or ``re:`` regex, or a filter of names
+                (None: all).
+            exclude: the modules left out.
+            settings: what is kept of each call (:class:`CaptureSettings`); its fields may
+                also be given as keywords (``what="shapes"``), which replace its own.
+            on_call: runs when a call finishes.
+            on_grad: runs when a gradient arrives.
+            states: a :class:`~torchparity.diagnosis.core.state.StateRecorder` entered
+                before, which gives each call its ``clock``.
+        """
+        settings = dataclasses.replace(settings or CaptureSettings(), **keywords)
+        what, keep = settings.what, settings.keep
         if what not in ("tensors", "outputs", "stats", "shapes"):
             raise UsageError(
                 f"Capture(what={what!r}): use 'tensors', 'outputs', 'stats' or 'shapes'")
         selected = module_filter(include, exclude)
         self.modules = {name: mod for name, mod in model.named_modules() if selected(name)}
         self.what = what
-        self.grads = grads
+        self.grads = settings.grads
         self.on_call = on_call
         self.on_grad = on_grad
         self.keep = keep
-        self.objects = objects
-        self.state = state
+        self.objects = settings.objects
+        self.state = settings.state
         self.states = states
         self._summaries: Summaries = {}
-        self._copies = SharedCopies() if share else None
-        self.live = live and not keep
+        self._copies = SharedCopies() if settings.share else None
+        self.live = settings.live and not keep
         self._paused = 0
         self._handles: list[Any] = []
         self.restart()
