@@ -3,9 +3,11 @@
     torchparity train --model models.py:make --steps 200 --update-golden
     torchparity train --model models.py:make --steps 200 --check --json verdict.json
     torchparity train --model models.py:make --steps 200 --base origin/main
+    torchparity train --model models.py:make --steps 200 --check --nproc 2
 
 ``--update-golden`` trains the float64 trajectory and the rounding-only ensemble whose spread
-is the noise band, and stores both; ``--check`` trains once and judges the run against them.
+is the noise band, and stores both; ``--check`` trains once and judges the run against them,
+with ``--nproc N`` sharded over N ranks by the factory (train/sharded_training.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 
 from torchparity.commands.common import base_side, resolve_device
+from torchparity.distributed.group import under_torchrun
 from torchparity.errors import UsageError
 from torchparity.golden.judged_model_training import (
     ModelPlan,
@@ -24,6 +27,7 @@ from torchparity.golden.judged_model_training import (
     update_model_golden,
 )
 from torchparity.revisions.base import BaseSide
+from torchparity.train.sharded_training import judge_sharded_training, start_ranks
 from torchparity.train.trainer import OWN_ATTENTION, Execution, TrainConfig
 
 _ZOO = TrainConfig()
@@ -42,8 +46,10 @@ def train_model(args: argparse.Namespace, console: Console) -> int:
     if given:
         raise UsageError(f"{', '.join(given)} set the zoo's recipe; a factory's model trains "
                          "by its own batches, optimizer and train_step: leave them out")
-    if (args.nproc or 1) > 1:
-        raise UsageError("--nproc with --model is not supported yet; train in one process")
+    launched = start_ranks(args.nproc, args._argv,
+                           judges=args.check and not (args.update_golden or args.base))
+    if launched is not None:
+        return launched
     if args.diagnose and args.update_golden:
         raise UsageError("--diagnose drills down a run that leaves its band: use it with "
                          "--check or --base REV, not --update-golden")
@@ -68,7 +74,8 @@ def train_model(args: argparse.Namespace, console: Console) -> int:
     if args.update_golden:
         update_model_golden(plan, console)
         return 0
-    return 0 if judge_model_training(plan, console) else 1
+    judge = judge_sharded_training if under_torchrun() else judge_model_training
+    return 0 if judge(plan, console) else 1
 
 
 def _base_step(side: BaseSide, entry: str, execution: Execution

@@ -103,7 +103,7 @@ class UserTrainer:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UsageError(f"device {execution.device!r} asked for, but no CUDA device is "
                              "available here; use --device cpu")
-        self.model = copy.deepcopy(subject.model).to(self.device, self.mode.param_dtype)
+        self.model = self._build_model()
         if perturb_seed is not None:
             perturb_weights(self.model, seed=perturb_seed)
         self.optimizer = subject.guarded(lambda: subject.optimizer(self.model), "its optimizer")
@@ -120,6 +120,15 @@ class UserTrainer:
                 p.register_post_accumulate_grad_hook(self._record_grad)
         self.records: list[StepRecord] = []
         self.started = time.perf_counter()
+
+    def _build_model(self) -> torch.nn.Module:
+        """A copy of the factory's model in the run's dtype, on its device."""
+        return copy.deepcopy(self.subject.model).to(self.device, self.mode.param_dtype)
+
+    def _group_norm(self, group: list[torch.Tensor], norms: list[torch.Tensor | None]) -> float:
+        """The norm of a parameter group from each parameter's norm (None: no gradient):
+        what a sharded trainer makes the whole model's."""
+        return _norm(norms)
 
     def _record_grad(self, p: torch.Tensor) -> None:
         # The gradient as it stands after each accumulation: after the last backward of a step
@@ -143,10 +152,12 @@ class UserTrainer:
         with deterministic(step, tf32=self.mode.tf32, warn_only=self.device.type == "cuda"), \
                 self._attention(), self._autocast():
             loss = self._train_step(batch, step)
-        grads = [_norm([self._grad_norms.get(id(p)) for p in group]) for group in params]
-        updates = [_norm([torch.linalg.vector_norm((p.detach() - b).to(torch.float64))
-                          for p, b in zip(group, old, strict=True)])
-                   for group, old in zip(params, before, strict=True)]
+        grads = [self._group_norm(group, [self._grad_norms.get(id(p)) for p in group])
+                 for group in params]
+        updates = [self._group_norm(group, [
+            torch.linalg.vector_norm((p.detach() - b).to(torch.float64))
+            for p, b in zip(group, old, strict=True)])
+            for group, old in zip(params, before, strict=True)]
         if self.scheduler is not None:
             subject.guarded(self.scheduler.step, "its scheduler's step")
         record = StepRecord(step, loss, _norm(grads), _norm(updates), lr, 0, 0, 0,
