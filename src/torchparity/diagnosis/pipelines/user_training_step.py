@@ -238,31 +238,37 @@ class StepCall:
 
 def capture_call(trainer: UserTrainer, step: int) -> StepCall:
     """Run step ``step`` on ``trainer`` and keep its first call of the model."""
-    model = trainer.model
-    kept: dict[str, Any] = {"calls": 0, "gradients": {}}
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        kept["calls"] += 1
-        if kept["calls"] > 1:
-            return
-        kept["inputs"] = _inputs(module, _detached(args), _detached(kwargs))
-        for path, tensor in flatten_tensors(output, "output").items():
-            if tensor.requires_grad:
-                tensor.register_hook(lambda g, path=path: _keep(kept["gradients"], path, g))
-
-    handle = model.register_forward_hook(hook, with_kwargs=True)
+    first = _FirstCall()
+    handle = trainer.model.register_forward_hook(first, with_kwargs=True)
     try:
         trainer.step(step)
     finally:
         handle.remove()
-    if not kept["calls"] or not kept["gradients"]:
+    if not first.gradients:
         raise TorchParityError(f"step {step} of {trainer.subject.entry} did not call the model "
                                "with gradients reaching its output: nothing to diagnose")
-    return StepCall(kept["inputs"], kept["gradients"], kept["calls"])
+    return StepCall(first.inputs, first.gradients, first.calls)
 
 
-def _keep(gradients: dict[str, torch.Tensor], path: str, grad: torch.Tensor) -> None:
-    gradients[path] = grad.detach().clone()  # the first backward's: the step's one call
+class _FirstCall:
+    """A forward hook counting the model's calls and keeping the first one's inputs and the
+    gradients its outputs receive (its one backward)."""
+
+    def __init__(self) -> None:
+        self.calls, self.inputs = 0, None
+        self.gradients: dict[str, torch.Tensor] = {}
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            return
+        self.inputs = _inputs(module, _detached(args), _detached(kwargs))
+        for path, tensor in flatten_tensors(output, "output").items():
+            if tensor.requires_grad:
+                tensor.register_hook(lambda g, path=path: self._keep(path, g))
+
+    def _keep(self, path: str, grad: torch.Tensor) -> None:
+        self.gradients[path] = grad.detach().clone()
 
 
 def _inputs(module: nn.Module, args: tuple, kwargs: dict) -> Any:
