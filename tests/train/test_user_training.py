@@ -104,11 +104,13 @@ def test_a_loss_that_turns_nan_names_the_step_exit_3_and_no_golden(tmp_path, cap
 
 
 
-def test_diagnose_with_update_golden_is_one_line_exit_2_and_no_golden(tmp_path, capsys):
-    assert main(["train", "--model", ENTRY, "--steps", "3", "--update-golden", "--diagnose",
+@pytest.mark.parametrize("mode", [["--update-golden"], ["--check", "--nproc", "2"]])
+def test_diagnose_with_update_golden_or_nproc_is_one_line_exit_2_and_no_golden(
+        mode, tmp_path, capsys):
+    assert main(["train", "--model", ENTRY, "--steps", "3", *mode, "--diagnose",
                  "--golden-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--diagnose drills down a run that leaves its band" in err, err
+    assert "--diagnose drills down a run of one process that leaves its band" in err, err
     assert len(err.splitlines()) == 1 and not list(tmp_path.iterdir())
 
 

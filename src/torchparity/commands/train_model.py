@@ -46,13 +46,14 @@ def train_model(args: argparse.Namespace, console: Console) -> int:
     if given:
         raise UsageError(f"{', '.join(given)} set the zoo's recipe; a factory's model trains "
                          "by its own batches, optimizer and train_step: leave them out")
+    if args.diagnose and (args.update_golden or (args.nproc or 1) > 1):
+        raise UsageError("--diagnose drills down a run of one process that leaves its band: "
+                         "use it with --check or --base REV, without --update-golden or "
+                         "--nproc")
     launched = start_ranks(args.nproc, args._argv,
                            judges=args.check and not (args.update_golden or args.base))
     if launched is not None:
         return launched
-    if args.diagnose and args.update_golden:
-        raise UsageError("--diagnose drills down a run that leaves its band: use it with "
-                         "--check or --base REV, not --update-golden")
     side = base_side(args)
     golden_dir = args.golden_dir
     if side:
