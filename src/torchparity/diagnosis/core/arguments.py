@@ -18,7 +18,13 @@ from torch import nn
 
 from torchparity.comparison.selection import PaddingSpec
 from torchparity.comparison.structure import format_shape
-from torchparity.diagnosis.core.capture import ModuleCall, Signature, Uncopyable, bound_arguments
+from torchparity.diagnosis.core.capture import (
+    CallArgs,
+    ModuleCall,
+    Signature,
+    Uncopyable,
+    bound_arguments,
+)
 from torchparity.diagnosis.core.judging import judge
 from torchparity.diagnosis.core.masks import by_meaning, readings
 from torchparity.diagnosis.core.run import parameter_path
@@ -47,7 +53,7 @@ class Convention:
     b_none: bool
 
 
-def convention_change(a_sig: Signature | None, a_inputs: tuple[tuple, dict],
+def convention_change(a_sig: Signature | None, a_inputs: CallArgs,
                       b_sig: Signature | None, b: ModuleCall) -> Convention | None:
     """The first mask A's call (its ``a_inputs``) hands the module in another convention than
     B's call ``b`` (of which the shapes and dtypes of its tensors are known): a tensor against
@@ -92,8 +98,8 @@ def same_value(a: Any, b: Any) -> bool:
         (_objects_alike(a, b) or _same_plain(a, b))
 
 
-def argument_difference(a_sig: Signature | None, a_inputs: tuple[tuple, dict],
-                        b_sig: Signature | None, b_inputs: tuple[tuple, dict],
+def argument_difference(a_sig: Signature | None, a_inputs: CallArgs,
+                        b_sig: Signature | None, b_inputs: CallArgs,
                         padding: PaddingSpec = None, b_module: nn.Module | None = None
                         ) -> Difference | None:
     """The first argument in which B's call differs from A's, compared by meaning: arguments

@@ -28,7 +28,7 @@ import inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -244,6 +244,14 @@ class TensorStats:
 def call_key(name: str, call: int) -> str:
     """Key of one call of a module: its name for the first call, ``name#k`` for later ones."""
     return name if call == 0 else f"{name}#{call}"
+
+
+class CallArgs(NamedTuple):
+    """A call's arguments: the positional ones and the keyword ones, as a module takes them
+    (``module(*args, **kwargs)``)."""
+
+    args: tuple
+    kwargs: dict[str, Any]
 
 
 @dataclasses.dataclass

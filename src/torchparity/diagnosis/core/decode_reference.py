@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchparity.diagnosis.core.capture import Capture, ModuleCall, Signature
+from torchparity.diagnosis.core.capture import CallArgs, Capture, ModuleCall, Signature
 from torchparity.diagnosis.core.judging import joined, judge
 from torchparity.diagnosis.core.reference import golden_label
 from torchparity.diagnosis.core.results import Mismatch, Result
@@ -131,7 +131,7 @@ class _StepStore:
     def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
         return self._store.get(step_key(key, self._step), group)
 
-    def get_inputs(self, key: str, *, placeholders: bool = False) -> tuple[tuple, dict]:
+    def get_inputs(self, key: str, *, placeholders: bool = False) -> CallArgs:
         return self._store.get_inputs(step_key(key, self._step), placeholders=placeholders)
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from torchparity import backends as attention_backends
 from torchparity.diagnosis.core.align import NameMap
 from torchparity.diagnosis.core.capture import (
+    CallArgs,
     Capture,
     ModuleCall,
     PatternSpec,
@@ -282,8 +283,8 @@ class UnfitArguments(ReplayUnavailable):
     """A's recorded arguments have no sound mapping onto B's ``forward``."""
 
 
-def rebind(recorded: Signature | None, inputs: tuple[tuple, dict], module: nn.Module
-           ) -> tuple[tuple[tuple, dict], list[str]]:
+def rebind(recorded: Signature | None, inputs: CallArgs, module: nn.Module
+           ) -> tuple[CallArgs, list[str]]:
     """A recorded call's arguments as ``module`` (another revision's) takes them, by meaning,
     and a note per argument handed to a parameter of another name. As recorded when B binds
     each to a parameter of the name A's had (or A's signature is unknown); else each bound
@@ -324,7 +325,7 @@ def rebind(recorded: Signature | None, inputs: tuple[tuple, dict], module: nn.Mo
         bound = forward.bind(**rebound)
     except TypeError as exc:
         raise UnfitArguments(f"A's arguments do not bind to {forward_text}: {exc}") from None
-    return (bound.args, bound.kwargs), notes
+    return CallArgs(bound.args, bound.kwargs), notes
 
 
 def _renamed(name: str, names: list[str], forward: inspect.Signature) -> str | None:
@@ -347,7 +348,7 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return params
 
 
-def replay(module: nn.Module, inputs: tuple[tuple, dict], backend: BackendSpec, *,
+def replay(module: nn.Module, inputs: CallArgs, backend: BackendSpec, *,
            grad_out: Mapping[str, torch.Tensor] | None = None,
            requires_grad: frozenset[str] = frozenset(), float64: bool = False,
            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -416,8 +417,8 @@ def _replay_float64(module: nn.Module, args: tuple, kwargs: dict, backend: Backe
     return {p: t.detach() for p, t in outputs.items()}, grads
 
 
-def placed(inputs: tuple[tuple, dict], call: ModuleCall, sig: Signature | None = None
-           ) -> tuple[tuple, dict]:
+def placed(inputs: CallArgs, call: ModuleCall, sig: Signature | None = None
+           ) -> CallArgs:
     """Recorded inputs with each tensor moved to the device, and floating ones cast to the
     dtype, that ``call``'s module saw at the same input in its own run (the same parameter of
     ``sig``, its forward's, when given: :func:`parameter_path`)."""
@@ -430,8 +431,8 @@ def placed(inputs: tuple[tuple, dict], call: ModuleCall, sig: Signature | None =
         return tensor.to(device=device, dtype=dtype)
 
     args, kwargs = inputs
-    return (map_tensors_with_paths(args, place, "args"),
-            map_tensors_with_paths(kwargs, place, "kwargs"))
+    return CallArgs(map_tensors_with_paths(args, place, "args"),
+                    map_tensors_with_paths(kwargs, place, "kwargs"))
 
 
 def parameter_path(sig: Signature | None, path: str) -> str:
@@ -449,8 +450,8 @@ def parameter_path(sig: Signature | None, path: str) -> str:
     return f"{name}.{tail}" if tail else name
 
 
-def fitted(inputs: tuple[tuple, dict], call: ModuleCall, sig: Signature | None = None
-           ) -> tuple[tuple[tuple, dict], list[str]]:
+def fitted(inputs: CallArgs, call: ModuleCall, sig: Signature | None = None
+           ) -> tuple[CallArgs, list[str]]:
     """Recorded inputs with each attention mask sized to the keys of ``call``'s own mask (at
     the same parameter of ``sig``, as in :func:`placed`), where that changes no query's keys
     (see :func:`~torchparity.diagnosis.core.masks.fitted_keys`), after taking the rows of its
@@ -484,13 +485,13 @@ def fitted(inputs: tuple[tuple, dict], call: ModuleCall, sig: Signature | None =
         notes.append(f"mask {path} {', '.join(said)}")
         return tensor
 
-    return (map_tensors_with_paths(args, fit, "args"),
-            map_tensors_with_paths(kwargs, fit, "kwargs")), notes
+    return CallArgs(map_tensors_with_paths(args, fit, "args"),
+                    map_tensors_with_paths(kwargs, fit, "kwargs")), notes
 
 
-def for_b(recorded: Signature | None, inputs: tuple[tuple, dict], call: ModuleCall,
+def for_b(recorded: Signature | None, inputs: CallArgs, call: ModuleCall,
           module: nn.Module, fit: bool = False, as_none: str | None = None
-          ) -> tuple[tuple[tuple, dict], list[str]]:
+          ) -> tuple[CallArgs, list[str]]:
     """A's recorded ``inputs`` as B's ``module`` takes them at ``call``, and notes saying
     what changed: handed to its parameters by meaning (:func:`rebind`), placed as B's call
     had them, with the argument of parameter ``as_none`` as None (B's call passes None
@@ -507,13 +508,13 @@ def for_b(recorded: Signature | None, inputs: tuple[tuple, dict], call: ModuleCa
     return inputs, notes
 
 
-def _with_none(inputs: tuple[tuple, dict], sig: Signature | None, name: str
-               ) -> tuple[tuple, dict]:
+def _with_none(inputs: CallArgs, sig: Signature | None, name: str
+               ) -> CallArgs:
     """``inputs`` with the argument bound to parameter ``name`` replaced by None."""
     args, kwargs = inputs
     args = tuple(None if parameter_path(sig, f"args.{i}") == name else value
                  for i, value in enumerate(args))
-    return args, {key: None if key == name else value for key, value in kwargs.items()}
+    return CallArgs(args, {key: None if key == name else value for key, value in kwargs.items()})
 
 
 Replayed = TypeVar("Replayed")

@@ -61,6 +61,7 @@ from torch import nn
 from torchparity import digests, sketching
 from torchparity.comparison.structure import cache_layers, is_cache
 from torchparity.diagnosis.core.capture import (
+    CallArgs,
     ModuleCall,
     PatternSpec,
     Uncopyable,
@@ -154,7 +155,7 @@ class Store(Protocol):
     def inputs_entry(self, key: str, args: tuple, kwargs: dict) -> Entry:
         """Keep a call's inputs; the :meth:`put_all` entry of their tensors."""
 
-    def get_inputs(self, key: str, placeholders: bool = False) -> tuple[tuple, dict]:
+    def get_inputs(self, key: str, placeholders: bool = False) -> CallArgs:
         """A fresh copy of a call's inputs; :class:`ReplayUnavailable` when they were not
         recorded or could not be copied (with ``placeholders`` an uncopied object stays the
         :class:`~torchparity.diagnosis.core.capture.Uncopyable` that stands for it)."""
@@ -168,7 +169,7 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._tensors: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-        self._inputs: dict[str, tuple[tuple, dict]] = {}
+        self._inputs: dict[str, CallArgs] = {}
         self.padding: Padding | None = None  # the batch's, which sketches leave out
 
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor], *,
@@ -194,7 +195,7 @@ class MemoryStore:
         self.put_inputs(key, args, kwargs)
         return key, "in", {}
 
-    def get_inputs(self, key: str, placeholders: bool = False) -> tuple[tuple, dict]:
+    def get_inputs(self, key: str, placeholders: bool = False) -> CallArgs:
         """A fresh copy of the call's inputs (replays may change them, e.g. append to a cache);
         an object that was not copied raises :class:`ReplayUnavailable`, or with
         ``placeholders`` stays the :class:`Uncopyable` that stands for it (to compare
@@ -205,7 +206,7 @@ class MemoryStore:
         if uncopyable and not placeholders:
             raise ReplayUnavailable(f"an input of type {uncopyable[0]} could not be copied"
                                     f"{_CACHE_HINT if 'Cache' in uncopyable[0] else ''}")
-        return snapshot(self._inputs[key])
+        return CallArgs(*snapshot(self._inputs[key]))
 
     def put_all(self, entries: list[tuple[str, str, Mapping[str, torch.Tensor]]], *,
                 owned: bool = False) -> None:
@@ -328,14 +329,14 @@ class DiskStore:
     def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
         self.put_all([self.inputs_entry(key, args, kwargs)])
 
-    def get_inputs(self, key: str, placeholders: bool = False) -> tuple[tuple, dict]:
+    def get_inputs(self, key: str, placeholders: bool = False) -> CallArgs:
         if key not in self.input_specs:
             raise ReplayUnavailable("its inputs were not recorded")
         # A fresh copy, as from memory: a replay may write into a tensor it is handed (a
         # StaticCache's keys), and the next replay of this call reads the same file.
         fresh = {path: tensor.clone() for path, tensor in self.get(key, "in").items()}
         args, kwargs = decode_tree(self.input_specs[key], fresh, placeholders)
-        return tuple(args), dict(kwargs)
+        return CallArgs(tuple(args), dict(kwargs))
 
     def inputs_entry(self, key: str, args: tuple, kwargs: dict
                      ) -> tuple[str, str, dict[str, torch.Tensor]]:

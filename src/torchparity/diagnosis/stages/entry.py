@@ -26,7 +26,7 @@ from torchparity.diagnosis.core.arguments import (
     convention_change,
     same_value,
 )
-from torchparity.diagnosis.core.capture import Capture, ModuleCall, signature
+from torchparity.diagnosis.core.capture import CallArgs, Capture, ModuleCall, signature
 from torchparity.diagnosis.core.decode_reference import StepReference
 from torchparity.diagnosis.core.judging import module_padding
 from torchparity.diagnosis.core.reference import Reference
@@ -117,7 +117,7 @@ def _replay_capturing(reference: Reference, match: Match, container: nn.Module,
     captured; the argument of its parameter ``as_none`` handed as None, as B hands it."""
     a, b = match.a[0], match.b[0]
 
-    def handed(fit: bool) -> tuple[tuple[tuple, dict], list[str]]:
+    def handed(fit: bool) -> tuple[CallArgs, list[str]]:
         return for_b(reference.signatures.get(a.name), reference.store.get_inputs(a.key), b,
                      container, fit, as_none)
 

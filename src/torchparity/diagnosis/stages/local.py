@@ -24,7 +24,7 @@ from torch import nn
 
 from torchparity.diagnosis.core.align import Match
 from torchparity.diagnosis.core.arguments import Convention, convention_change
-from torchparity.diagnosis.core.capture import ModuleCall, signature
+from torchparity.diagnosis.core.capture import CallArgs, ModuleCall, signature
 from torchparity.diagnosis.core.judging import joined
 from torchparity.diagnosis.core.progress import ProgressBar
 from torchparity.diagnosis.core.reference import Reference
@@ -91,11 +91,11 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
         return None, None, None
     store = reference.store
 
-    def handed(b: ModuleCall, fit: bool) -> tuple[tuple[tuple, dict], list[str]]:
+    def handed(b: ModuleCall, fit: bool) -> tuple[CallArgs, list[str]]:
         return for_b(reference.signatures.get(a.name), store.get_inputs(a.key), b,
                      modules[b.name], fit, as_none)
 
-    def inputs(b: ModuleCall, fit: bool) -> tuple[tuple, dict]:
+    def inputs(b: ModuleCall, fit: bool) -> CallArgs:
         return handed(b, fit)[0]
 
     def notes(fit: bool) -> list[str]:

@@ -13,15 +13,9 @@ from torch import nn
 
 from torchparity.comparison.selection import PaddingSpec
 from torchparity.diagnosis.core.align import Match
+from torchparity.diagnosis.core.capture import CallArgs
 from torchparity.diagnosis.core.decode_reference import DecodeReference, Side
 from torchparity.diagnosis.core.judging import module_padding
-from torchparity.diagnosis.stages.ops.align import align_steps
-from torchparity.diagnosis.stages.ops.backward import capture_backward
-from torchparity.diagnosis.stages.ops.capture import Step, capture_steps, capturing_first_call
-from torchparity.diagnosis.stages.ops.determinism import run_to_run_spreads
-from torchparity.diagnosis.stages.ops.judge import golden_on_inputs, judge_ops
-from torchparity.diagnosis.stages.ops.recorded import ASide, missing_ops, recorded_side
-from torchparity.diagnosis.stages.ops.report import NoOps, OpReport
 from torchparity.diagnosis.core.reference import ModuleCall, Reference, placed_on
 from torchparity.diagnosis.core.results import module_label
 from torchparity.diagnosis.core.run import (
@@ -36,6 +30,13 @@ from torchparity.diagnosis.core.run import (
 )
 from torchparity.diagnosis.core.state import OwnState, replaying, states_within
 from torchparity.diagnosis.core.trace import ReplayUnavailable
+from torchparity.diagnosis.stages.ops.align import align_steps
+from torchparity.diagnosis.stages.ops.backward import capture_backward
+from torchparity.diagnosis.stages.ops.capture import Step, capture_steps, capturing_first_call
+from torchparity.diagnosis.stages.ops.determinism import run_to_run_spreads
+from torchparity.diagnosis.stages.ops.judge import golden_on_inputs, judge_ops
+from torchparity.diagnosis.stages.ops.recorded import ASide, missing_ops, recorded_side
+from torchparity.diagnosis.stages.ops.report import NoOps, OpReport
 from torchparity.subject.running import seeded
 
 __all__ = ["a_side", "drill_call", "judged_streams", "ops_at_steps"]
@@ -66,7 +67,7 @@ def drill_call(reference: Reference, match: Match, model_a: nn.Module | None,
     module_b = dict(model_b.named_modules())[b_call.name]
     padding = module_padding(reference.padding, a_call.name)
 
-    def handed(fit: bool) -> tuple[tuple[tuple, dict], list[str]]:
+    def handed(fit: bool) -> tuple[CallArgs, list[str]]:
         # each replay its own copy of the inputs: a replay writes into a cache handed to it
         return for_b(reference.signatures.get(a_call.name),
                      reference.store.get_inputs(a_call.key), b_call, module_b, fit)

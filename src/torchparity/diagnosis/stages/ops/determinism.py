@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from torchparity import sketching, tolerance
+from torchparity.diagnosis.core.capture import CallArgs
 from torchparity.diagnosis.stages.ops.capture import Step, capture_steps
 from torchparity.sketching import Sketch
 from torchparity.subject.running import Inputs
@@ -150,11 +151,11 @@ def _where(step: Step) -> str:
     return f'{frame} "{frame.text}"'
 
 
-def _as_call(inputs: Inputs) -> tuple[tuple, dict]:
+def _as_call(inputs: Inputs) -> CallArgs:
     if isinstance(inputs, dict):
-        return (), dict(inputs)
+        return CallArgs((), dict(inputs))
     if isinstance(inputs, tuple):
-        return inputs, {}
-    return (inputs,), {}
+        return CallArgs(inputs, {})
+    return CallArgs((inputs,), {})
 
 
