@@ -163,18 +163,43 @@ def test_without_base_a_backend_is_judged_against_manual_attention_in_the_same_c
     assert "add --base REV" in diagnosis.note
 
 
-def test_a_gelu_with_another_backward_is_found_in_the_block_that_calls_it(monkeypatch,
-                                                                          tmp_path):
-    """The base's step 1 recorded as the base side records it, the GELU's custom backward
-    judged against it: its forward is exact, so no module's output parts; backward reaches
-    the last block first, whose forward calls the GELU (no module of its own holds it)."""
-    execution = Execution(OWN_ATTENTION, "fp32")
-    base = uts.record_step(load(monkeypatch, "base"), 1, execution, tmp_path / "base")
-    subject = load(monkeypatch, "gelu_backward")
+@pytest.fixture(scope="module")
+def base_step_1(tmp_path_factory):
+    """The original's step 1 recorded as the base side of --base records it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("USER_LM_VARIANT", "base")
+        subject = Subject.load(ENTRY)
+    return uts.record_step(subject, 1, Execution(OWN_ATTENTION, "fp32"),
+                           tmp_path_factory.mktemp("base") / "step")
+
+
+def diagnosed_against_base(monkeypatch, base_step, variant: str):
+    subject = load(monkeypatch, variant)
     stage = uts.StepStage(1, "backward", "grad_norm", math.inf)
-    report = uts.diagnose_user_step(subject, execution, stage, base=base).report
-    assert report.first_divergence is None
-    assert report.first_grad_divergence.module == f"blocks.{len(subject.model.blocks) - 1}"
+    return subject, uts.diagnose_user_step(subject, Execution(OWN_ATTENTION, "fp32"), stage,
+                                           base=base_step)
+
+
+def test_a_gelu_with_another_backward_is_found_in_the_block_that_calls_it(base_step_1,
+                                                                          monkeypatch):
+    """The GELU's custom backward judged against the base's step: its forward is exact, so
+    no module's output parts; backward reaches the last block first, whose forward calls the
+    GELU (no module of its own holds it)."""
+    subject, diagnosis = diagnosed_against_base(monkeypatch, base_step_1, "gelu_backward")
+    assert diagnosis.report.first_divergence is None
+    last = f"blocks.{len(subject.model.blocks) - 1}"
+    assert diagnosis.report.first_grad_divergence.module == last
+
+
+def test_a_fused_projection_loads_the_bases_three_weights_and_nothing_parts(base_step_1,
+                                                                           monkeypatch):
+    """The base's q, k and v weights found in the fused projection (concatenated, as the
+    goldens pair them) and its calls aligned as fused: the same mathematics, no module
+    parts."""
+    subject, diagnosis = diagnosed_against_base(monkeypatch, base_step_1, "fused")
+    assert diagnosis.reason is None and diagnosis.report.ok
+    fused = {r.module for r in diagnosis.report.rows if r.how == "fused"}
+    assert fused == {f"blocks.{i}.attn.qkv" for i in range(len(subject.model.blocks))}
 
 # --- 200 steps ------------------------------------------------------------------------------
 
