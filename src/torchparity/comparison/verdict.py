@@ -318,6 +318,27 @@ def compare(
     or dtype, a negative ``atol``/``rtol``, reruns without a baseline, or a padding mask that is
     not bool or does not fit a tensor. A sketch of a padded tensor is taken to be of the tensor
     with its padded positions at 0. The inputs are not modified.
+
+    Args:
+        candidate: the tensors judged (a tensor, number or pytree).
+        golden: the reference, as precise as possible (float64).
+        baseline: the trusted implementation in the candidate's dtype, whose error sets the
+            noise; None: the analytic bound.
+        kind: a kind of :data:`torchparity.tolerance.KINDS` (forward, grad, loss, ...).
+        compute_dtype: the dtype whose roundoff counts (default: each tensor's own).
+        reduction_length: the analytic bound's K (default: each tensor's last dimension).
+        step: a trajectory's step, which grows its budget.
+        equal_nan: NaN in both at one position agrees.
+        atol: added to every floating tensor's budget, by hand.
+        rtol: times the golden's scale, added likewise.
+        reruns: the candidate computed again on weights moved by one rounding.
+        noise: every compared tensor's noise, estimated elsewhere.
+        padding: the positions left out (a bool mask, True at padding, or a function).
+        islands: the narrowest dtype the model computes in whatever its own.
+
+    Returns:
+        The :class:`Comparison`: a verdict per tensor, the structure's differences, the
+        skipped leaves.
     """
     tol = tolerance.kind_tolerance(kind)
     for name, value in (("atol", atol), ("rtol", rtol)):

@@ -156,6 +156,27 @@ def diagnose(
     every run is seeded identically; each row's verdicts come from
     :func:`torchparity.compare` with a float64 golden when A can run in float64 (see
     ``report.meta.golden``); unmatched modules are listed, never dropped.
+
+    Args:
+        model_a: the reference implementation.
+        model_b: the changed one.
+        inputs: a tuple of positional arguments or a dict of keyword arguments.
+        loss_fn: ``loss_fn(output, inputs)``, the scalar gradients are taken of.
+        name_map: A's module names mapped to B's.
+        backward: take and judge gradients.
+        include: the modules selected (glob or ``re:`` regex).
+        exclude: the modules left out.
+        backends: the attention backends of A and B.
+        stream: keep the reference side on disk (None: when memory asks for it).
+        local: which modules get a local error, ``"diverged"`` or ``"all"``.
+        progress: show a progress bar on stderr (None: when stderr is a terminal).
+        dtype: run copies of both in this dtype (``torch.float64``: float64 budgets).
+        padding: the positions left out (None: the inputs' attention mask; False: none).
+        compile_b: run B by ``torch.compile`` in this form (``"dynamic"``, ``"static"``).
+        ops: B's module to drill down to its ops (None: the first divergence).
+
+    Returns:
+        The :class:`~torchparity.diagnosis.reports.diagnosis.DiagnosisReport`.
     """
     model_b, compile_b = compile_form(model_b, compile_b)
     if compile_b is not None and model_b is model_a:  # A's replays must stay eager
@@ -216,7 +237,26 @@ def record(
     backward of A, no golden, no replays), as ``diagnose
     --base`` records the first divergent module (and its caller) at the base.
     ``recorded_by`` is the command line that records it, kept so that a drill-down missing
-    A's ops can say how to add them. Returns the path.
+    A's ops can say how to add them.
+
+    Args:
+        model: the model of the base revision.
+        inputs: a tuple of positional arguments or a dict of keyword arguments.
+        path: the trace's folder.
+        loss_fn: as in :func:`diagnose`.
+        backward: record gradients.
+        include: the modules recorded (glob or ``re:`` regex).
+        exclude: the modules left out.
+        backend: the attention backend's name.
+        progress: show a progress bar on stderr.
+        dtype: run a copy of the model in this dtype.
+        padding: as in :func:`diagnose`.
+        ops: ``"all"`` or module names joined by commas whose ops are kept.
+        ops_only: keep only what the drill-down of ``ops`` reads.
+        recorded_by: the command line that records it.
+
+    Returns:
+        The path.
     """
     # the root as reports name it: its forward's calls of library modules have its lines
     modules = None if ops is None else \
@@ -296,6 +336,28 @@ def diagnose_against(
     trace holds (``record(ops=...)``); where it lacks them, ``more_ops(modules)`` (A's module
     names) returns a trace that holds them (one recorded at the base with ``ops=...``), and
     without it the report says which command adds them.
+
+    Args:
+        path: the trace :func:`record` (or :func:`torchparity.record_decode`) wrote.
+        model: the model of the changed revision.
+        inputs: the recorded inputs.
+        loss_fn: as in :func:`diagnose` (a forward pass's).
+        name_map: A's module names mapped to the model's.
+        backward: judge gradients (None: whether the trace has them).
+        backend: the model's attention backend.
+        local: as in :func:`diagnose`.
+        progress: show a progress bar on stderr.
+        padding: the positions left out (None: the recorded ones).
+        compile_b: as in :func:`diagnose`.
+        step: a decoding's step function.
+        reorder: a beam search's cache reorder.
+        decode: require the trace to be a decoding's.
+        ops: the model's module to drill down to its ops.
+        more_ops: ``more_ops(modules)`` records a trace with A's ops of those modules.
+
+    Returns:
+        A :class:`~torchparity.diagnosis.reports.diagnosis.DiagnosisReport`, or a
+        :class:`~torchparity.diagnosis.pipelines.decoding.DecodeReport` for a decoding's trace.
     """
     # The trace's metadata says which pipeline judges it: a decoding's has its own
     # (decode=True only asks that it be one).

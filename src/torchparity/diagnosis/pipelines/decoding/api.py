@@ -166,6 +166,29 @@ def diagnose_decode(
     ``report.first_step`` is None or the first step whose logits break their budget,
     ``report.rows`` then judge every aligned module at that step; every first token flip per
     sequence is in ``report.flips`` with its verdict. No gradients are taken.
+
+    Args:
+        model_a: the reference implementation.
+        model_b: the changed one, or None to compare A's cached decoding with its recompute.
+        inputs: the prompt, as the step's first call takes it.
+        step: A's step (and B's, unless ``step_b``); None: the built-in one.
+        step_b: B's step where it differs.
+        steps: the decoding steps after the prompt.
+        tokens: the tokens fed ``(batch, steps)``; None: A's greedy choices.
+        name_map: A's module names mapped to B's.
+        include: the modules captured (glob or ``re:`` regex).
+        exclude: the modules left out.
+        backends: the attention backends of A and B.
+        progress: show a progress bar on stderr.
+        dtype: run copies of both in this dtype.
+        rebuild: makes A again where it cannot be deep-copied into float64.
+        beams: A's beam search, which every other side follows.
+        reorder: A's cache reorder of a beam search (and B's, unless ``reorder_b``).
+        reorder_b: B's reorder where it differs.
+        sample: A's seeded sampling.
+
+    Returns:
+        The :class:`~torchparity.diagnosis.pipelines.decoding.report.DecodeReport`.
     """
     cut = model_b is None
     if cut:
@@ -233,7 +256,29 @@ def record_decode(
     keeps A's ops of each module's first call at every step (one more decoding of A per
     module), so that :func:`diagnose_decode_against` drills down to the op. ``recorded_by``
     is the command line that records it, kept so that a drill-down missing A's ops can say
-    how to add them. Returns the path.
+    how to add them.
+
+    Args:
+        model: the model of the base revision.
+        inputs: the prompt.
+        path: the trace's folder.
+        step: the model's step (None: the built-in one).
+        steps: the decoding steps after the prompt.
+        tokens: the tokens fed ``(batch, steps)``; None: A's own choices.
+        include: the modules recorded (glob or ``re:`` regex).
+        exclude: the modules left out.
+        backend: the attention backend's name.
+        progress: show a progress bar on stderr.
+        dtype: run a copy of the model in this dtype.
+        rebuild: makes the model again where it cannot be deep-copied into float64.
+        beams: a beam search.
+        reorder: the cache reorder of a beam search.
+        sample: a seeded sampling.
+        ops: ``MODULE[,MODULE]`` whose ops are kept at every step.
+        recorded_by: the command line that records it.
+
+    Returns:
+        The path.
     """
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record_decode(backend=...) takes a backend name, which the trace "
