@@ -238,11 +238,21 @@ def base_model_trajectories(side: BaseSide, entry: str, steps: int, dtype: str) 
 
 def base_training_step(side: BaseSide, entry: str, step: int, execution: list[str],
                        ops: str | None = None) -> Path:
-    """The folder where the base's model ENTRY, trained in float64 by its recipe up to step
-    ``step``, left its weights and the trace of that step
-    (:func:`torchparity.diagnosis.pipelines.user_training_step.record_step`; in the cache).
-    ``execution`` is the run's backend, dtype and device; ``ops`` keeps A's ops of those
-    modules (and nothing else of the step: a second, small trace)."""
+    """The base's model ``entry``, trained in float64 by its recipe up to step ``step``, and
+    that step recorded at the base
+    (:func:`torchparity.diagnosis.pipelines.user_training_step.record_step`).
+
+    Args:
+        side: the base revision.
+        entry: the factory, as the working tree names it.
+        step: the step recorded.
+        execution: the judged run's backend, dtype and device.
+        ops: A's ops of these modules (joined by commas) kept, and nothing else of the step:
+            a second, small trace.
+
+    Returns:
+        The folder in the cache holding the weights and the trace.
+    """
     more = [] if ops is None else ["--ops", ops, "--ops-only"]
     kept = side.run([entry], ["{entry:0}", str(step), *execution, "{out}/step", *more],
                     "training step", module="torchparity.diagnosis.pipelines.user_training_step")

@@ -93,7 +93,14 @@ class StepStage:
 
 
 def step_stage(comparison: TrajectoryComparison) -> StepStage | None:
-    """The stage of the first divergent step of ``comparison`` (None when within)."""
+    """The stage of the first divergent step of ``comparison``.
+
+    Args:
+        comparison: a run judged against its golden trajectory and noise band.
+
+    Returns:
+        The :class:`StepStage` of its first divergent step; None when every step is within.
+    """
     first = comparison.first_divergence
     if first is None:
         return None
@@ -237,7 +244,15 @@ class StepCall:
 
 
 def capture_call(trainer: UserTrainer, step: int) -> StepCall:
-    """Run step ``step`` on ``trainer`` and keep its first call of the model."""
+    """Run step ``step`` on ``trainer`` and keep its first call of the model.
+
+    Args:
+        trainer: a trainer whose model holds the weights step ``step`` starts from.
+        step: the optimizer step (1-based) whose batch is taken.
+
+    Returns:
+        The :class:`StepCall`: the call's inputs and its outputs' gradients.
+    """
     first = _FirstCall()
     handle = trainer.model.register_forward_hook(first, with_kwargs=True)
     try:
@@ -322,7 +337,19 @@ def record_step(subject: Subject, step: int, execution: Execution, folder: Path,
     """Write A's side of step ``step`` into ``folder``: the weights of the float64 run as the
     step starts (and their layout, the step's inputs' checksum) and the trace of the step's
     call in ``execution``'s parameter dtype under its reference attention, with the float64
-    golden (``ops``, ``ops_only`` as in :func:`~.forward.record`). Returns ``folder``."""
+    golden.
+
+    Args:
+        subject: A, the base's model and recipe.
+        step: the first divergent step.
+        execution: how the judged run was trained (its dtype and attention backend).
+        folder: where to write (created).
+        ops: A's ops of these modules kept, as in :func:`~.forward.record`.
+        ops_only: the trace holds only those ops.
+
+    Returns:
+        ``folder``.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     trainer = _trained_before(subject, step, execution.device)
     weights = copy.deepcopy(trainer.model)
@@ -343,7 +370,15 @@ def record_step(subject: Subject, step: int, execution: Execution, folder: Path,
 
 def load_base_weights(model: nn.Module, folder: Path) -> str | None:
     """Copy the base's weights in ``folder`` into ``model``, renamed or fused ones paired by
-    name, order and shape; why not, when its names and shapes pair with nothing."""
+    name, order and shape.
+
+    Args:
+        model: B's model (its floating tensors are overwritten in place).
+        folder: what :func:`record_step` wrote at the base.
+
+    Returns:
+        None when every weight found its counterpart, else why not (one sentence).
+    """
     layout = json.loads((folder / _LAYOUT).read_text())["layout"]
     state = load_file(str(folder / _WEIGHTS))
     own = state_layout(model)
@@ -361,8 +396,15 @@ def load_base_weights(model: nn.Module, folder: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The base side in its own process: ``ENTRY STEP BACKEND DTYPE DEVICE FOLDER [--ops M
-    [--ops-only]]`` (what ``train --model --diagnose --base`` runs in the base's worktree)."""
+    """The base side in its own process (what ``train --model --diagnose --base`` runs in the
+    base's worktree).
+
+    Args:
+        argv: ``ENTRY STEP BACKEND DTYPE DEVICE FOLDER [--ops M [--ops-only]]``.
+
+    Returns:
+        The exit status: 0 recorded, 2 with the one-line error on stderr.
+    """
     parser = argparse.ArgumentParser(prog="torchparity train --diagnose (base side)")
     for name in ("entry", "step", "backend", "dtype", "device", "folder"):
         parser.add_argument(name)
