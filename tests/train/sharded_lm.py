@@ -12,6 +12,8 @@ as ``SHARDED_LM`` says:
 - ``unreduced_input_grads`` (a bug): as ``manual_tp``, but the column-parallel linears never
   all-reduce their input's gradient (Megatron's ``f`` missing): the forward is one process's,
   the norms' and the embedding's gradients are each rank's share only;
+- ``local_clip`` (a bug): as ``manual_tp``, but clipped by torch's ``clip_grad_norm_``,
+  which clips each rank by the norm of its own slices, not the whole model's;
 - ``rank_one_dies``, ``rank_one_raises``: as ``manual_tp``, but rank 1 is killed (or raises)
   as its third step starts.
 
@@ -40,8 +42,8 @@ import torchparity as tp  # noqa: E402
 
 #: This recipe's gradient clipping norm.
 CLIP = 1.0
-VARIANTS = ("fsdp", "tp", "manual_tp", "unreduced_input_grads", "rank_one_dies",
-            "rank_one_raises")
+VARIANTS = ("fsdp", "tp", "manual_tp", "unreduced_input_grads", "local_clip",
+            "rank_one_dies", "rank_one_raises")
 
 
 def variant() -> str:
@@ -90,10 +92,10 @@ def train_step(model, batch, opt) -> torch.Tensor:
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
                            reduction="sum") / n_tokens
     (loss * ranks).backward()
-    if _ranks()[1] == 1 or variant() == "fsdp":  # FSDP2: every parameter a DTensor
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-    else:
+    if _ranks()[1] > 1 and variant() not in ("fsdp", "local_clip"):  # FSDP2: all DTensors
         clip_whole(model, CLIP)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     opt.step()
     opt.zero_grad(set_to_none=True)
     total = loss.detach()
@@ -144,7 +146,8 @@ def lm() -> dict:
         plan = {"fsdp": sharded_models.MINE_FSDP, "tp": sharded_models.MINE_TP}[name]
         return {**recipe, "model": model, "inputs": (sharded_models.tokens(),),
                 "parallelize": plan, "mesh": {"dp": -1} if name == "fsdp" else {"tp": -1}}
-    shard = {"manual_tp": None, "unreduced_input_grads": _unreduced_input_grads,
+    shard = {"manual_tp": None, "local_clip": None,
+             "unreduced_input_grads": _unreduced_input_grads,
              "rank_one_dies": functools.partial(_fails_in_step_three, killed=True),
              "rank_one_raises": functools.partial(_fails_in_step_three, killed=False)}[name]
     return {**recipe, **ssm._manual(shard)}

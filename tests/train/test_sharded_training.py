@@ -6,8 +6,10 @@ and tensor parallel by hand compute one process's mathematics (reductions split 
 ranks change rounding only), so every step must be within the band; a column-parallel linear
 that never sums its input's gradient over the ranks leaves the forward, and so the first
 loss, as one process's, while the gradients it sends back are each rank's share: the run
-must part at step 1 in a gradient norm. The runs share the golden of ``sharded_lm.py:lm``,
-whose variants are one model and recipe in one process.
+must part at step 1 in a gradient norm. torch's ``clip_grad_norm_`` over hand-made slices
+clips each rank by its own slices' norm: the run must part, after the first update. The runs
+share the golden of ``sharded_lm.py:lm``, whose variants are one model and recipe in one
+process.
 """
 
 from __future__ import annotations
@@ -79,9 +81,25 @@ def test_input_gradients_never_summed_over_the_ranks_part_at_step_1(golden, monk
     verdict = json.loads(out.read_text())["comparison"]
     first = verdict["first_divergence"]
     assert first["step"] == 1 and first["quantity"].startswith("grad_norm")
-    loss_1 = next(p for p in verdict["points"] if (p["quantity"], p["step"]) == ("loss", 1))
-    assert loss_1["headroom"] <= 1.0  # the forward is one process's
+    assert point(verdict, "loss", 1)["headroom"] <= 1.0  # the forward is one process's
     assert "the runs part at step 1" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_torch_clipping_of_hand_made_slices_parts_after_the_first_update(golden, monkeypatch,
+                                                                        tmp_path):
+    """``clip_grad_norm_`` clips each rank by its slices' norm: the gradients before clipping
+    and Adam's first update (the gradient's sign, whatever its scale) are one process's; the
+    second update, whose moments mix two scales, is not."""
+    out = tmp_path / "verdict.json"
+    assert sharded_check(golden, "local_clip", monkeypatch, out) == 1
+    verdict = json.loads(out.read_text())["comparison"]
+    assert verdict["first_divergence"]["step"] > 1
+    assert all(p["headroom"] <= 1.0 for p in verdict["points"] if p["step"] == 1)
+
+
+def point(verdict: dict, quantity: str, step: int) -> dict:
+    return next(p for p in verdict["points"] if (p["quantity"], p["step"]) == (quantity, step))
 
 
 @pytest.mark.parametrize(("variant", "status", "said"), [
