@@ -39,8 +39,8 @@ from torchparity.golden import check_loop
 from torchparity.golden.cells import (
     REFERENCE,
     Cell,
-    CheckResult,
     CellRun,
+    CheckResult,
     matmul_precision,
 )
 from torchparity.golden.compiled_cells import decode_phases, logprobs_by_step
@@ -67,13 +67,28 @@ INPUTS = {"batch_size": 2, "seq_len": 12, "seed": 0}
 
 
 def golden_batch(case: zoo.ZooCase, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """The inputs every golden of ``case`` is computed from."""
+    """The inputs every golden of ``case`` is computed from.
+
+    Args:
+        case: the zoo case.
+        device: where the inputs go.
+
+    Returns:
+        The model's keyword arguments.
+    """
     batch = zoo.case_batch(case, **INPUTS)
     return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
 def current_checksums(case: zoo.ZooCase) -> dict[str, str]:
-    """Checksums of the float64 weights and the inputs that today's code builds for ``case``."""
+    """Checksums of the float64 weights and the inputs that today's code builds for ``case``.
+
+    Args:
+        case: the zoo case.
+
+    Returns:
+        ``weights`` and ``inputs`` hex digests.
+    """
     model = build_model(case.config, WEIGHT_SEED, dtype=torch.float64)
     return {"weights": checksum(dict(model.named_parameters())),
             "inputs": checksum(golden_batch(case))}
@@ -83,6 +98,12 @@ def recipe(case: zoo.ZooCase) -> dict[str, Any]:
     """How a case's goldens are made: description, seeds, input settings, decode steps, config.
 
     A golden whose recorded recipe differs from this one is stale (:func:`load_case`).
+
+    Args:
+        case: the zoo case.
+
+    Returns:
+        The recipe as JSON values.
     """
     return {
         "description": case.description,
@@ -95,12 +116,26 @@ def recipe(case: zoo.ZooCase) -> dict[str, Any]:
 
 
 def case_padding(case: zoo.ZooCase) -> Padding:
-    """The padding of the case's standard batch: what its masks say."""
+    """The padding of the case's standard batch: what its masks say.
+
+    Args:
+        case: the zoo case.
+
+    Returns:
+        The padding.
+    """
     return from_inputs(golden_batch(case), encoder_decoder=case.config.is_encoder_decoder)
 
 
 def case_meta(case: zoo.ZooCase) -> dict[str, Any]:
-    """What a case's golden JSON records about how it was made: the recipe and checksums."""
+    """What a case's golden JSON records about how it was made: the recipe and checksums.
+
+    Args:
+        case: the zoo case.
+
+    Returns:
+        The metadata, as JSON values.
+    """
     meta = recipe(case)
     config = meta.pop("config")
     return {**meta, "checksums": current_checksums(case), "config": config}
@@ -124,7 +159,13 @@ def _layer_outputs(model: Model) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def nudge_weights_by_2_52(model: torch.nn.Module) -> None:
-    """Multiply every weight by 1 + d with |d| <= 2**-52, d fixed per element (deterministic)."""
+    """Multiply every weight by 1 + d with |d| <= 2**-52, d fixed per element (deterministic).
+
+    The reference cell's rerun: how far one float64 rounding of the weights moves the outputs.
+
+    Args:
+        model: the model, changed in place.
+    """
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = rng.uniform(WEIGHT_SEED, f"perturb.{name}", param.shape) * 2.0 - 1.0
@@ -152,12 +193,20 @@ def _forward_backward(model: Model, batch: dict[str, torch.Tensor], *, backward:
 def forced_logprobs(model: Model, batch: dict[str, torch.Tensor], tokens: torch.Tensor,
                     during: Callable[[int], contextlib.AbstractContextManager] | None = None
                     ) -> torch.Tensor:
-    """Log-probabilities (batch, steps) of ``tokens`` fed one per step through the KV cache.
+    """Log-probabilities of ``tokens`` fed one per step through the KV cache.
 
     The same steps as :func:`~torchparity.reference.greedy_decode`, except that the next token
     is the given one rather than the argmax: in low precision a near-tie may flip the argmax,
-    and the continuous log-probs stay comparable where tokens would not. ``during(step)`` is
-    a context each step's call runs in (a compiled model's record of that step).
+    and the continuous log-probs stay comparable where tokens would not.
+
+    Args:
+        model: a reference model.
+        batch: its keyword arguments; the prompt.
+        tokens: (batch, steps) the tokens fed.
+        during: a context each step's call runs in (a compiled model's record of that step).
+
+    Returns:
+        (batch, steps) log-probabilities.
     """
     during = during or (lambda step: contextlib.nullcontext())
     ids_key, mask_key = (("tgt_ids", "tgt_mask") if model.config.is_encoder_decoder
@@ -183,13 +232,22 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
              perturb: bool = False) -> CellRun:
     """Run ``case`` in ``cell``: forward, loss, backward and decoding.
 
-    Without ``tokens`` decoding is greedy (the golden's ``decode`` holds tokens and log-probs);
-    with them it is forced (:func:`forced_logprobs`, ``decode`` holds log-probs only).
-    ``perturb`` applies :func:`nudge_weights_by_2_52` to the weights. When the backend cannot
-    run the backward pass (flex on the CPU, a trainable bias on sdpa-flash) the forward runs
-    without gradients and ``grads`` is listed in ``missing``; nothing falls back to another backend.
-    A compiled cell runs all of it compiled; a failure to compile raises
-    :class:`~torchparity.subject.compiling.CompileFailed`.
+    When the backend cannot run the backward pass (flex on the CPU, a trainable bias on
+    sdpa-flash) the forward runs without gradients and ``grads`` is listed in ``missing``;
+    nothing falls back to another backend. A compiled cell runs all of it compiled.
+
+    Args:
+        case: the zoo case.
+        cell: the cell.
+        tokens: without them decoding is greedy (the golden's ``decode`` holds tokens and
+            log-probs); with them it is forced (:func:`forced_logprobs`, log-probs only).
+        perturb: apply :func:`nudge_weights_by_2_52` to the weights.
+
+    Returns:
+        The run's outputs by name, and why others are absent.
+
+    Raises:
+        CompileFailed: a compiled cell that does not compile.
     """
     model = build_model(case.config, WEIGHT_SEED, dtype=DTYPES[cell.dtype], device=cell.device)
     if perturb:
@@ -224,11 +282,16 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
 
 
 def write_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, str]:
-    """Compute and write the goldens of ``case``; returns output -> what happened to its file.
+    """Compute and write the goldens of ``case``.
 
-    ``created`` (new), ``updated`` (values or metadata changed), ``replaced`` (the old file was
-    unreadable) or ``unchanged`` (same values and metadata: the file is left untouched, so a
-    rerun on another machine does not churn the repository).
+    Args:
+        store: the zoo's goldens.
+        case: the zoo case.
+
+    Returns:
+        Output -> what happened to its file: ``created``, ``updated`` (values or metadata
+        changed), ``replaced`` (the old file was unreadable) or ``unchanged`` (the file is left
+        untouched, so a rerun on another machine does not churn the repository).
     """
     with single_thread():
         run = run_case(case, REFERENCE)
@@ -240,10 +303,20 @@ def write_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, str]:
 def load_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, Golden]:
     """Read and validate every golden of ``case``.
 
-    Raises a :class:`~torchparity.golden.GoldenError` for a missing, damaged or foreign golden,
-    and :class:`~torchparity.golden.GoldenStale` when it was made from another config or other
-    input settings than the code has now. Changed weight or input checksums are not errors
-    here: :func:`check_case` reports them as verdicts.
+    Changed weight or input checksums are not errors here: :func:`check_case` reports them as
+    verdicts.
+
+    Args:
+        store: the zoo's goldens.
+        case: the zoo case.
+
+    Returns:
+        The goldens by output.
+
+    Raises:
+        GoldenError: a missing, damaged or foreign golden.
+        GoldenStale: it was made from another config or other input settings than the code
+            has now.
     """
     goldens = {output: store.read(case.name, output) for output in OUTPUT_KINDS}
     expected = recipe(case)
@@ -265,7 +338,7 @@ def load_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, Golden]:
     return goldens
 
 
-def _config_changes(stored: Any, current: dict[str, Any]) -> str:
+def _config_changes(stored: object, current: dict[str, Any]) -> str:
     if not isinstance(stored, dict):
         return "the golden records no config"
     fields = sorted(set(stored) | set(current))
@@ -281,14 +354,25 @@ def _config_changes(stored: Any, current: dict[str, Any]) -> str:
 def check_case(store: GoldenStore, case: zoo.ZooCase, cells: list[Cell],
                advance: Callable[[str], None] = lambda label: None,
                model_changed: bool = False) -> list[CheckResult]:
-    """Check ``case`` in every cell against its goldens; one result per cell and output.
+    """Check ``case`` in every cell against its goldens.
 
     The reference cell judges today's float64 outputs against a rerun on weights moved by one
-    float64 rounding (see :mod:`torchparity.golden.check_loop`). Other cells use
-    the ``manual`` backend in their dtype and device as baseline and decode by forcing the
-    golden's tokens; with ``model_changed`` (the reference cell, checked apart, diverged) they
-    are judged against today's float64 outputs as well. ``advance(label)`` is called after
-    each cell. Golden errors propagate as :class:`~torchparity.golden.GoldenError`.
+    float64 rounding (see :mod:`torchparity.golden.check_loop`). Other cells use the ``manual``
+    backend in their dtype and device as baseline and decode by forcing the golden's tokens.
+
+    Args:
+        store: the zoo's goldens.
+        case: the zoo case.
+        cells: the cells.
+        advance: called with each cell's label when it is done.
+        model_changed: the reference cell, checked apart, diverged: the cells are judged
+            against today's float64 outputs as well.
+
+    Returns:
+        One result per cell and output.
+
+    Raises:
+        GoldenError: a golden is missing or damaged.
     """
     return check_loop.check_cells(ZooFeed(store, case), cells, advance, model_changed)
 
@@ -307,25 +391,30 @@ class ZooFeed:
         self.tokens = self.goldens["decode"].tensors["tokens"]
 
     def changed(self) -> dict[str, tuple[str, str]]:
+        """The outputs made from other weights or inputs than today's (:meth:`Feed.changed`)."""
         return check_loop.checksum_changes(
             self.goldens, current_checksums(self.case), lambda what: (
                 f"the {what} built for {self.name} {{differ}}; if that is intended, run "
                 f"`torchparity golden update {self.name}`"))
 
     def refused(self, cell: Cell) -> str | None:
+        """None: a backend that cannot run an output says so in the run's ``missing``."""
         return None  # a backend that cannot run an output says so in the run's ``missing``
 
     def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
         # The reference decodes greedily; every other cell is forced along the golden's tokens.
+        """The case run in ``cell`` (:meth:`Feed.run`): greedy in the reference, else forced."""
         return run_case(self.case, cell, tokens=None if cell == REFERENCE else self.tokens,
                         perturb=perturb)
 
     def golden(self, output: str) -> dict[str, torch.Tensor]:
+        """The stored tensors of ``output``'s golden (see :meth:`Feed.golden`)."""
         return self.goldens[output].tensors
 
     def judge(self, cell: Cell, output: str, candidate: dict[str, torch.Tensor],
               golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor] | None,
               noise: float | None = None) -> CheckResult:
+        """The row of ``output`` in ``cell``; forced tokens are not judged (:meth:`Feed.judge`)."""
         if output == "decode" and cell != REFERENCE:
             # forced decoding reproduces the golden's tokens by design
             golden = {name: t for name, t in golden.items() if name != "tokens"}
@@ -345,7 +434,9 @@ class ZooFeed:
         return check_loop.row(self, cell, output, **check_loop.judged_fields(comparison, cell))
 
     def self_checks(self, fresh: CellRun) -> list[CheckResult]:
+        """None: a zoo case's cached decoding is judged against its goldens in every cell."""
         return []
 
     def steps(self, decoded: dict[str, torch.Tensor] | None) -> list[dict[str, torch.Tensor]]:
+        """A decoding's log-probs step by step (see :meth:`Feed.steps`)."""
         return logprobs_by_step(decoded)

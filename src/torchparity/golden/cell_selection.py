@@ -14,7 +14,17 @@ DEFAULT_DTYPES = {"cpu": ["fp32", "bf16"], "cuda": ["fp32", "tf32", "bf16", "fp1
 CHECK_DTYPES = ("fp32", "tf32", "bf16", "fp16")
 
 def select_cases(names: list[str] | None) -> list[zoo.ZooCase]:
-    """The zoo cases named (all when None); an unknown name is a :class:`UsageError`."""
+    """The zoo cases named, all when None.
+
+    Args:
+        names: case names, or None.
+
+    Returns:
+        The cases, in the zoo's order.
+
+    Raises:
+        UsageError: an unknown name, listing the known ones.
+    """
     for name in names or []:
         if name not in zoo.names():
             raise UsageError(f"unknown zoo case {name!r}; choose from {', '.join(zoo.names())}")
@@ -24,12 +34,23 @@ def select_cases(names: list[str] | None) -> list[zoo.ZooCase]:
 def select_cells(backend_names: list[str] | None, dtypes: list[str] | None,
                  devices: list[str] | None, known: list[str] | None = None,
                  compile_forms: list[str] | None = None) -> list[Cell]:
-    """The reference cell, then every (device, dtype, backend) selected, in a stable order;
-    with ``compile_forms`` (``dynamic``, ``static``) each dtype's eager cells are followed by
-    the same cells compiled in each form.
+    """The reference cell, then every (device, dtype, backend) selected, in a stable order.
 
-    ``known`` are the backends to choose from (default: the attention backends). Backends that
-    cannot run a cell are kept: they are reported as ``n/a`` with the reason.
+    Backends that cannot run a cell are kept: they are reported as ``n/a`` with the reason.
+
+    Args:
+        backend_names: the backends (None: all of ``known``).
+        dtypes: the dtype names (None: the default ones).
+        devices: the devices (None: the CPU, and CUDA where there is one).
+        known: the backends to choose from (default: the attention backends).
+        compile_forms: ``dynamic``, ``static``: each dtype's eager cells are followed by the
+            same cells compiled in each form.
+
+    Returns:
+        The cells.
+
+    Raises:
+        UsageError: an unknown backend, dtype or device, naming the choices.
     """
     known = known or backends.names()
     for name in backend_names or []:
@@ -72,8 +93,15 @@ def _devices(devices: list[str] | None) -> list[str]:
 
 
 def compile_forms(choice: str | None) -> list[str]:
-    """The compile forms ``check --compile FORM`` asks for (none without it; ``both``: every
-    form)."""
+    """The compile forms ``check --compile FORM`` asks for.
+
+    Args:
+        choice: the option's value, or None.
+
+    Returns:
+        None of them without it; ``both``: every form; else the one named (checked by the
+        option's choices).
+    """
     if choice is None:
         return []
     return list(MODES) if choice == "both" else [choice]

@@ -94,6 +94,7 @@ class CheckResult:
 
     @property
     def cell(self) -> Cell:
+        """The cell of the row, rebuilt from its fields (JSON keeps them flat)."""
         return Cell(self.backend, self.dtype, self.device, self.compile)
 
     @property
@@ -102,8 +103,12 @@ class CheckResult:
         return plain_verdict(self.verdict)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict; an infinite headroom becomes the string "inf"; with the
-        verdict also in the words every report shares (``plain_verdict``)."""
+        """The row as ``check --json`` writes it.
+
+        Returns:
+            A JSON-serialisable dict; an infinite headroom becomes the string "inf"; the verdict
+            also in the words every report shares (``plain_verdict``).
+        """
         data = asdict(self)
         for judged in filter(None, (data, data["stored_goldens"])):
             if judged["headroom"] is not None and judged["headroom"] == float("inf"):
@@ -128,7 +133,14 @@ _PLAIN = {"n/a": "could not run", "init changed": "not compared",
 
 
 def plain_verdict(verdict: str) -> str:
-    """``verdict`` (a check's or a comparison's) as one of :data:`PLAIN_VERDICTS`."""
+    """``verdict`` in the words every report shares, so check and diagnose read alike.
+
+    Args:
+        verdict: a check's or a comparison's verdict.
+
+    Returns:
+        One of :data:`PLAIN_VERDICTS`.
+    """
     return _PLAIN.get(verdict, verdict)
 
 
@@ -158,6 +170,16 @@ class CellRun:
 @contextlib.contextmanager
 def matmul_precision(dtype_name: str) -> Iterator[None]:
     # fp32 cells must not pick up TF32 from a global setting; tf32 cells ask for it.
+    """The matmul precision a cell's dtype asks for, inside the block; the old one after.
+
+    fp32 cells must not pick up TF32 from a global setting; tf32 cells ask for it.
+
+    Args:
+        dtype_name: the cell's dtype (``fp32``, ``tf32``...).
+
+    Yields:
+        Nothing.
+    """
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if dtype_name == "tf32" else "highest")
     try:

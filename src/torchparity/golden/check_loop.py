@@ -22,10 +22,11 @@ from typing import Any, Protocol
 import torch
 
 from torchparity import backends, sketching, tolerance
-from torchparity.comparison import NOT_COMPARED
-from torchparity.golden.cells import BOTH_GOLDENS, REFERENCE, Cell, CheckResult, CellRun
+from torchparity.comparison import NOT_COMPARED, Comparison
+from torchparity.golden.cells import BOTH_GOLDENS, REFERENCE, Cell, CellRun, CheckResult
 from torchparity.golden.compiled_cells import annotate, step_verdicts, unavailable_reason
 from torchparity.golden.store import Golden, GoldenStore
+from torchparity.sketching import Sketch
 from torchparity.subject.compiling import CompileFailed
 
 #: ``advance(label)``: a cell is done.
@@ -49,40 +50,99 @@ class Feed(Protocol):
     store: GoldenStore
 
     def changed(self) -> dict[str, tuple[str, str]]:
-        """Per output made from other weights or inputs: its verdict and why (see
-        :func:`checksum_changes`); empty when the goldens were made from today's."""
+        """Per output made from other weights or inputs: its verdict and why.
+
+        Returns:
+            ``{output: (verdict, reason)}`` (see :func:`checksum_changes`); empty when the goldens
+            were made from today's weights and inputs.
+        """
 
     def refused(self, cell: Cell) -> str | None:
-        """Why ``cell`` cannot run this subject at all (then not even its baseline runs)."""
+        """Why ``cell`` cannot run this subject at all (then not even its baseline runs).
+
+        Args:
+            cell: the cell.
+
+        Returns:
+            The reason, or None when it can run.
+        """
 
     def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
-        """The subject run in ``cell`` (``perturb``: on weights moved by one float64 rounding);
-        a compiled cell that does not compile raises
-        :class:`~torchparity.subject.compiling.CompileFailed`."""
+        """The subject run in ``cell``.
+
+        Args:
+            cell: the cell.
+            perturb: on weights moved by one float64 rounding (the reference's noise).
+
+        Returns:
+            What the run computed, and why outputs are absent.
+
+        Raises:
+            CompileFailed: a compiled cell that does not compile.
+        """
 
     def golden(self, output: str) -> Any:
-        """The golden of ``output`` (None where there is none)."""
+        """The golden of ``output``.
+
+        Args:
+            output: an output of :attr:`outputs`.
+
+        Returns:
+            Its stored values, or None where there is none.
+        """
 
     def judge(self, cell: Cell, output: str, candidate: Any, golden: Any, baseline: Any,
               noise: float | None = None) -> CheckResult:
-        """The row of ``output`` in ``cell``: the candidate against the golden, with the
-        baseline's error (and ``noise``, what the outputs' errors carry into the loss) as the
-        budget."""
+        """The row of ``output`` in ``cell``: the candidate against the golden.
+
+        Args:
+            cell: the cell.
+            output: the output judged.
+            candidate: what the cell computed.
+            golden: what the golden holds.
+            baseline: what the cell's baseline computed, whose error sets the budget (None: the
+                analytic bound alone).
+            noise: what the outputs' errors carry into the loss.
+
+        Returns:
+            The row.
+        """
 
     def self_checks(self, fresh: CellRun) -> list[CheckResult]:
-        """Rows the reference cell's run judges by itself (a cached decoding against its full
-        recompute)."""
+        """Rows the reference cell's run judges by itself (a cached decoding against its recompute).
+
+        Args:
+            fresh: the reference cell's run.
+
+        Returns:
+            The rows; empty when there is nothing to judge.
+        """
 
     def steps(self, decoded: Any) -> list[dict[str, torch.Tensor]]:
-        """A decoding's outputs as one ``{path: tensor}`` per step (a compiled cell judges
-        each step on its own)."""
+        """A decoding's outputs step by step: a compiled cell judges each step on its own.
+
+        Args:
+            decoded: a decoding's outputs, or None.
+
+        Returns:
+            One ``{path: tensor}`` per step.
+        """
 
 
 def check_cells(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None,
                 model_changed: bool = False) -> list[CheckResult]:
-    """The rows of ``feed`` in every cell, in cell then output order; ``advance(label)`` is
-    called after each cell. ``model_changed``: the reference cell, checked in another run
-    of this loop, diverged; these cells are judged against today's float64 as well."""
+    """The rows of ``feed`` in every cell, in cell then output order.
+
+    Args:
+        feed: the subject.
+        cells: the cells; the reference cell runs first.
+        advance: called with each cell's label when it is done.
+        model_changed: the reference cell, checked in another run of this loop, diverged;
+            these cells are judged against today's float64 as well.
+
+    Returns:
+        One row per cell and output.
+    """
     results: list[CheckResult] = []
     if changed := feed.changed():
         for cell in cells:
@@ -207,9 +267,20 @@ def _cell_run(feed: Feed, cell: Cell, baseline: CellRun) -> CellRun:
     return CellRun({}, dict.fromkeys(feed.kinds, reason))
 
 
-def loss_noise(baseline: CellRun, output: str, golden: dict[str, Any]) -> float | None:
-    """The noise the baseline's ``output`` carries into the loss (None without its
-    gradients); sketched tensors, whose errors are known only in RMS, carry none."""
+def loss_noise(baseline: CellRun, output: str, golden: Mapping[str, torch.Tensor | Sketch]
+               ) -> float | None:
+    """The noise the baseline's ``output`` carries into the loss.
+
+    Sketched tensors, whose errors are known only in RMS, carry none.
+
+    Args:
+        baseline: the cell's baseline run.
+        output: the output whose errors are carried.
+        golden: its golden values by path.
+
+    Returns:
+        The noise, or None without the baseline's gradients.
+    """
     outputs = baseline.outputs.get(output, {})
     errors = {path: outputs[path].double() - golden[path].double()
               for path in baseline.sensitivity if path in outputs and path in golden
@@ -218,12 +289,21 @@ def loss_noise(baseline: CellRun, output: str, golden: dict[str, Any]) -> float 
     return tolerance.propagated_noise(baseline.sensitivity, errors) if errors else None
 
 
-def checksum_changes(goldens: dict[str, Golden], now: dict[str, str],
+def checksum_changes(goldens: dict[str, Golden], now: Mapping[str, str | None],
                      advice: Callable[[str], str]) -> dict[str, tuple[str, str]]:
-    """Per output whose golden was made from other weights or inputs than ``now``'s: its
-    verdict ("init changed" / "inputs changed") and why; ``advice(what)`` starts the reason
-    with what differs ("the weights built for llama-tiny") and ends it with the fix. A checksum
-    ``now`` cannot say (None) is not compared."""
+    """Per output whose golden was made from other weights or inputs than ``now``'s: why.
+
+    A checksum ``now`` cannot say (None) is not compared.
+
+    Args:
+        goldens: the goldens by output.
+        now: today's checksums of the weights and inputs, by what they hash.
+        advice: ``advice(what)`` starts the reason with what differs ("the weights built for
+            llama-tiny") and ends it with the fix.
+
+    Returns:
+        ``{output: (verdict, reason)}``, the verdict ``init changed`` or ``inputs changed``.
+    """
     changed = {}
     for output, golden in goldens.items():
         stored = golden.summary.get("checksums") or {}
@@ -241,12 +321,19 @@ def checksum_changes(goldens: dict[str, Golden], now: dict[str, str],
 BASELINE_DEGRADED = "baseline degraded"
 
 
-def judged_fields(comparison: Any, cell: Cell) -> dict[str, Any]:
-    """What a :class:`CheckResult` takes from a comparison: the verdict (``baseline
-    degraded`` for a candidate within its budget judged beside a degraded baseline: a finding
-    about the baseline, not a divergence), the worst tensor's share of its budget (inf where a
-    shape differs), the explanation, the sensitivity, the positions left out and, when a
-    baseline was degraded, what that means for the cell's budgets."""
+def judged_fields(comparison: Comparison, cell: Cell) -> dict[str, Any]:
+    """What a :class:`CheckResult` takes from a comparison.
+
+    Args:
+        comparison: the output's comparison.
+        cell: its cell.
+
+    Returns:
+        The verdict (``baseline degraded`` for a candidate within its budget beside a degraded
+        baseline: a finding about the baseline, not a divergence), the worst tensor's share of
+        its budget (inf where a shape differs), the explanation, the sensitivity, the positions
+        left out and, when a baseline was degraded, what that means for the cell's budgets.
+    """
     worst = comparison.worst
     headroom = math.inf if comparison.shapes else worst.headroom if worst else 0.0
     verdict = comparison.verdict
@@ -259,9 +346,16 @@ def judged_fields(comparison: Any, cell: Cell) -> dict[str, Any]:
             "baseline": degraded_baseline(comparison, cell)}
 
 
-def degraded_baseline(comparison: Any, cell: Cell) -> str | None:
-    """The finding of a comparison whose baseline erred more than a plain computation in its
-    dtype may (None when none did): which tensors, and that the analytic bound judged them."""
+def degraded_baseline(comparison: Comparison, cell: Cell) -> str | None:
+    """The finding of a comparison whose baseline erred more than its dtype allows.
+
+    Args:
+        comparison: the output's comparison.
+        cell: its cell.
+
+    Returns:
+        Which tensors, and that the analytic bound judged them; None when none did.
+    """
     degraded = [t.path for t in comparison.tensors if t.baseline_degraded]
     if not degraded:
         return None
@@ -275,7 +369,19 @@ def degraded_baseline(comparison: Any, cell: Cell) -> str | None:
 
 def row(feed: Feed, cell: Cell, output: str, verdict: str, *, ok: bool,
         **details: Any) -> CheckResult:
-    """One row of ``feed``'s results."""
+    """One row of ``feed``'s results.
+
+    Args:
+        feed: the subject, which names the case.
+        cell: the cell.
+        output: the output.
+        verdict: the row's verdict.
+        ok: whether it passes.
+        **details: the other fields of :class:`CheckResult`.
+
+    Returns:
+        The row.
+    """
     return CheckResult(case=feed.name, backend=cell.backend, dtype=cell.dtype,
                        device=cell.device, output=output, kind=feed.kinds[output],
                        verdict=verdict, headroom=details.pop("headroom", None), ok=ok,

@@ -38,8 +38,15 @@ from torchparity.subject.compiling import CompileLog
 
 
 def unavailable_reason(cell: Cell) -> str | None:
-    """Why the cell's backend cannot run eagerly on its device and dtype (then compiling it is
-    not tried), or None. ``hf-eager`` and other backends of no registry are never refused."""
+    """Why the cell's backend cannot run eagerly on its device and dtype: compiling is not tried.
+
+    Args:
+        cell: a compiled cell.
+
+    Returns:
+        The reason, or None. ``hf-eager`` and other backends of no registry are never
+        refused.
+    """
     if cell.backend not in backends.names():
         return None
     return backends.available(cell.device, DTYPES[cell.dtype])[cell.backend]
@@ -47,15 +54,29 @@ def unavailable_reason(cell: Cell) -> str | None:
 
 def decode_phases(log: CompileLog | None, label: str
                   ) -> Callable[[int], contextlib.AbstractContextManager] | None:
-    """What a decoding loop runs step ``s`` in so that ``log`` records its calls as
-    ``"{label} step {s}"`` (None: no log, an eager run)."""
+    """What a decoding loop runs step ``s`` in, so ``log`` records its calls as that step's.
+
+    Args:
+        log: the compiled cell's log, or None for an eager run.
+        label: the decoding's name (``cached``), the phases being ``"{label} step {s}"``.
+
+    Returns:
+        ``during(step)``, a context manager per step; None without a log.
+    """
     if log is None:
         return None
     return lambda step: log.phase(f"{label} step {step}")
 
 
 def logprobs_by_step(tensors: dict[str, torch.Tensor] | None) -> list[dict[str, torch.Tensor]]:
-    """A zoo decoding's ``logprobs`` (batch, steps) as one ``{path: tensor}`` per step."""
+    """A zoo decoding's ``logprobs`` (batch, steps) as one ``{path: tensor}`` per step.
+
+    Args:
+        tensors: a zoo case's ``decode`` output, or None.
+
+    Returns:
+        One dict per step; empty without a decoding.
+    """
     if not tensors or "logprobs" not in tensors:
         return []
     logprobs = tensors["logprobs"]
@@ -63,8 +84,15 @@ def logprobs_by_step(tensors: dict[str, torch.Tensor] | None) -> list[dict[str, 
 
 
 def stepped_logits(tensors: dict[str, torch.Tensor] | None) -> list[dict[str, torch.Tensor]]:
-    """A step-protocol decoding's cached logits (``cached.logits.<step>``, see
-    :mod:`torchparity.golden.user_models`) as one ``{path: tensor}`` per step."""
+    """A step-protocol decoding's cached logits as one ``{path: tensor}`` per step.
+
+    Args:
+        tensors: a user model's ``decode`` output (``cached.logits.<step>``, see
+            :mod:`torchparity.golden.user_models`), or None.
+
+    Returns:
+        One dict per step, in step order; empty without a decoding.
+    """
     steps = {}
     for path, tensor in (tensors or {}).items():
         found = re.fullmatch(r"cached\.logits\.(\d+)", path)
@@ -76,11 +104,18 @@ def stepped_logits(tensors: dict[str, torch.Tensor] | None) -> list[dict[str, to
 def step_verdicts(candidate: list[dict[str, torch.Tensor]],
                   golden: list[dict[str, torch.Tensor]],
                   baseline: list[dict[str, torch.Tensor]], dtype: str) -> list[dict[str, Any]]:
-    """Each decoding step judged on its own: the candidate's tensors of that step against the
-    golden's, with the baseline's (the eager run in the same dtype) as the budget.
+    """Each decoding step judged on its own, so a report says at which step a compiled cell parts.
 
-    One ``{"step", "verdict", "headroom"}`` per step (step 0 is the prompt's prediction); none
-    when the candidate did not decode or the golden has other steps."""
+    Args:
+        candidate: the compiled cell's tensors per step.
+        golden: the golden's per step.
+        baseline: the eager run's in the same dtype, per step: the budget.
+        dtype: the cell's dtype.
+
+    Returns:
+        One ``{"step", "verdict", "headroom"}`` per step (step 0 is the prompt's prediction);
+        none when the candidate did not decode or the golden has other steps.
+    """
     if not candidate or len(candidate) != len(golden):
         return []
     steps = []
@@ -95,9 +130,16 @@ def step_verdicts(candidate: list[dict[str, torch.Tensor]],
 
 def annotate(results: Iterable[CheckResult], log: CompileLog | None,
              steps: list[dict[str, Any]]) -> None:
-    """Put the cell's compile log on each of its rows, and on its decode row each step's
-    verdict beside what the step's calls compiled (those the log recorded as ``cached step
-    <s>``, see :func:`decode_phases`)."""
+    """Put the cell's compile log on each of its rows, and each step's verdict on its decode row.
+
+    Each step's verdict sits beside what the step's calls compiled (those the log recorded as
+    ``cached step <s>``, see :func:`decode_phases`).
+
+    Args:
+        results: the cell's rows, changed in place.
+        log: the cell's compile log, or None.
+        steps: :func:`step_verdicts` of its decoding.
+    """
     if log is None:
         return
     summary = log.to_dict()
@@ -125,8 +167,15 @@ NEW_SHAPES = " (each new length compiles anew; --json has dynamo's reason for ev
 
 
 def cell_counts(compiled: dict[str, Any]) -> tuple[str, list[str]]:
-    """A compiled cell's ``graphs/breaks/recompiles`` and the footnotes it needs: that it
-    recompiles at every call, and the first reason of each graph break."""
+    """A compiled cell's ``graphs/breaks/recompiles`` and the footnotes it needs.
+
+    Args:
+        compiled: a row's compile log, as its JSON holds it.
+
+    Returns:
+        The counts' text, and the footnotes: that it recompiles at every call, and the first
+        reason of each graph break.
+    """
     counts = f"{compiled['graphs']}/{compiled['graph_breaks']}/{compiled['recompiles']}"
     notes = []
     if compiled["recompiles_every_call"]:
@@ -139,9 +188,16 @@ def cell_counts(compiled: dict[str, Any]) -> tuple[str, list[str]]:
 
 
 def compiled_lines(results: list[CheckResult]) -> list[str]:
-    """The lines under the table when there are compiled cells: what the counts are, decoding
-    step by step (recompiles and the worst share of the budget at each step, grouped by form
-    and pattern), and where the time went."""
+    """The lines under the table when there are compiled cells.
+
+    Args:
+        results: every row.
+
+    Returns:
+        What the counts are, decoding step by step (recompiles and the worst share of the
+        budget at each step, grouped by form and pattern), and where the time went; empty
+        without compiled cells.
+    """
     cells = {r.cell: r for r in results if r.compiled}
     if not cells:
         return []

@@ -8,11 +8,15 @@ import re
 import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from torchparity.golden.store import GoldenError, GoldenStore
+from torchparity.tolerance import DtypeLike
+
+if TYPE_CHECKING:
+    from torchparity.comparison import Comparison
 
 # Room for a golden's own name and suffix within the 255 bytes a file name may have.
 _MAX_TEST_NAME = 120
@@ -42,23 +46,50 @@ class GoldenFixture:
     def for_test(cls, node_path: Path, node_id: str, update: bool,
                  on_written: Callable[[Path], None],
                  update_option: str = "--torchparity-golden-update") -> GoldenFixture:
-        """The fixture of one test: ``node_path`` is its file, ``node_id`` its pytest id, and
-        ``update_option`` the pytest option that rewrites its goldens (quoted in messages)."""
+        """The fixture of one test.
+
+        Args:
+            node_path: the test's file.
+            node_id: its pytest id.
+            update: write goldens instead of comparing.
+            on_written: told each golden file written (the plugin's summary).
+            update_option: the pytest option that rewrites its goldens, quoted in messages.
+
+        Returns:
+            The fixture, its goldens in the test's own folder.
+        """
         command = f"pytest {shlex.quote(node_id)} {update_option}"
         store = GoldenStore(node_path.parent / "golden" / node_path.stem,
                             update_command=command.replace("{", "{{").replace("}", "}}"))
         return cls(store, folder_of_test(node_id), update, on_written)
 
     def check(self, name: str, tensors: torch.Tensor | Mapping[str, torch.Tensor],
-              kind: str = "forward", *, baseline: Any = None, compute_dtype: Any = None,
-              reduction_length: int | None = None) -> Any:
-        """Compare ``tensors`` (a tensor or a mapping of names to tensors) with golden ``name``.
+              kind: str = "forward", *,
+              baseline: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
+              compute_dtype: DtypeLike | None = None, reduction_length: int | None = None
+              ) -> Comparison | None:
+        """Compare ``tensors`` with golden ``name``, failing the test when one diverged.
 
-        Fails the test with the comparison's explanation when a tensor diverged, after writing
-        the obtained values to ``<name>.obtained.safetensors`` beside the golden; fails with the
-        command that creates the golden when it is missing. Returns the
-        :class:`~torchparity.comparison.Comparison`, or None when updating (the golden is
-        written and the test will fail at teardown).
+        On a divergence the obtained values are first written to ``<name>.obtained.safetensors``
+        beside the golden.
+
+        Args:
+            name: the golden's name within the test.
+            tensors: a tensor, or a mapping of names to tensors.
+            kind: the tolerance model's kind (``forward``, ``gradient``...).
+            baseline: the same computation in the candidate's dtype by a trusted path, whose
+                error sets the budget (see :func:`torchparity.compare`); shaped as
+                ``tensors``.
+            compute_dtype: the dtype the candidate was computed in.
+            reduction_length: the length of the longest reduction, for the analytic bound.
+
+        Returns:
+            The comparison, or None when updating (the golden is written and the test will
+            fail at teardown).
+
+        Raises:
+            pytest's failure: a tensor diverged (the explanation), or the golden is missing
+                (the command that creates it).
         """
         import pytest
 
@@ -94,8 +125,14 @@ def folder_of_test(node_id: str) -> str:
 
     ``test_model.py::TestBlock::test_logits[cpu-2]`` -> ``TestBlock.test_logits-cpu-2``: a
     class joins with ``.`` and the parameter id follows a ``-`` (neither can occur in a Python
-    name, so distinct tests get distinct names). Characters a file name cannot safely hold
-    become ``_``; then, or for a very long id, a short hash of the id keeps names apart.
+    name, so distinct tests get distinct names).
+
+    Args:
+        node_id: the test's pytest id.
+
+    Returns:
+        The name; characters a file name cannot safely hold become ``_``, and then, or for a
+        very long id, a short hash of the id keeps names apart.
     """
     in_file = node_id.split("::", 1)[-1]
     function, _, params = in_file.partition("[")

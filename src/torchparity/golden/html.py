@@ -25,7 +25,14 @@ MARKS = {"✗": "failed", "n/a": "unavailable"}
 
 
 def check_html_page(content: Page) -> str:
-    """``content`` as a page: lines before the table, the table, its legend, lines after."""
+    """The check's report as one HTML page.
+
+    Args:
+        content: the page the terminal shows too.
+
+    Returns:
+        The HTML: lines before the table, the table, its legend, lines after.
+    """
     head = "".join(f"<th>{html.escape(h)}</th>" for h in content.headers)
     body = "".join("<tr>" + "".join(f"<td>{_cell(text)}</td>" for text in row) + "</tr>"
                    for row in content.rows)
@@ -38,6 +45,12 @@ def check_html_page(content: Page) -> str:
 
 
 def write_html(path: Path, content: Page) -> None:
+    """Write the check's report as an HTML page.
+
+    Args:
+        path: the file, overwritten.
+        content: the page the terminal shows too.
+    """
     try:
         path.write_text(check_html_page(content), encoding="utf-8")
     except OSError as exc:

@@ -24,12 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from torchparity import backends, machine
-from torchparity.comparison import compare
+from torchparity.comparison import Comparison, compare
 from torchparity.dtypes import DTYPES, dtype_name
 from torchparity.errors import UsageError
 from torchparity.golden import check_loop
-from torchparity.golden.cells import REFERENCE, Cell, CheckResult, CellRun
+from torchparity.golden.cells import REFERENCE, Cell, CellRun, CheckResult
 from torchparity.golden.compiled_cells import stepped_logits
 from torchparity.golden.model_runs import (
     HF_EAGER,
@@ -62,8 +64,15 @@ _SAME_EVERYWHERE = {
 
 
 def backend_names(models: list[Subject] | None = None) -> list[str]:
-    """The backends of a user-model check: every attention backend, and ``hf-eager`` when one
-    of ``models`` is a ``transformers`` model (always when ``models`` is None)."""
+    """The backends of a user-model check.
+
+    Args:
+        models: the models checked, or None when not known yet.
+
+    Returns:
+        Every attention backend, and ``hf-eager`` when one of ``models`` is a
+        ``transformers`` model (always when ``models`` is None).
+    """
     eager = models is None or any(m.is_transformers for m in models)
     return [*backends.names(), *([HF_EAGER] if eager else [])]
 
@@ -72,13 +81,26 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
                   advance: Callable[[str], None] = lambda label: None,
                   status: Callable[[str, str], None] | None = None,
                   name_map: NameMap | None = None) -> list[CheckResult]:
-    """Check ``subject`` in every cell against its goldens; one result per cell and output.
+    """Check ``subject`` in every cell against its goldens.
 
     The cells share the model (:class:`~torchparity.golden.model_runs.CellModels`): no more
-    copies than dtypes. ``advance(label)`` is called after each cell, ``status(label, text)``
-    while one runs. Weights named otherwise than in the goldens are found by
-    :mod:`~torchparity.golden.renamed` (``name_map``: the goldens' module names to the
-    model's)."""
+    copies than dtypes. Weights named otherwise than in the goldens are found by
+    :mod:`~torchparity.golden.renamed`.
+
+    Args:
+        subject: the user's model.
+        store: its goldens.
+        cells: the cells to run.
+        advance: called with each cell's label when it is done.
+        status: called with ``(label, text)`` while a cell runs.
+        name_map: the goldens' module names to the model's.
+
+    Returns:
+        One result per cell and output.
+
+    Raises:
+        GoldenError: a golden is missing or damaged, naming the command that makes it.
+    """
     return check_loop.check_cells(ModelFeed(subject, store, status, name_map), cells, advance)
 
 
@@ -107,9 +129,14 @@ class ModelFeed:
         self.tokens = decoded and Fed(decoded["tokens"], decoded.get("parents"))
 
     def changed(self) -> dict[str, tuple[str, str]]:
-        """Weights or inputs other than the goldens', each with the hint of its cause:
-        names that pair with nothing, values that changed, or torch's own random draws on a
-        machine of another instruction set."""
+        """Weights or inputs other than the goldens', each with the hint of its cause.
+
+        The causes: names that pair with nothing, values that changed, or torch's own random
+        draws on a machine of another instruction set.
+
+        Returns:
+            ``{output: (verdict, reason)}``; empty when nothing changed.
+        """
         fix = f"if the change is intended run `{self.store.update_command}`"
         if self.renamed is not None and not self.renamed.complete:
             reason = f"{self.renamed.unmatched_sentence(self.subject.entry)}, or {fix}"
@@ -132,18 +159,27 @@ class ModelFeed:
             self.goldens, model_checksums(self.subject, self.renamed), advice)
 
     def refused(self, cell: Cell) -> str | None:
+        """Refuses ``hf-eager`` for a model not of ``transformers`` (:meth:`Feed.refused`)."""
         if cell.backend == HF_EAGER and not self.subject.is_transformers:
             return "not a transformers model: it has no attention implementation to switch"
         return None
 
     def fed(self, cell: Cell, perturb: bool) -> Fed | None:
-        """The tokens a step-by-step decoding in ``cell`` is fed: none for the reference,
-        which decodes greedily or searches (its tokens, and parents, are judged); the
-        golden's for every other run."""
+        """The tokens a step-by-step decoding in ``cell`` is fed.
+
+        Args:
+            cell: the cell.
+            perturb: the reference's rerun on perturbed weights, fed like the others.
+
+        Returns:
+            None for the reference, which decodes greedily or searches (its tokens, and parents,
+            are judged); the golden's for every other run.
+        """
         return None if cell == REFERENCE and not perturb else self.tokens
 
     def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
         # A compiled cell compiles a model of its own.
+        """The model run in ``cell`` (:meth:`Feed.run`); a compiled cell compiles its own copy."""
         status = None if self.status is None or cell.compile else (
             lambda text: self.status(cell.label, text))
         return run_in_cell(self.subject, cell, self.loss_paths, perturb=perturb,
@@ -152,17 +188,27 @@ class ModelFeed:
                            renamed=self.renamed)
 
     def golden(self, output: str) -> dict[str, Any] | None:
+        """The stored tensors of ``output``'s golden, or None (see :meth:`Feed.golden`)."""
         golden = self.goldens.get(output)
         return golden and golden.tensors
 
     def judge(self, cell: Cell, output: str, candidate: dict[str, Any],
               golden: dict[str, Any], baseline: dict[str, Any] | None,
               noise: float | None = None) -> CheckResult:
+        """The row of ``output`` in ``cell``, knowing the model's islands (:meth:`Feed.judge`)."""
         return self._judge(cell, output, candidate, golden, baseline, noise, self.islands)
 
     def self_checks(self, fresh: CellRun) -> list[CheckResult]:
-        """The reference's cached decoding against its full recompute along the same tokens:
-        a KV-cache bug is caught even in the run that made the goldens."""
+        """The reference's cached decoding against its full recompute along the same tokens.
+
+        A KV-cache bug is caught even in the run that made the goldens.
+
+        Args:
+            fresh: the reference cell's run.
+
+        Returns:
+            The ``decode-cache`` row, or none for a step of the factory's own (nothing recomputes).
+        """
         decoded = fresh.outputs.get("decode")
         if decoded is None:
             return []
@@ -174,6 +220,7 @@ class ModelFeed:
         return [self._judge(REFERENCE, "decode-cache", cached, recomputed, None)]
 
     def steps(self, decoded: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """A decoding's logits step by step (see :meth:`Feed.steps`)."""
         return stepped_logits(decoded)
 
     def _judge(self, cell: Cell, output: str, candidate: dict[str, Any],
@@ -203,8 +250,17 @@ class ModelFeed:
 
 def golden_renaming(goldens: dict[str, Any], subject: Subject, name_map: NameMap | None
                     ) -> Renaming | None:
-    """How the goldens' weights are found in ``subject``'s model: None where the names are
-    the goldens' (or the goldens record no layout, or the model is sharded)."""
+    """How the goldens' weights are found in ``subject``'s model.
+
+    Args:
+        goldens: the model's goldens by output; ``grads`` records the layout.
+        subject: the user's model.
+        name_map: the goldens' module names to the model's.
+
+    Returns:
+        The renaming, or None where the names are the goldens' (or the goldens record no
+        layout, or the model is sharded).
+    """
     layout = goldens["grads"].summary.get("layout")
     if layout is None or subject.shards is not None:
         return None
@@ -214,10 +270,16 @@ def golden_renaming(goldens: dict[str, Any], subject: Subject, name_map: NameMap
     return renaming(layout, now, name_map)
 
 
-def first_step(comparison: Any) -> int | None:
-    """The first decoding step a comparison of step-protocol decodings finds diverged: a
-    step's logits over their budget, or a greedy token (chosen at the step before it is fed)
-    that differs."""
+def first_step(comparison: Comparison) -> int | None:
+    """The first decoding step a comparison of step-protocol decodings finds diverged.
+
+    Args:
+        comparison: the decoding's comparison.
+
+    Returns:
+        The first step whose logits are over their budget, or whose greedy token (chosen at
+        the step before it is fed) differs; None when none is.
+    """
     steps = []
     for t in comparison.tensors:
         if t.verdict != "diverged":
@@ -246,28 +308,46 @@ class ModelReport:
 
     @property
     def failures(self) -> list[CheckResult]:
+        """The results that failed, in order."""
         return [r for r in self.results if not r.ok]
 
     def explain(self) -> str:
-        """One line per failed output (``OK`` and the count when there is none)."""
+        """One line per failed output, for a test's failure message.
+
+        Returns:
+            The lines, or ``OK`` and the count when none failed.
+        """
         if self.ok:
             return f"OK: {len(self.results)} outputs within their budgets or n/a"
         return "\n".join(f"FAIL {r.case} {r.cell.label} {r.output}: "
                          f"{r.explain or r.reason}" for r in self.failures)
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"ok", "results": [row, ...]}``, the rows of ``torchparity check --json``."""
+        """The report as ``torchparity check --json`` writes it.
+
+        Returns:
+            ``{"ok", "results": [row, ...]}``.
+        """
         return {"ok": self.ok, "results": [r.to_dict() for r in self.results]}
 
 
-def model_cells(backends: list[str] | None = None, dtypes: list[Any] | None = None,
+def model_cells(backends: list[str] | None = None,
+                dtypes: list[str | torch.dtype] | None = None,
                 device: str = "cpu", compile: list[str] | None = None) -> list[Cell]:
-    """The reference cell, then every (dtype, backend) on ``device``: the cells of
-    :func:`check_model`, for a ``pytest.mark.parametrize`` of one test per cell.
+    """The cells of :func:`check_model`, for a ``pytest.mark.parametrize`` of one test per cell.
 
-    ``backends`` default to every attention backend and ``hf-eager`` (n/a for a model that is
-    not a ``transformers`` one), ``dtypes`` (short or torch names) to fp32 and bf16;
-    ``compile`` (``dynamic``, ``static``) adds each dtype's cells compiled in those forms.
+    Args:
+        backends: default: every attention backend and ``hf-eager`` (n/a for a model that is
+            not a ``transformers`` one).
+        dtypes: short or torch names; default fp32 and bf16.
+        device: where the cells run.
+        compile: ``dynamic`` or ``static``: each dtype's cells compiled in those forms too.
+
+    Returns:
+        The reference cell, then every (dtype, backend) on ``device``.
+
+    Raises:
+        UsageError: an unknown backend, dtype or compile form.
     """
     known = backend_names()
     for name in backends or []:
@@ -284,20 +364,32 @@ def model_cells(backends: list[str] | None = None, dtypes: list[Any] | None = No
                          for b in backends or known)]
 
 
-def check_model(factory: str | Callable[[], Any], *, backends: list[str] | None = None,
-                dtypes: list[Any] | None = None, golden_dir: str | os.PathLike | None = None,
+def check_model(factory: str | Callable[[], object], *, backends: list[str] | None = None,
+                dtypes: list[str | torch.dtype] | None = None,
+                golden_dir: str | os.PathLike | None = None,
                 cells: list[Cell] | None = None, compile: list[str] | None = None,
                 name_map: NameMap | None = None) -> ModelReport:
     """Check a user's model against its goldens, as ``torchparity check --model`` does.
 
-    ``factory`` is an entry (``file.py:name``, ``pkg.mod:name``) or the callable itself,
-    returning ``(model, inputs)``, ``(model, inputs, loss_fn)`` or a dict with those keys and
-    ``decode``. ``golden_dir`` defaults to ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` in the
-    working directory; ``compile`` (``dynamic``, ``static``) adds the cells compiled by
-    ``torch.compile`` (docs/compile.md); ``cells`` (from :func:`model_cells`) replace
-    ``backends``/``dtypes``/``compile``.
-    Missing or damaged goldens raise their :class:`~torchparity.golden.GoldenError`, whose
-    message names the ``torchparity golden update --model`` command that creates them.
+    Args:
+        factory: an entry (``file.py:name``, ``pkg.mod:name``) or the callable itself,
+            returning ``(model, inputs)``, ``(model, inputs, loss_fn)`` or a dict with those
+            keys and ``decode``.
+        backends: as :func:`model_cells` takes them.
+        dtypes: as :func:`model_cells` takes them.
+        golden_dir: default ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` in the working
+            directory.
+        cells: from :func:`model_cells`; they replace ``backends``, ``dtypes`` and ``compile``.
+        compile: adds the cells compiled by ``torch.compile`` (docs/compile.md).
+        name_map: the goldens' module names to the model's, where they were renamed.
+
+    Returns:
+        One result per cell and output.
+
+    Raises:
+        GoldenError: missing or damaged goldens, the message naming the ``torchparity golden
+            update --model`` command that creates them.
+        UsageError: a bad factory or option, in one line.
     """
     subject = Subject.load(factory)
     store = model_store(subject, user_golden_dir(golden_dir))

@@ -40,7 +40,14 @@ Layout = dict[str, Any]
 
 
 def state_layout(model: nn.Module) -> Layout:
-    """The layout of ``model``'s state dict (see :data:`Layout`)."""
+    """The layout of ``model``'s state dict (see :data:`Layout`), as goldens record it.
+
+    Args:
+        model: the model.
+
+    Returns:
+        Name -> shape, or the name a tied tensor ties to, in the state dict's order.
+    """
     first: dict[int, str] = {}
     layout: Layout = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -72,10 +79,19 @@ class Renaming:
 
     @property
     def complete(self) -> bool:
+        """Whether every tensor of both sides found its counterpart."""
         return not (self.unmatched_golden or self.unmatched_model)
 
     def split(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's tensor ``name`` as the goldens name it: itself, or its parts."""
+        """The model's tensor ``name`` as the goldens name it: itself, or its parts.
+
+        Args:
+            name: the model's name for it.
+            tensor: its value (a weight or a gradient).
+
+        Yields:
+            ``(golden name, tensor or rows of it)``.
+        """
         pieces = self.pieces.get(name)
         if pieces is None or len(pieces) == 1:  # the same tensor, or renamed
             yield (name if pieces is None else pieces[0].golden), tensor
@@ -85,16 +101,26 @@ class Renaming:
 
     def golden_state(self, state: Mapping[str, torch.Tensor], model: Layout
                      ) -> dict[str, torch.Tensor]:
-        """The model's ``state`` dict (of layout ``model``) under the goldens' names, tied
-        names as the goldens have them."""
+        """The model's state under the goldens' names, tied names as the goldens have them.
+
+        Args:
+            state: the model's tensors by its names.
+            model: the model's layout, which says which names are ties.
+
+        Returns:
+            The tensors by the goldens' names.
+        """
         found = {golden: part for name, tensor in state.items()
                  if not isinstance(model[name], str) for golden, part in self.split(name, tensor)}
         return found | {alias: found[first] for alias, first in self.ties.items()
                         if first in found}
 
     def summary(self) -> str:
-        """The modules named otherwise in the goldens, one entry per module:
-        ``attn.qkv <- attn.q+attn.k+attn.v [fused]``."""
+        """The modules named otherwise in the goldens, one entry per module, for a report.
+
+        Returns:
+            ``attn.qkv <- attn.q+attn.k+attn.v [fused]``, entries joined by commas.
+        """
         said: dict[str, None] = {}
         for name, pieces in self.pieces.items():
             golden = "+".join(_module(p.golden) or "(model)" for p in pieces)
@@ -103,7 +129,14 @@ class Renaming:
         return ", ".join(said)
 
     def unmatched_sentence(self, entry: str) -> str:
-        """Which names found no counterpart, and how to hand a map."""
+        """Which names found no counterpart, and how to hand a map.
+
+        Args:
+            entry: the model's factory, named in the sentence.
+
+        Returns:
+            The sentence.
+        """
         golden = ", ".join(self.unmatched_golden) or "nothing"
         model = ", ".join(self.unmatched_model) or "nothing"
         return (f"the weights' names or shapes changed: the goldens' {golden} and the model's "
@@ -113,7 +146,21 @@ class Renaming:
 
 
 def renaming(golden: Layout, model: Layout, name_map: NameMap | None = None) -> Renaming:
-    """Pair the goldens' tensors with the model's (see the module docstring)."""
+    """Pair the goldens' tensors with the model's: by name, order and shape, or as parts.
+
+    See the module docstring for the order the pairings are tried in.
+
+    Args:
+        golden: the layout the goldens record.
+        model: the model's layout now.
+        name_map: the goldens' module names to the model's, tried first.
+
+    Returns:
+        The pairing, and what neither side found.
+
+    Raises:
+        UsageError: a ``name_map`` entry that is not a pair, or whose regex does not compile.
+    """
     renamed = Renaming(ties={name: first for name, first in golden.items()
                              if isinstance(first, str)})
     rest_a = [name for name, shape in golden.items() if not isinstance(shape, str)]

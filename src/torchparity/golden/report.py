@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +17,10 @@ from torchparity.golden.cells import BOTH_GOLDENS, OWN_FLOAT64, REFERENCE, Cell,
 from torchparity.golden.compiled_cells import cell_counts, compiled_lines
 from torchparity.golden.store import Golden, produced_by
 from torchparity.text import WIDTH, wrap
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 
 @dataclass
@@ -30,9 +34,16 @@ class Machines:
     @classmethod
     def of(cls, goldens: dict[str, dict[str, Golden]], cells: list[Cell],
            made_here: bool = False) -> Machines:
-        """The machines of ``goldens`` (case or model -> output -> golden) and of a run of
-        ``cells`` here (on CUDA when one of them is); ``made_here``: the goldens were made on
-        this machine, whatever they record."""
+        """The machines of ``goldens`` and of a run of ``cells`` here.
+
+        Args:
+            goldens: case or model -> output -> golden.
+            cells: the run's cells (on CUDA when one of them is).
+            made_here: the goldens were made on this machine, whatever they record.
+
+        Returns:
+            The machines.
+        """
         device = "cuda" if any(c.device.startswith("cuda") for c in cells) else "cpu"
         here = produced_by(device)
         return cls(here, {case: {output: here if made_here else golden.summary.get("produced_by")
@@ -40,14 +51,24 @@ class Machines:
                           for case, outputs in goldens.items()})
 
     def made_on(self, case: str) -> str | None:
-        """Where ``case``'s goldens were made, when that is not this run's machine."""
+        """Where ``case``'s goldens were made, when that is not this run's machine.
+
+        Args:
+            case: a zoo case or a model.
+
+        Returns:
+            The machine's label, or None when it is this one (or unrecorded).
+        """
         labels = dict.fromkeys(machine.label(p) for p in self.goldens.get(case, {}).values())
         here = machine.label(self.this_run)
         return None if list(labels) in ([], [here]) else " and ".join(labels)
 
     def header(self) -> str | None:
-        """One line naming both machines, when any golden was made on another one; the cases
-        are named when not all of them come from that one machine."""
+        """One line naming both machines, when any golden was made on another one.
+
+        Returns:
+            The line, naming the cases when not all of them come from that one machine; or None.
+        """
         cases_by_machine: dict[str, list[str]] = {}
         for case in self.goldens:
             if (made_on := self.made_on(case)) is not None:
@@ -62,19 +83,38 @@ class Machines:
         return f"goldens made on {made}; this run on {machine.label(self.this_run)}"
 
     def context(self, case: str) -> str | None:
-        """What a failure of ``case`` adds when its goldens come from another machine."""
+        """What a failure of ``case`` adds when its goldens come from another machine.
+
+        Args:
+            case: a zoo case or a model.
+
+        Returns:
+            The sentence, or None.
+        """
         made_on = self.made_on(case)
         return None if made_on is None else (
             f"goldens made on {made_on}, this run on {machine.label(self.this_run)}")
 
     def to_dict(self) -> dict[str, Any]:
+        """The machines as ``check --json`` writes them: this run's and each golden's.
+
+        Returns:
+            ``{"this_run", "goldens"}``.
+        """
         return {"this_run": self.this_run, "goldens": self.goldens}
 
 
 def write_json(path: Path, results: list[CheckResult], ok: bool, golden_dir: Path,
                machines: Machines) -> None:
-    """``{"ok", "golden_dir", "torch", "machines", "results": [row, ...]}``; see
-    :class:`CheckResult` and :class:`Machines`."""
+    """Write the check's results as JSON: ``{"ok", "golden_dir", "torch", "machines", "results"}``.
+
+    Args:
+        path: the file.
+        results: one row per cell and output (see :class:`CheckResult`).
+        ok: the check's verdict.
+        golden_dir: where the goldens were read.
+        machines: see :class:`Machines`.
+    """
     payload = {"ok": ok, "golden_dir": str(golden_dir), "torch": torch.__version__,
                "machines": machines.to_dict(), "results": [r.to_dict() for r in results]}
     try:
@@ -97,8 +137,18 @@ class Page:
 
 def check_page(results: list[CheckResult], cells: list[Cell], elapsed: float,
          machines: Machines) -> Page:
-    """The machines when the goldens come from another, the table, its footnotes, one line per
-    failure and the summary."""
+    """The check's report, for the terminal and the HTML page alike.
+
+    Args:
+        results: one row per cell and output.
+        cells: the cells, the table's columns and lines.
+        elapsed: the check's wall time in seconds.
+        machines: where the goldens and the run were made.
+
+    Returns:
+        The machines when the goldens come from another, the table, its footnotes, one line per
+        failure and the summary.
+    """
     before = reference_lines(results)  # a change of the model itself, said first
     if (header := machines.header()) is not None:
         before.append(header)
@@ -147,8 +197,13 @@ def check_page(results: list[CheckResult], cells: list[Cell], elapsed: float,
 _CHANGED = ("init changed", "inputs changed")
 
 
-def render(console: Any, content: Page) -> None:
-    """``content`` on ``console``: its lines wrapped, its table folded to the width."""
+def render(console: Console, content: Page) -> None:
+    """``content`` on ``console``: its lines wrapped, its table folded to the width.
+
+    Args:
+        console: a rich console.
+        content: the page.
+    """
     # Logs and pipes have no width: every line fits 80 columns there, wrapped at spaces and
     # never cut; the table is folded into as many tables as it takes.
     width = console.width if console.is_terminal else TABLE_WIDTH
@@ -180,9 +235,17 @@ COARSE_NOTE = ("coarse: an output of this cell would only have flagged a change 
 
 
 def reference_lines(results: list[CheckResult]) -> list[str]:
-    """First, per case whose reference cell failed: the model's own float64 outputs no
-    longer match its goldens, a change of the model rather than of a backend or dtype; the
-    other cells' verdicts are then against goldens of another model."""
+    """First, per case whose reference cell failed: the model itself changed.
+
+    Its own float64 outputs no longer match its goldens, a change of the model rather than of
+    a backend or dtype; the other cells' verdicts are then against goldens of another model.
+
+    Args:
+        results: every row.
+
+    Returns:
+        One line per such case.
+    """
     failed: dict[str, list[str]] = {}
     for r in results:
         if r.cell == REFERENCE and not r.ok and r.verdict not in _CHANGED:
@@ -205,9 +268,17 @@ BOTH_NOTE = (f"judged against {OWN_FLOAT64} outputs (the model changed) and agai
 
 
 def stored_goldens_lines(results: list[CheckResult]) -> list[str]:
-    """The rows judged against this revision's own float64 as well, per case, dtype and
-    output: their verdicts against the stored goldens and, where the budget there grew
-    beyond what the cells allow against their own model, by how much and why."""
+    """The rows judged against this revision's own float64 as well.
+
+    Per case, dtype and output: their verdicts against the stored goldens and, where the budget
+    there grew beyond what the cells allow against their own model, by how much and why.
+
+    Args:
+        results: every row.
+
+    Returns:
+        The lines.
+    """
     groups: dict[tuple[str, str, str], list[CheckResult]] = {}
     for r in results:
         if r.stored_goldens:
@@ -285,9 +356,15 @@ def _baseline_lines(results: list[CheckResult]) -> list[str]:
 
 
 def sensitivity_lines(results: list[CheckResult]) -> list[str]:
-    """What the passing cells rule out: per dtype and kind, the largest relative change of an
-    output that could have passed (the least sensitive cell's); one too coarse to rule out
-    anything is marked."""
+    """What the passing cells rule out, per dtype and kind.
+
+    Args:
+        results: every row.
+
+    Returns:
+        The largest relative change of an output that could have passed (the least sensitive
+        cell's); one too coarse to rule out anything is marked.
+    """
     weakest: dict[tuple[str, str], float] = {}
     for r in results:
         if r.sensitivity is not None:
@@ -312,11 +389,22 @@ CASE_MIN_WIDTH = 16
 
 
 def folded_tables(title: str | None, headers: list[str], rows: list[list[str]], width: int
-                  ) -> list[Any]:
-    """The table of ``headers`` and ``rows`` as rich tables of at most ``width`` columns: each
-    keeps the first column (the case) and takes as many of the next ones, in order, as fit;
-    the first has the title. No column is cut: a case name too long for its table is folded
-    onto more lines, and a table grows past ``width`` only where even that cannot fit it."""
+                  ) -> list[Table]:
+    """The table as rich tables of at most ``width`` columns, no column cut.
+
+    Each keeps the first column (the case) and takes as many of the next ones, in order, as
+    fit; the first has the title. A case name too long for its table is folded onto more lines,
+    and a table grows past ``width`` only where even that cannot fit it.
+
+    Args:
+        title: the first table's title, or None.
+        headers: the column headers.
+        rows: the rows' cells.
+        width: the columns available.
+
+    Returns:
+        The rich tables, in order.
+    """
     from rich.cells import cell_len
     from rich.table import Table
 
@@ -345,10 +433,15 @@ def folded_tables(title: str | None, headers: list[str], rows: list[list[str]], 
     return [table(group, titled=number == 0) for number, group in enumerate(groups)]
 
 
-def print_table(console: Any, table: Any, width: int | None = None) -> None:
-    """Print a rich table; logs and pipes get all of it rather than an 80-column cut. With
-    ``width`` it is laid out in that many columns (its title wrapped to fit) unless it sets
-    its own."""
+def print_table(console: Console, table: Table, width: int | None = None) -> None:
+    """Print a rich table; logs and pipes get all of it rather than an 80-column cut.
+
+    Args:
+        console: a rich console.
+        table: the table.
+        width: lay it out in that many columns (its title wrapped to fit) unless it sets its
+            own.
+    """
     from rich.measure import Measurement
 
     if not console.is_terminal:
@@ -406,6 +499,14 @@ def _cell_text(rows: list[CheckResult], footnotes: dict[str, int], with_device: 
 
 
 def budget_share(headroom: float) -> str:
+    """A headroom as the share of its budget a report shows.
+
+    Args:
+        headroom: the error over its budget (1 is the whole budget).
+
+    Returns:
+        ``37%`` up to 10 budgets, ``12.5x`` beyond, ``inf`` for a shape that differs.
+    """
     if headroom == float("inf"):
         return "inf"
     return f"{headroom:.0%}" if headroom < 10 else f"{headroom:.3g}x"

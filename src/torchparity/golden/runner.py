@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,10 @@ from torchparity.subject import Subject
 from torchparity.subject.names import NameMap
 from torchparity.threads import single_thread
 
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+
 
 @dataclass
 class CheckReport:
@@ -55,19 +59,37 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
+        """Whether every result passed."""
         return all(r.ok for r in self.results)
 
     def page(self, elapsed: float) -> Page:
-        """The table, its footnotes, the failures and the summary (see
-        :func:`report.check_page`)."""
+        """The table, its footnotes, the failures and the summary (see :func:`report.check_page`).
+
+        Args:
+            elapsed: the check's wall time in seconds.
+
+        Returns:
+            The page, for the terminal and the HTML report alike.
+        """
         return check_page(self.results, self.cells, elapsed, self.machines)
 
-    def render(self, console: Any, elapsed: float) -> None:
+    def render(self, console: Console, elapsed: float) -> None:
+        """Print the report on ``console``, lines wrapped and the table folded to its width.
+
+        Args:
+            console: a rich console (a log or a pipe has no width: 80 columns).
+            elapsed: the check's wall time in seconds.
+        """
         render(console, self.page(elapsed))
 
     def write(self, json: str | None, html: str | None, elapsed: float) -> None:
-        """The results as JSON to ``json`` and the report as an HTML page to ``html``, each
-        when given."""
+        """Write the results as JSON and the report as an HTML page, each when asked.
+
+        Args:
+            json: the JSON file, or None.
+            html: the HTML file, or None.
+            elapsed: the check's wall time in seconds.
+        """
         if json:
             write_json(Path(json), self.results, self.ok, self.golden_dir, self.machines)
         if html:
@@ -103,7 +125,7 @@ class CheckRequest:
     name_map: NameMap | None = None
 
 
-def check_goldens(request: CheckRequest, progress: Any) -> CheckReport:
+def check_goldens(request: CheckRequest, progress: Progress) -> CheckReport:
     """Check what ``request`` asks against its goldens.
 
     Args:
@@ -169,13 +191,23 @@ def _trajectory_store(store: GoldenStore, cases: list[zoo.ZooCase]) -> GoldenSto
 
 
 def execute(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell], jobs: int,
-            progress: Any) -> list[CheckResult]:
-    """Check ``cases`` in ``cells``; results in case, cell, output order.
+            progress: Progress) -> list[CheckResult]:
+    """Check ``cases`` in ``cells``, in as many processes as ``jobs``.
 
     Cells are grouped by dtype and device (each group shares its baseline and the traces of
     compiled kernels). The reference group, the cheapest, runs first, here: the cases whose
     model changed have the other groups judge them against today's float64 as well. With
     ``jobs > 1`` the other groups run in that many spawned processes.
+
+    Args:
+        store: the zoo's goldens.
+        cases: the zoo cases checked.
+        cells: the cells.
+        jobs: processes for the cells other than the reference's.
+        progress: advanced as each cell finishes.
+
+    Returns:
+        The results in case, cell, output order.
     """
     task = progress.add_task("checking", total=len(cases) * len(cells))
 
@@ -260,8 +292,19 @@ def _drain(progress_queue: Any, advance: Callable[[str], None], timeout: float) 
 
 
 def check_user_models(subjects: list[Subject], root: Path, cells: list[Cell],
-                      progress: Any, name_map: NameMap | None = None) -> list[CheckResult]:
-    """Check users' models in this process (their factories need not import elsewhere)."""
+                      progress: Progress, name_map: NameMap | None = None) -> list[CheckResult]:
+    """Check users' models in this process: their factories need not import elsewhere.
+
+    Args:
+        subjects: the users' models.
+        root: the folder of their goldens.
+        cells: the cells.
+        progress: advanced as each cell finishes, told where a long run is.
+        name_map: the goldens' module names to the models'.
+
+    Returns:
+        The results in model, cell, output order.
+    """
     task = progress.add_task("checking", total=len(subjects) * len(cells))
     results = []
     with single_thread():
@@ -278,8 +321,18 @@ def check_user_models(subjects: list[Subject], root: Path, cells: list[Cell],
 
 
 def train_results(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell],
-                  progress: Any) -> list[CheckResult]:
-    """The ``trajectory`` rows of ``check --train`` (see :mod:`torchparity.golden.training`)."""
+                  progress: Progress) -> list[CheckResult]:
+    """The ``trajectory`` rows of ``check --train`` (see :mod:`torchparity.golden.training`).
+
+    Args:
+        store: the trajectories' goldens.
+        cases: the zoo cases trained.
+        cells: the cells; those that train are judged.
+        progress: advanced as each cell finishes.
+
+    Returns:
+        One row per case and training cell.
+    """
     from torchparity.golden.training import check_trajectories
 
     trained = [cell for cell in cells if cell != REFERENCE and not cell.compile]
@@ -295,9 +348,17 @@ def train_results(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell
 
 def update_models(subjects: list[Subject], root: Path, status: Callable[[Subject, str], None]
                   ) -> Iterator[tuple[Subject, dict[str, str], str | None]]:
-    """Each model with what writing its goldens did and where its float64 golden computes in
-    a narrower dtype (a sentence, or None); ``status(subject, text)`` hears where its float64
-    run is ("" as it starts)."""
+    """Write each model's goldens, one model at a time.
+
+    Args:
+        subjects: the users' models.
+        root: the folder of their goldens.
+        status: ``status(subject, text)`` hears where its float64 run is ("" as it starts).
+
+    Yields:
+        Each model, what writing each golden did (``created``, ``unchanged``...) and where its
+        float64 golden computes in a narrower dtype (a sentence, or None).
+    """
     with single_thread():
         for subject in subjects:
             status(subject, "")
@@ -309,8 +370,17 @@ def update_models(subjects: list[Subject], root: Path, status: Callable[[Subject
 
 def verify_cases(store: GoldenStore, cases: list[zoo.ZooCase]
                  ) -> Iterator[tuple[zoo.ZooCase, list[CheckResult]]]:
-    """Each case with its reference cell's rows: the goldens recomputed in float64. Every
-    golden file is validated before anything is recomputed."""
+    """The zoo's goldens recomputed in float64 and judged, case by case.
+
+    Every golden file is validated before anything is recomputed.
+
+    Args:
+        store: the zoo's goldens.
+        cases: the cases verified.
+
+    Yields:
+        Each case with its reference cell's rows.
+    """
     for case in cases:
         load_case(store, case)
     for case in cases:
@@ -319,7 +389,15 @@ def verify_cases(store: GoldenStore, cases: list[zoo.ZooCase]
 
 def verify_models(subjects: list[Subject], root: Path
                   ) -> Iterator[tuple[Subject, list[CheckResult]]]:
-    """Each model with its reference cell's rows, as :func:`verify_cases` does for the zoo."""
+    """Each model's goldens recomputed in float64 and judged, as :func:`verify_cases` does.
+
+    Args:
+        subjects: the users' models.
+        root: the folder of their goldens.
+
+    Yields:
+        Each model with its reference cell's rows.
+    """
     for subject in subjects:
         load_goldens(subject, model_store(subject, root))
     with single_thread():

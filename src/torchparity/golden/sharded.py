@@ -33,15 +33,18 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from torchparity.distributed import group, launch, sharding
+from torchparity.distributed.group import under_torchrun
+from torchparity.distributed.slices import DECLARE_HINT, Slice, Slices, whole_of
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable, TorchParityError, UsageError
 from torchparity.golden import check_loop
-from torchparity.golden.cells import REFERENCE, Cell, CheckResult, CellRun, matmul_precision
+from torchparity.golden.cells import REFERENCE, Cell, CellRun, CheckResult, matmul_precision
 from torchparity.golden.model_check import ModelFeed
 from torchparity.golden.model_runs import (
     HF_EAGER,
@@ -56,17 +59,16 @@ from torchparity.golden.renamed import state_layout
 from torchparity.golden.store import GoldenStore
 from torchparity.golden.user_models import model_checksums, write_goldens
 from torchparity.sketching import CHUNK, Sketch, kept, sketch_chunks, wants_sketch
-from torchparity.distributed import group, launch, sharding
 from torchparity.subject import Subject, hf
 from torchparity.subject.blockwise import Float64Run, stream_grads
 from torchparity.subject.compiling import compiled
 from torchparity.subject.decoding import Fed
 from torchparity.subject.factory import first_line
 from torchparity.subject.islands import Islands
-from torchparity.distributed.group import under_torchrun
 from torchparity.subject.running import cast_inputs, local_part, on_meta
-from torchparity.distributed.slices import DECLARE_HINT, Slice, Slices, whole_of
 from torchparity.subject.trees import map_tensors
+
+_Result = TypeVar("_Result")
 
 #: Seconds a launched run may take in all (environment variable, default one hour).
 RUN_TIMEOUT_ENV = "TORCHPARITY_RUN_TIMEOUT"
@@ -74,10 +76,21 @@ _DEFAULT_RUN_TIMEOUT = 3600.0
 
 
 def start(nproc: int | None, argv: list[str]) -> int | None:
-    """Where a command that takes ``--nproc`` runs. Under torchrun: join the ranks, silence
-    every rank's output but rank 0's and return None (the command runs here, as one rank).
-    With ``nproc`` > 1 outside torchrun: run ``torchparity argv`` (without ``--nproc``) as
-    ``nproc`` ranks and return its exit status. Else None: one process, as ever."""
+    """Where a command that takes ``--nproc`` runs.
+
+    Args:
+        nproc: ``--nproc``, or None.
+        argv: the command's arguments after ``torchparity``.
+
+    Returns:
+        Under torchrun, None: the ranks are joined, every rank's output but rank 0's silenced,
+        and the command runs here as one rank. With ``nproc`` > 1 outside torchrun: the exit
+        status of ``torchparity argv`` (without ``--nproc``) run as ``nproc`` ranks. Else
+        None: one process, as ever.
+
+    Raises:
+        TorchParityError: a rank failed or the run timed out, naming the rank.
+    """
     if under_torchrun():
         if nproc is not None and nproc != group.world_size():
             raise UsageError(f"--nproc {nproc} under a torchrun of {group.world_size()} "
@@ -99,7 +112,14 @@ def start(nproc: int | None, argv: list[str]) -> int | None:
 
 
 def without_nproc(argv: list[str]) -> list[str]:
-    """``argv`` without its ``--nproc N`` (or ``--nproc=N``)."""
+    """``argv`` without its ``--nproc N`` (or ``--nproc=N``): what each rank runs.
+
+    Args:
+        argv: a command line.
+
+    Returns:
+        The command line, otherwise unchanged.
+    """
     kept_args, skip = [], False
     for arg in argv:
         if skip:
@@ -116,27 +136,53 @@ def _run_timeout() -> float:
 
 
 def active() -> bool:
-    """Whether this process is one rank of a sharded run."""
+    """Whether this process is one rank of a sharded run.
+
+    Returns:
+        True under torchrun.
+    """
     return under_torchrun()
 
 
 def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
                 perturb: bool = False, tokens: Fed | None = None) -> CellRun:
-    """``subject`` run in ``cell`` by every rank: in float64, the factory's sharded model
-    itself cast module by module (:class:`~torchparity.subject.blockwise.Float64Run`: a rank
-    holds its part in the model's dtype and one module's part in float64; its weights moved
-    by one float64 rounding with ``perturb``); in the model's own dtype, that model as it is;
+    """``subject`` run in ``cell`` by every rank, no rank holding the whole model.
+
+    In float64, the factory's sharded model itself is cast module by module
+    (:class:`~torchparity.subject.blockwise.Float64Run`: a rank holds its part in the model's
+    dtype and one module's part in float64); in the model's own dtype, that model as it is;
     else a copy in the cell's dtype sharded by the factory's plan. Outputs and gradients are
-    kept one by one as the backward completes each; a model that generates then decodes, fed
-    ``tokens`` (None: its own choices)."""
+    kept one by one as the backward completes each; a model that generates then decodes.
+
+    Args:
+        subject: the user's model, sharded (:func:`~torchparity.distributed.sharding.hold`).
+        cell: the cell.
+        loss_paths: the outputs the default loss projects (None: all floating ones).
+        perturb: float64 cells: weights moved by one float64 rounding.
+        tokens: what a step-by-step decoding is fed (None: its own choices).
+
+    Returns:
+        The run, its tensors as one process would keep them.
+    """
     run_name = f"the {cell.label} run" + (" (perturbed)" if perturb else "")
     return collectively(run_name, lambda: _run_sharded(subject, cell, loss_paths, run_name,
                                                        perturb=perturb, tokens=tokens))
 
 
-def collectively(what: str, fn: Callable[[], Any]) -> Any:
-    """``fn()``, run by every rank; a collective that fails in it (a rank that died or did not
-    come) becomes one line naming ``what`` and where the other ranks are."""
+def collectively(what: str, fn: Callable[[], _Result]) -> _Result:
+    """``fn()``, run by every rank, a failed collective in it said in one line.
+
+    Args:
+        what: what the ranks do, named in the message.
+        fn: the work.
+
+    Returns:
+        What ``fn`` returns.
+
+    Raises:
+        TorchParityError: a collective failed (a rank that died or did not come), naming
+            ``what`` and where the other ranks are.
+    """
     try:
         return fn()
     except Exception as exc:
@@ -221,7 +267,14 @@ def _runs_held(subject: Subject, cell: Cell) -> bool:
 
 
 def unmapped_reason(held: Slices) -> str:
-    """Why the gradients of a model sharded by hand are not compared, in one line."""
+    """Why the gradients of a model sharded by hand are not compared, in one line.
+
+    Args:
+        held: the slices, some parameters found nowhere.
+
+    Returns:
+        The reason, naming a parameter and how to declare its slices.
+    """
     names = held.unmapped
     more = f" and {len(names) - 1} more" if len(names) > 1 else ""
     return (f"not compared: the ranks' slices of {names[0]}{more} are found nowhere in the "
@@ -230,9 +283,19 @@ def unmapped_reason(held: Slices) -> str:
 
 def perturbation_in_parts(name: str, value: torch.Tensor, held: Slices | None = None
                           ) -> torch.Tensor:
-    """:func:`~torchparity.golden.model_runs.perturbation` of a parameter's float64 value,
-    whole or this rank's part of it (a DTensor's, or a slice ``held`` says where it lies),
-    moved as its place in the whole is."""
+    """:func:`~torchparity.golden.model_runs.perturbation` of a parameter, whole or in parts.
+
+    Each element is moved as its place in the whole is, so the ranks together move the
+    parameter as one process does.
+
+    Args:
+        name: the parameter's name.
+        value: its float64 value: whole, a DTensor's local part, or a slice.
+        held: where a model's slices lie, for a slice.
+
+    Returns:
+        The moved value.
+    """
     where = held.of(name) if held is not None else None
     if where is not None:
         stretches = sharding.segments(where.whole, tuple(value.shape), where.offset)
@@ -260,10 +323,20 @@ def _gathered_into(grads: dict[str, Any], held: Slices | None
 
 def kept_across_ranks(name: str, tensor: torch.Tensor, where: Slice | None = None
                       ) -> torch.Tensor | Sketch:
-    """``tensor`` as one process keeps it (:func:`~torchparity.sketching.kept`), bit for bit:
-    a big one held in parts by the ranks is sketched from runs of it assembled across them
-    (:func:`~torchparity.subject.sharding.flat_chunks`), so that no rank holds it whole; any
-    other is gathered whole (a plain slice, ``where`` it lies, joined to the ranks' others)."""
+    """``tensor`` as one process keeps it (:func:`~torchparity.sketching.kept`), bit for bit.
+
+    A big one held in parts by the ranks is sketched from runs of it assembled across them
+    (:func:`~torchparity.distributed.sharding.flat_chunks`), so that no rank holds it whole;
+    any other is gathered whole.
+
+    Args:
+        name: the tensor's name, which seeds its sketch.
+        tensor: a DTensor, a plain slice, or a tensor every rank holds whole.
+        where: where a plain slice lies, joined to the ranks' others.
+
+    Returns:
+        The tensor or its sketch, the same on every rank.
+    """
     if where is not None:
         return kept(name, whole_of(tensor, where))
     if wants_sketch(tensor) and sharding.in_parts(tensor):
@@ -274,10 +347,18 @@ def kept_across_ranks(name: str, tensor: torch.Tensor, where: Slice | None = Non
 
 @contextlib.contextmanager
 def outputs_whole(model: nn.Module) -> Iterator[None]:
-    """``model``'s DTensor outputs gathered as it returns them: the loss, the judgement and a
-    decoding's choice of the next token see the outputs one process would return. A hook, not
-    a wrapper, so that the decoding still finds the model's own step (a ``transformers``
-    model's cache)."""
+    """``model``'s DTensor outputs gathered as it returns them, inside the block.
+
+    The loss, the judgement and a decoding's choice of the next token see the outputs one
+    process would return. A hook, not a wrapper, so that the decoding still finds the model's
+    own step (a ``transformers`` model's cache).
+
+    Args:
+        model: the sharded model.
+
+    Yields:
+        Nothing.
+    """
     handle = model.register_forward_hook(
         lambda module, args, output: map_tensors(output, sharding.whole))
     try:
@@ -290,6 +371,7 @@ class ShardedFeed(ModelFeed):
     """A user's model as the check loop runs it on every rank (see :class:`ModelFeed`)."""
 
     def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
+        """The model run in ``cell`` by every rank (:func:`run_sharded`; see :meth:`Feed.run`)."""
         group.together(f"the {cell.label} run" + (" (perturbed)" if perturb else ""))
         return run_sharded(self.subject, cell, self.loss_paths, perturb=perturb,
                            tokens=self.fed(cell, perturb))
@@ -298,16 +380,36 @@ class ShardedFeed(ModelFeed):
 def check_sharded(subject: Subject, store: GoldenStore, cells: list[Cell],
                   advance: Callable[[str], None] = lambda label: None,
                   status: Callable[[str, str], None] | None = None) -> list[CheckResult]:
-    """:func:`~torchparity.golden.model_check.check_subject` on every rank of a sharded run."""
+    """:func:`~torchparity.golden.model_check.check_subject` on every rank of a sharded run.
+
+    Args:
+        subject: the user's model.
+        store: its goldens, made in one process.
+        cells: the cells.
+        advance: called with each cell's label when it is done.
+        status: called with ``(label, text)`` while a cell runs.
+
+    Returns:
+        One result per cell and output, the same on every rank.
+    """
     feed = collectively("the checksums of the weights",
                         lambda: ShardedFeed(_weighed(subject), store, status))
     return check_loop.check_cells(feed, cells, advance)
 
 
 def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str]:
-    """The goldens of ``subject`` computed by every rank in float64, written by rank 0 (each
-    file atomically, none before the whole run succeeded); what happened to each file, as
-    :func:`~torchparity.golden.user_models.write_goldens` says, on every rank."""
+    """The goldens of ``subject`` computed by every rank in float64, written by rank 0.
+
+    Each file is written atomically, none before the whole run succeeded.
+
+    Args:
+        subject: the user's model.
+        store: where its goldens go.
+
+    Returns:
+        What happened to each file, as
+        :func:`~torchparity.golden.user_models.write_goldens` says, on every rank.
+    """
     import torch.distributed as dist
 
     checksums = collectively("the checksums of the weights",

@@ -16,7 +16,16 @@ from torchparity.reference.zoo import ZooCase
 
 
 def show_golden(store: GoldenStore, case: ZooCase, console: Console) -> None:
-    """Print what ``case``'s goldens in ``store`` were made from and a table per output."""
+    """Print what ``case``'s goldens were made from and a table of each output's tensors.
+
+    Args:
+        store: the zoo's goldens.
+        case: the zoo case.
+        console: a rich console.
+
+    Raises:
+        GoldenError: a golden is missing or damaged.
+    """
     goldens = {output: store.read(case.name, output) for output in OUTPUT_KINDS}
     summary = goldens["logits"].summary
     console.print(f"[bold]{case.name}[/bold]: {summary.get('description', case.description)}")

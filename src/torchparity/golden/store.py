@@ -101,7 +101,14 @@ class Golden:
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's values: the same on every machine and torch version."""
+    """sha256 of a tensor's values: the same on every machine and torch version.
+
+    Args:
+        tensor: the tensor.
+
+    Returns:
+        The hex digest of the values alone, without a header.
+    """
     return digests.sha256(tensor)
 
 
@@ -112,6 +119,13 @@ def checksum(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = No
     (``dtype=torch.float64`` converts floating tensors chunk by chunk, as if they had been
     converted first) and int64 inputs and it is version-independent, so a changed digest means
     a changed init or changed inputs, never a new torch.
+
+    Args:
+        tensors: the tensors by name.
+        dtype: the dtype floating tensors are hashed in (None: their own).
+
+    Returns:
+        The hex digest.
     """
     digest = hashlib.sha256()
     for name in sorted(tensors):
@@ -130,9 +144,15 @@ def _rounded(x: float) -> float | str:
 
 
 def tensor_summary(tensor: torch.Tensor | Sketch) -> dict[str, Any]:
-    """Shape, dtype, mean, std, absmax (6 significant digits) and sha256 of one tensor; for a
-    sketch, its tensor's statistics, the sha256 of the stored sketch and its method, size and
-    seed."""
+    """What a golden's JSON says of one tensor, for a reviewer reading a diff.
+
+    Args:
+        tensor: a tensor, or a sketch of one.
+
+    Returns:
+        Shape, dtype, mean, std, absmax (6 significant digits) and sha256; for a sketch, its
+        tensor's statistics, the sha256 of the stored sketch and its method, size and seed.
+    """
     if isinstance(tensor, Sketch):
         return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
                 "mean": _rounded(tensor.mean), "std": _rounded(tensor.std),
@@ -154,7 +174,14 @@ def tensor_summary(tensor: torch.Tensor | Sketch) -> dict[str, Any]:
 
 
 def stored_sha256(value: torch.Tensor | Sketch) -> str:
-    """sha256 of what a golden stores of ``value``: its values, or its sketch's parts."""
+    """sha256 of what a golden stores of ``value``: its values, or its sketch's parts.
+
+    Args:
+        value: a tensor or a sketch.
+
+    Returns:
+        The hex digest.
+    """
     if isinstance(value, torch.Tensor):
         return tensor_sha256(value)
     digest = hashlib.sha256()
@@ -164,31 +191,60 @@ def stored_sha256(value: torch.Tensor | Sketch) -> str:
 
 
 def as_stored(name: str, value: torch.Tensor | Sketch) -> torch.Tensor | Sketch:
-    """``value`` as a golden keeps it: a sketch when :func:`torchparity.sketching.wants_sketch`
-    (seeded by ``name``), else the tensor on the CPU."""
+    """``value`` as a golden keeps it: big tensors as sketches, others on the CPU.
+
+    Args:
+        name: the tensor's name, which seeds its sketch.
+        value: a tensor, or a sketch already.
+
+    Returns:
+        A sketch when :func:`torchparity.sketching.wants_sketch`, else the tensor.
+    """
     if isinstance(value, torch.Tensor) and sketching.wants_sketch(value):
         return sketching.sketch(value, name)
     return value
 
 
-def produced_by(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Versions of the software producing a golden and the machine it ran on (see
-    :func:`torchparity.machine.describe`); informational: never compared."""
+def produced_by(device: str | torch.device = "cpu") -> dict[str, str | bool]:
+    """Versions of the software producing a golden and the machine it ran on.
+
+    Informational: never compared, but a report says where goldens and a run were made.
+
+    Args:
+        device: the device the golden was computed on.
+
+    Returns:
+        torchparity's, torch's and Python's versions and :func:`torchparity.machine.describe`.
+    """
     import torchparity
 
     return {"torchparity": torchparity.__version__, "torch": torch.__version__.split("+")[0],
             "python": platform.python_version(), **machine.describe(device)}
 
 
-def machine_recorded(summary: Mapping[str, Any]) -> bool:
-    """Whether a golden's summary names the machine that made it (see :func:`produced_by`)."""
+def machine_recorded(summary: Mapping[str, object]) -> bool:
+    """Whether a golden's summary names the machine that made it (see :func:`produced_by`).
+
+    Args:
+        summary: a golden's JSON summary.
+
+    Returns:
+        True when its ``produced_by`` has the CPU capability.
+    """
     return "cpu_capability" in (summary.get("produced_by") or {})
 
 
-def format_json(value: Any, indent: int = 0) -> str:
+def format_json(value: object, indent: int = 0) -> str:
     """JSON for reviewers: small flat objects and lists of scalars on one line, the rest nested.
 
     Each tensor's summary is one line, so a diff shows exactly which tensors changed.
+
+    Args:
+        value: JSON values.
+        indent: the nesting depth it starts at.
+
+    Returns:
+        The JSON text.
     """
     if isinstance(value, Mapping) and value and not _is_flat(value):
         pad = " " * (indent + 1)
@@ -226,28 +282,66 @@ class GoldenStore:
         self.update_command = update_command
 
     def paths(self, case: str, output: str) -> tuple[Path, Path]:
-        """The ``.safetensors`` and ``.json`` paths of one golden (they need not exist)."""
+        """The ``.safetensors`` and ``.json`` paths of one golden (they need not exist).
+
+        Args:
+            case: the case (model) folder.
+            output: the golden's name.
+
+        Returns:
+            Both paths.
+
+        Raises:
+            UsageError: a name with characters a file name should not have.
+        """
         _check_name(case, "case")
         _check_name(output, "output")
         folder = self.root / case
         return folder / f"{output}.safetensors", folder / f"{output}.json"
 
     def obtained_path(self, case: str, output: str) -> Path:
-        """Where :meth:`write_obtained` puts the values a mismatching run obtained."""
+        """Where :meth:`write_obtained` puts the values a mismatching run obtained.
+
+        Args:
+            case: the case folder.
+            output: the golden's name.
+
+        Returns:
+            The path beside the golden's.
+        """
         return self.paths(case, output)[0].with_name(f"{output}{_OBTAINED}.safetensors")
 
     def exists(self, case: str, output: str) -> bool:
-        """True when both files of the golden exist."""
+        """Whether both files of the golden exist.
+
+        Args:
+            case: the case folder.
+            output: the golden's name.
+
+        Returns:
+            True when both do.
+        """
         return all(p.is_file() for p in self.paths(case, output))
 
     def cases(self) -> list[str]:
-        """Names of the case folders under ``root`` (sorted)."""
+        """Names of the case folders under ``root``.
+
+        Returns:
+            The names, sorted.
+        """
         if not self.root.is_dir():
             return []
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _NAME.match(p.name))
 
     def outputs(self, case: str) -> list[str]:
-        """Names of the goldens of ``case`` (sorted; obtained files excluded)."""
+        """Names of the goldens of ``case``, obtained files excluded.
+
+        Args:
+            case: the case folder.
+
+        Returns:
+            The names, sorted.
+        """
         folder = self.root / case
         if not folder.is_dir():
             return []
@@ -255,7 +349,11 @@ class GoldenStore:
                       if not p.stem.endswith(_OBTAINED) and _NAME.match(p.stem))
 
     def require_root(self) -> None:
-        """Raise :class:`GoldenMissing` with the command that creates the folder."""
+        """Check that the golden folder exists before any run.
+
+        Raises:
+            GoldenMissing: it does not, with the command that creates it.
+        """
         if not self.root.is_dir():
             raise GoldenMissing(
                 f"golden directory {self.root} does not exist; create it with "
@@ -264,11 +362,19 @@ class GoldenStore:
 
     def write(self, case: str, output: str, tensors: Mapping[str, torch.Tensor],
               meta: Mapping[str, Any] | None = None) -> list[Path]:
-        """Atomically write one golden and return the paths written.
+        """Atomically write one golden.
 
-        ``tensors`` are stored as given (moved to the CPU, made contiguous); ``meta`` is merged
-        into the JSON summary between the fixed header and the tensor lines. Each file is
-        replaced in one rename, so a reader sees the old or the new file, never half of one.
+        ``tensors`` are stored as given (moved to the CPU, made contiguous). Each file is replaced
+        in one rename, so a reader sees the old or the new file, never half of one.
+
+        Args:
+            case: the case folder.
+            output: the golden's name.
+            tensors: the tensors by name.
+            meta: merged into the JSON summary between the fixed header and the tensor lines.
+
+        Returns:
+            The paths written.
         """
         tensor_path, json_path = self.paths(case, output)
         stored = _storable(tensors)
@@ -286,10 +392,22 @@ class GoldenStore:
 
     def update(self, case: str, output: str, tensors: Mapping[str, torch.Tensor | Sketch],
                meta: Mapping[str, Any]) -> str:
-        """Write one golden unless it holds these values and metadata already; returns what
-        happened: ``created``, ``replaced`` (unreadable before), ``updated``, ``machine
-        recorded`` (same values, made before goldens recorded their machine) or ``unchanged``
-        (the files are left untouched, so a rerun on another machine does not churn them)."""
+        """Write one golden unless it holds these values and metadata already.
+
+        The files are left untouched when unchanged, so a rerun on another machine does not churn
+        them.
+
+        Args:
+            case: the case folder.
+            output: the golden's name.
+            tensors: the tensors (or sketches) by name; big tensors are kept as sketches.
+            meta: the JSON summary's metadata.
+
+        Returns:
+            What happened: ``created``, ``replaced`` (unreadable before), ``updated``, ``machine
+            recorded`` (same values, made before goldens recorded their machine) or
+            ``unchanged``.
+        """
         status = self._update_status(case, output, tensors, meta)
         if status != "unchanged":
             self.write(case, output, tensors, meta)
@@ -316,8 +434,16 @@ class GoldenStore:
 
     def write_obtained(self, case: str, output: str,
                        tensors: Mapping[str, torch.Tensor | Sketch]) -> Path:
-        """Write what a mismatching run produced beside the golden, for inspection (big tensors
-        as sketches, stored as in a golden)."""
+        """Write what a mismatching run produced beside the golden, for inspection.
+
+        Args:
+            case: the case folder.
+            output: the golden's name.
+            tensors: the run's values; big tensors as sketches, stored as in a golden.
+
+        Returns:
+            The path written.
+        """
         from safetensors.torch import save
 
         path = self.obtained_path(case, output)
@@ -327,9 +453,17 @@ class GoldenStore:
     def read(self, case: str, output: str) -> Golden:
         """Read and validate one golden.
 
-        Raises :class:`GoldenMissing`, :class:`GoldenCorrupt` (unreadable, truncated, or a JSON
-        that no longer matches its tensors) or :class:`GoldenSchemaError` (newer format), each
-        with a one-line message naming the file and the fix.
+        Args:
+            case: the case folder.
+            output: the golden's name.
+
+        Returns:
+            The golden: its tensors on the CPU and its summary.
+
+        Raises:
+            GoldenMissing: the files are not there.
+            GoldenCorrupt: unreadable, truncated, or a JSON that no longer matches its tensors.
+            GoldenSchemaError: a newer format. Each message names the file and the fix.
         """
         tensor_path, json_path = self.paths(case, output)
         fix = self._fix(case, output, tensor_path)
@@ -361,7 +495,7 @@ def _check_name(name: str, what: str) -> None:
                          f"'_.+-', starting with a letter or digit")
 
 
-def _device(tensors: Mapping[str, Any]) -> torch.device:
+def _device(tensors: Mapping[str, torch.Tensor | Sketch]) -> torch.device:
     """The device a golden's tensors were computed on: CUDA when any of them is there."""
     devices = [t.device for t in tensors.values() if isinstance(t, torch.Tensor)]
     return next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
@@ -539,12 +673,19 @@ def _stat_close(listed: Any, actual: Any, scale: float) -> bool:
 
 
 def default_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
-    """The golden folder: ``explicit``, else ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` of
-    the torchparity source tree that contains the working directory, else ``golden/`` of the
-    source tree torchparity was imported from (an editable install), else the goldens shipped
-    in the installed package (``torchparity/goldens``).
+    """The golden folder, found the way every command finds it.
 
-    Raises :class:`UsageError` when none applies. The folder itself need not exist yet.
+    Args:
+        explicit: the folder given (``--golden-dir``), first.
+
+    Returns:
+        ``explicit``, else ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` of the torchparity
+        source tree that contains the working directory, else ``golden/`` of the source tree
+        torchparity was imported from (an editable install), else the goldens shipped in the
+        installed package (``torchparity/goldens``). The folder need not exist yet.
+
+    Raises:
+        UsageError: none applies.
     """
     if explicit:
         return Path(explicit)

@@ -28,7 +28,15 @@ OUTPUT = "trajectory"  # the row's output: one per case and cell, whatever its d
 def load_trajectories(root: GoldenStore | str, cases: list[str]) -> GoldenStore:
     """The store of the golden trajectories under ``root``, every case's golden validated.
 
-    Raises the golden store's one-line errors (missing, damaged, stale) before any training.
+    Args:
+        root: the store, or its folder.
+        cases: the cases trained.
+
+    Returns:
+        The store.
+
+    Raises:
+        GoldenError: a golden is missing, damaged or stale, before any training.
     """
     store = tj.golden_store(root.root if isinstance(root, GoldenStore) else root)
     for case in cases:
@@ -40,10 +48,19 @@ def load_trajectories(root: GoldenStore | str, cases: list[str]) -> GoldenStore:
 def check_trajectories(store: GoldenStore, cases: list[str], cells: list[Cell],
                        advance: Callable[[str], None] = lambda label: None,
                        ) -> list[CheckResult]:
-    """Train and judge every case in every cell but the reference one; one row per pair.
+    """Train and judge every case in every cell but the reference one.
 
     A backend that cannot train here (flex without a CPU backward, a CUDA-only kernel) gives
-    an ``n/a`` row with the reason. ``advance(label)`` is called after each cell.
+    an ``n/a`` row with the reason.
+
+    Args:
+        store: the golden trajectories.
+        cases: the cases trained.
+        cells: the cells.
+        advance: called with each cell's label when it is done.
+
+    Returns:
+        One row per case and cell.
     """
     trained = [cell for cell in cells if cell != REFERENCE]
     return [result for case in cases for result in check_loop.check_cells(
@@ -65,12 +82,15 @@ class TrajectoryFeed:
         self._untrained: dict[tuple[str, str], str] = {}  # baselines that cannot train here
 
     def changed(self) -> dict[str, tuple[str, str]]:
+        """Nothing: a trajectory's golden records no weights; its recipe trains them."""
         return {}  # a trajectory's golden records no weights: its recipe trains them
 
     def refused(self, cell: Cell) -> str | None:
+        """Why the cell's backend is unavailable on its device and dtype, or None."""
         return backends.available(cell.device, DTYPES[cell.dtype])[cell.backend]
 
     def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
+        """The case trained in ``cell``; a baseline that cannot train is noted for the judge."""
         try:
             return CellRun({OUTPUT: train(self.config, Execution(cell.backend, cell.dtype,
                                                              cell.device))}, {})
@@ -80,10 +100,12 @@ class TrajectoryFeed:
             return CellRun({}, {OUTPUT: str(exc)})
 
     def golden(self, output: str) -> None:
+        """None: :func:`~torchparity.golden.trajectories.check_against_golden` reads the store."""
         return None  # read by check_against_golden from the store
 
     def judge(self, cell: Cell, output: str, candidate: Trajectory, golden: None,
               baseline: Trajectory | None, noise: float | None = None) -> CheckResult:
+        """The trajectory's row: n/a where the baseline could not train (see :meth:`Feed.judge`)."""
         if baseline is None:
             return check_loop.row(self, cell, output, "n/a", ok=True,
                                   reason=self._untrained[cell.dtype, cell.device])
@@ -94,7 +116,9 @@ class TrajectoryFeed:
                               worst=f"{worst.quantity} at step {worst.step}" if worst else None)
 
     def self_checks(self, fresh: CellRun) -> list[CheckResult]:
+        """Nothing: the reference cell trains nothing."""
         return []  # the reference cell trains nothing
 
     def steps(self, decoded: Any) -> list[dict[str, Any]]:
+        """Nothing: a trajectory decodes nothing."""
         return []  # a trajectory decodes nothing

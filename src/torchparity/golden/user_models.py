@@ -48,12 +48,12 @@ from typing import Any
 
 import torch
 
+from torchparity.distributed import sharding
 from torchparity.errors import UsageError
 from torchparity.golden.cells import REFERENCE, CellRun
 from torchparity.golden.model_runs import OUTPUT_KINDS, Status, run_in_cell
 from torchparity.golden.renamed import Layout, Renaming, state_layout
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
-from torchparity.distributed import sharding
 from torchparity.subject import Subject
 from torchparity.subject.islands import narrowest, summary
 from torchparity.subject.running import default_loss_paths
@@ -62,24 +62,46 @@ from torchparity.subject.weights import NormalDraws
 
 
 def user_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
-    """Where users' goldens live: ``explicit``, else ``$TORCHPARITY_GOLDEN_DIR``, else
-    ``golden/`` in the working directory (the folder need not exist yet)."""
+    """Where users' goldens live.
+
+    Args:
+        explicit: the folder given (``--golden-dir``), first.
+
+    Returns:
+        ``explicit``, else ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` in the working
+        directory (the folder need not exist yet).
+    """
     return Path(explicit or os.environ.get(GOLDEN_DIR_ENV) or "golden")
 
 
-def model_store(subject: Subject, root: Any) -> GoldenStore:
-    """The golden store under ``root`` whose messages name this model's update command (with
-    ``--golden-dir`` where ``root`` is not where the command writes by default)."""
+def model_store(subject: Subject, root: str | os.PathLike) -> GoldenStore:
+    """The golden store under ``root`` whose messages name this model's update command.
+
+    Args:
+        subject: the user's model.
+        root: the goldens' folder; ``--golden-dir`` joins the command where it is not the
+            default one.
+
+    Returns:
+        The store.
+    """
     command = f"torchparity golden update --model {subject.entry}"
     if Path(root).resolve() != user_golden_dir().resolve():
         command += f" --golden-dir {root}"
     return GoldenStore(root, update_command=command)
 
 
-def model_checksums(subject: Subject, renamed: Renaming | None = None) -> dict[str, str]:
-    """Checksums of the float64 state dict and of the input tensors the factory gave; with
-    ``renamed``, of the state dict under the goldens' names. The weights' is None for a model
-    sharded by hand some of whose slices were found nowhere: no whole state to weigh."""
+def model_checksums(subject: Subject, renamed: Renaming | None = None) -> dict[str, str | None]:
+    """Checksums of the float64 state dict and of the input tensors the factory gave.
+
+    Args:
+        subject: the user's model.
+        renamed: hash the state dict under the goldens' names.
+
+    Returns:
+        ``weights`` and ``inputs`` hex digests; the weights' is None for a model sharded by
+        hand some of whose slices were found nowhere: no whole state to weigh.
+    """
     if subject.slices is not None and subject.slices.unmapped:
         return {"weights": None, "inputs": checksum(flatten_tensors(subject.inputs, "inputs"))}
     weights = (subject.model.state_dict() if subject.shards is None
@@ -91,15 +113,23 @@ def model_checksums(subject: Subject, renamed: Renaming | None = None) -> dict[s
 
 
 def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = None,
-                  run: CellRun | None = None, checksums: dict[str, str] | None = None,
+                  run: CellRun | None = None, checksums: dict[str, str | None] | None = None,
                   layout: Layout | None = None) -> dict[str, str]:
-    """Compute and write the goldens of ``subject``; output -> what happened to its file
-    (``created``, ``updated``, ``replaced`` or ``unchanged``, as for the zoo). ``status``
-    hears where the float64 run is (which block of how many); ``run`` is that run when it
-    was made elsewhere (by the ranks of a sharded model), ``checksums`` the model's
-    (:func:`model_checksums`) and ``layout`` its state dict's
-    (:func:`~torchparity.golden.renamed.state_layout`) when taken before its plan sharded
-    it."""
+    """Compute and write the goldens of ``subject``.
+
+    Args:
+        subject: the user's model.
+        store: where its goldens go.
+        status: hears where the float64 run is (which block of how many).
+        run: that run, when it was made elsewhere (by the ranks of a sharded model).
+        checksums: the model's (:func:`model_checksums`), when taken before its plan sharded
+            it.
+        layout: its state dict's (:func:`~torchparity.golden.renamed.state_layout`), likewise.
+
+    Returns:
+        Output -> what happened to its file (``created``, ``updated``, ``replaced`` or
+        ``unchanged``, as for the zoo).
+    """
     run = run or run_in_cell(subject, REFERENCE, None, status=status)
     if run.missing:
         output, reason = next(iter(run.missing.items()))
@@ -124,11 +154,25 @@ def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = 
 
 
 def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
-    """Read and validate the goldens of ``subject``; a golden made with another kind of loss is
-    :class:`GoldenStale`, and so are goldens with decoding when the factory no longer decodes.
+    """Read and validate the goldens of ``subject``.
+
     Goldens made without decoding are read as they are: a factory that decodes since (a
-    library upgrade) is checked on what they hold (see :func:`no_decode_golden`). (Changed
-    weights or inputs are verdicts of :func:`~torchparity.golden.model_check.check_subject`.)"""
+    library upgrade) is checked on what they hold (see :func:`no_decode_golden`). Changed
+    weights or inputs are verdicts of :func:`~torchparity.golden.model_check.check_subject`,
+    not errors.
+
+    Args:
+        subject: the user's model.
+        store: its goldens.
+
+    Returns:
+        The goldens by output.
+
+    Raises:
+        GoldenError: a missing or damaged golden.
+        GoldenStale: made with another kind of loss, or with decoding when the factory no
+            longer decodes.
+    """
     goldens = {output: store.read(subject.name, output) for output in ("outputs", "loss",
                                                                        "grads")}
     fix = f"if the change is intended, run `{store.update_command}`"
@@ -160,7 +204,15 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
 
 
 def no_decode_golden(subject: Subject, store: GoldenStore) -> str:
-    """Why a factory that decodes gets no decode verdict from goldens made without decoding."""
+    """Why a factory that decodes gets no decode verdict from goldens made without decoding.
+
+    Args:
+        subject: the user's model.
+        store: its goldens.
+
+    Returns:
+        The reason, with the command that remakes them.
+    """
     return (f"the goldens of {subject.name} in {store.root} have no decoding (made when the "
             f"factory did not decode); run `{store.update_command}` to add it")
 
@@ -184,17 +236,39 @@ def _decoding(subject: Subject) -> str:
 
 
 def loss_paths(goldens: dict[str, Golden]) -> list[str] | None:
+    """The outputs the goldens' default loss projected, so every cell projects the same ones.
+
+    Args:
+        goldens: the model's goldens.
+
+    Returns:
+        Their paths, or None where the factory's ``loss_fn`` made the loss.
+    """
     loss = goldens["loss"].summary.get("loss")
     return loss["default projection of"] if isinstance(loss, dict) else None
 
 
 def golden_islands(goldens: dict[str, Golden]) -> str | None:
-    """The narrowest dtype the float64 golden run computed in (None: float64 throughout)."""
+    """The narrowest dtype the float64 golden run computed in.
+
+    Args:
+        goldens: the model's goldens.
+
+    Returns:
+        Its name, or None: float64 throughout.
+    """
     return narrowest(goldens["outputs"].summary.get("islands"))
 
 
 def islands_sentence(goldens: dict[str, Golden]) -> str | None:
-    """Where the float64 golden computed in a narrower dtype, as a sentence (None: nowhere)."""
+    """Where the float64 golden computed in a narrower dtype, as a sentence.
+
+    Args:
+        goldens: the model's goldens.
+
+    Returns:
+        The sentence, or None: nowhere.
+    """
     islands = goldens["outputs"].summary.get("islands")
     if not islands:
         return None
@@ -204,9 +278,18 @@ def islands_sentence(goldens: dict[str, Golden]) -> str | None:
 
 
 def load_noting_draws(entry: str, noting_draws: bool) -> tuple[Subject, str | None]:
-    """The subject of ``entry`` and, when ``noting_draws``, a warning if its weights or
-    inputs come from torch's normal draws on the CPU, whose last bits differ by instruction
-    set: such goldens read 'init changed' on another machine."""
+    """The subject of ``entry``, with a warning where its goldens would not travel.
+
+    Weights or inputs from torch's normal draws on the CPU differ in their last bits by
+    instruction set: such goldens read 'init changed' on another machine.
+
+    Args:
+        entry: the factory's entry.
+        noting_draws: watch the factory for such draws.
+
+    Returns:
+        The subject and the warning (None: none, or not watched).
+    """
     if not noting_draws:
         return Subject.load(entry), None
     with NormalDraws() as draws:
