@@ -51,9 +51,17 @@ print(json.dumps({"load_s": loaded - started, "first_step_s": first - loaded,
 
 
 def measure(entry: str, dtypes: list[str], backends: list[str] | None = None) -> dict[str, Any]:
-    """The plain step, ``golden update`` and ``check`` of ``entry`` (see the module
-    docstring): seconds, peak resident bytes, golden bytes, the check's cells and whether
-    they passed, and the multiples of the plain step."""
+    """The plain step, ``golden update`` and ``check`` of ``entry``, each in its own process.
+
+    Args:
+        entry: the model's factory.
+        dtypes: the dtype names checked.
+        backends: the backends checked (None: the command's default).
+
+    Returns:
+        Seconds, peak resident bytes, golden bytes, the check's cells and whether they passed,
+        and the multiples of the plain step (see the module docstring).
+    """
     with tempfile.TemporaryDirectory(prefix="torchparity-bench-") as folder:
         goldens, report = Path(folder) / "golden", Path(folder) / "check.json"
         plain = _timed("the plain step", [sys.executable, "-c", _PLAIN_STEP, entry])

@@ -13,7 +13,15 @@ CHECK_COMMAND = ("torchparity", "check")
 
 
 def check_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
-    """Wall and CPU seconds of ``torchparity check`` with no options, in its own process."""
+    """Wall and CPU seconds of ``torchparity check`` with no options, in its own process.
+
+    Args:
+        settings: ``quick`` leaves it out (it takes about a minute).
+        progress: advanced once the check is done.
+
+    Returns:
+        One row, or an ``n/a`` row saying why it did not run.
+    """
     fields = {"command": " ".join(CHECK_COMMAND), "logical_cores": os.cpu_count()}
     if settings.quick:
         return [na_row("not measured: --quick does not time `torchparity check` (about a "

@@ -38,10 +38,18 @@ FALLBACK_CASE = "llama-tiny"
 
 
 def decode_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
-    """A row per search (greedy, and a beam search with ``settings.beams``): seconds of record
-    + diagnose of a decoding, of two plain decodings, and their ratio (``decode_time_ratio``;
-    the goal is at most 4), and the diagnosis's seconds by stage, per plain second
-    (``diagnosis_split``, the record of A's side counted with the runs)."""
+    """What diagnosing a decoding costs beside two plain decodings, greedy and by beam search.
+
+    Args:
+        settings: the size, dtype, rounds and ``beams``.
+        progress: advanced as each contender is timed.
+
+    Returns:
+        A row per search: seconds of record + diagnose of a decoding, of two plain decodings,
+        and their ratio (``decode_time_ratio``; the goal is at most 4), and the diagnosis's
+        seconds by stage per plain second (``diagnosis_split``, the record of A's side counted
+        with the runs).
+    """
     if settings.threads:
         torch.set_num_threads(settings.threads)
     case = next((c for c in settings.cases if not zoo.get(c).config.is_encoder_decoder),

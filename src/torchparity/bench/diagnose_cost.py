@@ -33,9 +33,17 @@ from torchparity.reference import sequence_loss, zoo
 
 
 def diagnose_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
-    """One row (see the module docstring): seconds, peak bytes and stages of each contender,
-    and the ratios the targets read (``diagnose_time_ratio``, ``against_time_ratio``,
-    ``stream_peak_ratio``)."""
+    """What a diagnosis costs beside two plain runs of the model.
+
+    Args:
+        settings: the size, dtype and rounds.
+        progress: advanced as each contender is timed.
+
+    Returns:
+        One row (see the module docstring): seconds, peak bytes and stages of each contender,
+        and the ratios the targets read (``diagnose_time_ratio``, ``against_time_ratio``,
+        ``stream_peak_ratio``).
+    """
     if settings.threads:
         torch.set_num_threads(settings.threads)
     return [_diagnose_case(settings.cases[0], settings.sizes[0], settings.dtypes[0],

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
 from torchparity.bench import at_size, user_model
@@ -20,9 +20,22 @@ from torchparity.subject import Subject
 def bench_models(entries: list[str], dtypes: list[str], device: str, *, rounds: int | None,
                  threads: int | None, compile: bool, backend: list[str] | None,
                  skip: set[str]) -> dict[str, Any]:
-    """``bench --model``: each entry's throughput (and compiled throughput), the cost of
-    ``check --model`` and of its golden update and check at size, printed as they come; the
-    parts in ``skip`` left out. Returns the result for ``--json``."""
+    """``bench --model``: each entry's numbers, printed as they come.
+
+    Args:
+        entries: the models' factories.
+        dtypes: the dtype names.
+        device: where they run.
+        rounds: the measured rounds (None: the default).
+        threads: torch's intra-op threads (None: torch's default).
+        compile: measure compiled throughput too.
+        backend: limits the backends compiled.
+        skip: parts left out: ``throughput``, ``check`` (its cost), ``size`` (at size).
+
+    Returns:
+        The result for ``--json``: the machine and each entry's throughput (and compiled
+        throughput), the cost of ``check --model`` and of its golden update and check at size.
+    """
     in_process = {"throughput", "check"} - skip
     subjects = {entry: Subject.load(entry) for entry in entries} if in_process else {}
     console = Console(soft_wrap=True)
@@ -67,7 +80,7 @@ class PartProgressBar(Progress):
         self._bar = RichProgress(TextColumn("{task.fields[part]:<10}"), BarColumn(),
                              MofNCompleteColumn(), TimeElapsedColumn(),
                              TextColumn("{task.description}"), console=console, transient=False)
-        self._task: Any = None
+        self._task: TaskID | None = None
 
     def __enter__(self) -> PartProgressBar:
         self._bar.start()
@@ -78,6 +91,12 @@ class PartProgressBar(Progress):
         self._bar.stop()
 
     def start(self, part: str, total: int) -> None:
+        """A new bar for ``part``, the last one's marked done.
+
+        Args:
+            part: the part's name.
+            total: its units of work.
+        """
         self._finish()
         self._task = self._bar.add_task("", total=total, part=part)
 
@@ -88,6 +107,11 @@ class PartProgressBar(Progress):
 
     def advance(self, description: str) -> None:
         # Advancing when the next unit starts keeps the description on what is running now.
+        """Count the unit that ran and show what runs now.
+
+        Args:
+            description: what runs now.
+        """
         task = self._bar.tasks[self._task]
         if task.description:
             self._bar.advance(self._task)

@@ -14,15 +14,23 @@ from torch import nn
 from torchparity import backends
 from torchparity.bench.settings import Size
 from torchparity.reference import DecoderLM, EncoderDecoder, TransformerConfig, zoo
+from torchparity.reference.config import FieldValue
 
 
 def model_config(case: str, size: Size) -> TransformerConfig:
-    """Zoo case ``case`` scaled to ``size``; its variant choices (norms, positions, GQA share)
-    are kept."""
+    """Zoo case ``case`` scaled to ``size``; its variant choices (norms, positions, GQA share) kept.
+
+    Args:
+        case: a zoo case's name.
+        size: the dimensions timed.
+
+    Returns:
+        The config.
+    """
     base = zoo.get(case).config
     kv_heads = None if base.n_kv_heads is None else max(
         1, size.n_heads * base.kv_heads // base.n_heads)
-    changes: dict[str, Any] = dict(
+    changes: dict[str, FieldValue] = dict(
         d_model=size.d_model, n_heads=size.n_heads, n_kv_heads=kv_heads, head_dim=None,
         n_layers=size.n_layers, d_ff=size.d_ff, vocab_size=size.vocab_size,
         max_positions=max(base.max_positions, size.seq_len),
@@ -33,12 +41,29 @@ def model_config(case: str, size: Size) -> TransformerConfig:
 
 
 def tokens_per_step(config: TransformerConfig, size: Size) -> int:
-    """Tokens a step reads: an encoder-decoder reads a source and a target sequence."""
+    """Tokens a step reads: an encoder-decoder reads a source and a target sequence.
+
+    Args:
+        config: the model's config.
+        size: the batch shape.
+
+    Returns:
+        The tokens, for tokens/s.
+    """
     return size.batch_size * size.seq_len * (2 if config.is_encoder_decoder else 1)
 
 
 def size_fields(case: str, config: TransformerConfig, size: Size) -> dict[str, Any]:
-    """The fields of a row that say which model, at which size, was timed."""
+    """The fields of a row that say which model, at which size, was timed.
+
+    Args:
+        case: the zoo case's name.
+        config: the model's config at that size.
+        size: the size.
+
+    Returns:
+        The row's fields.
+    """
     return {"case": case, "model": config.architecture, "size": size.name,
             "d_model": size.d_model, "n_layers": size.n_layers, "seq_len": size.seq_len,
             "batch_size": size.batch_size}
@@ -53,6 +78,15 @@ def timing_model(config: TransformerConfig, device: torch.device, dtype: torch.d
     models of a diagnosis, hold identical weights; norms keep their constant constructor
     values. The deterministic float64 init of ``build_model`` would cost more than the
     measurement at GPU sizes, and speed does not depend on the values.
+
+    Args:
+        config: the model's config.
+        device: where it runs.
+        dtype: its dtype.
+        seed: which weights.
+
+    Returns:
+        The model.
     """
     model = (EncoderDecoder if config.is_encoder_decoder else DecoderLM)(config)
     gen = torch.Generator().manual_seed(seed)
@@ -89,10 +123,24 @@ class AttentionOnly(torch.nn.Module):
         self.backend = config.attention_backend
 
     def forward(self) -> torch.Tensor:
+        """One attention call over the trainable q, k, v.
+
+        Returns:
+            (batch, heads, seq, head_dim).
+        """
         return backends.attention(self.q, self.k, self.v, causal=True, backend=self.backend)
 
     @staticmethod
     def loss(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mean square of the output in float32: its backward reaches every element.
+
+        Args:
+            output: the attention's output.
+            batch: unused: the call takes no inputs.
+
+        Returns:
+            The scalar.
+        """
         return output.float().square().mean()
 
 
@@ -111,6 +159,15 @@ class ThreeProjectionAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of ``hidden_states`` over themselves.
+
+        Args:
+            hidden_states: (batch, seq, d_model).
+            attention_mask: (batch, seq), 1 real and 0 padding, or None.
+
+        Returns:
+            (batch, seq, d_model); a query with nothing to attend to gets zeros.
+        """
         q, k, v = self.heads(self.q(hidden_states), self.k(hidden_states),
                              self.v(hidden_states))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
@@ -119,20 +176,45 @@ class ThreeProjectionAttention(nn.Module):
 
     def heads(self, q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(batch, heads, seq, head_dim) each, keys and values repeated for their groups."""
+        """The projections split into heads, keys and values repeated for their groups.
+
+        Args:
+            q: (batch, seq, heads * head_dim).
+            k: (batch, seq, kv_heads * head_dim).
+            v: (batch, seq, kv_heads * head_dim).
+
+        Returns:
+            (batch, heads, seq, head_dim) each.
+        """
         groups = self.n_heads // self.n_kv_heads
         split = [t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in (q, k, v)]
         return split[0], *(t.repeat_interleave(groups, dim=1) for t in split[1:])
 
     @staticmethod
     def allowed(q: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """(batch or 1, 1, seq, seq) bool, True where a query may attend."""
+        """Where a query may attend: causal, and not to padding.
+
+        Args:
+            q: the queries, for their length and device.
+            attention_mask: (batch, seq), 1 real and 0 padding, or None.
+
+        Returns:
+            (batch or 1, 1, seq, seq) bool, True where a query may attend.
+        """
         seq = q.shape[2]
         causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None]
         return causal if attention_mask is None else (
             causal & attention_mask.bool()[:, None, None, :])
 
     def merge(self, x: torch.Tensor) -> torch.Tensor:
+        """The heads concatenated and projected back by the output projection.
+
+        Args:
+            x: (batch, heads, seq, head_dim), the attention's output per head.
+
+        Returns:
+            (batch, seq, d_model).
+        """
         return self.o(x.transpose(1, 2).flatten(2))
 
 
@@ -147,6 +229,15 @@ class FusedProjectionAttention(ThreeProjectionAttention):
 
     def forward(self, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The same attention by one fused projection and ``scaled_dot_product_attention``.
+
+        Args:
+            hidden_states: (batch, seq, d_model).
+            attention_mask: (batch, seq), 1 real and 0 padding, or None.
+
+        Returns:
+            (batch, seq, d_model).
+        """
         q, k, v = self.heads(*self.qkv(hidden_states).split(self.sizes, dim=-1))
         allow = self.allowed(q, attention_mask)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow)
@@ -155,7 +246,14 @@ class FusedProjectionAttention(ThreeProjectionAttention):
 
 
 def fuse_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The original's state_dict in the fused layout (``--weight-map``)."""
+    """The original's state_dict in the fused layout (``--weight-map``).
+
+    Args:
+        state: :class:`ThreeProjectionAttention`'s state dict.
+
+    Returns:
+        :class:`FusedProjectionAttention`'s.
+    """
     out = {name: t for name, t in state.items() if name.split(".")[0] not in "qkv"}
     out["qkv.weight"] = torch.cat([state[f"{p}.weight"] for p in "qkv"])
     return out

@@ -40,7 +40,11 @@ _SEED = 0
 
 
 def gpt2_small() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """GPT-2 small with seeded random weights and 128 random tokens."""
+    """A factory: GPT-2 small with seeded random weights and 128 random tokens.
+
+    Returns:
+        The model, in eval mode, and its inputs.
+    """
     import transformers
 
     config = transformers.GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024,
@@ -54,16 +58,29 @@ def gpt2_small() -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 
 def llama_1b() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """Llama 3.2 1B's shape with seeded random weights and 64 random tokens."""
+    """A factory: Llama 3.2 1B's shape with seeded random weights and 64 random tokens.
+
+    Returns:
+        The model, in eval mode, and its inputs.
+    """
     return llama()
 
 
 def llama(layers: int = 16, *, vocab: int = 128256, intermediate: int = 8192,
           tokens: int = 64) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """Llama 3.2 1B's width (2048, 32 query and 8 key/value heads of 64, its rotary scaling)
-    with ``layers`` layers, a vocabulary of ``vocab``, an MLP of ``intermediate`` and
-    ``tokens`` random tokens: :func:`llama_1b` with the defaults, a model of real width that
-    runs in seconds with fewer."""
+    """A Llama of 3.2 1B's width: :func:`llama_1b` by default, fast with fewer layers.
+
+    The width: 2048, 32 query and 8 key/value heads of 64, its rotary scaling.
+
+    Args:
+        layers: the layers.
+        vocab: the vocabulary.
+        intermediate: the MLP's width.
+        tokens: the random tokens of the input.
+
+    Returns:
+        The model, in eval mode, and its inputs.
+    """
     import transformers
 
     theta = 10000.0 if _plant() == "rope-theta" else 500000.0

@@ -8,16 +8,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchparity.bench.host import describe_machine
 from torchparity.bench.stages import OTHER, REPORT, RUNS, STAGES
+
+if TYPE_CHECKING:  # rich is imported when a table is drawn
+    from rich.console import Console
+    from rich.table import Table
 
 Section = tuple[str, list[str], list[list[str]]]  # title, headers, rows of cells
 
 
 def sections(result: dict[str, Any]) -> list[Section]:
-    """Throughput, diagnose, check, twins and targets tables as plain strings."""
+    """The result's tables as plain strings: throughput, diagnose, check, twins and targets.
+
+    Args:
+        result: the bench's result document.
+
+    Returns:
+        The sections, in order, for the terminal and Markdown alike.
+    """
     return [
         _throughput(result["throughput"], result["settings"]["compile"]),
         _diagnose(result["diagnose"]),
@@ -30,7 +41,14 @@ def sections(result: dict[str, Any]) -> list[Section]:
 
 
 def to_markdown(result: dict[str, Any]) -> str:
-    """All tables as GitHub Markdown, preceded by the machine they ran on."""
+    """All tables as GitHub Markdown, preceded by the machine they ran on.
+
+    Args:
+        result: the bench's result document.
+
+    Returns:
+        The Markdown text.
+    """
     machine = result["machine"]
     lines = [f"Machine: {describe_machine(machine)}", ""]
     for title, headers, rows in sections(result):
@@ -40,8 +58,13 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def print_bench_tables(result: dict[str, Any], console: Any) -> None:
-    """Print every table with rich on ``console``."""
+def print_bench_tables(result: dict[str, Any], console: Console) -> None:
+    """Print every table with rich on ``console``.
+
+    Args:
+        result: the bench's result document.
+        console: a rich console.
+    """
     from rich.table import Table
 
     console.print(f"machine: {describe_machine(result['machine'])}", markup=False)
@@ -224,8 +247,17 @@ def _targets(rows: list[dict[str, Any]]) -> Section:
 # bench --model
 
 
-def model_throughput_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
-    """``bench --model``'s tokens/s and first step per backend and dtype, as a rich table."""
+def model_throughput_table(name: str, device: str, rows: list[dict[str, Any]]) -> Table:
+    """``bench --model``'s tokens/s and first step per backend and dtype.
+
+    Args:
+        name: the model's name.
+        device: where it ran.
+        rows: :func:`~torchparity.bench.user_model.model_throughput_rows`.
+
+    Returns:
+        A rich table.
+    """
     from rich.table import Table
 
     table = Table(title=f"{name} on {device}: one forward, loss and backward per step",
@@ -243,7 +275,14 @@ def model_throughput_table(name: str, device: str, rows: list[dict[str, Any]]) -
 
 
 def at_size_lines(cost: dict[str, Any]) -> str:
-    """The plain step, golden update and check of one model, as lines of text."""
+    """The plain step, golden update and check of one model, as lines of text.
+
+    Args:
+        cost: :func:`~torchparity.bench.at_size.measure`'s result.
+
+    Returns:
+        The lines, joined.
+    """
     def mib(n: float) -> str:
         return f"{n / 2**20:,.0f} MiB"
 
@@ -259,8 +298,17 @@ def at_size_lines(cost: dict[str, Any]) -> str:
         f"{check['steps']:.1f} plain steps, peak {mib(check['peak_bytes'])}; {verdict}"])
 
 
-def model_compiled_table(name: str, device: str, rows: list[dict[str, Any]]) -> Any:
-    """``bench --model --compile``'s rows against eager, as a rich table."""
+def model_compiled_table(name: str, device: str, rows: list[dict[str, Any]]) -> Table:
+    """``bench --model --compile``'s rows against eager.
+
+    Args:
+        name: the model's name.
+        device: where it ran.
+        rows: :func:`~torchparity.bench.user_model.compiled_rows`.
+
+    Returns:
+        A rich table.
+    """
     from rich.table import Table
 
     table = Table(title=f"{name} on {device}, compiled: the first step with its compiling, "

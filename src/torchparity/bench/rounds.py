@@ -17,18 +17,39 @@ class Progress:
     """Progress callbacks; the CLI passes one that draws a bar. The default draws nothing."""
 
     def start(self, part: str, total: int) -> None:
-        """A part begins that will call :meth:`advance` ``total`` times."""
+        """A part begins that will call :meth:`advance` ``total`` times.
+
+        Args:
+            part: the part's name.
+            total: its units of work.
+        """
 
     def advance(self, description: str) -> None:
-        """One unit of work is done; ``description`` says what runs now."""
+        """One unit of work is done.
+
+        Args:
+            description: what runs now.
+        """
 
 
 def interleaved(names: list[str], measure: Callable[[str], float | None], rounds: int,
                 warmup: int, progress: Progress, label: str) -> dict[str, list[float]]:
-    """``warmup`` unmeasured runs of every contender, then ``rounds`` rounds in which each runs
-    once, in :func:`rotated` order: the seconds ``measure(name)`` returned, per contender, in
-    round order (a None, a contender that could not run, is left out). Advances ``progress``
-    ``len(names) * (warmup + rounds)`` times."""
+    """Time contenders in interleaved rounds, so drift and load hit all of them alike.
+
+    ``warmup`` unmeasured runs of every contender come first, then ``rounds`` rounds in which
+    each runs once, in :func:`rotated` order.
+
+    Args:
+        names: the contenders.
+        measure: runs one and returns its seconds, or None when it could not run.
+        rounds: the measured rounds.
+        warmup: the unmeasured runs of each.
+        progress: advanced ``len(names) * (warmup + rounds)`` times.
+        label: what the progress says runs.
+
+    Returns:
+        The seconds per contender in round order (a None left out).
+    """
     for step in range(warmup):
         for name in names:
             progress.advance(f"{label}: warm-up {step + 1}, {name}")
@@ -44,7 +65,15 @@ def interleaved(names: list[str], measure: Callable[[str], float | None], rounds
 
 
 def rotated(items: list[str], round_index: int) -> list[str]:
-    """``items`` starting at position ``round_index`` (mod len): each runs first in turn."""
+    """``items`` starting at position ``round_index`` (mod len): each runs first in turn.
+
+    Args:
+        items: the contenders.
+        round_index: the round.
+
+    Returns:
+        The rotated list.
+    """
     if not items:
         return []
     shift = round_index % len(items)
@@ -52,20 +81,43 @@ def rotated(items: list[str], round_index: int) -> list[str]:
 
 
 def paired_ratio(reference: list[float], times: list[float]) -> float:
-    """Median over rounds of ``reference[r] / times[r]``: > 1 means faster than the reference.
+    """Median over rounds of ``reference[r] / times[r]``; pairing by round cancels drift.
 
-    Pairing by round cancels drift that a ratio of two medians would keep."""
+    A ratio of two medians would keep the drift.
+
+    Args:
+        reference: the reference's seconds per round.
+        times: the contender's, in the same rounds.
+
+    Returns:
+        The ratio: > 1 means faster than the reference.
+    """
     return statistics.median(r / t for r, t in zip(reference, times, strict=True))
 
 
 def spread(times: list[float]) -> float:
-    """Interquartile range over the median: 0.05 means the middle half lies within 5%."""
+    """Interquartile range over the median: 0.05 means the middle half lies within 5%.
+
+    Args:
+        times: seconds per round.
+
+    Returns:
+        The relative spread.
+    """
     if len(times) < 2:
         return 0.0
     q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
     return (q3 - q1) / statistics.median(times)
 
 
-def na_row(reason: str, **fields: Any) -> dict[str, Any]:
-    """A row that could not be measured, with the reason why."""
+def na_row(reason: str, **fields: object) -> dict[str, Any]:
+    """A row that could not be measured, with the reason why.
+
+    Args:
+        reason: why, in one line.
+        **fields: what the row measures (model, dtype, backend...).
+
+    Returns:
+        The row, its ``status`` ``n/a``.
+    """
     return {**fields, "status": "n/a", "reason": reason}

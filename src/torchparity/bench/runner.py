@@ -39,10 +39,17 @@ MEASURES = {"throughput": throughput_rows, "diagnose": diagnose_rows, "decode": 
 
 
 def run_bench(settings: BenchSettings, progress: Progress | None = None) -> dict[str, Any]:
-    """Measure the parts in ``settings.parts``; returns the result document.
+    """Measure the parts in ``settings.parts``.
 
     Guarantees: every part in PARTS has a list of rows (a skipped part: one ``n/a`` row saying
     why); a row has ``status`` ``"ok"`` or ``"n/a"`` with a ``reason``; numbers are finite.
+
+    Args:
+        settings: what to measure.
+        progress: told of each part and unit of work (default: draws nothing).
+
+    Returns:
+        The result document: the machine, the settings, each part's rows and the targets.
     """
     progress = progress or Progress()
     started = time.time()

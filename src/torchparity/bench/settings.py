@@ -8,7 +8,6 @@ which the result records as given.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
@@ -29,7 +28,14 @@ DTYPE_CHOICES = tuple(name for name in CASTABLE if name != "fp64")
 
 
 def torch_name(dtype: str) -> str:
-    """torch's name of a dtype (``fp32`` -> ``float32``): what the settings and rows record."""
+    """torch's name of a dtype: what the settings and rows record.
+
+    Args:
+        dtype: any name :mod:`torchparity.dtypes` reads (``fp32``).
+
+    Returns:
+        ``float32``.
+    """
     return str(torch_dtype(dtype)).removeprefix("torch.")
 
 
@@ -77,14 +83,26 @@ class BenchSettings:
 
 
 def default_settings(device: str = "cpu", quick: bool = False, size_names: tuple[str, ...] = (),
-                     **changes: Any) -> BenchSettings:
-    """BenchSettings sized for ``device``: on the CPU the default run takes minutes on 2 cores
-    (fp32 only; bf16 without native CPU support is many times slower, ask with ``dtypes``);
-    ``quick`` is a seconds-long smoke run of every part except ``check`` (``twins`` searches
-    10 examples). ``size_names``
-    picks among the device's sizes; ``changes`` override fields, dtypes by any name
-    :mod:`torchparity.dtypes` reads (recorded by torch's). Invalid values raise
-    :class:`~torchparity.errors.UsageError`."""
+                     **changes: object) -> BenchSettings:
+    """BenchSettings sized for ``device``.
+
+    On the CPU the default run takes minutes on 2 cores (fp32 only; bf16 without native CPU
+    support is many times slower, ask with ``dtypes``).
+
+    Args:
+        device: where the models run.
+        quick: a seconds-long smoke run of every part except ``check`` (``twins`` searches
+            10 examples).
+        size_names: picks among the device's sizes (default: all of them).
+        **changes: fields overridden; dtypes by any name :mod:`torchparity.dtypes` reads
+            (recorded by torch's).
+
+    Returns:
+        The settings, recorded in the result as given.
+
+    Raises:
+        UsageError: an invalid value, naming the field.
+    """
     if quick:
         base = BenchSettings(device, ("float32",), QUICK_SIZES, rounds=3, warmup=1, quick=True)
     elif torch.device(device).type == "cuda":

@@ -12,7 +12,11 @@ stages add up to the call.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchparity.diagnosis.pipelines.decoding import DecodeReport
+    from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 
 RUNS = "runs"
 #: Each stage besides the runs, in the table's order, and the words that name its phases.
@@ -26,13 +30,22 @@ OTHER = "other"
 REPORT = "report"
 
 
-def stage_seconds(report: Any, call_s: float, before: float = 0.0) -> dict[str, float]:
-    """Seconds of one diagnosis by stage: the runs, :data:`STAGES`, the rest of the ``call_s``
-    seconds the timed call took (``other``), then rendering the report (table, JSON, HTML:
-    what the command adds). ``before`` is time the call spent ahead of the diagnosis on its
-    runs (a decoding's ``record`` of A and its golden).
+def stage_seconds(report: DiagnosisReport | DecodeReport, call_s: float, before: float = 0.0
+                  ) -> dict[str, float]:
+    """Seconds of one diagnosis by stage, and of rendering its report.
 
-    Judging while B runs is timed inside B's run, so it is taken out of the runs."""
+    Judging while B runs is timed inside B's run, so it is taken out of the runs.
+
+    Args:
+        report: the diagnosis, whose metadata times its phases.
+        call_s: the seconds the timed call took.
+        before: time the call spent ahead of the diagnosis on its runs (a decoding's
+            ``record`` of A and its golden).
+
+    Returns:
+        The runs, :data:`STAGES`, the rest of ``call_s`` (``other``), then rendering the report
+        (table, JSON, HTML: what the command adds).
+    """
     stages = {RUNS: before, **dict.fromkeys(STAGES, 0.0)}
     for phase, seconds in report.meta.seconds.items():
         stage = next((s for s, words in STAGES.items() if any(w in phase for w in words)), RUNS)
@@ -46,5 +59,13 @@ def stage_seconds(report: Any, call_s: float, before: float = 0.0) -> dict[str, 
 
 
 def per_plain(stages: dict[str, float], plain_s: float) -> dict[str, float]:
-    """``stages`` as multiples of the plain run's seconds."""
+    """``stages`` as multiples of the plain run's seconds.
+
+    Args:
+        stages: seconds by stage.
+        plain_s: a plain run's seconds.
+
+    Returns:
+        The multiples by stage.
+    """
     return {stage: seconds / plain_s for stage, seconds in stages.items()}

@@ -20,8 +20,15 @@ TARGETS = {
 
 
 def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The project's speed targets against this run's numbers; ``met`` is None when the run
-    did not measure what a target needs (``note`` says why)."""
+    """The project's speed targets against this run's numbers.
+
+    Args:
+        result: the bench's result document.
+
+    Returns:
+        One row per target; ``met`` is None when the run did not measure what a target needs
+        (``note`` says why).
+    """
     out = []
     for row in result["diagnose"]:
         where = _where(row)

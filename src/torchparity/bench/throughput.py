@@ -22,9 +22,19 @@ from torchparity.dtypes import torch_dtype
 
 
 def throughput_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
-    """One row per case × size × dtype × backend (see the module docstring), and per size ×
-    dtype × backend for the attention call of the first case alone (``model: "attention"``),
-    which shows how much of the whole model's difference is the kernel's."""
+    """Tokens/s of every backend, for whole models and for the attention call alone.
+
+    The attention-only rows (``model: "attention"``, of the first case) show how much of the
+    whole model's difference is the kernel's.
+
+    Args:
+        settings: the cases, sizes, dtypes, backends and rounds.
+        progress: advanced as each step is timed.
+
+    Returns:
+        One row per case x size x dtype x backend, then per size x dtype x backend for the
+        attention call (see the module docstring).
+    """
     groups = [(workload, case, size, dtype)
               for workload, cases in (("model", settings.cases), ("attention", settings.cases[:1]))
               for case in cases for size in settings.sizes for dtype in settings.dtypes]

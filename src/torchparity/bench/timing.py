@@ -17,8 +17,16 @@ import torch
 import torch.profiler
 
 
-def wall_time(fn: Callable[[], Any], device: torch.device) -> float:
-    """Wall-clock seconds of ``fn()``, with the device synchronised on both sides."""
+def wall_time(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall-clock seconds of ``fn()``, with the device synchronised on both sides.
+
+    Args:
+        fn: the work timed.
+        device: where it runs.
+
+    Returns:
+        The seconds.
+    """
     _sync(device)
     start = time.perf_counter()
     fn()
@@ -26,8 +34,16 @@ def wall_time(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def step_time(fn: Callable[[], Any], device: torch.device) -> float:
-    """Seconds of ``fn()``: CUDA events on a GPU (device time), else the wall clock."""
+def step_time(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of ``fn()``: CUDA events on a GPU (device time), else the wall clock.
+
+    Args:
+        fn: the step timed.
+        device: where it runs.
+
+    Returns:
+        The seconds.
+    """
     if device.type != "cuda":
         return wall_time(fn, device)
     start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -41,10 +57,18 @@ def step_time(fn: Callable[[], Any], device: torch.device) -> float:
 
 def timed_command(args: Sequence[str], cwd: str | Path | None = None,
                   ) -> tuple[subprocess.CompletedProcess[str], float, float]:
-    """Run ``python -m torchparity.cli *args`` as a user runs it, in its own process (this
-    checkout's sources on its path); returns the finished process, its wall seconds and its
-    CPU seconds (user + system). CPU time is reported beside wall time because on a shared
-    machine the wall clock also counts other jobs."""
+    """Run ``python -m torchparity.cli *args`` as a user runs it, in its own process.
+
+    CPU time is reported beside wall time because on a shared machine the wall clock also
+    counts other jobs.
+
+    Args:
+        args: the command line after ``torchparity``.
+        cwd: where it runs (this checkout's sources on its path).
+
+    Returns:
+        The finished process, its wall seconds and its CPU seconds (user + system).
+    """
     src = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (src, os.environ.get("PYTHONPATH")) if p)}
@@ -59,12 +83,19 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def peak_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Peak bytes allocated while ``fn()`` runs, above what was allocated before it.
 
     On CUDA the caching allocator's own peak. On the CPU the allocation events of the PyTorch
     profiler (``profile_memory``): every allocation through PyTorch's CPU allocator counts,
     kernel scratch included; memory a library allocates on its own (BLAS workspaces) does not.
+
+    Args:
+        fn: the work measured.
+        device: where it runs.
+
+    Returns:
+        The peak, in bytes.
     """
     # Garbage of earlier work freed by a collection inside ``fn`` would lower the CPU count.
     gc.collect()

@@ -28,12 +28,29 @@ OPTIONS = ("--inputs", "attention", "--init", "d_model=16", "--init", "n_heads=1
 
 
 def twins_command(examples: int) -> tuple[str, ...]:
-    """The ``torchparity twins`` command line the part times."""
+    """The ``torchparity twins`` command line the part times.
+
+    Args:
+        examples: the examples the search draws.
+
+    Returns:
+        The arguments after ``torchparity``.
+    """
     return ("twins", *PAIR, *OPTIONS, "--examples", str(examples))
 
 
 def twins_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
-    """Wall and CPU seconds of one search, with the 1-minute load before and after."""
+    """Wall and CPU seconds of one twins search, with the 1-minute load before and after.
+
+    The load says whether another job shared the machine while it ran.
+
+    Args:
+        settings: ``quick`` searches fewer examples.
+        progress: advanced once the search is done.
+
+    Returns:
+        One row, or an ``n/a`` row saying why it did not run.
+    """
     examples = QUICK_EXAMPLES if settings.quick else EXAMPLES
     command = twins_command(examples)
     fields = {"command": "torchparity " + " ".join(command), "examples": examples,

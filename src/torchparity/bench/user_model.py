@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 
 from torchparity import backends
 from torchparity.dtypes import DTYPES
@@ -34,6 +35,7 @@ from torchparity.golden.user_models import model_store, write_goldens
 from torchparity.reference import zoo
 from torchparity.subject import Subject, hf
 from torchparity.subject.compiling import MODES, CompileFailed, compiled
+from torchparity.subject.running import Inputs
 from torchparity.subject.trees import flatten_tensors
 from torchparity.threads import single_thread
 
@@ -44,8 +46,18 @@ CHECK_BACKENDS = ("manual", "sdpa", "sdpa-math", "sdpa-flash")
 
 def model_throughput_rows(subject: Subject, dtypes: list[str], rounds: int = 5,
                     device: str = "cpu") -> list[dict[str, Any]]:
-    """One row per backend and dtype: tokens/s, first-step and steady step seconds, or the
-    reason the backend cannot run (``status`` ``n/a``)."""
+    """A user's model's speed on every backend and dtype.
+
+    Args:
+        subject: the user's model.
+        dtypes: the dtype names.
+        rounds: the measured rounds.
+        device: where it runs.
+
+    Returns:
+        One row per backend and dtype: tokens/s, first-step and steady step seconds, or the
+        reason the backend cannot run (``status`` ``n/a``).
+    """
     rows = []
     for dtype in dtypes:
         models: dict[str, Any] = {}
@@ -80,15 +92,26 @@ def model_throughput_rows(subject: Subject, dtypes: list[str], rounds: int = 5,
 def compiled_rows(subject: Subject, dtypes: list[str], eager: list[dict[str, Any]],
                   rounds: int = 5, device: str = "cpu", backend_names: list[str] | None = None,
                   ) -> list[dict[str, Any]]:
-    """One row per backend, dtype and compile form (:data:`~torchparity.subject.compiling
-    .MODES`) that ran eagerly in ``eager`` (rows of :func:`model_throughput_rows`): the time to the
-    first step (compiling it included, and how much of it compiled), graphs, graph breaks and
-    recompiles (also those of the steady steps, which should be none), tokens/s and its ratio
-    to the same backend eagerly (``vs_eager``), or why it did not compile (``n/a``).
+    """A user's model compiled, against the same backend eagerly.
 
     Each contender is compiled and timed on its own (dynamo starts afresh for each, so its
     counts are its own), its steps interleaved with steps of the same backend eagerly: the
-    ratio compares steps taken under the same load. ``backend_names`` limits the backends."""
+    ratio compares steps taken under the same load.
+
+    Args:
+        subject: the user's model.
+        dtypes: the dtype names.
+        eager: rows of :func:`model_throughput_rows`; only what ran eagerly is compiled.
+        rounds: the measured rounds.
+        device: where it runs.
+        backend_names: limits the backends.
+
+    Returns:
+        One row per backend, dtype and compile form: the time to the first step (compiling
+        included, and how much of it compiled), graphs, graph breaks and recompiles (also
+        those of the steady steps, which should be none), tokens/s and its ratio to eager
+        (``vs_eager``), or why it did not compile (``n/a``).
+    """
     rows = []
     for row in eager:
         if row["status"] != "ok" or row["dtype"] not in dtypes or (
@@ -131,7 +154,7 @@ def _compiled_row(subject: Subject, eager: dict[str, Any], form: str, rounds: in
 
 
 def _first_step(subject: Subject, backend: str, dtype: str, device: str,
-                ) -> tuple[Any, Any, int | None]:
+                ) -> tuple[nn.Module, Inputs, int | None]:
     """Copy the model into ``dtype`` and run one step: (model, inputs, SDPA calls made)."""
     attention = hf.EAGER if backend == HF_EAGER else hf.SDPA
     model, inputs = subject.placed(device, DTYPES[dtype], attention)
@@ -140,7 +163,8 @@ def _first_step(subject: Subject, backend: str, dtype: str, device: str,
     return model, inputs, None if intercepted is None else intercepted.calls
 
 
-def _timed_step(subject: Subject, model: Any, inputs: Any, backend: str, device: str) -> float:
+def _timed_step(subject: Subject, model: nn.Module, inputs: Inputs, backend: str, device: str
+                ) -> float:
     with _backend(backend):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -155,13 +179,13 @@ def _backend(name: str) -> Any:
     return contextlib.nullcontext() if name == HF_EAGER else backends.use(name)
 
 
-def _step(subject: Subject, model: Any, inputs: Any) -> None:
+def _step(subject: Subject, model: nn.Module, inputs: Inputs) -> None:
     model.zero_grad(set_to_none=True)
     output = subject.forward(model, inputs)
     subject.loss(output, inputs, flatten_tensors(output)).backward()
 
 
-def _tokens(inputs: Any) -> int:
+def _tokens(inputs: Inputs) -> int:
     """Tokens per step: the elements of ``input_ids`` (or of the first integer tensor), else
     batch x length of the first tensor."""
     flat = flatten_tensors(inputs, "inputs")
@@ -175,10 +199,19 @@ def _tokens(inputs: Any) -> int:
 
 
 def check_cost(subject: Subject) -> dict[str, Any]:
-    """Seconds of ``check --model`` on ``subject``, of the zoo check of :data:`ZOO_CASE` in the
-    same cells (reference, then :data:`CHECK_BACKENDS` in fp32), and of one plain training
-    step of the model in each of those cells (``plain_steps_s``): the check as a multiple of
-    them (``plain_ratio``) says what it costs beyond running the model once per cell."""
+    """What ``check --model`` costs on ``subject``, beside the zoo check and plain steps.
+
+    The check as a multiple of one plain training step per cell (``plain_ratio``) says what it
+    costs beyond running the model once per cell.
+
+    Args:
+        subject: the user's model.
+
+    Returns:
+        Seconds of ``check --model``, of the zoo check of :data:`ZOO_CASE` in the same cells
+        (reference, then :data:`CHECK_BACKENDS` in fp32), of one plain step in each cell
+        (``plain_steps_s``), and the ratio.
+    """
     cells = [REFERENCE, *(Cell(b, "fp32") for b in CHECK_BACKENDS)]
     with tempfile.TemporaryDirectory() as folder, single_thread():
         store = model_store(subject, folder)

@@ -25,13 +25,14 @@ import torch
 from torchparity.bench.timing import peak_bytes, step_time, wall_time
 from torchparity.dtypes import torch_dtype
 from torchparity.errors import BackendUnavailable
+from torchparity.reference.config import FieldValue
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
     """What one worker process measures: a model, its batch, a dtype and a backend."""
 
-    config: dict[str, Any]  # TransformerConfig.to_dict() of the model to build
+    config: dict[str, FieldValue]  # TransformerConfig.to_dict() of the model to build
     batch_size: int
     seq_len: int
     padding: str
@@ -71,6 +72,7 @@ class Runner:
         self.note: str | None = None
 
     def step(self) -> None:
+        """One step: forward and backward, or forward alone where the backend has no backward."""
         self.model.zero_grad(set_to_none=True)
         if self.mode == "forward":
             with torch.no_grad():
@@ -79,7 +81,13 @@ class Runner:
         self.loss(self.forward(**self.batch), self.batch).backward()
 
     def first_step(self) -> dict[str, Any]:
-        """Wall time of the first step; a backend without a backward falls back to forward only."""
+        """Time the first step, which pays for the process's lazy start-up and compiling.
+
+        A backend without a backward falls back to forward only, from then on.
+
+        Returns:
+            ``{"seconds", "mode", "note"}``: the wall time, the mode it ran in and why it changed.
+        """
         try:
             seconds = wall_time(self.step, self.device)
         except BackendUnavailable as exc:
@@ -92,12 +100,20 @@ class Runner:
         return {"seconds": seconds, "mode": self.mode, "note": self.note}
 
     def peak_bytes(self) -> int:
-        """Peak memory of one step above the weights and batch (gradients are counted)."""
+        """Peak memory of one step above the weights and batch (gradients are counted).
+
+        Returns:
+            The peak, in bytes.
+        """
         self.model.zero_grad(set_to_none=True)
         return peak_bytes(self.step, self.device)
 
     def compile_stats(self) -> dict[str, int]:
-        """Graphs, graph breaks and recompiles dynamo made in this process so far."""
+        """Graphs, graph breaks and recompiles dynamo made in this process so far.
+
+        Returns:
+            ``{"graphs", "graph_breaks", "recompiles"}``.
+        """
         import torch._dynamo.utils
 
         counters = torch._dynamo.utils.counters
@@ -109,7 +125,7 @@ class Runner:
         }
 
 
-def _compiled(model: torch.nn.Module) -> Callable[..., Any]:
+def _compiled(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
     import torch._dynamo.utils
     import torch._inductor.config
 
@@ -124,9 +140,15 @@ def _compiled(model: torch.nn.Module) -> Callable[..., Any]:
 
 
 def serve(conn: Connection, job: Job) -> None:
-    """Worker process entry: build the runner, then answer command names sent over ``conn``
-    until ``close``. Every answer is ``("ok", value)`` or ``("error", one line)``; after an
-    error the worker exits."""
+    """Worker process entry: build the runner, then answer command names until ``close``.
+
+    Every answer is ``("ok", value)`` or ``("error", one line)``; after an error the worker
+    exits. An error is a row's reason, never a crash of the bench.
+
+    Args:
+        conn: the pipe to the parent.
+        job: what to build and measure.
+    """
     try:
         runner = Runner(job)
         conn.send(("ok", None))
@@ -165,6 +187,11 @@ class Worker:
         self.error: str | None = None
 
     def receive(self) -> Any:
+        """The worker's next answer.
+
+        Returns:
+            Its value, or None once the worker failed (``error`` says why, also when it died).
+        """
         if self.error is not None:
             return None
         try:
@@ -178,6 +205,14 @@ class Worker:
         return value
 
     def call(self, command: str) -> Any:
+        """Ask the worker to run ``command`` and wait for its answer.
+
+        Args:
+            command: ``first``, ``step``, ``peak`` or ``compile_stats``.
+
+        Returns:
+            The answer's value, or None once the worker failed.
+        """
         if self.error is None:
             try:
                 self.conn.send(command)
@@ -186,6 +221,7 @@ class Worker:
         return self.receive()
 
     def close(self) -> None:
+        """Stop the worker: asked first, terminated after 30 seconds."""
         try:
             self.conn.send("close")
         except OSError:
@@ -199,7 +235,14 @@ class Worker:
 
 @contextmanager
 def workers(jobs: dict[str, Job]) -> Iterator[dict[str, Worker]]:
-    """A started :class:`Worker` per job, all closed when the block ends."""
+    """A started :class:`Worker` per job, all closed when the block ends.
+
+    Args:
+        jobs: the jobs by name.
+
+    Yields:
+        The workers by the same names.
+    """
     started: dict[str, Worker] = {}
     try:
         for name, job in jobs.items():
