@@ -266,10 +266,11 @@ KINDS: dict[str, KindTolerance] = {
         guard_factor=256.0,
         bounded_reordering=True,
     ),
-    # Losses or weights after n training steps: grad-like noise that compounds, judged rather
-    # than calibrated, with the bounded reordering term (factor 64, as grad's). The noise is
-    # measured by two runs that differ in summation order only. The budget grows by half of
-    # itself per step (a linear model of the early, pre-chaotic divergence).
+    # Losses or weights after n training steps (tp.compare(..., kind="trajectory", step=n)):
+    # grad-like noise that compounds, judged rather than calibrated, with the bounded reordering
+    # term (factor 64, as grad's). The baseline is a run that differs in rounding only. The
+    # budget grows by half of itself per step (a linear model of the early, pre-chaotic
+    # divergence). torchparity's own trajectories are judged by a band: trajectory_band.
     "trajectory": KindTolerance(
         fudge=4.0,
         metric="rms",

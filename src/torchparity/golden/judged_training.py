@@ -115,7 +115,7 @@ def train_and_judge(plan: TrainPlan, console: Console) -> bool:
 
 
 def _train_parallel(plan: TrainPlan, console: Console) -> bool:
-    """Train with ``plan.nproc`` ranks, judge against one process and the golden."""
+    """Train with ``plan.nproc`` ranks, judge the run against one process and its band."""
     from torchparity.train.distributed import check_layout, diagnose_parallel_step, run_parallel
 
     if plan.against:

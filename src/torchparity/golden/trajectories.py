@@ -128,6 +128,8 @@ def golden_config(case: str) -> TrainConfig:
 
 
 def golden_store(root: str | Path | None = None) -> GoldenStore:
+    """The zoo's goldens under ``root`` (default: golden/ of the source tree), its messages
+    naming ``train --case CASE --update-golden``."""
     return GoldenStore(default_golden_dir(root), update_command=UPDATE_COMMAND)
 
 
@@ -154,14 +156,14 @@ def write_golden_trajectory(case: str, store: GoldenStore | None = None, *,
     Returns:
         The paths written.
     """
-    config = golden_config(case)
+    config, store = golden_config(case), store or golden_store()
     reference = train(config, GOLDEN_EXECUTION, advance=advance)
     meta = _golden_meta(config)
     paths = []
     for dtype in STORED_DTYPES:
         execution = band_execution(dtype)
         band = measure_band(CaseRuns(config), execution, reference, advance=advance)
-        paths += write_trajectory(store or golden_store(), case, reference, band,
+        paths += write_trajectory(store, case, reference, band,
                                   {**meta, "band_execution": execution.to_dict()})
     return paths
 
