@@ -189,6 +189,10 @@ def test_revisions_git_cannot_name_and_files_missing_at_the_base_are_one_line(
     monkeypatch.chdir(tmp_path)
     assert main(["check", "--model", "models.py:make", "--base", "HEAD"]) == 2
     assert "needs a git repository" in capsys.readouterr().err
+    with monkeypatch.context() as no_git:
+        no_git.setenv("PATH", str(tmp_path))
+        assert main(["check", "--model", "models.py:make", "--base", "HEAD"]) == 2
+    assert "needs git, and there is no git on PATH" in capsys.readouterr().err
 
 
 def _sigint_default() -> None:

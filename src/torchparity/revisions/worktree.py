@@ -47,6 +47,9 @@ class Repository:
         Raises:
             RevisionError: ``cwd`` is in no git repository, or git is missing.
         """
+        if shutil.which("git") is None:
+            # Said before asking git, so a missing git is not blamed on the folder.
+            raise RevisionError(f"{option} needs git, and there is no git on PATH")
         try:
             top = _git(cwd, "rev-parse", "--show-toplevel")
         except RevisionError:
