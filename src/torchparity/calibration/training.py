@@ -159,6 +159,7 @@ class TrainingResults:
                 if v.eps is None and v.dtype == dtype and v.horizon == horizon]
 
     def to_dict(self) -> dict[str, Any]:
+        """Everything, as ``--json`` writes it."""
         return {"settings": asdict(self.settings), "seconds": self.seconds,
                 "machine": self.machine, "verdicts": [asdict(v) for v in self.verdicts]}
 
@@ -196,11 +197,12 @@ def study_training(settings: TrainingSettings,
     return results
 
 
-Golden = dict[int, tuple[Trajectory, NoiseBand]]  # horizon -> float64 trajectory and band
+#: Per horizon, the golden's float64 trajectory and noise band cut to its steps.
+ByHorizon = dict[int, tuple[Trajectory, NoiseBand]]
 
 
 def _golden(original: UserLM, execution: Execution, settings: TrainingSettings,
-            root: Path) -> Golden:
+            root: Path) -> ByHorizon:
     """Store the golden trajectory and band of ``original`` for the longest horizon, and read
     them back for each horizon."""
     with _selected(original):
@@ -211,7 +213,7 @@ def _golden(original: UserLM, execution: Execution, settings: TrainingSettings,
                 for h in settings.horizons}
 
 
-def _searched(bug: str, seed: int, execution: Execution, golden: Golden,
+def _searched(bug: str, seed: int, execution: Execution, golden: ByHorizon,
               strengths: tuple[float, ...]) -> list[Verdict]:
     """``bug`` planted at each strength, largest first, until one passes at every horizon."""
     verdicts: list[Verdict] = []
@@ -223,7 +225,7 @@ def _searched(bug: str, seed: int, execution: Execution, golden: Golden,
     return verdicts
 
 
-def _judged(lm: UserLM, execution: Execution, golden: Golden,
+def _judged(lm: UserLM, execution: Execution, golden: ByHorizon,
             eps: float | None) -> list[Verdict]:
     """Train ``lm`` and judge it at every horizon of ``golden`` (see the module docstring)."""
     with _selected(lm):
