@@ -97,9 +97,20 @@ class ShardedTrainer(UserTrainer):
 
 
 def train_sharded(subject: Subject, recipe: UserRecipe, execution: Execution) -> Trajectory:
-    """``subject`` trained by its recipe on every rank, sharded as its factory says; this
-    rank's record of the whole model's trajectory. A collective that fails (a rank that died
-    or did not come) is one line naming the step and where the other ranks are."""
+    """``subject`` trained by its recipe on every rank, sharded as its factory says.
+
+    Args:
+        subject: the factory's subject, loaded on this rank.
+        recipe: how many steps, by the factory's recipe.
+        execution: the dtype, device and attention of the run.
+
+    Returns:
+        This rank's record of the whole model's trajectory.
+
+    Raises:
+        TorchParityError: in one line, when a collective fails (a rank that died or did not
+            come), naming where the other ranks are (``step N``).
+    """
     def run() -> Trajectory:
         trainer = ShardedTrainer(subject, recipe, execution)
         for step in range(1, recipe.steps + 1):
@@ -119,7 +130,15 @@ def train_sharded(subject: Subject, recipe: UserRecipe, execution: Execution) ->
 def judge_sharded_training(plan: ModelPlan, console: Console) -> bool:
     """On every rank: read the golden trajectory and band (a missing or stale one refused
     before any training), train sharded, judge; rank 0 prints the verdict and writes
-    ``plan.json``. True when rank 0's run is within the band."""
+    ``plan.json``.
+
+    Args:
+        plan: the entry, steps, execution, golden folder and JSON file of the check.
+        console: where rank 0 prints (the other ranks' output is silenced).
+
+    Returns:
+        Whether rank 0's run is within the band, on every rank.
+    """
     import torch.distributed as dist
 
     subject = Subject.load(plan.entry)
