@@ -176,6 +176,8 @@ def lm() -> dict[str, Any]:
 
 
 class UserNorm(nn.Module):
+    """RMSNorm written out, or torch's ``F.rms_norm`` when ``fused`` (a refactor)."""
+
     def __init__(self, dim: int, fused: bool) -> None:
         super().__init__()
         self.fused = fused
@@ -218,6 +220,10 @@ class ScaledGrad(torch.autograd.Function):
 
 
 class UserAttention(nn.Module):
+    """Causal multi-head attention: q, k, v projections (one fused QKV projection when
+    ``fused``), SDPA, an output projection added to the residual (its bias after the residual
+    sum when ``split_bias``)."""
+
     def __init__(self, fused: bool, split_bias: bool) -> None:
         super().__init__()
         self.fused, self.split_bias = fused, split_bias
@@ -242,6 +248,8 @@ class UserAttention(nn.Module):
 
 
 class UserBlock(nn.Module):
+    """A pre-norm block: attention, then a GELU MLP, each added to the residual."""
+
     def __init__(self, config: UserLM) -> None:
         super().__init__()
         name = config.variant

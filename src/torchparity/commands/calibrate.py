@@ -6,7 +6,8 @@ reference model drawn from the property suite's strategies, computed three ways:
 (float64, manual attention), the baseline (manual attention in the candidate dtype) and
 candidates. Candidates are every legitimate CPU backend, which must pass (a failure is a false
 alarm), and the manual path with one planted bug, which must diverge whenever the bug is visible:
-when its effect on the float64 output exceeds the fp32 noise (the fp32 baseline's error)."""
+when its effect on the float64 output exceeds the fp32 noise (the fp32 baseline's error).
+``--training`` runs the training study instead (:mod:`torchparity.calibration.training`)."""
 
 from __future__ import annotations
 
