@@ -163,9 +163,10 @@ class UserTrainer:
         record = StepRecord(step, loss, _norm(grads), _norm(updates), lr, 0, 0, 0,
                             time.perf_counter() - started)
         if len(self.groups) > 1:
-            record.groups = {**{f"grad_norm[{name}]": g for name, g in zip(self.groups, grads)},
+            record.groups = {**{f"grad_norm[{name}]": g
+                                for name, g in zip(self.groups, grads, strict=True)},
                              **{f"update_norm[{name}]": u
-                                for name, u in zip(self.groups, updates)}}
+                                for name, u in zip(self.groups, updates, strict=True)}}
         self.records.append(record)
         return record
 
