@@ -123,3 +123,12 @@ def test_a_sharded_run_only_checks_against_one_process(flags, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "without --nproc (--update-golden)" in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_diagnose_inside_your_own_torchrun_is_refused_before_any_rank_trains(tmp_path, capsys,
+                                                                             monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_cli("--check", "--diagnose", "--golden-dir", str(tmp_path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--diagnose drills down a run of one process" in err[0], err

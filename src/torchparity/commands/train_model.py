@@ -46,7 +46,7 @@ def train_model(args: argparse.Namespace, console: Console) -> int:
     if given:
         raise UsageError(f"{', '.join(given)} set the zoo's recipe; a factory's model trains "
                          "by its own batches, optimizer and train_step: leave them out")
-    if args.diagnose and (args.update_golden or (args.nproc or 1) > 1):
+    if args.diagnose and (args.update_golden or (args.nproc or 1) > 1 or under_torchrun()):
         raise UsageError("--diagnose drills down a run of one process that leaves its band: "
                          "use it with --check or --base REV, without --update-golden or "
                          "--nproc")

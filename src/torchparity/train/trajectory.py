@@ -136,8 +136,7 @@ class TrajectoryComparison:
         if self.ok:
             return f"within: {head}: all {steps} steps within budget; closest: {detail}."
         return (f"diverged: {head}: the runs part at step {point.step}; {detail}. "
-                "Inspect that step with torchparity.diagnosis.pipelines.training_step.diagnose_step"
-                f"(..., step={point.step}).")
+                "Rerun with --diagnose to drill that step down.")
 
     def to_dict(self) -> dict[str, Any]:
         first = self.first_divergence
