@@ -52,7 +52,7 @@ def update_model_golden(plan: ModelPlan, console: Console) -> None:
     console.print(wrapped(f"training {subject.name} {plan.steps} steps in float64 and "
                           f"{runs - 1} rounding-only runs in {plan.execution.dtype} for the "
                           "noise band"), markup=False)
-    with _bar(console, f"{subject.name} golden", runs * plan.steps) as advance:
+    with steps_bar(console, f"{subject.name} golden", runs * plan.steps) as advance:
         paths = mt.write_model_trajectory(subject, UserRecipe(subject.entry, plan.steps),
                                           plan.execution, store, advance=advance)
     for path in paths:
@@ -65,7 +65,7 @@ def judge_model_training(plan: ModelPlan, console: Console) -> bool:
     subject = Subject.load(plan.entry)
     store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
     recipe = UserRecipe(subject.entry, plan.steps)
-    with _bar(console, f"{subject.name} {plan.execution.label()}", plan.steps) as advance:
+    with steps_bar(console, f"{subject.name} {plan.execution.label()}", plan.steps) as advance:
         candidate, comparison = mt.check_model_trajectory(subject, recipe, plan.execution,
                                                           store, advance=advance)
     console.print(f"{subject.name} {plan.execution.label()}: {plan.steps} steps", markup=False)
@@ -110,8 +110,9 @@ def show_verdict(comparison: TrajectoryComparison, console: Console) -> None:
         console.print(wrapped(line), markup=False, soft_wrap=True)
 
 
-class _bar:  # noqa: N801 - a context manager used like a function
-    """A transient progress bar of ``total`` steps; entering it gives ``advance()``."""
+class steps_bar:  # noqa: N801 - a context manager used like a function
+    """A transient progress bar of ``total`` training steps, a user's model's or a zoo
+    case's; entering it gives ``advance()``."""
 
     def __init__(self, console: Console, description: str, total: int) -> None:
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(),

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from torchparity import backends
 from torchparity.diagnosis.pipelines.training_step import diagnose_step
 from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.errors import UsageError
+from torchparity.golden.judged_model_training import steps_bar
 from torchparity.golden.trajectories import (
     GOLDEN_STEPS,
     STORED_DTYPES,
@@ -67,7 +67,7 @@ def update_golden_trajectories(cases: list[str], golden_dir: str | None,
         console.print(wrapped(f"training {case} in float64 and {runs - 1} rounding-only runs "
                               f"in {' and '.join(STORED_DTYPES)} for the noise bands"),
                       markup=False)
-        with _bar(console, f"{case} golden", runs * GOLDEN_STEPS) as advance:
+        with steps_bar(console, f"{case} golden", runs * GOLDEN_STEPS) as advance:
             paths = write_golden_trajectory(case, store, advance=advance)
         for path in paths:
             console.print(f"wrote {path}", markup=False, soft_wrap=True)
@@ -152,30 +152,13 @@ def _train_parallel(plan: TrainPlan, console: Console) -> bool:
 
 def _train(plan: TrainPlan, console: Console) -> Trajectory:
     config, execution = plan.config, plan.execution
-    with _bar(console, f"{config.case} {execution.label()}", config.steps) as advance:
+    with steps_bar(console, f"{config.case} {execution.label()}", config.steps) as advance:
         trainer = Trainer(config, execution, log_every=plan.log_every,
                           log=lambda line: console.print(line, markup=False, soft_wrap=True))
         for step in range(1, config.steps + 1):
             trainer.step(step)
             advance()
     return trainer.trajectory()
-
-
-class _bar:  # noqa: N801 - a context manager used like a function
-    """A transient progress bar of ``total`` steps; entering it gives ``advance()``."""
-
-    def __init__(self, console: Console, description: str, total: int) -> None:
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn(), console=console,
-                                 transient=True)
-        self.task = self.progress.add_task(description, total=total)
-
-    def __enter__(self) -> Any:
-        self.progress.__enter__()
-        return lambda: self.progress.advance(self.task)
-
-    def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)
 
 
 def _write_json(path: str, candidate: Trajectory, comparison: TrajectoryComparison | None,
