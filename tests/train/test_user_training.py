@@ -22,6 +22,7 @@ import toy_repo
 from torchparity import backends, tolerance
 from torchparity.cli import main
 from torchparity.diagnosis.pipelines import user_training_step as uts
+from torchparity.diagnosis.pipelines.user_training_step.base_side import record_step
 from torchparity.golden import model_trajectories as mt
 from torchparity.pytest_plugin import gpu_device
 from torchparity.subject.model import Subject
@@ -169,7 +170,7 @@ def base_step_1(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("USER_LM_VARIANT", "base")
         subject = Subject.load(ENTRY)
-    return uts.record_step(subject, 1, Execution(OWN_ATTENTION, "fp32"),
+    return record_step(subject, 1, Execution(OWN_ATTENTION, "fp32"),
                            tmp_path_factory.mktemp("base") / "step")
 
 

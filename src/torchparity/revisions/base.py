@@ -240,7 +240,7 @@ def base_training_step(side: BaseSide, entry: str, step: int, execution: list[st
                        ops: str | None = None) -> Path:
     """The base's model ``entry``, trained in float64 by its recipe up to step ``step``, and
     that step recorded at the base
-    (:func:`torchparity.diagnosis.pipelines.user_training_step.record_step`).
+    (:func:`torchparity.diagnosis.pipelines.user_training_step.base_side.record_step`).
 
     Args:
         side: the base revision.
@@ -254,8 +254,9 @@ def base_training_step(side: BaseSide, entry: str, step: int, execution: list[st
         The folder in the cache holding the weights and the trace.
     """
     more = [] if ops is None else ["--ops", ops, "--ops-only"]
+    worker = "torchparity.diagnosis.pipelines.user_training_step.base_side"
     kept = side.run([entry], ["{entry:0}", str(step), *execution, "{out}/step", *more],
-                    "training step", module="torchparity.diagnosis.pipelines.user_training_step")
+                    "training step", module=worker)
     return kept / "step"
 
 

@@ -1,0 +1,148 @@
+"""The first call of the model in a user's training step, kept with the gradient the step's
+loss gave its output, and the runs that reach a step: what both sides of
+:mod:`~torchparity.diagnosis.pipelines.user_training_step` are diagnosed on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchparity.errors import TorchParityError
+from torchparity.subject.model import Subject
+from torchparity.subject.trees import flatten_tensors
+from torchparity.threads import single_thread
+from torchparity.train.trainer import OWN_ATTENTION, Execution
+from torchparity.train.user_model import UserRecipe, UserTrainer
+
+
+def a_execution(execution: Execution) -> Execution:
+    """A's execution: the model's own attention (or manual where a backend replaces it) in
+    B's dtype, so that A's own rounding sets B's budget."""
+    backend = OWN_ATTENTION if execution.backend == OWN_ATTENTION else "manual"
+    return Execution(backend, execution.dtype, execution.device)
+
+
+
+@dataclass
+class StepCall:
+    """The first call of the model in a training step: its ``inputs`` and the gradient the
+    step's loss gave each floating output (by path); ``calls`` how many the step made."""
+
+    inputs: Any
+    gradients: dict[str, torch.Tensor]
+    calls: int
+
+    def loss_fn(self) -> Callable[[Any, Any], torch.Tensor]:
+        """The step's loss, linear in the output: its gradient is the step's."""
+        gradients = self.gradients
+
+        def loss(output: Any, inputs: Any) -> torch.Tensor:
+            total = None
+            for path, tensor in flatten_tensors(output, "output").items():
+                if path in gradients:
+                    compute = torch.promote_types(tensor.dtype, torch.float32)
+                    term = (tensor.to(compute) * gradients[path].to(tensor.device, compute)).sum()
+                    total = term if total is None else total + term
+            return total
+        return loss
+
+    def describe(self) -> str:
+        head = "its call of the model" if self.calls == 1 else \
+            f"the first of its {self.calls} calls of the model"
+        return f"{head}, with the gradient the step's loss gave the output"
+
+
+def capture_call(trainer: UserTrainer, step: int) -> StepCall:
+    """Run step ``step`` on ``trainer`` and keep its first call of the model.
+
+    Args:
+        trainer: a trainer whose model holds the weights step ``step`` starts from.
+        step: the optimizer step (1-based) whose batch is taken.
+
+    Returns:
+        The :class:`StepCall`: the call's inputs and its outputs' gradients.
+    """
+    first = _FirstCall()
+    handle = trainer.model.register_forward_hook(first, with_kwargs=True)
+    try:
+        trainer.step(step)
+    finally:
+        handle.remove()
+    if not first.gradients:
+        raise TorchParityError(f"step {step} of {trainer.subject.entry} did not call the model "
+                               "with gradients reaching its output: nothing to diagnose")
+    return StepCall(first.inputs, first.gradients, first.calls)
+
+
+class _FirstCall:
+    """A forward hook counting the model's calls and keeping the first one's inputs and the
+    gradients its outputs receive (its one backward)."""
+
+    def __init__(self) -> None:
+        self.calls, self.inputs = 0, None
+        self.gradients: dict[str, torch.Tensor] = {}
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            return
+        self.inputs = _inputs(module, _detached(args), _detached(kwargs))
+        for path, tensor in flatten_tensors(output, "output").items():
+            if tensor.requires_grad:
+                tensor.register_hook(lambda g, path=path: self._keep(path, g))
+
+    def _keep(self, path: str, grad: torch.Tensor) -> None:
+        self.gradients[path] = grad.detach().clone()
+
+
+def _inputs(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    if not kwargs:
+        return args
+    if not args:
+        return kwargs
+    return dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
+
+
+def _detached(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _detached(v) for k, v in tree.items()}
+    if isinstance(tree, tuple | list):
+        return type(tree)(_detached(v) for v in tree)
+    return tree
+
+
+def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() else tree
+    if isinstance(tree, dict):
+        return {k: cast_floats(v, dtype) for k, v in tree.items()}
+    if isinstance(tree, tuple | list):
+        return type(tree)(cast_floats(v, dtype) for v in tree)
+    return tree
+
+
+def trained_before(subject: Subject, step: int, device: str) -> UserTrainer:
+    """A trainer of ``subject`` in float64 that has taken steps 1..``step - 1``."""
+    trainer = UserTrainer(subject, UserRecipe(subject.entry, step),
+                          Execution(OWN_ATTENTION, "fp64", device))
+    with cpu_thread(Execution(OWN_ATTENTION, "fp64", device)):
+        for before in range(1, step):
+            trainer.step(before)
+    return trainer
+
+
+def cpu_thread(execution: Execution) -> contextlib.AbstractContextManager:
+    # one thread on the CPU, as the trajectories were trained
+    on_cpu = torch.device(execution.device).type == "cpu"
+    return single_thread() if on_cpu else contextlib.nullcontext()
+
+
