@@ -107,13 +107,27 @@ def join() -> None:
 
 
 def leave() -> None:
-    """Leave the process group once every rank is done with it."""
+    """Leave the process group once every rank is done with it, and end only once every rank
+    has left it too.
+
+    A rank's exit closes its gloo connections; a rank that still holds its group when a peer's
+    connection breaks aborts (SIGABRT), although its work is done. So each rank notes in the
+    ranks' store that it has left, and waits there for the others before it may exit.
+    """
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        with contextlib.suppress(RuntimeError):  # a rank that died has nothing to wait for
-            dist.barrier()
+    if not dist.is_initialized():
+        return
+    store = _store()  # outlives the group: torchrun's agent serves it
+    try:
+        dist.barrier()
+    except RuntimeError:  # a rank that died has nothing to wait for
         dist.destroy_process_group()
+        return
+    dist.destroy_process_group()
+    store.set(f"{_LEFT_KEY}{rank()}", "left")
+    with contextlib.suppress(RuntimeError):  # the store's own timeout: torchrun ends the rest
+        store.wait([f"{_LEFT_KEY}{other}" for other in range(world_size())])
 
 
 def abandon() -> None:
@@ -153,6 +167,7 @@ def together(what: str) -> None:
 
 
 _PHASE_KEY = "torchparity/phase/"
+_LEFT_KEY = "torchparity/left/"
 
 
 def mark(phase: str) -> None:
