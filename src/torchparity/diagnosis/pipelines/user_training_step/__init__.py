@@ -47,12 +47,12 @@ from torchparity.diagnosis.pipelines.user_training_step.base_side import (
 from torchparity.diagnosis.pipelines.user_training_step.step_call import (
     a_execution,
     capture_call,
-    cast_floats,
     cpu_thread,
     trained_before,
 )
 from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.subject.model import Subject
+from torchparity.subject.running import cast_inputs
 from torchparity.train.trainer import OWN_ATTENTION, Execution
 from torchparity.train.trajectory import Point, TrajectoryComparison
 from torchparity.train.user_model import UserRecipe, UserTrainer
@@ -168,7 +168,8 @@ def _against_itself(subject: Subject, execution: Execution, reference: Execution
         call = capture_call(trainer, stage.step)
     param = execution.mode.param_dtype
     model_a = weights.to(param)
-    report = diagnose(model_a, copy.deepcopy(model_a), cast_floats(call.inputs, param),
+    inputs = cast_inputs(call.inputs, execution.device, param)
+    report = diagnose(model_a, copy.deepcopy(model_a), inputs,
                       loss_fn=call.loss_fn(), backends=(runs_as(reference), runs_as(execution)),
                       progress=False)
     note = (f"A is this code under {reference.label()}, B under {execution.label()}, on the "

@@ -16,7 +16,7 @@ from torch import nn
 
 from torchparity.errors import TorchParityError
 from torchparity.subject.model import Subject
-from torchparity.subject.trees import flatten_tensors
+from torchparity.subject.trees import flatten_tensors, map_tensors
 from torchparity.threads import single_thread
 from torchparity.train.trainer import OWN_ATTENTION, Execution
 from torchparity.train.user_model import UserRecipe, UserTrainer
@@ -93,7 +93,7 @@ class _FirstCall:
         self.calls += 1
         if self.calls > 1:
             return
-        self.inputs = _inputs(module, _detached(args), _detached(kwargs))
+        self.inputs = _inputs(module, _copied(args), _copied(kwargs))
         for path, tensor in flatten_tensors(output, "output").items():
             if tensor.requires_grad:
                 tensor.register_hook(lambda g, path=path: self._keep(path, g))
@@ -102,32 +102,17 @@ class _FirstCall:
         self.gradients[path] = grad.detach().clone()
 
 
+def _copied(tree: Any) -> Any:
+    # the call's inputs as they were: the step may change them in place after the call
+    return map_tensors(tree, lambda tensor: tensor.detach().clone())
+
+
 def _inputs(module: nn.Module, args: tuple, kwargs: dict) -> Any:
     if not kwargs:
         return args
     if not args:
         return kwargs
     return dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
-
-
-def _detached(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _detached(v) for k, v in tree.items()}
-    if isinstance(tree, tuple | list):
-        return type(tree)(_detached(v) for v in tree)
-    return tree
-
-
-def cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.to(dtype) if tree.is_floating_point() else tree
-    if isinstance(tree, dict):
-        return {k: cast_floats(v, dtype) for k, v in tree.items()}
-    if isinstance(tree, tuple | list):
-        return type(tree)(cast_floats(v, dtype) for v in tree)
-    return tree
 
 
 def trained_before(subject: Subject, step: int, device: str) -> UserTrainer:
