@@ -32,7 +32,7 @@ COMMANDS = {
     "golden": "create, verify or show golden outputs",
     "diagnose": "localise where two models (or a model and a recorded trace) part",
     "record": "record a model's module-by-module trace for diagnose on another revision",
-    "train": "run training steps of a zoo case and report or compare the trajectory",
+    "train": "train your model (--model) or a zoo case and judge its trajectory",
     "bench": "measure backend throughput, start-up and the cost of the safety net",
     "backends": "list attention backends and why each is or is not available here",
     "calibrate": "measure the tolerance model's false-alarm and detection rates",

@@ -87,9 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="judge against a run of BACKEND in the same dtype, within the "
                             "noise band of that run's rounding-only ensemble")
     parser.add_argument("--diagnose", action="store_true",
-                        help="when the trajectory diverges, diagnose the first diverging step "
-                             "(with --nproc: name the first module whose output or gradient "
-                             "differs from one process)")
+                        help="diagnose the first diverging step (--model: its stage, and "
+                             "with --base REV its module and op; --nproc: the first module "
+                             "that differs from one process)")
     parser.add_argument("--update-golden", action="store_true", help="(re)write golden/<case>/"
                         "trajectory_<dtype> (fp32, bf16): float64 and the noise bands")
     parser.add_argument("--golden-dir", help="golden folder (default: golden/ of the source "
