@@ -317,6 +317,13 @@ KINDS: dict[str, KindTolerance] = {
 #: member costs one more training run at a golden update.
 BAND_REROUNDINGS = 4
 
+#: How far two values of an optimizer's hyper-parameter (a learning rate at a step, betas,
+#: eps, weight decay) may differ, relative, and be the same value. They are computed in
+#: Python's float64 by the recipe (a schedule's factor times the peak): arithmetic written
+#: another way moves them by a few units of float64's roundoff (1.1e-16), a change of the
+#: recipe by far more (a warm-up one step short: 11% at step 1). A thousand roundings.
+HYPERPARAMETER_RTOL = 1e-13
+
 
 class Summary(Protocol):
     """What a budget needs of a golden kept as a summary rather than a tensor (a sketch, see

@@ -26,6 +26,7 @@ from torchparity.diagnosis.pipelines.user_training_step.base_side import record_
 from torchparity.golden import model_trajectories as mt
 from torchparity.pytest_plugin import gpu_device
 from torchparity.subject.model import Subject
+from torchparity.train.ensemble import members_count
 from torchparity.train.trainer import OWN_ATTENTION, Execution
 from torchparity.train.user_model import UserRecipe
 
@@ -78,6 +79,40 @@ def test_a_warmup_one_step_short_diverges_at_step_1(goldens_20, monkeypatch, tmp
     # the learning rate of step 1 is 1/9 of the peak instead of 1/10: the first update moves
     assert first == {"step": 1, "quantity": "update_norm"}
     assert "the runs part at step 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("variant, verdict", [("base", 0), ("warmup_short", 1)])
+def test_a_bf16_check_is_judged_by_the_fp32_golden_with_a_band_measured_on_the_spot(
+        goldens_20, monkeypatch, tmp_path, capsys, variant, verdict):
+    """One golden serves every dtype: the float64 trajectory of the fp32 golden is the truth,
+    the bf16 band is measured around this code's own float64 run (so a bug is in neither),
+    said with its cost before it runs, and not stored. A warm-up one step short moves the
+    first update by 11%, beyond bf16's band."""
+    before = sorted(p.name for p in (goldens_20 / "user_lm.lm").iterdir())
+    monkeypatch.setenv("USER_LM_VARIANT", variant)
+    out = tmp_path / "verdict.json"
+    assert train_cli("--steps", "5", "--check", "--dtype", "bf16", "--golden-dir",
+                     str(goldens_20), "--json", str(out)) == verdict
+    printed = capsys.readouterr().out.replace("\n  ", " ")
+    assert "no stored band for bf16: measuring one now (" in printed
+    assert "--update-golden --dtype bf16" in printed
+    assert "band: measured here, not stored" in printed
+    assert str(goldens_20 / "user_lm.lm" / "trajectory_fp32.safetensors") in printed
+    comparison = json.loads(out.read_text())["comparison"]
+    assert comparison["compute_dtype"] == "bf16"
+    assert any(note.startswith("band: measured here") for note in comparison["notes"])
+    if verdict:
+        assert comparison["first_divergence"] == {"step": 1, "quantity": "update_norm"}
+    assert sorted(p.name for p in (goldens_20 / "user_lm.lm").iterdir()) == before
+
+
+def test_a_check_says_where_its_stored_band_comes_from(goldens_20, monkeypatch, capsys):
+    monkeypatch.setenv("USER_LM_VARIANT", "base")
+    assert train_cli("--steps", "3", "--check", "--golden-dir", str(goldens_20)) == 0
+    printed = capsys.readouterr().out.replace("\n  ", " ")
+    golden = goldens_20 / "user_lm.lm" / "trajectory_fp32.safetensors"
+    members = members_count(Execution(OWN_ATTENTION))
+    assert f"band: stored with the golden {golden} ({members} rounding-only runs" in printed
 
 
 @pytest.mark.parametrize("factory, says", [

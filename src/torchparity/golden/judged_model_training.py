@@ -65,10 +65,19 @@ def judge_model_training(plan: ModelPlan, console: Console) -> bool:
     subject = Subject.load(plan.entry)
     store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
     recipe = UserRecipe(subject.entry, plan.steps)
-    with steps_bar(console, f"{subject.name} {plan.execution.label()}", plan.steps) as advance:
+    bar = steps_bar(console, f"{subject.name} {plan.execution.label()}", plan.steps)
+
+    def measuring(line: str, seconds: float) -> None:
+        console.print(wrapped(line), markup=False, soft_wrap=True)
+        bar.add(plan.steps * members_count(plan.execution))
+
+    with bar as advance:
         candidate, comparison = mt.check_model_trajectory(subject, recipe, plan.execution,
-                                                          store, advance=advance)
+                                                          store, advance=advance,
+                                                          say=measuring)
     console.print(f"{subject.name} {plan.execution.label()}: {plan.steps} steps", markup=False)
+    for note in comparison.notes:
+        console.print(wrapped(note), markup=False, soft_wrap=True)
     show_verdict(comparison, console)
     data = {"trajectory": candidate.to_dict(), "comparison": comparison.to_dict()}
     if plan.diagnose:
@@ -126,3 +135,7 @@ class steps_bar:  # noqa: N801 - a context manager used like a function
 
     def __exit__(self, *exc: object) -> None:
         self.progress.__exit__(*exc)
+
+    def add(self, steps: int) -> None:
+        """``steps`` more to come: runs the bar learnt of once it started."""
+        self.progress.update(self.task, total=self.progress.tasks[0].total + steps)

@@ -1,27 +1,35 @@
 """A user's model's golden trajectories: its recipe trained in float64, stored with the noise
 band of its rounding-only ensemble in the dtype judged, and a run judged against them.
 
-One golden per dtype, ``<name>/trajectory_<dtype>``, written and read as the zoo's trajectory
-goldens are (:mod:`torchparity.golden.trajectories`): a float64 series per quantity and ``lr``,
-and ``band.<quantity>``, the ensemble's spread per step. The JSON records the steps, the
-members and a checksum of every step's batch, so a later read refuses changed data by the step
-it changed at. A golden update pays for the ensemble; a check trains one run.
+The float64 trajectory is the truth for every dtype and device; only the band differs. A
+golden update stores both as ``<name>/trajectory_<dtype>`` (``trajectory_<dtype>_cuda`` on a
+GPU), written and read as the zoo's trajectory goldens are
+(:mod:`torchparity.golden.trajectories`): a float64 series per quantity and ``lr``,
+``band.<quantity>``, the ensemble's spread per step, and in the JSON the steps, the members,
+the optimizer's groups (:mod:`torchparity.train.optimizer_groups`) and a checksum of every
+step's batch, so a later read refuses changed data by the step it changed at. A check of a
+dtype or device with no band stored is judged against the stored float64 trajectory, its band
+measured on the spot and not stored; with a band stored a check trains one run.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from torchparity.golden.store import Golden, GoldenStale, GoldenStore, checksum
-from torchparity.golden.trajectories import read_trajectory, write_trajectory
+from torchparity.golden.trajectories import trajectory_of, trajectory_output, write_trajectory
 from torchparity.golden.user_models import user_golden_dir
 from torchparity.subject.model import Subject
 from torchparity.subject.trees import flatten_tensors
-from torchparity.train.ensemble import measure_band
+from torchparity.train.ensemble import measure_band, members_count
+from torchparity.train.optimizer_groups import OptimizerGroups
 from torchparity.train.trainer import OWN_ATTENTION, Execution, Trajectory
 from torchparity.train.trajectory import NoiseBand, TrajectoryComparison, compare_trajectories
 from torchparity.train.user_model import ModelRuns, UserRecipe, check_hooks, train_user_model
@@ -37,6 +45,8 @@ def trajectory_store(subject: Subject, root: Any, execution: Execution, steps: i
     command = f"torchparity train --model {subject.entry} --steps {steps} --update-golden"
     if execution.dtype != "fp32":
         command += f" --dtype {execution.dtype}"
+    if torch.device(execution.device).type != "cpu":
+        command += f" --device {execution.device}"
     if root.resolve() != user_golden_dir().resolve():
         command += f" --golden-dir {root}"
     return GoldenStore(root, update_command=command)
@@ -50,28 +60,72 @@ def reference_execution(execution: Execution) -> Execution:
     return Execution(backend, "fp64", execution.device)
 
 
+def band_output(execution: Execution) -> str:
+    """The golden of a band in ``execution``'s dtype on its device: ``trajectory_<dtype>`` on
+    the CPU, ``trajectory_<dtype>_<device type>`` elsewhere (a GPU's kernels round another
+    way)."""
+    device = torch.device(execution.device).type
+    output = trajectory_output(execution.dtype)
+    return output if device == "cpu" else f"{output}_{device}"
+
+
 def write_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execution,
                            store: GoldenStore, *, advance: Advance = lambda: None
                            ) -> list[Path]:
     """Train ``subject``'s recipe in float64 and its noise ensemble under ``execution``, then
-    store both. Nothing is written unless every run trained to the end with finite losses."""
+    store both with the optimizer's groups of the float64 run. Nothing is written unless
+    every run trained to the end with finite losses."""
     check_hooks(subject)
     reference = train_user_model(subject, recipe, reference_execution(execution),
                                  advance=advance)
     band = measure_band(ModelRuns(subject, recipe), execution, reference, advance=advance)
     meta = {"execution": execution.to_dict(),
             "data_checksums": data_checksums(subject, recipe.steps)}
-    return write_trajectory(store, subject.name, reference, band, meta)
+    if reference.optimizer is not None:
+        meta["optimizer"] = reference.optimizer.to_dict()
+    return write_trajectory(store, subject.name, reference, band, meta,
+                            output=band_output(execution))
 
 
-def read_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execution,
-                          store: GoldenStore) -> tuple[Trajectory, NoiseBand]:
-    """The float64 trajectory and the noise band stored for ``subject`` in ``execution``'s
-    dtype, cut to ``recipe.steps`` (the first steps of a longer golden are a golden of their
-    own: a factory's recipe does not know how long it is trained).
+@dataclass
+class ModelGolden:
+    """What a run of a user's model is judged against: the float64 trajectory read from
+    ``golden`` and the noise band stored for the run's dtype and device (None: none is
+    stored, it is measured at the check)."""
 
-    Raises the store's one-line errors and :class:`~torchparity.golden.GoldenStale` naming the
-    first step whose batch changed, or a :class:`UsageError` for more steps than it holds.
+    reference: Trajectory
+    band: NoiseBand | None
+    golden: Golden
+
+    def optimizer_groups(self) -> OptimizerGroups | None:
+        """The optimizer's groups the golden run had (None: a golden written without them)."""
+        stored = self.golden.summary.get("optimizer")
+        return None if stored is None else OptimizerGroups.from_dict(stored)
+
+    def band_origin(self) -> str:
+        """Where the band comes from, one sentence."""
+        if self.band is None:
+            return "no band is stored for this run's dtype and device"
+        execution = self.golden.summary.get("execution", {})
+        measured = ""
+        if execution:
+            measured = (f" of {execution['backend']} {execution['dtype']} "
+                        f"{execution['device']}")
+        return (f"band: stored with the golden {self.golden.path} ({len(self.band.members)} "
+                f"rounding-only runs{measured})")
+
+
+def read_model_golden(subject: Subject, recipe: UserRecipe, execution: Execution,
+                      store: GoldenStore) -> ModelGolden:
+    """The golden a run of ``subject`` under ``execution`` is judged against, cut to
+    ``recipe.steps``: the float64 trajectory, which is the truth for every dtype and device,
+    and the band of the run's dtype and device where one is stored (:func:`band_output`).
+    Without that band the float64 trajectory is read from the model's other golden, the
+    fp32 CPU one first.
+
+    Raises the store's one-line errors (no golden of the model at all: the one for
+    ``execution``'s), :class:`~torchparity.golden.GoldenStale` naming the first step whose
+    batch changed, or a :class:`UsageError` for more steps than it holds.
     """
     def fresh(golden: Golden) -> None:
         checksums = golden.summary.get("data_checksums", [])
@@ -82,20 +136,74 @@ def read_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execu
                                   f"made with; if the data changed on purpose, run "
                                   f"`{store.update_command}`")
 
-    return read_trajectory(store, subject.name, execution.dtype, recipe,
-                           reference_execution(execution), recipe.steps, fresh)
+    output = band_output(execution)
+    others = [o for o in store.outputs(subject.name) if o.startswith(trajectory_output(""))]
+    stored = output in others
+    if not stored and others:
+        output = min(others, key=lambda o: (o != trajectory_output("fp32"), o))
+    golden = store.read(subject.name, output)
+    dtype = output.removeprefix(trajectory_output("")).split("_")[0]
+    reference, band = trajectory_of(golden, store, dtype, recipe,
+                                    reference_execution(execution), recipe.steps, fresh)
+    return ModelGolden(reference, band if stored else None, golden)
+
+
+def read_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execution,
+                          store: GoldenStore) -> tuple[Trajectory, NoiseBand]:
+    """The float64 trajectory and the noise band stored for ``subject`` in ``execution``'s
+    dtype and device, cut to ``recipe.steps`` (the first steps of a longer golden are a golden
+    of their own: a factory's recipe does not know how long it is trained).
+
+    Raises what :func:`read_model_golden` raises, and the store's missing-golden error when
+    no band is stored for the dtype and device.
+    """
+    golden = read_model_golden(subject, recipe, execution, store)
+    if golden.band is None:
+        store.read(subject.name, band_output(execution))  # raises: no such golden
+    return golden.reference, golden.band
+
+
+def measure_model_band(subject: Subject, recipe: UserRecipe, execution: Execution,
+                       plain: Trajectory, *, advance: Advance = lambda: None) -> NoiseBand:
+    """The noise band of ``execution`` measured now: the rounding-only ensemble of this code
+    (``plain`` its plain run, trained already) around this code's own float64 run, so that a
+    change of the code is in neither and the band holds rounding alone."""
+    reference = train_user_model(subject, recipe, reference_execution(execution),
+                                 advance=advance)
+    return measure_band(ModelRuns(subject, recipe), execution, reference, advance=advance,
+                        plain=plain)
 
 
 def check_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execution,
-                           store: GoldenStore, *, advance: Advance = lambda: None
+                           store: GoldenStore, *, advance: Advance = lambda: None,
+                           say: Callable[[str, float], None] = lambda line, seconds: None,
                            ) -> tuple[Trajectory, TrajectoryComparison]:
-    """Train ``subject`` once under ``execution`` and judge it against its golden trajectory
-    and noise band (read, and refused when stale, before any training)."""
+    """Train ``subject`` once under ``execution`` and judge it against its golden float64
+    trajectory (read, and refused when stale, before any training) and the band of its
+    dtype and device: stored, or measured here and not stored
+    (:func:`measure_model_band`). ``say(line, seconds)`` is told, before the band's runs
+    start, that they do and about how long the one run took; the comparison's notes say
+    where the band came from."""
     check_hooks(subject)
-    reference, band = read_model_trajectory(subject, recipe, execution, store)
+    golden = read_model_golden(subject, recipe, execution, store)
+    started = time.perf_counter()
     candidate = train_user_model(subject, recipe, execution, advance=advance)
-    return candidate, compare_trajectories(candidate, reference, band,
-                                           compute_dtype=execution.dtype)
+    band, origin = golden.band, golden.band_origin()
+    if band is None:
+        seconds = time.perf_counter() - started
+        runs = members_count(execution)
+        where = execution.dtype if torch.device(execution.device).type == "cpu" else \
+            f"{execution.dtype} on {execution.device}"
+        say(f"no stored band for {where}: measuring one now ({runs} runs, about "
+            f"{math.ceil(runs * seconds)} s); `{store.update_command}` stores it", seconds)
+        band = measure_model_band(subject, recipe, execution, candidate, advance=advance)
+        origin = (f"band: measured here, not stored ({len(band.members)} rounding-only runs "
+                  f"of {execution.label()} around this code's float64 run); the float64 "
+                  f"trajectory judged against: {golden.golden.path}")
+    comparison = compare_trajectories(candidate, golden.reference, band,
+                                      compute_dtype=execution.dtype)
+    comparison.notes.append(origin)
+    return candidate, comparison
 
 
 def data_checksums(subject: Subject, steps: int) -> list[str]:

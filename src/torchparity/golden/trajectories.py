@@ -53,7 +53,7 @@ def trajectory_output(dtype: str) -> str:
 
 
 def write_trajectory(store: GoldenStore, name: str, reference: Trajectory, band: NoiseBand,
-                     meta: dict[str, Any]) -> list[Path]:
+                     meta: dict[str, Any], output: str | None = None) -> list[Path]:
     """Store ``reference`` (a float64 trajectory) and ``band`` as ``name``'s golden in the
     band's dtype.
 
@@ -63,6 +63,7 @@ def write_trajectory(store: GoldenStore, name: str, reference: Trajectory, band:
         reference: the float64 trajectory of the recipe.
         band: the noise band measured around it.
         meta: what the JSON records beside steps and members (execution, checksums).
+        output: the golden's name (default :func:`trajectory_output` of the band's dtype).
 
     Returns:
         The paths written.
@@ -72,7 +73,7 @@ def write_trajectory(store: GoldenStore, name: str, reference: Trajectory, band:
     tensors.update({_BAND + q: v for q, v in band.spread.items()})
     summary = {"kind": "trajectory", "steps": len(reference.records), **meta,
                "members": band.members}
-    return store.write(name, trajectory_output(band.compute_dtype), tensors, summary)
+    return store.write(name, output or trajectory_output(band.compute_dtype), tensors, summary)
 
 
 def read_trajectory(store: GoldenStore, name: str, dtype: str, recipe: Any,
@@ -97,8 +98,17 @@ def read_trajectory(store: GoldenStore, name: str, dtype: str, recipe: Any,
         :class:`UsageError` for more steps than the golden holds.
     """
     golden = store.read(name, trajectory_output(dtype))
+    return trajectory_of(golden, store, dtype, recipe, reference_execution, steps, fresh)
+
+
+def trajectory_of(golden: Golden, store: GoldenStore, dtype: str, recipe: Any,
+                  reference_execution: Execution, steps: int,
+                  fresh: Callable[[Golden], None] = lambda golden: None,
+                  ) -> tuple[Trajectory, NoiseBand]:
+    """The float64 trajectory and the noise band (in ``dtype``) a trajectory golden read from
+    ``store`` holds, cut to ``steps``; the arguments and errors of :func:`read_trajectory`."""
     stored = golden.summary.get("steps", 0)
-    command = store.update_command.format(case=name, output=golden.output)
+    command = store.update_command.format(case=golden.case, output=golden.output)
     if steps > stored:
         raise UsageError(f"{golden.path} holds {stored} steps, fewer than --steps {steps}; "
                          f"run `{command}` for more")

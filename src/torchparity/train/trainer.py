@@ -31,6 +31,7 @@ from torchparity.reference import build_model, zoo
 from torchparity.reference.config import TransformerConfig
 from torchparity.subject.rounding import perturb_weights
 from torchparity.train.data import Corpus, TrainBatch, correct_tokens, token_losses
+from torchparity.train.optimizer_groups import OptimizerGroups
 
 # --- determinism ----------------------------------------------------------------------------
 
@@ -327,6 +328,8 @@ class Trajectory:
     world_size: int = 1
     notes: list[str] = field(default_factory=list)
     parallelism: str = "ddp"  # how world_size > 1 processes split the work (see train.parallel)
+    #: A user's model's optimizer groups and their hyper-parameters per step (None: a zoo run).
+    optimizer: OptimizerGroups | None = None
 
     def quantities(self) -> list[str]:
         """Loss, grad_norm, update_norm, then the per-group norms the records hold."""
@@ -361,6 +364,7 @@ class Trajectory:
             "tokens_per_second": self.tokens_per_second,
             "notes": self.notes,
             "records": [dataclasses.asdict(r) for r in self.records],
+            **({} if self.optimizer is None else {"optimizer": self.optimizer.to_dict()}),
         }
 
     @classmethod

@@ -32,6 +32,7 @@ from torchparity.subject.model import Subject
 from torchparity.subject.rounding import perturb_weights
 from torchparity.subject.running import call_model, cast_inputs
 from torchparity.threads import single_thread
+from torchparity.train.optimizer_groups import OptimizerGroups
 from torchparity.train.trainer import (
     DTYPE_MODES,
     OWN_ATTENTION,
@@ -114,6 +115,7 @@ class UserTrainer:
                           subject.guarded(lambda: subject.scheduler(self.optimizer),
                                           "its scheduler"))
         self.groups = group_names(self.optimizer)
+        self.optimizer_groups = OptimizerGroups.of(self.optimizer, self.model, self.groups)
         self._grad_norms: dict[int, torch.Tensor] = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -137,7 +139,8 @@ class UserTrainer:
 
     def trajectory(self) -> Trajectory:
         first = self.records[0].seconds if self.records else math.nan
-        return Trajectory(self.recipe, self.execution, list(self.records), first)
+        return Trajectory(self.recipe, self.execution, list(self.records), first,
+                          optimizer=self.optimizer_groups)
 
     def step(self, step: int) -> StepRecord:
         """Run optimizer step ``step`` (1-based) and record it."""
@@ -147,6 +150,7 @@ class UserTrainer:
         params = [[p for p in g["params"]] for g in self.optimizer.param_groups]
         before = [[p.detach().clone() for p in group] for group in params]
         lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer_groups.record(self.optimizer)
         self._grad_norms.clear()
         started = time.perf_counter()
         with deterministic(step, tf32=self.mode.tf32, warn_only=self.device.type == "cuda"), \
@@ -209,8 +213,11 @@ class UserTrainer:
 
 
 def group_names(optimizer: torch.optim.Optimizer) -> list[str]:
-    """Each parameter group's ``name`` where the user gave one, else ``group0``, ``group1``..."""
-    return [str(group.get("name", f"group{i}")) for i, group in enumerate(optimizer.param_groups)]
+    """Each parameter group's ``name`` where the user gave one, else ``group0``, ``group1``...;
+    a name given twice is told apart by its index (``decay#2``)."""
+    names = [str(group.get("name", f"group{i}"))
+             for i, group in enumerate(optimizer.param_groups)]
+    return [name if names.index(name) == i else f"{name}#{i}" for i, name in enumerate(names)]
 
 
 def train_user_model(subject: Subject, recipe: UserRecipe, execution: Execution, *,
