@@ -15,6 +15,11 @@ Versions (:data:`VERSIONS`):
 - ``fused-k-changed``: ``fused`` with the k part's weights moved by 1%;
 - ``fused-k-grad-doubled``: ``fused`` whose gradient of the k part is doubled (a hook on the
   parameter), the forward as it was;
+- ``k-changed``, ``k-grad-scaled``: the base with ``attn.k``'s weights moved by 1%, or its
+  weight's gradient scaled by 1.01 (against ``fused``'s goldens: a fused projection undone);
+- ``gated``: a gated MLP, ``down(silu(gate(x)) * up(x))``; ``gated-fused``: the same with one
+  ``gate_up`` projection; ``gated-up-grad-scaled``: ``gated`` with ``mlp.up``'s weight's
+  gradient scaled by 1.01;
 - ``swapped``: the MLP's modules renamed ``fc1``/``fc2`` and registered in the other order,
   which order and shape cannot pair (``mlp.up`` is ``mlp.fc1``, ``mlp.down`` ``mlp.fc2``);
 - ``eps``: ``norm2`` built with ``eps=1e-3``;
@@ -29,6 +34,7 @@ Each changed line carries ``# changed`` in every version, so a test finds it in 
 from __future__ import annotations
 
 VERSIONS = ("base", "tied", "fused", "gelu", "fused-k-changed", "fused-k-grad-doubled",
+            "k-changed", "k-grad-scaled", "gated", "gated-fused", "gated-up-grad-scaled",
             "swapped", "eps", "scale", "tanh", "backward")
 
 _MODEL = '''\
@@ -42,6 +48,7 @@ import torchparity as tp
 
 VERSION = {version!r}
 FUSED = VERSION.startswith("fused")
+GATED = VERSION.startswith("gated")
 VOCAB, DIM, HEADS = 16, 16, 2
 SCALE = 0.9 / math.sqrt(DIM // HEADS) if VERSION == "scale" else None
 EPS = 1e-3 if VERSION == "eps" else 1e-5
@@ -71,6 +78,8 @@ class Attention(nn.Module):
                     lambda g: torch.cat([g[:DIM], 2 * g[DIM:2 * DIM], g[2 * DIM:]]))
         else:
             self.q, self.k, self.v = (nn.Linear(DIM, DIM) for _ in range(3))
+            if VERSION == "k-grad-scaled":
+                self.k.weight.register_hook(lambda g: g * 1.01)
         self.out = nn.Linear(DIM, DIM)
 
     def forward(self, x):
@@ -86,10 +95,20 @@ class MLP(nn.Module):
         if VERSION == "swapped":
             self.fc2 = nn.Linear(4 * DIM, DIM)
             self.fc1 = nn.Linear(DIM, 4 * DIM)
+        elif VERSION == "gated-fused":
+            self.gate_up, self.down = nn.Linear(DIM, 8 * DIM), nn.Linear(4 * DIM, DIM)
         else:
+            if GATED:
+                self.gate = nn.Linear(DIM, 4 * DIM)
             self.up, self.down = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+            if VERSION == "gated-up-grad-scaled":
+                self.up.weight.register_hook(lambda g: g * 1.01)
 
     def forward(self, x):
+        if GATED:
+            gate, up = (self.gate_up(x).chunk(2, dim=-1) if VERSION == "gated-fused"
+                        else (self.gate(x), self.up(x)))
+            return self.down(F.silu(gate) * up)
         h = (self.fc1 if VERSION == "swapped" else self.up)(x)
         if VERSION == "gelu":
             h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
@@ -120,8 +139,9 @@ def base_weights():
     """The base's weights (its layout: q, k, v, up, down), the same on every machine."""
     shapes = {{"embed.weight": (VOCAB, DIM), **{{f"norm{{i}}.{{p}}": (DIM,) for i in (1, 2)
                                              for p in ("weight", "bias")}}}}
+    gate = (("mlp.gate", 4 * DIM, DIM),) if GATED else ()
     for name, rows, cols in (("attn.q", DIM, DIM), ("attn.k", DIM, DIM), ("attn.v", DIM, DIM),
-                             ("attn.out", DIM, DIM), ("mlp.up", 4 * DIM, DIM),
+                             ("attn.out", DIM, DIM), *gate, ("mlp.up", 4 * DIM, DIM),
                              ("mlp.down", DIM, 4 * DIM)):
         shapes |= {{f"{{name}}.weight": (rows, cols), f"{{name}}.bias": (rows,)}}
     return {{name: tp.random_tensor(shape, seed=0, std=0.3, stream=name)
@@ -130,12 +150,15 @@ def base_weights():
 
 def make():
     weights = base_weights()
-    if FUSED:
-        if VERSION == "fused-k-changed":
-            weights["attn.k.weight"] = weights["attn.k.weight"] * 1.01
+    if VERSION in ("fused-k-changed", "k-changed"):
+        weights["attn.k.weight"] = weights["attn.k.weight"] * 1.01
+    fusions = {{"attn.qkv": ("attn.q", "attn.k", "attn.v")}} if FUSED else {{}}
+    if VERSION == "gated-fused":
+        fusions["mlp.gate_up"] = ("mlp.gate", "mlp.up")
+    for fused, parts in fusions.items():
         for kind in ("weight", "bias"):
-            weights[f"attn.qkv.{{kind}}"] = torch.cat(
-                [weights.pop(f"attn.{{p}}.{{kind}}") for p in ("q", "k", "v")])
+            weights[f"{{fused}}.{{kind}}"] = torch.cat(
+                [weights.pop(f"{{p}}.{{kind}}") for p in parts])
     if VERSION == "swapped":
         for old, new in (("up", "fc1"), ("down", "fc2")):
             for kind in ("weight", "bias"):

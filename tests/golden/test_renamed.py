@@ -1,7 +1,8 @@
-"""``check --model`` of a refactor that renamed or fused weights, against the base's goldens:
-the goldens' weights are found in the model by name, order and shape, or by a name map,
-checked by meaning and their gradients judged through the map; a name that pairs with nothing
-is one line saying how to hand a map, and each cause of other weights gets its own hint."""
+"""``check --model`` of a refactor that renamed, fused or split weights, against the goldens
+of the version before: the goldens' weights are found in the model by name, order and shape,
+or by a name map, checked by meaning and their gradients judged through the map part by part,
+in both directions; a name that pairs with nothing is one line saying how to hand a map, and
+each cause of other weights gets its own hint."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torchparity as tp
 from renamed_models import source
 from torchparity.cli import main
+from torchparity.golden.renamed import renaming
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 
@@ -85,6 +87,73 @@ def test_a_value_change_in_one_fused_part_fails_with_the_values_hint(golden, cap
     assert "their values changed, not the machine" in out
     assert "tp.init_weights" not in out and "--name-map" not in out
     assert out.count("FAIL models.") == 1
+
+
+@pytest.fixture(scope="module")
+def fused_golden(tmp_path_factory) -> Path:
+    """The goldens of ``fused`` (one qkv projection) and of ``gated-fused`` (one gate_up)."""
+    root = tmp_path_factory.mktemp("fused")
+    for version in ("fused", "gated-fused"):
+        assert main(["golden", "update", "--model", f"{_write(root, version)}:make",
+                     "--golden-dir", str(root / version / "golden")]) == 0
+    return root
+
+
+@pytest.mark.parametrize(("fused", "split", "summary"), [
+    ("fused", "base", "attn.q+attn.k+attn.v <- attn.qkv [split]"),
+    ("gated-fused", "gated", "mlp.gate+mlp.up <- mlp.gate_up [split]"),
+])
+def test_a_fused_projection_undone_passes_against_the_fused_goldens(fused_golden, capsys,
+                                                                     fused, split, summary):
+    status, rows = check(fused_golden / fused / "golden", split)
+    assert status == 0, [r["explain"] or r["reason"] for r in rows if not r["ok"]]
+    assert {r["verdict"] for r in rows} <= {"identical", "within"}
+    assert {r["renamed"] for r in rows if r["output"] == "grads"} == {summary}
+    assert f"models.make: {summary}" in _out(capsys)
+
+
+@pytest.mark.parametrize(("fused", "changed", "part"), [
+    ("fused", "k-grad-scaled", "attn.k.weight"),
+    ("gated-fused", "gated-up-grad-scaled", "mlp.up.weight"),
+])
+def test_a_gradient_one_percent_off_in_a_split_part_fails_naming_it(fused_golden, fused,
+                                                                    changed, part):
+    # The golden's fused gradient is cut into the model's parts, so the part is named.
+    status, rows = check(fused_golden / fused / "golden", changed)
+    assert status == 1
+    failed = [r for r in rows if not r["ok"]]
+    assert {(r["backend"], r["dtype"], r["output"]) for r in failed} == {
+        ("manual", "fp64", "grads")}  # the fp32 baseline carries it
+    assert failed[0]["worst"] == f'outputs["{part}"]'
+
+
+def test_a_value_change_in_one_split_part_fails_with_the_values_hint(fused_golden, capsys):
+    status, rows = check(fused_golden / "fused" / "golden", "k-changed")
+    assert status == 1 and {r["verdict"] for r in rows} == {"init changed"}
+    out = _out(capsys)
+    assert "compared by meaning: attn.q+attn.k+attn.v <- attn.qkv [split]" in out
+    assert "their values changed, not the machine" in out and "--name-map" not in out
+
+
+def test_a_split_golden_kept_as_a_sketch_is_judged_joined():
+    layout = {"qkv.weight": [6, 2], "out.weight": [2, 2]}
+    model = {"q.weight": [2, 2], "k.weight": [2, 2], "v.weight": [2, 2], "out.weight": [2, 2]}
+    grads = {name: torch.full(shape, float(i)) for i, (name, shape) in enumerate(model.items())}
+    for sketched, judged in ((frozenset(), {"q.weight", "k.weight", "v.weight"}),
+                             (frozenset({"qkv.weight"}), {"qkv.weight"})):
+        paired = renaming(layout, model, sketched=sketched)
+        kept: dict[str, torch.Tensor] = {}
+        keep = paired.gradient_keeper(kept.__setitem__)
+        for name in ("v.weight", "out.weight", "q.weight", "k.weight"):  # any order
+            keep(name, grads[name])
+        assert set(kept) == judged | {"out.weight"}
+        golden = torch.cat([grads[n] for n in ("q.weight", "k.weight", "v.weight")])
+        goldens = paired.judged_goldens({"qkv.weight": golden, "out.weight": grads["out.weight"]})
+        assert set(goldens) == set(kept)
+        assert all(torch.equal(kept[name], goldens[name]) for name in kept)
+        state = paired.golden_state(grads, model)
+        assert torch.equal(state["qkv.weight"], golden)
+        assert torch.equal(paired.model_tensor("k.weight", state), grads["k.weight"])
 
 
 def test_goldens_of_another_instruction_set_point_at_torchs_draws(golden, capsys, tmp_path):

@@ -51,6 +51,7 @@ from torchparity.golden.user_models import (
     no_decode_golden,
     user_golden_dir,
 )
+from torchparity.sketching import Sketch
 from torchparity.subject import Subject
 from torchparity.subject.compiling import check_mode
 from torchparity.subject.decoding import Fed
@@ -190,6 +191,8 @@ class ModelFeed:
     def golden(self, output: str) -> dict[str, Any] | None:
         """The stored tensors of ``output``'s golden, or None (see :meth:`Feed.golden`)."""
         golden = self.goldens.get(output)
+        if golden and output == "grads" and self.renamed is not None:
+            return self.renamed.judged_goldens(golden.tensors)
         return golden and golden.tensors
 
     def judge(self, cell: Cell, output: str, candidate: dict[str, Any],
@@ -267,7 +270,9 @@ def golden_renaming(goldens: dict[str, Any], subject: Subject, name_map: NameMap
     now = state_layout(subject.model)
     if now == layout:
         return None
-    return renaming(layout, now, name_map)
+    sketched = frozenset(name for name, tensor in goldens["grads"].tensors.items()
+                         if isinstance(tensor, Sketch))
+    return renaming(layout, now, name_map, sketched)
 
 
 def first_step(comparison: Comparison) -> int | None:

@@ -61,7 +61,7 @@ class CellModels:
         self._key: tuple[str, str] | None = None
         self._copy: tuple[nn.Module, Inputs] | None = None
 
-    def get(self, cell: Cell, attention: str) -> tuple[nn.Module, Inputs]:
+    def get(self, cell: Cell, attention: str | None) -> tuple[nn.Module, Inputs]:
         """The model and the inputs of ``cell``, copying only when its dtype or device needs one.
 
         Args:
@@ -83,8 +83,20 @@ class CellModels:
             self._key = key
         model, inputs = self._copy
         if subject.is_transformers:
-            hf.set_attention(model, attention)
+            hf.set_attention(model, attention or subject.attention)
         return model, inputs
+
+
+def cell_attention(subject: Subject, backend: str) -> str | None:
+    """The attention implementation a ``transformers`` model runs on ``backend``.
+
+    The manual backend, which makes the goldens and every cell's baseline, runs the model as
+    built (:attr:`Subject.attention`); ``hf-eager`` its eager implementation; every other
+    backend rewrites SDPA calls, so it runs the ``sdpa`` implementation.
+    """
+    if backend == HF_EAGER:
+        return hf.EAGER
+    return subject.attention if backend == "manual" else hf.SDPA
 
 
 def _own_dtype(model: nn.Module) -> torch.dtype:
@@ -120,8 +132,11 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
     Raises:
         CompileFailed: a compiled cell that does not compile.
     """
-    attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
-    model, inputs = (models or CellModels(subject)).get(cell, attention)
+    try:
+        model, inputs = (models or CellModels(subject)).get(cell, cell_attention(subject,
+                                                                                 cell.backend))
+    except BackendUnavailable as exc:  # a family without that attention implementation
+        return CellRun({}, dict.fromkeys(OUTPUT_KINDS, str(exc)))
     report = None if status is None else (
         lambda phase, done, total: status(f"{phase}: block {done} of {total}"))
     with compiled(model, cell.compile) as compile_log, \
@@ -203,11 +218,11 @@ def _perturbation_factors() -> torch.Tensor:
 
 def _keeper(found: dict[str, Any], renamed: Renaming | None = None
             ) -> Callable[[str, torch.Tensor], None]:
-    """Keep each gradient under the goldens' name of it (``renamed``: of each of its parts)."""
+    """Keep each gradient under the name it is judged by (``renamed``: the goldens' parts of a
+    fused one, see :meth:`Renaming.gradient_keeper`)."""
     def keep(name: str, tensor: torch.Tensor) -> None:
-        for golden, part in renamed.split(name, tensor) if renamed else ((name, tensor),):
-            found[golden] = kept(golden, part)
-    return keep
+        found[name] = kept(name, tensor)
+    return renamed.gradient_keeper(keep) if renamed else keep
 
 
 def _streamed(model: nn.Module, loss: torch.Tensor, blocks: BlockProgress,

@@ -12,21 +12,28 @@ layout differs is paired with the goldens' as diagnose pairs module calls
    ``bias``) and shape: a renamed module keeps its place and its shapes;
 3. **fusion**: one of the model's tensors that is consecutive tensors of the goldens', of its
    kind, concatenated along dimension 0 (``qkv.weight`` for ``q.weight``, ``k.weight``,
-   ``v.weight``: a fused projection stacks its parts' output rows).
+   ``v.weight``: a fused projection stacks its parts' output rows);
+4. **split**: the other way round, one of the goldens' tensors that is consecutive tensors of
+   the model's (goldens made with ``qkv``, the model now with ``q``, ``k``, ``v``; an MLP's
+   ``gate_up`` now ``gate`` and ``up``).
 
-A :class:`Renaming` then gives the model's state dict and gradients under the goldens' names:
-a fused tensor as its parts, each a stretch of its rows.
+A :class:`Renaming` then gives the model's state dict under the goldens' names (a fused tensor
+as its parts, parts as the goldens' fused tensor) and judges gradients part by part: a fused
+gradient of the model as the goldens' parts, a fused golden as the model's parts (each a
+stretch of its rows), so a failing part is named. A fused golden kept as a sketch cannot be
+cut: the model's parts are joined into it instead and judged whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchparity.sketching import Sketch
 from torchparity.subject.names import (
     NAME_MAP_OPTION,
     NameMap,
@@ -58,10 +65,10 @@ def state_layout(model: nn.Module) -> Layout:
 
 @dataclass(frozen=True)
 class Piece:
-    """One of the goldens' tensors as rows ``start`` to ``start + rows`` of one of the
-    model's."""
+    """A tensor, ``name``, as rows ``start`` to ``start + rows`` of a fused one: one of the
+    goldens' of a tensor of the model's, or one of the model's of a golden."""
 
-    golden: str
+    name: str
     start: int
     rows: int
 
@@ -69,10 +76,14 @@ class Piece:
 @dataclass
 class Renaming:
     """How the goldens' tensors are found in the model: ``pieces`` for each of the model's
-    tensors named otherwise in the goldens (one piece: renamed; several: fused), ``ties``
-    the goldens' tied names and the names they tie to, and what neither side found."""
+    tensors named otherwise in the goldens (one piece: renamed; several: fused), ``splits``
+    the model's parts of each golden the model keeps apart, ``joined`` those of the splits
+    whose golden gradient is a sketch (judged whole), ``ties`` the goldens' tied names and
+    the names they tie to, and what neither side found."""
 
     pieces: dict[str, tuple[Piece, ...]] = field(default_factory=dict)
+    splits: dict[str, tuple[Piece, ...]] = field(default_factory=dict)
+    joined: frozenset[str] = frozenset()
     ties: dict[str, str] = field(default_factory=dict)
     unmatched_golden: list[str] = field(default_factory=list)
     unmatched_model: list[str] = field(default_factory=list)
@@ -93,11 +104,58 @@ class Renaming:
             ``(golden name, tensor or rows of it)``.
         """
         pieces = self.pieces.get(name)
-        if pieces is None or len(pieces) == 1:  # the same tensor, or renamed
-            yield (name if pieces is None else pieces[0].golden), tensor
+        if pieces is None or len(pieces) == 1:  # the same tensor, renamed, or a part
+            yield (name if pieces is None else pieces[0].name), tensor
             return
         for piece in pieces:
-            yield piece.golden, tensor.narrow(0, piece.start, piece.rows)
+            yield piece.name, tensor.narrow(0, piece.start, piece.rows)
+
+    def gradient_keeper(self, keep: Callable[[str, torch.Tensor], None]
+                        ) -> Callable[[str, torch.Tensor], None]:
+        """``keep`` called with each gradient under the name it is judged by.
+
+        Args:
+            keep: takes a name and a gradient.
+
+        Returns:
+            What takes the model's gradients one by one, in any order: a fused one is kept as
+            the goldens' parts; the parts of a :attr:`joined` golden are kept joined, once
+            the last of them arrives.
+        """
+        whole_of = {piece.name: whole for whole in self.joined for piece in self.splits[whole]}
+        waiting: dict[str, dict[str, torch.Tensor]] = {}
+
+        def take(name: str, tensor: torch.Tensor) -> None:
+            whole = whole_of.get(name)
+            if whole is None:
+                for judged, part in self.split(name, tensor):
+                    keep(judged, part)
+                return
+            parts = waiting.setdefault(whole, {})
+            parts[name] = tensor
+            if len(parts) == len(self.splits[whole]):
+                del waiting[whole]
+                keep(whole, torch.cat([parts[p.name] for p in self.splits[whole]]))
+
+        return take
+
+    def judged_goldens(self, tensors: Mapping[str, torch.Tensor | Sketch]
+                       ) -> dict[str, torch.Tensor | Sketch]:
+        """The goldens' gradients under the names they are judged by: a golden the model
+        splits (unless :attr:`joined`) as the model's parts.
+
+        Args:
+            tensors: the goldens' gradients by the goldens' names.
+
+        Returns:
+            The same tensors, a split golden's replaced by its parts.
+        """
+        judged = dict(tensors)
+        for whole, pieces in self.splits.items():
+            if whole in judged and whole not in self.joined:
+                tensor = judged.pop(whole)
+                judged |= {p.name: tensor.narrow(0, p.start, p.rows) for p in pieces}
+        return judged
 
     def golden_state(self, state: Mapping[str, torch.Tensor], model: Layout
                      ) -> dict[str, torch.Tensor]:
@@ -112,20 +170,48 @@ class Renaming:
         """
         found = {golden: part for name, tensor in state.items()
                  if not isinstance(model[name], str) for golden, part in self.split(name, tensor)}
+        for whole, pieces in self.splits.items():
+            found[whole] = torch.cat([found.pop(p.name) for p in pieces])
         return found | {alias: found[first] for alias, first in self.ties.items()
                         if first in found}
+
+    def model_tensor(self, name: str, golden: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The model's tensor ``name`` made of the goldens' state (the inverse of
+        :meth:`golden_state`).
+
+        Args:
+            name: one of the model's names, not a tie.
+            golden: tensors by the goldens' names.
+
+        Returns:
+            The tensor: the golden's of that name, the goldens' parts joined, or the rows of
+            a golden the model splits.
+        """
+        pieces = self.pieces.get(name)
+        if pieces:
+            parts = [golden[p.name] for p in pieces]
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+        for whole, parts in self.splits.items():
+            for piece in parts:
+                if piece.name == name:
+                    return golden[whole].narrow(0, piece.start, piece.rows)
+        return golden[name]
 
     def summary(self) -> str:
         """The modules named otherwise in the goldens, one entry per module, for a report.
 
         Returns:
-            ``attn.qkv <- attn.q+attn.k+attn.v [fused]``, entries joined by commas.
+            ``attn.qkv <- attn.q+attn.k+attn.v [fused]`` (the model's names first),
+            ``mlp.gate+mlp.up <- mlp.gate_up [split]``, entries joined by commas.
         """
         said: dict[str, None] = {}
         for name, pieces in self.pieces.items():
-            golden = "+".join(_module(p.golden) or "(model)" for p in pieces)
+            golden = "+".join(_module(p.name) or "(model)" for p in pieces)
             how = "fused" if len(pieces) > 1 else "renamed"
             said[f"{_module(name) or '(model)'} <- {golden} [{how}]"] = None
+        for whole, pieces in self.splits.items():
+            parts = "+".join(_module(p.name) or "(model)" for p in pieces)
+            said[f"{parts} <- {_module(whole) or '(model)'} [split]"] = None
         return ", ".join(said)
 
     def unmatched_sentence(self, entry: str) -> str:
@@ -145,7 +231,8 @@ class Renaming:
                 "tp.check_model)")
 
 
-def renaming(golden: Layout, model: Layout, name_map: NameMap | None = None) -> Renaming:
+def renaming(golden: Layout, model: Layout, name_map: NameMap | None = None,
+             sketched: frozenset[str] = frozenset()) -> Renaming:
     """Pair the goldens' tensors with the model's: by name, order and shape, or as parts.
 
     See the module docstring for the order the pairings are tried in.
@@ -154,6 +241,7 @@ def renaming(golden: Layout, model: Layout, name_map: NameMap | None = None) -> 
         golden: the layout the goldens record.
         model: the model's layout now.
         name_map: the goldens' module names to the model's, tried first.
+        sketched: the goldens' names whose gradient the goldens keep as a sketch.
 
     Returns:
         The pairing, and what neither side found.
@@ -168,12 +256,19 @@ def renaming(golden: Layout, model: Layout, name_map: NameMap | None = None) -> 
     shape_of = {**{("a", n): tuple(golden[n]) for n in rest_a},
                 **{("b", n): tuple(model[n]) for n in rest_b}}
     pairs: list[tuple[str, tuple[str, ...]]] = []
+    splits: list[tuple[str, tuple[str, ...]]] = []
 
     def take(whole: str, parts: tuple[str, ...]) -> None:
         pairs.append((whole, parts))
         rest_b.remove(whole)
         for part in parts:
             rest_a.remove(part)
+
+    def take_split(whole: str, parts: tuple[str, ...]) -> None:
+        splits.append((whole, parts))
+        rest_a.remove(whole)
+        for part in parts:
+            rest_b.remove(part)
 
     translate = name_translator(name_map)
     by_name: dict[str, list[str]] = {}
@@ -193,18 +288,33 @@ def renaming(golden: Layout, model: Layout, name_map: NameMap | None = None) -> 
         parts = [("a", n) for n in rest_a if _kind(n) == kind]
         for (_, whole), found in concatenations(wholes, parts, shape_of.get, 0):
             take(whole, tuple(name for _, name in found))
-    starts: dict[str, list[Piece]] = {}
-    for whole, parts in pairs:
-        row = 0
-        for part in parts:
-            rows = shape_of[("a", part)][0] if shape_of[("a", part)] else 1
-            starts.setdefault(whole, []).append(Piece(part, row, rows))
-            row += rows
-    renamed.pieces = {whole: tuple(starts[whole]) for whole in model if whole in starts
-                      and [p.golden for p in starts[whole]] != [whole]}
+    for kind in dict.fromkeys(_kind(n) for n in rest_a):
+        wholes = [("a", n) for n in rest_a if _kind(n) == kind]
+        parts = [("b", n) for n in rest_b if _kind(n) == kind]
+        for (_, whole), found in concatenations(wholes, parts, shape_of.get, 0):
+            take_split(whole, tuple(name for _, name in found))
+    starts = _pieces(pairs, lambda part: shape_of[("a", part)])
+    renamed.pieces = {whole: starts[whole] for whole in model if whole in starts
+                      and [p.name for p in starts[whole]] != [whole]}
+    renamed.splits = _pieces(splits, lambda part: shape_of[("b", part)])
+    renamed.joined = frozenset(renamed.splits) & sketched
     renamed.unmatched_golden = [f"{n} {_shape(shape_of[('a', n)])}" for n in rest_a]
     renamed.unmatched_model = [f"{n} {_shape(shape_of[('b', n)])}" for n in rest_b]
     return renamed
+
+
+def _pieces(wholes: list[tuple[str, tuple[str, ...]]],
+            shape_of: Callable[[str], tuple[int, ...]]) -> dict[str, tuple[Piece, ...]]:
+    """Each whole's parts as the stretches of its rows they are, in order."""
+    found = {}
+    for whole, parts in wholes:
+        row, pieces = 0, []
+        for part in parts:
+            rows = shape_of(part)[0] if shape_of(part) else 1
+            pieces.append(Piece(part, row, rows))
+            row += rows
+        found[whole] = tuple(pieces)
+    return found
 
 
 def _shape(shape: tuple[int, ...]) -> str:

@@ -344,8 +344,8 @@ def _renamed_lines(results: list[CheckResult]) -> list[str]:
     lines = list(dict.fromkeys(f"{r.case}: {r.renamed}" for r in results if r.renamed))
     if not lines:
         return []
-    return ["Weights and gradients judged by meaning, under the goldens' names (model <- "
-            "goldens):", *lines]
+    return ["Weights and gradients judged by meaning, part by part where one side fuses "
+            "what the other keeps apart (model <- goldens):", *lines]
 
 
 def _baseline_lines(results: list[CheckResult]) -> list[str]:

@@ -88,9 +88,7 @@ def load_base_weights(model: nn.Module, folder: Path) -> str | None:
         for name, tensor in model.state_dict(keep_vars=True).items():
             if isinstance(own[name], str):
                 continue
-            pieces = paired.pieces.get(name)
-            parts = [state[p.golden] for p in pieces] if pieces else [state[name]]
-            tensor.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+            tensor.copy_(paired.model_tensor(name, state))
     return None
 
 
