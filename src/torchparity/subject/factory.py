@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from torchparity.errors import UsageError, UserCodeError
+from torchparity.subject import hf_families
 
 #: The keys a factory's dict may have; the first two are required.
 KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding", "reorder", "search",
@@ -48,7 +49,8 @@ def resolve_entry(spec: str) -> Callable[..., Any]:
     """The callable an entry names, imported but not called.
 
     Args:
-        spec: ``package.module:name`` or ``path/to/file.py:name``.
+        spec: ``package.module:name``, ``path/to/file.py:name`` or an ``hf:`` entry
+            (:mod:`~torchparity.subject.hf_families`).
 
     Returns:
         The factory.
@@ -57,10 +59,12 @@ def resolve_entry(spec: str) -> Callable[..., Any]:
         UsageError: the entry is malformed, does not import, or names no callable.
         UserCodeError: importing the user's module raised.
     """
+    if hf_families.is_hf_entry(spec):
+        return hf_families.factory(spec)
     location, _, attribute = spec.rpartition(":")
     if not location or not attribute:
-        raise UsageError(f"entry point {spec!r} must look like package.module:factory or "
-                         "path/to/file.py:factory")
+        raise UsageError(f"entry point {spec!r} must look like package.module:factory, "
+                         "path/to/file.py:factory or hf:FAMILY")
     module = _import_location(location, spec)
     factory = getattr(module, attribute, None)
     if not callable(factory):
@@ -72,11 +76,13 @@ def entry_name(spec: str) -> str:
     """A factory's name as reports and golden folders use it, without the file's folder.
 
     Args:
-        spec: ``path/to/models.py:gpt2`` or ``pkg.mod:gpt2``.
+        spec: ``path/to/models.py:gpt2``, ``pkg.mod:gpt2`` or ``hf:gpt2,attn=eager``.
 
     Returns:
-        ``models.gpt2`` or ``pkg.mod.gpt2``.
+        ``models.gpt2``, ``pkg.mod.gpt2`` or ``hf.gpt2.eager``.
     """
+    if hf_families.is_hf_entry(spec):
+        return hf_families.parse(spec).name
     location, _, attribute = spec.rpartition(":")
     stem = Path(location).stem if location.endswith(".py") else location
     return f"{stem}.{attribute}"
