@@ -29,11 +29,11 @@ from torchparity.errors import BackendUnavailable
 from torchparity.golden.cases import check_case
 from torchparity.golden.cells import REFERENCE, Cell
 from torchparity.golden.model_check import backend_names, check_subject
-from torchparity.golden.model_runs import HF_EAGER
+from torchparity.golden.model_runs import HF_EAGER, cell_attention
 from torchparity.golden.store import GoldenStore, default_golden_dir
 from torchparity.golden.user_models import model_store, write_goldens
 from torchparity.reference import zoo
-from torchparity.subject import Subject, hf
+from torchparity.subject import Subject
 from torchparity.subject.compiling import MODES, CompileFailed, compiled
 from torchparity.subject.running import Inputs
 from torchparity.subject.trees import flatten_tensors
@@ -126,7 +126,7 @@ def _compiled_row(subject: Subject, eager: dict[str, Any], form: str, rounds: in
                   device: str) -> dict[str, Any]:
     backend, dtype = eager["backend"], eager["dtype"]
     row = {"model": subject.name, "backend": backend, "dtype": dtype, "compile": form}
-    attention = hf.EAGER if backend == HF_EAGER else hf.SDPA
+    attention = cell_attention(subject, backend)
     model, inputs = subject.placed(device, DTYPES[dtype], attention)
     eager_model, eager_inputs = subject.placed(device, DTYPES[dtype], attention)
     times, eager_times = [], []
@@ -156,7 +156,7 @@ def _compiled_row(subject: Subject, eager: dict[str, Any], form: str, rounds: in
 def _first_step(subject: Subject, backend: str, dtype: str, device: str,
                 ) -> tuple[nn.Module, Inputs, int | None]:
     """Copy the model into ``dtype`` and run one step: (model, inputs, SDPA calls made)."""
-    attention = hf.EAGER if backend == HF_EAGER else hf.SDPA
+    attention = cell_attention(subject, backend)
     model, inputs = subject.placed(device, DTYPES[dtype], attention)
     with _backend(backend) as intercepted:
         _step(subject, model, inputs)

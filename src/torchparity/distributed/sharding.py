@@ -8,8 +8,9 @@ none given: one dimension ``"shard"`` over every rank): each rank keeps its part
 (:func:`hold`).
 A run's copy in its dtype is planned on the meta device by the same plan, and each rank fills
 its own part from its part of the factory's model (:func:`placed`): no rank ever holds the whole
-model in a run's dtype. A plan that shards a parameter unevenly is refused with one line: its
-ranks would pad, or split a head.
+model in a run's dtype. FSDP2's uneven shards (101 rows over 2 ranks: 51 and 50) are read
+through their real sizes; a tensor-parallel plan that splits a parameter unevenly, or a head,
+is refused with one line: the computation it plans would not run.
 
 A factory that hands in no plan may shard its model itself under torchrun: with DTensors
 (``fully_shard``, ``parallelize_module``), read through their placements, or by hand, each
@@ -173,7 +174,7 @@ def sliced_by_hand(subject: Subject, model: nn.Module) -> slices.Slices:
 
 
 def refuse_unfit(subject: Subject, model: nn.Module) -> None:
-    """Refuse a sharding whose ranks would pad a parameter or split a head.
+    """Refuse a tensor-parallel sharding that splits a parameter unevenly or a head.
 
     Args:
         subject: the user's model, named in the message.
@@ -191,7 +192,11 @@ def refuse_unfit(subject: Subject, model: nn.Module) -> None:
 
 
 def uneven_shard(model: nn.Module) -> str | None:
-    """How the first parameter sharded unevenly is split (its ranks would hold padding).
+    """How the first parameter sharded unevenly by a tensor-parallel plan is split.
+
+    FSDP2 shards unevenly itself (the last ranks hold fewer rows, padded in its collectives),
+    and its shards are read through their real sizes; a tensor-parallel rank holding a part
+    of another size runs a computation its plan does not expect.
 
     Args:
         model: a sharded model.
@@ -201,17 +206,41 @@ def uneven_shard(model: nn.Module) -> str | None:
     """
     from torch.distributed.tensor import DTensor, Shard
 
+    fsdp = fsdp_mesh_dims(model)
     for name, param in model.named_parameters():
         if not isinstance(param, DTensor):
             continue
+        names = param.device_mesh.mesh_dim_names or (None,) * param.device_mesh.ndim
         for dim, placement in enumerate(param.placements):
-            if isinstance(placement, Shard):
+            if isinstance(placement, Shard) and names[dim] not in fsdp.get(id(param), ()):
                 ranks = param.device_mesh.size(dim)
                 extent = param.shape[placement.dim]
                 if extent % ranks:
                     return (f"splits {name} (shape {tuple(param.shape)}) along dimension "
                             f"{placement.dim} over {ranks} ranks, which do not divide {extent}")
     return None
+
+
+def fsdp_mesh_dims(model: nn.Module) -> dict[int, set[str | None]]:
+    """The mesh dimensions FSDP2 shards each of its parameters over, by the parameter's id.
+
+    Args:
+        model: a model, some of whose modules may be FSDP2 units.
+
+    Returns:
+        The names of the dimensions (None for a mesh without names) of each parameter an
+        FSDP2 unit holds.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    dims: dict[int, set[str | None]] = {}
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(
+            module, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            mesh = fsdp_param.mesh_info.mesh
+            dims[id(fsdp_param.sharded_param)] = set(mesh.mesh_dim_names or (None,))
+    return dims
 
 
 def split_heads(model: nn.Module) -> str | None:
@@ -227,6 +256,7 @@ def split_heads(model: nn.Module) -> str | None:
     """
     from torch.distributed.tensor import DTensor, Shard
 
+    fsdp = fsdp_mesh_dims(model)  # gathered whole before any computation: heads stay whole
     for module_name, module in model.named_modules():
         head_dim = getattr(module, "head_dim", None)
         if not isinstance(head_dim, int) or head_dim < 1:
@@ -234,8 +264,11 @@ def split_heads(model: nn.Module) -> str | None:
         for name, param in module.named_parameters():
             if not isinstance(param, DTensor):
                 continue
+            names = param.device_mesh.mesh_dim_names or (None,) * param.device_mesh.ndim
             for dim, placement in enumerate(param.placements):
-                extent = param.shape[placement.dim] if isinstance(placement, Shard) else 0
+                tensor_parallel = isinstance(placement, Shard) and names[dim] not in fsdp.get(
+                    id(param), ())
+                extent = param.shape[placement.dim] if tensor_parallel else 0
                 heads, ranks = extent // head_dim, param.device_mesh.size(dim)
                 if extent % head_dim == 0 and heads % ranks:
                     return (f"splits the {heads} heads of {module_name} ({head_dim} wide, in "
@@ -439,7 +472,7 @@ def hold(subject: Subject) -> None:
 
 
 def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
-           attention: str = hf.SDPA) -> tuple[nn.Module, Inputs]:
+           attention: str | None = None) -> tuple[nn.Module, Inputs]:
     """A run's copy of the model in ``dtype`` on ``device``, sharded by the factory's plan.
 
     The plan shards a copy on the meta device; each rank then fills its own part from its
@@ -483,7 +516,7 @@ def rebuilt(subject: Subject) -> nn.Module:
     return call_factory(factory, subject.entry)["model"]
 
 
-def held(subject: Subject, attention: str = hf.SDPA) -> nn.Module:
+def held(subject: Subject, attention: str | None = None) -> nn.Module:
     """The factory's sharded model itself, in eval mode: no copy of it made.
 
     What a float64 run casts module by module
@@ -535,7 +568,7 @@ def gather_root(model: nn.Module) -> None:
 def _ready(subject: Subject, model: nn.Module, attention: str) -> nn.Module:
     model.eval()
     if subject.is_transformers:
-        hf.set_attention(model, attention)
+        hf.set_attention(model, attention or subject.attention)
     return model
 
 

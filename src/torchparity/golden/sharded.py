@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from torchparity.distributed import group, launch, sharding
+from torchparity.distributed import agreement, group, launch, sharding
 from torchparity.distributed.group import under_torchrun
 from torchparity.distributed.slices import DECLARE_HINT, Slice, Slices, whole_of
 from torchparity.dtypes import DTYPES
@@ -47,9 +47,9 @@ from torchparity.golden import check_loop
 from torchparity.golden.cells import REFERENCE, Cell, CellRun, CheckResult, matmul_precision
 from torchparity.golden.model_check import ModelFeed
 from torchparity.golden.model_runs import (
-    HF_EAGER,
     OUTPUT_KINDS,
     attention_backend,
+    cell_attention,
     decode_into,
     forward_backward,
     perturb_stretch,
@@ -59,7 +59,7 @@ from torchparity.golden.renamed import state_layout
 from torchparity.golden.store import GoldenStore
 from torchparity.golden.user_models import model_checksums, write_goldens
 from torchparity.sketching import CHUNK, Sketch, kept, sketch_chunks, wants_sketch
-from torchparity.subject import Subject, hf
+from torchparity.subject import Subject
 from torchparity.subject.blockwise import Float64Run, stream_grads
 from torchparity.subject.compiling import compiled
 from torchparity.subject.decoding import Fed
@@ -95,6 +95,7 @@ def start(nproc: int | None, argv: list[str]) -> int | None:
         if nproc is not None and nproc != group.world_size():
             raise UsageError(f"--nproc {nproc} under a torchrun of {group.world_size()} "
                              "ranks; leave --nproc out inside torchrun")
+        launch.die_with_parent()
         group.join()
         atexit.register(group.leave)
         if group.rank() != 0:
@@ -165,8 +166,13 @@ def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
         The run, its tensors as one process would keep them.
     """
     run_name = f"the {cell.label} run" + (" (perturbed)" if perturb else "")
-    return collectively(run_name, lambda: _run_sharded(subject, cell, loss_paths, run_name,
-                                                       perturb=perturb, tokens=tokens))
+
+    def agreed_run() -> CellRun:
+        run = _run_sharded(subject, cell, loss_paths, run_name, perturb=perturb, tokens=tokens)
+        agreement.check_kept(run.outputs)  # every rank judges it alike, or none does
+        return run
+
+    return collectively(run_name, agreed_run)
 
 
 def collectively(what: str, fn: Callable[[], _Result]) -> _Result:
@@ -189,8 +195,26 @@ def collectively(what: str, fn: Callable[[], _Result]) -> _Result:
         if not group.collective_failed(exc):
             raise
         raise TorchParityError(
-            f"rank {group.rank()}: a collective failed in {what} "
+            f"a collective failed in {what} "
             f"({group.where_others_are()}): {first_line(exc.__cause__ or exc)}") from exc
+
+
+def replicas_agree(subject: Subject) -> None:
+    """Fail on every rank alike when a weight the ranks hold replicated differs between them
+    (:func:`~torchparity.distributed.agreement.check_replicated`), once the factory's model is
+    sharded and before any rank judges anything.
+
+    Args:
+        subject: the user's model.
+
+    Raises:
+        RanksDisagree: a replicated weight differs, naming it, the ranks and by how much.
+    """
+    def compared() -> None:
+        sharding.hold(subject)
+        agreement.check_replicated(subject.shards, subject.slices)
+
+    collectively("the comparison of the replicated weights", compared)
 
 
 def _weighed(subject: Subject) -> Subject:
@@ -207,7 +231,7 @@ def _weighed(subject: Subject) -> Subject:
 
 def _run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, run_name: str,
                  *, perturb: bool, tokens: Fed | None) -> CellRun:
-    attention = hf.EAGER if cell.backend == HF_EAGER else hf.SDPA
+    attention = cell_attention(subject, cell.backend)
     group.mark(f"the sharding of {run_name} (the factory's plan)")
     grads: dict[str, Any] = {}
     float64 = None
@@ -394,6 +418,7 @@ def check_sharded(subject: Subject, store: GoldenStore, cells: list[Cell],
     """
     feed = collectively("the checksums of the weights",
                         lambda: ShardedFeed(_weighed(subject), store, status))
+    replicas_agree(feed.subject)
     return check_loop.check_cells(feed, cells, advance)
 
 
@@ -420,6 +445,7 @@ def write_sharded_goldens(subject: Subject, store: GoldenStore) -> dict[str, str
     layout = state_layout(subject.model)  # its names and shapes as the factory made them
     if subject.slices is not None:  # a model sharded by hand: as one process holds it
         layout |= {name: list(where.whole) for name, where in subject.slices.held.items()}
+    replicas_agree(subject)
     group.together("the float64 golden run")
     run = run_sharded(subject, REFERENCE, None)
     statuses = [write_goldens(subject, store, run=run, checksums=checksums, layout=layout)

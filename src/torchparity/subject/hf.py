@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchparity.errors import BackendUnavailable
+
 #: The attention implementations a ``transformers`` model is switched between.
 EAGER, SDPA = "eager", "sdpa"
 
@@ -44,16 +46,31 @@ def generates(model: nn.Module) -> bool:
     return is_transformers(model) and callable(can) and bool(can())
 
 
+def attention_of(model: nn.Module) -> str | None:
+    """The attention implementation a ``transformers`` model runs now (None for any other)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
 def set_attention(model: nn.Module, implementation: str) -> None:
-    """Switch a ``transformers`` model to its ``eager`` or ``sdpa`` attention, in place.
+    """Switch a ``transformers`` model to the attention implementation named, in place.
 
     Args:
         model: a ``transformers`` model.
-        implementation: :data:`EAGER` or :data:`SDPA`.
+        implementation: :data:`EAGER`, :data:`SDPA` or another the release knows.
+
+    Raises:
+        BackendUnavailable: the model has no such implementation (its cells are n/a).
     """
+    if attention_of(model) == implementation:
+        return
     switch = getattr(model, "set_attn_implementation", None)
     if callable(switch):
-        switch(implementation)
+        try:
+            switch(implementation)
+        except (ValueError, ImportError) as exc:  # the family refuses it
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise BackendUnavailable(f"{type(model).__name__} has no {implementation} "
+                                     f"attention implementation ({text})") from None
         return
     built = _built_with(model, implementation)
     for name, module in model.named_modules():

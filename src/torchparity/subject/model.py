@@ -90,6 +90,9 @@ class Subject:
     train_step: Callable[[nn.Module, Inputs, Optimizer], torch.Tensor | float] | None = None
     #: False where it is checked against goldens made without decoding: it does not decode.
     decoding: bool = True
+    #: A ``transformers`` model's attention implementation as built: its goldens run it, the
+    #: other implementations are alternatives judged against it.
+    attention: str | None = None
 
     @classmethod
     def load(cls, entry: str | Callable[[], object]) -> Subject:
@@ -121,7 +124,8 @@ class Subject:
             raise UsageError(f"factory {spec} returned shards={fields['split']!r}; give each "
                              'sliced parameter\'s dimension by name, such as '
                              '{"layers.0.attn.q.weight": 0}')
-        subject = cls(name=entry_name(spec), entry=spec, **fields)
+        subject = cls(name=entry_name(spec), entry=spec, **fields,
+                      attention=hf.attention_of(fields["model"]))
         if on_meta(subject.model) and not (under_torchrun() and subject.parallelize):
             subject.materialise(subject.model, "cpu")
         return subject
@@ -220,7 +224,8 @@ class Subject:
         return lambda state, index: self.guarded(lambda: reorder(state, index), what)
 
     def placed(self, device: str | torch.device, dtype: torch.dtype,
-               attention: str = hf.SDPA, *, share: bool = False) -> tuple[nn.Module, Inputs]:
+               attention: str | None = None, *, share: bool = False
+               ) -> tuple[nn.Module, Inputs]:
         """The model and its inputs ready for one cell: ``dtype``, ``device``, eval mode.
 
         Eval mode because dropout, modules' or ``F.dropout(training=self.training)``, would make
@@ -229,7 +234,7 @@ class Subject:
         Args:
             device: where the model and inputs go.
             dtype: the dtype of their floating tensors.
-            attention: a ``transformers`` model's attention implementation.
+            attention: a ``transformers`` model's attention implementation (default: its own).
             share: use the model itself (put in eval mode and on ``attention``) when it already has
                 that dtype and device: no copy of a big model.
 
@@ -241,7 +246,7 @@ class Subject:
             model = copy.deepcopy(model)
         model.eval()
         if self.is_transformers:
-            hf.set_attention(model, attention)
+            hf.set_attention(model, attention or self.attention)
         return model, cast_inputs(self.inputs, device, dtype)
 
     def forward(self, model: nn.Module, inputs: Inputs) -> PyTree:
