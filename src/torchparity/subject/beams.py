@@ -17,6 +17,7 @@ have kept: two revisions judged along one search.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import nn
 
 from torchparity.errors import UsageError
 from torchparity.subject import hf
-from torchparity.subject.decoding import ReorderFn
+from torchparity.subject.decoding import ReorderFn, recomputing
 from torchparity.subject.trees import PyTree, map_tensors
 
 #: Defaults of the command line and of :class:`BeamSettings` (those of ``generate``).
@@ -296,6 +297,13 @@ def reorder_cache(cache: Any, index: torch.Tensor) -> Any:
     return tuple(tuple(t.index_select(0, index.to(t.device)) for t in layer) for layer in cache)
 
 
+def reorderable(cache: Any) -> bool:
+    """Whether :func:`reorder_cache` can reorder ``cache``."""
+    return cache is None or callable(getattr(cache, "reorder_cache", None)) or (
+        isinstance(cache, tuple) and all(isinstance(layer, tuple) and all(
+            isinstance(t, torch.Tensor) for t in layer) for layer in cache))
+
+
 def builtin_reorder(model: nn.Module) -> ReorderFn | None:
     """The ``reorder`` of a model whose step torchparity provides, or None.
 
@@ -311,7 +319,7 @@ def builtin_reorder(model: nn.Module) -> ReorderFn | None:
     if callable(getattr(model, "new_cache", None)) and hasattr(model, "config"):
         return reference_reorder
     if hf.generates(model):
-        return hf_reorder
+        return functools.partial(hf_reorder, model)
     return None
 
 
@@ -329,10 +337,17 @@ def reference_reorder(state: dict[str, Any], index: torch.Tensor) -> dict[str, A
     return {"cache": state["cache"], "inputs": reorder_rows(state["inputs"], index)}
 
 
-def hf_reorder(state: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
-    """A ``transformers`` step's state reordered along the beams' parents.
+def hf_reorder(model: nn.Module, state: dict[str, Any], index: torch.Tensor
+               ) -> dict[str, Any]:
+    """A ``transformers`` step's state reordered along the beams' parents: the cache by its own
+    ``reorder_cache``, else by the model's ``_reorder_cache`` (XLNet's memories), as
+    ``generate`` reorders it.
+
+    A cache neither can reorder is dropped where the state keeps the whole sequence: the next
+    step then runs it again (full recomputation, said once on stderr).
 
     Args:
+        model: the model decoded.
         state: the cache and every tensor beside it (attention masks, position ids, the
             encoder's outputs).
         index: the parent row of each row.
@@ -340,5 +355,12 @@ def hf_reorder(state: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
     Returns:
         The state with each of them reordered.
     """
-    rest = {key: value for key, value in state.items() if key != "cache"}
-    return {**reorder_rows(rest, index), "cache": reorder_cache(state["cache"], index)}
+    rest = reorder_rows({key: value for key, value in state.items() if key != "cache"}, index)
+    cache, own = state["cache"], getattr(model, "_reorder_cache", None)
+    if not reorderable(cache) and callable(own):
+        return {**rest, "cache": own(cache, index)}
+    if not reorderable(cache) and "input_ids" in state:
+        recomputing(model, f"its cache ({type(cache).__name__}) cannot be reordered in a beam "
+                           "search")
+        return {**rest, "cache": None}
+    return {**rest, "cache": reorder_cache(cache, index)}

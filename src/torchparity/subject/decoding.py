@@ -21,7 +21,9 @@ as ``generate`` computes them) and ``transformers`` encoder-decoders (the encode
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +34,7 @@ from torch import nn
 
 from torchparity.errors import UsageError
 from torchparity.subject import hf
+from torchparity.text import wrapped
 
 #: ``step(model, tokens, state) -> (logits, state)``: one decoding step of a model.
 StepFn = Callable[[nn.Module, Any, Any], tuple[torch.Tensor, Any]]
@@ -329,9 +332,79 @@ def _prompt_positions(model: nn.Module, mask: torch.Tensor | None) -> dict[str, 
 
 
 def causal_lm_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:
-    """A ``transformers`` causal LM step: ``input_ids`` and ``attention_mask`` of the prompt
-    (other inputs are for the forward pass, not for decoding), its cache object, the mask
-    growing by one per step and position ids as ``generate`` computes them."""
+    """A ``transformers`` causal LM step as ``generate`` takes it: the cache ``generate`` starts
+    with (or none, for a model that makes its own), the model's own
+    ``prepare_inputs_for_generation`` choosing what each call is fed, and
+    ``_update_model_kwargs_for_generation`` growing the mask and positions. Of the prompt,
+    ``input_ids`` and ``attention_mask`` are used (other inputs are for the forward pass, not
+    for decoding); positions of left-padded prompts are those ``generate`` computes.
+
+    A state without a cache (the model returned none, or a beam search could not reorder it)
+    runs the whole sequence again, as a prompt: decoding by full recomputation."""
+    if not _generates_by_next_sequence_length():
+        return _explicit_causal_lm_step(model, tokens, state)
+    if state is None:
+        inputs = _with_input_ids(tokens, "a transformers model")
+        ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+        kwargs = {"use_cache": True, **_prompt_positions(model, mask)}
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+        key, cache = "cache", _generation_cache(model)
+    else:
+        ids = torch.cat((state["input_ids"], tokens), 1)
+        kwargs, key, cache = state["kwargs"], state["cache_key"], state["cache"]
+    if cache is not None:
+        kwargs = {**kwargs, key: cache}
+    whole = state is None or cache is None
+    fed = ({"next_sequence_length": ids.shape[1], "is_first_iteration": True} if whole
+           else {"next_sequence_length": 1})
+    out = model(**model.prepare_inputs_for_generation(ids, **fed, **kwargs), return_dict=True)
+    kwargs = model._update_model_kwargs_for_generation(out, dict(kwargs))
+    key = next((name for name in _CACHE_NAMES if name in kwargs), "cache")
+    cache = kwargs.pop(key, None)
+    if cache is None:
+        recomputing(model, "it returns no cache")
+    return out.logits, {"input_ids": ids, "cache": cache, "cache_key": key, "kwargs": kwargs}
+
+
+#: The names ``transformers`` models keep a cache under (``state``: RWKV, ``mems``: XLNet).
+_CACHE_NAMES = ("cache", "past_key_values", "cache_params", "state", "mems",
+                "past_buckets_states")
+_said: set[str] = set()
+
+
+def recomputing(model: nn.Module, why: str) -> None:
+    """Say once, on stderr, that ``model`` is decoded by full recomputation, and ``why``."""
+    line = f"torchparity: {type(model).__name__}: decoding by full recomputation: {why}"
+    if line not in _said:
+        _said.add(line)
+        print(wrapped(line), file=sys.stderr, flush=True)
+
+
+@functools.cache
+def _generates_by_next_sequence_length() -> bool:
+    """Whether the installed ``transformers`` feeds ``prepare_inputs_for_generation`` the
+    length of the tokens not yet cached (releases before it slice by ``cache_position``)."""
+    from transformers import GenerationMixin
+
+    return "next_sequence_length" in inspect.signature(
+        GenerationMixin.prepare_inputs_for_generation).parameters
+
+
+def _generation_cache(model: nn.Module) -> Any:
+    """The cache ``generate`` gives a model before its first call: a ``DynamicCache`` of its
+    text config, or None for the models that make a cache of their own."""
+    from transformers import DynamicCache
+
+    if not model._supports_default_dynamic_cache():
+        return None
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def _explicit_causal_lm_step(model: nn.Module, tokens: Any, state: Any
+                             ) -> tuple[torch.Tensor, Any]:
+    """The step of :func:`causal_lm_step` on releases that slice by ``cache_position``: the
+    model's cache object, the mask growing by one per step, positions one past the last."""
     cache_key = _cache_keyword(model)
     if state is None:
         inputs = _with_input_ids(tokens, "a transformers model")
