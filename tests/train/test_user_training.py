@@ -176,6 +176,34 @@ def test_diagnose_names_the_stage_and_the_groups_that_leave_the_band(
     assert f"diagnosis: step {first['step']} parts in" in printed and reason in printed
 
 
+# The golden stores its optimizer's groups: a change of them is named, as the cause, before
+# any norm is read. The norms in the decay group change which parameters the per-group norms
+# are of (the stage alone would read "backward"); betas act from the second update (Adam's
+# first is the gradient's sign whatever they are).
+@pytest.mark.parametrize("variant, step, cause", [
+    ("norms_in_decay", 1, "5 parameters moved from group no_decay to decay: "
+                          "blocks.0.attn_norm.weight, blocks.0.mlp_norm.weight, "
+                          "blocks.1.attn_norm.weight, blocks.1.mlp_norm.weight, norm.weight"),
+    ("warmup_short", 1, "lr at step 1 in groups decay, no_decay: 0.0003 (A) vs 0.0003333 (B)"),
+    ("betas_changed", 2, "betas at step 1 in groups decay, no_decay: (0.9, 0.95) (A) vs "
+                         "(0.9, 0.99) (B)"),
+    ("eps_changed", 1, "eps at step 1 in groups decay, no_decay: 1e-08 (A) vs 1e-06 (B)"),
+    ("decay_norms", 1, "weight_decay at step 1 in group no_decay: 0 (A) vs 0.1 (B)"),
+])
+def test_diagnose_names_a_change_of_the_optimizers_groups_as_the_cause(
+        goldens_20, monkeypatch, tmp_path, capsys, variant, step, cause):
+    monkeypatch.setenv("USER_LM_VARIANT", variant)
+    out = tmp_path / "verdict.json"
+    assert train_cli("--steps", "3", "--check", "--diagnose", "--golden-dir", str(goldens_20),
+                     "--json", str(out)) == 1
+    diagnosis = json.loads(out.read_text())["diagnosis"]
+    assert (diagnosis["stage"], diagnosis["step"], diagnosis["causes"]) == (
+        "optimizer", step, [cause])
+    assert diagnosis["modules"] is None
+    printed = capsys.readouterr().out.replace("\n  ", " ")
+    assert f"diagnosis: step {step} parts in the optimizer" in printed and cause in printed
+
+
 def test_diagnose_of_a_refactor_within_the_band_has_nothing_to_diagnose(goldens_20, monkeypatch,
                                                                         tmp_path, capsys):
     monkeypatch.setenv("USER_LM_VARIANT", "fused")
@@ -331,6 +359,16 @@ def test_diagnose_base_rev_names_the_gelus_block_and_its_op(tmp_path, monkeypatc
     diagnosis = json.loads(out.read_text())["diagnosis"]
     assert (diagnosis["stage"], list(diagnosis["groups"])) == ("optimizer", ["no_decay"])
     assert diagnosis["modules"] is None
+    # The norms moved into the decay group: the base's golden holds its groups, the cause is
+    # named and no module table (whose verdict would be a pass) stands under the failure.
+    _with_default_variant(repo, "norms_in_decay")
+    capsys.readouterr()
+    assert main(["train", "--model", "user_lm.py:lm", "--steps", "5", "--base", "HEAD",
+                 "--diagnose", "--json", str(out)]) == 1
+    diagnosis = json.loads(out.read_text())["diagnosis"]
+    assert diagnosis["stage"] == "optimizer" and diagnosis["modules"] is None
+    assert diagnosis["causes"][0].startswith("5 parameters moved from group no_decay to decay")
+    assert "Verdict: pass" not in capsys.readouterr().out
     assert toy_repo.git(repo, "status", "--porcelain").strip() == "M user_lm.py"
 
 

@@ -14,7 +14,9 @@ change to it, as a refactor in place would:
 - training-only bugs: ``per_micro_batch`` (each micro-batch's loss its own mean, averaged over
   the micro-batches, as transformers' Trainer did before 4.46), ``decay_norms`` (weight decay
   on norms and biases), ``gelu_backward`` (a custom autograd GELU: exact forward, the tanh
-  approximation's derivative in backward), ``warmup_short`` (the warm-up one step short).
+  approximation's derivative in backward), ``warmup_short`` (the warm-up one step short);
+- changes of the optimizer: ``norms_in_decay`` (the norms' weights moved into the decay
+  group), ``betas_changed`` (AdamW's betas (0.9, 0.99)), ``eps_changed`` (AdamW's eps 1e-6).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from torchparity.calibration.training_models import UserDecoder, UserLM
 
 REFACTORS = ("fused", "residual", "accumulated")
 BUGS = ("per_micro_batch", "decay_norms", "gelu_backward", "warmup_short")
+OPTIMIZER_CHANGES = ("norms_in_decay", "betas_changed", "eps_changed")
 
 
 def variant() -> str:
     name = os.environ.get("USER_LM_VARIANT", "base")
-    if name not in ("base", *REFACTORS, *BUGS):
+    if name not in ("base", *REFACTORS, *BUGS, *OPTIMIZER_CHANGES):
         raise ValueError(f"unknown USER_LM_VARIANT {name!r}")
     return name
 

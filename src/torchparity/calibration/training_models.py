@@ -56,7 +56,14 @@ SCALED_BUGS = {
     "lr_scaled": "the learning-rate schedule times (1 + eps)",
     "per_micro_batch": "eps of the loss normalised per micro-batch, 1 - eps per step's tokens",
 }
-VARIANTS = ("base", *REFACTORS, *BUGS, *(name for name in SCALED_BUGS if name not in BUGS))
+#: Changes of the optimizer's groups or hyper-parameters: name -> what it is.
+OPTIMIZER_CHANGES = {
+    "norms_in_decay": "the norms' weights moved from the no-decay group into the decay group",
+    "betas_changed": "AdamW's betas (0.9, 0.99) instead of (0.9, 0.95)",
+    "eps_changed": "AdamW's eps 1e-6 instead of its default 1e-8",
+}
+VARIANTS = ("base", *REFACTORS, *BUGS, *(name for name in SCALED_BUGS if name not in BUGS),
+            *OPTIMIZER_CHANGES)
 
 ENVIRONMENT = "TORCHPARITY_TRAINING_LM"
 ENTRY = "torchparity.calibration.training_models:lm"
@@ -120,12 +127,17 @@ class UserLM:
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """AdamW; matrices decay, norms and biases do not (unless the bug decays them)."""
         decay_rest = DECAY * self.eps if self.variant == "decay_norms" else 0.0
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        rest = [p for p in model.parameters() if p.dim() < 2]
+        norms_decay = self.variant == "norms_in_decay"
+        decay, rest = [], []
+        for name, p in model.named_parameters():
+            decays = p.dim() >= 2 or (norms_decay and "norm" in name)
+            (decay if decays else rest).append(p)
+        betas = (0.9, 0.99) if self.variant == "betas_changed" else (0.9, 0.95)
+        eps = 1e-6 if self.variant == "eps_changed" else 1e-8
         return torch.optim.AdamW([
             {"params": decay, "weight_decay": DECAY, "name": "decay"},
             {"params": rest, "weight_decay": decay_rest, "name": "no_decay"},
-        ], lr=PEAK_LR, betas=(0.9, 0.95))
+        ], lr=PEAK_LR, betas=betas, eps=eps)
 
     def scheduler(self, opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         """A linear warm-up of WARMUP steps into a cosine decay to a tenth at step TOTAL."""

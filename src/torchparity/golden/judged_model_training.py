@@ -16,14 +16,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from torchparity.diagnosis.pipelines.user_training_step import (
     StepDiagnosis,
+    StepStage,
     diagnose_user_step,
+    group_causes,
     step_stage,
 )
 from torchparity.golden import model_trajectories as mt
 from torchparity.subject.model import Subject
 from torchparity.text import wrapped
 from torchparity.train.ensemble import members_count
-from torchparity.train.trainer import Execution
+from torchparity.train.optimizer_groups import GroupChange, compare_groups
+from torchparity.train.trainer import Execution, Trajectory
 from torchparity.train.trajectory import TrajectoryComparison
 from torchparity.train.user_model import UserRecipe
 
@@ -81,35 +84,75 @@ def judge_model_training(plan: ModelPlan, console: Console) -> bool:
     show_verdict(comparison, console)
     data = {"trajectory": candidate.to_dict(), "comparison": comparison.to_dict()}
     if plan.diagnose:
-        diagnosis = _diagnosed(subject, comparison, plan, console)
+        diagnosis = _diagnosed(subject, candidate, comparison, plan, console)
         data["diagnosis"] = None if diagnosis is None else diagnosis.to_dict()
     if plan.json:
         Path(plan.json).write_text(json.dumps(data, indent=2) + "\n")
     return comparison.ok
 
 
-def _diagnosed(subject: Subject, comparison: TrajectoryComparison, plan: ModelPlan,
-               console: Console) -> StepDiagnosis | None:
-    """The first divergent step drilled down to its stage and module, printed; None (and
-    "nothing to diagnose") for a run within the band."""
+def _diagnosed(subject: Subject, candidate: Trajectory, comparison: TrajectoryComparison,
+               plan: ModelPlan, console: Console) -> StepDiagnosis | None:
+    """The first divergent step drilled down, printed: first the optimizer's groups of A (the
+    golden's run) and B compared by meaning, then its stage and module; None (and "nothing
+    to diagnose") for a run within the band."""
     stage = step_stage(comparison)
     if stage is None:
         console.print("nothing to diagnose: every step is within the band", markup=False)
         return None
+    say = lambda line: console.print(wrapped(line), markup=False, soft_wrap=True)  # noqa: E731
+    causes, unexplained = _group_changes(subject, candidate, comparison, stage, plan, say)
+    if causes:
+        stage = StepStage(stage.step, "optimizer", stage.quantity, stage.headroom, stage.groups)
+        say(f"diagnosis: step {stage.step} parts in the optimizer: its parameter groups are "
+            "not the golden's (A: the golden's run, B: this one):")
+        for cause in causes:
+            say(f"- {cause.sentence}")
+        reason = ("the update, and the norms per group, follow from that change of the "
+                  "optimizer: no module to look for")
+        say(reason)
+        return StepDiagnosis(stage, causes=[c.sentence for c in causes], reason=reason)
     base, more_ops = None, None
     if plan.base_step is not None and stage.stage != "optimizer":
         base = plan.base_step(stage.step, None)
         more_ops = lambda modules: plan.base_step(stage.step, ",".join(modules))  # noqa: E731
     diagnosis = diagnose_user_step(subject, plan.execution, stage, base=base,
                                    more_ops=more_ops)
-    console.print(wrapped(f"diagnosis: {stage.sentence()}."), markup=False, soft_wrap=True)
+    say(f"diagnosis: {stage.sentence()}.")
     if diagnosis.note:
-        console.print(wrapped(diagnosis.note), markup=False, soft_wrap=True)
-    if diagnosis.report is not None:
+        say(diagnosis.note)
+    if diagnosis.report is not None and diagnosis.report.ok:
+        # The table would end "Verdict: pass" under a run that failed: it is in --json.
+        say(f"A's and B's call of the model at step {stage.step} agree module by module (no "
+            "module's output or gradient leaves its budget): the step parts outside that "
+            "call (its loss, the training step's own code, the optimizer) or in a rounding "
+            "the call was not judged in; the table is in --json")
+    elif diagnosis.report is not None:
         diagnosis.report.show(console)
     if diagnosis.reason:
-        console.print(wrapped(diagnosis.reason), markup=False, soft_wrap=True)
+        say(diagnosis.reason)
+    for change in unexplained:
+        say(f"the optimizer's groups also differ, after step {stage.step} or in what its "
+            f"parting cannot come from: {change.sentence}")
     return diagnosis
+
+
+def _group_changes(subject: Subject, candidate: Trajectory, comparison: TrajectoryComparison,
+                   stage: StepStage, plan: ModelPlan, say: Callable[[str], None]
+                   ) -> tuple[list[GroupChange], list[GroupChange]]:
+    """The changes of the optimizer's groups up to the parting step that explain it, and
+    those that do not; a golden without its groups is said so."""
+    store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
+    golden = mt.read_model_golden(subject, UserRecipe(subject.entry, plan.steps),
+                                  plan.execution, store)
+    a, b = golden.optimizer_groups(), candidate.optimizer
+    if a is None or b is None:
+        say(f"the optimizer's groups could not be compared: {golden.golden.path} was written "
+            "without them (an --update-golden now stores them)")
+        return [], []
+    changes = compare_groups(a, b, stage.step)
+    causes = group_causes(comparison, stage, changes)
+    return causes, [c for c in changes if c not in causes]
 
 
 def show_verdict(comparison: TrajectoryComparison, console: Console) -> None:

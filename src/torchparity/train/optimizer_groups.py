@@ -81,11 +81,13 @@ class OptimizerGroups:
 
 @dataclass(frozen=True)
 class GroupChange:
-    """One difference between the groups of A and B: its sentence, and the first step whose
-    update it changes (a membership change: step 1)."""
+    """One difference between the groups of A and B: its sentence, the first step whose
+    update it changes (a membership change: step 1), and whether it changed which
+    parameters a group holds."""
 
     sentence: str
     step: int
+    members: bool = False
 
 
 def compare_groups(a: OptimizerGroups, b: OptimizerGroups, last_step: int
@@ -111,7 +113,7 @@ def compare_groups(a: OptimizerGroups, b: OptimizerGroups, last_step: int
     if only_a or only_b:
         changes.append(GroupChange(
             f"the parameter groups differ: {_listing(list(a.members))} (A) vs "
-            f"{_listing(list(b.members))} (B)", 1))
+            f"{_listing(list(b.members))} (B)", 1, members=True))
     group_a = {p: g for g, params in a.members.items() for p in params}
     group_b = {p: g for g, params in b.members.items() for p in params}
     moved: dict[tuple[str, str], list[str]] = {}
@@ -121,7 +123,7 @@ def compare_groups(a: OptimizerGroups, b: OptimizerGroups, last_step: int
     for (source, target), params in moved.items():
         count = "1 parameter" if len(params) == 1 else f"{len(params)} parameters"
         changes.append(GroupChange(f"{count} moved from group {source} to {target}: "
-                                   f"{', '.join(params)}", 1))
+                                   f"{', '.join(params)}", 1, members=True))
     changes += _hyper_changes(a, b, [g for g in a.members if g in b.members], last_step)
     return changes
 

@@ -53,6 +53,7 @@ from torchparity.diagnosis.pipelines.user_training_step.step_call import (
 from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.subject.model import Subject
 from torchparity.subject.running import cast_inputs
+from torchparity.train.optimizer_groups import GroupChange
 from torchparity.train.trainer import OWN_ATTENTION, Execution
 from torchparity.train.trajectory import Point, TrajectoryComparison
 from torchparity.train.user_model import UserRecipe, UserTrainer
@@ -117,16 +118,50 @@ def step_stage(comparison: TrajectoryComparison) -> StepStage | None:
 @dataclass
 class StepDiagnosis:
     """The stage of a step that parts and, for the forward or backward pass, the module
-    diagnosis (``report``) or why there is none (``reason``); ``note`` what A was."""
+    diagnosis (``report``) or why there is none (``reason``); ``note`` what A was;
+    ``causes`` the changes of the optimizer's groups that explain the step."""
 
     stage: StepStage
     report: DiagnosisReport | None = None
     reason: str | None = None
     note: str | None = None
+    causes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.stage.to_dict(), "note": self.note, "reason": self.reason,
+                "causes": self.causes,
                 "modules": None if self.report is None else self.report.to_dict()}
+
+
+def group_causes(comparison: TrajectoryComparison, stage: StepStage,
+                 changes: list[GroupChange]) -> list[GroupChange]:
+    """The changes of the optimizer's groups that explain the first divergent step.
+
+    A change acts from the update of its step on: one at an earlier step explains anything
+    the step measures; one at the step itself only its update norms, and, for a parameter
+    that changed group, the per-group gradient norms (of other members now). The loss and
+    total gradient norm of step 1 are measured before any update: no group change explains
+    them.
+
+    Args:
+        comparison: the run judged against its golden.
+        stage: the stage of its first divergent step.
+        changes: what :func:`~torchparity.train.optimizer_groups.compare_groups` found up to
+            that step.
+
+    Returns:
+        The changes that explain it, in the order given.
+    """
+    out = [p.quantity for p in comparison.points if p.step == stage.step and not p.ok]
+
+    def explains(change: GroupChange) -> bool:
+        if change.step < stage.step:
+            return True
+        return change.step == stage.step and all(
+            q.startswith("update_norm") or (change.members and q.startswith("grad_norm["))
+            for q in out)
+
+    return [c for c in changes if explains(c)]
 
 
 def diagnose_user_step(subject: Subject, execution: Execution, stage: StepStage, *,
