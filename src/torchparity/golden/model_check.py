@@ -37,6 +37,7 @@ from torchparity.golden.model_runs import (
     HF_EAGER,
     OUTPUT_KINDS,
     CellModels,
+    cell_attention,
     output_padding,
     run_in_cell,
 )
@@ -55,6 +56,7 @@ from torchparity.sketching import Sketch
 from torchparity.subject import Subject
 from torchparity.subject.compiling import check_mode
 from torchparity.subject.decoding import Fed
+from torchparity.subject.hf_families import is_hf_entry
 from torchparity.subject.names import NameMap
 
 #: How a factory builds the same weights and inputs on every machine.
@@ -247,8 +249,26 @@ class ModelFeed:
                                 f"{fields['explain']}"
         if output == "grads" and self.renamed is not None:
             fields["renamed"] = self.renamed.summary() or None
+        if not fields["ok"] and (other := self._other_implementation(cell)):
+            fields["explain"] = f"{fields['explain']}; {other}"
         return check_loop.row(self, cell, output, **fields,
                               structure=[str(d) for d in comparison.structure] or None)
+
+
+    def _other_implementation(self, cell: Cell) -> str | None:
+        """Where ``cell`` runs another attention implementation than the model was built
+        with: what its failure means and the command that finds the op."""
+        subject = self.subject
+        runs = cell_attention(subject, cell.backend)
+        if not subject.is_transformers or runs in (None, subject.attention):
+            return None
+        entry = subject.entry.split(",")[0] if is_hf_entry(subject.entry) else None
+        command = (f"`torchparity diagnose {entry},attn={subject.attention} {entry},attn={runs}`"
+                   if entry else f"`torchparity diagnose` of the model built {subject.attention} "
+                   f"against it built {runs}")
+        return (f"this cell runs the library's {runs} implementation, the goldens its "
+                f"{subject.attention} one, which the model was built with; where the two "
+                f"differ, {command} names the op and both lines")
 
 
 def golden_renaming(goldens: dict[str, Any], subject: Subject, name_map: NameMap | None

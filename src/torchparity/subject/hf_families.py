@@ -13,6 +13,7 @@ own implementation, and the others are alternatives checked against it.
 
 from __future__ import annotations
 
+import difflib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -145,9 +146,11 @@ def factory(spec: str) -> Callable[[], dict[str, Any]]:
             raise UsageError(f"entry {spec}: {folder} has no config.json; give a checkpoint "
                              "folder as save_pretrained writes it")
     elif entry.what not in _causal_lm_classes():
+        close = difflib.get_close_matches(entry.what, families(), n=3)
+        hint = f"did you mean {' or '.join(close)}?" if close else (
+            "a family is a config's model_type, such as llama, gpt2 or qwen3_moe")
         raise UsageError(f"entry {spec}: {entry.what!r} is not a causal-LM family of "
-                         f"transformers {_transformers(spec).__version__}; "
-                         "`torchparity families` lists them")
+                         f"transformers {_transformers(spec).__version__}; {hint}")
     return functools.partial(_built, entry)
 
 
