@@ -1,0 +1,392 @@
+"""Run every causal-LM family of the installed transformers through torchparity's commands.
+
+For each family (a tiny seeded model, ``hf:FAMILY``) the sweep runs, each in a process of its
+own with a time limit: ``golden update`` then ``check`` of the unchanged model; ``diagnose``
+of its eager against its sdpa implementation, forward and decoding; ``train --model`` for a
+few steps; and two planted bugs that ``diagnose`` must find (one attention's output scaled by
+1 %, one norm's ops dropped). An oracle in plain code says what the answers should be: it runs
+both implementations in float64 with forward hooks and finds the first module whose outputs
+differ beyond rounding. The results are kept in ``WORK/results.jsonl`` (a rerun resumes) and
+written as a table to ``docs/compatibility.md``.
+
+    python scripts/compatibility_sweep.py                      # every family
+    python scripts/compatibility_sweep.py --families llama,mamba --jobs 2
+    python scripts/compatibility_sweep.py --report-only        # the table from the results
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: A difference of float64 module outputs beyond this share of their scale is a real one:
+#: float32 islands (rotary tables, norms computed in float32) that round a 1e-16 difference
+#: the other way reach about 1e-7; a change of the math is far above.
+REAL_DIFFERENCE = 1e-4
+#: The commands in the order run, with what each must answer to pass.
+COMMANDS = ("golden", "check", "diagnose", "decode", "train", "plant-scale", "plant-drop")
+PLANTS = '''\
+"""Planted bugs in a tiny {family}: written by scripts/compatibility_sweep.py."""
+import torch
+from torchparity.subject import hf_families
+
+
+def _built():
+    model = hf_families.build({family!r})
+    return model, dict(model.named_modules())
+
+
+def scaled():
+    """The output of {scaled!r} scaled by 1 %."""
+    model, modules = _built()
+
+    def scale(module, args, output):
+        if isinstance(output, tuple):
+            return (output[0] * 1.01, *output[1:])
+        return output * 1.01
+
+    modules[{scaled!r}].register_forward_hook(scale)
+    return model, hf_families.prompts(model.config)
+
+
+def dropped():
+    """{dropped!r} returns its input: its ops are dropped."""
+    model, modules = _built()
+    modules[{dropped!r}].forward = lambda hidden_states, *args, **kwargs: hidden_states
+    return model, hf_families.prompts(model.config)
+'''
+
+
+@dataclass
+class Outcome:
+    """One command's outcome on one family."""
+
+    status: str  # pass, fail, n/a
+    reason: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class FamilyResult:
+    """Everything the sweep found for one family."""
+
+    family: str
+    builds: bool
+    reason: str = ""
+    oracle: dict = field(default_factory=dict)
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict) -> FamilyResult:
+        outcomes = {k: Outcome(**v) for k, v in data.pop("outcomes").items()}
+        return cls(**data, outcomes=outcomes)
+
+
+# --- the oracle: plain code, no torchparity judgement ------------------------------------
+
+
+def oracle(family: str) -> dict:
+    """Build ``family`` eager and sdpa in float64 on the same weights and compare every
+    module's output: which implementations exist, whether they agree, and where not."""
+    import torch
+
+    from torchparity.errors import UsageError
+    from torchparity.subject import hf_families
+
+    try:
+        model = hf_families.build(family)
+    except UsageError as exc:
+        return {"builds": False, "reason": str(exc)}
+    except Exception as exc:  # the family's own code: its first line is the reason
+        return {"builds": False, "reason": f"{type(exc).__name__}: {_first(exc)}"}
+    inputs = hf_families.prompts(model.config)
+    found = {"builds": True, "attention": model.config._attn_implementation,
+             "generates": bool(model.can_generate()), "scaled": _attention_module(model),
+             "dropped": _norm_module(model)}
+    outputs = {}
+    for implementation in ("eager", "sdpa"):
+        try:
+            twin = hf_families.build(family, implementation, torch.float64)
+        except Exception as exc:
+            found[implementation] = f"{type(exc).__name__}: {_first(exc)}"
+            continue
+        found[implementation] = "ok"
+        outputs[implementation] = _module_outputs(twin, inputs)
+    if len(outputs) == 2:
+        found.update(_first_difference(outputs["eager"], outputs["sdpa"],
+                                       inputs["attention_mask"].bool()))
+    return found
+
+
+def _module_outputs(model, inputs) -> list[tuple[str, object]]:
+    """Each module's first floating output, in the order the modules finish."""
+    import torch
+
+    seen: list[tuple[str, object]] = []
+
+    def keep(name):
+        def hook(module, args, output):
+            first = output[0] if isinstance(output, tuple | list) and output else output
+            if isinstance(first, torch.Tensor) and first.is_floating_point():
+                seen.append((name, first.detach().clone()))
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n]
+    with torch.no_grad():
+        model(**inputs)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+def _first_difference(a, b, mask) -> dict:
+    """The first module whose outputs differ beyond :data:`REAL_DIFFERENCE`, padding aside."""
+    import torch
+
+    worst = 0.0
+    b_by_name = dict(b)
+    for name, x in a:
+        y = b_by_name.get(name)
+        if y is None or y.shape != x.shape:
+            continue
+        if x.dim() >= 2 and tuple(x.shape[:2]) == tuple(mask.shape):
+            x, y = x[mask], y[mask]
+        finite = torch.isfinite(x) & torch.isfinite(y)
+        scale = x[finite].abs().max().item() if finite.any() else 0.0
+        if not scale:
+            continue
+        difference = (x[finite] - y[finite]).abs().max().item() / scale
+        worst = max(worst, difference)
+        if difference > REAL_DIFFERENCE:
+            return {"same": False, "first": name, "difference": difference}
+    return {"same": True, "difference": worst}
+
+
+def _attention_module(model) -> str | None:
+    """The attention module of the last layer (the one of the last attention layer)."""
+    names = [n for n, m in model.named_modules()
+             if "attention" in type(m).__name__.lower() and "." in n]
+    outer = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+    return outer[-1] if outer else None
+
+
+def _norm_module(model) -> str | None:
+    """A norm inside the last layer, whose ops can be dropped."""
+    norms = [n for n, m in model.named_modules()
+             if "norm" in type(m).__name__.lower() and "layers." in n
+             and not list(m.children())]
+    return norms[-1] if norms else None
+
+
+# --- the commands ---------------------------------------------------------------------------
+
+
+def run(command: list[str], timeout: float, cwd: Path) -> tuple[int | None, str, float]:
+    """Run one torchparity command: its exit code (None past ``timeout``), its last line."""
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-m", "torchparity", *command], cwd=cwd,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, f"ran past {timeout:.0f} s", time.monotonic() - started
+    lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    error = [line for line in done.stderr.splitlines() if line.startswith("torchparity")]
+    last = (error or lines or [""])[-1].strip()
+    return done.returncode, last, time.monotonic() - started
+
+
+def sweep_family(family: str, work: Path, timeout: float, steps: int) -> FamilyResult:
+    """Every command on ``family``, judged by the oracle's answers."""
+    folder = work / family
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = subprocess.run([sys.executable, __file__, "--oracle", family], capture_output=True,
+                           text=True, timeout=timeout)
+    try:
+        found = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return FamilyResult(family, False, f"the oracle failed: {last}")
+    if not found.pop("builds"):
+        return FamilyResult(family, False, found["reason"])
+    result = FamilyResult(family, True, oracle=found)
+    entry, golden = f"hf:{family}", ["--golden-dir", str(folder / "golden")]
+    both = found.get("eager") == "ok" and found.get("sdpa") == "ok"
+
+    def command(name: str, argv: list[str], expect: int = 0, mentions: str | None = None,
+                skip: str | None = None) -> None:
+        if skip:
+            result.outcomes[name] = Outcome("n/a", skip)
+            return
+        code, last, seconds = run(argv, timeout, folder)
+        ok = code == expect and (mentions is None or mentions in last_output(folder, name))
+        reason = "" if ok else (f"exit {code}: {last}" if code is not None else last)
+        result.outcomes[name] = Outcome("pass" if ok else "fail", reason, round(seconds, 1))
+
+    command("golden", ["golden", "update", "--model", entry, *golden])
+    command("check", ["check", "--model", entry, *golden, "--backend", "manual",
+                      "--backend", "sdpa", "--backend", "hf-eager", "--dtype", "fp32",
+                      "--jobs", "1", "--json", "check.json"],
+            skip=None if result.outcomes["golden"].status == "pass" else "no goldens")
+    no_pair = None if both else "one attention implementation only"
+    expect = 0 if found.get("same", True) else 1
+    command("diagnose", ["diagnose", f"{entry},attn=eager", f"{entry},attn=sdpa",
+                         "--json", "diagnose.json"], expect=expect,
+            mentions=None if expect == 0 else found["first"], skip=no_pair)
+    command("decode", ["diagnose", f"{entry},attn=eager", f"{entry},attn=sdpa", "--decode",
+                       "--steps", "4", "--json", "decode.json"], expect=expect,
+            skip=no_pair or (None if found["generates"] else "does not generate"))
+    command("train", ["train", "--model", entry, "--steps", str(steps), "--update-golden",
+                      "--golden-dir", str(folder / "train")])
+    if result.outcomes["train"].status == "pass":
+        command("train", ["train", "--model", entry, "--steps", str(steps), "--check",
+                          "--golden-dir", str(folder / "train")])
+    plants = folder / "plants.py"
+    plants.write_text(PLANTS.format(family=family, scaled=found["scaled"],
+                                    dropped=found["dropped"]))
+    command("plant-scale", ["diagnose", entry, f"{plants}:scaled", "--json",
+                            "plant-scale.json"], expect=1, mentions=found["scaled"],
+            skip=None if found["scaled"] else "no attention module")
+    command("plant-drop", ["diagnose", entry, f"{plants}:dropped", "--json",
+                           "plant-drop.json"], expect=1, mentions=found["dropped"],
+            skip=None if found["dropped"] else "no norm inside a layer")
+    return result
+
+
+def last_output(folder: Path, name: str) -> str:
+    """The JSON a diagnose wrote, as text: the module it names is looked for in it."""
+    path = folder / f"{name}.json"
+    return path.read_text() if path.exists() else ""
+
+
+# --- the report -----------------------------------------------------------------------------
+
+
+def write_report(results: list[FamilyResult], out: Path, command_line: str) -> None:
+    """docs/compatibility.md: the counts, a row per family and every failure's reason."""
+    import torch
+    import transformers
+
+    built = [r for r in results if r.builds]
+    passing = [r for r in built if all(o.status != "fail" for o in r.outcomes.values())]
+    lines = [
+        "# Compatibility with transformers families",
+        "",
+        f"Every causal-LM family of transformers {transformers.__version__} (torch "
+        f"{torch.__version__}), as a tiny seeded model (`hf:FAMILY`), through each command. "
+        "Regenerate with:",
+        "",
+        "```bash",
+        command_line,
+        "```",
+        "",
+        f"{len(results)} families tried; {len(built)} build a tiny model; "
+        f"{len(passing)} of those pass every command that applies to them "
+        f"({100 * len(passing) / max(len(built), 1):.0f}%).",
+        "",
+        "What each column runs, and what passes:",
+        "",
+        "| column | command | passes when |",
+        "| --- | --- | --- |",
+        "| golden | `golden update --model hf:F` | exit 0 |",
+        "| check | `check --model hf:F --backend manual --backend sdpa --backend hf-eager "
+        "--dtype fp32` | exit 0 (the unchanged model) |",
+        "| diagnose | `diagnose hf:F,attn=eager hf:F,attn=sdpa` | the oracle's answer: exit 0 "
+        "where the two agree in float64, else exit 1 naming the oracle's module |",
+        "| decode | the same with `--decode --steps 4` | as diagnose |",
+        f"| train | `train --model hf:F --steps N --update-golden`, then `--check` | exit 0 |",
+        "| plant-scale | `diagnose hf:F plants.py:scaled` (one attention's output x 1.01) | "
+        "exit 1 naming that module |",
+        "| plant-drop | `diagnose hf:F plants.py:dropped` (one norm's ops dropped) | exit 1 "
+        "naming that module |",
+        "",
+        "The oracle builds the eager and the sdpa model in float64 on the same weights and "
+        "compares every module's output with forward hooks (padding left out); a difference "
+        f"beyond {REAL_DIFFERENCE:g} of the output's scale is a real one.",
+        "",
+        "| family | attn | golden | check | diagnose | decode | train | plant-scale "
+        "| plant-drop |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    mark = {"pass": "✓", "fail": "✗", "n/a": "–"}
+    for r in results:
+        if not r.builds:
+            lines.append(f"| {r.family} | – | not built | | | | | | |")
+            continue
+        cells = [mark[r.outcomes[c].status] if c in r.outcomes else " " for c in COMMANDS]
+        lines.append(f"| {r.family} | {r.oracle.get('attention', '')} | {' | '.join(cells)} |")
+    lines += ["", "## Failures and reasons", ""]
+    for r in results:
+        if not r.builds:
+            lines.append(f"- **{r.family}**: no tiny model: {r.reason}")
+        for name, outcome in r.outcomes.items():
+            if outcome.status == "fail":
+                lines.append(f"- **{r.family}** {name}: {outcome.reason}")
+    differ = [r for r in built if r.oracle.get("same") is False]
+    lines += ["", "## Families whose eager and sdpa implementations differ in float64", ""]
+    lines += [f"- {r.family}: first at `{r.oracle['first']}` "
+              f"({r.oracle['difference']:.2g} of its scale)" for r in differ] or ["- none"]
+    out.write_text("\n".join(lines) + "\n")
+
+
+def _first(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", help="comma-separated model types (default: all)")
+    parser.add_argument("--work", type=Path, default=ROOT / ".sweep",
+                        help="goldens, traces and results.jsonl (default: .sweep/)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "compatibility.md")
+    parser.add_argument("--jobs", type=int, default=1, help="families at once")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per command")
+    parser.add_argument("--steps", type=int, default=20, help="train steps")
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--oracle", metavar="FAMILY", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.oracle:
+        print(json.dumps(oracle(args.oracle)))
+        return
+    from torchparity.subject import hf_families
+
+    families = args.families.split(",") if args.families else hf_families.families()
+    args.work.mkdir(parents=True, exist_ok=True)
+    store = args.work / "results.jsonl"
+    done = {}
+    if store.exists():
+        for line in store.read_text().splitlines():
+            result = FamilyResult.from_json(json.loads(line))
+            done[result.family] = result
+    todo = [] if args.report_only else [f for f in families if f not in done]
+    print(f"{len(todo)} families to sweep, {len(done)} already in {store}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        running = {pool.submit(sweep_family, f, args.work, args.timeout, args.steps): f
+                   for f in todo}
+        for future in concurrent.futures.as_completed(running):
+            result = future.result()
+            done[result.family] = result
+            with store.open("a") as out:
+                out.write(json.dumps(asdict(result)) + "\n")
+            failed = [n for n, o in result.outcomes.items() if o.status == "fail"]
+            print(f"{result.family}: " + ("not built" if not result.builds else
+                  f"failed {', '.join(failed)}" if failed else "pass"), flush=True)
+    chosen = [done[f] for f in families if f in done]
+    command_line = "python scripts/compatibility_sweep.py" + (
+        f" --families {args.families}" if args.families else "")
+    write_report(chosen, args.out, textwrap.shorten(command_line, 200))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    main()
