@@ -23,7 +23,7 @@ from torchparity import __version__
 from torchparity.collector import older_objects_frozen
 from torchparity.errors import TorchParityError
 
-EXIT_USAGE, EXIT_UNEXPECTED = 2, 3
+EXIT_FAILED, EXIT_USAGE, EXIT_UNEXPECTED = 1, 2, 3
 EXIT_STATUSES = ("exit status: 0 every check passed, 1 a check failed, 2 a usage or file error, "
                  "3 an unexpected error (--debug shows its traceback)")
 
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         status = getattr(exc, "exit_status", EXIT_USAGE)
         # An error that wraps the user's exception points at the user's code.
         origin = exc.__cause__ if status == EXIT_UNEXPECTED and exc.__cause__ else None
-        return _report(prog, f"error: {exc}", status, exc, origin, args.debug)
+        label = "FAILED" if status == EXIT_FAILED else "error"
+        return _report(prog, f"{label}: {exc}", status, exc, origin, args.debug)
     except OSError as exc:  # a file that cannot be read or written
         return _report(prog, f"error: {exc}", EXIT_USAGE, exc, None, args.debug)
     except Exception as exc:
@@ -74,13 +75,25 @@ def _report(prog: str, message: str, status: int, exc: BaseException,
     the traceback with ``--debug``; return ``status``."""
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
-    line = f"{prog}: {message}"
+    line = f"{prog}: {_failed_alone(exc)}{message}"
     if origin is not None:
         line += f" (at {_innermost_frame(origin)})"
         if not debug:
             line += "; --debug shows the traceback"
     print(line, file=sys.stderr)
     return _recorded(status, line)
+
+
+def _failed_alone(exc: BaseException) -> str:
+    """``rank N: `` where this process is one of several ranks and may have failed alone
+    (else nothing): it then leaves its group at once, and torchrun stops the other ranks,
+    which would otherwise wait for it in their next collective."""
+    from torchparity.distributed import group
+
+    if not group.under_torchrun() or getattr(exc, "every_rank", False):
+        return ""
+    group.abandon()
+    return f"rank {group.rank()}: " if group.world_size() > 1 else ""
 
 
 def _recorded(status: int, line: str | None = None) -> int:

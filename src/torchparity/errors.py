@@ -25,3 +25,15 @@ class UserCodeError(TorchParityError):
     """
 
     exit_status = 3
+
+
+class RanksDisagree(TorchParityError):
+    """Ranks hold different copies of what they must hold alike (a replicated weight, an
+    output every rank keeps whole): a failed check, found and raised by every rank at once.
+
+    The CLI prints it as one line and exits with status 1.
+    """
+
+    exit_status = 1
+    #: Every rank raises it together, so the ranks may still leave their group together.
+    every_rank = True

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,6 +106,24 @@ def join() -> None:
                                 device_id=torch.device("cuda", local))
     else:
         dist.init_process_group("gloo", timeout=timeout)
+    threading.Thread(target=_beat, args=(_store(),), name="torchparity-heartbeat",
+                     daemon=True).start()
+
+
+_ALIVE_KEY = "torchparity/alive/"
+#: Seconds between a rank's heartbeats, and the silence after which a rank is named as not
+#: answering (stopped, or frozen outside Python).
+_BEAT_SECONDS, _SILENT_SECONDS = 1.0, 5.0
+
+
+def _beat(store: Store) -> None:
+    """Note in the ranks' store, every second, that this rank is alive, until the store goes."""
+    while True:
+        try:
+            store.set(f"{_ALIVE_KEY}{rank()}", repr(time.time()))
+        except Exception:  # the store went with torchrun's agent: nothing left to tell
+            return
+        time.sleep(_BEAT_SECONDS)
 
 
 def leave() -> None:
@@ -162,7 +182,7 @@ def together(what: str) -> None:
             dist.barrier()
     except RuntimeError as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TorchParityError(f"rank {rank()}: the ranks did not all reach {what} within "
+        raise TorchParityError(f"the ranks did not all reach {what} within "
                                f"{timeout.total_seconds():.0f}s: {message}") from None
 
 
@@ -197,14 +217,33 @@ def where_others_are() -> str:
         key = f"{_PHASE_KEY}{other}"
         phases[other] = store.get(key).decode() if store.check([key]) else "its start"
     here = phases[rank()]
-    behind = [f"rank {r} is at {phase}" for r, phase in phases.items() if phase != here]
+    silent = _silent(store)
+    behind = [f"rank {r} has not answered for {silent[r]:.0f}s (stopped, or frozen) at {phase}"
+              if r in silent else f"rank {r} is at {phase}"
+              for r, phase in phases.items() if phase != here or r in silent]
     return ", ".join(behind) or "every rank is here"
+
+
+def _silent(store: Store) -> dict[int, float]:
+    """The other ranks whose heartbeat stopped, with the seconds since their last one."""
+    now, silent = time.time(), {}
+    for other in range(world_size()):
+        key = f"{_ALIVE_KEY}{other}"
+        if other != rank() and store.check([key]):
+            since = now - float(store.get(key).decode())
+            if since > _SILENT_SECONDS:
+                silent[other] = since
+    return silent
 
 
 def _store() -> Store:
     import torch.distributed as dist
 
     return dist.distributed_c10d._get_default_store()
+
+
+#: What the messages of gloo's and NCCL's own failures (a peer gone, a timeout) contain.
+_TRANSPORT_WORDS = ("third_party/gloo/", "NCCL error", "ProcessGroupNCCL", "ProcessGroupGloo")
 
 
 def collective_failed(exc: BaseException) -> bool:
@@ -225,5 +264,7 @@ def collective_failed(exc: BaseException) -> bool:
     if any(distributed(frame) for frame in traceback.extract_tb(exc.__traceback__)):
         return True
     cause = exc.__cause__
+    if any(word in str(cause) for word in _TRANSPORT_WORDS):  # raised by the transport itself
+        return True
     frames = traceback.extract_tb(cause.__traceback__) if cause is not None else []
     return bool(frames) and distributed(frames[-1])

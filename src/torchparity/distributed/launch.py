@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ from torchparity.errors import TorchParityError
 
 #: Seconds between SIGTERM and SIGKILL when a run is stopped.
 GRACE_SECONDS = 10.0
+#: Seconds the other ranks have to end by themselves once one recorded a failure.
+FAILED_GRACE_SECONDS = 3.0
+_POLL_SECONDS = 0.5
 _ERROR_DIR = "TORCHPARITY_ERROR_DIR"
 _SIGKILL = 9
 _PR_SET_PDEATHSIG = 1
@@ -85,7 +89,7 @@ def launch(module: str, args: list[str], *, nproc: int, timeout: float,
             reader = threading.Thread(target=_forward, args=(proc.stdout, log), daemon=True)
             reader.start()
             try:
-                code = proc.wait(timeout=timeout)
+                code = _wait(proc, timeout, errors)
             except subprocess.TimeoutExpired:
                 stop(proc)
                 raise TorchParityError(f"torchrun did not finish within {timeout:.0f}s "
@@ -104,13 +108,14 @@ def launch(module: str, args: list[str], *, nproc: int, timeout: float,
         return outcome or RankOutcome()
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """End ``proc``'s process group: SIGTERM, then SIGKILL after :data:`GRACE_SECONDS`.
+def stop(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
+    """End ``proc``'s process group: SIGTERM, then SIGKILL after ``grace`` seconds.
 
     Args:
         proc: torchrun, started in a session of its own.
+        grace: seconds torchrun has to stop its workers itself.
     """
-    for sig, wait in ((signal.SIGTERM, GRACE_SECONDS), (signal.SIGKILL, 5.0)):
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -153,14 +158,47 @@ def record_outcome(status: int, message: str | None = None) -> None:
         Path(folder, f"rank{rank}.outcome").write_text(f"{status}\n{message or ''}")
 
 
+def _wait(proc: subprocess.Popen, timeout: float, errors: Path) -> int:
+    """torchrun's exit status once it ends, or once :data:`FAILED_GRACE_SECONDS` have passed
+    since a rank recorded a failure: a rank that cannot be stopped politely (stopped with
+    SIGSTOP, or deaf in a collective) must not hold the run until torchrun's own grace.
+
+    Raises:
+        subprocess.TimeoutExpired: the run took longer than ``timeout``.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout=max(0.0, min(_POLL_SECONDS, deadline - time.monotonic())))
+        if time.monotonic() >= deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        failed = _first_failed(errors)
+        if failed is not None and time.time() - failed.stat().st_mtime > FAILED_GRACE_SECONDS:
+            stop(proc, grace=0.0)  # the workers die with torchrun (die_with_parent)
+            return proc.wait()
+
+
+def _first_failed(errors: Path) -> Path | None:
+    """The earliest file in which a rank recorded a failure (an error, or an outcome other
+    than 0), or None."""
+    failures = [path for path in errors.glob("rank*.error")] + [
+        path for path in errors.glob("rank*.outcome") if _outcome(path).status != 0]
+    return min(failures, key=lambda path: path.stat().st_mtime_ns, default=None)
+
+
+def _outcome(path: Path) -> RankOutcome:
+    status, _, message = path.read_text().partition("\n")
+    return RankOutcome(int(status or 0), message.strip() or None)
+
+
 def _recorded_outcome(errors: Path) -> RankOutcome | None:
-    """The worst outcome the ranks recorded (None: none did). A rank that failed outweighs
-    ranks stopped before they could record theirs."""
-    found = []
-    for path in sorted(errors.glob("rank*.outcome")):
-        status, _, message = path.read_text().partition("\n")
-        found.append(RankOutcome(int(status), message.strip() or None))
-    return max(found, key=lambda outcome: outcome.status, default=None)
+    """The outcome of the rank that failed first (the others' failures follow from it: a
+    collective it broke), else of the ranks that all succeeded (None: none recorded one)."""
+    outcomes = {path: _outcome(path) for path in errors.glob("rank*.outcome")}
+    failed = [path for path, outcome in outcomes.items() if outcome.status != 0]
+    if failed:
+        return outcomes[min(failed, key=lambda path: path.stat().st_mtime_ns)]
+    return next(iter(outcomes.values()), None)
 
 
 def _died(stderr: str, errors: Path) -> str | None:

@@ -169,7 +169,7 @@ def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
 
     def agreed_run() -> CellRun:
         run = _run_sharded(subject, cell, loss_paths, run_name, perturb=perturb, tokens=tokens)
-        agreement.check_kept(run.outputs)  # every rank judges it alike, or none does
+        agreement.check_kept(run.outputs, run_name)  # every rank judges it alike, or none does
         return run
 
     return collectively(run_name, agreed_run)
