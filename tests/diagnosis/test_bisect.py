@@ -99,10 +99,39 @@ def test_the_finding_names_the_pass_graph_op_and_line():
         "post_grad_custom_post_pass", "forward", 15)
 
 
-def test_nothing_bisected_is_null_in_the_json():
-    nothing = BisectOutcome(compiles=1)
+def test_the_finding_of_a_lowering_names_the_op_lowered_and_its_origin():
+    application = {"subsystem": "lowerings", "number": 33, "name": "aten.exp.default",
+                   "graph": "forward", "op": "aten.exp.default",
+                   "original_aten": "aten._softmax.default", "file": "/home/me/model.py",
+                   "line": 62, "code": "weights = scores.softmax(-1)"}
+    outcome = _outcome(subsystem="lowerings", name="aten.exp.default", number=33,
+                       application=application)
+    assert finding(outcome) == ("inductor, lowerings: the lowering of aten.exp from "
+                                "aten._softmax (forward graph) at /home/me/model.py:62")
+
+
+def test_torchparitys_own_frames_are_not_the_users_line():
+    # A hand-written model's tensor methods run through torchparity's SDPA-redirecting mode:
+    # its frame is innermost, the user's line is the one before it.
+    from torchparity import backends
+    from torchparity.reference import zoo
+
+    assert applications.is_library(backends.__file__)
+    assert not applications.is_library(zoo.__file__)  # the zoo's models are users' code
+    trace = ('  File "/home/me/model.py", line 62, in forward\n'
+             '    weights = scores.softmax(-1)\n'
+             f'  File "{backends.__file__}", line 158, in __torch_function__\n'
+             '    return getattr(args[0], name)(*args[1:], **kwargs)\n')
+    assert applications.source_line(trace) == (
+        "/home/me/model.py", 62, "weights = scores.softmax(-1)")
+
+
+def test_nothing_bisected_is_null_in_the_json_and_says_what_it_compiled():
+    nothing = BisectOutcome(compiles=1, graphs=1, compile_seconds=9.4)
     assert to_json(nothing) is None
-    assert "nothing to bisect" in " ".join(lines(nothing, "case cell"))
+    said = " ".join(" ".join(lines(nothing, "case cell")).split())  # wrapped at 80, joined
+    assert "nothing to bisect (1 compiled run of the cell: 1 graph, 0 recompiles, 9 s " \
+           "compiling)" in said
 
 
 def test_an_oracle_that_passes_at_its_upper_bound_is_one_line_and_leaves_nothing(tmp_path):

@@ -38,7 +38,7 @@ def add_bisect_arguments(parser: argparse.ArgumentParser) -> None:
 def run_bisect(args: argparse.Namespace) -> int:
     """Run the compiled cell of ``args.entries[0]``; bisect it when it diverges."""
     from torchparity.diagnosis.pipelines.bisect import BisectError, bisect_cell
-    from torchparity.diagnosis.pipelines.bisect.report import lines, to_json
+    from torchparity.diagnosis.pipelines.bisect.report import cost_json, lines, to_json
     from torchparity.golden.cells import Cell
 
     if not args.bisect:
@@ -62,15 +62,16 @@ def run_bisect(args: argparse.Namespace) -> int:
         if exc.exit_status != 1:  # a mistake: one line from the command line's handler
             raise
         print(wrapped(f"{label}: {exc}"))
-        _write(args.json, label, "diverged", None)
+        _write(args.json, label, "diverged", None, None)
         return 1
     print("\n".join(lines(outcome, label)))
     verdict = "within" if outcome.bound == 0 else "diverged"
-    _write(args.json, label, verdict, to_json(outcome))
+    _write(args.json, label, verdict, to_json(outcome), cost_json(outcome))
     return 0 if verdict == "within" else 1
 
 
-def _write(path: str | None, label: str, verdict: str, found: dict | None) -> None:
+def _write(path: str | None, label: str, verdict: str, found: dict | None,
+           compiled: dict | None) -> None:
     if path:
-        Path(path).write_text(json.dumps({"cell": label, "verdict": verdict, "bisect": found},
-                                         indent=1))
+        Path(path).write_text(json.dumps({"cell": label, "verdict": verdict, "bisect": found,
+                                          "compiled": compiled}, indent=1))

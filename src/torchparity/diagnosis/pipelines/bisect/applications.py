@@ -62,7 +62,7 @@ def graph_kind(graph: fx.Graph) -> str:
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
-_TORCHPARITY = Path(__file__).parents[2]
+_TORCHPARITY = Path(__file__).parents[3]  # .../torchparity/diagnosis/pipelines/bisect
 #: Frames of torch and of torchparity (the attention backend that runs a model's SDPA, say)
 #: are not the user's line; those of the zoo's models (torchparity/reference) are.
 LIBRARIES = tuple(str(root.resolve()) + os.sep for root in (Path(torch.__file__).parent,

@@ -36,7 +36,7 @@ from torchparity.diagnosis.pipelines.bisect.oracle import (
     verdict,
 )
 from torchparity.errors import UsageError
-from torchparity.golden.cells import Cell
+from torchparity.golden.cells import Cell, CheckResult
 from torchparity.subject.compiling import COMPILER_ENV
 from torchparity.text import wrapped
 
@@ -57,7 +57,9 @@ class BisectOutcome:
     ``name`` (the pass, the op lowered or the config set), its ``number``, and the
     application's record (:class:`~.applications.Application` as a dict: graph, node, source
     line); ``compiles`` (runs of the cell, the first one included), ``bound`` (the most it
-    could have taken, told before the bisection started), ``seconds``."""
+    could have taken, told before the bisection started), ``seconds``; and what the runs
+    compiled: ``graphs`` (dynamo's graphs, each compiled forward and backward),
+    ``recompiles`` and ``compile_seconds``."""
 
     backend: str | None = None
     subsystem: str | None = None
@@ -67,10 +69,28 @@ class BisectOutcome:
     compiles: int = 0
     bound: int = 0
     seconds: float = 0.0
+    graphs: int = 0
+    recompiles: int = 0
+    compile_seconds: float = 0.0
     caches_off: list[str] = field(default_factory=lambda: list(CACHES_OFF))
+
+    def counted(self, rows: list[CheckResult]) -> str:
+        """Add what one run of the cell compiled (its rows' compile log) to the counts; that
+        run's compiling in words."""
+        log = next((row.compiled for row in rows if row.compiled), None)
+        if log is None:
+            return ""
+        self.graphs += log["graphs"]
+        self.recompiles += log["recompiles"]
+        self.compile_seconds += log["compile_seconds"]
+        return f", {log['compile_seconds']:.0f} s compiling {_graphs(log['graphs'])}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _graphs(count: int) -> str:
+    return f"{count} graph" + ("" if count == 1 else "s")
 
 
 def upper_bound(applications: int) -> int:
@@ -124,10 +144,11 @@ def bisect(entry: str, cell: Cell, *, repeats: int = 1,
                 if outcome.compiles == 0 and (reason := unrunnable(rows)):
                     raise UsageError(f"the cell cannot run compiled here: {reason}")
                 outcome.compiles += 1
+                compiled = outcome.counted(rows)
                 bound = f"/{outcome.bound}" if outcome.bound else ""
                 say(f"  run {outcome.compiles}{bound}: {describe}: "
                     f"{'within budget' if ok else 'diverged'} "
-                    f"({time.perf_counter() - run_started:.0f} s)")
+                    f"({time.perf_counter() - run_started:.0f} s{compiled})")
                 return ok
 
             if oracle():

@@ -47,16 +47,28 @@ def finding(outcome: BisectOutcome) -> str:
     op = _op(application.get("original_aten") or application.get("op"))
     where = _where(application)
     at = f" at {where}" if where else ""
-    if outcome.subsystem == "lowerings":
-        return head + f"the lowering of {op or outcome.name}{graph}{at}"
+    if outcome.subsystem == "lowerings":  # the op lowered, and the op it was decomposed from
+        lowered = _op(application.get("op")) or outcome.name
+        origin = f" from {op}" if op and op != lowered else ""
+        return head + f"the lowering of {lowered}{origin}{graph}{at}"
     rewrote = f" rewrote {op}{at}" if op else ""
     return head + f"{outcome.name}{graph}{rewrote}"
+
+
+def compiled(outcome: BisectOutcome) -> str:
+    """What the runs compiled: ``1 compiled run of the cell: 1 graph, 0 recompiles, 9 s
+    compiling``."""
+    runs = "run" if outcome.compiles == 1 else "runs"
+    graphs = "graph" if outcome.graphs == 1 else "graphs"
+    return (f"{outcome.compiles} compiled {runs} of the cell: {outcome.graphs} {graphs}, "
+            f"{outcome.recompiles} recompiles, {outcome.compile_seconds:.0f} s compiling")
 
 
 def lines(outcome: BisectOutcome | None, cell_label: str) -> list[str]:
     """What the terminal shows: the finding, the node and its code, the cost."""
     if outcome is None or (outcome.backend is None and outcome.bound == 0):
-        return wrap(f"{cell_label}: within its budget compiled: {NOTHING}")
+        cost = f" ({compiled(outcome)})" if outcome else ""
+        return wrap(f"{cell_label}: within its budget compiled: {NOTHING}{cost}")
     if outcome.backend is None:
         return wrap(f"{cell_label}: diverged in its first run, yet every backend passed "
                     "while bisecting: its verdict changes between runs, so the compiler "
@@ -73,9 +85,16 @@ def lines(outcome: BisectOutcome | None, cell_label: str) -> list[str]:
         shown += wrap(f"  {detail}")
     if application.get("code"):
         shown += wrap(f"  {_where(application)}: {application['code']}")
-    shown += wrap(f"{outcome.compiles} compiled runs of the cell (at most {outcome.bound}) "
-                  f"in {outcome.seconds:.0f} s; caches off: {', '.join(outcome.caches_off)}")
+    shown += wrap(f"{compiled(outcome)} (at most {outcome.bound} runs) in "
+                  f"{outcome.seconds:.0f} s; caches off: {', '.join(outcome.caches_off)}")
     return shown
+
+
+def cost_json(outcome: BisectOutcome) -> dict[str, Any]:
+    """The ``compiled`` object of ``--json``: what every run of the cell compiled, in all."""
+    return {"runs": outcome.compiles, "graphs": outcome.graphs,
+            "recompiles": outcome.recompiles, "compile_seconds": outcome.compile_seconds,
+            "seconds": outcome.seconds}
 
 
 def to_json(outcome: BisectOutcome | None) -> dict[str, Any] | None:
