@@ -59,3 +59,19 @@ def test_a_quick_verdict_is_the_full_one_and_bounds_its_share(
             diverged += not full.ok
     assert bounded >= 6 * 3 * 2  # a rounding up to its own size is bounded quickly
     assert diverged >= 6 * 2  # and a change 40 times it is judged in full, and fails
+
+
+def test_a_call_of_a_sketched_and_an_exact_tensor_is_judged_as_in_full(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big output kept as a sketch beside a small one kept whole (a decoder's logits and its
+    cache): each tensor is bounded by its own rule, and the verdict is the full one's."""
+    monkeypatch.setenv(sketching.SKETCH_ABOVE_ENV, "1024")
+    for scale in (0.5, 40.0):
+        big = sides(0, scale, "forward", False)
+        small = [{"small": side["output"][0, :4, :4].clone()} for side in sides(1, 0.5,
+                                                                              "forward", False)]
+        candidate, golden, baseline = ({**b, **s} for b, s in zip(big, small, strict=True))
+        golden["output"] = sketching.sketch(golden["output"], "output")
+        quick = judge_quickly(candidate, golden, baseline, "forward")
+        assert quick.verdict == judge(candidate, golden, baseline, "forward").verdict
+        assert quick.ok == (scale < 1.0)

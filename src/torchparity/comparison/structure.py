@@ -182,7 +182,10 @@ def _as_pairs(x: Any) -> tuple | None:
 
 def _leaf_tensor(x: Any) -> torch.Tensor | Sketch | None:
     """A tensor, array or number as a tensor (floats as float64), a sketch as itself (it stands
-    for its tensor); None for anything else."""
+    for its tensor), a complex tensor as its real and imaginary parts (a last dimension of 2, in
+    its real dtype, whose rounding it carries); None for anything else."""
+    if isinstance(x, torch.Tensor) and x.is_complex():
+        return torch.view_as_real(x.resolve_conj())
     if isinstance(x, torch.Tensor | Sketch):
         return x
     if isinstance(x, np.ndarray | np.number | np.bool_):

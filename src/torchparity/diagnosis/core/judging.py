@@ -29,7 +29,8 @@ from torchparity.subject.padding import Padding
 
 def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
           baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec = None,
-          precision: torch.dtype | None = None, noise: float | None = None) -> Result:
+          precision: torch.dtype | None = None, noise: float | None = None,
+          islands: str | None = None) -> Result:
     """Compare under the tolerance model; without a golden, the baseline serves as golden and
     the analytic bound as budget. Tensors on one side only are differences of structure
     (``result.structure``), judged apart from the shared ones; a tensor both have in other
@@ -44,15 +45,32 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
     zero weight). Its analytic bound is that of ``precision`` when given (a loss computed in
     float32 from bfloat16 outputs carries bfloat16's rounding), else of each tensor's dtype.
     ``noise``: what the candidate carries besides rounding (its spread between two runs),
-    joining the noise its baseline measures (see ``compare``'s ``noise``)."""
+    joining the noise its baseline measures (see ``compare``'s ``noise``). ``islands``: the
+    narrowest dtype the float64 runs compute in whatever their own (see ``compare``'s
+    ``islands``)."""
     candidate = as_a_names(candidate, golden or baseline)
     broken = _broken_goldens(golden, baseline, padding)
+    coarser = _coarser_than(candidate, islands)
     if broken:
         result = _judged_against_a(candidate, golden, baseline, kind, padding, broken,
-                                   precision)
+                                   precision or coarser, coarser)
     else:
-        result = _judge(candidate, golden, baseline, kind, padding, noise=noise)
+        result = _judge(candidate, golden, baseline, kind, padding, coarser, noise=noise,
+                        islands=coarser)
     return nothing_compared(result) or result
+
+
+def _coarser_than(candidate: dict[str, torch.Tensor], islands: str | None
+                  ) -> torch.dtype | None:
+    """``islands`` as the dtype to judge in where it is coarser than every floating tensor of
+    ``candidate`` (float64 runs through float32 islands err as a float32 computation)."""
+    if islands is None:
+        return None
+    dtype = getattr(torch, islands)
+    dtypes = [t.dtype for t in candidate.values()
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    coarser = dtypes and all(torch.finfo(dtype).eps > torch.finfo(d).eps for d in dtypes)
+    return dtype if coarser else None
 
 
 def as_a_names(candidate: dict[str, torch.Tensor], a_tensors: dict[str, torch.Tensor]
@@ -98,7 +116,8 @@ def _paths(paths: list[str]) -> str:
 
 def _judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
            baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec,
-           compute_dtype: torch.dtype | None = None, noise: float | None = None) -> Result:
+           compute_dtype: torch.dtype | None = None, noise: float | None = None,
+           islands: torch.dtype | None = None) -> Result:
     original = baseline or golden
     if not golden:
         golden, baseline = baseline, {}
@@ -108,7 +127,7 @@ def _judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
     try:
         result = compare(candidate, golden, baseline if measured else None, kind,
                          compute_dtype=compute_dtype, padding=padding,
-                         noise=noise if measured else None)
+                         noise=noise if measured else None, islands=islands)
     except StructureMismatch as exc:
         return Mismatch(kind, str(exc))
     result.structure = tuple(_as_a_sees_it(d, original)
@@ -119,16 +138,17 @@ def _judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
 
 
 def judge_departure(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
-                    a_tensors: dict[str, torch.Tensor], padding: PaddingSpec = None
-                    ) -> Result | None:
-    """B's float64 tensors against A's float64 golden under float64 rounding alone, on the
-    tensors whose golden is finite wherever A is (see :func:`judge`); None when none is."""
+                    a_tensors: dict[str, torch.Tensor], padding: PaddingSpec = None,
+                    islands: str | None = None) -> Result | None:
+    """B's float64 tensors against A's float64 golden under float64 rounding alone (and that
+    of ``islands``, the narrowest dtype either float64 run computes in), on the tensors whose
+    golden is finite wherever A is (see :func:`judge`); None when none is."""
     broken = _broken_goldens(golden, a_tensors, padding)
     usable = {p: t for p, t in golden.items() if p not in broken}
     if not usable:
         return None
     return judge({p: t for p, t in candidate.items() if p not in broken}, usable, {}, "forward",
-                 padding)
+                 padding, islands=islands)
 
 
 def _broken_goldens(golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor],
@@ -151,13 +171,15 @@ def _broken_goldens(golden: dict[str, torch.Tensor], baseline: dict[str, torch.T
 
 def _judged_against_a(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
                       baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec,
-                      broken: dict[str, int], precision: torch.dtype | None) -> Result:
-    """The tensors of ``broken`` judged against A alone, the others as usual."""
+                      broken: dict[str, int], precision: torch.dtype | None,
+                      islands: torch.dtype | None) -> Result:
+    """The tensors of ``broken`` judged against A alone, the others as usual (in the dtype of
+    ``islands`` when given)."""
     def part(tensors: dict[str, torch.Tensor], inside: bool) -> dict[str, torch.Tensor]:
         return {p: t for p, t in tensors.items() if (p in broken) == inside}
 
     against_a = _judge(part(candidate, True), {}, part(baseline, True), kind, padding,
-                       precision)
+                       precision, islands=islands)
     for t in getattr(against_a, "tensors", ()):
         n = broken.get(_flat_path(t.path))
         if n:
@@ -165,7 +187,7 @@ def _judged_against_a(candidate: dict[str, torch.Tensor], golden: dict[str, torc
                            "is finite, so A is the reference here and the analytic bound the "
                            "budget")
     return merged(_judge(part(candidate, False), part(golden, False), part(baseline, False),
-                         kind, padding), against_a)
+                         kind, padding, islands, islands=islands), against_a)
 
 
 def _as_a_sees_it(difference: Any, a_tensors: dict[str, torch.Tensor]) -> Any:
@@ -215,7 +237,8 @@ def module_padding(padding: Padding | None, module: str) -> PaddingSpec:
 
 def judge_quickly(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
                   baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec = None,
-                  precision: torch.dtype | None = None, noise: float | None = None) -> Result:
+                  precision: torch.dtype | None = None, noise: float | None = None,
+                  islands: str | None = None) -> Result:
     """:func:`judge`, at a fraction of its cost when the answer is clearly "within".
 
     The tolerance model's budget is at least ``fudge`` times the baseline's error (the noise
@@ -224,11 +247,11 @@ def judge_quickly(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Te
     sketched tensor's by its two rules, see :func:`_sketched_bound`). Any other case (no
     golden or baseline, structure or dtype differences, non-finite or masked values, a larger
     error) takes the full comparison. ``noise`` (see :func:`judge`) only raises a budget, so
-    the quick bound stands without it."""
+    the quick bound stands without it, as it does without ``islands``."""
     quick = _bounded(candidate, golden, baseline, kind, padding)
     if quick is not None:
         return quick
-    return judge(candidate, golden, baseline, kind, padding, precision, noise)
+    return judge(candidate, golden, baseline, kind, padding, precision, noise, islands)
 
 
 def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
@@ -236,13 +259,14 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
              ) -> Bounded | None:
     if not golden or not candidate or not (candidate.keys() == golden.keys() == baseline.keys()):
         return None
-    sketched = any(involves_sketch(*sides) for sides in zip(
-        candidate.values(), golden.values(), baseline.values(), strict=True))
-    bound = _sketched_bound if sketched else _exact_bound
     tol = tolerance.kind_tolerance(kind)
     errors, shares, identical = [], [], True
     for path, c in candidate.items():
-        one = bound(c, golden[path], baseline[path], tol, kind,
+        # each tensor by its own kind: a call may return a big output, kept as a sketch,
+        # beside small ones kept whole
+        sides = (c, golden[path], baseline[path])
+        bound = _sketched_bound if involves_sketch(*sides) else _exact_bound
+        one = bound(*sides, tol, kind,
                     functools.partial(left_out_of, padding, f'outputs["{path}"]'), identical)
         if one is None:
             return None

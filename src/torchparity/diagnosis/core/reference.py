@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from torchparity.diagnosis.core.state import (
 )
 from torchparity.diagnosis.core.trace import FINAL, ReplayUnavailable, Store, weight_digests
 from torchparity.subject.factory import first_line
+from torchparity.subject.islands import Islands, narrowest
 from torchparity.subject.padding import Padding
 from torchparity.subject.trees import flatten_tensors
 
@@ -76,6 +77,9 @@ class Reference:
     signatures: dict[str, Signature | None] = field(default_factory=dict)  # A's forwards
     #: Modules that change their own state across calls: name -> (clock, state before a call).
     states: dict[str, list[tuple[int, OwnState]]] = field(default_factory=dict)
+    #: Watches of float64 runs (A's golden, A and B in float64 mode, B's float64 copy): where
+    #: a model computes in a narrower dtype whatever its own (see :meth:`islands_of`).
+    islands: list[Islands] = field(default_factory=list)
 
     def ensure_replayed(self, call: ModuleCall) -> None:
         """The local golden (and local gradients) of ``call`` are in the store after this."""
@@ -102,6 +106,20 @@ class Reference:
     def tensors(self, calls: tuple[ModuleCall, ...], group: str) -> dict[str, torch.Tensor]:
         return joined([self.store.get(c.key, group) for c in calls])
 
+    def islands_of(self, module: str | None = None) -> str | None:
+        """The narrowest dtype a watched float64 run computed in inside ``module`` (itself or a
+        submodule, on either side), or anywhere with None: a float64 tensor carries the
+        rounding of every island it was computed through, an island's own output that of its
+        dtype."""
+        found = {}
+        for watch in self.islands:
+            for dtype, modules in watch.found.items():
+                inside = [m for m in modules if module is None or module == "" or
+                          m == module or m.startswith(module + ".")]
+                if inside:
+                    found[dtype] = inside
+        return narrowest(found)
+
     def judge(self, calls: tuple[ModuleCall, ...], candidate: dict[str, torch.Tensor],
               baseline_group: str, golden_group: str, kind: str, *, quick: bool = False
               ) -> Result:
@@ -109,13 +127,16 @@ class Reference:
         ``baseline_group`` as the baseline; ``quick`` bounds clearly-within verdicts instead
         of computing every metric (:func:`~torchparity.diagnosis.core.judging.judge_quickly`).
         Padded positions of the module's tensors are left out (parameter gradients have
-        none)."""
+        none). A local judgement (the module replayed on A's inputs) allows for the islands
+        inside the module, a propagated one for every island."""
         start = time.perf_counter()
         golden = self.tensors(calls, golden_group) if self.has_golden else {}
         padding = None if baseline_group == "param_grad" else \
             module_padding(self.padding, calls[0].name)
+        islands = self.islands_of(calls[0].name if golden_group.startswith("local_") else None)
         result = (judge_quickly if quick else judge)(
-            candidate, golden, self.tensors(calls, baseline_group), kind, padding)
+            candidate, golden, self.tensors(calls, baseline_group), kind, padding,
+            islands=islands)
         if quick:
             self.judging_seconds += time.perf_counter() - start
         return result
@@ -133,6 +154,17 @@ class Reference:
         if reason is not None:
             raise ReplayUnavailable(reason)
         return replaying(module, states, placed_on)
+
+
+@contextlib.contextmanager
+def in_float64_islands(model: nn.Module) -> Iterator[Islands | None]:
+    """A watch of where ``model``, when it runs in float64, computes in a narrower dtype
+    (None for a model in another dtype: its run is no float64 reference)."""
+    if module_placement(model)[0] != GOLDEN_DTYPE:
+        yield None
+        return
+    with Islands(model) as islands:
+        yield islands
 
 
 def state_key(name: str, clock: int) -> str:

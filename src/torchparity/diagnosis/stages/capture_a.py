@@ -30,6 +30,7 @@ from torchparity.diagnosis.core.progress import ProgressBar
 from torchparity.diagnosis.core.reference import (
     Reference,
     grad_keeper,
+    in_float64_islands,
     keep_run_results,
     parse_golden_label,
     state_key,
@@ -65,9 +66,11 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Store, opts: Opti
     store.padding = opts.padding  # sketches of padded tensors leave the padding out
     done = bar.phase("A: forward" + (" and backward" if opts.backward else ""))
     recorder = StateRecorder(model)
-    run = run_model(model, inputs, opts, opts.backend_a, backward=opts.backward, what="tensors",
-                    keep=False, live=True, on_call=keep_call,
-                    on_grad=grad_keeper(store, "grad_out", "judged_grad_out"), states=recorder)
+    with in_float64_islands(model) as islands:
+        run = run_model(model, inputs, opts, opts.backend_a, backward=opts.backward,
+                        what="tensors", keep=False, live=True, on_call=keep_call,
+                        on_grad=grad_keeper(store, "grad_out", "judged_grad_out"),
+                        states=recorder)
     keep_run_results(store, run, "out", "param_grad")
     states = recorder.snapshots_of_changing()
     for name, history in states.items():  # a trace keeps them for replays on another revision
@@ -76,7 +79,8 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Store, opts: Opti
     done()
     return Reference(calls=run.calls, store=store, padding=opts.padding, states=states,
                      signatures={name: signature(module)
-                                 for name, module in model.named_modules()})
+                                 for name, module in model.named_modules()},
+                     islands=[islands] if islands is not None else [])
 
 
 def capture_decoding(side: Side, steps: int, tokens: torch.Tensor | None, store: Store,

@@ -53,6 +53,7 @@ from torchparity.diagnosis.core.run import (
 from torchparity.diagnosis.core.state import replaying, states_within
 from torchparity.diagnosis.core.trace import FINAL, ReplayUnavailable, Store
 from torchparity.subject.blockwise import Float64Run
+from torchparity.subject.islands import Islands
 from torchparity.subject.factory import first_line
 from torchparity.subject.running import Inputs, call_model, seeded, upcast
 from torchparity.subject.trees import flatten_tensors
@@ -80,11 +81,13 @@ def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
         reference.golden = note
         done = bar.phase("golden (float64): forward" + (" and backward" if opts.backward else ""))
         try:
-            golden_run = run_model(
-                golden, upcast(inputs, GOLDEN_DTYPE, "cpu"), opts, opts.backend_a,
-                backward=opts.backward, float64=True, what="outputs", keep=False, live=True,
-                on_call=lambda c: store.put(c.key, "golden_out", c.outputs),
-                on_grad=grad_keeper(store, "golden_grad_out"))
+            with Islands(golden) as islands:
+                golden_run = run_model(
+                    golden, upcast(inputs, GOLDEN_DTYPE, "cpu"), opts, opts.backend_a,
+                    backward=opts.backward, float64=True, what="outputs", keep=False,
+                    live=True, on_call=lambda c: store.put(c.key, "golden_out", c.outputs),
+                    on_grad=grad_keeper(store, "golden_grad_out"))
+            reference.islands.append(islands)
             keep_run_results(store, golden_run, "golden_out", "golden_param_grad")
         except Exception as exc:  # noqa: BLE001 - e.g. an op without a float64 kernel
             reason = f"{type(exc).__name__}: {exc}"
@@ -159,7 +162,8 @@ def _in_float64(side: Side, copy: nn.Module) -> Side:
 
 def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,
                       opts: Options) -> Result | None:
-    """B's float64 output against A's float64 golden under float64 rounding alone: whether B
+    """B's float64 output against A's float64 golden under float64 rounding, and that of the
+    narrower dtype either float64 run computes in where it does (its islands): whether B
     computes other math than A even where no module leaves the noise of A's own dtype. None
     when there is no golden or B cannot run in float64."""
     if not reference.has_golden:
@@ -168,12 +172,14 @@ def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,
     a_output = reference.store.get(FINAL, "out")
     try:
         with backend_context(opts.backend_b), seeded(), torch.no_grad(), \
-                Float64Run(model, device="cpu"):
+                Float64Run(model, device="cpu"), Islands(model) as islands:
             output = call_model(model, upcast(inputs, GOLDEN_DTYPE, "cpu"))
     except Exception:  # noqa: BLE001 - no float64 run of B: nothing to tell
         return None
+    # What either float64 run computes in a narrower dtype rounds as that dtype does.
+    reference.islands.append(islands)
     return judge_departure(flatten_tensors(output), golden, a_output,
-                           module_padding(reference.padding, ""))
+                           module_padding(reference.padding, ""), reference.islands_of())
 
 
 class _Replayer:

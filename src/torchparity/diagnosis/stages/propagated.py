@@ -29,7 +29,7 @@ from torchparity.diagnosis.core.judging import (
     with_leaves,
 )
 from torchparity.diagnosis.core.progress import ProgressBar
-from torchparity.diagnosis.core.reference import Reference
+from torchparity.diagnosis.core.reference import Reference, in_float64_islands
 from torchparity.diagnosis.core.results import Result, Row, new_row
 from torchparity.diagnosis.core.run import Options, CapturedRun, run_model
 from torchparity.diagnosis.core.state import StateRecorder
@@ -108,9 +108,12 @@ def _run(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
     done = bar.phase("B: forward" + (" and backward" if opts.backward else ""))
     tracker = _Tracker(reference, pairing)
     states = StateRecorder(model, snapshots=False)
-    run = run_model(model, inputs, opts, opts.backend_b, backward=opts.backward, what="outputs",
-                    keep=False, live=True, on_call=tracker.on_call, on_grad=tracker.on_grad,
-                    states=states)
+    with in_float64_islands(model) as islands:
+        if islands is not None:  # B's own, judged as they are found
+            reference.islands.append(islands)
+        run = run_model(model, inputs, opts, opts.backend_b, backward=opts.backward,
+                        what="outputs", keep=False, live=True, on_call=tracker.on_call,
+                        on_grad=tracker.on_grad, states=states)
     tracker.finish(run.param_grads)
     done()
     return tracker, run
@@ -198,5 +201,6 @@ def _final(reference: Reference, run: CapturedRun, which: str) -> Result:
     kind = "loss" if which == "loss" else "forward"
     result = judge_quickly(final, pick(golden), pick(baseline), kind,
                            module_padding(reference.padding, ""),
-                           precision if which == "loss" else None)
+                           precision if which == "loss" else None,
+                           islands=reference.islands_of())
     return with_leaves(result, leaves(run.output, "output"))
