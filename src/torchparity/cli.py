@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         command = importlib.import_module(args._module)  # torch and the rest imported
         with older_objects_frozen():
             return _recorded(command.run(args))
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"{prog}: interrupted{_noted(exc, ': ')}", file=sys.stderr)
         return 130
     except TorchParityError as exc:
         status = getattr(exc, "exit_status", EXIT_USAGE)
@@ -75,13 +75,20 @@ def _report(prog: str, message: str, status: int, exc: BaseException,
     the traceback with ``--debug``; return ``status``."""
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
-    line = f"{prog}: {_failed_alone(exc)}{message}"
+    line = f"{prog}: {_failed_alone(exc)}{message}{_noted(exc)}"
     if origin is not None:
         line += f" (at {_innermost_frame(origin)})"
         if not debug:
             line += "; --debug shows the traceback"
     print(line, file=sys.stderr)
     return _recorded(status, line)
+
+
+def _noted(exc: BaseException, separator: str = "; ") -> str:
+    """The notes added to ``exc`` on its way out (what a golden folder holds after it), as the
+    end of its line."""
+    notes = getattr(exc, "__notes__", [])
+    return separator + "; ".join(notes) if notes else ""
 
 
 def _failed_alone(exc: BaseException) -> str:

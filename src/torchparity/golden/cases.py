@@ -293,11 +293,13 @@ def write_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, str]:
         changed), ``replaced`` (the old file was unreadable) or ``unchanged`` (the file is left
         untouched, so a rerun on another machine does not churn the repository).
     """
-    with single_thread():
-        run = run_case(case, REFERENCE)
-    meta = case_meta(case)
-    return {output: store.update(case.name, output, run.outputs[output], {"kind": kind, **meta})
-            for output, kind in OUTPUT_KINDS.items()}
+    with store.replacing(case.name):  # all of its files, or none if interrupted
+        with single_thread():
+            run = run_case(case, REFERENCE)
+        meta = case_meta(case)
+        return {output: store.update(case.name, output, run.outputs[output],
+                                     {"kind": kind, **meta})
+                for output, kind in OUTPUT_KINDS.items()}
 
 
 def load_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, Golden]:
@@ -335,6 +337,7 @@ def load_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, Golden]:
             raise GoldenStale(f"golden {golden.path.with_suffix('.json')} has kind "
                               f"{golden.summary.get('kind')!r}, expected "
                               f"{OUTPUT_KINDS[output]!r}; {fix}")
+    store.check_set(case.name, goldens)
     return goldens
 
 

@@ -15,34 +15,42 @@ seed), its statistics and sha256 being those of the sketch. Goldens with sketche
 version 2; exact ones keep version 1, which torchparity before sketches reads too.
 
 Reading checks everything a damaged or hand-edited golden could get wrong and raises a
-:class:`GoldenError` subclass whose one-line message says how to repair it. Writing is atomic
-(temporary file + rename in the same folder), keeps no shared index and deletes nothing, so
-parallel writers (pytest-xdist workers) never lose each other's files; the two files of one
-golden are written and read under one lock, so no one sees one writer's tensors with another
-writer's JSON.
+:class:`GoldenError` subclass whose one-line message says how to repair it. A case's folder
+changes as a set (:mod:`torchparity.golden.golden_sets`): the goldens written inside one
+:meth:`GoldenStore.replacing` block, or by one :meth:`GoldenStore.write`, replace the folder's
+files at once, and an interruption or a failed write leaves the old set whole. Writing keeps no
+shared index and deletes nothing; a golden is read under the lock its folder is switched
+under, so no one sees one update's tensors with another's JSON. Files follow the umask.
 
 The ``golden`` pytest fixture (:mod:`torchparity.golden.fixture`) keeps its goldens here too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import platform
 import re
-import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from filelock import FileLock
 
 from torchparity import digests, machine, sketching
 from torchparity.errors import TorchParityError, UsageError
+from torchparity.golden.golden_sets import (
+    FolderUpdate,
+    settle,
+    sigterm_interrupts,
+    switch_lock,
+)
 from torchparity.sketching import Sketch
 
 #: Version of the on-disk layout: the newest this code reads, written for goldens holding
@@ -62,8 +70,10 @@ _OBTAINED = ".obtained"
 # Summary statistics are rounded for a readable diff; re-derived values must agree this well.
 _STAT_DIGITS = 6
 _STAT_TOLERANCE = 1e-5
-# Lock files shared by all goldens (see _lock).
-_LOCK_FILES = 64
+# What a golden records of itself alone; the rest of its metadata is its set's.
+_OWN_KEYS = {"schema_version", "case", "output", "produced_by", "tensors", "kind", "layout"}
+# The set updates under way in this process, by folder and thread (GoldenStore.replacing).
+_updating: dict[tuple[Path, int], FolderUpdate] = {}
 
 
 class GoldenError(TorchParityError):
@@ -84,6 +94,15 @@ class GoldenSchemaError(GoldenError):
 
 class GoldenStale(GoldenError):
     """A golden was produced from another configuration than the one the code has now."""
+
+
+class GoldenMixed(GoldenCorrupt):
+    """A case's goldens come from two updates (an older torchparity, interrupted, left them)."""
+
+
+class GoldenWriteError(GoldenError):
+    """A golden set could not be written (a read-only folder, a full disk); the old set is
+    kept."""
 
 
 @dataclass
@@ -384,11 +403,64 @@ class GoldenStore:
                    "tensors": {name: tensor_summary(t) for name, t in stored.items()}}
         from safetensors.torch import save
 
-        payload = save(_flat(stored), metadata={"format": "pt", "schema_version": str(version)})
-        with _lock(tensor_path):
-            _atomic_write(tensor_path, payload)
-            _atomic_write(json_path, (format_json(summary) + "\n").encode())
+        payload = _canonical(save(_flat(stored), metadata={"format": "pt",
+                                                           "schema_version": str(version)}))
+        with self.replacing(case) as update:
+            update.write_file(tensor_path.name, payload)
+            update.write_file(json_path.name, (format_json(summary) + "\n").encode())
         return [tensor_path, json_path]
+
+    @contextlib.contextmanager
+    def replacing(self, case: str) -> Iterator[FolderUpdate]:
+        """Replace the goldens of ``case`` as a set: those written in the block take their
+        place together as it ends; an exception (an interruption, the user's model raising, a
+        full disk) leaves the old set, and its message says which set the folder holds.
+
+        Nested blocks of one folder share the outer one. SIGTERM interrupts the block as Ctrl-C
+        does.
+
+        Args:
+            case: the case folder.
+
+        Yields:
+            The folder's update.
+
+        Raises:
+            GoldenBusy: another process is updating the folder.
+            GoldenWriteError: the set cannot be written (the old one is kept).
+        """
+        _check_name(case, "case")
+        key = ((self.root / case).resolve(), threading.get_ident())
+        if key in _updating:
+            yield _updating[key]
+            return
+        update = FolderUpdate(self.root / case)
+        with update.locked(), sigterm_interrupts():
+            _updating[key] = update
+            try:
+                update.recover()
+                yield update
+                update.commit()
+            except OSError as exc:
+                update.abort()
+                raise GoldenWriteError(self._write_failure(case, exc, update.switched)) from None
+            except BaseException as exc:
+                update.abort()
+                exc.add_note(_held(case, update.switched))
+                raise
+            finally:
+                del _updating[key]
+
+    def _write_failure(self, case: str, exc: OSError, switched: bool) -> str:
+        reason = exc.strerror or str(exc)
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):  # a full disk or quota
+            command = self.update_command.format(case=case, output="")
+            fix = f"free space there, then run `{command}` again"
+        else:
+            fix = (f"make it writable, or point --golden-dir / {GOLDEN_DIR_ENV} at a writable "
+                   f"folder")
+        return f"cannot write the goldens of {case} in {self.root} ({reason}): {fix}; " \
+               f"{_held(case, switched)}"
 
     def update(self, case: str, output: str, tensors: Mapping[str, torch.Tensor | Sketch],
                meta: Mapping[str, Any]) -> str:
@@ -447,7 +519,8 @@ class GoldenStore:
         from safetensors.torch import save
 
         path = self.obtained_path(case, output)
-        _atomic_write(path, save(_flat(_storable(tensors)), metadata={"format": "pt"}))
+        with switch_lock(path.parent):
+            _atomic_write(path, save(_flat(_storable(tensors)), metadata={"format": "pt"}))
         return path
 
     def read(self, case: str, output: str) -> Golden:
@@ -467,6 +540,13 @@ class GoldenStore:
         """
         tensor_path, json_path = self.paths(case, output)
         fix = self._fix(case, output, tensor_path)
+        with switch_lock(tensor_path.parent):
+            return self._read(case, output, tensor_path, json_path, fix)
+
+    def _read(self, case: str, output: str, tensor_path: Path, json_path: Path, fix: str
+              ) -> Golden:
+        with contextlib.suppress(OSError):  # a read-only folder is read as it is
+            settle(tensor_path.parent)
         if not tensor_path.exists() and not json_path.exists():
             command = self.update_command.format(case=case, output=output)
             raise GoldenMissing(f"no golden {output!r} for case {case!r} in {self.root}; "
@@ -474,14 +554,35 @@ class GoldenStore:
         for present, absent in ((tensor_path, json_path), (json_path, tensor_path)):
             if not absent.exists():
                 raise GoldenCorrupt(f"{present} has no {absent.name} beside it; {fix}")
-        with _lock(tensor_path):
-            summary = _read_summary(json_path, fix)
-            tensors = _unflat(_read_tensors(tensor_path, fix), summary["tensors"])
+        summary = _read_summary(json_path, fix)
+        tensors = _unflat(_read_tensors(tensor_path, fix), summary["tensors"])
         _check_consistent(json_path, summary, tensors, fix)
         # safetensors gives the tensors in no set order: the JSON's is the order they were
         # written in, so that a comparison meets them (and picks among ties) the same each run.
         listed = {name: tensors[name] for name in summary["tensors"] if name in tensors}
         return Golden(case, output, listed | tensors, summary, tensor_path)
+
+    def check_set(self, case: str, goldens: Mapping[str, Golden]) -> None:
+        """Refuse goldens of ``case`` that two updates made: the metadata each records of the
+        set (checksums, config, loss...) must agree.
+
+        Args:
+            case: the case folder.
+            goldens: its goldens of one update, by output.
+
+        Raises:
+            GoldenMixed: they disagree, with the command that rewrites the set.
+        """
+        (first, golden), *others = goldens.items()
+        for output, other in others:
+            shared = (set(golden.summary) & set(other.summary)) - _OWN_KEYS
+            differ = sorted(k for k in shared if golden.summary[k] != other.summary[k])
+            if differ:
+                command = self.update_command.format(case=case, output="").strip()
+                raise GoldenMixed(
+                    f"the goldens of {case} in {self.root} are a mixed set: {first}.json and "
+                    f"{output}.json record different {', '.join(differ)} (an interrupted "
+                    f"update of an older torchparity left them); rerun `{command}`")
 
     def _fix(self, case: str, output: str, path: Path) -> str:
         command = self.update_command.format(case=case, output=output)
@@ -564,32 +665,33 @@ def _unflat(flat: dict[str, torch.Tensor], listed: Mapping[str, Any]
     return tensors
 
 
-def _lock(tensor_path: Path) -> FileLock:
-    """The lock of one golden, shared by this user's processes on this machine.
+def _canonical(payload: bytes) -> bytes:
+    """A safetensors file whose header lists its keys sorted: safetensors writes its metadata
+    in a random order, and the same golden must be the same bytes."""
+    size = int.from_bytes(payload[:8], "little")
+    header = json.dumps(json.loads(payload[8:8 + size]), sort_keys=True, separators=(",", ":"))
+    header += " " * (-len(header) % 8)  # the data stays aligned to 8 bytes
+    return len(header).to_bytes(8, "little") + header.encode() + payload[8 + size:]
 
-    It lives in the temporary folder, not beside the golden: goldens shipped inside an
-    installed package are read-only, and a lock file must not show up in a repository. Lock
-    files outlive their use, so goldens share a fixed set of them (by a hash of the path):
-    two goldens on one lock merely wait for each other. No code holds two goldens' locks.
-    """
-    digest = hashlib.sha256(str(tensor_path.resolve()).encode()).digest()
-    user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""  # per user on a shared /tmp
-    folder = Path(tempfile.gettempdir()) / f"torchparity-locks{user}"
-    folder.mkdir(exist_ok=True)
-    return FileLock(folder / f"{digest[0] % _LOCK_FILES}.lock")
+
+def _held(case: str, switched: bool) -> str:
+    """What the folder of ``case`` holds after an update that did not finish."""
+    return f"the goldens of {case} are the {'new set' if switched else 'old set, unchanged'}"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
+    """Replace one file in one rename, its mode following the umask."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

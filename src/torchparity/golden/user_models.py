@@ -130,6 +130,14 @@ def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = 
         Output -> what happened to its file (``created``, ``updated``, ``replaced`` or
         ``unchanged``, as for the zoo).
     """
+    with store.replacing(subject.name):  # all of its files, or none if interrupted
+        return _write_goldens(subject, store, status, run, checksums, layout)
+
+
+def _write_goldens(subject: Subject, store: GoldenStore, status: Status | None,
+                   run: CellRun | None, checksums: dict[str, str | None] | None,
+                   layout: Layout | None) -> dict[str, str]:
+    """:func:`write_goldens` inside the update of the model's folder."""
     run = run or run_in_cell(subject, REFERENCE, None, status=status)
     if run.missing:
         output, reason = next(iter(run.missing.items()))
@@ -200,6 +208,7 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
             raise GoldenStale(f"golden {golden.path.with_suffix('.json')} was made with a "
                               f"default loss over other positions ({made}; now "
                               f"{padding or 'no padding left out'}); {fix}")
+    store.check_set(subject.name, goldens)
     return goldens
 
 

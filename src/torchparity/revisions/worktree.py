@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import signal
 import subprocess
 import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 
 from torchparity.errors import UsageError
+from torchparity.golden.golden_sets import sigterm_interrupts
 
 
 class RevisionError(UsageError):
@@ -116,7 +114,7 @@ class Repository:
         folder = Path(tempfile.mkdtemp(prefix="torchparity-base-"))
         tree = folder / "tree"
         try:
-            with _sigterm_interrupts():
+            with sigterm_interrupts():
                 try:
                     _git(self.top, "worktree", "add", "--detach", "--quiet", str(tree), commit)
                 except RevisionError as exc:
@@ -144,20 +142,3 @@ def _git(cwd: Path, *args: str) -> str:
                  for line in done.stderr.splitlines() if line.strip()]
         raise RevisionError(lines[0] if lines else "")
     return done.stdout.strip()
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt while the block runs, so that the cleanup runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
