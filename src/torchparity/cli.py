@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     prog = f"torchparity {args.command}"
     try:
         command = importlib.import_module(args._module)  # torch and the rest imported
+        from torchparity.ci.output_paths import check_output_paths
+
+        check_output_paths(args)  # before any work, which may take minutes
         with older_objects_frozen():
             return _recorded(command.run(args))
     except KeyboardInterrupt as exc:
