@@ -212,7 +212,9 @@ def model_parity(request: pytest.FixtureRequest) -> Callable[..., ModelReport]:
     A file entry's relative path is looked for beside the test file, then under pytest's
     rootdir, whatever the working directory. Goldens are read from ``golden/`` beside the
     test file unless ``golden_dir`` is given; ``torchparity golden update --model ENTRY
-    --golden-dir DIR`` writes them.
+    --golden-dir DIR`` writes them. A cell in which every output is ``n/a`` (a model that
+    never calls SDPA, in an ``sdpa`` cell) is skipped with the reason, which ``pytest -rs``
+    shows: a test never passes a cell that did not run.
 
     Returns:
         The check, which returns the cell's report when it passes.
@@ -231,9 +233,25 @@ def model_parity(request: pytest.FixtureRequest) -> Callable[..., ModelReport]:
             failure = None if report.ok else report.explain()
         if failure is not None:  # failed outside the except block: the message shows once
             pytest.fail(failure, pytrace=False)
+        if not_run := not_applicable(report):  # a cell that ran nothing passes nothing
+            pytest.skip(f"{cell}: n/a: {not_run}")
         return report
 
     return check
+
+
+def not_applicable(report: ModelReport) -> str | None:
+    """Why no output of ``report`` was judged (every row ``n/a``), or None when some was.
+
+    Args:
+        report: the check of one cell.
+
+    Returns:
+        The rows' reasons, each once, or None.
+    """
+    if not report.results or any(row.verdict != "n/a" for row in report.results):
+        return None
+    return "; ".join(dict.fromkeys(row.reason or "could not run" for row in report.results))
 
 
 def _entry_for_test(factory, request: pytest.FixtureRequest):

@@ -424,11 +424,16 @@ def test_the_pytest_fixture_gives_one_test_per_cell(models, tmp_path, pytester):
     pytester.makepyfile(test_suite=USER_SUITE.format(
         golden=str(models / "golden"), same=f"{models / 'models.py'}:without_sdpa",
         changed=f"{changed}:without_sdpa"))
-    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
-    # The changed model fails in the reference cell; its sdpa cell is n/a (no SDPA call).
-    result.assert_outcomes(passed=3, failed=1)
+    result = pytester.runpytest_inprocess("-q", "-rs", "-p", "no:cacheprovider")
+    # The changed model fails in the reference cell; each model's sdpa cell is n/a (it never
+    # calls SDPA): skipped with the reason, never passed.
+    result.assert_outcomes(passed=1, failed=1, skipped=2)
     result.stdout.fnmatch_lines(["*test_model?changed-manual-fp64-cpu?*",
                                  "*FAIL models.without_sdpa reference fp64 cpu outputs: diverged*"])
+    skipped = [line for line in result.stdout.lines if line.startswith("SKIPPED")]
+    assert len(skipped) == 1 and skipped[0].startswith("SKIPPED [2] "), skipped  # one reason
+    assert skipped[0].endswith(
+        "sdpa-fp32-cpu: n/a: the model never called scaled_dot_product_attention"), skipped
 
 
 def test_bench_times_each_backend_and_the_check_of_a_users_model(models, tmp_path):
