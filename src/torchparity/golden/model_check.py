@@ -58,6 +58,7 @@ from torchparity.subject.compiling import check_mode
 from torchparity.subject.decoding import Fed
 from torchparity.subject.hf_families import is_hf_entry
 from torchparity.subject.names import NameMap
+from torchparity.tolerance import coarser
 
 #: How a factory builds the same weights and inputs on every machine.
 _SAME_EVERYWHERE = {
@@ -222,7 +223,11 @@ class ModelFeed:
                               for label in ("cached", "recomputed"))
         if not recomputed:  # a step of the factory's own has no recompute to judge it by
             return []
-        return [self._judge(REFERENCE, "decode-cache", cached, recomputed, None)]
+        # Both sides compute the model's own islands (a state-space scan in float32) each its
+        # way, the cache by recurrence and the recompute by a scan: two runs in that dtype.
+        return [self._judge(REFERENCE, "decode-cache", cached, recomputed, None,
+                            islands=self.islands,
+                            compute_dtype=coarser(REFERENCE.dtype, self.islands))]
 
     def steps(self, decoded: dict[str, Any] | None) -> list[dict[str, Any]]:
         """A decoding's logits step by step (see :meth:`Feed.steps`)."""
@@ -230,14 +235,17 @@ class ModelFeed:
 
     def _judge(self, cell: Cell, output: str, candidate: dict[str, Any],
                golden: dict[str, Any], baseline: dict[str, Any] | None,
-               noise: float | None = None, islands: str | None = None) -> CheckResult:
+               noise: float | None = None, islands: str | None = None,
+               compute_dtype: str | None = None) -> CheckResult:
         """Judge the tensors candidate and golden share; paths that one side lacks (eager's
         attention weights against sdpa's None) are structure differences, not divergences.
         Outputs with a value per input position are judged on the unpadded ones; ``islands``
-        is the narrowest dtype the model computes in (a baseline may err as it does)."""
+        is the narrowest dtype the model computes in (a baseline may err as it does);
+        ``compute_dtype`` that of both sides, where it is not the cell's."""
         subject = self.subject
         comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
-                             compute_dtype=cell.dtype, noise=noise if baseline else None,
+                             compute_dtype=compute_dtype or cell.dtype,
+                             noise=noise if baseline else None,
                              padding=output_padding(subject, output), islands=islands)
         fields = check_loop.judged_fields(comparison, cell)
         if output == "loss" and subject.loss_fn is None and subject.padding:
