@@ -28,7 +28,7 @@ from torchparity.train.ensemble import members_count
 from torchparity.train.optimizer_groups import GroupChange, compare_groups
 from torchparity.train.trainer import Execution, Trajectory
 from torchparity.train.trajectory import TrajectoryComparison
-from torchparity.train.user_model import UserRecipe
+from torchparity.train.user_model import UserRecipe, training_subject
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class ModelPlan:
 
 def update_model_golden(plan: ModelPlan, console: Console) -> None:
     """Train the float64 trajectory and the noise ensemble, store them, say where."""
-    subject = Subject.load(plan.entry)
+    subject = training_subject(plan.entry)
     store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
     runs = 1 + members_count(plan.execution)
     console.print(wrapped(f"training {subject.name} {plan.steps} steps in float64 and "
@@ -65,7 +65,7 @@ def update_model_golden(plan: ModelPlan, console: Console) -> None:
 def judge_model_training(plan: ModelPlan, console: Console) -> bool:
     """Train once, judge against the golden trajectory and band, print the verdict and its
     sensitivity; True when within."""
-    subject = Subject.load(plan.entry)
+    subject = training_subject(plan.entry)
     store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
     recipe = UserRecipe(subject.entry, plan.steps)
     bar = steps_bar(console, f"{subject.name} {plan.execution.label()}", plan.steps)

@@ -34,7 +34,7 @@ from torchparity.subject.running import is_dtensor
 from torchparity.text import wrapped
 from torchparity.train.trainer import Execution, Trajectory
 from torchparity.train.trajectory import compare_trajectories
-from torchparity.train.user_model import UserRecipe, UserTrainer, check_hooks
+from torchparity.train.user_model import UserRecipe, UserTrainer, check_hooks, training_subject
 
 
 def start_ranks(nproc: int | None, argv: list[str], *, judges: bool) -> int | None:
@@ -141,7 +141,7 @@ def judge_sharded_training(plan: ModelPlan, console: Console) -> bool:
     """
     import torch.distributed as dist
 
-    subject = Subject.load(plan.entry)
+    subject = training_subject(plan.entry)
     check_hooks(subject)
     store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
     recipe = UserRecipe(subject.entry, plan.steps)

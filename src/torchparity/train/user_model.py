@@ -32,6 +32,7 @@ from torchparity.subject.model import Subject
 from torchparity.subject.rounding import perturb_weights
 from torchparity.subject.running import call_model, cast_inputs
 from torchparity.threads import single_thread
+from torchparity.train import causal_lm
 from torchparity.train.optimizer_groups import OptimizerGroups
 from torchparity.train.trainer import (
     DTYPE_MODES,
@@ -74,6 +75,13 @@ class UserRecipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def training_subject(entry: str) -> Subject:
+    """The model ``entry`` builds, with its training recipe: the factory's, or for a
+    ``transformers`` causal LM that brings none the default one
+    (:mod:`torchparity.train.causal_lm`)."""
+    return causal_lm.with_recipe(Subject.load(entry))
 
 
 def check_hooks(subject: Subject) -> None:
@@ -266,7 +274,7 @@ class ModelRuns:
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> ModelRuns:
         """The runs :meth:`spec` describes, the factory loaded in this process."""
-        return cls(Subject.load(spec["entry"]), UserRecipe(spec["entry"], spec["steps"]))
+        return cls(training_subject(spec["entry"]), UserRecipe(spec["entry"], spec["steps"]))
 
 
 def _norm(parts: list[torch.Tensor | float | None]) -> float:

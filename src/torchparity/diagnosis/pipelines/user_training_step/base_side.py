@@ -27,6 +27,7 @@ from torchparity.errors import TorchParityError
 from torchparity.golden.renamed import renaming, state_layout
 from torchparity.subject.model import Subject
 from torchparity.train.trainer import OWN_ATTENTION, Execution
+from torchparity.train.user_model import training_subject
 
 WEIGHTS_FILE, LAYOUT_FILE, TRACE_FOLDER = "weights.safetensors", "layout.json", "trace"
 
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops-only", action="store_true")
     args = parser.parse_args(argv)
     try:
-        record_step(Subject.load(args.entry), int(args.step),
+        record_step(training_subject(args.entry), int(args.step),
                     Execution(args.backend, args.dtype, args.device), Path(args.folder),
                     ops=args.ops, ops_only=args.ops_only)
     except TorchParityError as exc:
