@@ -65,6 +65,20 @@ def fsdp() -> dict:
     return _sharded_by(MINE_FSDP, ("dp",))
 
 
+def _tp_norm_drifts(model: nn.Module, mesh) -> None:
+    """DTensor tensor parallel, but rank 1's copy of the replicated attention norms (plain
+    parameters the plan leaves whole on every rank) has drifted."""
+    MINE_TP(model, mesh)
+    if this_rank() == 1:
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.attn_norm.weight.mul_(1 + 2**-10)
+
+
+def dtensor_tp_norm_drifts() -> dict:
+    return _sharded_by(_tp_norm_drifts, ("tp",))
+
+
 def fsdp_tp() -> dict:
     return _sharded_by(both(MINE_TP, MINE_FSDP), ("dp", "tp"))
 

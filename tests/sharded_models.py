@@ -2,7 +2,9 @@
 transformer written here and a tiny ``transformers`` Llama, each with an FSDP2 plan, a
 tensor-parallel plan and both on a 2-D mesh; a GPT-2 (a tied embedding and head) and a BART
 (an encoder-decoder) with FSDP2; the classic sharding bugs planted in a plan; and
-faulty runs (a plan that does not divide the model's shapes, a rank 1 that dies or hangs).
+faulty runs (a plan that does not divide the model's shapes, a rank 1 that dies, hangs,
+raises, stops or computes a NaN alone); FSDP2 over a vocabulary of 101 rows, correct and with
+a bug in the rows of its last, shorter shard.
 The ranks import this file by its path."""
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from torch.distributed.tensor.parallel import (
 import torchparity as tp
 
 VOCAB, WIDTH, HEADS, LAYERS = 64, 32, 4, 2
+#: A vocabulary no number of ranks above 1 divides (GPT-2's, 50257, is odd too).
+ODD_VOCAB = 101
 
 
 class Attention(nn.Module):
@@ -189,6 +193,60 @@ def _hangs_in_rank_one(model: nn.Module, mesh) -> None:
 
 def mine_rank_one_hangs() -> dict:
     return _mine(_hangs_in_rank_one, {"dp": -1})
+
+
+def _rank_one(hook):
+    """A correct tensor-parallel plan, and ``hook(module, args, output)`` on rank 1's last
+    layer: in the middle of its forward, between two collectives."""
+    def parallelize(model: nn.Module, mesh) -> None:
+        MINE_TP(model, mesh)
+        if int(os.environ["RANK"]) == 1:
+            model.layers[-1].register_forward_hook(hook)
+
+    return parallelize
+
+
+def _raise(module: nn.Module, args, output) -> None:
+    raise ValueError("rank 1's own bug")
+
+
+def _nan(module: nn.Module, args, output) -> torch.Tensor:
+    return output.index_fill(-1, torch.tensor([0]), float("nan"))
+
+
+def mine_rank_one_raises() -> dict:
+    """The user's code raises on rank 1 only, inside its forward."""
+    return _mine(_rank_one(_raise), {"tp": -1})
+
+
+def mine_rank_one_stops() -> dict:
+    """Rank 1 is stopped (SIGSTOP) inside its forward: alive, but it never answers."""
+    return _mine(_rank_one(lambda *hooked: os.kill(os.getpid(), signal.SIGSTOP)), {"tp": -1})
+
+
+def mine_rank_one_nan() -> dict:
+    """Rank 1's last layer puts a NaN in its output, which every rank should hold alike."""
+    return _mine(_rank_one(_nan), {"tp": -1})
+
+
+def mine_fsdp_odd_vocab() -> dict:
+    """FSDP2 over an embedding and head of 101 rows: the ranks hold 51 and 50 of them."""
+    return _mine(MINE_FSDP, {"dp": -1}, vocab=ODD_VOCAB)
+
+
+def _last_rows_scaled(model: nn.Module, mesh) -> None:
+    """FSDP2, but the rows of the embedding that the last rank holds come out scaled."""
+    MINE_FSDP(model, mesh)
+    first = -(-ODD_VOCAB // mesh["dp"].size()) * (mesh["dp"].size() - 1)
+
+    def scaled(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        return torch.where((args[0] >= first)[..., None], output * (1 + 2**-8), output)
+
+    model.embed.register_forward_hook(scaled)
+
+
+def mine_fsdp_odd_vocab_last_rows_scaled() -> dict:
+    return _mine(_last_rows_scaled, {"dp": -1}, vocab=ODD_VOCAB)
 
 
 def _llama(plan, mesh: dict[str, int]) -> dict:

@@ -1,7 +1,9 @@
 """Users' models sharded over the ranks of torchrun (``--nproc N``), on the CPU with gloo: the
 goldens made by the sharded model in float64 check with any number of ranks, with the verdicts
-one process gives; a rank that dies, a collective that times out and a plan that does not
-divide the model end the run with one line, exit status 2 and no golden written.
+one process gives, FSDP2's uneven shards included; a rank that dies or stops, a collective that
+times out and a tensor-parallel plan that does not divide the model end the run with one line,
+exit status 2 and no golden written; a replicated weight or output that differs between ranks
+fails the check (1), the user's code raising on one rank names it (3), every rank ended.
 
 Each ``--nproc`` run starts torchrun and its ranks (seconds of imports each), so the default
 suite runs a few of them with 2 ranks; the other plans and 4 ranks are ``slow``."""
@@ -214,6 +216,92 @@ def test_the_zoo_s_cases_across_ranks_are_refused_not_run_on_every_rank(tmp_path
 
 def test_a_rank_that_dies_is_named_and_nothing_is_written(tmp_path, capsys):
     assert "rank 1 died (Signal 9 (SIGKILL)" in refused(tmp_path, "mine_rank_one_dies", capsys)
+    assert not leftover("mine_rank_one_dies")
+
+
+def leftover(name: str) -> list[str]:
+    """The command lines of processes still running the factory ``name``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended while we looked
+            continue
+        if f"{entry(name)} " in f"{text} ":
+            found.append(text)
+    return found
+
+
+def failed_check(tmp_path: Path, name: str, capsys) -> tuple[int, str]:
+    """``check --nproc 2`` of ``name`` against goldens made in one process: its exit status
+    and its one line, once no process of it is left."""
+    golden = ["--golden-dir", str(tmp_path / "golden")]
+    assert main(["golden", "update", "--model", entry(name), *golden]) == 0
+    capsys.readouterr()
+    status = main(["check", "--model", entry(name), "--nproc", "2", *CELLS, *golden])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert not leftover(name)
+    return status, err
+
+
+def test_a_replicated_weight_that_drifted_on_one_rank_fails_the_check_naming_it(
+        tmp_path, capsys):
+    # Every rank gathers the digests of its replicated copies, then all decide alike: a
+    # finding at once, not a rank left waiting for another in the collective timeout.
+    status, err = failed_check(tmp_path, "mine_norm_drifts", capsys)
+    assert status == 1
+    assert ("FAILED: the replicated weight layers.0.attn_norm.weight differs between ranks: "
+            "rank 1 differs from rank 0's copy by up to ") in err
+    assert "1 more weight(s) differ too" in err  # layers.1's norm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["self:manual_tp_norm_drifts", "self:dtensor_tp_norm_drifts"])
+def test_a_drifted_weight_of_a_model_that_shards_itself_fails_the_check(tmp_path, capsys,
+                                                                         name):
+    status, err = failed_check(tmp_path, name, capsys)
+    assert status == 1
+    assert "the replicated weight layers.0.attn_norm.weight differs between ranks" in err
+
+
+def test_the_user_s_code_raising_on_one_rank_is_named_and_ends_every_rank(tmp_path, capsys):
+    # Rank 1 raises in its forward while rank 0 waits in the next collective: rank 1 leaves
+    # at once and torchrun stops rank 0, long before the collective timeout.
+    status, err = failed_check(tmp_path, "mine_rank_one_raises", capsys)
+    assert status == 3
+    assert "rank 1: error: the model's forward" in err
+    assert "raised ValueError: rank 1's own bug" in err
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_fails_the_check_naming_the_output_and_the_rank(tmp_path, capsys):
+    status, err = failed_check(tmp_path, "mine_rank_one_nan", capsys)
+    assert status == 1
+    assert ("outputs.output of the reference fp64 cpu run differs between ranks: rank 1 "
+            "differs from rank 0's copy: NaN where rank 0's is a number") in err
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_is_named_within_the_collective_timeout(tmp_path, capsys,
+                                                               monkeypatch):
+    monkeypatch.setenv("TORCHPARITY_COLLECTIVE_TIMEOUT", "10")
+    status, err = failed_check(tmp_path, "mine_rank_one_stops", capsys)
+    assert status == 2
+    assert "rank 1 has not answered for" in err
+
+
+def test_fsdp2_over_an_odd_vocabulary_checks_against_goldens_of_one_process(tmp_path, capsys):
+    # 101 rows over 2 ranks: FSDP2 pads the last shard in its collectives; each rank's part
+    # is read through its real size (51 and 50 rows).
+    golden = ["--golden-dir", str(tmp_path / "golden")]
+    assert main(["golden", "update", "--model", entry("mine_fsdp_odd_vocab"), *golden]) == 0
+    report = tmp_path / "check.json"
+    assert main(["check", "--model", entry("mine_fsdp_odd_vocab"), "--nproc", "2", *CELLS,
+                 *golden, "--json", str(report)]) == 0, capsys.readouterr()
+    found = verdicts(report)
+    assert set(found.values()) == {"within"}
+    assert {output for (_, _, output) in found} == WITHOUT_DECODING
 
 
 def test_a_plan_that_does_not_divide_a_parameter_is_refused(tmp_path, capsys):
@@ -232,7 +320,7 @@ def test_a_rank_that_hangs_is_named_within_the_collective_timeout(tmp_path, caps
                                                                    monkeypatch):
     monkeypatch.setenv("TORCHPARITY_COLLECTIVE_TIMEOUT", "10")
     err = refused(tmp_path, "mine_rank_one_hangs", capsys)
-    assert "rank 0: a collective failed" in err
+    assert "rank 0: error: a collective failed" in err
     assert "rank 1 is at the sharding of" in err
 
 
@@ -258,8 +346,8 @@ def test_a_rank_killed_mid_run_ends_the_run_in_one_line_and_leaves_the_goldens_w
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "diverged"), [
     *((name, WITHOUT_DECODING) for name in (
-        "mine_unreduced_rows", "mine_columns_out_of_order", "mine_norm_drifts",
-        "mine_heads_swapped")),
+        "mine_unreduced_rows", "mine_columns_out_of_order", "mine_heads_swapped",
+        "mine_fsdp_odd_vocab_last_rows_scaled")),
     # the plan sums the norms' gradients again in a hook on their parameters: every run's
     # copy, planned on the meta device, must keep the hook for the check to see it
     ("mine_norm_grads_reduced_twice", {"grads"}),
@@ -269,8 +357,7 @@ def test_a_rank_killed_mid_run_ends_the_run_in_one_line_and_leaves_the_goldens_w
     # the same bugs written by hand, Megatron-style, in a model that shards itself; and a
     # row-parallel linear that reduces its partial sums twice
     *((f"self:manual_tp_{bug}", WITHOUT_DECODING) for bug in (
-        "unreduced_rows", "reduced_twice", "columns_out_of_order", "norm_drifts",
-        "heads_swapped")),
+        "unreduced_rows", "reduced_twice", "columns_out_of_order", "heads_swapped")),
 ])
 def test_each_classic_sharding_bug_fails_the_check(tmp_path, capsys, name, diverged):
     # The goldens are made in one process, where no plan runs: the model's own mathematics.
