@@ -55,7 +55,7 @@ def finding(outcome: BisectOutcome) -> str:
     return head + f"{outcome.name}{graph}{rewrote}"
 
 
-def compiled(outcome: BisectOutcome) -> str:
+def compile_cost(outcome: BisectOutcome) -> str:
     """What the runs compiled: ``1 compiled run of the cell: 1 graph, 0 recompiles, 9 s
     compiling``."""
     runs = "run" if outcome.compiles == 1 else "runs"
@@ -67,7 +67,7 @@ def compiled(outcome: BisectOutcome) -> str:
 def lines(outcome: BisectOutcome | None, cell_label: str) -> list[str]:
     """What the terminal shows: the finding, the node and its code, the cost."""
     if outcome is None or (outcome.backend is None and outcome.bound == 0):
-        cost = f" ({compiled(outcome)})" if outcome else ""
+        cost = f" ({compile_cost(outcome)})" if outcome else ""
         return wrap(f"{cell_label}: within its budget compiled: {NOTHING}{cost}")
     if outcome.backend is None:
         return wrap(f"{cell_label}: diverged in its first run, yet every backend passed "
@@ -85,7 +85,7 @@ def lines(outcome: BisectOutcome | None, cell_label: str) -> list[str]:
         shown += wrap(f"  {detail}")
     if application.get("code"):
         shown += wrap(f"  {_where(application)}: {application['code']}")
-    shown += wrap(f"{compiled(outcome)} (at most {outcome.bound} runs) in "
+    shown += wrap(f"{compile_cost(outcome)} (at most {outcome.bound} runs) in "
                   f"{outcome.seconds:.0f} s; caches off: {', '.join(outcome.caches_off)}")
     return shown
 
