@@ -340,7 +340,9 @@ def causal_lm_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Ten
     for decoding); positions of left-padded prompts are those ``generate`` computes.
 
     A state without a cache (the model returned none, or a beam search could not reorder it)
-    runs the whole sequence again, as a prompt: decoding by full recomputation."""
+    runs the whole sequence again, as a prompt: decoding by full recomputation. A model that
+    returns no cache may still fill the one it is given (a BERT-style model built without
+    ``is_decoder``), attending from the prompt to tokens after it: that is not decoding."""
     if not _generates_by_next_sequence_length():
         return _explicit_causal_lm_step(model, tokens, state)
     if state is None:
@@ -360,9 +362,11 @@ def causal_lm_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Ten
            else {"next_sequence_length": 1})
     out = model(**model.prepare_inputs_for_generation(ids, **fed, **kwargs), return_dict=True)
     kwargs = model._update_model_kwargs_for_generation(out, dict(kwargs))
-    key = next((name for name in _CACHE_NAMES if name in kwargs), "cache")
-    cache = kwargs.pop(key, None)
-    if cache is None:
+    for name in _CACHE_NAMES:  # the cache goes on only as the model returned it
+        kwargs.pop(name, None)
+    key = next((name for name in _CACHE_NAMES if out.get(name) is not None), "cache")
+    cache = out.get(key)
+    if cache is None:  # a BERT-style model that is no decoder, or one without a cache
         recomputing(model, "it returns no cache")
     return out.logits, {"input_ids": ids, "cache": cache, "cache_key": key, "kwargs": kwargs}
 
