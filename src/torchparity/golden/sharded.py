@@ -212,6 +212,7 @@ def replicas_agree(subject: Subject) -> None:
     """
     def compared() -> None:
         sharding.hold(subject)
+        group.mark("the comparison of the replicated weights")
         agreement.check_replicated(subject.shards, subject.slices)
 
     collectively("the comparison of the replicated weights", compared)
