@@ -1,9 +1,9 @@
 """Run every causal-LM family of the installed transformers through torchparity's commands.
 
-For each family (a tiny seeded model, ``hf:FAMILY``) the sweep runs, each in a process of its
-own with a time limit: ``golden update`` then ``check`` of the unchanged model; ``diagnose``
-of its eager against its sdpa implementation, forward and decoding; ``train --model`` for a
-few steps; and two planted bugs that ``diagnose`` must find (one attention's output scaled by
+For each family (a tiny seeded model, ``hf:FAMILY``) the sweep runs, in a process of the
+family's own with a time limit: ``golden update`` then ``check`` of the unchanged model;
+``diagnose`` of its eager against its sdpa implementation, forward and decoding; ``train
+--model`` for a few steps; and two planted bugs that ``diagnose`` must find (one attention's output scaled by
 1 %, one norm's ops dropped). An oracle in plain code says what the answers should be: it runs
 both implementations in float64 with forward hooks and finds the first module whose outputs
 differ beyond rounding. The results are kept in ``WORK/results.jsonl`` (a rerun resumes) and
@@ -190,31 +190,31 @@ def _norm_module(model) -> str | None:
 # --- the commands ---------------------------------------------------------------------------
 
 
-def run(command: list[str], timeout: float, cwd: Path) -> tuple[int | None, str, float]:
-    """Run one torchparity command: its exit code (None past ``timeout``), its last line."""
+def run(command: list[str]) -> tuple[int, str, float]:
+    """Run one torchparity command in this process: its exit code and its last line."""
+    import contextlib
+    import io
+
+    from torchparity.cli import main as torchparity
+
     started = time.monotonic()
-    try:
-        done = subprocess.run([sys.executable, "-m", "torchparity", *command], cwd=cwd,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, f"ran past {timeout:.0f} s", time.monotonic() - started
-    lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-    error = [line for line in done.stderr.splitlines() if line.startswith("torchparity")]
-    last = (error or lines or [""])[-1].strip()
-    return done.returncode, last, time.monotonic() - started
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        try:
+            code = torchparity(command)
+        except SystemExit as exc:  # argparse
+            code = exc.code if isinstance(exc.code, int) else 2
+    lines = [line.strip() for line in printed.getvalue().splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("torchparity")]
+    return code, (said or lines or [""])[-1], time.monotonic() - started
 
 
-def sweep_family(family: str, work: Path, timeout: float, steps: int) -> FamilyResult:
-    """Every command on ``family``, judged by the oracle's answers."""
+def sweep_family(family: str, work: Path, steps: int) -> FamilyResult:
+    """Every command on ``family``, in this process, judged by the oracle's answers."""
     folder = work / family
     folder.mkdir(parents=True, exist_ok=True)
-    probe = subprocess.run([sys.executable, __file__, "--oracle", family], capture_output=True,
-                           text=True, timeout=timeout)
-    try:
-        found = json.loads(probe.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        return FamilyResult(family, False, f"the oracle failed: {last}")
+    os.chdir(folder)
+    found = oracle(family)
     if not found.pop("builds"):
         return FamilyResult(family, False, found["reason"])
     result = FamilyResult(family, True, oracle=found)
@@ -226,9 +226,9 @@ def sweep_family(family: str, work: Path, timeout: float, steps: int) -> FamilyR
         if skip:
             result.outcomes[name] = Outcome("n/a", skip)
             return
-        code, last, seconds = run(argv, timeout, folder)
+        code, last, seconds = run(argv)
         ok = code == expect and (mentions is None or mentions in last_output(folder, name))
-        reason = "" if ok else (f"exit {code}: {last}" if code is not None else last)
+        reason = "" if ok else f"exit {code}: {last}"
         result.outcomes[name] = Outcome("pass" if ok else "fail", reason, round(seconds, 1))
 
     command("golden", ["golden", "update", "--model", entry, *golden])
@@ -261,6 +261,23 @@ def sweep_family(family: str, work: Path, timeout: float, steps: int) -> FamilyR
     return result
 
 
+def sweep_in_child(family: str, work: Path, steps: int, timeout: float) -> FamilyResult:
+    """:func:`sweep_family` in a process of its own, ended past ``timeout`` seconds."""
+    out = work / family / "result.json"
+    out.unlink(missing_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        done = subprocess.run([sys.executable, __file__, "--family", family, "--work",
+                               str(work), "--steps", str(steps)], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return FamilyResult(family, True, f"the sweep of this family ran past {timeout:.0f} s")
+    if not out.exists():
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return FamilyResult(family, True, f"the sweep of this family crashed: {last}")
+    return FamilyResult.from_json(json.loads(out.read_text()))
+
+
 def last_output(folder: Path, name: str) -> str:
     """The JSON a diagnose wrote, as text: the module it names is looked for in it."""
     path = folder / f"{name}.json"
@@ -276,7 +293,8 @@ def write_report(results: list[FamilyResult], out: Path, command_line: str) -> N
     import transformers
 
     built = [r for r in results if r.builds]
-    passing = [r for r in built if all(o.status != "fail" for o in r.outcomes.values())]
+    passing = [r for r in built if not r.reason
+               and all(o.status != "fail" for o in r.outcomes.values())]
     lines = [
         "# Compatibility with transformers families",
         "",
@@ -302,7 +320,7 @@ def write_report(results: list[FamilyResult], out: Path, command_line: str) -> N
         "| diagnose | `diagnose hf:F,attn=eager hf:F,attn=sdpa` | the oracle's answer: exit 0 "
         "where the two agree in float64, else exit 1 naming the oracle's module |",
         "| decode | the same with `--decode --steps 4` | as diagnose |",
-        f"| train | `train --model hf:F --steps N --update-golden`, then `--check` | exit 0 |",
+        "| train | `train --model hf:F --steps N --update-golden`, then `--check` | exit 0 |",
         "| plant-scale | `diagnose hf:F plants.py:scaled` (one attention's output x 1.01) | "
         "exit 1 naming that module |",
         "| plant-drop | `diagnose hf:F plants.py:dropped` (one norm's ops dropped) | exit 1 "
@@ -325,8 +343,9 @@ def write_report(results: list[FamilyResult], out: Path, command_line: str) -> N
         lines.append(f"| {r.family} | {r.oracle.get('attention', '')} | {' | '.join(cells)} |")
     lines += ["", "## Failures and reasons", ""]
     for r in results:
-        if not r.builds:
-            lines.append(f"- **{r.family}**: no tiny model: {r.reason}")
+        if r.reason:
+            lines.append(f"- **{r.family}**: " + (r.reason if r.builds else
+                                                   f"no tiny model: {r.reason}"))
         for name, outcome in r.outcomes.items():
             if outcome.status == "fail":
                 lines.append(f"- **{r.family}** {name}: {outcome.reason}")
@@ -349,13 +368,15 @@ def main() -> None:
                         help="goldens, traces and results.jsonl (default: .sweep/)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "compatibility.md")
     parser.add_argument("--jobs", type=int, default=1, help="families at once")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per command")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per family")
     parser.add_argument("--steps", type=int, default=20, help="train steps")
     parser.add_argument("--report-only", action="store_true")
-    parser.add_argument("--oracle", metavar="FAMILY", help=argparse.SUPPRESS)
+    parser.add_argument("--redo", action="store_true", help="sweep the families again")
+    parser.add_argument("--family", help=argparse.SUPPRESS)  # one family, in a child
     args = parser.parse_args()
-    if args.oracle:
-        print(json.dumps(oracle(args.oracle)))
+    if args.family:
+        result = sweep_family(args.family, args.work.resolve(), args.steps)
+        (args.work / args.family / "result.json").write_text(json.dumps(asdict(result)))
         return
     from torchparity.subject import hf_families
 
@@ -367,11 +388,11 @@ def main() -> None:
         for line in store.read_text().splitlines():
             result = FamilyResult.from_json(json.loads(line))
             done[result.family] = result
-    todo = [] if args.report_only else [f for f in families if f not in done]
+    todo = [] if args.report_only else [f for f in families if args.redo or f not in done]
     print(f"{len(todo)} families to sweep, {len(done)} already in {store}", flush=True)
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        running = {pool.submit(sweep_family, f, args.work, args.timeout, args.steps): f
-                   for f in todo}
+        running = {pool.submit(sweep_in_child, f, args.work.resolve(), args.steps,
+                               args.timeout): f for f in todo}
         for future in concurrent.futures.as_completed(running):
             result = future.result()
             done[result.family] = result

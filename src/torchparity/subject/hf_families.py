@@ -70,6 +70,9 @@ _SIZES: dict[str, int] = {
     # A window shorter than the prompt, so that it changes what attention sees.
     **dict.fromkeys(("sliding_window", "attention_window_size", "window_size"), 8),
 }
+#: The fields that count layers.
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
+                 "encoder_layers", "num_decoder_layers")
 #: Special tokens inside the small vocabulary.
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
            "decoder_start_token_id": 1}
@@ -173,10 +176,13 @@ def build(family: str, attention: str | None = None,
     """
     transformers = _transformers(f"hf:{family}")
     config = tiny_config(family)
-    model_class = _causal_lm_classes()[family]
-    model_class = getattr(transformers, model_class, None)
+    model_class = getattr(transformers, _causal_lm_classes()[family], None)
     if model_class is None:
         raise UsageError(f"hf:{family}: transformers has no class for it")
+    wanted = getattr(model_class, "config_class", None)
+    text = getattr(config, "text_config", None)
+    if wanted and text is not None and not isinstance(config, wanted):
+        config = text  # a multimodal family's language model
     try:
         model = model_class._from_config(config, attn_implementation=attention)
     except ValueError as exc:  # the release refuses the implementation asked for
@@ -217,16 +223,37 @@ def _shrunk(fields: Mapping[str, Any]) -> dict[str, Any]:
         elif isinstance(value, Mapping) and "model_type" in value:
             small[key] = _shrunk(value)
     layers = small.get("num_hidden_layers", small.get("num_layers"))
-    if isinstance(fields.get("layer_types"), list) and layers:
-        # Every kind of layer the family has, in turn: both paths of a hybrid are run.
-        kinds = list(dict.fromkeys(fields["layer_types"]))
-        small["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
-    for key in ("mlp_only_layers",):
-        if isinstance(fields.get(key), list):
-            small[key] = [i for i in fields[key] if layers is None or i < layers]
-    if {"expand", "num_heads", "head_dim"} <= set(fields) and "hidden_size" in small:
-        # state-space heads tile the expanded hidden size (Mamba-2)
-        small["num_heads"] = fields["expand"] * small["hidden_size"] // small["head_dim"]
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        if isinstance(fields.get(key), list) and layers:
+            # Every kind of layer the family has, in turn: each path of a hybrid is run.
+            kinds = list(dict.fromkeys(fields[key]))
+            layers = max(layers, len(kinds))
+            small.update({k: layers for k in _LAYER_COUNTS if k in small})
+            small[key] = [kinds[i % len(kinds)] for i in range(layers)]
+    # Hybrids placing attention (or experts) every so many layers: the second layer has it.
+    small.update({k: 2 for k in fields if k.endswith("_layer_period")})
+    small.update({k: 1 for k in fields if k.endswith("_layer_offset")})
+    if "attn_layer_indices" in fields:
+        small["attn_layer_indices"] = [1]
+    if isinstance(fields.get("attention_types"), list) and layers:  # GPT-Neo's pattern
+        kinds = fields["attention_types"][0][0]
+        small["attention_types"] = [[kinds, max(layers // len(kinds), 1)]]
+    if isinstance(fields.get("mlp_only_layers"), list):
+        small["mlp_only_layers"] = [i for i in fields["mlp_only_layers"]
+                                    if layers is None or i < layers]
+    for expand, heads, head in (("expand", "num_heads", "head_dim"),
+                                ("mamba_expand", "mamba_n_heads", "mamba_d_head")):
+        if {expand, heads, head} <= set(fields) and "hidden_size" in small:
+            # state-space heads tile the expanded hidden size (Mamba-2)
+            small[heads] = fields[expand] * small["hidden_size"] // small[head]
+            if "mamba_d_ssm" in fields:
+                small["mamba_d_ssm"] = small[heads] * small[head]
+    if "kv_lora_rank" in fields:  # latent attention: every head has its keys
+        small["num_key_value_heads"] = small.get("num_attention_heads", 4)
+        if "head_dim" in fields:
+            small["head_dim"] = small["qk_rope_head_dim"]  # the rotated part
+    if isinstance(fields.get("rotary_dim"), int):
+        small["rotary_dim"] = _SIZES["head_dim"] // 2
     return small
 
 
