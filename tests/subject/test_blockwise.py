@@ -64,8 +64,9 @@ def test_float64_run_equals_a_float64_copy_bit_for_bit(name):
     found, most_float64 = {}, []
 
     def count_float64(module, args, output):
-        # While any module runs, only the modules that are running hold float64 weights.
-        most_float64.append(sum(p.dtype == torch.float64 for p in model.parameters()))
+        # While any module runs, only the modules that are running hold float64 weights (by
+        # their storage: a parameter's dtype reads float64 all through the run).
+        most_float64.append(sum(p.element_size() == 8 for p in model.parameters()))
 
     hooks = [m.register_forward_hook(count_float64) for m in model.modules()]
     with Float64Run(model, on_grad=found.__setitem__) as run:
@@ -208,3 +209,25 @@ def test_parameters_read_outside_their_module_run_in_float64_bit_for_bit():
     assert found.keys() == grads.keys()
     assert all(torch.equal(found[n], g) for n, g in grads.items())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+class _CastsToAnotherModulesDtype(torch.nn.Module):
+    """Casts its input to the dtype of a module's weight before that module runs, as
+    transformers' DeepSeek-V3.2 indexer does: a model cast to float64 reads float64 there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.to(self.proj.weight.dtype))
+
+
+def test_a_parameter_s_dtype_read_outside_its_module_is_float64():
+    torch.manual_seed(0)
+    model, x = _CastsToAnotherModulesDtype(), torch.randn(2, 4)
+    expected = copy.deepcopy(model).double()(x.double())
+    with Float64Run(model):
+        output = model(x.double())
+    assert output.dtype == torch.float64 and torch.equal(output, expected)
+    assert model.proj.weight.dtype == torch.float32

@@ -24,7 +24,11 @@ is exact), which the tests check bit for bit on ``transformers`` models and the 
 A parameter read outside its module's forward (a tied head's ``x @ self.emb.weight.t()``, as
 Megatron's output layer reads the embedding; a weight passed to another module as an argument)
 is cast as it is read: a torch function mode hands every torch function that takes a plain
-model parameter its float64 value instead, its gradient joining the parameter's other uses.
+model parameter its float64 value instead, its gradient joining the parameter's other uses; its
+``dtype`` reads float64 (``x.to(self.proj.weight.dtype)`` before ``self.proj`` runs, and
+``transformers``' ``model.dtype``, which sizes its caches). Operations without a float64
+kernel (the grouped matmul of mixture-of-experts layers) run as the float64 operations they
+stand for (:mod:`torchparity.subject.float64_ops`).
 ``progress(phase, done, total)`` reports the model's repeated blocks (the layers) as
 the forward pass enters them and as the backward pass completes their gradients.
 """
@@ -44,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 from torch.utils.hooks import RemovableHandle
 
+from torchparity.subject.float64_ops import Float64Ops
 from torchparity.subject.running import grad_hooks, is_dtensor, local_part
 
 #: ``on_grad(parameter name, float64 gradient)``.
@@ -148,6 +153,7 @@ class Float64Run:
             stack.enter_context(self._progress)
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                 self._quietly(self._pack), self._quietly(self._unpack)))
+            stack.enter_context(Float64Ops())
             stack.enter_context(_ReadsOutside(self))
         except BaseException:
             self._exit.__exit__(None, None, None)
@@ -368,7 +374,8 @@ class Float64Run:
 class _ReadsOutside(TorchFunctionMode):
     """Every torch function that takes one of the run's parameters outside its module's
     forward gets the parameter's float64 value (:meth:`Float64Run.read_outside`); functions
-    that read no values (a shape, a dtype) get the parameter."""
+    that read no values (a shape) get the parameter, but its ``dtype`` reads float64 (and its
+    ``device`` the run's device)."""
 
     def __init__(self, run: Float64Run) -> None:
         super().__init__()
@@ -376,7 +383,16 @@ class _ReadsOutside(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) not in _READS_NO_VALUES:
+        name = getattr(func, "__name__", None)
+        if name == "__get__" and args and self.run.is_read_outside(args[0]):
+            # ``x.to(self.proj.weight.dtype)`` before ``self.proj`` runs: the float64 it
+            # will compute in, as a model cast to float64 says.
+            attribute = getattr(getattr(func, "__self__", None), "__name__", None)
+            if attribute == "dtype":
+                return torch.float64
+            if attribute == "device" and self.run.device is not None:
+                return self.run.device
+        if name not in _READS_NO_VALUES:
             args, kwargs = tree_map(self._cast, (args, kwargs))
         return func(*args, **kwargs)
 
