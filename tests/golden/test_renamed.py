@@ -16,6 +16,7 @@ import torchparity as tp
 from renamed_models import source
 from torchparity.cli import main
 from torchparity.golden.renamed import renaming
+from torchparity.sketching import SKETCH_ABOVE_ENV
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # tiny models: one thread is faster
 
@@ -154,6 +155,21 @@ def test_a_split_golden_kept_as_a_sketch_is_judged_joined():
         state = paired.golden_state(grads, model)
         assert torch.equal(state["qkv.weight"], golden)
         assert torch.equal(paired.model_tensor("k.weight", state), grads["k.weight"])
+
+
+@pytest.mark.slow
+def test_a_split_golden_kept_as_a_sketch_is_checked_joined(tmp_path, monkeypatch):
+    # Every tensor of 512 elements or more sketched: qkv.weight (48 x 16) cannot be cut into
+    # the model's parts, which are joined into it and judged whole, by its name.
+    monkeypatch.setenv(SKETCH_ABOVE_ENV, "512")
+    golden = tmp_path / "golden"
+    assert main(["golden", "update", "--model", f"{_write(tmp_path, 'fused')}:make",
+                 "--golden-dir", str(golden)]) == 0
+    status, rows = check(golden, "base")
+    assert status == 0 and {r["verdict"] for r in rows} <= {"identical", "within"}
+    status, rows = check(golden, "k-grad-scaled")
+    failed = [r for r in rows if not r["ok"]]
+    assert status == 1 and [r["worst"] for r in failed] == ['outputs["attn.qkv.weight"]']
 
 
 def test_goldens_of_another_instruction_set_point_at_torchs_draws(golden, capsys, tmp_path):
