@@ -112,3 +112,28 @@ def test_a_mixture_of_experts_model_runs_in_float64_as_its_eager_experts_do():
     torch.testing.assert_close(logits, expected)
     for (name, _), expected_grad in zip(eager.named_parameters(), expected_grads, strict=True):
         torch.testing.assert_close(grads[name], expected_grad)
+
+
+class _RoutesInFloat32(torch.nn.Module):
+    """Casts its input to float32 and multiplies it by its own weight, as the routers of
+    transformers' Inkling 2 do: float64 and float32 meet in a float64 run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(_random(4, 8, seed=10))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden.float(), self.weight)
+
+
+def test_a_model_s_own_float32_cast_meets_its_float64_weight_in_float64():
+    from torchparity.subject.blockwise import Float64Run
+    from torchparity.subject.islands import Islands
+
+    model, hidden = _RoutesInFloat32(), _random(3, 8, seed=11).double() / 3
+    with Float64Run(model), Islands(model) as islands:
+        out = model(hidden)
+    # The float64 product of the values the model rounded to float32.
+    expected = torch.nn.functional.linear(hidden.float().double(), model.weight.double())
+    assert out.dtype == torch.float64 and torch.equal(out, expected)
+    assert islands.found == {"float32": ["_RoutesInFloat32"]}

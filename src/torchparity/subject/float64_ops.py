@@ -7,6 +7,13 @@ each expert's tokens by its weights with one grouped matmul (``torch._grouped_mm
 :class:`Float64Ops` computes such an operation, where it meets float64 operands, as the plain
 float64 operations it stands for (one ``mm`` per group): the same products and sums, rounded in
 float64, and differentiable as those operations are.
+
+A model may also cast a value to float32 itself and multiply it by a weight of its own (a
+router that "runs in fp32": ``F.linear(hidden.float(), self.weight)``): its dtypes agree in
+float32 and bfloat16, where the weight is float32, and meet float64 in a float64 run, where no
+product of mixed dtypes exists. The float32 operand joins the float64 one exactly (every
+float32 is a float64), so the product is float64's of the values the model rounded: its own
+cast stays the island the run notes (:mod:`torchparity.subject.islands`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 
 def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: torch.Tensor | None = None,
@@ -82,14 +89,34 @@ FALLBACKS: dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {
 }
 
 
+#: Products whose operands must share a dtype.
+SAME_DTYPE = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.mm,
+              torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm,
+              torch.einsum}
+
+
 class Float64Ops(TorchFunctionMode):
     """Inside the ``with`` block, every operation of :data:`FALLBACKS` that meets a float64
-    operand runs as its float64 fallback; every other call runs as it is."""
+    operand runs as its float64 fallback, and every product of :data:`SAME_DTYPE` that meets
+    float64 and narrower floating operands takes them all in float64; every other call runs
+    as it is."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        fallback = FALLBACKS.get(func)
-        if fallback is not None and any(isinstance(t, torch.Tensor) and t.dtype == torch.float64
-                                        for t in tree_leaves((args, kwargs))):
-            return fallback(*args, **kwargs)
+        if func not in FALLBACKS and func not in SAME_DTYPE:
+            return func(*args, **kwargs)
+        dtypes = {t.dtype for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        if torch.float64 not in dtypes:
+            return func(*args, **kwargs)
+        if func in FALLBACKS:
+            return FALLBACKS[func](*args, **kwargs)
+        if len(dtypes) > 1:
+            args, kwargs = tree_map(_float64, (args, kwargs))
         return func(*args, **kwargs)
+
+
+def _float64(leaf: object) -> object:
+    if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+        return leaf.to(torch.float64)
+    return leaf
