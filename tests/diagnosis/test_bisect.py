@@ -2,7 +2,7 @@
 to its graph, node and source line on small FX graphs, the report, and the bisector's state
 machine driven by a scripted oracle (it never compiles: only the oracle's answers matter to
 it) down to a verdict that changes between runs. The bisections that compile are in
-test_bisect_compiled.py (slow)."""
+test_bisect_compiled.py (slow but for one clean block)."""
 
 from __future__ import annotations
 
