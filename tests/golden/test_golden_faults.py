@@ -291,6 +291,15 @@ def test_an_unwritable_output_path_is_refused_before_any_work(sets, capsys, opti
         f"torchparity {command[0]}: error: {message.format(cwd=folder)}")
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_report_where_no_file_can_be_made_is_refused_before_any_work(sets, capsys):
+    # Root may write anywhere its permission bits say no; /proc refuses everyone.
+    assert main(["check", "--model", "models.py:not_there", "--json", "/proc/r.json"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("torchparity check: error: --json /proc/r.json cannot be made in "
+                           "/proc (") and line.endswith("); choose another path")
+
+
 # --- every step of an update, killed (the sweeps) -------------------------------------------
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 from torchparity.errors import UsageError
@@ -50,28 +51,28 @@ def _written_golden_dir(args: argparse.Namespace) -> Path | None:
 
 
 def _check_writable(named: str, path: Path, folder: bool) -> None:
-    fix = "choose another path" if not folder else "make it writable or choose another folder"
-    if path.is_dir() != folder and path.exists():
+    """Refuse ``path`` unless it can be written. Writing is tried (the file opened to append, or
+    a temporary file made in the folder and removed): permission bits mislead root, and a
+    read-only mount or a special file system refuses what they allow."""
+    fix = "make it writable or choose another folder" if folder else "choose another path"
+    if path.exists() and path.is_dir() != folder:
         kind = "a folder" if path.is_dir() else "a file"
         raise UsageError(f"{named} is {kind}; give a {'folder' if folder else 'file'} path")
-    if path.exists():
-        if not os.access(path, os.W_OK | (os.X_OK if folder else 0)):
-            raise UsageError(f"{named} is not writable ({_why(path)}); {fix}")
-        return
-    parent = next(p for p in path.absolute().parents if p.exists())
-    if not parent.is_dir():
-        raise UsageError(f"{named}: {parent} is a file, not a folder; choose another path")
-    if parent != path.absolute().parent and not folder:
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if existing != path.absolute() and not existing.is_dir():
+        raise UsageError(f"{named}: {existing} is a file, not a folder; choose another path")
+    if not folder and existing not in (path.absolute(), path.absolute().parent):
         raise UsageError(f"{named}: its folder {path.absolute().parent} does not exist; create "
                          f"it or choose another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{named} cannot be created: {parent} is not writable "
-                         f"({_why(parent)}); {fix}")
-
-
-def _why(path: Path) -> str:
-    """Why ``path`` is not writable: a read-only file system or its permissions."""
-    with contextlib.suppress(OSError):
-        if os.statvfs(path).f_flag & os.ST_RDONLY:
-            return "read-only file system"
-    return "permission denied"
+    try:
+        if existing.is_dir():
+            handle, probe = tempfile.mkstemp(dir=existing, prefix=".torchparity-probe-")
+            os.close(handle)
+            os.unlink(probe)
+        else:
+            with open(existing, "ab"):
+                pass
+    except OSError as exc:
+        where = ("is not writable" if existing == path.absolute()
+                 else f"cannot be made in {existing}")
+        raise UsageError(f"{named} {where} ({exc.strerror or exc}); {fix}") from None
