@@ -170,11 +170,12 @@ def write_golden_trajectory(case: str, store: GoldenStore | None = None, *,
     reference = train(config, GOLDEN_EXECUTION, advance=advance)
     meta = _golden_meta(config)
     paths = []
-    for dtype in STORED_DTYPES:
-        execution = band_execution(dtype)
-        band = measure_band(CaseRuns(config), execution, reference, advance=advance)
-        paths += write_trajectory(store, case, reference, band,
-                                  {**meta, "band_execution": execution.to_dict()})
+    with store.replacing(case):  # every dtype's golden, or none if interrupted
+        for dtype in STORED_DTYPES:
+            execution = band_execution(dtype)
+            band = measure_band(CaseRuns(config), execution, reference, advance=advance)
+            paths += write_trajectory(store, case, reference, band,
+                                      {**meta, "band_execution": execution.to_dict()})
     return paths
 
 
