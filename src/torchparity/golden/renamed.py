@@ -132,7 +132,7 @@ class Renaming:
                     keep(judged, part)
                 return
             parts = waiting.setdefault(whole, {})
-            parts[name] = tensor
+            parts[name] = tensor.detach().clone()  # the run may reuse its gradient's memory
             if len(parts) == len(self.splits[whole]):
                 del waiting[whole]
                 keep(whole, torch.cat([parts[p.name] for p in self.splits[whole]]))
