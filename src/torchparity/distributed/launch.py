@@ -40,7 +40,7 @@ from torchparity.errors import TorchParityError
 
 #: Seconds between SIGTERM and SIGKILL when a run is stopped.
 GRACE_SECONDS = 10.0
-#: Seconds the other ranks have to end by themselves once one recorded a failure.
+#: Seconds the other ranks have to end by themselves once one recorded an error.
 FAILED_GRACE_SECONDS = 3.0
 _POLL_SECONDS = 0.5
 _ERROR_DIR = "TORCHPARITY_ERROR_DIR"
@@ -160,7 +160,7 @@ def record_outcome(status: int, message: str | None = None) -> None:
 
 def _wait(proc: subprocess.Popen, timeout: float, errors: Path) -> int:
     """torchrun's exit status once it ends, or once :data:`FAILED_GRACE_SECONDS` have passed
-    since a rank recorded a failure: a rank that cannot be stopped politely (stopped with
+    since a rank recorded an error: a rank that cannot be stopped politely (stopped with
     SIGSTOP, or deaf in a collective) must not hold the run until torchrun's own grace.
 
     Raises:
@@ -179,10 +179,11 @@ def _wait(proc: subprocess.Popen, timeout: float, errors: Path) -> int:
 
 
 def _first_failed(errors: Path) -> Path | None:
-    """The earliest file in which a rank recorded a failure (an error, or an outcome other
-    than 0), or None."""
-    failures = [path for path in errors.glob("rank*.error")] + [
-        path for path in errors.glob("rank*.outcome") if _outcome(path).status != 0]
+    """The earliest file in which a rank recorded an error (an exception, or an exit status
+    above 1), or None. A failed check (1) is every rank's verdict: rank 0 may still be
+    writing its reports when the others have ended."""
+    failures = [*errors.glob("rank*.error")] + [
+        path for path in errors.glob("rank*.outcome") if _outcome(path).status > 1]
     return min(failures, key=lambda path: path.stat().st_mtime_ns, default=None)
 
 
