@@ -263,6 +263,44 @@ def test_planted_line_in_transformers_llama_is_named(plant: str) -> None:
     assert planted_line(where) in op["b_stack"] and op["kind"] == kind, report.render()
 
 
+def planted_lines(function: object) -> list[str]:
+    """``path:line`` of every line marked ``# planted`` in ``function``'s source."""
+    lines, start = inspect.getsourcelines(function)
+    path = os.path.relpath(inspect.getsourcefile(function))
+    return [f"{path}:{start + i}" for i, line in enumerate(lines) if "# planted" in line]
+
+
+@pytest.mark.transformers
+@pytest.mark.parametrize("capped", ["A", "B"])
+def test_ops_one_side_alone_applies_are_the_answer_with_their_lines(capped: str) -> None:
+    """Scores soft-capped on one side only (three ops the other has no counterpart of): the
+    answer names that run, its ops and lines, not the paired op that reads it."""
+    import hf_op_plants
+
+    import tiny_transformers
+    from torchparity.subject import hf
+
+    torch.manual_seed(0)
+    plain = tiny_transformers.llama(initializer_range=0.2).eval()  # scores the cap bends
+    hf.set_attention(plain, "eager")
+    capping = copy.deepcopy(plain)
+    hf.set_attention(capping, hf_op_plants.SOFTCAPPED_SCORES)
+    model_a, model_b = (capping, plain) if capped == "A" else (plain, capping)
+    report = tp.diagnose(model_a, model_b, hf_inputs(), backward=False)
+    found = report.to_dict()["first_divergence"]
+    assert found["module"] == "model.layers.0.self_attn", report.render()
+    op = found["op"]
+    assert op["kind"] == f"only in {capped}", report.render()
+    lines = planted_lines(hf_op_plants.softcapped_scores_attention)
+    assert [d["line"] for d in op["dropped"]] == lines, report.render()
+    assert [d["name"] for d in op["dropped"]] == ["aten::div.Tensor", "aten::tanh",
+                                                  "aten::mul.Tensor"], report.render()
+    other = "B" if capped == "A" else "A"
+    span = f"{lines[0]}..{lines[-1].rpartition(':')[2]}"
+    assert f"3 ops only in {capped}" in report.summary(), report.render()
+    assert span in report.summary() and f"{other} has no counterpart" in report.summary()
+
+
 class StaticCacheDecoding(nn.Module):
     """A prompt, then one token, through a ``transformers`` ``StaticCache`` made per call."""
 
@@ -668,8 +706,10 @@ def test_a_gradient_only_change_is_drilled_in_its_backward_pass() -> None:
     a_line = next(f"{os.path.relpath(inspect.getsourcefile(RMSNorm))}:{start + i}"
                   for i, line in enumerate(lines) if "h.pow(2)" in line)
     assert planted_line(plants.RMSNormHalfGradient) in op["b_stack"] or a_line in op["a_stack"]
-    assert "In its backward pass: It enters at decoder.layers.1.mlp_norm (backward), in aten::" \
-        in report.summary()
+    # an op, or the run of ops one side's backward alone applies (A's of the square)
+    assert re.search(r"In its backward pass: It enters at decoder\.layers\.1\.mlp_norm "
+                     r"\(backward\), in (aten::|\d+ ops only in [AB] \(aten::)",
+                     report.summary()), report.summary()
 
 
 def test_against_a_trace_with_ops_names_the_backward_op_as_in_process(tmp_path) -> None:

@@ -14,7 +14,7 @@ an op whose output diverges only because such an input does inherited the error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -42,6 +42,9 @@ class OpLine:
     why: str = ""
     replaces: Step | None = None  # on a step only in B: the step only in A it stands in for
     reads_divergent: bool = False  # an input from outside the stream leaves its budget
+    #: On the answer: the run of steps on one side only it ends, in run order, when it is
+    #: more than the answer's own step or the answer is the paired op the run feeds
+    dropped: list[Step] = field(default_factory=list)
 
 
 def judge_ops(pairs: list[Pair], golden: dict[int, Step], padding: PaddingSpec = None, *,
@@ -79,8 +82,43 @@ def judge_ops(pairs: list[Pair], golden: dict[int, Step], padding: PaddingSpec =
                     other.replaces = line.pair.a
                     return lines, later
         line.why = why
-        return lines, index
+        return _with_dropped_run(lines, index)
     return lines, None
+
+
+def _with_dropped_run(lines: list[OpLine], index: int) -> tuple[list[OpLine], int]:
+    """The answer at ``index`` as the run of ops one side alone applies, where it is one
+    (a soft-cap of the scores only A applies: its last op, whose reader diverges) or feeds it
+    (the paired op reading that run's output, whose own inputs in B agree), with the run's
+    steps in order; else as it is."""
+    line = lines[index]
+    by_step = {side: {getattr(x.pair, side).index: i for i, x in enumerate(lines)
+                      if getattr(x.pair, side) is not None} for side in ("a", "b")}
+    if line.pair.kind == "paired":
+        if not line.why.startswith("its output leaves its budget"):
+            return lines, index
+        feeding = [(side, by_step[side][p]) for side in ("a", "b")
+                   for p in getattr(line.pair, side).producers
+                   if p in by_step[side] and lines[by_step[side][p]].pair.kind != "paired"]
+        if not feeding:
+            return lines, index
+        side, last = feeding[0]
+        reader = line.pair.name
+        index, line = last, lines[last]
+        line.why = (f"it runs in {side.upper()} only and {reader}, which reads its output, "
+                    "diverges")
+    if line.replaces is not None:
+        return lines, index
+    side = "a" if line.pair.b is None else "b"
+    run, step = [], getattr(line.pair, side)
+    while step is not None:
+        run.insert(0, step)
+        step = next((getattr(lines[by_step[side][p]].pair, side) for p in step.producers
+                     if p in by_step[side] and lines[by_step[side][p]].pair.kind != "paired"),
+                    None)
+    if len(run) > 1:
+        line.dropped = run
+    return lines, index
 
 
 def _why(line: OpLine, diverged: dict[str, set[int]], lines: list[OpLine],

@@ -91,6 +91,8 @@ class OpReport:
         if line is None:
             return (f"No op of {module_label(self.module)}'s own code leaves its budget "
                     f"({len(self.lines)} steps aligned).")
+        if line.dropped:
+            return self._dropped_sentence(line, entry, label)
         a, b = line.pair.a or line.replaces, line.pair.b
         sides = "; ".join(f"{side}: {_where(step, other)}"
                           for side, step, other in (("B", b, a), ("A", a, b)) if step is not None)
@@ -106,6 +108,19 @@ class OpReport:
             else:  # a module inside, the first handed what the op made
                 reaches = f", and reaches {module_label(entry.module)} through {through}"
         return f"It enters at {where}, in {line.pair.name}{kind} ({sides}){args}{reaches}."
+
+    def _dropped_sentence(self, line: OpLine, entry: Entry | None, label: str | None) -> str:
+        """``It enters at attn, in 3 ops only in A (aten::div.Tensor, aten::tanh,
+        aten::mul.Tensor; A: path:51..53 "code"): B has no counterpart.``"""
+        side = line.pair.kind.removeprefix("only in ")
+        other = "B" if side == "A" else "A"
+        names = ", ".join(step.name for step in line.dropped)
+        where = label or module_label(self.module)
+        if entry is not None and entry.via in ("argument", "state") and \
+                entry.module in (self.module, where):
+            where += f" through its {entry.via} {entry.argument} ({entry.detail})"
+        return (f"It enters at {where}, in {len(line.dropped)} ops only in {side} ({names}; "
+                f"{side}: {run_lines(line.dropped)}): {other} has no counterpart.")
 
     def built_sentence(self) -> str:
         """``ln2 was built at B: path:line "code"; A: path:line "code".`` ("" when unknown)."""
@@ -196,6 +211,20 @@ class OpReport:
                       width)
 
 
+def run_lines(steps: list[Step]) -> str:
+    """Where a run of steps is written: ``path:51..53 "first line"`` when its lines are one
+    stretch of one file, else each line."""
+    frames = [f for f in (_telling_frame(step, None) for step in steps) if f is not None]
+    if not frames:
+        return "no source line"
+    numbers = sorted({f.line for f in frames})
+    if len({f.path for f in frames}) == 1:
+        span = str(numbers[0]) if len(numbers) == 1 else f"{numbers[0]}..{numbers[-1]}"
+        first = min(frames, key=lambda f: f.line)
+        return f'{first.path}:{span} "{first.text}"'
+    return ", ".join(dict.fromkeys(str(f) for f in frames))
+
+
 def _html_source(step: Step | None) -> str:
     if step is None or not step.stack:
         return ""
@@ -264,5 +293,7 @@ def _line_dict(line: OpLine, answer: bool = False) -> dict[str, Any]:
     if answer:
         found["why"] = line.why
         found["replaces"] = None if line.replaces is None else line.replaces.name
+        found["dropped"] = [{"name": step.name, "line": str(step.stack[0]) if step.stack
+                             else None} for step in line.dropped]
         found["shape"] = [list(t.shape) for t in step.outputs.values()]
     return found
