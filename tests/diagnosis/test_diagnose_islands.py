@@ -76,3 +76,11 @@ def test_float64_mode_still_finds_a_change_outside_the_islands() -> None:
     report = tp.diagnose(eager, sdpa, inputs(), backward=False, dtype=torch.float64)
     assert report.first_divergence is not None, report.render()
     assert report.first_divergence.module == "model.layers.1.mlp.down_proj", report.render()
+
+
+def test_a_trace_keeps_the_islands_of_its_float64_run(tmp_path) -> None:
+    eager, sdpa = twins(llama)
+    trace = tp.record(eager, inputs(), tmp_path / "eager.tptrace", backward=False,
+                      dtype=torch.float64)
+    report = tp.diagnose_against(trace, sdpa, inputs())
+    assert report.exit_status == 0, report.render()

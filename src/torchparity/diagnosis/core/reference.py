@@ -55,6 +55,13 @@ def parse_golden_label(label: str) -> tuple[str | None, str | None]:
     return label, None
 
 
+@dataclass(frozen=True)
+class FoundIslands:
+    """Islands a run found earlier (a trace's): what its :attr:`Islands.found` said."""
+
+    found: dict[str, list[str]]
+
+
 @dataclass
 class Reference:
     """A's recorded calls and where their tensors are; ``golden`` describes the float64
@@ -77,9 +84,10 @@ class Reference:
     signatures: dict[str, Signature | None] = field(default_factory=dict)  # A's forwards
     #: Modules that change their own state across calls: name -> (clock, state before a call).
     states: dict[str, list[tuple[int, OwnState]]] = field(default_factory=dict)
-    #: Watches of float64 runs (A's golden, A and B in float64 mode, B's float64 copy): where
-    #: a model computes in a narrower dtype whatever its own (see :meth:`islands_of`).
-    islands: list[Islands] = field(default_factory=list)
+    #: Watches of float64 runs (A's golden, A and B in float64 mode, B's float64 copy; a
+    #: trace's as recorded): where a model computes in a narrower dtype whatever its own (see
+    #: :meth:`islands_of`).
+    islands: list[Islands | FoundIslands] = field(default_factory=list)
 
     def ensure_replayed(self, call: ModuleCall) -> None:
         """The local golden (and local gradients) of ``call`` are in the store after this."""
@@ -106,19 +114,22 @@ class Reference:
     def tensors(self, calls: tuple[ModuleCall, ...], group: str) -> dict[str, torch.Tensor]:
         return joined([self.store.get(c.key, group) for c in calls])
 
+    def found_islands(self) -> dict[str, list[str]]:
+        """Each narrower dtype's name -> the modules the watched runs computed in it."""
+        found: dict[str, dict[str, None]] = {}
+        for watch in self.islands:
+            for dtype, modules in watch.found.items():
+                found.setdefault(dtype, {}).update(dict.fromkeys(modules))
+        return {dtype: list(modules) for dtype, modules in found.items()}
+
     def islands_of(self, module: str | None = None) -> str | None:
         """The narrowest dtype a watched float64 run computed in inside ``module`` (itself or a
         submodule, on either side), or anywhere with None: a float64 tensor carries the
         rounding of every island it was computed through, an island's own output that of its
         dtype."""
-        found = {}
-        for watch in self.islands:
-            for dtype, modules in watch.found.items():
-                inside = [m for m in modules if module is None or module == "" or
-                          m == module or m.startswith(module + ".")]
-                if inside:
-                    found[dtype] = inside
-        return narrowest(found)
+        return narrowest({dtype: [m for m in modules if module is None or module == "" or
+                                  m == module or m.startswith(module + ".")]
+                          for dtype, modules in self.found_islands().items()})
 
     def judge(self, calls: tuple[ModuleCall, ...], candidate: dict[str, torch.Tensor],
               baseline_group: str, golden_group: str, kind: str, *, quick: bool = False

@@ -48,6 +48,8 @@ class ForwardTraceMeta:
     padding: dict[str, Any] | None = None  # None: a trace from before padding was kept
     ops: KeptOps | None = None  # written only when record kept ops
     recorded_by: str | None = None  # the record command line (None: the Python API)
+    #: where A's float64 run computed in a narrower dtype: dtype name -> modules
+    islands: dict[str, list[str]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = {"schema": SCHEMA, **_fields(self)}

@@ -28,6 +28,7 @@ from torchparity.diagnosis.core.decode_reference import (
 )
 from torchparity.diagnosis.core.progress import ProgressBar
 from torchparity.diagnosis.core.reference import (
+    FoundIslands,
     Reference,
     grad_keeper,
     in_float64_islands,
@@ -125,6 +126,7 @@ def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
         states={name: [clock for clock, _ in history]
                 for name, history in reference.states.items()},
         padding=reference.padding.to_json(),
+        islands=reference.found_islands() or None,
     )
 
 
@@ -198,6 +200,8 @@ def open_reference(path: str | Path) -> tuple[Reference, ForwardTraceMeta]:
                                   for name, clocks in meta.states.items()})
     if meta.padding:
         reference.padding = Padding.from_json(meta.padding)
+    if meta.islands:
+        reference.islands.append(FoundIslands(meta.islands))
     return reference, meta
 
 
