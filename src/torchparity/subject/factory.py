@@ -104,6 +104,8 @@ def call_factory(factory: Callable[[], object], label: str) -> dict[str, Any]:
     """
     try:
         result = factory()
+    except UsageError:  # an hf: entry's own refusal
+        raise
     except Exception as exc:
         raise UserCodeError(f"factory {label} raised {type(exc).__name__}: "
                             f"{first_line(exc)}") from exc

@@ -159,7 +159,20 @@ def factory(spec: str) -> Callable[[], dict[str, Any]]:
 
 def _built(entry: HfEntry) -> dict[str, Any]:
     model = load(entry) if entry.is_folder else build(entry.what, entry.attention, entry.dtype)
-    return {"model": model, "inputs": prompts(model.config)}
+    return {"model": model, "inputs": prompts(model.config), "parallelize": fully_sharded,
+            "mesh": {"dp": -1}}
+
+
+def fully_sharded(model: nn.Module, mesh: Any) -> None:
+    """FSDP2 as transformers models are trained with it: one unit per decoder layer, the
+    embeddings, final norm and head in the root's (the plan of ``--nproc N``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = model.base_model.get_submodule("layers") if hasattr(model.base_model, "layers") \
+        else next((m for m in model.modules() if isinstance(m, nn.ModuleList)), [])
+    for layer in layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
 
 
 def build(family: str, attention: str | None = None,
