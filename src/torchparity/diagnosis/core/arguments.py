@@ -26,7 +26,7 @@ from torchparity.diagnosis.core.capture import (
     bound_arguments,
 )
 from torchparity.diagnosis.core.judging import judge
-from torchparity.diagnosis.core.masks import by_meaning, readings
+from torchparity.diagnosis.core.masks import by_meaning, mask_forms, readings
 from torchparity.diagnosis.core.run import parameter_path
 from torchparity.diagnosis.core.state import cache_layers
 from torchparity.subject.trees import flatten_tensors, leaves
@@ -51,6 +51,10 @@ class Convention:
     argument: str
     detail: str
     b_none: bool
+    #: where both pass a mask of one shape in other forms: each pair of a reading of A's
+    #: (``additive float``) and a form of B's dtype (``boolean attend``) it may be handed in
+    forms: tuple[tuple[str, str], ...] = ()
+    b_dtype: torch.dtype | None = None
 
 
 def convention_change(a_sig: Signature | None, a_inputs: CallArgs,
@@ -72,8 +76,10 @@ def convention_change(a_sig: Signature | None, a_inputs: CallArgs,
             return Convention(path, f"{a_side}, B passes None", b_none=True)
         shape, dtype = b_tensors[path]
         if _kind(mask.dtype) != _kind(dtype) or len(shape) != mask.dim():
+            forms = tuple((reading, form) for reading in readings(mask)
+                          for form in mask_forms(dtype)) if tuple(shape) == mask.shape else ()
             return Convention(path, f"{a_side}, B passes {_described(shape, dtype)}",
-                              b_none=False)
+                              b_none=False, forms=forms, b_dtype=dtype)
     # Of B's tensors only shapes and dtypes are known: a mask is told by its parameter's name.
     for path, (shape, dtype) in b_tensors.items():
         if path not in a_tensors and len(shape) >= 2 and "mask" in path.rpartition(".")[2]:

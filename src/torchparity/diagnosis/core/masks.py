@@ -51,6 +51,27 @@ def readings(mask: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"1/0 attend": attends} if bool((attends | (mask == 0)).all()) else {}
 
 
+def mask_forms(dtype: torch.dtype) -> tuple[str, ...]:
+    """The forms a mask of ``dtype`` may take (the names :func:`readings` gives)."""
+    if dtype == torch.bool:
+        return ("boolean attend", "boolean masked")
+    return ("additive float",) if dtype.is_floating_point else ("1/0 attend",)
+
+
+def in_form(mask: torch.Tensor, reading: str, form: str, dtype: torch.dtype) -> torch.Tensor:
+    """``mask``, read as ``reading`` (one of its :func:`readings`), written in ``form`` in
+    ``dtype``: the same keys attended, in another convention."""
+    attends = readings(mask)[reading]
+    if form == "boolean attend":
+        return attends
+    if form == "boolean masked":
+        return ~attends
+    if form == "additive float":
+        zeros = torch.zeros(attends.shape, dtype=dtype, device=attends.device)
+        return zeros.masked_fill(~attends, torch.finfo(dtype).min)
+    return attends.to(dtype)
+
+
 def by_meaning(a: torch.Tensor, b: torch.Tensor, padding: PaddingSpec = None,
                path: str = "mask") -> Meaning | None:
     """A's and B's masks compared by what they let each judged query attend to; None when one

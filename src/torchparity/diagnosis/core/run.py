@@ -489,32 +489,41 @@ def fitted(inputs: CallArgs, call: ModuleCall, sig: Signature | None = None
                     map_tensors_with_paths(kwargs, fit, "kwargs")), notes
 
 
+#: An argument of B's module by its parameter's name, and what it becomes in B's convention.
+Converted = tuple[str, Callable[[Any], Any]]
+
+
 def for_b(recorded: Signature | None, inputs: CallArgs, call: ModuleCall,
-          module: nn.Module, fit: bool = False, as_none: str | None = None
-          ) -> tuple[CallArgs, list[str]]:
+          module: nn.Module, fit: bool = False, as_none: str | None = None,
+          converted: Converted | None = None) -> tuple[CallArgs, list[str]]:
     """A's recorded ``inputs`` as B's ``module`` takes them at ``call``, and notes saying
     what changed: handed to its parameters by meaning (:func:`rebind`), placed as B's call
     had them, with the argument of parameter ``as_none`` as None (B's call passes None
-    there: the convention it derives the rest from), and with ``fit`` each mask fitted to
-    the keys of B's (:func:`fitted`)."""
+    there: the convention it derives the rest from), the argument ``converted`` names
+    converted by its function (a mask in B's form), and with ``fit`` each mask fitted to the
+    keys of B's (:func:`fitted`)."""
     inputs, notes = rebind(recorded, inputs, module)
     own = signature(module)
     inputs = placed(inputs, call, own)
     if as_none is not None:
-        inputs = _with_none(inputs, own, as_none)
+        inputs = _with_replaced(inputs, own, as_none, lambda _: None)
+    if converted is not None:
+        inputs = _with_replaced(inputs, own, *converted)
     if fit:
         inputs, fits = fitted(inputs, call, own)
         notes += fits
     return inputs, notes
 
 
-def _with_none(inputs: CallArgs, sig: Signature | None, name: str
-               ) -> CallArgs:
-    """``inputs`` with the argument bound to parameter ``name`` replaced by None."""
+def _with_replaced(inputs: CallArgs, sig: Signature | None, name: str,
+                   replace: Callable[[Any], Any]) -> CallArgs:
+    """``inputs`` with the argument bound to parameter ``name`` replaced by ``replace`` of
+    it."""
     args, kwargs = inputs
-    args = tuple(None if parameter_path(sig, f"args.{i}") == name else value
+    args = tuple(replace(value) if parameter_path(sig, f"args.{i}") == name else value
                  for i, value in enumerate(args))
-    return CallArgs(args, {key: None if key == name else value for key, value in kwargs.items()})
+    return CallArgs(args, {key: replace(value) if key == name else value
+                           for key, value in kwargs.items()})
 
 
 Replayed = TypeVar("Replayed")

@@ -20,16 +20,21 @@ forward did.
 
 from __future__ import annotations
 
+import functools
+import math
+
 from torch import nn
 
 from torchparity.diagnosis.core.align import Match
 from torchparity.diagnosis.core.arguments import Convention, convention_change
 from torchparity.diagnosis.core.capture import CallArgs, ModuleCall, signature
 from torchparity.diagnosis.core.judging import joined
+from torchparity.diagnosis.core.masks import in_form
 from torchparity.diagnosis.core.progress import ProgressBar
 from torchparity.diagnosis.core.reference import Reference
-from torchparity.diagnosis.core.results import UNKNOWN_LOCAL, Result, Row
+from torchparity.diagnosis.core.results import UNKNOWN_LOCAL, Result, Row, headroom
 from torchparity.diagnosis.core.run import (
+    Converted,
     Options,
     UnfitArguments,
     fitting_masks,
@@ -81,11 +86,11 @@ def backward_before_divergence(rows: list[Row]) -> range:
 
 
 def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], opts: Options,
-           changing: set[str], as_none: str | None = None
+           changing: set[str], as_none: str | None = None, converted: Converted | None = None
            ) -> tuple[Result | None, Result | None, str | None]:
     """B's module(s) fed A's recorded inputs (and output gradient), judged against the local
     golden with A's replay as the baseline; the argument of B's parameter ``as_none`` handed
-    as None, as B's own run hands it."""
+    as None, as B's own run hands it, and the one ``converted`` names in B's form."""
     a = match.a[0]
     if a.key in reference.notes:
         return None, None, None
@@ -93,7 +98,7 @@ def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], op
 
     def handed(b: ModuleCall, fit: bool) -> tuple[CallArgs, list[str]]:
         return for_b(reference.signatures.get(a.name), store.get_inputs(a.key), b,
-                     modules[b.name], fit, as_none)
+                     modules[b.name], fit, as_none, converted)
 
     def inputs(b: ModuleCall, fit: bool) -> CallArgs:
         return handed(b, fit)[0]
@@ -158,6 +163,8 @@ def _by_own_run(reference: Reference, match: Match, row: Row, modules: dict[str,
     if row.propagated is not None and row.propagated.ok:
         return row.propagated, None, (f"{said}; the replay on A's arguments is no evidence: "
                                       "judged by B's own run, where it is within budget")
+    if changed.forms:
+        return _in_b_form(reference, match, modules, opts, changing, changed, said)
     if not changed.b_none:
         return None, None, (f"{UNKNOWN_LOCAL}: {said}; the replay on A's arguments is no "
                             "evidence, and in B's own run its output diverged, with what it "
@@ -166,6 +173,29 @@ def _by_own_run(reference: Reference, match: Match, row: Row, modules: dict[str,
                                      as_none=changed.argument)
     replayed = (f"{said}; replayed on A's arguments with {changed.argument} as B passes it "
                 "(None)")
+    return local, grad_local, f"{note}; {replayed}" if note else replayed
+
+
+def _in_b_form(reference: Reference, match: Match, modules: dict[str, nn.Module],
+               opts: Options, changing: set[str], changed: Convention, said: str
+               ) -> tuple[Result | None, Result | None, str]:
+    """A module handed A's mask in B's form (the same keys attended, B's dtype and
+    convention): replayed once per way of reading A's mask and writing it in B's dtype, the
+    replay that errs least is what it adds (a bool mask may mean attend or masked)."""
+    tried = []
+    for reading, form in changed.forms:
+        convert = functools.partial(in_form, reading=reading, form=form,
+                                    dtype=changed.b_dtype)
+        local, grad_local, note = _local(reference, match, modules, opts, changing,
+                                         converted=(changed.argument, convert))
+        if local is not None:
+            tried.append((headroom(local) if headroom(local) is not None else math.inf,
+                          local, grad_local, note, form))
+    if not tried:
+        return None, None, (f"{UNKNOWN_LOCAL}: {said}; the replay on A's arguments is no "
+                            "evidence, and it failed with the mask in B's form")
+    _, local, grad_local, note, form = min(tried, key=lambda t: t[0])
+    replayed = f"{said}; replayed on A's arguments with {changed.argument} in B's form ({form})"
     return local, grad_local, f"{note}; {replayed}" if note else replayed
 
 
