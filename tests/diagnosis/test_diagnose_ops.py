@@ -301,6 +301,27 @@ def test_ops_one_side_alone_applies_are_the_answer_with_their_lines(capped: str)
     assert span in report.summary() and f"{other} has no counterpart" in report.summary()
 
 
+@pytest.mark.transformers
+def test_scores_soft_capped_by_eager_and_not_by_sdpa_diverge_in_the_attention() -> None:
+    """Eager hands its attention an additive float mask, sdpa a bool one: B's attention is
+    replayed on A's mask in B's form, so the attention itself is the first divergence (as in
+    a release whose sdpa path had no argument for the soft-cap), not the model around it."""
+    import hf_op_plants
+
+    import tiny_transformers
+    from torchparity.subject import hf
+
+    torch.manual_seed(0)
+    capping = tiny_transformers.llama(initializer_range=0.2).eval()
+    hf.set_attention(capping, hf_op_plants.SOFTCAPPED_SCORES)
+    sdpa = copy.deepcopy(capping)
+    hf.set_attention(sdpa, "sdpa")
+    report = tp.diagnose(capping, sdpa, hf_inputs(), backward=False)
+    assert report.first_divergence.module == "model.layers.0.self_attn", report.render()
+    notes = " ".join(report.row("model.layers.0.self_attn").notes)
+    assert "attention_mask in B's form (boolean attend)" in notes, notes
+
+
 class StaticCacheDecoding(nn.Module):
     """A prompt, then one token, through a ``transformers`` ``StaticCache`` made per call."""
 
