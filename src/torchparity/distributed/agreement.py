@@ -41,10 +41,10 @@ class Disagreement:
         """One line: ``what`` (the tensor, named) differs, on which ranks, and by how much."""
         ranks = ", ".join(map(str, self.ranks))
         plural = "s" if len(self.ranks) > 1 else ""
-        how = (f"NaN where rank {self.reference}'s is a number" if math.isnan(self.difference) else
-               f"by up to {self.difference:.3g} (max-abs)")
+        how = (f": NaN where rank {self.reference}'s is a number" if math.isnan(self.difference)
+               else f" by up to {self.difference:.3g} (max-abs)")
         return (f"{what} differs between ranks: rank{plural} {ranks} "
-                f"differ{'' if plural else 's'} from rank {self.reference}'s copy: {how}")
+                f"differ{'' if plural else 's'} from rank {self.reference}'s copy{how}")
 
 
 def check_replicated(model: nn.Module, held: Slices | None = None) -> None:
@@ -83,7 +83,8 @@ def check_kept(outputs: dict[str, object], run: str) -> None:
     """
     copies = {(path, ()): value for path, value in walk(outputs, "")
               if isinstance(value, (torch.Tensor, Sketch))}
-    first, count = _first_disagreement({key: _values(value) for key, value in copies.items()})
+    first, count = _first_disagreement({key: _values(value) for key, value in copies.items()},
+                                       everywhere=True)
     if first is not None:
         more = f"; {count - 1} more differ too" if count > 1 else ""
         raise RanksDisagree(f"{first.explain(f'{first.name} of {run}')}{more}, though every "
@@ -114,19 +115,24 @@ def _replicated_copies(model: nn.Module, held: Slices | None
             yield (name, ()), tensor
 
 
-def _first_disagreement(copies: dict[Key, torch.Tensor]) -> tuple[Disagreement | None, int]:
+def _first_disagreement(copies: dict[Key, torch.Tensor], everywhere: bool = False
+                        ) -> tuple[Disagreement | None, int]:
     """The first tensor whose copies differ between the ranks that share its key, and how
     many tensors differ, the same on every rank: each rank's digests are gathered first, then
-    every rank decides alike."""
+    every rank decides alike. With ``everywhere``, a rank without a key differs too."""
     import torch.distributed as dist
 
-    digests = {key: sha256(tensor.detach(), str(tensor.dtype)) for key, tensor in copies.items()}
-    every = [None] * dist.get_world_size()
+    digests = {key: sha256(tensor.detach(), f"{tensor.dtype}{tuple(tensor.shape)}")
+               for key, tensor in copies.items()}
+    every: list[dict[Key, str]] = [{}] * dist.get_world_size()
     dist.all_gather_object(every, digests)
+    keys = dict.fromkeys(key for theirs in every for key in theirs)
     holders: dict[Key, dict[str, list[int]]] = {}
     for other, theirs in enumerate(every):
-        for key, digest in theirs.items():
-            holders.setdefault(key, {}).setdefault(digest, []).append(other)
+        for key in keys:
+            if key in theirs or everywhere:
+                holders.setdefault(key, {}).setdefault(theirs.get(key, "absent"), []).append(
+                    other)
     differing = sorted((key for key, copies_of in holders.items() if len(copies_of) > 1),
                        key=lambda key: min(min(r) for r in holders[key].values()))
     if not differing:
@@ -144,10 +150,10 @@ def _first_disagreement(copies: dict[Key, torch.Tensor]) -> tuple[Disagreement |
             len({name for name, _ in differing}))
 
 
-def _max_abs(copy: torch.Tensor, reference: torch.Tensor) -> float:
+def _max_abs(copy: torch.Tensor | None, reference: torch.Tensor | None) -> float:
     """The largest difference of two copies; NaN where one holds a NaN the other does not,
-    as a float of the tensors' dtype cannot hold the answer."""
-    if copy.shape != reference.shape:
+    infinite where one is absent or of another shape."""
+    if copy is None or reference is None or copy.shape != reference.shape:
         return float("inf")
     if not copy.is_floating_point():
         return float((copy.long() - reference.long()).abs().max()) if copy.numel() else 0.0
