@@ -56,7 +56,7 @@ class GoldenBusy(TorchParityError):
     """Another process is updating the same golden folder."""
 
 
-def lock_folder() -> Path:
+def _lock_folder() -> Path:
     """The folder of the goldens' lock files: per user, in the temporary folder (goldens shipped
     inside an installed package are read-only, and lock files must not show in a repository)."""
     user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
@@ -76,7 +76,7 @@ def _lock(path: Path, timeout: float = -1) -> FileLock:
 def switch_lock(folder: Path) -> FileLock:
     """The lock under which ``folder``'s set is switched and read."""
     digest = hashlib.sha256(str(folder.resolve()).encode()).digest()
-    return _lock(lock_folder() / f"{digest[0] % _SWITCH_LOCKS}.lock")
+    return _lock(_lock_folder() / f"{digest[0] % _SWITCH_LOCKS}.lock")
 
 
 def fault_point() -> None:
@@ -109,7 +109,7 @@ class FolderUpdate:
         self.staging: Path | None = None
         self.switched = False
         digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
-        self._update_lock = lock_folder() / f"update-{digest}.lock"
+        self._update_lock = _lock_folder() / f"update-{digest}.lock"
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
