@@ -23,7 +23,7 @@ from torchparity import __version__
 from torchparity.collector import older_objects_frozen
 from torchparity.errors import TorchParityError
 
-EXIT_FAILED, EXIT_USAGE, EXIT_UNEXPECTED = 1, 2, 3
+EXIT_USAGE, EXIT_UNEXPECTED = 2, 3
 EXIT_STATUSES = ("exit status: 0 every check passed, 1 a check failed, 2 a usage or file error, "
                  "3 an unexpected error (--debug shows its traceback)")
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         status = getattr(exc, "exit_status", EXIT_USAGE)
         # An error that wraps the user's exception points at the user's code.
         origin = exc.__cause__ if status == EXIT_UNEXPECTED and exc.__cause__ else None
-        label = "FAILED" if status == EXIT_FAILED else "error"
+        label = getattr(exc, "label", "error")  # a finding says FAILED, as a failed check
         return _report(prog, f"{label}: {exc}", status, exc, origin, args.debug)
     except OSError as exc:  # a file that cannot be read or written
         return _report(prog, f"error: {exc}", EXIT_USAGE, exc, None, args.debug)

@@ -35,5 +35,7 @@ class RanksDisagree(TorchParityError):
     """
 
     exit_status = 1
+    #: What the CLI's line says it is: a failed check, not a mistake.
+    label = "FAILED"
     #: Every rank raises it together, so the ranks may still leave their group together.
     every_rank = True
