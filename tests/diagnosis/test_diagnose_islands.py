@@ -66,6 +66,9 @@ def test_float32_islands_send_no_clean_pair_to_float64_and_pass_there() -> None:
     assert report.exit_status == 0 and "--dtype fp64" not in report.summary(), report.render()
     report = tp.diagnose(eager, sdpa, inputs(), backward=False, dtype=torch.float64)
     assert report.exit_status == 0 and report.output.ok, report.render()
+    # eager's softmax is the island the report names (sdpa's kernel computes in float64)
+    assert "float32 at " in report.render(width=200) and \
+        "model.layers.*.self_attn" in report.render(width=200), report.render()
 
 
 def test_float64_mode_still_finds_a_change_outside_the_islands() -> None:

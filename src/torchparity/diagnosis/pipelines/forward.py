@@ -81,6 +81,7 @@ from torchparity.diagnosis.stages.ops.recorded import recorded_side
 from torchparity.diagnosis.stages.propagated import judge_propagated
 from torchparity.errors import UsageError
 from torchparity.subject.decoding import ReorderFn, StepFn
+from torchparity.subject.islands import summary
 from torchparity.subject.padding import PaddingLike, padding_of
 from torchparity.subject.running import Inputs, LossFn, check_models, in_dtype
 
@@ -449,6 +450,8 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
     if reference.padding:
         notes.append(f"{reference.padding.summary()}: left out of every judgement and of the "
                      "default loss")
+    if reference.mode.startswith("float64") and reference.found_islands():
+        notes.append(islands_note(reference.found_islands()))
     below_noise = None
     if opts.compile_b is None and propagated.output.verdict != "identical" and all(
             r.local is None or r.local.ok for r in propagated.rows):
@@ -496,6 +499,15 @@ def _with_ops(reference: Reference, matches: list[Match],
     other, _ = open_reference(more_ops(list(dict.fromkeys(module_label(c.name)
                                                            for c in calls))))
     return dataclasses.replace(reference, store=other.store)
+
+
+def islands_note(islands: dict[str, list[str]]) -> str:
+    """What the float64 runs computed in a narrower dtype, and how it is judged there."""
+    where = "; ".join(f"{dtype} at {', '.join(summary(modules))}"
+                      for dtype, modules in islands.items())
+    return (f"islands: the models compute in a narrower dtype whatever their own ({where}): "
+            "a module with one inside is judged locally with that dtype's budget, and every "
+            "propagated error too")
 
 
 def _share(result: Any) -> str:
