@@ -231,3 +231,28 @@ def test_a_parameter_s_dtype_read_outside_its_module_is_float64():
         output = model(x.double())
     assert output.dtype == torch.float64 and torch.equal(output, expected)
     assert model.proj.weight.dtype == torch.float32
+
+
+class _HoldsAPlainTable(torch.nn.Module):
+    """Angles precomputed in float32 and held as a plain attribute, not a buffer: a model
+    cast to float64 keeps them in float32, the golden run casts them with the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.angles = torch.linspace(0.0, 1.0, 16).reshape(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) @ self.angles.cos()  # a float32 cos without the cast
+
+
+def test_a_table_held_as_a_plain_attribute_is_cast_with_the_model():
+    torch.manual_seed(0)
+    model, x = _HoldsAPlainTable(), torch.randn(2, 4, dtype=torch.float64)
+    angles = model.angles
+    expected = torch.nn.functional.linear(x, model.proj.weight.double(),
+                                          model.proj.bias.double()) @ angles.double().cos()
+    with Float64Run(model):
+        output = model(x)
+    assert output.dtype == torch.float64 and torch.equal(output, expected)
+    assert model.angles is angles

@@ -5,7 +5,8 @@ only the module running at the moment holds its parameters in float64:
 
 - every module with parameters of its own gets them as float64 tensors in a forward pre-hook
   and its own back in the forward hook; floating buffers are float64 for the whole run (they
-  are small: rotary tables, masks);
+  are small: rotary tables, masks), and so are floating tensors a module holds as plain
+  attributes (a table precomputed but not registered, which ``model.double()`` would miss);
 - autograd saves what the backward pass needs; a saved float64 parameter is kept as a
   reference to the model's own parameter and cast again when the backward pass reads it
   (:func:`torch.autograd.graph.saved_tensors_hooks`), so no module's float64 weights outlive its
@@ -302,16 +303,31 @@ class Float64Run:
         self._live.clear()
 
     def _cast_buffers(self, stack: contextlib.ExitStack) -> None:
+        """Every floating buffer in float64 until the block ends, and every floating tensor a
+        module holds as a plain attribute (a table precomputed in ``__init__`` but not
+        registered), which ``model.double()`` would leave as it is: both are read outside
+        any parameter's module."""
         converted: dict[int, torch.Tensor] = {}
+
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in converted:
+                dtype = (torch.float64 if tensor.is_floating_point() else torch.complex128
+                         if tensor.is_complex() else tensor.dtype)
+                converted[id(tensor)] = tensor.to(self._device(tensor), dtype)
+            return converted[id(tensor)]
+
         for module in self.model.modules():
             for key, buffer in list(module._buffers.items()):
                 if buffer is None or not (buffer.is_floating_point() or self.device):
                     continue
-                if id(buffer) not in converted:
-                    dtype = torch.float64 if buffer.is_floating_point() else buffer.dtype
-                    converted[id(buffer)] = buffer.to(self._device(buffer), dtype)
-                module._buffers[key] = converted[id(buffer)]
+                module._buffers[key] = cast(buffer)
                 stack.callback(module._buffers.__setitem__, key, buffer)
+            attributes = vars(module)
+            for key, value in list(attributes.items()):
+                if (type(value) is torch.Tensor
+                        and (value.is_floating_point() or value.is_complex() or self.device)):
+                    attributes[key] = cast(value)
+                    stack.callback(attributes.__setitem__, key, value)
 
     # -- saved tensors -------------------------------------------------------------------------
 
