@@ -70,7 +70,7 @@ def judge_model_training(plan: ModelPlan, console: Console) -> bool:
     recipe = UserRecipe(subject.entry, plan.steps)
     bar = steps_bar(console, f"{subject.name} {plan.execution.label()}", plan.steps)
 
-    def measuring(line: str, seconds: float) -> None:
+    def measuring(line: str) -> None:
         console.print(wrapped(line), markup=False, soft_wrap=True)
         bar.add(plan.steps * members_count(plan.execution))
 
@@ -132,8 +132,8 @@ def _diagnosed(subject: Subject, candidate: Trajectory, comparison: TrajectoryCo
     if diagnosis.reason:
         say(diagnosis.reason)
     for change in unexplained:
-        say(f"the optimizer's groups also differ, after step {stage.step} or in what its "
-            f"parting cannot come from: {change.sentence}")
+        say(f"the optimizer's groups also differ, though not in a way that can make step "
+            f"{stage.step} part: {change.sentence}")
     return diagnosis
 
 

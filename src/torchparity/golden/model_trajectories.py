@@ -103,16 +103,15 @@ class ModelGolden:
         return None if stored is None else OptimizerGroups.from_dict(stored)
 
     def band_origin(self) -> str:
-        """Where the band comes from, one sentence."""
-        if self.band is None:
-            return "no band is stored for this run's dtype and device"
+        """Where the golden's band comes from, one sentence."""
+        members = len(self.golden.summary.get("members", []))
         execution = self.golden.summary.get("execution", {})
         measured = ""
         if execution:
             measured = (f" of {execution['backend']} {execution['dtype']} "
                         f"{execution['device']}")
-        return (f"band: stored with the golden {self.golden.path} ({len(self.band.members)} "
-                f"rounding-only runs{measured})")
+        return (f"band: stored with the golden {self.golden.path} ({members} rounding-only "
+                f"runs{measured})")
 
 
 def read_model_golden(subject: Subject, recipe: UserRecipe, execution: Execution,
@@ -176,26 +175,28 @@ def measure_model_band(subject: Subject, recipe: UserRecipe, execution: Executio
 
 def check_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execution,
                            store: GoldenStore, *, advance: Advance = lambda: None,
-                           say: Callable[[str, float], None] = lambda line, seconds: None,
+                           say: Callable[[str], None] = lambda line: None,
                            ) -> tuple[Trajectory, TrajectoryComparison]:
     """Train ``subject`` once under ``execution`` and judge it against its golden float64
     trajectory (read, and refused when stale, before any training) and the band of its
     dtype and device: stored, or measured here and not stored
-    (:func:`measure_model_band`). ``say(line, seconds)`` is told, before the band's runs
-    start, that they do and about how long the one run took; the comparison's notes say
-    where the band came from."""
+    (:func:`measure_model_band`). ``say(line)`` is told, before the band's runs start, that
+    they do and about how long they take (as long as the one run each); the comparison's
+    notes say where the band came from."""
     check_hooks(subject)
     golden = read_model_golden(subject, recipe, execution, store)
     started = time.perf_counter()
     candidate = train_user_model(subject, recipe, execution, advance=advance)
-    band, origin = golden.band, golden.band_origin()
-    if band is None:
+    band = golden.band
+    if band is not None:
+        origin = golden.band_origin()
+    else:
         seconds = time.perf_counter() - started
         runs = members_count(execution)
         where = execution.dtype if torch.device(execution.device).type == "cpu" else \
             f"{execution.dtype} on {execution.device}"
         say(f"no stored band for {where}: measuring one now ({runs} runs, about "
-            f"{math.ceil(runs * seconds)} s); `{store.update_command}` stores it", seconds)
+            f"{math.ceil(runs * seconds)} s); `{store.update_command}` stores it")
         band = measure_model_band(subject, recipe, execution, candidate, advance=advance)
         origin = (f"band: measured here, not stored ({len(band.members)} rounding-only runs "
                   f"of {execution.label()} around this code's float64 run); the float64 "

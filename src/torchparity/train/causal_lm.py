@@ -30,13 +30,16 @@ FIRST_TOKEN = 3
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``transformers`` model that computes its own language-model
-    loss from ``labels`` (a ``...ForCausalLM``)."""
+    """Whether ``model`` is one of ``transformers``' causal LMs (``AutoModelForCausalLM``'s
+    classes: ``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...), which compute their own loss
+    from ``labels``."""
     try:
         from transformers import PreTrainedModel
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         return False
-    return isinstance(model, PreTrainedModel) and type(model).__name__.endswith("ForCausalLM")
+    return (isinstance(model, PreTrainedModel)
+            and type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def with_recipe(subject: Subject) -> Subject:
