@@ -234,7 +234,8 @@ def model_parity(request: pytest.FixtureRequest) -> Callable[..., ModelReport]:
         if failure is not None:  # failed outside the except block: the message shows once
             pytest.fail(failure, pytrace=False)
         if not_run := not_applicable(report):  # a cell that ran nothing passes nothing
-            pytest.skip(f"{cell}: n/a: {not_run}")
+            # said at the test's line, as a skip mark's reason is, not at this one
+            raise pytest.skip.Exception(f"{cell}: n/a: {not_run}", _use_item_location=True)
         return report
 
     return check
