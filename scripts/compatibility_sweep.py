@@ -3,8 +3,8 @@
 For each family (a tiny seeded model, ``hf:FAMILY``) the sweep runs, in a process of the
 family's own with a time limit: ``golden update`` then ``check`` of the unchanged model;
 ``diagnose`` of its eager against its sdpa implementation, forward and decoding; ``train
---model`` for a few steps; and two planted bugs that ``diagnose`` must find (one attention's output scaled by
-1 %, one norm's ops dropped). An oracle in plain code says what the answers should be: it runs
+--model`` for a few steps; and two planted bugs that ``diagnose`` must find (one attention's
+output scaled by 1 %, one norm's ops dropped). An oracle in plain code says what the answers should be: it runs
 both implementations in float64 with forward hooks and finds the first module whose outputs
 differ beyond rounding. The results are kept in ``WORK/results.jsonl`` (a rerun resumes) and
 written as a table to ``docs/compatibility.md``.
@@ -41,7 +41,7 @@ from torchparity.subject import hf_families
 
 
 def _built():
-    model = hf_families.build({family!r})
+    model = hf_families.tiny_model({family!r})
     return model, dict(model.named_modules())
 
 
@@ -103,7 +103,7 @@ def oracle(family: str) -> dict:
     from torchparity.subject import hf_families
 
     try:
-        model = hf_families.build(family)
+        model = hf_families.tiny_model(family)
     except UsageError as exc:
         return {"builds": False, "reason": str(exc)}
     except Exception as exc:  # the family's own code: its first line is the reason
@@ -115,7 +115,7 @@ def oracle(family: str) -> dict:
     outputs = {}
     for implementation in ("eager", "sdpa"):
         try:
-            twin = hf_families.build(family, implementation, torch.float64)
+            twin = hf_families.tiny_model(family, implementation, torch.float64)
         except Exception as exc:
             found[implementation] = f"{type(exc).__name__}: {_first(exc)}"
             continue

@@ -43,11 +43,11 @@ def _unpadded(model):
 
 def capped():
     """A Llama built on ``capped``: its goldens must be of that path."""
-    model = hf_families.build("llama", "capped")
+    model = hf_families.tiny_model("llama", "capped")
     return model, _unpadded(model)
 
 
 def sdpa():
     """The same weights built on sdpa."""
-    model = hf_families.build("llama", "sdpa")
+    model = hf_families.tiny_model("llama", "sdpa")
     return model, _unpadded(model)

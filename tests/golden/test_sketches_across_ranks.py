@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torchparity import sketching
 from torchparity.golden.model_runs import perturbation
 from torchparity.golden.sharded import kept_across_ranks, perturbation_in_parts
-from torchparity.distributed import group, sharding
+from torchparity.distributed import group, sharding, slices
 
 group.join()
 whole = torch.randn(300, 500, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -43,7 +43,7 @@ for label, mesh, placements in [
     # In place, on this rank's part of a copy (a run perturbs its own float64 cast).
     moved = perturbation_in_parts("layers.0.w", distribute_tensor(whole.clone(),
                                                                   meshes[mesh], placements))
-    moved_whole = sharding.part(perturbation("layers.0.w", whole.clone()), moved)
+    moved_whole = slices.part(perturbation("layers.0.w", whole.clone()), moved)
     found[label] = {"runs": torch.equal(runs.view(torch.int64), flat_bits),
                     "sketch": isinstance(kept, sketching.Sketch) and kept.same_values(expected),
                     "perturbed": torch.equal(moved.to_local().view(torch.int64),

@@ -41,7 +41,7 @@ def test_a_bad_entry_gets_one_line(spec, message, capsys):
 
 
 def test_a_model_is_built_the_same_every_time():
-    first, second = hf_families.build("qwen3_moe"), hf_families.build("qwen3_moe")
+    first, second = hf_families.tiny_model("qwen3_moe"), hf_families.tiny_model("qwen3_moe")
     assert first.state_dict().keys() == second.state_dict().keys()
     assert all(torch.equal(a, second.state_dict()[k]) for k, a in first.state_dict().items())
     # Attention scores are not negligible: the weights are not transformers' tiny init.
@@ -50,20 +50,20 @@ def test_a_model_is_built_the_same_every_time():
 
 
 def test_a_hybrid_has_each_kind_of_layer():
-    model = hf_families.build("jamba")
+    model = hf_families.tiny_model("jamba")
     kinds = {type(layer).__name__ for layer in model.model.layers}
     assert any("Attention" in k for k in kinds) and any("Mamba" in k for k in kinds), kinds
 
 
 def test_a_multimodal_family_is_its_language_model():
-    model = hf_families.build("qwen3_5")
+    model = hf_families.tiny_model("qwen3_5")
     assert type(model).__name__ == "Qwen3_5ForCausalLM"
     output = model(**hf_families.prompts(model.config))
     assert output.logits.shape[-1] == model.config.vocab_size
 
 
 def test_the_prompts_are_left_padded_inside_the_vocabulary():
-    model = hf_families.build("gpt2")
+    model = hf_families.tiny_model("gpt2")
     prompts = hf_families.prompts(model.config)
     assert prompts["attention_mask"][1, :hf_families.PADDED].sum() == 0
     assert prompts["attention_mask"][0].all()
@@ -71,7 +71,7 @@ def test_the_prompts_are_left_padded_inside_the_vocabulary():
 
 
 def test_a_checkpoint_folder_loads_as_saved(tmp_path):
-    saved = hf_families.build("llama")
+    saved = hf_families.tiny_model("llama")
     saved.save_pretrained(tmp_path)
     factory = hf_families.factory(f"hf:{tmp_path},attn=eager")
     loaded = factory()["model"]

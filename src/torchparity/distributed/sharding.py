@@ -592,23 +592,3 @@ def _fill(model: nn.Module, source: nn.Module) -> None:
             local_part(param).copy_(local_part(sources[name]))
         for name, buffer in model.named_buffers():
             local_part(buffer).copy_(local_part(sources[name]))
-
-
-def part(whole_value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``whole_value`` as the DTensor ``like`` places it.
-
-    Args:
-        whole_value: the one-process value.
-        like: a DTensor, or a plain tensor.
-
-    Returns:
-        The slice of ``whole_value`` this rank holds; all of it for a plain tensor.
-    """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(like, DTensor):
-        return whole_value
-    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh,
-                                                          like.placements)
-    return whole_value[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]

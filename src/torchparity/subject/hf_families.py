@@ -158,7 +158,8 @@ def factory(spec: str) -> Callable[[], dict[str, Any]]:
 
 
 def _built(entry: HfEntry) -> dict[str, Any]:
-    model = load(entry) if entry.is_folder else build(entry.what, entry.attention, entry.dtype)
+    model = (checkpoint(entry) if entry.is_folder
+             else tiny_model(entry.what, entry.attention, entry.dtype))
     return {"model": model, "inputs": prompts(model.config), "parallelize": fully_sharded,
             "mesh": {"dp": -1}}
 
@@ -175,7 +176,7 @@ def fully_sharded(model: nn.Module, mesh: Any) -> None:
     fully_shard(model, mesh=mesh["dp"])
 
 
-def build(family: str, attention: str | None = None,
+def tiny_model(family: str, attention: str | None = None,
           dtype: torch.dtype = torch.float32) -> nn.Module:
     """A tiny model of ``family``, in eval mode, its weights the same on every machine.
 
@@ -211,7 +212,7 @@ def build(family: str, attention: str | None = None,
     return model.to(dtype).eval()
 
 
-def load(entry: HfEntry) -> nn.Module:
+def checkpoint(entry: HfEntry) -> nn.Module:
     """The checkpoint in ``entry``'s folder, on its attention implementation and dtype."""
     transformers = _transformers(f"hf:{entry.what}")
     return transformers.AutoModelForCausalLM.from_pretrained(

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torchparity.distributed.sharding import part
+from torchparity.distributed.slices import part
 from torchparity.reference import rng
 from torchparity.subject.running import local_part
 

@@ -16,9 +16,9 @@ from torch import nn
 
 from torchparity.diagnosis.core.capture import call_key
 from torchparity.distributed import group, sharding, slices
+from torchparity.distributed.slices import Slice, Slices
 from torchparity.subject import Subject
 from torchparity.subject.running import call_model, cast_inputs, is_dtensor, local_part
-from torchparity.distributed.slices import Slice, Slices
 from torchparity.subject.trees import flatten_tensors, map_tensors
 
 #: One call's (or one module's parameters') tensors by path.
@@ -126,4 +126,4 @@ def _keep_grads(model: nn.Module, run: RankRun, held: Slices | None) -> None:
 
 
 def _cut(whole: torch.Tensor, like: torch.Tensor, where: Slice | None) -> torch.Tensor:
-    return (slices.cut(whole, where) if where else sharding.part(whole, like)).cpu()
+    return (slices.cut(whole, where) if where else slices.part(whole, like)).cpu()
