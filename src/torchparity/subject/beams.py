@@ -356,6 +356,8 @@ def hf_reorder(model: nn.Module, state: dict[str, Any], index: torch.Tensor
         The state with each of them reordered.
     """
     rest = reorder_rows({key: value for key, value in state.items() if key != "cache"}, index)
+    if "cache" not in state:  # a full recompute's: tensors alone
+        return rest
     cache, own = state["cache"], getattr(model, "_reorder_cache", None)
     if not reorderable(cache) and callable(own):
         return {**rest, "cache": own(cache, index)}

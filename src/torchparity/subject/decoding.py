@@ -408,7 +408,12 @@ def _generation_cache(model: nn.Module) -> Any:
 def _explicit_causal_lm_step(model: nn.Module, tokens: Any, state: Any
                              ) -> tuple[torch.Tensor, Any]:
     """The step of :func:`causal_lm_step` on releases that slice by ``cache_position``: the
-    model's cache object, the mask growing by one per step, positions one past the last."""
+    model's cache object, the mask growing by one per step, positions one past the last. A
+    model that returns no cache under the name its forward takes is decoded by
+    :func:`causal_lm_recompute_step`."""
+    if state is not None and "recomputed" in state:
+        logits, recomputed = causal_lm_recompute_step(model, tokens, state["recomputed"])
+        return logits, {"recomputed": recomputed}
     cache_key = _cache_keyword(model)
     if state is None:
         inputs = _with_input_ids(tokens, "a transformers model")
@@ -422,9 +427,13 @@ def _explicit_causal_lm_step(model: nn.Module, tokens: Any, state: Any
     if mask is not None:
         kwargs["attention_mask"] = mask
     out = model(**kwargs, use_cache=True)
-    following = {"cache": out[cache_key], "attention_mask": mask}
+    following = {"cache": out.get(cache_key), "attention_mask": mask}
     if "position_ids" in kwargs:
         following["position_ids"] = kwargs["position_ids"]
+    if state is None and following["cache"] is None:  # the state of a full recompute
+        recomputing(model, "it returns no cache")
+        del following["cache"]
+        return out.logits, {"recomputed": {**following, "input_ids": kwargs["input_ids"]}}
     return out.logits, following
 
 
