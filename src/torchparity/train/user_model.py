@@ -28,6 +28,7 @@ import torch
 
 from torchparity import backends
 from torchparity.errors import UsageError, UserCodeError
+from torchparity.subject.float64_ops import Float64Ops
 from torchparity.subject.model import Subject
 from torchparity.subject.rounding import perturb_weights
 from torchparity.subject.running import call_model, cast_inputs
@@ -162,7 +163,7 @@ class UserTrainer:
         self._grad_norms.clear()
         started = time.perf_counter()
         with deterministic(step, tf32=self.mode.tf32, warn_only=self.device.type == "cuda"), \
-                self._attention(), self._autocast():
+                self._attention(), self._autocast(), self._float64_ops():
             loss = self._train_step(batch, step)
         grads = [self._group_norm(group, [self._grad_norms.get(id(p)) for p in group])
                  for group in params]
@@ -213,6 +214,13 @@ class UserTrainer:
         if self.execution.backend == OWN_ATTENTION:
             return contextlib.nullcontext()
         return backends.use(self.execution.backend)
+
+    def _float64_ops(self) -> contextlib.AbstractContextManager:
+        # A float64 run goes through kernels that have no float64 (a mixture of experts'
+        # grouped matmul): their float64 fallbacks compute the same products.
+        if self.mode.param_dtype != torch.float64:
+            return contextlib.nullcontext()
+        return Float64Ops()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.mode.autocast_dtype is None:
