@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     judge.add_argument("--check", action="store_true",
                        help="judge the trajectory against the float64 golden and the noise "
                             "band of its dtype (stored for the default recipe in fp32 and "
-                            "bf16, else trained here)")
+                            "bf16, else trained here; --model: any dtype's golden, the band "
+                            "measured here when none is stored for the dtype and device)")
     judge.add_argument("--against", metavar="BACKEND", choices=backends.names(),
                        help="judge against a run of BACKEND in the same dtype, within the "
                             "noise band of that run's rounding-only ensemble")
