@@ -38,7 +38,8 @@ class Islands(TorchDispatchMode):
 
     Guarantees: :attr:`found` maps each narrower dtype's name (``float32``, ``bfloat16``) to
     the modules, in the order they ran, whose own code (not a child's) made such a value; the
-    model and the values computed are untouched.
+    model is untouched, and the values computed too but for a float64 value too large for the
+    narrower dtype, which saturates there (see :func:`_saturated`).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -76,6 +77,8 @@ class Islands(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
+        if func is torch.ops.aten._to_copy.default:
+            args = _saturated(args, (kwargs or {}).get("dtype"))
         out = func(*args, **(kwargs or {}))
         if self._stack:
             # Most operations give float64: what they read is looked at only when not.
@@ -85,6 +88,21 @@ class Islands(TorchDispatchMode):
                 for dtype in sorted(narrower):
                     self._found.setdefault(dtype, {})[self._stack[-1]] = None
         return out
+
+
+def _saturated(args: tuple[Any, ...], dtype: torch.dtype | None) -> tuple[Any, ...]:
+    """A float64 value cast narrower saturates at the narrower dtype's largest finite value.
+
+    A model's masks hold its own dtype's lowest value; run in float64 they hold float64's,
+    which a float32 softmax (eager attention's) would read as -inf, a row of them as NaN. In
+    the model's own dtype they are finite: so they stay here.
+    """
+    source = args[0]
+    if (dtype is None or not dtype.is_floating_point or source.dtype != torch.float64
+            or torch.finfo(dtype).max >= torch.finfo(torch.float64).max):
+        return args
+    bound = torch.finfo(dtype).max
+    return (source.clamp(-bound, bound).where(source.isfinite(), source), *args[1:])
 
 
 def _tensors(tree: PyTree) -> list[torch.Tensor]:
