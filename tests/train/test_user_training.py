@@ -204,6 +204,25 @@ def test_diagnose_names_a_change_of_the_optimizers_groups_as_the_cause(
     assert f"diagnosis: step {step} parts in the optimizer" in printed and cause in printed
 
 
+def test_a_module_table_that_passes_is_not_printed_under_a_run_that_fails(
+        goldens_20, monkeypatch, tmp_path, capsys):
+    """The loss normalised per micro-batch parts at the forward stage; without --base the
+    table compares the code with itself (manual attention against SDPA's math kernel) and no
+    module parts: a "Verdict: pass" under exit 1 would contradict it, so one line says the
+    model's call agrees and the table stays in the JSON."""
+    monkeypatch.setenv("USER_LM_VARIANT", "per_micro_batch")
+    out = tmp_path / "verdict.json"
+    assert train_cli("--steps", "3", "--check", "--diagnose", "--backend", "sdpa-math",
+                     "--golden-dir", str(goldens_20), "--json", str(out)) == 1
+    diagnosis = json.loads(out.read_text())["diagnosis"]
+    assert diagnosis["stage"] == "forward"
+    assert diagnosis["modules"]["first_divergence"] is None
+    printed = capsys.readouterr().out.replace("\n  ", " ")
+    assert "Verdict: pass" not in printed
+    step = diagnosis["step"]
+    assert f"A's and B's call of the model at step {step} agree module by module" in printed
+
+
 def test_diagnose_of_a_refactor_within_the_band_has_nothing_to_diagnose(goldens_20, monkeypatch,
                                                                         tmp_path, capsys):
     monkeypatch.setenv("USER_LM_VARIANT", "fused")
