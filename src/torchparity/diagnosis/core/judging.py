@@ -50,27 +50,26 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
     ``islands``)."""
     candidate = as_a_names(candidate, golden or baseline)
     broken = _broken_goldens(golden, baseline, padding)
-    coarser = _coarser_than(candidate, islands)
+    island_dtype = _island_dtype(candidate, islands)
     if broken:
         result = _judged_against_a(candidate, golden, baseline, kind, padding, broken,
-                                   precision or coarser, coarser)
+                                   precision or island_dtype, island_dtype)
     else:
-        result = _judge(candidate, golden, baseline, kind, padding, coarser, noise=noise,
-                        islands=coarser)
+        result = _judge(candidate, golden, baseline, kind, padding, island_dtype, noise=noise,
+                        islands=island_dtype)
     return nothing_compared(result) or result
 
 
-def _coarser_than(candidate: dict[str, torch.Tensor], islands: str | None
+def _island_dtype(candidate: dict[str, torch.Tensor], islands: str | None
                   ) -> torch.dtype | None:
-    """``islands`` as the dtype to judge in where it is coarser than every floating tensor of
-    ``candidate`` (float64 runs through float32 islands err as a float32 computation)."""
+    """``islands`` as the dtype to judge a float64 ``candidate`` in (float64 runs through
+    float32 islands err as a float32 computation); None for a candidate in another dtype,
+    whose baseline measures what its islands add."""
     if islands is None:
         return None
-    dtype = getattr(torch, islands)
-    dtypes = [t.dtype for t in candidate.values()
-              if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    coarser = dtypes and all(torch.finfo(dtype).eps > torch.finfo(d).eps for d in dtypes)
-    return dtype if coarser else None
+    dtypes = {t.dtype for t in candidate.values()
+              if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return getattr(torch, islands) if dtypes == {torch.float64} else None
 
 
 def as_a_names(candidate: dict[str, torch.Tensor], a_tensors: dict[str, torch.Tensor]

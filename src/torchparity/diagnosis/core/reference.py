@@ -84,10 +84,11 @@ class Reference:
     signatures: dict[str, Signature | None] = field(default_factory=dict)  # A's forwards
     #: Modules that change their own state across calls: name -> (clock, state before a call).
     states: dict[str, list[tuple[int, OwnState]]] = field(default_factory=dict)
-    #: Watches of float64 runs (A's golden, A and B in float64 mode, B's float64 copy; a
-    #: trace's as recorded): where a model computes in a narrower dtype whatever its own (see
-    #: :meth:`islands_of`).
+    #: Watches of A's float64 runs (its golden, A in float64 mode; a trace's as recorded) and
+    #: of B's (B in float64 mode, B's float64 copy): where each computes in a narrower dtype
+    #: whatever its own (see :meth:`islands_of`).
     islands: list[Islands | FoundIslands] = field(default_factory=list)
+    b_islands: list[Islands] = field(default_factory=list)
 
     def ensure_replayed(self, call: ModuleCall) -> None:
         """The local golden (and local gradients) of ``call`` are in the store after this."""
@@ -114,22 +115,31 @@ class Reference:
     def tensors(self, calls: tuple[ModuleCall, ...], group: str) -> dict[str, torch.Tensor]:
         return joined([self.store.get(c.key, group) for c in calls])
 
-    def found_islands(self) -> dict[str, list[str]]:
-        """Each narrower dtype's name -> the modules the watched runs computed in it."""
+    def found_islands(self, side: str = "A") -> dict[str, list[str]]:
+        """Each narrower dtype's name -> the modules ``side``'s watched float64 runs ("A",
+        "B" or "AB" for both) computed in it."""
+        watches = [*(self.islands if "A" in side else []),
+                   *(self.b_islands if "B" in side else [])]
         found: dict[str, dict[str, None]] = {}
-        for watch in self.islands:
+        for watch in watches:
             for dtype, modules in watch.found.items():
                 found.setdefault(dtype, {}).update(dict.fromkeys(modules))
         return {dtype: list(modules) for dtype, modules in found.items()}
 
     def islands_of(self, module: str | None = None) -> str | None:
-        """The narrowest dtype a watched float64 run computed in inside ``module`` (itself or a
-        submodule, on either side), or anywhere with None: a float64 tensor carries the
-        rounding of every island it was computed through, an island's own output that of its
-        dtype."""
-        return narrowest({dtype: [m for m in modules if module is None or module == "" or
-                                  m == module or m.startswith(module + ".")]
-                          for dtype, modules in self.found_islands().items()})
+        """The narrowest dtype one side's float64 run computed in and the other's did not,
+        inside ``module`` (itself or a submodule), or anywhere with None: there the sides part
+        by that dtype's rounding (eager's float32 softmax against sdpa's float64 kernel), and a
+        float64 tensor carries the rounding of every such island it was computed through. An
+        island both sides compute alike rounds alike on the same inputs: no allowance."""
+        def inside(side: str) -> dict[str, set[str]]:
+            return {dtype: {m for m in modules if module is None or module == "" or
+                            m == module or m.startswith(module + ".")}
+                    for dtype, modules in self.found_islands(side).items()}
+
+        a, b = inside("A"), inside("B")
+        return narrowest({dtype: a.get(dtype, set()) ^ b.get(dtype, set())
+                          for dtype in {*a, *b}})
 
     def judge(self, calls: tuple[ModuleCall, ...], candidate: dict[str, torch.Tensor],
               baseline_group: str, golden_group: str, kind: str, *, quick: bool = False

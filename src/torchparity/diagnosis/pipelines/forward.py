@@ -450,8 +450,8 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
     if reference.padding:
         notes.append(f"{reference.padding.summary()}: left out of every judgement and of the "
                      "default loss")
-    if reference.mode.startswith("float64") and reference.found_islands():
-        notes.append(islands_note(reference.found_islands()))
+    if reference.mode.startswith("float64") and reference.found_islands("AB"):
+        notes.append(islands_note(reference.found_islands("A"), reference.found_islands("B")))
     below_noise = None
     if opts.compile_b is None and propagated.output.verdict != "identical" and all(
             r.local is None or r.local.ok for r in propagated.rows):
@@ -501,13 +501,15 @@ def _with_ops(reference: Reference, matches: list[Match],
     return dataclasses.replace(reference, store=other.store)
 
 
-def islands_note(islands: dict[str, list[str]]) -> str:
-    """What the float64 runs computed in a narrower dtype, and how it is judged there."""
-    where = "; ".join(f"{dtype} at {', '.join(summary(modules))}"
-                      for dtype, modules in islands.items())
-    return (f"islands: the models compute in a narrower dtype whatever their own ({where}): "
-            "a module with one inside is judged locally with that dtype's budget, and every "
-            "propagated error too")
+def islands_note(a: dict[str, list[str]], b: dict[str, list[str]]) -> str:
+    """What A's and B's float64 runs computed in a narrower dtype, and how it is judged."""
+    def where(islands: dict[str, list[str]]) -> str:
+        return "; ".join(f"{dtype} at {', '.join(summary(modules))}"
+                         for dtype, modules in islands.items()) or "nowhere"
+
+    return (f"islands: parts computed in a narrower dtype whatever the model's own (A: "
+            f"{where(a)}; B: {where(b)}); where one side has one the other lacks, that dtype's "
+            "budget judges the module holding it and every propagated error")
 
 
 def _share(result: Any) -> str:

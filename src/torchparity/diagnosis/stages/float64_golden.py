@@ -163,7 +163,7 @@ def _in_float64(side: Side, copy: nn.Module) -> Side:
 def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,
                       opts: Options) -> Result | None:
     """B's float64 output against A's float64 golden under float64 rounding, and that of the
-    narrower dtype either float64 run computes in where it does (its islands): whether B
+    narrower dtype one float64 run computes in where the other does not (its islands): whether B
     computes other math than A even where no module leaves the noise of A's own dtype. None
     when there is no golden or B cannot run in float64."""
     if not reference.has_golden:
@@ -177,7 +177,7 @@ def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,
     except Exception:  # noqa: BLE001 - no float64 run of B: nothing to tell
         return None
     # What either float64 run computes in a narrower dtype rounds as that dtype does.
-    reference.islands.append(islands)
+    reference.b_islands.append(islands)
     return judge_departure(flatten_tensors(output), golden, a_output,
                            module_padding(reference.padding, ""), reference.islands_of())
 

@@ -110,7 +110,7 @@ def _run(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
     states = StateRecorder(model, snapshots=False)
     with in_float64_islands(model) as islands:
         if islands is not None:  # B's own, judged as they are found
-            reference.islands.append(islands)
+            reference.b_islands.append(islands)
         run = run_model(model, inputs, opts, opts.backend_b, backward=opts.backward,
                         what="outputs", keep=False, live=True, on_call=tracker.on_call,
                         on_grad=tracker.on_grad, states=states)
