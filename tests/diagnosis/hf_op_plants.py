@@ -1,8 +1,9 @@
 """Changes planted inside tiny ``transformers`` Llama code, each line marked ``# planted``:
 attention functions registered beside eager's (its scores scaled once more; its scores
 soft-capped, as Gemma 2's eager attention does and its sdpa attention of older releases did
-not), and an MLP whose activation changed; and entries of a tiny random Llama with eager and with sdpa
-attention (``llama_eager``, ``llama_sdpa``), the same weights, a left-padded batch."""
+not), and an MLP whose activation changed; and entries of a tiny random Llama with eager and
+with sdpa attention (``llama_eager``, ``llama_sdpa``), the same weights, a left-padded batch,
+and with its scores soft-capped or not (``llama_softcapped``, ``llama_uncapped``)."""
 
 from __future__ import annotations
 

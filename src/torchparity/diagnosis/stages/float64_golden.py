@@ -53,8 +53,8 @@ from torchparity.diagnosis.core.run import (
 from torchparity.diagnosis.core.state import replaying, states_within
 from torchparity.diagnosis.core.trace import FINAL, ReplayUnavailable, Store
 from torchparity.subject.blockwise import Float64Run
-from torchparity.subject.islands import Islands
 from torchparity.subject.factory import first_line
+from torchparity.subject.islands import Islands
 from torchparity.subject.running import Inputs, call_model, seeded, upcast
 from torchparity.subject.trees import flatten_tensors
 
