@@ -236,6 +236,8 @@ def _shrunk(fields: Mapping[str, Any]) -> dict[str, Any]:
             small[key] = _TOKENS[key]
         elif isinstance(value, Mapping) and "model_type" in value:
             small[key] = _shrunk(value)
+    if "is_decoder" in fields and "model_type" in fields:
+        small["is_decoder"] = True  # BERT-style families as the causal LMs they are used as
     layers = small.get("num_hidden_layers", small.get("num_layers"))
     for key in ("layer_types", "layers_block_type", "block_types"):
         if isinstance(fields.get(key), list) and layers:
