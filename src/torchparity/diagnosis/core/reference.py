@@ -127,19 +127,14 @@ class Reference:
         return {dtype: list(modules) for dtype, modules in found.items()}
 
     def islands_of(self, module: str | None = None) -> str | None:
-        """The narrowest dtype one side's float64 run computed in and the other's did not,
-        inside ``module`` (itself or a submodule), or anywhere with None: there the sides part
-        by that dtype's rounding (eager's float32 softmax against sdpa's float64 kernel), and a
-        float64 tensor carries the rounding of every such island it was computed through. An
-        island both sides compute alike rounds alike on the same inputs: no allowance."""
-        def inside(side: str) -> dict[str, set[str]]:
-            return {dtype: {m for m in modules if module is None or module == "" or
-                            m == module or m.startswith(module + ".")}
-                    for dtype, modules in self.found_islands(side).items()}
-
-        a, b = inside("A"), inside("B")
-        return narrowest({dtype: a.get(dtype, set()) ^ b.get(dtype, set())
-                          for dtype in {*a, *b}})
+        """The narrowest dtype a watched float64 run (either side's) computed in inside
+        ``module`` (itself or a submodule), or anywhere with None: an island rounds what it is
+        fed to its dtype, so values that part by float64 rounding on its way in (eager's and
+        sdpa's sums) part by its dtype's on the way out, and a float64 tensor carries the
+        rounding of every island it was computed through."""
+        return narrowest({dtype: [m for m in modules if module is None or module == "" or
+                                  m == module or m.startswith(module + ".")]
+                          for dtype, modules in self.found_islands("AB").items()})
 
     def judge(self, calls: tuple[ModuleCall, ...], candidate: dict[str, torch.Tensor],
               baseline_group: str, golden_group: str, kind: str, *, quick: bool = False

@@ -508,8 +508,8 @@ def islands_note(a: dict[str, list[str]], b: dict[str, list[str]]) -> str:
                          for dtype, modules in islands.items()) or "nowhere"
 
     return (f"islands: parts computed in a narrower dtype whatever the model's own (A: "
-            f"{where(a)}; B: {where(b)}); where one side has one the other lacks, that dtype's "
-            "budget judges the module holding it and every propagated error")
+            f"{where(a)}; B: {where(b)}): that dtype's budget judges a module holding one, "
+            "and every propagated error")
 
 
 def _share(result: Any) -> str:
