@@ -130,20 +130,26 @@ def oracle(family: str) -> dict:
     return found
 
 
-def _module_outputs(model, inputs) -> list[tuple[str, object]]:
-    """Each module's first floating output, in the order the modules finish."""
+def _module_outputs(model, inputs) -> list[tuple[str, object, object]]:
+    """Each module's first floating input and output, in the order the modules finish."""
     import torch
 
-    seen: list[tuple[str, object]] = []
+    seen: list[tuple[str, object, object]] = []
+
+    def first(value):
+        value = value[0] if isinstance(value, tuple | list) and value else value
+        ok = isinstance(value, torch.Tensor) and value.is_floating_point()
+        return value.detach().clone() if ok else None
 
     def keep(name):
-        def hook(module, args, output):
-            first = output[0] if isinstance(output, tuple | list) and output else output
-            if isinstance(first, torch.Tensor) and first.is_floating_point():
-                seen.append((name, first.detach().clone()))
+        def hook(module, args, kwargs, output):
+            taken = first(args) if args else first(kwargs.get("hidden_states"))
+            if (out := first(output)) is not None:
+                seen.append((name, taken, out))
         return hook
 
-    handles = [m.register_forward_hook(keep(n)) for n, m in model.named_modules() if n]
+    handles = [m.register_forward_hook(keep(n), with_kwargs=True)
+               for n, m in model.named_modules() if n]
     with torch.no_grad():
         model(**inputs)
     for handle in handles:
@@ -152,24 +158,28 @@ def _module_outputs(model, inputs) -> list[tuple[str, object]]:
 
 
 def _first_difference(a, b) -> dict:
-    """The first module whose outputs differ beyond :data:`REAL_DIFFERENCE`."""
-    import torch
-
+    """The first module whose output differs beyond :data:`REAL_DIFFERENCE` while its input
+    agrees: where the difference enters."""
     worst = 0.0
-    b_by_name = dict(b)
-    for name, x in a:
-        y = b_by_name.get(name)
-        if y is None or y.shape != x.shape:
-            continue
-        finite = torch.isfinite(x) & torch.isfinite(y)
-        scale = x[finite].abs().max().item() if finite.any() else 0.0
-        if not scale:
-            continue
-        difference = (x[finite] - y[finite]).abs().max().item() / scale
+    b_by_name = {name: (x, y) for name, x, y in b}
+    for name, into, out in a:
+        other_into, other_out = b_by_name.get(name, (None, None))
+        difference = _relative(out, other_out)
         worst = max(worst, difference)
-        if difference > REAL_DIFFERENCE:
+        if difference > REAL_DIFFERENCE and _relative(into, other_into) <= REAL_DIFFERENCE:
             return {"same": False, "first": name, "difference": difference}
     return {"same": True, "difference": worst}
+
+
+def _relative(x, y) -> float:
+    """The largest difference of two tensors' finite elements, over the first one's scale."""
+    import torch
+
+    if x is None or y is None or x.shape != y.shape:
+        return 0.0
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    scale = x[finite].abs().max().item() if finite.any() else 0.0
+    return (x[finite] - y[finite]).abs().max().item() / scale if scale else 0.0
 
 
 def _attention_module(model) -> str | None:

@@ -57,7 +57,7 @@ _SIZES: dict[str, int] = {
                      "seq_length"), 64),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts",
                      "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_top_k"), 2),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "moe_top_k"), 2),
     **dict.fromkeys(("n_shared_experts", "num_shared_experts", "moe_num_shared_experts"), 1),
     **dict.fromkeys(("n_group", "topk_group"), 1),
     "first_k_dense_replace": 1,
