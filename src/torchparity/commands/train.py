@@ -3,7 +3,6 @@
     torchparity train --case llama-tiny --steps 20 --backend sdpa --dtype bf16 --check
     torchparity train --case encdec-prenorm --backend sdpa-math --against manual
     torchparity train --case llama-tiny --nproc 2 --check          # DDP under torchrun
-    torchparity train --case mqa --parallel tp --nproc 2           # tensor parallel
     torchparity train --case llama-tiny --parallel fsdp+tp --nproc 4   # FSDP2 x TP, 2-D mesh
 
 A run is judged within a noise band, as a user's model's: ``--check`` against the float64
