@@ -75,7 +75,10 @@ def decay_parameter_names(model: nn.Module) -> set[str]:
     whose name says bias or norm."""
     from transformers.trainer_pt_utils import get_parameter_names
 
-    return set(get_parameter_names(model, [nn.LayerNorm], list(NO_DECAY_NAMES)))
+    try:
+        return set(get_parameter_names(model, [nn.LayerNorm], list(NO_DECAY_NAMES)))
+    except TypeError:  # 4.x, whose Trainer leaves out the biases only
+        return {n for n in get_parameter_names(model, [nn.LayerNorm]) if "bias" not in n}
 
 
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
