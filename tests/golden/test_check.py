@@ -211,7 +211,8 @@ def test_worker_processes_give_the_same_verdicts(tmp_path):
     (["--dtype", "fp8"], "unknown dtype 'fp8'"),
     (["--device", "tpu"], "unknown device 'tpu'"),
     (["--jobs", "0"], "--jobs must be at least 1"),
-    (["--json", "/nonexistent/folder/report.json"], "its folder does not exist"),
+    (["--json", "/nonexistent/folder/report.json"],
+     "its folder /nonexistent/folder does not exist; create it"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(capsys, argv, message):
     assert main(["check", "--golden-dir", str(SHIPPED), *argv]) == 2

@@ -75,7 +75,12 @@ def test_the_built_in_search_reorders_these_caches_as_generate_does(family: str)
 def test_a_model_returning_no_cache_is_decoded_by_full_recomputation_saying_so(
         capsys, monkeypatch) -> None:
     monkeypatch.setattr(decoding, "_said", set())  # what an earlier test said is said again
-    model, inputs = _tiny("roberta")  # built as transformers builds it: no decoder, no cache
+    model, inputs = _tiny("roberta")
+    # As transformers builds it by default: no decoder, so no cache.
+    model.config.is_decoder = False
+    for module in model.modules():
+        if hasattr(module, "is_decoder"):
+            module.is_decoder = False
     with torch.no_grad():
         decoded = teacher_forced(builtin_step(model), model, inputs, STEPS)
         whole = torch.cat((inputs["input_ids"], decoded.tokens), 1)

@@ -68,8 +68,8 @@ def test_the_norms_moved_into_the_decay_group_are_named(golden, monkeypatch, tmp
 def test_the_no_decay_list_is_the_trainers(family):
     from transformers import Trainer
 
-    from torchparity.subject.hf_families import build
+    from torchparity.subject.hf_families import tiny_model
     from torchparity.train.causal_lm import decay_parameter_names
 
-    model = build(family)
+    model = tiny_model(family)
     assert decay_parameter_names(model) == set(Trainer.get_decay_parameter_names(None, model))
