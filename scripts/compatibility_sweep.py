@@ -111,8 +111,9 @@ def oracle(family: str) -> dict:
     # The unpadded prompt: eager attention's float64 mask overflows in its float32 softmax
     # on a padded row, and the oracle is the library's code as it is.
     inputs = {"input_ids": hf_families.prompts(model.config)["input_ids"][:1]}
+    ran = {name for name, _, _ in _module_outputs(model, inputs)}  # a cross-attention may not
     found = {"builds": True, "attention": model.config._attn_implementation,
-             "generates": bool(model.can_generate()), "scaled": _attention_module(model),
+             "generates": bool(model.can_generate()), "scaled": _attention_module(model, ran),
              "dropped": _norm_module(model)}
     outputs = {}
     for implementation in ("eager", "sdpa"):
@@ -182,10 +183,10 @@ def _relative(x, y) -> float:
     return (x[finite] - y[finite]).abs().max().item() / scale if scale else 0.0
 
 
-def _attention_module(model) -> str | None:
-    """The attention module of the last layer (the one of the last attention layer)."""
+def _attention_module(model, ran: set[str]) -> str | None:
+    """The last attention module that runs (the one of the last attention layer)."""
     names = [n for n, m in model.named_modules()
-             if "attention" in type(m).__name__.lower() and "." in n]
+             if "attention" in type(m).__name__.lower() and "." in n and n in ran]
     outer = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
     return outer[-1] if outer else None
 
