@@ -46,13 +46,15 @@ def _built():
 
 
 def scaled():
-    """The output of {scaled!r} scaled by 1 %."""
+    """The first half of {scaled!r}'s output features scaled by 1 % (the whole scaled, a
+    norm after it, as Gemma 2's, would undo)."""
     model, modules = _built()
 
     def scale(module, args, output):
-        if isinstance(output, tuple):
-            return (output[0] * 1.01, *output[1:])
-        return output * 1.01
+        first = output[0] if isinstance(output, tuple) else output
+        half = first.shape[-1] // 2
+        first = torch.cat((first[..., :half] * 1.01, first[..., half:]), -1)
+        return (first, *output[1:]) if isinstance(output, tuple) else first
 
     modules[{scaled!r}].register_forward_hook(scale)
     return model, hf_families.prompts(model.config)
@@ -339,7 +341,8 @@ def write_report(results: list[FamilyResult], out: Path, command_line: str) -> N
         "where the two agree in float64, else exit 1 naming the oracle's module |",
         "| decode | the same with `--decode --steps 4` | as diagnose |",
         "| train | `train --model hf:F --steps N --update-golden`, then `--check` | exit 0 |",
-        "| plant-scale | `diagnose hf:F plants.py:scaled` (one attention's output x 1.01) | "
+        "| plant-scale | `diagnose hf:F plants.py:scaled` (half of one attention's output "
+        "x 1.01) | "
         "exit 1 naming that module |",
         "| plant-drop | `diagnose hf:F plants.py:dropped` (one norm's ops dropped) | exit 1 "
         "naming that module |",
