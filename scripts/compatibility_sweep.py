@@ -4,10 +4,10 @@ For each family (a tiny seeded model, ``hf:FAMILY``) the sweep runs, in a proces
 family's own with a time limit: ``golden update`` then ``check`` of the unchanged model;
 ``diagnose`` of its eager against its sdpa implementation, forward and decoding; ``train
 --model`` for a few steps; and two planted bugs that ``diagnose`` must find (half of one
-attention's output scaled by 1 %, one norm's ops dropped). An oracle in plain code says what the answers
-should be: it runs both implementations in float64 with forward hooks and finds the first
-module whose outputs differ beyond rounding. The results are kept in ``WORK/results.jsonl``
-(a rerun resumes) and written as a table to ``docs/compatibility.md``.
+attention's output scaled by 1 %, one norm's ops dropped). An oracle in plain code says what
+the answers should be: it runs both implementations in float64 with forward hooks and finds
+the first module whose outputs differ beyond rounding. The results are kept in
+``WORK/results.jsonl`` (a rerun resumes) and written as a table to ``docs/compatibility.md``.
 
     python scripts/compatibility_sweep.py                      # every family
     python scripts/compatibility_sweep.py --families llama,mamba --jobs 2
