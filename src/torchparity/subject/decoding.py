@@ -430,8 +430,13 @@ def _explicit_causal_lm_step(model: nn.Module, tokens: Any, state: Any
     following = {"cache": out.get(cache_key), "attention_mask": mask}
     if "position_ids" in kwargs:
         following["position_ids"] = kwargs["position_ids"]
-    if state is None and following["cache"] is None:  # the state of a full recompute
-        recomputing(model, "it returns no cache")
+    # A cache of fixed size that its forward made to the prompt's length (4.x's HybridCache
+    # of Gemma 2) has no room for the next token.
+    capacity = getattr(following["cache"], "max_cache_len", None)
+    full = capacity is not None and capacity <= kwargs["input_ids"].shape[1]
+    if state is None and (following["cache"] is None or full):  # the state of a recompute
+        recomputing(model, f"its {type(following['cache']).__name__} holds the prompt only"
+                    if full else "it returns no cache")
         del following["cache"]
         return out.logits, {"recomputed": {**following, "input_ids": kwargs["input_ids"]}}
     return out.logits, following
