@@ -164,14 +164,22 @@ def _first_difference(a, b) -> dict:
     """The first module whose output differs beyond :data:`REAL_DIFFERENCE` while its input
     agrees: where the difference enters."""
     worst = 0.0
-    b_by_name = {name: (x, y) for name, x, y in b}
-    for name, into, out in a:
-        other_into, other_out = b_by_name.get(name, (None, None))
+    b_by_call = {(name, i): (x, y) for i, (name, x, y) in _numbered(b)}
+    for i, (name, into, out) in _numbered(a):  # a module called twice is paired call by call
+        other_into, other_out = b_by_call.get((name, i), (None, None))
         difference = _relative(out, other_out)
         worst = max(worst, difference)
         if difference > REAL_DIFFERENCE and _relative(into, other_into) <= REAL_DIFFERENCE:
             return {"same": False, "first": name, "difference": difference}
     return {"same": True, "difference": worst}
+
+
+def _numbered(calls):
+    """Each call with its number among the calls of its module."""
+    seen: dict[str, int] = {}
+    for name, into, out in calls:
+        seen[name] = seen.get(name, -1) + 1
+        yield seen[name], (name, into, out)
 
 
 def _relative(x, y) -> float:
