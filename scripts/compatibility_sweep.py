@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -322,15 +321,17 @@ def write_report(results: list[FamilyResult], out: Path, command_line: str) -> N
     import torch
     import transformers
 
+    from torchparity.subject import hf_families
+
     built = [r for r in results if r.builds]
     passing = [r for r in built if not r.reason
                and all(o.status != "fail" for o in r.outcomes.values())]
     lines = [
         "# Compatibility with transformers families",
         "",
-        f"Every causal-LM family of transformers {transformers.__version__} (torch "
-        f"{torch.__version__}), as a tiny seeded model (`hf:FAMILY`), through each command. "
-        "Regenerate with:",
+        f"{len(results)} of the {len(hf_families.families())} causal-LM families of "
+        f"transformers {transformers.__version__} (torch {torch.__version__}), each as a tiny "
+        "seeded model (`hf:FAMILY`), through each command. Regenerate with:",
         "",
         "```bash",
         command_line,
@@ -437,7 +438,7 @@ def main() -> None:
     chosen = [done[f] for f in families if f in done]
     command_line = "python scripts/compatibility_sweep.py" + (
         f" --families {args.families}" if args.families else "")
-    write_report(chosen, args.out, textwrap.shorten(command_line, 200))
+    write_report(chosen, args.out, command_line)
     print(f"wrote {args.out}")
 
 
