@@ -102,7 +102,9 @@ class HfEntry:
     @property
     def is_folder(self) -> bool:
         """Whether it names a checkpoint folder rather than a family."""
-        return "/" in self.what or self.what.startswith(".") or Path(self.what).is_dir()
+        # a folder named like a family, in the working directory, is one only with its config
+        return ("/" in self.what or self.what.startswith(".")
+                or (Path(self.what) / "config.json").is_file())
 
 
 def is_hf_entry(spec: object) -> bool:
