@@ -39,8 +39,8 @@ COMPILE_CHOICES = (*MODES, "both")
 
 GOLDEN_DIR_HELP = (f"folder of the golden outputs (default: ${GOLDEN_DIR_ENV}, else golden/ of "
                    "the torchparity source tree around the working directory, else of the "
-                   "source tree torchparity is imported from); `torchparity golden update` "
-                   "creates it")
+                   "source tree torchparity is imported from, else the goldens shipped in "
+                   "the installed package); `torchparity golden update` creates it")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
