@@ -3,9 +3,9 @@
 Each subcommand lives in ``torchparity.commands.<name>`` and provides ``add_arguments(parser)``
 and ``run(args) -> int``; they are imported only when used so ``torchparity --help`` is instant.
 Exit codes: 0 success, 1 a check failed, 2 a usage or file error, 3 an unexpected error (the
-user's own code, such as a model factory, raised, or torchparity itself failed). Errors are one
-line on stderr; for an unexpected one it names the exception and the innermost frame, and
-``--debug`` prints the traceback as well.
+user's own code, such as a model factory, raised, or torchparity itself failed), 130 interrupted
+(Ctrl-C). Errors are one line on stderr; for an unexpected one it names the exception and the
+innermost frame, and ``--debug`` prints the traceback as well.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torchparity.errors import TorchParityError
 
 EXIT_USAGE, EXIT_UNEXPECTED = 2, 3
 EXIT_STATUSES = ("exit status: 0 every check passed, 1 a check failed, 2 a usage or file error, "
-                 "3 an unexpected error (--debug shows its traceback)")
+                 "3 an unexpected error (--debug shows its traceback), 130 interrupted (Ctrl-C)")
 
 COMMANDS = {
     "check": "compare the reference zoo with the shipped goldens on every backend and dtype",
