@@ -50,14 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="your own model instead (repeatable): its goldens are validated "
                              "and recomputed in float64")
     show = actions.add_parser("show", help="print a readable summary of one case's goldens")
-    show.add_argument("case", metavar="CASE")
+    show.add_argument("case", metavar="CASE", help="the zoo case whose goldens to summarise")
     update.add_argument("--nproc", type=int, metavar="N",
                         help="with --model: compute the goldens sharded over N ranks by the "
                              "factory's parallelize plan, in float64 (starts torchrun; inside "
                              "your own torchrun leave it out); they check with any number of "
                              "ranks")
-    for sub in (update, verify, show):
-        sub.add_argument("--golden-dir", metavar="DIR", help=GOLDEN_DIR_HELP)
+    for sub in (update, verify):
+        sub.add_argument("--golden-dir", metavar="DIR",
+                         help=GOLDEN_DIR_HELP + "; for --model: $TORCHPARITY_GOLDEN_DIR, else "
+                                                "golden/ in the working directory")
+    show.add_argument("--golden-dir", metavar="DIR", help=GOLDEN_DIR_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
