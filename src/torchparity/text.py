@@ -8,6 +8,10 @@ tables fold a long name, every character kept.
 from __future__ import annotations
 
 import textwrap
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 #: The width of what torchparity prints where the output has none (a log, a pipe).
 WIDTH = 80
@@ -39,3 +43,21 @@ def wrapped(text: str, width: int = WIDTH) -> str:
         The lines joined by newlines.
     """
     return "\n".join(wrap(text, width))
+
+
+def print_paragraph(console: Console, text: str) -> None:
+    """Print ``text`` wrapped to the console's width as rich wraps it, without the space rich
+    leaves at the end of a wrapped line (a CI log keeps it)."""
+    from rich.text import Text
+
+    for line in Text(text).wrap(console, console.width):
+        line.rstrip()
+        console.print(line, no_wrap=True, overflow="ignore", crop=False)
+
+
+def with_article(word: str) -> str:
+    """``word`` after its indefinite article, as a message names a type: ``an int``,
+    ``a list``, ``a uint8``."""
+    lower = word.lower()
+    sounds_vowel = lower[:1] in "aeio" or (lower.startswith("un") and lower[2:3] != "i")
+    return f"{'an' if sounds_vowel else 'a'} {word}"

@@ -30,6 +30,7 @@ from torchparity.diagnosis.core.results import (
     structure_difference,
     unknown_local,
 )
+from torchparity.text import print_paragraph
 
 __all__ = ["AttributionReport", "DiagnosisReport", "Report", "Unit"]
 
@@ -56,7 +57,7 @@ class Report:
         be made when so, and write its JSON and HTML where asked."""
         warning = golden_warning(getattr(self.meta, "golden", ""))  # "": no golden used
         if warning:
-            console.print(warning, markup=False, highlight=False)
+            print_paragraph(console, warning)
         self.print(console)
         if json_path:
             self.to_json(json_path)
@@ -236,11 +237,11 @@ class DiagnosisReport(Report):
 
         console = console or Console()
         lines = self._lines(fold)
-        console.print(" ".join(self.findings(ops=False)), markup=False, highlight=False)
+        print_paragraph(console, " ".join(self.findings(ops=False)))
         print_lines(console, self.table_lines(console.width, fold=fold))
         shown = {line for line in lines if isinstance(line, int)}
         for line in self._footer(shown if len(shown) < len(self.rows) else None):
-            console.print(line, markup=False, highlight=False)
+            print_paragraph(console, line)
 
     def table_lines(self, width: int, *, fold: bool = True) -> list[tuple[str, str | None]]:
         """The rows as text lines of ``width`` columns, each with its rich style.
@@ -419,7 +420,7 @@ class AttributionReport(Report):
                           _percent(unit.leave_out_share))
         console.print(table)
         for name, reason in self.skipped.items():
-            console.print(f"not attributed: {name}: {reason}", markup=False, highlight=False)
+            print_paragraph(console, f"not attributed: {name}: {reason}")
 
     def __str__(self) -> str:
         return self.render()

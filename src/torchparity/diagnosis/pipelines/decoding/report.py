@@ -32,6 +32,7 @@ from torchparity.diagnosis.reports.html import html_cell, page, settings_details
 from torchparity.diagnosis.reports.diagnosis import Report, not_compared_legend
 from torchparity.diagnosis.reports.meta import DecodeMeta
 from torchparity.diagnosis.core.results import Result, Row, headroom, shape_difference, share_cell
+from torchparity.text import print_paragraph
 
 __all__ = ["BeamSwap", "DecodeReport", "Flip"]
 
@@ -191,7 +192,7 @@ class DecodeReport(Report):
         from rich.console import Console
 
         console = console or Console()
-        say = lambda text: console.print(text, markup=False, highlight=False)  # noqa: E731
+        say = lambda text: print_paragraph(console, text)  # noqa: E731
         say(self.summary())
         if self.flips:
             console.print(self._flips_table())
