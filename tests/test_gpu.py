@@ -39,9 +39,9 @@ from torchparity import backends
 from torchparity.errors import BackendUnavailable
 from torchparity.golden import cases as golden_cases
 from torchparity.golden.store import GoldenStore, default_golden_dir
-from torchparity.golden.trajectories import golden_and_band, golden_config
 from torchparity.pytest_plugin import add_summary_line
 from torchparity.reference import build_model, sequence_loss, zoo
+from torchparity.train.golden_trajectories import golden_and_band, golden_config
 from torchparity.train.trainer import (
     DTYPE_MODES,
     Execution,

@@ -22,9 +22,9 @@ import torch
 
 from torchparity import cli
 from torchparity.errors import TorchParityError
-from torchparity.golden.trajectories import judge_against_run
 from torchparity.reference import zoo
 from torchparity.train.distributed import run_parallel, run_parallel_jobs
+from torchparity.train.golden_trajectories import judge_against_run
 from torchparity.train.parallel import PARALLELISMS, Layout, tensor_parallel_problem
 from torchparity.train.trainer import Execution, TrainConfig, train
 

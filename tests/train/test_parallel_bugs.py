@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from torchparity.golden.trajectories import judge_against_run
 from torchparity.train.distributed import diagnose_parallel_step, run_parallel
+from torchparity.train.golden_trajectories import judge_against_run
 from torchparity.train.trainer import Execution, TrainConfig
 
 FAULTS = str(Path(__file__).with_name("parallel_faults.py"))

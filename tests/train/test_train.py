@@ -19,7 +19,11 @@ from torchparity import backends, cli, tolerance
 from torchparity.diagnosis.pipelines.training_step import diagnose_step
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.store import GoldenMissing, GoldenStale, GoldenStore
-from torchparity.golden.trajectories import (
+from torchparity.pytest_plugin import add_summary_line
+from torchparity.reference import zoo
+from torchparity.train import trainer as train_module
+from torchparity.train.data import BOS, EOS, FIRST_SYMBOL, IGNORE, PAD, SEP, TASKS, Corpus
+from torchparity.train.golden_trajectories import (
     STORED_DTYPES,
     UPDATE_COMMAND,
     check_against_golden,
@@ -30,10 +34,6 @@ from torchparity.golden.trajectories import (
     read_golden_trajectory,
     trajectory_output,
 )
-from torchparity.pytest_plugin import add_summary_line
-from torchparity.reference import zoo
-from torchparity.train import trainer as train_module
-from torchparity.train.data import BOS, EOS, FIRST_SYMBOL, IGNORE, PAD, SEP, TASKS, Corpus
 from torchparity.train.trainer import Execution, TrainConfig, Trajectory, learning_rate, train
 from torchparity.train.trajectory import NoiseBand, compare_trajectories
 

@@ -23,9 +23,9 @@ from torchparity import backends, tolerance
 from torchparity.cli import main
 from torchparity.diagnosis.pipelines import user_training_step as uts
 from torchparity.diagnosis.pipelines.user_training_step.base_side import record_step
-from torchparity.golden import model_trajectories as mt
 from torchparity.pytest_plugin import gpu_device
 from torchparity.subject.model import Subject
+from torchparity.train import model_trajectories as mt
 from torchparity.train.ensemble import members_count
 from torchparity.train.trainer import OWN_ATTENTION, Execution
 from torchparity.train.user_model import UserRecipe

@@ -41,9 +41,9 @@ from torchparity.calibration.training_models import (
     UserLM,
 )
 from torchparity.errors import UsageError, UserCodeError
-from torchparity.golden import model_trajectories as mt
 from torchparity.subject.model import Subject
 from torchparity.threads import single_thread
+from torchparity.train import model_trajectories as mt
 from torchparity.train.trainer import OWN_ATTENTION, Execution, Trajectory
 from torchparity.train.trajectory import NoiseBand, compare_trajectories
 from torchparity.train.user_model import UserRecipe, UserTrainer

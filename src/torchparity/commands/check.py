@@ -33,6 +33,7 @@ from torchparity.golden.store import GOLDEN_DIR_ENV
 from torchparity.revisions import base_goldens
 from torchparity.subject import Subject
 from torchparity.subject.compiling import MODES
+from torchparity.train.check_feed import trajectory_feeds
 
 #: What ``--compile`` takes: one compile form, or both.
 COMPILE_CHOICES = (*MODES, "both")
@@ -122,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
         request = CheckRequest(
             cases=args.case, models=subjects, backend=args.backend, dtype=args.dtype,
             device=args.device, compile_forms=compile_forms(args.compile),
-            golden_dir=args.golden_dir, model_root=base_root, jobs=args.jobs, train=args.train,
-            json=args.json, html=args.html, name_map=name_rules(args.name_map))
+            golden_dir=args.golden_dir, model_root=base_root, jobs=args.jobs,
+            train=trajectory_feeds if args.train else None, json=args.json, html=args.html,
+            name_map=name_rules(args.name_map))
         report = check_goldens(request, _progress())
         elapsed = time.perf_counter() - started
 

@@ -6,7 +6,7 @@
     torchparity train --case llama-tiny --parallel fsdp+tp --nproc 4   # FSDP2 x TP, 2-D mesh
 
 A run is judged within a noise band, as a user's model's: ``--check`` against the float64
-golden (:mod:`torchparity.golden.trajectories`), ``--against`` and ``--nproc`` > 1 against
+golden (:mod:`torchparity.train.golden_trajectories`), ``--against`` and ``--nproc`` > 1 against
 BACKEND's or one process's run. ``--model ENTRY``: :mod:`torchparity.commands.train_model`.
 
 Exit status: 0 when the run (and any check) passed, 1 when the trajectory diverged, 2 on bad
@@ -24,13 +24,13 @@ from torchparity import backends
 from torchparity.commands.common import add_base_arguments, base_side, dtype_name, resolve_device
 from torchparity.commands.train_model import train_model
 from torchparity.errors import UsageError
-from torchparity.golden.judged_training import (
+from torchparity.reference import zoo
+from torchparity.train.golden_trajectories import is_stored
+from torchparity.train.judged_case import (
     TrainPlan,
     train_and_judge,
     update_golden_trajectories,
 )
-from torchparity.golden.trajectories import is_stored
-from torchparity.reference import zoo
 from torchparity.train.parallel import PARALLELISMS
 from torchparity.train.trainer import DTYPE_MODES, NORMALIZATIONS, Execution, TrainConfig
 

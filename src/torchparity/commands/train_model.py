@@ -21,12 +21,12 @@ from rich.console import Console
 from torchparity.commands.common import base_side, resolve_device
 from torchparity.distributed.group import under_torchrun
 from torchparity.errors import UsageError
-from torchparity.golden.judged_model_training import (
+from torchparity.revisions.base import BaseSide
+from torchparity.train.judged_model import (
     ModelPlan,
     judge_model_training,
     update_model_golden,
 )
-from torchparity.revisions.base import BaseSide
 from torchparity.train.sharded_training import judge_sharded_training, start_ranks
 from torchparity.train.trainer import OWN_ATTENTION, Execution, TrainConfig
 

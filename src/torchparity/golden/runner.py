@@ -20,7 +20,7 @@ import torch
 from torchparity import backends
 from torchparity.collector import freeze_for_good
 from torchparity.errors import UsageError
-from torchparity.golden import sharded
+from torchparity.golden import check_loop, sharded
 from torchparity.golden.cases import OUTPUT_KINDS, check_case, load_case
 from torchparity.golden.cell_selection import select_cases, select_cells
 from torchparity.golden.cells import REFERENCE, Cell, CheckResult
@@ -96,6 +96,11 @@ class CheckReport:
             write_html(Path(html), self.page(elapsed))
 
 
+#: ``check --train``'s golden trajectories, given by the training wing: the cases' store read
+#: (every golden validated before any cell runs) to each case's feed of the loop.
+TrajectoryFeeds = Callable[[GoldenStore, list[str]], Callable[[str], check_loop.Feed]]
+
+
 @dataclass(frozen=True)
 class CheckRequest:
     """What one check is asked: the zoo ``cases`` (all when None; none when only ``models``
@@ -105,9 +110,9 @@ class CheckRequest:
     The zoo's goldens come from ``golden_dir`` (default: :func:`default_golden_dir`), the
     models' from ``model_root`` when given (goldens made here, from a base revision), else
     ``golden_dir`` or :func:`user_golden_dir`. ``jobs``: processes for the zoo's cells;
-    ``train``: each case's golden training trajectory too; ``json`` and ``html``: where the
-    report goes (their folders must exist); ``name_map`` maps the models' goldens' module
-    names to theirs (renamed weights).
+    ``train``: each case's golden training trajectory too, by its feeds; ``json`` and
+    ``html``: where the report goes (their folders must exist); ``name_map`` maps the models'
+    goldens' module names to theirs (renamed weights).
     """
 
     cases: list[str] | None
@@ -119,7 +124,7 @@ class CheckRequest:
     golden_dir: str | None = None
     model_root: Path | None = None
     jobs: int | None = None
-    train: bool = False
+    train: TrajectoryFeeds | None = None
     json: str | None = None
     html: str | None = None
     name_map: NameMap | None = None
@@ -167,12 +172,12 @@ def check_goldens(request: CheckRequest, progress: Progress) -> CheckReport:
                 for subject in models}
     # The base's goldens are made here and now, by a torchparity that may not record machines.
     machines = Machines.of(goldens, cells, made_here=made_here)
-    trajectories = _trajectory_store(store, chosen) if request.train else None
+    feeds = request.train(store, [case.name for case in chosen]) if request.train else None
     with progress:
         results = execute(store, chosen, cells, jobs, progress) if chosen else []
         results += check_user_models(models, model_root, cells, progress, name_map)
-        if trajectories is not None:
-            results += train_results(trajectories, chosen, cells, progress)
+        if feeds is not None:
+            results += train_results(feeds, chosen, cells, progress)
     return CheckReport(results, cells, chosen, machines, store.root, model_root)
 
 
@@ -182,12 +187,6 @@ def _jobs(jobs: int | None) -> int:
     if jobs < 1:
         raise UsageError(f"--jobs must be at least 1, got {jobs}")
     return jobs
-
-
-def _trajectory_store(store: GoldenStore, cases: list[zoo.ZooCase]) -> GoldenStore:
-    from torchparity.golden.training import load_trajectories
-
-    return load_trajectories(store, [case.name for case in cases])
 
 
 def execute(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell], jobs: int,
@@ -320,27 +319,15 @@ def check_user_models(subjects: list[Subject], root: Path, cells: list[Cell],
     return results
 
 
-def train_results(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell],
-                  progress: Progress) -> list[CheckResult]:
-    """The ``trajectory`` rows of ``check --train`` (see :mod:`torchparity.golden.training`).
-
-    Args:
-        store: the trajectories' goldens.
-        cases: the zoo cases trained.
-        cells: the cells; those that train are judged.
-        progress: advanced as each cell finishes.
-
-    Returns:
-        One row per case and training cell.
-    """
-    from torchparity.golden.training import check_trajectories
-
+def train_results(feeds: Callable[[str], check_loop.Feed], cases: list[zoo.ZooCase],
+                  cells: list[Cell], progress: Progress) -> list[CheckResult]:
+    """The ``trajectory`` rows of ``check --train``: each case's feed in every cell that trains."""
     trained = [cell for cell in cells if cell != REFERENCE and not cell.compile]
     task = progress.add_task("training", total=len(cases) * len(trained))
     with single_thread():
-        return check_trajectories(store, [case.name for case in cases], trained,
-                                  lambda label: progress.update(task, advance=1,
-                                                                description=label))
+        return [result for case in cases for result in check_loop.check_cells(
+            feeds(case.name), trained, lambda label, name=case.name: progress.update(
+                task, advance=1, description=f"{name} {label} trajectory"))]
 
 
 # --- golden update and verify ---------------------------------------------------------------

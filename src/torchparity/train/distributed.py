@@ -38,6 +38,7 @@ from torchparity.train.step_capture import (
 )
 from torchparity.train.trainer import Execution, TrainConfig, Trainer, Trajectory
 
+
 def run_parallel(config: TrainConfig, execution: Execution | None = None, *,
                  parallelism: str = "ddp", nproc: int = 2, timeout: float = 300.0,
                  log: Callable[[str], None] | None = None, log_every: int = 0,

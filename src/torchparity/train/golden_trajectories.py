@@ -4,7 +4,7 @@ float64, stored per dtype with the noise band of its rounding-only ensemble
 judged against them by :func:`~torchparity.train.trajectory.compare_trajectories`.
 
 A golden holds a float64 series per quantity, ``lr``, and ``band.<quantity>``, the ensemble's
-spread per step. A user's model's are written by :mod:`torchparity.golden.model_trajectories`;
+spread per step. A user's model's are written by :mod:`torchparity.train.model_trajectories`;
 a zoo case's here: its golden recipe (:func:`golden_config`) in fp32 and bf16 on the CPU
 (:data:`STORED_DTYPES`), read back only while recipe, model, weights and corpus are unchanged.
 Another recipe, or a dtype with no stored band, has its float64 golden and band trained on

@@ -1,9 +1,9 @@
 """A zoo case trained and its trajectory judged, what ``torchparity train`` does.
 
-Every verdict is a user's model's (:mod:`torchparity.golden.judged_model_training`): a run
+Every verdict is a user's model's (:mod:`torchparity.train.judged_model`): a run
 against a reference trajectory within the noise band of a rounding-only ensemble. One process:
 the run is judged against the float64 golden trajectory and the band of its dtype (``check``,
-:mod:`torchparity.golden.trajectories`) or against the same recipe under another backend and
+:mod:`torchparity.train.golden_trajectories`) or against the same recipe under another backend and
 that run's band (``against``), and with ``diagnose`` the first step that parts is diagnosed
 module by module (:mod:`torchparity.diagnosis.pipelines.training_step`). Several processes under
 ``torchrun``: the run is judged against one process and its band, and the first step that
@@ -23,8 +23,8 @@ from torchparity import backends
 from torchparity.diagnosis.pipelines.training_step import diagnose_step
 from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.errors import UsageError
-from torchparity.golden.judged_model_training import steps_bar
-from torchparity.golden.trajectories import (
+from torchparity.text import wrapped
+from torchparity.train.golden_trajectories import (
     GOLDEN_STEPS,
     STORED_DTYPES,
     check_against_golden,
@@ -33,7 +33,7 @@ from torchparity.golden.trajectories import (
     runs_per_golden,
     write_golden_trajectory,
 )
-from torchparity.text import wrapped
+from torchparity.train.judged_model import steps_bar
 from torchparity.train.trainer import Execution, TrainConfig, Trainer, Trajectory
 from torchparity.train.trajectory import TrajectoryComparison
 
@@ -59,8 +59,7 @@ class TrainPlan:
 
 def update_golden_trajectories(cases: list[str], golden_dir: str | None,
                                console: Console) -> None:
-    """Train each case's golden recipe in float64 and its noise ensembles in
-    :data:`~torchparity.golden.trajectories.STORED_DTYPES`, and store them in ``golden_dir``."""
+    """Train and store each case's float64 golden and its noise bands in ``golden_dir``."""
     store = golden_store(golden_dir)
     runs = runs_per_golden()
     for case in cases:

@@ -1,6 +1,6 @@
 """A user's model trained and its trajectory judged, what ``torchparity train --model`` does:
 ``--update-golden`` stores the float64 trajectory and the noise band, ``--check`` trains once
-and judges the run against them (:mod:`torchparity.golden.model_trajectories`).
+and judges the run against them (:mod:`torchparity.train.model_trajectories`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from torchparity.diagnosis.pipelines.user_training_step import (
     group_causes,
     step_stage,
 )
-from torchparity.golden import model_trajectories as mt
 from torchparity.subject.model import Subject
 from torchparity.text import wrapped
+from torchparity.train import model_trajectories as mt
 from torchparity.train.ensemble import members_count
 from torchparity.train.optimizer_groups import GroupChange, compare_groups
 from torchparity.train.trainer import Execution, Trajectory

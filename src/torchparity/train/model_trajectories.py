@@ -4,7 +4,7 @@ band of its rounding-only ensemble in the dtype judged, and a run judged against
 The float64 trajectory is the truth for every dtype and device; only the band differs. A
 golden update stores both as ``<name>/trajectory_<dtype>`` (``trajectory_<dtype>_cuda`` on a
 GPU), written and read as the zoo's trajectory goldens are
-(:mod:`torchparity.golden.trajectories`): a float64 series per quantity and ``lr``,
+(:mod:`torchparity.train.golden_trajectories`): a float64 series per quantity and ``lr``,
 ``band.<quantity>``, the ensemble's spread per step, and in the JSON the steps, the members,
 the optimizer's groups (:mod:`torchparity.train.optimizer_groups`) and a checksum of every
 step's batch, so a later read refuses changed data by the step it changed at. A check of a
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from torchparity.golden.store import Golden, GoldenStale, GoldenStore, checksum
-from torchparity.golden.trajectories import trajectory_of, trajectory_output, write_trajectory
 from torchparity.golden.user_models import user_golden_dir
 from torchparity.subject.model import Subject
 from torchparity.subject.trees import flatten_tensors
 from torchparity.train.ensemble import measure_band, members_count
+from torchparity.train.golden_trajectories import trajectory_of, trajectory_output, write_trajectory
 from torchparity.train.optimizer_groups import OptimizerGroups
 from torchparity.train.trainer import OWN_ATTENTION, Execution, Trajectory
 from torchparity.train.trajectory import NoiseBand, TrajectoryComparison, compare_trajectories

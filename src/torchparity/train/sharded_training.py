@@ -26,12 +26,12 @@ from rich.console import Console
 
 from torchparity.distributed import group, sharding
 from torchparity.errors import UsageError
-from torchparity.golden import model_trajectories as mt
-from torchparity.golden.judged_model_training import ModelPlan, show_verdict
 from torchparity.golden.sharded import collectively, start
 from torchparity.subject.model import Subject
 from torchparity.subject.running import is_dtensor
 from torchparity.text import wrapped
+from torchparity.train import model_trajectories as mt
+from torchparity.train.judged_model import ModelPlan, show_verdict
 from torchparity.train.trainer import Execution, Trajectory
 from torchparity.train.trajectory import compare_trajectories
 from torchparity.train.user_model import UserRecipe, UserTrainer, check_hooks, training_subject

@@ -14,7 +14,7 @@ reference is the float64 trajectory of the recipe (a golden), or the plain run t
 members perturb (a run judged against another backend, or against one process).
 
 Zoo cases and users' models are judged alike; their golden trajectories are stored and read by
-:mod:`torchparity.golden.trajectories`; a step that parts is diagnosed module by module by
+:mod:`torchparity.train.golden_trajectories`; a step that parts is diagnosed module by module by
 :mod:`torchparity.diagnosis.pipelines.training_step`.
 """
 
