@@ -57,7 +57,10 @@ def print_paragraph(console: Console, text: str) -> None:
 
 def with_article(word: str) -> str:
     """``word`` after its indefinite article, as a message names a type: ``an int``,
-    ``a list``, ``a uint8``."""
+    ``a list``, ``a uint8``, ``an MLP``."""
     lower = word.lower()
-    sounds_vowel = lower[:1] in "aeio" or (lower.startswith("un") and lower[2:3] != "i")
+    if word[:2].isupper():  # an acronym is read letter by letter
+        sounds_vowel = word[0] in "AEFHILMNORSX"
+    else:
+        sounds_vowel = lower[:1] in "aeio" or (lower.startswith("un") and lower[2:3] != "i")
     return f"{'an' if sounds_vowel else 'a'} {word}"

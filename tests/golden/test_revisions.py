@@ -111,7 +111,7 @@ def test_outputs_that_share_no_tensor_are_not_compared_and_fail(tmp_path, capsys
                                                        "not compared")
     assert all(r["verdict"] == "not compared" and not r["ok"] for r in rows)
     loss = next(r for r in rows if r["output"] == "loss")
-    assert "the output has no output.logits" in loss["reason"]
+    assert "the model returned no tensor at output.logits" in loss["reason"]
     outputs = next(r for r in rows if r["output"] == "outputs")
     assert outputs["explain"].startswith("not compared: candidate and golden share no tensors")
     assert "identical" not in capsys.readouterr().out.split("FAIL", 1)[1]

@@ -1,18 +1,21 @@
 """This process as one rank of ``torchrun``: who it is, joining and leaving the process group
 (one backend choice: gloo on the CPU, nccl on CUDA; one timeout, :func:`collective_timeout`),
-meeting the other ranks between phases and naming the ones that do not come."""
+meeting the other ranks between phases and naming the ones that do not come, or stop
+answering (:mod:`~torchparity.distributed.heartbeat`)."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
+import sys
 import threading
-import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from torchparity.distributed import heartbeat
 from torchparity.errors import TorchParityError, UsageError
 
 if TYPE_CHECKING:
@@ -88,9 +91,16 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "cpu"
 
 
-def join() -> None:
+def join(prog: str = "torchparity") -> None:
     """Join the ranks' process group (once): gloo on the CPU, with nccl for the CUDA tensors
-    where this rank has a GPU of its own (a check's CPU cells still run on gloo)."""
+    where this rank has a GPU of its own (a check's CPU cells still run on gloo).
+
+    From then on this rank beats a heartbeat and watches the other ranks': one not heard for
+    :func:`silence_limit` seconds ends this rank (exit 2) with one line naming it.
+
+    Args:
+        prog: the command, as that line begins (``torchparity check``).
+    """
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -106,24 +116,47 @@ def join() -> None:
                                 device_id=torch.device("cuda", local))
     else:
         dist.init_process_group("gloo", timeout=timeout)
-    threading.Thread(target=_beat, args=(_store(),), name="torchparity-heartbeat",
-                     daemon=True).start()
+    global _heartbeat
+    _heartbeat = heartbeat.Heartbeat(_store(), rank(), world_size())
+    _watching.set()
+    heartbeat.beat_and_watch(_heartbeat, silence_limit(),
+                   functools.partial(_end_on_silence, prog, _heartbeat.store), _watching)
 
 
-_ALIVE_KEY = "torchparity/alive/"
-#: Seconds between a rank's heartbeats, and the silence after which a rank is named as not
-#: answering (stopped, or frozen outside Python).
-_BEAT_SECONDS, _SILENT_SECONDS = 1.0, 5.0
+#: The most seconds a rank may go unheard before the watch ends the run (less where half
+#: the collective timeout is less): a rank that computes beats every second, however slowly.
+_WATCH_SECONDS = 10.0
+#: Seconds of silence after which a failed collective names a rank as not answering.
+_SILENT_SECONDS = 5.0
+_heartbeat: heartbeat.Heartbeat | None = None
+#: Set while another rank's silence is a fault: from joining until this rank leaves.
+_watching = threading.Event()
 
 
-def _beat(store: Store) -> None:
-    """Note in the ranks' store, every second, that this rank is alive, until the store goes."""
-    while True:
-        try:
-            store.set(f"{_ALIVE_KEY}{rank()}", repr(time.time()))
-        except Exception:  # the store went with torchrun's agent: nothing left to tell
-            return
-        time.sleep(_BEAT_SECONDS)
+def silence_limit() -> float:
+    """Seconds another rank may go unheard before this rank ends the run, naming it.
+
+    Returns:
+        Half the collective timeout, at most 10: well before a collective would give up.
+    """
+    return min(collective_timeout() / 2, _WATCH_SECONDS)
+
+
+def _end_on_silence(prog: str, store: Store, silent: dict[int, float]) -> None:
+    """End this rank (exit 2) with one line naming the ranks not heard, and where they were;
+    the line is left for the launcher (:func:`~torchparity.distributed.launch.record_silence`).
+    Ranks that have left are not waited for, and so not named."""
+    from torchparity.distributed import launch
+
+    named = {other: seconds for other, seconds in silent.items()
+             if not store.check([f"{_LEFT_KEY}{other}"])}
+    if not named or not _watching.is_set():
+        return
+    said = ", ".join(f"rank {other} has not answered for {seconds:.0f}s (stopped, or frozen) "
+                     f"at {_phase(store, other)}" for other, seconds in named.items())
+    launch.record_silence(rank(), said)
+    print(f"{prog}: rank {rank()}: error: {said}; this rank ends", file=sys.stderr, flush=True)
+    os._exit(2)  # as a timed-out collective would; atexit's leave() would wait for the rank
 
 
 def leave() -> None:
@@ -144,6 +177,7 @@ def leave() -> None:
     except RuntimeError:  # a rank that died has nothing to wait for
         dist.destroy_process_group()
         return
+    _watching.clear()  # every rank came: from now on each ends by itself
     dist.destroy_process_group()
     store.set(f"{_LEFT_KEY}{rank()}", "left")
     with contextlib.suppress(RuntimeError):  # the store's own timeout: torchrun ends the rest
@@ -156,7 +190,10 @@ def abandon() -> None:
     collective (or in :func:`leave`'s barrier) until the collective timeout."""
     import torch.distributed as dist
 
+    _watching.clear()
     if dist.is_initialized():
+        with contextlib.suppress(RuntimeError):  # the others then wait for it no more
+            _store().set(f"{_LEFT_KEY}{rank()}", "abandoned")
         dist.destroy_process_group()
 
 
@@ -211,29 +248,20 @@ def where_others_are() -> str:
     Returns:
         ``rank 1 is at sharding the fp32 run``, or "every rank is here" when none.
     """
-    store, here = _store(), None
-    phases = {}
-    for other in range(world_size()):
-        key = f"{_PHASE_KEY}{other}"
-        phases[other] = store.get(key).decode() if store.check([key]) else "its start"
+    store = _store()
+    phases = {other: _phase(store, other) for other in range(world_size())}
     here = phases[rank()]
-    silent = _silent(store)
+    silent = _heartbeat.silent(_SILENT_SECONDS) if _heartbeat is not None else {}
     behind = [f"rank {r} has not answered for {silent[r]:.0f}s (stopped, or frozen) at {phase}"
               if r in silent else f"rank {r} is at {phase}"
               for r, phase in phases.items() if phase != here or r in silent]
     return ", ".join(behind) or "every rank is here"
 
 
-def _silent(store: Store) -> dict[int, float]:
-    """The other ranks whose heartbeat stopped, with the seconds since their last one."""
-    now, silent = time.time(), {}
-    for other in range(world_size()):
-        key = f"{_ALIVE_KEY}{other}"
-        if other != rank() and store.check([key]):
-            since = now - float(store.get(key).decode())
-            if since > _SILENT_SECONDS:
-                silent[other] = since
-    return silent
+def _phase(store: Store, other: int) -> str:
+    """Where rank ``other`` last said it was (:func:`mark`)."""
+    key = f"{_PHASE_KEY}{other}"
+    return store.get(key).decode() if store.check([key]) else "its start"
 
 
 def _store() -> Store:

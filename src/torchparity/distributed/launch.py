@@ -10,6 +10,9 @@
 - A worker that raises writes ``rank<N>.error`` (:func:`record_failure`) before exiting;
   torchrun then stops the others at once. The error names the first rank that failed, with its
   message; a rank that dies without a word (killed) is named from torchrun's own report.
+- A worker that finds other ranks silent (stopped, or frozen: :mod:`.heartbeat`) leaves their
+  names with :func:`record_silence` and exits; the run is stopped at once and the error names
+  them.
 - A worker that runs a command with an exit status of its own (``torchparity check`` under
   torchrun: 1 when a check fails) records it with :func:`record_outcome`; :func:`launch`
   returns the worst one instead of raising.
@@ -100,6 +103,9 @@ def launch(module: str, args: list[str], *, nproc: int, timeout: float,
                 raise
             finally:
                 reader.join(timeout=5)
+        first = _first_failed(errors)
+        if first is not None and first.suffix == ".silent":
+            raise TorchParityError(f"{first.read_text()}; every rank was stopped")
         outcome = _recorded_outcome(errors)
         died = _died(stderr_path.read_text(), errors) if code != 0 else None
         if code != 0 and (died or outcome is None or outcome.status == 0):
@@ -158,6 +164,20 @@ def record_outcome(status: int, message: str | None = None) -> None:
         Path(folder, f"rank{rank}.outcome").write_text(f"{status}\n{message or ''}")
 
 
+def record_silence(rank: int, said: str) -> None:
+    """Leave where :func:`launch` finds it that this rank ends the run because other ranks
+    stopped answering (:mod:`~torchparity.distributed.heartbeat`); a no-op outside a run it
+    started.
+
+    Args:
+        rank: this worker's rank.
+        said: which ranks, for how long, and where (``rank 1 has not answered for 10s ...``).
+    """
+    folder = os.environ.get(_ERROR_DIR)
+    if folder:
+        Path(folder, f"rank{rank}.silent").write_text(said)
+
+
 def _wait(proc: subprocess.Popen, timeout: float, errors: Path) -> int:
     """torchrun's exit status once it ends, or once :data:`FAILED_GRACE_SECONDS` have passed
     since a rank recorded an error: a rank that cannot be stopped politely (stopped with
@@ -173,16 +193,17 @@ def _wait(proc: subprocess.Popen, timeout: float, errors: Path) -> int:
         if time.monotonic() >= deadline:
             raise subprocess.TimeoutExpired(proc.args, timeout)
         failed = _first_failed(errors)
-        if failed is not None and time.time() - failed.stat().st_mtime > FAILED_GRACE_SECONDS:
+        if failed is not None and (failed.suffix == ".silent" or
+                                   time.time() - failed.stat().st_mtime > FAILED_GRACE_SECONDS):
             stop(proc, grace=0.0)  # the workers die with torchrun (die_with_parent)
             return proc.wait()
 
 
 def _first_failed(errors: Path) -> Path | None:
-    """The earliest file in which a rank recorded an error (an exception, or an exit status
-    above 1), or None. A failed check (1) is every rank's verdict: rank 0 may still be
-    writing its reports when the others have ended."""
-    failures = [*errors.glob("rank*.error")] + [
+    """The earliest file in which a rank recorded an error (an exception, an exit status
+    above 1, or other ranks' silence), or None. A failed check (1) is every rank's verdict:
+    rank 0 may still be writing its reports when the others have ended."""
+    failures = [*errors.glob("rank*.error"), *errors.glob("rank*.silent")] + [
         path for path in errors.glob("rank*.outcome") if _outcome(path).status > 1]
     return min(failures, key=lambda path: path.stat().st_mtime_ns, default=None)
 

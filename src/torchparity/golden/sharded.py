@@ -96,7 +96,8 @@ def start(nproc: int | None, argv: list[str]) -> int | None:
             raise UsageError(f"--nproc {nproc} under a torchrun of {group.world_size()} "
                              "ranks; leave --nproc out inside torchrun")
         launch.die_with_parent()
-        group.join()
+        command = next((arg for arg in argv if not arg.startswith("-")), "")
+        group.join(f"torchparity {command}".strip())
         atexit.register(group.leave)
         if group.rank() != 0:
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the rank)

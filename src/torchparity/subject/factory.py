@@ -38,6 +38,7 @@ from torch import nn
 
 from torchparity.errors import UsageError, UserCodeError
 from torchparity.subject import hf_families
+from torchparity.text import with_article
 
 #: The keys a factory's dict may have; the first two are required.
 KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding", "reorder", "search",
@@ -124,8 +125,8 @@ def call_factory(factory: Callable[[], object], label: str) -> dict[str, Any]:
         raise UsageError(f"factory {label} must return (model, inputs) or "
                          f"(model, inputs, loss_fn); it returned {_describe(result)}")
     if not isinstance(fields["model"], nn.Module):
-        raise UsageError(f"factory {label} returned a {type(fields['model']).__name__} as "
-                         "model, not a torch.nn.Module")
+        kind = with_article(type(fields["model"]).__name__)
+        raise UsageError(f"factory {label} returned {kind} as model, not a torch.nn.Module")
     if not isinstance(fields["inputs"], tuple | Mapping | torch.Tensor):
         raise UsageError(f"factory {label} returned inputs of type "
                          f"{type(fields['inputs']).__name__}; give a tuple of positional "
@@ -134,15 +135,15 @@ def call_factory(factory: Callable[[], object], label: str) -> dict[str, Any]:
                 "optimizer", "scheduler", "train_step"):
         value = fields[key]
         if value is not None and not callable(value):
-            raise UsageError(f"factory {label} returned a {type(value).__name__} as {key}; "
-                             "it must be callable")
+            kind = with_article(type(value).__name__)
+            raise UsageError(f"factory {label} returned {kind} as {key}; it must be callable")
     return fields
 
 
 def _describe(result: object) -> str:
     if isinstance(result, tuple):
         return f"a tuple of {len(result)}"
-    return "None" if result is None else f"a {type(result).__name__}"
+    return "None" if result is None else with_article(type(result).__name__)
 
 
 def first_line(exc: BaseException) -> str:

@@ -31,6 +31,7 @@ from torchparity.subject.running import (
     projection_loss,
 )
 from torchparity.subject.trees import PyTree
+from torchparity.text import with_article
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -195,8 +196,8 @@ class Subject:
         model = self.model if model is None else model
         step = self.step or builtin_step(model)
         if step is None:
-            raise UsageError(f"factory {self.entry}: torchparity cannot decode a "
-                             f"{type(model).__name__} by itself; {STEP_HINT}")
+            raise UsageError(f"factory {self.entry}: torchparity cannot decode "
+                             f"{with_article(type(model).__name__)} by itself; {STEP_HINT}")
         what = "its step" if self.step is not None else "the built-in decoding step"
 
         def guarded(m: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:
@@ -297,8 +298,8 @@ class Subject:
         absent = [p for p in paths if p not in flat]
         if absent:
             more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
-            return (f"the output has no {absent[0]}{more}, which the golden's default loss "
-                    f"projects; the loss and gradients cannot be compared")
+            return (f"the model returned no tensor at {absent[0]}{more}, which the golden's "
+                    f"default loss projects; the loss and gradients cannot be compared")
         if not paths:
             raise UsageError(f"the output of {self.entry} has no floating tensor to take "
                              "gradients of; return a loss_fn from the factory")

@@ -32,6 +32,7 @@ from torchparity.subject.float64_ops import Float64Ops
 from torchparity.subject.model import Subject
 from torchparity.subject.rounding import perturb_weights
 from torchparity.subject.running import call_model, cast_inputs
+from torchparity.text import with_article
 from torchparity.threads import single_thread
 from torchparity.train import causal_lm
 from torchparity.train.optimizer_groups import OptimizerGroups
@@ -118,8 +119,9 @@ class UserTrainer:
             perturb_weights(self.model, seed=perturb_seed)
         self.optimizer = subject.guarded(lambda: subject.optimizer(self.model), "its optimizer")
         if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise UsageError(f"optimizer of {subject.entry} returned a "
-                             f"{type(self.optimizer).__name__}, not a torch.optim.Optimizer")
+            raise UsageError(f"optimizer of {subject.entry} returned "
+                             f"{with_article(type(self.optimizer).__name__)}, not a "
+                             "torch.optim.Optimizer")
         self.scheduler = (None if subject.scheduler is None else
                           subject.guarded(lambda: subject.scheduler(self.optimizer),
                                           "its scheduler"))
@@ -301,4 +303,4 @@ def _scalar(loss: Any) -> float | None:
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
-    return "None" if value is None else f"a {type(value).__name__}"
+    return "None" if value is None else with_article(type(value).__name__)

@@ -86,6 +86,7 @@ from torchparity.subject.decoding import (
 )
 from torchparity.subject.running import check_models, in_dtype
 from torchparity.subject.sampling import SampleSettings
+from torchparity.text import with_article
 
 __all__ = ["DecodeOptions", "decode_against", "diagnose_decode", "diagnose_decode_against",
            "record_decode"]
@@ -535,6 +536,6 @@ def _prompt(inputs: Any, beams: BeamSettings | None, sample: SampleSettings | No
 def _step_of(model: nn.Module, step: StepFn | None) -> StepFn:
     chosen = step or builtin_step(model)
     if chosen is None:
-        raise UsageError(f"torchparity cannot decode a {type(model).__name__} by itself; pass "
-                         f"step=, or from the command line {STEP_HINT}")
+        raise UsageError(f"torchparity cannot decode {with_article(type(model).__name__)} by "
+                         f"itself; pass step=, or from the command line {STEP_HINT}")
     return chosen

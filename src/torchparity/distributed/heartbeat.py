@@ -1,0 +1,106 @@
+"""Each rank's heartbeat, and the watch every rank keeps on the others' beats.
+
+A rank adds one to its counter in the ranks' store every second, from a thread of its own: a
+rank that computes, however slowly, beats on (torch lets go of the GIL in its ops, Python
+every few milliseconds), whereas a rank stopped (SIGSTOP, a debugger) or frozen holding the
+GIL does not. The same thread reads the other ranks' counters. Silence is measured on this
+rank's own monotonic clock, from the moment it last saw a counter move, so that no two ranks'
+clocks are compared; a look that comes late (this rank itself held up, or the store slow)
+starts every count afresh rather than blame the others for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+#: Seconds between two beats of a rank, and between two looks at the others'.
+BEAT_SECONDS = 1.0
+#: A look this many seconds after the previous one counts every rank's silence afresh.
+LATE_SECONDS = 3.0
+_ALIVE_KEY = "torchparity/alive/"
+
+
+class Heartbeat:
+    """This rank's beat in ``store``, and what it last heard of the other ranks' beats.
+
+    Args:
+        store: the ranks' store.
+        rank: this rank.
+        world_size: the number of ranks.
+        clock: seconds, monotonic (a test's own clock).
+    """
+
+    def __init__(self, store: Store, rank: int, world_size: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.rank, self.clock = store, rank, clock
+        self.others = [other for other in range(world_size) if other != rank]
+        #: rank -> (its counter, when this rank last saw the counter move)
+        self.heard: dict[int, tuple[int, float]] = {}
+        self._last_look: float | None = None
+
+    def beat(self) -> None:
+        """Note in the store that this rank is alive."""
+        self.store.add(f"{_ALIVE_KEY}{self.rank}", 1)
+
+    def look(self) -> None:
+        """Read the other ranks' counters, noting which moved since the last look."""
+        now = self.clock()
+        late = self._last_look is not None and now - self._last_look > LATE_SECONDS
+        self._last_look = now
+        for other in self.others:
+            count = self.store.add(f"{_ALIVE_KEY}{other}", 0)  # reads without waiting
+            seen = self.heard.get(other)
+            if late or seen is None or seen[0] != count:
+                self.heard[other] = (count, now)
+
+    def silent(self, longer_than: float) -> dict[int, float]:
+        """The other ranks not heard for more than ``longer_than`` seconds.
+
+        Args:
+            longer_than: seconds of silence.
+
+        Returns:
+            rank -> seconds since its counter last moved, by rank.
+        """
+        now = self.clock()
+        return {other: now - when for other, (_, when) in sorted(self.heard.items())
+                if now - when > longer_than}
+
+
+def beat_and_watch(heartbeat: Heartbeat, limit: float,
+                   on_silence: Callable[[dict[int, float]], None],
+                   watching: threading.Event) -> threading.Thread:
+    """Beat and look every second in a daemon thread; while ``watching`` is set, call
+    ``on_silence`` after each look that finds ranks not heard for more than ``limit`` seconds.
+
+    Args:
+        heartbeat: this rank's.
+        limit: seconds of silence that are a fault.
+        on_silence: called with rank -> seconds of silence; it ends this rank, or returns
+            where the silence is no fault (a rank that has left).
+        watching: cleared once silence is no fault at all (this rank is leaving).
+
+    Returns:
+        The thread, started.
+    """
+    def run() -> None:
+        while True:
+            try:
+                heartbeat.beat()
+                heartbeat.look()
+            except Exception:  # the store went with torchrun's agent: nothing left to tell
+                return
+            silent = heartbeat.silent(limit) if watching.is_set() else {}
+            if silent:
+                on_silence(silent)
+            time.sleep(BEAT_SECONDS)
+
+    thread = threading.Thread(target=run, name="torchparity-heartbeat", daemon=True)
+    thread.start()
+    return thread
