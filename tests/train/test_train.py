@@ -16,7 +16,6 @@ import torch
 
 import torchparity as tp
 from torchparity import backends, cli, tolerance
-from torchparity.diagnosis.pipelines.training_step import diagnose_step
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.store import GoldenMissing, GoldenStale, GoldenStore
 from torchparity.pytest_plugin import add_summary_line
@@ -34,6 +33,7 @@ from torchparity.train.golden_trajectories import (
     read_golden_trajectory,
     trajectory_output,
 )
+from torchparity.train.step_diagnosis.case_step import diagnose_step
 from torchparity.train.trainer import Execution, TrainConfig, Trajectory, learning_rate, train
 from torchparity.train.trajectory import NoiseBand, compare_trajectories
 

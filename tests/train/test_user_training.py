@@ -21,12 +21,12 @@ import pytest
 import toy_repo
 from torchparity import backends, tolerance
 from torchparity.cli import main
-from torchparity.diagnosis.pipelines import user_training_step as uts
-from torchparity.diagnosis.pipelines.user_training_step.base_side import record_step
 from torchparity.pytest_plugin import gpu_device
 from torchparity.subject.model import Subject
 from torchparity.train import model_trajectories as mt
 from torchparity.train.ensemble import members_count
+from torchparity.train.step_diagnosis import user_step as uts
+from torchparity.train.step_diagnosis.base_side import record_step
 from torchparity.train.trainer import OWN_ATTENTION, Execution
 from torchparity.train.user_model import UserRecipe
 

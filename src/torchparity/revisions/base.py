@@ -240,7 +240,7 @@ def base_training_step(side: BaseSide, entry: str, step: int, execution: list[st
                        ops: str | None = None) -> Path:
     """The base's model ``entry``, trained in float64 by its recipe up to step ``step``, and
     that step recorded at the base
-    (:func:`torchparity.diagnosis.pipelines.user_training_step.base_side.record_step`).
+    (:func:`torchparity.train.step_diagnosis.base_side.record_step`).
 
     Args:
         side: the base revision.
@@ -254,7 +254,7 @@ def base_training_step(side: BaseSide, entry: str, step: int, execution: list[st
         The folder in the cache holding the weights and the trace.
     """
     more = [] if ops is None else ["--ops", ops, "--ops-only"]
-    worker = "torchparity.diagnosis.pipelines.user_training_step.base_side"
+    worker = "torchparity.train.step_diagnosis.base_side"
     kept = side.run([entry], ["{entry:0}", str(step), *execution, "{out}/step", *more],
                     "training step", module=worker)
     return kept / "step"

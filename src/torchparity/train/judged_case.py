@@ -5,7 +5,7 @@ against a reference trajectory within the noise band of a rounding-only ensemble
 the run is judged against the float64 golden trajectory and the band of its dtype (``check``,
 :mod:`torchparity.train.golden_trajectories`) or against the same recipe under another backend and
 that run's band (``against``), and with ``diagnose`` the first step that parts is diagnosed
-module by module (:mod:`torchparity.diagnosis.pipelines.training_step`). Several processes under
+module by module (:mod:`torchparity.train.step_diagnosis.case_step`). Several processes under
 ``torchrun``: the run is judged against one process and its band, and the first step that
 parts is located module by module (:mod:`torchparity.train.distributed`).
 """
@@ -20,7 +20,6 @@ from typing import Any
 from rich.console import Console
 
 from torchparity import backends
-from torchparity.diagnosis.pipelines.training_step import diagnose_step
 from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.errors import UsageError
 from torchparity.text import wrapped
@@ -34,6 +33,7 @@ from torchparity.train.golden_trajectories import (
     write_golden_trajectory,
 )
 from torchparity.train.judged_model import steps_bar
+from torchparity.train.step_diagnosis.case_step import diagnose_step
 from torchparity.train.trainer import Execution, TrainConfig, Trainer, Trajectory
 from torchparity.train.trajectory import TrajectoryComparison
 

@@ -14,18 +14,18 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from torchparity.diagnosis.pipelines.user_training_step import (
+from torchparity.subject.model import Subject
+from torchparity.text import wrapped
+from torchparity.train import model_trajectories as mt
+from torchparity.train.ensemble import members_count
+from torchparity.train.optimizer_groups import GroupChange, compare_groups
+from torchparity.train.step_diagnosis.user_step import (
     StepDiagnosis,
     StepStage,
     diagnose_user_step,
     group_causes,
     step_stage,
 )
-from torchparity.subject.model import Subject
-from torchparity.text import wrapped
-from torchparity.train import model_trajectories as mt
-from torchparity.train.ensemble import members_count
-from torchparity.train.optimizer_groups import GroupChange, compare_groups
 from torchparity.train.trainer import Execution, Trajectory
 from torchparity.train.trajectory import TrajectoryComparison
 from torchparity.train.user_model import UserRecipe, training_subject

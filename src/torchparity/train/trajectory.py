@@ -15,7 +15,7 @@ members perturb (a run judged against another backend, or against one process).
 
 Zoo cases and users' models are judged alike; their golden trajectories are stored and read by
 :mod:`torchparity.train.golden_trajectories`; a step that parts is diagnosed module by module by
-:mod:`torchparity.diagnosis.pipelines.training_step`.
+:mod:`torchparity.train.step_diagnosis.case_step`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,3 @@
 """Diagnoses end to end, each calling the stages in order: a forward pass in one process or
 against a trace (forward), a decoding (decoding), the ranks of torchrun (ranks), a compiled B
-module by module (compiled), a training step that parts (training_step) and which of several
-changes explains how much (attribution)."""
+module by module (compiled) and which of several changes explains how much (attribution)."""

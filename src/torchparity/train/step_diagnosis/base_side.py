@@ -17,15 +17,15 @@ from torch import nn
 
 from torchparity.diagnosis.core.trace import inputs_digest
 from torchparity.diagnosis.pipelines.forward import record
-from torchparity.diagnosis.pipelines.user_training_step.step_call import (
+from torchparity.errors import TorchParityError
+from torchparity.golden.renamed import renaming, state_layout
+from torchparity.subject.model import Subject
+from torchparity.train.step_diagnosis.step_call import (
     a_execution,
     capture_call,
     cpu_thread,
     trained_before,
 )
-from torchparity.errors import TorchParityError
-from torchparity.golden.renamed import renaming, state_layout
-from torchparity.subject.model import Subject
 from torchparity.train.trainer import OWN_ATTENTION, Execution
 from torchparity.train.user_model import training_subject
 

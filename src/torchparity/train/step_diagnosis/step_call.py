@@ -1,6 +1,6 @@
 """The first call of the model in a user's training step, kept with the gradient the step's
 loss gave its output, and the runs that reach a step: what both sides of
-:mod:`~torchparity.diagnosis.pipelines.user_training_step` are diagnosed on.
+:mod:`~torchparity.train.step_diagnosis.user_step` are diagnosed on.
 """
 
 from __future__ import annotations

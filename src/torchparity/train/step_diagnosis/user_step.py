@@ -38,22 +38,22 @@ import torch
 from torchparity.comparison.tensor import json_safe
 from torchparity.diagnosis.core.trace import inputs_digest
 from torchparity.diagnosis.pipelines.forward import diagnose, diagnose_against
-from torchparity.diagnosis.pipelines.training_step import runs_as
-from torchparity.diagnosis.pipelines.user_training_step.base_side import (
+from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
+from torchparity.subject.model import Subject
+from torchparity.subject.running import cast_inputs
+from torchparity.train.optimizer_groups import GroupChange
+from torchparity.train.step_diagnosis.base_side import (
     LAYOUT_FILE,
     TRACE_FOLDER,
     load_base_weights,
 )
-from torchparity.diagnosis.pipelines.user_training_step.step_call import (
+from torchparity.train.step_diagnosis.case_step import runs_as
+from torchparity.train.step_diagnosis.step_call import (
     a_execution,
     capture_call,
     cpu_thread,
     trained_before,
 )
-from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
-from torchparity.subject.model import Subject
-from torchparity.subject.running import cast_inputs
-from torchparity.train.optimizer_groups import GroupChange
 from torchparity.train.trainer import OWN_ATTENTION, Execution
 from torchparity.train.trajectory import Point, TrajectoryComparison
 from torchparity.train.user_model import UserRecipe, UserTrainer

@@ -1,0 +1,1 @@
+"""Training steps that part, diagnosed module by module on the weights they start from."""
