@@ -73,43 +73,36 @@ def golden_inputs(inputs: Any) -> Any:
 
 @dataclass(frozen=True)
 class Options:
-    """The settings of one diagnosis, made once from the public function's arguments
-    (:func:`make_options`) and passed whole down the pipeline: each stage reads what it
-    needs. See :func:`torchparity.diagnose` for each.
+    """The settings of one diagnosis, built once from the public function's keywords and
+    passed whole down the pipeline (see :func:`torchparity.diagnose` for each)."""
 
-    Attributes:
-        include: the modules captured, by glob or ``re:`` regex (None: all).
-        exclude: the modules left out.
-        backward: whether gradients are taken and judged.
-        loss_fn: ``loss_fn(output, inputs)``, the scalar gradients are taken of (None: a
-            fixed random projection of the first floating output).
-        backend_a: A's attention backend.
-        backend_b: B's attention backend.
-        progress: whether a progress bar is shown on stderr.
-        local: which modules get a local error.
-        padding: the positions left out of every judgement and of the default loss.
-        compile_b: B run by ``torch.compile`` in this form (dynamic, static), module by
-            module (:mod:`~torchparity.diagnosis.pipelines.compiled`), or None.
-        name_map: A's module names mapped to B's, or None.
-        ops: B's module drilled down to its ops (``--ops``), or None for the first
-            divergence.
-        more_ops: ``more_ops(modules)`` records a trace that holds A's ops of those modules
-            (``diagnose --base``), where the trace judged against lacks them; or None.
-    """
-
-    include: PatternSpec = None
+    include: PatternSpec = None  # the modules captured, by glob or ``re:`` regex (None: all)
     exclude: PatternSpec = None
     backward: bool = True
-    loss_fn: LossFn | None = None
+    loss_fn: LossFn | None = None  # None: a fixed random projection of the first output
     backend_a: BackendSpec = None
     backend_b: BackendSpec = None
-    progress: bool | None = None
+    progress: bool = False  # a progress bar on stderr
     local: Local = "diverged"
-    padding: Padding = field(default_factory=Padding)
-    compile_b: str | None = None
-    name_map: NameMap | None = None
-    ops: str | None = None
+    padding: Padding = field(default_factory=Padding)  # left out of judgements and the loss
+    dtype: torch.dtype | None = None  # the models run as copies in this dtype; None: as given
+    compile_b: str | None = None  # B compiled module by module in this form (dynamic, static)
+    name_map: NameMap | None = None  # A's module names mapped to B's
+    ops: str | None = None  # B's module drilled down to its ops; None: the first divergence
+    # ``more_ops(modules)`` records a trace with A's ops of those modules where the trace
+    # judged against lacks them (``diagnose --base``)
     more_ops: Callable[[list[str]], Path] | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise UsageError("loss_fn must be callable(output, inputs); got "
+                             f"{type(self.loss_fn).__name__}")
+        for spec in (self.backend_a, self.backend_b):
+            if isinstance(spec, str) and spec not in attention_backends.names():
+                raise UsageError(f"unknown attention backend {spec!r}; choose one of "
+                                 f"{', '.join(attention_backends.names())}")
+        if self.local not in ("diverged", "all"):
+            raise UsageError(f"local must be 'diverged' or 'all'; got {self.local!r}")
 
     def selects(self) -> Callable[[str], bool]:
         """The filter of module names ``include`` and ``exclude`` make."""
@@ -123,31 +116,20 @@ class Models(NamedTuple):
     b: nn.Module
 
 
-# --------------------------------------------------------------------------------------------
-# Checking arguments
-
-
-def make_options(backward: bool, loss_fn: LossFn | None, include: PatternSpec,
-                 exclude: PatternSpec, backends: tuple[BackendSpec, BackendSpec] | None,
-                 progress: bool | None, local: Local = "diverged",
-                 padding: Padding | None = None) -> Options:
-    """Check the arguments every diagnosis shares; progress defaults to "stderr is a tty"."""
-    if loss_fn is not None and not callable(loss_fn):
-        raise UsageError(f"loss_fn must be callable(output, inputs); got {type(loss_fn).__name__}")
-    if backends is not None and not (isinstance(backends, (tuple, list)) and len(backends) == 2):
+def backend_pair(backends: tuple[BackendSpec, BackendSpec] | None
+                 ) -> tuple[BackendSpec, BackendSpec]:
+    """``backends=(a, b)`` checked to be a pair; None: neither side's backend is set."""
+    if backends is None:
+        return None, None
+    if not (isinstance(backends, (tuple, list)) and len(backends) == 2):
         raise UsageError("backends must be a pair (backend of A, backend of B); "
                          f"got {backends!r}")
-    backend_a, backend_b = backends if backends is not None else (None, None)
-    for spec in (backend_a, backend_b):
-        if isinstance(spec, str) and spec not in attention_backends.names():
-            raise UsageError(f"unknown attention backend {spec!r}; choose one of "
-                             f"{', '.join(attention_backends.names())}")
-    if local not in ("diverged", "all"):
-        raise UsageError(f"local must be 'diverged' or 'all'; got {local!r}")
-    if progress is None:
-        progress = sys.stderr.isatty()
-    return Options(include, exclude, bool(backward), loss_fn, backend_a, backend_b, progress,
-                   local, padding or Padding())
+    return backends[0], backends[1]
+
+
+def shown(progress: bool | None) -> bool:
+    """Whether a progress bar is shown: as asked, by default when stderr is a terminal."""
+    return sys.stderr.isatty() if progress is None else progress
 
 
 def stream_needed(*models: nn.Module) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from torchparity.diagnosis.core.trace import DECODE, SCHEMA
 
 
@@ -33,7 +35,7 @@ class ForwardTraceMeta:
     model: str  # the class name
     golden: str  # the golden's label (reference.golden_label)
     mode: str
-    dtype: str | None  # what the models were cast to, None: as given
+    dtype: torch.dtype | None  # what the models were cast to, None: as given
     backward: bool
     backend: str | None
     include: Any  # the module selection, as pattern_json writes it
@@ -69,7 +71,7 @@ class DecodeTraceMeta:
     model: str
     golden: str
     mode: str
-    dtype: str | None
+    dtype: torch.dtype | None
     backend: str | None
     include: Any
     exclude: Any
@@ -103,8 +105,13 @@ def meta_from_json(data: dict[str, Any]) -> TraceMeta:
     known = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
     if known.get("ops") is not None:
         known["ops"] = KeptOps(**known["ops"])
+    if known.get("dtype") is not None:  # the file names it, float64
+        known["dtype"] = getattr(torch, known["dtype"])
     return cls(**known)
 
 
 def _fields(meta: ForwardTraceMeta | DecodeTraceMeta) -> dict[str, Any]:
-    return {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+    if meta.dtype is not None:
+        fields["dtype"] = str(meta.dtype).removeprefix("torch.")
+    return fields

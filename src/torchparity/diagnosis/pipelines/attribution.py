@@ -1,18 +1,9 @@
 """Attribution: which of B's changes (modules, attention backend) carries the output difference.
 
-For each *unit* of change, two hybrid models run:
-
-- **swap in**: A with only this unit taken from B; its output error, as a share of B's, is what
-  the unit causes on its own;
-- **leave out**: B with only this unit taken back from A; one minus its error's share is what
-  the unit's absence removes.
-
-Errors are mean squared differences of all floating outputs from A's, which add up when the
-units' effects are independent, so shares of independent units sum to about one. The units
-are B's modules that compute differently from A's (by default: the deepest aligned modules
-whose local output is not bit-identical, see :func:`torchparity.diagnose`) and, with
-``backends=(a, b)``, the attention backend.
-"""
+Per unit of change two hybrids run: A with only this unit from B (*swap in*: its error's
+share of B's is what the unit causes alone) and B with only this unit from A (*leave out*:
+one minus its share is what its absence removes). Errors are mean squared differences of the
+floating outputs from A's, which add for independent units, so shares sum to about one."""
 
 from __future__ import annotations
 
@@ -23,18 +14,19 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.core.align import NameMap, align
-from torchparity.diagnosis.pipelines.forward import diagnose
 from torchparity.diagnosis.core.progress import ProgressBar, progress_bar
-from torchparity.diagnosis.reports.diagnosis import AttributionReport, Unit
-from torchparity.diagnosis.reports.meta import AttributionMeta
 from torchparity.diagnosis.core.run import (
     BackendSpec,
     Options,
     backend_context,
     backend_name,
-    make_options,
+    backend_pair,
     run_model,
+    shown,
 )
+from torchparity.diagnosis.pipelines.forward import diagnose
+from torchparity.diagnosis.reports.diagnosis import AttributionReport, Unit
+from torchparity.diagnosis.reports.meta import AttributionMeta
 from torchparity.errors import UsageError
 from torchparity.subject.running import Inputs, call_model, check_models, seeded
 from torchparity.subject.trees import flatten_tensors
@@ -54,20 +46,28 @@ def attribute(
 ) -> AttributionReport:
     """Share of the final output error between A and B that each of B's changes explains.
 
-    ``modules`` names B's modules to treat as units (default: found by a forward diagnosis as
-    the deepest modules that do not compute bit-identically); each is paired with A's module
-    by the alignment of :func:`torchparity.diagnose` (``name_map`` applies). ``backends=(a,
-    b)`` runs A under backend ``a`` and B under ``b`` and adds the backend as a unit, which
-    answers whether the backend or the other changes carry the difference.
+    Models are restored after each swap (temporary attribute changes, never copies); every run
+    is seeded alike; a unit that cannot be swapped (a fused group) is listed with the reason.
 
-    Guarantees: both models are restored after each swap (swaps are temporary attribute
-    changes, never copies of the models); every run is seeded identically; a unit that cannot
-    be swapped (a fused group) is listed with the reason instead of a share.
+    Args:
+        model_a: the reference implementation.
+        model_b: the changed one.
+        inputs: a tuple of positional arguments or a dict of keyword arguments.
+        modules: B's modules taken as units (None: the deepest aligned modules whose local
+            output is not bit-identical).
+        name_map: A's module names mapped to B's, for the pairing.
+        backends: A's and B's attention backends; the backend becomes a unit.
+        progress: show a progress bar on stderr (None: when stderr is a terminal).
+
+    Returns:
+        The :class:`~torchparity.diagnosis.reports.diagnosis.AttributionReport`.
     """
-    opts = make_options(False, None, None, None, backends, progress)
+    backend_a, backend_b = backend_pair(backends)
+    opts = Options(backward=False, backend_a=backend_a, backend_b=backend_b,
+                   progress=shown(progress), name_map=name_map)
     check_models(model_a=model_a, model_b=model_b)
     with progress_bar(opts.progress) as bar:
-        pairs, skipped = _units(model_a, model_b, inputs, modules, name_map, opts, bar)
+        pairs, skipped = _units(model_a, model_b, inputs, modules, opts, bar)
         runs = _Runs(inputs, bar, total=2 + 2 * (len(pairs) + _has_backend_unit(opts)))
         reference = runs.output(model_a, opts.backend_a)
         total = runs.error(model_b, opts.backend_b, reference)
@@ -95,15 +95,15 @@ def _has_backend_unit(opts: Options) -> bool:
 
 
 def _units(model_a: nn.Module, model_b: nn.Module, inputs: Inputs, modules: Sequence[str] | None,
-           name_map: NameMap | None, opts: Options, bar: ProgressBar
+           opts: Options, bar: ProgressBar
            ) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """(A name, B name) of each module unit, and units that cannot be swapped with the reason."""
     if modules is None:
-        return _differing_modules(model_a, model_b, inputs, name_map, opts)
+        return _differing_modules(model_a, model_b, inputs, opts)
     done = bar.phase("aligning modules")
     structure = [run_model(m, inputs, opts, None, backward=False, what="shapes").calls
                  for m in (model_a, model_b)]
-    alignment = align(*structure, name_map)
+    alignment = align(*structure, opts.name_map)
     done()
     by_b_name = {m.b[0].name: m for m in alignment.matches if len(m.b) == 1}
     pairs, skipped = [], {}
@@ -120,11 +120,11 @@ def _units(model_a: nn.Module, model_b: nn.Module, inputs: Inputs, modules: Sequ
 
 
 def _differing_modules(model_a: nn.Module, model_b: nn.Module, inputs: Inputs,
-                       name_map: NameMap | None, opts: Options
+                       opts: Options
                        ) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """The deepest aligned modules whose local output is not bit-identical, both models run
     under A's backend so that backend effects are not attributed to modules."""
-    report = diagnose(model_a, model_b, inputs, name_map=name_map, backward=False,
+    report = diagnose(model_a, model_b, inputs, name_map=opts.name_map, backward=False,
                       backends=(opts.backend_a, opts.backend_a), progress=opts.progress)
     differing = [r for r in report.rows if r.local is not None and r.local.verdict != "identical"]
     skipped = {r.module: f"fused with {r.a_module} in A: no single module to swap"

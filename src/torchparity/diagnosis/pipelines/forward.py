@@ -1,34 +1,16 @@
 """The public entry points of a diagnosis: ``diagnose``, ``record`` and ``diagnose_against``.
 
-How a diagnosis works (``diagnose`` and ``diagnose_against`` share every step after 1):
-
-A diagnosis is a pipeline; each stage is one module, called here in order and by nothing
-else (no stage imports another: what they share, the :class:`~.reference.Reference` to A's side,
-is in :mod:`~torchparity.diagnosis.core.reference`), and the data passes through each once:
-
-1. :mod:`~torchparity.diagnosis.stages.capture_a`: **capture A**, every selected module's inputs,
-   outputs and output gradients, in memory or on disk;
-2. :mod:`~torchparity.diagnosis.stages.float64_golden`: **A's float64 golden**, the same run in
-   float64 on the CPU, and on-demand replays of each call for local goldens;
-3. and 4. :mod:`~torchparity.diagnosis.stages.propagated`: **propagated errors**, B's full run
-   judged against the golden's as it runs (calls paired by name meanwhile), then B's calls
-   **aligned** with A's by :mod:`~torchparity.diagnosis.core.align` (names, ``name_map``, call order
-   and output shapes, fusion);
-5. :mod:`~torchparity.diagnosis.stages.local`: **local errors**, B's modules replayed on A's
-   recorded inputs (by default those whose propagated error diverged); then
-   :mod:`~torchparity.diagnosis.stages.entry`: when the first divergence is a container, **where it
-   enters** (the module inside and the argument that carry a mask or position built above,
-   arguments compared by meaning in :mod:`~torchparity.diagnosis.core.arguments`);
-6. :mod:`~torchparity.diagnosis.stages.ops`: the first divergence (or the module ``ops`` names)
-   **drilled down to the op** and the source line where it enters, when A runs in this process;
-7. :mod:`~torchparity.diagnosis.reports.diagnosis`: the **report** (table, JSON, HTML).
-
-The first module whose local error breaks its budget is where B starts to compute something
-else; everything after it inherits the error. ``record`` runs stages 1 and 2 on one revision
-and writes them to disk; ``diagnose_against`` reads them back and runs stages 3 to 5 and 7, or,
-when the trace's metadata is a decoding's (:class:`~.trace_meta.DecodeTraceMeta`), hands it to
-the decoding pipeline, :mod:`~torchparity.diagnosis.pipelines.decoding`, which runs the same stages
-at the steps of a decoding.
+Each stage is one module, called here in order and by nothing else; the data passes once:
+1. ``stages.capture_a``: A's selected modules' inputs, outputs and output gradients;
+2. ``stages.float64_golden``: A's float64 golden, and on-demand replays for local goldens;
+3-4. ``stages.propagated``: B run whole, judged against the golden as it runs, then aligned
+   with A (``core.align``: names, ``name_map``, call order and shapes, fusion);
+5. ``stages.local``: B's modules replayed on A's inputs; ``stages.entry``: where a divergent
+   container's error enters (the argument carrying a mask or position built above);
+6. ``stages.ops``: the first divergence drilled down to the op and source line;
+7. ``reports.diagnosis``: the report (table, JSON, HTML).
+``record`` runs 1-2 on one revision and writes them to disk; ``diagnose_against`` reads them
+back and runs 3-5 and 7, or hands a decoding's trace to ``pipelines.decoding``.
 """
 
 from __future__ import annotations
@@ -56,7 +38,8 @@ from torchparity.diagnosis.core.run import (
     Models,
     Options,
     backend_name,
-    make_options,
+    backend_pair,
+    shown,
     stream_needed,
 )
 from torchparity.diagnosis.core.trace import (
@@ -119,62 +102,39 @@ def diagnose(
 ) -> DiagnosisReport:
     """Localise where ``model_b`` starts to compute something other than ``model_a``.
 
-    One of the few functions of more than eight parameters: the public keyword API (as
-    ``torch.testing.assert_close``'s), each keyword a field of the
-    :class:`~torchparity.diagnosis.core.run.Options` it makes and passes down whole.
-
-    ``inputs`` is a tuple of positional arguments or a dict of keyword arguments (a single
-    tensor is taken as one positional argument); both models get the same. ``loss_fn(output,
-    inputs)`` gives the scalar that gradients are taken of; by default a fixed random projection
-    of the first floating output (so every output element gets a distinct gradient).
-    ``name_map`` maps A's module names to B's (dict, or ``(regex, replacement)`` pairs);
-    unmapped renamed or fused modules are aligned by call order and output shapes.
-    ``include``/``exclude`` select modules by glob or ``re:`` regex; ``backends=(a, b)`` runs A
-    and B under those attention backends. ``stream=True`` keeps the reference side on disk (a
-    temporary trace) so memory stays bounded on big models; by default it does so when the two
-    models take more than a quarter of the memory available (``stream_needed``). ``local`` says
-    which modules get a local error: ``"diverged"`` (those whose propagated output or gradient
-    diverged, or could not be judged, and with gradients those whose backward ran before the
-    first output gradient that diverges) or ``"all"``. ``progress`` shows a progress bar on stderr
-    (default: when stderr is a terminal). ``dtype=torch.float64`` runs copies of A and B, and the
-    inputs, in float64 against each other with float64 budgets: any change of the math above
-    float64 rounding is localised, also one below the noise of the models' own dtype (when a
-    diagnosis in that dtype finds nothing while B's float64 output departs from A's golden, the
-    summary says so). ``padding`` says which positions of the batch are padding, left out of
-    every judgement and of the default loss: by default what the inputs' 1/0 ``attention_mask``
-    (and ``decoder_attention_mask``) say; a bool (batch, sequence) tensor, True at padding; a
-    dict of them by output path; or ``False`` to judge every position (see
-    :mod:`torchparity.subject.padding`). The report's notes say how many were left out.
-    A's golden is A itself run in float64 module by module, so no copy of A is made.
-    ``compile_b`` (``"dynamic"`` or ``"static"``) runs B by ``torch.compile`` in that form and
-    names the first module whose compiled output leaves its budget; a ``model_b`` that is
-    compiled already (``torch.compile(model)``, ``model.compile()``) is diagnosed so without it
-    (:mod:`torchparity.diagnosis.pipelines.compiled`).
-    The first divergence is drilled down to the op and source line where it enters
-    (:mod:`torchparity.diagnosis.stages.ops`); ``ops`` names another of B's modules to drill into.
-
-    Guarantees: both models, their gradients and the global RNG state are left as they were;
-    every run is seeded identically; each row's verdicts come from
-    :func:`torchparity.compare` with a float64 golden when A can run in float64 (see
-    ``report.meta.golden``); unmatched modules are listed, never dropped.
+    The first module whose local error breaks its budget is where B computes something
+    else; everything after it inherits the error. Both models, their gradients and the RNG
+    state are left as they were; every run is seeded alike; unmatched modules are listed.
 
     Args:
-        model_a: the reference implementation.
-        model_b: the changed one.
-        inputs: a tuple of positional arguments or a dict of keyword arguments.
-        loss_fn: ``loss_fn(output, inputs)``, the scalar gradients are taken of.
-        name_map: A's module names mapped to B's.
+        model_a: the reference implementation; its golden is A itself run in float64
+            module by module (no copy).
+        model_b: the changed one; a compiled one (``torch.compile``) is diagnosed compiled.
+        inputs: a tuple of positional arguments or a dict of keyword arguments (a tensor:
+            one positional argument); both models get the same.
+        loss_fn: ``loss_fn(output, inputs)``, the scalar gradients are taken of (None: a
+            fixed random projection of the first floating output).
+        name_map: A's module names mapped to B's (dict, or ``(regex, replacement)`` pairs);
+            unmapped renamed or fused modules are aligned by call order and output shapes.
         backward: take and judge gradients.
         include: the modules selected (glob or ``re:`` regex).
         exclude: the modules left out.
         backends: the attention backends of A and B.
-        stream: keep the reference side on disk (None: when memory asks for it).
-        local: which modules get a local error, ``"diverged"`` or ``"all"``.
+        stream: keep A's side in a temporary trace on disk (None: when the models take more
+            than a quarter of the free memory).
+        local: ``"diverged"``: a local error for modules whose propagated output or gradient
+            diverged or could not be judged, and those whose backward ran before the first
+            divergent gradient; ``"all"``: every module.
         progress: show a progress bar on stderr (None: when stderr is a terminal).
-        dtype: run copies of both in this dtype (``torch.float64``: float64 budgets).
-        padding: the positions left out (None: the inputs' attention mask; False: none).
-        compile_b: run B by ``torch.compile`` in this form (``"dynamic"``, ``"static"``).
-        ops: B's module to drill down to its ops (None: the first divergence).
+        dtype: run copies of both models and the inputs in this dtype; ``torch.float64``
+            judges with float64 budgets, so a change below the models' own noise is found.
+        padding: the positions left out of every judgement and of the default loss (None:
+            the inputs' 1/0 attention masks; a bool (batch, sequence) tensor, True at
+            padding; a dict of them by output path; False: none; see ``subject.padding``).
+        compile_b: run B by ``torch.compile`` in this form (``"dynamic"``, ``"static"``) and
+            name the first module whose compiled output leaves its budget.
+        ops: B's module to drill down to its ops and source lines (None: the first
+            divergence).
 
     Returns:
         The :class:`~torchparity.diagnosis.reports.diagnosis.DiagnosisReport`.
@@ -182,21 +142,22 @@ def diagnose(
     model_b, compile_b = compile_form(model_b, compile_b)
     if compile_b is not None and model_b is model_a:  # A's replays must stay eager
         model_b = copy.deepcopy(model_b)
-    opts = dataclasses.replace(
-        make_options(backward, loss_fn, include, exclude, backends, progress, local,
-                     padding_of(padding, inputs, model_a)),
-        compile_b=compile_b, name_map=name_map, ops=ops)
+    backend_a, backend_b = backend_pair(backends)
+    opts = Options(include=include, exclude=exclude, backward=bool(backward), loss_fn=loss_fn,
+                   backend_a=backend_a, backend_b=backend_b, progress=shown(progress),
+                   local=local, padding=padding_of(padding, inputs, model_a), dtype=dtype,
+                   compile_b=compile_b, name_map=name_map, ops=ops)
     check_models(model_a=model_a, model_b=model_b)
-    (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
+    (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, opts.dtype)
     if stream is None:
         stream = stream_needed(model_a, model_b)
     with progress_bar(opts.progress) as bar:
         if stream:
             with tempfile.TemporaryDirectory(prefix="torchparity-") as tmp:
                 writer = TraceWriter(Path(tmp) / "reference.tptrace")
-                reference = _reference(model_a, inputs, writer.store, opts, bar, dtype)
+                reference = _reference(model_a, inputs, writer.store, opts, bar)
                 return _diagnose_candidate(reference, model_b, inputs, opts, bar, model_a)
-        reference = _reference(model_a, inputs, MemoryStore(), opts, bar, dtype)
+        reference = _reference(model_a, inputs, MemoryStore(), opts, bar)
         return _diagnose_candidate(reference, model_b, inputs, opts, bar, model_a)
 
 
@@ -218,27 +179,11 @@ def record(
     ops_only: bool = False,
     recorded_by: str | None = None,
 ) -> Path:
-    """Write the reference side of a diagnosis of ``model`` on ``inputs`` to the trace ``path``.
+    """Write the reference side of a diagnosis of ``model`` to the trace ``path``.
 
-    One of the few functions of more than eight parameters: the public keyword API (as
-    ``torch.testing.assert_close``'s), each keyword a field of the
-    :class:`~torchparity.diagnosis.core.run.Options` it makes and passes down whole.
-
-    Run it on the base revision; on the changed revision :func:`diagnose_against` compares a
-    model with it. The trace is a directory of safetensors files plus ``trace.json`` (module
-    tree, parameter and input checksums, settings, each call's input structure). It is written
-    call by call (bounded memory) into a temporary directory that replaces ``path`` only when
-    complete. ``backend`` must be a name here (it is stored in the trace); ``dtype`` and
-    ``padding`` are as in :func:`diagnose`, and :func:`diagnose_against` runs B in the recorded
-    dtype and leaves the recorded padding out. ``ops`` (``"all"`` or module names joined by
-    commas) keeps A's ops of every call of every module, or of those, so that
-    :func:`diagnose_against` drills down to the op
-    (:mod:`torchparity.diagnosis.stages.ops.recorded`). ``ops_only`` writes only what that
-    drill-down reads: the modules' calls' inputs, output gradients and ops (one forward and
-    backward of A, no golden, no replays), as ``diagnose
-    --base`` records the first divergent module (and its caller) at the base.
-    ``recorded_by`` is the command line that records it, kept so that a drill-down missing
-    A's ops can say how to add them.
+    Run it on the base revision; :func:`diagnose_against` judges another one against it. The
+    trace (safetensors files and ``trace.json``) is written call by call into a temporary
+    folder that replaces ``path`` only when complete.
 
     Args:
         model: the model of the base revision.
@@ -248,13 +193,16 @@ def record(
         backward: record gradients.
         include: the modules recorded (glob or ``re:`` regex).
         exclude: the modules left out.
-        backend: the attention backend's name.
+        backend: the attention backend's name (stored in the trace).
         progress: show a progress bar on stderr.
-        dtype: run a copy of the model in this dtype.
-        padding: as in :func:`diagnose`.
-        ops: ``"all"`` or module names joined by commas whose ops are kept.
-        ops_only: keep only what the drill-down of ``ops`` reads.
-        recorded_by: the command line that records it.
+        dtype: run a copy of the model in this dtype; B is run in it too.
+        padding: as in :func:`diagnose`; B's diagnosis leaves the recorded padding out.
+        ops: ``"all"`` or module names joined by commas whose ops are kept at every call,
+            for :func:`diagnose_against` to drill down to the op.
+        ops_only: keep only what that drill-down reads (one forward and backward of A, no
+            golden, no replays), as ``diagnose --base`` records the first divergence.
+        recorded_by: the command line that records it, for a drill-down missing A's ops to
+            say how to add them.
 
     Returns:
         The path.
@@ -268,28 +216,27 @@ def record(
         include, exclude = [f"re:^{re.escape(m)}$" for m in modules], None
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record(backend=...) takes a backend name, which the trace stores")
-    opts = make_options(backward, loss_fn, include, exclude, (backend, None), progress,
-                        padding=padding_of(padding, inputs, model))
+    opts = Options(include=include, exclude=exclude, backward=bool(backward), loss_fn=loss_fn,
+                   backend_a=backend, progress=shown(progress),
+                   padding=padding_of(padding, inputs, model), dtype=dtype)
     check_models(model=model)
     names = [name for name, _ in model.named_modules()]
     unknown = [m for m in modules or [] if ops != "all" and m not in names]
     if unknown:
         raise UsageError(f"--ops {ops}: the model has no module {unknown[0]}; give all or "
                          f"module names joined by commas, such as {names[-1]}")
-    (cast,), cast_inputs = in_dtype([model], inputs, dtype)
+    (cast,), cast_inputs = in_dtype([model], inputs, opts.dtype)
     with TraceWriter(path) as writer:
         with progress_bar(opts.progress) as bar:
             if ops_only:
                 reference = capture_reference(cast, cast_inputs, writer.store, opts, bar)
             else:
-                reference = _reference(cast, cast_inputs, writer.store, opts, bar, dtype)
+                reference = _reference(cast, cast_inputs, writer.store, opts, bar)
                 # The trace must serve any later candidate: every call is replayed now.
                 reference.replay_all(bar)
             missing = [] if ops is None else _keep_ops(reference, cast, modules, opts, bar)
-        meta = dataclasses.replace(trace_meta(reference, model, inputs, opts, dtype),
-                                   recorded_by=recorded_by)
-        if ops is not None:
-            meta = dataclasses.replace(meta, ops=KeptOps(ops, ops_only, missing))
+        meta = trace_meta(reference, model, inputs, opts, recorded_by,
+                          None if ops is None else KeptOps(ops, ops_only, missing))
         return writer.commit(meta.to_json())
 
 
@@ -315,33 +262,16 @@ def diagnose_against(
 ) -> DiagnosisReport | DecodeReport:
     """Diagnose ``model`` (the changed revision) against the trace :func:`record` wrote.
 
-    One of the few functions of more than eight parameters: the public keyword API (as
-    ``torch.testing.assert_close``'s), each keyword a field of the
-    :class:`~torchparity.diagnosis.core.run.Options` it makes and passes down whole.
-
-    ``inputs`` must be the recorded ones (checked by checksum). Propagated errors compare the
-    live run with the recorded golden; local errors replay the recorded module inputs into this
-    model's modules. ``backward`` defaults to whether the trace has gradients; module selection
-    is the recorded one; ``local`` is as in :func:`diagnose`; ``padding`` defaults to the
-    recorded one (see :func:`diagnose`). Weights that differ from the recorded ones are listed
-    in ``report.meta.weights`` (a changed initialisation is not a changed computation).
-    ``compile_b`` and a compiled ``model`` are as in :func:`diagnose`.
-
-    A trace of a decoding (:func:`torchparity.record_decode`) is judged by
-    :func:`torchparity.diagnose_decode_against`, with ``step`` and ``reorder``: ``loss_fn``,
-    ``backward``, ``local`` and ``padding`` are options of a forward pass and go unused there,
-    ``compile_b`` is a usage error. ``decode=True`` asks for a decoding: a trace of a forward
-    pass is then a usage error.
-
-    The first divergence (or B's module ``ops``) is drilled down to the op with A's ops the
-    trace holds (``record(ops=...)``); where it lacks them, ``more_ops(modules)`` (A's module
-    names) returns a trace that holds them (one recorded at the base with ``ops=...``), and
-    without it the report says which command adds them.
+    Propagated errors compare the live run with the recorded golden; local errors replay the
+    recorded inputs into this model's modules, in the recorded dtype and module selection.
+    Weights that differ from the recorded ones are listed in ``report.meta.weights``.
 
     Args:
-        path: the trace :func:`record` (or :func:`torchparity.record_decode`) wrote.
+        path: the trace :func:`record` (or :func:`torchparity.record_decode`) wrote; a
+            decoding's is judged by :func:`torchparity.diagnose_decode_against`, where
+            ``loss_fn``, ``backward``, ``local`` and ``padding`` go unused.
         model: the model of the changed revision.
-        inputs: the recorded inputs.
+        inputs: the recorded inputs (checked by checksum).
         loss_fn: as in :func:`diagnose` (a forward pass's).
         name_map: A's module names mapped to the model's.
         backward: judge gradients (None: whether the trace has them).
@@ -349,12 +279,13 @@ def diagnose_against(
         local: as in :func:`diagnose`.
         progress: show a progress bar on stderr.
         padding: the positions left out (None: the recorded ones).
-        compile_b: as in :func:`diagnose`.
+        compile_b: as in :func:`diagnose` (a usage error with a decoding).
         step: a decoding's step function.
         reorder: a beam search's cache reorder.
         decode: require the trace to be a decoding's.
-        ops: the model's module to drill down to its ops.
-        more_ops: ``more_ops(modules)`` records a trace with A's ops of those modules.
+        ops: the model's module to drill down to its ops, with A's ops the trace holds.
+        more_ops: ``more_ops(modules)`` records a trace with A's ops of those modules where
+            this one lacks them; without it the report says which command adds them.
 
     Returns:
         A :class:`~torchparity.diagnosis.reports.diagnosis.DiagnosisReport`, or a
@@ -368,7 +299,7 @@ def diagnose_against(
         if ops is not None:
             raise UsageError(DECODE_OPS)
         return decode_against(path, model, inputs, DecodeOptions(
-            name_map=name_map, backend_b=backend, progress=progress, step=step,
+            name_map=name_map, backend_b=backend, progress=shown(progress), step=step,
             reorder=reorder, more_ops=more_ops))
     if decode:
         raise UsageError(f"trace {path} records a forward pass, not a decoding; record one "
@@ -384,27 +315,27 @@ def diagnose_against(
     check_recorded_inputs(path, inputs, meta.inputs_digest, "inputs")
     if padding is not None or meta.padding is None:  # else the recorded one
         reference.padding = padding_of(padding, inputs, model)
-    opts = dataclasses.replace(
-        make_options(meta.backward if backward is None else backward, loss_fn,
-                     meta.include, meta.exclude, (meta.backend, backend), progress,
-                     local, reference.padding),
-        compile_b=compile_b, name_map=name_map, ops=ops, more_ops=more_ops)
+    opts = Options(include=meta.include, exclude=meta.exclude,
+                   backward=bool(meta.backward if backward is None else backward),
+                   loss_fn=loss_fn, backend_a=meta.backend, backend_b=backend,
+                   progress=shown(progress), local=local, padding=reference.padding,
+                   dtype=meta.dtype, compile_b=compile_b, name_map=name_map, ops=ops,
+                   more_ops=more_ops)
     check_models(model=model)
     weights = changed_weights(meta.weights, model)
-    dtype = getattr(torch, meta.dtype) if meta.dtype else None
-    (model,), inputs = in_dtype([model], inputs, dtype)
+    (model,), inputs = in_dtype([model], inputs, opts.dtype)
     with progress_bar(opts.progress) as bar:
         report = _diagnose_candidate(reference, model, inputs, opts, bar)
     report.meta = with_weights(report.meta, weights)
     return report
 
 
-def _reference(model: nn.Module, inputs: Inputs, store: Store, opts: Options, bar: ProgressBar,
-               dtype: torch.dtype | None) -> Reference:
+def _reference(model: nn.Module, inputs: Inputs, store: Store, opts: Options, bar: ProgressBar
+               ) -> Reference:
     """Stages 1 and 2: A captured into ``store``, and its float64 golden."""
     reference = add_golden(capture_reference(model, inputs, store, opts, bar), model, inputs,
                            opts, bar)
-    reference.mode = describe_mode(model, dtype, reference.has_golden)
+    reference.mode = describe_mode(model, opts.dtype, reference.has_golden)
     return reference
 
 
@@ -429,7 +360,7 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
     down to the op (with ``model_a`` in this process, else from A's ops in the trace or the
     one ``opts.more_ops`` records), report."""
     if opts.compile_b is None:
-        propagated = judge_propagated(reference, model, inputs, opts.name_map, opts, bar)
+        propagated = judge_propagated(reference, model, inputs, opts, bar)
         alignment = propagated.alignment
         replayed = judge_local(reference, alignment.matches, propagated.rows, model, opts, bar,
                                propagated.changing)
@@ -443,8 +374,7 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
                    bar, with_ops, propagated.changing)
     else:  # each stage per level of B's modules, compiled; the search for an entry replays
         # modules eagerly, which a compiled B does not run
-        propagated, replayed, compiled_note = localise(reference, model, inputs, opts,
-                                                       opts.name_map, bar)
+        propagated, replayed, compiled_note = localise(reference, model, inputs, opts, bar)
         alignment = propagated.alignment
     notes = [] if reference.has_golden else [f"golden: {reference.golden_label}"]
     if reference.padding:

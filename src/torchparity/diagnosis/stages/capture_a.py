@@ -48,7 +48,12 @@ from torchparity.diagnosis.core.trace import (
     pattern_json,
     weight_digests,
 )
-from torchparity.diagnosis.core.trace_meta import DecodeTraceMeta, ForwardTraceMeta, meta_from_json
+from torchparity.diagnosis.core.trace_meta import (
+    DecodeTraceMeta,
+    ForwardTraceMeta,
+    KeptOps,
+    meta_from_json,
+)
 from torchparity.errors import UsageError
 from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep, prompt_rows
 from torchparity.subject.padding import Padding
@@ -116,26 +121,28 @@ def capture_decoding(side: Side, steps: int, tokens: torch.Tensor | None, store:
 
 
 def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
-               dtype: torch.dtype | None) -> ForwardTraceMeta:
+               recorded_by: str | None, ops: KeptOps | None) -> ForwardTraceMeta:
     """What a trace's ``trace.json`` says besides its tensors (``model`` and ``inputs`` as the
-    user gave them, before any cast to ``dtype``)."""
+    user gave them, before any cast to ``opts.dtype``)."""
     return ForwardTraceMeta(
-        **_described(reference, model, inputs, opts, dtype),
+        **_described(reference, model, inputs, opts),
         backward=opts.backward,
         calls=[call_to_json(c) for c in reference.calls],
         states={name: [clock for clock, _ in history]
                 for name, history in reference.states.items()},
         padding=reference.padding.to_json(),
         islands=reference.found_islands() or None,
+        recorded_by=recorded_by,
+        ops=ops,
     )
 
 
 def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts: Options,
-                dtype: torch.dtype | None) -> DecodeTraceMeta:
+                recorded_by: str | None) -> DecodeTraceMeta:
     """What a decoding trace's ``trace.json`` says besides its tensors (arguments as in
     :func:`trace_meta`)."""
     return DecodeTraceMeta(
-        **_described(reference, model, inputs, opts, dtype),
+        **_described(reference, model, inputs, opts),
         steps=reference.steps, tokens=reference.tokens.tolist(),
         greedy=reference.greedy, has_golden=reference.has_golden,
         calls={str(step): [_decode_call_json(c) for c in calls]
@@ -145,11 +152,12 @@ def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts:
         choices=None if reference.choices is None else [
             {"kept": c.kept.tolist(), "ended": c.ended} for c in reference.choices],
         sample=None if reference.sample is None else reference.sample.to_dict(),
+        recorded_by=recorded_by,
     )
 
 
 def _described(reference: Reference | DecodeReference, model: nn.Module, inputs: Any,
-               opts: Options, dtype: torch.dtype | None) -> dict[str, Any]:
+               opts: Options) -> dict[str, Any]:
     """The fields every trace's metadata has: versions, the model and its weights, the
     golden, the settings and the inputs' checksum."""
     import torchparity
@@ -160,7 +168,7 @@ def _described(reference: Reference | DecodeReference, model: nn.Module, inputs:
         "model": type(model).__name__,
         "golden": reference.golden_label,
         "mode": reference.mode,
-        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        "dtype": opts.dtype,
         "backend": opts.backend_a,
         "include": pattern_json(opts.include),
         "exclude": pattern_json(opts.exclude),

@@ -31,7 +31,7 @@ from torchparity.diagnosis.core.judging import (
 from torchparity.diagnosis.core.progress import ProgressBar
 from torchparity.diagnosis.core.reference import Reference, in_float64_islands
 from torchparity.diagnosis.core.results import Result, Row, new_row
-from torchparity.diagnosis.core.run import Options, CapturedRun, run_model
+from torchparity.diagnosis.core.run import CapturedRun, Options, run_model
 from torchparity.diagnosis.core.state import StateRecorder
 from torchparity.diagnosis.core.trace import FINAL
 from torchparity.subject.running import Inputs
@@ -55,13 +55,13 @@ Pairing = Callable[[str], "tuple[tuple[ModuleCall, ...], tuple[str, ...]] | None
 
 
 def judge_propagated(reference: Reference, model: nn.Module, inputs: Inputs,
-                     name_map: NameMap | None, opts: Options, bar: ProgressBar) -> Propagated:
+                     opts: Options, bar: ProgressBar) -> Propagated:
     """Run B whole and judge each aligned module's outputs and gradients as they appear.
 
     Calls are paired by (mapped) name while B runs, and B's calls are aligned with A's once
     it has run; only when that alignment pairs calls by order or fusion, which names cannot
     tell, does B run a second time with them judged."""
-    translate = name_translator(name_map)
+    translate = name_translator(opts.name_map)
     by_name: dict[str, ModuleCall] = {}
     for call in sorted(reference.calls, key=lambda c: c.order):
         by_name.setdefault(call_key(translate(call.name), call.call), call)
@@ -70,7 +70,7 @@ def judge_propagated(reference: Reference, model: nn.Module, inputs: Inputs,
         return ((by_name[b_key],), (b_key,)) if b_key in by_name else None
 
     tracker, run = _run(reference, model, inputs, opts, bar, named)
-    alignment = align(reference.calls, run.calls, name_map)
+    alignment = align(reference.calls, run.calls, opts.name_map)
     if any(m.how in ("order", "fused") for m in alignment.matches):
         groups = {c.key: (m.a, tuple(b.key for b in m.b)) for m in alignment.matches
                   for c in m.b}

@@ -1,26 +1,13 @@
-"""Decoding diagnosis: the first step, and the module, where B's decoding parts from A, and
+"""Decoding diagnosis: the first step and module where B's decoding parts from A, and
 whether each changed token is a near tie or a real change.
 
-The pipeline of a decoding, calling the stages of :mod:`torchparity.diagnosis.pipelines.forward` at
-the steps: A decodes teacher-forced (along its own greedy choices, or any tokens given: what a beam
-search or a seeded sampler produced) with every module captured at every step
-(:mod:`~torchparity.diagnosis.stages.capture_a`), beside a float64 copy of itself fed the same
-tokens (the golden, :mod:`~torchparity.diagnosis.stages.float64_golden`). B is fed the same tokens,
-so a difference at one step cannot change what the next step sees; each step's next-token logits
-are judged against the golden with A's as the baseline
-(:mod:`~torchparity.diagnosis.pipelines.decoding.judging`). At the first step that leaves its
-budget B runs once more with every module captured at that step; its calls are aligned and judged
-(:mod:`~torchparity.diagnosis.stages.propagated`) against that step of the reference, where the
-change enters is named (:mod:`~torchparity.diagnosis.stages.entry`, or the reorder of a beam search)
-and the first divergent module drilled down to its ops (:mod:`~torchparity.diagnosis.stages.ops`).
-
-``diagnose_decode`` does it in one process; ``record_decode`` writes A's side to a trace on the
-base revision and ``diagnose_decode_against`` judges the changed revision against it. Models
-decode through the step protocol of :mod:`torchparity.subject.decoding`: reference models and
-``transformers`` generators need no step of their own. With ``beams`` A runs a beam search and
-every other side follows its parents and tokens
-(:mod:`~torchparity.diagnosis.pipelines.decoding.beams` judges where B would keep other
-hypotheses). No gradients are taken.
+The forward pipeline's stages, at every step: A decodes teacher-forced (its greedy choices,
+given tokens, a beam search or a seeded sampler) with every module captured, beside its
+float64 golden fed the same tokens; B is fed the same tokens, so a difference at one step
+cannot change what the next sees. Each step's logits are judged against the golden
+(``decoding.judging``); at the first step that leaves its budget B runs once more captured,
+aligned and judged, the entry named (or the reorder of a beam search) and the first
+divergent module drilled down to its ops. No gradients are taken.
 """
 
 from __future__ import annotations
@@ -45,7 +32,13 @@ from torchparity.diagnosis.core.decode_reference import (
 )
 from torchparity.diagnosis.core.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.core.reference import describe_mode
-from torchparity.diagnosis.core.run import BackendSpec, Options, backend_name, make_options
+from torchparity.diagnosis.core.run import (
+    BackendSpec,
+    Options,
+    backend_name,
+    backend_pair,
+    shown,
+)
 from torchparity.diagnosis.core.trace import (
     MemoryStore,
     Store,
@@ -97,33 +90,17 @@ STEPS = 8
 
 @dataclass(frozen=True)
 class DecodeOptions(Options):
-    """The settings of one decoding diagnosis: those of every diagnosis (:class:`Options`:
-    module selection, backends, progress, name map) and the decoding's own, made once from
-    the public function's arguments and passed whole (see :func:`diagnose_decode`).
+    """The settings of one decoding diagnosis: :class:`Options` and the decoding's own."""
 
-    Attributes:
-        step: ``step(model, tokens, state) -> (logits, state)`` of A (against a trace: of
-            the model judged), and of B unless ``step_b``; None: the built-in one.
-        step_b: B's step where it differs from A's.
-        steps: the decoding steps after the prompt.
-        tokens: the tokens fed, ``(batch, steps)``; None: A's own choices.
-        rebuild: makes A again where it cannot be deep-copied into float64.
-        beams: A's beam search, whose parents and tokens every other side follows.
-        reorder: A's reorder of its cache in a beam search (against a trace: the judged
-            model's), and B's unless ``reorder_b``; None: the built-in one.
-        reorder_b: B's reorder where it differs from A's.
-        sample: A's seeded sampling.
-    """
-
-    step: StepFn | None = None
-    step_b: StepFn | None = None
-    steps: int = STEPS
-    tokens: torch.Tensor | None = None
-    rebuild: Callable[[], nn.Module] | None = None
-    beams: BeamSettings | None = None
-    reorder: ReorderFn | None = None
-    reorder_b: ReorderFn | None = None
-    sample: SampleSettings | None = None
+    step: StepFn | None = None  # A's (against a trace: the judged model's); None: built-in
+    step_b: StepFn | None = None  # B's where it differs from A's
+    steps: int = STEPS  # after the prompt
+    tokens: torch.Tensor | None = None  # fed, (batch, steps); None: A's own choices
+    rebuild: Callable[[], nn.Module] | None = None  # A again, where deepcopy fails
+    beams: BeamSettings | None = None  # A's beam search, which every other side follows
+    reorder: ReorderFn | None = None  # A's cache reorder (against a trace: the judged model's)
+    reorder_b: ReorderFn | None = None  # B's where it differs from A's
+    sample: SampleSettings | None = None  # A's seeded sampling
 
 
 @with_older_objects_frozen
@@ -150,38 +127,26 @@ def diagnose_decode(
 ) -> DecodeReport:
     """Decode A and B along the same tokens and report where B parts from A.
 
-    One of the few functions of more than eight parameters: the public keyword API (as
-    ``torch.testing.assert_close``'s), each keyword a field of the :class:`DecodeOptions`
-    it makes and passes down whole.
-
-    ``inputs`` is the prompt as the model takes it (the first call of the step); ``step``
-    (``step_b`` for B when it differs) is ``step(model, tokens, state) -> (logits, state)``,
-    by default the built-in one of reference models and ``transformers`` generators. Step 0
-    runs the prompt, steps 1 to ``steps`` feed ``tokens`` ``(batch, steps)``, by default A's
-    greedy choices. ``model_b=None`` compares A's cached decoding with its own full recompute
-    (the check of a cache; built-in steps only). ``name_map``, ``include``/``exclude``,
-    ``backends`` and ``dtype`` are as in :func:`torchparity.diagnose`; ``rebuild()`` makes A
-    again when it cannot be deep-copied into float64.
-
-    Guarantees: A, B, the golden and B's float64 copy see identical tokens;
-    ``report.first_step`` is None or the first step whose logits break their budget,
-    ``report.rows`` then judge every aligned module at that step; every first token flip per
-    sequence is in ``report.flips`` with its verdict. No gradients are taken.
+    A, B, the golden and B's float64 copy see identical tokens; ``report.first_step`` is the
+    first step whose logits break their budget (or None), ``report.rows`` judge every aligned
+    module there, and every sequence's first token flip is in ``report.flips``.
 
     Args:
         model_a: the reference implementation.
-        model_b: the changed one, or None to compare A's cached decoding with its recompute.
+        model_b: the changed one, or None to compare A's cached decoding with its full
+            recompute (the check of a cache; built-in steps only).
         inputs: the prompt, as the step's first call takes it.
-        step: A's step (and B's, unless ``step_b``); None: the built-in one.
+        step: ``step(model, tokens, state) -> (logits, state)`` of A (and B, unless
+            ``step_b``); None: the built-in one of reference and ``transformers`` models.
         step_b: B's step where it differs.
-        steps: the decoding steps after the prompt.
+        steps: the decoding steps after the prompt (step 0 runs the prompt).
         tokens: the tokens fed ``(batch, steps)``; None: A's greedy choices.
-        name_map: A's module names mapped to B's.
+        name_map: as in :func:`torchparity.diagnose`.
         include: the modules captured (glob or ``re:`` regex).
         exclude: the modules left out.
         backends: the attention backends of A and B.
         progress: show a progress bar on stderr.
-        dtype: run copies of both in this dtype.
+        dtype: as in :func:`torchparity.diagnose`.
         rebuild: makes A again where it cannot be deep-copied into float64.
         beams: A's beam search, which every other side follows.
         reorder: A's cache reorder of a beam search (and B's, unless ``reorder_b``).
@@ -200,19 +165,21 @@ def diagnose_decode(
                              "pass model_b")
         model_b, step_b, step = model_a, step_b or _step_of(model_a, None), step_a
     inputs = _prompt(inputs, beams, sample, tokens, cut)
-    opts = _decoding(make_options(False, None, include, exclude, backends, progress),
-                     name_map=name_map, step=step, step_b=step_b, steps=steps, tokens=tokens,
-                     rebuild=rebuild, beams=beams, reorder=reorder, reorder_b=reorder_b,
-                     sample=sample)
+    backend_a, backend_b = backend_pair(backends)
+    opts = DecodeOptions(include=include, exclude=exclude, backward=False,
+                         backend_a=backend_a, backend_b=backend_b, progress=shown(progress),
+                         dtype=dtype, name_map=name_map, step=step, step_b=step_b,
+                         steps=steps, tokens=tokens, rebuild=rebuild, beams=beams,
+                         reorder=reorder, reorder_b=reorder_b, sample=sample)
     check_models(model_a=model_a, model_b=model_b)
-    (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, dtype)
+    (model_a, model_b), inputs = in_dtype([model_a, model_b], inputs, opts.dtype)
     side_a = Side(model_a, inputs, _step_of(model_a, opts.step), opts.backend_a,
                   opts.reorder or builtin_reorder(model_a))
     side_b = Side(model_b, inputs, _step_of(model_b, opts.step_b or opts.step), opts.backend_b,
                   opts.reorder_b or opts.reorder or builtin_reorder(model_b))
     with progress_bar(opts.progress) as bar:
         reference = _reference(side_a, MemoryStore(), opts, bar)
-        reference.mode = describe_mode(model_a, dtype, reference.has_golden)
+        reference.mode = describe_mode(model_a, opts.dtype, reference.has_golden)
         report = judge_candidate(reference, side_b, opts, bar, cut=cut)
         row = report.first_module
         if row is not None and not cut:
@@ -242,41 +209,19 @@ def record_decode(
     ops: str | None = None,
     recorded_by: str | None = None,
 ) -> Path:
-    """Write A's side of a decoding diagnosis to the trace ``path`` (run it on the base
-    revision; :func:`diagnose_decode_against` judges another revision against it).
+    """Write A's side of a decoding diagnosis to the trace ``path`` (on the base revision).
 
-    One of the few functions of more than eight parameters: the public keyword API, each
-    keyword a field of the :class:`DecodeOptions` it makes and passes down whole.
-
-    The trace holds, per step, A's and the golden's next-token logits and every module call's
-    outputs, inputs and the state it read, and the tokens fed (``steps`` of them, A's greedy
-    choices, ``tokens``, A's samples with ``sample``, or A's beam search with ``beams``, with
-    its parents). Written into a
-    temporary directory that replaces ``path`` only when complete. Arguments as in
-    :func:`diagnose_decode`; ``backend`` must be a name. ``ops`` (``MODULE[,MODULE]``) also
-    keeps A's ops of each module's first call at every step (one more decoding of A per
-    module), so that :func:`diagnose_decode_against` drills down to the op. ``recorded_by``
-    is the command line that records it, kept so that a drill-down missing A's ops can say
-    how to add them.
+    Per step it holds A's and the golden's logits, every call's inputs, outputs and the state
+    it read, and the tokens fed (with a beam search's parents); it replaces ``path`` only
+    when complete. Arguments as in :func:`diagnose_decode`, and:
 
     Args:
-        model: the model of the base revision.
-        inputs: the prompt.
         path: the trace's folder.
-        step: the model's step (None: the built-in one).
-        steps: the decoding steps after the prompt.
-        tokens: the tokens fed ``(batch, steps)``; None: A's own choices.
-        include: the modules recorded (glob or ``re:`` regex).
-        exclude: the modules left out.
-        backend: the attention backend's name.
-        progress: show a progress bar on stderr.
-        dtype: run a copy of the model in this dtype.
-        rebuild: makes the model again where it cannot be deep-copied into float64.
-        beams: a beam search.
-        reorder: the cache reorder of a beam search.
-        sample: a seeded sampling.
-        ops: ``MODULE[,MODULE]`` whose ops are kept at every step.
-        recorded_by: the command line that records it.
+        backend: the attention backend's name (stored in the trace).
+        ops: ``MODULE[,MODULE]`` whose first call's ops are kept at every step (one more
+            decoding of A per module), for :func:`diagnose_decode_against` to drill down.
+        recorded_by: the command line that records it, for a drill-down missing A's ops to
+            say how to add them.
 
     Returns:
         The path.
@@ -284,26 +229,27 @@ def record_decode(
     if backend is not None and not isinstance(backend, str):
         raise UsageError("record_decode(backend=...) takes a backend name, which the trace "
                          "stores")
-    opts = _decoding(make_options(False, None, include, exclude, (backend, None), progress),
-                     step=step, steps=steps, tokens=tokens, rebuild=rebuild, beams=beams,
-                     reorder=reorder, sample=sample, ops=ops)
+    opts = DecodeOptions(include=include, exclude=exclude, backward=False, backend_a=backend,
+                         progress=shown(progress), dtype=dtype, step=step, steps=steps,
+                         tokens=tokens, rebuild=rebuild, beams=beams, reorder=reorder,
+                         sample=sample, ops=ops)
     check_models(model=model)
     modules = _ops_modules(model, ops)
-    (cast,), cast_inputs = in_dtype([model], _prompt(inputs, beams, sample, tokens), dtype)
+    (cast,), cast_inputs = in_dtype([model], _prompt(inputs, beams, sample, tokens),
+                                    opts.dtype)
     with TraceWriter(path) as writer:
         with progress_bar(opts.progress) as bar:
             side = Side(cast, cast_inputs, _step_of(cast, opts.step), opts.backend_a,
                         opts.reorder or builtin_reorder(cast))
             reference = _reference(side, writer.store, opts, bar)
-            reference.mode = describe_mode(cast, dtype, reference.has_golden)
+            reference.mode = describe_mode(cast, opts.dtype, reference.has_golden)
             for module in modules:
                 done = bar.phase(f"A: decoding again, the ops of {module} at every step")
                 kept = ops_at_steps(side, reference, module, range(reference.steps + 1))
                 for at, ops_at in kept.items():
                     put_side(writer.store, step_key(module, at), ASide(ops_at, {}))
                 done()
-        meta = decode_meta(reference, model, inputs, opts, dtype)
-        return writer.commit(dataclasses.replace(meta, recorded_by=recorded_by).to_json())
+        return writer.commit(decode_meta(reference, model, inputs, opts, recorded_by).to_json())
 
 
 @with_older_objects_frozen
@@ -318,19 +264,16 @@ def diagnose_decode_against(
     progress: bool | None = None,
     reorder: ReorderFn | None = None,
 ) -> DecodeReport:
-    """Judge ``model`` (the changed revision) decoding along the tokens of the trace
-    :func:`record_decode` wrote.
+    """Judge ``model`` decoding along the tokens of the trace :func:`record_decode` wrote.
 
-    ``inputs`` must be the recorded prompt (checked by checksum); the module selection and
-    dtype are the recorded ones. Weights that differ from the recorded ones are listed in
-    ``report.meta.weights``. The first divergent module is drilled down to the op at the
-    first divergent step with A's ops the trace holds (``record_decode(ops=)``); where it
-    lacks them, a note says which command adds them.
+    The module selection and dtype are the recorded ones; weights that differ from the
+    recorded ones are listed in ``report.meta.weights``; where the trace lacks A's ops of the
+    first divergence, a note says which command adds them.
 
     Args:
         path: the trace.
-        model: the model judged.
-        inputs: the recorded prompt.
+        model: the model judged (the changed revision).
+        inputs: the recorded prompt (checked by checksum).
         step: the model's step (None: the built-in one).
         name_map: A's module names mapped to the model's.
         backend: the model's attention backend.
@@ -341,27 +284,23 @@ def diagnose_decode_against(
         The :class:`DecodeReport`.
     """
     return decode_against(path, model, inputs, DecodeOptions(
-        name_map=name_map, backend_b=backend, progress=progress, step=step, reorder=reorder))
+        name_map=name_map, backend_b=backend, progress=shown(progress), step=step,
+        reorder=reorder))
 
 
 def decode_against(path: str | Path, model: nn.Module, inputs: Any,
                    options: DecodeOptions) -> DecodeReport:
-    """:func:`diagnose_decode_against` with its settings in ``options``, of which it reads
-    ``name_map``, ``backend_b``, ``progress``, ``step``, ``reorder`` and ``more_ops``:
-    ``more_ops(modules)`` returns a trace that holds A's ops where this one lacks them (one
-    recorded at the base, ``diagnose --base``)."""
+    """:func:`diagnose_decode_against` with its settings in ``options`` (``more_ops``: see
+    :class:`Options`)."""
     reference, meta = open_decode_reference(path)
     check_recorded_inputs(path, inputs, meta.inputs_digest, "prompt")
-    opts = _decoding(make_options(False, None, meta.include, meta.exclude,
-                                  (meta.backend, options.backend_b), options.progress),
-                     name_map=options.name_map, step=options.step, reorder=options.reorder,
-                     more_ops=options.more_ops)
+    opts = dataclasses.replace(options, include=meta.include, exclude=meta.exclude,
+                               backward=False, backend_a=meta.backend, dtype=meta.dtype)
     check_models(model=model)
     weights = changed_weights(meta.weights, model)
-    dtype = getattr(torch, meta.dtype) if meta.dtype else None
     if reference.beams is not None:
         inputs = expand_prompt(inputs, reference.beams.beams)
-    (model,), inputs = in_dtype([model], inputs, dtype)
+    (model,), inputs = in_dtype([model], inputs, opts.dtype)
     side = Side(model, inputs, _step_of(model, opts.step), opts.backend_b,
                 opts.reorder or builtin_reorder(model))
     with progress_bar(opts.progress) as bar:
@@ -382,13 +321,6 @@ def decode_against(path: str | Path, model: nn.Module, inputs: Any,
                 _drill_down(report, side, reference, bar, lambda: kept.steps)
     report.meta = with_weights(report.meta, weights)
     return report
-
-
-def _decoding(shared: Options, **decoding: Any) -> DecodeOptions:
-    """The checked settings ``shared`` with the decoding's own (fields of
-    :class:`DecodeOptions`)."""
-    fields = {f.name: getattr(shared, f.name) for f in dataclasses.fields(Options)}
-    return DecodeOptions(**{**fields, **decoding})
 
 
 def _reference(side: Side, store: Store, opts: DecodeOptions, bar: ProgressBar

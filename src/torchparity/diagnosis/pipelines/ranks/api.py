@@ -1,36 +1,20 @@
-"""A diagnosis of a sharded model across the ranks of ``torchrun``: against a trace of the
-model recorded in one process (``diagnose ENTRY --nproc N --against TRACE``, how a sharding bug
-is found), or against another model sharded alike (``diagnose A B --nproc N``, for models no
-process holds whole).
+"""A diagnosis of a sharded model across the ranks of ``torchrun``: against a trace
+recorded in one process (``--nproc N --against TRACE``, how a sharding bug is found), or
+against another model sharded alike (``diagnose A B --nproc N``).
 
-Every rank runs B, the factory's model sharded by its own plan, forward on A's inputs with a
-hook on each module (:mod:`~torchparity.diagnosis.pipelines.ranks.runs`) that keeps each output as
-the rank holds it: a DTensor its part only. The ranks then judge the calls every rank made one at
-a time, in the order they finished (children before parents;
-:func:`~torchparity.diagnosis.pipelines.ranks.judging.first_divergence`): each rank makes the call's
-DTensors whole (a collective), rank 0 gathers that call's outputs from every rank, judges them
-and tells every rank whether to go on. The first module whose output leaves its budget on
-some rank, or whose copies differ between ranks, is the first divergence, which every rank
-stops at, said once by rank 0 with the ranks where it shows
-(:mod:`~torchparity.diagnosis.pipelines.ranks.report`). So no rank holds more than its own outputs'
-parts and one call's whole outputs, rank 0 one call's of every rank.
+Every rank runs B sharded by its plan on A's inputs, keeping each output as it holds it
+(``ranks.runs``). The calls every rank made are judged one at a time, children before
+parents (``ranks.judging.first_divergence``): each rank makes the call's DTensors whole,
+rank 0 gathers and judges them and tells every rank whether to go on, so no rank holds more
+than its parts and one call's whole outputs. The first module that leaves its budget on some
+rank, or whose copies differ between ranks, is said once by rank 0 (``ranks.report``).
 
-Against a trace, each rank's output is judged against A's recorded whole one; where every rank
-holds a plain slice of it along one dimension (a column-parallel output kept local), the slices
-joined in rank order are judged, and outputs that are neither are not judged. Against a model,
-A and its float64 golden run sharded by A's plan, and each rank's output of B is judged against
-that rank's of A and of the golden: the plans must shard alike (where one keeps a column's
-slices local and the other gathers them, the slices are joined), and a call whose outputs fit
-neither layout is not judged.
-
-Unless ``backward`` is off, B (and A and the golden, against a model) also runs backward from
-A's loss, and each rank judges its own shards of each module's parameter gradients against its
-shards of A's and the golden's (against a trace: cut from the recorded whole ones as B's are
-cut): no gradient is gathered, only the verdicts are. A gradient divergence is reported where
-the forward has none (past one, every gradient inherits it).
-
-Local errors (module replays) are not computed across ranks.
-"""
+Against a trace an output is judged against A's recorded whole one (plain slices along one
+dimension joined in rank order; other layouts not judged); against a model, each rank's B
+against that rank's A and golden, sharded by A's plan (the plans must shard alike).
+Unless ``backward`` is off, each rank judges its own shards of every parameter gradient
+(against a trace: cut from the recorded whole ones); only verdicts are gathered, and a
+gradient divergence is reported where the forward has none. No local errors across ranks."""
 
 from __future__ import annotations
 
@@ -40,7 +24,8 @@ from typing import Any
 
 import torch
 
-from torchparity.diagnosis.stages.capture_a import open_reference
+from torchparity.diagnosis.core.run import GOLDEN_DTYPE, default_loss
+from torchparity.diagnosis.core.trace import check_recorded_inputs
 from torchparity.diagnosis.pipelines.ranks.judging import (
     GradVerdict,
     Judge,
@@ -54,8 +39,7 @@ from torchparity.diagnosis.pipelines.ranks.judging import (
 )
 from torchparity.diagnosis.pipelines.ranks.report import RankDivergence, RankReport
 from torchparity.diagnosis.pipelines.ranks.runs import RankRun, sharded_run, whole_call
-from torchparity.diagnosis.core.run import GOLDEN_DTYPE, default_loss
-from torchparity.diagnosis.core.trace import check_recorded_inputs
+from torchparity.diagnosis.stages.capture_a import open_reference
 from torchparity.distributed import group
 from torchparity.subject import Subject
 from torchparity.subject.trees import flatten_tensors
@@ -67,12 +51,11 @@ PAST_A_DIVERGENCE = ("Gradients are not judged past a forward divergence: each o
 
 def diagnose_across_ranks(trace: Path, subject: Subject, *, backward: bool = True
                           ) -> RankReport | None:
-    """Run ``subject`` sharded on every rank against ``trace``, forward and, with ``backward``
-    where the trace has gradients, backward from the loss the trace's were taken of; rank 0's
-    report (None on the other ranks). Every rank must call it."""
+    """``subject`` sharded on every rank judged against ``trace`` (backward where the trace has
+    gradients); rank 0's report, None elsewhere. Every rank must call it."""
     reference, meta = open_reference(trace)
     check_recorded_inputs(trace, subject.inputs, meta.inputs_digest, "inputs")
-    dtype = getattr(torch, meta.dtype) if meta.dtype else _dtype_of(subject)
+    dtype = meta.dtype or _dtype_of(subject)
     with_grads = backward and meta.backward
 
     def loss(output: Any, inputs: Any) -> torch.Tensor:
@@ -100,9 +83,8 @@ def diagnose_across_ranks(trace: Path, subject: Subject, *, backward: bool = Tru
 
 def diagnose_pair_across_ranks(subject_a: Subject, subject_b: Subject, entry_a: str, *,
                                backward: bool = True) -> RankReport | None:
-    """Run A (``subject_a``, its float64 golden too) and B sharded by their plans on every
-    rank, both on A's inputs, forward and, with ``backward``, backward from A's loss; rank 0's
-    report (None on the other ranks). Every rank must call it."""
+    """A (with its float64 golden) and B sharded by their plans on A's inputs, judged on every
+    rank; rank 0's report, None elsewhere. Every rank must call it."""
     inputs = subject_a.inputs
 
     def loss(output: Any, cast: Any) -> torch.Tensor | str:
@@ -142,10 +124,8 @@ def _say_grads(report: RankReport, grads: tuple[int, RankDivergence | None] | No
 
 def _streamed(keys: list[str], held: Callable[[str], Any], judge: Judge
               ) -> tuple[int, RankDivergence | None]:
-    """The first divergence over the calls of ``keys`` (this rank's, in finishing order) that
-    every rank made, judged one at a time on rank 0
-    (:func:`~torchparity.diagnosis.pipelines.ranks.judging.first_divergence`). Every rank must call
-    it."""
+    """The first divergence over the calls of ``keys`` that every rank made, judged one at a
+    time on rank 0. Every rank must call it."""
     return first_divergence(_agreed(keys), held, judge, _at_rank_zero, _said_by_rank_zero)
 
 
@@ -171,11 +151,8 @@ def _said_by_rank_zero(value: Any) -> Any:
 
 def _grad_divergence(verdicts: list[GradVerdict], b: RankRun
                      ) -> tuple[int, RankDivergence | None] | None:
-    """On rank 0, how many modules' gradients every rank judged (``verdicts``, this rank's)
-    and the first that diverges
-    (:func:`~torchparity.diagnosis.pipelines.ranks.judging.first_grad_divergence`); None on the
-    other ranks. Every rank must call it: B's gradients of a module whose copies disagree between
-    ranks are gathered to say by how much."""
+    """On rank 0, how many modules' gradients were judged and the first that diverges (None
+    elsewhere). Every rank must call it: gradients whose copies disagree are gathered."""
     everyone = _at_rank_zero(verdicts)
     found = None if everyone is None else first_grad_divergence(everyone)
     flagged = _said_by_rank_zero(None if found is None else found[2])
