@@ -10,14 +10,21 @@ import torch
 
 from torchparity.dtypes import dtype_name
 from torchparity.errors import UsageError
+from torchparity.golden.store import GOLDEN_DIR_ENV
 from torchparity.revisions.base import BaseSide
 from torchparity.revisions.cache import CACHE_ENV
 
 if TYPE_CHECKING:
     from torchparity.subject import Subject
 
-__all__ = ["add_base_arguments", "add_report_arguments", "base_side", "dtype_name",
-           "resolve_device"]
+__all__ = ["GOLDEN_DIR_HELP", "add_base_arguments", "add_report_arguments", "base_side",
+           "dtype_name", "resolve_device"]
+
+#: Where ``--golden-dir`` defaults (``default_golden_dir``, and ``user_golden_dir`` for --model).
+GOLDEN_DIR_HELP = (f"folder of the goldens (default: ${GOLDEN_DIR_ENV}, else with --model golden/ "
+                   "in the working directory, else golden/ of the torchparity source tree around "
+                   "the working directory or torchparity is imported from, else the goldens "
+                   "shipped in the installed package)")
 
 
 def resolve_device(name: str | None) -> str:

@@ -8,10 +8,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from torchparity.commands.check import GOLDEN_DIR_HELP
-from torchparity.commands.common import refuse_zoo_across_ranks
+from torchparity.commands.common import GOLDEN_DIR_HELP, refuse_zoo_across_ranks
+from torchparity.distributed import ranks
 from torchparity.errors import UsageError
-from torchparity.golden import sharded
 from torchparity.golden.cases import OUTPUT_KINDS, write_case
 from torchparity.golden.cell_selection import select_cases
 from torchparity.golden.cells import CheckResult
@@ -56,11 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "factory's parallelize plan, in float64 (starts torchrun; inside "
                              "your own torchrun leave it out); they check with any number of "
                              "ranks")
-    for sub in (update, verify):
-        sub.add_argument("--golden-dir", metavar="DIR",
-                         help=GOLDEN_DIR_HELP + "; for --model: $TORCHPARITY_GOLDEN_DIR, else "
-                                                "golden/ in the working directory")
-    show.add_argument("--golden-dir", metavar="DIR", help=GOLDEN_DIR_HELP)
+    for sub in (update, verify, show):
+        sub.add_argument("--golden-dir", metavar="DIR", help=GOLDEN_DIR_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True)
     refuse_zoo_across_ranks(args, getattr(args, "cases", None))
     if getattr(args, "model", None):
-        launched = sharded.start(getattr(args, "nproc", None), args._argv)
+        launched = ranks.start(getattr(args, "nproc", None), args._argv)
         if launched is not None:
             return launched
         if args.cases:

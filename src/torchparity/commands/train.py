@@ -49,16 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=backends.names(),
                         help="attention backend (default manual; with --model the model's "
                              "own attention)")
-    parser.add_argument("--dtype", default="fp32", type=dtype_name,
-                        choices=list(DTYPE_MODES),
+    parser.add_argument("--dtype", default="fp32", type=dtype_name, choices=list(DTYPE_MODES),
                         help="fp64, fp32 (TF32 off), tf32, bf16 or fp16 (autocast with fp32 "
                              "master weights; fp16 with a grad scaler); default fp32")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--batch-size", type=int, default=_DEFAULTS.batch_size,
                         help=f"sequences per optimizer step (default {_DEFAULTS.batch_size})")
-    parser.add_argument("--accum", type=int, default=1,
-                        help="gradient accumulation micro-steps (default 1)")
+    parser.add_argument("--accum", type=int, default=1, help="micro-steps accumulated (default 1)")
     parser.add_argument("--lr", type=float, default=_DEFAULTS.lr,
                         help=f"peak learning rate (default {_DEFAULTS.lr})")
     parser.add_argument("--warmup", type=int, default=_DEFAULTS.warmup_steps,
@@ -66,13 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clip", type=float, default=_DEFAULTS.clip_norm,
                         help=f"gradient clipping norm, 0 for none (default {_DEFAULTS.clip_norm})")
     parser.add_argument("--normalization", default="tokens", choices=NORMALIZATIONS,
-                        help="divide the summed loss by target tokens or sentences (default "
-                             "tokens)")
+                        help="divide the loss sum by target tokens or sentences (default tokens)")
     parser.add_argument("--task", default=_DEFAULTS.task,
                         help="copy, reverse, sort or mixed (default mixed)")
     parser.add_argument("--seed", type=int, default=0, help="weights and data seed (default 0)")
-    parser.add_argument("--log-every", type=int, default=10,
-                        help="log line every N steps (default 10)")
+    parser.add_argument("--log-every", type=int, default=10, help="log every N steps (default 10)")
     parser.add_argument("--nproc", type=int,
                         help="processes under torchrun (gloo on the CPU, nccl on CUDA; default "
                              "1, or 2 with --parallel)")
@@ -93,21 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="diagnose the first diverging step (--model: its stage, and "
                              "with --base REV its module and op; --nproc: the first module "
                              "that differs from one process)")
-    parser.add_argument("--update-golden", action="store_true",
-                        help="(re)write the float64 trajectory and the noise band: --case, "
-                             "golden/<case>/trajectory_<dtype> for fp32 and bf16; --model, "
-                             "golden/<model>/trajectory_<dtype> for --dtype")
-    parser.add_argument("--golden-dir", help="golden folder (default: $TORCHPARITY_GOLDEN_DIR, "
-                                             "else with --model golden/ in the working "
-                                             "directory, with --case golden/ of the "
-                                             "torchparity source tree around the working "
-                                             "directory or imported from)")
+    parser.add_argument("--update-golden", action="store_true", help="(re)write golden/<name>/"
+                        "trajectory_<dtype> (--case: fp32, bf16; --model: --dtype): float64, band")
+    parser.add_argument("--golden-dir", metavar="DIR", help="golden folder (default: "
+                        "$TORCHPARITY_GOLDEN_DIR, else with --model golden/ in the working "
+                        "directory, else golden/ of the torchparity source tree)")
     parser.add_argument("--json", metavar="PATH", help="write trajectory and verdict as JSON")
     add_base_arguments(parser, "there `torchparity train --update-golden` makes the golden "
-                               "trajectory and noise band the run here is judged against: "
-                               "with --model, of the base's model and recipe (any git "
-                               "repository); with --case and --check, of the zoo case (REV "
-                               "must then be a revision of torchparity's source)")
+                               "trajectory the run is judged against: of --model (REV of any "
+                               "repository), or of --case with --check (REV of torchparity)")
 
 
 def run(args: argparse.Namespace) -> int:
