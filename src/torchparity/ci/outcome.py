@@ -20,6 +20,7 @@ from torchparity.diagnosis.core.results import (
 )
 from torchparity.diagnosis.pipelines.decoding import DecodeReport
 from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
+from torchparity.diagnosis.reports.sentence import inherited_from
 from torchparity.golden.cells import OWN_FLOAT64, Cell, CheckResult
 from torchparity.golden.report import budget_share
 
@@ -281,7 +282,7 @@ def _module_case(row: Row, rows: list[Row], first: Row | None) -> Case:
                         skipped="its output in B's own run diverged and its own local error "
                                 "is unknown: its replay on A's inputs failed")
         own = "not computed" if local is None else local.verdict
-        source = (f"; it enters at {module_label(first.module)}" if first is not None and
+        source = (f"; {inherited_from(first.module)}" if first is not None and
                   first is not row else "")
         return Case("torchparity.diagnose", name, propagated.verdict, True,
                     note=f"inherited: its output in B's own run diverged "

@@ -114,16 +114,6 @@ class Entry:
     detail: str
     via: str = "argument"  # "state": what the module keeps (a cache on itself); "code": none
 
-    def __str__(self) -> str:
-        return f"{module_label(self.module)} {self.via} {self.argument} ({self.detail})"
-
-    def sentence(self) -> str:
-        """``It enters through its state k_cache (holds ...).``, or that the change is in the
-        module's own code when neither its arguments nor its state differ."""
-        if self.via == "code":
-            return f"The change is in the module's own code: {self.detail}."
-        return f"It enters through its {self.via} {self.argument} ({self.detail})."
-
 
 @dataclass
 class Bounded:

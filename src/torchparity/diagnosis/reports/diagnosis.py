@@ -12,11 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from torchparity.comparison.tensor import json_safe
-from torchparity.diagnosis.reports.columns import Line, layout, print_lines
-from torchparity.diagnosis.reports.folding import FOLD_ABOVE, Fold, folded
-from torchparity.diagnosis.reports.html import diagnosis_html_page, layer_groups
 from torchparity.diagnosis.core.reference import golden_warning
-from torchparity.diagnosis.reports.meta import AttributionMeta, DiagnosisMeta
 from torchparity.diagnosis.core.results import (
     NotCompared,
     Result,
@@ -29,6 +25,15 @@ from torchparity.diagnosis.core.results import (
     share_cell,
     structure_difference,
     unknown_local,
+)
+from torchparity.diagnosis.reports.columns import Line, layout, print_lines
+from torchparity.diagnosis.reports.folding import FOLD_ABOVE, Fold, folded
+from torchparity.diagnosis.reports.html import diagnosis_html_page, layer_groups
+from torchparity.diagnosis.reports.meta import AttributionMeta, DiagnosisMeta
+from torchparity.diagnosis.reports.sentence import (
+    backward_sentence,
+    entered_at,
+    entry_note,
 )
 from torchparity.text import print_paragraph
 
@@ -138,7 +143,7 @@ class DiagnosisReport(Report):
                          f"{what}.")
             found = first.ops is not None and first.ops.answer is not None
             if first.entry is not None and not found:
-                parts.append(f"It enters at {first.entry}.")
+                parts.append(entered_at(first.entry))
             if first.ops is not None and ops:
                 parts.append(first.ops.sentence(first.entry))
         if self.meta.backward:
@@ -149,7 +154,7 @@ class DiagnosisReport(Report):
                          ("." if follows is None else
                           f", which follows from the forward divergence of {follows.module}."))
             if grad is not None and grad.grad_ops is not None and ops:
-                parts.append(f"In its backward pass: {grad.grad_ops.sentence()}")
+                parts.append(backward_sentence(grad.grad_ops.sentence()))
         structural = self.structure_only
         if structural:
             where = structural[0]
@@ -323,7 +328,7 @@ class DiagnosisReport(Report):
             if shown is not None and index not in shown:
                 continue
             if r.entry is not None and (r.ops is None or r.ops.answer is None):
-                lines.append(f"{module_label(r.module)}: the divergence enters at {r.entry}")
+                lines.append(entry_note(r.module, r.entry))
             lines += [f"{module_label(r.module)}: {shape_difference(d)}" for d in r.shapes]
             lines += [f"{module_label(r.module)}: structure differs at {structure_difference(d)}"
                       for d in r.structure]
@@ -476,13 +481,12 @@ def _ops_lines(row: Row, width: int) -> tuple[tuple[str, str | None], ...]:
     """The op tables of a row drilled down (forward, backward), each closed by its sentence
     wrapped at spaces (a path is never cut)."""
     lines = []
-    for ops, lead, entry in ((row.ops, "", row.entry),
-                             (row.grad_ops, "In its backward pass: ", None)):
+    for ops, backward in ((row.ops, False), (row.grad_ops, True)):
         if ops is not None:
+            said = backward_sentence(ops.sentence()) if backward else ops.sentence(row.entry)
             lines += ops.table_lines(width)
             lines += [(f" {text}", "bold") for text in textwrap.wrap(
-                lead + ops.sentence(entry), width - 1, break_long_words=False,
-                break_on_hyphens=False)]
+                said, width - 1, break_long_words=False, break_on_hyphens=False)]
             lines += [(f" {text}", None) for text in textwrap.wrap(
                 ops.built_sentence(), width - 1, break_long_words=False,
                 break_on_hyphens=False)]

@@ -27,6 +27,7 @@ from torchparity.diagnosis.core.results import (
     share_cell,
     structure_difference,
 )
+from torchparity.diagnosis.reports.sentence import entry_mark
 
 CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 2em; color: #222; }
@@ -201,7 +202,7 @@ def _html_row(report: Any, index: int, heads: list[str]) -> str:
         classes.append("identical")  # greyed only when nothing in the row diverged
     name = "&nbsp;" * 2 * r.depth + html.escape(module_label(r.module))
     if r.entry is not None:
-        name += f"<br><span class='entry'>enters at {html.escape(str(r.entry))}</span>"
+        name += f"<br><span class='entry'>{html.escape(entry_mark(r.entry))}</span>"
     for d in r.shapes:
         name += f"<br><span class='entry'>{html.escape(shape_difference(d))}</span>"
     for d in r.structure:

@@ -31,6 +31,7 @@ from torchparity.diagnosis.pipelines.decoding.judging import (
 from torchparity.diagnosis.reports.html import html_cell, page, settings_details, svg_plot
 from torchparity.diagnosis.reports.diagnosis import Report, not_compared_legend
 from torchparity.diagnosis.reports.meta import DecodeMeta
+from torchparity.diagnosis.reports.sentence import entered_by_reorder, entered_through
 from torchparity.diagnosis.core.results import Result, Row, headroom, shape_difference, share_cell
 from torchparity.text import print_paragraph
 
@@ -103,11 +104,10 @@ class DecodeReport(Report):
                 parts.append(f"First module leaving its budget there: "
                              f"{self.first_module_label} ({row.module_type}).")
                 if row.entry is not None and row.entry.via == "reorder":
-                    parts.append(f"It enters through the reorder before step "
-                                 f"{self.first_step}: {row.entry.argument} {row.entry.detail}.")
+                    parts.append(entered_by_reorder(row.entry, self.first_step))
                 elif row.entry is not None and (row.ops is None or row.ops.answer is None
                                                 or row.entry.via == "code"):
-                    parts.append(row.entry.sentence())
+                    parts.append(entered_through(row.entry))
                 if row.ops is not None:
                     parts.append(row.ops.sentence(row.entry, self.first_module_label))
             elif self.rows:
@@ -341,7 +341,7 @@ class DecodeReport(Report):
 def _html_name(row: Row) -> str:
     name = "&nbsp;" * 2 * row.depth + html.escape(_label(row.module))
     if row.entry is not None:
-        name += f"<br><span class='entry'>{html.escape(row.entry.sentence())}</span>"
+        name += f"<br><span class='entry'>{html.escape(entered_through(row.entry))}</span>"
     for d in row.shapes:
         name += f"<br><span class='entry'>{html.escape(shape_difference(d))}</span>"
     return name

@@ -6,11 +6,12 @@ import html
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchparity.diagnosis.core.results import Entry, Result, headroom, share_cell
+from torchparity.diagnosis.reports import sentence as say
 from torchparity.diagnosis.reports.columns import Line, layout
 from torchparity.diagnosis.reports.html import html_cell
 from torchparity.diagnosis.stages.ops.capture import Frame, Step
 from torchparity.diagnosis.stages.ops.judge import OpLine
-from torchparity.diagnosis.core.results import Entry, Result, headroom, module_label, share_cell
 
 __all__ = ["ForwardCause", "NoOps", "OpReport"]
 
@@ -20,17 +21,14 @@ _NEIGHBOURS = 1
 
 @dataclass(frozen=True)
 class NoOps:
-    """A module call not drilled down to its ops, and why (a fused group, no recorded output
-    gradient, A's ops not in the trace, B's module not replayable, the drill-down failing):
-    the row's verdicts stand without it, and the reason joins its notes."""
+    """A module call not drilled down to its ops, and why; the reason joins the row's notes."""
 
     reason: str
 
 
 @dataclass(frozen=True)
 class ForwardCause:
-    """The forward divergence a gradient divergence follows from: B's module, and the op and
-    B's line where it enters when its forward was drilled down."""
+    """The forward divergence a gradient divergence follows from: B's module, op and line."""
 
     module: str
     op: str | None = None
@@ -45,13 +43,6 @@ class ForwardCause:
         step, other = (b, a) if b is not None else (a, b)
         return cls(module, answer.pair.name, _telling_frame(step, other))
 
-    def clause(self) -> str:
-        """``the forward divergence of MODULE, which enters at OP (path:line "code")``."""
-        if self.op is None:
-            return f"the forward divergence of {self.module}"
-        where = "no source line" if self.line is None else f'{self.line} "{self.line.text}"'
-        return f"the forward divergence of {self.module}, which enters at {self.op} ({where})"
-
     def to_dict(self) -> dict[str, Any]:
         return {"module": self.module, "op": self.op,
                 "line": None if self.line is None else str(self.line),
@@ -60,17 +51,14 @@ class ForwardCause:
 
 @dataclass
 class OpReport:
-    """The steps of one module call of A and B, aligned and judged; ``first`` indexes the
-    line where the divergence enters (None when no op explains it); ``built``: for a library
-    module, the line of the user's code where each side (``"A"``, ``"B"``) built it;
-    ``follows``: on a backward pass, the forward divergence its gradient follows from (no
-    backward op of its own leaves its budget, or its forward ops already name the change)."""
+    """The steps of one module call of A and B, aligned and judged."""
 
     module: str
     lines: list[OpLine]
-    first: int | None
+    first: int | None  # the line where the divergence enters; None when no op explains it
     notes: list[str] = field(default_factory=list)
-    built: dict[str, Frame] = field(default_factory=dict)
+    built: dict[str, Frame] = field(default_factory=dict)  # a library module's, per side
+    # on a backward pass whose own ops leave no budget, the forward divergence it follows from
     follows: ForwardCause | None = None
 
     @property
@@ -78,49 +66,27 @@ class OpReport:
         return None if self.first is None else self.lines[self.first]
 
     def sentence(self, entry: Entry | None = None, label: str | None = None) -> str:
-        """Where the divergence enters, in one sentence: the module (``label``, by default
-        its name; and the argument or state it comes through, when the entry stage found
-        one), the op, then the lines: ``It enters at attn through its argument mask (...),
-        in aten::mul (B: path:line "code"; A: path:line "code").``"""
+        """Where the divergence enters, in one sentence; ``label`` names the module if given."""
         line = self.answer
         if line is None and self.follows is not None:
-            if not self.lines:  # not drilled: the forward ops already name the change
-                return f"Its gradient follows from {self.follows.clause()}."
-            return (f"No backward op leaves its budget on its own inputs ({len(self.lines)} "
-                    f"steps aligned): the gradient follows from {self.follows.clause()}.")
+            cause = self.follows
+            return say.follows_sentence(say.forward_clause(cause.module, cause.op, cause.line),
+                                        len(self.lines))
         if line is None:
-            return (f"No op of {module_label(self.module)}'s own code leaves its budget "
-                    f"({len(self.lines)} steps aligned).")
+            return say.no_op_sentence(self.module, len(self.lines))
         if line.dropped:
-            return self._dropped_sentence(line, entry, label)
+            frames = [f for f in (_telling_frame(step, None) for step in line.dropped)
+                      if f is not None]
+            return say.dropped_sentence(self.module, line.pair.kind.removeprefix("only in "),
+                                        [step.name for step in line.dropped], frames, entry,
+                                        label)
         a, b = line.pair.a or line.replaces, line.pair.b
-        sides = "; ".join(f"{side}: {_where(step, other)}"
-                          for side, step, other in (("B", b, a), ("A", a, b)) if step is not None)
-        kind = "" if line.pair.kind == "paired" else f", {line.pair.kind}"
-        if line.replaces is not None:
-            kind += f" for {line.replaces.name}"
-        args = f": {', '.join(line.pair.differences)}" if line.pair.differences else ""
-        where, reaches = label or module_label(self.module), ""
-        if entry is not None and entry.via in ("argument", "state"):
-            through = f"its {entry.via} {entry.argument} ({entry.detail})"
-            if entry.module in (self.module, where):
-                where += f" through {through}"
-            else:  # a module inside, the first handed what the op made
-                reaches = f", and reaches {module_label(entry.module)} through {through}"
-        return f"It enters at {where}, in {line.pair.name}{kind} ({sides}){args}{reaches}."
-
-    def _dropped_sentence(self, line: OpLine, entry: Entry | None, label: str | None) -> str:
-        """``It enters at attn, in 3 ops only in A (aten::div.Tensor, aten::tanh,
-        aten::mul.Tensor; A: path:51..53 "code"): B has no counterpart.``"""
-        side = line.pair.kind.removeprefix("only in ")
-        other = "B" if side == "A" else "A"
-        names = ", ".join(step.name for step in line.dropped)
-        where = label or module_label(self.module)
-        if entry is not None and entry.via in ("argument", "state") and \
-                entry.module in (self.module, where):
-            where += f" through its {entry.via} {entry.argument} ({entry.detail})"
-        return (f"It enters at {where}, in {len(line.dropped)} ops only in {side} ({names}; "
-                f"{side}: {run_lines(line.dropped)}): {other} has no counterpart.")
+        sources = [(side, _telling_frame(step, other))
+                   for side, step, other in (("B", b, a), ("A", a, b)) if step is not None]
+        return say.op_sentence(self.module, line.pair.name, sources, line.pair.differences,
+                               line.pair.kind,
+                               None if line.replaces is None else line.replaces.name,
+                               entry, label)
 
     def built_sentence(self) -> str:
         """``ln2 was built at B: path:line "code"; A: path:line "code".`` ("" when unknown)."""
@@ -141,8 +107,7 @@ class OpReport:
                    for side in (line.pair.a, line.pair.b))
 
     def to_dict(self) -> dict[str, Any]:
-        """``first_divergence.op``: the answer's name, kind, stacks, code and verdicts, and
-        every aligned step."""
+        """``first_divergence.op`` of the JSON: the answer and every aligned step."""
         line = self.answer
         return {"module": self.module,
                 **({} if line is None else _line_dict(line, answer=True)),
@@ -154,8 +119,7 @@ class OpReport:
                 "notes": self.notes}
 
     def to_html(self, entry: Entry | None = None) -> str:
-        """Every aligned step as an HTML table, both sides' source lines side by side, under
-        :meth:`sentence`."""
+        """Every aligned step as an HTML table under :meth:`sentence`, both sides' lines."""
         heads = ["#", "op", "shape", "local", "prop.", "A's line", "B's line", "arguments"]
         rows = []
         for i, line in enumerate(self.lines):
@@ -177,12 +141,11 @@ class OpReport:
                 + "</tbody></table>")
 
     def table_lines(self, width: int) -> list[tuple[str, str | None]]:
-        """The op table, ``width`` columns wide, folded to the steps that matter: the answer,
-        steps of one side, changed arguments, local errors out of budget, and their
-        neighbours; each run of the others is one line with the worst cell of each column
-        (after the answer, they carry its error). None for a pass not drilled."""
+        """The op table, ``width`` columns wide, folded to the steps that matter."""
         if not self.lines:
             return []
+        # the answer, one side's steps, changed arguments, local errors out of budget and their
+        # neighbours; each run of the others folds into one line of its worst cells
         keep = set()
         for i, line in enumerate(self.lines):
             if i == self.first or line.pair.kind != "paired" or line.pair.differences or \
@@ -211,20 +174,6 @@ class OpReport:
                       width)
 
 
-def run_lines(steps: list[Step]) -> str:
-    """Where a run of steps is written: ``path:51..53 "first line"`` when its lines are one
-    stretch of one file, else each line."""
-    frames = [f for f in (_telling_frame(step, None) for step in steps) if f is not None]
-    if not frames:
-        return "no source line"
-    numbers = sorted({f.line for f in frames})
-    if len({f.path for f in frames}) == 1:
-        span = str(numbers[0]) if len(numbers) == 1 else f"{numbers[0]}..{numbers[-1]}"
-        first = min(frames, key=lambda f: f.line)
-        return f'{first.path}:{span} "{first.text}"'
-    return ", ".join(dict.fromkeys(str(f) for f in frames))
-
-
 def _html_source(step: Step | None) -> str:
     if step is None or not step.stack:
         return ""
@@ -242,14 +191,8 @@ def _worst(results: list[Result | None]) -> Result | None:
     return max(present, key=lambda r: (not r.ok, headroom(r) or 0.0), default=None)
 
 
-def _where(step: Step, other: Step | None) -> str:
-    frame = _telling_frame(step, other)
-    return "no source line" if frame is None else f'{frame} "{frame.text}"'
-
-
 def _telling_frame(step: Step, other: Step | None) -> Frame | None:
-    """The step's line that tells it from the other side's: its innermost frame whose text
-    the other's stack lacks (a changed caller of a shared helper), else its innermost."""
+    """The step's innermost frame whose text the other's stack lacks, else its innermost."""
     if not step.stack:
         return None
     theirs = {(f.path, f.text) for f in other.stack} if other is not None else set()
