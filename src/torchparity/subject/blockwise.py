@@ -1,37 +1,9 @@
 """A model's float64 forward and backward pass without a float64 copy of the model.
 
-:class:`Float64Run` runs a model as if it had been cast to float64 (``model.double()``), while
-only the module running at the moment holds its parameters in float64:
-
-- every module with parameters of its own gets them as float64 tensors in a forward pre-hook
-  and its own back in the forward hook; floating buffers are float64 for the whole run (they
-  are small: rotary tables, masks), and so are floating tensors a module holds as plain
-  attributes (a table precomputed but not registered, which ``model.double()`` would miss);
-- autograd saves what the backward pass needs; a saved float64 parameter is kept as a
-  reference to the model's own parameter and cast again when the backward pass reads it
-  (:func:`torch.autograd.graph.saved_tensors_hooks`), so no module's float64 weights outlive its
-  call. The activations are saved in float64 as usual;
-- each float64 parameter enters the graph through a function whose backward hands its gradient
-  to ``on_grad(name, grad)`` as soon as every use of the parameter has contributed, through
-  the hooks registered on the parameter (``register_hook``: a sharding plan's reduction) as
-  autograd would pass it: gradients are float64, one (or a few) at a time, and the model's
-  ``.grad`` is never touched.
-
-Peak memory is the model in its own dtype, one module's parameters (and gradient) in float64,
-and the float64 activations. The values are those of ``model.double()``: the same float64
-operations on the same float64 numbers (the cast of a float32 or bfloat16 parameter to float64
-is exact), which the tests check bit for bit on ``transformers`` models and the zoo.
-
-A parameter read outside its module's forward (a tied head's ``x @ self.emb.weight.t()``, as
-Megatron's output layer reads the embedding; a weight passed to another module as an argument)
-is cast as it is read: a torch function mode hands every torch function that takes a plain
-model parameter its float64 value instead, its gradient joining the parameter's other uses; its
-``dtype`` reads float64 (``x.to(self.proj.weight.dtype)`` before ``self.proj`` runs, and
-``transformers``' ``model.dtype``, which sizes its caches). Operations without a float64
-kernel (the grouped matmul of mixture-of-experts layers) run as the float64 operations they
-stand for (:mod:`torchparity.subject.float64_ops`).
-``progress(phase, done, total)`` reports the model's repeated blocks (the layers) as
-the forward pass enters them and as the backward pass completes their gradients.
+:class:`Float64Run` computes what ``model.double()`` would (the same float64 operations on the
+same float64 numbers, checked bit for bit on ``transformers`` models and the zoo) while only the
+module running at the moment holds its parameters in float64. Peak memory is the model in its own
+dtype, one module's parameters (and gradient) in float64, and the float64 activations.
 """
 
 from __future__ import annotations
@@ -40,7 +12,6 @@ import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -62,16 +33,14 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass(frozen=True)
 class _Recast:
-    """A saved float64 parameter (or a view of one), kept as the parameter it was cast from:
-    the view's size, stride and offset in the cast's storage (of its local part, for a
-    DTensor), and for a DTensor its ``(mesh, placements, shape, stride)``."""
+    """A saved float64 parameter (or a view of one) kept as the parameter it came from."""
 
     name: str
     parameter: torch.Tensor
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
-    spec: tuple[Any, ...] | None = None
+    spec: tuple[object, ...] | None = None  # a DTensor's (mesh, placements, shape, stride)
 
 
 class _AsFloat64(torch.autograd.Function):
@@ -96,16 +65,11 @@ class Float64Run:
     ...     loss = loss_fn(model(**upcast(inputs, torch.float64)))
     ...     run.backward(loss)
 
-    Guarantees: outputs, loss and gradients equal those of ``model.double()`` on the same
-    inputs, float64 being the default dtype (tensors the model makes in the default dtype are
-    float64 too: transformers 4.46's GPT-2 fills its causal mask with float64's minimum in it)
-    (with ``device``, those of ``model.to(device, torch.float64)``: a CUDA model's
-    golden on the CPU, its weights copied over one module at a time); the model's parameters,
-    buffers and ``.grad`` are as before when the block ends (also after an exception);
-    :meth:`backward` hands every parameter that requires a gradient to ``on_grad`` exactly
-    once (zeros for one the loss does not reach). Forward passes under ``torch.no_grad()``
-    (decoding) run in float64 too and record no gradients. ``perturb`` changes the float64
-    weights every module sees, the same way in forward and backward.
+    Outputs, loss and gradients equal those of ``model.double()`` (with ``device``, of
+    ``model.to(device, torch.float64)``), float64 being the default dtype meanwhile; parameters,
+    buffers and ``.grad`` are as before when the block ends, also after an exception. Forward
+    passes under ``torch.no_grad()`` run in float64 too. ``perturb`` changes the float64 weights
+    every module sees, in forward and backward alike.
     """
 
     def __init__(self, model: nn.Module, *, on_grad: GradSink | None = None,
@@ -142,19 +106,27 @@ class Float64Run:
         try:
             stack.callback(self._restore_parameters)
             stack.enter_context(_default_dtype(torch.float64))
+            # floating buffers stay float64 the whole run: they are small (rotary tables, masks)
             self._cast_buffers(stack)
             for module in self.model.modules():
                 if any(p is not None and p.is_floating_point()
                        for p in module._parameters.values()):
+                    # its own parameters become float64 in a pre-hook, back in the forward hook
                     stack.enter_context(_removing(
                         module.register_forward_pre_hook(self._quietly(self._enter_module),
                                                          prepend=True),
                         module.register_forward_hook(self._quietly(self._leave_module),
                                                      always_call=True)))
             stack.enter_context(self._progress)
+            # a saved float64 parameter is kept as the parameter and cast again when backward reads
+            # it, so no module's float64 weights outlive its call
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                 self._quietly(self._pack), self._quietly(self._unpack)))
+            # ops without a float64 kernel (MoE's grouped matmul) run as the float64 ops they stand
+            # for
             stack.enter_context(Float64Ops())
+            # a parameter read outside its module (a tied head, a weight passed as an argument) is
+            # cast as it is read
             stack.enter_context(_ReadsOutside(self))
         except BaseException:
             self._exit.__exit__(None, None, None)
@@ -168,7 +140,7 @@ class Float64Run:
                  grad_outputs: list[torch.Tensor] | None = None,
                  inputs: tuple[torch.Tensor, ...] = (), *, unused: bool = True
                  ) -> tuple[torch.Tensor | None, ...]:
-        """Backpropagate and hand every parameter's float64 gradient to ``on_grad``.
+        """Backpropagate, handing every parameter's float64 gradient to ``on_grad`` exactly once.
 
         Args:
             outputs: a loss, or tensors with their ``grad_outputs``.
@@ -182,6 +154,8 @@ class Float64Run:
         outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
         found: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
         if any(o.requires_grad for o in outputs):
+            # each parameter's gradient went to on_grad, through its own hooks, once all its uses
+            # contributed
             found = torch.autograd.grad(outputs, [*inputs, self._anchor], grad_outputs,
                                         allow_unused=True)[:len(inputs)]
         with self._quiet_block():
@@ -199,14 +173,7 @@ class Float64Run:
     # -- casting -------------------------------------------------------------------------------
 
     def value(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
-        """The float64 value a module sees of ``parameter`` (perturbed when asked).
-
-        Args:
-            name: the parameter's name in the model.
-            parameter: the parameter as the model holds it.
-
-        Returns:
-            A new float64 tensor on the run's device.
+        """The float64 value a module sees of ``parameter`` (perturbed when asked), a new tensor.
         """
         with self._quiet_block():
             value = parameter.detach().to(self._device(parameter), torch.float64, copy=True)
@@ -214,30 +181,15 @@ class Float64Run:
 
     def read_outside(self, parameter: torch.Tensor) -> torch.Tensor:
         """The float64 value of ``parameter`` where code outside its module's forward reads it.
-
-        The value is known to the saved-tensor hooks while it lives, so autograd keeps the
-        parameter rather than the float64 copy.
-
-        Args:
-            parameter: one of the model's parameters.
-
-        Returns:
-            Its float64 value.
         """
         value = self._cast(parameter, self.names[id(parameter)])
+        # known to the saved-tensor hooks while it lives: autograd keeps the parameter, not the copy
         weakref.finalize(value, self._live.pop, _storage(value), None)
         return value
 
     def is_read_outside(self, tensor: object) -> bool:
-        """Whether this run casts ``tensor`` where it is read.
-
-        Args:
-            tensor: an argument of a torch function.
-
-        Returns:
-            True for one of the model's floating parameters as the model holds it (its module not
-            running, the run's own code not reading it).
-        """
+        """Whether ``tensor`` is a floating parameter of the model to cast where it is read."""
+        # not while the run's own code reads it
         return (not self._quiet and isinstance(tensor, nn.Parameter)
                 and id(tensor) in self.names and tensor.is_floating_point()
                 and not is_dtensor(tensor))
@@ -250,8 +202,8 @@ class Float64Run:
         finally:
             self._quiet = before
 
-    def _quietly(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        def quietly(*args: Any) -> Any:
+    def _quietly(self, function: Callable[..., object]) -> Callable[..., object]:
+        def quietly(*args: object) -> object:
             with self._quiet_block():
                 return function(*args)
         return quietly
@@ -303,10 +255,9 @@ class Float64Run:
         self._live.clear()
 
     def _cast_buffers(self, stack: contextlib.ExitStack) -> None:
-        """Every floating buffer in float64 until the block ends, and every floating tensor a
-        module holds as a plain attribute (a table precomputed in ``__init__`` but not
-        registered), which ``model.double()`` would leave as it is: both are read outside
-        any parameter's module."""
+        """Floating buffers, and floating tensors held as plain attributes, in float64."""
+        # both are read outside any parameter's module; model.double() would miss the attributes (a
+        # table precomputed but not registered)
         converted: dict[int, torch.Tensor] = {}
 
         def cast(tensor: torch.Tensor) -> torch.Tensor:
@@ -361,12 +312,7 @@ class Float64Run:
     # -- gradients -----------------------------------------------------------------------------
 
     def receive(self, name: str, grad: torch.Tensor) -> None:
-        """One use's gradient of parameter ``name``; the sum goes on once all uses have come.
-
-        Args:
-            name: the parameter's name.
-            grad: that use's float64 gradient.
-        """
+        """One use's gradient of parameter ``name``; the sum goes on once all uses have come."""
         grad = grad.detach()
         pending = self._pending.get(name)
         if pending is not None:
@@ -388,10 +334,7 @@ class Float64Run:
 
 
 class _ReadsOutside(TorchFunctionMode):
-    """Every torch function that takes one of the run's parameters outside its module's
-    forward gets the parameter's float64 value (:meth:`Float64Run.read_outside`); functions
-    that read no values (a shape) get the parameter, but its ``dtype`` reads float64 (and its
-    ``device`` the run's device)."""
+    """Hands torch functions reading a run's parameter outside its module its float64 value."""
 
     def __init__(self, run: Float64Run) -> None:
         super().__init__()
@@ -408,6 +351,7 @@ class _ReadsOutside(TorchFunctionMode):
                 return torch.float64
             if attribute == "device" and self.run.device is not None:
                 return self.run.device
+        # a function reading no values (a shape) gets the parameter itself
         if name not in _READS_NO_VALUES:
             args, kwargs = tree_map(self._cast, (args, kwargs))
         return func(*args, **kwargs)
@@ -425,10 +369,7 @@ _READS_NO_VALUES = {"__get__", "__set__", "size", "dim", "numel", "stride", "sto
 
 
 class BlockProgress:
-    """Progress through a model's repeated blocks while the ``with`` block runs:
-    ``progress("forward", i, n)`` as the forward pass enters block i of n, and
-    ``progress("backward", j, n)`` once j blocks have all their gradients (reported through
-    :meth:`gradient_done`). Nothing is reported for a model without repeated blocks."""
+    """Reports ``progress(phase, done, n)`` over a model's repeated blocks in the block."""
 
     def __init__(self, model: nn.Module, progress: Progress | None) -> None:
         self.progress = progress
@@ -439,6 +380,7 @@ class BlockProgress:
         self._left = [len(_parameter_names(b, names)) for b in self._blocks]
         self._handles: list[RemovableHandle] = []
 
+    # forward: as the pass enters block i; backward: once j blocks have all their gradients
     def __enter__(self) -> BlockProgress:
         self._handles = [block.register_forward_pre_hook(
             lambda *_, i=index: self._report("forward", i + 1))
@@ -452,9 +394,6 @@ class BlockProgress:
 
     def gradient_done(self, name: str) -> None:
         """Count parameter ``name``'s gradient as complete, reporting its block once all of it is.
-
-        Args:
-            name: the parameter's name.
         """
         block = self._block_of.get(name)
         if block is None:
@@ -472,17 +411,8 @@ def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
                  progress: BlockProgress | None = None, *, unused: bool = True) -> None:
     """Backpropagate ``loss`` through ``model`` in its own dtype, one gradient at a time.
 
-    Each parameter's gradient goes to ``on_grad`` as soon as it is complete, then is dropped:
-    at most the gradients in flight are held, never all of them. One whose ``.grad`` the model's
-    own hooks set, bypassing accumulation (FSDP2's sharded parameters), goes after the
-    backward. ``.grad`` is as before.
-
-    Args:
-        model: the model ``loss`` was computed by.
-        loss: the scalar loss.
-        on_grad: called once with ``(name, grad)`` for every parameter requiring a gradient.
-        progress: told of each complete gradient, to report the blocks done.
-        unused: give a parameter the loss does not reach zeros, else nothing.
+    Each gradient goes to ``on_grad(name, grad)`` as soon as it is complete, then is dropped;
+    ``.grad`` is as before. ``unused``: zeros for a parameter the loss does not reach.
     """
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     names = {id(p): name for name, p in params.items()}
@@ -503,6 +433,8 @@ def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
     try:
         if loss.requires_grad:
             loss.backward()
+        # one whose .grad the model's own hooks set, bypassing accumulation (FSDP2), goes after the
+        # backward
         for name, p in params.items():  # set by the model's own hooks (FSDP2's reduce-scatter)
             if name not in done and p.grad is not None:
                 complete(p)
@@ -516,7 +448,7 @@ def stream_grads(model: nn.Module, loss: torch.Tensor, on_grad: GradSink,
             on_grad(name, torch.zeros_like(p))
 
 
-def _dtensor_spec(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+def _dtensor_spec(tensor: torch.Tensor) -> tuple[object, ...] | None:
     """A DTensor's ``(mesh, placements, shape, stride)``; None for a plain tensor."""
     if not is_dtensor(tensor):
         return None
@@ -529,15 +461,7 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks (its layers), for progress through a big model.
-
-    Args:
-        model: any model.
-
-    Returns:
-        The children of the list of modules (a ``ModuleList`` or ``Sequential``) holding the
-        most parameters in two or more modules of one class; empty when there is none.
-    """
+    """The children of the module list holding most parameters in 2+ modules of one class."""
     best: list[nn.Module] = []
     best_size = 0
     for module in model.modules():

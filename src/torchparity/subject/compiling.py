@@ -1,26 +1,8 @@
 """Running a model under test compiled by ``torch.compile``, and what compiling it cost.
 
-Two forms, as users run them: ``dynamic`` (``torch.compile(model, dynamic=True)``: sizes are
-symbols, so a new length need not recompile) and ``static`` (``dynamic=False``: every new
-shape compiles anew). :func:`compiled` compiles a model in place (its parameters, buffers and
-hooks stay where they are, so the rest of torchparity sees the same module) and keeps a
-:class:`CompileLog` of the block: graphs, graph breaks, recompiles with dynamo's reasons, and
-the seconds spent compiling against those spent running, per call of the model.
-
-Compiling is costly on a CPU (tens of seconds for a tiny transformer's forward and backward),
-so Inductor's caches stay on and live in one place across runs: ``$TORCHINDUCTOR_CACHE_DIR``
-when set, else ``torchparity/inductor`` under the user's cache folder (``$XDG_CACHE_HOME`` or
-``~/.cache``). A second run of the same graph then costs dynamo's tracing only.
-
-The compiler is Inductor unless ``$TORCHPARITY_COMPILER`` names another ``torch.compile``
-backend (``aot_eager``: dynamo and AOTAutograd without Inductor, which tells a departure that
-tracing causes from one that Inductor's kernels cause).
-
-A compiler that cannot compile a model raises :class:`CompileFailed`, a
-:class:`~torchparity.errors.BackendUnavailable` with the compiler's own reason: a check cell
-reports it as ``n/a``, never as a divergence. Hitting dynamo's recompile limit counts as
-failing to compile (past it dynamo would run the model eagerly, and an eager run would be
-judged as a compiled one); the limit is raised to :data:`RECOMPILE_LIMIT` first.
+Two forms, as users run them: ``dynamic`` (sizes are symbols: a new length need not recompile)
+and ``static`` (every new shape compiles anew). A compiler that cannot compile a model raises
+:class:`CompileFailed`: a check cell reports it as ``n/a``, never as a divergence.
 """
 
 from __future__ import annotations
@@ -31,7 +13,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -46,7 +27,7 @@ MODES = {"dynamic": True, "static": False}
 #: there comes from tracing, one that goes away from Inductor.
 COMPILER_ENV = "TORCHPARITY_COMPILER"
 #: A ``torch.compile`` backend: its registered name, or the backend function itself.
-Compiler = str | Callable[..., Any]
+Compiler = str | Callable[..., object]
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 #: Dynamo's recompile limit inside :func:`compiled` (its default, 8, is the default of each
 #: function; a static model decoding step by step recompiles at every new length, and the
@@ -59,57 +40,36 @@ class CompileFailed(BackendUnavailable):
 
 
 def check_mode(mode: str) -> str:
-    """``mode`` checked against :data:`MODES`, so a typo fails before any compile.
-
-    Args:
-        mode: the compile form a command or caller gave.
-
-    Returns:
-        ``mode`` unchanged.
-
-    Raises:
-        UsageError: ``mode`` is not a compile form.
-    """
+    """``mode`` checked against :data:`MODES`, so a typo fails before any compile."""
     if mode not in MODES:
         raise UsageError(f"unknown compile form {mode!r}; choose {' or '.join(MODES)}")
     return mode
 
 
 def default_compiler() -> str:
-    """The ``torch.compile`` backend used: ``$TORCHPARITY_COMPILER``, else ``inductor``.
-
-    Returns:
-        The backend's registered name.
-    """
+    """The ``torch.compile`` backend used: ``$TORCHPARITY_COMPILER``, else ``inductor``."""
     return os.environ.get(COMPILER_ENV) or "inductor"
 
 
 def cache_dir() -> Path:
-    """Where Inductor's caches live: kept between runs, a graph compiled before costs less.
-
-    Returns:
-        ``$TORCHINDUCTOR_CACHE_DIR``, else ``torchparity/inductor`` under ``$XDG_CACHE_HOME``
-        (default ``~/.cache``).
-    """
+    """Where Inductor's caches live: ``$TORCHINDUCTOR_CACHE_DIR``, else the user's cache."""
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
         return Path(explicit)
+    # compiling a tiny transformer costs tens of seconds on a CPU; a cached graph costs tracing only
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root) / "torchparity" / "inductor"
 
 
 @dataclass
 class CallRecord:
-    """One call of the compiled model: what it compiled (the backward pass it started counts
-    with it) and how long it took. ``grad`` says whether gradients were on (a training call)
-    and ``shapes`` gives the input tensors' shapes by path; ``phase`` names the part of the
-    run it belongs to (``cached step 3`` of a decoding; see :meth:`CompileLog.phase`)."""
+    """One call of the compiled model: what it compiled (its backward included) and how long."""
 
     index: int
     grad: bool
-    shapes: dict[str, list[int]]
+    shapes: dict[str, list[int]]  # the input tensors' shapes by path
     module: str = ""  # the module called, when modules are compiled on their own
-    phase: str = ""
+    phase: str = ""  # the part of the run (cached step 3 of a decoding)
     seconds: float = 0.0
     compiles: int = 0
     recompiles: list[str] = field(default_factory=list)  # dynamo's reason for each
@@ -118,34 +78,21 @@ class CallRecord:
 
 @dataclass
 class CompileLog:
-    """What compiling cost in one :func:`compiled` block.
-
-    ``graphs`` and ``graph_breaks`` are dynamo's counts, ``break_reasons`` the first line of
-    each break's reason; ``calls`` one :class:`CallRecord` per call of the model, every
-    compile and recompile counted with the call that caused it; ``seconds`` the block's wall
-    time, ``compile_seconds`` the part of it spent compiling.
-    """
+    """What compiling cost in one :func:`compiled` block: dynamo's counts, each call's record."""
 
     mode: str
     compiler: str = "inductor"
     graphs: int = 0
     graph_breaks: int = 0
-    break_reasons: list[str] = field(default_factory=list)
+    break_reasons: list[str] = field(default_factory=list)  # the first line of each
     calls: list[CallRecord] = field(default_factory=list)
-    seconds: float = 0.0
+    seconds: float = 0.0  # the block's wall time
     failure: str | None = None
     current_phase: str = field(default="", repr=False)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Record the block's calls as part of ``name``: a report says what each part compiled.
-
-        Args:
-            name: the part of the run (``cached step 3`` of a decoding).
-
-        Yields:
-            Nothing; the outer phase is restored after the block.
-        """
+        """Record the block's calls as part of ``name`` (``cached step 3`` of a decoding)."""
         outer, self.current_phase = self.current_phase, name
         try:
             yield
@@ -153,14 +100,7 @@ class CompileLog:
             self.current_phase = outer
 
     def in_phase(self, name: str) -> list[CallRecord]:
-        """The calls recorded as part of ``name``, in order.
-
-        Args:
-            name: a phase given to :meth:`phase`.
-
-        Returns:
-            Their records.
-        """
+        """The calls recorded as part of ``name``, in order."""
         return [call for call in self.calls if call.phase == name]
 
     @property
@@ -179,12 +119,8 @@ class CompileLog:
         later = self.calls[1:]
         return len(later) >= 2 and all(c.recompiles for c in later)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The log as a report's JSON writes it.
-
-        Returns:
-            The counts, the seconds (compile and the rest), and every call's record.
-        """
+    def to_dict(self) -> dict[str, object]:
+        """The log as a report's JSON writes it."""
         return {"mode": self.mode, "compiler": self.compiler, "graphs": self.graphs,
                 "graph_breaks": self.graph_breaks, "break_reasons": self.break_reasons,
                 "recompiles": self.recompiles, "recompiles_every_call":
@@ -195,9 +131,7 @@ class CompileLog:
 
 
 class _Recorder:
-    """Compiles functions for one block and moves dynamo's compilation metrics into its log as
-    they appear, each to the call that was running (or last ran: the backward pass compiles
-    after its forward call returned)."""
+    """Compiles functions for one block, moving dynamo's metrics into its log as they appear."""
 
     def __init__(self, log: CompileLog, backend: Compiler) -> None:
         import torch._dynamo.utils as dynamo_utils
@@ -214,6 +148,7 @@ class _Recorder:
             return
         if not self.log.calls:  # compiled before any call was recorded: count it as the first
             self.log.calls.append(CallRecord(0, torch.is_grad_enabled(), {}))
+        # the running call, or the last: a backward compiles after its forward returned
         call = self.log.calls[-1]
         for metric in metrics:
             call.compiles += 1
@@ -221,10 +156,9 @@ class _Recorder:
             if metric.recompile_reason:
                 call.recompiles.append(metric.recompile_reason.strip().splitlines()[0])
 
-    def compile(self, fn: Callable[..., Any], forward: Callable[..., Any], module: str = ""
-                ) -> Callable[..., Any]:
-        """``fn``, which runs the module method ``forward``, compiled in the block's form, each
-        call recorded (``module``: the module's name)."""
+    def compile(self, fn: Callable[..., object], forward: Callable[..., object], module: str = ""
+                ) -> Callable[..., object]:
+        """``fn`` (running ``forward``) compiled in the block's form, each call recorded."""
         from torch._dynamo import trace_rules
         from torch._dynamo.external_utils import wrap_inline
 
@@ -234,7 +168,7 @@ class _Recorder:
             fn = wrap_inline(fn)
         compiled = torch.compile(fn, dynamic=MODES[self.log.mode], backend=self.backend)
 
-        def recorded(*args: Any, **kwargs: Any) -> Any:
+        def recorded(*args: object, **kwargs: object) -> object:
             self.collect()
             inputs = {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}
             record = CallRecord(len(self.log.calls), torch.is_grad_enabled(),
@@ -258,23 +192,13 @@ class _Recorder:
 
 
 def failure_reason(exc: BaseException) -> str | None:
-    """The compiler's one-line reason when ``exc`` is a failure to compile, else None.
-
-    A compile failure is a cell the compiler cannot run here, not a numerical departure:
-    the caller reports it as such.
-
-    Args:
-        exc: an exception raised in a compiled block, followed along its causes.
-
-    Returns:
-        ``torch.compile (backend) failed: Error: first line``, or None when the model's own
-        code, or an unavailable backend, raised it.
-    """
+    """``torch.compile (backend) failed: Error: line`` where ``exc`` failed to compile, or None."""
     import torch._dynamo.exc as dynamo_exc
     from torch._inductor.exc import InductorError
 
     compile_errors = (dynamo_exc.TorchDynamoException, dynamo_exc.FailOnRecompileLimitHit,
                       InductorError)
+    # a compile failure is a cell the compiler cannot run here, not a numerical departure
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, CompileFailed):
@@ -298,19 +222,10 @@ def failure_reason(exc: BaseException) -> str | None:
 @contextlib.contextmanager
 def compiled(model: nn.Module, mode: str | None, *, compiler: Compiler | None = None
              ) -> Iterator[CompileLog | None]:
-    """Compile ``model`` in place for the block, and log what compiling cost.
+    """Compile ``model`` in place, hooks included (as ``model.compile()``), logging what it cost.
 
-    The whole call is compiled, hooks included, as ``model.compile()`` does. Every block starts
-    from dynamo's empty caches, so its counts are its own (Inductor's caches on disk stay: a
-    graph compiled before costs its tracing only). The model is eager again after the block.
-
-    Args:
-        model: the model compiled.
-        mode: a compile form of :data:`MODES`, or None to leave it eager.
-        compiler: the ``torch.compile`` backend (default :func:`default_compiler`).
-
-    Yields:
-        The block's :class:`CompileLog`, complete when the block ends; None when ``mode`` is.
+    Every block starts from dynamo's empty caches, so its counts are its own; the model is eager
+    again after it. ``mode`` None leaves it eager and yields None.
 
     Raises:
         CompileFailed: compiling failed anywhere in the block, a backward pass included.
@@ -329,23 +244,9 @@ def compiled(model: nn.Module, mode: str | None, *, compiler: Compiler | None = 
 @contextlib.contextmanager
 def compiled_modules(modules: Mapping[str, nn.Module], mode: str, *,
                      compiler: Compiler | None = None) -> Iterator[CompileLog]:
-    """Compile the ``forward`` of each of ``modules`` on its own for the block.
-
-    A module's hooks stay outside its compiled graph, so whoever hooks it sees its compiled
-    output; everything it calls is inside. Otherwise as :func:`compiled`.
-
-    Args:
-        modules: the modules by name.
-        mode: a compile form of :data:`MODES`.
-        compiler: the ``torch.compile`` backend (default :func:`default_compiler`).
-
-    Yields:
-        One :class:`CompileLog` for all of them, each call's record naming its module.
-
-    Raises:
-        CompileFailed: compiling failed anywhere in the block.
-    """
+    """Compile each module's ``forward`` on its own, into one log; else as :func:`compiled`."""
     with _compiling(mode, compiler) as (log, recorder):
+        # a module's hooks stay outside its graph, so whoever hooks it sees its compiled output
         saved = {name: module.__dict__.get("forward") for name, module in modules.items()}
         for name, module in modules.items():
             module.forward = recorder.compile(module.forward, module.forward, name)
@@ -362,8 +263,7 @@ def compiled_modules(modules: Mapping[str, nn.Module], mode: str, *,
 @contextlib.contextmanager
 def _compiling(mode: str, compiler: Compiler | None
                ) -> Iterator[tuple[CompileLog, _Recorder]]:
-    """A compiled block: dynamo reset, its counters cleared, the recompile limit raised and
-    made a failure, compile failures turned into :class:`CompileFailed`, the log completed."""
+    """A compiled block: dynamo reset, compile failures raised as :class:`CompileFailed`."""
     check_mode(mode)
     compiler = compiler or default_compiler()
     os.environ.setdefault(CACHE_ENV, str(cache_dir()))
@@ -376,6 +276,7 @@ def _compiling(mode: str, compiler: Compiler | None
     recorder = _Recorder(log, compiler)
     started = time.perf_counter()
     try:
+        # past the limit dynamo would run eagerly, judged as compiled: hitting it is a failure
         limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True,
                                         recompile_limit=limit):

@@ -1,21 +1,12 @@
 """Decoding one step at a time: the protocol torchparity's decoding loop drives.
 
-A *step* is ``step(model, tokens, state) -> (logits, state)``. The first call gets the
-factory's ``inputs`` (the prompt, in whatever form the model takes) and ``state=None``; each
-later call gets a LongTensor ``(batch, 1)`` of the next token ids and the state the previous
-call returned. ``logits`` is ``(batch, vocab)`` or ``(batch, positions, vocab)``, the last
-position being the next token's. torchparity owns the loop (:func:`teacher_forced`), so two
-revisions, or a model and its float64 copy, are fed the same tokens: a difference at one step
-cannot change what the next step sees. A beam search also reorders the state between steps:
-``reorder(state, index) -> state`` keeps row ``index[r]`` of the state as row ``r`` (the parent
-of every new row, :mod:`~torchparity.subject.beams`), and the loop calls it before every step
-that has parents, so two revisions reorder exactly where the search did.
-
-Models that need no step of their own (:func:`builtin_step`): torchparity's reference models
-(``DecoderLM``, ``EncoderDecoder``, with their ``KVCache``), ``transformers`` causal LMs (their
-cache object, the attention mask growing by one per step, position ids of left-padded prompts
-as ``generate`` computes them) and ``transformers`` encoder-decoders (the encoder run once,
-``decoder_input_ids``, the cache).
+A *step* is ``step(model, tokens, state) -> (logits, state)``: first called with the factory's
+``inputs`` and ``state=None``, then with the next token ids ``(batch, 1)`` and the state it
+returned; ``logits`` is ``(batch, vocab)`` or ``(batch, positions, vocab)``, the last position
+the next token's. torchparity owns the loop (:func:`teacher_forced`), so two revisions are fed
+the same tokens: a difference at one step cannot change what the next sees. A beam search also
+calls ``reorder(state, index) -> state`` (row ``index[r]`` becomes row ``r``) before every step
+with parents, so two revisions reorder exactly where the search did.
 """
 
 from __future__ import annotations
@@ -27,19 +18,19 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 from torchparity.errors import UsageError
 from torchparity.subject import hf
+from torchparity.subject.trees import PyTree
 from torchparity.text import wrapped
 
 #: ``step(model, tokens, state) -> (logits, state)``: one decoding step of a model.
-StepFn = Callable[[nn.Module, Any, Any], tuple[torch.Tensor, Any]]
+StepFn = Callable[[nn.Module, PyTree, PyTree], tuple[torch.Tensor, PyTree]]
 #: ``reorder(state, index) -> state``: the state with row ``index[r]`` as its row ``r``.
-ReorderFn = Callable[[Any, torch.Tensor], Any]
+ReorderFn = Callable[[PyTree, torch.Tensor], PyTree]
 #: ``decide(step, logits) -> (tokens, parents)``: what a search feeds at ``step`` given the
 #: logits of the step before: the token of every row and the row it continues (None: its own).
 DecideFn = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -55,14 +46,11 @@ STEP_HINT = ("return a dict from the factory with a 'step' key: step(model, toke
 
 @dataclass
 class Decoding:
-    """What a teacher-forced decoding saw: ``logits[s]`` is step ``s``'s next-token logits
-    ``(batch, vocab)`` (step 0 is the prompt), ``tokens[:, s - 1]`` the tokens fed at step
-    ``s`` and ``parents[:, s - 1]`` the rows they continue (None when no row changed its
-    parent: greedy or given tokens)."""
+    """What a teacher-forced decoding saw; step 0 is the prompt."""
 
-    logits: list[torch.Tensor]
-    tokens: torch.Tensor
-    parents: torch.Tensor | None = None
+    logits: list[torch.Tensor]  # logits[s]: step s's next-token logits (batch, vocab)
+    tokens: torch.Tensor  # tokens[:, s - 1]: fed at step s
+    parents: torch.Tensor | None = None  # the rows they continue; None: greedy or given tokens
 
     @property
     def steps(self) -> int:
@@ -72,43 +60,33 @@ class Decoding:
 
 @dataclass(frozen=True)
 class Fed:
-    """What a decoding is fed: ``tokens`` (batch, steps) and, in a beam search, the rows they
-    continue, ``parents`` (batch, steps)."""
+    """What a decoding is fed: ``tokens`` and, in a beam search, the rows they continue."""
 
-    tokens: torch.Tensor
-    parents: torch.Tensor | None = None
+    tokens: torch.Tensor  # (batch, steps)
+    parents: torch.Tensor | None = None  # (batch, steps)
 
 
-def teacher_forced(step: StepFn, model: nn.Module, inputs: Any, steps: int,
+def teacher_forced(step: StepFn, model: nn.Module, inputs: PyTree, steps: int,
                    fed: torch.Tensor | Fed | None = None, *, reorder: ReorderFn | None = None,
                    decide: DecideFn | None = None,
                    during: Callable[[int], contextlib.AbstractContextManager] | None = None,
                    ) -> Decoding:
-    """Run the prompt and ``steps`` further steps, feeding the tokens ``fed`` or, when None,
-    what ``decide`` chooses from the model's own logits at the step before (default: the
-    greedy choice). Before a step with parents (those of ``fed``, or those ``decide`` gives)
-    the state is ``reorder``-ed to them.
-
-    Every step's return is checked (:func:`next_token_logits`); the logits are kept detached
-    on the CPU; a problem names the step by its ``label`` attribute, else "the step".
-    Guarantees: the model sees exactly the tokens returned in ``tokens``.
+    """Run the prompt and ``steps`` further steps, the model seeing exactly the ``tokens`` returned.
 
     Args:
-        step: ``step(model, tokens, state) -> (logits, state)``.
+        step: ``step(model, tokens, state) -> (logits, state)``; messages name its ``label``.
         model: the model decoded.
         inputs: the prompt, as the step's first call takes it.
         steps: the steps after the prompt.
-        fed: the tokens ``(batch, steps)``, or a :class:`Fed` of them and, in a beam search,
-            the rows they continue (``parents[:, s - 1]`` before step ``s``); None: the
-            model's own choices.
-        reorder: ``reorder(state, index) -> state``, keeping row ``index[r]`` as row ``r``.
-        decide: chooses a step's tokens (and parents) from the logits of the step before,
-            where ``fed`` is None.
-        during: ``during(s)`` gives a context the call of step ``s`` runs in (a capture of
-            that step).
+        fed: the tokens ``(batch, steps)``, or a :class:`Fed` with the rows they continue
+            (``parents[:, s - 1]`` before step ``s``); None: what ``decide`` chooses from the
+            logits of the step before (default: greedy).
+        reorder: ``reorder(state, index) -> state``, called before a step with parents.
+        decide: chooses a step's tokens (and parents) from the logits of the step before.
+        during: ``during(s)`` gives a context step ``s`` runs in (a capture of that step).
 
     Returns:
-        The :class:`Decoding`: every step's logits, the tokens fed and their parents.
+        Every step's logits (detached, on the CPU), the tokens fed and their parents.
     """
     tokens, parents = (fed.tokens, fed.parents) if isinstance(fed, Fed) else (fed, None)
     label = getattr(step, "label", "the step")
@@ -162,14 +140,13 @@ def teacher_forced(step: StepFn, model: nn.Module, inputs: Any, steps: int,
     return Decoding(logits, chosen.cpu(), rows)
 
 
-def _batch(out: Any) -> int | None:
+def _batch(out: object) -> int | None:
     return out.shape[0] if isinstance(out, torch.Tensor) and out.dim() else None
 
 
-def next_token_logits(out: Any, batch: int | None, step: int, label: str) -> torch.Tensor:
-    """The ``(batch, vocab)`` next-token logits of what a step returned as logits; a one-line
-    :class:`UsageError` naming what it returned and what it should be otherwise (``batch``:
-    the prompt's, None at the prompt)."""
+def next_token_logits(out: object, batch: int | None, step: int, label: str) -> torch.Tensor:
+    """The ``(batch, vocab)`` next-token logits a step returned, else a one-line UsageError."""
+    # batch: the prompt's, None at the prompt
     want = "(batch, vocab) or (batch, positions, vocab) floating logits"
     if not isinstance(out, torch.Tensor):
         hint = "; return its .logits" if hasattr(out, "logits") else ""
@@ -185,7 +162,7 @@ def next_token_logits(out: Any, batch: int | None, step: int, label: str) -> tor
     return out if out.dim() == 2 else out[:, -1]
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"a Tensor{tuple(value.shape)}"
     if isinstance(value, tuple):
@@ -198,12 +175,7 @@ def _describe(value: Any) -> str:
 
 
 def read_tokens(path: str | Path, steps: int | None = None) -> torch.Tensor:
-    """The token ids of ``path``: one sequence per line, ids separated by spaces or commas
-    (what a beam search or a seeded sampler produced), as a ``(batch, steps)`` LongTensor.
-
-    ``steps`` (default: the shortest line's length) cuts every line to that many tokens; a line
-    shorter than ``steps``, a word that is no token id or an empty file is a one-line
-    :class:`UsageError`."""
+    """The ``(batch, steps)`` token ids of ``path``: one sequence a line, spaces or commas."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -221,6 +193,7 @@ def read_tokens(path: str | Path, steps: int | None = None) -> torch.Tensor:
         rows.append([int(w) for w in words])
     if not rows:
         raise UsageError(f"tokens file {path} holds no token ids; write one sequence per line")
+    # steps (default: the shortest line's length) cuts every line
     length = min(len(r) for r in rows) if steps is None else steps
     short = next((i for i, r in enumerate(rows) if len(r) < length), None)
     if short is not None:
@@ -234,8 +207,7 @@ def read_tokens(path: str | Path, steps: int | None = None) -> torch.Tensor:
 
 
 def builtin_step(model: nn.Module) -> StepFn | None:
-    """The step of a model torchparity decodes by itself, or None: reference models (which
-    make a ``new_cache``), ``transformers`` encoder-decoders and causal LMs."""
+    """The step of a reference or ``transformers`` model (causal LM, encoder-decoder), or None."""
     if callable(getattr(model, "new_cache", None)) and hasattr(model, "config"):
         return reference_step
     if hf.generates(model):
@@ -244,24 +216,22 @@ def builtin_step(model: nn.Module) -> StepFn | None:
 
 
 def recompute_step(model: nn.Module) -> StepFn | None:
-    """A step that runs the whole sequence so far without a cache, for the models whose cached
-    step :func:`builtin_step` gives (encoder-decoders of ``transformers`` excepted); None for
-    others. Compared with the cached step it checks the cache."""
+    """A step without a cache for the models :func:`builtin_step` serves (bar encoder-decoders)."""
     if callable(getattr(model, "new_cache", None)) and hasattr(model, "config"):
-        return reference_recompute_step
+        return reference_recompute_step  # compared with the cached step it checks the cache
     if hf.generates(model) and not model.config.is_encoder_decoder:
         return causal_lm_recompute_step
     return None
 
 
-def _keywords(inputs: Any, what: str) -> dict[str, Any]:
+def _keywords(inputs: PyTree, what: str) -> dict[str, PyTree]:
     if not isinstance(inputs, Mapping):
         raise UsageError(f"the built-in step of {what} takes the prompt as a dict of keyword "
                          f"arguments; got {_describe(inputs)}; or {STEP_HINT}")
     return dict(inputs)
 
 
-def _with_input_ids(inputs: Any, what: str) -> dict[str, Any]:
+def _with_input_ids(inputs: PyTree, what: str) -> dict[str, PyTree]:
     """A transformers prompt's keyword arguments, which must hold its ``input_ids``."""
     keywords = _keywords(inputs, what)
     if "input_ids" not in keywords:
@@ -282,23 +252,22 @@ def _reference_keys(model: nn.Module) -> tuple[str, str]:
                                                                             "attention_mask")
 
 
-def reference_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:
-    """A reference ``DecoderLM`` / ``EncoderDecoder`` step with its ``KVCache``: the prompt is
-    the model's keyword arguments (``input_ids``, or ``src_ids`` and ``tgt_ids``, with their
-    masks), later steps feed the new token and the mask of every token so far."""
+def reference_step(model: nn.Module, tokens: PyTree, state: PyTree) -> tuple[torch.Tensor, PyTree]:
+    """A reference ``DecoderLM`` / ``EncoderDecoder`` step with its ``KVCache``."""
     ids_key, mask_key = _reference_keys(model)
     if state is None:
         inputs = _keywords(tokens, "a reference model")
         cache = model.new_cache()
         return model(**inputs, cache=cache), {"cache": cache, "inputs": inputs}
+    # later steps feed the new token and the mask of every token so far
     inputs = dict(state["inputs"])
     inputs[ids_key] = tokens
     inputs[mask_key] = _grown(inputs.get(mask_key))
     return model(**inputs, cache=state["cache"]), {"cache": state["cache"], "inputs": inputs}
 
 
-def reference_recompute_step(model: nn.Module, tokens: Any, state: Any
-                             ) -> tuple[torch.Tensor, Any]:
+def reference_recompute_step(model: nn.Module, tokens: PyTree, state: PyTree
+                             ) -> tuple[torch.Tensor, PyTree]:
     """A reference model's step by full recompute: every step runs the whole sequence."""
     ids_key, mask_key = _reference_keys(model)
     if state is None:
@@ -311,8 +280,7 @@ def reference_recompute_step(model: nn.Module, tokens: Any, state: Any
 
 
 def _cache_keyword(model: nn.Module) -> str:
-    """``cache`` (transformers 5) or ``past_key_values`` (earlier versions), as the model's
-    forward, or the first one up its classes that names either, takes it."""
+    """``cache`` (transformers 5) or ``past_key_values`` (earlier), as the forward takes it."""
     for cls in type(model).__mro__:
         forward = cls.__dict__.get("forward")
         names = inspect.signature(forward).parameters if forward is not None else {}
@@ -323,28 +291,19 @@ def _cache_keyword(model: nn.Module) -> str:
 
 
 def _prompt_positions(model: nn.Module, mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """Position ids as ``generate`` makes them: each token's index among the real tokens of
-    its row (left padding does not shift a prompt), 0 on padding."""
+    """Position ids as ``generate`` makes them: left padding shifts no prompt, padding is 0."""
     if mask is None or "position_ids" not in inspect.signature(model.forward).parameters:
         return {}
     positions = mask.long().cumsum(-1) - 1
     return {"position_ids": positions.masked_fill(mask == 0, 0)}
 
 
-def causal_lm_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:
-    """A ``transformers`` causal LM step as ``generate`` takes it: the cache ``generate`` starts
-    with (or none, for a model that makes its own), the model's own
-    ``prepare_inputs_for_generation`` choosing what each call is fed, and
-    ``_update_model_kwargs_for_generation`` growing the mask and positions. Of the prompt,
-    ``input_ids`` and ``attention_mask`` are used (other inputs are for the forward pass, not
-    for decoding); positions of left-padded prompts are those ``generate`` computes.
-
-    A state without a cache (the model returned none, or a beam search could not reorder it)
-    runs the whole sequence again, as a prompt: decoding by full recomputation. A model that
-    returns no cache may still fill the one it is given (a BERT-style model built without
-    ``is_decoder``), attending from the prompt to tokens after it: that is not decoding."""
+def causal_lm_step(model: nn.Module, tokens: PyTree, state: PyTree) -> tuple[torch.Tensor, PyTree]:
+    """A ``transformers`` causal LM step as ``generate`` takes it."""
     if not _generates_by_next_sequence_length():
         return _explicit_causal_lm_step(model, tokens, state)
+    # of the prompt, input_ids and attention_mask only (other inputs are for the forward, not
+    # decoding)
     if state is None:
         inputs = _with_input_ids(tokens, "a transformers model")
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
@@ -360,12 +319,16 @@ def causal_lm_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Ten
     whole = state is None or cache is None
     fed = ({"next_sequence_length": ids.shape[1], "is_first_iteration": True} if whole
            else {"next_sequence_length": 1})
+    # the model's own prepare_inputs_for_generation chooses what each call is fed
     out = model(**model.prepare_inputs_for_generation(ids, **fed, **kwargs), return_dict=True)
+    # grows the mask and positions
     kwargs = model._update_model_kwargs_for_generation(out, dict(kwargs))
     for name in _CACHE_NAMES:  # the cache goes on only as the model returned it
         kwargs.pop(name, None)
     key = next((name for name in _CACHE_NAMES if out.get(name) is not None), "cache")
     cache = out.get(key)
+    # a state without a cache runs the whole sequence again, as a prompt; a model returning no cache
+    # may still fill the one given, attending past the prompt: not decoding
     if cache is None:  # a BERT-style model that is no decoder, or one without a cache
         recomputing(model, "it returns no cache")
     return out.logits, {"input_ids": ids, "cache": cache, "cache_key": key, "kwargs": kwargs}
@@ -387,17 +350,15 @@ def recomputing(model: nn.Module, why: str) -> None:
 
 @functools.cache
 def _generates_by_next_sequence_length() -> bool:
-    """Whether the installed ``transformers`` feeds ``prepare_inputs_for_generation`` the
-    length of the tokens not yet cached (releases before it slice by ``cache_position``)."""
+    """Whether ``transformers`` feeds the uncached length, not ``cache_position``, to generation."""
     from transformers import GenerationMixin
 
     return "next_sequence_length" in inspect.signature(
         GenerationMixin.prepare_inputs_for_generation).parameters
 
 
-def _generation_cache(model: nn.Module) -> Any:
-    """The cache ``generate`` gives a model before its first call: a ``DynamicCache`` of its
-    text config, or None for the models that make a cache of their own."""
+def _generation_cache(model: nn.Module) -> object:
+    """The ``DynamicCache`` ``generate`` starts a model with, or None for one making its own."""
     from transformers import DynamicCache
 
     if not model._supports_default_dynamic_cache():
@@ -405,12 +366,10 @@ def _generation_cache(model: nn.Module) -> Any:
     return DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
-def _explicit_causal_lm_step(model: nn.Module, tokens: Any, state: Any
-                             ) -> tuple[torch.Tensor, Any]:
-    """The step of :func:`causal_lm_step` on releases that slice by ``cache_position``: the
-    model's cache object, the mask growing by one per step, positions one past the last. A
-    model that returns no cache under the name its forward takes is decoded by
-    :func:`causal_lm_recompute_step`."""
+def _explicit_causal_lm_step(model: nn.Module, tokens: PyTree, state: PyTree
+                             ) -> tuple[torch.Tensor, PyTree]:
+    """:func:`causal_lm_step` where releases slice by ``cache_position``."""
+    # a model returning no cache under the name its forward takes is recomputed
     if state is not None and "recomputed" in state:
         logits, recomputed = causal_lm_recompute_step(model, tokens, state["recomputed"])
         return logits, {"recomputed": recomputed}
@@ -442,10 +401,9 @@ def _explicit_causal_lm_step(model: nn.Module, tokens: Any, state: Any
     return out.logits, following
 
 
-def causal_lm_recompute_step(model: nn.Module, tokens: Any, state: Any
-                             ) -> tuple[torch.Tensor, Any]:
-    """A ``transformers`` causal LM step by full recompute (``use_cache=False``), with the
-    positions of :func:`causal_lm_step` (each new token one past the last)."""
+def causal_lm_recompute_step(model: nn.Module, tokens: PyTree, state: PyTree
+                             ) -> tuple[torch.Tensor, PyTree]:
+    """A ``transformers`` causal LM step by full recompute, each new position one past the last."""
     if state is None:
         inputs = _keywords(tokens, "a transformers model")
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
@@ -465,15 +423,14 @@ def causal_lm_recompute_step(model: nn.Module, tokens: Any, state: Any
     return model(**kwargs, use_cache=False).logits, following
 
 
-def seq2seq_step(model: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:
-    """A ``transformers`` encoder-decoder step: the encoder runs once on the prompt's
-    ``input_ids`` and ``attention_mask``; the decoder starts from the prompt's
-    ``decoder_input_ids`` (else the config's ``decoder_start_token_id``) and keeps its cache."""
+def seq2seq_step(model: nn.Module, tokens: PyTree, state: PyTree) -> tuple[torch.Tensor, PyTree]:
+    """A ``transformers`` encoder-decoder step: the encoder runs once, the decoder has a cache."""
     cache_key = _cache_keyword(model)
     if state is None:
         inputs = _with_input_ids(tokens, "a transformers encoder-decoder")
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
         encoded = model.get_encoder()(input_ids=ids, attention_mask=mask, return_dict=True)
+        # else the config's decoder_start_token_id
         decoder_ids = inputs.get("decoder_input_ids")
         if decoder_ids is None:
             start = model.config.decoder_start_token_id

@@ -1,26 +1,7 @@
-"""Users' models as *factories*: an entry ``file.py:name`` or ``package.module:name``.
+"""Users' models as *factories*: an entry ``file.py:name``, ``package.module:name``, ``hf:FAMILY``.
 
-The named callable returns ``(model, inputs)`` or ``(model, inputs, loss_fn)``, or a dict with
-the keys ``model``, ``inputs`` and optionally ``loss_fn``, ``step``, ``decode`` and
-``padding``. ``inputs`` is a tuple of positional arguments, a dict of keyword arguments or one
-tensor; ``loss_fn(output, inputs)`` returns a scalar; ``step(model, tokens, state) -> (logits,
-state)`` is one decoding step (:mod:`torchparity.subject.decoding`); ``decode(model, inputs,
-use_cache)`` runs the model's incremental decoding and returns its outputs (a pytree of
-tensors); ``padding`` says which positions are padding where the inputs do not (see
-:mod:`torchparity.subject.padding`); ``parallelize(model, mesh)`` shards the model in place
-over a device mesh (its FSDP2 ``fully_shard`` / ``parallelize_module`` plan) and ``mesh`` is the
-mesh it wants, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left), both read under
-torchrun only (:mod:`torchparity.distributed.sharding`); ``shards`` says, of a model a factory
-sharded by hand under torchrun (plain per-rank slices), which dimension each sliced parameter
-is split along (:mod:`torchparity.distributed.slices`); ``init(model)`` fills the weights of a
-model the factory built on the meta device, once it is materialised (under torchrun: sharded
-first, each rank filling its part only). Training (``torchparity train --model``, see
-:mod:`torchparity.train.user_model`) reads ``batches(step) -> inputs`` (the inputs of optimizer
-step ``step``, 1-based, deterministic), ``optimizer(model) -> torch.optim.Optimizer`` (the
-user's param groups), optionally ``scheduler(optimizer)`` (stepped after every optimizer step)
-and ``train_step(model, batch, optimizer) -> loss`` (the user's own step). A file imports as
-``python file.py`` would run it: its folder comes first on ``sys.path``, so modules beside it
-import.
+The callable returns ``(model, inputs[, loss_fn])`` or a dict of :data:`KEYS`; docs/your-model.md
+says what each key means.
 """
 
 from __future__ import annotations
@@ -31,7 +12,6 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 from torch import nn
@@ -46,15 +26,8 @@ KEYS = ("model", "inputs", "loss_fn", "step", "decode", "padding", "reorder", "s
         "train_step")
 
 
-def resolve_entry(spec: str) -> Callable[..., Any]:
+def resolve_entry(spec: str) -> Callable[..., object]:
     """The callable an entry names, imported but not called.
-
-    Args:
-        spec: ``package.module:name``, ``path/to/file.py:name`` or an ``hf:`` entry
-            (:mod:`~torchparity.subject.hf_families`).
-
-    Returns:
-        The factory.
 
     Raises:
         UsageError: the entry is malformed, does not import, or names no callable.
@@ -74,14 +47,7 @@ def resolve_entry(spec: str) -> Callable[..., Any]:
 
 
 def entry_name(spec: str) -> str:
-    """A factory's name as reports and golden folders use it, without the file's folder.
-
-    Args:
-        spec: ``path/to/models.py:gpt2``, ``pkg.mod:gpt2`` or ``hf:gpt2,attn=eager``.
-
-    Returns:
-        ``models.gpt2``, ``pkg.mod.gpt2`` or ``hf.gpt2.eager``.
-    """
+    """A factory's name in reports and golden folders: ``models.gpt2``, ``hf.gpt2.eager``."""
     if hf_families.is_hf_entry(spec):
         return hf_families.parse(spec).name
     location, _, attribute = spec.rpartition(":")
@@ -89,15 +55,8 @@ def entry_name(spec: str) -> str:
     return f"{stem}.{attribute}"
 
 
-def call_factory(factory: Callable[[], object], label: str) -> dict[str, Any]:
-    """Call ``factory`` and check what it returns, so a mistake is named before any run.
-
-    Args:
-        factory: the user's factory.
-        label: the factory's name in messages.
-
-    Returns:
-        Every key of :data:`KEYS` (absent ones None).
+def call_factory(factory: Callable[[], object], label: str) -> dict[str, object]:
+    """Call ``factory`` and check what it returns: every key of :data:`KEYS`, absent ones None.
 
     Raises:
         UsageError: what it returns has the wrong form, keys or types (one line).
@@ -147,14 +106,7 @@ def _describe(result: object) -> str:
 
 
 def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message, for one-line errors.
-
-    Args:
-        exc: the exception.
-
-    Returns:
-        Its message's first line, or ``(no message)``.
-    """
+    """The first line of an exception's message, or ``(no message)``."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else "(no message)"
 
@@ -176,11 +128,11 @@ def _import_location(location: str, spec: str) -> ModuleType:
 
 
 def _import_file(path: Path, spec: str) -> ModuleType:
-    """Import ``path`` as ``python path`` runs it: its folder first on ``sys.path`` (it stays
-    there, as for a script, so the factory's later imports find its neighbours too)."""
+    """Import ``path`` as ``python path`` runs it: its folder stays first on ``sys.path``."""
     if not path.is_file():
         raise UsageError(f"entry point {spec}: no file {path}")
     folder = str(path.resolve().parent)
+    # as for a script, so the factory's later imports find its neighbours too
     if folder in sys.path:
         sys.path.remove(folder)
     sys.path.insert(0, folder)

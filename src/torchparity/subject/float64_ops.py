@@ -1,19 +1,10 @@
 """Float64 versions of the operations whose kernels have none.
 
-A model that runs in float64 goes through the operations its library picked for speed, and
-some of them take only narrower dtypes: ``transformers``' mixture-of-experts layers multiply
-each expert's tokens by its weights with one grouped matmul (``torch._grouped_mm``, behind
-``torch.nn.functional.grouped_mm``), whose kernels take float32, bfloat16 and float16 only.
-:class:`Float64Ops` computes such an operation, where it meets float64 operands, as the plain
-float64 operations it stands for (one ``mm`` per group): the same products and sums, rounded in
-float64, and differentiable as those operations are.
-
-A model may also cast a value to float32 itself and multiply it by a weight of its own (a
-router that "runs in fp32": ``F.linear(hidden.float(), self.weight)``): its dtypes agree in
-float32 and bfloat16, where the weight is float32, and meet float64 in a float64 run, where no
-product of mixed dtypes exists. The float32 operand joins the float64 one exactly (every
-float32 is a float64), so the product is float64's of the values the model rounded: its own
-cast stays the island the run notes (:mod:`torchparity.subject.islands`).
+``transformers``' mixture-of-experts layers use ``torch._grouped_mm``, which takes float32,
+bfloat16 and float16 only. :class:`Float64Ops` runs such an operation on float64 operands as the
+plain float64 operations it stands for, differentiable as they are, and a product of float64 and
+a narrower operand (a router's ``F.linear(hidden.float(), self.weight)``) in float64: the
+narrower value joins exactly, its cast staying the island the run notes.
 """
 
 from __future__ import annotations
@@ -96,10 +87,7 @@ SAME_DTYPE = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, tor
 
 
 class Float64Ops(TorchFunctionMode):
-    """Inside the ``with`` block, every operation of :data:`FALLBACKS` that meets a float64
-    operand runs as its float64 fallback, and every product of :data:`SAME_DTYPE` that meets
-    float64 and narrower floating operands takes them all in float64; every other call runs
-    as it is."""
+    """Runs :data:`FALLBACKS` and :data:`SAME_DTYPE` products meeting float64 in float64."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -1,11 +1,8 @@
-"""Hugging Face ``transformers`` models, recognised without importing transformers: their
-attention implementation and whether they generate.
+"""Hugging Face ``transformers`` models, recognised without importing transformers.
 
-Nothing here needs an API newer than transformers 4.46, the oldest release supported: a model
-is recognised by its ``PreTrainedModel`` base, and its attention is switched by
-``set_attn_implementation`` where the release has it (5.x), else as 4.x chose it, by the
-config's ``_attn_implementation`` and, for the models that picked an attention class when they
-were built (4.46's ``LlamaSdpaAttention``), by that class.
+Nothing here needs an API newer than 4.46: attention is switched by ``set_attn_implementation``
+(5.x), else as 4.x chose it, by the config and the attention class built
+(``LlamaSdpaAttention``).
 """
 
 from __future__ import annotations
@@ -20,28 +17,14 @@ EAGER, SDPA = "eager", "sdpa"
 
 
 def is_transformers(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``transformers`` model (a ``PreTrainedModel`` with a config).
-
-    Args:
-        model: any module; transformers is not imported to tell.
-
-    Returns:
-        True for a ``transformers`` model.
-    """
+    """Whether ``model`` is a ``transformers`` ``PreTrainedModel`` with a config."""
     return hasattr(model, "config") and any(
         cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers")
         for cls in type(model).__mro__)
 
 
 def generates(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``transformers`` model that can ``generate``.
-
-    Args:
-        model: any module.
-
-    Returns:
-        True when its built-in decoding step applies.
-    """
+    """Whether ``model`` is a ``transformers`` model that can ``generate``."""
     can = getattr(model, "can_generate", None)
     return is_transformers(model) and callable(can) and bool(can())
 
@@ -52,11 +35,7 @@ def attention_of(model: nn.Module) -> str | None:
 
 
 def set_attention(model: nn.Module, implementation: str) -> None:
-    """Switch a ``transformers`` model to the attention implementation named, in place.
-
-    Args:
-        model: a ``transformers`` model.
-        implementation: :data:`EAGER`, :data:`SDPA` or another the release knows.
+    """Switch a ``transformers`` model to the attention ``implementation`` named, in place.
 
     Raises:
         BackendUnavailable: the model has no such implementation (its cells are n/a).
@@ -83,18 +62,16 @@ def set_attention(model: nn.Module, implementation: str) -> None:
 
 
 def _built_with(model: nn.Module, implementation: str) -> dict[str, nn.Module]:
-    """The modules of ``model``'s class built from its config with ``implementation``, on the
-    meta device (no memory, no initialisation): what 4.x would have built."""
+    """The modules 4.x would have built for ``implementation``, built on the meta device."""
     with torch.device("meta"):
         twin = type(model)._from_config(model.config, attn_implementation=implementation)
     return dict(twin.named_modules())
 
 
 def _become(module: nn.Module, like: nn.Module) -> None:
-    """``module`` takes the class of ``like`` and the plain attributes that class's
-    ``__init__`` set on it (GPT-2's sdpa attention keeps a flag of its own); its parameters,
-    buffers and submodules stay."""
+    """``module`` takes the class of ``like`` and the plain attributes its ``__init__`` set."""
     module.__class__ = type(like)
+    # GPT-2's sdpa attention keeps a flag of its own; parameters, buffers and submodules stay
     own = ("_parameters", "_buffers", "_modules")
     for key, value in vars(like).items():
         if key not in vars(module) and key not in own and not isinstance(value, torch.Tensor):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -46,14 +46,11 @@ DecodeFn = Callable[[nn.Module, Inputs, bool], PyTree]
 
 @dataclass
 class Subject:
-    """A user's model under test: the model, its inputs and its optional callables, named by
-    the ``entry`` that built it and by ``name``, a file-system friendly form of it (the golden
-    folder). Every command that takes a user's model (``check``, ``golden``, ``bench``,
-    ``diagnose``, ``record``) loads it here. ``padding`` says which positions of its batch are
-    padding, left out of every comparison and of the default loss: the factory's ``padding``,
-    else what the inputs' masks say (:mod:`torchparity.subject.padding`). ``search`` makes its
-    decode golden a beam search (the factory's ``search`` key), ``reorder`` reorders its
-    decoding state between beam steps."""
+    """A user's model under test, named by its ``entry`` and its golden folder's ``name``.
+
+    Every command that takes a user's model loads it here. ``padding`` (the factory's, else what
+    the inputs' masks say) is left out of every comparison and of the default loss.
+    """
 
     name: str
     entry: str
@@ -63,7 +60,8 @@ class Subject:
     step: StepFn | None = None
     decode: DecodeFn | None = None
     padding: Padding = field(default_factory=Padding)
-    reorder: ReorderFn | None = None
+    reorder: ReorderFn | None = None  # reorders its decoding state between beam steps
+    # the factory's search key: its decode golden is a beam search
     search: BeamSettings | None = None
     #: ``parallelize(model, mesh)``: the factory's plan to shard the model over ``mesh``, a
     #: ``{dimension name: size}`` (see :mod:`torchparity.distributed.sharding`).
@@ -99,15 +97,6 @@ class Subject:
     def load(cls, entry: str | Callable[[], object]) -> Subject:
         """Load a user's model the one way every command does: factory called, keys checked.
 
-        A model built on the meta device is materialised on the CPU by the factory's ``init``
-        here, except under torchrun with a plan, where each rank fills its own part once sharded.
-
-        Args:
-            entry: ``file.py:name`` or ``pkg.mod:name``, or the factory itself.
-
-        Returns:
-            The subject, its padding and search settings resolved.
-
         Raises:
             UsageError: the entry or what the factory returns is wrong (one line saying which).
             UserCodeError: the factory, or its ``init``, raised.
@@ -127,28 +116,18 @@ class Subject:
                              '{"layers.0.attn.q.weight": 0}')
         subject = cls(name=entry_name(spec), entry=spec, **fields,
                       attention=hf.attention_of(fields["model"]))
+        # under torchrun with a plan, each rank fills its own part once sharded
         if on_meta(subject.model) and not (under_torchrun() and subject.parallelize):
             subject.materialise(subject.model, "cpu")
         return subject
 
     def materialise(self, model: nn.Module, device: str | torch.device) -> None:
-        """Give ``model``, on the meta device, memory on ``device``, filled by the factory's init.
-
-        Every floating tensor is first set to NaN, so a weight ``init`` forgot is named rather
-        than read as whatever memory held.
-
-        Args:
-            model: the factory's model, or its copy, on the meta device.
-            device: where its memory goes.
-
-        Raises:
-            UsageError: the factory has no ``init``, or ``init`` left a tensor unfilled.
-            UserCodeError: ``init`` raised.
-        """
+        """Give ``model`` (on meta) memory on ``device``, filled by the factory's ``init``."""
         if self.init is None:
             raise UsageError(f"factory {self.entry} built its model on the meta device; return "
                              "init(model), which fills its weights, with it")
         model.to_empty(device=device)
+        # NaN first, so a weight init forgot is named rather than read as whatever memory held
         mark_unfilled(model)
         self.guarded(lambda: self.init(model), "its init")
         unfilled = left_unfilled(model)
@@ -160,13 +139,12 @@ class Subject:
 
     @property
     def is_transformers(self) -> bool:
-        """Whether the model is a ``transformers`` model (see :func:`hf.is_transformers`)."""
+        """Whether the model is a ``transformers`` model."""
         return hf.is_transformers(self.model)
 
     @property
     def steps(self) -> bool:
-        """Whether it decodes step by step (:mod:`~torchparity.subject.decoding`): with the
-        factory's ``step``, or a built-in one, and no ``decode`` of its own."""
+        """Whether it decodes step by step: a ``step`` (the factory's or built-in) only."""
         return self.decoding and self.decode is None and self.has_step
 
     @property
@@ -180,15 +158,7 @@ class Subject:
         return self.decoding and (self.decode is not None or self.steps)
 
     def stepper(self, model: nn.Module | None = None) -> StepFn:
-        """The decoding step of ``model``, guarded so the user's exception is one line.
-
-        Args:
-            model: the model decoded (default: the factory's).
-
-        Returns:
-            The factory's ``step``, else the built-in one
-            (:func:`~torchparity.subject.decoding.builtin_step`), raising a
-            :class:`UserCodeError` where the step raises.
+        """The factory's ``step``, else the built-in one, for ``model``; its exceptions one line.
 
         Raises:
             UsageError: the model has neither, naming the ``step`` key it needs.
@@ -200,7 +170,7 @@ class Subject:
                              f"{with_article(type(model).__name__)} by itself; {STEP_HINT}")
         what = "its step" if self.step is not None else "the built-in decoding step"
 
-        def guarded(m: nn.Module, tokens: Any, state: Any) -> tuple[torch.Tensor, Any]:
+        def guarded(m: nn.Module, tokens: PyTree, state: PyTree) -> tuple[torch.Tensor, PyTree]:
             return self.guarded(lambda: step(m, tokens, state), what)
 
         guarded.label = (f"the step of {self.entry}" if self.step is not None
@@ -208,15 +178,7 @@ class Subject:
         return guarded
 
     def reorderer(self, model: nn.Module | None = None) -> ReorderFn | None:
-        """The ``reorder(state, index)`` of a beam search, guarded like :meth:`stepper`.
-
-        Args:
-            model: the model decoded (default: the factory's).
-
-        Returns:
-            The factory's ``reorder``, else the built-in one, or None when there is neither (a
-            search then says it needs one).
-        """
+        """The ``reorder(state, index)`` of a beam search (the factory's, else built-in) or None."""
         model = self.model if model is None else model
         reorder = self.reorder or builtin_reorder(model)
         if reorder is None:
@@ -227,66 +189,26 @@ class Subject:
     def placed(self, device: str | torch.device, dtype: torch.dtype,
                attention: str | None = None, *, share: bool = False
                ) -> tuple[nn.Module, Inputs]:
-        """The model and its inputs ready for one cell: ``dtype``, ``device``, eval mode.
-
-        Eval mode because dropout, modules' or ``F.dropout(training=self.training)``, would make
-        runs differ.
-
-        Args:
-            device: where the model and inputs go.
-            dtype: the dtype of their floating tensors.
-            attention: a ``transformers`` model's attention implementation (default: its own).
-            share: use the model itself (put in eval mode and on ``attention``) when it already has
-                that dtype and device: no copy of a big model.
-
-        Returns:
-            The model, a copy unless shared, and the inputs cast alike.
-        """
+        """The model (a copy unless ``share``) and inputs in ``dtype`` on ``device``, eval mode."""
         model = converted(self.model, device, dtype)
         if model is self.model and not share:
             model = copy.deepcopy(model)
+        # dropout, modules' or F.dropout(training=self.training), would make runs differ
         model.eval()
         if self.is_transformers:
             hf.set_attention(model, attention or self.attention)
         return model, cast_inputs(self.inputs, device, dtype)
 
     def forward(self, model: nn.Module, inputs: Inputs) -> PyTree:
-        """``model`` called on ``inputs``, the model's own exception as one line.
-
-        Args:
-            model: this subject's model, or its copy in a cell.
-            inputs: its inputs, as :meth:`placed` cast them.
-
-        Returns:
-            The model's output.
-
-        Raises:
-            UserCodeError: the forward raised.
-        """
+        """``model`` called on ``inputs``, the model's own exception as one line."""
         return self.guarded(lambda: call_model(model, inputs), "the model's forward")
 
     def loss(self, output: PyTree, inputs: Inputs, flat: Mapping[str, torch.Tensor],
              loss_paths: list[str] | None = None) -> torch.Tensor | str:
-        """The loss whose gradients a cell compares: ``loss_fn``, else the projection loss.
+        """The scalar loss a cell compares: ``loss_fn``, else the projection of ``loss_paths``.
 
-        The projection loss reads the outputs at ``loss_paths`` on their unpadded positions (see
-        :func:`~torchparity.subject.running.projection_loss`).
-
-        Args:
-            output: the model's output.
-            inputs: the inputs it was called on.
-            flat: ``output`` flattened under its root.
-            loss_paths: the outputs projected; default: every floating one of ``flat`` that no
-                cache holds (:func:`~torchparity.subject.running.default_loss_paths`), the
-                goldens' choice.
-
-        Returns:
-            The scalar loss, or a string saying why it cannot be computed when ``flat`` lacks one of
-            ``loss_paths`` (the gradients are then not compared).
-
-        Raises:
-            UsageError: ``loss_fn`` returned no scalar tensor, or the output has nothing floating.
-            UserCodeError: ``loss_fn`` raised.
+        Returns a sentence saying why instead when ``flat`` lacks one of ``loss_paths``: the
+        gradients are then not compared.
         """
         if self.loss_fn is not None:
             loss = self.guarded(lambda: self.loss_fn(output, inputs), "its loss_fn")
@@ -294,6 +216,7 @@ class Subject:
                 raise UsageError(f"loss_fn of {self.entry} must return a scalar tensor; got "
                                  f"{type(loss).__name__}")
             return loss.reshape(())
+        # default: the floating outputs no cache holds, the goldens' choice
         paths = loss_paths if loss_paths is not None else default_loss_paths(flat)
         absent = [p for p in paths if p not in flat]
         if absent:
@@ -306,35 +229,14 @@ class Subject:
         return projection_loss({p: flat[p] for p in paths}, self.padding)
 
     def decoded(self, model: nn.Module, inputs: Inputs, use_cache: bool) -> PyTree:
-        """The factory's ``decode(model, inputs, use_cache)``, its exception as one line.
-
-        Args:
-            model: this subject's model, or its copy in a cell.
-            inputs: its inputs.
-            use_cache: decode incrementally with the model's cache, or recompute every step.
-
-        Returns:
-            The decoding's outputs.
-        """
+        """The factory's ``decode(model, inputs, use_cache)``, its exception as one line."""
         return self.guarded(lambda: self.decode(model, inputs, use_cache), "its decode")
 
     def guarded(self, fn: Callable[[], _Result], what: str) -> _Result:
-        """``fn()``, with an exception of the user's code as a one-line :class:`UserCodeError`.
-
-        torchparity's own usage errors and an unavailable backend pass through unchanged.
-
-        Args:
-            fn: the call into the user's code.
-            what: what the message calls it (``its loss_fn``).
-
-        Returns:
-            What ``fn`` returns.
-
-        Raises:
-            UserCodeError: ``fn`` raised, naming ``what`` of this entry.
-        """
+        """``fn()``, with an exception of the user's code as a one-line :class:`UserCodeError`."""
         try:
             return fn()
+        # torchparity's own errors pass through
         except (BackendUnavailable, UsageError):
             raise
         except Exception as exc:

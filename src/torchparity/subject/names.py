@@ -1,11 +1,8 @@
-"""Two versions of a model matched by meaning where their names differ: name maps, and the
-alignment by order and shape that diagnose pairs module calls with and check pairs
-parameters with (:mod:`torchparity.diagnosis.core.align`, :mod:`torchparity.golden.renamed`).
+"""Two versions of a model matched by meaning where their names differ: name maps, and alignment.
 
-A refactor that renames a module keeps its place and its shapes: two sequences are paired as
-the longest common subsequence of their shapes. One that fuses modules (``qkv`` for ``q``,
-``k``, ``v``) puts one tensor where there were several, consecutive and concatenated along
-one dimension.
+A renamed module keeps its place and shapes: sequences pair as the longest common subsequence of
+their shapes. Fused modules (``qkv`` for ``q``, ``k``, ``v``) put one tensor where there were
+several, consecutive and concatenated along one dimension.
 """
 
 from __future__ import annotations
@@ -30,13 +27,7 @@ Shape = tuple[int, ...]
 
 
 def name_translator(name_map: NameMap | None) -> Callable[[str], str]:
-    """A function from A's module names to the names ``name_map`` says they have in B.
-
-    Args:
-        name_map: exact names, ``(regex, replacement)`` pairs, or None (names unchanged).
-
-    Returns:
-        The translation; a name no rule matches stays as it is.
+    """A function from A's module names to B's per ``name_map`` (None: unchanged); unmatched stay.
 
     Raises:
         UsageError: an entry is not a pair, or its regex does not compile.
@@ -67,18 +58,8 @@ def name_translator(name_map: NameMap | None) -> Callable[[str], str]:
 
 
 def common_subsequence(xs: Sequence[object], ys: Sequence[object]) -> list[tuple[int, int]]:
-    """Index pairs of a longest common subsequence of non-empty equal items.
-
-    Two versions of a model run most of their modules in the same order; pairing their
-    shapes this way survives a module added or removed.
-
-    Args:
-        xs: A's items (shapes; an empty one never pairs).
-        ys: B's items.
-
-    Returns:
-        ``(i, j)`` with ``xs[i] == ys[j]``, increasing in both.
-    """
+    """Increasing index pairs ``(i, j)`` of a longest common subsequence of non-empty items."""
+    # most modules run in the same order: this pairing survives one added or removed
     n, m = len(xs), len(ys)
     best = [[0] * (m + 1) for _ in range(n + 1)]
     for i in range(n - 1, -1, -1):
@@ -102,20 +83,9 @@ def common_subsequence(xs: Sequence[object], ys: Sequence[object]) -> list[tuple
 def concatenations(wholes: Sequence[Item], parts: Sequence[Item],
                    shape_of: Callable[[Item], Shape | None], dim: int
                    ) -> list[tuple[Item, tuple[Item, ...]]]:
-    """Each of ``wholes`` shaped as two or more consecutive ``parts`` concatenated along ``dim``.
-
-    A fused weight (``qkv``) found as the parts another version keeps apart (``q``, ``k``,
-    ``v``).
-
-    Args:
-        wholes: the candidates for a fused tensor.
-        parts: the candidates for its parts, in order.
-        shape_of: an item's shape; None or empty (a scalar) takes no part.
-        dim: the dimension the parts are concatenated along.
-
-    Returns:
-        ``(whole, parts)`` pairs; each part is used at most once.
-    """
+    """``(whole, parts)``: each whole shaped as 2+ consecutive ``parts`` joined along ``dim``."""
+    # a fused weight (qkv) as the parts another version keeps apart; each part used once; an empty
+    # shape takes no part
     found, used = [], set()
     for whole in wholes:
         target = shape_of(whole)

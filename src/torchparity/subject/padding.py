@@ -1,35 +1,11 @@
 """Which positions of a model's batch are padding, and which tensors they apply to.
 
-A query at a padded position may attend to nothing (the first tokens of a left-padded prompt
-see only padding), so what two implementations write there is arbitrary: eager attention
-spreads it evenly over masked keys, SDPA returns zeros. Such positions are left out of every
-comparison and of the default loss. A bug that lets a padded *key* reach a real query changes
-real positions and still fails.
-
-Where the padding comes from, in order:
-
-- the factory's ``padding`` key (or the ``padding`` argument of ``diagnose``/``record``): a
-  bool tensor (batch, sequence), True at padding, for every output; a dict of such tensors by
-  output path (``"logits"``, ``"encoder_last_hidden_state"``) for outputs that need their own,
-  the rest read from the inputs; or ``False``: judge every position;
-- else the keyword inputs: the 1/0 masks of :data:`MASK_KEYS` (1 or True: a token, 0 or
-  False: padding), as ``transformers`` models and the reference zoo take them.
-
-A tensor is matched to a mask by the meaning of its dimensions: its first is the batch, its last
-(of three or more) its features, and the one in between of the sequence's length holds its
-positions: (batch, sequence, hidden) hidden states and logits, (batch, heads, sequence,
-head_dim) keys and values of a cache and of attention, (batch, heads, queries, keys) attention
-weights by their queries, (batch, sequence) per-token values. Positions are left out across
-every other dimension before them (every head of a padded position). A tensor with two such
-dimensions (as many heads as positions) could be either's and is judged whole, as is one whose
-positions are not the sequence's (a sliding-window cache holding its last few). In an
-encoder-decoder the source and the target may have
-the same length, so the part a tensor belongs to is read from its path (module names
-included): the first of ``encoder``/``decoder`` it names (``model.decoder.layers.0.encoder_attn``
-is the decoder's). A tensor that names neither is matched only when the sequences of both parts
-are known, and then only positions that are padding in every sequence of its shape are left out.
-Anything else is judged whole: a doubt judges more, never less. Time-major (sequence, batch)
-tensors are not recognised: give their masks by output path.
+A query at a padded position may attend to nothing, so what two implementations write there is
+arbitrary (eager attention spreads it over masked keys, SDPA returns zeros): such positions are
+left out of every comparison and of the default loss. A padded *key* reaching a real query still
+fails. The padding is the factory's ``padding`` key (a bool (batch, sequence) tensor, True at
+padding; a dict of them by output path; or ``False``), else the inputs' 1/0 :data:`MASK_KEYS`.
+Anything in doubt is judged whole: a doubt judges more, never less.
 """
 
 from __future__ import annotations
@@ -58,21 +34,16 @@ _PART = re.compile(r"(en|de)coder", re.IGNORECASE)
 
 @dataclass(frozen=True, eq=False)
 class Sequence:
-    """One sequence of a batch: ``pad`` (bool, (batch, length), True at padding), where it was
-    read (``source``) and the part of an encoder-decoder it belongs to (None: any)."""
+    """One sequence of a batch, where it was read, and its encoder-decoder part (None: any)."""
 
-    pad: torch.Tensor
+    pad: torch.Tensor  # bool (batch, length), True at padding
     source: str
     part: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
 class Padding:
-    """The padding of one batch, callable as :func:`torchparity.compare`'s ``padding``:
-    ``padding(path, tensor)`` is the :class:`~torchparity.comparison.selection.LeftOut` of the
-    tensor at ``path`` (a comparison path such as ``outputs["output.logits"]`` or a flat one such
-    as ``output.logits``), or None when it is judged whole. See the module docstring for the
-    rules; ``within(module)`` reads a module's tensors (a diagnosis) by the same rules."""
+    """The padding of one batch, callable as :func:`torchparity.compare`'s ``padding``."""
 
     sequences: tuple[Sequence, ...] = ()
     outputs: tuple[tuple[str, Sequence], ...] = ()  # the factory's masks, by output path
@@ -83,30 +54,16 @@ class Padding:
         """Whether any position is padding."""
         return any(bool(s.pad.any()) for s in self._all())
 
+    # the LeftOut of the tensor at path (comparison or flat), or None: judged whole
     def __call__(self, path: str, tensor: torch.Tensor) -> LeftOut | None:
         return self.positions(path, tuple(tensor.shape))
 
     def within(self, module: str) -> Padding:
-        """The same padding, matched to the tensors of ``module`` (its name says the part).
-
-        Args:
-            module: a module's name, as a diagnosis reads its tensors.
-
-        Returns:
-            A copy scoped to ``module``.
-        """
+        """The same padding, matched to the tensors of ``module`` (its name says the part)."""
         return dataclasses.replace(self, scope=module)
 
     def positions(self, path: str, shape: tuple[int, ...]) -> LeftOut | None:
-        """The padded positions of a tensor of ``shape`` at ``path``, left out of its comparison.
-
-        Args:
-            path: a comparison path (``outputs["output.logits"]``) or a flat one
-                (``output.logits``).
-            shape: the tensor's shape.
-
-        Returns:
-            The positions left out, or None when the tensor is judged whole.
+        """The padded positions of a tensor of ``shape`` at ``path``, or None: it is judged whole.
 
         Raises:
             UsageError: a mask the factory gave for ``path`` does not fit the tensor's shape.
@@ -122,10 +79,13 @@ class Padding:
             return _left_out({own: own.pad})
         fits = {s: mask for s in self.sequences
                 if (mask := _over_positions(s.pad, shape)) is not None}
+        # source and target may have one length: the first of encoder/decoder the path names
+        # (model.decoder.layers.0.encoder_attn is the decoder's) says whose it is
         named = _PART.search(f"{self.scope} {flat}")
         if named is not None:
             part = named.group(0).lower()
             return _left_out({s: m for s, m in fits.items() if s.part in (part, None)})
+        # a path naming neither is matched only when both parts' sequences are known
         tagged = {s.part for s in self.sequences if s.part is not None}
         if self.encoder_decoder and tagged != {"encoder", "decoder"} and \
                 any(s.part is not None for s in fits):
@@ -133,24 +93,16 @@ class Padding:
         return _left_out(fits)
 
     def summary(self) -> str | None:
-        """One line for a report: how many positions are padding and where that was read.
-
-        Returns:
-            The line, or None when nothing is padding.
-        """
+        """One line for a report: how many positions are padding, read where; None if none."""
         padded = [s for s in self._all() if bool(s.pad.any())]
         if not padded:
             return None
         return "; ".join(f"{int(s.pad.sum())} of {s.pad.numel()} positions are padding "
                          f"({s.source.removeprefix('padding ')})" for s in padded)
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON form that :meth:`from_json` reads back, so a trace keeps its batch's padding.
-
-        Returns:
-            The sequences and the factory's masks as lists of 0/1.
-        """
-        def sequence(s: Sequence) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
+        """A JSON form that :meth:`from_json` reads back, so a trace keeps its batch's padding."""
+        def sequence(s: Sequence) -> dict[str, object]:
             return {"pad": s.pad.int().tolist(), "source": s.source, "part": s.part}
 
         return {"sequences": [sequence(s) for s in self.sequences],
@@ -159,14 +111,7 @@ class Padding:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Padding:
-        """The padding :meth:`to_json` wrote.
-
-        Args:
-            data: what :meth:`to_json` returned, read back from JSON.
-
-        Returns:
-            The padding, equal in its masks, sources and parts.
-        """
+        """The padding :meth:`to_json` wrote."""
         def sequence(d: Mapping[str, Any]) -> Sequence:
             return Sequence(torch.tensor(d["pad"], dtype=torch.bool), d["source"], d["part"])
 
@@ -187,9 +132,11 @@ class Padding:
 
 
 def _over_positions(pad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
-    """``pad`` (batch, sequence) spread over the leading dimensions of a tensor of ``shape`` up
-    to the one holding its positions (see the module docstring); None when no dimension, or
-    more than one, can be the sequence's."""
+    """``pad`` spread over a tensor's dimensions up to the one holding its positions, or None."""
+    # the first dimension is the batch, the last (of 3+) features, and the one between of the
+    # sequence's length the positions: (batch, heads, sequence, head_dim) keys, (batch, heads,
+    # queries, keys) weights by their queries. Two such dimensions, or none (a sliding-window
+    # cache), judge it whole; time-major tensors need their masks by output path
     batch, length = pad.shape
     if len(shape) < 2 or shape[0] != batch:
         return None
@@ -203,9 +150,8 @@ def _over_positions(pad: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor |
 
 
 def _left_out(masks: Mapping[Sequence, torch.Tensor]) -> LeftOut | None:
-    """Positions padded in every one of the sequences of ``masks`` (each spread over the
-    tensor's leading dimensions); None when there is none, or when they lie on different
-    dimensions of the tensor (it could be either's)."""
+    """Positions padded in every one of the sequences of ``masks``; None when none, or ambiguous."""
+    # on different dimensions: it could be either's
     if not masks or len({m.shape for m in masks.values()}) > 1:
         return None
     sequences, (pad, *others) = list(masks), list(masks.values())
@@ -220,21 +166,10 @@ def _left_out(masks: Mapping[Sequence, torch.Tensor]) -> LeftOut | None:
 
 
 def from_inputs(inputs: PyTree, *, encoder_decoder: bool = False) -> Padding:
-    """The padding that keyword ``inputs`` carry in their 1/0 masks (:data:`MASK_KEYS`).
-
-    A target given as tokens without a mask (:data:`DECODER_IDS`) is a sequence without
-    padding. Inputs of another form, and masks that are not 1/0 (batch, sequence), say nothing:
-    a doubt judges more, never less.
-
-    Args:
-        inputs: a model's inputs.
-        encoder_decoder: the model is an encoder-decoder, even if its inputs do not say so.
-
-    Returns:
-        The padding, empty when the inputs carry none.
-    """
+    """The padding that keyword ``inputs`` carry in their 1/0 masks (:data:`MASK_KEYS`)."""
     if not isinstance(inputs, Mapping):
         return Padding()
+    # a target given as tokens without a mask is a sequence without padding; other forms say nothing
     encoder_decoder = encoder_decoder or any(
         key in inputs for key in (*DECODER_IDS, "decoder_attention_mask", "src_mask"))
     sequences = []
@@ -270,18 +205,7 @@ PaddingLike = Padding | torch.Tensor | Mapping[str, torch.Tensor] | bool | None
 
 def padding_of(spec: PaddingLike, inputs: PyTree, model: nn.Module | None = None,
                label: str = "padding", given_by: str = "the padding given") -> Padding:
-    """The :class:`Padding` of a batch from what a factory or a caller gave.
-
-    Args:
-        spec: None (read the inputs), ``False`` (none), a bool (batch, sequence) tensor, a dict
-            of them by output path, or a :class:`Padding`.
-        inputs: the batch's inputs, read for their masks.
-        model: tells an encoder-decoder by its config's ``is_encoder_decoder``.
-        label: what a message calls ``spec``.
-        given_by: what reports call a given mask's source.
-
-    Returns:
-        The padding.
+    """The :class:`Padding` of a batch from what a factory or caller gave (:data:`PaddingLike`).
 
     Raises:
         UsageError: ``spec`` has another form, or a mask is not a bool (batch, sequence) tensor.
@@ -318,14 +242,7 @@ def _checked(mask: object, label: str) -> torch.Tensor:
 
 
 def flat_path(path: str) -> str:
-    """A comparison path in flat form, so both kinds match the factory's masks.
-
-    Args:
-        path: ``outputs["output.logits"]``, ``outputs["hidden"][0]``, or a flat path.
-
-    Returns:
-        ``output.logits``, ``hidden.0``; a flat path as it is.
-    """
+    """A comparison path in flat form: ``outputs["hidden"][0]`` is ``hidden.0``; flat stays."""
     if not path.startswith("outputs") or path[len("outputs"):len("outputs") + 1] not in "[.":
         return path
     keys = re.findall(r'\["((?:[^"\\]|\\.)*)"\]|\[([^\]]*)\]|\.(\w+)', path[len("outputs"):])

@@ -1,11 +1,7 @@
-"""Another draw of a computation's rounding: the same model with its weights moved by one
-rounding of their dtype.
+"""Another draw of a computation's rounding: the same model, its weights moved by one rounding.
 
-Rerunning a computation on weights moved by up to one unit of roundoff changes which way its
-results round, while moving the exact result no more than rounding the weights to that dtype
-already did: the difference between the two runs is the computation's own rounding, and a
-systematic change (a bug) is the same in both and cancels (see ``reruns`` in
-:func:`torchparity.compare`).
+The difference between the two runs is the computation's own rounding; a bug is the same in both
+and cancels (``reruns`` in :func:`torchparity.compare`).
 """
 
 from __future__ import annotations
@@ -20,17 +16,8 @@ from torchparity.reference import rng
 def perturb_weights(model: nn.Module, *, seed: int = 1) -> nn.Module:
     """Move every floating parameter of ``model`` by up to one rounding of its dtype, in place.
 
-    Each is multiplied by ``1 + d * u``, ``u`` the unit roundoff of its dtype and ``d``
-    uniform in [-1, 1], a pure function of ``seed`` and the tensor's name (the same on every
-    machine). The product is rounded to the tensor's dtype from float64, so about half the
-    values move by one unit in the last place. Float64 tensors move by one float64 rounding.
-
-    Args:
-        model: the model, changed in place.
-        seed: which draw of the rounding.
-
-    Returns:
-        ``model`` itself.
+    Each is multiplied by ``1 + d * u`` (``u`` its dtype's unit roundoff, ``d`` uniform in [-1,
+    1] from ``seed`` and its name, the same on every machine) and rounded back from float64.
     """
     with torch.no_grad():
         for name, tensor in model.named_parameters():

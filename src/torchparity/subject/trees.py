@@ -1,6 +1,4 @@
-"""Pytrees of tensors as models take and return them: tensors inside mappings (Hugging Face
-``ModelOutput`` included), tuples, lists, namedtuples and dataclasses, addressed by a dotted path
-(``output.0``, ``output.logits``, ``inputs.attention_mask``)."""
+"""Pytrees of tensors as models take and return them, by dotted path (``output.logits``)."""
 
 from __future__ import annotations
 
@@ -18,68 +16,32 @@ checker, since a leaf can be anything; the name says which arguments are walked 
 
 
 def flatten_tensors(tree: PyTree, prefix: str = "output") -> dict[str, torch.Tensor]:
-    """Tensors of a pytree keyed by a dotted path (``output.0``, ``output.logits``).
-
-    Walks tensors, mappings (including Hugging Face ``ModelOutput``), tuples, lists and
-    dataclasses in order; other leaves (caches, None, numbers) are skipped.
-
-    Args:
-        tree: a model's inputs or outputs.
-        prefix: the first part of every path, naming the tree.
-
-    Returns:
-        The tensors in walking order, by path: the names every report and golden uses.
-    """
+    """Tensors of a pytree by dotted path (``output.0``, ``output.logits``), as reports say."""
+    # mappings (ModelOutput included), tuples, lists and dataclasses in order; other leaves skipped
     return {path: leaf for path, leaf in walk(tree, prefix) if isinstance(leaf, torch.Tensor)}
 
 
-def map_tensors(tree: PyTree, fn: Callable[[torch.Tensor], Any]) -> PyTree:
-    """Rebuild ``tree`` with ``fn`` applied to every tensor; containers keep their types.
-
-    Args:
-        tree: a model's inputs or outputs.
-        fn: the new leaf for each tensor (a cast, a copy, a move to another device).
-
-    Returns:
-        A tree of the same shape and container types, so the model takes it as it took ``tree``.
-    """
+def map_tensors(tree: PyTree, fn: Callable[[torch.Tensor], object]) -> PyTree:
+    """Rebuild ``tree`` with ``fn`` applied to every tensor; containers keep their types."""
     return _mapped(tree, lambda path, tensor: fn(tensor), None)
 
 
-def map_tensors_with_paths(tree: PyTree, fn: Callable[[str, torch.Tensor], Any],
+def map_tensors_with_paths(tree: PyTree, fn: Callable[[str, torch.Tensor], object],
                            prefix: str = "output") -> PyTree:
-    """Like :func:`map_tensors`, with ``fn`` told each tensor's path.
-
-    Args:
-        tree: a model's inputs or outputs.
-        fn: called as ``fn(path, tensor)``, with the path :func:`flatten_tensors` gives the
-            tensor under the same ``prefix``.
-        prefix: the first part of every path.
-
-    Returns:
-        A tree of the same shape and container types.
-    """
+    """Like :func:`map_tensors`, calling ``fn(path, tensor)`` with :func:`flatten_tensors`' path."""
     return _mapped(tree, fn, prefix)
 
 
-def map_objects(tree: PyTree, fn: Callable[[Any], Any]) -> PyTree:
-    """``tree`` with its object leaves (no tensor, plain value or container: a cache) replaced.
-
-    Args:
-        tree: a model's inputs or outputs.
-        fn: the replacement for an object leaf, or None to keep it.
-
-    Returns:
-        The rebuilt tree, or ``tree`` itself when ``fn`` replaces nothing (no copy made).
-    """
+def map_objects(tree: PyTree, fn: Callable[[object], object | None]) -> PyTree:
+    """``tree`` with object leaves (a cache) replaced where ``fn`` answers; itself if nowhere."""
     if all(isinstance(leaf, (torch.Tensor, *_SCALARS)) or fn(leaf) is None
            for _, leaf in walk(tree, "")):
         return tree
     return _mapped(tree, lambda path, tensor: tensor, None, fn)
 
 
-def _mapped(tree: PyTree, fn: Callable[[str | None, torch.Tensor], Any], path: str | None,
-            objects: Callable[[Any], Any] | None = None) -> PyTree:
+def _mapped(tree: PyTree, fn: Callable[[str | None, torch.Tensor], object], path: str | None,
+            objects: Callable[[object], object | None] | None = None) -> PyTree:
     # ``path`` None: no paths are wanted (map_tensors), and none is built.
     if isinstance(tree, torch.Tensor):
         return fn(path, tree)
@@ -105,35 +67,19 @@ def _child(path: str | None, key: object) -> str | None:
     return None if path is None else f"{path}.{key}" if path else str(key)
 
 
-def leaves(tree: PyTree, prefix: str) -> dict[str, Any]:
-    """Every leaf of a pytree (tensors, None, numbers, other objects) by its path.
-
-    Args:
-        tree: a model's inputs or outputs.
-        prefix: the first part of every path.
-
-    Returns:
-        The leaves by the path :func:`flatten_tensors` gives tensors.
-    """
+def leaves(tree: PyTree, prefix: str) -> dict[str, object]:
+    """Every leaf of a pytree (tensors, None, numbers, other objects) by its path."""
     return dict(walk(tree, prefix))
 
 
-def walk(tree: PyTree, path: str) -> list[tuple[str, Any]]:
-    """Every leaf of ``tree`` with its path (see :func:`leaves`), in order.
-
-    Args:
-        tree: a model's inputs or outputs.
-        path: the first part of every path ("" for none).
-
-    Returns:
-        ``(path, leaf)`` pairs in walking order.
-    """
-    found: list[tuple[str, Any]] = []
+def walk(tree: PyTree, path: str) -> list[tuple[str, object]]:
+    """``(path, leaf)`` of every leaf of ``tree``, in walking order."""
+    found: list[tuple[str, object]] = []
     _collect(tree, path, found)
     return found
 
 
-def _collect(tree: PyTree, path: str, found: list[tuple[str, Any]]) -> None:
+def _collect(tree: PyTree, path: str, found: list[tuple[str, object]]) -> None:
     # A plain recursion into a list, not nested generators: every module call of a captured
     # run walks its inputs and outputs, and a generator per level costs more than the walk.
     if isinstance(tree, (torch.Tensor, *_SCALARS)):  # the common leaves, without the ABC checks
@@ -166,34 +112,16 @@ def _is_model_output(obj: object) -> bool:
 
 
 def rebuilt_from_fields(obj: object) -> bool:
-    """Whether ``obj`` is a dataclass instance that its constructor's fields rebuild.
-
-    One with no such field is an object: transformers 4.38's caches subclass a field-less
-    dataclass and keep their tensors in attributes of their own, which a rebuild would drop.
-
-    Args:
-        obj: any leaf or container of a pytree.
-
-    Returns:
-        True where :func:`map_tensors` may rebuild ``obj`` with ``dataclasses.replace``.
-    """
+    """Whether ``obj`` is a dataclass instance that its constructor's fields rebuild."""
+    # one with no such field is an object: transformers 4.38's caches subclass a field-less
+    # dataclass, keeping tensors a rebuild would drop
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type) and \
         bool(field_names(obj, init=True))
 
 
 def field_names(obj: object, *, init: bool = False) -> tuple[str, ...]:
-    """A dataclass instance's field names, looked up once per class.
-
-    Trees of every module call of every decoding step go through here, hence the cache.
-
-    Args:
-        obj: a dataclass instance.
-        init: only the fields its constructor takes.
-
-    Returns:
-        The field names in declaration order.
-    """
-    return _field_names(type(obj), init)
+    """A dataclass instance's field names (``init``: its constructor's), cached per class."""
+    return _field_names(type(obj), init)  # every module call of every decoding step walks trees
 
 
 @functools.cache

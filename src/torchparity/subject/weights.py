@@ -1,11 +1,8 @@
 """Weights and inputs that are the same on every machine, for any model.
 
-Goldens record a checksum of the weights, so a factory must build the same weights wherever it
-runs. torch's own initialisation does not: its CPU ``normal_`` rounds differently by
-instruction set (without AVX against AVX2, x86 against ARM), so a model seeded with
-``torch.manual_seed`` on one machine can be another model on the next. These draw from the
-zoo's counter-based generator (:mod:`torchparity.reference.rng`: integer hashing and one
-multiply-add in float64), whose values are bit-identical everywhere.
+Goldens record a checksum of the weights, but torch's CPU ``normal_`` rounds differently by
+instruction set; these draw from the zoo's counter-based generator
+(:mod:`torchparity.reference.rng`), bit-identical everywhere.
 """
 
 from __future__ import annotations
@@ -30,28 +27,17 @@ SMALL_STD = 0.02
 def init_weights(model: nn.Module, seed: int) -> nn.Module:
     """Fill a model's weights with values that are the same on every machine.
 
-    The values depend only on ``seed`` and the tensor's name. They are uniform (a normal
-    draw needs ``log`` and ``cos``, whose last bit differs between math libraries), with the
-    scales a freshly initialised transformer has:
+    The values are uniform (a normal draw needs ``log`` and ``cos``, whose last bit differs
+    between math libraries), depend only on ``seed`` and the tensor's name, and have a fresh
+    transformer's scales: a norm's weight 1 and bias 0, each moved by 0.05 (so a dropped or
+    misplaced one changes the output); weights of 2+ dimensions std 1/sqrt(fan-in); anything else
+    std 0.02.
 
-    - a norm's weight (any module whose class name has ``Norm``; also a running variance) is
-      1, its bias (and running mean) 0, each moved by a spread of 0.05: not exactly 1 and 0,
-      so that a refactor which drops or misplaces a norm's weight or bias changes the output;
-    - a weight of two or more dimensions has standard deviation 1/sqrt(fan-in)
-      (``in_features`` of a ``Linear``, the first dimension of transformers' ``Conv1D``, the
-      product of all but the first elsewhere): activations keep their size through the layers
-      and attention scores are of order 1, so the softmax is neither flat nor one-hot;
-    - an embedding table, a bias and any other tensor have standard deviation 0.02 around 0.
-
-    A model sharded over ranks (DTensor parameters) gets on each rank its part of the values
-    one process draws: a parameter at a time is drawn whole. Tied parameters are filled once,
-    under the first name ``state_dict`` gives them; integer and bool tensors, and buffers a
-    module recomputes itself (non-persistent ones, such as rotary frequencies), are left as
-    they are.
+    Tied parameters are filled once; a DTensor gets its part of the whole draw on each rank;
+    integer tensors and non-persistent buffers (rotary frequencies) are left as they are.
 
     Args:
-        model: the model, filled in place: every floating parameter and persistent floating
-            buffer.
+        model: the model, filled in place.
         seed: which draw of the weights.
 
     Returns:
@@ -73,10 +59,7 @@ def init_weights(model: nn.Module, seed: int) -> nn.Module:
 
 def random_tensor(shape: tuple[int, ...], seed: int, *, std: float = 1.0,
                   dtype: torch.dtype = torch.float32, stream: str = "inputs") -> torch.Tensor:
-    """A tensor of uniform values that is the same on every machine: a factory's floating inputs.
-
-    ``torch.randn`` differs by instruction set, so goldens made from its inputs would not
-    check on another machine.
+    """A tensor of uniform values the same on every machine (``torch.randn`` is not), on the CPU.
 
     Args:
         shape: the tensor's shape.
@@ -84,9 +67,6 @@ def random_tensor(shape: tuple[int, ...], seed: int, *, std: float = 1.0,
         std: the values' standard deviation (their mean is 0).
         dtype: the tensor's dtype; the values are drawn in float64 and rounded to it.
         stream: a name; different names give independent values for one seed.
-
-    Returns:
-        The tensor, on the CPU.
     """
     return rng.symmetric(seed, stream, shape, std).to(dtype)
 
@@ -97,6 +77,7 @@ def _scale(module: nn.Module, name: str, tensor: torch.Tensor) -> tuple[float, f
         return NORM_SPREAD, 1.0 if name in ("weight", "running_var") else 0.0
     if tensor.dim() < 2 or name == "bias" or isinstance(module, nn.Embedding):
         return SMALL_STD, 0.0
+    # activations keep their size through the layers; attention scores of order 1
     return 1.0 / math.sqrt(_fan_in(module, tensor)), 0.0
 
 
@@ -116,10 +97,7 @@ _OVERWRITES = {"copy_", "fill_", "zero_", "uniform_", "random_", "bernoulli_", "
 
 
 class NormalDraws(TorchDispatchMode):
-    """Which tensors hold values drawn from torch's normal generator on the CPU, while it is
-    active: a tensor is marked when a normal draw writes it, or when an op computes it from
-    a marked one; an overwrite with other values (``tp.init_weights``' ``copy_``) clears it.
-    Tensors are known by their storage, so views and parameters share their base's mark."""
+    """Marks the tensors holding values of torch's CPU normal draws while it is active."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -138,20 +116,15 @@ class NormalDraws(TorchDispatchMode):
         else:
             written = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             read = inputs
+        # computed from a marked tensor marks it; an overwrite (tp.init_weights' copy_) clears it;
+        # known by storage, so views share it
         marked = drawn or any(_storage(t) in self._drawn for t in read)
         for tensor in written:
             (self._drawn.add if marked else self._drawn.discard)(_storage(tensor))
         return out
 
     def drawn(self, tensors: dict[str, torch.Tensor]) -> list[str]:
-        """The names among ``tensors`` whose values came from a CPU normal draw.
-
-        Args:
-            tensors: tensors by name (a model's state dict, its inputs flattened).
-
-        Returns:
-            Their names, in order: the values a golden made here would not reproduce elsewhere.
-        """
+        """The names among ``tensors`` whose values a golden made here would not reproduce."""
         return [name for name, tensor in tensors.items() if _storage(tensor) in self._drawn]
 
 
