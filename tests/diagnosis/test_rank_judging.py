@@ -10,7 +10,7 @@ import torch
 from torchparity.diagnosis.core.judging import judge_quickly
 from torchparity.diagnosis.pipelines.ranks.judging import (
     GradVerdict,
-    Sides,
+    RankTensors,
     first_divergence,
     first_grad_divergence,
     judged_against_a,
@@ -20,26 +20,26 @@ from torchparity.diagnosis.pipelines.ranks.judging import (
 X = torch.linspace(-1, 1, 2 * 8).reshape(2, 8)
 
 
-def sides(a: torch.Tensor, b: torch.Tensor) -> Sides:
+def sides(a: torch.Tensor, b: torch.Tensor) -> RankTensors:
     """One rank's A, golden (A in float64: A is exact) and B outputs of one call."""
     return {"output": a}, {"output": a.double()}, {"output": b}
 
 
-def judged(key: str, parts: list[Sides]):
+def judged(key: str, parts: list[RankTensors]):
     return judged_against_a(key, "Linear", parts, None)
 
 
-def streamed(calls: dict[str, list[Sides]], said: list[bool] | None = None, judge=judged):
+def streamed(calls: dict[str, list[RankTensors]], said: list[bool] | None = None, judge=judged):
     """``first_divergence`` over ``calls`` (key -> each rank's sides) as rank 0 runs it, with
     a gather that hands it the other ranks' sides of the call rank 0 gives; which calls
     rank 0 gave, and what it told the other ranks after each (into ``said``)."""
     given, said = [], [] if said is None else said
 
-    def held(key: str) -> Sides:
+    def held(key: str) -> RankTensors:
         given.append(key)
         return calls[key][0]
 
-    def gather(mine: Sides) -> list[Sides]:
+    def gather(mine: RankTensors) -> list[RankTensors]:
         return [mine, *calls[given[-1]][1:]]
 
     def stop(diverged: bool) -> bool:
@@ -60,7 +60,7 @@ def test_the_ranks_stop_at_the_first_call_that_diverges_and_gather_no_later_one(
 
 
 def test_a_call_rank_0_fails_to_judge_lets_the_other_ranks_go_before_rank_0_fails():
-    def judge(key: str, parts: list[Sides]):
+    def judge(key: str, parts: list[RankTensors]):
         if key == "up":
             raise RuntimeError("up cannot be judged")
         return judged(key, parts)

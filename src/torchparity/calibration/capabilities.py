@@ -15,7 +15,7 @@ from typing import Any
 
 from torchparity import machine
 from torchparity.calibration.problems import GOAL_MULTIPLE
-from torchparity.calibration.sections import Section
+from torchparity.calibration.sections import MarkedSection
 from torchparity.errors import UsageError
 
 BEGIN = "<!-- per instruction set: written by `torchparity calibrate --capabilities` -->"
@@ -114,4 +114,4 @@ Command: `{command}`; {draws} draws of each family per instruction set.
 
 
 #: docs/tolerance.md's section of this study: a main run keeps it.
-SECTION = Section(BEGIN, END)
+SECTION = MarkedSection(BEGIN, END)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Section:
+class MarkedSection:
     """A section between the ``begin`` and ``end`` marker lines."""
 
     begin: str

@@ -1,26 +1,14 @@
-"""The sketched study: the calibration's problems at the size where goldens are sketched, judged
-full and sketched side by side (``torchparity calibrate --sketched``).
+"""The sketched study (``calibrate --sketched``): the calibration's problems at the size
+where goldens are sketched, judged full and sketched side by side.
 
-Each draw is the calibration's random attention block
-(:func:`~torchparity.calibration.problems.draw_problem`) with its batch grown by fresh sequences
-until the output has at least 16 times :attr:`~torchparity.tolerance.SketchTolerance.size`
-elements, so that sketches summarise it as
-they summarise a real model's tensors. The golden (float64) is sketched as a golden file keeps
-it (every tensor from the threshold up; the attention output and the input's gradient here, the
-weights' gradients staying exact) and judged beside the full golden, with the same candidates
-and baselines:
-
-- *false alarms*: every legitimate CPU backend must pass sketched as it passes full;
-- *spread*: how far the projection's estimate of each error strays from the true RMS, in units
-  of the stated spread 1 / sqrt(2k): the budget trusts it up to the table's confidence;
-- *detection*: the planted bugs, and the softmax-scale change sized to each multiple of the
-  baseline's error, caught full and sketched, by the size of their float64 effect in the kind's
-  own metric (max-abs for forward outputs, so a change confined to few elements shows what a
-  sketched forward comparison, judged in RMS outside its exact slices, gives up).
-
-The section it writes into docs/tolerance.md is delimited by :data:`BEGIN` and :data:`END`;
-the main study's report keeps it.
-"""
+Each draw is the random attention block of ``problems.draw_problem`` with its batch grown
+until the output has 16 times :attr:`~torchparity.tolerance.SketchTolerance.size` elements;
+the float64 golden is sketched as a golden file keeps it (the weights' gradients exact) and
+measured for *false alarms* (every legitimate CPU backend passes sketched as full),
+*spread* (the projection's estimate of each error against the true RMS, in units of
+1 / sqrt(2k)) and *detection* (planted bugs and the softmax-scale change by their float64
+effect in the kind's metric: max-abs for forward outputs shows what RMS outside the exact
+slices gives up). Its section of docs/tolerance.md lies between :data:`BEGIN` and :data:`END`."""
 
 from __future__ import annotations
 
@@ -45,7 +33,7 @@ from torchparity.calibration.problems import (
     draw_problem,
     run_block,
 )
-from torchparity.calibration.sections import Section
+from torchparity.calibration.sections import MarkedSection
 from torchparity.comparison import compare
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
@@ -292,5 +280,5 @@ Command: `{command}`; {results.draws} draws, {results.seconds / 60:.1f} minutes.
 
 
 #: docs/tolerance.md's section of this study: a main run keeps it.
-SECTION = Section(BEGIN, END)
+SECTION = MarkedSection(BEGIN, END)
 merged, section_of = SECTION.merged, SECTION.of

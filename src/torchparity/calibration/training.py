@@ -1,24 +1,13 @@
-"""The training study: how far the noise band of a user's model can be trusted
-(``torchparity calibrate --training``).
+"""The training study (``calibrate --training``): how far the noise band of a user's model
+can be trusted.
 
-The model is the user-style LM of :mod:`~torchparity.calibration.training_models`, its weights
-and data drawn from each seed. Per dtype and seed the golden trajectory and noise band are
-stored once, as ``torchparity train --model ... --update-golden`` stores them (the ensemble's
-members under other instruction sets rebuild the seed's model from the entry in a process of
-their own), for the longest horizon; a horizon's check reads them cut to its steps, as a
-shorter ``--check`` does. Then:
-
-- *false alarms*: each legitimate refactor (rounding-only:
-  :data:`~torchparity.calibration.training_models.REFACTORS`) is trained once and judged at
-  every horizon; a diverged verdict is a false alarm;
-- *detection*: each scaled bug (:data:`~torchparity.calibration.training_models.SCALED_BUGS`)
-  is planted at the strengths of :data:`STRENGTHS`, largest first, until one passes at every
-  horizon; per horizon, the smallest strength caught, with every larger one caught too.
-
-A run is judged at a horizon exactly as ``--check --steps HORIZON`` judges it: its first steps
-against the golden and band read for that horizon. A run stops training once it has diverged
-at every horizon still open (its verdicts are then known: more steps only add points).
-"""
+The model is the user-style LM of ``calibration.training_models``, drawn per seed. Per dtype
+and seed the golden trajectory and band are stored once for the longest horizon, as
+``train --model ... --update-golden`` does; each horizon judges a run exactly as ``--check
+--steps HORIZON`` does. *False alarms*: each rounding-only refactor is trained once and
+judged at every horizon. *Detection*: each scaled bug is planted at :data:`STRENGTHS`,
+largest first, until one passes everywhere; per horizon, the smallest strength caught with
+every larger one caught too. A run stops once it diverged at every open horizon."""
 
 from __future__ import annotations
 
@@ -79,9 +68,8 @@ class TrainingSettings:
     @classmethod
     def parse(cls, seeds: list[str], horizons: list[int], dtypes: list[str], *,
               first_seed: int = 0) -> TrainingSettings:
-        """The settings the command's options give: ``seeds`` as ``N`` (every dtype) or
-        ``DTYPE=N``, 10 when not given; ``horizons`` (default 20 and 200); ``dtypes`` (default
-        :data:`TRAINING_DTYPES`). Raises a one-line :class:`UsageError` for a bad one."""
+        """The settings the command's options give (``seeds`` as ``N`` or ``DTYPE=N``, default
+        10; ``horizons`` 20 and 200); a one-line :class:`UsageError` for a bad one."""
         dtypes = dtypes or list(TRAINING_DTYPES)
         if unknown := [d for d in dtypes if d not in TRAINING_DTYPES]:
             raise UsageError(f"--training trains in {' or '.join(TRAINING_DTYPES)}, not "
@@ -108,10 +96,9 @@ class TrainingSettings:
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """One run of a variant (a bug at strength ``eps``; None for a refactor) judged over the
-    first ``horizon`` steps: diverged or not, the largest share of the budget it used (over
-    the steps trained), where it first diverged, and how many steps it was trained."""
+class JudgedRun:
+    """One run of a variant (a bug at strength ``eps``; None: a refactor) judged over its first
+    ``horizon`` steps."""
 
     dtype: str
     seed: int
@@ -119,8 +106,8 @@ class Verdict:
     eps: float | None
     horizon: int
     diverged: bool
-    headroom: float
-    first_step: int | None
+    headroom: float  # the largest share of the budget used over the steps trained
+    first_step: int | None  # where it first diverged
     first_quantity: str | None
     steps_trained: int
 
@@ -130,7 +117,7 @@ class TrainingResults:
     """Every verdict of a study, and what it ran on."""
 
     settings: TrainingSettings
-    verdicts: list[Verdict] = field(default_factory=list)
+    verdicts: list[JudgedRun] = field(default_factory=list)
     seconds: float = 0.0
     machine: dict[str, Any] = field(default_factory=dict)
 
@@ -154,7 +141,7 @@ class TrainingResults:
                             and v.dtype == dtype and v.seed == seed and v.horizon == horizon])
                 for seed in self.settings.seed_range(dtype)]
 
-    def _refactor_checks(self, dtype: str, horizon: int) -> list[Verdict]:
+    def _refactor_checks(self, dtype: str, horizon: int) -> list[JudgedRun]:
         return [v for v in self.verdicts
                 if v.eps is None and v.dtype == dtype and v.horizon == horizon]
 
@@ -168,18 +155,15 @@ class TrainingResults:
         """The results :meth:`to_dict` wrote (``--json``), to render them again."""
         settings = {k: tuple(v) if isinstance(v, list) else v
                     for k, v in data["settings"].items()}
-        verdicts = [Verdict(**{**v, "headroom": float(v["headroom"])})
+        verdicts = [JudgedRun(**{**v, "headroom": float(v["headroom"])})
                     for v in data["verdicts"]]
         return cls(TrainingSettings(**settings), verdicts, data["seconds"], data["machine"])
 
 
 def study_training(settings: TrainingSettings,
                    on_seed: Callable[[str], None] = lambda label: None) -> TrainingResults:
-    """Run the study of ``settings``; ``on_seed(label)`` is called after each seed and dtype.
-
-    Returns:
-        Every verdict, the seconds taken, and the machine with its load at start and end.
-    """
+    """Run the study; ``on_seed(label)`` after each seed and dtype. Returns every verdict,
+    the seconds taken, and the machine with its load at start and end."""
     started = time.perf_counter()
     results = TrainingResults(settings, machine={**machine_info("cpu", threads=1),
                                                  "niceness": os.nice(0)})
@@ -214,9 +198,9 @@ def _golden(original: UserLM, execution: Execution, settings: TrainingSettings,
 
 
 def _searched(bug: str, seed: int, execution: Execution, golden: ByHorizon,
-              strengths: tuple[float, ...]) -> list[Verdict]:
+              strengths: tuple[float, ...]) -> list[JudgedRun]:
     """``bug`` planted at each strength, largest first, until one passes at every horizon."""
-    verdicts: list[Verdict] = []
+    verdicts: list[JudgedRun] = []
     for eps in strengths:
         judged = _judged(UserLM(seed, bug, eps), execution, golden, eps)
         verdicts += judged
@@ -226,7 +210,7 @@ def _searched(bug: str, seed: int, execution: Execution, golden: ByHorizon,
 
 
 def _judged(lm: UserLM, execution: Execution, golden: ByHorizon,
-            eps: float | None) -> list[Verdict]:
+            eps: float | None) -> list[JudgedRun]:
     """Train ``lm`` and judge it at every horizon of ``golden`` (see the module docstring)."""
     with _selected(lm):
         subject = Subject.load(ENTRY)
@@ -235,8 +219,8 @@ def _judged(lm: UserLM, execution: Execution, golden: ByHorizon,
     verdicts = []
 
     def verdict(horizon: int, run: Trajectory, diverged: bool, headroom: float,
-                first: tuple[int, str] | None) -> Verdict:
-        return Verdict(execution.dtype, lm.seed, lm.variant, eps, horizon, diverged, headroom,
+                first: tuple[int, str] | None) -> JudgedRun:
+        return JudgedRun(execution.dtype, lm.seed, lm.variant, eps, horizon, diverged, headroom,
                        *(first or (None, None)), len(run.records))
 
     with single_thread():  # as a check trains: one thread on the CPU
@@ -281,7 +265,7 @@ def _selected(lm: UserLM) -> Iterator[None]:
             os.environ[ENVIRONMENT] = before
 
 
-def _threshold(verdicts: list[Verdict]) -> float | None:
+def _threshold(verdicts: list[JudgedRun]) -> float | None:
     """The smallest strength caught with every larger one caught (None: the largest missed)."""
     caught = None
     for v in sorted(verdicts, key=lambda v: -v.eps):

@@ -8,14 +8,14 @@ import textwrap
 
 from torchparity import tolerance
 from torchparity.bench.host import describe_machine
-from torchparity.calibration.sections import Section
-from torchparity.calibration.training import TrainingResults, Verdict
+from torchparity.calibration.sections import MarkedSection
+from torchparity.calibration.training import JudgedRun, TrainingResults
 from torchparity.calibration.training_models import REFACTORS, SCALED_BUGS
 
 BEGIN = "<!-- training study: written by `torchparity calibrate --training` -->"
 END = "<!-- end of the training study -->"
 #: docs/tolerance.md's section of this study: the other studies' runs keep it.
-SECTION = Section(BEGIN, END)
+SECTION = MarkedSection(BEGIN, END)
 
 
 def training_section(results: TrainingResults, *, command: str) -> str:
@@ -109,7 +109,7 @@ def _alarms(results: TrainingResults) -> str:
             "have passed them all, at the cost of as much sensitivity.")
 
 
-def _where(v: Verdict) -> str:
+def _where(v: JudgedRun) -> str:
     return (f"{v.variant}, seed {v.seed}, {v.dtype}, {v.horizon} steps: step {v.first_step}, "
             f"{v.first_quantity}, {v.headroom:.0%} of the budget")
 

@@ -1,24 +1,14 @@
 """Judging a tensor known only by its sketch (:mod:`torchparity.sketching`).
 
-When the golden, the candidate or the baseline of a tensor is a
-:class:`~torchparity.sketching.Sketch`, the others are sketched with the same buckets and the
-tensor is judged on two things:
-
-- **its RMS error, estimated from the projections**, under the kind's constants in the RMS
-  metric: ``est(candidate) <= fudge * noise + floor``, the noise being the baseline's estimated
-  error at its upper confidence bound (times :func:`~torchparity.tolerance.sketch_margin`), at
-  least the noise floor and, for gradients, the pass's relative noise times the group's scale;
-  the scale is the golden's exact RMS. A legitimate candidate within the full RMS rule passes
-  unless an estimate is off by more than z standard deviations; a change must be ``margin``
-  times larger than the full rule needs to be certain to be seen, and the sensitivity says so;
-- **its exact slices** (the first elements of its first and last rows) under the ordinary rule
-  of the kind: max-abs for forward outputs, so a change there is seen as sharply as in a small
-  tensor, and the worst element reported is the worst among them.
-
-A max-abs kind cannot be judged whole from a sketch: a change confined to a few elements outside
-the slices moves the RMS error by sqrt(share of elements) of its size. docs/tolerance.md
-measures what a sketched forward comparison still detects.
-"""
+Where any side is a :class:`~torchparity.sketching.Sketch`, the others are sketched with the
+same buckets and two things are judged: the RMS error estimated from the projections,
+``est(candidate) <= fudge * noise + floor`` (noise: the baseline's estimate at its upper
+confidence bound times :func:`~torchparity.tolerance.sketch_margin`, at least the floor and
+for gradients the group's; scale: the golden's exact RMS), so a change must be ``margin``
+times larger than the full rule needs to be certain to show; and the exact slices (the
+first elements of the first and last rows) under the kind's ordinary rule. A max-abs kind
+cannot be judged whole: a change confined outside the slices moves the RMS by sqrt(share of
+elements) of its size (docs/tolerance.md measures what still shows)."""
 
 from __future__ import annotations
 
@@ -55,13 +45,10 @@ def compare_sketch(
     settings: Settings,
     input_noise: float | None = None,
 ) -> TensorComparison:
-    """One tensor's comparison under ``settings`` when any of the three is sketched (see the
-    module docstring); a degraded baseline (``settings.islands`` as for
-    :func:`~torchparity.comparison.tensor.compare_tensor`) sets no budget;
-    the :class:`TensorComparison` has the RMS estimate as its error and the slices' max-abs,
-    relative and ULP errors and worst element. Raises :class:`StructureMismatch` when two
-    sketches were made with other buckets. ``input_noise`` joins the noise of the budget and
-    of the slices' as for :func:`~torchparity.comparison.tensor.compare_tensor`."""
+    """One tensor's comparison when any of the three is sketched: the RMS estimate as its
+    error, the slices' errors and worst element; settings as for
+    :func:`~torchparity.comparison.tensor.compare_tensor`. :class:`StructureMismatch` when two
+    sketches have other buckets."""
     reference = next(v for v in (golden, candidate, baseline) if isinstance(v, Sketch))
     try:
         g, c = sketching.like(reference, golden), sketching.like(reference, candidate)

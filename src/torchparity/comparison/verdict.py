@@ -246,99 +246,58 @@ def compare(
 ) -> Comparison:
     """Compare ``candidate`` with ``golden`` under the budget that ``baseline`` earns.
 
-    One of the few functions of more than eight parameters: the public keyword API, as
-    ``torch.testing.assert_close``'s; it makes one
-    :class:`~torchparity.comparison.settings.Settings` of them and passes it down whole.
-
-    The three are tensors, Python numbers or pytrees of them (see :func:`shared_tensors` for the
-    containers walked). Every tensor that candidate and golden hold at the same path, with the
-    same shape and kind of dtype, is judged; the golden may have a wider float dtype than the
-    candidate. Python numbers are judged as 0-d tensors: ints and bools exactly, floats in the
-    compute dtype (below). A tensor both hold in another shape is a :class:`ShapeDifference`
-    in :attr:`Comparison.shapes`, and the verdict is ``diverged``. Where the two differ in
-    structure (a key or position missing on one side, ``None`` against a tensor, a tuple become
-    a tensor, a float tensor become an integer one, a string or other plain value that differs)
-    a :class:`StructureDifference` is reported in :attr:`Comparison.structure`: ``verdict``
-    stays the verdict on the shared tensors. Leaves
-    that are not compared are listed in :attr:`Comparison.skipped` with the reason:
-    ``transformers`` caches (see :data:`CACHE_RULE`) and objects that are neither tensors,
-    numbers, plain values nor containers (register them with ``torch.utils._pytree`` to compare
-    their contents).
-
-    A tensor may be a :class:`~torchparity.sketching.Sketch` on any side: it stands for its
-    tensor and is judged by :func:`~torchparity.comparison.sketch.compare_sketch`.
-
-    ``baseline`` need only hold the shared tensors, each in the candidate's shape and dtype.
-    ``compute_dtype`` (default: each candidate tensor's dtype) sets the unit roundoff; Python
-    floats, which carry no dtype, take it when given, else the most precise floating dtype among
-    the candidate's tensors (a float mostly comes out of them: ``loss.item()``), else float64.
-    ``reduction_length`` (default: each tensor's last dimension) sets the analytic bound,
-    ``step`` the growth of trajectory budgets; see :mod:`torchparity.tolerance`.
-
-    ``reruns`` are the candidate computed again, each shaped like it, from weights moved by one
-    rounding of their dtype (:func:`torchparity.subject.rounding.perturb_weights`). Their
-    difference from the candidate is its own rounding, whatever its kernel does that the plain
-    baseline does not (FlashAttention's backward recomputes the probabilities from the saved
-    logsumexp, off by u * |logit|), while a systematic change (a bug) is the same in both runs
-    and cancels: each tensor's noise is at least that spread, counted up to what its dtype
-    allows a plain computation, and so is the relative noise gradients share. ``noise`` is an
-    estimate of every compared tensor's noise from elsewhere: for a loss,
-    :func:`torchparity.tolerance.propagated_noise` of the outputs it is computed from (one
-    baseline draw of a scalar can be lucky by a factor of 50). Both need a baseline.
-
-    NaN follows ``torch.testing.assert_close``: a NaN in the candidate fails even where the
-    golden has NaN, unless ``equal_nan=True``; infinities of the same sign at the same position
-    match. ``atol`` and ``rtol`` are the one way to loosen a comparison by hand: ``atol + rtol *
-    scale`` (the golden's magnitude in the kind's metric) is added to every floating tensor's
-    budget, and :meth:`Comparison.explain` and ``to_dict`` say so. Integer and bool tensors
-    always match exactly. Masked entries (at or below :data:`~torchparity.tolerance.MASKED_BELOW`,
-    such as banned tokens' logits written as -65504, ``finfo.min`` or ``-inf``) are judged
-    apart: masked on both sides agrees, on one side only diverges, and they never set a
-    budget's scale.
-
-    A baseline that errs more than a plain computation in its dtype may
-    (:func:`torchparity.tolerance.baseline_bound`) is *degraded*: it cannot lower the bar, so
-    it sets no budget (the analytic bound does) and :attr:`Comparison.baseline_degraded` says
-    so; the candidate is judged all the same. ``islands`` is the narrowest dtype the model
-    computes in whatever its own dtype (transformers' float32 norms and rotary tables, see
-    :mod:`torchparity.subject.islands`): a baseline may err as a plain computation in it may,
-    and the noise floor and floor of every budget are at least its.
-    A candidate bit-equal to the golden is ``identical``.
-
-    ``padding`` leaves positions out of the judgement: a bool tensor, True at padded positions
-    (``attention_mask == 0``), applies to every tensor whose leading dimensions it covers (a
-    (batch, sequence) mask to outputs (batch, sequence, ...)); a function ``(path, golden) ->
-    LeftOut | None`` (such as :class:`torchparity.subject.padding.Padding`) says per tensor.
-    Left-out elements count neither in the error nor in the budget's scale nor in the group
-    scales and noise of gradients, and a NaN or inf there is no fault; ``explain()`` and
-    ``to_dict()`` say how many positions were left out and why.
-
-    Raises :class:`StructureMismatch` naming the path when the baseline or a rerun lacks a
-    shared tensor or holds it in another shape or dtype, and ``ValueError`` for an unknown kind
-    or dtype, a negative ``atol``/``rtol``, reruns without a baseline, or a padding mask that is
-    not bool or does not fit a tensor. A sketch of a padded tensor is taken to be of the tensor
-    with its padded positions at 0. The inputs are not modified.
+    Every tensor the three hold at one path (pytrees, see :func:`shared_tensors`; Python
+    numbers as 0-d tensors), in one shape and kind of dtype, is judged; bit-equal is
+    ``identical``. Another shape is a :class:`ShapeDifference` (``diverged``); another
+    structure a :class:`StructureDifference`, the verdict staying the shared tensors'; leaves
+    not compared (``transformers`` caches, see :data:`CACHE_RULE`; unregistered objects)
+    are in :attr:`Comparison.skipped`. A :class:`~torchparity.sketching.Sketch` on any side
+    stands for its tensor (a padded one with its padding at 0). Integers and bools match
+    exactly; NaN as in ``torch.testing.assert_close``; masked entries (at or below
+    :data:`~torchparity.tolerance.MASKED_BELOW`) are judged apart and set no scale. A
+    baseline that errs more than a plain computation in its dtype may
+    (:func:`~torchparity.tolerance.baseline_bound`) is *degraded*: it sets no budget, and
+    :attr:`Comparison.baseline_degraded` says so. The inputs are not modified.
 
     Args:
         candidate: the tensors judged (a tensor, number or pytree).
-        golden: the reference, as precise as possible (float64).
-        baseline: the trusted implementation in the candidate's dtype, whose error sets the
-            noise; None: the analytic bound.
+        golden: the reference, as precise as possible (float64; may be wider than the
+            candidate).
+        baseline: the trusted implementation, holding the shared tensors in the candidate's
+            shape and dtype, whose error sets the noise; None: the analytic bound.
         kind: a kind of :data:`torchparity.tolerance.KINDS` (forward, grad, loss, ...).
-        compute_dtype: the dtype whose roundoff counts (default: each tensor's own).
+        compute_dtype: the dtype whose roundoff counts (default: each tensor's own; Python
+            floats: the most precise among the candidate's tensors, else float64).
         reduction_length: the analytic bound's K (default: each tensor's last dimension).
-        step: a trajectory's step, which grows its budget.
+        step: a trajectory's step, which grows its budget (:mod:`torchparity.tolerance`).
         equal_nan: NaN in both at one position agrees.
-        atol: added to every floating tensor's budget, by hand.
-        rtol: times the golden's scale, added likewise.
-        reruns: the candidate computed again on weights moved by one rounding.
-        noise: every compared tensor's noise, estimated elsewhere.
-        padding: the positions left out (a bool mask, True at padding, or a function).
-        islands: the narrowest dtype the model computes in whatever its own.
+        atol: added to every floating tensor's budget, by hand (the report says so).
+        rtol: times the golden's scale in the kind's metric, added likewise.
+        reruns: the candidate computed again on weights moved by one rounding
+            (:func:`torchparity.subject.rounding.perturb_weights`): their spread is its own
+            rounding, whatever its kernel does (FlashAttention's recomputed backward), while
+            a bug cancels; each tensor's noise is at least that spread, up to what a plain
+            computation in its dtype allows. Needs a baseline.
+        noise: every compared tensor's noise, estimated elsewhere (for a loss,
+            :func:`~torchparity.tolerance.propagated_noise` of its outputs: one baseline
+            draw of a scalar can be lucky by 50x). Needs a baseline.
+        padding: the positions left out of the error, the scale, gradient groups and the
+            non-finite check: a bool mask, True at padding, over a tensor's leading
+            dimensions, or ``(path, golden) -> LeftOut | None``
+            (:class:`torchparity.subject.padding.Padding`).
+        islands: the narrowest dtype the model computes in whatever its own
+            (:mod:`torchparity.subject.islands`): the baseline may err as it may, and it
+            floors every noise and budget.
 
     Returns:
         The :class:`Comparison`: a verdict per tensor, the structure's differences, the
         skipped leaves.
+
+    Raises:
+        StructureMismatch: the baseline or a rerun lacks a shared tensor or holds it in
+            another shape or dtype.
+        ValueError: an unknown kind or dtype, a negative ``atol``/``rtol``, reruns without
+            a baseline, or a padding mask that is not bool or does not fit.
     """
     tol = tolerance.kind_tolerance(kind)
     for name, value in (("atol", atol), ("rtol", rtol)):

@@ -31,9 +31,9 @@ from torchparity.commands.common import (
     full_report_command,
     name_rules,
 )
-from torchparity.commands.diagnose.decode_options import add_decode_arguments, decode_options
 from torchparity.commands.diagnose.against import against_base, against_trace
 from torchparity.commands.diagnose.bisect import add_bisect_arguments, run_bisect
+from torchparity.commands.diagnose.decode_options import add_decode_arguments, decode_options
 from torchparity.commands.diagnose.determinism import determinism
 from torchparity.commands.diagnose.ranks import across_ranks
 from torchparity.commands.diagnose.trace_options import (
@@ -41,10 +41,10 @@ from torchparity.commands.diagnose.trace_options import (
     dtype_option,
     rebuild_of,
 )
+from torchparity.distributed.group import under_torchrun
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
 from torchparity.subject.compiling import MODES
-from torchparity.distributed.group import under_torchrun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _two_models(args: argparse.Namespace, name_map):
-    from torchparity.diagnosis.pipelines.forward import COMPILED_DECODING, DECODE_OPS, diagnose
     from torchparity.diagnosis.pipelines.decoding import diagnose_decode
+    from torchparity.diagnosis.pipelines.forward import COMPILED_DECODING, DECODE_OPS, diagnose
 
     if len(args.entries) != 2:
         raise UsageError("give two entry points (A and B), or one with --against TRACE")

@@ -1,22 +1,10 @@
 """Per-module capture of a model's forward and backward pass.
 
-``Capture`` hooks every selected module of a model and records, for each call, the inputs
-(positional and keyword), the outputs and, when asked, the gradient that reaches each output
-during backward. Modules are selected with a glob or regex filter. Three ways to keep what is
-seen:
-
-- ``what="tensors"`` keeps detached copies of the tensors on the records;
-- ``what="stats"`` keeps only summary statistics (shape, dtype, mean, std, absmax, non-finite
-  count), enough to spot where values blow up on models too big to copy; ``what="shapes"``
-  only the call sequence and output shapes;
-- ``on_call`` / ``on_grad`` callbacks receive each record (or gradient) as soon as it exists and
-  the record drops its tensors afterwards, so memory stays bounded: this is how ``diagnose``
-  compares big models on the fly.
-
-Outputs may be tensors, tuples, lists, dicts, dataclasses or Hugging Face ``ModelOutput``
-objects; :func:`torchparity.subject.trees.flatten_tensors` turns any of them into
-``{readable path: tensor}``.
-"""
+``Capture`` hooks the selected modules (glob or regex) and records each call's inputs,
+outputs and, when asked, the gradient reaching each output. It keeps tensors, statistics
+(shape, dtype, mean, std, absmax, non-finite count: where values blow up on models too big
+to copy), or shapes only; ``on_call`` / ``on_grad`` receive each record as it exists, which
+then drops its tensors, so ``diagnose`` compares big models on the fly in bounded memory."""
 
 from __future__ import annotations
 
@@ -74,13 +62,11 @@ _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device,
 
 def module_filter(include: PatternSpec = None,
                   exclude: PatternSpec = None) -> Callable[[str], bool]:
-    """Return a predicate on qualified module names.
+    """A predicate on qualified module names (the root is ``""``).
 
-    A pattern is a glob (``"decoder.layers.*.attn"``, matched against the whole name), a string
-    starting with ``"re:"`` or a compiled ``re.Pattern`` (regex, ``search`` semantics), a
-    sequence of those (any may match) or a callable. ``include=None`` selects every module,
-    ``exclude=None`` rejects none. The root module's name is ``""``.
-    """
+    A pattern is a glob matched against the whole name, ``"re:..."`` or a compiled
+    ``re.Pattern`` (``search``), a sequence of those, or a callable; None includes every
+    module and excludes none."""
     wanted = _matcher(include, default=True)
     unwanted = _matcher(exclude, default=False)
     return lambda name: wanted(name) and not unwanted(name)
@@ -117,9 +103,8 @@ class Uncopyable:
 
 
 def read_caches(output: Any) -> Any:
-    """``output`` with each ``transformers`` cache object in it read as the tensors it holds,
-    ``((keys, values), ...)`` per layer as the tuple older releases returned: compared by what
-    it holds, and read now, since the calls that follow write to the same object."""
+    """``output`` with each ``transformers`` cache read now as ``((keys, values), ...)`` per
+    layer (later calls write to the same object)."""
     return map_objects(output, cache_pairs)
 
 
@@ -130,11 +115,8 @@ def uncopyable_leaves(tree: Any) -> list[str]:
 
 def snapshot(tree: Any, objects: bool = True,
              copy_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
-    """Detached copy of the tensors in ``tree`` (by ``copy_tensor``, default a clone);
-    stateful objects (caches) are deep-copied so a later replay sees them as they were at this
-    call, not as the rest of the forward left them. With ``objects=False`` they are not copied
-    but stand as :class:`Uncopyable` (a decoding step's cache is summarised by
-    :mod:`~torchparity.diagnosis.core.state` instead)."""
+    """Detached copy of the tensors in ``tree`` (by ``copy_tensor``); caches deep-copied so a
+    replay sees them as at this call, or with ``objects=False`` standing as :class:`Uncopyable`."""
     copied = map_tensors(tree, copy_tensor or (lambda t: t.detach().clone()))
     return _copy_opaque(copied, objects)
 
@@ -200,9 +182,8 @@ def signature(module: nn.Module) -> Signature | None:
 
 
 def bound_arguments(sig: Signature | None, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A call's arguments by the name of the parameter each binds to: positional arguments to
-    the positional parameters in order (``args.<i>`` past them, or without a signature),
-    keyword arguments by their own names."""
+    """A call's arguments by the parameter each binds to (``args.<i>`` past the positional
+    ones, or without a signature)."""
     positional = [name for name, kind, *_ in sig or []
                   if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
     bound = {(positional[i] if i < len(positional) else f"args.{i}"): value
@@ -256,23 +237,18 @@ class CallArgs(NamedTuple):
 
 @dataclasses.dataclass
 class ModuleCall:
-    """One call of one module, as seen by ``Capture``.
-
-    ``start`` is the order in which calls began (pre-order), ``order`` the order in which they
-    finished (children before parents). ``args``/``kwargs`` and ``output`` hold the call's
-    inputs and output pytree when tensors are kept, the ``*_stats`` fields their statistics in
-    "stats" mode. ``output_shapes``, ``input_shapes``, ``inputs_requiring_grad`` and
-    ``input_placement`` (dtype and device of each input tensor) are filled in every mode.
-    """
+    """One call of one module, as seen by ``Capture``; ``start`` is pre-order, ``order``
+    children before parents."""
 
     name: str
     call: int
     module_type: str
     start: int
     order: int = -1
-    args: tuple | None = None
+    args: tuple | None = None  # the inputs and output pytree, when tensors are kept
     kwargs: dict[str, Any] | None = None
     output: Any = None
+    # the shapes, inputs requiring grad and placement (dtype, device) are filled in every mode
     output_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     input_stats: dict[str, TensorStats] = dataclasses.field(default_factory=dict)
     output_stats: dict[str, TensorStats] = dataclasses.field(default_factory=dict)
@@ -316,26 +292,17 @@ class ModuleCall:
 
 @dataclasses.dataclass(frozen=True)
 class CaptureSettings:
-    """What a :class:`Capture` keeps of each call.
+    """What a :class:`Capture` keeps of each call."""
 
-    Attributes:
-        what: ``"tensors"`` keeps copies of inputs and outputs, ``"outputs"`` copies of
-            outputs and no inputs, ``"stats"`` only statistics, ``"shapes"`` only output
-            shapes.
-        grads: a backward run inside the block fills each call's ``grad_output``.
-        keep: keep each record's tensors once its callback has run.
-        objects: copy input objects other than tensors and containers (caches).
-        state: summarise, after each call, the state the module read.
-        share: keep one copy of a tensor that several calls see.
-        live: without ``keep``, hand ``on_call`` the outputs themselves, detached.
-    """
-
+    # copies of inputs and outputs, of outputs only, statistics only, or output shapes only
     what: Literal["tensors", "outputs", "stats", "shapes"] = "tensors"
-    grads: bool = False
-    keep: bool = True
-    objects: bool = True
-    state: bool = False
-    share: bool = False
+    grads: bool = False  # a backward inside the block fills each call's grad_output
+    keep: bool = True  # keep each record's tensors once its callback has run
+    objects: bool = True  # copy input objects other than tensors and containers (caches)
+    state: bool = False  # summarise after each call the state the module read (call.state)
+    share: bool = False  # one copy of a tensor that several calls see
+    # without keep, hand on_call the outputs themselves, detached: it judges or sketches
+    # them at once and copies what it keeps, before the model can change them
     live: bool = False
 
 
@@ -346,27 +313,10 @@ class Capture:
     ...     model(**batch)
     >>> cap["decoder.layers.0"].outputs
 
-    Guarantees: hooks are removed on exit, also after an exception; recorded tensors are
-    detached copies taken when the module was called or finished (later in-place changes do not
-    leak in); ``records`` lists calls in the order they finished. With ``grads=True`` a
-    backward run inside the block fills ``grad_output`` (the gradient of the loss with respect
-    to each output tensor). Calls made while ``paused()`` are not recorded.
-
-    ``what``: ``"tensors"`` keeps copies of inputs and outputs, ``"outputs"`` copies of outputs
-    and no inputs, ``"stats"`` only statistics, ``"shapes"`` only output shapes. With
-    ``objects=False`` input objects other than tensors and containers (caches) are not copied;
-    ``share=True`` keeps one copy of a tensor that several calls see (a call's output is the
-    next call's input); ``state=True`` summarises, after each call, the state the module read
-    (``call.state``, see
-    :func:`~torchparity.diagnosis.core.state.held_state`); with ``states`` (a
-    :class:`~torchparity.diagnosis.core.state.StateRecorder` entered before) each call gets its
-    ``clock``.
-    ``on_call(call)`` runs when a call finishes and ``on_grad(call, path, grad)`` when a
-    gradient arrives; with ``keep=False`` the record's tensors are dropped once its callback
-    has run, so memory stays bounded, and with ``live=True`` too, ``on_call`` is handed the
-    outputs themselves, detached, not copies: it judges or sketches them at once, and copies
-    what it keeps (a store does), before the model can change them.
-    """
+    Hooks are removed on exit, also after an exception; tensors are detached copies taken when
+    the module was called or finished; ``records`` lists calls in the order they finished; a
+    backward inside the block fills ``grad_output``; calls made while ``paused()`` are not
+    recorded."""
 
     def __init__(
         self,
@@ -384,15 +334,12 @@ class Capture:
 
         Args:
             model: the model whose modules are recorded.
-            include: the modules selected, by glob or ``re:`` regex, or a filter of names
-                (None: all).
+            include: the modules selected, by glob or ``re:`` regex, or a filter (None: all).
             exclude: the modules left out.
-            settings: what is kept of each call (:class:`CaptureSettings`); its fields may
-                also be given as keywords (``what="shapes"``), which replace its own.
-            on_call: runs when a call finishes.
-            on_grad: runs when a gradient arrives.
-            states: a :class:`~torchparity.diagnosis.core.state.StateRecorder` entered
-                before, which gives each call its ``clock``.
+            settings: what is kept of each call; keywords (``what="shapes"``) replace its fields.
+            on_call: ``on_call(call)`` runs when a call finishes.
+            on_grad: ``on_grad(call, path, grad)`` runs when a gradient arrives.
+            states: a ``StateRecorder`` entered before, which gives each call its ``clock``.
         """
         settings = dataclasses.replace(settings or CaptureSettings(), **keywords)
         what, keep = settings.what, settings.keep
@@ -530,9 +477,8 @@ class Capture:
         return hook
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A detached copy of ``tensor``, as the capture takes one; with ``share``, the same
-        copy for the same memory unchanged since, whichever tensor object reads it (a call's
-        output is the next call's input, and ``live`` hands out detached ones)."""
+        """A detached copy of ``tensor``; with ``share``, one copy per unchanged memory (a
+        call's output is the next call's input)."""
         if self._copies is None:
             return tensor.detach().clone()
         return self._copies.copy(tensor)
@@ -556,10 +502,9 @@ class Capture:
 
 def _downstream_only(output: Any, outputs: dict[str, torch.Tensor]
                      ) -> tuple[Any, dict[str, torch.Tensor]]:
-    """With several differentiable outputs, one may feed another inside the module (attention
-    returns its weights and the output computed from them), and a hook on it would see that
-    inner use too. Each is handed on as an identity view, so its hook sees only what the rest of
-    the model does with it: the gradient a replay of the module can be seeded with."""
+    """Each differentiable output handed on as an identity view, so its hook sees only what
+    the rest of the model does with it (not an inner use, as attention's weights), the gradient
+    a replay can be seeded with."""
     if sum(t.requires_grad for t in outputs.values()) < 2:
         return output, outputs
     output = map_tensors(output, lambda t: t.view_as(t) if t.requires_grad else t)

@@ -1,43 +1,27 @@
 """Where the reference side of a diagnosis keeps its tensors: in memory or in a trace directory.
 
-A trace holds, per module call of the reference model A, the call's inputs (to replay them into
-B's module), its output, the float64 golden's output and, with gradients, the gradients of the
-outputs and parameters, each under a *group* name:
+Per call of model A, each under a *group*: ``out`` / ``golden_out`` (A's and the float64
+golden's outputs in their full runs); ``local_golden`` (the golden's module on A's inputs);
+``grad_out`` / ``golden_grad_out`` (d loss / d output; A's is fed to local backward replays,
+so kept exact, ``judged_grad_out`` as judging reads it); ``param_grad`` /
+``golden_param_grad`` (the module's direct parameters); ``local_grad`` /
+``local_golden_grad`` (A's and the golden's module replayed backward); ``in`` (the inputs'
+tensors, on disk only).
 
-- ``out``: A's output in the full run, the baseline of the propagated comparison;
-  ``golden_out``: the float64 golden's output in its full run;
-  ``local_golden``: the golden's module fed A's recorded inputs;
-- ``grad_out`` / ``golden_grad_out``: d loss / d output in A's / the golden's full run (A's is
-  also fed to the local backward replays, so it is kept exact; ``judged_grad_out`` holds it
-  as judging reads it, sketched when big); ``param_grad`` / ``golden_param_grad``: the same
-  for the module's direct parameters;
-- ``local_grad`` / ``local_golden_grad``: A's / the golden's module replayed backward on A's
-  recorded inputs and output gradient;
-- ``in``: the recorded inputs' tensors (on disk only).
-
-On disk (``tp.record``) a trace is a directory::
+On disk (``tp.record``)::
 
     base.tptrace/
-      trace.json              schema, versions, settings, module tree, weight and input checksums,
-                              the calls in execution order with their input structure
-      tensors/000123.safetensors  one file per write of big tensors (of one call's group, or
-                              of a decoding step's calls), and one per batch of sketches and
-                              small tensors (of many calls), those laid end to end in one
-                              tensor per dtype: "<call>|<group>/<path>" -> tensor, or where
-                              in ``__packed__/<dtype>`` it lies (trace.json lists each
-                              call's files by group, so a reader opens only the files of
-                              the group it needs)
+      trace.json              schema, versions, settings, module tree, checksums, the calls
+                              in execution order with their input structure and files
+      tensors/000123.safetensors  a file per write of big tensors, and one per batch of
+                              sketches and small tensors laid end to end in one tensor per
+                              dtype ("<call>|<group>/<path>" or ``__packed__/<dtype>``)
 
-Writing is incremental (big exact tensors go to a new file as they come, sketches and small
-tensors a few megabytes at a time, so memory stays bounded and nothing is rewritten) into a
-temporary sibling directory that replaces the target only when complete.
-
-Tensors of :func:`torchparity.sketching.threshold` elements or more are kept as sketches (in
-memory and on disk: ``<call>|<group>/<path>::sketch``, ``::slices`` and ``::stats``, described
-in the file's metadata), except the recorded inputs (``in``) and output gradients
-(``grad_out``), which replays are fed. Every sketch of one path in a call uses the same
-buckets, whatever its group, so A's, the golden's and B's tensors compare.
-"""
+Written incrementally (bounded memory, nothing rewritten) into a temporary sibling that
+replaces the target when complete. Tensors of :func:`torchparity.sketching.threshold`
+elements or more are kept as sketches (``::sketch``, ``::slices``, ``::stats``), except
+``in`` and ``grad_out``, which replays are fed; one path's sketches share their buckets
+across groups, so A's, the golden's and B's compare."""
 
 from __future__ import annotations
 
@@ -94,10 +78,9 @@ _PACKED = "__packed__/"
 
 def stored_form(group: str, path: str, tensor: torch.Tensor | Sketch,
          left_out: torch.Tensor | None = None, *, copy: bool = False) -> torch.Tensor | Sketch:
-    """How a store keeps one tensor of ``group``: a sketch by its ``path`` when it is big and
-    not fed to replays (made with the positions ``left_out`` marks at 0, as its judgement
-    leaves them out: :func:`~torchparity.sketching.masked`), else the tensor on the CPU, a copy
-    with ``copy`` (a store that holds it while the run may still change it in place)."""
+    """How a store keeps one tensor of ``group``: a sketch when big and not fed to replays
+    (its ``left_out`` positions at 0, :func:`~torchparity.sketching.masked`), else on the CPU,
+    copied with ``copy`` (the run may still change it in place)."""
     if isinstance(tensor, Sketch):
         return tensor
     if sketched_in(group, tensor):
@@ -112,9 +95,8 @@ def sketched_in(group: str, tensor: torch.Tensor) -> bool:
 
 def padded(padding: Padding | None, key: str, group: str, path: str, tensor: torch.Tensor
            ) -> torch.Tensor | None:
-    """The padded positions of a call's tensor (a mask over its leading dimensions), as its
-    judgement reads them (the module's scope, the model's own for :data:`FINAL`); None without
-    padding and for parameter gradients, which have no positions."""
+    """The padded positions of a call's tensor as its judgement reads them (None without
+    padding, and for parameter gradients)."""
     if not padding or "param" in group:
         return None
     left_out = padding.within("" if key == FINAL else key.partition("#")[0])(path, tensor)
@@ -129,20 +111,19 @@ class ReplayUnavailable(TorchParityError):
 # Stores
 
 
-Entry = tuple[str, str, Mapping[str, torch.Tensor]]  # (call key, group, tensors by path)
+Stored = tuple[str, str, Mapping[str, torch.Tensor]]  # (call key, group, tensors by path)
 
 
 class Store(Protocol):
-    """Where a diagnosis keeps A's tensors, by call key and group (``out``, ``grad_out``,
-    ``golden_out``, ...), and each call's inputs for replays: :class:`MemoryStore` in one
-    process, :class:`DiskStore` in a trace."""
+    """A's tensors by call key and group, and each call's inputs for replays: in memory or
+    in a trace."""
 
     padding: Padding | None  # the batch's, which sketches leave out
 
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Add tensors to ``group`` of call ``key``, merging with what is there."""
 
-    def put_all(self, entries: list[Entry], *, owned: bool = False) -> None:
+    def put_all(self, entries: list[Stored], *, owned: bool = False) -> None:
         """:meth:`put` of each ``(key, group, tensors)``; ``owned``: the caller's own copies,
         which nothing changes afterwards."""
 
@@ -152,13 +133,12 @@ class Store(Protocol):
     def put_inputs(self, key: str, args: tuple, kwargs: dict) -> None:
         """Keep a call's inputs for replays."""
 
-    def inputs_entry(self, key: str, args: tuple, kwargs: dict) -> Entry:
+    def inputs_entry(self, key: str, args: tuple, kwargs: dict) -> Stored:
         """Keep a call's inputs; the :meth:`put_all` entry of their tensors."""
 
     def get_inputs(self, key: str, placeholders: bool = False) -> CallArgs:
-        """A fresh copy of a call's inputs; :class:`ReplayUnavailable` when they were not
-        recorded or could not be copied (with ``placeholders`` an uncopied object stays the
-        :class:`~torchparity.diagnosis.core.capture.Uncopyable` that stands for it)."""
+        """A fresh copy of a call's inputs; :class:`ReplayUnavailable` when not recorded or
+        not copied (with ``placeholders`` an uncopied object stays its ``Uncopyable``)."""
 
     def finish(self, meta: dict[str, Any]) -> None:
         """Write what is pending, with ``meta`` (a trace's JSON)."""
@@ -196,10 +176,8 @@ class MemoryStore:
         return key, "in", {}
 
     def get_inputs(self, key: str, placeholders: bool = False) -> CallArgs:
-        """A fresh copy of the call's inputs (replays may change them, e.g. append to a cache);
-        an object that was not copied raises :class:`ReplayUnavailable`, or with
-        ``placeholders`` stays the :class:`Uncopyable` that stands for it (to compare
-        arguments, not to replay)."""
+        """A fresh copy of the call's inputs (replays may append to a cache); see
+        :meth:`Store.get_inputs`."""
         if key not in self._inputs:
             raise ReplayUnavailable("its inputs were not recorded")
         uncopyable = uncopyable_leaves(self._inputs[key])
@@ -219,15 +197,11 @@ class MemoryStore:
 
 
 class DiskStore:
-    """Tensors in safetensors files under ``directory/tensors``; inputs' structure goes to the
-    trace's JSON (``input_specs``) with their tensors in the call's files.
+    """Tensors in safetensors files under ``directory/tensors``, inputs' structure in the JSON.
 
-    Big exact tensors are written at once, a file per write (a call's tensors are written
-    group by group, at different times; the run may change them in place afterwards).
-    Sketches (new objects of a few dozen kilobytes) and copies of small exact tensors wait in
-    memory, up to :data:`PENDING_BYTES`, and go to disk together, so that a reader opens a
-    few files, not one per call and group. Files stay open while they are read (up to
-    :data:`OPEN_FILES`), each with its packed small tensors read whole on first use."""
+    Big exact tensors are written at once, a file per write (the run may change them in place
+    afterwards); sketches and small tensors wait in memory up to :data:`PENDING_BYTES` and go
+    to disk together, so a reader opens a few files. Up to :data:`OPEN_FILES` stay open."""
 
     def __init__(self, directory: Path, *, writable: bool) -> None:
         self.directory = Path(directory)
@@ -245,10 +219,8 @@ class DiskStore:
             (self.directory / "tensors").mkdir(parents=True, exist_ok=True)
 
     def _load(self, key: str, group: str) -> dict[str, torch.Tensor]:
-        """The call's tensors of one group, by path (its files hold other groups and calls too:
-        only these are read), in the order they were put, as a store in memory gives them
-        back (a tensor put again keeps its place and takes the new value); the last call's
-        are kept, as calls are read group after group."""
+        """The call's tensors of one group by path, in the order put (a tensor put again keeps
+        its place); the last call's are kept, as calls are read group after group."""
         if (key, group) in self._pending.groups:
             self._flush()
         if self._cache_key != key:
@@ -280,10 +252,8 @@ class DiskStore:
 
     def put_all(self, entries: list[tuple[str, str, Mapping[str, torch.Tensor]]], *,
                 owned: bool = False) -> None:
-        """Write several calls' groups into one file (a decoding step's calls, say): fewer
-        files, the same reads. Their sketches and small tensors join those that wait, the
-        small ones copied unless ``owned`` (copies of the caller's own, which nothing changes
-        afterwards)."""
+        """Write several calls' groups into one file (a decoding step's calls); small tensors
+        are copied unless ``owned``."""
         now = _Batch()
         for key, group, tensors in entries:
             for path, tensor in tensors.items():
@@ -389,9 +359,8 @@ class _Batch:
 
 
 def _packed(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``named`` with its small tensors laid end to end, one tensor per dtype (a file's
-    writer and reader pay per tensor, not per byte, at this size), and where each one lies:
-    name -> [the tensor it lies in, offset, shape]."""
+    """``named``'s small tensors laid end to end, one per dtype (a file costs per tensor at
+    this size), and where each lies: name -> [tensor, offset, shape]."""
     flat, by_dtype = {}, {}
     for name, tensor in named.items():
         if tensor.numel() * tensor.element_size() <= SMALL_BYTES:
@@ -473,13 +442,9 @@ def _with_sketches(tensors: dict[str, torch.Tensor], described: dict[str, Any]
 def encode_tree(tree: Any, tensors: dict[str, torch.Tensor], depth: int = 0) -> Any:
     """A JSON-able description of ``tree``; its tensors are added to ``tensors`` by name.
 
-    Plain data, tuples, lists, string-keyed dicts, dataclasses (by import path), dtypes and
-    devices are kept, and so is an object that holds its state in attributes (a
-    ``transformers`` ``DynamicCache`` or ``StaticCache`` and its layers): by its class's import
-    path and its attributes, each described in turn. Anything else (a module, a function, an
-    object of a class defined in a function) becomes ``{"opaque": type name}`` and makes the
-    call impossible to replay (``decode_tree`` raises :class:`ReplayUnavailable`).
-    """
+    Plain data, containers, dataclasses (by import path), dtypes, devices and objects holding
+    their state in attributes (``transformers`` caches) are kept; anything else becomes
+    ``{"opaque": type name}``, which :func:`decode_tree` cannot replay."""
     if isinstance(tree, torch.Tensor):
         name = str(len(tensors))
         tensors[name] = tree
@@ -582,10 +547,9 @@ def _with_attributes(cls: type, attributes: dict[str, Any], tensors: Mapping[str
 
 def _rebuilt_cache(spec: dict[str, Any], tensors: Mapping[str, torch.Tensor],
                    placeholders: bool) -> Any:
-    """A ``transformers`` cache as this release's class holds it: from its recorded attributes
-    where a new cache of the class has the same ones (the release that recorded it), else a
-    new cache given the recorded keys and values layer by layer (``update``, which every
-    release has: 4.x kept them in ``key_cache``, 5.x in ``layers``)."""
+    """A ``transformers`` cache in this release's class: from its recorded attributes where
+    they match, else rebuilt by ``update`` layer by layer (4.x kept ``key_cache``, 5.x
+    ``layers``)."""
     cls = _import(spec["cache"])
     attributes = spec.get("attributes")
     try:
@@ -605,9 +569,8 @@ def _rebuilt_cache(spec: dict[str, Any], tensors: Mapping[str, torch.Tensor],
 
 
 def _aliased(named: dict[str, torch.Tensor]) -> dict[str, str]:
-    """Drop from ``named`` every tensor that is another one (one copy kept for a call's output
-    and the next call's input) and return their aliases; copy those that only share memory
-    with another (safetensors refuses them)."""
+    """Drop from ``named`` the tensors that are another one, returning their aliases; copy
+    those that only share memory (safetensors refuses them)."""
     kept: dict[tuple, str] = {}
     aliases, pointers = {}, set()
     for name, tensor in list(named.items()):

@@ -1,22 +1,12 @@
 """Stage 5 of a diagnosis: local errors, each of B's modules replayed on A's recorded inputs.
 
-B's module is fed A's recorded inputs (and, with gradients, A's recorded output gradient) and
-compared with the local golden (the golden module fed the same), with A's own replay as the
-baseline: an error the module makes itself, not one it inherits. By default only modules whose
-propagated error diverged are replayed (on both sides): a module that agrees in the full run
-has nothing to localise, and replaying every module of a deep model costs many times the runs.
-
-Where A and B hand a module a mask in another convention (a tensor against None, as a release
-that asks SDPA for ``is_causal=True`` instead of passing the causal mask; a float mask against
-a bool one; another number of dimensions), B's module fed A's mask computes something B never
-does: a replay that diverges then is no evidence, and the module is judged by B's own run.
-
-A change in a backward pass alone (a custom ``autograd.Function`` whose backward is off) leaves
-the module's outputs and output gradient as A's: only the gradients it hands back diverge. So
-with gradients, the modules whose backward ran before the first output gradient that diverges
-(those that finished after it in the forward) are replayed too: one of them made it, or the
-forward did.
-"""
+B's module is fed A's inputs (and output gradient) and judged against the golden module fed
+the same, with A's replay as the baseline: the error it makes itself. By default only
+modules whose propagated error diverged are replayed (replaying all costs many runs), and,
+with gradients, those whose backward ran before the first divergent output gradient (a
+custom backward changes only the gradients it hands back). A module handed a mask in
+another convention (None against a tensor, float against bool) is judged by B's own run,
+since A's mask makes it compute what B never does."""
 
 from __future__ import annotations
 
@@ -77,9 +67,8 @@ def needs_local(row: Row) -> bool:
 
 
 def backward_before_divergence(rows: list[Row]) -> range:
-    """The rows whose backward ran before the first output gradient that diverges: those
-    after the last row (rows are in finish order) whose propagated gradient diverged; none
-    when no gradient diverges."""
+    """The rows (in finish order) after the last one whose propagated gradient diverged; none
+    when none did."""
     diverged = [i for i, row in enumerate(rows)
                 if row.grad_propagated is not None and not row.grad_propagated.ok]
     return range(max(diverged) + 1, len(rows)) if diverged else range(0)
@@ -88,9 +77,8 @@ def backward_before_divergence(rows: list[Row]) -> range:
 def _local(reference: Reference, match: Match, modules: dict[str, nn.Module], opts: Options,
            changing: set[str], as_none: str | None = None, converted: Converted | None = None
            ) -> tuple[Result | None, Result | None, str | None]:
-    """B's module(s) fed A's recorded inputs (and output gradient), judged against the local
-    golden with A's replay as the baseline; the argument of B's parameter ``as_none`` handed
-    as None, as B's own run hands it, and the one ``converted`` names in B's form."""
+    """B's module(s) fed A's recorded inputs, judged against the local golden with A's replay as
+    baseline; B's parameter ``as_none`` handed None, and ``converted`` in B's form."""
     a = match.a[0]
     if a.key in reference.notes:
         return None, None, None
@@ -155,10 +143,8 @@ def _convention_change(reference: Reference, match: Match, modules: dict[str, nn
 def _by_own_run(reference: Reference, match: Match, row: Row, modules: dict[str, nn.Module],
                 opts: Options, changing: set[str], changed: Convention
                 ) -> tuple[Result | None, Result | None, str]:
-    """A module handed a mask in another convention, whose replay on A's arguments diverged,
-    judged by B's own run: within budget there, it adds no error of its own; else, where B
-    passes None, replayed on A's arguments with that one as B passes it (B derives what it
-    stands for, ``is_causal``), so that what it inherits is A's and what it adds its own."""
+    """A module handed a mask in another convention judged by B's own run; where B passes None,
+    replayed with that argument as B passes it, so that what it adds is its own."""
     said = f"{CONVENTION}: {changed.argument}: {changed.detail}"
     if row.propagated is not None and row.propagated.ok:
         return row.propagated, None, (f"{said}; the replay on A's arguments is no evidence: "
@@ -179,9 +165,8 @@ def _by_own_run(reference: Reference, match: Match, row: Row, modules: dict[str,
 def _in_b_form(reference: Reference, match: Match, modules: dict[str, nn.Module],
                opts: Options, changing: set[str], changed: Convention, said: str
                ) -> tuple[Result | None, Result | None, str]:
-    """A module handed A's mask in B's form (the same keys attended, B's dtype and
-    convention): replayed once per way of reading A's mask and writing it in B's dtype, the
-    replay that errs least is what it adds (a bool mask may mean attend or masked)."""
+    """A module handed A's mask in B's form, once per reading of it (a bool mask may mean attend
+    or masked): the replay that errs least is what it adds."""
     tried = []
     for reading, form in changed.forms:
         convert = functools.partial(in_form, reading=reading, form=form,

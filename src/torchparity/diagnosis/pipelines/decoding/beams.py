@@ -1,23 +1,12 @@
 """Judging a beam search: where the hypotheses B would keep differ from A's, the final n-best,
 and whether a reorder is where a change gets in.
 
-Every side follows A's search (the same parents and tokens), so at every step each side scores
-the same candidates (:meth:`~torchparity.subject.beams.BeamSearch.follow`). A *beam swap* is a
-step where the candidates B would keep, by its own scores, are not A's: the candidate A kept
-and B drops (the lowest A kept of them) against the one B keeps instead (the highest A
-dropped). Its verdict is that of a token flip
-(:func:`~torchparity.diagnosis.pipelines.decoding.judging.flip_verdict`): a ``real change`` when
-B's float64 scores, along the same beams, prefer the other candidate than the golden does beyond
-float64 rounding; without them, when A's margin between the two exceeds twice the budget of the
-step's scores. The scores are judged under the tolerance model like logits, in the logits' dtype
-(their noise is the logits'). The final n-best ranks every hypothesis the search ended or kept; a
-difference there is judged alike.
-
-A reorder that leaves a row of the state without its parent's positions (one cache part left
-out of the reorder, the index taken on another dimension) shows in the state itself:
-:func:`reorder_entry` reorders B's state before the step that first leaves its budget and
-names every tensor whose rows do not hold their parents' afterwards.
-"""
+Every side follows A's parents and tokens, so each scores the same candidates. A *beam
+swap* is a step where B, by its own scores, would keep another candidate than A (A's lowest
+kept against A's highest dropped), judged as a token flip
+(:func:`~torchparity.diagnosis.pipelines.decoding.judging.flip_verdict`); scores are judged
+like logits, in their dtype; the final n-best alike. A reorder that leaves a row of the
+state without its parent's positions shows in the state: :func:`reorder_entry`."""
 
 from __future__ import annotations
 
@@ -29,21 +18,18 @@ import torch
 from torch import nn
 
 from torchparity.diagnosis.core.decode_reference import DecodeReference, Side
-from torchparity.diagnosis.pipelines.decoding.judging import Verdict, flip_verdict, step_budget
 from torchparity.diagnosis.core.judging import judge
 from torchparity.diagnosis.core.results import Entry, Result
 from torchparity.diagnosis.core.state import own_state
+from torchparity.diagnosis.pipelines.decoding.judging import FlipKind, flip_verdict, step_budget
 from torchparity.subject.beams import BeamSearch, BeamStep, Hypothesis, pool, rescored
 from torchparity.subject.trees import flatten_tensors
 
 
 @dataclass(frozen=True)
 class BeamSwap:
-    """Where B would keep another hypothesis than A: at a step (``step``; None for the final
-    n-best, then at ``rank``) of one prompt, the one A keeps and B drops and the one B keeps
-    instead (``beam:token`` candidates at a step, token lists in the n-best), A's score margin
-    between them, B's change there (its largest score error against the golden's of the two),
-    the budget of those scores, and the verdict."""
+    """Where B would keep another hypothesis than A at ``step`` of one prompt (None: the final
+    n-best, at ``rank``): the candidates, A's margin, B's score error, the budget, the verdict."""
 
     step: int | None
     prompt: int
@@ -52,7 +38,7 @@ class BeamSwap:
     margin: float
     change: float
     budget: float | None
-    verdict: Verdict
+    verdict: FlipKind
     rank: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,9 +153,8 @@ def _tokens(hypothesis: Hypothesis) -> str:
 
 def reorder_entry(side: Side, reference: DecodeReference, step: int, module: str
                   ) -> tuple[Entry | None, list[str]]:
-    """B's state reordered before ``step`` along A's parents: the first tensor (``module``'s
-    own first) whose rows do not hold their parents' afterwards, as an :class:`Entry`, and a
-    note per such tensor; (None, []) when every row does."""
+    """B's state reordered before ``step`` along A's parents: the first tensor whose rows do
+    not hold their parents' afterwards (``module``'s first), and a note per such tensor."""
     stale: list[tuple[str, str]] = []
     reorder, calls = side.reorder, 0
 
@@ -194,9 +179,8 @@ def reorder_entry(side: Side, reference: DecodeReference, step: int, module: str
 
 
 def state_tensors(model: nn.Module, state: Any) -> dict[str, torch.Tensor]:
-    """Every tensor of a decoding's state by path: in what the step returned (``state.…``,
-    objects such as caches included) and kept on the model's modules (``layers.0.attn.k_cache``,
-    buffers left out)."""
+    """Every tensor of a decoding's state by path: in what the step returned (``state.…``)
+    and on the model's modules (buffers left out)."""
     found = {p: t for p, t in _walk_objects(state, "state")}
     for name, module in model.named_modules():
         for attribute, value in own_state(module).items():

@@ -1,21 +1,12 @@
 """Judging a decoding: each step's logits, the first divergent module at the first step that
-leaves its budget, and the first token flip of each sequence with its verdict.
+leaves its budget, and each sequence's first token flip with its verdict.
 
-Every side is fed the same tokens, so each step's next-token logits of B are judged against the
-golden's (A's float64 copy) with A's as the baseline, under the tolerance model. At the first
-step that breaks its budget, B's module outputs of that step are judged the same way (by
-:func:`~torchparity.diagnosis.stages.propagated.judge_captured`); the first module whose output
-breaks its budget while its inputs do not is where B computes something else, and comparing
-its arguments and the state it read (a cache) with A's
-(:func:`~torchparity.diagnosis.stages.entry.argument_entry`) says how the change gets in.
-
-A *token flip* is a step where B's greedy choice differs from A's. It is a ``near tie`` when
-legitimate noise explains it (regenerating the golden is safe) and a ``real change`` when B
-computes something else: B's own float64 decoding, along the same tokens, prefers another
-token than the golden (A in float64) does, beyond float64 rounding, so the flip would happen
-without any rounding noise too. Without a float64 B the margin decides: a flip over a margin
-larger than twice the step's budget cannot come from noise.
-"""
+B's logits at each step are judged against the golden's with A's as the baseline; at the
+first step that breaks its budget B's module outputs are judged alike, and the first module
+that breaks it while its inputs do not is where B computes something else. A *token flip*
+(B's greedy choice differs from A's) is a ``near tie`` when noise explains it, a ``real
+change`` when B's float64 decoding prefers another token than the golden beyond float64
+rounding, or, without it, when the margin exceeds twice the step's budget."""
 
 from __future__ import annotations
 
@@ -29,14 +20,13 @@ from torchparity.diagnosis.core.decode_reference import DecodeReference
 from torchparity.diagnosis.core.judging import judge
 from torchparity.diagnosis.core.results import Result, Row
 
-Verdict = Literal["near tie", "real change"]
+FlipKind = Literal["near tie", "real change"]
 
 
 @dataclass(frozen=True)
 class Flip:
-    """The first step at which B's greedy token differs from A's in one sequence: A's margin
-    (its top-1 minus top-2 logit), B's change there (the largest error of B's logits of that
-    sequence against the golden), the step's noise budget, and the verdict."""
+    """The first step where B's greedy token differs from A's in one sequence: A's top-1 minus
+    top-2 margin, B's largest logit error there, the step's budget, the verdict."""
 
     step: int
     sequence: int
@@ -45,7 +35,7 @@ class Flip:
     margin: float
     change: float
     budget: float | None
-    verdict: Verdict
+    verdict: FlipKind
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "sequence": self.sequence, "a_token": self.a_token,
@@ -122,11 +112,10 @@ def _change(row: torch.Tensor, golden: torch.Tensor) -> float:
 
 def flip_verdict(a_row: torch.Tensor, golden: torch.Tensor, a_choice: int, b_choice: int,
                  budget: float | None, row64: torch.Tensor | None,
-                 among: tuple[int, ...] | None = None) -> Verdict:
-    """``real change`` when B's float64 scores ``row64`` prefer another of the candidates
-    ``among`` (default: all) than the golden's choice among them beyond float64 rounding (the
-    flip happens without fp32 noise too); without them, when A's margin of ``a_choice`` over
-    ``b_choice`` exceeds what twice the step's budget can swing."""
+                 among: tuple[int, ...] | None = None) -> FlipKind:
+    """``real change`` when B's float64 scores ``row64`` prefer another candidate ``among``
+    than the golden beyond float64 rounding; without them, when A's margin exceeds twice the
+    step's budget."""
     if row64 is not None:
         row64 = row64.double()
         candidates = torch.tensor(among) if among is not None else torch.arange(len(golden))

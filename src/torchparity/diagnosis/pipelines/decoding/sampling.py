@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from torchparity.diagnosis.core.decode_reference import DecodeReference
-from torchparity.diagnosis.pipelines.decoding.judging import Flip, step_budget
 from torchparity.diagnosis.core.results import Result
+from torchparity.diagnosis.pipelines.decoding.judging import Flip, step_budget
 from torchparity.subject.sampling import (
     SampleSettings,
     drawn,

@@ -23,14 +23,14 @@ from torchparity import digests
 from torchparity.comparison.sketch import involves_sketch
 from torchparity.diagnosis.core.capture import ModuleCall, call_key
 from torchparity.diagnosis.core.judging import judge_quickly, module_padding
-from torchparity.diagnosis.pipelines.ranks.report import RankDivergence, RanksDiffer
-from torchparity.diagnosis.pipelines.ranks.runs import RankRun, Tensors
 from torchparity.diagnosis.core.reference import Reference
 from torchparity.diagnosis.core.results import Result
+from torchparity.diagnosis.pipelines.ranks.report import RankDivergence, RanksDiffer
+from torchparity.diagnosis.pipelines.ranks.runs import RankRun, Tensors
 from torchparity.subject.padding import Padding
 
 #: One rank's A, golden and B tensors of one call.
-Sides = tuple[Tensors, Tensors, Tensors]
+RankTensors = tuple[Tensors, Tensors, Tensors]
 #: Every rank's value of one call, in rank order on rank 0; None on the other ranks.
 Gather = Callable[[Any], "list[Any] | None"]
 #: One call (its key) judged from every rank's tensors of it; None: not judged.
@@ -107,7 +107,7 @@ def judged_against_trace(reference: Reference, a: ModuleCall, parts: list[Tensor
                    for c in candidates], candidates)
 
 
-def judged_against_a(module: str, module_type: str, parts: list[Sides], padding: Padding
+def judged_against_a(module: str, module_type: str, parts: list[RankTensors], padding: Padding
                      ) -> Judged | None:
     """One call of ``module`` on every rank (``parts``, each rank's whole outputs of A, the
     golden and B in rank order), each rank's B judged against that rank's A and golden in one
@@ -124,14 +124,14 @@ def judged_against_a(module: str, module_type: str, parts: list[Sides], padding:
 
 
 def _in_one_layout(a_parts: list[Tensors], golden_parts: list[Tensors], b_parts: list[Tensors]
-                   ) -> list[Sides] | None:
+                   ) -> list[RankTensors] | None:
     """Per rank, A's, the golden's and B's output tensors of one call in one layout: as they
     are where each rank's A and B have one shape; where one side holds slices of the other's
     whole along one dimension (one plan keeps a column-parallel output local, the other
     gathers it), those slices joined in rank order. None where a tensor fits neither."""
     if any(a.keys() != b.keys() for a, b in zip(a_parts, b_parts, strict=True)):
         return None
-    sides: list[Sides] = [({}, {}, {}) for _ in a_parts]
+    sides: list[RankTensors] = [({}, {}, {}) for _ in a_parts]
     for path in a_parts[0]:
         a, g, b = ([part[path] for part in parts] for parts in (a_parts, golden_parts, b_parts))
         if all(x.shape == y.shape for x, y in zip(a, b, strict=True)):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchparity.comparison.selection import PaddingSpec
-from torchparity.diagnosis.stages.ops.capture import Step, _Recorder, detached_copy
+from torchparity.diagnosis.stages.ops.capture import OpRecorder, Step, detached_copy
 from torchparity.subject.trees import flatten_tensors
 
 __all__ = ["capture_backward"]
@@ -37,7 +37,7 @@ def capture_backward(module: nn.Module, args: tuple, kwargs: dict,
     targets = leaves + [p for p in module.parameters() if p.requires_grad]
     if not targets:
         return []
-    recorder = _Recorder(nn.Module(), None, backward=True, padding=padding)
+    recorder = OpRecorder(nn.Module(), None, backward=True, padding=padding)
     with recorder:  # autograd.grad: the module's own .grad stays as it was
         torch.autograd.grad([o for o, _ in seeds], targets, [g for _, g in seeds],
                             allow_unused=True)

@@ -115,7 +115,7 @@ def capture_steps(module: nn.Module, args: tuple, kwargs: dict, *, children: boo
     """Run ``module(*args, **kwargs)`` without gradients and return the steps its own code ran
     (``children=False``: every op at any depth, no child module a step of its own;
     ``padding``: the positions the judgement leaves out, zeros in a sketched output)."""
-    recorder = _Recorder(module if children else nn.Module(), sys._getframe(),
+    recorder = OpRecorder(module if children else nn.Module(), sys._getframe(),
                          padding=padding)
     with torch.no_grad(), recorder:
         try:
@@ -132,11 +132,11 @@ def capture_steps(module: nn.Module, args: tuple, kwargs: dict, *, children: boo
 def capturing_first_call(module: nn.Module, into: list[Step]) -> Iterator[None]:
     """Within the block, the steps of ``module``'s first call (made by whatever runs it: a
     decoding step) are appended to ``into``."""
-    recorder: list[_Recorder] = []
+    recorder: list[OpRecorder] = []
 
     def entering(_module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not recorder:  # the frame that calls forward bounds the stacks
-            recorder.append(_Recorder(module, sys._getframe(1)))
+            recorder.append(OpRecorder(module, sys._getframe(1)))
             recorder[0].__enter__()
 
     def leaving(_module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
@@ -175,7 +175,7 @@ class _Called(NamedTuple):
     stack: tuple[Frame, ...]
 
 
-class _Recorder(TorchDispatchMode):
+class OpRecorder(TorchDispatchMode):
     def __init__(self, module: nn.Module, anchor: FrameType | None, *,
                  backward: bool = False, padding: PaddingSpec = None) -> None:
         super().__init__()

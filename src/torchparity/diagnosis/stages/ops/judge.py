@@ -21,9 +21,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchparity.comparison.selection import PaddingSpec
 from torchparity.diagnosis.core.judging import judge_quickly
+from torchparity.diagnosis.core.results import Result
 from torchparity.diagnosis.stages.ops.align import LAYOUT, Pair
 from torchparity.diagnosis.stages.ops.capture import Step
-from torchparity.diagnosis.core.results import Result
 
 __all__ = ["OpLine", "golden_on_inputs", "judge_ops"]
 

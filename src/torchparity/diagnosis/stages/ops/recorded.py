@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from torchparity.diagnosis.core.capture import ModuleCall
-from torchparity.diagnosis.stages.ops.capture import Frame, Step
 from torchparity.diagnosis.core.trace import ReplayUnavailable, Store
+from torchparity.diagnosis.stages.ops.capture import Frame, Step
 
 __all__ = ["ASide", "keep_ops", "missing_ops", "put_side", "recorded_side"]
 
