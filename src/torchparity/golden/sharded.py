@@ -1,8 +1,8 @@
 """Goldens and checks of a user's model sharded over the ranks of ``torchrun``.
 
 ``golden update --model ENTRY --nproc N`` and ``check --model ENTRY --nproc N`` start the same
-command as N ranks (:func:`start`, through :mod:`torchparity.distributed.launch`); inside a user's
-own ``torchrun ... -m torchparity ...`` the command finds itself a rank and runs as one.
+command as N ranks (:func:`torchparity.distributed.ranks.start`); inside a user's own
+``torchrun ... -m torchparity ...`` the command finds itself a rank and runs as one.
 
 Every rank loads the factory, whose plan shards its model before the first run. The float64
 golden is computed by that sharded model itself, cast module by module as the 1B path of one
@@ -27,22 +27,20 @@ copy on every rank, as one process compiles a model of its own.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
-import os
-import sys
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
-from torchparity.distributed import agreement, group, launch, sharding
+from torchparity.distributed import agreement, group, sharding
 from torchparity.distributed.group import under_torchrun
+from torchparity.distributed.ranks import collectively
 from torchparity.distributed.slices import DECLARE_HINT, Slice, Slices, whole_of
 from torchparity.dtypes import DTYPES
-from torchparity.errors import BackendUnavailable, TorchParityError, UsageError
+from torchparity.errors import BackendUnavailable, UsageError
 from torchparity.golden import check_loop
 from torchparity.golden.cells import REFERENCE, Cell, CellRun, CheckResult, matmul_precision
 from torchparity.golden.model_check import ModelFeed
@@ -63,78 +61,9 @@ from torchparity.subject import Subject
 from torchparity.subject.blockwise import Float64Run, stream_grads
 from torchparity.subject.compiling import compiled
 from torchparity.subject.decoding import Fed
-from torchparity.subject.factory import first_line
 from torchparity.subject.islands import Islands
 from torchparity.subject.running import cast_inputs, local_part, on_meta
 from torchparity.subject.trees import map_tensors
-
-_Result = TypeVar("_Result")
-
-#: Seconds a launched run may take in all (environment variable, default one hour).
-RUN_TIMEOUT_ENV = "TORCHPARITY_RUN_TIMEOUT"
-_DEFAULT_RUN_TIMEOUT = 3600.0
-
-
-def start(nproc: int | None, argv: list[str]) -> int | None:
-    """Where a command that takes ``--nproc`` runs.
-
-    Args:
-        nproc: ``--nproc``, or None.
-        argv: the command's arguments after ``torchparity``.
-
-    Returns:
-        Under torchrun, None: the ranks are joined, every rank's output but rank 0's silenced,
-        and the command runs here as one rank. With ``nproc`` > 1 outside torchrun: the exit
-        status of ``torchparity argv`` (without ``--nproc``) run as ``nproc`` ranks. Else
-        None: one process, as ever.
-
-    Raises:
-        TorchParityError: a rank failed or the run timed out, naming the rank.
-    """
-    if under_torchrun():
-        if nproc is not None and nproc != group.world_size():
-            raise UsageError(f"--nproc {nproc} under a torchrun of {group.world_size()} "
-                             "ranks; leave --nproc out inside torchrun")
-        launch.die_with_parent()
-        command = next((arg for arg in argv if not arg.startswith("-")), "")
-        group.join(f"torchparity {command}".strip())
-        atexit.register(group.leave)
-        if group.rank() != 0:
-            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the rank)
-        return None
-    if nproc is not None and nproc < 1:
-        raise UsageError(f"--nproc must be at least 1, got {nproc}")
-    if nproc is None or nproc == 1:
-        return None
-    outcome = launch.launch("torchparity", without_nproc(argv), nproc=nproc,
-                              timeout=_run_timeout(), log=print)
-    if outcome.message:
-        print(outcome.message, file=sys.stderr)
-    return outcome.status
-
-
-def without_nproc(argv: list[str]) -> list[str]:
-    """``argv`` without its ``--nproc N`` (or ``--nproc=N``): what each rank runs.
-
-    Args:
-        argv: a command line.
-
-    Returns:
-        The command line, otherwise unchanged.
-    """
-    kept_args, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--nproc":
-            skip = True
-        elif not arg.startswith("--nproc="):
-            kept_args.append(arg)
-    return kept_args
-
-
-def _run_timeout() -> float:
-    return group.seconds_from_env(RUN_TIMEOUT_ENV, _DEFAULT_RUN_TIMEOUT)
 
 
 def active() -> bool:
@@ -174,30 +103,6 @@ def run_sharded(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
         return run
 
     return collectively(run_name, agreed_run)
-
-
-def collectively(what: str, fn: Callable[[], _Result]) -> _Result:
-    """``fn()``, run by every rank, a failed collective in it said in one line.
-
-    Args:
-        what: what the ranks do, named in the message.
-        fn: the work.
-
-    Returns:
-        What ``fn`` returns.
-
-    Raises:
-        TorchParityError: a collective failed (a rank that died or did not come), naming
-            ``what`` and where the other ranks are.
-    """
-    try:
-        return fn()
-    except Exception as exc:
-        if not group.collective_failed(exc):
-            raise
-        raise TorchParityError(
-            f"a collective failed in {what} "
-            f"({group.where_others_are()}): {first_line(exc.__cause__ or exc)}") from exc
 
 
 def replicas_agree(subject: Subject) -> None:

@@ -3,7 +3,7 @@ one-process golden trajectory and noise band: ``torchparity train --model ENTRY 
 --check``.
 
 The command starts itself again as N ranks (:func:`start_ranks`, through
-:func:`torchparity.golden.sharded.start`); inside a user's own ``torchrun ... -m torchparity
+:func:`torchparity.distributed.ranks.start`); inside a user's own ``torchrun ... -m torchparity
 train --model ...`` it finds itself a rank and runs as one. Every rank builds the model as
 ``check --model --nproc`` does (:func:`torchparity.distributed.sharding.placed`): sharded by
 the factory's plan over its mesh, or the model the factory sharded itself (DTensors, FSDP2, or
@@ -25,8 +25,8 @@ import torch
 from rich.console import Console
 
 from torchparity.distributed import group, sharding
+from torchparity.distributed.ranks import collectively, start
 from torchparity.errors import UsageError
-from torchparity.golden.sharded import collectively, start
 from torchparity.subject.model import Subject
 from torchparity.subject.running import is_dtensor
 from torchparity.text import wrapped

@@ -23,7 +23,7 @@ _DEFAULTS = {"include": None, "exclude": None, "dtype": None,
 def across_ranks(args: argparse.Namespace) -> int:
     """Start the ranks (or run as one, under torchrun); rank 0 prints the first divergence
     once, and writes ``--json``. Exit status 1 when a module diverges."""
-    from torchparity.golden import sharded
+    from torchparity.distributed.ranks import collectively, start
 
     if len(args.entries) != (1 if args.against else 2):
         raise UsageError("diagnose --nproc takes one entry point (B) with --against TRACE "
@@ -35,7 +35,7 @@ def across_ranks(args: argparse.Namespace) -> int:
         raise UsageError(f"diagnose --nproc does not take {flags}: it judges B's module "
                          "outputs and gradients against A's, and takes --against, "
                          "--no-backward and --json only")
-    launched = sharded.start(args.nproc, args._argv)
+    launched = start(args.nproc, args._argv)
     if launched is not None:
         return launched
     from torchparity.diagnosis.pipelines.ranks import (
@@ -44,10 +44,10 @@ def across_ranks(args: argparse.Namespace) -> int:
     )
 
     if args.against:
-        report = sharded.collectively("the diagnosis", lambda: diagnose_across_ranks(
+        report = collectively("the diagnosis", lambda: diagnose_across_ranks(
             Path(args.against), Subject.load(args.entries[0]), backward=args.backward))
     else:
-        report = sharded.collectively("the diagnosis", lambda: diagnose_pair_across_ranks(
+        report = collectively("the diagnosis", lambda: diagnose_pair_across_ranks(
             Subject.load(args.entries[0]), Subject.load(args.entries[1]), args.entries[0],
             backward=args.backward))
     if report is None:  # not rank 0: rank 0 speaks for every rank
