@@ -120,6 +120,7 @@ def gelu_answer() -> tuple[tp.DiagnosisReport, list[str]]:
     return report, [
         f"It enters at act, in aten::gelu (B: {line('# the gelu of B')}; "
         f"A: {line('# the gelu of A')}): approximate default (A) vs 'tanh' (B).",
+        "First gradient divergence: act, which follows from the forward divergence of act.",
         "In its backward pass: Its gradient follows from the forward divergence of act, which "
         f"enters at aten::gelu ({line('# the gelu of B')}).",
     ]

@@ -1,10 +1,4 @@
-"""What a check or a diagnosis found, in the form CI reports need.
-
-An :class:`Outcome` has the verdict, the findings a reviewer reads first (the first
-divergence, where it enters, the flips), the table that matters (the failures, else one row
-per cell or the modules that left their budget) and one :class:`Case` per cell and output
-(``check``) or per module, step and flip (``diagnose``), each with its verdict.
-"""
+"""What a check or a diagnosis found, in the form CI reports need."""
 
 from __future__ import annotations
 
@@ -30,23 +24,21 @@ FLIPS = 5
 
 @dataclass
 class Case:
-    """One verdict: a test case of the JUnit report. ``skipped`` is why it could not be
-    judged (an ``n/a`` cell); ``message`` explains a failure."""
+    """One verdict: a test case of the JUnit report."""
 
     suite: str
     name: str
     verdict: str
     ok: bool
     message: str = ""
-    skipped: str | None = None
+    skipped: str | None = None  # why it could not be judged (an ``n/a`` cell)
     note: str = ""  # a passing case's remark: where the divergence it carries entered
     judged_against: str | None = None  # a check's: the goldens its verdict is against
 
 
 @dataclass
 class Outcome:
-    """``command`` (``torchparity check``) on ``subject`` (what was compared with what);
-    ``alerts`` are the failures worth an annotation each."""
+    """What ``command`` found on ``subject``: verdict, findings, table and cases."""
 
     command: str
     subject: str
@@ -56,7 +48,7 @@ class Outcome:
     heads: list[str]
     rows: list[list[str]]
     cases: list[Case] = field(default_factory=list)
-    alerts: list[str] = field(default_factory=list)
+    alerts: list[str] = field(default_factory=list)  # the failures worth an annotation each
     seconds: float | None = None  # the command's wall time, when known
     headline: str = ""  # one plain sentence: what changed, where, how much
     next_step: str | None = None  # the exact command to run next (never the one just run)
@@ -129,8 +121,6 @@ def check_outcome(results: list[CheckResult], subject: str,
 def diagnosis_outcome(report: DiagnosisReport | DecodeReport, subject: str,
                       seconds: float | None = None, next_step: str | None = None) -> Outcome:
     """The outcome of ``torchparity diagnose``, forward or decoding.
-
-    The report's own sentences are its findings, its summary the one alert of a failure.
 
     Args:
         report: the diagnosis.
@@ -242,9 +232,7 @@ def _verdict_words(failed: list[CheckResult]) -> str:
 
 
 def _cell_row(case: str, cell: Cell, results: list[CheckResult]) -> list[str]:
-    """A passing cell: ``within`` and the most budget used, or ``identical`` (≡, as in the
-    terminal's table), or ``could not run``; ``, could not run in part`` where some of its
-    outputs could not."""
+    """A passing cell: its verdict and the most budget used (≡ when identical)."""
     compared = [r for r in results if r.verdict != "n/a"]
     if not compared:
         return [f"`{case}`", cell.label, "could not run", "-"]
@@ -257,10 +245,9 @@ def _cell_row(case: str, cell: Cell, results: list[CheckResult]) -> list[str]:
 
 
 def _module_case(row: Row, rows: list[Row], first: Row | None) -> Case:
-    """A module's case fails where a divergence enters: its own local error (or its local
-    gradient error) breaks its budget while no module inside it does. A module that only
-    carries a divergence (its output in B's own run, or a container's replay around a child
-    that changed) passes, with the verdict of its output and a note saying where it entered."""
+    """A module's case: it fails where a divergence enters, and passes with a note where not."""
+    # It fails when its own local (or gradient) error breaks its budget and no module inside
+    # does; one that only carries a divergence passes, saying where it entered.
     name = module_label(row.module)
     local, propagated, grad = row.local, row.propagated, row.grad_local
     inside = [r for r in rows if r is not row and _contains(row, r)]

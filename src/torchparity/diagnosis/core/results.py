@@ -1,11 +1,4 @@
-"""What the stages of a diagnosis hand each other, and the reports show.
-
-A row (:class:`Row`) is one aligned module; per comparison it holds a :class:`Result`: a
-:class:`torchparity.comparison.Comparison`, a :class:`Mismatch` (the sides differ in
-structure), :class:`NotCompared` (nothing alike on both sides) or :class:`Bounded` (a verdict
-from a bound). :class:`Entry` says where a divergence enters. The text of a result in a cell
-(:func:`share_cell`) is defined here once, for the terminal, the HTML and CI alike.
-"""
+"""What the stages of a diagnosis hand each other and the reports show: rows and results."""
 
 from __future__ import annotations
 
@@ -26,9 +19,7 @@ UNKNOWN_LOCAL = "local error unknown"
 
 
 class DrilledOps(Protocol):
-    """What a row and the reports read of a call drilled down to its ops: the
-    :class:`~torchparity.diagnosis.stages.ops.OpReport` (a protocol here, because the ops
-    stage builds on these results)."""
+    """What the reports read of a call drilled down to its ops (the ops stage's ``OpReport``)."""
 
     #: on a backward pass, the forward divergence its gradient follows from (a
     #: :class:`~torchparity.diagnosis.stages.ops.ForwardCause`), or None
@@ -44,8 +35,7 @@ class DrilledOps(Protocol):
 
 
 class Result(Protocol):
-    """What a row holds per comparison: a :class:`torchparity.comparison.Comparison` or a
-    :class:`Mismatch`."""
+    """What a row holds per comparison: a ``Comparison``, a :class:`Mismatch` and the like."""
 
     kind: str
 
@@ -62,8 +52,7 @@ class Result(Protocol):
 
 @dataclass
 class Mismatch:
-    """A comparison that could not be made because the two sides differ in structure or shape;
-    it counts as diverged."""
+    """A comparison the sides' differing structure or shape prevents; it counts as diverged."""
 
     kind: str
     reason: str
@@ -81,9 +70,7 @@ class Mismatch:
 
 @dataclass
 class NotCompared:
-    """A comparison with nothing to compare: A and B hold tensors there, but none that are the
-    same thing (different containers, no shared tensor). It is no evidence either way: it
-    neither passes as identical nor counts as a divergence, and every report says why."""
+    """A comparison with nothing alike on both sides: no evidence either way, and said so."""
 
     kind: str
     reason: str
@@ -104,10 +91,7 @@ class NotCompared:
 
 @dataclass(frozen=True)
 class Entry:
-    """Where a divergence enters: in a container whose local replay diverged although none of
-    its modules did, the first module inside whose inputs differ from A's while every output
-    that fed them matched; in a decoding step, the first module leaving its budget. Named by
-    the argument (``ctx.mask``) or the state it keeps (``k_cache``) and how it differs."""
+    """Where a divergence enters a module: the argument or state it comes through, and how."""
 
     module: str
     argument: str
@@ -117,10 +101,7 @@ class Entry:
 
 @dataclass
 class Bounded:
-    """A verdict reached without the full metric set: every tensor's error is at most
-    ``headroom`` of its budget (a bound: the budget is at least ``fudge`` times the noise A's
-    own rounding shows). Only ``within`` and ``identical`` are decided this way; anything else
-    gets the full comparison."""
+    """A ``within`` or ``identical`` verdict from a bound: each error is at most ``headroom``."""
 
     kind: str
     verdict: str
@@ -148,14 +129,12 @@ def worst_error(result: Result | None) -> float | None:
 
 
 def headroom(result: Result | None) -> float | None:
-    """The largest share of its budget any tensor used (>1 means diverged); for a
-    :class:`Bounded` result, its bound."""
+    """The largest share of its budget any tensor used (>1: diverged); a bound's own value."""
     return _largest(result, "headroom")
 
 
 def _largest(result: Result | None, metric: str) -> float | None:
-    """The largest ``metric`` (``error`` or ``headroom``) of the result's tensors: None when
-    nothing was compared, inf for a mismatch of structure or shape, a bound's own value."""
+    """The largest ``metric`` of the result's tensors; inf for a mismatch, None for nothing."""
     if result is None or isinstance(result, NotCompared):
         return None
     if isinstance(result, Mismatch) or getattr(result, "shapes", ()):
@@ -167,35 +146,20 @@ def _largest(result: Result | None, metric: str) -> float | None:
 
 @dataclass
 class Row:
-    """One aligned module (or fused group) of the diagnosis.
+    """One aligned module (or fused group) of the diagnosis."""
 
-    ``module`` is B's qualified name (with ``#k`` for its k-th later call), ``a_module`` A's;
-    ``how`` says how they were aligned ("name", "name_map", "order" or "fused"). ``local`` is B's
-    module fed A's recorded inputs against the golden module fed the same, ``propagated`` B's
-    output in its own full run against the golden's full run; ``grad_*`` the same for gradients
-    (of the module's inputs and direct parameters locally, of its outputs and direct parameters
-    propagated). ``amplification`` is propagated error / local error: about 1 where the module
-    itself is the source, large where it only carries error from upstream. ``inputs`` (decoding
-    diagnoses only) compares the module's input tensors the way ``propagated`` its outputs.
-    ``entry`` (on a first divergence that contains other modules) names where it enters;
-    ``ops`` (on the first divergence, or the module asked for) the op and line where it does.
-    :attr:`structure` lists the outputs that A and B hold in different structure (a tensor on
-    one side, ``None`` or nothing on the other): judged apart, never a numeric divergence;
-    :attr:`shapes` those both hold in different shapes, a divergence of its own.
-    """
-
-    module: str
+    module: str  # B's qualified name, with ``#k`` for its k-th later call
     a_module: str
-    how: str
+    how: str  # "name", "name_map", "order" or "fused"
     module_type: str
     depth: int
     start: int
-    local: Result | None = None
-    propagated: Result | None = None
-    grad_local: Result | None = None
+    local: Result | None = None  # B's module fed A's recorded inputs, against the golden's
+    propagated: Result | None = None  # B's output in its own run, against the golden's run
+    grad_local: Result | None = None  # the same for gradients
     grad_propagated: Result | None = None
-    inputs: Result | None = None
-    entry: Entry | None = None
+    inputs: Result | None = None  # decoding only: the module's inputs, as ``propagated``
+    entry: Entry | None = None  # on a first divergence containing others: where it enters
     notes: list[str] = field(default_factory=list)
     ops: DrilledOps | None = None  # the op drill-down of this call, when it was drilled
     grad_ops: DrilledOps | None = None  # the same of its backward pass, on the first
@@ -203,14 +167,12 @@ class Row:
 
     @property
     def structure(self) -> tuple:
-        """The ``StructureDifference`` s of the module's outputs (B as candidate, A's side as
-        golden)."""
+        """Outputs A and B hold in different structure: judged apart, never a divergence."""
         return self._differences("structure")
 
     @property
     def shapes(self) -> tuple:
-        """The ``ShapeDifference`` s of the module's outputs (B as candidate, A's side as
-        golden)."""
+        """Outputs A and B both hold in different shapes: a divergence of its own."""
         return self._differences("shapes")
 
     def _differences(self, kind: str) -> tuple:
@@ -222,6 +184,7 @@ class Row:
 
     @property
     def amplification(self) -> float | None:
+        """Propagated over local error: about 1 at the source, large where it only carries."""
         propagated, local = worst_error(self.propagated), worst_error(self.local)
         if propagated is None or local is None or math.isinf(propagated):
             return None
@@ -276,8 +239,7 @@ def shape_difference(difference: Any) -> str:
 
 
 def unknown_local(row: Row) -> bool:
-    """Whether the row's module was to be replayed and could not be: its local error is
-    not known (the row's note says why)."""
+    """Whether the row's module could not be replayed, so its local error is unknown."""
     return row.local is None and any(note.startswith(UNKNOWN_LOCAL) for note in row.notes)
 
 

@@ -1,5 +1,4 @@
-"""The divergence report: rows of aligned modules, and its terminal and JSON renderings (its
-HTML page is :mod:`~torchparity.diagnosis.reports.html`'s); the attribution report."""
+"""The divergence report and the attribution report, on the terminal and in JSON."""
 
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ from torchparity.diagnosis.reports.sentence import (
     backward_sentence,
     entered_at,
     entry_note,
+    forward_clause,
 )
 from torchparity.text import print_paragraph
 
@@ -41,8 +41,7 @@ __all__ = ["AttributionReport", "DiagnosisReport", "Report", "Unit"]
 
 
 class Report:
-    """JSON and plain text of a report, from its own ``to_dict()`` and ``print(console)``; a
-    report of a diagnosis says whether it passes (``ok``) and so the command's exit status."""
+    """JSON and plain text of a report, from its own ``to_dict()`` and ``print(console)``."""
 
     @property
     def exit_status(self) -> int:
@@ -58,8 +57,7 @@ class Report:
 
     def show(self, console: Any, json_path: str | None = None, html_path: str | None = None
              ) -> None:
-        """Print the report to ``console``, after the line that says no float64 golden could
-        be made when so, and write its JSON and HTML where asked."""
+        """Print the report to ``console`` and write its JSON and HTML where asked."""
         warning = golden_warning(getattr(self.meta, "golden", ""))  # "": no golden used
         if warning:
             print_paragraph(console, warning)
@@ -80,28 +78,23 @@ class Report:
 
 @dataclass
 class DiagnosisReport(Report):
-    """Result of :func:`torchparity.diagnose` and :func:`torchparity.diagnose_against`.
+    """Result of :func:`torchparity.diagnose` and :func:`torchparity.diagnose_against`."""
 
-    ``rows`` are the aligned modules in the order their forward finished in B (children before
-    their parent). ``first_divergence`` is the first row whose local error breaks its budget
-    (None when every module is within budget), ``first_grad_divergence`` the first such row in
-    backward order. ``output``/``loss`` compare the models' final results; ``unmatched_a`` and
-    ``unmatched_b`` list calls that could not be aligned.
-    """
-
-    rows: list[Row]
+    rows: list[Row]  # in the order their forward finished in B: children before their parent
     output: Result | None
     loss: Result | None
-    unmatched_a: list[str]
+    unmatched_a: list[str]  # calls that could not be aligned
     unmatched_b: list[str]
     meta: DiagnosisMeta
 
     @property
     def first_divergence(self) -> Row | None:
+        """The first row whose local error breaks its budget; None when none does."""
         return next((r for r in self.rows if r.local is not None and not r.local.ok), None)
 
     @property
     def first_grad_divergence(self) -> Row | None:
+        """The first row in backward order whose local gradient error breaks its budget."""
         # Backward runs in reverse start order: later modules, and children before parents.
         broken = [r for r in self.rows if r.grad_local is not None and not r.grad_local.ok]
         return max(broken, key=lambda r: r.start, default=None)
@@ -125,13 +118,11 @@ class DiagnosisReport(Report):
         return [r for r in self.rows if r.structure and not diverged(r)]
 
     def summary(self) -> str:
-        """A few sentences: where A and B part (and where that enters), or that they do not;
-        structure differences; the final verdict; the precision the comparison ran in."""
+        """A few sentences: where A and B part and where that enters, the verdict, the mode."""
         return " ".join(self.findings())
 
     def findings(self, ops: bool = True) -> list[str]:
-        """The sentences of :meth:`summary`, one finding each; without ``ops`` the op
-        drill-downs' (the terminal prints them under their module's row)."""
+        """The sentences of :meth:`summary`; without ``ops``, those of the op drill-downs."""
         parts = []
         first = self.first_divergence
         if first is None:
@@ -152,7 +143,7 @@ class DiagnosisReport(Report):
             parts.append("No gradient diverges locally." if grad is None else
                          f"First gradient divergence: {module_label(grad.module)}" +
                          ("." if follows is None else
-                          f", which follows from the forward divergence of {follows.module}."))
+                          f", which follows from {forward_clause(follows.module)}."))
             if grad is not None and grad.grad_ops is not None and ops:
                 parts.append(backward_sentence(grad.grad_ops.sentence()))
         structural = self.structure_only
@@ -175,9 +166,7 @@ class DiagnosisReport(Report):
         return parts
 
     def _unknown_sentence(self) -> str | None:
-        """The modules whose local error is unknown (their replay failed), and whether the
-        verdict could depend on them: it could unless a module before them already
-        diverges, since any of them may be where the change is."""
+        """The modules whose local error is unknown, and whether the verdict could hang on them."""
         unknown = [r for r in self.rows if unknown_local(r)]
         if not unknown:
             return None
@@ -194,8 +183,7 @@ class DiagnosisReport(Report):
                 f"A's inputs failed ({names}{more}); {depends}.")
 
     def _verdict_sentence(self) -> str:
-        """Why the diagnosis passes or fails, whatever the final output says: a module's
-        local error or gradient can break its budget while the output stays within."""
+        """Why the diagnosis passes or fails, whatever the final output says."""
         first, grad = self.first_divergence, self.first_grad_divergence
         if first is None and grad is None:
             return "Verdict: pass, no module's local error breaks its budget."
@@ -236,8 +224,7 @@ class DiagnosisReport(Report):
         return super().render(width)
 
     def print(self, console: Any = None, *, fold: bool = True) -> None:
-        """Print the report to a ``rich.console.Console`` (default: stdout, with colours): the
-        summary, the rows (a deep model's fold as :meth:`table_lines` says), the notes."""
+        """Print the summary, the rows and the notes to ``console`` (default: stdout)."""
         from rich.console import Console
 
         console = console or Console()
@@ -249,16 +236,9 @@ class DiagnosisReport(Report):
             print_paragraph(console, line)
 
     def table_lines(self, width: int, *, fold: bool = True) -> list[tuple[str, str | None]]:
-        """The rows as text lines of ``width`` columns, each with its rich style.
-
-        The module name is the last column and is never cut (see :mod:`.columns`): in a CI
-        log (80 columns) it is the answer. Types and amplification are in the JSON and HTML.
-        With ``fold``, a report of more than
-        :data:`~torchparity.diagnosis.reports.folding.FOLD_ABOVE` rows shows the rows that matter
-        (first divergences, where one enters, modules whose local error diverged, structure
-        differences, and their neighbours) and folds runs of layers alike into one line, with the
-        worst cell of each column; JSON and HTML keep every row. Under a row drilled down to its
-        ops: the op table and where it enters."""
+        """The rows as text lines of ``width`` columns, each with its rich style."""
+        # The module name is the last column and never cut: in an 80-column CI log it is the
+        # answer. With ``fold``, a long report keeps the rows that matter (see :meth:`_lines`).
         backward = self.meta.backward
         heads = ["#", "local", "prop."] + (["grad l.", "grad p."] if backward else [])
         first, grad = self.first_divergence, self.first_grad_divergence
@@ -295,8 +275,7 @@ class DiagnosisReport(Report):
         return [getattr(self.rows[i], attr) for i in indices]
 
     def _fold_line(self, line: Fold, backward: bool) -> Line:
-        """The cells of a fold: its range of rows, the worst cell of each column, and what it
-        folds."""
+        """The cells of a fold: its rows, the worst cell of each column, and what it folds."""
         rows = [self.rows[i] for i in line.rows]
         cells = ["…"]
         cells += [share_cell(_worst(self._column(line.rows, attr)))
@@ -343,8 +322,7 @@ class DiagnosisReport(Report):
     # -- HTML ---------------------------------------------------------------------------------
 
     def to_html(self, path: str | os.PathLike | None = None) -> str:
-        """A self-contained HTML page (inline SVG plot, no scripts); written to ``path`` if
-        given."""
+        """A self-contained HTML page; written to ``path`` if given."""
         page = diagnosis_html_page(self)
         if path is not None:
             Path(path).write_text(page, encoding="utf-8")
@@ -353,11 +331,10 @@ class DiagnosisReport(Report):
 
 @dataclass
 class Unit:
-    """One change of B (a module or the attention backend) and the output error it explains.
+    """One change of B (a module or the attention backend) and the output error it explains."""
 
-    Errors are mean squared differences from A's output: ``swap_in`` of A with only this unit
-    from B, ``leave_out`` of B with only this unit from A, ``total`` of B itself.
-    """
+    # mean squared differences from A's output: ``swap_in`` of A with only this unit from B,
+    # ``leave_out`` of B with only this unit from A, ``total`` of B itself
 
     name: str
     kind: str
@@ -383,8 +360,7 @@ class Unit:
 
 @dataclass
 class AttributionReport(Report):
-    """Result of :func:`torchparity.attribute`: units of change with their shares of the
-    output error (``total``: mean squared difference of B's outputs from A's)."""
+    """Result of :func:`torchparity.attribute`: units of change and their shares of the error."""
 
     units: list[Unit]
     total: float
@@ -469,8 +445,7 @@ def not_compared_legend(rows: list[Row]) -> str:
 
 
 def _divergence(row: Row | None, ops: str) -> dict[str, Any] | None:
-    """``first_divergence`` (or the gradient's) in the JSON: B's module and, when it was
-    drilled down, the op where the divergence enters (:meth:`OpReport.to_dict`)."""
+    """``first_divergence`` (or the gradient's) in the JSON: B's module and its op if drilled."""
     if row is None:
         return None
     drilled = getattr(row, ops)
@@ -478,8 +453,7 @@ def _divergence(row: Row | None, ops: str) -> dict[str, Any] | None:
 
 
 def _ops_lines(row: Row, width: int) -> tuple[tuple[str, str | None], ...]:
-    """The op tables of a row drilled down (forward, backward), each closed by its sentence
-    wrapped at spaces (a path is never cut)."""
+    """A drilled row's op tables, forward and backward, each closed by its sentence."""
     lines = []
     for ops, backward in ((row.ops, False), (row.grad_ops, True)):
         if ops is not None:

@@ -1,12 +1,4 @@
-"""The HTML page of a divergence report, and the page shell, legend, settings, cells and SVG
-plots the decoding report's page and the check's page share.
-
-The HTML file is self-contained (inline CSS and SVG, no script, nothing fetched): it opens in a
-browser without network. Its plot shows each row's local and propagated error as a share of
-the budget on a log scale, so the row where the local curve crosses 1 is the culprit and the
-rows after it show how the error travels. The page takes the report untyped (``Any``): it is a
-:class:`~torchparity.diagnosis.reports.diagnosis.DiagnosisReport`, whose module imports this one.
-"""
+"""The self-contained HTML page of a divergence report, and the parts other pages share."""
 
 from __future__ import annotations
 
@@ -48,8 +40,7 @@ table.ops td:nth-child(-n+5) { white-space: nowrap; }
 
 
 def page(title: str, body: str, css: str = "") -> str:
-    """A self-contained page: ``title`` as its heading, ``body`` under it, the shared CSS and
-    ``css`` inline."""
+    """A self-contained page: ``title`` as its heading, ``body`` under it, all CSS inline."""
     return ("<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{CSS}{css}</style></head><body>"
             f"<h1>{html.escape(title)}</h1>{body}</body></html>\n")
@@ -57,8 +48,7 @@ def page(title: str, body: str, css: str = "") -> str:
 
 def legend_paragraph(symbols: Iterable[tuple[str, str]],
                      columns: Iterable[tuple[str, str]] = ()) -> str:
-    """What each ``(symbol, meaning)`` and each ``(column, what it holds)`` says, in one
-    paragraph under a table."""
+    """What each ``(symbol, meaning)`` and ``(column, what it holds)`` says, in one paragraph."""
     items = [*(f"<b>{html.escape(symbol)}</b> {html.escape(text)}" for symbol, text in symbols),
              *(f"<b>{html.escape(name)}</b>: {html.escape(text)}" for name, text in columns)]
     return "<p class='note legend'>" + "; ".join(items) + "</p>"
@@ -69,7 +59,9 @@ def settings_details(meta: dict[str, Any]) -> str:
     return f"<details><summary>settings</summary>{settings_table(meta)}</details>"
 
 
+# The report is untyped here: its class, DiagnosisReport, lives in a module that imports this one.
 def diagnosis_html_page(report: Any) -> str:
+    """The page of a divergence report: its summary, plots, rows, op tables and settings."""
     plots = [svg_plot(report.rows, {"local": "local", "propagated": "propagated"},
                       "Forward error / budget")]
     if report.meta.backward:
@@ -117,8 +109,7 @@ def legend(report: Any) -> str:
 
 
 def settings_table(meta: dict[str, Any]) -> str:
-    """The run's settings as a readable table: unset ones left out, lists and mappings
-    spelled out (A's and B's backends as given are said so, not ``[null, null]``)."""
+    """The run's settings as a readable table: unset ones left out, the others spelled out."""
     rows = []
     for key, value in json_safe(meta).items():
         if key == "backends" and isinstance(value, list):
@@ -145,8 +136,7 @@ def _setting(value: Any) -> str:
 
 
 def _html_table(report: Any) -> str:
-    """The rows as one table, or, for a deep model, one collapsible table per layer (those
-    holding a divergence open)."""
+    """The rows as one table, or one collapsible table per layer of a deep model."""
     heads = _columns(report)
     header = "<thead><tr>" + "".join(f"<th>{h}</th>" for h in heads) + "</tr></thead>"
     lines = [_html_row(report, index, heads) for index in range(len(report.rows))]
@@ -166,8 +156,7 @@ def _html_table(report: Any) -> str:
 
 
 def layer_groups(rows: list[Row], most: int = 40) -> list[list[int]]:
-    """Row indices cut after each row named on the plot's axis (children finish before their
-    parent, so each group ends with its layer); one group when the model is small."""
+    """Row indices cut after each row named on the plot's axis: each group ends with its layer."""
     if len(rows) <= most:
         return [list(range(len(rows)))]
     ends = set(_axis_rows(rows, most))
@@ -181,8 +170,7 @@ def layer_groups(rows: list[Row], most: int = 40) -> list[list[int]]:
 
 
 def _columns(report: Any) -> list[str]:
-    """The table's columns: none that would be empty in every row (A's name where every
-    module aligned by name, an amplification never computed, gradients without backward)."""
+    """The table's columns, leaving out those that would be empty in every row."""
     heads = ["#", "module (B)"]
     heads += ["A"] if any(r.how != "name" for r in report.rows) else []
     heads += ["type", "local", "propagated"]
@@ -237,8 +225,7 @@ def _identical(result: Result | None) -> bool:
 
 
 def _axis_rows(rows: list[Row], most: int = 40) -> list[int]:
-    """Rows to name on a plot's x axis: all when few, else the shallowest levels of the module
-    tree that stay within ``most`` labels (the layers of a deep model)."""
+    """Rows to name on a plot's x axis: all when few, else the shallowest levels that fit."""
     depths = sorted({r.depth for r in rows})
     chosen: list[int] = []
     for depth in depths:
@@ -250,8 +237,7 @@ def _axis_rows(rows: list[Row], most: int = 40) -> list[int]:
 
 
 def _spaced(indices: list[int], min_gap: int) -> list[int]:
-    """``indices`` without those closer than ``min_gap`` rows to the previous kept one (labels
-    would overlap); the last one (a layer, or the model) is kept over its neighbour."""
+    """``indices`` without those closer than ``min_gap`` to the last kept (labels overlap)."""
     kept: list[int] = []
     for index in reversed(indices):
         if not kept or kept[-1] - index >= min_gap:
@@ -263,8 +249,7 @@ _COLOURS = ("#c0392b", "#2471a3")
 
 
 def svg_plot(rows: list[Row], attributes: dict[str, str], title: str) -> str:
-    """Log-scale plot of error / budget per row, one series per ``{name: row attribute}`` (at
-    most two: local and propagated, say), with the budget at 1."""
+    """Log-scale plot of error / budget per row, one series per ``{name: row attribute}``."""
     # A result bit-identical to A shows "=" in the table: no share is plotted for it (its
     # error against the golden is A's own), only a hollow mark on the plot's floor.
     results = {name: [getattr(r, attr) for r in rows] for name, attr in attributes.items()}

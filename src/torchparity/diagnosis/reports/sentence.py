@@ -119,7 +119,7 @@ def no_op_sentence(module: str, steps: int) -> str:
             "aligned).")
 
 
-def forward_clause(module: str, op: str | None, frame: SourceLine | None) -> str:
+def forward_clause(module: str, op: str | None = None, frame: SourceLine | None = None) -> str:
     """``the forward divergence of MODULE, which enters at OP (path:line "code")``."""
     if op is None:
         return f"the forward divergence of {module}"
