@@ -17,6 +17,7 @@ from typing import Any
 from torchparity import backends
 from torchparity.ci import check_outcome, check_paths, publish
 from torchparity.commands.common import (
+    GOLDEN_DIR_HELP,
     add_base_arguments,
     add_report_arguments,
     base_side,
@@ -29,7 +30,6 @@ from torchparity.distributed import ranks
 from torchparity.errors import UsageError
 from torchparity.golden.cell_selection import CHECK_DTYPES, compile_forms
 from torchparity.golden.runner import CheckRequest, check_goldens
-from torchparity.golden.store import GOLDEN_DIR_ENV
 from torchparity.revisions import base_goldens
 from torchparity.subject import Subject
 from torchparity.subject.compiling import MODES
@@ -37,11 +37,6 @@ from torchparity.train.check_feed import trajectory_feeds
 
 #: What ``--compile`` takes: one compile form, or both.
 COMPILE_CHOICES = (*MODES, "both")
-
-GOLDEN_DIR_HELP = (f"folder of the golden outputs (default: ${GOLDEN_DIR_ENV}, else golden/ of "
-                   "the torchparity source tree around the working directory, else of the "
-                   "source tree torchparity is imported from, else the goldens shipped in "
-                   "the installed package); `torchparity golden update` creates it")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,9 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name-map", action="append", metavar="REGEX=REPLACEMENT",
                         help="map the goldens' module names to --model's where a refactor "
                              "renamed them (regex on the whole name); repeatable")
-    parser.add_argument("--golden-dir", metavar="DIR",
-                        help=GOLDEN_DIR_HELP + f"; for --model: ${GOLDEN_DIR_ENV}, else "
-                             "golden/ in the working directory")
+    parser.add_argument("--golden-dir", metavar="DIR", help=GOLDEN_DIR_HELP)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--html", metavar="PATH",
                         help="also write the report as a self-contained HTML page to PATH")

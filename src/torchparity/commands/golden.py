@@ -8,8 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from torchparity.commands.check import GOLDEN_DIR_HELP
-from torchparity.commands.common import refuse_zoo_across_ranks
+from torchparity.commands.common import GOLDEN_DIR_HELP, refuse_zoo_across_ranks
 from torchparity.distributed import ranks
 from torchparity.errors import UsageError
 from torchparity.golden.cases import OUTPUT_KINDS, write_case
@@ -56,11 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "factory's parallelize plan, in float64 (starts torchrun; inside "
                              "your own torchrun leave it out); they check with any number of "
                              "ranks")
-    for sub in (update, verify):
-        sub.add_argument("--golden-dir", metavar="DIR",
-                         help=GOLDEN_DIR_HELP + "; for --model: $TORCHPARITY_GOLDEN_DIR, else "
-                                                "golden/ in the working directory")
-    show.add_argument("--golden-dir", metavar="DIR", help=GOLDEN_DIR_HELP)
+    for sub in (update, verify, show):
+        sub.add_argument("--golden-dir", metavar="DIR", help=GOLDEN_DIR_HELP)
 
 
 def run(args: argparse.Namespace) -> int:
