@@ -15,12 +15,8 @@ from torchparity.tolerance import DtypeLike
 
 @dataclass(frozen=True)
 class Calibration:
-    """How a candidate's error relates to the baseline's over many random draws.
-
-    ``ratios`` holds, per draw with an inexact baseline, the largest err(candidate)/err(baseline)
-    over the draw's tensors; ``headrooms`` the worst share of the budget used per draw;
-    ``failures`` the seeds of draws the candidate did not pass.
-    """
+    """How a candidate's error relates to the baseline's over many random draws: the largest
+    error ratio per draw, the worst headroom per draw, the seeds that failed."""
 
     kind: str
     draws: int
@@ -61,12 +57,8 @@ def calibrate_draws(
     compute_dtype: DtypeLike | None = None,
     reduction_length: int | None = None,
 ) -> Calibration:
-    """Run ``draws`` draws and collect the error ratio candidate/baseline and the verdicts.
-
-    Each function receives the draw's seed (``seed``, ``seed + 1``, ...) and must build the same
-    problem from it; they return tensors or pytrees of the same structure, which are compared
-    with :func:`torchparity.compare`.
-    """
+    """Run ``draws`` draws and collect the candidate/baseline error ratios and verdicts; each
+    function builds the same problem from the draw's seed and returns comparable pytrees."""
     ratios: list[float] = []
     headrooms: list[float] = []
     failures: list[int] = []
@@ -89,10 +81,8 @@ def calibrate_draws(
 
 
 def baseline_ratio(comparison: Any) -> float | None:
-    """The largest err(candidate)/err(baseline) over a comparison's tensors.
-
-    Only tensors whose budget scales an inexact baseline count; None when there are none.
-    """
+    """The largest err(candidate)/err(baseline) over tensors with an inexact baseline; None
+    without."""
     ratios = [
         t.error / t.budget.baseline_error
         for t in comparison.tensors

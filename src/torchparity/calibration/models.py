@@ -1,14 +1,10 @@
 """The calibration's model problems: reference transformers drawn from the property suite's space.
 
-Each draw is one example of what :mod:`torchparity.strategies` hands the property suite: a
-config (every field the reference supports, ``d_model`` up to 32, up to two layers per stack),
-a batch (1-3 rows of 2-12 columns, unpadded or padded on either side, fully padded rows
-included), a model seed, and the dtype the suite draws for it with the suite's pins (no ReLU
-below fp32). Hypothesis draws them, seeded, so the calibration meets the degenerate examples
-the suite meets too: one head, repeated tokens, rows that see one key. Outputs are the logits
-(forward) and the gradients of the sequence loss (grad), as the property checks compare them;
-bugs are planted in every attention module of the model.
-"""
+Each draw is what :mod:`torchparity.strategies` hands the suite (a config with ``d_model`` up
+to 32 and two layers per stack, 1-3 rows of 2-12 columns padded either side, a seed, a dtype
+with the suite's pins), drawn seeded by hypothesis, so the degenerate examples the suite
+meets come too. Outputs are the logits and the sequence loss's gradients; bugs are planted in
+every attention module."""
 
 from __future__ import annotations
 
@@ -87,9 +83,9 @@ class ModelProblem:
 
     def run(self, dtype: str, variant: ProblemVariant = PLAIN, *, grad: bool = True,
             rerun: bool = False) -> dict[str, dict[str, torch.Tensor]]:
-        """``{"forward": {"logits": ...}, "grad": {...}}`` of the model in ``dtype``, with
-        ``variant``'s backend or bug; ``grad=False`` (or a backend without a backward pass)
-        leaves the gradients out, ``rerun`` moves the weights by one rounding first."""
+        """``{"forward": {"logits": ...}, "grad": {...}}`` in ``dtype`` with ``variant``'s
+        backend or bug; ``grad=False`` leaves gradients out, ``rerun`` moves the weights by
+        one rounding."""
         config = self.config
         if variant.norm_eps != NORM_EPS:
             config = config.replace(norm_eps=config.norm_eps * variant.norm_eps / NORM_EPS)
@@ -111,11 +107,8 @@ class ModelProblem:
 
 
 def draw_model_problems(draws: int, seed: int) -> list[ModelProblem]:
-    """``draws`` examples of the property suite's space, drawn by hypothesis from ``seed``.
-
-    The same command draws the same problems; hypothesis also draws from constants of the code
-    it has loaded, so another program may draw others from the same seed.
-    """
+    """``draws`` examples drawn by hypothesis from ``seed`` (the same command draws the same;
+    hypothesis also draws from the loaded code's constants, so another program may not)."""
     try:
         from hypothesis import HealthCheck, Phase, given, settings
         from hypothesis import seed as seeded

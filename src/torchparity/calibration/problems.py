@@ -1,11 +1,7 @@
-"""The calibration's attention blocks: random pre-norm attention blocks, computed three ways.
-
-Every draw is a random pre-norm attention block (RMSNorm, q/k/v projections, rotary, attention
-with a random mask) computed three ways: the golden (float64, manual attention), the baseline
-(manual attention in the candidate dtype) and candidates: every legitimate backend, or the manual
-path with one planted bug. The blocks reach what the property suite's tiny models do not: long
-sequences, wide heads, logits of standard deviation 30 (:mod:`.models` draws those).
-"""
+"""The calibration's attention blocks: random pre-norm attention blocks (RMSNorm, q/k/v,
+rotary, a random mask) computed as the float64 golden, the baseline and each candidate
+(legitimate backends, or a planted bug), reaching long sequences, wide heads and large
+logits that the tiny models (``.models``) do not."""
 
 from __future__ import annotations
 
@@ -204,13 +200,9 @@ def run_block(
     problem: Problem, dtype: torch.dtype, variant: ProblemVariant = ProblemVariant(), *,
     grad: bool = True, rerun: bool = False,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Outputs of the block in ``dtype``: ``{"forward": {"out": ...}, "grad": {...}}``.
-
-    The gradients are those of ``sum(out * cotangent)`` with respect to every input tensor;
-    ``grad=False`` skips them (for backends without a backward pass). ``rerun`` moves the inputs
-    by one rounding of ``dtype`` first (as :func:`~torchparity.subject.rounding.perturb_weights`
-    moves a model's weights).
-    """
+    """Outputs of the block in ``dtype``: ``{"forward": {"out": ...}, "grad": {...}}``, gradients
+    of ``sum(out * cotangent)`` for every input (``grad=False`` skips them); ``rerun`` moves the
+    inputs by one rounding first."""
     inputs = {n: t.to(dtype, copy=True) for n, t in problem.tensors.items()}
     if rerun:
         u = tolerance.unit_roundoff(dtype)

@@ -1,10 +1,6 @@
-"""A rate measured by counting, with how high it could be: the one-sided Clopper-Pearson bound.
-
-Seeing no false alarm in ``n`` checks does not make the rate 0; it makes a rate above
-``1 - 0.05 ** (1 / n)`` (about 3 / n, the rule of three) unlikely at 95% confidence. The bound
-is exact for any count: the rate ``p`` at which seeing at most the counted events in ``n``
-trials has probability 5%.
-"""
+"""A rate measured by counting, with how high it could be: the one-sided Clopper-Pearson bound
+(no false alarm in ``n`` checks makes a rate above ``1 - 0.05 ** (1 / n)``, about 3 / n,
+unlikely at 95%; exact for any count)."""
 
 from __future__ import annotations
 
@@ -46,8 +42,7 @@ def clopper_pearson_upper(events: int, trials: int, confidence: float = 0.95) ->
         confidence: the confidence the bound holds at.
 
     Returns:
-        The ``p`` with ``P(X <= events) = 1 - confidence`` for ``X ~ Binomial(trials, p)``;
-        ``1 - (1 - confidence) ** (1 / trials)`` when ``events`` is 0, 1 when it is ``trials``.
+        The ``p`` with ``P(X <= events) = 1 - confidence`` for ``X ~ Binomial(trials, p)``.
     """
     if not trials:
         return math.nan

@@ -1,6 +1,5 @@
-"""The calibration studies as ``torchparity calibrate`` runs them: with a progress bar, their
-tables or sections printed, and the Markdown report and JSON written where asked (a section
-written by another study is kept)."""
+"""The calibration studies as ``calibrate`` runs them: a progress bar, tables printed, the
+report and JSON written (another study's section kept)."""
 
 from __future__ import annotations
 
@@ -42,9 +41,7 @@ class StudySettings:
 
 @dataclass(frozen=True)
 class Destination:
-    """Where a study's results go: ``out`` the Markdown report (a section of it for the
-    studies that write one), ``json`` the measurements, ``command`` the command line the
-    report quotes."""
+    """Where a study's results go: the Markdown report, the JSON, and the command it quotes."""
 
     out: str | None = None
     json: str | None = None
@@ -52,9 +49,8 @@ class Destination:
 
 
 def run_study(settings: StudySettings, destination: Destination) -> bool:
-    """The main study: false alarms of every backend and detections of planted bugs, its
-    tables printed and written to the destination; True without false alarms and with the
-    detection goal met."""
+    """The main study printed and written; True without false alarms and with the detection
+    goal met."""
     console = Console(stderr=True)
     with Progress(
         "calibrating", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
@@ -110,9 +106,8 @@ def run_sketched(draws: int, seed: int, dtypes: list[str] | None, out: str | Non
 
 
 def run_per_capability(study_arguments: list[str], out: str | None) -> bool:
-    """The study once per instruction set this machine offers, each in a process of its own
-    (``study_arguments`` choose the draws): its section printed, merged into ``out``; True
-    without false alarms."""
+    """The study per instruction set, each in its own process, merged into ``out``; True without
+    false alarms."""
     offered = machine.capabilities()
     with Progress(
         "per instruction set", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

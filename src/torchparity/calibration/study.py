@@ -1,11 +1,7 @@
 """The study: legitimate backends must pass (a failure is a false alarm), planted bugs must
-diverge whenever they are visible (their effect on the float64 output exceeds the fp32 noise).
-
-Two families of problems are drawn: attention blocks (:mod:`.problems`: long sequences, wide
-heads, large logits) and the property suite's tiny models (:mod:`.models`). Every candidate is
-judged as the suite judges it: against the golden, with the budget its baseline earns and its
-own rounding measured by a rerun on inputs moved by one rounding.
-"""
+diverge whenever their float64 effect exceeds the fp32 noise. Attention blocks
+(``.problems``) and the property suite's tiny models (``.models``) are judged as the suite
+judges them: against the golden, with the baseline's budget and a rerun's rounding."""
 
 from __future__ import annotations
 
@@ -100,12 +96,9 @@ class DetectionStats:
 
 @dataclass
 class CurveStats:
-    """Dtype × kind × family of changes: detection against the size of the change's effect.
-
-    ``counts[m]`` is ``[changes, caught]`` over the planted changes whose float64 effect is at
-    least ``m`` times the baseline's error (for some tensor, each against its own baseline
-    error); ``missed`` the seeds of changes at or above the kind's goal multiple not caught.
-    """
+    """Detection against the size of a change's effect, per dtype, kind and family: ``counts[m]``
+    is ``[changes, caught]`` of those whose float64 effect is at least ``m`` times the baseline's
+    error; ``missed`` the seeds at or above the goal multiple not caught."""
 
     counts: dict[int, list[int]] = field(default_factory=lambda: {m: [0, 0] for m in MULTIPLES})
     missed: list[str] = field(default_factory=list)
@@ -204,14 +197,10 @@ def calibrate(
     families: tuple[str, ...] = FAMILIES,
     on_draw: Callable[[], None] | None = None,
 ) -> Results:
-    """Measure ``draws`` problems of each of ``families`` (seeds ``seed``, ``seed + 1``, ...
-    for the attention blocks; hypothesis seeded with ``seed`` for the models) and return the
-    statistics.
+    """Measure ``draws`` problems of each of ``families`` from ``seed`` and return the statistics.
 
-    ``dtypes`` default to all of :data:`CALIBRATED`, ``backend_names`` to every CPU backend but
-    manual (the baseline itself). flex, which recompiles on every CPU call, runs on every
-    ``flex_every``-th draw only. ``on_draw`` is called after each problem (progress reporting).
-    """
+    ``dtypes`` default to :data:`CALIBRATED`, ``backend_names`` to every CPU backend but manual;
+    flex (recompiled per CPU call) runs every ``flex_every``-th draw; ``on_draw`` after each."""
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         raise ValueError(f"unknown problem families {unknown}; choose from {FAMILIES}")

@@ -1,21 +1,12 @@
-"""A user-style decoder language model trained by its own recipe, drawn from a seed: the model
-of the training study (:mod:`torchparity.calibration.training`) and of the tests'
-``tests/train/user_lm.py``.
+"""A user-style decoder LM trained by its own recipe, drawn from a seed: the model of the
+training study and of ``tests/train/user_lm.py``.
 
-Its recipe is a user's, not torchparity's: its own data (arithmetic progressions of varied
-length, padded), AdamW with a no-decay group for norms and biases, gradient clipping and a
-linear warm-up into a cosine decay. :class:`UserLM` picks the seed (the weights and the data),
-the variant and, for a scaled bug, its strength ``eps``:
-
-- :data:`REFACTORS` change rounding only: the float64 trajectory is the original's;
-- :data:`BUGS` change the training at full strength;
-- :data:`SCALED_BUGS` change it by ``eps`` (0: not at all), to find the smallest change the
-  noise band still sees.
-
-``lm`` is the factory of ``ENTRY``: it builds the :class:`UserLM` that the environment
-variable :data:`ENVIRONMENT` names (``seed=3,variant=fused``), so a process of its own (a noise
-band's member under another instruction set) rebuilds the same one from the entry.
-"""
+The recipe is a user's: its own padded data (arithmetic progressions), AdamW with a
+no-decay group, clipping, warm-up into cosine decay. :class:`UserLM` picks the seed, the
+variant and a scaled bug's ``eps``: :data:`REFACTORS` change rounding only,
+:data:`BUGS` the training at full strength, :data:`SCALED_BUGS` by ``eps``. ``lm`` builds
+the one the variable :data:`ENVIRONMENT` names (``seed=3,variant=fused``), so a band's
+member process rebuilds it from the entry."""
 
 from __future__ import annotations
 
@@ -232,9 +223,8 @@ class ScaledGrad(torch.autograd.Function):
 
 
 class UserAttention(nn.Module):
-    """Causal multi-head attention: q, k, v projections (one fused QKV projection when
-    ``fused``), SDPA, an output projection added to the residual (its bias after the residual
-    sum when ``split_bias``)."""
+    """Causal multi-head attention: q, k, v (one QKV projection when ``fused``), SDPA, an output
+    projection (its bias after the residual sum when ``split_bias``)."""
 
     def __init__(self, fused: bool, split_bias: bool) -> None:
         super().__init__()

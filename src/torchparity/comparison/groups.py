@@ -25,10 +25,8 @@ def _group_of(path: str) -> str:
 def group_scales(
     leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric
 ) -> dict[str, float]:
-    """The scale of each floating leaf's group: the largest golden magnitude among its members
-    (see :data:`torchparity.tolerance.KINDS`, ``group_scale``). A group that cancelled as a
-    whole (a module all of whose gradients vanish, e.g. the queries' path when every key is the
-    same) takes the scale of the whole comparison, by the same rule one level up."""
+    """Each floating leaf's group scale: the largest golden magnitude among its members; a group
+    that cancelled whole takes the comparison's (``tolerance.KINDS``, ``group_scale``)."""
     own = {path: tolerance.own_magnitude(g, metric)
            for path, _, g, _ in leaves if g.dtype.is_floating_point}
     group: dict[str, float] = {}
@@ -44,11 +42,9 @@ def group_noises(
     leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric, scales: dict[str, float],
     spreads: dict[str, float | None],
 ) -> dict[str, float]:
-    """The relative noise every floating leaf with a baseline shares: the largest
-    err(baseline) / scale among them (or the candidate's own rounding, ``spreads``, where it is
-    larger), each against its group's scale. The gradients of one backward pass round through
-    the same loss gradient, which can itself cancel (a confident prediction: p - onehot), so one
-    member's relative error is every member's; see :func:`torchparity.tolerance.budget`."""
+    """The relative noise the floating leaves with a baseline share: the largest err(baseline) or
+    own rounding over their group scales; one backward pass rounds through one loss gradient,
+    so one member's relative error is every member's."""
     relative = 0.0
     members = []
     for path, _, g, b in leaves:
@@ -64,13 +60,10 @@ def group_noises(
 
 
 def residue_rounding(tensors: list[TensorComparison]) -> float:
-    """The rounding that entered the backward pass at its residues (see
-    :func:`torchparity.tolerance.residue`): the largest error among the residues judged within
-    their budgets. A residue's golden is nearly zero, so what the candidate computed there is its
-    own rounding of the products the residue cancels; the activation gradient it is formed from
-    carries that rounding on to every gradient computed from it, upstream of the module, in
-    absolute terms. The comparison does not know which gradients lie upstream: every member of
-    the pass may carry it."""
+    """The rounding that entered the backward pass at its residues (``tolerance.residue``): the
+    largest error among those within budget. A residue's golden is nearly zero, so its error is
+    the candidate's own rounding, carried in absolute terms to every gradient upstream (all
+    members, as which are upstream is unknown)."""
     return max(
         (t.error for t in tensors
          if t.budget is not None and t.budget.residue and t.verdict != "diverged"),

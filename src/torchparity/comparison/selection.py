@@ -12,12 +12,8 @@ import torch
 
 @dataclass(frozen=True)
 class LeftOut:
-    """Positions of a tensor's leading dimensions that are not judged, and why.
-
-    ``mask`` is a bool tensor over those dimensions, True where a position is left out: for a
-    (batch, sequence, ...) output, a (batch, sequence) mask with True at the padding. ``reason``
-    says where it comes from ("padding per the inputs' attention_mask").
-    """
+    """Positions of a tensor's leading dimensions not judged (``mask``, True where left out), and
+    why (``reason``)."""
 
     mask: torch.Tensor
     reason: str
@@ -53,11 +49,8 @@ GIVEN = "padding per the mask given"
 
 
 def left_out_of(padding: PaddingSpec, path: str, tensor: torch.Tensor) -> LeftOut | None:
-    """What ``padding`` leaves out of the tensor at ``path``; None when nothing is.
-
-    Raises ``ValueError`` naming the path for a mask that is not bool, or one a function gives
-    that does not cover the tensor's leading dimensions.
-    """
+    """What ``padding`` leaves out of the tensor at ``path`` (None: nothing); ``ValueError`` for
+    a mask that is not bool or does not cover the leading dimensions."""
     if padding is None:
         return None
     if isinstance(padding, torch.Tensor):

@@ -1,11 +1,7 @@
-"""What judging one tensor takes besides the tensors, as one frozen object passed down whole.
-
-:func:`~torchparity.comparison.compare` makes one :class:`Settings` from its arguments, and per
-tensor a copy with what the tensors judged with it showed (their group's scale and noise, the
-rounding a residue handed on); :func:`~torchparity.comparison.tensor.compare_tensor` and
-:func:`~torchparity.comparison.sketch.compare_sketch` read it, and hand it to the tolerance
-model's budget. A new setting is one field here.
-"""
+"""What judging one tensor takes besides the tensors, as one frozen object passed down whole:
+``compare`` makes one, and per tensor a copy with what its group showed (scale, noise, a
+residue's rounding); ``compare_tensor`` and ``compare_sketch`` read it. A new setting is one
+field here."""
 
 from __future__ import annotations
 

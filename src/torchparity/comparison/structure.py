@@ -1,7 +1,5 @@
-"""Walking two pytrees together: which tensors candidate and golden share, where their
-structures differ (a key or position on one side only, ``None`` against a tensor, another
-container), where a tensor both hold differs in shape, and which leaves cannot be compared
-(caches, opaque objects)."""
+"""Walking two pytrees together: the tensors they share, their structure and shape
+differences, and the leaves that cannot be compared (caches, opaque objects)."""
 
 from __future__ import annotations
 
@@ -29,13 +27,10 @@ CACHE_RULE = (
 
 
 class StructureMismatch(ValueError):
-    """The baseline cannot be aligned with the candidate, so no budget can be earned.
-
-    Differences between candidate and golden are reported, not raised (see
-    :attr:`~torchparity.comparison.Comparison.structure`). The baseline must hold a tensor of
-    the candidate's shape and dtype wherever candidate and golden share one. The message names
-    the path in Python syntax (``outputs["logits"][1]``) and both sides.
-    """
+    """The baseline cannot be aligned with the candidate, so no budget can be earned: it lacks a
+    tensor of the candidate's shape and dtype where candidate and golden share one. The message
+    names the path (``outputs["logits"][1]``) and both sides; candidate-golden differences are
+    reported, not raised."""
 
 
 @dataclass(frozen=True)
@@ -72,15 +67,12 @@ def format_shape(shape: tuple[int, ...]) -> str:
 
 
 def shared_tensors(a: Any, b: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """The tensors two pytrees share: ``(path, a's tensor, b's tensor)`` wherever both hold a
-    tensor of the same shape and kind of dtype, in the order
-    :func:`~torchparity.comparison.compare` judges them.
+    """``(path, a's tensor, b's tensor)`` wherever both pytrees hold a tensor of one shape and kind
+    of dtype, in the order :func:`~torchparity.comparison.compare` judges them.
 
-    Containers are mappings (``ModelOutput`` included, by key), lists and tuples (by position),
-    namedtuples and dataclasses (by field) and anything registered with ``torch.utils._pytree``.
-    The tensors are returned as given (still attached to their graphs), so a loss summed over
-    them reaches only outputs both sides produce. Python numbers are left out.
-    """
+    Containers: mappings (``ModelOutput``), lists and tuples, namedtuples, dataclasses and
+    ``torch.utils._pytree`` registrations; Python numbers are left out. The tensors are returned
+    as given (still attached to their graphs)."""
     found = TreeAlignment()
     align_trees(a, b, ROOT, found)
     return [(path, x, y) for path, x, y in found.pairs if path not in found.numbers]
@@ -140,12 +132,9 @@ def align_trees(candidate: Any, golden: Any, path: str, found: TreeAlignment) ->
 
 
 def _key_value_pairs(candidate: Any, golden: Any) -> tuple[Any, Any] | None:
-    """Both sides as ``((keys, values), ...)`` per layer, where they hold a cache in two
-    forms: a ``transformers`` release that returns a ``DynamicCache`` holds what an older one
-    returned as a tuple, so the two are compared by the tensors they hold. None where either
-    side holds no such tensors, for two caches of one class (:data:`CACHE_RULE`), and for
-    two that lay out their positions differently (a static cache's preallocated length):
-    that is their implementation's, not the model's."""
+    """Both sides as ``((keys, values), ...)`` per layer where they hold a cache in two forms (a
+    ``DynamicCache`` against an older release's tuple); None where either holds none, for two
+    caches of one class (:data:`CACHE_RULE`), or two laid out otherwise (a static cache)."""
     if not (is_cache(candidate) or is_cache(golden)) or type(candidate) is type(golden):
         return None
     sides = (_as_pairs(candidate), _as_pairs(golden))
@@ -199,7 +188,7 @@ def _leaf_tensor(x: Any) -> torch.Tensor | Sketch | None:
     return None
 
 
-def _is_python_number(x: Any) -> bool:
+def _is_python_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, enum.Enum)
 
 
@@ -207,19 +196,19 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and _dtype_family(a.dtype) == _dtype_family(b.dtype)
 
 
-def _other_shape(a: Any, b: Any) -> bool:
+def _other_shape(a: object, b: object) -> bool:
     """Two tensors (or arrays) of one kind of dtype whose shapes differ."""
     arrays = torch.Tensor | np.ndarray
     return isinstance(a, arrays) and isinstance(b, arrays) and a.shape != b.shape and \
         _dtype_family(_leaf_tensor(a).dtype) == _dtype_family(_leaf_tensor(b).dtype)
 
 
-def _same_value(a: Any, b: Any) -> bool:
+def _same_value(a: object, b: object) -> bool:
     """None and plain values (strings, dtypes, enums, ...) are compared by equality."""
     return (a is None or isinstance(a, _PLAIN_VALUES)) and type(a) is type(b) and a == b
 
 
-def is_cache(x: Any) -> bool:
+def is_cache(x: object) -> bool:
     """A ``transformers`` cache (DynamicCache, StaticCache, EncoderDecoderCache, ...), recognised
     by its base class without importing transformers."""
     return any(
@@ -251,7 +240,7 @@ def cache_layers(value: Any) -> dict[str, torch.Tensor] | None:
     return found
 
 
-def _is_opaque(x: Any) -> bool:
+def _is_opaque(x: object) -> bool:
     """An object compare cannot look into: no tensor, number, plain value or container."""
     return (
         x is not None
@@ -284,16 +273,16 @@ def _children(x: Any) -> dict[str, Any] | None:
     return {_entry_syntax(entry): v for entry, v in entries}
 
 
-def _key_syntax(key: Any) -> str:
+def _key_syntax(key: object) -> str:
     # json.dumps quotes like the examples in messages and docs: outputs["logits"].
     return f"[{json.dumps(key)}]" if isinstance(key, str) else f"[{key!r}]"
 
 
-def _entry_syntax(entry: Any) -> str:
+def _entry_syntax(entry: object) -> str:
     return _key_syntax(entry.key) if isinstance(entry, pytree.MappingKey) else str(entry)
 
 
-def _container_type(x: Any) -> str:
+def _container_type(x: object) -> str:
     # Mappings of any class align by keys (a ModelOutput with a dict of goldens), lists and
     # tuples by position; other containers only with their own class.
     if isinstance(x, Mapping):
@@ -303,7 +292,7 @@ def _container_type(x: Any) -> str:
     return type(x).__name__
 
 
-def _what(x: Any) -> str:
+def _what(x: object) -> str:
     """What one side has at a path: "Tensor(2, 3) float32", "tuple of 2", "None", "missing",
     "float 1.5", "str 'mean'", "DynamicCache"."""
     if x is _MISSING:

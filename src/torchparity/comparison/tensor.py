@@ -29,16 +29,11 @@ RELATIVE_GUARD = 1e-3
 class TensorComparison:
     """The comparison of one tensor: metrics of candidate vs golden, budget and verdict.
 
-    Metrics are computed in float64 over the elements where candidate and golden are finite.
-    An element is *over* when its absolute error exceeds ``budget.value``; for max-abs kinds
-    that is exactly when the verdict is ``diverged``, for RMS kinds it counts the outliers.
-    ``sensitivity`` is the smallest change relative to the golden's scale that the verdict would
-    have flagged (``budget.value / budget.scale``); ``baseline_headroom`` the share the
-    baseline's own error used of the larger of its dtype's bound and the kind's fudge times the
-    candidate's error: over 1 the baseline is degraded and the tensor diverges. ``left_out``
-    of the ``positions`` of its leading dimensions were not judged (padding), for
-    ``left_out_reason``: metrics, budget and counts cover the judged elements alone.
-    """
+    Metrics are float64 over the elements both hold finite and judged (``left_out`` of the
+    ``positions`` are padding). An element is *over* past ``budget.value`` (max-abs kinds:
+    exactly when diverged; RMS: outliers). ``sensitivity`` is the smallest flagged change
+    relative to the scale; ``baseline_headroom``: the baseline's error as a share of the larger
+of its dtype's bound and fudge times the candidate's (over 1: degraded, the tensor diverges)."""
 
     path: str
     shape: tuple[int, ...]
@@ -102,15 +97,11 @@ def compare_tensor(
     input_noise: float | None = None,
     left_out: LeftOut | None = None,
 ) -> TensorComparison:
-    """Judge one tensor under ``settings``; ``left_out`` positions of its leading dimensions
-    (padding) count neither in its error nor in its budget's scale, and a NaN or inf there is
-    no fault.
+    """Judge one tensor under ``settings``; ``left_out`` positions count in neither error nor
+    scale, and a non-finite value there is no fault.
 
-    ``settings.islands`` is the narrowest dtype the model computes in whatever its own: where it is
-    coarser than the compute dtype, the baseline's guard, the noise floor and the floor are
-    its. A baseline that errs more than a plain computation may is degraded: it sets no
-    budget, the analytic bound does, and the tensor is judged by it. A candidate bit-equal to
-    the golden is ``identical``, whatever the baseline did."""
+    Where ``settings.islands`` is coarser than the compute dtype, its guard and floors apply;
+    a degraded baseline sets no budget; bit-equal is ``identical`` whatever the baseline did."""
     if candidate.dtype.is_complex:
         raise StructureMismatch(f"{path}: complex tensors are not supported ({candidate.dtype})")
     c, g = as_float64(candidate), as_float64(golden)
@@ -262,12 +253,8 @@ def rerun_spread(
     reruns: list[torch.Tensor],
     settings: Settings,
 ) -> float | None:
-    """The candidate's own rounding: the largest difference between it and its reruns (None
-    without any), each over the elements where both are finite and counted up to what a plain
-    computation in the compute dtype (the candidate's when ``settings`` names none) may err
-    on ``golden``
-    (:func:`torchparity.tolerance.baseline_bound`): a kernel that lost precision, or a rerun
-    that crossed a kink, does not raise the bar past it."""
+    """The candidate's own rounding: its largest difference from its reruns (None without), each
+    capped at what a plain computation may err (``tolerance.baseline_bound``)."""
     if not reruns or not golden.dtype.is_floating_point:
         return None
     c = as_float64(candidate)
@@ -318,12 +305,8 @@ def _set_apart(
     masked: tuple[torch.Tensor, torch.Tensor] | None,
     equal_nan: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[str], list[str]]:
-    """Elements judged apart from the metrics and the scale: non-finite ones (see
-    :func:`_nonfinite`) and masked ones. Masked on both sides is agreement (a banned token
-    stays banned, whatever constant each side writes), masked on one side only is a fault.
-
-    Returns which candidate and golden elements are judged by value, the faults and the
-    notes on faults and on agreeing elements left out."""
+    """Elements judged apart from metrics and scale: non-finite and masked ones (masked on both
+    sides agrees). Returns the elements judged by value, the faults and the notes."""
     if masked is None:
         c_finite, g_finite = c.isfinite(), g.isfinite()
         return c_finite, g_finite, *_nonfinite(c, g, c_finite, g_finite, equal_nan)
@@ -352,13 +335,8 @@ def _nonfinite(
     g_finite: torch.Tensor,
     equal_nan: bool,
 ) -> tuple[torch.Tensor, list[str], list[str]]:
-    """Positions where candidate and golden disagree on being finite, and what to say about it.
-
-    Returns the mask of faults, the messages for faults (each one diverges the tensor) and the
-    notes on matching non-finite values (same position, same kind), which are excluded from the
-    metrics but reported. As in ``torch.testing.assert_close``, NaN matches NaN only with
-    ``equal_nan``.
-    """
+    """Positions where candidate and golden disagree on being finite: the faults' mask and
+    messages, and notes on matching non-finite values (NaN matches NaN only with ``equal_nan``)."""
     both_nan = c.isnan() & g.isnan()
     same = (both_nan & equal_nan) | (~c_finite & (c == g))
     faults = (c_finite != g_finite) | (~c_finite & ~g_finite & ~same)
@@ -389,10 +367,7 @@ def _nonfinite(
 def _baseline_error(
     b: torch.Tensor | None, g: torch.Tensor, valid: torch.Tensor | None, metric: tolerance.Metric
 ) -> tuple[float | None, list[str]]:
-    """err(baseline, golden) over the elements where candidate, golden and baseline are finite.
-
-    ``valid`` is the mask of elements where candidate and golden are finite (None: all are).
-    """
+    """err(baseline, golden) where all three are finite (``valid``: candidate and golden are)."""
     if b is None:
         return None, []
     if valid is None and tolerance.all_finite(b):
@@ -407,10 +382,8 @@ def _baseline_error(
 def _metrics(
     c: torch.Tensor, g: torch.Tensor, abs_err: torch.Tensor, compute_dtype: str | None
 ) -> dict[str, float]:
-    """Metrics of candidate vs golden over flat float64 tensors of the compared elements.
-
-    Without a compute dtype (integer tensors) the ULP distance is the plain difference.
-    """
+    """Metrics of candidate vs golden over flat float64 tensors (without a compute dtype, the ULP
+    distance is the plain difference)."""
     if abs_err.numel() == 0:
         return dict(max_abs=0.0, max_rel=0.0, rms=0.0, rel_l2=0.0, cosine=1.0, max_ulp=0.0)
     g_abs = g.abs()

@@ -48,17 +48,11 @@ NOT_COMPARED = "not compared"
 
 @dataclass
 class Comparison:
-    """The comparison of a whole pytree: one :class:`TensorComparison` per tensor that candidate
-    and golden share, the tensors both hold in different shapes, the differences of structure
-    between them, and the leaves not compared.
+    """The comparison of a whole pytree: per shared tensor a :class:`TensorComparison`, the shape
+    and structure differences, and the leaves skipped (``(path, reason)``).
 
-    ``verdict`` and ``ok`` judge the shared tensors and the shapes: a tensor whose shape
-    differs (:attr:`shapes`) diverges; :attr:`structure_differs` says whether the structures
-    differ, which is no divergence; where they share no tensor while one holds some the
-    verdict is :data:`NOT_COMPARED` and ``ok`` is False. ``skipped`` holds ``(path, reason)`` pairs;
-    ``atol`` and ``rtol`` are the tolerances a user added to every budget by hand (see
-    :func:`compare`).
-    """
+    A shape difference diverges; a structure difference is no divergence; where nothing is
+    shared while one side holds tensors the verdict is :data:`NOT_COMPARED` and ``ok`` False."""
 
     kind: str
     tensors: list[TensorComparison]
@@ -76,9 +70,8 @@ class Comparison:
 
     @property
     def verdict(self) -> Verdict | str:
-        """``diverged`` when a shape differs, :data:`NOT_COMPARED` when nothing is shared
-        (see :attr:`compared`), else the worst verdict over the tensors (``identical`` when
-        neither side holds one)."""
+        """``diverged`` when a shape differs, :data:`NOT_COMPARED` when nothing is shared, else the
+        worst tensor's (``identical`` when neither holds one)."""
         if self.shapes:
             return "diverged"
         if not self.compared:
@@ -87,9 +80,7 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        """True when something was compared, no tensor diverged and no baseline was degraded
-        (a degraded baseline is a failure of the baseline, whatever the candidate's
-        verdict)."""
+        """Something was compared, nothing diverged and no baseline was degraded."""
         return self.verdict not in ("diverged", NOT_COMPARED) and not self.baseline_degraded
 
     @property
@@ -118,9 +109,8 @@ class Comparison:
         return f"Comparison(verdict={self.verdict!r}, kind={self.kind!r}, tensors={n}{where})"
 
     def explain(self) -> str:
-        """One paragraph: verdict, the tensors whose shape differs, worst tensor and index, the
-        three values there, error versus budget with the formula's numbers, headroom, dtype and
-        kind."""
+        """One paragraph: verdict, shape differences, the worst tensor with its values, error
+        against budget with the formula's numbers, headroom, dtype and kind."""
         if not self.shapes:
             return self._explain_tensors()
         shapes = "; ".join(f"{d.path}: {format_shape(d.candidate)} vs {format_shape(d.golden)}"
@@ -362,10 +352,8 @@ def compare(
 
 def _judged_residues_first(leaves: list[tuple], judge: Any, residues: set[str]
                            ) -> list[TensorComparison]:
-    """Every leaf judged; the rounding that entered the pass at a residue reaches the other
-    gradients (:func:`~torchparity.comparison.groups.residue_rounding`). The likely
-    ``residues`` are judged first, so the rest is judged once, with what they showed; where
-    judging finds other residues, every leaf is judged again by the rule itself."""
+    """Every leaf judged, the likely ``residues`` first (their rounding reaches the other
+    gradients, ``groups.residue_rounding``); if others show, all again by the rule itself."""
     first = {leaf[0]: judge(*leaf) for leaf in leaves if leaf[0] in residues}
     inherited = residue_rounding(list(first.values()))
     tensors = [first[leaf[0]] if leaf[0] in first else judge(*leaf, inherited)
@@ -392,9 +380,8 @@ def _judged(tensor: Any, left_out: LeftOut | None) -> Any:
 def _compare_sketched(path: str, candidate: Any, golden: Any, baseline: Any,
                       settings: Settings, left_out: LeftOut | None,
                       noise: float | None = None) -> TensorComparison:
-    """A comparison with a sketch on some side. A sketch of a padded tensor was made with its
-    padded positions at 0 (:func:`~torchparity.sketching.masked`): the exact sides are
-    masked alike, so those positions add nothing to the error, the baseline's or the scale."""
+    """A comparison with a sketch on some side; the exact sides are masked as a padded sketch
+    was, so padding adds nothing."""
     if left_out is None:
         return compare_sketch(path, candidate, golden, baseline, settings, noise)
     sides = [v if v is None or isinstance(v, Sketch) else sketching.masked(v, left_out.mask)
@@ -413,10 +400,8 @@ def assert_parity(
     allow_structure_changes: bool = False,
     **kwargs: Any,
 ) -> Comparison:
-    """Like :func:`compare`, but raise ``AssertionError(explain())`` when a tensor diverged (or
-    differs in shape) or,
-    unless ``allow_structure_changes=True``, when candidate and golden differ in structure (a
-    refactor that stops returning attention weights, say, passes with it)."""
+    """Like :func:`compare`, but raise ``AssertionError(explain())`` when a tensor diverged, or
+    the structures differ unless ``allow_structure_changes``."""
     result = compare(candidate, golden, baseline, kind, **kwargs)
     if not result.ok or (result.structure_differs and not allow_structure_changes):
         raise AssertionError(result.explain())

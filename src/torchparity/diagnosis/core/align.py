@@ -1,17 +1,9 @@
 """Alignment of two models' module calls: which call of B corresponds to which call of A.
 
-Three passes, each only over what the previous left unmatched:
-
-1. **names**: A's module names, translated by ``name_map`` when given, equal to B's;
-2. **call order and output shapes**: between two name-matched calls, the remaining calls of A
-   and B are aligned as the longest common subsequence of their output shapes (renamed
-   modules keep their order and their shapes);
-3. **fusion**: a call on one side whose single output is the concatenation, along the last
-   dimension, of consecutive calls on the other side (``qkv_proj`` for ``q_proj``, ``k_proj``,
-   ``v_proj``).
-
-Whatever is still unmatched is returned as such, never dropped.
-"""
+Three passes, each over what the last left: names (A's, through ``name_map``); call order
+and output shapes (between name-matched calls, the longest common subsequence of shapes);
+fusion (one output the last-dimension concatenation of consecutive calls on the other side,
+``qkv_proj`` for ``q_proj``, ``k_proj``, ``v_proj``). The rest is returned unmatched."""
 
 from __future__ import annotations
 
@@ -35,11 +27,8 @@ How = Literal["name", "name_map", "order", "fused"]
 
 @dataclass(frozen=True)
 class Match:
-    """Calls of A and B that compute the same thing; one side has exactly one call.
-
-    With several calls on one side (``how="fused"``), their outputs concatenated along the last
-    dimension correspond to the single call on the other side.
-    """
+    """Calls of A and B that compute the same thing; one side has one call (``fused``: the
+    other's outputs concatenated along the last dimension)."""
 
     a: tuple[ModuleCall, ...]
     b: tuple[ModuleCall, ...]
@@ -86,12 +75,8 @@ def align(
     *,
     by_order: bool = True,
 ) -> Alignment:
-    """Align A's calls with B's (both in the order they finished; see the module docstring).
-
-    Guarantees: every call appears in exactly one match or in one unmatched list; a call pairs
-    by name only with the same call index of the same (translated) name; ``by_order=False``
-    leaves everything that names do not match unmatched.
-    """
+    """Align A's calls with B's (both in finish order): every call in one match or one unmatched
+    list; by name only with the same call index; ``by_order=False`` leaves the rest unmatched."""
     calls_a = sorted(calls_a, key=lambda c: c.order)
     calls_b = sorted(calls_b, key=lambda c: c.order)
     matches = _match_names(calls_a, calls_b, name_translator(name_map))

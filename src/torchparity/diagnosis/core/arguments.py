@@ -1,11 +1,5 @@
-"""Two calls' arguments compared by meaning: where they differ, and how.
-
-Each side's call is bound to its own module's ``forward`` signature; a parameter B renamed
-pairs with A's by value, masks are compared by the keys each query attends to
-(:mod:`~torchparity.diagnosis.core.masks`), caches by the positions they hold, and a value one side
-does not pass is compared with what the other reads instead. Used where a divergence enters
-(:mod:`~torchparity.diagnosis.stages.entry`) and at a decoding's first diverging step.
-"""
+"""Two calls' arguments compared by meaning: where they differ, and how (for where a
+divergence enters, and a decoding's first divergent step)."""
 
 from __future__ import annotations
 
@@ -29,7 +23,7 @@ from torchparity.diagnosis.core.judging import judge
 from torchparity.diagnosis.core.masks import by_meaning, mask_forms, readings
 from torchparity.diagnosis.core.run import parameter_path
 from torchparity.diagnosis.core.state import cache_layers
-from torchparity.subject.trees import flatten_tensors, leaves
+from torchparity.subject.trees import PyTree, flatten_tensors, leaves
 
 
 @dataclass(frozen=True)
@@ -59,10 +53,8 @@ class Convention:
 
 def convention_change(a_sig: Signature | None, a_inputs: CallArgs,
                       b_sig: Signature | None, b: ModuleCall) -> Convention | None:
-    """The first mask A's call (its ``a_inputs``) hands the module in another convention than
-    B's call ``b`` (of which the shapes and dtypes of its tensors are known): a tensor against
-    None, a bool mask against a float one, another number of dimensions. None when there is
-    none: masks of one kind sized otherwise (to another cache length) are fitted, not this."""
+    """The first mask A's call hands in another convention than B's call ``b`` (a tensor against
+    None, bool against float, other dimensions); None otherwise (other sizes are fitted)."""
     args, kwargs = a_inputs
     a_tensors = {parameter_path(a_sig, path): t for path, t in
                  {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}.items()}
@@ -96,7 +88,7 @@ def _described(shape: tuple, dtype: torch.dtype) -> str:
     return f"Tensor{tuple(shape)} {str(dtype).removeprefix('torch.')}"
 
 
-def same_value(a: Any, b: Any) -> bool:
+def same_value(a: object, b: object) -> bool:
     """Whether two argument values are the same (tensors equal in shape, dtype and value)."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
@@ -108,16 +100,13 @@ def argument_difference(a_sig: Signature | None, a_inputs: CallArgs,
                         b_sig: Signature | None, b_inputs: CallArgs,
                         padding: PaddingSpec = None, b_module: nn.Module | None = None
                         ) -> Difference | None:
-    """The first argument in which B's call differs from A's, compared by meaning: arguments
-    bind to their parameters by name, and a parameter B renamed pairs with A's by value (both
-    None, the same tensor, caches of one kind) or, when one is left on each side, with the
-    other. An argument one side does not pass is compared with what that side's module reads
-    instead: the default of its parameter, or (in B, ``b_module``) the attribute or config
-    value of that name it became (``self.sliding_window``); one the module does not name at
-    all is no difference, its code cannot read it. Objects the arguments hold (caches) are
-    compared through the state they hold (:mod:`.state`); masks by what they let the judged
-    queries attend to (``padding`` says which are judged). Values both sides pass come before
-    those one side passes."""
+    """The first argument in which B's call differs from A's, by meaning.
+
+    Arguments bind by parameter name; a parameter B renamed pairs with A's by value, or as the
+    last one on each side. An argument one side does not pass is compared with what its module
+    reads instead (its default, or ``b_module``'s attribute or config value of that name); one
+    no module names is no difference. Caches compare by state, masks by what the ``padding``-
+    judged queries attend; values both pass come first."""
     a, b = bound_arguments(a_sig, *a_inputs), bound_arguments(b_sig, *b_inputs)
     one_sided = []
     for a_name, b_name in _paired(a, b):
@@ -137,7 +126,7 @@ def argument_difference(a_sig: Signature | None, a_inputs: CallArgs,
     return None
 
 
-def _passed_by_a(name: str, value: Any, b_sig: Signature | None, b_module: nn.Module | None
+def _passed_by_a(name: str, value: PyTree, b_sig: Signature | None, b_module: nn.Module | None
                  ) -> tuple[str, Any, Any] | None:
     """An argument only A passes, as (label, A's value, what B reads instead), or None when
     B's code does not read it."""
@@ -147,11 +136,10 @@ def _passed_by_a(name: str, value: Any, b_sig: Signature | None, b_module: nn.Mo
     return (name if where is None else f"{name} (B: {where})"), value, b_value
 
 
-def _passed_by_b(name: str, value: Any, a_sig: Signature | None, b_sig: Signature | None
+def _passed_by_b(name: str, value: PyTree, a_sig: Signature | None, b_sig: Signature | None
                  ) -> tuple[str, Any, Any] | None:
-    """An argument only B passes, as (label, what A read instead, B's value), or None when B's
-    code does not read it by name (``**kwargs``) or it is B's own default for a parameter A
-    lacked."""
+    """An argument only B passes, as (label, what A read instead, B's value); None when B does
+    not read it by name or it is B's own default."""
     named = _named(b_sig)
     if name not in named:
         return None
@@ -189,10 +177,8 @@ def _named(sig: Signature | None) -> dict[str, tuple]:
 
 def _read_instead(name: str, passed: Any, sig: Signature | None, module: nn.Module | None
                   ) -> tuple[Any, str | None]:
-    """What the other side's module reads for ``name``, which its caller did not pass: its
-    parameter's default, else its attribute or config value of that name (with where it
-    is), else ``_UNREAD``. A default that is not plain data reads as the value passed when
-    that is None, as unknown otherwise."""
+    """What a module reads for ``name`` its caller did not pass: the default, else its attribute or
+    config value (and where), else ``_UNREAD``; a non-plain default reads as unknown."""
     named = _named(sig)
     if name in named:
         if named[name]:
@@ -206,14 +192,14 @@ def _read_instead(name: str, passed: Any, sig: Signature | None, module: nn.Modu
     return _UNREAD, None
 
 
-def _caches(a: Any, b: Any) -> bool:
+def _caches(a: object, b: object) -> bool:
     """Both values hold a key/value cache, and one of them is an object (a ``DynamicCache``
     against the ``(keys, values)`` tuple another release passes)."""
     return _cache_like(a) and _cache_like(b) and not (
         isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)))
 
 
-def _cache_like(value: Any) -> bool:
+def _cache_like(value: object) -> bool:
     if isinstance(value, Uncopyable):
         return "Cache" in value.type_name
     if isinstance(value, (tuple, list)):
@@ -225,9 +211,8 @@ def _cache_like(value: Any) -> bool:
 
 
 def _paired(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str | None, str | None]]:
-    """A's and B's argument names paired: equal names, then renamed ones by equal value or as
-    caches, then a last one on each side of one kind (tensors, or values of one type); None
-    values without a partner are not passed at all."""
+    """A's and B's argument names paired: equal names, renamed ones by value or as caches, then a
+    last one of one kind; unpartnered Nones are not passed."""
     pairs: list[tuple[str | None, str | None]] = [(name, name) for name in a if name in b]
     rest_a = [n for n in a if n not in b]
     rest_b = [n for n in b if n not in a]
@@ -248,11 +233,9 @@ def _paired(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str | None, str 
 _MISSING = object()
 
 
-def _leaf_difference(a: Any, b: Any, padding: PaddingSpec = None) -> str | None:
-    """How two values of one argument differ (None when they agree): integer and bool tensors
-    exactly, floating ones within the analytic budget on the judged positions, masks by meaning
-    (:mod:`.masks`), other values by equality; objects of one type (caches, placeholders of
-    them) agree here, their state is compared apart."""
+def _leaf_difference(a: object, b: object, padding: PaddingSpec = None) -> str | None:
+    """How two values of one argument differ (None: they agree): integer tensors exactly, floating
+    ones within the analytic budget, masks by meaning, others by equality; caches apart."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         if _objects_alike(a, b):
             return None
@@ -277,7 +260,7 @@ def _leaf_difference(a: Any, b: Any, padding: PaddingSpec = None) -> str | None:
     return f"{worst.n_over} of {a.numel()} entries differ beyond the budget"
 
 
-def _objects_alike(a: Any, b: Any) -> bool:
+def _objects_alike(a: object, b: object) -> bool:
     """Two objects that are no plain values, tensors or containers, of one type."""
     plain = (type(None), bool, int, float, str, torch.Tensor)
     if a is _MISSING or b is _MISSING or isinstance(a, plain) or isinstance(b, plain):
@@ -285,18 +268,18 @@ def _objects_alike(a: Any, b: Any) -> bool:
     return _type_name(a) == _type_name(b)
 
 
-def _type_name(leaf: Any) -> str:
+def _type_name(leaf: object) -> str:
     return leaf.type_name if isinstance(leaf, Uncopyable) else type(leaf).__name__
 
 
-def _same_plain(a: Any, b: Any) -> bool:
+def _same_plain(a: object, b: object) -> bool:
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - objects without a usable ==: compare their types
         return type(a) is type(b)
 
 
-def _describe(leaf: Any) -> str:
+def _describe(leaf: object) -> str:
     if leaf is _MISSING:
         return "nothing"
     if isinstance(leaf, torch.Tensor):

@@ -26,6 +26,7 @@ from torchparity.diagnosis.core.state import Held, StateRecorder, Summaries, hel
 from torchparity.errors import UsageError
 from torchparity.memory import SharedCopies
 from torchparity.subject.trees import (
+    PyTree,
     field_names,
     flatten_tensors,
     map_objects,
@@ -102,26 +103,26 @@ class Uncopyable:
         return f"Uncopyable({self.type_name})"
 
 
-def read_caches(output: Any) -> Any:
+def read_caches(output: PyTree) -> PyTree:
     """``output`` with each ``transformers`` cache read now as ``((keys, values), ...)`` per
     layer (later calls write to the same object)."""
     return map_objects(output, cache_pairs)
 
 
-def uncopyable_leaves(tree: Any) -> list[str]:
+def uncopyable_leaves(tree: PyTree) -> list[str]:
     """Type names of the inputs in ``tree`` that :func:`snapshot` could not copy."""
     return [leaf.type_name for _, leaf in walk(tree, "") if isinstance(leaf, Uncopyable)]
 
 
-def snapshot(tree: Any, objects: bool = True,
-             copy_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+def snapshot(tree: PyTree, objects: bool = True,
+             copy_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PyTree:
     """Detached copy of the tensors in ``tree`` (by ``copy_tensor``); caches deep-copied so a
     replay sees them as at this call, or with ``objects=False`` standing as :class:`Uncopyable`."""
     copied = map_tensors(tree, copy_tensor or (lambda t: t.detach().clone()))
     return _copy_opaque(copied, objects)
 
 
-def _copy_opaque(tree: Any, objects: bool = True) -> Any:
+def _copy_opaque(tree: PyTree, objects: bool = True) -> PyTree:
     if isinstance(tree, (torch.Tensor, Uncopyable, *_PLAIN)):
         return tree
     if isinstance(tree, dict):
@@ -444,7 +445,7 @@ class Capture:
         return hook
 
     def _post_hook(self, name: str) -> Callable:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: PyTree) -> None:
             if self._paused or not self._open.get(name):
                 return
             call = self._open[name].pop()
@@ -500,7 +501,7 @@ class Capture:
         return hook
 
 
-def _downstream_only(output: Any, outputs: dict[str, torch.Tensor]
+def _downstream_only(output: PyTree, outputs: dict[str, torch.Tensor]
                      ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Each differentiable output handed on as an identity view, so its hook sees only what
     the rest of the model does with it (not an inner use, as attention's weights), the gradient

@@ -1,18 +1,10 @@
 """A decoding's reference side, as every stage of a decoding diagnosis reads it.
 
-Every side is teacher-forced along the same tokens (:func:`~torchparity.subject.decoding.
-teacher_forced`), and with a beam search the same parents (A's search decides, the others follow
-it), under its attention backend, seeded and without gradients. A step's calls are stored under
-``<call key>@<step>``: for A its outputs (``out``), its inputs (tensors and containers; caches
-stand as placeholders) and a summary of the state each module read (``call.state``); for the
-golden its outputs (``golden_out``). The step's next-token logits are under the pseudo-call
-``__step__@<step>``. With a KV cache a step's module outputs are a token's worth each, so a
-trace stays small.
-
-:meth:`DecodeReference.at` reads one step as the stages read a forward pass's
-:class:`~torchparity.diagnosis.core.reference.Reference`, so that stage 4 (aligning and judging B's
-calls) and stage 5 (where the change enters) serve a decoding unchanged.
-"""
+Every side is teacher-forced along the same tokens (and a beam search's parents), seeded,
+without gradients. A step's calls are stored under ``<call key>@<step>`` (A's outputs,
+inputs with caches as placeholders, the state each read; the golden's outputs), its logits
+under ``__step__@<step>``. :meth:`DecodeReference.at` reads one step as a forward pass's
+``Reference``, so the stages serve a decoding unchanged."""
 
 from __future__ import annotations
 
@@ -77,11 +69,8 @@ class Side:
 
 @dataclass
 class DecodeReference:
-    """A's side of a decoding diagnosis: the tokens every side is fed (and the parent rows, in
-    a beam search: its settings and A's choices per step), A's and the golden's next-token
-    logits per step, A's calls per step (inputs, outputs and golden outputs in the store), the
-    forward parameter names of A's modules, and which golden was used (None when there is
-    none, ``no_golden`` then says why; both None until stage 2 ran)."""
+    """A's side of a decoding diagnosis: the tokens (and a beam search's parents and choices), A's
+    and the golden's logits and A's calls per step, and the golden used (None until stage 2)."""
 
     tokens: torch.Tensor
     greedy: bool
@@ -137,11 +126,8 @@ class _StepStore:
 
 @dataclass
 class StepReference:
-    """One step of a decoding's reference as the stages read a
-    :class:`~torchparity.diagnosis.core.reference.Reference`: A's calls of that step, their
-    tensors by call key (``store``), A's forward signatures and the golden. With ``cut`` A's
-    tensors (a full recompute) are cut to the candidate's positions (a cached step's new
-    tokens) before they are judged."""
+    """One step of a decoding's reference as a ``Reference``; with ``cut`` A's tensors (a full
+    recompute) are cut to the candidate's positions before judging."""
 
     decoding: DecodeReference
     step: int
@@ -174,9 +160,8 @@ class StepReference:
                        golden, self.cut, kind)
 
     def judge_inputs(self, call: ModuleCall, candidate: dict[str, torch.Tensor]) -> Result:
-        """A candidate's inputs against ``call``'s recorded ones under the analytic budget of
-        their dtype, tensors on one side only left out (a mask a recompute hands the kernel,
-        an argument B renamed)."""
+        """A candidate's inputs against ``call``'s recorded ones under their dtype's analytic
+        budget, tensors on one side only left out."""
         args, kwargs = self.store.get_inputs(call.key, placeholders=True)
         recorded = {**flatten_tensors(args, "args"), **flatten_tensors(kwargs, "kwargs")}
         return _judged(candidate, {}, recorded, self.cut, "forward", common_only=True)
@@ -227,12 +212,9 @@ def _trailing(tensors: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
 def capturing_steps(model: nn.Module, store: Store, opts: Options,
                     calls: dict[int, list[ModuleCall]], group: str, *, state: bool
                     ) -> Iterator[Callable[[int], Any]]:
-    """``during(step)`` for :func:`teacher_forced`: capture that step's calls into ``store``
-    (A's outputs, inputs and state in ``out``/``in``; the golden's outputs in
-    ``golden_out``), written step by step on disk. The hooks stay in place for the whole
-    decoding (placing them costs more than a step of a small model); what runs between steps
-    is not kept. An output the store keeps as a sketch (the prompt's big ones) is sketched
-    from the live tensor when its call ends; the others are copied then."""
+    """``during(step)`` for :func:`teacher_forced`: that step's calls captured into ``store``,
+    step by step; hooks stay for the whole decoding (cheaper than placing them per step), big
+    outputs sketched from the live tensor."""
     entries: list[tuple[str, str, dict[str, torch.Tensor | Sketch]]] = []
     now: dict[str, int | None] = {"step": None}
 
@@ -268,9 +250,8 @@ def capturing_steps(model: nn.Module, store: Store, opts: Options,
 
 def calls_at_step(side: Side, step: int, reference: DecodeReference, opts: Options
                   ) -> list[ModuleCall]:
-    """Decode ``side`` up to ``step`` along the reference's tokens and parents, keeping every
-    selected module's call at that step (inputs with caches as placeholders, outputs, the
-    state each read)."""
+    """``side`` decoded up to ``step`` along the reference's tokens and parents, keeping every
+    selected call at that step."""
     captured: list[ModuleCall] = []
 
     @contextlib.contextmanager

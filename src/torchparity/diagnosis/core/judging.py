@@ -31,23 +31,15 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
           baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec = None,
           precision: torch.dtype | None = None, noise: float | None = None,
           islands: str | None = None) -> Result:
-    """Compare under the tolerance model; without a golden, the baseline serves as golden and
-    the analytic bound as budget. Tensors on one side only are differences of structure
-    (``result.structure``), judged apart from the shared ones; a tensor both have in other
-    shapes diverges (``result.shapes``). A baseline in another dtype than the candidate's (B
-    runs in another precision than A) cannot earn a budget and is dropped.
-    ``padding`` (see :func:`module_padding`) leaves padded positions out.
+    """Compare under the tolerance model (without a golden: against the baseline, with the
+    analytic bound).
 
-    A tensor whose golden is NaN or inf at judged elements where A is finite is judged against
-    A, as without a golden, and says so: there the float64 run computes something else than A
-    (an eager ``transformers`` attention casts float64's most negative mask value to float32's
-    -inf, and a fully masked query row turns NaN, which then reaches real positions through a
-    zero weight). Its analytic bound is that of ``precision`` when given (a loss computed in
-    float32 from bfloat16 outputs carries bfloat16's rounding), else of each tensor's dtype.
-    ``noise``: what the candidate carries besides rounding (its spread between two runs),
-    joining the noise its baseline measures (see ``compare``'s ``noise``). ``islands``: the
-    narrowest dtype the float64 runs compute in whatever their own (see ``compare``'s
-    ``islands``)."""
+    Tensors on one side only are differences of structure, other shapes diverge, a baseline in
+    another dtype than the candidate's is dropped, ``padding`` (:func:`module_padding`) is left
+    out. A tensor whose golden is non-finite where A is finite is judged against A and says so
+    (an eager attention turns float64's most negative mask value into -inf, and a fully masked
+    row into NaN). ``precision`` sets the analytic bound (a float32 loss of bfloat16 outputs
+    carries bfloat16's rounding); ``noise`` and ``islands`` as ``compare``'s."""
     candidate = as_a_names(candidate, golden or baseline)
     broken = _broken_goldens(golden, baseline, padding)
     island_dtype = _island_dtype(candidate, islands)
@@ -62,8 +54,7 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
 
 def _island_dtype(candidate: dict[str, torch.Tensor], islands: str | None
                   ) -> torch.dtype | None:
-    """``islands`` as the dtype to judge a float64 ``candidate`` in (float64 runs through
-    float32 islands err as a float32 computation); None for a candidate in another dtype,
+    """``islands`` as the dtype a float64 ``candidate`` is judged in; None for another dtype,
     whose baseline measures what its islands add."""
     if islands is None:
         return None
@@ -74,9 +65,8 @@ def _island_dtype(candidate: dict[str, torch.Tensor], islands: str | None
 
 def as_a_names(candidate: dict[str, torch.Tensor], a_tensors: dict[str, torch.Tensor]
                ) -> dict[str, torch.Tensor]:
-    """B's tensors under A's paths where only their container differs, the same thing by
-    meaning: the hidden state of a layer that returns ``(hidden,)`` in A and ``hidden`` in B
-    (``output.0`` against ``output``), of the same shape."""
+    """B's tensors under A's paths where only their container differs (``output.0`` in A,
+    ``output`` in B, of one shape)."""
     only_a = [p for p in a_tensors if p not in candidate]
     renamed = dict(candidate)
     for path in [p for p in candidate if p not in a_tensors]:
@@ -139,9 +129,8 @@ def _judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
 def judge_departure(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
                     a_tensors: dict[str, torch.Tensor], padding: PaddingSpec = None,
                     islands: str | None = None) -> Result | None:
-    """B's float64 tensors against A's float64 golden under float64 rounding alone (and that
-    of ``islands``, the narrowest dtype either float64 run computes in), on the tensors whose
-    golden is finite wherever A is (see :func:`judge`); None when none is."""
+    """B's float64 tensors against A's float64 golden under float64 rounding (and ``islands``'),
+    where the golden is finite wherever A is; None when nowhere."""
     broken = _broken_goldens(golden, a_tensors, padding)
     usable = {p: t for p, t in golden.items() if p not in broken}
     if not usable:
@@ -210,7 +199,7 @@ def with_leaves(result: Result, candidate_leaves: dict[str, Any]) -> Result:
     return result
 
 
-def _describe(leaf: Any) -> str:
+def _describe(leaf: object) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"Tensor{tuple(leaf.shape)} {str(leaf.dtype).removeprefix('torch.')}"
     if leaf is None or isinstance(leaf, (bool, int, float, str)):
@@ -240,13 +229,11 @@ def judge_quickly(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Te
                   islands: str | None = None) -> Result:
     """:func:`judge`, at a fraction of its cost when the answer is clearly "within".
 
-    The tolerance model's budget is at least ``fudge`` times the baseline's error (the noise
-    it measures is never smaller), so a candidate whose error is within that of every tensor
-    is within budget: two error norms decide it, and the headroom is reported as a bound (a
-    sketched tensor's by its two rules, see :func:`_sketched_bound`). Any other case (no
-    golden or baseline, structure or dtype differences, non-finite or masked values, a larger
-    error) takes the full comparison. ``noise`` (see :func:`judge`) only raises a budget, so
-    the quick bound stands without it, as it does without ``islands``."""
+    The budget is at least ``fudge`` times the baseline's error, so an error within that for
+    every tensor is within budget: two norms decide it, the headroom reported as a bound. Any
+    other case (no golden or baseline, structure or dtype differences, non-finite or masked
+    values, a larger error) takes the full comparison; ``noise`` and ``islands`` only raise a
+    budget."""
     quick = _bounded(candidate, golden, baseline, kind, padding)
     if quick is not None:
         return quick
@@ -302,12 +289,9 @@ def _exact_bound(c: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
 
 def _sketched_bound(c: Any, g: Any, b: Any, tol: tolerance.KindTolerance, kind: str,
                     left_out_of_golden: Any, identical: bool) -> OneBound:
-    """Where a side is a sketch, the two rules of
-    :func:`~torchparity.comparison.sketch.compare_sketch`: the RMS error the projections
-    estimate within ``fudge`` times the baseline's at its upper confidence bound (the noise
-    that budget starts from), and the exact slices' error within ``fudge`` times the
-    baseline's, in the kind's metric. A baseline that the full comparison could find degraded
-    (it then sets no budget), padding, non-finite or masked values take the full one."""
+    """Where a side is a sketch, ``compare_sketch``'s two rules against ``fudge`` times the
+    baseline's error; a possibly degraded baseline, padding, non-finite or masked values take
+    the full comparison."""
     if left_out_of_golden(g) is not None:
         return None
     reference = next(v for v in (g, c, b) if isinstance(v, Sketch))

@@ -1,13 +1,6 @@
-"""Attention masks compared by what they mean, not by their bits.
-
-Two implementations may hand a module the same mask in different forms: eager attention an
-additive float mask (0 where a query attends, a large negative number where it does not), SDPA
-a boolean one (True: attend), other code a boolean "masked" one (True: do not attend). Where
-the divergence search (:mod:`~torchparity.diagnosis.stages.entry`) meets two such arguments, it asks
-whether they let every *judged* query (one that is not padding) attend to the same keys: only
-then do they differ in what the module computes on the positions that are judged. A mask that
-lets a padded key reach a real query differs; one that differs only on padded queries does not.
-"""
+"""Attention masks compared by what they mean, not by their bits: an additive float mask, a
+boolean "attend" one (SDPA) or a boolean "masked" one differ only where a judged (unpadded)
+query attends to other keys."""
 
 from __future__ import annotations
 
@@ -35,10 +28,8 @@ class Meaning:
 
 
 def readings(mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The ways ``mask`` can be read as an attention mask, each as a bool "attends" tensor:
-    ``boolean attend`` and ``boolean masked`` for bool tensors, ``additive float`` for floats
-    that hold only 0 and large negative values, ``1/0 attend`` for integers that hold only 1
-    and 0. Empty for anything else (a bias such as ALiBi's is no mask)."""
+    """The ways ``mask`` reads as a bool "attends" tensor (bool either way, additive float, 1/0
+    integer); empty for anything else (an ALiBi bias is no mask)."""
     if mask.dtype == torch.bool:
         return {"boolean attend": mask, "boolean masked": ~mask}
     if mask.is_floating_point():
@@ -74,16 +65,12 @@ def in_form(mask: torch.Tensor, reading: str, form: str, dtype: torch.dtype) -> 
 
 def by_meaning(a: torch.Tensor, b: torch.Tensor, padding: PaddingSpec = None,
                path: str = "mask") -> Meaning | None:
-    """A's and B's masks compared by what they let each judged query attend to; None when one
-    of them is no mask or their shapes do not broadcast (compare them as plain values then).
+    """A's and B's masks compared by what they let each judged query attend to; None when one is
+    no mask or their shapes do not broadcast.
 
-    The last dimension of a mask is the keys, the one before it (for three or more dimensions)
-    the queries, the first the batch; ``padding`` (as :func:`torchparity.compare` takes it)
-    says which (batch, query) positions are padding, and those rows are not compared. Two bool
-    masks keep one convention (either both "attend" or both "masked"); across forms the
-    readings that agree best are compared, so an inverted form is no difference but one
-    flipped entry is.
-    """
+    Keys are the last dimension, queries the one before, batch the first; ``padding`` rows are
+    not compared. Two bool masks keep one convention; across forms the best-agreeing readings
+    are compared, so an inverted form is no difference but one flipped entry is."""
     a_readings, b_readings = readings(a), readings(b.to(a.device))
     if not a_readings or not b_readings:
         return None
@@ -128,14 +115,8 @@ def _judged(shape: torch.Size, padding: PaddingSpec, path: str, device: torch.de
 
 def fitted_queries(mask: torch.Tensor, positions: torch.Tensor | None, queries: int
                    ) -> tuple[torch.Tensor, str] | None:
-    """``mask``'s rows of the queries at ``positions``, ``queries`` of them, and how; None when
-    that cannot be done.
-
-    A static cache may hand attention a mask over every position of the cache (128 queries,
-    128 keys) and let it pick the rows of its queries by ``cache_position``, where another
-    revision hands one row per query: the rows at those positions are what the first one
-    attends with.
-    """
+    """``mask``'s rows of the ``queries`` at ``positions``, and how; None when impossible (a static
+    cache's mask over every cache position, rows picked by ``cache_position``)."""
     if positions is None or mask.dim() < 3 or positions.dim() != 1 or \
             positions.numel() != queries or positions.dtype.is_floating_point or \
             not readings(mask):
@@ -150,14 +131,9 @@ def fitted_queries(mask: torch.Tensor, positions: torch.Tensor | None, queries: 
 
 
 def fitted_keys(mask: torch.Tensor, keys: int) -> tuple[torch.Tensor, str] | None:
-    """``mask`` with its last dimension (the keys) made ``keys`` long without changing what any
-    query attends, and how ("trimmed from 16 to 5 keys: ..."); None when that cannot be done.
-
-    A static cache hands attention a mask sized to the cache (128 keys) where another revision
-    hands one of the keys in use (12): the same attention, in another shape. Keys past ``keys``
-    are dropped only when no query attends them; missing ones are added masked. Bool masks are
-    read as "True: attend" (SDPA's and transformers' convention), floats as additive.
-    """
+    """``mask`` made ``keys`` long without changing what any query attends, and how; None when
+    impossible (a static cache's 128 keys against the 12 in use). Keys past ``keys`` are dropped
+    only when unattended, missing ones added masked; bool reads "True: attend", floats additive."""
     forms = readings(mask)
     if not forms or mask.dim() == 0:
         return None

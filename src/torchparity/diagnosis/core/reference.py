@@ -1,12 +1,6 @@
-"""What the stages of a diagnosis share: the reference side, model A's recorded calls, where
-their tensors are and the float64 golden that judges them.
-
-Each stage (:mod:`~torchparity.diagnosis.stages.capture_a`,
-:mod:`~torchparity.diagnosis.stages.float64_golden`,
-:mod:`~torchparity.diagnosis.stages.propagated`, :mod:`~torchparity.diagnosis.stages.local`,
-:mod:`~torchparity.diagnosis.stages.entry`) reads and adds to a :class:`Reference`; no stage
-imports another, the pipeline (:mod:`~torchparity.diagnosis.pipelines.forward`) calls them in order.
-"""
+"""What the stages of a diagnosis share: the reference side, A's recorded calls, where their
+tensors are and the float64 golden that judges them; each stage reads and adds to a
+:class:`Reference`."""
 
 from __future__ import annotations
 
@@ -64,10 +58,9 @@ class FoundIslands:
 
 @dataclass
 class Reference:
-    """A's recorded calls and where their tensors are; ``golden`` describes the float64
-    golden used (None when there is none, ``no_golden`` then says why, None while it is not
-    made yet); ``notes`` why some calls cannot be replayed. ``replayer`` replays a call of A
-    and the golden on demand (None when every call was replayed already, as in a trace)."""
+    """A's recorded calls and where their tensors are; ``golden`` describes the golden (None:
+    none, ``no_golden`` says why; or not made yet); ``replayer`` replays calls on demand (None
+    when all were, as in a trace)."""
 
     calls: list[ModuleCall]
     store: Store
@@ -127,11 +120,8 @@ class Reference:
         return {dtype: list(modules) for dtype, modules in found.items()}
 
     def islands_of(self, module: str | None = None) -> str | None:
-        """The narrowest dtype a watched float64 run (either side's) computed in inside
-        ``module`` (itself or a submodule), or anywhere with None: an island rounds what it is
-        fed to its dtype, so values that part by float64 rounding on its way in (eager's and
-        sdpa's sums) part by its dtype's on the way out, and a float64 tensor carries the
-        rounding of every island it was computed through."""
+        """The narrowest dtype either float64 run computed in inside ``module`` (None: anywhere): an
+        island rounds what it is fed, so a float64 tensor carries every island it went through."""
         return narrowest({dtype: [m for m in modules if module is None or module == "" or
                                   m == module or m.startswith(module + ".")]
                           for dtype, modules in self.found_islands("AB").items()})
@@ -139,12 +129,9 @@ class Reference:
     def judge(self, calls: tuple[ModuleCall, ...], candidate: dict[str, torch.Tensor],
               baseline_group: str, golden_group: str, kind: str, *, quick: bool = False
               ) -> Result:
-        """``candidate`` against the golden's ``golden_group`` of ``calls``, with A's
-        ``baseline_group`` as the baseline; ``quick`` bounds clearly-within verdicts instead
-        of computing every metric (:func:`~torchparity.diagnosis.core.judging.judge_quickly`).
-        Padded positions of the module's tensors are left out (parameter gradients have
-        none). A local judgement (the module replayed on A's inputs) allows for the islands
-        inside the module, a propagated one for every island."""
+        """``candidate`` against the golden's ``golden_group`` of ``calls``, A's ``baseline_group``
+        the baseline (``quick``: :func:`~torchparity.diagnosis.core.judging.judge_quickly`); padding
+        left out; a local judgement allows the islands inside the module, a propagated one all."""
         start = time.perf_counter()
         golden = self.tensors(calls, golden_group) if self.has_golden else {}
         padding = None if baseline_group == "param_grad" else \

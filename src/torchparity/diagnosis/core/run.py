@@ -43,7 +43,7 @@ from torchparity.subject.running import (
     seeded,
     upcast,
 )
-from torchparity.subject.trees import flatten_tensors, map_tensors, map_tensors_with_paths
+from torchparity.subject.trees import PyTree, flatten_tensors, map_tensors, map_tensors_with_paths
 
 #: An attention backend name for :func:`torchparity.backends.use`, or a function returning a
 #: context manager that selects it (for models the registry does not drive), or None.
@@ -62,7 +62,7 @@ def in_golden_dtype(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to("cpu", GOLDEN_DTYPE) if tensor.is_floating_point() else tensor.cpu()
 
 
-def golden_inputs(inputs: Any) -> Any:
+def golden_inputs(inputs: PyTree) -> PyTree:
     """Recorded inputs (a fresh copy) as the golden's replay takes them: tensors in float64
     on the CPU, those inside a cache handed in (a ``StaticCache``'s buffers) too, so that the
     float64 replay's writes into the cache keep one dtype."""
@@ -171,7 +171,7 @@ def backend_context(spec: BackendSpec) -> Iterator[None]:
             yield
 
 
-def default_loss(output: Any, inputs: Any = None, padding: Padding | None = None
+def default_loss(output: PyTree, inputs: PyTree = None, padding: Padding | None = None
                  ) -> torch.Tensor:
     """A scalar whose gradient reaches every unpadded element of the first floating output:
     its :func:`~torchparity.subject.running.projection_loss`. Uses the output's own ``loss``
@@ -200,13 +200,11 @@ class CapturedRun:
 def run_model(model: nn.Module, inputs: Inputs, opts: Options, backend: BackendSpec, *,
               backward: bool, float64: bool = False, states: StateRecorder | None = None,
               **capture: Any) -> CapturedRun:
-    """One seeded forward (and backward, ``.grad`` untouched) with the selected modules
-    captured, and every module's state recorded by ``states``. Each parameter's gradient is
-    kept (sketched above the size threshold, by its name in its module) as soon as it is
-    complete. With ``float64`` the model runs in float64 on the CPU module by module
-    (:class:`~torchparity.subject.blockwise.Float64Run`), its ``inputs`` already cast: no
-    float64 copy of it is made. An error of the backward pass is a one-line
-    :class:`UserCodeError` that names ``--no-backward``."""
+    """One seeded forward (and backward, ``.grad`` untouched) with the selected modules captured
+    and ``states`` recorded; each parameter's gradient kept (sketched when big) once complete.
+    With ``float64`` the model runs module by module in float64 on the CPU, ``inputs`` already
+    cast (no copy). A backward error is a one-line :class:`UserCodeError` naming
+    ``--no-backward``."""
     loss = None
     names = {id(p): name for name, p in model.named_parameters()}
     grads: dict[str, Any] = {}
@@ -267,12 +265,10 @@ class UnfitArguments(ReplayUnavailable):
 
 def rebind(recorded: Signature | None, inputs: CallArgs, module: nn.Module
            ) -> tuple[CallArgs, list[str]]:
-    """A recorded call's arguments as ``module`` (another revision's) takes them, by meaning,
-    and a note per argument handed to a parameter of another name. As recorded when B binds
-    each to a parameter of the name A's had (or A's signature is unknown); else each bound
-    to A's parameter and handed to B's of the same name, or of the same position when B
-    renamed it, a None for which B has no parameter left out (its default); :class:`UnfitArguments`
-    saying why when no sound mapping exists."""
+    """A recorded call's arguments as another revision's ``module`` takes them, by meaning, and a
+    note per argument handed to a parameter of another name: each bound to A's parameter and
+    handed to B's of that name, or position where B renamed it (a None B has no parameter for
+    dropped); :class:`UnfitArguments` when no sound mapping exists."""
     args, kwargs = inputs
     try:
         forward = inspect.signature(module.forward)
@@ -336,11 +332,9 @@ def replay(module: nn.Module, inputs: CallArgs, backend: BackendSpec, *,
            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Run one module on recorded inputs; with ``grad_out``, also backward from it.
 
-    Returns the output tensors by path and, with ``grad_out``, the gradients of the inputs
-    that required grad in the recorded run (``input.<path>``) and of the module's direct
-    parameters (``param.<name>``). With ``float64`` the module runs in float64 on the CPU
-    without a float64 copy (its ``inputs`` already cast, see :func:`run_model`).
-    """
+    Returns the outputs by path and, with ``grad_out``, the gradients of the inputs that required
+    grad (``input.<path>``) and of the direct parameters (``param.<name>``); ``float64`` as in
+    :func:`run_model`."""
     args, kwargs = inputs
     if float64:
         return _replay_float64(module, args, kwargs, backend, grad_out, requires_grad)
@@ -434,11 +428,8 @@ def parameter_path(sig: Signature | None, path: str) -> str:
 
 def fitted(inputs: CallArgs, call: ModuleCall, sig: Signature | None = None
            ) -> tuple[CallArgs, list[str]]:
-    """Recorded inputs with each attention mask sized to the keys of ``call``'s own mask (at
-    the same parameter of ``sig``, as in :func:`placed`), where that changes no query's keys
-    (see :func:`~torchparity.diagnosis.core.masks.fitted_keys`), after taking the rows of its
-    queries by A's ``cache_position`` where the mask covers every position of a cache
-    (:func:`~torchparity.diagnosis.core.masks.fitted_queries`), and a note per mask changed."""
+    """Recorded inputs with each attention mask fitted to ``call``'s own (its queries' rows by
+    ``cache_position``, then its keys, where no query's keys change), and a note per mask."""
     notes = []
     shapes = {parameter_path(sig, path): shape for path, shape in call.input_shapes.items()}
     args, kwargs = inputs
@@ -478,12 +469,9 @@ Converted = tuple[str, Callable[[Any], Any]]
 def for_b(recorded: Signature | None, inputs: CallArgs, call: ModuleCall,
           module: nn.Module, fit: bool = False, as_none: str | None = None,
           converted: Converted | None = None) -> tuple[CallArgs, list[str]]:
-    """A's recorded ``inputs`` as B's ``module`` takes them at ``call``, and notes saying
-    what changed: handed to its parameters by meaning (:func:`rebind`), placed as B's call
-    had them, with the argument of parameter ``as_none`` as None (B's call passes None
-    there: the convention it derives the rest from), the argument ``converted`` names
-    converted by its function (a mask in B's form), and with ``fit`` each mask fitted to the
-    keys of B's (:func:`fitted`)."""
+    """A's recorded ``inputs`` as B's ``module`` takes them at ``call``, and notes: rebound by
+    meaning, placed as B's call had them, parameter ``as_none`` None (B derives the rest from
+    it), ``converted`` in B's form, and with ``fit`` masks fitted to B's keys."""
     inputs, notes = rebind(recorded, inputs, module)
     own = signature(module)
     inputs = placed(inputs, call, own)
@@ -513,15 +501,11 @@ Replayed = TypeVar("Replayed")
 
 def fitting_masks(attempt: Callable[[bool], Replayed], notes: Callable[[bool], list[str]]
                   ) -> tuple[Replayed, list[str], bool]:
-    """``attempt(False)``: a replay of B on A's recorded inputs as :func:`for_b` hands them
-    over; where it fails and fitting changes a mask (``notes(True)``, the notes of the
-    inputs with masks fitted, says more than ``notes(False)``), ``attempt(True)``, the replay
-    on fitted inputs. With the notes of the replay that ran, and whether it was fitted.
+    """``attempt(False)``, a replay of B on A's inputs; where it fails and fitting changes a mask,
+    ``attempt(True)`` on fitted inputs; with the notes of the one that ran and whether fitted.
 
-    Another revision may size the mask to a static cache (128 keys) where B sizes it to the keys
-    in use (12): fed as recorded, B's module would fail on the shape alone. Fitted only on a
-    failure, so that a replay that takes the recorded mask (B slices it, or is handed A's cache
-    and its keys) runs on it unchanged."""
+    A static cache's mask (128 keys) fails B's module sized to the keys in use (12) on the shape
+    alone; fitting only on failure lets a replay that takes the recorded mask run on it."""
     try:
         return attempt(False), list(dict.fromkeys(notes(False))), False
     except ReplayUnavailable:

@@ -1,21 +1,12 @@
 """State a module reads besides its arguments' values: caches and other tensors it keeps.
 
-Two places hold such state: the module itself (its buffers and the tensors it keeps as
-attributes, ``self.k_cache`` or a ``layer_cache`` dict, in it and in its submodules), and
-objects handed to it whose tensors are not compared as arguments (a ``KVCache`` in an
-attention context, a ``transformers`` ``DynamicCache``). A decoding step reads both.
-
-:func:`held_state` summarises each such tensor after a call: its shape and, per dimension, how
-far it is written (:class:`Held`): a cache preallocated in chunks is judged by the positions it
-holds, not by its capacity, and a slot inside that was never written (all zeros) is named.
-:func:`state_difference` says where A's and B's differ, which is where a change enters a
-module whose arguments agree.
-
-A module that keeps state across calls cannot be replayed on its arguments alone: the state it
-had when the recorded call started matters too. :class:`StateRecorder` keeps every module's own
-state before each call, and :func:`replaying` puts that state back for a replay (and the
-current state after it); :func:`why_not_replayable` says when B keeps its state otherwise.
-"""
+It lives on the module (buffers, ``self.k_cache``, a ``layer_cache`` dict) or in objects
+handed to it (a ``KVCache``, a ``DynamicCache``). :func:`held_state` summarises each tensor
+after a call by how far each dimension is written (:class:`Held`: a preallocated cache is
+judged by what it holds, a never-written slot named); :func:`state_difference` says where
+A's and B's differ. :class:`StateRecorder` keeps each module's state before each call and
+:func:`replaying` puts it back for a replay; :func:`why_not_replayable` says when B keeps
+its state otherwise."""
 
 from __future__ import annotations
 
@@ -28,7 +19,7 @@ import torch
 from torch import nn
 
 from torchparity.comparison.structure import cache_layers
-from torchparity.subject.trees import walk
+from torchparity.subject.trees import PyTree, walk
 
 #: How deep attributes are followed into plain objects, dicts, lists and tuples.
 _DEPTH = 6
@@ -70,9 +61,8 @@ class Held:
 
 
 def _largest_along(magnitude: torch.Tensor) -> list[torch.Tensor]:
-    """For each dimension, the largest value of each of its slices. The maxima over all but
-    the last dimension are those of the tensor reduced over the last one: two passes over
-    the tensor, not one per dimension."""
+    """For each dimension, the largest value of each of its slices (two passes over the tensor,
+    not one per dimension)."""
     if magnitude.dim() <= 1:
         return [magnitude] if magnitude.dim() else []
     return [*_largest_along(magnitude.amax(dim=-1)),
@@ -86,10 +76,8 @@ Summaries = dict[tuple[int, int], tuple[torch.Tensor, Held]]
 
 def held_state(module: nn.Module, args: tuple, kwargs: dict,
                summaries: Summaries | None = None) -> dict[str, Held]:
-    """The state ``module`` reads, summarised: ``state.<attribute path>`` for what it keeps
-    itself (its submodules' state is theirs: their calls are summarised apart), and
-    ``args.<i>.<path>`` / ``kwargs.<name>.<path>`` for the tensors inside objects it was handed
-    (the paths an argument's tensors would have)."""
+    """The state ``module`` reads, summarised: ``state.<path>`` for what it keeps itself (not its
+    submodules'), ``args.<i>.<path>`` / ``kwargs.<name>.<path>`` inside objects it was handed."""
     summaries = {} if summaries is None else summaries
 
     def of(tensor: torch.Tensor) -> Held:
@@ -111,9 +99,8 @@ def held_state(module: nn.Module, args: tuple, kwargs: dict,
 
 
 def kept_tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Buffers and tensors kept as attributes (directly or in dicts, lists, tuples and plain
-    objects) by ``module`` and (with ``recurse``) its submodules, by attribute path; parameters
-    are weights, not state, and are left out."""
+    """Buffers and tensors ``module`` (and with ``recurse`` its submodules) keeps as attributes,
+    by attribute path; parameters are weights, not state."""
     owners = module.named_modules() if recurse else [("", module)]
     for prefix, owner in owners:
         dotted = f"{prefix}." if prefix else ""
@@ -132,13 +119,13 @@ def kept_tensors(module: nn.Module, recurse: bool = True) -> Iterator[tuple[str,
 _HOLDS_NO_TENSOR = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
 
 
-def _tensors_in(value: Any, path: str, depth: int) -> list[tuple[str, torch.Tensor]]:
+def _tensors_in(value: PyTree, path: str, depth: int) -> list[tuple[str, torch.Tensor]]:
     found: list[tuple[str, torch.Tensor]] = []
     _collect_tensors(value, path, depth, found)
     return found
 
 
-def _collect_tensors(value: Any, path: str, depth: int,
+def _collect_tensors(value: PyTree, path: str, depth: int,
                      found: list[tuple[str, torch.Tensor]]) -> None:
     # A plain recursion into one list (see subject.trees.walk): every captured call of a
     # decoding step comes through here.
@@ -166,18 +153,16 @@ def _collect_tensors(value: Any, path: str, depth: int,
         _collect_tensors(vars(value), path, depth + 1, found)
 
 
-def _is_object(value: Any) -> bool:
+def _is_object(value: object) -> bool:
     """A plain object whose attributes may hold tensors (a cache), not a module or a class."""
     return hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)) and \
         not callable(value)
 
 
 def state_difference(a: dict[str, Held], b: dict[str, Held]) -> tuple[str, str] | None:
-    """The first state path both sides hold whose written extent differs, and how: ``holds 12
-    positions in B, 11 in A; B never wrote position 10 (all zeros)``. A tensor laid out with
-    another capacity but written alike is no difference. An object handed in under another
-    name in B (``past_key_value`` become ``past_key_values``) is compared by what it holds,
-    under A's name."""
+    """The first state path both hold whose written extent differs, and how (``holds 12 positions
+    in B, 11 in A; ...``); another capacity written alike is none; an object handed under
+    another name in B is compared under A's."""
     b = _renamed_as_in(a, b)
     for path in [p for p in a if p in b]:
         detail = _held_difference(a[path], b[path])
@@ -239,7 +224,7 @@ def own_state(module: nn.Module) -> OwnState:
     return state
 
 
-def _is_plain_state(value: Any, depth: int = 0) -> bool:
+def _is_plain_state(value: object, depth: int = 0) -> bool:
     if isinstance(value, torch.Tensor):
         return not isinstance(value, nn.Parameter)
     if isinstance(value, _PLAIN):
@@ -251,7 +236,7 @@ def _is_plain_state(value: Any, depth: int = 0) -> bool:
     return False
 
 
-def _fingerprint(value: Any) -> Any:
+def _fingerprint(value: PyTree) -> PyTree:
     """What tells a state apart from its next version cheaply: tensors by identity, version
     and shape, the rest by value."""
     if isinstance(value, torch.Tensor):
@@ -264,13 +249,10 @@ def _fingerprint(value: Any) -> Any:
 
 
 class StateRecorder:
-    """Records, while the ``with`` block runs, every module's own state before each of its
-    calls and which modules change theirs across calls (a cache kept on the module).
+    """Records each module's own state before each of its calls, and which modules change theirs.
 
-    ``clock`` counts the calls of all modules as they start. With ``snapshots=False`` only
-    which modules change is recorded (the candidate's run: cheap). Snapshots share the copy of
-    a tensor that did not change since the module's last call, so a buffer that never changes
-    is copied once."""
+    ``clock`` counts all modules' calls as they start; ``snapshots=False`` records only which
+    modules change (cheap, for B); an unchanged tensor's copy is shared across calls."""
 
     def __init__(self, model: nn.Module, snapshots: bool = True) -> None:
         self.modules = dict(model.named_modules())
@@ -303,13 +285,13 @@ class StateRecorder:
         return hook
 
     def _after(self, name: str) -> Any:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, output: PyTree) -> None:
             if self._pending.get(name) and \
                     self._pending[name].pop() != _fingerprint(own_state(module)):
                 self.changing.add(name)
         return hook
 
-    def _copy(self, name: str, value: Any) -> Any:
+    def _copy(self, name: str, value: PyTree) -> PyTree:
         if isinstance(value, torch.Tensor):
             copies = self._copies.setdefault(name, {})
             key = (id(value), value._version)
@@ -342,7 +324,7 @@ def restore(module: nn.Module, state: OwnState) -> None:
             setattr(module, name, value)
 
 
-def copied(value: Any) -> Any:
+def copied(value: PyTree) -> PyTree:
     """``value`` with every tensor cloned (a snapshot a replay may write into)."""
     if isinstance(value, torch.Tensor):
         return value.clone()
@@ -382,9 +364,8 @@ def changing_within(changing: set[str], name: str) -> set[str]:
 
 def why_not_replayable(a_states: dict[str, OwnState], b_root: nn.Module,
                        b_changing: set[str]) -> str | None:
-    """Why B's module (``b_root``) cannot be replayed on A's recorded state (``the module keeps
-    state across calls ...``), or None: B keeps state where A does not, or keeps it in other
-    attributes."""
+    """Why B's module cannot be replayed on A's recorded state (B keeps state where A does not,
+    or in other attributes), or None."""
     def where(relative: str) -> str:
         return f"its submodule {relative}" if relative else "it"
 
@@ -405,9 +386,8 @@ def why_not_replayable(a_states: dict[str, OwnState], b_root: nn.Module,
 @contextlib.contextmanager
 def replaying(root: nn.Module, states: dict[str, OwnState],
               place: Callable[[torch.Tensor, nn.Module], torch.Tensor]) -> Iterator[None]:
-    """Within the block, ``root``'s modules named (relative to it) in ``states`` hold copies of
-    those states, each tensor placed by ``place(tensor, module)`` (its dtype and device); then
-    what they held before, untouched by the replay."""
+    """Within the block, ``root``'s modules named in ``states`` hold copies of them, placed by
+    ``place(tensor, module)``; afterwards what they held before."""
     modules = {relative: root.get_submodule(relative) for relative in states}
     before = {relative: own_state(module) for relative, module in modules.items()}
     try:
@@ -419,7 +399,7 @@ def replaying(root: nn.Module, states: dict[str, OwnState],
             restore(module, before[relative])
 
 
-def _mapped(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def _mapped(value: PyTree, fn: Callable[[torch.Tensor], torch.Tensor]) -> PyTree:
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, dict):
@@ -430,13 +410,11 @@ def _mapped(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 
-def cast_held(value: Any, cast: Callable[[torch.Tensor], torch.Tensor], *, inside: bool = False,
+def cast_held(value: PyTree, cast: Callable[[torch.Tensor], torch.Tensor], *, inside: bool = False,
               depth: int = 0) -> None:
-    """Every tensor held inside an object in ``value`` (a cache handed to a module: a
-    ``transformers`` ``StaticCache``'s buffers) replaced, in place, by ``cast(tensor)``: a
-    float64 replay writes float64 keys into its copy of the cache, which must be float64 too.
-    Tensors that are arguments themselves are left to the caller; ``value`` must be a copy the
-    caller owns (recorded inputs as a replay gets them)."""
+    """Every tensor held inside an object in ``value`` (a ``StaticCache``'s buffers) replaced in
+    place by ``cast(tensor)``, so a float64 replay writes into a float64 cache; ``value`` must
+    be the caller's copy, and tensors that are arguments themselves are left to the caller."""
     if depth > _DEPTH or isinstance(value, (*_HOLDS_NO_TENSOR, nn.Module, type)):
         return
     if isinstance(value, (dict, list)):

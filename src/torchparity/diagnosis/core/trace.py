@@ -56,7 +56,7 @@ from torchparity.errors import TorchParityError, UsageError
 from torchparity.memory import SharedCopies, memory_key
 from torchparity.sketching import Sketch
 from torchparity.subject.padding import Padding
-from torchparity.subject.trees import field_names, flatten_tensors, rebuilt_from_fields
+from torchparity.subject.trees import PyTree, field_names, flatten_tensors, rebuilt_from_fields
 
 SCHEMA = "torchparity.trace/6"
 TRACE_JSON = "trace.json"
@@ -439,7 +439,7 @@ def _with_sketches(tensors: dict[str, torch.Tensor], described: dict[str, Any]
 # Inputs as JSON + tensors
 
 
-def encode_tree(tree: Any, tensors: dict[str, torch.Tensor], depth: int = 0) -> Any:
+def encode_tree(tree: PyTree, tensors: dict[str, torch.Tensor], depth: int = 0) -> PyTree:
     """A JSON-able description of ``tree``; its tensors are added to ``tensors`` by name.
 
     Plain data, containers, dataclasses (by import path), dtypes, devices and objects holding
@@ -488,7 +488,7 @@ def encode_tree(tree: Any, tensors: dict[str, torch.Tensor], depth: int = 0) -> 
 _OBJECT_DEPTH = 4
 
 
-def _rebuilt_from_attributes(obj: Any, depth: int) -> bool:
+def _rebuilt_from_attributes(obj: object, depth: int) -> bool:
     """Whether ``obj`` is rebuilt by its class and its attributes: a plain object (no module,
     class or function) of a class importable by name, not nested too deep (a cycle)."""
     return depth < _OBJECT_DEPTH and hasattr(obj, "__dict__") and not callable(obj) and \
@@ -611,7 +611,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return digests.sha256(tensor, header=f"{tensor.dtype}{tuple(tensor.shape)}")[:16]
 
 
-def inputs_digest(inputs: Any) -> str:
+def inputs_digest(inputs: PyTree) -> str:
     """Digest of every tensor in the model inputs and of their structure."""
     digest = hashlib.sha256()
     for path, tensor in flatten_tensors(inputs, "inputs").items():
@@ -691,7 +691,7 @@ class TraceWriter:
         self.abort()  # nothing left to remove once committed: the directory moved into place
 
 
-def check_recorded_inputs(path: str | os.PathLike, inputs: Any, recorded: str,
+def check_recorded_inputs(path: str | os.PathLike, inputs: PyTree, recorded: str,
                           what: str) -> None:
     """A one-line error unless ``inputs`` are the ones the trace at ``path`` recorded (by
     checksum: ``recorded``); ``what`` names them in the advice."""

@@ -1,11 +1,6 @@
-"""What a trace's ``trace.json`` says besides its tensors, as two frozen dataclasses: one for a
-trace of a forward pass (``record``), one for a trace of a decoding (``record --decode``).
-
-Their fields are the file's keys, in the file's order, so :meth:`to_json` writes the
-``trace.json`` torchparity always wrote and :func:`meta_from_json` reads every trace of this
-schema; the storage keys (``files``, ``aliases``, ``input_specs``) stay with the
-:class:`~torchparity.diagnosis.core.trace.DiskStore` that reads them.
-"""
+"""What a trace's ``trace.json`` says besides its tensors, for a forward pass (``record``) and a
+decoding (``record --decode``). The fields are the file's keys in its order; the storage keys
+(``files``, ``aliases``, ``input_specs``) stay with the ``DiskStore`` that reads them."""
 
 from __future__ import annotations
 

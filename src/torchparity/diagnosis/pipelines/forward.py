@@ -21,7 +21,6 @@ import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +30,7 @@ from torchparity.diagnosis.core.align import Match, NameMap
 from torchparity.diagnosis.core.capture import PatternSpec
 from torchparity.diagnosis.core.progress import ProgressBar, progress_bar
 from torchparity.diagnosis.core.reference import Reference, describe_mode
-from torchparity.diagnosis.core.results import module_label
+from torchparity.diagnosis.core.results import Result, module_label
 from torchparity.diagnosis.core.run import (
     BackendSpec,
     Local,
@@ -442,6 +441,6 @@ def islands_note(a: dict[str, list[str]], b: dict[str, list[str]]) -> str:
             "and every propagated error")
 
 
-def _share(result: Any) -> str:
+def _share(result: Result) -> str:
     worst = max((t.headroom for t in result.tensors), default=float("inf"))
     return f"{worst:.3g}x"

@@ -1,14 +1,8 @@
 """Stage 1 of a diagnosis: the reference side, model A's calls and where their tensors are.
 
-In one process A runs once with every selected module's inputs, outputs and output gradients
-kept in a store (memory, or a trace directory on disk with ``stream``/``record``); across
-revisions the reference is read back from the trace :func:`torchparity.record` wrote. Its float64
-golden is added by :mod:`torchparity.diagnosis.stages.float64_golden`.
-
-A decoding's reference (:class:`~torchparity.diagnosis.core.decode_reference.DecodeReference`) is
-captured the same way at every step of A's decoding, and written to and read from a trace of
-its own kind (``record --decode``).
-"""
+A runs once with every selected module's inputs, outputs and output gradients kept in a
+store (memory, or a trace on disk); across revisions it is read back from the trace
+``record`` wrote. A decoding's reference is captured alike at every step of A's decoding."""
 
 from __future__ import annotations
 
@@ -59,6 +53,7 @@ from torchparity.subject.beams import BeamSearch, BeamSettings, BeamStep, prompt
 from torchparity.subject.padding import Padding
 from torchparity.subject.running import Inputs
 from torchparity.subject.sampling import Sampler, SampleSettings
+from torchparity.subject.trees import PyTree
 
 
 def capture_reference(model: nn.Module, inputs: Inputs, store: Store, opts: Options,
@@ -92,9 +87,8 @@ def capture_reference(model: nn.Module, inputs: Inputs, store: Store, opts: Opti
 def capture_decoding(side: Side, steps: int, tokens: torch.Tensor | None, store: Store,
                      opts: Options, bar: ProgressBar,
                      search: BeamSettings | SampleSettings | None = None) -> DecodeReference:
-    """Decode A with every selected module captured at every step into ``store`` (along
-    ``tokens``, else A's greedy choices, A's samples or A's beam search over ``side.inputs``,
-    the prompt expanded to its beams, as ``search`` says)."""
+    """Decode A with every selected call captured at every step into ``store``, along ``tokens``,
+    else A's greedy choices, samples or beam search, as ``search`` says."""
     beams = search if isinstance(search, BeamSettings) else None
     sample = search if isinstance(search, SampleSettings) else None
     done = bar.phase(f"A: {'beam search' if beams else 'sampling' if sample else 'decoding'}, "
@@ -137,7 +131,7 @@ def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
     )
 
 
-def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts: Options,
+def decode_meta(reference: DecodeReference, model: nn.Module, inputs: PyTree, opts: Options,
                 recorded_by: str | None) -> DecodeTraceMeta:
     """What a decoding trace's ``trace.json`` says besides its tensors (arguments as in
     :func:`trace_meta`)."""
@@ -156,7 +150,7 @@ def decode_meta(reference: DecodeReference, model: nn.Module, inputs: Any, opts:
     )
 
 
-def _described(reference: Reference | DecodeReference, model: nn.Module, inputs: Any,
+def _described(reference: Reference | DecodeReference, model: nn.Module, inputs: PyTree,
                opts: Options) -> dict[str, Any]:
     """The fields every trace's metadata has: versions, the model and its weights, the
     golden, the settings and the inputs' checksum."""
@@ -192,9 +186,8 @@ def _decode_call(data: dict[str, Any]) -> ModuleCall:
 
 
 def open_reference(path: str | Path) -> tuple[Reference, ForwardTraceMeta]:
-    """The reference side a trace of a forward pass holds (every call already replayed), and
-    its metadata (:func:`~torchparity.diagnosis.pipelines.forward.diagnose_against` sends a
-    decoding trace to the decoding pipeline, which opens it with :func:`open_decode_reference`)."""
+    """The reference side a forward pass's trace holds (every call replayed), and its metadata
+    (a decoding's trace opens with :func:`open_decode_reference`)."""
     data, store = open_trace(path)
     meta = meta_from_json(data)
     golden, no_golden = parse_golden_label(meta.golden)

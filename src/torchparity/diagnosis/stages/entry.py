@@ -1,17 +1,11 @@
 """Stage 5b of a diagnosis: where a divergence enters the container it was found in.
 
-Masks, positions and cache offsets are built once per forward by a parent (a stack of layers)
-and handed to every layer: a bug there makes the *parent* the first module whose local error
-breaks its budget, while each layer computes correctly on what it is given. To name the argument
-that carried the change in, B's parent is replayed once more on A's recorded inputs with every
-module inside captured. In the order they start, each one's inputs are compared with A's
-recorded ones: the first whose inputs differ, while every output that finished before it
-matched, takes the change in; it is followed down to the deepest module inside it that is
-handed the same differing value (the layer gets the mask, its attention uses it).
-
-At a step of a decoding the first divergent module's own arguments and the state it read (a
-cache) are compared with A's (:func:`argument_entry`).
-"""
+Masks, positions and cache offsets built once by a parent make the *parent* the first
+divergence while each layer computes right on what it is given. So B's parent is replayed on
+A's inputs with every module inside captured, and the first (in start order) whose inputs
+differ while every earlier output matched takes the change in, followed down to the deepest
+module handed the same value. At a decoding step, the module's arguments and state are
+compared with A's (:func:`argument_entry`)."""
 
 from __future__ import annotations
 
@@ -67,11 +61,9 @@ def find_entry(reference: Reference, matches: list[Match], rows: list[Row], mode
 
 def argument_entry(reference: StepReference, row: Row, calls_b: list[ModuleCall],
                    model: nn.Module, label: str) -> Entry | None:
-    """How the change gets into ``row``'s module at a step of a decoding (``label`` names
-    it): an argument whose value differs from A's by meaning, else the first state it read (a
-    cache, on the module or in an object it was handed) that holds other positions than A's,
-    else an argument only one side passes that reads otherwise in the other; when none
-    differs, the module's own code."""
+    """How the change gets into ``row``'s module at a decoding step: an argument that differs by
+    meaning, else the first state read that holds other positions, else an argument one side
+    alone passes; else the module's own code."""
     a = next((c for c in reference.calls if c.key == row.a_module), None)
     b = next((c for c in calls_b if c.key == row.module), None)
     if a is None or b is None:
@@ -135,9 +127,8 @@ def _replay_capturing(reference: Reference, match: Match, container: nn.Module,
 def _first_differing_input(reference: Reference, replayed: list[ModuleCall],
                            inside: dict[tuple[str, int], tuple[ModuleCall, Match]],
                            container: nn.Module) -> Entry | None:
-    """In start order, the first call whose inputs differ from A's while every output finished
-    before it matched; then the deepest call inside it that is handed the same differing value
-    (the layer gets the mask, its attention uses it)."""
+    """In start order, the first call whose inputs differ while every earlier output matched;
+    then the deepest call inside it handed the same value."""
     calls = sorted(replayed, key=lambda c: c.start)
     paired, seen = [], {}
     for call in calls:

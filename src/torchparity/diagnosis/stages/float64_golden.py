@@ -1,16 +1,9 @@
 """Stage 2 of a diagnosis: the float64 golden of model A.
 
-A itself, run in float64 on the CPU module by module (no float64 copy of it is made, see
-:class:`~torchparity.subject.blockwise.Float64Run`), runs the same seeded forward (and backward)
-as A, and gives the *golden* of each recorded call; A's own rounding error against it is the
-budget's measure.
-For local errors each recorded call is also replayed, on demand: the golden module fed A's
-recorded inputs gives the local golden, and with gradients A's and the golden's module are
-replayed backward from A's recorded output gradient.
-
-A decoding's golden is a float64 copy of A decoded along A's tokens (and parents), every step
-captured (:func:`add_decode_golden`).
-"""
+A itself, run in float64 on the CPU module by module (no copy, see ``Float64Run``), gives the
+golden of each recorded call; A's error against it measures the budget. For local errors
+each call is replayed on demand, forward and backward. A decoding's golden is a float64 copy
+of A decoded along A's tokens (:func:`add_decode_golden`)."""
 
 from __future__ import annotations
 
@@ -60,9 +53,8 @@ from torchparity.subject.trees import flatten_tensors
 
 
 def golden_model(model: nn.Module) -> tuple[nn.Module | None, str]:
-    """The model whose float64 run on the CPU, module by module, is the golden: ``model``
-    itself and a description of the golden used, or None and why there is none (it runs in
-    float64 already)."""
+    """The model whose float64 run is the golden, and a description of it; or None and why
+    (it runs in float64 already)."""
     dtype, _ = module_placement(model)
     if dtype == GOLDEN_DTYPE:
         return None, IN_FLOAT64
@@ -101,9 +93,8 @@ def add_golden(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
 
 def add_decode_golden(reference: DecodeReference, side: Side, opts: Options, bar: ProgressBar,
                       rebuild: Callable[[], nn.Module] | None = None) -> DecodeReference:
-    """Decode a float64 copy of A (``side``) along the reference's tokens and parents, every
-    step captured into its store. ``rebuild()`` makes A again when it cannot be deep-copied
-    into float64 (see :func:`~torchparity.diagnosis.core.reference.golden_copy`)."""
+    """Decode a float64 copy of A along the reference's tokens and parents, every step captured;
+    ``rebuild()`` makes A again where deepcopy fails."""
     store = reference.store
     golden, note = golden_copy(side.model, rebuild)
     described, no_golden = (None, note) if golden is None else (note, None)
@@ -162,10 +153,8 @@ def _in_float64(side: Side, copy: nn.Module) -> Side:
 
 def float64_departure(reference: Reference, model: nn.Module, inputs: Inputs,
                       opts: Options) -> Result | None:
-    """B's float64 output against A's float64 golden under float64 rounding, and that of the
-    narrower dtype one float64 run computes in where the other does not (its islands): whether B
-    computes other math than A even where no module leaves the noise of A's own dtype. None
-    when there is no golden or B cannot run in float64."""
+    """B's float64 output against A's float64 golden under float64 rounding (and its islands'):
+    whether B computes other math even below A's own noise. None without a golden or float64 B."""
     if not reference.has_golden:
         return None
     golden = {p: t for p, t in reference.store.get(FINAL, "golden_out").items() if p != "loss"}

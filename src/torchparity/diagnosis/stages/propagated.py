@@ -1,14 +1,9 @@
 """Stages 3 and 4 of a diagnosis: B aligned with A, and propagated errors, B's full run judged
 against the golden's.
 
-B runs once, whole; each aligned module's outputs (and output gradients, and direct parameter
-gradients) are compared, as they are produced, with the golden's full run under the budget A's
-own rounding earns, so only the tensors of calls still in flight are held. The final output
-and loss are judged the same way.
-
-At a step of a decoding B's calls are captured first (:func:`judge_captured`), then aligned and
-judged the same way against that step of the reference.
-"""
+B runs once, whole; each aligned module's outputs and gradients are judged as they are made,
+under the budget A's rounding earns, so only calls in flight are held. At a decoding step
+B's calls are captured first (:func:`judge_captured`)."""
 
 from __future__ import annotations
 
@@ -56,11 +51,8 @@ Pairing = Callable[[str], "tuple[tuple[ModuleCall, ...], tuple[str, ...]] | None
 
 def judge_propagated(reference: Reference, model: nn.Module, inputs: Inputs,
                      opts: Options, bar: ProgressBar) -> Propagated:
-    """Run B whole and judge each aligned module's outputs and gradients as they appear.
-
-    Calls are paired by (mapped) name while B runs, and B's calls are aligned with A's once
-    it has run; only when that alignment pairs calls by order or fusion, which names cannot
-    tell, does B run a second time with them judged."""
+    """Run B whole and judge each aligned module's outputs and gradients as they appear; B runs
+    again only where the alignment pairs by order or fusion, which names cannot tell."""
     translate = name_translator(opts.name_map)
     by_name: dict[str, ModuleCall] = {}
     for call in sorted(reference.calls, key=lambda c: c.order):
@@ -88,9 +80,8 @@ def judge_propagated(reference: Reference, model: nn.Module, inputs: Inputs,
 
 def judge_captured(reference: StepReference, calls_b: list[ModuleCall],
                    name_map: NameMap | None) -> tuple[Alignment, list[Row]]:
-    """B's calls captured at a step of a decoding, aligned with A's of that step: each aligned
-    module's outputs against the golden's with A's as the baseline, and (one to one) its
-    inputs against A's under the analytic budget of their dtype."""
+    """B's calls at a decoding step aligned with A's: outputs against the golden's, and (one to
+    one) inputs against A's under their dtype's analytic budget."""
     alignment = align(reference.calls, calls_b, name_map)
     rows = []
     for match in alignment.matches:

@@ -1,9 +1,6 @@
-"""Which compiler pass changed a compiled cell's numbers (``diagnose --compile --bisect``).
-
-:func:`bisect_cell` runs :func:`.engine.bisect` in a process of its own (the bisector keeps
-its state in globals and a status folder: nothing of it outlives that process) and returns
-its :class:`.engine.BisectOutcome`; :mod:`.report` says it in lines and JSON.
-"""
+"""Which compiler pass changed a compiled cell's numbers (``diagnose --compile --bisect``):
+:func:`bisect_cell` runs ``.engine.bisect`` in a child process (the bisector's globals die
+with it); ``.report`` says the outcome."""
 
 from __future__ import annotations
 
@@ -31,12 +28,11 @@ class BisectError(TorchParityError):
 
 
 def bisect_cell(entry: str, cell: Cell, *, repeats: int = 1) -> BisectOutcome:
-    """Run ``cell`` of ``entry`` (a zoo case name or ``file.py:factory``) and, when it
-    diverges, bisect the compiler with its verdict as the oracle, in a child process whose
-    progress lines pass through to this one's standard output.
+    """Run ``cell`` of ``entry`` and, when it diverges, bisect the compiler in a child process
+    whose progress lines pass through.
 
     Args:
-        entry: the zoo case or the model's factory.
+        entry: the zoo case or the model's factory (``file.py:factory``).
         cell: the compiled cell (backend, dtype, device, compile form).
         repeats: runs of each verdict that must agree (more than one where kernels are not
             deterministic).
@@ -48,9 +44,9 @@ def bisect_cell(entry: str, cell: Cell, *, repeats: int = 1) -> BisectOutcome:
         request, result = Path(folder) / "request.json", Path(folder) / "result.json"
         request.write_text(json.dumps({"entry": entry, "cell": dataclasses.asdict(cell),
                                        "repeats": repeats}))
-        with subprocess.Popen([sys.executable, "-m", "torchparity.diagnosis.pipelines.bisect.worker",
-                               str(request), str(result)], stdout=subprocess.PIPE,
-                              text=True) as child:
+        command = [sys.executable, "-m", "torchparity.diagnosis.pipelines.bisect.worker",
+                   str(request), str(result)]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as child:
             for line in child.stdout:  # its progress, as each run of the cell finishes
                 print(line, end="", flush=True)
         if child.returncode != 0 or not result.exists():

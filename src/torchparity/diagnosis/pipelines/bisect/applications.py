@@ -1,14 +1,10 @@
 """What each numbered application of an Inductor subsystem did, and on which graph.
 
-PyTorch's bisector numbers the applications of a subsystem within one compiled run: every
-pass that runs through ``GraphTransformObserver`` with a subsystem (``post_grad_passes`` runs
-its passes on the forward graph, then again on the backward), every aten node lowered to
-Inductor's IR (``lowerings``). Its answer is a subsystem and a number. :class:`Recorder` keeps,
-for the same numbering, the graph an application ran on and the FX nodes it rewrote, with the
-``original_aten`` op and the ``stack_trace`` the node carries from the user's code, so that
-the number can be named: ``post_grad_custom_post_pass (forward graph) rewrote aten.gelu at
-model.py:43``.
-"""
+The bisector numbers a subsystem's applications in a run (each pass through
+``GraphTransformObserver``, each aten node lowered) and answers a subsystem and a number.
+:class:`Recorder` keeps, by the same numbering, the graph and the FX nodes rewritten with
+their ``original_aten`` and ``stack_trace``, so the number is named:
+``post_grad_custom_post_pass (forward graph) rewrote aten.gelu at model.py:43``."""
 
 from __future__ import annotations
 
@@ -34,10 +30,8 @@ GRAPH_OF = {"pre_grad_passes": "pre-grad", "joint_graph_passes": "joint",
 
 @dataclass
 class Application:
-    """One application: ``subsystem`` and its ``number`` in the run, ``name`` (the pass, or
-    the op lowered), ``graph`` (``forward``, ``backward``, ``joint``, ``pre-grad``), and the
-    first node it rewrote: ``op`` (its target), ``original_aten`` and its user's source
-    ``file`` and ``line`` where the node kept them."""
+    """One application: its subsystem, number, name (pass or op), graph, and the first node it
+    rewrote with the user's file and line where kept."""
 
     subsystem: str
     number: int
@@ -77,9 +71,8 @@ def is_library(path: str) -> bool:
 
 
 def source_line(stack_trace: str | None) -> tuple[str, int, str] | None:
-    """The innermost frame of an FX node's ``stack_trace`` outside torch and torchparity
-    (:func:`is_library`): its file, line and code (the user's line that made the node), or
-    None when the node has none."""
+    """The innermost frame of a node's ``stack_trace`` outside torch and torchparity (file, line,
+    code), or None."""
     if not stack_trace:
         return None
     lines = stack_trace.strip().splitlines()
@@ -125,9 +118,8 @@ def describe_application(subsystem: str, number: int, name: str, graph: str | No
 
 
 class Recorder:
-    """Every numbered application of the runs made inside :meth:`watching`, numbered as the
-    bisector numbers them (each subsystem from 0 in every run: call :meth:`new_run` before
-    each); the last run that applied a number is the one kept for it."""
+    """Every numbered application of the runs inside :meth:`watching`, numbered as the bisector
+    does (call :meth:`new_run` before each run); the last run applying a number is kept."""
 
     def __init__(self) -> None:
         self.applications: dict[tuple[str, int], Application] = {}
@@ -149,9 +141,8 @@ class Recorder:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[Recorder]:
-        """The bisector's decision and Inductor's pass runner wrapped for the block (in the
-        bisection's own process): each decision numbered, each pass's graph compared before
-        and after it."""
+        """The bisector's decision and Inductor's pass runner wrapped for the block: each decision
+        numbered, each pass's graph compared before and after."""
         from torch._inductor.compiler_bisector import CompilerBisector
         from torch.fx.passes.graph_transform_observer import GraphTransformObserver
 

@@ -1,18 +1,11 @@
 """A compiled cell's divergence bisected by PyTorch's ``CompilerBisector``, in this process.
 
-The bisector (``torch._inductor.compiler_bisector``) runs its oracle again and again: first
-under each ``torch.compile`` backend in turn (``eager``: dynamo alone, ``aot_eager``,
-``aot_eager_decomp_partition``, its crossref, ``inductor``) until one fails, then with each of
-that backend's subsystems disabled until one makes it pass, then it bisects that subsystem's
-applications (the n-th pass run, the n-th node lowered) by enabling only the first n. Here the
-oracle is the cell's own verdict (:mod:`.oracle`), so only a change beyond the cell's budget
-counts as a failure.
-
-Its state is process-wide: class attributes, a counter, a status folder. :func:`bisect` is
-meant for a process of its own (:mod:`.worker`): it points the bisector at a temporary folder
-that it removes, and turns off the caches that would return a compiled graph without running
-its passes again (:data:`CACHES_OFF`).
-"""
+The bisector tries each ``torch.compile`` backend in turn (``eager`` ... ``inductor``) until
+one fails, then disables that backend's subsystems one by one until one makes it pass, then
+bisects that subsystem's applications (the n-th pass, the n-th node lowered). The oracle is
+the cell's own verdict (``.oracle``): only a change beyond the budget fails. Its state is
+process-wide, so :func:`bisect` runs in a process of its own (``.worker``), with a temporary
+status folder and the caches that would skip the passes off (:data:`CACHES_OFF`)."""
 
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchparity.diagnosis.pipelines.bisect.applications import Recorder
 from torchparity.diagnosis.pipelines.bisect.oracle import (
@@ -40,6 +33,9 @@ from torchparity.golden.cells import Cell, CheckResult
 from torchparity.subject.compiling import COMPILER_ENV
 from torchparity.text import wrapped
 
+if TYPE_CHECKING:  # inductor is imported only when a bisection runs
+    from torch._inductor.compiler_bisector import BisectionResult, CompilerBisector
+
 #: The caches turned off while bisecting, each of which would hand back a graph compiled
 #: before without running the passes and lowerings whose applications the bisector counts
 #: (dynamo's own cache is reset before every compile of a cell anyway).
@@ -53,23 +49,18 @@ UPPER_BOUND_PASSED = "Function succeeded with 'find_max_bounds'"
 
 @dataclass
 class BisectOutcome:
-    """A bisection's answer: ``backend`` (None when every backend passed), ``subsystem``,
-    ``name`` (the pass, the op lowered or the config set), its ``number``, and the
-    application's record (:class:`~.applications.Application` as a dict: graph, node, source
-    line); ``compiles`` (runs of the cell, the first one included), ``bound`` (the most it
-    could have taken, told before the bisection started), ``seconds``; and what the runs
-    compiled: ``graphs`` (dynamo's graphs, each compiled forward and backward),
-    ``recompiles`` and ``compile_seconds``."""
+    """A bisection's answer (``backend`` None: every backend passed), with its runs' cost and
+    what they compiled."""
 
     backend: str | None = None
     subsystem: str | None = None
-    name: str | None = None
+    name: str | None = None  # the pass, the op lowered or the config set
     number: int | None = None
-    application: dict[str, Any] | None = None
-    compiles: int = 0
-    bound: int = 0
+    application: dict[str, Any] | None = None  # an Application as a dict: graph, node, line
+    compiles: int = 0  # runs of the cell, the first one included
+    bound: int = 0  # the most it could take, told before it started
     seconds: float = 0.0
-    graphs: int = 0
+    graphs: int = 0  # dynamo's graphs, each compiled forward and backward
     recompiles: int = 0
     compile_seconds: float = 0.0
     caches_off: list[str] = field(default_factory=lambda: list(CACHES_OFF))
@@ -94,9 +85,8 @@ def _graphs(count: int) -> str:
 
 
 def upper_bound(applications: int) -> int:
-    """The most runs of the cell a bisection takes after the first: one per backend, one per
-    subsystem of a backend, one to count the applications, and a binary search over
-    ``applications`` (the most any subsystem had in the first run)."""
+    """The most runs a bisection takes after the first: one per backend and per subsystem, one to
+    count, and a binary search over ``applications``."""
     from torch._inductor.compiler_bisector import BACKENDS
 
     subsystems = max(len(listed) for listed in BACKENDS.values())
@@ -116,18 +106,16 @@ def caches_off() -> Iterator[None]:
 
 def bisect(entry: str, cell: Cell, *, repeats: int = 1,
            say: Callable[[str], None] | None = None) -> BisectOutcome:
-    """Run ``cell`` of ``entry`` (a zoo case or a factory) compiled; when it diverges, bisect
-    the compiler with the cell's verdict as the oracle (each verdict the same in ``repeats``
-    runs). ``say`` hears one line per run of the cell and the bound before the bisection
-    (default: printed to this process's standard output; the bisector's own narration is not).
+    """Run ``cell`` of ``entry`` compiled; when it diverges, bisect the compiler by its verdict.
+
+    ``say`` hears a line per run and the bound (default: printed). Each verdict must be the same
+    in ``repeats`` runs.
 
     Returns:
-        The :class:`BisectOutcome`; its ``backend`` is None when the cell passes (nothing to
-        bisect: the first run is the only one) or when every backend passed.
+        The :class:`BisectOutcome`; ``backend`` None when the cell passes or every backend did.
 
     Raises:
-        NotBisected: the verdict changed between runs (the bisector's upper-bound run passed,
-            or ``repeats`` runs disagreed).
+        NotBisected: the verdict changed between runs.
     """
     started = time.perf_counter()
     out = sys.stdout
@@ -206,7 +194,7 @@ def _bisected(oracle: Callable[[str], bool], folder: Path, recorder: Recorder,
     return outcome
 
 
-def _config_change(bisector: Any, result: Any) -> str | None:
+def _config_change(bisector: type[CompilerBisector], result: BisectionResult) -> str | None:
     """``field=value`` when the subsystem found is a config setting that made the cell pass
     (``emulate_precision_casts=True``), else None."""
     from torch._inductor.compiler_bisector import ConfigChange
@@ -219,7 +207,7 @@ def _config_change(bisector: Any, result: Any) -> str | None:
     return None
 
 
-def _state(bisector: Any) -> str:
+def _state(bisector: type[CompilerBisector]) -> str:
     """What the bisector enables in the coming run, in words."""
     from torch._inductor.compiler_bisector import ConfigChange
 

@@ -1,12 +1,9 @@
 """The bisection's oracle: one compiled cell of the check, judged as the check judges it.
 
-A run passes when every output of the cell (forward outputs, loss, gradients, decoding) is
-within its budget: the cell's run against the float64 golden, with the ``manual`` backend run
-eagerly in the same dtype as the baseline (:mod:`torchparity.golden.check_loop`). So
-Inductor's legitimate reorderings and fusions pass, and only a change of the math fails. A
-zoo case is judged against its committed goldens; a user's model against float64 goldens made
-from its factory at the start, in a folder of the bisection's own.
-"""
+A run passes when every output of the cell is within its budget against the float64 golden,
+the eager ``manual`` backend in the same dtype the baseline (``golden.check_loop``), so only a
+change of the math fails. A zoo case is judged against its committed goldens; a user's model
+against float64 goldens made from its factory at the start, in the bisection's own folder."""
 
 from __future__ import annotations
 

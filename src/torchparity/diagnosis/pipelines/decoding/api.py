@@ -16,7 +16,6 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -79,6 +78,7 @@ from torchparity.subject.decoding import (
 )
 from torchparity.subject.running import check_models, in_dtype
 from torchparity.subject.sampling import SampleSettings
+from torchparity.subject.trees import PyTree
 from torchparity.text import with_article
 
 __all__ = ["DecodeOptions", "decode_against", "diagnose_decode", "diagnose_decode_against",
@@ -107,7 +107,7 @@ class DecodeOptions(Options):
 def diagnose_decode(
     model_a: nn.Module,
     model_b: nn.Module | None,
-    inputs: Any,
+    inputs: PyTree,
     *,
     step: StepFn | None = None,
     step_b: StepFn | None = None,
@@ -191,7 +191,7 @@ def diagnose_decode(
 @with_older_objects_frozen
 def record_decode(
     model: nn.Module,
-    inputs: Any,
+    inputs: PyTree,
     path: str | Path,
     *,
     step: StepFn | None = None,
@@ -256,7 +256,7 @@ def record_decode(
 def diagnose_decode_against(
     path: str | Path,
     model: nn.Module,
-    inputs: Any,
+    inputs: PyTree,
     *,
     step: StepFn | None = None,
     name_map: NameMap | None = None,
@@ -288,7 +288,7 @@ def diagnose_decode_against(
         reorder=reorder))
 
 
-def decode_against(path: str | Path, model: nn.Module, inputs: Any,
+def decode_against(path: str | Path, model: nn.Module, inputs: PyTree,
                    options: DecodeOptions) -> DecodeReport:
     """:func:`diagnose_decode_against` with its settings in ``options`` (``more_ops``: see
     :class:`Options`)."""
@@ -447,8 +447,8 @@ def _needs_float64(reference: DecodeReference, logits: list[torch.Tensor]) -> bo
                for a, b in zip(reference.logits, logits, strict=True))
 
 
-def _prompt(inputs: Any, beams: BeamSettings | None, sample: SampleSettings | None,
-            tokens: torch.Tensor | None, cut: bool = False) -> Any:
+def _prompt(inputs: PyTree, beams: BeamSettings | None, sample: SampleSettings | None,
+            tokens: torch.Tensor | None, cut: bool = False) -> PyTree:
     """The prompt a decoding runs: expanded to its beams in a beam search."""
     if sample is not None and (beams is not None or tokens is not None):
         raise UsageError("sampling chooses its own tokens, without beams; give one of tokens, "

@@ -23,7 +23,7 @@ from torchparity.diagnosis.core.results import Entry, Result
 from torchparity.diagnosis.core.state import own_state
 from torchparity.diagnosis.pipelines.decoding.judging import FlipKind, flip_verdict, step_budget
 from torchparity.subject.beams import BeamSearch, BeamStep, Hypothesis, pool, rescored
-from torchparity.subject.trees import flatten_tensors
+from torchparity.subject.trees import PyTree, flatten_tensors
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def reorder_entry(side: Side, reference: DecodeReference, step: int, module: str
     stale: list[tuple[str, str]] = []
     reorder, calls = side.reorder, 0
 
-    def checking(state: Any, index: torch.Tensor) -> Any:
+    def checking(state: PyTree, index: torch.Tensor) -> PyTree:
         nonlocal calls
         calls += 1
         if calls != step:
@@ -178,7 +178,7 @@ def reorder_entry(side: Side, reference: DecodeReference, step: int, module: str
     return Entry(f"{module} @ step {step}", path, detail, via="reorder"), notes
 
 
-def state_tensors(model: nn.Module, state: Any) -> dict[str, torch.Tensor]:
+def state_tensors(model: nn.Module, state: PyTree) -> dict[str, torch.Tensor]:
     """Every tensor of a decoding's state by path: in what the step returned (``state.…``)
     and on the model's modules (buffers left out)."""
     found = {p: t for p, t in _walk_objects(state, "state")}
@@ -190,7 +190,7 @@ def state_tensors(model: nn.Module, state: Any) -> dict[str, torch.Tensor]:
     return found
 
 
-def _walk_objects(value: Any, path: str, depth: int = 0):
+def _walk_objects(value: PyTree, path: str, depth: int = 0):
     if isinstance(value, torch.Tensor):
         yield path, value
     elif isinstance(value, nn.Module) or depth > 4:

@@ -1,13 +1,7 @@
-"""Judging a sampled decoding: per sequence, the first step where B, given A's uniform, draws
-another token than A, and whether that is a near tie.
-
-Every side is fed A's samples, so at every step B's processed distribution is A's up to what
-B computes; B draws with the same uniform ``u`` (:mod:`~torchparity.subject.sampling`). A
-changed draw means a boundary of the cumulative distribution between A's token and B's moved
-across ``u``. It is a ``near tie`` when ``u`` lies within the step's noise budget, carried to
-probabilities (:func:`~torchparity.subject.sampling.probability_noise`), of that boundary in
-A's distribution: legitimate noise can move it that far. Otherwise it is a ``real change``.
-"""
+"""Judging a sampled decoding: per sequence, the first step where B, given A's uniform ``u``,
+draws another token than A, and whether that is a near tie: ``u`` lies within the step's
+noise budget, carried to probabilities (``sampling.probability_noise``), of the boundary
+that moved; else a real change."""
 
 from __future__ import annotations
 
@@ -28,9 +22,8 @@ from torchparity.subject.sampling import (
 
 def first_changed_draws(reference: DecodeReference, logits: list[torch.Tensor],
                         steps: list[Result], settings: SampleSettings) -> list[Flip]:
-    """Per sequence, the first step whose draw from B's logits differs from A's, as a
-    :class:`Flip` whose ``margin`` is the distance of the uniform from the boundary that
-    moved, ``change`` how far B moved it, and ``budget`` the step's budget in probability."""
+    """Per sequence, the first step whose draw from B's logits differs from A's, as a :class:`Flip`
+    (margin: the uniform's distance from the boundary; budget in probability)."""
     rows = logits[0].shape[0]
     u = uniforms(settings.seed, len(logits), rows)
     changed = []

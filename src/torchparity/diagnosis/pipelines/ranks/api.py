@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
 
 from torchparity.diagnosis.core.run import GOLDEN_DTYPE, default_loss
 from torchparity.diagnosis.core.trace import check_recorded_inputs
 from torchparity.diagnosis.pipelines.ranks.judging import (
+    CallParts,
     GradVerdict,
     Judge,
     first_divergence,
@@ -42,7 +43,9 @@ from torchparity.diagnosis.pipelines.ranks.runs import RankRun, sharded_run, who
 from torchparity.diagnosis.stages.capture_a import open_reference
 from torchparity.distributed import group
 from torchparity.subject import Subject
-from torchparity.subject.trees import flatten_tensors
+from torchparity.subject.trees import PyTree, flatten_tensors
+
+T = TypeVar("T")
 
 NO_BACKWARD = "Gradients are not judged (--no-backward)."
 PAST_A_DIVERGENCE = ("Gradients are not judged past a forward divergence: each one inherits "
@@ -58,7 +61,7 @@ def diagnose_across_ranks(trace: Path, subject: Subject, *, backward: bool = Tru
     dtype = meta.dtype or _dtype_of(subject)
     with_grads = backward and meta.backward
 
-    def loss(output: Any, inputs: Any) -> torch.Tensor:
+    def loss(output: PyTree, inputs: PyTree) -> torch.Tensor:
         if subject.loss_fn is not None:
             return subject.loss_fn(output, inputs)
         return default_loss(output, inputs, reference.padding)
@@ -87,7 +90,7 @@ def diagnose_pair_across_ranks(subject_a: Subject, subject_b: Subject, entry_a: 
     rank; rank 0's report, None elsewhere. Every rank must call it."""
     inputs = subject_a.inputs
 
-    def loss(output: Any, cast: Any) -> torch.Tensor | str:
+    def loss(output: PyTree, cast: PyTree) -> torch.Tensor | str:
         return subject_a.loss(output, cast, flatten_tensors(output))
 
     def run(subject: Subject, dtype: torch.dtype, label: str) -> RankRun:
@@ -122,7 +125,7 @@ def _say_grads(report: RankReport, grads: tuple[int, RankDivergence | None] | No
         report.grads_judged, report.first_grad_divergence = grads
 
 
-def _streamed(keys: list[str], held: Callable[[str], Any], judge: Judge
+def _streamed(keys: list[str], held: Callable[[str], CallParts], judge: Judge
               ) -> tuple[int, RankDivergence | None]:
     """The first divergence over the calls of ``keys`` that every rank made, judged one at a
     time on rank 0. Every rank must call it."""
@@ -134,13 +137,13 @@ def _agreed(keys: list[str]) -> list[str]:
     rank, so that every rank makes the same collectives in the same order."""
     import torch.distributed as dist
 
-    everyone: list[Any] = [None] * group.world_size()
+    everyone: list[list[str] | None] = [None] * group.world_size()
     dist.all_gather_object(everyone, keys)
     others = [set(rank) for rank in everyone[1:]]
     return [key for key in everyone[0] if all(key in rank for rank in others)]
 
 
-def _said_by_rank_zero(value: Any) -> Any:
+def _said_by_rank_zero(value: T) -> T:
     """Rank 0's ``value`` (a small object), on every rank."""
     import torch.distributed as dist
 
@@ -170,7 +173,7 @@ def _dtype_of(subject: Subject) -> torch.dtype:
     return next((p.dtype for p in subject.model.parameters()), torch.float32)
 
 
-def _at_rank_zero(value: Any) -> list[Any] | None:
+def _at_rank_zero(value: T) -> list[T] | None:
     """Every rank's ``value`` in rank order on rank 0; None on the other ranks."""
     import torch.distributed as dist
 

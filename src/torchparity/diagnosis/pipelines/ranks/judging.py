@@ -1,21 +1,14 @@
-"""Judging a diagnosis across ranks: each module call's output on every rank against A's (a
-trace's whole output, or each rank's own of A sharded alike), one call at a time as the ranks
-stream them to rank 0 (:func:`first_divergence`), and each module's parameter gradients, each
-rank its own shards against A's and the golden's, with the budgets a propagated error gets in
-a diagnosis in one process.
-
-Ranks that run a replicated computation on the same inputs compute the same bits, so where
-A's copies agree on every rank, B's must too: a copy that differs at all (a replicated norm
-whose weights drifted on one rank, a gradient reduced on one rank only) is a divergence of its
-own, however small.
-"""
+"""Judging a diagnosis across ranks: each call's outputs on every rank against A's, one call
+at a time as ranks stream them to rank 0, and each rank's parameter-gradient shards against
+A's and the golden's, with a propagated error's budgets. Replicated ranks compute the same
+bits, so where A's copies agree on every rank, a B copy that differs at all (drifted norm
+weights, a gradient reduced on one rank) is a divergence of its own."""
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -31,10 +24,12 @@ from torchparity.subject.padding import Padding
 
 #: One rank's A, golden and B tensors of one call.
 RankTensors = tuple[Tensors, Tensors, Tensors]
-#: Every rank's value of one call, in rank order on rank 0; None on the other ranks.
-Gather = Callable[[Any], "list[Any] | None"]
+#: One rank's tensors of one call: B's (against a trace), or A's, the golden's and B's.
+CallParts = Tensors | RankTensors
+#: Every rank's parts of one call, in rank order on rank 0; None on the other ranks.
+Gather = Callable[[CallParts], "list[CallParts] | None"]
 #: One call (its key) judged from every rank's tensors of it; None: not judged.
-Judge = Callable[[str, list[Any]], "Judged | None"]
+Judge = Callable[[str, list[CallParts]], "Judged | None"]
 
 
 @dataclass
@@ -48,16 +43,14 @@ class Judged:
     copies: list[Tensors] | None
 
 
-def first_divergence(keys: list[str], held: Callable[[str], Any], judge: Judge,
+def first_divergence(keys: list[str], held: Callable[[str], CallParts], judge: Judge,
                      gather: Gather, stop: Callable[[bool], bool]
                      ) -> tuple[int, RankDivergence | None]:
-    """How many calls were judged, and the first (in finishing order) that diverges on some
-    rank, or whose replicated copies differ between ranks (:func:`_divergence`), as rank 0
-    sees them. Every rank walks ``keys`` (the calls every rank made, in finishing order)
-    together, one call at a time: each gives its tensors of the call (``held(key)``), rank 0
-    gathers them (``gather``) and judges them (``judge``), and every rank stops where rank 0
-    says (``stop``): at the first divergence. So rank 0 holds one call of every rank's at a
-    time, never every rank's outputs."""
+    """How many calls were judged, and the first (in finishing order) that diverges on some rank
+    or whose copies differ between ranks, as rank 0 sees them.
+
+    Every rank walks ``keys`` together: each gives its parts of a call (``held``), rank 0
+    gathers and judges them, and all stop where rank 0 says; rank 0 holds one call at a time."""
     judged, first = 0, None
     for key in keys:
         was_judged, first = _verdict(key, held, judge, gather, stop)
@@ -67,11 +60,10 @@ def first_divergence(keys: list[str], held: Callable[[str], Any], judge: Judge,
     return judged, first
 
 
-def _verdict(key: str, held: Callable[[str], Any], judge: Judge, gather: Gather,
+def _verdict(key: str, held: Callable[[str], CallParts], judge: Judge, gather: Gather,
              stop: Callable[[bool], bool]) -> tuple[bool, RankDivergence | None]:
-    """Whether rank 0 judged call ``key`` (never on another rank), and the divergence it
-    shows; every rank's tensors of the call are dropped on return, before the next call's
-    are gathered."""
+    """Whether rank 0 judged call ``key``, and the divergence it shows; the call's tensors are
+    dropped before the next call's are gathered."""
     everyone = gather(held(key))
     try:
         call = None if everyone is None else judge(key, everyone)
@@ -96,9 +88,8 @@ def _divergence(call: Judged) -> RankDivergence | None:
 
 def judged_against_trace(reference: Reference, a: ModuleCall, parts: list[Tensors]
                          ) -> Judged | None:
-    """A's recorded call ``a`` on every rank (``parts``, each rank's whole outputs of it in
-    rank order), B's outputs as A's whole ones (:func:`_as_a_sees_them`) judged against the
-    trace's, with its budgets; None where no output stands for A's."""
+    """A's recorded call ``a`` against every rank's B outputs as A's whole ones, with its budgets;
+    None where no output stands for A's."""
     candidates = _as_a_sees_them(parts, a.output_shapes)
     if not candidates:
         return None
@@ -109,10 +100,8 @@ def judged_against_trace(reference: Reference, a: ModuleCall, parts: list[Tensor
 
 def judged_against_a(module: str, module_type: str, parts: list[RankTensors], padding: Padding
                      ) -> Judged | None:
-    """One call of ``module`` on every rank (``parts``, each rank's whole outputs of A, the
-    golden and B in rank order), each rank's B judged against that rank's A and golden in one
-    layout (:func:`_in_one_layout`; None where they fit none); an output whose copies are
-    alike on every rank of A is one B must compute alike too."""
+    """One call of ``module`` on every rank, each rank's B against its A and golden in one layout
+    (None: none fits); an output alike on every rank of A must be alike in B."""
     sides = _in_one_layout(*(list(side) for side in zip(*parts, strict=True)))
     if sides is None:
         return None
@@ -125,10 +114,8 @@ def judged_against_a(module: str, module_type: str, parts: list[RankTensors], pa
 
 def _in_one_layout(a_parts: list[Tensors], golden_parts: list[Tensors], b_parts: list[Tensors]
                    ) -> list[RankTensors] | None:
-    """Per rank, A's, the golden's and B's output tensors of one call in one layout: as they
-    are where each rank's A and B have one shape; where one side holds slices of the other's
-    whole along one dimension (one plan keeps a column-parallel output local, the other
-    gathers it), those slices joined in rank order. None where a tensor fits neither."""
+    """Per rank, A's, the golden's and B's outputs of one call in one layout: as they are where
+    shapes match, or one side's slices joined in rank order; None where a tensor fits neither."""
     if any(a.keys() != b.keys() for a, b in zip(a_parts, b_parts, strict=True)):
         return None
     sides: list[RankTensors] = [({}, {}, {}) for _ in a_parts]
@@ -164,9 +151,8 @@ def ranks_differ(candidates: list[Tensors], what: str = "output") -> RanksDiffer
 
 def _as_a_sees_them(parts: list[Tensors], shapes: dict[str, tuple[int, ...]]
                     ) -> list[Tensors]:
-    """Each rank's output tensors that stand for A's: those of A's shape as they are, and
-    slices of A's along one dimension joined in rank order (the same for every rank); empty
-    when none does."""
+    """Each rank's outputs that stand for A's: those of A's shape, and slices joined in rank
+    order; empty when none does."""
     candidates: list[Tensors] = [{} for _ in parts]
     for path, shape in shapes.items():
         tensors = [rank.get(path) for rank in parts]
@@ -222,9 +208,8 @@ def judged_grads(a: RankRun, golden: RankRun, b: RankRun) -> list[GradVerdict]:
 
 
 def judged_grads_against_trace(reference: Reference, b: RankRun) -> list[GradVerdict]:
-    """This rank's verdict on each module's parameter gradients, B's shards against this
-    rank's shards of A's and the golden's whole ones in the trace, cut as B's are (one the
-    trace keeps sketched, being big, is not judged), in backward order."""
+    """This rank's verdict on each module's gradients, B's shards against A's and the golden's cut
+    alike from the trace (sketched ones not judged), in backward order."""
     def sides(module: str) -> tuple[Tensors, Tensors] | None:
         key = call_key(module, 0)
         a = reference.store.get(key, "param_grad")
@@ -241,9 +226,8 @@ def judged_grads_against_trace(reference: Reference, b: RankRun) -> list[GradVer
 
 def _grad_verdicts(b: RankRun, sides: Callable[[str], tuple[Tensors, Tensors] | None]
                    ) -> list[GradVerdict]:
-    """B's verdict on each module's gradients against ``sides(module)`` (A's and the
-    golden's, as this rank holds them; None: not judged), in the order a backward reaches
-    the modules (the latest to start first)."""
+    """B's verdict on each module's gradients against ``sides(module)`` (None: not judged), the
+    latest to start first."""
     verdicts = []
     for module in sorted(b.grads, key=lambda name: -b.starts.get(name, 0)):
         found = sides(module)
@@ -259,9 +243,8 @@ def _grad_verdicts(b: RankRun, sides: Callable[[str], tuple[Tensors, Tensors] | 
 
 def first_grad_divergence(everyone: list[list[GradVerdict]]
                           ) -> tuple[int, RankDivergence | None, str | None]:
-    """How many modules' gradients every rank judged, and the first (in backward order) that
-    diverges on some rank, or else the first whose gradients agree on every rank of A but
-    not of B (only its name: how far they differ takes B's gradients of it)."""
+    """How many modules' gradients were judged, and the first that diverges on some rank, else
+    the first alike on every rank of A but not of B (only its name)."""
     count = 0
     for verdict in everyone[0]:
         found = [next((v for v in rank if v.module == verdict.module), None)

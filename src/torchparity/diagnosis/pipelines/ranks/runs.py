@@ -19,7 +19,7 @@ from torchparity.distributed import group, sharding, slices
 from torchparity.distributed.slices import Slice, Slices
 from torchparity.subject import Subject
 from torchparity.subject.running import call_model, cast_inputs, is_dtensor, local_part
-from torchparity.subject.trees import flatten_tensors, map_tensors
+from torchparity.subject.trees import PyTree, flatten_tensors, map_tensors
 
 #: One call's (or one module's parameters') tensors by path.
 Tensors = dict[str, torch.Tensor]
@@ -51,7 +51,7 @@ class RankRun:
         return next((kind for name, kind in self.calls.values() if name == module), "")
 
 
-def sharded_run(subject: Subject, dtype: torch.dtype, inputs: Any, label: str,
+def sharded_run(subject: Subject, dtype: torch.dtype, inputs: PyTree, label: str,
                 loss: Loss | None = None) -> RankRun:
     """``subject`` in ``dtype`` sharded by its plan (each rank its part), run forward on
     ``inputs`` with every module's outputs kept, and backward from ``loss`` when given."""

@@ -1,14 +1,10 @@
 """Alignment of two op streams from different code, as sequences.
 
-Two revisions of one module run different ops: some inserted or removed, some reordered, some
-fused (``gelu(x, approximate="tanh")`` for ``gelu(x)``, one ``addmm`` for three, a ``cat`` for
-a write into a preallocated buffer). The streams are aligned as sequences (the best-scoring
-monotone pairing, then a pass for ops that moved), scored on what makes two steps the same
-computation: the op, the shapes and dtypes of inputs and outputs, the dataflow (inputs made by
-steps already paired), the values (B runs on A's inputs, so a same computation gives close
-values) and, weakly, the source text. Whatever the lengths, every step ends up paired, only in
-A or only in B; a paired op's non-tensor arguments that differ are named.
-"""
+Two revisions run different ops: inserted, removed, reordered or fused (``addmm`` for three
+ops, ``cat`` for a write into a buffer). The streams are aligned as the best monotone pairing,
+then a pass for moved ops, scored on the op, shapes and dtypes, dataflow, values (B runs on
+A's inputs) and weakly the source text. Every step ends paired or one-sided; a paired op's
+differing non-tensor arguments are named."""
 
 from __future__ import annotations
 
@@ -83,9 +79,8 @@ def _text(value: object) -> str:
 
 
 def _shown(left: str, right: str) -> tuple[str, str]:
-    """Two differing arguments as a report writes them: a float that is a float32 exactly
-    (an ``eps`` torch casts before the op sees it) by the shortest text that reads back as
-    that float32, unless that would make the two read alike."""
+    """Two differing arguments as a report writes them: a float that is exactly a float32 (an
+    ``eps``) by its shortest float32 text, unless the two would then read alike."""
     short = _shortest_float32(left), _shortest_float32(right)
     return (left, right) if short[0] == short[1] else short
 

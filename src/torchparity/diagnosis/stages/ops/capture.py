@@ -1,19 +1,11 @@
 """Op capture inside one module call: the aten operations its own code runs, in order.
 
-A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every operation below
-autograd under its aten name, whatever Python spelled it (``x * y``, ``torch.mul``,
-``x.mul_``): two revisions that write one computation differently still meet on the same
-names, and in-place writes into a buffer (a cache slot) are operations too, which a
-``__torch_function__`` mode would see only as ``__setitem__``. A call of a child module is one
-step of the stream, judged as the child: the ops inside it are its own diagnosis's business.
-Each step keeps its inputs as they were when it ran (copies: an in-place op changes them;
-a local error replays the op on them), its outputs (once the call's kept outputs pass
-:data:`KEPT_WHOLE_BYTES`, a floating output past the sketching threshold as its
-:class:`~torchparity.sketching.Sketch`, seeded by its place among the step's outputs so that
-every side's sketches compare), which earlier step made each input (the
-dataflow the alignment follows) and where in the user's code it ran (frames outside torch and
-torchparity, innermost first).
-"""
+A ``TorchDispatchMode`` sees every op below autograd by its aten name, however Python spelled
+it, in-place writes into a buffer included. A child module's call is one step, judged as the
+child. Each step keeps its inputs as they were when it ran (copies), its outputs (past
+:data:`KEPT_WHOLE_BYTES`, big floating ones as sketches seeded by their place, so every
+side's compare), which earlier step made each input (the dataflow the alignment follows),
+and its user frames outside torch and torchparity, innermost first."""
 
 from __future__ import annotations
 
@@ -39,6 +31,7 @@ import torchparity
 from torchparity import sketching
 from torchparity.comparison.selection import PaddingSpec, left_out_of
 from torchparity.sketching import Sketch, wants_sketch
+from torchparity.subject.trees import PyTree
 
 __all__ = ["Frame", "Step", "capture_steps", "capturing_first_call"]
 
@@ -112,9 +105,8 @@ class Step:
 
 def capture_steps(module: nn.Module, args: tuple, kwargs: dict, *, children: bool = True,
                   padding: PaddingSpec = None) -> list[Step]:
-    """Run ``module(*args, **kwargs)`` without gradients and return the steps its own code ran
-    (``children=False``: every op at any depth, no child module a step of its own;
-    ``padding``: the positions the judgement leaves out, zeros in a sketched output)."""
+    """The steps ``module(*args, **kwargs)``'s own code runs, without gradients (``children=False``:
+    every op at any depth; ``padding``: zeros in a sketched output)."""
     recorder = OpRecorder(module if children else nn.Module(), sys._getframe(),
                          padding=padding)
     with torch.no_grad(), recorder:
@@ -139,7 +131,7 @@ def capturing_first_call(module: nn.Module, into: list[Step]) -> Iterator[None]:
             recorder.append(OpRecorder(module, sys._getframe(1)))
             recorder[0].__enter__()
 
-    def leaving(_module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
+    def leaving(_module: nn.Module, _args: tuple, _kwargs: dict, output: PyTree) -> None:
         if recorder and not into:
             recorder[0].__exit__(None, None, None)
             recorder[0].remove_hooks()
@@ -157,7 +149,7 @@ def capturing_first_call(module: nn.Module, into: list[Step]) -> Iterator[None]:
             handle.remove()
 
 
-def detached_copy(value: Any) -> Any:
+def detached_copy(value: PyTree) -> PyTree:
     """``value`` with every tensor copied (detached)."""
     return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, value)
 
@@ -213,7 +205,7 @@ class OpRecorder(TorchDispatchMode):
                                             self._producers((args, kwargs)), self._stack()))
         return hook
 
-    def _leaving(self, _module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> None:
+    def _leaving(self, _module: nn.Module, _args: tuple, _kwargs: dict, output: PyTree) -> None:
         if self.depth == 1:
             self._add(self.pending.pop(), output, {})
         self.depth -= 1
@@ -238,7 +230,7 @@ class OpRecorder(TorchDispatchMode):
                   _scalars(func, args, kwargs), [t._base for t in written if t._base is not None])
         return output
 
-    def _add(self, called: _Called, output: Any, scalars: dict[str, Any],
+    def _add(self, called: _Called, output: PyTree, scalars: dict[str, Any],
              written: list[torch.Tensor] = ()) -> None:
         """The step ``called`` that returned ``output`` (and wrote into the buffers
         ``written`` through views), its outputs kept."""
@@ -254,9 +246,8 @@ class OpRecorder(TorchDispatchMode):
                                called.kwargs, outputs, called.producers, called.stack, scalars))
 
     def _kept(self, path: str, tensor: torch.Tensor) -> torch.Tensor | Sketch:
-        """An output as a step keeps it: a copy, or past the threshold a sketch seeded by its
-        path (the same in A's, B's and the golden's steps: their sketches compare), made with
-        the positions the judgement leaves out at zero, as judging expects."""
+        """An output as a step keeps it: a copy, or past the threshold a sketch seeded by its path
+        (so sides compare), its left-out positions at zero."""
         if self.kept_bytes < KEPT_WHOLE_BYTES or not wants_sketch(tensor):
             self.kept_bytes += tensor.numel() * tensor.element_size()
             return tensor.detach().clone()
@@ -264,7 +255,7 @@ class OpRecorder(TorchDispatchMode):
         return sketching.sketch(sketching.masked(tensor.detach(), left_out and left_out.mask),
                                 path)
 
-    def _producers(self, value: Any) -> tuple[int | None, ...]:
+    def _producers(self, value: PyTree) -> tuple[int | None, ...]:
         """For each tensor in ``value``, the step that made it or last wrote into it (or into
         the buffer it views)."""
         found = []
@@ -277,10 +268,9 @@ class OpRecorder(TorchDispatchMode):
         return tuple(found)
 
     def _stack(self) -> tuple[Frame, ...]:
-        """The frames of user code from here out to the module's call, innermost first; in a
-        backward pass, those of the backward's own code (a custom ``autograd.Function``'s
-        ``backward`` is the user's: its line is where its gradient is computed), then those
-        of the forward op that made the running node (recorded under anomaly detection)."""
+        """The user frames from here out to the module's call, innermost first; in a backward, the
+        backward's own (a custom ``Function.backward`` is the user's), then the forward op's that
+        made the running node (under anomaly detection)."""
         frames = []
         frame = sys._getframe(2)
         while frame is not None and frame is not self.anchor:
@@ -325,9 +315,8 @@ def _is_user_code(path: str) -> bool:
 
 
 def display_path(path: str) -> str:
-    """A source path as a report names it: an installed package's file by its place in the
-    package (``transformers/models/gpt2/modeling_gpt2.py``, as its import names it, whatever
-    the environment's prefix), any other relative to the working directory below it."""
+    """A source path as a report names it: an installed package's file from the package
+    (``transformers/models/...``), another relative to the working directory."""
     installed = max((d for d in _installed_dirs() if path.startswith(d)), key=len, default=None)
     if installed is not None:
         return path[len(installed):]

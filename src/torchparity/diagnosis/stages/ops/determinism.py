@@ -1,14 +1,10 @@
 """The determinism probe: which ops give other outputs when the same model runs again.
 
-The model runs three times on the same inputs with every op captured (any depth): twice as it
-is (no seed set in between: a dropout without a generator draws anew), then once under another
-thread count (reductions split otherwise). An op is named where a difference *enters*: its
-inputs were bit-equal to the first run's and its outputs are not; the ops after it only carry
-it. A run-to-run difference is nondeterminism (a seedless dropout, a nondeterministic
-scatter); one under another thread count is rounding, noise the budgets must allow.
-:func:`run_to_run_spreads` measures the first kind step by step, for the op drill-down's
-budgets.
-"""
+The model runs three times with every op captured: twice as it is (no reseed: a seedless
+dropout draws anew), then under another thread count (reductions split otherwise). An op is
+named where a difference enters (inputs bit-equal, outputs not). A run-to-run difference is
+nondeterminism; one under threads is rounding, which budgets must allow.
+:func:`run_to_run_spreads` measures the first kind for the drill-down's budgets."""
 
 from __future__ import annotations
 
@@ -29,9 +25,8 @@ __all__ = ["Determinism", "probe_determinism", "run_to_run_spreads"]
 
 @dataclass
 class Determinism:
-    """Where two runs of one model part: ``between_runs`` and ``under_threads`` list the steps
-    where a difference enters (of the second run; of the run under ``threads`` threads, those
-    not already in the first list)."""
+    """Where two runs of one model part: the steps where a difference enters between runs, and
+    under ``threads`` threads (those not already listed)."""
 
     between_runs: list[Step]
     under_threads: list[Step]
@@ -82,9 +77,8 @@ def probe_determinism(model: nn.Module, inputs: Inputs, threads: int | None = No
 
 
 def _entries(first: list[Step], again: list[Step]) -> list[Step]:
-    """The steps of ``again`` whose outputs differ from ``first``'s while their inputs do not
-    (step by step: the same code runs the same ops). Uninitialised memory (``empty``) is no
-    difference: what is written into it is."""
+    """The steps of ``again`` whose outputs differ from ``first``'s while their inputs do not;
+    uninitialised memory is no difference."""
     found = []
     for a, b in zip(first, again, strict=False):
         if a.name != b.name:
@@ -102,9 +96,8 @@ def _entries(first: list[Step], again: list[Step]) -> list[Step]:
 
 
 def run_to_run_spreads(first: list[Step], again: list[Step]) -> dict[int, float]:
-    """Per step of ``first`` whose outputs differ in ``again`` (the same call run twice), the
-    largest difference in the forward metric: where it enters and every step that carries it.
-    The two runs are paired step by step up to where the code took another path."""
+    """Per step whose outputs differ in ``again``, the largest difference in the forward metric,
+    the runs paired step by step up to where the code took another path."""
     metric = tolerance.kind_tolerance("forward").metric
     spreads = {}
     for a, b in zip(first, again, strict=False):

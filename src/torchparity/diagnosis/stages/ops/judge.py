@@ -1,16 +1,11 @@
 """A verdict per op from the tolerance model, and the op where the divergence enters.
 
-Each paired step gets two results. *local*: B's op applied to A's op inputs against the golden
-op (A's, in float64) on the same inputs, with A's own output as the baseline: the error the
-op makes itself. *prop.*: B's output in B's replay of the module against the golden module's
-(A in float64), A's as the baseline: what the op carries. The answer is the first step, in
-B's order, that is paired and whose local error leaves its budget, or whose output leaves it
-while every input it reads agrees (an in-place write into the wrong slot of a buffer: the
-value written is right, the buffer is not), or that is on one side only and whose consumers'
-outputs leave their budgets. An input no step of the stream made (the module's arguments, a
-weight, a tensor the forward saved for a backward op) is judged itself against the golden's:
-an op whose output diverges only because such an input does inherited the error.
-"""
+Each paired step gets a *local* result (B's op on A's op inputs against the golden op, A's
+output the baseline) and a *prop.* one (B's output in B's replay against the golden's). The
+answer is the first step in B's order that is paired and whose local error leaves its budget,
+or whose output leaves it while its inputs agree (an in-place write into the wrong slot), or
+that one side alone runs and whose consumers leave theirs. An input no step made (an
+argument, a weight, a saved tensor) is judged itself: an op fed a divergent one inherits."""
 
 from __future__ import annotations
 
@@ -50,12 +45,10 @@ class OpLine:
 def judge_ops(pairs: list[Pair], golden: dict[int, Step], padding: PaddingSpec = None, *,
               module_diverged: bool = True, spreads: dict[int, float] | None = None
               ) -> tuple[list[OpLine], int | None]:
-    """Each pair judged (``golden``: A's step index -> the golden's step; ``padding``: the
-    module's, left out of every judgement), and the index of the line where the divergence
-    enters (None when no op explains it). ``module_diverged``: whether the module's output
-    left its budget (a step on one side whose output the module returns is then its cause).
-    ``spreads``: B's step index -> how far its outputs differ between two runs of B's module
-    (nondeterminism), which joins the noise of its budgets instead of being called a change."""
+    """Each pair judged (``golden``: A's step index -> the golden's; ``padding`` left out) and the
+    index where the divergence enters (None: no op explains it). ``module_diverged``: a one-sided
+    step the module returns is then its cause; ``spreads``: B's run-to-run differences, which
+    join the budgets' noise."""
     spreads = spreads or {}
     lines = [OpLine(pair, *_results(pair, golden.get(pair.a.index) if pair.a else None,
                                     padding, spreads.get(pair.b.index) if pair.b else None))
@@ -87,10 +80,8 @@ def judge_ops(pairs: list[Pair], golden: dict[int, Step], padding: PaddingSpec =
 
 
 def _with_dropped_run(lines: list[OpLine], index: int) -> tuple[list[OpLine], int]:
-    """The answer at ``index`` as the run of ops one side alone applies, where it is one
-    (a soft-cap of the scores only A applies: its last op, whose reader diverges) or feeds it
-    (the paired op reading that run's output, whose own inputs in B agree), with the run's
-    steps in order; else as it is."""
+    """The answer at ``index`` as the run of ops one side alone applies, where it is one or feeds
+    it (a soft-cap only A applies), with the run's steps; else as it is."""
     line = lines[index]
     by_step = {side: {getattr(x.pair, side).index: i for i, x in enumerate(lines)
                       if getattr(x.pair, side) is not None} for side in ("a", "b")}

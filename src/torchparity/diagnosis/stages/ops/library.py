@@ -1,15 +1,10 @@
 """A library module's ops placed in the user's code: the line that calls it, the line that
 builds it.
 
-An ``nn.LayerNorm``'s ops run in torch's code, which has no line of the user's, yet they are
-what tells the change (``aten::native_layer_norm: eps 1e-05 (A) vs 0.001 (B)``). Its caller's
-drill-down holds the line of the caller's forward that calls it: that line becomes the stack
-of each of its ops, as it is in the real run. Where it was built is read from the source of
-the ``__init__`` of the class that owns it (the assignment to its attribute) rather than from
-a stack recorded when it was made: a model arrives built (a factory's, a deepcopy,
-``from_pretrained``), before any hook of ours could watch it, and the source is read only
-when a drill-down needs it.
-"""
+An ``nn.LayerNorm``'s ops run in torch's code, yet they tell the change (``eps 1e-05 (A) vs
+0.001 (B)``): they take the line of the caller's forward that calls it, and where it was
+built is read from the owner's ``__init__`` source (a model arrives built, before any hook
+could watch it), only when a drill-down needs it."""
 
 from __future__ import annotations
 
@@ -27,9 +22,8 @@ __all__ = ["built_at", "holds_other_tensors", "in_callers_code"]
 
 
 def holds_other_tensors(found: OpReport) -> bool:
-    """Whether ``found``'s answer is an op that reads only tensors no op of the call made, and
-    whose local error agrees: B's module, replayed on A's inputs, holds other values (another
-    module's weights, which its caller chose), so its code is not where the change is."""
+    """Whether ``found``'s answer is an op reading only tensors no op made, whose local error
+    agrees: B's module holds other values (weights its caller chose), not other code."""
     line = found.answer
     return line is not None and line.pair.kind == "paired" and \
         (line.local is None or line.local.ok) and \
@@ -38,10 +32,9 @@ def holds_other_tensors(found: OpReport) -> bool:
 
 def in_callers_code(found: OpReport, caller: OpReport, calls: dict[str, str], nth: int,
                     built: dict[str, Frame | None]) -> OpReport | None:
-    """``found`` (a library module's ops) with each side's ops at the line of ``caller``'s
-    code that makes its ``nth`` call (0: the first) of the module (``calls``: each side's
-    name of the module below the caller, ``"A"`` and ``"B"``), and where each side built it;
-    None when the caller's steps hold no call of it (a backward pass: its steps are ops)."""
+    """``found`` with each side's ops at the line of ``caller`` that makes its ``nth`` call of the
+    module (``calls``: each side's name of it), and where each built it; None without such a
+    call (a backward pass)."""
     stacks = {}
     for side, name in calls.items():
         made = [step for line in caller.lines if (step := _side(line, side)) is not None
@@ -59,9 +52,8 @@ def in_callers_code(found: OpReport, caller: OpReport, calls: dict[str, str], nt
 
 
 def built_at(model: nn.Module, name: str) -> Frame | None:
-    """The line of the user's code that builds module ``name`` of ``model``: the assignment
-    to its attribute in the ``__init__`` of the class that owns it (of a container's owner,
-    for a module in an ``nn.ModuleList``); None when no source says it."""
+    """The line that builds module ``name``: the assignment in its owner's ``__init__`` (a
+    container's owner for an ``nn.ModuleList``); None when no source says it."""
     *path, attribute = name.split(".")
     try:
         owner = model.get_submodule(".".join(path))

@@ -1,14 +1,9 @@
 """A's side of an op drill-down kept in a trace, for a diagnosis against it.
 
-``record --ops`` captures, for each selected module call, A's steps and the golden's on A's
-recorded inputs (as an in-process drill-down does) and keeps them with the call: each step's
-op name, kind, dataflow, source stack and non-tensor arguments (as their ``repr``, all a
-comparison reads), its input tensors and the golden op's output on them exact (B's op is fed
-the inputs for its local error, which that output judges), its outputs and the golden
-partner's (sketches past a size as the capture made them, as the trace keeps module
-outputs). A diagnosis against the trace then replays only B's module and aligns it with these
-steps.
-"""
+``record --ops`` keeps with each call A's and the golden's steps on A's inputs: each step's
+op, kind, dataflow, stack and non-tensor arguments (``repr``), its input tensors and the
+golden op's output on them exact (B's op is fed them for its local error), and its outputs
+(sketched past a size). A diagnosis against the trace replays only B's module."""
 
 from __future__ import annotations
 
@@ -107,9 +102,8 @@ def _key(key: str, backward: bool) -> str:
 
 
 def missing_ops(recorded_by: str | None, module: str, decode: bool = False) -> str:
-    """Why a drill-down against a trace stops at ``module``, and the exact way on: the
-    trace's own record command with ``--ops`` (run where A's code is), or the Python API's
-    argument for a trace the API wrote."""
+    """Why a drill-down against a trace stops at ``module``, and the way on: the trace's record
+    command with ``--ops``, or the Python API's argument."""
     why = f"no op drill-down: the trace does not hold A's ops of {module}"
     if recorded_by is None:
         call = "record_decode" if decode else "record"

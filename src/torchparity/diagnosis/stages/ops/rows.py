@@ -1,6 +1,5 @@
-"""Stage 6's entry: the first divergent row of a diagnosis (or the module asked for) drilled
-down to its ops, and the first diverging gradient to its backward ops; a library module's
-ops (an ``nn.Linear``'s) read at the line of its caller that calls it."""
+"""Stage 6's entry: the first divergent row (or the module asked for) drilled down to its ops,
+and the first divergent gradient to its backward ops."""
 
 from __future__ import annotations
 
@@ -26,25 +25,21 @@ def drill_down(reference: Reference, matches: list[Match], rows: list[Row], mode
                opts: Options, bar: ProgressBar,
                with_ops: Callable[[list[Match]], Reference] | None = None,
                changing: set[str] = frozenset()) -> None:
-    """Stage 6: the first divergent row (or B's ``module``) drilled down to its ops, and the
-    first gradient divergence to its backward ops when its forward ops do not explain it
-    (``changing``: B's modules that keep state across calls). A gradient divergence whose
-    forward ops name the change, or whose backward ops name none while the forward
-    diverges, says it follows from the forward divergence.
+    """Drill the first divergent row (or ``opts.ops``) down to its ops, and the first gradient
+    divergence to its backward ops where the forward ops do not explain it.
+
+    A gradient divergence whose forward ops name the change, or whose backward ops name none
+    while the forward diverges, says it follows from the forward divergence.
 
     Args:
         reference: A's side; its store holds A's ops when ``models.a`` is None.
         matches: B's calls aligned with A's, one per row.
-        rows: the rows judged so far; their ``ops`` and ``grad_ops`` are set here, and why a
-            row has none joins its notes.
-        models: A and B; A is None where its ops are read from the trace, not captured
-            here.
-        opts: the diagnosis's options; ``opts.ops`` is the module the user asked for
-            (``--ops``), or None for the first divergence.
+        rows: the rows judged; their ``ops`` and ``grad_ops`` are set here, and why a row has
+            none joins its notes.
+        models: A (None: its ops read from the trace) and B.
+        opts: the diagnosis's options.
         bar: the progress bar.
-        with_ops: the reference read from another trace that holds A's ops of the matches
-            given, where this one lacks them (``diagnose --against`` recording them at the
-            base), or None.
+        with_ops: a reference from another trace holding A's ops where this one lacks them.
         changing: B's modules that keep state across calls.
     """
     module = opts.ops
@@ -96,8 +91,7 @@ def drill_down(reference: Reference, matches: list[Match], rows: list[Row], mode
 def _drilled(reference: Reference, matches: list[Match], rows: list[Row], index: int,
              models: Models, opts: Options, backward: bool = False,
              changing: set[str] = frozenset()) -> OpReport | NoOps:
-    """Row ``index``'s call drilled down, through its caller when the module's own code is a
-    library's (an ``nn.Linear`` has no line of the user's: its caller's holds the call); or
+    """Row ``index``'s call drilled down, through its caller when its code is a library's; or
     why not."""
     row = rows[index]
     try:
@@ -119,9 +113,8 @@ def _drilled(reference: Reference, matches: list[Match], rows: list[Row], index:
 
 def _through_caller(found: OpReport, caller: OpReport, rows: list, index: int, parent: int,
                     matches: list, model_a: nn.Module | None, model_b: nn.Module) -> OpReport:
-    """A library module's ops (row ``index``) at the line of its caller (row ``parent``)
-    that calls it, with where each side built it (A's only when A is in this process); the
-    caller's ops when the module's code changed nothing or its steps hold no call of it."""
+    """A library module's ops at the line of its caller that calls it, with where each side
+    built it; the caller's ops when the module changed nothing or holds no call of it."""
     if (found.answer is None or holds_other_tensors(found)) and caller.answer is not None:
         return caller
     module = rows[index].module.split("#")[0]
