@@ -22,13 +22,17 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "torchparity"
 
 #: Each floor's name and its top-level modules and sub-packages of torchparity, top first.
+#: The wings stand on floors of their own: training imports diagnosis and the goldens, a
+#: diagnosis imports the goldens (a check cell's verdict as a bisection's oracle), never back.
 FLOORS = (
     ("top", ("commands", "cli", "pytest_plugin", "__main__")),
-    ("wings", ("golden", "diagnosis", "train", "bench", "calibration", "revisions", "ci",
-               "twins")),
+    ("studies", ("calibration", "bench", "ci")),
+    ("training", ("train",)),
+    ("diagnosis", ("diagnosis", "revisions")),
+    ("goldens", ("golden", "twins")),
     ("shared", ("comparison", "subject", "distributed", "strategies")),
     ("bottom", ("backends", "tolerance", "sketching", "digests", "memory", "machine", "dtypes",
-                "errors", "collector", "reference", "text", "threads")),
+                "errors", "collector", "reference", "text", "threads", "pages")),
 )
 
 #: Circles that remain, each deleted with the change that removes it (the test fails until it

@@ -1,15 +1,13 @@
-"""The check's report as one self-contained HTML page (inline CSS, no script): the lines the
-terminal prints, in the same order, and its table with each dtype's line marked by its
-verdict, under a legend for every symbol. The shell, legend and CSS are the diagnosis page's."""
+"""The check's report as one HTML page: the terminal's lines and table, under a legend."""
 
 from __future__ import annotations
 
 import html
 from pathlib import Path
 
-from torchparity.diagnosis.reports.html import legend_paragraph, page
 from torchparity.errors import UsageError
 from torchparity.golden.report import SYMBOLS, TITLE, Page
+from torchparity.pages import legend_paragraph, page
 
 #: What a share after a symbol says, by example.
 SHARES = (("17%", "the most of its budget an output of the cell used"),
