@@ -17,9 +17,10 @@ Versions (:data:`VERSIONS`):
   parameter), the forward as it was;
 - ``k-changed``, ``k-grad-scaled``: the base with ``attn.k``'s weights moved by 1%, or its
   weight's gradient scaled by 1.01 (against ``fused``'s goldens: a fused projection undone);
+  ``q-changed``: the base with ``attn.q``'s weights moved by 1%;
 - ``gated``: a gated MLP, ``down(silu(gate(x)) * up(x))``; ``gated-fused``: the same with one
   ``gate_up`` projection; ``gated-up-grad-scaled``: ``gated`` with ``mlp.up``'s weight's
-  gradient scaled by 1.01;
+  gradient scaled by 1.01; ``gated-up-changed``: ``gated`` with ``mlp.up``'s weights moved by 1%;
 - ``swapped``: the MLP's modules renamed ``fc1``/``fc2`` and registered in the other order,
   which order and shape cannot pair (``mlp.up`` is ``mlp.fc1``, ``mlp.down`` ``mlp.fc2``);
 - ``eps``: ``norm2`` built with ``eps=1e-3``;
@@ -34,8 +35,9 @@ Each changed line carries ``# changed`` in every version, so a test finds it in 
 from __future__ import annotations
 
 VERSIONS = ("base", "tied", "fused", "gelu", "fused-k-changed", "fused-k-grad-doubled",
-            "k-changed", "k-grad-scaled", "gated", "gated-fused", "gated-up-grad-scaled",
-            "swapped", "eps", "scale", "tanh", "backward")
+            "k-changed", "k-grad-scaled", "q-changed", "gated", "gated-fused",
+            "gated-up-grad-scaled", "gated-up-changed", "swapped", "eps", "scale", "tanh",
+            "backward")
 
 _MODEL = '''\
 import math
@@ -152,6 +154,10 @@ def make():
     weights = base_weights()
     if VERSION in ("fused-k-changed", "k-changed"):
         weights["attn.k.weight"] = weights["attn.k.weight"] * 1.01
+    if VERSION == "q-changed":
+        weights["attn.q.weight"] = weights["attn.q.weight"] * 1.01
+    if VERSION == "gated-up-changed":
+        weights["mlp.up.weight"] = weights["mlp.up.weight"] * 1.01
     fusions = {{"attn.qkv": ("attn.q", "attn.k", "attn.v")}} if FUSED else {{}}
     if VERSION == "gated-fused":
         fusions["mlp.gate_up"] = ("mlp.gate", "mlp.up")

@@ -88,6 +88,37 @@ def test_a_value_change_in_one_fused_part_fails_with_the_values_hint(golden, cap
     assert "their values changed, not the machine" in out
     assert "tp.init_weights" not in out and "--name-map" not in out
     assert out.count("FAIL models.") == 1
+    # The fused model's 13 tensors; k is rows 16-31 of its qkv (DIM 16).
+    assert ("differ from the goldens' in 1 of 13 tensors: attn.qkv.weight rows 16-31 (the "
+            "goldens' attn.k.weight), on a machine") in out
+
+
+def test_a_value_change_without_a_rename_names_the_tensor(golden, capsys):
+    status, rows = check(golden, "k-changed")
+    assert status == 1 and {r["verdict"] for r in rows} == {"init changed"}
+    out = _out(capsys)
+    assert "differ from the goldens' in 1 of 17 tensors: attn.k.weight, on a machine" in out
+    assert "compared by meaning" not in out
+
+
+def test_goldens_with_one_checksum_of_the_weights_still_say_they_changed(golden, capsys,
+                                                                       tmp_path):
+    older = tmp_path / "golden" / "models.make"
+    older.mkdir(parents=True)
+    for path in (golden / "models.make").iterdir():
+        text = path.read_bytes()
+        if path.suffix == ".json":  # as goldens made before they kept each tensor's
+            summary = json.loads(text)
+            del summary["checksums"]["weight_blocks"]
+            text = json.dumps(summary).encode()
+        (older / path.name).write_bytes(text)
+    status, rows = check(older.parent, "k-changed")
+    assert status == 1 and {r["verdict"] for r in rows} == {"init changed"}
+    out = _out(capsys)
+    assert "differ from those its golden was made from (sha256:" in out
+    assert ("these goldens keep one checksum of all the weights: made anew, they name the "
+            "tensors that differ") in out
+    assert "attn.k.weight" not in out
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +159,21 @@ def test_a_gradient_one_percent_off_in_a_split_part_fails_naming_it(fused_golden
     assert failed[0]["worst"] == f'outputs["{part}"]'
 
 
-def test_a_value_change_in_one_split_part_fails_with_the_values_hint(fused_golden, capsys):
-    status, rows = check(fused_golden / "fused" / "golden", "k-changed")
+@pytest.mark.parametrize(("fused", "changed", "named", "kept"), [
+    # DIM 16: q is rows 0-15 of qkv; gate rows 0-63 of gate_up, up rows 64-127.
+    ("fused", "q-changed", "1 of 17 tensors: attn.q.weight (the goldens' attn.qkv.weight "
+     "rows 0-15)", ("attn.k.weight", "attn.v.weight")),
+    ("gated-fused", "gated-up-changed", "1 of 19 tensors: mlp.up.weight (the goldens' "
+     "mlp.gate_up.weight rows 64-127)", ("mlp.gate.weight",)),
+])
+def test_a_value_change_in_one_split_part_names_the_part(fused_golden, capsys, fused, changed,
+                                                        named, kept):
+    status, rows = check(fused_golden / fused / "golden", changed)
     assert status == 1 and {r["verdict"] for r in rows} == {"init changed"}
     out = _out(capsys)
-    assert "compared by meaning: attn.q+attn.k+attn.v <- attn.qkv [split]" in out
+    assert f"differ from the goldens' in {named}, on a machine" in out
     assert "their values changed, not the machine" in out and "--name-map" not in out
+    assert not any(part in out for part in kept)
 
 
 def test_a_split_golden_kept_as_a_sketch_is_judged_joined():

@@ -292,7 +292,8 @@ def loss_noise(baseline: CellRun, output: str, golden: Mapping[str, torch.Tensor
 
 
 def checksum_changes(goldens: dict[str, Golden], now: Mapping[str, str | None],
-                     advice: Callable[[str], str]) -> dict[str, tuple[str, str]]:
+                     advice: Callable[[str], str],
+                     named: Callable[[], str | None] | None = None) -> dict[str, tuple[str, str]]:
     """Per output whose golden was made from other weights or inputs than ``now``'s: why.
 
     A checksum ``now`` cannot say (None) is not compared.
@@ -302,6 +303,9 @@ def checksum_changes(goldens: dict[str, Golden], now: Mapping[str, str | None],
         now: today's checksums of the weights and inputs, by what they hash.
         advice: ``advice(what)`` starts the reason with what differs ("the weights built for
             llama-tiny") and ends it with the fix.
+        named: the weight tensors that differ, in words ("in 1 of 16 tensors: attn.k.weight"),
+            or None where the goldens keep one checksum of all the weights; called for each
+            output whose weights differ. Without it the reason quotes the two checksums.
 
     Returns:
         ``{output: (verdict, reason)}``, the verdict ``init changed`` or ``inputs changed``.
@@ -312,9 +316,15 @@ def checksum_changes(goldens: dict[str, Golden], now: Mapping[str, str | None],
         for what, verdict in (("weights", "init changed"), ("inputs", "inputs changed")):
             if now[what] is not None and stored.get(what) != now[what]:
                 before, after = str(stored.get(what))[:19], now[what][:19]
-                changed[output] = (verdict, advice(what).format(
-                    differ=f"differ from those its golden was made from ({before}... vs "
-                           f"{after}...)"))
+                differ = (f"differ from those its golden was made from ({before}... vs "
+                          f"{after}...)")
+                tensors = named() if what == "weights" and named is not None else None
+                if tensors:
+                    differ = f"differ from the goldens' {tensors}"
+                elif what == "weights" and named is not None:
+                    differ += ("; these goldens keep one checksum of all the weights: made "
+                               "anew, they name the tensors that differ")
+                changed[output] = (verdict, advice(what).format(differ=differ))
                 break
     return changed
 

@@ -18,6 +18,7 @@ of the same run. A decode row that fails names the first step that leaves its bu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -32,6 +33,7 @@ from torchparity.dtypes import DTYPES, dtype_name
 from torchparity.errors import UsageError
 from torchparity.golden import check_loop
 from torchparity.golden.cells import REFERENCE, Cell, CellRun, CheckResult
+from torchparity.golden.changed_weights import changed_rows, changed_sentence
 from torchparity.golden.compiled_cells import stepped_logits
 from torchparity.golden.model_runs import (
     HF_EAGER,
@@ -51,6 +53,7 @@ from torchparity.golden.user_models import (
     model_store,
     no_decode_golden,
     user_golden_dir,
+    weight_state,
 )
 from torchparity.sketching import Sketch
 from torchparity.subject import Subject
@@ -160,7 +163,23 @@ class ModelFeed:
                     f"{_SAME_EVERYWHERE[what]}, or {fix}")
 
         return check_loop.checksum_changes(
-            self.goldens, model_checksums(self.subject, self.renamed), advice)
+            self.goldens, model_checksums(self.subject, self.renamed, by_tensor=False), advice,
+            functools.cache(self.changed_tensors))  # a set's goldens share their checksums
+
+    def changed_tensors(self) -> str | None:
+        """The model's weight tensors that differ from the goldens', in words.
+
+        Returns:
+            How many of how many, and which (see
+            :func:`~torchparity.golden.changed_weights.changed_sentence`); None where the
+            goldens record no tensor's checksums (made before they did).
+        """
+        stored = self.goldens["grads"].summary.get("checksums", {}).get("weight_blocks")
+        weights = weight_state(self.subject, self.renamed)
+        if stored is None or weights is None:
+            return None
+        return changed_sentence(changed_rows(stored, weights), self.renamed,
+                                state_layout(self.subject.model))
 
     def refused(self, cell: Cell) -> str | None:
         """Refuses ``hf-eager`` for a model not of ``transformers`` (:meth:`Feed.refused`)."""

@@ -43,6 +43,7 @@ there is arbitrary. Every row says how many positions it left out.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ import torch
 from torchparity.distributed import sharding
 from torchparity.errors import UsageError
 from torchparity.golden.cells import REFERENCE, CellRun
+from torchparity.golden.changed_weights import row_blocks
 from torchparity.golden.model_runs import OUTPUT_KINDS, Status, run_in_cell
 from torchparity.golden.renamed import Layout, Renaming, state_layout
 from torchparity.golden.store import GOLDEN_DIR_ENV, Golden, GoldenStale, GoldenStore, checksum
@@ -91,29 +93,57 @@ def model_store(subject: Subject, root: str | os.PathLike) -> GoldenStore:
     return GoldenStore(root, update_command=command)
 
 
-def model_checksums(subject: Subject, renamed: Renaming | None = None) -> dict[str, str | None]:
+def model_checksums(subject: Subject, renamed: Renaming | None = None, *,
+                    by_tensor: bool = True) -> dict[str, Any]:
     """Checksums of the float64 state dict and of the input tensors the factory gave.
 
     Args:
         subject: the user's model.
         renamed: hash the state dict under the goldens' names.
+        by_tensor: also each weight tensor's rows in blocks (``weight_blocks``, see
+            :mod:`~torchparity.golden.changed_weights`): goldens record them; a check needs
+            them only where the weights differ.
 
     Returns:
-        ``weights`` and ``inputs`` hex digests; the weights' is None for a model sharded by
-        hand some of whose slices were found nowhere: no whole state to weigh.
+        ``weights`` and ``inputs`` hex digests (and ``weight_blocks`` by name); the weights'
+        is None for a model sharded by hand some of whose slices were found nowhere: no whole
+        state to weigh.
+    """
+    inputs = checksum(flatten_tensors(subject.inputs, "inputs"))
+    weights = weight_state(subject, renamed)
+    if weights is None:
+        return {"weights": None, "inputs": inputs}
+    sums: dict[str, Any] = {"weights": checksum(weights, dtype=torch.float64), "inputs": inputs}
+    if by_tensor:
+        tied = set(renamed.ties) if renamed is not None else {
+            name for name, shape in state_layout(subject.model).items() if isinstance(shape, str)}
+        sums["weight_blocks"] = row_blocks(weights, [n for n in weights if n not in tied])
+    return sums
+
+
+def weight_state(subject: Subject, renamed: Renaming | None = None
+                 ) -> Mapping[str, torch.Tensor] | None:
+    """The state dict whose checksums goldens record, under the goldens' names.
+
+    Args:
+        subject: the user's model.
+        renamed: how the goldens' names are found in it.
+
+    Returns:
+        The tensors by name (gathered as each is read, of a sharded model); None for a model
+        sharded by hand some of whose slices were found nowhere.
     """
     if subject.slices is not None and subject.slices.unmapped:
-        return {"weights": None, "inputs": checksum(flatten_tensors(subject.inputs, "inputs"))}
+        return None
     weights = (subject.model.state_dict() if subject.shards is None
                else sharding.WholeState(subject.shards.state_dict(), subject.slices))
     if renamed is not None:
         weights = renamed.golden_state(weights, state_layout(subject.model))
-    return {"weights": checksum(weights, dtype=torch.float64),
-            "inputs": checksum(flatten_tensors(subject.inputs, "inputs"))}
+    return weights
 
 
 def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = None,
-                  run: CellRun | None = None, checksums: dict[str, str | None] | None = None,
+                  run: CellRun | None = None, checksums: dict[str, Any] | None = None,
                   layout: Layout | None = None) -> dict[str, str]:
     """Compute and write the goldens of ``subject``.
 
@@ -135,7 +165,7 @@ def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = 
 
 
 def _write_goldens(subject: Subject, store: GoldenStore, status: Status | None,
-                   run: CellRun | None, checksums: dict[str, str | None] | None,
+                   run: CellRun | None, checksums: dict[str, Any] | None,
                    layout: Layout | None) -> dict[str, str]:
     """:func:`write_goldens` inside the update of the model's folder."""
     run = run or run_in_cell(subject, REFERENCE, None, status=status)
