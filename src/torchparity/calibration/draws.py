@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from torchparity.comparison import compare
+from torchparity.comparison import Comparison, compare
+from torchparity.subject.trees import PyTree
 from torchparity.tolerance import DtypeLike
 
 
@@ -47,9 +47,9 @@ class Calibration:
 
 
 def calibrate_draws(
-    candidate_fn: Callable[[int], Any],
-    baseline_fn: Callable[[int], Any],
-    golden_fn: Callable[[int], Any],
+    candidate_fn: Callable[[int], PyTree],
+    baseline_fn: Callable[[int], PyTree],
+    golden_fn: Callable[[int], PyTree],
     draws: int,
     *,
     kind: str = "forward",
@@ -80,7 +80,7 @@ def calibrate_draws(
     return Calibration(kind, draws, tuple(ratios), tuple(headrooms), tuple(failures))
 
 
-def baseline_ratio(comparison: Any) -> float | None:
+def baseline_ratio(comparison: Comparison) -> float | None:
     """The largest err(candidate)/err(baseline) over tensors with an inexact baseline; None
     without."""
     ratios = [

@@ -94,8 +94,7 @@ class Problem:
         return requested
 
     def applies(self, variant: ProblemVariant) -> bool:
-        """Whether a planted bug can occur here: a leak needs a masked key, dropping a head
-        needs two (else it drops the whole output)."""
+        """Whether a planted bug can occur here (a leak needs a masked key, dropping a head two)."""
         if variant.leak:
             return self.leak_at is not None
         return not (variant.drop_head and self.heads == 1)
@@ -261,9 +260,8 @@ def leaked_mask(
     *,
     at: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """The attention mask (batch, 1, q_len, k_len) with one masked entry let through: ``at``
-    (batch, row, key), else the first masked key of a row that sees one; unchanged when there
-    is none."""
+    """The mask (batch, 1, q_len, k_len) with one masked entry let through (``at``, else the first
+    a row has); unchanged when there is none."""
     if mask is None:
         causal_mask = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
         mask = causal_mask if causal else torch.ones(q_len, k_len, dtype=torch.bool)

@@ -280,8 +280,7 @@ def _candidate(
     *,
     grad: bool = True,
 ) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, dict[str, torch.Tensor]]]]:
-    """A candidate's outputs in ``dtype`` and its rerun on inputs moved by one rounding (none
-    in float64, whose exact baseline takes the analytic bound)."""
+    """A candidate's outputs in ``dtype`` and its rerun one rounding away (none in float64)."""
     if dtype == "fp64" and in_fp64 is not None:
         return in_fp64, []
     candidate = problem.run(dtype, variant, grad=grad)
@@ -299,8 +298,8 @@ def _measure_sized(
     reference_bug: dict[str, dict[str, torch.Tensor]],
     results: Results,
 ) -> None:
-    """Plant the softmax-scale change sized to each of :data:`MULTIPLES` times the baseline's
-    forward error, and record detection against the effect each size really had."""
+    """Plant the softmax-scale change sized to each of :data:`MULTIPLES`, and record detection by
+    the effect each really had."""
     reference = _multiple(_effects(reference_bug["forward"], golden["forward"], "forward"),
                           noise["forward"])
     if reference == 0:  # every row sees one key: the softmax's scale changes nothing
@@ -320,8 +319,7 @@ def _measure_sized(
 
 
 def _multiple(effect: dict[str, float], noise: dict[str, Noise]) -> float:
-    """The size of a change's effect in multiples of the baseline's error: the largest over
-    the tensors, each against its own."""
+    """A change's effect in multiples of the baseline's error: the largest over the tensors."""
     return max(effect[name] / noise[name].level for name in effect)
 
 
@@ -357,9 +355,8 @@ def _measure_backend(
 
 
 def _needed_factor(result: Comparison) -> float:
-    """For an exact baseline: the factor each tensor needed, err / (sqrt(K) * u * scale), at its
-    largest, a residue's at its group's scale, where it is judged. The budget grants
-    analytic_factor + reorder_factor (u_acc = u for float64)."""
+    """For an exact baseline, the largest factor a tensor needed, err / (sqrt(K) * u * scale); the
+    budget grants analytic_factor + reorder_factor."""
     return max(
         t.error / (math.sqrt(t.budget.reduction_length) * t.budget.unit_roundoff
                    * (t.budget.group_scale if t.budget.residue else t.budget.scale))

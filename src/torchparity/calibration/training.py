@@ -97,8 +97,7 @@ class TrainingSettings:
 
 @dataclass(frozen=True)
 class JudgedRun:
-    """One run of a variant (a bug at strength ``eps``; None: a refactor) judged over its first
-    ``horizon`` steps."""
+    """One run of a variant (a bug at ``eps``; None: a refactor) judged over ``horizon`` steps."""
 
     dtype: str
     seed: int
@@ -122,21 +121,19 @@ class TrainingResults:
     machine: dict[str, Any] = field(default_factory=dict)
 
     def false_alarms(self, dtype: str, horizon: int, refactor: str | None = None) -> Rate:
-        """Refactors' checks at ``horizon`` in ``dtype`` that diverged, of those made (one
-        ``refactor``'s alone when given)."""
+        """Refactors' checks at ``horizon`` in ``dtype`` that diverged, of those made."""
         checks = [v for v in self._refactor_checks(dtype, horizon)
                   if refactor in (None, v.variant)]
         return Rate(sum(v.diverged for v in checks), len(checks))
 
     def largest_share(self, dtype: str, horizon: int, refactor: str | None = None) -> float:
-        """The largest share of its budget a refactor's check used (1: at the edge), over
-        every refactor or ``refactor``'s alone."""
+        """The largest share of its budget a refactor's check used (1: at the edge)."""
         return max((v.headroom for v in self._refactor_checks(dtype, horizon)
                     if refactor in (None, v.variant)), default=0.0)
 
     def thresholds(self, bug: str, dtype: str, horizon: int) -> list[float | None]:
-        """Per seed, the smallest strength of ``bug`` caught at ``horizon`` with every larger
-        one planted caught too; None where the largest was missed."""
+        """Per seed, the smallest strength of ``bug`` caught at ``horizon`` with every larger one
+        caught too; None where the largest was missed."""
         return [_threshold([v for v in self.verdicts if v.variant == bug and v.eps is not None
                             and v.dtype == dtype and v.seed == seed and v.horizon == horizon])
                 for seed in self.settings.seed_range(dtype)]
@@ -187,8 +184,7 @@ ByHorizon = dict[int, tuple[Trajectory, NoiseBand]]
 
 def _golden(original: UserLM, execution: Execution, settings: TrainingSettings,
             root: Path) -> ByHorizon:
-    """Store the golden trajectory and band of ``original`` for the longest horizon, and read
-    them back for each horizon."""
+    """Store ``original``'s golden and band for the longest horizon; read back per horizon."""
     with _selected(original):
         subject = Subject.load(ENTRY)
         store = mt.trajectory_store(subject, root, execution, settings.steps)
@@ -252,8 +248,7 @@ def _judged(lm: UserLM, execution: Execution, golden: ByHorizon,
 
 @contextlib.contextmanager
 def _selected(lm: UserLM) -> Iterator[None]:
-    """:data:`ENVIRONMENT` names ``lm`` inside the block: the entry builds it, here and in
-    the processes started inside (a band's members under other instruction sets)."""
+    """:data:`ENVIRONMENT` names ``lm`` inside the block, here and in processes started there."""
     before = os.environ.get(ENVIRONMENT)
     os.environ[ENVIRONMENT] = lm.spec()
     try:

@@ -1,20 +1,17 @@
-"""Tensors judged together: the gradients of one backward pass share its relative noise and the
-rounding that entered it at a residue, and those of one module their group's scale (see
-:data:`torchparity.tolerance.KINDS`)."""
+"""Tensors judged together: one backward pass's gradients share its relative noise and a
+residue's rounding, one module's its group's scale (``tolerance.KINDS``)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from torchparity import tolerance
 from torchparity.comparison.sketch import relative_baseline_error
+from torchparity.comparison.structure import Leaves
 from torchparity.comparison.tensor import TensorComparison
 
 
 def _group_of(path: str) -> str:
-    """The group of a leaf: for a parameter name the block that owns its module
-    ("layers.0.attn" for "layers.0.attn.q_proj.weight": the attention's projections share their
-    reductions), or the module itself for a top-level one ("lm_head"); else its container."""
+    """A leaf's group: a parameter's owning block (``layers.0.attn`` for
+    ``layers.0.attn.q_proj.weight``), a top-level module itself, else its container."""
     container, _, key = path.rpartition("[")
     parts = key.removesuffix("]").strip('"').split(".")
     if len(parts) < 2:
@@ -23,7 +20,7 @@ def _group_of(path: str) -> str:
 
 
 def group_scales(
-    leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric
+    leaves: Leaves, metric: tolerance.Metric
 ) -> dict[str, float]:
     """Each floating leaf's group scale: the largest golden magnitude among its members; a group
     that cancelled whole takes the comparison's (``tolerance.KINDS``, ``group_scale``)."""
@@ -39,7 +36,7 @@ def group_scales(
 
 
 def group_noises(
-    leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric, scales: dict[str, float],
+    leaves: Leaves, metric: tolerance.Metric, scales: dict[str, float],
     spreads: dict[str, float | None],
 ) -> dict[str, float]:
     """The relative noise the floating leaves with a baseline share: the largest err(baseline) or
@@ -71,10 +68,9 @@ def residue_rounding(tensors: list[TensorComparison]) -> float:
     )
 
 
-def likely_residues(leaves: list[tuple[str, Any, Any, Any]], metric: tolerance.Metric,
+def likely_residues(leaves: Leaves, metric: tolerance.Metric,
                     scales: dict[str, float], share: float) -> set[str]:
-    """The floating leaves whose golden's finite magnitude makes them residues of their group
-    (see :func:`torchparity.tolerance.residue`): what judging will find, unless masked
-    entries leave part of a golden out of its magnitude."""
+    """The floating leaves whose golden's magnitude makes them residues of their group
+    (``tolerance.residue``), unless masked entries change it."""
     return {path for path, _, g, _ in leaves if g.dtype.is_floating_point
             and tolerance.residue(tolerance.own_magnitude(g, metric), scales.get(path), share)}

@@ -1,6 +1,5 @@
 """Which elements of a tensor are judged: positions of its leading dimensions can be left out
-(padding, whose values are arbitrary where a padded query attends to nothing), and every
-report says how many and why."""
+(padding, arbitrary where a padded query attends to nothing), and reports say how many."""
 
 from __future__ import annotations
 
@@ -74,9 +73,8 @@ def left_out_of(padding: PaddingSpec, path: str, tensor: torch.Tensor) -> LeftOu
 
 
 def sentence(left_out: list[tuple[str, int, int, str | None]]) -> str:
-    """What was left out, for :meth:`~torchparity.comparison.Comparison.explain`: per reason,
-    the positions left out of those covered and in how many tensors. ``left_out`` holds
-    ``(path, positions left out, positions covered, reason)`` per tensor."""
+    """What was left out, for ``Comparison.explain``: per reason, the positions left out of those
+    covered and in how many tensors (``left_out``: (path, left out, covered, reason))."""
     by_reason: dict[str | None, set[tuple[int, int]]] = {}
     tensors: dict[str | None, int] = {}
     for _, n, total, reason in left_out:

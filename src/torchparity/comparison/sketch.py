@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import torch
 
@@ -31,7 +30,7 @@ from torchparity.sketching import Sketch
 from torchparity.tolerance import Metric
 
 
-def involves_sketch(*values: Any) -> bool:
+def involves_sketch(*values: object) -> bool:
     """Whether any of ``values`` is a sketch (the tensor is then judged by
     :func:`compare_sketch`)."""
     return any(isinstance(v, Sketch) for v in values)

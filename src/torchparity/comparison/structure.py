@@ -27,16 +27,13 @@ CACHE_RULE = (
 
 
 class StructureMismatch(ValueError):
-    """The baseline cannot be aligned with the candidate, so no budget can be earned: it lacks a
-    tensor of the candidate's shape and dtype where candidate and golden share one. The message
-    names the path (``outputs["logits"][1]``) and both sides; candidate-golden differences are
-    reported, not raised."""
+    """The baseline lacks a tensor of the candidate's shape and dtype where candidate and golden
+    share one, so no budget can be earned; the message names the path and both sides."""
 
 
 @dataclass(frozen=True)
 class StructureDifference:
-    """A path where candidate and golden differ in structure, and what each side has there:
-    ``"Tensor(2, 3) float32"``, ``"tuple of 2"``, ``"None"``, ``"missing"``, ``"int 3"``."""
+    """A path where the structures differ, and what each side has (``"Tensor(2, 3) float32"``)."""
 
     path: str
     candidate: str
@@ -48,8 +45,7 @@ class StructureDifference:
 
 @dataclass(frozen=True)
 class ShapeDifference:
-    """A path where candidate and golden both hold a tensor (of the same kind of dtype) in
-    different shapes: not a difference of structure but a divergence of its own, such as
+    """A path where both hold a tensor in different shapes: a divergence of its own, such as
     attention over one more key, ``(1, 2, 1, 12)`` against ``(1, 2, 1, 11)``."""
 
     path: str
@@ -80,9 +76,8 @@ def shared_tensors(a: Any, b: Any) -> list[tuple[str, torch.Tensor, torch.Tensor
 
 @dataclass
 class TreeAlignment:
-    """What walking candidate and golden together found: the (path, candidate, golden) tensors
-    both hold, which of those paths were Python numbers, the differences of structure and of
-    shape, the skipped leaves."""
+    """What walking candidate and golden together found: shared tensors (and which were Python
+    numbers), structure and shape differences, skipped leaves."""
 
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     numbers: set[str] = field(default_factory=set)
@@ -95,6 +90,11 @@ _MISSING = object()  # the side of a key or position that only the other side ha
 
 # Leaves compared by equality: a difference is one of structure, not of rounding. (Ints reach
 # this only beyond int64 or as enums; other numbers become tensors.)
+#: A tensor as compared: itself, or its sketch.
+Leaf = torch.Tensor | Sketch
+#: The tensors judged: (path, candidate, golden, baseline or None).
+Leaves = list[tuple[str, Leaf, Leaf, "Leaf | None"]]
+
 _PLAIN_VALUES = (str, bytes, int, complex, enum.Enum, torch.dtype, torch.device)
 
 _OPAQUE_RULE = (
@@ -146,9 +146,8 @@ def _key_value_pairs(candidate: Any, golden: Any) -> tuple[Any, Any] | None:
     return sides
 
 
-def cache_pairs(x: Any) -> tuple | None:
-    """A ``transformers`` cache's tensors as ``((keys, values), ...)`` per layer, the tuple
-    older releases returned in its place; None for anything else, and for an empty cache."""
+def cache_pairs(x: object) -> tuple | None:
+    """A ``transformers`` cache as ``((keys, values), ...)`` per layer; None otherwise or empty."""
     if not is_cache(x):
         return None
     layers = cache_layers(x)
@@ -158,7 +157,7 @@ def cache_pairs(x: Any) -> tuple | None:
     return tuple((layers.get(f"{i}.keys"), layers.get(f"{i}.values")) for i in range(count))
 
 
-def _as_pairs(x: Any) -> tuple | None:
+def _as_pairs(x: object) -> tuple | None:
     """A cache's tensors as ``((keys, values), ...)``, a tuple of that form as itself."""
     if is_cache(x):
         return cache_pairs(x)
@@ -169,10 +168,9 @@ def _as_pairs(x: Any) -> tuple | None:
     return None
 
 
-def _leaf_tensor(x: Any) -> torch.Tensor | Sketch | None:
-    """A tensor, array or number as a tensor (floats as float64), a sketch as itself (it stands
-    for its tensor), a complex tensor as its real and imaginary parts (a last dimension of 2, in
-    its real dtype, whose rounding it carries); None for anything else."""
+def _leaf_tensor(x: object) -> Leaf | None:
+    """A tensor, array or number as a tensor (floats as float64), a sketch as itself, a complex
+    tensor as its real and imaginary parts; None for anything else."""
     if isinstance(x, torch.Tensor) and x.is_complex():
         return torch.view_as_real(x.resolve_conj())
     if isinstance(x, torch.Tensor | Sketch):
@@ -209,18 +207,16 @@ def _same_value(a: object, b: object) -> bool:
 
 
 def is_cache(x: object) -> bool:
-    """A ``transformers`` cache (DynamicCache, StaticCache, EncoderDecoderCache, ...), recognised
-    by its base class without importing transformers."""
+    """A ``transformers`` cache, recognised by its base class without importing transformers."""
     return any(
         cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
         for cls in type(x).__mro__
     )
 
 
-def cache_layers(value: Any) -> dict[str, torch.Tensor] | None:
-    """The tensors of a ``transformers`` cache by meaning, ``<layer>.keys`` and
-    ``<layer>.values``, whichever release laid it out: ``layers[i].keys`` (5.x),
-    ``key_cache[i]`` (4.x, where the cache is an ``nn.Module``); None for anything else."""
+def cache_layers(value: object) -> dict[str, torch.Tensor] | None:
+    """A ``transformers`` cache's tensors as ``<layer>.keys`` and ``<layer>.values``, whether laid
+    out as ``layers[i].keys`` (5.x) or ``key_cache[i]`` (4.x); None for anything else."""
     found: dict[str, torch.Tensor] = {}
     layers = getattr(value, "layers", None)
     key_cache, value_cache = (getattr(value, "key_cache", None),
@@ -293,8 +289,7 @@ def _container_type(x: object) -> str:
 
 
 def _what(x: object) -> str:
-    """What one side has at a path: "Tensor(2, 3) float32", "tuple of 2", "None", "missing",
-    "float 1.5", "str 'mean'", "DynamicCache"."""
+    """What one side has at a path: "Tensor(2, 3) float32", "tuple of 2", "missing", ..."""
     if x is _MISSING:
         return "missing"
     if x is None:
@@ -349,9 +344,9 @@ def baseline_at(
     return baseline
 
 
-def numbers_dtype(leaves: list[tuple[str, Any, Any, Any]], numbers: set[str]) -> torch.dtype:
-    """The compute dtype of Python floats: the most precise floating dtype among the
-    candidate's tensors, else float64."""
+def numbers_dtype(leaves: Leaves, numbers: set[str]) -> torch.dtype:
+    """The compute dtype of Python floats: the candidate's most precise floating dtype, else
+    float64."""
     dtypes = [
         c.dtype for path, c, _, _ in leaves if path not in numbers and c.dtype.is_floating_point
     ]
@@ -366,7 +361,8 @@ def _dtype_family(dtype: torch.dtype) -> str:
     return "float" if dtype.is_floating_point else "integer"
 
 
-def _mismatch(path: str, what: str, candidate: Any, other: Any, side: str) -> StructureMismatch:
+def _mismatch(path: str, what: str, candidate: object, other: object, side: str
+              ) -> StructureMismatch:
     return StructureMismatch(f"{path}: {what} {candidate} vs {other} (candidate vs {side})")
 
 def torch_dtype_name(dtype: torch.dtype) -> str:

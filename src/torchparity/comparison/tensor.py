@@ -1,5 +1,5 @@
-"""Judging one tensor: its budget under the tolerance model, its metrics, its worst element and
-its verdict."""
+"""Judging one tensor: its budget under the tolerance model, its metrics, worst element and
+verdict."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ class TensorComparison:
     ``positions`` are padding). An element is *over* past ``budget.value`` (max-abs kinds:
     exactly when diverged; RMS: outliers). ``sensitivity`` is the smallest flagged change
     relative to the scale; ``baseline_headroom``: the baseline's error as a share of the larger
-of its dtype's bound and fudge times the candidate's (over 1: degraded, the tensor diverges)."""
+    of its dtype's bound and fudge times the candidate's (over 1: degraded, the tensor
+    diverges)."""
 
     path: str
     shape: tuple[int, ...]
@@ -189,8 +190,7 @@ def compare_tensor(
 
 def degraded_note(baseline_error: float, bound: float, dtype: str, kind: str,
                   measure: str = "") -> str:
-    """What a comparison says of a baseline over its bound (see
-    :func:`torchparity.tolerance.baseline_headroom`)."""
+    """What a comparison says of a baseline over its bound (``tolerance.baseline_headroom``)."""
     fudge = tolerance.kind_tolerance(kind).fudge
     return (f"the baseline itself errs {measure}{baseline_error:.3g}, over the {bound:.3g} a"
             f" plain {dtype} computation may err and over {fudge:g} times the candidate's"
@@ -290,8 +290,7 @@ def _last_dim(t: torch.Tensor) -> int:
 
 
 def _masked(c: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Which entries of candidate and golden are masked (at or below
-    :data:`~torchparity.tolerance.MASKED_BELOW`, -inf included); None when none is."""
+    """Which entries are masked (at or below ``tolerance.MASKED_BELOW``, -inf included); or None."""
     if not c.numel() or (c.amin().item() > tolerance.MASKED_BELOW
                          and g.amin().item() > tolerance.MASKED_BELOW):
         return None  # the common case, in two reductions (a NaN minimum falls through too)
@@ -415,8 +414,7 @@ _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor | None = None) -> bool:
-    """Same dtype and the same bits everywhere ``keep`` is True (default: everywhere; so NaN
-    equals NaN and -0.0 differs from 0.0)."""
+    """Same dtype and bits wherever ``keep`` (NaN equals NaN, -0.0 differs from 0.0)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     a, b = a.detach().cpu(), b.detach().cpu()

@@ -1,11 +1,10 @@
-"""The verdict on a whole pytree and its explanation: :func:`compare`, :func:`assert_parity` and
-the :class:`Comparison` they return."""
+"""The verdict on a whole pytree and its explanation: :func:`compare` and :func:`assert_parity`."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +20,8 @@ from torchparity.comparison.settings import Settings
 from torchparity.comparison.sketch import compare_sketch, involves_sketch
 from torchparity.comparison.structure import (
     ROOT,
+    Leaf,
+    Leaves,
     ShapeDifference,
     StructureDifference,
     TreeAlignment,
@@ -64,8 +65,8 @@ class Comparison:
 
     @property
     def compared(self) -> bool:
-        """False when one side holds tensors and candidate and golden share none (in the same
-        shape or not); two sides without any tensor differ in nothing."""
+        """False when one side holds tensors but they share none; no tensors at all differ in
+        nothing."""
         return bool(self.tensors or self.shapes or not self.structure)
 
     @property
@@ -185,8 +186,8 @@ class Comparison:
 
     @property
     def sensitivity(self) -> float | None:
-        """The largest sensitivity over the compared float tensors: a change of any one tensor by
-        more than this share of its golden's scale would have been flagged (None without one)."""
+        """The largest sensitivity over the compared float tensors: the smallest flagged change as a
+        share of the golden's scale (None without one)."""
         return max((t.sensitivity for t in self.tensors if t.sensitivity is not None), default=None)
 
     @property
@@ -195,8 +196,8 @@ class Comparison:
         return any(t.baseline_degraded for t in self.tensors)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable summary with every tensor's metrics, the structure differences,
-        the skipped leaves and any tolerance added by hand."""
+        """A JSON-serialisable summary: tensors' metrics, differences, skipped leaves, tolerances
+        added by hand."""
         worst = self.worst
         return json_safe({
             "verdict": self.verdict,
@@ -329,7 +330,8 @@ def compare(
     }
     noises = group_noises(judged, tol.metric, scales, spreads) if tol.group_scale else {}
 
-    def judge(path: str, c: Any, g: Any, b: Any, inherited: float = 0.0) -> TensorComparison:
+    def judge(path: str, c: Leaf, g: Leaf, b: Leaf | None, inherited: float = 0.0
+              ) -> TensorComparison:
         tensor_settings = settings_of(path, group_scale=scales.get(path),
                                       group_noise=noises.get(path), inherited=inherited)
         if involves_sketch(c, g, b):
@@ -350,8 +352,8 @@ def compare(
     )
 
 
-def _judged_residues_first(leaves: list[tuple], judge: Any, residues: set[str]
-                           ) -> list[TensorComparison]:
+def _judged_residues_first(leaves: Leaves, judge: Callable[..., TensorComparison],
+                           residues: set[str]) -> list[TensorComparison]:
     """Every leaf judged, the likely ``residues`` first (their rounding reaches the other
     gradients, ``groups.residue_rounding``); if others show, all again by the rule itself."""
     first = {leaf[0]: judge(*leaf) for leaf in leaves if leaf[0] in residues}
@@ -371,13 +373,13 @@ def _is_residue(t: TensorComparison) -> bool:
     return t.budget is not None and t.budget.residue
 
 
-def _judged(tensor: Any, left_out: LeftOut | None) -> Any:
+def _judged(tensor: Leaf | None, left_out: LeftOut | None) -> Leaf | None:
     if left_out is None or tensor is None or isinstance(tensor, Sketch):
         return tensor
     return left_out.judged(tensor)
 
 
-def _compare_sketched(path: str, candidate: Any, golden: Any, baseline: Any,
+def _compare_sketched(path: str, candidate: Leaf, golden: Leaf, baseline: Leaf | None,
                       settings: Settings, left_out: LeftOut | None,
                       noise: float | None = None) -> TensorComparison:
     """A comparison with a sketch on some side; the exact sides are masked as a padded sketch
@@ -459,8 +461,8 @@ def _elements(t: TensorComparison) -> str:
 
 
 def _notes(tensors: list[TensorComparison]) -> list[str]:
-    """Each tensor's notes, one sentence per note: a note that more than three tensors share
-    (every sketched gradient of a model, say) names how many and the first of them."""
+    """Each tensor's notes as sentences; one shared by more than three tensors says how many and
+    the first."""
     paths: dict[str, list[str]] = {}
     for t in tensors:
         for note in t.notes:

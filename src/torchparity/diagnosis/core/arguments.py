@@ -28,19 +28,19 @@ from torchparity.subject.trees import PyTree, flatten_tensors, leaves
 
 @dataclass(frozen=True)
 class Difference:
-    """Where two calls' arguments differ: the argument (``ctx.mask``; ``mask (B: attn_mask)``
-    when B renamed it), how, and B's value there."""
+    """Where two calls' arguments differ (``mask (B: attn_mask)`` when renamed), how, and B's
+    value."""
 
     argument: str
     detail: str
-    b_value: Any
+    b_value: object
     one_sided: bool = False  # only one side passes it: compared with what the other reads
 
 
 @dataclass(frozen=True)
 class Convention:
-    """How A's and B's calls hand a module one argument in another convention: B's
-    parameter, the two sides described, and whether B passes None there."""
+    """An argument handed in another convention: B's parameter, both sides, whether B passes
+    None."""
 
     argument: str
     detail: str
@@ -127,9 +127,9 @@ def argument_difference(a_sig: Signature | None, a_inputs: CallArgs,
 
 
 def _passed_by_a(name: str, value: PyTree, b_sig: Signature | None, b_module: nn.Module | None
-                 ) -> tuple[str, Any, Any] | None:
-    """An argument only A passes, as (label, A's value, what B reads instead), or None when
-    B's code does not read it."""
+                 ) -> tuple[str, object, object] | None:
+    """An argument only A passes, as (label, A's value, what B reads instead); None when B does not
+    read it."""
     b_value, where = _read_instead(name, value, b_sig, b_module)
     if b_value is _UNREAD:
         return None
@@ -137,7 +137,7 @@ def _passed_by_a(name: str, value: PyTree, b_sig: Signature | None, b_module: nn
 
 
 def _passed_by_b(name: str, value: PyTree, a_sig: Signature | None, b_sig: Signature | None
-                 ) -> tuple[str, Any, Any] | None:
+                 ) -> tuple[str, object, object] | None:
     """An argument only B passes, as (label, what A read instead, B's value); None when B does
     not read it by name or it is B's own default."""
     named = _named(b_sig)
@@ -151,7 +151,7 @@ def _passed_by_b(name: str, value: PyTree, a_sig: Signature | None, b_sig: Signa
     return name, a_value, value
 
 
-def _value_difference(label: str, a_value: Any, b_value: Any, padding: PaddingSpec
+def _value_difference(label: str, a_value: object, b_value: object, padding: PaddingSpec
                       ) -> Difference | None:
     if _caches(a_value, b_value):
         return None  # their state is compared apart
@@ -169,14 +169,14 @@ _UNREAD = object()
 
 
 def _named(sig: Signature | None) -> dict[str, tuple]:
-    """A signature's parameters by name (``**kwargs`` and ``*args`` left out): (default,) or
-    () when the default is not plain data."""
+    """A signature's parameters by name (no ``*args``/``**kwargs``): (default,), or () when not
+    plain data."""
     return {name: tuple(rest) for name, kind, *rest in sig or []
             if kind not in ("VAR_POSITIONAL", "VAR_KEYWORD")}
 
 
-def _read_instead(name: str, passed: Any, sig: Signature | None, module: nn.Module | None
-                  ) -> tuple[Any, str | None]:
+def _read_instead(name: str, passed: object, sig: Signature | None, module: nn.Module | None
+                  ) -> tuple[object, str | None]:
     """What a module reads for ``name`` its caller did not pass: the default, else its attribute or
     config value (and where), else ``_UNREAD``; a non-plain default reads as unknown."""
     named = _named(sig)
@@ -193,8 +193,7 @@ def _read_instead(name: str, passed: Any, sig: Signature | None, module: nn.Modu
 
 
 def _caches(a: object, b: object) -> bool:
-    """Both values hold a key/value cache, and one of them is an object (a ``DynamicCache``
-    against the ``(keys, values)`` tuple another release passes)."""
+    """Both values hold a key/value cache, one of them an object (a ``DynamicCache`` vs a tuple)."""
     return _cache_like(a) and _cache_like(b) and not (
         isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)))
 
@@ -290,8 +289,7 @@ def _describe(leaf: object) -> str:
 
 
 def argument_path(path: str, sig: Signature | None) -> str:
-    """``args.1.cache.self_kv`` -> ``ctx.cache.self_kv`` (the parameter the argument binds to),
-    ``kwargs.x.y`` -> ``x.y``."""
+    """``args.1.cache.self_kv`` -> ``ctx.cache.self_kv`` (by the parameter it binds to)."""
     head, _, rest = path.partition(".")
     index, _, tail = rest.partition(".")
     if head == "args" and index.isdigit():

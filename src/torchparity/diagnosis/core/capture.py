@@ -20,6 +20,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from torchparity.comparison.structure import cache_pairs
 from torchparity.diagnosis.core.state import Held, StateRecorder, Summaries, held_state
@@ -93,8 +94,7 @@ def _one_pattern(pattern: Pattern) -> Callable[[str], bool]:
 
 
 class Uncopyable:
-    """Stands in for an input object that could not be, or was not, copied; its call cannot be
-    replayed."""
+    """Stands in for an input object that was not copied; its call cannot be replayed."""
 
     def __init__(self, type_name: str) -> None:
         self.type_name = type_name
@@ -143,7 +143,7 @@ def _copy_opaque(tree: PyTree, objects: bool = True) -> PyTree:
         return Uncopyable(type(tree).__name__)
 
 
-def _reachable_tensors(obj: Any, seen: set[int] | None = None, depth: int = 0
+def _reachable_tensors(obj: object, seen: set[int] | None = None, depth: int = 0
                        ) -> Iterator[torch.Tensor]:
     seen = set() if seen is None else seen
     if id(obj) in seen or depth > 8:
@@ -168,7 +168,7 @@ def _reachable_tensors(obj: Any, seen: set[int] | None = None, depth: int = 0
 #: by name (``POSITIONAL_OR_KEYWORD``, ...), followed by the default when it is plain data
 #: (``("sliding_window", "POSITIONAL_OR_KEYWORD", 0)``): what binding a recorded call and
 #: comparing it by meaning need, and JSON-able.
-Signature = list[tuple[str, str] | tuple[str, str, Any]]
+Signature = list[tuple[str, str] | tuple[str, str, object]]
 _JSON_PLAIN = (type(None), bool, int, float, str)
 
 
@@ -229,8 +229,7 @@ def call_key(name: str, call: int) -> str:
 
 
 class CallArgs(NamedTuple):
-    """A call's arguments: the positional ones and the keyword ones, as a module takes them
-    (``module(*args, **kwargs)``)."""
+    """A call's arguments, as ``module(*args, **kwargs)`` takes them."""
 
     args: tuple
     kwargs: dict[str, Any]
@@ -248,7 +247,7 @@ class ModuleCall:
     order: int = -1
     args: tuple | None = None  # the inputs and output pytree, when tensors are kept
     kwargs: dict[str, Any] | None = None
-    output: Any = None
+    output: PyTree = None
     # the shapes, inputs requiring grad and placement (dtype, device) are filled in every mode
     output_shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     input_stats: dict[str, TensorStats] = dataclasses.field(default_factory=dict)
@@ -361,12 +360,12 @@ class Capture:
         self._copies = SharedCopies() if settings.share else None
         self.live = settings.live and not keep
         self._paused = 0
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self.restart()
 
     def restart(self) -> None:
-        """Forget every call recorded so far, the hooks staying in place: what follows is
-        recorded as a run of its own (a decoding's next step), its calls numbered from 0."""
+        """Forget the calls recorded so far, hooks kept: what follows is a run of its own (a
+        decoding's next step), numbered from 0."""
         self.records: list[ModuleCall] = []
         self._by_key: dict[str, ModuleCall] = {}
         self._calls_per_name: dict[str, int] = {}
@@ -502,7 +501,7 @@ class Capture:
 
 
 def _downstream_only(output: PyTree, outputs: dict[str, torch.Tensor]
-                     ) -> tuple[Any, dict[str, torch.Tensor]]:
+                     ) -> tuple[PyTree, dict[str, torch.Tensor]]:
     """Each differentiable output handed on as an identity view, so its hook sees only what
     the rest of the model does with it (not an inner use, as attention's weights), the gradient
     a replay can be seeded with."""

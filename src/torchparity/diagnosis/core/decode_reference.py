@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +33,7 @@ from torchparity.subject.decoding import (
 )
 from torchparity.subject.running import seeded
 from torchparity.subject.sampling import SampleSettings
-from torchparity.subject.trees import flatten_tensors
+from torchparity.subject.trees import PyTree, flatten_tensors
 
 STEP = "__step__"  # pseudo-call of a step's next-token logits
 
@@ -46,11 +45,10 @@ def step_key(key: str, step: int) -> str:
 
 @dataclass
 class Side:
-    """A model decoded by a step function (and reordered by ``reorder`` in a beam search)
-    under an attention backend."""
+    """A model decoded by a step function (and ``reorder`` in a beam search) under a backend."""
 
     model: nn.Module
-    inputs: Any
+    inputs: PyTree
     step: StepFn
     backend: BackendSpec
     reorder: ReorderFn | None = None
@@ -59,8 +57,8 @@ class Side:
                parents: torch.Tensor | None = None, *, decide: DecideFn | None = None,
                during: Callable[[int], contextlib.AbstractContextManager] | None = None
                ) -> Decoding:
-        """Teacher-forced decoding along ``tokens`` and ``parents`` (when ``tokens`` is None:
-        ``decide``'s choices, else greedy), seeded, without grad."""
+        """Teacher-forced decoding along ``tokens`` and ``parents`` (None: ``decide``'s choices,
+        else greedy), seeded, without grad."""
         fed = tokens if parents is None else Fed(tokens, parents)
         with backend_context(self.backend), seeded(), torch.no_grad():
             return teacher_forced(self.step, self.model, self.inputs, steps, fed,
@@ -101,8 +99,7 @@ class DecodeReference:
 
     @property
     def golden_label(self) -> str:
-        """The golden as reports and traces write it
-        (:func:`~torchparity.diagnosis.core.reference.golden_label`)."""
+        """The golden as reports and traces write it."""
         return golden_label(self.golden, self.no_golden)
 
     def at(self, step: int, *, cut: bool = False) -> StepReference:
@@ -111,8 +108,7 @@ class DecodeReference:
 
 
 class _StepStore:
-    """A decoding reference's store as one step's calls read it: by call key, ``@step``
-    implied."""
+    """A decoding reference's store as one step's calls read it (``@step`` implied)."""
 
     def __init__(self, store: Store, step: int) -> None:
         self._store, self._step = store, step
@@ -151,8 +147,8 @@ class StepReference:
 
     def judge(self, calls: tuple[ModuleCall, ...], candidate: dict[str, torch.Tensor],
               baseline_group: str, golden_group: str, kind: str) -> Result:
-        """``candidate`` against the golden's ``golden_group`` of ``calls``, with A's
-        ``baseline_group`` as the baseline (as :meth:`Reference.judge`)."""
+        """``candidate`` against the golden's group of ``calls``, A's as baseline
+        (``Reference.judge``)."""
         store = self.store
         golden = joined([store.get(c.key, golden_group) for c in calls]) if self.has_golden \
             else {}
@@ -170,8 +166,8 @@ class StepReference:
 def _judged(candidate: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor],
             golden: dict[str, torch.Tensor], cut: bool, kind: str, *,
             common_only: bool = False) -> Result:
-    """Judge one step's tensors (with ``cut``, baseline and golden cut to the candidate's
-    positions first); with ``common_only`` only the tensors every side has."""
+    """One step's tensors judged (``cut``: the others cut to the candidate's positions first;
+    ``common_only``: only tensors every side has)."""
     candidate = {p: t.cpu() for p, t in candidate.items()}
     if cut:
         baseline, golden = _trailing(baseline, candidate), _trailing(golden, candidate)
@@ -190,8 +186,8 @@ def _judged(candidate: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor
 
 def _trailing(tensors: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
               ) -> dict[str, torch.Tensor] | Mismatch:
-    """``tensors`` cut to ``like``'s shapes by keeping the last positions of the one dimension
-    in which they are longer (a recompute's whole sequence against a cached step's new tokens)."""
+    """``tensors`` cut to ``like``'s shapes by keeping the last positions where longer (a
+    recompute's sequence against a cached step's new tokens)."""
     out = {}
     for path, tensor in tensors.items():
         target = like.get(path)
@@ -211,7 +207,7 @@ def _trailing(tensors: dict[str, torch.Tensor], like: dict[str, torch.Tensor]
 @contextlib.contextmanager
 def capturing_steps(model: nn.Module, store: Store, opts: Options,
                     calls: dict[int, list[ModuleCall]], group: str, *, state: bool
-                    ) -> Iterator[Callable[[int], Any]]:
+                    ) -> Iterator[Callable[[int], contextlib.AbstractContextManager[None]]]:
     """``during(step)`` for :func:`teacher_forced`: that step's calls captured into ``store``,
     step by step; hooks stay for the whole decoding (cheaper than placing them per step), big
     outputs sketched from the live tensor."""
@@ -250,8 +246,7 @@ def capturing_steps(model: nn.Module, store: Store, opts: Options,
 
 def calls_at_step(side: Side, step: int, reference: DecodeReference, opts: Options
                   ) -> list[ModuleCall]:
-    """``side`` decoded up to ``step`` along the reference's tokens and parents, keeping every
-    selected call at that step."""
+    """``side`` decoded up to ``step`` along the reference, keeping every selected call there."""
     captured: list[ModuleCall] = []
 
     @contextlib.contextmanager

@@ -1,5 +1,4 @@
-"""Judgement of one call's tensors under the tolerance model, shared by every stage that
-compares (propagated and local errors, decoding steps)."""
+"""Judgement of one call's tensors under the tolerance model, for every stage that compares."""
 
 from __future__ import annotations
 
@@ -7,14 +6,16 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from torchparity import sketching, tolerance
 from torchparity.comparison import Comparison, StructureMismatch, compare
-from torchparity.comparison.selection import PaddingSpec, left_out_of
+from torchparity.comparison.selection import LeftOut, PaddingSpec, left_out_of
 from torchparity.comparison.sketch import involves_sketch
+from torchparity.comparison.structure import Leaf, StructureDifference
 from torchparity.diagnosis.core.results import (
     Bounded,
     Mismatch,
@@ -54,8 +55,7 @@ def judge(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor],
 
 def _island_dtype(candidate: dict[str, torch.Tensor], islands: str | None
                   ) -> torch.dtype | None:
-    """``islands`` as the dtype a float64 ``candidate`` is judged in; None for another dtype,
-    whose baseline measures what its islands add."""
+    """``islands`` as the dtype a float64 ``candidate`` is judged in; None for another dtype."""
     if islands is None:
         return None
     dtypes = {t.dtype for t in candidate.values()
@@ -65,8 +65,7 @@ def _island_dtype(candidate: dict[str, torch.Tensor], islands: str | None
 
 def as_a_names(candidate: dict[str, torch.Tensor], a_tensors: dict[str, torch.Tensor]
                ) -> dict[str, torch.Tensor]:
-    """B's tensors under A's paths where only their container differs (``output.0`` in A,
-    ``output`` in B, of one shape)."""
+    """B's tensors under A's paths where only the container differs (``output.0`` vs ``output``)."""
     only_a = [p for p in a_tensors if p not in candidate]
     renamed = dict(candidate)
     for path in [p for p in candidate if p not in a_tensors]:
@@ -88,8 +87,7 @@ def _nothing_shared(result: Result) -> bool:
 
 
 def nothing_compared(result: Result) -> NotCompared | None:
-    """A :class:`NotCompared` for a comparison whose sides hold tensors of which none are
-    alike (None when something was compared, or neither side holds any)."""
+    """A :class:`NotCompared` where both sides hold tensors but none alike; None otherwise."""
     structure = getattr(result, "structure", ())
     if not isinstance(result, Comparison) or result.tensors or not structure:
         return None
@@ -141,8 +139,7 @@ def judge_departure(candidate: dict[str, torch.Tensor], golden: dict[str, torch.
 
 def _broken_goldens(golden: dict[str, torch.Tensor], baseline: dict[str, torch.Tensor],
                     padding: PaddingSpec) -> dict[str, int]:
-    """Per path, how many judged elements of the golden are NaN or inf where A is finite (a
-    sketch, which cannot say where, is judged as it is)."""
+    """Per path, how many judged golden elements are non-finite where A is finite."""
     broken = {}
     for path, g in golden.items():
         a = baseline.get(path)
@@ -161,8 +158,7 @@ def _judged_against_a(candidate: dict[str, torch.Tensor], golden: dict[str, torc
                       baseline: dict[str, torch.Tensor], kind: str, padding: PaddingSpec,
                       broken: dict[str, int], precision: torch.dtype | None,
                       islands: torch.dtype | None) -> Result:
-    """The tensors of ``broken`` judged against A alone, the others as usual (in the dtype of
-    ``islands`` when given)."""
+    """The tensors of ``broken`` judged against A alone, the others as usual."""
     def part(tensors: dict[str, torch.Tensor], inside: bool) -> dict[str, torch.Tensor]:
         return {p: t for p, t in tensors.items() if (p in broken) == inside}
 
@@ -178,17 +174,17 @@ def _judged_against_a(candidate: dict[str, torch.Tensor], golden: dict[str, torc
                          kind, padding, islands, islands=islands), against_a)
 
 
-def _as_a_sees_it(difference: Any, a_tensors: dict[str, torch.Tensor]) -> Any:
-    """The tensors are keyed by their flattened path already: name the difference by it, and
-    describe A's side by A's own tensor where the golden holds a float64 copy of it."""
+def _as_a_sees_it(difference: StructureDifference, a_tensors: dict[str, torch.Tensor]
+                  ) -> StructureDifference:
+    """A structure difference named by its flattened path, A's side described by A's own tensor."""
     path = _flat_path(difference.path)
     a_side = _describe(a_tensors[path]) if path in a_tensors else difference.golden
     return dataclasses.replace(difference, path=path, golden=a_side)
 
 
 def with_leaves(result: Result, candidate_leaves: dict[str, Any]) -> Result:
-    """``result`` with each structure difference that found no tensor in the candidate saying
-    what the candidate holds there instead (``None``, a cache), from its pytree's leaves."""
+    """``result``'s structure differences saying what the candidate holds instead (``None``, a
+    cache)."""
     structure = getattr(result, "structure", ())
     if not structure:
         return result
@@ -214,8 +210,8 @@ def _flat_path(path: str) -> str:
 
 
 def module_padding(padding: Padding | None, module: str) -> PaddingSpec:
-    """The padding of one module's tensors (its name tells an encoder's from a decoder's);
-    gradients of its parameters (``param.*``) have no positions and are judged whole."""
+    """The padding of one module's tensors (encoder or decoder by its name); ``param.*`` gradients
+    are judged whole."""
     if not padding:
         return None
     scoped = padding.within(module)
@@ -266,10 +262,12 @@ def _bounded(candidate: dict[str, torch.Tensor], golden: dict[str, torch.Tensor]
 #: One tensor's bound: its error, its share of the bound (0.0 where it equals the baseline,
 #: as every tensor before it did) and whether that held; None where it takes the full one.
 OneBound = tuple[float, float, bool] | None
+#: The positions of a golden tensor that are not judged (None: none).
+LeftOutOf = Callable[[Leaf], "LeftOut | None"]
 
 
 def _exact_bound(c: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
-                 tol: tolerance.KindTolerance, kind: str, left_out_of_golden: Any,
+                 tol: tolerance.KindTolerance, kind: str, left_out_of_golden: LeftOutOf,
                  identical: bool) -> OneBound:
     """Within ``fudge`` times the baseline's error, in the kind's metric."""
     if c.shape != g.shape or c.dtype != b.dtype or c.shape != b.shape or \
@@ -287,8 +285,8 @@ def _exact_bound(c: torch.Tensor, g: torch.Tensor, b: torch.Tensor,
     return error, error / (tol.fudge * noise), False
 
 
-def _sketched_bound(c: Any, g: Any, b: Any, tol: tolerance.KindTolerance, kind: str,
-                    left_out_of_golden: Any, identical: bool) -> OneBound:
+def _sketched_bound(c: Leaf, g: Leaf, b: Leaf, tol: tolerance.KindTolerance, kind: str,
+                    left_out_of_golden: LeftOutOf, identical: bool) -> OneBound:
     """Where a side is a sketch, ``compare_sketch``'s two rules against ``fudge`` times the
     baseline's error; a possibly degraded baseline, padding, non-finite or masked values take
     the full comparison."""
@@ -324,14 +322,12 @@ def _sketched_bound(c: Any, g: Any, b: Any, tol: tolerance.KindTolerance, kind: 
 
 
 def _masks(*tensors: torch.Tensor) -> bool:
-    """Whether any tensor holds masked entries, which only the full comparison sets apart
-    (a sentinel on each side would otherwise dominate both error norms)."""
+    """Whether any tensor holds masked entries, which only the full comparison sets apart."""
     return any(t.numel() and bool(t.amin() <= tolerance.MASKED_BELOW) for t in tensors)
 
 
 def merged(first: Result | None, second: Result) -> Result:
-    """One result for both: a mismatch in either wins, then a diverged one; two full
-    comparisons keep every tensor, a bounded one keeps the larger error and bound."""
+    """One result for both: a mismatch wins, then a divergence; bounded ones keep the larger."""
     if first is None:
         return second
     for result in (first, second):
@@ -347,8 +343,8 @@ def merged(first: Result | None, second: Result) -> Result:
 
 
 def joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One call's tensors as they are; several calls' single outputs concatenated along the
-    last dimension (the output of the fused module they correspond to)."""
+    """One call's tensors as they are; several calls' outputs concatenated on the last dimension
+    (a fused module's)."""
     if len(parts) == 1:
         return parts[0]
     if any(len(p) != 1 or involves_sketch(*p.values()) for p in parts):

@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # rich is imported only when a bar is drawn
+    from rich.progress import Progress
 
 
 class ProgressBar:
     """Progress on stderr through rich (none when ``progress`` is None); times every phase."""
 
-    def __init__(self, progress: Any) -> None:
+    def __init__(self, progress: Progress | None) -> None:
         self.progress_bar = progress
         self.seconds: dict[str, float] = {}
 

@@ -9,7 +9,6 @@ import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -37,8 +36,7 @@ IN_FLOAT64 = "A already runs in float64; budgets use the analytic bound"
 
 
 def golden_label(golden: str | None, no_golden: str | None) -> str:
-    """The golden as reports and traces write it: its description, or ``none: `` and why
-    there is none (``not made yet`` before the golden stage ran)."""
+    """The golden as reports write it: its description, or ``none: `` and why."""
     return golden if golden is not None else f"none: {no_golden or 'not made yet'}"
 
 
@@ -109,8 +107,8 @@ class Reference:
         return joined([self.store.get(c.key, group) for c in calls])
 
     def found_islands(self, side: str = "A") -> dict[str, list[str]]:
-        """Each narrower dtype's name -> the modules ``side``'s watched float64 runs ("A",
-        "B" or "AB" for both) computed in it."""
+        """Each narrower dtype -> the modules ``side``'s float64 runs ("A", "B", "AB")
+        computed in it."""
         watches = [*(self.islands if "A" in side else []),
                    *(self.b_islands if "B" in side else [])]
         found: dict[str, dict[str, None]] = {}
@@ -146,9 +144,8 @@ class Reference:
 
     def on_recorded_state(self, a: ModuleCall, module: nn.Module, name: str,
                           changing: set[str]) -> contextlib.AbstractContextManager:
-        """A context in which B's ``module`` (called ``name`` in B) and its submodules hold the
-        state A's had when the recorded call ``a`` started (nothing to do for modules that
-        keep none); :class:`ReplayUnavailable` when B keeps its state otherwise than A."""
+        """B's ``module`` (``name`` in B) holding the state A's had when call ``a`` started;
+        :class:`ReplayUnavailable` when B keeps state otherwise."""
         states = states_within(self.states, a.name, a.clock)
         b_changing = changing_within(changing, name)
         if not states and not b_changing:
@@ -161,8 +158,7 @@ class Reference:
 
 @contextlib.contextmanager
 def in_float64_islands(model: nn.Module) -> Iterator[Islands | None]:
-    """A watch of where ``model``, when it runs in float64, computes in a narrower dtype
-    (None for a model in another dtype: its run is no float64 reference)."""
+    """A watch of where ``model``'s float64 run computes in a narrower dtype (None: not float64)."""
     if module_placement(model)[0] != GOLDEN_DTYPE:
         yield None
         return
@@ -176,15 +172,13 @@ def state_key(name: str, clock: int) -> str:
 
 
 def grad_keeper(store: Store, *groups: str) -> Callable[[ModuleCall, str, torch.Tensor], None]:
-    """An ``on_grad`` callback that puts each output gradient into every one of ``groups`` of
-    its call (each keeps it its own way: exact, or sketched when big)."""
+    """An ``on_grad`` callback putting each output gradient into each of ``groups`` of its call."""
     return lambda call, path, grad: store.put_all([(call.key, group, {path: grad})
                                                    for group in groups])
 
 
 def keep_run_results(store: Store, run: CapturedRun, out_group: str, param_group: str) -> None:
-    """Store a run's final output and loss (under the pseudo-call FINAL) and each module's
-    direct parameter gradients."""
+    """Store a run's final output and loss (under FINAL) and each module's parameter gradients."""
     final = flatten_tensors(run.output)
     if run.loss is not None:
         final["loss"] = run.loss
@@ -198,7 +192,7 @@ def keep_run_results(store: Store, run: CapturedRun, out_group: str, param_group
 # The float64 golden: which model gives it, and how a diagnosis says so
 
 
-def module_placement(module: nn.Module) -> tuple[Any, Any]:
+def module_placement(module: nn.Module) -> tuple[torch.dtype | None, torch.device | None]:
     """The floating dtype and device of a module's parameters/buffers (None when it has none)."""
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.is_floating_point():
@@ -207,8 +201,7 @@ def module_placement(module: nn.Module) -> tuple[Any, Any]:
 
 
 def placed_on(tensor: torch.Tensor, module: nn.Module) -> torch.Tensor:
-    """A state tensor as ``module`` holds it: on its parameters' device, and in their floating
-    dtype when floating."""
+    """A state tensor on ``module``'s device, in its floating dtype when floating."""
     dtype, device = module_placement(module)
     if dtype is None or not tensor.is_floating_point():
         dtype = tensor.dtype
@@ -216,8 +209,8 @@ def placed_on(tensor: torch.Tensor, module: nn.Module) -> torch.Tensor:
 
 
 def describe_mode(model: nn.Module, dtype: torch.dtype | None, has_golden: bool) -> str:
-    """The precision a diagnosis runs in: ``float32: A and B as given, against A's float64
-    golden`` (``dtype``: the one A and B were cast to, None when run as given)."""
+    """The precision a diagnosis runs in (``float32: A and B as given, against A's float64
+    golden``)."""
     a_dtype = dtype_label(module_placement(model)[0])
     mode = (f"{a_dtype}: A and B both cast to {a_dtype}" if dtype is not None
             else f"{a_dtype}: A and B as given")
@@ -226,9 +219,7 @@ def describe_mode(model: nn.Module, dtype: torch.dtype | None, has_golden: bool)
 
 
 def golden_warning(label: str) -> str | None:
-    """The line that says, first thing, that no float64 golden could be made, why and the fix
-    (None when there is one, or when A runs in float64 and needs none); ``label`` as
-    :func:`golden_label` writes it."""
+    """The first line saying no float64 golden could be made, why and the fix; None otherwise."""
     golden, no_golden = parse_golden_label(label)
     if golden is not None or no_golden == IN_FLOAT64:
         return None
@@ -242,9 +233,8 @@ COPY_FIX = ("fix: make the model deep-copyable, or diagnose it from its factory 
 
 def golden_copy(model: nn.Module, rebuild: Callable[[], nn.Module] | None = None
                 ) -> tuple[nn.Module | None, str]:
-    """A float64 CPU copy of ``model`` and a description of the golden used, or None and
-    why there is none (the reason and the fix). A model that cannot be deep-copied is built
-    again by ``rebuild()`` (its factory) when given, and used when its weights are A's."""
+    """A float64 CPU copy of ``model`` and the golden's description, or None and why; a model
+    deepcopy fails on is built by ``rebuild()`` and used when its weights are A's."""
     dtype, _ = module_placement(model)
     if dtype == GOLDEN_DTYPE:
         return None, IN_FLOAT64

@@ -1,5 +1,4 @@
-"""Running models for a diagnosis: its options, seeded whole-model runs with capture, and
-replays of one module on recorded inputs. Every stage runs models through here."""
+"""Running models for a diagnosis: its options, seeded captured runs, and one-module replays."""
 
 from __future__ import annotations
 
@@ -63,9 +62,8 @@ def in_golden_dtype(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def golden_inputs(inputs: PyTree) -> PyTree:
-    """Recorded inputs (a fresh copy) as the golden's replay takes them: tensors in float64
-    on the CPU, those inside a cache handed in (a ``StaticCache``'s buffers) too, so that the
-    float64 replay's writes into the cache keep one dtype."""
+    """A fresh copy of recorded inputs in float64 on the CPU, a handed-in cache's buffers too
+    (the float64 replay writes into it)."""
     inputs = upcast(inputs, GOLDEN_DTYPE, "cpu")
     cast_held(inputs, in_golden_dtype)
     return inputs
@@ -73,8 +71,7 @@ def golden_inputs(inputs: PyTree) -> PyTree:
 
 @dataclass(frozen=True)
 class Options:
-    """The settings of one diagnosis, built once from the public function's keywords and
-    passed whole down the pipeline (see :func:`torchparity.diagnose` for each)."""
+    """The settings of one diagnosis, built once and passed whole down the pipeline."""
 
     include: PatternSpec = None  # the modules captured, by glob or ``re:`` regex (None: all)
     exclude: PatternSpec = None
@@ -133,9 +130,8 @@ def shown(progress: bool | None) -> bool:
 
 
 def stream_needed(*models: nn.Module) -> bool:
-    """Whether a diagnosis of ``models`` should keep A's side on disk: when the models take
-    more than a quarter of the memory available now (the captured tensors, A's float64
-    golden and the replays come on top)."""
+    """Whether A's side goes to disk: the models take over a quarter of the free memory
+    (captures, the golden and replays come on top)."""
     size = sum(t.numel() * t.element_size() for model in models
                for t in [*model.parameters(), *model.buffers()])
     available = _available_memory()
@@ -173,9 +169,8 @@ def backend_context(spec: BackendSpec) -> Iterator[None]:
 
 def default_loss(output: PyTree, inputs: PyTree = None, padding: Padding | None = None
                  ) -> torch.Tensor:
-    """A scalar whose gradient reaches every unpadded element of the first floating output:
-    its :func:`~torchparity.subject.running.projection_loss`. Uses the output's own ``loss``
-    field when it has one."""
+    """The output's own scalar ``loss``, else a projection loss reaching every unpadded element
+    of the first floating output."""
     flat = flatten_tensors(output)
     if "output.loss" in flat and flat["output.loss"].numel() == 1:
         return flat["output.loss"].reshape(())
@@ -191,7 +186,7 @@ class CapturedRun:
     """What one captured run leaves: its calls, detached output, loss and parameter grads."""
 
     calls: list[ModuleCall]
-    output: Any
+    output: PyTree
     loss: torch.Tensor | None
     param_grads: dict[str, dict[str, torch.Tensor]]  # module name -> direct param name -> grad
     changing: set[str] = field(default_factory=set)  # modules that change their own state
@@ -307,8 +302,8 @@ def rebind(recorded: Signature | None, inputs: CallArgs, module: nn.Module
 
 
 def _renamed(name: str, names: list[str], forward: inspect.Signature) -> str | None:
-    """B's parameter at the position A's parameter ``name`` had, taken as its new name: only
-    one A has no parameter of (else it may be one A has, moved) and not ``*args``/``**kw``."""
+    """B's parameter at ``name``'s position in A, taken as its new name: only one A lacks, and
+    not ``*args``/``**kw``."""
     if name not in names or names.index(name) >= len(forward.parameters):
         return None
     target = list(forward.parameters)[names.index(name)]
@@ -359,8 +354,8 @@ def _forward_for_backward(module: nn.Module, args: tuple, kwargs: dict,
                           grad_out: Mapping[str, torch.Tensor], requires_grad: frozenset[str]
                           ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
                                      list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The module's outputs by path, the inputs that required grad in the recorded run (now
-    leaves that require it), and each output that backward starts from with its gradient."""
+    """The module's outputs, the inputs that required grad (now leaves), and each output
+    backward starts from with its gradient."""
     leaves = {f"input.{path}": t.requires_grad_()
               for path, t in {**flatten_tensors(args, "args"),
                               **flatten_tensors(kwargs, "kwargs")}.items()
@@ -395,9 +390,8 @@ def _replay_float64(module: nn.Module, args: tuple, kwargs: dict, backend: Backe
 
 def placed(inputs: CallArgs, call: ModuleCall, sig: Signature | None = None
            ) -> CallArgs:
-    """Recorded inputs with each tensor moved to the device, and floating ones cast to the
-    dtype, that ``call``'s module saw at the same input in its own run (the same parameter of
-    ``sig``, its forward's, when given: :func:`parameter_path`)."""
+    """Recorded inputs moved to the device, floating ones cast to the dtype, that ``call``'s
+    module saw there (by parameter of ``sig`` when given)."""
     own = {parameter_path(sig, path): found for path, found in call.input_placement.items()}
 
     def place(path: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -412,9 +406,8 @@ def placed(inputs: CallArgs, call: ModuleCall, sig: Signature | None = None
 
 
 def parameter_path(sig: Signature | None, path: str) -> str:
-    """An input's path by the parameter it binds to (``args.1.0`` -> ``mask.0`` where
-    ``mask`` is the second parameter, ``kwargs.mask`` -> ``mask``): one value passed by
-    position in one call and by keyword in another has one path. As given without ``sig``."""
+    """An input's path by the parameter it binds to (``args.1.0`` -> ``mask.0``), so positional
+    and keyword passing agree; as given without ``sig``."""
     if sig is None:
         return path
     head, _, rest = path.partition(".")
@@ -463,7 +456,7 @@ def fitted(inputs: CallArgs, call: ModuleCall, sig: Signature | None = None
 
 
 #: An argument of B's module by its parameter's name, and what it becomes in B's convention.
-Converted = tuple[str, Callable[[Any], Any]]
+Converted = tuple[str, Callable[[object], object]]
 
 
 def for_b(recorded: Signature | None, inputs: CallArgs, call: ModuleCall,
@@ -486,9 +479,8 @@ def for_b(recorded: Signature | None, inputs: CallArgs, call: ModuleCall,
 
 
 def _with_replaced(inputs: CallArgs, sig: Signature | None, name: str,
-                   replace: Callable[[Any], Any]) -> CallArgs:
-    """``inputs`` with the argument bound to parameter ``name`` replaced by ``replace`` of
-    it."""
+                   replace: Callable[[object], object]) -> CallArgs:
+    """``inputs`` with the argument of parameter ``name`` replaced by ``replace`` of it."""
     args, kwargs = inputs
     args = tuple(replace(value) if parameter_path(sig, f"args.{i}") == name else value
                  for i, value in enumerate(args))

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from torchparity.comparison.structure import cache_layers
 from torchparity.subject.trees import PyTree, walk
@@ -29,8 +30,8 @@ _HOLES = 8
 
 @dataclass(frozen=True)
 class Held:
-    """One state tensor after a call: its shape, the extent written along each dimension (one
-    past the last slice that is not all zeros) and the slices below it that are all zeros."""
+    """One state tensor after a call: its shape, the extent written per dimension, the all-zero
+    slices below it."""
 
     shape: tuple[int, ...]
     extent: tuple[int, ...]
@@ -172,8 +173,7 @@ def state_difference(a: dict[str, Held], b: dict[str, Held]) -> tuple[str, str] 
 
 
 def _renamed_as_in(a: dict[str, Held], b: dict[str, Held]) -> dict[str, Held]:
-    """B's state with the one object argument only B has (``kwargs.cache``) named as the one
-    only A has, when there is one of each."""
+    """B's state with the object argument only B has named as the one only A has."""
     def arguments(held: dict[str, Held]) -> set[str]:
         return {".".join(p.split(".")[:2]) for p in held if not p.startswith("state.")}
 
@@ -215,8 +215,8 @@ _PLAIN = (type(None), bool, int, float, str)
 
 
 def own_state(module: nn.Module) -> OwnState:
-    """The state ``module`` keeps on itself (not its submodules'): its buffers and the public
-    attributes holding tensors, numbers or containers of them (a cache, its length)."""
+    """The state ``module`` keeps on itself: buffers and public attributes holding tensors,
+    numbers or containers of them."""
     state: OwnState = dict(module._buffers)
     for name, value in vars(module).items():
         if not name.startswith("_") and name != "training" and _is_plain_state(value):
@@ -237,8 +237,7 @@ def _is_plain_state(value: object, depth: int = 0) -> bool:
 
 
 def _fingerprint(value: PyTree) -> PyTree:
-    """What tells a state apart from its next version cheaply: tensors by identity, version
-    and shape, the rest by value."""
+    """A cheap fingerprint of a state: tensors by identity, version and shape, the rest by value."""
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value), value._version, tuple(value.shape), value.dtype)
     if isinstance(value, dict):
@@ -260,9 +259,9 @@ class StateRecorder:
         self.clock = 0
         self.history: dict[str, list[tuple[int, OwnState]]] = {}
         self.changing: set[str] = set()
-        self._pending: dict[str, list[Any]] = {}
+        self._pending: dict[str, list[PyTree]] = {}  # fingerprints of states before a call
         self._copies: dict[str, dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> StateRecorder:
         for name, module in self.modules.items():
@@ -275,7 +274,7 @@ class StateRecorder:
             handle.remove()
         self._handles.clear()
 
-    def _before(self, name: str) -> Any:
+    def _before(self, name: str) -> Callable[[nn.Module, tuple], None]:
         def hook(module: nn.Module, args: tuple) -> None:
             self.clock += 1
             state = own_state(module)
@@ -284,7 +283,7 @@ class StateRecorder:
                 self.history.setdefault(name, []).append((self.clock, self._copy(name, state)))
         return hook
 
-    def _after(self, name: str) -> Any:
+    def _after(self, name: str) -> Callable[[nn.Module, tuple, PyTree], None]:
         def hook(module: nn.Module, args: tuple, output: PyTree) -> None:
             if self._pending.get(name) and \
                     self._pending[name].pop() != _fingerprint(own_state(module)):
@@ -309,9 +308,8 @@ class StateRecorder:
         return {name: self.history.get(name, []) for name in sorted(self.changing)}
 
 
-def state_at(history: dict[str, list[tuple[int, Any]]], name: str, clock: int) -> Any:
-    """A module's state when the call with ``clock`` starts: the snapshot before its own first
-    call from then on; None when it has no call from then on (its state is the last one)."""
+def state_at(history: dict[str, list[tuple[int, PyTree]]], name: str, clock: int) -> PyTree:
+    """A module's state when the call at ``clock`` starts (None: no call from then on)."""
     return next((state for started, state in history.get(name, []) if started >= clock), None)
 
 
@@ -337,8 +335,8 @@ def copied(value: PyTree) -> PyTree:
 
 def states_within(history: dict[str, list[tuple[int, OwnState]]], name: str, clock: int
                   ) -> dict[str, OwnState]:
-    """The state of ``name`` and of its submodules that change theirs, by name relative to it
-    (``""`` for itself), as it was when its call with ``clock`` started."""
+    """The states of ``name`` and its changing submodules, by relative name, at its call at
+    ``clock``."""
     states = {}
     for module in history:
         relative = _relative(module, name)

@@ -124,8 +124,7 @@ class Store(Protocol):
         """Add tensors to ``group`` of call ``key``, merging with what is there."""
 
     def put_all(self, entries: list[Stored], *, owned: bool = False) -> None:
-        """:meth:`put` of each ``(key, group, tensors)``; ``owned``: the caller's own copies,
-        which nothing changes afterwards."""
+        """:meth:`put` of each ``(key, group, tensors)``; ``owned``: the caller's own copies."""
 
     def get(self, key: str, group: str) -> dict[str, torch.Tensor]:
         """The group's tensors ({} when none were stored)."""
@@ -154,8 +153,7 @@ class MemoryStore:
 
     def put(self, key: str, group: str, tensors: Mapping[str, torch.Tensor], *,
             owned: bool = False) -> None:
-        """Add tensors to ``group`` of call ``key`` (merging with what is there), copied
-        unless ``owned`` (copies of the caller's own, which nothing changes afterwards)."""
+        """Add tensors to ``group`` of call ``key``, copied unless ``owned``."""
         slot = self._tensors.setdefault((key, group), {})
         slot.update({path: stored_form(group, path, t, padded(self.padding, key, group, path, t),
                                 copy=not owned)
@@ -170,8 +168,7 @@ class MemoryStore:
 
     def inputs_entry(self, key: str, args: tuple, kwargs: dict
                      ) -> tuple[str, str, dict[str, torch.Tensor]]:
-        """Keep the call's inputs; an empty :meth:`put_all` entry (the disk store's holds
-        their tensors)."""
+        """Keep the call's inputs; an empty :meth:`put_all` entry."""
         self.put_inputs(key, args, kwargs)
         return key, "in", {}
 
@@ -310,8 +307,7 @@ class DiskStore:
 
     def inputs_entry(self, key: str, args: tuple, kwargs: dict
                      ) -> tuple[str, str, dict[str, torch.Tensor]]:
-        """The ``(key, "in", tensors)`` entry of :meth:`put_all` for a call's inputs (their
-        structure is kept for the trace's JSON)."""
+        """The ``(key, "in", tensors)`` entry of a call's inputs (their structure: the JSON)."""
         tensors: dict[str, torch.Tensor] = {}
         self.input_specs[key] = encode_tree((args, kwargs), tensors)
         return key, "in", tensors
@@ -330,8 +326,7 @@ class DiskStore:
 
 
 class _Batch:
-    """Tensors on their way to one file, by stored name, with each one's rank in the order of
-    putting, the sketches' descriptions and the ``(call, group)`` pairs they belong to."""
+    """Tensors on their way to one file: by name with their order, sketches' descriptions, calls."""
 
     def __init__(self) -> None:
         self.flat: dict[str, torch.Tensor] = {}
@@ -378,8 +373,7 @@ def _packed(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
 
 
 class _OpenFile:
-    """A trace file open for reading: its names by the ``<call>|<group>/`` prefix they start
-    with (aliases included), their ranks and its sketches' descriptions, read once."""
+    """A trace file open for reading: names by call-and-group prefix, order, sketches."""
 
     def __init__(self, path: Path, aliases: dict[str, str]) -> None:
         self._handle = safe_open(path, framework="pt")
@@ -415,8 +409,7 @@ class _OpenFile:
 
 def _with_sketches(tensors: dict[str, torch.Tensor], described: dict[str, Any]
                    ) -> dict[str, torch.Tensor | Sketch]:
-    """A file's tensors with each sketch's parts put back together, as ``described``, in
-    the order they come."""
+    """A file's tensors with each sketch's parts put back together, in order."""
     if not described:
         return dict(tensors)
     found: dict[str, Any] = {}
@@ -489,8 +482,8 @@ _OBJECT_DEPTH = 4
 
 
 def _rebuilt_from_attributes(obj: object, depth: int) -> bool:
-    """Whether ``obj`` is rebuilt by its class and its attributes: a plain object (no module,
-    class or function) of a class importable by name, not nested too deep (a cycle)."""
+    """Whether ``obj`` is rebuilt by its importable class and attributes (a plain object, not
+    nested too deep)."""
     return depth < _OBJECT_DEPTH and hasattr(obj, "__dict__") and not callable(obj) and \
         not isinstance(obj, (nn.Module, type)) and _importable(type(obj))
 
@@ -658,8 +651,8 @@ def call_from_json(data: dict[str, Any]) -> ModuleCall:
 
 
 class TraceWriter:
-    """A trace directory being written; ``commit`` moves it into place atomically. As a
-    context manager it removes what it wrote unless committed (an error, Ctrl-C)."""
+    """A trace directory being written; ``commit`` moves it into place atomically, and leaving the
+    block uncommitted (an error, Ctrl-C) removes it."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -693,8 +686,7 @@ class TraceWriter:
 
 def check_recorded_inputs(path: str | os.PathLike, inputs: PyTree, recorded: str,
                           what: str) -> None:
-    """A one-line error unless ``inputs`` are the ones the trace at ``path`` recorded (by
-    checksum: ``recorded``); ``what`` names them in the advice."""
+    """A one-line error unless ``inputs`` match the trace's ``recorded`` checksum."""
     digest = inputs_digest(inputs)
     if digest != recorded:
         raise UsageError(f"inputs differ from the ones recorded in {path} (checksum {digest} vs "

@@ -340,8 +340,8 @@ def _reference(model: nn.Module, inputs: Inputs, store: Store, opts: Options, ba
 
 def _keep_ops(reference: Reference, model: nn.Module, modules: list[str], opts: Options,
               bar: ProgressBar) -> list[str]:
-    """A's ops of the calls of ``modules`` (every call for ``["all"]``) put into the
-    reference's store; why any call has none."""
+    """A's ops of the calls of ``modules`` (``["all"]``: every call) put into the store; why any
+    call has none."""
     calls = [c for c in reference.calls if modules == ["all"] or c.name in modules]
     if not calls:
         raise UsageError(f"--ops {','.join(modules)}: the run records no call of those "
@@ -355,9 +355,7 @@ def _keep_ops(reference: Reference, model: nn.Module, modules: list[str], opts: 
 
 def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
                         bar: ProgressBar, model_a: nn.Module | None = None) -> DiagnosisReport:
-    """Stages 3 to 7: align B with the reference, judge propagated then local errors, drill
-    down to the op (with ``model_a`` in this process, else from A's ops in the trace or the
-    one ``opts.more_ops`` records), report."""
+    """Stages 3 to 7: B aligned, judged propagated then local, drilled down to the op."""
     if opts.compile_b is None:
         propagated = judge_propagated(reference, model, inputs, opts, bar)
         alignment = propagated.alignment
@@ -419,9 +417,8 @@ def _diagnose_candidate(reference: Reference, model: nn.Module, inputs: Inputs, 
 
 def _with_ops(reference: Reference, matches: list[Match],
               more_ops: Callable[[list[str]], Path]) -> Reference:
-    """``reference`` reading its calls' ops from the trace ``more_ops(modules)`` records when
-    its own trace lacks A's ops of the first module to drill into (its caller's too: a
-    library module's own ops have no line of the user's)."""
+    """``reference`` reading A's ops from the trace ``more_ops`` records where its own lacks them
+    (the caller's too: a library module's ops have no user line)."""
     calls = [m.a[0] for m in matches if len(m.a) == 1]
     if not calls or recorded_side(reference.store, calls[0].key, False) is not None:
         return reference

@@ -290,8 +290,7 @@ def diagnose_decode_against(
 
 def decode_against(path: str | Path, model: nn.Module, inputs: PyTree,
                    options: DecodeOptions) -> DecodeReport:
-    """:func:`diagnose_decode_against` with its settings in ``options`` (``more_ops``: see
-    :class:`Options`)."""
+    """:func:`diagnose_decode_against` with its settings in ``options``."""
     reference, meta = open_decode_reference(path)
     check_recorded_inputs(path, inputs, meta.inputs_digest, "prompt")
     opts = dataclasses.replace(options, include=meta.include, exclude=meta.exclude,
@@ -325,8 +324,7 @@ def decode_against(path: str | Path, model: nn.Module, inputs: PyTree,
 
 def _reference(side: Side, store: Store, opts: DecodeOptions, bar: ProgressBar
                ) -> DecodeReference:
-    """Stages 1 and 2 at every step: A's decoding captured into ``store``, then its float64
-    golden's along the same tokens."""
+    """Stages 1 and 2 at every step: A's decoding captured, then its float64 golden's."""
     reference = capture_decoding(side, opts.steps, opts.tokens, store, opts, bar,
                                  opts.beams or opts.sample)
     return add_decode_golden(reference, side, opts, bar, opts.rebuild)
@@ -334,8 +332,7 @@ def _reference(side: Side, store: Store, opts: DecodeOptions, bar: ProgressBar
 
 def _drill_down(report: DecodeReport, side_b: Side, reference: DecodeReference,
                 bar: ProgressBar, a_steps: Callable[[], list]) -> None:
-    """The first divergent module's ops at the first divergent step: ``a_steps()`` A's,
-    B's captured by decoding B again up to the step, aligned and judged."""
+    """The first divergent module's ops at the first divergent step, A's and B's, judged."""
     row, step = report.first_module, report.first_step
     done = bar.phase(f"B: step {step} again, the module's ops")
     try:
@@ -348,8 +345,7 @@ def _drill_down(report: DecodeReport, side_b: Side, reference: DecodeReference,
 
 def judge_candidate(reference: DecodeReference, side: Side, opts: Options, bar: ProgressBar,
                     *, cut: bool = False) -> DecodeReport:
-    """B decoded along the reference's tokens and judged: each step, the modules at the
-    first step that leaves its budget and where the change enters, the first flips."""
+    """B decoded along the reference's tokens and judged: steps, modules, entry, flips."""
     done = bar.phase("B: decoding along A's tokens")
     decoded = side.decode(reference.steps, reference.tokens, reference.parents)
     steps = judge_steps(reference, decoded.logits)
@@ -419,14 +415,12 @@ def _unmatched(alignment: Alignment, step: int) -> list[str]:
 
 
 def _step_ops(side: Side, reference: DecodeReference, step: int, module: str) -> list:
-    """The ops of ``module``'s first call at ``step`` (see
-    :func:`~torchparity.diagnosis.stages.ops.ops_at_steps`)."""
+    """The ops of ``module``'s first call at ``step``."""
     return ops_at_steps(side, reference, module, range(step, step + 1))[step]
 
 
 def _ops_modules(model: nn.Module, ops: str | None) -> list[str]:
-    """The modules ``ops`` (``MODULE[,MODULE]``) names; a usage error for one not in the
-    model."""
+    """The modules ``ops`` names; a usage error for one not in the model."""
     modules = [] if ops is None else ops.split(",")
     names = dict(model.named_modules())
     for module in modules:
@@ -437,8 +431,7 @@ def _ops_modules(model: nn.Module, ops: str | None) -> list[str]:
 
 
 def _needs_float64(reference: DecodeReference, logits: list[torch.Tensor]) -> bool:
-    """Whether verdicts need B's float64 decoding: a beam swap or a token flip to judge (a
-    changed draw is judged by its uniform's distance from the boundary that moved)."""
+    """Whether verdicts need B's float64 decoding: a beam swap or token flip to judge."""
     if reference.sample is not None:
         return False
     if reference.beams is not None:

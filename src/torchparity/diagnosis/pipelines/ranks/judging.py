@@ -34,8 +34,8 @@ Judge = Callable[[str, list[CallParts]], "Judged | None"]
 
 @dataclass
 class Judged:
-    """One module call judged on every rank: B's verdict per rank, and B's copies of an
-    output every rank must compute bit for bit alike (None: not a replicated output)."""
+    """One call judged on every rank: B's verdict per rank, and B's copies of a replicated
+    output."""
 
     module: str
     module_type: str
@@ -62,8 +62,7 @@ def first_divergence(keys: list[str], held: Callable[[str], CallParts], judge: J
 
 def _verdict(key: str, held: Callable[[str], CallParts], judge: Judge, gather: Gather,
              stop: Callable[[bool], bool]) -> tuple[bool, RankDivergence | None]:
-    """Whether rank 0 judged call ``key``, and the divergence it shows; the call's tensors are
-    dropped before the next call's are gathered."""
+    """Whether rank 0 judged call ``key``, and its divergence; the call's tensors dropped after."""
     everyone = gather(held(key))
     try:
         call = None if everyone is None else judge(key, everyone)
@@ -74,8 +73,7 @@ def _verdict(key: str, held: Callable[[str], CallParts], judge: Judge, gather: G
 
 
 def _divergence(call: Judged) -> RankDivergence | None:
-    """Where ``call`` diverges: the ranks whose output leaves its budget, else those whose
-    replicated copies differ from rank 0's; None where it does not."""
+    """The ranks where ``call`` leaves its budget, else whose replicated copies differ; or None."""
     diverged = [rank for rank, result in enumerate(call.results) if not result.ok]
     if diverged:
         return RankDivergence(call.module, call.module_type, diverged,
@@ -88,8 +86,8 @@ def _divergence(call: Judged) -> RankDivergence | None:
 
 def judged_against_trace(reference: Reference, a: ModuleCall, parts: list[Tensors]
                          ) -> Judged | None:
-    """A's recorded call ``a`` against every rank's B outputs as A's whole ones, with its budgets;
-    None where no output stands for A's."""
+    """A's recorded call ``a`` against every rank's B outputs as A's whole ones; None if none
+    fits."""
     candidates = _as_a_sees_them(parts, a.output_shapes)
     if not candidates:
         return None
@@ -137,8 +135,7 @@ def _in_one_layout(a_parts: list[Tensors], golden_parts: list[Tensors], b_parts:
 
 
 def ranks_differ(candidates: list[Tensors], what: str = "output") -> RanksDiffer | None:
-    """The ranks whose ``what`` (``candidates``, one per rank) differs in any bit from rank
-    0's, and by how much; None when every rank's equals it."""
+    """The ranks whose ``what`` differs in any bit from rank 0's, and by how much; or None."""
     first = candidates[0]
     differences = {rank: max(float((t.double() - first[p].double()).abs().max())
                              for p, t in c.items())
@@ -151,8 +148,7 @@ def ranks_differ(candidates: list[Tensors], what: str = "output") -> RanksDiffer
 
 def _as_a_sees_them(parts: list[Tensors], shapes: dict[str, tuple[int, ...]]
                     ) -> list[Tensors]:
-    """Each rank's outputs that stand for A's: those of A's shape, and slices joined in rank
-    order; empty when none does."""
+    """Each rank's outputs standing for A's: A's shape, or slices joined in rank order."""
     candidates: list[Tensors] = [{} for _ in parts]
     for path, shape in shapes.items():
         tensors = [rank.get(path) for rank in parts]
@@ -186,8 +182,7 @@ def _joined(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor
 
 @dataclass
 class GradVerdict:
-    """One rank's verdict on one module's parameter gradients (its shards), and digests of
-    A's and B's, which say whether they agree with the other ranks'."""
+    """One rank's verdict on a module's gradient shards, and digests of A's and B's."""
 
     module: str
     module_type: str
@@ -197,8 +192,8 @@ class GradVerdict:
 
 
 def judged_grads(a: RankRun, golden: RankRun, b: RankRun) -> list[GradVerdict]:
-    """This rank's verdict on each module's parameter gradients, B's shards against A's and
-    the golden's (each rank's own, of the models sharded alike), in backward order."""
+    """This rank's verdict on each module's gradient shards against A's and the golden's, in
+    backward order."""
     def sides(module: str) -> tuple[Tensors, Tensors] | None:
         if module not in a.grads or module not in golden.grads:
             return None
@@ -226,8 +221,7 @@ def judged_grads_against_trace(reference: Reference, b: RankRun) -> list[GradVer
 
 def _grad_verdicts(b: RankRun, sides: Callable[[str], tuple[Tensors, Tensors] | None]
                    ) -> list[GradVerdict]:
-    """B's verdict on each module's gradients against ``sides(module)`` (None: not judged), the
-    latest to start first."""
+    """B's verdict on each module's gradients against ``sides(module)``, latest to start first."""
     verdicts = []
     for module in sorted(b.grads, key=lambda name: -b.starts.get(name, 0)):
         found = sides(module)

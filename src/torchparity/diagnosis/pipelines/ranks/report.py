@@ -1,6 +1,5 @@
-"""What a diagnosis across ranks found, as rank 0 says it once: the first module whose output,
-then the first whose parameter gradients, leave their budget on some rank or differ between
-ranks that must agree, with those ranks."""
+"""What a diagnosis across ranks found, said once by rank 0: the first module whose output,
+then gradients, leave their budget on some rank or differ between ranks."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ LOCAL_NOT_COMPUTED = "Local errors are not computed across ranks (--nproc)."
 
 @dataclass
 class RankDivergence:
-    """The first module whose output (or gradient) leaves its budget, the ranks where it
-    does, and the verdict of the first of them."""
+    """The first module whose output (or gradient) leaves its budget, where, and its verdict."""
 
     module: str
     module_type: str
@@ -36,8 +34,7 @@ class RankDivergence:
 
 @dataclass
 class RanksDiffer:
-    """A verdict (:class:`~torchparity.diagnosis.core.results.Result`): the copies of a module's
-    output (or of its parameters' gradients) that every rank computes differ between ranks."""
+    """A verdict: the copies of a module's output or gradients every rank computes differ."""
 
     ranks: list[int]
     difference: float
@@ -59,9 +56,8 @@ class RanksDiffer:
 
 @dataclass
 class RankReport:
-    """What rank 0 found against A (``against`` says what it is): the first divergence
-    (None: none) over ``judged`` modules; then, over ``grads_judged`` modules' parameter
-    gradients (None: not judged, ``grad_note`` says why), the first gradient divergence."""
+    """What rank 0 found against ``against``: the first divergence over ``judged`` modules, then
+    the first gradient divergence over ``grads_judged`` (None: not judged, ``grad_note`` why)."""
 
     against: str
     nproc: int

@@ -1,18 +1,16 @@
-"""A user's model run sharded by its own plan on every rank of ``torchrun``, as a diagnosis
-across ranks sees it: each module call's output as this rank holds it (a DTensor stays one,
-this rank's part only: it is made whole one call at a time when judged, :func:`whole_call`),
-the order the modules start, and, with a loss, each parameter's gradient as this rank holds
-it: its shard, never gathered."""
+"""A user's model run sharded by its own plan on every rank, as a diagnosis across ranks sees
+it: each call's output as this rank holds it (a DTensor its part, made whole one call at a
+time by :func:`whole_call`), and each parameter's gradient shard, never gathered."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from torchparity.diagnosis.core.capture import call_key
 from torchparity.distributed import group, sharding, slices
@@ -25,13 +23,12 @@ from torchparity.subject.trees import PyTree, flatten_tensors, map_tensors
 Tensors = dict[str, torch.Tensor]
 #: The loss a backward starts from, of the whole output and the inputs; a string saying why
 #: there is none.
-Loss = Callable[[Any, Any], "torch.Tensor | str"]
+Loss = Callable[[PyTree, PyTree], "torch.Tensor | str"]
 
 
 @dataclass
 class RankRun:
-    """What one rank's run of a sharded model leaves, on the CPU (a DTensor output on its
-    mesh's device)."""
+    """What one rank's run leaves, on the CPU (a DTensor output on its mesh's device)."""
 
     #: call key -> output path -> tensor as this rank holds it (:func:`_kept`)
     outputs: dict[str, Tensors] = field(default_factory=dict)
@@ -53,8 +50,8 @@ class RankRun:
 
 def sharded_run(subject: Subject, dtype: torch.dtype, inputs: PyTree, label: str,
                 loss: Loss | None = None) -> RankRun:
-    """``subject`` in ``dtype`` sharded by its plan (each rank its part), run forward on
-    ``inputs`` with every module's outputs kept, and backward from ``loss`` when given."""
+    """``subject`` in ``dtype`` sharded by its plan, forward on ``inputs`` with every output kept,
+    and backward from ``loss`` when given."""
     device = group.device_type()
     group.mark(f"the sharding of {label} (the factory's plan)")
     model, _ = sharding.placed(subject, device, dtype)
@@ -78,7 +75,7 @@ def sharded_run(subject: Subject, dtype: torch.dtype, inputs: PyTree, label: str
     return run
 
 
-def _hooks(model: nn.Module, run: RankRun) -> list[Any]:
+def _hooks(model: nn.Module, run: RankRun) -> list[RemovableHandle]:
     counts: dict[str, int] = {}
 
     def started(name: str):
@@ -100,22 +97,19 @@ def _hooks(model: nn.Module, run: RankRun) -> list[Any]:
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` outside autograd as this rank holds it: a DTensor stays one, a copy of its
-    part (on its mesh's device, where making it whole is a collective; copied, so that an
-    in-place change later in the forward does not reach it), a plain tensor on the CPU."""
+    """``tensor`` as this rank holds it, outside autograd: a DTensor a copy of its part on its
+    mesh's device (later in-place changes cannot reach it), a plain tensor on the CPU."""
     return tensor.detach().clone() if is_dtensor(tensor) else tensor.detach().cpu()
 
 
 def whole_call(outputs: Tensors) -> Tensors:
-    """One call's ``outputs`` whole on the CPU: each DTensor gathered (every rank must make
-    the same call's at once), a plain tensor as it is."""
+    """One call's ``outputs`` whole on the CPU (each DTensor gathered: a collective)."""
     return {path: sharding.whole(tensor).cpu() for path, tensor in outputs.items()}
 
 
 def _keep_grads(model: nn.Module, run: RankRun, held: Slices | None) -> None:
-    """Each module's direct parameters' gradients, each as this rank holds it, and how to
-    cut this rank's shard from a whole one (of a model sharded by hand, the slice ``held``
-    says it holds)."""
+    """Each module's parameter gradients as this rank holds them, and how to cut its shard from a
+    whole one (a model sharded by hand: the slice ``held`` says)."""
     for name, module in model.named_modules():
         params = [(f"param.{n}", p, held and held.of(f"{name}.{n}".lstrip(".")))
                   for n, p in module.named_parameters(recurse=False) if p.grad is not None]

@@ -1,5 +1,5 @@
-"""The ops of one aligned module call: A's side captured or read from the trace, the
-golden's, B's replay, aligned and judged; at a decoding's step, the first call's ops."""
+"""The ops of one aligned module call: A's (captured or from the trace), the golden's and B's,
+aligned and judged."""
 
 
 from __future__ import annotations
@@ -45,13 +45,12 @@ __all__ = ["a_side", "drill_call", "judged_streams", "ops_at_steps"]
 def drill_call(reference: Reference, match: Match, model_a: nn.Module | None,
                model_b: nn.Module, opts: Options, *, diverged: bool = True,
                backward: bool = False, changing: set[str] = frozenset()) -> OpReport | NoOps:
-    """The op report of one aligned module call, or the :class:`NoOps` saying why there is none;
-    ``diverged``: whether the module's local error left its budget. With ``backward``, the
-    ops of its backward pass from A's recorded output gradient (each with the lines of the
-    forward op it differentiates). A's side (its steps and the golden's) is captured from
-    ``model_a``, or read from the trace when ``model_a`` is None (:mod:`.recorded`). A module
-    that keeps state across calls (a cache on itself) runs each replay on the state it had
-    when the recorded call started; ``changing`` names B's modules that change theirs."""
+    """The op report of one aligned call, or the :class:`NoOps` saying why there is none.
+
+    ``diverged``: whether its local error left its budget. With ``backward``, its backward ops
+    from A's recorded output gradient, each with its forward op's lines. A's side is captured
+    from ``model_a``, or read from the trace when None. Replays run on the state the module had
+    when the call started (``changing``: B's modules that change theirs)."""
     if len(match.a) != 1 or len(match.b) != 1:
         return NoOps("no op drill-down of a fused group of modules")
     a_call, b_call = match.a[0], match.b[0]
@@ -95,9 +94,8 @@ def drill_call(reference: Reference, match: Match, model_a: nn.Module | None,
 
 def a_side(reference: Reference, a_call: ModuleCall, model_a: nn.Module, opts: Options,
            backward: bool) -> ASide:
-    """A's steps of one recorded call, replayed on its recorded inputs (and output gradient
-    with ``backward``), each paired with the golden's (a float64 copy of A's module) and
-    given the golden op's output on its own inputs."""
+    """A's steps of one recorded call replayed on its inputs (and output gradient), each paired
+    with the golden's and its output on the step's own inputs."""
     grad_out = reference.store.get(a_call.key, "grad_out") if backward else {}
     module_a = dict(model_a.named_modules())[a_call.name]
     padding = module_padding(reference.padding, a_call.name)
@@ -115,8 +113,7 @@ def a_side(reference: Reference, a_call: ModuleCall, model_a: nn.Module, opts: O
 
 
 def judged_streams(module: str, a_steps: list[Step], b_steps: list[Step]) -> OpReport:
-    """Two captured calls (a decoding step's module, A's and B's) aligned and judged, A's
-    outputs standing in for the golden's where a golden stream was not captured."""
+    """Two captured calls aligned and judged, A's outputs standing in for a golden not captured."""
     lines, first = judge_ops(align_steps(a_steps, b_steps), {})
     notes = [] if a_steps else ["A's call of the module was not captured"]
     return OpReport(module, lines, first, notes)
@@ -124,8 +121,8 @@ def judged_streams(module: str, a_steps: list[Step], b_steps: list[Step]) -> OpR
 
 def ops_at_steps(side: Side, reference: DecodeReference, module: str, steps: range
                  ) -> dict[int, list]:
-    """The ops of ``module``'s first call at each of ``steps``, ``side`` decoded again up to
-    the last along the reference's tokens (the state it keeps is the decoding's own)."""
+    """The ops of ``module``'s first call at each of ``steps``, ``side`` decoded again along the
+    reference's tokens."""
     found: dict[int, list] = {s: [] for s in steps}
     target = side.model.get_submodule(module.split("#")[0])
 
@@ -151,9 +148,8 @@ def _capture(module: nn.Module, args: tuple, kwargs: dict, grads: dict[str, torc
 def _golden_steps(module: nn.Module, states: dict[str, OwnState],
                   inputs: tuple[tuple, dict, dict], opts: Options, backward: bool,
                   padding: PaddingSpec) -> tuple[list[Step], list[str]]:
-    """The steps of a float64 copy of A's module on the same inputs (and output gradient),
-    on the recorded ``states``, a cache handed to it cast too; none (A's own op outputs serve
-    as the golden, with the analytic budget) when it cannot be copied."""
+    """The steps of a float64 copy of A's module on the same inputs and ``states``; none (A's
+    outputs serve, with the analytic budget) when it cannot be copied."""
     try:
         golden = copy.deepcopy(module).to(device="cpu", dtype=GOLDEN_DTYPE)
     except Exception as exc:  # noqa: BLE001 - judged against A then, and said so

@@ -61,8 +61,7 @@ class Frame:
 
 @dataclass
 class Step:
-    """One step of a module call: an aten op (``kind="op"``) or a child module's call
-    (``kind="module"``, named by its path below the module)."""
+    """One step of a module call: an aten op, or a child module's call by its relative path."""
 
     index: int
     name: str
@@ -96,8 +95,7 @@ class Step:
 
     @functools.cached_property
     def signature(self) -> tuple:
-        """What the alignment matches first: kind, op, input and output shapes and dtypes
-        (kept: an alignment reads it for every pair of steps)."""
+        """Kind, op, input and output shapes and dtypes, kept: the alignment reads it per pair."""
         return (self.kind, self.op,
                 tuple((tuple(t.shape), t.dtype) for t in self.inputs),
                 tuple((tuple(t.shape), t.dtype) for t in self.outputs.values()))
@@ -122,8 +120,7 @@ def capture_steps(module: nn.Module, args: tuple, kwargs: dict, *, children: boo
 
 @contextlib.contextmanager
 def capturing_first_call(module: nn.Module, into: list[Step]) -> Iterator[None]:
-    """Within the block, the steps of ``module``'s first call (made by whatever runs it: a
-    decoding step) are appended to ``into``."""
+    """Within the block, the steps of ``module``'s first call are appended to ``into``."""
     recorder: list[OpRecorder] = []
 
     def entering(_module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -155,8 +152,8 @@ def detached_copy(value: PyTree) -> PyTree:
 
 
 class _Called(NamedTuple):
-    """A step as it is entered: what is called (an op or a child module), on copies of what,
-    which steps made those inputs, and from which lines of user code."""
+    """A step as it is entered: what is called, on copies of what, made by which steps, from
+    where."""
 
     name: str
     kind: str
@@ -212,8 +209,8 @@ class OpRecorder(TorchDispatchMode):
 
     # -- ops ------------------------------------------------------------------------------------
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple[type, ...],
+                           args: tuple = (), kwargs: dict | None = None) -> PyTree:
         kwargs = kwargs or {}
         name = func.name()
         if self.depth or name.split(".")[0] in _SKIPPED:
@@ -232,8 +229,7 @@ class OpRecorder(TorchDispatchMode):
 
     def _add(self, called: _Called, output: PyTree, scalars: dict[str, Any],
              written: list[torch.Tensor] = ()) -> None:
-        """The step ``called`` that returned ``output`` (and wrote into the buffers
-        ``written`` through views), its outputs kept."""
+        """The step ``called`` that returned ``output`` (and wrote ``written``), outputs kept."""
         index = len(self.steps)
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
         outputs = {f"out.{i}": t for i, t in enumerate(outs)}
@@ -256,8 +252,7 @@ class OpRecorder(TorchDispatchMode):
                                 path)
 
     def _producers(self, value: PyTree) -> tuple[int | None, ...]:
-        """For each tensor in ``value``, the step that made it or last wrote into it (or into
-        the buffer it views)."""
+        """For each tensor in ``value``, the step that made or last wrote into it (or its base)."""
         found = []
         for t in tree_flatten(value)[0]:
             if isinstance(t, torch.Tensor):
@@ -292,8 +287,7 @@ _TRACEBACK_LINE = re.compile(r'File "(?P<path>[^"]+)", line (?P<line>\d+)')
 
 
 def forward_stack(traceback: list[str]) -> tuple[Frame, ...]:
-    """A forward op's stack as anomaly detection formats it (outermost first), as frames of
-    user code innermost first, up to the first frame of torchparity's own machinery."""
+    """A forward op's anomaly-mode stack as user frames, innermost first, up to ours."""
     frames = []
     for entry in reversed(traceback):
         found = _TRACEBACK_LINE.search(entry)
@@ -326,8 +320,7 @@ def display_path(path: str) -> str:
 
 @functools.cache
 def _installed_dirs() -> tuple[str, ...]:
-    """The folders packages are installed into (``site-packages``), each ending in a
-    separator."""
+    """The folders packages are installed into, each ending in a separator."""
     found = {sysconfig.get_path(key) for key in ("purelib", "platlib")}
     found.update(site.getsitepackages() + [site.getusersitepackages()])
     found.update(p for p in sys.path if os.path.basename(p) in ("site-packages",
@@ -335,7 +328,7 @@ def _installed_dirs() -> tuple[str, ...]:
     return tuple(os.path.join(os.path.abspath(d), "") for d in found if d)
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def _written(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors an in-place (or ``out=``) op wrote into."""
     written = []
     for i, argument in enumerate(func._schema.arguments):
@@ -348,8 +341,7 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 def _storage(tensor: torch.Tensor) -> tuple | None:
-    """Where a tensor's elements live, shared by all its aliases; None for one without
-    storage of its own (a wrapper subclass) or without elements."""
+    """Where a tensor's elements live, shared by its aliases; None without storage or elements."""
     try:
         place = tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
