@@ -29,8 +29,8 @@ from torchparity.golden.store import Golden, GoldenStore
 from torchparity.sketching import Sketch
 from torchparity.subject.compiling import CompileFailed
 
-#: ``advance(label)``: a cell is done.
-Advance = Callable[[str], None]
+#: ``cell_done(label)``: a cell is done.
+CellDone = Callable[[str], None]
 
 
 class Feed(Protocol):
@@ -129,7 +129,7 @@ class Feed(Protocol):
         """
 
 
-def check_cells(feed: Feed, cells: list[Cell], advance: Advance = lambda label: None,
+def check_cells(feed: Feed, cells: list[Cell], advance: CellDone = lambda label: None,
                 model_changed: bool = False) -> list[CheckResult]:
     """The rows of ``feed`` in every cell, in cell then output order.
 
