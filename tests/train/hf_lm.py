@@ -10,7 +10,9 @@ one golden name serving all:
 - ``rope_theta``: RoPE's base frequency 100000 instead of 10000 (the attention's positions
   rotate otherwise: a change of the forward pass);
 - ``norms_decay``: the factory's own optimizer, the default's but for the norms' weights
-  moved into the decay group (and the default schedule).
+  moved into the decay group (and the default schedule);
+- ``frozen``: the final norm's weight frozen, as a router's running bias is (afmoe), and the
+  factory's own AdamW over every parameter, the frozen one included.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torchparity as tp
 from torchparity.train import causal_lm
 
-VARIANTS = ("base", "rope_theta", "norms_decay")
+VARIANTS = ("base", "rope_theta", "norms_decay", "frozen")
 
 
 def variant() -> str:
@@ -63,4 +65,7 @@ def lm() -> dict:
                                           "attention_mask": batch["attention_mask"]}}
     if name == "norms_decay":
         factory.update(optimizer=norms_decay, scheduler=causal_lm.scheduler)
+    if name == "frozen":
+        model.model.norm.weight.requires_grad_(False)
+        factory.update(optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
     return factory

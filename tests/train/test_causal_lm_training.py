@@ -73,3 +73,19 @@ def test_the_no_decay_list_is_the_trainers(family):
 
     model = tiny_model(family)
     assert decay_parameter_names(model) == set(Trainer.get_decay_parameter_names(None, model))
+
+
+def test_a_frozen_parameter_is_not_optimised_by_the_recipe_and_gets_no_gradient_hook(
+        monkeypatch, tmp_path):
+    from train.hf_lm import build
+
+    from torchparity.train.causal_lm import optimizer
+
+    model = build("base")
+    model.model.norm.weight.requires_grad_(False)
+    optimised = [p for group in optimizer(model).param_groups for p in group["params"]]
+    assert len(optimised) == sum(p.requires_grad for p in model.parameters())
+    assert all(p is not model.model.norm.weight for p in optimised)
+    # a user's optimizer may list it: training runs, its gradient hooks skip it
+    monkeypatch.setenv("HF_LM_VARIANT", "frozen")
+    assert train_cli("--update-golden", "--golden-dir", str(tmp_path)) == 0

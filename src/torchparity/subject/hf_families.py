@@ -211,14 +211,21 @@ def tiny_model(family: str, attention: str | None = None,
     from torchparity.subject.weights import init_weights
 
     init_weights(model, SEED)
-    return model.to(dtype).eval()
+    return _without_cache(model.to(dtype).eval())
 
 
 def checkpoint(entry: HfEntry) -> nn.Module:
     """The checkpoint in ``entry``'s folder, on its attention implementation and dtype."""
     transformers = _transformers(f"hf:{entry.what}")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        entry.what, attn_implementation=entry.attention, dtype=entry.dtype).eval()
+    return _without_cache(transformers.AutoModelForCausalLM.from_pretrained(
+        entry.what, attn_implementation=entry.attention, dtype=entry.dtype).eval())
+
+
+def _without_cache(model: nn.Module) -> nn.Module:
+    """``model``, its forward making no cache unless asked (decoding asks)."""
+    # As in training: RWKV's cached forward writes in place a state its backward needs.
+    model.config.use_cache = False
+    return model
 
 
 def tiny_config(family: str) -> Any:

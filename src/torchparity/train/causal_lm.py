@@ -84,7 +84,8 @@ def decay_parameter_names(model: nn.Module) -> set[str]:
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     """AdamW in two named groups, ``decay`` and ``no_decay``."""
     decaying = decay_parameter_names(model)
-    named = list(model.named_parameters())
+    # as the Trainer: frozen parameters (a router's running bias) are not optimised
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     return torch.optim.AdamW([
         {"params": [p for n, p in named if n in decaying], "weight_decay": DECAY,
          "name": "decay"},

@@ -130,7 +130,8 @@ class UserTrainer:
         self._grad_norms: dict[int, torch.Tensor] = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                p.register_post_accumulate_grad_hook(self._record_grad)
+                if p.requires_grad:  # a frozen parameter in a group never gets a gradient
+                    p.register_post_accumulate_grad_hook(self._record_grad)
         self.records: list[StepRecord] = []
         self.started = time.perf_counter()
 
