@@ -20,18 +20,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from torchparity import machine, tolerance
 from torchparity.errors import UserCodeError
-from torchparity.train.trainer import CaseRuns, Execution, StepRecord, TrainConfig, Trajectory
+from torchparity.train.trainer import (
+    CaseRuns,
+    Execution,
+    StepDone,
+    StepRecord,
+    TrainConfig,
+    Trajectory,
+)
 from torchparity.train.trajectory import NoiseBand
 from torchparity.train.user_model import ModelRuns
-
-Advance = Callable[[], None]
 
 
 class Runs(Protocol):
@@ -41,7 +45,7 @@ class Runs(Protocol):
     recipe: Any  # has ``steps`` and ``replace(rounding=...)``
 
     def train(self, execution: Execution, *, perturb_seed: int | None = None,
-              rounding: str | None = None, advance: Advance = ...) -> Trajectory: ...
+              rounding: str | None = None, advance: StepDone = ...) -> Trajectory: ...
 
     def spec(self) -> dict[str, Any]: ...
 
@@ -52,7 +56,7 @@ def members_count(execution: Execution) -> int:
 
 
 def measure_band(recipe: Runs, execution: Execution, reference: Trajectory, *,
-                 advance: Advance = lambda: None, plain: Trajectory | None = None) -> NoiseBand:
+                 advance: StepDone = lambda: None, plain: Trajectory | None = None) -> NoiseBand:
     """Train the ensemble of ``recipe`` under ``execution`` and measure its band around
     ``reference`` (the float64 trajectory of the recipe, or the plain run judged against).
     ``plain`` is the plain run when the caller trained it already. ``advance()`` is called

@@ -28,6 +28,7 @@ from torchparity.train.trainer import (
     GOLDEN_EXECUTION,
     CaseRuns,
     Execution,
+    StepDone,
     StepRecord,
     TrainConfig,
     Trajectory,
@@ -42,7 +43,6 @@ UPDATE_COMMAND = "torchparity train --case {case} --update-golden"
 _BAND = "band."
 
 Say = Callable[[str], None]
-Advance = Callable[[], None]
 
 
 # --- the one format ---------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def runs_per_golden(dtypes: tuple[str, ...] = STORED_DTYPES) -> int:
 
 
 def write_golden_trajectory(case: str, store: GoldenStore | None = None, *,
-                            advance: Advance = lambda: None) -> list[Path]:
+                            advance: StepDone = lambda: None) -> list[Path]:
     """Train ``case``'s golden recipe in float64 on the CPU (manual attention) and the noise
     ensemble of each of :data:`STORED_DTYPES`, and store one golden per dtype.
 

@@ -30,11 +30,9 @@ from torchparity.subject.trees import flatten_tensors
 from torchparity.train.ensemble import measure_band, members_count
 from torchparity.train.golden_trajectories import trajectory_of, trajectory_output, write_trajectory
 from torchparity.train.optimizer_groups import OptimizerGroups
-from torchparity.train.trainer import OWN_ATTENTION, Execution, Trajectory
+from torchparity.train.trainer import OWN_ATTENTION, Execution, StepDone, Trajectory
 from torchparity.train.trajectory import NoiseBand, TrajectoryComparison, compare_trajectories
 from torchparity.train.user_model import ModelRuns, UserRecipe, check_hooks, train_user_model
-
-Advance = Callable[[], None]
 
 
 def trajectory_store(subject: Subject, root: Any, execution: Execution, steps: int
@@ -70,7 +68,7 @@ def band_output(execution: Execution) -> str:
 
 
 def write_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execution,
-                           store: GoldenStore, *, advance: Advance = lambda: None
+                           store: GoldenStore, *, advance: StepDone = lambda: None
                            ) -> list[Path]:
     """Train ``subject``'s recipe in float64 and its noise ensemble under ``execution``, then
     store both with the optimizer's groups of the float64 run. Nothing is written unless
@@ -163,7 +161,7 @@ def read_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execu
 
 
 def measure_model_band(subject: Subject, recipe: UserRecipe, execution: Execution,
-                       plain: Trajectory, *, advance: Advance = lambda: None) -> NoiseBand:
+                       plain: Trajectory, *, advance: StepDone = lambda: None) -> NoiseBand:
     """The noise band of ``execution`` measured now: the rounding-only ensemble of this code
     (``plain`` its plain run, trained already) around this code's own float64 run, so that a
     change of the code is in neither and the band holds rounding alone."""
@@ -174,7 +172,7 @@ def measure_model_band(subject: Subject, recipe: UserRecipe, execution: Executio
 
 
 def check_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execution,
-                           store: GoldenStore, *, advance: Advance = lambda: None,
+                           store: GoldenStore, *, advance: StepDone = lambda: None,
                            say: Callable[[str], None] = lambda line: None,
                            ) -> tuple[Trajectory, TrajectoryComparison]:
     """Train ``subject`` once under ``execution`` and judge it against its golden float64

@@ -314,6 +314,8 @@ class StepRecord:
 
 
 QUANTITIES = ("loss", "grad_norm", "update_norm")
+#: Called after every training step of a run (a progress bar's tick).
+StepDone = Callable[[], None]
 
 
 @dataclass
@@ -636,7 +638,7 @@ def format_log_line(window: list[StepRecord], total_steps: int, elapsed: float) 
 
 def train(config: TrainConfig, execution: Execution | None = None, *, log: LogFn | None = None,
           log_every: int = 0, perturb_seed: int | None = None,
-          advance: Callable[[], None] = lambda: None) -> Trajectory:
+          advance: StepDone = lambda: None) -> Trajectory:
     """Run ``config`` under ``execution`` in this process and return its trajectory;
     ``advance()`` is called after every step, ``perturb_seed`` as :class:`Trainer` takes it.
 
@@ -663,7 +665,7 @@ class CaseRuns:
 
     def train(self, execution: Execution, *, perturb_seed: int | None = None,
               rounding: str | None = None,
-              advance: Callable[[], None] = lambda: None) -> Trajectory:
+              advance: StepDone = lambda: None) -> Trajectory:
         """One run of the recipe under ``execution``, its rounding labelled ``rounding``."""
         return train(self.recipe.replace(rounding=rounding), execution,
                      perturb_seed=perturb_seed, advance=advance)

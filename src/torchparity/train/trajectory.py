@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from torchparity import tolerance
+from torchparity.comparison.tensor import Verdict
 from torchparity.train.trainer import Trajectory
-
-Verdict = Literal["identical", "within", "diverged"]
 
 
 @dataclass

@@ -20,7 +20,6 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from torchparity.train.trainer import (
     DTYPE_MODES,
     OWN_ATTENTION,
     Execution,
+    StepDone,
     StepRecord,
     Trajectory,
     deterministic,
@@ -241,7 +241,7 @@ def group_names(optimizer: torch.optim.Optimizer) -> list[str]:
 
 def train_user_model(subject: Subject, recipe: UserRecipe, execution: Execution, *,
                      perturb_seed: int | None = None,
-                     advance: Callable[[], None] = lambda: None) -> Trajectory:
+                     advance: StepDone = lambda: None) -> Trajectory:
     """Train ``subject`` by ``recipe`` under ``execution`` in this process; its trajectory.
 
     Raises a one-line :class:`~torchparity.errors.UsageError` for a factory without the
@@ -269,7 +269,7 @@ class ModelRuns:
 
     def train(self, execution: Execution, *, perturb_seed: int | None = None,
               rounding: str | None = None,
-              advance: Callable[[], None] = lambda: None) -> Trajectory:
+              advance: StepDone = lambda: None) -> Trajectory:
         """One run of the recipe under ``execution``, its rounding labelled ``rounding``."""
         return train_user_model(self.subject, self.recipe.replace(rounding=rounding),
                                 execution, perturb_seed=perturb_seed, advance=advance)
