@@ -126,7 +126,7 @@ def test_every_stated_default_is_the_parsers(name):
     wrong = []
     for command, parser in _parsers(name).items():
         for action in parser._actions:
-            if action.default in (None, False, argparse.SUPPRESS) or not action.help:
+            if action.default is None or action.default is False or not action.help:
                 continue  # decided when the command runs, or a flag
             wrong += [f"torchparity {command} {'/'.join(action.option_strings)}: the help says "
                       f"default {stated}, the parser's is {action.default!r}"
