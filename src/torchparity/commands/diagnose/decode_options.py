@@ -32,8 +32,9 @@ _DECODE_VALUES = (
 def add_decode_arguments(parser: argparse.ArgumentParser) -> None:
     """The decoding options shared with ``torchparity diagnose``."""
     parser.add_argument("--decode", action="store_true",
-                        help="diagnose a teacher-forced decoding (the factory's step, or the "
-                             "built-in one of reference and transformers models)")
+                        help="a teacher-forced decoding instead of a forward and backward (the "
+                             "factory's step, or the built-in one of reference and "
+                             "transformers models)")
     parser.add_argument("--sample", action="store_true",
                         help="A samples (inverse CDF, uniforms torchparity draws from --seed, "
                              "the same on every machine); B and the goldens are fed A's "

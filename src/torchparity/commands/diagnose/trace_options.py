@@ -17,15 +17,15 @@ from torchparity.subject import Subject
 def add_selection_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared with ``torchparity diagnose``."""
     parser.add_argument("--no-backward", dest="backward", action="store_false",
-                        help="compare forward outputs only (no gradients; decoding never "
-                             "takes any)")
+                        help="forward outputs only, no gradients (a decoding never takes "
+                             "any)")
     parser.add_argument("--include", action="append", metavar="PATTERN",
                         help="only modules matching this glob (or 're:REGEX'); repeatable")
     parser.add_argument("--exclude", action="append", metavar="PATTERN",
                         help="skip modules matching this glob (or 're:REGEX'); repeatable")
     parser.add_argument("--dtype", type=dtype_name, choices=CASTABLE,
-                        help="run copies of the models in this dtype (fp64: compare A and B in "
-                             "float64, where changes below fp32 noise show); default: as given")
+                        help="run copies of the models in this dtype (fp64: A and B in float64, "
+                             "where changes below fp32 noise show); default: as given")
 
 
 def dtype_option(args: argparse.Namespace) -> torch.dtype | None:
