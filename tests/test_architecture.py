@@ -262,9 +262,8 @@ COMMAND_PROTOCOL = {"add_arguments", "run"}
 #: `backends.names()`; `dtypes` is a strategy of both public strategy modules (torch dtypes
 #: in `torchparity.strategies`, their names in `torchparity.twins.strategies`).
 #: `main` is the `python -m` entry of a module a worker process runs (cli.py, a bisection's
-#: worker, a training rank); `placed` is still both a run's inputs placed (diagnosis) and a
-#: rank's part of a model placed (distributed.sharding).
-TWICE_DEFINED: set[str] = {"get", "names", "dtypes", "main", "placed"}
+#: worker, a training rank).
+TWICE_DEFINED: set[str] = {"get", "names", "dtypes", "main"}
 
 
 def test_no_public_name_is_defined_twice() -> None:

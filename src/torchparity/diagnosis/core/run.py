@@ -388,7 +388,7 @@ def _replay_float64(module: nn.Module, args: tuple, kwargs: dict, backend: Backe
     return {p: t.detach() for p, t in outputs.items()}, grads
 
 
-def placed(inputs: CallArgs, call: ModuleCall, sig: Signature | None = None
+def placed_as_called(inputs: CallArgs, call: ModuleCall, sig: Signature | None = None
            ) -> CallArgs:
     """Recorded inputs moved to the device, floating ones cast to the dtype, that ``call``'s
     module saw there (by parameter of ``sig`` when given)."""
@@ -467,7 +467,7 @@ def for_b(recorded: Signature | None, inputs: CallArgs, call: ModuleCall,
     it), ``converted`` in B's form, and with ``fit`` masks fitted to B's keys."""
     inputs, notes = rebind(recorded, inputs, module)
     own = signature(module)
-    inputs = placed(inputs, call, own)
+    inputs = placed_as_called(inputs, call, own)
     if as_none is not None:
         inputs = _with_replaced(inputs, own, as_none, lambda _: None)
     if converted is not None:

@@ -39,7 +39,7 @@ from torchparity.diagnosis.core.run import (
     backend_context,
     golden_inputs,
     in_golden_dtype,
-    placed,
+    placed_as_called,
     replay,
     run_model,
 )
@@ -190,7 +190,7 @@ class _Replayer:
             if grad_out:
                 module = self.modules[call.name]
                 with replaying(module, states, placed_on):
-                    _, grads = replay(module, placed(store.get_inputs(call.key), call),
+                    _, grads = replay(module, placed_as_called(store.get_inputs(call.key), call),
                                       opts.backend_a, grad_out=grad_out,
                                       requires_grad=call.inputs_requiring_grad)
                 store.put(call.key, "local_grad", grads)

@@ -26,7 +26,7 @@ from torchparity.diagnosis.core.run import (
     for_b,
     golden_inputs,
     in_golden_dtype,
-    placed,
+    placed_as_called,
 )
 from torchparity.diagnosis.core.state import OwnState, replaying, states_within
 from torchparity.diagnosis.core.trace import ReplayUnavailable
@@ -100,10 +100,10 @@ def a_side(reference: Reference, a_call: ModuleCall, model_a: nn.Module, opts: O
     module_a = dict(model_a.named_modules())[a_call.name]
     padding = module_padding(reference.padding, a_call.name)
     states = states_within(reference.states, a_call.name, a_call.clock)
-    args_a, kwargs_a = placed(reference.store.get_inputs(a_call.key), a_call)
+    args_a, kwargs_a = placed_as_called(reference.store.get_inputs(a_call.key), a_call)
     with replaying(module_a, states, placed_on), backend_context(opts.backend_a), seeded():
         steps = _capture(module_a, args_a, kwargs_a, grad_out, backward, padding)
-    inputs = (*placed(reference.store.get_inputs(a_call.key), a_call), grad_out)
+    inputs = (*placed_as_called(reference.store.get_inputs(a_call.key), a_call), grad_out)
     golden, notes = _golden_steps(module_a, states, inputs, opts, backward, padding)
     partners = {p.a.index: p.b for p in align_steps(steps, golden)
                 if p.a is not None and p.b is not None}
