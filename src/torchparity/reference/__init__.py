@@ -1,7 +1,4 @@
-"""The reference transformer: the subject under test, written for clarity.
-
-It knows nothing of the testing machinery; attention runs through :mod:`torchparity.backends`.
-"""
+"""The reference transformer, written for clarity; attention runs through ``backends``."""
 
 from torchparity.reference import zoo
 from torchparity.reference.cache import KVCache

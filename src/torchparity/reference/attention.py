@@ -47,81 +47,36 @@ class Attention(nn.Module):
                          if self.positions == "relative" else None)
 
     def split_heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
-        """(batch, len, heads * head_dim) -> (batch, heads, len, head_dim).
-
-        Args:
-            x: a projection's output.
-            n_heads: the heads it holds (query or key/value heads).
-
-        Returns:
-            The heads as their own dimension.
-        """
+        """(batch, len, heads * head_dim) -> (batch, heads, len, head_dim)."""
         return x.unflatten(-1, (n_heads, self.head_dim)).transpose(1, 2)
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
-        """The queries of ``x``, (batch, heads, len, head_dim).
-
-        Args:
-            x: the layer's input, (batch, len, d_model).
-
-        Returns:
-            The queries, before any rotation.
-        """
+        """The queries of ``x``, (batch, heads, len, head_dim), before any rotation."""
         return self.split_heads(self.q_proj(x), self.n_heads)
 
     def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of ``source``, each (batch, kv_heads, len, head_dim).
-
-        Args:
-            source: the layer's input, or the encoder's output for cross-attention.
-
-        Returns:
-            The keys and values, before any rotation.
-        """
+        """The keys and values of ``source``, each (batch, kv_heads, len, head_dim), unrotated."""
+        # source: the layer's input, or the encoder's output
         return (self.split_heads(self.k_proj(source), self.n_kv_heads),
                 self.split_heads(self.v_proj(source), self.n_kv_heads))
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values of ``x``: one step a fused twin replaces.
-
-        Args:
-            x: the layer's input, (batch, len, d_model).
-
-        Returns:
-            The three projections, split into heads.
-        """
+        """Queries, keys and values of ``x``: one step a fused twin replaces."""
         return (self.project_q(x), *self.project_kv(x))
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext,
                 memory: torch.Tensor | None = None) -> torch.Tensor:
         # Written as steps (project, rotate, position bias, attend, merge) so that refactored
         # twins in reference/variants.py can replace exactly one of them.
-        """Attend from ``x`` to itself, or to ``memory`` for cross-attention.
-
-        Args:
-            x: the layer's input, (batch, len, d_model).
-            ctx: the positions, mask and cache every layer shares.
-            memory: the encoder's output, for cross-attention.
-
-        Returns:
-            The attention's output, (batch, len, d_model).
-        """
+        """Attend from ``x`` (batch, len, d_model) to itself, or to ``memory`` (cross-attention)."""
         q, k, v = self.project(x, ctx, memory)
         out = self.attend(q, k, v, ctx, self.position_bias(q, ctx))
         return self.o_proj(self.merge_heads(out))
 
     def project(self, x: torch.Tensor, ctx: AttentionContext, memory: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, and keys/values with positions applied and the cache's entries prepended.
-
-        Args:
-            x: the layer's input, (batch, len, d_model).
-            ctx: the positions and the cache.
-            memory: the encoder's output, for cross-attention (projected once, then cached).
-
-        Returns:
-            ``(q, k, v)``, split into heads; ``k`` and ``v`` cover every cached position.
-        """
+        """``(q, k, v)`` in heads, rotated, ``k`` and ``v`` covering every cached position."""
+        # the encoder's memory is projected once, then cached
         if self.cross:
             compute = lambda: self.project_kv(memory)  # noqa: E731
             k, v = compute() if ctx.cache is None else ctx.cache.cross(self.layer_idx, compute)
@@ -135,29 +90,13 @@ class Attention(nn.Module):
         return q, k, v
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x`` rotated by its positions, as the config's rotary layout says.
-
-        Args:
-            x: queries or keys, (batch, heads, len, head_dim).
-            positions: (batch, len).
-
-        Returns:
-            The rotated tensor, in ``x``'s dtype.
-        """
+        """``x`` (batch, heads, len, head_dim) rotated by its positions in the config's layout."""
         return apply_rotary(x, positions, rotary_dim=self.config.rotary_dims,
                             theta=self.config.rope_theta, layout=self.config.rotary_layout)
 
     def position_bias(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor | None:
-        """The additive score bias of ALiBi or relative positions, or None.
-
-        Args:
-            q: the queries, for their dtype (and, for relative positions, their values).
-            ctx: the query and key positions.
-
-        Returns:
-            A bias broadcastable to (batch, heads, q_len, k_len), or None for other positions.
-        """
-        if self.positions == "alibi":
+        """The additive score bias of ALiBi or relative positions, or None."""
+        if self.positions == "alibi":  # broadcastable to (batch, heads, q_len, k_len)
             return alibi_bias(ctx.q_positions, ctx.k_positions, self.n_heads, q.dtype)
         if self.relative is not None:
             return self.relative(q, ctx.q_positions, ctx.k_positions, self.scale)
@@ -165,30 +104,12 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                bias: torch.Tensor | None) -> torch.Tensor:
-        """Scaled dot-product attention through the configured backend.
-
-        Args:
-            q: (batch, heads, q_len, head_dim).
-            k: (batch, kv_heads, k_len, head_dim).
-            v: (batch, kv_heads, k_len, head_dim).
-            ctx: the mask, and whether it is exactly causal.
-            bias: an additive score bias, or None.
-
-        Returns:
-            (batch, heads, q_len, head_dim).
-        """
+        """Scaled dot-product attention (batch, heads, q_len, head_dim) on the config's backend."""
         return backends.attention(
             q, k, v, mask=ctx.mask, bias=bias, scale=self.scale, causal=ctx.causal,
             backend=backends.current(self.config.attention_backend),
         )
 
     def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, heads, len, head_dim) -> (batch, len, heads * head_dim).
-
-        Args:
-            x: the attention's output per head.
-
-        Returns:
-            The heads concatenated, for the output projection.
-        """
+        """(batch, heads, len, head_dim) -> (batch, len, heads * head_dim)."""
         return x.transpose(1, 2).flatten(-2)

@@ -10,9 +10,8 @@ import torch
 class KVCache:
     """Keys and values of every attention layer seen so far, grown by concatenation.
 
-    Self-attention entries grow by one chunk per forward call; cross-attention entries and the
-    encoder output (``memory``) are computed once, on the first call, and reused. ``reorder``
-    selects batch rows (beam search) in all of them at once.
+    Cross-attention entries and the encoder's output (``memory``) are computed once, on the first
+    call; ``reorder`` selects batch rows (beam search) in all of them at once.
     """
 
     def __init__(self) -> None:
@@ -27,16 +26,7 @@ class KVCache:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add this call's keys and values to ``layer``'s.
-
-        Args:
-            layer: the layer's index.
-            k: this call's keys, (batch, kv_heads, new, head_dim).
-            v: this call's values, alike.
-
-        Returns:
-            The keys and values of every position so far.
-        """
+        """Add this call's keys and values to ``layer``'s; those of every position so far."""
         if layer in self.self_kv:
             past_k, past_v = self.self_kv[layer]
             k, v = torch.cat((past_k, k), dim=-2), torch.cat((past_v, v), dim=-2)
@@ -45,27 +35,13 @@ class KVCache:
 
     def cross(self, layer: int, compute: Callable[[], tuple[torch.Tensor, torch.Tensor]]
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cross-attention keys and values of ``layer``, computed the first time only.
-
-        The encoder's output does not change between decoding steps.
-
-        Args:
-            layer: the layer's index.
-            compute: projects the encoder's output into keys and values.
-
-        Returns:
-            The cached keys and values.
-        """
+        """Cross-attention keys and values of ``layer``, computed the first time only."""
         if layer not in self.cross_kv:
             self.cross_kv[layer] = compute()
         return self.cross_kv[layer]
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (in that order) everywhere, e.g. surviving beams.
-
-        Args:
-            index: the row each new row is taken from.
-        """
+        """Keep batch rows ``index`` (in that order) everywhere, e.g. surviving beams."""
         for store in (self.self_kv, self.cross_kv):
             for layer, (k, v) in store.items():
                 store[layer] = (k.index_select(0, index), v.index_select(0, index))

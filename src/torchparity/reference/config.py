@@ -22,11 +22,10 @@ FieldValue = int | float | str | bool | None
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """A validated description of one reference transformer.
+    """A validated, immutable and hashable description of one reference transformer.
 
-    Construction checks every field and every combination; a bad value raises ``ValueError``
-    naming the field and what is allowed. Instances are immutable and hashable, so they can key
-    caches and be compared with ``==``; ``to_dict``/``from_dict`` round-trip through JSON.
+    A bad value raises ``ValueError`` naming the field and what is allowed;
+    ``to_dict``/``from_dict`` round-trip through JSON.
     """
 
     architecture: str = "decoder"
@@ -98,40 +97,16 @@ class TransformerConfig:
         return self.activation.startswith("gated-")
 
     def replace(self, **changes: FieldValue) -> TransformerConfig:
-        """A copy with ``changes`` applied, validated like a new config.
-
-        Args:
-            **changes: new values by field name.
-
-        Returns:
-            The new config.
-
-        Raises:
-            ValueError: the result is not a valid config, naming the field.
-        """
+        """A copy with ``changes`` applied, validated like a new config."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, FieldValue]:
-        """Every field by name, as :meth:`from_dict` takes them back.
-
-        Returns:
-            The fields' values.
-        """
+        """Every field by name, as :meth:`from_dict` takes them back."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, FieldValue]) -> TransformerConfig:
-        """Build from a dict of fields, as :meth:`to_dict` or a golden's JSON gives them.
-
-        Args:
-            data: field values by name.
-
-        Returns:
-            The config.
-
-        Raises:
-            ValueError: unknown keys, naming them, or an invalid value.
-        """
+        """Build from a dict of fields (:meth:`to_dict`'s, a golden's); unknown keys: ValueError."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -139,11 +114,7 @@ class TransformerConfig:
         return cls(**data)
 
     def to_json(self) -> str:
-        """The fields as JSON with sorted keys: one text for one config, to hash or store.
-
-        Returns:
-            The JSON text.
-        """
+        """The fields as JSON with sorted keys: one text for one config, to hash or store."""
         return json.dumps(self.to_dict(), sort_keys=True)
 
 

@@ -1,8 +1,4 @@
-"""Weight import from Hugging Face Llama-family models and export back.
-
-Needs ``transformers`` (the ``[hf]`` extra) only when :func:`to_hf_llama` builds an HF model;
-nothing here is imported by ``torchparity`` itself.
-"""
+"""Weight import from Hugging Face Llama-family models and export back (needs ``transformers``)."""
 
 from __future__ import annotations
 
@@ -50,13 +46,7 @@ def _rope_theta(hf_config: PretrainedConfig) -> float:
 
 
 def config_from_hf_llama(hf_config: PretrainedConfig) -> TransformerConfig:
-    """The :class:`TransformerConfig` equivalent to an HF ``LlamaConfig``.
-
-    Args:
-        hf_config: a Llama-family config (``model.config``).
-
-    Returns:
-        The config of a :class:`DecoderLM` that computes the same function.
+    """The :class:`TransformerConfig` of a :class:`DecoderLM` matching an HF ``LlamaConfig``.
 
     Raises:
         ValueError: an activation other than silu, or a rope scaling other than the default.
@@ -88,17 +78,11 @@ def config_from_hf_llama(hf_config: PretrainedConfig) -> TransformerConfig:
 
 
 def from_hf_llama(hf_model: torch.nn.Module) -> DecoderLM:
-    """A :class:`DecoderLM` with the weights of an HF ``LlamaForCausalLM`` (copied, same dtype).
+    """A :class:`DecoderLM` with a copy of an HF ``LlamaForCausalLM``'s weights, in its dtype.
 
-    Rotary uses the half-split layout that HF Llama checkpoints are stored in, so q/k weights
-    copy over without permutation. Position ids follow the mask (see ``token_positions``): pass
-    HF the same ``position_ids`` when comparing padded batches.
-
-    Args:
-        hf_model: the Hugging Face model.
-
-    Returns:
-        The reference model, independent of ``hf_model``'s memory.
+    HF Llama checkpoints store rotary half-split, so q/k weights copy without permutation.
+    Positions follow the mask (see ``token_positions``): pass HF the same ``position_ids`` for
+    padded batches.
 
     Raises:
         ValueError: its config is one the reference cannot express.
@@ -114,17 +98,10 @@ def from_hf_llama(hf_model: torch.nn.Module) -> DecoderLM:
 
 
 def to_hf_llama(model: DecoderLM) -> torch.nn.Module:
-    """An HF ``LlamaForCausalLM`` with ``model``'s weights; the inverse of :func:`from_hf_llama`.
-
-    Args:
-        model: a reference decoder whose config Llama can express.
-
-    Returns:
-        The Hugging Face model, in ``model``'s dtype and in eval mode.
+    """An HF ``LlamaForCausalLM`` in eval mode with ``model``'s weights: from_hf_llama undone.
 
     Raises:
-        ValueError: the config is one Llama cannot express (e.g. LayerNorm, ALiBi), naming the
-            fields.
+        ValueError: the config is one Llama cannot express (LayerNorm, ALiBi), naming the fields.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 

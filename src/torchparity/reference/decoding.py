@@ -26,7 +26,7 @@ def _prompt(model: Model, batch: Mapping[str, torch.Tensor]) -> tuple[str, str]:
 @torch.no_grad()
 def greedy_decode(model: Model, batch: Mapping[str, torch.Tensor], steps: int, *,
                   use_cache: bool = True) -> Decoded:
-    """Extend the prompt in ``batch`` by ``steps`` greedy tokens.
+    """Extend the prompt in ``batch`` by ``steps`` greedy tokens, with a ``KVCache`` or recomputing.
 
     Both ways give the same tokens up to floating-point reordering, which is what a
     cached-against-recomputed check compares.
@@ -38,9 +38,6 @@ def greedy_decode(model: Model, batch: Mapping[str, torch.Tensor], steps: int, *
         steps: the tokens added.
         use_cache: feed one token a step through a
             :class:`~torchparity.reference.cache.KVCache`, else recompute the whole sequence.
-
-    Returns:
-        The tokens, log-probabilities and logits of every step.
     """
     ids_key, mask_key = _prompt(model, batch)
     ids = batch[ids_key]

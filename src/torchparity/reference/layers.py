@@ -14,9 +14,9 @@ from torchparity.reference.norms import build_norm
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm ``x + f(norm(x))``, post-norm ``norm(x + f(x))``, or parallel residual
-    ``x + attn(norm1(x)) + mlp(norm2(x))`` (one shared norm with ``shared_layernorm``)."""
+    """Pre-norm ``x + f(norm(x))``, post-norm ``norm(x + f(x))``, or a parallel residual."""
 
+    # parallel: x + attn(norm1(x)) + mlp(norm2(x)), one shared norm with shared_layernorm
     def __init__(self, config: TransformerConfig, layer_idx: int, *, cross: bool = False
                  ) -> None:
         super().__init__()
@@ -35,16 +35,7 @@ class TransformerLayer(nn.Module):
 
     def residual(self, x: torch.Tensor, norm: nn.Module,
                  sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``x + f(norm(x))`` in pre-norm, ``norm(x + f(x))`` in post-norm.
-
-        Args:
-            x: (batch, len, d_model).
-            norm: the sublayer's norm.
-            sublayer: the attention or MLP.
-
-        Returns:
-            (batch, len, d_model).
-        """
+        """``x + f(norm(x))`` in pre-norm, ``norm(x + f(x))`` in post-norm."""
         if self.pre_norm:
             return x + self.dropout(sublayer(norm(x)))
         return norm(x + self.dropout(sublayer(x)))
@@ -52,17 +43,7 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext,
                 memory: torch.Tensor | None = None,
                 memory_ctx: AttentionContext | None = None) -> torch.Tensor:
-        """One layer: self-attention, cross-attention when there is an encoder, and the MLP.
-
-        Args:
-            x: (batch, len, d_model).
-            ctx: the self-attention's positions, mask and cache.
-            memory: the encoder's output, for cross-attention.
-            memory_ctx: the cross-attention's mask and cache.
-
-        Returns:
-            (batch, len, d_model).
-        """
+        """One layer on (batch, len, d_model): self-attention, cross-attention to memory, MLP."""
         if self.parallel:
             h = self.attn_norm(x)
             mlp_in = h if self.mlp_norm is None else self.mlp_norm(x)

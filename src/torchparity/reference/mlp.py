@@ -23,14 +23,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The feed-forward block of every position.
-
-        Args:
-            x: (batch, len, d_model).
-
-        Returns:
-            (batch, len, d_model).
-        """
+        """The feed-forward block of every position, (batch, len, d_model)."""
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -19,20 +19,9 @@ from torchparity.reference.positions import LearnedPositions, RelativePositions,
 
 def token_positions(mask: torch.Tensor | None, batch: int, length: int,
                     device: torch.device) -> torch.Tensor:
-    """Position of every token: its index among the real (mask == 1) tokens of its row.
-
-    Padding tokens get the position of the nearest real token before them (0 at the left), so
-    that left- and right-padded rows see the same positions as unpadded ones.
-
-    Args:
-        mask: (batch, length) 1/0, or None for no padding.
-        batch: the rows, for a None mask.
-        length: the columns, for a None mask.
-        device: where the positions go, for a None mask.
-
-    Returns:
-        (batch, length) int64 positions.
-    """
+    """(batch, length) int64 positions: each token's index among its row's real tokens."""
+    # padding takes the position of the real token before it (0 at the left): padded rows see
+    # unpadded positions
     if mask is None:
         return torch.arange(length, device=device).expand(batch, length)
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -40,20 +29,9 @@ def token_positions(mask: torch.Tensor | None, batch: int, length: int,
 
 def self_attention_mask(key_mask: torch.Tensor | None, new: int, past: int, *, causal: bool,
                         window: int | None) -> tuple[torch.Tensor | None, bool]:
-    """The boolean self-attention mask of ``new`` queries over ``past + new`` keys.
-
-    Args:
-        key_mask: (batch, past + new) 1/0 key padding, or None.
-        new: the queries of this call.
-        past: the keys already cached.
-        causal: queries see no later key.
-        window: a sliding window's width, or None.
-
-    Returns:
-        A (batch|1, 1, new, past + new) mask, True where a query may attend, and False; or
-        ``(None, True)`` for a plain causal mask that kernels can apply themselves.
-    """
+    """The boolean (batch|1, 1, new, past + new) mask of ``new`` queries over all keys."""
     total = past + new
+    # (None, True): a plain causal mask kernels apply themselves
     if causal and key_mask is None and window is None and past == 0:
         return None, True
     device = key_mask.device if key_mask is not None else None
@@ -83,19 +61,7 @@ class Embeddings(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Checked in eager mode only: reading a tensor's value would break a compiled graph.
-        """Token embeddings plus absolute positions, as the config says.
-
-        Args:
-            ids: (batch, len) token ids.
-            positions: (batch, len) each token's position.
-
-        Returns:
-            (batch, len, d_model).
-
-        Raises:
-            ValueError: a token id outside the vocabulary (checked in eager mode only: reading a
-                tensor's value would break a compiled graph).
-        """
+        """(batch, len, d_model) embeddings of ``ids``; a ``ValueError`` past the vocabulary."""
         if not torch.compiler.is_compiling() and (
                 int(ids.max()) >= self.tokens.num_embeddings or int(ids.min()) < 0):
             raise ValueError(f"token ids must lie in [0, {self.tokens.num_embeddings}); "
@@ -127,20 +93,10 @@ class Stack(nn.Module):
     def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None, *,
                 cache: KVCache | None = None, memory: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The stack's hidden states of ``ids``.
-
-        Args:
-            ids: (batch, new) token ids: all of them, or with a cache only the new ones.
-            mask: (batch, cached + new) 1/0, or None for no padding.
-            cache: the keys and values of earlier calls, extended in place.
-            memory: the encoder's output, for a decoder with cross-attention.
-            memory_mask: the encoder's 1/0 mask.
-
-        Returns:
-            (batch, new, d_model).
+        """The (batch, new, d_model) hidden states of ``ids``, only the new ones with a ``cache``.
 
         Raises:
-            ValueError: ``mask`` does not cover the cached and new tokens.
+            ValueError: ``mask`` does not cover the cached and new tokens, (batch, cached + new).
         """
         batch, new = ids.shape
         past = len(cache) if cache is not None else 0
@@ -163,10 +119,10 @@ class Stack(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """Decoder-only language model: ``model(input_ids, attention_mask=None, cache=None)``
-    returns logits (batch, seq, vocab). Masks use 1 for tokens and 0 for padding, on either side.
+    """Decoder-only language model returning (batch, seq, vocab) logits.
 
-    With a :class:`KVCache`, pass only the new tokens and the mask of all tokens so far.
+    Masks use 1 for tokens and 0 for padding, on either side. With a :class:`KVCache`, pass only
+    the new tokens and the mask of all tokens so far.
     """
 
     def __init__(self, config: TransformerConfig) -> None:
@@ -180,31 +136,17 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.decoder.embed.tokens.weight
 
     def new_cache(self) -> KVCache:
-        """An empty cache for incremental decoding.
-
-        Returns:
-            A new :class:`KVCache`.
-        """
+        """An empty cache for incremental decoding."""
         return KVCache()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
-        """Next-token logits of every position.
-
-        Args:
-            input_ids: (batch, new) token ids; with a cache, only the new ones.
-            attention_mask: (batch, cached + new) 1/0, or None for no padding.
-            cache: the keys and values of earlier calls, extended in place.
-
-        Returns:
-            (batch, new, vocab) logits.
-        """
+        """Next-token logits (batch, new, vocab); with a cache, the new ids and the whole mask."""
         return self.lm_head(self.decoder(input_ids, attention_mask, cache=cache))
 
 
 class EncoderDecoder(nn.Module):
-    """Encoder-decoder (translation) model: ``model(src_ids, tgt_ids, src_mask, tgt_mask)``
-    returns target logits (batch, tgt_len, vocab).
+    """Encoder-decoder (translation) model returning target logits (batch, tgt_len, vocab).
 
     With a :class:`KVCache` the encoder runs once (its output is kept in the cache) and
     cross-attention keys/values are computed once; pass only the new target tokens.
@@ -223,40 +165,18 @@ class EncoderDecoder(nn.Module):
             self.lm_head.weight = self.decoder.embed.tokens.weight
 
     def new_cache(self) -> KVCache:
-        """An empty cache for incremental decoding; it keeps the encoder's output too.
-
-        Returns:
-            A new :class:`KVCache`.
-        """
+        """An empty cache for incremental decoding; it keeps the encoder's output too."""
         return KVCache()
 
     def encode(self, src_ids: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The encoder's output for the source.
-
-        Args:
-            src_ids: (batch, src_len) source token ids.
-            src_mask: (batch, src_len) 1/0, or None for no padding.
-
-        Returns:
-            (batch, src_len, d_model), what cross-attention reads.
-        """
+        """The encoder's output (batch, src_len, d_model), what cross-attention reads."""
         return self.encoder(src_ids, src_mask)
 
     def forward(self, src_ids: torch.Tensor, tgt_ids: torch.Tensor,
                 src_mask: torch.Tensor | None = None, tgt_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
-        """Next-token logits of every target position.
-
-        Args:
-            src_ids: (batch, src_len) source token ids (not read when the cache has the memory).
-            tgt_ids: (batch, new) target token ids; with a cache, only the new ones.
-            src_mask: (batch, src_len) 1/0, or None.
-            tgt_mask: (batch, cached + new) 1/0, or None.
-            cache: the encoder's output and the keys and values of earlier calls.
-
-        Returns:
-            (batch, new, vocab) logits.
-        """
+        """Next-token logits (batch, new, vocab) of every target position."""
+        # src_ids is not read when the cache holds the encoder's output
         if cache is not None and cache.memory is not None:
             memory = cache.memory
         else:
@@ -272,21 +192,10 @@ Model = DecoderLM | EncoderDecoder
 
 def build_model(config: TransformerConfig, seed: int = 0, *, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> Model:
-    """Build the model ``config`` describes with deterministic weights.
+    """Build the model ``config`` describes, in training mode, with deterministic weights.
 
-    Weights are drawn in float64 from :mod:`torchparity.reference.rng` (SplitMix64 in numpy
-    integer arithmetic, one stream per parameter name) and then cast to ``dtype``: the same
-    ``(config, seed)`` gives bit-identical weights on every machine and every torch version.
-
-    Args:
-        config: the architecture.
-        seed: which draw of the weights.
-        dtype: the model's dtype.
-        device: the model's device.
-
-    Returns:
-        A :class:`DecoderLM` or an :class:`EncoderDecoder`, in training mode (dropout is the
-        config's).
+    The weights are drawn in float64 from :mod:`torchparity.reference.rng` and cast to ``dtype``:
+    the same ``(config, seed)`` gives bit-identical weights on every machine and torch version.
     """
     model = (EncoderDecoder if config.is_encoder_decoder else DecoderLM)(config)
     init_reference_weights(model, seed)
@@ -294,12 +203,7 @@ def build_model(config: TransformerConfig, seed: int = 0, *, dtype: torch.dtype 
 
 
 def init_reference_weights(model: nn.Module, seed: int) -> None:
-    """Overwrite every parameter with its deterministic value (see :func:`build_model`).
-
-    Args:
-        model: a reference model, changed in place; tied parameters are set once.
-        seed: which draw of the weights.
-    """
+    """Overwrite every parameter with its deterministic value (see :func:`build_model`)."""
     seen: set[int] = set()  # tied parameters are initialised once, by their first owner
     with torch.no_grad():
         for module_name, module in model.named_modules():
@@ -326,17 +230,9 @@ def _init_scale(module: nn.Module, param_name: str, param: torch.Tensor) -> tupl
 
 
 def sequence_loss(logits: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy over real target tokens, computed in at least fp32.
-
-    Args:
-        logits: (batch, len, vocab).
-        batch: the model's keyword arguments: targets are ``input_ids`` (decoder) or
-            ``tgt_ids`` (encoder-decoder) shifted by one; positions padded on either side are
-            ignored.
-
-    Returns:
-        The scalar loss (0 for a batch without a real target).
-    """
+    """Mean next-token cross-entropy over real target tokens, computed in at least fp32."""
+    # targets: input_ids (decoder) or tgt_ids shifted by one; padding on either side ignored; 0 with
+    # no target
     ids_key, mask_key = ("tgt_ids", "tgt_mask") if "tgt_ids" in batch else ("input_ids",
                                                                             "attention_mask")
     targets = batch[ids_key][:, 1:]

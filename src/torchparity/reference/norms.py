@@ -18,14 +18,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` normalised over its last dimension, scaled and shifted.
-
-        Args:
-            x: (..., dim).
-
-        Returns:
-            (..., dim), in ``x``'s dtype.
-        """
+        """``x`` (..., dim) normalised over its last dimension, scaled and shifted."""
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 
@@ -38,28 +31,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` divided by its root mean square over the last dimension, then scaled.
-
-        Args:
-            x: (..., dim).
-
-        Returns:
-            (..., dim), in ``x``'s dtype; the statistics in at least fp32.
-        """
+        """``x`` (..., dim) over its root mean square (computed in at least fp32), then scaled."""
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 
 def build_norm(config: TransformerConfig) -> nn.Module:
-    """The norm ``config`` asks for.
-
-    Args:
-        config: the model's config: its norm, width, epsilon and bias.
-
-    Returns:
-        An :class:`RMSNorm` or a :class:`LayerNorm`.
-    """
+    """The :class:`RMSNorm` or :class:`LayerNorm` ``config`` asks for."""
     if config.norm == "rmsnorm":
         return RMSNorm(config.d_model, config.norm_eps)
     return LayerNorm(config.d_model, config.norm_eps, bias=config.norm_bias)

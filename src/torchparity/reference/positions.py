@@ -1,8 +1,7 @@
 """Position encodings: absolute (sinusoidal, learned), rotary, ALiBi and Shaw relative.
 
-Every function takes explicit integer ``positions`` (batch, seq) rather than assuming
-``arange``: with left padding a token's position is its index among the real tokens, which is
-what makes padded and unpadded runs agree.
+Every function takes explicit (batch, seq) ``positions``, not ``arange``: a left-padded token's
+position is its index among the real tokens, so padded and unpadded runs agree.
 """
 
 from __future__ import annotations
@@ -14,32 +13,14 @@ from torch import nn
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype trigonometry runs in: fp32, or fp64 when the model itself is fp64.
-
-    Angles computed below fp32 lose visible precision at large positions and bases.
-
-    Args:
-        dtype: the model's dtype.
-
-    Returns:
-        float64 or float32.
-    """
+    """The dtype trigonometry runs in: fp32 (angles lose precision below it), fp64 for fp64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def sinusoidal(positions: torch.Tensor, dim: int, layout: str, dtype: torch.dtype) -> torch.Tensor:
-    """Vaswani et al.'s sinusoidal position encodings.
-
-    Args:
-        positions: (batch, seq) integer positions.
-        dim: the model's width (even).
-        layout: "interleaved" puts sin/cos in alternating channels (the paper),
-            "concatenated" all sines first (tensor2tensor).
-        dtype: the encodings' dtype (computed in :func:`compute_dtype`).
-
-    Returns:
-        (batch, seq, dim).
-    """
+    """Vaswani et al.'s (batch, seq, dim) sinusoidal encodings, computed in compute_dtype."""
+    # layout "interleaved": sin/cos in alternating channels (the paper); "concatenated": sines first
+    # (tensor2tensor)
     cdtype = compute_dtype(dtype)
     inv_freq = torch.exp(
         torch.arange(0, dim, 2, dtype=cdtype, device=positions.device) * (-math.log(10000.0) / dim)
@@ -54,17 +35,7 @@ def sinusoidal(positions: torch.Tensor, dim: int, layout: str, dtype: torch.dtyp
 
 def rotary_angles(positions: torch.Tensor, rotary_dim: int, theta: float,
                   dtype: torch.dtype) -> torch.Tensor:
-    """Rotation angles ``position * theta^(-2i/rotary_dim)`` of every position and channel pair.
-
-    Args:
-        positions: (batch, seq) integer positions.
-        rotary_dim: the rotated channels (even).
-        theta: the rotary base.
-        dtype: the model's dtype, which picks the compute dtype.
-
-    Returns:
-        (batch, seq, rotary_dim // 2) in the compute dtype.
-    """
+    """(batch, seq, rotary_dim // 2) angles ``position * theta^(-2i/rotary_dim)``, compute dtype."""
     cdtype = compute_dtype(dtype)
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device)
     inv_freq = 1.0 / (theta ** (exponents.to(cdtype) / rotary_dim))
@@ -72,48 +43,22 @@ def rotary_angles(positions: torch.Tensor, rotary_dim: int, theta: float,
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension (Llama's layout).
-
-    Args:
-        x: (..., 2n).
-
-    Returns:
-        (..., 2n).
-    """
+    """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension (Llama's layout)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """``(a, b) -> (-b, a)`` on each adjacent channel pair (GPT-J's layout).
-
-    Args:
-        x: (..., 2n).
-
-    Returns:
-        (..., 2n).
-    """
+    """``(a, b) -> (-b, a)`` on each adjacent channel pair (GPT-J's layout)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
 def apply_rotary(x: torch.Tensor, positions: torch.Tensor, *, rotary_dim: int, theta: float,
                  layout: str) -> torch.Tensor:
-    """Rotate the first ``rotary_dim`` channels of ``x`` by its positions.
-
-    Channels past ``rotary_dim`` pass through unchanged (partial rotary).
-
-    Args:
-        x: queries or keys, (batch, heads, seq, head_dim).
-        positions: (batch, seq) integer positions.
-        rotary_dim: the rotated channels.
-        theta: the rotary base.
-        layout: "half" rotates channel i with i + rotary_dim/2 (Llama, GPT-NeoX);
-            "interleaved" rotates channels 2i and 2i+1 (GPT-J, the original RoFormer).
-
-    Returns:
-        The rotated tensor, in ``x``'s dtype.
-    """
+    """Rotate the first ``rotary_dim`` channels of ``x`` (batch, heads, seq, head_dim)."""
+    # layout "half" pairs channel i with i + rotary_dim/2 (Llama, GPT-NeoX), "interleaved" 2i with
+    # 2i+1 (GPT-J); the rest pass
     angles = rotary_angles(positions, rotary_dim, theta, x.dtype)[:, None]  # (b, 1, s, r/2)
     if layout == "half":
         angles, rotate = torch.cat((angles, angles), dim=-1), rotate_half
@@ -125,14 +70,7 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, *, rotary_dim: int, t
 
 
 def alibi_slopes(n_heads: int) -> torch.Tensor:
-    """Per-head ALiBi slopes (Press et al.), with the paper's rule for non-power-of-2 heads.
-
-    Args:
-        n_heads: the heads.
-
-    Returns:
-        (n_heads,) float64.
-    """
+    """Per-head ALiBi slopes (Press et al.), float64, the paper's rule for non-power-of-2 heads."""
 
     def powers(n: int) -> list[float]:
         start = 2.0 ** (-8.0 / n)
@@ -145,17 +83,7 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 def alibi_bias(q_positions: torch.Tensor, k_positions: torch.Tensor, n_heads: int,
                dtype: torch.dtype) -> torch.Tensor:
-    """ALiBi's additive bias ``-slope * |q_pos - k_pos|``.
-
-    Args:
-        q_positions: (batch, q) integer positions.
-        k_positions: (batch, k) integer positions.
-        n_heads: the heads, one slope each.
-        dtype: the model's dtype, which picks the compute dtype.
-
-    Returns:
-        (batch, heads, q, k) in the compute dtype.
-    """
+    """ALiBi's additive bias ``-slope * |q_pos - k_pos|``, (batch, heads, q, k), compute dtype."""
     cdtype = compute_dtype(dtype)
     distance = (q_positions[:, :, None] - k_positions[:, None, :]).abs().to(cdtype)
     slopes = alibi_slopes(n_heads).to(device=distance.device, dtype=cdtype)
@@ -172,17 +100,7 @@ class LearnedPositions(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         # Checked in eager mode only: reading a tensor's value would break a compiled graph.
-        """The embeddings of ``positions``.
-
-        Args:
-            positions: (batch, seq) integer positions.
-
-        Returns:
-            (batch, seq, dim).
-
-        Raises:
-            ValueError: a position past the table (checked in eager mode only).
-        """
+        """The (batch, seq, dim) embeddings of ``positions``; a ``ValueError`` past the table."""
         if not torch.compiler.is_compiling() and int(positions.max()) >= self.max_positions:
             raise ValueError(f"position {int(positions.max())} exceeds max_positions="
                              f"{self.max_positions}; raise TransformerConfig.max_positions")
@@ -190,12 +108,9 @@ class LearnedPositions(nn.Module):
 
 
 class RelativePositions(nn.Module):
-    """Shaw et al. (2018) relative position keys: score_ij += scale * q_i . a_clip(j - i).
+    """Shaw et al. (2018) relative position keys: score_ij += scale * q_i . a_clip(j - i)."""
 
-    Only the key term of the paper is used (as in most implementations that followed); it enters
-    attention as an additive bias, so it works on every backend that takes one.
-    """
-
+    # only the paper's key term, as an additive bias: it works on every backend taking one
     def __init__(self, max_relative_positions: int, head_dim: int) -> None:
         super().__init__()
         self.max_relative_positions = max_relative_positions
@@ -203,17 +118,7 @@ class RelativePositions(nn.Module):
 
     def forward(self, q: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor,
                 scale: float) -> torch.Tensor:
-        """The relative-position score bias ``scale * q_i . a_clip(j - i)``.
-
-        Args:
-            q: (batch, heads, q, head_dim) queries.
-            q_positions: (batch, q) integer positions.
-            k_positions: (batch, k) integer positions.
-            scale: the attention's score scale.
-
-        Returns:
-            (batch, heads, q, k), added to the scores.
-        """
+        """The (batch, heads, q, k) relative-position score bias ``scale * q_i . a_clip(j - i)``."""
         m = self.max_relative_positions
         distance = (k_positions[:, None, :] - q_positions[:, :, None]).clamp(-m, m) + m
         keys = self.weight[distance]  # (batch, q, k, head_dim)

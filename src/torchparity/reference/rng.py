@@ -1,9 +1,8 @@
 """Counter-based random numbers that are the same on every machine and torch version.
 
-Weights and inputs of the reference zoo must be reproducible from code alone (goldens store
-only their checksums), so they come from SplitMix64 evaluated with numpy integer arithmetic:
-no torch or numpy random stream, whose algorithms may change between releases, is involved.
-Each ``stream`` name gets an independent sequence, so adding a parameter never shifts others.
+SplitMix64 in numpy integer arithmetic, no library random stream whose algorithm may change:
+goldens store only checksums of the zoo's weights. Each ``stream`` name is an independent
+sequence, so adding a parameter never shifts others.
 """
 
 from __future__ import annotations
@@ -35,16 +34,7 @@ def _bits(seed: int, stream: str, n: int) -> np.ndarray:
 
 
 def uniform(seed: int, stream: str, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
-    """Values uniform in [0, 1), a pure function of the arguments.
-
-    Args:
-        seed: the draw.
-        stream: a name; each gets an independent sequence.
-        shape: the tensor's shape.
-
-    Returns:
-        A float64 tensor of ``shape`` on the CPU.
-    """
+    """A float64 CPU tensor of ``shape``, uniform in [0, 1), a pure function of the arguments."""
     n = math.prod(shape)
     values = (_bits(seed, stream, n) >> np.uint64(11)).astype(np.float64) * 2.0**-53
     return torch.from_numpy(values).reshape(tuple(shape))
@@ -52,32 +42,11 @@ def uniform(seed: int, stream: str, shape: tuple[int, ...] | torch.Size) -> torc
 
 def symmetric(seed: int, stream: str, shape: tuple[int, ...] | torch.Size, std: float
               ) -> torch.Tensor:
-    """Values uniform in [-a, a] with standard deviation ``std`` (a = sqrt(3) * std).
-
-    Args:
-        seed: the draw.
-        stream: a name; each gets an independent sequence.
-        shape: the tensor's shape.
-        std: the standard deviation.
-
-    Returns:
-        A float64 tensor of ``shape`` on the CPU.
-    """
+    """A float64 CPU tensor uniform in [-a, a], standard deviation ``std`` (a = sqrt(3) std)."""
     return (uniform(seed, stream, shape) * 2.0 - 1.0) * (math.sqrt(3.0) * std)
 
 
 def integers(seed: int, stream: str, shape: tuple[int, ...] | torch.Size, low: int, high: int
              ) -> torch.Tensor:
-    """Integers uniform in [low, high).
-
-    Args:
-        seed: the draw.
-        stream: a name; each gets an independent sequence.
-        shape: the tensor's shape.
-        low: the smallest value.
-        high: one past the largest value.
-
-    Returns:
-        An int64 tensor of ``shape`` on the CPU.
-    """
+    """An int64 CPU tensor of integers uniform in [low, high)."""
     return (uniform(seed, stream, shape) * (high - low)).floor().to(torch.int64) + low

@@ -1,21 +1,16 @@
 """Refactored twins of reference components: the edits production code makes.
 
-Each twin is a drop-in replacement for one reference module (same constructor arguments, same
-``forward`` signature) that computes the same function another way. Where the parameter layout
-changes, the twin converts weights on the way in (:meth:`Twin.from_reference`) and converts its
-own tensors (weights or gradients) back to the reference layout (:meth:`Twin.reference_layout`),
-so a twin's gradients can be compared with the reference's name for name.
-
-:func:`swap_in` puts a named variant into a built reference model; :func:`reference_layout`
-and :func:`reference_gradients` bring a swapped model's tensors back to reference names::
+Each twin is a drop-in replacement for one reference module computing the same function another
+way; where the parameter layout changes, weights convert on the way in and tensors convert back,
+so gradients compare name for name::
 
     twin = swap_in(model, "fused-qkv")          # a converted copy; ``model`` is untouched
     twin(**batch)                               # same function as model(**batch)
     reference_gradients(twin)                   # {"decoder.layers.0.attn.q_proj.weight": ...}
 
-Two variants are not pure reorderings: ``softmax-input-dtype`` really computes the softmax in
-the input dtype (a numerics change that matters in bf16/fp16, bit-identical in fp32), and
-``preallocated-cache`` only changes how incremental decoding stores keys and values.
+Two variants are not pure reorderings: ``softmax-input-dtype`` computes the softmax in the input
+dtype (bit-identical in fp32 only), and ``preallocated-cache`` changes only how decoding stores
+keys and values.
 """
 
 from __future__ import annotations
@@ -50,46 +45,22 @@ T = TypeVar("T", bound="Twin")
 
 
 class Twin(nn.Module):
-    """A module that replaces a reference module of type :attr:`reference_type`.
-
-    Subclasses say how to build an empty twin of a reference module (:meth:`blank_like`) and,
-    when their parameters differ from the reference's, how to convert between the layouts
-    (:meth:`twin_layout`, :meth:`reference_layout`). Both conversions are exact (pure
-    re-indexing), so weights round-trip bit for bit.
-    """
+    """A module replacing one of :attr:`reference_type`, its weights converted exactly."""
 
     reference_type: type[nn.Module] = nn.Module
 
     @classmethod
     def blank_like(cls: type[T], reference: nn.Module, config: TransformerConfig) -> T:
-        """An empty twin (fresh weights) shaped like ``reference``; subclasses say how.
-
-        Args:
-            reference: the module it replaces.
-            config: the model's config.
-
-        Returns:
-            The twin, its weights not yet converted.
-        """
+        """An empty twin (fresh weights) shaped like ``reference``; subclasses say how."""
         raise NotImplementedError
 
     @classmethod
     def from_reference(cls: type[T], reference: nn.Module,
                        config: TransformerConfig | None = None) -> T:
-        """A twin computing the same function as ``reference``, with its weights converted.
-
-        It is on the reference's device and dtype and in its train/eval mode.
-
-        Args:
-            reference: the module it replaces.
-            config: the model's config; it defaults to ``reference.config`` (attention keeps it,
-                the MLP does not).
-
-        Returns:
-            The twin.
+        """A twin computing ``reference``'s function, on its device, dtype and train/eval mode.
 
         Raises:
-            ValueError: no config is given and ``reference`` keeps none.
+            ValueError: no ``config`` is given and ``reference`` keeps none (the MLP does not).
         """
         config = config if config is not None else getattr(reference, "config", None)
         if config is None:
@@ -104,25 +75,11 @@ class Twin(nn.Module):
         return twin.train(reference.training)
 
     def twin_layout(self, state: Tensors) -> Tensors:
-        """Reference-layout tensors in this twin's layout.
-
-        Args:
-            state: tensors keyed by the reference's local names.
-
-        Returns:
-            Tensors keyed by this twin's local names; as given for a twin of the same layout.
-        """
+        """Reference-layout tensors, by the reference's local names, in this twin's layout."""
         return dict(state)
 
     def reference_layout(self, tensors: Tensors) -> Tensors:
-        """This twin's tensors in the reference's names and layout: :meth:`twin_layout` undone.
-
-        Args:
-            tensors: weights or their gradients, keyed by this twin's local parameter names.
-
-        Returns:
-            The same values keyed by the reference's local names.
-        """
+        """This twin's weights or gradients in the reference's names and layout."""
         return dict(tensors)
 
 
@@ -133,15 +90,7 @@ class AttentionTwin(Twin, Attention):
 
     @classmethod
     def blank_like(cls, reference: Attention, config: TransformerConfig) -> AttentionTwin:
-        """An attention twin for ``reference``'s layer, self- or cross-attention alike.
-
-        Args:
-            reference: the attention it replaces.
-            config: the model's config.
-
-        Returns:
-            The twin, its weights not yet converted.
-        """
+        """An attention twin for ``reference``'s layer, self- or cross-attention alike."""
         return cls(config, reference.layer_idx, cross=reference.cross)
 
 
@@ -149,11 +98,7 @@ class AttentionTwin(Twin, Attention):
 
 
 class FusedQKVAttention(AttentionTwin):
-    """One ``in_proj`` matmul for queries, keys and values (GPT-2, ``nn.MultiheadAttention``).
-
-    Cross-attention uses the rows of ``in_proj`` separately: queries from the decoder, keys and
-    values from the encoder output, as ``nn.MultiheadAttention`` does.
-    """
+    """One ``in_proj`` matmul for queries, keys and values (GPT-2, ``nn.MultiheadAttention``)."""
 
     def __init__(self, config: TransformerConfig, layer_idx: int, *, cross: bool = False) -> None:
         super().__init__(config, layer_idx, cross=cross)
@@ -168,63 +113,30 @@ class FusedQKVAttention(AttentionTwin):
         bias = self.in_proj.bias
         return self.in_proj.weight[start:stop], None if bias is None else bias[start:stop]
 
+    # cross-attention uses in_proj's rows apart: queries from the decoder, keys and values from the
+    # encoder
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
-        """The queries, from the query rows of ``in_proj`` (cross-attention's decoder side).
-
-        Args:
-            x: (batch, len, d_model).
-
-        Returns:
-            (batch, heads, len, head_dim).
-        """
+        """The queries (batch, heads, len, head_dim), from the query rows of ``in_proj``."""
         return self.split_heads(F.linear(x, *self._rows(0, self._sizes()[0])), self.n_heads)
 
     def project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values from the key/value rows of ``in_proj`` (cross-attention's encoder side).
-
-        Args:
-            source: (batch, len, d_model).
-
-        Returns:
-            Keys and values, each (batch, kv_heads, len, head_dim).
-        """
+        """Keys and values, each (batch, kv_heads, len, head_dim), from ``in_proj``'s rows."""
         q_size, kv_size, _ = self._sizes()
         k, v = F.linear(source, *self._rows(q_size, q_size + 2 * kv_size)).split(kv_size, -1)
         return self.split_heads(k, self.n_kv_heads), self.split_heads(v, self.n_kv_heads)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values from one ``in_proj`` matmul, split by rows.
-
-        Args:
-            x: (batch, len, d_model).
-
-        Returns:
-            The three projections, split into heads.
-        """
+        """Queries, keys and values from one ``in_proj`` matmul, split by rows into heads."""
         q, k, v = self.in_proj(x).split(self._sizes(), -1)
         return (self.split_heads(q, self.n_heads), self.split_heads(k, self.n_kv_heads),
                 self.split_heads(v, self.n_kv_heads))
 
     def twin_layout(self, state: Tensors) -> Tensors:
-        """``q_proj``, ``k_proj`` and ``v_proj`` concatenated by rows into ``in_proj``.
-
-        Args:
-            state: the reference attention's tensors.
-
-        Returns:
-            This twin's tensors.
-        """
+        """``q_proj``, ``k_proj`` and ``v_proj`` concatenated by rows into ``in_proj``."""
         return _fuse(state, ("q_proj", "k_proj", "v_proj"), "in_proj")
 
     def reference_layout(self, tensors: Tensors) -> Tensors:
-        """``in_proj`` split by rows back into ``q_proj``, ``k_proj`` and ``v_proj``.
-
-        Args:
-            tensors: this twin's weights or gradients.
-
-        Returns:
-            The reference's tensors.
-        """
+        """``in_proj`` split by rows back into ``q_proj``, ``k_proj`` and ``v_proj``."""
         return _unfuse(tensors, "in_proj", ("q_proj", "k_proj", "v_proj"), self._sizes())
 
 
@@ -244,49 +156,20 @@ class FusedGateUpMLP(Twin, MLP):
 
     @classmethod
     def blank_like(cls, reference: MLP, config: TransformerConfig) -> FusedGateUpMLP:
-        """A fused MLP of the model's config.
-
-        Args:
-            reference: the MLP it replaces (it keeps no config).
-            config: the model's config.
-
-        Returns:
-            The twin, its weights not yet converted.
-        """
+        """A fused MLP of the model's config (the MLP it replaces keeps none)."""
         return cls(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The gated MLP with gate and up projections from one matmul, split in halves.
-
-        Args:
-            x: (batch, len, d_model).
-
-        Returns:
-            (batch, len, d_model).
-        """
+        """The gated MLP with gate and up projections from one matmul, split in halves."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
     def twin_layout(self, state: Tensors) -> Tensors:
-        """``gate_proj`` and ``up_proj`` concatenated by rows into ``gate_up_proj``.
-
-        Args:
-            state: the reference MLP's tensors.
-
-        Returns:
-            This twin's tensors.
-        """
+        """``gate_proj`` and ``up_proj`` concatenated by rows into ``gate_up_proj``."""
         return _fuse(state, ("gate_proj", "up_proj"), "gate_up_proj")
 
     def reference_layout(self, tensors: Tensors) -> Tensors:
-        """``gate_up_proj`` split in halves back into ``gate_proj`` and ``up_proj``.
-
-        Args:
-            tensors: this twin's weights or gradients.
-
-        Returns:
-            The reference's tensors.
-        """
+        """``gate_up_proj`` split in halves back into ``gate_proj`` and ``up_proj``."""
         return _unfuse(tensors, "gate_up_proj", ("gate_proj", "up_proj"), [self.d_ff] * 2)
 
 
@@ -312,21 +195,8 @@ def _unfuse(tensors: Tensors, fused: str, parts: tuple[str, ...], sizes: list[in
 
 
 def rotary_permutation(head_dim: int, rotary_dim: int, source: str, target: str) -> torch.Tensor:
-    """The channel permutation from one rotary layout to the other.
-
-    Applied to the query and key projections of every head, it turns a model of one layout
-    into an identical model of the other (q.k is unchanged by a permutation applied to both).
-
-    Args:
-        head_dim: a head's channels.
-        rotary_dim: the rotated channels; the others stay put.
-        source: the layout converted from, "half" or "interleaved".
-        target: the layout converted to.
-
-    Returns:
-        ``p`` (head_dim,) such that channel ``j`` in ``target`` holds channel ``p[j]`` of
-        ``source``.
-    """
+    """``p`` (head_dim,): channel ``j`` in layout ``target`` is channel ``p[j]`` of ``source``."""
+    # applied to both q and k projections, it leaves q.k and so the model unchanged
     half = rotary_dim // 2
     # Half-split pairs channel i with i + half; interleaved pairs 2i with 2i + 1.
     interleaved_from_half = torch.arange(rotary_dim).view(2, half).t().flatten()
@@ -345,12 +215,11 @@ def _permute_heads(tensor: torch.Tensor, head_dim: int, perm: torch.Tensor) -> t
 
 
 class RotaryFormAttention(AttentionTwin):
-    """Rotary embedding in another form, with q/k weights permuted into the form's layout.
+    """Rotary embedding in another ``form``, with q/k weights permuted into the form's layout.
 
-    ``form`` "rotate-half" (Llama in Hugging Face, GPT-NeoX) and "interleaved" (GPT-J) are the
-    two real-arithmetic layouts; "complex" multiplies channel pairs as complex numbers by
-    ``exp(i * angle)`` (Meta's Llama), which pairs adjacent channels like "interleaved". A
-    reference model of the other layout gets its q/k projection rows permuted on conversion.
+    "rotate-half" (Hugging Face Llama, GPT-NeoX) and "interleaved" (GPT-J) are the
+    real-arithmetic layouts; "complex" (Meta's Llama) multiplies adjacent channel pairs by
+    ``exp(i * angle)``.
     """
 
     form = "rotate-half"
@@ -368,37 +237,15 @@ class RotaryFormAttention(AttentionTwin):
                 for name, t in tensors.items()}
 
     def twin_layout(self, state: Tensors) -> Tensors:
-        """The q/k projection rows permuted from the config's rotary layout into this form's.
-
-        Args:
-            state: the reference attention's tensors.
-
-        Returns:
-            This twin's tensors.
-        """
+        """The q/k projection rows permuted from the config's rotary layout into this form's."""
         return self._permute(state, self.config.rotary_layout, self.layout)
 
     def reference_layout(self, tensors: Tensors) -> Tensors:
-        """The q/k projection rows permuted back into the config's rotary layout.
-
-        Args:
-            tensors: this twin's weights or gradients.
-
-        Returns:
-            The reference's tensors.
-        """
+        """The q/k projection rows permuted back into the config's rotary layout."""
         return self._permute(tensors, self.layout, self.config.rotary_layout)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x`` rotated in this form: a complex product, or the real form's channel pairing.
-
-        Args:
-            x: queries or keys, (batch, heads, seq, head_dim).
-            positions: (batch, seq).
-
-        Returns:
-            The rotated tensor, in ``x``'s dtype.
-        """
+        """``x`` (batch, heads, seq, head_dim) rotated in this form, in its dtype."""
         if self.form == "complex":
             return _rotate_complex(x, positions, self.config.rotary_dims, self.config.rope_theta)
         return apply_rotary(x, positions, rotary_dim=self.config.rotary_dims,
@@ -432,8 +279,7 @@ def _rotate_complex(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int,
 
 
 class RotaryTableAttention(AttentionTwin):
-    """Rotary with cos/sin tables computed once per dtype and device and indexed by position,
-    instead of computed on every call. Tables grow (to the next power of two) on demand."""
+    """Rotary from cos/sin tables made once per dtype and device, indexed by position."""
 
     def __init__(self, config: TransformerConfig, layer_idx: int, *, cross: bool = False) -> None:
         super().__init__(config, layer_idx, cross=cross)
@@ -441,16 +287,7 @@ class RotaryTableAttention(AttentionTwin):
 
     def table(self, length: int, dtype: torch.dtype, device: torch.device
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables covering ``length`` positions, made once per dtype and device.
-
-        Args:
-            length: the positions needed; a table grows to the next power of two.
-            dtype: the tables' dtype.
-            device: the tables' device.
-
-        Returns:
-            cos and sin, each (>= length, rotary_dim), channels laid out for the config.
-        """
+        """cos and sin, each (>= length, rotary_dim), grown to the next power of two on demand."""
         cos, _ = self._tables.get((dtype, device), (None, None))
         if cos is None or cos.shape[0] < length:
             positions = torch.arange(1 << max(length - 1, 1).bit_length(), device=device)[None]
@@ -464,15 +301,7 @@ class RotaryTableAttention(AttentionTwin):
         return self._tables[dtype, device]
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x`` rotated with cos and sin read from the tables by position.
-
-        Args:
-            x: queries or keys, (batch, heads, seq, head_dim).
-            positions: (batch, seq).
-
-        Returns:
-            The rotated tensor, in ``x``'s dtype.
-        """
+        """``x`` (batch, heads, seq, head_dim) rotated with the tables' cos and sin by position."""
         cos, sin = self.table(int(positions.max()) + 1, x.dtype, x.device)
         cos, sin = cos[positions][:, None], sin[positions][:, None]  # (b, 1, s, rotary_dim)
         turn = rotate_half if self.config.rotary_layout == "half" else rotate_pairs
@@ -490,26 +319,11 @@ def _empty_rows(mask: torch.Tensor) -> torch.Tensor:
 
 
 class AdditiveMaskAttention(AttentionTwin):
-    """The padding/causal mask as an additive float bias (0 or ``finfo.min``), as Hugging Face
-    models pass it, instead of a boolean mask."""
+    """The mask as an additive float bias (0 or ``finfo.min``), as Hugging Face passes it."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                bias: torch.Tensor | None) -> torch.Tensor:
-        """Attention with the mask added as a float bias (0 or ``finfo.min``).
-
-        Rows without a visible key are left unmasked (no all-min rows, no NaN) and zeroed, as the
-        backends' contract makes them.
-
-        Args:
-            q: (batch, heads, q_len, head_dim).
-            k: (batch, kv_heads, k_len, head_dim).
-            v: (batch, kv_heads, k_len, head_dim).
-            ctx: the boolean mask converted.
-            bias: a position bias the mask is added to, or None.
-
-        Returns:
-            (batch, heads, q_len, head_dim).
-        """
+        """Attention with the mask added as a float bias; rows seeing no key zeroed, not NaN."""
         if ctx.mask is None:
             return super().attend(q, k, v, ctx, bias)
         empty = _empty_rows(ctx.mask)
@@ -527,50 +341,23 @@ class ContiguousViewAttention(AttentionTwin):
     """Heads split and merged with ``view`` (after ``contiguous()``) instead of reshapes."""
 
     def split_heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
-        """The heads split with ``view`` instead of ``unflatten``.
-
-        Args:
-            x: (batch, len, heads * head_dim).
-            n_heads: the heads it holds.
-
-        Returns:
-            (batch, heads, len, head_dim).
-        """
+        """(batch, len, heads * head_dim) split into (batch, heads, len, head_dim) with ``view``."""
         batch, length, _ = x.shape
         return x.view(batch, length, n_heads, self.head_dim).transpose(1, 2)
 
     def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """The heads merged with ``contiguous().view`` instead of ``flatten``.
-
-        Args:
-            x: (batch, heads, len, head_dim).
-
-        Returns:
-            (batch, len, heads * head_dim).
-        """
+        """(batch, heads, len, head_dim) merged by ``contiguous().view`` instead of ``flatten``."""
         batch, _, length, _ = x.shape
         return x.transpose(1, 2).contiguous().view(batch, length, -1)
 
 
 class InputDtypeSoftmaxAttention(AttentionTwin):
-    """Attention computed entirely in the input dtype: scores scaled, biased and soft-maxed in
-    bf16/fp16 instead of fp32. A real numerics change (bit-identical only in fp32 and fp64);
-    it runs its own math, so it ignores the attention backend."""
+    """Attention scaled, biased and soft-maxed in the input dtype (bf16/fp16), not fp32."""
 
+    # its own math: it ignores the attention backend
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
                bias: torch.Tensor | None) -> torch.Tensor:
-        """Attention computed by hand in the input dtype, softmax included.
-
-        Args:
-            q: (batch, heads, q_len, head_dim).
-            k: (batch, kv_heads, k_len, head_dim).
-            v: (batch, kv_heads, k_len, head_dim).
-            ctx: the mask, or a plain causal one.
-            bias: an additive score bias, or None.
-
-        Returns:
-            (batch, heads, q_len, head_dim); rows without a visible key are zero.
-        """
+        """Attention by hand in the input dtype, softmax included; rows seeing no key are zero."""
         repeats = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
         scores = (q @ k.transpose(-2, -1)) * self.scale
@@ -590,13 +377,9 @@ class InputDtypeSoftmaxAttention(AttentionTwin):
 
 
 class PreallocatedKVCache(KVCache):
-    """A KV cache that writes into preallocated buffers grown ``chunk`` positions at a time,
-    instead of concatenating on every call (vLLM/TGI-style static caches, simplified).
+    """A KV cache writing into buffers grown ``chunk`` positions at a time (vLLM/TGI-style)."""
 
-    Same interface and contents as :class:`KVCache`: ``append`` returns views of the filled
-    part of the buffers. Meant for inference (``torch.no_grad``), as production caches are.
-    """
-
+    # same interface and contents as KVCache; meant for inference (torch.no_grad)
     def __init__(self, chunk: int = 4) -> None:
         super().__init__()
         if chunk < 1:
@@ -609,28 +392,12 @@ class PreallocatedKVCache(KVCache):
         return self.lengths.get(0, 0)
 
     def capacity(self, layer: int = 0) -> int:
-        """Positions allocated for ``layer``.
-
-        Args:
-            layer: the layer's index.
-
-        Returns:
-            A multiple of ``chunk``; 0 before the first call.
-        """
+        """Positions allocated for ``layer``: a multiple of ``chunk``, 0 before the first call."""
         return self.buffers[layer][0].shape[-2] if layer in self.buffers else 0
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this call's keys and values into ``layer``'s buffers, growing them by chunks.
-
-        Args:
-            layer: the layer's index.
-            k: this call's keys, (batch, kv_heads, new, head_dim).
-            v: this call's values, alike.
-
-        Returns:
-            Views of the filled part of the buffers: every position so far.
-        """
+        """Write ``layer``'s new keys and values into its buffers; views of all positions so far."""
         start = self.lengths.get(layer, 0)
         stop = start + k.shape[-2]
         if stop > self.capacity(layer):
@@ -652,11 +419,7 @@ class PreallocatedKVCache(KVCache):
         self.buffers[layer] = (grown[0], grown[1])
 
     def reorder(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (in that order) in the buffers too.
-
-        Args:
-            index: the row each new row is taken from.
-        """
+        """Keep batch rows ``index`` (in that order) in the buffers too."""
         super().reorder(index)
         for layer, (k, v) in self.buffers.items():
             self.buffers[layer] = (k.index_select(0, index), v.index_select(0, index))
@@ -666,16 +429,7 @@ class PreallocatedKVCache(KVCache):
 
 
 def expand_kv_heads(model: Model) -> Model:
-    """An MHA copy of a GQA/MQA ``model``, computing the same function.
-
-    Every key/value head is repeated for the query heads that share it.
-
-    Args:
-        model: a reference model with fewer key/value heads than query heads.
-
-    Returns:
-        The MHA model, on ``model``'s device and dtype and in its train/eval mode.
-    """
+    """An MHA copy of a GQA/MQA ``model``, each key/value head repeated for its query heads."""
     config = model.config.replace(n_kv_heads=None)
     mha = type(model)(config)
     first = next(model.parameters())
@@ -691,15 +445,7 @@ def expand_kv_heads(model: Model) -> Model:
 
 
 def fold_kv_heads(tensors: Tensors, gqa_config: TransformerConfig) -> Tensors:
-    """Gradients of an :func:`expand_kv_heads` model, as the GQA model it came from has them.
-
-    Args:
-        tensors: the MHA model's gradients by name.
-        gqa_config: the GQA model's config.
-
-    Returns:
-        The gradients with each group's key/value copies summed.
-    """
+    """Gradients of an :func:`expand_kv_heads` model summed per group, as the GQA model's."""
     repeats = gqa_config.n_heads // gqa_config.kv_heads
     head_dim = gqa_config.dim_head
     return {
@@ -722,32 +468,20 @@ def _repeat_heads(t: torch.Tensor, head_dim: int, repeats: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Variant:
-    """A named refactor: which twin replaces which modules, and where it applies.
-
-    ``requires`` returns why the variant does not apply to a config (None when it does);
-    ``swaps`` picks which modules of the twin's reference type are replaced. ``uses_backend``
-    is False for twins that compute attention themselves; ``numerics_change`` marks a twin
-    that is not a reordering of the same math and may leave the tolerance band in low
-    precision.
-    """
+    """A named refactor: which twin replaces which modules, and where it applies."""
 
     name: str
     description: str
     twin: type[Twin] | None
+    # why it does not apply to a config; None when it does
     requires: Callable[[TransformerConfig], str | None]
-    uses_backend: bool = True
-    numerics_change: bool = False
+    uses_backend: bool = True  # False for twins computing attention themselves
+    numerics_change: bool = False  # not a reordering: may leave the band in low precision
+    # which modules of the reference type are replaced
     swaps: Callable[[nn.Module], bool] = lambda module: True
 
     def applies(self, config: TransformerConfig) -> bool:
-        """Whether the variant applies to models of ``config``.
-
-        Args:
-            config: the model's config.
-
-        Returns:
-            True when :attr:`requires` gives no reason against it.
-        """
+        """Whether the variant applies to models of ``config``."""
         return self.requires(config) is None
 
 
@@ -793,26 +527,12 @@ _BY_NAME = {v.name: v for v in _VARIANTS}
 
 
 def names() -> list[str]:
-    """Names of all variants, in a stable order.
-
-    Returns:
-        The names, as :func:`get` and :func:`swap_in` take them.
-    """
+    """Names of all variants, in a stable order."""
     return list(_BY_NAME)
 
 
 def get(name: str) -> Variant:
-    """The variant called ``name``.
-
-    Args:
-        name: a name of :func:`names`.
-
-    Returns:
-        The variant.
-
-    Raises:
-        KeyError: an unknown name, listing the known ones.
-    """
+    """The variant called ``name``; a ``KeyError`` for an unknown name lists the known ones."""
     try:
         return _BY_NAME[name]
     except KeyError:
@@ -820,31 +540,17 @@ def get(name: str) -> Variant:
 
 
 def applicable(config: TransformerConfig) -> list[str]:
-    """Names of the variants that apply to models of ``config``.
-
-    Args:
-        config: the model's config.
-
-    Returns:
-        The names, in registry order.
-    """
+    """Names of the variants that apply to models of ``config``, in registry order."""
     return [v.name for v in _VARIANTS if v.applies(config)]
 
 
 def swap_in(model: Model, name: str, *, inplace: bool = False) -> Model:
     """A model computing the same function as ``model`` with variant ``name`` swapped in.
 
-    Every module the variant targets is replaced by its twin, with weights converted; the
-    ``preallocated-cache`` variant makes ``model.new_cache()`` return a
-    :class:`PreallocatedKVCache`.
-
     Args:
         model: a reference model.
         name: a variant's name.
         inplace: change ``model`` itself instead of a deep copy.
-
-    Returns:
-        The swapped model.
 
     Raises:
         ValueError: the variant does not apply to the model's config, saying why.
@@ -868,16 +574,7 @@ def swap_in(model: Model, name: str, *, inplace: bool = False) -> Model:
 
 
 def reference_layout(model: nn.Module, tensors: Tensors) -> Tensors:
-    """A swapped model's tensors in the names and layout of the reference model.
-
-    Args:
-        model: a model with twins swapped in.
-        tensors: its weights or their gradients, keyed by its parameter names.
-
-    Returns:
-        The tensors with every twin's entries converted, comparable name for name with the
-        reference's.
-    """
+    """A swapped model's weights or gradients in the reference model's names and layout."""
     out = dict(tensors)
     for prefix, module in model.named_modules():
         if not isinstance(module, Twin):
@@ -889,15 +586,7 @@ def reference_layout(model: nn.Module, tensors: Tensors) -> Tensors:
 
 
 def reference_gradients(model: nn.Module) -> Tensors:
-    """The gradients of ``model``'s parameters in reference names and layout.
-
-    Args:
-        model: a model with twins swapped in, after a backward pass.
-
-    Returns:
-        The gradients (zeros for a parameter without one), as :func:`reference_layout` gives
-        them.
-    """
+    """The gradients of ``model``'s parameters (zeros where none) in reference names and layout."""
     grads = {name: p.grad if p.grad is not None else torch.zeros_like(p)
              for name, p in model.named_parameters()}
     return reference_layout(model, grads)

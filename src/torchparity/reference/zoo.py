@@ -1,8 +1,4 @@
-"""Named reference cases: a config, deterministic weights and deterministic inputs.
-
-Together the cases exercise every variant of :class:`TransformerConfig`; each is tiny, so the
-whole zoo runs forward and backward on a CPU in a few seconds.
-"""
+"""Named reference cases: configs exercising every variant of :class:`TransformerConfig`, tiny."""
 
 from __future__ import annotations
 
@@ -92,26 +88,12 @@ _BY_NAME = {case.name: case for case in _CASES}
 
 
 def names() -> list[str]:
-    """Names of all zoo cases, in a stable order.
-
-    Returns:
-        The names, as goldens and commands use them.
-    """
+    """Names of all zoo cases, in a stable order."""
     return list(_BY_NAME)
 
 
 def get(name: str) -> ZooCase:
-    """The case called ``name``.
-
-    Args:
-        name: a name of :func:`names`.
-
-    Returns:
-        The case.
-
-    Raises:
-        KeyError: an unknown name, listing the known ones.
-    """
+    """The case called ``name``; a ``KeyError`` for an unknown name lists the known ones."""
     try:
         return _BY_NAME[name]
     except KeyError:
@@ -119,22 +101,10 @@ def get(name: str) -> ZooCase:
 
 
 def padding_mask(batch_size: int, seq_len: int, padding: str) -> torch.Tensor | None:
-    """A 1/0 mask whose first row is full and later rows shorter (down to half).
-
-    Args:
-        batch_size: the rows.
-        seq_len: the columns.
-        padding: "none", "left" or "right".
-
-    Returns:
-        (batch_size, seq_len) int64, or None for "none".
-
-    Raises:
-        ValueError: an unknown padding.
-    """
+    """A (batch_size, seq_len) 1/0 mask, rows shorter down to half, padded on ``padding``'s side."""
     if padding not in PADDINGS:
         raise ValueError(f"padding={padding!r} is invalid; expected one of {', '.join(PADDINGS)}")
-    if padding == "none":
+    if padding == "none":  # no mask at all
         return None
     lengths = [seq_len - (b * seq_len) // (2 * max(batch_size, 1)) for b in range(batch_size)]
     index = torch.arange(seq_len)
@@ -150,24 +120,13 @@ def _tokens(seed: int, stream: str, shape: tuple[int, int], vocab: int,
 
 def make_batch(config: TransformerConfig, batch_size: int = 2, seq_len: int = 16,
                seed: int = 0, padding: str = "right") -> dict[str, torch.Tensor]:
-    """Deterministic model inputs: ``model(**make_batch(...))`` runs.
+    """Deterministic model inputs, the same on every machine: ``model(**make_batch(...))`` runs.
 
-    Token ids come from :mod:`torchparity.reference.rng`, so they are identical on every
-    machine and torch version. Padding tokens are 0 and masked out.
-
-    Args:
-        config: the model's config: its vocabularies and architecture.
-        batch_size: the rows.
-        seq_len: the columns (at least 2: the loss predicts the next token).
-        seed: which draw of the tokens.
-        padding: "none" (no mask passed at all), "left" or "right".
-
-    Returns:
-        ``input_ids`` and ``attention_mask``, or ``src_ids``, ``tgt_ids``, ``src_mask`` and
-        ``tgt_mask``.
+    Padding tokens are 0 and masked out; ``padding`` "none" passes no mask at all.
 
     Raises:
-        ValueError: a batch too small, or an unknown padding.
+        ValueError: a batch too small (``seq_len`` < 2: the loss predicts the next token), or an
+            unknown padding.
     """
     if batch_size < 1 or seq_len < 2:
         raise ValueError(f"make_batch needs batch_size >= 1 and seq_len >= 2; "
@@ -190,15 +149,5 @@ def make_batch(config: TransformerConfig, batch_size: int = 2, seq_len: int = 16
 
 def case_batch(case: ZooCase, batch_size: int = 2, seq_len: int = 12, seed: int = 0,
                ) -> dict[str, torch.Tensor]:
-    """The standard batch of a case, padded as the case says.
-
-    Args:
-        case: the zoo case.
-        batch_size: the rows.
-        seq_len: the columns.
-        seed: which draw of the tokens.
-
-    Returns:
-        The model's keyword arguments (see :func:`make_batch`).
-    """
+    """The standard batch of a case, padded as the case says (see :func:`make_batch`)."""
     return make_batch(case.config, batch_size, seq_len, seed, case.padding)
