@@ -1,16 +1,8 @@
 """``bench --model``: what the safety net costs on a real-size model, beside one plain step.
 
-Three fresh processes, one after another, each timed on the wall clock with its own peak
-resident memory (``wait4``'s ``ru_maxrss``):
-
-- a *plain step*: load the factory, then two forward+backward steps in the model's own dtype
-  (the second is the step; the first pays the lazy start-up), with the default loss, on one
-  torch thread as the check runs users' models;
-- ``torchparity golden update --model ENTRY`` into a temporary folder, whose bytes are counted;
-- ``torchparity check --model ENTRY`` in the selected dtypes against those goldens.
-
-Times are also given as multiples of the plain step, the factory's load time (measured in the
-plain process) taken out, since every process pays it once.
+Three fresh processes in turn, each with its wall time and peak resident memory: a plain step
+(the factory loaded, a first step, then the timed one, on one thread as the check runs), ``golden
+update`` into a temporary folder, and ``check`` against those goldens.
 """
 
 from __future__ import annotations
@@ -22,7 +14,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+
+from torchparity.bench.rounds import Document
 
 #: One plain step of a factory's model: load, a first step, a timed step; JSON on stdout.
 _PLAIN_STEP = """
@@ -50,18 +43,8 @@ print(json.dumps({"load_s": loaded - started, "first_step_s": first - loaded,
 """
 
 
-def measure(entry: str, dtypes: list[str], backends: list[str] | None = None) -> dict[str, Any]:
-    """The plain step, ``golden update`` and ``check`` of ``entry``, each in its own process.
-
-    Args:
-        entry: the model's factory.
-        dtypes: the dtype names checked.
-        backends: the backends checked (None: the command's default).
-
-    Returns:
-        Seconds, peak resident bytes, golden bytes, the check's cells and whether they passed,
-        and the multiples of the plain step (see the module docstring).
-    """
+def measure(entry: str, dtypes: list[str], backends: list[str] | None = None) -> Document:
+    """Seconds, peak bytes, golden bytes and the check's cells of ``entry``, each in a process."""
     with tempfile.TemporaryDirectory(prefix="torchparity-bench-") as folder:
         goldens, report = Path(folder) / "golden", Path(folder) / "check.json"
         plain = _timed("the plain step", [sys.executable, "-c", _PLAIN_STEP, entry])
@@ -74,6 +57,7 @@ def measure(entry: str, dtypes: list[str], backends: list[str] | None = None) ->
         check = _timed("check", _cli("check", "--model", entry, "--golden-dir", str(goldens),
                                      "--json", str(report), *options))
         rows = json.loads(report.read_text())["results"] if report.exists() else []
+    # multiples of the plain step leave out the factory's load, which every process pays once
     step, load = timing["step_s"], timing["load_s"]
     return {
         "model": entry, "parameters": timing["parameters"], "dtypes": dtypes,
@@ -92,9 +76,8 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "torchparity.cli", *args]
 
 
-def _timed(label: str, command: list[str]) -> dict[str, Any]:
-    """Run ``command`` to its end: wall seconds, peak resident bytes, exit status, stdout; a
-    failure (other than a check that found a divergence) is a one-line error naming ``label``."""
+def _timed(label: str, command: list[str]) -> Document:
+    """Run ``command`` to its end: wall seconds, peak resident bytes, exit status, stdout."""
     started = time.perf_counter()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         child = subprocess.Popen(command, stdout=out, stderr=err)

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
-from torchparity.bench.rounds import Progress, na_row
+from torchparity.bench.rounds import Progress, Row, na_row
 from torchparity.bench.settings import BenchSettings
 from torchparity.bench.timing import timed_command
 
 CHECK_COMMAND = ("torchparity", "check")
 
 
-def check_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
-    """Wall and CPU seconds of ``torchparity check`` with no options, in its own process.
-
-    Args:
-        settings: ``quick`` leaves it out (it takes about a minute).
-        progress: advanced once the check is done.
-
-    Returns:
-        One row, or an ``n/a`` row saying why it did not run.
-    """
+def check_rows(settings: BenchSettings, progress: Progress) -> list[Row]:
+    """Wall and CPU seconds of ``torchparity check`` with no options (not with ``quick``)."""
     fields = {"command": " ".join(CHECK_COMMAND), "logical_cores": os.cpu_count()}
     if settings.quick:
         return [na_row("not measured: --quick does not time `torchparity check` (about a "

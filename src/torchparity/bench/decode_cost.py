@@ -1,13 +1,8 @@
 """Part ``decode``: the cost of a decoding diagnosis across revisions.
 
-``record --decode`` of A (its decoding captured at every step, beside its float64 golden) and
-then ``diagnose --against`` of B, over :data:`STEPS` steps after the prompt, timed against what
-the reviewer's test runs anyway: a plain decoding of A and one of B along the same tokens. With
-``--beams K`` a second row times the same for a beam search of ``K`` beams (``record --decode
---beams K``), against a plain beam search of A and B along its choices. The models are those of
-the ``diagnose`` part (the first case at the first size, ``manual`` against ``sdpa``
-attention), prompted with the size's batch; every contender runs in this process, in the
-rounds of :mod:`~torchparity.bench.rounds`.
+``record --decode`` of A, then ``diagnose --against`` of B, over :data:`STEPS` steps, timed
+against a plain decoding of A and of B along the same tokens (with ``--beams K``, also a beam
+search); the models are the ``diagnose`` part's, every contender in this process.
 """
 
 from __future__ import annotations
@@ -16,12 +11,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from torchparity.bench.models import model_config, timing_model
-from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio
+from torchparity.bench.rounds import Progress, Row, interleaved, na_row, paired_ratio
 from torchparity.bench.settings import DIAGNOSE_BACKENDS, BenchSettings
 from torchparity.bench.stages import per_plain, stage_seconds
 from torchparity.bench.timing import wall_time
@@ -37,19 +31,9 @@ STEPS = 16
 FALLBACK_CASE = "llama-tiny"
 
 
-def decode_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
-    """What diagnosing a decoding costs beside two plain decodings, greedy and by beam search.
-
-    Args:
-        settings: the size, dtype, rounds and ``beams``.
-        progress: advanced as each contender is timed.
-
-    Returns:
-        A row per search: seconds of record + diagnose of a decoding, of two plain decodings,
-        and their ratio (``decode_time_ratio``; the goal is at most 4), and the diagnosis's
-        seconds by stage per plain second (``diagnosis_split``, the record of A's side counted
-        with the runs).
-    """
+def decode_rows(settings: BenchSettings, progress: Progress) -> list[Row]:
+    """A row per search (greedy, beams): record + diagnose against two plain decodings, by stage."""
+    # decode_time_ratio's goal is at most 4; the record of A's side counts with the runs
     if settings.threads:
         torch.set_num_threads(settings.threads)
     case = next((c for c in settings.cases if not zoo.get(c).config.is_encoder_decoder),
@@ -73,7 +57,7 @@ def decode_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, A
 
 def _decode_row(models: list[torch.nn.Module], prompt: dict[str, torch.Tensor],
                 beams: BeamSettings | None, settings: BenchSettings, progress: Progress,
-                device: torch.device, case: str, fields: dict[str, Any]) -> dict[str, Any]:
+                device: torch.device, case: str, fields: Row) -> Row:
     model_a, model_b = models
     step, reorder = builtin_step(model_a), builtin_reorder(model_a)
     searched = expand_prompt(prompt, beams.beams) if beams else prompt

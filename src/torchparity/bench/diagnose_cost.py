@@ -1,14 +1,9 @@
 """Part ``diagnose``: what :func:`torchparity.diagnose` costs beside the plain step it explains.
 
-``diagnose`` in one process (full capture and streaming) against a plain forward+backward of
-both models, the same with a divergence planted in B (a norm's epsilon: the op drill-down
-runs) and with a gradient-only one (a norm's gradient scaled, its outputs the same: the
-drill-down of the backward pass runs), and ``diagnose --against`` a recorded trace against a
-plain forward+backward of B:
-in time (the median of interleaved rounds, :mod:`~torchparity.bench.rounds`), in peak memory,
-and by stage (:mod:`~torchparity.bench.stages`). On the first case at the first size, in the
-first dtype, ``manual`` against ``sdpa`` attention; its cost follows module count and tensor
-sizes, not the architecture.
+On the first case at the first size and dtype, ``manual`` against ``sdpa``: ``diagnose`` (full
+and streaming capture; also with a divergence planted in B, forward or gradient-only, so the op
+drill-down runs) against a plain forward+backward of both, and ``--against`` a recorded trace
+against one of B, in time, peak memory and by stage.
 """
 
 from __future__ import annotations
@@ -18,12 +13,12 @@ import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from torchparity.bench.models import model_config, size_fields, timing_model
-from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio
+from torchparity.bench.rounds import Progress, Row, interleaved, na_row, paired_ratio
 from torchparity.bench.settings import DIAGNOSE_BACKENDS, BenchSettings, Size
 from torchparity.bench.stages import per_plain, stage_seconds
 from torchparity.bench.timing import peak_bytes, wall_time
@@ -31,19 +26,12 @@ from torchparity.diagnosis.pipelines.forward import diagnose, diagnose_against, 
 from torchparity.dtypes import torch_dtype
 from torchparity.reference import sequence_loss, zoo
 
+if TYPE_CHECKING:
+    from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 
-def diagnose_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
-    """What a diagnosis costs beside two plain runs of the model.
 
-    Args:
-        settings: the size, dtype and rounds.
-        progress: advanced as each contender is timed.
-
-    Returns:
-        One row (see the module docstring): seconds, peak bytes and stages of each contender,
-        and the ratios the targets read (``diagnose_time_ratio``, ``against_time_ratio``,
-        ``stream_peak_ratio``).
-    """
+def diagnose_rows(settings: BenchSettings, progress: Progress) -> list[Row]:
+    """One row: seconds, peak bytes and stages of each contender, and the targets' ratios."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
     return [_diagnose_case(settings.cases[0], settings.sizes[0], settings.dtypes[0],
@@ -51,7 +39,7 @@ def diagnose_rows(settings: BenchSettings, progress: Progress) -> list[dict[str,
 
 
 def _diagnose_case(case: str, size: Size, dtype: str, settings: BenchSettings,
-                   progress: Progress) -> dict[str, Any]:
+                   progress: Progress) -> Row:
     device = torch.device(settings.device)
     config = model_config(case, size)
     fields = {**size_fields(case, config, size), "dtype": dtype,
@@ -68,7 +56,7 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: BenchSettings,
                 sequence_loss(model(**batch), batch).backward()
         return run_once
 
-    reports: dict[str, Any] = {}
+    reports: dict[str, DiagnosisReport] = {}
 
     planted = copy.deepcopy(model_a)
     planted.decoder.layers[0].attn_norm.eps *= 1000  # a divergence: the drill-down runs
@@ -128,10 +116,9 @@ def _diagnose_case(case: str, size: Size, dtype: str, settings: BenchSettings,
 
 
 def _scale_gradient(module: torch.nn.Module) -> None:
-    """``module`` made to compute the same outputs with a gradient 1% larger: a change only
-    a backward pass shows."""
+    """``module`` computing the same outputs with a gradient 1% larger: only a backward shows it."""
     class GradientScaled(type(module)):
-        def forward(self, *args: Any, **kwargs: Any) -> Any:
+        def forward(self, *args: object, **kwargs: object) -> object:
             out = super().forward(*args, **kwargs)
             return out + 0.01 * (out - out.detach())  # the same values, 1.01 × the gradient
 

@@ -5,22 +5,15 @@ from __future__ import annotations
 import os
 import platform
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from torchparity.bench.rounds import Document
 
-def machine_info(device: str, threads: int | None = None) -> dict[str, Any]:
-    """The machine the numbers come from, recorded in every result.
 
-    Args:
-        device: the device measured.
-        threads: the torch threads of the measured processes (None: torch's default).
-
-    Returns:
-        CPU, cores, memory, versions, GPU, load and threads.
-    """
-    info: dict[str, Any] = {
+def machine_info(device: str, threads: int | None = None) -> Document:
+    """The machine the numbers come from: CPU, cores, memory, versions, GPU, load and threads."""
+    info: Document = {
         "cpu": _cpu_model(),
         "logical_cores": os.cpu_count(),
         "torch_threads": threads or torch.get_num_threads(),
@@ -38,26 +31,15 @@ def machine_info(device: str, threads: int | None = None) -> dict[str, Any]:
 
 
 def load_average() -> list[float] | None:
-    """The 1, 5 and 15-minute load averages: how busy the machine was.
-
-    Returns:
-        The three averages, or None where the system does not say.
-    """
+    """The 1, 5 and 15-minute load averages, or None where the system does not say."""
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
 
 
-def describe_machine(machine: dict[str, Any]) -> str:
-    """One line for :func:`machine_info`'s result, with the load at the end when recorded.
-
-    Args:
-        machine: what :func:`machine_info` returned.
-
-    Returns:
-        The line.
-    """
+def describe_machine(machine: Document) -> str:
+    """One line for :func:`machine_info`'s result, with the load at the end when recorded."""
     parts = [f"{machine['cpu']}, {machine['logical_cores']} logical cores "
              f"({machine['torch_threads']} torch threads)"]
     if machine.get("memory_gib"):

@@ -1,9 +1,6 @@
-"""What ``torchparity bench`` shows while it runs: a progress bar per part, and the
-measurements of users' models (``bench --model``), printed as they come."""
+"""What ``torchparity bench`` shows while it runs: a bar per part, users' models as they come."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
@@ -12,34 +9,22 @@ from rich.progress import Progress as RichProgress
 from torchparity.bench import at_size, user_model
 from torchparity.bench import report as bench_report
 from torchparity.bench.host import machine_info
-from torchparity.bench.rounds import Progress
+from torchparity.bench.rounds import Document, Progress
 from torchparity.golden.report import print_table
 from torchparity.subject import Subject
 
 
 def bench_models(entries: list[str], dtypes: list[str], device: str, *, rounds: int | None,
                  threads: int | None, compile: bool, backend: list[str] | None,
-                 skip: set[str]) -> dict[str, Any]:
-    """``bench --model``: each entry's numbers, printed as they come.
+                 skip: set[str]) -> Document:
+    """``bench --model``: each entry's numbers, printed as they come; the result for ``--json``.
 
-    Args:
-        entries: the models' factories.
-        dtypes: the dtype names.
-        device: where they run.
-        rounds: the measured rounds (None: the default).
-        threads: torch's intra-op threads (None: torch's default).
-        compile: measure compiled throughput too.
-        backend: limits the backends compiled.
-        skip: parts left out: ``throughput``, ``check`` (its cost), ``size`` (at size).
-
-    Returns:
-        The result for ``--json``: the machine and each entry's throughput (and compiled
-        throughput), the cost of ``check --model`` and of its golden update and check at size.
+    ``skip``: throughput, check (its cost), size (at size).
     """
     in_process = {"throughput", "check"} - skip
     subjects = {entry: Subject.load(entry) for entry in entries} if in_process else {}
     console = Console(soft_wrap=True)
-    result: dict[str, Any] = {"machine": machine_info(device, threads),
+    result: Document = {"machine": machine_info(device, threads),
                               "throughput": [], "size": [], "check": []}
     for entry in entries:
         subject = subjects.pop(entry, None)  # the measured processes get the memory
@@ -91,12 +76,7 @@ class PartProgressBar(Progress):
         self._bar.stop()
 
     def start(self, part: str, total: int) -> None:
-        """A new bar for ``part``, the last one's marked done.
-
-        Args:
-            part: the part's name.
-            total: its units of work.
-        """
+        """A new bar for ``part``, the last one's marked done."""
         self._finish()
         self._task = self._bar.add_task("", total=total, part=part)
 
@@ -107,11 +87,7 @@ class PartProgressBar(Progress):
 
     def advance(self, description: str) -> None:
         # Advancing when the next unit starts keeps the description on what is running now.
-        """Count the unit that ran and show what runs now.
-
-        Args:
-            description: what runs now.
-        """
+        """Count the unit that ran and show what runs now."""
         task = self._bar.tasks[self._task]
         if task.description:
             self._bar.advance(self._task)

@@ -1,32 +1,22 @@
-"""The models a benchmark times: zoo cases scaled to a size, with seeded weights meant for
-timing, one layer's attention call alone, and a small attention twin pair (three projections
-against one fused projection) whose search the ``twins`` part times."""
+"""The models a benchmark times: zoo cases at a size, one attention call alone, and a twin pair."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from torchparity import backends
+from torchparity.bench.rounds import Row
 from torchparity.bench.settings import Size
 from torchparity.reference import DecoderLM, EncoderDecoder, TransformerConfig, zoo
 from torchparity.reference.config import FieldValue
 
 
 def model_config(case: str, size: Size) -> TransformerConfig:
-    """Zoo case ``case`` scaled to ``size``; its variant choices (norms, positions, GQA share) kept.
-
-    Args:
-        case: a zoo case's name.
-        size: the dimensions timed.
-
-    Returns:
-        The config.
-    """
+    """Zoo case ``case`` scaled to ``size``, its variants (norms, positions, GQA share) kept."""
     base = zoo.get(case).config
     kv_heads = None if base.n_kv_heads is None else max(
         1, size.n_heads * base.kv_heads // base.n_heads)
@@ -41,29 +31,12 @@ def model_config(case: str, size: Size) -> TransformerConfig:
 
 
 def tokens_per_step(config: TransformerConfig, size: Size) -> int:
-    """Tokens a step reads: an encoder-decoder reads a source and a target sequence.
-
-    Args:
-        config: the model's config.
-        size: the batch shape.
-
-    Returns:
-        The tokens, for tokens/s.
-    """
+    """Tokens a step reads, for tokens/s: an encoder-decoder reads a source and a target."""
     return size.batch_size * size.seq_len * (2 if config.is_encoder_decoder else 1)
 
 
-def size_fields(case: str, config: TransformerConfig, size: Size) -> dict[str, Any]:
-    """The fields of a row that say which model, at which size, was timed.
-
-    Args:
-        case: the zoo case's name.
-        config: the model's config at that size.
-        size: the size.
-
-    Returns:
-        The row's fields.
-    """
+def size_fields(case: str, config: TransformerConfig, size: Size) -> Row:
+    """The fields of a row that say which model, at which size, was timed."""
     return {"case": case, "model": config.architecture, "size": size.name,
             "d_model": size.d_model, "n_layers": size.n_layers, "seq_len": size.seq_len,
             "batch_size": size.batch_size}
@@ -71,24 +44,11 @@ def size_fields(case: str, config: TransformerConfig, size: Size) -> dict[str, A
 
 def timing_model(config: TransformerConfig, device: torch.device, dtype: torch.dtype,
                  seed: int = 0) -> nn.Module:
-    """The reference model of ``config`` with seeded weights meant for timing only.
-
-    Every matrix is uniform with std ``1/sqrt(fan_in)`` from a seeded generator, and so is
-    every linear bias (its constructor draws from the global RNG), so all workers, and the two
-    models of a diagnosis, hold identical weights; norms keep their constant constructor
-    values. The deterministic float64 init of ``build_model`` would cost more than the
-    measurement at GPU sizes, and speed does not depend on the values.
-
-    Args:
-        config: the model's config.
-        device: where it runs.
-        dtype: its dtype.
-        seed: which weights.
-
-    Returns:
-        The model.
-    """
+    """The reference model of ``config`` with seeded weights meant for timing only."""
     model = (EncoderDecoder if config.is_encoder_decoder else DecoderLM)(config)
+    # every matrix and linear bias uniform with std 1/sqrt(fan_in), seeded, so all workers and both
+    # models of a diagnosis hold the same weights; build_model's float64 init would cost more than
+    # the measurement at GPU sizes
     gen = torch.Generator().manual_seed(seed)
 
     def draw(param: torch.Tensor, fan_in: int) -> None:
@@ -106,8 +66,7 @@ def timing_model(config: TransformerConfig, device: torch.device, dtype: torch.d
 
 
 class AttentionOnly(torch.nn.Module):
-    """The attention call of one layer of ``config`` alone, causal, with trainable q, k, v of
-    the layer's shapes (GQA included): the kernels' own speed, without the rest of the model."""
+    """The causal attention call of one layer of ``config`` alone, over trainable q, k, v."""
 
     def __init__(self, config: TransformerConfig, batch_size: int, seq_len: int,
                  seed: int = 0) -> None:
@@ -120,34 +79,21 @@ class AttentionOnly(torch.nn.Module):
 
         self.q, self.k, self.v = heads(config.n_heads), heads(config.kv_heads), heads(
             config.kv_heads)
+        # the kernels' own speed, without the rest of the model
         self.backend = config.attention_backend
 
     def forward(self) -> torch.Tensor:
-        """One attention call over the trainable q, k, v.
-
-        Returns:
-            (batch, heads, seq, head_dim).
-        """
+        """One attention call over the trainable q, k, v: (batch, heads, seq, head_dim)."""
         return backends.attention(self.q, self.k, self.v, causal=True, backend=self.backend)
 
     @staticmethod
     def loss(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The mean square of the output in float32: its backward reaches every element.
-
-        Args:
-            output: the attention's output.
-            batch: unused: the call takes no inputs.
-
-        Returns:
-            The scalar.
-        """
+        """The mean square of the output in float32: its backward reaches every element."""
         return output.float().square().mean()
 
 
 class ThreeProjectionAttention(nn.Module):
-    """A causal attention as first written: query, key and value projections, GQA by
-    repeating each key/value head for its group, a key-padding ``attention_mask`` (1 real,
-    0 padding); a query with nothing to attend to gets zeros."""
+    """A causal attention as first written: three projections, GQA by repeating key/value heads."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None) -> None:
         super().__init__()
@@ -155,19 +101,12 @@ class ThreeProjectionAttention(nn.Module):
         self.head_dim = d_model // n_heads
         self.sizes = [n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
         self.q, self.k, self.v = (nn.Linear(d_model, size, bias=False) for size in self.sizes)
+        # a query with nothing to attend to (all padding) gets zeros
         self.o = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
 
     def forward(self, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention of ``hidden_states`` over themselves.
-
-        Args:
-            hidden_states: (batch, seq, d_model).
-            attention_mask: (batch, seq), 1 real and 0 padding, or None.
-
-        Returns:
-            (batch, seq, d_model); a query with nothing to attend to gets zeros.
-        """
+        """Causal attention of ``hidden_states`` (batch, seq, d_model) over themselves."""
         q, k, v = self.heads(self.q(hidden_states), self.k(hidden_states),
                              self.v(hidden_states))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
@@ -176,51 +115,26 @@ class ThreeProjectionAttention(nn.Module):
 
     def heads(self, q: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The projections split into heads, keys and values repeated for their groups.
-
-        Args:
-            q: (batch, seq, heads * head_dim).
-            k: (batch, seq, kv_heads * head_dim).
-            v: (batch, seq, kv_heads * head_dim).
-
-        Returns:
-            (batch, heads, seq, head_dim) each.
-        """
+        """The projections split into (batch, heads, seq, head_dim), keys and values per group."""
         groups = self.n_heads // self.n_kv_heads
         split = [t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for t in (q, k, v)]
         return split[0], *(t.repeat_interleave(groups, dim=1) for t in split[1:])
 
     @staticmethod
     def allowed(q: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """Where a query may attend: causal, and not to padding.
-
-        Args:
-            q: the queries, for their length and device.
-            attention_mask: (batch, seq), 1 real and 0 padding, or None.
-
-        Returns:
-            (batch or 1, 1, seq, seq) bool, True where a query may attend.
-        """
+        """(batch or 1, 1, seq, seq) bool: where a query may attend, causal and not to padding."""
         seq = q.shape[2]
         causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()[None, None]
         return causal if attention_mask is None else (
             causal & attention_mask.bool()[:, None, None, :])
 
     def merge(self, x: torch.Tensor) -> torch.Tensor:
-        """The heads concatenated and projected back by the output projection.
-
-        Args:
-            x: (batch, heads, seq, head_dim), the attention's output per head.
-
-        Returns:
-            (batch, seq, d_model).
-        """
+        """(batch, heads, seq, head_dim) heads concatenated and put through the output layer."""
         return self.o(x.transpose(1, 2).flatten(2))
 
 
 class FusedProjectionAttention(ThreeProjectionAttention):
-    """The refactor: one fused projection, attention by ``scaled_dot_product_attention``;
-    weights from the original by :func:`fuse_qkv`."""
+    """The refactor: one fused projection and SDPA, weights from the original by ``fuse_qkv``."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int | None = None) -> None:
         super().__init__(d_model, n_heads, n_kv_heads)
@@ -229,15 +143,7 @@ class FusedProjectionAttention(ThreeProjectionAttention):
 
     def forward(self, hidden_states: torch.Tensor,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The same attention by one fused projection and ``scaled_dot_product_attention``.
-
-        Args:
-            hidden_states: (batch, seq, d_model).
-            attention_mask: (batch, seq), 1 real and 0 padding, or None.
-
-        Returns:
-            (batch, seq, d_model).
-        """
+        """The same attention by one fused projection and ``scaled_dot_product_attention``."""
         q, k, v = self.heads(*self.qkv(hidden_states).split(self.sizes, dim=-1))
         allow = self.allowed(q, attention_mask)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allow)
@@ -246,14 +152,7 @@ class FusedProjectionAttention(ThreeProjectionAttention):
 
 
 def fuse_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The original's state_dict in the fused layout (``--weight-map``).
-
-    Args:
-        state: :class:`ThreeProjectionAttention`'s state dict.
-
-    Returns:
-        :class:`FusedProjectionAttention`'s.
-    """
+    """The original's state_dict in the fused layout (``--weight-map``)."""
     out = {name: t for name, t in state.items() if name.split(".")[0] not in "qkv"}
     out["qkv.weight"] = torch.cat([state[f"{p}.weight"] for p in "qkv"])
     return out

@@ -1,23 +1,13 @@
 """Random ``transformers`` models of real shapes, as users' factories: torchparity at size.
 
-- ``gpt2_small``: GPT-2 small (124M parameters: 12 layers, width 768, vocabulary 50257),
-  batch 1 x 128 tokens;
-- ``llama_1b``: Llama 3.2 1B (1.24B parameters: 16 layers, width 2048, 32 query and 8
-  key/value heads, MLP 8192, vocabulary 128256, tied embeddings, llama3 rotary scaling),
-  batch 1 x 64 tokens.
-
 ::
 
     torchparity golden update --model torchparity.bench.real_size:llama_1b
     torchparity check --model torchparity.bench.real_size:llama_1b --dtype fp32 --dtype bf16
 
 ``$TORCHPARITY_PLANT`` plants a change with the same weights (so the same goldens apply):
-``norm-eps`` multiplies the epsilon of one layer's first norm by 10, ``rope-theta`` sets
-Llama's rotary base to 10000 (the Llama 2 value) instead of 500000.
-
-Weights are seeded and drawn without transformers' own initialisation, which takes half a
-minute for 1B parameters: every matrix uniform with standard deviation 0.02, norm weights 1,
-biases 0.
+``norm-eps`` multiplies one layer's first norm epsilon by 10, ``rope-theta`` sets Llama's rotary
+base to 10000 instead of 500000.
 """
 
 from __future__ import annotations
@@ -25,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Any
 
 import torch
 from torch import nn
@@ -40,11 +29,7 @@ _SEED = 0
 
 
 def gpt2_small() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A factory: GPT-2 small with seeded random weights and 128 random tokens.
-
-    Returns:
-        The model, in eval mode, and its inputs.
-    """
+    """A factory: GPT-2 small (124M) in eval mode, seeded random weights, 128 random tokens."""
     import transformers
 
     config = transformers.GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024,
@@ -58,29 +43,13 @@ def gpt2_small() -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 
 def llama_1b() -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A factory: Llama 3.2 1B's shape with seeded random weights and 64 random tokens.
-
-    Returns:
-        The model, in eval mode, and its inputs.
-    """
+    """A factory: Llama 3.2 1B's shape in eval mode, seeded random weights, 64 random tokens."""
     return llama()
 
 
 def llama(layers: int = 16, *, vocab: int = 128256, intermediate: int = 8192,
           tokens: int = 64) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """A Llama of 3.2 1B's width: :func:`llama_1b` by default, fast with fewer layers.
-
-    The width: 2048, 32 query and 8 key/value heads of 64, its rotary scaling.
-
-    Args:
-        layers: the layers.
-        vocab: the vocabulary.
-        intermediate: the MLP's width.
-        tokens: the random tokens of the input.
-
-    Returns:
-        The model, in eval mode, and its inputs.
-    """
+    """A Llama of 3.2 1B's width (2048, 32/8 heads of 64, its rotary scaling); few layers: fast."""
     import transformers
 
     theta = 10000.0 if _plant() == "rope-theta" else 500000.0
@@ -105,8 +74,9 @@ def _plant() -> str | None:
     return plant
 
 
-def _random(cls: Any, config: Any) -> nn.Module:
-    """``cls(config)`` in eval mode with seeded weights, its own initialisation skipped."""
+def _random(cls: type[nn.Module], config: object) -> nn.Module:
+    """``cls(config)`` in eval mode with seeded weights: std 0.02 matrices, norms 1, biases 0."""
+    # transformers' own initialisation takes half a minute for 1B parameters
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # older transformers: initialise twice, slowly

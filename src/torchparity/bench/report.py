@@ -1,16 +1,16 @@
 """Tables of a ``torchparity bench`` result, for the terminal (rich) and for Markdown.
 
-Both renderers draw the same :func:`sections`, so the terminal and ``BENCHMARKS.md`` cannot
-disagree about what a column means. ``bench --model`` prints its own tables (the last section).
+Both draw the same :func:`sections`, so the terminal and ``BENCHMARKS.md`` cannot disagree.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchparity.bench.host import describe_machine
+from torchparity.bench.rounds import Document, Row
 from torchparity.bench.stages import OTHER, REPORT, RUNS, STAGES
 
 if TYPE_CHECKING:  # rich is imported when a table is drawn
@@ -20,15 +20,8 @@ if TYPE_CHECKING:  # rich is imported when a table is drawn
 Section = tuple[str, list[str], list[list[str]]]  # title, headers, rows of cells
 
 
-def sections(result: dict[str, Any]) -> list[Section]:
-    """The result's tables as plain strings: throughput, diagnose, check, twins and targets.
-
-    Args:
-        result: the bench's result document.
-
-    Returns:
-        The sections, in order, for the terminal and Markdown alike.
-    """
+def sections(result: Document) -> list[Section]:
+    """The result's tables as plain strings: throughput, diagnose, check, twins and targets."""
     return [
         _throughput(result["throughput"], result["settings"]["compile"]),
         _diagnose(result["diagnose"]),
@@ -40,15 +33,8 @@ def sections(result: dict[str, Any]) -> list[Section]:
     ]
 
 
-def to_markdown(result: dict[str, Any]) -> str:
-    """All tables as GitHub Markdown, preceded by the machine they ran on.
-
-    Args:
-        result: the bench's result document.
-
-    Returns:
-        The Markdown text.
-    """
+def to_markdown(result: Document) -> str:
+    """All tables as GitHub Markdown, preceded by the machine they ran on."""
     machine = result["machine"]
     lines = [f"Machine: {describe_machine(machine)}", ""]
     for title, headers, rows in sections(result):
@@ -58,13 +44,8 @@ def to_markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def print_bench_tables(result: dict[str, Any], console: Console) -> None:
-    """Print every table with rich on ``console``.
-
-    Args:
-        result: the bench's result document.
-        console: a rich console.
-    """
+def print_bench_tables(result: Document, console: Console) -> None:
+    """Print every table with rich on ``console``."""
     from rich.table import Table
 
     console.print(f"machine: {describe_machine(result['machine'])}", markup=False)
@@ -99,24 +80,24 @@ def _mib(value: int | None) -> str:
     return "—" if value is None else f"{value / 2**20:,.1f}"
 
 
-def _remark(row: dict[str, Any]) -> str:
+def _remark(row: Row) -> str:
     return row.get("reason") or row.get("note") or ""
 
 
-def _table(title: str, columns: list[tuple[str, Callable[[dict[str, Any]], str]]],
-           rows: list[dict[str, Any]]) -> Section:
+def _table(title: str, columns: list[tuple[str, Callable[[Row], str]]],
+           rows: list[Row]) -> Section:
     return title, [name for name, _ in columns], [[cell(row) for _, cell in columns]
                                                   for row in rows]
 
 
-def _size(row: dict[str, Any]) -> str:
+def _size(row: Row) -> str:
     if "d_model" not in row:
         return row.get("size", "")
     return (f"{row['size']}: d{row['d_model']}×{row['n_layers']}L, "
             f"{row['batch_size']}×{row['seq_len']}")
 
 
-def _throughput(rows: list[dict[str, Any]], compiled: bool) -> Section:
+def _throughput(rows: list[Row], compiled: bool) -> Section:
     columns = [
         ("model", lambda r: r.get("model", "")),
         ("size", _size),
@@ -138,7 +119,7 @@ def _throughput(rows: list[dict[str, Any]], compiled: bool) -> Section:
     return _table("Backend throughput (forward+backward)", columns, rows)
 
 
-def _diagnose(rows: list[dict[str, Any]]) -> Section:
+def _diagnose(rows: list[Row]) -> Section:
     columns = [
         ("model", lambda r: r.get("model", "")),
         ("size", _size),
@@ -161,7 +142,7 @@ def _diagnose(rows: list[dict[str, Any]]) -> Section:
                   columns, rows)
 
 
-def _diagnose_split(rows: list[dict[str, Any]], decode_rows: list[dict[str, Any]]) -> Section:
+def _diagnose_split(rows: list[Row], decode_rows: list[Row]) -> Section:
     columns = [("model", lambda r: r.get("model", "")), ("size", _size),
                ("capture", lambda r: r.get("capture", ""))]
     columns += [(stage, lambda r, stage=stage: _ratio(r["split"].get(stage)))
@@ -182,7 +163,7 @@ def _diagnose_split(rows: list[dict[str, Any]], decode_rows: list[dict[str, Any]
                   columns, split_rows)
 
 
-def _decode(rows: list[dict[str, Any]]) -> Section:
+def _decode(rows: list[Row]) -> Section:
     columns = [
         ("model", lambda r: r.get("model", "")),
         ("size", _size),
@@ -199,7 +180,7 @@ def _decode(rows: list[dict[str, Any]]) -> Section:
                   "its choices with beams)", columns, rows)
 
 
-def _check(rows: list[dict[str, Any]]) -> Section:
+def _check(rows: list[Row]) -> Section:
     columns = [
         ("command", lambda r: r.get("command", "")),
         ("wall s", lambda r: _num(r.get("wall_s"))),
@@ -211,7 +192,7 @@ def _check(rows: list[dict[str, Any]]) -> Section:
     return _table("Wall time of torchparity check", columns, rows)
 
 
-def _twins(rows: list[dict[str, Any]]) -> Section:
+def _twins(rows: list[Row]) -> Section:
     columns = [
         ("examples", lambda r: str(r.get("examples", ""))),
         ("result", lambda r: r.get("result", "")),
@@ -225,12 +206,12 @@ def _twins(rows: list[dict[str, Any]]) -> Section:
     return _table(f"A twins search ({'; '.join(commands) or 'not run'})", columns, rows)
 
 
-def _loads(row: dict[str, Any]) -> str:
+def _loads(row: Row) -> str:
     loads = [row.get("load_before"), row.get("load_after")]
     return ", ".join(str(load[0]) for load in loads) if all(loads) else "—"
 
 
-def _targets(rows: list[dict[str, Any]]) -> Section:
+def _targets(rows: list[Row]) -> Section:
     verdict = {True: "met", False: "MISSED", None: "not measured"}
     columns = [
         ("target", lambda r: r["description"]),
@@ -247,17 +228,8 @@ def _targets(rows: list[dict[str, Any]]) -> Section:
 # bench --model
 
 
-def model_throughput_table(name: str, device: str, rows: list[dict[str, Any]]) -> Table:
-    """``bench --model``'s tokens/s and first step per backend and dtype.
-
-    Args:
-        name: the model's name.
-        device: where it ran.
-        rows: :func:`~torchparity.bench.user_model.model_throughput_rows`.
-
-    Returns:
-        A rich table.
-    """
+def model_throughput_table(name: str, device: str, rows: list[Row]) -> Table:
+    """``bench --model``'s tokens/s and first step per backend and dtype, as a rich table."""
     from rich.table import Table
 
     table = Table(title=f"{name} on {device}: one forward, loss and backward per step",
@@ -274,15 +246,8 @@ def model_throughput_table(name: str, device: str, rows: list[dict[str, Any]]) -
     return table
 
 
-def at_size_lines(cost: dict[str, Any]) -> str:
-    """The plain step, golden update and check of one model, as lines of text.
-
-    Args:
-        cost: :func:`~torchparity.bench.at_size.measure`'s result.
-
-    Returns:
-        The lines, joined.
-    """
+def at_size_lines(cost: Document) -> str:
+    """The plain step, golden update and check of one model (``at_size.measure``), as text."""
     def mib(n: float) -> str:
         return f"{n / 2**20:,.0f} MiB"
 
@@ -298,17 +263,8 @@ def at_size_lines(cost: dict[str, Any]) -> str:
         f"{check['steps']:.1f} plain steps, peak {mib(check['peak_bytes'])}; {verdict}"])
 
 
-def model_compiled_table(name: str, device: str, rows: list[dict[str, Any]]) -> Table:
-    """``bench --model --compile``'s rows against eager.
-
-    Args:
-        name: the model's name.
-        device: where it ran.
-        rows: :func:`~torchparity.bench.user_model.compiled_rows`.
-
-    Returns:
-        A rich table.
-    """
+def model_compiled_table(name: str, device: str, rows: list[Row]) -> Table:
+    """``bench --model --compile``'s rows against eager, as a rich table."""
     from rich.table import Table
 
     table = Table(title=f"{name} on {device}, compiled: the first step with its compiling, "

@@ -1,9 +1,4 @@
-"""What a ``torchparity bench`` run measures: its parts, sizes, dtypes, cases and rounds.
-
-:func:`default_settings` sizes a run for its device and rejects invalid values with one line
-(:class:`~torchparity.errors.UsageError`); every part reads the :class:`BenchSettings` it returns,
-which the result records as given.
-"""
+"""What a ``torchparity bench`` run measures: its parts, sizes, dtypes, cases and rounds."""
 
 from __future__ import annotations
 
@@ -28,14 +23,7 @@ DTYPE_CHOICES = tuple(name for name in CASTABLE if name != "fp64")
 
 
 def torch_name(dtype: str) -> str:
-    """torch's name of a dtype: what the settings and rows record.
-
-    Args:
-        dtype: any name :mod:`torchparity.dtypes` reads (``fp32``).
-
-    Returns:
-        ``float32``.
-    """
+    """torch's name of a dtype (``fp32`` -> ``float32``): what the settings and rows record."""
     return str(torch_dtype(dtype)).removeprefix("torch.")
 
 
@@ -84,21 +72,10 @@ class BenchSettings:
 
 def default_settings(device: str = "cpu", quick: bool = False, size_names: tuple[str, ...] = (),
                      **changes: object) -> BenchSettings:
-    """BenchSettings sized for ``device``.
+    """BenchSettings sized for ``device``, ``changes`` overriding fields (dtypes by any name).
 
-    On the CPU the default run takes minutes on 2 cores (fp32 only; bf16 without native CPU
-    support is many times slower, ask with ``dtypes``).
-
-    Args:
-        device: where the models run.
-        quick: a seconds-long smoke run of every part except ``check`` (``twins`` searches
-            10 examples).
-        size_names: picks among the device's sizes (default: all of them).
-        **changes: fields overridden; dtypes by any name :mod:`torchparity.dtypes` reads
-            (recorded by torch's).
-
-    Returns:
-        The settings, recorded in the result as given.
+    On the CPU the default run takes minutes on 2 cores (fp32 only: bf16 without native support
+    is many times slower). ``quick``: seconds for every part but ``check``.
 
     Raises:
         UsageError: an invalid value, naming the field.

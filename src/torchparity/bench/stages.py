@@ -1,12 +1,7 @@
-"""Where a diagnosis's time goes: the phases it reports, summed into the bench's stages.
+"""Where a diagnosis's time goes: its timed phases summed into the bench's :data:`STAGES`.
 
-A diagnosis times each of its phases (``report.meta.seconds``, see
-:mod:`torchparity.diagnosis.core.progress`); the bench adds the time to render the report and, for a
-decoding, the ``record`` of A's side, and sums them into :data:`STAGES`. A phase goes to the
-first stage whose words it contains; one that no stage names is a run (A's, the golden's, B's,
-aligning the modules, attribution runs). What the timed call spent outside every phase
-(checking the models and options, opening and checking a trace, casting) is ``other``, so the
-stages add up to the call.
+A phase goes to the first stage whose words it contains, else to the runs; time outside every
+phase (checking, casting) is ``other``, so the stages add up to the call.
 """
 
 from __future__ import annotations
@@ -32,24 +27,13 @@ REPORT = "report"
 
 def stage_seconds(report: DiagnosisReport | DecodeReport, call_s: float, before: float = 0.0
                   ) -> dict[str, float]:
-    """Seconds of one diagnosis by stage, and of rendering its report.
-
-    Judging while B runs is timed inside B's run, so it is taken out of the runs.
-
-    Args:
-        report: the diagnosis, whose metadata times its phases.
-        call_s: the seconds the timed call took.
-        before: time the call spent ahead of the diagnosis on its runs (a decoding's
-            ``record`` of A and its golden).
-
-    Returns:
-        The runs, :data:`STAGES`, the rest of ``call_s`` (``other``), then rendering the report
-        (table, JSON, HTML: what the command adds).
-    """
+    """Seconds of one diagnosis by stage, ``other``, and rendering its report."""
+    # before: a decoding's record of A and its golden
     stages = {RUNS: before, **dict.fromkeys(STAGES, 0.0)}
     for phase, seconds in report.meta.seconds.items():
         stage = next((s for s, words in STAGES.items() if any(w in phase for w in words)), RUNS)
         stages[stage] += seconds
+    # judging while B runs is timed inside B's run
     stages[RUNS] -= stages["judging"]
     stages[OTHER] = call_s - sum(stages.values())
     start = time.perf_counter()
@@ -59,13 +43,5 @@ def stage_seconds(report: DiagnosisReport | DecodeReport, call_s: float, before:
 
 
 def per_plain(stages: dict[str, float], plain_s: float) -> dict[str, float]:
-    """``stages`` as multiples of the plain run's seconds.
-
-    Args:
-        stages: seconds by stage.
-        plain_s: a plain run's seconds.
-
-    Returns:
-        The multiples by stage.
-    """
+    """``stages`` as multiples of the plain run's seconds."""
     return {stage: seconds / plain_s for stage, seconds in stages.items()}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from torchparity.bench.rounds import Document, Row
 
 TARGETS = {
     "diagnose_time": ("diagnose time / plain fwd+bwd of both models", "<=", 3.0),
@@ -19,16 +19,8 @@ TARGETS = {
 }
 
 
-def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The project's speed targets against this run's numbers.
-
-    Args:
-        result: the bench's result document.
-
-    Returns:
-        One row per target; ``met`` is None when the run did not measure what a target needs
-        (``note`` says why).
-    """
+def evaluate_targets(result: Document) -> list[Row]:
+    """A row per speed target; ``met`` None where the run did not measure it (``note``: why)."""
     out = []
     for row in result["diagnose"]:
         where = _where(row)
@@ -48,7 +40,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _twins_target(row: dict[str, Any]) -> dict[str, Any]:
+def _twins_target(row: Row) -> Row:
     # The target counts 100 examples: a shorter search (--quick) is not judged by it.
     where = f"{row.get('examples', '?')} examples, {row.get('logical_cores', '?')} logical cores"
     if row.get("examples") != 100 or "wall_s" not in row:
@@ -57,11 +49,11 @@ def _twins_target(row: dict[str, Any]) -> dict[str, Any]:
     return _target("twins_wall", where, row["wall_s"], row)
 
 
-def _where(row: dict[str, Any]) -> str:
+def _where(row: Row) -> str:
     return " ".join(str(row[k]) for k in ("model", "case", "size", "dtype", "search") if k in row)
 
 
-def _target(key: str, where: str, measured: float | None, row: dict[str, Any]) -> dict[str, Any]:
+def _target(key: str, where: str, measured: float | None, row: Row) -> Row:
     text, op, limit = TARGETS[key]
     met = None if measured is None else (measured <= limit if op == "<=" else measured >= limit)
     entry = {"target": key, "description": text, "where": where, "limit": f"{op} {limit:g}",
@@ -71,7 +63,7 @@ def _target(key: str, where: str, measured: float | None, row: dict[str, Any]) -
     return entry
 
 
-def _best_sdpa(result: dict[str, Any]) -> dict[str, float | None]:
+def _best_sdpa(result: Document) -> dict[str, float | None]:
     if result["settings"]["device"] != "cpu":
         return {}
     best: dict[str, float | None] = {}

@@ -1,47 +1,33 @@
 """Part ``throughput``: backend speed, first step, peak memory and compiles, per backend.
 
-For each reference model, size, dtype and attention backend: forward+backward tokens/s, its
-ratio to the ``manual`` backend, the wall time of the first step in a fresh process, the peak
-tensor memory of a step and, with ``compile``, dynamo's graphs, graph breaks and recompiles.
-Each backend runs in its own fresh process (:mod:`torchparity.bench.worker`), and on CUDA steps
-are timed with CUDA events. A backend that cannot run has a row with ``status: "n/a"`` and the
-``reason``.
+Per reference model, size, dtype and backend, each backend in its own fresh process
+(:mod:`torchparity.bench.worker`), CUDA steps timed with CUDA events; a backend that cannot run
+has a row with ``status: "n/a"`` and the ``reason``.
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 from torchparity import backends
 from torchparity.bench.models import model_config, size_fields, tokens_per_step
-from torchparity.bench.rounds import Progress, interleaved, na_row, paired_ratio, spread
+from torchparity.bench.rounds import Progress, Row, interleaved, na_row, paired_ratio, spread
 from torchparity.bench.settings import BenchSettings, Size
 from torchparity.bench.worker import Job, Worker, workers
 from torchparity.dtypes import torch_dtype
 
 
-def throughput_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
-    """Tokens/s of every backend, for whole models and for the attention call alone.
-
-    The attention-only rows (``model: "attention"``, of the first case) show how much of the
-    whole model's difference is the kernel's.
-
-    Args:
-        settings: the cases, sizes, dtypes, backends and rounds.
-        progress: advanced as each step is timed.
-
-    Returns:
-        One row per case x size x dtype x backend, then per size x dtype x backend for the
-        attention call (see the module docstring).
-    """
+def throughput_rows(settings: BenchSettings, progress: Progress) -> list[Row]:
+    """A row per case x size x dtype x backend, then per size x dtype x backend for attention."""
     groups = [(workload, case, size, dtype)
               for workload, cases in (("model", settings.cases), ("attention", settings.cases[:1]))
               for case in cases for size in settings.sizes for dtype in settings.dtypes]
     count = sum(len(_runnable(settings, dtype)) for *_, dtype in groups)
     progress.start("throughput", count * (2 + settings.warmup + settings.rounds
                                           + settings.compile))
-    rows: list[dict[str, Any]] = []
+    # the attention-only rows (model "attention", of the first case) show how much of a difference
+    # is the kernel's
+    rows: list[Row] = []
     for group in groups:
         rows += _throughput_group(*group, settings, progress)
     return rows
@@ -53,7 +39,7 @@ def _runnable(settings: BenchSettings, dtype: str) -> list[str]:
 
 
 def _throughput_group(workload: str, case: str, size: Size, dtype: str, settings: BenchSettings,
-                      progress: Progress) -> list[dict[str, Any]]:
+                      progress: Progress) -> list[Row]:
     config = model_config(case, size)
     label = f"{case if workload == 'model' else 'attention'} {size.name} {dtype}"
     fields = {**size_fields(case, config, size), "dtype": dtype,
@@ -79,7 +65,7 @@ def _throughput_group(workload: str, case: str, size: Size, dtype: str, settings
 
 
 def _drive(started: dict[str, Worker], settings: BenchSettings, progress: Progress,
-           label: str) -> dict[str, dict[str, Any]]:
+           label: str) -> dict[str, Row]:
     """First steps one after another, warm-up, interleaved rounds, then memory and compiles."""
     names = list(started)
     for name in names:
@@ -103,8 +89,8 @@ def _drive(started: dict[str, Worker], settings: BenchSettings, progress: Progre
     return measured
 
 
-def _measurement(first: dict[str, Any], times: list[float], peak: int,
-                 compiled: dict[str, int] | None) -> dict[str, Any]:
+def _measurement(first: Row, times: list[float], peak: int,
+                 compiled: dict[str, int] | None) -> Row:
     row = {
         "mode": first["mode"],
         "first_step_s": first["seconds"],
@@ -120,7 +106,7 @@ def _measurement(first: dict[str, Any], times: list[float], peak: int,
     return row
 
 
-def _add_ratios(rows: list[dict[str, Any]]) -> None:
+def _add_ratios(rows: list[Row]) -> None:
     """tok/s for every measured row; ratios to ``manual`` where both ran forward+backward."""
     manual = next((r for r in rows if r["backend"] == "manual" and r["status"] == "ok"), None)
     for row in rows:

@@ -18,15 +18,7 @@ import torch.profiler
 
 
 def wall_time(fn: Callable[[], object], device: torch.device) -> float:
-    """Wall-clock seconds of ``fn()``, with the device synchronised on both sides.
-
-    Args:
-        fn: the work timed.
-        device: where it runs.
-
-    Returns:
-        The seconds.
-    """
+    """Wall-clock seconds of ``fn()``, with the device synchronised on both sides."""
     _sync(device)
     start = time.perf_counter()
     fn()
@@ -35,15 +27,7 @@ def wall_time(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def step_time(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of ``fn()``: CUDA events on a GPU (device time), else the wall clock.
-
-    Args:
-        fn: the step timed.
-        device: where it runs.
-
-    Returns:
-        The seconds.
-    """
+    """Seconds of ``fn()``: CUDA events on a GPU (device time), else the wall clock."""
     if device.type != "cuda":
         return wall_time(fn, device)
     start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -57,18 +41,8 @@ def step_time(fn: Callable[[], object], device: torch.device) -> float:
 
 def timed_command(args: Sequence[str], cwd: str | Path | None = None,
                   ) -> tuple[subprocess.CompletedProcess[str], float, float]:
-    """Run ``python -m torchparity.cli *args`` as a user runs it, in its own process.
-
-    CPU time is reported beside wall time because on a shared machine the wall clock also
-    counts other jobs.
-
-    Args:
-        args: the command line after ``torchparity``.
-        cwd: where it runs (this checkout's sources on its path).
-
-    Returns:
-        The finished process, its wall seconds and its CPU seconds (user + system).
-    """
+    """Run ``python -m torchparity.cli *args`` in its own process: it, its wall and CPU seconds."""
+    # CPU time beside wall time: on a shared machine the wall clock counts other jobs too
     src = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (src, os.environ.get("PYTHONPATH")) if p)}
@@ -84,19 +58,7 @@ def _children_cpu_s() -> float:
 
 
 def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
-    """Peak bytes allocated while ``fn()`` runs, above what was allocated before it.
-
-    On CUDA the caching allocator's own peak. On the CPU the allocation events of the PyTorch
-    profiler (``profile_memory``): every allocation through PyTorch's CPU allocator counts,
-    kernel scratch included; memory a library allocates on its own (BLAS workspaces) does not.
-
-    Args:
-        fn: the work measured.
-        device: where it runs.
-
-    Returns:
-        The peak, in bytes.
-    """
+    """Peak bytes allocated while ``fn()`` runs, above what was allocated before it."""
     # Garbage of earlier work freed by a collection inside ``fn`` would lower the CPU count.
     gc.collect()
     if device.type == "cuda":
@@ -106,6 +68,8 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
+    # the profiler's allocation events: PyTorch's CPU allocator, kernel scratch included; a
+    # library's own memory (BLAS workspaces) is not counted
     with _quiet_stderr(), torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()

@@ -1,20 +1,12 @@
-"""Part ``twins``: a search of ``torchparity twins`` over a small attention twin, as a user
-runs it.
-
-The pair is :class:`~torchparity.bench.models.ThreeProjectionAttention` against its fused
-refactor (the pair of docs/twins.md): d_model 16, 1 to 4 heads with and without GQA, fp32 and
-bf16, as written and on SDPA's math kernel, every example forward and backward. The command
-runs in a fresh folder, so no hypothesis database from an earlier run replays examples.
-"""
+"""Part ``twins``: a ``torchparity twins`` search over docs/twins.md's pair, as a user runs it."""
 
 from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
 
 from torchparity.bench.host import load_average
-from torchparity.bench.rounds import Progress, na_row
+from torchparity.bench.rounds import Progress, Row, na_row
 from torchparity.bench.settings import BenchSettings
 from torchparity.bench.timing import timed_command
 
@@ -27,36 +19,21 @@ OPTIONS = ("--inputs", "attention", "--init", "d_model=16", "--init", "n_heads=1
            "--dtype", "fp32", "--dtype", "bf16", "--backend", "none", "--backend", "sdpa-math")
 
 
+# a fresh folder: no hypothesis database of an earlier run replays examples
 def twins_command(examples: int) -> tuple[str, ...]:
-    """The ``torchparity twins`` command line the part times.
-
-    Args:
-        examples: the examples the search draws.
-
-    Returns:
-        The arguments after ``torchparity``.
-    """
+    """The arguments after ``torchparity`` of the twins search the part times."""
     return ("twins", *PAIR, *OPTIONS, "--examples", str(examples))
 
 
-def twins_rows(settings: BenchSettings, progress: Progress) -> list[dict[str, Any]]:
-    """Wall and CPU seconds of one twins search, with the 1-minute load before and after.
-
-    The load says whether another job shared the machine while it ran.
-
-    Args:
-        settings: ``quick`` searches fewer examples.
-        progress: advanced once the search is done.
-
-    Returns:
-        One row, or an ``n/a`` row saying why it did not run.
-    """
+def twins_rows(settings: BenchSettings, progress: Progress) -> list[Row]:
+    """Wall and CPU seconds of one twins search, with the 1-minute load before and after."""
     examples = QUICK_EXAMPLES if settings.quick else EXAMPLES
     command = twins_command(examples)
     fields = {"command": "torchparity " + " ".join(command), "examples": examples,
               "logical_cores": os.cpu_count()}
     progress.start("twins", 1)
     progress.advance(f"torchparity twins, {examples} examples")
+    # the load says whether another job shared the machine
     load_before = load_average()
     with tempfile.TemporaryDirectory() as fresh:
         done, seconds, cpu_seconds = timed_command(command, cwd=fresh)

@@ -1,15 +1,8 @@
 """``bench --model``: a user's model per backend, and what ``check --model`` costs on it.
 
-Per backend and dtype, in this process: the time to the first training step (copying the
-model into the dtype, the first forward, loss and backward: what start-up costs) and the
-steady step time over ``rounds`` further steps, as tokens per second. Backends are timed in
-turn, round by round, so drifting machine load spreads over all of them. With ``--compile``,
-each backend also compiled in both forms: the first step with its compiling, the graphs,
-breaks and recompiles, and the steady speed against the same backend eagerly.
-
-The check's cost compares ``check --model`` on the model with the same cells of
-``torchparity check`` on a zoo case, both in this process on one thread: the ratio is what
-checking a user's model costs beyond the zoo's own check.
+Per backend and dtype: the time to the first training step (start-up) and the steady step over
+``rounds`` more, backends timed in turn so drifting load spreads over all; with ``--compile``,
+each backend in both compile forms against itself eagerly.
 """
 
 from __future__ import annotations
@@ -18,12 +11,12 @@ import contextlib
 import statistics
 import tempfile
 import time
-from typing import Any
 
 import torch
 from torch import nn
 
 from torchparity import backends
+from torchparity.bench.rounds import Row
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable
 from torchparity.golden.cases import check_case
@@ -45,22 +38,11 @@ CHECK_BACKENDS = ("manual", "sdpa", "sdpa-math", "sdpa-flash")
 
 
 def model_throughput_rows(subject: Subject, dtypes: list[str], rounds: int = 5,
-                    device: str = "cpu") -> list[dict[str, Any]]:
-    """A user's model's speed on every backend and dtype.
-
-    Args:
-        subject: the user's model.
-        dtypes: the dtype names.
-        rounds: the measured rounds.
-        device: where it runs.
-
-    Returns:
-        One row per backend and dtype: tokens/s, first-step and steady step seconds, or the
-        reason the backend cannot run (``status`` ``n/a``).
-    """
+                    device: str = "cpu") -> list[Row]:
+    """One row per backend and dtype: tokens/s, first and steady step seconds, or why ``n/a``."""
     rows = []
     for dtype in dtypes:
-        models: dict[str, Any] = {}
+        models: dict[str, tuple[nn.Module, Inputs]] = {}
         for backend in backend_names([subject]):
             row = {"model": subject.name, "backend": backend, "dtype": dtype}
             started = time.perf_counter()
@@ -89,29 +71,12 @@ def model_throughput_rows(subject: Subject, dtypes: list[str], rounds: int = 5,
     return rows
 
 
-def compiled_rows(subject: Subject, dtypes: list[str], eager: list[dict[str, Any]],
+def compiled_rows(subject: Subject, dtypes: list[str], eager: list[Row],
                   rounds: int = 5, device: str = "cpu", backend_names: list[str] | None = None,
-                  ) -> list[dict[str, Any]]:
-    """A user's model compiled, against the same backend eagerly.
-
-    Each contender is compiled and timed on its own (dynamo starts afresh for each, so its
-    counts are its own), its steps interleaved with steps of the same backend eagerly: the
-    ratio compares steps taken under the same load.
-
-    Args:
-        subject: the user's model.
-        dtypes: the dtype names.
-        eager: rows of :func:`model_throughput_rows`; only what ran eagerly is compiled.
-        rounds: the measured rounds.
-        device: where it runs.
-        backend_names: limits the backends.
-
-    Returns:
-        One row per backend, dtype and compile form: the time to the first step (compiling
-        included, and how much of it compiled), graphs, graph breaks and recompiles (also
-        those of the steady steps, which should be none), tokens/s and its ratio to eager
-        (``vs_eager``), or why it did not compile (``n/a``).
-    """
+                  ) -> list[Row]:
+    """A user's model compiled, per backend, dtype and form, against the same backend eagerly."""
+    # each compiled on its own (dynamo afresh: its own counts), steps interleaved with eager ones
+    # under the same load; only what ran eagerly compiles
     rows = []
     for row in eager:
         if row["status"] != "ok" or row["dtype"] not in dtypes or (
@@ -122,8 +87,8 @@ def compiled_rows(subject: Subject, dtypes: list[str], eager: list[dict[str, Any
     return rows
 
 
-def _compiled_row(subject: Subject, eager: dict[str, Any], form: str, rounds: int,
-                  device: str) -> dict[str, Any]:
+def _compiled_row(subject: Subject, eager: Row, form: str, rounds: int,
+                  device: str) -> Row:
     backend, dtype = eager["backend"], eager["dtype"]
     row = {"model": subject.name, "backend": backend, "dtype": dtype, "compile": form}
     attention = cell_attention(subject, backend)
@@ -175,7 +140,7 @@ def _timed_step(subject: Subject, model: nn.Module, inputs: Inputs, backend: str
     return time.perf_counter() - started
 
 
-def _backend(name: str) -> Any:
+def _backend(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if name == HF_EAGER else backends.use(name)
 
 
@@ -186,8 +151,7 @@ def _step(subject: Subject, model: nn.Module, inputs: Inputs) -> None:
 
 
 def _tokens(inputs: Inputs) -> int:
-    """Tokens per step: the elements of ``input_ids`` (or of the first integer tensor), else
-    batch x length of the first tensor."""
+    """Tokens per step: ``input_ids``' (or the first integer tensor's), else batch x length."""
     flat = flatten_tensors(inputs, "inputs")
     ids = flat.get("inputs.input_ids")
     if ids is None:
@@ -198,20 +162,9 @@ def _tokens(inputs: Inputs) -> int:
     return first.shape[0] * (first.shape[1] if first.dim() > 1 else 1)
 
 
-def check_cost(subject: Subject) -> dict[str, Any]:
-    """What ``check --model`` costs on ``subject``, beside the zoo check and plain steps.
-
-    The check as a multiple of one plain training step per cell (``plain_ratio``) says what it
-    costs beyond running the model once per cell.
-
-    Args:
-        subject: the user's model.
-
-    Returns:
-        Seconds of ``check --model``, of the zoo check of :data:`ZOO_CASE` in the same cells
-        (reference, then :data:`CHECK_BACKENDS` in fp32), of one plain step in each cell
-        (``plain_steps_s``), and the ratio.
-    """
+def check_cost(subject: Subject) -> Row:
+    """What ``check --model`` costs on ``subject``, beside the zoo check and plain steps."""
+    # plain_ratio: the check as a multiple of one plain training step per cell
     cells = [REFERENCE, *(Cell(b, "fp32") for b in CHECK_BACKENDS)]
     with tempfile.TemporaryDirectory() as folder, single_thread():
         store = model_store(subject, folder)
@@ -231,8 +184,7 @@ def check_cost(subject: Subject) -> dict[str, Any]:
 
 
 def _plain_step(subject: Subject, cell: Cell, rounds: int = 3) -> float:
-    """The median seconds of one forward, loss and backward of the model as ``cell`` runs it
-    (its dtype and backend, a first step untimed)."""
+    """Median seconds of one forward, loss and backward as ``cell`` runs it, after one untimed."""
     model, inputs, _ = _first_step(subject, cell.backend, cell.dtype, cell.device)
     return statistics.median(_timed_step(subject, model, inputs, cell.backend, cell.device)
                              for _ in range(rounds))

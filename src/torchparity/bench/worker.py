@@ -1,11 +1,8 @@
 """The measuring side of ``torchparity bench``: one process per attention backend.
 
-Each backend of a benchmark group runs in its own fresh process (forked from a server that has
-imported torch and nothing else), so its first step pays for exactly its own lazy start-up and
-kernel loading, and with ``torch.compile`` its compile and recompile counts are its own. The
-parent (:mod:`torchparity.bench.throughput`) drives the processes in turn over a pipe through
-:class:`Worker`, one step at a time, so the backends' steps interleave and slow drift of a
-shared machine hits all of them alike.
+Each backend runs in a fresh process forked from a server that imported torch only, so its first
+step pays exactly its own start-up, kernel loading and compiles. The parent steps the processes
+in turn through :class:`Worker`, so drift of a shared machine hits all backends alike.
 """
 
 from __future__ import annotations
@@ -18,10 +15,10 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
-from typing import Any
 
 import torch
 
+from torchparity.bench.rounds import Row
 from torchparity.bench.timing import peak_bytes, step_time, wall_time
 from torchparity.dtypes import torch_dtype
 from torchparity.errors import BackendUnavailable
@@ -80,16 +77,11 @@ class Runner:
             return
         self.loss(self.forward(**self.batch), self.batch).backward()
 
-    def first_step(self) -> dict[str, Any]:
-        """Time the first step, which pays for the process's lazy start-up and compiling.
-
-        A backend without a backward falls back to forward only, from then on.
-
-        Returns:
-            ``{"seconds", "mode", "note"}``: the wall time, the mode it ran in and why it changed.
-        """
+    def first_step(self) -> Row:
+        """Time the first step, which pays start-up and compiling: seconds, mode and note."""
         try:
             seconds = wall_time(self.step, self.device)
+        # a backend without a backward falls back to forward only, from then on
         except BackendUnavailable as exc:
             self.mode, self.note = "forward", f"forward only: {exc}"
             self.model.requires_grad_(False)  # kernels may refuse inputs that want gradients
@@ -100,20 +92,12 @@ class Runner:
         return {"seconds": seconds, "mode": self.mode, "note": self.note}
 
     def peak_bytes(self) -> int:
-        """Peak memory of one step above the weights and batch (gradients are counted).
-
-        Returns:
-            The peak, in bytes.
-        """
+        """Peak memory of one step above the weights and batch (gradients are counted), in bytes."""
         self.model.zero_grad(set_to_none=True)
         return peak_bytes(self.step, self.device)
 
     def compile_stats(self) -> dict[str, int]:
-        """Graphs, graph breaks and recompiles dynamo made in this process so far.
-
-        Returns:
-            ``{"graphs", "graph_breaks", "recompiles"}``.
-        """
+        """Graphs, graph breaks and recompiles dynamo made in this process so far."""
         import torch._dynamo.utils
 
         counters = torch._dynamo.utils.counters
@@ -140,15 +124,8 @@ def _compiled(model: torch.nn.Module) -> Callable[..., torch.Tensor]:
 
 
 def serve(conn: Connection, job: Job) -> None:
-    """Worker process entry: build the runner, then answer command names until ``close``.
-
-    Every answer is ``("ok", value)`` or ``("error", one line)``; after an error the worker
-    exits. An error is a row's reason, never a crash of the bench.
-
-    Args:
-        conn: the pipe to the parent.
-        job: what to build and measure.
-    """
+    """Worker process entry: build the runner, then answer command names until ``close``."""
+    # every answer is ("ok", value) or ("error", one line); after an error the worker exits
     try:
         runner = Runner(job)
         conn.send(("ok", None))
@@ -172,11 +149,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 class Worker:
-    """The parent's handle on one worker process (:func:`serve`) and the pipe to it.
-
-    After the first error the worker is done: ``error`` holds the reason and every later
-    ``call`` returns None without asking it.
-    """
+    """The parent's handle on one worker process (:func:`serve`); after an error it is done."""
 
     def __init__(self, job: Job) -> None:
         ctx = _context()
@@ -184,14 +157,10 @@ class Worker:
         self.process = ctx.Process(target=serve, args=(child, job), name=f"bench-{job.backend}")
         self.process.start()
         child.close()
-        self.error: str | None = None
+        self.error: str | None = None  # the reason; every later call returns None without asking
 
-    def receive(self) -> Any:
-        """The worker's next answer.
-
-        Returns:
-            Its value, or None once the worker failed (``error`` says why, also when it died).
-        """
+    def receive(self) -> object:
+        """The worker's next answer, or None once it failed (``error`` says why, or it died)."""
         if self.error is not None:
             return None
         try:
@@ -204,15 +173,8 @@ class Worker:
             return None
         return value
 
-    def call(self, command: str) -> Any:
-        """Ask the worker to run ``command`` and wait for its answer.
-
-        Args:
-            command: ``first``, ``step``, ``peak`` or ``compile_stats``.
-
-        Returns:
-            The answer's value, or None once the worker failed.
-        """
+    def call(self, command: str) -> object:
+        """Ask the worker to run ``command`` and wait for its answer (None once it failed)."""
         if self.error is None:
             try:
                 self.conn.send(command)
@@ -235,14 +197,7 @@ class Worker:
 
 @contextmanager
 def workers(jobs: dict[str, Job]) -> Iterator[dict[str, Worker]]:
-    """A started :class:`Worker` per job, all closed when the block ends.
-
-    Args:
-        jobs: the jobs by name.
-
-    Yields:
-        The workers by the same names.
-    """
+    """A started :class:`Worker` per job, by the same names, all closed when the block ends."""
     started: dict[str, Worker] = {}
     try:
         for name, job in jobs.items():
@@ -254,7 +209,7 @@ def workers(jobs: dict[str, Job]) -> Iterator[dict[str, Worker]]:
 
 
 @functools.cache
-def _context() -> Any:
+def _context() -> multiprocessing.context.BaseContext:
     # Workers fork from a server that imported torch and nothing ran yet: each starts fresh
     # (no CUDA context, no loaded kernels, empty dynamo caches) without paying the import.
     if "forkserver" not in multiprocessing.get_all_start_methods():
