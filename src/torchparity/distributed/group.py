@@ -152,8 +152,7 @@ def _end_on_silence(prog: str, store: Store, silent: dict[int, float]) -> None:
              if not store.check([f"{_LEFT_KEY}{other}"])}
     if not named or not _watching.is_set():
         return
-    said = ", ".join(f"rank {other} has not answered for {seconds:.0f}s (stopped, or frozen) "
-                     f"at {_phase(store, other)}" for other, seconds in named.items())
+    said = ", ".join(_not_answering(store, other, seconds) for other, seconds in named.items())
     launch.record_silence(rank(), said)
     print(f"{prog}: rank {rank()}: error: {said}; this rank ends", file=sys.stderr, flush=True)
     os._exit(2)  # as a timed-out collective would; atexit's leave() would wait for the rank
@@ -249,19 +248,25 @@ def where_others_are() -> str:
         ``rank 1 is at sharding the fp32 run``, or "every rank is here" when none.
     """
     store = _store()
-    phases = {other: _phase(store, other) for other in range(world_size())}
+    phases = {other: _phase(store, other) or "its start" for other in range(world_size())}
     here = phases[rank()]
     silent = _heartbeat.silent(_SILENT_SECONDS) if _heartbeat is not None else {}
-    behind = [f"rank {r} has not answered for {silent[r]:.0f}s (stopped, or frozen) at {phase}"
-              if r in silent else f"rank {r} is at {phase}"
+    behind = [_not_answering(store, r, silent[r]) if r in silent else f"rank {r} is at {phase}"
               for r, phase in phases.items() if phase != here or r in silent]
     return ", ".join(behind) or "every rank is here"
 
 
-def _phase(store: Store, other: int) -> str:
-    """Where rank ``other`` last said it was (:func:`mark`)."""
+def _not_answering(store: Store, other: int, seconds: float) -> str:
+    """``rank 1 has not answered for 10s (stopped, or frozen) at PHASE``."""
+    phase = _phase(store, other)
+    return (f"rank {other} has not answered for {seconds:.0f}s (stopped, or frozen)"
+            + (f" at {phase}" if phase else ""))
+
+
+def _phase(store: Store, other: int) -> str | None:
+    """Where rank ``other`` last said it was (:func:`mark`), or None: it said nothing yet."""
     key = f"{_PHASE_KEY}{other}"
-    return store.get(key).decode() if store.check([key]) else "its start"
+    return store.get(key).decode() if store.check([key]) else None
 
 
 def _store() -> Store:
