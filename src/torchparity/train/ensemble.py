@@ -1,18 +1,8 @@
-"""The noise band of a recipe (a user's model's or a zoo case's): an ensemble of runs that
-differ from the plain run only in rounding, and their spread from a reference trajectory (the
-float64 one, or the run judged against) at every step.
+"""The noise band of a recipe: an ensemble of runs that differ from the plain run in rounding alone.
 
-The members, all in the dtype judged:
-
-- the plain run;
-- :data:`~torchparity.tolerance.BAND_REROUNDINGS` runs whose initial weights moved by one
-  rounding of their dtype (:func:`~torchparity.subject.rounding.perturb_weights`): every
-  later rounding of the run falls another way, as a refactor's would;
-- on the CPU, the plain run under every other instruction set the CPU offers
-  (``ATEN_CPU_CAPABILITY``, a process each): the kernels' own reduction orders, as another
-  machine has them.
-
-:class:`~torchparity.train.trajectory.NoiseBand` keeps the spread; the judge pools it.
+Its members, in the dtype judged: the plain run; ``BAND_REROUNDINGS`` runs whose initial weights
+moved by one rounding (every later rounding falls another way, as a refactor's would); on the
+CPU, the plain run under every other instruction set it offers (another machine's kernels).
 """
 
 from __future__ import annotations
@@ -39,8 +29,7 @@ from torchparity.train.user_model import ModelRuns
 
 
 class Runs(Protocol):
-    """A recipe the ensemble trains: :class:`~torchparity.train.user_model.ModelRuns` (a user's
-    model) or :class:`~torchparity.train.trainer.CaseRuns` (a zoo case)."""
+    """A recipe the ensemble trains: a user's model's ``ModelRuns`` or a zoo case's ``CaseRuns``."""
 
     recipe: Any  # has ``steps`` and ``replace(rounding=...)``
 
@@ -57,11 +46,7 @@ def members_count(execution: Execution) -> int:
 
 def measure_band(recipe: Runs, execution: Execution, reference: Trajectory, *,
                  advance: StepDone = lambda: None, plain: Trajectory | None = None) -> NoiseBand:
-    """Train the ensemble of ``recipe`` under ``execution`` and measure its band around
-    ``reference`` (the float64 trajectory of the recipe, or the plain run judged against).
-    ``plain`` is the plain run when the caller trained it already. ``advance()`` is called
-    after every step of every run.
-    """
+    """Train the ensemble of ``recipe`` and measure its band around ``reference``."""
     runs = [plain or recipe.train(execution, advance=advance)]
     for seed in range(1, tolerance.BAND_REROUNDINGS + 1):
         runs.append(recipe.train(execution, perturb_seed=seed, advance=advance,
@@ -100,9 +85,7 @@ def _in_capability(recipe: Runs, execution: Execution, capability: str) -> Traje
 
 
 def member_main(argv: list[str]) -> None:
-    """A member run in this process: ``SPEC BACKEND DTYPE``, ``SPEC`` the JSON of a
-    :class:`Runs`'s ``spec()``; prints its records as one JSON line (what
-    :func:`_in_capability` reads)."""
+    """A member run in this process (``SPEC BACKEND DTYPE``); prints its records as JSON."""
     import dataclasses
 
     spec, backend, dtype = json.loads(argv[0]), argv[1], argv[2]

@@ -1,15 +1,4 @@
-"""Golden trajectories, one format for a zoo case and a user's model: the recipe trained in
-float64, stored per dtype with the noise band of its rounding-only ensemble
-(:mod:`torchparity.train.ensemble`) as ``<name>/trajectory_<dtype>``, read back, and a run
-judged against them by :func:`~torchparity.train.trajectory.compare_trajectories`.
-
-A golden holds a float64 series per quantity, ``lr``, and ``band.<quantity>``, the ensemble's
-spread per step. A user's model's are written by :mod:`torchparity.train.model_trajectories`;
-a zoo case's here: its golden recipe (:func:`golden_config`) in fp32 and bf16 on the CPU
-(:data:`STORED_DTYPES`), read back only while recipe, model, weights and corpus are unchanged.
-Another recipe, or a dtype with no stored band, has its float64 golden and band trained on
-the spot, and so has a run on CUDA (on its device).
-"""
+"""Golden trajectories, one format for a zoo case and a user's model; a zoo case's goldens."""
 
 from __future__ import annotations
 
@@ -35,6 +24,7 @@ from torchparity.train.trainer import (
     train,
 )
 from torchparity.train.trajectory import NoiseBand, TrajectoryComparison, compare_trajectories
+from torchparity.train.user_model import UserRecipe
 
 GOLDEN_STEPS = 20
 #: The dtypes whose bands a zoo case's golden stores, measured on the CPU.
@@ -54,8 +44,7 @@ def trajectory_output(dtype: str) -> str:
 
 def write_trajectory(store: GoldenStore, name: str, reference: Trajectory, band: NoiseBand,
                      meta: dict[str, Any], output: str | None = None) -> list[Path]:
-    """Store ``reference`` (a float64 trajectory) and ``band`` as ``name``'s golden in the
-    band's dtype.
+    """Store ``reference`` (float64) and ``band`` as ``name``'s golden in the band's dtype.
 
     Args:
         store: where the golden goes.
@@ -76,12 +65,11 @@ def write_trajectory(store: GoldenStore, name: str, reference: Trajectory, band:
     return store.write(name, output or trajectory_output(band.compute_dtype), tensors, summary)
 
 
-def read_trajectory(store: GoldenStore, name: str, dtype: str, recipe: Any,
+def read_trajectory(store: GoldenStore, name: str, dtype: str, recipe: TrainConfig | UserRecipe,
                     reference_execution: Execution, steps: int,
                     fresh: Callable[[Golden], None] = lambda golden: None,
                     ) -> tuple[Trajectory, NoiseBand]:
-    """The float64 trajectory and the noise band stored for ``name`` in ``dtype``, cut to
-    ``steps``.
+    """The float64 trajectory and noise band stored for ``name`` in ``dtype``, cut to ``steps``.
 
     Args:
         store: where the golden is.
@@ -90,23 +78,20 @@ def read_trajectory(store: GoldenStore, name: str, dtype: str, recipe: Any,
         recipe: the recipe the trajectory is labelled with.
         reference_execution: how the float64 trajectory was trained.
         steps: how many steps to read (at most those stored).
-        fresh: raises :class:`~torchparity.golden.GoldenStale` for a golden its recipe,
-            model or data outgrew.
+        fresh: raises ``GoldenStale`` for a golden its recipe, model or data outgrew.
 
     Returns:
-        ``(reference, band)``. Raises the store's one-line errors, ``fresh``'s, and a
-        :class:`UsageError` for more steps than the golden holds.
+        ``(reference, band)``.
     """
     golden = store.read(name, trajectory_output(dtype))
     return trajectory_of(golden, store, dtype, recipe, reference_execution, steps, fresh)
 
 
-def trajectory_of(golden: Golden, store: GoldenStore, dtype: str, recipe: Any,
+def trajectory_of(golden: Golden, store: GoldenStore, dtype: str, recipe: TrainConfig | UserRecipe,
                   reference_execution: Execution, steps: int,
                   fresh: Callable[[Golden], None] = lambda golden: None,
                   ) -> tuple[Trajectory, NoiseBand]:
-    """The float64 trajectory and the noise band (in ``dtype``) a trajectory golden read from
-    ``store`` holds, cut to ``steps``; the arguments and errors of :func:`read_trajectory`."""
+    """The float64 trajectory and noise band a golden holds, cut to ``steps``."""
     stored = golden.summary.get("steps", 0)
     command = store.update_command.format(case=golden.case, output=golden.output)
     if steps > stored:
@@ -138,8 +123,7 @@ def golden_config(case: str) -> TrainConfig:
 
 
 def golden_store(root: str | Path | None = None) -> GoldenStore:
-    """The zoo's goldens under ``root`` (default: golden/ of the source tree), its messages
-    naming ``train --case CASE --update-golden``."""
+    """The zoo's goldens under ``root``, its messages naming ``train --update-golden``."""
     return GoldenStore(default_golden_dir(root), update_command=UPDATE_COMMAND)
 
 
@@ -155,20 +139,14 @@ def runs_per_golden(dtypes: tuple[str, ...] = STORED_DTYPES) -> int:
 
 def write_golden_trajectory(case: str, store: GoldenStore | None = None, *,
                             advance: StepDone = lambda: None) -> list[Path]:
-    """Train ``case``'s golden recipe in float64 on the CPU (manual attention) and the noise
-    ensemble of each of :data:`STORED_DTYPES`, and store one golden per dtype.
-
-    The JSON records the recipe, the model config and version-independent checksums of the
-    float64 initial weights and of every step's batch, so a later read can tell a changed
-    recipe, init or corpus from a changed model. ``advance()`` is called after every step of
-    every run.
+    """Train and store ``case``'s float64 golden and the band of each stored dtype.
 
     Returns:
         The paths written.
     """
     config, store = golden_config(case), store or golden_store()
     reference = train(config, GOLDEN_EXECUTION, advance=advance)
-    meta = _golden_meta(config)
+    meta = _golden_meta(config)  # its checksums tell a changed recipe, init or corpus
     paths = []
     with store.replacing(case):  # every dtype's golden, or none if interrupted
         for dtype in STORED_DTYPES:
@@ -181,12 +159,7 @@ def write_golden_trajectory(case: str, store: GoldenStore | None = None, *,
 
 def read_golden_trajectory(case: str, dtype: str = "fp32", store: GoldenStore | None = None
                            ) -> tuple[Trajectory, NoiseBand]:
-    """The stored float64 trajectory of ``case`` and its noise band in ``dtype``.
-
-    Raises the golden store's errors (missing, corrupt, foreign schema) and
-    :class:`~torchparity.golden.GoldenStale` naming what changed (recipe, model config, initial
-    weights or corpus) with the command that regenerates it.
-    """
+    """The stored float64 trajectory of ``case`` and its noise band in ``dtype``."""
     store = store or golden_store()
     config = golden_config(case)
 
@@ -198,10 +171,8 @@ def read_golden_trajectory(case: str, dtype: str = "fp32", store: GoldenStore | 
 
 
 def is_stored(config: TrainConfig, execution: Execution) -> bool:
-    """Whether the goldens hold the float64 trajectory and the band that judge ``config`` run
-    under ``execution``: the golden recipe (any micro-batch split) on the CPU in one of
-    :data:`STORED_DTYPES`. A CUDA run's band is its device's: its kernels, and the ops its
-    autocast lowers, are not the CPU's."""
+    """Whether the goldens hold the trajectory and band that judge ``config``'s run."""
+    # a CUDA run's band is its device's: its kernels and its autocast are not the CPU's
     return (config.same_recipe() == golden_config(config.case)
             and execution.dtype in STORED_DTYPES and torch.device(execution.device).type == "cpu")
 
@@ -209,13 +180,7 @@ def is_stored(config: TrainConfig, execution: Execution) -> bool:
 def golden_and_band(config: TrainConfig, execution: Execution,
                     store: GoldenStore | None = None, *, say: Say = lambda line: None
                     ) -> tuple[Trajectory, NoiseBand]:
-    """The float64 trajectory of ``config`` and the noise band of ``execution``'s dtype: read
-    from ``store`` where :func:`is_stored`, else trained here (``say`` is told why, before the
-    runs start), on ``execution``'s device.
-
-    Returns:
-        ``(reference, band)``.
-    """
+    """The float64 trajectory of ``config`` and ``execution``'s band: stored, or trained here."""
     if is_stored(config, execution):
         return read_golden_trajectory(config.case, execution.dtype, store)
     plain = band_execution(execution.dtype, execution.device)
@@ -231,8 +196,7 @@ def golden_and_band(config: TrainConfig, execution: Execution,
 
 def check_against_golden(candidate: Trajectory, store: GoldenStore | None = None, *,
                          say: Say = lambda line: None) -> TrajectoryComparison:
-    """The verdict on ``candidate`` (a zoo case's run) against the float64 golden of its
-    recipe and the noise band of its dtype (see :func:`golden_and_band`)."""
+    """The verdict on a zoo case's run against its golden and the band of its dtype."""
     reference, band = golden_and_band(candidate.config, candidate.execution, store, say=say)
     return compare_trajectories(candidate, reference, band,
                                 compute_dtype=candidate.execution.dtype)
@@ -240,9 +204,7 @@ def check_against_golden(candidate: Trajectory, store: GoldenStore | None = None
 
 def judge_against_run(candidate: Trajectory, config: TrainConfig, execution: Execution, *,
                       say: Say = lambda line: None) -> TrajectoryComparison:
-    """The verdict on ``candidate`` against ``config`` trained in this process under
-    ``execution`` (another backend, or one process for a distributed run), the noise band
-    that run's rounding-only ensemble spreads around it."""
+    """The verdict on ``candidate`` against ``config`` run here under ``execution`` and its band."""
     say(f"training the same recipe on {execution.label()} in one process, and "
         f"{members_count(execution) - 1} rounding-only runs of it for the noise band")
     plain = train(config, execution)

@@ -1,14 +1,4 @@
-"""A zoo case trained and its trajectory judged, what ``torchparity train`` does.
-
-Every verdict is a user's model's (:mod:`torchparity.train.judged_model`): a run
-against a reference trajectory within the noise band of a rounding-only ensemble. One process:
-the run is judged against the float64 golden trajectory and the band of its dtype (``check``,
-:mod:`torchparity.train.golden_trajectories`) or against the same recipe under another backend and
-that run's band (``against``), and with ``diagnose`` the first step that parts is diagnosed
-module by module (:mod:`torchparity.train.step_diagnosis.case_step`). Several processes under
-``torchrun``: the run is judged against one process and its band, and the first step that
-parts is located module by module (:mod:`torchparity.train.distributed`).
-"""
+"""A zoo case trained and its trajectory judged: ``torchparity train``."""
 
 from __future__ import annotations
 
@@ -40,10 +30,7 @@ from torchparity.train.trajectory import TrajectoryComparison
 
 @dataclass(frozen=True)
 class TrainPlan:
-    """What to train and how to judge it: ``check`` against the golden trajectories in
-    ``golden_dir``, or ``against`` another backend; ``diagnose`` the first step that parts;
-    ``nproc`` processes (``parallel`` says how they split the work); ``json`` the file the
-    trajectory and verdict go to."""
+    """What to train and how to judge it: against the goldens, another backend or one process."""
 
     config: TrainConfig
     execution: Execution
@@ -73,8 +60,7 @@ def update_golden_trajectories(cases: list[str], golden_dir: str | None,
 
 
 def train_and_judge(plan: TrainPlan, console: Console) -> bool:
-    """Train ``plan``'s run, print it and its verdict; True when it passed (or nothing judged
-    it)."""
+    """Train ``plan``'s run, print it and its verdict; True when it passed (or nothing judged)."""
     execution = plan.execution
     mode = execution.mode
     backends.resolve(execution.backend, execution.device, mode.autocast_dtype or mode.param_dtype)

@@ -1,7 +1,4 @@
-"""A user's model trained and its trajectory judged, what ``torchparity train --model`` does:
-``--update-golden`` stores the float64 trajectory and the noise band, ``--check`` trains once
-and judges the run against them (:mod:`torchparity.train.model_trajectories`).
-"""
+"""A user's model trained and its trajectory judged: ``torchparity train --model``."""
 
 from __future__ import annotations
 
@@ -9,7 +6,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -26,15 +22,14 @@ from torchparity.train.step_diagnosis.user_step import (
     group_causes,
     step_stage,
 )
-from torchparity.train.trainer import Execution, Trajectory
+from torchparity.train.trainer import Execution, StepDone, Trajectory
 from torchparity.train.trajectory import TrajectoryComparison
 from torchparity.train.user_model import UserRecipe, training_subject
 
 
 @dataclass(frozen=True)
 class ModelPlan:
-    """A user's model ``entry`` trained ``steps`` steps under ``execution``; its goldens in
-    ``golden_dir``; ``json`` the file the trajectory and verdict go to."""
+    """A user's model trained ``steps`` steps under ``execution`` and judged by its goldens."""
 
     entry: str
     steps: int
@@ -63,8 +58,7 @@ def update_model_golden(plan: ModelPlan, console: Console) -> None:
 
 
 def judge_model_training(plan: ModelPlan, console: Console) -> bool:
-    """Train once, judge against the golden trajectory and band, print the verdict and its
-    sensitivity; True when within."""
+    """Train once, judge against the golden trajectory and band, print; True when within."""
     subject = training_subject(plan.entry)
     store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
     recipe = UserRecipe(subject.entry, plan.steps)
@@ -93,9 +87,7 @@ def judge_model_training(plan: ModelPlan, console: Console) -> bool:
 
 def _diagnosed(subject: Subject, candidate: Trajectory, comparison: TrajectoryComparison,
                plan: ModelPlan, console: Console) -> StepDiagnosis | None:
-    """The first divergent step drilled down, printed: first the optimizer's groups of A (the
-    golden's run) and B compared by meaning, then its stage and module; None (and "nothing
-    to diagnose") for a run within the band."""
+    """The first divergent step diagnosed and printed: the optimizer's groups, then its module."""
     stage = step_stage(comparison)
     if stage is None:
         console.print("nothing to diagnose: every step is within the band", markup=False)
@@ -140,8 +132,7 @@ def _diagnosed(subject: Subject, candidate: Trajectory, comparison: TrajectoryCo
 def _group_changes(subject: Subject, candidate: Trajectory, comparison: TrajectoryComparison,
                    stage: StepStage, plan: ModelPlan, say: Callable[[str], None]
                    ) -> tuple[list[GroupChange], list[GroupChange]]:
-    """The changes of the optimizer's groups up to the parting step that explain it, and
-    those that do not; a golden without its groups is said so."""
+    """The changes of the optimizer's groups that explain the parting step, and the others."""
     store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
     golden = mt.read_model_golden(subject, UserRecipe(subject.entry, plan.steps),
                                   plan.execution, store)
@@ -163,8 +154,7 @@ def show_verdict(comparison: TrajectoryComparison, console: Console) -> None:
 
 
 class steps_bar:  # noqa: N801 - a context manager used like a function
-    """A transient progress bar of ``total`` training steps, a user's model's or a zoo
-    case's; entering it gives ``advance()``."""
+    """A transient progress bar of ``total`` training steps; entering it gives ``advance()``."""
 
     def __init__(self, console: Console, description: str, total: int) -> None:
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
@@ -172,7 +162,7 @@ class steps_bar:  # noqa: N801 - a context manager used like a function
                                  transient=True)
         self.task = self.progress.add_task(description, total=total)
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> StepDone:
         self.progress.__enter__()
         return lambda: self.progress.advance(self.task)
 

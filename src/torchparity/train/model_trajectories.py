@@ -1,16 +1,4 @@
-"""A user's model's golden trajectories: its recipe trained in float64, stored with the noise
-band of its rounding-only ensemble in the dtype judged, and a run judged against them.
-
-The float64 trajectory is the truth for every dtype and device; only the band differs. A
-golden update stores both as ``<name>/trajectory_<dtype>`` (``trajectory_<dtype>_cuda`` on a
-GPU), written and read as the zoo's trajectory goldens are
-(:mod:`torchparity.train.golden_trajectories`): a float64 series per quantity and ``lr``,
-``band.<quantity>``, the ensemble's spread per step, and in the JSON the steps, the members,
-the optimizer's groups (:mod:`torchparity.train.optimizer_groups`) and a checksum of every
-step's batch, so a later read refuses changed data by the step it changed at. A check of a
-dtype or device with no band stored is judged against the stored float64 trajectory, its band
-measured on the spot and not stored; with a band stored a check trains one run.
-"""
+"""A user's model's golden trajectory and noise band per dtype and device, and a run judged."""
 
 from __future__ import annotations
 
@@ -19,7 +7,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -35,10 +22,9 @@ from torchparity.train.trajectory import NoiseBand, TrajectoryComparison, compar
 from torchparity.train.user_model import ModelRuns, UserRecipe, check_hooks, train_user_model
 
 
-def trajectory_store(subject: Subject, root: Any, execution: Execution, steps: int
+def trajectory_store(subject: Subject, root: str | Path | None, execution: Execution, steps: int
                      ) -> GoldenStore:
-    """The store under ``root`` (default: :func:`user_golden_dir`) whose messages name the
-    update command of this model, dtype and number of steps."""
+    """The store under ``root`` whose messages name this model's update command."""
     root = user_golden_dir(root)
     command = f"torchparity train --model {subject.entry} --steps {steps} --update-golden"
     if execution.dtype != "fp32":
@@ -51,17 +37,16 @@ def trajectory_store(subject: Subject, root: Any, execution: Execution, steps: i
 
 
 def reference_execution(execution: Execution) -> Execution:
-    """The float64 run of the recipe on the execution's device: the model's own attention,
-    or, where a backend replaces it, torchparity's manual attention (fused kernels have no
-    float64)."""
+    """The float64 run of the recipe on the execution's device."""
+    # a backend that replaces the model's attention: torchparity's manual one (no fused float64)
     backend = OWN_ATTENTION if execution.backend == OWN_ATTENTION else "manual"
     return Execution(backend, "fp64", execution.device)
 
 
 def band_output(execution: Execution) -> str:
-    """The golden of a band in ``execution``'s dtype on its device: ``trajectory_<dtype>`` on
-    the CPU, ``trajectory_<dtype>_<device type>`` elsewhere (a GPU's kernels round another
-    way)."""
+    """The golden of a band in ``execution``'s dtype on its device."""
+    # trajectory_<dtype> on the CPU, trajectory_<dtype>_<device type> elsewhere: a GPU rounds
+    # another way; the float64 trajectory is the truth for every dtype and device
     device = torch.device(execution.device).type
     output = trajectory_output(execution.dtype)
     return output if device == "cpu" else f"{output}_{device}"
@@ -70,9 +55,8 @@ def band_output(execution: Execution) -> str:
 def write_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execution,
                            store: GoldenStore, *, advance: StepDone = lambda: None
                            ) -> list[Path]:
-    """Train ``subject``'s recipe in float64 and its noise ensemble under ``execution``, then
-    store both with the optimizer's groups of the float64 run. Nothing is written unless
-    every run trained to the end with finite losses."""
+    """Train and store the float64 trajectory and the noise band of ``execution``."""
+    # nothing is written unless every run trained to the end with finite losses
     check_hooks(subject)
     reference = train_user_model(subject, recipe, reference_execution(execution),
                                  advance=advance)
@@ -87,9 +71,7 @@ def write_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Exec
 
 @dataclass
 class ModelGolden:
-    """What a run of a user's model is judged against: the float64 trajectory read from
-    ``golden`` and the noise band stored for the run's dtype and device (None: none is
-    stored, it is measured at the check)."""
+    """The float64 trajectory a run is judged against, and its band where one is stored."""
 
     reference: Trajectory
     band: NoiseBand | None
@@ -114,15 +96,11 @@ class ModelGolden:
 
 def read_model_golden(subject: Subject, recipe: UserRecipe, execution: Execution,
                       store: GoldenStore) -> ModelGolden:
-    """The golden a run of ``subject`` under ``execution`` is judged against, cut to
-    ``recipe.steps``: the float64 trajectory, which is the truth for every dtype and device,
-    and the band of the run's dtype and device where one is stored (:func:`band_output`).
-    Without that band the float64 trajectory is read from the model's other golden, the
-    fp32 CPU one first.
+    """The golden a run under ``execution`` is judged against, cut to ``recipe.steps``.
 
-    Raises the store's one-line errors (no golden of the model at all: the one for
-    ``execution``'s), :class:`~torchparity.golden.GoldenStale` naming the first step whose
-    batch changed, or a :class:`UsageError` for more steps than it holds.
+    Raises:
+        GoldenError: no golden of the model; ``GoldenStale`` naming the first step whose batch
+            changed; ``UsageError`` for more steps than it holds.
     """
     def fresh(golden: Golden) -> None:
         checksums = golden.summary.get("data_checksums", [])
@@ -136,7 +114,7 @@ def read_model_golden(subject: Subject, recipe: UserRecipe, execution: Execution
     output = band_output(execution)
     others = [o for o in store.outputs(subject.name) if o.startswith(trajectory_output(""))]
     stored = output in others
-    if not stored and others:
+    if not stored and others:  # the float64 trajectory of another golden, fp32 CPU's first
         output = min(others, key=lambda o: (o != trajectory_output("fp32"), o))
     golden = store.read(subject.name, output)
     dtype = output.removeprefix(trajectory_output("")).split("_")[0]
@@ -147,13 +125,8 @@ def read_model_golden(subject: Subject, recipe: UserRecipe, execution: Execution
 
 def read_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execution,
                           store: GoldenStore) -> tuple[Trajectory, NoiseBand]:
-    """The float64 trajectory and the noise band stored for ``subject`` in ``execution``'s
-    dtype and device, cut to ``recipe.steps`` (the first steps of a longer golden are a golden
-    of their own: a factory's recipe does not know how long it is trained).
-
-    Raises what :func:`read_model_golden` raises, and the store's missing-golden error when
-    no band is stored for the dtype and device.
-    """
+    """The float64 trajectory and band stored for ``execution``, cut to ``recipe.steps``."""
+    # the first steps of a longer golden are a golden of their own: a recipe has no length
     golden = read_model_golden(subject, recipe, execution, store)
     if golden.band is None:
         store.read(subject.name, band_output(execution))  # raises: no such golden
@@ -162,9 +135,8 @@ def read_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Execu
 
 def measure_model_band(subject: Subject, recipe: UserRecipe, execution: Execution,
                        plain: Trajectory, *, advance: StepDone = lambda: None) -> NoiseBand:
-    """The noise band of ``execution`` measured now: the rounding-only ensemble of this code
-    (``plain`` its plain run, trained already) around this code's own float64 run, so that a
-    change of the code is in neither and the band holds rounding alone."""
+    """The band of ``execution`` measured now, around this code's own float64 run."""
+    # a change of the code is then in neither, and the band holds rounding alone
     reference = train_user_model(subject, recipe, reference_execution(execution),
                                  advance=advance)
     return measure_band(ModelRuns(subject, recipe), execution, reference, advance=advance,
@@ -175,12 +147,7 @@ def check_model_trajectory(subject: Subject, recipe: UserRecipe, execution: Exec
                            store: GoldenStore, *, advance: StepDone = lambda: None,
                            say: Callable[[str], None] = lambda line: None,
                            ) -> tuple[Trajectory, TrajectoryComparison]:
-    """Train ``subject`` once under ``execution`` and judge it against its golden float64
-    trajectory (read, and refused when stale, before any training) and the band of its
-    dtype and device: stored, or measured here and not stored
-    (:func:`measure_model_band`). ``say(line)`` is told, before the band's runs start, that
-    they do and about how long they take (as long as the one run each); the comparison's
-    notes say where the band came from."""
+    """Train ``subject`` once and judge it against its golden and band (stored or measured)."""
     check_hooks(subject)
     golden = read_model_golden(subject, recipe, execution, store)
     started = time.perf_counter()

@@ -1,19 +1,4 @@
-"""A user's model trained sharded over the ranks of ``torchrun`` and judged against its
-one-process golden trajectory and noise band: ``torchparity train --model ENTRY --nproc N
---check``.
-
-The command starts itself again as N ranks (:func:`start_ranks`, through
-:func:`torchparity.distributed.ranks.start`); inside a user's own ``torchrun ... -m torchparity
-train --model ...`` it finds itself a rank and runs as one. Every rank builds the model as
-``check --model --nproc`` does (:func:`torchparity.distributed.sharding.placed`): sharded by
-the factory's plan over its mesh, or the model the factory sharded itself (DTensors, FSDP2, or
-plain slices by hand). Each rank then trains it by the factory's recipe (every rank gets the
-step's whole batch: a data-parallel ``train_step`` takes its rank's rows and returns the whole
-batch's loss). The quantities recorded are the whole model's (:class:`ShardedTrainer`), so the
-golden, trained in one process in float64, judges them as it judges one process's run; rank 0
-prints the verdict and writes the JSON. The golden stays one process's: nothing here writes
-one.
-"""
+"""A user's model trained sharded over the ranks and judged by its one-process goldens."""
 
 from __future__ import annotations
 
@@ -36,24 +21,18 @@ from torchparity.train.trainer import Execution, Trajectory
 from torchparity.train.trajectory import compare_trajectories
 from torchparity.train.user_model import UserRecipe, UserTrainer, check_hooks, training_subject
 
+# Every rank builds the model as check --model --nproc does and trains it by the factory's
+# recipe on the step's whole batch; the golden stays one process's: nothing here writes one.
+
 
 def start_ranks(nproc: int | None, argv: list[str], *, judges: bool) -> int | None:
-    """Where ``train --model`` runs.
-
-    Args:
-        nproc: the ``--nproc`` given (None: not given).
-        argv: the command line, started again under torchrun.
-        judges: whether the command only judges a run (``--check``, no golden made, no
-            ``--base``): all a sharded run may do.
+    """Where ``train --model`` runs: as ``nproc`` ranks, as one rank, or in one process.
 
     Returns:
-        With ``nproc`` > 1, the exit status of ``torchparity argv`` run as ``nproc`` ranks
-        (a rank that fails ends it in one line); under torchrun None, this process joined as
-        one rank; else None: one process.
+        The exit status of the ranks started; None where this process runs the command.
 
     Raises:
-        UsageError: in one line, for a sharded run that does not only judge: the golden
-            trajectory and noise band are one process's float64 run.
+        UsageError: a sharded run that does more than judge (``--check`` only, no ``--base``).
     """
     if (nproc or 1) <= 1 and not group.under_torchrun():
         return None
@@ -65,10 +44,10 @@ def start_ranks(nproc: int | None, argv: list[str], *, judges: bool) -> int | No
 
 
 class ShardedTrainer(UserTrainer):
-    """A :class:`UserTrainer` of this rank's part of the model, sharded as the factory says,
-    whose gradient and update norms are the whole model's: a DTensor's norm gathered
-    (``full_tensor``), a plain slice's squared norm summed over the ranks, and a tensor every
-    rank holds whole counted once, as this rank holds it."""
+    """A ``UserTrainer`` of this rank's part of the model whose norms are the whole model's."""
+
+    # a DTensor's norm gathered, a plain slice's squared norm summed over the ranks, a tensor
+    # every rank holds whole counted once
 
     def _build_model(self) -> torch.nn.Module:
         model, _ = sharding.placed(self.subject, self.device, self.mode.param_dtype)
@@ -99,17 +78,8 @@ class ShardedTrainer(UserTrainer):
 def train_sharded(subject: Subject, recipe: UserRecipe, execution: Execution) -> Trajectory:
     """``subject`` trained by its recipe on every rank, sharded as its factory says.
 
-    Args:
-        subject: the factory's subject, loaded on this rank.
-        recipe: how many steps, by the factory's recipe.
-        execution: the dtype, device and attention of the run.
-
-    Returns:
-        This rank's record of the whole model's trajectory.
-
     Raises:
-        TorchParityError: in one line, when a collective fails (a rank that died or did not
-            come), naming where the other ranks are (``step N``).
+        TorchParityError: a collective failed, naming where the other ranks are.
     """
     def run() -> Trajectory:
         trainer = ShardedTrainer(subject, recipe, execution)
@@ -128,17 +98,7 @@ def train_sharded(subject: Subject, recipe: UserRecipe, execution: Execution) ->
 
 
 def judge_sharded_training(plan: ModelPlan, console: Console) -> bool:
-    """On every rank: read the golden trajectory and band (a missing or stale one refused
-    before any training), train sharded, judge; rank 0 prints the verdict and writes
-    ``plan.json``.
-
-    Args:
-        plan: the entry, steps, execution, golden folder and JSON file of the check.
-        console: where rank 0 prints (the other ranks' output is silenced).
-
-    Returns:
-        Whether rank 0's run is within the band, on every rank.
-    """
+    """On every rank: read the goldens, train sharded, judge; rank 0 prints and writes JSON."""
     import torch.distributed as dist
 
     subject = training_subject(plan.entry)

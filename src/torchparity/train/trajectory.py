@@ -1,21 +1,10 @@
 """Trajectory comparison: do two training runs of one recipe follow the same path?
 
-Per step and per quantity (loss, gradient norm, update norm, per-group norms) the candidate may
-differ from the reference by the budget of the ``trajectory_band`` kind of
-:mod:`torchparity.tolerance`:
-
-    |candidate(n) - reference(n)| <= fudge * max(noise(n), noise floor) + floor
-
-``noise(n)`` is the noise band (a :class:`NoiseBand`, measured by
-:mod:`torchparity.train.ensemble`): the largest distance from the reference of an ensemble of
-runs that differ only in rounding, pooled over neighbouring steps. The band has measured how
-rounding differences grow over the run, so the budget has no growth term of its own. The
-reference is the float64 trajectory of the recipe (a golden), or the plain run the band's
-members perturb (a run judged against another backend, or against one process).
-
-Zoo cases and users' models are judged alike; their golden trajectories are stored and read by
-:mod:`torchparity.train.golden_trajectories`; a step that parts is diagnosed module by module by
-:mod:`torchparity.train.step_diagnosis.case_step`.
+Per step and quantity the candidate may differ from the reference by the ``trajectory_band``
+budget of :mod:`torchparity.tolerance`,
+``|candidate(n) - reference(n)| <= fudge * max(noise(n), noise floor) + floor``, ``noise(n)``
+the pooled spread of a rounding-only ensemble (:class:`NoiseBand`), which has measured how
+rounding grows over the run: the budget has no growth term of its own.
 """
 
 from __future__ import annotations
@@ -52,11 +41,7 @@ class Point:
 
 @dataclass
 class TrajectoryComparison:
-    """The verdict on a candidate trajectory, step by step.
-
-    ``first_divergence`` is the earliest step at which any quantity left its budget (the
-    quantity listed first in :data:`~torchparity.train.trainer.QUANTITIES` wins ties), or None.
-    """
+    """The verdict on a candidate trajectory, step by step."""
 
     candidate: str
     reference: str
@@ -100,8 +85,7 @@ class TrajectoryComparison:
                 for q in self.quantities}
 
     def sensitivity(self) -> dict[str, float]:
-        """Per quantity, the smallest change relative to the reference that its budget at the
-        last step would have flagged (``budget / |reference|``): what the run could detect."""
+        """Per quantity, the smallest relative change the last step's budget would have flagged."""
         last = max((p.step for p in self.points), default=0)
         return {p.quantity: p.budget / abs(p.reference) if p.reference else math.inf
                 for p in self.points if p.step == last}
@@ -163,9 +147,7 @@ def _relative(x: float) -> str:
 
 @dataclass
 class NoiseBand:
-    """What rounding alone does to a recipe: per quantity and step, the largest distance of
-    a rounding-only ensemble's members from the float64 reference trajectory, as measured
-    (pooled over neighbouring steps only when judged, so the table's constant rules)."""
+    """Per quantity and step, the largest distance of rounding-only runs from the reference."""
 
     spread: dict[str, torch.Tensor]
     members: list[str]
@@ -174,9 +156,7 @@ class NoiseBand:
     @classmethod
     def measure(cls, reference: Trajectory, members: list[Trajectory],
                 compute_dtype: str) -> NoiseBand:
-        """The band of ``members`` (runs of the reference's recipe in ``compute_dtype``) around
-        ``reference``; a member that is not finite where the reference is makes it infinite
-        there (it sets no budget)."""
+        """The band of ``members`` around ``reference`` (infinite where a member is not finite)."""
         ref = reference.series()
         steps = len(reference.records)
         spread = {}
@@ -187,8 +167,7 @@ class NoiseBand:
         return cls(spread, [_member_label(m) for m in members], compute_dtype)
 
     def pooled(self, quantity: str) -> torch.Tensor:
-        """The spread of ``quantity`` at each step, the largest within ``pool_steps`` steps of
-        it (:data:`torchparity.tolerance.KINDS` ``trajectory_band``)."""
+        """The spread of ``quantity`` at each step, the largest within ``pool_steps`` of it."""
         width = tolerance.KINDS["trajectory_band"].pool_steps
         x = self.spread[quantity]
         if not width or x.numel() == 0:
@@ -213,21 +192,18 @@ def _percent(headroom: float) -> str:
 
 def compare_trajectories(candidate: Trajectory, reference: Trajectory, band: NoiseBand, *,
                          compute_dtype: str | None = None) -> TrajectoryComparison:
-    """Judge ``candidate`` against ``reference`` step by step within ``band`` (see the module
-    docstring).
+    """Judge ``candidate`` against ``reference`` step by step within ``band``.
 
     Args:
         candidate: the run judged.
-        reference: the trajectory it should follow: the float64 golden, or the plain run
-            ``band`` was measured around. Both share the recipe; the reference has at least
-            the candidate's steps.
+        reference: the float64 golden, or the plain run ``band`` was measured around, with at
+            least the candidate's steps.
         band: the noise band around ``reference``.
         compute_dtype: sets the unit roundoff of the floor (default: the candidate's dtype).
 
     Returns:
-        The comparison. A candidate bit-equal to the reference is ``identical``; NaN or inf
-        where the reference is finite diverges, except a gradient overflow at a step where a
-        member of the band overflowed too (fp16 loss scaling), which is excused and noted.
+        The comparison: bit-equal is ``identical``; a non-finite value where the reference is
+        finite diverges, unless a band member overflowed at that step too (fp16 loss scaling).
     """
     _check_compatible([candidate, reference])
     steps = len(candidate.records)

@@ -1,7 +1,4 @@
-"""The base's side of ``train --model --diagnose --base REV``, run in the base's worktree in a
-process of its own: the weights of its float64 run as the divergent step starts and the trace
-of that step, and those weights loaded into the working tree's model.
-"""
+"""The base's side of ``train --model --diagnose --base REV``, in the base's worktree."""
 
 from __future__ import annotations
 
@@ -34,10 +31,7 @@ WEIGHTS_FILE, LAYOUT_FILE, TRACE_FOLDER = "weights.safetensors", "layout.json", 
 
 def record_step(subject: Subject, step: int, execution: Execution, folder: Path, *,
                 ops: str | None = None, ops_only: bool = False) -> Path:
-    """Write A's side of step ``step`` into ``folder``: the weights of the float64 run as the
-    step starts (and their layout, the step's inputs' checksum) and the trace of the step's
-    call in ``execution``'s parameter dtype under its reference attention, with the float64
-    golden.
+    """Write A's side of step ``step`` into ``folder``: its starting weights and its trace.
 
     Args:
         subject: A, the base's model and recipe.
@@ -69,16 +63,7 @@ def record_step(subject: Subject, step: int, execution: Execution, folder: Path,
 
 
 def load_base_weights(model: nn.Module, folder: Path) -> str | None:
-    """Copy the base's weights in ``folder`` into ``model``, renamed or fused ones paired by
-    name, order and shape.
-
-    Args:
-        model: B's model (its floating tensors are overwritten in place).
-        folder: what :func:`record_step` wrote at the base.
-
-    Returns:
-        None when every weight found its counterpart, else why not (one sentence).
-    """
+    """Copy the base's weights into ``model``; None, or why some found no counterpart."""
     layout = json.loads((folder / LAYOUT_FILE).read_text())["layout"]
     state = load_file(str(folder / WEIGHTS_FILE))
     own = state_layout(model)
@@ -94,15 +79,7 @@ def load_base_weights(model: nn.Module, folder: Path) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The base side in its own process (what ``train --model --diagnose --base`` runs in the
-    base's worktree).
-
-    Args:
-        argv: ``ENTRY STEP BACKEND DTYPE DEVICE FOLDER [--ops M [--ops-only]]``.
-
-    Returns:
-        The exit status: 0 recorded, 2 with the one-line error on stderr.
-    """
+    """The base side in its own process: ``ENTRY STEP BACKEND DTYPE DEVICE FOLDER [--ops M]``."""
     parser = argparse.ArgumentParser(prog="torchparity train --diagnose (base side)")
     for name in ("entry", "step", "backend", "dtype", "device", "folder"):
         parser.add_argument(name)

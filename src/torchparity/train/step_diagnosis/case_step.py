@@ -1,6 +1,4 @@
-"""A training step that parts from its reference, diagnosed module by module: both sides on
-the weights the reference has as the step starts, fed the step's batch and training loss.
-"""
+"""A zoo case's training step that parts, diagnosed module by module."""
 
 from __future__ import annotations
 
@@ -27,15 +25,9 @@ from torchparity.train.trainer import (
 
 def diagnose_step(config: TrainConfig, reference: Execution, candidate: Execution, step: int,
                   **diagnose_kwargs: Any) -> DiagnosisReport:
-    """Run :func:`torchparity.diagnose` on step ``step`` of ``config``.
-
-    Both sides get the same weights, the reference's as they enter the step, and the step's
-    global batch with the training loss; A runs under the reference execution's backend and
-    dtype mode, B under the candidate's. A module that diverges here is where the step's
-    forward or backward pass differs; a clean report points at the optimizer, clipping or
-    loss scaling instead. Returns the
-    :class:`~torchparity.diagnosis.reports.diagnosis.DiagnosisReport`.
-    """
+    """Diagnose step ``step`` of ``config``: both sides on the reference's weights."""
+    # fed the step's global batch and training loss; a clean report points at the optimizer,
+    # clipping or loss scaling instead
     if torch.device(candidate.device) != torch.device(reference.device):
         raise ValueError("diagnose_step compares executions on one device; got "
                          f"{reference.device} and {candidate.device}")
@@ -51,8 +43,7 @@ def diagnose_step(config: TrainConfig, reference: Execution, candidate: Executio
 
 
 def runs_as(execution: Execution) -> Callable[[], contextlib.AbstractContextManager]:
-    """A context factory that selects the execution's backend (none for a user's model's own
-    attention), autocast and TF32 setting."""
+    """A context factory selecting the execution's backend, autocast and TF32 setting."""
     @contextlib.contextmanager
     def select() -> Iterator[None]:
         mode = execution.mode

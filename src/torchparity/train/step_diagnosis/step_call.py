@@ -1,7 +1,4 @@
-"""The first call of the model in a user's training step, kept with the gradient the step's
-loss gave its output, and the runs that reach a step: what both sides of
-:mod:`~torchparity.train.step_diagnosis.user_step` are diagnosed on.
-"""
+"""The first call of the model in a user's training step, with its outputs' gradients."""
 
 from __future__ import annotations
 
@@ -23,8 +20,8 @@ from torchparity.train.user_model import UserRecipe, UserTrainer
 
 
 def a_execution(execution: Execution) -> Execution:
-    """A's execution: the model's own attention (or manual where a backend replaces it) in
-    B's dtype, so that A's own rounding sets B's budget."""
+    """A's execution: the model's own attention (or manual) in B's dtype."""
+    # A's own rounding then sets B's budget
     backend = OWN_ATTENTION if execution.backend == OWN_ATTENTION else "manual"
     return Execution(backend, execution.dtype, execution.device)
 
@@ -32,8 +29,7 @@ def a_execution(execution: Execution) -> Execution:
 
 @dataclass
 class StepCall:
-    """The first call of the model in a training step: its ``inputs`` and the gradient the
-    step's loss gave each floating output (by path); ``calls`` how many the step made."""
+    """The first call of the model in a training step and the gradients of its outputs."""
 
     inputs: Any
     gradients: dict[str, torch.Tensor]
@@ -60,15 +56,7 @@ class StepCall:
 
 
 def capture_call(trainer: UserTrainer, step: int) -> StepCall:
-    """Run step ``step`` on ``trainer`` and keep its first call of the model.
-
-    Args:
-        trainer: a trainer whose model holds the weights step ``step`` starts from.
-        step: the optimizer step (1-based) whose batch is taken.
-
-    Returns:
-        The :class:`StepCall`: the call's inputs and its outputs' gradients.
-    """
+    """Run step ``step`` on ``trainer`` and keep its first call of the model."""
     first = _FirstCall()
     handle = trainer.model.register_forward_hook(first, with_kwargs=True)
     try:
@@ -82,8 +70,7 @@ def capture_call(trainer: UserTrainer, step: int) -> StepCall:
 
 
 class _FirstCall:
-    """A forward hook counting the model's calls and keeping the first one's inputs and the
-    gradients its outputs receive (its one backward)."""
+    """A forward hook keeping the model's first call's inputs and its outputs' gradients."""
 
     def __init__(self) -> None:
         self.calls, self.inputs = 0, None

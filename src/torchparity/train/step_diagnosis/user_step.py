@@ -1,27 +1,10 @@
-"""A user's training step that leaves its noise band, drilled down: the stage where it parts
-(forward, backward or the optimizer update of named parameter groups), and for the forward or
-backward pass the module (and op) where it enters.
+"""A user's training step that leaves its band, drilled down to its stage and module.
 
-The stage is read off the quantities judged at the first divergent step k: weights that enter
-step k within the band, a loss out of it, say the forward pass; a loss within and a gradient
-norm out, the backward pass; both within and an update norm out, the optimizer update, per
-parameter group. No reference code is needed.
-
-The module needs a reference A on the weights the float64 run has as step k starts (trained
-k-1 steps by the recipe). A and B take the step's first call of the model, as the factory's
-``train_step`` (or the default step) makes it, and the step's own loss as a linear loss: the
-dot product of the output with the gradient the step's loss gave it in float64. Its gradient
-is the step's, so every module's gradient is too, whatever the loss and its normalisation.
-
-- Without a base, A is this very code in float64's weights under the reference execution,
-  B under the judged one (:func:`torchparity.diagnose`): what the execution changes, not the
-  code; the report says so.
-- With ``--base REV`` the base's code is A: :mod:`.base_side` runs in the base's worktree,
-  in a process of its own, and writes A's weights and the trace :func:`~.forward.record`
-  makes of its step (:func:`.base_side.record_step`); B loads A's weights (renamed or fused
-  ones paired as the goldens pair them, :mod:`torchparity.golden.renamed`) and is judged
-  against the trace (:func:`~.forward.diagnose_against`), its ops recorded at the base when a
-  module parts.
+The stage is read off the quantities judged at the first divergent step k. The module needs A
+on the weights the float64 run has as step k starts; A and B take the step's first call of the
+model with the step's own loss as a linear loss (the output dotted with the gradient the loss
+gave it in float64), so every module's gradient is the step's. Without a base, A is this code
+under the reference execution; with ``--base REV``, the base's code (:mod:`.base_side`).
 """
 
 from __future__ import annotations
@@ -66,9 +49,7 @@ _STAGES = {"loss": "forward", "grad_norm": "backward", "update_norm": "optimizer
 
 @dataclass
 class StepStage:
-    """Where step ``step`` parts, from its judged quantities: ``stage`` is ``forward``,
-    ``backward`` or ``optimizer``; ``groups`` the parameter groups whose gradient norm
-    (backward) or update norm (optimizer) left the band, with the share of it they used."""
+    """Where step ``step`` parts (forward, backward, optimizer), and the groups out of band."""
 
     step: int
     stage: str
@@ -77,8 +58,8 @@ class StepStage:
     groups: dict[str, float] = field(default_factory=dict)
 
     def sentence(self) -> str:
-        """``step 1 parts in the optimizer update of parameter group no_decay (2.9e+04x its
-        band)``."""
+        """``step 1 parts in the optimizer update of parameter group no_decay (2.9e+04x its band)``
+        """
         where = {"forward": "the forward pass (the loss)",
                  "backward": "the backward pass (the gradients)",
                  "optimizer": "the optimizer update"}[self.stage]
@@ -96,14 +77,7 @@ class StepStage:
 
 
 def step_stage(comparison: TrajectoryComparison) -> StepStage | None:
-    """The stage of the first divergent step of ``comparison``.
-
-    Args:
-        comparison: a run judged against its golden trajectory and noise band.
-
-    Returns:
-        The :class:`StepStage` of its first divergent step; None when every step is within.
-    """
+    """The stage of the first divergent step of ``comparison``; None when every step is within."""
     first = comparison.first_divergence
     if first is None:
         return None
@@ -117,9 +91,7 @@ def step_stage(comparison: TrajectoryComparison) -> StepStage | None:
 
 @dataclass
 class StepDiagnosis:
-    """The stage of a step that parts and, for the forward or backward pass, the module
-    diagnosis (``report``) or why there is none (``reason``); ``note`` what A was;
-    ``causes`` the changes of the optimizer's groups that explain the step."""
+    """The stage of a step that parts, and its module report or why there is none."""
 
     stage: StepStage
     report: DiagnosisReport | None = None
@@ -135,25 +107,11 @@ class StepDiagnosis:
 
 def group_causes(comparison: TrajectoryComparison, stage: StepStage,
                  changes: list[GroupChange]) -> list[GroupChange]:
-    """The changes of the optimizer's groups that explain the first divergent step.
-
-    A change acts from the update of its step on: one at an earlier step explains anything
-    the step measures; one at the step itself only its update norms, and, for a parameter
-    that changed group, the per-group gradient norms (of other members now). The loss and
-    total gradient norm of step 1 are measured before any update: no group change explains
-    them.
-
-    Args:
-        comparison: the run judged against its golden.
-        stage: the stage of its first divergent step.
-        changes: what :func:`~torchparity.train.optimizer_groups.compare_groups` found up to
-            that step.
-
-    Returns:
-        The changes that explain it, in the order given.
-    """
+    """The changes of the optimizer's groups that explain the first divergent step."""
     out = [p.quantity for p in comparison.points if p.step == stage.step and not p.ok]
 
+    # A change acts from its step's update on: an earlier one explains anything, one at the
+    # step only its update norms and, for a parameter that changed group, per-group gradients.
     def explains(change: GroupChange) -> bool:
         if change.step < stage.step:
             return True
@@ -173,13 +131,12 @@ def diagnose_user_step(subject: Subject, execution: Execution, stage: StepStage,
         subject: B, the model whose run parted.
         execution: how B's run was trained (backend, dtype, device).
         stage: the stage :func:`step_stage` found.
-        base: a folder :func:`.base_side.record_step` wrote at the base (A's weights and
-            its step's trace); None: A is ``subject`` itself under the reference execution.
-        more_ops: with ``base``, ``more_ops(modules)`` is a folder
-            :func:`.base_side.record_step` wrote at the base with A's ops of those modules.
+        base: A's weights and step trace, recorded at the base; None: A is ``subject`` itself
+            under the reference execution.
+        more_ops: with ``base``, the folder of A's ops of the given modules, recorded at the base.
 
     Returns:
-        The :class:`StepDiagnosis`: the module report, or the reason it has none.
+        The module report, or the reason it has none.
     """
     if stage.stage == "optimizer":
         return StepDiagnosis(stage, reason=f"the loss and gradients of step {stage.step} are "
