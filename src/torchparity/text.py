@@ -11,7 +11,7 @@ import textwrap
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rich.console import Console
+    from rich.console import Console, RenderableType
 
 #: The width of what torchparity prints where the output has none (a log, a pipe).
 WIDTH = 80
@@ -45,12 +45,14 @@ def wrapped(text: str, width: int = WIDTH) -> str:
     return "\n".join(wrap(text, width))
 
 
-def print_paragraph(console: Console, text: str) -> None:
-    """Print ``text`` wrapped to the console's width as rich wraps it, without the space rich
-    leaves at the end of a wrapped line (a CI log keeps it)."""
+def print_trimmed(console: Console, what: str | RenderableType) -> None:
+    """Print ``what`` (a str as plain text, never markup) as rich lays it out, without the
+    spaces rich leaves at the end of a wrapped line or a table's row (a CI log keeps them)."""
     from rich.text import Text
 
-    for line in Text(text).wrap(console, console.width):
+    renderable = Text(what) if isinstance(what, str) else what
+    for segments in console.render_lines(renderable, console.options, pad=False):
+        line = Text.assemble(*((s.text, s.style) for s in segments if not s.control))
         line.rstrip()
         console.print(line, no_wrap=True, overflow="ignore", crop=False)
 

@@ -16,6 +16,7 @@ from rich.table import Table
 from torchparity import backends
 from torchparity.commands.common import dtype_name, resolve_device
 from torchparity.dtypes import CASTABLE, DTYPES
+from torchparity.text import print_trimmed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
                 cells.append(f"[red]n/a[/] [{index}]")
         table.add_row(backend, *cells)
     console = Console()
-    console.print(table)
+    print_trimmed(console, table)
     for reason, index in notes.items():
-        console.print(f"[{index}] {reason}", markup=False)
-    console.print("ok: ran a causal call without a mask or a masked call; a model's calls are "
-                  "judged one by one.", markup=False)
+        print_trimmed(console, f"[{index}] {reason}")
+    print_trimmed(console, "ok: ran a causal call without a mask or a masked call; a model's "
+                           "calls are judged one by one.")
 
     if args.json:
         payload = {"device": device, "torch": torch.__version__, "available": results}

@@ -35,7 +35,7 @@ from torchparity.diagnosis.reports.sentence import (
     entry_note,
     forward_clause,
 )
-from torchparity.text import print_paragraph
+from torchparity.text import print_trimmed
 
 __all__ = ["AttributionReport", "DiagnosisReport", "Report", "Unit"]
 
@@ -60,7 +60,7 @@ class Report:
         """Print the report to ``console`` and write its JSON and HTML where asked."""
         warning = golden_warning(getattr(self.meta, "golden", ""))  # "": no golden used
         if warning:
-            print_paragraph(console, warning)
+            print_trimmed(console, warning)
         self.print(console)
         if json_path:
             self.to_json(json_path)
@@ -229,11 +229,11 @@ class DiagnosisReport(Report):
 
         console = console or Console()
         lines = self._lines(fold)
-        print_paragraph(console, " ".join(self.findings(ops=False)))
+        print_trimmed(console, " ".join(self.findings(ops=False)))
         print_lines(console, self.table_lines(console.width, fold=fold))
         shown = {line for line in lines if isinstance(line, int)}
         for line in self._footer(shown if len(shown) < len(self.rows) else None):
-            print_paragraph(console, line)
+            print_trimmed(console, line)
 
     def table_lines(self, width: int, *, fold: bool = True) -> list[tuple[str, str | None]]:
         """The rows as text lines of ``width`` columns, each with its rich style."""
@@ -399,9 +399,9 @@ class AttributionReport(Report):
         for unit in sorted(self.units, key=lambda u: -u.swap_in):
             table.add_row(unit.name, unit.kind, _percent(unit.share),
                           _percent(unit.leave_out_share))
-        console.print(table)
+        print_trimmed(console, table)
         for name, reason in self.skipped.items():
-            print_paragraph(console, f"not attributed: {name}: {reason}")
+            print_trimmed(console, f"not attributed: {name}: {reason}")
 
     def __str__(self) -> str:
         return self.render()

@@ -34,7 +34,7 @@ from torchparity.diagnosis.reports.meta import DecodeMeta
 from torchparity.diagnosis.reports.sentence import entered_by_reorder, entered_through
 from torchparity.diagnosis.core.results import Result, Row, headroom, shape_difference, share_cell
 from torchparity.pages import page
-from torchparity.text import print_paragraph
+from torchparity.text import print_trimmed
 
 __all__ = ["BeamSwap", "DecodeReport", "Flip"]
 
@@ -193,15 +193,15 @@ class DecodeReport(Report):
         from rich.console import Console
 
         console = console or Console()
-        say = lambda text: print_paragraph(console, text)  # noqa: E731
+        say = lambda what: print_trimmed(console, what)  # noqa: E731
         say(self.summary())
         if self.flips:
-            console.print(self._flips_table())
+            say(self._flips_table())
         if self.swaps:
-            console.print(self._swaps_table())
+            say(self._swaps_table())
         if self.nbest:
-            console.print(self._nbest_table())
-        console.print(self._steps_table())
+            say(self._nbest_table())
+        say(self._steps_table())
         if self.rows:
             say(f"Modules at step {self.first_step}, B against the golden (A as baseline)")
             print_lines(console, self._rows_lines(console.width))
