@@ -29,6 +29,7 @@ from torchparity.train.judged_model import (
 )
 from torchparity.train.sharded_training import judge_sharded_training, start_ranks
 from torchparity.train.trainer import OWN_ATTENTION, Execution, TrainConfig
+from torchparity.train.user_model import training_subject
 
 _ZOO = TrainConfig()
 #: The zoo's recipe options, which a factory's own recipe replaces, and their defaults.
@@ -69,8 +70,8 @@ def train_model(args: argparse.Namespace, console: Console) -> int:
                          "and noise band), --check (judge against them) or --base REV")
     backend = OWN_ATTENTION if args.backend is None else args.backend
     execution = Execution(backend, args.dtype, resolve_device(args.device))
-    plan = ModelPlan(args.model, args.steps, execution, golden_dir=golden_dir, json=args.json,
-                     diagnose=args.diagnose,
+    plan = ModelPlan(training_subject(args.model), args.steps, execution, golden_dir=golden_dir,
+                     json=args.json, diagnose=args.diagnose,
                      base_step=_base_step(side, args.model, execution) if side else None)
     if args.update_golden:
         update_model_golden(plan, console)

@@ -24,14 +24,14 @@ from torchparity.train.step_diagnosis.user_step import (
 )
 from torchparity.train.trainer import Execution, StepDone, Trajectory
 from torchparity.train.trajectory import TrajectoryComparison
-from torchparity.train.user_model import UserRecipe, training_subject
+from torchparity.train.user_model import UserRecipe
 
 
 @dataclass(frozen=True)
 class ModelPlan:
     """A user's model trained ``steps`` steps under ``execution`` and judged by its goldens."""
 
-    entry: str
+    subject: Subject  # loaded with its recipe (user_model.training_subject)
     steps: int
     execution: Execution
     golden_dir: str | None = None
@@ -44,7 +44,7 @@ class ModelPlan:
 
 def update_model_golden(plan: ModelPlan, console: Console) -> None:
     """Train the float64 trajectory and the noise ensemble, store them, say where."""
-    subject = training_subject(plan.entry)
+    subject = plan.subject
     store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
     runs = 1 + members_count(plan.execution)
     console.print(wrapped(f"training {subject.name} {plan.steps} steps in float64 and "
@@ -59,7 +59,7 @@ def update_model_golden(plan: ModelPlan, console: Console) -> None:
 
 def judge_model_training(plan: ModelPlan, console: Console) -> bool:
     """Train once, judge against the golden trajectory and band, print; True when within."""
-    subject = training_subject(plan.entry)
+    subject = plan.subject
     store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
     recipe = UserRecipe(subject.entry, plan.steps)
     bar = steps_bar(console, f"{subject.name} {plan.execution.label()}", plan.steps)

@@ -19,7 +19,7 @@ from torchparity.train import model_trajectories as mt
 from torchparity.train.judged_model import ModelPlan, show_verdict
 from torchparity.train.trainer import Execution, Trajectory
 from torchparity.train.trajectory import compare_trajectories
-from torchparity.train.user_model import UserRecipe, UserTrainer, check_hooks, training_subject
+from torchparity.train.user_model import UserRecipe, UserTrainer, check_hooks
 
 # Every rank builds the model as check --model --nproc does and trains it by the factory's
 # recipe on the step's whole batch; the golden stays one process's: nothing here writes one.
@@ -101,7 +101,7 @@ def judge_sharded_training(plan: ModelPlan, console: Console) -> bool:
     """On every rank: read the goldens, train sharded, judge; rank 0 prints and writes JSON."""
     import torch.distributed as dist
 
-    subject = training_subject(plan.entry)
+    subject = plan.subject
     check_hooks(subject)
     store = mt.trajectory_store(subject, plan.golden_dir, plan.execution, plan.steps)
     recipe = UserRecipe(subject.entry, plan.steps)
