@@ -316,14 +316,15 @@ def checksum_changes(goldens: dict[str, Golden], now: Mapping[str, str | None],
         for what, verdict in (("weights", "init changed"), ("inputs", "inputs changed")):
             if now[what] is not None and stored.get(what) != now[what]:
                 before, after = str(stored.get(what))[:19], now[what][:19]
-                differ = (f"differ from those its golden was made from ({before}... vs "
-                          f"{after}...)")
+                digests = f"{before}... vs {after}..."
                 tensors = named() if what == "weights" and named is not None else None
                 if tensors:
                     differ = f"differ from the goldens' {tensors}"
-                elif what == "weights" and named is not None:
-                    differ += ("; these goldens keep one checksum of all the weights: made "
-                               "anew, they name the tensors that differ")
+                else:
+                    if what == "weights" and named is not None:
+                        digests += ("; these goldens keep one checksum of all the weights: "
+                                    "made anew, they name the tensors that differ")
+                    differ = f"differ from those its golden was made from ({digests})"
                 changed[output] = (verdict, advice(what).format(differ=differ))
                 break
     return changed

@@ -25,7 +25,7 @@ from torch import nn
 from torchparity.errors import UsageError
 from torchparity.subject import hf
 from torchparity.subject.trees import PyTree
-from torchparity.text import wrapped
+from torchparity.text import with_article, wrapped
 
 #: ``step(model, tokens, state) -> (logits, state)``: one decoding step of a model.
 StepFn = Callable[[nn.Module, PyTree, PyTree], tuple[torch.Tensor, PyTree]]
@@ -167,7 +167,7 @@ def _describe(value: object) -> str:
         return f"a Tensor{tuple(value.shape)}"
     if isinstance(value, tuple):
         return f"a tuple of {len(value)}"
-    return "None" if value is None else f"a {type(value).__name__}"
+    return "None" if value is None else with_article(type(value).__name__)
 
 
 # --------------------------------------------------------------------------------------------

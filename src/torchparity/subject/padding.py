@@ -22,6 +22,7 @@ from torch import nn
 from torchparity.comparison.selection import LeftOut
 from torchparity.errors import UsageError
 from torchparity.subject.trees import PyTree
+from torchparity.text import with_article
 
 #: Input keys read as 1/0 padding masks, and the part of an encoder-decoder they belong to
 #: (``attention_mask`` is the encoder's in an encoder-decoder, else the model's one sequence).
@@ -233,7 +234,7 @@ def padding_of(spec: PaddingLike, inputs: PyTree, model: nn.Module | None = None
 def _checked(mask: object, label: str) -> torch.Tensor:
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
         what = (f"a {mask.dtype} tensor of shape {tuple(mask.shape)}"
-                if isinstance(mask, torch.Tensor) else f"a {type(mask).__name__}")
+                if isinstance(mask, torch.Tensor) else with_article(type(mask).__name__))
         hint = " (from a 1/0 attention_mask: attention_mask == 0)" if \
             isinstance(mask, torch.Tensor) and mask.dim() == 2 else ""
         raise UsageError(f"{label} must be a bool tensor (batch, sequence), True at padding; "
