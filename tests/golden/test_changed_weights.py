@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from torchparity.golden.changed_weights import changed_rows, changed_sentence, row_blocks
+from torchparity.golden.renamed import renaming
 
 
 def test_a_changed_row_of_a_long_tensor_is_placed_in_its_block():
@@ -29,3 +30,27 @@ def test_the_sentence_names_a_few_tensors_then_counts_the_rest():
     assert changed_sentence(changed, None, layout) == (
         "in 5 of 6 tensors: blocks.0.ln1.weight, blocks.1.ln1.weight, blocks.2.ln1.weight "
         "and 2 more")
+
+
+def test_a_split_part_is_named_by_its_rows_and_a_shared_block_names_both_parts():
+    # Goldens of one qkv of 200 rows (blocks of 4 rows); the model's q, k, v of 100, 50, 50
+    # rows: v starts at row 150, inside the block of rows 148-151.
+    paired = renaming({"qkv.weight": [200, 2]},
+                      {"q.weight": [100, 2], "k.weight": [50, 2], "v.weight": [50, 2]})
+    draws = torch.Generator().manual_seed(0)
+    parts = {name: torch.randn(rows, 2, generator=draws, dtype=torch.float64)
+             for name, rows in (("q.weight", 100), ("k.weight", 50), ("v.weight", 50))}
+    layout = {name: list(tensor.shape) for name, tensor in parts.items()}
+    stored = row_blocks(paired.golden_state(parts, layout), ["qkv.weight"])
+
+    def named(part: str, row: int) -> str:
+        moved = {name: tensor.clone() for name, tensor in parts.items()}
+        moved[part][row] *= 1.01
+        changed = changed_rows(stored, paired.golden_state(moved, layout))
+        return changed_sentence(changed, paired, layout)
+
+    assert named("k.weight", 20) == (
+        "in 1 of 3 tensors: k.weight (the goldens' qkv.weight rows 100-149)")
+    assert named("v.weight", 1) == (
+        "in 2 of 3 tensors: k.weight (the goldens' qkv.weight rows 100-149), v.weight (the "
+        "goldens' qkv.weight rows 150-199)")
