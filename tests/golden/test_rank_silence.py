@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 from torch.distributed import HashStore
 
+from torchparity.cli import main
 from torchparity.distributed import launch
 from torchparity.distributed.heartbeat import LATE_SECONDS, Heartbeat
 from torchparity.errors import TorchParityError
+
+MODELS = Path(__file__).resolve().parents[1] / "sharded_models.py"
 
 
 class Clock:
@@ -123,3 +126,25 @@ def test_a_stopped_rank_ends_the_run_well_before_the_collective_timeout(tmp_path
     assert timeout / 2 <= int(silence.group(1)) < timeout
     assert after < timeout, f"{after:.1f}s after the stop"
     assert not leftover(module)
+
+
+@pytest.mark.slow
+@pytest.mark.transformers
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="looks for leftovers in /proc")
+def test_diagnose_across_ranks_names_a_stopped_rank_in_one_line(tmp_path, capsys, monkeypatch):
+    # Rank 1 stops inside its forward, between two collectives; against a trace of the same
+    # model recorded in one process.
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TORCHPARITY_COLLECTIVE_TIMEOUT", "30")
+    trace = tmp_path / "mine.tptrace"
+    assert main(["record", f"{MODELS}:mine_tp", "-o", str(trace)]) == 0
+    capsys.readouterr()
+    stops = f"{MODELS}:mine_rank_one_stops"
+    assert main(["diagnose", stops, "--nproc", "2", "--against", str(trace)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    # 10 s of silence (or a second more), well inside the 30 s a collective would wait
+    assert re.fullmatch(r"torchparity diagnose: error: rank 1 has not answered for 1[01]s "
+                        r"\(stopped, or frozen\) at the forward and backward of the diagnosed "
+                        r"model; every rank was stopped", err[0]), err[0]
+    assert not leftover(f"{stops} ")

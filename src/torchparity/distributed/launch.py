@@ -109,7 +109,8 @@ def launch(module: str, args: list[str], *, nproc: int, timeout: float,
         outcome = _recorded_outcome(errors)
         died = _died(stderr_path.read_text(), errors) if code != 0 else None
         if code != 0 and (died or outcome is None or outcome.status == 0):
-            failure = (_first_failure(errors) or died or _tail(stderr_path.read_text()))
+            # a rank that died first is the cause; the others' errors follow from it
+            failure = died or _first_failure(errors) or _tail(stderr_path.read_text())
             raise TorchParityError(f"torchrun failed with exit status {code}: {failure}")
         return outcome or RankOutcome()
 
@@ -225,10 +226,11 @@ def _recorded_outcome(errors: Path) -> RankOutcome | None:
 
 def _died(stderr: str, errors: Path) -> str | None:
     """``rank N died (...)`` when the root cause torchrun reports is a worker that ended
-    without a word (killed: it recorded no outcome), else None."""
+    without a word (killed: it recorded no outcome nor error), else None."""
     cause = stderr.rpartition("Root Cause")[2]
     rank = re.search(r"^\s*rank\s*:\s*(\d+)", cause, re.M)
-    if rank and (errors / f"rank{rank.group(1)}.outcome").exists():
+    if rank and any((errors / f"rank{rank.group(1)}.{kind}").exists()
+                    for kind in ("outcome", "error")):
         return None
     how = re.search(r"^\s*traceback\s*:\s*(Signal [^\n]*)", cause, re.M) or re.search(
         r"^\s*exitcode\s*:\s*(-?\d+)", cause, re.M)
