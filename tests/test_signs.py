@@ -122,9 +122,13 @@ def _same(stated: str, default: object) -> bool:
 
 
 @pytest.mark.parametrize("name", cli.COMMANDS)
-def test_every_stated_default_is_the_parsers(name):
+def test_every_help_prints_and_states_the_parsers_defaults(name, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # a CI log
     wrong = []
     for command, parser in _parsers(name).items():
+        lines = parser.format_help().splitlines()
+        assert lines[0].startswith(f"usage: torchparity {command}")
+        assert [line for line in lines if len(line) > 80 and " " in line.strip()] == []
         for action in parser._actions:
             if action.default is None or action.default is False or not action.help:
                 continue  # decided when the command runs, or a flag

@@ -46,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(docs/training.md)")
     parser.add_argument("--steps", type=int, default=_DEFAULTS.steps,
                         help=f"optimizer steps (default {_DEFAULTS.steps})")
-    parser.add_argument("--backend", choices=backends.names(),
-                        help="attention backend (default manual; with --model the model's "
-                             "own attention)")
+    parser.add_argument("--backend", choices=backends.names(), metavar="NAME",
+                        help=f"attention backend: {', '.join(backends.names())} (default "
+                             "manual; with --model the model's own attention)")
     parser.add_argument("--dtype", default="fp32", type=dtype_name, choices=list(DTYPE_MODES),
                         help="fp64, fp32 (TF32 off), tf32, bf16 or fp16 (autocast with fp32 "
                              "master weights; fp16 with a grad scaler); default fp32")

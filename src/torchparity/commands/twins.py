@@ -27,22 +27,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", action="append", type=dtype_name, choices=CASTABLE,
                         help="dtype of the candidate (repeatable, drawn from; default fp32)")
     parser.add_argument("--backend", action="append", choices=[AS_WRITTEN, *backend_names()],
-                        help=f"attention backend of the candidate (repeatable, drawn from; "
-                             f"default {AS_WRITTEN}: the module as written)")
+                        metavar="NAME",
+                        help=f"attention backend of the candidate: {AS_WRITTEN} (the module as "
+                             f"written), {', '.join(backend_names())} (repeatable, drawn "
+                             f"from; default {AS_WRITTEN})")
     parser.add_argument("--weight-map", metavar="ENTRY",
                         help="file.py:name of a function from the old state_dict to the new "
                              "one (default: the same names)")
     parser.add_argument("--cache", action="append", default=[], metavar="ENTRY",
                         help="cache factory of a decoding twin, passed as cache=; give it "
                              "twice for the old side's and the new side's")
-    parser.add_argument("--mask", default="key-padding", choices=MASKS,
-                        help="mask convention of --inputs attention (default key-padding)")
+    parser.add_argument("--mask", default="key-padding", choices=MASKS, metavar="KIND",
+                        help=f"mask convention of --inputs attention: {', '.join(MASKS)} "
+                             f"(default key-padding)")
     parser.add_argument("--positions", metavar="LO,HI",
                         help="--inputs attention also passes position_ids from an offset "
                              "drawn in [LO, HI]")
     parser.add_argument("--examples", type=int, default=100, metavar="N",
                         help="examples of a search (default 100)")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed of a single check")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="weight seed of a single check (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:
