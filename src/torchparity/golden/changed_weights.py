@@ -41,9 +41,14 @@ def row_blocks(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> dic
         names: those hashed, in the order they are read (the same on every rank).
 
     Returns:
-        Name -> ``{"block_rows": rows per block, "blocks": digests}``.
+        Name -> ``{"block_rows": rows per block, "blocks": the blocks' digests joined}``.
     """
-    return {name: _blocks(tensors[name], _block_rows(tensors[name])) for name in names}
+    blocks = {}
+    for name in names:
+        tensor = tensors[name]
+        per_block = _block_rows(tensor)
+        blocks[name] = {"block_rows": per_block, "blocks": "".join(_digests(tensor, per_block))}
+    return blocks
 
 
 def changed_rows(stored: Mapping[str, Blocks], tensors: Mapping[str, torch.Tensor]
@@ -60,18 +65,18 @@ def changed_rows(stored: Mapping[str, Blocks], tensors: Mapping[str, torch.Tenso
     """
     changed = {}
     for name, recorded in stored.items():
+        per_block, joined = int(recorded["block_rows"]), str(recorded["blocks"])
+        before = [joined[i:i + DIGITS] for i in range(0, len(joined), DIGITS)]
         tensor = tensors.get(name)
-        rows = int(recorded["block_rows"])
-        now = _blocks(tensor, rows)["blocks"] if tensor is not None else ""
-        before = str(recorded["blocks"])
+        now = _digests(tensor, per_block) if tensor is not None else []
         if now == before:
             continue
-        count = len(before) // DIGITS
         if len(now) != len(before):
-            changed[name] = [range(0, count * rows)]
+            changed[name] = [range(0, len(before) * per_block)]
             continue
-        changed[name] = [range(i * rows, (i + 1) * rows) for i in range(count)
-                         if now[i * DIGITS:(i + 1) * DIGITS] != before[i * DIGITS:(i + 1) * DIGITS]]
+        changed[name] = [range(i * per_block, (i + 1) * per_block)
+                         for i, (old, new) in enumerate(zip(before, now, strict=True))
+                         if old != new]
     return changed
 
 
@@ -134,7 +139,7 @@ def _block_rows(tensor: torch.Tensor) -> int:
     return per_block
 
 
-def _blocks(tensor: torch.Tensor, per_block: int) -> Blocks:
+def _digests(tensor: torch.Tensor, per_block: int) -> list[str]:
     """``tensor``'s rows hashed ``per_block`` at a time, each block with its dtype and shape."""
     rows = tensor.reshape(1, *tensor.shape) if not tensor.dim() else tensor
     target = torch.float64 if tensor.is_floating_point() else tensor.dtype
@@ -145,4 +150,4 @@ def _blocks(tensor: torch.Tensor, per_block: int) -> Blocks:
             f"{str(target).removeprefix('torch.')}|{list(block.shape)}|".encode())
         digests.update(digest, block, target)
         hashed.append(digest.hexdigest()[:DIGITS])
-    return {"block_rows": per_block, "blocks": "".join(hashed)}
+    return hashed
