@@ -7,12 +7,17 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import io
 import math
 import re
 from pathlib import Path
 
 import pytest
+import torch
+from rich.console import Console
+from torch import nn
 
+import torchparity as tp
 from torchparity import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,23 +179,14 @@ def test_the_exit_status_table_has_every_status_the_code_returns():
 
 
 def test_a_diagnosis_prints_no_line_that_ends_in_a_space():
-    # A CI log keeps the space rich leaves where it wraps a line.
-    import io
-
-    import torch
-    from rich.console import Console
-    from torch import nn
-
-    import torchparity as tp
-
+    # A CI log keeps the space rich leaves where it wraps a line or pads a table's row.
     def model(scale: float) -> nn.Module:
-        torch.manual_seed(0)
-        layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        layers = tp.init_weights(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)), 0)
         with torch.no_grad():
             layers[2].weight.mul_(scale)
         return layers
 
-    report = tp.diagnose(model(1.0), model(1.01), (torch.randn(2, 8),))
+    report = tp.diagnose(model(1.0), model(1.01), (tp.random_tensor((2, 8), 1),))
     out = io.StringIO()
     report.print(Console(file=out, width=80))
     lines = out.getvalue().splitlines()
