@@ -57,9 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_decode_arguments(parser)
     parser.add_argument("--name-map", action="append", metavar="REGEX=REPLACEMENT",
                         help="map A's module names to B's (regex on A's whole name); repeatable")
-    parser.add_argument("--backend-a", metavar="NAME",
-                        help="attention backend for A (not with --against)")
-    parser.add_argument("--backend-b", metavar="NAME", help="attention backend for B")
+    parser.add_argument("--backend-a", help="attention backend for A (not with --against)")
+    parser.add_argument("--backend-b", help="attention backend for B")
     parser.add_argument("--compile-b", nargs="?", const="dynamic", choices=tuple(MODES),
                         metavar="FORM",
                         help="run B by torch.compile (FORM dynamic, the default, or static) "
