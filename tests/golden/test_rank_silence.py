@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -106,16 +108,26 @@ def leftover(marker: str) -> list[str]:
     return found
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="looks for leftovers in /proc")
-def test_a_stopped_rank_ends_the_run_well_before_the_collective_timeout(tmp_path, monkeypatch):
-    timeout = 8.0  # a silence of 4 s ends the run: half of it
-    monkeypatch.setenv("TORCHPARITY_COLLECTIVE_TIMEOUT", str(timeout))
+#: Seconds a collective waits in the script: a silence of 4 s (half of it) ends the run.
+TIMEOUT = 8.0
+
+
+@pytest.fixture
+def ranks_script(tmp_path, monkeypatch) -> tuple[str, Path]:
+    """The module the ranks run (named after this process, to look for leftovers by), and
+    the file in which rank 1 notes when it stopped."""
+    monkeypatch.setenv("TORCHPARITY_COLLECTIVE_TIMEOUT", str(TIMEOUT))
     module = f"silent_rank_{os.getpid()}"
     (tmp_path / f"{module}.py").write_text(RANKS_SCRIPT)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p))
-    stopped_at = tmp_path / "stopped"
+    return module, tmp_path / "stopped"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="looks for leftovers in /proc")
+def test_a_stopped_rank_ends_the_run_well_before_the_collective_timeout(ranks_script):
+    module, stopped_at = ranks_script
     with pytest.raises(TorchParityError) as failed:
         launch.launch(module, [str(stopped_at)], nproc=2, timeout=300)
     after = time.time() - float(stopped_at.read_text())
@@ -123,8 +135,28 @@ def test_a_stopped_rank_ends_the_run_well_before_the_collective_timeout(tmp_path
     silence = re.fullmatch(r"rank 1 has not answered for (\d+)s \(stopped, or frozen\) at the "
                            r"stopped phase; every rank was stopped", said)
     assert silence, said
-    assert timeout / 2 <= int(silence.group(1)) < timeout
-    assert after < timeout, f"{after:.1f}s after the stop"
+    assert TIMEOUT / 2 <= int(silence.group(1)) < TIMEOUT
+    assert after < TIMEOUT, f"{after:.1f}s after the stop"
+    assert not leftover(module)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="looks for leftovers in /proc")
+def test_under_your_own_torchrun_the_stopped_rank_is_killed_by_the_rank_that_names_it(
+        ranks_script):
+    # torchrun itself would send the stopped rank SIGTERM, which a stopped process does not
+    # heed, and SIGKILL only 30 s later.
+    module, stopped_at = ranks_script
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m",
+                          module, str(stopped_at)], capture_output=True, text=True, timeout=300)
+    after = time.time() - float(stopped_at.read_text())
+    named = [line for line in run.stderr.splitlines() if "has not answered" in line]
+    assert run.returncode != 0
+    assert len(named) == 1 and re.fullmatch(
+        r"torchparity test: rank 0: error: rank 1 has not answered for \d+s \(stopped, or "
+        r"frozen\) at the stopped phase; ending the run", named[0]), run.stderr
+    assert after < 30.0, f"{after:.1f}s after the stop"
     assert not leftover(module)
 
 

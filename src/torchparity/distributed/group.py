@@ -9,6 +9,8 @@ import contextlib
 import datetime
 import functools
 import os
+import signal
+import socket
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -116,6 +118,7 @@ def join(prog: str = "torchparity") -> None:
                                 device_id=torch.device("cuda", local))
     else:
         dist.init_process_group("gloo", timeout=timeout)
+    _store().set(f"{_PROCESS_KEY}{rank()}", f"{socket.gethostname()} {os.getpid()}")
     global _heartbeat
     _heartbeat = heartbeat.Heartbeat(_store(), rank(), world_size())
     _watching.set()
@@ -143,9 +146,10 @@ def silence_limit() -> float:
 
 
 def _end_on_silence(prog: str, store: Store, silent: dict[int, float]) -> None:
-    """End this rank (exit 2) with one line naming the ranks not heard, and where they were;
-    the line is left for the launcher (:func:`~torchparity.distributed.launch.record_silence`).
-    Ranks that have left are not waited for, and so not named."""
+    """End the run: one line naming the ranks not heard, and where they were (left for the
+    launcher too: :func:`~torchparity.distributed.launch.record_silence`), those ranks killed
+    where they run on this machine, and this rank ended (exit 2). Ranks that have left are not
+    waited for, and so not named."""
     from torchparity.distributed import launch
 
     named = {other: seconds for other, seconds in silent.items()
@@ -154,8 +158,21 @@ def _end_on_silence(prog: str, store: Store, silent: dict[int, float]) -> None:
         return
     said = ", ".join(_not_answering(store, other, seconds) for other, seconds in named.items())
     launch.record_silence(rank(), said)
-    print(f"{prog}: rank {rank()}: error: {said}; this rank ends", file=sys.stderr, flush=True)
+    print(f"{prog}: rank {rank()}: error: {said}; ending the run", file=sys.stderr, flush=True)
+    for other in named:
+        _kill_if_here(store, other)
     os._exit(2)  # as a timed-out collective would; atexit's leave() would wait for the rank
+
+
+def _kill_if_here(store: Store, other: int) -> None:
+    """SIGKILL rank ``other`` where it runs on this machine: a stopped process heeds no other
+    signal, and torchrun would first send it SIGTERM and wait 30 s."""
+    key = f"{_PROCESS_KEY}{other}"
+    if store.check([key]):
+        host, _, pid = store.get(key).decode().rpartition(" ")
+        if host == socket.gethostname():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 def leave() -> None:
@@ -224,6 +241,8 @@ def together(what: str) -> None:
 
 _PHASE_KEY = "torchparity/phase/"
 _LEFT_KEY = "torchparity/left/"
+#: Where each rank runs: ``host pid``.
+_PROCESS_KEY = "torchparity/process/"
 
 
 def mark(phase: str) -> None:
