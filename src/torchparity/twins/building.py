@@ -1,23 +1,16 @@
 """Both implementations built with the same weights.
 
-``old`` and ``new`` are each a module, or a class or factory that makes one from the
-constructor arguments ``init``. Modules given as they are keep their weights (they are taken to
-be equal in meaning already). A module the check builds itself is filled: the old one with
-:func:`~torchparity.subject.weights.init_weights` of ``seed``, the new one with the old one's
-weights through ``weight_map`` (same names when there is none).
-
-``weight_map`` is a dict ``{new name: old name}`` (a list of old names for a tensor that is
-theirs concatenated along dimension 0, a fused projection), or a function from the old
-``state_dict`` to the new one. A dict also brings the new module's gradients back to the old
-one's names, so that parameter gradients are compared too; with a function only those of the
-tensors it returns unchanged are.
+A module built here is filled: the old one by ``init_weights(seed)``, the new one from the old
+one's by ``weight_map``: ``{new name: old name}`` (a list of old names concatenated along
+dimension 0: a fused projection), or a function of the old ``state_dict``. Modules given as they
+are keep their weights.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -30,7 +23,7 @@ WeightMap: TypeAlias = Mapping[str, str | Sequence[str]] | Callable[[dict], dict
 Tensors: TypeAlias = dict[str, torch.Tensor]
 
 
-def build(old: Buildable, new: Buildable, *, init: Mapping[str, Any] | None = None,
+def build(old: Buildable, new: Buildable, *, init: Mapping[str, object] | None = None,
           seed: int = 0, weight_map: WeightMap | None = None) -> tuple[nn.Module, nn.Module]:
     """The old and the new module, in float32 unless given otherwise, with the same weights."""
     old_module = _make(old, init, "old")
@@ -42,7 +35,7 @@ def build(old: Buildable, new: Buildable, *, init: Mapping[str, Any] | None = No
     return old_module, new_module
 
 
-def _make(side: Buildable, init: Mapping[str, Any] | None, label: str) -> nn.Module:
+def _make(side: Buildable, init: Mapping[str, object] | None, label: str) -> nn.Module:
     if isinstance(side, nn.Module):
         return side
     if not callable(side):
@@ -101,9 +94,9 @@ def load(module: nn.Module, state: Tensors) -> None:
 
 
 def old_layout(grads: Tensors, weight_map: WeightMap | None, old_state: Tensors) -> Tensors:
-    """The new module's parameter gradients under the old one's names: split where the map
-    concatenated; with a map function, only those of the tensors it passes through as they
-    are (the same objects), whose layout it cannot have changed."""
+    """The new module's parameter gradients under the old one's names, split where map joined."""
+    # a map function: only tensors it passes through unchanged (the same objects), whose layout it
+    # cannot have changed
     if callable(weight_map):
         converted = weight_map(dict(old_state))
         return {name: g for name, g in grads.items()

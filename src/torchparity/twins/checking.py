@@ -1,11 +1,9 @@
-"""One twin check: build both implementations, run the golden, the baselines, the candidate
-and its rerun, and judge (:func:`check`, :func:`assert_twins`)."""
+"""One twin check: build both, run the golden, baselines, candidate and its rerun, and judge."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
 
 import torch
 
@@ -19,15 +17,13 @@ from torchparity.twins.building import Buildable, WeightMap
 from torchparity.twins.judging import TwinVerdict, judge_twins
 from torchparity.twins.running import Inputs, Steps
 
-CacheFactory = Callable[[], Any]
+CacheFactory = Callable[[], object]
 
 
 class TwinFailure(AssertionError):
-    """A failed twin check: the message explains it, and ends with the reproducer
-    ``reproduce`` writes; ``verdict`` and ``example`` (the arguments of the check:
-    ``inputs``, ``init``, ``dtype``, ...) say what failed where."""
+    """A failed twin check, ending with the reproducer; ``verdict`` and ``example`` say what."""
 
-    def __init__(self, verdict: TwinVerdict, example: dict[str, Any],
+    def __init__(self, verdict: TwinVerdict, example: dict[str, object],
                  reproduce: Callable[[], str]) -> None:
         super().__init__(verdict.explain())
         self.verdict, self.example = verdict, example
@@ -42,33 +38,22 @@ class TwinFailure(AssertionError):
 
 @dataclass(frozen=True)
 class TwinOptions:
-    """How two implementations are run and judged (see :func:`assert_twins` for each).
-
-    Attributes:
-        dtype: the dtype both run in (the golden in float64).
-        backend: the new side's attention backend (a name of
-            :func:`torchparity.backends.names`; None: as written).
-        init: the constructor arguments of a class or factory.
-        seed: the seed the weights are filled from.
-        weight_map: how the new side's weights come from the old side's.
-        grads: judge gradients too.
-        padding: bool, True at padded positions, left out of the judgement and the backward.
-        cache: a decoding twin's cache factory, or a pair (the old side's, the new side's).
-        device: where everything runs.
-    """
+    """How two implementations are run and judged (see :func:`assert_twins` for each field)."""
 
     dtype: str | torch.dtype = "fp32"
-    backend: str | None = None
-    init: Mapping[str, Any] | None = None
+    backend: str | None = None  # the new side's (torchparity.backends.names); None: as written
+    init: Mapping[str, object] | None = None
     seed: int = 0
     weight_map: WeightMap | None = None
     grads: bool = True
+    # bool, True at padded positions: out of the judgement and the backward
     padding: torch.Tensor | None = None
+    # a factory, or a pair: the old side's and the new side's
     cache: CacheFactory | tuple[CacheFactory, CacheFactory] | None = None
     device: str | torch.device = "cpu"
 
     @classmethod
-    def of(cls, options: TwinOptions | None, keywords: Mapping[str, Any]) -> TwinOptions:
+    def of(cls, options: TwinOptions | None, keywords: Mapping[str, object]) -> TwinOptions:
         """``options`` (the defaults when None) with ``keywords`` replacing its fields."""
         unknown = sorted(set(keywords) - {f.name for f in fields(cls)})
         if unknown:
@@ -76,7 +61,7 @@ class TwinOptions:
                              f"{', '.join(f.name for f in fields(cls))}")
         return replace(options or cls(), **keywords)
 
-    def for_reproducer(self) -> dict[str, Any]:
+    def for_reproducer(self) -> dict[str, object]:
         """The options as the reproducer script writes them."""
         return dict(dtype=dtype_name(self.dtype), backend=self.backend, init=self.init,
                     seed=self.seed, weight_map=self.weight_map, grads=self.grads,
@@ -85,7 +70,7 @@ class TwinOptions:
 
 
 def check(old: Buildable, new: Buildable, inputs: Inputs, options: TwinOptions | None = None,
-          **keywords: Any) -> TwinVerdict:
+          **keywords: object) -> TwinVerdict:
     """The verdict on ``new`` against ``old`` on ``inputs``; see :func:`assert_twins`."""
     o = TwinOptions.of(options, keywords)
     backend, device, padding, weight_map = o.backend, o.device, o.padding, o.weight_map
@@ -134,37 +119,26 @@ def check(old: Buildable, new: Buildable, inputs: Inputs, options: TwinOptions |
 
 
 def assert_twins(old: Buildable, new: Buildable, inputs: Inputs,
-                 options: TwinOptions | None = None, **keywords: Any) -> TwinVerdict:
-    """Check that ``new`` computes what ``old`` does on ``inputs``, within the rounding the
-    tolerance model allows; raise :class:`TwinFailure` (an ``AssertionError``) with the
-    explanation (and a standalone reproducer script where both sides can be rebuilt) when it
-    does not.
+                 options: TwinOptions | None = None, **keywords: object) -> TwinVerdict:
+    """Check that ``new`` computes what ``old`` does on ``inputs``, within the rounding allowed.
 
-    ``old`` and ``new`` are modules (weights taken as equal in meaning), or classes or
-    factories built with ``**init`` and filled from ``seed``; the new one gets the old one's
-    weights through ``weight_map`` (see :mod:`torchparity.twins.building`). ``inputs`` is a
-    tuple of positional arguments, a dict of keyword arguments, or :class:`Steps` of them for a
-    decoding twin, called step by step, each side with its own cache from ``cache`` (a factory,
-    or a pair: the old side's and the new side's) passed as the keyword ``cache``.
-
-    The old implementation runs in float64 (the golden, on the weights and inputs rounded to
-    ``dtype``) and in ``dtype`` (the baseline), the new one in ``dtype`` on ``backend`` (a name
-    of :func:`torchparity.backends.names`; None: as written) and again on weights moved by one
-    rounding (its own rounding). With ``grads`` the gradients of a fixed random projection of
-    the outputs both return, with respect to floating inputs (not masks or biases) and
-    parameters, are judged too. ``padding`` (bool, True at padded positions, leading
-    dimensions of the outputs) leaves padded positions out of the judgement and the backward.
-    Everything runs on ``device`` (the modules are built on the CPU, then copied there).
+    ``old`` and ``new`` are modules (weights taken as equal in meaning), or classes or factories
+    built with ``**init`` and filled from ``seed``, the new one through ``weight_map``. The old
+    one runs in float64 (the golden) and in ``dtype`` (the baseline), the new one in ``dtype`` on
+    ``backend`` and again on weights moved by one rounding. With ``grads`` the gradients of a
+    fixed projection of the shared outputs, by floating inputs and parameters, are judged too.
 
     Args:
         old, new: the two implementations (modules, classes or factories).
-        inputs: a tuple of positional arguments, a dict of keyword arguments, or
-            :class:`Steps`.
-        options: a :class:`TwinOptions`; its fields may also be given as keywords
-            (``dtype="bf16"``), which replace those of ``options``.
+        inputs: a tuple of positional arguments, a dict of keyword arguments, or :class:`Steps`
+            of them for a decoding twin, each side with its own ``cache`` keyword.
+        options: a :class:`TwinOptions`; keywords (``dtype="bf16"``) replace its fields.
 
     Returns:
         The verdict, when it passes.
+
+    Raises:
+        TwinFailure: an ``AssertionError`` explaining it, with a reproducer where both rebuild.
     """
     o = TwinOptions.of(options, keywords)
     verdict = check(old, new, inputs, o)

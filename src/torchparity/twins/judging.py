@@ -1,22 +1,19 @@
 """The verdict on a candidate: the comparison engine applied to outputs and gradients.
 
-As in the reference's property suite, the candidate (the new implementation in the dtype) is
-compared with the golden (the old one in float64) under the budget a baseline earns (the old
-one in the dtype), with its own rounding measured by a rerun on weights moved by one rounding.
-There may be several baselines (the old implementation as it is and on the candidate's
-backend): each is one draw of the dtype's rounding, and the candidate passes when it stays
-within the budget of one of them.
+The candidate (new, in the dtype) is compared with the golden (old, in float64) under the budget
+a baseline (old, in the dtype) earns, its own rounding measured by a rerun; it passes within the
+budget of one of the baselines (as written, and on the candidate's backend).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from torchparity.comparison import Comparison, compare
+from torchparity.subject.trees import PyTree
 from torchparity.text import wrapped
 from torchparity.twins.running import Run
 
@@ -38,8 +35,7 @@ class TwinVerdict:
         return self.ok
 
     def explain(self) -> str:
-        """What was compared and, for each part, the comparison's own explanation, in lines
-        of at most 80 columns."""
+        """What was compared and each part's explanation, in lines of at most 80 columns."""
         where = f"{self.dtype}" + (f" on {self.backend}" if self.backend else "")
         parts = [f"twins in {where}: {'pass' if self.ok else 'FAIL'}",
                  "outputs: " + self.forward.explain()]
@@ -62,8 +58,8 @@ def judge_twins(candidate: Run, golden: Run, baselines: list[Run], rerun: Run, *
     return TwinVerdict(forward, grads, dtype, backend)
 
 
-def _best(candidate: Any, golden: Any, baselines: list[Any], rerun: Any, kind: str,
-          padding: torch.Tensor | None) -> Comparison:
+def _best(candidate: PyTree, golden: PyTree, baselines: list[PyTree], rerun: PyTree,
+          kind: str, padding: torch.Tensor | None) -> Comparison:
     """The first baseline's comparison that passes, else the first one's."""
     results = [compare(candidate, golden, baseline, kind, reruns=[rerun], padding=padding)
                for baseline in baselines]
@@ -71,8 +67,7 @@ def _best(candidate: Any, golden: Any, baselines: list[Any], rerun: Any, kind: s
 
 
 def _shared_grads(a: dict, b: dict) -> Callable[[dict], dict]:
-    """Gradients are compared under the names both sides have (a map function may leave some
-    of the new module's parameters without an old name)."""
+    """Gradients compared under the names both sides have (a map may leave some unnamed)."""
     names = {group: set(a[group]) & set(b[group]) for group in a}
 
     def select(grads: dict) -> dict:

@@ -1,11 +1,8 @@
 """A standalone script that rebuilds both implementations and reruns a failing twin check.
 
-Classes, factories, weight-map functions and cache factories are named by their file and
-name (``path/to/file.py:Name``, loaded as ``torchparity check --model`` loads factories), so
-the script runs from any folder while the file is there; tensors are written out in full.
-Module instances are saved instead, with the inputs, into a folder beside the script (their
-classes are imported from where they were defined). Objects the script cannot rebuild (a
-lambda, a function defined inside another) are named in one line instead of the script.
+Classes and functions are named by file and name, loaded as factories are; tensors are written in
+full; module instances are saved with the inputs in a folder beside it; what it cannot rebuild (a
+lambda, a nested function) is named in one line instead of the script.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import inspect
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -36,7 +32,7 @@ class NotRebuildable(ValueError):
     """An argument of the check that a script cannot name."""
 
 
-def entry(obj: Any, label: str) -> str:
+def entry(obj: object, label: str) -> str:
     """``path/to/file.py:Name`` of a class or function defined at the top of a file."""
     name = getattr(obj, "__qualname__", "")
     try:
@@ -49,11 +45,9 @@ def entry(obj: Any, label: str) -> str:
     return f"{path}:{name}"
 
 
-def script(old: Any, new: Any, inputs: Any, options: dict[str, Any],
+def script(old: object, new: object, inputs: object, options: dict[str, object],
            saved: Path | None = None) -> str:
-    """The script's text; :class:`NotRebuildable` when some argument cannot be named. With
-    ``saved``, the folder the script will sit in: module instances and the inputs are
-    written there and loaded back."""
+    """The script (``NotRebuildable`` where something cannot be named); modules in ``saved``."""
     from torchparity.strategies import python_source  # hypothesis: only to write a script
 
     lines = [HEADER]
@@ -92,7 +86,7 @@ def script(old: Any, new: Any, inputs: Any, options: dict[str, Any],
     return "\n".join(lines) + "\n"
 
 
-def _inputs_source(inputs: Any) -> str:
+def _inputs_source(inputs: object) -> str:
     from torchparity.strategies import python_source
 
     if isinstance(inputs, Steps):
@@ -100,9 +94,8 @@ def _inputs_source(inputs: Any) -> str:
     return python_source(inputs)
 
 
-def section(old: Any, new: Any, inputs: Any, options: dict[str, Any]) -> str:
-    """The reproducer as a failure message shows it, or the line saying why there is none.
-    Module instances cannot be named: they are saved with the inputs beside the script."""
+def section(old: object, new: object, inputs: object, options: dict[str, object]) -> str:
+    """The reproducer as a failure message shows it, or the line saying why there is none."""
     instances = any(isinstance(side, torch.nn.Module) for side in (old, new))
     try:
         if not instances:
@@ -119,9 +112,8 @@ def section(old: Any, new: Any, inputs: Any, options: dict[str, Any]) -> str:
             + "# --- reproducer ---\n" + text + "# --- end of reproducer ---")
 
 
-def _import_roots(modules: Any) -> list[str]:
-    """The folders to put first on ``sys.path`` so that the classes of ``modules`` (and of
-    their submodules) import under the names pickle saved them by."""
+def _import_roots(modules: object) -> list[str]:
+    """The folders first on ``sys.path`` so that pickled ``modules``' classes import by name."""
     roots = []
     for module in modules:
         for cls in {type(m) for m in module.modules()}:

@@ -1,12 +1,6 @@
 """One implementation run on the twins' inputs: its outputs and, where asked, gradients.
 
-Inputs are a tuple of positional arguments or a dict of keyword arguments, or
-:class:`Steps` of them for a decoding twin, called step by step on one module (with its own
-cache, when there is a cache factory). Floating inputs are cast to the run's dtype; integer and
-bool ones (ids, masks, positions) pass as they are. The backward pass differentiates a fixed
-random projection of the outputs, the same for every run, taken only at the outputs both
-implementations return and zero at padded positions (:func:`torch.where`, so that what a
-padded row holds, NaN included, reaches no gradient).
+Floating inputs are cast to the run's dtype; ids, masks and positions pass as they are.
 """
 
 from __future__ import annotations
@@ -14,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -22,6 +16,7 @@ from torch import nn
 from torchparity import backends
 from torchparity.comparison import shared_tensors
 from torchparity.errors import UserCodeError
+from torchparity.subject.trees import PyTree
 from torchparity.subject.weights import random_tensor
 
 Inputs: TypeAlias = "tuple | dict | Steps"
@@ -39,17 +34,15 @@ class Steps(list):
 
 @dataclass
 class Run:
-    """What one run gave: its outputs (a list of them for :class:`Steps`) and its gradients
-    (``{"inputs": {...}, "params": {...}}``), None when not computed."""
+    """What one run gave: outputs (Steps: a list) and gradients, None if not computed."""
 
-    outputs: Any
+    outputs: PyTree
     grads: dict[str, dict[str, torch.Tensor]] | None = None
 
 
 def forward(module: nn.Module, inputs: Inputs, backend: str | None, *, grads: bool,
-            cache: Callable[[], Any] | None = None) -> tuple[Run, dict[str, torch.Tensor]]:
-    """Run ``module`` on ``inputs`` (already cast) under ``backend`` (None: as it is). With
-    ``grads`` the graph is kept and the differentiated inputs are returned by name."""
+            cache: Callable[[], object] | None = None) -> tuple[Run, dict[str, torch.Tensor]]:
+    """Run ``module`` on cast ``inputs`` under ``backend``; ``grads``: differentiated inputs too."""
     leaves: dict[str, torch.Tensor] = {}
     if grads and not isinstance(inputs, Steps):
         inputs = _requiring_grad(inputs, leaves)
@@ -71,7 +64,7 @@ def forward(module: nn.Module, inputs: Inputs, backend: str | None, *, grads: bo
     return Run(outputs), leaves
 
 
-def _call(module: nn.Module, inputs: tuple | dict, state: Any) -> Any:
+def _call(module: nn.Module, inputs: tuple | dict, state: PyTree) -> PyTree:
     extra = {} if state is None else {"cache": state}
     if isinstance(inputs, dict):
         return module(**inputs, **extra)
@@ -79,7 +72,7 @@ def _call(module: nn.Module, inputs: tuple | dict, state: Any) -> Any:
 
 
 def _requiring_grad(inputs: tuple | dict, leaves: dict[str, torch.Tensor]) -> tuple | dict:
-    def leaf(name: str, x: Any) -> Any:
+    def leaf(name: str, x: object) -> object:
         if (isinstance(x, torch.Tensor) and x.is_floating_point()
                 and not any(word in name for word in NOT_DIFFERENTIATED)):
             leaves[name] = x.detach().requires_grad_()
@@ -91,11 +84,11 @@ def _requiring_grad(inputs: tuple | dict, leaves: dict[str, torch.Tensor]) -> tu
     return tuple(leaf(f"arg{i}", x) for i, x in enumerate(inputs))
 
 
-def backward(module: nn.Module, run: Run, leaves: dict[str, torch.Tensor], other: Any,
+def backward(module: nn.Module, run: Run, leaves: dict[str, torch.Tensor], other: PyTree,
              padding: torch.Tensor | None, seed: int) -> None:
-    """Fill ``run.grads``: the gradients of the projection of the outputs that ``run`` shares
-    with ``other`` (the other implementation's outputs) with respect to the differentiated
-    inputs and the parameters."""
+    """Fill ``run.grads`` by the inputs and parameters, of the outputs shared with ``other``."""
+    # a fixed random projection, the same every run, zero at padding by torch.where, so a padded
+    # row's NaN reaches no gradient
     loss = 0.0
     for path, out, _ in shared_tensors(run.outputs, other):
         if not (out.is_floating_point() and out.requires_grad):

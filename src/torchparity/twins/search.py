@@ -1,18 +1,13 @@
 """The property search: many twin checks on drawn examples, a failure shrunk to its smallest.
 
-:func:`check_twins` draws the module's constructor arguments, an example of its inputs, a
-dtype and a backend, and runs :func:`~torchparity.twins.checking.assert_twins` on each. On a
-failure hypothesis shrinks the example and raises the smallest one's ``AssertionError``: the
-verdict's explanation and a standalone reproducer. Examples that failed are kept in
-hypothesis' database (``.hypothesis/`` by default), under a key of the two implementations
-and the caller's ``database_key``, and tried first on the next run.
+Examples that failed are kept in hypothesis' database (``.hypothesis/``), keyed by the two
+implementations and ``database_key``, and tried first on the next run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -30,34 +25,25 @@ InputsStrategy = SearchStrategy[TwinInputs] | Callable[[dict], SearchStrategy[Tw
 def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
                 options: TwinOptions | None = None, dtypes: Sequence[str] = ("fp32",),
                 backends: Sequence[str | None] = (None,), max_examples: int = 100,
-                database_key: str = "", **keywords: Any) -> int:
-    """Check ``new`` against ``old`` on drawn examples and return how many passed;
-    ``AssertionError`` for the smallest failing one, with its explanation and reproducer.
+                database_key: str = "", **keywords: object) -> int:
+    """Check ``new`` against ``old`` on drawn examples; how many passed, else the smallest failure.
 
-    Each example draws the constructor arguments from the ranges ``init`` gives (see
-    :func:`~torchparity.twins.strategies.constructor_args`), an example of ``inputs``, a
-    dtype from ``dtypes``, a backend from ``backends`` (None: the modules as written) and a
-    weight seed, and runs :func:`~torchparity.twins.assert_twins` on it with the other
-    options (``weight_map``, ``grads``, ``cache``, ``device``).
+    Each example draws constructor arguments from ``init``'s ranges, an example of ``inputs``, a
+    dtype, a backend (None: as written) and a weight seed, and runs :func:`assert_twins` on it.
 
     Args:
         old, new: the two implementations (modules, classes or factories).
-        inputs: a strategy of :class:`~torchparity.twins.strategies.TwinInputs` (or of plain
-            inputs), or a function of the drawn constructor arguments that returns one
-            (``lambda a: attention_inputs(a["d_model"])``).
-        options: a :class:`~torchparity.twins.TwinOptions` whose ``init`` holds ranges; its
-            ``dtype``, ``backend``, ``seed`` and ``padding`` are drawn per example. Its
-            fields may also be given as keywords (``init=``, ``weight_map=``), which replace
-            those of ``options``.
+        inputs: a strategy of ``TwinInputs`` (or of plain inputs), or a function of the drawn
+            constructor arguments returning one (``lambda a: attention_inputs(a["d_model"])``).
+        options: a :class:`~torchparity.twins.TwinOptions` whose ``init`` holds ranges; keywords
+            (``init=``, ``weight_map=``) replace its fields.
         dtypes: the dtypes drawn from.
         backends: the attention backends drawn from.
-        max_examples: hypothesis' ``max_examples``, whatever the profile (which sets the
-            rest: seeds, the database).
-        database_key: tells this search's failures in hypothesis' database from another's
-            of the same two implementations.
+        max_examples: hypothesis' ``max_examples``, whatever the profile.
+        database_key: tells this search's failures from another's of the same implementations.
 
-    Returns:
-        How many examples passed.
+    Raises:
+        AssertionError: the smallest failing example's explanation and reproducer.
     """
     o = TwinOptions.of(options, keywords)
     passed = 0
@@ -79,7 +65,7 @@ def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
     # Without this every caller's search would share one database key (this function's).
     key = f"{_name(old)} {_name(new)} {database_key}"
     one_example._hypothesis_internal_add_digest = key.encode()
-    options: dict[str, Any] = dict(deadline=None, max_examples=max_examples,
+    options: dict[str, object] = dict(deadline=None, max_examples=max_examples,
                                    suppress_health_check=[HealthCheck.too_slow,
                                                           HealthCheck.data_too_large])
     with single_thread():
@@ -87,7 +73,7 @@ def check_twins(old: Buildable, new: Buildable, *, inputs: InputsStrategy,
     return passed
 
 
-def _name(side: Any) -> str:
+def _name(side: object) -> str:
     """A class's or factory's dotted name (a module instance's class's)."""
     kind = type(side) if isinstance(side, nn.Module) else side
     return f"{getattr(kind, '__module__', '')}.{getattr(kind, '__qualname__', repr(kind))}"

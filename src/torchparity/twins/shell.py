@@ -1,20 +1,10 @@
-"""What ``torchparity twins`` runs: entries and a short input description turned into one
-check or a search.
-
-``--inputs`` is ``attention`` (keyword ``hidden_states`` and a mask of ``--mask``'s
-convention, padded when it has one, position ids with ``--positions``), ``decoding`` (steps
-of ``hidden_states``; ``--cache`` names each side's cache factory), or an entry
-``file.py:name``: a function of the constructor arguments that returns the inputs (a tuple or
-a dict: one check) or a strategy of :class:`~torchparity.twins.strategies.TwinInputs` (a
-search).
-"""
+"""What ``torchparity twins`` runs: entries and an input description made a check or a search."""
 
 from __future__ import annotations
 
 import ast
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from hypothesis.strategies import SearchStrategy
 
@@ -27,9 +17,8 @@ from torchparity.twins.search import check_twins
 DESCRIBED = ("attention", "decoding")
 
 
-def parse_init(items: Sequence[str]) -> dict[str, Any]:
-    """``["n_heads=1,2,4", "d_model=16"]`` -> ``{"n_heads": [1, 2, 4], "d_model": 16}``: a
-    Python literal each, several separated by commas drawn from."""
+def parse_init(items: Sequence[str]) -> dict[str, object]:
+    """``["n_heads=1,2,4", "d_model=16"]`` -> ``{"n_heads": [1, 2, 4], "d_model": 16}``."""
     init = {}
     for item in items:
         name, sep, text = item.partition("=")
@@ -49,12 +38,10 @@ def parse_init(items: Sequence[str]) -> dict[str, Any]:
 class InputsSpec:
     """What ``--inputs`` and the options that shape it say.
 
-    Attributes:
-        source: ``attention``, ``decoding`` or an entry ``file.py:name``.
-        mask: the mask convention of ``attention`` (a name of
-            :data:`~torchparity.twins.strategies.MASKS`).
-        positions: ``attention`` also passes position ids from an offset drawn in
-            ``[lo, hi]``; None: no position ids.
+    ``source`` is ``attention`` (``hidden_states`` and a ``mask`` of a convention of
+    :data:`~torchparity.twins.strategies.MASKS`, position ids from an offset in ``positions``
+    unless None), ``decoding`` (steps of ``hidden_states``), or an entry ``file.py:name``
+    returning the inputs (one check) or a strategy of ``TwinInputs`` (a search).
     """
 
     source: str
@@ -62,20 +49,9 @@ class InputsSpec:
     positions: tuple[int, int] | None = None
 
 
-def twin_options(init: Mapping[str, Any], weight_map: str | None, cache: Sequence[str],
+def twin_options(init: Mapping[str, object], weight_map: str | None, cache: Sequence[str],
                  seed: int) -> TwinOptions:
-    """The options of the command's entries: the weight map and cache factories loaded.
-
-    Args:
-        init: the constructor arguments (:func:`parse_init`), lists drawn from.
-        weight_map: ``file.py:name`` of the weight map, or None.
-        cache: one cache factory's entry for both sides, or two (the old side's, the new
-            side's), or none.
-        seed: the weight seed of a single check.
-
-    Returns:
-        The :class:`~torchparity.twins.TwinOptions`.
-    """
+    """The ``TwinOptions`` of the command's entries, the weight map and cache factories loaded."""
     caches = tuple(resolve_entry(c) for c in cache) or None
     return TwinOptions(init=init, seed=seed,
                        weight_map=resolve_entry(weight_map) if weight_map else None,
@@ -84,20 +60,7 @@ def twin_options(init: Mapping[str, Any], weight_map: str | None, cache: Sequenc
 
 def run_twins(old: str, new: str, inputs: InputsSpec, options: TwinOptions, *,
               dtypes: Sequence[str], backends: Sequence[str | None], examples: int) -> str:
-    """Run the check or the search.
-
-    Args:
-        old, new: the entries of the two implementations.
-        inputs: what ``--inputs`` describes.
-        options: the entries' options (:func:`twin_options`).
-        dtypes: the dtypes drawn from (a single check: the first).
-        backends: the backends drawn from (a single check: the first).
-        examples: the examples of a search.
-
-    Returns:
-        The line to print when it passes (a failure raises
-        :class:`~torchparity.twins.TwinFailure`).
-    """
+    """Run the check or the search; the line to print when it passes (a failure raises)."""
     old_side, new_side = resolve_entry(old), resolve_entry(new)
     init = options.init or {}
     drawn = any(isinstance(v, list) for v in init.values())

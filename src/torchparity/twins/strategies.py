@@ -1,27 +1,14 @@
-"""Hypothesis strategies for the inputs real attention modules take, and their constructor
-arguments, for :func:`torchparity.twins.search.check_twins` or a property test of one's own.
+"""Hypothesis strategies for attention modules' inputs and constructor arguments (docs/twins.md).
 
-Everything shrinks toward the smallest problem: one row, one token, no padding, position 0,
-no history. Floating values are drawn by seed (:func:`torchparity.random_tensor`, the same on
-every machine), so shrinking moves shapes and seeds, not thousands of floats.
-
-- :func:`constructor_args`: a module's arguments from ranges (``n_heads=[1, 2, 4]``,
-  ``d_model=(8, 64)``, a strategy, or a function of the arguments drawn before it);
-- :func:`hidden_states`: (batch, seq, d_model) with seq down to 1;
-- :func:`attention_inputs`: hidden states with a mask in one of :data:`MASKS` conventions,
-  left or right padding (fully padded rows too), position ids with an offset;
-- :func:`decoding_inputs`: a prompt of some history length, then chunks of new positions,
-  for twins called step by step with a KV cache;
-- :func:`dtypes`, :func:`backends`: what runs on the device.
-
-Needs ``hypothesis`` (``pip install 'torchparity[strategies]'``).
+Everything shrinks toward the smallest problem (one row, one token, no padding, position 0, no
+history); floats are drawn by seed (:func:`torchparity.random_tensor`, the same on every
+machine), so shrinking moves shapes and seeds, not thousands of floats. Needs ``hypothesis``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -46,13 +33,12 @@ MASKED = torch.finfo(torch.float16).min
 #: The argument names of :func:`attention_inputs`'s tensors, by role.
 NAMES = {"hidden": "hidden_states", "mask": "attention_mask", "positions": "position_ids"}
 
-Range = tuple[int, int] | Sequence[Any] | SearchStrategy | Callable[[dict], Any]
+Range = tuple[int, int] | Sequence[object] | SearchStrategy | Callable[[dict], object]
 
 
 @dataclass
 class TwinInputs:
-    """One drawn example: the inputs, and which query positions are padding (True), left out
-    of the judgement; None where none are."""
+    """One drawn example: the inputs, and its query positions that are padding (True), or None."""
 
     inputs: tuple | dict | Steps
     padding: torch.Tensor | None = None
@@ -71,13 +57,14 @@ def _strategy(value: Range, drawn: dict) -> SearchStrategy:
 
 
 @st.composite
-def constructor_args(draw: st.DrawFn, **ranges: Range) -> dict[str, Any]:
-    """Keyword arguments of a module's constructor, drawn in the order given: ``(lo, hi)``
-    integers (a tuple of two ints), a list to choose from (the first is the simplest), a
-    strategy, a plain value,
-    or a function of the arguments drawn so far (``n_kv_heads=lambda a: divisors(a["n_heads"])``).
+def constructor_args(draw: st.DrawFn, **ranges: Range) -> dict[str, object]:
+    """A module's constructor keyword arguments, drawn in the order given.
+
+    Each range is ``(lo, hi)`` integers, a list to choose from (the first simplest), a strategy,
+    a plain value, or a function of those drawn so far (``n_kv_heads=lambda a:
+    divisors(a["n_heads"])``).
     """
-    drawn: dict[str, Any] = {}
+    drawn: dict[str, object] = {}
     for name, value in ranges.items():
         drawn[name] = draw(_strategy(value, drawn), label=name)
     return drawn
@@ -97,8 +84,7 @@ def hidden_states(draw: st.DrawFn, d_model: int, *, batch: Range = (1, 3),
 
 
 def mask_in(convention: str, allow: torch.Tensor, real: torch.Tensor) -> torch.Tensor | None:
-    """The mask of ``convention`` for ``allow`` ((batch, 1, q, k) bool, True where a query may
-    attend) and ``real`` ((batch, k) bool, the real keys)."""
+    """The ``convention`` mask of ``allow`` (batch, 1, q, k) and real keys ``real`` (batch, k)."""
     if convention in ("none", "causal"):
         return None
     if convention == "key-padding":
@@ -123,11 +109,7 @@ def attention_inputs(draw: st.DrawFn, d_model: int, *, batch: Range = (1, 3),
                      padding: str | Sequence[str] = PADDINGS,
                      positions: tuple[int, int] | None = None,
                      names: Mapping[str, str] = NAMES) -> TwinInputs:
-    """Keyword inputs of a causal self-attention: hidden states, a mask in the ``mask``
-    convention (or one drawn from several), padded on a side drawn from ``padding`` (every
-    row its own length, a row possibly all padding), and with ``positions=(lo, hi)``
-    position ids counting real tokens from an offset drawn there (where a model continues a
-    long text).
+    """Keyword inputs of a causal self-attention: hidden states, a mask, maybe position ids.
 
     Args:
         draw: hypothesis' draw (given by ``@st.composite``).
@@ -135,13 +117,11 @@ def attention_inputs(draw: st.DrawFn, d_model: int, *, batch: Range = (1, 3),
         batch: the rows drawn from.
         seq: the sequence lengths drawn from.
         mask: the mask convention, or several drawn from (:data:`MASKS`).
-        padding: the padding side, or several drawn from.
-        positions: the range of the position ids' offset; None: no position ids.
-        names: the arguments' names by role (hidden, mask, positions), renaming
-            :data:`NAMES`.
-
-    Returns:
-        A strategy of :class:`TwinInputs`, their ``padding`` True at padded positions.
+        padding: the padding side, or several drawn from; every row its own length, a row possibly
+            all padding.
+        positions: the range of the position ids' offset (a model continuing a long text); None:
+            no position ids.
+        names: the arguments' names by role (hidden, mask, positions), renaming :data:`NAMES`.
     """
     names = {**NAMES, **names}
     convention = draw(_strategy(mask if isinstance(mask, str) else list(mask), {}))
@@ -154,7 +134,7 @@ def attention_inputs(draw: st.DrawFn, d_model: int, *, batch: Range = (1, 3),
     _, real = tps.pad_rows([[1] * n for n in lengths], side, length)
     real = torch.ones(rows, length, dtype=torch.bool) if real is None else real.bool()
     allow = causal(length, length)[None, None] & real[:, None, None, :]
-    inputs: dict[str, Any] = {names["hidden"]: hidden}
+    inputs: dict[str, object] = {names["hidden"]: hidden}
     if (tensor := mask_in(convention, allow, real)) is not None:
         inputs[names["mask"]] = tensor
     if positions is not None:
@@ -167,9 +147,10 @@ def attention_inputs(draw: st.DrawFn, d_model: int, *, batch: Range = (1, 3),
 def decoding_inputs(draw: st.DrawFn, d_model: int, *, batch: Range = (1, 2),
                     history: Range = (1, 8), chunks: Range = (1, 3), chunk: Range = (1, 4),
                     name: str = NAMES["hidden"]) -> TwinInputs:
-    """Steps of a decoding twin: a prompt of ``history`` positions, then
-    ``chunks`` chunks of ``chunk`` new positions each, every step's hidden states as the
-    keyword ``name``. Queries are causal with an offset: each sees the whole history."""
+    """Steps of a decoding twin: a prompt of ``history`` positions, then ``chunks`` of ``chunk``.
+
+    Queries are causal with an offset: each sees the whole history.
+    """
     rows = draw(_strategy(batch, {}))
     sizes = [draw(_strategy(history, {}), label="history")]
     sizes += [draw(_strategy(chunk, {}), label="chunk")
