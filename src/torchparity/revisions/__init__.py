@@ -1,13 +1,8 @@
-"""The base side of a pre-merge check: a git revision run in a worktree of its own.
+"""The base side of a pre-merge check (``--base REV``): a git revision run in a worktree of its own.
 
-``check --model ENTRY --base REV``, ``diagnose ENTRY --base REV`` and ``train --case CASE
---check --base REV`` compare the working tree with REV:
-:mod:`~torchparity.revisions.worktree` checks REV out in a temporary, detached worktree (the
-user's checkout, index, stash and branches are never touched),
-:mod:`~torchparity.revisions.base` runs ``torchparity golden update --model``, ``torchparity
-record`` or ``torchparity train --update-golden`` there in a process of its own, and
-:mod:`~torchparity.revisions.cache` keeps what it made, keyed by everything that changes it,
-so that the next run against the same base costs only the head side.
+:mod:`~torchparity.revisions.worktree` checks REV out without touching the user's checkout,
+:mod:`~torchparity.revisions.base` runs the command there in a process of its own, and
+:mod:`~torchparity.revisions.cache` keeps what it made, so the next run costs only the head side.
 """
 
 from torchparity.revisions.base import (

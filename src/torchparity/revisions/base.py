@@ -1,11 +1,8 @@
-"""The base side: ``torchparity golden update --model``, ``record``, ``train --update-golden``
-or a user's training step recorded, run on a revision.
+"""The base side: ``golden update``, ``record`` or ``train --update-golden`` run on a revision.
 
-The revision is checked out in a worktree of its own (:mod:`~torchparity.revisions.worktree`)
-and the command runs there in a process of its own, with the worktree's ``src/`` and the
-folders the entries import from (mapped from the working tree into the worktree) first on
-``PYTHONPATH``, so the base's code is what runs. Its result is kept in the cache
-(:mod:`~torchparity.revisions.cache`); every step says what it does on stderr.
+The revision is checked out in a worktree of its own and the command runs there in a process of
+its own, the worktree's ``src/`` and the entries' folders (mapped into it) first on
+``PYTHONPATH``, so the base's code is what runs; its result is cached.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from torchparity.golden.store import SCHEMA_VERSION
 from torchparity.revisions import cache
@@ -44,13 +40,11 @@ _VERSIONS = ("import importlib.metadata as m, json\n"
 
 @dataclass
 class BaseSide:
-    """The revision ``revision`` (as the user wrote it) of the repository around ``cwd``, run
-    by ``python`` (default: this interpreter); ``use_cache`` False recomputes a kept result
-    (and keeps the new one)."""
+    """A ``revision`` of the repository around ``cwd``, run by ``python`` (default: this one)."""
 
     revision: str
     python: str | None = None
-    use_cache: bool = True
+    use_cache: bool = True  # False recomputes a kept result (and keeps the new one)
     cwd: Path = field(default_factory=Path.cwd)
 
     def __post_init__(self) -> None:
@@ -72,12 +66,12 @@ class BaseSide:
 
     def run(self, entries: list[str], command: list[str], what: str,
             files: tuple[str, ...] = (), module: str = "torchparity") -> Path:
-        """The cache folder holding what ``torchparity COMMAND`` wrote into ``{out}`` (every
-        ``{out}`` of ``command`` is replaced by a folder of the cache entry) at the base, with
-        ``{entry:I}`` replaced by entry ``I`` as the base's worktree names it; ``files`` are
-        input files the command reads, hashed into the key. ``what`` names the result in the
-        progress lines; ``module`` is what ``python -m`` runs (torchparity's command line, or
-        a module of its own with a ``main``)."""
+        """The cache folder holding what ``torchparity COMMAND`` wrote into ``{out}`` at the base.
+
+        Every ``{out}`` becomes a folder of the cache entry, ``{entry:I}`` entry ``I`` as the
+        worktree names it; ``files`` (inputs the command reads) are hashed into the key; ``what``
+        names the result in progress lines; ``module`` is what ``python -m`` runs.
+        """
         relative = [self._relative(entry) for entry in entries]
         program = [] if module == "torchparity" else [module]  # the keys made before it stay
         parts = {"commit": self.commit, "entries": [f"{path}:{attr}" for path, attr in relative],
@@ -114,8 +108,7 @@ class BaseSide:
     # -- where the entries are at the base --------------------------------------------------
 
     def _relative(self, entry: str) -> tuple[str, str]:
-        """``(location, attribute)`` with a file's location relative to the repository's top
-        (a module's stays as written)."""
+        """``(location, attribute)``, a file's location relative to the repository's top."""
         location, _, attribute = entry.rpartition(":")
         if not location.endswith(".py"):
             return location, attribute
@@ -136,8 +129,7 @@ class BaseSide:
             f"{location}:{attribute}"
 
     def _outside_sources(self, entries: list[str]) -> dict[str, str]:
-        """Digests of the files the ``pkg.mod:name`` entries import from outside the
-        repository, which the base commit does not fix (an installed package's)."""
+        """Digests of files entries import from outside the repository (the commit fixes none)."""
         digests = {}
         for entry in entries:
             origin = _origin(entry.rpartition(":")[0], self.cwd)
@@ -147,8 +139,7 @@ class BaseSide:
         return digests
 
     def _search_path(self, tree: Path, entries: list[str]) -> list[str]:
-        """The worktree's ``src/``, the folders of the entries' packages and ``PYTHONPATH``'s
-        own folders, each mapped into the worktree where it lies in the repository."""
+        """The worktree's ``src/``, the entries' packages and ``PYTHONPATH``, mapped into it."""
         folders = [*(_package_root(entry, self.cwd) for entry in entries),
                    *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
         mapped = [str(tree / "src")] if (tree / "src").is_dir() else []
@@ -182,7 +173,7 @@ class BaseSide:
             raise RevisionError(f"{self.label}: the base side failed: "
                                 f"{reason.removesuffix('; --debug shows the traceback')}")
 
-    def _versions(self) -> dict[str, Any]:
+    def _versions(self) -> dict[str, object]:
         done = subprocess.run([self.python, "-c", _VERSIONS], capture_output=True, text=True,
                               check=False)
         if done.returncode != 0:
@@ -193,8 +184,7 @@ class BaseSide:
 
 @contextlib.contextmanager
 def base_goldens(side: BaseSide, entries: list[str]) -> Iterator[Path]:
-    """A temporary golden folder holding the base's float64 goldens of ``entries`` (a copy of
-    the cache's: a check writes what a mismatching run obtained beside the goldens)."""
+    """A temporary copy of the base's float64 goldens of ``entries`` (checks write beside them)."""
     command = ["golden", "update", *(arg for i in range(len(entries))
                                      for arg in ("--model", f"{{entry:{i}}}")),
                "--golden-dir", "{out}/goldens"]
@@ -207,29 +197,28 @@ def base_goldens(side: BaseSide, entries: list[str]) -> Iterator[Path]:
 
 def base_trace(side: BaseSide, entry: str, options: list[str],
                files: tuple[str, ...] = ()) -> Path:
-    """The trace ``torchparity record ENTRY OPTIONS`` writes at the base (in the cache;
-    ``files`` are input files the options name, with absolute paths)."""
+    """The cached trace ``torchparity record ENTRY OPTIONS`` writes at the base."""
+    # files: input files the options name, with absolute paths
     kept = side.run([entry], ["record", "{entry:0}", "-o", "{out}/trace", *options], "trace",
                     files)
     return kept / "trace"
 
 
 def base_trajectories(side: BaseSide, case: str) -> Path:
-    """The golden folder where ``torchparity train --update-golden`` wrote zoo case ``case``'s
-    golden trajectory at the base (in the cache). The zoo and the trainer are torchparity's
-    own, so the base must be a revision of torchparity's source (``src/torchparity``)."""
+    """The cached golden folder of zoo case ``case``'s trajectory at the base."""
     if not side.repository.has_file(side.commit, "src/torchparity/__init__.py"):
         raise RevisionError(f"{side.label}: train --base compares torchparity's own training "
                             "code across revisions, and the base has no src/torchparity")
+    # the zoo and the trainer are torchparity's own: the base must be torchparity's source
     kept = side.run([], ["train", "--case", case, "--update-golden", "--golden-dir",
                          "{out}/goldens"], "golden trajectory")
     return kept / "goldens"
 
 
 def base_model_trajectories(side: BaseSide, entry: str, steps: int, dtype: str) -> Path:
-    """The golden folder where ``torchparity train --model ENTRY --update-golden`` wrote the
-    model's float64 trajectory and noise band at the base (in the cache): the base's model
-    and recipe, trained by this torchparity when the base is not torchparity's source."""
+    """The cached golden folder of the model's float64 trajectory and band at the base."""
+    # the base's model and recipe, trained by this torchparity when the base is not torchparity's
+    # source
     kept = side.run([entry], ["train", "--model", "{entry:0}", "--steps", str(steps),
                               "--dtype", dtype, "--update-golden", "--golden-dir",
                               "{out}/goldens"], "golden trajectory and noise band")
@@ -238,20 +227,14 @@ def base_model_trajectories(side: BaseSide, entry: str, steps: int, dtype: str) 
 
 def base_training_step(side: BaseSide, entry: str, step: int, execution: list[str],
                        ops: str | None = None) -> Path:
-    """The base's model ``entry``, trained in float64 by its recipe up to step ``step``, and
-    that step recorded at the base
-    (:func:`torchparity.train.step_diagnosis.base_side.record_step`).
+    """The cache folder of the base's ``entry`` trained in float64 to ``step``, that step recorded.
 
     Args:
         side: the base revision.
         entry: the factory, as the working tree names it.
         step: the step recorded.
         execution: the judged run's backend, dtype and device.
-        ops: A's ops of these modules (joined by commas) kept, and nothing else of the step:
-            a second, small trace.
-
-    Returns:
-        The folder in the cache holding the weights and the trace.
+        ops: A's ops of these modules (joined by commas) kept, nothing else: a second, small trace.
     """
     more = [] if ops is None else ["--ops", ops, "--ops-only"]
     worker = "torchparity.train.step_diagnosis.base_side"
@@ -267,8 +250,7 @@ def _filled(arg: str, entries: list[str], out: Path) -> str:
 
 
 def _package_root(entry: str, cwd: Path) -> str | None:
-    """The folder an entry ``pkg.mod:name`` imports ``pkg`` from (None for a file entry or a
-    module that cannot be found)."""
+    """The folder an entry ``pkg.mod:name`` imports ``pkg`` from (None: a file, or not found)."""
     top = entry.rpartition(":")[0].partition(".")[0]
     origin = _origin(top, cwd)
     if origin is None:
@@ -277,8 +259,7 @@ def _package_root(entry: str, cwd: Path) -> str | None:
 
 
 def _origin(module: str, cwd: Path) -> Path | None:
-    """The file ``module`` is imported from with ``cwd`` first on the path, as an entry's
-    module is (None for a file entry or a module that cannot be found)."""
+    """The file ``module`` imports from with ``cwd`` first on the path (None: not found)."""
     if module.endswith(".py"):
         return None
     sys.path.insert(0, str(cwd))
@@ -294,8 +275,7 @@ def _origin(module: str, cwd: Path) -> Path | None:
 
 
 def _failure(status: int, stderr: str) -> str:
-    """Why the base's process ended with ``status``: its own one-line error where it gave
-    one."""
+    """Why the base's process ended with ``status``: its own one-line error where it gave one."""
     if status < 0:
         return f"its process was killed by {signal.Signals(-status).name}"
     if status == 130:

@@ -1,9 +1,8 @@
 """A revision of the user's repository checked out where it harms nothing.
 
-Only ``git rev-parse``, ``git merge-base`` and ``git worktree add --detach / remove / prune``
-run against the user's repository: the checkout, the index, the stash and the branches stay as
-they are. The worktree lives in a temporary folder and is removed when the block ends, also on
-failure, on Ctrl-C and on SIGTERM (what a CI runner sends a cancelled job).
+Only ``git rev-parse``, ``merge-base`` and ``worktree add --detach / remove / prune`` touch the
+repository: checkout, index, stash and branches stay. The worktree lives in a temporary folder,
+removed when the block ends, also on failure, Ctrl-C and SIGTERM (a cancelled CI job).
 """
 
 from __future__ import annotations
@@ -33,18 +32,7 @@ class Repository:
 
     @classmethod
     def around(cls, cwd: Path, option: str) -> Repository:
-        """The repository around ``cwd``.
-
-        Args:
-            cwd: a folder in the user's checkout.
-            option: the option that needs it (``--base``), named in messages.
-
-        Returns:
-            The repository, with where ``cwd`` sits in it.
-
-        Raises:
-            RevisionError: ``cwd`` is in no git repository, or git is missing.
-        """
+        """The repository around ``cwd``; ``RevisionError`` outside one, or without git."""
         if shutil.which("git") is None:
             # Said before asking git, so a missing git is not blamed on the folder.
             raise RevisionError(f"{option} needs git, and there is no git on PATH")
@@ -56,18 +44,10 @@ class Repository:
         return cls(Path(top), Path(cwd).resolve().relative_to(Path(top).resolve()))
 
     def resolve(self, revision: str, option: str) -> str:
-        """The commit ``revision`` names.
-
-        Args:
-            revision: any revision git takes; ``A...B`` names the merge base of A and B (either
-                side defaults to HEAD), as ``git diff A...B`` reads it.
-            option: the option that gave it, named in messages.
-
-        Returns:
-            The full commit hash.
+        """The full commit hash ``revision`` names; ``A...B``: their merge base, as git diff.
 
         Raises:
-            RevisionError: git cannot name that commit, with git's reason.
+            RevisionError: git cannot name that commit, with git's reason (naming ``option``).
         """
         left, dots, right = revision.partition("...")
         try:
@@ -81,15 +61,7 @@ class Repository:
                                 f"({reason})") from None
 
     def has_file(self, commit: str, path: str) -> bool:
-        """Whether ``commit`` has a file at ``path``.
-
-        Args:
-            commit: a commit hash.
-            path: relative to the top folder.
-
-        Returns:
-            True for a file (a blob) there.
-        """
+        """Whether ``commit`` has a file (a blob) at ``path``, relative to the top folder."""
         try:
             return _git(self.top, "cat-file", "-t", f"{commit}:{path}") == "blob"
         except RevisionError:
@@ -97,16 +69,7 @@ class Repository:
 
     @contextlib.contextmanager
     def worktree(self, commit: str) -> Iterator[Path]:
-        """A detached worktree of ``commit`` in a temporary folder, removed afterwards.
-
-        It is removed also on failure, Ctrl-C and SIGTERM; the user's checkout, index, stash and
-        branches stay as they are.
-
-        Args:
-            commit: the commit checked out.
-
-        Yields:
-            The worktree's top folder.
+        """A detached worktree of ``commit`` in a temporary folder, removed whatever happens.
 
         Raises:
             RevisionError: git cannot check the commit out.
@@ -130,8 +93,7 @@ class Repository:
 
 
 def _git(cwd: Path, *args: str) -> str:
-    """``git args`` in ``cwd``: its stdout, or a :class:`RevisionError` with git's first
-    message line."""
+    """``git args`` in ``cwd``: its stdout, or a RevisionError with git's first message line."""
     try:
         done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
                               check=False)
