@@ -1,7 +1,6 @@
 """torchparity: a numerical-equivalence test suite and refactoring safety net for transformers.
 
-The public API is imported lazily so that ``import torchparity`` stays cheap and each part
-loads only what it needs.
+The public API is imported lazily: ``import torchparity`` stays cheap.
 """
 
 from __future__ import annotations

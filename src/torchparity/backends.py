@@ -1,25 +1,15 @@
-"""Attention backends behind one switch.
+"""Attention backends behind one switch, sharing one contract so they compare element by element.
 
-Every reference model computes attention through :func:`attention`, which dispatches to the
-backend chosen by :func:`use` (innermost wins) or else by the model's config. All backends share
-one contract, so they can be compared element by element:
-
-- ``q`` is (batch, heads, q_len, head_dim); ``k`` and ``v`` are (batch, kv_heads, k_len, head_dim)
-  with ``heads`` a multiple of ``kv_heads`` (GQA/MQA: key/value heads are repeated);
-- ``mask`` is boolean, True where a query may attend, broadcastable to (batch, heads, q, k);
-- ``bias`` is an additive float score bias (ALiBi, relative positions), broadcastable likewise;
+- ``q`` is (batch, heads, q_len, head_dim), ``k`` and ``v`` (batch, kv_heads, k_len, head_dim),
+  ``heads`` a multiple of ``kv_heads`` (GQA/MQA: key/value heads are repeated);
+- ``mask`` is boolean, True where a query may attend, ``bias`` an additive float score bias,
+  both broadcastable to (batch, heads, q, k);
 - a query row with no visible key returns zeros (a padded query), on every backend.
 
-Inside :func:`use` the same switch applies to code torchparity did not write: every call of
-:func:`torch.nn.functional.scaled_dot_product_attention` (Hugging Face ``sdpa`` attention,
-torchtune, nanoGPT-style models, a function imported by name) is intercepted by a
-:class:`~torch.overrides.TorchFunctionMode` and runs on the chosen backend. The block counts the
-attention calls it ran, so a model that never calls SDPA is told apart from one that passed.
-
-Whether a backend can run is decided per call, from what the call needs (mask, bias, dtype,
-head dim, causal flag, device): a backend that cannot run a call raises
-:class:`~torchparity.errors.BackendUnavailable` with the reason, and nothing ever falls back
-silently. An error raised by a kernel that was selected to run is a failure and propagates.
+Inside :func:`use` every call of ``F.scaled_dot_product_attention`` (Hugging Face, torchtune,
+nanoGPT-style code) runs on the chosen backend too. A backend that cannot run a call raises
+:class:`~torchparity.errors.BackendUnavailable` with the reason: nothing falls back silently, and
+an error of a kernel selected to run propagates.
 """
 
 from __future__ import annotations
@@ -31,7 +21,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +48,7 @@ _SDPA = F.scaled_dot_product_attention
 
 @dataclasses.dataclass(eq=False)
 class Intercepted:
-    """What one :func:`use` block ran: its ``backend`` and ``calls``, the number of attention
-    calls made inside the block (SDPA calls of any code, and reference models' attention)."""
+    """What one :func:`use` block ran: its ``backend`` and attention ``calls`` (SDPA, reference)."""
 
     backend: str
     intercept: bool = True
@@ -97,18 +86,17 @@ def _check_name(name: str) -> None:
 
 @contextlib.contextmanager
 def use(name: str, *, intercept: bool = True) -> Iterator[Intercepted]:
-    """Run every attention call inside the block on backend ``name``: reference models' and any
-    call of :func:`torch.nn.functional.scaled_dot_product_attention`. The innermost block wins.
+    """Run every attention call inside the block on backend ``name``; the innermost block wins.
 
-    Yields an :class:`Intercepted` whose ``calls`` counts the attention calls made in the block::
+    Yields an :class:`Intercepted` counting the attention calls made in the block::
 
         with tp.backends.use("sdpa-flash") as intercepted:
             model(**batch)
         assert intercepted.calls > 0, backends.NO_SDPA_CALLS_REASON
 
-    Intercepting costs a few microseconds per PyTorch call of the block, every call passing
-    through a Python function: a block that runs only torchparity's reference models, which
-    reach SDPA through :func:`attention` alone, can save it with ``intercept=False``.
+    Intercepting costs a few microseconds per PyTorch call of the block: a block running only
+    reference models, which reach SDPA through :func:`attention` alone, saves it with
+    ``intercept=False``.
     """
     _check_name(name)
     block = Intercepted(name, intercept)
@@ -159,9 +147,11 @@ class _RedirectSdpa(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_Result = TypeVar("_Result")
+
+
 class SdpaCall(NamedTuple):
-    """One call of ``F.scaled_dot_product_attention``, its arguments by name (as it takes
-    them)."""
+    """One call of ``F.scaled_dot_product_attention``, its arguments by name (as it takes them)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -172,15 +162,13 @@ class SdpaCall(NamedTuple):
     scale: float | None = None
     enable_gqa: bool = False
 
-    def apply(self, function: Callable[..., Any]) -> Any:
-        """``function`` (SDPA, or PyTorch's choice of kernel for it) called with these
-        arguments, as SDPA takes them."""
+    def apply(self, function: Callable[..., _Result]) -> _Result:
+        """``function`` (SDPA, or PyTorch's choice of kernel for it) called with these arguments."""
         return function(*self[:6], scale=self.scale, enable_gqa=self.enable_gqa)
 
 
 def _redirected_sdpa(name: str, call: SdpaCall) -> torch.Tensor:
-    """One SDPA call of user code on backend ``name``: a kernel gets the call exactly as made;
-    manual and flex get it translated into :func:`attention`'s contract."""
+    """One SDPA call of user code on backend ``name``: a kernel as made, others translated."""
     if name == "sdpa" or name in _SDPA_KERNELS:
         return _run_sdpa(name, call)
     query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = call
@@ -232,8 +220,8 @@ def attention(
     """Scaled dot-product attention on the selected backend (see the module docstring).
 
     ``causal=True`` applies a top-left aligned causal mask in the kernel itself (only valid when
-    ``q_len == k_len``); it may be combined with ``mask``. ``backend`` overrides :func:`use`.
-    The call counts as one attention call of every open :func:`use` block.
+    ``q_len == k_len``), combined with ``mask`` if given; ``backend`` overrides :func:`use`. The
+    call counts as one attention call of every open :func:`use` block.
     """
     _count_call()
     return _attend(q, k, v, mask=mask, bias=bias, scale=scale, causal=causal, backend=backend)
@@ -292,12 +280,7 @@ def _sdpa(q, k, v, mask, bias, scale, causal, name) -> torch.Tensor:
 
 
 def _run_sdpa(name: str, call: SdpaCall) -> torch.Tensor:
-    """The SDPA function with ``call``'s arguments, on kernel ``name`` ("sdpa": PyTorch's
-    choice).
-
-    The kernel's own selection decides first whether it accepts the call; if not, this raises
-    :class:`BackendUnavailable` with its reasons. Errors of the kernel itself propagate.
-    """
+    """The SDPA function with ``call``'s arguments on kernel ``name`` ("sdpa": PyTorch's choice)."""
     def run() -> torch.Tensor:
         _own_calls.append(None)
         try:
@@ -314,13 +297,14 @@ def _run_sdpa(name: str, call: SdpaCall) -> torch.Tensor:
 
     with sdpa_kernel([getattr(SDPBackend, _SDPA_KERNELS[name])]):
         if not torch.compiler.is_compiling():  # compiled, the kernel is chosen at lowering
+            # the kernel's own selection decides first (BackendUnavailable with its reasons); the
+            # kernel's own errors propagate
             _check_kernel_accepts(name, call)
         return run()
 
 
 def _check_kernel_accepts(name: str, call: SdpaCall) -> None:
-    """Ask PyTorch's kernel selection, under the current sdpa_kernel() setting, whether it
-    would run ``call``; raise BackendUnavailable with its stated reasons when it would not."""
+    """Raise BackendUnavailable with PyTorch's reasons where its kernels would not run ``call``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -341,10 +325,10 @@ def _check_kernel_accepts(name: str, call: SdpaCall) -> None:
 
 
 def _mask_gradient_reason(call: SdpaCall) -> str | None:
-    """Why a kernel refused a call when PyTorch does not say: the same call with the mask
-    detached from autograd runs, so it is the gradient for the mask the kernel lacks."""
+    """Why a kernel refused a call PyTorch does not explain: it lacks the mask's gradient."""
     if call.attn_mask is None or not call.attn_mask.requires_grad:
         return None
+    # the same call with the mask detached runs
     try:
         call._replace(attn_mask=call.attn_mask.detach()).apply(torch._fused_sdp_choice)
     except RuntimeError:
@@ -385,14 +369,10 @@ _FLEX_TRACE_FLAG = "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG"
 
 @contextlib.contextmanager
 def _flex_untraced() -> Iterator[None]:
-    """Eager flex on the CPU without its dynamo pass.
-
-    Called eagerly, ``flex_attention`` traces the call with dynamo (a compile per shape,
-    dtype and mask: most of a zoo check's time) only to run the same unfused math
-    (``math_attention``) on the traced graph; with the trace switched off it runs that math
-    on ``score_mod`` directly, value for value the same. The trace matters only to the
-    backward pass, which flex lacks on the CPU.
-    """
+    """Eager flex on the CPU without its dynamo pass, value for value the same."""
+    # eager flex traces with dynamo (a compile per shape, dtype and mask: most of a zoo check) only
+    # to run the same unfused math, which it runs on score_mod directly untraced; the trace matters
+    # only to the backward, which flex lacks on the CPU
     from torch.nn.attention import flex_attention as module
 
     previous = getattr(module, _FLEX_TRACE_FLAG, None)
@@ -468,13 +448,11 @@ _IMPLEMENTATIONS: dict[str, Callable[..., torch.Tensor]] = {
 
 def available(device: str | torch.device = "cpu",
               dtype: torch.dtype = torch.float32) -> dict[str, str | None]:
-    """Probe every backend with tiny real calls on ``device`` in ``dtype``: a causal call without
-    a mask (what flash kernels take) and a call with a boolean mask.
+    """Probe every backend with tiny real calls: ``{name: None}`` where one ran, else the reason.
 
-    Returns ``{name: None}`` for a backend that ran either, or ``{name: reason}`` saying why it
-    ran neither. Each later call is still judged on its own (a backend here may refuse a mask).
-    A kernel that was selected and then failed is an error, not a reason: it propagates.
-    Results are cached per (device, dtype) for the life of the process.
+    A causal call without a mask (what flash kernels take) and one with a boolean mask; each
+    later call is still judged on its own. A kernel selected that then fails propagates. Cached
+    per (device, dtype) for the life of the process.
     """
     return dict(_probe(str(torch.device(device)), dtype))
 

@@ -1,11 +1,8 @@
-"""The one way torchparity hashes a tensor's values: sha256 over their raw little-endian bytes
-(the byte order of every platform torch runs on, and of the safetensors format), so a digest
-depends on the values only, never on the torch version, the device or the tensor's layout.
+"""The one way torchparity hashes a tensor's values: sha256 over their raw little-endian bytes.
 
-Goldens (``golden/store.py``: a tensor's sha256, the checksum of a case's weights and inputs)
-and traces (``diagnosis/core/trace.py``: the digests of recorded weights and inputs) both feed their
-tensors through :func:`update`; each puts its own header before the bytes, as its stored files
-always have.
+Little-endian is every torch platform's order and safetensors', so a digest depends on the values
+only, never on the torch version, device or layout. Goldens and traces feed their tensors through
+:func:`update`, each after its own header.
 """
 
 from __future__ import annotations
@@ -18,16 +15,9 @@ from torchparity import sketching
 
 
 def update(digest: hashlib._Hash, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-    """Feed ``tensor``'s values in order to ``digest``, in chunks that are buffers, not copies.
-
-    A 0-dim, expanded or non-contiguous tensor gives the bytes of its values alike, and a
-    tensor of gigabytes never needs a second copy of itself.
-
-    Args:
-        digest: a ``hashlib`` hash, after its owner's header.
-        tensor: the values hashed, on any device.
-        dtype: hash the values converted to this dtype instead of their own.
-    """
+    """Feed ``tensor``'s values (in ``dtype`` if given) to ``digest`` as buffers, not copies."""
+    # a 0-dim, expanded or strided tensor gives its values' bytes alike; gigabytes never need a
+    # second copy
     flat = tensor.detach().reshape(-1)
     for start in range(0, max(flat.numel(), 1), sketching.CHUNK):
         chunk = flat[start:start + sketching.CHUNK].to("cpu", dtype or flat.dtype).contiguous()
@@ -35,15 +25,7 @@ def update(digest: hashlib._Hash, tensor: torch.Tensor, dtype: torch.dtype | Non
 
 
 def sha256(tensor: torch.Tensor, header: str = "") -> str:
-    """Hex sha256 of ``header`` followed by ``tensor``'s values.
-
-    Args:
-        tensor: the values hashed.
-        header: what the digest starts with (a store's own prefix).
-
-    Returns:
-        The hex digest.
-    """
+    """Hex sha256 of ``header`` (a store's own prefix) followed by ``tensor``'s values."""
     digest = hashlib.sha256(header.encode())
     update(digest, tensor)
     return digest.hexdigest()

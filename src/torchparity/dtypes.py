@@ -1,8 +1,7 @@
 """Dtype names as the commands and the Python API take them, and the torch dtype of each.
 
 The short names (``fp32``, ``bf16``, ``fp16``, ``fp64``, ``tf32``) are canonical; torch's own
-(``float32``, ``torch.bfloat16``, ``half``, ...) and :class:`torch.dtype` objects are accepted
-beside them.
+(``float32``, ``torch.bfloat16``, ``half``) and :class:`torch.dtype` objects are accepted too.
 """
 
 from __future__ import annotations
@@ -26,27 +25,13 @@ ALIASES = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": 
 
 
 def dtype_name(value: str | torch.dtype) -> str:
-    """The short name of a dtype, the one reports and golden files use.
-
-    Args:
-        value: ``float32``, ``torch.float32``, ``torch.float32`` itself, ``fp32``...
-
-    Returns:
-        ``fp32``; an unknown name unchanged (lower-cased), for the caller to reject with its
-        list of choices.
-    """
+    """The short name reports and golden files use (``fp32``); an unknown one lower-cased."""
     name = str(value).strip().lower().removeprefix("torch.")
     return ALIASES.get(name, name)
 
 
 def torch_dtype(value: str | torch.dtype) -> torch.dtype:
-    """The torch dtype of a name, short or torch's.
-
-    Args:
-        value: a dtype name or a ``torch.dtype``.
-
-    Returns:
-        The torch dtype (``tf32`` is float32).
+    """The torch dtype of a name, short or torch's (``tf32`` is float32).
 
     Raises:
         ValueError: the name is unknown, naming the choices.

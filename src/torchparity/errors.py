@@ -4,10 +4,7 @@ from __future__ import annotations
 
 
 class TorchParityError(Exception):
-    """A mistake in user input or files: the message names what is wrong and how to fix it.
-
-    The CLI prints it as one line and exits with status 2, never with a traceback.
-    """
+    """A mistake in user input or files: one line naming the fix, exit status 2, no traceback."""
 
 
 class UsageError(TorchParityError):
@@ -19,20 +16,13 @@ class BackendUnavailable(TorchParityError):
 
 
 class UserCodeError(TorchParityError):
-    """The user's own code (a model factory, its loss or decode step) raised an exception.
-
-    The message names the code and its exception in one line; the CLI exits with status 3.
-    """
+    """The user's own code (a factory, its loss or step) raised: one line naming both, exit 3."""
 
     exit_status = 3
 
 
 class RanksDisagree(TorchParityError):
-    """Ranks hold different copies of what they must hold alike (a replicated weight, an
-    output every rank keeps whole): a failed check, found and raised by every rank at once.
-
-    The CLI prints it as one line and exits with status 1.
-    """
+    """Ranks hold different copies of what they must hold alike: a failed check (exit 1)."""
 
     exit_status = 1
     #: What the CLI's line says it is: a failed check, not a mistake.

@@ -1,10 +1,8 @@
 """Tensors told apart by the memory they read, not by the Python object that holds them.
 
-A module's output is the next module's input, a detached view of it is another object on the
-same memory, and an in-place change moves the version counter every view of that memory
-shares. :func:`memory_key` names the values a tensor reads; :class:`SharedCopies` keeps one
-copy of each, made while it was unchanged (captures and trace files copy a run's tensors
-before the run can change them, and a copy shared is a tensor stored once).
+A module's output is the next one's input, a detached view another object on the same memory, and
+an in-place change moves the version counter every view shares. :class:`SharedCopies` keeps one
+copy per memory read unchanged: a copy shared is a tensor stored once.
 """
 
 from __future__ import annotations
@@ -13,19 +11,11 @@ import torch
 
 
 def memory_key(tensor: torch.Tensor) -> tuple | None:
-    """What identifies the values ``tensor`` reads while its storage lives.
-
-    Args:
-        tensor: any tensor.
-
-    Returns:
-        Its device, storage address, offset, shape, strides and dtype; None for a tensor
-        without a storage of its own, a subclass that wraps others (some give a storage whose
-        data cannot be read, as a functional collective's result a tensor-parallel layer
-        returns).
-    """
+    """What identifies the values ``tensor`` reads while its storage lives."""
     try:
         where = tensor.untyped_storage().data_ptr()
+    # None: no storage of its own, or one whose data cannot be read (a functional collective's
+    # result in a tensor-parallel layer)
     except (RuntimeError, NotImplementedError):
         return None
     return (tensor.device, where, tensor.storage_offset(), tuple(tensor.shape),
@@ -33,36 +23,21 @@ def memory_key(tensor: torch.Tensor) -> tuple | None:
 
 
 def version(tensor: torch.Tensor) -> int | None:
-    """The tensor's version counter, which every in-place change moves.
-
-    Args:
-        tensor: any tensor.
-
-    Returns:
-        The counter, or None for an inference tensor, which has none.
-    """
+    """The version counter every in-place change moves; None for an inference tensor."""
     return None if tensor.is_inference() else tensor._version
 
 
 class SharedCopies:
-    """Detached copies, one per memory read unchanged since. Each source is held beside its
-    copy, so its memory is not reused by another tensor meanwhile."""
+    """Detached copies, one per memory read unchanged since, each source held beside its copy."""
 
     def __init__(self) -> None:
+        # the source is held so its memory is not reused by another tensor meanwhile
         self._kept: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The copy of what ``tensor`` reads now, made once per memory and version.
-
-        Args:
-            tensor: a run's tensor, about to be kept.
-
-        Returns:
-            The copy made before when its memory is unchanged since, else a new one (always a new
-            one for a tensor without a storage or a version counter: nothing tells whether it
-            changed).
-        """
+        """The copy of what ``tensor`` reads now, made once per memory and version."""
         key, changes = memory_key(tensor), version(tensor)
+        # nothing tells whether it changed: always a new copy
         if key is None or changes is None:
             return tensor.detach().clone()
         key = (*key, changes)

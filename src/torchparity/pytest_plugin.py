@@ -1,11 +1,8 @@
-"""pytest plugin: the ``golden``, ``twins`` and ``torchparity_device`` fixtures and an opt-in
-``gpu`` marker.
+"""pytest plugin: ``golden``, ``twins`` and ``torchparity_device`` fixtures, an opt-in ``gpu`` mark.
 
-Loaded through the ``pytest11`` entry point into every pytest run of an environment where
-torchparity is installed (or by the root ``conftest.py`` of a source tree), so it changes
-nothing a suite did not ask for: its options are namespaced (``--torchparity-...``), its
-fixtures act only when a test requests them, torch is imported only by them, and the ``gpu``
-marker is registered and acted on only in suites that opt in with the ini option
+Loaded into every pytest run where torchparity is installed, so it changes nothing a suite did
+not ask for: options are namespaced (``--torchparity-...``), fixtures act only when requested,
+torch is imported only by them, and the ``gpu`` marker acts only with the ini option
 ``torchparity_gpu_marker = true``.
 """
 
@@ -30,11 +27,7 @@ _SUMMARY_KEY = "torchparity-summary"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """Add torchparity's options, namespaced so they clash with no suite's own.
-
-    Args:
-        parser: pytest's parser.
-    """
+    """Add torchparity's options, namespaced so they clash with no suite's own."""
     group = parser.getgroup("torchparity")
     group.addoption(
         DEVICE_OPTION, dest="torchparity_device", default=None, metavar="DEVICE",
@@ -54,11 +47,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the ``gpu`` marker, only in a suite that opts in and has not registered it.
-
-    Args:
-        config: pytest's config.
-    """
+    """Register the ``gpu`` marker, only in a suite that opts in and has not registered it."""
     if config.getini(GPU_MARKER_INI) and not _marker_registered(config, GPU_MARKER):
         config.addinivalue_line(
             "markers", f"{GPU_MARKER}: runs on CUDA (or on {DEVICE_OPTION}); skipped without it")
@@ -70,14 +59,7 @@ def _marker_registered(config: pytest.Config, name: str) -> bool:
 
 
 def gpu_device(config: pytest.Config) -> str:
-    """The device tests marked ``gpu`` run on.
-
-    Args:
-        config: pytest's config.
-
-    Returns:
-        ``--torchparity-device``, else ``cuda``.
-    """
+    """The device tests marked ``gpu`` run on: ``--torchparity-device``, else ``cuda``."""
     return config.getoption("torchparity_device") or "cuda"
 
 
@@ -86,19 +68,12 @@ NO_CUDA = f"no CUDA device here; '{DEVICE_OPTION} cpu' runs these tests' logic o
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Skip a test marked ``gpu`` without CUDA, in a suite that opted in.
-
-    The skip is raised here, not marked on each test, so pytest's summary counts them all
-    on one line rather than one per test.
-
-    Args:
-        item: the test about to run.
-    """
+    """Skip a test marked ``gpu`` without CUDA, in a suite that opted in."""
     config = item.config
     if not config.getini(GPU_MARKER_INI) or not item.get_closest_marker(GPU_MARKER):
         return
     if gpu_device(config).startswith("cuda") and not _cuda_available():
-        pytest.skip(NO_CUDA)
+        pytest.skip(NO_CUDA)  # raised here, not marked: the summary counts them on one line
 
 
 def _cuda_available() -> bool:
@@ -109,12 +84,7 @@ def _cuda_available() -> bool:
 
 @pytest.fixture
 def torchparity_device(request: pytest.FixtureRequest) -> str:
-    """The device a test runs on.
-
-    Returns:
-        ``cpu``; for tests marked ``gpu`` in a suite that set ``torchparity_gpu_marker``, the
-        ``--torchparity-device`` (default ``cuda``).
-    """
+    """The device a test runs on: ``cpu``, or the gpu device for an opted-in suite's gpu tests."""
     if request.config.getini(GPU_MARKER_INI) and request.node.get_closest_marker(GPU_MARKER):
         return gpu_device(request.config)
     return "cpu"
@@ -122,15 +92,11 @@ def torchparity_device(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def golden(request: pytest.FixtureRequest) -> Iterator[GoldenFixture]:
-    """Goldens of this test, kept beside its file (a :class:`GoldenFixture`).
+    """Goldens of this test beside its file: ``golden.check("name", tensors, kind="forward")``.
 
-    ``golden.check("name", tensors, kind="forward")`` compares with it. With
-    ``--torchparity-golden-update`` it writes the golden instead, and the test fails at
-    teardown with "golden written, rerun without --torchparity-golden-update", so the option
-    cannot be left on.
-
-    Yields:
-        The fixture.
+    With ``--torchparity-golden-update`` it writes the golden instead and the test fails at
+    teardown ("golden written, rerun without --torchparity-golden-update"), so the option cannot
+    be left on.
     """
     from torchparity.golden.fixture import GoldenFixture
 
@@ -148,12 +114,8 @@ def golden(request: pytest.FixtureRequest) -> Iterator[GoldenFixture]:
 def twins(request: pytest.FixtureRequest) -> Callable[..., int]:
     """``twins(Old, New, inputs=..., init=...)``: a refactored module checked against the original.
 
-    The examples are drawn by :func:`torchparity.twins.search.check_twins`; those that failed
-    are kept in hypothesis' database under this test's id and tried first next time. See
-    docs/twins.md.
-
-    Returns:
-        ``check_twins`` with this test's database key: it returns how many examples passed.
+    :func:`torchparity.twins.search.check_twins` with this test's id as database key, so failed
+    examples are tried first next time; it returns how many examples passed. See docs/twins.md.
     """
     from torchparity.twins.search import check_twins
 
@@ -161,26 +123,12 @@ def twins(request: pytest.FixtureRequest) -> Callable[..., int]:
 
 
 def add_summary_line(node: pytest.Item, section: str, line: str) -> None:
-    """Show ``line`` under ``section`` in the terminal summary (goldens written, throughput, ...).
-
-    It travels on the test report, so it works under xdist too.
-
-    Args:
-        node: the test adding it.
-        section: the summary's section title.
-        line: the line, shown once however many tests add it.
-    """
+    """Show ``line`` once under ``section`` of the terminal summary (on the report: xdist too)."""
     node.user_properties.append((_SUMMARY_KEY, (section, line)))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    """Print the lines tests added with :func:`add_summary_line`, by section.
-
-    Args:
-        terminalreporter: pytest's terminal reporter.
-        exitstatus: the session's exit status (unused).
-        config: pytest's config.
-    """
+    """Print the lines tests added with :func:`add_summary_line`, by section."""
     sections: dict[str, list[str]] = {}
     for reports in terminalreporter.stats.values():
         for report in reports:
@@ -209,15 +157,10 @@ def model_parity(request: pytest.FixtureRequest) -> Callable[..., ModelReport]:
         def test_my_model(model_parity, cell):
             model_parity("tests/my_models.py:tiny_gpt", cell)
 
-    A file entry's relative path is looked for beside the test file, then under pytest's
-    rootdir, whatever the working directory. Goldens are read from ``golden/`` beside the
-    test file unless ``golden_dir`` is given; ``torchparity golden update --model ENTRY
-    --golden-dir DIR`` writes them. A cell in which every output is ``n/a`` (a model that
-    never calls SDPA, in an ``sdpa`` cell) is skipped with the reason, which ``pytest -rs``
-    shows: a test never passes a cell that did not run.
-
-    Returns:
-        The check, which returns the cell's report when it passes.
+    A relative file entry is looked for beside the test file, then under the rootdir; goldens are
+    read from ``golden/`` beside the test file unless ``golden_dir`` is given. A cell in which
+    every output is ``n/a`` is skipped with the reason (``pytest -rs``): a test never passes a
+    cell that did not run.
     """
     from torchparity.golden.model_check import check_model
     from torchparity.golden.store import GoldenError
@@ -242,26 +185,18 @@ def model_parity(request: pytest.FixtureRequest) -> Callable[..., ModelReport]:
 
 
 def not_applicable(report: ModelReport) -> str | None:
-    """Why no output of ``report`` was judged (every row ``n/a``), or None when some was.
-
-    Args:
-        report: the check of one cell.
-
-    Returns:
-        The rows' reasons, each once, or None.
-    """
+    """Why no output of ``report`` was judged (each row's reason once), or None when some was."""
     if not report.results or any(row.verdict != "n/a" for row in report.results):
         return None
     return "; ".join(dict.fromkeys(row.reason or "could not run" for row in report.results))
 
 
 def _entry_for_test(factory, request: pytest.FixtureRequest):
-    """``file.py:name`` with its relative path found beside the test file, else under the
-    rootdir; other entries (``pkg.mod:name``, a callable, an absolute path) as given."""
+    """``file.py:name`` with its relative path found beside the test file, else in the rootdir."""
     if not isinstance(factory, str):
         return factory
     location, _, name = factory.rpartition(":")
-    if not location.endswith(".py") or Path(location).is_absolute():
+    if not location.endswith(".py") or Path(location).is_absolute():  # other entries as given
         return factory
     folders = dict.fromkeys([request.path.parent, request.config.rootpath])
     for folder in folders:

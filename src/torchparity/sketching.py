@@ -1,22 +1,12 @@
 """Sketches: tensors too big to keep, summarised so that the tolerance model can still judge them.
 
-A :class:`Sketch` of a tensor holds
-
-- its *projection*: a CountSketch of k coordinates (:data:`torchparity.tolerance.SKETCH`).
-  Element ``i`` is added, with a sign, to one of k buckets, both drawn from a random stream
-  seeded by the tensor's name. The projection is linear, so the projection of an error is the
-  difference of two projections, and its squared norm estimates the error's squared norm
-  without bias (relative standard deviation at most sqrt(2 / k));
-- exact statistics: RMS, absmax and mean of the finite elements, and how many are not finite;
-- exact *slices*: the first :attr:`SketchTolerance.slice_elements` elements of the first and of
-  the last row (the tensor seen as rows of its last dimension), where max-abs kinds are judged
-  by the ordinary rule and a worst element is reported.
-
-Every sketch of one name uses the same buckets and signs, so a golden sketched on one machine
-and a candidate sketched on another are comparable. The random stream is numpy's PCG64 seeded
-through ``SeedSequence``, whose bits numpy guarantees stable across versions; tensors are
-sketched in fixed chunks, so the result does not depend on memory or threads. Sums run in
-float64.
+A :class:`Sketch` holds a CountSketch *projection* of k coordinates (each element added, with a
+sign, to one of k buckets drawn from a stream seeded by the tensor's name: linear, so the
+projection of an error is the difference of two, its squared norm an unbiased estimate, relative
+standard deviation at most sqrt(2 / k)); exact RMS, absmax, mean and non-finite count; and exact
+*slices*, the first elements of the first and last row, judged by the ordinary max-abs rule.
+Buckets come from numpy's PCG64 through ``SeedSequence`` (stable across versions), in fixed
+chunks, sums in float64: a sketch made on one machine compares with one made on another.
 """
 
 from __future__ import annotations
@@ -53,13 +43,7 @@ SKETCH_CACHE_ENTRIES = 64
 
 @dataclass(frozen=True, eq=False)
 class Sketch:
-    """A tensor of ``shape`` and ``dtype`` kept as its projection, statistics and exact slices.
-
-    Guarantees: ``projection`` is float64 of :attr:`size` coordinates, the same linear function
-    of the values for every sketch of the same ``seed`` and size; ``slices`` holds the values of
-    :func:`slice_ranges` in ``dtype``; ``rms``, ``absmax`` and ``mean`` are exact over the finite
-    elements (``nonfinite`` counts the others, which the projection leaves out).
-    """
+    """A tensor of ``shape`` and ``dtype`` kept as its projection, statistics and exact slices."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -84,20 +68,15 @@ class Sketch:
         """The dimensions of the tensor sketched, as ``Tensor.dim`` counts them."""
         return len(self.shape)
 
+    # projection: float64, the same linear function of the values for every sketch of one seed and
+    # size; rms, absmax and mean exact over the finite elements (nonfinite counts the others, which
+    # the projection leaves out)
     def is_floating_point(self) -> bool:
-        """Always: only floating tensors are sketched.
-
-        Returns:
-            True, as ``Tensor.is_floating_point`` would for the tensor sketched.
-        """
+        """Always: only floating tensors are sketched."""
         return True
 
     def cpu(self) -> Sketch:
-        """The sketch itself: sketches live on the CPU.
-
-        Returns:
-            ``self``, so code that moves a tensor to the CPU takes a sketch too.
-        """
+        """The sketch itself (sketches live on the CPU): code moving a tensor there takes one."""
         return self
 
     @property
@@ -106,17 +85,7 @@ class Sketch:
         return math.sqrt(max(self.rms**2 - self.mean**2, 0.0))
 
     def slice_index(self, position: int) -> tuple[int, ...]:
-        """The index, in the tensor, of element ``position`` of :attr:`slices`.
-
-        Args:
-            position: an element of the slices, counted across them.
-
-        Returns:
-            Its index in the tensor, one int per dimension: where a report shows the worst element.
-
-        Raises:
-            IndexError: the slices have no such element.
-        """
+        """The index in the tensor of element ``position`` of :attr:`slices` (the worst's)."""
         for start, length in slice_ranges(self.shape):
             if position < length:
                 return tuple(int(j) for j in np.unravel_index(start + position, self.shape))
@@ -124,14 +93,7 @@ class Sketch:
         raise IndexError(f"a sketch of shape {self.shape} has no slice element {position}")
 
     def same_values(self, other: Sketch) -> bool:
-        """Whether two sketches are bit-equal: all they can tell of two tensors being bit-identical.
-
-        Args:
-            other: another sketch.
-
-        Returns:
-            True when dtype, shape, seed, projection, slices and statistics all match bit for bit.
-        """
+        """Whether two sketches are bit-equal: all they tell of two tensors being bit-identical."""
         return (self.dtype == other.dtype and self.shape == other.shape
                 and self.seed == other.seed and torch.equal(self.projection, other.projection)
                 and _bits_equal(self.slices, other.slices)
@@ -144,11 +106,7 @@ class Sketch:
 
 
 def threshold() -> int:
-    """The number of elements from which floating tensors are sketched.
-
-    Returns:
-        ``$TORCHPARITY_SKETCH_ABOVE`` when set (at least 1), else
-        :attr:`SketchTolerance.min_elements`.
+    """Elements from which floating tensors are sketched: ``$TORCHPARITY_SKETCH_ABOVE`` or default.
 
     Raises:
         UsageError: the variable is not an integer.
@@ -166,46 +124,20 @@ def threshold() -> int:
 
 
 def wants_sketch(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is kept as a sketch.
-
-    Args:
-        tensor: any tensor.
-
-    Returns:
-        True when it is floating, with at least :func:`threshold` elements.
-    """
+    """Whether ``tensor`` is kept as a sketch: floating, at least :func:`threshold` elements."""
     return tensor.is_floating_point() and tensor.numel() >= threshold()
 
 
 def kept(name: str, tensor: torch.Tensor, left_out: torch.Tensor | None = None
          ) -> torch.Tensor | Sketch:
-    """``tensor`` as a run keeps it: a sketch when big, else a detached copy on the CPU.
-
-    Args:
-        name: the tensor's name, which seeds its sketch's buckets.
-        tensor: the tensor.
-        left_out: its padded positions, set to 0 before sketching (see :func:`masked`).
-
-    Returns:
-        A sketch when :func:`wants_sketch`, else the copy.
-    """
+    """``tensor`` as a run keeps it: a sketch (seeded by ``name``) when big, else a CPU copy."""
     if wants_sketch(tensor):
         return sketch(masked(tensor, left_out), name)
     return tensor.detach().to("cpu", copy=True)
 
 
 def masked(tensor: torch.Tensor, left_out: torch.Tensor | None) -> torch.Tensor:
-    """``tensor`` with its padded positions set to 0: what the sketch of a padded tensor is made of.
-
-    Padded positions then add nothing to its projection, statistics or slices.
-
-    Args:
-        tensor: the tensor.
-        left_out: a bool mask over its leading dimensions, True at padding, or None.
-
-    Returns:
-        A new tensor, or ``tensor`` itself when nothing is left out.
-    """
+    """``tensor`` with its padded positions (``left_out``) 0, adding nothing to its sketch."""
     if left_out is None or not bool(left_out.any()):
         return tensor
     mask = left_out.to(tensor.device)
@@ -213,27 +145,12 @@ def masked(tensor: torch.Tensor, left_out: torch.Tensor | None) -> torch.Tensor:
 
 
 def seed_of(name: str) -> int:
-    """The seed of a tensor's buckets and signs: a pure function of its name.
-
-    Args:
-        name: the tensor's name (its path).
-
-    Returns:
-        A 64-bit seed, the same on every machine and in every process.
-    """
+    """The 64-bit seed of a tensor's buckets and signs: a pure function of its name."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
 
 
 def slice_ranges(shape: tuple[int, ...] | torch.Size) -> list[tuple[int, int]]:
-    """Where a sketch's exact slices lie: the first elements of the first and last row.
-
-    Args:
-        shape: the tensor's shape.
-
-    Returns:
-        ``(flat start, length)`` of each slice, at most
-        :attr:`SketchTolerance.slice_elements` long; empty for an empty tensor.
-    """
+    """``(flat start, length)`` of a sketch's exact slices: the first and last rows' starts."""
     n = math.prod(shape)
     if n == 0:
         return []
@@ -252,9 +169,6 @@ def sketch(tensor: torch.Tensor, name: str | None = None, *, seed: int | None = 
         name: its name, which seeds the buckets.
         seed: the buckets' seed, instead of ``name`` (to match another sketch).
         size: the coordinates of the projection (default :attr:`SketchTolerance.size`).
-
-    Returns:
-        The sketch.
 
     Raises:
         ValueError: neither ``name`` nor ``seed`` is given, or ``size`` is not a power of two
@@ -279,21 +193,9 @@ def _sketch(tensor: torch.Tensor, seed: int, size: int) -> Sketch:
 
 def sketch_chunks(shape: tuple[int, ...], dtype: torch.dtype, chunks: Iterable[torch.Tensor],
                   name: str) -> Sketch:
-    """The sketch :func:`sketch` makes, bit for bit, from a tensor's values given in chunks.
-
-    Each chunk is made when it is read, so the tensor is never whole in one place (a
-    gradient sharded over ranks).
-
-    Args:
-        shape: the tensor's shape.
-        dtype: its dtype.
-        chunks: its flat values as runs of :data:`CHUNK` elements in order, the last one
-            shorter.
-        name: its name, which seeds the buckets.
-
-    Returns:
-        The sketch.
-    """
+    """The sketch :func:`sketch` makes, bit for bit, from flat values in chunks of :data:`CHUNK`."""
+    # each chunk is made when read, so the tensor is never whole in one place (a gradient sharded
+    # over ranks)
     return _sketch_chunks(tuple(shape), dtype, chunks, seed_of(name), tolerance.SKETCH.size)
 
 
@@ -339,14 +241,12 @@ def _bucket_stream(seed: int, chunk: int, n: int, size: int) -> torch.Tensor:
 
 
 class _Streams:
-    """The bucket streams drawn more than once, the last of them up to
-    :data:`STREAM_CACHE_BYTES` in all: every tensor of one name and size shares its stream (a
-    diagnosis sketches A's, the golden's and B's output of each module, most of them named
-    ``output``), and drawing one is about a fifth of a sketch's time. A stream drawn for the
-    first time is not kept: a golden update sketches each name once, and a model's gradients
-    would only push each other out."""
+    """The bucket streams drawn more than once, the last up to :data:`STREAM_CACHE_BYTES` in all."""
 
     def __init__(self) -> None:
+        # every tensor of one name and size shares its stream (most diagnosis outputs are named
+        # output) and drawing one is a fifth of a sketch; a first-drawn stream is not kept: a golden
+        # update sketches each name once
         self._kept: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
         self._drawn: OrderedDict[tuple[int, int, int, int], None] = OrderedDict()
         self._bytes = 0
@@ -380,14 +280,11 @@ _STREAMS = _Streams()
 
 
 class _Made:
-    """The last :data:`SKETCH_CACHE_ENTRIES` sketches, by the memory their tensor reads (its
-    storage, offset, shape, strides and dtype), while that storage is alive and unchanged (the
-    same ``_version``, which every view of it shares): a comparison sketches a dense baseline
-    for the pass's noise and again for its error, a candidate again when a residue's rounding
-    reaches the other gradients of its pass, and a module's output is often its parent's
-    output, or the same tensor detached by another store."""
+    """The last :data:`SKETCH_CACHE_ENTRIES` sketches by their tensor's memory, while unchanged."""
 
     def __init__(self) -> None:
+        # keyed by storage, offset, shape, strides, dtype and _version: a comparison sketches a
+        # baseline twice, and a module's output is often its parent's
         self._kept: OrderedDict[tuple, tuple[StorageWeakRef, int, Sketch]] = OrderedDict()
 
     def get(self, tensor: torch.Tensor, seed: int, size: int) -> Sketch | None:
@@ -411,14 +308,7 @@ _MADE = _Made()
 
 
 def like(reference: Sketch, value: torch.Tensor | Sketch) -> Sketch:
-    """``value`` as a sketch comparable with ``reference``: the same buckets and size.
-
-    Args:
-        reference: the sketch compared against.
-        value: a tensor (sketched now) or a sketch.
-
-    Returns:
-        The sketch of ``value``.
+    """``value`` (a tensor, sketched now, or a sketch) with ``reference``'s buckets and size.
 
     Raises:
         ValueError: ``value`` is a sketch made with other buckets: the two cannot be compared.
@@ -431,29 +321,13 @@ def like(reference: Sketch, value: torch.Tensor | Sketch) -> Sketch:
 
 
 def error_estimate(a: Sketch, b: Sketch) -> float:
-    """The RMS of ``a - b`` as the projections estimate it (unbiased in the square).
-
-    Args:
-        a: one sketch.
-        b: another, with the same buckets.
-
-    Returns:
-        The estimated RMS of the difference of the tensors sketched.
-    """
+    """The RMS of ``a - b`` as the projections estimate it (unbiased in the square)."""
     difference = a.projection - b.projection
     return tolerance.rms(difference) * math.sqrt(a.size / max(a.numel(), 1))
 
 
 def cosine_estimate(a: Sketch, b: Sketch) -> float:
-    """The cosine similarity of the two tensors as their projections estimate it.
-
-    Args:
-        a: one sketch.
-        b: another, with the same buckets.
-
-    Returns:
-        The estimate, clamped to [-1, 1]; 1 for two equal zero projections.
-    """
+    """The cosine similarity of two tensors as their projections estimate it, in [-1, 1]."""
     norms = torch.linalg.vector_norm(a.projection) * torch.linalg.vector_norm(b.projection)
     if norms == 0:
         return 1.0 if torch.equal(a.projection, b.projection) else 0.0
@@ -462,19 +336,9 @@ def cosine_estimate(a: Sketch, b: Sketch) -> float:
 
 def shifted(golden: torch.Tensor | Sketch, plus: torch.Tensor | Sketch,
             minus: torch.Tensor | Sketch) -> torch.Tensor | Sketch:
-    """``golden + (plus - minus)``: the golden moved by the change between two runs.
-
-    When any is a sketch, the result is its sketch: the projection and the slices are
-    linear; the statistics are the golden's, which the shift moves by rounding only.
-
-    Args:
-        golden: the golden value.
-        plus: one run's value.
-        minus: the other run's value.
-
-    Returns:
-        A tensor, or a sketch with the golden's buckets.
-    """
+    """``golden + (plus - minus)``: the golden moved by the change between two runs."""
+    # with a sketch, the result's sketch: projection and slices are linear; the statistics are the
+    # golden's, which the shift moves by rounding only
     reference = next((v for v in (golden, plus, minus) if isinstance(v, Sketch)), None)
     if reference is None:
         return golden + (plus - minus)
@@ -491,43 +355,20 @@ PARTS = ("sketch", "slices", "stats")
 
 
 def parts(value: Sketch) -> dict[str, torch.Tensor]:
-    """The tensors a file stores of a sketch: its projection, slices and statistics.
-
-    With :func:`describe_sketch` they give it back through :func:`from_parts`.
-
-    Args:
-        value: the sketch.
-
-    Returns:
-        The tensors by the names of :data:`PARTS`.
-    """
+    """The tensors a file stores of a sketch (:data:`PARTS`); :func:`from_parts` reads them back."""
     stats = torch.tensor([value.rms, value.absmax, value.mean, float(value.nonfinite)],
                          dtype=torch.float64)
     return {"sketch": value.projection, "slices": value.slices, "stats": stats}
 
 
 def describe_sketch(value: Sketch) -> dict[str, list[int] | str | int]:
-    """What a file records beside a sketch's parts, as JSON.
-
-    Args:
-        value: the sketch.
-
-    Returns:
-        Its shape, dtype, method, size and seed (a string: JSON numbers lose 64-bit ints).
-    """
+    """What a file records beside a sketch's parts, as JSON (seed a string: JSON loses int64)."""
     return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
             "method": METHOD, "size": value.size, "seed": str(value.seed)}
 
 
 def from_parts(description: Mapping[str, Any], stored: Mapping[str, torch.Tensor]) -> Sketch:
-    """The sketch :func:`parts` and :func:`describe_sketch` wrote.
-
-    Args:
-        description: what :func:`describe_sketch` returned, read back from JSON.
-        stored: the tensors :func:`parts` returned, read back from the file.
-
-    Returns:
-        The sketch, equal to the one stored.
+    """The sketch :func:`parts` and :func:`describe_sketch` wrote, equal to the one stored.
 
     Raises:
         ValueError: a part is missing or malformed, or the sketch was made by another method.

@@ -1,7 +1,7 @@
 """Hypothesis strategies for property tests of transformer code, and reproducers for failures.
 
-Everything here draws *valid* inputs only (no example is thrown away by ``assume``) and shrinks
-toward the smallest problem: one head, one layer, no positions, no padding, short rows. ::
+Everything draws *valid* inputs only (nothing is thrown away by ``assume``) and shrinks toward
+the smallest problem: one head, one layer, no positions, no padding, short rows. ::
 
     from hypothesis import given, note
     from torchparity import strategies as tps
@@ -10,16 +10,6 @@ toward the smallest problem: one head, one layer, no positions, no padding, shor
     def test_my_property(config, data):
         batch = data.draw(tps.batches(config))
         ...
-
-- :func:`configs`: :class:`~torchparity.reference.TransformerConfig` objects, any field fixed
-  to a value or to a strategy of your own;
-- :func:`token_rows`, :func:`pad_rows`, :func:`batches`: token ids with per-row lengths,
-  padded on the left or right, with masks; fully padded rows included unless disabled;
-- :func:`dtypes`, :func:`attention_backends`: what runs on a device;
-  :func:`compares_gradients`, :func:`differentiable_in`: which gradients the property suite
-  compares in which dtype;
-- :func:`reproducer`, :func:`note_reproducer`: a copy-pasteable Python script that reruns a
-  failing check on the shrunk example.
 
 Needs ``hypothesis`` (``pip install 'torchparity[strategies]'``).
 """
@@ -60,10 +50,10 @@ _Result = TypeVar("_Result")
 def configs(*, architectures: Sequence[str] = config_module.ARCHITECTURES,
             max_d_model: int = 32, max_layers: int = 2,
             **fixed: object) -> SearchStrategy[TransformerConfig]:
-    """Valid tiny configs: every field the reference supports, drawn in valid combinations.
+    """Valid tiny configs, every field the reference supports, shrinking toward the simplest.
 
-    Dropout is 0 (properties need determinism). Pinned fields keep the fields that depend on
-    them consistent.
+    Dropout is 0 (properties need determinism); pinned fields keep those depending on them
+    consistent.
 
     Args:
         architectures: the architectures drawn from.
@@ -71,9 +61,6 @@ def configs(*, architectures: Sequence[str] = config_module.ARCHITECTURES,
         max_layers: the most layers per stack (at least 1).
         **fixed: fields pinned to a value (``positions="rotary"``) or to a strategy
             (``activation=st.sampled_from(["gated-silu", "gated-gelu"])``).
-
-    Returns:
-        A strategy of :class:`TransformerConfig`, shrinking toward the simplest config.
 
     Raises:
         ValueError: an unknown field name, an unknown architecture, or bounds too small.
@@ -171,12 +158,6 @@ def token_rows(vocab_size: int, *, batch_size: SearchStrategy[int] | int | None 
         vocab_size: the vocabulary size (at least 2).
         batch_size: the rows, a number or a strategy (default 1 to 3).
         lengths: each row's tokens, a number or a strategy (default 1 to 12).
-
-    Returns:
-        A strategy of lists of rows, ready for :func:`pad_rows`.
-
-    Raises:
-        ValueError: ``vocab_size`` leaves no real token.
     """
     if vocab_size < 2:
         raise ValueError(f"token_rows needs vocab_size >= 2 (0 is padding); got {vocab_size}")
@@ -189,15 +170,7 @@ def token_rows(vocab_size: int, *, batch_size: SearchStrategy[int] | int | None 
 
 def pad_rows(rows: Sequence[Sequence[int]], side: str, length: int | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``rows`` padded with 0 on ``side`` into one batch and its 1/0 mask.
-
-    Args:
-        rows: token ids per row, of any lengths.
-        side: "left", "right", or "none" (rows of equal length, no mask).
-        length: the batch's columns (default: the longest row).
-
-    Returns:
-        ``(ids, mask)``, both (rows, length) long; the mask is None for ``side="none"``.
+    """``(ids, mask)``: ``rows`` padded with 0 on ``side`` ("left", "right", "none": no mask).
 
     Raises:
         ValueError: an unknown side, a row longer than ``length``, or unequal rows with "none".
@@ -242,11 +215,9 @@ def batches(draw: st.DrawFn, config: TransformerConfig, *,
             seq_len: SearchStrategy[int] | int | None = None,
             padding: SearchStrategy[str] | str | None = None,
             allow_empty_rows: bool = True) -> dict[str, torch.Tensor]:
-    """Model keyword arguments, like :func:`torchparity.reference.zoo.make_batch`.
+    """Model keyword arguments like ``zoo.make_batch``'s, each row with its own real tokens.
 
-    ``model(**batch)`` runs and ``sequence_loss(logits, batch)`` scores it. Every row has its
-    own number of real tokens; masks are 1 for tokens and 0 for padding. Encoder-decoder batches
-    draw source and target lengths independently, padded on the same side.
+    Encoder-decoder batches draw source and target lengths independently, padded on one side.
 
     Args:
         draw: hypothesis's draw (given by ``@st.composite``, not by the caller).
@@ -255,9 +226,6 @@ def batches(draw: st.DrawFn, config: TransformerConfig, *,
         seq_len: the columns, a number or a strategy (default 2 to 12).
         padding: "none" (full rows, no mask), "right" or "left"; drawn unless given.
         allow_empty_rows: a row may be entirely padding.
-
-    Returns:
-        The batch: ``input_ids`` and ``attention_mask``, or the ``src_``/``tgt_`` pairs.
     """
     side = draw(_as_strategy(padding, st.sampled_from(PADDINGS)))
     rows = draw(_as_strategy(batch_size, st.integers(1, 3)))
@@ -276,14 +244,7 @@ def batches(draw: st.DrawFn, config: TransformerConfig, *,
 
 
 def lengths(batch: dict[str, torch.Tensor]) -> dict[str, list[int]]:
-    """Real tokens per row for every ids tensor of ``batch`` (its mask's row sums).
-
-    Args:
-        batch: a batch of :func:`batches`.
-
-    Returns:
-        The lengths per row by ids key (``input_ids``, ``src_ids``, ``tgt_ids``).
-    """
+    """Real tokens per row (its mask's row sums) by ids key of ``batch``."""
     out = {}
     for ids_key, mask_key in (("input_ids", "attention_mask"), ("src_ids", "src_mask"),
                               ("tgt_ids", "tgt_mask")):
@@ -303,13 +264,6 @@ _LOW_AND_SINGLE = (torch.float32, torch.bfloat16, torch.float16)
 def dtypes(device: str | torch.device = "cpu",
            candidates: Sequence[torch.dtype] = _LOW_AND_SINGLE) -> SearchStrategy[torch.dtype]:
     """The ``candidates`` in which the reference attention runs on ``device`` (float32 first).
-
-    Args:
-        device: the device the property runs on.
-        candidates: the dtypes to try.
-
-    Returns:
-        A strategy of the dtypes that run.
 
     Raises:
         ValueError: none of them runs on ``device``.
@@ -336,15 +290,7 @@ def _manual_attention_runs(device: str, dtype: torch.dtype) -> bool:
 
 def attention_backends(device: str | torch.device = "cpu",
                        dtype: torch.dtype = torch.float32) -> SearchStrategy[str]:
-    """Names of the attention backends that run on ``device`` in ``dtype`` ("manual" first).
-
-    Args:
-        device: the device the property runs on.
-        dtype: the dtype it runs in.
-
-    Returns:
-        A strategy of backend names.
-    """
+    """Names of the attention backends that run on ``device`` in ``dtype`` ("manual" first)."""
     return st.sampled_from([n for n, why in backends.available(device, dtype).items()
                             if why is None])
 
@@ -362,34 +308,16 @@ _FLASH_BACKWARD = ("sdpa", "sdpa-flash")
 
 
 def compares_gradients(backend: str, dtype: torch.dtype) -> bool:
-    """Whether the property suite compares ``backend``'s gradients in ``dtype``.
-
-    The CPU flash kernel's low-precision gradients carry its real rounding upstream (see
-    ``_FLASH_BACKWARD``): they are reported, not budgeted.
-
-    Args:
-        backend: an attention backend's name.
-        dtype: the dtype compared.
-
-    Returns:
-        True for every backend, but the CPU flash kernel's only in fp32 and fp64.
-    """
+    """Whether the property suite compares ``backend``'s gradients in ``dtype``."""
+    # the CPU flash kernel's low-precision gradients carry its real rounding upstream: reported, not
+    # budgeted
     return backend not in _FLASH_BACKWARD or dtype in (torch.float32, torch.float64)
 
 
 def differentiable_in(dtype: torch.dtype) -> dict[str, SearchStrategy[str]]:
-    """:func:`configs` pins for properties that compare gradients in ``dtype``.
-
-    Below fp32, ReLU is left out: a pre-activation within rounding of 0 flips whether a unit
-    passes gradient, which changes whole gradient rows by O(1); the tolerance model budgets
-    rounding, not kinks.
-
-    Args:
-        dtype: the dtype the gradients are compared in.
-
-    Returns:
-        The ``**fixed`` to pass to :func:`configs`; empty in fp32 and fp64.
-    """
+    """:func:`configs` pins for properties comparing gradients in ``dtype``: no ReLU below fp32."""
+    # a pre-activation within rounding of 0 flips whether a ReLU passes gradient, changing whole
+    # rows by O(1): the tolerance model budgets rounding, not kinks
     if dtype in (torch.float32, torch.float64):
         return {}
     return dict(activation=st.sampled_from(["gelu", "silu", "gated-gelu", "gated-silu"]))
@@ -410,15 +338,7 @@ from torchparity.subject.rounding import perturb_weights
 
 
 def python_source(value: object) -> str:
-    """A Python expression that rebuilds ``value``, for a reproducer.
-
-    Args:
-        value: a config, tensor, dtype, container of them, or literal. Tensors are written out
-            in full, so keep them small.
-
-    Returns:
-        The expression.
-    """
+    """A Python expression rebuilding ``value`` (tensors written in full: keep them small)."""
     if isinstance(value, TransformerConfig):
         return config_source(value)
     if isinstance(value, torch.Tensor):
@@ -437,14 +357,7 @@ def python_source(value: object) -> str:
 
 
 def config_source(config: TransformerConfig) -> str:
-    """``TransformerConfig(...)`` with only the fields that differ from the defaults.
-
-    Args:
-        config: the config.
-
-    Returns:
-        The expression, short enough to read in a failure's output.
-    """
+    """``TransformerConfig(...)`` with only the fields that differ from the defaults."""
     default = TransformerConfig()
     changed = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)
                if getattr(config, f.name) != getattr(default, f.name)]
@@ -453,20 +366,8 @@ def config_source(config: TransformerConfig) -> str:
 
 def reproducer(check: Callable[..., object], arguments: dict[str, object],
                helpers: Sequence[Callable[..., object]] = ()) -> str:
-    """A self-contained script that reruns ``check(**arguments)``.
-
-    It holds :data:`REPRODUCER_HEADER`, the source of every helper and of ``check`` (so it
-    shows the exact computation that failed), one assignment per argument written with
-    :func:`python_source`, and the call.
-
-    Args:
-        check: the check; it and the helpers may only use the header's names.
-        arguments: its keyword arguments.
-        helpers: functions ``check`` calls, written before it.
-
-    Returns:
-        The script's source.
-    """
+    """A self-contained script rerunning ``check(**arguments)`` on the header's names only."""
+    # the source of every helper and of check shows the exact computation that failed
     parts = [REPRODUCER_HEADER]
     parts += [textwrap.dedent(inspect.getsource(f)) for f in (*helpers, check)]
     assignments = "\n".join(f"{name} = {python_source(v)}" for name, v in arguments.items())
@@ -476,19 +377,7 @@ def reproducer(check: Callable[..., object], arguments: dict[str, object],
 
 def note_reproducer(check: Callable[..., _Result], arguments: dict[str, object],
                     helpers: Sequence[Callable[..., object]] = ()) -> _Result:
-    """Run ``check(**arguments)`` inside a hypothesis test, with its reproducer noted.
-
-    If the test fails, hypothesis prints the :func:`reproducer` of the shrunk example along
-    with the error.
-
-    Args:
-        check: the check; it and the helpers may only use the header's names.
-        arguments: its keyword arguments.
-        helpers: functions ``check`` calls.
-
-    Returns:
-        What ``check`` returns.
-    """
+    """Run ``check(**arguments)`` in a hypothesis test, noting its ``reproducer`` if it fails."""
     note("# Reproducer: paste into a Python shell where torchparity is importable\n"
          + reproducer(check, arguments, helpers))
     return check(**arguments)

@@ -1,8 +1,7 @@
 """Plain text for logs and pipes: lines of at most 80 columns, wrapped at spaces, never cut.
 
-A CI log has no width and is searched for module names and paths, so a long line is wrapped
-between words (later lines indented); a word longer than a line is folded across lines as the
-tables fold a long name, every character kept.
+A CI log has no width and is searched for module names and paths: a word longer than a line is
+folded across lines, every character kept.
 """
 
 from __future__ import annotations
@@ -18,30 +17,13 @@ WIDTH = 80
 
 
 def wrap(text: str, width: int = WIDTH) -> list[str]:
-    """``text`` in lines of at most ``width`` columns, wrapped at spaces, never shortened.
-
-    Args:
-        text: one paragraph.
-        width: the columns of a line.
-
-    Returns:
-        The lines, later ones indented by two; a module name or a path longer than a line is
-        folded across lines. One empty line for empty text.
-    """
+    """``text`` in lines of at most ``width`` columns, later ones indented by two."""
     return textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=True,
                          break_on_hyphens=False) or [""]
 
 
 def wrapped(text: str, width: int = WIDTH) -> str:
-    """:func:`wrap`'s lines joined, one paragraph.
-
-    Args:
-        text: one paragraph.
-        width: the columns of a line.
-
-    Returns:
-        The lines joined by newlines.
-    """
+    """:func:`wrap`'s lines joined by newlines."""
     return "\n".join(wrap(text, width))
 
 
@@ -58,8 +40,7 @@ def print_trimmed(console: Console, what: str | RenderableType) -> None:
 
 
 def with_article(word: str) -> str:
-    """``word`` after its indefinite article, as a message names a type: ``an int``,
-    ``a list``, ``a uint8``, ``an MLP``."""
+    """``word`` after its indefinite article: ``an int``, ``a list``, ``a uint8``, ``an MLP``."""
     lower = word.lower()
     if word[:2].isupper():  # an acronym is read letter by letter
         sounds_vowel = word[0] in "AEFHILMNORSX"

@@ -10,14 +10,7 @@ import torch
 
 @contextlib.contextmanager
 def torch_threads(count: int) -> Iterator[None]:
-    """Run torch on ``count`` intra-op threads inside the block; the count is put back after.
-
-    Args:
-        count: the intra-op threads.
-
-    Yields:
-        Nothing.
-    """
+    """Run torch on ``count`` intra-op threads inside the block; the count is put back after."""
     previous = torch.get_num_threads()
     torch.set_num_threads(count)
     try:
@@ -27,13 +20,6 @@ def torch_threads(count: int) -> Iterator[None]:
 
 
 def single_thread() -> contextlib.AbstractContextManager[None]:
-    """Run torch on one intra-op thread inside the block.
-
-    The models checked are small: more threads only spin (burning several times the useful
-    CPU time on a busy machine), and one thread makes float64 reductions independent of the
-    core count.
-
-    Returns:
-        The block's context manager.
-    """
+    """Run torch on one intra-op thread inside the block."""
+    # small models: more threads only spin, and one makes float64 sums core-count free
     return torch_threads(1)
