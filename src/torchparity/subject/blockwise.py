@@ -122,8 +122,7 @@ class Float64Run:
             # it, so no module's float64 weights outlive its call
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
                 self._quietly(self._pack), self._quietly(self._unpack)))
-            # ops without a float64 kernel (MoE's grouped matmul) run as the float64 ops they stand
-            # for
+            # ops without a float64 kernel (MoE's grouped matmul) run as the ops they stand for
             stack.enter_context(Float64Ops())
             # a parameter read outside its module (a tied head, a weight passed as an argument) is
             # cast as it is read
