@@ -14,8 +14,8 @@ as ``SHARDED_LM`` says:
   the norms' and the embedding's gradients are each rank's share only;
 - ``local_clip`` (a bug): as ``manual_tp``, but clipped by torch's ``clip_grad_norm_``,
   which clips each rank by the norm of its own slices, not the whole model's;
-- ``rank_one_dies``, ``rank_one_raises``: as ``manual_tp``, but rank 1 is killed (or raises)
-  as its third step starts.
+- ``rank_one_dies``, ``rank_one_stops``, ``rank_one_raises``: as ``manual_tp``, but rank 1 is
+  killed (SIGKILL), stopped (SIGSTOP) or raises as its third step starts.
 
 In one process every variant is the same model and recipe, so one golden judges them all
 (``lm`` is the factory). The ranks import this file by its path."""
@@ -43,7 +43,7 @@ import torchparity as tp  # noqa: E402
 #: This recipe's gradient clipping norm.
 CLIP = 1.0
 VARIANTS = ("fsdp", "tp", "manual_tp", "unreduced_input_grads", "local_clip",
-            "rank_one_dies", "rank_one_raises")
+            "rank_one_dies", "rank_one_stops", "rank_one_raises")
 
 
 def variant() -> str:
@@ -121,16 +121,16 @@ def _unreduced_input_grads(model: ssm.ManualLM) -> None:
     ssm._correct(model)
 
 
-def _fails_in_step_three(model: ssm.ManualLM, killed: bool) -> None:
-    """Correct, but rank 1 is killed (or raises) as its third step starts."""
+def _fails_in_step_three(model: ssm.ManualLM, sent: signal.Signals | None) -> None:
+    """Correct, but rank 1 is sent ``sent`` (None: raises) as its third step starts."""
     ssm._correct(model)
     calls = []
 
     def count(module, args) -> None:
         calls.append(1)
         if len(calls) == 3 and ssm.this_rank() == 1:
-            if killed:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if sent is not None:
+                os.kill(os.getpid(), sent)
             raise FloatingPointError("planted failure in step 3 of rank 1")
 
     model.register_forward_pre_hook(count)
@@ -148,6 +148,7 @@ def lm() -> dict:
                 "parallelize": plan, "mesh": {"dp": -1} if name == "fsdp" else {"tp": -1}}
     shard = {"manual_tp": None, "local_clip": None,
              "unreduced_input_grads": _unreduced_input_grads,
-             "rank_one_dies": functools.partial(_fails_in_step_three, killed=True),
-             "rank_one_raises": functools.partial(_fails_in_step_three, killed=False)}[name]
+             "rank_one_dies": functools.partial(_fails_in_step_three, sent=signal.SIGKILL),
+             "rank_one_stops": functools.partial(_fails_in_step_three, sent=signal.SIGSTOP),
+             "rank_one_raises": functools.partial(_fails_in_step_three, sent=None)}[name]
     return {**recipe, **ssm._manual(shard)}

@@ -104,6 +104,9 @@ def point(verdict: dict, quantity: str, step: int) -> dict:
 
 @pytest.mark.parametrize(("variant", "status", "said"), [
     ("rank_one_dies", 2, "rank 1 died (Signal 9"),
+    # its heartbeat goes silent: rank 0 ends the run in 10 s, not the collective timeout's 300
+    pytest.param("rank_one_stops", 2, "(stopped, or frozen) at step 3; every rank was stopped",
+                 marks=pytest.mark.slow),
     pytest.param("rank_one_raises", 3, "raised FloatingPointError: planted failure in step 3 "
                  "of rank 1", marks=pytest.mark.slow)])
 def test_a_rank_that_fails_mid_training_ends_the_run_in_one_line(golden, monkeypatch, tmp_path,
