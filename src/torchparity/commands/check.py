@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "other columns are judged by the tolerance model against the manual backend in the "
         "same dtype. With --model, your own model is checked the same way against its goldens "
         "(docs/your-model.md). Exit status: 0 all pass, 1 something diverged, 2 usage or "
-        "golden error, 3 your model's factory raised.")
+        "golden error, 3 your model's code (or torchparity) raised, 130 interrupted.")
     parser.add_argument("--case", action="append", metavar="NAME",
                         help="zoo case to check (repeatable; default: all, or none with "
                              "--model)")
