@@ -288,7 +288,11 @@ def test_a_stopped_rank_is_named_within_the_collective_timeout(tmp_path, capsys,
     monkeypatch.setenv("TORCHPARITY_COLLECTIVE_TIMEOUT", "10")
     status, err = failed_check(tmp_path, "mine_rank_one_stops", capsys)
     assert status == 2
-    assert "rank 1 has not answered for" in err
+    # named by rank 0's watch on its heartbeat after 5 s (half the timeout), not by a
+    # collective that timed out
+    assert "error: rank 1 has not answered for" in err
+    assert err.endswith("(stopped, or frozen) at the forward and backward of the reference "
+                        "fp64 cpu run; every rank was stopped")
 
 
 def test_fsdp2_over_an_odd_vocabulary_checks_against_goldens_of_one_process(tmp_path, capsys):
