@@ -94,11 +94,11 @@ def beat_and_watch(heartbeat: Heartbeat, limit: float,
             try:
                 heartbeat.beat()
                 heartbeat.look()
+                silent = heartbeat.silent(limit) if watching.is_set() else {}
+                if silent:
+                    on_silence(silent)
             except Exception:  # the store went with torchrun's agent: nothing left to tell
                 return
-            silent = heartbeat.silent(limit) if watching.is_set() else {}
-            if silent:
-                on_silence(silent)
             time.sleep(BEAT_SECONDS)
 
     thread = threading.Thread(target=run, name="torchparity-heartbeat", daemon=True)

@@ -175,8 +175,10 @@ def record_silence(rank: int, said: str) -> None:
         said: which ranks, for how long, and where (``rank 1 has not answered for 10s ...``).
     """
     folder = os.environ.get(_ERROR_DIR)
-    if folder:
-        Path(folder, f"rank{rank}.silent").write_text(said)
+    if folder:  # whole when the launcher sees it: it stops every rank at once
+        part = Path(folder, f"rank{rank}.silent.part")
+        part.write_text(said)
+        part.replace(part.with_suffix(""))
 
 
 def _wait(proc: subprocess.Popen, timeout: float, errors: Path) -> int:
