@@ -8,6 +8,7 @@ failures exercise the launcher.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -110,3 +111,25 @@ def rank_one_fails_in_a_step() -> None:
         return step(self, step_number, mode)
 
     trainer.Trainer._step = failing
+
+
+def _rank_one_signalled_in_a_step(sent: signal.Signals) -> None:
+    """Rank 1 sends itself ``sent`` inside its first step, while rank 0 waits in a
+    collective."""
+    _note_pid()
+    step = trainer.Trainer._step
+
+    def signalled(self, step_number, mode):
+        if self.rank == 1:
+            os.kill(os.getpid(), sent)
+        return step(self, step_number, mode)
+
+    trainer.Trainer._step = signalled
+
+
+def rank_one_stops_in_a_step() -> None:
+    _rank_one_signalled_in_a_step(signal.SIGSTOP)
+
+
+def rank_one_dies_in_a_step() -> None:
+    _rank_one_signalled_in_a_step(signal.SIGKILL)

@@ -164,6 +164,24 @@ def test_a_rank_that_raises_ends_the_run_with_its_message_and_exit_2(tmp_path, m
     assert len(pids) == 2 and not any(map(_alive, pids))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("fault", "said"), [
+    # named by rank 0's watch on its heartbeat, in 10 s rather than the collective timeout
+    ("rank_one_stops_in_a_step",
+     r"^rank 1 has not answered for \d+s \(stopped, or frozen\); every rank was stopped$"),
+    # named from torchrun's report, not by the connection rank 0 then found broken
+    ("rank_one_dies_in_a_step", r": rank 1 died \(Signal 9 \(SIGKILL\)")])
+def test_a_rank_stopped_or_killed_in_a_step_is_named_and_every_rank_ends(tmp_path, monkeypatch,
+                                                                          fault, said):
+    monkeypatch.setenv("TORCHPARITY_TEST_PID_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHPARITY_COLLECTIVE_TIMEOUT", "30")
+    with pytest.raises(TorchParityError, match=said):
+        run_parallel(_config("llama-tiny"), parallelism="ddp", nproc=2, timeout=300,
+                     setup=f"{FAULTS}:{fault}")
+    pids = _ranks_pids(tmp_path)
+    assert len(pids) == 2 and not any(map(_alive, pids))
+
+
 def test_cli_refuses_a_layout_in_one_line_with_exit_2(capsys):
     code = cli.main(["train", "--case", "llama-tiny", "--parallel", "tp", "--nproc", "4",
                      "--steps", "2"])
