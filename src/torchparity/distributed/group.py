@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchparity.distributed import heartbeat
+from torchparity.distributed import heartbeat, launch
 from torchparity.errors import TorchParityError, UsageError
 
 if TYPE_CHECKING:
@@ -123,7 +123,8 @@ def join(prog: str = "torchparity") -> None:
     _heartbeat = heartbeat.Heartbeat(_store(), rank(), world_size())
     _watching.set()
     heartbeat.beat_and_watch(_heartbeat, silence_limit(),
-                   functools.partial(_end_on_silence, prog, _heartbeat.store), _watching)
+                             functools.partial(_end_on_silence, prog, _heartbeat.store),
+                             _watching)
 
 
 #: The most seconds a rank may go unheard before the watch ends the run (less where half
@@ -150,8 +151,6 @@ def _end_on_silence(prog: str, store: Store, silent: dict[int, float]) -> None:
     launcher too: :func:`~torchparity.distributed.launch.record_silence`), those ranks killed
     where they run on this machine, and this rank ended (exit 2). Ranks that have left are not
     waited for, and so not named."""
-    from torchparity.distributed import launch
-
     named = {other: seconds for other, seconds in silent.items()
              if not store.check([f"{_LEFT_KEY}{other}"])}
     if not named or not _watching.is_set():
