@@ -62,8 +62,7 @@ ENTRY = "torchparity.calibration.training_models:lm"
 
 @dataclass(frozen=True)
 class UserLM:
-    """The model and recipe of ``variant`` drawn from ``seed``; ``eps`` is the strength of a
-    scaled bug (1: a bug of :data:`BUGS` at full strength)."""
+    """The model and recipe of ``variant`` from ``seed``; ``eps``: a scaled bug's strength."""
 
     seed: int = 0
     variant: str = "base"
@@ -145,8 +144,7 @@ class UserLM:
 
     def train_step(self, model: nn.Module, batch: dict[str, torch.Tensor],
                    opt: torch.optim.Optimizer) -> torch.Tensor:
-        """One optimizer step: the loss per target token, over one batch or two
-        micro-batches; the gradients clipped to norm CLIP."""
+        """One optimizer step over one batch or two micro-batches, gradients clipped to CLIP."""
         tokens, labels = batch["tokens"], batch["labels"]
         micro = 2 if self.variant in ("accumulated", "per_micro_batch") else 1
         n_tokens = (labels != PAD).sum()
@@ -173,8 +171,8 @@ class UserLM:
 
 
 def lm() -> dict[str, Any]:
-    """The factory of :data:`ENTRY`: the :class:`UserLM` that :data:`ENVIRONMENT` names (the
-    original of seed 0 when it is unset)."""
+    """The factory of :data:`ENTRY`: the :class:`UserLM` :data:`ENVIRONMENT` names (unset: seed
+    0)."""
     return UserLM.parse(os.environ.get(ENVIRONMENT, "")).factory()
 
 
@@ -267,8 +265,7 @@ class UserBlock(nn.Module):
 
 
 class UserDecoder(nn.Module):
-    """Embedding, LAYERS pre-norm blocks (causal attention, a GELU MLP), a final norm and an
-    untied head: the model of ``config`` (its weights still to be filled)."""
+    """Embedding, LAYERS pre-norm blocks, a final norm and an untied head (weights to be filled)."""
 
     def __init__(self, config: UserLM) -> None:
         super().__init__()

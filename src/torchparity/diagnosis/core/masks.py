@@ -17,8 +17,7 @@ LARGE_NEGATIVE = -1e4
 
 @dataclass(frozen=True)
 class Meaning:
-    """Two masks compared by meaning: ``detail`` says how they differ, None when they let every
-    judged query attend to the same keys."""
+    """Two masks compared by meaning: how they differ, None when every judged query sees alike."""
 
     detail: str | None
 
@@ -50,8 +49,7 @@ def mask_forms(dtype: torch.dtype) -> tuple[str, ...]:
 
 
 def in_form(mask: torch.Tensor, reading: str, form: str, dtype: torch.dtype) -> torch.Tensor:
-    """``mask``, read as ``reading`` (one of its :func:`readings`), written in ``form`` in
-    ``dtype``: the same keys attended, in another convention."""
+    """``mask`` read as ``reading`` and written in ``form`` in ``dtype``: the same keys attended."""
     attends = readings(mask)[reading]
     if form == "boolean attend":
         return attends
@@ -101,8 +99,7 @@ def by_meaning(a: torch.Tensor, b: torch.Tensor, padding: PaddingSpec = None,
 
 def _judged(shape: torch.Size, padding: PaddingSpec, path: str, device: torch.device
             ) -> torch.Tensor | None:
-    """Bool, broadcastable to (batch, ..., queries, keys): True on the rows of judged queries;
-    None when every row is judged (no padding, or a mask without query or batch dimension)."""
+    """Bool over (batch, ..., queries, keys), True on judged queries' rows; None when all are."""
     if len(shape) < 3:
         return None
     rows = torch.empty((shape[0], shape[-2]), device="meta")

@@ -58,8 +58,7 @@ from torchparity.subject.trees import PyTree
 
 def capture_reference(model: nn.Module, inputs: Inputs, store: Store, opts: Options,
                       bar: ProgressBar) -> Reference:
-    """Run A once, keeping each selected call's inputs, outputs and output gradients in
-    ``store``, and the final output, loss and parameter gradients."""
+    """Run A once, keeping each selected call's tensors and the final results in ``store``."""
     def keep_call(call: ModuleCall) -> None:
         store.put_inputs(call.key, call.args, call.kwargs)
         store.put(call.key, "out", call.outputs)
@@ -133,8 +132,7 @@ def trace_meta(reference: Reference, model: nn.Module, inputs: Inputs, opts: Opt
 
 def decode_meta(reference: DecodeReference, model: nn.Module, inputs: PyTree, opts: Options,
                 recorded_by: str | None) -> DecodeTraceMeta:
-    """What a decoding trace's ``trace.json`` says besides its tensors (arguments as in
-    :func:`trace_meta`)."""
+    """What a decoding trace's ``trace.json`` says besides its tensors."""
     return DecodeTraceMeta(
         **_described(reference, model, inputs, opts),
         steps=reference.steps, tokens=reference.tokens.tolist(),
@@ -152,8 +150,7 @@ def decode_meta(reference: DecodeReference, model: nn.Module, inputs: PyTree, op
 
 def _described(reference: Reference | DecodeReference, model: nn.Module, inputs: PyTree,
                opts: Options) -> dict[str, Any]:
-    """The fields every trace's metadata has: versions, the model and its weights, the
-    golden, the settings and the inputs' checksum."""
+    """The fields every trace's metadata has: versions, model, weights, golden, settings, inputs."""
     import torchparity
 
     return {
@@ -207,8 +204,8 @@ def open_reference(path: str | Path) -> tuple[Reference, ForwardTraceMeta]:
 
 
 def open_decode_reference(path: str | Path) -> tuple[DecodeReference, DecodeTraceMeta]:
-    """The reference side a decoding trace holds, and its metadata; a trace of a forward pass
-    is a one-line :class:`UsageError`."""
+    """The reference side a decoding trace holds, and its metadata; a forward pass's is a usage
+    error."""
     data, store = open_trace(path)
     meta = meta_from_json(data)
     if not isinstance(meta, DecodeTraceMeta):

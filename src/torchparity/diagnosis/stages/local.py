@@ -36,8 +36,7 @@ from torchparity.diagnosis.core.trace import ReplayUnavailable
 
 def judge_local(reference: Reference, matches: list[Match], rows: list[Row], model: nn.Module,
                 opts: Options, bar: ProgressBar, changing: set[str] = frozenset()) -> int:
-    """Fill the local results of the rows that need them; returns how many were replayed.
-    ``changing`` names B's modules that change their own state across calls."""
+    """Fill the local results of the rows that need them; how many were replayed."""
     before = backward_before_divergence(rows)
     to_replay = [(match, row) for index, (match, row) in enumerate(zip(matches, rows,
                                                                        strict=True))
@@ -60,15 +59,13 @@ def judge_local(reference: Reference, matches: list[Match], rows: list[Row], mod
 
 
 def needs_local(row: Row) -> bool:
-    """Whether a row's propagated results leave something to localise: one diverged, or the
-    forward one is missing."""
+    """Whether a row's propagated results diverged, or its forward one is missing."""
     return row.propagated is None or any(
         result is not None and not result.ok for result in (row.propagated, row.grad_propagated))
 
 
 def backward_before_divergence(rows: list[Row]) -> range:
-    """The rows (in finish order) after the last one whose propagated gradient diverged; none
-    when none did."""
+    """The rows after the last one whose propagated gradient diverged."""
     diverged = [i for i, row in enumerate(rows)
                 if row.grad_propagated is not None and not row.grad_propagated.ok]
     return range(max(diverged) + 1, len(rows)) if diverged else range(0)

@@ -35,8 +35,7 @@ from torchparity.subject.trees import flatten_tensors, leaves
 
 @dataclass
 class Propagated:
-    """The alignment of B's calls with A's, one row per aligned module with its propagated
-    results, and the final verdicts."""
+    """B's calls aligned with A's, a row per aligned module, and the final verdicts."""
 
     alignment: Alignment
     rows: list[Row]
@@ -111,8 +110,7 @@ def _run(reference: Reference, model: nn.Module, inputs: Inputs, opts: Options,
 
 
 class _Tracker:
-    """Compares B's outputs and output gradients with the reference while B runs; results are
-    keyed by the group's name in B (``"+"``-joined keys of its calls)."""
+    """Judges B's outputs and output gradients while B runs, keyed by the group's name in B."""
 
     def __init__(self, reference: Reference, pairing: Pairing) -> None:
         self.reference = reference
@@ -163,8 +161,7 @@ class _Tracker:
                                                  quick=True)
 
     def finish(self, param_grads: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Judge gradients still pending (outputs some of whose parts got none) and add the
-        parameter gradients of each one-to-one pair (a module's first call holds them)."""
+        """Judge pending gradients and add each one-to-one pair's parameter gradients."""
         for b_key in list(self._pending_grads):
             self._judge_output_grads(b_key)
         for b_key, a in self._one_to_one.items():

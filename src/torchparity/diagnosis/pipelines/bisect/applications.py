@@ -48,8 +48,8 @@ class Application:
 
 
 def graph_kind(graph: fx.Graph) -> str:
-    """``backward`` for a graph AOTAutograd partitioned as the backward (its incoming
-    gradients are the placeholders it names ``tangents_N``), else ``forward``."""
+    """``backward`` for a graph AOTAutograd partitioned as the backward (``tangents_N``
+    placeholders), else ``forward``."""
     backward = any(node.op == "placeholder" and str(node.target).startswith("tangents")
                    for node in graph.nodes)
     return "backward" if backward else "forward"
@@ -95,8 +95,7 @@ def graph_snapshot(graph: fx.Graph) -> Snapshot:
 
 
 def rewritten(before: Snapshot, after: Snapshot) -> list[fx.Node]:
-    """The nodes of ``before`` that a pass erased or gave other arguments, in graph order;
-    when it only added nodes, those it added."""
+    """The nodes of ``before`` a pass erased or changed, in graph order; else those it added."""
     changed = [node for name, (target, args, node) in before.items()
                if name not in after or after[name][:2] != (target, args)]
     return changed or [node for name, (_, _, node) in after.items() if name not in before]

@@ -47,8 +47,7 @@ class BeamSwap:
 
 @dataclass
 class Sides:
-    """The search as every side scores it along A's choices: A, the golden (A when there is
-    none), B and B in float64 (None without it)."""
+    """The search as every side scores it along A's choices (golden: A without one; B64: None)."""
 
     a: list[BeamStep]
     golden: list[BeamStep]
@@ -96,8 +95,7 @@ def step_swaps(reference: DecodeReference, sides: Sides) -> list[BeamSwap]:
 
 
 def nbest_swaps(reference: DecodeReference, sides: Sides) -> list[BeamSwap]:
-    """Per prompt, the first rank of the final n-best at which B ranks another hypothesis than
-    A, judged; empty when every n-best is the same."""
+    """Per prompt, the first n-best rank where B ranks another hypothesis than A, judged."""
     k, penalty = reference.beams.beams, reference.beams.length_penalty
     vocab = reference.logits[0].shape[-1]
     pools = pool(sides.a, reference.tokens, reference.parents, vocab)
@@ -122,8 +120,7 @@ def nbest_swaps(reference: DecodeReference, sides: Sides) -> list[BeamSwap]:
 
 def _swap(step: int | None, prompt: int, pair: tuple[int, int], names: tuple[str, str],
           scores: tuple, budget: float | None, rank: int | None = None) -> BeamSwap:
-    """A swap of candidate ``pair[0]`` (A keeps) for ``pair[1]`` (B keeps), with ``scores``
-    A's, the golden's, B's and B's float64 (or None) over the candidates."""
+    """A swap of ``pair[0]`` (A keeps) for ``pair[1]`` (B keeps), by the sides' ``scores``."""
     a, golden, b, b64 = scores
     x, y = pair
     change = max(abs(float(b[c]) - float(golden[c])) for c in pair)
