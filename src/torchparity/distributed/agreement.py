@@ -1,11 +1,7 @@
-"""Whether the ranks hold alike what they must: the copies of a replicated weight, and the
-outputs and gradients a run keeps (each gathered whole, or computed alike by every rank).
-
-A copy that differs on one rank is a finding, not a hang: every rank sends the digests of its
-copies in one collective, and every rank then decides on the same evidence; where they differ,
-every rank raises the same :class:`~torchparity.errors.RanksDisagree`, naming the tensor, the
-ranks and by how much. No rank takes a branch of its own before a collective.
-"""
+"""Whether the ranks hold alike what they must: replicated weights, and the outputs and
+gradients a run keeps. Every rank sends its digests in one collective and decides on the same
+evidence, raising the same :class:`~torchparity.errors.RanksDisagree` (the tensor, the ranks,
+by how much): no rank branches alone before a collective."""
 
 from __future__ import annotations
 
@@ -48,19 +44,10 @@ class Disagreement:
 
 
 def check_replicated(model: nn.Module, held: Slices | None = None) -> None:
-    """Raise on every rank when a weight that ranks hold replicated differs between them.
+    """Raise on every rank when a weight held replicated differs between ranks (a collective).
 
-    A plain parameter or buffer is held whole by every rank (unless it is one of ``held``'s
-    slices); a DTensor's local part is replicated over the mesh dimensions it is not sharded
-    on.
-
-    Args:
-        model: this rank's sharded model (a collective: every rank calls it).
-        held: where a model sharded by hand holds its slices.
-
-    Raises:
-        RanksDisagree: some copy differs, naming the first weight, the ranks and by how much.
-    """
+    Plain parameters and buffers are whole on every rank (unless one of ``held``'s slices); a
+    DTensor's part is replicated over the mesh dimensions it is not sharded on."""
     first, count = _first_disagreement(dict(_replicated_copies(model, held)))
     if first is not None:
         more = f"; {count - 1} more weight(s) differ too" if count > 1 else ""
@@ -71,16 +58,8 @@ def check_replicated(model: nn.Module, held: Slices | None = None) -> None:
 
 
 def check_kept(outputs: dict[str, object], run: str) -> None:
-    """Raise on every rank when what the ranks kept of a run differs between them.
-
-    Args:
-        outputs: a run's outputs (``{output: {path: tensor or sketch}}``), which every rank
-            keeps whole (a collective: every rank calls it).
-        run: the run, as the message names it (``the reference fp64 run``).
-
-    Raises:
-        RanksDisagree: some value differs, naming the first one, the ranks and by how much.
-    """
+    """Raise on every rank when the ``outputs`` every rank keeps whole of ``run`` differ (a
+    collective)."""
     copies = {(path, ()): value for path, value in walk(outputs, "")
               if isinstance(value, (torch.Tensor, Sketch))}
     first, count = _first_disagreement({key: _values(value) for key, value in copies.items()},

@@ -56,18 +56,8 @@ def world_size() -> int:
 
 
 def seconds_from_env(name: str, default: float) -> float:
-    """The number of seconds ``$name`` holds.
-
-    Args:
-        name: the environment variable.
-        default: the seconds where it is unset or empty.
-
-    Returns:
-        The seconds.
-
-    Raises:
-        UsageError: the variable is not a number, naming it.
-    """
+    """The seconds ``$name`` holds (``default`` where unset or empty); :class:`UsageError` for
+    one that is not a number."""
     text = os.environ.get(name)
     try:
         return float(text) if text else default
@@ -94,15 +84,9 @@ def device_type() -> str:
 
 
 def join(prog: str = "torchparity") -> None:
-    """Join the ranks' process group (once): gloo on the CPU, with nccl for the CUDA tensors
-    where this rank has a GPU of its own (a check's CPU cells still run on gloo).
-
-    From then on this rank beats a heartbeat and watches the other ranks': one not heard for
-    :func:`silence_limit` seconds ends this rank (exit 2) with one line naming it.
-
-    Args:
-        prog: the command, as that line begins (``torchparity check``).
-    """
+    """Join the ranks' process group once (gloo, with nccl where this rank has a GPU), and beat
+    and watch: a rank silent for :func:`silence_limit` seconds ends this one (exit 2), in a
+    line beginning with ``prog``."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -175,13 +159,8 @@ def _kill_if_here(store: Store, other: int) -> None:
 
 
 def leave() -> None:
-    """Leave the process group once every rank is done with it, and end only once every rank
-    has left it too.
-
-    A rank's exit closes its gloo connections; a rank that still holds its group when a peer's
-    connection breaks aborts (SIGABRT), although its work is done. So each rank notes in the
-    ranks' store that it has left, and waits there for the others before it may exit.
-    """
+    """Leave the process group, and exit only once every rank has: a rank still in its group when
+    a peer's gloo connection closes aborts, so each notes its leaving in the store and waits."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -213,15 +192,8 @@ def abandon() -> None:
 
 
 def together(what: str) -> None:
-    """Wait until every rank reaches ``what``; a no-op outside a process group.
-
-    Args:
-        what: the phase, as a message names it (``the fp32 run``).
-
-    Raises:
-        TorchParityError: a rank did not come within the collective timeout, naming it (gloo;
-            nccl's barrier says what it can).
-    """
+    """Wait until every rank reaches ``what`` (a no-op outside a group); a rank that does not come
+    within the timeout is named (gloo; nccl says what it can)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -245,14 +217,7 @@ _PROCESS_KEY = "torchparity/process/"
 
 
 def mark(phase: str) -> None:
-    """Note in the ranks' store that this rank is at ``phase``.
-
-    :func:`where_others_are` reads it when a collective fails, so the message says which rank
-    lagged and where.
-
-    Args:
-        phase: what this rank does now.
-    """
+    """Note in the store that this rank is at ``phase``, for a failed collective's message."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -298,15 +263,8 @@ _TRANSPORT_WORDS = ("third_party/gloo/", "NCCL error", "ProcessGroupNCCL", "Proc
 
 
 def collective_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised by a collective: a rank that died, or did not come in time.
-
-    Args:
-        exc: an exception caught in a rank.
-
-    Returns:
-        True when it was raised through torch.distributed (a DTensor's gather raises from
-        torch's dispatcher beneath it), or wraps an exception raised there.
-    """
+    """Whether ``exc`` came from a collective (torch.distributed, or a DTensor's gather beneath
+    the dispatcher), or wraps one."""
     import traceback
 
     def distributed(frame: traceback.FrameSummary) -> bool:

@@ -1,13 +1,9 @@
 """Each rank's heartbeat, and the watch every rank keeps on the others' beats.
 
-A rank adds one to its counter in the ranks' store every second, from a thread of its own: a
-rank that computes, however slowly, beats on (torch lets go of the GIL in its ops, Python
-every few milliseconds), whereas a rank stopped (SIGSTOP, a debugger) or frozen holding the
-GIL does not. The same thread reads the other ranks' counters. Silence is measured on this
-rank's own monotonic clock, from the moment it last saw a counter move, so that no two ranks'
-clocks are compared; a look that comes late (this rank itself held up, or the store slow)
-starts every count afresh rather than blame the others for it.
-"""
+A thread adds one to this rank's counter in the store every second (a computing rank beats
+on; a stopped one, or one frozen holding the GIL, does not) and reads the others'. Silence
+is measured on this rank's monotonic clock since it last saw a counter move; a late look
+starts every count afresh rather than blame the others."""
 
 from __future__ import annotations
 
@@ -27,14 +23,7 @@ _ALIVE_KEY = "torchparity/alive/"
 
 
 class Heartbeat:
-    """This rank's beat in ``store``, and what it last heard of the other ranks' beats.
-
-    Args:
-        store: the ranks' store.
-        rank: this rank.
-        world_size: the number of ranks.
-        clock: seconds, monotonic (a test's own clock).
-    """
+    """This rank's beat in ``store``, and what it last heard of the other ranks' beats."""
 
     def __init__(self, store: Store, rank: int, world_size: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -60,14 +49,8 @@ class Heartbeat:
                 self.heard[other] = (count, now)
 
     def silent(self, longer_than: float) -> dict[int, float]:
-        """The other ranks not heard for more than ``longer_than`` seconds.
-
-        Args:
-            longer_than: seconds of silence.
-
-        Returns:
-            rank -> seconds since its counter last moved, by rank.
-        """
+        """The other ranks not heard for over ``longer_than`` seconds: rank -> seconds of
+        silence."""
         now = self.clock()
         return {other: now - when for other, (_, when) in sorted(self.heard.items())
                 if now - when > longer_than}
@@ -76,19 +59,9 @@ class Heartbeat:
 def beat_and_watch(heartbeat: Heartbeat, limit: float,
                    on_silence: Callable[[dict[int, float]], None],
                    watching: threading.Event) -> threading.Thread:
-    """Beat and look every second in a daemon thread; while ``watching`` is set, call
-    ``on_silence`` after each look that finds ranks not heard for more than ``limit`` seconds.
-
-    Args:
-        heartbeat: this rank's.
-        limit: seconds of silence that are a fault.
-        on_silence: called with rank -> seconds of silence; it ends this rank, or returns
-            where the silence is no fault (a rank that has left).
-        watching: cleared once silence is no fault at all (this rank is leaving).
-
-    Returns:
-        The thread, started.
-    """
+    """A started daemon thread that beats and looks every second; while ``watching`` is set, it
+    calls ``on_silence(rank -> seconds)`` when ranks are silent past ``limit`` (it ends this
+    rank, or returns where the silence is no fault)."""
     def run() -> None:
         while True:
             try:

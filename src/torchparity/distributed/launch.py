@@ -1,24 +1,14 @@
 """Start ``torchrun`` on this machine and never leave anything behind.
 
-- Rendezvous is torchrun's c10d backend on ``127.0.0.1:0``: the store binds a port the OS picks
-  at that moment and hands the live socket's number to the workers, so two runs started at once
-  (parallel test workers) cannot race for a port.
-- torchrun starts in a session of its own. On a timeout or Ctrl-C its process group gets
-  SIGTERM (torchrun then stops its workers, which it keeps in sessions of their own), SIGKILL
-  after a grace period; every worker also asks the kernel to kill it when torchrun dies
-  (:func:`die_with_parent`), so none is orphaned.
-- A worker that raises writes ``rank<N>.error`` (:func:`record_failure`) before exiting;
-  torchrun then stops the others at once. The error names the first rank that failed, with its
-  message; a rank that dies without a word (killed) is named from torchrun's own report.
-- A worker that finds other ranks silent (stopped, or frozen: :mod:`.heartbeat`) leaves their
-  names with :func:`record_silence` and exits; the run is stopped at once and the error names
-  them.
-- A worker that runs a command with an exit status of its own (``torchparity check`` under
-  torchrun: 1 when a check fails) records it with :func:`record_outcome`; :func:`launch`
-  returns the worst one instead of raising.
-
-Workers print their log lines to stdout; each line is passed to ``log`` as it arrives.
-"""
+- Rendezvous is c10d on ``127.0.0.1:0``: the OS picks a live port, so parallel runs cannot
+  race for one.
+- torchrun runs in a session of its own: on a timeout or Ctrl-C its group gets SIGTERM, then
+  SIGKILL; every worker dies with torchrun (:func:`die_with_parent`).
+- A worker that raises writes ``rank<N>.error`` (:func:`record_failure`) and torchrun stops
+  the others; the error names the first failed rank (a killed one from torchrun's report).
+- A worker that finds ranks silent (``.heartbeat``) names them (:func:`record_silence`).
+- A command's own exit status (``check``: 1) is recorded (:func:`record_outcome`) and
+  :func:`launch` returns the worst. Workers' stdout lines go to ``log`` as they arrive."""
 
 from __future__ import annotations
 
@@ -72,12 +62,11 @@ def launch(module: str, args: list[str], *, nproc: int, timeout: float,
         log: called with each line the workers print, as it arrives.
 
     Returns:
-        The worst exit status the ranks recorded (:func:`record_outcome`), or status 0 when
-        all exited 0 without one.
+        The worst exit status the ranks recorded, or 0.
 
     Raises:
-        TorchParityError: a rank failed, naming it and its message, or the run exceeded
-            ``timeout`` (everything started is stopped first).
+        TorchParityError: a rank failed, naming it and its message, or the run timed out
+            (everything started is stopped first).
     """
     with tempfile.TemporaryDirectory(prefix="torchparity-run-") as tmp:
         errors = Path(tmp)
@@ -116,12 +105,7 @@ def launch(module: str, args: list[str], *, nproc: int, timeout: float,
 
 
 def stop(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
-    """End ``proc``'s process group: SIGTERM, then SIGKILL after ``grace`` seconds.
-
-    Args:
-        proc: torchrun, started in a session of its own.
-        grace: seconds torchrun has to stop its workers itself.
-    """
+    """End ``proc``'s process group: SIGTERM, then SIGKILL after ``grace`` seconds."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
@@ -138,12 +122,7 @@ def die_with_parent() -> None:
 
 
 def record_failure(rank: int, exc: BaseException) -> None:
-    """Leave ``exc``'s one-line message where :func:`launch` finds it (inside a worker).
-
-    Args:
-        rank: this worker's rank.
-        exc: the exception it fails with.
-    """
+    """Leave ``exc``'s one-line message where :func:`launch` finds it (inside a worker)."""
     folder = os.environ.get(_ERROR_DIR)
     if folder:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -152,28 +131,16 @@ def record_failure(rank: int, exc: BaseException) -> None:
 
 
 def record_outcome(status: int, message: str | None = None) -> None:
-    """Leave this rank's exit status and message where :func:`launch` finds them.
-
-    A no-op outside a run it started.
-
-    Args:
-        status: the command's exit status (1: a check failed).
-        message: its one-line message, or None.
-    """
+    """Leave this rank's exit status and message where :func:`launch` finds them (a no-op
+    outside a run it started)."""
     folder, rank = os.environ.get(_ERROR_DIR), os.environ.get("RANK")
     if folder and rank is not None:
         Path(folder, f"rank{rank}.outcome").write_text(f"{status}\n{message or ''}")
 
 
 def record_silence(rank: int, said: str) -> None:
-    """Leave where :func:`launch` finds it that this rank ends the run because other ranks
-    stopped answering (:mod:`~torchparity.distributed.heartbeat`); a no-op outside a run it
-    started.
-
-    Args:
-        rank: this worker's rank.
-        said: which ranks, for how long, and where (``rank 1 has not answered for 10s ...``).
-    """
+    """Leave where :func:`launch` finds it that this rank ends the run because ranks fell silent
+    (``said``: which, how long, where); a no-op outside a run it started."""
     folder = os.environ.get(_ERROR_DIR)
     if folder:  # whole when the launcher sees it: it stops every rank at once
         part = Path(folder, f"rank{rank}.silent.part")
@@ -182,13 +149,9 @@ def record_silence(rank: int, said: str) -> None:
 
 
 def _wait(proc: subprocess.Popen, timeout: float, errors: Path) -> int:
-    """torchrun's exit status once it ends, or once :data:`FAILED_GRACE_SECONDS` have passed
-    since a rank recorded an error: a rank that cannot be stopped politely (stopped with
-    SIGSTOP, or deaf in a collective) must not hold the run until torchrun's own grace.
-
-    Raises:
-        subprocess.TimeoutExpired: the run took longer than ``timeout``.
-    """
+    """torchrun's exit status once it ends, or :data:`FAILED_GRACE_SECONDS` after a rank recorded
+    an error (a stopped or deaf rank must not hold the run); ``TimeoutExpired`` past
+    ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(subprocess.TimeoutExpired):

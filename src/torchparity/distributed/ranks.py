@@ -27,10 +27,9 @@ def start(nproc: int | None, argv: list[str]) -> int | None:
         argv: the command's arguments after ``torchparity``.
 
     Returns:
-        Under torchrun, None: the ranks are joined, every rank's output but rank 0's silenced,
-        and the command runs here as one rank. With ``nproc`` > 1 outside torchrun: the exit
-        status of ``torchparity argv`` (without ``--nproc``) run as ``nproc`` ranks. Else
-        None: one process, as ever.
+        None under torchrun (the ranks joined, all but rank 0 silenced: the command runs here as
+        one rank) or as one process; with ``nproc`` > 1 outside torchrun, the exit status of
+        ``torchparity argv`` run as ``nproc`` ranks.
 
     Raises:
         TorchParityError: a rank failed or the run timed out, naming the rank.
@@ -72,12 +71,8 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 
 def collectively(what: str, fn: Callable[[], _Result]) -> _Result:
-    """``fn()``, run by every rank; a failed collective in it said in one line.
-
-    Raises:
-        TorchParityError: a collective failed (a rank that died or did not come), naming
-            ``what`` and where the other ranks are.
-    """
+    """``fn()`` run by every rank; a failed collective said in one line naming ``what`` and where
+    the other ranks are."""
     try:
         return fn()
     except Exception as exc:

@@ -1,26 +1,13 @@
 """A user's model sharded over the ranks of ``torchrun``: by its own plan, or by its factory.
 
-Under torchrun (``RANK`` and ``WORLD_SIZE`` set) every rank joins one process group
-(:func:`~.group.join`: gloo on the CPU, nccl on CUDA) and loads the factory, whose model the
-factory's ``parallelize(model, mesh)`` (:func:`shard`) then shards in place, in its own dtype,
-over the mesh the factory asks for, ``{"dp": -1, "tp": 2}`` (one size may be -1: the ranks left;
-none given: one dimension ``"shard"`` over every rank): each rank keeps its part only
-(:func:`hold`).
-A run's copy in its dtype is planned on the meta device by the same plan, and each rank fills
-its own part from its part of the factory's model (:func:`placed`): no rank ever holds the whole
-model in a run's dtype. FSDP2's uneven shards (101 rows over 2 ranks: 51 and 50) are read
-through their real sizes; a tensor-parallel plan that splits a parameter unevenly, or a head,
-is refused with one line: the computation it plans would not run.
-
-A factory that hands in no plan may shard its model itself under torchrun: with DTensors
-(``fully_shard``, ``parallelize_module``), read through their placements, or by hand, each
-rank holding plain slices whose places in the one-process weights
-:mod:`~torchparity.distributed.slices` finds. Either way that model is the one each rank runs, and
-a run's copy in another dtype is the factory's model built and sharded again
-(:func:`rebuilt`).
-
-The process group itself, and every collective's timeout, are :mod:`.group`'s.
-"""
+Every rank joins one process group (``.group``) and loads the factory, whose
+``parallelize(model, mesh)`` (:func:`shard`) shards it in place over the mesh it asks for
+(``{"dp": -1, "tp": 2}``; none: one dimension ``"shard"``), each rank keeping its part
+(:func:`hold`). A run's copy in its dtype is planned on the meta device and each rank fills
+its own part (:func:`placed`): no rank ever holds the whole model. FSDP2's uneven shards are
+read through their real sizes; a tensor-parallel plan splitting a parameter unevenly, or a
+head, is refused in one line. A factory with no plan may shard its model itself (DTensors,
+or plain slices that ``.slices`` places); a run's copy is then built again (:func:`rebuilt`)."""
 
 from __future__ import annotations
 
@@ -58,19 +45,8 @@ DEFAULT_DIMENSION = "shard"
 
 
 def mesh_sizes(shape: object, ranks: int, label: str) -> dict[str, int]:
-    """The factory's ``mesh`` as ``{dimension: size}`` over ``ranks``; a -1 becomes the ranks left.
-
-    Args:
-        shape: the factory's ``mesh``, unchecked (None: one dimension over every rank).
-        ranks: the ranks (``--nproc``).
-        label: the factory's name in messages.
-
-    Returns:
-        The sizes by dimension name, multiplying to ``ranks``.
-
-    Raises:
-        UsageError: the shape is malformed, or its sizes do not fit ``ranks``.
-    """
+    """The factory's ``mesh`` as ``{dimension: size}`` over ``ranks`` (a -1: the ranks left; None:
+    one dimension); :class:`UsageError` for a malformed shape or one that does not fit."""
     if shape is None:
         return {DEFAULT_DIMENSION: ranks}
     if not (isinstance(shape, Mapping) and shape and all(
@@ -95,15 +71,7 @@ def mesh_sizes(shape: object, ranks: int, label: str) -> dict[str, int]:
 
 
 def device_mesh(subject: Subject, device: str | torch.device) -> DeviceMesh:
-    """The mesh ``subject``'s factory asks for, over every rank.
-
-    Args:
-        subject: the user's model.
-        device: where the mesh's tensors live.
-
-    Returns:
-        The mesh, its dimensions named as the factory named them.
-    """
+    """The mesh ``subject``'s factory asks for over every rank, its dimensions named as asked."""
     from torch.distributed.device_mesh import init_device_mesh
 
     sizes = mesh_sizes(subject.mesh, world_size(), subject.entry)
@@ -112,20 +80,9 @@ def device_mesh(subject: Subject, device: str | torch.device) -> DeviceMesh:
 
 
 def shard(subject: Subject, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """``model`` sharded by the factory's ``parallelize(model, mesh)``, checked to fit the mesh.
-
-    Args:
-        subject: the user's model, whose plan shards.
-        model: a copy of the factory's model, in the run's dtype.
-        mesh: the mesh it is sharded over.
-
-    Returns:
-        The model the plan returns, else ``model`` sharded in place.
-
-    Raises:
-        UsageError: the plan splits a parameter unevenly or a head (:func:`refuse_unfit`).
-        UserCodeError: the plan raised.
-    """
+    """``model`` sharded by the factory's ``parallelize(model, mesh)`` (the model it returns, else
+    ``model`` in place); :class:`UsageError` for an unfit split, :class:`UserCodeError` when the
+    plan raises."""
     plan = subject.parallelize
     returned = subject.guarded(lambda: plan(model, mesh), "its parallelize")
     sharded = returned if isinstance(returned, nn.Module) else model
@@ -134,32 +91,13 @@ def shard(subject: Subject, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def shards_itself(model: nn.Module) -> bool:
-    """Whether the factory returned its model sharded already.
-
-    Args:
-        model: the factory's model.
-
-    Returns:
-        True when some parameters are DTensors (it called ``fully_shard`` or
-        ``parallelize_module`` itself, under torchrun).
-    """
+    """Whether the factory returned its model sharded already (some parameters are DTensors)."""
     return any(is_dtensor(param) for param in model.parameters())
 
 
 def sliced_by_hand(subject: Subject, model: nn.Module) -> slices.Slices:
-    """Where the slices of a model the factory sharded by hand lie in the one-process weights.
-
-    Args:
-        subject: the user's model.
-        model: this rank's model as the factory built it.
-
-    Returns:
-        The slices as the factory declares them (its ``shards``), else as found in the model
-        it builds as one process.
-
-    Raises:
-        UsageError: no rank holds a slice: the model is not sharded at all.
-    """
+    """Where the slices of a model sharded by hand lie in the one-process weights: as the factory
+    declares (``shards``), else as found; :class:`UsageError` when no rank holds a slice."""
     if subject.split is not None:
         return slices.declared_slices(model, subject.split, world_size(), rank(),
                                       subject.entry)
@@ -174,15 +112,7 @@ def sliced_by_hand(subject: Subject, model: nn.Module) -> slices.Slices:
 
 
 def refuse_unfit(subject: Subject, model: nn.Module) -> None:
-    """Refuse a tensor-parallel sharding that splits a parameter unevenly or a head.
-
-    Args:
-        subject: the user's model, named in the message.
-        model: the sharded model.
-
-    Raises:
-        UsageError: see :func:`uneven_shard` and :func:`split_heads`.
-    """
+    """Refuse a tensor-parallel sharding that splits a parameter unevenly or a head."""
     unfit = uneven_shard(model) or split_heads(model)
     if unfit:
         sharding = ("the plan of" if subject.parallelize is not None
@@ -192,18 +122,8 @@ def refuse_unfit(subject: Subject, model: nn.Module) -> None:
 
 
 def uneven_shard(model: nn.Module) -> str | None:
-    """How the first parameter sharded unevenly by a tensor-parallel plan is split.
-
-    FSDP2 shards unevenly itself (the last ranks hold fewer rows, padded in its collectives),
-    and its shards are read through their real sizes; a tensor-parallel rank holding a part
-    of another size runs a computation its plan does not expect.
-
-    Args:
-        model: a sharded model.
-
-    Returns:
-        The split, for a message, or None.
-    """
+    """How the first parameter a tensor-parallel plan shards unevenly is split, or None (FSDP2's
+    uneven shards are its own, read through their real sizes)."""
     from torch.distributed.tensor import DTensor, Shard
 
     fsdp = fsdp_mesh_dims(model)
@@ -222,15 +142,7 @@ def uneven_shard(model: nn.Module) -> str | None:
 
 
 def fsdp_mesh_dims(model: nn.Module) -> dict[int, set[str | None]]:
-    """The mesh dimensions FSDP2 shards each of its parameters over, by the parameter's id.
-
-    Args:
-        model: a model, some of whose modules may be FSDP2 units.
-
-    Returns:
-        The names of the dimensions (None for a mesh without names) of each parameter an
-        FSDP2 unit holds.
-    """
+    """The mesh dimensions (None: unnamed) FSDP2 shards each parameter over, by parameter id."""
     from torch.distributed.fsdp import FSDPModule
 
     dims: dict[int, set[str | None]] = {}
@@ -244,16 +156,8 @@ def fsdp_mesh_dims(model: nn.Module) -> dict[int, set[str | None]]:
 
 
 def split_heads(model: nn.Module) -> str | None:
-    """How the first attention module whose heads do not divide among the ranks is split.
-
-    An attention module is one with a ``head_dim``; a rank would hold part of a head.
-
-    Args:
-        model: a sharded model.
-
-    Returns:
-        The split, for a message, or None.
-    """
+    """How the first attention module (one with a ``head_dim``) whose heads do not divide among
+    the ranks is split, or None."""
     from torch.distributed.tensor import DTensor, Shard
 
     fsdp = fsdp_mesh_dims(model)  # gathered whole before any computation: heads stay whole
@@ -332,21 +236,11 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def flat_chunks(tensor: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
-    """The whole flat value of a DTensor, in runs of ``size`` elements, never whole on one rank.
+    """The whole flat value of a DTensor in runs of ``size`` elements, never whole on one rank.
 
-    Each run is made on every rank of its mesh when it is read: each rank writes the
-    elements of its part that fall in the run, the others leave zeros, and the runs' bits are
-    summed as integers over each dimension of the mesh (-0.0 and a NaN's payload survive, as
-    they would not a floating sum); along a dimension its part is replicated over, only the
-    first rank writes.
-
-    Args:
-        tensor: a DTensor whose ranks hold parts, not partial sums (see :func:`in_parts`).
-        size: the elements of a run.
-
-    Yields:
-        The runs in order, the last one shorter, in the tensor's dtype.
-    """
+    Each rank writes its part's elements of a run (the first rank only along a replicated
+    dimension), the others zeros, and the runs' bits are summed as integers over the mesh, so
+    -0.0 and NaN payloads survive. ``tensor``'s ranks must hold parts (:func:`in_parts`)."""
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
@@ -375,15 +269,8 @@ def flat_chunks(tensor: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 
 
 def stretches(tensor: torch.Tensor) -> list[tuple[int, int, int]]:
-    """The stretches of this rank's part of a DTensor that are contiguous in the whole tensor.
-
-    Args:
-        tensor: a DTensor.
-
-    Returns:
-        ``(start in the whole flat value, length, start in this rank's part)`` of each, in
-        order.
-    """
+    """``(start in the whole flat value, length, start in this rank's part)`` of each stretch of
+    this rank's part of a DTensor contiguous in the whole."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
@@ -393,19 +280,8 @@ def stretches(tensor: torch.Tensor) -> list[tuple[int, int, int]]:
 
 def segments(whole: tuple[int, ...], shape: tuple[int, ...], offset: tuple[int, ...]
               ) -> Iterator[tuple[int, int, int]]:
-    """The stretches of a part that are contiguous in the whole tensor.
-
-    The part's last dimensions that span the whole tensor and the one before them make one
-    stretch for each index of the dimensions before.
-
-    Args:
-        whole: the whole tensor's shape.
-        shape: the part's shape.
-        offset: where the part starts in the whole, per dimension.
-
-    Yields:
-        ``(start in the whole flat value, length, start in the part's flat value)``, in order.
-    """
+    """``(start in the whole, length, start in the part)`` of each stretch of a part of ``shape``
+    at ``offset`` contiguous in ``whole``: one per index before its whole-spanning dimensions."""
     spans = len(whole)
     while spans > 0 and shape[spans - 1] == whole[spans - 1]:
         spans -= 1
@@ -426,31 +302,16 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def in_parts(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor whose ranks hold parts of its value.
-
-    Args:
-        tensor: any tensor.
-
-    Returns:
-        True when no rank holds an addend of a pending reduction: what :func:`flat_chunks`
-        reads.
-    """
+    """Whether ``tensor`` is a DTensor whose ranks hold parts, no addend of a pending reduction."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor) and not any(p.is_partial() for p in tensor.placements)
 
 
 def hold(subject: Subject) -> None:
-    """Shard the factory's model once, in its own dtype and on its own device.
-
-    Each rank keeps its part (``subject.shards``), and ``subject.model`` becomes the model's
-    structure on the meta device, from which :func:`placed` plans each run's copy. A model the
-    factory built on the meta device is sharded there, and each rank then materialises its part,
-    filled by the factory's ``init``. A model the factory sharded itself is kept as it is.
-
-    Args:
-        subject: the user's model, changed in place.
-    """
+    """Shard the factory's model once, in its own dtype and device: each rank keeps its part
+    (``subject.shards``) and ``subject.model`` becomes its meta-device structure; a meta-built
+    model is materialised by the factory's ``init``; a self-sharded one is kept as it is."""
     if subject.shards is not None:
         return
     model = subject.model
@@ -473,20 +334,9 @@ def hold(subject: Subject) -> None:
 
 def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
            attention: str | None = None) -> tuple[nn.Module, Inputs]:
-    """A run's copy of the model in ``dtype`` on ``device``, sharded by the factory's plan.
-
-    The plan shards a copy on the meta device; each rank then fills its own part from its
-    part of the factory's model, sharded alike (:func:`hold`): no rank holds the whole model.
-
-    Args:
-        subject: the user's model.
-        device: where the copy goes.
-        dtype: the copy's dtype.
-        attention: a ``transformers`` model's attention implementation.
-
-    Returns:
-        The copy in eval mode, and the inputs cast alike.
-    """
+    """A run's copy of the model in ``dtype`` on ``device``, sharded by the factory's plan on the
+    meta device and filled by each rank from its part (:func:`hold`), in eval mode, with the
+    inputs cast alike."""
     hold(subject)
     if subject.shards is subject.model:  # sharded by the factory: it shards a copy alike
         model = rebuilt(subject).to(device, dtype)
@@ -501,34 +351,15 @@ def placed(subject: Subject, device: str | torch.device, dtype: torch.dtype,
 
 
 def rebuilt(subject: Subject) -> nn.Module:
-    """The model of a factory that shards it itself, built and sharded again by the factory.
-
-    FSDP2's modules cannot be copied, so a run's copy is the factory's model made anew;
-    :func:`placed` then fills its parts.
-
-    Args:
-        subject: the user's model.
-
-    Returns:
-        The new model, as the factory returns it.
-    """
+    """The self-sharding factory's model built and sharded anew (FSDP2's modules cannot be
+    copied); :func:`placed` fills its parts."""
     factory = resolve_entry(subject.entry)
     return call_factory(factory, subject.entry)["model"]
 
 
 def held(subject: Subject, attention: str | None = None) -> nn.Module:
-    """The factory's sharded model itself, in eval mode: no copy of it made.
-
-    What a float64 run casts module by module
-    (:class:`~torchparity.subject.blockwise.Float64Run`).
-
-    Args:
-        subject: the user's model.
-        attention: a ``transformers`` model's attention implementation.
-
-    Returns:
-        The model, in its own dtype and on its own device.
-    """
+    """The factory's sharded model itself in eval mode, no copy made (a float64 run casts it module
+    by module)."""
     hold(subject)
     return _ready(subject, subject.shards, attention)
 
@@ -550,15 +381,8 @@ def reshard(model: nn.Module) -> None:
 
 
 def gather_root(model: nn.Module) -> None:
-    """``model``'s own FSDP2 unit gathered, until :func:`reshard`.
-
-    A decoding step may call a part of the model without the whole model's forward (an
-    encoder-decoder's encoder, as ``generate`` does), and only that forward's hook gathers the
-    parameters the root's unit holds (the shared embedding).
-
-    Args:
-        model: a model sharded with FSDP2.
-    """
+    """``model``'s own FSDP2 unit gathered until :func:`reshard`: a decoding step may call a part
+    (an encoder) without the forward whose hook gathers the root's parameters."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):

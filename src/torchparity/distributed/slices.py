@@ -1,16 +1,11 @@
-"""A model sharded by hand, Megatron-style: its column- and row-parallel parameters are plain
-tensors, each rank holding one slice of the one-process weight along one dimension, and the
-model reduces its partial sums itself (``all_reduce``).
+"""A model sharded by hand, Megatron-style: column- and row-parallel parameters are plain
+tensors, each rank holding one slice along one dimension, partial sums reduced by the model.
 
-Where each rank's slice lies in the one-process weight (:class:`Slice`) is either declared by
-the factory, ``shards={"blocks.0.attn.q.weight": 0, ...}`` (the dimension it is split along;
-rank r holds the r-th of the equal slices, as Megatron cuts them), or found by matching each
-rank's slice to the one-process weight of the same name, the factory being called once more
-as one process (:func:`found_slices`). Knowing them, a rank's weights and gradients are read
-as one process holds them (:func:`whole_of`: the ranks' slices joined), and a whole one is cut
-as a rank holds it (:func:`cut`). A parameter whose slices are found nowhere is *unmapped*:
-its gradient cannot be compared with one process's.
-"""
+Each slice's place (:class:`Slice`) is declared by the factory (``shards={"blocks.0.attn.q.weight":
+0}``: rank r holds the r-th equal slice) or found against the model built as one process
+(:func:`found_slices`). Then weights and gradients read as one process holds them
+(:func:`whole_of`) and a whole one is cut as a rank holds it (:func:`cut`); a parameter found
+nowhere is *unmapped*, its gradient not comparable."""
 
 from __future__ import annotations
 
@@ -55,34 +50,14 @@ class Slices:
     unmapped: list[str]
 
     def of(self, name: str) -> Slice | None:
-        """This rank's slice of parameter ``name``.
-
-        Args:
-            name: the parameter's name.
-
-        Returns:
-            The slice, or None for a parameter whole on every rank.
-        """
+        """This rank's slice of parameter ``name``; None for one whole on every rank."""
         return self.held.get(name)
 
 
 def declared_slices(model: nn.Module, dims: Mapping[str, int], ranks: int, rank: int,
                     label: str) -> Slices:
-    """The slices the factory declares, rank ``rank`` holding the ``rank``-th of equal slices.
-
-    Args:
-        model: this rank's model.
-        dims: parameter name -> the dimension it is split along.
-        ranks: the ranks.
-        rank: this rank.
-        label: the factory's name in messages.
-
-    Returns:
-        The slices, none unmapped.
-
-    Raises:
-        UsageError: a name the model does not have, or a dimension its parameter does not have.
-    """
+    """The slices the factory declares (rank ``rank`` holding the ``rank``-th), none unmapped;
+    :class:`UsageError` for a name or dimension the model lacks."""
     params = dict(model.named_parameters())
     held = {}
     for name, dim in dims.items():
@@ -100,20 +75,9 @@ def declared_slices(model: nn.Module, dims: Mapping[str, int], ranks: int, rank:
 
 
 def found_slices(model: nn.Module, one_process: nn.Module) -> Slices:
-    """Where each of this rank's parameters lies in the one-process parameter of the same name.
-
-    A parameter smaller than its one-process namesake is located by the dimension where they
-    differ and the equal slice along it that it is bit for bit. The ranks agree on each (a
-    collective): a parameter whose slices do not make the whole on every rank together is
-    unmapped on every rank.
-
-    Args:
-        model: this rank's model.
-        one_process: the model the factory builds as one process.
-
-    Returns:
-        The slices, and the parameters found nowhere.
-    """
+    """Where each of this rank's parameters lies in its one-process namesake, and those found
+    nowhere: by the dimension where they differ and the equal slice it is bit for bit; the ranks
+    agree (a collective), so a parameter whose slices do not make the whole is unmapped on all."""
     import torch.distributed as dist
 
     whole = dict(one_process.named_parameters())
@@ -161,18 +125,7 @@ def _partition(slices: list[Slice | None]) -> bool:
 
 
 def whole_of(tensor: torch.Tensor, where: Slice) -> torch.Tensor:
-    """The one-process tensor whose slice ``where`` this rank's ``tensor`` is.
-
-    The ranks' slices are gathered and joined where they lie (a collective: every rank must
-    call it, and every rank gets the whole).
-
-    Args:
-        tensor: this rank's slice (a weight or a gradient).
-        where: where it lies.
-
-    Returns:
-        The whole tensor.
-    """
+    """The one-process tensor whose slice ``where`` this rank's ``tensor`` is (a collective)."""
     import torch.distributed as dist
 
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
@@ -185,28 +138,14 @@ def whole_of(tensor: torch.Tensor, where: Slice) -> torch.Tensor:
 
 
 def cut(whole: torch.Tensor, where: Slice) -> torch.Tensor:
-    """This rank's slice ``where`` of the one-process ``whole``.
-
-    Args:
-        whole: a one-process tensor.
-        where: this rank's slice of it.
-
-    Returns:
-        A view of ``whole``.
-    """
+    """This rank's slice ``where`` of the one-process ``whole``, as a view."""
     return whole.narrow(where.dim, where.start, where.length)
 
 
 @contextlib.contextmanager
 def as_one_process() -> Iterator[None]:
-    """The environment of one process (no ``RANK``, ``WORLD_SIZE`` 1) inside the block.
-
-    A factory then builds the model it builds as one process: what a rank's slices are matched
-    to. The environment is put back after.
-
-    Yields:
-        Nothing.
-    """
+    """The environment of one process (no ``RANK``, ``WORLD_SIZE`` 1) inside the block, so a
+    factory builds its one-process model."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     saved = {name: os.environ.get(name) for name in names}
     os.environ["WORLD_SIZE"], os.environ["LOCAL_WORLD_SIZE"] = "1", "1"
@@ -222,28 +161,14 @@ def as_one_process() -> Iterator[None]:
 
 
 def one_process_model(build: Callable[[], nn.Module]) -> nn.Module:
-    """The model ``build`` (the factory) makes as one process.
-
-    Args:
-        build: calls the factory and returns its model.
-
-    Returns:
-        The one-process model.
-    """
+    """The model ``build`` (the factory) makes as one process."""
     with as_one_process():
         return build()
 
 
 def part(whole_value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``whole_value`` as the DTensor ``like`` places it.
-
-    Args:
-        whole_value: the one-process value.
-        like: a DTensor, or a plain tensor.
-
-    Returns:
-        The slice of ``whole_value`` this rank holds; all of it for a plain tensor.
-    """
+    """This rank's part of ``whole_value`` as the DTensor ``like`` places it (all of it for a plain
+    tensor)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
