@@ -1,25 +1,18 @@
 """Goldens of the reference zoo, and the cell-by-cell check of the code against them.
 
-Per zoo case, five goldens are computed in float64 on the CPU with the ``manual`` backend, on
-the case's standard batch with weights from ``build_model(config, seed=0)``:
+Per zoo case, five goldens computed in float64 on the CPU (``manual`` backend, the case's
+standard batch, ``build_model(config, seed=0)``):
 
-============  ==========  =========================================================
-output        kind        tensors
-============  ==========  =========================================================
-``logits``    forward     the logits
-``hidden``    forward     every layer's output, encoder and decoder
-``loss``      loss        ``sequence_loss`` of the logits
-``grads``     grad        the gradient of every parameter
+============  ==========  ========================================================= output
+kind        tensors ============  ==========
+========================================================= ``logits``    forward     the logits
+``hidden``    forward     every layer's output, encoder and decoder ``loss``      loss
+``sequence_loss`` of the logits ``grads``     grad        the gradient of every parameter
 ``decode``    forward     ``DECODE_STEPS`` greedy tokens (KV cache) and their log-probs
 ============  ==========  =========================================================
 
-A *cell* is one (backend, dtype, device). The **reference cell** (manual, fp64, cpu) recomputes
-the goldens with today's code: it is what notices a changed component. Its budget comes from
-the float64 rounding noise of the computation itself (see :mod:`~torchparity.golden.check_loop`).
-Every other cell is judged by the tolerance model with the ``manual`` backend in the same dtype
-and device as baseline, so it notices a backend or precision that misbehaves. Logits and hidden
-states are judged on the unpadded positions of the case's batch (the loss ignores padded
-targets itself).
+Logits and hidden states are judged on the batch's unpadded positions (the loss ignores padded
+targets itself). Cells: see :mod:`~torchparity.golden.cells`.
 """
 
 from __future__ import annotations
@@ -67,44 +60,20 @@ INPUTS = {"batch_size": 2, "seq_len": 12, "seed": 0}
 
 
 def golden_batch(case: zoo.ZooCase, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """The inputs every golden of ``case`` is computed from.
-
-    Args:
-        case: the zoo case.
-        device: where the inputs go.
-
-    Returns:
-        The model's keyword arguments.
-    """
+    """The model's keyword arguments every golden of ``case`` is computed from."""
     batch = zoo.case_batch(case, **INPUTS)
     return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
 def current_checksums(case: zoo.ZooCase) -> dict[str, str]:
-    """Checksums of the float64 weights and the inputs that today's code builds for ``case``.
-
-    Args:
-        case: the zoo case.
-
-    Returns:
-        ``weights`` and ``inputs`` hex digests.
-    """
+    """``weights`` and ``inputs`` checksums of what today's code builds for ``case`` in float64."""
     model = build_model(case.config, WEIGHT_SEED, dtype=torch.float64)
     return {"weights": checksum(dict(model.named_parameters())),
             "inputs": checksum(golden_batch(case))}
 
 
-def recipe(case: zoo.ZooCase) -> dict[str, Any]:
-    """How a case's goldens are made: description, seeds, input settings, decode steps, config.
-
-    A golden whose recorded recipe differs from this one is stale (:func:`load_case`).
-
-    Args:
-        case: the zoo case.
-
-    Returns:
-        The recipe as JSON values.
-    """
+def recipe(case: zoo.ZooCase) -> dict[str, object]:
+    """How a case's goldens are made, as JSON; a golden recording another recipe is stale."""
     return {
         "description": case.description,
         "seeds": {"weights": WEIGHT_SEED, "inputs": INPUTS["seed"]},
@@ -116,26 +85,12 @@ def recipe(case: zoo.ZooCase) -> dict[str, Any]:
 
 
 def case_padding(case: zoo.ZooCase) -> Padding:
-    """The padding of the case's standard batch: what its masks say.
-
-    Args:
-        case: the zoo case.
-
-    Returns:
-        The padding.
-    """
+    """The padding of the case's standard batch: what its masks say."""
     return from_inputs(golden_batch(case), encoder_decoder=case.config.is_encoder_decoder)
 
 
-def case_meta(case: zoo.ZooCase) -> dict[str, Any]:
-    """What a case's golden JSON records about how it was made: the recipe and checksums.
-
-    Args:
-        case: the zoo case.
-
-    Returns:
-        The metadata, as JSON values.
-    """
+def case_meta(case: zoo.ZooCase) -> dict[str, object]:
+    """What a case's golden JSON records about how it was made: the recipe and checksums."""
     meta = recipe(case)
     config = meta.pop("config")
     return {**meta, "checksums": current_checksums(case), "config": config}
@@ -159,13 +114,7 @@ def _layer_outputs(model: Model) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def nudge_weights_by_2_52(model: torch.nn.Module) -> None:
-    """Multiply every weight by 1 + d with |d| <= 2**-52, d fixed per element (deterministic).
-
-    The reference cell's rerun: how far one float64 rounding of the weights moves the outputs.
-
-    Args:
-        model: the model, changed in place.
-    """
+    """Multiply every weight by 1 + d (|d| <= 2**-52, fixed per element): the reference's rerun."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = rng.uniform(WEIGHT_SEED, f"perturb.{name}", param.shape) * 2.0 - 1.0
@@ -193,22 +142,10 @@ def _forward_backward(model: Model, batch: dict[str, torch.Tensor], *, backward:
 def forced_logprobs(model: Model, batch: dict[str, torch.Tensor], tokens: torch.Tensor,
                     during: Callable[[int], contextlib.AbstractContextManager] | None = None
                     ) -> torch.Tensor:
-    """Log-probabilities of ``tokens`` fed one per step through the KV cache.
-
-    The same steps as :func:`~torchparity.reference.greedy_decode`, except that the next token
-    is the given one rather than the argmax: in low precision a near-tie may flip the argmax,
-    and the continuous log-probs stay comparable where tokens would not.
-
-    Args:
-        model: a reference model.
-        batch: its keyword arguments; the prompt.
-        tokens: (batch, steps) the tokens fed.
-        during: a context each step's call runs in (a compiled model's record of that step).
-
-    Returns:
-        (batch, steps) log-probabilities.
-    """
+    """(batch, steps) log-probabilities of ``tokens`` fed one per step through the KV cache."""
     during = during or (lambda step: contextlib.nullcontext())
+    # greedy_decode's steps with the given token, not the argmax: a low-precision near-tie may flip
+    # the argmax, where the log-probs stay comparable
     ids_key, mask_key = (("tgt_ids", "tgt_mask") if model.config.is_encoder_decoder
                          else ("input_ids", "attention_mask"))
     inputs = dict(batch)
@@ -230,21 +167,12 @@ def forced_logprobs(model: Model, batch: dict[str, torch.Tensor], tokens: torch.
 
 def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = None,
              perturb: bool = False) -> CellRun:
-    """Run ``case`` in ``cell``: forward, loss, backward and decoding.
+    """Run ``case`` in ``cell``: its outputs by name, and why others are absent.
 
-    When the backend cannot run the backward pass (flex on the CPU, a trainable bias on
-    sdpa-flash) the forward runs without gradients and ``grads`` is listed in ``missing``;
-    nothing falls back to another backend. A compiled cell runs all of it compiled.
-
-    Args:
-        case: the zoo case.
-        cell: the cell.
-        tokens: without them decoding is greedy (the golden's ``decode`` holds tokens and
-            log-probs); with them it is forced (:func:`forced_logprobs`, log-probs only).
-        perturb: apply :func:`nudge_weights_by_2_52` to the weights.
-
-    Returns:
-        The run's outputs by name, and why others are absent.
+    A backend without a backward pass (flex on the CPU, a trainable bias on sdpa-flash) runs the
+    forward without gradients and lists ``grads`` in ``missing``: nothing falls back to another
+    backend. Without ``tokens`` decoding is greedy, with them forced (:func:`forced_logprobs`);
+    ``perturb`` applies :func:`nudge_weights_by_2_52`.
 
     Raises:
         CompileFailed: a compiled cell that does not compile.
@@ -282,18 +210,9 @@ def run_case(case: zoo.ZooCase, cell: Cell, *, tokens: torch.Tensor | None = Non
 
 
 def write_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, str]:
-    """Compute and write the goldens of ``case``.
-
-    Args:
-        store: the zoo's goldens.
-        case: the zoo case.
-
-    Returns:
-        Output -> what happened to its file: ``created``, ``updated`` (values or metadata
-        changed), ``replaced`` (the old file was unreadable) or ``unchanged`` (the file is left
-        untouched, so a rerun on another machine does not churn the repository).
-    """
+    """Write ``case``'s goldens: ``created``, ``updated``, ``replaced`` or ``unchanged`` each."""
     with store.replacing(case.name):  # all of its files, or none if interrupted
+        # unchanged: the file is left untouched, so a rerun elsewhere does not churn the repository
         with single_thread():
             run = run_case(case, REFERENCE)
         meta = case_meta(case)
@@ -303,22 +222,14 @@ def write_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, str]:
 
 
 def load_case(store: GoldenStore, case: zoo.ZooCase) -> dict[str, Golden]:
-    """Read and validate every golden of ``case``.
+    """Read and validate every golden of ``case``, by output.
 
     Changed weight or input checksums are not errors here: :func:`check_case` reports them as
     verdicts.
 
-    Args:
-        store: the zoo's goldens.
-        case: the zoo case.
-
-    Returns:
-        The goldens by output.
-
     Raises:
         GoldenError: a missing, damaged or foreign golden.
-        GoldenStale: it was made from another config or other input settings than the code
-            has now.
+        GoldenStale: it was made from another config or input settings than the code has now.
     """
     goldens = {output: store.read(case.name, output) for output in OUTPUT_KINDS}
     expected = recipe(case)
@@ -357,22 +268,13 @@ def _config_changes(stored: object, current: dict[str, Any]) -> str:
 def check_case(store: GoldenStore, case: zoo.ZooCase, cells: list[Cell],
                advance: Callable[[str], None] = lambda label: None,
                model_changed: bool = False) -> list[CheckResult]:
-    """Check ``case`` in every cell against its goldens.
+    """Check ``case`` in every cell against its goldens: one result per cell and output.
 
     The reference cell judges today's float64 outputs against a rerun on weights moved by one
-    float64 rounding (see :mod:`torchparity.golden.check_loop`). Other cells use the ``manual``
-    backend in their dtype and device as baseline and decode by forcing the golden's tokens.
-
-    Args:
-        store: the zoo's goldens.
-        case: the zoo case.
-        cells: the cells.
-        advance: called with each cell's label when it is done.
-        model_changed: the reference cell, checked apart, diverged: the cells are judged
-            against today's float64 outputs as well.
-
-    Returns:
-        One result per cell and output.
+    float64 rounding; other cells use ``manual`` in their dtype and device as baseline and decode
+    by forcing the golden's tokens. ``model_changed``: the reference cell diverged, so the cells
+    are judged against today's float64 outputs as well. ``advance`` gets each cell's label when
+    done.
 
     Raises:
         GoldenError: a golden is missing or damaged.

@@ -14,17 +14,7 @@ DEFAULT_DTYPES = {"cpu": ["fp32", "bf16"], "cuda": ["fp32", "tf32", "bf16", "fp1
 CHECK_DTYPES = ("fp32", "tf32", "bf16", "fp16")
 
 def select_cases(names: list[str] | None) -> list[zoo.ZooCase]:
-    """The zoo cases named, all when None.
-
-    Args:
-        names: case names, or None.
-
-    Returns:
-        The cases, in the zoo's order.
-
-    Raises:
-        UsageError: an unknown name, listing the known ones.
-    """
+    """The zoo cases named (all when None), in the zoo's order; UsageError lists the known ones."""
     for name in names or []:
         if name not in zoo.names():
             raise UsageError(f"unknown zoo case {name!r}; choose from {', '.join(zoo.names())}")
@@ -45,9 +35,6 @@ def select_cells(backend_names: list[str] | None, dtypes: list[str] | None,
         known: the backends to choose from (default: the attention backends).
         compile_forms: ``dynamic``, ``static``: each dtype's eager cells are followed by the
             same cells compiled in each form.
-
-    Returns:
-        The cells.
 
     Raises:
         UsageError: an unknown backend, dtype or device, naming the choices.
@@ -93,15 +80,7 @@ def _devices(devices: list[str] | None) -> list[str]:
 
 
 def compile_forms(choice: str | None) -> list[str]:
-    """The compile forms ``check --compile FORM`` asks for.
-
-    Args:
-        choice: the option's value, or None.
-
-    Returns:
-        None of them without it; ``both``: every form; else the one named (checked by the
-        option's choices).
-    """
+    """The compile forms ``check --compile FORM`` asks for: none without, all for ``both``."""
     if choice is None:
         return []
     return list(MODES) if choice == "both" else [choice]

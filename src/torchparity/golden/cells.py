@@ -1,10 +1,9 @@
-"""The check's vocabulary: a cell, the reference cell, one run in a cell, one row of results,
-and the settings every cell runs under (one thread, no stray TF32).
+"""The check's vocabulary: a cell, the reference cell, a run in a cell, a row of results.
 
 A *cell* is one (backend, dtype, device), eager or compiled. The **reference cell** (manual,
-fp64, cpu) recomputes the goldens with today's code: it is what notices a changed component.
-Every other cell is judged by the tolerance model against the ``manual`` backend in its dtype
-and device, so it notices a backend or precision that misbehaves.
+fp64, cpu) recomputes the goldens with today's code: it notices a changed component. Every other
+cell is judged against ``manual`` in its dtype and device: it notices a backend or precision that
+misbehaves.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from torchparity.subject.compiling import CompileLog
 
 @dataclass(frozen=True)
 class Cell:
-    """One way of running the reference models: attention backend, dtype name and device,
-    and ``compile``: None (eager) or the ``torch.compile`` form (``dynamic``, ``static``)."""
+    """One way of running the reference models: backend, dtype, device, compile form or None."""
 
     backend: str
     dtype: str
@@ -31,8 +29,7 @@ class Cell:
 
     @property
     def label(self) -> str:
-        """``sdpa bf16 cpu``; the reference cell is ``reference fp64 cpu`` wherever it is
-        named, as in the check table's column (it runs the manual backend)."""
+        """``sdpa bf16 cpu``; the reference cell (manual) is ``reference fp64 cpu`` everywhere."""
         compiled = f" compiled {self.compile}" if self.compile else ""
         backend = "reference" if self == REFERENCE else self.backend
         return f"{backend} {self.dtype} {self.device}{compiled}"
@@ -50,12 +47,9 @@ REFERENCE = Cell("manual", "fp64", "cpu")
 class CheckResult:
     """The verdict of one output of one case in one cell (one row of ``check --json``).
 
-    ``verdict`` is ``identical``, ``within`` or ``diverged`` (from the tolerance model),
-    ``baseline degraded`` (the candidate is within its budget, but the baseline erred more than
-    its dtype allows: the analytic bound set the budget; a failure of the baseline), ``n/a``
-    (the cell cannot compute this output: ``reason`` says why; not a failure), or
-    ``init changed`` / ``inputs changed`` (the weights or inputs the code builds differ from
-    those the golden was made from, so the values cannot be compared).
+    ``verdict``: ``identical``, ``within`` or ``diverged``; ``baseline degraded`` (the baseline
+    erred more than its dtype allows: a failure); ``n/a`` (the cell cannot compute it, ``reason``
+    says why: no failure); ``init changed`` / ``inputs changed`` (not comparable).
     """
 
     case: str
@@ -102,13 +96,8 @@ class CheckResult:
         """The verdict in the words every report shares (:data:`PLAIN_VERDICTS`)."""
         return plain_verdict(self.verdict)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The row as ``check --json`` writes it.
-
-        Returns:
-            A JSON-serialisable dict; an infinite headroom becomes the string "inf"; the verdict
-            also in the words every report shares (``plain_verdict``).
-        """
+    def to_dict(self) -> dict[str, object]:
+        """The row as ``check --json`` writes it: infinite headroom "inf", a plain verdict too."""
         data = asdict(self)
         for judged in filter(None, (data, data["stored_goldens"])):
             if judged["headroom"] is not None and judged["headroom"] == float("inf"):
@@ -133,53 +122,30 @@ _PLAIN = {"n/a": "could not run", "init changed": "not compared",
 
 
 def plain_verdict(verdict: str) -> str:
-    """``verdict`` in the words every report shares, so check and diagnose read alike.
-
-    Args:
-        verdict: a check's or a comparison's verdict.
-
-    Returns:
-        One of :data:`PLAIN_VERDICTS`.
-    """
+    """``verdict`` in the words every report shares (:data:`PLAIN_VERDICTS`)."""
     return _PLAIN.get(verdict, verdict)
 
 
 @dataclass
 class CellRun:
-    """One run of a subject in a cell: output name -> what it computed (``{path: tensor}``,
-    or a trajectory), and why other outputs are absent: ``missing``, the cell cannot compute
-    them (n/a); ``not_compared``, the run no longer holds what the golden was made from (a
-    failure).
-
-    ``sensitivity`` holds the loss's gradient with respect to each floating output when the
-    backward pass ran (what carries their noise into the loss's, see
-    :func:`torchparity.tolerance.propagated_noise`); ``compile_log`` what compiling cost in a
-    compiled cell; ``islands`` where a float64 run computed in a narrower dtype (dtype name
-    -> modules, see :mod:`torchparity.subject.islands`); ``sdpa_calls`` the SDPA calls the
-    cell's backend intercepted (None where nothing intercepts them)."""
+    """One run of a subject in a cell: output name -> what it computed; why others are absent."""
 
     outputs: dict[str, Any]
-    missing: dict[str, str]
+    missing: dict[str, str]  # the cell cannot compute them (n/a)
+    # the loss's gradient by each floating output (tolerance.propagated_noise)
     sensitivity: dict[str, torch.Tensor] = field(default_factory=dict)
     compile_log: CompileLog | None = None
+    # the run no longer holds what the golden was made from: a failure
     not_compared: dict[str, str] = field(default_factory=dict)
+    # dtype name -> modules a float64 run computed narrower in
     islands: dict[str, list[str]] = field(default_factory=dict)
-    sdpa_calls: int | None = None
+    sdpa_calls: int | None = None  # None where nothing intercepts them
 
 
 @contextlib.contextmanager
 def matmul_precision(dtype_name: str) -> Iterator[None]:
     # fp32 cells must not pick up TF32 from a global setting; tf32 cells ask for it.
-    """The matmul precision a cell's dtype asks for, inside the block; the old one after.
-
-    fp32 cells must not pick up TF32 from a global setting; tf32 cells ask for it.
-
-    Args:
-        dtype_name: the cell's dtype (``fp32``, ``tf32``...).
-
-    Yields:
-        Nothing.
-    """
+    """The matmul precision a cell's dtype asks for, inside the block: no stray TF32 in fp32."""
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if dtype_name == "tf32" else "highest")
     try:

@@ -1,24 +1,11 @@
 """Compiled cells of the check: a zoo case or a user's model run by ``torch.compile``.
 
-``torchparity check --compile`` adds, beside every backend x dtype cell, the same cell run
-compiled (Inductor; ``dynamic``: ``dynamic=True`` as users run it, and ``static``), judged by
-the same tolerance model against the same baseline as the eager cells: the ``manual`` backend
-run eagerly in that dtype. Forward outputs, the loss and every gradient come from one compiled
-training call; decoding runs the compiled model step by step as the eager cells do (the
-zoo's forced decoding; for a user's model the step protocol of
-:mod:`torchparity.subject.decoding`: the prompt, then one token at a time through the cache,
-each step fed the golden's token), so every step is a call of the compiled model at a new
-length: each step is judged on its own, and what recompiles there is counted per step.
-
-A compiled cell's rows carry its :class:`~torchparity.subject.compiling.CompileLog`
-(``compiled``: graphs, graph breaks with their reasons, recompiles with dynamo's reasons,
-seconds compiling and running, each call's record) and its decode row each decoding step's
-verdict and recompiles (``compiled["steps"]``). A backend that cannot run the cell eagerly is
-``n/a`` here for the same reason, without compiling; a model that does not compile is ``n/a``
-with the compiler's reason.
-
-The zoo's and a user model's checks call it; it knows the check only by its vocabulary
-(:mod:`torchparity.golden.cells`).
+``check --compile`` adds beside every eager cell the same cell compiled (``dynamic`` and
+``static``), judged against the same eager ``manual`` baseline. Forward, loss and gradients come
+from one compiled training call; decoding runs the compiled model step by step, fed the golden's
+tokens, each step a call at a new length, judged on its own with its recompiles counted. Rows
+carry the cell's :class:`~torchparity.subject.compiling.CompileLog`; a backend that cannot run
+eagerly, or a model that does not compile, is ``n/a`` with the reason.
 """
 
 from __future__ import annotations
@@ -38,45 +25,22 @@ from torchparity.subject.compiling import CompileLog
 
 
 def unavailable_reason(cell: Cell) -> str | None:
-    """Why the cell's backend cannot run eagerly on its device and dtype: compiling is not tried.
-
-    Args:
-        cell: a compiled cell.
-
-    Returns:
-        The reason, or None. ``hf-eager`` and other backends of no registry are never
-        refused.
-    """
-    if cell.backend not in backends.names():
+    """Why the cell's backend cannot run eagerly here (compiling is not tried), or None."""
+    if cell.backend not in backends.names():  # hf-eager and others of no registry: never refused
         return None
     return backends.available(cell.device, DTYPES[cell.dtype])[cell.backend]
 
 
 def decode_phases(log: CompileLog | None, label: str
                   ) -> Callable[[int], contextlib.AbstractContextManager] | None:
-    """What a decoding loop runs step ``s`` in, so ``log`` records its calls as that step's.
-
-    Args:
-        log: the compiled cell's log, or None for an eager run.
-        label: the decoding's name (``cached``), the phases being ``"{label} step {s}"``.
-
-    Returns:
-        ``during(step)``, a context manager per step; None without a log.
-    """
+    """``during(step)``: ``log`` records a decoding's calls as ``"{label} step {s}"``."""
     if log is None:
         return None
     return lambda step: log.phase(f"{label} step {step}")
 
 
 def logprobs_by_step(tensors: dict[str, torch.Tensor] | None) -> list[dict[str, torch.Tensor]]:
-    """A zoo decoding's ``logprobs`` (batch, steps) as one ``{path: tensor}`` per step.
-
-    Args:
-        tensors: a zoo case's ``decode`` output, or None.
-
-    Returns:
-        One dict per step; empty without a decoding.
-    """
+    """A zoo decoding's ``logprobs`` (batch, steps) as one ``{path: tensor}`` per step."""
     if not tensors or "logprobs" not in tensors:
         return []
     logprobs = tensors["logprobs"]
@@ -84,15 +48,7 @@ def logprobs_by_step(tensors: dict[str, torch.Tensor] | None) -> list[dict[str, 
 
 
 def stepped_logits(tensors: dict[str, torch.Tensor] | None) -> list[dict[str, torch.Tensor]]:
-    """A step-protocol decoding's cached logits as one ``{path: tensor}`` per step.
-
-    Args:
-        tensors: a user model's ``decode`` output (``cached.logits.<step>``, see
-            :mod:`torchparity.golden.user_models`), or None.
-
-    Returns:
-        One dict per step, in step order; empty without a decoding.
-    """
+    """A step-protocol decoding's cached logits (``cached.logits.<step>``) as one dict per step."""
     steps = {}
     for path, tensor in (tensors or {}).items():
         found = re.fullmatch(r"cached\.logits\.(\d+)", path)
@@ -103,7 +59,7 @@ def stepped_logits(tensors: dict[str, torch.Tensor] | None) -> list[dict[str, to
 
 def step_verdicts(candidate: list[dict[str, torch.Tensor]],
                   golden: list[dict[str, torch.Tensor]],
-                  baseline: list[dict[str, torch.Tensor]], dtype: str) -> list[dict[str, Any]]:
+                  baseline: list[dict[str, torch.Tensor]], dtype: str) -> list[dict[str, object]]:
     """Each decoding step judged on its own, so a report says at which step a compiled cell parts.
 
     Args:
@@ -129,17 +85,8 @@ def step_verdicts(candidate: list[dict[str, torch.Tensor]],
 
 
 def annotate(results: Iterable[CheckResult], log: CompileLog | None,
-             steps: list[dict[str, Any]]) -> None:
-    """Put the cell's compile log on each of its rows, and each step's verdict on its decode row.
-
-    Each step's verdict sits beside what the step's calls compiled (those the log recorded as
-    ``cached step <s>``, see :func:`decode_phases`).
-
-    Args:
-        results: the cell's rows, changed in place.
-        log: the cell's compile log, or None.
-        steps: :func:`step_verdicts` of its decoding.
-    """
+             steps: list[dict[str, object]]) -> None:
+    """Put the cell's compile log on each of its rows, and each step's verdict on its decode row."""
     if log is None:
         return
     summary = log.to_dict()
@@ -155,8 +102,7 @@ def annotate(results: Iterable[CheckResult], log: CompileLog | None,
 
 
 def _length(shapes: dict[str, list[int]]) -> int | None:
-    """The sequence length a decoding call saw: the longest last dimension of its inputs (the
-    attention mask spans the cached tokens and the new one)."""
+    """The sequence length a decoding call saw: its inputs' longest last dimension (the mask's)."""
     return max((shape[-1] for shape in shapes.values() if shape), default=None)
 
 
@@ -167,15 +113,7 @@ NEW_SHAPES = " (each new length compiles anew; --json has dynamo's reason for ev
 
 
 def cell_counts(compiled: dict[str, Any]) -> tuple[str, list[str]]:
-    """A compiled cell's ``graphs/breaks/recompiles`` and the footnotes it needs.
-
-    Args:
-        compiled: a row's compile log, as its JSON holds it.
-
-    Returns:
-        The counts' text, and the footnotes: that it recompiles at every call, and the first
-        reason of each graph break.
-    """
+    """A compiled cell's ``graphs/breaks/recompiles`` and footnotes (recompiling, break reasons)."""
     counts = f"{compiled['graphs']}/{compiled['graph_breaks']}/{compiled['recompiles']}"
     notes = []
     if compiled["recompiles_every_call"]:
@@ -188,16 +126,7 @@ def cell_counts(compiled: dict[str, Any]) -> tuple[str, list[str]]:
 
 
 def compiled_lines(results: list[CheckResult]) -> list[str]:
-    """The lines under the table when there are compiled cells.
-
-    Args:
-        results: every row.
-
-    Returns:
-        What the counts are, decoding step by step (recompiles and the worst share of the
-        budget at each step, grouped by form and pattern), and where the time went; empty
-        without compiled cells.
-    """
+    """The lines under the table for compiled cells: counts, decoding by step, where time went."""
     cells = {r.cell: r for r in results if r.compiled}
     if not cells:
         return []

@@ -1,5 +1,4 @@
-"""The ``golden`` pytest fixture: any project's tests keep goldens of their own beside them,
-in a :class:`~torchparity.golden.store.GoldenStore`."""
+"""The ``golden`` pytest fixture: any project's tests keep goldens of their own beside them."""
 
 from __future__ import annotations
 
@@ -23,15 +22,12 @@ _MAX_TEST_NAME = 120
 
 
 class GoldenFixture:
-    """The ``golden`` pytest fixture: compare a test's tensors with goldens kept beside it.
+    """Compares a test's tensors with goldens kept in ``<test folder>/golden/<module>/<test>/``.
 
-    The goldens of one test live in ``<test file folder>/golden/<test module>/<test>/`` as
-    ``<name>.{safetensors,json}``, where ``<test>`` comes from the test's node id (class, name
-    and parameters: see :func:`folder_of_test`), so two tests, or two parameters of one
-    test, that both store ``"logits"`` keep separate goldens. ``golden.check(name, tensors)``
-    compares with the stored golden under the tolerance model; in update mode it writes the
-    golden instead and lists the files in :attr:`written`, which the plugin turns into a
-    failure so an update cannot pass silently.
+    ``<test>`` comes from the node id (:func:`folder_of_test`), so two tests or parameters
+    storing ``"logits"`` keep separate goldens. In update mode :meth:`check` writes the golden
+    and lists it in :attr:`written`, which the plugin turns into a failure: an update cannot pass
+    silently.
     """
 
     def __init__(self, store: GoldenStore, test: str, update: bool,
@@ -46,18 +42,7 @@ class GoldenFixture:
     def for_test(cls, node_path: Path, node_id: str, update: bool,
                  on_written: Callable[[Path], None],
                  update_option: str = "--torchparity-golden-update") -> GoldenFixture:
-        """The fixture of one test.
-
-        Args:
-            node_path: the test's file.
-            node_id: its pytest id.
-            update: write goldens instead of comparing.
-            on_written: told each golden file written (the plugin's summary).
-            update_option: the pytest option that rewrites its goldens, quoted in messages.
-
-        Returns:
-            The fixture, its goldens in the test's own folder.
-        """
+        """The fixture of one test; ``update_option`` rewrites its goldens, quoted in messages."""
         command = f"pytest {shlex.quote(node_id)} {update_option}"
         store = GoldenStore(node_path.parent / "golden" / node_path.stem,
                             update_command=command.replace("{", "{{").replace("}", "}}"))
@@ -70,26 +55,19 @@ class GoldenFixture:
               ) -> Comparison | None:
         """Compare ``tensors`` with golden ``name``, failing the test when one diverged.
 
-        On a divergence the obtained values are first written to ``<name>.obtained.safetensors``
-        beside the golden.
+        On a divergence the obtained values are first written to ``<name>.obtained.safetensors``.
 
         Args:
             name: the golden's name within the test.
             tensors: a tensor, or a mapping of names to tensors.
             kind: the tolerance model's kind (``forward``, ``gradient``...).
-            baseline: the same computation in the candidate's dtype by a trusted path, whose
-                error sets the budget (see :func:`torchparity.compare`); shaped as
-                ``tensors``.
+            baseline: the same computation in the candidate's dtype by a trusted path, whose error
+                sets the budget (see :func:`torchparity.compare`); shaped as ``tensors``.
             compute_dtype: the dtype the candidate was computed in.
             reduction_length: the length of the longest reduction, for the analytic bound.
 
         Returns:
-            The comparison, or None when updating (the golden is written and the test will
-            fail at teardown).
-
-        Raises:
-            pytest's failure: a tensor diverged (the explanation), or the golden is missing
-                (the command that creates it).
+            The comparison, or None when updating (the test fails at teardown).
         """
         import pytest
 
@@ -121,23 +99,13 @@ class GoldenFixture:
 
 
 def folder_of_test(node_id: str) -> str:
-    """The golden folder name of one test, from its pytest node id (the file left out).
-
-    ``test_model.py::TestBlock::test_logits[cpu-2]`` -> ``TestBlock.test_logits-cpu-2``: a
-    class joins with ``.`` and the parameter id follows a ``-`` (neither can occur in a Python
-    name, so distinct tests get distinct names).
-
-    Args:
-        node_id: the test's pytest id.
-
-    Returns:
-        The name; characters a file name cannot safely hold become ``_``, and then, or for a
-        very long id, a short hash of the id keeps names apart.
-    """
+    """A test's golden folder name: ``m.py::TestB::test_x[cpu-2]`` -> ``TestB.test_x-cpu-2``."""
     in_file = node_id.split("::", 1)[-1]
     function, _, params = in_file.partition("[")
+    # . and - occur in no Python name, so distinct tests get distinct names
     readable = function.replace("::", ".") + (f"-{params.removesuffix(']')}" if params else "")
     name = re.sub(r"[^A-Za-z0-9_.+-]", "_", readable)
+    # unsafe characters become _, and then, or for a very long id, a short hash keeps names apart
     if name != readable or len(name) > _MAX_TEST_NAME:
         digest = hashlib.sha256(in_file.encode()).hexdigest()[:10]
         name = f"{name[:_MAX_TEST_NAME - len(digest) - 1]}-{digest}"

@@ -1,24 +1,19 @@
-"""A case's golden folder replaced as a whole, so that an interrupted update leaves the old set
-of files or the new one, never some of each.
+"""A case's golden folder replaced as a whole: an interrupted update leaves the old set or the new.
 
-An update writes its files into a staging folder beside ``<root>/<case>``, holding links to the
-files it leaves alone, and switches it in under the folder's switch lock (which readers take):
+An update writes into a staging folder beside ``<root>/<case>`` (links to the files it leaves
+alone) and switches it in under the switch lock readers take:
 
 - ``.<case>.partial-<pid>``: a set being written; the next update of the case removes it;
 - ``.<case>.new-<inode>``: a complete set (the commit point), named by its folder's inode;
-- the switch: one ``renameat2(RENAME_EXCHANGE)`` of that folder with ``<case>`` on Linux, after
-  which the name holds the old set (its inode is no longer the one named) and is removed.
-  Elsewhere two renames, ``<case>`` to ``.<case>.old-<inode>`` first.
+- the switch: one ``renameat2(RENAME_EXCHANGE)`` with ``<case>`` on Linux, after which the name
+  holds the old set and is removed; elsewhere two renames, via ``.<case>.old-<inode>``.
 
-A process killed anywhere leaves ``<case>`` holding the old set or the new one; the next reader or
-update finishes a committed switch (a ``.new-`` folder whose inode is its name's) and removes
-the rest. SIGINT and SIGTERM wait while the switch runs. Two updates of one folder at once: the
-second is refused by the folder's update lock, which a killed holder releases by dying.
+The next reader or update finishes a committed switch and removes the rest; SIGINT and SIGTERM
+wait while the switch runs; a second update at once is refused by the update lock.
 
 ``TORCHPARITY_FAULT_AT=K[:kind]`` stops a process at its K-th step of disk work (the fault
-tests): ``kill`` (SIGKILL, the default), ``interrupt`` (SIGINT), ``term`` (SIGTERM) or an
-errno's name (``ENOSPC``: a full disk's OSError). A file's step falls half-way through writing
-it.
+tests): ``kill`` (SIGKILL, the default), ``interrupt``, ``term`` or an errno's name (``ENOSPC``).
+A file's step falls half-way through writing it.
 """
 
 from __future__ import annotations
@@ -57,8 +52,7 @@ class GoldenBusy(TorchParityError):
 
 
 def _lock_folder() -> Path:
-    """The folder of the goldens' lock files: per user, in the temporary folder (goldens shipped
-    inside an installed package are read-only, and lock files must not show in a repository)."""
+    """The lock files' folder: per user, in the temporary folder (not a repository or package)."""
     user = f"-{os.getuid()}" if hasattr(os, "getuid") else ""
     folder = Path(tempfile.gettempdir()) / f"torchparity-locks{user}"
     folder.mkdir(exist_ok=True)
@@ -66,8 +60,7 @@ def _lock_folder() -> Path:
 
 
 def _lock(path: Path, timeout: float = -1) -> FileLock:
-    """One lock object per file in this process, so that a thread holding it may take it
-    again."""
+    """One lock object per file in this process, so that a thread holding it may take it again."""
     if path not in _locks:
         _locks[path] = FileLock(path, timeout=timeout)
     return _locks[path]
@@ -80,8 +73,7 @@ def switch_lock(folder: Path) -> FileLock:
 
 
 def fault_point() -> None:
-    """Count one step of disk work; stop the process at the step ``TORCHPARITY_FAULT_AT``
-    names."""
+    """Count one step of disk work; stop the process at the step ``TORCHPARITY_FAULT_AT`` names."""
     global _steps
     spec = os.environ.get(FAULT_ENV)
     if not spec:
@@ -98,11 +90,7 @@ def fault_point() -> None:
 
 
 class FolderUpdate:
-    """The new set of one golden folder, written beside it and switched in by :meth:`commit`.
-
-    Args:
-        folder: ``<root>/<case>``.
-    """
+    """The new set of a golden folder ``<root>/<case>``, written beside it, then committed."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -113,8 +101,7 @@ class FolderUpdate:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the folder's update lock, refusing in one line while another process does (this
-        process's threads take turns)."""
+        """Hold the folder's update lock, refusing in one line while another process holds it."""
         with _guard:
             turn = _turns.setdefault(self._update_lock, threading.RLock())
         with turn:
@@ -139,16 +126,14 @@ class FolderUpdate:
                 lock.release()
 
     def recover(self) -> None:
-        """Finish the switch of a committed set left by a killed update and remove the
-        half-written sets of the folder (called holding the update lock)."""
+        """Finish a killed update's committed switch, remove half-written sets (lock held)."""
         with switch_lock(self.folder):
             settle(self.folder)
             for leftover in _siblings(self.folder, _PARTIAL):
                 shutil.rmtree(leftover, ignore_errors=True)
 
     def path(self, name: str) -> Path:
-        """Where the new set's file ``name`` is written: the staging folder, made on first use
-        with links to the folder's files."""
+        """Where the new set's file ``name`` goes: the staging folder, made with links first."""
         if self.staging is None:
             root = self.folder.parent
             root.mkdir(parents=True, exist_ok=True)
@@ -177,8 +162,7 @@ class FolderUpdate:
             os.fsync(handle.fileno())
 
     def commit(self) -> None:
-        """Switch the new set in (nothing when no file was written); SIGINT and SIGTERM wait
-        until it is in place."""
+        """Switch the new set in (nothing if no file was written); SIGINT and SIGTERM wait."""
         if self.staging is None:
             return
         _fsync(self.staging)
@@ -208,8 +192,7 @@ class FolderUpdate:
 
 
 def settle(folder: Path) -> None:
-    """Finish what a killed switch of ``folder`` left: a committed set is switched in, the set it
-    replaced removed (called under the switch lock)."""
+    """Finish what a killed switch of ``folder`` left (switch lock held): new in, old out."""
     for new in _siblings(folder, _NEW):
         named = int(new.name.rpartition("-")[2])
         if folder.is_dir() and os.stat(folder).st_ino == named:
@@ -300,14 +283,12 @@ def sigterm_interrupts() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM received in the block are delivered after it, not inside it.
-
-    Their handlers record them instead of blocking them: a blocked signal reaches another of
-    the process's threads (torch's), and Python then acts on it in the main thread anyway.
-    """
+    """SIGINT and SIGTERM received in the block are delivered after it, not inside it."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    # recorded, not blocked: a blocked signal reaches another thread (torch's), and Python acts on
+    # it in the main thread anyway
     received: list[int] = []
     previous = {number: signal.signal(number, lambda number, frame: received.append(number))
                 for number in (signal.SIGINT, signal.SIGTERM)}

@@ -23,14 +23,7 @@ MARKS = {"✗": "failed", "n/a": "unavailable"}
 
 
 def check_html_page(content: Page) -> str:
-    """The check's report as one HTML page.
-
-    Args:
-        content: the page the terminal shows too.
-
-    Returns:
-        The HTML: lines before the table, the table, its legend, lines after.
-    """
+    """The check's report as one HTML page: lines, the table and its legend, lines after."""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in content.headers)
     body = "".join("<tr>" + "".join(f"<td>{_cell(text)}</td>" for text in row) + "</tr>"
                    for row in content.rows)
@@ -43,12 +36,7 @@ def check_html_page(content: Page) -> str:
 
 
 def write_html(path: Path, content: Page) -> None:
-    """Write the check's report as an HTML page.
-
-    Args:
-        path: the file, overwritten.
-        content: the page the terminal shows too.
-    """
+    """Write the check's report as an HTML page to ``path``, overwritten."""
     try:
         path.write_text(check_html_page(content), encoding="utf-8")
     except OSError as exc:
@@ -56,8 +44,7 @@ def write_html(path: Path, content: Page) -> None:
 
 
 def _cell(text: str) -> str:
-    """A cell's lines, ``fp32 ✓ 17% [1]`` each, one under the other; a failed or unavailable
-    line marked."""
+    """A cell's lines, ``fp32 ✓ 17% [1]``, one under the other; failed or unavailable marked."""
     lines = []
     for line in text.split("\n"):
         symbol = next((mark for mark in MARKS if f" {mark}" in line), None)

@@ -1,9 +1,7 @@
-"""A user's model run in a cell: forward, loss, gradients and decoding, with no more copies
-of the model than dtypes, every big tensor kept as a sketch as soon as it is complete.
+"""A user's model run in a cell: forward, loss, gradients and decoding, big tensors sketched.
 
-The float64 cells cast the model module by module (:class:`~torchparity.subject.blockwise.
-Float64Run`), noting where it computes in a narrower dtype; decoding follows the step protocol
-(:mod:`torchparity.subject.decoding`) or the factory's own ``decode``.
+No more copies of the model than dtypes; float64 cells cast it module by module
+(:class:`~torchparity.subject.blockwise.Float64Run`), noting where it computes narrower.
 """
 
 from __future__ import annotations
@@ -49,28 +47,17 @@ Status = Callable[[str], None]
 
 
 class CellModels:
-    """The models a check's cells run, without more copies than dtypes.
+    """The models a check's cells run, without more copies than dtypes."""
 
-    The float64 cells and the cells of the model's own dtype and device run the factory's
-    model itself (float64 cells cast it module by module, :class:`Float64Run`); any other
-    dtype or device gets one converted copy, shared by the backends of that dtype and dropped
-    when a cell of another one asks for its model."""
-
+    # float64 cells and those of the model's own dtype and device run the factory's model; any other
+    # gets one converted copy, shared by its dtype's backends and dropped when another dtype asks
     def __init__(self, subject: Subject) -> None:
         self.subject = subject
         self._key: tuple[str, str] | None = None
         self._copy: tuple[nn.Module, Inputs] | None = None
 
     def get(self, cell: Cell, attention: str | None) -> tuple[nn.Module, Inputs]:
-        """The model and the inputs of ``cell``, copying only when its dtype or device needs one.
-
-        Args:
-            cell: the cell.
-            attention: a ``transformers`` model's attention implementation.
-
-        Returns:
-            The model in eval mode, on ``attention``, and the inputs cast alike.
-        """
+        """The eval-mode model and inputs of ``cell`` on ``attention``, copied only if needed."""
         subject = self.subject
         if cell.dtype == "fp64":
             return subject.placed(cell.device, _own_dtype(subject.model), attention,
@@ -88,12 +75,7 @@ class CellModels:
 
 
 def cell_attention(subject: Subject, backend: str) -> str | None:
-    """The attention implementation a ``transformers`` model runs on ``backend``.
-
-    The manual backend, which makes the goldens and every cell's baseline, runs the model as
-    built (:attr:`Subject.attention`); ``hf-eager`` its eager implementation; every other
-    backend rewrites SDPA calls, so it runs the ``sdpa`` implementation.
-    """
+    """A transformers model's attention on ``backend``: manual as built, hf-eager eager, or sdpa."""
     if backend == HF_EAGER:
         return hf.EAGER
     return subject.attention if backend == "manual" else hf.SDPA
@@ -108,26 +90,21 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
                 perturb: bool = False, tokens: Fed | None = None,
                 models: CellModels | None = None, status: Status | None = None,
                 renamed: Renaming | None = None) -> CellRun:
-    """Run the model in ``cell``: forward, loss, gradients and decoding.
+    """Run the model in ``cell``: its outputs by name, and why others are absent.
 
-    Tensors of :func:`~torchparity.sketching.threshold` elements or more are kept as
-    sketches, each gradient as soon as it is complete. The run counts the SDPA calls
-    intercepted (None for ``hf-eager``). A compiled cell runs all of it compiled, each decoding
-    step recorded in its compile log.
+    Tensors of :func:`~torchparity.sketching.threshold` elements or more are kept as sketches,
+    each gradient as soon as it is complete; SDPA calls intercepted are counted (None for
+    ``hf-eager``); a compiled cell runs all of it compiled.
 
     Args:
         subject: the user's model.
         cell: the cell.
         loss_paths: the outputs the default loss projects (None: all floating ones).
         perturb: float64 cells: every weight moved by one float64 rounding.
-        tokens: what a step-by-step decoding is fed (None: its own greedy choices, or its
-            beam search).
+        tokens: what a step-by-step decoding is fed (None: its own choices or beam search).
         models: the cells' shared models (default: a fresh :class:`CellModels`).
         status: hears where a long run is (which block of how many).
         renamed: gives the gradients the goldens' names (a fused parameter's as its parts).
-
-    Returns:
-        The run's outputs by name, and why others are absent.
 
     Raises:
         CompileFailed: a compiled cell that does not compile.
@@ -165,31 +142,15 @@ def run_in_cell(subject: Subject, cell: Cell, loss_paths: list[str] | None, *,
 
 
 def perturbation(name: str, value: torch.Tensor) -> torch.Tensor:
-    """``value`` times 1 + d, |d| <= 2**-52 fixed per element and parameter name.
-
-    The reference cell's weights moved by one float64 rounding. The factors repeat with a
-    period of 2**20 elements from an offset of the name, so that the float64 run can recompute
-    them at every cast for a few operations per element.
-
-    Args:
-        name: the parameter's name.
-        value: its float64 value.
-
-    Returns:
-        The moved value, float64.
-    """
+    """``value`` times 1 + d, |d| <= 2**-52 fixed per element and name: one rounding away."""
+    # the factors repeat with a period of 2**20 from an offset of the name, so the float64 run
+    # recomputes them at every cast cheaply
     perturb_stretch(name, value.view(-1), 0)
     return value
 
 
 def perturb_stretch(name: str, flat: torch.Tensor, start: int) -> None:
-    """Move a rank's stretch of a parameter in place, as :func:`perturbation` moves the whole.
-
-    Args:
-        name: the parameter's name.
-        flat: its elements from flat position ``start`` on, float64, changed in place.
-        start: where the stretch starts in the whole parameter.
-    """
+    """Move a rank's stretch ``flat`` from ``start`` in place, as ``perturbation`` does."""
     factors = _factors_from((seed_of(f"perturb.{name}") + start) % _PERIOD,
                             min(flat.numel(), _PERIOD))
     for first in range(0, flat.numel(), _PERIOD):
@@ -201,8 +162,7 @@ _PERIOD = 1 << 20
 
 
 def _factors_from(offset: int, n: int) -> torch.Tensor:
-    """``n`` factors of the period from ``offset`` on, wrapping around (the parameter's first
-    ``n``: a slice, not the whole period rolled, for a parameter far smaller than it)."""
+    """``n`` factors of the period from ``offset`` on, wrapping (a slice, not all rolled)."""
     factors = _perturbation_factors()
     end = offset + n
     if end <= _PERIOD:
@@ -218,8 +178,7 @@ def _perturbation_factors() -> torch.Tensor:
 
 def _keeper(found: dict[str, Any], renamed: Renaming | None = None
             ) -> Callable[[str, torch.Tensor], None]:
-    """Keep each gradient under the name it is judged by (``renamed``: the goldens' parts of a
-    fused one, see :meth:`Renaming.gradient_keeper`)."""
+    """Keep each gradient under the name it is judged by (``renamed``: a fused one's parts)."""
     def keep(name: str, tensor: torch.Tensor) -> None:
         found[name] = kept(name, tensor)
     return renamed.gradient_keeper(keep) if renamed else keep
@@ -233,15 +192,8 @@ def _streamed(model: nn.Module, loss: torch.Tensor, blocks: BlockProgress,
 
 
 @contextlib.contextmanager
-def attention_backend(name: str) -> Iterator[Any]:
-    """Every SDPA call inside the block on backend ``name``.
-
-    Args:
-        name: an attention backend, or ``hf-eager`` (the model's own eager attention).
-
-    Yields:
-        What intercepted the calls, or None for ``hf-eager``.
-    """
+def attention_backend(name: str) -> Iterator[backends.Intercepted | None]:
+    """Every SDPA call in the block on backend ``name``; yields the interceptor (hf-eager: None)."""
     if name == HF_EAGER:
         yield None
     else:
@@ -253,20 +205,7 @@ def forward_backward(subject: Subject, model: nn.Module, inputs: Inputs,
                      loss_paths: list[str] | None,
                      backward: Callable[[torch.Tensor], dict[str, torch.Tensor | Sketch]]
                      ) -> CellRun:
-    """The forward, the loss and the gradients of ``model`` on ``inputs``.
-
-    Outputs are kept (sketched when big) with the loss's sensitivity to each of them.
-
-    Args:
-        subject: the user's model: its loss and padding.
-        model: the cell's model.
-        inputs: its inputs.
-        loss_paths: the outputs the default loss projects (None: all floating ones).
-        backward: runs the backward pass from the loss and returns the gradients by name.
-
-    Returns:
-        The run's ``output``, ``loss`` and ``grads``.
-    """
+    """The run's ``output``, ``loss`` and ``grads``, with the loss's sensitivity to each output."""
     missing: dict[str, str] = {}
     try:
         output = subject.forward(model, inputs)
@@ -306,18 +245,7 @@ def _heard(found: dict[str, torch.Tensor], path: str, grad: torch.Tensor) -> Non
 
 def decode_into(subject: Subject, model: nn.Module, inputs: Inputs, run: CellRun,
                 tokens: Fed | None) -> None:
-    """Put ``model``'s decoding of ``inputs`` into ``run.outputs["decode"]``.
-
-    Where a backend is unavailable, ``run`` says why it is missing. Nothing for a model that
-    does not generate.
-
-    Args:
-        subject: the user's model: its step or its own ``decode``.
-        model: the cell's model.
-        inputs: its inputs.
-        run: the cell's run, added to.
-        tokens: what a step-by-step decoding is fed (None: its own choices).
-    """
+    """Put ``model``'s decoding in ``run.outputs["decode"]`` (or why missing), if it decodes."""
     if not subject.generates:
         return
     try:
@@ -335,10 +263,9 @@ def decode_into(subject: Subject, model: nn.Module, inputs: Inputs, run: CellRun
 
 def _stepped(subject: Subject, model: nn.Module, inputs: Inputs, fed: Fed | None,
              compile_log: CompileLog | None = None) -> dict[str, torch.Tensor]:
-    """The step protocol's decoding: tokens (and parents) fed, else the greedy choices or the
-    factory's beam search, and each step's logits cached and, where a built-in step offers it,
-    by full recompute along the same tokens; a compiled model's calls recorded by step in
-    ``compile_log``."""
+    """The step protocol's decoding, cached and, where a built-in step offers, recomputed."""
+    # fed tokens (and parents), else greedy or the factory's beam search; a compiled model's calls
+    # recorded by step
     search = subject.search
     if search is not None:
         inputs = expand_prompt(inputs, search.beams)
@@ -370,37 +297,16 @@ def _decoded(subject: Subject, model: nn.Module, inputs: Inputs) -> dict[str, to
 
 def padded_positions(subject: Subject, output: str, path: str, tensor: torch.Tensor
             ) -> torch.Tensor | None:
-    """The padded positions of one tensor of ``output``, as its judgement reads them.
-
-    A sketch of the tensor is made with them at 0.
-
-    Args:
-        subject: the user's model.
-        output: the output the tensor belongs to.
-        path: the tensor's path.
-        tensor: the tensor.
-
-    Returns:
-        A bool mask over its leading dimensions, or None.
-    """
+    """The padded positions of a tensor of ``output`` (bool, leading dimensions), or None."""
     padding = output_padding(subject, output)
     left_out = padding(path, tensor) if padding else None
     return None if left_out is None else left_out.mask
 
 
 def output_padding(subject: Subject, output: str) -> Padding | None:
-    """The padding of an output's tensors.
-
-    The model's outputs and its own decoding have a value per input position; gradients are
-    the parameters', and step-by-step decoding has a value per step.
-
-    Args:
-        subject: the user's model.
-        output: the output's name.
-
-    Returns:
-        The padding, or None where positions are not the inputs'.
-    """
+    """The padding of an output's tensors, or None where positions are not the inputs'."""
+    # outputs and a model's own decoding have a value per input position; gradients and stepped
+    # decoding do not
     if output == "outputs" or (output.startswith("decode") and subject.decode is not None):
         return subject.padding
     return None

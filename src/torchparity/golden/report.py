@@ -1,5 +1,4 @@
-"""The check's report: the table of verdicts, its footnotes, the failures, the sensitivity and
-summary lines, and the JSON."""
+"""The check's report: the table of verdicts, footnotes, failures, sensitivity, summary, JSON."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Machines:
-    """The machine this check runs on and those that made its goldens (their
-    ``produced_by``, None per output made before goldens recorded the machine)."""
+    """The machine this check runs on and those that made its goldens (None: unrecorded)."""
 
     this_run: dict[str, Any]
     goldens: dict[str, dict[str, dict[str, Any] | None]]  # case or model -> output -> it
@@ -34,16 +32,7 @@ class Machines:
     @classmethod
     def of(cls, goldens: dict[str, dict[str, Golden]], cells: list[Cell],
            made_here: bool = False) -> Machines:
-        """The machines of ``goldens`` and of a run of ``cells`` here.
-
-        Args:
-            goldens: case or model -> output -> golden.
-            cells: the run's cells (on CUDA when one of them is).
-            made_here: the goldens were made on this machine, whatever they record.
-
-        Returns:
-            The machines.
-        """
+        """The machines of ``goldens`` and of a run of ``cells`` here."""
         device = "cuda" if any(c.device.startswith("cuda") for c in cells) else "cpu"
         here = produced_by(device)
         return cls(here, {case: {output: here if made_here else golden.summary.get("produced_by")
@@ -51,24 +40,13 @@ class Machines:
                           for case, outputs in goldens.items()})
 
     def made_on(self, case: str) -> str | None:
-        """Where ``case``'s goldens were made, when that is not this run's machine.
-
-        Args:
-            case: a zoo case or a model.
-
-        Returns:
-            The machine's label, or None when it is this one (or unrecorded).
-        """
+        """The machine that made ``case``'s goldens, or None for this one (or unrecorded)."""
         labels = dict.fromkeys(machine.label(p) for p in self.goldens.get(case, {}).values())
         here = machine.label(self.this_run)
         return None if list(labels) in ([], [here]) else " and ".join(labels)
 
     def header(self) -> str | None:
-        """One line naming both machines, when any golden was made on another one.
-
-        Returns:
-            The line, naming the cases when not all of them come from that one machine; or None.
-        """
+        """One line naming both machines where a golden was made on another (its cases), or None."""
         cases_by_machine: dict[str, list[str]] = {}
         for case in self.goldens:
             if (made_on := self.made_on(case)) is not None:
@@ -83,38 +61,19 @@ class Machines:
         return f"goldens made on {made}; this run on {machine.label(self.this_run)}"
 
     def context(self, case: str) -> str | None:
-        """What a failure of ``case`` adds when its goldens come from another machine.
-
-        Args:
-            case: a zoo case or a model.
-
-        Returns:
-            The sentence, or None.
-        """
+        """What a failure of ``case`` adds when its goldens come from another machine, or None."""
         made_on = self.made_on(case)
         return None if made_on is None else (
             f"goldens made on {made_on}, this run on {machine.label(self.this_run)}")
 
-    def to_dict(self) -> dict[str, Any]:
-        """The machines as ``check --json`` writes them: this run's and each golden's.
-
-        Returns:
-            ``{"this_run", "goldens"}``.
-        """
+    def to_dict(self) -> dict[str, object]:
+        """The machines as ``check --json`` writes them: ``{"this_run", "goldens"}``."""
         return {"this_run": self.this_run, "goldens": self.goldens}
 
 
 def write_json(path: Path, results: list[CheckResult], ok: bool, golden_dir: Path,
                machines: Machines) -> None:
-    """Write the check's results as JSON: ``{"ok", "golden_dir", "torch", "machines", "results"}``.
-
-    Args:
-        path: the file.
-        results: one row per cell and output (see :class:`CheckResult`).
-        ok: the check's verdict.
-        golden_dir: where the goldens were read.
-        machines: see :class:`Machines`.
-    """
+    """Write the results as JSON: ``{"ok", "golden_dir", "torch", "machines", "results"}``."""
     payload = {"ok": ok, "golden_dir": str(golden_dir), "torch": torch.__version__,
                "machines": machines.to_dict(), "results": [r.to_dict() for r in results]}
     try:
@@ -125,30 +84,17 @@ def write_json(path: Path, results: list[CheckResult], ok: bool, golden_dir: Pat
 
 @dataclass
 class Page:
-    """What the check's report says, in order, for the terminal and the HTML page alike: the
-    lines before the table, the table (a row per case, a column per backend, a line per
-    dtype in each cell) and the lines after it."""
+    """What the check's report says, in order, for terminal and HTML alike: lines, table, lines."""
 
     before: list[str]
     headers: list[str]
-    rows: list[list[str]]
+    rows: list[list[str]]  # a row per case, a column per backend, a line per dtype in a cell
     after: list[str]
 
 
 def check_page(results: list[CheckResult], cells: list[Cell], elapsed: float,
          machines: Machines) -> Page:
-    """The check's report, for the terminal and the HTML page alike.
-
-    Args:
-        results: one row per cell and output.
-        cells: the cells, the table's columns and lines.
-        elapsed: the check's wall time in seconds.
-        machines: where the goldens and the run were made.
-
-    Returns:
-        The machines when the goldens come from another, the table, its footnotes, one line per
-        failure and the summary.
-    """
+    """The check's report: machines if the goldens' differ, table, footnotes, failures, summary."""
     before = reference_lines(results)  # a change of the model itself, said first
     if (header := machines.header()) is not None:
         before.append(header)
@@ -198,12 +144,7 @@ _CHANGED = ("init changed", "inputs changed")
 
 
 def render(console: Console, content: Page) -> None:
-    """``content`` on ``console``: its lines wrapped, its table folded to the width.
-
-    Args:
-        console: a rich console.
-        content: the page.
-    """
+    """``content`` on ``console``: its lines wrapped, its table folded to the width."""
     # Logs and pipes have no width: every line fits 80 columns there, wrapped at spaces and
     # never cut; the table is folded into as many tables as it takes.
     width = console.width if console.is_terminal else TABLE_WIDTH
@@ -235,17 +176,9 @@ COARSE_NOTE = ("coarse: an output of this cell would only have flagged a change 
 
 
 def reference_lines(results: list[CheckResult]) -> list[str]:
-    """First, per case whose reference cell failed: the model itself changed.
-
-    Its own float64 outputs no longer match its goldens, a change of the model rather than of
-    a backend or dtype; the other cells' verdicts are then against goldens of another model.
-
-    Args:
-        results: every row.
-
-    Returns:
-        One line per such case.
-    """
+    """First, per case whose reference cell failed, a line: the model itself changed."""
+    # its own float64 no longer matches its goldens: the other cells are judged against goldens of
+    # another model
     failed: dict[str, list[str]] = {}
     for r in results:
         if r.cell == REFERENCE and not r.ok and r.verdict not in _CHANGED:
@@ -268,17 +201,9 @@ BOTH_NOTE = (f"judged against {OWN_FLOAT64} outputs (the model changed) and agai
 
 
 def stored_goldens_lines(results: list[CheckResult]) -> list[str]:
-    """The rows judged against this revision's own float64 as well.
-
-    Per case, dtype and output: their verdicts against the stored goldens and, where the budget
-    there grew beyond what the cells allow against their own model, by how much and why.
-
-    Args:
-        results: every row.
-
-    Returns:
-        The lines.
-    """
+    """The rows judged against this revision's own float64 as well, per case, dtype and output."""
+    # their verdicts against the stored goldens and, where the budget grew past what the cells
+    # allow against their own model, by how much and why
     groups: dict[tuple[str, str, str], list[CheckResult]] = {}
     for r in results:
         if r.stored_goldens:
@@ -306,8 +231,7 @@ def stored_goldens_lines(results: list[CheckResult]) -> list[str]:
 
 
 def _stored_only_lines(results: list[CheckResult], changed: set[str]) -> list[str]:
-    """The rows of a changed model judged against the stored goldens only (a decoding is
-    forced along their tokens): the budget their baselines earn carries the change."""
+    """A changed model's rows judged against stored goldens only: baselines carry the change."""
     widest: dict[tuple[str, str, str], float] = {}
     for r in results:
         if (r.case in changed and r.cell != REFERENCE and not r.stored_goldens
@@ -321,8 +245,7 @@ def _stored_only_lines(results: list[CheckResult], changed: set[str]) -> list[st
 
 
 def _left_out_lines(results: list[CheckResult]) -> list[str]:
-    """Which positions the cells left out (padding) and why: one line per output and reason,
-    naming every case it holds for."""
+    """Which positions the cells left out and why: a line per output and reason, its cases."""
     prefix = "Left out of the judgement: "
     cases: dict[tuple[str, str], list[str]] = {}
     for r in results:
@@ -339,8 +262,7 @@ def _left_out_lines(results: list[CheckResult]) -> list[str]:
 
 
 def _renamed_lines(results: list[CheckResult]) -> list[str]:
-    """Per model, the modules its goldens name otherwise: its weights were checked and its
-    gradients judged through them."""
+    """Per model, the modules its goldens name otherwise, through which its weights were judged."""
     lines = list(dict.fromkeys(f"{r.case}: {r.renamed}" for r in results if r.renamed))
     if not lines:
         return []
@@ -349,22 +271,13 @@ def _renamed_lines(results: list[CheckResult]) -> list[str]:
 
 
 def _baseline_lines(results: list[CheckResult]) -> list[str]:
-    """Per case, cell and output, each degraded baseline: a finding about the baseline (which
-    then sets no budget), not a divergence of the candidates judged against it."""
+    """Each degraded baseline: a finding about it (it sets no budget), not a divergence."""
     lines = (f"{r.case} {r.output}: {r.baseline}." for r in results if r.baseline)
     return list(dict.fromkeys(lines))
 
 
 def sensitivity_lines(results: list[CheckResult]) -> list[str]:
-    """What the passing cells rule out, per dtype and kind.
-
-    Args:
-        results: every row.
-
-    Returns:
-        The largest relative change of an output that could have passed (the least sensitive
-        cell's); one too coarse to rule out anything is marked.
-    """
+    """What the passing cells rule out, per dtype and kind: the largest change that could pass."""
     weakest: dict[tuple[str, str], float] = {}
     for r in results:
         if r.sensitivity is not None:
@@ -390,25 +303,13 @@ CASE_MIN_WIDTH = 16
 
 def folded_tables(title: str | None, headers: list[str], rows: list[list[str]], width: int
                   ) -> list[Table]:
-    """The table as rich tables of at most ``width`` columns, no column cut.
-
-    Each keeps the first column (the case) and takes as many of the next ones, in order, as
-    fit; the first has the title. A case name too long for its table is folded onto more lines,
-    and a table grows past ``width`` only where even that cannot fit it.
-
-    Args:
-        title: the first table's title, or None.
-        headers: the column headers.
-        rows: the rows' cells.
-        width: the columns available.
-
-    Returns:
-        The rich tables, in order.
-    """
+    """The table as rich tables of at most ``width`` columns, no column cut, the first titled."""
     from rich.cells import cell_len
     from rich.table import Table
 
     # A column takes its widest line and 3 more (padding and a rule); a table 1 more.
+    # each keeps the case column and takes as many next ones as fit; a long case name folds, and a
+    # table passes width only where even that cannot fit
     widths = [max(cell_len(line) for text in [header, *(row[column] for row in rows)]
                   for line in text.split("\n")) + 3
               for column, header in enumerate(headers)]
@@ -434,14 +335,7 @@ def folded_tables(title: str | None, headers: list[str], rows: list[list[str]], 
 
 
 def print_table(console: Console, table: Table, width: int | None = None) -> None:
-    """Print a rich table; logs and pipes get all of it rather than an 80-column cut.
-
-    Args:
-        console: a rich console.
-        table: the table.
-        width: lay it out in that many columns (its title wrapped to fit) unless it sets its
-            own.
-    """
+    """Print a rich table whole (logs and pipes too), in ``width`` columns unless it sets one."""
     from rich.measure import Measurement
 
     if not console.is_terminal:
@@ -499,14 +393,7 @@ def _cell_text(rows: list[CheckResult], footnotes: dict[str, int], with_device: 
 
 
 def budget_share(headroom: float) -> str:
-    """A headroom as the share of its budget a report shows.
-
-    Args:
-        headroom: the error over its budget (1 is the whole budget).
-
-    Returns:
-        ``37%`` up to 10 budgets, ``12.5x`` beyond, ``inf`` for a shape that differs.
-    """
+    """A headroom (error over budget) as shown: ``37%`` to 10 budgets, then ``12.5x``, ``inf``."""
     if headroom == float("inf"):
         return "inf"
     return f"{headroom:.0%}" if headroom < 10 else f"{headroom:.3g}x"

@@ -1,7 +1,4 @@
-"""``torchparity check`` in one call: what to check (cases, models, cells), every golden
-validated before any work, then the zoo's cases in worker processes, users' models and training
-trajectories in this one, with progress reported as each cell finishes; and ``golden verify``
-case by case, ``golden update`` and ``golden verify`` model by model."""
+"""``torchparity check`` in one call, goldens validated first; ``golden verify`` and ``update``."""
 
 from __future__ import annotations
 
@@ -47,8 +44,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class CheckReport:
-    """What :func:`check_goldens` found, and what its report needs: the cells and cases checked, the
-    machines of the run and of the goldens, and where the goldens are."""
+    """What :func:`check_goldens` found, with the cells, cases and machines its report needs."""
 
     results: list[CheckResult]
     cells: list[Cell]
@@ -63,33 +59,15 @@ class CheckReport:
         return all(r.ok for r in self.results)
 
     def page(self, elapsed: float) -> Page:
-        """The table, its footnotes, the failures and the summary (see :func:`report.check_page`).
-
-        Args:
-            elapsed: the check's wall time in seconds.
-
-        Returns:
-            The page, for the terminal and the HTML report alike.
-        """
+        """The table, its footnotes, the failures and the summary, for terminal and HTML alike."""
         return check_page(self.results, self.cells, elapsed, self.machines)
 
     def render(self, console: Console, elapsed: float) -> None:
-        """Print the report on ``console``, lines wrapped and the table folded to its width.
-
-        Args:
-            console: a rich console (a log or a pipe has no width: 80 columns).
-            elapsed: the check's wall time in seconds.
-        """
+        """Print the report on ``console`` (a log: 80 columns), lines wrapped, the table folded."""
         render(console, self.page(elapsed))
 
     def write(self, json: str | None, html: str | None, elapsed: float) -> None:
-        """Write the results as JSON and the report as an HTML page, each when asked.
-
-        Args:
-            json: the JSON file, or None.
-            html: the HTML file, or None.
-            elapsed: the check's wall time in seconds.
-        """
+        """Write the results as JSON and the report as an HTML page, each where asked."""
         if json:
             write_json(Path(json), self.results, self.ok, self.golden_dir, self.machines)
         if html:
@@ -103,16 +81,13 @@ TrajectoryFeeds = Callable[[GoldenStore, list[str]], Callable[[str], check_loop.
 
 @dataclass(frozen=True)
 class CheckRequest:
-    """What one check is asked: the zoo ``cases`` (all when None; none when only ``models``
-    are given) and the users' ``models``, in the cells selected by ``backend``, ``dtype``,
-    ``device`` and ``compile_forms``.
+    """What one check is asked: zoo ``cases`` (None: all, or none with ``models``) and ``models``.
 
-    The zoo's goldens come from ``golden_dir`` (default: :func:`default_golden_dir`), the
-    models' from ``model_root`` when given (goldens made here, from a base revision), else
-    ``golden_dir`` or :func:`user_golden_dir`. ``jobs``: processes for the zoo's cells;
-    ``train``: each case's golden training trajectory too, by its feeds; ``json`` and
-    ``html``: where the report goes (their folders must exist); ``name_map`` maps the models'
-    goldens' module names to theirs (renamed weights).
+    The zoo's goldens come from ``golden_dir``, the models' from ``model_root`` (a base
+    revision's) else ``golden_dir`` or :func:`user_golden_dir`. ``jobs``: processes for the zoo's
+    cells; ``train``: each case's golden trajectory too; ``json``, ``html``: where the report
+    goes (their folders must exist); ``name_map``: the goldens' module names to the models'
+    (renamed weights).
     """
 
     cases: list[str] | None
@@ -131,14 +106,7 @@ class CheckRequest:
 
 
 def check_goldens(request: CheckRequest, progress: Progress) -> CheckReport:
-    """Check what ``request`` asks against its goldens.
-
-    Args:
-        request: the cases, models, cells and golden folders (see :class:`CheckRequest`).
-        progress: a rich ``Progress``, shown while the cells run.
-
-    Returns:
-        The results with what their report needs.
+    """Check what ``request`` asks against its goldens, shown on ``progress`` while the cells run.
 
     Raises:
         UsageError, GoldenError: every choice and every golden is validated, and the folders
@@ -191,28 +159,14 @@ def _jobs(jobs: int | None) -> int:
 
 def execute(store: GoldenStore, cases: list[zoo.ZooCase], cells: list[Cell], jobs: int,
             progress: Progress) -> list[CheckResult]:
-    """Check ``cases`` in ``cells``, in as many processes as ``jobs``.
-
-    Cells are grouped by dtype and device (each group shares its baseline and the traces of
-    compiled kernels). The reference group, the cheapest, runs first, here: the cases whose
-    model changed have the other groups judge them against today's float64 as well. With
-    ``jobs > 1`` the other groups run in that many spawned processes.
-
-    Args:
-        store: the zoo's goldens.
-        cases: the zoo cases checked.
-        cells: the cells.
-        jobs: processes for the cells other than the reference's.
-        progress: advanced as each cell finishes.
-
-    Returns:
-        The results in case, cell, output order.
-    """
+    """Check ``cases`` in ``cells``, in ``jobs`` processes; results in case, cell, output order."""
     task = progress.add_task("checking", total=len(cases) * len(cells))
 
     def advance(label: str) -> None:
         progress.update(task, advance=1, description=label)
 
+    # groups by dtype and device share a baseline and compiled kernels; the cheap reference group
+    # runs first, here, so the cases whose model changed are judged against today's float64 too
     groups = _groups(cells)
     with single_thread():
         results = [r for group in groups if REFERENCE in group for case in cases
@@ -292,18 +246,7 @@ def _drain(progress_queue: Any, advance: Callable[[str], None], timeout: float) 
 
 def check_user_models(subjects: list[Subject], root: Path, cells: list[Cell],
                       progress: Progress, name_map: NameMap | None = None) -> list[CheckResult]:
-    """Check users' models in this process: their factories need not import elsewhere.
-
-    Args:
-        subjects: the users' models.
-        root: the folder of their goldens.
-        cells: the cells.
-        progress: advanced as each cell finishes, told where a long run is.
-        name_map: the goldens' module names to the models'.
-
-    Returns:
-        The results in model, cell, output order.
-    """
+    """Check users' models in this process (their factories need not import elsewhere)."""
     task = progress.add_task("checking", total=len(subjects) * len(cells))
     results = []
     with single_thread():
@@ -335,17 +278,7 @@ def train_results(feeds: Callable[[str], check_loop.Feed], cases: list[zoo.ZooCa
 
 def update_models(subjects: list[Subject], root: Path, status: Callable[[Subject, str], None]
                   ) -> Iterator[tuple[Subject, dict[str, str], str | None]]:
-    """Write each model's goldens, one model at a time.
-
-    Args:
-        subjects: the users' models.
-        root: the folder of their goldens.
-        status: ``status(subject, text)`` hears where its float64 run is ("" as it starts).
-
-    Yields:
-        Each model, what writing each golden did (``created``, ``unchanged``...) and where its
-        float64 golden computes in a narrower dtype (a sentence, or None).
-    """
+    """Write each model's goldens in turn: what each write did, where float64 runs narrower."""
     with single_thread():
         for subject in subjects:
             status(subject, "")
@@ -357,17 +290,7 @@ def update_models(subjects: list[Subject], root: Path, status: Callable[[Subject
 
 def verify_cases(store: GoldenStore, cases: list[zoo.ZooCase]
                  ) -> Iterator[tuple[zoo.ZooCase, list[CheckResult]]]:
-    """The zoo's goldens recomputed in float64 and judged, case by case.
-
-    Every golden file is validated before anything is recomputed.
-
-    Args:
-        store: the zoo's goldens.
-        cases: the cases verified.
-
-    Yields:
-        Each case with its reference cell's rows.
-    """
+    """The zoo's goldens recomputed in float64 and judged case by case, all validated first."""
     for case in cases:
         load_case(store, case)
     for case in cases:
@@ -376,15 +299,7 @@ def verify_cases(store: GoldenStore, cases: list[zoo.ZooCase]
 
 def verify_models(subjects: list[Subject], root: Path
                   ) -> Iterator[tuple[Subject, list[CheckResult]]]:
-    """Each model's goldens recomputed in float64 and judged, as :func:`verify_cases` does.
-
-    Args:
-        subjects: the users' models.
-        root: the folder of their goldens.
-
-    Yields:
-        Each model with its reference cell's rows.
-    """
+    """Each model's goldens recomputed in float64 and judged, as :func:`verify_cases` does."""
     for subject in subjects:
         load_goldens(subject, model_store(subject, root))
     with single_thread():

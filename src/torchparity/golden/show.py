@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -17,11 +16,6 @@ from torchparity.reference.zoo import ZooCase
 
 def show_golden(store: GoldenStore, case: ZooCase, console: Console) -> None:
     """Print what ``case``'s goldens were made from and a table of each output's tensors.
-
-    Args:
-        store: the zoo's goldens.
-        case: the zoo case.
-        console: a rich console.
 
     Raises:
         GoldenError: a golden is missing or damaged.
@@ -52,7 +46,7 @@ def show_golden(store: GoldenStore, case: ZooCase, console: Console) -> None:
         print_table(console, table)
 
 
-def _config_text(config: Any) -> str:
+def _config_text(config: object) -> str:
     if not isinstance(config, dict):
         return "(none recorded)"
     defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
@@ -60,6 +54,6 @@ def _config_text(config: Any) -> str:
     return ", ".join(changed) or "(all defaults)"
 
 
-def _number(value: Any) -> str:
+def _number(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 

@@ -1,43 +1,29 @@
 """Goldens of users' models: what they hold, writing them, reading and validating them.
 
-A user's model comes from a factory (:class:`torchparity.subject.Subject`). Its goldens,
-computed in float64 on the CPU with every SDPA call on the ``manual`` backend, live in
+Computed in float64 on the CPU with every SDPA call on ``manual``, in
 ``<golden dir>/<entry name>/``:
 
-============  ==========  =============================================================
-output        kind        tensors
-============  ==========  =============================================================
-``outputs``   forward     every tensor of the model's output, keyed by its path, but those
-                          its cache holds (``past_key_values``, ``cache``: see ``decode``)
-``loss``      loss        ``loss_fn(output, inputs)``, or the default loss (below)
-``grads``     grad        the gradient of every parameter that requires one
-``decode``    forward     a teacher-forced decoding of ``DECODE_STEPS`` steps through the
-                          model's step (the factory's ``step``, or the built-in one of
-                          reference models and ``transformers`` generators): the greedy
-                          ``tokens`` of the float64 run and each step's next-token logits
-                          (``cached.logits.<step>``, and ``recomputed.logits.<step>`` by full
-                          recompute where a built-in step offers one); with the factory's
-                          ``search`` key a beam search instead, its ``tokens`` and
-                          ``parents`` (the prompt expanded to its beams); or, for a factory with
-                          the older ``decode(model, inputs, use_cache)``, what it returns with
-                          the cache (``cached.*``) and by full recompute (``recomputed.*``)
+============  ==========  ============================================================= output
+kind        tensors ============  ==========
+============================================================= ``outputs``   forward     every
+tensor of the model's output by path, but its cache's ``loss``      loss        ``loss_fn(output,
+inputs)``, or the default loss ``grads``     grad        the gradient of every parameter that
+requires one
+``decode``    forward     ``DECODE_STEPS`` teacher-forced steps through the model's step:
+                          the float64 run's greedy ``tokens`` (a beam search's, with
+                          ``parents``, for a factory's ``search``) and each step's logits
+                          (``cached.logits.<step>``, and ``recomputed.logits.<step>`` where
+                          a built-in step recomputes); or what a factory's own
+                          ``decode(model, inputs, use_cache)`` returns (``cached.*``,
+                          ``recomputed.*``)
 ============  ==========  =============================================================
 
-Every cell decodes along the golden's tokens (and parents), so a near tie that another dtype or
-backend breaks the other way changes no later step: each step's logits are judged in every
-cell, and a failure names the first step that leaves its budget. The reference cell decodes
-greedily, or searches: its tokens (and parents) must be the golden's. It also judges
-``decode-cache``: the cached decoding against the full recompute of the same run, so a
-KV-cache bug is caught even in the run that made the goldens.
-
-The default loss is a fixed pseudo-random projection of the floating outputs the golden has:
-its gradient reaches every element of them, and the same weights are used in every cell.
-
-Padded positions (the factory's ``padding``, else the inputs' 1/0 ``attention_mask`` and
-``decoder_attention_mask``; see :mod:`torchparity.subject.padding`) are left out of the judged
-outputs (and of a factory's own decoding) and of the default loss, so the gradients do not
-carry them either: a padded query may attend to nothing, and what two implementations write
-there is arbitrary. Every row says how many positions it left out.
+Every cell decodes along the golden's tokens, so a near tie broken the other way changes no later
+step; the reference cell's own tokens must be the golden's, and its ``decode-cache`` row judges
+the cached decoding against the recompute, catching a KV-cache bug in the very run that made the
+goldens. The default loss is a fixed pseudo-random projection of the floating outputs. Padded
+positions (see :mod:`torchparity.subject.padding`) are left out of the judged outputs and of the
+default loss; every row says how many.
 """
 
 from __future__ import annotations
@@ -64,30 +50,14 @@ from torchparity.subject.weights import NormalDraws
 
 
 def user_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
-    """Where users' goldens live.
-
-    Args:
-        explicit: the folder given (``--golden-dir``), first.
-
-    Returns:
-        ``explicit``, else ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` in the working
-        directory (the folder need not exist yet).
-    """
+    """Where users' goldens live: ``explicit``, ``$TORCHPARITY_GOLDEN_DIR``, else ``./golden``."""
     return Path(explicit or os.environ.get(GOLDEN_DIR_ENV) or "golden")
 
 
 def model_store(subject: Subject, root: str | os.PathLike) -> GoldenStore:
-    """The golden store under ``root`` whose messages name this model's update command.
-
-    Args:
-        subject: the user's model.
-        root: the goldens' folder; ``--golden-dir`` joins the command where it is not the
-            default one.
-
-    Returns:
-        The store.
-    """
+    """The golden store under ``root`` whose messages name this model's update command."""
     command = f"torchparity golden update --model {subject.entry}"
+    # --golden-dir joins the command where root is not the default
     if Path(root).resolve() != user_golden_dir().resolve():
         command += f" --golden-dir {root}"
     return GoldenStore(root, update_command=command)
@@ -95,19 +65,11 @@ def model_store(subject: Subject, root: str | os.PathLike) -> GoldenStore:
 
 def model_checksums(subject: Subject, renamed: Renaming | None = None, *,
                     by_tensor: bool = True) -> dict[str, Any]:
-    """Checksums of the float64 state dict and of the input tensors the factory gave.
+    """``weights`` and ``inputs`` checksums of the float64 state dict and the factory's inputs.
 
-    Args:
-        subject: the user's model.
-        renamed: hash the state dict under the goldens' names.
-        by_tensor: also each weight tensor's rows in blocks (``weight_blocks``, see
-            :mod:`~torchparity.golden.changed_weights`): goldens record them; a check needs
-            them only where the weights differ.
-
-    Returns:
-        ``weights`` and ``inputs`` hex digests (and ``weight_blocks`` by name); the weights'
-        is None for a model sharded by hand some of whose slices were found nowhere: no whole
-        state to weigh.
+    ``renamed``: the state dict under the goldens' names; ``by_tensor``: each weight tensor's
+    rows in blocks too (``weight_blocks``, which goldens record). The weights' is None for a
+    model sharded by hand some of whose slices were found nowhere: no whole state to weigh.
     """
     inputs = checksum(flatten_tensors(subject.inputs, "inputs"))
     weights = weight_state(subject, renamed)
@@ -123,16 +85,7 @@ def model_checksums(subject: Subject, renamed: Renaming | None = None, *,
 
 def weight_state(subject: Subject, renamed: Renaming | None = None
                  ) -> Mapping[str, torch.Tensor] | None:
-    """The state dict whose checksums goldens record, under the goldens' names.
-
-    Args:
-        subject: the user's model.
-        renamed: how the goldens' names are found in it.
-
-    Returns:
-        The tensors by name (gathered as each is read, of a sharded model); None for a model
-        sharded by hand some of whose slices were found nowhere.
-    """
+    """The state dict goldens checksum, by their names, gathered as read; None: slices missing."""
     if subject.slices is not None and subject.slices.unmapped:
         return None
     weights = (subject.model.state_dict() if subject.shards is None
@@ -145,20 +98,15 @@ def weight_state(subject: Subject, renamed: Renaming | None = None
 def write_goldens(subject: Subject, store: GoldenStore, status: Status | None = None,
                   run: CellRun | None = None, checksums: dict[str, Any] | None = None,
                   layout: Layout | None = None) -> dict[str, str]:
-    """Compute and write the goldens of ``subject``.
+    """Compute and write the goldens of ``subject``: each output's ``created``, ``updated``...
 
     Args:
         subject: the user's model.
         store: where its goldens go.
         status: hears where the float64 run is (which block of how many).
         run: that run, when it was made elsewhere (by the ranks of a sharded model).
-        checksums: the model's (:func:`model_checksums`), when taken before its plan sharded
-            it.
+        checksums: the model's (:func:`model_checksums`), when taken before its plan sharded it.
         layout: its state dict's (:func:`~torchparity.golden.renamed.state_layout`), likewise.
-
-    Returns:
-        Output -> what happened to its file (``created``, ``updated``, ``replaced`` or
-        ``unchanged``, as for the zoo).
     """
     with store.replacing(subject.name):  # all of its files, or none if interrupted
         return _write_goldens(subject, store, status, run, checksums, layout)
@@ -192,24 +140,14 @@ def _write_goldens(subject: Subject, store: GoldenStore, status: Status | None,
 
 
 def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
-    """Read and validate the goldens of ``subject``.
+    """Read and validate the goldens of ``subject``, by output.
 
-    Goldens made without decoding are read as they are: a factory that decodes since (a
-    library upgrade) is checked on what they hold (see :func:`no_decode_golden`). Changed
-    weights or inputs are verdicts of :func:`~torchparity.golden.model_check.check_subject`,
-    not errors.
-
-    Args:
-        subject: the user's model.
-        store: its goldens.
-
-    Returns:
-        The goldens by output.
+    Goldens made without decoding are read as they are (see :func:`no_decode_golden`); changed
+    weights or inputs are verdicts of ``check_subject``, not errors.
 
     Raises:
         GoldenError: a missing or damaged golden.
-        GoldenStale: made with another kind of loss, or with decoding when the factory no
-            longer decodes.
+        GoldenStale: made with another kind of loss, or with decoding the factory no longer does.
     """
     goldens = {output: store.read(subject.name, output) for output in ("outputs", "loss",
                                                                        "grads")}
@@ -243,22 +181,13 @@ def load_goldens(subject: Subject, store: GoldenStore) -> dict[str, Golden]:
 
 
 def no_decode_golden(subject: Subject, store: GoldenStore) -> str:
-    """Why a factory that decodes gets no decode verdict from goldens made without decoding.
-
-    Args:
-        subject: the user's model.
-        store: its goldens.
-
-    Returns:
-        The reason, with the command that remakes them.
-    """
+    """Why a decoding factory gets no decode verdict from goldens made without; how to remake."""
     return (f"the goldens of {subject.name} in {store.root} have no decoding (made when the "
             f"factory did not decode); run `{store.update_command}` to add it")
 
 
-def _default_loss(subject: Subject, loss_paths: list[str]) -> dict[str, Any]:
-    """What a golden records of its default loss: the outputs projected and, when there is
-    padding, which positions it leaves out."""
+def _default_loss(subject: Subject, loss_paths: list[str]) -> dict[str, object]:
+    """What a golden records of its default loss: the outputs projected and padding left out."""
     padding = subject.padding.summary()
     return {"default projection of": loss_paths, **({"padding": padding} if padding else {})}
 
@@ -275,39 +204,18 @@ def _decoding(subject: Subject) -> str:
 
 
 def loss_paths(goldens: dict[str, Golden]) -> list[str] | None:
-    """The outputs the goldens' default loss projected, so every cell projects the same ones.
-
-    Args:
-        goldens: the model's goldens.
-
-    Returns:
-        Their paths, or None where the factory's ``loss_fn`` made the loss.
-    """
+    """The outputs the goldens' default loss projected (every cell's too); None: a ``loss_fn``."""
     loss = goldens["loss"].summary.get("loss")
     return loss["default projection of"] if isinstance(loss, dict) else None
 
 
 def golden_islands(goldens: dict[str, Golden]) -> str | None:
-    """The narrowest dtype the float64 golden run computed in.
-
-    Args:
-        goldens: the model's goldens.
-
-    Returns:
-        Its name, or None: float64 throughout.
-    """
+    """The narrowest dtype the float64 golden run computed in, or None: float64 throughout."""
     return narrowest(goldens["outputs"].summary.get("islands"))
 
 
 def islands_sentence(goldens: dict[str, Golden]) -> str | None:
-    """Where the float64 golden computed in a narrower dtype, as a sentence.
-
-    Args:
-        goldens: the model's goldens.
-
-    Returns:
-        The sentence, or None: nowhere.
-    """
+    """Where the float64 golden computed in a narrower dtype, as a sentence, or None: nowhere."""
     islands = goldens["outputs"].summary.get("islands")
     if not islands:
         return None
@@ -317,18 +225,7 @@ def islands_sentence(goldens: dict[str, Golden]) -> str | None:
 
 
 def load_noting_draws(entry: str, noting_draws: bool) -> tuple[Subject, str | None]:
-    """The subject of ``entry``, with a warning where its goldens would not travel.
-
-    Weights or inputs from torch's normal draws on the CPU differ in their last bits by
-    instruction set: such goldens read 'init changed' on another machine.
-
-    Args:
-        entry: the factory's entry.
-        noting_draws: watch the factory for such draws.
-
-    Returns:
-        The subject and the warning (None: none, or not watched).
-    """
+    """The subject of ``entry``, warning where its goldens would not travel (``noting_draws``)."""
     if not noting_draws:
         return Subject.load(entry), None
     with NormalDraws() as draws:
