@@ -1,14 +1,10 @@
 """Which of a model's weight tensors differ from those its goldens were made from, by name.
 
-Goldens record, beside one checksum of all the weights, each weight tensor's rows hashed in
-blocks (:func:`row_blocks`): a power of two of rows per block, the fewest that keep a tensor
-to :data:`MAX_BLOCKS` blocks (every row its own block up to 64 rows). A model whose weights'
-checksum differs is hashed the same way under the goldens' names, and the tensors whose blocks
-differ are named in the model's names (:func:`changed_sentence`), through the renaming of
-:mod:`torchparity.golden.renamed`: a part of a fused golden tensor by the rows it is there, a
-part of the model's fused tensor by its rows in it. A part is told from its neighbours where
-its rows start on a block's first row (always, up to 64 rows); otherwise a changed block it
-shares names both.
+Goldens record each weight tensor's rows hashed in blocks (:func:`row_blocks`: the fewest
+power-of-two rows per block within :data:`MAX_BLOCKS`, every row its own up to 64). Where the
+weights' checksum differs, the tensors whose blocks differ are named in the model's names through
+the renaming, a fused part by its rows; a part starting mid-block shares its name with its
+neighbour's.
 """
 
 from __future__ import annotations
@@ -34,15 +30,7 @@ Blocks = dict[str, int | str]
 
 
 def row_blocks(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, Blocks]:
-    """The rows of each tensor of ``names`` hashed in blocks (floating tensors in float64).
-
-    Args:
-        tensors: the tensors by name.
-        names: those hashed, in the order they are read (the same on every rank).
-
-    Returns:
-        Name -> ``{"block_rows": rows per block, "blocks": the blocks' digests joined}``.
-    """
+    """Name -> ``{"block_rows", "blocks"}``: each of ``names`` hashed in row blocks (float64)."""
     blocks = {}
     for name in names:
         tensor = tensors[name]
@@ -53,16 +41,7 @@ def row_blocks(tensors: Mapping[str, torch.Tensor], names: Iterable[str]) -> dic
 
 def changed_rows(stored: Mapping[str, Blocks], tensors: Mapping[str, torch.Tensor]
                  ) -> dict[str, list[range]]:
-    """The goldens' tensors whose rows differ from ``tensors``', with the rows that do.
-
-    Args:
-        stored: the blocks the goldens record, by the goldens' names.
-        tensors: the model's tensors by the goldens' names.
-
-    Returns:
-        Name -> the stretches of rows whose blocks differ (every row where the tensor is
-        missing, or its shape changed the number of blocks), in the goldens' order.
-    """
+    """The goldens' tensors whose rows differ from ``tensors``', with the stretches that do."""
     changed = {}
     for name, recorded in stored.items():
         per_block, joined = int(recorded["block_rows"]), str(recorded["blocks"])
@@ -71,6 +50,7 @@ def changed_rows(stored: Mapping[str, Blocks], tensors: Mapping[str, torch.Tenso
         now = _digests(tensor, per_block) if tensor is not None else []
         if now == before:
             continue
+        # a missing tensor, or one whose shape changed the blocks: every row
         if len(now) != len(before):
             changed[name] = [range(0, len(before) * per_block)]
             continue
@@ -82,17 +62,7 @@ def changed_rows(stored: Mapping[str, Blocks], tensors: Mapping[str, torch.Tenso
 
 def changed_sentence(changed: Mapping[str, list[range]], renamed: Renaming | None,
                      model: Layout) -> str:
-    """The model's tensors that ``changed`` names, for an ``init changed`` reason.
-
-    Args:
-        changed: the goldens' tensors and rows that differ (:func:`changed_rows`).
-        renamed: how the goldens' tensors are found in the model, or None for the same names.
-        model: the model's layout, which counts its tensors.
-
-    Returns:
-        ``in 1 of 16 tensors: attn.k.weight (the goldens' attn.qkv.weight rows 16-31)``: at
-        most :data:`NAMED` of them, then how many more.
-    """
+    """``in 1 of 16 tensors: attn.k.weight (the goldens' attn.qkv.weight rows 16-31)``."""
     holders = _holders(renamed) if renamed is not None else {}
     said = [told for name, rows in changed.items()
             for told in _told(name, rows, holders.get(name), renamed)]
@@ -104,16 +74,14 @@ def changed_sentence(changed: Mapping[str, list[range]], renamed: Renaming | Non
 
 
 def _holders(renamed: Renaming) -> dict[str, tuple[str, Piece, int]]:
-    """The goldens' tensors the model holds under another name: ``(the model's tensor, the
-    golden's piece of it, how many pieces it has)``."""
+    """The goldens' tensors the model holds otherwise: ``(its tensor, the piece, pieces)``."""
     return {piece.name: (whole, piece, len(pieces))
             for whole, pieces in renamed.pieces.items() for piece in pieces}
 
 
 def _told(name: str, rows: list[range], holder: tuple[str, Piece, int] | None,
           renamed: Renaming | None) -> list[tuple[str, str]]:
-    """The golden tensor ``name``, whose ``rows`` differ, as the model's tensors that hold
-    them: ``(model tensor, words)``."""
+    """The golden tensor ``name``, whose ``rows`` differ, as the model's tensors holding them."""
     parts = renamed.splits.get(name) if renamed is not None else None
     if parts is not None:  # the model splits it: the parts whose rows differ
         return [(p.name, f"{p.name} (the goldens' {name} rows {p.start}-{p.start + p.rows - 1})")

@@ -1,16 +1,11 @@
 """One check loop for every subject: a zoo case, a user's model, a training trajectory.
 
-Weights or inputs that changed since the goldens were made turn every row into ``init
-changed`` or ``inputs changed``. Otherwise each cell in turn: the **reference cell** is judged
-against a rerun on weights moved by one float64 rounding (see :func:`_check_reference`); every
-other cell, eager or compiled, against the golden with the ``manual`` backend in its dtype and
-device as baseline, run once per (dtype, device); a compiled cell's rows then carry its compile
-log and each decoding step's verdict. Once the reference cell diverged (the model's math
-changed, and the baselines carry the change), every other cell is judged against this
-revision's own float64 outputs as well, so a backend or dtype problem still stands out.
-
-A subject feeds the loop with a :class:`Feed`: what it runs in a cell and how it judges an
-output; the loop owns the order, the baselines and the rows that say why nothing was judged.
+Changed weights or inputs turn every row into ``init changed`` or ``inputs changed``. Otherwise
+the **reference cell** is judged against a rerun on weights moved by one float64 rounding, every
+other cell against the golden with ``manual`` in its dtype and device as baseline. Once the
+reference cell diverged (the model's math changed, and the baselines carry it), the other cells
+are judged against this revision's own float64 as well, so a backend problem still stands out. A
+subject feeds the loop a :class:`Feed`; the loop owns the order, the baselines and the rows.
 """
 
 from __future__ import annotations
@@ -50,98 +45,38 @@ class Feed(Protocol):
     store: GoldenStore
 
     def changed(self) -> dict[str, tuple[str, str]]:
-        """Per output made from other weights or inputs: its verdict and why.
-
-        Returns:
-            ``{output: (verdict, reason)}`` (see :func:`checksum_changes`); empty when the goldens
-            were made from today's weights and inputs.
-        """
+        """Per output made from other weights or inputs: ``{output: (verdict, reason)}``."""
 
     def refused(self, cell: Cell) -> str | None:
-        """Why ``cell`` cannot run this subject at all (then not even its baseline runs).
-
-        Args:
-            cell: the cell.
-
-        Returns:
-            The reason, or None when it can run.
-        """
+        """Why ``cell`` cannot run this subject at all (not even its baseline), or None."""
 
     def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
-        """The subject run in ``cell``.
-
-        Args:
-            cell: the cell.
-            perturb: on weights moved by one float64 rounding (the reference's noise).
-
-        Returns:
-            What the run computed, and why outputs are absent.
-
-        Raises:
-            CompileFailed: a compiled cell that does not compile.
-        """
+        """The subject run in ``cell``; ``perturb``: on weights moved by one float64 rounding."""
 
     def golden(self, output: str) -> Any:
-        """The golden of ``output``.
-
-        Args:
-            output: an output of :attr:`outputs`.
-
-        Returns:
-            Its stored values, or None where there is none.
-        """
+        """The golden of ``output``: its stored values, or None."""
 
     def judge(self, cell: Cell, output: str, candidate: Any, golden: Any, baseline: Any,
               noise: float | None = None) -> CheckResult:
         """The row of ``output`` in ``cell``: the candidate against the golden.
 
-        Args:
-            cell: the cell.
-            output: the output judged.
-            candidate: what the cell computed.
-            golden: what the golden holds.
-            baseline: what the cell's baseline computed, whose error sets the budget (None: the
-                analytic bound alone).
-            noise: what the outputs' errors carry into the loss.
-
-        Returns:
-            The row.
+        ``baseline``'s error sets the budget (None: the analytic bound alone); ``noise`` is what
+        the outputs' errors carry into the loss.
         """
 
     def self_checks(self, fresh: CellRun) -> list[CheckResult]:
-        """Rows the reference cell's run judges by itself (a cached decoding against its recompute).
-
-        Args:
-            fresh: the reference cell's run.
-
-        Returns:
-            The rows; empty when there is nothing to judge.
-        """
+        """Rows the reference run judges by itself (a cached decoding against its recompute)."""
 
     def steps(self, decoded: Any) -> list[dict[str, torch.Tensor]]:
-        """A decoding's outputs step by step: a compiled cell judges each step on its own.
-
-        Args:
-            decoded: a decoding's outputs, or None.
-
-        Returns:
-            One ``{path: tensor}`` per step.
-        """
+        """A decoding's outputs as one ``{path: tensor}`` per step (compiled: judged each)."""
 
 
 def check_cells(feed: Feed, cells: list[Cell], advance: CellDone = lambda label: None,
                 model_changed: bool = False) -> list[CheckResult]:
-    """The rows of ``feed`` in every cell, in cell then output order.
+    """One row per cell and output, the reference cell first, in cell then output order.
 
-    Args:
-        feed: the subject.
-        cells: the cells; the reference cell runs first.
-        advance: called with each cell's label when it is done.
-        model_changed: the reference cell, checked in another run of this loop, diverged;
-            these cells are judged against today's float64 as well.
-
-    Returns:
-        One row per cell and output.
+    ``model_changed``: the reference cell, checked in another run, diverged: these cells are
+    judged against today's float64 as well.
     """
     results: list[CheckResult] = []
     if changed := feed.changed():
@@ -174,14 +109,11 @@ def check_cells(feed: Feed, cells: list[Cell], advance: CellDone = lambda label:
 
 
 def _check_reference(feed: Feed) -> tuple[list[CheckResult], CellRun]:
-    """The reference cell: today's float64 outputs against the goldens, with a baseline of
-    *golden + (perturbed - fresh)*: ``perturbed`` is the same computation with every weight
-    moved by one float64 rounding error. A backward-stable computation is exact for inputs
-    perturbed by about that much, so this baseline's distance from the golden is the noise that
-    float64 cannot avoid (other BLAS, other torch), while any change of the math stands far out.
-    Writes ``<output>.obtained.safetensors`` for each output that fails. Returns the rows
-    and today's float64 run."""
+    """The reference cell: today's float64 against the goldens, and today's run."""
     fresh = feed.run(REFERENCE)
+    # baseline golden + (perturbed - fresh): a backward-stable computation is exact for weights
+    # moved that much, so its distance is the noise float64 cannot avoid (other BLAS, other torch),
+    # while a change of the math stands far out; failing outputs get their .obtained file
     perturbed = feed.run(REFERENCE, perturb=True)
     results = []
     for output in feed.outputs:
@@ -207,8 +139,7 @@ def _check_reference(feed: Feed) -> tuple[list[CheckResult], CellRun]:
 
 def _check_cell(feed: Feed, cell: Cell, baseline: CellRun, own: CellRun | None
                 ) -> list[CheckResult]:
-    """The rows of ``cell`` against the goldens; with ``own`` (this revision's float64 run,
-    once it diverged from them) against it as well (see :func:`_against_both`)."""
+    """The rows of ``cell`` against the goldens, and against ``own`` (today's float64) if given."""
     run = _cell_run(feed, cell, baseline)
     # A backend that rewrites SDPA calls has nothing to do in a model that makes none; the
     # manual backend compiled is the model's own code compiled, attention by hand or not.
@@ -245,10 +176,7 @@ def _check_cell(feed: Feed, cell: Cell, baseline: CellRun, own: CellRun | None
 
 
 def _against_both(stored: CheckResult, own: CheckResult) -> CheckResult:
-    """The row of a cell judged against the stored goldens and against this revision's own
-    float64: the latter's verdict (the stored goldens are of another model, and the
-    reference cell already failed for it), with the former's verdict, share of its budget
-    and sensitivity (see :func:`torchparity.golden.report.stored_goldens_lines`)."""
+    """A cell's row against both: the own float64's verdict, with the stored goldens' beside it."""
     own.judged_against = BOTH_GOLDENS
     own.stored_goldens = {"verdict": stored.verdict, "headroom": stored.headroom,
                           "sensitivity": stored.sensitivity}
@@ -256,8 +184,7 @@ def _against_both(stored: CheckResult, own: CheckResult) -> CheckResult:
 
 
 def _cell_run(feed: Feed, cell: Cell, baseline: CellRun) -> CellRun:
-    """The cell's run: the baseline itself for the eager manual cell; every output n/a with
-    the reason where a compiled cell cannot compile."""
+    """The cell's run: the baseline itself for eager manual; all n/a where a compiled cell fails."""
     if not cell.compile:
         return baseline if cell.backend == "manual" else feed.run(cell)
     reason = unavailable_reason(cell)
@@ -271,18 +198,7 @@ def _cell_run(feed: Feed, cell: Cell, baseline: CellRun) -> CellRun:
 
 def loss_noise(baseline: CellRun, output: str, golden: Mapping[str, torch.Tensor | Sketch]
                ) -> float | None:
-    """The noise the baseline's ``output`` carries into the loss.
-
-    Sketched tensors, whose errors are known only in RMS, carry none.
-
-    Args:
-        baseline: the cell's baseline run.
-        output: the output whose errors are carried.
-        golden: its golden values by path.
-
-    Returns:
-        The noise, or None without the baseline's gradients.
-    """
+    """The noise the baseline's ``output`` carries into the loss (sketched ones none), or None."""
     outputs = baseline.outputs.get(output, {})
     errors = {path: outputs[path].double() - golden[path].double()
               for path in baseline.sensitivity if path in outputs and path in golden
@@ -294,7 +210,7 @@ def loss_noise(baseline: CellRun, output: str, golden: Mapping[str, torch.Tensor
 def checksum_changes(goldens: dict[str, Golden], now: Mapping[str, str | None],
                      advice: Callable[[str], str],
                      named: Callable[[], str | None] | None = None) -> dict[str, tuple[str, str]]:
-    """Per output whose golden was made from other weights or inputs than ``now``'s: why.
+    """``{output: (verdict, reason)}`` per golden made from other weights or inputs than ``now``.
 
     A checksum ``now`` cannot say (None) is not compared.
 
@@ -306,9 +222,6 @@ def checksum_changes(goldens: dict[str, Golden], now: Mapping[str, str | None],
         named: the weight tensors that differ, in words ("in 1 of 16 tensors: attn.k.weight"),
             or None where the goldens keep one checksum of all the weights; called for each
             output whose weights differ. Without it the reason quotes the two checksums.
-
-    Returns:
-        ``{output: (verdict, reason)}``, the verdict ``init changed`` or ``inputs changed``.
     """
     changed = {}
     for output, golden in goldens.items():
@@ -335,21 +248,11 @@ BASELINE_DEGRADED = "baseline degraded"
 
 
 def judged_fields(comparison: Comparison, cell: Cell) -> dict[str, Any]:
-    """What a :class:`CheckResult` takes from a comparison.
-
-    Args:
-        comparison: the output's comparison.
-        cell: its cell.
-
-    Returns:
-        The verdict (``baseline degraded`` for a candidate within its budget beside a degraded
-        baseline: a finding about the baseline, not a divergence), the worst tensor's share of
-        its budget (inf where a shape differs), the explanation, the sensitivity, the positions
-        left out and, when a baseline was degraded, what that means for the cell's budgets.
-    """
+    """What a :class:`CheckResult` takes from a comparison: verdict, headroom, explanation..."""
     worst = comparison.worst
     headroom = math.inf if comparison.shapes else worst.headroom if worst else 0.0
     verdict = comparison.verdict
+    # within its budget beside a degraded baseline: a finding about the baseline, not a divergence
     if verdict != "diverged" and comparison.baseline_degraded:
         verdict = BASELINE_DEGRADED
     return {"verdict": verdict, "ok": comparison.ok, "headroom": headroom,
@@ -360,15 +263,7 @@ def judged_fields(comparison: Comparison, cell: Cell) -> dict[str, Any]:
 
 
 def degraded_baseline(comparison: Comparison, cell: Cell) -> str | None:
-    """The finding of a comparison whose baseline erred more than its dtype allows.
-
-    Args:
-        comparison: the output's comparison.
-        cell: its cell.
-
-    Returns:
-        Which tensors, and that the analytic bound judged them; None when none did.
-    """
+    """Which tensors' baseline erred past their dtype (the analytic bound judged them), or None."""
     degraded = [t.path for t in comparison.tensors if t.baseline_degraded]
     if not degraded:
         return None
@@ -382,19 +277,7 @@ def degraded_baseline(comparison: Comparison, cell: Cell) -> str | None:
 
 def row(feed: Feed, cell: Cell, output: str, verdict: str, *, ok: bool,
         **details: Any) -> CheckResult:
-    """One row of ``feed``'s results.
-
-    Args:
-        feed: the subject, which names the case.
-        cell: the cell.
-        output: the output.
-        verdict: the row's verdict.
-        ok: whether it passes.
-        **details: the other fields of :class:`CheckResult`.
-
-    Returns:
-        The row.
-    """
+    """One row of ``feed``'s results, ``details`` the other fields of :class:`CheckResult`."""
     return CheckResult(case=feed.name, backend=cell.backend, dtype=cell.dtype,
                        device=cell.device, output=output, kind=feed.kinds[output],
                        verdict=verdict, headroom=details.pop("headroom", None), ok=ok,

@@ -1,18 +1,10 @@
 """The check of a user's model against its goldens (``check --model``, ``tp.check_model``).
 
-Cells are those of the zoo's check: the reference cell (manual, fp64) recomputes the goldens
-with a baseline of one float64 rounding of the weights; every other cell runs a copy of the
-model in its dtype with every ``scaled_dot_product_attention`` call on its backend, judged by
-the tolerance model against the ``manual`` backend in the same dtype. A model that makes no
-SDPA call has its backend cells ``n/a`` with that reason. ``transformers`` models run their
-``sdpa`` attention implementation there and get one more backend, ``hf-eager``: their own
-eager implementation. Outputs that one run has and another lacks (eager's attention weights
-against sdpa's ``None``) are reported as structure differences, never as divergences; the
-tensors both have are judged.
-
-Every cell decodes along the golden's tokens (and parents); the reference cell decodes greedily
-or searches, and also judges ``decode-cache``: the cached decoding against the full recompute
-of the same run. A decode row that fails names the first step that leaves its budget.
+Cells are the zoo check's; a non-reference cell runs a copy of the model in its dtype with every
+SDPA call on its backend (``n/a`` for a model making none); ``transformers`` models run their
+``sdpa`` implementation there and get one more backend, ``hf-eager``. Outputs one run has and
+another lacks (eager's attention weights against sdpa's ``None``) are structure differences,
+never divergences. A failing decode row names the first step that leaves its budget.
 """
 
 from __future__ import annotations
@@ -71,15 +63,7 @@ _SAME_EVERYWHERE = {
 
 
 def backend_names(models: list[Subject] | None = None) -> list[str]:
-    """The backends of a user-model check.
-
-    Args:
-        models: the models checked, or None when not known yet.
-
-    Returns:
-        Every attention backend, and ``hf-eager`` when one of ``models`` is a
-        ``transformers`` model (always when ``models`` is None).
-    """
+    """Every attention backend, and ``hf-eager`` for a ``transformers`` model (or unknown)."""
     eager = models is None or any(m.is_transformers for m in models)
     return [*backends.names(), *([HF_EAGER] if eager else [])]
 
@@ -88,22 +72,12 @@ def check_subject(subject: Subject, store: GoldenStore, cells: list[Cell],
                   advance: Callable[[str], None] = lambda label: None,
                   status: Callable[[str, str], None] | None = None,
                   name_map: NameMap | None = None) -> list[CheckResult]:
-    """Check ``subject`` in every cell against its goldens.
+    """Check ``subject`` in every cell against its goldens: one result per cell and output.
 
-    The cells share the model (:class:`~torchparity.golden.model_runs.CellModels`): no more
-    copies than dtypes. Weights named otherwise than in the goldens are found by
-    :mod:`~torchparity.golden.renamed`.
-
-    Args:
-        subject: the user's model.
-        store: its goldens.
-        cells: the cells to run.
-        advance: called with each cell's label when it is done.
-        status: called with ``(label, text)`` while a cell runs.
-        name_map: the goldens' module names to the model's.
-
-    Returns:
-        One result per cell and output.
+    The cells share the model (no more copies than dtypes); weights named otherwise than in the
+    goldens are found by :mod:`~torchparity.golden.renamed`. ``advance`` gets each cell's label
+    when done, ``status`` ``(label, text)`` while one runs, ``name_map`` maps the goldens' module
+    names.
 
     Raises:
         GoldenError: a golden is missing or damaged, naming the command that makes it.
@@ -136,15 +110,10 @@ class ModelFeed:
         self.tokens = decoded and Fed(decoded["tokens"], decoded.get("parents"))
 
     def changed(self) -> dict[str, tuple[str, str]]:
-        """Weights or inputs other than the goldens', each with the hint of its cause.
-
-        The causes: names that pair with nothing, values that changed, or torch's own random
-        draws on a machine of another instruction set.
-
-        Returns:
-            ``{output: (verdict, reason)}``; empty when nothing changed.
-        """
+        """Weights or inputs other than the goldens', each with the hint of its cause."""
         fix = f"if the change is intended run `{self.store.update_command}`"
+        # causes: names pairing with nothing, changed values, or torch's own draws on another
+        # instruction set
         if self.renamed is not None and not self.renamed.complete:
             reason = f"{self.renamed.unmatched_sentence(self.subject.entry)}, or {fix}"
             return dict.fromkeys(self.goldens, ("init changed", reason))
@@ -167,13 +136,7 @@ class ModelFeed:
             functools.cache(self.changed_tensors))  # a set's goldens share their checksums
 
     def changed_tensors(self) -> str | None:
-        """The model's weight tensors that differ from the goldens', in words.
-
-        Returns:
-            How many of how many, and which (see
-            :func:`~torchparity.golden.changed_weights.changed_sentence`); None where the
-            goldens record no tensor's checksums (made before they did).
-        """
+        """The model's weight tensors differing from the goldens', in words; None if unrecorded."""
         stored = self.goldens["grads"].summary.get("checksums", {}).get("weight_blocks")
         weights = weight_state(self.subject, self.renamed)
         if stored is None or weights is None:
@@ -188,16 +151,8 @@ class ModelFeed:
         return None
 
     def fed(self, cell: Cell, perturb: bool) -> Fed | None:
-        """The tokens a step-by-step decoding in ``cell`` is fed.
-
-        Args:
-            cell: the cell.
-            perturb: the reference's rerun on perturbed weights, fed like the others.
-
-        Returns:
-            None for the reference, which decodes greedily or searches (its tokens, and parents,
-            are judged); the golden's for every other run.
-        """
+        """What a stepped decoding in ``cell`` is fed: the golden's, None for the reference."""
+        # the reference decodes greedily or searches; its tokens are judged
         return None if cell == REFERENCE and not perturb else self.tokens
 
     def run(self, cell: Cell, *, perturb: bool = False) -> CellRun:
@@ -224,16 +179,9 @@ class ModelFeed:
         return self._judge(cell, output, candidate, golden, baseline, noise, self.islands)
 
     def self_checks(self, fresh: CellRun) -> list[CheckResult]:
-        """The reference's cached decoding against its full recompute along the same tokens.
-
-        A KV-cache bug is caught even in the run that made the goldens.
-
-        Args:
-            fresh: the reference cell's run.
-
-        Returns:
-            The ``decode-cache`` row, or none for a step of the factory's own (nothing recomputes).
-        """
+        """The ``decode-cache`` row: the reference's cached decoding against its full recompute."""
+        # catches a KV-cache bug in the very run that made the goldens; none for a factory's own
+        # step
         decoded = fresh.outputs.get("decode")
         if decoded is None:
             return []
@@ -256,16 +204,14 @@ class ModelFeed:
                golden: dict[str, Any], baseline: dict[str, Any] | None,
                noise: float | None = None, islands: str | None = None,
                compute_dtype: str | None = None) -> CheckResult:
-        """Judge the tensors candidate and golden share; paths that one side lacks (eager's
-        attention weights against sdpa's None) are structure differences, not divergences.
-        Outputs with a value per input position are judged on the unpadded ones; ``islands``
-        is the narrowest dtype the model computes in (a baseline may err as it does);
-        ``compute_dtype`` that of both sides, where it is not the cell's."""
+        """Judge the tensors both sides share; paths one side lacks are structure differences."""
         subject = self.subject
         comparison = compare(candidate, golden, baseline, OUTPUT_KINDS[output],
                              compute_dtype=compute_dtype or cell.dtype,
                              noise=noise if baseline else None,
                              padding=output_padding(subject, output), islands=islands)
+        # per-position outputs judged unpadded; islands: the narrowest dtype the model computes in,
+        # where a baseline may err as it does
         fields = check_loop.judged_fields(comparison, cell)
         if output == "loss" and subject.loss_fn is None and subject.padding:
             fields["left_out"] = (f"the default loss leaves the padding out: "
@@ -283,8 +229,7 @@ class ModelFeed:
 
 
     def _other_implementation(self, cell: Cell) -> str | None:
-        """Where ``cell`` runs another attention implementation than the model was built
-        with: what its failure means and the command that finds the op."""
+        """What a failure means where ``cell`` runs another attention, and the command to run."""
         subject = self.subject
         runs = cell_attention(subject, cell.backend)
         if not subject.is_transformers or runs in (None, subject.attention):
@@ -300,18 +245,9 @@ class ModelFeed:
 
 def golden_renaming(goldens: dict[str, Any], subject: Subject, name_map: NameMap | None
                     ) -> Renaming | None:
-    """How the goldens' weights are found in ``subject``'s model.
-
-    Args:
-        goldens: the model's goldens by output; ``grads`` records the layout.
-        subject: the user's model.
-        name_map: the goldens' module names to the model's.
-
-    Returns:
-        The renaming, or None where the names are the goldens' (or the goldens record no
-        layout, or the model is sharded).
-    """
+    """How the goldens' weights (``grads`` records the layout) are found in ``subject``'s model."""
     layout = goldens["grads"].summary.get("layout")
+    # None: the goldens' names, no recorded layout, or a sharded model
     if layout is None or subject.shards is not None:
         return None
     now = state_layout(subject.model)
@@ -323,15 +259,7 @@ def golden_renaming(goldens: dict[str, Any], subject: Subject, name_map: NameMap
 
 
 def first_step(comparison: Comparison) -> int | None:
-    """The first decoding step a comparison of step-protocol decodings finds diverged.
-
-    Args:
-        comparison: the decoding's comparison.
-
-    Returns:
-        The first step whose logits are over their budget, or whose greedy token (chosen at
-        the step before it is fed) differs; None when none is.
-    """
+    """The first decoding step over its budget, or whose greedy token differs; None when none."""
     steps = []
     for t in comparison.tensors:
         if t.verdict != "diverged":
@@ -364,22 +292,14 @@ class ModelReport:
         return [r for r in self.results if not r.ok]
 
     def explain(self) -> str:
-        """One line per failed output, for a test's failure message.
-
-        Returns:
-            The lines, or ``OK`` and the count when none failed.
-        """
+        """One line per failed output, for a test's failure; ``OK`` and the count if none."""
         if self.ok:
             return f"OK: {len(self.results)} outputs within their budgets or n/a"
         return "\n".join(f"FAIL {r.case} {r.cell.label} {r.output}: "
                          f"{r.explain or r.reason}" for r in self.failures)
 
     def to_dict(self) -> dict[str, Any]:
-        """The report as ``torchparity check --json`` writes it.
-
-        Returns:
-            ``{"ok", "results": [row, ...]}``.
-        """
+        """The report as ``check --json`` writes it: ``{"ok", "results": [row, ...]}``."""
         return {"ok": self.ok, "results": [r.to_dict() for r in self.results]}
 
 

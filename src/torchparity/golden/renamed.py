@@ -1,27 +1,12 @@
 """The goldens' tensors found in a model whose names changed since they were made.
 
-Goldens record the layout of the state dict they were made from (:func:`state_layout`): each
-tensor's name and shape in the model's order, a tied one as the name it ties to. A model whose
-layout differs is paired with the goldens' as diagnose pairs module calls
-(:mod:`torchparity.subject.names`), each pass over what the previous left:
-
-1. **names**: the goldens' module names, translated by the name map when given, equal to the
-   model's, the shapes equal; several of the goldens' tensors that the map sends to one of the
-   model's are its parts, concatenated along dimension 0;
-2. **order and shape**: the longest common subsequence of the rest, by kind (``weight``,
-   ``bias``) and shape: a renamed module keeps its place and its shapes;
-3. **fusion**: one of the model's tensors that is consecutive tensors of the goldens', of its
-   kind, concatenated along dimension 0 (``qkv.weight`` for ``q.weight``, ``k.weight``,
-   ``v.weight``: a fused projection stacks its parts' output rows);
-4. **split**: the other way round, one of the goldens' tensors that is consecutive tensors of
-   the model's (goldens made with ``qkv``, the model now with ``q``, ``k``, ``v``; an MLP's
-   ``gate_up`` now ``gate`` and ``up``).
-
-A :class:`Renaming` then gives the model's state dict under the goldens' names (a fused tensor
-as its parts, parts as the goldens' fused tensor) and judges gradients part by part: a fused
-gradient of the model as the goldens' parts, a fused golden as the model's parts (each a
-stretch of its rows), so a failing part is named. A fused golden kept as a sketch cannot be
-cut: the model's parts are joined into it instead and judged whole.
+Goldens record their state dict's layout (:func:`state_layout`). A model whose layout differs is
+paired with it as diagnose pairs module calls, each pass over what the previous left: by (mapped)
+**names**; by **order and shape** (the longest common subsequence by kind and shape); as a
+**fusion** (``qkv.weight`` from consecutive ``q``, ``k``, ``v`` rows); and as a **split** (the
+other way round). A :class:`Renaming` gives the model's state under the goldens' names and judges
+gradients part by part, so a failing part is named; a fused golden kept as a sketch cannot be
+cut, so the model's parts are joined into it and judged whole.
 """
 
 from __future__ import annotations
@@ -47,14 +32,7 @@ Layout = dict[str, Any]
 
 
 def state_layout(model: nn.Module) -> Layout:
-    """The layout of ``model``'s state dict (see :data:`Layout`), as goldens record it.
-
-    Args:
-        model: the model.
-
-    Returns:
-        Name -> shape, or the name a tied tensor ties to, in the state dict's order.
-    """
+    """Name -> shape (or the name a tied tensor ties to) of ``model``'s state dict, in its order."""
     first: dict[int, str] = {}
     layout: Layout = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -65,8 +43,7 @@ def state_layout(model: nn.Module) -> Layout:
 
 @dataclass(frozen=True)
 class Piece:
-    """A tensor, ``name``, as rows ``start`` to ``start + rows`` of a fused one: one of the
-    goldens' of a tensor of the model's, or one of the model's of a golden."""
+    """A tensor ``name`` as rows ``start`` to ``start + rows`` of a fused one (either side's)."""
 
     name: str
     start: int
@@ -75,15 +52,13 @@ class Piece:
 
 @dataclass
 class Renaming:
-    """How the goldens' tensors are found in the model: ``pieces`` for each of the model's
-    tensors named otherwise in the goldens (one piece: renamed; several: fused), ``splits``
-    the model's parts of each golden the model keeps apart, ``joined`` those of the splits
-    whose golden gradient is a sketch (judged whole), ``ties`` the goldens' tied names and
-    the names they tie to, and what neither side found."""
+    """How the goldens' tensors are found in the model, and what neither side found."""
 
+    # per model tensor named otherwise: one piece renamed, several fused
     pieces: dict[str, tuple[Piece, ...]] = field(default_factory=dict)
+    # the model's parts of each golden it keeps apart
     splits: dict[str, tuple[Piece, ...]] = field(default_factory=dict)
-    joined: frozenset[str] = frozenset()
+    joined: frozenset[str] = frozenset()  # splits whose golden gradient is a sketch: judged whole
     ties: dict[str, str] = field(default_factory=dict)
     unmatched_golden: list[str] = field(default_factory=list)
     unmatched_model: list[str] = field(default_factory=list)
@@ -94,15 +69,7 @@ class Renaming:
         return not (self.unmatched_golden or self.unmatched_model)
 
     def split(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's tensor ``name`` as the goldens name it: itself, or its parts.
-
-        Args:
-            name: the model's name for it.
-            tensor: its value (a weight or a gradient).
-
-        Yields:
-            ``(golden name, tensor or rows of it)``.
-        """
+        """``(golden name, tensor or its rows)``: the model's ``name`` as the goldens name it."""
         pieces = self.pieces.get(name)
         if pieces is None or len(pieces) == 1:  # the same tensor, renamed, or a part
             yield (name if pieces is None else pieces[0].name), tensor
@@ -112,17 +79,10 @@ class Renaming:
 
     def gradient_keeper(self, keep: Callable[[str, torch.Tensor], None]
                         ) -> Callable[[str, torch.Tensor], None]:
-        """``keep`` called with each gradient under the name it is judged by.
-
-        Args:
-            keep: takes a name and a gradient.
-
-        Returns:
-            What takes the model's gradients one by one, in any order: a fused one is kept as
-            the goldens' parts; the parts of a :attr:`joined` golden are kept joined, once
-            the last of them arrives.
-        """
+        """What takes the model's gradients in any order, calling ``keep`` by judged names."""
         whole_of = {piece.name: whole for whole in self.joined for piece in self.splits[whole]}
+        # a fused gradient kept as the goldens' parts; a joined golden's parts kept joined once the
+        # last arrives
         waiting: dict[str, dict[str, torch.Tensor]] = {}
 
         def take(name: str, tensor: torch.Tensor) -> None:
@@ -141,15 +101,7 @@ class Renaming:
 
     def judged_goldens(self, tensors: Mapping[str, torch.Tensor | Sketch]
                        ) -> dict[str, torch.Tensor | Sketch]:
-        """The goldens' gradients under the names they are judged by: a golden the model
-        splits (unless :attr:`joined`) as the model's parts.
-
-        Args:
-            tensors: the goldens' gradients by the goldens' names.
-
-        Returns:
-            The same tensors, a split golden's replaced by its parts.
-        """
+        """The goldens' gradients by judged name: one the model splits (unless joined) as parts."""
         judged = dict(tensors)
         for whole, pieces in self.splits.items():
             if whole in judged and whole not in self.joined:
@@ -159,15 +111,7 @@ class Renaming:
 
     def golden_state(self, state: Mapping[str, torch.Tensor], model: Layout
                      ) -> dict[str, torch.Tensor]:
-        """The model's state under the goldens' names, tied names as the goldens have them.
-
-        Args:
-            state: the model's tensors by its names.
-            model: the model's layout, which says which names are ties.
-
-        Returns:
-            The tensors by the goldens' names.
-        """
+        """The model's ``state`` under the goldens' names, tied names as the goldens have them."""
         found = {golden: part for name, tensor in state.items()
                  if not isinstance(model[name], str) for golden, part in self.split(name, tensor)}
         for whole, pieces in self.splits.items():
@@ -176,17 +120,7 @@ class Renaming:
                         if first in found}
 
     def model_tensor(self, name: str, golden: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The model's tensor ``name`` made of the goldens' state (the inverse of
-        :meth:`golden_state`).
-
-        Args:
-            name: one of the model's names, not a tie.
-            golden: tensors by the goldens' names.
-
-        Returns:
-            The tensor: the golden's of that name, the goldens' parts joined, or the rows of
-            a golden the model splits.
-        """
+        """The model's tensor ``name`` made of the goldens' state: :meth:`golden_state` undone."""
         pieces = self.pieces.get(name)
         if pieces:
             parts = [golden[p.name] for p in pieces]
@@ -198,12 +132,7 @@ class Renaming:
         return golden[name]
 
     def summary(self) -> str:
-        """The modules named otherwise in the goldens, one entry per module, for a report.
-
-        Returns:
-            ``attn.qkv <- attn.q+attn.k+attn.v [fused]`` (the model's names first),
-            ``mlp.gate+mlp.up <- mlp.gate_up [split]``, entries joined by commas.
-        """
+        """The modules named otherwise: ``attn.qkv <- attn.q+attn.k+attn.v [fused]``, ..."""
         said: dict[str, None] = {}
         for name, pieces in self.pieces.items():
             golden = "+".join(_module(p.name) or "(model)" for p in pieces)
@@ -215,14 +144,7 @@ class Renaming:
         return ", ".join(said)
 
     def unmatched_sentence(self, entry: str) -> str:
-        """Which names found no counterpart, and how to hand a map.
-
-        Args:
-            entry: the model's factory, named in the sentence.
-
-        Returns:
-            The sentence.
-        """
+        """Which names found no counterpart, and how to hand a map, naming ``entry``."""
         golden = ", ".join(self.unmatched_golden) or "nothing"
         model = ", ".join(self.unmatched_model) or "nothing"
         return (f"the weights' names or shapes changed: the goldens' {golden} and the model's "
@@ -235,16 +157,11 @@ def renaming(golden: Layout, model: Layout, name_map: NameMap | None = None,
              sketched: frozenset[str] = frozenset()) -> Renaming:
     """Pair the goldens' tensors with the model's: by name, order and shape, or as parts.
 
-    See the module docstring for the order the pairings are tried in.
-
     Args:
         golden: the layout the goldens record.
         model: the model's layout now.
         name_map: the goldens' module names to the model's, tried first.
         sketched: the goldens' names whose gradient the goldens keep as a sketch.
-
-    Returns:
-        The pairing, and what neither side found.
 
     Raises:
         UsageError: a ``name_map`` entry that is not a pair, or whose regex does not compile.

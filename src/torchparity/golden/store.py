@@ -1,28 +1,15 @@
 """The golden store: named groups of tensors on disk, each with a JSON summary for reviewers.
 
-A golden is a pair of files in ``<root>/<case>/``:
+A golden is ``<root>/<case>/<output>.safetensors`` (the tensors) and ``<output>.json`` (what a
+reviewer reads in a diff: schema, the producer's metadata, versions, and one line per tensor with
+shape, dtype, mean, std, absmax and sha256). Floating tensors of
+:func:`torchparity.sketching.threshold` elements or more are kept as sketches
+(``<name>::sketch``, ``::slices``, ``::stats``; schema 2, exact goldens keep schema 1).
 
-- ``<output>.safetensors`` holds the tensors;
-- ``<output>.json`` is what a reviewer reads in a diff: schema version, the producer's metadata
-  (config, seeds, checksums of weights and inputs, ...), the torch/torchparity versions that
-  produced it, and one line per tensor with shape, dtype, mean, std, absmax and sha256.
-
-Floating tensors of :func:`torchparity.sketching.threshold` elements or more are kept as
-sketches (:class:`~torchparity.sketching.Sketch`): the ``.safetensors`` file holds
-``<name>::sketch`` (the projection), ``<name>::slices`` (the exact slices) and ``<name>::stats``
-(RMS, absmax, mean, non-finite count), and the tensor's JSON line adds ``"sketch"`` (method, size,
-seed), its statistics and sha256 being those of the sketch. Goldens with sketches have schema
-version 2; exact ones keep version 1, which torchparity before sketches reads too.
-
-Reading checks everything a damaged or hand-edited golden could get wrong and raises a
-:class:`GoldenError` subclass whose one-line message says how to repair it. A case's folder
-changes as a set (:mod:`torchparity.golden.golden_sets`): the goldens written inside one
-:meth:`GoldenStore.replacing` block, or by one :meth:`GoldenStore.write`, replace the folder's
-files at once, and an interruption or a failed write leaves the old set whole. Writing keeps no
-shared index and deletes nothing; a golden is read under the lock its folder is switched
-under, so no one sees one update's tensors with another's JSON. Files follow the umask.
-
-The ``golden`` pytest fixture (:mod:`torchparity.golden.fixture`) keeps its goldens here too.
+Reading checks everything a damaged or hand-edited golden could get wrong, raising a
+:class:`GoldenError` whose one line says how to repair it. A case's folder changes as a set
+(:mod:`torchparity.golden.golden_sets`): an interruption or a failed write leaves the old set
+whole, and reads take the lock the folder is switched under. Files follow the umask.
 """
 
 from __future__ import annotations
@@ -101,8 +88,7 @@ class GoldenMixed(GoldenCorrupt):
 
 
 class GoldenWriteError(GoldenError):
-    """A golden set could not be written (a read-only folder, a full disk); the old set is
-    kept."""
+    """A golden set could not be written (a read-only folder, a full disk); the old set is kept."""
 
 
 @dataclass
@@ -120,32 +106,14 @@ class Golden:
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's values: the same on every machine and torch version.
-
-    Args:
-        tensor: the tensor.
-
-    Returns:
-        The hex digest of the values alone, without a header.
-    """
+    """The hex sha256 of a tensor's values alone: the same on every machine and torch version."""
     return digests.sha256(tensor)
 
 
 def checksum(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
-    """One sha256 over named tensors (sorted by name; names, dtypes, shapes and values).
-
-    Used for the weights and inputs a golden was made from: compute it on float64 weights
-    (``dtype=torch.float64`` converts floating tensors chunk by chunk, as if they had been
-    converted first) and int64 inputs and it is version-independent, so a changed digest means
-    a changed init or changed inputs, never a new torch.
-
-    Args:
-        tensors: the tensors by name.
-        dtype: the dtype floating tensors are hashed in (None: their own).
-
-    Returns:
-        The hex digest.
-    """
+    """One sha256 over named tensors (sorted by name; names, dtypes, shapes and values)."""
+    # on float64 weights (dtype converts chunk by chunk) and int64 inputs it is version-independent:
+    # a changed digest is a changed init or inputs, never a new torch
     digest = hashlib.sha256()
     for name in sorted(tensors):
         tensor = tensors[name]
@@ -163,20 +131,13 @@ def _rounded(x: float) -> float | str:
 
 
 def tensor_summary(tensor: torch.Tensor | Sketch) -> dict[str, Any]:
-    """What a golden's JSON says of one tensor, for a reviewer reading a diff.
-
-    Args:
-        tensor: a tensor, or a sketch of one.
-
-    Returns:
-        Shape, dtype, mean, std, absmax (6 significant digits) and sha256; for a sketch, its
-        tensor's statistics, the sha256 of the stored sketch and its method, size and seed.
-    """
+    """A golden JSON's line for one tensor: shape, dtype, mean, std, absmax (6 digits), sha256."""
     if isinstance(tensor, Sketch):
         return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
                 "mean": _rounded(tensor.mean), "std": _rounded(tensor.std),
                 "absmax": _rounded(tensor.absmax), "sha256": stored_sha256(tensor),
                 "sketch": [sketching.METHOD, tensor.size, str(tensor.seed)]}  # one line
+    # a sketch: its tensor's statistics, the stored sketch's sha256, method, size and seed
     values = tensor.detach().to("cpu", torch.float64)
     empty = values.numel() == 0
     stats = {
@@ -193,14 +154,7 @@ def tensor_summary(tensor: torch.Tensor | Sketch) -> dict[str, Any]:
 
 
 def stored_sha256(value: torch.Tensor | Sketch) -> str:
-    """sha256 of what a golden stores of ``value``: its values, or its sketch's parts.
-
-    Args:
-        value: a tensor or a sketch.
-
-    Returns:
-        The hex digest.
-    """
+    """sha256 of what a golden stores of ``value``: its values, or its sketch's parts."""
     if isinstance(value, torch.Tensor):
         return tensor_sha256(value)
     digest = hashlib.sha256()
@@ -210,31 +164,14 @@ def stored_sha256(value: torch.Tensor | Sketch) -> str:
 
 
 def as_stored(name: str, value: torch.Tensor | Sketch) -> torch.Tensor | Sketch:
-    """``value`` as a golden keeps it: big tensors as sketches, others on the CPU.
-
-    Args:
-        name: the tensor's name, which seeds its sketch.
-        value: a tensor, or a sketch already.
-
-    Returns:
-        A sketch when :func:`torchparity.sketching.wants_sketch`, else the tensor.
-    """
+    """``value`` as a golden keeps it: a sketch when big (seeded by ``name``), else on the CPU."""
     if isinstance(value, torch.Tensor) and sketching.wants_sketch(value):
         return sketching.sketch(value, name)
     return value
 
 
 def produced_by(device: str | torch.device = "cpu") -> dict[str, str | bool]:
-    """Versions of the software producing a golden and the machine it ran on.
-
-    Informational: never compared, but a report says where goldens and a run were made.
-
-    Args:
-        device: the device the golden was computed on.
-
-    Returns:
-        torchparity's, torch's and Python's versions and :func:`torchparity.machine.describe`.
-    """
+    """Versions producing a golden and the machine it ran on: informational, never compared."""
     import torchparity
 
     return {"torchparity": torchparity.__version__, "torch": torch.__version__.split("+")[0],
@@ -242,29 +179,13 @@ def produced_by(device: str | torch.device = "cpu") -> dict[str, str | bool]:
 
 
 def machine_recorded(summary: Mapping[str, object]) -> bool:
-    """Whether a golden's summary names the machine that made it (see :func:`produced_by`).
-
-    Args:
-        summary: a golden's JSON summary.
-
-    Returns:
-        True when its ``produced_by`` has the CPU capability.
-    """
+    """Whether a golden's summary names the machine that made it (its CPU capability)."""
     return "cpu_capability" in (summary.get("produced_by") or {})
 
 
 def format_json(value: object, indent: int = 0) -> str:
-    """JSON for reviewers: small flat objects and lists of scalars on one line, the rest nested.
-
-    Each tensor's summary is one line, so a diff shows exactly which tensors changed.
-
-    Args:
-        value: JSON values.
-        indent: the nesting depth it starts at.
-
-    Returns:
-        The JSON text.
-    """
+    """JSON for reviewers: small flat objects and lists of scalars on one line, the rest nested."""
+    # each tensor's summary on one line: a diff shows exactly which changed
     if isinstance(value, Mapping) and value and not _is_flat(value):
         pad = " " * (indent + 1)
         items = [f"{pad}{json.dumps(str(k))}: {format_json(v, indent + 1)}"
@@ -289,78 +210,37 @@ def _is_flat(mapping: Mapping) -> bool:
 
 
 class GoldenStore:
-    """Golden tensor groups under ``root``: ``root/<case>/<output>.{safetensors,json}``.
+    """Golden tensor groups under ``root``: ``root/<case>/<output>.{safetensors,json}``."""
 
-    ``update_command`` is the command a user runs to (re)create a golden; it is quoted in every
-    error message, with ``{case}`` and ``{output}`` filled in.
-    """
-
+    # update_command recreates a golden, quoted in every error with {case} and {output} filled in
     def __init__(self, root: str | os.PathLike,
                  update_command: str = "torchparity golden update {case}") -> None:
         self.root = Path(root)
         self.update_command = update_command
 
     def paths(self, case: str, output: str) -> tuple[Path, Path]:
-        """The ``.safetensors`` and ``.json`` paths of one golden (they need not exist).
-
-        Args:
-            case: the case (model) folder.
-            output: the golden's name.
-
-        Returns:
-            Both paths.
-
-        Raises:
-            UsageError: a name with characters a file name should not have.
-        """
+        """The ``.safetensors`` and ``.json`` paths of one golden; UsageError for an unsafe name."""
         _check_name(case, "case")
         _check_name(output, "output")
         folder = self.root / case
         return folder / f"{output}.safetensors", folder / f"{output}.json"
 
     def obtained_path(self, case: str, output: str) -> Path:
-        """Where :meth:`write_obtained` puts the values a mismatching run obtained.
-
-        Args:
-            case: the case folder.
-            output: the golden's name.
-
-        Returns:
-            The path beside the golden's.
-        """
+        """Where :meth:`write_obtained` puts a mismatching run's values, beside the golden."""
         return self.paths(case, output)[0].with_name(f"{output}{_OBTAINED}.safetensors")
 
     def exists(self, case: str, output: str) -> bool:
-        """Whether both files of the golden exist.
-
-        Args:
-            case: the case folder.
-            output: the golden's name.
-
-        Returns:
-            True when both do.
-        """
+        """Whether both files of the golden exist."""
         return all(p.is_file() for p in self.paths(case, output))
 
     def cases(self) -> list[str]:
-        """Names of the case folders under ``root``.
-
-        Returns:
-            The names, sorted.
-        """
+        """Names of the case folders under ``root``, sorted."""
         if not self.root.is_dir():
             return []
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _NAME.match(p.name))
 
     def outputs(self, case: str) -> list[str]:
-        """Names of the goldens of ``case``, obtained files excluded.
-
-        Args:
-            case: the case folder.
-
-        Returns:
-            The names, sorted.
-        """
+        """Names of the goldens of ``case``, sorted, obtained files excluded."""
         folder = self.root / case
         if not folder.is_dir():
             return []
@@ -368,11 +248,7 @@ class GoldenStore:
                       if not p.stem.endswith(_OBTAINED) and _NAME.match(p.stem))
 
     def require_root(self) -> None:
-        """Check that the golden folder exists before any run.
-
-        Raises:
-            GoldenMissing: it does not, with the command that creates it.
-        """
+        """Check that the golden folder exists before any run (GoldenMissing names the command)."""
         if not self.root.is_dir():
             raise GoldenMissing(
                 f"golden directory {self.root} does not exist; create it with "
@@ -381,21 +257,9 @@ class GoldenStore:
 
     def write(self, case: str, output: str, tensors: Mapping[str, torch.Tensor],
               meta: Mapping[str, Any] | None = None) -> list[Path]:
-        """Atomically write one golden.
-
-        ``tensors`` are stored as given (moved to the CPU, made contiguous). Each file is replaced
-        in one rename, so a reader sees the old or the new file, never half of one.
-
-        Args:
-            case: the case folder.
-            output: the golden's name.
-            tensors: the tensors by name.
-            meta: merged into the JSON summary between the fixed header and the tensor lines.
-
-        Returns:
-            The paths written.
-        """
+        """Atomically write one golden (``meta`` in its JSON summary); the paths written."""
         tensor_path, json_path = self.paths(case, output)
+        # each file replaced in one rename: a reader sees the old or the new, never half
         stored = _storable(tensors)
         version = _version(stored)
         summary = {"schema_version": version, "case": case, "output": output,
@@ -412,18 +276,11 @@ class GoldenStore:
 
     @contextlib.contextmanager
     def replacing(self, case: str) -> Iterator[FolderUpdate]:
-        """Replace the goldens of ``case`` as a set: those written in the block take their
-        place together as it ends; an exception (an interruption, the user's model raising, a
-        full disk) leaves the old set, and its message says which set the folder holds.
+        """Replace the goldens of ``case`` as a set: those written in the block land together.
 
-        Nested blocks of one folder share the outer one. SIGTERM interrupts the block as Ctrl-C
-        does.
-
-        Args:
-            case: the case folder.
-
-        Yields:
-            The folder's update.
+        An exception (an interruption, the model raising, a full disk) leaves the old set, its
+        message saying which set the folder holds; nested blocks share the outer one; SIGTERM
+        acts as Ctrl-C.
 
         Raises:
             GoldenBusy: another process is updating the folder.
@@ -464,21 +321,11 @@ class GoldenStore:
 
     def update(self, case: str, output: str, tensors: Mapping[str, torch.Tensor | Sketch],
                meta: Mapping[str, Any]) -> str:
-        """Write one golden unless it holds these values and metadata already.
+        """Write one golden unless it holds these values and metadata already; what happened.
 
-        The files are left untouched when unchanged, so a rerun on another machine does not churn
-        them.
-
-        Args:
-            case: the case folder.
-            output: the golden's name.
-            tensors: the tensors (or sketches) by name; big tensors are kept as sketches.
-            meta: the JSON summary's metadata.
-
-        Returns:
-            What happened: ``created``, ``replaced`` (unreadable before), ``updated``, ``machine
-            recorded`` (same values, made before goldens recorded their machine) or
-            ``unchanged``.
+        Unchanged files are left untouched, so a rerun elsewhere does not churn them. Returns
+        ``created``, ``replaced`` (unreadable before), ``updated``, ``machine recorded`` (same
+        values, made before goldens recorded their machine) or ``unchanged``.
         """
         status = self._update_status(case, output, tensors, meta)
         if status != "unchanged":
@@ -506,16 +353,7 @@ class GoldenStore:
 
     def write_obtained(self, case: str, output: str,
                        tensors: Mapping[str, torch.Tensor | Sketch]) -> Path:
-        """Write what a mismatching run produced beside the golden, for inspection.
-
-        Args:
-            case: the case folder.
-            output: the golden's name.
-            tensors: the run's values; big tensors as sketches, stored as in a golden.
-
-        Returns:
-            The path written.
-        """
+        """Write what a mismatching run produced beside the golden, for inspection; the path."""
         from safetensors.torch import save
 
         path = self.obtained_path(case, output)
@@ -524,14 +362,7 @@ class GoldenStore:
         return path
 
     def read(self, case: str, output: str) -> Golden:
-        """Read and validate one golden.
-
-        Args:
-            case: the case folder.
-            output: the golden's name.
-
-        Returns:
-            The golden: its tensors on the CPU and its summary.
+        """Read and validate one golden: its tensors on the CPU and its summary.
 
         Raises:
             GoldenMissing: the files are not there.
@@ -563,12 +394,7 @@ class GoldenStore:
         return Golden(case, output, listed | tensors, summary, tensor_path)
 
     def check_set(self, case: str, goldens: Mapping[str, Golden]) -> None:
-        """Refuse goldens of ``case`` that two updates made: the metadata each records of the
-        set (checksums, config, loss...) must agree.
-
-        Args:
-            case: the case folder.
-            goldens: its goldens of one update, by output.
+        """Refuse goldens of ``case`` that two updates made: their recorded set metadata must agree.
 
         Raises:
             GoldenMixed: they disagree, with the command that rewrites the set.
@@ -637,9 +463,8 @@ def _flat(stored: Mapping[str, torch.Tensor | Sketch]) -> dict[str, torch.Tensor
 
 def _unflat(flat: dict[str, torch.Tensor], listed: Mapping[str, Any]
             ) -> dict[str, torch.Tensor | Sketch]:
-    """The golden's tensors and sketches from the file's tensors and the JSON's lines (the
-    shape, dtype and seed of each sketch). Parts a sketch lacks are left as they are, for
-    :func:`_check_consistent` to report."""
+    """The golden's tensors and sketches from the file's tensors and the JSON's lines."""
+    # parts a sketch lacks are left for _check_consistent to report
     tensors: dict[str, torch.Tensor | Sketch] = {}
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in flat.items():
@@ -666,8 +491,7 @@ def _unflat(flat: dict[str, torch.Tensor], listed: Mapping[str, Any]
 
 
 def _canonical(payload: bytes) -> bytes:
-    """A safetensors file whose header lists its keys sorted: safetensors writes its metadata
-    in a random order, and the same golden must be the same bytes."""
+    """A safetensors file with its header's keys sorted: the same golden must be the same bytes."""
     size = int.from_bytes(payload[:8], "little")
     header = json.dumps(json.loads(payload[8:8 + size]), sort_keys=True, separators=(",", ":"))
     header += " " * (-len(header) % 8)  # the data stays aligned to 8 bytes
@@ -775,16 +599,11 @@ def _stat_close(listed: Any, actual: Any, scale: float) -> bool:
 
 
 def default_golden_dir(explicit: str | os.PathLike | None = None) -> Path:
-    """The golden folder, found the way every command finds it.
+    """The golden folder, found the way every command finds it (it need not exist yet).
 
-    Args:
-        explicit: the folder given (``--golden-dir``), first.
-
-    Returns:
-        ``explicit``, else ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` of the torchparity
-        source tree that contains the working directory, else ``golden/`` of the source tree
-        torchparity was imported from (an editable install), else the goldens shipped in the
-        installed package (``torchparity/goldens``). The folder need not exist yet.
+    ``explicit`` (``--golden-dir``), else ``$TORCHPARITY_GOLDEN_DIR``, else ``golden/`` of the
+    torchparity source tree holding the working directory, else of the one torchparity was
+    imported from (editable), else the goldens shipped in the package (``torchparity/goldens``).
 
     Raises:
         UsageError: none applies.
