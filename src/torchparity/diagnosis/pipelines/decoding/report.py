@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from torchparity.comparison.tensor import json_safe
-from torchparity.diagnosis.reports.columns import Line, layout, print_lines
+from torchparity.diagnosis.core.results import Result, Row, headroom, shape_difference, share_cell
 from torchparity.diagnosis.pipelines.decoding.beams import BeamSwap
 from torchparity.diagnosis.pipelines.decoding.judging import (
     Flip,
@@ -28,11 +28,11 @@ from torchparity.diagnosis.pipelines.decoding.judging import (
     step_budget,
     step_error,
 )
-from torchparity.diagnosis.reports.html import html_cell, settings_details, svg_plot
+from torchparity.diagnosis.reports.columns import Line, layout, print_lines
 from torchparity.diagnosis.reports.diagnosis import Report, not_compared_legend
+from torchparity.diagnosis.reports.html import html_cell, settings_details, svg_plot
 from torchparity.diagnosis.reports.meta import DecodeMeta
 from torchparity.diagnosis.reports.sentence import entered_by_reorder, entered_through
-from torchparity.diagnosis.core.results import Result, Row, headroom, shape_difference, share_cell
 from torchparity.pages import page
 from torchparity.text import print_trimmed
 
