@@ -89,6 +89,15 @@ def steps_of(write) -> int:
 
 @pytest.mark.parametrize("kind", ["ENOSPC", "interrupt"])
 def test_a_set_stopped_at_every_step_is_the_old_or_the_new_one(tmp_path, monkeypatch, kind):
+    # Ctrl-C as a terminal delivers it, whatever handler an earlier test in this process left
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _stopped_at_every_step(tmp_path, monkeypatch, kind)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stopped_at_every_step(tmp_path, monkeypatch, kind):
     old_store, new_store = GoldenStore(tmp_path / "old"), GoldenStore(tmp_path / "new")
     three_goldens(old_store, 1.0)
     three_goldens(new_store, 1.0)
@@ -207,6 +216,8 @@ def update(root: Path, fault: str | None = None, **limits: int
     def limited() -> None:
         import resource
 
+        # a SIGINT ignored by this process would be ignored by the child's Python too
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         for name, value in limits.items():
             resource.setrlimit(getattr(resource, name), (value, value))
 
