@@ -48,7 +48,9 @@ def with_recipe(subject: Subject) -> Subject:
     and the step unless the factory gives a ``loss_fn``. Any other model: unchanged."""
     if not is_causal_lm(subject.model):
         return subject
-    vocab = int(subject.model.config.vocab_size)
+    config = subject.model.config
+    # a multimodal family keeps its vocabulary in its language model's config
+    vocab = int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
     defaults: dict[str, object] = {}
     if subject.batches is None:
         defaults["batches"] = lambda step: token_batches(step, vocab)
