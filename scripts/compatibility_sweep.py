@@ -115,7 +115,7 @@ def oracle(family: str) -> dict:
     ran = {name for name, _, _ in _module_outputs(model, inputs)}  # a cross-attention may not
     found = {"builds": True, "attention": model.config._attn_implementation,
              "generates": bool(model.can_generate()), "scaled": _attention_module(model, ran),
-             "dropped": _norm_module(model)}
+             "dropped": _norm_module(model, ran)}
     outputs = {}
     for implementation in ("eager", "sdpa"):
         try:
@@ -240,11 +240,13 @@ def _attention_module(model, ran: set[str]) -> str | None:
     return outer[-1] if outer else None
 
 
-def _norm_module(model) -> str | None:
-    """A norm inside the last decoder layer, whose ops can be dropped."""
+def _norm_module(model, ran: set[str]) -> str | None:
+    """A norm inside the last layer of the first stack that runs (a multimodal family's
+    vision tower does not on text), whose ops can be dropped."""
     from torch import nn
 
-    stacks = [n for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    stacks = [n for n, m in model.named_modules()
+              if isinstance(m, nn.ModuleList) and len(m) and f"{n}.0" in ran]
     if not stacks:
         return None
     last = f"{stacks[0]}.{len(model.get_submodule(stacks[0])) - 1}."
