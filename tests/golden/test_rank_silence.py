@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import HashStore
 
+from processes import leftover
 from torchparity.cli import main
 from torchparity.distributed import launch
 from torchparity.distributed.heartbeat import LATE_SECONDS, Heartbeat
@@ -93,19 +94,6 @@ if group.rank() == 1:
     os.kill(os.getpid(), signal.SIGSTOP)
 group.together("the end of the stopped phase")
 '''
-
-
-def leftover(marker: str) -> list[str]:
-    """The command lines of processes still running with ``marker`` in them."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # it ended while we looked
-            continue
-        if marker in text:
-            found.append(text)
-    return found
 
 
 #: Seconds a collective waits in the script: a silence of 4 s (half of it) ends the run.

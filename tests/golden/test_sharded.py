@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from processes import leftover
 from torchparity.cli import main
 
 pytest.importorskip("transformers")
@@ -216,20 +217,7 @@ def test_the_zoo_s_cases_across_ranks_are_refused_not_run_on_every_rank(tmp_path
 
 def test_a_rank_that_dies_is_named_and_nothing_is_written(tmp_path, capsys):
     assert "rank 1 died (Signal 9 (SIGKILL)" in refused(tmp_path, "mine_rank_one_dies", capsys)
-    assert not leftover("mine_rank_one_dies")
-
-
-def leftover(name: str) -> list[str]:
-    """The command lines of processes still running the factory ``name``."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # it ended while we looked
-            continue
-        if f"{entry(name)} " in f"{text} ":
-            found.append(text)
-    return found
+    assert not leftover(f"{entry('mine_rank_one_dies')} ")
 
 
 def failed_check(tmp_path: Path, name: str, capsys) -> tuple[int, str]:
@@ -241,7 +229,7 @@ def failed_check(tmp_path: Path, name: str, capsys) -> tuple[int, str]:
     status = main(["check", "--model", entry(name), "--nproc", "2", *CELLS, *golden])
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert not leftover(name)
+    assert not leftover(f"{entry(name)} ")
     return status, err
 
 
