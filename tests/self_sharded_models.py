@@ -16,6 +16,9 @@ import signal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+
+import torchparity as tp
 from sharded_models import (
     HEADS,
     LAYERS,
@@ -28,9 +31,6 @@ from sharded_models import (
     both,
     tokens,
 )
-from torch import nn
-
-import torchparity as tp
 
 
 def ranks() -> int:

@@ -99,8 +99,9 @@ def _failed_alone(exc: BaseException) -> str:
     (else nothing): it then leaves its group at once, and torchrun stops the other ranks,
     which would otherwise wait for it in their next collective."""
     from torchparity.distributed import group
+    from torchparity.subject.slices import under_torchrun
 
-    if not group.under_torchrun() or getattr(exc, "every_rank", False):
+    if not under_torchrun() or getattr(exc, "every_rank", False):
         return ""
     group.abandon()
     return f"rank {group.rank()}: " if group.world_size() > 1 else ""
@@ -109,7 +110,7 @@ def _failed_alone(exc: BaseException) -> str:
 def _recorded(status: int, line: str | None = None) -> int:
     """``status``, also left for the launcher when this process is one of several ranks that
     ``--nproc`` started (see :mod:`torchparity.distributed.launch`)."""
-    from torchparity.distributed.group import under_torchrun
+    from torchparity.subject.slices import under_torchrun
 
     if under_torchrun():  # torch is imported already: the launcher costs nothing more
         from torchparity.distributed.launch import record_outcome

@@ -12,7 +12,7 @@ from torch import fx
 
 from torchparity.cli import main
 from torchparity.diagnosis.pipelines.bisect import applications, engine
-from torchparity.diagnosis.pipelines.bisect.engine import NotBisected, BisectOutcome
+from torchparity.diagnosis.pipelines.bisect.engine import BisectOutcome, NotBisected
 from torchparity.diagnosis.pipelines.bisect.report import finding, lines, to_json
 from torchparity.text import WIDTH
 

@@ -29,7 +29,6 @@ def _bisect(entry: str, report: Path) -> tuple[int, dict]:
 def _left_clean() -> None:
     from torch._inductor import config
     from torch._inductor.compiler_bisector import CompilerBisector
-
     from torch._inductor.lowering import lowerings
 
     assert config.post_grad_custom_post_pass is None  # the factory ran in the child only

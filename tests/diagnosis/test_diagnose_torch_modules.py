@@ -154,8 +154,9 @@ def test_ops_in_an_installed_package_are_named_by_the_packages_own_path() -> Non
 
 @pytest.mark.transformers
 def test_a_torch_norm_in_an_installed_package_is_named_at_the_packages_lines() -> None:
-    import tiny_transformers
     from test_diagnose_ops import hf_inputs
+
+    import tiny_transformers
 
     torch.manual_seed(0)
     model_a = tiny_transformers.gpt2().eval()

@@ -10,9 +10,9 @@ import json
 import torch
 
 import torchparity as tp
+from torchparity.diagnosis.core.results import Bounded, Row
 from torchparity.diagnosis.reports.diagnosis import DiagnosisReport
 from torchparity.diagnosis.reports.meta import DiagnosisMeta
-from torchparity.diagnosis.core.results import Bounded, Row
 
 LAYERS = 16
 MODULES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -1,5 +1,5 @@
 """Where a rank's plain slice of a parameter lies in the one-process weight
-(``torchparity.distributed.slices``): declared by a factory, or found by matching values."""
+(``torchparity.subject.slices``): declared by a factory, or found by matching values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from torchparity.errors import UsageError
-from torchparity.distributed import slices
+from torchparity.subject import slices
 
 
 def test_a_declared_split_places_rank_r_at_the_r_th_of_equal_slices():

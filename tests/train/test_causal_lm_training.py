@@ -77,9 +77,8 @@ def test_the_no_decay_list_is_the_trainers(family):
 
 def test_a_frozen_parameter_is_not_optimised_by_the_recipe_and_gets_no_gradient_hook(
         monkeypatch, tmp_path):
-    from train.hf_lm import build
-
     from torchparity.train.causal_lm import optimizer
+    from train.hf_lm import build
 
     model = build("base")
     model.model.norm.weight.requires_grad_(False)

@@ -115,7 +115,7 @@ def refuse_zoo_across_ranks(args: argparse.Namespace, zoo_cases: list[str] | Non
     """``--nproc`` (or a torchrun of the user's) shards each ``--model`` by its factory's
     plan; the zoo's cases (``zoo_cases``, or all of them without ``--model``) run in one
     process. Asked across ranks, they are a usage error, not the same work on every rank."""
-    from torchparity.distributed.group import under_torchrun
+    from torchparity.subject.slices import under_torchrun
 
     across = (getattr(args, "nproc", None) or 1) > 1 or under_torchrun()
     if across and (zoo_cases or not getattr(args, "model", None)):

@@ -43,11 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchparity.diagnosis.pipelines.forward import record
-    from torchparity.diagnosis.pipelines.decoding import record_decode
     from torchparity.diagnosis.core.reference import golden_warning
     from torchparity.diagnosis.core.trace import open_trace
     from torchparity.diagnosis.core.trace_meta import meta_from_json
+    from torchparity.diagnosis.pipelines.decoding import record_decode
+    from torchparity.diagnosis.pipelines.forward import record
 
     decoding = decode_options(args)
     subject = Subject.load(args.entry)

@@ -19,9 +19,9 @@ from pathlib import Path
 from rich.console import Console
 
 from torchparity.commands.common import base_side, resolve_device
-from torchparity.distributed.group import under_torchrun
 from torchparity.errors import UsageError
 from torchparity.revisions.base import BaseSide
+from torchparity.subject.slices import under_torchrun
 from torchparity.train.judged_model import (
     ModelPlan,
     judge_model_training,

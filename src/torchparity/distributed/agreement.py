@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from torchparity.digests import sha256
-from torchparity.distributed.slices import Slices
 from torchparity.errors import RanksDisagree
 from torchparity.sketching import Sketch
+from torchparity.subject.slices import Slices
 from torchparity.subject.trees import walk
 
 #: A tensor's name and where its copy lies: the mesh coordinates of the dimensions it is

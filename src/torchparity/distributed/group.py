@@ -28,15 +28,6 @@ COLLECTIVE_TIMEOUT_ENV = "TORCHPARITY_COLLECTIVE_TIMEOUT"
 _DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 
 
-def under_torchrun() -> bool:
-    """Whether this process is one rank of ``torchrun``.
-
-    Returns:
-        True where ``RANK`` and ``WORLD_SIZE`` are set (by torchrun or another launcher).
-    """
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def rank() -> int:
     """This process's rank.
 

@@ -11,6 +11,7 @@ from typing import TypeVar
 from torchparity.distributed import group, launch
 from torchparity.errors import TorchParityError, UsageError
 from torchparity.subject.factory import first_line
+from torchparity.subject.slices import under_torchrun
 
 _Result = TypeVar("_Result")
 
@@ -34,7 +35,7 @@ def start(nproc: int | None, argv: list[str]) -> int | None:
     Raises:
         TorchParityError: a rank failed or the run timed out, naming the rank.
     """
-    if group.under_torchrun():
+    if under_torchrun():
         if nproc is not None and nproc != group.world_size():
             raise UsageError(f"--nproc {nproc} under a torchrun of {group.world_size()} "
                              "ranks; leave --nproc out inside torchrun")

@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from torchparity.distributed import slices
 from torchparity.distributed.group import mark, rank, world_size
 from torchparity.errors import UsageError
-from torchparity.subject import hf
+from torchparity.subject import hf, slices
 from torchparity.subject.factory import call_factory, resolve_entry
 from torchparity.subject.running import (
     Inputs,

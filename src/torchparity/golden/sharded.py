@@ -36,9 +36,7 @@ import torch
 from torch import nn
 
 from torchparity.distributed import agreement, group, sharding
-from torchparity.distributed.group import under_torchrun
 from torchparity.distributed.ranks import collectively
-from torchparity.distributed.slices import DECLARE_HINT, Slice, Slices, whole_of
 from torchparity.dtypes import DTYPES
 from torchparity.errors import BackendUnavailable, UsageError
 from torchparity.golden import check_loop
@@ -63,6 +61,7 @@ from torchparity.subject.compiling import compiled
 from torchparity.subject.decoding import Fed
 from torchparity.subject.islands import Islands
 from torchparity.subject.running import cast_inputs, local_part, on_meta
+from torchparity.subject.slices import DECLARE_HINT, Slice, Slices, under_torchrun, whole_of
 from torchparity.subject.trees import map_tensors
 
 

@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import nn
 
-from torchparity.distributed.group import under_torchrun
-from torchparity.distributed.slices import Slices
 from torchparity.errors import BackendUnavailable, UsageError, UserCodeError
 from torchparity.subject import hf
 from torchparity.subject.beams import BeamSettings, builtin_reorder, search_settings
@@ -30,6 +28,7 @@ from torchparity.subject.running import (
     on_meta,
     projection_loss,
 )
+from torchparity.subject.slices import Slices, under_torchrun
 from torchparity.subject.trees import PyTree
 from torchparity.text import with_article
 
@@ -73,7 +72,7 @@ class Subject:
     #: its structure on the meta device.
     shards: nn.Module | None = None
     #: The factory's ``shards``: parameter name -> the dimension its ranks' plain slices
-    #: split it along, for a model it sharded by hand (:mod:`~torchparity.distributed.slices`).
+    #: split it along, for a model it sharded by hand (:mod:`~torchparity.subject.slices`).
     split: Mapping[str, int] | None = None
     #: Under torchrun, a model sharded by hand: where each rank's slices lie (set by
     #: :func:`~torchparity.distributed.sharding.hold`).

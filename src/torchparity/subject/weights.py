@@ -14,9 +14,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from torchparity.distributed.slices import part
 from torchparity.reference import rng
 from torchparity.subject.running import local_part
+from torchparity.subject.slices import part
 
 #: Spread of a norm's weight around 1 and of its bias around 0.
 NORM_SPREAD = 0.05

@@ -14,6 +14,7 @@ from torchparity.distributed.ranks import collectively, start
 from torchparity.errors import UsageError
 from torchparity.subject.model import Subject
 from torchparity.subject.running import is_dtensor
+from torchparity.subject.slices import under_torchrun
 from torchparity.text import wrapped
 from torchparity.train import model_trajectories as mt
 from torchparity.train.judged_model import ModelPlan, show_verdict
@@ -34,7 +35,7 @@ def start_ranks(nproc: int | None, argv: list[str], *, judges: bool) -> int | No
     Raises:
         UsageError: a sharded run that does more than judge (``--check`` only, no ``--base``).
     """
-    if (nproc or 1) <= 1 and not group.under_torchrun():
+    if (nproc or 1) <= 1 and not under_torchrun():
         return None
     if not judges:
         raise UsageError("a sharded run (--nproc) is judged with --check against the golden "

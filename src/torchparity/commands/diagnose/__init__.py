@@ -41,10 +41,10 @@ from torchparity.commands.diagnose.trace_options import (
     dtype_option,
     rebuild_of,
 )
-from torchparity.distributed.group import under_torchrun
 from torchparity.errors import UsageError
 from torchparity.subject import Subject
 from torchparity.subject.compiling import MODES
+from torchparity.subject.slices import under_torchrun
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,9 +14,9 @@ from torch.utils.hooks import RemovableHandle
 
 from torchparity.diagnosis.core.capture import call_key
 from torchparity.distributed import group, sharding, slices
-from torchparity.distributed.slices import Slice, Slices
 from torchparity.subject import Subject
 from torchparity.subject.running import call_model, cast_inputs, is_dtensor, local_part
+from torchparity.subject.slices import Slice, Slices
 from torchparity.subject.trees import PyTree, flatten_tensors, map_tensors
 
 #: One call's (or one module's parameters') tensors by path.

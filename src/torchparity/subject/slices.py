@@ -24,6 +24,16 @@ DECLARE_HINT = ("declare which dimension each parameter held in slices is split 
                 'returning shards={"layers.0.attn.q.weight": 0, ...} from the factory')
 
 
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of ``torchrun``.
+
+    Returns:
+        True where ``RANK`` and ``WORLD_SIZE`` are set (by torchrun or another launcher).
+    """
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 @dataclass(frozen=True)
 class Slice:
     """This rank's slice of a parameter: ``length`` entries from ``start`` along ``dim`` of
