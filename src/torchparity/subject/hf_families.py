@@ -25,6 +25,7 @@ from torch import nn
 
 from torchparity.dtypes import CASTABLE, DTYPES, dtype_name
 from torchparity.errors import UsageError
+from torchparity.subject.weights import init_weights
 
 PREFIX = "hf:"
 SEED = 0
@@ -207,9 +208,6 @@ def tiny_model(family: str, attention: str | None = None,
     if count > _MOST_PARAMETERS:
         raise UsageError(f"hf:{family}: its smallest form here has {count:,} parameters; "
                          "give a checkpoint folder instead")
-    # weights.py reaches distributed/, which imports the factories: imported when building
-    from torchparity.subject.weights import init_weights
-
     init_weights(model, SEED)
     return _without_cache(model.to(dtype).eval())
 
