@@ -25,7 +25,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torchparity import sketching
 from torchparity.golden.model_runs import perturbation
 from torchparity.golden.sharded import kept_across_ranks, perturbation_in_parts
-from torchparity.distributed import group, sharding, slices
+from torchparity.distributed import group, sharding
+from torchparity.subject import slices
 
 group.join()
 whole = torch.randn(300, 500, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from torchparity.diagnosis.core.capture import call_key
-from torchparity.distributed import group, sharding, slices
-from torchparity.subject import Subject
+from torchparity.distributed import group, sharding
+from torchparity.subject import Subject, slices
 from torchparity.subject.running import call_model, cast_inputs, is_dtensor, local_part
 from torchparity.subject.slices import Slice, Slices
 from torchparity.subject.trees import PyTree, flatten_tensors, map_tensors
