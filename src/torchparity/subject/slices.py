@@ -5,7 +5,8 @@ Each slice's place (:class:`Slice`) is declared by the factory (``shards={"block
 0}``: rank r holds the r-th equal slice) or found against the model built as one process
 (:func:`found_slices`). Then weights and gradients read as one process holds them
 (:func:`whole_of`) and a whole one is cut as a rank holds it (:func:`cut`); a parameter found
-nowhere is *unmapped*, its gradient not comparable."""
+nowhere is *unmapped*, its gradient not comparable. :func:`under_torchrun` says whether this
+process is one of the ranks at all."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from torchparity.errors import UsageError
 #: How a factory declares its slices, said where they cannot be found.
 DECLARE_HINT = ("declare which dimension each parameter held in slices is split along, "
                 'returning shards={"layers.0.attn.q.weight": 0, ...} from the factory')
-
 
 
 def under_torchrun() -> bool:
